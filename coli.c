@@ -748,3 +748,846 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
     struct gguf_tensor probe = {.name = (char *)name};
     return bsearch(&probe, g->tensors, (size_t)g->n_tensors, sizeof *g->tensors, gguf_tensor_by_name);
 }
+
+/* ==== §3 quant ==== */
+struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; };
+static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n)
+{ if (type != GGUF_TYPE_F32) die("stub"); memcpy(dst, src, n*4); }
+static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n)
+{
+  if (w->type != GGUF_TYPE_F32) die("stub type");
+  #pragma omp parallel for
+  for (int64_t r=0;r<w->rows;r++) { const float *wr=(const float*)(w->data + r*w->row_bytes);
+    for (int t=0;t<n;t++){ float p[32]={0}; const float *xt=x+t*w->cols; for(int64_t i=0;i<w->cols;i++) p[i%32]+=wr[i]*xt[i];
+      for(int s=16;s>=1;s/=2) for(int i=0;i<s;i++) p[i]+=p[i+s]; y[(size_t)t*w->rows+r]=p[0]; } }
+}
+
+
+/* ==== §4 ops ==== */
+/* OPS_MATRIX_PLACEHOLDER */
+
+/* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
+ * without changing results (-ffp-contract=off, no -ffast-math). */
+
+/* y = x / sqrt(mean(x^2) + eps) * w, over N values (w may be NULL: no weight). In place is fine. */
+static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float eps)
+{
+    double ss = 0.0; /* as ggml: squares summed in double, the scale formed in float */
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float mean = (float)(ss / n);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = 0; i < n; i++) y[i] = w ? x[i] * scale * w[i] : x[i] * scale;
+}
+
+/* x /= max(||x||, eps): the L2 normalisation of DeltaNet queries and keys (ggml's rule). */
+static void ops_l2norm(float *x, int n, float eps)
+{
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float norm = sqrtf((float)ss);
+    float scale = 1.0f / (norm > eps ? norm : eps);
+    for (int i = 0; i < n; i++) x[i] *= scale;
+}
+
+static float ops_silu(float x) { return x / (1.0f + expf(-x)); }
+static float ops_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* log(1 + e^x), switching to x above 20 as the reference does. */
+static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* In-place softmax over N values. */
+static void ops_softmax(float *x, int n)
+{
+    float max = x[0];
+    for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - max);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int i = 0; i < n; i++) x[i] *= inv;
+}
+
+/* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
+ * j + ROT/2. cos_sin holds [ROT/2] cosines then [ROT/2] sines for this position. */
+static void ops_rope_neox(float *x, int rot, const float *cos_sin)
+{
+    int half = rot / 2;
+    for (int j = 0; j < half; j++) {
+        float c = cos_sin[j], s = cos_sin[half + j];
+        float a = x[j], b = x[j + half];
+        x[j] = a * c - b * s;
+        x[j + half] = b * c + a * s;
+    }
+}
+
+/* ==== §5 cuda ==== */
+/* Not yet: loading the system's CUDA driver and the embedded PTX is issue 5. coli runs
+ * every product on the CPU. */
+
+/* ==== §6 experts ==== */
+/* Not yet: the expert store with a RAM budget and heat is issue 4. Routed experts are read
+ * in place from the memory-mapped file. */
+
+/* ==== §7 place ==== */
+/* Not yet: placement across devices follows the CUDA path. */
+
+/* ==== §8 model ==== */
+/* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the
+ *   mapping, the run state (KV cache, DeltaNet conv and recurrent state), the forward pass.
+ * Promises: model_load refuses an unknown architecture, a missing tensor or a wrong shape
+ *   with one line naming it. model_forward computes the same bits for a token whether it
+ *   arrives alone or in a batch, on any number of threads and any kernel level: every
+ *   product goes through ops_matmat (bit-identical per column to ops_matvec), sums run in a
+ *   fixed order, and parallel loops split independent rows or heads only.
+ * May call: §1–§4.
+ * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts
+ *   per layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights
+ *   read once per batch. The architecture is qwen35-arch.md; section numbers cite it. */
+
+enum model_arch { MODEL_ARCH_QWEN35MOE, MODEL_ARCH_QWEN35, MODEL_ARCH_QWEN3NEXT };
+static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next"};
+
+enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
+
+#define MODEL_BATCH 64    /* prompt tokens per forward call: 64 keeps the scratch small */
+#define MODEL_MAX_DIM (1 << 20)
+
+struct model_config {
+    enum model_arch arch;
+    int n_layers; /* trunk layers: block_count minus an MTP block (§7), which is skipped */
+    int dim, n_vocab, ctx_train;
+    float eps;
+    /* gated attention (§4) */
+    int n_head, n_kv_head, head_dim, rope_dims;
+    float rope_base;
+    int full_attn_interval; /* layer i is attention iff (i+1) % interval == 0 (§2) */
+    /* gated DeltaNet (§5) */
+    int conv_kernel, ssm_nk, ssm_nv, ssm_dk, ssm_dv;
+    int vhead_tiled; /* qwen35*: v-head p uses k-head p % nk (§9.5); qwen3next: p / (nv/nk) */
+    /* feed-forward (§6): routed experts plus a shared expert, or a dense SwiGLU (qwen35) */
+    int n_expert, n_expert_used, expert_ff, shexp_ff, ff;
+};
+
+/* Routed experts of one layer: expert e is `m` with its data moved by e * stride bytes. */
+struct model_experts {
+    struct ops_matrix m;
+    size_t stride;
+};
+
+struct model_layer {
+    enum model_layer_kind kind;
+    const float *attn_norm, *post_norm; /* [dim] each, the +1 already folded in (§9.4) */
+    /* attention */
+    struct ops_matrix wq;      /* [n_head * 2 * head_dim][dim]: per head query then gate rows */
+    struct ops_matrix wk, wv;  /* [n_kv_head * head_dim][dim] */
+    struct ops_matrix wo;      /* [dim][n_head * head_dim] */
+    const float *q_norm, *k_norm; /* [head_dim] */
+    /* DeltaNet */
+    struct ops_matrix wqkv;    /* [2*nk*dk + nv*dv][dim]: all q | all k | all v */
+    struct ops_matrix wz;      /* [nv*dv][dim] output gate */
+    struct ops_matrix wbeta, walpha; /* [nv][dim] (qwen35*) */
+    struct ops_matrix wba;     /* [2*nv][dim] (qwen3next): per k-head group [b.. | a..] */
+    const float *conv;         /* [conv_dim][conv_kernel] */
+    const float *dt_bias, *ssm_a; /* [nv]; ssm_a = -exp(A_log) */
+    const float *ssm_norm;     /* [dv] shared by all heads, or [nv*dv] */
+    int ssm_norm_per_head;
+    struct ops_matrix wout;    /* [dim][nv*dv] */
+    /* feed-forward */
+    struct ops_matrix router;  /* [n_expert][dim] */
+    struct model_experts gate_exps, up_exps; /* expert: [expert_ff][dim] */
+    struct model_experts down_exps;          /* expert: [dim][expert_ff] */
+    struct ops_matrix shexp_gate_inp;        /* [1][dim] */
+    struct ops_matrix shexp_gate, shexp_up;  /* [shexp_ff][dim] */
+    struct ops_matrix shexp_down;            /* [dim][shexp_ff] */
+    struct ops_matrix ffn_gate, ffn_up, ffn_down; /* dense qwen35: [ff][dim], [dim][ff] */
+};
+
+struct model_layer_state {
+    float *k_cache, *v_cache; /* [n_ctx][n_kv_head * head_dim], K after norm and RoPE */
+    float *conv_state;        /* [conv_dim][conv_kernel - 1] raw inputs, oldest first */
+    float *ssm_state;         /* [nv][dv][dk]: S transposed so that each row is contiguous in k */
+};
+
+/* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
+struct model_scratch {
+    float *x, *xn, *out;     /* [B][dim] residual stream, normed input, block output */
+    float *qg;               /* [B][n_head * 2 * head_dim] */
+    float *k, *v;            /* [B][n_kv_head * head_dim] */
+    float *attn;             /* [B][n_head * head_dim] gated attention output */
+    float *scores;           /* [n_head][n_ctx] */
+    float *rope;             /* [B][rope_dims] cos then sin per position */
+    float *mixed;            /* [B][conv_dim] */
+    float *z;                /* [B][nv * dv] */
+    float *beta, *alpha;     /* [B][nv] */
+    float *ba;               /* [B][2 * nv] */
+    float *core;             /* [B][nv * dv] DeltaNet output before out_proj */
+    float *router;           /* [B][n_expert] probabilities */
+    int *top;                /* [B][n_expert_used] chosen experts, best first */
+    float *top_w;            /* [B][n_expert_used] renormalised weights */
+    int *slot_of;            /* [B * n_expert_used] assignment order grouped by expert */
+    float *ex_in;            /* [B][dim] tokens gathered for one expert */
+    float *ex_g, *ex_u;      /* [B][max(expert_ff, shexp_ff, ff)] */
+    float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
+    float *sh_out;           /* [B][dim] */
+    float *sh_gate;          /* [B] */
+    float *logits;           /* [n_vocab] for the last token of a batch */
+};
+
+struct model {
+    struct gguf_file file;
+    struct model_config cfg;
+    struct model_layer *layers;       /* [n_layers] */
+    const struct gguf_tensor *embed;  /* [n_vocab][dim] */
+    const float *out_norm;            /* [dim] */
+    struct ops_matrix lm_head;        /* [n_vocab][dim] */
+    int n_ctx;
+    struct model_layer_state *state;  /* [n_layers] */
+    struct model_scratch s;
+    int pos;                          /* tokens already in the state */
+};
+
+/* An architecture hyper-parameter: ARCH.KEY, required unless DFLT >= 0, within [lo, hi]. */
+static int model_hparam(const struct gguf_file *g, const char *arch, const char *key, int64_t dflt, int64_t lo, int64_t hi)
+{
+    char full[160];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    int64_t v = gguf_get_int(g, full, dflt);
+    if (v < 0 && dflt < 0) die("%s: missing metadata '%s'", g->path, full);
+    if (v < lo || v > hi) die("%s: metadata '%s' = %lld is out of range [%lld, %lld]", g->path, full, (long long)v, (long long)lo, (long long)hi);
+    return (int)v;
+}
+
+static float model_hparam_float(const struct gguf_file *g, const char *arch, const char *key, double dflt)
+{
+    char full[160];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    double v = gguf_get_float(g, full, dflt);
+    if (!(v > 0) || v > 1e12) die("%s: metadata '%s' = %g is out of range", g->path, full, v);
+    return (float)v;
+}
+
+static void model_read_config(struct model_config *c, const struct gguf_file *g)
+{
+    size_t len;
+    const char *a = gguf_get_string(g, "general.architecture", &len);
+    if (!a) die("%s: missing metadata 'general.architecture'", g->path);
+    int found = -1;
+    for (int i = 0; i < 3; i++)
+        if (strlen(model_arch_names[i]) == len && !memcmp(a, model_arch_names[i], len)) found = i;
+    if (found < 0) die("%s: unsupported architecture '%.*s' (coli runs qwen35moe, qwen35, qwen3next)", g->path, (int)len, a);
+    c->arch = (enum model_arch)found;
+    const char *n = model_arch_names[found];
+    int blocks = model_hparam(g, n, "block_count", -1, 1, 4096);
+    c->n_layers = blocks - model_hparam(g, n, "nextn_predict_layers", 0, 0, blocks - 1);
+    c->dim = model_hparam(g, n, "embedding_length", -1, 1, MODEL_MAX_DIM);
+    c->ctx_train = model_hparam(g, n, "context_length", -1, 1, 1 << 24);
+    c->eps = model_hparam_float(g, n, "attention.layer_norm_rms_epsilon", 1e-6);
+    c->n_head = model_hparam(g, n, "attention.head_count", -1, 1, 4096);
+    c->n_kv_head = model_hparam(g, n, "attention.head_count_kv", -1, 1, c->n_head);
+    c->head_dim = model_hparam(g, n, "attention.key_length", -1, 2, 65536);
+    if (model_hparam(g, n, "attention.value_length", c->head_dim, 1, 65536) != c->head_dim)
+        die("%s: attention value_length differs from key_length; coli needs them equal", g->path);
+    if (c->n_head % c->n_kv_head) die("%s: head_count %d is not a multiple of head_count_kv %d", g->path, c->n_head, c->n_kv_head);
+    c->rope_dims = model_hparam(g, n, "rope.dimension_count", c->head_dim, 2, c->head_dim);
+    if (c->rope_dims % 2) die("%s: rope.dimension_count %d is odd", g->path, c->rope_dims);
+    c->rope_base = model_hparam_float(g, n, "rope.freq_base", 10000.0);
+    c->full_attn_interval = model_hparam(g, n, "full_attention_interval", 4, 1, 4096);
+    c->conv_kernel = model_hparam(g, n, "ssm.conv_kernel", -1, 1, 64);
+    c->ssm_dk = model_hparam(g, n, "ssm.state_size", -1, 1, 65536);
+    c->ssm_nk = model_hparam(g, n, "ssm.group_count", -1, 1, 65536);
+    c->ssm_nv = model_hparam(g, n, "ssm.time_step_rank", -1, 1, 65536);
+    int inner = model_hparam(g, n, "ssm.inner_size", -1, 1, MODEL_MAX_DIM);
+    if (c->ssm_nv % c->ssm_nk || inner % c->ssm_nv)
+        die("%s: DeltaNet heads do not divide (group_count %d, time_step_rank %d, inner_size %d)", g->path, c->ssm_nk, c->ssm_nv, inner);
+    c->ssm_dv = inner / c->ssm_nv;
+    c->vhead_tiled = c->arch != MODEL_ARCH_QWEN3NEXT;
+    int moe = c->arch != MODEL_ARCH_QWEN35;
+    c->n_expert = model_hparam(g, n, "expert_count", moe ? -1 : 0, 0, 65536);
+    c->n_expert_used = model_hparam(g, n, "expert_used_count", moe ? -1 : 0, moe, c->n_expert);
+    c->expert_ff = model_hparam(g, n, "expert_feed_forward_length", moe ? -1 : 0, 0, MODEL_MAX_DIM);
+    c->shexp_ff = model_hparam(g, n, "expert_shared_feed_forward_length", moe ? -1 : 0, 0, MODEL_MAX_DIM);
+    c->ff = model_hparam(g, n, "feed_forward_length", moe ? 0 : -1, 0, MODEL_MAX_DIM);
+}
+
+/* The tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
+static const struct gguf_tensor *model_tensor_get(const struct gguf_file *g, const char *name, int n_dims, const int64_t *shape)
+{
+    const struct gguf_tensor *t = gguf_tensor_find(g, name);
+    if (!t) die("%s: missing tensor '%s'", g->path, name);
+    /* an outer 1 is the same as no dimension: [1][dim] may be stored as [dim] */
+    int td = t->n_dims;
+    const int64_t *ts = t->shape;
+    while (td > 1 && ts[0] == 1) { ts++; td--; }
+    while (n_dims > 1 && shape[0] == 1) { shape++; n_dims--; }
+    int same = td == n_dims;
+    for (int i = 0; same && i < n_dims; i++) same = ts[i] == shape[i];
+    if (!same) {
+        char want[96] = "", got[96] = "";
+        for (int i = 0; i < n_dims; i++) snprintf(want + strlen(want), sizeof want - strlen(want), "[%lld]", (long long)shape[i]);
+        for (int i = 0; i < t->n_dims; i++) snprintf(got + strlen(got), sizeof got - strlen(got), "[%lld]", (long long)t->shape[i]);
+        die("%s: tensor '%s' has shape %s, expected %s", g->path, name, got, want);
+    }
+    return t;
+}
+
+static struct ops_matrix model_matrix(const struct gguf_file *g, const char *name, int64_t rows, int64_t cols)
+{
+    int64_t shape[2] = {rows, cols};
+    const struct gguf_tensor *t = model_tensor_get(g, name, 2, shape);
+    struct ops_matrix m = {(enum gguf_type)t->type, t->data, rows, cols, gguf_row_bytes(t->type, cols)};
+    return m;
+}
+
+/* A small F32 tensor of N values (norms, biases, conv taps). */
+static const float *model_vector(const struct gguf_file *g, const char *name, int n_dims, const int64_t *shape)
+{
+    const struct gguf_tensor *t = model_tensor_get(g, name, n_dims, shape);
+    if (t->type != GGUF_TYPE_F32) die("%s: tensor '%s' is %s; coli needs F32 here", g->path, name, gguf_types[t->type].name);
+    return (const float *)t->data;
+}
+
+static struct model_experts model_experts_get(const struct gguf_file *g, const char *name, int64_t n, int64_t rows, int64_t cols)
+{
+    int64_t shape[3] = {n, rows, cols};
+    const struct gguf_tensor *t = model_tensor_get(g, name, 3, shape);
+    struct model_experts e;
+    e.m = (struct ops_matrix){(enum gguf_type)t->type, t->data, rows, cols, gguf_row_bytes(t->type, cols)};
+    e.stride = e.m.row_bytes * (size_t)rows;
+    return e;
+}
+
+static struct ops_matrix model_expert(const struct model_experts *e, int expert)
+{
+    struct ops_matrix m = e->m;
+    m.data += (size_t)expert * e->stride;
+    return m;
+}
+
+static const char *model_name(char *buf, int layer, const char *suffix)
+{
+    snprintf(buf, 96, "blk.%d.%s", layer, suffix);
+    return buf;
+}
+
+static void model_bind_attention(struct model_layer *l, const struct gguf_file *g, const struct model_config *c, int i)
+{
+    char nm[96];
+    int64_t hd = c->head_dim, one[1] = {hd};
+    l->wq = model_matrix(g, model_name(nm, i, "attn_q.weight"), c->n_head * 2 * hd, c->dim);
+    l->wk = model_matrix(g, model_name(nm, i, "attn_k.weight"), c->n_kv_head * hd, c->dim);
+    l->wv = model_matrix(g, model_name(nm, i, "attn_v.weight"), c->n_kv_head * hd, c->dim);
+    l->wo = model_matrix(g, model_name(nm, i, "attn_output.weight"), c->dim, c->n_head * hd);
+    l->q_norm = model_vector(g, model_name(nm, i, "attn_q_norm.weight"), 1, one);
+    l->k_norm = model_vector(g, model_name(nm, i, "attn_k_norm.weight"), 1, one);
+}
+
+static void model_bind_deltanet(struct model_layer *l, const struct gguf_file *g, const struct model_config *c, int i)
+{
+    char nm[96];
+    int64_t nv = c->ssm_nv, vdim = nv * c->ssm_dv, conv_dim = 2 * (int64_t)c->ssm_nk * c->ssm_dk + vdim;
+    int64_t conv_shape[2] = {conv_dim, c->conv_kernel}, heads[1] = {nv}, dv[1] = {c->ssm_dv};
+    l->wqkv = model_matrix(g, model_name(nm, i, "attn_qkv.weight"), conv_dim, c->dim);
+    l->wz = model_matrix(g, model_name(nm, i, "attn_gate.weight"), vdim, c->dim);
+    if (c->arch == MODEL_ARCH_QWEN3NEXT) {
+        l->wba = model_matrix(g, model_name(nm, i, "ssm_ba.weight"), 2 * nv, c->dim);
+    } else {
+        l->wbeta = model_matrix(g, model_name(nm, i, "ssm_beta.weight"), nv, c->dim);
+        l->walpha = model_matrix(g, model_name(nm, i, "ssm_alpha.weight"), nv, c->dim);
+    }
+    l->conv = model_vector(g, model_name(nm, i, "ssm_conv1d.weight"), 2, conv_shape);
+    l->dt_bias = model_vector(g, model_name(nm, i, "ssm_dt.bias"), 1, heads);
+    l->ssm_a = model_vector(g, model_name(nm, i, "ssm_a"), 1, heads);
+    const struct gguf_tensor *norm = gguf_tensor_find(g, model_name(nm, i, "ssm_norm.weight"));
+    int64_t per_head[2] = {nv, c->ssm_dv};
+    l->ssm_norm_per_head = norm && norm->n_elems == vdim && nv > 1;
+    l->ssm_norm = l->ssm_norm_per_head ? model_vector(g, nm, 2, per_head) : model_vector(g, nm, 1, dv);
+    l->wout = model_matrix(g, model_name(nm, i, "ssm_out.weight"), c->dim, vdim);
+}
+
+static void model_bind_ffn(struct model_layer *l, const struct gguf_file *g, const struct model_config *c, int i)
+{
+    char nm[96];
+    if (c->n_expert == 0) {
+        l->ffn_gate = model_matrix(g, model_name(nm, i, "ffn_gate.weight"), c->ff, c->dim);
+        l->ffn_up = model_matrix(g, model_name(nm, i, "ffn_up.weight"), c->ff, c->dim);
+        l->ffn_down = model_matrix(g, model_name(nm, i, "ffn_down.weight"), c->dim, c->ff);
+        return;
+    }
+    l->router = model_matrix(g, model_name(nm, i, "ffn_gate_inp.weight"), c->n_expert, c->dim);
+    l->gate_exps = model_experts_get(g, model_name(nm, i, "ffn_gate_exps.weight"), c->n_expert, c->expert_ff, c->dim);
+    l->up_exps = model_experts_get(g, model_name(nm, i, "ffn_up_exps.weight"), c->n_expert, c->expert_ff, c->dim);
+    l->down_exps = model_experts_get(g, model_name(nm, i, "ffn_down_exps.weight"), c->n_expert, c->dim, c->expert_ff);
+    if (c->shexp_ff == 0) return;
+    l->shexp_gate_inp = model_matrix(g, model_name(nm, i, "ffn_gate_inp_shexp.weight"), 1, c->dim);
+    l->shexp_gate = model_matrix(g, model_name(nm, i, "ffn_gate_shexp.weight"), c->shexp_ff, c->dim);
+    l->shexp_up = model_matrix(g, model_name(nm, i, "ffn_up_shexp.weight"), c->shexp_ff, c->dim);
+    l->shexp_down = model_matrix(g, model_name(nm, i, "ffn_down_shexp.weight"), c->dim, c->shexp_ff);
+}
+
+/* Binds every weight of the trunk; the file stays open (and mapped) in m->file. */
+static void model_bind(struct model *m)
+{
+    const struct gguf_file *g = &m->file;
+    struct model_config *c = &m->cfg;
+    char nm[96];
+    int64_t dim1[1] = {c->dim};
+    const struct gguf_tensor *embed = gguf_tensor_find(g, "token_embd.weight");
+    if (!embed) die("%s: missing tensor 'token_embd.weight'", g->path);
+    if (embed->n_dims != 2 || embed->shape[1] != c->dim) die("%s: tensor 'token_embd.weight' has the wrong shape", g->path);
+    c->n_vocab = (int)embed->shape[0];
+    m->embed = embed;
+    m->out_norm = model_vector(g, "output_norm.weight", 1, dim1);
+    m->lm_head = gguf_tensor_find(g, "output.weight") ? model_matrix(g, "output.weight", c->n_vocab, c->dim)
+                                                       : model_matrix(g, "token_embd.weight", c->n_vocab, c->dim);
+    m->layers = plat_zalloc((size_t)c->n_layers, sizeof *m->layers);
+    for (int i = 0; i < c->n_layers; i++) {
+        struct model_layer *l = &m->layers[i];
+        l->kind = (i + 1) % c->full_attn_interval == 0 ? MODEL_LAYER_ATTENTION : MODEL_LAYER_DELTANET;
+        l->attn_norm = model_vector(g, model_name(nm, i, "attn_norm.weight"), 1, dim1);
+        l->post_norm = model_vector(g, model_name(nm, i, "post_attention_norm.weight"), 1, dim1);
+        if (l->kind == MODEL_LAYER_ATTENTION) model_bind_attention(l, g, c, i);
+        else model_bind_deltanet(l, g, c, i);
+        model_bind_ffn(l, g, c, i);
+    }
+}
+
+static int64_t model_conv_dim(const struct model_config *c)
+{
+    return 2 * (int64_t)c->ssm_nk * c->ssm_dk + (int64_t)c->ssm_nv * c->ssm_dv;
+}
+
+/* Bytes of KV cache one token of context takes (F32, every attention layer). */
+static int64_t model_kv_bytes_per_token(const struct model *m)
+{
+    int64_t n = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++)
+        if (m->layers[i].kind == MODEL_LAYER_ATTENTION) n += 2 * (int64_t)m->cfg.n_kv_head * m->cfg.head_dim * 4;
+    return n;
+}
+
+/* The context to use: the request, else the model's length capped so that the KV cache
+ * takes at most half of the memory still available. */
+static int model_choose_ctx(const struct model *m, int request)
+{
+    if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
+    int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
+    int64_t ctx = m->cfg.ctx_train;
+    if (per > 0 && avail > 0 && ctx > avail / 2 / per) ctx = avail / 2 / per;
+    return ctx < 256 ? 256 : (int)ctx;
+}
+
+static float *model_buf(int64_t a, int64_t b)
+{
+    return plat_alloc_aligned(plat_mul_size(plat_mul_size((size_t)a, (size_t)b, "scratch"), sizeof(float), "scratch"));
+}
+
+static void model_alloc_scratch(struct model *m)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int64_t B = MODEL_BATCH, nvdv = (int64_t)c->ssm_nv * c->ssm_dv, used = c->n_expert_used;
+    int64_t ffmax = c->expert_ff > c->shexp_ff ? c->expert_ff : c->shexp_ff;
+    if (c->ff > ffmax) ffmax = c->ff;
+    s->x = model_buf(B, c->dim);
+    s->xn = model_buf(B, c->dim);
+    s->out = model_buf(B, c->dim);
+    s->qg = model_buf(B, (int64_t)c->n_head * 2 * c->head_dim);
+    s->k = model_buf(B, (int64_t)c->n_kv_head * c->head_dim);
+    s->v = model_buf(B, (int64_t)c->n_kv_head * c->head_dim);
+    s->attn = model_buf(B, (int64_t)c->n_head * c->head_dim);
+    s->scores = model_buf(c->n_head, m->n_ctx);
+    s->rope = model_buf(B, c->rope_dims);
+    s->mixed = model_buf(B, model_conv_dim(c));
+    s->z = model_buf(B, nvdv);
+    s->beta = model_buf(B, c->ssm_nv);
+    s->alpha = model_buf(B, c->ssm_nv);
+    s->ba = model_buf(B, 2 * (int64_t)c->ssm_nv);
+    s->core = model_buf(B, nvdv);
+    s->router = model_buf(B, c->n_expert > 0 ? c->n_expert : 1);
+    s->top = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
+    s->top_w = model_buf(B, used ? used : 1);
+    s->slot_of = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
+    s->ex_in = model_buf(B, c->dim);
+    s->ex_g = model_buf(B, ffmax ? ffmax : 1);
+    s->ex_u = model_buf(B, ffmax ? ffmax : 1);
+    s->ex_out = model_buf(B * (used ? used : 1), c->dim);
+    s->sh_out = model_buf(B, c->dim);
+    s->sh_gate = model_buf(B, 1);
+    s->logits = model_buf(1, c->n_vocab);
+}
+
+static void model_alloc_state(struct model *m)
+{
+    const struct model_config *c = &m->cfg;
+    m->state = plat_zalloc((size_t)c->n_layers, sizeof *m->state);
+    for (int i = 0; i < c->n_layers; i++) {
+        struct model_layer_state *st = &m->state[i];
+        if (m->layers[i].kind == MODEL_LAYER_ATTENTION) {
+            /* calloc: pages of context never reached are never touched */
+            size_t n = plat_mul_size((size_t)m->n_ctx, (size_t)c->n_kv_head * (size_t)c->head_dim, "KV cache");
+            st->k_cache = plat_zalloc(n, sizeof(float));
+            st->v_cache = plat_zalloc(n, sizeof(float));
+        } else {
+            st->conv_state = plat_zalloc((size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
+            st->ssm_state = plat_zalloc((size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk, sizeof(float));
+        }
+    }
+}
+
+/* Forget the conversation: position 0, zero state. */
+static void model_reset(struct model *m)
+{
+    const struct model_config *c = &m->cfg;
+    for (int i = 0; i < c->n_layers; i++) {
+        struct model_layer_state *st = &m->state[i];
+        if (st->conv_state) {
+            memset(st->conv_state, 0, (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) * sizeof(float));
+            memset(st->ssm_state, 0, (size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk * sizeof(float));
+        }
+    }
+    m->pos = 0;
+}
+
+/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
+ * (0: choose). */
+static void model_load(struct model *m, const char *path, int n_ctx)
+{
+    memset(m, 0, sizeof *m);
+    gguf_open(&m->file, path);
+    model_read_config(&m->cfg, &m->file);
+    model_bind(m);
+    m->n_ctx = model_choose_ctx(m, n_ctx);
+    model_alloc_state(m);
+    model_alloc_scratch(m);
+}
+
+static void model_free(struct model *m)
+{
+    struct model_scratch *s = &m->s;
+    float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
+                     s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
+                     s->ex_out, s->sh_out, s->sh_gate, s->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    free(s->top);
+    free(s->slot_of);
+    for (int i = 0; m->state && i < m->cfg.n_layers; i++) {
+        free(m->state[i].k_cache);
+        free(m->state[i].v_cache);
+        free(m->state[i].conv_state);
+        free(m->state[i].ssm_state);
+    }
+    free(m->state);
+    free(m->layers);
+    gguf_close(&m->file);
+}
+
+/* cos then sin of pos * base^(-2j/rot) for j < rot/2 (§4.3; mRoPE reduces to this for text, §4.4). */
+static void model_rope_table(const struct model_config *c, int pos, float *cos_sin)
+{
+    int half = c->rope_dims / 2;
+    for (int j = 0; j < half; j++) {
+        double theta = pos * pow((double)c->rope_base, -2.0 * j / c->rope_dims);
+        cos_sin[j] = (float)cos(theta);
+        cos_sin[half + j] = (float)sin(theta);
+    }
+}
+
+/* Gated attention (§4) for T tokens at positions pos..pos+T-1: xn -> out. */
+static void model_attention(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    struct model_layer_state *st = &m->state[il];
+    struct model_scratch *s = &m->s;
+    int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
+    float scale = 1.0f / sqrtf((float)hd);
+
+    ops_matmat(&l->wq, s->xn, s->qg, T);
+    ops_matmat(&l->wk, s->xn, s->k, T);
+    ops_matmat(&l->wv, s->xn, s->v, T);
+
+    /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache */
+    for (int t = 0; t < T; t++) {
+        float *cs = s->rope + (size_t)t * c->rope_dims;
+        model_rope_table(c, m->pos + t, cs);
+        for (int h = 0; h < nh; h++) {
+            float *q = s->qg + ((size_t)t * nh + h) * 2 * hd;
+            ops_rmsnorm(q, q, l->q_norm, hd, c->eps);
+            ops_rope_neox(q, c->rope_dims, cs);
+        }
+        for (int h = 0; h < c->n_kv_head; h++) {
+            float *k = s->k + (size_t)t * kvw + (size_t)h * hd;
+            ops_rmsnorm(k, k, l->k_norm, hd, c->eps);
+            ops_rope_neox(k, c->rope_dims, cs);
+        }
+        memcpy(st->k_cache + (size_t)(m->pos + t) * kvw, s->k + (size_t)t * kvw, (size_t)kvw * sizeof(float));
+        memcpy(st->v_cache + (size_t)(m->pos + t) * kvw, s->v + (size_t)t * kvw, (size_t)kvw * sizeof(float));
+    }
+
+    /* causal softmax attention per head (GQA: head h reads KV head h / group), then the
+     * sigmoid output gate */
+    #pragma omp parallel for schedule(static)
+    for (int h = 0; h < nh; h++) {
+        float *sc = s->scores + (size_t)h * m->n_ctx;
+        const float *kc = st->k_cache + (size_t)(h / group) * hd, *vc = st->v_cache + (size_t)(h / group) * hd;
+        for (int t = 0; t < T; t++) {
+            const float *q = s->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
+            float *o = s->attn + ((size_t)t * nh + h) * hd;
+            int n = m->pos + t + 1;
+            for (int p = 0; p < n; p++) {
+                const float *k = kc + (size_t)p * kvw;
+                float dot = 0.0f;
+                for (int i = 0; i < hd; i++) dot += q[i] * k[i];
+                sc[p] = dot * scale;
+            }
+            ops_softmax(sc, n);
+            memset(o, 0, (size_t)hd * sizeof(float));
+            for (int p = 0; p < n; p++) {
+                const float *v = vc + (size_t)p * kvw;
+                for (int i = 0; i < hd; i++) o[i] += sc[p] * v[i];
+            }
+            for (int i = 0; i < hd; i++) o[i] *= ops_sigmoid(gate[i]);
+        }
+    }
+    ops_matmat(&l->wo, s->attn, s->out, T);
+}
+
+/* Depthwise causal conv over one token's channels, then SiLU, in place (§5.3). The state
+ * keeps the last conv_kernel-1 raw inputs, oldest first. */
+static void model_conv_step(const struct model_config *c, const float *w, float *state, float *x)
+{
+    int K = c->conv_kernel;
+    int64_t n = model_conv_dim(c);
+    for (int64_t ch = 0; ch < n; ch++) {
+        float *sv = state + ch * (K - 1);
+        const float *wc = w + ch * K;
+        float sum = 0.0f;
+        for (int j = 0; j < K - 1; j++) sum += wc[j] * sv[j];
+        sum += wc[K - 1] * x[ch];
+        for (int j = 0; j + 1 < K - 1; j++) sv[j] = sv[j + 1];
+        if (K > 1) sv[K - 2] = x[ch];
+        x[ch] = ops_silu(sum);
+    }
+}
+
+/* One token of the gated delta rule for v-head h (§5.3): decay the state, predict v from
+ * k, write the scaled error back, read with q. S is [dv][dk], so each step is one pass
+ * over contiguous rows. */
+static void model_delta_head(float *S, int dk, int dv, const float *q, const float *k, const float *v,
+                             float beta, float decay, float *out)
+{
+    for (int j = 0; j < dv; j++) {
+        float *row = S + (size_t)j * dk;
+        float pred = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            row[i] *= decay;
+            pred += row[i] * k[i];
+        }
+        float delta = beta * (v[j] - pred);
+        float o = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            row[i] += k[i] * delta;
+            o += row[i] * q[i];
+        }
+        out[j] = o;
+    }
+}
+
+/* beta and alpha logits per v-head in natural order. qwen3next stores them fused per
+ * k-head group as [b x r | a x r] (§5.2); qwen35* has two projections. */
+static void model_deltanet_gates(struct model *m, const struct model_layer *l, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int nv = c->ssm_nv, r = nv / c->ssm_nk;
+    if (c->arch != MODEL_ARCH_QWEN3NEXT) {
+        ops_matmat(&l->wbeta, s->xn, s->beta, T);
+        ops_matmat(&l->walpha, s->xn, s->alpha, T);
+        return;
+    }
+    ops_matmat(&l->wba, s->xn, s->ba, T);
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < c->ssm_nk; g++)
+            for (int j = 0; j < r; j++) {
+                s->beta[(size_t)t * nv + g * r + j] = s->ba[(size_t)t * 2 * nv + g * 2 * r + j];
+                s->alpha[(size_t)t * nv + g * r + j] = s->ba[(size_t)t * 2 * nv + g * 2 * r + r + j];
+            }
+}
+
+/* Gated DeltaNet (§5) for T tokens, one after another through the recurrent state: xn -> out. */
+static void model_gated_deltanet(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    struct model_layer_state *st = &m->state[il];
+    struct model_scratch *s = &m->s;
+    int nk = c->ssm_nk, nv = c->ssm_nv, dk = c->ssm_dk, dv = c->ssm_dv, r = nv / nk;
+    int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
+    float qscale = 1.0f / sqrtf((float)dk);
+
+    ops_matmat(&l->wqkv, s->xn, s->mixed, T);
+    ops_matmat(&l->wz, s->xn, s->z, T);
+    model_deltanet_gates(m, l, T);
+
+    for (int t = 0; t < T; t++) {
+        float *x = s->mixed + (size_t)t * conv_dim;
+        model_conv_step(c, l->conv, st->conv_state, x);
+        float *q = x, *k = x + (size_t)nk * dk, *v = x + 2 * (size_t)nk * dk;
+        for (int g = 0; g < nk; g++) {
+            ops_l2norm(q + (size_t)g * dk, dk, c->eps);
+            ops_l2norm(k + (size_t)g * dk, dk, c->eps);
+            for (int i = 0; i < dk; i++) q[(size_t)g * dk + i] *= qscale;
+        }
+        #pragma omp parallel for schedule(static)
+        for (int h = 0; h < nv; h++) {
+            int g = c->vhead_tiled ? h % nk : h / r;
+            float beta = ops_sigmoid(s->beta[(size_t)t * nv + h]);
+            float decay = expf(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
+            model_delta_head(st->ssm_state + (size_t)h * dv * dk, dk, dv, q + (size_t)g * dk, k + (size_t)g * dk,
+                             v + (size_t)h * dv, beta, decay, s->core + (size_t)t * vdim + (size_t)h * dv);
+        }
+    }
+
+    /* gated RMSNorm per head: norm(o) * w * silu(z) */
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < nv; h++) {
+            float *o = s->core + (size_t)t * vdim + (size_t)h * dv;
+            const float *z = s->z + (size_t)t * vdim + (size_t)h * dv;
+            ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
+            for (int i = 0; i < dv; i++) o[i] *= ops_silu(z[i]);
+        }
+    ops_matmat(&l->wout, s->core, s->out, T);
+}
+
+/* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate],
+ * out [n][rows of down]; uses ex_g and ex_u. */
+static void model_swiglu(struct model *m, const struct ops_matrix *gate, const struct ops_matrix *up,
+                         const struct ops_matrix *down, const float *in, float *out, int n)
+{
+    struct model_scratch *s = &m->s;
+    ops_matmat(gate, in, s->ex_g, n);
+    ops_matmat(up, in, s->ex_u, n);
+    size_t total = (size_t)n * (size_t)gate->rows;
+    for (size_t i = 0; i < total; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+    ops_matmat(down, s->ex_g, out, n);
+}
+
+/* Router (§6): softmax over all experts, the n_expert_used best (ties: lower id first),
+ * weights renormalised over the chosen ones. */
+static void model_route(struct model *m, const struct model_layer *l, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int used = c->n_expert_used;
+    ops_matmat(&l->router, s->xn, s->router, T);
+    for (int t = 0; t < T; t++) {
+        float *p = s->router + (size_t)t * c->n_expert;
+        int *top = s->top + (size_t)t * used;
+        float *w = s->top_w + (size_t)t * used, sum = 0.0f;
+        ops_softmax(p, c->n_expert);
+        for (int k = 0; k < used; k++) {
+            int best = -1;
+            for (int e = 0; e < c->n_expert; e++) {
+                int taken = 0;
+                for (int j = 0; j < k; j++) taken |= top[j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            top[k] = best;
+            w[k] = p[best];
+            sum += p[best];
+        }
+        for (int k = 0; k < used; k++) w[k] /= sum;
+    }
+}
+
+/* Routed experts for T tokens: each chosen expert runs once over the tokens that chose it,
+ * its output landing in ex_out[t * used + k]. */
+static void model_routed_experts(struct model *m, const struct model_layer *l, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int used = c->n_expert_used, n_assign = T * used;
+    for (int e = 0; e < c->n_expert; e++) {
+        int n = 0;
+        for (int a = 0; a < n_assign; a++)
+            if (s->top[a] == e) {
+                s->slot_of[n] = a;
+                memcpy(s->ex_in + (size_t)n * c->dim, s->xn + (size_t)(a / used) * c->dim, (size_t)c->dim * sizeof(float));
+                n++;
+            }
+        if (n == 0) continue;
+        struct ops_matrix gate = model_expert(&l->gate_exps, e), up = model_expert(&l->up_exps, e);
+        struct ops_matrix down = model_expert(&l->down_exps, e);
+        model_swiglu(m, &gate, &up, &down, s->ex_in, s->ex_in, n);
+        for (int i = 0; i < n; i++)
+            memcpy(s->ex_out + (size_t)s->slot_of[i] * c->dim, s->ex_in + (size_t)i * c->dim, (size_t)c->dim * sizeof(float));
+    }
+}
+
+/* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
+ * order of the chosen experts, best first. A dense SwiGLU for qwen35. */
+static void model_ffn(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    struct model_scratch *s = &m->s;
+    if (c->n_expert == 0) {
+        model_swiglu(m, &l->ffn_gate, &l->ffn_up, &l->ffn_down, s->xn, s->out, T);
+        return;
+    }
+    model_route(m, l, T);
+    model_routed_experts(m, l, T);
+    if (c->shexp_ff) {
+        ops_matmat(&l->shexp_gate_inp, s->xn, s->sh_gate, T);
+        model_swiglu(m, &l->shexp_gate, &l->shexp_up, &l->shexp_down, s->xn, s->sh_out, T);
+    }
+    for (int t = 0; t < T; t++) {
+        float *o = s->out + (size_t)t * c->dim;
+        for (int k = 0; k < c->n_expert_used; k++) {
+            const float *e = s->ex_out + ((size_t)t * c->n_expert_used + k) * c->dim;
+            float w = s->top_w[(size_t)t * c->n_expert_used + k];
+            for (int i = 0; i < c->dim; i++) o[i] = k ? o[i] + e[i] * w : e[i] * w;
+        }
+        if (!c->shexp_ff) continue;
+        float g = ops_sigmoid(s->sh_gate[t]);
+        const float *sh = s->sh_out + (size_t)t * c->dim;
+        for (int i = 0; i < c->dim; i++) o[i] += sh[i] * g;
+    }
+}
+
+/* Runs T (<= MODEL_BATCH) tokens at positions pos..pos+T-1 and returns the logits of the
+ * last one ([n_vocab], valid until the next call). The caller keeps pos + T <= n_ctx. */
+static float *model_forward(struct model *m, const int *tokens, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    size_t dim = (size_t)c->dim, row_bytes = gguf_row_bytes(m->embed->type, c->dim);
+    if (T < 1 || T > MODEL_BATCH || m->pos + T > m->n_ctx) die("internal: forward of %d tokens at %d of %d", T, m->pos, m->n_ctx);
+    for (int t = 0; t < T; t++) {
+        if (tokens[t] < 0 || tokens[t] >= c->n_vocab) die("token id %d is outside the vocabulary (%d)", tokens[t], c->n_vocab);
+        quant_dequant_row((enum gguf_type)m->embed->type, m->embed->data + (size_t)tokens[t] * row_bytes, s->x + t * dim, c->dim);
+    }
+    for (int il = 0; il < c->n_layers; il++) {
+        for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].attn_norm, c->dim, c->eps);
+        if (m->layers[il].kind == MODEL_LAYER_ATTENTION) model_attention(m, il, T);
+        else model_gated_deltanet(m, il, T);
+        for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
+        for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].post_norm, c->dim, c->eps);
+        model_ffn(m, il, T);
+        for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
+    }
+    m->pos += T;
+    ops_rmsnorm(s->xn, s->x + (T - 1) * dim, m->out_norm, c->dim, c->eps);
+    ops_matmat(&m->lm_head, s->xn, s->logits, 1);
+    return s->logits;
+}
+
+/* Feeds N tokens in batches; returns the logits after the last. */
+static float *model_prefill(struct model *m, const int *tokens, int n)
+{
+    float *logits = NULL;
+    for (int i = 0; i < n; i += MODEL_BATCH) logits = model_forward(m, tokens + i, n - i < MODEL_BATCH ? n - i : MODEL_BATCH);
+    return logits;
+}
