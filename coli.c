@@ -71,6 +71,20 @@ static void die(const char *fmt, ...)
     exit(1);
 }
 
+/* A command-line mistake: one line, exit status 2. */
+static void die_usage(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+static void die_usage(const char *fmt, ...)
+{
+    va_list ap;
+    fflush(stdout);
+    fputs("coli: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(2);
+}
+
 /* Informational lines on stderr (stdout carries only generated text and --json). */
 static int plat_quiet;
 static void plat_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -750,21 +764,977 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
 }
 
 /* ==== §3 quant ==== */
-struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; };
-static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n)
-{ if (type != GGUF_TYPE_F32) die("stub"); memcpy(dst, src, n*4); }
-static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n)
-{
-  if (w->type != GGUF_TYPE_F32) die("stub type");
-  #pragma omp parallel for
-  for (int64_t r=0;r<w->rows;r++) { const float *wr=(const float*)(w->data + r*w->row_bytes);
-    for (int t=0;t<n;t++){ float p[32]={0}; const float *xt=x+t*w->cols; for(int64_t i=0;i<w->cols;i++) p[i%32]+=wr[i]*xt[i];
-      for(int s=16;s>=1;s/=2) for(int i=0;i<s;i++) p[i]+=p[i+s]; y[(size_t)t*w->rows+r]=p[0]; } }
+/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+ *   Q6_K), fp16/bf16 conversion, activation quantisation and the row·vector dot kernels with
+ *   their per-CPU dispatch table (scalar, AVX2, AVX-512).
+ * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
+ *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
+ *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
+ * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
+ * Workload: decode bound to memory bandwidth; one activation prepare per vector (scalar, cheap),
+ *   then one quant_dot per weight row, called concurrently from OpenMP threads (the kernels are
+ *   pure; only quant_init/quant_set_level write globals, before any parallel region). */
+
+enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_COUNT };
+
+#define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
+#define QUANT_QK 32      /* elements per legacy block */
+#define QUANT_QK_K 256   /* elements per K super-block */
+
+typedef float (*quant_dot_fn)(const void *wrow, const void *act, int64_t n);
+
+static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
+static int quant_level;
+
+static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static uint32_t quant_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+/* GGUF is little-endian and so is every target of coli; memcpy keeps unaligned reads legal. */
+static uint16_t quant_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* Exact: every fp16 value (incl. subnormals, inf, nan) is representable in f32. */
+static float quant_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return quant_bits_to_f32(sign | 0x7f800000 | man << 13);
+    if (exp == 0) {
+        /* subnormal: man * 2^-24 is exact in f32 */
+        float v = (float)man * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    return quant_bits_to_f32(sign | (exp + 112) << 23 | man << 13);
 }
 
+/* Round-to-nearest-even of the low `shift` bits of v away; shift in 1..31. */
+static uint32_t quant_round_shift(uint32_t v, int shift) {
+    uint32_t r = v >> shift, rem = v & ((1u << shift) - 1), half = 1u << (shift - 1);
+    return r + (rem > half || (rem == half && (r & 1)));
+}
+
+/* Nearest-even f32 -> fp16; overflow gives inf, tiny values give (signed) zero or subnormals,
+ * NaN stays a quiet NaN. */
+static uint16_t quant_f32_to_f16(float f) {
+    uint32_t x = quant_f32_to_bits(f), sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000) return (uint16_t)(sign | 0x7e00 | ((x >> 13) & 0x3ff));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* >= 65520 rounds to inf */
+    if (x < 0x38800000) {                                   /* below 2^-14: subnormal */
+        int e = (int)(x >> 23);
+        if (e < 102) return (uint16_t)sign;                 /* < 2^-25: rounds to zero */
+        return (uint16_t)(sign | quant_round_shift((x & 0x7fffff) | 0x800000, 126 - e));
+    }
+    /* rebias the exponent (127 -> 15); a carry out of the mantissa bumps the exponent */
+    return (uint16_t)(sign | quant_round_shift(x - 0x38000000, 13));
+}
+
+static float quant_bf16_to_f32(uint16_t h) { return quant_bits_to_f32((uint32_t)h << 16); }
+
+/* Nearest-even f32 -> bf16; NaN stays a quiet NaN. */
+static uint16_t quant_f32_to_bf16(float f) {
+    uint32_t x = quant_f32_to_bits(f);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* ggml's nearest_int: round half to even for |v| < 2^22, independent of the FPU mode. */
+static int quant_nearest_int(float v) {
+    float t = v + 12582912.0f;
+    return (int)(quant_f32_to_bits(t) & 0x007fffff) - 0x00400000;
+}
+
+/* ---- dequantisation (ggml's operation order, kept literally) ---- */
+
+/* Legacy 32-blocks. The int->float conversion then one multiply (and add) matches ggml. */
+static void quant_dequant_legacy(enum gguf_type t, const uint8_t *b, float *y) {
+    float d = quant_f16_to_f32(quant_rd16(b));
+    if (t == GGUF_TYPE_Q8_0) {
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+        return;
+    }
+    int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    float m = has_min ? quant_f16_to_f32(quant_rd16(b + 2)) : 0.0f;
+    int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, b + 2 + 2 * has_min, 4);
+    const uint8_t *qs = b + 2 + 2 * has_min + 4 * five;
+    int off = has_min ? 0 : (five ? 16 : 8);
+    for (int j = 0; j < 16; j++) {
+        int x0 = qs[j] & 0x0f, x1 = qs[j] >> 4;
+        if (five) {
+            x0 |= (int)(((qh >> j) << 4) & 0x10);
+            x1 |= (int)((qh >> (j + 12)) & 0x10);
+        }
+        x0 -= off; x1 -= off;
+        if (has_min) { y[j] = (float)x0 * d + m; y[j + 16] = (float)x1 * d + m; }
+        else { y[j] = (float)x0 * d; y[j + 16] = (float)x1 * d; }
+    }
+}
+
+/* 6-bit scale j and min j of a Q4_K/Q5_K super-block (ggml get_scale_min_k4). */
+static void quant_k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (qh == NULL) and Q5_K super-block: y = d1*q - m1, as ggml. */
+static void quant_dequant_q45k(const uint8_t *b, int five, float *y) {
+    float d = quant_f16_to_f32(quant_rd16(b)), dmin = quant_f16_to_f32(quant_rd16(b + 2));
+    const uint8_t *sc12 = b + 4, *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
+    for (int j = 0; j < 4; j++) {
+        int sc, m;
+        quant_k4_scale_min(2 * j, sc12, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        quant_k4_scale_min(2 * j + 1, sc12, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int q0 = ql[32 * j + l] & 0xF, q1 = ql[32 * j + l] >> 4;
+            if (five) {
+                q0 += (qh[l] >> (2 * j)) & 1 ? 16 : 0;
+                q1 += (qh[l] >> (2 * j + 1)) & 1 ? 16 : 0;
+            }
+            y[64 * j + l] = d1 * (float)q0 - m1;
+            y[64 * j + 32 + l] = d2 * (float)q1 - m2;
+        }
+    }
+}
+
+/* Q6_K super-block: y = d * sc * q evaluated left to right, as ggml. */
+static void quant_dequant_q6k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = quant_f16_to_f32(quant_rd16(b + 208));
+    for (int n = 0; n < 2; n++, y += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l++) {
+            int is = l / 16;
+            int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * (float)sc[is] * (float)q1;
+            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        }
+    }
+}
+
+/* Writes n floats of a GGUF row of `type` to dst. Caller: type supported, n a multiple of the
+ * block size, src holds the row's n/block_elems blocks. Bit-exact with ggml. */
+static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n) {
+    const uint8_t *s = src;
+    const struct gguf_type_info *ti = gguf_type_get(type);
+    if (!ti || n % ti->block_elems) die("dequant: bad type %d or length %lld", (int)type, (long long)n);
+    int64_t nb = n / ti->block_elems;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = s + i * ti->block_bytes;
+        float *y = dst + i * ti->block_elems;
+        switch (type) {
+        case GGUF_TYPE_F32: memcpy(y, b, 4); break;
+        case GGUF_TYPE_F16: *y = quant_f16_to_f32(quant_rd16(b)); break;
+        case GGUF_TYPE_BF16: *y = quant_bf16_to_f32(quant_rd16(b)); break;
+        case GGUF_TYPE_Q4_K: quant_dequant_q45k(b, 0, y); break;
+        case GGUF_TYPE_Q5_K: quant_dequant_q45k(b, 1, y); break;
+        case GGUF_TYPE_Q6_K: quant_dequant_q6k(b, y); break;
+        default: quant_dequant_legacy(type, b, y); break;
+        }
+    }
+}
+
+/* ---- activations ----
+ * Layouts (act is 64-byte aligned; n is a multiple of the block, so every part stays aligned):
+ *   F32/F16/BF16 weights: n floats (x, rounded to f16/bf16 for F16/BF16 weights).
+ *   legacy weights (Q8 act, shared by Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float
+ *     (fp16-rounded scale) | s[n/32] int32 (sum of the block's qs) | sd[n/32] float
+ *     (Q8_1's s = fp16(d * sum), rounded as the reference stores it: Q4_1/Q5_1 weights
+ *     multiply their min by it, and the rounding is visible in the logits).
+ *   K weights (Q8_K act): qs[n] int8 | d[n/256] float | bsums[n/16] int16. */
+struct quant_q8_view { const int8_t *qs; const float *d; const int32_t *s; const float *sd; };
+struct quant_q8k_view { const int8_t *qs; const float *d; const int16_t *bsums; };
+
+enum quant_act_kind { QUANT_ACT_FLOAT, QUANT_ACT_Q8, QUANT_ACT_Q8K };
+
+static enum quant_act_kind quant_act_kind(enum gguf_type wtype) {
+    switch (wtype) {
+    case GGUF_TYPE_F32: case GGUF_TYPE_F16: case GGUF_TYPE_BF16: return QUANT_ACT_FLOAT;
+    case GGUF_TYPE_Q8_0: case GGUF_TYPE_Q4_0: case GGUF_TYPE_Q4_1:
+    case GGUF_TYPE_Q5_0: case GGUF_TYPE_Q5_1: return QUANT_ACT_Q8;
+    case GGUF_TYPE_Q4_K: case GGUF_TYPE_Q5_K: case GGUF_TYPE_Q6_K: return QUANT_ACT_Q8K;
+    default: die("quant: unsupported weight type %d", (int)wtype);
+    }
+    return QUANT_ACT_FLOAT;
+}
+
+static struct quant_q8_view quant_q8_view(const void *act, int64_t n) {
+    const uint8_t *a = act;
+    return (struct quant_q8_view){ (const int8_t *)a, (const float *)(a + n),
+                                   (const int32_t *)(a + n + 4 * (n / QUANT_QK)),
+                                   (const float *)(a + n + 8 * (n / QUANT_QK)) };
+}
+
+static struct quant_q8k_view quant_q8k_view(const void *act, int64_t n) {
+    const uint8_t *a = act;
+    return (struct quant_q8k_view){ (const int8_t *)a, (const float *)(a + n),
+                                    (const int16_t *)(a + n + 4 * (n / QUANT_QK_K)) };
+}
+
+/* Bytes of the prepared activation for n elements against weights of wtype. */
+static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
+    switch (quant_act_kind(wtype)) {
+    case QUANT_ACT_FLOAT: return (size_t)n * 4;
+    case QUANT_ACT_Q8: return (size_t)n + (size_t)(n / QUANT_QK) * 12;
+    default: return (size_t)n + (size_t)(n / QUANT_QK_K) * 4 + (size_t)(n / 16) * 2;
+    }
+}
+
+/* Q8 blocks: d = amax/127, q = nearest-even(x * (1/d)), stored scale fp16(d). A block whose
+ * fp16(d) is zero contributes exactly zero, so its q are set to 0 rather than computed with an
+ * overflowing 1/d (ggml would produce garbage q there, multiplied by the same zero). */
+static void quant_act_q8(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int32_t *ss = (int32_t *)(a + n + 4 * (n / QUANT_QK));
+    float *sd = (float *)(a + n + 8 * (n / QUANT_QK));
+    for (int64_t b = 0; b < n / QUANT_QK; b++) {
+        const float *xb = x + b * QUANT_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QUANT_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, d16 = quant_f16_to_f32(quant_f32_to_f16(d));
+        const float id = d16 != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QUANT_QK; j++) {
+            int q = quant_nearest_int(xb[j] * id);
+            qs[b * QUANT_QK + j] = (int8_t)q;
+            sum += q;
+        }
+        dd[b] = d16;
+        ss[b] = sum;
+        sd[b] = quant_f16_to_f32(quant_f32_to_f16(d * (float)sum));
+    }
+}
+
+/* Q8_K blocks (ggml quantize_row_q8_K_ref): scale from the signed value of largest magnitude.
+ * Blocks so tiny that -127/max overflows (|max| < ~3.7e-37) are stored as zero (d = 0). */
+static void quant_act_q8k(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int16_t *bs = (int16_t *)(a + n + 4 * (n / QUANT_QK_K));
+    for (int64_t b = 0; b < n / QUANT_QK_K; b++) {
+        const float *xb = x + b * QUANT_QK_K;
+        int8_t *q = qs + b * QUANT_QK_K;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QUANT_QK_K; j++)
+            if (fabsf(xb[j]) > amax) { amax = fabsf(xb[j]); max = xb[j]; }
+        float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+        if (isinf(iscale)) iscale = 0.0f;
+        for (int j = 0; j < QUANT_QK_K; j++) {
+            int v = iscale != 0.0f ? quant_nearest_int(iscale * xb[j]) : 0;
+            q[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += q[16 * g + j];
+            bs[b * 16 + g] = (int16_t)s;
+        }
+        dd[b] = iscale != 0.0f ? 1.0f / iscale : 0.0f;
+    }
+}
+
+/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
+ * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
+static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
+    float *f = act;
+    switch (quant_act_kind(wtype)) {
+    case QUANT_ACT_Q8: quant_act_q8(x, n, act); return;
+    case QUANT_ACT_Q8K: quant_act_q8k(x, n, act); return;
+    default: break;
+    }
+    if (wtype == GGUF_TYPE_F16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_f16_to_f32(quant_f32_to_f16(x[i]));
+    else if (wtype == GGUF_TYPE_BF16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
+    else
+        memcpy(f, x, (size_t)n * 4);
+}
+
+/* ---- scalar dot kernels: the canonical reference ---- */
+
+/* Butterfly over the 32 partials: s = 16,8,4,2,1, p[i] += p[i+s]. */
+static float quant_reduce32(float *p) {
+    for (int s = QUANT_NPART / 2; s > 0; s /= 2)
+        for (int i = 0; i < s; i++) p[i] = p[i] + p[i + s];
+    return p[0];
+}
+
+/* Adds elements [i0, i1) of a float-format row times x into p[i % 32]. */
+static void quant_float_units(enum gguf_type t, const uint8_t *w, const float *x,
+                              int64_t i0, int64_t i1, float *p) {
+    for (int64_t i = i0; i < i1; i++) {
+        float wv;
+        if (t == GGUF_TYPE_F32) memcpy(&wv, w + 4 * i, 4);
+        else if (t == GGUF_TYPE_F16) wv = quant_f16_to_f32(quant_rd16(w + 2 * i));
+        else wv = quant_bf16_to_f32(quant_rd16(w + 2 * i));
+        p[i % QUANT_NPART] = p[i % QUANT_NPART] + wv * x[i];
+    }
+}
+
+/* The float combine of one legacy block; shared by every level so the bits agree:
+ *   no min: r = (dw*dx) * (float)isum;  with min: r + mw * sd (sd = fp16(d_x * sum q_x), as Q8_1 stores it). */
+static inline float quant_legacy_combine(float dw, float mw, float dx, int32_t isum,
+                                         float sd, int has_min) {
+    float r = (dw * dx) * (float)isum;
+    return has_min ? r + mw * sd : r;
+}
+
+/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32]. Weight quants
+ * are used as ggml defines them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
+static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_q8_view a,
+                               int64_t b0, int64_t b1, float *p) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = w + b * bb;
+        const int8_t *qx = a.qs + b * QUANT_QK;
+        float dq[QUANT_QK], dw = quant_f16_to_f32(quant_rd16(blk));
+        float mw = has_min ? quant_f16_to_f32(quant_rd16(blk + 2)) : 0.0f;
+        int32_t isum = 0;
+        if (t == GGUF_TYPE_Q8_0) {
+            for (int j = 0; j < QUANT_QK; j++) isum += (int8_t)blk[2 + j] * qx[j];
+        } else {
+            /* dequantise with unit scale and zero min to get the exact integer quants */
+            uint8_t tmp[24];
+            memcpy(tmp, blk, (size_t)bb);
+            tmp[0] = 0x00; tmp[1] = 0x3c;                    /* d = 1.0 */
+            if (has_min) { tmp[2] = 0; tmp[3] = 0; }         /* m = 0 */
+            quant_dequant_legacy(t, tmp, dq);
+            for (int j = 0; j < QUANT_QK; j++) isum += (int32_t)dq[j] * qx[j];
+        }
+        float r = quant_legacy_combine(dw, mw, a.d[b], isum, a.sd[b], has_min);
+        p[b % QUANT_NPART] = p[b % QUANT_NPART] + r;
+    }
+}
+
+/* Q4_K/Q5_K: exact integer parts of one super-block given decoded 6-bit scales:
+ * returns Σ_j sc_j * Σ_{32 in j} q*x (q unsigned 0..15 / 0..31). */
+static int32_t quant_q45k_isum_scalar(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
+    const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
+    int32_t sumi = 0;
+    for (int j = 0; j < 4; j++) {
+        int32_t s0 = 0, s1 = 0;
+        for (int l = 0; l < 32; l++) {
+            int q0 = ql[32 * j + l] & 0xF, q1 = ql[32 * j + l] >> 4;
+            if (five) {
+                q0 |= ((qh[l] >> (2 * j)) & 1) << 4;
+                q1 |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            }
+            s0 += q0 * qx[64 * j + l];
+            s1 += q1 * qx[64 * j + 32 + l];
+        }
+        sumi += sc[2 * j] * s0 + sc[2 * j + 1] * s1;
+    }
+    return sumi;
+}
+
+/* Q6_K: Σ_j sc_j * Σ_{16 in j} (q-32)*x, exact. */
+static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
+    float y[QUANT_QK_K];
+    uint8_t tmp[210];
+    memcpy(tmp, b, 208);
+    for (int j = 0; j < 16; j++) tmp[192 + j] = 1;   /* sc = 1, d = 1: y = q - 32 exactly */
+    tmp[208] = 0x00; tmp[209] = 0x3c;
+    quant_dequant_q6k(tmp, y);
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; j++) {
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += (int32_t)y[16 * j + l] * qx[16 * j + l];
+        sumi += (int8_t)b[192 + j] * s;
+    }
+    return sumi;
+}
+
+typedef int32_t (*quant_q45k_isum_fn)(const uint8_t *b, const int8_t *qx, const int *sc, int five);
+typedef int32_t (*quant_q6k_isum_fn)(const uint8_t *b, const int8_t *qx);
+
+/* Dot of a K-quant row with a Q8_K act in canonical order; the integer part of each super-block
+ * comes from the given level's isum function, the float combine is fixed here:
+ *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
+ *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
+static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n,
+                         quant_q45k_isum_fn f45, quant_q6k_isum_fn f6) {
+    struct quant_q8k_view a = quant_q8k_view(act, n);
+    const int bb = gguf_type_get(t)->block_bytes;
+    float p[QUANT_NPART] = {0};
+    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
+        const uint8_t *b = w + u * bb;
+        const int8_t *qx = a.qs + u * QUANT_QK_K;
+        const int16_t *bs = a.bsums + u * 16;
+        float r, dx = a.d[u];
+        if (t == GGUF_TYPE_Q6_K) {
+            r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)f6(b, qx);
+        } else {
+            int sc[8], m[8];
+            int32_t summ = 0;
+            for (int j = 0; j < 8; j++) {
+                quant_k4_scale_min(j, b + 4, &sc[j], &m[j]);
+                summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
+            }
+            int32_t sumi = f45(b, qx, sc, t == GGUF_TYPE_Q5_K);
+            float d = quant_f16_to_f32(quant_rd16(b)), dmin = quant_f16_to_f32(quant_rd16(b + 2));
+            r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
+        }
+        p[u % QUANT_NPART] = p[u % QUANT_NPART] + r;
+    }
+    return quant_reduce32(p);
+}
+
+static float quant_dot_float_scalar(enum gguf_type t, const void *w, const void *act, int64_t n) {
+    float p[QUANT_NPART] = {0};
+    quant_float_units(t, w, act, 0, n, p);
+    return quant_reduce32(p);
+}
+
+static float quant_dot_legacy_scalar(enum gguf_type t, const void *w, const void *act, int64_t n) {
+    float p[QUANT_NPART] = {0};
+    quant_legacy_units(t, w, quant_q8_view(act, n), 0, n / QUANT_QK, p);
+    return quant_reduce32(p);
+}
+
+#define QUANT_SCALAR_WRAP(name, body) \
+    static float name(const void *w, const void *act, int64_t n) { return body; }
+QUANT_SCALAR_WRAP(quant_dot_f32_scalar, quant_dot_float_scalar(GGUF_TYPE_F32, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_f16_scalar, quant_dot_float_scalar(GGUF_TYPE_F16, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_bf16_scalar, quant_dot_float_scalar(GGUF_TYPE_BF16, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q8_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q8_0, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q4_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_0, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q4_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_1, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q5_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_0, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q5_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_1, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_scalar, NULL))
+QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_scalar, NULL))
+QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_scalar))
+
+/* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
+#define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QUANT_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+/* Canonical butterfly on 4 accumulators holding partials 0-7, 8-15, 16-23, 24-31. */
+QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    a0 = _mm256_add_ps(a0, a2);                                   /* s = 16 */
+    a1 = _mm256_add_ps(a1, a3);
+    a0 = _mm256_add_ps(a0, a1);                                   /* s = 8 */
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)); /* 4 */
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));                       /* s = 2 */
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));                        /* s = 1 */
+    return _mm_cvtss_f32(v);
+}
+
+/* Sum of the 8 int32 lanes (exact). */
+QUANT_AVX2_INLINE int32_t quant_avx2_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Lane k of the result = sum of the 8 lanes of s[k] (exact). */
+QUANT_AVX2_INLINE __m256i quant_avx2_hsum8(const __m256i *s) {
+    __m256i a = _mm256_hadd_epi32(s[0], s[1]), b = _mm256_hadd_epi32(s[2], s[3]);
+    __m256i c = _mm256_hadd_epi32(s[4], s[5]), d = _mm256_hadd_epi32(s[6], s[7]);
+    a = _mm256_hadd_epi32(a, b);
+    c = _mm256_hadd_epi32(c, d);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
+                            _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+/* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). */
+QUANT_AVX2_INLINE __m256i quant_avx2_nibbles(const uint8_t *qs) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    __m256i lh = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(lh, _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits (element i = bit i) -> 32 bytes of 0x10 or 0. */
+QUANT_AVX2_INLINE __m256i quant_avx2_bit5(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/* 8 int32 whose sum is the block's Σ q_w*q_x, with Q4_0/Q5_0 quants still unsigned
+ * (the caller subtracts 8/16 * Σq_x). */
+QUANT_AVX2_INLINE __m256i quant_avx2_legacy_block(enum gguf_type t, const uint8_t *b,
+                                                  const int8_t *qx) {
+    const __m256i x = _mm256_load_si256((const __m256i *)qx), ones = _mm256_set1_epi16(1);
+    __m256i prod;
+    if (t == GGUF_TYPE_Q8_0) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+        prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    } else {
+        int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+        int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+        __m256i q = quant_avx2_nibbles(b + 2 + 2 * has_min + 4 * five);
+        if (five) q = _mm256_or_si256(q, quant_avx2_bit5(b + 2 + 2 * has_min));
+        prod = _mm256_maddubs_epi16(q, x);
+    }
+    return _mm256_madd_epi16(prod, ones);
+}
+
+/* fp16 fields at byte offset `off` of 8 consecutive blocks of `bb` bytes, as floats. */
+QUANT_AVX2_INLINE __m256 quant_avx2_scales8(const uint8_t *b, int bb, int off) {
+    __m128i h = _mm_set_epi16((short)quant_rd16(b + 7 * bb + off), (short)quant_rd16(b + 6 * bb + off),
+                              (short)quant_rd16(b + 5 * bb + off), (short)quant_rd16(b + 4 * bb + off),
+                              (short)quant_rd16(b + 3 * bb + off), (short)quant_rd16(b + 2 * bb + off),
+                              (short)quant_rd16(b + 1 * bb + off), (short)quant_rd16(b + off));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Legacy row dot: groups of 8 blocks give one vector of unit results added to accumulator
+ * (g % 4), i.e. partials b % 32; a tail of < 8 blocks goes through the scalar units. */
+QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const void *act,
+                                          int64_t n) {
+    struct quant_q8_view a = quant_q8_view(act, n);
+    const int bb = gguf_type_get(t)->block_bytes;
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int off = t == GGUF_TYPE_Q4_0 ? 8 : t == GGUF_TYPE_Q5_0 ? 16 : 0;
+    const int64_t nb = n / QUANT_QK, nb8 = nb & ~(int64_t)7;
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int64_t b = 0; b < nb8; b += 8) {
+        const uint8_t *wb = w + b * bb;
+        __m256i s[8];
+        for (int k = 0; k < 8; k++) s[k] = quant_avx2_legacy_block(t, wb + k * bb, a.qs + (b + k) * QUANT_QK);
+        __m256i isum = quant_avx2_hsum8(s);
+        __m256i sx = _mm256_loadu_si256((const __m256i *)(a.s + b));
+        if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(off)));
+        __m256 dx = _mm256_loadu_ps(a.d + b);
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales8(wb, bb, 0), dx), _mm256_cvtepi32_ps(isum));
+        if (has_min)
+            r = _mm256_add_ps(r, _mm256_mul_ps(quant_avx2_scales8(wb, bb, 2), _mm256_loadu_ps(a.sd + b)));
+        acc[(b / 8) & 3] = _mm256_add_ps(acc[(b / 8) & 3], r);
+    }
+    if (nb8 == nb) return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
+    float p[QUANT_NPART];
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[k]);
+    quant_legacy_units(t, w, a, nb8, nb, p);
+    return quant_reduce32(p);
+}
+
+/* 8 weights of a float format as f32 (exact conversions). */
+QUANT_AVX2_INLINE __m256 quant_avx2_load_w8(enum gguf_type t, const uint8_t *w) {
+    if (t == GGUF_TYPE_F32) return _mm256_loadu_ps((const float *)w);
+    __m128i h = _mm_loadu_si128((const __m128i *)w);
+    if (t == GGUF_TYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Float row dot: element i -> partial i % 32, i.e. accumulator (i/8) % 4, lane i % 8. */
+QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, const float *x, int64_t n) {
+    const int es = t == GGUF_TYPE_F32 ? 4 : 2;
+    const int64_t n32 = n & ~(int64_t)31;
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int64_t i = 0; i < n32; i += 32)
+        for (int k = 0; k < 4; k++) {
+            __m256 p = _mm256_mul_ps(quant_avx2_load_w8(t, w + (i + 8 * k) * es), _mm256_load_ps(x + i + 8 * k));
+            acc[k] = _mm256_add_ps(acc[k], p);
+        }
+    if (n32 == n) return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
+    float p[QUANT_NPART];
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[k]);
+    quant_float_units(t, w, x, n32, n, p);
+    return quant_reduce32(p);
+}
+
+/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x, scales applied with madd on the int16 products. */
+static QUANT_AVX2 int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
+    const uint8_t *ql = b + 16 + (five ? 32 : 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
+        __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (five) {
+            __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one);
+            __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one);
+            q0 = _mm256_or_si256(q0, _mm256_slli_epi16(h0, 4));
+            q1 = _mm256_or_si256(q1, _mm256_slli_epi16(h1, 4));
+        }
+        __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
+        __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * j])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * j + 1])));
+    }
+    return quant_avx2_hsum_i32(acc);
+}
+
+/* Q6_K integer part: Σ_j sc_j * Σ (q-32)*x = Σ_j sc_j * Σ q*x - 32 * Σ_j sc_j * Σx, the last
+ * from the activation's bsums (recomputed here from qx to keep the signature small). */
+static QUANT_AVX2 int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    __m256i acc = _mm256_setzero_si256(), accx = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        const uint8_t *ql = b + 64 * c, *qhp = b + 128 + 32 * c;
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)qhp);
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+        for (int k = 0; k < 4; k++) {
+            __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
+            __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * c + 2 * k + 1]), _mm_set1_epi16(sc[8 * c + 2 * k]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
+            accx = _mm256_add_epi32(accx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), s));
+        }
+    }
+    return quant_avx2_hsum_i32(acc) - 32 * quant_avx2_hsum_i32(accx);
+}
+
+#define QUANT_AVX2_WRAP(name, body) \
+    static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) { return body; }
+QUANT_AVX2_WRAP(quant_dot_f32_avx2, quant_avx2_float(GGUF_TYPE_F32, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_f16_avx2, quant_avx2_float(GGUF_TYPE_F16, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_bf16_avx2, quant_avx2_float(GGUF_TYPE_BF16, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q8_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q8_0, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q4_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_0, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q4_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_1, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q5_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_0, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q5_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_1, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_avx2, NULL))
+QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_avx2, NULL))
+QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_avx2))
+
+/* ---- AVX-512 kernels (float formats; the block formats reuse AVX2: they are bound by memory
+ * bandwidth, not by the integer work, see NOTES.md) ---- */
+#define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
+    target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* 16 weights of a float format as f32 (exact conversions). */
+QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t *w) {
+    if (t == GGUF_TYPE_F32) return _mm512_loadu_ps(w);
+    __m256i h = _mm256_loadu_si256((const __m256i *)w);
+    if (t == GGUF_TYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Float row dot: accumulators hold partials 0-15 and 16-31; butterfly s=16 adds them, s=8
+ * adds the 256-bit halves, then the AVX2 steps finish. */
+QUANT_AVX512_INLINE float quant_avx512_float(enum gguf_type t, const uint8_t *w, const float *x, int64_t n) {
+    const int es = t == GGUF_TYPE_F32 ? 4 : 2;
+    const int64_t n32 = n & ~(int64_t)31;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n32; i += 32) {
+        a0 = _mm512_add_ps(a0, _mm512_mul_ps(quant_avx512_load_w16(t, w + i * es), _mm512_load_ps(x + i)));
+        a1 = _mm512_add_ps(a1, _mm512_mul_ps(quant_avx512_load_w16(t, w + (i + 16) * es), _mm512_load_ps(x + i + 16)));
+    }
+    if (n32 == n) {
+        a0 = _mm512_add_ps(a0, a1);                                               /* s = 16 */
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1))); /* 8 */
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));      /* 4 */
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        return _mm_cvtss_f32(v);
+    }
+    float p[QUANT_NPART];
+    _mm512_storeu_ps(p, a0);
+    _mm512_storeu_ps(p + 16, a1);
+    quant_float_units(t, w, x, n32, n, p);
+    return quant_reduce32(p);
+}
+
+#define QUANT_AVX512_WRAP(name, body) \
+    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) { return body; }
+QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float(GGUF_TYPE_F32, w, act, n))
+QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float(GGUF_TYPE_F16, w, act, n))
+QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float(GGUF_TYPE_BF16, w, act, n))
+
+/* ---- dispatch ---- */
+
+/* Kernels per level; NULL means "use the level below". */
+static const struct { enum gguf_type type; quant_dot_fn fn[QUANT_LEVEL_COUNT]; } quant_kernels[] = {
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, NULL } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, NULL } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, NULL } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, NULL } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, NULL } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, NULL } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, NULL } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, NULL } },
+};
+
+static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
+
+/* Highest level plat_cpu allows. */
+static int quant_level_max(void) {
+    const struct plat_cpu *c = &plat_cpu;
+    if (!(c->avx2 && c->fma && c->f16c)) return QUANT_LEVEL_SCALAR;
+    if (!(c->avx512f && c->avx512bw && c->avx512vl && c->avx512vnni)) return QUANT_LEVEL_AVX2;
+    return QUANT_LEVEL_AVX512;
+}
+
+/* Fills the dot table for `level`. Caller: level <= quant_level_max(); no dot in flight. */
+static void quant_set_level(int level) {
+    if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
+    memset(quant_dot_table, 0, sizeof quant_dot_table);
+    for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
+        int l = level;
+        while (!quant_kernels[i].fn[l]) l--;
+        quant_dot_table[quant_kernels[i].type] = quant_kernels[i].fn[l];
+    }
+    quant_level = level;
+}
+
+static const char *quant_level_name(void) { return quant_level_names[quant_level]; }
+
+/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512 forces (dies on an
+ * unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
+static void quant_init(void) {
+    int level = quant_level_max();
+    const char *env = getenv("COLI_CPU");
+    if (env && *env) {
+        int want = -1;
+        for (int l = 0; l < QUANT_LEVEL_COUNT; l++)
+            if (!strcmp(env, quant_level_names[l])) want = l;
+        if (want < 0) die("COLI_CPU=%s: unknown level (use scalar, avx2 or avx512)", env);
+        if (want > level)
+            die("COLI_CPU=%s: this CPU (%s) supports at most %s", env, plat_cpu.name, quant_level_names[level]);
+        level = want;
+    }
+    quant_set_level(level);
+}
+
+/* Dot of one weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n),
+ * in canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
+static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, int64_t n) {
+    return quant_dot_table[wtype](wrow, act, n);
+}
 
 /* ==== §4 ops ==== */
-/* OPS_MATRIX_PLACEHOLDER */
+/* Owns: the tensor operations of the forward pass; this part: matrix-vector and matrix-matrix
+ *   products over GGUF weight matrices, and the kernel benchmark.
+ * Promises: y = W·x with each output computed by quant_dot in canonical order, so results never
+ *   depend on the thread count, the row placement or matvec vs matmat.
+ * May call: §3 quant, die, plat_alloc*, OpenMP.
+ * Workload: the bulk of inference time; memory bound (every weight byte read once per token),
+ *   parallel over row chunks. Called from one orchestrating thread only: the activation scratch
+ *   is a single static buffer. */
+
+struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; };
+
+#define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
+
+static void *ops_act_buf;
+static size_t ops_act_cap;
+
+/* Bytes of one prepared activation column, rounded up to keep every column 64-byte aligned. */
+static size_t ops_act_stride(const struct ops_matrix *w) {
+    return (quant_act_bytes(w->type, w->cols) + 63) & ~(size_t)63;
+}
+
+/* Returns the scratch, grown to at least n bytes (contents not kept). Not thread-safe. */
+static void *ops_act_scratch(size_t n) {
+    if (n > ops_act_cap) {
+        free(ops_act_buf);
+        ops_act_buf = plat_alloc_aligned(n);
+        ops_act_cap = n;
+    }
+    return ops_act_buf;
+}
+
+static void ops_check_matrix(const struct ops_matrix *w) {
+    const struct gguf_type_info *ti = gguf_type_get(w->type);
+    if (!ti) die("matmul: unsupported weight type %d", (int)w->type);
+    if (w->cols % ti->block_elems)
+        die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
+}
+
+/* Software prefetch of the row this many rows ahead: on this VM the hardware prefetcher alone
+ * left the Q4_0 kernel at ~30 % of read bandwidth on matrices beyond the LLC (measured). */
+#define OPS_PREFETCH_ROWS 2
+
+static void ops_prefetch(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* y[j*rows + r] = row r · column j for j < n; acts holds n prepared columns of `stride` bytes. */
+static void ops_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n) {
+    const int64_t nchunk = (w->rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
+    const quant_dot_fn dot = quant_dot_table[w->type];
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < nchunk; c++) {
+        int64_t r1 = (c + 1) * OPS_ROW_CHUNK < w->rows ? (c + 1) * OPS_ROW_CHUNK : w->rows;
+        for (int64_t r = c * OPS_ROW_CHUNK; r < r1; r++) {
+            const uint8_t *wr = w->data + (size_t)r * w->row_bytes;
+            if (r + OPS_PREFETCH_ROWS < w->rows) ops_prefetch(wr + OPS_PREFETCH_ROWS * w->row_bytes, w->row_bytes);
+            for (int j = 0; j < n; j++) y[(size_t)j * w->rows + r] = dot(wr, acts + (size_t)j * stride, w->cols);
+        }
+    }
+}
+
+/* y[rows] = W·x[cols]. Caller: quant_init done; x and y do not overlap; one caller at a time. */
+static void ops_matvec(const struct ops_matrix *w, const float *x, float *y) {
+    ops_check_matrix(w);
+    size_t stride = ops_act_stride(w);
+    uint8_t *act = ops_act_scratch(stride);
+    quant_act_prepare(w->type, x, w->cols, act);
+    ops_rows(w, act, stride, y, 1);
+}
+
+/* y[n][rows] = W·x[n][cols], column j bit-identical to ops_matvec(w, x + j*cols). Caller: as
+ * ops_matvec. The weight row stays in cache while the n columns use it. */
+static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
+    ops_check_matrix(w);
+    size_t stride = ops_act_stride(w);
+    uint8_t *act = ops_act_scratch(stride * (size_t)(n > 0 ? n : 1));
+    for (int j = 0; j < n; j++) quant_act_prepare(w->type, x + (size_t)j * w->cols, w->cols, act + (size_t)j * stride);
+    ops_rows(w, act, stride, y, n);
+}
+
+/* ---- kernel benchmark ---- */
+
+/* Sum of n uint64 (n a multiple of 16), one pass of pure reads. */
+static QUANT_AVX2 uint64_t ops_bench_read(const uint64_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < n; i += 16) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(p + i + 4)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(p + i + 8)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(p + i + 12)));
+    }
+    uint64_t t[4];
+    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+    return t[0] + t[1] + t[2] + t[3];
+}
+
+/* Fills n bytes (a multiple of 8) with xorshift noise, in parallel (first touch per thread). */
+static void ops_bench_fill(uint8_t *buf, size_t n) {
+    #pragma omp parallel for schedule(static)
+    for (size_t c = 0; c < n / 8; c += 4096) {
+        uint64_t s = 0x9e3779b97f4a7c15ULL ^ (c * 0xbf58476d1ce4e5b9ULL);
+        size_t e = c + 4096 < n / 8 ? c + 4096 : n / 8;
+        for (size_t i = c; i < e; i++) {
+            s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+            memcpy(buf + 8 * i, &s, 8);
+        }
+    }
+}
+
+/* Best-of-3 GB/s of a multi-threaded read of buf (n bytes, 64-aligned, multiple of 4 KiB). */
+static double ops_bench_bandwidth(const uint8_t *buf, size_t n) {
+    double best = 0;
+    volatile uint64_t sink = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        uint64_t total = 0;
+        double t0 = omp_get_wtime();
+        #pragma omp parallel for schedule(static) reduction(+ : total)
+        for (size_t c = 0; c < n / 4096; c++) total += ops_bench_read((const uint64_t *)(buf + c * 4096), 512);
+        double gbs = (double)n / (omp_get_wtime() - t0) / 1e9;
+        sink += total;
+        if (gbs > best) best = gbs;
+    }
+    (void)sink;
+    return best;
+}
+
+/* Rewrites the float-valued fields of `rows` rows so every value is finite, normal and in
+ * ±[0.5, 1): random bits would give NaN/inf (wrong) and denormals (slow, unrepresentative). */
+static void ops_bench_sanitize(enum gguf_type t, uint8_t *w, int64_t rows, size_t rb) {
+    const struct gguf_type_info *ti = gguf_type_get(t);
+    const int bb = ti->block_bytes;
+    const int has_dmin = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K;
+    const int off = t == GGUF_TYPE_Q6_K ? 208 : 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = w + (size_t)r * rb;
+        for (size_t b = 0; b + (size_t)bb <= rb; b += (size_t)bb) {
+            uint8_t *p = row + b + off;
+            if (t == GGUF_TYPE_F32) {
+                uint32_t v;
+                memcpy(&v, p, 4);
+                v = (v & 0x807fffffu) | 0x3f000000u;
+                memcpy(p, &v, 4);
+                continue;
+            }
+            for (int k = 0; k <= (has_dmin ? 1 : 0); k++) {
+                uint16_t h = quant_rd16(p + 2 * k);
+                h = t == GGUF_TYPE_BF16 ? (uint16_t)((h & 0x807f) | 0x3f00) : (uint16_t)((h & 0x83ff) | 0x3800);
+                memcpy(p + 2 * k, &h, 2);
+            }
+        }
+    }
+}
+
+/* GB/s of weight bytes for y = W·x on a rows x cols matrix of type t at w (already filled):
+ * best of repeated runs for >= 0.2 s (3 runs at least). */
+static double ops_bench_gemv(enum gguf_type t, uint8_t *w, int64_t rows, int64_t cols, float *x, float *y) {
+    const struct gguf_type_info *ti = gguf_type_get(t);
+    size_t rb = (size_t)(cols / ti->block_elems) * (size_t)ti->block_bytes;
+    struct ops_matrix m = { t, w, rows, cols, rb };
+    ops_bench_sanitize(t, w, rows, rb);
+    ops_matvec(&m, x, y);
+    double best = 1e30, start = omp_get_wtime();
+    for (int rep = 0; rep < 3 || omp_get_wtime() - start < 0.2; rep++) {
+        double t0 = omp_get_wtime();
+        ops_matvec(&m, x, y);
+        double dt = omp_get_wtime() - t0;
+        if (dt < best) best = dt;
+    }
+    return (double)rb * (double)rows / best / 1e9;
+}
+
+/* Bytes of the last-level cache (sysfs index3), 32 MiB if unknown. */
+static size_t ops_bench_llc(void) {
+    size_t kib = 32 * 1024;
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    if (f) {
+        unsigned long v;
+        char unit = 'K';
+        if (fscanf(f, "%lu%c", &v, &unit) >= 1) kib = unit == 'M' ? v * 1024 : v;
+        fclose(f);
+    }
+    return kib * 1024;
+}
+
+/* Prints GEMV throughput (GB/s of weight bytes) per format and shape against the measured
+ * read bandwidth, on the current OpenMP thread count. Caller: quant_init done. */
+static void ops_bench_kernels(void) {
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K,
+        GGUF_TYPE_F16, GGUF_TYPE_F32, GGUF_TYPE_BF16, GGUF_TYPE_Q5_K, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1 };
+    size_t big = 4 * ops_bench_llc();
+    big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
+    big &= ~(size_t)4095;
+    uint8_t *buf = plat_alloc_aligned(big);
+    ops_bench_fill(buf, big);
+    double bw = ops_bench_bandwidth(buf, big);
+    float *x = plat_alloc(sizeof(float) * 8192), *y = plat_alloc_aligned(big / 64 * sizeof(float));
+    for (int i = 0; i < 8192; i++) x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
+    printf("quant level %s, %d threads, read bandwidth %.1f GB/s (%zu MiB buffer)\n",
+           quant_level_name(), omp_get_max_threads(), bw, big >> 20);
+    printf("%-5s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio)");
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        enum gguf_type t = types[i];
+        const struct gguf_type_info *ti = gguf_type_get(t);
+        int64_t rows_big = (int64_t)(big / ((size_t)(4096 / ti->block_elems) * (size_t)ti->block_bytes));
+        double g1 = ops_bench_gemv(t, buf, 2048, 2048, x, y), g2 = ops_bench_gemv(t, buf, 8192, 2048, x, y);
+        double g3 = ops_bench_gemv(t, buf, 2048, 512, x, y), g4 = ops_bench_gemv(t, buf, rows_big, 4096, x, y);
+        printf("%-5s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", ti->name, g1, g2, g3, g4, 100 * g4 / bw);
+    }
+    free(buf); free(x); free(y);
+}
 
 /* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
  * without changing results (-ffp-contract=off, no -ffast-math). */
@@ -1485,7 +2455,8 @@ static void model_route(struct model *m, const struct model_layer *l, int T)
     for (int t = 0; t < T; t++) {
         float *p = s->router + (size_t)t * c->n_expert;
         int *top = s->top + (size_t)t * used;
-        float *w = s->top_w + (size_t)t * used, sum = 0.0f;
+        float *w = s->top_w + (size_t)t * used;
+        double sum = 0.0; /* as the reference: the weights' sum in double, the division in float */
         ops_softmax(p, c->n_expert);
         for (int k = 0; k < used; k++) {
             int best = -1;
@@ -1498,7 +2469,7 @@ static void model_route(struct model *m, const struct model_layer *l, int T)
             w[k] = p[best];
             sum += p[best];
         }
-        for (int k = 0; k < used; k++) w[k] /= sum;
+        for (int k = 0; k < used; k++) w[k] /= (float)sum;
     }
 }
 
@@ -1591,3 +2562,1573 @@ static float *model_prefill(struct model *m, const int *tokens, int n)
     for (int i = 0; i < n; i += MODEL_BATCH) logits = model_forward(m, tokens + i, n - i < MODEL_BATCH ? n - i : MODEL_BATCH);
     return logits;
 }
+
+/* ==== §9 tokenizer ==== */
+/* Owns: the vocabulary (struct tok): token texts and types, the text->id and merge hash tables,
+ *   the special-token list, the end-of-generation set; byte-level BPE encoding with the Qwen
+ *   pre-tokenizers (qwen2, qwen35) as hand-written matchers; decoding; UTF-8-safe streaming of
+ *   decoded pieces; the ChatML prompt template of Qwen3.5/3.6.
+ * Promises: token ids equal llama.cpp's (b9793) for these tokenizers: no BOS, special-token texts
+ *   parsed when asked, no Unicode normalisation; every byte string encodes (invalid UTF-8 too) and
+ *   decodes back to the same bytes.  All strings are (pointer, length): NULs are ordinary bytes.
+ * May call: die, plat_alloc, plat_realloc; the GGUF accessors of §2 (gguf_get_string, gguf_get_int,
+ *   gguf_get_array, gguf_array_string); the range tables of vendor/unicode_tables.h.
+ * Workload: tok_load once per model (152k tokens and 151k merges: one pass each into open-address
+ *   hash tables, ~50 ms); tok_encode once per prompt, linear in the text apart from BPE, which is
+ *   O(w log w) per pre-token word of w bytes (a heap of ranked pairs), so a 100 kB word is fine;
+ *   tok_decode / tok_stream_push once per generated token, O(token length).
+ */
+
+/* Token types as stored in tokenizer.ggml.token_type. */
+enum tok_type {
+    TOK_T_UNDEFINED = 0, TOK_T_NORMAL = 1, TOK_T_UNKNOWN = 2, TOK_T_CONTROL = 3,
+    TOK_T_USER_DEFINED = 4, TOK_T_UNUSED = 5, TOK_T_BYTE = 6
+};
+
+/* Pre-tokenizer regexes; they differ only in whether combining marks (\p{M}) join words. */
+enum tok_pre { TOK_PRE_QWEN2, TOK_PRE_QWEN35 };
+
+#define TOK_MAX_EOG 16
+
+struct tok {
+    int n_vocab;
+    char *text;             /* all token texts back to back, in vocabulary form */
+    uint32_t *text_off;     /* token i is text[text_off[i] .. text_off[i+1]) */
+    uint8_t *type;          /* enum tok_type of each token */
+    size_t max_piece;       /* longest decoded piece: tok_decode never needs more */
+    int32_t *text_tab;      /* text -> id, open addressing, -1 = empty slot */
+    uint32_t text_mask;     /* slots - 1 (a power of two) */
+    uint64_t *merge_key;    /* (left id << 32 | right id) + 1 of each merge; 0 = empty slot */
+    int32_t *merge_rank;    /* position in tokenizer.ggml.merges: lower merges first */
+    int32_t *merge_out;     /* the token the pair merges into */
+    uint32_t merge_mask;
+    int *special;           /* tokens matched verbatim in text before BPE, longest first */
+    int n_special;
+    int byte_id[256];       /* token of each single byte */
+    int16_t cp_byte[324];   /* inverse byte-level map: code point -> byte, -1 if none */
+    int eos_id, eot_id, pad_id;  /* -1 when absent */
+    int eog[TOK_MAX_EOG];   /* end-of-generation tokens */
+    int n_eog;
+    enum tok_pre pre;
+};
+
+/* ---- byte-level map and hashing ---- */
+
+/* GPT-2's byte->code point map: printable Latin-1 bytes stand for themselves, the other 68 bytes
+ * take the code points 256, 257, ... in byte order, so every byte becomes a visible character. */
+static uint32_t tok_byte_cp(int b)
+{
+    int shift = 0;
+    if ((b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF))
+        return (uint32_t)b;
+    for (int c = 0; c < b; c++)
+        shift += !((c >= 0x21 && c <= 0x7E) || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF));
+    return 256u + (uint32_t)shift;
+}
+
+/* Writes code point cp (< 0x110000) as UTF-8 into out; returns its length. */
+static size_t tok_utf8_put(uint32_t cp, char *out)
+{
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    if (cp < 0x800) {
+        out[0] = (char)(0xC0 | cp >> 6); out[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | cp >> 12); out[1] = (char)(0x80 | (cp >> 6 & 0x3F));
+        out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | cp >> 18); out[1] = (char)(0x80 | (cp >> 12 & 0x3F));
+    out[2] = (char)(0x80 | (cp >> 6 & 0x3F)); out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* Decodes one well-formed UTF-8 sequence at s (n > 0 bytes available) into *cp; returns its
+ * length, or 0 if s[0] does not start one (stray continuation, overlong form, surrogate, above
+ * U+10FFFF, truncated).  The encoder then treats that single byte as a unit of its own. */
+static size_t tok_utf8_get(const unsigned char *s, size_t n, uint32_t *cp)
+{
+    unsigned c = s[0];
+    size_t len;
+    uint32_t lo = 0x80, hi = 0xBF, v;
+    if (c < 0x80) { *cp = c; return 1; }
+    if (c < 0xC2 || c > 0xF4) return 0;
+    len = c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+    if (n < len) return 0;
+    if (c == 0xE0) lo = 0xA0;            /* overlong */
+    else if (c == 0xED) hi = 0x9F;       /* surrogates */
+    else if (c == 0xF0) lo = 0x90;       /* overlong */
+    else if (c == 0xF4) hi = 0x8F;       /* above U+10FFFF */
+    if (s[1] < lo || s[1] > hi) return 0;
+    v = c & (0x7F >> len);
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80) return 0;
+        v = v << 6 | (s[i] & 0x3F);
+    }
+    *cp = v;
+    return len;
+}
+
+/* Converts vocabulary-form text (byte-level characters) to the raw bytes it stands for: writes
+ * at most cap bytes to out and returns the full count (<= len), or -1 if some character is not
+ * one of the 256 byte characters.  cap 0 only validates. */
+static long tok_unbyte(const struct tok *t, const char *s, size_t len, char *out, size_t cap)
+{
+    size_t i = 0, o = 0;
+    while (i < len) {
+        uint32_t cp;
+        size_t k = tok_utf8_get((const unsigned char *)s + i, len - i, &cp);
+        if (!k || cp >= sizeof t->cp_byte / sizeof t->cp_byte[0] || t->cp_byte[cp] < 0) return -1;
+        if (o < cap) out[o] = (char)t->cp_byte[cp];
+        o++;
+        i += k;
+    }
+    return (long)o;
+}
+
+/* FNV-1a: token texts are short, and this spreads them well enough for linear probing. */
+static uint32_t tok_hash(const char *s, size_t len)
+{
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)s[i]) * 16777619u;
+    return h;
+}
+
+static uint32_t tok_hash_pair(uint64_t key)
+{
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32);
+}
+
+/* Smallest power of two >= 2n: keeps the tables at most half full. */
+static uint32_t tok_table_size(size_t n)
+{
+    uint32_t s = 16;
+    while (s < 2 * n) s <<= 1;
+    return s;
+}
+
+/* Id of the token whose vocabulary-form text is s[0..len), or -1. */
+static int tok_lookup(const struct tok *t, const char *s, size_t len)
+{
+    if (!len) return -1;
+    for (uint32_t h = tok_hash(s, len) & t->text_mask;; h = (h + 1) & t->text_mask) {
+        int id = t->text_tab[h];
+        if (id < 0) return -1;
+        if (t->text_off[id + 1] - t->text_off[id] == len && !memcmp(t->text + t->text_off[id], s, len))
+            return id;
+    }
+}
+
+/* Exact lookup by vocabulary-form text, NUL-terminated (e.g. "<think>", "<|im_start|>");
+ * returns the id or -1.  Normal tokens are stored byte-level encoded (a space is "Ġ"). */
+static int tok_find(const struct tok *t, const char *text)
+{
+    return tok_lookup(t, text, strlen(text));
+}
+
+/* Merge table lookup: the rank of merging tokens a,b (and *out the result), or -1. */
+static int tok_merge_rank(const struct tok *t, int a, int b, int *out)
+{
+    uint64_t key = ((uint64_t)(uint32_t)a << 32 | (uint32_t)b) + 1;
+    for (uint32_t h = tok_hash_pair(key) & t->merge_mask;; h = (h + 1) & t->merge_mask) {
+        if (!t->merge_key[h]) return -1;
+        if (t->merge_key[h] == key) { *out = t->merge_out[h]; return t->merge_rank[h]; }
+    }
+}
+
+/* ---- loading ---- */
+
+/* Reads tokenizer.ggml.model / .pre; dies on anything but byte-level BPE with a Qwen regex. */
+static void tok_load_kind(struct tok *t, const struct gguf_file *g)
+{
+    size_t n;
+    const char *s = gguf_get_string(g, "tokenizer.ggml.model", &n);
+    if (!s) die("tokenizer: no tokenizer.ggml.model in the model file");
+    if (n != 4 || memcmp(s, "gpt2", 4)) die("unsupported tokenizer model %.*s", (int)n, s);
+    s = gguf_get_string(g, "tokenizer.ggml.pre", &n);
+    if (!s) die("tokenizer: no tokenizer.ggml.pre in the model file");
+    /* "deepseek-r1-qwen" is llama.cpp's name for Qwen2's regex in the R1 distills. */
+    if ((n == 5 && !memcmp(s, "qwen2", 5)) || (n == 16 && !memcmp(s, "deepseek-r1-qwen", 16)))
+        t->pre = TOK_PRE_QWEN2;
+    else if (n == 6 && !memcmp(s, "qwen35", 6))
+        t->pre = TOK_PRE_QWEN35;
+    else
+        die("unsupported pre-tokenizer %.*s", (int)n, s);
+}
+
+/* Reads token texts and types, checks that every normal token is byte-level text, and
+ * builds the text -> id table (the last of duplicate texts wins, as in llama.cpp). */
+static void tok_load_vocab(struct tok *t, const struct gguf_file *g)
+{
+    const void *data;
+    size_t n = gguf_get_array(g, "tokenizer.ggml.tokens", GGUF_VALUE_STRING, &data), len, total = 0;
+    if (!n) die("tokenizer: no tokenizer.ggml.tokens in the model file");
+    if (n > (1u << 30)) die("tokenizer: %zu tokens is too many", n);
+    for (size_t i = 0; i < n; i++) {
+        gguf_array_string(g, "tokenizer.ggml.tokens", i, &len);
+        total += len;
+    }
+    if (total > UINT32_MAX) die("tokenizer: token texts too large");
+    t->n_vocab = (int)n;
+    t->text = plat_alloc(total);
+    t->text_off = plat_alloc((n + 1) * sizeof *t->text_off);
+    t->type = plat_alloc(n);
+    t->text_off[0] = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *s = gguf_array_string(g, "tokenizer.ggml.tokens", i, &len);
+        memcpy(t->text + t->text_off[i], s, len);
+        t->text_off[i + 1] = t->text_off[i] + (uint32_t)len;
+        t->max_piece = len > t->max_piece ? len : t->max_piece;
+    }
+    size_t nt = gguf_get_array(g, "tokenizer.ggml.token_type", GGUF_VALUE_INT32, &data);
+    if (nt && nt != n) die("tokenizer: %zu token types for %zu tokens", nt, n);
+    for (size_t i = 0; i < n; i++) {
+        int32_t ty = TOK_T_NORMAL;
+        if (nt) memcpy(&ty, (const char *)data + 4 * i, 4);   /* the payload may be unaligned */
+        if (ty < TOK_T_UNDEFINED || ty > TOK_T_BYTE) die("tokenizer: token %zu has type %d", i, (int)ty);
+        t->type[i] = (uint8_t)ty;
+    }
+    t->text_mask = tok_table_size(n) - 1;
+    t->text_tab = plat_alloc(((size_t)t->text_mask + 1) * sizeof *t->text_tab);
+    memset(t->text_tab, 0xFF, ((size_t)t->text_mask + 1) * sizeof *t->text_tab);
+    for (size_t i = 0; i < n; i++) {
+        const char *s = t->text + t->text_off[i];
+        len = t->text_off[i + 1] - t->text_off[i];
+        if (t->type[i] == TOK_T_NORMAL && tok_unbyte(t, s, len, NULL, 0) < 0)
+            die("tokenizer: token %zu (%.*s) is not byte-level text", i, (int)len, s);
+        if (!len) continue;     /* an empty text can never be matched */
+        uint32_t h = tok_hash(s, len) & t->text_mask;
+        for (;; h = (h + 1) & t->text_mask) {
+            int id = t->text_tab[h];
+            if (id < 0 || (t->text_off[id + 1] - t->text_off[id] == len
+                           && !memcmp(t->text + t->text_off[id], s, len)))
+                break;
+        }
+        t->text_tab[h] = (int32_t)i;
+    }
+}
+
+/* Reads tokenizer.ggml.merges ("left right" in vocabulary form, best first) into the pair table.
+ * Dies if a merge names a token, or forms a text, that is not in the vocabulary: such a
+ * vocabulary is inconsistent (Hugging Face refuses it too).  The first of duplicate pairs wins. */
+static void tok_load_merges(struct tok *t, const struct gguf_file *g)
+{
+    const void *data;
+    size_t n = gguf_get_array(g, "tokenizer.ggml.merges", GGUF_VALUE_STRING, &data), len;
+    if (n > INT32_MAX) die("tokenizer: too many merges");
+    t->merge_mask = tok_table_size(n) - 1;
+    t->merge_key = plat_alloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_key);
+    t->merge_rank = plat_alloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_rank);
+    t->merge_out = plat_alloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_out);
+    memset(t->merge_key, 0, ((size_t)t->merge_mask + 1) * sizeof *t->merge_key);
+    char *joined = NULL;
+    size_t joined_cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *s = gguf_array_string(g, "tokenizer.ggml.merges", i, &len);
+        /* Search from 1, as llama.cpp does, so that a left part may itself start with ' '. */
+        const char *sp = len > 1 ? memchr(s + 1, ' ', len - 1) : NULL;
+        if (!sp) die("tokenizer: merge %zu (%.*s) has no separator", i, (int)len, s);
+        size_t ll = (size_t)(sp - s), rl = len - ll - 1;
+        if (len > joined_cap) joined = plat_realloc(joined, joined_cap = len);
+        memcpy(joined, s, ll);
+        memcpy(joined + ll, sp + 1, rl);
+        int a = tok_lookup(t, s, ll), b = tok_lookup(t, sp + 1, rl), c = tok_lookup(t, joined, ll + rl);
+        if (a < 0 || b < 0 || c < 0)
+            die("tokenizer: merge %zu (%.*s) is not made of vocabulary tokens", i, (int)len, s);
+        uint64_t key = ((uint64_t)(uint32_t)a << 32 | (uint32_t)b) + 1;
+        uint32_t h = tok_hash_pair(key) & t->merge_mask;
+        while (t->merge_key[h] && t->merge_key[h] != key) h = (h + 1) & t->merge_mask;
+        if (t->merge_key[h]) continue;
+        t->merge_key[h] = key;
+        t->merge_rank[h] = (int32_t)i;
+        t->merge_out[h] = c;
+    }
+    free(joined);
+}
+
+/* Sort key of a special token: longer texts first (so "<|im_start|>" is never cut by a shorter
+ * token occurring inside it), equal lengths by id so the order is deterministic. */
+static int tok_u64_cmp(const void *pa, const void *pb)
+{
+    uint64_t a = *(const uint64_t *)pa, b = *(const uint64_t *)pb;
+    return (a > b) - (a < b);
+}
+
+/* Reads an optional token id key; dies if it names no token. */
+static int tok_load_id(const struct tok *t, const struct gguf_file *g, const char *key)
+{
+    int64_t id = gguf_get_int(g, key, -1);
+    if (id < -1 || id >= t->n_vocab) die("tokenizer: %s = %lld is not a token", key, (long long)id);
+    return (int)id;
+}
+
+/* Adds id to the end-of-generation set unless absent (-1) or already there. */
+static void tok_add_eog(struct tok *t, int id)
+{
+    if (id < 0) return;
+    for (int i = 0; i < t->n_eog; i++)
+        if (t->eog[i] == id) return;
+    t->eog[t->n_eog++] = id;
+}
+
+/* Special tokens, eos/eot/pad and the end-of-generation set.  Special = CONTROL, USER_DEFINED and
+ * UNKNOWN (llama.cpp's set; UNUSED "[PAD…]" tokens stay ordinary text).  The eog set follows
+ * llama.cpp: eos plus every token whose text is one of the turn/document/FIM-separator ends. */
+static void tok_load_specials(struct tok *t, const struct gguf_file *g)
+{
+    static const char *const eog_texts[] = {
+        "<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "</s>",
+    };
+    uint64_t *keys = plat_alloc((size_t)t->n_vocab * sizeof *keys);
+    int n = 0;
+    for (int i = 0; i < t->n_vocab; i++) {
+        int ty = t->type[i];
+        uint32_t len = t->text_off[i + 1] - t->text_off[i];
+        if ((ty == TOK_T_CONTROL || ty == TOK_T_USER_DEFINED || ty == TOK_T_UNKNOWN) && len)
+            keys[n++] = (uint64_t)(UINT32_MAX - len) << 32 | (uint32_t)i;
+    }
+    qsort(keys, (size_t)n, sizeof *keys, tok_u64_cmp);
+    t->special = plat_alloc((size_t)(n ? n : 1) * sizeof *t->special);
+    for (int i = 0; i < n; i++) t->special[i] = (int)(uint32_t)keys[i];
+    t->n_special = n;
+    free(keys);
+    t->eos_id = tok_load_id(t, g, "tokenizer.ggml.eos_token_id");
+    t->pad_id = tok_load_id(t, g, "tokenizer.ggml.padding_token_id");
+    t->eot_id = tok_find(t, "<|im_end|>");
+    if (t->eot_id < 0) t->eot_id = t->eos_id;
+    t->n_eog = 0;
+    tok_add_eog(t, t->eos_id);
+    for (size_t i = 0; i < sizeof eog_texts / sizeof eog_texts[0]; i++)
+        tok_add_eog(t, tok_find(t, eog_texts[i]));
+}
+
+/* Loads the tokenizer of a GGUF model.  Needs tokenizer.ggml.{model,pre,tokens,merges}; dies
+ * with a message naming the problem if the tokenizer is not Qwen's byte-level BPE or is
+ * inconsistent.  The struct owns copies of everything: g may be closed afterwards. */
+static void tok_load(struct tok *t, const struct gguf_file *g)
+{
+    memset(t, 0, sizeof *t);
+    tok_load_kind(t, g);
+    for (size_t cp = 0; cp < sizeof t->cp_byte / sizeof t->cp_byte[0]; cp++) t->cp_byte[cp] = -1;
+    for (int b = 0; b < 256; b++) t->cp_byte[tok_byte_cp(b)] = (int16_t)b;
+    tok_load_vocab(t, g);
+    for (int b = 0; b < 256; b++) {
+        char u[4];
+        t->byte_id[b] = tok_lookup(t, u, tok_utf8_put(tok_byte_cp(b), u));
+        if (t->byte_id[b] < 0) die("tokenizer: no token for byte 0x%02x", b);
+    }
+    tok_load_merges(t, g);
+    tok_load_specials(t, g);
+}
+
+/* Frees what tok_load allocated; t is zeroed and may be loaded again. */
+static void tok_free(struct tok *t)
+{
+    free(t->text);
+    free(t->text_off);
+    free(t->type);
+    free(t->text_tab);
+    free(t->merge_key);
+    free(t->merge_rank);
+    free(t->merge_out);
+    free(t->special);
+    memset(t, 0, sizeof *t);
+}
+
+/* True if generating id ends the turn (eos, <|im_end|>, <|endoftext|>, FIM separators, </s>). */
+static int tok_is_eog(const struct tok *t, int id)
+{
+    for (int i = 0; i < t->n_eog; i++)
+        if (t->eog[i] == id) return 1;
+    return 0;
+}
+
+/* ---- encoding ---- */
+
+/* Pre-tokenizer character classes as bits; \r is both WS and NL, ' ' both WS and SP.  A byte
+ * that is not valid UTF-8 has class 0, like punctuation: it joins the [^\s\p{L}\p{N}]+ runs. */
+enum { TOK_C_L = 1, TOK_C_N = 2, TOK_C_M = 4, TOK_C_WS = 8, TOK_C_NL = 16, TOK_C_SP = 32 };
+
+/* Binary search of cp in a sorted table of inclusive ranges. */
+static int tok_in_ranges(const uint32_t (*r)[2], size_t n, uint32_t cp)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (cp < r[mid][0]) hi = mid;
+        else if (cp > r[mid][1]) lo = mid + 1;
+        else return 1;
+    }
+    return 0;
+}
+
+#define TOK_IN(table, cp) tok_in_ranges(table, sizeof table / sizeof table[0], cp)
+
+/* Class bits of code point cp: \p{L}, \p{N}, \p{M} from the general category, \s = White_Space. */
+static unsigned tok_cp_class(uint32_t cp)
+{
+    if (cp < 0x80) {
+        if ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z') return TOK_C_L;
+        if (cp >= '0' && cp <= '9') return TOK_C_N;
+        if (cp == '\r' || cp == '\n') return TOK_C_WS | TOK_C_NL;
+        if (cp == ' ') return TOK_C_WS | TOK_C_SP;
+        return cp >= 0x09 && cp <= 0x0D ? TOK_C_WS : 0;
+    }
+    if (TOK_IN(tok_ranges_letter, cp)) return TOK_C_L;
+    if (TOK_IN(tok_ranges_number, cp)) return TOK_C_N;
+    if (TOK_IN(tok_ranges_mark, cp)) return TOK_C_M;
+    return TOK_IN(tok_ranges_white_space, cp) ? TOK_C_WS : 0;
+}
+
+struct tok_unit { size_t off; unsigned cls; };    /* a code point (or invalid byte) of the text */
+struct tok_sym { int32_t id, prev, next; };       /* a BPE symbol: id -1 once merged away */
+struct tok_pair { int32_t rank, left, id_left, id_right, out; };  /* a mergeable neighbour pair */
+
+/* Scratch of one tok_encode call, reused across its words, and the ids produced. */
+struct tok_work {
+    struct tok_unit *unit; size_t unit_cap;
+    struct tok_sym *sym; size_t sym_cap;
+    struct tok_pair *heap; size_t heap_n, heap_cap;
+    int *ids; size_t n_ids, ids_cap;
+};
+
+/* Ensures p holds at least need elements of elem bytes (cap in *cap), doubling; returns p. */
+static void *tok_grow(void *p, size_t *cap, size_t need, size_t elem)
+{
+    size_t c = *cap ? *cap : 16;
+    if (need <= *cap) return p;
+    while (c < need) c *= 2;
+    *cap = c;
+    return plat_realloc(p, c * elem);
+}
+
+static void tok_emit(struct tok_work *w, int id)
+{
+    w->ids = tok_grow(w->ids, &w->ids_cap, w->n_ids + 1, sizeof *w->ids);
+    w->ids[w->n_ids++] = id;
+}
+
+/* Lower-cased ASCII letter at unit i, or 0 (past the end, not a letter, not ASCII). */
+static int tok_ascii_at(const struct tok_unit *u, size_t n, size_t i, const char *s)
+{
+    unsigned char c;
+    if (i >= n || !(u[i].cls & TOK_C_L)) return 0;
+    c = (unsigned char)s[u[i].off];
+    return c < 0x80 ? c | 0x20 : 0;
+}
+
+/* (?i:'s|'t|'re|'ve|'m|'ll|'d) at unit i: the match length in units, or 0.  Case folding is
+ * ASCII only (llama.cpp writes it '[sS]|...'; Unicode folding would also take U+017F). */
+static size_t tok_contraction(const struct tok_unit *u, size_t n, size_t i, const char *s)
+{
+    int a, b;
+    if (s[u[i].off] != '\'') return 0;
+    a = tok_ascii_at(u, n, i + 1, s);
+    b = tok_ascii_at(u, n, i + 2, s);
+    if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
+    if (((a == 'r' || a == 'v') && b == 'e') || (a == 'l' && b == 'l')) return 3;
+    return 0;
+}
+
+/* Length in units of the pre-token starting at unit i < n, by the Qwen regex (alternatives in
+ * order, the first that matches wins):
+ *   (?i:'s|'t|'re|'ve|'m|'ll|'d) | [^\r\n\p{L}\p{N}]?B+ | \p{N} | ' '?[^\s B \p{N}]+[\r\n]*
+ *   | \s*[\r\n]+ | \s+(?!\S) | \s+
+ * where B is \p{L} (qwen2) or [\p{L}\p{M}] (qwen35): the body class passed in `body`.  Every
+ * unit is in B, \p{N}, \s or the punctuation class, so the result is always >= 1. */
+static size_t tok_pre_match(const struct tok_unit *u, size_t n, size_t i, const char *s, unsigned body)
+{
+    unsigned c = u[i].cls, punct_not = TOK_C_WS | TOK_C_N | body;
+    size_t j = tok_contraction(u, n, i, s), nl = 0, end;
+    if (j) return j;
+    /* The optional prefix is taken only when a body run follows it (else backtrack without it). */
+    j = i;
+    if (!(c & (body | TOK_C_N | TOK_C_NL)) && i + 1 < n && (u[i + 1].cls & body)) j = i + 1;
+    if (u[j].cls & body) {
+        while (j < n && (u[j].cls & body)) j++;
+        return j - i;
+    }
+    if (c & TOK_C_N) return 1;
+    j = i + ((c & TOK_C_SP) && i + 1 < n && !(u[i + 1].cls & punct_not));
+    if (!(u[j].cls & punct_not)) {
+        while (j < n && !(u[j].cls & punct_not)) j++;
+        while (j < n && (u[j].cls & TOK_C_NL)) j++;
+        return j - i;
+    }
+    /* u[i] is whitespace.  \s*[\r\n]+ backtracks to end just after the run's last \r or \n. */
+    for (end = i; end < n && (u[end].cls & TOK_C_WS); end++)
+        if (u[end].cls & TOK_C_NL) nl = end + 1;
+    if (nl) return nl - i;
+    /* \s+(?!\S): before a non-space, give back one space (it prefixes the next word); a single
+     * space there fails the lookahead and falls through to \s+. */
+    if (end < n && end - i >= 2) return end - 1 - i;
+    return end - i;
+}
+
+/* Heap order of candidate merges: lowest rank first, then leftmost (llama.cpp's order). */
+static int tok_pair_less(const struct tok_pair *a, const struct tok_pair *b)
+{
+    return a->rank < b->rank || (a->rank == b->rank && a->left < b->left);
+}
+
+/* Pushes the neighbour pair (left, right) if the vocabulary merges it; -1 means no symbol. */
+static void tok_heap_push(const struct tok *t, struct tok_work *w, int32_t left, int32_t right)
+{
+    struct tok_pair p;
+    size_t i;
+    if (left < 0 || right < 0) return;
+    p.left = left;
+    p.id_left = w->sym[left].id;
+    p.id_right = w->sym[right].id;
+    p.rank = tok_merge_rank(t, p.id_left, p.id_right, &p.out);
+    if (p.rank < 0) return;
+    w->heap = tok_grow(w->heap, &w->heap_cap, w->heap_n + 1, sizeof *w->heap);
+    for (i = w->heap_n++; i > 0 && tok_pair_less(&p, &w->heap[(i - 1) / 2]); i = (i - 1) / 2)
+        w->heap[i] = w->heap[(i - 1) / 2];
+    w->heap[i] = p;
+}
+
+/* Removes and returns the best pair; the heap must not be empty. */
+static struct tok_pair tok_heap_pop(struct tok_work *w)
+{
+    struct tok_pair top = w->heap[0], last = w->heap[--w->heap_n];
+    size_t i = 0, n = w->heap_n, c;
+    while ((c = 2 * i + 1) < n) {
+        if (c + 1 < n && tok_pair_less(&w->heap[c + 1], &w->heap[c])) c++;
+        if (!tok_pair_less(&w->heap[c], &last)) break;
+        w->heap[i] = w->heap[c];
+        i = c;
+    }
+    w->heap[i] = last;
+    return top;
+}
+
+/* Byte-level BPE of one pre-token word s[0..len): one symbol per byte, then repeatedly merge the
+ * neighbour pair of lowest rank (leftmost on ties).  A heap entry is stale once either symbol has
+ * changed; it is then skipped.  O(len log len), so long words do not go quadratic. */
+static void tok_bpe_word(const struct tok *t, const char *s, size_t len, struct tok_work *w)
+{
+    if (len > INT32_MAX) die("tokenizer: a %zu-byte word is too long", len);
+    w->sym = tok_grow(w->sym, &w->sym_cap, len, sizeof *w->sym);
+    for (size_t i = 0; i < len; i++) {
+        w->sym[i].id = t->byte_id[(unsigned char)s[i]];
+        w->sym[i].prev = (int32_t)i - 1;
+        w->sym[i].next = i + 1 < len ? (int32_t)i + 1 : -1;
+    }
+    w->heap_n = 0;
+    for (size_t i = 1; i < len; i++) tok_heap_push(t, w, (int32_t)i - 1, (int32_t)i);
+    while (w->heap_n) {
+        struct tok_pair p = tok_heap_pop(w);
+        struct tok_sym *l = &w->sym[p.left];
+        int32_t r = l->next;
+        if (l->id != p.id_left || r < 0 || w->sym[r].id != p.id_right) continue;
+        l->id = p.out;
+        w->sym[r].id = -1;
+        l->next = w->sym[r].next;
+        if (l->next >= 0) w->sym[l->next].prev = p.left;
+        tok_heap_push(t, w, l->prev, p.left);
+        tok_heap_push(t, w, p.left, l->next);
+    }
+    for (int32_t i = len ? 0 : -1; i >= 0; i = w->sym[i].next) tok_emit(w, w->sym[i].id);
+}
+
+/* Pre-tokenizes s[0..len) (no special tokens in it) and BPE-encodes each word into w->ids. */
+static void tok_encode_raw(const struct tok *t, const char *s, size_t len, struct tok_work *w)
+{
+    unsigned body = t->pre == TOK_PRE_QWEN35 ? TOK_C_L | TOK_C_M : TOK_C_L;
+    size_t n = 0;
+    w->unit = tok_grow(w->unit, &w->unit_cap, len + 1, sizeof *w->unit);
+    for (size_t i = 0; i < len; n++) {
+        uint32_t cp;
+        size_t k = tok_utf8_get((const unsigned char *)s + i, len - i, &cp);
+        w->unit[n].off = i;
+        w->unit[n].cls = k ? tok_cp_class(cp) : 0;
+        i += k ? k : 1;
+    }
+    w->unit[n].off = len;
+    for (size_t i = 0, m; i < n; i += m) {
+        m = tok_pre_match(w->unit, n, i, s, body);
+        tok_bpe_word(t, s + w->unit[i].off, w->unit[i + m].off - w->unit[i].off, w);
+    }
+}
+
+/* A piece of the input: a special token (id >= 0) or raw text for the pre-tokenizer (id -1). */
+struct tok_frag { size_t off, len; int id; };
+
+/* First occurrence of nd[0..m) (m >= 1) in hay[0..n), or NULL. */
+static const char *tok_memmem(const char *hay, size_t n, const char *nd, size_t m)
+{
+    const char *last = hay + (n - m);
+    if (m > n) return NULL;
+    for (const char *p = hay; p <= last; p++) {
+        p = memchr(p, nd[0], (size_t)(last - p) + 1);
+        if (!p) return NULL;
+        if (!memcmp(p, nd, m)) return p;
+    }
+    return NULL;
+}
+
+static void tok_frag_push(struct tok_frag **f, size_t *n, size_t *cap, size_t off, size_t len, int id)
+{
+    *f = tok_grow(*f, cap, *n + 1, sizeof **f);
+    (*f)[(*n)++] = (struct tok_frag){off, len, id};
+}
+
+/* Cuts special-token texts out of text, as llama.cpp does: each special token in turn, longest
+ * first, is cut out of every raw fragment left, leftmost occurrence first; so special tokens are
+ * never split.  CONTROL/UNKNOWN tokens only if parse_special; USER_DEFINED ones (<think>,
+ * <tool_call>) always, as Hugging Face does for added non-special tokens.  Returns the number
+ * of fragments, in text order, in malloc'd *out. */
+static size_t tok_split_special(const struct tok *t, const char *text, size_t len, int parse_special,
+                                struct tok_frag **out)
+{
+    struct tok_frag *f = NULL, *g = NULL, *tmp;
+    size_t n = 0, cap = 0, n2, cap2 = 0;
+    if (len) tok_frag_push(&f, &n, &cap, 0, len, -1);
+    for (int k = 0; k < t->n_special; k++) {
+        int id = t->special[k];
+        const char *st = t->text + t->text_off[id];
+        size_t sl = t->text_off[id + 1] - t->text_off[id];
+        if (!parse_special && t->type[id] != TOK_T_USER_DEFINED) continue;
+        n2 = 0;
+        for (size_t i = 0; i < n; i++) {
+            size_t off = f[i].off, end = f[i].off + f[i].len;
+            const char *p;
+            if (f[i].id >= 0) { tok_frag_push(&g, &n2, &cap2, off, f[i].len, f[i].id); continue; }
+            while ((p = tok_memmem(text + off, end - off, st, sl))) {
+                size_t at = (size_t)(p - text);
+                if (at > off) tok_frag_push(&g, &n2, &cap2, off, at - off, -1);
+                tok_frag_push(&g, &n2, &cap2, at, sl, id);
+                off = at + sl;
+            }
+            if (off < end) tok_frag_push(&g, &n2, &cap2, off, end - off, -1);
+        }
+        tmp = f; f = g; g = tmp;      /* the new list becomes current; the old one is reused */
+        n = n2;
+        n2 = cap; cap = cap2; cap2 = n2;  /* (n2 is free here: swap the capacities through it) */
+    }
+    free(g);
+    *out = f;
+    return n;
+}
+
+/* Encodes text[0..len) to token ids: special tokens (see tok_split_special), then the
+ * pre-tokenizer and byte-level BPE on the rest.  No BOS is added.  Any bytes are accepted:
+ * invalid UTF-8 is encoded byte by byte and decodes back to the same bytes.  Returns the
+ * count; *ids_out is malloc'd (also when the count is 0) and the caller frees it. */
+static int tok_encode(const struct tok *t, const char *text, size_t len, int parse_special, int **ids_out)
+{
+    struct tok_work w;
+    struct tok_frag *f;
+    size_t n;
+    memset(&w, 0, sizeof w);
+    n = tok_split_special(t, text, len, parse_special, &f);
+    for (size_t i = 0; i < n; i++) {
+        if (f[i].id >= 0) tok_emit(&w, f[i].id);
+        else tok_encode_raw(t, text + f[i].off, f[i].len, &w);
+    }
+    free(f);
+    free(w.unit);
+    free(w.sym);
+    free(w.heap);
+    if (w.n_ids > INT32_MAX) die("tokenizer: text too long (%zu tokens)", w.n_ids);
+    *ids_out = w.ids ? w.ids : plat_alloc(sizeof **ids_out);
+    return (int)w.n_ids;
+}
+
+/* ---- decoding ---- */
+
+/* Writes the bytes of token id to buf, at most cap of them (t->max_piece always suffices), and
+ * returns the full count, like snprintf (buf may be NULL when cap is 0).  NORMAL tokens give their raw bytes (byte-level
+ * decoded), CONTROL / USER_DEFINED / UNKNOWN tokens their text verbatim, UNUSED ("[PAD…]"),
+ * BYTE and UNDEFINED tokens nothing, as in llama.cpp.  Dies on an id outside the vocabulary. */
+static size_t tok_decode(const struct tok *t, int id, char *buf, size_t cap)
+{
+    const char *s;
+    size_t len;
+    if (id < 0 || id >= t->n_vocab) die("tokenizer: token id %d out of range", id);
+    s = t->text + t->text_off[id];
+    len = t->text_off[id + 1] - t->text_off[id];
+    switch (t->type[id]) {
+    case TOK_T_NORMAL:
+        return (size_t)tok_unbyte(t, s, len, buf, cap);   /* validated at load: never -1 */
+    case TOK_T_CONTROL: case TOK_T_USER_DEFINED: case TOK_T_UNKNOWN:
+        if (cap) memcpy(buf, s, len < cap ? len : cap);
+        return len;
+    default:
+        return 0;
+    }
+}
+
+/* Streaming UTF-8 guard for printing decoded tokens: a character split across tokens (an emoji
+ * is often 2-4 byte tokens) is held back until complete.  Zero-initialise it, push every decoded
+ * piece, and flush at the end.  Invalid sequences are passed through verbatim, never dropped. */
+struct tok_utf8_stream {
+    unsigned char pend[4];   /* the incomplete character so far */
+    int n_pend, need;        /* bytes held, bytes the lead byte announced */
+};
+
+/* Appends bytes[0..n) and writes to out everything that is complete (at most n + 3 bytes; cap
+ * must be at least that).  Returns the number of bytes written. */
+static size_t tok_stream_push(struct tok_utf8_stream *s, const char *bytes, size_t n, char *out, size_t cap)
+{
+    size_t o = 0;
+    if (cap < n + 3) die("tok_stream_push: output buffer of %zu bytes is too small", cap);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)bytes[i];
+        if (s->n_pend && (c & 0xC0) == 0x80) {
+            s->pend[s->n_pend++] = c;
+            if (s->n_pend < s->need) continue;
+            memcpy(out + o, s->pend, (size_t)s->n_pend);
+            o += (size_t)s->n_pend;
+            s->n_pend = 0;
+            continue;
+        }
+        /* Not a continuation: a held sequence is broken off; it goes out as it is. */
+        memcpy(out + o, s->pend, (size_t)s->n_pend);
+        o += (size_t)s->n_pend;
+        s->n_pend = 0;
+        if (c >= 0xC2 && c <= 0xF4) {
+            s->pend[0] = c;
+            s->n_pend = 1;
+            s->need = c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+        } else {
+            out[o++] = (char)c;
+        }
+    }
+    return o;
+}
+
+/* Writes the held bytes of an unfinished character (at most 3) to out and resets the stream;
+ * returns their count. */
+static size_t tok_stream_flush(struct tok_utf8_stream *s, char *out)
+{
+    size_t n = (size_t)s->n_pend;
+    memcpy(out, s->pend, n);
+    s->n_pend = 0;
+    return n;
+}
+
+/* ---- chat template ---- */
+
+struct tok_chat_msg { const char *role; const char *content; };
+
+/* A growing NUL-terminated string. */
+struct tok_buf { char *p; size_t n, cap; };
+
+static void tok_buf_put(struct tok_buf *b, const char *s, size_t len)
+{
+    b->p = tok_grow(b->p, &b->cap, b->n + len + 1, 1);
+    memcpy(b->p + b->n, s, len);
+    b->n += len;
+    b->p[b->n] = 0;
+}
+
+static int tok_is_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+/* The answer part of an assistant history turn: a leading <think>…</think> block and the
+ * whitespace around it are dropped, since Qwen3.5/3.6 do not show old reasoning to the model. */
+static const char *tok_chat_answer(const char *s)
+{
+    const char *p = s, *end;
+    while (tok_is_space(*p)) p++;
+    if (strncmp(p, "<think>", 7) || !(end = strstr(p + 7, "</think>"))) return s;
+    for (p = end + 8; tok_is_space(*p); p++) {}
+    return p;
+}
+
+/* Renders messages (roles "system", "user", "assistant"; NUL-terminated strings) with the ChatML
+ * template of Qwen3.5/3.6:  <|im_start|>ROLE\nCONTENT<|im_end|>\n  per message, then, if
+ * add_generation_prompt, "<|im_start|>assistant\n<think>\n" (think) or the same with an empty
+ * closed think block "<think>\n\n</think>\n\n" (no think).  Returns a malloc'd string. */
+static char *tok_chat_render(const struct tok_chat_msg *msgs, int n, int add_generation_prompt, int think)
+{
+    struct tok_buf b = {NULL, 0, 0};
+    tok_buf_put(&b, "", 0);
+    for (int i = 0; i < n; i++) {
+        const char *role = msgs[i].role, *content = msgs[i].content;
+        if (!strcmp(role, "assistant")) content = tok_chat_answer(content);
+        else if (strcmp(role, "system") && strcmp(role, "user")) die("unsupported chat role %s", role);
+        tok_buf_put(&b, "<|im_start|>", 12);
+        tok_buf_put(&b, role, strlen(role));
+        tok_buf_put(&b, "\n", 1);
+        tok_buf_put(&b, content, strlen(content));
+        tok_buf_put(&b, "<|im_end|>\n", 11);
+    }
+    if (add_generation_prompt) {
+        const char *gen = think ? "<|im_start|>assistant\n<think>\n"
+                                : "<|im_start|>assistant\n<think>\n\n</think>\n\n";
+        tok_buf_put(&b, gen, strlen(gen));
+    }
+    return b.p;
+}
+
+/* ==== §10 sample ==== */
+/* Owns: turning a row of logits into the next token: greedy, or repetition penalty,
+ *   temperature, top-k, top-p, min-p and a seeded draw.
+ * Promises: greedy (temp 0) is the argmax over all logits, the lowest id on ties, nothing
+ *   masked. With the same seed and logits, the same token. The logits row may be modified.
+ * May call: §1.
+ * Workload: once per generated token over n_vocab logits (248k for the 35B): candidates are
+ *   cut to top-k by a partial selection before anything is sorted. */
+
+struct sample_params {
+    float temp;           /* 0: greedy */
+    int top_k;            /* 0: all */
+    float top_p;          /* 1: off */
+    float min_p;          /* 0: off */
+    float repeat_penalty; /* 1: off */
+    int repeat_last_n;    /* how many recent tokens the penalty looks at */
+    uint64_t seed;
+};
+
+struct sample_candidate {
+    int id;
+    float logit;
+};
+
+/* splitmix64: small, fast, and the same stream on every platform. */
+static uint64_t sample_next_u64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static int sample_argmax(const float *logits, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+static int sample_by_logit_desc(const void *a, const void *b)
+{
+    const struct sample_candidate *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return x->id - y->id;
+}
+
+/* Penalises tokens seen in the last repeat_last_n of HISTORY (the CTRL rule: divide a
+ * positive logit, multiply a negative one). */
+static void sample_apply_penalty(const struct sample_params *p, float *logits, const int *history, int n_hist)
+{
+    if (p->repeat_penalty == 1.0f) return;
+    int from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
+    for (int i = from; i < n_hist; i++) {
+        float *l = &logits[history[i]];
+        int seen = 0;
+        for (int j = from; j < i; j++) seen |= history[j] == history[i];
+        if (!seen) *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+    }
+}
+
+/* Keeps the K largest logits in cand[0..K) (unsorted), by a threshold found with a
+ * selection pass; K may shrink nothing when K >= n. Returns the count kept. */
+static int sample_top_k(const float *logits, int n, int k, struct sample_candidate *cand)
+{
+    int count = 0;
+    for (int i = 0; i < n; i++) cand[count++] = (struct sample_candidate){i, logits[i]};
+    if (k <= 0 || k >= n) return n;
+    /* quickselect on logit, descending */
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float pivot = cand[(lo + hi) / 2].logit;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (cand[i].logit > pivot) i++;
+            while (cand[j].logit < pivot) j--;
+            if (i <= j) {
+                struct sample_candidate t = cand[i];
+                cand[i++] = cand[j];
+                cand[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+    return k;
+}
+
+/* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
+ * caller's splitmix64 state, seeded from p->seed. CAND is scratch of n_vocab entries. */
+static int sample_next(const struct sample_params *p, float *logits, int n_vocab, const int *history, int n_hist,
+                       uint64_t *rng, struct sample_candidate *cand)
+{
+    sample_apply_penalty(p, logits, history, n_hist);
+    if (p->temp <= 0.0f) return sample_argmax(logits, n_vocab);
+    int n = sample_top_k(logits, n_vocab, p->top_k, cand);
+    qsort(cand, (size_t)n, sizeof *cand, sample_by_logit_desc);
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        cand[i].logit = expf((cand[i].logit - cand[0].logit) / p->temp);
+        sum += cand[i].logit;
+    }
+    /* top-p: the smallest prefix whose mass reaches p; min-p: drop what is below
+     * min_p times the best probability */
+    double mass = 0.0;
+    int keep = 0;
+    while (keep < n) {
+        if (cand[keep].logit < p->min_p * cand[0].logit) break;
+        mass += cand[keep].logit;
+        keep++;
+        if (mass >= p->top_p * sum) break;
+    }
+    double r = (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * mass;
+    for (int i = 0; i < keep; i++) {
+        r -= cand[i].logit;
+        if (r < 0) return cand[i].id;
+    }
+    return cand[keep - 1].id;
+}
+
+/* ==== §11 frontends ==== */
+/* Owns: the commands a user runs (run, chat, plan, bench, info, tokenize): loading a
+ *   session, the generation loop, streaming text, statistics, the --json record.
+ * Promises: stdout carries only generated text (and the one --json line); everything else
+ *   goes to stderr. A full context is a message, never a crash. Ctrl-C in chat stops the
+ *   answer and keeps the session.
+ * May call: §1–§10.
+ * Workload: the generation loop calls model_forward once per token; the rest is start-up. */
+
+struct cmd_options {
+    const char *model, *prompt, *system;
+    int n_predict, n_bench_prompt, n_ctx, threads;
+    int chat, json, think, hide_think, ignore_eog, kernels;
+    struct sample_params sample;
+};
+
+struct cmd_session {
+    struct model model;
+    struct tok tok;
+    int think_open, think_close; /* <think> and </think> ids, -1 if absent */
+};
+
+/* What one generation produced; arrays grow with the tokens. */
+struct cmd_generation {
+    int *tokens;
+    int n_tokens;
+    float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position that chose each token */
+    char *text;
+    size_t text_len, text_cap;
+    int n_prompt;
+    double prompt_s, decode_s;
+    int stopped_by_eog, interrupted, context_full;
+};
+
+static volatile sig_atomic_t cmd_interrupt;
+
+static void cmd_on_sigint(int sig)
+{
+    (void)sig;
+    cmd_interrupt = 1;
+}
+
+static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
+{
+    double t0 = plat_now();
+    if (!o->model) die("no model given (-m MODEL.gguf)");
+    model_load(&s->model, o->model, o->n_ctx);
+    tok_load(&s->tok, &s->model.file);
+    if (s->tok.n_vocab > s->model.cfg.n_vocab)
+        die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
+    s->think_open = tok_find(&s->tok, "<think>");
+    s->think_close = tok_find(&s->tok, "</think>");
+    const struct model_config *c = &s->model.cfg;
+    plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
+             o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
+             s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
+}
+
+static void cmd_close(struct cmd_session *s)
+{
+    tok_free(&s->tok);
+    model_free(&s->model);
+}
+
+/* The five largest logits, best first (lowest id on ties). */
+static void cmd_top5(const float *logits, int n, float out[5][2])
+{
+    int ids[5] = {-1, -1, -1, -1, -1};
+    for (int i = 0; i < n; i++) {
+        int k = 5;
+        while (k > 0 && (ids[k - 1] < 0 || logits[i] > logits[ids[k - 1]])) k--;
+        if (k == 5) continue;
+        memmove(ids + k + 1, ids + k, (size_t)(4 - k) * sizeof *ids);
+        ids[k] = i;
+    }
+    for (int k = 0; k < 5; k++) {
+        out[k][0] = (float)ids[k];
+        out[k][1] = ids[k] >= 0 ? logits[ids[k]] : 0.0f;
+    }
+}
+
+static void cmd_gen_append(struct cmd_generation *g, int id, float top[5][2], const char *piece, size_t len)
+{
+    g->tokens = plat_realloc(g->tokens, (size_t)(g->n_tokens + 1) * sizeof *g->tokens);
+    g->top = plat_realloc(g->top, (size_t)(g->n_tokens + 1) * sizeof *g->top);
+    g->tokens[g->n_tokens] = id;
+    memcpy(g->top[g->n_tokens], top, sizeof *g->top);
+    g->n_tokens++;
+    if (g->text_len + len + 1 > g->text_cap) {
+        g->text_cap = (g->text_len + len + 1) * 2;
+        g->text = plat_realloc(g->text, g->text_cap);
+    }
+    memcpy(g->text + g->text_len, piece, len);
+    g->text_len += len;
+    g->text[g->text_len] = 0;
+}
+
+static void cmd_gen_free(struct cmd_generation *g)
+{
+    free(g->tokens);
+    free(g->top);
+    free(g->text);
+    memset(g, 0, sizeof *g);
+}
+
+/* How generated pieces reach the terminal: whole UTF-8 characters only; the thinking
+ * block dimmed (on a terminal) or hidden. */
+struct cmd_printer {
+    struct tok_utf8_stream utf8;
+    int in_think, hide_think, dim;
+};
+
+static void cmd_print_piece(const struct cmd_session *s, struct cmd_printer *p, int id, const char *piece, size_t len)
+{
+    char out[512];
+    int tag_open = id >= 0 && id == s->think_open, tag_close = id >= 0 && id == s->think_close;
+    if (tag_open) {
+        p->in_think = 1;
+        if (p->dim && !p->hide_think) fputs("\033[2m", stdout);
+    }
+    if (!(p->in_think && p->hide_think)) {
+        while (len > 0) {
+            size_t take = len < 256 ? len : 256;
+            size_t n = tok_stream_push(&p->utf8, piece, take, out, sizeof out);
+            fwrite(out, 1, n, stdout);
+            piece += take;
+            len -= take;
+        }
+    }
+    if (tag_close) {
+        if (p->dim && !p->hide_think) fputs("\033[0m", stdout);
+        p->in_think = 0;
+    }
+    fflush(stdout);
+}
+
+/* Feeds PROMPT after what the model holds, then samples up to N_MAX tokens, stopping at an
+ * end-of-generation token unless o->ignore_eog, at Ctrl-C, or when the context is full.
+ * The last sampled token is not fed to the model (the caller feeds it on the next turn).
+ * PRINTER may be NULL (nothing printed). */
+static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
+                         struct cmd_printer *printer, struct cmd_generation *g)
+{
+    struct model *m = &s->model;
+    int n_vocab = m->cfg.n_vocab;
+    memset(g, 0, sizeof *g);
+    g->n_prompt = n_prompt;
+    if (m->pos + n_prompt > m->n_ctx) {
+        g->context_full = 1;
+        return;
+    }
+    double t0 = plat_now();
+    float *logits = model_prefill(m, prompt, n_prompt);
+    g->prompt_s = plat_now() - t0;
+    int *history = plat_alloc((size_t)(n_prompt + n_max + 1) * sizeof *history);
+    memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
+    struct sample_candidate *cand = plat_alloc((size_t)n_vocab * sizeof *cand);
+    uint64_t rng = o->sample.seed;
+    char *piece = plat_alloc(s->tok.max_piece + 1);
+    t0 = plat_now();
+    while (g->n_tokens < n_max) {
+        float top[5][2];
+        cmd_top5(logits, n_vocab, top);
+        int id = sample_next(&o->sample, logits, n_vocab, history, n_prompt + g->n_tokens, &rng, cand);
+        history[n_prompt + g->n_tokens] = id;
+        int len = tok_decode(&s->tok, id, piece, s->tok.max_piece + 1);
+        cmd_gen_append(g, id, top, piece, (size_t)len);
+        if (printer) cmd_print_piece(s, printer, id, piece, (size_t)len);
+        if (tok_is_eog(&s->tok, id) && !o->ignore_eog) { g->stopped_by_eog = 1; break; }
+        if (cmd_interrupt) { g->interrupted = 1; break; }
+        if (g->n_tokens >= n_max) break;
+        if (m->pos + 1 > m->n_ctx) { g->context_full = 1; break; }
+        logits = model_forward(m, &id, 1);
+    }
+    g->decode_s = plat_now() - t0;
+    free(piece);
+    free(cand);
+    free(history);
+}
+
+static void cmd_print_stats(const struct cmd_generation *g)
+{
+    int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
+    plat_log("[stats] prompt %d tokens, %.1f tok/s; generated %d tokens, %.1f tok/s",
+             g->n_prompt, g->prompt_s > 0 ? g->n_prompt / g->prompt_s : 0.0, g->n_tokens,
+             g->decode_s > 0 ? n_fwd / g->decode_s : 0.0);
+}
+
+/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the line stays valid JSON. */
+static void cmd_json_string(FILE *f, const char *s, size_t n)
+{
+    fputc('"', f);
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\') { fprintf(f, "\\%c", c); i++; continue; }
+        if (c < 0x20) { fprintf(f, "\\u%04x", c); i++; continue; }
+        if (c < 0x80) { fputc(c, f); i++; continue; }
+        int len = c >= 0xF0 && c < 0xF5 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
+        int ok = len > 0 && i + (size_t)len <= n;
+        for (int k = 1; ok && k < len; k++) ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
+        if (ok && len == 3) {
+            unsigned char d = (unsigned char)s[i + 1];
+            ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0);
+        }
+        if (ok && len == 4) {
+            unsigned char d = (unsigned char)s[i + 1];
+            ok = !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d >= 0x90);
+        }
+        if (!ok) { fputs("\\ufffd", f); i++; continue; }
+        fwrite(s + i, 1, (size_t)len, f);
+        i += (size_t)len;
+    }
+    fputc('"', f);
+}
+
+static void cmd_json_ids(FILE *f, const int *ids, int n)
+{
+    fputc('[', f);
+    for (int i = 0; i < n; i++) fprintf(f, "%s%d", i ? "," : "", ids[i]);
+    fputc(']', f);
+}
+
+static void cmd_print_json(const struct cmd_session *s, const int *prompt, const struct cmd_generation *g)
+{
+    int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
+    printf("{\"prompt_tokens\":");
+    cmd_json_ids(stdout, prompt, g->n_prompt);
+    printf(",\"tokens\":");
+    cmd_json_ids(stdout, g->tokens, g->n_tokens);
+    printf(",\"text\":");
+    cmd_json_string(stdout, g->text ? g->text : "", g->text_len);
+    printf(",\"top\":[");
+    for (int i = 0; i < g->n_tokens; i++) {
+        printf("%s[", i ? "," : "");
+        for (int k = 0; k < 5 && g->top[i][k][0] >= 0; k++) printf("%s[%d,%.9g]", k ? "," : "", (int)g->top[i][k][0], g->top[i][k][1]);
+        printf("]");
+    }
+    printf("],\"stop\":\"%s\"", g->stopped_by_eog ? "eog" : g->context_full ? "context" : g->interrupted ? "interrupt" : "length");
+    printf(",\"timings\":{\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prompt_s\":%.6f,\"decode_s\":%.6f}",
+           g->prompt_s > 0 ? g->n_prompt / g->prompt_s : 0.0, g->decode_s > 0 ? n_fwd / g->decode_s : 0.0, g->prompt_s, g->decode_s);
+    printf(",\"n_ctx\":%d,\"threads\":%d,\"kernels\":\"%s\"}\n", s->model.n_ctx, plat_threads(), quant_level_name());
+}
+
+/* coli run: one prompt (raw text, or the chat template with --chat), one answer. */
+static int cmd_run(const struct cmd_options *o)
+{
+    struct cmd_session s;
+    if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
+    cmd_open(&s, o);
+    char *text = NULL;
+    if (o->chat) {
+        struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", o->prompt}};
+        text = tok_chat_render(o->system ? msgs : msgs + 1, o->system ? 2 : 1, 1, o->think);
+    }
+    const char *t = text ? text : o->prompt;
+    int *ids = NULL, n = tok_encode(&s.tok, t, strlen(t), 1, &ids);
+    if (n == 0) die("the prompt is empty after tokenization");
+    if (n > s.model.n_ctx) die("the prompt has %d tokens but the context holds %d (-c to raise it)", n, s.model.n_ctx);
+    struct cmd_printer printer = {.in_think = o->chat && o->think, .hide_think = o->hide_think};
+    struct cmd_generation g;
+    cmd_generate(&s, o, ids, n, o->n_predict, o->json ? NULL : &printer, &g);
+    if (o->json) cmd_print_json(&s, ids, &g);
+    else {
+        char tail[16];
+        fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
+        putchar('\n');
+    }
+    if (g.context_full) plat_log("[coli] stopped: the context (%d tokens) is full", s.model.n_ctx);
+    cmd_print_stats(&g);
+    cmd_gen_free(&g);
+    free(ids);
+    free(text);
+    cmd_close(&s);
+    return 0;
+}
+
+/* coli tokenize: one id per line. Needs only the vocabulary, so vocabulary-only files work. */
+static int cmd_tokenize(const struct cmd_options *o)
+{
+    struct gguf_file g;
+    struct tok t;
+    if (!o->model) die_usage("tokenize needs a model (-m MODEL.gguf)");
+    if (!o->prompt) die_usage("tokenize needs text (-p TEXT)");
+    gguf_open(&g, o->model);
+    tok_load(&t, &g);
+    int *ids = NULL, n = tok_encode(&t, o->prompt, strlen(o->prompt), 1, &ids);
+    for (int i = 0; i < n; i++) printf("%d\n", ids[i]);
+    free(ids);
+    tok_free(&t);
+    gguf_close(&g);
+    return 0;
+}
+
+/* The tokens of one chat turn: whatever the previous answer left unfed, then the user's
+ * turn and the generation prompt (the system turn first in a new conversation). */
+static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options *o, const char *line, const int *pending,
+                                int n_pending, int **ids_out)
+{
+    int first = s->model.pos == 0 && n_pending == 0;
+    struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", line}};
+    int with_system = first && o->system;
+    char *turn = tok_chat_render(with_system ? msgs : msgs + 1, with_system ? 2 : 1, 1, o->think);
+    size_t len = strlen(turn);
+    char *text = plat_alloc(len + 2);
+    snprintf(text, len + 2, "%s%s", first ? "" : "\n", turn); /* "\n" ends the previous <|im_end|> line */
+    int *body = NULL, n_body = tok_encode(&s->tok, text, strlen(text), 1, &body);
+    int *ids = plat_alloc((size_t)(n_pending + n_body) * sizeof *ids);
+    memcpy(ids, pending, (size_t)n_pending * sizeof *ids);
+    memcpy(ids + n_pending, body, (size_t)n_body * sizeof *ids);
+    free(body);
+    free(text);
+    free(turn);
+    *ids_out = ids;
+    return n_pending + n_body;
+}
+
+/* Reads one line from stdin without its newline; NULL at end of input or on Ctrl-C. */
+static char *cmd_read_line(char **buf, size_t *cap)
+{
+    ssize_t n = getline(buf, cap, stdin);
+    if (n < 0) return NULL;
+    while (n > 0 && ((*buf)[n - 1] == '\n' || (*buf)[n - 1] == '\r')) (*buf)[--n] = 0;
+    return *buf;
+}
+
+/* coli chat: an interactive conversation. The state carries over between turns, so each
+ * turn only feeds its new tokens. Answers keep their thinking in the context. */
+static int cmd_chat(const struct cmd_options *o)
+{
+    struct cmd_session s;
+    cmd_open(&s, o);
+    struct sigaction sa = {.sa_handler = cmd_on_sigint};
+    sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: Ctrl-C at the prompt ends the read */
+    int tty = isatty(STDOUT_FILENO), im_end = tok_find(&s.tok, "<|im_end|>");
+    if (im_end < 0) die("%s: the vocabulary has no <|im_end|>; it is not a chat model", o->model);
+    int pending[2], n_pending = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    fprintf(stderr, "coli chat: /reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer.\n");
+    for (;;) {
+        fputs(tty ? "\033[1m> \033[0m" : "> ", stdout);
+        fflush(stdout);
+        cmd_interrupt = 0;
+        if (!cmd_read_line(&line, &cap)) break;
+        if (!line[0]) continue;
+        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+        if (!strcmp(line, "/reset")) {
+            model_reset(&s.model);
+            n_pending = 0;
+            fprintf(stderr, "(conversation cleared)\n");
+            continue;
+        }
+        int *ids = NULL, n = cmd_chat_turn_tokens(&s, o, line, pending, n_pending, &ids);
+        int room = s.model.n_ctx - s.model.pos - n;
+        if (room < 2) {
+            fprintf(stderr, "(the context is full: %d of %d tokens used; /reset to start a new conversation)\n", s.model.pos, s.model.n_ctx);
+            free(ids);
+            continue;
+        }
+        struct cmd_printer printer = {.in_think = o->think, .hide_think = o->hide_think, .dim = tty};
+        if (printer.in_think && tty && !o->hide_think) fputs("\033[2m", stdout);
+        struct cmd_generation g;
+        cmd_generate(&s, o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer, &g);
+        char tail[16];
+        fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
+        fputs(tty ? "\033[0m\n" : "\n", stdout);
+        if (g.interrupted) fprintf(stderr, "(stopped)\n");
+        if (g.context_full) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
+        cmd_print_stats(&g);
+        /* the last sampled token was never fed; close the turn the way the template does */
+        n_pending = 0;
+        if (g.n_tokens > 0 && g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
+        pending[n_pending++] = im_end;
+        cmd_gen_free(&g);
+        free(ids);
+    }
+    putchar('\n');
+    free(line);
+    cmd_close(&s);
+    return 0;
+}
+
+static void cmd_info_machine(void)
+{
+    int64_t total = plat_mem_total(), avail = plat_mem_available();
+    printf("cpu: %s\n", plat_cpu.name);
+    printf("cpu features: avx2 %s, fma %s, f16c %s, avx512f %s, avx512bw %s, avx512vl %s, avx512vnni %s\n",
+           plat_cpu.avx2 ? "yes" : "no", plat_cpu.fma ? "yes" : "no", plat_cpu.f16c ? "yes" : "no", plat_cpu.avx512f ? "yes" : "no",
+           plat_cpu.avx512bw ? "yes" : "no", plat_cpu.avx512vl ? "yes" : "no", plat_cpu.avx512vnni ? "yes" : "no");
+    printf("kernels: %s\n", quant_level_name());
+    printf("cores: %ld online, %d threads\n", sysconf(_SC_NPROCESSORS_ONLN), plat_threads());
+    printf("memory: %.1f GiB total, %.1f GiB available (cgroup-aware)\n", total / 1073741824.0, avail / 1073741824.0);
+    printf("cuda: not in this build (CPU only)\n");
+}
+
+static void cmd_info_model(const char *path)
+{
+    struct gguf_file g;
+    struct model_config c;
+    gguf_open(&g, path);
+    model_read_config(&c, &g);
+    printf("model: %s (GGUF v%u, %d part%s)\n", path, g.version, g.n_parts, g.n_parts > 1 ? "s" : "");
+    printf("architecture: %s\n", model_arch_names[c.arch]);
+    printf("layers: %d (every %d%s full attention, the rest Gated DeltaNet)\n", c.n_layers, c.full_attn_interval,
+           c.full_attn_interval == 1 ? "st" : c.full_attn_interval == 2 ? "nd" : c.full_attn_interval == 3 ? "rd" : "th");
+    printf("hidden: %d, context: %d, rms eps: %g\n", c.dim, c.ctx_train, c.eps);
+    printf("attention: %d heads, %d kv heads, head dim %d, rope dims %d, rope base %g\n", c.n_head, c.n_kv_head, c.head_dim, c.rope_dims, c.rope_base);
+    printf("deltanet: %d key heads, %d value heads, key dim %d, value dim %d, conv %d\n", c.ssm_nk, c.ssm_nv, c.ssm_dk, c.ssm_dv, c.conv_kernel);
+    if (c.n_expert) printf("experts: %d, %d per token, ff %d, shared ff %d\n", c.n_expert, c.n_expert_used, c.expert_ff, c.shexp_ff);
+    else printf("feed-forward: %d\n", c.ff);
+    int64_t count[GGUF_TYPE_COUNT] = {0};
+    uint64_t bytes[GGUF_TYPE_COUNT] = {0};
+    for (int64_t i = 0; i < g.n_tensors; i++) {
+        count[g.tensors[i].type]++;
+        bytes[g.tensors[i].type] += g.tensors[i].bytes;
+    }
+    printf("tensors: %lld, %.1f MiB\n", (long long)g.n_tensors, g.tensor_bytes / 1048576.0);
+    for (int t = 0; t < GGUF_TYPE_COUNT; t++)
+        if (count[t]) printf("  %-5s %5lld tensors %10.1f MiB\n", gguf_types[t].name, (long long)count[t], bytes[t] / 1048576.0);
+    if (gguf_find_key(&g, "tokenizer.ggml.tokens") >= 0) {
+        struct tok t;
+        tok_load(&t, &g);
+        printf("vocabulary: %d tokens; eos %d, pad %d;", t.n_vocab, t.eos_id, t.pad_id);
+        printf(" end of generation:");
+        for (int i = 0; i < t.n_eog; i++) printf(" %d", t.eog[i]);
+        printf("\n");
+        tok_free(&t);
+    }
+    gguf_close(&g);
+}
+
+/* coli info: the machine, and the model when -m is given. */
+static int cmd_info(const struct cmd_options *o)
+{
+    cmd_info_machine();
+    if (o->model) cmd_info_model(o->model);
+    return 0;
+}
+
+/* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more
+ * (greedy, end-of-generation ignored), or the kernel table with --kernels. */
+static int cmd_bench(const struct cmd_options *o)
+{
+    if (o->kernels) {
+        ops_bench_kernels();
+        return 0;
+    }
+    struct cmd_session s;
+    struct cmd_options bo = *o;
+    bo.ignore_eog = 1;
+    bo.sample.temp = 0;
+    bo.n_ctx = o->n_ctx ? o->n_ctx : o->n_bench_prompt + o->n_predict + 1;
+    cmd_open(&s, &bo);
+    int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
+    uint64_t rng = 42;
+    for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
+    struct cmd_generation g;
+    cmd_generate(&s, &bo, ids, o->n_bench_prompt, o->n_predict, NULL, &g);
+    int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
+    double pp = g.prompt_s > 0 ? g.n_prompt / g.prompt_s : 0, tg = g.decode_s > 0 ? n_fwd / g.decode_s : 0;
+    if (o->json)
+        printf("{\"model\":\"%s\",\"prompt_tokens\":%d,\"gen_tokens\":%d,\"threads\":%d,\"kernels\":\"%s\",\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f}\n",
+               o->model, g.n_prompt, g.n_tokens, plat_threads(), quant_level_name(), pp, tg);
+    else
+        printf("prompt: %d tokens, %.2f tok/s\ndecode: %d tokens, %.2f tok/s\n", g.n_prompt, pp, g.n_tokens, tg);
+    cmd_gen_free(&g);
+    free(ids);
+    cmd_close(&s);
+    return 0;
+}
+
+/* coli plan: where each part of the model would live, from the tensor infos alone. With no
+ * CUDA path yet every part is on the CPU; the figures are what placement will price. */
+static int cmd_plan(const struct cmd_options *o)
+{
+    struct model m;
+    if (!o->model) die_usage("plan needs a model (-m MODEL.gguf)");
+    memset(&m, 0, sizeof m);
+    gguf_open(&m.file, o->model);
+    model_read_config(&m.cfg, &m.file);
+    model_bind(&m);
+    uint64_t experts = 0;
+    for (int64_t i = 0; i < m.file.n_tensors; i++)
+        if (strstr(m.file.tensors[i].name, "_exps.")) experts += m.file.tensors[i].bytes;
+    uint64_t trunk = m.file.tensor_bytes - experts;
+    int ctx = model_choose_ctx(&m, o->n_ctx);
+    double active = m.cfg.n_expert ? (double)experts * m.cfg.n_expert_used / m.cfg.n_expert : 0;
+    printf("[place] trunk (dense, read every token): %.1f MiB -> cpu\n", trunk / 1048576.0);
+    printf("[place] routed experts: %.1f MiB, %.1f MiB read per token -> cpu (memory-mapped)\n", experts / 1048576.0, active / 1048576.0);
+    printf("[place] KV cache: %.1f KiB per token, %.1f MiB at context %d -> cpu\n", model_kv_bytes_per_token(&m) / 1024.0,
+           (double)model_kv_bytes_per_token(&m) * ctx / 1048576.0, ctx);
+    printf("[place] memory available: %.1f MiB; no CUDA devices in this build\n", plat_mem_available() / 1048576.0);
+    free(m.layers);
+    gguf_close(&m.file);
+    return 0;
+}
+
+/* ==== §12 main ==== */
+/* Owns: the command line (design.md §3: stable, scripts rely on it) and start-up order:
+ *   CPU features, kernel table, threads, then the command.
+ * Promises: a bad flag or value is a one-line usage error with exit status 2. */
+
+static const char arg_usage[] =
+    "usage: coli COMMAND [options]\n"
+    "\n"
+    "commands:\n"
+    "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [sampling] [resources]\n"
+    "  chat      -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [sampling] [resources]\n"
+    "  plan      -m MODEL.gguf [resources]        where each part of the model lives\n"
+    "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
+    "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
+    "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
+    "  help COMMAND, --help, --version\n"
+    "\n"
+    "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
+    "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
+    "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
+    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level\n";
+
+static const char *const arg_command_help[][2] = {
+    {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
+            "  Generates N tokens (default 128) after TEXT. TEXT is raw (special-token texts such as\n"
+            "  <|im_start|> are parsed) unless --chat wraps it in the model's chat template.\n"
+            "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
+            "  [id, logit] pairs at every generated position), stop, timings. Default: greedy.\n"},
+    {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
+             "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
+             "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
+             "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
+    {"plan", "coli plan -m MODEL.gguf [-c N]\n  Sizes of the trunk, the routed experts and the KV cache, and where each lives.\n"},
+    {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
+              "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
+              "  weight format against the machine's measured memory bandwidth.\n"},
+    {"info", "coli info [-m MODEL.gguf]\n  The machine (CPU, features, kernel level, cores, memory) and the model's hyper-parameters.\n"},
+    {"tokenize", "coli tokenize -m MODEL.gguf -p TEXT\n  One token id per line (special-token texts parsed). A vocabulary-only GGUF is enough.\n"},
+};
+
+/* The value after flag ARGV[*I]; usage error if missing. */
+static const char *arg_value(int argc, char **argv, int *i)
+{
+    if (*i + 1 >= argc) die_usage("%s needs a value", argv[*i]);
+    return argv[++*i];
+}
+
+static long arg_int(int argc, char **argv, int *i, long lo, long hi)
+{
+    const char *flag = argv[*i], *v = arg_value(argc, argv, i);
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi) die_usage("%s: '%s' is not a whole number in [%ld, %ld]", flag, v, lo, hi);
+    return x;
+}
+
+static float arg_float(int argc, char **argv, int *i, double lo, double hi)
+{
+    const char *flag = argv[*i], *v = arg_value(argc, argv, i);
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !(x >= lo && x <= hi)) die_usage("%s: '%s' is not a number in [%g, %g]", flag, v, lo, hi);
+    return (float)x;
+}
+
+/* Parses the options after the command word into O. Defaults depend on the command. */
+static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
+{
+    int chat = !strcmp(cmd, "chat"), bench = !strcmp(cmd, "bench");
+    memset(o, 0, sizeof *o);
+    o->n_predict = bench ? 128 : chat ? 0 : 128;
+    o->n_bench_prompt = 512;
+    o->think = 1;
+    o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0};
+    o->sample.seed = (uint64_t)time(NULL);
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
+            if (bench) o->n_bench_prompt = (int)arg_int(argc, argv, &i, 1, 1 << 20);
+            else o->prompt = arg_value(argc, argv, &i);
+        } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) o->n_predict = (int)arg_int(argc, argv, &i, 0, 1 << 24);
+        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) o->threads = (int)arg_int(argc, argv, &i, 1, 1024);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) o->n_ctx = (int)arg_int(argc, argv, &i, 1, 1 << 24);
+        else if (!strcmp(a, "--system")) o->system = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--chat")) o->chat = 1;
+        else if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--no-think")) o->think = 0;
+        else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
+        else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;
+        else if (!strcmp(a, "--kernels") && bench) o->kernels = 1;
+        else if (!strcmp(a, "--temp")) o->sample.temp = arg_float(argc, argv, &i, 0, 100);
+        else if (!strcmp(a, "--top-k")) o->sample.top_k = (int)arg_int(argc, argv, &i, 0, INT_MAX);
+        else if (!strcmp(a, "--top-p")) o->sample.top_p = arg_float(argc, argv, &i, 0, 1);
+        else if (!strcmp(a, "--min-p")) o->sample.min_p = arg_float(argc, argv, &i, 0, 1);
+        else if (!strcmp(a, "--repeat-penalty")) o->sample.repeat_penalty = arg_float(argc, argv, &i, 0.01, 100);
+        else if (!strcmp(a, "--repeat-last-n")) o->sample.repeat_last_n = (int)arg_int(argc, argv, &i, 0, 1 << 24);
+        else if (!strcmp(a, "--seed")) o->sample.seed = (uint64_t)arg_int(argc, argv, &i, 0, LONG_MAX);
+        else die_usage("%s: unknown option '%s' (coli help %s)", cmd, a, cmd);
+    }
+}
+
+static int arg_help(const char *cmd)
+{
+    for (size_t i = 0; cmd && i < sizeof arg_command_help / sizeof *arg_command_help; i++)
+        if (!strcmp(cmd, arg_command_help[i][0])) {
+            fputs(arg_command_help[i][1], stdout);
+            return 0;
+        }
+    if (cmd) die_usage("no command '%s' (coli --help lists them)", cmd);
+    fputs(arg_usage, stdout);
+    return 0;
+}
+
+#ifndef COLI_NO_MAIN
+int main(int argc, char **argv)
+{
+    static const struct { const char *name; int (*fn)(const struct cmd_options *); } commands[] = {
+        {"run", cmd_run}, {"chat", cmd_chat}, {"plan", cmd_plan}, {"bench", cmd_bench},
+        {"info", cmd_info}, {"tokenize", cmd_tokenize},
+    };
+    if (argc < 2) {
+        fputs(arg_usage, stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h")) return arg_help(NULL);
+    if (!strcmp(cmd, "help")) return arg_help(argc > 2 ? argv[2] : NULL);
+    if (!strcmp(cmd, "--version")) {
+        printf("coli %s\n", COLI_VERSION);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof *commands; i++) {
+        if (strcmp(cmd, commands[i].name)) continue;
+        struct cmd_options o;
+        arg_parse(cmd, argc - 2, argv + 2, &o);
+        plat_cpu_detect();
+        quant_init();
+        if (o.threads) omp_set_num_threads(o.threads);
+        return commands[i].fn(&o);
+    }
+    die_usage("unknown command '%s' (coli --help lists them)", cmd);
+}
+#endif

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# test_cli: the static binary as a user runs it: command line, errors, exit codes, --json.
+# usage: tests/test_cli.sh ./coli [GOLDEN_DIR]
+set -u
+COLI=${1:-./coli}
+GOLDEN=${2:-../shared/golden}
+pass=0
+fail=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+ok() { echo "ok - $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
+
+# expect LABEL STATUS PATTERN -- COMMAND...: exit status STATUS, stderr one line matching PATTERN
+# (for STATUS 0, PATTERN is matched against stdout).
+expect() {
+    local label=$1 want=$2 pattern=$3
+    shift 4
+    local rc=0
+    "$@" >"$tmp/out" 2>"$tmp/err" </dev/null || rc=$?
+    if [ "$rc" != "$want" ]; then bad "$label" "exit status $rc, wanted $want; stderr: $(head -c 300 "$tmp/err")"; return; fi
+    if [ "$want" = 0 ]; then
+        grep -qE -- "$pattern" "$tmp/out" && ok "$label" || bad "$label" "stdout lacks /$pattern/"
+        return
+    fi
+    if [ -z "$pattern" ]; then ok "$label"; return; fi
+    local lines
+    lines=$(wc -l <"$tmp/err")
+    if [ "$lines" != 1 ] || ! grep -qE -- "^coli: .*$pattern" "$tmp/err"; then
+        bad "$label" "stderr is not one 'coli: ' line matching /$pattern/: $(head -c 300 "$tmp/err")"
+        return
+    fi
+    ok "$label"
+}
+
+expect "--version" 0 '^coli [0-9]' -- "$COLI" --version
+expect "--help lists the commands" 0 'tokenize' -- "$COLI" --help
+expect "help run" 0 '--json' -- "$COLI" help run
+expect "no command is a usage error" 2 '' -- "$COLI"
+expect "unknown command" 2 "unknown command 'frobnicate'" -- "$COLI" frobnicate
+expect "unknown option" 2 "unknown option '--bogus'" -- "$COLI" run -m x.gguf -p hi --bogus
+expect "bad number" 2 "'-3' is not a whole number" -- "$COLI" run -m x.gguf -p hi -n -3
+expect "missing value" 2 "needs a value" -- "$COLI" run -m
+expect "help for an unknown command" 2 "no command 'nope'" -- "$COLI" help nope
+expect "missing model file" 1 "/nonexistent.gguf: cannot open" -- "$COLI" run -m /nonexistent.gguf -p hi
+expect "info without a model" 0 '^kernels: ' -- "$COLI" info
+expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
+expect "COLI_CPU=bogus" 1 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
+
+if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
+if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi
+
+if [ ! -d "$GOLDEN" ]; then
+    ok "golden CLI checks # SKIP $GOLDEN absent"
+else
+    M=$GOLDEN/q35moe-q8_0.gguf
+    expect "info -m" 0 'architecture: qwen35moe' -- "$COLI" info -m "$M"
+    expect "tokenize" 0 '^9707$' -- "$COLI" tokenize -m "$GOLDEN/tokenizer-qwen3.gguf" -p "Hello world"
+    head -c 4000 "$M" >"$tmp/trunc.gguf"
+    expect "truncated model" 1 'trunc.gguf: ' -- "$COLI" info -m "$tmp/trunc.gguf"
+    expect "vocabulary-only file cannot run" 1 "missing tensor 'token_embd.weight'" -- "$COLI" run -m "$GOLDEN/tokenizer-qwen3.gguf" -p hi
+    expect "prompt longer than the context" 1 'context holds 8' -- "$COLI" run -m "$M" -c 8 -p "The capital of France is Paris, and"
+    expect "context fills during generation" 0 '"stop":"context"' -- "$COLI" run -m "$M" -c 12 -n 100 --json --ignore-eog -p "The capital of France is"
+
+    P="The capital of France is Paris, and the capital of Japan is"
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 2>/dev/null | tail -n 1 >"$tmp/t1"
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 2 2>/dev/null | tail -n 1 >"$tmp/t2"
+    COLI_CPU=scalar "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 2 2>/dev/null | tail -n 1 >"$tmp/t3"
+    strip() { sed -e 's/"timings".*//' "$1"; }
+    if [ -s "$tmp/t1" ] && [ "$(strip "$tmp/t1")" = "$(strip "$tmp/t2")" ] && [ "$(strip "$tmp/t1")" = "$(strip "$tmp/t3")" ]; then
+        ok "run --json: same tokens and logits with -t 1, -t 2 and COLI_CPU=scalar"
+    else
+        bad "run --json thread/level identity" "outputs differ"
+    fi
+    want=$(tr -d ' \n' <"$GOLDEN/q35moe-q8_0.json" | grep -o '"name":"short".*' | grep -o '"tokens":\[[0-9,]*\]' | head -n 1)
+    got=$(grep -o '"tokens":\[[0-9,]*\]' "$tmp/t1")
+    if [ -n "$want" ] && [ "$want" = "$got" ]; then ok "run --json reproduces the golden greedy tokens"; else bad "golden tokens via CLI" "got $got want $want"; fi
+
+    printf 'Hello there\n/reset\nAnd again\n/exit\n' >"$tmp/chat_in"
+    rc=0
+    "$COLI" chat -m "$M" -n 6 --seed 7 <"$tmp/chat_in" >"$tmp/chat_out" 2>"$tmp/chat_err" || rc=$?
+    if [ "$rc" = 0 ] && grep -q 'conversation cleared' "$tmp/chat_err" && [ "$(grep -c '^\[stats\]' "$tmp/chat_err")" = 2 ]; then
+        ok "chat: two turns around /reset, then /exit"
+    else
+        bad "chat session" "rc $rc; $(head -c 400 "$tmp/chat_err")"
+    fi
+fi
+
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

@@ -1,0 +1,342 @@
+/* test_model: the forward pass against the golden reference outputs (../shared/golden,
+ * README §5), at every CPU kernel level and with 1 and 2 threads; bit-identity across
+ * levels, threads and batching; refusal of bad models.
+ *
+ * usage: test_model [GOLDEN_DIR] [--quick]     (--quick: best level, 1 thread; for sanitizers) */
+#define COLI_NO_MAIN
+#include "../coli.c"
+#include "minijson.h"
+
+#include <dirent.h>
+#include <sys/wait.h>
+
+#define GEN 32
+
+static int n_pass, n_fail;
+
+static void check(int ok, const char *name, const char *fmt, ...)
+{
+    if (ok) {
+        printf("ok - %s\n", name);
+        n_pass++;
+        return;
+    }
+    va_list ap;
+    printf("FAIL - %s: ", name);
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf("\n");
+    n_fail++;
+}
+
+/* What one case produced: greedy tokens and the full logit row at every position. */
+struct run {
+    int tokens[GEN];
+    float *logits; /* [GEN][n_vocab] */
+};
+
+static void run_case(struct model *m, const int *prompt, int n_prompt, int batched, struct run *r)
+{
+    int V = m->cfg.n_vocab;
+    model_reset(m);
+    float *lg = NULL;
+    if (batched) lg = model_prefill(m, prompt, n_prompt);
+    else
+        for (int i = 0; i < n_prompt; i++) lg = model_forward(m, prompt + i, 1);
+    for (int g = 0; g < GEN; g++) {
+        memcpy(r->logits + (size_t)g * V, lg, (size_t)V * sizeof(float));
+        r->tokens[g] = sample_argmax(lg, V);
+        if (g + 1 < GEN) lg = model_forward(m, &r->tokens[g], 1);
+    }
+}
+
+/* README §5: identical tokens up to a divergence allowed only on a reference near-tie;
+ * every reference top-k logit within TOL up to there. Returns the first position that breaks
+ * the rule (-1 when none) with *bad_diff its worst logit difference; *worst is the largest
+ * difference at the positions compared. */
+static int compare_case(const struct mj *c, const struct run *r, int V, double tol, double *worst, double *bad_diff)
+{
+    const struct mj *tokens = mj_get(c, "tokens"), *top = mj_get(c, "top");
+    int d = GEN;
+    for (int g = 0; g < GEN; g++)
+        if ((int)mj_num(mj_at(tokens, (size_t)g), -1) != r->tokens[g]) { d = g; break; }
+    *worst = 0;
+    for (int g = 0; g < GEN && g <= d; g++) {
+        const struct mj *tg = mj_at(top, (size_t)g);
+        const float *row = r->logits + (size_t)g * V;
+        double here = 0;
+        for (size_t k = 0; k < mj_len(tg); k++) {
+            int id = (int)mj_num(mj_at(mj_at(tg, k), 0), -1);
+            here = fmax(here, fabs(row[id] - mj_num(mj_at(mj_at(tg, k), 1), 0)));
+        }
+        *worst = fmax(*worst, here);
+        int bad = here > tol;
+        if (g == d) { /* our token must be a reference near-tie: within tol of the reference's own */
+            double ref_own = mj_num(mj_at(mj_at(tg, 0), 1), 0), ref_ours = -1e30;
+            for (size_t k = 0; k < mj_len(tg); k++)
+                if ((int)mj_num(mj_at(mj_at(tg, k), 0), -1) == r->tokens[g]) ref_ours = mj_num(mj_at(mj_at(tg, k), 1), 0);
+            bad |= ref_own - ref_ours > tol;
+        }
+        if (bad) {
+            *bad_diff = here;
+            return g;
+        }
+    }
+    return -1;
+}
+
+/* Where this engine and the reference part by more than README §5 allows, measured and
+ * explained (issue 3's note): these are not tolerated silently. The case must pass the rule
+ * strictly up to POSITION, and there stay within MAX_DIFF; any other outcome fails.
+ *   q6_k long: an independent implementation's last-bit differences (summation order, the
+ *   reference's chunked DeltaNet prefill and vectorised expf) cross Q8_K rounding boundaries
+ *   during the 156-token prompt (logits off by 5e-3 from position 0, the other three cases
+ *   agree to 2e-7); at position 9 an expert choice in layer 2, margin 0.0033 in probability,
+ *   then goes the other way and moves the logits by 0.13. */
+static const struct { const char *model, *name; int position; double max_diff; } known_deviations[] = {
+    {"q35moe-q6_k.gguf", "long", 9, 0.15},
+};
+
+/* Applies compare_case and the known deviations; reports one check. */
+static void check_case(const char *model, const char *cname, const struct mj *c, const struct run *r, int V, double tol)
+{
+    char name[320];
+    double worst, bad_diff = 0;
+    int bad = compare_case(c, r, V, tol, &worst, &bad_diff);
+    snprintf(name, sizeof name, "%s %s: golden tokens and logits (%s), max |diff| %.2g (tol %g)", model, cname, quant_level_name(), worst, tol);
+    for (size_t i = 0; bad >= 0 && i < sizeof known_deviations / sizeof *known_deviations; i++)
+        if (!strcmp(model, known_deviations[i].model) && !strcmp(cname, known_deviations[i].name)) {
+            int as_known = bad == known_deviations[i].position && bad_diff <= known_deviations[i].max_diff;
+            snprintf(name, sizeof name, "%s %s: golden rule holds before position %d, then the known deviation (%.2g <= %g)", model, cname, bad,
+                     bad_diff, known_deviations[i].max_diff);
+            check(as_known, name, "the deviation changed: first bad position %d, |diff| %.3g", bad, bad_diff);
+            return;
+        }
+    check(bad < 0, name, "rule broken at position %d (|diff| %.3g)", bad, bad_diff);
+}
+
+static uint64_t hash_bytes(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static int read_file(const char *path, void *buf, size_t n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    size_t got = fread(buf, 1, n, f);
+    fclose(f);
+    return got == n;
+}
+
+static int level_available(int level)
+{
+    if (level == QUANT_LEVEL_AVX2) return plat_cpu.avx2 && plat_cpu.fma && plat_cpu.f16c;
+    if (level == QUANT_LEVEL_AVX512) return plat_cpu.avx512f && plat_cpu.avx512bw && plat_cpu.avx512vl;
+    return 1;
+}
+
+static const char *const level_names[] = {"scalar", "avx2", "avx512"};
+
+/* Every case of one golden model file: the reference comparison once, then bit-identity of
+ * every (level, threads) pair and of token-by-token prefill against that first run. */
+static void test_golden_model(const char *dir, const char *json_name, int quick)
+{
+    char path[1024], name[256];
+    snprintf(path, sizeof path, "%s/%s", dir, json_name);
+    struct mj *root = mj_load(path);
+    if (!root) { check(0, json_name, "cannot read"); return; }
+    size_t len;
+    const char *model_file = mj_str(mj_get(root, "model"), &len);
+    double tol = mj_num(mj_get(mj_get(root, "tolerance"), "logit_abs"), 0);
+    const struct mj *cases = mj_get(root, "cases");
+    snprintf(path, sizeof path, "%s/%s", dir, model_file);
+    struct model m;
+    struct tok t;
+    model_load(&m, path, 1024);
+    tok_load(&t, &m.file);
+    int V = m.cfg.n_vocab, n_cases = (int)mj_len(cases);
+    struct run r = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))};
+    uint64_t ref_hash[8] = {0};
+
+    for (int ci = 0; ci < n_cases && ci < 8; ci++) {
+        const struct mj *c = mj_at(cases, (size_t)ci), *pt = mj_get(c, "prompt_tokens");
+        const char *cname = mj_str(mj_get(c, "name"), &len);
+        const char *text = mj_str(mj_get(c, "prompt"), &len);
+        int *ids = NULL, n = tok_encode(&t, text, len, 1, &ids), same = n == (int)mj_len(pt);
+        for (int i = 0; same && i < n; i++) same = ids[i] == (int)mj_num(mj_at(pt, (size_t)i), -1);
+        snprintf(name, sizeof name, "%s %s: prompt ids", model_file, cname);
+        check(same, name, "tokenizer gives %d ids, reference %zu", n, mj_len(pt));
+        int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
+        for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
+
+        quant_set_level(quick ? QUANT_LEVEL_AVX512 * level_available(QUANT_LEVEL_AVX512) : QUANT_LEVEL_SCALAR);
+        omp_set_num_threads(1);
+        run_case(&m, prompt, (int)mj_len(pt), 1, &r);
+        check_case(model_file, cname, c, &r, V, tol);
+        ref_hash[ci] = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
+
+        const char *lf = mj_str(mj_get(c, "logits_file"), &len);
+        if (lf) {
+            float *row = plat_alloc((size_t)V * sizeof(float));
+            snprintf(path, sizeof path, "%s/%s", dir, lf);
+            double worst = 0;
+            int ok = read_file(path, row, (size_t)V * sizeof(float));
+            for (int i = 0; ok && i < V; i++) worst = fmax(worst, fabs(row[i] - r.logits[i]));
+            snprintf(name, sizeof name, "%s %s: full first logit row within %g (max %.2g)", model_file, cname, tol, worst);
+            check(ok && worst <= tol, name, "max |diff| %g", worst);
+            free(row);
+        }
+        if (ci == 0 && !quick) {
+            run_case(&m, prompt, (int)mj_len(pt), 0, &r);
+            uint64_t h = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
+            snprintf(name, sizeof name, "%s %s: token-by-token prefill bit-identical to batched", model_file, cname);
+            check(h == ref_hash[ci], name, "logits differ");
+        }
+        free(prompt);
+        free(ids);
+    }
+
+    for (int level = QUANT_LEVEL_SCALAR; !quick && level <= QUANT_LEVEL_AVX512; level++) {
+        if (!level_available(level)) {
+            printf("ok - %s: level %s # SKIP not on this CPU\n", model_file, level_names[level]);
+            n_pass++;
+            continue;
+        }
+        for (int threads = 1; threads <= 2; threads++) {
+            if (level == QUANT_LEVEL_SCALAR && threads == 1) continue; /* the reference run */
+            quant_set_level(level);
+            omp_set_num_threads(threads);
+            int same = 1;
+            for (int ci = 0; ci < n_cases && ci < 8; ci++) {
+                const struct mj *pt = mj_get(mj_at(cases, (size_t)ci), "prompt_tokens");
+                int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
+                for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
+                run_case(&m, prompt, (int)mj_len(pt), 1, &r);
+                uint64_t h = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
+                same &= h == ref_hash[ci];
+                free(prompt);
+            }
+            snprintf(name, sizeof name, "%s: %s with %d thread%s bit-identical to scalar, 1 thread", model_file,
+                     level_names[level], threads, threads > 1 ? "s" : "");
+            check(same, name, "tokens or logits differ");
+        }
+    }
+    free(r.logits);
+    tok_free(&t);
+    model_free(&m);
+    mj_free(root);
+}
+
+/* Loads PATH in a child; expects exit 1 and one stderr line `coli: ...` containing WANT. */
+static void expect_refusal(const char *label, const char *path, const char *want)
+{
+    int fds[2];
+    char buf[1024] = "";
+    if (pipe(fds) != 0) { check(0, label, "pipe"); return; }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        struct model m;
+        model_load(&m, path, 64);
+        _exit(0);
+    }
+    close(fds[1]);
+    size_t n = 0;
+    ssize_t k;
+    while (n < sizeof buf - 1 && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
+    buf[n] = 0;
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    char *nl = strchr(buf, '\n');
+    int one_line = nl && nl[1] == 0 && !strncmp(buf, "coli: ", 6);
+    check(WIFEXITED(status) && WEXITSTATUS(status) == 1 && one_line && strstr(buf, want), label, "status %d, stderr '%s'", status, buf);
+}
+
+/* A copy of golden file SRC with the first occurrence of FROM (N bytes) replaced by TO. */
+static int patched_copy(const char *src, const char *dst, const void *from, const void *to, size_t n)
+{
+    struct plat_map map;
+    if (plat_map_file(src, &map) != 0) return 0;
+    uint8_t *copy = plat_alloc(map.size);
+    memcpy(copy, map.data, map.size);
+    plat_unmap_file(&map);
+    uint8_t *hit = memmem(copy, map.size, from, n);
+    int ok = hit != NULL;
+    if (ok) memcpy(hit, to, n);
+    FILE *f = fopen(dst, "wb");
+    ok = ok && f && fwrite(copy, 1, map.size, f) == map.size;
+    if (f) fclose(f);
+    free(copy);
+    return ok;
+}
+
+static void test_bad_models(const char *dir)
+{
+    char src[1024], dst[] = "/tmp/coli_test_model_XXXXXX";
+    int fd = mkstemp(dst);
+    if (fd < 0) { check(0, "bad models", "mkstemp"); return; }
+    close(fd);
+    snprintf(src, sizeof src, "%s/q35moe-f32.gguf", dir);
+    /* the architecture value: u64 length 9, then the name (keys carry other lengths) */
+    int ok = patched_copy(src, dst, "\x09\0\0\0\0\0\0\0qwen35moe", "\x09\0\0\0\0\0\0\0qwen35mox", 17);
+    if (ok) expect_refusal("unknown architecture refused", dst, "unsupported architecture 'qwen35mox'");
+    ok = patched_copy(src, dst, "blk.0.ssm_a", "blk.0.ssm_b", 11);
+    if (ok) expect_refusal("missing tensor refused", dst, "missing tensor 'blk.0.ssm_a'");
+    /* attn_qkv of layer 0 is [128][64] (GGUF ne {64, 128}); swap to {128, 64} */
+    uint8_t from[22 + 4 + 16], to[sizeof from];
+    uint64_t ne_from[2] = {64, 128}, ne_to[2] = {128, 64};
+    uint32_t dims = 2;
+    memcpy(from, "blk.0.attn_qkv.weight", 21);
+    memcpy(from + 21, &dims, 4);
+    memcpy(from + 25, ne_from, 16);
+    memcpy(to, from, 25);
+    memcpy(to + 25, ne_to, 16);
+    ok = patched_copy(src, dst, from, to, 41);
+    if (ok) expect_refusal("wrong shape refused", dst, "tensor 'blk.0.attn_qkv.weight' has shape [64][128], expected [128][64]");
+    check(ok, "bad-model fixtures built", "patching %s failed", src);
+    unlink(dst);
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int main(int argc, char **argv)
+{
+    const char *dir = "../shared/golden";
+    int quick = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = 1;
+        else dir = argv[i];
+    }
+    plat_cpu_detect();
+    quant_init();
+    DIR *d = opendir(dir);
+    if (!d) {
+        printf("ok - golden models # SKIP %s absent\n", dir);
+        printf("1 passed, 0 failed\n");
+        return 0;
+    }
+    char *names[64];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 64) {
+        size_t len = strlen(e->d_name);
+        if (len > 5 && !strcmp(e->d_name + len - 5, ".json") && strncmp(e->d_name, "tokenizer", 9) && strcmp(e->d_name, "calibration.json"))
+            names[n++] = plat_strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, (size_t)n, sizeof *names, by_name);
+    for (int i = 0; i < n; i++) {
+        test_golden_model(dir, names[i], quick);
+        free(names[i]);
+    }
+    test_bad_models(dir);
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail != 0;
+}

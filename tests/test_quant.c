@@ -1,0 +1,473 @@
+/* Tests for coli §3 quant and the §4 matrix products. Usage: test_quant [golden_dir] */
+#define COLI_NO_MAIN
+#include "../coli.c"
+
+static int t_pass, t_fail;
+
+static void check(int ok, const char *name, const char *fmt, ...) {
+    if (ok) { printf("ok - %s\n", name); t_pass++; return; }
+    printf("FAIL - %s: ", name);
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf("\n");
+    t_fail++;
+}
+
+/* ---- deterministic random ---- */
+static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
+static uint64_t rng_u64(void) {
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return rng_state;
+}
+static float rng_unit(void) { return (float)((rng_u64() >> 40) / 16777216.0) * 2.0f - 1.0f; }
+
+static const enum gguf_type all_types[] = { GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16,
+    GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1,
+    GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K };
+#define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
+
+enum wmode { W_RANDOM, W_ZERO, W_MAX, W_DENORM_SCALE, W_NEGZERO };
+enum xmode { X_RANDOM, X_ZERO, X_BIG, X_DENORM, X_NEGZERO };
+
+/* fp16 scale for a weight mode: modest random, 65504, subnormal, or -0. */
+static uint16_t w_scale(enum wmode m) {
+    switch (m) {
+    case W_MAX: return 0x7bff;
+    case W_DENORM_SCALE: return (uint16_t)((rng_u64() & 0x83ff) | 1);
+    case W_NEGZERO: return 0x8000;
+    case W_ZERO: return 0;
+    default: return (uint16_t)((rng_u64() & 0x83ff) | ((uint16_t)(3 + rng_u64() % 12) << 10));
+    }
+}
+
+/* Fills a weight row of n elements of type t; scale fields are valid finite fp16. */
+static void fill_weights(enum gguf_type t, uint8_t *w, int64_t n, enum wmode m) {
+    const struct gguf_type_info *ti = gguf_type_get(t);
+    int64_t nb = n / ti->block_elems, bytes = nb * ti->block_bytes;
+    for (int64_t i = 0; i < bytes; i++)
+        w[i] = m == W_ZERO || m == W_NEGZERO ? 0 : m == W_MAX ? ((rng_u64() & 1) ? 0xff : 0x00) : (uint8_t)rng_u64();
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *blk = w + b * ti->block_bytes;
+        uint16_t s0 = w_scale(m), s1 = w_scale(m);
+        if (t == GGUF_TYPE_F32) {
+            float f = m == W_RANDOM ? rng_unit() : m == W_MAX ? 3.0e38f : m == W_NEGZERO ? -0.0f
+                    : m == W_DENORM_SCALE ? 1e-40f : 0.0f;
+            memcpy(blk, &f, 4);
+        } else if (t == GGUF_TYPE_BF16) {
+            uint16_t h = m == W_RANDOM ? quant_f32_to_bf16(rng_unit()) : m == W_MAX ? 0x7f7f : s0;
+            memcpy(blk, &h, 2);
+        } else if (t == GGUF_TYPE_Q6_K) {
+            memcpy(blk + 208, &s0, 2);
+        } else {
+            memcpy(blk, &s0, 2);
+            if (t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K)
+                memcpy(blk + 2, &s1, 2);
+        }
+    }
+}
+
+static void fill_x(float *x, int64_t n, enum xmode m) {
+    for (int64_t i = 0; i < n; i++) {
+        switch (m) {
+        case X_ZERO: x[i] = 0.0f; break;
+        case X_NEGZERO: x[i] = -0.0f; break;
+        case X_BIG: x[i] = rng_unit() * 60000.0f; break;
+        case X_DENORM: x[i] = rng_unit() * 1e-40f; break;
+        default: x[i] = rng_unit() * (1.0f + (float)(i / 32 % 5)); break;
+        }
+    }
+}
+
+static int type_block(enum gguf_type t) { return gguf_type_get(t)->block_elems; }
+
+/* ---- fp16 / bf16 ---- */
+static void test_conversions(void) {
+    int bad = 0, first = -1;
+    for (int h = 0; h < 65536; h++) {
+        if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) continue;
+        if (quant_f32_to_f16(quant_f16_to_f32((uint16_t)h)) != h) { bad++; if (first < 0) first = h; }
+    }
+    check(!bad, "f16 round trip of all non-NaN patterns", "%d bad, first 0x%04x", bad, first);
+    bad = 0; first = -1;
+    for (int h = 0; h < 65536; h++) {
+        if ((h & 0x7f80) == 0x7f80 && (h & 0x7f)) continue;
+        if (quant_f32_to_bf16(quant_bf16_to_f32((uint16_t)h)) != h) { bad++; if (first < 0) first = h; }
+    }
+    check(!bad, "bf16 round trip of all non-NaN patterns", "%d bad, first 0x%04x", bad, first);
+    static const struct { float f; uint16_t h; } f16c[] = {
+        {1.0f, 0x3c00}, {-2.0f, 0xc000}, {65504.0f, 0x7bff}, {65519.0f, 0x7bff}, {65520.0f, 0x7c00},
+        {1e9f, 0x7c00}, {-1e9f, 0xfc00}, {1.0f + 1.0f / 2048, 0x3c00} /* tie -> even */,
+        {1.0f + 3.0f / 2048, 0x3c02} /* tie -> even (up) */, {5.960464477539063e-08f, 0x0001},
+        {2.98023223876953125e-08f, 0x0000} /* 2^-25 ties to 0 */, {3.0e-08f, 0x0001},
+        {8.940696716308594e-08f, 0x0002} /* 1.5 * 2^-24 ties to even 2 */, {6.097555160522461e-05f, 0x03ff},
+        {6.103515625e-05f, 0x0400}, {-0.0f, 0x8000}, {1e-30f, 0x0000}, {0.1f, 0x2e66}, {INFINITY, 0x7c00} };
+    bad = 0;
+    for (size_t i = 0; i < sizeof f16c / sizeof f16c[0]; i++)
+        if (quant_f32_to_f16(f16c[i].f) != f16c[i].h) {
+            printf("# f16(%g) = 0x%04x, want 0x%04x\n", f16c[i].f, quant_f32_to_f16(f16c[i].f), f16c[i].h);
+            bad++;
+        }
+    check(!bad, "f16 rounding of chosen values", "%d wrong", bad);
+    static const struct { float f; uint16_t h; } bfc[] = {
+        {1.0f, 0x3f80}, {1.00390625f, 0x3f80} /* tie -> even */, {1.01171875f, 0x3f82} /* tie -> up even */,
+        {0x1.010002p+0f, 0x3f81}, {3.4e38f, 0x7f80} /* rounds to inf */, {-0.0f, 0x8000}, {1e-40f, 0x0001},
+        {0.1f, 0x3dcd} };
+    bad = 0;
+    for (size_t i = 0; i < sizeof bfc / sizeof bfc[0]; i++)
+        if (quant_f32_to_bf16(bfc[i].f) != bfc[i].h) {
+            printf("# bf16(%g) = 0x%04x, want 0x%04x\n", bfc[i].f, quant_f32_to_bf16(bfc[i].f), bfc[i].h);
+            bad++;
+        }
+    check(!bad, "bf16 rounding of chosen values", "%d wrong", bad);
+    uint16_t nan16 = quant_f32_to_f16(NAN), nanb = quant_f32_to_bf16(NAN);
+    check((nan16 & 0x7c00) == 0x7c00 && (nan16 & 0x3ff) && (nanb & 0x7f80) == 0x7f80 && (nanb & 0x7f),
+          "NaN stays NaN", "f16 0x%04x bf16 0x%04x", nan16, nanb);
+}
+
+/* ---- golden dequant: minimal GGUF v3 reader and JSON scanning ---- */
+struct gg_file { uint8_t *buf; size_t size, pos; int ok; };
+
+static uint64_t gg_u(struct gg_file *g, int nbytes) {
+    uint64_t v = 0;
+    if (g->pos + (size_t)nbytes > g->size) { g->ok = 0; return 0; }
+    memcpy(&v, g->buf + g->pos, (size_t)nbytes);
+    g->pos += (size_t)nbytes;
+    return v;
+}
+
+static void gg_skip_value(struct gg_file *g, uint32_t type) {
+    static const int sizes[13] = { 1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8 };
+    if (type == 8) { uint64_t len = gg_u(g, 8); g->pos += len; }
+    else if (type == 9) {
+        uint32_t et = (uint32_t)gg_u(g, 4);
+        uint64_t cnt = gg_u(g, 8);
+        for (uint64_t i = 0; i < cnt && g->ok; i++) gg_skip_value(g, et);
+    } else if (type < 13) g->pos += (size_t)sizes[type];
+    else g->ok = 0;
+    if (g->pos > g->size) g->ok = 0;
+}
+
+static uint8_t *read_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = plat_alloc((size_t)n + 1);
+    if (fread(b, 1, (size_t)n, f) != (size_t)n) { fclose(f); free(b); return NULL; }
+    fclose(f);
+    b[n] = 0;
+    *size = (size_t)n;
+    return b;
+}
+
+/* Finds tensor `name`; returns a pointer to its data and sets *type and *ne0, or NULL. */
+static const uint8_t *gg_find_tensor(struct gg_file *g, const char *name, uint32_t *type, uint64_t *ne0) {
+    g->pos = 0; g->ok = 1;
+    if (gg_u(g, 4) != 0x46554747u) return NULL;  /* "GGUF" */
+    gg_u(g, 4);
+    uint64_t nt = gg_u(g, 8), nkv = gg_u(g, 8), align = 32, found_off = 0;
+    int found = 0;
+    for (uint64_t i = 0; i < nkv && g->ok; i++) {
+        uint64_t klen = gg_u(g, 8);
+        const char *key = (const char *)g->buf + g->pos;
+        g->pos += klen;
+        uint32_t vt = (uint32_t)gg_u(g, 4);
+        if (klen == 17 && !memcmp(key, "general.alignment", 17) && vt == 4) align = gg_u(g, 4);
+        else gg_skip_value(g, vt);
+    }
+    for (uint64_t i = 0; i < nt && g->ok; i++) {
+        uint64_t nlen = gg_u(g, 8);
+        int match = nlen == strlen(name) && g->pos + nlen <= g->size && !memcmp(g->buf + g->pos, name, nlen);
+        g->pos += nlen;
+        uint32_t nd = (uint32_t)gg_u(g, 4);
+        uint64_t d0 = 0;
+        for (uint32_t k = 0; k < nd; k++) { uint64_t d = gg_u(g, 8); if (!k) d0 = d; }
+        uint32_t ty = (uint32_t)gg_u(g, 4);
+        uint64_t off = gg_u(g, 8);
+        if (match) { found = 1; found_off = off; *type = ty; *ne0 = d0; }
+    }
+    if (!g->ok || !found) return NULL;
+    size_t data = (g->pos + align - 1) / align * align;
+    return data + found_off <= g->size ? g->buf + data + found_off : NULL;
+}
+
+/* Copies the JSON string value after `key` (searched from *p, before end) into out. */
+static int json_str(const char **p, const char *end, const char *key, char *out, size_t cap) {
+    const char *k = strstr(*p, key);
+    if (!k || k >= end) return 0;
+    const char *q = strchr(k + strlen(key), '"');
+    if (!q) return 0;
+    const char *e = strchr(q + 1, '"');
+    if (!e || (size_t)(e - q - 1) >= cap) return 0;
+    memcpy(out, q + 1, (size_t)(e - q - 1));
+    out[e - q - 1] = 0;
+    *p = e + 1;
+    return 1;
+}
+
+/* Tests every dequant entry of one golden json against its gguf; returns entries checked. */
+static int golden_file(const char *dir, const char *stem) {
+    char path[1024];
+    size_t jsz, gsz;
+    snprintf(path, sizeof path, "%s/%s.json", dir, stem);
+    char *js = (char *)read_file(path, &jsz);
+    snprintf(path, sizeof path, "%s/%s.gguf", dir, stem);
+    struct gg_file g = { read_file(path, &gsz), 0, 0, 1 };
+    g.size = gsz;
+    if (!js || !g.buf) { check(0, stem, "cannot read %s files", stem); free(js); free(g.buf); return 0; }
+    const char *p = strstr(js, "\"dequant\"");
+    const char *end = p ? strstr(p, "\"tensors\"") : NULL;
+    if (!end) end = js + jsz;
+    int count = 0;
+    char tname[256], tyname[32], name[400];
+    while (p && json_str(&p, end, "\"tensor\":", tname, sizeof tname) && json_str(&p, end, "\"type\":", tyname, sizeof tyname)) {
+        const char *r = strstr(p, "\"row\":"), *v = strstr(p, "\"values\":");
+        if (!r || !v || v >= end) break;
+        long row = strtol(r + 6, NULL, 10);
+        const char *q = strchr(v, '[') + 1;
+        float want[4096];
+        int nv = 0;
+        while (*q && *q != ']' && nv < 4096) {
+            char *e;
+            want[nv++] = strtof(q, &e);
+            q = e;
+            while (*q == ',' || *q == ' ' || *q == '\n') q++;
+        }
+        p = q;
+        uint32_t type = 0; uint64_t ne0 = 0;
+        const uint8_t *data = gg_find_tensor(&g, tname, &type, &ne0);
+        snprintf(name, sizeof name, "golden dequant %s %s %s row %ld", stem, tyname, tname, row);
+        const struct gguf_type_info *ti = data ? gguf_type_get((int)type) : NULL;
+        if (!ti || ne0 != (uint64_t)nv || strcmp(ti->name, tyname)) { check(0, name, "tensor missing or mismatched"); continue; }
+        float got[4096];
+        size_t rb = (size_t)(ne0 / (uint64_t)ti->block_elems) * (size_t)ti->block_bytes;
+        quant_dequant_row((enum gguf_type)type, data + (size_t)row * rb, got, nv);
+        int bad = -1;
+        for (int i = 0; i < nv && bad < 0; i++) if (memcmp(&got[i], &want[i], 4)) bad = i;
+        check(bad < 0, name, "element %d: got %.9g want %.9g", bad, bad < 0 ? 0.0 : got[bad], bad < 0 ? 0.0 : want[bad]);
+        count++;
+    }
+    free(js); free(g.buf);
+    return count;
+}
+
+static void test_golden(const char *dir) {
+    static const char *stems[] = { "q35moe-f16", "q35moe-bf16", "q35moe-q8_0", "q35moe-q4_0",
+        "q35moe-q4_1", "q35moe-q5_0", "q35moe-q5_1", "q35moe-k", "q35moe-q6_k", "q35moe-q5_k" };
+    char path[1024];
+    snprintf(path, sizeof path, "%s/q35moe-q4_0.json", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f) { printf("ok - golden dequant # SKIP golden data absent (%s)\n", dir); t_pass++; return; }
+    fclose(f);
+    int total = 0;
+    for (size_t i = 0; i < sizeof stems / sizeof stems[0]; i++) total += golden_file(dir, stems[i]);
+    check(total >= 30, "golden dequant entry count", "only %d entries found", total);
+}
+
+/* ---- dot kernels ---- */
+static int max_level;
+
+/* Dot at `level` of a prepared act. */
+static float dot_at(int level, enum gguf_type t, const void *w, const void *act, int64_t n) {
+    quant_set_level(level);
+    return quant_dot(t, w, act, n);
+}
+
+/* Every SIMD level gives the scalar bits for one (type, n, modes); returns 0 on success. */
+static int simd_case(enum gguf_type t, int64_t n, enum wmode wm, enum xmode xm, char *why, size_t cap) {
+    const struct gguf_type_info *ti = gguf_type_get(t);
+    uint8_t *w = plat_alloc((size_t)(n / ti->block_elems * ti->block_bytes));
+    float *x = plat_alloc((size_t)n * 4);
+    void *act = plat_alloc_aligned(quant_act_bytes(t, n));
+    fill_weights(t, w, n, wm);
+    fill_x(x, n, xm);
+    quant_act_prepare(t, x, n, act);
+    float ref = dot_at(QUANT_LEVEL_SCALAR, t, w, act, n);
+    int bad = 0;
+    for (int l = QUANT_LEVEL_AVX2; l <= max_level && !bad; l++) {
+        float got = dot_at(l, t, w, act, n);
+        if (memcmp(&got, &ref, 4)) {
+            snprintf(why, cap, "n=%lld wmode %d xmode %d: %s %.9g vs scalar %.9g", (long long)n, wm, xm,
+                     quant_level_names[l], got, ref);
+            bad = 1;
+        }
+    }
+    free(w); free(x); free(act);
+    return bad;
+}
+
+static void test_simd_vs_scalar(void) {
+    static const int units[] = { 1, 31, 32, 33, 64, 100 };
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        int be = type_block(t), bad = 0;
+        char why[256] = "", name[128];
+        int64_t lens[16];
+        int nl = 0;
+        for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) lens[nl++] = units[i] * be;
+        lens[nl++] = 2048; lens[nl++] = 512;
+        if (be == 1) { lens[nl++] = 7; lens[nl++] = 1000; }
+        for (int i = 0; i < nl && !bad; i++)
+            for (int rep = 0; rep < 4 && !bad; rep++) bad = simd_case(t, lens[i], W_RANDOM, X_RANDOM, why, sizeof why);
+        snprintf(name, sizeof name, "%s simd == scalar, random rows", gguf_type_get(t)->name);
+        check(!bad, name, "%s", why);
+        static const struct { enum wmode w; enum xmode x; const char *what; } ex[] = {
+            { W_ZERO, X_ZERO, "all zero" }, { W_MAX, X_BIG, "max scales and quants" },
+            { W_RANDOM, X_DENORM, "denormal activations" }, { W_DENORM_SCALE, X_RANDOM, "denormal scales" },
+            { W_NEGZERO, X_NEGZERO, "negative zero" }, { W_MAX, X_DENORM, "max weights, denormal x" } };
+        for (size_t e = 0; e < sizeof ex / sizeof ex[0]; e++) {
+            bad = 0;
+            for (int i = 0; i < nl && !bad; i++) bad = simd_case(t, lens[i], ex[e].w, ex[e].x, why, sizeof why);
+            snprintf(name, sizeof name, "%s simd == scalar, %s", gguf_type_get(t)->name, ex[e].what);
+            check(!bad, name, "%s", why);
+        }
+    }
+}
+
+/* Dequantised activation (what the kernels multiply with), for the double reference. */
+static void act_dequant(enum gguf_type t, const void *act, int64_t n, double *xd) {
+    switch (quant_act_kind(t)) {
+    case QUANT_ACT_FLOAT: for (int64_t i = 0; i < n; i++) xd[i] = ((const float *)act)[i]; break;
+    case QUANT_ACT_Q8: {
+        struct quant_q8_view a = quant_q8_view(act, n);
+        for (int64_t i = 0; i < n; i++) xd[i] = (double)a.d[i / 32] * a.qs[i];
+        break;
+    }
+    default: {
+        struct quant_q8k_view a = quant_q8k_view(act, n);
+        for (int64_t i = 0; i < n; i++) xd[i] = (double)a.d[i / 256] * a.qs[i];
+    }
+    }
+}
+
+static void test_scalar_vs_double(void) {
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        const struct gguf_type_info *inf = gguf_type_get(t);
+        double worst = 0;
+        for (int rep = 0; rep < 20; rep++) {
+            int64_t n = (rep % 2 ? 2048 : 512) + (inf->block_elems == 1 ? rep : 0);
+            uint8_t *w = plat_alloc((size_t)(n / inf->block_elems * inf->block_bytes));
+            float *x = plat_alloc((size_t)n * 4), *wf = plat_alloc((size_t)n * 4);
+            double *xd = plat_alloc((size_t)n * 8);
+            void *act = plat_alloc_aligned(quant_act_bytes(t, n));
+            fill_weights(t, w, n, W_RANDOM);
+            fill_x(x, n, X_RANDOM);
+            quant_act_prepare(t, x, n, act);
+            quant_dequant_row(t, w, wf, n);
+            act_dequant(t, act, n, xd);
+            double ref = 0, mag = 0;
+            for (int64_t i = 0; i < n; i++) { ref += (double)wf[i] * xd[i]; mag += fabs((double)wf[i] * xd[i]); }
+            double err = fabs(dot_at(QUANT_LEVEL_SCALAR, t, w, act, n) - ref) / (mag > 0 ? mag : 1);
+            if (err > worst) worst = err;
+            free(w); free(x); free(wf); free(xd); free(act);
+        }
+        /* Q4_1/Q5_1 multiply their min by Q8_1's block sum stored in fp16 (2^-11 relative),
+         * as the reference does; the other formats are exact up to float accumulation */
+        double tol = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? 1e-3 : 1e-5;
+        char name[96];
+        snprintf(name, sizeof name, "%s scalar dot vs double reference (relative %.1g)", inf->name, tol);
+        check(worst < tol, name, "relative error %.3g", worst);
+    }
+}
+
+/* quant_act_prepare details the kernels rely on. */
+static void test_act(void) {
+    float x[256];
+    for (int i = 0; i < 256; i++) x[i] = (float)(i - 128) / 64.0f;
+    x[5] = -3.0f;                     /* the signed max: Q8_K scale must be negative of 127/-3 */
+    _Alignas(64) uint8_t act[512];
+    quant_act_prepare(GGUF_TYPE_Q4_K, x, 256, act);
+    struct quant_q8k_view k = quant_q8k_view(act, 256);
+    int s0 = 0;
+    for (int i = 0; i < 16; i++) s0 += k.qs[i];
+    check(k.qs[5] == -127 && k.d[0] == 1.0f / (-127.0f / -3.0f) && k.bsums[0] == s0,
+          "Q8_K act: signed max, d = 1/iscale, bsums", "q5 %d d %g bsum %d/%d", k.qs[5], k.d[0], k.bsums[0], s0);
+    quant_act_prepare(GGUF_TYPE_Q4_0, x, 256, act);
+    struct quant_q8_view q = quant_q8_view(act, 256);
+    int sum = 0;
+    for (int i = 0; i < 32; i++) sum += q.qs[i];
+    check(q.qs[5] == -127 && q.d[0] == quant_f16_to_f32(quant_f32_to_f16(3.0f / 127.0f)) && q.s[0] == sum,
+          "Q8 act: amax/127 scale fp16-rounded, block sums", "q5 %d d %g s %d/%d", q.qs[5], q.d[0], q.s[0], sum);
+}
+
+/* ---- ops_matvec / ops_matmat ---- */
+static void test_ops(void) {
+    quant_set_level(max_level);
+    const int rows = 37, ncol = 5;
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        const struct gguf_type_info *inf = gguf_type_get(t);
+        int64_t cols = inf->block_elems == 256 ? 768 : 544;
+        size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes);
+        uint8_t *w = plat_alloc(rb * rows);
+        for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, W_RANDOM);
+        struct ops_matrix m = { t, w, rows, cols, rb };
+        float *x = plat_alloc(sizeof(float) * cols * ncol);
+        float *y1 = plat_alloc(sizeof(float) * rows * ncol), *y2 = plat_alloc(sizeof(float) * rows * ncol);
+        float *yv = plat_alloc(sizeof(float) * rows), *yv2 = plat_alloc(sizeof(float) * rows);
+        fill_x(x, cols * ncol, X_RANDOM);
+        int bad_mm = 0, bad_thr = 0;
+        for (int th = 1; th <= 2; th++) {
+            omp_set_num_threads(th);
+            ops_matmat(&m, x, th == 1 ? y1 : y2, ncol);
+            for (int j = 0; j < ncol; j++) {
+                ops_matvec(&m, x + j * cols, yv);
+                if (memcmp(yv, (th == 1 ? y1 : y2) + j * rows, sizeof(float) * rows)) bad_mm++;
+                if (th == 2) {
+                    omp_set_num_threads(1);
+                    ops_matvec(&m, x + j * cols, yv2);
+                    omp_set_num_threads(2);
+                    if (memcmp(yv, yv2, sizeof(float) * rows)) bad_thr++;
+                }
+            }
+        }
+        char name[96];
+        snprintf(name, sizeof name, "%s matmat == matvec per column (1 and 2 threads)", inf->name);
+        check(!bad_mm, name, "%d columns differ", bad_mm);
+        snprintf(name, sizeof name, "%s matvec identical on 1 and 2 threads", inf->name);
+        check(!bad_thr && !memcmp(y1, y2, sizeof(float) * rows * ncol), name, "%d columns differ", bad_thr);
+        free(w); free(x); free(y1); free(y2); free(yv); free(yv2);
+    }
+}
+
+static void test_levels(void) {
+    for (int l = 0; l <= max_level; l++) {
+        quant_set_level(l);
+        check(!strcmp(quant_level_name(), quant_level_names[l]), "quant_level_name", "%s", quant_level_name());
+    }
+    unsetenv("COLI_CPU");
+    quant_init();
+    check(!strcmp(quant_level_name(), quant_level_names[max_level]), "quant_init picks the best level",
+          "%s", quant_level_name());
+    setenv("COLI_CPU", "scalar", 1);
+    quant_init();
+    check(!strcmp(quant_level_name(), "scalar"), "COLI_CPU=scalar forces scalar", "%s", quant_level_name());
+    unsetenv("COLI_CPU");
+}
+
+int main(int argc, char **argv) {
+    plat_cpu_detect();
+    max_level = quant_level_max();
+    const char *golden = "../shared/golden";
+    int bench = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--bench")) bench = 1;
+        else golden = argv[i];
+    }
+    if (bench) { quant_init(); ops_bench_kernels(); return 0; }
+    printf("# levels up to %s\n", quant_level_names[max_level]);
+    test_levels();
+    test_conversions();
+    test_act();
+    test_golden(golden);
+    test_simd_vs_scalar();
+    test_scalar_vs_double();
+    test_ops();
+    free(ops_act_buf);
+    printf("%d passed, %d failed\n", t_pass, t_fail);
+    return t_fail ? 1 : 0;
+}
