@@ -47,7 +47,7 @@ run_test() {
     out=$("$@" 2>&1) || rc=$?
     printf '%s\n' "$out" | grep -v '^ok - ' || true
     local line
-    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
+    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1 || true)
     if [ -z "$line" ]; then
         echo "FAIL - $label: exited $rc without a result line"
         failed=$((failed + 1))

@@ -58,16 +58,28 @@
  * May call: libc only.
  * Workload: start-up and error paths; nothing here is on the per-token path. */
 
+/* Prints `coli: MESSAGE` as one line: control characters that came from a file (a tensor
+ * name with a newline, say) are written as \xNN so the error stays one line. */
+static void plat_vreport(const char *fmt, va_list ap)
+{
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    fflush(stdout);
+    fputs("coli: ", stderr);
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f) fprintf(stderr, "\\x%02x", *p);
+        else fputc(*p, stderr);
+    }
+    fputc('\n', stderr);
+}
+
 static void die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
 static void die(const char *fmt, ...)
 {
     va_list ap;
-    fflush(stdout);
-    fputs("coli: ", stderr);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    plat_vreport(fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
     exit(1);
 }
 
@@ -76,12 +88,9 @@ static void die_usage(const char *fmt, ...) __attribute__((noreturn, format(prin
 static void die_usage(const char *fmt, ...)
 {
     va_list ap;
-    fflush(stdout);
-    fputs("coli: ", stderr);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    plat_vreport(fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
     exit(2);
 }
 
@@ -498,6 +507,7 @@ static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n
     struct gguf_kv *kvs = plat_zalloc((size_t)n, sizeof *kvs);
     for (uint64_t i = 0; i < n; i++) {
         kvs[i].key = gguf_string(r, &kvs[i].key_len, "metadata key");
+        if (kvs[i].key_len == 0) gguf_fail(r, "empty metadata key", "metadata key");
         kvs[i].type = gguf_u32(r, "metadata value type");
         gguf_read_value(r, &kvs[i]);
     }
