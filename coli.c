@@ -405,6 +405,7 @@ struct gguf_file {
     struct gguf_tensor *tensors; /* sorted by name */
     int64_t n_tensors;
     uint64_t tensor_bytes;
+    int n_parts_expected; /* split.count of the first part */
 };
 
 /* A bounds-checked cursor over one part's bytes. */
@@ -498,9 +499,25 @@ static int gguf_kv_compare(const void *a, const void *b)
     return c ? c : (x->key_len > y->key_len) - (x->key_len < y->key_len);
 }
 
+static int64_t gguf_scalar_int(const struct gguf_file *g, const char *key, uint32_t type, const uint8_t *p);
+
+/* Part PART of a split set must say so: split.no = PART and split.count as the first part. */
+static void gguf_check_split_part(struct gguf_file *g, struct gguf_reader *r, const struct gguf_kv *kvs, uint64_t n, int part)
+{
+    int64_t no = -1, count = -1;
+    for (uint64_t i = 0; i < n; i++) {
+        if (kvs[i].key_len == 8 && !memcmp(kvs[i].key, "split.no", 8)) no = gguf_scalar_int(g, "split.no", kvs[i].type, kvs[i].data);
+        if (kvs[i].key_len == 11 && !memcmp(kvs[i].key, "split.count", 11)) count = gguf_scalar_int(g, "split.count", kvs[i].type, kvs[i].data);
+    }
+    if (no != part || count != g->n_parts_expected)
+        die("%s: not part %d of the %d-part set (split.no %lld, split.count %lld)", r->path, part + 1, g->n_parts_expected,
+            (long long)no, (long long)count);
+}
+
 /* Reads N key-value pairs. Only the first part's metadata describes the model; the other
- * parts' pairs are validated and dropped (keep = 0). Keys are sorted for lookup. */
-static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n, int keep)
+ * parts' pairs are validated, checked to belong to the set, and dropped. Keys are sorted for
+ * lookup. */
+static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n, int part)
 {
     /* a key-value pair takes at least 8 (key length) + 4 (type) + 1 bytes */
     if (n > (r->size - r->pos) / 13) gguf_fail(r, "metadata count is larger than the file allows", "header");
@@ -515,7 +532,8 @@ static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n
     for (uint64_t i = 1; i < n; i++)
         if (gguf_kv_compare(&kvs[i - 1], &kvs[i]) == 0)
             die("%s: duplicate metadata key '%.*s'", r->path, (int)kvs[i].key_len, kvs[i].key);
-    if (!keep) {
+    if (part > 0) {
+        gguf_check_split_part(g, r, kvs, n, part);
         for (uint64_t i = 0; i < n; i++) free((void *)kvs[i].str_offs);
         free(kvs);
         return;
@@ -708,7 +726,7 @@ static void gguf_read_part(struct gguf_file *g, int part, const char *path)
     uint64_t n_kvs = gguf_u64(&r, "metadata count");
     /* a tensor info takes at least 8 + 1 (name) + 4 + 8 + 4 + 8 bytes */
     if (n_tensors > (r.size - r.pos) / 33) gguf_fail(&r, "tensor count is larger than the file allows", "header");
-    gguf_read_kvs(g, &r, n_kvs, part == 0);
+    gguf_read_kvs(g, &r, n_kvs, part);
     if (part == 0) {
         int64_t a = gguf_get_int(g, "general.alignment", 32);
         if (a < 1 || a > 65536 || (a & (a - 1))) die("%s: general.alignment %lld is not a power of two up to 65536", path, (long long)a);
@@ -744,6 +762,7 @@ static void gguf_open(struct gguf_file *g, const char *path)
         if (n_split > GGUF_MAX_PARTS || !tail || strncmp(tail, "-00001-of-", 10) != 0)
             die("%s: split model of %lld parts must be opened from its part NAME-00001-of-%05lld.gguf",
                 path, (long long)n_split, (long long)n_split);
+        g->n_parts_expected = (int)n_split;
         for (int p = 1; p < n_split; p++) {
             char *name = plat_alloc(len + 1);
             snprintf(name, len + 1, "%.*s-%05d-of-%05lld.gguf", (int)(len - 20), path, p + 1, (long long)n_split);

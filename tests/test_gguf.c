@@ -549,6 +549,12 @@ static void test_splits(void)
     gw_buf_free(&b);
     test_result(test_child(test_open_and_close, first_part, EXPECT_REJECT, why, sizeof why),
                 "split set with a tensor name repeated in another part", "%s", why);
+    b = (struct gw_buf){0};
+    test_split_part(&b, 2, 3, first[1], count[1], 5, NULL); /* says it is part 3 */
+    test_write(test_path("model-00002-of-00003.gguf"), b.p, b.n);
+    gw_buf_free(&b);
+    test_result(test_child(test_open_and_close, first_part, EXPECT_REJECT, why, sizeof why),
+                "split set whose second file says it is another part", "%s", why);
     unlink(test_path("model-00002-of-00003.gguf"));
     test_result(test_child(test_open_and_close, first_part, EXPECT_REJECT, why, sizeof why),
                 "split set with its second part missing", "%s", why);
