@@ -2584,12 +2584,39 @@ static float *model_forward(struct model *m, const int *tokens, int T)
     return s->logits;
 }
 
-/* Feeds N tokens in batches; returns the logits after the last. */
-static float *model_prefill(struct model *m, const int *tokens, int n)
+/* A copy of everything a forward pass changes besides the KV cache beyond pos: rewinding to
+ * it undoes the tokens fed since (chat uses it when Ctrl-C cancels a prompt). */
+struct model_checkpoint {
+    int pos;
+    float *recurrent; /* every DeltaNet layer's conv state then ssm state, in layer order */
+};
+
+static size_t model_recurrent_floats(const struct model_config *c)
 {
-    float *logits = NULL;
-    for (int i = 0; i < n; i += MODEL_BATCH) logits = model_forward(m, tokens + i, n - i < MODEL_BATCH ? n - i : MODEL_BATCH);
-    return logits;
+    return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
+}
+
+/* Saves (SAVE = 1) or restores (0) the state; the checkpoint's buffer is allocated once. */
+static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int save)
+{
+    const struct model_config *c = &m->cfg;
+    size_t conv = (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1), per = model_recurrent_floats(c);
+    if (!cp->recurrent) cp->recurrent = plat_alloc(plat_mul_size(per * sizeof(float), (size_t)c->n_layers, "checkpoint"));
+    float *p = cp->recurrent;
+    for (int i = 0; i < c->n_layers; i++) {
+        struct model_layer_state *st = &m->state[i];
+        if (!st->conv_state) continue;
+        if (save) {
+            memcpy(p, st->conv_state, conv * sizeof(float));
+            memcpy(p + conv, st->ssm_state, (per - conv) * sizeof(float));
+        } else {
+            memcpy(st->conv_state, p, conv * sizeof(float));
+            memcpy(st->ssm_state, p + conv, (per - conv) * sizeof(float));
+        }
+        p += per;
+    }
+    if (save) cp->pos = m->pos;
+    else m->pos = cp->pos;
 }
 
 /* ==== §9 tokenizer ==== */
@@ -3657,9 +3684,10 @@ static void cmd_print_piece(const struct cmd_session *s, struct cmd_printer *p, 
 /* Feeds PROMPT after what the model holds, then samples up to N_MAX tokens, stopping at an
  * end-of-generation token unless o->ignore_eog, at Ctrl-C, or when the context is full.
  * The last sampled token is not fed to the model (the caller feeds it on the next turn).
- * PRINTER may be NULL (nothing printed). */
+ * PRINTER may be NULL (nothing printed). With CHECKPOINT, Ctrl-C during the prompt rewinds
+ * the model to where it was and generates nothing. */
 static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
-                         struct cmd_printer *printer, struct cmd_generation *g)
+                         struct cmd_printer *printer, struct model_checkpoint *checkpoint, struct cmd_generation *g)
 {
     struct model *m = &s->model;
     int n_vocab = m->cfg.n_vocab;
@@ -3670,7 +3698,16 @@ static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, con
         return;
     }
     double t0 = plat_now();
-    float *logits = model_prefill(m, prompt, n_prompt);
+    float *logits = NULL;
+    if (checkpoint) model_checkpoint(m, checkpoint, 1);
+    for (int i = 0; i < n_prompt; i += MODEL_BATCH) {
+        logits = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
+        if (cmd_interrupt && checkpoint) { /* Ctrl-C while reading the prompt: as if never sent */
+            model_checkpoint(m, checkpoint, 0);
+            g->interrupted = 1;
+            return;
+        }
+    }
     g->prompt_s = plat_now() - t0;
     int *history = plat_alloc((size_t)(n_prompt + n_max + 1) * sizeof *history);
     memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
@@ -3778,7 +3815,7 @@ static int cmd_run(const struct cmd_options *o)
     if (n > s.model.n_ctx) die("the prompt has %d tokens but the context holds %d (-c to raise it)", n, s.model.n_ctx);
     struct cmd_printer printer = {.in_think = o->chat && o->think, .hide_think = o->hide_think};
     struct cmd_generation g;
-    cmd_generate(&s, o, ids, n, o->n_predict, o->json ? NULL : &printer, &g);
+    cmd_generate(&s, o, ids, n, o->n_predict, o->json ? NULL : &printer, NULL, &g);
     if (o->json) cmd_print_json(&s, ids, &g);
     else {
         char tail[16];
@@ -3854,6 +3891,7 @@ static int cmd_chat(const struct cmd_options *o)
     int tty = isatty(STDOUT_FILENO), im_end = tok_find(&s.tok, "<|im_end|>");
     if (im_end < 0) die("%s: the vocabulary has no <|im_end|>; it is not a chat model", o->model);
     int pending[2], n_pending = 0;
+    struct model_checkpoint checkpoint = {0};
     char *line = NULL;
     size_t cap = 0;
     fprintf(stderr, "coli chat: /reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer.\n");
@@ -3880,22 +3918,29 @@ static int cmd_chat(const struct cmd_options *o)
         struct cmd_printer printer = {.in_think = o->think, .hide_think = o->hide_think, .dim = tty};
         if (printer.in_think && tty && !o->hide_think) fputs("\033[2m", stdout);
         struct cmd_generation g;
-        cmd_generate(&s, o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer, &g);
+        cmd_generate(&s, o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer, &checkpoint, &g);
         char tail[16];
         fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
         fputs(tty ? "\033[0m\n" : "\n", stdout);
+        if (g.n_tokens == 0) { /* cancelled while the prompt was read: the model was rewound */
+            fprintf(stderr, "(cancelled; the message was not sent)\n");
+            cmd_gen_free(&g);
+            free(ids);
+            continue;
+        }
         if (g.interrupted) fprintf(stderr, "(stopped)\n");
         if (g.context_full) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
         cmd_print_stats(&g);
         /* the last sampled token was never fed; close the turn the way the template does */
         n_pending = 0;
-        if (g.n_tokens > 0 && g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
+        if (g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
         pending[n_pending++] = im_end;
         cmd_gen_free(&g);
         free(ids);
     }
     putchar('\n');
     free(line);
+    free(checkpoint.recurrent);
     cmd_close(&s);
     return 0;
 }
@@ -3975,7 +4020,7 @@ static int cmd_bench(const struct cmd_options *o)
     uint64_t rng = 42;
     for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
     struct cmd_generation g;
-    cmd_generate(&s, &bo, ids, o->n_bench_prompt, o->n_predict, NULL, &g);
+    cmd_generate(&s, &bo, ids, o->n_bench_prompt, o->n_predict, NULL, NULL, &g);
     int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
     double pp = g.prompt_s > 0 ? g.n_prompt / g.prompt_s : 0, tg = g.decode_s > 0 ? n_fwd / g.decode_s : 0;
     if (o->json)

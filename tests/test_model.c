@@ -41,7 +41,8 @@ static void run_case(struct model *m, const int *prompt, int n_prompt, int batch
     int V = m->cfg.n_vocab;
     model_reset(m);
     float *lg = NULL;
-    if (batched) lg = model_prefill(m, prompt, n_prompt);
+    if (batched)
+        for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
     else
         for (int i = 0; i < n_prompt; i++) lg = model_forward(m, prompt + i, 1);
     for (int g = 0; g < GEN; g++) {
