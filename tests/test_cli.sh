@@ -25,10 +25,11 @@ expect() {
         return
     fi
     if [ -z "$pattern" ]; then ok "$label"; return; fi
-    local lines
-    lines=$(wc -l <"$tmp/err")
-    if [ "$lines" != 1 ] || ! grep -qE -- "^coli: .*$pattern" "$tmp/err"; then
-        bad "$label" "stderr is not one 'coli: ' line matching /$pattern/: $(head -c 300 "$tmp/err")"
+    # informational lines may come first; the error is one line, the last
+    local errors
+    errors=$(grep -c '^coli: ' "$tmp/err")
+    if [ "$errors" != 1 ] || ! tail -n 1 "$tmp/err" | grep -qE -- "^coli: .*$pattern"; then
+        bad "$label" "stderr does not end in one 'coli: ' line matching /$pattern/: $(head -c 300 "$tmp/err")"
         return
     fi
     ok "$label"
