@@ -3559,6 +3559,12 @@ struct cmd_options {
     int n_predict, n_bench_prompt, n_ctx, threads;
     int chat, json, think, hide_think, ignore_eog, kernels;
     struct sample_params sample;
+    /* resources (design.md §3); -1 / NULL: not given */
+    int64_t ram_bytes;       /* --ram: the expert cache's budget */
+    const char *heat_path;   /* --heat or HEAT_FILE */
+    const char *gpu_list;    /* --gpu LIST|off, or COLI_GPUS */
+    int64_t vram_bytes;      /* --vram per device, or CUDA_EXPERT_GB */
+    const char *place;       /* --place SPEC, or COLI_PLACE */
 };
 
 struct cmd_session {
@@ -4127,6 +4133,22 @@ static float arg_float(int argc, char **argv, int *i, double lo, double hi)
     return (float)x;
 }
 
+/* A size such as 512M, 12G, 1.5G or a plain number of bytes. */
+static int64_t arg_size(int argc, char **argv, int *i)
+{
+    const char *flag = argv[*i], *v = arg_value(argc, argv, i);
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    double unit = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0
+                : *end == 'G' || *end == 'g' ? 1073741824.0 : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
+    if (unit > 1.0) end++;
+    if (*end == 'i' && unit > 1.0) end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (errno || end == v || *end || !(x >= 0) || x * unit > 9.0e18) die_usage("%s: '%s' is not a size such as 512M or 12G", flag, v);
+    return (int64_t)(x * unit);
+}
+
 /* Parses the options after the command word into O. Defaults depend on the command. */
 static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
 {
@@ -4137,6 +4159,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     o->think = 1;
     o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0};
     o->sample.seed = (uint64_t)time(NULL);
+    o->ram_bytes = o->vram_bytes = -1;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
@@ -4153,6 +4176,11 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
         else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;
         else if (!strcmp(a, "--kernels") && bench) o->kernels = 1;
+        else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
+        else if (!strcmp(a, "--heat")) o->heat_path = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--gpu")) o->gpu_list = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--vram")) o->vram_bytes = arg_size(argc, argv, &i);
+        else if (!strcmp(a, "--place")) o->place = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--temp")) o->sample.temp = arg_float(argc, argv, &i, 0, 100);
         else if (!strcmp(a, "--top-k")) o->sample.top_k = (int)arg_int(argc, argv, &i, 0, INT_MAX);
         else if (!strcmp(a, "--top-p")) o->sample.top_p = arg_float(argc, argv, &i, 0, 1);
