@@ -2167,13 +2167,13 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
 }
 
 /* The context to use: the request, else the model's length capped so that the KV cache
- * takes at most half of the memory still available. */
+ * takes at most a quarter of the memory still available (the rest is for the weights). */
 static int model_choose_ctx(const struct model *m, int request)
 {
     if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
     int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
     int64_t ctx = m->cfg.ctx_train;
-    if (per > 0 && avail > 0 && ctx > avail / 2 / per) ctx = avail / 2 / per;
+    if (per > 0 && avail > 0 && ctx > avail / 4 / per) ctx = avail / 4 / per;
     return ctx < 256 ? 256 : (int)ctx;
 }
 
@@ -3485,14 +3485,10 @@ static void sample_apply_penalty(const struct sample_params *p, float *logits, c
     }
 }
 
-/* Keeps the K largest logits in cand[0..K) (unsorted), by a threshold found with a
- * selection pass; K may shrink nothing when K >= n. Returns the count kept. */
-static int sample_top_k(const float *logits, int n, int k, struct sample_candidate *cand)
+/* Moves the K largest logits of cand[0..n) to cand[0..K) (in no particular order) by
+ * quickselect; expected O(n). */
+static void sample_select(struct sample_candidate *cand, int n, int k)
 {
-    int count = 0;
-    for (int i = 0; i < n; i++) cand[count++] = (struct sample_candidate){i, logits[i]};
-    if (k <= 0 || k >= n) return n;
-    /* quickselect on logit, descending */
     int lo = 0, hi = n - 1;
     while (lo < hi) {
         float pivot = cand[(lo + hi) / 2].logit;
@@ -3510,7 +3506,24 @@ static int sample_top_k(const float *logits, int n, int k, struct sample_candida
         else if (k - 1 >= i) lo = i;
         else break;
     }
-    return k;
+}
+
+/* How many of the candidates, best first, top-p and min-p keep. Sorts only a prefix that
+ * grows until the kept set is inside it: the cut is usually among the first few dozen of
+ * 248k tokens. cand[i].logit already holds the unnormalised probability; TOTAL is their sum. */
+static int sample_nucleus(const struct sample_params *p, struct sample_candidate *cand, int n, double total)
+{
+    for (int sorted = n < 64 ? n : 64;; sorted = sorted * 4 < n ? sorted * 4 : n) {
+        sample_select(cand, n, sorted);
+        qsort(cand, (size_t)sorted, sizeof *cand, sample_by_logit_desc);
+        double mass = 0.0;
+        for (int keep = 0; keep < sorted; keep++) {
+            if (cand[keep].logit < p->min_p * cand[0].logit) return keep;
+            mass += cand[keep].logit;
+            if (mass >= p->top_p * total) return keep + 1;
+        }
+        if (sorted == n) return n;
+    }
 }
 
 /* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
@@ -3520,29 +3533,28 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 {
     sample_apply_penalty(p, logits, history, n_hist);
     if (p->temp <= 0.0f) return sample_argmax(logits, n_vocab);
-    int n = sample_top_k(logits, n_vocab, p->top_k, cand);
-    qsort(cand, (size_t)n, sizeof *cand, sample_by_logit_desc);
-    double sum = 0.0;
+    int n = n_vocab, best = sample_argmax(logits, n_vocab);
+    for (int i = 0; i < n; i++) cand[i] = (struct sample_candidate){i, logits[i]};
+    if (p->top_k > 0 && p->top_k < n) {
+        sample_select(cand, n, p->top_k);
+        n = p->top_k;
+    }
+    double total = 0.0;
     for (int i = 0; i < n; i++) {
-        cand[i].logit = expf((cand[i].logit - cand[0].logit) / p->temp);
-        sum += cand[i].logit;
+        cand[i].logit = expf((cand[i].logit - logits[best]) / p->temp);
+        total += cand[i].logit;
     }
-    /* top-p: the smallest prefix whose mass reaches p; min-p: drop what is below
-     * min_p times the best probability */
-    double mass = 0.0;
-    int keep = 0;
-    while (keep < n) {
-        if (cand[keep].logit < p->min_p * cand[0].logit) break;
-        mass += cand[keep].logit;
-        keep++;
-        if (mass >= p->top_p * sum) break;
+    if (p->top_p < 1.0f || p->min_p > 0.0f) {
+        n = sample_nucleus(p, cand, n, total);
+        total = 0.0;
+        for (int i = 0; i < n; i++) total += cand[i].logit;
     }
-    double r = (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * mass;
-    for (int i = 0; i < keep; i++) {
+    double r = (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    for (int i = 0; i < n; i++) {
         r -= cand[i].logit;
         if (r < 0) return cand[i].id;
     }
-    return cand[keep - 1].id;
+    return cand[n - 1].id;
 }
 
 /* ==== §11 frontends ==== */
@@ -3722,8 +3734,8 @@ static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, con
     char *piece = plat_alloc(s->tok.max_piece + 1);
     t0 = plat_now();
     while (g->n_tokens < n_max) {
-        float top[5][2];
-        cmd_top5(logits, n_vocab, top);
+        float top[5][2] = {{-1, 0}};
+        if (o->json) cmd_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
         int id = sample_next(&o->sample, logits, n_vocab, history, n_prompt + g->n_tokens, &rng, cand);
         history[n_prompt + g->n_tokens] = id;
         int len = tok_decode(&s->tok, id, piece, s->tok.max_piece + 1);

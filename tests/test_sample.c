@@ -1,0 +1,75 @@
+/* test_sample: §10 sampling on hand-made logit rows whose answers are known.
+ * usage: test_sample [ignored...] */
+#define COLI_NO_MAIN
+#include "../coli.c"
+
+static int n_pass, n_fail;
+
+static void check(int ok, const char *name)
+{
+    printf("%s - %s\n", ok ? "ok" : "FAIL", name);
+    ok ? n_pass++ : n_fail++;
+}
+
+#define V 1000
+
+static struct sample_candidate cand[V];
+
+/* Draws N tokens from a fresh copy of LOGITS each time; counts how often each id comes up. */
+static void draw(const struct sample_params *p, const float *logits, int n, int *count)
+{
+    uint64_t rng = p->seed;
+    float row[V];
+    memset(count, 0, V * sizeof *count);
+    for (int i = 0; i < n; i++) {
+        memcpy(row, logits, sizeof row);
+        count[sample_next(p, row, V, NULL, 0, &rng, cand)]++;
+    }
+}
+
+int main(void)
+{
+    float logits[V], row[V];
+    int count[V];
+    for (int i = 0; i < V; i++) logits[i] = -10.0f + (float)(i % 7) * 0.01f;
+    logits[500] = 3.0f;
+    logits[700] = 3.0f; /* a tie with 500: greedy takes the lower id */
+    logits[100] = 2.0f;
+    uint64_t rng = 1;
+    struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1};
+    memcpy(row, logits, sizeof row);
+    check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
+
+    struct sample_params top1 = {1.0f, 1, 1.0f, 0.0f, 1.0f, 64, 7};
+    draw(&top1, logits, 200, count);
+    check(count[500] + count[700] == 200 && (count[500] == 200 || count[700] == 200), "top-k 1: always one of the best");
+
+    /* p(500) = p(700) = e^3 / (2e^3 + e^2 + ~997 e^-10) ~ 0.4223, p(100) ~ 0.1554 */
+    struct sample_params plain = {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 11};
+    draw(&plain, logits, 20000, count);
+    double f500 = count[500] / 20000.0, f100 = count[100] / 20000.0;
+    check(fabs(f500 - 0.4223) < 0.02 && fabs(f100 - 0.1554) < 0.015, "temperature 1: frequencies follow softmax");
+
+    struct sample_params nucleus = {1.0f, 0, 0.8f, 0.0f, 1.0f, 64, 3};
+    draw(&nucleus, logits, 2000, count);
+    check(count[500] + count[700] == 2000, "top-p 0.8: only the two best (0.84 of the mass)");
+
+    struct sample_params minp = {1.0f, 0, 1.0f, 0.5f, 1.0f, 64, 5};
+    draw(&minp, logits, 2000, count);
+    check(count[100] == 0 && count[500] > 0 && count[700] > 0, "min-p 0.5: drops what is below half the best");
+
+    struct sample_params a = plain, b = plain;
+    int ca[V], cb[V];
+    draw(&a, logits, 500, ca);
+    draw(&b, logits, 500, cb);
+    check(!memcmp(ca, cb, sizeof ca), "same seed, same draws");
+
+    int history[3] = {500, 500, 42};
+    struct sample_params pen = {0.0f, 0, 1.0f, 0.0f, 2.0f, 64, 1};
+    memcpy(row, logits, sizeof row);
+    int id = sample_next(&pen, row, V, history, 3, &rng, cand);
+    check(id == 700 && row[500] == 1.5f && row[42] == logits[42] * 2.0f, "repetition penalty: divides positive, multiplies negative, once per token");
+
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail != 0;
+}
