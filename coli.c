@@ -4062,13 +4062,14 @@ static int cmd_plan(const struct cmd_options *o)
     gguf_open(&m.file, o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
-    uint64_t experts = 0;
+    uint64_t experts = 0, embed = m.embed->bytes;
     for (int64_t i = 0; i < m.file.n_tensors; i++)
         if (strstr(m.file.tensors[i].name, "_exps.")) experts += m.file.tensors[i].bytes;
-    uint64_t trunk = m.file.tensor_bytes - experts;
+    uint64_t trunk = m.file.tensor_bytes - experts - embed;
     int ctx = model_choose_ctx(&m, o->n_ctx);
     double active = m.cfg.n_expert ? (double)experts * m.cfg.n_expert_used / m.cfg.n_expert : 0;
     printf("[place] trunk (dense, read every token): %.1f MiB -> cpu\n", trunk / 1048576.0);
+    printf("[place] token embedding (one row read per token): %.1f MiB -> cpu (memory-mapped)\n", embed / 1048576.0);
     printf("[place] routed experts: %.1f MiB, %.1f MiB read per token -> cpu (memory-mapped)\n", experts / 1048576.0, active / 1048576.0);
     printf("[place] KV cache: %.1f KiB per token, %.1f MiB at context %d -> cpu\n", model_kv_bytes_per_token(&m) / 1024.0,
            (double)model_kv_bytes_per_token(&m) * ctx / 1048576.0, ctx);
