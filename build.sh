@@ -81,6 +81,29 @@ build_test() {
     gcc $CFLAGS -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -I. "tests/$name.c" -o "build/$name.san" -lm
 }
 
+# The fake CUDA driver (tests/fake_cuda.c): a glibc libcuda.so.1 that runs each kernel's C twin
+# on the host, and the same built as a stub whose cuInit answers 34.
+build_fake_driver() {
+    mkdir -p build/fake build/stub
+    gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/fake/libcuda.so.1
+    gcc -shared -fPIC -O2 -Wall -Wextra -DFAKE_STUB -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/stub/libcuda.so.1
+}
+
+# ptxas on kernels.ptx for every architecture the installed ptxas knows (CUDA 13: sm_75 on;
+# an older toolkit also checks sm_52/61/70). Skipped without ptxas.
+check_ptx() {
+    local ptxas=${PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
+    if [ ! -x "$ptxas" ]; then echo "ok - kernels.ptx assembles # SKIP no ptxas"; echo "1 passed, 0 failed"; return; fi
+    local sms sm p=0 f=0
+    sms=$("$ptxas" --help | tr -d "\n '" | grep -oE "sm_[0-9]+[,]" | tr -d , | sort -u -V)
+    for sm in $sms; do
+        if "$ptxas" -arch="$sm" kernels.ptx -o /dev/null 2>build/ptxas.err; then echo "ok - kernels.ptx assembles for $sm"; p=$((p + 1))
+        else echo "FAIL - kernels.ptx for $sm: $(head -c 300 build/ptxas.err)"; f=$((f + 1)); fi
+    done
+    if ! grep -qE '^\.target sm_52$' kernels.ptx; then echo "FAIL - kernels.ptx is not .target sm_52"; f=$((f + 1)); fi
+    echo "$p passed, $f failed"
+}
+
 passed=0
 failed=0
 # Runs one test program, echoing its output, and adds its closing "N passed, N failed" line
@@ -112,13 +135,17 @@ run_test() {
 run_tests() {
     build_coli
     local t
-    for t in test_quant test_gguf test_tok test_model; do build_test "$t"; done
+    build_fake_driver
+    for t in test_quant test_gguf test_tok test_model test_cuda; do build_test "$t"; done
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_model; do
+    for t in test_quant test_gguf test_tok test_model test_cuda; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
     run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
+    # the static binary's loader paths: the foreign dlopen exists only in the musl build
+    run_test "test_cuda.sh" bash tests/test_cuda.sh ./coli "$GOLDEN" build
+    run_test "kernels.ptx (ptxas)" check_ptx
     echo "$passed passed, $failed failed"
     [ "$failed" = 0 ]
 }

@@ -12,7 +12,7 @@
  *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations
  *   §5  cuda       cuda_    the system's CUDA driver via foreign dlopen, devices, embedded PTX, device GEMVs
  *   §6  experts    expert_  (not yet: the expert store of issue 4; experts are read from the mapping)
- *   §7  place      place_   (not yet: placement; everything runs on the CPU)
+ *   §7  place      place_   which trunk matrices live in VRAM (greedy by value per byte), COLI_PLACE
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
@@ -2400,7 +2400,7 @@ static int cuda_try_driver(const char *path, char *why, size_t cap)
 static int cuda_load_driver(char *why, size_t cap)
 {
     const char *named = getenv("COLI_LIBCUDA");
-    char first[512] = "", msg[512];
+    char first[384] = "", msg[384];
     int stub = 0;
     if (named && *named) {
         int r = cuda_try_driver(named, why, cap);
@@ -2520,7 +2520,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     int opts[4] = {CUDA_JIT_INFO_LOG, CUDA_JIT_INFO_LOG_SIZE, CUDA_JIT_ERROR_LOG, CUDA_JIT_ERROR_LOG_SIZE};
     void *vals[4] = {info, (void *)(uintptr_t)(sizeof info - 1), err, (void *)(uintptr_t)(sizeof err - 1)};
     r = cuda_module_load(&d->module, cuda_ptx, 4, opts, vals);
-    if (r) return snprintf(why, cap, "cuda %d: loading kernels.ptx: %s: %s", i, cuda_error_name(r, e, sizeof e), cuda_first_line(err)), -1;
+    if (r) return snprintf(why, cap, "cuda %d: loading kernels.ptx: %s: %.200s", i, cuda_error_name(r, e, sizeof e), cuda_first_line(err)), -1;
     for (int t = 0; t < GGUF_TYPE_COUNT; t++) {
         char name[64];
         if (!gguf_types[t].name) continue;
@@ -2601,24 +2601,40 @@ static void cuda_start(const char *list, int64_t vram_bytes)
     }
 }
 
+/* Frees every resident matrix: residency is keyed by the host address of the weights, so it
+ * must end before that memory is unmapped or reused. */
+static void cuda_release_all(void)
+{
+    if (cuda.calls) plat_log("[cuda] %ld products ran on the device%s, %ld driver calls", cuda.calls / 3, cuda.n_devices > 1 ? "s" : "", cuda.calls);
+    cuda.calls = 0;
+    for (int k = 0; k < cuda.n_res; k++)
+        if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
+    for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = 0;
+    cuda.n_res = 0;
+    ops_offload = NULL;
+}
+
 /* Gives the contexts back: glibc's and libcuda's destructors never run in this process
  * (notes §5.5). */
 static void cuda_stop(void)
 {
+    cuda_release_all();
+    free(cuda.res);
+    cuda.res = NULL;
+    cuda.cap_res = 0;
     for (int i = 0; i < cuda.n_devices; i++) {
         struct cuda_device *d = &cuda.dev[i];
         if (!d->ctx) continue;
         if (cuda_use(i) == 0) {
-            for (int k = 0; k < cuda.n_res; k++)
-                if (cuda.res[k].dev == i) cuda_mem_free(cuda.res[k].ptr);
             if (d->act) cuda_mem_free(d->act);
             if (d->y) cuda_mem_free(d->y);
             if (d->module) cuda_module_unload(d->module);
         }
         cuda_ctx_release(d->id);
         d->ctx = NULL;
+        d->act = d->y = 0;
+        d->act_cap = d->y_cap = 0;
     }
-    cuda.n_res = 0;
     cuda.ready = 0;
 }
 
@@ -2652,30 +2668,6 @@ static void cuda_fail(const char *what, cuda_result r)
     ops_offload = NULL;
     cuda.ready = 0;
     snprintf(cuda.why, sizeof cuda.why, "%s failed", what);
-}
-
-/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
- * changed) when the budget or the device's memory is short: out of memory is not a failure of
- * the GPU path, the matrix just stays on the CPU. */
-static int cuda_make_resident(const struct ops_matrix *w, int dev)
-{
-    struct cuda_device *d = &cuda.dev[dev];
-    size_t bytes = (size_t)w->rows * w->row_bytes;
-    cuda_ptr p = 0;
-    if (!cuda.ready || !d->usable || !d->matvec[w->type] || d->used + (int64_t)bytes > d->budget) return -1;
-    if (cuda_use(dev) || cuda_mem_alloc(&p, bytes)) return -1;
-    cuda_result r = cuda_htod(p, w->data, bytes);
-    if (r) {
-        cuda_mem_free(p);
-        return -1;
-    }
-    if (cuda.n_res == cuda.cap_res) {
-        cuda.cap_res = cuda.cap_res ? 2 * cuda.cap_res : 64;
-        cuda.res = plat_realloc(cuda.res, (size_t)cuda.cap_res * sizeof *cuda.res);
-    }
-    cuda.res[cuda.n_res++] = (struct cuda_resident){w->data, dev, p, bytes};
-    d->used += (int64_t)bytes;
-    return 0;
 }
 
 /* Grows device scratch *P (capacity *CAP) to N bytes. Returns the driver's result. */
@@ -2722,12 +2714,116 @@ static int cuda_rows(const struct ops_matrix *w, const uint8_t *acts, size_t str
     return 1;
 }
 
+/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
+ * changed) when the budget or the device's memory is short: out of memory is not a failure of
+ * the GPU path, the matrix just stays on the CPU. */
+static int cuda_make_resident(const struct ops_matrix *w, int dev)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    size_t bytes = (size_t)w->rows * w->row_bytes;
+    cuda_ptr p = 0;
+    if (!cuda.ready || !d->usable || !d->matvec[w->type] || d->used + (int64_t)bytes > d->budget) return -1;
+    if (cuda_use(dev) || cuda_mem_alloc(&p, bytes)) return -1;
+    cuda_result r = cuda_htod(p, w->data, bytes);
+    if (r) {
+        cuda_mem_free(p);
+        return -1;
+    }
+    if (cuda.n_res == cuda.cap_res) {
+        cuda.cap_res = cuda.cap_res ? 2 * cuda.cap_res : 64;
+        cuda.res = plat_realloc(cuda.res, (size_t)cuda.cap_res * sizeof *cuda.res);
+    }
+    cuda.res[cuda.n_res++] = (struct cuda_resident){w->data, dev, p, bytes};
+    d->used += (int64_t)bytes;
+    ops_offload = cuda_rows;
+    return 0;
+}
+
 /* ==== §6 experts ==== */
 /* Not yet: the expert store with a RAM budget and heat is issue 4. Routed experts are read
  * in place from the memory-mapped file. */
 
 /* ==== §7 place ==== */
-/* Not yet: placement across devices follows the CUDA path. */
+/* Owns: which dense trunk matrices live in VRAM (design.md §5). This first version is greedy:
+ *   every dense matrix is read once per token, so each saves one byte of memory-bus traffic
+ *   per byte of VRAM (value 1.00); components are offered in a fixed order (lmhead, attnproj,
+ *   dnproj, dnout, shexp, router, ffn), each matrix to the selected device with the most room
+ *   left, while it fits that device's budget (--vram, or free VRAM less a reserve). Routed
+ *   experts are the expert store's (§6) to place; they are not priced here yet.
+ * Promises: placement changes speed only: a resident matrix computes the same bits (§5). One
+ *   [place] line per component says where it went and with what numbers. A bad --place /
+ *   COLI_PLACE is a usage error.
+ * May call: §1, §4 (struct ops_matrix), §5 (devices, cuda_make_resident).
+ * Workload: once per model load. */
+
+enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_COUNT };
+static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn"};
+
+/* One movable matrix of the trunk. */
+struct place_item { enum place_component comp; const struct ops_matrix *m; };
+
+/* Parses SPEC (auto | off | comp=dev,...) into DEV[comp]: -1 any device, -2 none, else that
+ * device. Components a list leaves out stay on the CPU; `experts=` belongs to §6. */
+static void place_parse(const char *spec, int dev[PLACE_COUNT])
+{
+    int listed = spec && strcmp(spec, "auto") && strcmp(spec, "off");
+    for (int c = 0; c < PLACE_COUNT; c++) dev[c] = !spec || !strcmp(spec, "auto") ? -1 : -2;
+    for (const char *p = listed ? spec : ""; *p;) {
+        size_t n = strcspn(p, ","), k = strcspn(p, "=");
+        char *end;
+        long d = k < n ? strtol(p + k + 1, &end, 10) : -1;
+        if (k >= n || d < 0 || end != p + n)
+            die_usage("--place %s: '%.*s' is not COMPONENT=DEVICE (e.g. lmhead=0,dnproj=1)", spec, (int)n, p);
+        int c = 0;
+        while (c < PLACE_COUNT && (strlen(place_names[c]) != k || strncmp(p, place_names[c], k))) c++;
+        if (c < PLACE_COUNT) dev[c] = (int)d;
+        else if (k != 7 || strncmp(p, "experts", 7)) die_usage("--place: unknown component '%.*s'", (int)k, p);
+        p += n + (p[n] == ',');
+    }
+}
+
+/* The selected, usable device with the most budget left that fits BYTES (ONLY >= 0: that one). */
+static int place_pick(size_t bytes, int only)
+{
+    int best = -1;
+    for (int i = 0; i < cuda.n_devices; i++) {
+        const struct cuda_device *d = &cuda.dev[i];
+        if ((only >= 0 && i != only) || !d->usable || d->budget - d->used < (int64_t)bytes) continue;
+        if (best < 0 || d->budget - d->used > cuda.dev[best].budget - cuda.dev[best].used) best = i;
+    }
+    return best;
+}
+
+/* Places ITEMS[N] by the greedy rule above, as SPEC allows; one [place] line per component. */
+static void place_trunk(const struct place_item *items, int n, const char *spec)
+{
+    int dev[PLACE_COUNT];
+    place_parse(spec, dev);
+    if (!cuda.ready) return;
+    for (int c = 0; c < PLACE_COUNT; c++) {
+        int count[CUDA_MAX_DEVICES] = {0}, total = 0, on_cpu = 0;
+        double bytes = 0, cpu_bytes = 0;
+        for (int i = 0; i < n; i++) {
+            if (items[i].comp != (enum place_component)c) continue;
+            size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
+            int d = dev[c] == -2 ? -1 : place_pick(b, dev[c]);
+            total++;
+            bytes += (double)b;
+            if (d >= 0 && cuda_make_resident(items[i].m, d) == 0) count[d]++;
+            else { on_cpu++; cpu_bytes += (double)b; }
+        }
+        if (!total) continue;
+        char line[512];
+        int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
+                           total > 1 ? "ces" : "x", bytes / 1048576.0);
+        for (int i = 0; i < cuda.n_devices && len < (int)sizeof line - 64; i++)
+            if (count[i]) len += snprintf(line + len, sizeof line - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
+                                          (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
+        if (on_cpu) snprintf(line + len, sizeof line - (size_t)len, " cpu: %d, %.1f MiB (%s)", on_cpu, cpu_bytes / 1048576.0,
+                             dev[c] == -2 ? "--place" : "no room in the budget");
+        plat_log("%s", line);
+    }
+}
 
 /* ==== §8 model ==== */
 /* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the
@@ -4490,6 +4586,28 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
+/* Offers every dense trunk matrix to §7 place (they are named here because only §8 and below
+ * know the model's layout). */
+static void cmd_place_trunk(struct model *m, const struct cmd_options *o)
+{
+    struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 1) * sizeof *it);
+    int n = 0;
+    it[n++] = (struct place_item){PLACE_LMHEAD, &m->lm_head};
+    for (int il = 0; il < m->cfg.n_layers; il++) {
+        const struct model_layer *l = &m->layers[il];
+        const struct place_item per[] = {
+            {PLACE_ATTNPROJ, &l->wq}, {PLACE_ATTNPROJ, &l->wk}, {PLACE_ATTNPROJ, &l->wv}, {PLACE_ATTNPROJ, &l->wo},
+            {PLACE_DNPROJ, &l->wqkv}, {PLACE_DNPROJ, &l->wz}, {PLACE_DNPROJ, &l->wbeta}, {PLACE_DNPROJ, &l->walpha},
+            {PLACE_DNPROJ, &l->wba}, {PLACE_DNOUT, &l->wout}, {PLACE_ROUTER, &l->router}, {PLACE_ROUTER, &l->shexp_gate_inp},
+            {PLACE_SHEXP, &l->shexp_gate}, {PLACE_SHEXP, &l->shexp_up}, {PLACE_SHEXP, &l->shexp_down},
+            {PLACE_FFN, &l->ffn_gate}, {PLACE_FFN, &l->ffn_up}, {PLACE_FFN, &l->ffn_down}};
+        for (size_t k = 0; k < sizeof per / sizeof *per; k++)
+            if (per[k].m->data && per[k].m->rows) it[n++] = per[k];
+    }
+    place_trunk(it, n, o->place);
+    free(it);
+}
+
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
 {
     double t0 = plat_now();
@@ -4500,6 +4618,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
         die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
     s->think_open = tok_find(&s->tok, "<think>");
     s->think_close = tok_find(&s->tok, "</think>");
+    cmd_place_trunk(&s->model, o);
     const struct model_config *c = &s->model.cfg;
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
@@ -4508,6 +4627,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
 
 static void cmd_close(struct cmd_session *s)
 {
+    cuda_release_all(); /* residency is keyed by addresses in the mapping model_free unmaps */
     tok_free(&s->tok);
     model_free(&s->model);
 }
