@@ -2647,6 +2647,7 @@ static void cuda_print_info(void)
     }
     printf("cuda: driver %d.%d, %d device%s, one wrapped driver call %.2f us\n", cuda.driver_version / 1000,
            cuda.driver_version % 1000 / 10, cuda.n_devices, cuda.n_devices > 1 ? "s" : "", cuda.call_us);
+    if (!cuda.ready) printf("cuda: no usable device: %s\n", cuda.why);
     for (int i = 0; i < cuda.n_devices; i++) {
         const struct cuda_device *d = &cuda.dev[i];
         printf("cuda %d: %s, compute %d.%d, %d SMs, %.1f GiB VRAM", i, d->name, d->cc_major, d->cc_minor, d->sms,
@@ -5103,7 +5104,10 @@ static const char arg_usage[] =
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
-    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level\n";
+    "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
+    "           --place auto|off|COMPONENT=DEVICE,... (lmhead, attnproj, dnproj, dnout, shexp, router, ffn)\n"
+    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
+    "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE as the flags\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
