@@ -1840,7 +1840,13 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   musl build, the thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s); then per offloaded GEMV one upload of the
- *   prepared activation, one launch and one download: 3 wrapped calls. */
+ *   prepared activation, one launch and one download: 3 wrapped calls. Measured with the fake
+ *   driver on this VM (WRFSBASE): 0.25 µs per wrapped call, mostly the two sigprocmask calls.
+ *   A decoded token of the 35B-A3B offloads 391 trunk products (30 DeltaNet layers x 5, 10
+ *   attention x 4, 40 x router, shared-expert gate and its 3 matrices, lm_head): 1173 calls,
+ *   0.3 ms of wrapping but ~400 synchronous round trips. The next step batches each layer's
+ *   products into one upload/launch sequence, then captures a whole token as one CUDA graph
+ *   (expert ids read from device memory): ~4 calls per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
