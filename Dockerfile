@@ -4,7 +4,7 @@ FROM debian:12 AS build
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         gcc libc6-dev musl-tools && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY build.sh coli.c ./
+COPY build.sh coli.c kernels.cu kernels.ptx ./
 COPY vendor vendor
 RUN ./build.sh && ./coli --version
 

@@ -22,8 +22,53 @@ need_musl() {
     exit 1
 }
 
+# The glibc side of the foreign dlopen (coli.c §5, portable-notes.md): a tiny PIE that glibc's
+# ld.so starts inside coli's process and that hands dlopen/dlsym/dlerror/dlclose to coli. Its own
+# 6-instruction _start avoids __libc_start_main@GLIBC_2.34, and the dl* symbols are pinned to
+# GLIBC_2.2.5, so the same binary works on glibc 2.2.5 through today. Embedded by coli.c.
+build_helper() {
+    mkdir -p build
+    cat >build/coli_helper.c <<'HELPER'
+__asm__(".symver dlopen,dlopen@GLIBC_2.2.5\n.symver dlsym,dlsym@GLIBC_2.2.5\n"
+        ".symver dlerror,dlerror@GLIBC_2.2.5\n.symver dlclose,dlclose@GLIBC_2.2.5");
+void *dlopen(const char *file, int mode);
+void *dlsym(void *handle, const char *name);
+char *dlerror(void);
+int dlclose(void *handle);
+/* argv[1] is the hex address of coli's callback; it never returns (it longjmps home). */
+__attribute__((used, noreturn)) void helper_main(long argc, char **argv)
+{
+    unsigned long a = 0;
+    for (const char *p = argc > 1 ? argv[1] : ""; *p; p++) a = a * 16 + (unsigned long)(*p <= '9' ? *p - '0' : *p - 'a' + 10);
+    void *fns[4] = {(void *)dlopen, (void *)dlsym, (void *)dlerror, (void *)dlclose};
+    if (a) ((void (*)(void *const *))a)(fns);
+    for (;;) __asm__ volatile("hlt");
+}
+__asm__(".text\n.globl _start\n_start:\n xor %ebp,%ebp\n mov (%rsp),%rdi\n lea 8(%rsp),%rsi\n"
+        " and $-16,%rsp\n call helper_main\n hlt\n");
+HELPER
+    gcc -Os -fPIE -pie -nostartfiles -fno-stack-protector -fno-asynchronous-unwind-tables \
+        -Wl,--no-as-needed -Wl,-z,noexecstack -Wl,--build-id=none -s build/coli_helper.c -l:libdl.so.2 -o build/coli_helper
+}
+
+# kernels.ptx is committed, so builds need no CUDA toolkit. Where nvcc exists and kernels.cu
+# changed, it is regenerated: nvcc 13 emits only .target sm_75+ / .version 9.0, but the
+# instructions used are sm_30-era plus shfl.sync (PTX 6.0), so the header is lowered to what
+# drivers of the last years JIT for every card from Maxwell on (portable-notes.md §4). No
+# fused multiply-add (-fmad=false), as the CPU side's -ffp-contract=off.
+build_ptx() {
+    local nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    [ -x "$nvcc" ] && [ kernels.cu -nt kernels.ptx ] || return 0
+    mkdir -p build
+    "$nvcc" -ptx -arch=compute_75 -fmad=false -prec-div=true -prec-sqrt=true -ftz=false kernels.cu -o build/kernels.ptx
+    if grep -qE 'dp4a|dp2a' build/kernels.ptx; then echo "build.sh: kernels.ptx would need sm_61 (dp4a)" >&2; exit 1; fi
+    sed -e 's/^\.version .*/.version 6.0/' -e 's/^\.target .*/.target sm_52/' build/kernels.ptx >kernels.ptx
+}
+
 build_coli() {
     need_musl
+    build_helper
+    build_ptx
     musl-gcc -static $CFLAGS coli.c -o coli -lm
 }
 
@@ -34,6 +79,29 @@ build_test() {
     mkdir -p build
     gcc $CFLAGS -g -I. "tests/$name.c" -o "build/$name" -lm
     gcc $CFLAGS -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -I. "tests/$name.c" -o "build/$name.san" -lm
+}
+
+# The fake CUDA driver (tests/fake_cuda.c): a glibc libcuda.so.1 that runs each kernel's C twin
+# on the host, and the same built as a stub whose cuInit answers 34.
+build_fake_driver() {
+    mkdir -p build/fake build/stub
+    gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/fake/libcuda.so.1
+    gcc -shared -fPIC -O2 -Wall -Wextra -DFAKE_STUB -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/stub/libcuda.so.1
+}
+
+# ptxas on kernels.ptx for every architecture the installed ptxas knows (CUDA 13: sm_75 on;
+# an older toolkit also checks sm_52/61/70). Skipped without ptxas.
+check_ptx() {
+    local ptxas=${PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
+    if [ ! -x "$ptxas" ]; then echo "ok - kernels.ptx assembles # SKIP no ptxas"; echo "1 passed, 0 failed"; return; fi
+    local sms sm p=0 f=0
+    sms=$("$ptxas" --help | tr -d "\n '" | grep -oE "sm_[0-9]+[,]" | tr -d , | sort -u -V)
+    for sm in $sms; do
+        if "$ptxas" -arch="$sm" kernels.ptx -o /dev/null 2>build/ptxas.err; then echo "ok - kernels.ptx assembles for $sm"; p=$((p + 1))
+        else echo "FAIL - kernels.ptx for $sm: $(head -c 300 build/ptxas.err)"; f=$((f + 1)); fi
+    done
+    if ! grep -qE '^\.target sm_52$' kernels.ptx; then echo "FAIL - kernels.ptx is not .target sm_52"; f=$((f + 1)); fi
+    echo "$p passed, $f failed"
 }
 
 passed=0
@@ -67,13 +135,17 @@ run_test() {
 run_tests() {
     build_coli
     local t
-    for t in test_quant test_gguf test_tok test_sample test_model; do build_test "$t"; done
+    build_fake_driver
+    for t in test_quant test_gguf test_tok test_sample test_model test_cuda; do build_test "$t"; done
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_sample test_model; do
+    for t in test_quant test_gguf test_tok test_sample test_model test_cuda; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
     run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
+    # the static binary's loader paths: the foreign dlopen exists only in the musl build
+    run_test "test_cuda.sh" bash tests/test_cuda.sh ./coli "$GOLDEN" build
+    run_test "kernels.ptx (ptxas)" check_ptx
     echo "$passed passed, $failed failed"
     [ "$failed" = 0 ]
 }

@@ -10,9 +10,9 @@
  *   §2  gguf       gguf_    GGUF v2/v3 reader (split files too), strictly validated, memory-mapped
  *   §3  quant      quant_   block formats, dequantisation, activation quantisation, dot products
  *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations
- *   §5  cuda       cuda_    (not yet: the CUDA driver path of issue 5; coli runs on the CPU)
+ *   §5  cuda       cuda_    the system's CUDA driver via foreign dlopen, devices, embedded PTX, device GEMVs
  *   §6  experts    expert_  (not yet: the expert store of issue 4; experts are read from the mapping)
- *   §7  place      place_   (not yet: placement; everything runs on the CPU)
+ *   §7  place      place_   which trunk matrices live in VRAM (greedy by value per byte), COLI_PLACE
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
@@ -1566,6 +1566,10 @@ struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
 
+/* §5 cuda sets this when matrices are resident on a device: it runs ops_rows there and
+ * returns 1, or returns 0 to leave it to the CPU. The one place §4 reaches a device. */
+static int (*ops_offload)(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n);
+
 static void *ops_act_buf;
 static size_t ops_act_cap;
 
@@ -1603,6 +1607,7 @@ static void ops_prefetch(const uint8_t *p, size_t n) {
 static void ops_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n) {
     const int64_t nchunk = (w->rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
     const quant_dot_fn dot = quant_dot_table[w->type];
+    if (ops_offload && ops_offload(w, acts, stride, y, n)) return; /* §5 cuda: W resident on a device */
     #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunk; c++) {
         int64_t r1 = (c + 1) * OPS_ROW_CHUNK < w->rows ? (c + 1) * OPS_ROW_CHUNK : w->rows;
@@ -1822,15 +1827,1010 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 }
 
 /* ==== §5 cuda ==== */
-/* Not yet: loading the system's CUDA driver and the embedded PTX is issue 5. coli runs
- * every product on the CPU. */
+/* Owns: the system's CUDA driver, reached from this static binary at run time: the foreign
+ *   dlopen (glibc's ld.so and the embedded glibc helper mapped into this process; in a glibc
+ *   build, as the tests use, the native dlopen), the typed driver wrappers, the device list in
+ *   PCI bus order, per-device contexts and the module JIT-compiled from the embedded kernels.ptx,
+ *   device memory for resident weight matrices, and the GEMV launches that ops_rows offloads.
+ * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the
+ *   CPU; results never change: a device GEMV computes the CPU's canonical order bit for bit, and
+ *   a launch that fails is recomputed on the CPU. Device i is the i-th card in PCI bus order in
+ *   every flag and line. No driver call is made unless cuda_start ran (COLI_CUDA=0 / --gpu off:
+ *   never). Driver calls are serialised under one lock, with async signals blocked and, in the
+ *   musl build, the thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
+ * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
+ * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s); then per offloaded GEMV one upload of the
+ *   prepared activation, one launch and one download: 3 wrapped calls. Measured with the fake
+ *   driver on this VM (WRFSBASE): 0.25 µs per wrapped call, mostly the two sigprocmask calls.
+ *   A decoded token of the 35B-A3B offloads 391 trunk products (30 DeltaNet layers x 5, 10
+ *   attention x 4, 40 x router, shared-expert gate and its 3 matrices, lm_head): 1173 calls,
+ *   0.3 ms of wrapping but ~400 synchronous round trips. The next step batches each layer's
+ *   products into one upload/launch sequence, then captures a whole token as one CUDA graph
+ *   (expert ids read from device memory): ~4 calls per token. */
+
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#ifndef __GLIBC__
+#include <elf.h>
+#include <setjmp.h>
+#include <sys/auxv.h>
+#endif
+
+/* The driver API's types and the few constants coli uses (values from cuda.h, stable ABI). */
+typedef int cuda_result;
+typedef int cuda_device_id;
+typedef unsigned long long cuda_ptr; /* CUdeviceptr: 64-bit since the _v2 API */
+typedef struct cuda_opaque *cuda_handle; /* CUcontext, CUmodule, CUfunction, CUstream */
+
+enum {
+    CUDA_SUCCESS = 0, CUDA_ERROR_OUT_OF_MEMORY = 2, CUDA_ERROR_STUB_LIBRARY = 34,
+    CUDA_ERROR_NO_DEVICE = 100, CUDA_ERROR_INVALID_PTX = 218, CUDA_ERROR_JIT_COMPILER_NOT_FOUND = 221,
+    CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222, CUDA_ERROR_NOT_FOUND = 500,
+};
+enum {
+    CUDA_ATTR_SM_COUNT = 16, CUDA_ATTR_PCI_BUS = 33, CUDA_ATTR_PCI_DEVICE = 34,
+    CUDA_ATTR_PCI_DOMAIN = 50, CUDA_ATTR_CC_MAJOR = 75, CUDA_ATTR_CC_MINOR = 76,
+};
+enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
+
+/* Driver entry points, resolved by their versioned names (notes §5.10: the plain cuMemAlloc is
+ * the 32-bit-pointer ABI of CUDA 3). X(field, symbol, required). */
+#define CUDA_API(X) \
+    X(init, "cuInit", 1) X(driver_version, "cuDriverGetVersion", 1) X(get_error_string, "cuGetErrorString", 0) \
+    X(device_count, "cuDeviceGetCount", 1) X(device_get, "cuDeviceGet", 1) X(device_name, "cuDeviceGetName", 1) \
+    X(device_mem, "cuDeviceTotalMem_v2", 1) X(device_attr, "cuDeviceGetAttribute", 1) \
+    X(ctx_retain, "cuDevicePrimaryCtxRetain", 1) X(ctx_release, "cuDevicePrimaryCtxRelease_v2", 1) \
+    X(ctx_set, "cuCtxSetCurrent", 1) X(mem_info, "cuMemGetInfo_v2", 1) \
+    X(mem_alloc, "cuMemAlloc_v2", 1) X(mem_free, "cuMemFree_v2", 1) X(htod, "cuMemcpyHtoD_v2", 1) \
+    X(dtoh, "cuMemcpyDtoH_v2", 1) X(module_load, "cuModuleLoadDataEx", 1) X(module_unload, "cuModuleUnload", 1) \
+    X(module_function, "cuModuleGetFunction", 1) X(launch, "cuLaunchKernel", 1)
+
+struct cuda_api {
+    cuda_result (*init)(unsigned flags);
+    cuda_result (*driver_version)(int *v);
+    cuda_result (*get_error_string)(cuda_result r, const char **s);
+    cuda_result (*device_count)(int *n);
+    cuda_result (*device_get)(cuda_device_id *d, int ordinal);
+    cuda_result (*device_name)(char *name, int len, cuda_device_id d);
+    cuda_result (*device_mem)(size_t *bytes, cuda_device_id d);
+    cuda_result (*device_attr)(int *v, int attr, cuda_device_id d);
+    cuda_result (*ctx_retain)(cuda_handle *ctx, cuda_device_id d);
+    cuda_result (*ctx_release)(cuda_device_id d);
+    cuda_result (*ctx_set)(cuda_handle ctx);
+    cuda_result (*mem_info)(size_t *free_bytes, size_t *total);
+    cuda_result (*mem_alloc)(cuda_ptr *p, size_t n);
+    cuda_result (*mem_free)(cuda_ptr p);
+    cuda_result (*htod)(cuda_ptr dst, const void *src, size_t n);
+    cuda_result (*dtoh)(void *dst, cuda_ptr src, size_t n);
+    cuda_result (*module_load)(cuda_handle *mod, const void *image, unsigned n_opt, int *opts, void **vals);
+    cuda_result (*module_unload)(cuda_handle mod);
+    cuda_result (*module_function)(cuda_handle *fn, cuda_handle mod, const char *name);
+    cuda_result (*launch)(cuda_handle fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                          unsigned shared, cuda_handle stream, void **params, void **extra);
+};
+static struct cuda_api cuda_api;
+
+/* glibc's dl* functions: from the foreign loader (musl build) or the native ones. */
+struct cuda_dl {
+    void *(*open)(const char *file, int mode);
+    void *(*sym)(void *handle, const char *name);
+    char *(*error)(void);
+    int (*close)(void *handle);
+};
+static struct cuda_dl cuda_dl;
+
+/* ---- the call wrapper: lock, async signals blocked, glibc's thread pointer ----
+ * All musl threads share the one glibc TCB that ld.so set up (notes §5.2), so calls are
+ * serialised; signals are blocked so that no musl handler runs on glibc's TCB (§5.3), and
+ * threads the driver creates inherit the blocked mask. */
+
+static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
+static sigset_t cuda_saved_mask;
+static uintptr_t cuda_glibc_tp, cuda_musl_tp;
+static int cuda_fsgsbase; /* AT_HWCAP2 has FSGSBASE: WRFSBASE instead of a syscall */
+
+static inline uintptr_t cuda_tp_get(void)
+{
+    uintptr_t tp;
+    __asm__ volatile("mov %%fs:0, %0" : "=r"(tp));
+    return tp;
+}
+
+/* Raw: musl's syscall() would write errno through whichever TCB %fs points at (notes §5.1). */
+static inline void cuda_tp_set(uintptr_t tp)
+{
+    if (cuda_fsgsbase) {
+        __asm__ volatile("wrfsbase %0" : : "r"(tp) : "memory");
+    } else {
+        long r;
+        __asm__ volatile("syscall" : "=a"(r) : "0"((long)SYS_arch_prctl), "D"(0x1002L /* ARCH_SET_FS */), "S"(tp)
+                         : "rcx", "r11", "memory");
+        (void)r;
+    }
+}
+
+static void cuda_enter(void)
+{
+    sigset_t async;
+    pthread_mutex_lock(&cuda_lock);
+    sigfillset(&async);
+    sigdelset(&async, SIGSEGV); sigdelset(&async, SIGBUS); sigdelset(&async, SIGFPE);
+    sigdelset(&async, SIGILL); sigdelset(&async, SIGTRAP); sigdelset(&async, SIGABRT);
+    pthread_sigmask(SIG_BLOCK, &async, &cuda_saved_mask);
+    if (cuda_glibc_tp) {
+        cuda_musl_tp = cuda_tp_get();
+        cuda_tp_set(cuda_glibc_tp);
+    }
+}
+
+static void cuda_leave(void)
+{
+    if (cuda_glibc_tp) cuda_tp_set(cuda_musl_tp);
+    pthread_sigmask(SIG_SETMASK, &cuda_saved_mask, NULL);
+    pthread_mutex_unlock(&cuda_lock);
+}
+
+/* Typed wrappers: the arguments are evaluated by the caller, before the switch, so nothing
+ * in them can touch musl's TLS while %fs is glibc's. */
+#define CUDA_WRAP(name, params, args) \
+    static cuda_result cuda_##name params { cuda_enter(); cuda_result r_ = cuda_api.name args; cuda_leave(); return r_; }
+CUDA_WRAP(init, (unsigned f), (f))
+CUDA_WRAP(driver_version, (int *v), (v))
+CUDA_WRAP(device_count, (int *n), (n))
+CUDA_WRAP(device_get, (cuda_device_id *d, int i), (d, i))
+CUDA_WRAP(device_name, (char *s, int n, cuda_device_id d), (s, n, d))
+CUDA_WRAP(device_mem, (size_t *b, cuda_device_id d), (b, d))
+CUDA_WRAP(device_attr, (int *v, int a, cuda_device_id d), (v, a, d))
+CUDA_WRAP(ctx_retain, (cuda_handle *c, cuda_device_id d), (c, d))
+CUDA_WRAP(ctx_release, (cuda_device_id d), (d))
+CUDA_WRAP(ctx_set, (cuda_handle c), (c))
+CUDA_WRAP(mem_info, (size_t *f, size_t *t), (f, t))
+CUDA_WRAP(mem_alloc, (cuda_ptr *p, size_t n), (p, n))
+CUDA_WRAP(mem_free, (cuda_ptr p), (p))
+CUDA_WRAP(htod, (cuda_ptr d, const void *s, size_t n), (d, s, n))
+CUDA_WRAP(dtoh, (void *d, cuda_ptr s, size_t n), (d, s, n))
+CUDA_WRAP(module_load, (cuda_handle *m, const void *img, unsigned n, int *o, void **v), (m, img, n, o, v))
+CUDA_WRAP(module_unload, (cuda_handle m), (m))
+CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
+CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned bx, void **p), (f, gx, 1, 1, bx, 1, 1, 0, NULL, p, NULL))
+#undef CUDA_WRAP
+
+/* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
+ * codes a user meets at start-up. Copied into BUF: the driver's strings are static, but are
+ * read here under the wrapper like any other driver memory. */
+static const char *cuda_error_name(cuda_result r, char *buf, size_t cap)
+{
+    const char *why = r == CUDA_ERROR_STUB_LIBRARY ? "the CUDA toolkit's stub library, not a driver"
+                    : r == CUDA_ERROR_NO_DEVICE ? "no CUDA device"
+                    : r == CUDA_ERROR_JIT_COMPILER_NOT_FOUND ? "no PTX JIT compiler (libnvidia-ptxjitcompiler.so.1; in a container set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
+                    : r == CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? "the driver is too old for this PTX"
+                    : r == CUDA_ERROR_OUT_OF_MEMORY ? "out of device memory" : NULL;
+    const char *s = NULL;
+    if (!why && cuda_api.get_error_string) {
+        cuda_enter();
+        if (cuda_api.get_error_string(r, &s) != CUDA_SUCCESS) s = NULL;
+        cuda_leave();
+    }
+    snprintf(buf, cap, "%s (error %d)", why ? why : s ? s : "driver error", r);
+    return buf;
+}
+
+/* ---- foreign dlopen (musl build; portable-notes.md "How foreign dlopen works") ---- */
+#ifndef __GLIBC__
+
+/* The glibc helper built by build.sh; absent when coli.c is compiled without build.sh. */
+#if __has_include("build/coli_helper")
+__asm__(".section .rodata\n.balign 64\ncuda_helper_elf:\n.incbin \"build/coli_helper\"\ncuda_helper_end:\n.previous");
+extern const uint8_t cuda_helper_elf[], cuda_helper_end[]; /* local asm labels of this file */
+#define CUDA_HAVE_HELPER 1
+#endif
+
+/* An ELF image mapped into this process. */
+struct cuda_elf {
+    uintptr_t bias, entry, phdr;
+    int phnum;
+};
+
+static int cuda_elf_check(const uint8_t *img, size_t n)
+{
+    const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+    return n >= sizeof *eh && !memcmp(img, ELFMAG, SELFMAG) && img[EI_CLASS] == ELFCLASS64 && eh->e_type == ET_DYN &&
+           eh->e_machine == EM_X86_64 && eh->e_phentsize == sizeof(Elf64_Phdr) && eh->e_phoff < n &&
+           eh->e_phnum <= (n - eh->e_phoff) / sizeof(Elf64_Phdr);
+}
+
+/* Maps one PT_LOAD at BIAS: from FD when given (ld.so: like the kernel does), else an anonymous
+ * copy of IMG (the helper when no memfd). Zeroes the bss. Returns 0 or -1. */
+static int cuda_elf_segment(const Elf64_Phdr *p, uintptr_t bias, int fd, const uint8_t *img, size_t n)
+{
+    const uintptr_t pg = 4096, start = (bias + p->p_vaddr) & ~(pg - 1);
+    const uintptr_t fend = bias + p->p_vaddr + p->p_filesz, end = (bias + p->p_vaddr + p->p_memsz + pg - 1) & ~(pg - 1);
+    const size_t off = p->p_offset & ~(pg - 1);
+    int prot = (p->p_flags & PF_R ? PROT_READ : 0) | (p->p_flags & PF_W ? PROT_WRITE : 0) | (p->p_flags & PF_X ? PROT_EXEC : 0);
+    if (p->p_offset > n || p->p_filesz > n - p->p_offset || p->p_memsz < p->p_filesz) return -1;
+    if (mmap((void *)start, end - start, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_ANONYMOUS, -1, 0) == MAP_FAILED) return -1;
+    if (p->p_filesz) {
+        size_t len = fend - start;
+        if (fd >= 0) {
+            if (mmap((void *)start, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, (off_t)off) == MAP_FAILED) return -1;
+        } else {
+            memcpy((void *)start, img + off, len);
+        }
+        if (p->p_memsz > p->p_filesz) memset((void *)fend, 0, ((fend + pg - 1) & ~(pg - 1)) - fend);
+    }
+    return mprotect((void *)start, end - start, prot);
+}
+
+/* Maps the whole ELF image IMG[N] (FD: its file, or -1). Returns 0 or -1. */
+static int cuda_elf_map(const uint8_t *img, size_t n, int fd, struct cuda_elf *e)
+{
+    const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+    const Elf64_Phdr *ph = (const Elf64_Phdr *)(img + eh->e_phoff);
+    uintptr_t lo = UINTPTR_MAX, hi = 0, phdr = 0;
+    for (int i = 0; i < eh->e_phnum; i++) {
+        if (ph[i].p_type == PT_PHDR) phdr = ph[i].p_vaddr;
+        if (ph[i].p_type != PT_LOAD) continue;
+        if (ph[i].p_vaddr < lo) lo = ph[i].p_vaddr & ~(uintptr_t)4095;
+        if (ph[i].p_vaddr + ph[i].p_memsz > hi) hi = ph[i].p_vaddr + ph[i].p_memsz;
+    }
+    if (hi <= lo || hi - lo > (1u << 30)) return -1;
+    void *base = mmap(NULL, hi - lo, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return -1;
+    e->bias = (uintptr_t)base - lo;
+    for (int i = 0; i < eh->e_phnum; i++)
+        if (ph[i].p_type == PT_LOAD && cuda_elf_segment(&ph[i], e->bias, fd, img, n)) return -1;
+    e->entry = e->bias + eh->e_entry;
+    e->phdr = e->bias + (phdr ? phdr : lo + eh->e_phoff);
+    e->phnum = eh->e_phnum;
+    return 0;
+}
+
+/* Reads a whole small file; NULL if unreadable or larger than 64 MiB. */
+static uint8_t *cuda_read_file(const char *path, size_t *n)
+{
+    struct plat_map m;
+    if (plat_map_file(path, &m)) return NULL;
+    if (m.size == 0 || m.size > (64u << 20)) {
+        plat_unmap_file(&m);
+        return NULL;
+    }
+    uint8_t *buf = plat_alloc(m.size);
+    memcpy(buf, m.data, m.size);
+    *n = m.size;
+    plat_unmap_file(&m);
+    return buf;
+}
+
+/* glibc's loader, not an impostor: an x86-64 ET_DYN without PT_INTERP whose bytes name
+ * GLIBC_2.2.5 and GLIBC_PRIVATE (rejects musl's ld posing as ld-linux, NixOS's stub-ld). */
+static int cuda_is_glibc_loader(const uint8_t *img, size_t n)
+{
+    if (!cuda_elf_check(img, n)) return 0;
+    const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+    const Elf64_Phdr *ph = (const Elf64_Phdr *)(img + eh->e_phoff);
+    for (int i = 0; i < eh->e_phnum; i++)
+        if (ph[i].p_type == PT_INTERP) return 0;
+    return memmem(img, n, "GLIBC_2.2.5", 11) && memmem(img, n, "GLIBC_PRIVATE", 13);
+}
+
+/* The PT_INTERP named by the executable PATH, into OUT ("" if none). */
+static void cuda_interp_of(const char *path, char *out, size_t cap)
+{
+    size_t n;
+    uint8_t *img = cuda_read_file(path, &n);
+    out[0] = 0;
+    if (img && n >= sizeof(Elf64_Ehdr) && !memcmp(img, ELFMAG, SELFMAG) && img[EI_CLASS] == ELFCLASS64) {
+        const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
+        for (int i = 0; eh->e_phoff < n && i < eh->e_phnum && eh->e_phoff + (i + 1) * sizeof(Elf64_Phdr) <= n; i++) {
+            const Elf64_Phdr *p = (const Elf64_Phdr *)(img + eh->e_phoff) + i;
+            if (p->p_type == PT_INTERP && p->p_offset < n && p->p_filesz < cap && p->p_filesz <= n - p->p_offset) {
+                memcpy(out, img + p->p_offset, p->p_filesz);
+                out[p->p_filesz] = 0;
+            }
+        }
+    }
+    free(img);
+}
+
+/* Finds glibc's loader (notes step 1): COLI_LDSO, then the PT_INTERP of /usr/bin/env and
+ * /bin/sh (NixOS and Guix store paths), then the fixed places. Returns its image, or NULL. */
+static uint8_t *cuda_find_loader(char *path, size_t cap, size_t *n)
+{
+    static const char *const fixed[] = {"/lib64/ld-linux-x86-64.so.2", "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+                                        "/usr/lib64/ld-linux-x86-64.so.2", "/usr/lib/ld-linux-x86-64.so.2"};
+    const char *env = getenv("COLI_LDSO");
+    for (int i = 0; i < 7; i++) {
+        if (i == 0) snprintf(path, cap, "%s", env ? env : "");
+        else if (i == 1 || i == 2) cuda_interp_of(i == 1 ? "/usr/bin/env" : "/bin/sh", path, cap);
+        else snprintf(path, cap, "%s", fixed[i - 3]);
+        if (env && i > 0) break; /* an explicit loader is the only one tried */
+        uint8_t *img = path[0] ? cuda_read_file(path, n) : NULL;
+        if (img && cuda_is_glibc_loader(img, *n)) return img;
+        free(img);
+    }
+    return NULL;
+}
+
+static jmp_buf cuda_ld_home;
+static void *cuda_ld_fns[4];
+
+/* Called by the helper once ld.so has set glibc up. Touches no musl TLS (%fs is glibc's): stores
+ * the four dl* pointers and glibc's thread pointer, and goes home with musl's longjmp, which,
+ * unlike glibc's, does not demangle pointers through the TCB. */
+__attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback(void *const fns[4])
+{
+    for (int i = 0; i < 4; i++) cuda_ld_fns[i] = fns[i];
+    cuda_glibc_tp = cuda_tp_get();
+    longjmp(cuda_ld_home, 1);
+}
+
+/* Copies S onto the string area growing down from *TOP; returns the copy. */
+static char *cuda_stack_str(char **top, const char *s)
+{
+    size_t n = strlen(s) + 1;
+    *top -= n;
+    memcpy(*top, s, n);
+    return *top;
+}
+
+/* A fresh initial process stack for ld.so (notes step 5), 1 MiB, never freed: glibc keeps
+ * pointers to argv, environ and auxv. argv = {"coli-helper", hex(callback)}; environ without
+ * LD_PRELOAD/LD_AUDIT; auxv from getauxval with the helper as the program and ld.so as AT_BASE.
+ * Returns the stack pointer (16-byte aligned, at argc), or 0. */
+static uintptr_t cuda_ld_stack(const struct cuda_elf *helper, const struct cuda_elf *ld)
+{
+    extern char **environ;
+    size_t size = 1 << 20, n_env = 0;
+    char *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return 0;
+    for (char **e = environ; *e; e++) n_env++;
+    char *top = base + size, hex[32];
+    snprintf(hex, sizeof hex, "%lx", (unsigned long)(uintptr_t)cuda_ld_callback);
+    char *argv0 = cuda_stack_str(&top, "coli-helper"), *argv1 = cuda_stack_str(&top, hex);
+    char **envs = plat_alloc((n_env + 1) * sizeof *envs);
+    size_t k = 0;
+    for (char **e = environ; *e; e++)
+        if (strncmp(*e, "LD_PRELOAD=", 11) && strncmp(*e, "LD_AUDIT=", 9) && (size_t)(top - base) > strlen(*e) + 65536)
+            envs[k++] = cuda_stack_str(&top, *e);
+    uintptr_t aux[2 * 64 + 2];
+    size_t na = 0;
+    for (unsigned long t = 1; t < 64; t++) {
+        unsigned long v = t == AT_PHDR ? helper->phdr : t == AT_PHENT ? sizeof(Elf64_Phdr) : t == AT_PHNUM ? (unsigned long)helper->phnum
+                        : t == AT_ENTRY ? helper->entry : t == AT_BASE ? ld->bias : getauxval(t);
+        if (v || t == AT_SECURE) { aux[na++] = t; aux[na++] = v; }
+    }
+    aux[na++] = AT_NULL;
+    aux[na++] = 0;
+    size_t words = 1 + 3 + k + 1 + na;
+    uintptr_t *sp = (uintptr_t *)(((uintptr_t)top - words * sizeof(uintptr_t)) & ~(uintptr_t)15);
+    size_t w = 0;
+    sp[w++] = 2;
+    sp[w++] = (uintptr_t)argv0;
+    sp[w++] = (uintptr_t)argv1;
+    sp[w++] = 0;
+    for (size_t i = 0; i < k; i++) sp[w++] = (uintptr_t)envs[i];
+    sp[w++] = 0;
+    memcpy(sp + w, aux, na * sizeof *aux);
+    free(envs);
+    return (uintptr_t)sp;
+}
+
+/* One PROT_NONE page at the program break (notes §5.4): glibc and musl both cache the break,
+ * and one shrinking it under the other crashed every time; with the fence every later brk
+ * growth fails and both fall back to mmap. */
+static void cuda_brk_fence(void)
+{
+    uintptr_t cur = (uintptr_t)syscall(SYS_brk, 0), page = (cur + 4095) & ~(uintptr_t)4095;
+    if (cur) mmap((void *)page, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+}
+
+/* Maps the helper, from a memfd where possible (SELinux execmem and PaX refuse executable
+ * anonymous memory), else as an anonymous copy (vm.memfd_noexec refuses the memfd). */
+static int cuda_map_helper(struct cuda_elf *e)
+{
+#ifdef CUDA_HAVE_HELPER
+    size_t n = (size_t)(cuda_helper_end - cuda_helper_elf);
+    int fd = (int)syscall(SYS_memfd_create, "coli-helper", 1u /* MFD_CLOEXEC */ | 0x10u /* MFD_EXEC */);
+    if (fd < 0) fd = (int)syscall(SYS_memfd_create, "coli-helper", 1u);
+    if (fd >= 0 && write(fd, cuda_helper_elf, n) != (ssize_t)n) {
+        close(fd);
+        fd = -1;
+    }
+    int r = cuda_elf_check(cuda_helper_elf, n) ? cuda_elf_map(cuda_helper_elf, n, fd, e) : -1;
+    if (r && fd >= 0) r = cuda_elf_map(cuda_helper_elf, n, -1, e);
+    if (fd >= 0) close(fd);
+    return r;
+#else
+    (void)e;
+    return -1;
+#endif
+}
+
+/* Maps the helper and LD (image IMG[N] of file LD_PATH), jumps to ld.so's entry on a fresh
+ * stack with all signals blocked, and comes back through cuda_ld_callback. Returns 0 with
+ * cuda_dl filled and musl's state restored, or -1 with WHY set. */
+static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *why, size_t cap)
+{
+    extern volatile int __thread_list_lock __attribute__((weak));
+    struct cuda_elf helper, ld;
+    if (cuda_map_helper(&helper)) return snprintf(why, cap, "cannot map the embedded glibc helper"), -1;
+    int fd = open(ld_path, O_RDONLY | O_CLOEXEC);
+    int r = fd < 0 ? -1 : cuda_elf_map(img, n, fd, &ld);
+    if (fd >= 0) close(fd);
+    if (r) return snprintf(why, cap, "cannot map %s", ld_path), -1;
+    uintptr_t sp = cuda_ld_stack(&helper, &ld);
+    if (!sp) return snprintf(why, cap, "no memory for the loader's stack"), -1;
+    static sigset_t saved;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &saved);
+    cuda_musl_tp = cuda_tp_get();
+    if (!setjmp(cuda_ld_home)) {
+        __asm__ volatile("mov %0, %%rsp\n\txor %%edx, %%edx\n\tjmp *%1" : : "r"(sp), "r"(ld.entry) : "rdx", "memory");
+        __builtin_unreachable();
+    }
+    cuda_tp_set(cuda_musl_tp); /* first: nothing may touch TLS before this */
+    pthread_sigmask(SIG_SETMASK, &saved, NULL);
+    /* ld.so pointed the kernel's clear-on-exit tid at glibc's TCB; musl expects its lock */
+    if (&__thread_list_lock) syscall(SYS_set_tid_address, &__thread_list_lock);
+    cuda_dl.open = (void *(*)(const char *, int))cuda_ld_fns[0];
+    cuda_dl.sym = (void *(*)(void *, const char *))cuda_ld_fns[1];
+    cuda_dl.error = (char *(*)(void))cuda_ld_fns[2];
+    cuda_dl.close = (int (*)(void *))cuda_ld_fns[3];
+    return 0;
+}
+
+/* The loader start-up (notes steps 1-6): finds glibc's ld.so, fences brk, rehearses the start-up
+ * in a child (ld.so _exit(127)s on a missing libc.so.6, which would kill coli), then does it
+ * for real. Main thread only, before any other thread exists. Returns 0, or -1 with WHY. */
+static int cuda_dl_start(char *why, size_t cap)
+{
+    char ld_path[PATH_MAX];
+    size_t n = 0;
+    uint8_t *img = cuda_find_loader(ld_path, sizeof ld_path, &n);
+    if (!img) return snprintf(why, cap, "no glibc loader (ld-linux-x86-64.so.2) on this system%s", getenv("COLI_LDSO") ? " at COLI_LDSO" : ""), -1;
+    cuda_fsgsbase = (getauxval(AT_HWCAP2) & 2) != 0; /* HWCAP2_FSGSBASE */
+    cuda_brk_fence();
+    fflush(NULL);
+    int status = 0;
+    pid_t pid = fork();
+    if (pid == 0) _exit(cuda_ld_run(ld_path, img, n, why, cap) ? 1 : 0);
+    int r = -1;
+    if (pid < 0)
+        snprintf(why, cap, "fork: %s", strerror(errno));
+    else if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        snprintf(why, cap, "the glibc loader %s failed to start (%s %d)", ld_path, WIFEXITED(status) ? "exit status" : "signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    else
+        r = cuda_ld_run(ld_path, img, n, why, cap);
+    free(img);
+    return r;
+}
+#endif
+
+#ifdef __GLIBC__
+#include <dlfcn.h>
+/* A glibc build (the tests, built with plain gcc and under ASan) has dlopen itself. */
+static int cuda_dl_start(char *why, size_t cap)
+{
+    (void)why; (void)cap;
+    cuda_dl = (struct cuda_dl){dlopen, dlsym, dlerror, dlclose};
+    return 0;
+}
+#endif
+
+static void *cuda_dlopen(const char *path)
+{
+    cuda_enter();
+    void *h = cuda_dl.open(path, 2 /* glibc's RTLD_NOW | RTLD_LOCAL */);
+    cuda_leave();
+    return h;
+}
+
+static void *cuda_dlsym(void *h, const char *name)
+{
+    cuda_enter();
+    void *p = cuda_dl.sym(h, name);
+    cuda_leave();
+    return p;
+}
+
+/* dlerror's text, copied while the lock is held (it lives in glibc's per-thread buffer). */
+static void cuda_dlerror(char *buf, size_t cap)
+{
+    cuda_enter();
+    const char *e = cuda_dl.error();
+    size_t n = 0;
+    if (e) while (e[n] && n + 1 < cap) { buf[n] = e[n]; n++; }
+    buf[n] = 0;
+    cuda_leave();
+}
+
+/* Signals 32-34 are musl's own (timers, cancellation, setxid). glibc < 2.34's libpthread, a
+ * dependency of libcuda, installs handlers for 32 and 33 process-wide, after which musl's
+ * pthread_cancel crashed (notes §5.3). Raw rt_sigaction: musl's sigaction refuses them. */
+struct cuda_ksigaction { void *handler; unsigned long flags; void *restorer; uint64_t mask; };
+
+static void cuda_musl_signals(struct cuda_ksigaction saved[3], int restore)
+{
+    for (int s = 32; s <= 34; s++) {
+        if (!restore) syscall(SYS_rt_sigaction, s, NULL, &saved[s - 32], 8);
+        else if (saved[s - 32].handler) syscall(SYS_rt_sigaction, s, &saved[s - 32], NULL, 8);
+    }
+}
+
+/* Where libcuda.so.1 lives (notes §6), after COLI_LIBCUDA: glibc's own search first. The
+ * forward-compatibility driver and the toolkit's stub are deliberately not searched. */
+static const char *const cuda_lib_paths[] = {
+    "libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1",
+    "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1",
+    "/run/opengl-driver/lib/libcuda.so.1", "/usr/lib/libcuda.so.1",
+};
+
+/* Resolves every entry point of LIB into cuda_api; returns the first required one missing. */
+static const char *cuda_resolve(void *lib)
+{
+#define CUDA_RESOLVE(field, sym, required) \
+    *(void **)&cuda_api.field = cuda_dlsym(lib, sym); \
+    if (required && !cuda_api.field) return sym;
+    CUDA_API(CUDA_RESOLVE)
+#undef CUDA_RESOLVE
+    return NULL;
+}
+
+/* Opens the driver library PATH and runs cuInit. Returns 0; 1 to keep searching (not there,
+ * or the stub: error 34); -1 to stop. WHY says what happened. */
+static int cuda_try_driver(const char *path, char *why, size_t cap)
+{
+    char err[256], name[96];
+    struct cuda_ksigaction sig[3];
+    cuda_musl_signals(sig, 0);
+    void *lib = cuda_dlopen(path);
+    cuda_musl_signals(sig, 1);
+    if (!lib) {
+        cuda_dlerror(err, sizeof err);
+        snprintf(why, cap, "cannot load %s: %s", path, err);
+        return 1;
+    }
+    const char *missing = cuda_resolve(lib);
+    if (missing) return snprintf(why, cap, "%s lacks %s: not a CUDA driver", path, missing), 1;
+    cuda_result r = cuda_init(0);
+    if (r == CUDA_SUCCESS) return 0;
+    snprintf(why, cap, "%s: cuInit: %s", path, cuda_error_name(r, name, sizeof name));
+    return r == CUDA_ERROR_STUB_LIBRARY ? 1 : -1;
+}
+
+/* Loads and initialises the driver: COLI_LIBCUDA alone when set, else the standard places.
+ * Returns 0, or -1 with WHY (the most telling failure: a stub beats "not found"). */
+static int cuda_load_driver(char *why, size_t cap)
+{
+    const char *named = getenv("COLI_LIBCUDA");
+    char first[384] = "", msg[384];
+    int stub = 0;
+    if (named && *named) {
+        int r = cuda_try_driver(named, why, cap);
+        return r == 0 ? 0 : -1;
+    }
+    for (size_t i = 0; i < sizeof cuda_lib_paths / sizeof *cuda_lib_paths; i++) {
+        int r = cuda_try_driver(cuda_lib_paths[i], msg, sizeof msg);
+        if (r == 0) return 0;
+        if (r < 0) return snprintf(why, cap, "%s", msg), -1;
+        if (!first[0] || (!stub && strstr(msg, "(error 34)"))) snprintf(first, sizeof first, "%s", msg);
+        stub |= strstr(msg, "(error 34)") != NULL;
+    }
+    if (stub) snprintf(why, cap, "%s", first);
+    else snprintf(why, cap, "no libcuda.so.1 (the NVIDIA driver) found: %s", first);
+    return -1;
+}
+
+/* ---- devices ---- */
+
+/* The GPU kernels, PTX text assembled at build time into the binary, NUL-terminated because
+ * cuModuleLoadDataEx reads PTX as a C string. */
+__asm__(".section .rodata\n.balign 64\ncuda_ptx:\n.incbin \"kernels.ptx\"\n.byte 0\n.previous");
+extern const char cuda_ptx[]; /* a local asm label of this file */
+
+#define CUDA_MAX_DEVICES 16
+#define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
+
+struct cuda_device {
+    cuda_device_id id;
+    char name[128];
+    int cc_major, cc_minor, sms, pci_domain, pci_bus, pci_dev;
+    size_t vram_total, vram_free;
+    int selected, usable;
+    cuda_handle ctx, module;
+    cuda_handle matvec[GGUF_TYPE_COUNT]; /* the kernel matvec_<type>, NULL where none */
+    int64_t budget, used;                /* bytes for resident weights, and those taken */
+    cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
+    size_t act_cap, y_cap;
+};
+
+/* A weight matrix resident on a device: the GEMVs over HOST run there. */
+struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; };
+
+static struct {
+    int started, ready;        /* cuda_start ran; some device can compute */
+    char why[512];             /* why there is no GPU path (when !ready) */
+    int driver_version, n_devices, current;
+    struct cuda_device dev[CUDA_MAX_DEVICES]; /* PCI bus order */
+    struct cuda_resident *res;
+    int n_res, cap_res;
+    double call_us;            /* measured cost of one wrapped driver call */
+    long calls;                /* driver calls made by offloaded GEMVs */
+} cuda;
+
+static int cuda_pci_order(const void *a, const void *b)
+{
+    const struct cuda_device *x = a, *y = b;
+    if (x->pci_domain != y->pci_domain) return x->pci_domain < y->pci_domain ? -1 : 1;
+    if (x->pci_bus != y->pci_bus) return x->pci_bus < y->pci_bus ? -1 : 1;
+    return (x->pci_dev > y->pci_dev) - (x->pci_dev < y->pci_dev);
+}
+
+/* Fills cuda.dev in PCI bus order, so that --gpu 1 names the same card everywhere whatever
+ * CUDA_DEVICE_ORDER the driver uses. Returns the count; 0 with WHY when there is none. */
+static int cuda_enumerate(char *why, size_t cap)
+{
+    int n = 0;
+    char e[160];
+    cuda_result r = cuda_device_count(&n);
+    if (r != CUDA_SUCCESS) return snprintf(why, cap, "cuDeviceGetCount: %s", cuda_error_name(r, e, sizeof e)), 0;
+    if (n <= 0) return snprintf(why, cap, "no CUDA device (driver %d.%d)", cuda.driver_version / 1000, cuda.driver_version % 1000 / 10), 0;
+    if (n > CUDA_MAX_DEVICES) n = CUDA_MAX_DEVICES;
+    for (int i = 0; i < n; i++) {
+        struct cuda_device *d = &cuda.dev[i];
+        memset(d, 0, sizeof *d);
+        if (cuda_device_get(&d->id, i) || cuda_device_name(d->name, sizeof d->name - 1, d->id) || cuda_device_mem(&d->vram_total, d->id))
+            return snprintf(why, cap, "cannot query device %d", i), 0;
+        cuda_device_attr(&d->cc_major, CUDA_ATTR_CC_MAJOR, d->id);
+        cuda_device_attr(&d->cc_minor, CUDA_ATTR_CC_MINOR, d->id);
+        cuda_device_attr(&d->sms, CUDA_ATTR_SM_COUNT, d->id);
+        cuda_device_attr(&d->pci_domain, CUDA_ATTR_PCI_DOMAIN, d->id);
+        cuda_device_attr(&d->pci_bus, CUDA_ATTR_PCI_BUS, d->id);
+        cuda_device_attr(&d->pci_dev, CUDA_ATTR_PCI_DEVICE, d->id);
+    }
+    qsort(cuda.dev, (size_t)n, sizeof cuda.dev[0], cuda_pci_order);
+    return n;
+}
+
+/* Makes device I current (one driver call when it changes). */
+static int cuda_use(int i)
+{
+    if (cuda.current == i) return 0;
+    if (cuda_ctx_set(cuda.dev[i].ctx)) return -1;
+    cuda.current = i;
+    return 0;
+}
+
+/* The first line of the JIT log LOG, for a one-line message. */
+static const char *cuda_first_line(char *log)
+{
+    char *nl = strchr(log, '\n');
+    if (nl) *nl = 0;
+    return log[0] ? log : "no log";
+}
+
+/* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX
+ * and finds the kernels. Returns 0, or -1 with WHY. */
+static int cuda_open_device(int i, char *why, size_t cap)
+{
+    struct cuda_device *d = &cuda.dev[i];
+    char e[160], info[2048] = "", err[2048] = "";
+    cuda_result r = cuda_ctx_retain(&d->ctx, d->id);
+    if (r) return snprintf(why, cap, "cuda %d: no context: %s", i, cuda_error_name(r, e, sizeof e)), -1;
+    cuda.current = -1;
+    if ((r = cuda_use(i)) || (r = cuda_mem_info(&d->vram_free, &d->vram_total)))
+        return snprintf(why, cap, "cuda %d: cannot use the context", i), -1;
+    int opts[4] = {CUDA_JIT_INFO_LOG, CUDA_JIT_INFO_LOG_SIZE, CUDA_JIT_ERROR_LOG, CUDA_JIT_ERROR_LOG_SIZE};
+    void *vals[4] = {info, (void *)(uintptr_t)(sizeof info - 1), err, (void *)(uintptr_t)(sizeof err - 1)};
+    r = cuda_module_load(&d->module, cuda_ptx, 4, opts, vals);
+    if (r) return snprintf(why, cap, "cuda %d: loading kernels.ptx: %s: %.200s", i, cuda_error_name(r, e, sizeof e), cuda_first_line(err)), -1;
+    for (int t = 0; t < GGUF_TYPE_COUNT; t++) {
+        char name[64];
+        if (!gguf_types[t].name) continue;
+        snprintf(name, sizeof name, "matvec_%s", gguf_types[t].name);
+        for (char *p = name; *p; p++) *p = (char)tolower((unsigned char)*p);
+        if (cuda_module_function(&d->matvec[t], d->module, name)) d->matvec[t] = NULL;
+    }
+    d->usable = 1;
+    return 0;
+}
+
+/* Marks the devices LIST selects ("all", or indices in PCI order such as "0,2"). Returns 0,
+ * or -1 with WHY naming a bad entry. */
+static int cuda_select(const char *list, char *why, size_t cap)
+{
+    if (!list || !strcmp(list, "all") || !*list) {
+        for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].selected = 1;
+        return 0;
+    }
+    for (const char *p = list; *p;) {
+        char *end;
+        long i = strtol(p, &end, 10);
+        if (end == p || (*end && *end != ',')) return snprintf(why, cap, "--gpu %s: not a list of device numbers", list), -1;
+        if (i < 0 || i >= cuda.n_devices)
+            return snprintf(why, cap, "--gpu %s: there is no device %ld (%d found)", list, i, cuda.n_devices), -1;
+        cuda.dev[i].selected = 1;
+        p = *end ? end + 1 : end;
+    }
+    return 0;
+}
+
+/* Time of one wrapped call (cuDriverGetVersion: the driver does almost nothing), in µs. */
+static double cuda_measure_call(void)
+{
+    int v, n = 2000;
+    double t0 = plat_now();
+    for (int i = 0; i < n; i++) cuda_driver_version(&v);
+    return (plat_now() - t0) / n * 1e6;
+}
+
+static void cuda_stop(void);
+
+/* Starts the GPU path: loader, driver, devices (LIST as --gpu), contexts, kernels. VRAM_BYTES
+ * (-1: free memory less a reserve) caps each device's budget for resident weights. Main thread
+ * only, before any other thread exists (notes §7.2). Every failure is one [cuda] line; cuda.ready
+ * says whether a device can compute. */
+static void cuda_start(const char *list, int64_t vram_bytes)
+{
+    char why[512] = "";
+    const char *env = getenv("COLI_CUDA");
+    cuda.started = 1;
+    cuda.current = -1;
+    if ((list && !strcmp(list, "off")) || (env && !strcmp(env, "0"))) {
+        snprintf(cuda.why, sizeof cuda.why, "off (%s)", list && !strcmp(list, "off") ? "--gpu off" : "COLI_CUDA=0");
+        return;
+    }
+    if (cuda_dl_start(why, sizeof why) || cuda_load_driver(why, sizeof why) || cuda_driver_version(&cuda.driver_version) ||
+        (cuda.n_devices = cuda_enumerate(why, sizeof why)) == 0 || cuda_select(list, why, sizeof why)) {
+        snprintf(cuda.why, sizeof cuda.why, "%s", why[0] ? why : "cuDriverGetVersion failed");
+        plat_log("[cuda] %s; running on the CPU", cuda.why);
+        return;
+    }
+    cuda.call_us = cuda_measure_call();
+    atexit(cuda_stop);
+    for (int i = 0; i < cuda.n_devices; i++) {
+        struct cuda_device *d = &cuda.dev[i];
+        if (!d->selected) continue;
+        if (cuda_open_device(i, why, sizeof why)) {
+            plat_log("[cuda] %s; device %d stays unused", why, i);
+            snprintf(cuda.why, sizeof cuda.why, "%s", why);
+            continue;
+        }
+        /* keep room for the context, the JIT's code and the launch scratch */
+        int64_t reserve = (int64_t)d->vram_total / 16 > (256 << 20) ? (int64_t)d->vram_total / 16 : (256 << 20);
+        d->budget = (int64_t)d->vram_free > reserve ? (int64_t)d->vram_free - reserve : 0;
+        if (vram_bytes >= 0 && vram_bytes < d->budget) d->budget = vram_bytes;
+        cuda.ready = 1;
+    }
+}
+
+/* Frees every resident matrix: residency is keyed by the host address of the weights, so it
+ * must end before that memory is unmapped or reused. */
+static void cuda_release_all(void)
+{
+    if (cuda.calls) plat_log("[cuda] %ld products ran on the device%s, %ld driver calls", cuda.calls / 3, cuda.n_devices > 1 ? "s" : "", cuda.calls);
+    cuda.calls = 0;
+    for (int k = 0; k < cuda.n_res; k++)
+        if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
+    for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = 0;
+    cuda.n_res = 0;
+    ops_offload = NULL;
+}
+
+/* Gives the contexts back: glibc's and libcuda's destructors never run in this process
+ * (notes §5.5). */
+static void cuda_stop(void)
+{
+    cuda_release_all();
+    free(cuda.res);
+    cuda.res = NULL;
+    cuda.cap_res = 0;
+    for (int i = 0; i < cuda.n_devices; i++) {
+        struct cuda_device *d = &cuda.dev[i];
+        if (!d->ctx) continue;
+        if (cuda_use(i) == 0) {
+            if (d->act) cuda_mem_free(d->act);
+            if (d->y) cuda_mem_free(d->y);
+            if (d->module) cuda_module_unload(d->module);
+        }
+        cuda_ctx_release(d->id);
+        d->ctx = NULL;
+        d->act = d->y = 0;
+        d->act_cap = d->y_cap = 0;
+    }
+    cuda.ready = 0;
+}
+
+/* coli info's lines: the driver and each device in PCI bus order, or why there is none. */
+static void cuda_print_info(void)
+{
+    if (!cuda.n_devices) {
+        printf("cuda: none: %s\n", cuda.why);
+        return;
+    }
+    printf("cuda: driver %d.%d, %d device%s, one wrapped driver call %.2f us\n", cuda.driver_version / 1000,
+           cuda.driver_version % 1000 / 10, cuda.n_devices, cuda.n_devices > 1 ? "s" : "", cuda.call_us);
+    if (!cuda.ready) printf("cuda: no usable device: %s\n", cuda.why);
+    for (int i = 0; i < cuda.n_devices; i++) {
+        const struct cuda_device *d = &cuda.dev[i];
+        printf("cuda %d: %s, compute %d.%d, %d SMs, %.1f GiB VRAM", i, d->name, d->cc_major, d->cc_minor, d->sms,
+               d->vram_total / 1073741824.0);
+        if (d->usable) printf(", %.1f GiB free", d->vram_free / 1073741824.0);
+        printf(", PCI %04x:%02x:%02x.0", d->pci_domain, d->pci_bus, d->pci_dev);
+        printf("%s\n", d->usable ? "" : d->selected ? " (unusable)" : " (not selected)");
+    }
+}
+
+/* ---- resident weights and offloaded GEMVs ---- */
+
+/* Ends the GPU path after a failure at run time (a launch, a copy): one line, then everything
+ * runs on the CPU. The failed product is recomputed there, so no result changes. */
+static void cuda_fail(const char *what, cuda_result r)
+{
+    char e[160];
+    plat_log("[cuda] %s: %s; running on the CPU from here", what, cuda_error_name(r, e, sizeof e));
+    ops_offload = NULL;
+    cuda.ready = 0;
+    snprintf(cuda.why, sizeof cuda.why, "%s failed", what);
+}
+
+/* Grows device scratch *P (capacity *CAP) to N bytes. Returns the driver's result. */
+static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
+{
+    if (n <= *cap) return CUDA_SUCCESS;
+    if (*p) cuda_mem_free(*p);
+    *p = 0;
+    *cap = 0;
+    cuda_result r = cuda_mem_alloc(p, n);
+    if (r == CUDA_SUCCESS) *cap = n;
+    return r;
+}
+
+/* ops_offload: y[j*rows + r] = row r · column j of ACTS for j < N, on the device where W is
+ * resident, by the kernel matvec_<type> (one warp per row, lane = unit % 32, shfl butterfly:
+ * the canonical order). Returns 1 when done there, 0 to leave it to the CPU. Three driver
+ * calls: upload ACTS, launch, download y (the download waits for the kernel). */
+static int cuda_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n)
+{
+    const struct cuda_resident *res = NULL;
+    for (int k = 0; k < cuda.n_res && !res; k++)
+        if (cuda.res[k].host == w->data) res = &cuda.res[k];
+    if (!res || n < 1) return 0;
+    struct cuda_device *d = &cuda.dev[res->dev];
+    size_t act_bytes = stride * (size_t)n, y_bytes = (size_t)n * (size_t)w->rows * sizeof(float);
+    cuda_result r;
+    if ((r = cuda_use(res->dev)) || (r = cuda_scratch(&d->act, &d->act_cap, act_bytes)) ||
+        (r = cuda_scratch(&d->y, &d->y_cap, y_bytes))) {
+        cuda_fail("device scratch", r);
+        return 0;
+    }
+    cuda_ptr wp = res->ptr, ap = d->act, yp = d->y;
+    uint64_t rb = w->row_bytes, st = stride;
+    int rows = (int)w->rows, cols = (int)w->cols;
+    void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &n};
+    unsigned blocks = (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS);
+    if ((r = cuda_htod(ap, acts, act_bytes)) || (r = cuda_launch(d->matvec[w->type], blocks, 32 * CUDA_WARPS, params)) ||
+        (r = cuda_dtoh(y, yp, y_bytes))) {
+        cuda_fail("GEMV on the device", r);
+        return 0;
+    }
+    cuda.calls += 3;
+    return 1;
+}
+
+/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
+ * changed) when the budget or the device's memory is short: out of memory is not a failure of
+ * the GPU path, the matrix just stays on the CPU. */
+static int cuda_make_resident(const struct ops_matrix *w, int dev)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    size_t bytes = (size_t)w->rows * w->row_bytes;
+    cuda_ptr p = 0;
+    if (!cuda.ready || !d->usable || !d->matvec[w->type] || d->used + (int64_t)bytes > d->budget) return -1;
+    if (cuda_use(dev) || cuda_mem_alloc(&p, bytes)) return -1;
+    cuda_result r = cuda_htod(p, w->data, bytes);
+    if (r) {
+        cuda_mem_free(p);
+        return -1;
+    }
+    if (cuda.n_res == cuda.cap_res) {
+        cuda.cap_res = cuda.cap_res ? 2 * cuda.cap_res : 64;
+        cuda.res = plat_realloc(cuda.res, (size_t)cuda.cap_res * sizeof *cuda.res);
+    }
+    cuda.res[cuda.n_res++] = (struct cuda_resident){w->data, dev, p, bytes};
+    d->used += (int64_t)bytes;
+    ops_offload = cuda_rows;
+    return 0;
+}
 
 /* ==== §6 experts ==== */
 /* Not yet: the expert store with a RAM budget and heat is issue 4. Routed experts are read
  * in place from the memory-mapped file. */
 
 /* ==== §7 place ==== */
-/* Not yet: placement across devices follows the CUDA path. */
+/* Owns: which dense trunk matrices live in VRAM (design.md §5). This first version is greedy:
+ *   every dense matrix is read once per token, so each saves one byte of memory-bus traffic
+ *   per byte of VRAM (value 1.00); components are offered in a fixed order (lmhead, attnproj,
+ *   dnproj, dnout, shexp, router, ffn), each matrix to the selected device with the most room
+ *   left, while it fits that device's budget (--vram, or free VRAM less a reserve). Routed
+ *   experts are the expert store's (§6) to place; they are not priced here yet.
+ * Promises: placement changes speed only: a resident matrix computes the same bits (§5). One
+ *   [place] line per component says where it went and with what numbers. A bad --place /
+ *   COLI_PLACE is a usage error.
+ * May call: §1, §4 (struct ops_matrix), §5 (devices, cuda_make_resident).
+ * Workload: once per model load. */
+
+enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_COUNT };
+static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn"};
+
+/* One movable matrix of the trunk. */
+struct place_item { enum place_component comp; const struct ops_matrix *m; };
+
+/* Parses SPEC (auto | off | comp=dev,...) into DEV[comp]: -1 any device, -2 none, else that
+ * device. Components a list leaves out stay on the CPU; `experts=` belongs to §6. */
+static void place_parse(const char *spec, int dev[PLACE_COUNT])
+{
+    int listed = spec && strcmp(spec, "auto") && strcmp(spec, "off");
+    for (int c = 0; c < PLACE_COUNT; c++) dev[c] = !spec || !strcmp(spec, "auto") ? -1 : -2;
+    for (const char *p = listed ? spec : ""; *p;) {
+        size_t n = strcspn(p, ","), k = strcspn(p, "=");
+        char *end;
+        long d = k < n ? strtol(p + k + 1, &end, 10) : -1;
+        if (k >= n || d < 0 || end != p + n)
+            die_usage("--place %s: '%.*s' is not COMPONENT=DEVICE (e.g. lmhead=0,dnproj=1)", spec, (int)n, p);
+        int c = 0;
+        while (c < PLACE_COUNT && (strlen(place_names[c]) != k || strncmp(p, place_names[c], k))) c++;
+        if (c < PLACE_COUNT) dev[c] = (int)d;
+        else if (k != 7 || strncmp(p, "experts", 7)) die_usage("--place: unknown component '%.*s'", (int)k, p);
+        p += n + (p[n] == ',');
+    }
+}
+
+/* The selected, usable device with the most budget left that fits BYTES (ONLY >= 0: that one). */
+static int place_pick(size_t bytes, int only)
+{
+    int best = -1;
+    for (int i = 0; i < cuda.n_devices; i++) {
+        const struct cuda_device *d = &cuda.dev[i];
+        if ((only >= 0 && i != only) || !d->usable || d->budget - d->used < (int64_t)bytes) continue;
+        if (best < 0 || d->budget - d->used > cuda.dev[best].budget - cuda.dev[best].used) best = i;
+    }
+    return best;
+}
+
+/* Places ITEMS[N] by the greedy rule above, as SPEC allows; one [place] line per component. */
+static void place_trunk(const struct place_item *items, int n, const char *spec)
+{
+    int dev[PLACE_COUNT];
+    place_parse(spec, dev);
+    if (!cuda.ready) return;
+    for (int c = 0; c < PLACE_COUNT; c++) {
+        int count[CUDA_MAX_DEVICES] = {0}, total = 0, on_cpu = 0;
+        double bytes = 0, cpu_bytes = 0;
+        for (int i = 0; i < n; i++) {
+            if (items[i].comp != (enum place_component)c) continue;
+            size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
+            int d = dev[c] == -2 ? -1 : place_pick(b, dev[c]);
+            total++;
+            bytes += (double)b;
+            if (d >= 0 && cuda_make_resident(items[i].m, d) == 0) count[d]++;
+            else { on_cpu++; cpu_bytes += (double)b; }
+        }
+        if (!total) continue;
+        char line[512];
+        int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
+                           total > 1 ? "ces" : "x", bytes / 1048576.0);
+        for (int i = 0; i < cuda.n_devices && len < (int)sizeof line - 64; i++)
+            if (count[i]) len += snprintf(line + len, sizeof line - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
+                                          (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
+        if (on_cpu) snprintf(line + len, sizeof line - (size_t)len, " cpu: %d, %.1f MiB (%s)", on_cpu, cpu_bytes / 1048576.0,
+                             dev[c] == -2 ? "--place" : "no room in the budget");
+        plat_log("%s", line);
+    }
+}
 
 /* ==== §8 model ==== */
 /* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the
@@ -3605,6 +4605,28 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
+/* Offers every dense trunk matrix to §7 place (they are named here because only §8 and below
+ * know the model's layout). */
+static void cmd_place_trunk(struct model *m, const struct cmd_options *o)
+{
+    struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 1) * sizeof *it);
+    int n = 0;
+    it[n++] = (struct place_item){PLACE_LMHEAD, &m->lm_head};
+    for (int il = 0; il < m->cfg.n_layers; il++) {
+        const struct model_layer *l = &m->layers[il];
+        const struct place_item per[] = {
+            {PLACE_ATTNPROJ, &l->wq}, {PLACE_ATTNPROJ, &l->wk}, {PLACE_ATTNPROJ, &l->wv}, {PLACE_ATTNPROJ, &l->wo},
+            {PLACE_DNPROJ, &l->wqkv}, {PLACE_DNPROJ, &l->wz}, {PLACE_DNPROJ, &l->wbeta}, {PLACE_DNPROJ, &l->walpha},
+            {PLACE_DNPROJ, &l->wba}, {PLACE_DNOUT, &l->wout}, {PLACE_ROUTER, &l->router}, {PLACE_ROUTER, &l->shexp_gate_inp},
+            {PLACE_SHEXP, &l->shexp_gate}, {PLACE_SHEXP, &l->shexp_up}, {PLACE_SHEXP, &l->shexp_down},
+            {PLACE_FFN, &l->ffn_gate}, {PLACE_FFN, &l->ffn_up}, {PLACE_FFN, &l->ffn_down}};
+        for (size_t k = 0; k < sizeof per / sizeof *per; k++)
+            if (per[k].m->data && per[k].m->rows) it[n++] = per[k];
+    }
+    place_trunk(it, n, o->place);
+    free(it);
+}
+
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
 {
     double t0 = plat_now();
@@ -3615,6 +4637,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
         die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
     s->think_open = tok_find(&s->tok, "<think>");
     s->think_close = tok_find(&s->tok, "</think>");
+    cmd_place_trunk(&s->model, o);
     const struct model_config *c = &s->model.cfg;
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
@@ -3623,6 +4646,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
 
 static void cmd_close(struct cmd_session *s)
 {
+    cuda_release_all(); /* residency is keyed by addresses in the mapping model_free unmaps */
     tok_free(&s->tok);
     model_free(&s->model);
 }
@@ -3973,7 +4997,7 @@ static void cmd_info_machine(void)
     printf("kernels: %s\n", quant_level_name());
     printf("cores: %ld online, %d threads\n", sysconf(_SC_NPROCESSORS_ONLN), plat_threads());
     printf("memory: %.1f GiB total, %.1f GiB available (cgroup-aware)\n", total / 1073741824.0, avail / 1073741824.0);
-    printf("cuda: not in this build (CPU only)\n");
+    cuda_print_info();
 }
 
 static void cmd_info_model(const char *path)
@@ -4099,7 +5123,10 @@ static const char arg_usage[] =
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
-    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level\n";
+    "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
+    "           --place auto|off|COMPONENT=DEVICE,... (lmhead, attnproj, dnproj, dnout, shexp, router, ffn)\n"
+    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
+    "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE as the flags\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
@@ -4203,6 +5230,16 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--seed")) o->sample.seed = (uint64_t)arg_int(argc, argv, &i, 0, LONG_MAX);
         else die_usage("%s: unknown option '%s' (coli help %s)", cmd, a, cmd);
     }
+    /* the environment's resource settings, where no flag gave them (flags win) */
+    if (!o->gpu_list) o->gpu_list = getenv("COLI_GPUS");
+    if (!o->place) o->place = getenv("COLI_PLACE");
+    const char *gb = getenv("CUDA_EXPERT_GB");
+    if (o->vram_bytes < 0 && gb && *gb) {
+        char *end;
+        double x = strtod(gb, &end);
+        if (*end || !(x >= 0 && x < 1e9)) die_usage("CUDA_EXPERT_GB=%s: not a number of GiB", gb);
+        o->vram_bytes = (int64_t)(x * 1073741824.0);
+    }
 }
 
 static int arg_help(const char *cmd)
@@ -4242,6 +5279,7 @@ int main(int argc, char **argv)
         plat_cpu_detect();
         quant_init();
         if (o.threads) omp_set_num_threads(o.threads);
+        if (commands[i].fn != cmd_tokenize) cuda_start(o.gpu_list, o.vram_bytes); /* before any thread exists */
         return commands[i].fn(&o);
     }
     die_usage("unknown command '%s' (coli --help lists them)", cmd);

@@ -1,0 +1,302 @@
+/* A fake libcuda.so.1 for coli's tests: a glibc shared library exporting the driver calls coli
+ * makes, so that the GPU path runs without a GPU, through the same foreign dlopen as a real
+ * driver. Device memory is host memory; a launch runs a C twin of the PTX kernel on the host.
+ * The twins are an independent C rendering of what kernels.cu computes (one warp per row,
+ * lane = unit % 32, the shfl.down butterfly emulated lane by lane), not a call into coli, so
+ * comparing them with coli's CPU path means something.
+ *
+ * Settings (environment, read at cuInit; the fake's own knobs, never read by coli):
+ *   FAKE_CUDA_DEVICES=N (default 1; 0: cuInit answers 100 as a real driver does)
+ *   FAKE_CUDA_VRAM_MB, FAKE_CUDA_FREE_MB (default 8192, 7680), FAKE_CUDA_NAMES=a,b
+ *   FAKE_CUDA_FAIL=alloc:K | launch:K (the K-th call and every later one fails) | module:CODE
+ *   (read at every call, so a test process may change it between calls)
+ * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's.
+ * Build: gcc -shared -fPIC -O2 -ffp-contract=off -Wl,-soname,libcuda.so.1 fake_cuda.c */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+#define API __attribute__((visibility("default")))
+
+#define MAX_DEV 8
+static int n_dev = -1, fail_alloc, fail_launch, fail_module, n_alloc, n_launch, cur_dev;
+static size_t vram[MAX_DEV], avail[MAX_DEV];
+static char names[MAX_DEV][64];
+
+static int env_int(const char *k, int dflt)
+{
+    const char *v = getenv(k);
+    return v && *v ? atoi(v) : dflt;
+}
+
+/* FAKE_CUDA_FAIL, read at every call so that a test process can change it as it goes. */
+static void read_failures(void)
+{
+    const char *f = getenv("FAKE_CUDA_FAIL");
+    fail_alloc = f && !strncmp(f, "alloc:", 6) ? atoi(f + 6) : 0;
+    fail_launch = f && !strncmp(f, "launch:", 7) ? atoi(f + 7) : 0;
+    fail_module = f && !strncmp(f, "module:", 7) ? atoi(f + 7) : 0;
+}
+
+API CUresult cuInit(unsigned flags)
+{
+    (void)flags;
+#ifdef FAKE_STUB
+    return 34;
+#endif
+    n_dev = env_int("FAKE_CUDA_DEVICES", 1);
+    if (n_dev > MAX_DEV) n_dev = MAX_DEV;
+    const char *nm = getenv("FAKE_CUDA_NAMES");
+    for (int i = 0; i < n_dev; i++) {
+        vram[i] = (size_t)env_int("FAKE_CUDA_VRAM_MB", 8192) << 20;
+        avail[i] = (size_t)env_int("FAKE_CUDA_FREE_MB", 7680) << 20;
+        snprintf(names[i], sizeof names[i], "Fake GPU %c", 'A' + i);
+        if (nm) { /* the i-th comma-separated name */
+            const char *p = nm;
+            for (int k = 0; k < i && p; k++) p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL;
+            if (p) snprintf(names[i], sizeof names[i], "%.*s", (int)strcspn(p, ","), p);
+        }
+    }
+    return n_dev == 0 ? 100 : 0;
+}
+
+API CUresult cuDriverGetVersion(int *v) { *v = 12040; return 0; }
+API CUresult cuGetErrorString(CUresult r, const char **s)
+{
+    *s = r == 719 ? "unspecified launch failure" : r == 500 ? "named symbol not found" : "fake error";
+    return 0;
+}
+API CUresult cuDeviceGetCount(int *n) { *n = n_dev < 0 ? 0 : n_dev; return n_dev < 0 ? 3 : 0; }
+API CUresult cuDeviceGet(int *d, int i) { if (i < 0 || i >= n_dev) return 101; *d = i; return 0; }
+API CUresult cuDeviceGetName(char *s, int len, int d) { snprintf(s, (size_t)len, "%s", names[d]); return 0; }
+API CUresult cuDeviceTotalMem_v2(size_t *b, int d) { *b = vram[d]; return 0; }
+
+/* Devices come in the reverse of PCI bus order, as CUDA's default FASTEST_FIRST may give them:
+ * coli must sort them. */
+API CUresult cuDeviceGetAttribute(int *v, int attr, int d)
+{
+    switch (attr) {
+    case 75: *v = 8; return 0;                 /* compute capability 8.6 */
+    case 76: *v = 6; return 0;
+    case 16: *v = 20 + 2 * d; return 0;        /* SMs */
+    case 33: *v = 0x10 * (n_dev - d); return 0; /* PCI bus */
+    case 34: case 50: *v = 0; return 0;
+    default: *v = 0; return 1;
+    }
+}
+
+struct ctx { int dev; };
+static struct ctx ctxs[MAX_DEV];
+API CUresult cuDevicePrimaryCtxRetain(void **c, int d) { ctxs[d].dev = d; *c = &ctxs[d]; return 0; }
+API CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return 0; }
+API CUresult cuCtxSetCurrent(void *c) { cur_dev = c ? ((struct ctx *)c)->dev : 0; return 0; }
+API CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { *f = avail[cur_dev]; *t = vram[cur_dev]; return 0; }
+
+/* A block: its size in front, so that cuMemFree can give the bytes back. */
+API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+    n_alloc++;
+    read_failures();
+    if ((fail_alloc && n_alloc >= fail_alloc) || n > avail[cur_dev]) return 2;
+    size_t *b = malloc(n + 16);
+    if (!b) return 2;
+    b[0] = n;
+    b[1] = (size_t)cur_dev;
+    avail[cur_dev] -= n;
+    *p = (CUdeviceptr)(uintptr_t)(b + 2);
+    return 0;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    size_t *b = (size_t *)(uintptr_t)p - 2;
+    avail[b[1]] += b[0];
+    free(b);
+    return 0;
+}
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return 0; }
+API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+
+/* ---- the kernels' C twins ---- */
+
+typedef void (*twin_fn)(const uint8_t *w, uint64_t rb, const uint8_t *act, uint64_t st, float *y, int rows, int cols, int n, int row);
+
+static float f16(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
+static float bf16(const uint8_t *p) { uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16; float f; memcpy(&f, &u, 4); return f; }
+static float ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
+/* The warp's end: shfl.down by 16, 8, 4, 2, 1; every lane reads the others' old values. */
+static float warp_reduce(float v[32])
+{
+    for (int s = 16; s > 0; s /= 2) {
+        float old[32];
+        memcpy(old, v, sizeof old);
+        for (int lane = 0; lane < 32; lane++) v[lane] = old[lane] + (lane + s < 32 ? old[lane + s] : old[lane]);
+    }
+    return v[0];
+}
+
+/* Float weights; KIND 0 F32, 1 F16, 2 BF16. */
+static float unit_float(int kind, const uint8_t *w, const float *x, int i)
+{
+    float wv = kind == 0 ? ld_f32(w + 4 * i) : kind == 1 ? f16(w + 2 * i) : bf16(w + 2 * i);
+    return wv * x[i];
+}
+
+/* Legacy 32-block B of a row against act (qs | d | s | sd). */
+static float unit_legacy(int type, const uint8_t *blk, const int8_t *qx, float dx, float sd)
+{
+    int has_min = type == 3 || type == 7, five = type == 6 || type == 7, isum = 0;
+    float dw = f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
+    if (type == 8) {
+        for (int j = 0; j < 32; j++) isum += (int8_t)blk[2 + j] * qx[j];
+    } else {
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, blk + 2 + 2 * has_min, 4);
+        const uint8_t *qs = blk + 2 + 2 * has_min + 4 * five;
+        int off = has_min ? 0 : five ? 16 : 8;
+        for (int j = 0; j < 16; j++) {
+            int lo = (qs[j] & 15) | (five ? (int)((qh >> j) & 1) << 4 : 0);
+            int hi = (qs[j] >> 4) | (five ? (int)((qh >> (j + 16)) & 1) << 4 : 0);
+            isum += (lo - off) * qx[j] + (hi - off) * qx[j + 16];
+        }
+    }
+    float r = (dw * dx) * (float)isum;
+    return has_min ? r + mw * sd : r;
+}
+
+/* 6-bit scale and min J of a Q4_K/Q5_K super-block, from the 12 packed bytes Q. */
+static void scale_min(int j, const uint8_t *q, int *sc, int *m)
+{
+    *sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
+    *m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+}
+
+/* Q4_K (five 0) / Q5_K super-block against act (qs | d | bsums). Element e of the block is
+ * nibble (e / 32) % 2 of byte 32 * (e / 64) + e % 32, its fifth bit bit e / 32 of qh[e % 32]. */
+static float unit_q45k(int five, const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx)
+{
+    const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
+    int sumi = 0, summ = 0;
+    for (int g = 0; g < 8; g++) {
+        int sc, m, s = 0;
+        scale_min(g, b + 4, &sc, &m);
+        summ += m * (bs[2 * g] + bs[2 * g + 1]);
+        for (int l = 0; l < 32; l++) {
+            int byte = ql[32 * (g / 2) + l], q = g % 2 ? byte >> 4 : byte & 15;
+            if (five) q += ((qh[l] >> g) & 1) * 16;
+            s += q * qx[32 * g + l];
+        }
+        sumi += sc * s;
+    }
+    return (f16(b) * dx) * (float)sumi - (f16(b + 2) * dx) * (float)summ;
+}
+
+/* Q6_K: element e = 128h + 32k + l (k the quarter) is low nibble (k < 2) or high nibble of
+ * ql[64h + 32(k % 2) + l], with bits 2k..2k+1 of qh[32h + l] on top, minus 32; scale e / 16. */
+static float unit_q6k(const uint8_t *b, const int8_t *qx, float dx)
+{
+    int sumi = 0;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int t = 0; t < 16; t++) {
+            int e = 16 * g + t, h = e / 128, k = e % 128 / 32, l = e % 32;
+            int byte = b[64 * h + 32 * (k % 2) + l];
+            int q = ((k < 2 ? byte & 15 : byte >> 4) | ((b[128 + 32 * h + l] >> (2 * k)) & 3) << 4) - 32;
+            s += q * qx[e];
+        }
+        sumi += (int8_t)b[192 + g] * s;
+    }
+    return (f16(b + 208) * dx) * (float)sumi;
+}
+
+/* One row of any format: each lane sums its units, then the warp reduces. */
+static float twin_row(int type, const uint8_t *wr, const uint8_t *a, int cols)
+{
+    float lane[32] = {0};
+    if (type == 0 || type == 1 || type == 30) {
+        for (int i = 0; i < cols; i++) lane[i % 32] = lane[i % 32] + unit_float(type == 0 ? 0 : type == 1 ? 1 : 2, wr, (const float *)a, i);
+    } else if (type >= 2 && type <= 8) {
+        int nb = cols / 32, bb = type == 8 ? 34 : type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : 24;
+        const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
+        for (int u = 0; u < nb; u++)
+            lane[u % 32] = lane[u % 32] + unit_legacy(type, wr + u * bb, (const int8_t *)a + 32 * u, d[u], sd[u]);
+    } else {
+        int nb = cols / 256, bb = type == 12 ? 144 : type == 13 ? 176 : 210;
+        const float *d = (const float *)(a + cols);
+        const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
+        for (int u = 0; u < nb; u++) {
+            const int8_t *qx = (const int8_t *)a + 256 * u;
+            float r = type == 14 ? unit_q6k(wr + u * bb, qx, d[u]) : unit_q45k(type == 13, wr + u * bb, qx, bs + 16 * u, d[u]);
+            lane[u % 32] = lane[u % 32] + r;
+        }
+    }
+    return warp_reduce(lane);
+}
+
+/* ---- modules and launches ---- */
+
+static const struct { const char *name; int type; } kernels[] = {
+    {"matvec_f32", 0}, {"matvec_f16", 1}, {"matvec_bf16", 30}, {"matvec_q8_0", 8}, {"matvec_q4_0", 2},
+    {"matvec_q4_1", 3}, {"matvec_q5_0", 6}, {"matvec_q5_1", 7}, {"matvec_q4_k", 12}, {"matvec_q5_k", 13},
+    {"matvec_q6_k", 14},
+};
+#define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
+struct module { int has[N_KERNELS]; };
+struct func { int k; };
+static struct func funcs[N_KERNELS];
+
+/* Accepts PTX text naming at least one of coli's kernels in a `.entry NAME(` line. */
+API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals)
+{
+    const char *ptx = image;
+    struct module *m = calloc(1, sizeof *m);
+    int found = 0;
+    read_failures();
+    for (int k = 0; k < N_KERNELS; k++) {
+        char pat[80];
+        snprintf(pat, sizeof pat, ".entry %s(", kernels[k].name);
+        found += m->has[k] = strstr(ptx, pat) != NULL;
+    }
+    for (unsigned i = 0; i < n; i++) /* option 5: the error log buffer, 6 its size */
+        if (opts[i] == 5 && fail_module) snprintf(vals[i], 64, "ptxas fatal : fake JIT refuses (error %d)", fail_module);
+    if (fail_module || !found) {
+        free(m);
+        return fail_module ? fail_module : 218;
+    }
+    *mod = m;
+    return 0;
+}
+API CUresult cuModuleUnload(void *mod) { free(mod); return 0; }
+API CUresult cuModuleGetFunction(void **f, void *mod, const char *name)
+{
+    struct module *m = mod;
+    for (int k = 0; k < N_KERNELS; k++)
+        if (m->has[k] && !strcmp(name, kernels[k].name)) {
+            funcs[k].k = k;
+            *f = &funcs[k];
+            return 0;
+        }
+    return 500;
+}
+
+/* Runs the twin for the rows the grid covers: gx blocks of bx / 32 warps, one row each. */
+API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned shared, void *stream, void **p, void **extra)
+{
+    (void)gy; (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    n_launch++;
+    read_failures();
+    if (fail_launch && n_launch >= fail_launch) return 719;
+    int type = kernels[((struct func *)f)->k].type;
+    const uint8_t *w = *(const uint8_t **)p[0], *act = *(const uint8_t **)p[2];
+    uint64_t rb = *(uint64_t *)p[1], st = *(uint64_t *)p[3];
+    float *y = *(float **)p[4];
+    int rows = *(int *)p[5], cols = *(int *)p[6], n = *(int *)p[7];
+    long covered = (long)gx * (bx / 32);
+    for (int j = 0; j < n; j++)
+        for (long r = 0; r < rows && r < covered; r++) y[(size_t)j * rows + r] = twin_row(type, w + r * rb, act + j * st, cols);
+    return 0;
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the GPU path on a machine with a real NVIDIA card and driver (no toolkit needed).
+# Builds, prints coli info, runs every GEMV kernel on device 0 against the CPU (bit-identical,
+# through the native dlopen of a glibc test build), then the golden models on the CPU and with
+# the trunk on the GPU through the static binary's foreign dlopen (same tokens and logits), and
+# prints a summary. Budget: well under 5 minutes.
+# usage: tests/gpu_check.sh [GOLDEN_DIR]
+set -u
+cd "$(dirname "$0")/.."
+GOLDEN=${1:-${COLI_GOLDEN:-../shared/golden}}
+log=$(mktemp -d)
+trap 'rm -rf "$log"' EXIT
+pass=0
+fail=0
+ok() { echo "ok - $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
+t0=$(date +%s)
+
+timeout 240 ./build.sh >"$log/build" 2>&1 && ok "build" || { bad "build" "$(tail -n 5 "$log/build")"; echo "$pass passed, $fail failed"; exit 1; }
+timeout 60 ./coli info 2>&1 | tee "$log/info" | grep -E '^(cuda|\[cuda\])'
+grep -q '^cuda 0: ' "$log/info" && ok "coli info lists a device" || bad "coli info" "no device: $(grep cuda "$log/info" | head -n 2)"
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=index,pci.bus_id,name,driver_version --format=csv,noheader; fi
+
+mkdir -p build
+gcc -std=c11 -O2 -Wall -Wextra -ffp-contract=off -fopenmp -I. tests/test_cuda.c -o build/test_cuda -lm -ldl 2>"$log/cc" || bad "build test_cuda" "$(head -c 300 "$log/cc")"
+COLI_TEST_REAL=1 timeout 120 build/test_cuda >"$log/kernels" 2>&1
+grep -E '^(FAIL|#)' "$log/kernels"
+k=$(grep -c '^ok - matvec' "$log/kernels")
+kf=$(grep -c '^FAIL' "$log/kernels")
+grep 'wrapped driver call' "$log/kernels"
+[ "$kf" = 0 ] && [ "$k" -gt 0 ] && ok "$k kernel checks bit-identical to the CPU on device 0" || bad "kernels" "$kf failed, $k passed"
+
+P="The capital of France is Paris, and the capital of Japan is"
+for f in "$GOLDEN"/q35moe-*.gguf "$GOLDEN"/q3next-*.gguf; do
+    [ -f "$f" ] || continue
+    m=$(basename "$f")
+    COLI_CUDA=0 timeout 60 ./coli run -m "$f" -p "$P" -n 16 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$log/cpu"
+    timeout 60 ./coli run -m "$f" -p "$P" -n 16 --ignore-eog --json 2>"$log/err" | tail -n 1 | sed 's/"timings".*//' >"$log/gpu"
+    if [ -s "$log/cpu" ] && cmp -s "$log/cpu" "$log/gpu" && grep -q 'products ran on the device' "$log/err"; then
+        ok "$m: CPU and GPU give the same tokens and logits ($(grep -o '[0-9]* products' "$log/err"))"
+    else
+        bad "$m: CPU vs GPU" "$(grep -E 'cuda|place' "$log/err" | tail -n 3)"
+    fi
+done
+echo "summary: $(grep -m1 '^cuda 0: ' "$log/info"); $(grep -m1 'wrapped driver call' "$log/info" | grep -o 'one wrapped.*'); $(( $(date +%s) - t0 )) s"
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

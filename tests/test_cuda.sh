@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# test_cuda.sh: the static binary's GPU path as a user meets it, through the foreign dlopen:
+# no driver, the toolkit's stub (or one built here) answering 34, the fake driver with 0, 1 and
+# 2 devices, the fake failing module load (221, 222), allocations and a launch mid-run, and a
+# root holding only the binary (no glibc loader). Each case must print its one-line reason and
+# keep the CPU's tokens and logits.
+# usage: tests/test_cuda.sh ./coli GOLDEN_DIR BUILD_DIR   (BUILD_DIR holds fake/ and stub/)
+set -u
+COLI=$(realpath "${1:-./coli}")
+GOLDEN=${2:-../shared/golden}
+B=$(realpath "${3:-build}")
+pass=0
+fail=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ok() { echo "ok - $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
+
+# has LABEL PATTERN FILE: FILE has a line matching PATTERN
+has() { if grep -qE -- "$2" "$3"; then ok "$1"; else bad "$1" "no /$2/ in: $(head -c 400 "$3")"; fi; }
+
+FAKE="env -u COLI_LIBCUDA LD_LIBRARY_PATH=$B/fake"
+$FAKE FAKE_CUDA_DEVICES=1 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 1 device: listed" '^cuda 0: Fake GPU A, compute 8.6, 20 SMs, 8.0 GiB VRAM, 7.5 GiB free, PCI 0000:10:00.0$' "$tmp/o"
+has "the cost of one wrapped driver call is measured" 'one wrapped driver call [0-9.]+ us' "$tmp/o"
+$FAKE FAKE_CUDA_DEVICES=2 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 2 devices: in PCI bus order" '^cuda 0: Fake GPU B.*PCI 0000:10' "$tmp/o"
+has "fake driver, 2 devices: the second" '^cuda 1: Fake GPU A.*PCI 0000:20' "$tmp/o"
+$FAKE FAKE_CUDA_DEVICES=0 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 0 devices: error 100" '^cuda: none: .*no CUDA device \(error 100\)' "$tmp/o"
+has "fake driver, 0 devices: one [cuda] line" '^\[cuda\] .*error 100.*running on the CPU$' "$tmp/o"
+$FAKE FAKE_CUDA_FAIL=module:221 "$COLI" info >"$tmp/o" 2>&1; has "no JIT compiler: error 221" '^\[cuda\] cuda 0: loading kernels.ptx: no PTX JIT compiler.*error 221' "$tmp/o"
+$FAKE FAKE_CUDA_FAIL=module:222 "$COLI" info >"$tmp/o" 2>&1; has "PTX too new: error 222" 'too old for this PTX \(error 222\)' "$tmp/o"
+$FAKE FAKE_CUDA_DEVICES=2 "$COLI" info --gpu 3 >"$tmp/o" 2>&1; has "--gpu 3 with 2 devices" '^\[cuda\] --gpu 3: there is no device 3 \(2 found\); running on the CPU' "$tmp/o"
+$FAKE "$COLI" info --gpu off >"$tmp/o" 2>&1; has "--gpu off never touches the driver" '^cuda: none: off \(--gpu off\)' "$tmp/o"
+$FAKE COLI_CUDA=0 "$COLI" info >"$tmp/o" 2>&1; has "COLI_CUDA=0 never touches the driver" '^cuda: none: off \(COLI_CUDA=0\)' "$tmp/o"
+env -u LD_LIBRARY_PATH COLI_LIBCUDA=/nonexistent/libcuda.so.1 "$COLI" info >"$tmp/o" 2>&1
+has "COLI_LIBCUDA names a missing file" '^cuda: none: cannot load /nonexistent/libcuda.so.1: ' "$tmp/o"
+env -u LD_LIBRARY_PATH -u COLI_LIBCUDA "$COLI" info >"$tmp/o" 2>&1
+if grep -q '^cuda 0:' "$tmp/o"; then ok "no libcuda.so.1 # SKIP this machine has a driver"
+else has "no libcuda.so.1" '^cuda: none: (no libcuda.so.1 \(the NVIDIA driver\) found|.*error 34)' "$tmp/o"; fi
+LD_LIBRARY_PATH=$B/stub "$COLI" info >"$tmp/o" 2>&1; has "a stub answering 34" "stub library, not a driver \(error 34\)" "$tmp/o"
+for s in /usr/local/cuda/lib64/stubs/libcuda.so /usr/local/cuda-*/lib64/stubs/libcuda.so; do
+    [ -f "$s" ] || continue
+    mkdir -p "$tmp/tk" && cp "$s" "$tmp/tk/libcuda.so.1"
+    LD_LIBRARY_PATH=$tmp/tk "$COLI" info >"$tmp/o" 2>&1; has "the CUDA toolkit's stub ($s)" "stub library, not a driver \(error 34\)" "$tmp/o"
+    break
+done
+COLI_LDSO=/nonexistent "$COLI" info >"$tmp/o" 2>&1; has "COLI_LDSO names no loader" '^cuda: none: no glibc loader' "$tmp/o"
+
+if [ ! -d "$GOLDEN" ]; then
+    ok "golden runs # SKIP $GOLDEN absent"
+    echo "$pass passed, $fail failed"
+    exit $((fail != 0))
+fi
+P="The capital of France is Paris, and the capital of Japan is"
+# tokens LABEL WANT_STDERR_PATTERN MODEL ENV...: the --json line without timings equals the CPU's
+tokens() {
+    local label=$1 pat=$2 m=$3
+    shift 3
+    env "$@" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>"$tmp/e" | tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
+    if [ ! -s "$tmp/j" ] || ! cmp -s "$tmp/j" "$tmp/cpu-$m"; then bad "$label" "tokens differ from the CPU's; $(tail -c 300 "$tmp/e")"
+    elif ! grep -qE -- "$pat" "$tmp/e"; then bad "$label" "no /$pat/ in: $(head -c 400 "$tmp/e")"
+    else ok "$label"; fi
+}
+for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-f32.gguf; do
+    COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
+    tokens "$m: every trunk GEMV on 1 fake device, same tokens and logits" '^\[cuda\] [0-9]+ products ran on the device' $m LD_LIBRARY_PATH="$B/fake"
+done
+m=q35moe-q8_0.gguf
+tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
+tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
+tokens "allocations fail: matrices stay on the CPU" 'cpu: [0-9]+, .*no room' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=alloc:3
+tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:40
+tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
+tokens "stub: CPU" 'error 34' $m LD_LIBRARY_PATH="$B/stub"
+tokens "--vram 0: nothing placed" 'no room in the budget' $m LD_LIBRARY_PATH="$B/fake" CUDA_EXPERT_GB=0
+
+# A root holding only the binary (and the model): no glibc loader at all.
+if [ "$(id -u)" = 0 ] && mkdir -p "$tmp/root" && cp "$COLI" "$tmp/root/coli" && cp "$GOLDEN/$m" "$tmp/root/" &&
+    chroot "$tmp/root" /coli --version >/dev/null 2>&1; then
+    chroot "$tmp/root" /coli info >"$tmp/o" 2>&1; has "root with only the binary: no loader" '^cuda: none: no glibc loader' "$tmp/o"
+    chroot "$tmp/root" /coli run -m "/$m" -p "$P" -n 8 --ignore-eog --json 2>"$tmp/e" | tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
+    if cmp -s "$tmp/j" "$tmp/cpu-$m" && grep -q '^\[cuda\] no glibc loader' "$tmp/e"; then ok "root with only the binary: same tokens"
+    else bad "root with only the binary" "$(head -c 300 "$tmp/e")"; fi
+else
+    tokens "no loader (COLI_LDSO; chroot unavailable)" '^\[cuda\] no glibc loader' $m COLI_LDSO=/nonexistent
+fi
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]
