@@ -792,8 +792,12 @@ enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUA
 #define QUANT_QK_K 256   /* elements per K super-block */
 
 typedef float (*quant_dot_fn)(const void *wrow, const void *act, int64_t n);
+/* y[c*ys] = dot of wrow with the act at acts + c*stride, for c < nc. */
+typedef void (*quant_dotn_fn)(const void *wrow, const uint8_t *acts, size_t stride, int nc,
+                              int64_t n, float *y, size_t ys);
 
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
+static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
 static int quant_level;
 
 static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -1173,8 +1177,9 @@ typedef int32_t (*quant_q6k_isum_fn)(const uint8_t *b, const int8_t *qx);
  * comes from the given level's isum function, the float combine is fixed here:
  *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
  *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
-static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n,
-                         quant_q45k_isum_fn f45, quant_q6k_isum_fn f6) {
+static inline __attribute__((always_inline)) float
+quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n, quant_q45k_isum_fn f45,
+            quant_q6k_isum_fn f6) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
     float p[QUANT_NPART] = {0};
@@ -1424,11 +1429,28 @@ QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quan
 QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_avx2, NULL))
 QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_avx2))
 
-/* ---- AVX-512 kernels (float formats; the block formats reuse AVX2: they are bound by memory
- * bandwidth, not by the integer work, see NOTES.md) ---- */
+/* ---- AVX-512 kernels (VNNI): same units, same float steps ----
+ * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
+ * once and applied to up to QUANT_NCOL activation columns, every column going through exactly
+ * the single-column steps, so matmat gives matvec's bits. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and
+ * 4 x 2 float accumulators, which with the decoded weights fills the 32 zmm registers. */
+#define QUANT_NCOL 4
+
+/* Canonical butterfly on two accumulators holding partials 0-15 and 16-31. */
+QUANT_AVX512_INLINE float quant_avx512_reduce(__m512 a0, __m512 a1) {
+    a0 = _mm512_add_ps(a0, a1);                                                   /* s = 16 */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1))); /* 8 */
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));      /* 4 */
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
 
 /* 16 weights of a float format as f32 (exact conversions). */
 QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t *w) {
@@ -1438,8 +1460,7 @@ QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Float row dot: accumulators hold partials 0-15 and 16-31; butterfly s=16 adds them, s=8
- * adds the 256-bit halves, then the AVX2 steps finish. */
+/* Float row dot: accumulators hold partials 0-15 and 16-31. */
 QUANT_AVX512_INLINE float quant_avx512_float(enum gguf_type t, const uint8_t *w, const float *x, int64_t n) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
     const int64_t n32 = n & ~(int64_t)31;
@@ -1448,20 +1469,245 @@ QUANT_AVX512_INLINE float quant_avx512_float(enum gguf_type t, const uint8_t *w,
         a0 = _mm512_add_ps(a0, _mm512_mul_ps(quant_avx512_load_w16(t, w + i * es), _mm512_load_ps(x + i)));
         a1 = _mm512_add_ps(a1, _mm512_mul_ps(quant_avx512_load_w16(t, w + (i + 16) * es), _mm512_load_ps(x + i + 16)));
     }
-    if (n32 == n) {
-        a0 = _mm512_add_ps(a0, a1);                                               /* s = 16 */
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1))); /* 8 */
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));      /* 4 */
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        return _mm_cvtss_f32(v);
-    }
+    if (n32 == n) return quant_avx512_reduce(a0, a1);
     float p[QUANT_NPART];
     _mm512_storeu_ps(p, a0);
     _mm512_storeu_ps(p + 16, a1);
     quant_float_units(t, w, x, n32, n, p);
     return quant_reduce32(p);
 }
+
+/* Unsigned quants of the 4 legacy blocks at b, one 128-bit lane per block: *lo holds elements
+ * 0-15, *hi elements 16-31. Q8_0 is offset by 128 (the caller subtracts 128 * Σx, as it
+ * subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every format. */
+QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb,
+                                                  __m512i *lo, __m512i *hi) {
+    if (t == GGUF_TYPE_Q8_0) {
+        __m512i p0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(b + bb + 2)), 1);
+        __m512i p1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2 * bb + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(b + 3 * bb + 2)), 1);
+        const __m512i s = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(p0, p1, _MM_SHUFFLE(2, 0, 2, 0)), s);
+        *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(p0, p1, _MM_SHUFFLE(3, 1, 3, 1)), s);
+        return;
+    }
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1, qo = 2 + 2 * has_min + 4 * five;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (five) {
+        /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
+        uint64_t ml = 0, mh = 0;
+        for (int k = 0; k < 4; k++) {
+            uint32_t qh;
+            memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
+            ml |= (uint64_t)(qh & 0xffff) << 16 * k;
+            mh |= (uint64_t)(qh >> 16) << 16 * k;
+        }
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+        l = _mm512_mask_add_epi8(l, ml, l, b4);
+        h = _mm512_mask_add_epi8(h, mh, h, b4);
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Lane u = sum of the 4 int32 of block u, where q[j] holds blocks 4j..4j+3 in its 128-bit lanes
+ * (two unpack rounds leave block 4j+k in lane 4k+j; the permute undoes that). */
+QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(q[0], q[1]), _mm512_unpackhi_epi32(q[0], q[1]));
+    __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(q[2], q[3]), _mm512_unpackhi_epi32(q[2], q[3]));
+    __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
+}
+
+/* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
+QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
+    __m512i q[4];
+    for (int k = 0; k < 4; k++) {
+        __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
+        __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+        __m512i xh = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+        q[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[k], xl), wh[k], xh);
+    }
+    return quant_avx512_quad_sums(q);
+}
+
+/* Legacy dot of one row with NC columns (acts at `stride`, results y[c*ys]): groups of 16
+ * blocks give one vector of unit results added to accumulator (g % 2), i.e. partials b % 32;
+ * a tail of < 16 blocks goes through the scalar units. */
+QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
+                                             size_t stride, int64_t n, float *y, size_t ys, int NC) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : t == GGUF_TYPE_Q8_0 ? 7 : 0;
+    const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
+    struct quant_q8_view a[QUANT_NCOL];
+    __m512 acc[QUANT_NCOL][2];
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8_view(acts + (size_t)c * stride, n);
+        acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    }
+    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(bb));
+    for (int64_t b = 0; b < nb16; b += 16) {
+        const uint8_t *wb = w + b * bb;
+        __m512i wl[4], wh[4];
+        for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
+        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
+        __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        for (int c = 0; c < NC; c++) {
+            __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
+            if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
+            __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(a[c].d + b)), _mm512_cvtepi32_ps(isum));
+            if (has_min) r = _mm512_add_ps(r, _mm512_mul_ps(mw, _mm512_loadu_ps(a[c].sd + b)));
+            acc[c][(b / 16) & 1] = _mm512_add_ps(acc[c][(b / 16) & 1], r);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
+        float p[QUANT_NPART];
+        _mm512_storeu_ps(p, acc[c][0]);
+        _mm512_storeu_ps(p + 16, acc[c][1]);
+        quant_legacy_units(t, w, a[c], nb16, nb, p);
+        y[c * ys] = quant_reduce32(p);
+    }
+}
+
+/* A K super-block decoded for the column loop: q[k] holds the unsigned quants of elements
+ * 64k..64k+63, sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's
+ * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset); dd is
+ * (d, dmin) as floats. */
+struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __m128 dd; };
+
+/* Word index vector: word i takes entry base + i / per of the source. */
+QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
+    int16_t ix[32];
+    for (int i = 0; i < 32; i++) ix[i] = (int16_t)(base + i / per);
+    return _mm512_loadu_si512(ix);
+}
+
+QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, struct quant_avx512_kblock *k) {
+    /* the 12 scale bytes hold 8 6-bit scales and mins (see quant_k4_scale_min), 4 per word */
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    uint64_t sc = (u[0] & 0x3f3f3f3f) | (uint64_t)((u[2] & 0x0f0f0f0f) | ((u[0] >> 6 & 0x03030303) << 4)) << 32;
+    uint64_t mn = (u[1] & 0x3f3f3f3f) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0f) | ((u[1] >> 6 & 0x03030303) << 4)) << 32;
+    __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+    k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    const uint8_t *ql = b + 16 + 32 * five;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int h = 0; h < 2; h++) {
+        /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
+        __m512i l = _mm512_loadu_si512(ql + 64 * h);
+        __m512i a0 = _mm512_and_si512(l, m4), a1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
+        k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
+        k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
+        if (five) {
+            /* bit s of qh[l] is the fifth bit of element l of sub-block s */
+            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * j)), _mm256_set1_epi8((char)(2 << 2 * j)), 1);
+            k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(qh, bit), k->q[j], _mm512_set1_epi8(0x10));
+        }
+    }
+    k->dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(quant_rd16(b) | (uint32_t)quant_rd16(b + 2) << 16)));
+}
+
+QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
+    const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    for (int c = 0; c < 2; c++) {
+        __m512i l = _mm512_loadu_si512(b + 64 * c);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c)));
+        __m512i hl = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30), hh = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
+        k->q[2 * c] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
+        k->q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
+    }
+    for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
+    k->m = sc;
+    k->dd = _mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(b + 208)));
+}
+
+/* One column's unit result for a decoded super-block, with the float steps of quant_dot_k. */
+QUANT_AVX512_INLINE float quant_avx512_kunit(const struct quant_avx512_kblock *k, const int8_t *qx,
+                                             const int16_t *bs, float dx, int six) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], _mm512_load_si512(qx + 64 * j)), k->sc[j]);
+    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    __m256i m8 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
+    __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
+    __m128i m4 = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+    __m128i s = _mm_add_epi32(_mm_unpacklo_epi64(a4, m4), _mm_unpackhi_epi64(a4, m4));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));  /* lane 0: Σ, lane 2: Σm */
+    int32_t isum = _mm_cvtsi128_si32(s), msum = _mm_extract_epi32(s, 2);
+    __m128 dx4 = _mm_set1_ps(dx), ddx = _mm_mul_ps(k->dd, dx4);           /* d*dx, dmin*dx */
+    if (six) return _mm_cvtss_f32(_mm_mul_ss(ddx, _mm_cvtsi32_ss(ddx, isum - 32 * msum)));
+    __m128 r = _mm_mul_ps(ddx, _mm_cvtepi32_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(isum), _mm_cvtsi32_si128(msum))));
+    return _mm_cvtss_f32(_mm_sub_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* K-quant dot of one row with NC columns, unit u -> partial u % 32 of each column. */
+QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
+                                        size_t stride, int64_t n, float *y, size_t ys, int NC) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    struct quant_q8k_view a[QUANT_NCOL];
+    float p[QUANT_NCOL][QUANT_NPART];
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
+        memset(p[c], 0, sizeof p[c]);
+    }
+    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
+        const uint8_t *b = w + u * bb;
+        struct quant_avx512_kblock k;
+        if (t == GGUF_TYPE_Q6_K) quant_avx512_q6k_decode(b, &k);
+        else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
+        for (int c = 0; c < NC; c++) {
+            float r = quant_avx512_kunit(&k, a[c].qs + u * QUANT_QK_K, a[c].bsums + u * 16, a[c].d[u], t == GGUF_TYPE_Q6_K);
+            p[c][u % QUANT_NPART] = p[c][u % QUANT_NPART] + r;
+        }
+    }
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_reduce32(p[c]);
+}
+
+/* One row with nc columns in passes of QUANT_NCOL; each pass size is a constant so the column
+ * loops unroll and the accumulators stay in registers. */
+#define QUANT_AVX512_BLOCK_WRAP(name, kernel, type)                                              \
+    static QUANT_AVX512 void name##n(const void *w, const uint8_t *acts, size_t stride, int nc,  \
+                                     int64_t n, float *y, size_t ys) {                           \
+        for (; nc >= QUANT_NCOL; nc -= QUANT_NCOL, acts += QUANT_NCOL * stride, y += QUANT_NCOL * ys) \
+            kernel(type, w, acts, stride, n, y, ys, QUANT_NCOL);                                 \
+        if (nc == 3) kernel(type, w, acts, stride, n, y, ys, 3);                                 \
+        if (nc == 2) kernel(type, w, acts, stride, n, y, ys, 2);                                 \
+        if (nc == 1) kernel(type, w, acts, stride, n, y, ys, 1);                                 \
+    }                                                                                            \
+    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) {                  \
+        float y;                                                                                 \
+        kernel(type, w, act, 0, n, &y, 0, 1);                                                    \
+        return y;                                                                                \
+    }
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q8_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q8_0)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q4_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q4_0)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q4_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q4_1)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q5_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_0)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q5_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_1)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q4_k_avx512, quant_avx512_k, GGUF_TYPE_Q4_K)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q5_k_avx512, quant_avx512_k, GGUF_TYPE_Q5_K)
+QUANT_AVX512_BLOCK_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
 
 #define QUANT_AVX512_WRAP(name, body) \
     static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) { return body; }
@@ -1471,19 +1717,23 @@ QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float(GGUF_TYPE_BF16, w, a
 
 /* ---- dispatch ---- */
 
-/* Kernels per level; NULL means "use the level below". */
-static const struct { enum gguf_type type; quant_dot_fn fn[QUANT_LEVEL_COUNT]; } quant_kernels[] = {
-    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 } },
-    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 } },
-    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, NULL } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, NULL } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, NULL } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, NULL } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, NULL } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, NULL } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, NULL } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, NULL } },
+/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column). */
+static const struct {
+    enum gguf_type type;
+    quant_dot_fn fn[QUANT_LEVEL_COUNT];
+    quant_dotn_fn fnn[QUANT_LEVEL_COUNT];
+} quant_kernels[] = {
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { 0 } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { 0 } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { 0 } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, NULL, quant_dot_q8_0_avx512n } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, NULL, quant_dot_q4_0_avx512n } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, NULL, quant_dot_q4_1_avx512n } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, NULL, quant_dot_q5_0_avx512n } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, NULL, quant_dot_q5_1_avx512n } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
@@ -1500,10 +1750,13 @@ static int quant_level_max(void) {
 static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
     memset(quant_dot_table, 0, sizeof quant_dot_table);
+    memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
         int l = level;
         while (!quant_kernels[i].fn[l]) l--;
         quant_dot_table[quant_kernels[i].type] = quant_kernels[i].fn[l];
+        for (l = level; l >= 0 && !quant_kernels[i].fnn[l]; l--) {}
+        quant_dotn_table[quant_kernels[i].type] = l >= 0 ? quant_kernels[i].fnn[l] : NULL;
     }
     quant_level = level;
 }
@@ -1531,6 +1784,15 @@ static void quant_init(void) {
  * in canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
 static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, int64_t n) {
     return quant_dot_table[wtype](wrow, act, n);
+}
+
+/* y[c*ys] = quant_dot(wtype, wrow, acts + c*stride, n) for c < nc, bit for bit; a multi-column
+ * kernel decodes each weight block once for all columns. Caller: as quant_dot, every act
+ * 64-byte aligned. */
+static void quant_dotn(enum gguf_type wtype, const void *wrow, const uint8_t *acts, size_t stride,
+                       int nc, int64_t n, float *y, size_t ys) {
+    if (quant_dotn_table[wtype]) { quant_dotn_table[wtype](wrow, acts, stride, nc, n, y, ys); return; }
+    for (int c = 0; c < nc; c++) y[(size_t)c * ys] = quant_dot(wtype, wrow, acts + (size_t)c * stride, n);
 }
 
 /* ==== §4 ops ==== */
@@ -1583,14 +1845,13 @@ static void ops_prefetch(const uint8_t *p, size_t n) {
 /* y[j*rows + r] = row r · column j for j < n; acts holds n prepared columns of `stride` bytes. */
 static void ops_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n) {
     const int64_t nchunk = (w->rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
-    const quant_dot_fn dot = quant_dot_table[w->type];
     #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunk; c++) {
         int64_t r1 = (c + 1) * OPS_ROW_CHUNK < w->rows ? (c + 1) * OPS_ROW_CHUNK : w->rows;
         for (int64_t r = c * OPS_ROW_CHUNK; r < r1; r++) {
             const uint8_t *wr = w->data + (size_t)r * w->row_bytes;
             if (r + OPS_PREFETCH_ROWS < w->rows) ops_prefetch(wr + OPS_PREFETCH_ROWS * w->row_bytes, w->row_bytes);
-            for (int j = 0; j < n; j++) y[(size_t)j * w->rows + r] = dot(wr, acts + (size_t)j * stride, w->cols);
+            quant_dotn(w->type, wr, acts, stride, n, w->cols, y + r, (size_t)w->rows);
         }
     }
 }
