@@ -1503,6 +1503,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     if (five) {
         /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
         uint64_t ml = 0, mh = 0;
+        #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             uint32_t qh;
             memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
@@ -1529,6 +1530,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
 /* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
 QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
     __m512i q[4];
+    #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
         __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
         __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
@@ -1549,6 +1551,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
     const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
     struct quant_q8_view a[QUANT_NCOL];
     __m512 acc[QUANT_NCOL][2];
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = _mm512_setzero_ps();
@@ -1558,11 +1561,13 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
     for (int64_t b = 0; b < nb16; b += 16) {
         const uint8_t *wb = w + b * bb;
         __m512i wl[4], wh[4];
+        #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
         /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
         __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
         __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
         __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
             __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
             if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
@@ -1571,6 +1576,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
             acc[c][(b / 16) & 1] = _mm512_add_ps(acc[c][(b / 16) & 1], r);
         }
     }
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
         if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
         float p[QUANT_NPART];
@@ -1583,9 +1589,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
 
 /* A K super-block decoded for the column loop: q[k] holds the unsigned quants of elements
  * 64k..64k+63, sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's
- * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset); dd is
- * (d, dmin) as floats. */
-struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __m128 dd; };
+ * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset). */
+struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
 QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
@@ -1605,6 +1610,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
     k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    #pragma GCC unroll 4
     for (int h = 0; h < 2; h++) {
         /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
@@ -1612,6 +1618,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
         k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
         k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
     }
+    #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
         if (five) {
@@ -1621,7 +1628,6 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
             k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(qh, bit), k->q[j], _mm512_set1_epi8(0x10));
         }
     }
-    k->dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(quant_rd16(b) | (uint32_t)quant_rd16(b + 2) << 16)));
 }
 
 QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
@@ -1630,6 +1636,7 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    #pragma GCC unroll 4
     for (int c = 0; c < 2; c++) {
         __m512i l = _mm512_loadu_si512(b + 64 * c);
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c)));
@@ -1637,50 +1644,89 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
         k->q[2 * c] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
         k->q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
     }
+    #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
     k->m = sc;
-    k->dd = _mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(b + 208)));
 }
 
-/* One column's unit result for a decoded super-block, with the float steps of quant_dot_k. */
-QUANT_AVX512_INLINE float quant_avx512_kunit(const struct quant_avx512_kblock *k, const int8_t *qx,
-                                             const int16_t *bs, float dx, int six) {
+/* One column's integer sums for a decoded super-block, each folded to 4 lanes: *s of Σ sc*q*x,
+ * *m of the bsums times k->m. */
+QUANT_AVX512_INLINE void quant_avx512_kdot(const struct quant_avx512_kblock *k, const int8_t *qx,
+                                           const int16_t *bs, __m128i *s, __m128i *m) {
     __m512i acc = _mm512_setzero_si512();
+    #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
         acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], _mm512_load_si512(qx + 64 * j)), k->sc[j]);
     __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
     __m256i m8 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
-    __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
-    __m128i m4 = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
-    __m128i s = _mm_add_epi32(_mm_unpacklo_epi64(a4, m4), _mm_unpackhi_epi64(a4, m4));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));  /* lane 0: Σ, lane 2: Σm */
-    int32_t isum = _mm_cvtsi128_si32(s), msum = _mm_extract_epi32(s, 2);
-    __m128 dx4 = _mm_set1_ps(dx), ddx = _mm_mul_ps(k->dd, dx4);           /* d*dx, dmin*dx */
-    if (six) return _mm_cvtss_f32(_mm_mul_ss(ddx, _mm_cvtsi32_ss(ddx, isum - 32 * msum)));
-    __m128 r = _mm_mul_ps(ddx, _mm_cvtepi32_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(isum), _mm_cvtsi32_si128(msum))));
-    return _mm_cvtss_f32(_mm_sub_ss(r, _mm_movehdup_ps(r)));
+    *s = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
+    *m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
 }
 
-/* K-quant dot of one row with NC columns, unit u -> partial u % 32 of each column. */
+/* Lane i = sum of the 4 lanes of v[i] (exact). */
+QUANT_AVX512_INLINE __m128i quant_avx512_hsum4x4(const __m128i *v) {
+    __m128i a = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
+    __m128i b = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b));
+}
+
+/* fp16 at byte `off` of g <= 4 blocks of bb bytes from b, and the fp16 two bytes on, as floats
+ * (lanes >= g are zero). */
+QUANT_AVX512_INLINE void quant_avx512_kscales(const uint8_t *b, int bb, int off, int g, __m128 *d, __m128 *dm) {
+    uint32_t v[4] = { 0, 0, 0, 0 };
+    #pragma GCC unroll 4
+    for (int i = 0; i < g; i++) memcpy(&v[i], b + i * bb + off, off == 208 ? 2 : 4);
+    __m128i x = _mm_loadu_si128((const __m128i *)v);
+    *d = _mm_cvtph_ps(_mm_packus_epi32(_mm_and_si128(x, _mm_set1_epi32(0xffff)), x));
+    *dm = _mm_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(x, 16), x));
+}
+
+/* K-quant dot of one row with NC columns. Units go in groups of 4 so that the horizontal sums
+ * and the float steps of quant_dot_k run on 4 lanes; unit u -> partial u % 32 of each column. */
 QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                         size_t stride, int64_t n, float *y, size_t ys, int NC) {
-    const int bb = gguf_type_get(t)->block_bytes;
+    const int bb = gguf_type_get(t)->block_bytes, six = t == GGUF_TYPE_Q6_K;
+    const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_NCOL];
     float p[QUANT_NCOL][QUANT_NPART];
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
         memset(p[c], 0, sizeof p[c]);
     }
-    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
-        const uint8_t *b = w + u * bb;
-        struct quant_avx512_kblock k;
-        if (t == GGUF_TYPE_Q6_K) quant_avx512_q6k_decode(b, &k);
-        else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
+    for (int64_t u = 0; u < nu; u += 4) {
+        const int g = nu - u < 4 ? (int)(nu - u) : 4;
+        const __mmask8 live = (__mmask8)((1u << g) - 1);
+        __m128i s[QUANT_NCOL][4], m[QUANT_NCOL][4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *b = w + (u + i) * bb;
+            struct quant_avx512_kblock k;
+            if (i >= g) {
+                #pragma GCC unroll 4
+                for (int c = 0; c < NC; c++) s[c][i] = m[c][i] = _mm_setzero_si128();
+                continue;
+            }
+            if (six) quant_avx512_q6k_decode(b, &k);
+            else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
+            #pragma GCC unroll 4
+            for (int c = 0; c < NC; c++)
+                quant_avx512_kdot(&k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &s[c][i], &m[c][i]);
+        }
+        __m128 d, dm;
+        quant_avx512_kscales(w + u * bb, bb, six ? 208 : 0, g, &d, &dm);
+        #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            float r = quant_avx512_kunit(&k, a[c].qs + u * QUANT_QK_K, a[c].bsums + u * 16, a[c].d[u], t == GGUF_TYPE_Q6_K);
-            p[c][u % QUANT_NPART] = p[c][u % QUANT_NPART] + r;
+            __m128i is = quant_avx512_hsum4x4(s[c]), ms = quant_avx512_hsum4x4(m[c]);
+            __m128 dx = _mm_maskz_loadu_ps(live, a[c].d + u), r;
+            if (six) r = _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(_mm_sub_epi32(is, _mm_slli_epi32(ms, 5))));
+            else r = _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(is)),
+                                _mm_mul_ps(_mm_mul_ps(dm, dx), _mm_cvtepi32_ps(ms)));
+            float *pp = p[c] + u % QUANT_NPART;
+            _mm_mask_storeu_ps(pp, live, _mm_add_ps(_mm_loadu_ps(pp), r));
         }
     }
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) y[c * ys] = quant_reduce32(p[c]);
 }
 
