@@ -434,6 +434,41 @@ static void test_ops(void) {
     }
 }
 
+/* Multi-column kernels: ops_matmat at the best level against the scalar dot of every column, for
+ * 1..64 columns (every pass split of QUANT_NCOL), an odd row count and rows with tails (legacy
+ * blocks not a multiple of 16, K units not a multiple of 4). */
+static void test_matmat_columns(void) {
+    const int rows = 19, maxc = 64;
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        const struct gguf_type_info *inf = gguf_type_get(t);
+        int64_t cols = inf->block_elems == 256 ? 1280 : inf->block_elems == 32 ? 1056 : 1000;
+        size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes), stride;
+        uint8_t *w = plat_alloc(rb * rows);
+        for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % 7 ? W_RANDOM : W_MAX);
+        struct ops_matrix m = { t, w, rows, cols, rb };
+        float *x = plat_alloc(sizeof(float) * cols * maxc), *y = plat_alloc(sizeof(float) * rows * maxc);
+        fill_x(x, cols * maxc, X_RANDOM);
+        stride = ops_act_stride(&m);
+        uint8_t *act = plat_alloc_aligned(stride * maxc);
+        for (int j = 0; j < maxc; j++) quant_act_prepare(t, x + j * cols, cols, act + j * stride);
+        int bad = 0, first = 0;
+        for (int nc = 1; nc <= maxc && !bad; nc++) {
+            quant_set_level(max_level);
+            ops_matmat(&m, x, y, nc);
+            for (int j = 0; j < nc && !bad; j++)
+                for (int r = 0; r < rows && !bad; r++) {
+                    float ref = dot_at(QUANT_LEVEL_SCALAR, t, w + r * rb, act + j * stride, cols);
+                    if (memcmp(&ref, &y[j * rows + r], 4)) { bad = 1; first = nc; }
+                }
+        }
+        char name[96];
+        snprintf(name, sizeof name, "%s matmat of 1..64 columns == scalar dot", inf->name);
+        check(!bad, name, "first wrong at %d columns", first);
+        free(w); free(x); free(y); free(act);
+    }
+}
+
 static void test_levels(void) {
     for (int l = 0; l <= max_level; l++) {
         quant_set_level(l);
@@ -467,6 +502,7 @@ int main(int argc, char **argv) {
     test_simd_vs_scalar();
     test_scalar_vs_double();
     test_ops();
+    test_matmat_columns();
     free(ops_act_buf);
     printf("%d passed, %d failed\n", t_pass, t_fail);
     return t_fail ? 1 : 0;
