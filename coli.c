@@ -1058,23 +1058,6 @@ static void quant_act_q8k(const float *x, int64_t n, void *act) {
     }
 }
 
-/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
- * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
-static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
-    float *f = act;
-    switch (quant_act_kind(wtype)) {
-    case QUANT_ACT_Q8: quant_act_q8(x, n, act); return;
-    case QUANT_ACT_Q8K: quant_act_q8k(x, n, act); return;
-    default: break;
-    }
-    if (wtype == GGUF_TYPE_F16)
-        for (int64_t i = 0; i < n; i++) f[i] = quant_f16_to_f32(quant_f32_to_f16(x[i]));
-    else if (wtype == GGUF_TYPE_BF16)
-        for (int64_t i = 0; i < n; i++) f[i] = quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
-    else
-        memcpy(f, x, (size_t)n * 4);
-}
-
 /* ---- scalar dot kernels: the canonical reference ---- */
 
 /* Butterfly over the 32 partials: s = 16,8,4,2,1, p[i] += p[i+s]. */
@@ -1727,7 +1710,97 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
         }
     }
     #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) y[c * ys] = quant_reduce32(p[c]);
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx512_reduce(_mm512_loadu_ps(p[c]), _mm512_loadu_ps(p[c] + 16));
+}
+
+/* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
+ * cost SSE/AVX transitions here: measured 4x slower). */
+QUANT_AVX512_INLINE float quant_avx512_f16_round(float f) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+/* Q8 activation (see quant_act_q8), 32 elements at a time; float steps as the scalar. */
+static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int32_t *ss = (int32_t *)(a + n + 4 * (n / QUANT_QK));
+    float *sd = (float *)(a + n + 8 * (n / QUANT_QK));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
+    for (int64_t b = 0; b < n / QUANT_QK; b++) {
+        __m512 x0 = _mm512_loadu_ps(x + b * QUANT_QK), x1 = _mm512_loadu_ps(x + b * QUANT_QK + 16);
+        /* max(v, acc) returns acc when v is NaN, as fmaxf skips it */
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float d = amax / 127.0f, d16 = quant_avx512_f16_round(d);
+        const __m512 id = _mm512_set1_ps(d16 != 0.0f ? 1.0f / d : 0.0f);
+        __m512i q0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x0, id), magic)), mant), bias);
+        __m512i q1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x1, id), magic)), mant), bias);
+        _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        dd[b] = d16;
+        ss[b] = sum;
+        sd[b] = quant_avx512_f16_round(d * (float)sum);
+    }
+}
+
+/* Q8_K activation (see quant_act_q8k): the signed max is the first element of largest
+ * magnitude, found by comparing with the maximum. */
+static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int16_t *bs = (int16_t *)(a + n + 4 * (n / QUANT_QK_K));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
+    for (int64_t b = 0; b < n / QUANT_QK_K; b++) {
+        const float *xb = x + b * QUANT_QK_K;
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < QUANT_QK_K; j += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + j)), m);
+        const float amax = _mm512_reduce_max_ps(m);
+        float max = 0.0f;
+        for (int j = 0; amax != 0.0f && j < QUANT_QK_K; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (hit) { max = xb[j + __builtin_ctz(hit)]; break; }
+        }
+        float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+        if (isinf(iscale)) iscale = 0.0f;
+        const __m512 is = _mm512_set1_ps(iscale);
+        for (int j = 0; j < QUANT_QK_K; j += 16) {
+            __m512i v = _mm512_setzero_si512();
+            if (iscale != 0.0f)
+                v = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(is, _mm512_loadu_ps(xb + j)), magic)), mant), bias);
+            v = _mm512_min_epi32(v, _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK_K + j), _mm512_cvtepi32_epi8(v));
+            /* the bsum adds the stored int8 values */
+            bs[b * 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+        }
+        dd[b] = iscale != 0.0f ? 1.0f / iscale : 0.0f;
+    }
+}
+
+/* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (the integer steps of
+ * quant_f32_to_bf16), 16 at a time; the tail goes through the scalar conversions. */
+static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const float *x, int64_t n, float *f) {
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        if (wtype == GGUF_TYPE_F16) {
+            v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+            r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));   /* quiet NaN */
+            v = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+        _mm512_storeu_ps(f + i, v);
+    }
+    for (; i < n; i++)
+        f[i] = wtype == GGUF_TYPE_F16 ? quant_f16_to_f32(quant_f32_to_f16(x[i])) : quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
 }
 
 /* One row with nc columns in passes of QUANT_NCOL; each pass size is a constant so the column
@@ -1824,6 +1897,26 @@ static void quant_init(void) {
         level = want;
     }
     quant_set_level(level);
+}
+
+/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
+ * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
+static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
+    float *f = act;
+    const int simd = quant_level == QUANT_LEVEL_AVX512;
+    switch (quant_act_kind(wtype)) {
+    case QUANT_ACT_Q8: (simd ? quant_act_q8_avx512 : quant_act_q8)(x, n, act); return;
+    case QUANT_ACT_Q8K: (simd ? quant_act_q8k_avx512 : quant_act_q8k)(x, n, act); return;
+    default: break;
+    }
+    if (simd && wtype != GGUF_TYPE_F32)
+        quant_act_round_avx512(wtype, x, n, f);
+    else if (wtype == GGUF_TYPE_F16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_f16_to_f32(quant_f32_to_f16(x[i]));
+    else if (wtype == GGUF_TYPE_BF16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
+    else
+        memcpy(f, x, (size_t)n * 4);
 }
 
 /* Dot of one weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n),

@@ -394,6 +394,36 @@ static void test_act(void) {
           "Q8 act: amax/127 scale fp16-rounded, block sums", "q5 %d d %g s %d/%d", q.qs[5], q.d[0], q.s[0], sum);
 }
 
+/* quant_act_prepare gives the same bytes at every level, extremes included (the SIMD
+ * preparations must find the same scale, signed max and rounding as the scalar ones). */
+static void test_act_levels(void) {
+    static const enum gguf_type kinds[] = { GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_K, GGUF_TYPE_F16, GGUF_TYPE_BF16 };
+    const int64_t n = 4096;
+    float *x = plat_alloc(sizeof(float) * n);
+    uint8_t *ref = plat_alloc_aligned(quant_act_bytes(GGUF_TYPE_F32, n)), *got = plat_alloc_aligned(quant_act_bytes(GGUF_TYPE_F32, n));
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        int bad = 0;
+        for (int xm = X_RANDOM; xm <= X_NEGZERO + 2 && !bad; xm++) {
+            fill_x(x, n, xm <= X_NEGZERO ? (enum xmode)xm : X_RANDOM);
+            if (xm == X_NEGZERO + 1)   /* ties: equal magnitudes of both signs, the negative first */
+                for (int64_t i = 0; i < n; i++) x[i] = (i % 3 ? 0.5f : -1.0f) * (i % 2 ? 1.0f : -1.0f);
+            if (xm == X_NEGZERO + 2) { x[3] = INFINITY; x[300] = NAN; x[700] = -INFINITY; x[1000] = 1e-38f; }
+            size_t bytes = quant_act_bytes(kinds[k], n);
+            quant_set_level(QUANT_LEVEL_SCALAR);
+            quant_act_prepare(kinds[k], x, n, ref);
+            for (int l = QUANT_LEVEL_AVX2; l <= max_level && !bad; l++) {
+                quant_set_level(l);
+                quant_act_prepare(kinds[k], x, n, got);
+                bad = memcmp(ref, got, bytes) ? xm + 1 : 0;
+            }
+        }
+        char name[96];
+        snprintf(name, sizeof name, "act for %s identical at every level", gguf_type_get(kinds[k])->name);
+        check(!bad, name, "x mode %d differs", bad - 1);
+    }
+    free(x); free(ref); free(got);
+}
+
 /* ---- ops_matvec / ops_matmat ---- */
 static void test_ops(void) {
     quant_set_level(max_level);
@@ -498,6 +528,7 @@ int main(int argc, char **argv) {
     test_levels();
     test_conversions();
     test_act();
+    test_act_levels();
     test_golden(golden);
     test_simd_vs_scalar();
     test_scalar_vs_double();
