@@ -893,6 +893,15 @@ static void quant_k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* All 8 scales (byte j of *sc) and mins (byte j of *m) of quant_k4_scale_min at once, with
+ * 32-bit word operations. */
+static inline void quant_k4_unpack(const uint8_t *q, uint64_t *sc, uint64_t *m) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    *sc = (u[0] & 0x3f3f3f3f) | (uint64_t)((u[2] & 0x0f0f0f0f) | ((u[0] >> 6 & 0x03030303) << 4)) << 32;
+    *m = (u[1] & 0x3f3f3f3f) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0f) | ((u[1] >> 6 & 0x03030303) << 4)) << 32;
+}
+
 /* Q4_K (qh == NULL) and Q5_K super-block: y = d1*q - m1, as ggml. */
 static void quant_dequant_q45k(const uint8_t *b, int five, float *y) {
     float d = quant_f16_to_f32(quant_rd16(b)), dmin = quant_f16_to_f32(quant_rd16(b + 2));
@@ -1153,16 +1162,10 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
     return sumi;
 }
 
-typedef int32_t (*quant_q45k_isum_fn)(const uint8_t *b, const int8_t *qx, const int *sc, int five);
-typedef int32_t (*quant_q6k_isum_fn)(const uint8_t *b, const int8_t *qx);
-
-/* Dot of a K-quant row with a Q8_K act in canonical order; the integer part of each super-block
- * comes from the given level's isum function, the float combine is fixed here:
+/* Dot of a K-quant row with a Q8_K act in canonical order; every level keeps this float combine:
  *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
  *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
-static inline __attribute__((always_inline)) float
-quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n, quant_q45k_isum_fn f45,
-            quant_q6k_isum_fn f6) {
+static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
     float p[QUANT_NPART] = {0};
@@ -1172,7 +1175,7 @@ quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n, quan
         const int16_t *bs = a.bsums + u * 16;
         float r, dx = a.d[u];
         if (t == GGUF_TYPE_Q6_K) {
-            r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)f6(b, qx);
+            r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)quant_q6k_isum_scalar(b, qx);
         } else {
             int sc[8], m[8];
             int32_t summ = 0;
@@ -1180,7 +1183,7 @@ quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n, quan
                 quant_k4_scale_min(j, b + 4, &sc[j], &m[j]);
                 summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
             }
-            int32_t sumi = f45(b, qx, sc, t == GGUF_TYPE_Q5_K);
+            int32_t sumi = quant_q45k_isum_scalar(b, qx, sc, t == GGUF_TYPE_Q5_K);
             float d = quant_f16_to_f32(quant_rd16(b)), dmin = quant_f16_to_f32(quant_rd16(b + 2));
             r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
         }
@@ -1211,9 +1214,9 @@ QUANT_SCALAR_WRAP(quant_dot_q4_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_0,
 QUANT_SCALAR_WRAP(quant_dot_q4_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_1, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q5_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_0, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q5_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_1, w, act, n))
-QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_scalar, NULL))
-QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_scalar, NULL))
-QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_scalar))
+QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n))
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -1350,8 +1353,9 @@ QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, con
     return quant_reduce32(p);
 }
 
-/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x, scales applied with madd on the int16 products. */
-static QUANT_AVX2 int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
+/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x (sc_j = byte j of sc), scales applied with madd on
+ * the int16 products. */
+QUANT_AVX2_INLINE int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
@@ -1367,18 +1371,18 @@ static QUANT_AVX2 int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
         }
         __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
         __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * j])));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * j + 1])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)(sc >> 16 * j & 0xff))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)(sc >> (16 * j + 8) & 0xff))));
     }
     return quant_avx2_hsum_i32(acc);
 }
 
-/* Q6_K integer part: Σ_j sc_j * Σ (q-32)*x = Σ_j sc_j * Σ q*x - 32 * Σ_j sc_j * Σx, the last
- * from the activation's bsums (recomputed here from qx to keep the signature small). */
-static QUANT_AVX2 int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
+/* Q6_K integer part before the offset: Σ_j sc_j * Σ q*x with q unsigned (0..63); the caller
+ * subtracts 32 * Σ_j sc_j * bsum_j. */
+QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
     const int8_t *sc = (const int8_t *)(b + 192);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
-    __m256i acc = _mm256_setzero_si256(), accx = _mm256_setzero_si256();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
     for (int c = 0; c < 2; c++) {
         const uint8_t *ql = b + 64 * c, *qhp = b + 128 + 32 * c;
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -1392,10 +1396,42 @@ static QUANT_AVX2 int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
             __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * c + 2 * k + 1]), _mm_set1_epi16(sc[8 * c + 2 * k]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
-            accx = _mm256_add_epi32(accx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), s));
         }
     }
-    return quant_avx2_hsum_i32(acc) - 32 * quant_avx2_hsum_i32(accx);
+    return quant_avx2_hsum_i32(acc);
+}
+
+/* K-quant row dot: integer parts in SIMD, the float steps of quant_dot_k; no scalar helper is
+ * called (an SSE call from here pays AVX-SSE transitions: it made Q6_K 4x slower). */
+QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
+    struct quant_q8k_view a = quant_q8k_view(act, n);
+    const int bb = gguf_type_get(t)->block_bytes;
+    float p[QUANT_NPART];
+    memset(p, 0, sizeof p);
+    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
+        const uint8_t *b = w + u * bb;
+        const int8_t *qx = a.qs + u * QUANT_QK_K;
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a.bsums + u * 16));
+        const float dx = a.d[u];
+        float r;
+        if (t == GGUF_TYPE_Q6_K) {
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            int32_t isum = quant_q6k_isum_avx2(b, qx) - 32 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, sc));
+            r = (_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(b + 208)))) * dx) * (float)isum;
+        } else {
+            uint64_t sc, mn;
+            quant_k4_unpack(b + 4, &sc, &mn);
+            __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+            __m256i md = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+            int32_t summ = quant_avx2_hsum_i32(_mm256_madd_epi16(bs, md));
+            int32_t sumi = quant_q45k_isum_avx2(b, qx, sc, t == GGUF_TYPE_Q5_K);
+            __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(quant_rd16(b) | (uint32_t)quant_rd16(b + 2) << 16)));
+            float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+            r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
+        }
+        p[u % QUANT_NPART] = p[u % QUANT_NPART] + r;
+    }
+    return quant_avx2_reduce(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
 }
 
 #define QUANT_AVX2_WRAP(name, body) \
@@ -1408,9 +1444,9 @@ QUANT_AVX2_WRAP(quant_dot_q4_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_0, w, act, n
 QUANT_AVX2_WRAP(quant_dot_q4_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_1, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_0, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_1, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_avx2, NULL))
-QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_avx2, NULL))
-QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_avx2))
+QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_avx2_k(GGUF_TYPE_Q4_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_avx2_k(GGUF_TYPE_Q5_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_avx2_k(GGUF_TYPE_Q6_K, w, act, n))
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
@@ -1583,11 +1619,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
 }
 
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, struct quant_avx512_kblock *k) {
-    /* the 12 scale bytes hold 8 6-bit scales and mins (see quant_k4_scale_min), 4 per word */
-    uint32_t u[3];
-    memcpy(u, b + 4, 12);
-    uint64_t sc = (u[0] & 0x3f3f3f3f) | (uint64_t)((u[2] & 0x0f0f0f0f) | ((u[0] >> 6 & 0x03030303) << 4)) << 32;
-    uint64_t mn = (u[1] & 0x3f3f3f3f) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0f) | ((u[1] >> 6 & 0x03030303) << 4)) << 32;
+    uint64_t sc, mn;
+    quant_k4_unpack(b + 4, &sc, &mn);
     __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
     k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
