@@ -795,14 +795,17 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
 /* ==== §3 quant ==== */
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
  *   Q6_K), fp16/bf16 conversion, activation quantisation and the row·vector dot kernels with
- *   their per-CPU dispatch table (scalar, AVX2, AVX-512).
+ *   their per-CPU dispatch table (scalar, AVX2, AVX-512 with VNNI).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
+ *   quant_dotn (one row, many columns) and quant_act_prepare give the same bits at every level.
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
- * Workload: decode bound to memory bandwidth; one activation prepare per vector (scalar, cheap),
- *   then one quant_dot per weight row, called concurrently from OpenMP threads (the kernels are
- *   pure; only quant_init/quant_set_level write globals, before any parallel region). */
+ * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
+ *   per element), then one quant_dotn per weight row, called concurrently from OpenMP threads
+ *   (the kernels are pure; only quant_init/quant_set_level write globals, before any parallel
+ *   region). AVX-512, one core, 4096-column rows in L2: Q4_0 ~10 weight bytes per TSC cycle,
+ *   Q8_0 ~19, Q4_K ~7.5, Q6_K ~11; with 64 columns per weight row 1.5-2x that per column. */
 
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_COUNT };
 
@@ -811,8 +814,12 @@ enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUA
 #define QUANT_QK_K 256   /* elements per K super-block */
 
 typedef float (*quant_dot_fn)(const void *wrow, const void *act, int64_t n);
+/* y[c*ys] = dot of wrow with the act at acts + c*stride, for c < nc. */
+typedef void (*quant_dotn_fn)(const void *wrow, const uint8_t *acts, size_t stride, int nc,
+                              int64_t n, float *y, size_t ys);
 
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
+static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
 static int quant_level;
 
 static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -906,6 +913,15 @@ static void quant_k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* All 8 scales (byte j of *sc) and mins (byte j of *m) of quant_k4_scale_min at once, with
+ * 32-bit word operations. */
+static inline void quant_k4_unpack(const uint8_t *q, uint64_t *sc, uint64_t *m) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    *sc = (u[0] & 0x3f3f3f3f) | (uint64_t)((u[2] & 0x0f0f0f0f) | ((u[0] >> 6 & 0x03030303) << 4)) << 32;
+    *m = (u[1] & 0x3f3f3f3f) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0f) | ((u[1] >> 6 & 0x03030303) << 4)) << 32;
 }
 
 /* Q4_K (qh == NULL) and Q5_K super-block: y = d1*q - m1, as ggml. */
@@ -1073,23 +1089,6 @@ static void quant_act_q8k(const float *x, int64_t n, void *act) {
     }
 }
 
-/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
- * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
-static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
-    float *f = act;
-    switch (quant_act_kind(wtype)) {
-    case QUANT_ACT_Q8: quant_act_q8(x, n, act); return;
-    case QUANT_ACT_Q8K: quant_act_q8k(x, n, act); return;
-    default: break;
-    }
-    if (wtype == GGUF_TYPE_F16)
-        for (int64_t i = 0; i < n; i++) f[i] = quant_f16_to_f32(quant_f32_to_f16(x[i]));
-    else if (wtype == GGUF_TYPE_BF16)
-        for (int64_t i = 0; i < n; i++) f[i] = quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
-    else
-        memcpy(f, x, (size_t)n * 4);
-}
-
 /* ---- scalar dot kernels: the canonical reference ---- */
 
 /* Butterfly over the 32 partials: s = 16,8,4,2,1, p[i] += p[i+s]. */
@@ -1185,15 +1184,10 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
     return sumi;
 }
 
-typedef int32_t (*quant_q45k_isum_fn)(const uint8_t *b, const int8_t *qx, const int *sc, int five);
-typedef int32_t (*quant_q6k_isum_fn)(const uint8_t *b, const int8_t *qx);
-
-/* Dot of a K-quant row with a Q8_K act in canonical order; the integer part of each super-block
- * comes from the given level's isum function, the float combine is fixed here:
+/* Dot of a K-quant row with a Q8_K act in canonical order; every level keeps this float combine:
  *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
  *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
-static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n,
-                         quant_q45k_isum_fn f45, quant_q6k_isum_fn f6) {
+static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
     float p[QUANT_NPART] = {0};
@@ -1203,7 +1197,7 @@ static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, in
         const int16_t *bs = a.bsums + u * 16;
         float r, dx = a.d[u];
         if (t == GGUF_TYPE_Q6_K) {
-            r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)f6(b, qx);
+            r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)quant_q6k_isum_scalar(b, qx);
         } else {
             int sc[8], m[8];
             int32_t summ = 0;
@@ -1211,7 +1205,7 @@ static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, in
                 quant_k4_scale_min(j, b + 4, &sc[j], &m[j]);
                 summ += m[j] * (bs[2 * j] + bs[2 * j + 1]);
             }
-            int32_t sumi = f45(b, qx, sc, t == GGUF_TYPE_Q5_K);
+            int32_t sumi = quant_q45k_isum_scalar(b, qx, sc, t == GGUF_TYPE_Q5_K);
             float d = quant_f16_to_f32(quant_rd16(b)), dmin = quant_f16_to_f32(quant_rd16(b + 2));
             r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
         }
@@ -1242,9 +1236,9 @@ QUANT_SCALAR_WRAP(quant_dot_q4_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_0,
 QUANT_SCALAR_WRAP(quant_dot_q4_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q4_1, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q5_0_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_0, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q5_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_1, w, act, n))
-QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_scalar, NULL))
-QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_scalar, NULL))
-QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_scalar))
+QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n))
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -1381,8 +1375,9 @@ QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, con
     return quant_reduce32(p);
 }
 
-/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x, scales applied with madd on the int16 products. */
-static QUANT_AVX2 int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
+/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x (sc_j = byte j of sc), scales applied with madd on
+ * the int16 products. */
+QUANT_AVX2_INLINE int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
@@ -1398,18 +1393,18 @@ static QUANT_AVX2 int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
         }
         __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
         __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * j])));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * j + 1])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)(sc >> 16 * j & 0xff))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)(sc >> (16 * j + 8) & 0xff))));
     }
     return quant_avx2_hsum_i32(acc);
 }
 
-/* Q6_K integer part: Σ_j sc_j * Σ (q-32)*x = Σ_j sc_j * Σ q*x - 32 * Σ_j sc_j * Σx, the last
- * from the activation's bsums (recomputed here from qx to keep the signature small). */
-static QUANT_AVX2 int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
+/* Q6_K integer part before the offset: Σ_j sc_j * Σ q*x with q unsigned (0..63); the caller
+ * subtracts 32 * Σ_j sc_j * bsum_j. */
+QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
     const int8_t *sc = (const int8_t *)(b + 192);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
-    __m256i acc = _mm256_setzero_si256(), accx = _mm256_setzero_si256();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
     for (int c = 0; c < 2; c++) {
         const uint8_t *ql = b + 64 * c, *qhp = b + 128 + 32 * c;
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -1423,10 +1418,42 @@ static QUANT_AVX2 int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
             __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * c + 2 * k + 1]), _mm_set1_epi16(sc[8 * c + 2 * k]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
-            accx = _mm256_add_epi32(accx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), s));
         }
     }
-    return quant_avx2_hsum_i32(acc) - 32 * quant_avx2_hsum_i32(accx);
+    return quant_avx2_hsum_i32(acc);
+}
+
+/* K-quant row dot: integer parts in SIMD, the float steps of quant_dot_k; no scalar helper is
+ * called (an SSE call from here pays AVX-SSE transitions: it made Q6_K 4x slower). */
+QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
+    struct quant_q8k_view a = quant_q8k_view(act, n);
+    const int bb = gguf_type_get(t)->block_bytes;
+    float p[QUANT_NPART];
+    memset(p, 0, sizeof p);
+    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
+        const uint8_t *b = w + u * bb;
+        const int8_t *qx = a.qs + u * QUANT_QK_K;
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a.bsums + u * 16));
+        const float dx = a.d[u];
+        float r;
+        if (t == GGUF_TYPE_Q6_K) {
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            int32_t isum = quant_q6k_isum_avx2(b, qx) - 32 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, sc));
+            r = (_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(b + 208)))) * dx) * (float)isum;
+        } else {
+            uint64_t sc, mn;
+            quant_k4_unpack(b + 4, &sc, &mn);
+            __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+            __m256i md = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+            int32_t summ = quant_avx2_hsum_i32(_mm256_madd_epi16(bs, md));
+            int32_t sumi = quant_q45k_isum_avx2(b, qx, sc, t == GGUF_TYPE_Q5_K);
+            __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(quant_rd16(b) | (uint32_t)quant_rd16(b + 2) << 16)));
+            float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+            r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
+        }
+        p[u % QUANT_NPART] = p[u % QUANT_NPART] + r;
+    }
+    return quant_avx2_reduce(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
 }
 
 #define QUANT_AVX2_WRAP(name, body) \
@@ -1439,15 +1466,37 @@ QUANT_AVX2_WRAP(quant_dot_q4_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_0, w, act, n
 QUANT_AVX2_WRAP(quant_dot_q4_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_1, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_0, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_1, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n, quant_q45k_isum_avx2, NULL))
-QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n, quant_q45k_isum_avx2, NULL))
-QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n, NULL, quant_q6k_isum_avx2))
+QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_avx2_k(GGUF_TYPE_Q4_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_avx2_k(GGUF_TYPE_Q5_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_avx2_k(GGUF_TYPE_Q6_K, w, act, n))
 
-/* ---- AVX-512 kernels (float formats; the block formats reuse AVX2: they are bound by memory
- * bandwidth, not by the integer work, see NOTES.md) ---- */
+/* ---- AVX-512 kernels (VNNI): same units, same float steps ----
+ * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
+ * once and applied to up to QUANT_NCOL activation columns, every column going through exactly
+ * the single-column steps, so matmat gives matvec's bits. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* Software prefetch distance of the AVX-512 kernels, in weight bytes. Large matrices (1.5 GiB,
+ * 2 threads, read bandwidth ~30 GB/s), GB/s Q4_0/Q8_0/Q4_K: no prefetch 18.5/22/16.5, the next
+ * row at each row start 15/22/15, 1 KiB ahead in the block loops 24/26.5/22.5, 2 KiB 21.5/22/21. */
+#define QUANT_PREFETCH 1024
+
+/* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and
+ * 4 x 2 float accumulators, which with the decoded weights fills the 32 zmm registers. */
+#define QUANT_NCOL 4
+
+/* Canonical butterfly on two accumulators holding partials 0-15 and 16-31. */
+QUANT_AVX512_INLINE float quant_avx512_reduce(__m512 a0, __m512 a1) {
+    a0 = _mm512_add_ps(a0, a1);                                                   /* s = 16 */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1))); /* 8 */
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));      /* 4 */
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
 
 /* 16 weights of a float format as f32 (exact conversions). */
 QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t *w) {
@@ -1457,52 +1506,426 @@ QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Float row dot: accumulators hold partials 0-15 and 16-31; butterfly s=16 adds them, s=8
- * adds the 256-bit halves, then the AVX2 steps finish. */
-QUANT_AVX512_INLINE float quant_avx512_float(enum gguf_type t, const uint8_t *w, const float *x, int64_t n) {
+/* Float row dot with NC columns: accumulators hold partials 0-15 and 16-31. */
+QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
+                                            size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
     const int64_t n32 = n & ~(int64_t)31;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 acc[QUANT_NCOL][2];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n32; i += 32) {
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(quant_avx512_load_w16(t, w + i * es), _mm512_load_ps(x + i)));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(quant_avx512_load_w16(t, w + (i + 16) * es), _mm512_load_ps(x + i + 16)));
+        for (int q = 0; q < 32 * es; q += 64) _mm_prefetch((const char *)w + i * es + QUANT_PREFETCH + q, _MM_HINT_T0);
+        __m512 w0 = quant_avx512_load_w16(t, w + i * es), w1 = quant_avx512_load_w16(t, w + (i + 16) * es);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const float *x = (const float *)(acts + (size_t)c * stride);
+            acc[c][0] = _mm512_add_ps(acc[c][0], _mm512_mul_ps(w0, _mm512_load_ps(x + i)));
+            acc[c][1] = _mm512_add_ps(acc[c][1], _mm512_mul_ps(w1, _mm512_load_ps(x + i + 16)));
+        }
     }
-    if (n32 == n) {
-        a0 = _mm512_add_ps(a0, a1);                                               /* s = 16 */
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a0), 1))); /* 8 */
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));      /* 4 */
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        return _mm_cvtss_f32(v);
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        if (n32 == n) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
+        float p[QUANT_NPART];
+        _mm512_storeu_ps(p, acc[c][0]);
+        _mm512_storeu_ps(p + 16, acc[c][1]);
+        quant_float_units(t, w, (const float *)(acts + (size_t)c * stride), n32, n, p);
+        y[c * ys] = quant_reduce32(p);
     }
-    float p[QUANT_NPART];
-    _mm512_storeu_ps(p, a0);
-    _mm512_storeu_ps(p + 16, a1);
-    quant_float_units(t, w, x, n32, n, p);
-    return quant_reduce32(p);
 }
 
-#define QUANT_AVX512_WRAP(name, body) \
-    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) { return body; }
-QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float(GGUF_TYPE_F32, w, act, n))
-QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float(GGUF_TYPE_F16, w, act, n))
-QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float(GGUF_TYPE_BF16, w, act, n))
+/* Unsigned quants of the 4 legacy blocks at b, one 128-bit lane per block: *lo holds elements
+ * 0-15, *hi elements 16-31. Q8_0 is offset by 128 (the caller subtracts 128 * Σx, as it
+ * subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every format. */
+QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb,
+                                                  __m512i *lo, __m512i *hi) {
+    if (t == GGUF_TYPE_Q8_0) {
+        __m512i p0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(b + bb + 2)), 1);
+        __m512i p1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2 * bb + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(b + 3 * bb + 2)), 1);
+        const __m512i s = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(p0, p1, _MM_SHUFFLE(2, 0, 2, 0)), s);
+        *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(p0, p1, _MM_SHUFFLE(3, 1, 3, 1)), s);
+        return;
+    }
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1, qo = 2 + 2 * has_min + 4 * five;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (five) {
+        /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
+        uint64_t ml = 0, mh = 0;
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            uint32_t qh;
+            memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
+            ml |= (uint64_t)(qh & 0xffff) << 16 * k;
+            mh |= (uint64_t)(qh >> 16) << 16 * k;
+        }
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+        l = _mm512_mask_add_epi8(l, ml, l, b4);
+        h = _mm512_mask_add_epi8(h, mh, h, b4);
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Lane u = sum of the 4 int32 of block u, where q[j] holds blocks 4j..4j+3 in its 128-bit lanes
+ * (two unpack rounds leave block 4j+k in lane 4k+j; the permute undoes that). */
+QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(q[0], q[1]), _mm512_unpackhi_epi32(q[0], q[1]));
+    __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(q[2], q[3]), _mm512_unpackhi_epi32(q[2], q[3]));
+    __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
+}
+
+/* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
+QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
+    __m512i q[4];
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
+        __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+        __m512i xh = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+        q[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[k], xl), wh[k], xh);
+    }
+    return quant_avx512_quad_sums(q);
+}
+
+/* Legacy dot of one row with NC columns (acts at `stride`, results y[c*ys]): groups of 16
+ * blocks give one vector of unit results added to accumulator (g % 2), i.e. partials b % 32;
+ * a tail of < 16 blocks goes through the scalar units. */
+QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
+                                             size_t stride, int64_t n, float *y, size_t ys, int NC) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : t == GGUF_TYPE_Q8_0 ? 7 : 0;
+    const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
+    struct quant_q8_view a[QUANT_NCOL];
+    __m512 acc[QUANT_NCOL][2];
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8_view(acts + (size_t)c * stride, n);
+        acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    }
+    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(bb));
+    for (int64_t b = 0; b < nb16; b += 16) {
+        const uint8_t *wb = w + b * bb;
+        for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
+        __m512i wl[4], wh[4];
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
+        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
+        __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
+            if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
+            __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(a[c].d + b)), _mm512_cvtepi32_ps(isum));
+            if (has_min) r = _mm512_add_ps(r, _mm512_mul_ps(mw, _mm512_loadu_ps(a[c].sd + b)));
+            acc[c][(b / 16) & 1] = _mm512_add_ps(acc[c][(b / 16) & 1], r);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
+        float p[QUANT_NPART];
+        _mm512_storeu_ps(p, acc[c][0]);
+        _mm512_storeu_ps(p + 16, acc[c][1]);
+        quant_legacy_units(t, w, a[c], nb16, nb, p);
+        y[c * ys] = quant_reduce32(p);
+    }
+}
+
+/* A K super-block decoded for the column loop: q[k] holds the unsigned quants of elements
+ * 64k..64k+63, sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's
+ * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset). */
+struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; };
+
+/* Word index vector: word i takes entry base + i / per of the source. */
+QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
+    int16_t ix[32];
+    for (int i = 0; i < 32; i++) ix[i] = (int16_t)(base + i / per);
+    return _mm512_loadu_si512(ix);
+}
+
+QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, struct quant_avx512_kblock *k) {
+    uint64_t sc, mn;
+    quant_k4_unpack(b + 4, &sc, &mn);
+    __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+    k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    const uint8_t *ql = b + 16 + 32 * five;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    #pragma GCC unroll 4
+    for (int h = 0; h < 2; h++) {
+        /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
+        __m512i l = _mm512_loadu_si512(ql + 64 * h);
+        __m512i a0 = _mm512_and_si512(l, m4), a1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
+        k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
+        k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
+        if (five) {
+            /* bit s of qh[l] is the fifth bit of element l of sub-block s */
+            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * j)), _mm256_set1_epi8((char)(2 << 2 * j)), 1);
+            k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(qh, bit), k->q[j], _mm512_set1_epi8(0x10));
+        }
+    }
+}
+
+QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
+    const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    #pragma GCC unroll 4
+    for (int c = 0; c < 2; c++) {
+        __m512i l = _mm512_loadu_si512(b + 64 * c);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c)));
+        __m512i hl = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30), hh = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
+        k->q[2 * c] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
+        k->q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
+    k->m = sc;
+}
+
+/* One column's integer sums for a decoded super-block, each folded to 4 lanes: *s of Σ sc*q*x,
+ * *m of the bsums times k->m. */
+QUANT_AVX512_INLINE void quant_avx512_kdot(const struct quant_avx512_kblock *k, const int8_t *qx,
+                                           const int16_t *bs, __m128i *s, __m128i *m) {
+    __m512i acc = _mm512_setzero_si512();
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], _mm512_load_si512(qx + 64 * j)), k->sc[j]);
+    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    __m256i m8 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
+    *s = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
+    *m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+}
+
+/* Lane i = sum of the 4 lanes of v[i] (exact). */
+QUANT_AVX512_INLINE __m128i quant_avx512_hsum4x4(const __m128i *v) {
+    __m128i a = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
+    __m128i b = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b));
+}
+
+/* fp16 at byte `off` of g <= 4 blocks of bb bytes from b, and the fp16 two bytes on, as floats
+ * (lanes >= g are zero). */
+QUANT_AVX512_INLINE void quant_avx512_kscales(const uint8_t *b, int bb, int off, int g, __m128 *d, __m128 *dm) {
+    uint32_t v[4] = { 0, 0, 0, 0 };
+    #pragma GCC unroll 4
+    for (int i = 0; i < g; i++) memcpy(&v[i], b + i * bb + off, off == 208 ? 2 : 4);
+    __m128i x = _mm_loadu_si128((const __m128i *)v);
+    *d = _mm_cvtph_ps(_mm_packus_epi32(_mm_and_si128(x, _mm_set1_epi32(0xffff)), x));
+    *dm = _mm_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(x, 16), x));
+}
+
+/* K-quant dot of one row with NC columns. Units go in groups of 4 so that the horizontal sums
+ * and the float steps of quant_dot_k run on 4 lanes; unit u -> partial u % 32 of each column. */
+QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
+                                        size_t stride, int64_t n, float *y, size_t ys, int NC) {
+    const int bb = gguf_type_get(t)->block_bytes, six = t == GGUF_TYPE_Q6_K;
+    const int64_t nu = n / QUANT_QK_K;
+    struct quant_q8k_view a[QUANT_NCOL];
+    float p[QUANT_NCOL][QUANT_NPART];
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
+        memset(p[c], 0, sizeof p[c]);
+    }
+    for (int64_t u = 0; u < nu; u += 4) {
+        const int g = nu - u < 4 ? (int)(nu - u) : 4;
+        const __mmask8 live = (__mmask8)((1u << g) - 1);
+        __m128i s[QUANT_NCOL][4], m[QUANT_NCOL][4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *b = w + (u + i) * bb;
+            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
+            struct quant_avx512_kblock k;
+            if (i >= g) {
+                #pragma GCC unroll 4
+                for (int c = 0; c < NC; c++) s[c][i] = m[c][i] = _mm_setzero_si128();
+                continue;
+            }
+            if (six) quant_avx512_q6k_decode(b, &k);
+            else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
+            #pragma GCC unroll 4
+            for (int c = 0; c < NC; c++)
+                quant_avx512_kdot(&k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &s[c][i], &m[c][i]);
+        }
+        __m128 d, dm;
+        quant_avx512_kscales(w + u * bb, bb, six ? 208 : 0, g, &d, &dm);
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            __m128i is = quant_avx512_hsum4x4(s[c]), ms = quant_avx512_hsum4x4(m[c]);
+            __m128 dx = _mm_maskz_loadu_ps(live, a[c].d + u), r;
+            if (six) r = _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(_mm_sub_epi32(is, _mm_slli_epi32(ms, 5))));
+            else r = _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(is)),
+                                _mm_mul_ps(_mm_mul_ps(dm, dx), _mm_cvtepi32_ps(ms)));
+            float *pp = p[c] + u % QUANT_NPART;
+            _mm_mask_storeu_ps(pp, live, _mm_add_ps(_mm_loadu_ps(pp), r));
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx512_reduce(_mm512_loadu_ps(p[c]), _mm512_loadu_ps(p[c] + 16));
+}
+
+/* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
+ * cost SSE/AVX transitions here: measured 4x slower). */
+QUANT_AVX512_INLINE float quant_avx512_f16_round(float f) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+/* Q8 activation (see quant_act_q8), 32 elements at a time; float steps as the scalar. */
+static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int32_t *ss = (int32_t *)(a + n + 4 * (n / QUANT_QK));
+    float *sd = (float *)(a + n + 8 * (n / QUANT_QK));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
+    for (int64_t b = 0; b < n / QUANT_QK; b++) {
+        __m512 x0 = _mm512_loadu_ps(x + b * QUANT_QK), x1 = _mm512_loadu_ps(x + b * QUANT_QK + 16);
+        /* max(v, acc) returns acc when v is NaN, as fmaxf skips it */
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float d = amax / 127.0f, d16 = quant_avx512_f16_round(d);
+        const __m512 id = _mm512_set1_ps(d16 != 0.0f ? 1.0f / d : 0.0f);
+        __m512i q0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x0, id), magic)), mant), bias);
+        __m512i q1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x1, id), magic)), mant), bias);
+        _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        dd[b] = d16;
+        ss[b] = sum;
+        sd[b] = quant_avx512_f16_round(d * (float)sum);
+    }
+}
+
+/* Q8_K activation (see quant_act_q8k): the signed max is the first element of largest
+ * magnitude, found by comparing with the maximum. */
+static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *act) {
+    uint8_t *a = act;
+    int8_t *qs = (int8_t *)a;
+    float *dd = (float *)(a + n);
+    int16_t *bs = (int16_t *)(a + n + 4 * (n / QUANT_QK_K));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
+    for (int64_t b = 0; b < n / QUANT_QK_K; b++) {
+        const float *xb = x + b * QUANT_QK_K;
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < QUANT_QK_K; j += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + j)), m);
+        const float amax = _mm512_reduce_max_ps(m);
+        float max = 0.0f;
+        for (int j = 0; amax != 0.0f && j < QUANT_QK_K; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (hit) { max = xb[j + __builtin_ctz(hit)]; break; }
+        }
+        float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+        if (isinf(iscale)) iscale = 0.0f;
+        const __m512 is = _mm512_set1_ps(iscale);
+        for (int j = 0; j < QUANT_QK_K; j += 16) {
+            __m512i v = _mm512_setzero_si512();
+            if (iscale != 0.0f)
+                v = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(is, _mm512_loadu_ps(xb + j)), magic)), mant), bias);
+            v = _mm512_min_epi32(v, _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK_K + j), _mm512_cvtepi32_epi8(v));
+            /* the bsum adds the stored int8 values */
+            bs[b * 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+        }
+        dd[b] = iscale != 0.0f ? 1.0f / iscale : 0.0f;
+    }
+}
+
+/* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (the integer steps of
+ * quant_f32_to_bf16), 16 at a time; the tail goes through the scalar conversions. */
+static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const float *x, int64_t n, float *f) {
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        if (wtype == GGUF_TYPE_F16) {
+            v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+            r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));   /* quiet NaN */
+            v = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+        _mm512_storeu_ps(f + i, v);
+    }
+    for (; i < n; i++)
+        f[i] = wtype == GGUF_TYPE_F16 ? quant_f16_to_f32(quant_f32_to_f16(x[i])) : quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
+}
+
+/* One row with nc columns in passes of QUANT_NCOL; each pass size is a constant so the column
+ * loops unroll and the accumulators stay in registers. */
+#define QUANT_AVX512_WRAP(name, kernel, type)                                                        \
+    static QUANT_AVX512 void name##n(const void *w, const uint8_t *acts, size_t stride, int nc,      \
+                                     int64_t n, float *y, size_t ys) {                               \
+        for (; nc >= QUANT_NCOL; nc -= QUANT_NCOL, acts += QUANT_NCOL * stride, y += QUANT_NCOL * ys) \
+            kernel(type, w, acts, stride, n, y, ys, QUANT_NCOL);                                     \
+        if (nc == 3) kernel(type, w, acts, stride, n, y, ys, 3);                                     \
+        if (nc == 2) kernel(type, w, acts, stride, n, y, ys, 2);                                     \
+        if (nc == 1) kernel(type, w, acts, stride, n, y, ys, 1);                                     \
+    }                                                                                                \
+    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) {                      \
+        float y;                                                                                     \
+        kernel(type, w, act, 0, n, &y, 0, 1);                                                        \
+        return y;                                                                                    \
+    }
+QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float, GGUF_TYPE_F32)
+QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float, GGUF_TYPE_F16)
+QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float, GGUF_TYPE_BF16)
+QUANT_AVX512_WRAP(quant_dot_q8_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q8_0)
+QUANT_AVX512_WRAP(quant_dot_q4_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q4_0)
+QUANT_AVX512_WRAP(quant_dot_q4_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q4_1)
+QUANT_AVX512_WRAP(quant_dot_q5_0_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_0)
+QUANT_AVX512_WRAP(quant_dot_q5_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_1)
+QUANT_AVX512_WRAP(quant_dot_q4_k_avx512, quant_avx512_k, GGUF_TYPE_Q4_K)
+QUANT_AVX512_WRAP(quant_dot_q5_k_avx512, quant_avx512_k, GGUF_TYPE_Q5_K)
+QUANT_AVX512_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
+
+
 
 /* ---- dispatch ---- */
 
-/* Kernels per level; NULL means "use the level below". */
-static const struct { enum gguf_type type; quant_dot_fn fn[QUANT_LEVEL_COUNT]; } quant_kernels[] = {
-    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 } },
-    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 } },
-    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, NULL } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, NULL } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, NULL } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, NULL } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, NULL } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, NULL } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, NULL } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, NULL } },
+/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column). */
+static const struct {
+    enum gguf_type type;
+    quant_dot_fn fn[QUANT_LEVEL_COUNT];
+    quant_dotn_fn fnn[QUANT_LEVEL_COUNT];
+} quant_kernels[] = {
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, NULL, quant_dot_q8_0_avx512n } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, NULL, quant_dot_q4_0_avx512n } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, NULL, quant_dot_q4_1_avx512n } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, NULL, quant_dot_q5_0_avx512n } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, NULL, quant_dot_q5_1_avx512n } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
@@ -1519,10 +1942,13 @@ static int quant_level_max(void) {
 static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
     memset(quant_dot_table, 0, sizeof quant_dot_table);
+    memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
         int l = level;
         while (!quant_kernels[i].fn[l]) l--;
         quant_dot_table[quant_kernels[i].type] = quant_kernels[i].fn[l];
+        for (l = level; l >= 0 && !quant_kernels[i].fnn[l]; l--) {}
+        quant_dotn_table[quant_kernels[i].type] = l >= 0 ? quant_kernels[i].fnn[l] : NULL;
     }
     quant_level = level;
 }
@@ -1546,17 +1972,47 @@ static void quant_init(void) {
     quant_set_level(level);
 }
 
+/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
+ * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
+static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
+    float *f = act;
+    const int simd = quant_level == QUANT_LEVEL_AVX512;
+    switch (quant_act_kind(wtype)) {
+    case QUANT_ACT_Q8: (simd ? quant_act_q8_avx512 : quant_act_q8)(x, n, act); return;
+    case QUANT_ACT_Q8K: (simd ? quant_act_q8k_avx512 : quant_act_q8k)(x, n, act); return;
+    default: break;
+    }
+    if (simd && wtype != GGUF_TYPE_F32)
+        quant_act_round_avx512(wtype, x, n, f);
+    else if (wtype == GGUF_TYPE_F16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_f16_to_f32(quant_f32_to_f16(x[i]));
+    else if (wtype == GGUF_TYPE_BF16)
+        for (int64_t i = 0; i < n; i++) f[i] = quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
+    else
+        memcpy(f, x, (size_t)n * 4);
+}
+
 /* Dot of one weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n),
  * in canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
 static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, int64_t n) {
     return quant_dot_table[wtype](wrow, act, n);
 }
 
+/* y[c*ys] = quant_dot(wtype, wrow, acts + c*stride, n) for c < nc, bit for bit; a multi-column
+ * kernel decodes each weight block once for all columns. Caller: as quant_dot, every act
+ * 64-byte aligned. */
+static void quant_dotn(enum gguf_type wtype, const void *wrow, const uint8_t *acts, size_t stride,
+                       int nc, int64_t n, float *y, size_t ys) {
+    if (quant_dotn_table[wtype]) { quant_dotn_table[wtype](wrow, acts, stride, nc, n, y, ys); return; }
+    for (int c = 0; c < nc; c++) y[(size_t)c * ys] = quant_dot(wtype, wrow, acts + (size_t)c * stride, n);
+}
+
 /* ==== §4 ops ==== */
 /* Owns: the tensor operations of the forward pass; this part: matrix-vector and matrix-matrix
  *   products over GGUF weight matrices, and the kernel benchmark.
- * Promises: y = W·x with each output computed by quant_dot in canonical order, so results never
- *   depend on the thread count, the row placement or matvec vs matmat.
+ * Promises: y = W·x with each output computed in quant_dot's canonical order (quant_dotn decodes
+ *   a row once for all columns), so results never depend on the thread count, the row
+ *   placement or matvec vs matmat.
  * May call: §3 quant, die, plat_alloc*, OpenMP.
  * Workload: the bulk of inference time; memory bound (every weight byte read once per token),
  *   parallel over row chunks. Called from one orchestrating thread only: the activation scratch
@@ -1595,26 +2051,16 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* Software prefetch of the row this many rows ahead: on this VM the hardware prefetcher alone
- * left the Q4_0 kernel at ~30 % of read bandwidth on matrices beyond the LLC (measured). */
-#define OPS_PREFETCH_ROWS 2
-
-static void ops_prefetch(const uint8_t *p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
-}
-
 /* y[j*rows + r] = row r · column j for j < n; acts holds n prepared columns of `stride` bytes. */
 static void ops_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n) {
     const int64_t nchunk = (w->rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
-    const quant_dot_fn dot = quant_dot_table[w->type];
     if (ops_offload && ops_offload(w, acts, stride, y, n)) return; /* §5 cuda: W resident on a device */
     #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunk; c++) {
         int64_t r1 = (c + 1) * OPS_ROW_CHUNK < w->rows ? (c + 1) * OPS_ROW_CHUNK : w->rows;
         for (int64_t r = c * OPS_ROW_CHUNK; r < r1; r++) {
             const uint8_t *wr = w->data + (size_t)r * w->row_bytes;
-            if (r + OPS_PREFETCH_ROWS < w->rows) ops_prefetch(wr + OPS_PREFETCH_ROWS * w->row_bytes, w->row_bytes);
-            for (int j = 0; j < n; j++) y[(size_t)j * w->rows + r] = dot(wr, acts + (size_t)j * stride, w->cols);
+            quant_dotn(w->type, wr, acts, stride, n, w->cols, y + r, (size_t)w->rows);
         }
     }
 }

@@ -394,6 +394,36 @@ static void test_act(void) {
           "Q8 act: amax/127 scale fp16-rounded, block sums", "q5 %d d %g s %d/%d", q.qs[5], q.d[0], q.s[0], sum);
 }
 
+/* quant_act_prepare gives the same bytes at every level, extremes included (the SIMD
+ * preparations must find the same scale, signed max and rounding as the scalar ones). */
+static void test_act_levels(void) {
+    static const enum gguf_type kinds[] = { GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_K, GGUF_TYPE_F16, GGUF_TYPE_BF16 };
+    const int64_t n = 4096;
+    float *x = plat_alloc(sizeof(float) * n);
+    uint8_t *ref = plat_alloc_aligned(quant_act_bytes(GGUF_TYPE_F32, n)), *got = plat_alloc_aligned(quant_act_bytes(GGUF_TYPE_F32, n));
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        int bad = 0;
+        for (int xm = X_RANDOM; xm <= X_NEGZERO + 2 && !bad; xm++) {
+            fill_x(x, n, xm <= X_NEGZERO ? (enum xmode)xm : X_RANDOM);
+            if (xm == X_NEGZERO + 1)   /* ties: equal magnitudes of both signs, the negative first */
+                for (int64_t i = 0; i < n; i++) x[i] = (i % 3 ? 0.5f : -1.0f) * (i % 2 ? 1.0f : -1.0f);
+            if (xm == X_NEGZERO + 2) { x[3] = INFINITY; x[300] = NAN; x[700] = -INFINITY; x[1000] = 1e-38f; }
+            size_t bytes = quant_act_bytes(kinds[k], n);
+            quant_set_level(QUANT_LEVEL_SCALAR);
+            quant_act_prepare(kinds[k], x, n, ref);
+            for (int l = QUANT_LEVEL_AVX2; l <= max_level && !bad; l++) {
+                quant_set_level(l);
+                quant_act_prepare(kinds[k], x, n, got);
+                bad = memcmp(ref, got, bytes) ? xm + 1 : 0;
+            }
+        }
+        char name[96];
+        snprintf(name, sizeof name, "act for %s identical at every level", gguf_type_get(kinds[k])->name);
+        check(!bad, name, "x mode %d differs", bad - 1);
+    }
+    free(x); free(ref); free(got);
+}
+
 /* ---- ops_matvec / ops_matmat ---- */
 static void test_ops(void) {
     quant_set_level(max_level);
@@ -434,6 +464,41 @@ static void test_ops(void) {
     }
 }
 
+/* Multi-column kernels: ops_matmat at the best level against the scalar dot of every column, for
+ * 1..64 columns (every pass split of QUANT_NCOL), an odd row count and rows with tails (legacy
+ * blocks not a multiple of 16, K units not a multiple of 4). */
+static void test_matmat_columns(void) {
+    const int rows = 19, maxc = 64;
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        const struct gguf_type_info *inf = gguf_type_get(t);
+        int64_t cols = inf->block_elems == 256 ? 1280 : inf->block_elems == 32 ? 1056 : 1000;
+        size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes), stride;
+        uint8_t *w = plat_alloc(rb * rows);
+        for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % 7 ? W_RANDOM : W_MAX);
+        struct ops_matrix m = { t, w, rows, cols, rb };
+        float *x = plat_alloc(sizeof(float) * cols * maxc), *y = plat_alloc(sizeof(float) * rows * maxc);
+        fill_x(x, cols * maxc, X_RANDOM);
+        stride = ops_act_stride(&m);
+        uint8_t *act = plat_alloc_aligned(stride * maxc);
+        for (int j = 0; j < maxc; j++) quant_act_prepare(t, x + j * cols, cols, act + j * stride);
+        int bad = 0, first = 0;
+        for (int nc = 1; nc <= maxc && !bad; nc++) {
+            quant_set_level(max_level);
+            ops_matmat(&m, x, y, nc);
+            for (int j = 0; j < nc && !bad; j++)
+                for (int r = 0; r < rows && !bad; r++) {
+                    float ref = dot_at(QUANT_LEVEL_SCALAR, t, w + r * rb, act + j * stride, cols);
+                    if (memcmp(&ref, &y[j * rows + r], 4)) { bad = 1; first = nc; }
+                }
+        }
+        char name[96];
+        snprintf(name, sizeof name, "%s matmat of 1..64 columns == scalar dot", inf->name);
+        check(!bad, name, "first wrong at %d columns", first);
+        free(w); free(x); free(y); free(act);
+    }
+}
+
 static void test_levels(void) {
     for (int l = 0; l <= max_level; l++) {
         quant_set_level(l);
@@ -463,10 +528,12 @@ int main(int argc, char **argv) {
     test_levels();
     test_conversions();
     test_act();
+    test_act_levels();
     test_golden(golden);
     test_simd_vs_scalar();
     test_scalar_vs_double();
     test_ops();
+    test_matmat_columns();
     free(ops_act_buf);
     printf("%d passed, %d failed\n", t_pass, t_fail);
     return t_fail ? 1 : 0;
