@@ -67,9 +67,9 @@ run_test() {
 run_tests() {
     build_coli
     local t
-    for t in test_quant test_gguf test_tok test_model; do build_test "$t"; done
+    for t in test_quant test_gguf test_tok test_model test_experts; do build_test "$t"; done
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_model; do
+    for t in test_quant test_gguf test_tok test_model test_experts; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
