@@ -1919,7 +1919,7 @@ struct expert_stats {
     uint64_t routed_seen[2];                   /* [phase]: routed experts where a guess was made */
     uint64_t bytes_read, reads, prefetches, warm_reads;
     double busy_s;   /* wall time with at least one read in flight */
-    double wait_s;   /* main thread blocked on reads */
+    double wait_s[2]; /* [phase]: main thread blocked on reads */
 };
 
 struct expert_store {
@@ -2448,7 +2448,7 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
         }
     int i = s->want_slot[k], e = s->want[k];
     for (; s->slots[i].state != EXPERT_READY; expert_check(s)) pthread_cond_wait(&s->done, &s->mu);
-    s->stats.wait_s += plat_now() - t0;
+    s->stats.wait_s[s->phase] += plat_now() - t0;
     s->want[k] = s->want[s->n_done];
     s->want_slot[k] = s->want_slot[s->n_done];
     s->n_done++;
@@ -3049,7 +3049,12 @@ static uint64_t model_fingerprint(const struct model *m)
         const struct model_layer *l = &m->layers[i];
         const struct expert_tensor *t[3] = {&l->gate_exps, &l->up_exps, &l->down_exps};
         for (int j = 0; j < 3; j++) {
-            uint64_t d[2] = {(uint64_t)t[j]->m.type, (uint64_t)(t[j]->m.data - m->file.parts[0].data)};
+            uint64_t d[3] = {(uint64_t)t[j]->m.type, 0, 0}; /* type, part, offset in the part */
+            for (int p = 0; p < m->file.n_parts; p++)
+                if (t[j]->m.data >= m->file.parts[p].data && t[j]->m.data < m->file.parts[p].data + m->file.parts[p].size) {
+                    d[1] = (uint64_t)p;
+                    d[2] = (uint64_t)(t[j]->m.data - m->file.parts[p].data);
+                }
             h = h * 31 + expert_fnv((const uint8_t *)d, sizeof d);
         }
         size_t n = l->router.row_bytes * (size_t)l->router.rows;
@@ -3503,6 +3508,7 @@ static void model_budget_experts(struct model *m, int64_t ram, const char *heat,
     const struct model_config *c = &m->cfg;
     if (c->n_expert == 0) return;
     uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
+    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
     int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx, state = 0, avail = plat_mem_available();
     for (int i = 0; i < c->n_layers; i++)
         if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(c) * 4;
@@ -4677,9 +4683,9 @@ static void cmd_print_expert_stats(struct expert_store *x)
              100 * cmd_ratio(st.hits[1], st.lookups[1]), (unsigned long long)st.lookups[1], 100 * cmd_ratio(st.inflight[1], st.lookups[1]),
              st.bytes_read / gib, (unsigned long long)st.reads, (unsigned long long)st.prefetches, (unsigned long long)st.warm_reads,
              cmd_ratio(st.bytes_read / 1e9, st.busy_s));
-    plat_log("[experts] prefetch guessed %.1f%% of routed experts (prompt %.1f%%), waited %.2f s for reads; peak RSS %.2f GiB",
+    plat_log("[experts] prefetch guessed %.1f%% of routed experts (prompt %.1f%%); waited for reads %.2f s (prompt %.2f s); peak RSS %.2f GiB",
              100 * cmd_ratio(st.predicted_used[1], st.routed_seen[1]), 100 * cmd_ratio(st.predicted_used[0], st.routed_seen[0]),
-             st.wait_s, cmd_peak_rss() / gib);
+             st.wait_s[1], st.wait_s[0], cmd_peak_rss() / gib);
 }
 
 static void cmd_print_stats(const struct cmd_session *s, const struct cmd_generation *g)
@@ -4704,9 +4710,9 @@ static void cmd_json_experts(FILE *f, struct expert_store *x)
     fprintf(f, ",\"bytes_read\":%llu,\"reads\":%llu,\"prefetches\":%llu,\"warm_reads\":%llu,\"disk_gb_s\":%.3f,\"read_busy_s\":%.3f",
             (unsigned long long)st.bytes_read, (unsigned long long)st.reads, (unsigned long long)st.prefetches,
             (unsigned long long)st.warm_reads, cmd_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);
-    fprintf(f, ",\"prefetch_accuracy_prompt\":%.4f,\"prefetch_accuracy_decode\":%.4f,\"wait_s\":%.3f,\"peak_rss_bytes\":%lld}",
-            cmd_ratio(st.predicted_used[0], st.routed_seen[0]), cmd_ratio(st.predicted_used[1], st.routed_seen[1]), st.wait_s,
-            (long long)cmd_peak_rss());
+    fprintf(f, ",\"prefetch_accuracy_prompt\":%.4f,\"prefetch_accuracy_decode\":%.4f,\"wait_prompt_s\":%.3f,\"wait_decode_s\":%.3f",
+            cmd_ratio(st.predicted_used[0], st.routed_seen[0]), cmd_ratio(st.predicted_used[1], st.routed_seen[1]), st.wait_s[0], st.wait_s[1]);
+    fprintf(f, ",\"peak_rss_bytes\":%lld}", (long long)cmd_peak_rss());
 }
 
 /* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the line stays valid JSON. */

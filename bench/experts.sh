@@ -29,11 +29,11 @@ field() { grep -o "\"$1\":[-0-9.e]*" <<<"$2" | head -n 1 | cut -d: -f2; }
 report() {
     local label=$1 json=$2 cg_peak=$3
     local e=${json#*\"experts\":}
-    printf '%-34s decode %6.2f tok/s  prompt %6.2f tok/s  hits prompt %5.1f%% decode %5.1f%%  read %6.2f GiB at %4.2f GB/s  prefetch %5.1f%%  wait %6.2f s  peak RSS %5.2f GiB  cgroup peak %s\n' \
+    printf '%-34s decode %6.2f tok/s  prompt %6.2f tok/s  hits prompt %5.1f%% decode %5.1f%%  read %6.2f GiB at %4.2f GB/s  prefetch %5.1f%%  decode waited %6.2f s  peak RSS %5.2f GiB  cgroup peak %s\n' \
         "$label" "$(field decode_tok_s "$json")" "$(field prompt_tok_s "$json")" \
         "$(awk "BEGIN{print 100*$(field hit_rate_prompt "$e")}")" "$(awk "BEGIN{print 100*$(field hit_rate_decode "$e")}")" \
         "$(awk "BEGIN{print $(field bytes_read "$e")/1073741824}")" "$(field disk_gb_s "$e")" \
-        "$(awk "BEGIN{print 100*$(field prefetch_accuracy_decode "$e")}")" "$(field wait_s "$e")" \
+        "$(awk "BEGIN{print 100*$(field prefetch_accuracy_decode "$e")}")" "$(field wait_decode_s "$e")" \
         "$(awk "BEGIN{print $(field peak_rss_bytes "$e")/1073741824}")" "$cg_peak"
 }
 
