@@ -2134,6 +2134,24 @@ static void *expert_reader(void *arg)
     return NULL;
 }
 
+/* Keeps the page cache free of expert bytes: drops what is cached of them (left by an earlier
+ * run, or read around a fault on a neighbouring trunk tensor: the disk reads ahead 8 MiB
+ * here), and at open (MAP) tells the kernel not to read ahead around them in the mapping,
+ * which the store never touches. */
+static void expert_forget_mapping(struct expert_store *s, int map)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    for (int l = 0; l < s->n_layers; l++)
+        for (int j = 0; j < 3; j++) {
+            const struct expert_source *src = &s->src[l][j];
+            size_t len = src->t.stride * (size_t)s->n_expert;
+            posix_fadvise(s->fds[src->part], (off_t)src->offset, (off_t)len, POSIX_FADV_DONTNEED);
+            uintptr_t a = ((uintptr_t)src->t.m.data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+            uintptr_t b = ((uintptr_t)src->t.m.data + len) & ~(uintptr_t)(page - 1);
+            if (map && b > a) madvise((void *)a, b - a, MADV_RANDOM);
+        }
+}
+
 /* Dies with the first failed read's message (main thread). Under mu. */
 static void expert_check(struct expert_store *s)
 {
@@ -2189,8 +2207,9 @@ static void expert_repin(struct expert_store *s)
 }
 
 /* Counts T more tokens: decays heat (half-life EXPERT_HEAT_HALF_LIFE tokens, applied every
- * 256 tokens, which costs one pass over n_layers * n_expert floats) and re-pins now and then. */
-static void expert_heat_tick(struct expert_store *s, int T)
+ * 256 tokens, which costs one pass over n_layers * n_expert floats) and re-pins now and then.
+ * Returns whether it re-pinned. */
+static int expert_heat_tick(struct expert_store *s, int T)
 {
     s->heat_tokens += T;
     s->decay_tokens += T;
@@ -2201,10 +2220,10 @@ static void expert_heat_tick(struct expert_store *s, int T)
         s->heat_tokens *= f;
         s->decay_tokens = 0;
     }
-    if (!s->mapped && s->repin_tokens >= EXPERT_REPIN_TOKENS) {
-        expert_repin(s);
-        s->repin_tokens = 0;
-    }
+    if (s->mapped || s->repin_tokens < EXPERT_REPIN_TOKENS) return 0;
+    expert_repin(s);
+    s->repin_tokens = 0;
+    return 1;
 }
 
 /* The heat file: "COLIHEAT", u32 version, u32 n_layers, u32 n_expert, u32 0, u64 model
@@ -2396,7 +2415,7 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
     }
     pthread_mutex_lock(&s->mu);
     expert_check(s);
-    if (layer == 0) expert_heat_tick(s, T);
+    int repinned = layer == 0 && expert_heat_tick(s, T);
     for (int k = 0; k < n; k++) {
         int i = s->slot_of[layer * s->n_expert + want[k]];
         s->want_slot[k] = i;
@@ -2408,6 +2427,7 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
     }
     expert_fill(s, 0);
     pthread_mutex_unlock(&s->mu);
+    if (repinned) expert_forget_mapping(s, 0); /* the first pass over the trunk has read around */
 }
 
 /* The next wanted expert whose bytes are in memory: its id, with its gate, up and down
@@ -2485,22 +2505,6 @@ static void expert_open_files(struct expert_store *s)
     }
 }
 
-/* Keeps the page cache free of expert bytes: drops what an earlier run left there and tells
- * the kernel not to read ahead around them in the mapping (the store never touches them). */
-static void expert_forget_mapping(struct expert_store *s)
-{
-    long page = sysconf(_SC_PAGESIZE);
-    for (int l = 0; l < s->n_layers; l++)
-        for (int j = 0; j < 3; j++) {
-            const struct expert_source *src = &s->src[l][j];
-            size_t len = src->t.stride * (size_t)s->n_expert;
-            posix_fadvise(s->fds[src->part], (off_t)src->offset, (off_t)len, POSIX_FADV_DONTNEED);
-            uintptr_t a = ((uintptr_t)src->t.m.data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
-            uintptr_t b = ((uintptr_t)src->t.m.data + len) & ~(uintptr_t)(page - 1);
-            if (b > a) madvise((void *)a, b - a, MADV_RANDOM);
-        }
-}
-
 /* Slot layout and count: each slice gets its largest size over the layers in whole disk
  * blocks plus one (a slice need not start on a block); the budget buys n_slots of those,
  * at least EXPERT_MIN_SLOTS, at most every expert. Half of them may be pinned. */
@@ -2541,7 +2545,7 @@ static void expert_start_cache(struct expert_store *s)
     if (s->n_warm > s->n_slots) s->n_warm = s->n_slots;
     expert_repin(s);
     expert_open_files(s);
-    expert_forget_mapping(s);
+    expert_forget_mapping(s, 1);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->wake, NULL);
     pthread_cond_init(&s->done, NULL);
@@ -3519,6 +3523,11 @@ static void model_budget_experts(struct model *m, int64_t ram, const char *heat,
     struct expert_config cfg = {budget >= (int64_t)experts ? -1 : budget, heat_path, fp, io};
     model_store_experts(m, &cfg);
     const struct expert_store *s = m->experts;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    uintptr_t b = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
+    if (!s->mapped && m->lm_head.data != m->embed->data && b > a)
+        madvise((void *)a, b - a, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
     const char *heat_state = s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: read in place from the mapping; heat %s (%s)",
