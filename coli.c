@@ -5082,7 +5082,7 @@ static const char *const arg_command_help[][2] = {
             "  Generates N tokens (default 128) after TEXT. TEXT is raw (special-token texts such as\n"
             "  <|im_start|> are parsed) unless --chat wraps it in the model's chat template.\n"
             "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
-            "  [id, logit] pairs at every generated position), stop, timings. Default: greedy.\n"},
+            "  [id, logit] pairs at every generated position), stop, timings, experts. Default: greedy.\n"},
     {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
              "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
              "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
