@@ -2331,12 +2331,13 @@ static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
     return path;
 }
 
-/* A consistent copy of the statistics (the readers update them). */
+/* A consistent copy of the statistics (the readers update them), busy time up to now. */
 static struct expert_stats expert_stats_get(struct expert_store *s)
 {
     if (s->mapped) return s->stats;
     pthread_mutex_lock(&s->mu);
     struct expert_stats st = s->stats;
+    if (s->in_flight > 0) st.busy_s += plat_now() - s->busy_since;
     pthread_mutex_unlock(&s->mu);
     return st;
 }
@@ -2942,13 +2943,13 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
 }
 
 /* The context to use: the request, else the model's length capped so that the KV cache
- * takes at most half of the memory still available, or an eighth when the weights do not
- * fit (the rest is the expert cache's, §6). */
+ * takes at most half of the memory still available, or an eighth when the weights and that
+ * KV cache do not fit together (the rest is the expert cache's, §6). */
 static int model_choose_ctx(const struct model *m, int request)
 {
     if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
     int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
-    int64_t ctx = m->cfg.ctx_train, share = avail > 0 && m->file.tensor_bytes > (uint64_t)avail ? 8 : 2;
+    int64_t ctx = m->cfg.ctx_train, need = (int64_t)m->file.tensor_bytes + per * ctx, share = avail > 0 && need > avail ? 8 : 2;
     if (per > 0 && avail > 0 && ctx > avail / share / per) ctx = avail / share / per;
     return ctx < 256 ? 256 : (int)ctx;
 }
