@@ -1870,7 +1870,7 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   35B-A3B, 1.77 MB each at Q4_0); a prompt batch of 64 tokens wants ~220 of 256 per layer.
  *   A miss is three preads of one expert's slices, done by EXPERT_READERS threads. */
 
-#define EXPERT_READERS 4          /* reads in flight: a virtio disk needs ~4 to reach its ~1.1 GB/s */
+#define EXPERT_READERS 4          /* reads in flight: 1.5 GB/s while reading, O_DIRECT, on a virtio disk rated ~1.1 GB/s */
 #define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
 #define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
 #define EXPERT_HEAT_VERSION 1
@@ -2084,8 +2084,10 @@ static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, si
     return 0;
 }
 
-/* The next slot a reader should fill: a queued read, else (idle) the next expert of the
- * warm list while free slots last: warming never evicts. -1: nothing to do. Under mu. */
+/* The next slot a reader should fill: a queued read, else the next expert of the warm list
+ * while free slots last (warming never evicts) and fewer than half the readers are busy, so
+ * that a routed expert's read never queues behind more than two warming reads. -1: nothing
+ * to do. Under mu. */
 static int expert_next_job(struct expert_store *s)
 {
     if (s->q_len > 0) {
@@ -2094,7 +2096,7 @@ static int expert_next_job(struct expert_store *s)
         s->q_len--;
         return i;
     }
-    while (s->warm_next < s->n_warm && s->free_head >= 0) {
+    while (s->warm_next < s->n_warm && s->free_head >= 0 && s->in_flight < EXPERT_READERS / 2) {
         int32_t key = s->warm[s->warm_next++];
         if (s->slot_of[key] >= 0) continue;
         int i = expert_victim(s);
