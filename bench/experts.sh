@@ -38,7 +38,7 @@ report() {
 }
 
 mkdir "$CG"
-trap 'rmdir "$CG" 2>/dev/null || true' EXIT
+trap 'rmdir "$CG" 2>/dev/null || true' EXIT INT TERM
 echo "$LIMIT" | sed 's/G$/*1073741824/;s/M$/*1048576/' | bc >"$CG/memory.limit_in_bytes"
 sync
 echo 3 >/proc/sys/vm/drop_caches
