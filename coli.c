@@ -2345,9 +2345,8 @@ static struct expert_stats expert_stats_get(struct expert_store *s)
 }
 
 /* Tells the store whether prompt tokens or decoded tokens follow (for the statistics). The
- * first decoded token ends warming: on two cores every wake-up of a reader stalls the
- * OpenMP team, and measured on the 35B-A3B in 12 GiB, warming on during decode lowered it
- * from 3.2 to 2.7-2.8 tok/s while raising decode hits only from 74% to 85%. */
+ * first decoded token ends warming: from then on the disk serves the decode's own misses and
+ * prefetches, and on two cores every reader wake-up stalls the OpenMP team. */
 static void expert_phase(struct expert_store *s, enum expert_phase phase)
 {
     s->phase = phase;
