@@ -137,9 +137,9 @@ run_tests() {
     build_coli
     local t
     build_fake_driver
-    for t in test_quant test_gguf test_tok test_sample test_model test_cuda; do build_test "$t"; done
+    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda; do build_test "$t"; done
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_sample test_model test_cuda; do
+    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done

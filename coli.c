@@ -11,7 +11,7 @@
  *   §3  quant      quant_   block formats, dequantisation, activation quantisation, dot products
  *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations
  *   §5  cuda       cuda_    the system's CUDA driver via foreign dlopen, devices, embedded PTX, device GEMVs
- *   §6  experts    expert_  (not yet: the expert store of issue 4; experts are read from the mapping)
+ *   §6  experts    expert_  the expert store: RAM cache with a budget, pread readers, heat, statistics
  *   §7  place      place_   which trunk matrices live in VRAM (greedy by value per byte), COLI_PLACE
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
@@ -44,6 +44,7 @@
 #include <unistd.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <pthread.h>
 
 #include "vendor/unicode_tables.h"
 
@@ -214,18 +215,45 @@ static int64_t plat_read_number(const char *path, const char *key)
     return strtoll(p, NULL, 10);
 }
 
+/* The v1 memory cgroup directory of this process ("/sys/fs/cgroup/memory/a/b"), from
+ * /proc/self/cgroup; the mount's root when it cannot be found (a namespaced container). */
+static void plat_memcg_dir(char *dir, size_t n)
+{
+    char line[512];
+    snprintf(dir, n, "/sys/fs/cgroup/memory");
+    FILE *f = fopen("/proc/self/cgroup", "re");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *p = strstr(line, ":memory:");
+        if (!p) continue;
+        p += 8;
+        p[strcspn(p, "\n")] = 0;
+        if (strcmp(p, "/")) snprintf(dir, n, "/sys/fs/cgroup/memory%s", p);
+        break;
+    }
+    fclose(f);
+}
+
 /* Bytes this process may still use: MemAvailable, lowered by a cgroup (v2 or v1) limit
  * minus that cgroup's current usage. Containers report the host's MemAvailable, so the
- * cgroup figure is the one that decides whether we get killed. */
+ * cgroup figure is the one that decides whether we get killed. v1: the limit is the
+ * hierarchical one (a parent's limit binds too), and inactive file pages count as free
+ * (the kernel reclaims them before it kills). */
 static int64_t plat_mem_available(void)
 {
+    char dir[400], path[512];
     int64_t avail = plat_read_number("/proc/meminfo", "MemAvailable");
     avail = avail < 0 ? -1 : avail * 1024;
     int64_t limit = plat_read_number("/sys/fs/cgroup/memory.max", NULL);
     int64_t used = plat_read_number("/sys/fs/cgroup/memory.current", NULL);
     if (limit < 0) {
-        limit = plat_read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes", NULL);
-        used = plat_read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes", NULL);
+        plat_memcg_dir(dir, sizeof dir);
+        snprintf(path, sizeof path, "%s/memory.stat", dir);
+        limit = plat_read_number(path, "hierarchical_memory_limit");
+        int64_t inactive = plat_read_number(path, "total_inactive_file");
+        snprintf(path, sizeof path, "%s/memory.usage_in_bytes", dir);
+        used = plat_read_number(path, NULL);
+        if (used > 0 && inactive > 0) used = used > inactive ? used - inactive : 0;
     }
     if (limit > 0 && limit < ((int64_t)1 << 60) && used >= 0) {
         int64_t room = limit > used ? limit - used : 0;
@@ -294,7 +322,6 @@ static void plat_cpu_detect(void)
  * defined here, outside the static-everything rule because the linker must see them.
  * Binding threads is not supported through this path (libgomp ignores ENOSYS). */
 #ifndef __GLIBC__
-#include <pthread.h>
 long __sysconf(int name);
 long __sysconf(int name) { return sysconf(name); }
 int pthread_attr_setaffinity_np(pthread_attr_t *attr, size_t size, const void *set);
@@ -3193,8 +3220,779 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
 }
 
 /* ==== §6 experts ==== */
-/* Not yet: the expert store with a RAM budget and heat is issue 4. Routed experts are read
- * in place from the memory-mapped file. */
+/* Owns: the routed experts of every layer as units (expert e of layer l: its slices of the
+ *   merged ffn_{gate,up,down}_exps tensors), the RAM cache that holds a byte budget of them,
+ *   the reader threads that fill it with pread, heat (how often each expert is routed,
+ *   decayed) and its file, and the hit / read / prefetch statistics.
+ * Promises: the matrices handed out hold exactly the file's bytes, so products over them are
+ *   the products over the mapping, bit for bit. A failed or short read is never handed
+ *   out: the main thread dies with `coli: FILE: ...` at the next call. Only the main thread
+ *   calls expert_* (reader threads touch only the slot they load and the store's queue,
+ *   under its mutex). The store never touches the mapping's expert bytes when it caches,
+ *   so the page cache does not hold a second copy (O_DIRECT; see EXPERT_IO_*). In mapped
+ *   mode (budget < 0: everything fits) experts are read in place from the mapping and only
+ *   heat and statistics are kept.
+ * May call: §1–§4, pthreads.
+ * Workload: per decoded token, n_layers lookups of n_expert_used experts (320 on the
+ *   35B-A3B, 1.77 MB each at Q4_0); a prompt batch of 64 tokens wants ~220 of 256 per layer.
+ *   A miss is three preads of one expert's slices, done by EXPERT_READERS threads. */
+
+#define EXPERT_READERS 4          /* reads in flight: 1.5 GB/s while reading, O_DIRECT, on a virtio disk rated ~1.1 GB/s */
+#define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
+#define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
+#define EXPERT_HEAT_VERSION 1
+#define EXPERT_HEAT_HALF_LIFE 4096 /* tokens: heat halves over about a long conversation */
+#define EXPERT_REPIN_TOKENS 64    /* tokens between re-choosing the pinned (hottest) experts */
+
+/* One merged tensor of a layer: expert e is `m` with its data moved by e * stride bytes
+ * (in the mapping). */
+struct expert_tensor {
+    struct ops_matrix m;
+    size_t stride;
+};
+
+/* Where expert 0 of one merged tensor lies in the files, and one expert's bytes. */
+struct expert_source {
+    struct expert_tensor t;
+    int part;
+    uint64_t offset;  /* of expert 0 in its part */
+    size_t bytes;     /* of one expert */
+};
+
+enum expert_io { EXPERT_IO_DIRECT, EXPERT_IO_BUFFERED };
+enum expert_phase { EXPERT_PHASE_PROMPT, EXPERT_PHASE_DECODE };
+enum expert_state { EXPERT_FREE, EXPERT_LOADING, EXPERT_READY };
+
+struct expert_config {
+    int64_t budget;          /* bytes of cache; < 0: mapped mode (no cache) */
+    const char *heat_path;   /* read at open, written by expert_heat_save; NULL: none */
+    uint64_t fingerprint;    /* identifies the model a heat file belongs to */
+    enum expert_io io;
+};
+
+/* One cache entry: the three slices of one expert, each at part_cap[j] from buf. */
+struct expert_slot {
+    int32_t key;      /* layer * n_expert + expert; -1 when free */
+    int state;        /* enum expert_state */
+    int refs;         /* holders on the main thread; > 0: not evictable */
+    int pinned;       /* one of the hottest: never evicted */
+    int prev, next;   /* LRU list (evictable slots only) or free list; -1 ends */
+    uint8_t *buf;     /* [slot_bytes] */
+};
+
+struct expert_stats {
+    uint64_t lookups[2], hits[2], inflight[2]; /* [phase]: wanted; in memory; being read */
+    uint64_t predicted[2], predicted_used[2];  /* [phase]: prefetch guesses, guesses routed */
+    uint64_t routed_seen[2];                   /* [phase]: routed experts where a guess was made */
+    uint64_t bytes_read, reads, prefetches, warm_reads;
+    double busy_s;   /* wall time with at least one read in flight */
+    double wait_s[2]; /* [phase]: main thread blocked on reads */
+};
+
+struct expert_store {
+    const struct gguf_file *file;
+    int n_layers, n_expert, mapped, phase;
+    struct expert_source (*src)[3];       /* [n_layers][gate, up, down] */
+    struct expert_config cfg;
+    /* cache */
+    size_t part_cap[3], slot_bytes;       /* largest aligned slice over the layers */
+    int n_slots, n_pin;
+    struct expert_slot *slots;            /* [n_slots] */
+    uint8_t *arena;                       /* [n_slots][slot_bytes], touched only when filled */
+    int32_t *slot_of;                     /* [n_layers * n_expert] slot, or -1 */
+    int lru_head, lru_tail, free_head;    /* head: least recently used */
+    uint8_t *pin;                         /* [n_layers * n_expert] among the n_pin hottest */
+    /* readers */
+    int fds[GGUF_MAX_PARTS];
+    pthread_t readers[EXPERT_READERS];
+    int n_readers, stop, in_flight;
+    double busy_since;
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;            /* readers wait on wake, the main thread on done */
+    int *queue, q_head, q_len;            /* ring of slots to read, [n_slots] */
+    int32_t *warm;                        /* keys to read while idle, hottest first */
+    int n_warm, warm_next;
+    char error[600];                      /* first failed read; empty while none */
+    /* heat */
+    float *heat;                          /* [n_layers * n_expert] routed tokens, decayed */
+    double heat_tokens;                   /* tokens counted, decayed the same way */
+    int heat_loaded;                      /* the heat file was read and fits this model */
+    int decay_tokens, repin_tokens;       /* since the last decay / re-pin */
+    /* the layer being computed */
+    int layer, n_want, n_done, held;      /* held: the slot handed out, or -1 */
+    int *want, *want_slot;                /* [n_expert] ids routed in this layer; slot held or -1 */
+    uint8_t *guess;                       /* [n_expert] prefetch guesses for guess_layer */
+    int guess_layer;
+    struct expert_stats stats;
+};
+
+
+static size_t expert_round_up(size_t n) { return (n + EXPERT_ALIGN - 1) & ~(size_t)(EXPERT_ALIGN - 1); }
+
+/* Expert E of a merged tensor, read in place from the mapping. */
+static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
+{
+    struct ops_matrix m = t->m;
+    m.data += (size_t)e * t->stride;
+    return m;
+}
+
+static void expert_lru_unlink(struct expert_store *s, int i)
+{
+    struct expert_slot *x = &s->slots[i];
+    if (x->prev >= 0) s->slots[x->prev].next = x->next;
+    else s->lru_head = x->next;
+    if (x->next >= 0) s->slots[x->next].prev = x->prev;
+    else s->lru_tail = x->prev;
+    x->prev = x->next = -1;
+}
+
+/* To the most recently used end. */
+static void expert_lru_append(struct expert_store *s, int i)
+{
+    struct expert_slot *x = &s->slots[i];
+    x->prev = s->lru_tail;
+    x->next = -1;
+    if (s->lru_tail >= 0) s->slots[s->lru_tail].next = i;
+    else s->lru_head = i;
+    s->lru_tail = i;
+}
+
+static int expert_listed(const struct expert_store *s, int i) { return s->slots[i].prev >= 0 || s->lru_head == i; }
+
+/* The LRU list holds exactly the slots that may be evicted: read, unheld, not pinned. Call
+ * after any change to a slot's state, refs or pinned (under mu). */
+static void expert_relist(struct expert_store *s, int i)
+{
+    const struct expert_slot *x = &s->slots[i];
+    int should = x->state == EXPERT_READY && x->refs == 0 && !x->pinned;
+    if (expert_listed(s, i) == should) return;
+    if (should) expert_lru_append(s, i);
+    else expert_lru_unlink(s, i);
+}
+
+/* A slot to read into: a free one, else the least recently used evictable one, forgotten.
+ * -1 when every slot is pinned, held or being read. Under mu. */
+static int expert_victim(struct expert_store *s)
+{
+    int i = s->free_head;
+    if (i >= 0) {
+        s->free_head = s->slots[i].next;
+        s->slots[i].next = -1;
+        return i;
+    }
+    i = s->lru_head;
+    if (i < 0) return -1;
+    s->slots[i].state = EXPERT_FREE;
+    expert_relist(s, i);
+    s->slot_of[s->slots[i].key] = -1;
+    s->slots[i].key = -1;
+    return i;
+}
+
+/* Puts KEY in slot I as being read, held REFS times. Under mu. */
+static void expert_claim(struct expert_store *s, int i, int32_t key, int refs)
+{
+    struct expert_slot *x = &s->slots[i];
+    x->key = key;
+    x->state = EXPERT_LOADING;
+    x->refs = refs;
+    x->pinned = s->pin[key];
+    s->slot_of[key] = i;
+}
+
+/* Queues a read of KEY for the readers; returns its slot, or -1 when no slot can be had
+ * without waiting. Under mu. */
+static int expert_start_read(struct expert_store *s, int32_t key, int refs)
+{
+    int i = expert_victim(s);
+    if (i < 0) return -1;
+    expert_claim(s, i, key, refs);
+    s->queue[(s->q_head + s->q_len) % s->n_slots] = i;
+    s->q_len++;
+    pthread_cond_signal(&s->wake);
+    return i;
+}
+
+/* Where slice J (gate, up, down) of the expert in slot I starts. */
+static uint8_t *expert_slice(const struct expert_store *s, int i, int j)
+{
+    size_t at = 0;
+    for (int k = 0; k < j; k++) at += s->part_cap[k];
+    return s->slots[i].buf + at;
+}
+
+/* Reads the three slices of KEY into slot I: whole disk blocks around each slice (O_DIRECT
+ * needs them), the slice landing at its offset within its first block. Returns 0, or -1
+ * with MSG saying why. Runs on a reader thread without the lock: the slot is LOADING, so
+ * nobody else touches its buffer. */
+static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, size_t n)
+{
+    int layer = key / s->n_expert, e = key % s->n_expert;
+    const struct expert_source *src = s->src[layer];
+    for (int j = 0; j < 3; j++) {
+        uint64_t off = src[j].offset + (uint64_t)e * src[j].t.stride;
+        uint64_t a0 = off & ~(uint64_t)(EXPERT_ALIGN - 1), need = off + src[j].bytes - a0;
+        size_t span = expert_round_up((size_t)need), got = 0;
+        int fd = s->fds[src[j].part];
+        uint8_t *dst = expert_slice(s, i, j);
+        while (got < need) {
+            ssize_t r = pread(fd, dst + got, span - got, (off_t)(a0 + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                snprintf(msg, n, "%s: reading expert %d of layer %d failed: %s", s->file->path, e, layer,
+                         r < 0 ? strerror(errno) : "the file ended early (truncated while running?)");
+                return -1;
+            }
+            got += (size_t)r;
+        }
+        if (s->cfg.io == EXPERT_IO_BUFFERED) posix_fadvise(fd, (off_t)a0, (off_t)span, POSIX_FADV_DONTNEED);
+    }
+    return 0;
+}
+
+/* The next slot a reader should fill: a queued read, else the next expert of the warm list
+ * while free slots last (warming never evicts) and fewer than half the readers are busy, so
+ * that a routed expert's read never queues behind more than two warming reads. -1: nothing
+ * to do. Under mu. */
+static int expert_next_job(struct expert_store *s)
+{
+    if (s->q_len > 0) {
+        int i = s->queue[s->q_head];
+        s->q_head = (s->q_head + 1) % s->n_slots;
+        s->q_len--;
+        return i;
+    }
+    while (s->warm_next < s->n_warm && s->free_head >= 0 && s->in_flight < EXPERT_READERS / 2) {
+        int32_t key = s->warm[s->warm_next++];
+        if (s->slot_of[key] >= 0) continue;
+        int i = expert_victim(s);
+        expert_claim(s, i, key, 0);
+        s->stats.warm_reads++;
+        return i;
+    }
+    return -1;
+}
+
+static void *expert_reader(void *arg)
+{
+    struct expert_store *s = arg;
+    char msg[sizeof s->error];
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        int i = -1;
+        while (!s->stop && (i = expert_next_job(s)) < 0) pthread_cond_wait(&s->wake, &s->mu);
+        if (s->stop) break;
+        int32_t key = s->slots[i].key;
+        if (s->in_flight++ == 0) s->busy_since = plat_now();
+        pthread_mutex_unlock(&s->mu);
+        int bad = expert_read(s, i, key, msg, sizeof msg);
+        pthread_mutex_lock(&s->mu);
+        if (--s->in_flight == 0) s->stats.busy_s += plat_now() - s->busy_since;
+        if (bad && !s->error[0]) memcpy(s->error, msg, sizeof msg);
+        if (!bad) {
+            const struct expert_source *src = s->src[key / s->n_expert];
+            s->stats.bytes_read += src[0].bytes + src[1].bytes + src[2].bytes;
+            s->stats.reads++;
+            s->slots[i].state = EXPERT_READY;
+            expert_relist(s, i);
+        }
+        pthread_cond_broadcast(&s->done);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* Keeps the page cache free of expert bytes: drops what is cached of them (left by an earlier
+ * run, or read around a fault on a neighbouring trunk tensor: the disk reads ahead 8 MiB
+ * here), and at open (MAP) tells the kernel not to read ahead around them in the mapping,
+ * which the store never touches. */
+static void expert_forget_mapping(struct expert_store *s, int map)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    for (int l = 0; l < s->n_layers; l++)
+        for (int j = 0; j < 3; j++) {
+            const struct expert_source *src = &s->src[l][j];
+            size_t len = src->t.stride * (size_t)s->n_expert;
+            posix_fadvise(s->fds[src->part], (off_t)src->offset, (off_t)len, POSIX_FADV_DONTNEED);
+            uintptr_t a = ((uintptr_t)src->t.m.data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+            uintptr_t b = ((uintptr_t)src->t.m.data + len) & ~(uintptr_t)(page - 1);
+            if (map && b > a) madvise((void *)a, b - a, MADV_RANDOM);
+        }
+}
+
+/* Dies with the first failed read's message (main thread). Under mu. */
+static void expert_check(struct expert_store *s)
+{
+    if (!s->error[0]) return;
+    char msg[sizeof s->error];
+    memcpy(msg, s->error, sizeof msg);
+    pthread_mutex_unlock(&s->mu);
+    die("%s", msg);
+}
+
+struct expert_rank {
+    float heat;
+    int32_t key;
+};
+
+/* Hottest first; the lower key first on ties, so the order is reproducible. */
+static int expert_rank_cmp(const void *a, const void *b)
+{
+    const struct expert_rank *x = a, *y = b;
+    if (x->heat != y->heat) return x->heat < y->heat ? 1 : -1;
+    return (x->key > y->key) - (x->key < y->key);
+}
+
+/* Every expert with heat > 0, hottest first, into OUT [n_layers * n_expert]; returns how many. */
+static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
+{
+    int n = s->n_layers * s->n_expert, k = 0;
+    struct expert_rank *r = plat_alloc((size_t)n * sizeof *r);
+    for (int i = 0; i < n; i++)
+        if (s->heat[i] > 0) r[k++] = (struct expert_rank){s->heat[i], i};
+    qsort(r, (size_t)k, sizeof *r, expert_rank_cmp);
+    for (int i = 0; i < k; i++) out[i] = r[i].key;
+    free(r);
+    return k;
+}
+
+/* Pins the n_pin hottest experts (LFU for half the cache: with a skewed routing the hottest
+ * pay most; the other half is LRU, for experts that recur over nearby tokens). Under mu. */
+static void expert_repin(struct expert_store *s)
+{
+    int n = s->n_layers * s->n_expert;
+    int32_t *order = plat_alloc((size_t)n * sizeof *order);
+    int k = expert_rank_by_heat(s, order);
+    memset(s->pin, 0, (size_t)n);
+    for (int i = 0; i < k && i < s->n_pin; i++) s->pin[order[i]] = 1;
+    free(order);
+    for (int i = 0; i < s->n_slots; i++) {
+        struct expert_slot *x = &s->slots[i];
+        if (x->key < 0 || x->pinned == s->pin[x->key]) continue;
+        x->pinned = s->pin[x->key];
+        expert_relist(s, i);
+    }
+}
+
+/* Counts T more tokens: decays heat (half-life EXPERT_HEAT_HALF_LIFE tokens, applied every
+ * 256 tokens, which costs one pass over n_layers * n_expert floats) and re-pins now and then.
+ * Returns whether it re-pinned. */
+static int expert_heat_tick(struct expert_store *s, int T)
+{
+    s->heat_tokens += T;
+    s->decay_tokens += T;
+    s->repin_tokens += T;
+    if (s->decay_tokens >= 256) {
+        float f = (float)pow(0.5, (double)s->decay_tokens / EXPERT_HEAT_HALF_LIFE);
+        for (int i = 0; i < s->n_layers * s->n_expert; i++) s->heat[i] *= f;
+        s->heat_tokens *= f;
+        s->decay_tokens = 0;
+    }
+    if (s->mapped || s->repin_tokens < EXPERT_REPIN_TOKENS) return 0;
+    expert_repin(s);
+    s->repin_tokens = 0;
+    return 1;
+}
+
+/* The heat file: "COLIHEAT", u32 version, u32 n_layers, u32 n_expert, u32 0, u64 model
+ * fingerprint, f64 tokens, f32 heat[n_layers][n_expert], u64 FNV-1a of all bytes before it.
+ * Little-endian (coli is x86-64 only). */
+#define EXPERT_HEAT_HEADER 40
+
+static uint64_t expert_fnv(const uint8_t *p, size_t n)
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Why the heat file image BUF [n] cannot be used, or NULL when it can. */
+static const char *expert_heat_check(const struct expert_store *s, const uint8_t *buf, size_t n)
+{
+    size_t cells = (size_t)s->n_layers * (size_t)s->n_expert;
+    uint32_t v[4];
+    uint64_t fp, sum;
+    if (n < EXPERT_HEAT_HEADER + 8 || memcmp(buf, "COLIHEAT", 8)) return "not a coli heat file";
+    memcpy(v, buf + 8, sizeof v);
+    if (v[0] != EXPERT_HEAT_VERSION) return "a heat file of another version";
+    memcpy(&sum, buf + n - 8, 8);
+    if (sum != expert_fnv(buf, n - 8)) return "corrupt (checksum mismatch)";
+    memcpy(&fp, buf + 24, 8);
+    if (v[1] != (uint32_t)s->n_layers || v[2] != (uint32_t)s->n_expert || fp != s->cfg.fingerprint)
+        return "written for another model";
+    if (n != EXPERT_HEAT_HEADER + cells * 4 + 8) return "corrupt (wrong size)";
+    for (size_t i = 0; i < cells; i++) {
+        float h;
+        memcpy(&h, buf + EXPERT_HEAT_HEADER + 4 * i, 4);
+        if (!(h >= 0 && h < 1e30f)) return "corrupt (a value out of range)";
+    }
+    return NULL;
+}
+
+/* Loads heat from cfg.heat_path when that file exists; a bad one is ignored with one line.
+ * Returns whether heat was loaded. */
+static int expert_heat_load(struct expert_store *s)
+{
+    const char *path = s->cfg.heat_path;
+    struct plat_map map;
+    if (!path || plat_map_file(path, &map) != 0) return 0;
+    const char *why = expert_heat_check(s, map.data, map.size);
+    if (why) plat_log("[experts] heat file %s: %s; ignored, starting cold", path, why);
+    else {
+        memcpy(s->heat, map.data + EXPERT_HEAT_HEADER, (size_t)s->n_layers * (size_t)s->n_expert * 4);
+        memcpy(&s->heat_tokens, map.data + 32, 8);
+    }
+    plat_unmap_file(&map);
+    return why == NULL;
+}
+
+/* Writes the heat to cfg.heat_path (through a temporary file and rename, so a reader never
+ * sees half a file), creating its directory if missing. A failure is one line, not fatal:
+ * heat changes speed only. */
+static void expert_heat_save(const struct expert_store *s)
+{
+    const char *path = s->cfg.heat_path;
+    if (!path || s->heat_tokens <= 0) return;
+    size_t cells = (size_t)s->n_layers * (size_t)s->n_expert, n = EXPERT_HEAT_HEADER + cells * 4 + 8;
+    uint8_t *buf = plat_zalloc(n, 1);
+    uint32_t v[4] = {EXPERT_HEAT_VERSION, (uint32_t)s->n_layers, (uint32_t)s->n_expert, 0};
+    memcpy(buf, "COLIHEAT", 8);
+    memcpy(buf + 8, v, sizeof v);
+    memcpy(buf + 24, &s->cfg.fingerprint, 8);
+    memcpy(buf + 32, &s->heat_tokens, 8);
+    memcpy(buf + EXPERT_HEAT_HEADER, s->heat, cells * 4);
+    uint64_t sum = expert_fnv(buf, n - 8);
+    memcpy(buf + n - 8, &sum, 8);
+    char *tmp = plat_alloc(strlen(path) + 32), *dir = plat_strdup(path);
+    for (char *p = strchr(dir + 1, '/'); p; p = strchr(p + 1, '/')) { /* mkdir -p of the directory */
+        *p = 0;
+        mkdir(dir, 0755);
+        *p = '/';
+    }
+    sprintf(tmp, "%s.%ld.tmp", path, (long)getpid());
+    FILE *f = fopen(tmp, "wbe");
+    int ok = f && fwrite(buf, 1, n, f) == n;
+    ok = (f && fclose(f) == 0) && ok && rename(tmp, path) == 0;
+    if (!ok) {
+        plat_log("[experts] cannot save heat to %s: %s", path, strerror(errno));
+        unlink(tmp);
+    }
+    free(dir);
+    free(tmp);
+    free(buf);
+}
+
+/* The heat file to use when neither --heat nor HEAT_FILE names one: MODEL.heat beside the
+ * model if it exists (shipped with it), else $XDG_CACHE_HOME/coli or ~/.cache/coli, named
+ * after the model and its fingerprint (model directories are often read-only or shared).
+ * Returns an allocated path. */
+static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
+{
+    size_t n = strlen(model_path) + 512;
+    char *path = plat_alloc(n);
+    snprintf(path, n, "%s.heat", model_path);
+    if (access(path, R_OK) == 0) return path;
+    const char *base = strrchr(model_path, '/'), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    base = base ? base + 1 : model_path;
+    if (xdg && *xdg == '/') snprintf(path, n, "%s/coli/%s.%016llx.heat", xdg, base, (unsigned long long)fingerprint);
+    else if (home && *home == '/') snprintf(path, n, "%s/.cache/coli/%s.%016llx.heat", home, base, (unsigned long long)fingerprint);
+    return path;
+}
+
+/* A consistent copy of the statistics (the readers update them), busy time up to now. */
+static struct expert_stats expert_stats_get(struct expert_store *s)
+{
+    if (s->mapped) return s->stats;
+    pthread_mutex_lock(&s->mu);
+    struct expert_stats st = s->stats;
+    if (s->in_flight > 0) st.busy_s += plat_now() - s->busy_since;
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
+/* Tells the store whether prompt tokens or decoded tokens follow (for the statistics). The
+ * first decoded token ends warming: from then on the disk serves the decode's own misses and
+ * prefetches, and on two cores every reader wake-up stalls the OpenMP team. */
+static void expert_phase(struct expert_store *s, enum expert_phase phase)
+{
+    s->phase = phase;
+    if (s->mapped || phase != EXPERT_PHASE_DECODE) return;
+    pthread_mutex_lock(&s->mu);
+    s->warm_next = s->n_warm;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Remembers the guess for LAYER (GUESS[0..n), repeats allowed) and starts reading those not
+ * in memory, at most half the unpinned slots so a wrong guess cannot flush the cache;
+ * guessed experts already in memory become most recently used. */
+static void expert_prefetch(struct expert_store *s, int layer, const int *guess, int n)
+{
+    int ph = s->phase, issued = 0;
+    memset(s->guess, 0, (size_t)s->n_expert);
+    s->guess_layer = layer;
+    for (int k = 0; k < n; k++) {
+        s->stats.predicted[ph] += !s->guess[guess[k]];
+        s->guess[guess[k]] = 1;
+    }
+    if (s->mapped) return;
+    pthread_mutex_lock(&s->mu);
+    expert_check(s);
+    for (int e = 0; e < s->n_expert; e++) {
+        if (!s->guess[e]) continue;
+        int32_t key = layer * s->n_expert + e;
+        int i = s->slot_of[key];
+        if (i >= 0 && expert_listed(s, i)) {
+            expert_lru_unlink(s, i);
+            expert_lru_append(s, i);
+        } else if (i < 0 && issued < (s->n_slots - s->n_pin) / 2 && expert_start_read(s, key, 0) >= 0) {
+            issued++;
+            s->stats.prefetches++;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Starts reads for wanted experts that have no slot yet, in order, while slots can be had
+ * without waiting; each read is held for the layer. Under mu. */
+static void expert_fill(struct expert_store *s, int from)
+{
+    for (int k = from; k < s->n_want; k++) {
+        if (s->want_slot[k] >= 0) continue;
+        int32_t key = s->layer * s->n_expert + s->want[k];
+        int i = s->slot_of[key];
+        if (i >= 0) s->slots[i].refs++;
+        else if ((i = expert_start_read(s, key, 1)) < 0) return;
+        s->want_slot[k] = i;
+        expert_relist(s, i);
+    }
+}
+
+/* Begins the routed experts of LAYER for T tokens: WANT[0..n) distinct ids, COUNT[e] tokens
+ * routed to expert e. Counts heat and hits, holds the wanted experts already in memory and
+ * starts reading the others, so that they arrive while the caller runs the shared expert and
+ * the experts in memory. expert_next hands them out. */
+static void expert_begin(struct expert_store *s, int layer, const int *want, const int *count, int n, int T)
+{
+    int ph = s->phase;
+    for (int k = 0; k < n; k++) s->heat[layer * s->n_expert + want[k]] += (float)count[want[k]];
+    if (s->guess_layer == layer)
+        for (int k = 0; k < n; k++) {
+            s->stats.routed_seen[ph]++;
+            s->stats.predicted_used[ph] += s->guess[want[k]];
+        }
+    s->guess_layer = -1;
+    s->layer = layer;
+    s->n_want = n;
+    s->n_done = 0;
+    memcpy(s->want, want, (size_t)n * sizeof *want);
+    s->stats.lookups[ph] += (uint64_t)n;
+    if (s->mapped) {
+        s->stats.hits[ph] += (uint64_t)n;
+        if (layer == 0) expert_heat_tick(s, T);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    expert_check(s);
+    int repinned = layer == 0 && expert_heat_tick(s, T);
+    for (int k = 0; k < n; k++) {
+        int i = s->slot_of[layer * s->n_expert + want[k]];
+        s->want_slot[k] = i;
+        if (i < 0) continue;
+        s->stats.hits[ph] += s->slots[i].state == EXPERT_READY;
+        s->stats.inflight[ph] += s->slots[i].state == EXPERT_LOADING;
+        s->slots[i].refs++;
+        expert_relist(s, i);
+    }
+    expert_fill(s, 0);
+    pthread_mutex_unlock(&s->mu);
+    if (repinned) expert_forget_mapping(s, 0); /* the first pass over the trunk has read around */
+}
+
+/* The next wanted expert whose bytes are in memory: its id, with its gate, up and down
+ * matrices in W; -1 when the layer is done. Releases the expert handed out before. Prefers
+ * one already read, else waits for a read under way, else for a slot to read into. The
+ * order does not change results: each expert's output has its own place, summed later in
+ * routing order. */
+static int expert_next(struct expert_store *s, struct ops_matrix w[3])
+{
+    if (s->mapped) {
+        if (s->n_done == s->n_want) return -1;
+        int e = s->want[s->n_done++];
+        for (int j = 0; j < 3; j++) w[j] = expert_mapped(&s->src[s->layer][j].t, e);
+        return e;
+    }
+    pthread_mutex_lock(&s->mu);
+    if (s->held >= 0) {
+        s->slots[s->held].refs--;
+        expert_relist(s, s->held);
+        s->held = -1;
+    }
+    if (s->n_done == s->n_want) {
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    }
+    expert_check(s);
+    expert_fill(s, s->n_done);
+    int k = -1;
+    for (int j = s->n_done; j < s->n_want && k < 0; j++)
+        if (s->want_slot[j] >= 0 && s->slots[s->want_slot[j]].state == EXPERT_READY) k = j;
+    for (int j = s->n_done; j < s->n_want && k < 0; j++)
+        if (s->want_slot[j] >= 0) k = j;
+    double t0 = plat_now();
+    if (k < 0) /* nothing held: a slot frees up when a read under way ends */
+        for (k = s->n_done; expert_fill(s, k), s->want_slot[k] < 0;) {
+            pthread_cond_wait(&s->done, &s->mu);
+            expert_check(s);
+        }
+    int i = s->want_slot[k], e = s->want[k];
+    for (; s->slots[i].state != EXPERT_READY; expert_check(s)) pthread_cond_wait(&s->done, &s->mu);
+    s->stats.wait_s[s->phase] += plat_now() - t0;
+    s->want[k] = s->want[s->n_done];
+    s->want_slot[k] = s->want_slot[s->n_done];
+    s->n_done++;
+    s->held = i;
+    pthread_mutex_unlock(&s->mu);
+    for (int j = 0; j < 3; j++) {
+        const struct expert_source *src = &s->src[s->layer][j];
+        w[j] = src->t.m;
+        w[j].data = expert_slice(s, i, j) + ((src->offset + (uint64_t)e * src->t.stride) & (EXPERT_ALIGN - 1));
+    }
+    return e;
+}
+
+/* Opens the part files for reading experts: with O_DIRECT unless cfg.io says buffered or the
+ * file system refuses it (tmpfs), then buffered reads dropped from the page cache after use.
+ * Reopening /proc/self/fd/N reaches every part of a split set by its open descriptor. */
+static void expert_open_files(struct expert_store *s)
+{
+    char path[64];
+    for (int p = 0; p < s->file->n_parts; p++) {
+        snprintf(path, sizeof path, "/proc/self/fd/%d", s->file->parts[p].fd);
+        int fd = -1;
+        if (s->cfg.io == EXPERT_IO_DIRECT) fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd < 0 && s->cfg.io == EXPERT_IO_DIRECT) {
+            plat_log("[experts] %s: no O_DIRECT here (%s); buffered reads, dropped from the page cache", s->file->path, strerror(errno));
+            s->cfg.io = EXPERT_IO_BUFFERED;
+            for (int q = 0; q < p; q++) close(s->fds[q]);
+            p = -1;
+            continue;
+        }
+        if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) die("%s: cannot reopen for reading experts: %s", s->file->path, strerror(errno));
+        s->fds[p] = fd;
+    }
+}
+
+/* Slot layout and count: each slice gets its largest size over the layers in whole disk
+ * blocks plus one (a slice need not start on a block); the budget buys n_slots of those,
+ * at least EXPERT_MIN_SLOTS, at most every expert. Half of them may be pinned. */
+static void expert_size_slots(struct expert_store *s)
+{
+    for (int l = 0; l < s->n_layers; l++)
+        for (int j = 0; j < 3; j++) {
+            size_t cap = expert_round_up(s->src[l][j].bytes) + EXPERT_ALIGN;
+            if (cap > s->part_cap[j]) s->part_cap[j] = cap;
+        }
+    s->slot_bytes = s->part_cap[0] + s->part_cap[1] + s->part_cap[2];
+    int64_t n = s->cfg.budget / (int64_t)s->slot_bytes, all = (int64_t)s->n_layers * s->n_expert;
+    s->n_slots = (int)(n < EXPERT_MIN_SLOTS ? EXPERT_MIN_SLOTS : n > all ? all : n);
+    s->n_pin = s->n_slots / 2;
+}
+
+/* Allocates the cache (the arena is reserved, and each slot's pages become resident only
+ * when first read into), opens the files, loads the heat and pins and queues the hottest
+ * experts, and starts the readers. */
+static void expert_start_cache(struct expert_store *s)
+{
+    int cells = s->n_layers * s->n_expert;
+    expert_size_slots(s);
+    size_t arena = plat_mul_size((size_t)s->n_slots, s->slot_bytes, "expert cache");
+    void *p = mmap(NULL, arena, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) die("cannot reserve %zu bytes for the expert cache: %s", arena, strerror(errno));
+    s->arena = p;
+    s->slots = plat_zalloc((size_t)s->n_slots, sizeof *s->slots);
+    for (int i = 0; i < s->n_slots; i++)
+        s->slots[i] = (struct expert_slot){-1, EXPERT_FREE, 0, 0, -1, i + 1 < s->n_slots ? i + 1 : -1, s->arena + (size_t)i * s->slot_bytes};
+    s->free_head = 0;
+    s->lru_head = s->lru_tail = s->held = -1;
+    s->slot_of = plat_alloc((size_t)cells * sizeof *s->slot_of);
+    for (int i = 0; i < cells; i++) s->slot_of[i] = -1;
+    s->queue = plat_alloc((size_t)s->n_slots * sizeof *s->queue);
+    s->warm = plat_alloc((size_t)cells * sizeof *s->warm);
+    s->n_warm = expert_rank_by_heat(s, s->warm);
+    if (s->n_warm > s->n_slots) s->n_warm = s->n_slots;
+    expert_repin(s);
+    expert_open_files(s);
+    expert_forget_mapping(s, 1);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->wake, NULL);
+    pthread_cond_init(&s->done, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 << 10); /* musl's default 128 KiB is enough; the margin is cheap */
+    for (s->n_readers = 0; s->n_readers < EXPERT_READERS; s->n_readers++)
+        if (pthread_create(&s->readers[s->n_readers], &attr, expert_reader, s) != 0) die("cannot start an expert reader thread");
+    pthread_attr_destroy(&attr);
+}
+
+/* The store for N_LAYERS layers of N_EXPERT experts whose slices are T[layer][gate, up,
+ * down], in file G (which must outlive the store). Loads heat from cfg->heat_path if that
+ * file exists (a bad one is ignored with a line). Budget < 0: mapped mode. */
+static struct expert_store *expert_open(const struct gguf_file *g, const struct expert_tensor (*t)[3], int n_layers, int n_expert,
+                                        const struct expert_config *cfg)
+{
+    struct expert_store *s = plat_zalloc(1, sizeof *s);
+    size_t cells = (size_t)n_layers * (size_t)n_expert;
+    s->file = g;
+    s->n_layers = n_layers;
+    s->n_expert = n_expert;
+    s->cfg = *cfg;
+    s->cfg.heat_path = cfg->heat_path ? plat_strdup(cfg->heat_path) : NULL;
+    s->mapped = cfg->budget < 0;
+    s->guess_layer = -1;
+    s->src = plat_zalloc((size_t)n_layers, sizeof *s->src);
+    for (int l = 0; l < n_layers; l++)
+        for (int j = 0; j < 3; j++) {
+            struct expert_source *src = &s->src[l][j];
+            src->t = t[l][j];
+            src->bytes = t[l][j].m.row_bytes * (size_t)t[l][j].m.rows;
+            for (int p = 0; p < g->n_parts; p++)
+                if (src->t.m.data >= g->parts[p].data && src->t.m.data < g->parts[p].data + g->parts[p].size) {
+                    src->part = p;
+                    src->offset = (uint64_t)(src->t.m.data - g->parts[p].data);
+                }
+        }
+    s->heat = plat_zalloc(cells, sizeof *s->heat);
+    s->pin = plat_zalloc(cells, 1);
+    s->want = plat_zalloc((size_t)n_expert, sizeof *s->want);
+    s->want_slot = plat_zalloc((size_t)n_expert, sizeof *s->want_slot);
+    s->guess = plat_zalloc((size_t)n_expert, 1);
+    s->heat_loaded = expert_heat_load(s);
+    if (!s->mapped) expert_start_cache(s);
+    return s;
+}
+
+/* Stops the readers (each finishes the read it is in) and frees everything; NULL is fine. */
+static void expert_close(struct expert_store *s)
+{
+    if (!s) return;
+    if (!s->mapped) {
+        pthread_mutex_lock(&s->mu);
+        s->stop = 1;
+        pthread_cond_broadcast(&s->wake);
+        pthread_mutex_unlock(&s->mu);
+        for (int i = 0; i < s->n_readers; i++) pthread_join(s->readers[i], NULL);
+        for (int p = 0; p < s->file->n_parts; p++) close(s->fds[p]);
+        munmap(s->arena, (size_t)s->n_slots * s->slot_bytes);
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->wake);
+        pthread_cond_destroy(&s->done);
+    }
+    void *bufs[] = {s->src, s->heat, s->pin, s->want, s->want_slot, s->guess, s->slots, s->slot_of, s->queue, s->warm, (void *)s->cfg.heat_path};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    free(s);
+}
 
 /* ==== §7 place ==== */
 /* Owns: which dense trunk matrices live in VRAM (design.md §5). This first version is greedy:
@@ -3286,7 +4084,7 @@ static void place_trunk(const struct place_item *items, int n, const char *spec)
  *   arrives alone or in a batch, on any number of threads and any kernel level: every
  *   product goes through ops_matmat (bit-identical per column to ops_matvec), sums run in a
  *   fixed order, and parallel loops split independent rows or heads only.
- * May call: §1–§4.
+ * May call: §1–§4, §6 experts (routed experts come from its store, in the mapping or cached).
  * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts
  *   per layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights
  *   read once per batch. The architecture is qwen35-arch.md; section numbers cite it. */
@@ -3315,12 +4113,6 @@ struct model_config {
     int n_expert, n_expert_used, expert_ff, shexp_ff, ff;
 };
 
-/* Routed experts of one layer: expert e is `m` with its data moved by e * stride bytes. */
-struct model_experts {
-    struct ops_matrix m;
-    size_t stride;
-};
-
 struct model_layer {
     enum model_layer_kind kind;
     const float *attn_norm, *post_norm; /* [dim] each, the +1 already folded in (§9.4) */
@@ -3341,8 +4133,8 @@ struct model_layer {
     struct ops_matrix wout;    /* [dim][nv*dv] */
     /* feed-forward */
     struct ops_matrix router;  /* [n_expert][dim] */
-    struct model_experts gate_exps, up_exps; /* expert: [expert_ff][dim] */
-    struct model_experts down_exps;          /* expert: [dim][expert_ff] */
+    struct expert_tensor gate_exps, up_exps; /* expert: [expert_ff][dim] */
+    struct expert_tensor down_exps;          /* expert: [dim][expert_ff] */
     struct ops_matrix shexp_gate_inp;        /* [1][dim] */
     struct ops_matrix shexp_gate, shexp_up;  /* [shexp_ff][dim] */
     struct ops_matrix shexp_down;            /* [dim][shexp_ff] */
@@ -3372,6 +4164,7 @@ struct model_scratch {
     int *top;                /* [B][n_expert_used] chosen experts, best first */
     float *top_w;            /* [B][n_expert_used] renormalised weights */
     int *slot_of;            /* [B * n_expert_used] assignment order grouped by expert */
+    int *want, *want_count;  /* [n_expert] experts routed in a layer, tokens routed to each */
     float *ex_in;            /* [B][dim] tokens gathered for one expert */
     float *ex_g, *ex_u;      /* [B][max(expert_ff, shexp_ff, ff)] */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
@@ -3391,6 +4184,7 @@ struct model {
     struct model_layer_state *state;  /* [n_layers] */
     struct model_scratch s;
     int pos;                          /* tokens already in the state */
+    struct expert_store *experts;     /* routed experts (NULL for a dense model) */
 };
 
 /* An architecture hyper-parameter: ARCH.KEY, required unless DFLT >= 0, within [lo, hi]. */
@@ -3493,21 +4287,14 @@ static const float *model_vector(const struct gguf_file *g, const char *name, in
     return (const float *)t->data;
 }
 
-static struct model_experts model_experts_get(const struct gguf_file *g, const char *name, int64_t n, int64_t rows, int64_t cols)
+static struct expert_tensor model_experts_get(const struct gguf_file *g, const char *name, int64_t n, int64_t rows, int64_t cols)
 {
     int64_t shape[3] = {n, rows, cols};
     const struct gguf_tensor *t = model_tensor_get(g, name, 3, shape);
-    struct model_experts e;
+    struct expert_tensor e;
     e.m = (struct ops_matrix){(enum gguf_type)t->type, t->data, rows, cols, gguf_row_bytes(t->type, cols)};
     e.stride = e.m.row_bytes * (size_t)rows;
     return e;
-}
-
-static struct ops_matrix model_expert(const struct model_experts *e, int expert)
-{
-    struct ops_matrix m = e->m;
-    m.data += (size_t)expert * e->stride;
-    return m;
 }
 
 static const char *model_name(char *buf, int layer, const char *suffix)
@@ -3613,13 +4400,14 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
 }
 
 /* The context to use: the request, else the model's length capped so that the KV cache
- * takes at most a quarter of the memory still available (the rest is for the weights). */
+ * takes at most half of the memory still available, or an eighth when the weights and that
+ * KV cache do not fit together (the rest is the expert cache's, §6). */
 static int model_choose_ctx(const struct model *m, int request)
 {
     if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
     int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
-    int64_t ctx = m->cfg.ctx_train;
-    if (per > 0 && avail > 0 && ctx > avail / 4 / per) ctx = avail / 4 / per;
+    int64_t ctx = m->cfg.ctx_train, need = (int64_t)m->file.tensor_bytes + per * ctx, share = avail > 0 && need > avail ? 8 : 2;
+    if (per > 0 && avail > 0 && ctx > avail / share / per) ctx = avail / share / per;
     return ctx < 256 ? 256 : (int)ctx;
 }
 
@@ -3654,6 +4442,8 @@ static void model_alloc_scratch(struct model *m)
     s->top = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
     s->top_w = model_buf(B, used ? used : 1);
     s->slot_of = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
+    s->want = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
+    s->want_count = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->ex_in = model_buf(B, c->dim);
     s->ex_g = model_buf(B, ffmax ? ffmax : 1);
     s->ex_u = model_buf(B, ffmax ? ffmax : 1);
@@ -3697,6 +4487,73 @@ static void model_reset(struct model *m)
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
  * (0: choose). */
+/* The message for a fault on the mapping: the file shrank or the disk failed under it. A
+ * signal handler may only write(2), so the line is made when the model is loaded. */
+static char model_sigbus_line[1100];
+
+static void model_on_sigbus(int sig)
+{
+    (void)sig;
+    ssize_t r = write(2, model_sigbus_line, strlen(model_sigbus_line));
+    (void)r;
+    _exit(1);
+}
+
+/* Identifies the model a heat file belongs to: the expert geometry and where the experts lie,
+ * and the first 4 KiB of every router (trunk bytes, read on every token anyway). Two files
+ * with the same routers route alike, so their heat is interchangeable. */
+static uint64_t model_fingerprint(const struct model *m)
+{
+    const struct model_config *c = &m->cfg;
+    int64_t geo[4] = {c->n_layers, c->n_expert, c->dim, c->expert_ff};
+    uint64_t h = expert_fnv((const uint8_t *)geo, sizeof geo);
+    for (int i = 0; i < c->n_layers; i++) {
+        const struct model_layer *l = &m->layers[i];
+        const struct expert_tensor *t[3] = {&l->gate_exps, &l->up_exps, &l->down_exps};
+        for (int j = 0; j < 3; j++) {
+            uint64_t d[3] = {(uint64_t)t[j]->m.type, 0, 0}; /* type, part, offset in the part */
+            for (int p = 0; p < m->file.n_parts; p++)
+                if (t[j]->m.data >= m->file.parts[p].data && t[j]->m.data < m->file.parts[p].data + m->file.parts[p].size) {
+                    d[1] = (uint64_t)p;
+                    d[2] = (uint64_t)(t[j]->m.data - m->file.parts[p].data);
+                }
+            h = h * 31 + expert_fnv((const uint8_t *)d, sizeof d);
+        }
+        size_t n = l->router.row_bytes * (size_t)l->router.rows;
+        h = h * 31 + expert_fnv(l->router.data, n < 4096 ? n : 4096);
+    }
+    return h;
+}
+
+/* Bytes of routed experts in the file. */
+static uint64_t model_expert_bytes(const struct model *m)
+{
+    uint64_t n = 0;
+    for (int i = 0; m->cfg.n_expert && i < m->cfg.n_layers; i++) {
+        const struct model_layer *l = &m->layers[i];
+        n += (uint64_t)(l->gate_exps.stride + l->up_exps.stride + l->down_exps.stride) * (uint64_t)m->cfg.n_expert;
+    }
+    return n;
+}
+
+/* (Re)opens the store of routed experts with CFG (a dense model has none). */
+static void model_store_experts(struct model *m, const struct expert_config *cfg)
+{
+    const struct model_config *c = &m->cfg;
+    if (c->n_expert == 0) return;
+    expert_close(m->experts);
+    struct expert_tensor (*t)[3] = plat_alloc((size_t)c->n_layers * sizeof *t);
+    for (int i = 0; i < c->n_layers; i++) {
+        t[i][0] = m->layers[i].gate_exps;
+        t[i][1] = m->layers[i].up_exps;
+        t[i][2] = m->layers[i].down_exps;
+    }
+    m->experts = expert_open(&m->file, (const struct expert_tensor(*)[3])t, c->n_layers, c->n_expert, cfg);
+    free(t);
+}
+
+/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
+ * (0: choose). Routed experts are read in place from the mapping until model_budget_experts. */
 static void model_load(struct model *m, const char *path, int n_ctx)
 {
     memset(m, 0, sizeof *m);
@@ -3706,6 +4563,12 @@ static void model_load(struct model *m, const char *path, int n_ctx)
     m->n_ctx = model_choose_ctx(m, n_ctx);
     model_alloc_state(m);
     model_alloc_scratch(m);
+    struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT};
+    model_store_experts(m, &mapped);
+    snprintf(model_sigbus_line, sizeof model_sigbus_line,
+             "coli: %.1000s: the model file became unreadable while running (truncated, or an I/O error)\n", path);
+    struct sigaction sa = {.sa_handler = model_on_sigbus};
+    sigaction(SIGBUS, &sa, NULL);
 }
 
 static void model_free(struct model *m)
@@ -3717,6 +4580,9 @@ static void model_free(struct model *m)
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(s->top);
     free(s->slot_of);
+    free(s->want);
+    free(s->want_count);
+    expert_close(m->experts);
     for (int i = 0; m->state && i < m->cfg.n_layers; i++) {
         free(m->state[i].k_cache);
         free(m->state[i].v_cache);
@@ -3948,14 +4814,30 @@ static void model_route(struct model *m, const struct model_layer *l, int T)
     }
 }
 
+/* Tells the store which experts layer IL routed its T tokens to (s->top), so that it reads
+ * the missing ones while the shared expert runs. */
+static void model_want_experts(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int n_assign = T * c->n_expert_used, n_want = 0;
+    memset(s->want_count, 0, (size_t)c->n_expert * sizeof *s->want_count);
+    for (int a = 0; a < n_assign; a++) s->want_count[s->top[a]]++;
+    for (int e = 0; e < c->n_expert; e++)
+        if (s->want_count[e]) s->want[n_want++] = e;
+    expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
+}
+
 /* Routed experts for T tokens: each chosen expert runs once over the tokens that chose it,
- * its output landing in ex_out[t * used + k]. */
-static void model_routed_experts(struct model *m, const struct model_layer *l, int T)
+ * its output landing in ex_out[t * used + k]. The store hands the experts out as their bytes
+ * arrive; each output has its own place, so that order does not change the sums. */
+static void model_routed_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     int used = c->n_expert_used, n_assign = T * used;
-    for (int e = 0; e < c->n_expert; e++) {
+    struct ops_matrix w[3]; /* gate, up, down */
+    for (int e; (e = expert_next(m->experts, w)) >= 0;) {
         int n = 0;
         for (int a = 0; a < n_assign; a++)
             if (s->top[a] == e) {
@@ -3963,17 +4845,15 @@ static void model_routed_experts(struct model *m, const struct model_layer *l, i
                 memcpy(s->ex_in + (size_t)n * c->dim, s->xn + (size_t)(a / used) * c->dim, (size_t)c->dim * sizeof(float));
                 n++;
             }
-        if (n == 0) continue;
-        struct ops_matrix gate = model_expert(&l->gate_exps, e), up = model_expert(&l->up_exps, e);
-        struct ops_matrix down = model_expert(&l->down_exps, e);
-        model_swiglu(m, &gate, &up, &down, s->ex_in, s->ex_in, n);
+        model_swiglu(m, &w[0], &w[1], &w[2], s->ex_in, s->ex_in, n);
         for (int i = 0; i < n; i++)
             memcpy(s->ex_out + (size_t)s->slot_of[i] * c->dim, s->ex_in + (size_t)i * c->dim, (size_t)c->dim * sizeof(float));
     }
 }
 
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
- * order of the chosen experts, best first. A dense SwiGLU for qwen35. */
+ * order of the chosen experts, best first. The shared expert runs first, while the store
+ * reads the routed experts that are not in memory. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -3984,11 +4864,12 @@ static void model_ffn(struct model *m, int il, int T)
         return;
     }
     model_route(m, l, T);
-    model_routed_experts(m, l, T);
+    model_want_experts(m, il, T);
     if (c->shexp_ff) {
         ops_matmat(&l->shexp_gate_inp, s->xn, s->sh_gate, T);
         model_swiglu(m, &l->shexp_gate, &l->shexp_up, &l->shexp_down, s->xn, s->sh_out, T);
     }
+    model_routed_experts(m, T);
     for (int t = 0; t < T; t++) {
         float *o = s->out + (size_t)t * c->dim;
         for (int k = 0; k < c->n_expert_used; k++) {
@@ -4001,6 +4882,19 @@ static void model_ffn(struct model *m, int il, int T)
         const float *sh = s->sh_out + (size_t)t * c->dim;
         for (int i = 0; i < c->dim; i++) o[i] += sh[i] * g;
     }
+}
+
+/* Guesses layer IL's routed experts before its attention runs, by applying its router to the
+ * hidden state as it enters the layer (one block changes the residual little), so the store
+ * reads them while the attention runs. Uses xn, router and top, which the layer overwrites. */
+static void model_prefetch(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    const struct model_layer *l = &m->layers[il];
+    for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + (size_t)t * c->dim, s->x + (size_t)t * c->dim, l->post_norm, c->dim, c->eps);
+    model_route(m, l, T);
+    expert_prefetch(m->experts, il, s->top, T * c->n_expert_used);
 }
 
 /* Runs T (<= MODEL_BATCH) tokens at positions pos..pos+T-1 and returns the logits of the
@@ -4016,6 +4910,7 @@ static float *model_forward(struct model *m, const int *tokens, int T)
         quant_dequant_row((enum gguf_type)m->embed->type, m->embed->data + (size_t)tokens[t] * row_bytes, s->x + t * dim, c->dim);
     }
     for (int il = 0; il < c->n_layers; il++) {
+        if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].attn_norm, c->dim, c->eps);
         if (m->layers[il].kind == MODEL_LAYER_ATTENTION) model_attention(m, il, T);
         else model_gated_deltanet(m, il, T);
@@ -4063,6 +4958,47 @@ static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int s
     }
     if (save) cp->pos = m->pos;
     else m->pos = cp->pos;
+}
+
+/* Puts the routed experts behind a RAM budget: RAM bytes, or (RAM < 0) what memory leaves
+ * after the trunk, the KV cache at full context and the recurrent state, less a margin of
+ * 1/16 plus 256 MiB (scratch, thread stacks, the allocator). When the budget holds every
+ * expert they stay in the mapping. HEAT: the heat file (NULL: expert_heat_default). Says
+ * what it chose in one line. */
+static void model_budget_experts(struct model *m, int64_t ram, const char *heat, enum expert_io io)
+{
+    const struct model_config *c = &m->cfg;
+    if (c->n_expert == 0) return;
+    uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
+    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
+    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx, state = 0, avail = plat_mem_available();
+    for (int i = 0; i < c->n_layers; i++)
+        if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(c) * 4;
+    int64_t margin = avail / 16 + (256 << 20), budget = ram;
+    if (ram < 0) budget = avail - (int64_t)trunk - kv - state - margin;
+    uint64_t fp = model_fingerprint(m);
+    char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
+    struct expert_config cfg = {budget >= (int64_t)experts ? -1 : budget, heat_path, fp, io};
+    model_store_experts(m, &cfg);
+    const struct expert_store *s = m->experts;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t a = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    uintptr_t b = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
+    if (!s->mapped && m->lm_head.data != m->embed->data && b > a)
+        madvise((void *)a, b - a, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
+    const char *heat_state = s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
+    if (s->mapped)
+        plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: read in place from the mapping; heat %s (%s)",
+                 c->n_layers * c->n_expert, experts / 1073741824.0, heat_path, heat_state);
+    else
+        plat_log("[experts] cache %.2f GiB%s: %d of %d experts (%.2f MiB each), up to %d pinned; %s, %d readers; heat %s (%s)",
+                 (double)s->n_slots * s->slot_bytes / 1073741824.0, ram < 0 ? "" : " (--ram)", s->n_slots, c->n_layers * c->n_expert,
+                 s->slot_bytes / 1048576.0, s->n_pin, s->cfg.io == EXPERT_IO_DIRECT ? "O_DIRECT" : "buffered+fadvise", s->n_readers,
+                 heat_path, heat_state);
+    if (!s->mapped && ram < 0)
+        plat_log("[experts] budget = %.2f GiB available - %.2f trunk - %.2f KV (context %d) - %.2f state - %.2f margin",
+                 avail / 1073741824.0, trunk / 1073741824.0, kv / 1073741824.0, m->n_ctx, state / 1073741824.0, margin / 1073741824.0);
+    free(heat_path);
 }
 
 /* ==== §9 tokenizer ==== */
@@ -5023,6 +5959,7 @@ struct cmd_options {
     const char *gpu_list;    /* --gpu LIST|off, or COLI_GPUS */
     int64_t vram_bytes;      /* --vram per device, or CUDA_EXPERT_GB */
     const char *place;       /* --place SPEC, or COLI_PLACE */
+    enum expert_io expert_io; /* COLI_EXPERT_IO=direct|buffered: how the expert store reads */
 };
 
 struct cmd_session {
@@ -5088,10 +6025,13 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
+    model_budget_experts(&s->model, o->ram_bytes, o->heat_path, o->expert_io);
 }
 
+/* Saves the heat (the next run starts warm) and frees the session. */
 static void cmd_close(struct cmd_session *s)
 {
+    if (s->model.experts) expert_heat_save(s->model.experts);
     cuda_release_all(); /* residency is keyed by addresses in the mapping model_free unmaps */
     tok_free(&s->tok);
     model_free(&s->model);
@@ -5188,6 +6128,7 @@ static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, con
     double t0 = plat_now();
     float *logits = NULL;
     if (checkpoint) model_checkpoint(m, checkpoint, 1);
+    if (m->experts) expert_phase(m->experts, EXPERT_PHASE_PROMPT);
     for (int i = 0; i < n_prompt; i += MODEL_BATCH) {
         logits = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
         if (cmd_interrupt && checkpoint) { /* Ctrl-C while reading the prompt: as if never sent */
@@ -5202,6 +6143,7 @@ static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, con
     struct sample_candidate *cand = plat_alloc((size_t)n_vocab * sizeof *cand);
     uint64_t rng = o->sample.seed;
     char *piece = plat_alloc(s->tok.max_piece + 1);
+    if (m->experts) expert_phase(m->experts, EXPERT_PHASE_DECODE);
     t0 = plat_now();
     while (g->n_tokens < n_max) {
         float top[5][2] = {{-1, 0}};
@@ -5223,12 +6165,57 @@ static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, con
     free(history);
 }
 
-static void cmd_print_stats(const struct cmd_generation *g)
+static double cmd_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
+
+/* Peak resident set of this process in bytes (VmHWM); -1 if unknown. */
+static int64_t cmd_peak_rss(void)
+{
+    int64_t kib = plat_read_number("/proc/self/status", "VmHWM");
+    return kib < 0 ? -1 : kib * 1024;
+}
+
+/* The expert store's figures since the session opened: hit rates (an expert already in
+ * memory when its layer routed to it), reads, the disk's throughput while reading, how
+ * many routed experts the prefetch guessed, time the forward pass waited for reads. */
+static void cmd_print_expert_stats(struct expert_store *x)
+{
+    struct expert_stats st = expert_stats_get(x);
+    const double gib = 1073741824.0;
+    plat_log("[experts] %s; hits: prompt %.1f%% of %llu, decode %.1f%% of %llu (%.1f%% more under way); read %.2f GiB (%llu experts, %llu prefetched, %llu warming), %.2f GB/s while reading",
+             x->mapped ? "mapped" : "cached", 100 * cmd_ratio(st.hits[0], st.lookups[0]), (unsigned long long)st.lookups[0],
+             100 * cmd_ratio(st.hits[1], st.lookups[1]), (unsigned long long)st.lookups[1], 100 * cmd_ratio(st.inflight[1], st.lookups[1]),
+             st.bytes_read / gib, (unsigned long long)st.reads, (unsigned long long)st.prefetches, (unsigned long long)st.warm_reads,
+             cmd_ratio(st.bytes_read / 1e9, st.busy_s));
+    plat_log("[experts] prefetch guessed %.1f%% of routed experts (prompt %.1f%%); waited for reads %.2f s (prompt %.2f s); peak RSS %.2f GiB",
+             100 * cmd_ratio(st.predicted_used[1], st.routed_seen[1]), 100 * cmd_ratio(st.predicted_used[0], st.routed_seen[0]),
+             st.wait_s[1], st.wait_s[0], cmd_peak_rss() / gib);
+}
+
+static void cmd_print_stats(const struct cmd_session *s, const struct cmd_generation *g)
 {
     int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
     plat_log("[stats] prompt %d tokens, %.1f tok/s; generated %d tokens, %.1f tok/s",
              g->n_prompt, g->prompt_s > 0 ? g->n_prompt / g->prompt_s : 0.0, g->n_tokens,
              g->decode_s > 0 ? n_fwd / g->decode_s : 0.0);
+    if (s->model.experts) cmd_print_expert_stats(s->model.experts);
+}
+
+/* The "experts" object of --json: the figures of cmd_print_expert_stats. */
+static void cmd_json_experts(FILE *f, struct expert_store *x)
+{
+    struct expert_stats st = expert_stats_get(x);
+    fprintf(f, "{\"mode\":\"%s\",\"budget_bytes\":%lld,\"slots\":%d,\"pinned\":%d,\"io\":\"%s\"", x->mapped ? "mapped" : "cached",
+            x->mapped ? -1LL : (long long)x->n_slots * (long long)x->slot_bytes, x->n_slots, x->n_pin,
+            x->mapped ? "mmap" : x->cfg.io == EXPERT_IO_DIRECT ? "direct" : "buffered");
+    fprintf(f, ",\"lookups_prompt\":%llu,\"lookups_decode\":%llu,\"hit_rate_prompt\":%.4f,\"hit_rate_decode\":%.4f",
+            (unsigned long long)st.lookups[0], (unsigned long long)st.lookups[1], cmd_ratio(st.hits[0], st.lookups[0]),
+            cmd_ratio(st.hits[1], st.lookups[1]));
+    fprintf(f, ",\"bytes_read\":%llu,\"reads\":%llu,\"prefetches\":%llu,\"warm_reads\":%llu,\"disk_gb_s\":%.3f,\"read_busy_s\":%.3f",
+            (unsigned long long)st.bytes_read, (unsigned long long)st.reads, (unsigned long long)st.prefetches,
+            (unsigned long long)st.warm_reads, cmd_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);
+    fprintf(f, ",\"prefetch_accuracy_prompt\":%.4f,\"prefetch_accuracy_decode\":%.4f,\"wait_prompt_s\":%.3f,\"wait_decode_s\":%.3f",
+            cmd_ratio(st.predicted_used[0], st.routed_seen[0]), cmd_ratio(st.predicted_used[1], st.routed_seen[1]), st.wait_s[0], st.wait_s[1]);
+    fprintf(f, ",\"peak_rss_bytes\":%lld}", (long long)cmd_peak_rss());
 }
 
 /* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the line stays valid JSON. */
@@ -5265,7 +6252,7 @@ static void cmd_json_ids(FILE *f, const int *ids, int n)
     fputc(']', f);
 }
 
-static void cmd_print_json(const struct cmd_session *s, const int *prompt, const struct cmd_generation *g)
+static void cmd_print_json(struct cmd_session *s, const int *prompt, const struct cmd_generation *g)
 {
     int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
     printf("{\"prompt_tokens\":");
@@ -5283,6 +6270,10 @@ static void cmd_print_json(const struct cmd_session *s, const int *prompt, const
     printf("],\"stop\":\"%s\"", g->stopped_by_eog ? "eog" : g->context_full ? "context" : g->interrupted ? "interrupt" : "length");
     printf(",\"timings\":{\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prompt_s\":%.6f,\"decode_s\":%.6f}",
            g->prompt_s > 0 ? g->n_prompt / g->prompt_s : 0.0, g->decode_s > 0 ? n_fwd / g->decode_s : 0.0, g->prompt_s, g->decode_s);
+    if (s->model.experts) {
+        printf(",\"experts\":");
+        cmd_json_experts(stdout, s->model.experts);
+    }
     printf(",\"n_ctx\":%d,\"threads\":%d,\"kernels\":\"%s\"}\n", s->model.n_ctx, plat_threads(), quant_level_name());
 }
 
@@ -5311,7 +6302,7 @@ static int cmd_run(const struct cmd_options *o)
         putchar('\n');
     }
     if (g.context_full) plat_log("[coli] stopped: the context (%d tokens) is full", s.model.n_ctx);
-    cmd_print_stats(&g);
+    cmd_print_stats(&s, &g);
     cmd_gen_free(&g);
     free(ids);
     free(text);
@@ -5418,7 +6409,7 @@ static int cmd_chat(const struct cmd_options *o)
         }
         if (g.interrupted) fprintf(stderr, "(stopped)\n");
         if (g.context_full) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
-        cmd_print_stats(&g);
+        cmd_print_stats(&s, &g);
         /* the last sampled token was never fed; close the turn the way the template does */
         n_pending = 0;
         if (g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
@@ -5511,11 +6502,18 @@ static int cmd_bench(const struct cmd_options *o)
     cmd_generate(&s, &bo, ids, o->n_bench_prompt, o->n_predict, NULL, NULL, &g);
     int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
     double pp = g.prompt_s > 0 ? g.n_prompt / g.prompt_s : 0, tg = g.decode_s > 0 ? n_fwd / g.decode_s : 0;
-    if (o->json)
-        printf("{\"model\":\"%s\",\"prompt_tokens\":%d,\"gen_tokens\":%d,\"threads\":%d,\"kernels\":\"%s\",\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f}\n",
+    if (o->json) {
+        printf("{\"model\":\"%s\",\"prompt_tokens\":%d,\"gen_tokens\":%d,\"threads\":%d,\"kernels\":\"%s\",\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f",
                o->model, g.n_prompt, g.n_tokens, plat_threads(), quant_level_name(), pp, tg);
-    else
+        if (s.model.experts) {
+            printf(",\"experts\":");
+            cmd_json_experts(stdout, s.model.experts);
+        }
+        printf("}\n");
+    } else {
         printf("prompt: %d tokens, %.2f tok/s\ndecode: %d tokens, %.2f tok/s\n", g.n_prompt, pp, g.n_tokens, tg);
+        if (s.model.experts) cmd_print_expert_stats(s.model.experts);
+    }
     cmd_gen_free(&g);
     free(ids);
     cmd_close(&s);
@@ -5569,17 +6567,20 @@ static const char arg_usage[] =
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
+    "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
+    "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
     "           --place auto|off|COMPONENT=DEVICE,... (lmhead, attnproj, dnproj, dnout, shexp, router, ffn)\n"
     "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
-    "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE as the flags\n";
+    "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE,\n"
+    "           HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts are read)\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
             "  Generates N tokens (default 128) after TEXT. TEXT is raw (special-token texts such as\n"
             "  <|im_start|> are parsed) unless --chat wraps it in the model's chat template.\n"
             "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
-            "  [id, logit] pairs at every generated position), stop, timings. Default: greedy.\n"},
+            "  [id, logit] pairs at every generated position), stop, timings, experts. Default: greedy.\n"},
     {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
              "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
              "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
@@ -5686,6 +6687,10 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         if (*end || !(x >= 0 && x < 1e9)) die_usage("CUDA_EXPERT_GB=%s: not a number of GiB", gb);
         o->vram_bytes = (int64_t)(x * 1073741824.0);
     }
+    if (!o->heat_path) o->heat_path = getenv("HEAT_FILE");
+    const char *io = getenv("COLI_EXPERT_IO");
+    if (io && strcmp(io, "direct") && strcmp(io, "buffered")) die_usage("COLI_EXPERT_IO='%s': use direct or buffered", io);
+    o->expert_io = io && !strcmp(io, "buffered") ? EXPERT_IO_BUFFERED : EXPERT_IO_DIRECT;
 }
 
 static int arg_help(const char *cmd)

@@ -8,6 +8,7 @@ pass=0
 fail=0
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+export HEAT_FILE="$tmp/default.heat" # runs save expert heat; keep it out of ~/.cache
 
 ok() { echo "ok - $1"; pass=$((pass + 1)); }
 bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
@@ -85,6 +86,22 @@ else
         ok "chat: two turns around /reset, then /exit"
     else
         bad "chat session" "rc $rc; $(head -c 400 "$tmp/chat_err")"
+    fi
+
+    # the expert store: a budget of a few experts changes nothing but speed; heat files
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 --ram 1 --heat "$tmp/h.heat" 2>"$tmp/ram_err" | tail -n 1 >"$tmp/t4"
+    if [ -s "$tmp/t4" ] && [ "$(strip "$tmp/t1")" = "$(strip "$tmp/t4")" ] && grep -q '"experts":{"mode":"cached"' "$tmp/t4" && [ -s "$tmp/h.heat" ]; then
+        ok "run --ram 1: same tokens and logits from a 4-expert cache; heat saved"
+    else
+        bad "run --ram 1" "outputs differ or no heat file; $(head -c 300 "$tmp/ram_err")"
+    fi
+    printf 'COLIHEAT-but-not-really' >"$tmp/bad.heat"
+    rc=0
+    HEAT_FILE="$tmp/bad.heat" "$COLI" run -m "$M" -p "$P" -n 2 --ram 1 >/dev/null 2>"$tmp/heat_err" || rc=$?
+    if [ "$rc" = 0 ] && [ "$(grep -c 'heat file .*bad.heat: .*; ignored' "$tmp/heat_err")" = 1 ]; then
+        ok "HEAT_FILE: a corrupt heat file is ignored with one line"
+    else
+        bad "corrupt HEAT_FILE" "rc $rc; $(head -c 400 "$tmp/heat_err")"
     fi
 fi
 

@@ -1,0 +1,288 @@
+/* test_experts: the expert store (§6). Every golden model run with the experts behind a tiny
+ * budget (4 slots: one layer's experts do not fit), a middling one and a warm heat file gives
+ * the same tokens and logits, bit for bit, as the experts read in place from the mapping.
+ * The heat file round-trips; a corrupt one, one of another version and one of another model
+ * are each ignored with one line. A model file that fails (I/O error) or shrinks while
+ * running ends the run with one `coli: FILE: ...` line and exit status 1.
+ *
+ * usage: test_experts [GOLDEN_DIR] [--quick]     (--quick: the first case of each model) */
+#define COLI_NO_MAIN
+#include "../coli.c"
+#include "minijson.h"
+
+#include <dirent.h>
+#include <sys/wait.h>
+
+#define GEN 16
+
+static int n_pass, n_fail;
+
+static void check(int ok, const char *name, const char *fmt, ...)
+{
+    if (ok) {
+        printf("ok - %s\n", name);
+        n_pass++;
+        return;
+    }
+    va_list ap;
+    printf("FAIL - %s: ", name);
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf("\n");
+    n_fail++;
+}
+
+/* Runs PROMPT (in batches) then GEN greedy tokens from position 0; returns a hash of every
+ * logit row and token, so two runs agree bit for bit iff their hashes do. */
+static uint64_t run_hash(struct model *m, const int *prompt, int n_prompt)
+{
+    int V = m->cfg.n_vocab;
+    uint64_t h = 14695981039346656037ull;
+    model_reset(m);
+    float *lg = NULL;
+    for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
+    for (int g = 0; g < GEN; g++) {
+        int tok = sample_argmax(lg, V);
+        h = (h ^ expert_fnv((const uint8_t *)lg, (size_t)V * sizeof(float))) * 1099511628211ull;
+        h = (h ^ (uint64_t)tok) * 1099511628211ull;
+        if (g + 1 < GEN) lg = model_forward(m, &tok, 1);
+    }
+    return h;
+}
+
+static void store_with(struct model *m, int64_t budget, const char *heat_path)
+{
+    struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT};
+    model_store_experts(m, &cfg);
+}
+
+/* The prompts of a golden case file: [n][len] in *LENS; returns n. */
+static int load_prompts(const struct mj *root, int max, int **prompts, int *lens)
+{
+    const struct mj *cases = mj_get(root, "cases");
+    int n = 0;
+    for (size_t ci = 0; ci < mj_len(cases) && n < max; ci++, n++) {
+        const struct mj *pt = mj_get(mj_at(cases, ci), "prompt_tokens");
+        lens[n] = (int)mj_len(pt);
+        prompts[n] = plat_alloc((size_t)lens[n] * sizeof(int));
+        for (int i = 0; i < lens[n]; i++) prompts[n][i] = (int)mj_num(mj_at(pt, (size_t)i), -1);
+    }
+    return n;
+}
+
+/* One golden model: the plain run, then the same cases through the store with budgets of 4
+ * slots, half the experts, and 4 slots again warm from the heat the previous runs saved. */
+static void test_golden_model(const char *dir, const char *json_name, int quick)
+{
+    char path[1024], name[400], heat[] = "/tmp/coli_test_heat_XXXXXX";
+    snprintf(path, sizeof path, "%s/%s", dir, json_name);
+    struct mj *root = mj_load(path);
+    if (!root) { check(0, json_name, "cannot read"); return; }
+    size_t len;
+    const char *model_file = mj_str(mj_get(root, "model"), &len);
+    snprintf(path, sizeof path, "%s/%s", dir, model_file);
+    int *prompts[8], lens[8], n = load_prompts(root, quick ? 1 : 8, prompts, lens);
+    struct model m;
+    model_load(&m, path, 512);
+    close(mkstemp(heat));
+    unlink(heat);
+    uint64_t want[8];
+    for (int i = 0; i < n; i++) want[i] = run_hash(&m, prompts[i], lens[i]);
+    size_t slot = 0;
+    struct { const char *what; int64_t budget; const char *heat; } runs[] = {
+        {"4 slots", 0, heat}, {"half the experts", -2, NULL}, {"4 slots, warm from the heat file", 0, heat},
+    };
+    for (size_t r = 0; r < sizeof runs / sizeof *runs; r++) {
+        int64_t budget = runs[r].budget == -2 ? (int64_t)(slot * (size_t)m.cfg.n_layers * (size_t)m.cfg.n_expert / 2) : runs[r].budget;
+        store_with(&m, budget, runs[r].heat);
+        slot = m.experts->slot_bytes;
+        int same = 1, loaded = m.experts->heat_loaded;
+        for (int i = 0; i < n; i++) same &= run_hash(&m, prompts[i], lens[i]) == want[i];
+        struct expert_stats st = expert_stats_get(m.experts);
+        snprintf(name, sizeof name, "%s: experts cached in %s (%d slots, %llu reads) bit-identical to the mapping", model_file,
+                 runs[r].what, m.experts->n_slots, (unsigned long long)st.reads);
+        check(same && st.reads > 0 && (r < 2 || loaded), name, "logits or tokens differ (heat loaded %d)", loaded);
+        expert_heat_save(m.experts);
+    }
+    unlink(heat);
+    for (int i = 0; i < n; i++) free(prompts[i]);
+    model_free(&m);
+    mj_free(root);
+}
+
+/* Runs FN(ARG) with stderr going to a temporary file; returns what it wrote (allocated). */
+static char *capture_stderr(void (*fn)(void *), void *arg)
+{
+    char tmp[] = "/tmp/coli_test_err_XXXXXX", *buf = plat_zalloc(4096, 1);
+    int fd = mkstemp(tmp), saved = dup(2);
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    ssize_t k = pread(fd, buf, 4095, 0);
+    buf[k > 0 ? k : 0] = 0;
+    close(fd);
+    unlink(tmp);
+    return buf;
+}
+
+struct heat_probe {
+    struct model *m;
+    const char *path;
+    int loaded;
+};
+
+static void open_with_heat(void *arg)
+{
+    struct heat_probe *p = arg;
+    store_with(p->m, 0, p->path);
+    p->loaded = p->m->experts->heat_loaded;
+}
+
+/* Overwrites N bytes at OFFSET of FILE with BYTES (or truncates to OFFSET when BYTES is NULL). */
+static void patch_file(const char *file, long offset, const void *bytes, size_t n)
+{
+    int fd = open(file, O_RDWR);
+    if (bytes) {
+        if (pwrite(fd, bytes, n, offset) != (ssize_t)n) perror("pwrite");
+    } else if (ftruncate(fd, offset) != 0) perror("ftruncate");
+    close(fd);
+}
+
+/* Expects opening a store on heat file PATH to ignore it with one line containing WANT. */
+static void expect_heat_ignored(struct model *m, const char *path, const char *label, const char *want)
+{
+    struct heat_probe p = {m, path, -1};
+    char *err = capture_stderr(open_with_heat, &p);
+    char *nl = strchr(err, '\n');
+    int one_line = nl && nl[1] == 0 && strstr(err, path) && strstr(err, want);
+    check(p.loaded == 0 && one_line, label, "loaded %d, stderr '%s'", p.loaded, err);
+    free(err);
+}
+
+static void test_heat_file(const char *dir)
+{
+    char path[1024], other[1024], heat[] = "/tmp/coli_test_heat_XXXXXX";
+    snprintf(path, sizeof path, "%s/q35moe-q8_0.gguf", dir);
+    snprintf(other, sizeof other, "%s/q35moe-q4_0.gguf", dir);
+    close(mkstemp(heat));
+    unlink(heat);
+    struct model m, o;
+    model_load(&m, path, 64);
+    int prompt[3] = {1000, 879, 13};
+    store_with(&m, 0, heat);
+    run_hash(&m, prompt, 3);
+    float *saved = plat_alloc((size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
+    memcpy(saved, m.experts->heat, (size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
+    expert_heat_save(m.experts);
+    store_with(&m, 0, heat);
+    int same = m.experts->heat_loaded && !memcmp(saved, m.experts->heat, (size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
+    check(same, "heat file: saved and read back unchanged", "loaded %d", m.experts->heat_loaded);
+
+    model_load(&o, other, 64);
+    expect_heat_ignored(&o, heat, "heat file of another model ignored with one line", "written for another model");
+    model_free(&o);
+    uint32_t v2 = 2;
+    patch_file(heat, 8, &v2, 4);
+    expect_heat_ignored(&m, heat, "heat file of another version ignored with one line", "another version");
+    v2 = EXPERT_HEAT_VERSION;
+    patch_file(heat, 8, &v2, 4);
+    patch_file(heat, EXPERT_HEAT_HEADER + 4, "\x7f", 1);
+    expect_heat_ignored(&m, heat, "corrupt heat file ignored with one line", "corrupt (checksum mismatch)");
+    patch_file(heat, 20, NULL, 0);
+    expect_heat_ignored(&m, heat, "truncated heat file ignored with one line", "not a coli heat file");
+    patch_file(heat, 0, "GGUF", 4);
+    expect_heat_ignored(&m, heat, "a file of another kind ignored with one line", "not a coli heat file");
+    unlink(heat);
+    free(saved);
+    model_free(&m);
+}
+
+/* In a child: loads a copy of the golden model behind 4 slots, runs a few tokens, breaks
+ * the file (HOW: 0 an I/O error on every read, 1 truncated to half), runs on. Expects exit
+ * status 1 and one stderr line `coli: COPY: ...` containing WANT. */
+static void expect_read_failure(const char *dir, int how, const char *label, const char *want)
+{
+    char src[1024], copy[] = "/tmp/coli_test_model_XXXXXX", buf[2048] = "";
+    snprintf(src, sizeof src, "%s/q35moe-q8_0.gguf", dir);
+    int fd = mkstemp(copy);
+    struct plat_map map;
+    if (plat_map_file(src, &map) != 0 || write(fd, map.data, map.size) != (ssize_t)map.size) { check(0, label, "copy"); return; }
+    close(fd);
+    int fds[2];
+    if (pipe(fds) != 0) { check(0, label, "pipe"); return; }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        struct model m;
+        int prompt[3] = {1000, 879, 13};
+        model_load(&m, copy, 64);
+        store_with(&m, 0, NULL);
+        run_hash(&m, prompt, 3);
+        if (how == 0) { /* every later read of the store fails with EISDIR */
+            int d = open("/tmp", O_RDONLY | O_DIRECTORY);
+            dup2(d, m.experts->fds[0]);
+        } else patch_file(copy, (long)(map.size / 2), NULL, 0);
+        run_hash(&m, prompt, 3);
+        _exit(0);
+    }
+    close(fds[1]);
+    size_t n = 0;
+    ssize_t k;
+    while (n < sizeof buf - 1 && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    char *nl = strchr(buf, '\n'), head[1100];
+    snprintf(head, sizeof head, "coli: %s: ", copy);
+    int one_line = nl && nl[1] == 0 && !strncmp(buf, head, strlen(head)) && strstr(buf, want);
+    check(WIFEXITED(status) && WEXITSTATUS(status) == 1 && one_line, label, "status %d, stderr '%s'", status, buf);
+    plat_unmap_file(&map);
+    unlink(copy);
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int main(int argc, char **argv)
+{
+    const char *dir = "../shared/golden";
+    int quick = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = 1;
+        else dir = argv[i];
+    }
+    plat_cpu_detect();
+    quant_init();
+    /* One thread: test_model covers thread counts, and a second OpenMP thread spinning while
+     * the main thread waits for a read makes this test 30x slower on a busy machine. */
+    omp_set_num_threads(1);
+    DIR *d = opendir(dir);
+    if (!d) {
+        printf("ok - golden models # SKIP %s absent\n1 passed, 0 failed\n", dir);
+        return 0;
+    }
+    char *names[64];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 64) {
+        size_t len = strlen(e->d_name);
+        if (len > 5 && !strcmp(e->d_name + len - 5, ".json") && strncmp(e->d_name, "tokenizer", 9) && strcmp(e->d_name, "calibration.json"))
+            names[n++] = plat_strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, (size_t)n, sizeof *names, by_name);
+    expect_read_failure(dir, 0, "an I/O error while running: one line, exit 1", "failed: Is a directory");
+    expect_read_failure(dir, 1, "the model file truncated while running: one line, exit 1", "while running");
+    test_heat_file(dir);
+    for (int i = 0; i < n; i++) {
+        test_golden_model(dir, names[i], quick);
+        free(names[i]);
+    }
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail != 0;
+}
