@@ -2111,6 +2111,42 @@ static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int
     ops_rows(w, act, stride, y, n);
 }
 
+/* One matrix-vector product of a batch: y[rows] = W·x[cols]. */
+struct ops_job {
+    struct ops_matrix w;
+    const float *x;
+    float *y;
+};
+
+#define OPS_MAX_JOBS 64
+
+/* Every job's product in one parallel loop over all their rows; each y bit-identical to
+ * ops_matvec. Many small products (a token's routed experts: 8 gates and ups of 512 rows, then
+ * 8 downs) would otherwise each pay a parallel region and its barrier, and leave each thread
+ * one matrix's worth of rows in flight. Caller: as ops_matvec; at most OPS_MAX_JOBS jobs; no y
+ * is another job's x. */
+static void ops_matvec_jobs(const struct ops_job *jobs, int n_jobs) {
+    size_t off[OPS_MAX_JOBS + 1] = {0};
+    int64_t first_chunk[OPS_MAX_JOBS + 1] = {0};
+    if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
+    for (int j = 0; j < n_jobs; j++) {
+        ops_check_matrix(&jobs[j].w);
+        off[j + 1] = off[j] + ops_act_stride(&jobs[j].w);
+        first_chunk[j + 1] = first_chunk[j] + (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
+    }
+    uint8_t *act = ops_act_scratch(off[n_jobs] ? off[n_jobs] : 1);
+    for (int j = 0; j < n_jobs; j++) quant_act_prepare(jobs[j].w.type, jobs[j].x, jobs[j].w.cols, act + off[j]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
+        int j = 0;
+        while (c >= first_chunk[j + 1]) j++;
+        const struct ops_matrix *w = &jobs[j].w;
+        int64_t r0 = (c - first_chunk[j]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
+        for (int64_t r = r0; r < r1; r++)
+            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], off[j + 1] - off[j], 1, w->cols, jobs[j].y + r, (size_t)w->rows);
+    }
+}
+
 /* ---- kernel benchmark ---- */
 
 /* Sum of n uint64 (n a multiple of 16), one pass of pure reads. */
@@ -4831,12 +4867,38 @@ static void model_want_experts(struct model *m, int il, int T)
 /* Routed experts for T tokens: each chosen expert runs once over the tokens that chose it,
  * its output landing in ex_out[t * used + k]. The store hands the experts out as their bytes
  * arrive; each output has its own place, so that order does not change the sums. */
+/* One token's routed experts with their weights read in place: all gates and ups in one
+ * batch of products, then all downs in another (each bit-identical to ops_matmat of one column). */
+static void model_routed_experts_mapped_token(struct model *m)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    int used = c->n_expert_used, ff = c->expert_ff;
+    struct ops_job up_jobs[OPS_MAX_JOBS], down_jobs[OPS_MAX_JOBS / 2];
+    struct ops_matrix w[3];
+    for (int e, n = 0; (e = expert_next(m->experts, w)) >= 0; n++) {
+        int k = 0;
+        while (s->top[k] != e) k++;
+        up_jobs[2 * k] = (struct ops_job){w[0], s->xn, s->ex_g + (size_t)k * ff};
+        up_jobs[2 * k + 1] = (struct ops_job){w[1], s->xn, s->ex_u + (size_t)k * ff};
+        down_jobs[k] = (struct ops_job){w[2], s->ex_g + (size_t)k * ff, s->ex_out + (size_t)k * c->dim};
+    }
+    ops_matvec_jobs(up_jobs, 2 * used);
+    for (size_t i = 0; i < (size_t)used * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+    ops_matvec_jobs(down_jobs, used);
+}
+
 static void model_routed_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     int used = c->n_expert_used, n_assign = T * used;
     struct ops_matrix w[3]; /* gate, up, down */
+    /* in place from the mapping, a pointer stays valid after the next expert_next: batch them */
+    if (T == 1 && m->experts->mapped && 2 * used <= OPS_MAX_JOBS) {
+        model_routed_experts_mapped_token(m);
+        return;
+    }
     for (int e; (e = expert_next(m->experts, w)) >= 0;) {
         int n = 0;
         for (int a = 0; a < n_assign; a++)
