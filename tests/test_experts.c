@@ -8,6 +8,7 @@
  * usage: test_experts [GOLDEN_DIR] [--quick]     (--quick: the first case of each model) */
 #define COLI_NO_MAIN
 #include "../coli.c"
+#include "check.h"
 #include "minijson.h"
 
 #include <dirent.h>
@@ -15,23 +16,6 @@
 
 #define GEN 16
 
-static int n_pass, n_fail;
-
-static void check(int ok, const char *name, const char *fmt, ...)
-{
-    if (ok) {
-        printf("ok - %s\n", name);
-        n_pass++;
-        return;
-    }
-    va_list ap;
-    printf("FAIL - %s: ", name);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    n_fail++;
-}
 
 /* Runs PROMPT (in batches) then GEN greedy tokens from position 0; returns a hash of every
  * logit row and token, so two runs agree bit for bit iff their hashes do. */
@@ -79,8 +63,9 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     snprintf(path, sizeof path, "%s/%s", dir, json_name);
     struct mj *root = mj_load(path);
     if (!root) { check(0, json_name, "cannot read"); return; }
-    size_t len;
+    size_t len = 0;
     const char *model_file = mj_str(mj_get(root, "model"), &len);
+    if (!model_file) { check(0, json_name, "no model name"); mj_free(root); return; }
     snprintf(path, sizeof path, "%s/%s", dir, model_file);
     int *prompts[8], lens[8], n = load_prompts(root, quick ? 1 : 8, prompts, lens);
     struct model m;
@@ -283,6 +268,5 @@ int main(int argc, char **argv)
         test_golden_model(dir, names[i], quick);
         free(names[i]);
     }
-    printf("%d passed, %d failed\n", n_pass, n_fail);
-    return n_fail != 0;
+    return check_done();
 }

@@ -5,6 +5,7 @@
  * usage: test_model [GOLDEN_DIR] [--quick]     (--quick: best level, 1 thread; for sanitizers) */
 #define COLI_NO_MAIN
 #include "../coli.c"
+#include "check.h"
 #include "minijson.h"
 
 #include <dirent.h>
@@ -12,23 +13,6 @@
 
 #define GEN 32
 
-static int n_pass, n_fail;
-
-static void check(int ok, const char *name, const char *fmt, ...)
-{
-    if (ok) {
-        printf("ok - %s\n", name);
-        n_pass++;
-        return;
-    }
-    va_list ap;
-    printf("FAIL - %s: ", name);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    n_fail++;
-}
 
 /* What one case produced: greedy tokens and the full logit row at every position. */
 struct run {
@@ -150,7 +134,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     snprintf(path, sizeof path, "%s/%s", dir, json_name);
     struct mj *root = mj_load(path);
     if (!root) { check(0, json_name, "cannot read"); return; }
-    size_t len;
+    size_t len = 0;
     const char *model_file = mj_str(mj_get(root, "model"), &len);
     double tol = mj_num(mj_get(mj_get(root, "tolerance"), "logit_abs"), 0);
     const struct mj *cases = mj_get(root, "cases");
@@ -338,6 +322,5 @@ int main(int argc, char **argv)
         free(names[i]);
     }
     test_bad_models(dir);
-    printf("%d passed, %d failed\n", n_pass, n_fail);
-    return n_fail != 0;
+    return check_done();
 }
