@@ -8,7 +8,6 @@
 #include "check.h"
 #include "minijson.h"
 
-#include <dirent.h>
 #include <sys/wait.h>
 
 #define GEN 32
@@ -289,34 +288,19 @@ static void test_bad_models(const char *dir)
     unlink(dst);
 }
 
-static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
-
 int main(int argc, char **argv)
 {
-    const char *dir = "../shared/golden";
-    int quick = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--quick")) quick = 1;
-        else dir = argv[i];
-    }
+    const char *dir;
+    int quick;
+    char *names[64];
+    check_args(argc, argv, &dir, &quick);
     plat_cpu_detect();
     quant_init();
-    DIR *d = opendir(dir);
-    if (!d) {
-        printf("ok - golden models # SKIP %s absent\n", dir);
-        printf("1 passed, 0 failed\n");
-        return 0;
+    int n = check_golden_cases(dir, names, 64);
+    if (n < 0) {
+        check(1, "golden models # SKIP golden data absent", "");
+        return check_done();
     }
-    char *names[64];
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) && n < 64) {
-        size_t len = strlen(e->d_name);
-        if (len > 5 && !strcmp(e->d_name + len - 5, ".json") && strncmp(e->d_name, "tokenizer", 9) && strcmp(e->d_name, "calibration.json"))
-            names[n++] = plat_strdup(e->d_name);
-    }
-    closedir(d);
-    qsort(names, (size_t)n, sizeof *names, by_name);
     for (int i = 0; i < n; i++) {
         test_golden_model(dir, names[i], quick);
         free(names[i]);
