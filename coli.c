@@ -16,7 +16,7 @@
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
- *   §11 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize
+ *   §11 frontends  cmd_     run, chat, plan, bench, info, tokenize
  *   §12 main       arg_     argument parsing and dispatch
  *
  * Conventions: everything is static; every function carries its section prefix; shapes are
