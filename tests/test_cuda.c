@@ -5,20 +5,8 @@
  * Usage: test_cuda [golden_dir] [--quick]. Run from the repository root (build.sh does). */
 #define COLI_NO_MAIN
 #include "../coli.c"
+#include "check.h"
 
-static int t_pass, t_fail;
-
-static void check(int ok, const char *name, const char *fmt, ...)
-{
-    if (ok) { printf("ok - %s\n", name); t_pass++; return; }
-    printf("FAIL - %s: ", name);
-    va_list ap;
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    t_fail++;
-}
 
 static uint64_t rng = 0x243f6a8885a308d3ULL;
 static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
@@ -115,19 +103,15 @@ int main(int argc, char **argv)
     cuda_start(real ? "0" : NULL, -1);
     check(cuda.ready && cuda.n_devices >= (real ? 1 : 2), real ? "system driver: a device ready" : "fake driver: 2 devices ready",
           "%s", cuda.why);
-    if (!cuda.ready) {
-        printf("%d passed, %d failed\n", t_pass, t_fail);
-        return 1;
-    }
+    if (!cuda.ready) return check_done(); /* the check above failed: nothing else can run */
     if (real) printf("# device 0: %s, compute %d.%d\n", cuda.dev[0].name, cuda.dev[0].cc_major, cuda.dev[0].cc_minor);
     else check(cuda.dev[0].pci_bus < cuda.dev[1].pci_bus && !strcmp(cuda.dev[0].name, "Fake GPU B"),
                "devices in PCI bus order, not the driver's", "%s first", cuda.dev[0].name);
     double us = cuda_measure_call();
     printf("ok - one wrapped driver call: %.3f us (glibc build: lock and signal mask, no thread-pointer switch)\n", us);
-    t_pass++;
+    n_pass++;
     test_kernels(quick, real);
     if (!real) test_failures();
     cuda_stop();
-    printf("%d passed, %d failed\n", t_pass, t_fail);
-    return t_fail != 0;
+    return check_done();
 }

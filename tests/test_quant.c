@@ -1,19 +1,7 @@
 /* Tests for coli §3 quant and the §4 matrix products. Usage: test_quant [golden_dir] */
 #define COLI_NO_MAIN
 #include "../coli.c"
-
-static int t_pass, t_fail;
-
-static void check(int ok, const char *name, const char *fmt, ...) {
-    if (ok) { printf("ok - %s\n", name); t_pass++; return; }
-    printf("FAIL - %s: ", name);
-    va_list ap;
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    t_fail++;
-}
+#include "check.h"
 
 /* ---- deterministic random ---- */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
@@ -260,7 +248,7 @@ static void test_golden(const char *dir) {
     char path[1024];
     snprintf(path, sizeof path, "%s/q35moe-q4_0.json", dir);
     FILE *f = fopen(path, "rb");
-    if (!f) { printf("ok - golden dequant # SKIP golden data absent (%s)\n", dir); t_pass++; return; }
+    if (!f) { printf("ok - golden dequant # SKIP golden data absent (%s)\n", dir); n_pass++; return; }
     fclose(f);
     int total = 0;
     for (size_t i = 0; i < sizeof stems / sizeof stems[0]; i++) total += golden_file(dir, stems[i]);
@@ -535,6 +523,5 @@ int main(int argc, char **argv) {
     test_ops();
     test_matmat_columns();
     free(ops_act_buf);
-    printf("%d passed, %d failed\n", t_pass, t_fail);
-    return t_fail ? 1 : 0;
+    return check_done();
 }
