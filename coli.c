@@ -2302,8 +2302,30 @@ static void ops_l2norm(float *x, int n, float eps)
     for (int i = 0; i < n; i++) x[i] *= scale;
 }
 
-static float ops_silu(float x) { return x / (1.0f + expf(-x)); }
-static float ops_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* e^x with the same bits on every CPU and on the GPU (kernels.cu's exp_canonical, operation
+ * for operation): x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^10 in double
+ * (relative error < 1e-12), scaled by 2^n, rounded once to float. libm's expf differs between
+ * libcs and from CUDA's; this one is correctly rounded but for ~1 case in 10^5. */
+static float ops_exp(float x)
+{
+    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    if (x != x) return x;
+    if (x > 88.8f) return INFINITY;
+    if (x < -104.0f) return 0.0f;
+    const double shift = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
+    double n = ((double)x * 1.4426950408889634 + shift) - shift;
+    double r = (double)x - n * 0.6931471805599453, p = 1.0 / 3628800.0;
+    for (int i = 0; i < 10; i++) p = p * r + inv_fact[i];
+    uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return (float)(p * scale);
+}
+
+/* The activations the GPU computes too (the experts' SwiGLU), hence ops_exp. */
+static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
+static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 
 /* log(1 + e^x), switching to x above 20 as the reference does. */
 static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -2502,7 +2524,7 @@ CUDA_WRAP(dtoh, (void *d, cuda_ptr s, size_t n), (d, s, n))
 CUDA_WRAP(module_load, (cuda_handle *m, const void *img, unsigned n, int *o, void **v), (m, img, n, o, v))
 CUDA_WRAP(module_unload, (cuda_handle m), (m))
 CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
-CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned bx, void **p), (f, gx, 1, 1, bx, 1, 1, 0, NULL, p, NULL))
+CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned gy, unsigned bx, void **p), (f, gx, gy, 1, bx, 1, 1, 0, NULL, p, NULL))
 #undef CUDA_WRAP
 
 /* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
@@ -2951,13 +2973,19 @@ struct cuda_device {
     int selected, usable;
     cuda_handle ctx, module;
     cuda_handle matvec[GGUF_TYPE_COUNT]; /* the kernel matvec_<type>, NULL where none */
+    cuda_handle moe_gate_up[GGUF_TYPE_COUNT], moe_down[GGUF_TYPE_COUNT];
+    cuda_handle quantize[3];             /* by enum quant_act_kind */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
+    cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
+    size_t moe_cap, moe_out;             /* its size; where the batch in flight left its outputs */
+    int moe_jobs, moe_dim;               /* the batch in flight: jobs, floats per output; 0 none */
 };
 
-/* A weight matrix resident on a device: the GEMVs over HOST run there. */
-struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; };
+/* A weight matrix resident on a device: the GEMVs over HOST run there (an expert's copy is
+ * listed with MATVEC 0: only the expert kernels read it). */
+struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; int matvec; };
 
 static struct {
     int started, ready;        /* cuda_start ran; some device can compute */
@@ -2967,7 +2995,10 @@ static struct {
     struct cuda_resident *res;
     int n_res, cap_res;
     double call_us;            /* measured cost of one wrapped driver call */
-    long calls;                /* driver calls made by offloaded GEMVs */
+    long calls;                /* driver calls made by offloaded work (GEMVs, expert batches) */
+    long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
+    uint8_t *stage;            /* host staging of an expert batch's upload */
+    size_t stage_cap;
 } cuda;
 
 static int cuda_pci_order(const void *a, const void *b)
@@ -3008,6 +3039,7 @@ static int cuda_enumerate(char *why, size_t cap)
 static int cuda_use(int i)
 {
     if (cuda.current == i) return 0;
+    cuda.calls++;
     if (cuda_ctx_set(cuda.dev[i].ctx)) return -1;
     cuda.current = i;
     return 0;
@@ -3019,6 +3051,15 @@ static const char *cuda_first_line(char *log)
     char *nl = strchr(log, '\n');
     if (nl) *nl = 0;
     return log[0] ? log : "no log";
+}
+
+/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, NULL where it has none. */
+static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *type, cuda_handle *fn)
+{
+    char name[64];
+    snprintf(name, sizeof name, "%s%s", prefix, type);
+    for (char *p = name; *p; p++) *p = (char)tolower((unsigned char)*p);
+    if (cuda_module_function(fn, d->module, name)) *fn = NULL;
 }
 
 /* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX
@@ -3037,12 +3078,14 @@ static int cuda_open_device(int i, char *why, size_t cap)
     r = cuda_module_load(&d->module, cuda_ptx, 4, opts, vals);
     if (r) return snprintf(why, cap, "cuda %d: loading kernels.ptx: %s: %.200s", i, cuda_error_name(r, e, sizeof e), cuda_first_line(err)), -1;
     for (int t = 0; t < GGUF_TYPE_COUNT; t++) {
-        char name[64];
         if (!gguf_types[t].name) continue;
-        snprintf(name, sizeof name, "matvec_%s", gguf_types[t].name);
-        for (char *p = name; *p; p++) *p = (char)tolower((unsigned char)*p);
-        if (cuda_module_function(&d->matvec[t], d->module, name)) d->matvec[t] = NULL;
+        cuda_kernel(d, "matvec_", gguf_types[t].name, &d->matvec[t]);
+        cuda_kernel(d, "moe_gate_up_", gguf_types[t].name, &d->moe_gate_up[t]);
+        cuda_kernel(d, "moe_down_", gguf_types[t].name, &d->moe_down[t]);
     }
+    cuda_kernel(d, "quantize_", "float", &d->quantize[QUANT_ACT_FLOAT]);
+    cuda_kernel(d, "quantize_", "q8", &d->quantize[QUANT_ACT_Q8]);
+    cuda_kernel(d, "quantize_", "q8k", &d->quantize[QUANT_ACT_Q8K]);
     d->usable = 1;
     return 0;
 }
@@ -3120,8 +3163,10 @@ static void cuda_start(const char *list, int64_t vram_bytes)
  * must end before that memory is unmapped or reused. */
 static void cuda_release_all(void)
 {
-    if (cuda.calls) plat_log("[cuda] %ld products ran on the device%s, %ld driver calls", cuda.calls / 3, cuda.n_devices > 1 ? "s" : "", cuda.calls);
-    cuda.calls = 0;
+    if (cuda.products || cuda.batches)
+        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls", cuda.products,
+                 cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda.calls);
+    cuda.calls = cuda.products = cuda.batches = cuda.jobs = 0;
     for (int k = 0; k < cuda.n_res; k++)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
     for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = 0;
@@ -3135,20 +3180,23 @@ static void cuda_stop(void)
 {
     cuda_release_all();
     free(cuda.res);
+    free(cuda.stage);
     cuda.res = NULL;
-    cuda.cap_res = 0;
+    cuda.stage = NULL;
+    cuda.cap_res = cuda.stage_cap = 0;
     for (int i = 0; i < cuda.n_devices; i++) {
         struct cuda_device *d = &cuda.dev[i];
         if (!d->ctx) continue;
         if (cuda_use(i) == 0) {
             if (d->act) cuda_mem_free(d->act);
             if (d->y) cuda_mem_free(d->y);
+            if (d->moe) cuda_mem_free(d->moe);
             if (d->module) cuda_module_unload(d->module);
         }
         cuda_ctx_release(d->id);
         d->ctx = NULL;
-        d->act = d->y = 0;
-        d->act_cap = d->y_cap = 0;
+        d->act = d->y = d->moe = 0;
+        d->act_cap = d->y_cap = d->moe_cap = 0;
     }
     cuda.ready = 0;
 }
@@ -3206,7 +3254,7 @@ static int cuda_rows(const struct ops_matrix *w, const uint8_t *acts, size_t str
 {
     const struct cuda_resident *res = NULL;
     for (int k = 0; k < cuda.n_res && !res; k++)
-        if (cuda.res[k].host == w->data) res = &cuda.res[k];
+        if (cuda.res[k].host == w->data && cuda.res[k].matvec) res = &cuda.res[k];
     if (!res || n < 1) return 0;
     struct cuda_device *d = &cuda.dev[res->dev];
     size_t act_bytes = stride * (size_t)n, y_bytes = (size_t)n * (size_t)w->rows * sizeof(float);
@@ -3221,37 +3269,149 @@ static int cuda_rows(const struct ops_matrix *w, const uint8_t *acts, size_t str
     int rows = (int)w->rows, cols = (int)w->cols;
     void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &n};
     unsigned blocks = (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS);
-    if ((r = cuda_htod(ap, acts, act_bytes)) || (r = cuda_launch(d->matvec[w->type], blocks, 32 * CUDA_WARPS, params)) ||
+    if ((r = cuda_htod(ap, acts, act_bytes)) || (r = cuda_launch(d->matvec[w->type], blocks, 1, 32 * CUDA_WARPS, params)) ||
         (r = cuda_dtoh(y, yp, y_bytes))) {
         cuda_fail("GEMV on the device", r);
         return 0;
     }
     cuda.calls += 3;
+    cuda.products++;
     return 1;
 }
 
-/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
- * changed) when the budget or the device's memory is short: out of memory is not a failure of
- * the GPU path, the matrix just stays on the CPU. */
-static int cuda_make_resident(const struct ops_matrix *w, int dev)
+static size_t cuda_align(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* Copies N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, each at a 256-byte
+ * boundary, charged to its budget, and lists it under SRC[0] (MATVEC: ops_rows may run that
+ * matrix's GEMVs there). Returns the device address, or 0 (nothing changed) when the budget
+ * or the device's memory is short: that is not a failure of the GPU path, the weights just
+ * stay on the CPU. */
+static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *bytes, int n, int matvec)
 {
     struct cuda_device *d = &cuda.dev[dev];
-    size_t bytes = (size_t)w->rows * w->row_bytes;
+    size_t total = 0;
     cuda_ptr p = 0;
-    if (!cuda.ready || !d->usable || !d->matvec[w->type] || d->used + (int64_t)bytes > d->budget) return -1;
-    if (cuda_use(dev) || cuda_mem_alloc(&p, bytes)) return -1;
-    cuda_result r = cuda_htod(p, w->data, bytes);
-    if (r) {
-        cuda_mem_free(p);
-        return -1;
-    }
+    for (int i = 0; i < n; i++) total += cuda_align(bytes[i]);
+    if (!cuda.ready || !d->usable || d->used + (int64_t)total > d->budget) return 0;
+    if (cuda_use(dev) || cuda_mem_alloc(&p, total)) return 0;
+    for (size_t i = 0, off = 0; i < (size_t)n; off += cuda_align(bytes[i]), i++)
+        if (cuda_htod(p + off, src[i], bytes[i])) {
+            cuda_mem_free(p);
+            return 0;
+        }
     if (cuda.n_res == cuda.cap_res) {
         cuda.cap_res = cuda.cap_res ? 2 * cuda.cap_res : 64;
         cuda.res = plat_realloc(cuda.res, (size_t)cuda.cap_res * sizeof *cuda.res);
     }
-    cuda.res[cuda.n_res++] = (struct cuda_resident){w->data, dev, p, bytes};
-    d->used += (int64_t)bytes;
+    cuda.res[cuda.n_res++] = (struct cuda_resident){src[0], dev, p, total, matvec};
+    d->used += (int64_t)total;
+    return p;
+}
+
+/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
+ * changed) as cuda_upload. */
+static int cuda_make_resident(const struct ops_matrix *w, int dev)
+{
+    size_t bytes = (size_t)w->rows * w->row_bytes;
+    if (!cuda.dev[dev].matvec[w->type] || !cuda_upload(dev, &w->data, &bytes, 1, 1)) return -1;
     ops_offload = cuda_rows;
+    return 0;
+}
+
+/* ---- routed experts on the device ----
+ * An expert in VRAM is its three matrices in one allocation. A batch is a list of jobs, one
+ * per (expert, token): cuda_moe_start uploads the jobs and the tokens' activations (prepared
+ * for the gate/up type by the CPU, as for its own products) in one copy and queues three
+ * kernels: gate and up with silu(g) * u, the quantisation of that for the down type, and down.
+ * The launches return at once, so the CPU computes the experts it holds meanwhile;
+ * cuda_moe_finish downloads the outputs, one [dim] row per job, and the caller sums them with
+ * the routing weights in its fixed order. 5 driver calls per device and layer. */
+
+/* A routed expert resident on a device: where its gate, up and down matrices start. The layout
+ * is kernels.cu's struct moe_job, whose column field says which activation a job reads. */
+struct cuda_expert { cuda_ptr gate, up, down; };
+struct cuda_moe_job { struct cuda_expert e; uint32_t column, pad; };
+
+/* One layer's expert shapes: gate and up share a type (their activations are one upload). */
+struct cuda_moe_shape { enum gguf_type up_type, down_type; size_t up_row_bytes, down_row_bytes; int dim, ff; };
+
+/* Whether device DEV has the kernels for experts of shape SH. */
+static int cuda_moe_supported(int dev, const struct cuda_moe_shape *sh)
+{
+    const struct cuda_device *d = &cuda.dev[dev];
+    return d->moe_gate_up[sh->up_type] && d->moe_down[sh->down_type] && d->quantize[quant_act_kind(sh->down_type)];
+}
+
+/* Copies one expert (W: gate, up, down) to device DEV into *E: 0, or -1 as cuda_upload. */
+static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
+{
+    const uint8_t *src[3] = {w[0].data, w[1].data, w[2].data};
+    size_t bytes[3];
+    for (int j = 0; j < 3; j++) bytes[j] = (size_t)w[j].rows * w[j].row_bytes;
+    cuda_ptr p = cuda_upload(dev, src, bytes, 3, 0);
+    if (!p) return -1;
+    *e = (struct cuda_expert){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1])};
+    return 0;
+}
+/* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation
+ * columns ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail
+ * (the caller computes the jobs on the CPU). */
+static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct cuda_moe_job *jobs, int n,
+                          const uint8_t *acts, size_t stride, int n_cols)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    enum quant_act_kind kind = quant_act_kind(sh->down_type);
+    size_t hq_stride = (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63;
+    size_t jobs_b = cuda_align((size_t)n * sizeof *jobs), acts_b = cuda_align(stride * (size_t)n_cols);
+    size_t h_b = cuda_align((size_t)n * (size_t)sh->ff * 4), hq_b = cuda_align((size_t)n * hq_stride);
+    if (jobs_b + acts_b > cuda.stage_cap) {
+        free(cuda.stage);
+        cuda.stage = plat_alloc(cuda.stage_cap = jobs_b + acts_b);
+    }
+    memcpy(cuda.stage, jobs, (size_t)n * sizeof *jobs);
+    memcpy(cuda.stage + jobs_b, acts, stride * (size_t)n_cols);
+    cuda_result r;
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, jobs_b + acts_b + h_b + hq_b + (size_t)n * sh->dim * 4)) ||
+        (r = cuda_htod(d->moe, cuda.stage, jobs_b + acts_b))) {
+        cuda_fail("expert batch upload", r);
+        return -1;
+    }
+    cuda_ptr pj = d->moe, pa = pj + jobs_b, ph = pa + acts_b, pq = ph + h_b, po = pq + hq_b;
+    uint64_t st = stride, hs = hq_stride, urb = sh->up_row_bytes, drb = sh->down_row_bytes;
+    int ff = sh->ff, dim = sh->dim, mode = sh->down_type == GGUF_TYPE_F16 ? 1 : sh->down_type == GGUF_TYPE_BF16 ? 2 : 0;
+    void *gate_up[] = {&pj, &pa, &st, &ph, &urb, &ff, &dim};
+    void *quantize[] = {&ph, &pq, &hs, &ff, &mode};
+    void *down[] = {&pj, &pq, &hs, &po, &drb, &dim, &ff};
+    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS; /* elements a block quantises */
+    if ((r = cuda_launch(d->moe_gate_up[sh->up_type], (unsigned)(ff + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, gate_up)) ||
+        (r = cuda_launch(d->quantize[kind], (unsigned)(ff + per_block - 1) / per_block, (unsigned)n, 32 * CUDA_WARPS, quantize)) ||
+        (r = cuda_launch(d->moe_down[sh->down_type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, down))) {
+        cuda_fail("experts on the device", r);
+        return -1;
+    }
+    d->moe_jobs = n;
+    d->moe_dim = dim;
+    d->moe_out = (size_t)(po - d->moe);
+    cuda.calls += 4;
+    return 0;
+}
+
+/* Downloads the outputs of device DEV's batch in flight into OUT[jobs][dim] (waiting for its
+ * kernels). Returns 0, or -1 when the GPU path has ended (the caller computes the jobs). */
+static int cuda_moe_finish(int dev, float *out)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    int n = d->moe_jobs;
+    cuda_result r;
+    d->moe_jobs = 0;
+    if (!cuda.ready) return -1;
+    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, d->moe + d->moe_out, (size_t)n * (size_t)d->moe_dim * 4))) {
+        cuda_fail("experts on the device", r);
+        return -1;
+    }
+    cuda.calls++;
+    cuda.batches++;
+    cuda.jobs += n;
     return 0;
 }
 
@@ -3318,6 +3478,7 @@ struct expert_slot {
 
 struct expert_stats {
     uint64_t lookups[2], hits[2], inflight[2]; /* [phase]: wanted; in memory; being read */
+    uint64_t vram[2];                          /* [phase]: wanted and resident on a device */
     uint64_t predicted[2], predicted_used[2];  /* [phase]: prefetch guesses, guesses routed */
     uint64_t routed_seen[2];                   /* [phase]: routed experts where a guess was made */
     uint64_t bytes_read, reads, prefetches, warm_reads;
@@ -3359,11 +3520,17 @@ struct expert_store {
     int *want, *want_slot;                /* [n_expert] ids routed in this layer; slot held or -1 */
     uint8_t *guess;                       /* [n_expert] prefetch guesses for guess_layer */
     int guess_layer;
+    /* the VRAM tier (§7 place_experts fills it; NULL: none) */
+    struct expert_vram { int dev; struct cuda_expert e; } *vram; /* [n_layers * n_expert], dev -1: not resident */
+    int *on_device, n_on_device;          /* [n_expert] wanted ids of the layer being computed that are resident */
     struct expert_stats stats;
 };
 
 
 static size_t expert_round_up(size_t n) { return (n + EXPERT_ALIGN - 1) & ~(size_t)(EXPERT_ALIGN - 1); }
+
+/* Whether expert KEY runs on a device: resident there, and the GPU path still up. */
+static int expert_in_vram(const struct expert_store *s, int32_t key) { return s->vram && cuda.ready && s->vram[key].dev >= 0; }
 
 /* Expert E of a merged tensor, read in place from the mapping. */
 static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
@@ -3580,13 +3747,14 @@ static int expert_rank_cmp(const void *a, const void *b)
     return (x->key > y->key) - (x->key < y->key);
 }
 
-/* Every expert with heat > 0, hottest first, into OUT [n_layers * n_expert]; returns how many. */
+/* Every expert with heat > 0 that the CPU computes (not in VRAM), hottest first, into OUT
+ * [n_layers * n_expert]; returns how many. Pinning and warming go by it. */
 static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
 {
     int n = s->n_layers * s->n_expert, k = 0;
     struct expert_rank *r = plat_alloc((size_t)n * sizeof *r);
     for (int i = 0; i < n; i++)
-        if (s->heat[i] > 0) r[k++] = (struct expert_rank){s->heat[i], i};
+        if (s->heat[i] > 0 && !expert_in_vram(s, i)) r[k++] = (struct expert_rank){s->heat[i], i};
     qsort(r, (size_t)k, sizeof *r, expert_rank_cmp);
     for (int i = 0; i < k; i++) out[i] = r[i].key;
     free(r);
@@ -3597,10 +3765,10 @@ static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
  * pay most; the other half is LRU, for experts that recur over nearby tokens). Under mu. */
 static void expert_repin(struct expert_store *s)
 {
-    int n = s->n_layers * s->n_expert;
-    int32_t *order = plat_alloc((size_t)n * sizeof *order);
+    size_t n = (size_t)s->n_layers * (size_t)s->n_expert;
+    int32_t *order = plat_alloc(n * sizeof *order);
     int k = expert_rank_by_heat(s, order);
-    memset(s->pin, 0, (size_t)n);
+    memset(s->pin, 0, n);
     for (int i = 0; i < k && i < s->n_pin; i++) s->pin[order[i]] = 1;
     free(order);
     for (int i = 0; i < s->n_slots; i++) {
@@ -3775,8 +3943,8 @@ static void expert_prefetch(struct expert_store *s, int layer, const int *guess,
     pthread_mutex_lock(&s->mu);
     expert_check(s);
     for (int e = 0; e < s->n_expert; e++) {
-        if (!s->guess[e]) continue;
         int32_t key = layer * s->n_expert + e;
+        if (!s->guess[e] || expert_in_vram(s, key)) continue;
         int i = s->slot_of[key];
         if (i >= 0 && expert_listed(s, i)) {
             expert_lru_unlink(s, i);
@@ -3805,8 +3973,9 @@ static void expert_fill(struct expert_store *s, int from)
 }
 
 /* Begins the routed experts of LAYER for T tokens: WANT[0..n) distinct ids, COUNT[e] tokens
- * routed to expert e. Counts heat and hits, holds the wanted experts already in memory and
- * starts reading the others, so that they arrive while the caller runs the shared expert and
+ * routed to expert e. Counts heat and hits; the ones resident on a device are listed in
+ * on_device for the caller to run there; of the others, holds those already in memory and
+ * starts reading the rest, so that they arrive while the caller runs the shared expert and
  * the experts in memory. expert_next hands them out. */
 static void expert_begin(struct expert_store *s, int layer, const int *want, const int *count, int n, int T)
 {
@@ -3819,10 +3988,14 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
         }
     s->guess_layer = -1;
     s->layer = layer;
-    s->n_want = n;
     s->n_done = 0;
-    memcpy(s->want, want, (size_t)n * sizeof *want);
     s->stats.lookups[ph] += (uint64_t)n;
+    s->n_want = s->n_on_device = 0;
+    for (int k = 0; k < n; k++)
+        if (expert_in_vram(s, layer * s->n_expert + want[k])) s->on_device[s->n_on_device++] = want[k];
+        else s->want[s->n_want++] = want[k];
+    s->stats.vram[ph] += (uint64_t)s->n_on_device;
+    n = s->n_want;
     if (s->mapped) {
         s->stats.hits[ph] += (uint64_t)n;
         if (layer == 0) expert_heat_tick(s, T);
@@ -4004,16 +4177,22 @@ static struct expert_store *expert_open(const struct gguf_file *g, const struct 
     s->want = plat_zalloc((size_t)n_expert, sizeof *s->want);
     s->want_slot = plat_zalloc((size_t)n_expert, sizeof *s->want_slot);
     s->guess = plat_zalloc((size_t)n_expert, 1);
+    s->on_device = plat_zalloc((size_t)n_expert, sizeof *s->on_device);
     s->heat_loaded = expert_heat_load(s);
-    if (!s->mapped) expert_start_cache(s);
     return s;
+}
+
+/* Starts the cache (after §7 has placed experts in VRAM, which it then leaves out). */
+static void expert_start(struct expert_store *s)
+{
+    if (!s->mapped) expert_start_cache(s);
 }
 
 /* Stops the readers (each finishes the read it is in) and frees everything; NULL is fine. */
 static void expert_close(struct expert_store *s)
 {
     if (!s) return;
-    if (!s->mapped) {
+    if (!s->mapped && s->slots) { /* the cache was started */
         pthread_mutex_lock(&s->mu);
         s->stop = 1;
         pthread_cond_broadcast(&s->wake);
@@ -4025,26 +4204,30 @@ static void expert_close(struct expert_store *s)
         pthread_cond_destroy(&s->wake);
         pthread_cond_destroy(&s->done);
     }
-    void *bufs[] = {s->src, s->heat, s->pin, s->want, s->want_slot, s->guess, s->slots, s->slot_of, s->queue, s->warm, (void *)s->cfg.heat_path};
+    void *bufs[] = {s->src,  s->heat,  s->pin,   s->want, s->want_slot, s->guess,
+                    s->vram, s->slots, s->slot_of, s->queue, s->warm, s->on_device, (void *)s->cfg.heat_path};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(s);
 }
 
 /* ==== §7 place ==== */
-/* Owns: which dense trunk matrices live in VRAM (design.md §5). This first version is greedy:
- *   every dense matrix is read once per token, so each saves one byte of memory-bus traffic
- *   per byte of VRAM (value 1.00); components are offered in a fixed order (lmhead, attnproj,
- *   dnproj, dnout, shexp, router, ffn), each matrix to the selected device with the most room
- *   left, while it fits that device's budget (--vram, or free VRAM less a reserve). Routed
- *   experts are the expert store's (§6) to place; they are not priced here yet.
- * Promises: placement changes speed only: a resident matrix computes the same bits (§5). One
- *   [place] line per component says where it went and with what numbers. A bad --place /
- *   COLI_PLACE is a usage error.
- * May call: §1, §4 (struct ops_matrix), §5 (devices, cuda_make_resident).
+/* Owns: which weights live in VRAM (design.md §5), priced in bytes of memory-bus traffic saved
+ *   per token per byte of VRAM. Every dense trunk matrix is read once per token: value 1.00.
+ *   A routed expert is read with the probability p_e that a token routes to it (its share of
+ *   the heat, or top_k / n_expert without heat), and its GPU copy is its GGUF bytes: value
+ *   p_e < 1. So the trunk goes first, in a fixed order of components (lmhead, attnproj, dnproj,
+ *   dnout, shexp, router, ffn), then the experts, hottest first, into the VRAM that is left
+ *   (place_experts, before the expert store's cache starts, so that the cache holds only what
+ *   the CPU computes). Each goes to the selected device with the most room left, while it fits
+ *   that device's budget (--vram, or free VRAM less a reserve).
+ * Promises: placement changes speed only: a resident matrix or expert computes the same bits
+ *   (§5). One [place] line per component says where it went and with what numbers. A bad
+ *   --place / COLI_PLACE is a usage error.
+ * May call: §1, §4 (struct ops_matrix), §5 (devices, uploads), §6 (the store's experts, heat).
  * Workload: once per model load. */
 
-enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_COUNT };
-static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn"};
+enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_EXPERTS, PLACE_COUNT };
+static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn", "experts"};
 
 /* One movable matrix of the trunk. */
 struct place_item { enum place_component comp; const struct ops_matrix *m; };
@@ -4063,10 +4246,11 @@ static void place_parse(const char *spec, int dev[PLACE_COUNT])
             die_usage("--place %s: '%.*s' is not COMPONENT=DEVICE (e.g. lmhead=0,dnproj=1)", spec, (int)n, p);
         int c = 0;
         while (c < PLACE_COUNT && (strlen(place_names[c]) != k || strncmp(p, place_names[c], k))) c++;
-        if (c < PLACE_COUNT) dev[c] = (int)d;
-        else if (k != 7 || strncmp(p, "experts", 7)) die_usage("--place: unknown component '%.*s'", (int)k, p);
+        if (c == PLACE_COUNT) die_usage("--place: unknown component '%.*s'", (int)k, p);
+        dev[c] = (int)d;
         p += n + (p[n] == ',');
     }
+    if (spec && !strcmp(spec, "off")) dev[PLACE_EXPERTS] = -1; /* off: the trunk stays, experts are placed */
 }
 
 /* The selected, usable device with the most budget left that fits BYTES (ONLY >= 0: that one). */
@@ -4110,6 +4294,64 @@ static void place_trunk(const struct place_item *items, int n, const char *spec)
                              dev[c] == -2 ? "--place" : "no room in the budget");
         plat_log("%s", line);
     }
+}
+
+/* The device shape of layer L's experts in S, or 0 when no kernel set fits them (gate and up
+ * must share a type: the device reads one activation for both). */
+static int place_expert_shape(const struct expert_store *s, int l, struct cuda_moe_shape *sh)
+{
+    const struct ops_matrix *g = &s->src[l][0].t.m, *u = &s->src[l][1].t.m, *d = &s->src[l][2].t.m;
+    *sh = (struct cuda_moe_shape){g->type, d->type, g->row_bytes, d->row_bytes, (int)d->rows, (int)g->rows};
+    return g->type == u->type && g->row_bytes == u->row_bytes && g->rows == u->rows && d->cols == g->rows && u->cols == d->rows;
+}
+
+/* Puts S's routed experts in the VRAM the trunk left, hottest first (then in layer order), as
+ * SPEC allows (experts=DEV, or none when a list leaves them out); TOP_K experts of each layer's
+ * N are routed per token. One [place] line. */
+static void place_experts(struct expert_store *s, const char *spec, int top_k)
+{
+    int dev[PLACE_COUNT], cells = s->n_layers * s->n_expert, count[CUDA_MAX_DEVICES] = {0}, placed = 0, ranked;
+    place_parse(spec, dev);
+    if (!cuda.ready || dev[PLACE_EXPERTS] == -2) return;
+    int32_t *order = plat_alloc((size_t)cells * sizeof *order);
+    uint8_t *listed = plat_zalloc((size_t)cells, 1);
+    ranked = expert_rank_by_heat(s, order);
+    for (int i = 0; i < ranked; i++) listed[order[i]] = 1;
+    for (int key = 0, k = ranked; key < cells; key++)
+        if (!listed[key]) order[k++] = key;
+    s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
+    for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
+    double heat_total = 0, bytes = 0, value_first = 0, value_last = 0;
+    for (int i = 0; i < cells; i++) heat_total += s->heat[i];
+    for (int i = 0; i < cells; i++) {
+        int key = order[i], l = key / s->n_expert, e = key % s->n_expert;
+        struct cuda_moe_shape sh;
+        struct ops_matrix w[3];
+        size_t b = 0;
+        for (int j = 0; j < 3; j++) {
+            w[j] = expert_mapped(&s->src[l][j].t, e);
+            b += (size_t)w[j].rows * w[j].row_bytes;
+        }
+        int d = place_pick(b, dev[PLACE_EXPERTS]);
+        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || cuda_expert_upload(d, w, &s->vram[key].e)) continue;
+        s->vram[key].dev = d;
+        /* the share of routed tokens, over the n_layers layers each token passes through */
+        double p = heat_total > 0 ? s->heat[key] * s->n_layers * top_k / heat_total : (double)top_k / s->n_expert;
+        value_last = p;
+        if (!placed++) value_first = p;
+        count[d]++;
+        bytes += (double)b;
+    }
+    free(order);
+    free(listed);
+    char line[512];
+    int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", placed, cells,
+                       bytes / 1073741824.0, value_first, value_last);
+    for (int i = 0; i < cuda.n_devices && len < (int)sizeof line - 64; i++)
+        if (count[i]) len += snprintf(line + len, sizeof line - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
+                                      (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
+    if (placed < cells) snprintf(line + len, sizeof line - (size_t)len, " cpu: %d (no room in the budget)", cells - placed);
+    plat_log("%s", line);
 }
 
 /* ==== §8 model ==== */
@@ -4204,6 +4446,12 @@ struct model_scratch {
     float *ex_in;            /* [B][dim] tokens gathered for one expert */
     float *ex_g, *ex_u;      /* [B][max(expert_ff, shexp_ff, ff)] */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
+    /* routed experts on devices (§5): the jobs of a layer, grouped by device */
+    int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
+    struct cuda_moe_job *dev_jobs; /* [B * n_expert_used] */
+    int *dev_slot;           /* [B * n_expert_used] the assignment (ex_out row) of each job */
+    float *dev_out;          /* [B * n_expert_used][dim] the jobs' outputs as downloaded */
+    int dev_first[CUDA_MAX_DEVICES], dev_count[CUDA_MAX_DEVICES], dev_failed[CUDA_MAX_DEVICES];
     float *sh_out;           /* [B][dim] */
     float *sh_gate;          /* [B] */
     float *logits;           /* [n_vocab] for the last token of a batch */
@@ -4484,6 +4732,10 @@ static void model_alloc_scratch(struct model *m)
     s->ex_g = model_buf(B, ffmax ? ffmax : 1);
     s->ex_u = model_buf(B, ffmax ? ffmax : 1);
     s->ex_out = model_buf(B * (used ? used : 1), c->dim);
+    s->ex_dev = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
+    s->dev_jobs = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof *s->dev_jobs);
+    s->dev_slot = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
+    s->dev_out = model_buf(B * (used ? used : 1), c->dim);
     s->sh_out = model_buf(B, c->dim);
     s->sh_gate = model_buf(B, 1);
     s->logits = model_buf(1, c->n_vocab);
@@ -4572,7 +4824,8 @@ static uint64_t model_expert_bytes(const struct model *m)
     return n;
 }
 
-/* (Re)opens the store of routed experts with CFG (a dense model has none). */
+/* (Re)opens the store of routed experts with CFG (a dense model has none); a cache is not
+ * started until expert_start. */
 static void model_store_experts(struct model *m, const struct expert_config *cfg)
 {
     const struct model_config *c = &m->cfg;
@@ -4600,7 +4853,7 @@ static void model_load(struct model *m, const char *path, int n_ctx)
     model_alloc_state(m);
     model_alloc_scratch(m);
     struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT};
-    model_store_experts(m, &mapped);
+    model_store_experts(m, &mapped); /* mapped: nothing to start */
     snprintf(model_sigbus_line, sizeof model_sigbus_line,
              "coli: %.1000s: the model file became unreadable while running (truncated, or an I/O error)\n", path);
     struct sigaction sa = {.sa_handler = model_on_sigbus};
@@ -4612,12 +4865,10 @@ static void model_free(struct model *m)
     struct model_scratch *s = &m->s;
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
-                     s->ex_out, s->sh_out, s->sh_gate, s->logits};
+                     s->ex_out, s->sh_out, s->sh_gate, s->logits, s->dev_out};
+    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
-    free(s->top);
-    free(s->slot_of);
-    free(s->want);
-    free(s->want_count);
+    for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
     for (int i = 0; m->state && i < m->cfg.n_layers; i++) {
         free(m->state[i].k_cache);
@@ -4864,30 +5115,35 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* Routed experts for T tokens: each chosen expert runs once over the tokens that chose it,
- * its output landing in ex_out[t * used + k]. The store hands the experts out as their bytes
- * arrive; each output has its own place, so that order does not change the sums. */
-/* One token's routed experts with their weights read in place: all gates and ups in one
- * batch of products, then all downs in another (each bit-identical to ops_matmat of one column). */
+/* One token's routed experts that the CPU computes, with their weights read in place: all
+ * gates and ups in one batch of products, then all downs in another (each bit-identical to
+ * ops_matmat of one column). Expert top[k]'s output lands in ex_out[k]. */
 static void model_routed_experts_mapped_token(struct model *m)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    int used = c->n_expert_used, ff = c->expert_ff;
+    int ff = c->expert_ff, n = 0, ks[OPS_MAX_JOBS / 2];
     struct ops_job up_jobs[OPS_MAX_JOBS], down_jobs[OPS_MAX_JOBS / 2];
     struct ops_matrix w[3];
-    for (int e, n = 0; (e = expert_next(m->experts, w)) >= 0; n++) {
+    for (int e; (e = expert_next(m->experts, w)) >= 0; n++) {
         int k = 0;
         while (s->top[k] != e) k++;
-        up_jobs[2 * k] = (struct ops_job){w[0], s->xn, s->ex_g + (size_t)k * ff};
-        up_jobs[2 * k + 1] = (struct ops_job){w[1], s->xn, s->ex_u + (size_t)k * ff};
-        down_jobs[k] = (struct ops_job){w[2], s->ex_g + (size_t)k * ff, s->ex_out + (size_t)k * c->dim};
+        float *g = s->ex_g + (size_t)k * ff;
+        up_jobs[2 * n] = (struct ops_job){w[0], s->xn, g};
+        up_jobs[2 * n + 1] = (struct ops_job){w[1], s->xn, s->ex_u + (size_t)k * ff};
+        down_jobs[n] = (struct ops_job){w[2], g, s->ex_out + (size_t)k * c->dim};
+        ks[n] = k;
     }
-    ops_matvec_jobs(up_jobs, 2 * used);
-    for (size_t i = 0; i < (size_t)used * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
-    ops_matvec_jobs(down_jobs, used);
+    ops_matvec_jobs(up_jobs, 2 * n);
+    for (int j = 0; j < n; j++)
+        for (size_t i = (size_t)ks[j] * ff; i < (size_t)(ks[j] + 1) * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+    ops_matvec_jobs(down_jobs, n);
 }
 
+/* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over
+ * the tokens that chose it, its output landing in ex_out[t * used + k]. The store hands the
+ * experts out as their bytes arrive; each output has its own place, so that order does not
+ * change the sums. */
 static void model_routed_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -4913,9 +5169,63 @@ static void model_routed_experts(struct model *m, int T)
     }
 }
 
+/* Queues on each device the jobs (token, expert) of layer IL whose expert is resident there
+ * (the store listed them in on_device): they run while the CPU computes the shared expert and
+ * the other experts. */
+static void model_experts_device_start(struct model *m, int il, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    struct expert_store *x = m->experts;
+    int used = c->n_expert_used, n = 0;
+    memset(s->dev_count, 0, sizeof s->dev_count);
+    if (!x->n_on_device) return;
+    for (int e = 0; e < c->n_expert; e++) s->ex_dev[e] = -1;
+    for (int k = 0; k < x->n_on_device; k++) s->ex_dev[x->on_device[k]] = x->vram[il * c->n_expert + x->on_device[k]].dev;
+    struct cuda_moe_shape sh;
+    place_expert_shape(x, il, &sh);
+    size_t stride = ops_act_stride(&x->src[il][0].t.m);
+    uint8_t *acts = ops_act_scratch(stride * (size_t)T); /* cuda_moe_start copies it before returning */
+    for (int t = 0; t < T; t++) quant_act_prepare(sh.up_type, s->xn + (size_t)t * c->dim, c->dim, acts + (size_t)t * stride);
+    for (int d = 0; d < cuda.n_devices; d++) {
+        s->dev_first[d] = n;
+        for (int a = 0; a < T * used; a++)
+            if (s->ex_dev[s->top[a]] == d) {
+                s->dev_jobs[n] = (struct cuda_moe_job){x->vram[il * c->n_expert + s->top[a]].e, (uint32_t)(a / used), 0};
+                s->dev_slot[n++] = a;
+            }
+        s->dev_count[d] = n - s->dev_first[d];
+        s->dev_failed[d] = s->dev_count[d] && cuda_moe_start(d, &sh, s->dev_jobs + s->dev_first[d], s->dev_count[d], acts, stride, T);
+    }
+}
+
+/* Collects the device jobs of layer IL into ex_out; a device that failed (the GPU path has
+ * ended, §5 said why) has its jobs computed here on the CPU from the mapping, the same bits. */
+static void model_experts_device_finish(struct model *m, int il)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    size_t dim = (size_t)c->dim;
+    for (int d = 0; d < cuda.n_devices; d++) {
+        int first = s->dev_first[d], n = s->dev_count[d];
+        if (!n) continue;
+        if (!s->dev_failed[d] && cuda_moe_finish(d, s->dev_out + first * dim) == 0) {
+            for (int j = first; j < first + n; j++) memcpy(s->ex_out + (size_t)s->dev_slot[j] * dim, s->dev_out + j * dim, dim * sizeof(float));
+            continue;
+        }
+        for (int j = first; j < first + n; j++) {
+            int a = s->dev_slot[j], e = s->top[a];
+            struct ops_matrix w[3];
+            for (int k = 0; k < 3; k++) w[k] = expert_mapped(&m->experts->src[il][k].t, e);
+            model_swiglu(m, &w[0], &w[1], &w[2], s->xn + (size_t)(a / c->n_expert_used) * dim, s->ex_out + (size_t)a * dim, 1);
+        }
+    }
+}
+
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
- * order of the chosen experts, best first. The shared expert runs first, while the store
- * reads the routed experts that are not in memory. A dense SwiGLU for qwen35. */
+ * order of the chosen experts, best first. The experts resident on a device are queued there
+ * first; the shared expert runs while they run and while the store reads the routed experts
+ * that are not in memory. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -4927,11 +5237,13 @@ static void model_ffn(struct model *m, int il, int T)
     }
     model_route(m, l, T);
     model_want_experts(m, il, T);
+    model_experts_device_start(m, il, T);
     if (c->shexp_ff) {
         ops_matmat(&l->shexp_gate_inp, s->xn, s->sh_gate, T);
         model_swiglu(m, &l->shexp_gate, &l->shexp_up, &l->shexp_down, s->xn, s->sh_out, T);
     }
     model_routed_experts(m, T);
+    model_experts_device_finish(m, il);
     for (int t = 0; t < T; t++) {
         float *o = s->out + (size_t)t * c->dim;
         for (int k = 0; k < c->n_expert_used; k++) {
@@ -5027,7 +5339,7 @@ static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int s
  * 1/16 plus 256 MiB (scratch, thread stacks, the allocator). When the budget holds every
  * expert they stay in the mapping. HEAT: the heat file (NULL: expert_heat_default). Says
  * what it chose in one line. */
-static void model_budget_experts(struct model *m, int64_t ram, const char *heat, enum expert_io io)
+static void model_budget_experts(struct model *m, int64_t ram, const char *heat, enum expert_io io, const char *place)
 {
     const struct model_config *c = &m->cfg;
     if (c->n_expert == 0) return;
@@ -5042,6 +5354,8 @@ static void model_budget_experts(struct model *m, int64_t ram, const char *heat,
     char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
     struct expert_config cfg = {budget >= (int64_t)experts ? -1 : budget, heat_path, fp, io};
     model_store_experts(m, &cfg);
+    place_experts(m->experts, place, c->n_expert_used);
+    expert_start(m->experts);
     const struct expert_store *s = m->experts;
     long page = sysconf(_SC_PAGESIZE);
     uintptr_t a = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
@@ -6087,7 +6401,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
-    model_budget_experts(&s->model, o->ram_bytes, o->heat_path, o->expert_io);
+    model_budget_experts(&s->model, o->ram_bytes, o->heat_path, o->expert_io, o->place);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */

@@ -134,69 +134,204 @@ __device__ __forceinline__ float q6k_unit(const uint8_t *b, const int8_t *qx, fl
     return __fmul_rn(__fmul_rn(f16(b + 208), dx), (float)sumi);
 }
 
-#define MATVEC_PARAMS const uint8_t *__restrict__ w, uint64_t row_bytes, const uint8_t *__restrict__ act, \
-                      uint64_t act_stride, float *__restrict__ y, int rows, int cols, int n
-
-#define ROW_SETUP \
-    const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); \
-    if (r >= rows) return; \
-    const uint8_t *wr = w + (uint64_t)r * row_bytes;
-
-template <int T>
-__device__ __forceinline__ void matvec_float(MATVEC_PARAMS) {
-    ROW_SETUP
-    for (int j = 0; j < n; j++) {
-        const float *x = (const float *)(act + (uint64_t)j * act_stride);
-        float p = 0.0f;
-        for (int i = lane; i < cols; i += 32) p = __fadd_rn(p, __fmul_rn(fweight<T>(wr, i), x[i]));
-        p = reduce32(p);
-        if (lane == 0) y[(uint64_t)j * rows + r] = p;
-    }
-}
-
-template <int T, int BB>
-__device__ __forceinline__ void matvec_legacy(MATVEC_PARAMS) {
-    ROW_SETUP
-    const int nb = cols / 32;
-    for (int j = 0; j < n; j++) {
-        const uint8_t *a = act + (uint64_t)j * act_stride;
+// ---- one row against one prepared activation column: the warp's whole product ----
+// K: 0 F32, 1 F16, 2 BF16 (unit = element); 8 Q8_0, 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1 (32-blocks
+// of BB bytes); 4 Q4_K, 5 Q5_K, 6 Q6_K (256-super-blocks of BB bytes). Every lane returns the sum.
+template <int K, int BB>
+__device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
+    float p = 0.0f;
+    if (K <= 2) {
+        const float *x = (const float *)a;
+        for (int i = lane; i < cols; i += 32) p = __fadd_rn(p, __fmul_rn(fweight<K>(wr, i), x[i]));
+    } else if (K >= 8) {
+        const int nb = cols / 32;
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
-        float p = 0.0f;
-        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, legacy_unit<T>(wr + b * BB, qs + 32 * b, d[b], sd[b]));
-        p = reduce32(p);
-        if (lane == 0) y[(uint64_t)j * rows + r] = p;
-    }
-}
-
-template <int T, int BB>
-__device__ __forceinline__ void matvec_k(MATVEC_PARAMS) {
-    ROW_SETUP
-    const int nb = cols / 256;
-    for (int j = 0; j < n; j++) {
-        const uint8_t *a = act + (uint64_t)j * act_stride;
+        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, legacy_unit<K>(wr + b * BB, qs + 32 * b, d[b], sd[b]));
+    } else {
+        const int nb = cols / 256;
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols);
         const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
-        float p = 0.0f;
         for (int b = lane; b < nb; b += 32) {
-            float u = T == 6 ? q6k_unit(wr + b * BB, qs + 256 * b, d[b])
-                             : q45k_unit<T>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]);
+            float u = K == 6 ? q6k_unit(wr + b * BB, qs + 256 * b, d[b])
+                             : q45k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]);
             p = __fadd_rn(p, u);
         }
-        p = reduce32(p);
+    }
+    return reduce32(p);
+}
+
+#define MATVEC_PARAMS const uint8_t *__restrict__ w, uint64_t row_bytes, const uint8_t *__restrict__ act, \
+                      uint64_t act_stride, float *__restrict__ y, int rows, int cols, int n
+
+template <int K, int BB>
+__device__ __forceinline__ void matvec(MATVEC_PARAMS) {
+    const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const uint8_t *wr = w + (uint64_t)r * row_bytes;
+    for (int j = 0; j < n; j++) {
+        float p = row_dot<K, BB>(wr, act + (uint64_t)j * act_stride, cols, lane);
         if (lane == 0) y[(uint64_t)j * rows + r] = p;
     }
 }
 
-extern "C" __global__ void matvec_f32(MATVEC_PARAMS) { matvec_float<0>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_f16(MATVEC_PARAMS) { matvec_float<1>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_bf16(MATVEC_PARAMS) { matvec_float<2>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q8_0(MATVEC_PARAMS) { matvec_legacy<8, 34>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q4_0(MATVEC_PARAMS) { matvec_legacy<40, 18>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q4_1(MATVEC_PARAMS) { matvec_legacy<41, 20>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q5_0(MATVEC_PARAMS) { matvec_legacy<50, 22>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q5_1(MATVEC_PARAMS) { matvec_legacy<51, 24>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q4_k(MATVEC_PARAMS) { matvec_k<4, 144>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q5_k(MATVEC_PARAMS) { matvec_k<5, 176>(w, row_bytes, act, act_stride, y, rows, cols, n); }
-extern "C" __global__ void matvec_q6_k(MATVEC_PARAMS) { matvec_k<6, 210>(w, row_bytes, act, act_stride, y, rows, cols, n); }
+// ---- the routed experts' SwiGLU: gate, up, silu(g) * u, quantise, down ----
+// A job is one (expert, token) pair: its three matrices' device addresses and the column of the
+// prepared activations it reads. The CPU sums the jobs' outputs with the routing weights, in its
+// own order, so nothing here depends on how the jobs are spread over the grid.
+struct moe_job { uint64_t gate, up, down; uint32_t column, pad; };
+
+// e^x, the same bits as coli.c's ops_exp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor
+// series to r^10 in double (relative error < 1e-12), scaled by 2^n, rounded once to float.
+// Only IEEE double add/multiply (no FMA, -fmad=false), so CPU and GPU agree bit for bit.
+__device__ __forceinline__ float exp_canonical(float x) {
+    if (x != x) return x;
+    if (x > 88.8f) return __int_as_float(0x7f800000);
+    if (x < -104.0f) return 0.0f;
+    const double shift = 6755399441055744.0; // 1.5 * 2^52: adding it rounds to an integer
+    double n = __dsub_rn(__dadd_rn(__dmul_rn((double)x, 1.4426950408889634), shift), shift);
+    double r = __dsub_rn((double)x, __dmul_rn(n, 0.6931471805599453));
+    double p = 1.0 / 3628800.0;
+    const double inv[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                            1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    for (int i = 0; i < 10; i++) p = __dadd_rn(__dmul_rn(p, r), inv[i]);
+    double scale = __longlong_as_double((long long)((int)n + 1023) << 52);
+    return __double2float_rn(__dmul_rn(p, scale));
+}
+
+__device__ __forceinline__ float silu_canonical(float x) {
+    return __fdiv_rn(x, __fadd_rn(1.0f, exp_canonical(-x)));
+}
+
+#define MOE_GATE_UP_PARAMS const moe_job *__restrict__ jobs, const uint8_t *__restrict__ act, uint64_t act_stride, \
+                           float *__restrict__ h, uint64_t row_bytes, int ff, int cols
+
+// h[job][r] = silu(gate_r . x) * (up_r . x), x = the job's column of ACT; grid (ceil(ff / 4), jobs).
+template <int K, int BB>
+__device__ __forceinline__ void moe_gate_up(MOE_GATE_UP_PARAMS) {
+    const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= ff) return;
+    const moe_job jb = jobs[blockIdx.y];
+    const uint8_t *x = act + (uint64_t)jb.column * act_stride;
+    float g = row_dot<K, BB>((const uint8_t *)jb.gate + (uint64_t)r * row_bytes, x, cols, lane);
+    float u = row_dot<K, BB>((const uint8_t *)jb.up + (uint64_t)r * row_bytes, x, cols, lane);
+    if (lane == 0) h[(uint64_t)blockIdx.y * ff + r] = __fmul_rn(silu_canonical(g), u);
+}
+
+#define MOE_DOWN_PARAMS const moe_job *__restrict__ jobs, const uint8_t *__restrict__ act, uint64_t act_stride, \
+                        float *__restrict__ y, uint64_t row_bytes, int rows, int cols
+
+// y[job][r] = down_r . (the job's quantised h); grid (ceil(rows / 4), jobs).
+template <int K, int BB>
+__device__ __forceinline__ void moe_down(MOE_DOWN_PARAMS) {
+    const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const uint8_t *wr = (const uint8_t *)jobs[blockIdx.y].down + (uint64_t)r * row_bytes;
+    float p = row_dot<K, BB>(wr, act + (uint64_t)blockIdx.y * act_stride, cols, lane);
+    if (lane == 0) y[(uint64_t)blockIdx.y * rows + r] = p;
+}
+
+// ---- activation quantisation on the device: coli.c's quant_act_prepare, bit for bit ----
+
+// ggml's nearest_int: round half to even for |v| < 2^22.
+__device__ __forceinline__ int nearest_int(float v) {
+    return (__float_as_int(__fadd_rn(v, 12582912.0f)) & 0x007fffff) - 0x00400000;
+}
+
+__device__ __forceinline__ float round_f16(float x) {
+    unsigned short h;
+    float f;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Rows of N elements at X (row j at x + j*n) into prepared columns at ACT (stride bytes apart).
+#define QUANT_PARAMS const float *__restrict__ x, uint8_t *__restrict__ act, uint64_t stride, int n
+
+// Q8 (for Q8_0..Q5_1 weights): one warp per 32-block; grid (ceil(blocks / 4), rows). Layout
+// qs[n] | d[n/32] | s[n/32] | sd[n/32] = fp16(d * s).
+extern "C" __global__ void quantize_q8(QUANT_PARAMS) {
+    const int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nb = n / 32;
+    if (b >= nb) return;
+    const float v = x[(uint64_t)blockIdx.y * n + 32 * b + lane];
+    uint8_t *a = act + (uint64_t)blockIdx.y * stride;
+    float amax = fmaxf(0.0f, fabsf(v)); // as the CPU: an all-NaN block has amax 0
+    for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    const float d = __fdiv_rn(amax, 127.0f), d16 = round_f16(d);
+    const float id = d16 != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const int q = nearest_int(__fmul_rn(v, id));
+    int sum = q;
+    for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    ((int8_t *)a)[32 * b + lane] = (int8_t)q;
+    if (lane == 0) {
+        ((float *)(a + n))[b] = d16;
+        ((int *)(a + n + 4 * nb))[b] = sum;
+        ((float *)(a + n + 8 * nb))[b] = round_f16(__fmul_rn(d, (float)sum));
+    }
+}
+
+// Q8_K (for Q4_K..Q6_K weights): one warp per 256-block, lane l holding elements 8l..8l+7;
+// grid (ceil(blocks / 4), rows). The scale comes from the first element of largest magnitude.
+// Layout qs[n] | d[n/256] | bsums[n/16] (int16).
+extern "C" __global__ void quantize_q8k(QUANT_PARAMS) {
+    const int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nb = n / 256;
+    if (b >= nb) return;
+    const float *xb = x + (uint64_t)blockIdx.y * n + 256 * b + 8 * lane;
+    uint8_t *a = act + (uint64_t)blockIdx.y * stride;
+    float amax = 0.0f, max = 0.0f;
+    int at = 256;
+    for (int j = 0; j < 8; j++)
+        if (fabsf(xb[j]) > amax) { amax = fabsf(xb[j]); max = xb[j]; at = 8 * lane + j; }
+    for (int s = 16; s > 0; s /= 2) {
+        float oa = __shfl_xor_sync(0xffffffffu, amax, s), om = __shfl_xor_sync(0xffffffffu, max, s);
+        int oat = __shfl_xor_sync(0xffffffffu, at, s);
+        if (oa > amax || (oa == amax && oat < at)) { amax = oa; max = om; at = oat; }
+    }
+    float iscale = amax != 0.0f ? __fdiv_rn(-127.0f, max) : 0.0f;
+    if (isinf(iscale)) iscale = 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 8; j++) {
+        int v = iscale != 0.0f ? nearest_int(__fmul_rn(iscale, xb[j])) : 0;
+        v = v < 127 ? v : 127;
+        ((int8_t *)a)[256 * b + 8 * lane + j] = (int8_t)v;
+        sum += v;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1); // a 16-group is lanes 2g and 2g + 1
+    if ((lane & 1) == 0) ((int16_t *)(a + n + 4 * nb))[16 * b + lane / 2] = (int16_t)sum;
+    if (lane == 0) ((float *)(a + n))[b] = iscale != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;
+}
+
+// Float weights: x rounded as the weights are (MODE 0 F32: as is, 1 F16, 2 BF16, nearest even);
+// one thread per element, grid (ceil(n / 128), rows).
+extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[(uint64_t)blockIdx.y * n + i];
+    if (mode == 1) v = round_f16(v);
+    if (mode == 2) {
+        unsigned u = __float_as_uint(v);
+        u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        v = __uint_as_float(u);
+    }
+    ((float *)(act + (uint64_t)blockIdx.y * stride))[i] = v;
+}
+
+// One set of entry points per weight format: matvec_<t>, moe_gate_up_<t>, moe_down_<t>.
+#define KERNELS(name, K, BB) \
+    extern "C" __global__ void matvec_##name(MATVEC_PARAMS) { matvec<K, BB>(w, row_bytes, act, act_stride, y, rows, cols, n); } \
+    extern "C" __global__ void moe_gate_up_##name(MOE_GATE_UP_PARAMS) { moe_gate_up<K, BB>(jobs, act, act_stride, h, row_bytes, ff, cols); } \
+    extern "C" __global__ void moe_down_##name(MOE_DOWN_PARAMS) { moe_down<K, BB>(jobs, act, act_stride, y, row_bytes, rows, cols); }
+
+KERNELS(f32, 0, 4)
+KERNELS(f16, 1, 2)
+KERNELS(bf16, 2, 2)
+KERNELS(q8_0, 8, 34)
+KERNELS(q4_0, 40, 18)
+KERNELS(q4_1, 41, 20)
+KERNELS(q5_0, 50, 22)
+KERNELS(q5_1, 51, 24)
+KERNELS(q4_k, 4, 144)
+KERNELS(q5_k, 5, 176)
+KERNELS(q6_k, 6, 210)

@@ -2,8 +2,10 @@
  * makes, so that the GPU path runs without a GPU, through the same foreign dlopen as a real
  * driver. Device memory is host memory; a launch runs a C twin of the PTX kernel on the host.
  * The twins are an independent C rendering of what kernels.cu computes (one warp per row,
- * lane = unit % 32, the shfl.down butterfly emulated lane by lane), not a call into coli, so
- * comparing them with coli's CPU path means something.
+ * lane = unit % 32, the shfl.down butterfly emulated lane by lane; the experts' gate/up/down
+ * and the activation quantisers likewise), not a call into coli, so comparing them with
+ * coli's CPU path means something. A launch computes only what its grid covers, so a grid
+ * too small in coli shows as wrong results.
  *
  * Settings (environment, read at cuInit; the fake's own knobs, never read by coli):
  *   FAKE_CUDA_DEVICES=N (default 1; 0: cuInit answers 100 as a real driver does)
@@ -12,6 +14,7 @@
  *   (read at every call, so a test process may change it between calls)
  * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's.
  * Build: gcc -shared -fPIC -O2 -ffp-contract=off -Wl,-soname,libcuda.so.1 fake_cuda.c */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -120,8 +123,6 @@ API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((v
 API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
 
 /* ---- the kernels' C twins ---- */
-
-typedef void (*twin_fn)(const uint8_t *w, uint64_t rb, const uint8_t *act, uint64_t st, float *y, int rows, int cols, int n, int row);
 
 static float f16(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
 static float bf16(const uint8_t *p) { uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -236,12 +237,191 @@ static float twin_row(int type, const uint8_t *wr, const uint8_t *a, int cols)
     return warp_reduce(lane);
 }
 
-/* ---- modules and launches ---- */
+/* ---- the experts' SwiGLU and the activation quantisers ---- */
 
-static const struct { const char *name; int type; } kernels[] = {
-    {"matvec_f32", 0}, {"matvec_f16", 1}, {"matvec_bf16", 30}, {"matvec_q8_0", 8}, {"matvec_q4_0", 2},
-    {"matvec_q4_1", 3}, {"matvec_q5_0", 6}, {"matvec_q5_1", 7}, {"matvec_q4_k", 12}, {"matvec_q5_k", 13},
-    {"matvec_q6_k", 14},
+/* fp16's nearest even, subnormals and overflow to inf included (a float -> _Float16 cast is
+ * one correctly rounded conversion, as cvt.rn.f16.f32). */
+static float round_f16(float x) { return (float)(_Float16)x; }
+
+/* Adding 1.5 * 2^23 leaves round-half-even(v) in the low mantissa bits (|v| < 2^22). */
+static int nearest_int(float v)
+{
+    float t = v + 12582912.0f;
+    uint32_t u;
+    memcpy(&u, &t, 4);
+    return (int)(u & 0x7fffff) - 0x400000;
+}
+
+/* e^x: x = n ln2 + r, e^r as its Taylor polynomial to r^10 by Horner in double, times 2^n
+ * (put straight into the exponent bits), rounded once to float. Plain double add and multiply
+ * with -ffp-contract=off, so each step rounds as the GPU's __dadd_rn / __dmul_rn. */
+static float exp_canonical(float x)
+{
+    static const double factorial[11] = {1, 1, 2, 6, 24, 120, 720, 5040, 40320, 362880, 3628800};
+    if (x != x) return x;
+    if (x > 88.8f) return INFINITY;
+    if (x < -104.0f) return 0.0f;
+    const double round_int = 6755399441055744.0; /* 1.5 * 2^52: adding it drops the fraction */
+    double n = ((double)x * 1.4426950408889634 + round_int) - round_int;
+    double r = (double)x - n * 0.6931471805599453, p = 1.0 / factorial[10];
+    for (int k = 9; k >= 0; k--) p = p * r + 1.0 / factorial[k];
+    uint64_t bits = (uint64_t)((int)n + 1023) << 52;
+    double two_n;
+    memcpy(&two_n, &bits, 8);
+    return (float)(p * two_n);
+}
+
+static float silu(float x) { return x / (1.0f + exp_canonical(-x)); }
+
+/* 32-block B of quantize_q8 into A (qs[n] | d[n/32] | s[n/32] int32 | sd[n/32]). The stored
+ * scale is fp16(d), yet q is scaled by 1 / d itself, and sd = fp16(d * s). */
+static void q8_block(const float *x, uint8_t *a, int n, long b)
+{
+    const float *xb = x + 32 * b;
+    int nb = n / 32, sum = 0;
+    float amax = 0.0f; /* the warp's fmaxf of |x|, which skips a NaN */
+    for (int i = 0; i < 32; i++)
+        if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]);
+    float d = amax / 127.0f, d16 = round_f16(d), id = d16 != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        int q = nearest_int(xb[i] * id);
+        ((int8_t *)a)[32 * b + i] = (int8_t)q;
+        sum += q;
+    }
+    ((float *)(a + n))[b] = d16;
+    ((int32_t *)(a + n + 4 * nb))[b] = sum;
+    ((float *)(a + n + 8 * nb))[b] = round_f16(d * (float)sum);
+}
+
+/* 256-block B of quantize_q8k into A (qs[n] | d[n/256] | bsums[n/16] int16). The scale maps
+ * the first element of largest magnitude to -127; q is capped at 127 as in ggml's reference. */
+static void q8k_block(const float *x, uint8_t *a, int n, long b)
+{
+    const float *xb = x + 256 * b;
+    float amax = 0.0f, max = 0.0f;
+    for (int i = 0; i < 256; i++)
+        if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]), max = xb[i];
+    float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+    if (isinf(iscale)) iscale = 0.0f; /* |max| so tiny that the scale overflows: all zero */
+    for (int g = 0; g < 16; g++) {
+        int sum = 0;
+        for (int i = 16 * g; i < 16 * g + 16; i++) {
+            int q = iscale != 0.0f ? nearest_int(iscale * xb[i]) : 0;
+            q = q < 127 ? q : 127;
+            ((int8_t *)a)[256 * b + i] = (int8_t)q;
+            sum += q;
+        }
+        ((int16_t *)(a + n + 4 * (n / 256)))[16 * b + g] = (int16_t)sum;
+    }
+    ((float *)(a + n))[b] = iscale != 0.0f ? 1.0f / iscale : 0.0f;
+}
+
+/* quantize_float's element: MODE 0 as is, 1 through fp16, 2 through bf16 (nearest even on the
+ * top 16 bits; a NaN is made quiet rather than rounded, which could carry it into inf). */
+static float round_mode(float v, int mode)
+{
+    uint32_t u;
+    if (mode == 1) return round_f16(v);
+    if (mode != 2) return v;
+    memcpy(&u, &v, 4);
+    u = (u & 0x7fffffff) > 0x7f800000 ? u | 0x400000 : u + 0x7fff + ((u >> 16) & 1);
+    u &= 0xffff0000;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* ---- launches: what the grid covers, by kernel ---- */
+
+/* A launch's grid: along x, WARPS warps (the row / block kernels) or THREADS threads
+ * (quantize_float); along y, Y blocks, one per job or activation row (blockIdx.y). */
+struct grid { long warps, threads; unsigned y; };
+
+/* cuLaunchKernel's P[I] points at argument I, of type T. */
+#define ARG(i, T) (*(T *)p[i])
+
+/* kernels.cu's struct moe_job: one (expert, token) pair, its matrices as device addresses. */
+struct moe_job { uint64_t gate, up, down; uint32_t column, pad; };
+
+static const uint8_t *dev_bytes(uint64_t a) { return (const uint8_t *)(uintptr_t)a; }
+
+/* matvec_<t>(w, row_bytes, act, act_stride, y, rows, cols, n): it ignores blockIdx.y, so
+ * further y-blocks repeat the same rows. */
+static void run_matvec(int type, void **p, struct grid g)
+{
+    const uint8_t *w = ARG(0, const uint8_t *), *act = ARG(2, const uint8_t *);
+    uint64_t rb = ARG(1, uint64_t), st = ARG(3, uint64_t);
+    float *y = ARG(4, float *);
+    int rows = ARG(5, int), cols = ARG(6, int), n = ARG(7, int);
+    for (int j = 0; j < n; j++)
+        for (long r = 0; r < rows && r < g.warps; r++) y[(size_t)j * rows + r] = twin_row(type, w + r * rb, act + j * st, cols);
+}
+
+/* moe_gate_up_<t>(jobs, act, act_stride, h, row_bytes, ff, cols): job j = blockIdx.y,
+ * h[j*ff + r] = silu(gate_r . x) * (up_r . x) with x the job's column of act. */
+static void run_gate_up(int type, void **p, struct grid g)
+{
+    const struct moe_job *jobs = ARG(0, const struct moe_job *);
+    const uint8_t *act = ARG(1, const uint8_t *);
+    uint64_t st = ARG(2, uint64_t), rb = ARG(4, uint64_t);
+    float *h = ARG(3, float *);
+    int ff = ARG(5, int), cols = ARG(6, int);
+    for (unsigned j = 0; j < g.y; j++) {
+        const uint8_t *x = act + jobs[j].column * st;
+        for (long r = 0; r < ff && r < g.warps; r++) {
+            float gate = twin_row(type, dev_bytes(jobs[j].gate) + r * rb, x, cols);
+            float up = twin_row(type, dev_bytes(jobs[j].up) + r * rb, x, cols);
+            h[(size_t)j * ff + r] = silu(gate) * up;
+        }
+    }
+}
+
+/* moe_down_<t>(jobs, act, act_stride, y, row_bytes, rows, cols): job j reads activation j (its
+ * own prepared h), not its column. */
+static void run_down(int type, void **p, struct grid g)
+{
+    const struct moe_job *jobs = ARG(0, const struct moe_job *);
+    const uint8_t *act = ARG(1, const uint8_t *);
+    uint64_t st = ARG(2, uint64_t), rb = ARG(4, uint64_t);
+    float *y = ARG(3, float *);
+    int rows = ARG(5, int), cols = ARG(6, int);
+    for (unsigned j = 0; j < g.y; j++)
+        for (long r = 0; r < rows && r < g.warps; r++)
+            y[(size_t)j * rows + r] = twin_row(type, dev_bytes(jobs[j].down) + r * rb, act + j * st, cols);
+}
+
+enum { QUANT_FLOAT, QUANT_Q8, QUANT_Q8K };
+
+/* quantize_<kind>(x, act, stride, n[, mode]): row j = blockIdx.y of x (n floats apart) into
+ * act + j*stride; a warp per Q8 / Q8_K block, a thread per float element. */
+static void run_quantize(int kind, void **p, struct grid g)
+{
+    const float *x = ARG(0, const float *);
+    uint8_t *act = ARG(1, uint8_t *);
+    uint64_t st = ARG(2, uint64_t);
+    int n = ARG(3, int), mode = kind == QUANT_FLOAT ? ARG(4, int) : 0; /* only it has a 5th argument */
+    for (unsigned j = 0; j < g.y; j++) {
+        const float *xr = x + (size_t)j * n;
+        uint8_t *a = act + j * st;
+        if (kind == QUANT_Q8)
+            for (long b = 0; b < n / 32 && b < g.warps; b++) q8_block(xr, a, n, b);
+        else if (kind == QUANT_Q8K)
+            for (long b = 0; b < n / 256 && b < g.warps; b++) q8k_block(xr, a, n, b);
+        else
+            for (long i = 0; i < n && i < g.threads; i++) ((float *)a)[i] = round_mode(xr[i], mode);
+    }
+}
+
+/* ---- modules ---- */
+
+/* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
+typedef void (*launch_fn)(int arg, void **p, struct grid g);
+#define FORMAT(t, type) {"matvec_" t, type, run_matvec}, {"moe_gate_up_" t, type, run_gate_up}, {"moe_down_" t, type, run_down}
+static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
+    FORMAT("f32", 0), FORMAT("f16", 1), FORMAT("bf16", 30), FORMAT("q8_0", 8), FORMAT("q4_0", 2),
+    FORMAT("q4_1", 3), FORMAT("q5_0", 6), FORMAT("q5_1", 7), FORMAT("q4_k", 12), FORMAT("q5_k", 13),
+    FORMAT("q6_k", 14),
+    {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
+    {"quantize_q8k", QUANT_Q8K, run_quantize},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };
@@ -282,21 +462,16 @@ API CUresult cuModuleGetFunction(void **f, void *mod, const char *name)
     return 500;
 }
 
-/* Runs the twin for the rows the grid covers: gx blocks of bx / 32 warps, one row each. */
+/* Runs the kernel's twin over what the grid covers: gx blocks of bx threads (bx / 32 warps)
+ * along x, gy along y. */
 API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                             unsigned shared, void *stream, void **p, void **extra)
 {
-    (void)gy; (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
     n_launch++;
     read_failures();
     if (fail_launch && n_launch >= fail_launch) return 719;
-    int type = kernels[((struct func *)f)->k].type;
-    const uint8_t *w = *(const uint8_t **)p[0], *act = *(const uint8_t **)p[2];
-    uint64_t rb = *(uint64_t *)p[1], st = *(uint64_t *)p[3];
-    float *y = *(float **)p[4];
-    int rows = *(int *)p[5], cols = *(int *)p[6], n = *(int *)p[7];
-    long covered = (long)gx * (bx / 32);
-    for (int j = 0; j < n; j++)
-        for (long r = 0; r < rows && r < covered; r++) y[(size_t)j * rows + r] = twin_row(type, w + r * rb, act + j * st, cols);
+    int k = ((struct func *)f)->k;
+    kernels[k].run(kernels[k].arg, p, (struct grid){(long)gx * (bx / 32), (long)gx * bx, gy});
     return 0;
 }

@@ -68,6 +68,111 @@ static void test_kernels(int quick, int real)
     }
 }
 
+/* N_ROWS rows of N values, quantised by the device's quantize kernel for weights of TYPE, equal
+ * quant_act_prepare's bytes. The rows include zeros, ties of largest magnitude with both signs,
+ * halfway cases and tiny values, beside random ones. */
+static void check_quantize(enum gguf_type type, int n)
+{
+    const int n_rows = 6;
+    enum quant_act_kind kind = quant_act_kind(type);
+    size_t stride = (quant_act_bytes(type, n) + 63) & ~(size_t)63, bytes = quant_act_bytes(type, n);
+    float *x = random_x(n_rows, n);
+    for (int i = 0; i < n; i++) {
+        x[i] = 0.0f;                                         /* row 0: zeros */
+        x[n + i] = i % 5 == 0 ? (i % 2 ? -2.5f : 2.5f) : 0.5f * (float)(i % 7 - 3); /* ties, both signs */
+        x[2 * n + i] = (float)(i % 255 - 127) * 0.5f;      /* halfway cases after scaling */
+        x[3 * n + i] = (float)(i % 9 - 4) * 1e-39f;        /* subnormal */
+    }
+    uint8_t *cpu = plat_zalloc((size_t)n_rows, stride), *gpu = plat_zalloc((size_t)n_rows, stride);
+    for (int r = 0; r < n_rows; r++) quant_act_prepare(type, x + (size_t)r * n, n, cpu + (size_t)r * stride);
+    struct cuda_device *d = &cuda.dev[0];
+    cuda_ptr px = 0, pa = 0;
+    uint64_t st = stride;
+    int mode = type == GGUF_TYPE_F16 ? 1 : type == GGUF_TYPE_BF16 ? 2 : 0;
+    void *params[] = {&px, &pa, &st, &n, &mode};
+    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS;
+    int ok = !cuda_use(0) && !cuda_mem_alloc(&px, (size_t)n_rows * n * 4) && !cuda_mem_alloc(&pa, (size_t)n_rows * stride) &&
+             !cuda_htod(px, x, (size_t)n_rows * n * 4) &&
+             !cuda_launch(d->quantize[kind], (unsigned)(n + per_block - 1) / per_block, n_rows, 32 * CUDA_WARPS, params) &&
+             !cuda_dtoh(gpu, pa, (size_t)n_rows * stride);
+    int bad = -1;
+    char name[160];
+    for (int r = 0; r < n_rows && bad < 0; r++)
+        if (memcmp(cpu + (size_t)r * stride, gpu + (size_t)r * stride, bytes)) bad = r;
+    snprintf(name, sizeof name, "quantize kernel for %s weights, %d elements: quant_act_prepare's bytes", gguf_types[type].name, n);
+    check(ok && bad < 0, name, "launched %d, row %d differs", ok, bad);
+    if (px) cuda_mem_free(px);
+    if (pa) cuda_mem_free(pa);
+    free(x);
+    free(cpu);
+    free(gpu);
+}
+
+/* N_JOBS routed-expert jobs (expert j % N_EXPERTS over column j % N_COLS) as one device batch,
+ * against the CPU's gate, up, silu(g) * u and down: the same bits. */
+static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_jobs, int dev)
+{
+    enum { N_EXPERTS = 3, N_COLS = 2 };
+    struct ops_matrix w[N_EXPERTS][3];
+    struct cuda_moe_job jobs[16];
+    struct cuda_moe_shape sh = {up_type, down_type, gguf_row_bytes(up_type, dim), gguf_row_bytes(down_type, ff), dim, ff};
+    int placed = cuda_moe_supported(dev, &sh);
+    for (int e = 0; e < N_EXPERTS; e++) {
+        w[e][0] = random_matrix(up_type, ff, dim);
+        w[e][1] = random_matrix(up_type, ff, dim);
+        w[e][2] = random_matrix(down_type, dim, ff);
+    }
+    for (int j = 0; j < n_jobs; j++) {
+        struct cuda_expert ex = {0, 0, 0};
+        placed &= cuda_expert_upload(dev, w[j % N_EXPERTS], &ex) == 0; /* an upload per job: a copy is as good */
+        jobs[j] = (struct cuda_moe_job){ex, (uint32_t)(j % N_COLS), 0};
+    }
+    float *x = random_x(N_COLS, dim), *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4);
+    float *cpu = plat_alloc((size_t)n_jobs * dim * 4), *gpu = plat_alloc((size_t)n_jobs * dim * 4);
+    for (int j = 0; j < n_jobs; j++) {
+        const struct ops_matrix *we = w[j % N_EXPERTS];
+        ops_matvec(&we[0], x + (size_t)(j % N_COLS) * dim, g);
+        ops_matvec(&we[1], x + (size_t)(j % N_COLS) * dim, u);
+        for (int i = 0; i < ff; i++) g[i] = ops_silu(g[i]) * u[i];
+        ops_matvec(&we[2], g, cpu + (size_t)j * dim);
+    }
+    size_t stride = ops_act_stride(&w[0][0]);
+    uint8_t *acts = plat_alloc_aligned(stride * N_COLS);
+    for (int c = 0; c < N_COLS; c++) quant_act_prepare(up_type, x + (size_t)c * dim, dim, acts + (size_t)c * stride);
+    long calls = cuda.calls;
+    memset(gpu, 0xff, (size_t)n_jobs * dim * 4);
+    int ran = placed && cuda_moe_start(dev, &sh, jobs, n_jobs, acts, stride, N_COLS) == 0 && cuda_moe_finish(dev, gpu) == 0;
+    int bad = 0;
+    char name[160];
+    while (bad < n_jobs * dim && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
+    snprintf(name, sizeof name, "experts %s/%s, dim %d, ff %d, %d jobs, device %d: bit-identical to the CPU in 5 driver calls",
+             gguf_types[up_type].name, gguf_types[down_type].name, dim, ff, n_jobs, dev);
+    check(ran && bad == n_jobs * dim && cuda.calls - calls == 5, name, "ran %d, calls %ld, y[%d] cpu %a gpu %a", ran, cuda.calls - calls,
+          bad, cpu[bad < n_jobs * dim ? bad : 0], gpu[bad < n_jobs * dim ? bad : 0]);
+    cuda_release_all();
+    for (int e = 0; e < N_EXPERTS; e++)
+        for (int k = 0; k < 3; k++) free((void *)w[e][k].data);
+    free(x);
+    free(g);
+    free(u);
+    free(cpu);
+    free(gpu);
+    free(acts);
+}
+
+static void test_experts(int quick, int real)
+{
+    for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
+        int be = gguf_types[types[t]].block_elems;
+        check_quantize(types[t], be == 256 ? 768 : 224);
+        check_experts(types[t], types[t], be == 256 ? 512 : 160, be == 256 ? 256 : 96, quick ? 2 : 5, real ? 0 : (int)t % 2);
+    }
+    check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 8, 0);   /* the usual Q4_K_M mix */
+    check_experts(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 256, 128, 4, !real);
+    check_experts(GGUF_TYPE_F16, GGUF_TYPE_BF16, 64, 96, 3, 0);
+    if (real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 16, 0); /* the 35B-A3B's shapes */
+}
+
 /* FAKE_CUDA_FAIL is read by the fake at every call. */
 static void test_failures(void)
 {
@@ -111,6 +216,7 @@ int main(int argc, char **argv)
     printf("ok - one wrapped driver call: %.3f us (glibc build: lock and signal mask, no thread-pointer switch)\n", us);
     n_pass++;
     test_kernels(quick, real);
+    test_experts(quick, real);
     if (!real) test_failures();
     cuda_stop();
     return check_done();

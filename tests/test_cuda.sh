@@ -62,12 +62,17 @@ tokens() {
 }
 for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-f32.gguf; do
     COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
-    tokens "$m: every trunk GEMV on 1 fake device, same tokens and logits" '^\[cuda\] [0-9]+ products ran on the device' $m LD_LIBRARY_PATH="$B/fake"
+    tokens "$m: every trunk GEMV and routed expert on 1 fake device, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/fake"
 done
 m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
 tokens "allocations fail: matrices stay on the CPU" 'cpu: [0-9]+, .*no room' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=alloc:3
+tokens "2 fake devices: the experts spread over both" '^\[place\] experts: 32 of 32, .* cuda 0: [0-9]+ .* cuda 1: [0-9]+' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
+tokens "--place off: the trunk on the CPU, the experts on the device" '^\[place\] experts: 32 of 32' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=off
+tokens "--place lmhead=0: a list without experts= keeps them on the CPU" '^\[cuda\] 8 products and 0 expert batches' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=0
+tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=alloc:50
+tokens "a launch fails in an expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=experts=0 FAKE_CUDA_FAIL=launch:5
 tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:40
 tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
 tokens "stub: CPU" 'error 34' $m LD_LIBRARY_PATH="$B/stub"

@@ -38,6 +38,7 @@ static void store_with(struct model *m, int64_t budget, const char *heat_path)
 {
     struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT};
     model_store_experts(m, &cfg);
+    expert_start(m->experts);
 }
 
 /* The prompts of a golden case file: [n][len] in *LENS; returns n. */
