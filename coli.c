@@ -2049,9 +2049,19 @@ struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
 
-/* §5 cuda sets this when matrices are resident on a device: it runs ops_rows there and
- * returns 1, or returns 0 to leave it to the CPU. The one place §4 reaches a device. */
-static int (*ops_offload)(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n);
+/* One product of a batch (ops_matmat_jobs): y[T][rows] = W·x[T][cols]. */
+struct ops_job {
+    struct ops_matrix w;
+    const float *x;
+    float *y;
+};
+
+#define OPS_MAX_JOBS 64
+
+/* §5 cuda sets this when matrices are resident on a device: it runs there the jobs whose
+ * matrices are, over their T prepared columns at ACT + OFF[j] (ops_act_stride apart), and
+ * marks them in DONE; the CPU computes the rest. The one place §4 reaches a device. */
+static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, int T, uint8_t *done);
 
 static void *ops_act_buf;
 static size_t ops_act_cap;
@@ -2078,64 +2088,35 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* y[j*rows + r] = row r · column j for j < n; acts holds n prepared columns of `stride` bytes. */
-static void ops_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n) {
-    const int64_t nchunk = (w->rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
-    if (ops_offload && ops_offload(w, acts, stride, y, n)) return; /* §5 cuda: W resident on a device */
-    #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < nchunk; c++) {
-        int64_t r1 = (c + 1) * OPS_ROW_CHUNK < w->rows ? (c + 1) * OPS_ROW_CHUNK : w->rows;
-        for (int64_t r = c * OPS_ROW_CHUNK; r < r1; r++) {
-            const uint8_t *wr = w->data + (size_t)r * w->row_bytes;
-            quant_dotn(w->type, wr, acts, stride, n, w->cols, y + r, (size_t)w->rows);
-        }
-    }
-}
-
-/* y[rows] = W·x[cols]. Caller: quant_init done; x and y do not overlap; one caller at a time. */
-static void ops_matvec(const struct ops_matrix *w, const float *x, float *y) {
-    ops_check_matrix(w);
-    size_t stride = ops_act_stride(w);
-    uint8_t *act = ops_act_scratch(stride);
-    quant_act_prepare(w->type, x, w->cols, act);
-    ops_rows(w, act, stride, y, 1);
-}
-
-/* y[n][rows] = W·x[n][cols], column j bit-identical to ops_matvec(w, x + j*cols). Caller: as
- * ops_matvec. The weight row stays in cache while the n columns use it. */
-static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
-    ops_check_matrix(w);
-    size_t stride = ops_act_stride(w);
-    uint8_t *act = ops_act_scratch(stride * (size_t)(n > 0 ? n : 1));
-    for (int j = 0; j < n; j++) quant_act_prepare(w->type, x + (size_t)j * w->cols, w->cols, act + (size_t)j * stride);
-    ops_rows(w, act, stride, y, n);
-}
-
-/* One matrix-vector product of a batch: y[rows] = W·x[cols]. */
-struct ops_job {
-    struct ops_matrix w;
-    const float *x;
-    float *y;
-};
-
-#define OPS_MAX_JOBS 64
-
-/* Every job's product in one parallel loop over all their rows; each y bit-identical to
- * ops_matvec. Many small products (a token's routed experts: 8 gates and ups of 512 rows, then
- * 8 downs) would otherwise each pay a parallel region and its barrier, and leave each thread
- * one matrix's worth of rows in flight. Caller: as ops_matvec; at most OPS_MAX_JOBS jobs; no y
- * is another job's x. */
-static void ops_matvec_jobs(const struct ops_job *jobs, int n_jobs) {
-    size_t off[OPS_MAX_JOBS + 1] = {0};
+/* Every job's product over the same T columns (job j: y[T][rows] = W·x[T][cols]), in one
+ * parallel loop over all their rows, so that several small products pay one parallel region
+ * and its barrier, and each thread has rows of every matrix in flight. Jobs with the same x,
+ * type and width share one prepared activation (and, on a device, one upload). Job j's y is
+ * bit-identical whatever the batch, the thread count or the device. Caller: quant_init done;
+ * at most OPS_MAX_JOBS jobs; no y overlaps an x; one caller at a time. */
+static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs, int T) {
+    size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1] = {0};
+    uint8_t done[OPS_MAX_JOBS] = {0}, own[OPS_MAX_JOBS] = {0};
     if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     for (int j = 0; j < n_jobs; j++) {
-        ops_check_matrix(&jobs[j].w);
-        off[j + 1] = off[j] + ops_act_stride(&jobs[j].w);
-        first_chunk[j + 1] = first_chunk[j] + (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK;
+        const struct ops_matrix *w = &jobs[j].w;
+        ops_check_matrix(w);
+        int i = 0;
+        while (i < j && (jobs[i].x != jobs[j].x || jobs[i].w.type != w->type || jobs[i].w.cols != w->cols)) i++;
+        own[j] = i == j;
+        off[j] = own[j] ? end : off[i];
+        stride[j] = ops_act_stride(w);
+        if (own[j]) end += stride[j] * (size_t)T;
     }
-    uint8_t *act = ops_act_scratch(off[n_jobs] ? off[n_jobs] : 1);
-    for (int j = 0; j < n_jobs; j++) quant_act_prepare(jobs[j].w.type, jobs[j].x, jobs[j].w.cols, act + off[j]);
+    if (T < 1) return;
+    uint8_t *act = ops_act_scratch(end);
+    for (int j = 0; j < n_jobs; j++)
+        for (int t = 0; own[j] && t < T; t++)
+            quant_act_prepare(jobs[j].w.type, jobs[j].x + (size_t)t * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
+    if (ops_offload) ops_offload(jobs, n_jobs, act, off, T, done);
+    for (int j = 0; j < n_jobs; j++)
+        first_chunk[j + 1] = first_chunk[j] + (done[j] ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
     #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
         int j = 0;
@@ -2143,9 +2124,19 @@ static void ops_matvec_jobs(const struct ops_job *jobs, int n_jobs) {
         const struct ops_matrix *w = &jobs[j].w;
         int64_t r0 = (c - first_chunk[j]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
         for (int64_t r = r0; r < r1; r++)
-            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], off[j + 1] - off[j], 1, w->cols, jobs[j].y + r, (size_t)w->rows);
+            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], T, w->cols, jobs[j].y + r, (size_t)w->rows);
     }
 }
+
+/* y[n][rows] = W·x[n][cols]. Caller: as ops_matmat_jobs. The weight row stays in cache while
+ * the n columns use it. */
+static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
+    struct ops_job job = {*w, x, y};
+    ops_matmat_jobs(&job, 1, n);
+}
+
+/* y[rows] = W·x[cols]. */
+static void ops_matvec(const struct ops_matrix *w, const float *x, float *y) { ops_matmat(w, x, y, 1); }
 
 /* ---- kernel benchmark ---- */
 
@@ -2983,17 +2974,17 @@ struct cuda_device {
     int moe_jobs, moe_dim;               /* the batch in flight: jobs, floats per output; 0 none */
 };
 
-/* A weight matrix resident on a device: the GEMVs over HOST run there (an expert's copy is
- * listed with MATVEC 0: only the expert kernels read it). */
-struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; int matvec; };
+/* An allocation holding weights on a device. For a trunk matrix, HOST is its weights in the
+ * mapping and the products over it run there; an expert's has HOST NULL (§6 keeps where it is). */
+struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; };
 
 static struct {
     int started, ready;        /* cuda_start ran; some device can compute */
     char why[512];             /* why there is no GPU path (when !ready) */
     int driver_version, n_devices, current;
     struct cuda_device dev[CUDA_MAX_DEVICES]; /* PCI bus order */
-    struct cuda_resident *res;
-    int n_res, cap_res;
+    struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
+    int n_res, cap_res, n_experts, cap_experts;
     double call_us;            /* measured cost of one wrapped driver call */
     long calls;                /* driver calls made by offloaded work (GEMVs, expert batches) */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
@@ -3169,8 +3160,10 @@ static void cuda_release_all(void)
     cuda.calls = cuda.products = cuda.batches = cuda.jobs = 0;
     for (int k = 0; k < cuda.n_res; k++)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
+    for (int k = 0; k < cuda.n_experts; k++)
+        if (cuda_use(cuda.experts[k].dev) == 0) cuda_mem_free(cuda.experts[k].ptr);
     for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = 0;
-    cuda.n_res = 0;
+    cuda.n_res = cuda.n_experts = 0;
     ops_offload = NULL;
 }
 
@@ -3180,10 +3173,12 @@ static void cuda_stop(void)
 {
     cuda_release_all();
     free(cuda.res);
+    free(cuda.experts);
     free(cuda.stage);
-    cuda.res = NULL;
+    cuda.res = cuda.experts = NULL;
     cuda.stage = NULL;
-    cuda.cap_res = cuda.stage_cap = 0;
+    cuda.cap_res = cuda.cap_experts = 0;
+    cuda.stage_cap = 0;
     for (int i = 0; i < cuda.n_devices; i++) {
         struct cuda_device *d = &cuda.dev[i];
         if (!d->ctx) continue;
@@ -3246,44 +3241,95 @@ static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
     return r;
 }
 
-/* ops_offload: y[j*rows + r] = row r · column j of ACTS for j < N, on the device where W is
- * resident, by the kernel matvec_<type> (one warp per row, lane = unit % 32, shfl butterfly:
- * the canonical order). Returns 1 when done there, 0 to leave it to the CPU. Three driver
- * calls: upload ACTS, launch, download y (the download waits for the kernel). */
-static int cuda_rows(const struct ops_matrix *w, const uint8_t *acts, size_t stride, float *y, int n)
+/* Grows the host staging buffer to N bytes. */
+static uint8_t *cuda_stage(size_t n)
 {
-    const struct cuda_resident *res = NULL;
-    for (int k = 0; k < cuda.n_res && !res; k++)
-        if (cuda.res[k].host == w->data && cuda.res[k].matvec) res = &cuda.res[k];
-    if (!res || n < 1) return 0;
-    struct cuda_device *d = &cuda.dev[res->dev];
-    size_t act_bytes = stride * (size_t)n, y_bytes = (size_t)n * (size_t)w->rows * sizeof(float);
+    if (n > cuda.stage_cap) {
+        free(cuda.stage);
+        cuda.stage = plat_alloc(cuda.stage_cap = n);
+    }
+    return cuda.stage;
+}
+
+/* The device copy of the trunk matrix whose weights are at HOST, or NULL. */
+static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
+{
+    for (int k = 0; k < cuda.n_res; k++)
+        if (cuda.res[k].host == host) return &cuda.res[k];
+    return NULL;
+}
+
+/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), over the activations at
+ * ACT + OFF[j]. One upload of the span of activations they read, one launch of
+ * matvec_<type> per job (one warp per row, lane = unit % 32, shfl butterfly: the canonical
+ * order), one download of all their outputs: 2 + n driver calls. Returns 0, or -1 after
+ * cuda_fail. */
+static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, int n, const uint8_t *act, const size_t *off, int T)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    size_t lo = SIZE_MAX, hi = 0, y_bytes = 0;
+    for (int i = 0; i < n; i++) {
+        const struct ops_job *jb = &jobs[mine[i]];
+        size_t end = off[mine[i]] + ops_act_stride(&jb->w) * (size_t)T;
+        lo = off[mine[i]] < lo ? off[mine[i]] : lo;
+        hi = end > hi ? end : hi;
+        y_bytes += (size_t)T * (size_t)jb->w.rows * sizeof(float);
+    }
     cuda_result r;
-    if ((r = cuda_use(res->dev)) || (r = cuda_scratch(&d->act, &d->act_cap, act_bytes)) ||
-        (r = cuda_scratch(&d->y, &d->y_cap, y_bytes))) {
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->act, &d->act_cap, hi - lo)) || (r = cuda_scratch(&d->y, &d->y_cap, y_bytes)) ||
+        (r = cuda_htod(d->act, act + lo, hi - lo))) {
         cuda_fail("device scratch", r);
-        return 0;
+        return -1;
     }
-    cuda_ptr wp = res->ptr, ap = d->act, yp = d->y;
-    uint64_t rb = w->row_bytes, st = stride;
-    int rows = (int)w->rows, cols = (int)w->cols;
-    void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &n};
-    unsigned blocks = (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS);
-    if ((r = cuda_htod(ap, acts, act_bytes)) || (r = cuda_launch(d->matvec[w->type], blocks, 1, 32 * CUDA_WARPS, params)) ||
-        (r = cuda_dtoh(y, yp, y_bytes))) {
+    for (size_t i = 0, y_off = 0; i < (size_t)n; y_off += (size_t)T * (size_t)jobs[mine[i]].w.rows * sizeof(float), i++) {
+        const struct ops_matrix *w = &jobs[mine[i]].w;
+        cuda_ptr wp = cuda_resident_of(w->data)->ptr, ap = d->act + (off[mine[i]] - lo), yp = d->y + y_off;
+        uint64_t rb = w->row_bytes, st = ops_act_stride(w);
+        int rows = (int)w->rows, cols = (int)w->cols;
+        void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &T};
+        if ((r = cuda_launch(d->matvec[w->type], (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params))) {
+            cuda_fail("GEMV on the device", r);
+            return -1;
+        }
+    }
+    uint8_t *y = cuda_stage(y_bytes);
+    if ((r = cuda_dtoh(y, d->y, y_bytes))) {
         cuda_fail("GEMV on the device", r);
-        return 0;
+        return -1;
     }
-    cuda.calls += 3;
-    cuda.products++;
-    return 1;
+    for (int i = 0; i < n; i++) {
+        size_t b = (size_t)T * (size_t)jobs[mine[i]].w.rows * sizeof(float);
+        memcpy(jobs[mine[i]].y, y, b);
+        y += b;
+    }
+    cuda.calls += 2 + n;
+    cuda.products += n;
+    return 0;
+}
+
+/* ops_offload: runs each job whose matrix is resident on its device (cuda_jobs_on), marking
+ * it in DONE; a failure leaves the rest to the CPU, which computes the same bits. */
+static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, int T, uint8_t *done)
+{
+    int dev_of[OPS_MAX_JOBS], mine[OPS_MAX_JOBS];
+    for (int j = 0; j < n; j++) {
+        const struct cuda_resident *res = cuda_resident_of(jobs[j].w.data);
+        dev_of[j] = res ? res->dev : -1;
+    }
+    for (int dev = 0; dev < cuda.n_devices && cuda.ready; dev++) {
+        int k = 0;
+        for (int j = 0; j < n; j++)
+            if (dev_of[j] == dev) mine[k++] = j;
+        if (k && cuda_jobs_on(dev, jobs, mine, k, act, off, T) == 0)
+            for (int i = 0; i < k; i++) done[mine[i]] = 1;
+    }
 }
 
 static size_t cuda_align(size_t n) { return (n + 255) & ~(size_t)255; }
 
 /* Copies N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, each at a 256-byte
- * boundary, charged to its budget, and lists it under SRC[0] (MATVEC: ops_rows may run that
- * matrix's GEMVs there). Returns the device address, or 0 (nothing changed) when the budget
+ * boundary, charged to its budget, and lists it: MATVEC, as the trunk matrix SRC[0] whose
+ * products run there; else as an expert's (§6 keeps where it is). Returns the device address, or 0 (nothing changed) when the budget
  * or the device's memory is short: that is not a failure of the GPU path, the weights just
  * stay on the CPU. */
 static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *bytes, int n, int matvec)
@@ -3299,11 +3345,13 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
             cuda_mem_free(p);
             return 0;
         }
-    if (cuda.n_res == cuda.cap_res) {
-        cuda.cap_res = cuda.cap_res ? 2 * cuda.cap_res : 64;
-        cuda.res = plat_realloc(cuda.res, (size_t)cuda.cap_res * sizeof *cuda.res);
+    struct cuda_resident **list = matvec ? &cuda.res : &cuda.experts;
+    int *count = matvec ? &cuda.n_res : &cuda.n_experts, *cap = matvec ? &cuda.cap_res : &cuda.cap_experts;
+    if (*count == *cap) {
+        *cap = *cap ? 2 * *cap : 64;
+        *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
     }
-    cuda.res[cuda.n_res++] = (struct cuda_resident){src[0], dev, p, total, matvec};
+    (*list)[(*count)++] = (struct cuda_resident){matvec ? src[0] : NULL, dev, p, total};
     d->used += (int64_t)total;
     return p;
 }
@@ -3314,7 +3362,7 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
     if (!cuda.dev[dev].matvec[w->type] || !cuda_upload(dev, &w->data, &bytes, 1, 1)) return -1;
-    ops_offload = cuda_rows;
+    ops_offload = cuda_jobs;
     return 0;
 }
 
@@ -3364,15 +3412,12 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     size_t hq_stride = (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63;
     size_t jobs_b = cuda_align((size_t)n * sizeof *jobs), acts_b = cuda_align(stride * (size_t)n_cols);
     size_t h_b = cuda_align((size_t)n * (size_t)sh->ff * 4), hq_b = cuda_align((size_t)n * hq_stride);
-    if (jobs_b + acts_b > cuda.stage_cap) {
-        free(cuda.stage);
-        cuda.stage = plat_alloc(cuda.stage_cap = jobs_b + acts_b);
-    }
-    memcpy(cuda.stage, jobs, (size_t)n * sizeof *jobs);
-    memcpy(cuda.stage + jobs_b, acts, stride * (size_t)n_cols);
+    uint8_t *stage = cuda_stage(jobs_b + acts_b);
+    memcpy(stage, jobs, (size_t)n * sizeof *jobs);
+    memcpy(stage + jobs_b, acts, stride * (size_t)n_cols);
     cuda_result r;
     if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, jobs_b + acts_b + h_b + hq_b + (size_t)n * sh->dim * 4)) ||
-        (r = cuda_htod(d->moe, cuda.stage, jobs_b + acts_b))) {
+        (r = cuda_htod(d->moe, stage, jobs_b + acts_b))) {
         cuda_fail("expert batch upload", r);
         return -1;
     }
@@ -4902,9 +4947,8 @@ static void model_attention(struct model *m, int il, int T)
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
 
-    ops_matmat(&l->wq, s->xn, s->qg, T);
-    ops_matmat(&l->wk, s->xn, s->k, T);
-    ops_matmat(&l->wv, s->xn, s->v, T);
+    const struct ops_job qkv[] = {{l->wq, s->xn, s->qg}, {l->wk, s->xn, s->k}, {l->wv, s->xn, s->v}};
+    ops_matmat_jobs(qkv, 3, T);
 
     /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache */
     for (int t = 0; t < T; t++) {
@@ -4993,19 +5037,13 @@ static void model_delta_head(float *S, int dk, int dv, const float *q, const flo
     }
 }
 
-/* beta and alpha logits per v-head in natural order. qwen3next stores them fused per
- * k-head group as [b x r | a x r] (§5.2); qwen35* has two projections. */
-static void model_deltanet_gates(struct model *m, const struct model_layer *l, int T)
+/* qwen3next's fused beta and alpha logits (ba), stored per k-head group as [b x r | a x r]
+ * (§5.2), into beta and alpha per v-head in natural order (qwen35* projects them apart). */
+static void model_split_ba(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     int nv = c->ssm_nv, r = nv / c->ssm_nk;
-    if (c->arch != MODEL_ARCH_QWEN3NEXT) {
-        ops_matmat(&l->wbeta, s->xn, s->beta, T);
-        ops_matmat(&l->walpha, s->xn, s->alpha, T);
-        return;
-    }
-    ops_matmat(&l->wba, s->xn, s->ba, T);
     for (int t = 0; t < T; t++)
         for (int g = 0; g < c->ssm_nk; g++)
             for (int j = 0; j < r; j++) {
@@ -5025,9 +5063,11 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
     float qscale = 1.0f / sqrtf((float)dk);
 
-    ops_matmat(&l->wqkv, s->xn, s->mixed, T);
-    ops_matmat(&l->wz, s->xn, s->z, T);
-    model_deltanet_gates(m, l, T);
+    struct ops_job proj[] = {{l->wqkv, s->xn, s->mixed}, {l->wz, s->xn, s->z}, {l->wbeta, s->xn, s->beta}, {l->walpha, s->xn, s->alpha}};
+    int fused = c->arch == MODEL_ARCH_QWEN3NEXT; /* one projection for beta and alpha */
+    if (fused) proj[2] = (struct ops_job){l->wba, s->xn, s->ba};
+    ops_matmat_jobs(proj, fused ? 3 : 4, T);
+    if (fused) model_split_ba(m, T);
 
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
@@ -5065,8 +5105,8 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
                          const struct ops_matrix *down, const float *in, float *out, int n)
 {
     struct model_scratch *s = &m->s;
-    ops_matmat(gate, in, s->ex_g, n);
-    ops_matmat(up, in, s->ex_u, n);
+    const struct ops_job gate_up[] = {{*gate, in, s->ex_g}, {*up, in, s->ex_u}};
+    ops_matmat_jobs(gate_up, 2, n);
     size_t total = (size_t)n * (size_t)gate->rows;
     for (size_t i = 0; i < total; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
     ops_matmat(down, s->ex_g, out, n);
@@ -5134,10 +5174,10 @@ static void model_routed_experts_mapped_token(struct model *m)
         down_jobs[n] = (struct ops_job){w[2], g, s->ex_out + (size_t)k * c->dim};
         ks[n] = k;
     }
-    ops_matvec_jobs(up_jobs, 2 * n);
+    ops_matmat_jobs(up_jobs, 2 * n, 1);
     for (int j = 0; j < n; j++)
         for (size_t i = (size_t)ks[j] * ff; i < (size_t)(ks[j] + 1) * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
-    ops_matvec_jobs(down_jobs, n);
+    ops_matmat_jobs(down_jobs, n, 1);
 }
 
 /* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over

@@ -68,6 +68,41 @@ static void test_kernels(int quick, int real)
     }
 }
 
+/* A batch of products over one input (as a DeltaNet layer's projections): 3 matrices resident
+ * on device 0, one on device 1 (unless REAL), one on the CPU. Each output bit-identical to the
+ * CPU's; device 0's three cost one upload, three launches and one download. */
+static void check_jobs(int real, int T)
+{
+    const enum gguf_type jt[5] = {GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, GGUF_TYPE_F16};
+    const int rows[5] = {300, 70, 33, 129, 40};
+    struct ops_job jobs[5];
+    float *x = random_x(T, 512), *cpu[5], *gpu[5];
+    int placed = 1, same = 1;
+    for (int j = 0; j < 5; j++) {
+        jobs[j] = (struct ops_job){random_matrix(jt[j], rows[j], 512), x, NULL};
+        cpu[j] = plat_alloc((size_t)T * rows[j] * 4);
+        gpu[j] = plat_alloc((size_t)T * rows[j] * 4);
+        ops_matmat(&jobs[j].w, x, cpu[j], T);
+        if (j < 4) placed &= cuda_make_resident(&jobs[j].w, j < 3 || real ? 0 : 1) == 0;
+        jobs[j].y = gpu[j];
+    }
+    long calls = cuda.calls, products = cuda.products;
+    ops_matmat_jobs(jobs, 5, T);
+    for (int j = 0; j < 5; j++) same &= !memcmp(cpu[j], gpu[j], (size_t)T * rows[j] * 4);
+    char name[160];
+    snprintf(name, sizeof name, "a batch of 5 products over %d column%s, 4 on devices: the CPU's bits, %s driver calls", T, T > 1 ? "s" : "",
+             real ? "6" : "5 + 3 + 2 context switches");
+    check(placed && same && cuda.products - products == 4 && cuda.calls - calls == (real ? 6 : 10), name,
+          "placed %d, same %d, products %ld, calls %ld", placed, same, cuda.products - products, cuda.calls - calls);
+    cuda_release_all();
+    for (int j = 0; j < 5; j++) {
+        free((void *)jobs[j].w.data);
+        free(cpu[j]);
+        free(gpu[j]);
+    }
+    free(x);
+}
+
 /* N_ROWS rows of N values, quantised by the device's quantize kernel for weights of TYPE, equal
  * quant_act_prepare's bytes. The rows include zeros, ties of largest magnitude with both signs,
  * halfway cases and tiny values, beside random ones. */
@@ -216,6 +251,8 @@ int main(int argc, char **argv)
     printf("ok - one wrapped driver call: %.3f us (glibc build: lock and signal mask, no thread-pointer switch)\n", us);
     n_pass++;
     test_kernels(quick, real);
+    check_jobs(real, 1);
+    check_jobs(real, 3);
     test_experts(quick, real);
     if (!real) test_failures();
     cuda_stop();
