@@ -5099,6 +5099,16 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     ops_matmat(&l->wout, s->core, s->out, T);
 }
 
+/* The second half of a SwiGLU over N rows whose gate and up products are in ex_g and ex_u:
+ * out [n][rows of down] = down(silu(gate x) * up x). */
+static void model_swiglu_down(struct model *m, const struct ops_matrix *down, float *out, int n)
+{
+    struct model_scratch *s = &m->s;
+    size_t total = (size_t)n * (size_t)down->cols;
+    for (size_t i = 0; i < total; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+    ops_matmat(down, s->ex_g, out, n);
+}
+
 /* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate],
  * out [n][rows of down]; uses ex_g and ex_u. */
 static void model_swiglu(struct model *m, const struct ops_matrix *gate, const struct ops_matrix *up,
@@ -5107,19 +5117,16 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
     struct model_scratch *s = &m->s;
     const struct ops_job gate_up[] = {{*gate, in, s->ex_g}, {*up, in, s->ex_u}};
     ops_matmat_jobs(gate_up, 2, n);
-    size_t total = (size_t)n * (size_t)gate->rows;
-    for (size_t i = 0; i < total; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
-    ops_matmat(down, s->ex_g, out, n);
+    model_swiglu_down(m, down, out, n);
 }
 
-/* Router (§6): softmax over all experts, the n_expert_used best (ties: lower id first),
- * weights renormalised over the chosen ones. */
-static void model_route(struct model *m, const struct model_layer *l, int T)
+/* Routing (§6) from the router logits in s->router: softmax over all experts, the
+ * n_expert_used best (ties: lower id first), weights renormalised over the chosen ones. */
+static void model_select_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     int used = c->n_expert_used;
-    ops_matmat(&l->router, s->xn, s->router, T);
     for (int t = 0; t < T; t++) {
         float *p = s->router + (size_t)t * c->n_expert;
         int *top = s->top + (size_t)t * used;
@@ -5139,6 +5146,13 @@ static void model_route(struct model *m, const struct model_layer *l, int T)
         }
         for (int k = 0; k < used; k++) w[k] /= (float)sum;
     }
+}
+
+/* Router: layer L's logits of xn, then model_select_experts. */
+static void model_route(struct model *m, const struct model_layer *l, int T)
+{
+    ops_matmat(&l->router, m->s.xn, m->s.router, T);
+    model_select_experts(m, T);
 }
 
 /* Tells the store which experts layer IL routed its T tokens to (s->top), so that it reads
@@ -5264,8 +5278,8 @@ static void model_experts_device_finish(struct model *m, int il)
 
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
  * order of the chosen experts, best first. The experts resident on a device are queued there
- * first; the shared expert runs while they run and while the store reads the routed experts
- * that are not in memory. A dense SwiGLU for qwen35. */
+ * first; the shared expert's down product runs while they run and while the store reads the
+ * routed experts that are not in memory. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -5275,13 +5289,14 @@ static void model_ffn(struct model *m, int il, int T)
         model_swiglu(m, &l->ffn_gate, &l->ffn_up, &l->ffn_down, s->xn, s->out, T);
         return;
     }
-    model_route(m, l, T);
+    /* every product of xn at once: the router, the shared expert's gate logit, gate and up */
+    const struct ops_job first[] = {{l->router, s->xn, s->router}, {l->shexp_gate_inp, s->xn, s->sh_gate},
+                                    {l->shexp_gate, s->xn, s->ex_g}, {l->shexp_up, s->xn, s->ex_u}};
+    ops_matmat_jobs(first, c->shexp_ff ? 4 : 1, T);
+    model_select_experts(m, T);
     model_want_experts(m, il, T);
     model_experts_device_start(m, il, T);
-    if (c->shexp_ff) {
-        ops_matmat(&l->shexp_gate_inp, s->xn, s->sh_gate, T);
-        model_swiglu(m, &l->shexp_gate, &l->shexp_up, &l->shexp_down, s->xn, s->sh_out, T);
-    }
+    if (c->shexp_ff) model_swiglu_down(m, &l->shexp_down, s->sh_out, T);
     model_routed_experts(m, T);
     model_experts_device_finish(m, il);
     for (int t = 0; t < T; t++) {
