@@ -2353,7 +2353,8 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   dlopen (glibc's ld.so and the embedded glibc helper mapped into this process; in a glibc
  *   build, as the tests use, the native dlopen), the typed driver wrappers, the device list in
  *   PCI bus order, per-device contexts and the module JIT-compiled from the embedded kernels.ptx,
- *   device memory for resident weight matrices, and the GEMV launches that ops_rows offloads.
+ *   device memory for resident trunk matrices and routed experts, the GEMV launches of the
+ *   batches of products §4 offloads (ops_offload), and the routed experts' batches (§8).
  * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the
  *   CPU; results never change: a device GEMV computes the CPU's canonical order bit for bit, and
  *   a launch that fails is recomputed on the CPU. Device i is the i-th card in PCI bus order in
@@ -2361,14 +2362,16 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   never). Driver calls are serialised under one lock, with async signals blocked and, in the
  *   musl build, the thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
- * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s); then per offloaded GEMV one upload of the
- *   prepared activation, one launch and one download: 3 wrapped calls. Measured with the fake
- *   driver on this VM (WRFSBASE): 0.25 µs per wrapped call, mostly the two sigprocmask calls.
- *   A decoded token of the 35B-A3B offloads 391 trunk products (30 DeltaNet layers x 5, 10
- *   attention x 4, 40 x router, shared-expert gate and its 3 matrices, lm_head): 1173 calls,
- *   0.3 ms of wrapping but ~400 synchronous round trips. The next step batches each layer's
- *   products into one upload/launch sequence, then captures a whole token as one CUDA graph
- *   (expert ids read from device memory): ~4 calls per token. */
+ * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). Per batch of products over one input
+ *   (§4 ops_matmat_jobs): one upload, a launch per product, one download: 2 + n wrapped calls;
+ *   per layer's routed experts: one upload, 3 launches, one download. A decoded token of the
+ *   35B-A3B with everything resident: 30 DeltaNet layers x (6 projections + 3 out), 10
+ *   attention x (5 q/k/v + 3 o), 40 x (6 router and shared gate/up + 3 shared down + 5
+ *   experts), 3 lm_head = 913 calls, 330 of them waits for a download (measured: 231 per token
+ *   on a 10-layer slice with the fake driver). One wrapped call costs 0.25 µs on this VM
+ *   (WRFSBASE; mostly the two sigprocmask calls): 0.23 ms per token. Fewer waits need the
+ *   per-token work between products (norms, DeltaNet recurrence, attention) on the device too,
+ *   and then a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
