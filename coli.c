@@ -4053,7 +4053,7 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
     expert_check(s);
     int repinned = layer == 0 && expert_heat_tick(s, T);
     for (int k = 0; k < n; k++) {
-        int i = s->slot_of[layer * s->n_expert + want[k]];
+        int i = s->slot_of[layer * s->n_expert + s->want[k]];
         s->want_slot[k] = i;
         if (i < 0) continue;
         s->stats.hits[ph] += s->slots[i].state == EXPERT_READY;
