@@ -4267,7 +4267,8 @@ static void expert_close(struct expert_store *s)
  *   dnout, shexp, router, ffn), then the experts, hottest first, into the VRAM that is left
  *   (place_experts, before the expert store's cache starts, so that the cache holds only what
  *   the CPU computes). Each goes to the selected device with the most room left, while it fits
- *   that device's budget (--vram, or free VRAM less a reserve).
+ *   that device's budget (--vram, or free VRAM less a reserve). --place / COLI_PLACE may name
+ *   a device per component or split its layers over devices (dnproj=0:20+1:20).
  * Promises: placement changes speed only: a resident matrix or expert computes the same bits
  *   (§5). One [place] line per component says where it went and with what numbers. A bad
  *   --place / COLI_PLACE is a usage error.
@@ -4277,28 +4278,82 @@ static void expert_close(struct expert_store *s)
 enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_EXPERTS, PLACE_COUNT };
 static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn", "experts"};
 
-/* One movable matrix of the trunk. */
-struct place_item { enum place_component comp; const struct ops_matrix *m; };
+/* One movable matrix of the trunk, and its layer (-1: none, as lm_head). */
+struct place_item { enum place_component comp; const struct ops_matrix *m; int layer; };
 
-/* Parses SPEC (auto | off | comp=dev,...) into DEV[comp]: -1 any device, -2 none, else that
- * device. Components a list leaves out stay on the CPU; `experts=` belongs to §6. */
-static void place_parse(const char *spec, int dev[PLACE_COUNT])
+enum { PLACE_ANY = -1, PLACE_CPU = -2 }; /* a rule's device: the one with the most room; none */
+#define PLACE_MAX_SEGMENTS 64
+
+/* Where one component goes: SEG[0..n) in layer order, each COUNT of the layers that have the
+ * component to DEV (a device or PLACE_ANY); the layers after the last segment stay on the
+ * CPU, so n = 0 keeps them all there. */
+struct place_rule {
+    int n;
+    struct place_segment { int dev, count; } seg[PLACE_MAX_SEGMENTS];
+};
+
+/* The number at *P, digits only (no sign or space), *P moved past it; -1 when there is none
+ * or it exceeds 10^7. */
+static long place_number(const char **p)
 {
-    int listed = spec && strcmp(spec, "auto") && strcmp(spec, "off");
-    for (int c = 0; c < PLACE_COUNT; c++) dev[c] = !spec || !strcmp(spec, "auto") ? -1 : -2;
-    for (const char *p = listed ? spec : ""; *p;) {
+    const char *start = *p;
+    long v = 0;
+    for (; isdigit((unsigned char)**p); (*p)++)
+        if ((v = v * 10 + (**p - '0')) > 10000000) return -1;
+    return *p == start ? -1 : v;
+}
+
+/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS..., into *R. Returns 0, or
+ * -1 when they are anything else (a split with a segment that has no count, say). */
+static int place_parse_rule(const char *v, size_t n, struct place_rule *r)
+{
+    const char *p = v, *end = v + n;
+    for (r->n = 0; r->n < PLACE_MAX_SEGMENTS;) {
+        struct place_segment *s = &r->seg[r->n++];
+        s->dev = (int)place_number(&p);
+        s->count = INT_MAX;
+        if (p < end && *p == ':') {
+            p++;
+            s->count = (int)place_number(&p);
+        }
+        if (s->dev < 0 || s->count < 0 || (s->count == INT_MAX && (r->n > 1 || p < end))) return -1;
+        if (p == end) return 0;
+        if (*p++ != '+') return -1;
+    }
+    return -1;
+}
+
+/* Parses SPEC (auto | off | COMPONENT=RULE,...) into RULE[comp]. auto: everything to any
+ * device; off: the experts only (the trunk stays); a list: what it names, as written, and the
+ * components it leaves out stay on the CPU. */
+static void place_parse(const char *spec, struct place_rule rule[PLACE_COUNT])
+{
+    int any = !spec || !strcmp(spec, "auto"), off = spec && !strcmp(spec, "off");
+    for (int c = 0; c < PLACE_COUNT; c++)
+        rule[c] = (struct place_rule){any || (off && c == PLACE_EXPERTS), {{PLACE_ANY, INT_MAX}}};
+    for (const char *p = any || off ? "" : spec; *p;) {
         size_t n = strcspn(p, ","), k = strcspn(p, "=");
-        char *end;
-        long d = k < n ? strtol(p + k + 1, &end, 10) : -1;
-        if (k >= n || d < 0 || end != p + n)
-            die_usage("--place %s: '%.*s' is not COMPONENT=DEVICE (e.g. lmhead=0,dnproj=1)", spec, (int)n, p);
+        struct place_rule r;
+        if (k >= n || place_parse_rule(p + k + 1, n - k - 1, &r))
+            die_usage("--place %s: '%.*s' is not COMPONENT=DEVICE or COMPONENT=DEVICE:LAYERS+DEVICE:LAYERS... "
+                      "(e.g. lmhead=0,dnproj=0:20+1:20)", spec, (int)n, p);
         int c = 0;
         while (c < PLACE_COUNT && (strlen(place_names[c]) != k || strncmp(p, place_names[c], k))) c++;
         if (c == PLACE_COUNT) die_usage("--place: unknown component '%.*s'", (int)k, p);
-        dev[c] = (int)d;
+        rule[c] = r;
         p += n + (p[n] == ',');
     }
-    if (spec && !strcmp(spec, "off")) dev[PLACE_EXPERTS] = -1; /* off: the trunk stays, experts are placed */
+}
+
+/* The device rule R gives the ORDINAL-th layer (from 0) that has its component: a device,
+ * PLACE_ANY or PLACE_CPU. */
+static int place_rule_device(const struct place_rule *r, int ordinal)
+{
+    for (int i = 0; i < r->n; i++) {
+        if (ordinal < r->seg[i].count) return r->seg[i].dev;
+        ordinal -= r->seg[i].count;
+    }
+    return PLACE_CPU;
 }
 
 /* The selected, usable device with the most budget left that fits BYTES (ONLY >= 0: that one). */
@@ -4313,35 +4368,55 @@ static int place_pick(size_t bytes, int only)
     return best;
 }
 
-/* Places ITEMS[N] by the greedy rule above, as SPEC allows; one [place] line per component. */
+/* Logs LINE (LEN of CAP bytes used) with what went to each device, COUNT[d], and the budget it
+ * has left; then what stays on the CPU: N_RULE items by --place, N_ROOM for want of room
+ * (CPU_TEXT: their count and size). */
+static void place_line_end(char *line, size_t cap, int len, const int *count, int n_rule, int n_room, const char *cpu_text)
+{
+    for (int i = 0; i < cuda.n_devices && len < (int)cap - 64; i++)
+        if (count[i]) len += snprintf(line + len, cap - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
+                                      (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
+    if (n_rule && n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%d by --place, %d with no room in the budget)", cpu_text, n_rule, n_room);
+    else if (n_rule || n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%s)", cpu_text, n_rule ? "--place" : "no room in the budget");
+    plat_log("%s", line);
+}
+
+/* Places the matrices of component C among ITEMS[N] (in layer order) as RULE allows, each to
+ * the device with the most room left; one [place] line. */
+static void place_component(const struct place_item *items, int n, enum place_component c, const struct place_rule *rule)
+{
+    int count[CUDA_MAX_DEVICES] = {0}, total = 0, ordinal = -1, layer = INT_MIN, n_rule = 0, n_room = 0;
+    double bytes = 0, placed = 0;
+    for (int i = 0; i < n; i++) {
+        if (items[i].comp != c) continue;
+        if (items[i].layer != layer) ordinal++; /* split rules count layers, not matrices */
+        layer = items[i].layer;
+        size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
+        int want = place_rule_device(rule, ordinal), d = want == PLACE_CPU ? -1 : place_pick(b, want);
+        total++;
+        bytes += (double)b;
+        if (d >= 0 && cuda_make_resident(items[i].m, d) == 0) {
+            count[d]++;
+            placed += (double)b;
+        } else if (want == PLACE_CPU) n_rule++;
+        else n_room++;
+    }
+    if (!total) return;
+    char line[512], cpu_text[64];
+    int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
+                       total > 1 ? "ces" : "x", bytes / 1048576.0);
+    snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", n_rule + n_room, (bytes - placed) / 1048576.0);
+    place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
+}
+
+/* Places ITEMS[N] (in layer order) by the greedy rule above, as SPEC allows; one [place] line
+ * per component. */
 static void place_trunk(const struct place_item *items, int n, const char *spec)
 {
-    int dev[PLACE_COUNT];
-    place_parse(spec, dev);
+    struct place_rule rule[PLACE_COUNT];
+    place_parse(spec, rule);
     if (!cuda.ready) return;
-    for (int c = 0; c < PLACE_COUNT; c++) {
-        int count[CUDA_MAX_DEVICES] = {0}, total = 0, on_cpu = 0;
-        double bytes = 0, cpu_bytes = 0;
-        for (int i = 0; i < n; i++) {
-            if (items[i].comp != (enum place_component)c) continue;
-            size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
-            int d = dev[c] == -2 ? -1 : place_pick(b, dev[c]);
-            total++;
-            bytes += (double)b;
-            if (d >= 0 && cuda_make_resident(items[i].m, d) == 0) count[d]++;
-            else { on_cpu++; cpu_bytes += (double)b; }
-        }
-        if (!total) continue;
-        char line[512];
-        int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
-                           total > 1 ? "ces" : "x", bytes / 1048576.0);
-        for (int i = 0; i < cuda.n_devices && len < (int)sizeof line - 64; i++)
-            if (count[i]) len += snprintf(line + len, sizeof line - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
-                                          (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
-        if (on_cpu) snprintf(line + len, sizeof line - (size_t)len, " cpu: %d, %.1f MiB (%s)", on_cpu, cpu_bytes / 1048576.0,
-                             dev[c] == -2 ? "--place" : "no room in the budget");
-        plat_log("%s", line);
-    }
+    for (int c = 0; c < PLACE_COUNT; c++) place_component(items, n, (enum place_component)c, &rule[c]);
 }
 
 /* The device shape of layer L's experts in S, or 0 when no kernel set fits them (gate and up
@@ -4353,20 +4428,31 @@ static int place_expert_shape(const struct expert_store *s, int l, struct cuda_m
     return g->type == u->type && g->row_bytes == u->row_bytes && g->rows == u->rows && d->cols == g->rows && u->cols == d->rows;
 }
 
-/* Puts S's routed experts in the VRAM the trunk left, hottest first (then in layer order), as
- * SPEC allows (experts=DEV, or none when a list leaves them out); TOP_K experts of each layer's
- * N are routed per token. One [place] line. */
-static void place_experts(struct expert_store *s, const char *spec, int top_k)
+/* Every expert of S (keys layer * n_expert + e), hottest first, then the cold ones in layer
+ * order. Returns an allocated [n_layers * n_expert]. */
+static int32_t *place_expert_order(const struct expert_store *s)
 {
-    int dev[PLACE_COUNT], cells = s->n_layers * s->n_expert, count[CUDA_MAX_DEVICES] = {0}, placed = 0, ranked;
-    place_parse(spec, dev);
-    if (!cuda.ready || dev[PLACE_EXPERTS] == -2) return;
+    int cells = s->n_layers * s->n_expert;
     int32_t *order = plat_alloc((size_t)cells * sizeof *order);
     uint8_t *listed = plat_zalloc((size_t)cells, 1);
-    ranked = expert_rank_by_heat(s, order);
+    int ranked = expert_rank_by_heat(s, order);
     for (int i = 0; i < ranked; i++) listed[order[i]] = 1;
     for (int key = 0, k = ranked; key < cells; key++)
         if (!listed[key]) order[k++] = key;
+    free(listed);
+    return order;
+}
+
+/* Puts S's routed experts in the VRAM the trunk left, hottest first, as SPEC allows (experts=
+ * a rule whose segments count layers; none when a list leaves them out); TOP_K experts of each
+ * layer's N are routed per token. One [place] line. */
+static void place_experts(struct expert_store *s, const char *spec, int top_k)
+{
+    struct place_rule rule[PLACE_COUNT];
+    int cells = s->n_layers * s->n_expert, count[CUDA_MAX_DEVICES] = {0}, placed = 0, n_rule = 0, n_room = 0;
+    place_parse(spec, rule);
+    if (!cuda.ready || rule[PLACE_EXPERTS].n == 0) return;
+    int32_t *order = place_expert_order(s);
     s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
     for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
     double heat_total = 0, bytes = 0, value_first = 0, value_last = 0;
@@ -4380,8 +4466,12 @@ static void place_experts(struct expert_store *s, const char *spec, int top_k)
             w[j] = expert_mapped(&s->src[l][j].t, e);
             b += (size_t)w[j].rows * w[j].row_bytes;
         }
-        int d = place_pick(b, dev[PLACE_EXPERTS]);
-        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || cuda_expert_upload(d, w, &s->vram[key].e)) continue;
+        int want = place_rule_device(&rule[PLACE_EXPERTS], l), d = want == PLACE_CPU ? -1 : place_pick(b, want);
+        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || cuda_expert_upload(d, w, &s->vram[key].e)) {
+            if (want == PLACE_CPU) n_rule++;
+            else n_room++;
+            continue;
+        }
         s->vram[key].dev = d;
         /* the share of routed tokens, over the n_layers layers each token passes through */
         double p = heat_total > 0 ? s->heat[key] * s->n_layers * top_k / heat_total : (double)top_k / s->n_expert;
@@ -4391,15 +4481,11 @@ static void place_experts(struct expert_store *s, const char *spec, int top_k)
         bytes += (double)b;
     }
     free(order);
-    free(listed);
-    char line[512];
+    char line[512], cpu_text[16];
     int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", placed, cells,
                        bytes / 1073741824.0, value_first, value_last);
-    for (int i = 0; i < cuda.n_devices && len < (int)sizeof line - 64; i++)
-        if (count[i]) len += snprintf(line + len, sizeof line - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
-                                      (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
-    if (placed < cells) snprintf(line + len, sizeof line - (size_t)len, " cpu: %d (no room in the budget)", cells - placed);
-    plat_log("%s", line);
+    snprintf(cpu_text, sizeof cpu_text, "%d", cells - placed);
+    place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
 }
 
 /* ==== §8 model ==== */
@@ -6423,20 +6509,21 @@ static void cmd_on_sigint(int sig)
 }
 
 /* Offers every dense trunk matrix to §7 place (they are named here because only §8 and below
- * know the model's layout). */
+ * know the model's layout), in layer order with their layers. */
 static void cmd_place_trunk(struct model *m, const struct cmd_options *o)
 {
     struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 1) * sizeof *it);
     int n = 0;
-    it[n++] = (struct place_item){PLACE_LMHEAD, &m->lm_head};
+    it[n++] = (struct place_item){PLACE_LMHEAD, &m->lm_head, -1};
     for (int il = 0; il < m->cfg.n_layers; il++) {
         const struct model_layer *l = &m->layers[il];
         const struct place_item per[] = {
-            {PLACE_ATTNPROJ, &l->wq}, {PLACE_ATTNPROJ, &l->wk}, {PLACE_ATTNPROJ, &l->wv}, {PLACE_ATTNPROJ, &l->wo},
-            {PLACE_DNPROJ, &l->wqkv}, {PLACE_DNPROJ, &l->wz}, {PLACE_DNPROJ, &l->wbeta}, {PLACE_DNPROJ, &l->walpha},
-            {PLACE_DNPROJ, &l->wba}, {PLACE_DNOUT, &l->wout}, {PLACE_ROUTER, &l->router}, {PLACE_ROUTER, &l->shexp_gate_inp},
-            {PLACE_SHEXP, &l->shexp_gate}, {PLACE_SHEXP, &l->shexp_up}, {PLACE_SHEXP, &l->shexp_down},
-            {PLACE_FFN, &l->ffn_gate}, {PLACE_FFN, &l->ffn_up}, {PLACE_FFN, &l->ffn_down}};
+            {PLACE_ATTNPROJ, &l->wq, il}, {PLACE_ATTNPROJ, &l->wk, il}, {PLACE_ATTNPROJ, &l->wv, il},
+            {PLACE_ATTNPROJ, &l->wo, il}, {PLACE_DNPROJ, &l->wqkv, il}, {PLACE_DNPROJ, &l->wz, il},
+            {PLACE_DNPROJ, &l->wbeta, il}, {PLACE_DNPROJ, &l->walpha, il}, {PLACE_DNPROJ, &l->wba, il},
+            {PLACE_DNOUT, &l->wout, il}, {PLACE_ROUTER, &l->router, il}, {PLACE_ROUTER, &l->shexp_gate_inp, il},
+            {PLACE_SHEXP, &l->shexp_gate, il}, {PLACE_SHEXP, &l->shexp_up, il}, {PLACE_SHEXP, &l->shexp_down, il},
+            {PLACE_FFN, &l->ffn_gate, il}, {PLACE_FFN, &l->ffn_up, il}, {PLACE_FFN, &l->ffn_down, il}};
         for (size_t k = 0; k < sizeof per / sizeof *per; k++)
             if (per[k].m->data && per[k].m->rows) it[n++] = per[k];
     }
@@ -7004,7 +7091,8 @@ static const char arg_usage[] =
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
     "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
-    "           --place auto|off|COMPONENT=DEVICE,... (lmhead, attnproj, dnproj, dnout, shexp, router, ffn)\n"
+    "           --place auto|off|COMPONENT=DEVICE,... where DEVICE may split the layers, DEV:N+DEV:N...\n"
+    "             (lmhead attnproj dnproj dnout shexp router ffn experts; e.g. lmhead=0,dnproj=0:20+1:20)\n"
     "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
     "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE,\n"
     "           HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts are read)\n";

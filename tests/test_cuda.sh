@@ -3,7 +3,8 @@
 # no driver, the toolkit's stub (or one built here) answering 34, the fake driver with 0, 1 and
 # 2 devices, the fake failing module load (221, 222), allocations and a launch mid-run, and a
 # root holding only the binary (no glibc loader). Each case must print its one-line reason and
-# keep the CPU's tokens and logits.
+# keep the CPU's tokens and logits. Then placement: --place splits a component's layers over
+# devices.
 # usage: tests/test_cuda.sh ./coli GOLDEN_DIR BUILD_DIR   (BUILD_DIR holds fake/ and stub/)
 set -u
 COLI=$(realpath "${1:-./coli}")
@@ -77,6 +78,17 @@ tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the devic
 tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
 tokens "stub: CPU" 'error 34' $m LD_LIBRARY_PATH="$B/stub"
 tokens "--vram 0: nothing placed" 'no room in the budget' $m LD_LIBRARY_PATH="$B/fake" CUDA_EXPERT_GB=0
+tokens "--place dnproj=0:1+1:1: one DeltaNet layer on each device, the third on the CPU" \
+    '^\[place\] dnproj: 12 matrices, .* cuda 0: 4 .* cuda 1: 4 .* cpu: 4, .*\(--place\)$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=dnproj=0:1+1:1
+tokens "--place experts=1:1+0:2: layer 0's experts on device 1, layers 1-2's on 0, layer 3's on the CPU" \
+    '^\[place\] experts: 24 of 32, .* cuda 0: 16 .* cuda 1: 8 .* cpu: 8 \(--place\)$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=experts=1:1+0:2
+
+for spec in dnproj=0: dnproj=0:x dnproj=0:5+ dnproj=0:-1 dnproj=-1 dnproj=0+1:2 experts=0:1++1:1; do
+    $FAKE "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 1 --place "$spec" >"$tmp/o" 2>"$tmp/e"
+    rc=$?
+    if [ "$rc" = 2 ] && [ "$(wc -l <"$tmp/e")" = 1 ] && grep -qF "'$spec'" "$tmp/e" && [ ! -s "$tmp/o" ]; then ok "--place $spec: a usage error naming it"
+    else bad "--place $spec" "exit $rc: $(head -c 300 "$tmp/e")"; fi
+done
 
 # A root holding only the binary (and the model): no glibc loader at all.
 if [ "$(id -u)" = 0 ] && mkdir -p "$tmp/root" && cp "$COLI" "$tmp/root/coli" && cp "$GOLDEN/$m" "$tmp/root/" &&
