@@ -4268,7 +4268,8 @@ static void expert_close(struct expert_store *s)
  *   (place_experts, before the expert store's cache starts, so that the cache holds only what
  *   the CPU computes). Each goes to the selected device with the most room left, while it fits
  *   that device's budget (--vram, or free VRAM less a reserve). --place / COLI_PLACE may name
- *   a device per component or split its layers over devices (dnproj=0:20+1:20).
+ *   a device per component or split its layers over devices (dnproj=0:20+1:20). coli plan runs
+ *   the same decisions as a dry run (place_dry_run), so it cannot disagree with a run.
  * Promises: placement changes speed only: a resident matrix or expert computes the same bits
  *   (§5). One [place] line per component says where it went and with what numbers. A bad
  *   --place / COLI_PLACE is a usage error.
@@ -4291,6 +4292,10 @@ struct place_rule {
     int n;
     struct place_segment { int dev, count; } seg[PLACE_MAX_SEGMENTS];
 };
+
+/* coli plan: placement decides and charges the budgets as for a run, but allocates and copies
+ * nothing (no weight is read), and its [place] lines go to stdout. */
+static int place_dry_run;
 
 /* The number at *P, digits only (no sign or space), *P moved past it; -1 when there is none
  * or it exceeds 10^7. */
@@ -4368,7 +4373,45 @@ static int place_pick(size_t bytes, int only)
     return best;
 }
 
-/* Logs LINE (LEN of CAP bytes used) with what went to each device, COUNT[d], and the budget it
+/* In a dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would (each
+ * part at a 256-byte boundary). Returns 0, or -1 (nothing charged) when they do not fit. */
+static int place_charge(int dev, const size_t *bytes, int n)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (int64_t)cuda_align(bytes[i]);
+    if (!cuda.ready || !d->usable || d->used + total > d->budget) return -1;
+    d->used += total;
+    return 0;
+}
+
+/* Makes W resident on device DEV (a dry run only charges it). Returns 0, or -1 as
+ * cuda_make_resident: it stays on the CPU. */
+static int place_matrix(const struct ops_matrix *w, int dev)
+{
+    size_t bytes = (size_t)w->rows * w->row_bytes;
+    if (!place_dry_run) return cuda_make_resident(w, dev);
+    return cuda.dev[dev].matvec[w->type] ? place_charge(dev, &bytes, 1) : -1;
+}
+
+/* Copies expert W (gate, up, down) to device DEV into *E (a dry run only charges it). Returns
+ * 0, or -1 as cuda_expert_upload. */
+static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
+{
+    size_t bytes[3];
+    if (!place_dry_run) return cuda_expert_upload(dev, w, e);
+    for (int j = 0; j < 3; j++) bytes[j] = (size_t)w[j].rows * w[j].row_bytes;
+    return place_charge(dev, bytes, 3);
+}
+
+/* Prints LINE: logged on stderr by a run, on stdout by coli plan. */
+static void place_say(const char *line)
+{
+    if (place_dry_run) puts(line);
+    else plat_log("%s", line);
+}
+
+/* Says LINE (LEN of CAP bytes used) with what went to each device, COUNT[d], and the budget it
  * has left; then what stays on the CPU: N_RULE items by --place, N_ROOM for want of room
  * (CPU_TEXT: their count and size). */
 static void place_line_end(char *line, size_t cap, int len, const int *count, int n_rule, int n_room, const char *cpu_text)
@@ -4378,12 +4421,12 @@ static void place_line_end(char *line, size_t cap, int len, const int *count, in
                                       (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
     if (n_rule && n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%d by --place, %d with no room in the budget)", cpu_text, n_rule, n_room);
     else if (n_rule || n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%s)", cpu_text, n_rule ? "--place" : "no room in the budget");
-    plat_log("%s", line);
+    place_say(line);
 }
 
 /* Places the matrices of component C among ITEMS[N] (in layer order) as RULE allows, each to
- * the device with the most room left; one [place] line. */
-static void place_component(const struct place_item *items, int n, enum place_component c, const struct place_rule *rule)
+ * the device with the most room left; one [place] line. Returns the bytes placed. */
+static double place_component(const struct place_item *items, int n, enum place_component c, const struct place_rule *rule)
 {
     int count[CUDA_MAX_DEVICES] = {0}, total = 0, ordinal = -1, layer = INT_MIN, n_rule = 0, n_room = 0;
     double bytes = 0, placed = 0;
@@ -4395,28 +4438,31 @@ static void place_component(const struct place_item *items, int n, enum place_co
         int want = place_rule_device(rule, ordinal), d = want == PLACE_CPU ? -1 : place_pick(b, want);
         total++;
         bytes += (double)b;
-        if (d >= 0 && cuda_make_resident(items[i].m, d) == 0) {
+        if (d >= 0 && place_matrix(items[i].m, d) == 0) {
             count[d]++;
             placed += (double)b;
         } else if (want == PLACE_CPU) n_rule++;
         else n_room++;
     }
-    if (!total) return;
+    if (!total) return 0;
     char line[512], cpu_text[64];
     int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
                        total > 1 ? "ces" : "x", bytes / 1048576.0);
     snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", n_rule + n_room, (bytes - placed) / 1048576.0);
     place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
+    return placed;
 }
 
 /* Places ITEMS[N] (in layer order) by the greedy rule above, as SPEC allows; one [place] line
- * per component. */
-static void place_trunk(const struct place_item *items, int n, const char *spec)
+ * per component. Returns the bytes placed. */
+static double place_trunk(const struct place_item *items, int n, const char *spec)
 {
     struct place_rule rule[PLACE_COUNT];
+    double placed = 0;
     place_parse(spec, rule);
-    if (!cuda.ready) return;
-    for (int c = 0; c < PLACE_COUNT; c++) place_component(items, n, (enum place_component)c, &rule[c]);
+    if (!cuda.ready) return 0;
+    for (int c = 0; c < PLACE_COUNT; c++) placed += place_component(items, n, (enum place_component)c, &rule[c]);
+    return placed;
 }
 
 /* The device shape of layer L's experts in S, or 0 when no kernel set fits them (gate and up
@@ -4445,13 +4491,13 @@ static int32_t *place_expert_order(const struct expert_store *s)
 
 /* Puts S's routed experts in the VRAM the trunk left, hottest first, as SPEC allows (experts=
  * a rule whose segments count layers; none when a list leaves them out); TOP_K experts of each
- * layer's N are routed per token. One [place] line. */
-static void place_experts(struct expert_store *s, const char *spec, int top_k)
+ * layer's N are routed per token. One [place] line. Returns the bytes placed. */
+static double place_experts(struct expert_store *s, const char *spec, int top_k)
 {
     struct place_rule rule[PLACE_COUNT];
     int cells = s->n_layers * s->n_expert, count[CUDA_MAX_DEVICES] = {0}, placed = 0, n_rule = 0, n_room = 0;
     place_parse(spec, rule);
-    if (!cuda.ready || rule[PLACE_EXPERTS].n == 0) return;
+    if (!cuda.ready || rule[PLACE_EXPERTS].n == 0) return 0;
     int32_t *order = place_expert_order(s);
     s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
     for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
@@ -4467,7 +4513,7 @@ static void place_experts(struct expert_store *s, const char *spec, int top_k)
             b += (size_t)w[j].rows * w[j].row_bytes;
         }
         int want = place_rule_device(&rule[PLACE_EXPERTS], l), d = want == PLACE_CPU ? -1 : place_pick(b, want);
-        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || cuda_expert_upload(d, w, &s->vram[key].e)) {
+        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || place_expert(d, w, &s->vram[key].e)) {
             if (want == PLACE_CPU) n_rule++;
             else n_room++;
             continue;
@@ -4486,6 +4532,7 @@ static void place_experts(struct expert_store *s, const char *spec, int top_k)
                        bytes / 1073741824.0, value_first, value_last);
     snprintf(cpu_text, sizeof cpu_text, "%d", cells - placed);
     place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
+    return bytes;
 }
 
 /* ==== §8 model ==== */
@@ -6509,8 +6556,8 @@ static void cmd_on_sigint(int sig)
 }
 
 /* Offers every dense trunk matrix to §7 place (they are named here because only §8 and below
- * know the model's layout), in layer order with their layers. */
-static void cmd_place_trunk(struct model *m, const struct cmd_options *o)
+ * know the model's layout), in layer order with their layers. Returns the bytes placed. */
+static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
 {
     struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 1) * sizeof *it);
     int n = 0;
@@ -6527,8 +6574,9 @@ static void cmd_place_trunk(struct model *m, const struct cmd_options *o)
         for (size_t k = 0; k < sizeof per / sizeof *per; k++)
             if (per[k].m->data && per[k].m->rows) it[n++] = per[k];
     }
-    place_trunk(it, n, o->place);
+    double placed = place_trunk(it, n, o->place);
     free(it);
+    return placed;
 }
 
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
@@ -7041,28 +7089,73 @@ static int cmd_bench(const struct cmd_options *o)
     return 0;
 }
 
-/* coli plan: where each part of the model would live, from the tensor infos alone. With no
- * CUDA path yet every part is on the CPU; the figures are what placement will price. */
+/* coli plan's routed experts: the store opened as a run opens it, with the same heat file, but
+ * mapped (nothing read), then placed as a run places them. Returns the bytes placed. */
+static double cmd_plan_experts(struct model *m, const struct cmd_options *o)
+{
+    uint64_t fp = model_fingerprint(m);
+    char *heat = o->heat_path ? plat_strdup(o->heat_path) : expert_heat_default(m->file.path, fp);
+    struct expert_config cfg = {-1, heat, fp, o->expert_io};
+    model_store_experts(m, &cfg);
+    free(heat);
+    return place_experts(m->experts, o->place, m->cfg.n_expert_used);
+}
+
+/* coli plan's device lines: each device's budget and what the trunk (the first TRUNK[d] bytes
+ * charged) and the experts take of it; or why there is no device. */
+static void cmd_plan_devices(const int64_t *trunk)
+{
+    if (!cuda.ready) {
+        printf("cuda: none: %s\n", cuda.why);
+        return;
+    }
+    for (int i = 0; i < cuda.n_devices; i++) {
+        const struct cuda_device *d = &cuda.dev[i];
+        if (!d->usable) printf("cuda %d: %s: %s\n", i, d->name, d->selected ? "unusable" : "not selected (--gpu)");
+        else printf("cuda %d: %s, budget %.2f GiB: trunk %.1f MiB, experts %.1f MiB, %.2f GiB left\n", i, d->name,
+                    d->budget / 1073741824.0, trunk[i] / 1048576.0, (d->used - trunk[i]) / 1048576.0,
+                    (d->budget - d->used) / 1073741824.0);
+    }
+}
+
+/* coli plan's CPU lines: the trunk less the TRUNK_VRAM bytes placed, the embedding, the experts
+ * less EXPERTS_VRAM, the KV cache, and the memory there is. */
+static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, double trunk_vram, double experts_vram)
+{
+    const struct model_config *c = &m->cfg;
+    uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
+    int tied = m->lm_head.data == m->embed->data; /* then the embedding is lm_head, read every token */
+    if (!tied) trunk -= m->embed->bytes;
+    int ctx = model_choose_ctx(m, o->n_ctx);
+    double cpu_experts = (double)experts - experts_vram, kv = (double)model_kv_bytes_per_token(m);
+    printf("cpu: trunk (dense, read every token): %.1f MiB\n", ((double)trunk - trunk_vram) / 1048576.0);
+    if (!tied) printf("cpu: token embedding (one row read per token): %.1f MiB, memory-mapped\n", m->embed->bytes / 1048576.0);
+    if (c->n_expert)
+        printf("cpu: routed experts: %.1f MiB, about %.1f MiB read per token\n", cpu_experts / 1048576.0,
+               cpu_experts * c->n_expert_used / c->n_expert / 1048576.0);
+    printf("cpu: KV cache: %.1f KiB per token, %.1f MiB at context %d\n", kv / 1024.0, kv * ctx / 1048576.0, ctx);
+    printf("memory available: %.1f MiB\n", plat_mem_available() / 1048576.0);
+}
+
+/* coli plan: where each part of the model would live, decided by the code a run uses (§7 as a
+ * dry run: budgets charged, nothing allocated or copied, no weight read) and printed on stdout:
+ * the [place] lines a run logs, a line per device, then what stays on the CPU. */
 static int cmd_plan(const struct cmd_options *o)
 {
     struct model m;
+    int64_t trunk[CUDA_MAX_DEVICES];
     if (!o->model) die_usage("plan needs a model (-m MODEL.gguf)");
     memset(&m, 0, sizeof m);
     gguf_open(&m.file, o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
-    uint64_t experts = 0, embed = m.embed->bytes;
-    for (int64_t i = 0; i < m.file.n_tensors; i++)
-        if (strstr(m.file.tensors[i].name, "_exps.")) experts += m.file.tensors[i].bytes;
-    uint64_t trunk = m.file.tensor_bytes - experts - embed;
-    int ctx = model_choose_ctx(&m, o->n_ctx);
-    double active = m.cfg.n_expert ? (double)experts * m.cfg.n_expert_used / m.cfg.n_expert : 0;
-    printf("[place] trunk (dense, read every token): %.1f MiB -> cpu\n", trunk / 1048576.0);
-    printf("[place] token embedding (one row read per token): %.1f MiB -> cpu (memory-mapped)\n", embed / 1048576.0);
-    printf("[place] routed experts: %.1f MiB, %.1f MiB read per token -> cpu (memory-mapped)\n", experts / 1048576.0, active / 1048576.0);
-    printf("[place] KV cache: %.1f KiB per token, %.1f MiB at context %d -> cpu\n", model_kv_bytes_per_token(&m) / 1024.0,
-           (double)model_kv_bytes_per_token(&m) * ctx / 1048576.0, ctx);
-    printf("[place] memory available: %.1f MiB; no CUDA devices in this build\n", plat_mem_available() / 1048576.0);
+    place_dry_run = 1;
+    double trunk_vram = cmd_place_trunk(&m, o), experts_vram = 0;
+    for (int i = 0; i < cuda.n_devices; i++) trunk[i] = cuda.dev[i].used;
+    if (m.cfg.n_expert) experts_vram = cmd_plan_experts(&m, o);
+    cmd_plan_devices(trunk);
+    cmd_plan_cpu(&m, o, trunk_vram, experts_vram);
+    expert_close(m.experts);
     free(m.layers);
     gguf_close(&m.file);
     return 0;
@@ -7079,7 +7172,7 @@ static const char arg_usage[] =
     "commands:\n"
     "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [sampling] [resources]\n"
     "  chat      -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [sampling] [resources]\n"
-    "  plan      -m MODEL.gguf [resources]        where each part of the model lives\n"
+    "  plan      -m MODEL.gguf [resources]        where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
     "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
@@ -7107,7 +7200,10 @@ static const char *const arg_command_help[][2] = {
              "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
              "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
-    {"plan", "coli plan -m MODEL.gguf [-c N]\n  Sizes of the trunk, the routed experts and the KV cache, and where each lives.\n"},
+    {"plan", "coli plan -m MODEL.gguf [-c N] [--gpu LIST] [--vram SIZE] [--place SPEC]\n"
+             "  Where each part of the model would live, without loading weights: the [place] lines that\n"
+             "  coli run logs (same decisions), each device's budget and what the trunk and the experts take\n"
+             "  of it, then what stays on the CPU (trunk, embedding, experts, KV cache) and the memory free.\n"},
     {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
               "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
               "  weight format against the machine's measured memory bandwidth.\n"},

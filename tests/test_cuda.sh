@@ -4,7 +4,7 @@
 # 2 devices, the fake failing module load (221, 222), allocations and a launch mid-run, and a
 # root holding only the binary (no glibc loader). Each case must print its one-line reason and
 # keep the CPU's tokens and logits. Then placement: --place splits a component's layers over
-# devices.
+# devices, and coli plan decides as coli run does (the same [place] lines) without loading weights.
 # usage: tests/test_cuda.sh ./coli GOLDEN_DIR BUILD_DIR   (BUILD_DIR holds fake/ and stub/)
 set -u
 COLI=$(realpath "${1:-./coli}")
@@ -89,6 +89,33 @@ for spec in dnproj=0: dnproj=0:x dnproj=0:5+ dnproj=0:-1 dnproj=-1 dnproj=0+1:2 
     if [ "$rc" = 2 ] && [ "$(wc -l <"$tmp/e")" = 1 ] && grep -qF "'$spec'" "$tmp/e" && [ ! -s "$tmp/o" ]; then ok "--place $spec: a usage error naming it"
     else bad "--place $spec" "exit $rc: $(head -c 300 "$tmp/e")"; fi
 done
+
+# plan_vs_run LABEL ENV...: coli plan prints on stdout the [place] lines that coli run logs with
+# the same settings (the same heat file: plan first, as run saves heat at its end)
+plan_vs_run() {
+    local label=$1
+    shift
+    env "$@" HEAT_FILE="$tmp/heat" "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>"$tmp/plan-e"
+    env "$@" HEAT_FILE="$tmp/heat" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog 2>"$tmp/e" >/dev/null
+    grep '^\[place\]' "$tmp/plan" >"$tmp/plan-place"
+    grep '^\[place\]' "$tmp/e" >"$tmp/run-place"
+    if [ ! -s "$tmp/run-place" ] || ! cmp -s "$tmp/plan-place" "$tmp/run-place"; then
+        bad "$label" "plan and run differ: $(diff "$tmp/plan-place" "$tmp/run-place" | head -c 400)"
+    else ok "$label"; fi
+}
+plan_vs_run "plan, 1 fake device (no heat yet): run's [place] lines" LD_LIBRARY_PATH="$B/fake"
+has "plan, 1 fake device: its budget and what trunk and experts take" \
+    '^cuda 0: Fake GPU A, budget [0-9.]+ GiB: trunk 0\.3 MiB, experts 0\.2 MiB, [0-9.]+ GiB left$' "$tmp/plan"
+has "plan, 1 fake device: nothing of the trunk left on the CPU" '^cpu: trunk \(dense, read every token\): 0\.0 MiB$' "$tmp/plan"
+plan_vs_run "plan, 2 fake devices (with heat): run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
+has "plan, 2 fake devices: a line for the second" '^cuda 1: Fake GPU A, budget [0-9.]+ GiB: trunk [0-9.]+ MiB, experts [0-9.]+ MiB' "$tmp/plan"
+plan_vs_run "plan, 2 fake devices, CUDA_EXPERT_GB=0.0001: the same partial placement as run" \
+    LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 CUDA_EXPERT_GB=0.0001
+has "plan, CUDA_EXPERT_GB=0.0001: part of the experts stays on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? \(no room' "$tmp/plan"
+plan_vs_run "plan, a split --place: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1,dnproj=0:1+1:1,experts=1:2
+COLI_CUDA=0 "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>&1
+has "plan with COLI_CUDA=0: the reason instead of a device" '^cuda: none: off \(COLI_CUDA=0\)$' "$tmp/plan"
+has "plan with COLI_CUDA=0: the whole trunk on the CPU" '^cpu: trunk \(dense, read every token\): 0\.3 MiB$' "$tmp/plan"
 
 # A root holding only the binary (and the model): no glibc loader at all.
 if [ "$(id -u)" = 0 ] && mkdir -p "$tmp/root" && cp "$COLI" "$tmp/root/coli" && cp "$GOLDEN/$m" "$tmp/root/" &&
