@@ -12,7 +12,7 @@
  *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations
  *   §5  cuda       cuda_    the system's CUDA driver via foreign dlopen, devices, embedded PTX, device GEMVs
  *   §6  experts    expert_  the expert store: RAM cache with a budget, pread readers, heat, statistics
- *   §7  place      place_   which trunk matrices live in VRAM (greedy by value per byte), COLI_PLACE
+ *   §7  place      place_   what lives in VRAM, trunk then experts by value per byte; COLI_PLACE, plan's dry run
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
@@ -3330,6 +3330,21 @@ static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, con
 
 static size_t cuda_align(size_t n) { return (n + 255) & ~(size_t)255; }
 
+/* The device bytes of N parts of BYTES[i], each at a 256-byte boundary. */
+static size_t cuda_span(const size_t *bytes, int n)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += cuda_align(bytes[i]);
+    return total;
+}
+
+/* Whether TOTAL more bytes fit device DEV's budget for weights. */
+static int cuda_fits(int dev, size_t total)
+{
+    const struct cuda_device *d = &cuda.dev[dev];
+    return cuda.ready && d->usable && d->used + (int64_t)total <= d->budget;
+}
+
 /* Copies N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, each at a 256-byte
  * boundary, charged to its budget, and lists it: MATVEC, as the trunk matrix SRC[0] whose
  * products run there; else as an expert's (§6 keeps where it is). Returns the device address, or 0 (nothing changed) when the budget
@@ -3337,12 +3352,9 @@ static size_t cuda_align(size_t n) { return (n + 255) & ~(size_t)255; }
  * stay on the CPU. */
 static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *bytes, int n, int matvec)
 {
-    struct cuda_device *d = &cuda.dev[dev];
-    size_t total = 0;
+    size_t total = cuda_span(bytes, n);
     cuda_ptr p = 0;
-    for (int i = 0; i < n; i++) total += cuda_align(bytes[i]);
-    if (!cuda.ready || !d->usable || d->used + (int64_t)total > d->budget) return 0;
-    if (cuda_use(dev) || cuda_mem_alloc(&p, total)) return 0;
+    if (!cuda_fits(dev, total) || cuda_use(dev) || cuda_mem_alloc(&p, total)) return 0;
     for (size_t i = 0, off = 0; i < (size_t)n; off += cuda_align(bytes[i]), i++)
         if (cuda_htod(p + off, src[i], bytes[i])) {
             cuda_mem_free(p);
@@ -3355,7 +3367,7 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
         *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
     }
     (*list)[(*count)++] = (struct cuda_resident){matvec ? src[0] : NULL, dev, p, total};
-    d->used += (int64_t)total;
+    cuda.dev[dev].used += (int64_t)total;
     return p;
 }
 
@@ -4373,15 +4385,13 @@ static int place_pick(size_t bytes, int only)
     return best;
 }
 
-/* In a dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would (each
- * part at a 256-byte boundary). Returns 0, or -1 (nothing charged) when they do not fit. */
+/* In a dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would.
+ * Returns 0, or -1 (nothing charged) when they do not fit. */
 static int place_charge(int dev, const size_t *bytes, int n)
 {
-    struct cuda_device *d = &cuda.dev[dev];
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += (int64_t)cuda_align(bytes[i]);
-    if (!cuda.ready || !d->usable || d->used + total > d->budget) return -1;
-    d->used += total;
+    size_t total = cuda_span(bytes, n);
+    if (!cuda_fits(dev, total)) return -1;
+    cuda.dev[dev].used += (int64_t)total;
     return 0;
 }
 
@@ -4435,7 +4445,7 @@ static double place_component(const struct place_item *items, int n, enum place_
         if (items[i].layer != layer) ordinal++; /* split rules count layers, not matrices */
         layer = items[i].layer;
         size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
-        int want = place_rule_device(rule, ordinal), d = want == PLACE_CPU ? -1 : place_pick(b, want);
+        int want = place_rule_device(rule, ordinal), d = want == PLACE_CPU ? -1 : place_pick(cuda_span(&b, 1), want);
         total++;
         bytes += (double)b;
         if (d >= 0 && place_matrix(items[i].m, d) == 0) {
@@ -4507,12 +4517,12 @@ static double place_experts(struct expert_store *s, const char *spec, int top_k)
         int key = order[i], l = key / s->n_expert, e = key % s->n_expert;
         struct cuda_moe_shape sh;
         struct ops_matrix w[3];
-        size_t b = 0;
+        size_t part[3], b = 0;
         for (int j = 0; j < 3; j++) {
             w[j] = expert_mapped(&s->src[l][j].t, e);
-            b += (size_t)w[j].rows * w[j].row_bytes;
+            b += part[j] = (size_t)w[j].rows * w[j].row_bytes;
         }
-        int want = place_rule_device(&rule[PLACE_EXPERTS], l), d = want == PLACE_CPU ? -1 : place_pick(b, want);
+        int want = place_rule_device(&rule[PLACE_EXPERTS], l), d = want == PLACE_CPU ? -1 : place_pick(cuda_span(part, 3), want);
         if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || place_expert(d, w, &s->vram[key].e)) {
             if (want == PLACE_CPU) n_rule++;
             else n_room++;

@@ -52,11 +52,14 @@ if [ ! -d "$GOLDEN" ]; then
     exit $((fail != 0))
 fi
 P="The capital of France is Paris, and the capital of Japan is"
-# tokens LABEL WANT_STDERR_PATTERN MODEL ENV...: the --json line without timings equals the CPU's
+# tokens LABEL WANT_STDERR_PATTERN MODEL ENV... [-- ARGS...]: the --json line without timings
+# equals the CPU's
 tokens() {
-    local label=$1 pat=$2 m=$3
+    local label=$1 pat=$2 m=$3 vars=()
     shift 3
-    env "$@" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>"$tmp/e" | tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    env "${vars[@]}" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json "$@" 2>"$tmp/e" | tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
     if [ ! -s "$tmp/j" ] || ! cmp -s "$tmp/j" "$tmp/cpu-$m"; then bad "$label" "tokens differ from the CPU's; $(tail -c 300 "$tmp/e")"
     elif ! grep -qE -- "$pat" "$tmp/e"; then bad "$label" "no /$pat/ in: $(head -c 400 "$tmp/e")"
     else ok "$label"; fi
@@ -72,7 +75,8 @@ tokens "allocations fail: matrices stay on the CPU" 'cpu: [0-9]+, .*no room' $m 
 tokens "2 fake devices: the experts spread over both" '^\[place\] experts: 32 of 32, .* cuda 0: [0-9]+ .* cuda 1: [0-9]+' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place off: the trunk on the CPU, the experts on the device" '^\[place\] experts: 32 of 32' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=off
 tokens "--place lmhead=0: a list without experts= keeps them on the CPU" '^\[cuda\] 8 products and 0 expert batches' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=0
-tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=alloc:50
+tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K
+tokens "some experts in VRAM, the rest through a 4-slot RAM cache" '^\[experts\] cache .*: 4 of 32' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K --ram 100K
 tokens "a launch fails in an expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=experts=0 FAKE_CUDA_FAIL=launch:5
 tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:40
 tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
