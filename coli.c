@@ -6760,8 +6760,9 @@ static void cmd_print_expert_stats(struct expert_store *x)
 {
     struct expert_stats st = expert_stats_get(x);
     const double gib = 1073741824.0;
-    plat_log("[experts] %s; hits: prompt %.1f%% of %llu, decode %.1f%% of %llu (%.1f%% more under way); read %.2f GiB (%llu experts, %llu prefetched, %llu warming), %.2f GB/s while reading",
-             x->mapped ? "mapped" : "cached", 100 * cmd_ratio(st.hits[0], st.lookups[0]), (unsigned long long)st.lookups[0],
+    plat_log("[experts] %s; in VRAM: prompt %.1f%%, decode %.1f%%; in RAM: prompt %.1f%% of %llu, decode %.1f%% of %llu (%.1f%% more under way); read %.2f GiB (%llu experts, %llu prefetched, %llu warming), %.2f GB/s while reading",
+             x->mapped ? "mapped" : "cached", 100 * cmd_ratio(st.vram[0], st.lookups[0]), 100 * cmd_ratio(st.vram[1], st.lookups[1]),
+             100 * cmd_ratio(st.hits[0], st.lookups[0]), (unsigned long long)st.lookups[0],
              100 * cmd_ratio(st.hits[1], st.lookups[1]), (unsigned long long)st.lookups[1], 100 * cmd_ratio(st.inflight[1], st.lookups[1]),
              st.bytes_read / gib, (unsigned long long)st.reads, (unsigned long long)st.prefetches, (unsigned long long)st.warm_reads,
              cmd_ratio(st.bytes_read / 1e9, st.busy_s));
@@ -6789,6 +6790,7 @@ static void cmd_json_experts(FILE *f, struct expert_store *x)
     fprintf(f, ",\"lookups_prompt\":%llu,\"lookups_decode\":%llu,\"hit_rate_prompt\":%.4f,\"hit_rate_decode\":%.4f",
             (unsigned long long)st.lookups[0], (unsigned long long)st.lookups[1], cmd_ratio(st.hits[0], st.lookups[0]),
             cmd_ratio(st.hits[1], st.lookups[1]));
+    fprintf(f, ",\"vram_rate_prompt\":%.4f,\"vram_rate_decode\":%.4f", cmd_ratio(st.vram[0], st.lookups[0]), cmd_ratio(st.vram[1], st.lookups[1]));
     fprintf(f, ",\"bytes_read\":%llu,\"reads\":%llu,\"prefetches\":%llu,\"warm_reads\":%llu,\"disk_gb_s\":%.3f,\"read_busy_s\":%.3f",
             (unsigned long long)st.bytes_read, (unsigned long long)st.reads, (unsigned long long)st.prefetches,
             (unsigned long long)st.warm_reads, cmd_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);
