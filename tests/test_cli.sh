@@ -66,7 +66,7 @@ else
     expect "context fills during generation" 0 '"stop":"context"' -- "$COLI" run -m "$M" -c 12 -n 100 --json --ignore-eog -p "The capital of France is"
 
     P="The capital of France is Paris, and the capital of Japan is"
-    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 2>/dev/null | tail -n 1 >"$tmp/t1"
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 2>"$tmp/t1_err" | tail -n 1 >"$tmp/t1"
     "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 2 2>/dev/null | tail -n 1 >"$tmp/t2"
     COLI_CPU=scalar "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 2 2>/dev/null | tail -n 1 >"$tmp/t3"
     strip() { sed -e 's/"timings".*//' "$1"; }
@@ -94,6 +94,13 @@ else
         ok "run --ram 1: same tokens and logits from a 4-expert cache; heat saved"
     else
         bad "run --ram 1" "outputs differ or no heat file; $(head -c 300 "$tmp/ram_err")"
+    fi
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 --ram 1G 2>"$tmp/inplace_err" | tail -n 1 >"$tmp/t5"
+    if [ -s "$tmp/t5" ] && [ "$(strip "$tmp/t1")" = "$(strip "$tmp/t5")" ] && grep -q 'fit in memory: copied there' "$tmp/t1_err" &&
+        grep -q 'fit in memory: read in place' "$tmp/inplace_err"; then
+        ok "experts copied into memory (no --ram) and read in place (--ram 1G): the same tokens and logits"
+    else
+        bad "experts copied vs in place" "outputs differ or not both modes; $(grep experts "$tmp/t1_err" "$tmp/inplace_err" | head -c 300)"
     fi
     printf 'COLIHEAT-but-not-really' >"$tmp/bad.heat"
     rc=0

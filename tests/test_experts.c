@@ -36,7 +36,7 @@ static uint64_t run_hash(struct model *m, const int *prompt, int n_prompt)
 
 static void store_with(struct model *m, int64_t budget, const char *heat_path)
 {
-    struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT};
+    struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT, 0};
     model_store_experts(m, &cfg);
     expert_start(m->experts);
 }
