@@ -5636,8 +5636,9 @@ static size_t model_recurrent_floats(const struct model_config *c)
 static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int save)
 {
     const struct model_config *c = &m->cfg;
-    size_t conv = (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1), per = model_recurrent_floats(c);
-    if (!cp->recurrent) cp->recurrent = plat_alloc(plat_mul_size(per * sizeof(float), (size_t)c->n_layers, "checkpoint"));
+    size_t conv = (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1), per = model_recurrent_floats(c), n_deltanet = 0;
+    for (int i = 0; i < c->n_layers; i++) n_deltanet += m->state[i].conv_state != NULL;
+    if (!cp->recurrent) cp->recurrent = plat_alloc(plat_mul_size(per * sizeof(float), n_deltanet ? n_deltanet : 1, "checkpoint"));
     float *p = cp->recurrent;
     for (int i = 0; i < c->n_layers; i++) {
         struct model_layer_state *st = &m->state[i];

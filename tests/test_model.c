@@ -288,6 +288,32 @@ static void test_bad_models(const char *dir)
     unlink(dst);
 }
 
+/* Chat's rewind (model_checkpoint): after a prefix, save; feed more tokens; restore; feed
+ * them again: the same logits, bit for bit, as the first time. */
+static void test_checkpoint(const char *dir, const char *name)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct model m;
+    struct model_checkpoint cp = {0, NULL};
+    const int prefix[5] = {11, 22, 33, 44, 55}, more[4] = {66, 77, 88, 99};
+    model_load(&m, path, 64);
+    int V = m.cfg.n_vocab;
+    float *first = plat_alloc((size_t)V * sizeof *first);
+    model_forward(&m, prefix, 5);
+    model_checkpoint(&m, &cp, 1);
+    memcpy(first, model_forward(&m, more, 4), (size_t)V * sizeof *first);
+    model_forward(&m, more, 2);
+    model_checkpoint(&m, &cp, 0);
+    int same = m.pos == 5 && !memcmp(first, model_forward(&m, more, 4), (size_t)V * sizeof *first);
+    char label[300];
+    snprintf(label, sizeof label, "%s: rewound to a checkpoint, the same tokens give the same logits", name);
+    check(same, label, "rewound logits differ (pos %d)", m.pos);
+    free(first);
+    free(cp.recurrent);
+    model_free(&m);
+}
+
 int main(int argc, char **argv)
 {
     const char *dir;
@@ -305,6 +331,8 @@ int main(int argc, char **argv)
         test_golden_model(dir, names[i], quick);
         free(names[i]);
     }
+    test_checkpoint(dir, "q35moe-q8_0.gguf");
+    test_checkpoint(dir, "q3next-q8_0.gguf");
     test_bad_models(dir);
     return check_done();
 }
