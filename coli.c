@@ -190,6 +190,17 @@ static int plat_map_file(const char *path, struct plat_map *m)
     return 0;
 }
 
+/* N bytes of anonymous memory for weights copied out of a file mapping, with transparent huge
+ * pages asked for (fewer TLB misses where the system has them on); NULL when N is 0 or there is
+ * no memory for it (the caller then keeps computing in place). Free with munmap. */
+static void *plat_alloc_weights(size_t n)
+{
+    void *p = n ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
+    if (p == MAP_FAILED) return NULL;
+    madvise(p, n, MADV_HUGEPAGE);
+    return p;
+}
+
 /* Drops this process's pages of the LEN bytes at P in a file mapping (after they were copied
  * elsewhere), so they no longer count as ours; the page cache keeps them, for the next start,
  * until memory is wanted. Pages shared with bytes around are kept. */
@@ -4270,16 +4281,14 @@ static int expert_layer_in_vram(const struct expert_store *s, int l)
  * asks for this only when memory holds both). A layer whose experts are all in VRAM stays in
  * the mapping (read only if the GPU path ends). Why: on this machine Q4_0 experts stream at
  * 13-14 GB/s from anonymous memory and 8 GB/s in place from the page cache. Without the
- * memory for it (mmap fails) the experts stay in place. */
+ * memory for it the experts stay in place. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) total += (s->src[l][j].t.stride * (size_t)s->n_expert + 63) & ~(size_t)63;
-    void *arena = total ? mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
-    if (arena == MAP_FAILED) return;
-    madvise(arena, total, MADV_HUGEPAGE); /* fewer TLB misses where transparent huge pages are on */
-    uint8_t *dst = arena;
+    uint8_t *arena = plat_alloc_weights(total), *dst = arena;
+    if (!arena) return;
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
@@ -5130,13 +5139,11 @@ static void model_own_trunk(struct model *m)
     size_t total = 0;
     for (int i = 0; it[i].m; i++)
         if (!cuda_resident_of(it[i].m->data)) total += ((size_t)it[i].m->rows * it[i].m->row_bytes + 63) & ~(size_t)63;
-    void *arena = total ? mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
-    if (arena == MAP_FAILED) { /* nothing to copy, or no memory for it: compute in place */
+    uint8_t *arena = plat_alloc_weights(total), *dst = arena;
+    if (!arena) { /* nothing to copy, or no memory for it: compute in place */
         free(it);
         return;
     }
-    madvise(arena, total, MADV_HUGEPAGE); /* fewer TLB misses where transparent huge pages are on */
-    uint8_t *dst = arena;
     for (int i = 0; it[i].m; i++) {
         struct ops_matrix *w = it[i].m;
         size_t bytes = (size_t)w->rows * w->row_bytes;
