@@ -201,6 +201,16 @@ static void *plat_alloc_weights(size_t n)
     return p;
 }
 
+/* memcpy of weights out of a file mapping into plat_alloc_weights memory, in 2 MiB pieces over
+ * the threads: the page faults on both sides (reading the file's pages, zeroing new ones) are
+ * most of the cost, and they run in parallel. */
+static void plat_copy_weights(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    const size_t piece = (size_t)2 << 20;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (size_t off = 0; off < n; off += piece) memcpy(dst + off, src + off, n - off < piece ? n - off : piece);
+}
+
 /* Drops this process's pages of the LEN bytes at P in a file mapping (after they were copied
  * elsewhere), so they no longer count as ours; the page cache keeps them, for the next start,
  * until memory is wanted. Pages shared with bytes around are kept. */
@@ -4293,7 +4303,7 @@ static void expert_own(struct expert_store *s)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
             size_t len = src->t.stride * (size_t)s->n_expert;
-            memcpy(dst, src->t.m.data, len);
+            plat_copy_weights(dst, src->t.m.data, len);
             plat_unmap_range(src->t.m.data, len);
             src->t.m.data = dst;
             dst += (len + 63) & ~(size_t)63;
@@ -5148,7 +5158,7 @@ static void model_own_trunk(struct model *m)
         struct ops_matrix *w = it[i].m;
         size_t bytes = (size_t)w->rows * w->row_bytes;
         if (cuda_resident_of(w->data)) continue;
-        memcpy(dst, w->data, bytes);
+        plat_copy_weights(dst, w->data, bytes);
         if (w->data != m->embed->data) plat_unmap_range(w->data, bytes);
         w->data = dst;
         dst += (bytes + 63) & ~(size_t)63;
