@@ -52,11 +52,12 @@
 
 /* ==== §1 platform ==== */
 /* Owns: the process's error path (die), allocation that cannot fail silently, whole-file
- *   mapping, monotonic time, the memory figures (cgroup-aware), the CPU's features, and the
- *   glue that lets Debian's glibc-built libgomp.a link into a static musl binary.
+ *   mapping and copies of weights out of it, monotonic time, the memory figures
+ *   (cgroup-aware), the CPU's features, and the glue that lets Debian's glibc-built libgomp.a
+ *   link into a static musl binary.
  * Promises: die() never returns and prints exactly one line. plat_alloc* never return NULL.
  *   plat_cpu is filled by plat_cpu_detect() before anything reads it.
- * May call: libc only.
+ * May call: libc; OpenMP (plat_copy_weights).
  * Workload: start-up and error paths; nothing here is on the per-token path. */
 
 /* Prints `coli: MESSAGE` as one line: control characters that came from a file (a tensor
@@ -193,7 +194,7 @@ static int plat_map_file(const char *path, struct plat_map *m)
 /* N bytes of anonymous memory for weights copied out of a file mapping, with transparent huge
  * pages asked for (fewer TLB misses where the system has them on); NULL when N is 0 or there is
  * no memory for it (the caller then keeps computing in place). Free with munmap. */
-static void *plat_alloc_weights(size_t n)
+static void *plat_weight_arena(size_t n)
 {
     void *p = n ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
     if (p == MAP_FAILED) return NULL;
@@ -201,7 +202,7 @@ static void *plat_alloc_weights(size_t n)
     return p;
 }
 
-/* memcpy of weights out of a file mapping into plat_alloc_weights memory, in 2 MiB pieces over
+/* memcpy of weights out of a file mapping into plat_weight_arena memory, in 2 MiB pieces over
  * the threads: the page faults on both sides (reading the file's pages, zeroing new ones) are
  * most of the cost, and they run in parallel. */
 static void plat_copy_weights(uint8_t *dst, const uint8_t *src, size_t n)
@@ -4297,7 +4298,7 @@ static void expert_own(struct expert_store *s)
     size_t total = 0;
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) total += (s->src[l][j].t.stride * (size_t)s->n_expert + 63) & ~(size_t)63;
-    uint8_t *arena = plat_alloc_weights(total), *dst = arena;
+    uint8_t *arena = plat_weight_arena(total), *dst = arena;
     if (!arena) return;
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
@@ -5149,7 +5150,7 @@ static void model_own_trunk(struct model *m)
     size_t total = 0;
     for (int i = 0; it[i].m; i++)
         if (!cuda_resident_of(it[i].m->data)) total += ((size_t)it[i].m->rows * it[i].m->row_bytes + 63) & ~(size_t)63;
-    uint8_t *arena = plat_alloc_weights(total), *dst = arena;
+    uint8_t *arena = plat_weight_arena(total), *dst = arena;
     if (!arena) { /* nothing to copy, or no memory for it: compute in place */
         free(it);
         return;
