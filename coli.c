@@ -3451,12 +3451,13 @@ static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda
 }
 /* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation
  * columns ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail
- * (the caller computes the jobs on the CPU). */
+ * or once the GPU path has ended (the caller computes the jobs on the CPU). */
 static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct cuda_moe_job *jobs, int n,
                           const uint8_t *acts, size_t stride, int n_cols)
 {
     struct cuda_device *d = &cuda.dev[dev];
     enum quant_act_kind kind = quant_act_kind(sh->down_type);
+    if (!cuda.ready) return -1; /* another device failed this layer: no more driver calls */
     size_t hq_stride = (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63;
     size_t jobs_b = cuda_align((size_t)n * sizeof *jobs), acts_b = cuda_align(stride * (size_t)n_cols);
     size_t h_b = cuda_align((size_t)n * (size_t)sh->ff * 4), hq_b = cuda_align((size_t)n * hq_stride);

@@ -78,6 +78,9 @@ tokens "--place lmhead=0: a list without experts= keeps them on the CPU" '^\[cud
 tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K
 tokens "some experts in VRAM, the rest through a 4-slot RAM cache" '^\[experts\] cache .*: 4 of 32' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K --ram 100K
 tokens "a launch fails in an expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=experts=0 FAKE_CUDA_FAIL=launch:5
+tokens "2 devices, a launch fails in device 0's expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=off FAKE_CUDA_FAIL=launch:2
+n=$(grep -c 'running on the CPU from here' "$tmp/e")
+if [ "$n" = 1 ]; then ok "... and says so once: no driver call after the failure"; else bad "one failure line" "$n lines: $(grep cuda "$tmp/e" | head -c 300)"; fi
 tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:40
 tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
 tokens "stub: CPU" 'error 34' $m LD_LIBRARY_PATH="$B/stub"
