@@ -6731,12 +6731,14 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
     s->think_open = tok_find(&s->tok, "<think>");
     s->think_close = tok_find(&s->tok, "</think>");
     cmd_place_trunk(&s->model, o);
-    model_own_trunk(&s->model);
     const struct model_config *c = &s->model.cfg;
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
+    /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
+     * and the file's pages it has just read would both be taken for used memory) */
     model_budget_experts(&s->model, o->ram_bytes, o->heat_path, o->expert_io, o->place);
+    model_own_trunk(&s->model);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
