@@ -2081,19 +2081,20 @@ struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
 
-/* One product of a batch (ops_matmat_jobs): y[T][rows] = W·x[T][cols]. */
+/* One product of a batch (ops_matmat_jobs): y[n][rows] = W·x[n][cols]. */
 struct ops_job {
     struct ops_matrix w;
     const float *x;
     float *y;
+    int n;
 };
 
 #define OPS_MAX_JOBS 64
 
 /* §5 cuda sets this when matrices are resident on a device: it runs there the jobs whose
- * matrices are, over their T prepared columns at ACT + OFF[j] (ops_act_stride apart), and
+ * matrices are, over their prepared columns at ACT + OFF[j] (ops_act_stride apart), and
  * marks them in DONE; the CPU computes the rest. The one place §4 reaches a device. */
-static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, int T, uint8_t *done);
+static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done);
 
 static void *ops_act_buf;
 static size_t ops_act_cap;
@@ -2120,13 +2121,13 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* Every job's product over the same T columns (job j: y[T][rows] = W·x[T][cols]), in one
- * parallel loop over all their rows, so that several small products pay one parallel region
- * and its barrier, and each thread has rows of every matrix in flight. Jobs with the same x,
- * type and width share one prepared activation (and, on a device, one upload). Job j's y is
- * bit-identical whatever the batch, the thread count or the device. Caller: quant_init done;
- * at most OPS_MAX_JOBS jobs; no y overlaps an x; one caller at a time. */
-static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs, int T) {
+/* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
+ * rows, so that several small products pay one parallel region and its barrier, and each
+ * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
+ * prepared activation (and, on a device, one upload). Job j's y is bit-identical whatever the
+ * batch, the thread count or the device. Caller: quant_init done; at most OPS_MAX_JOBS jobs;
+ * no y overlaps an x; one caller at a time. */
+static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1] = {0};
     uint8_t done[OPS_MAX_JOBS] = {0}, own[OPS_MAX_JOBS] = {0};
@@ -2135,20 +2136,19 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs, int T) {
         const struct ops_matrix *w = &jobs[j].w;
         ops_check_matrix(w);
         int i = 0;
-        while (i < j && (jobs[i].x != jobs[j].x || jobs[i].w.type != w->type || jobs[i].w.cols != w->cols)) i++;
+        while (i < j && (jobs[i].x != jobs[j].x || jobs[i].n != jobs[j].n || jobs[i].w.type != w->type || jobs[i].w.cols != w->cols)) i++;
         own[j] = i == j;
         off[j] = own[j] ? end : off[i];
         stride[j] = ops_act_stride(w);
-        if (own[j]) end += stride[j] * (size_t)T;
+        if (own[j]) end += stride[j] * (size_t)(jobs[j].n > 0 ? jobs[j].n : 0);
     }
-    if (T < 1) return;
     uint8_t *act = ops_act_scratch(end);
     for (int j = 0; j < n_jobs; j++)
-        for (int t = 0; own[j] && t < T; t++)
+        for (int t = 0; own[j] && t < jobs[j].n; t++)
             quant_act_prepare(jobs[j].w.type, jobs[j].x + (size_t)t * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
-    if (ops_offload) ops_offload(jobs, n_jobs, act, off, T, done);
+    if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
     for (int j = 0; j < n_jobs; j++)
-        first_chunk[j + 1] = first_chunk[j] + (done[j] ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
+        first_chunk[j + 1] = first_chunk[j] + (done[j] || jobs[j].n < 1 ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
      * shrinking pieces that even out a thread that fell behind (slice decode +5% over static;
      * dynamic, which interleaves the threads' rows, lost 7%) */
@@ -2159,15 +2159,15 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs, int T) {
         const struct ops_matrix *w = &jobs[j].w;
         int64_t r0 = (c - first_chunk[j]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
         for (int64_t r = r0; r < r1; r++)
-            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], T, w->cols, jobs[j].y + r, (size_t)w->rows);
+            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r, (size_t)w->rows);
     }
 }
 
 /* y[n][rows] = W·x[n][cols]. Caller: as ops_matmat_jobs. The weight row stays in cache while
  * the n columns use it. */
 static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
-    struct ops_job job = {*w, x, y};
-    ops_matmat_jobs(&job, 1, n);
+    struct ops_job job = {*w, x, y, n};
+    ops_matmat_jobs(&job, 1);
 }
 
 /* y[rows] = W·x[cols]. */
@@ -3303,16 +3303,16 @@ static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
  * matvec_<type> per job (one warp per row, lane = unit % 32, shfl butterfly: the canonical
  * order), one download of all their outputs: 2 + n driver calls. Returns 0, or -1 after
  * cuda_fail. */
-static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, int n, const uint8_t *act, const size_t *off, int T)
+static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, int n, const uint8_t *act, const size_t *off)
 {
     struct cuda_device *d = &cuda.dev[dev];
     size_t lo = SIZE_MAX, hi = 0, y_bytes = 0;
     for (int i = 0; i < n; i++) {
         const struct ops_job *jb = &jobs[mine[i]];
-        size_t end = off[mine[i]] + ops_act_stride(&jb->w) * (size_t)T;
+        size_t end = off[mine[i]] + ops_act_stride(&jb->w) * (size_t)jb->n;
         lo = off[mine[i]] < lo ? off[mine[i]] : lo;
         hi = end > hi ? end : hi;
-        y_bytes += (size_t)T * (size_t)jb->w.rows * sizeof(float);
+        y_bytes += (size_t)jb->n * (size_t)jb->w.rows * sizeof(float);
     }
     cuda_result r;
     if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->act, &d->act_cap, hi - lo)) || (r = cuda_scratch(&d->y, &d->y_cap, y_bytes)) ||
@@ -3320,12 +3320,12 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, in
         cuda_fail("device scratch", r);
         return -1;
     }
-    for (size_t i = 0, y_off = 0; i < (size_t)n; y_off += (size_t)T * (size_t)jobs[mine[i]].w.rows * sizeof(float), i++) {
+    for (size_t i = 0, y_off = 0; i < (size_t)n; y_off += (size_t)jobs[mine[i]].n * (size_t)jobs[mine[i]].w.rows * sizeof(float), i++) {
         const struct ops_matrix *w = &jobs[mine[i]].w;
         cuda_ptr wp = cuda_resident_of(w->data)->ptr, ap = d->act + (off[mine[i]] - lo), yp = d->y + y_off;
         uint64_t rb = w->row_bytes, st = ops_act_stride(w);
-        int rows = (int)w->rows, cols = (int)w->cols;
-        void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &T};
+        int rows = (int)w->rows, cols = (int)w->cols, columns = jobs[mine[i]].n;
+        void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &columns};
         if ((r = cuda_launch(d->matvec[w->type], (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params))) {
             cuda_fail("GEMV on the device", r);
             return -1;
@@ -3337,7 +3337,7 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, in
         return -1;
     }
     for (int i = 0; i < n; i++) {
-        size_t b = (size_t)T * (size_t)jobs[mine[i]].w.rows * sizeof(float);
+        size_t b = (size_t)jobs[mine[i]].n * (size_t)jobs[mine[i]].w.rows * sizeof(float);
         memcpy(jobs[mine[i]].y, y, b);
         y += b;
     }
@@ -3348,18 +3348,18 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, in
 
 /* ops_offload: runs each job whose matrix is resident on its device (cuda_jobs_on), marking
  * it in DONE; a failure leaves the rest to the CPU, which computes the same bits. */
-static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, int T, uint8_t *done)
+static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done)
 {
     int dev_of[OPS_MAX_JOBS], mine[OPS_MAX_JOBS];
     for (int j = 0; j < n; j++) {
         const struct cuda_resident *res = cuda_resident_of(jobs[j].w.data);
-        dev_of[j] = res ? res->dev : -1;
+        dev_of[j] = res && jobs[j].n > 0 ? res->dev : -1;
     }
     for (int dev = 0; dev < cuda.n_devices && cuda.ready; dev++) {
         int k = 0;
         for (int j = 0; j < n; j++)
             if (dev_of[j] == dev) mine[k++] = j;
-        if (k && cuda_jobs_on(dev, jobs, mine, k, act, off, T) == 0)
+        if (k && cuda_jobs_on(dev, jobs, mine, k, act, off) == 0)
             for (int i = 0; i < k; i++) done[mine[i]] = 1;
     }
 }
@@ -4712,8 +4712,9 @@ struct model_scratch {
     float *top_w;            /* [B][n_expert_used] renormalised weights */
     int *slot_of;            /* [B * n_expert_used] assignment order grouped by expert */
     int *want, *want_count;  /* [n_expert] experts routed in a layer, tokens routed to each */
-    float *ex_in;            /* [B][dim] tokens gathered for one expert */
-    float *ex_g, *ex_u;      /* [B][max(expert_ff, shexp_ff, ff)] */
+    float *ex_in;            /* [B * n_expert_used][dim] tokens gathered by expert */
+    float *ex_g, *ex_u;      /* [B * n_expert_used][max(expert_ff, shexp_ff, ff)] */
+    float *ex_y;             /* [B * n_expert_used][dim] the gathered tokens' expert outputs */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
     /* routed experts on devices (§5): the jobs of a layer, grouped by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
@@ -4999,9 +5000,10 @@ static void model_alloc_scratch(struct model *m)
     s->slot_of = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
     s->want = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->want_count = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
-    s->ex_in = model_buf(B, c->dim);
-    s->ex_g = model_buf(B, ffmax ? ffmax : 1);
-    s->ex_u = model_buf(B, ffmax ? ffmax : 1);
+    s->ex_in = model_buf(B * (used ? used : 1), c->dim);
+    s->ex_g = model_buf(B * (used ? used : 1), ffmax ? ffmax : 1);
+    s->ex_u = model_buf(B * (used ? used : 1), ffmax ? ffmax : 1);
+    s->ex_y = model_buf(B * (used ? used : 1), c->dim);
     s->ex_out = model_buf(B * (used ? used : 1), c->dim);
     s->ex_dev = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->dev_jobs = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof *s->dev_jobs);
@@ -5197,7 +5199,7 @@ static void model_free(struct model *m)
     struct model_scratch *s = &m->s;
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
-                     s->ex_out, s->sh_out, s->sh_gate, s->logits, s->dev_out};
+                     s->ex_out, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
     void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
@@ -5235,8 +5237,8 @@ static void model_attention(struct model *m, int il, int T)
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
 
-    const struct ops_job qkv[] = {{l->wq, s->xn, s->qg}, {l->wk, s->xn, s->k}, {l->wv, s->xn, s->v}};
-    ops_matmat_jobs(qkv, 3, T);
+    const struct ops_job qkv[] = {{l->wq, s->xn, s->qg, T}, {l->wk, s->xn, s->k, T}, {l->wv, s->xn, s->v, T}};
+    ops_matmat_jobs(qkv, 3);
 
     /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache */
     for (int t = 0; t < T; t++) {
@@ -5351,10 +5353,11 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
     float qscale = 1.0f / sqrtf((float)dk);
 
-    struct ops_job proj[] = {{l->wqkv, s->xn, s->mixed}, {l->wz, s->xn, s->z}, {l->wbeta, s->xn, s->beta}, {l->walpha, s->xn, s->alpha}};
+    struct ops_job proj[] = {{l->wqkv, s->xn, s->mixed, T}, {l->wz, s->xn, s->z, T}, {l->wbeta, s->xn, s->beta, T},
+                             {l->walpha, s->xn, s->alpha, T}};
     int fused = c->arch == MODEL_ARCH_QWEN3NEXT; /* one projection for beta and alpha */
-    if (fused) proj[2] = (struct ops_job){l->wba, s->xn, s->ba};
-    ops_matmat_jobs(proj, fused ? 3 : 4, T);
+    if (fused) proj[2] = (struct ops_job){l->wba, s->xn, s->ba, T};
+    ops_matmat_jobs(proj, fused ? 3 : 4);
     if (fused) model_split_ba(m, T);
 
     for (int t = 0; t < T; t++) {
@@ -5403,8 +5406,8 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
                          const struct ops_matrix *down, const float *in, float *out, int n)
 {
     struct model_scratch *s = &m->s;
-    const struct ops_job gate_up[] = {{*gate, in, s->ex_g}, {*up, in, s->ex_u}};
-    ops_matmat_jobs(gate_up, 2, n);
+    const struct ops_job gate_up[] = {{*gate, in, s->ex_g, n}, {*up, in, s->ex_u, n}};
+    ops_matmat_jobs(gate_up, 2);
     model_swiglu_down(m, down, out, n);
 }
 
@@ -5457,29 +5460,51 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* One token's routed experts that the CPU computes, with their weights read in place: all
- * gates and ups in one batch of products, then all downs in another (each bit-identical to
- * ops_matmat of one column). Expert top[k]'s output lands in ex_out[k]. */
-static void model_routed_experts_mapped_token(struct model *m)
+/* Gathers the tokens (of T) routed to expert E into ex_in from row FIRST on, their assignments
+ * into slot_of alike; returns how many. */
+static int model_gather_tokens(struct model *m, int e, int T, int first)
+{
+    struct model_scratch *s = &m->s;
+    int used = m->cfg.n_expert_used, rows = first;
+    size_t dim = (size_t)m->cfg.dim;
+    for (int a = 0; a < T * used; a++)
+        if (s->top[a] == e) {
+            s->slot_of[rows] = a;
+            memcpy(s->ex_in + rows * dim, s->xn + (size_t)(a / used) * dim, dim * sizeof(float));
+            rows++;
+        }
+    return rows - first;
+}
+
+/* The routed experts the CPU computes for T tokens when the store hands them out in place (a
+ * pointer stays valid after the next expert_next): each expert's tokens are gathered into
+ * ex_in, then up to OPS_MAX_JOBS / 2 experts at a time run as two batches of products, gates
+ * and ups, then downs, so that a layer pays a few parallel regions rather than two per expert.
+ * Each output is bit-identical to the expert's own ops_matmat; it lands in ex_out[assignment]. */
+static void model_routed_experts_mapped(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    int ff = c->expert_ff, n = 0, ks[OPS_MAX_JOBS / 2];
-    struct ops_job up_jobs[OPS_MAX_JOBS], down_jobs[OPS_MAX_JOBS / 2];
+    int ff = c->expert_ff, n = 0, rows = 0;
+    size_t dim = (size_t)c->dim;
+    struct ops_job up[OPS_MAX_JOBS], down[OPS_MAX_JOBS / 2];
     struct ops_matrix w[3];
-    for (int e; (e = expert_next(m->experts, w)) >= 0; n++) {
-        int k = 0;
-        while (s->top[k] != e) k++;
-        float *g = s->ex_g + (size_t)k * ff;
-        up_jobs[2 * n] = (struct ops_job){w[0], s->xn, g};
-        up_jobs[2 * n + 1] = (struct ops_job){w[1], s->xn, s->ex_u + (size_t)k * ff};
-        down_jobs[n] = (struct ops_job){w[2], g, s->ex_out + (size_t)k * c->dim};
-        ks[n] = k;
+    for (int e = 0; e >= 0;) {
+        if ((e = expert_next(m->experts, w)) >= 0) {
+            int first = rows, count = model_gather_tokens(m, e, T, first);
+            float *x = s->ex_in + first * dim, *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
+            up[2 * n] = (struct ops_job){w[0], x, g, count};
+            up[2 * n + 1] = (struct ops_job){w[1], x, u, count};
+            down[n++] = (struct ops_job){w[2], g, s->ex_y + first * dim, count};
+            rows += count;
+        }
+        if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
+        ops_matmat_jobs(up, 2 * n);
+        for (size_t i = 0; i < (size_t)rows * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+        ops_matmat_jobs(down, n);
+        for (int r = 0; r < rows; r++) memcpy(s->ex_out + (size_t)s->slot_of[r] * dim, s->ex_y + r * dim, dim * sizeof(float));
+        n = rows = 0;
     }
-    ops_matmat_jobs(up_jobs, 2 * n, 1);
-    for (int j = 0; j < n; j++)
-        for (size_t i = (size_t)ks[j] * ff; i < (size_t)(ks[j] + 1) * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
-    ops_matmat_jobs(down_jobs, n, 1);
 }
 
 /* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over
@@ -5490,21 +5515,13 @@ static void model_routed_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    int used = c->n_expert_used, n_assign = T * used;
     struct ops_matrix w[3]; /* gate, up, down */
-    /* in place from the mapping, a pointer stays valid after the next expert_next: batch them */
-    if (T == 1 && m->experts->mapped && 2 * used <= OPS_MAX_JOBS) {
-        model_routed_experts_mapped_token(m);
+    if (m->experts->mapped) {
+        model_routed_experts_mapped(m, T);
         return;
     }
     for (int e; (e = expert_next(m->experts, w)) >= 0;) {
-        int n = 0;
-        for (int a = 0; a < n_assign; a++)
-            if (s->top[a] == e) {
-                s->slot_of[n] = a;
-                memcpy(s->ex_in + (size_t)n * c->dim, s->xn + (size_t)(a / used) * c->dim, (size_t)c->dim * sizeof(float));
-                n++;
-            }
+        int n = model_gather_tokens(m, e, T, 0);
         model_swiglu(m, &w[0], &w[1], &w[2], s->ex_in, s->ex_in, n);
         for (int i = 0; i < n; i++)
             memcpy(s->ex_out + (size_t)s->slot_of[i] * c->dim, s->ex_in + (size_t)i * c->dim, (size_t)c->dim * sizeof(float));
@@ -5578,9 +5595,9 @@ static void model_ffn(struct model *m, int il, int T)
         return;
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up */
-    const struct ops_job first[] = {{l->router, s->xn, s->router}, {l->shexp_gate_inp, s->xn, s->sh_gate},
-                                    {l->shexp_gate, s->xn, s->ex_g}, {l->shexp_up, s->xn, s->ex_u}};
-    ops_matmat_jobs(first, c->shexp_ff ? 4 : 1, T);
+    const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
+                                    {l->shexp_gate, s->xn, s->ex_g, T}, {l->shexp_up, s->xn, s->ex_u, T}};
+    ops_matmat_jobs(first, c->shexp_ff ? 4 : 1);
     model_select_experts(m, T);
     model_want_experts(m, il, T);
     model_experts_device_start(m, il, T);

@@ -79,7 +79,7 @@ static void check_jobs(int real, int T)
     float *x = random_x(T, 512), *cpu[5], *gpu[5];
     int placed = 1, same = 1;
     for (int j = 0; j < 5; j++) {
-        jobs[j] = (struct ops_job){random_matrix(jt[j], rows[j], 512), x, NULL};
+        jobs[j] = (struct ops_job){random_matrix(jt[j], rows[j], 512), x, NULL, T};
         cpu[j] = plat_alloc((size_t)T * rows[j] * 4);
         gpu[j] = plat_alloc((size_t)T * rows[j] * 4);
         ops_matmat(&jobs[j].w, x, cpu[j], T);
@@ -87,7 +87,7 @@ static void check_jobs(int real, int T)
         jobs[j].y = gpu[j];
     }
     long calls = cuda.calls, products = cuda.products;
-    ops_matmat_jobs(jobs, 5, T);
+    ops_matmat_jobs(jobs, 5);
     for (int j = 0; j < 5; j++) same &= !memcmp(cpu[j], gpu[j], (size_t)T * rows[j] * 4);
     char name[160];
     snprintf(name, sizeof name, "a batch of 5 products over %d column%s, 4 on devices: the CPU's bits, %s driver calls", T, T > 1 ? "s" : "",
