@@ -3298,12 +3298,13 @@ static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
     return NULL;
 }
 
-/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), over the activations at
- * ACT + OFF[j]. One upload of the span of activations they read, one launch of
+/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), their weights at RES[j] on
+ * the device, over the activations at ACT + OFF[j]. One upload of the span of activations they read, one launch of
  * matvec_<type> per job (one warp per row, lane = unit % 32, shfl butterfly: the canonical
  * order), one download of all their outputs: 2 + n driver calls. Returns 0, or -1 after
  * cuda_fail. */
-static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, int n, const uint8_t *act, const size_t *off)
+static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_resident *const *res, const int *mine, int n,
+                        const uint8_t *act, const size_t *off)
 {
     struct cuda_device *d = &cuda.dev[dev];
     size_t lo = SIZE_MAX, hi = 0, y_bytes = 0;
@@ -3322,7 +3323,7 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, in
     }
     for (size_t i = 0, y_off = 0; i < (size_t)n; y_off += (size_t)jobs[mine[i]].n * (size_t)jobs[mine[i]].w.rows * sizeof(float), i++) {
         const struct ops_matrix *w = &jobs[mine[i]].w;
-        cuda_ptr wp = cuda_resident_of(w->data)->ptr, ap = d->act + (off[mine[i]] - lo), yp = d->y + y_off;
+        cuda_ptr wp = res[mine[i]]->ptr, ap = d->act + (off[mine[i]] - lo), yp = d->y + y_off;
         uint64_t rb = w->row_bytes, st = ops_act_stride(w);
         int rows = (int)w->rows, cols = (int)w->cols, columns = jobs[mine[i]].n;
         void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &columns};
@@ -3350,16 +3351,14 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const int *mine, in
  * it in DONE; a failure leaves the rest to the CPU, which computes the same bits. */
 static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done)
 {
-    int dev_of[OPS_MAX_JOBS], mine[OPS_MAX_JOBS];
-    for (int j = 0; j < n; j++) {
-        const struct cuda_resident *res = cuda_resident_of(jobs[j].w.data);
-        dev_of[j] = res && jobs[j].n > 0 ? res->dev : -1;
-    }
+    const struct cuda_resident *res[OPS_MAX_JOBS];
+    int mine[OPS_MAX_JOBS];
+    for (int j = 0; j < n; j++) res[j] = jobs[j].n > 0 ? cuda_resident_of(jobs[j].w.data) : NULL;
     for (int dev = 0; dev < cuda.n_devices && cuda.ready; dev++) {
         int k = 0;
         for (int j = 0; j < n; j++)
-            if (dev_of[j] == dev) mine[k++] = j;
-        if (k && cuda_jobs_on(dev, jobs, mine, k, act, off) == 0)
+            if (res[j] && res[j]->dev == dev) mine[k++] = j;
+        if (k && cuda_jobs_on(dev, jobs, res, mine, k, act, off) == 0)
             for (int i = 0; i < k; i++) done[mine[i]] = 1;
     }
 }
