@@ -16,8 +16,9 @@
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
- *   §11 frontends  cmd_     run, chat, plan, bench, info, tokenize
- *   §12 main       arg_     argument parsing and dispatch
+ *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch
+ *   §12 frontends  cmd_     run, chat, plan, bench, info, tokenize
+ *   §13 main       arg_     argument parsing and dispatch
  *
  * Conventions: everything is static; every function carries its section prefix; shapes are
  * written outermost first, `[rows][cols]`, in elements. Errors go through die(): one line
@@ -3518,7 +3519,8 @@ static int cuda_moe_finish(int dev, float *out)
  *   decayed) and its file, and the hit / read / prefetch statistics.
  * Promises: the matrices handed out hold exactly the file's bytes, so products over them are
  *   the products over the mapping, bit for bit. A failed or short read is never handed
- *   out: the main thread dies with `coli: FILE: ...` at the next call. Only the main thread
+ *   out: the layer gets nothing more from expert_next, and expert_recover reports the read's
+ *   `FILE: ...` message and leaves the store as if it had never been asked. Only the main thread
  *   calls expert_* (reader threads touch only the slot they load and the store's queue,
  *   under its mutex). The store never touches the mapping's expert bytes when it caches,
  *   so the page cache does not hold a second copy (O_DIRECT; see EXPERT_IO_*). In mapped
@@ -3554,7 +3556,7 @@ struct expert_source {
 
 enum expert_io { EXPERT_IO_DIRECT, EXPERT_IO_BUFFERED };
 enum expert_phase { EXPERT_PHASE_PROMPT, EXPERT_PHASE_DECODE };
-enum expert_state { EXPERT_FREE, EXPERT_LOADING, EXPERT_READY };
+enum expert_state { EXPERT_FREE, EXPERT_LOADING, EXPERT_READY, EXPERT_FAILED };
 
 struct expert_config {
     int64_t budget;          /* bytes of cache; < 0: mapped mode (no cache) */
@@ -3793,7 +3795,8 @@ static void *expert_reader(void *arg)
         pthread_mutex_lock(&s->mu);
         if (--s->in_flight == 0) s->stats.busy_s += plat_now() - s->busy_since;
         if (bad && !s->error[0]) memcpy(s->error, msg, sizeof msg);
-        if (!bad) {
+        if (bad) s->slots[i].state = EXPERT_FAILED; /* freed by expert_recover */
+        else {
             const struct expert_source *src = s->src[key / s->n_expert];
             s->stats.bytes_read += src[0].bytes + src[1].bytes + src[2].bytes;
             s->stats.reads++;
@@ -3824,14 +3827,38 @@ static void expert_forget_mapping(struct expert_store *s, int map)
         }
 }
 
-/* Dies with the first failed read's message (main thread). Under mu. */
-static void expert_check(struct expert_store *s)
+/* Whether a read has failed since the last expert_recover: the layer being computed cannot
+ * be finished, so expert_next hands nothing more out. Under mu. */
+static int expert_failed(const struct expert_store *s) { return s->error[0] != 0; }
+
+/* After a layer: 0 when every read went well. Else 1, with the first failed read's message in
+ * MSG: the layer's holds are let go and the failed slots freed, so that the store serves the
+ * next forward pass as if the failed reads had never been asked for (they are tried again
+ * when next routed). Main thread. */
+static int expert_recover(struct expert_store *s, char *msg, size_t n)
 {
-    if (!s->error[0]) return;
-    char msg[sizeof s->error];
-    memcpy(msg, s->error, sizeof msg);
+    if (s->mapped) return 0;
+    pthread_mutex_lock(&s->mu);
+    int failed = expert_failed(s);
+    if (failed) {
+        snprintf(msg, n, "%s", s->error);
+        for (int k = s->n_done; k < s->n_want; k++)
+            if (s->want_slot[k] >= 0) {
+                s->slots[s->want_slot[k]].refs--;
+                expert_relist(s, s->want_slot[k]);
+            }
+        s->n_done = s->n_want;
+        for (int i = 0; i < s->n_slots; i++) {
+            struct expert_slot *x = &s->slots[i];
+            if (x->state != EXPERT_FAILED || x->refs) continue;
+            s->slot_of[x->key] = -1;
+            *x = (struct expert_slot){-1, EXPERT_FREE, 0, 0, -1, s->free_head, x->buf};
+            s->free_head = i;
+        }
+        s->error[0] = 0;
+    }
     pthread_mutex_unlock(&s->mu);
-    die("%s", msg);
+    return failed;
 }
 
 struct expert_rank {
@@ -4041,8 +4068,7 @@ static void expert_prefetch(struct expert_store *s, int layer, const int *guess,
     }
     if (s->mapped) return;
     pthread_mutex_lock(&s->mu);
-    expert_check(s);
-    for (int e = 0; e < s->n_expert; e++) {
+    for (int e = 0; e < s->n_expert && !expert_failed(s); e++) {
         int32_t key = layer * s->n_expert + e;
         if (!s->guess[e] || expert_in_vram(s, key)) continue;
         int i = s->slot_of[key];
@@ -4102,7 +4128,11 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
         return;
     }
     pthread_mutex_lock(&s->mu);
-    expert_check(s);
+    if (expert_failed(s)) { /* the forward pass fails after this layer (expert_recover) */
+        s->n_done = s->n_want;
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
     int repinned = layer == 0 && expert_heat_tick(s, T);
     for (int k = 0; k < n; k++) {
         int i = s->slot_of[layer * s->n_expert + s->want[k]];
@@ -4137,11 +4167,10 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
         expert_relist(s, s->held);
         s->held = -1;
     }
-    if (s->n_done == s->n_want) {
+    if (s->n_done == s->n_want || expert_failed(s)) {
         pthread_mutex_unlock(&s->mu);
         return -1;
     }
-    expert_check(s);
     expert_fill(s, s->n_done);
     int k = -1;
     for (int j = s->n_done; j < s->n_want && k < 0; j++)
@@ -4150,13 +4179,14 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
         if (s->want_slot[j] >= 0) k = j;
     double t0 = plat_now();
     if (k < 0) /* nothing held: a slot frees up when a read under way ends */
-        for (k = s->n_done; expert_fill(s, k), s->want_slot[k] < 0;) {
-            pthread_cond_wait(&s->done, &s->mu);
-            expert_check(s);
-        }
+        for (k = s->n_done; !expert_failed(s) && (expert_fill(s, k), s->want_slot[k] < 0);) pthread_cond_wait(&s->done, &s->mu);
     int i = s->want_slot[k], e = s->want[k];
-    for (; s->slots[i].state != EXPERT_READY; expert_check(s)) pthread_cond_wait(&s->done, &s->mu);
+    while (!expert_failed(s) && i >= 0 && s->slots[i].state != EXPERT_READY) pthread_cond_wait(&s->done, &s->mu);
     s->stats.wait_s[s->phase] += plat_now() - t0;
+    if (expert_failed(s)) {
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    }
     s->want[k] = s->want[s->n_done];
     s->want_slot[k] = s->want_slot[s->n_done];
     s->n_done++;
@@ -4640,7 +4670,8 @@ static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next
 
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
-#define MODEL_BATCH 64    /* prompt tokens per forward call: 64 keeps the scratch small */
+#define MODEL_BATCH 64    /* tokens per forward call: 64 keeps the scratch small */
+#define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
 
 struct model_config {
@@ -4693,6 +4724,22 @@ struct model_layer_state {
     float *ssm_state;         /* [nv][dv][dk]: S transposed so that each row is contiguous in k */
 };
 
+/* One sequence (a conversation): what the forward pass remembers of its tokens. Many may
+ * share one model; each holds n_ctx tokens of context. */
+struct model_seq {
+    struct model_layer_state *state; /* [n_layers] */
+    int pos;                         /* tokens already in the state */
+};
+
+/* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
+ * token ([n_vocab], valid until the next forward). */
+struct model_run {
+    struct model_seq *seq;
+    const int *tokens;
+    int n;
+    float *logits;
+};
+
 /* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
 struct model_scratch {
     float *x, *xn, *out;     /* [B][dim] residual stream, normed input, block output */
@@ -4723,7 +4770,9 @@ struct model_scratch {
     int dev_first[CUDA_MAX_DEVICES], dev_count[CUDA_MAX_DEVICES], dev_failed[CUDA_MAX_DEVICES];
     float *sh_out;           /* [B][dim] */
     float *sh_gate;          /* [B] */
-    float *logits;           /* [n_vocab] for the last token of a batch */
+    struct model_seq **tok_seq; /* [B] the sequence each token of the batch belongs to */
+    int *tok_pos;            /* [B] its position there */
+    float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
 };
 
 struct model {
@@ -4733,10 +4782,9 @@ struct model {
     const struct gguf_tensor *embed;  /* [n_vocab][dim] */
     const float *out_norm;            /* [dim] */
     struct ops_matrix lm_head;        /* [n_vocab][dim] */
-    int n_ctx;
-    struct model_layer_state *state;  /* [n_layers] */
+    int n_ctx;                        /* tokens of context each sequence holds */
     struct model_scratch s;
-    int pos;                          /* tokens already in the state */
+    char error[640];                  /* why the last forward failed */
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
     void *trunk;                      /* the trunk matrices' own copy (model_own_trunk), or NULL */
     size_t trunk_bytes;
@@ -5010,15 +5058,19 @@ static void model_alloc_scratch(struct model *m)
     s->dev_out = model_buf(B * (used ? used : 1), c->dim);
     s->sh_out = model_buf(B, c->dim);
     s->sh_gate = model_buf(B, 1);
-    s->logits = model_buf(1, c->n_vocab);
+    s->tok_seq = plat_zalloc((size_t)B, sizeof *s->tok_seq);
+    s->tok_pos = plat_zalloc((size_t)B, sizeof *s->tok_pos);
+    s->logits = model_buf(MODEL_MAX_RUNS, c->n_vocab); /* pages never written cost nothing */
 }
 
-static void model_alloc_state(struct model *m)
+/* A new sequence at position 0 with zero state. */
+static void model_seq_init(const struct model *m, struct model_seq *q)
 {
     const struct model_config *c = &m->cfg;
-    m->state = plat_zalloc((size_t)c->n_layers, sizeof *m->state);
+    q->pos = 0;
+    q->state = plat_zalloc((size_t)c->n_layers, sizeof *q->state);
     for (int i = 0; i < c->n_layers; i++) {
-        struct model_layer_state *st = &m->state[i];
+        struct model_layer_state *st = &q->state[i];
         if (m->layers[i].kind == MODEL_LAYER_ATTENTION) {
             /* calloc: pages of context never reached are never touched */
             size_t n = plat_mul_size((size_t)m->n_ctx, (size_t)c->n_kv_head * (size_t)c->head_dim, "KV cache");
@@ -5031,18 +5083,30 @@ static void model_alloc_state(struct model *m)
     }
 }
 
-/* Forget the conversation: position 0, zero state. */
-static void model_reset(struct model *m)
+/* Forgets the conversation: position 0, zero state (the KV cache beyond pos is never read). */
+static void model_seq_reset(const struct model *m, struct model_seq *q)
 {
     const struct model_config *c = &m->cfg;
     for (int i = 0; i < c->n_layers; i++) {
-        struct model_layer_state *st = &m->state[i];
+        struct model_layer_state *st = &q->state[i];
         if (st->conv_state) {
             memset(st->conv_state, 0, (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) * sizeof(float));
             memset(st->ssm_state, 0, (size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk * sizeof(float));
         }
     }
-    m->pos = 0;
+    q->pos = 0;
+}
+
+static void model_seq_free(const struct model *m, struct model_seq *q)
+{
+    for (int i = 0; q->state && i < m->cfg.n_layers; i++) {
+        free(q->state[i].k_cache);
+        free(q->state[i].v_cache);
+        free(q->state[i].conv_state);
+        free(q->state[i].ssm_state);
+    }
+    free(q->state);
+    q->state = NULL;
 }
 
 /* The message for a fault on the mapping: the file shrank or the disk failed under it. A
@@ -5183,7 +5247,6 @@ static void model_load(struct model *m, const char *path, int n_ctx)
     model_read_config(&m->cfg, &m->file);
     model_bind(m);
     m->n_ctx = model_choose_ctx(m, n_ctx);
-    model_alloc_state(m);
     model_alloc_scratch(m);
     struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT, 0};
     model_store_experts(m, &mapped); /* mapped: nothing to start */
@@ -5199,17 +5262,10 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot};
+    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
-    for (int i = 0; m->state && i < m->cfg.n_layers; i++) {
-        free(m->state[i].k_cache);
-        free(m->state[i].v_cache);
-        free(m->state[i].conv_state);
-        free(m->state[i].ssm_state);
-    }
-    free(m->state);
     free(m->layers);
     if (m->trunk) munmap(m->trunk, m->trunk_bytes);
     gguf_close(&m->file);
@@ -5226,12 +5282,12 @@ static void model_rope_table(const struct model_config *c, int pos, float *cos_s
     }
 }
 
-/* Gated attention (§4) for T tokens at positions pos..pos+T-1: xn -> out. */
+/* Gated attention (§4) for the T tokens of a batch, each at its position in its sequence's
+ * KV cache (tok_seq, tok_pos): xn -> out. */
 static void model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
-    struct model_layer_state *st = &m->state[il];
     struct model_scratch *s = &m->s;
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
@@ -5242,7 +5298,8 @@ static void model_attention(struct model *m, int il, int T)
     /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache */
     for (int t = 0; t < T; t++) {
         float *cs = s->rope + (size_t)t * c->rope_dims;
-        model_rope_table(c, m->pos + t, cs);
+        struct model_layer_state *st = &s->tok_seq[t]->state[il];
+        model_rope_table(c, s->tok_pos[t], cs);
         for (int h = 0; h < nh; h++) {
             float *q = s->qg + ((size_t)t * nh + h) * 2 * hd;
             ops_rmsnorm(q, q, l->q_norm, hd, c->eps);
@@ -5253,8 +5310,8 @@ static void model_attention(struct model *m, int il, int T)
             ops_rmsnorm(k, k, l->k_norm, hd, c->eps);
             ops_rope_neox(k, c->rope_dims, cs);
         }
-        memcpy(st->k_cache + (size_t)(m->pos + t) * kvw, s->k + (size_t)t * kvw, (size_t)kvw * sizeof(float));
-        memcpy(st->v_cache + (size_t)(m->pos + t) * kvw, s->v + (size_t)t * kvw, (size_t)kvw * sizeof(float));
+        memcpy(st->k_cache + (size_t)s->tok_pos[t] * kvw, s->k + (size_t)t * kvw, (size_t)kvw * sizeof(float));
+        memcpy(st->v_cache + (size_t)s->tok_pos[t] * kvw, s->v + (size_t)t * kvw, (size_t)kvw * sizeof(float));
     }
 
     /* causal softmax attention per head (GQA: head h reads KV head h / group), then the
@@ -5262,11 +5319,12 @@ static void model_attention(struct model *m, int il, int T)
     #pragma omp parallel for schedule(static)
     for (int h = 0; h < nh; h++) {
         float *sc = s->scores + (size_t)h * m->n_ctx;
-        const float *kc = st->k_cache + (size_t)(h / group) * hd, *vc = st->v_cache + (size_t)(h / group) * hd;
         for (int t = 0; t < T; t++) {
+            const struct model_layer_state *st = &s->tok_seq[t]->state[il];
+            const float *kc = st->k_cache + (size_t)(h / group) * hd, *vc = st->v_cache + (size_t)(h / group) * hd;
             const float *q = s->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
             float *o = s->attn + ((size_t)t * nh + h) * hd;
-            int n = m->pos + t + 1;
+            int n = s->tok_pos[t] + 1;
             for (int p = 0; p < n; p++) {
                 const float *k = kc + (size_t)p * kvw;
                 float dot = 0.0f;
@@ -5341,12 +5399,12 @@ static void model_split_ba(struct model *m, int T)
             }
 }
 
-/* Gated DeltaNet (§5) for T tokens, one after another through the recurrent state: xn -> out. */
+/* Gated DeltaNet (§5) for the T tokens of a batch, one after another through their sequences'
+ * recurrent states: xn -> out. */
 static void model_gated_deltanet(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
-    struct model_layer_state *st = &m->state[il];
     struct model_scratch *s = &m->s;
     int nk = c->ssm_nk, nv = c->ssm_nv, dk = c->ssm_dk, dv = c->ssm_dv, r = nv / nk;
     int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
@@ -5361,6 +5419,7 @@ static void model_gated_deltanet(struct model *m, int il, int T)
 
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
+        struct model_layer_state *st = &s->tok_seq[t]->state[il];
         model_conv_step(c, l->conv, st->conv_state, x);
         float *q = x, *k = x + (size_t)nk * dk, *v = x + 2 * (size_t)nk * dk;
         for (int g = 0; g < nk; g++) {
@@ -5630,18 +5689,55 @@ static void model_prefetch(struct model *m, int il, int T)
     expert_prefetch(m->experts, il, s->top, T * c->n_expert_used);
 }
 
-/* Runs T (<= MODEL_BATCH) tokens at positions pos..pos+T-1 and returns the logits of the
- * last one ([n_vocab], valid until the next call). The caller keeps pos + T <= n_ctx. */
-static float *model_forward(struct model *m, const int *tokens, int T)
+/* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, at most
+ * MODEL_BATCH tokens in all, each within its sequence's context and the vocabulary. Otherwise
+ * says why in m->error. */
+static int model_runs_valid(struct model *m, const struct model_run *runs, int n_runs)
+{
+    int total = 0;
+    if (n_runs < 1 || n_runs > MODEL_MAX_RUNS) return snprintf(m->error, sizeof m->error, "a batch of %d sequences", n_runs), 0;
+    for (int r = 0; r < n_runs; r++) {
+        const struct model_run *run = &runs[r];
+        for (int j = 0; j < r; j++)
+            if (runs[j].seq == run->seq) return snprintf(m->error, sizeof m->error, "a sequence twice in one batch"), 0;
+        if (run->n < 1 || run->n > MODEL_BATCH - total || run->seq->pos + run->n > m->n_ctx)
+            return snprintf(m->error, sizeof m->error, "%d tokens at %d of %d", run->n, run->seq->pos, m->n_ctx), 0;
+        for (int t = 0; t < run->n; t++)
+            if (run->tokens[t] < 0 || run->tokens[t] >= m->cfg.n_vocab)
+                return snprintf(m->error, sizeof m->error, "token id %d is outside the vocabulary (%d)", run->tokens[t], m->cfg.n_vocab), 0;
+        total += run->n;
+    }
+    return 1;
+}
+
+/* The token embeddings of the runs into x, and each token's sequence and position; returns T. */
+static int model_embed_runs(struct model *m, const struct model_run *runs, int n_runs)
+{
+    struct model_scratch *s = &m->s;
+    size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
+    int T = 0;
+    for (int r = 0; r < n_runs; r++)
+        for (int t = 0; t < runs[r].n; t++, T++) {
+            s->tok_seq[T] = runs[r].seq;
+            s->tok_pos[T] = runs[r].seq->pos + t;
+            quant_dequant_row((enum gguf_type)m->embed->type, m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, s->x + T * dim, m->cfg.dim);
+        }
+    return T;
+}
+
+/* Runs a batch: the tokens of N_RUNS sequences (runs[r].n tokens appended to runs[r].seq)
+ * through every layer together, so each weight is read once for all of them, and the logits
+ * of each run's last token into runs[r].logits. A token's bits do not depend on its
+ * neighbours in the batch (see the section's promise). Returns 0, or -1 with m->error saying
+ * why: runs that do not fit (nothing computed), or an expert that could not be read (the
+ * runs' sequences are then left half-advanced: the caller resets them). */
+static int model_forward_runs(struct model *m, struct model_run *runs, int n_runs)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    size_t dim = (size_t)c->dim, row_bytes = gguf_row_bytes(m->embed->type, c->dim);
-    if (T < 1 || T > MODEL_BATCH || m->pos + T > m->n_ctx) die("internal: forward of %d tokens at %d of %d", T, m->pos, m->n_ctx);
-    for (int t = 0; t < T; t++) {
-        if (tokens[t] < 0 || tokens[t] >= c->n_vocab) die("token id %d is outside the vocabulary (%d)", tokens[t], c->n_vocab);
-        quant_dequant_row((enum gguf_type)m->embed->type, m->embed->data + (size_t)tokens[t] * row_bytes, s->x + t * dim, c->dim);
-    }
+    size_t dim = (size_t)c->dim;
+    if (!model_runs_valid(m, runs, n_runs)) return -1;
+    int T = model_embed_runs(m, runs, n_runs);
     for (int il = 0; il < c->n_layers; il++) {
         if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].attn_norm, c->dim, c->eps);
@@ -5650,12 +5746,17 @@ static float *model_forward(struct model *m, const int *tokens, int T)
         for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].post_norm, c->dim, c->eps);
         model_ffn(m, il, T);
+        if (m->experts && expert_recover(m->experts, m->error, sizeof m->error)) return -1;
         for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
     }
-    m->pos += T;
-    ops_rmsnorm(s->xn, s->x + (T - 1) * dim, m->out_norm, c->dim, c->eps);
-    ops_matmat(&m->lm_head, s->xn, s->logits, 1);
-    return s->logits;
+    for (int r = 0, last = 0; r < n_runs; r++) {
+        last += runs[r].n;
+        ops_rmsnorm(s->xn + r * dim, s->x + (last - 1) * dim, m->out_norm, c->dim, c->eps);
+        runs[r].seq->pos += runs[r].n;
+        runs[r].logits = s->logits + (size_t)r * c->n_vocab;
+    }
+    ops_matmat(&m->lm_head, s->xn, s->logits, n_runs);
+    return 0;
 }
 
 /* A copy of everything a forward pass changes besides the KV cache beyond pos: rewinding to
@@ -5670,16 +5771,16 @@ static size_t model_recurrent_floats(const struct model_config *c)
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
 }
 
-/* Saves (SAVE = 1) or restores (0) the state; the checkpoint's buffer is allocated once. */
-static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int save)
+/* Saves (SAVE = 1) or restores (0) the state of Q; the checkpoint's buffer is allocated once. */
+static void model_checkpoint(const struct model *m, struct model_seq *q, struct model_checkpoint *cp, int save)
 {
     const struct model_config *c = &m->cfg;
     size_t conv = (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1), per = model_recurrent_floats(c), n_deltanet = 0;
-    for (int i = 0; i < c->n_layers; i++) n_deltanet += m->state[i].conv_state != NULL;
+    for (int i = 0; i < c->n_layers; i++) n_deltanet += q->state[i].conv_state != NULL;
     if (!cp->recurrent) cp->recurrent = plat_alloc(plat_mul_size(per * sizeof(float), n_deltanet ? n_deltanet : 1, "checkpoint"));
     float *p = cp->recurrent;
     for (int i = 0; i < c->n_layers; i++) {
-        struct model_layer_state *st = &m->state[i];
+        struct model_layer_state *st = &q->state[i];
         if (!st->conv_state) continue;
         if (save) {
             memcpy(p, st->conv_state, conv * sizeof(float));
@@ -5690,24 +5791,24 @@ static void model_checkpoint(struct model *m, struct model_checkpoint *cp, int s
         }
         p += per;
     }
-    if (save) cp->pos = m->pos;
-    else m->pos = cp->pos;
+    if (save) cp->pos = q->pos;
+    else q->pos = cp->pos;
 }
 
 /* Puts the routed experts behind a RAM budget: RAM bytes, or (RAM < 0) what memory leaves
- * after the trunk, the KV cache at full context and the recurrent state, less a margin of
- * 1/16 plus 256 MiB (scratch, thread stacks, the allocator). When the budget holds every
- * expert they stay in the mapping. HEAT: the heat file (NULL: expert_heat_default). Says
- * what it chose in one line. */
-static void model_budget_experts(struct model *m, int64_t ram, const char *heat, enum expert_io io, const char *place)
+ * after the trunk, the KV cache at full context and the recurrent state of N_SEQS sequences,
+ * less a margin of 1/16 plus 256 MiB (scratch, thread stacks, the allocator). When the budget
+ * holds every expert they stay in the mapping. HEAT: the heat file (NULL:
+ * expert_heat_default). Says what it chose in one line. */
+static void model_budget_experts(struct model *m, int n_seqs, int64_t ram, const char *heat, enum expert_io io, const char *place)
 {
     const struct model_config *c = &m->cfg;
     if (c->n_expert == 0) return;
     uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
     if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
-    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx, state = 0, avail = plat_mem_available();
+    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx * n_seqs, state = 0, avail = plat_mem_available();
     for (int i = 0; i < c->n_layers; i++)
-        if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(c) * 4;
+        if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(c) * 4 * n_seqs;
     int64_t margin = avail / 16 + (256 << 20), budget = ram;
     if (ram < 0) budget = avail - (int64_t)trunk - kv - state - margin;
     uint64_t fp = model_fingerprint(m);
@@ -5735,8 +5836,8 @@ static void model_budget_experts(struct model *m, int64_t ram, const char *heat,
                  s->slot_bytes / 1048576.0, s->n_pin, s->cfg.io == EXPERT_IO_DIRECT ? "O_DIRECT" : "buffered+fadvise", s->n_readers,
                  heat_path, heat_state);
     if (!s->mapped && ram < 0)
-        plat_log("[experts] budget = %.2f GiB available - %.2f trunk - %.2f KV (context %d) - %.2f state - %.2f margin",
-                 avail / 1073741824.0, trunk / 1073741824.0, kv / 1073741824.0, m->n_ctx, state / 1073741824.0, margin / 1073741824.0);
+        plat_log("[experts] budget = %.2f GiB available - %.2f trunk - %.2f KV (context %d x %d) - %.2f state - %.2f margin",
+                 avail / 1073741824.0, trunk / 1073741824.0, kv / 1073741824.0, m->n_ctx, n_seqs, state / 1073741824.0, margin / 1073741824.0);
     free(heat_path);
 }
 
@@ -6678,7 +6779,265 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
     return cand[n - 1].id;
 }
 
-/* ==== §11 frontends ==== */
+/* ==== §11 engine ==== */
+/* Owns: generation. Slots, each a sequence (§8) with the request it is serving: its prompt is
+ *   fed, then tokens are sampled and fed one per step until a stop; one step runs the tokens of
+ *   every busy slot through the model as one batch. What a generation produced (engine_gen).
+ * Promises: nothing here prints, reads a process-wide flag or dies: a forward pass that fails
+ *   ends the generations of its batch with ENGINE_STOP_ERROR and the reason, and resets their
+ *   sequences; the other slots go on. A slot's tokens do not depend on the slots beside it in
+ *   a batch (§8's promise), so greedy output is the same alone or in parallel. Runs on one
+ *   thread (the one that loaded the model); a sink is called there.
+ * May call: §1–§10.
+ * Workload: one engine_step per generated token of the busy slots: their decode tokens first,
+ *   then prompt chunks, MODEL_BATCH tokens at most; sampling is one pass over n_vocab per
+ *   token. */
+
+enum engine_stop { ENGINE_RUNNING, ENGINE_STOP_EOG, ENGINE_STOP_LENGTH, ENGINE_STOP_CONTEXT, ENGINE_STOP_CANCEL, ENGINE_STOP_SINK, ENGINE_STOP_ERROR };
+static const char *const engine_stop_names[] = {"running", "eog", "length", "context", "interrupt", "stop", "error"};
+
+/* What a caller asks of a slot. The arrays must outlive the generation. */
+struct engine_request {
+    const int *prompt;       /* [n_prompt] fed after what the slot's sequence holds */
+    int n_prompt;
+    int n_max;               /* tokens to generate at most */
+    struct sample_params sample;
+    int ignore_eog, want_top; /* want_top: record the five best logits of every position */
+    /* Called on the engine's thread with each generated token and its text (the bytes of the
+     * token, maybe part of a UTF-8 character); nonzero stops the generation (ENGINE_STOP_SINK). */
+    int (*sink)(void *ctx, int id, const char *piece, size_t len);
+    void *sink_ctx;
+    const volatile sig_atomic_t *cancel; /* nonzero: stop at the next token; NULL: never */
+    struct model_checkpoint *rewind; /* with cancel while the prompt is fed: the sequence is rewound */
+};
+
+/* What one generation produced; arrays grow with the tokens. */
+struct engine_gen {
+    int *tokens;
+    int n_tokens, n_prompt;
+    float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position that chose each token */
+    char *text;
+    size_t text_len, text_cap;
+    double prompt_s, decode_s;
+    enum engine_stop stop;
+    char error[640];     /* ENGINE_STOP_ERROR: why */
+};
+
+struct engine_slot {
+    struct model_seq seq;
+    struct engine_request req;
+    struct engine_gen *gen;  /* NULL: the slot is idle */
+    int fed;                 /* prompt tokens fed so far */
+    int next;                /* the sampled token to feed in the next step, or -1 */
+    int *history;            /* [n_prompt + n_max] the prompt then the tokens generated (repetition penalty) */
+    uint64_t rng;
+    double t_start, t_prompt;
+};
+
+struct engine {
+    struct model *m;
+    const struct tok *tok;
+    struct engine_slot *slots; /* [n_slots] */
+    int n_slots;
+    struct sample_candidate *cand; /* [n_vocab] sampling scratch */
+    char *piece;               /* [tok->max_piece + 1] */
+};
+
+static void engine_init(struct engine *e, struct model *m, const struct tok *tok, int n_slots)
+{
+    e->m = m;
+    e->tok = tok;
+    e->n_slots = n_slots;
+    e->slots = plat_zalloc((size_t)n_slots, sizeof *e->slots);
+    for (int i = 0; i < n_slots; i++) model_seq_init(m, &e->slots[i].seq);
+    e->cand = plat_alloc((size_t)m->cfg.n_vocab * sizeof *e->cand);
+    e->piece = plat_alloc((size_t)tok->max_piece + 1);
+}
+
+static void engine_free(struct engine *e)
+{
+    for (int i = 0; i < e->n_slots; i++) {
+        model_seq_free(e->m, &e->slots[i].seq);
+        free(e->slots[i].history);
+    }
+    free(e->slots);
+    free(e->cand);
+    free(e->piece);
+}
+
+static void engine_gen_free(struct engine_gen *g)
+{
+    free(g->tokens);
+    free(g->top);
+    free(g->text);
+    memset(g, 0, sizeof *g);
+}
+
+/* The five largest logits, best first (lowest id on ties). */
+static void engine_top5(const float *logits, int n, float out[5][2])
+{
+    int ids[5] = {-1, -1, -1, -1, -1};
+    for (int i = 0; i < n; i++) {
+        int k = 5;
+        while (k > 0 && (ids[k - 1] < 0 || logits[i] > logits[ids[k - 1]])) k--;
+        if (k == 5) continue;
+        memmove(ids + k + 1, ids + k, (size_t)(4 - k) * sizeof *ids);
+        ids[k] = i;
+    }
+    for (int k = 0; k < 5; k++) {
+        out[k][0] = (float)ids[k];
+        out[k][1] = ids[k] >= 0 ? logits[ids[k]] : 0.0f;
+    }
+}
+
+static void engine_gen_append(struct engine_gen *g, int id, float top[5][2], const char *piece, size_t len)
+{
+    g->tokens = plat_realloc(g->tokens, (size_t)(g->n_tokens + 1) * sizeof *g->tokens);
+    g->top = plat_realloc(g->top, (size_t)(g->n_tokens + 1) * sizeof *g->top);
+    g->tokens[g->n_tokens] = id;
+    memcpy(g->top[g->n_tokens], top, sizeof *g->top);
+    g->n_tokens++;
+    if (g->text_len + len + 1 > g->text_cap) {
+        g->text_cap = (g->text_len + len + 1) * 2;
+        g->text = plat_realloc(g->text, g->text_cap);
+    }
+    memcpy(g->text + g->text_len, piece, len);
+    g->text_len += len;
+    g->text[g->text_len] = 0;
+}
+
+static int engine_cancelled(const struct engine_slot *sl) { return sl->req.cancel && *sl->req.cancel; }
+
+/* Ends slot SL's generation with STOP; an error leaves its sequence reset (half-fed). */
+static void engine_finish(struct engine *e, struct engine_slot *sl, enum engine_stop stop, const char *why)
+{
+    double now = plat_now();
+    struct engine_gen *g = sl->gen;
+    g->stop = stop;
+    if (sl->t_prompt > 0) g->decode_s = now - sl->t_prompt;
+    else g->prompt_s = now - sl->t_start;
+    if (stop == ENGINE_STOP_ERROR) {
+        snprintf(g->error, sizeof g->error, "%s", why);
+        model_seq_reset(e->m, &sl->seq);
+    }
+    sl->gen = NULL;
+    sl->next = -1;
+}
+
+/* Starts REQ on slot I (idle), its results going to G. A prompt that does not fit the
+ * sequence's context ends at once with ENGINE_STOP_CONTEXT and nothing generated. */
+static void engine_start(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
+{
+    struct engine_slot *sl = &e->slots[i];
+    memset(g, 0, sizeof *g);
+    g->n_prompt = req->n_prompt;
+    sl->req = *req;
+    sl->gen = g;
+    sl->fed = 0;
+    sl->next = -1;
+    sl->rng = req->sample.seed;
+    sl->t_start = plat_now();
+    sl->t_prompt = 0;
+    free(sl->history);
+    sl->history = plat_alloc(((size_t)req->n_prompt + (size_t)req->n_max + 1) * sizeof *sl->history);
+    memcpy(sl->history, req->prompt, (size_t)req->n_prompt * sizeof *sl->history);
+    if (req->n_prompt < 1) engine_finish(e, sl, ENGINE_STOP_ERROR, "the prompt is empty");
+    else if (sl->seq.pos + req->n_prompt > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
+    else if (req->rewind) model_checkpoint(e->m, &sl->seq, req->rewind, 1);
+}
+
+/* Samples slot SL's next token from LOGITS, hands it to the sink, and decides whether the
+ * generation goes on (the token is then fed in the next step) or stops. */
+static void engine_sample(struct engine *e, struct engine_slot *sl, float *logits)
+{
+    struct engine_gen *g = sl->gen;
+    const struct engine_request *r = &sl->req;
+    int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens;
+    float top[5][2] = {{-1, 0}};
+    if (r->want_top) engine_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
+    int id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
+    sl->history[n_hist] = id;
+    /* an embedding row beyond the vocabulary (padding) has no text */
+    int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
+    engine_gen_append(g, id, top, e->piece, (size_t)len);
+    if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
+    else if (tok_is_eog(e->tok, id) && !r->ignore_eog) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
+    else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
+    else if (g->n_tokens >= r->n_max) engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
+    else if (sl->seq.pos + 1 > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
+    else sl->next = id;
+}
+
+/* The runs of the next step: each decoding slot's token, then the prompts' next chunks while
+ * MODEL_BATCH tokens last. OWNER[r] is run r's slot. Returns the number of runs. */
+static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner)
+{
+    int n = 0, room = MODEL_BATCH;
+    for (int i = 0; i < e->n_slots && n < MODEL_MAX_RUNS; i++) {
+        struct engine_slot *sl = &e->slots[i];
+        if (!sl->gen || sl->next < 0) continue;
+        runs[n] = (struct model_run){&sl->seq, &sl->next, 1, NULL};
+        owner[n++] = i;
+        room--;
+    }
+    for (int i = 0; i < e->n_slots && n < MODEL_MAX_RUNS && room > 0; i++) {
+        struct engine_slot *sl = &e->slots[i];
+        if (!sl->gen || sl->next >= 0) continue;
+        int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
+        runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL};
+        owner[n++] = i;
+        room -= k;
+    }
+    return n;
+}
+
+/* Slot SL after a prompt chunk: cancelled (rewound to its checkpoint if it has one), still
+ * reading its prompt, or done with it and sampling its first token. */
+static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, float *logits)
+{
+    sl->fed += n;
+    if (engine_cancelled(sl)) {
+        if (sl->req.rewind) model_checkpoint(e->m, &sl->seq, sl->req.rewind, 0);
+        engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
+        return;
+    }
+    if (sl->fed < sl->req.n_prompt) return;
+    sl->t_prompt = plat_now();
+    sl->gen->prompt_s = sl->t_prompt - sl->t_start;
+    if (sl->req.n_max > 0) engine_sample(e, sl, logits);
+    else engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
+}
+
+/* One forward batch over the busy slots, then each one's next token. Returns how many slots
+ * are still busy. */
+static int engine_step(struct engine *e)
+{
+    struct model_run runs[MODEL_MAX_RUNS];
+    int owner[MODEL_MAX_RUNS], n = engine_plan_step(e, runs, owner), prompt = 0;
+    for (int r = 0; r < n; r++) prompt |= e->slots[owner[r]].next < 0;
+    if (n && e->m->experts) expert_phase(e->m->experts, prompt ? EXPERT_PHASE_PROMPT : EXPERT_PHASE_DECODE);
+    if (n && model_forward_runs(e->m, runs, n))
+        for (int r = 0; r < n; r++) engine_finish(e, &e->slots[owner[r]], ENGINE_STOP_ERROR, e->m->error);
+    else
+        for (int r = 0; r < n; r++) {
+            struct engine_slot *sl = &e->slots[owner[r]];
+            if (sl->next >= 0) engine_sample(e, sl, runs[r].logits);
+            else engine_prompt_fed(e, sl, runs[r].n, runs[r].logits);
+        }
+    int busy = 0;
+    for (int i = 0; i < e->n_slots; i++) busy += e->slots[i].gen != NULL;
+    return busy;
+}
+
+/* Runs REQ on slot I to its end (run, chat and bench: one conversation at a time). The last
+ * sampled token is not fed: the slot's sequence ends before it. */
+static void engine_generate(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
+{
+    engine_start(e, i, req, g);
+    while (e->slots[i].gen) engine_step(e);
+}
+
+/* ==== §12 frontends ==== */
 /* Owns: the commands a user runs (run, chat, plan, bench, info, tokenize): loading a
  *   session, the generation loop, streaming text, statistics, the --json record.
  * Promises: stdout carries only generated text (and the one --json line); everything else
@@ -6704,19 +7063,8 @@ struct cmd_options {
 struct cmd_session {
     struct model model;
     struct tok tok;
+    struct engine engine;
     int think_open, think_close; /* <think> and </think> ids, -1 if absent */
-};
-
-/* What one generation produced; arrays grow with the tokens. */
-struct cmd_generation {
-    int *tokens;
-    int n_tokens;
-    float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position that chose each token */
-    char *text;
-    size_t text_len, text_cap;
-    int n_prompt;
-    double prompt_s, decode_s;
-    int stopped_by_eog, interrupted, context_full;
 };
 
 static volatile sig_atomic_t cmd_interrupt;
@@ -6739,7 +7087,8 @@ static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
     return placed;
 }
 
-static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
+/* Loads O's model for N_SLOTS conversations at once (the engine's slots). */
+static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots)
 {
     double t0 = plat_now();
     if (!o->model) die("no model given (-m MODEL.gguf)");
@@ -6756,8 +7105,9 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o)
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
      * and the file's pages it has just read would both be taken for used memory) */
-    model_budget_experts(&s->model, o->ram_bytes, o->heat_path, o->expert_io, o->place);
+    model_budget_experts(&s->model, n_slots, o->ram_bytes, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
+    engine_init(&s->engine, &s->model, &s->tok, n_slots);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
@@ -6765,62 +7115,25 @@ static void cmd_close(struct cmd_session *s)
 {
     if (s->model.experts) expert_heat_save(s->model.experts);
     cuda_release_all(); /* residency is keyed by addresses in the mapping model_free unmaps */
+    engine_free(&s->engine);
     tok_free(&s->tok);
     model_free(&s->model);
-}
-
-/* The five largest logits, best first (lowest id on ties). */
-static void cmd_top5(const float *logits, int n, float out[5][2])
-{
-    int ids[5] = {-1, -1, -1, -1, -1};
-    for (int i = 0; i < n; i++) {
-        int k = 5;
-        while (k > 0 && (ids[k - 1] < 0 || logits[i] > logits[ids[k - 1]])) k--;
-        if (k == 5) continue;
-        memmove(ids + k + 1, ids + k, (size_t)(4 - k) * sizeof *ids);
-        ids[k] = i;
-    }
-    for (int k = 0; k < 5; k++) {
-        out[k][0] = (float)ids[k];
-        out[k][1] = ids[k] >= 0 ? logits[ids[k]] : 0.0f;
-    }
-}
-
-static void cmd_gen_append(struct cmd_generation *g, int id, float top[5][2], const char *piece, size_t len)
-{
-    g->tokens = plat_realloc(g->tokens, (size_t)(g->n_tokens + 1) * sizeof *g->tokens);
-    g->top = plat_realloc(g->top, (size_t)(g->n_tokens + 1) * sizeof *g->top);
-    g->tokens[g->n_tokens] = id;
-    memcpy(g->top[g->n_tokens], top, sizeof *g->top);
-    g->n_tokens++;
-    if (g->text_len + len + 1 > g->text_cap) {
-        g->text_cap = (g->text_len + len + 1) * 2;
-        g->text = plat_realloc(g->text, g->text_cap);
-    }
-    memcpy(g->text + g->text_len, piece, len);
-    g->text_len += len;
-    g->text[g->text_len] = 0;
-}
-
-static void cmd_gen_free(struct cmd_generation *g)
-{
-    free(g->tokens);
-    free(g->top);
-    free(g->text);
-    memset(g, 0, sizeof *g);
 }
 
 /* How generated pieces reach the terminal: whole UTF-8 characters only; the thinking
  * block dimmed (on a terminal) or hidden. */
 struct cmd_printer {
+    const struct cmd_session *s;
     struct tok_utf8_stream utf8;
     int in_think, hide_think, dim;
 };
 
-static void cmd_print_piece(const struct cmd_session *s, struct cmd_printer *p, int id, const char *piece, size_t len)
+/* An engine sink: prints the piece of token ID; never stops the generation. */
+static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
 {
+    struct cmd_printer *p = ctx;
     char out[512];
-    int tag_open = id >= 0 && id == s->think_open, tag_close = id >= 0 && id == s->think_close;
+    int tag_open = id >= 0 && id == p->s->think_open, tag_close = id >= 0 && id == p->s->think_close;
     if (tag_open) {
         p->in_think = 1;
         if (p->dim && !p->hide_think) fputs("\033[2m", stdout);
@@ -6839,62 +7152,17 @@ static void cmd_print_piece(const struct cmd_session *s, struct cmd_printer *p, 
         p->in_think = 0;
     }
     fflush(stdout);
+    return 0;
 }
 
-/* Feeds PROMPT after what the model holds, then samples up to N_MAX tokens, stopping at an
- * end-of-generation token unless o->ignore_eog, at Ctrl-C, or when the context is full.
- * The last sampled token is not fed to the model (the caller feeds it on the next turn).
- * PRINTER may be NULL (nothing printed). With CHECKPOINT, Ctrl-C during the prompt rewinds
- * the model to where it was and generates nothing. */
-static void cmd_generate(struct cmd_session *s, const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
-                         struct cmd_printer *printer, struct model_checkpoint *checkpoint, struct cmd_generation *g)
+/* The engine request of a one-conversation command: O's sampling and flags, PROMPT, N_MAX
+ * tokens, Ctrl-C (cmd_interrupt) cancelling, PRINTER (or NULL) printing. */
+static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
+                                         struct cmd_printer *printer)
 {
-    struct model *m = &s->model;
-    int n_vocab = m->cfg.n_vocab;
-    memset(g, 0, sizeof *g);
-    g->n_prompt = n_prompt;
-    if (m->pos + n_prompt > m->n_ctx) {
-        g->context_full = 1;
-        return;
-    }
-    double t0 = plat_now();
-    float *logits = NULL;
-    if (checkpoint) model_checkpoint(m, checkpoint, 1);
-    if (m->experts) expert_phase(m->experts, EXPERT_PHASE_PROMPT);
-    for (int i = 0; i < n_prompt; i += MODEL_BATCH) {
-        logits = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
-        if (cmd_interrupt && checkpoint) { /* Ctrl-C while reading the prompt: as if never sent */
-            model_checkpoint(m, checkpoint, 0);
-            g->interrupted = 1;
-            return;
-        }
-    }
-    g->prompt_s = plat_now() - t0;
-    int *history = plat_alloc((size_t)(n_prompt + n_max + 1) * sizeof *history);
-    memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
-    struct sample_candidate *cand = plat_alloc((size_t)n_vocab * sizeof *cand);
-    uint64_t rng = o->sample.seed;
-    char *piece = plat_alloc(s->tok.max_piece + 1);
-    if (m->experts) expert_phase(m->experts, EXPERT_PHASE_DECODE);
-    t0 = plat_now();
-    while (g->n_tokens < n_max) {
-        float top[5][2] = {{-1, 0}};
-        if (o->json) cmd_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
-        int id = sample_next(&o->sample, logits, n_vocab, history, n_prompt + g->n_tokens, &rng, cand);
-        history[n_prompt + g->n_tokens] = id;
-        int len = tok_decode(&s->tok, id, piece, s->tok.max_piece + 1);
-        cmd_gen_append(g, id, top, piece, (size_t)len);
-        if (printer) cmd_print_piece(s, printer, id, piece, (size_t)len);
-        if (tok_is_eog(&s->tok, id) && !o->ignore_eog) { g->stopped_by_eog = 1; break; }
-        if (cmd_interrupt) { g->interrupted = 1; break; }
-        if (g->n_tokens >= n_max) break;
-        if (m->pos + 1 > m->n_ctx) { g->context_full = 1; break; }
-        logits = model_forward(m, &id, 1);
-    }
-    g->decode_s = plat_now() - t0;
-    free(piece);
-    free(cand);
-    free(history);
+    struct engine_request r = {prompt, n_prompt, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
+    if (printer) r.sink = cmd_print_piece;
+    return r;
 }
 
 static double cmd_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
@@ -6924,7 +7192,7 @@ static void cmd_print_expert_stats(struct expert_store *x)
              st.wait_s[1], st.wait_s[0], cmd_peak_rss() / gib);
 }
 
-static void cmd_print_stats(const struct cmd_session *s, const struct cmd_generation *g)
+static void cmd_print_stats(const struct cmd_session *s, const struct engine_gen *g)
 {
     int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
     plat_log("[stats] prompt %d tokens, %.1f tok/s; generated %d tokens, %.1f tok/s",
@@ -6986,7 +7254,7 @@ static void cmd_json_ids(FILE *f, const int *ids, int n)
     fputc(']', f);
 }
 
-static void cmd_print_json(struct cmd_session *s, const int *prompt, const struct cmd_generation *g)
+static void cmd_print_json(struct cmd_session *s, const int *prompt, const struct engine_gen *g)
 {
     int n_fwd = g->n_tokens > 1 ? g->n_tokens - 1 : 0;
     printf("{\"prompt_tokens\":");
@@ -7001,7 +7269,7 @@ static void cmd_print_json(struct cmd_session *s, const int *prompt, const struc
         for (int k = 0; k < 5 && g->top[i][k][0] >= 0; k++) printf("%s[%d,%.9g]", k ? "," : "", (int)g->top[i][k][0], g->top[i][k][1]);
         printf("]");
     }
-    printf("],\"stop\":\"%s\"", g->stopped_by_eog ? "eog" : g->context_full ? "context" : g->interrupted ? "interrupt" : "length");
+    printf("],\"stop\":\"%s\"", engine_stop_names[g->stop]);
     printf(",\"timings\":{\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f,\"prompt_s\":%.6f,\"decode_s\":%.6f}",
            g->prompt_s > 0 ? g->n_prompt / g->prompt_s : 0.0, g->decode_s > 0 ? n_fwd / g->decode_s : 0.0, g->prompt_s, g->decode_s);
     if (s->model.experts) {
@@ -7016,7 +7284,9 @@ static int cmd_run(const struct cmd_options *o)
 {
     struct cmd_session s;
     if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
-    cmd_open(&s, o);
+    cmd_open(&s, o, 1);
+    struct sigaction sa = {.sa_handler = cmd_on_sigint};
+    sigaction(SIGINT, &sa, NULL); /* Ctrl-C ends the generation; the heat is still saved */
     char *text = NULL;
     if (o->chat) {
         struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", o->prompt}};
@@ -7026,18 +7296,21 @@ static int cmd_run(const struct cmd_options *o)
     int *ids = NULL, n = tok_encode(&s.tok, t, strlen(t), 1, &ids);
     if (n == 0) die("the prompt is empty after tokenization");
     if (n > s.model.n_ctx) die("the prompt has %d tokens but the context holds %d (-c to raise it)", n, s.model.n_ctx);
-    struct cmd_printer printer = {.in_think = o->chat && o->think, .hide_think = o->hide_think};
-    struct cmd_generation g;
-    cmd_generate(&s, o, ids, n, o->n_predict, o->json ? NULL : &printer, NULL, &g);
+    struct cmd_printer printer = {.s = &s, .in_think = o->chat && o->think, .hide_think = o->hide_think};
+    struct engine_request req = cmd_request(o, ids, n, o->n_predict, o->json ? NULL : &printer);
+    struct engine_gen g;
+    engine_generate(&s.engine, 0, &req, &g);
+    if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
     if (o->json) cmd_print_json(&s, ids, &g);
     else {
         char tail[16];
         fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
         putchar('\n');
     }
-    if (g.context_full) plat_log("[coli] stopped: the context (%d tokens) is full", s.model.n_ctx);
+    if (g.stop == ENGINE_STOP_CONTEXT) plat_log("[coli] stopped: the context (%d tokens) is full", s.model.n_ctx);
+    if (g.stop == ENGINE_STOP_CANCEL) plat_log("[coli] stopped: interrupted");
     cmd_print_stats(&s, &g);
-    cmd_gen_free(&g);
+    engine_gen_free(&g);
     free(ids);
     free(text);
     cmd_close(&s);
@@ -7066,7 +7339,7 @@ static int cmd_tokenize(const struct cmd_options *o)
 static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options *o, const char *line, const int *pending,
                                 int n_pending, int **ids_out)
 {
-    int first = s->model.pos == 0 && n_pending == 0;
+    int first = s->engine.slots[0].seq.pos == 0 && n_pending == 0;
     struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", line}};
     int with_system = first && o->system;
     char *turn = tok_chat_render(with_system ? msgs : msgs + 1, with_system ? 2 : 1, 1, o->think);
@@ -7098,7 +7371,8 @@ static char *cmd_read_line(char **buf, size_t *cap)
 static int cmd_chat(const struct cmd_options *o)
 {
     struct cmd_session s;
-    cmd_open(&s, o);
+    cmd_open(&s, o, 1);
+    struct model_seq *seq = &s.engine.slots[0].seq;
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: Ctrl-C at the prompt ends the read */
     int tty = isatty(STDOUT_FILENO), im_end = tok_find(&s.tok, "<|im_end|>");
@@ -7116,39 +7390,42 @@ static int cmd_chat(const struct cmd_options *o)
         if (!line[0]) continue;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
-            model_reset(&s.model);
+            model_seq_reset(&s.model, seq);
             n_pending = 0;
             fprintf(stderr, "(conversation cleared)\n");
             continue;
         }
         int *ids = NULL, n = cmd_chat_turn_tokens(&s, o, line, pending, n_pending, &ids);
-        int room = s.model.n_ctx - s.model.pos - n;
+        int room = s.model.n_ctx - seq->pos - n;
         if (room < 2) {
-            fprintf(stderr, "(the context is full: %d of %d tokens used; /reset to start a new conversation)\n", s.model.pos, s.model.n_ctx);
+            fprintf(stderr, "(the context is full: %d of %d tokens used; /reset to start a new conversation)\n", seq->pos, s.model.n_ctx);
             free(ids);
             continue;
         }
-        struct cmd_printer printer = {.in_think = o->think, .hide_think = o->hide_think, .dim = tty};
+        struct cmd_printer printer = {.s = &s, .in_think = o->think, .hide_think = o->hide_think, .dim = tty};
         if (printer.in_think && tty && !o->hide_think) fputs("\033[2m", stdout);
-        struct cmd_generation g;
-        cmd_generate(&s, o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer, &checkpoint, &g);
+        struct engine_request req = cmd_request(o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer);
+        req.rewind = &checkpoint;
+        struct engine_gen g;
+        engine_generate(&s.engine, 0, &req, &g);
+        if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
         char tail[16];
         fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
         fputs(tty ? "\033[0m\n" : "\n", stdout);
         if (g.n_tokens == 0) { /* cancelled while the prompt was read: the model was rewound */
             fprintf(stderr, "(cancelled; the message was not sent)\n");
-            cmd_gen_free(&g);
+            engine_gen_free(&g);
             free(ids);
             continue;
         }
-        if (g.interrupted) fprintf(stderr, "(stopped)\n");
-        if (g.context_full) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
+        if (g.stop == ENGINE_STOP_CANCEL) fprintf(stderr, "(stopped)\n");
+        if (g.stop == ENGINE_STOP_CONTEXT) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
         cmd_print_stats(&s, &g);
         /* the last sampled token was never fed; close the turn the way the template does */
         n_pending = 0;
         if (g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
         pending[n_pending++] = im_end;
-        cmd_gen_free(&g);
+        engine_gen_free(&g);
         free(ids);
     }
     putchar('\n');
@@ -7228,12 +7505,15 @@ static int cmd_bench(const struct cmd_options *o)
     bo.ignore_eog = 1;
     bo.sample.temp = 0;
     bo.n_ctx = o->n_ctx ? o->n_ctx : o->n_bench_prompt + o->n_predict + 1;
-    cmd_open(&s, &bo);
+    cmd_open(&s, &bo, 1);
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
     uint64_t rng = 42;
     for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
-    struct cmd_generation g;
-    cmd_generate(&s, &bo, ids, o->n_bench_prompt, o->n_predict, NULL, NULL, &g);
+    struct engine_request req = cmd_request(&bo, ids, o->n_bench_prompt, o->n_predict, NULL);
+    req.want_top = 0;
+    struct engine_gen g;
+    engine_generate(&s.engine, 0, &req, &g);
+    if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
     int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
     double pp = g.prompt_s > 0 ? g.n_prompt / g.prompt_s : 0, tg = g.decode_s > 0 ? n_fwd / g.decode_s : 0;
     if (o->json) {
@@ -7248,7 +7528,7 @@ static int cmd_bench(const struct cmd_options *o)
         printf("prompt: %d tokens, %.2f tok/s\ndecode: %d tokens, %.2f tok/s\n", g.n_prompt, pp, g.n_tokens, tg);
         if (s.model.experts) cmd_print_expert_stats(s.model.experts);
     }
-    cmd_gen_free(&g);
+    engine_gen_free(&g);
     free(ids);
     cmd_close(&s);
     return 0;
@@ -7326,7 +7606,7 @@ static int cmd_plan(const struct cmd_options *o)
     return 0;
 }
 
-/* ==== §12 main ==== */
+/* ==== §13 main ==== */
 /* Owns: the command line (design.md §3: stable, scripts rely on it) and start-up order:
  *   CPU features, kernel table, threads, then the command.
  * Promises: a bad flag or value is a one-line usage error with exit status 2. */

@@ -12,6 +12,14 @@
 
 #define GEN 32
 
+/* T tokens of sequence Q through the model; the logits of the last. */
+static float *forward(struct model *m, struct model_seq *q, const int *tokens, int T)
+{
+    struct model_run run = {q, tokens, T, NULL};
+    if (model_forward_runs(m, &run, 1)) die("forward: %s", m->error);
+    return run.logits;
+}
+
 
 /* What one case produced: greedy tokens and the full logit row at every position. */
 struct run {
@@ -22,17 +30,19 @@ struct run {
 static void run_case(struct model *m, const int *prompt, int n_prompt, int batched, struct run *r)
 {
     int V = m->cfg.n_vocab;
-    model_reset(m);
+    struct model_seq q;
+    model_seq_init(m, &q);
     float *lg = NULL;
     if (batched)
-        for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = model_forward(m, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
+        for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = forward(m, &q, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
     else
-        for (int i = 0; i < n_prompt; i++) lg = model_forward(m, prompt + i, 1);
+        for (int i = 0; i < n_prompt; i++) lg = forward(m, &q, prompt + i, 1);
     for (int g = 0; g < GEN; g++) {
         memcpy(r->logits + (size_t)g * V, lg, (size_t)V * sizeof(float));
         r->tokens[g] = sample_argmax(lg, V);
-        if (g + 1 < GEN) lg = model_forward(m, &r->tokens[g], 1);
+        if (g + 1 < GEN) lg = forward(m, &q, &r->tokens[g], 1);
     }
+    model_seq_free(m, &q);
 }
 
 /* README §5: identical tokens up to a divergence allowed only on a reference near-tie;
@@ -138,6 +148,13 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     double tol = mj_num(mj_get(mj_get(root, "tolerance"), "logit_abs"), 0);
     const struct mj *cases = mj_get(root, "cases");
     snprintf(path, sizeof path, "%s/%s", dir, model_file);
+    char refusal[600];
+    if (check_golden_unsupported(path, refusal, sizeof refusal)) {
+        snprintf(name, sizeof name, "%s # SKIP a weight type coli does not read yet: %.200s", model_file, refusal);
+        check(1, name, "");
+        mj_free(root);
+        return;
+    }
     struct model m;
     struct tok t;
     model_load(&m, path, 1024);
@@ -298,19 +315,22 @@ static void test_checkpoint(const char *dir, const char *name)
     struct model_checkpoint cp = {0, NULL};
     const int prefix[5] = {11, 22, 33, 44, 55}, more[4] = {66, 77, 88, 99};
     model_load(&m, path, 64);
+    struct model_seq q;
+    model_seq_init(&m, &q);
     int V = m.cfg.n_vocab;
     float *first = plat_alloc((size_t)V * sizeof *first);
-    model_forward(&m, prefix, 5);
-    model_checkpoint(&m, &cp, 1);
-    memcpy(first, model_forward(&m, more, 4), (size_t)V * sizeof *first);
-    model_forward(&m, more, 2);
-    model_checkpoint(&m, &cp, 0);
-    int same = m.pos == 5 && !memcmp(first, model_forward(&m, more, 4), (size_t)V * sizeof *first);
+    forward(&m, &q, prefix, 5);
+    model_checkpoint(&m, &q, &cp, 1);
+    memcpy(first, forward(&m, &q, more, 4), (size_t)V * sizeof *first);
+    forward(&m, &q, more, 2);
+    model_checkpoint(&m, &q, &cp, 0);
+    int same = q.pos == 5 && !memcmp(first, forward(&m, &q, more, 4), (size_t)V * sizeof *first);
     char label[300];
     snprintf(label, sizeof label, "%s: rewound to a checkpoint, the same tokens give the same logits", name);
-    check(same, label, "rewound logits differ (pos %d)", m.pos);
+    check(same, label, "rewound logits differ (pos %d)", q.pos);
     free(first);
     free(cp.recurrent);
+    model_seq_free(&m, &q);
     model_free(&m);
 }
 

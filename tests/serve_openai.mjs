@@ -1,0 +1,129 @@
+// serve_openai: the official `openai` npm client against a running `coli serve` (tests/test_serve.sh).
+// usage: node tests/serve_openai.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json
+// NPM_PREFIX holds node_modules/openai; EXPECT.json: {chat_prompt, chat_text, raw_prompt, raw_text, n}
+// (the greedy texts of `coli run`). Prints `ok - ...` / `FAIL - ...` lines; exit status 1 on a failure.
+import { createRequire } from 'node:module';
+import { existsSync, readFileSync } from 'node:fs';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
+
+const [prefix, baseURL, model, expectFile] = process.argv.slice(2);
+if (!prefix || !baseURL || !model || !expectFile) {
+    console.error('usage: node serve_openai.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json');
+    process.exit(2);
+}
+const want = JSON.parse(readFileSync(expectFile, 'utf8'));
+let failed = 0;
+const ok = (name) => console.log(`ok - openai client: ${name}`);
+const bad = (name, why) => {
+    console.log(`FAIL - openai client: ${name}: ${String(why).replace(/\s+/g, ' ').slice(0, 400)}`);
+    failed++;
+};
+const show = (v) => JSON.stringify(v);
+
+// The package from the prefix: its ES module entry if it has one, else require().
+async function loadOpenAI() {
+    const dir = path.join(prefix, 'node_modules', 'openai');
+    const mjs = path.join(dir, 'index.mjs');
+    const m = existsSync(mjs) ? await import(pathToFileURL(mjs).href) : createRequire(path.join(prefix, 'package.json'))('openai');
+    return m.default ?? m.OpenAI ?? m;
+}
+
+// check NAME async-fn: fn returns null when fine, else why not; a throw is a failure too
+async function check(name, fn) {
+    try {
+        const why = await fn();
+        if (why == null) ok(name);
+        else bad(name, why);
+    } catch (e) {
+        bad(name, `${e?.constructor?.name}: ${e?.message ?? e}`);
+    }
+}
+
+let OpenAI;
+try {
+    OpenAI = await loadOpenAI();
+} catch (e) {
+    bad('import openai', e?.message ?? e);
+    process.exit(1);
+}
+const version = (() => {
+    try {
+        return JSON.parse(readFileSync(path.join(prefix, 'node_modules', 'openai', 'package.json'), 'utf8')).version;
+    } catch {
+        return '?';
+    }
+})();
+const client = new OpenAI({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 20000 });
+const chatReq = { model, messages: [{ role: 'user', content: want.chat_prompt }], max_tokens: want.n, temperature: 0 };
+
+await check(`models.list has ${model} (openai ${version})`, async () => {
+    const ids = [];
+    for await (const m of client.models.list()) ids.push(m.id);
+    return ids.includes(model) ? null : `ids ${show(ids)}`;
+});
+
+await check('chat.completions.create: the greedy text of coli run --chat', async () => {
+    const r = await client.chat.completions.create(chatReq);
+    const c = r.choices?.[0];
+    if (r.object !== 'chat.completion') return `object ${show(r.object)}`;
+    if (c?.message?.role !== 'assistant') return `role ${show(c?.message?.role)}`;
+    if (c.message.content !== want.chat_text) return `content ${show(c.message.content)}, want ${show(want.chat_text)}`;
+    if (!['stop', 'length'].includes(c.finish_reason)) return `finish_reason ${show(c.finish_reason)}`;
+    const u = r.usage;
+    if (!u || u.prompt_tokens + u.completion_tokens !== u.total_tokens) return `usage ${show(u)}`;
+    return null;
+});
+
+await check('chat.completions.create stream (for await): the same text, finish_reason, usage', async () => {
+    const stream = await client.chat.completions.create({ ...chatReq, stream: true, stream_options: { include_usage: true } });
+    let text = '';
+    let role = null;
+    let finish = null;
+    let usage = null;
+    let n = 0;
+    for await (const chunk of stream) {
+        n++;
+        if (chunk.object !== 'chat.completion.chunk') return `object ${show(chunk.object)}`;
+        if (chunk.usage) usage = chunk.usage;
+        const c = chunk.choices?.[0];
+        if (!c) continue;
+        if (c.delta?.role && role == null) role = c.delta.role;
+        text += c.delta?.content ?? '';
+        if (c.finish_reason) finish = c.finish_reason;
+    }
+    if (role !== 'assistant') return `role ${show(role)}`;
+    if (text !== want.chat_text) return `content ${show(text)}, want ${show(want.chat_text)}`;
+    if (!['stop', 'length'].includes(finish)) return `finish_reason ${show(finish)}`;
+    if (!usage || usage.prompt_tokens + usage.completion_tokens !== usage.total_tokens) return `usage ${show(usage)} (${n} chunks)`;
+    return null;
+});
+
+await check('completions.create: the greedy text of coli run -p', async () => {
+    const r = await client.completions.create({ model, prompt: want.raw_prompt, max_tokens: want.n, temperature: 0 });
+    if (r.object !== 'text_completion') return `object ${show(r.object)}`;
+    if (r.choices?.[0]?.text !== want.raw_text) return `text ${show(r.choices?.[0]?.text)}, want ${show(want.raw_text)}`;
+    return null;
+});
+
+await check('completions.create stream: the same text', async () => {
+    const stream = await client.completions.create({ model, prompt: want.raw_prompt, max_tokens: want.n, temperature: 0, stream: true });
+    let text = '';
+    for await (const chunk of stream) text += chunk.choices?.[0]?.text ?? '';
+    return text === want.raw_text ? null : `text ${show(text)}, want ${show(want.raw_text)}`;
+});
+
+await check('a bad parameter: APIError (BadRequestError) with status 400, param max_tokens', async () => {
+    try {
+        await client.chat.completions.create({ ...chatReq, max_tokens: 'x' });
+    } catch (e) {
+        if (!(e instanceof OpenAI.APIError)) return `threw ${e?.constructor?.name}: ${e?.message}`;
+        if (e.status !== 400) return `status ${e.status}`;
+        if (OpenAI.BadRequestError && !(e instanceof OpenAI.BadRequestError)) return `not a BadRequestError: ${e.constructor.name}`;
+        if (e.param !== 'max_tokens') return `param ${show(e.param)}, error ${show(e.error)}`;
+        return null;
+    }
+    return 'no error';
+});
+
+process.exit(failed ? 1 : 0);

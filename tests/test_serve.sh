@@ -1,0 +1,568 @@
+#!/usr/bin/env bash
+# test_serve: `coli serve` end to end, over loopback only: the OpenAI-compatible endpoints, greedy
+# output identical to `coli run`, streaming, stop strings, parallel slots, errors and malformed
+# HTTP, the API key, SIGTERM, and the official `openai` npm client (tests/serve_openai.mjs).
+# usage: tests/test_serve.sh ./coli GOLDEN_DIR [--fuzz-bin PATH]
+# Needs curl and python3 (JSON); node + npm for the openai client (skipped without them, or when
+# the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds openai.
+set -u
+COLI=${1:-./coli}
+GOLDEN=${2:-../shared/golden}
+FUZZ=
+if [ "${3:-}" = --fuzz-bin ]; then FUZZ=${4:-}; fi
+HERE=$(cd "$(dirname "$0")" && pwd)
+pass=0
+fail=0
+ok() { echo "ok - $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
+finish() {
+    echo "$pass passed, $fail failed"
+    [ "$fail" = 0 ]
+    exit
+}
+
+if [ ! -d "$GOLDEN" ]; then ok "serve # SKIP $GOLDEN absent"; finish; fi
+M=$GOLDEN/q35moe-q8_0.gguf
+MODEL_ID=q35moe-q8_0
+for tool in curl python3; do
+    if ! command -v "$tool" >/dev/null; then ok "serve # SKIP no $tool"; finish; fi
+done
+
+tmp=$(mktemp -d)
+srv_pids=""
+npm_pid=""
+# shellcheck disable=SC2317 # called by the trap
+cleanup() {
+    local p
+    for p in $srv_pids $npm_pid; do kill "$p" 2>/dev/null; done
+    for p in $srv_pids $npm_pid; do wait "$p" 2>/dev/null; done
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+export HEAT_FILE="$tmp/run.heat" # coli run saves expert heat; keep it out of ~/.cache
+
+# The official client, installed in the background while the rest runs.
+npm_prefix=
+npm_skip=
+if [ -n "${COLI_TEST_OPENAI_PREFIX:-}" ] && [ -d "$COLI_TEST_OPENAI_PREFIX/node_modules/openai" ]; then
+    npm_prefix=$COLI_TEST_OPENAI_PREFIX
+elif ! command -v node >/dev/null; then
+    npm_skip="no node"
+elif ! command -v npm >/dev/null; then
+    npm_skip="no npm"
+else
+    npm_prefix=$tmp/npm
+    mkdir -p "$npm_prefix"
+    timeout 120 npm install --prefix "$npm_prefix" --no-audit --no-fund --loglevel=error openai@4 >"$tmp/npm.log" 2>&1 </dev/null &
+    npm_pid=$!
+fi
+
+# JSON and server-sent events, read by python3. q MODE FILE EXPR prints EXPR's value as JSON
+# (MODE json) or a string as is (MODE raw); d is FILE's JSON (MODE sse*: a summary of an event
+# stream, below), E the environment. Exit status 1 (and nothing on stdout) when EXPR fails.
+cat >"$tmp/q.py" <<'PY'
+import json, os, re, sys
+E = os.environ
+def load(p):
+    with open(p, 'rb') as f:
+        return json.loads(f.read().decode('utf-8', 'replace'))
+def sse(p):
+    with open(p, 'rb') as f:
+        raw = f.read().decode('utf-8', 'replace')
+    s = {'problems': [], 'chunks': [], 'done_last': False, 'ends_with_done': raw.endswith('data: [DONE]\n\n')}
+    events = raw.split('\n\n')
+    if events and events[-1] == '':
+        events.pop()
+    else:
+        s['problems'].append('the stream does not end in a blank line')
+    datas = []
+    for ev in events:
+        if all(l.startswith(':') for l in ev.split('\n')):
+            continue  # an SSE comment (keep-alive)
+        if not ev.startswith('data: ') or '\n' in ev:
+            s['problems'].append('not one data line: %r' % ev[:80])
+            continue
+        datas.append(ev[6:])
+    s['done_last'] = bool(datas) and datas[-1] == '[DONE]' and datas.count('[DONE]') == 1
+    for x in datas:
+        if x == '[DONE]':
+            continue
+        try:
+            s['chunks'].append(json.loads(x))
+        except ValueError:
+            s['problems'].append('not JSON: %r' % x[:80])
+    ch = s['chunks']
+    cc = [c for c in ch if c.get('choices')]
+    s['objects'] = sorted(set(str(c.get('object')) for c in ch))
+    s['ids'] = sorted(set(str(c.get('id')) for c in ch))
+    s['n_choice_chunks'] = len(cc)
+    s['first_role'] = cc[0]['choices'][0].get('delta', {}).get('role') if cc else None
+    s['content'] = ''.join((c['choices'][0].get('delta') or {}).get('content') or '' for c in cc)
+    s['text'] = ''.join(c['choices'][0].get('text') or '' for c in cc)
+    s['finish'] = [c['choices'][0].get('finish_reason') for c in cc]
+    s['last_delta'] = cc[-1]['choices'][0].get('delta') if cc else None
+    s['usage'] = [c.get('usage') for c in ch if c.get('choices') == [] and c.get('usage')]
+    s['usage_last'] = bool(ch) and ch[-1].get('choices') == [] and bool(ch[-1].get('usage'))
+    return s
+def greedy(p):  # the text of `coli run --json`, without the end-of-generation token's text
+    r = load(p)
+    t = r['text']
+    return re.sub(r'(<\|im_end\|>|<\|endoftext\|>)$', '', t) if r['stop'] == 'eog' else t
+def pick_stop(c, frm, n, cls):  # a substring of c from frm*len(c) on, whose first occurrence is not at 0
+    for i in range(int(len(c) * frm), len(c) - n):
+        s = c[i:i + n]
+        if re.fullmatch(cls, s) and c.find(s) >= 2:
+            return s
+    raise ValueError('no stop string')
+mode, path, expr = sys.argv[1:4]
+try:
+    d = sse(path) if mode.startswith('sse') else (load(path) if path != '-' else None)
+    v = eval(expr)
+except Exception as e:
+    sys.stderr.write('q: %s: %s\n' % (type(e).__name__, e))
+    sys.exit(1)
+if mode.endswith('raw') and isinstance(v, str):
+    sys.stdout.write(v)
+else:
+    sys.stdout.write(json.dumps(v, sort_keys=True))
+PY
+q() { python3 "$tmp/q.py" "$@" 2>>"$tmp/q.err"; }
+# qt FILE EXPR: true when EXPR is true on FILE's JSON
+qt() { [ "$(q json "$1" "bool($2)")" = true ]; }
+# errbody NAME: the start of a response body, for failure messages
+errbody() { head -c 300 "$tmp/$1.body" 2>/dev/null | tr '\n' ' '; }
+
+# start_server LOG ARGS...: starts coli serve in the background; sets spid and sport
+start_server() {
+    local log=$1 i
+    shift
+    spid=""
+    sport=""
+    HEAT_FILE="$tmp/$log.heat" "$COLI" serve -m "$M" "$@" >"$tmp/$log.out" 2>"$tmp/$log.err" </dev/null &
+    spid=$!
+    srv_pids="$srv_pids $spid"
+    for i in $(seq 300); do
+        sport=$(sed -n 's|^\[serve\] listening on http://127\.0\.0\.1:\([0-9][0-9]*\).*|\1|p' "$tmp/$log.err" | head -n 1)
+        [ -n "$sport" ] && break
+        kill -0 "$spid" 2>/dev/null || break
+        sleep 0.1
+    done
+    [ -n "$sport" ] || return 1
+    for i in $(seq 300); do
+        [ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sport/health")" = 200 ] && return 0
+        kill -0 "$spid" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+# stop_server PID: SIGTERM, wait at most 10 s (then SIGKILL); sets src (the exit status)
+stop_server() {
+    local p=$1 i
+    kill -TERM "$p" 2>/dev/null
+    for i in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null; fi
+    src=0
+    wait "$p" || src=$?
+    srv_pids=$(echo "$srv_pids" | tr ' ' '\n' | grep -vx "$p" | tr '\n' ' ')
+}
+
+# http NAME METHOD PATH [CURL ARGS]: a request to $base; body in $tmp/NAME.body, headers in
+# $tmp/NAME.hdr, status in $code (000 when curl failed)
+http() {
+    local name=$1 method=$2 path=$3
+    shift 3
+    code=$(curl -sS --max-time 30 -X "$method" -o "$tmp/$name.body" -D "$tmp/$name.hdr" -w '%{http_code}' \
+        "$@" "$base$path" 2>"$tmp/$name.curl") || true
+}
+post() {
+    local name=$1 path=$2 body=$3
+    shift 3
+    http "$name" POST "$path" -H 'Content-Type: application/json' --data-binary "$body" "$@"
+}
+chat_body() { # TEXT MAX_TOKENS [EXTRA JSON FIELDS]
+    printf '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":%s,"temperature":0%s}' "$MODEL_ID" "$1" "$2" "${3:+,$3}"
+}
+comp_body() {
+    printf '{"model":"%s","prompt":"%s","max_tokens":%s,"temperature":0%s}' "$MODEL_ID" "$1" "$2" "${3:+,$3}"
+}
+# header NAME FIELD: the value of a response header (the last response's block), lower-cased name
+header() { tr -d '\r' <"$tmp/$1.hdr" | grep -i "^$2:" | tail -n 1 | sed 's/^[^:]*: *//'; }
+# is_error NAME STATUS TYPE: the response is STATUS with the contract's error object of TYPE
+is_error() {
+    [ "$code" = "$2" ] && qt "$tmp/$1.body" "set(d['error']) >= {'message','type','param','code'} and d['error']['type'] == '$3' and isinstance(d['error']['message'], str)"
+}
+# raw NAME DATA: DATA sent as is over one connection; what came back until the server closed it
+# (at most 5 s) in $tmp/NAME.raw, and whether it closed (rawclosed=yes) or timed out
+raw() {
+    local name=$1 data=$2 rc=0
+    : >"$tmp/$name.raw"
+    (
+        exec 3<>"/dev/tcp/127.0.0.1/$port" || exit 2
+        printf '%s' "$data" >&3
+        timeout 5 cat <&3 >"$tmp/$name.raw"
+    ) 2>/dev/null || rc=$?
+    rawclosed=no
+    [ "$rc" = 0 ] && rawclosed=yes
+    rawstatus=$(head -n 1 "$tmp/$name.raw" | tr -d '\r')
+}
+
+# References from `coli run`: chat (one user message) and raw completions, greedy
+A="Hello"
+B="Tell me a story"
+R="The capital of France is"
+ref() { # OUT ARGS...
+    local out=$1
+    shift
+    "$COLI" run -m "$M" "$@" --json -t 1 2>"$tmp/$out.err" </dev/null | tail -n 1 >"$tmp/$out.json"
+}
+ref refA16 --chat -p "$A" -n 16
+ref refA5 --chat -p "$A" -n 5
+ref refA64 --chat -p "$A" -n 64
+ref refB64 --chat -p "$B" -n 64
+ref refR16 -p "$R" -n 16
+for r in refA16 refA5 refA64 refB64 refR16; do
+    if ! q raw "$tmp/$r.json" 'greedy(path)' >"$tmp/$r.txt"; then
+        bad "coli run reference $r" "$(head -c 300 "$tmp/$r.err")"
+        finish
+    fi
+    q json "$tmp/$r.json" 'greedy(path)' >"$tmp/$r.jstr"
+done
+
+start_server serve --port 0 --parallel 2 -c 256 -t 1 || {
+    bad "serve starts: listening line and /health 200 within 30 s" "$(head -c 600 "$tmp/serve.err")"
+    finish
+}
+pid=$spid
+port=$sport
+base=http://127.0.0.1:$port
+ok "serve starts on --port 0 (port $port), /health 200"
+
+# --- the simple endpoints
+http health GET /health
+if [ "$code" = 200 ] && qt "$tmp/health.body" "d['status'] == 'ok'"; then ok "GET /health: 200 {\"status\":\"ok\"}"; else bad "GET /health" "$code $(errbody health)"; fi
+http models GET /v1/models
+if [ "$code" = 200 ] && qt "$tmp/models.body" "d['object'] == 'list' and any(m['id'] == '$MODEL_ID' and m['object'] == 'model' and m['owned_by'] == 'coli' and isinstance(m['created'], int) for m in d['data'])"; then
+    ok "GET /v1/models lists $MODEL_ID"
+else bad "GET /v1/models" "$code $(errbody models)"; fi
+http metrics GET /metrics
+if [ "$code" = 200 ] && header metrics content-type | grep -q '^text/plain' && grep -q '^coli_requests_total' "$tmp/metrics.body" &&
+    grep -qE '^coli_slots_total 2(\.0*)?$' "$tmp/metrics.body"; then
+    ok "GET /metrics: text/plain, coli_requests_total, coli_slots_total 2"
+else bad "GET /metrics" "$code $(header metrics content-type) $(grep -E 'coli_(requests|slots)_total' "$tmp/metrics.body" | head -n 4 | tr '\n' ' ')"; fi
+missing=""
+for m in coli_prompt_tokens_total coli_generated_tokens_total coli_prompt_tokens_per_second coli_decode_tokens_per_second \
+    coli_queue_length coli_slots_busy coli_expert_hit_rate coli_expert_vram_rate coli_resident_bytes coli_vram_used_bytes; do
+    grep -q "^$m" "$tmp/metrics.body" || missing="$missing $m"
+done
+if [ -z "$missing" ]; then ok "GET /metrics has every metric of the contract"; else bad "GET /metrics" "missing:$missing"; fi
+
+# --- non-streaming chat, greedy = coli run --chat
+post chatA /v1/chat/completions "$(chat_body "$A" 16)"
+if [ "$code" = 200 ] && qt "$tmp/chatA.body" "d['object'] == 'chat.completion' and d['id'].startswith('chatcmpl-') and isinstance(d['created'], int) and d['model'] == '$MODEL_ID' and d['choices'][0]['index'] == 0 and d['choices'][0]['message']['role'] == 'assistant' and isinstance(d['choices'][0]['message']['content'], str) and d['choices'][0]['finish_reason'] in ('stop', 'length')"; then
+    ok "chat completion: object, id, model, choices[0].message, finish_reason"
+else bad "chat completion shape" "$code $(errbody chatA)"; fi
+if qt "$tmp/chatA.body" "d['usage']['prompt_tokens'] > 0 and d['usage']['prompt_tokens'] + d['usage']['completion_tokens'] == d['usage']['total_tokens']"; then
+    ok "chat completion: usage prompt + completion = total"
+else bad "chat usage" "$(q json "$tmp/chatA.body" "d.get('usage')")"; fi
+got=$(q json "$tmp/chatA.body" "d['choices'][0]['message']['content']")
+if [ -n "$got" ] && [ "$got" = "$(cat "$tmp/refA16.jstr")" ]; then
+    ok "chat greedy content = coli run --chat text (16 tokens)"
+else bad "chat greedy content" "got $got, run gives $(cat "$tmp/refA16.jstr")"; fi
+# the same prompt tokens and count as run; finish_reason as run's stop
+want_fr=$(q raw "$tmp/refA16.json" "'length' if d['stop'] == 'length' else 'stop'")
+if qt "$tmp/chatA.body" "d['usage']['prompt_tokens'] == len(load('$tmp/refA16.json')['prompt_tokens']) and d['usage']['completion_tokens'] == len(load('$tmp/refA16.json')['tokens']) - (1 if load('$tmp/refA16.json')['stop'] == 'eog' else 0) and d['choices'][0]['finish_reason'] == '$want_fr'"; then
+    ok "chat usage and finish_reason match coli run's prompt tokens, tokens and stop"
+else bad "chat usage vs run" "$(q json "$tmp/chatA.body" "[d.get('usage'), d['choices'][0].get('finish_reason')]") run: $(q json "$tmp/refA16.json" "[len(d['prompt_tokens']), len(d['tokens']), d['stop']]")"; fi
+
+# --- raw completions, greedy = coli run -p
+post compR /v1/completions "$(comp_body "$R" 16)"
+if [ "$code" = 200 ] && qt "$tmp/compR.body" "d['object'] == 'text_completion' and d['id'].startswith('cmpl-') and d['model'] == '$MODEL_ID' and d['choices'][0]['index'] == 0 and d['choices'][0]['finish_reason'] in ('stop', 'length') and d['usage']['prompt_tokens'] + d['usage']['completion_tokens'] == d['usage']['total_tokens']"; then
+    ok "completion: object text_completion, id, choices[0].text, usage"
+else bad "completion shape" "$code $(errbody compR)"; fi
+got=$(q json "$tmp/compR.body" "d['choices'][0]['text']")
+if [ -n "$got" ] && [ "$got" = "$(cat "$tmp/refR16.jstr")" ] &&
+    qt "$tmp/compR.body" "d['usage']['prompt_tokens'] == len(load('$tmp/refR16.json')['prompt_tokens'])"; then
+    ok "completion greedy text = coli run -p text (16 tokens), same prompt tokens"
+else bad "completion greedy text" "got $got $(q json "$tmp/compR.body" "d.get('usage')"), run gives $(cat "$tmp/refR16.jstr")"; fi
+
+# --- streaming chat
+post streamA /v1/chat/completions "$(chat_body "$A" 16 '"stream":true,"stream_options":{"include_usage":true}')" -N
+q sse "$tmp/streamA.body" 'd' >"$tmp/streamA.sum" || echo '{}' >"$tmp/streamA.sum"
+ctype=$(header streamA content-type)
+if [ "$code" = 200 ] && echo "$ctype" | grep -q '^text/event-stream' && header streamA transfer-encoding | grep -qi chunked; then
+    ok "stream: 200, Content-Type text/event-stream, Transfer-Encoding chunked"
+else bad "stream headers" "$code content-type '$ctype' transfer-encoding '$(header streamA transfer-encoding)'"; fi
+if qt "$tmp/streamA.sum" "not d['problems'] and d['objects'] == ['chat.completion.chunk'] and len(d['ids']) == 1 and d['ids'][0].startswith('chatcmpl-')"; then
+    ok "stream: every event one 'data: {json}' line, chat.completion.chunk, one id"
+else bad "stream events" "$(q json "$tmp/streamA.sum" "[d['problems'][:3], d['objects'], d['ids']]")"; fi
+if qt "$tmp/streamA.sum" "d['first_role'] == 'assistant'"; then ok "stream: the first delta has role assistant"; else bad "stream first delta" "$(head -c 300 "$tmp/streamA.body")"; fi
+got=$(q json "$tmp/streamA.sum" "d['content']")
+if [ -n "$got" ] && [ "$got" = "$(cat "$tmp/refA16.jstr")" ]; then
+    ok "stream: the content deltas add up to the non-stream content"
+else bad "stream content" "got $got, want $(cat "$tmp/refA16.jstr")"; fi
+if qt "$tmp/streamA.sum" "d['finish'][-1] == '$want_fr' and all(f is None for f in d['finish'][:-1]) and not (d['last_delta'] or {}).get('content')"; then
+    ok "stream: finish_reason $want_fr on the last choice chunk only, its delta empty"
+else bad "stream finish_reason" "$(q json "$tmp/streamA.sum" "[d['finish'], d['last_delta']]")"; fi
+if qt "$tmp/streamA.sum" "d['usage_last'] and len(d['usage']) == 1 and d['usage'][0] == load('$tmp/chatA.body')['usage']"; then
+    ok "stream: include_usage gives a last chunk with choices [] and the usage of the non-stream answer"
+else bad "stream usage chunk" "$(q json "$tmp/streamA.sum" "d['usage']") vs $(q json "$tmp/chatA.body" "d.get('usage')")"; fi
+if qt "$tmp/streamA.sum" "d['done_last'] and d['ends_with_done']"; then ok "stream: data: [DONE] last"; else bad "stream [DONE]" "$(tail -c 200 "$tmp/streamA.body")"; fi
+post streamA2 /v1/chat/completions "$(chat_body "$A" 16 '"stream":true')" -N
+q sse "$tmp/streamA2.body" 'd' >"$tmp/streamA2.sum" || echo '{}' >"$tmp/streamA2.sum"
+if [ "$code" = 200 ] && qt "$tmp/streamA2.sum" "not d['usage'] and d['done_last'] and d['content'] == load('$tmp/chatA.body')['choices'][0]['message']['content']"; then
+    ok "stream without include_usage: no usage chunk, same content"
+else bad "stream without include_usage" "$code $(q json "$tmp/streamA2.sum" "[d['usage'], d['done_last']]")"; fi
+# streaming completions
+post streamR /v1/completions "$(comp_body "$R" 16 '"stream":true')" -N
+q sse "$tmp/streamR.body" 'd' >"$tmp/streamR.sum" || echo '{}' >"$tmp/streamR.sum"
+got=$(q json "$tmp/streamR.sum" "d['text']")
+if [ "$code" = 200 ] && qt "$tmp/streamR.sum" "not d['problems'] and d['objects'] == ['text_completion'] and d['done_last'] and d['finish'][-1] in ('stop', 'length')" &&
+    [ "$got" = "$(cat "$tmp/refR16.jstr")" ]; then
+    ok "stream completions: text_completion chunks add up to coli run -p text"
+else bad "stream completions" "$code got $got want $(cat "$tmp/refR16.jstr") $(q json "$tmp/streamR.sum" "[d['problems'][:2], d['objects'], d['finish'][-1:]]")"; fi
+
+# --- max_tokens
+for field in max_tokens max_completion_tokens; do
+    post max5 /v1/chat/completions "$(printf '{"messages":[{"role":"user","content":"%s"}],"%s":5,"temperature":0}' "$A" "$field")"
+    if [ "$code" = 200 ] && qt "$tmp/max5.body" "(d['choices'][0]['finish_reason'] == 'length' and d['usage']['completion_tokens'] == 5) or (d['choices'][0]['finish_reason'] == 'stop' and d['usage']['completion_tokens'] < 5)" &&
+        [ "$(q json "$tmp/max5.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA5.jstr")" ]; then
+        ok "$field 5: finish_reason length, completion_tokens 5, the greedy text of run -n 5"
+    else bad "$field 5" "$code $(q json "$tmp/max5.body" "[d['choices'][0]['finish_reason'], d['usage'], d['choices'][0]['message']['content']]") want $(cat "$tmp/refA5.jstr")"; fi
+done
+
+# --- stop strings: cut right before the first occurrence in the known greedy text
+S1=$(q raw "$tmp/chatA.body" "pick_stop(d['choices'][0]['message']['content'], 0.3, 3, '[A-Za-z0-9]{3}')")
+S2=$(q raw "$tmp/chatA.body" "pick_stop(d['choices'][0]['message']['content'], 0.5, 5, '[ -!#-\\\\[\\\\]-~]{5}')")
+if [ -z "$S1" ] || [ -z "$S2" ]; then
+    bad "stop strings" "no usable stop string in the greedy text $(cat "$tmp/refA16.jstr")"
+else
+    for case in "string:\"$S1\"" "array:[\"zzQQzzQQ\",\"$S1\"]" "array:[\"$S2\"]"; do
+        stopv=${case#*:}
+        s=$S1
+        [ "$stopv" = "[\"$S2\"]" ] && s=$S2
+        want=$(STOP="$s" q json "$tmp/chatA.body" "d['choices'][0]['message']['content'].split(E['STOP'])[0]")
+        post stop /v1/chat/completions "$(chat_body "$A" 16 "\"stop\":$stopv")"
+        got=$(q json "$tmp/stop.body" "d['choices'][0]['message']['content']")
+        if [ "$code" = 200 ] && [ "$got" = "$want" ] && qt "$tmp/stop.body" "d['choices'][0]['finish_reason'] == 'stop'"; then
+            ok "stop $stopv: text cut before it, finish_reason stop"
+        else bad "stop $stopv" "$code got $got want $want finish $(q json "$tmp/stop.body" "d['choices'][0]['finish_reason']")"; fi
+        post stopS /v1/chat/completions "$(chat_body "$A" 16 "\"stop\":$stopv,\"stream\":true")" -N
+        q sse "$tmp/stopS.body" 'd' >"$tmp/stopS.sum" || echo '{}' >"$tmp/stopS.sum"
+        got=$(q json "$tmp/stopS.sum" "d['content']")
+        if [ "$code" = 200 ] && [ "$got" = "$want" ] && qt "$tmp/stopS.sum" "d['finish'][-1] == 'stop' and d['done_last']"; then
+            ok "stop $stopv, streaming: the deltas add up to the cut text, finish_reason stop"
+        else bad "stop $stopv streaming" "$code got $got want $want finish $(q json "$tmp/stopS.sum" "d['finish'][-1:]")"; fi
+    done
+    SR=$(q raw "$tmp/compR.body" "pick_stop(d['choices'][0]['text'], 0.4, 3, '[A-Za-z0-9]{3}')")
+    post stopR /v1/completions "$(comp_body "$R" 16 "\"stop\":[\"$SR\"]")"
+    want=$(STOP="$SR" q json "$tmp/compR.body" "d['choices'][0]['text'].split(E['STOP'])[0]")
+    got=$(q json "$tmp/stopR.body" "d['choices'][0]['text']")
+    if [ "$code" = 200 ] && [ "$got" = "$want" ] && qt "$tmp/stopR.body" "d['choices'][0]['finish_reason'] == 'stop'"; then
+        ok "stop on /v1/completions"
+    else bad "stop on /v1/completions" "$code got $got want $want"; fi
+fi
+
+# --- parallel: two slots, then four requests on two slots (two wait in the queue)
+par() { # NAME TEXT N [stream]
+    local extra=""
+    [ "${4:-}" = stream ] && extra='"stream":true'
+    curl -sS --max-time 30 -o "$tmp/$1.body" -H 'Content-Type: application/json' --data-binary "$(chat_body "$2" "$3" "$extra")" \
+        "$base/v1/chat/completions" 2>"$tmp/$1.curl"
+}
+par par1 "$A" 64 & p1=$!
+par par2 "$B" 64 & p2=$!
+wait $p1; wait $p2
+g1=$(q json "$tmp/par1.body" "d['choices'][0]['message']['content']")
+g2=$(q json "$tmp/par2.body" "d['choices'][0]['message']['content']")
+if [ -n "$g1" ] && [ "$g1" = "$(cat "$tmp/refA64.jstr")" ] && [ "$g2" = "$(cat "$tmp/refB64.jstr")" ]; then
+    ok "two requests in parallel: each the greedy text of its own (64 tokens)"
+else bad "two requests in parallel" "1: $(echo "$g1" | head -c 120) want $(head -c 120 "$tmp/refA64.jstr"); 2: $(echo "$g2" | head -c 120) want $(head -c 120 "$tmp/refB64.jstr")"; fi
+par par3 "$A" 64 & p1=$!
+par par4 "$B" 64 stream & p2=$!
+par par5 "$B" 64 & p3=$!
+par par6 "$A" 64 stream & p4=$!
+wait $p1; wait $p2; wait $p3; wait $p4
+q sse "$tmp/par4.body" 'd' >"$tmp/par4.sum" || echo '{}' >"$tmp/par4.sum"
+q sse "$tmp/par6.body" 'd' >"$tmp/par6.sum" || echo '{}' >"$tmp/par6.sum"
+if [ "$(q json "$tmp/par3.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA64.jstr")" ] &&
+    [ "$(q json "$tmp/par4.sum" "d['content']")" = "$(cat "$tmp/refB64.jstr")" ] &&
+    [ "$(q json "$tmp/par5.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refB64.jstr")" ] &&
+    [ "$(q json "$tmp/par6.sum" "d['content']")" = "$(cat "$tmp/refA64.jstr")" ]; then
+    ok "four requests (two streaming) on two slots: each its own greedy text"
+else bad "four requests on two slots" "$(head -c 200 "$tmp/par3.body") | $(head -c 200 "$tmp/par5.body") | $(q json "$tmp/par4.sum" "d['content'][:60]") | $(q json "$tmp/par6.sum" "d['content'][:60]")"; fi
+
+# --- sampling fields accepted (and unknown fields ignored)
+post sample /v1/chat/completions "$(printf '{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"%s"},{"role":"assistant","content":"Hi."},{"role":"user","content":"%s"}],"max_tokens":8,"temperature":0.8,"top_p":0.9,"top_k":20,"min_p":0.05,"seed":7,"repeat_penalty":1.1,"presence_penalty":0.5,"frequency_penalty":0.5,"frobnicate":{"x":[1,2]},"n_probs":3}' "$A" "$B")"
+if [ "$code" = 200 ] && qt "$tmp/sample.body" "d['usage']['completion_tokens'] <= 8 and isinstance(d['choices'][0]['message']['content'], str)"; then
+    ok "sampling fields, system/assistant turns and unknown fields accepted"
+else bad "sampling fields" "$code $(errbody sample)"; fi
+post sample2 /v1/chat/completions "$(printf '{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"%s"},{"role":"assistant","content":"Hi."},{"role":"user","content":"%s"}],"max_tokens":8,"temperature":0.8,"top_p":0.9,"top_k":20,"min_p":0.05,"seed":7,"repeat_penalty":1.1,"presence_penalty":0.5,"frequency_penalty":0.5}' "$A" "$B")"
+if [ "$code" = 200 ] && [ "$(q json "$tmp/sample2.body" "d['choices'][0]['message']['content']")" = "$(q json "$tmp/sample.body" "d['choices'][0]['message']['content']")" ]; then
+    ok "the same seed gives the same sampled text"
+else bad "same seed" "$code $(q json "$tmp/sample2.body" "d['choices'][0]['message']['content']") vs $(q json "$tmp/sample.body" "d['choices'][0]['message']['content']")"; fi
+
+# --- errors
+post e_json /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}'
+if is_error e_json 400 invalid_request_error; then ok "bad JSON: 400 invalid_request_error"; else bad "bad JSON" "$code $(errbody e_json)"; fi
+post e_type /v1/chat/completions "$(chat_body "$A" '"x"')"
+if is_error e_type 400 invalid_request_error && qt "$tmp/e_type.body" "d['error']['param'] == 'max_tokens'"; then ok "\"max_tokens\":\"x\": 400, error.param max_tokens"; else bad "max_tokens wrong type" "$code $(errbody e_type)"; fi
+post e_type2 /v1/chat/completions "$(chat_body "$A" 4 '"temperature":"hot"')"
+if is_error e_type2 400 invalid_request_error && qt "$tmp/e_type2.body" "d['error']['param'] == 'temperature'"; then ok "\"temperature\":\"hot\": 400, error.param temperature"; else bad "temperature wrong type" "$code $(errbody e_type2)"; fi
+post e_type3 /v1/chat/completions "$(chat_body "$A" 4 '"stream":"yes"')"
+if is_error e_type3 400 invalid_request_error && qt "$tmp/e_type3.body" "d['error']['param'] == 'stream'"; then ok "\"stream\":\"yes\": 400, error.param stream"; else bad "stream wrong type" "$code $(errbody e_type3)"; fi
+post e_nomsg /v1/chat/completions '{"max_tokens":4}'
+if is_error e_nomsg 400 invalid_request_error; then ok "chat without messages: 400"; else bad "chat without messages" "$code $(errbody e_nomsg)"; fi
+post e_noprompt /v1/completions '{"max_tokens":4}'
+if is_error e_noprompt 400 invalid_request_error; then ok "completion without prompt: 400"; else bad "completion without prompt" "$code $(errbody e_noprompt)"; fi
+post e_stop5 /v1/chat/completions "$(chat_body "$A" 4 '"stop":["a","b","c","d","e"]')"
+if is_error e_stop5 400 invalid_request_error; then ok "five stop strings: 400"; else bad "five stop strings" "$code $(errbody e_stop5)"; fi
+long=$(printf 'hello %.0s' $(seq 300))
+ntok=$("$COLI" tokenize -m "$M" -p "$long" 2>/dev/null | wc -l)
+post e_long /v1/completions "$(comp_body "$long" 4)"
+if is_error e_long 400 invalid_request_error && qt "$tmp/e_long.body" "re.search(r'\\b$ntok\\b', d['error']['message']) and re.search(r'\\b256\\b', d['error']['message'])"; then
+    ok "prompt longer than the context: 400 naming $ntok and 256"
+else bad "prompt longer than the context" "$code $(errbody e_long) (want $ntok and 256)"; fi
+ref refLong --chat -p "$long" -n 1 -c 4096
+nchat=$(q json "$tmp/refLong.json" "len(d['prompt_tokens'])")
+post e_longc /v1/chat/completions "$(chat_body "$long" 4)"
+if is_error e_longc 400 invalid_request_error && qt "$tmp/e_longc.body" "re.search(r'\\b$nchat\\b', d['error']['message']) and re.search(r'\\b256\\b', d['error']['message'])"; then
+    ok "chat prompt longer than the context: 400 naming $nchat and 256"
+else bad "chat prompt longer than the context" "$code $(errbody e_longc) (want $nchat and 256)"; fi
+http e_404 GET /v1/nope
+if is_error e_404 404 not_found_error; then ok "unknown path: 404 not_found_error"; else bad "unknown path" "$code $(errbody e_404)"; fi
+http e_405 GET /v1/chat/completions
+if [ "$code" = 405 ] && header e_405 allow | grep -q POST; then ok "GET /v1/chat/completions: 405 with Allow: POST"; else bad "wrong method" "$code Allow '$(header e_405 allow)' $(errbody e_405)"; fi
+head -c $((8 * 1024 * 1024 + 1024)) /dev/zero | tr '\0' ' ' >"$tmp/big.json"
+post e_413 /v1/chat/completions "@$tmp/big.json"
+if [ "$code" = 413 ]; then ok "a body over 8 MiB: 413"; else bad "body over 8 MiB" "$code $(errbody e_413) $(head -c 200 "$tmp/e_413.curl")"; fi
+pad=$(head -c 17000 /dev/zero | tr '\0' a)
+http e_431 GET /health -H "X-Pad: $pad"
+if [ "$code" = 431 ]; then ok "a header block over 16 KiB: 431"; else bad "header block over 16 KiB" "$code $(head -c 200 "$tmp/e_431.curl")"; fi
+hargs=()
+for i in $(seq 101); do hargs+=(-H "X-H$i: $i"); done
+http e_431b GET /health "${hargs[@]}"
+if [ "$code" = 431 ]; then ok "over 100 header lines: 431"; else bad "over 100 header lines" "$code"; fi
+
+raw r_line $'GARBAGE\r\n\r\n'
+if [[ $rawstatus =~ ^HTTP/1\.[01]\ 400 ]] && [ "$rawclosed" = yes ]; then ok "malformed request line: 400, connection closed"; else bad "malformed request line" "'$rawstatus' closed: $rawclosed"; fi
+raw r_cl $'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: abc\r\n\r\n{}'
+if [[ $rawstatus =~ ^HTTP/1\.[01]\ 400 ]] && [ "$rawclosed" = yes ]; then ok "bad Content-Length: 400, connection closed"; else bad "bad Content-Length" "'$rawstatus' closed: $rawclosed"; fi
+raw r_chunk $'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n'
+if [[ $rawstatus =~ ^HTTP/1\.[01]\ 400 ]] && [ "$rawclosed" = yes ]; then ok "bad chunk size: 400, connection closed"; else bad "bad chunk size" "'$rawstatus' closed: $rawclosed"; fi
+raw r_10 $'GET /health HTTP/1.0\r\n\r\n'
+if [[ $rawstatus =~ ^HTTP/1\.[01]\ 200 ]] && [ "$rawclosed" = yes ] && grep -q '"ok"' "$tmp/r_10.raw"; then ok "HTTP/1.0: 200, then the connection closes"; else bad "HTTP/1.0" "'$rawstatus' closed: $rawclosed"; fi
+body=$(comp_body "$R" 16)
+raw r_close "$(printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' "${#body}" "$body")"
+if [[ $rawstatus =~ ^HTTP/1\.1\ 200 ]] && [ "$rawclosed" = yes ]; then ok "Connection: close: 200, then the connection closes"; else bad "Connection: close" "'$rawstatus' closed: $rawclosed"; fi
+
+# Expect: 100-continue: the interim answer comes before the body is sent
+(
+    exec 3<>"/dev/tcp/127.0.0.1/$port" || exit 2
+    printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n' "${#body}" >&3
+    line=""
+    read -r -t 5 line <&3
+    echo "$line" | tr -d '\r' >"$tmp/expect.first"
+    printf '%s' "$body" >&3
+    timeout 5 cat <&3 >"$tmp/expect.rest"
+) 2>/dev/null
+if grep -q '^HTTP/1\.1 100' "$tmp/expect.first" && grep -q '^HTTP/1\.1 200' "$tmp/expect.rest"; then
+    ok "Expect: 100-continue answered, then 200"
+else bad "Expect: 100-continue" "first '$(cat "$tmp/expect.first")', then '$(head -n 1 "$tmp/expect.rest" | tr -d '\r')'"; fi
+
+# chunked request body
+chat_body "$A" 16 >"$tmp/chunked.json"
+http chunked POST /v1/chat/completions -H 'Content-Type: application/json' -H 'Transfer-Encoding: chunked' --data-binary "@$tmp/chunked.json"
+if [ "$code" = 200 ] && [ "$(q json "$tmp/chunked.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then
+    ok "chunked request body: 200, the greedy text"
+else bad "chunked request body" "$code $(errbody chunked)"; fi
+
+# keep-alive: two requests over one connection
+conns=$(curl -sS --max-time 10 -o /dev/null -o /dev/null -w '%{num_connects}\n' "$base/health" "$base/v1/models" 2>/dev/null | tr '\n' ' ')
+if [ "$conns" = "1 0 " ]; then ok "keep-alive: the second request reuses the connection"; else bad "keep-alive" "connections per request: $conns"; fi
+
+http health2 GET /health
+if [ "$code" = 200 ]; then ok "/health 200 after the errors"; else bad "/health after the errors" "$code"; fi
+http metrics2 GET /metrics
+if grep -qE '^coli_requests_total\{code="200"\} [1-9]' "$tmp/metrics2.body" && grep -qE '^coli_requests_total\{code="400"\} [1-9]' "$tmp/metrics2.body" &&
+    grep -qE '^coli_generated_tokens_total [1-9]' "$tmp/metrics2.body"; then
+    ok "/metrics counts the 200s, the 400s and the generated tokens"
+else bad "/metrics counters" "$(grep -E '^coli_(requests|generated)' "$tmp/metrics2.body" | head -n 6 | tr '\n' ' ')"; fi
+
+# --- the fuzz client
+if [ -n "$FUZZ" ]; then
+    if [ -x "$FUZZ" ]; then
+        rc=0
+        timeout 120 "$FUZZ" 127.0.0.1 "$port" 300 >"$tmp/fuzz.out" 2>&1 </dev/null || rc=$?
+        tail -n 3 "$tmp/fuzz.out" | sed 's/^/# fuzz: /'
+        if [ "$rc" = 0 ]; then ok "fuzz client: 300 rounds, exit 0"; else bad "fuzz client" "exit $rc: $(tail -n 5 "$tmp/fuzz.out" | tr '\n' ' ' | head -c 400)"; fi
+        http health3 GET /health
+        if [ "$code" = 200 ]; then ok "/health 200 after the fuzz client"; else bad "/health after the fuzz client" "$code"; fi
+    else
+        bad "fuzz client" "$FUZZ is not executable"
+    fi
+fi
+
+# --- the official openai client
+if [ -n "$npm_pid" ]; then
+    rc=0
+    wait "$npm_pid" || rc=$?
+    npm_pid=""
+    if [ "$rc" != 0 ] || [ ! -d "$npm_prefix/node_modules/openai" ]; then
+        npm_skip="npm install openai@4 failed (exit $rc): $(tail -n 2 "$tmp/npm.log" | tr '\n' ' ' | head -c 200)"
+    fi
+fi
+if [ -n "$npm_skip" ]; then
+    ok "openai client # SKIP $npm_skip"
+elif ! command -v node >/dev/null; then
+    ok "openai client # SKIP no node"
+else
+    A="$A" R="$R" q json - "{'chat_prompt': E['A'], 'chat_text': greedy('$tmp/refA16.json'), 'raw_prompt': E['R'], 'raw_text': greedy('$tmp/refR16.json'), 'n': 16}" >"$tmp/expect.json"
+    rc=0
+    timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json" >"$tmp/node.out" 2>&1 || rc=$?
+    np=$(grep -c '^ok - ' "$tmp/node.out")
+    nf=$(grep -c '^FAIL - ' "$tmp/node.out")
+    grep -E '^(ok|FAIL) - ' "$tmp/node.out"
+    pass=$((pass + np))
+    fail=$((fail + nf))
+    if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "openai client script" "exit $rc: $(tail -n 5 "$tmp/node.out" | tr '\n' ' ' | head -c 400)"; fi
+fi
+
+# --- --api-key: a second server
+if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit; then
+    aport=$sport
+    apid=$spid
+    base=http://127.0.0.1:$aport
+    http a_none GET /v1/models
+    if is_error a_none 401 authentication_error; then ok "--api-key: no key, 401 authentication_error"; else bad "--api-key without a key" "$code $(errbody a_none)"; fi
+    http a_wrong GET /v1/models -H 'Authorization: Bearer wrong'
+    if is_error a_wrong 401 authentication_error; then ok "--api-key: wrong key, 401"; else bad "--api-key wrong key" "$code $(errbody a_wrong)"; fi
+    post a_chat /v1/chat/completions "$(chat_body "$A" 4)"
+    if [ "$code" = 401 ]; then ok "--api-key: chat without a key, 401"; else bad "--api-key chat without a key" "$code"; fi
+    http a_metrics GET /metrics
+    if [ "$code" = 401 ]; then ok "--api-key: /metrics without a key, 401"; else bad "--api-key /metrics without a key" "$code"; fi
+    http a_right GET /v1/models -H 'Authorization: Bearer sekrit'
+    if [ "$code" = 200 ] && qt "$tmp/a_right.body" "d['data'][0]['id'] == '$MODEL_ID'"; then ok "--api-key: right key, 200"; else bad "--api-key right key" "$code $(errbody a_right)"; fi
+    post a_chat2 /v1/chat/completions "$(chat_body "$A" 16)" -H 'Authorization: Bearer sekrit'
+    if [ "$code" = 200 ] && [ "$(q json "$tmp/a_chat2.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then ok "--api-key: chat with the key, the greedy text"; else bad "--api-key chat with the key" "$code $(errbody a_chat2)"; fi
+    http a_health GET /health
+    if [ "$code" = 200 ]; then ok "--api-key: /health without a key, 200"; else bad "--api-key /health" "$code"; fi
+    # SIGTERM while a long answer streams
+    curl -sS -N --max-time 30 -o "$tmp/a_long.body" -H 'Authorization: Bearer sekrit' -H 'Content-Type: application/json' \
+        --data-binary "$(chat_body "$A" 100 '"stream":true')" "$base/v1/chat/completions" 2>/dev/null &
+    cpid=$!
+    sleep 0.2
+    stop_server "$apid"
+    wait "$cpid" 2>/dev/null
+    if [ "$src" = 0 ]; then ok "--api-key server: SIGTERM during a stream, exit 0"; else bad "--api-key server SIGTERM" "exit $src; $(tail -n 3 "$tmp/auth.err" | tr '\n' ' ')"; fi
+    base=http://127.0.0.1:$port
+else
+    bad "--api-key server starts" "$(head -c 600 "$tmp/auth.err")"
+fi
+
+# --- SIGTERM: exit 0, heat saved
+rm -f "$tmp/serve.heat"
+http health4 GET /health
+stop_server "$pid"
+if [ "$src" = 0 ]; then ok "SIGTERM: exit status 0"; else bad "SIGTERM" "exit status $src; $(tail -n 3 "$tmp/serve.err" | tr '\n' ' ')"; fi
+if [ -s "$tmp/serve.heat" ]; then ok "SIGTERM: heat file written"; else bad "heat file" "$tmp/serve.heat missing after exit; $(grep -i heat "$tmp/serve.err" | head -n 3 | tr '\n' ' ')"; fi
+finish
