@@ -17,8 +17,9 @@
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
  *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch
- *   §12 frontends  cmd_     run, chat, plan, bench, info, tokenize
- *   §13 main       arg_     argument parsing and dispatch
+ *   §12 serve      serve_   the OpenAI-compatible HTTP server: HTTP/1.1, JSON, the job queue, streaming
+ *   §13 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize
+ *   §14 main       arg_     argument parsing and dispatch
  *
  * Conventions: everything is static; every function carries its section prefix; shapes are
  * written outermost first, `[rows][cols]`, in elements. Errors go through die(): one line
@@ -39,10 +40,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <strings.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <pthread.h>
@@ -5014,6 +5021,25 @@ static int model_choose_ctx(const struct model *m, int request)
     return ctx < 256 ? 256 : (int)ctx;
 }
 
+/* Bytes one sequence takes at full context: its KV cache and its recurrent state. */
+static int64_t model_seq_bytes(const struct model *m)
+{
+    int64_t state = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++)
+        if (m->layers[i].kind == MODEL_LAYER_DELTANET)
+            state += ((int64_t)model_conv_dim(&m->cfg) * (m->cfg.conv_kernel - 1) + (int64_t)m->cfg.ssm_nv * m->cfg.ssm_dv * m->cfg.ssm_dk) * 4;
+    return model_kv_bytes_per_token(m) * m->n_ctx + state;
+}
+
+/* How many sequences to hold at once when not told: as many as a quarter of the memory still
+ * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
+ * each takes memory from the expert cache). */
+static int model_choose_seqs(const struct model *m)
+{
+    int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
+    return n < 1 ? 1 : n > 4 ? 4 : (int)n;
+}
+
 static float *model_buf(int64_t a, int64_t b)
 {
     return plat_alloc_aligned(plat_mul_size(plat_mul_size((size_t)a, (size_t)b, "scratch"), sizeof(float), "scratch"));
@@ -6660,8 +6686,9 @@ struct sample_params {
     float top_p;          /* 1: off */
     float min_p;          /* 0: off */
     float repeat_penalty; /* 1: off */
-    int repeat_last_n;    /* how many recent tokens the penalty looks at */
+    int repeat_last_n;    /* how many recent tokens the penalties look at */
     uint64_t seed;
+    float presence_penalty, frequency_penalty; /* 0: off; subtracted once per token seen, and per time seen */
 };
 
 struct sample_candidate {
@@ -6693,17 +6720,20 @@ static int sample_by_logit_desc(const void *a, const void *b)
     return x->id - y->id;
 }
 
-/* Penalises tokens seen in the last repeat_last_n of HISTORY (the CTRL rule: divide a
- * positive logit, multiply a negative one). */
+/* Penalises tokens seen in the last repeat_last_n of HISTORY: the CTRL rule (divide a positive
+ * logit by repeat_penalty, multiply a negative one), then the presence and frequency penalties. */
 static void sample_apply_penalty(const struct sample_params *p, float *logits, const int *history, int n_hist)
 {
-    if (p->repeat_penalty == 1.0f) return;
+    if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f) return;
     int from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
     for (int i = from; i < n_hist; i++) {
         float *l = &logits[history[i]];
-        int seen = 0;
+        int seen = 0, count = 1;
         for (int j = from; j < i; j++) seen |= history[j] == history[i];
-        if (!seen) *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+        if (seen) continue;
+        for (int j = i + 1; j < n_hist; j++) count += history[j] == history[i];
+        *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+        *l -= p->presence_penalty + p->frequency_penalty * (float)count; /* as the OpenAI API defines them */
     }
 }
 
@@ -7037,7 +7067,1510 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
     while (e->slots[i].gen) engine_step(e);
 }
 
-/* ==== §12 frontends ==== */
+/* ==== §12 serve ==== */
+/* Owns: `coli serve`, the OpenAI-compatible HTTP server: the listening socket and a thread per
+ *   connection, HTTP/1.1 requests read under limits, a strict JSON reader and the JSON
+ *   answers, the queue of generation jobs between the connections and the engine, streaming
+ *   (server-sent events), stop strings, the API key, /health and /metrics.
+ * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error and the
+ *   server lives on. Connection threads never touch model state: they parse, tokenize (the
+ *   vocabulary is read-only), queue a job and send what the engine's sink hands them; only
+ *   the engine thread (serve_run, the one that loaded the model) runs the engine. A job is its
+ *   connection's, but shared under its own mutex while queued or running; the engine lets go
+ *   of it by setting done.
+ * May call: §1–§11, POSIX sockets, pthreads.
+ * Workload: per generated token one sink call (a lock, a copy, a signal) and one write per
+ *   streaming client. Why no library: Debian has no HTTP parser that builds from source into a
+ *   static musl binary (llhttp is generated code inside node's tree; libmicrohttpd brings its
+ *   own threads, polling and TLS), and a strict JSON reader with our limits is shorter than the
+ *   glue to cJSON. */
+
+#define SERVE_MAX_HEAD (16 << 10)    /* request line and headers; more is 431 */
+#define SERVE_MAX_HEADERS 100
+#define SERVE_MAX_BODY (8 << 20)     /* a request body; more is 413 */
+#define SERVE_HEAD_TIMEOUT 10.0      /* seconds for a request's head once its first byte came */
+#define SERVE_IDLE_TIMEOUT 30.0      /* seconds a kept-alive connection may wait for its next request */
+#define SERVE_BODY_TIMEOUT 30.0
+#define SERVE_MAX_CONNS 256          /* connections at once; more are answered 503 and closed */
+#define SERVE_JSON_DEPTH 64
+#define SERVE_MAX_STOP 4             /* stop strings per request, as the OpenAI API allows */
+#define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
+
+/* ---- JSON reader (RFC 8259, strictly: no trailing commas, comments, NaN, lone surrogates
+ * or invalid UTF-8) ---- */
+
+enum serve_json_kind { SERVE_JSON_NULL, SERVE_JSON_BOOL, SERVE_JSON_NUMBER, SERVE_JSON_STRING, SERVE_JSON_ARRAY, SERVE_JSON_OBJECT };
+
+struct serve_json {
+    enum serve_json_kind kind;
+    int boolean;
+    double number;
+    char *str;                 /* STRING: the decoded UTF-8, NUL-terminated (may hold NULs) */
+    size_t len;
+    char *name;                /* a member of an object: its name, NUL-terminated */
+    struct serve_json *child;  /* ARRAY, OBJECT: the first element or member */
+    struct serve_json *next;   /* the next element or member of the parent */
+};
+
+struct serve_json_parser {
+    const unsigned char *p, *end;
+    int depth;
+    const char *error;         /* the first error, NULL while none */
+};
+
+static void serve_json_free(struct serve_json *v)
+{
+    while (v) {
+        struct serve_json *next = v->next;
+        serve_json_free(v->child);
+        free(v->str);
+        free(v->name);
+        free(v);
+        v = next;
+    }
+}
+
+/* The length of the well-formed UTF-8 character at S (N bytes left): 1-4, or 0 if it is not
+ * one (overlong forms, surrogates and code points past U+10FFFF are not). */
+static int serve_utf8_len(const unsigned char *s, size_t n)
+{
+    unsigned c = s[0];
+    if (c < 0x80) return 1;
+    int len = c >= 0xF0 && c < 0xF5 ? 4 : c >= 0xE0 && c < 0xF0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
+    if (!len || (size_t)len > n) return 0;
+    for (int k = 1; k < len; k++)
+        if ((s[k] & 0xC0) != 0x80) return 0;
+    if (len == 3 && ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] >= 0xA0))) return 0;
+    if (len == 4 && ((c == 0xF0 && s[1] < 0x90) || (c == 0xF4 && s[1] >= 0x90))) return 0;
+    return len;
+}
+
+/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the output stays valid JSON. */
+static void serve_json_write_string(FILE *f, const char *s, size_t n)
+{
+    fputc('"', f);
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        int len = serve_utf8_len((const unsigned char *)s + i, n - i);
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else if (len) fwrite(s + i, 1, (size_t)len, f);
+        else fputs("\\ufffd", f);
+        i += len ? (size_t)len : 1;
+    }
+    fputc('"', f);
+}
+
+static struct serve_json *serve_json_fail(struct serve_json_parser *ps, const char *why)
+{
+    if (!ps->error) ps->error = why;
+    return NULL;
+}
+
+static void serve_json_skip_space(struct serve_json_parser *ps)
+{
+    while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
+}
+
+/* Four hex digits after \u; -1 if they are not. */
+static long serve_json_hex4(struct serve_json_parser *ps)
+{
+    if (ps->end - ps->p < 4) return -1;
+    long v = 0;
+    for (int i = 0; i < 4; i++) {
+        int c = ps->p[i], d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    ps->p += 4;
+    return v;
+}
+
+/* An escape after the backslash, appended to B as UTF-8; 0, or -1 when malformed. */
+static int serve_json_escape(struct serve_json_parser *ps, struct tok_buf *b)
+{
+    static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
+    if (ps->p >= ps->end) return -1;
+    const char *k = *ps->p ? strchr(from, *ps->p) : NULL;
+    if (k) {
+        tok_buf_put(b, &to[k - from], 1);
+        ps->p++;
+        return 0;
+    }
+    if (*ps->p++ != 'u') return -1;
+    long cp = serve_json_hex4(ps);
+    if (cp >= 0xDC00 && cp <= 0xDFFF) return -1; /* a low surrogate alone */
+    if (cp >= 0xD800 && cp <= 0xDBFF) {
+        if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u') return -1;
+        ps->p += 2;
+        long lo = serve_json_hex4(ps);
+        if (lo < 0xDC00 || lo > 0xDFFF) return -1;
+        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    if (cp < 0) return -1;
+    char u[4];
+    int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    if (n == 1) u[0] = (char)cp;
+    else {
+        for (int i = n - 1; i > 0; i--, cp >>= 6) u[i] = (char)(0x80 | (cp & 0x3F));
+        u[0] = (char)((n == 2 ? 0xC0 : n == 3 ? 0xE0 : 0xF0) | cp);
+    }
+    tok_buf_put(b, u, (size_t)n);
+    return 0;
+}
+
+/* A string at p (on its opening quote): the decoded bytes, or NULL on an error. */
+static char *serve_json_string(struct serve_json_parser *ps, size_t *len)
+{
+    struct tok_buf b = {NULL, 0, 0};
+    tok_buf_put(&b, "", 0);
+    for (ps->p++;;) {
+        if (ps->p >= ps->end) { serve_json_fail(ps, "unterminated string"); break; }
+        unsigned char c = *ps->p;
+        int n = serve_utf8_len(ps->p, (size_t)(ps->end - ps->p));
+        if (c == '"') {
+            ps->p++;
+            *len = b.n;
+            return b.p;
+        }
+        if (c < 0x20) { serve_json_fail(ps, "a control character in a string"); break; }
+        if (c == '\\') {
+            ps->p++;
+            if (serve_json_escape(ps, &b)) { serve_json_fail(ps, "a bad escape in a string"); break; }
+            continue;
+        }
+        if (!n) { serve_json_fail(ps, "invalid UTF-8 in a string"); break; }
+        tok_buf_put(&b, (const char *)ps->p, (size_t)n);
+        ps->p += n;
+    }
+    free(b.p);
+    return NULL;
+}
+
+/* A number by the JSON grammar, read with strtod; a number too large for a double is an error. */
+static struct serve_json *serve_json_number(struct serve_json_parser *ps, struct serve_json *v)
+{
+    const unsigned char *s = ps->p, *q = s;
+    if (q < ps->end && *q == '-') q++;
+    if (q < ps->end && *q == '0') q++;
+    else if (q < ps->end && *q >= '1' && *q <= '9') while (q < ps->end && isdigit(*q)) q++;
+    else return serve_json_fail(ps, "a bad number");
+    if (q < ps->end && *q == '.') {
+        if (++q >= ps->end || !isdigit(*q)) return serve_json_fail(ps, "a bad number");
+        while (q < ps->end && isdigit(*q)) q++;
+    }
+    if (q < ps->end && (*q == 'e' || *q == 'E')) {
+        if (++q < ps->end && (*q == '+' || *q == '-')) q++;
+        if (q >= ps->end || !isdigit(*q)) return serve_json_fail(ps, "a bad number");
+        while (q < ps->end && isdigit(*q)) q++;
+    }
+    char buf[400];
+    if ((size_t)(q - s) >= sizeof buf) return serve_json_fail(ps, "a number too long");
+    memcpy(buf, s, (size_t)(q - s));
+    buf[q - s] = 0;
+    v->kind = SERVE_JSON_NUMBER;
+    v->number = strtod(buf, NULL);
+    if (!isfinite(v->number)) return serve_json_fail(ps, "a number out of range");
+    ps->p = q;
+    return v;
+}
+
+static struct serve_json *serve_json_value(struct serve_json_parser *ps);
+
+/* The elements of an array or the members of an object (OBJECT), after the opening bracket. */
+static struct serve_json *serve_json_items(struct serve_json_parser *ps, struct serve_json *v, int object)
+{
+    struct serve_json **tail = &v->child;
+    char close = object ? '}' : ']';
+    serve_json_skip_space(ps);
+    if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
+    for (;;) {
+        char *name = NULL;
+        size_t name_len;
+        serve_json_skip_space(ps);
+        if (object) {
+            if (ps->p >= ps->end || *ps->p != '"') return serve_json_fail(ps, "an object member without a name");
+            if (!(name = serve_json_string(ps, &name_len))) return NULL;
+            serve_json_skip_space(ps);
+            if (ps->p >= ps->end || *ps->p++ != ':') { free(name); return serve_json_fail(ps, "a member name without ':'"); }
+        }
+        struct serve_json *item = serve_json_value(ps);
+        if (!item) { free(name); return NULL; }
+        item->name = name;
+        *tail = item;
+        tail = &item->next;
+        serve_json_skip_space(ps);
+        if (ps->p < ps->end && *ps->p == ',') { ps->p++; continue; }
+        if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
+        return serve_json_fail(ps, object ? "an object without ',' or '}'" : "an array without ',' or ']'");
+    }
+}
+
+static struct serve_json *serve_json_value(struct serve_json_parser *ps)
+{
+    serve_json_skip_space(ps);
+    if (ps->p >= ps->end) return serve_json_fail(ps, "a value is missing");
+    struct serve_json *v = plat_zalloc(1, sizeof *v), *ok = v;
+    unsigned char c = *ps->p;
+    size_t left = (size_t)(ps->end - ps->p);
+    if (c == '{' || c == '[') {
+        v->kind = c == '{' ? SERVE_JSON_OBJECT : SERVE_JSON_ARRAY;
+        ps->p++;
+        if (++ps->depth > SERVE_JSON_DEPTH) ok = serve_json_fail(ps, "nested too deep");
+        else ok = serve_json_items(ps, v, c == '{');
+        ps->depth--;
+    } else if (c == '"') {
+        v->kind = SERVE_JSON_STRING;
+        ok = (v->str = serve_json_string(ps, &v->len)) ? v : NULL;
+    } else if (left >= 4 && !memcmp(ps->p, "null", 4)) ps->p += 4;
+    else if (left >= 4 && !memcmp(ps->p, "true", 4)) { v->kind = SERVE_JSON_BOOL; v->boolean = 1; ps->p += 4; }
+    else if (left >= 5 && !memcmp(ps->p, "false", 5)) { v->kind = SERVE_JSON_BOOL; ps->p += 5; }
+    else ok = serve_json_number(ps, v);
+    if (!ok) {
+        serve_json_free(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* The document TEXT[0..n): its root, or NULL with *ERROR saying why. */
+static struct serve_json *serve_json_parse(const char *text, size_t n, const char **error)
+{
+    struct serve_json_parser ps = {(const unsigned char *)text, (const unsigned char *)text + n, 0, NULL};
+    struct serve_json *v = serve_json_value(&ps);
+    serve_json_skip_space(&ps);
+    if (v && ps.p != ps.end) {
+        serve_json_free(v);
+        v = serve_json_fail(&ps, "text after the value");
+    }
+    *error = ps.error;
+    return v;
+}
+
+/* The member NAME of object V, or NULL (also when V is not an object). */
+static const struct serve_json *serve_json_get(const struct serve_json *v, const char *name)
+{
+    if (!v || v->kind != SERVE_JSON_OBJECT) return NULL;
+    for (const struct serve_json *m = v->child; m; m = m->next)
+        if (!strcmp(m->name, name)) return m;
+    return NULL;
+}
+
+/* ---- HTTP/1.1 ---- */
+
+/* One client connection; BUF holds what was read and not yet used (a pipelined request). */
+struct serve_conn {
+    struct serve *srv;
+    int fd;
+    char buf[SERVE_MAX_HEAD + 1];
+    size_t len;
+};
+
+/* A request as read: the head's facts that matter here, and the body. */
+struct serve_request {
+    char method[16], path[2048];
+    int keep_alive, expect_continue, chunked;
+    long long content_length;  /* -1: none */
+    char auth[512];            /* the Authorization header's value */
+    char *body;                /* [body_len + 1], NUL-terminated */
+    size_t body_len;
+};
+
+/* An answer that is an error, in the OpenAI shape. */
+struct serve_error {
+    int status;
+    const char *type, *code; /* code may be NULL */
+    char param[64];          /* "" when no field is to blame */
+    char message[600];
+};
+
+static const char *serve_status_text(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 413: return "Content Too Large";
+    case 417: return "Expectation Failed";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 503: return "Service Unavailable";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Error";
+    }
+}
+
+/* Writes all of P; waits at most SERVE_BODY_TIMEOUT for a client that does not read. Returns 0,
+ * or -1 when the client is gone or stuck. */
+static int serve_write(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = {fd, POLLOUT, 0};
+            if (poll(&pf, 1, (int)(SERVE_BODY_TIMEOUT * 1000)) <= 0) return -1;
+            continue;
+        }
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Reads more into C's buffer until DEADLINE (plat_now time). Returns the bytes read, 0 when the
+ * client closed, -1 on a timeout, an error or a full buffer. */
+static ssize_t serve_fill(struct serve_conn *c, double deadline)
+{
+    if (c->len >= SERVE_MAX_HEAD) return -1;
+    for (;;) {
+        double left = deadline - plat_now();
+        struct pollfd pf = {c->fd, POLLIN, 0};
+        if (left <= 0) return -1;
+        int r = poll(&pf, 1, (int)(left * 1000) + 1);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        ssize_t got = recv(c->fd, c->buf + c->len, SERVE_MAX_HEAD - c->len, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return -1;
+        c->len += (size_t)got;
+        return got;
+    }
+}
+
+/* Takes N bytes off the front of C's buffer. */
+static void serve_consume(struct serve_conn *c, size_t n)
+{
+    memmove(c->buf, c->buf + n, c->len - n);
+    c->len -= n;
+}
+
+static int serve_token_char(int c) { return c > 0x20 && c < 0x7f && !strchr("()<>@,;:\\\"/[]?={}", c); }
+
+/* Whether the comma-separated header value V holds TOKEN (case-insensitive). */
+static int serve_has_token(const char *v, const char *token)
+{
+    size_t n = strlen(token);
+    for (const char *p = v; *p;) {
+        while (*p == ' ' || *p == '\t' || *p == ',') p++;
+        const char *e = p;
+        while (*e && *e != ',') e++;
+        const char *t = e;
+        while (t > p && (t[-1] == ' ' || t[-1] == '\t')) t--;
+        if ((size_t)(t - p) == n && !strncasecmp(p, token, n)) return 1;
+        p = e;
+    }
+    return 0;
+}
+
+/* One header line NAME: VALUE into R; -1 with E set when it is malformed. */
+static int serve_header(struct serve_request *r, char *line, struct serve_error *e)
+{
+    char *colon = strchr(line, ':'), *v;
+    if (!colon || colon == line) return snprintf(e->message, sizeof e->message, "a malformed header line"), -1;
+    for (char *p = line; p < colon; p++)
+        if (!serve_token_char((unsigned char)*p)) return snprintf(e->message, sizeof e->message, "a malformed header name"), -1;
+    *colon = 0;
+    for (v = colon + 1; *v == ' ' || *v == '\t'; v++) {}
+    for (char *t = v + strlen(v); t > v && (t[-1] == ' ' || t[-1] == '\t');) *--t = 0;
+    for (char *p = v; *p; p++)
+        if ((unsigned char)*p < 0x20 && *p != '\t') return snprintf(e->message, sizeof e->message, "a control character in a header"), -1;
+    if (!strcasecmp(line, "content-length")) {
+        char *end;
+        errno = 0;
+        long long n = strtoll(v, &end, 10);
+        if (!isdigit((unsigned char)*v) || *end || errno || (r->content_length >= 0 && r->content_length != n))
+            return snprintf(e->message, sizeof e->message, "a bad Content-Length"), -1;
+        r->content_length = n;
+    } else if (!strcasecmp(line, "transfer-encoding")) {
+        if (strcasecmp(v, "chunked")) return e->status = 501, snprintf(e->message, sizeof e->message, "Transfer-Encoding other than chunked"), -1;
+        r->chunked = 1;
+    } else if (!strcasecmp(line, "connection")) {
+        if (serve_has_token(v, "close")) r->keep_alive = 0;
+        else if (serve_has_token(v, "keep-alive")) r->keep_alive = 1;
+    } else if (!strcasecmp(line, "expect")) {
+        if (strcasecmp(v, "100-continue")) return e->status = 417, snprintf(e->message, sizeof e->message, "an Expect other than 100-continue"), -1;
+        r->expect_continue = 1;
+    } else if (!strcasecmp(line, "authorization")) snprintf(r->auth, sizeof r->auth, "%s", v);
+    return 0;
+}
+
+/* The request line and headers in HEAD (NUL-terminated, CRLF line ends, without the blank
+ * line) into R. Returns 0, or -1 with E set (status 400 unless said). */
+static int serve_parse_head(char *head, struct serve_request *r, struct serve_error *e)
+{
+    char *line = head, *eol = strstr(line, "\r\n"), version[16];
+    int n_headers = 0;
+    if (eol) *eol = 0;
+    int n = 0;
+    if (sscanf(line, "%15[A-Z] %2047[!-~] HTTP/%15[0-9.]%n", r->method, r->path, version, &n) != 3 || line[n] || r->path[0] != '/')
+        return snprintf(e->message, sizeof e->message, "a malformed request line"), -1;
+    if (strcmp(version, "1.1") && strcmp(version, "1.0"))
+        return e->status = 505, snprintf(e->message, sizeof e->message, "HTTP/%s is not supported (HTTP/1.1 is)", version), -1;
+    r->keep_alive = !strcmp(version, "1.1");
+    while (eol) {
+        line = eol + 2;
+        if ((eol = strstr(line, "\r\n"))) *eol = 0;
+        if (!*line) break;
+        if (++n_headers > SERVE_MAX_HEADERS)
+            return e->status = 431, snprintf(e->message, sizeof e->message, "more than %d header lines", SERVE_MAX_HEADERS), -1;
+        if (*line == ' ' || *line == '\t') return snprintf(e->message, sizeof e->message, "a folded header line"), -1;
+        if (serve_header(r, line, e)) return -1;
+    }
+    if (r->chunked && r->content_length >= 0) return snprintf(e->message, sizeof e->message, "both Content-Length and chunked"), -1;
+    char *q = strchr(r->path, '?');
+    if (q) *q = 0;
+    return 0;
+}
+
+/* Takes one CRLF-ended line off C's buffer into LINE (at most CAP-1 bytes), reading more until
+ * DEADLINE; -1 if it does not come whole. */
+static int serve_take_line(struct serve_conn *c, char *line, size_t cap, double deadline)
+{
+    for (;;) {
+        char *eol = memmem(c->buf, c->len, "\r\n", 2);
+        if (eol) {
+            size_t n = (size_t)(eol - c->buf);
+            if (n >= cap) return -1;
+            memcpy(line, c->buf, n);
+            line[n] = 0;
+            serve_consume(c, n + 2);
+            return 0;
+        }
+        if (c->len >= cap || serve_fill(c, deadline) <= 0) return -1;
+    }
+}
+
+/* Appends N body bytes from C (buffered first, then read) to R's body; -1 if they do not come. */
+static int serve_take_bytes(struct serve_conn *c, struct serve_request *r, size_t n, double deadline)
+{
+    while (n > 0) {
+        if (!c->len && serve_fill(c, deadline) <= 0) return -1;
+        size_t k = c->len < n ? c->len : n;
+        memcpy(r->body + r->body_len, c->buf, k);
+        r->body_len += k;
+        serve_consume(c, k);
+        n -= k;
+    }
+    r->body[r->body_len] = 0;
+    return 0;
+}
+
+/* A chunked body (RFC 9112 §7.1): hex sizes, extensions ignored, trailers dropped. */
+static int serve_read_chunked(struct serve_conn *c, struct serve_request *r, double deadline, struct serve_error *e)
+{
+    char line[1024];
+    for (;;) {
+        char *end;
+        if (serve_take_line(c, line, sizeof line, deadline)) return snprintf(e->message, sizeof e->message, "a chunked body ended early"), -1;
+        errno = 0;
+        unsigned long long n = strtoull(line, &end, 16);
+        if (!isxdigit((unsigned char)line[0]) || errno || (*end && *end != ';' && *end != ' ' && *end != '\t'))
+            return snprintf(e->message, sizeof e->message, "a bad chunk size"), -1;
+        if (n > (unsigned long long)(SERVE_MAX_BODY - r->body_len))
+            return e->status = 413, snprintf(e->message, sizeof e->message, "the body is over %d bytes", SERVE_MAX_BODY), -1;
+        if (n == 0) break;
+        if (serve_take_bytes(c, r, (size_t)n, deadline) || serve_take_line(c, line, sizeof line, deadline) || line[0])
+            return snprintf(e->message, sizeof e->message, "a chunk of the wrong size"), -1;
+    }
+    do { /* trailer lines, then the empty line */
+        if (serve_take_line(c, line, sizeof line, deadline)) return snprintf(e->message, sizeof e->message, "a chunked body ended early"), -1;
+    } while (line[0]);
+    return 0;
+}
+
+/* The body of R, by Content-Length or chunked. */
+static int serve_read_body(struct serve_conn *c, struct serve_request *r, struct serve_error *e)
+{
+    double deadline = plat_now() + SERVE_BODY_TIMEOUT;
+    if (r->content_length > SERVE_MAX_BODY)
+        return e->status = 413, snprintf(e->message, sizeof e->message, "the body is over %d bytes", SERVE_MAX_BODY), -1;
+    r->body = plat_alloc(r->chunked ? SERVE_MAX_BODY + 1 : (size_t)(r->content_length > 0 ? r->content_length : 0) + 1);
+    r->body[0] = 0;
+    if (r->expect_continue && serve_write(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return -1;
+    if (r->chunked) return serve_read_chunked(c, r, deadline, e);
+    if (r->content_length > 0 && serve_take_bytes(c, r, (size_t)r->content_length, deadline))
+        return e->status = 408, snprintf(e->message, sizeof e->message, "the body did not come whole"), -1;
+    return 0;
+}
+
+/* Reads the next request on C into R. Returns 1 for a request, 0 when the client closed or
+ * stayed idle (nothing to answer), -1 with E set for a request to refuse (then close). */
+static int serve_read_request(struct serve_conn *c, struct serve_request *r, struct serve_error *e)
+{
+    memset(r, 0, sizeof *r);
+    r->content_length = -1;
+    *e = (struct serve_error){400, "invalid_request_error", NULL, "", "a malformed request"};
+    double deadline = plat_now() + SERVE_IDLE_TIMEOUT;
+    char *end;
+    while (!(end = memmem(c->buf, c->len, "\r\n\r\n", 4))) {
+        if (c->len >= SERVE_MAX_HEAD) return e->status = 431, snprintf(e->message, sizeof e->message, "the request head is over %d bytes", SERVE_MAX_HEAD), -1;
+        ssize_t got = serve_fill(c, deadline);
+        if (got <= 0) return c->len ? (e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come whole"), -1) : 0;
+        if ((size_t)got == c->len) deadline = plat_now() + SERVE_HEAD_TIMEOUT; /* the first bytes: the head must follow soon */
+    }
+    size_t head_len = (size_t)(end - c->buf);
+    char head[SERVE_MAX_HEAD + 1];
+    memcpy(head, c->buf, head_len);
+    head[head_len] = 0;
+    serve_consume(c, head_len + 4);
+    if (memchr(head, 0, head_len)) return snprintf(e->message, sizeof e->message, "a NUL byte in the request head"), -1;
+    if (serve_parse_head(head, r, e) || serve_read_body(c, r, e)) return -1;
+    return 1;
+}
+
+/* Sends a whole answer: status, headers (EXTRA: more header lines, each ending in CRLF), body. */
+static int serve_respond(struct serve_conn *c, int status, const char *type, const char *body, size_t n, const char *extra, int keep_alive)
+{
+    char head[1024];
+    int h = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n%s\r\n", status,
+                     serve_status_text(status), type, n, keep_alive ? "keep-alive" : "close", extra ? extra : "");
+    return serve_write(c->fd, head, (size_t)h) || serve_write(c->fd, body, n) ? -1 : 0;
+}
+
+/* The OpenAI error object for E. */
+static char *serve_error_json(const struct serve_error *e, size_t *n)
+{
+    char *out = NULL;
+    FILE *f = open_memstream(&out, n);
+    fputs("{\"error\":{\"message\":", f);
+    serve_json_write_string(f, e->message, strlen(e->message));
+    fprintf(f, ",\"type\":\"%s\",\"param\":", e->type ? e->type : "invalid_request_error");
+    if (e->param[0]) serve_json_write_string(f, e->param, strlen(e->param));
+    else fputs("null", f);
+    fprintf(f, ",\"code\":");
+    if (e->code) fprintf(f, "\"%s\"", e->code);
+    else fputs("null", f);
+    fputs("}}", f);
+    fclose(f);
+    return out;
+}
+
+/* ---- the server: jobs, the queue, the engine loop ---- */
+
+/* Counters for /metrics and the log, under serve.stats_mu. */
+struct serve_stats {
+    uint64_t by_status[6];     /* 2xx 4xx-but-401 401 503 5xx-but-503, and "other" */
+    uint64_t prompt_tokens, generated_tokens, requests_done;
+    double prompt_s, decode_s; /* summed over the generations */
+    struct expert_stats experts; /* the store's figures, copied by the engine thread */
+    int slots_busy;
+};
+
+struct serve {
+    int listen_fd, wake_pipe[2];
+    const char *model_id;
+    const char *api_key;       /* NULL: none */
+    struct engine *engine;     /* set when loaded */
+    const struct tok *tok;
+    int ready, n_slots, queue_max, default_max;
+    struct sample_params sample; /* the command line's sampling: a request's defaults */
+    int think;                 /* the chat template's thinking block unless a request says */
+    pthread_mutex_t mu;        /* the queue, the connection list */
+    pthread_cond_t cv;         /* the engine waits on it for jobs */
+    struct serve_job *queue_head, *queue_tail;
+    int queue_len, n_conns;
+    int conn_fds[SERVE_MAX_CONNS];
+    pthread_mutex_t stats_mu;
+    struct serve_stats stats;
+    double started;
+};
+
+/* One generation request between its connection thread and the engine. */
+struct serve_job {
+    struct serve_job *next;    /* in the queue */
+    int chat;                  /* /v1/chat/completions (else /v1/completions) */
+    int stream, include_usage;
+    int *prompt;               /* [n_prompt] */
+    struct engine_request req;
+    char *stop[SERVE_MAX_STOP];
+    int n_stop;
+    struct tok_utf8_stream utf8;
+    volatile sig_atomic_t cancel; /* the client went away: set by the connection thread */
+    /* shared with the engine's sink, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *text;                /* [len] the answer so far in whole characters, cut before a stop string */
+    size_t len, cap, released; /* text[0..released) can no longer turn into a stop string */
+    int done;                  /* the engine has let go; gen is final */
+    struct engine_gen gen;
+};
+
+static volatile sig_atomic_t serve_stopping;
+static int serve_wake_fd = -1;
+
+static void serve_on_signal(int sig)
+{
+    (void)sig;
+    serve_stopping = 1;
+    if (serve_wake_fd >= 0) {
+        ssize_t r = write(serve_wake_fd, "x", 1);
+        (void)r;
+    }
+}
+
+static void serve_count(struct serve *srv, int status)
+{
+    int k = status < 300 ? 0 : status == 401 ? 2 : status == 503 ? 3 : status < 500 ? 1 : status < 600 ? 4 : 5;
+    pthread_mutex_lock(&srv->stats_mu);
+    srv->stats.by_status[k]++;
+    pthread_mutex_unlock(&srv->stats_mu);
+}
+
+/* Sends E as the answer, counts it and logs it; the connection closes after a refused request. */
+static void serve_fail(struct serve_conn *c, const struct serve_error *e, int keep_alive)
+{
+    size_t n;
+    char *body = serve_error_json(e, &n);
+    const char *extra = e->status == 503 ? "Retry-After: 1\r\n" : NULL;
+    serve_respond(c, e->status, "application/json", body, n, extra, keep_alive);
+    free(body);
+    serve_count(c->srv, e->status);
+    plat_log("[serve] %d: %s", e->status, e->message);
+}
+
+static void serve_job_free(struct serve_job *j)
+{
+    free(j->prompt);
+    for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
+    free(j->text);
+    engine_gen_free(&j->gen);
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+/* Where the first stop string starts in J's text at or after FROM, or -1. */
+static long serve_find_stop(const struct serve_job *j, size_t from)
+{
+    long best = -1;
+    for (int i = 0; i < j->n_stop; i++) {
+        const char *hit = memmem(j->text + from, j->len - from, j->stop[i], strlen(j->stop[i]));
+        if (hit && (best < 0 || hit - j->text < best)) best = hit - j->text;
+    }
+    return best;
+}
+
+/* How many bytes at the end of J's text could be the start of a stop string. */
+static size_t serve_stop_holdback(const struct serve_job *j)
+{
+    size_t hold = 0;
+    for (int i = 0; i < j->n_stop; i++) {
+        size_t n = strlen(j->stop[i]);
+        for (size_t k = n - 1 < j->len ? n - 1 : j->len; k > hold; k--)
+            if (!memcmp(j->text + j->len - k, j->stop[i], k)) hold = k;
+    }
+    return hold;
+}
+
+/* Appends whole characters to J's text and finds stop strings in what came; 1 on a stop. Under mu. */
+static int serve_job_append(struct serve_job *j, const char *s, size_t n)
+{
+    size_t from = j->len;
+    j->text = tok_grow(j->text, &j->cap, j->len + n + 1, 1);
+    memcpy(j->text + j->len, s, n);
+    j->len += n;
+    size_t longest = 0;
+    for (int i = 0; i < j->n_stop; i++)
+        if (strlen(j->stop[i]) > longest) longest = strlen(j->stop[i]);
+    long at = serve_find_stop(j, from + 1 > longest ? from + 1 - longest : 0);
+    if (at >= 0) j->len = (size_t)at;
+    j->released = j->len - (at >= 0 ? 0 : serve_stop_holdback(j));
+    return at >= 0;
+}
+
+/* The engine's sink for a job (engine thread): the piece of token ID joins the answer; the
+ * end-of-generation token's text does not. Nonzero stops: a stop string came. */
+static int serve_sink(void *ctx, int id, const char *piece, size_t len)
+{
+    struct serve_job *j = ctx;
+    char out[512];
+    int stop = 0;
+    (void)id;
+    pthread_mutex_lock(&j->mu);
+    while (len > 0 && !stop) {
+        size_t take = len < 256 ? len : 256;
+        stop = serve_job_append(j, out, tok_stream_push(&j->utf8, piece, take, out, sizeof out));
+        piece += take;
+        len -= take;
+    }
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    return stop;
+}
+
+/* The engine has finished J: what the UTF-8 stream held back joins the text unless a stop
+ * string ended it, everything left is released, and the connection is woken. */
+static void serve_job_done(struct serve *srv, struct serve_job *j)
+{
+    char tail[8];
+    pthread_mutex_lock(&srv->stats_mu);
+    srv->stats.prompt_tokens += (uint64_t)j->gen.n_prompt;
+    srv->stats.generated_tokens += (uint64_t)j->gen.n_tokens;
+    srv->stats.prompt_s += j->gen.prompt_s;
+    srv->stats.decode_s += j->gen.decode_s;
+    srv->stats.requests_done++;
+    pthread_mutex_unlock(&srv->stats_mu);
+    pthread_mutex_lock(&j->mu);
+    size_t n = tok_stream_flush(&j->utf8, tail);
+    if (j->gen.stop != ENGINE_STOP_SINK) {
+        serve_job_append(j, tail, n);
+        j->released = j->len;
+    }
+    j->done = 1; /* from here on the job is its connection's, which may free it at once */
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Queues J for the engine; 503 in E when the queue is full or the model still loading. */
+static int serve_submit(struct serve *srv, struct serve_job *j, struct serve_error *e)
+{
+    pthread_mutex_lock(&srv->mu);
+    int ok = srv->ready && !serve_stopping && srv->queue_len < srv->queue_max;
+    if (ok) {
+        if (srv->queue_tail) srv->queue_tail->next = j;
+        else srv->queue_head = j;
+        srv->queue_tail = j;
+        srv->queue_len++;
+        pthread_cond_signal(&srv->cv);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    if (!ok) {
+        e->status = 503;
+        e->type = "server_error";
+        e->code = !srv->ready ? "loading" : serve_stopping ? "shutting_down" : "queue_full";
+        snprintf(e->message, sizeof e->message, "%s", !srv->ready ? "the model is still loading" : serve_stopping ? "the server is shutting down"
+                 : "the queue is full; try again");
+    }
+    return ok ? 0 : -1;
+}
+
+/* The next queued job, or NULL. Under mu. */
+static struct serve_job *serve_dequeue(struct serve *srv)
+{
+    struct serve_job *j = srv->queue_head;
+    if (!j) return NULL;
+    srv->queue_head = j->next;
+    if (!srv->queue_head) srv->queue_tail = NULL;
+    srv->queue_len--;
+    return j;
+}
+
+/* Gives queued jobs to idle slots (a new conversation each: the slot's sequence is reset);
+ * JOBS[i] is slot i's job. Waits for work while there is none. Returns 0 when stopping. */
+static int serve_admit(struct serve *srv, struct serve_job **jobs)
+{
+    struct engine *e = srv->engine;
+    int busy = 0;
+    for (int i = 0; i < e->n_slots; i++) busy += jobs[i] != NULL;
+    pthread_mutex_lock(&srv->mu);
+    while (!busy && !srv->queue_len && !serve_stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 250 * 1000000L; /* signals set serve_stopping without the lock */
+        if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+        pthread_cond_timedwait(&srv->cv, &srv->mu, &ts);
+    }
+    struct serve_job *admitted[MODEL_MAX_RUNS];
+    int slot_of[MODEL_MAX_RUNS], n = 0;
+    for (int i = 0; i < e->n_slots && !serve_stopping; i++)
+        if (!jobs[i] && srv->queue_len) {
+            slot_of[n] = i;
+            admitted[n++] = jobs[i] = serve_dequeue(srv);
+        }
+    pthread_mutex_unlock(&srv->mu);
+    for (int k = 0; k < n; k++) {
+        model_seq_reset(e->m, &e->slots[slot_of[k]].seq);
+        engine_start(e, slot_of[k], &admitted[k]->req, &admitted[k]->gen);
+    }
+    return !serve_stopping;
+}
+
+/* Hands finished slots' jobs back to their connections and publishes the figures. */
+static void serve_collect(struct serve *srv, struct serve_job **jobs)
+{
+    struct engine *e = srv->engine;
+    int busy = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        if (jobs[i] && !e->slots[i].gen) {
+            serve_job_done(srv, jobs[i]);
+            jobs[i] = NULL;
+        }
+        busy += jobs[i] != NULL;
+    }
+    struct expert_stats st = {0};
+    if (e->m->experts) st = expert_stats_get(e->m->experts);
+    pthread_mutex_lock(&srv->stats_mu);
+    srv->stats.experts = st;
+    srv->stats.slots_busy = busy;
+    pthread_mutex_unlock(&srv->stats_mu);
+}
+
+/* The engine thread: steps every busy slot together until a signal says stop; then the running
+ * generations are cancelled (each ends at its next token) and the queued ones refused. */
+static void serve_run(struct serve *srv)
+{
+    struct engine *e = srv->engine;
+    struct serve_job **jobs = plat_zalloc((size_t)e->n_slots, sizeof *jobs);
+    while (serve_admit(srv, jobs)) {
+        engine_step(e);
+        serve_collect(srv, jobs);
+    }
+    int running = 0, refused = 0;
+    for (int i = 0; i < e->n_slots; i++)
+        if (jobs[i]) {
+            jobs[i]->cancel = 1;
+            running++;
+        }
+    while (engine_step(e)) {}
+    serve_collect(srv, jobs);
+    pthread_mutex_lock(&srv->mu);
+    for (struct serve_job *j; (j = serve_dequeue(srv)); refused++) {
+        j->gen.stop = ENGINE_STOP_ERROR;
+        snprintf(j->gen.error, sizeof j->gen.error, "the server is shutting down");
+        serve_job_done(srv, j);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    plat_log("[serve] stopping: %d running generation%s cancelled, %d queued refused", running, running == 1 ? "" : "s", refused);
+    free(jobs);
+}
+
+/* ---- requests ---- */
+
+/* E as a 400 naming PARAM. Returns -1. */
+static int serve_bad(struct serve_error *e, const char *param, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int serve_bad(struct serve_error *e, const char *param, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    e->status = 400;
+    e->type = "invalid_request_error";
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* The number NAME of BODY into *OUT when present: within [LO, HI], and whole if WHOLE. Returns
+ * 0 (absent or set), -1 with E set. */
+static int serve_number(const struct serve_json *body, const char *name, double lo, double hi, int whole, double *out, struct serve_error *e)
+{
+    const struct serve_json *v = serve_json_get(body, name);
+    if (!v || v->kind == SERVE_JSON_NULL) return 0;
+    if (v->kind != SERVE_JSON_NUMBER) return serve_bad(e, name, "'%s' must be a number", name);
+    if (whole && v->number != floor(v->number)) return serve_bad(e, name, "'%s' must be a whole number", name);
+    if (!(v->number >= lo && v->number <= hi)) return serve_bad(e, name, "'%s' must be in [%g, %g]", name, lo, hi);
+    *out = v->number;
+    return 0;
+}
+
+static int serve_bool(const struct serve_json *body, const char *name, int *out, struct serve_error *e)
+{
+    const struct serve_json *v = serve_json_get(body, name);
+    if (!v || v->kind == SERVE_JSON_NULL) return 0;
+    if (v->kind != SERVE_JSON_BOOL) return serve_bad(e, name, "'%s' must be true or false", name);
+    *out = v->boolean;
+    return 0;
+}
+
+/* The sampling fields of BODY over the server's defaults. */
+static int serve_sampling(const struct serve_json *body, struct sample_params *p, struct serve_error *e)
+{
+    double temp = p->temp, top_p = p->top_p, top_k = p->top_k, min_p = p->min_p, seed = (double)(p->seed & 0xFFFFFFFFFFFFF);
+    double rep = p->repeat_penalty, presence = p->presence_penalty, frequency = p->frequency_penalty;
+    if (serve_number(body, "temperature", 0, 100, 0, &temp, e) || serve_number(body, "top_p", 0, 1, 0, &top_p, e) ||
+        serve_number(body, "top_k", 0, 1e9, 1, &top_k, e) || serve_number(body, "min_p", 0, 1, 0, &min_p, e) ||
+        serve_number(body, "seed", -9007199254740991.0, 9007199254740991.0, 1, &seed, e) ||
+        serve_number(body, "repeat_penalty", 0.01, 100, 0, &rep, e) || serve_number(body, "presence_penalty", -2, 2, 0, &presence, e) ||
+        serve_number(body, "frequency_penalty", -2, 2, 0, &frequency, e))
+        return -1;
+    *p = (struct sample_params){(float)temp, (int)top_k, (float)top_p, (float)min_p, (float)rep, p->repeat_last_n, (uint64_t)(int64_t)seed,
+                                (float)presence, (float)frequency};
+    return 0;
+}
+
+/* stop: a string or a list of up to SERVE_MAX_STOP non-empty strings, into J. */
+static int serve_stops(const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+{
+    const struct serve_json *v = serve_json_get(body, "stop");
+    if (!v || v->kind == SERVE_JSON_NULL) return 0;
+    const struct serve_json *s = v->kind == SERVE_JSON_ARRAY ? v->child : v->kind == SERVE_JSON_STRING ? v : NULL;
+    if (!s && v->kind != SERVE_JSON_ARRAY) return serve_bad(e, "stop", "'stop' must be a string or a list of strings");
+    for (; s; s = v->kind == SERVE_JSON_ARRAY ? s->next : NULL) {
+        if (s->kind != SERVE_JSON_STRING || !s->len || strlen(s->str) != s->len) return serve_bad(e, "stop", "'stop' must hold non-empty strings");
+        if (j->n_stop == SERVE_MAX_STOP) return serve_bad(e, "stop", "at most %d stop strings", SERVE_MAX_STOP);
+        j->stop[j->n_stop++] = plat_strdup(s->str);
+    }
+    return 0;
+}
+
+/* A message's content: a string, or a list of {"type":"text","text":...} parts joined. */
+static int serve_content(const struct serve_json *m, struct tok_buf *b, struct serve_error *e)
+{
+    const struct serve_json *c = serve_json_get(m, "content");
+    tok_buf_put(b, "", 0);
+    if (!c || c->kind == SERVE_JSON_NULL) return 0;
+    if (c->kind == SERVE_JSON_STRING) {
+        tok_buf_put(b, c->str, c->len);
+        return 0;
+    }
+    if (c->kind != SERVE_JSON_ARRAY) return serve_bad(e, "messages", "a message's 'content' must be a string or a list of text parts");
+    for (const struct serve_json *part = c->child; part; part = part->next) {
+        const struct serve_json *type = serve_json_get(part, "type"), *text = serve_json_get(part, "text");
+        if (!type || type->kind != SERVE_JSON_STRING || strcmp(type->str, "text") || !text || text->kind != SERVE_JSON_STRING)
+            return serve_bad(e, "messages", "only text content parts are supported");
+        tok_buf_put(b, text->str, text->len);
+    }
+    return 0;
+}
+
+/* The chat prompt of BODY's messages, rendered by the model's template: a malloc'd string. */
+static char *serve_chat_text(struct serve *srv, const struct serve_json *body, struct serve_error *e)
+{
+    const struct serve_json *msgs = serve_json_get(body, "messages");
+    if (!msgs) return serve_bad(e, "messages", "'messages' is required"), NULL;
+    if (msgs->kind != SERVE_JSON_ARRAY || !msgs->child) return serve_bad(e, "messages", "'messages' must be a non-empty list"), NULL;
+    int n = 0, think = srv->think, bad = 0;
+    for (const struct serve_json *m = msgs->child; m; m = m->next) n++;
+    struct tok_chat_msg *list = plat_zalloc((size_t)n, sizeof *list);
+    struct tok_buf *texts = plat_zalloc((size_t)n, sizeof *texts);
+    const struct serve_json *kw = serve_json_get(body, "chat_template_kwargs");
+    bad = kw && serve_bool(kw, "enable_thinking", &think, e);
+    int i = 0;
+    for (const struct serve_json *m = msgs->child; m && !bad; m = m->next, i++) {
+        const struct serve_json *role = serve_json_get(m, "role");
+        if (!role || role->kind != SERVE_JSON_STRING || (strcmp(role->str, "system") && strcmp(role->str, "user") && strcmp(role->str, "assistant")))
+            bad = serve_bad(e, "messages", "message %d: 'role' must be system, user or assistant", i);
+        else if (!(bad = serve_content(m, &texts[i], e))) {
+            if (strlen(texts[i].p) != texts[i].n) bad = serve_bad(e, "messages", "message %d: a NUL character in 'content'", i);
+            list[i] = (struct tok_chat_msg){role->str, texts[i].p};
+        }
+    }
+    char *text = bad ? NULL : tok_chat_render(list, n, 1, think);
+    for (int k = 0; k < n; k++) free(texts[k].p);
+    free(texts);
+    free(list);
+    return text;
+}
+
+/* The prompt of a completion: a string, or a list of token ids. Into J. */
+static int serve_completion_prompt(struct serve *srv, const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+{
+    const struct serve_json *p = serve_json_get(body, "prompt");
+    if (!p) return serve_bad(e, "prompt", "'prompt' is required");
+    if (p->kind == SERVE_JSON_ARRAY && p->child && p->child->kind == SERVE_JSON_STRING && !p->child->next) p = p->child;
+    if (p->kind == SERVE_JSON_STRING) {
+        j->req.n_prompt = tok_encode(srv->tok, p->str, p->len, 1, &j->prompt);
+        return 0;
+    }
+    if (p->kind != SERVE_JSON_ARRAY) return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids");
+    for (const struct serve_json *t = p->child; t; t = t->next) {
+        if (t->kind != SERVE_JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= srv->engine->m->cfg.n_vocab)
+            return serve_bad(e, "prompt", "'prompt' token ids must be whole numbers in [0, %d)", srv->engine->m->cfg.n_vocab);
+        j->prompt = plat_realloc(j->prompt, (size_t)(j->req.n_prompt + 1) * sizeof *j->prompt);
+        j->prompt[j->req.n_prompt++] = (int)t->number;
+    }
+    return 0;
+}
+
+/* The generation settings of BODY into J: max tokens within the context left after the prompt,
+ * sampling, stops, streaming. */
+static int serve_settings(struct serve *srv, const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+{
+    int n_ctx = srv->engine->m->n_ctx;
+    double max = -1, n = 1;
+    const struct serve_json *opts = serve_json_get(body, "stream_options");
+    if (serve_number(body, "max_tokens", 1, 1e9, 1, &max, e) || serve_number(body, "max_completion_tokens", 1, 1e9, 1, &max, e) ||
+        serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_sampling(body, &j->req.sample, e) ||
+        serve_stops(body, j, e))
+        return -1;
+    if (opts && opts->kind != SERVE_JSON_OBJECT && opts->kind != SERVE_JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
+    if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
+    if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
+    if (j->req.n_prompt >= n_ctx)
+        return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate)", j->req.n_prompt, n_ctx);
+    int room = n_ctx - j->req.n_prompt;
+    j->req.n_max = max > 0 ? (max < room ? (int)max : room) : srv->default_max > 0 && srv->default_max < room ? srv->default_max : room;
+    return 0;
+}
+
+/* A job for BODY (a chat or a completion); NULL with E set when the request is bad. */
+static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
+{
+    const char *why = NULL;
+    struct serve_json *body = serve_json_parse(body_text, n, &why);
+    if (!body) return serve_bad(e, NULL, "the body is not valid JSON: %s", why), NULL;
+    struct serve_job *j = plat_zalloc(1, sizeof *j);
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->chat = chat;
+    j->req.sample = srv->sample;
+    j->req.sample.seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)j;
+    int bad = body->kind != SERVE_JSON_OBJECT ? serve_bad(e, NULL, "the body must be a JSON object") : 0;
+    if (!bad && chat) {
+        char *text = serve_chat_text(srv, body, e);
+        if (text) j->req.n_prompt = tok_encode(srv->tok, text, strlen(text), 1, &j->prompt);
+        bad = !text;
+        free(text);
+    } else if (!bad) bad = serve_completion_prompt(srv, body, j, e);
+    bad = bad || serve_settings(srv, body, j, e);
+    serve_json_free(body);
+    if (bad) {
+        serve_job_free(j);
+        return NULL;
+    }
+    j->req.prompt = j->prompt;
+    j->req.sink = serve_sink;
+    j->req.sink_ctx = j;
+    j->req.cancel = &j->cancel;
+    return j;
+}
+
+/* ---- answers ---- */
+
+static unsigned long long serve_next_id(void)
+{
+    static unsigned long long counter;
+    return __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
+}
+
+static const char *serve_finish_reason(enum engine_stop stop)
+{
+    return stop == ENGINE_STOP_LENGTH || stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
+}
+
+static void serve_usage(FILE *f, const struct serve_job *j)
+{
+    fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}", j->gen.n_prompt, j->gen.n_tokens,
+            j->gen.n_prompt + j->gen.n_tokens);
+}
+
+/* The head of a chat or completion object (or chunk): id, object, created, model. */
+static void serve_object_head(FILE *f, struct serve *srv, const struct serve_job *j, unsigned long long id, time_t created)
+{
+    const char *object = j->chat ? (j->stream ? "chat.completion.chunk" : "chat.completion") : "text_completion";
+    fprintf(f, "{\"id\":\"%s-%llx\",\"object\":\"%s\",\"created\":%lld,\"model\":", j->chat ? "chatcmpl" : "cmpl", id, object, (long long)created);
+    serve_json_write_string(f, srv->model_id, strlen(srv->model_id));
+}
+
+/* The whole answer of a finished job that did not stream. */
+static char *serve_answer_json(struct serve *srv, const struct serve_job *j, size_t *n)
+{
+    char *out = NULL;
+    FILE *f = open_memstream(&out, n);
+    serve_object_head(f, srv, j, serve_next_id(), time(NULL));
+    fputs(",\"choices\":[{\"index\":0,", f);
+    if (j->chat) fputs("\"message\":{\"role\":\"assistant\",\"content\":", f);
+    else fputs("\"text\":", f);
+    serve_json_write_string(f, j->text ? j->text : "", j->len);
+    fprintf(f, "%s,\"finish_reason\":\"%s\"}],", j->chat ? "}" : "", serve_finish_reason(j->gen.stop));
+    serve_usage(f, j);
+    fputs("}", f);
+    fclose(f);
+    return out;
+}
+
+/* The 500 of a generation that failed (a model file that became unreadable, say). */
+static struct serve_error serve_gen_error(const struct serve_job *j)
+{
+    struct serve_error e = {500, "server_error", "generation_failed", "", ""};
+    snprintf(e.message, sizeof e.message, "the generation failed: %.500s", j->gen.error);
+    return e;
+}
+
+/* One server-sent event as one chunk of a chunked body. */
+static int serve_event(int fd, const char *data, size_t n)
+{
+    char head[32];
+    int h = snprintf(head, sizeof head, "%zx\r\ndata: ", n + 8);
+    return serve_write(fd, head, (size_t)h) || serve_write(fd, data, n) || serve_write(fd, "\n\n\r\n", 4) ? -1 : 0;
+}
+
+/* A streamed chunk: a delta of TEXT (role first when ROLE), or the finish (FINISH non-NULL),
+ * or the usage (USAGE). */
+static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, int role, const char *text,
+                       size_t n, const char *finish, int usage)
+{
+    char *out = NULL;
+    size_t len;
+    FILE *f = open_memstream(&out, &len);
+    serve_object_head(f, c->srv, j, id, created);
+    if (usage) {
+        fputs(",\"choices\":[],", f);
+        serve_usage(f, j);
+    } else {
+        fputs(j->chat ? ",\"choices\":[{\"index\":0,\"delta\":{" : ",\"choices\":[{\"index\":0,\"text\":", f);
+        if (j->chat && role) fputs("\"role\":\"assistant\",\"content\":\"\"", f);
+        else if (j->chat && text) fputs("\"content\":", f);
+        if (text) serve_json_write_string(f, text, n);
+        else if (!j->chat) fputs("\"\"", f);
+        fprintf(f, "%s,\"finish_reason\":", j->chat ? "}" : "");
+        if (finish) fprintf(f, "\"%s\"}]", finish);
+        else fputs("null}]", f);
+    }
+    fputs("}", f);
+    fclose(f);
+    int r = serve_event(c->fd, out, len);
+    free(out);
+    return r;
+}
+
+/* Whether the client of FD has gone: it hung up (a pipelined request waiting is not that). */
+static int serve_client_gone(int fd)
+{
+    struct pollfd pf = {fd, POLLRDHUP, 0};
+    return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* Waits until J has text past SENT or is done, cancelling it if the client goes; returns the
+ * bytes released, copied into *PIECE (malloc'd, or NULL). */
+static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t sent, char **piece)
+{
+    *piece = NULL;
+    pthread_mutex_lock(&j->mu);
+    while (!j->done && j->released <= sent) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 200 * 1000000L; /* how soon a client that left is noticed while the prompt runs */
+        if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT && serve_client_gone(c->fd)) j->cancel = 1;
+    }
+    size_t n = j->released > sent ? j->released - sent : 0;
+    if (n) {
+        *piece = plat_alloc(n);
+        memcpy(*piece, j->text + sent, n);
+    }
+    pthread_mutex_unlock(&j->mu);
+    return n;
+}
+
+/* Streams J's answer as it comes. Returns -1 when the client went away. */
+static int serve_stream(struct serve_conn *c, struct serve_job *j)
+{
+    static const char head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                               "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
+    unsigned long long id = serve_next_id();
+    time_t created = time(NULL);
+    int gone = serve_write(c->fd, head, sizeof head - 1) || (j->chat && serve_chunk(c, j, id, created, 1, NULL, 0, NULL, 0));
+    size_t sent = 0;
+    for (;;) {
+        char *piece;
+        size_t n = serve_job_wait(c, j, sent, &piece);
+        if (n && !gone) gone = serve_chunk(c, j, id, created, 0, piece, n, NULL, 0);
+        free(piece);
+        sent += n;
+        if (gone) j->cancel = 1;
+        pthread_mutex_lock(&j->mu);
+        int done = j->done && j->released <= sent;
+        pthread_mutex_unlock(&j->mu);
+        if (done) break;
+    }
+    if (gone || j->gen.stop == ENGINE_STOP_CANCEL) return -1;
+    if (j->gen.stop == ENGINE_STOP_ERROR) {
+        struct serve_error e = serve_gen_error(j);
+        size_t n;
+        char *body = serve_error_json(&e, &n);
+        gone = serve_event(c->fd, body, n);
+        free(body);
+    } else {
+        gone = serve_chunk(c, j, id, created, 0, NULL, 0, serve_finish_reason(j->gen.stop), 0) ||
+               (j->include_usage && serve_chunk(c, j, id, created, 0, NULL, 0, NULL, 1));
+    }
+    return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) ? -1 : 0;
+}
+
+/* A generation endpoint: the request becomes a job, queued, then answered whole or streamed.
+ * Returns -1 when the connection is to close. */
+static int serve_generate(struct serve_conn *c, const struct serve_request *r, int chat)
+{
+    struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
+    struct serve_job *j = serve_job_new(c->srv, chat, r->body, r->body_len, &e);
+    if (!j || serve_submit(c->srv, j, &e)) {
+        serve_fail(c, &e, r->keep_alive);
+        if (j) serve_job_free(j);
+        return r->keep_alive ? 0 : -1;
+    }
+    int status = 200, rc;
+    if (j->stream) rc = serve_stream(c, j);
+    else {
+        char *piece;
+        serve_job_wait(c, j, SIZE_MAX, &piece); /* releases nothing past SIZE_MAX: waits for the end */
+        if (j->gen.stop == ENGINE_STOP_CANCEL) rc = -1;
+        else if (j->gen.stop == ENGINE_STOP_ERROR) {
+            e = serve_gen_error(j);
+            serve_fail(c, &e, r->keep_alive);
+            status = 500;
+            rc = 0;
+        } else {
+            size_t n;
+            char *body = serve_answer_json(c->srv, j, &n);
+            rc = serve_respond(c, 200, "application/json", body, n, NULL, r->keep_alive);
+            free(body);
+        }
+    }
+    if (status == 200) serve_count(c->srv, 200);
+    plat_log("[serve] %s %s: prompt %d tokens (%.1f tok/s), %d generated (%.1f tok/s), %s%s", r->method, r->path, j->gen.n_prompt,
+             j->gen.prompt_s > 0 ? j->gen.n_prompt / j->gen.prompt_s : 0.0, j->gen.n_tokens,
+             j->gen.decode_s > 0 && j->gen.n_tokens > 1 ? (j->gen.n_tokens - 1) / j->gen.decode_s : 0.0, engine_stop_names[j->gen.stop],
+             rc ? " (client gone)" : "");
+    serve_job_free(j);
+    return rc || !r->keep_alive ? -1 : 0;
+}
+
+/* ---- endpoints, connections, the listening socket ---- */
+
+static double serve_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
+
+/* /metrics in the Prometheus text format. */
+static char *serve_metrics(struct serve *srv, size_t *n)
+{
+    struct serve_stats st;
+    pthread_mutex_lock(&srv->stats_mu);
+    st = srv->stats;
+    pthread_mutex_unlock(&srv->stats_mu);
+    pthread_mutex_lock(&srv->mu);
+    int queued = srv->queue_len;
+    pthread_mutex_unlock(&srv->mu);
+    static const char *const classes[] = {"2xx", "4xx", "401", "503", "5xx", "other"};
+    char *out = NULL;
+    FILE *f = open_memstream(&out, n);
+    fputs("# TYPE coli_requests_total counter\n", f);
+    for (int k = 0; k < 6; k++) fprintf(f, "coli_requests_total{code=\"%s\"} %llu\n", classes[k], (unsigned long long)st.by_status[k]);
+    fprintf(f, "# TYPE coli_prompt_tokens_total counter\ncoli_prompt_tokens_total %llu\n", (unsigned long long)st.prompt_tokens);
+    fprintf(f, "# TYPE coli_generated_tokens_total counter\ncoli_generated_tokens_total %llu\n", (unsigned long long)st.generated_tokens);
+    fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n", serve_ratio(st.prompt_tokens, st.prompt_s));
+    fprintf(f, "# TYPE coli_decode_tokens_per_second gauge\ncoli_decode_tokens_per_second %.3f\n",
+            serve_ratio(st.generated_tokens > st.requests_done ? st.generated_tokens - st.requests_done : 0, st.decode_s));
+    fprintf(f, "# TYPE coli_queue_length gauge\ncoli_queue_length %d\n", queued);
+    fprintf(f, "# TYPE coli_slots_busy gauge\ncoli_slots_busy %d\n# TYPE coli_slots_total gauge\ncoli_slots_total %d\n", st.slots_busy, srv->n_slots);
+    fputs("# TYPE coli_expert_hit_rate gauge\n# TYPE coli_expert_vram_rate gauge\n", f);
+    for (int ph = 0; ph < 2; ph++) {
+        const char *name = ph ? "decode" : "prompt";
+        fprintf(f, "coli_expert_hit_rate{phase=\"%s\"} %.4f\n", name, serve_ratio(st.experts.hits[ph], st.experts.lookups[ph]));
+        fprintf(f, "coli_expert_vram_rate{phase=\"%s\"} %.4f\n", name, serve_ratio(st.experts.vram[ph], st.experts.lookups[ph]));
+    }
+    int64_t rss = plat_read_number("/proc/self/status", "VmRSS");
+    fprintf(f, "# TYPE coli_resident_bytes gauge\ncoli_resident_bytes %lld\n", (long long)(rss < 0 ? -1 : rss * 1024));
+    fputs("# TYPE coli_vram_used_bytes gauge\n", f);
+    for (int d = 0; d < cuda.n_devices; d++) fprintf(f, "coli_vram_used_bytes{device=\"%d\"} %lld\n", d, (long long)cuda.dev[d].used);
+    fclose(f);
+    return out;
+}
+
+/* GET endpoints: /health, /v1/models, /metrics. */
+static int serve_get(struct serve_conn *c, const struct serve_request *r)
+{
+    struct serve *srv = c->srv;
+    char *out = NULL;
+    size_t n = 0;
+    int status = 200;
+    if (!strcmp(r->path, "/health")) {
+        status = srv->ready ? 200 : 503;
+        out = plat_strdup(srv->ready ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
+        n = strlen(out);
+    } else if (!strcmp(r->path, "/v1/models")) {
+        FILE *f = open_memstream(&out, &n);
+        fputs("{\"object\":\"list\",\"data\":[{\"id\":", f);
+        serve_json_write_string(f, srv->model_id, strlen(srv->model_id));
+        fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\"}]}", (long long)srv->started);
+        fclose(f);
+    } else out = serve_metrics(srv, &n);
+    int metrics = !strcmp(r->path, "/metrics");
+    int rc = serve_respond(c, status, metrics ? "text/plain; version=0.0.4" : "application/json", out, n,
+                           status == 503 ? "Retry-After: 1\r\n" : NULL, r->keep_alive);
+    free(out);
+    serve_count(srv, status);
+    return rc || !r->keep_alive ? -1 : 0;
+}
+
+/* Whether R carries the server's key (always, when there is none). */
+static int serve_authorized(const struct serve *srv, const struct serve_request *r)
+{
+    if (!srv->api_key) return 1;
+    if (strncasecmp(r->auth, "Bearer ", 7)) return 0;
+    const char *given = r->auth + 7;
+    size_t a = strlen(given), b = strlen(srv->api_key);
+    unsigned diff = a != b;
+    for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(given[i] ^ srv->api_key[i]); /* time independent of where they differ */
+    return !diff;
+}
+
+/* Answers one request; -1 when the connection is to close. */
+static int serve_route(struct serve_conn *c, const struct serve_request *r)
+{
+    static const struct { const char *path, *method; } routes[] = {
+        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}, {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"}};
+    struct serve_error e = {404, "not_found_error", NULL, "", ""};
+    int k = -1;
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(r->path, routes[i].path)) k = i;
+    if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
+    else if (strcmp(r->method, routes[k].method)) {
+        e = (struct serve_error){405, "invalid_request_error", "method_not_allowed", "", ""};
+        snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
+    } else if (k > 0 && !serve_authorized(c->srv, r)) {
+        e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY)"};
+    } else return k < 3 ? serve_get(c, r) : serve_generate(c, r, k == 3);
+    char allow[64];
+    snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? routes[k].method : "GET");
+    size_t n;
+    char *body = serve_error_json(&e, &n);
+    int rc = serve_respond(c, e.status, "application/json", body, n, e.status == 405 ? allow : e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
+                           r->keep_alive);
+    free(body);
+    serve_count(c->srv, e.status);
+    return rc || !r->keep_alive ? -1 : 0;
+}
+
+/* Lists FD among the open connections (so that stopping can shut them) or takes it off. */
+static void serve_track(struct serve *srv, int fd, int add)
+{
+    pthread_mutex_lock(&srv->mu);
+    for (int i = 0; i < SERVE_MAX_CONNS; i++)
+        if (srv->conn_fds[i] == (add ? -1 : fd)) {
+            srv->conn_fds[i] = add ? fd : -1;
+            break;
+        }
+    srv->n_conns += add ? 1 : -1;
+    pthread_mutex_unlock(&srv->mu);
+}
+
+/* A connection's thread: requests one after another until the client closes, stays idle, or a
+ * request is refused. */
+static void *serve_conn_main(void *arg)
+{
+    struct serve_conn *c = arg;
+    struct serve_request r;
+    struct serve_error e;
+    int got;
+    while ((got = serve_read_request(c, &r, &e)) == 1 && !serve_route(c, &r) && !serve_stopping) free(r.body);
+    if (got < 0) serve_fail(c, &e, 0);
+    free(r.body);
+    serve_track(c->srv, c->fd, 0);
+    close(c->fd);
+    free(c);
+    return NULL;
+}
+
+/* The acceptor's thread: a thread per connection, SERVE_MAX_CONNS at most (503 beyond). */
+static void *serve_accept_main(void *arg)
+{
+    struct serve *srv = arg;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 << 10); /* a head buffer of 16 KiB twice, and little else */
+    while (!serve_stopping) {
+        struct pollfd pf[2] = {{srv->listen_fd, POLLIN, 0}, {srv->wake_pipe[0], POLLIN, 0}};
+        if (poll(pf, 2, -1) <= 0 || !(pf[0].revents & POLLIN)) continue;
+        int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        pthread_mutex_lock(&srv->mu);
+        int full = srv->n_conns >= SERVE_MAX_CONNS;
+        pthread_mutex_unlock(&srv->mu);
+        struct serve_conn *c = plat_zalloc(1, sizeof *c);
+        c->srv = srv;
+        c->fd = fd;
+        if (full) {
+            struct serve_error e = {503, "server_error", "too_many_connections", "", "too many connections; try again"};
+            serve_fail(c, &e, 0);
+            close(fd);
+            free(c);
+            continue;
+        }
+        serve_track(srv, fd, 1);
+        pthread_t t;
+        if (pthread_create(&t, &attr, serve_conn_main, c)) {
+            serve_track(srv, fd, 0);
+            close(fd);
+            free(c);
+        }
+    }
+    pthread_attr_destroy(&attr);
+    return NULL;
+}
+
+/* Binds HOST:PORT (PORT 0: any free one) and listens; dies when it cannot (start-up). Returns the
+ * port bound. */
+static int serve_listen(struct serve *srv, const char *host, int port)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV}, *ai = NULL;
+    char service[16];
+    snprintf(service, sizeof service, "%d", port);
+    int rc = getaddrinfo(host, service, &hints, &ai);
+    if (rc) die("serve: cannot use the address %s: %s", host, gai_strerror(rc));
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol), one = 1;
+    if (fd < 0) die("serve: socket: %s", strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) || listen(fd, 128)) die("serve: cannot listen on %s:%d: %s", host, port, strerror(errno));
+    freeaddrinfo(ai);
+    struct sockaddr_storage sa;
+    socklen_t len = sizeof sa;
+    getsockname(fd, (struct sockaddr *)&sa, &len);
+    srv->listen_fd = fd;
+    return ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port : ((struct sockaddr_in *)&sa)->sin_port);
+}
+
+/* Whether HOST is a loopback address (then nothing outside this machine can reach the server). */
+static int serve_is_loopback(const char *host)
+{
+    return !strcmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1");
+}
+
+/* Starts answering on HOST:PORT before the model loads (/health says 503 until serve_ready):
+ * signals, the acceptor thread. Logs the address. */
+static void serve_start(struct serve *srv, const char *host, int port, pthread_t *acceptor)
+{
+    srv->started = (double)time(NULL);
+    pthread_mutex_init(&srv->mu, NULL);
+    pthread_cond_init(&srv->cv, NULL);
+    pthread_mutex_init(&srv->stats_mu, NULL);
+    for (int i = 0; i < SERVE_MAX_CONNS; i++) srv->conn_fds[i] = -1;
+    int bound = serve_listen(srv, host, port);
+    if (pipe2(srv->wake_pipe, O_CLOEXEC)) die("serve: pipe: %s", strerror(errno));
+    serve_wake_fd = srv->wake_pipe[1];
+    struct sigaction sa = {.sa_handler = serve_on_signal}, ign = {.sa_handler = SIG_IGN};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGPIPE, &ign, NULL); /* a client that left is an error from send, not a signal */
+    const char *bracket = strchr(host, ':') ? "[" : "", *close_bracket = strchr(host, ':') ? "]" : "";
+    plat_log("[serve] listening on http://%s%s%s:%d (loading the model)", bracket, host, close_bracket, bound);
+    if (!serve_is_loopback(host)) plat_log("[serve] %s is not a loopback address: other machines can reach this server%s", host, srv->api_key ? "" : " (no --api-key)");
+    if (pthread_create(acceptor, NULL, serve_accept_main, srv)) die("serve: cannot start the acceptor thread");
+}
+
+/* Stops: no more connections; the open ones are shut (each thread ends at its next read or
+ * write) and waited for, two seconds at most. */
+static void serve_stop(struct serve *srv, pthread_t acceptor)
+{
+    serve_stopping = 1;
+    ssize_t w = write(srv->wake_pipe[1], "x", 1);
+    (void)w;
+    pthread_join(acceptor, NULL);
+    close(srv->listen_fd);
+    pthread_mutex_lock(&srv->mu);
+    for (int i = 0; i < SERVE_MAX_CONNS; i++)
+        if (srv->conn_fds[i] >= 0) shutdown(srv->conn_fds[i], SHUT_RDWR);
+    pthread_mutex_unlock(&srv->mu);
+    for (int tries = 0; tries < 200; tries++) {
+        pthread_mutex_lock(&srv->mu);
+        int left = srv->n_conns;
+        pthread_mutex_unlock(&srv->mu);
+        if (!left) break;
+        usleep(10000);
+    }
+    serve_wake_fd = -1;
+    close(srv->wake_pipe[0]);
+    close(srv->wake_pipe[1]);
+}
+
+/* ==== §13 frontends ==== */
 /* Owns: the commands a user runs (run, chat, plan, bench, info, tokenize): loading a
  *   session, the generation loop, streaming text, statistics, the --json record.
  * Promises: stdout carries only generated text (and the one --json line); everything else
@@ -7058,6 +8591,9 @@ struct cmd_options {
     int64_t vram_bytes;      /* --vram per device, or CUDA_EXPERT_GB */
     const char *place;       /* --place SPEC, or COLI_PLACE */
     enum expert_io expert_io; /* COLI_EXPERT_IO=direct|buffered: how the expert store reads */
+    /* serve */
+    const char *host, *api_key; /* --host (default 127.0.0.1); --api-key or COLI_API_KEY */
+    int port, parallel, queue;  /* --port 8080; --parallel N slots (0: chosen from memory); --queue N */
 };
 
 struct cmd_session {
@@ -7087,7 +8623,8 @@ static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
     return placed;
 }
 
-/* Loads O's model for N_SLOTS conversations at once (the engine's slots). */
+/* Loads O's model for N_SLOTS conversations at once (the engine's slots; 0: as many as memory
+ * allows, model_choose_seqs). */
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots)
 {
     double t0 = plat_now();
@@ -7103,6 +8640,11 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
              o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
+    if (n_slots <= 0) {
+        n_slots = model_choose_seqs(&s->model);
+        plat_log("[coli] %d conversations at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
+                 model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
+    }
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
      * and the file's pages it has just read would both be taken for used memory) */
     model_budget_experts(&s->model, n_slots, o->ram_bytes, o->heat_path, o->expert_io, o->place);
@@ -7534,6 +9076,52 @@ static int cmd_bench(const struct cmd_options *o)
     return 0;
 }
 
+/* The name /v1/models gives the model: its file's name without the directory and ".gguf". */
+static char *cmd_model_id(const char *path)
+{
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    char *id = plat_strdup(base);
+    size_t n = strlen(id);
+    if (n > 5 && !strcmp(id + n - 5, ".gguf")) id[n - 5] = 0;
+    return id;
+}
+
+/* coli serve: the OpenAI-compatible server (§12) on O's model until SIGINT or SIGTERM; it
+ * listens before the model loads (/health answers 503 until then). */
+static int cmd_serve(const struct cmd_options *o)
+{
+    struct serve srv;
+    struct cmd_session s;
+    struct cmd_options so = *o;
+    pthread_t acceptor;
+    if (!o->model) die_usage("serve needs a model (-m MODEL.gguf)");
+    if (!so.n_ctx) so.n_ctx = SERVE_DEFAULT_CTX;
+    memset(&srv, 0, sizeof srv);
+    char *id = cmd_model_id(o->model);
+    srv.model_id = id;
+    srv.api_key = o->api_key && *o->api_key ? o->api_key : NULL;
+    srv.queue_max = o->queue;
+    srv.default_max = o->n_predict;
+    srv.sample = o->sample;
+    srv.think = o->think;
+    serve_start(&srv, o->host, o->port, &acceptor);
+    cmd_open(&s, &so, o->parallel);
+    pthread_mutex_lock(&srv.mu);
+    srv.engine = &s.engine;
+    srv.tok = &s.tok;
+    srv.n_slots = s.engine.n_slots;
+    srv.ready = 1;
+    pthread_mutex_unlock(&srv.mu);
+    plat_log("[serve] ready: %s, %d slot%s of %d tokens, queue %d%s", id, srv.n_slots, srv.n_slots == 1 ? "" : "s", s.model.n_ctx,
+             srv.queue_max, srv.api_key ? ", API key required" : "");
+    serve_run(&srv);
+    serve_stop(&srv, acceptor);
+    cmd_close(&s);
+    plat_log("[serve] stopped%s", s.model.experts ? "; expert heat saved" : "");
+    free(id);
+    return 0;
+}
+
 /* coli plan's routed experts: the store opened as a run opens it, with the same heat file, but
  * mapped (nothing read), then placed as a run places them. Returns the bytes placed. */
 static double cmd_plan_experts(struct model *m, const struct cmd_options *o)
@@ -7606,7 +9194,7 @@ static int cmd_plan(const struct cmd_options *o)
     return 0;
 }
 
-/* ==== §13 main ==== */
+/* ==== §14 main ==== */
 /* Owns: the command line (design.md §3: stable, scripts rely on it) and start-up order:
  *   CPU features, kernel table, threads, then the command.
  * Promises: a bad flag or value is a one-line usage error with exit status 2. */
@@ -7617,6 +9205,8 @@ static const char arg_usage[] =
     "commands:\n"
     "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [sampling] [resources]\n"
     "  chat      -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [sampling] [resources]\n"
+    "  serve     -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
+    "            [-n N] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
     "  plan      -m MODEL.gguf [resources]        where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
@@ -7645,6 +9235,15 @@ static const char *const arg_command_help[][2] = {
              "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
              "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
+    {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
+              "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
+              "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus). --port 0 picks a free port\n"
+              "  (said on stderr). --parallel N conversations decode together as one batch (default: what a quarter\n"
+              "  of free memory holds at full context, 1-4), each with -c tokens (default 32768); --queue N requests\n"
+              "  wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
+              "  'Authorization: Bearer KEY' everywhere but /health. -n N: max_tokens when a request has none\n"
+              "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
+              "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
     {"plan", "coli plan -m MODEL.gguf [-c N] [--gpu LIST] [--vram SIZE] [--place SPEC]\n"
              "  Where each part of the model would live, without loading weights: the [place] lines that\n"
              "  coli run logs (same decisions), each device's budget and what the trunk and the experts take\n"
@@ -7702,12 +9301,15 @@ static int64_t arg_size(int argc, char **argv, int *i)
 /* Parses the options after the command word into O. Defaults depend on the command. */
 static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
 {
-    int chat = !strcmp(cmd, "chat"), bench = !strcmp(cmd, "bench");
+    int chat = !strcmp(cmd, "chat"), bench = !strcmp(cmd, "bench"), serve = !strcmp(cmd, "serve");
     memset(o, 0, sizeof *o);
-    o->n_predict = bench ? 128 : chat ? 0 : 128;
+    o->n_predict = serve ? -1 : chat ? 0 : 128;
+    o->host = "127.0.0.1";
+    o->port = 8080;
+    o->queue = 16;
     o->n_bench_prompt = 512;
     o->think = 1;
-    o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0};
+    o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     o->sample.seed = (uint64_t)time(NULL);
     o->ram_bytes = o->vram_bytes = -1;
     for (int i = 0; i < argc; i++) {
@@ -7726,6 +9328,11 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
         else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;
         else if (!strcmp(a, "--kernels") && bench) o->kernels = 1;
+        else if (!strcmp(a, "--host") && serve) o->host = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--port") && serve) o->port = (int)arg_int(argc, argv, &i, 0, 65535);
+        else if (!strcmp(a, "--parallel") && serve) o->parallel = (int)arg_int(argc, argv, &i, 1, MODEL_MAX_RUNS);
+        else if (!strcmp(a, "--queue") && serve) o->queue = (int)arg_int(argc, argv, &i, 0, 1 << 20);
+        else if (!strcmp(a, "--api-key") && serve) o->api_key = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--heat")) o->heat_path = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--gpu")) o->gpu_list = arg_value(argc, argv, &i);
@@ -7751,6 +9358,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         o->vram_bytes = (int64_t)(x * 1073741824.0);
     }
     if (!o->heat_path) o->heat_path = getenv("HEAT_FILE");
+    if (!o->api_key) o->api_key = getenv("COLI_API_KEY");
     const char *io = getenv("COLI_EXPERT_IO");
     if (io && strcmp(io, "direct") && strcmp(io, "buffered")) die_usage("COLI_EXPERT_IO='%s': use direct or buffered", io);
     o->expert_io = io && !strcmp(io, "buffered") ? EXPERT_IO_BUFFERED : EXPERT_IO_DIRECT;
@@ -7772,7 +9380,7 @@ static int arg_help(const char *cmd)
 int main(int argc, char **argv)
 {
     static const struct { const char *name; int (*fn)(const struct cmd_options *); } commands[] = {
-        {"run", cmd_run}, {"chat", cmd_chat}, {"plan", cmd_plan}, {"bench", cmd_bench},
+        {"run", cmd_run}, {"chat", cmd_chat}, {"serve", cmd_serve}, {"plan", cmd_plan}, {"bench", cmd_bench},
         {"info", cmd_info}, {"tokenize", cmd_tokenize},
     };
     if (argc < 2) {

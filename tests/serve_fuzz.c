@@ -2,7 +2,7 @@
  * it neither crashes nor hangs, and that it answers as its contract says (400 for bad HTTP and bad
  * JSON, 400 naming the field for a wrong type, 405 with Allow, 413, 431, ...).
  *
- *   serve_fuzz HOST PORT N [--seed S] [--threads T] [--only I]
+ *   serve_fuzz HOST PORT N [--seed S] [--threads T] [--only I] [--max-seconds S]
  *
  *   HOST     a loopback address (127.x.x.x, ::1 or localhost); anything else is refused, since
  *            the requests are hostile
@@ -10,11 +10,13 @@
  *   --seed   request I is a pure function of (S, I): same seed, same bytes (default 1)
  *   --threads  concurrent clients (default 4)
  *   --only I   send request I alone and print its bytes and the reply: to replay a failure
+ *   --max-seconds  no new request after this long (default 1200); stopping early fails the run
  *
  * Per request: connect, send, read the reply (15 s at most), classify it as a status line, a close
  * by the server without one, a timeout (a hang: always a failure) or a malformed reply. A few slow
  * clients run alongside, in their own threads, and must be closed by the server's 10 s header
- * deadline. GET /health must answer 200 within 5 s after every 1000 requests and at the end.
+ * deadline. GET /health must answer 200 within 5 s after every 1000 requests and at the end,
+ * and once while 100 idle connections are held open.
  * Prints counts by status and by category, then `ok - ` / `FAIL - ` lines and the closing
  * `N passed, N failed` (the style of tests/check.h); exit status 0 only when nothing failed.
  *
@@ -46,6 +48,7 @@
 #define MAX_RESP 12      /* responses one pipelined case may expect */
 #define MAX_EXAMPLES 3   /* failures kept per category for the report */
 #define MAX_CONNFAIL 20  /* consecutive connect failures: the server is gone, stop */
+#define IDLE_CONNS 100   /* idle connections held open while /health must still answer */
 
 /* ---- small utilities ---------------------------------------------------------------------- */
 
@@ -665,12 +668,16 @@ static void gen_path(struct fcase *c, uint64_t *r)
     };
     unsigned k = rnd(r, sizeof ps / sizeof *ps + 1);
     bputs(&c->req, "GET ");
-    if (k < sizeof ps / sizeof *ps) bput(&c->req, ps[k].p, ps[k].n), c->expect[0] = ps[k].expect;
-    else bputs(&c->req, "/"), brep(&c->req, "x/", 4000), c->expect[0] = "404 414 400 431";
-    bputs(&c->req, " HTTP/1.1\r\n" HOST "\r\n");
     char e[64];
-    escape(c->req.p + 4, c->req.n - 4 < 24 ? c->req.n - 4 : 24, e, sizeof e);
-    name(c, "path %s", e);
+    if (k < sizeof ps / sizeof *ps) {
+        bput(&c->req, ps[k].p, ps[k].n), c->expect[0] = ps[k].expect;
+        escape(ps[k].p, ps[k].n, e, sizeof e);
+        name(c, "path '%s'", e);
+    } else {
+        bputs(&c->req, "/"), brep(&c->req, "x/", 4000), c->expect[0] = "404 414 400 431";
+        name(c, "8 KB path");
+    }
+    bputs(&c->req, " HTTP/1.1\r\n" HOST "\r\n");
 }
 
 /* Invalid JSON and JSON at its edges, as a chat body. */
@@ -1237,13 +1244,18 @@ out:
 /* ---- workers, health, slow clients ---------------------------------------------------------- */
 
 static long next_i, end_i;
+static double t_end; /* no new request after this time: the run is bounded */
+static int out_of_time;
+static long n_started; /* requests actually sent (fewer than N when stopped early) */
 
 static void *worker(void *arg)
 {
     (void)arg;
     for (;;) {
         pthread_mutex_lock(&mu);
+        if (now_s() > t_end) out_of_time = stop_all = 1;
         long i = stop_all ? end_i : next_i++;
+        n_started += i < end_i;
         pthread_mutex_unlock(&mu);
         if (i >= end_i) return NULL;
         run_one(i);
@@ -1271,6 +1283,21 @@ static int health(double timeout, int *status, double *secs)
     }
     free(cn);
     *secs = now_s() - t0;
+    return ok;
+}
+
+/* Opens IDLE_CONNS connections that send nothing and asks /health meanwhile: a server must not
+ * be held up by connections that merely exist. */
+static int idle_status, idle_opened;
+static double idle_secs;
+
+static int idle_connections(void)
+{
+    int fds[IDLE_CONNS];
+    for (idle_opened = 0; idle_opened < IDLE_CONNS; idle_opened++)
+        if ((fds[idle_opened] = connect_srv()) < 0) break;
+    int ok = health(HEALTH_TIMEOUT, &idle_status, &idle_secs);
+    for (int i = 0; i < idle_opened; i++) close(fds[i]);
     return ok;
 }
 
@@ -1383,7 +1410,7 @@ static void report_tables(long sent, double wall)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: serve_fuzz HOST PORT N [--seed S] [--threads T] [--only I]\n"
+    fprintf(stderr, "usage: serve_fuzz HOST PORT N [--seed S] [--threads T] [--only I] [--max-seconds S]\n"
                     "  HOST must be loopback: 127.x.x.x, ::1 or localhost\n");
     exit(2);
 }
@@ -1393,11 +1420,13 @@ int main(int argc, char **argv)
     if (argc < 4) usage();
     long n = atol(argv[3]), only = -1;
     int threads = 4;
+    double max_seconds = 1200;
     g_seed = 1;
     for (int a = 4; a < argc; a++) {
         if (!strcmp(argv[a], "--seed") && a + 1 < argc) g_seed = strtoull(argv[++a], NULL, 0);
         else if (!strcmp(argv[a], "--threads") && a + 1 < argc) threads = atoi(argv[++a]);
         else if (!strcmp(argv[a], "--only") && a + 1 < argc) only = atol(argv[++a]);
+        else if (!strcmp(argv[a], "--max-seconds") && a + 1 < argc) max_seconds = atof(argv[++a]);
         else usage();
     }
     if (n < 0 || threads < 1 || threads > 64) usage();
@@ -1417,7 +1446,7 @@ int main(int argc, char **argv)
         return printf("%d passed, %d failed\n", n_pass, n_fail), 1;
     }
     if (only >= 0) {
-        verbose = 1, next_i = only, end_i = only + 1;
+        verbose = 1, next_i = only, end_i = only + 1, t_end = now_s() + REPLY_TIMEOUT * MAX_RESP;
         worker(NULL);
         int fails = n_timeout + n_bad > 0;
         for (int k = 0; k < N_CATS; k++) fails += stats[k].fails > 0;
@@ -1430,6 +1459,7 @@ int main(int argc, char **argv)
         return n_fail != 0;
     }
     printf("# serve_fuzz: %ld requests to %s, seed %llu, %d threads\n", n, srv_name, (unsigned long long)g_seed, threads);
+    int idle_ok = idle_connections();
 
     /* Slow clients run alongside the whole time, bounded in number (and each by 25 s). */
     struct slow slow[5] = {{.variant = 0}, {.variant = 1}, {.variant = 3}, {.variant = 2}, {.variant = 0}};
@@ -1437,6 +1467,7 @@ int main(int argc, char **argv)
     for (int s = 0; s < n_slow; s++) pthread_create(&slow[s].th, NULL, slow_main, &slow[s]);
 
     double t0 = now_s();
+    t_end = t0 + max_seconds;
     pthread_t th[64];
     long done = 0;
     int health_fails = 0;
@@ -1456,7 +1487,7 @@ int main(int argc, char **argv)
     double wall = now_s() - t0;
     for (int s = 0; s < n_slow; s++) pthread_join(slow[s].th, NULL);
 
-    report_tables(done, wall);
+    report_tables(n_started, wall);
     check(!stop_all && n_connfail == 0, "the server accepts every connection (no crash)",
           "%ld connections refused or timed out%s", n_connfail, stop_all ? "; stopped: the server is gone" : "");
     check(!health_fails, "GET /health 200 within 5 s after every 1000 requests and at the end", "%s", health_bad);
@@ -1464,7 +1495,10 @@ int main(int argc, char **argv)
     for (int e = 1; e < hang_ex_n && e < MAX_EXAMPLES; e++) printf("#   %s\n", hang_ex[e]);
     check(n_bad == 0, "every reply is well-formed HTTP", "%ld malformed, e.g. %s", n_bad, bad_ex[0]);
     for (int e = 1; e < bad_ex_n && e < MAX_EXAMPLES; e++) printf("#   %s\n", bad_ex[e]);
-    printf("# Expect: 100-continue without a 100 reply: %ld\n", n_no100);
+    check(n_no100 == 0, "Expect: 100-continue answered with 100 Continue (valid requests)", "%ld without a 100 within 3 s", n_no100);
+    check(idle_ok, "GET /health answers while 100 idle connections are open", "status %d after %.1f s (%d connections opened)",
+          idle_status, idle_secs, idle_opened);
+    check(!out_of_time, "the run finished within --max-seconds", "stopped after %ld of %ld requests", n_started, n);
     for (int s = 0; s < n_slow; s++) {
         char nm[100];
         static const char *what[] = {"a header byte every 200 ms", "silent after connecting", "request line then silence",
