@@ -2,6 +2,8 @@
 # ./build.sh          build ./coli: one static x86-64 executable (musl, OpenMP)
 # ./build.sh test     build, then run every test (also under ASan+UBSan); ends "N passed, N failed"
 # ./build.sh fuzz N   run the GGUF reader fuzz loop for N iterations
+# ./build.sh fuzz-serve [N]       N (default 10000) malformed requests against a coli serve it starts
+# ./build.sh load [K] [M] [MODEL] K streaming clients x M requests against coli serve: tok/s, time to first token
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -105,6 +107,39 @@ check_ptx() {
     echo "$p passed, $f failed"
 }
 
+# The HTTP clients that fuzz and load coli serve (loopback only; tests/serve_fuzz.c, serve_load.c).
+build_serve_clients() {
+    mkdir -p build
+    gcc -std=c11 -O2 -Wall -Wextra -pthread tests/serve_fuzz.c -o build/serve_fuzz
+    gcc -std=c11 -O2 -Wall -Wextra -pthread tests/serve_load.c -o build/serve_load
+}
+
+# Starts ./coli serve on a free loopback port with ARGS; sets SERVE_PID and SERVE_PORT, and stops
+# it when the script exits.
+start_server() {
+    local log=build/serve_bench.log i
+    HEAT_FILE=build/serve_bench.heat ./coli serve --port 0 "$@" 2>"$log" &
+    SERVE_PID=$!
+    trap 'kill "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null' EXIT
+    for i in $(seq 1 600); do
+        SERVE_PORT=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$' || true)
+        [ -n "$SERVE_PORT" ] && curl -sf -m 2 "http://127.0.0.1:$SERVE_PORT/health" >/dev/null && return
+        sleep 0.5
+    done
+    echo "build.sh: coli serve did not come up; $(tail -n 3 "$log")" >&2
+    exit 1
+}
+
+# The 10-layer slice of the 35B (tests/gen_model.c), made once into build/.
+slice_model() {
+    local out=build/35b-slice10.gguf
+    if [ ! -s "$out" ]; then
+        gcc -std=c11 -O2 -march=native -fopenmp -ffp-contract=off -I. tests/gen_model.c -o build/gen_model -lm
+        build/gen_model "$out" --preset 35b-a3b --layers 10 >&2
+    fi
+    echo "$out"
+}
+
 passed=0
 failed=0
 # Runs one test program, echoing its output, and adds its closing "N passed, N failed" line
@@ -137,15 +172,17 @@ run_tests() {
     build_coli
     local t
     build_fake_driver
-    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda; do build_test "$t"; done
+    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve; do build_test "$t"; done
+    build_serve_clients
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda; do
+    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
     run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
     # the static binary's loader paths: the foreign dlopen exists only in the musl build
     run_test "test_cuda.sh" bash tests/test_cuda.sh ./coli "$GOLDEN" build
+    run_test "test_serve.sh" bash tests/test_serve.sh ./coli "$GOLDEN" --fuzz-bin build/serve_fuzz
     run_test "kernels.ptx (ptxas)" check_ptx
     echo "$passed passed, $failed failed"
     [ "$failed" = 0 ]
@@ -155,5 +192,14 @@ case "${1:-build}" in
     build) build_coli ;;
     test) run_tests ;;
     fuzz) build_test test_gguf && "build/test_gguf" "$GOLDEN" --long "${2:-100000}" ;;
-    *) echo "usage: ./build.sh [build|test|fuzz N]" >&2; exit 2 ;;
+    fuzz-serve)
+        build_coli && build_serve_clients
+        start_server -m "$GOLDEN/q35moe-q8_0.gguf" -c 256 --parallel 2
+        build/serve_fuzz 127.0.0.1 "$SERVE_PORT" "${2:-10000}" ;;
+    load)
+        build_coli && build_serve_clients
+        model=${4:-$(slice_model)}
+        start_server -m "$model" -c 4096 --parallel "${2:-4}"
+        build/serve_load 127.0.0.1 "$SERVE_PORT" "${2:-4}" "${3:-3}" ;;
+    *) echo "usage: ./build.sh [build|test|fuzz N|fuzz-serve [N]|load [K] [M] [MODEL]]" >&2; exit 2 ;;
 esac

@@ -7361,7 +7361,7 @@ static const struct serve_json *serve_json_get(const struct serve_json *v, const
 /* One client connection; BUF holds what was read and not yet used (a pipelined request). */
 struct serve_conn {
     struct serve *srv;
-    int fd;
+    int fd, served;            /* requests answered on it */
     char buf[SERVE_MAX_HEAD + 1];
     size_t len;
 };
@@ -7596,7 +7596,7 @@ static int serve_read_body(struct serve_conn *c, struct serve_request *r, struct
     if (r->expect_continue && serve_write(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return -1;
     if (r->chunked) return serve_read_chunked(c, r, deadline, e);
     if (r->content_length > 0 && serve_take_bytes(c, r, (size_t)r->content_length, deadline))
-        return e->status = 408, snprintf(e->message, sizeof e->message, "the body did not come whole"), -1;
+        return snprintf(e->message, sizeof e->message, "the body is shorter than its Content-Length"), -1;
     return 0;
 }
 
@@ -7607,12 +7607,15 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
     memset(r, 0, sizeof *r);
     r->content_length = -1;
     *e = (struct serve_error){400, "invalid_request_error", NULL, "", "a malformed request"};
-    double deadline = plat_now() + SERVE_IDLE_TIMEOUT;
+    /* a new connection must send its request soon; a kept-alive one may wait for the next */
+    double deadline = plat_now() + (c->served++ ? SERVE_IDLE_TIMEOUT : SERVE_HEAD_TIMEOUT);
     char *end;
     while (!(end = memmem(c->buf, c->len, "\r\n\r\n", 4))) {
         if (c->len >= SERVE_MAX_HEAD) return e->status = 431, snprintf(e->message, sizeof e->message, "the request head is over %d bytes", SERVE_MAX_HEAD), -1;
         ssize_t got = serve_fill(c, deadline);
-        if (got <= 0) return c->len ? (e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come whole"), -1) : 0;
+        if (got < 0 && c->len) return e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come in time"), -1;
+        if (got == 0 && c->len) return snprintf(e->message, sizeof e->message, "the request ended in its head"), -1;
+        if (got <= 0) return 0;
         if ((size_t)got == c->len) deadline = plat_now() + SERVE_HEAD_TIMEOUT; /* the first bytes: the head must follow soon */
     }
     size_t head_len = (size_t)(end - c->buf);
@@ -7655,8 +7658,10 @@ static char *serve_error_json(const struct serve_error *e, size_t *n)
 /* ---- the server: jobs, the queue, the engine loop ---- */
 
 /* Counters for /metrics and the log, under serve.stats_mu. */
+#define SERVE_STATUS_KINDS 16
 struct serve_stats {
-    uint64_t by_status[6];     /* 2xx 4xx-but-401 401 503 5xx-but-503, and "other" */
+    int status[SERVE_STATUS_KINDS];          /* the status codes answered so far, first come first */
+    uint64_t by_status[SERVE_STATUS_KINDS];  /* how often each */
     uint64_t prompt_tokens, generated_tokens, requests_done;
     double prompt_s, decode_s; /* summed over the generations */
     struct expert_stats experts; /* the store's figures, copied by the engine thread */
@@ -7717,8 +7722,10 @@ static void serve_on_signal(int sig)
 
 static void serve_count(struct serve *srv, int status)
 {
-    int k = status < 300 ? 0 : status == 401 ? 2 : status == 503 ? 3 : status < 500 ? 1 : status < 600 ? 4 : 5;
     pthread_mutex_lock(&srv->stats_mu);
+    int k = 0;
+    while (k < SERVE_STATUS_KINDS - 1 && srv->stats.status[k] && srv->stats.status[k] != status) k++;
+    srv->stats.status[k] = status; /* the few codes a server answers fit; the last cell takes the rest */
     srv->stats.by_status[k]++;
     pthread_mutex_unlock(&srv->stats_mu);
 }
@@ -8010,11 +8017,13 @@ static int serve_stops(const struct serve_json *body, struct serve_job *j, struc
     return 0;
 }
 
-/* A message's content: a string, or a list of {"type":"text","text":...} parts joined. */
+/* A message's content: a string, or a list of {"type":"text","text":...} parts joined; only an
+ * assistant's may be missing. M has a valid role. */
 static int serve_content(const struct serve_json *m, struct tok_buf *b, struct serve_error *e)
 {
-    const struct serve_json *c = serve_json_get(m, "content");
+    const struct serve_json *c = serve_json_get(m, "content"), *role = serve_json_get(m, "role");
     tok_buf_put(b, "", 0);
+    if ((!c || c->kind == SERVE_JSON_NULL) && strcmp(role->str, "assistant")) return serve_bad(e, "messages", "a %s message needs 'content'", role->str);
     if (!c || c->kind == SERVE_JSON_NULL) return 0;
     if (c->kind == SERVE_JSON_STRING) {
         tok_buf_put(b, c->str, c->len);
@@ -8176,11 +8185,16 @@ static char *serve_answer_json(struct serve *srv, const struct serve_job *j, siz
     return out;
 }
 
-/* The 500 of a generation that failed (a model file that became unreadable, say). */
+/* The error of a generation that failed (a model file that became unreadable, say: 500) or was
+ * cancelled because the server is stopping (503). */
 static struct serve_error serve_gen_error(const struct serve_job *j)
 {
     struct serve_error e = {500, "server_error", "generation_failed", "", ""};
-    snprintf(e.message, sizeof e.message, "the generation failed: %.500s", j->gen.error);
+    if (j->gen.stop == ENGINE_STOP_CANCEL) {
+        e.status = 503;
+        e.code = "shutting_down";
+        snprintf(e.message, sizeof e.message, "the server is shutting down");
+    } else snprintf(e.message, sizeof e.message, "the generation failed: %.500s", j->gen.error);
     return e;
 }
 
@@ -8271,8 +8285,8 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         pthread_mutex_unlock(&j->mu);
         if (done) break;
     }
-    if (gone || j->gen.stop == ENGINE_STOP_CANCEL) return -1;
-    if (j->gen.stop == ENGINE_STOP_ERROR) {
+    if (gone || (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping)) return -1;
+    if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
         struct serve_error e = serve_gen_error(j);
         size_t n;
         char *body = serve_error_json(&e, &n);
@@ -8301,11 +8315,11 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, i
     else {
         char *piece;
         serve_job_wait(c, j, SIZE_MAX, &piece); /* releases nothing past SIZE_MAX: waits for the end */
-        if (j->gen.stop == ENGINE_STOP_CANCEL) rc = -1;
-        else if (j->gen.stop == ENGINE_STOP_ERROR) {
+        if (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping) rc = -1; /* the client left */
+        else if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
             e = serve_gen_error(j);
             serve_fail(c, &e, r->keep_alive);
-            status = 500;
+            status = e.status;
             rc = 0;
         } else {
             size_t n;
@@ -8337,11 +8351,11 @@ static char *serve_metrics(struct serve *srv, size_t *n)
     pthread_mutex_lock(&srv->mu);
     int queued = srv->queue_len;
     pthread_mutex_unlock(&srv->mu);
-    static const char *const classes[] = {"2xx", "4xx", "401", "503", "5xx", "other"};
     char *out = NULL;
     FILE *f = open_memstream(&out, n);
     fputs("# TYPE coli_requests_total counter\n", f);
-    for (int k = 0; k < 6; k++) fprintf(f, "coli_requests_total{code=\"%s\"} %llu\n", classes[k], (unsigned long long)st.by_status[k]);
+    for (int k = 0; k < SERVE_STATUS_KINDS && st.status[k]; k++)
+        fprintf(f, "coli_requests_total{code=\"%d\"} %llu\n", st.status[k], (unsigned long long)st.by_status[k]);
     fprintf(f, "# TYPE coli_prompt_tokens_total counter\ncoli_prompt_tokens_total %llu\n", (unsigned long long)st.prompt_tokens);
     fprintf(f, "# TYPE coli_generated_tokens_total counter\ncoli_generated_tokens_total %llu\n", (unsigned long long)st.generated_tokens);
     fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n", serve_ratio(st.prompt_tokens, st.prompt_s));
@@ -8441,6 +8455,19 @@ static void serve_track(struct serve *srv, int fd, int add)
     pthread_mutex_unlock(&srv->mu);
 }
 
+/* Before closing on a refused request: stop sending, then read (for a second at most) what the
+ * client still sends, so that the kernel does not answer its unread bytes with a reset that
+ * could destroy the error answer before the client reads it. */
+static void serve_linger(int fd)
+{
+    char sink[4096];
+    shutdown(fd, SHUT_WR);
+    for (int i = 0; i < 16; i++) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        if (poll(&pf, 1, 1000) <= 0 || recv(fd, sink, sizeof sink, 0) <= 0) break;
+    }
+}
+
 /* A connection's thread: requests one after another until the client closes, stays idle, or a
  * request is refused. */
 static void *serve_conn_main(void *arg)
@@ -8450,7 +8477,10 @@ static void *serve_conn_main(void *arg)
     struct serve_error e;
     int got;
     while ((got = serve_read_request(c, &r, &e)) == 1 && !serve_route(c, &r) && !serve_stopping) free(r.body);
-    if (got < 0) serve_fail(c, &e, 0);
+    if (got < 0) {
+        serve_fail(c, &e, 0);
+        serve_linger(c->fd);
+    }
     free(r.body);
     serve_track(c->srv, c->fd, 0);
     close(c->fd);

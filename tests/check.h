@@ -66,12 +66,13 @@ static int check_golden_cases(const char *dir, char **names, int cap)
     return n;
 }
 
-/* Whether coli's GGUF reader refuses PATH for a weight type it does not read yet (the golden set
- * has more formats than coli so far): a child opens it; WHY gets its one-line refusal. Any other
- * outcome is 0, so that the test itself meets a file that is bad for another reason. Needs
- * coli.c included first. */
-static int check_golden_unsupported(const char *path, char *why, size_t n)
+/* Whether coli's GGUF reader refuses the golden model PATH for a weight type it does not read
+ * yet (the golden set has more formats than coli so far): a child opens it, and a refusal is
+ * reported as a skip of NAME with its reason. Any other outcome is 0, so that the test itself
+ * meets a file that is bad for another reason. Needs coli.c included first. */
+static int check_golden_unsupported(const char *path, const char *name)
 {
+    char why[600], label[900];
     int fds[2];
     if (pipe(fds) != 0) return 0;
     fflush(stdout);
@@ -85,13 +86,18 @@ static int check_golden_unsupported(const char *path, char *why, size_t n)
     close(fds[1]);
     size_t got = 0;
     ssize_t k;
-    while (got < n - 1 && (k = read(fds[0], why + got, n - 1 - got)) > 0) got += (size_t)k;
+    while (got < sizeof why - 1 && (k = read(fds[0], why + got, sizeof why - 1 - got)) > 0) got += (size_t)k;
     why[got] = 0;
     close(fds[0]);
     int status = 0;
     waitpid(pid, &status, 0);
     char *nl = strchr(why, '\n');
     if (nl) *nl = 0;
-    return WIFEXITED(status) && WEXITSTATUS(status) == 1 && strstr(why, "has unsupported type id");
+    int refused = WIFEXITED(status) && WEXITSTATUS(status) == 1 && strstr(why, "has unsupported type id");
+    if (refused) {
+        snprintf(label, sizeof label, "%s # SKIP a weight type coli does not read yet: %.300s", name, why);
+        check(1, label, "");
+    }
+    return refused;
 }
 #endif

@@ -31,11 +31,12 @@ done
 tmp=$(mktemp -d)
 srv_pids=""
 npm_pid=""
+slow_pid=""
 # shellcheck disable=SC2317 # called by the trap
 cleanup() {
     local p
-    for p in $srv_pids $npm_pid; do kill "$p" 2>/dev/null; done
-    for p in $srv_pids $npm_pid; do wait "$p" 2>/dev/null; done
+    for p in $srv_pids $npm_pid $slow_pid; do kill "$p" 2>/dev/null; done
+    for p in $srv_pids $npm_pid $slow_pid; do wait "$p" 2>/dev/null; done
     rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -192,7 +193,8 @@ is_error() {
     [ "$code" = "$2" ] && qt "$tmp/$1.body" "set(d['error']) >= {'message','type','param','code'} and d['error']['type'] == '$3' and isinstance(d['error']['message'], str)"
 }
 # raw NAME DATA: DATA sent as is over one connection; what came back until the server closed it
-# (at most 5 s) in $tmp/NAME.raw, and whether it closed (rawclosed=yes) or timed out
+# (at most 5 s) in $tmp/NAME.raw, and whether it closed (rawclosed=yes: EOF, or a reset when
+# unread request bytes were left) or was still open after 5 s (no)
 raw() {
     local name=$1 data=$2 rc=0
     : >"$tmp/$name.raw"
@@ -201,8 +203,9 @@ raw() {
         printf '%s' "$data" >&3
         timeout 5 cat <&3 >"$tmp/$name.raw"
     ) 2>/dev/null || rc=$?
-    rawclosed=no
-    [ "$rc" = 0 ] && rawclosed=yes
+    rawclosed=yes
+    [ "$rc" = 124 ] && rawclosed=no
+    [ "$rc" = 2 ] && rawclosed="no connection"
     rawstatus=$(head -n 1 "$tmp/$name.raw" | tr -d '\r')
 }
 
@@ -237,6 +240,18 @@ port=$sport
 base=http://127.0.0.1:$port
 ok "serve starts on --port 0 (port $port), /health 200"
 
+# a client that sends half a header block and then nothing: closed by the 10 s header deadline
+# (runs in the background while the rest goes on; checked near the end)
+(
+    exec 3<>"/dev/tcp/127.0.0.1/$port" || exit 2
+    printf 'GET /health HTTP/1.1\r\nHost: x\r\n' >&3
+    t0=$(date +%s%N)
+    rc=0
+    timeout 20 cat <&3 >"$tmp/slow.raw" 2>/dev/null || rc=$?
+    echo "$rc $((($(date +%s%N) - t0) / 1000000))" >"$tmp/slow.res"
+) 2>/dev/null &
+slow_pid=$!
+
 # --- the simple endpoints
 http health GET /health
 if [ "$code" = 200 ] && qt "$tmp/health.body" "d['status'] == 'ok'"; then ok "GET /health: 200 {\"status\":\"ok\"}"; else bad "GET /health" "$code $(errbody health)"; fi
@@ -254,6 +269,8 @@ for m in coli_prompt_tokens_total coli_generated_tokens_total coli_prompt_tokens
     coli_queue_length coli_slots_busy coli_expert_hit_rate coli_expert_vram_rate coli_resident_bytes coli_vram_used_bytes; do
     grep -q "^$m" "$tmp/metrics.body" || missing="$missing $m"
 done
+# one sample per GPU device: without one, the family is only declared
+if [ "$missing" = " coli_vram_used_bytes" ] && grep -q '^# TYPE coli_vram_used_bytes gauge' "$tmp/metrics.body"; then missing=""; fi
 if [ -z "$missing" ]; then ok "GET /metrics has every metric of the contract"; else bad "GET /metrics" "missing:$missing"; fi
 
 # --- non-streaming chat, greedy = coli run --chat
@@ -406,7 +423,7 @@ post e_json /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}'
 if is_error e_json 400 invalid_request_error; then ok "bad JSON: 400 invalid_request_error"; else bad "bad JSON" "$code $(errbody e_json)"; fi
 post e_type /v1/chat/completions "$(chat_body "$A" '"x"')"
 if is_error e_type 400 invalid_request_error && qt "$tmp/e_type.body" "d['error']['param'] == 'max_tokens'"; then ok "\"max_tokens\":\"x\": 400, error.param max_tokens"; else bad "max_tokens wrong type" "$code $(errbody e_type)"; fi
-post e_type2 /v1/chat/completions "$(chat_body "$A" 4 '"temperature":"hot"')"
+post e_type2 /v1/chat/completions "$(printf '{"messages":[{"role":"user","content":"%s"}],"max_tokens":4,"temperature":"hot"}' "$A")"
 if is_error e_type2 400 invalid_request_error && qt "$tmp/e_type2.body" "d['error']['param'] == 'temperature'"; then ok "\"temperature\":\"hot\": 400, error.param temperature"; else bad "temperature wrong type" "$code $(errbody e_type2)"; fi
 post e_type3 /v1/chat/completions "$(chat_body "$A" 4 '"stream":"yes"')"
 if is_error e_type3 400 invalid_request_error && qt "$tmp/e_type3.body" "d['error']['param'] == 'stream'"; then ok "\"stream\":\"yes\": 400, error.param stream"; else bad "stream wrong type" "$code $(errbody e_type3)"; fi
@@ -488,12 +505,19 @@ if grep -qE '^coli_requests_total\{code="200"\} [1-9]' "$tmp/metrics2.body" && g
     ok "/metrics counts the 200s, the 400s and the generated tokens"
 else bad "/metrics counters" "$(grep -E '^coli_(requests|generated)' "$tmp/metrics2.body" | head -n 6 | tr '\n' ' ')"; fi
 
+wait "$slow_pid"
+slow_pid=""
+read -r slow_rc ms <"$tmp/slow.res" || slow_rc=""
+if [ "$slow_rc" != 124 ] && [ -n "$slow_rc" ] && [ "${ms:-0}" -ge 8000 ] && [ "${ms:-0}" -le 15000 ]; then
+    ok "half a header block, then silence: closed after $ms ms (10 s header deadline)"
+else bad "header deadline" "$( [ "$slow_rc" = 124 ] && echo "still open after 20 s" || echo "closed after ${ms:-?} ms (cat exit ${slow_rc:-?})"); got: $(head -c 100 "$tmp/slow.raw" | tr '\r\n' '  ')"; fi
+
 # --- the fuzz client
 if [ -n "$FUZZ" ]; then
     if [ -x "$FUZZ" ]; then
         rc=0
         timeout 120 "$FUZZ" 127.0.0.1 "$port" 300 >"$tmp/fuzz.out" 2>&1 </dev/null || rc=$?
-        tail -n 3 "$tmp/fuzz.out" | sed 's/^/# fuzz: /'
+        { grep -E '^FAIL - ' "$tmp/fuzz.out" | head -n 20; tail -n 1 "$tmp/fuzz.out"; } | sed 's/^/# fuzz: /'
         if [ "$rc" = 0 ]; then ok "fuzz client: 300 rounds, exit 0"; else bad "fuzz client" "exit $rc: $(tail -n 5 "$tmp/fuzz.out" | tr '\n' ' ' | head -c 400)"; fi
         http health3 GET /health
         if [ "$code" = 200 ]; then ok "/health 200 after the fuzz client"; else bad "/health after the fuzz client" "$code"; fi
