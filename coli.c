@@ -7508,6 +7508,8 @@ static int serve_parse_head(char *head, struct serve_request *r, struct serve_er
     char *line = head, *eol = strstr(line, "\r\n"), version[16];
     int n_headers = 0;
     if (eol) *eol = 0;
+    for (const char *p = line; *p; p++) /* sscanf's spaces would also take a CR or a tab */
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) return snprintf(e->message, sizeof e->message, "a control character in the request line"), -1;
     int n = 0;
     if (sscanf(line, "%15[A-Z] %2047[!-~] HTTP/%15[0-9.]%n", r->method, r->path, version, &n) != 3 || line[n] || r->path[0] != '/')
         return snprintf(e->message, sizeof e->message, "a malformed request line"), -1;
@@ -7616,6 +7618,9 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
         if (got < 0 && c->len) return e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come in time"), -1;
         if (got == 0 && c->len) return snprintf(e->message, sizeof e->message, "the request ended in its head"), -1;
         if (got <= 0) return 0;
+        for (size_t i = c->len - (size_t)got; i < c->len; i++) /* else a head ended by bare LFs would wait out its deadline */
+            if (c->buf[i] == '\n' && (i == 0 || c->buf[i - 1] != '\r'))
+                return snprintf(e->message, sizeof e->message, "a line ending without CR in the request head"), -1;
         if ((size_t)got == c->len) deadline = plat_now() + SERVE_HEAD_TIMEOUT; /* the first bytes: the head must follow soon */
     }
     size_t head_len = (size_t)(end - c->buf);

@@ -219,6 +219,16 @@ static int take_string(struct result *r, const char *s, const char *end)
     return any;
 }
 
+/* An error event is an object whose first key is "error" (a content delta may well be the
+ * text "error", so a mere substring says nothing). */
+static int is_error_event(const char *d)
+{
+    while (*d == ' ') d++;
+    if (*d++ != '{') return 0;
+    while (*d == ' ') d++;
+    return !strncmp(d, "\"error\"", 7);
+}
+
 /* One complete event: its data lines. */
 static void sse_event(struct sse *p, char *ev, size_t n)
 {
@@ -231,7 +241,7 @@ static void sse_event(struct sse *p, char *ev, size_t n)
         if (!strncmp(line, "data:", 5)) {
             char *d = line + 5 + (line[5] == ' ');
             if (!strcmp(d, "[DONE]")) p->done = 1;
-            else if (strstr(d, "\"error\"")) p->error = 1;
+            else if (is_error_event(d)) p->error = 1;
             else {
                 char *u = strstr(d, "\"usage\"");
                 char *ct = u ? strstr(u, "\"completion_tokens\"") : NULL;
