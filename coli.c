@@ -7618,7 +7618,11 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
         if (got < 0 && c->len) return e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come in time"), -1;
         if (got == 0 && c->len) return snprintf(e->message, sizeof e->message, "the request ended in its head"), -1;
         if (got <= 0) return 0;
-        for (size_t i = c->len - (size_t)got; i < c->len; i++) /* else a head ended by bare LFs would wait out its deadline */
+        /* a bare LF in the head so far (not in a body behind it): else a head ended by bare LFs
+         * would wait out its deadline */
+        const char *head_end = memmem(c->buf, c->len, "\r\n\r\n", 4);
+        size_t stop = head_end ? (size_t)(head_end - c->buf) + 4 : c->len;
+        for (size_t i = c->len - (size_t)got; i < stop; i++)
             if (c->buf[i] == '\n' && (i == 0 || c->buf[i - 1] != '\r'))
                 return snprintf(e->message, sizeof e->message, "a line ending without CR in the request head"), -1;
         if ((size_t)got == c->len) deadline = plat_now() + SERVE_HEAD_TIMEOUT; /* the first bytes: the head must follow soon */
