@@ -36,25 +36,25 @@ int main(void)
     logits[700] = 3.0f; /* a tie with 500: greedy takes the lower id */
     logits[100] = 2.0f;
     uint64_t rng = 1;
-    struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1};
+    struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
 
-    struct sample_params top1 = {1.0f, 1, 1.0f, 0.0f, 1.0f, 64, 7};
+    struct sample_params top1 = {1.0f, 1, 1.0f, 0.0f, 1.0f, 64, 7, 0.0f, 0.0f};
     draw(&top1, logits, 200, count);
     check(count[500] + count[700] == 200 && (count[500] == 200 || count[700] == 200), "top-k 1: always one of the best");
 
     /* p(500) = p(700) = e^3 / (2e^3 + e^2 + ~997 e^-10) ~ 0.4223, p(100) ~ 0.1554 */
-    struct sample_params plain = {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 11};
+    struct sample_params plain = {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 11, 0.0f, 0.0f};
     draw(&plain, logits, 20000, count);
     double f500 = count[500] / 20000.0, f100 = count[100] / 20000.0;
     check(fabs(f500 - 0.4223) < 0.02 && fabs(f100 - 0.1554) < 0.015, "temperature 1: frequencies follow softmax");
 
-    struct sample_params nucleus = {1.0f, 0, 0.8f, 0.0f, 1.0f, 64, 3};
+    struct sample_params nucleus = {1.0f, 0, 0.8f, 0.0f, 1.0f, 64, 3, 0.0f, 0.0f};
     draw(&nucleus, logits, 2000, count);
     check(count[500] + count[700] == 2000, "top-p 0.8: only the two best (0.84 of the mass)");
 
-    struct sample_params minp = {1.0f, 0, 1.0f, 0.5f, 1.0f, 64, 5};
+    struct sample_params minp = {1.0f, 0, 1.0f, 0.5f, 1.0f, 64, 5, 0.0f, 0.0f};
     draw(&minp, logits, 2000, count);
     check(count[100] == 0 && count[500] > 0 && count[700] > 0, "min-p 0.5: drops what is below half the best");
 
@@ -65,10 +65,16 @@ int main(void)
     check(!memcmp(ca, cb, sizeof ca), "same seed, same draws");
 
     int history[3] = {500, 500, 42};
-    struct sample_params pen = {0.0f, 0, 1.0f, 0.0f, 2.0f, 64, 1};
+    struct sample_params pen = {0.0f, 0, 1.0f, 0.0f, 2.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     int id = sample_next(&pen, row, V, history, 3, &rng, cand);
     check(id == 700 && row[500] == 1.5f && row[42] == logits[42] * 2.0f, "repetition penalty: divides positive, multiplies negative, once per token");
+
+    struct sample_params pf = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.25f, 0.5f};
+    memcpy(row, logits, sizeof row);
+    sample_next(&pf, row, V, history, 3, &rng, cand);
+    check(row[500] == logits[500] - (0.25f + 0.5f * 2) && row[42] == logits[42] - (0.25f + 0.5f) && row[700] == logits[700],
+          "presence and frequency penalties: once per token seen, and per time seen");
 
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail != 0;
