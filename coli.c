@@ -161,6 +161,9 @@ static size_t plat_mul_size(size_t a, size_t b, const char *what)
     return a * b;
 }
 
+/* A / B, or 0 when B is not positive (a rate before anything was timed). */
+static double plat_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
+
 static double plat_now(void)
 {
     struct timespec ts;
@@ -5000,6 +5003,12 @@ static int64_t model_conv_dim(const struct model_config *c)
     return 2 * (int64_t)c->ssm_nk * c->ssm_dk + (int64_t)c->ssm_nv * c->ssm_dv;
 }
 
+/* Floats of one DeltaNet layer's recurrent state: its conv state, then its ssm state. */
+static size_t model_recurrent_floats(const struct model_config *c)
+{
+    return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
+}
+
 /* Bytes of KV cache one token of context takes (F32, every attention layer). */
 static int64_t model_kv_bytes_per_token(const struct model *m)
 {
@@ -5026,8 +5035,7 @@ static int64_t model_seq_bytes(const struct model *m)
 {
     int64_t state = 0;
     for (int i = 0; i < m->cfg.n_layers; i++)
-        if (m->layers[i].kind == MODEL_LAYER_DELTANET)
-            state += ((int64_t)model_conv_dim(&m->cfg) * (m->cfg.conv_kernel - 1) + (int64_t)m->cfg.ssm_nv * m->cfg.ssm_dv * m->cfg.ssm_dk) * 4;
+        if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(&m->cfg) * 4;
     return model_kv_bytes_per_token(m) * m->n_ctx + state;
 }
 
@@ -5791,11 +5799,6 @@ struct model_checkpoint {
     int pos;
     float *recurrent; /* every DeltaNet layer's conv state then ssm state, in layer order */
 };
-
-static size_t model_recurrent_floats(const struct model_config *c)
-{
-    return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
-}
 
 /* Saves (SAVE = 1) or restores (0) the state of Q; the checkpoint's buffer is allocated once. */
 static void model_checkpoint(const struct model *m, struct model_seq *q, struct model_checkpoint *cp, int save)
@@ -7705,6 +7708,7 @@ struct serve_job {
     struct engine_request req;
     char *stop[SERVE_MAX_STOP];
     int n_stop;
+    size_t longest_stop;       /* bytes of the longest stop string */
     struct tok_utf8_stream utf8;
     volatile sig_atomic_t cancel; /* the client went away: set by the connection thread */
     /* shared with the engine's sink, under mu */
@@ -7792,10 +7796,7 @@ static int serve_job_append(struct serve_job *j, const char *s, size_t n)
     j->text = tok_grow(j->text, &j->cap, j->len + n + 1, 1);
     memcpy(j->text + j->len, s, n);
     j->len += n;
-    size_t longest = 0;
-    for (int i = 0; i < j->n_stop; i++)
-        if (strlen(j->stop[i]) > longest) longest = strlen(j->stop[i]);
-    long at = serve_find_stop(j, from + 1 > longest ? from + 1 - longest : 0);
+    long at = serve_find_stop(j, from + 1 > j->longest_stop ? from + 1 - j->longest_stop : 0);
     if (at >= 0) j->len = (size_t)at;
     j->released = j->len - (at >= 0 ? 0 : serve_stop_holdback(j));
     return at >= 0;
@@ -8022,6 +8023,7 @@ static int serve_stops(const struct serve_json *body, struct serve_job *j, struc
         if (s->kind != SERVE_JSON_STRING || !s->len || strlen(s->str) != s->len) return serve_bad(e, "stop", "'stop' must hold non-empty strings");
         if (j->n_stop == SERVE_MAX_STOP) return serve_bad(e, "stop", "at most %d stop strings", SERVE_MAX_STOP);
         j->stop[j->n_stop++] = plat_strdup(s->str);
+        if (s->len > j->longest_stop) j->longest_stop = s->len;
     }
     return 0;
 }
@@ -8112,7 +8114,7 @@ static int serve_settings(struct serve *srv, const struct serve_json *body, stru
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
-        return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate)", j->req.n_prompt, n_ctx);
+        return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);
     int room = n_ctx - j->req.n_prompt;
     j->req.n_max = max > 0 ? (max < room ? (int)max : room) : srv->default_max > 0 && srv->default_max < room ? srv->default_max : room;
     return 0;
@@ -8348,8 +8350,6 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, i
 
 /* ---- endpoints, connections, the listening socket ---- */
 
-static double serve_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
-
 /* /metrics in the Prometheus text format. */
 static char *serve_metrics(struct serve *srv, size_t *n)
 {
@@ -8367,16 +8367,16 @@ static char *serve_metrics(struct serve *srv, size_t *n)
         fprintf(f, "coli_requests_total{code=\"%d\"} %llu\n", st.status[k], (unsigned long long)st.by_status[k]);
     fprintf(f, "# TYPE coli_prompt_tokens_total counter\ncoli_prompt_tokens_total %llu\n", (unsigned long long)st.prompt_tokens);
     fprintf(f, "# TYPE coli_generated_tokens_total counter\ncoli_generated_tokens_total %llu\n", (unsigned long long)st.generated_tokens);
-    fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n", serve_ratio(st.prompt_tokens, st.prompt_s));
+    fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n", plat_ratio(st.prompt_tokens, st.prompt_s));
     fprintf(f, "# TYPE coli_decode_tokens_per_second gauge\ncoli_decode_tokens_per_second %.3f\n",
-            serve_ratio(st.generated_tokens > st.requests_done ? st.generated_tokens - st.requests_done : 0, st.decode_s));
+            plat_ratio(st.generated_tokens > st.requests_done ? st.generated_tokens - st.requests_done : 0, st.decode_s));
     fprintf(f, "# TYPE coli_queue_length gauge\ncoli_queue_length %d\n", queued);
     fprintf(f, "# TYPE coli_slots_busy gauge\ncoli_slots_busy %d\n# TYPE coli_slots_total gauge\ncoli_slots_total %d\n", st.slots_busy, srv->n_slots);
     fputs("# TYPE coli_expert_hit_rate gauge\n# TYPE coli_expert_vram_rate gauge\n", f);
     for (int ph = 0; ph < 2; ph++) {
         const char *name = ph ? "decode" : "prompt";
-        fprintf(f, "coli_expert_hit_rate{phase=\"%s\"} %.4f\n", name, serve_ratio(st.experts.hits[ph], st.experts.lookups[ph]));
-        fprintf(f, "coli_expert_vram_rate{phase=\"%s\"} %.4f\n", name, serve_ratio(st.experts.vram[ph], st.experts.lookups[ph]));
+        fprintf(f, "coli_expert_hit_rate{phase=\"%s\"} %.4f\n", name, plat_ratio(st.experts.hits[ph], st.experts.lookups[ph]));
+        fprintf(f, "coli_expert_vram_rate{phase=\"%s\"} %.4f\n", name, plat_ratio(st.experts.vram[ph], st.experts.lookups[ph]));
     }
     int64_t rss = plat_read_number("/proc/self/status", "VmRSS");
     fprintf(f, "# TYPE coli_resident_bytes gauge\ncoli_resident_bytes %lld\n", (long long)(rss < 0 ? -1 : rss * 1024));
@@ -8746,8 +8746,6 @@ static struct engine_request cmd_request(const struct cmd_options *o, const int 
     return r;
 }
 
-static double cmd_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
-
 /* Peak resident set of this process in bytes (VmHWM); -1 if unknown. */
 static int64_t cmd_peak_rss(void)
 {
@@ -8763,13 +8761,13 @@ static void cmd_print_expert_stats(struct expert_store *x)
     struct expert_stats st = expert_stats_get(x);
     const double gib = 1073741824.0;
     plat_log("[experts] %s; in VRAM: prompt %.1f%%, decode %.1f%%; in RAM: prompt %.1f%% of %llu, decode %.1f%% of %llu (%.1f%% more under way); read %.2f GiB (%llu experts, %llu prefetched, %llu warming), %.2f GB/s while reading",
-             x->mapped ? "mapped" : "cached", 100 * cmd_ratio(st.vram[0], st.lookups[0]), 100 * cmd_ratio(st.vram[1], st.lookups[1]),
-             100 * cmd_ratio(st.hits[0], st.lookups[0]), (unsigned long long)st.lookups[0],
-             100 * cmd_ratio(st.hits[1], st.lookups[1]), (unsigned long long)st.lookups[1], 100 * cmd_ratio(st.inflight[1], st.lookups[1]),
+             x->mapped ? "mapped" : "cached", 100 * plat_ratio(st.vram[0], st.lookups[0]), 100 * plat_ratio(st.vram[1], st.lookups[1]),
+             100 * plat_ratio(st.hits[0], st.lookups[0]), (unsigned long long)st.lookups[0],
+             100 * plat_ratio(st.hits[1], st.lookups[1]), (unsigned long long)st.lookups[1], 100 * plat_ratio(st.inflight[1], st.lookups[1]),
              st.bytes_read / gib, (unsigned long long)st.reads, (unsigned long long)st.prefetches, (unsigned long long)st.warm_reads,
-             cmd_ratio(st.bytes_read / 1e9, st.busy_s));
+             plat_ratio(st.bytes_read / 1e9, st.busy_s));
     plat_log("[experts] prefetch guessed %.1f%% of routed experts (prompt %.1f%%); waited for reads %.2f s (prompt %.2f s); peak RSS %.2f GiB",
-             100 * cmd_ratio(st.predicted_used[1], st.routed_seen[1]), 100 * cmd_ratio(st.predicted_used[0], st.routed_seen[0]),
+             100 * plat_ratio(st.predicted_used[1], st.routed_seen[1]), 100 * plat_ratio(st.predicted_used[0], st.routed_seen[0]),
              st.wait_s[1], st.wait_s[0], cmd_peak_rss() / gib);
 }
 
@@ -8790,42 +8788,15 @@ static void cmd_json_experts(FILE *f, struct expert_store *x)
             x->mapped ? -1LL : (long long)x->n_slots * (long long)x->slot_bytes, x->n_slots, x->n_pin,
             x->mapped ? "mmap" : x->cfg.io == EXPERT_IO_DIRECT ? "direct" : "buffered");
     fprintf(f, ",\"lookups_prompt\":%llu,\"lookups_decode\":%llu,\"hit_rate_prompt\":%.4f,\"hit_rate_decode\":%.4f",
-            (unsigned long long)st.lookups[0], (unsigned long long)st.lookups[1], cmd_ratio(st.hits[0], st.lookups[0]),
-            cmd_ratio(st.hits[1], st.lookups[1]));
-    fprintf(f, ",\"vram_rate_prompt\":%.4f,\"vram_rate_decode\":%.4f", cmd_ratio(st.vram[0], st.lookups[0]), cmd_ratio(st.vram[1], st.lookups[1]));
+            (unsigned long long)st.lookups[0], (unsigned long long)st.lookups[1], plat_ratio(st.hits[0], st.lookups[0]),
+            plat_ratio(st.hits[1], st.lookups[1]));
+    fprintf(f, ",\"vram_rate_prompt\":%.4f,\"vram_rate_decode\":%.4f", plat_ratio(st.vram[0], st.lookups[0]), plat_ratio(st.vram[1], st.lookups[1]));
     fprintf(f, ",\"bytes_read\":%llu,\"reads\":%llu,\"prefetches\":%llu,\"warm_reads\":%llu,\"disk_gb_s\":%.3f,\"read_busy_s\":%.3f",
             (unsigned long long)st.bytes_read, (unsigned long long)st.reads, (unsigned long long)st.prefetches,
-            (unsigned long long)st.warm_reads, cmd_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);
+            (unsigned long long)st.warm_reads, plat_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);
     fprintf(f, ",\"prefetch_accuracy_prompt\":%.4f,\"prefetch_accuracy_decode\":%.4f,\"wait_prompt_s\":%.3f,\"wait_decode_s\":%.3f",
-            cmd_ratio(st.predicted_used[0], st.routed_seen[0]), cmd_ratio(st.predicted_used[1], st.routed_seen[1]), st.wait_s[0], st.wait_s[1]);
+            plat_ratio(st.predicted_used[0], st.routed_seen[0]), plat_ratio(st.predicted_used[1], st.routed_seen[1]), st.wait_s[0], st.wait_s[1]);
     fprintf(f, ",\"peak_rss_bytes\":%lld}", (long long)cmd_peak_rss());
-}
-
-/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the line stays valid JSON. */
-static void cmd_json_string(FILE *f, const char *s, size_t n)
-{
-    fputc('"', f);
-    for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') { fprintf(f, "\\%c", c); i++; continue; }
-        if (c < 0x20) { fprintf(f, "\\u%04x", c); i++; continue; }
-        if (c < 0x80) { fputc(c, f); i++; continue; }
-        int len = c >= 0xF0 && c < 0xF5 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
-        int ok = len > 0 && i + (size_t)len <= n;
-        for (int k = 1; ok && k < len; k++) ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
-        if (ok && len == 3) {
-            unsigned char d = (unsigned char)s[i + 1];
-            ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0);
-        }
-        if (ok && len == 4) {
-            unsigned char d = (unsigned char)s[i + 1];
-            ok = !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d >= 0x90);
-        }
-        if (!ok) { fputs("\\ufffd", f); i++; continue; }
-        fwrite(s + i, 1, (size_t)len, f);
-        i += (size_t)len;
-    }
-    fputc('"', f);
 }
 
 static void cmd_json_ids(FILE *f, const int *ids, int n)
@@ -8843,7 +8814,7 @@ static void cmd_print_json(struct cmd_session *s, const int *prompt, const struc
     printf(",\"tokens\":");
     cmd_json_ids(stdout, g->tokens, g->n_tokens);
     printf(",\"text\":");
-    cmd_json_string(stdout, g->text ? g->text : "", g->text_len);
+    serve_json_write_string(stdout, g->text ? g->text : "", g->text_len);
     printf(",\"top\":[");
     for (int i = 0; i < g->n_tokens; i++) {
         printf("%s[", i ? "," : "");

@@ -139,6 +139,7 @@ static void test_stop_strings(void)
     j.stop[0] = "END";
     j.stop[1] = "xy";
     j.n_stop = 2;
+    j.longest_stop = 3;
     const char *pieces[] = {"Hello E", "N", "D world"};
     int stopped = 0;
     size_t released[3];
@@ -152,6 +153,7 @@ static void test_stop_strings(void)
     memset(&j, 0, sizeof j);
     j.stop[0] = "END";
     j.n_stop = 1;
+    j.longest_stop = 3;
     serve_job_append(&j, "EN", 2);
     int s2 = serve_job_append(&j, "d", 1);
     check(!s2 && j.released == 3, "stop strings: a start that does not finish is released", "released %zu", j.released);
