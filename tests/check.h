@@ -66,6 +66,7 @@ static int check_golden_cases(const char *dir, char **names, int cap)
     return n;
 }
 
+#ifdef COLI_VERSION /* the tests that include coli.c */
 /* Whether coli's GGUF reader refuses the golden model PATH for a weight type it does not read
  * yet (the golden set has more formats than coli so far): a child opens it, and a refusal is
  * reported as a skip of NAME with its reason. Any other outcome is 0, so that the test itself
@@ -100,4 +101,5 @@ static int check_golden_unsupported(const char *path, const char *name)
     }
     return refused;
 }
+#endif
 #endif

@@ -146,6 +146,7 @@ static void escape(const char *p, size_t n, char *out, size_t cap)
     out[o < cap ? o : cap - 1] = 0;
 }
 
+#include "check.h"
 #include "http_client.h"
 
 /* ---- one reply ------------------------------------------------------------------------------ */
@@ -1229,24 +1230,6 @@ static void *slow_main(void *arg)
 
 /* ---- the report ----------------------------------------------------------------------------- */
 
-static int n_pass, n_fail;
-
-__attribute__((format(printf, 3, 4))) static void check(int ok, const char *what, const char *fmt, ...)
-{
-    if (ok) {
-        printf("ok - %s\n", what);
-        n_pass++;
-        return;
-    }
-    va_list ap;
-    printf("FAIL - %s: ", what);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    n_fail++;
-}
-
 /* "400:12 close:3" for one category, the commonest codes first. */
 static void summarize(const struct catstat *s, char *out, size_t cap)
 {
@@ -1329,8 +1312,7 @@ int main(int argc, char **argv)
         for (int e = 0; e < hang_ex_n && e < MAX_EXAMPLES; e++) printf("# %s\n", hang_ex[e]);
         for (int e = 0; e < bad_ex_n && e < MAX_EXAMPLES; e++) printf("# %s\n", bad_ex[e]);
         check(!fails, "the request", "see above");
-        printf("%d passed, %d failed\n", n_pass, n_fail);
-        return n_fail != 0;
+        return check_done();
     }
     printf("# serve_fuzz: %ld requests to %s, seed %llu, %d threads\n", n, srv_name, (unsigned long long)g_seed, threads);
     int idle_ok = idle_connections();
@@ -1391,6 +1373,5 @@ int main(int argc, char **argv)
         for (int e = 1; e < stats[k].n_ex; e++) printf("#   %s\n", stats[k].ex[e]);
     }
     printf("# wall %.1f s\n", now_s() - t0);
-    printf("%d passed, %d failed\n", n_pass, n_fail);
-    return n_fail != 0;
+    return check_done();
 }

@@ -45,6 +45,7 @@ static void die(const char *msg)
     exit(2);
 }
 
+#include "check.h"
 #include "http_client.h"
 
 /* ---- one streaming request ------------------------------------------------------------------ */
@@ -417,24 +418,6 @@ static int wait_health(void)
         nanosleep(&ts, NULL);
     }
     return 0;
-}
-
-static int n_pass, n_fail;
-
-__attribute__((format(printf, 3, 4))) static void check(int ok, const char *what, const char *fmt, ...)
-{
-    if (ok) {
-        printf("ok - %s\n", what);
-        n_pass++;
-        return;
-    }
-    va_list ap;
-    printf("FAIL - %s: ", what);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    n_fail++;
 }
 
 static void usage(void)
