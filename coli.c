@@ -384,6 +384,52 @@ __attribute__((constructor(101))) static void plat_default_thread_stack(void)
 
 static int plat_threads(void) { return omp_get_max_threads(); }
 
+/* SHA-256 (FIPS 180-4) of DATA[0..n): what names a chat template (§9). */
+static void plat_sha256(const void *data, size_t n, uint8_t out[32])
+{
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    const uint8_t *p = data;
+    size_t blocks = (n + 9 + 63) / 64; /* the message, a 0x80 byte and the 64-bit length, padded */
+    for (size_t b = 0; b < blocks; b++) {
+        uint8_t block[64];
+        for (size_t i = 0; i < 64; i++) {
+            size_t at = b * 64 + i;
+            block[i] = at < n ? p[at] : at == n ? 0x80 : 0;
+        }
+        if (b == blocks - 1)
+            for (int i = 0; i < 8; i++) block[63 - i] = (uint8_t)(((uint64_t)n * 8) >> (8 * i));
+        uint32_t w[64], v[8];
+        for (int i = 0; i < 16; i++)
+            w[i] = (uint32_t)block[4 * i] << 24 | (uint32_t)block[4 * i + 1] << 16 | (uint32_t)block[4 * i + 2] << 8 | block[4 * i + 3];
+#define PLAT_ROTR(x, r) ((x) >> (r) | (x) << (32 - (r)))
+        for (int i = 16; i < 64; i++) {
+            uint32_t s0 = PLAT_ROTR(w[i - 15], 7) ^ PLAT_ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+            uint32_t s1 = PLAT_ROTR(w[i - 2], 17) ^ PLAT_ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+        }
+        memcpy(v, h, sizeof v);
+        for (int i = 0; i < 64; i++) {
+            uint32_t t1 = v[7] + (PLAT_ROTR(v[4], 6) ^ PLAT_ROTR(v[4], 11) ^ PLAT_ROTR(v[4], 25)) + ((v[4] & v[5]) ^ (~v[4] & v[6])) + k[i] + w[i];
+            uint32_t t2 = (PLAT_ROTR(v[0], 2) ^ PLAT_ROTR(v[0], 13) ^ PLAT_ROTR(v[0], 22)) + ((v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]));
+            memmove(v + 1, v, 7 * sizeof *v);
+            v[4] += t1;
+            v[0] = t1 + t2;
+        }
+#undef PLAT_ROTR
+        for (int i = 0; i < 8; i++) h[i] += v[i];
+    }
+    for (int i = 0; i < 32; i++) out[i] = (uint8_t)(h[i / 4] >> (24 - 8 * (i % 4)));
+}
+
 /* ==== §2 gguf ==== */
 /* Owns: reading GGUF v2/v3 files (and split sets NAME-0000k-of-0000N.gguf): the header, every
  *   metadata value, the tensor infos, the memory mapping of tensor data.
@@ -5897,6 +5943,37 @@ enum tok_pre { TOK_PRE_QWEN2, TOK_PRE_QWEN35 };
 
 #define TOK_MAX_EOG 16
 
+/* The chat templates coli renders itself, found by the sha256 of the file's
+ * tokenizer.chat_template. Qwen3.6 is Qwen3.5 with two lines changed: preserve_thinking, and
+ * scalar tool arguments written as JSON rather than with Python's str(). */
+enum tok_template { TOK_TEMPLATE_QWEN35, TOK_TEMPLATE_QWEN36 };
+static const char *const tok_template_names[] = {"Qwen3.5", "Qwen3.6"};
+
+static const struct { const char *sha256; enum tok_template kind; } tok_templates_known[] = {
+    {"a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715", TOK_TEMPLATE_QWEN35},
+    {"e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259", TOK_TEMPLATE_QWEN36},
+};
+
+/* Which renderer a file's template TEXT[0..n) gets (TEXT NULL: the file has none), and a line
+ * saying so into SAY. Another template is rendered as Qwen3.6: every Qwen3.5/3.6 file coli
+ * runs speaks its ChatML, tools and think blocks. */
+static enum tok_template tok_template_detect(const char *text, size_t n, char *say, size_t say_len)
+{
+    uint8_t digest[32];
+    char hex[65];
+    plat_sha256(text ? text : "", text ? n : 0, digest);
+    for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+    for (size_t i = 0; text && i < sizeof tok_templates_known / sizeof tok_templates_known[0]; i++)
+        if (!strcmp(hex, tok_templates_known[i].sha256)) {
+            enum tok_template kind = tok_templates_known[i].kind;
+            snprintf(say, say_len, "%s, the file's own (sha256 %.8s…)", tok_template_names[kind], hex);
+            return kind;
+        }
+    if (text) snprintf(say, say_len, "%s: the file's template (%zu bytes, sha256 %.8s…) is not one coli knows", tok_template_names[TOK_TEMPLATE_QWEN36], n, hex);
+    else snprintf(say, say_len, "%s: the file has no chat template", tok_template_names[TOK_TEMPLATE_QWEN36]);
+    return TOK_TEMPLATE_QWEN36;
+}
+
 struct tok {
     int n_vocab;
     char *text;             /* all token texts back to back, in vocabulary form */
@@ -5917,6 +5994,8 @@ struct tok {
     int eog[TOK_MAX_EOG];   /* end-of-generation tokens */
     int n_eog;
     enum tok_pre pre;
+    enum tok_template chat_template; /* the renderer of chat messages (tok_chat_template_render) */
+    char chat_template_about[200];   /* which one, and why: for the log */
 };
 
 /* ---- byte-level map and hashing ---- */
@@ -6227,6 +6306,9 @@ static void tok_load(struct tok *t, const struct gguf_file *g)
     }
     tok_load_merges(t, g);
     tok_load_specials(t, g);
+    size_t len = 0;
+    const char *tpl = gguf_get_string(g, "tokenizer.chat_template", &len);
+    t->chat_template = tok_template_detect(tpl, len, t->chat_template_about, sizeof t->chat_template_about);
 }
 
 /* Frees what tok_load allocated; t is zeroed and may be loaded again. */
@@ -6617,9 +6699,11 @@ static size_t tok_stream_flush(struct tok_utf8_stream *s, char *out)
     return n;
 }
 
-/* ---- chat template ---- */
+/* ---- JSON values (RFC 8259, read strictly: no trailing commas, comments, NaN, lone
+ * surrogates or invalid UTF-8). Chat messages and tools are JSON, for the server and the
+ * template alike; objects keep their members in order and numbers their text. ---- */
 
-struct tok_chat_msg { const char *role; const char *content; };
+#define JSON_MAX_DEPTH 64
 
 /* A growing NUL-terminated string. */
 struct tok_buf { char *p; size_t n, cap; };
@@ -6632,46 +6716,634 @@ static void tok_buf_put(struct tok_buf *b, const char *s, size_t len)
     b->p[b->n] = 0;
 }
 
-static int tok_is_space(char c)
+
+
+enum json_kind { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT };
+
+struct json {
+    enum json_kind kind;
+    int boolean;
+    double number;
+    char *str;                 /* STRING: the decoded UTF-8, NUL-terminated (may hold NULs);
+                                * NUMBER: its text */
+    size_t len;
+    char *name;                /* a member of an object: its name, NUL-terminated */
+    struct json *child;  /* ARRAY, OBJECT: the first element or member */
+    struct json *next;   /* the next element or member of the parent */
+};
+
+struct json_parser {
+    const unsigned char *p, *end;
+    int depth;
+    const char *error;         /* the first error, NULL while none */
+};
+
+static void json_free(struct json *v)
 {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+    while (v) {
+        struct json *next = v->next;
+        json_free(v->child);
+        free(v->str);
+        free(v->name);
+        free(v);
+        v = next;
+    }
 }
 
-/* The answer part of an assistant history turn: a leading <think>…</think> block and the
- * whitespace around it are dropped, since Qwen3.5/3.6 do not show old reasoning to the model. */
-static const char *tok_chat_answer(const char *s)
+/* The length of the well-formed UTF-8 character at S (N bytes left): 1-4, or 0 if it is not
+ * one (overlong forms, surrogates and code points past U+10FFFF are not). */
+static int tok_utf8_len(const unsigned char *s, size_t n)
 {
-    const char *p = s, *end;
-    while (tok_is_space(*p)) p++;
-    if (strncmp(p, "<think>", 7) || !(end = strstr(p + 7, "</think>"))) return s;
-    for (p = end + 8; tok_is_space(*p); p++) {}
-    return p;
+    unsigned c = s[0];
+    if (c < 0x80) return 1;
+    int len = c >= 0xF0 && c < 0xF5 ? 4 : c >= 0xE0 && c < 0xF0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
+    if (!len || (size_t)len > n) return 0;
+    for (int k = 1; k < len; k++)
+        if ((s[k] & 0xC0) != 0x80) return 0;
+    if (len == 3 && ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] >= 0xA0))) return 0;
+    if (len == 4 && ((c == 0xF0 && s[1] < 0x90) || (c == 0xF4 && s[1] >= 0x90))) return 0;
+    return len;
 }
 
-/* Renders messages (roles "system", "user", "assistant"; NUL-terminated strings) with the ChatML
- * template of Qwen3.5/3.6:  <|im_start|>ROLE\nCONTENT<|im_end|>\n  per message, then, if
- * add_generation_prompt, "<|im_start|>assistant\n<think>\n" (think) or the same with an empty
- * closed think block "<think>\n\n</think>\n\n" (no think).  Returns a malloc'd string. */
-static char *tok_chat_render(const struct tok_chat_msg *msgs, int n, int add_generation_prompt, int think)
+/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the output stays valid JSON. */
+static void json_write_string(FILE *f, const char *s, size_t n)
+{
+    fputc('"', f);
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        int len = tok_utf8_len((const unsigned char *)s + i, n - i);
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else if (len) fwrite(s + i, 1, (size_t)len, f);
+        else fputs("\\ufffd", f);
+        i += len ? (size_t)len : 1;
+    }
+    fputc('"', f);
+}
+
+static struct json *json_fail(struct json_parser *ps, const char *why)
+{
+    if (!ps->error) ps->error = why;
+    return NULL;
+}
+
+static void json_skip_space(struct json_parser *ps)
+{
+    while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
+}
+
+/* Four hex digits after \u; -1 if they are not. */
+static long json_hex4(struct json_parser *ps)
+{
+    if (ps->end - ps->p < 4) return -1;
+    long v = 0;
+    for (int i = 0; i < 4; i++) {
+        int c = ps->p[i], d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    ps->p += 4;
+    return v;
+}
+
+/* An escape after the backslash, appended to B as UTF-8; 0, or -1 when malformed. */
+static int json_escape(struct json_parser *ps, struct tok_buf *b)
+{
+    static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
+    if (ps->p >= ps->end) return -1;
+    const char *k = *ps->p ? strchr(from, *ps->p) : NULL;
+    if (k) {
+        tok_buf_put(b, &to[k - from], 1);
+        ps->p++;
+        return 0;
+    }
+    if (*ps->p++ != 'u') return -1;
+    long cp = json_hex4(ps);
+    if (cp >= 0xDC00 && cp <= 0xDFFF) return -1; /* a low surrogate alone */
+    if (cp >= 0xD800 && cp <= 0xDBFF) {
+        if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u') return -1;
+        ps->p += 2;
+        long lo = json_hex4(ps);
+        if (lo < 0xDC00 || lo > 0xDFFF) return -1;
+        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    if (cp < 0) return -1;
+    char u[4];
+    int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    if (n == 1) u[0] = (char)cp;
+    else {
+        for (int i = n - 1; i > 0; i--, cp >>= 6) u[i] = (char)(0x80 | (cp & 0x3F));
+        u[0] = (char)((n == 2 ? 0xC0 : n == 3 ? 0xE0 : 0xF0) | cp);
+    }
+    tok_buf_put(b, u, (size_t)n);
+    return 0;
+}
+
+/* A string at p (on its opening quote): the decoded bytes, or NULL on an error. */
+static char *json_string(struct json_parser *ps, size_t *len)
 {
     struct tok_buf b = {NULL, 0, 0};
     tok_buf_put(&b, "", 0);
-    for (int i = 0; i < n; i++) {
-        const char *role = msgs[i].role, *content = msgs[i].content;
-        if (!strcmp(role, "assistant")) content = tok_chat_answer(content);
-        else if (strcmp(role, "system") && strcmp(role, "user")) die("unsupported chat role %s", role);
-        tok_buf_put(&b, "<|im_start|>", 12);
-        tok_buf_put(&b, role, strlen(role));
-        tok_buf_put(&b, "\n", 1);
-        tok_buf_put(&b, content, strlen(content));
-        tok_buf_put(&b, "<|im_end|>\n", 11);
+    for (ps->p++;;) {
+        if (ps->p >= ps->end) { json_fail(ps, "unterminated string"); break; }
+        unsigned char c = *ps->p;
+        int n = tok_utf8_len(ps->p, (size_t)(ps->end - ps->p));
+        if (c == '"') {
+            ps->p++;
+            *len = b.n;
+            return b.p;
+        }
+        if (c < 0x20) { json_fail(ps, "a control character in a string"); break; }
+        if (c == '\\') {
+            ps->p++;
+            if (json_escape(ps, &b)) { json_fail(ps, "a bad escape in a string"); break; }
+            continue;
+        }
+        if (!n) { json_fail(ps, "invalid UTF-8 in a string"); break; }
+        tok_buf_put(&b, (const char *)ps->p, (size_t)n);
+        ps->p += n;
     }
-    if (add_generation_prompt) {
-        const char *gen = think ? "<|im_start|>assistant\n<think>\n"
-                                : "<|im_start|>assistant\n<think>\n\n</think>\n\n";
-        tok_buf_put(&b, gen, strlen(gen));
+    free(b.p);
+    return NULL;
+}
+
+/* A number by the JSON grammar, read with strtod; a number too large for a double is an error. */
+static struct json *json_number(struct json_parser *ps, struct json *v)
+{
+    const unsigned char *s = ps->p, *q = s;
+    if (q < ps->end && *q == '-') q++;
+    if (q < ps->end && *q == '0') q++;
+    else if (q < ps->end && *q >= '1' && *q <= '9') while (q < ps->end && isdigit(*q)) q++;
+    else return json_fail(ps, "a bad number");
+    if (q < ps->end && *q == '.') {
+        if (++q >= ps->end || !isdigit(*q)) return json_fail(ps, "a bad number");
+        while (q < ps->end && isdigit(*q)) q++;
     }
-    return b.p;
+    if (q < ps->end && (*q == 'e' || *q == 'E')) {
+        if (++q < ps->end && (*q == '+' || *q == '-')) q++;
+        if (q >= ps->end || !isdigit(*q)) return json_fail(ps, "a bad number");
+        while (q < ps->end && isdigit(*q)) q++;
+    }
+    char buf[400];
+    if ((size_t)(q - s) >= sizeof buf) return json_fail(ps, "a number too long");
+    memcpy(buf, s, (size_t)(q - s));
+    buf[q - s] = 0;
+    v->kind = JSON_NUMBER;
+    v->number = strtod(buf, NULL);
+    v->str = plat_strdup(buf); /* the text as sent: the template copies it (tojson) */
+    v->len = (size_t)(q - s);
+    if (!isfinite(v->number)) return json_fail(ps, "a number out of range");
+    ps->p = q;
+    return v;
+}
+
+static struct json *json_value(struct json_parser *ps);
+
+/* The elements of an array or the members of an object (OBJECT), after the opening bracket. */
+static struct json *json_items(struct json_parser *ps, struct json *v, int object)
+{
+    struct json **tail = &v->child;
+    char close = object ? '}' : ']';
+    json_skip_space(ps);
+    if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
+    for (;;) {
+        char *name = NULL;
+        size_t name_len;
+        json_skip_space(ps);
+        if (object) {
+            if (ps->p >= ps->end || *ps->p != '"') return json_fail(ps, "an object member without a name");
+            if (!(name = json_string(ps, &name_len))) return NULL;
+            json_skip_space(ps);
+            if (ps->p >= ps->end || *ps->p++ != ':') { free(name); return json_fail(ps, "a member name without ':'"); }
+        }
+        struct json *item = json_value(ps);
+        if (!item) { free(name); return NULL; }
+        item->name = name;
+        *tail = item;
+        tail = &item->next;
+        json_skip_space(ps);
+        if (ps->p < ps->end && *ps->p == ',') { ps->p++; continue; }
+        if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
+        return json_fail(ps, object ? "an object without ',' or '}'" : "an array without ',' or ']'");
+    }
+}
+
+static struct json *json_value(struct json_parser *ps)
+{
+    json_skip_space(ps);
+    if (ps->p >= ps->end) return json_fail(ps, "a value is missing");
+    struct json *v = plat_zalloc(1, sizeof *v), *ok = v;
+    unsigned char c = *ps->p;
+    size_t left = (size_t)(ps->end - ps->p);
+    if (c == '{' || c == '[') {
+        v->kind = c == '{' ? JSON_OBJECT : JSON_ARRAY;
+        ps->p++;
+        if (++ps->depth > JSON_MAX_DEPTH) ok = json_fail(ps, "nested too deep");
+        else ok = json_items(ps, v, c == '{');
+        ps->depth--;
+    } else if (c == '"') {
+        v->kind = JSON_STRING;
+        ok = (v->str = json_string(ps, &v->len)) ? v : NULL;
+    } else if (left >= 4 && !memcmp(ps->p, "null", 4)) ps->p += 4;
+    else if (left >= 4 && !memcmp(ps->p, "true", 4)) { v->kind = JSON_BOOL; v->boolean = 1; ps->p += 4; }
+    else if (left >= 5 && !memcmp(ps->p, "false", 5)) { v->kind = JSON_BOOL; ps->p += 5; }
+    else ok = json_number(ps, v);
+    if (!ok) {
+        json_free(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* The document TEXT[0..n): its root, or NULL with *ERROR saying why. */
+static struct json *json_parse(const char *text, size_t n, const char **error)
+{
+    struct json_parser ps = {(const unsigned char *)text, (const unsigned char *)text + n, 0, NULL};
+    struct json *v = json_value(&ps);
+    json_skip_space(&ps);
+    if (v && ps.p != ps.end) {
+        json_free(v);
+        v = json_fail(&ps, "text after the value");
+    }
+    *error = ps.error;
+    return v;
+}
+
+/* The member NAME of object V, or NULL (also when V is not an object). */
+static const struct json *json_get(const struct json *v, const char *name)
+{
+    if (!v || v->kind != JSON_OBJECT) return NULL;
+    for (const struct json *m = v->child; m; m = m->next)
+        if (!strcmp(m->name, name)) return m;
+    return NULL;
+}
+
+/* ---- chat template ---- */
+
+static void tok_buf_puts(struct tok_buf *b, const char *s) { tok_buf_put(b, s, strlen(s)); }
+
+/* Python's str.isspace() of code point CP: what Jinja's |trim strips (Unicode White_Space and
+ * the four separators U+001C..U+001F; not U+200B). */
+static int tok_py_space(uint32_t cp)
+{
+    return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+/* The code point of the well-formed UTF-8 character at S, LEN its bytes. */
+static uint32_t tok_utf8_cp(const unsigned char *s, int len)
+{
+    uint32_t cp = len == 1 ? s[0] : s[0] & (0x7F >> len);
+    for (int k = 1; k < len; k++) cp = cp << 6 | (s[k] & 0x3F);
+    return cp;
+}
+
+/* |trim: B[*from..*to) without its leading and trailing whitespace (B is valid UTF-8). */
+static void tok_py_trim(const char *b, size_t *from, size_t *to)
+{
+    const unsigned char *s = (const unsigned char *)b;
+    while (*from < *to) {
+        int len = tok_utf8_len(s + *from, *to - *from);
+        if (!len || !tok_py_space(tok_utf8_cp(s + *from, len))) break;
+        *from += (size_t)len;
+    }
+    while (*to > *from) {
+        size_t start = *to - 1;
+        while (start > *from && (s[start] & 0xC0) == 0x80) start--;
+        int len = tok_utf8_len(s + start, *to - start);
+        if (!len || !tok_py_space(tok_utf8_cp(s + start, len))) break;
+        *to = start;
+    }
+}
+
+/* A rendering in progress: the text, and the first refusal. */
+struct tok_render {
+    enum tok_template kind;
+    struct tok_buf out;
+    const char *error;
+    int n_media;
+};
+
+static int tok_render_fail(struct tok_render *r, const char *why)
+{
+    if (!r->error) r->error = why;
+    return -1;
+}
+
+/* V as Python's json.dumps(v, ensure_ascii=False) writes it (the template's |tojson):
+ * ", " and ": " between items, numbers as sent, non-ASCII characters raw. */
+static void tok_json_dump(struct tok_buf *b, const struct json *v)
+{
+    if (v->kind == JSON_NULL) tok_buf_puts(b, "null");
+    else if (v->kind == JSON_BOOL) tok_buf_puts(b, v->boolean ? "true" : "false");
+    else if (v->kind == JSON_NUMBER) tok_buf_put(b, v->str, v->len);
+    else if (v->kind == JSON_STRING) {
+        tok_buf_puts(b, "\"");
+        for (size_t i = 0; i < v->len; i++) {
+            unsigned char c = (unsigned char)v->str[i];
+            const char *short_form = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\n' ? "\\n" : c == '\r' ? "\\r"
+                                   : c == '\t' ? "\\t" : c == '\b' ? "\\b" : c == '\f' ? "\\f" : NULL;
+            char u[8];
+            if (short_form) tok_buf_puts(b, short_form);
+            else if (c < 0x20) tok_buf_put(b, u, (size_t)snprintf(u, sizeof u, "\\u%04x", c));
+            else tok_buf_put(b, v->str + i, 1);
+        }
+        tok_buf_puts(b, "\"");
+    } else {
+        int object = v->kind == JSON_OBJECT;
+        tok_buf_puts(b, object ? "{" : "[");
+        for (const struct json *m = v->child; m; m = m->next) {
+            if (m != v->child) tok_buf_puts(b, ", ");
+            if (object) {
+                struct json name = {.kind = JSON_STRING, .str = m->name, .len = strlen(m->name)};
+                tok_json_dump(b, &name);
+                tok_buf_puts(b, ": ");
+            }
+            tok_json_dump(b, m);
+        }
+        tok_buf_puts(b, object ? "}" : "]");
+    }
+}
+
+/* V as Jinja prints it (Python's str()) where V is a string or a scalar. */
+static void tok_json_print(struct tok_buf *b, const struct json *v)
+{
+    if (v->kind == JSON_STRING) tok_buf_put(b, v->str, v->len);
+    else if (v->kind == JSON_NULL) tok_buf_puts(b, "None");
+    else if (v->kind == JSON_BOOL) tok_buf_puts(b, v->boolean ? "True" : "False");
+    else tok_json_dump(b, v);
+}
+
+/* Jinja's `KEY in V`: a member of an object, a substring of a string, an element of a list. */
+static int tok_json_in(const struct json *v, const char *key)
+{
+    if (v->kind == JSON_OBJECT) return json_get(v, key) != NULL;
+    if (v->kind == JSON_STRING) return memmem(v->str, v->len, key, strlen(key)) != NULL;
+    for (const struct json *e = v->kind == JSON_ARRAY ? v->child : NULL; e; e = e->next)
+        if (e->kind == JSON_STRING && e->len == strlen(key) && !memcmp(e->str, key, e->len)) return 1;
+    return 0;
+}
+
+static int tok_json_is(const struct json *v, const char *s)
+{
+    return v && v->kind == JSON_STRING && v->len == strlen(s) && !memcmp(v->str, s, v->len);
+}
+
+static int tok_role_is(const struct json *m, const char *role) { return tok_json_is(json_get(m, "role"), role); }
+
+/* render_content(): a message's CONTENT (NULL: absent) as text into B. A part's text that is
+ * not a string or a scalar (Python would print its repr) is refused. */
+static int tok_render_content(struct tok_render *r, const struct json *c, int is_system, struct tok_buf *b)
+{
+    tok_buf_put(b, "", 0);
+    if (!c || c->kind == JSON_NULL) return 0;
+    if (c->kind == JSON_STRING) {
+        tok_buf_put(b, c->str, c->len);
+        return 0;
+    }
+    if (c->kind != JSON_ARRAY) return tok_render_fail(r, "Unexpected content type.");
+    for (const struct json *item = c->child; item; item = item->next) {
+        if (item->kind == JSON_NULL || item->kind == JSON_BOOL || item->kind == JSON_NUMBER)
+            return tok_render_fail(r, "Unexpected item type in content.");
+        int image = tok_json_in(item, "image") || tok_json_in(item, "image_url") || tok_json_is(json_get(item, "type"), "image");
+        int video = !image && (tok_json_in(item, "video") || tok_json_is(json_get(item, "type"), "video"));
+        const struct json *text = json_get(item, "text");
+        if ((image || video) && is_system) return tok_render_fail(r, image ? "System message cannot contain images." : "System message cannot contain videos.");
+        if (image || video) {
+            tok_buf_puts(b, image ? "<|vision_start|><|image_pad|><|vision_end|>" : "<|vision_start|><|video_pad|><|vision_end|>");
+            r->n_media++;
+        } else if (!tok_json_in(item, "text")) return tok_render_fail(r, "Unexpected item type in content.");
+        else if (text && (text->kind == JSON_ARRAY || text->kind == JSON_OBJECT)) return tok_render_fail(r, "a content part's text must be a string");
+        else if (text) tok_json_print(b, text);
+    }
+    return 0;
+}
+
+/* render_content(message.content)|trim into B: B->p + *from .. B->n is the trimmed text. */
+static int tok_render_trimmed(struct tok_render *r, const struct json *m, int is_system, struct tok_buf *b, size_t *from)
+{
+    b->n = 0;
+    *from = 0;
+    if (tok_render_content(r, json_get(m, "content"), is_system, b)) return -1;
+    tok_py_trim(b->p, from, &b->n);
+    b->p[b->n] = 0;
+    return 0;
+}
+
+/* The system turn: the tools block, when there are tools, then the system message's text. */
+static int tok_render_system(struct tok_render *r, const struct json *first, const struct json *tools)
+{
+    struct tok_buf c = {NULL, 0, 0};
+    size_t from = 0;
+    int has_system = tok_role_is(first, "system"), tools_on = tools && tools->kind == JSON_ARRAY && tools->child;
+    if (has_system && tok_render_trimmed(r, first, 1, &c, &from)) { free(c.p); return -1; }
+    if (tools_on) {
+        tok_buf_puts(&r->out, "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>");
+        for (const struct json *t = tools->child; t; t = t->next) {
+            tok_buf_puts(&r->out, "\n");
+            tok_json_dump(&r->out, t);
+        }
+        tok_buf_puts(&r->out,
+                     "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+                     "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+                     "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+                     "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+                     "- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested "
+                     "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n"
+                     "- You may provide optional reasoning for your function call in natural language BEFORE the function call, "
+                     "but NOT after\n- If there is no function call available, answer the question like normal with your current "
+                     "knowledge and do not tell the user about function calls\n</IMPORTANT>");
+        if (c.n > from) {
+            tok_buf_puts(&r->out, "\n\n");
+            tok_buf_put(&r->out, c.p + from, c.n - from);
+        }
+        tok_buf_puts(&r->out, "<|im_end|>\n");
+    } else if (has_system) {
+        tok_buf_puts(&r->out, "<|im_start|>system\n");
+        tok_buf_put(&r->out, c.p + from, c.n - from);
+        tok_buf_puts(&r->out, "<|im_end|>\n");
+    }
+    free(c.p);
+    return 0;
+}
+
+/* The index of the last user message that is a query (not a wrapped tool response), or -1. */
+static int tok_render_last_query(struct tok_render *r, const struct json *const *msgs, int n)
+{
+    struct tok_buf c = {NULL, 0, 0};
+    int found = -1;
+    for (int i = n - 1; i >= 0 && found < 0 && !r->error; i--) {
+        size_t from;
+        if (!tok_role_is(msgs[i], "user") || tok_render_trimmed(r, msgs[i], 0, &c, &from)) continue;
+        const char *t = c.p + from;
+        size_t len = c.n - from;
+        int wrapped = len >= 16 && !strncmp(t, "<tool_response>", 15) && !memcmp(t + len - 16, "</tool_response>", 16);
+        if (!wrapped) found = i;
+    }
+    free(c.p);
+    return found;
+}
+
+/* One tool call of an assistant turn: <tool_call><function=NAME> and its parameters. Arguments
+ * may be an object or, as OpenAI clients send them, a JSON string holding one. */
+static int tok_render_tool_call(struct tok_render *r, const struct json *call, int first, int content_empty)
+{
+    const struct json *f = json_get(call, "function") ? json_get(call, "function") : call, *name = json_get(f, "name");
+    if (!name || name->kind != JSON_STRING) return tok_render_fail(r, "a tool call needs a function name");
+    tok_buf_puts(&r->out, first ? (content_empty ? "" : "\n\n") : "\n");
+    tok_buf_puts(&r->out, "<tool_call>\n<function=");
+    tok_buf_put(&r->out, name->str, name->len);
+    tok_buf_puts(&r->out, ">\n");
+    const struct json *args = json_get(f, "arguments");
+    struct json *parsed = NULL;
+    if (args && args->kind == JSON_STRING) {
+        const char *why;
+        if (!(args = parsed = json_parse(args->str, args->len, &why))) return tok_render_fail(r, "a tool call's arguments string is not JSON");
+    }
+    if (args && args->kind != JSON_OBJECT) {
+        json_free(parsed);
+        return tok_render_fail(r, "a tool call's arguments must be an object, or a JSON string holding one");
+    }
+    for (const struct json *a = args ? args->child : NULL; a; a = a->next) {
+        tok_buf_puts(&r->out, "<parameter=");
+        tok_buf_puts(&r->out, a->name);
+        tok_buf_puts(&r->out, ">\n");
+        if (a->kind == JSON_STRING || (r->kind == TOK_TEMPLATE_QWEN35 && a->kind != JSON_OBJECT && a->kind != JSON_ARRAY))
+            tok_json_print(&r->out, a);
+        else tok_json_dump(&r->out, a);
+        tok_buf_puts(&r->out, "\n</parameter>\n");
+    }
+    json_free(parsed);
+    tok_buf_puts(&r->out, "</function>\n</tool_call>");
+    return 0;
+}
+
+/* An assistant turn whose trimmed content is C[from..n): its thinking split from the content
+ * as the template does, shown when SHOW_THINK, then its tool calls. */
+static int tok_render_assistant(struct tok_render *r, const struct json *m, struct tok_buf *c, size_t from, int show_think)
+{
+    const char *content = c->p + from, *reasoning = "", *close = strstr(content, "</think>");
+    size_t reasoning_len = 0, rfrom = 0;
+    const struct json *rc = json_get(m, "reasoning_content");
+    if (rc && rc->kind == JSON_STRING) {
+        reasoning = rc->str;
+        reasoning_len = rc->len;
+    } else if (close) {
+        const char *end = close, *open;
+        while (end > content && end[-1] == '\n') end--;
+        for (reasoning = content; (open = memmem(reasoning, (size_t)(end - reasoning), "<think>", 7)); reasoning = open + 7) {}
+        while (reasoning < end && *reasoning == '\n') reasoning++;
+        reasoning_len = (size_t)(end - reasoning);
+        for (const char *next; (next = strstr(close + 8, "</think>")); close = next) {}
+        for (content = close + 8; *content == '\n'; content++) {}
+    }
+    tok_py_trim(reasoning, &rfrom, &reasoning_len);
+    tok_buf_puts(&r->out, "<|im_start|>assistant\n");
+    if (show_think) {
+        tok_buf_puts(&r->out, "<think>\n");
+        tok_buf_put(&r->out, reasoning + rfrom, reasoning_len - rfrom);
+        tok_buf_puts(&r->out, "\n</think>\n\n");
+    }
+    size_t cfrom = 0, clen = (size_t)(c->p + c->n - content);
+    tok_buf_put(&r->out, content, clen);
+    tok_py_trim(content, &cfrom, &clen);
+    const struct json *calls = json_get(m, "tool_calls");
+    if (calls && calls->kind == JSON_STRING && calls->len) return tok_render_fail(r, "'tool_calls' must be a list");
+    int k = 0;
+    for (const struct json *call = calls && calls->kind == JSON_ARRAY ? calls->child : NULL; call; call = call->next, k++)
+        if (tok_render_tool_call(r, call, k == 0, clen == cfrom)) return -1;
+    tok_buf_puts(&r->out, "<|im_end|>\n");
+    return 0;
+}
+
+/* A tool result: consecutive ones share one user turn. */
+static void tok_render_tool(struct tok_render *r, const struct json *const *msgs, int n, int i, const char *content)
+{
+    if (i > 0 && !tok_role_is(msgs[i - 1], "tool")) tok_buf_puts(&r->out, "<|im_start|>user");
+    tok_buf_puts(&r->out, "\n<tool_response>\n");
+    tok_buf_puts(&r->out, content);
+    tok_buf_puts(&r->out, "\n</tool_response>");
+    if (i == n - 1 || !tok_role_is(msgs[i + 1], "tool")) tok_buf_puts(&r->out, "<|im_end|>\n");
+}
+
+/* How a conversation is rendered: the template's flags (-1: not passed). */
+struct tok_chat_flags { int add_generation_prompt, enable_thinking, preserve_thinking; };
+
+/* The turns, in order, after the system turn. */
+static int tok_render_turns(struct tok_render *r, const struct json *const *msgs, int n, int last_query, const struct tok_chat_flags *f)
+{
+    struct tok_buf c = {NULL, 0, 0};
+    for (int i = 0; i < n && !r->error; i++) {
+        const struct json *m = msgs[i];
+        size_t from;
+        if (tok_render_trimmed(r, m, 0, &c, &from)) break;
+        if (tok_role_is(m, "system")) {
+            if (i > 0) tok_render_fail(r, "System message must be at the beginning.");
+        } else if (tok_role_is(m, "user")) {
+            tok_buf_puts(&r->out, "<|im_start|>user\n");
+            tok_buf_put(&r->out, c.p + from, c.n - from);
+            tok_buf_puts(&r->out, "<|im_end|>\n");
+        } else if (tok_role_is(m, "assistant")) {
+            int preserve = r->kind == TOK_TEMPLATE_QWEN36 && f->preserve_thinking == 1;
+            tok_render_assistant(r, m, &c, from, preserve || i > last_query);
+        } else if (tok_role_is(m, "tool")) tok_render_tool(r, msgs, n, i, c.p + from);
+        else tok_render_fail(r, "Unexpected message role.");
+    }
+    free(c.p);
+    return r->error ? -1 : 0;
+}
+
+/* What a rendering gave besides its text. */
+struct tok_chat_rendered {
+    size_t len;        /* bytes of the text (it may hold NULs from the messages) */
+    const char *error; /* the template's refusal; NULL when rendered */
+    int n_media;       /* image and video parts rendered as their placeholders */
+};
+
+/* Renders MESSAGES (a JSON list) and TOOLS (a list, or NULL) as template KIND does, byte for
+ * byte. Returns the malloc'd prompt, or NULL when the template refuses (OUT->error says why). */
+static char *tok_chat_template_render(enum tok_template kind, const struct json *messages, const struct json *tools,
+                                      const struct tok_chat_flags *f, struct tok_chat_rendered *out)
+{
+    struct tok_render r = {kind, {NULL, 0, 0}, NULL, 0};
+    int n = 0;
+    for (const struct json *m = messages && messages->kind == JSON_ARRAY ? messages->child : NULL; m; m = m->next) n++;
+    const struct json **msgs = plat_zalloc(n ? (size_t)n : 1, sizeof *msgs);
+    n = 0;
+    for (const struct json *m = messages && messages->kind == JSON_ARRAY ? messages->child : NULL; m; m = m->next) msgs[n++] = m;
+    tok_buf_put(&r.out, "", 0);
+    if (!n) tok_render_fail(&r, "No messages provided.");
+    else if (!tok_render_system(&r, msgs[0], tools)) {
+        int last_query = tok_render_last_query(&r, msgs, n);
+        if (last_query < 0) tok_render_fail(&r, "No user query found in messages.");
+        else if (!tok_render_turns(&r, msgs, n, last_query, f) && f->add_generation_prompt)
+            tok_buf_puts(&r.out, f->enable_thinking == 0 ? "<|im_start|>assistant\n<think>\n\n</think>\n\n" : "<|im_start|>assistant\n<think>\n");
+    }
+    free(msgs);
+    *out = (struct tok_chat_rendered){r.out.n, r.error, r.n_media};
+    if (r.error) {
+        free(r.out.p);
+        return NULL;
+    }
+    return r.out.p;
+}
+
+/* The prompt of a conversation of plain text: SYSTEM (NULL: none), USER, then the generation
+ * prompt, thinking or not: what `run --chat` and each turn of `chat` feed. */
+static char *tok_chat_render_turn(const struct tok *t, const char *system, const char *user, int think)
+{
+    struct json user_content = {.kind = JSON_STRING, .str = (char *)user, .len = strlen(user), .name = (char *)"content"};
+    struct json user_role = {.kind = JSON_STRING, .str = (char *)"user", .len = 4, .name = (char *)"role", .next = &user_content};
+    struct json user_msg = {.kind = JSON_OBJECT, .child = &user_role};
+    struct json system_content = {.kind = JSON_STRING, .str = (char *)system, .len = system ? strlen(system) : 0, .name = (char *)"content"};
+    struct json system_role = {.kind = JSON_STRING, .str = (char *)"system", .len = 6, .name = (char *)"role", .next = &system_content};
+    struct json system_msg = {.kind = JSON_OBJECT, .child = &system_role, .next = &user_msg};
+    struct json list = {.kind = JSON_ARRAY, .child = system ? &system_msg : &user_msg};
+    struct tok_chat_flags f = {1, think ? -1 : 0, -1};
+    struct tok_chat_rendered out;
+    char *text = tok_chat_template_render(t->chat_template, &list, NULL, &f, &out);
+    if (!text) die("the chat template refused the conversation: %s", out.error);
+    return text;
 }
 
 /* ==== §10 sample ==== */
@@ -6848,6 +7520,7 @@ struct engine_request {
 struct engine_gen {
     int *tokens;
     int n_tokens, n_prompt;
+    int n_cached;        /* prompt tokens the slot already held: reused, not computed */
     float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position that chose each token */
     char *text;
     size_t text_len, text_cap;
@@ -7095,269 +7768,8 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 #define SERVE_IDLE_TIMEOUT 30.0      /* seconds a kept-alive connection may wait for its next request */
 #define SERVE_BODY_TIMEOUT 30.0
 #define SERVE_MAX_CONNS 256          /* connections at once; more are answered 503 and closed */
-#define SERVE_JSON_DEPTH 64
 #define SERVE_MAX_STOP 4             /* stop strings per request, as the OpenAI API allows */
 #define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
-
-/* ---- JSON reader (RFC 8259, strictly: no trailing commas, comments, NaN, lone surrogates
- * or invalid UTF-8) ---- */
-
-enum serve_json_kind { SERVE_JSON_NULL, SERVE_JSON_BOOL, SERVE_JSON_NUMBER, SERVE_JSON_STRING, SERVE_JSON_ARRAY, SERVE_JSON_OBJECT };
-
-struct serve_json {
-    enum serve_json_kind kind;
-    int boolean;
-    double number;
-    char *str;                 /* STRING: the decoded UTF-8, NUL-terminated (may hold NULs) */
-    size_t len;
-    char *name;                /* a member of an object: its name, NUL-terminated */
-    struct serve_json *child;  /* ARRAY, OBJECT: the first element or member */
-    struct serve_json *next;   /* the next element or member of the parent */
-};
-
-struct serve_json_parser {
-    const unsigned char *p, *end;
-    int depth;
-    const char *error;         /* the first error, NULL while none */
-};
-
-static void serve_json_free(struct serve_json *v)
-{
-    while (v) {
-        struct serve_json *next = v->next;
-        serve_json_free(v->child);
-        free(v->str);
-        free(v->name);
-        free(v);
-        v = next;
-    }
-}
-
-/* The length of the well-formed UTF-8 character at S (N bytes left): 1-4, or 0 if it is not
- * one (overlong forms, surrogates and code points past U+10FFFF are not). */
-static int serve_utf8_len(const unsigned char *s, size_t n)
-{
-    unsigned c = s[0];
-    if (c < 0x80) return 1;
-    int len = c >= 0xF0 && c < 0xF5 ? 4 : c >= 0xE0 && c < 0xF0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
-    if (!len || (size_t)len > n) return 0;
-    for (int k = 1; k < len; k++)
-        if ((s[k] & 0xC0) != 0x80) return 0;
-    if (len == 3 && ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] >= 0xA0))) return 0;
-    if (len == 4 && ((c == 0xF0 && s[1] < 0x90) || (c == 0xF4 && s[1] >= 0x90))) return 0;
-    return len;
-}
-
-/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the output stays valid JSON. */
-static void serve_json_write_string(FILE *f, const char *s, size_t n)
-{
-    fputc('"', f);
-    for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        int len = serve_utf8_len((const unsigned char *)s + i, n - i);
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else if (len) fwrite(s + i, 1, (size_t)len, f);
-        else fputs("\\ufffd", f);
-        i += len ? (size_t)len : 1;
-    }
-    fputc('"', f);
-}
-
-static struct serve_json *serve_json_fail(struct serve_json_parser *ps, const char *why)
-{
-    if (!ps->error) ps->error = why;
-    return NULL;
-}
-
-static void serve_json_skip_space(struct serve_json_parser *ps)
-{
-    while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
-}
-
-/* Four hex digits after \u; -1 if they are not. */
-static long serve_json_hex4(struct serve_json_parser *ps)
-{
-    if (ps->end - ps->p < 4) return -1;
-    long v = 0;
-    for (int i = 0; i < 4; i++) {
-        int c = ps->p[i], d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-        if (d < 0) return -1;
-        v = v * 16 + d;
-    }
-    ps->p += 4;
-    return v;
-}
-
-/* An escape after the backslash, appended to B as UTF-8; 0, or -1 when malformed. */
-static int serve_json_escape(struct serve_json_parser *ps, struct tok_buf *b)
-{
-    static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
-    if (ps->p >= ps->end) return -1;
-    const char *k = *ps->p ? strchr(from, *ps->p) : NULL;
-    if (k) {
-        tok_buf_put(b, &to[k - from], 1);
-        ps->p++;
-        return 0;
-    }
-    if (*ps->p++ != 'u') return -1;
-    long cp = serve_json_hex4(ps);
-    if (cp >= 0xDC00 && cp <= 0xDFFF) return -1; /* a low surrogate alone */
-    if (cp >= 0xD800 && cp <= 0xDBFF) {
-        if (ps->end - ps->p < 2 || ps->p[0] != '\\' || ps->p[1] != 'u') return -1;
-        ps->p += 2;
-        long lo = serve_json_hex4(ps);
-        if (lo < 0xDC00 || lo > 0xDFFF) return -1;
-        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-    }
-    if (cp < 0) return -1;
-    char u[4];
-    int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
-    if (n == 1) u[0] = (char)cp;
-    else {
-        for (int i = n - 1; i > 0; i--, cp >>= 6) u[i] = (char)(0x80 | (cp & 0x3F));
-        u[0] = (char)((n == 2 ? 0xC0 : n == 3 ? 0xE0 : 0xF0) | cp);
-    }
-    tok_buf_put(b, u, (size_t)n);
-    return 0;
-}
-
-/* A string at p (on its opening quote): the decoded bytes, or NULL on an error. */
-static char *serve_json_string(struct serve_json_parser *ps, size_t *len)
-{
-    struct tok_buf b = {NULL, 0, 0};
-    tok_buf_put(&b, "", 0);
-    for (ps->p++;;) {
-        if (ps->p >= ps->end) { serve_json_fail(ps, "unterminated string"); break; }
-        unsigned char c = *ps->p;
-        int n = serve_utf8_len(ps->p, (size_t)(ps->end - ps->p));
-        if (c == '"') {
-            ps->p++;
-            *len = b.n;
-            return b.p;
-        }
-        if (c < 0x20) { serve_json_fail(ps, "a control character in a string"); break; }
-        if (c == '\\') {
-            ps->p++;
-            if (serve_json_escape(ps, &b)) { serve_json_fail(ps, "a bad escape in a string"); break; }
-            continue;
-        }
-        if (!n) { serve_json_fail(ps, "invalid UTF-8 in a string"); break; }
-        tok_buf_put(&b, (const char *)ps->p, (size_t)n);
-        ps->p += n;
-    }
-    free(b.p);
-    return NULL;
-}
-
-/* A number by the JSON grammar, read with strtod; a number too large for a double is an error. */
-static struct serve_json *serve_json_number(struct serve_json_parser *ps, struct serve_json *v)
-{
-    const unsigned char *s = ps->p, *q = s;
-    if (q < ps->end && *q == '-') q++;
-    if (q < ps->end && *q == '0') q++;
-    else if (q < ps->end && *q >= '1' && *q <= '9') while (q < ps->end && isdigit(*q)) q++;
-    else return serve_json_fail(ps, "a bad number");
-    if (q < ps->end && *q == '.') {
-        if (++q >= ps->end || !isdigit(*q)) return serve_json_fail(ps, "a bad number");
-        while (q < ps->end && isdigit(*q)) q++;
-    }
-    if (q < ps->end && (*q == 'e' || *q == 'E')) {
-        if (++q < ps->end && (*q == '+' || *q == '-')) q++;
-        if (q >= ps->end || !isdigit(*q)) return serve_json_fail(ps, "a bad number");
-        while (q < ps->end && isdigit(*q)) q++;
-    }
-    char buf[400];
-    if ((size_t)(q - s) >= sizeof buf) return serve_json_fail(ps, "a number too long");
-    memcpy(buf, s, (size_t)(q - s));
-    buf[q - s] = 0;
-    v->kind = SERVE_JSON_NUMBER;
-    v->number = strtod(buf, NULL);
-    if (!isfinite(v->number)) return serve_json_fail(ps, "a number out of range");
-    ps->p = q;
-    return v;
-}
-
-static struct serve_json *serve_json_value(struct serve_json_parser *ps);
-
-/* The elements of an array or the members of an object (OBJECT), after the opening bracket. */
-static struct serve_json *serve_json_items(struct serve_json_parser *ps, struct serve_json *v, int object)
-{
-    struct serve_json **tail = &v->child;
-    char close = object ? '}' : ']';
-    serve_json_skip_space(ps);
-    if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
-    for (;;) {
-        char *name = NULL;
-        size_t name_len;
-        serve_json_skip_space(ps);
-        if (object) {
-            if (ps->p >= ps->end || *ps->p != '"') return serve_json_fail(ps, "an object member without a name");
-            if (!(name = serve_json_string(ps, &name_len))) return NULL;
-            serve_json_skip_space(ps);
-            if (ps->p >= ps->end || *ps->p++ != ':') { free(name); return serve_json_fail(ps, "a member name without ':'"); }
-        }
-        struct serve_json *item = serve_json_value(ps);
-        if (!item) { free(name); return NULL; }
-        item->name = name;
-        *tail = item;
-        tail = &item->next;
-        serve_json_skip_space(ps);
-        if (ps->p < ps->end && *ps->p == ',') { ps->p++; continue; }
-        if (ps->p < ps->end && *ps->p == close) { ps->p++; return v; }
-        return serve_json_fail(ps, object ? "an object without ',' or '}'" : "an array without ',' or ']'");
-    }
-}
-
-static struct serve_json *serve_json_value(struct serve_json_parser *ps)
-{
-    serve_json_skip_space(ps);
-    if (ps->p >= ps->end) return serve_json_fail(ps, "a value is missing");
-    struct serve_json *v = plat_zalloc(1, sizeof *v), *ok = v;
-    unsigned char c = *ps->p;
-    size_t left = (size_t)(ps->end - ps->p);
-    if (c == '{' || c == '[') {
-        v->kind = c == '{' ? SERVE_JSON_OBJECT : SERVE_JSON_ARRAY;
-        ps->p++;
-        if (++ps->depth > SERVE_JSON_DEPTH) ok = serve_json_fail(ps, "nested too deep");
-        else ok = serve_json_items(ps, v, c == '{');
-        ps->depth--;
-    } else if (c == '"') {
-        v->kind = SERVE_JSON_STRING;
-        ok = (v->str = serve_json_string(ps, &v->len)) ? v : NULL;
-    } else if (left >= 4 && !memcmp(ps->p, "null", 4)) ps->p += 4;
-    else if (left >= 4 && !memcmp(ps->p, "true", 4)) { v->kind = SERVE_JSON_BOOL; v->boolean = 1; ps->p += 4; }
-    else if (left >= 5 && !memcmp(ps->p, "false", 5)) { v->kind = SERVE_JSON_BOOL; ps->p += 5; }
-    else ok = serve_json_number(ps, v);
-    if (!ok) {
-        serve_json_free(v);
-        return NULL;
-    }
-    return v;
-}
-
-/* The document TEXT[0..n): its root, or NULL with *ERROR saying why. */
-static struct serve_json *serve_json_parse(const char *text, size_t n, const char **error)
-{
-    struct serve_json_parser ps = {(const unsigned char *)text, (const unsigned char *)text + n, 0, NULL};
-    struct serve_json *v = serve_json_value(&ps);
-    serve_json_skip_space(&ps);
-    if (v && ps.p != ps.end) {
-        serve_json_free(v);
-        v = serve_json_fail(&ps, "text after the value");
-    }
-    *error = ps.error;
-    return v;
-}
-
-/* The member NAME of object V, or NULL (also when V is not an object). */
-static const struct serve_json *serve_json_get(const struct serve_json *v, const char *name)
-{
-    if (!v || v->kind != SERVE_JSON_OBJECT) return NULL;
-    for (const struct serve_json *m = v->child; m; m = m->next)
-        if (!strcmp(m->name, name)) return m;
-    return NULL;
-}
 
 /* ---- HTTP/1.1 ---- */
 
@@ -7655,9 +8067,9 @@ static char *serve_error_json(const struct serve_error *e, size_t *n)
     char *out = NULL;
     FILE *f = open_memstream(&out, n);
     fputs("{\"error\":{\"message\":", f);
-    serve_json_write_string(f, e->message, strlen(e->message));
+    json_write_string(f, e->message, strlen(e->message));
     fprintf(f, ",\"type\":\"%s\",\"param\":", e->type ? e->type : "invalid_request_error");
-    if (e->param[0]) serve_json_write_string(f, e->param, strlen(e->param));
+    if (e->param[0]) json_write_string(f, e->param, strlen(e->param));
     else fputs("null", f);
     fprintf(f, ",\"code\":");
     if (e->code) fprintf(f, "\"%s\"", e->code);
@@ -7699,11 +8111,33 @@ struct serve {
     double started;
 };
 
+/* One tool call the model wrote. */
+struct serve_tool_call {
+    char *name;
+    char *arguments; /* a JSON object's text */
+};
+
+enum serve_part { SERVE_PART_REASONING, SERVE_PART_CONTENT, SERVE_PART_CALL };
+
+/* A chat answer split into its fields as it comes: the text of the think block, the content,
+ * and the <tool_call> blocks that parse. Only the connection thread touches it. */
+struct serve_answer {
+    enum serve_part part;      /* where the text that comes next belongs */
+    struct tok_buf pending;    /* text not placed yet: maybe the start of a tag, or trailing space */
+    struct tok_buf field[2];   /* [SERVE_PART_REASONING], [SERVE_PART_CONTENT] */
+    struct serve_tool_call *calls;
+    int n_calls;
+};
+
 /* One generation request between its connection thread and the engine. */
 struct serve_job {
     struct serve_job *next;    /* in the queue */
     int chat;                  /* /v1/chat/completions (else /v1/completions) */
     int stream, include_usage;
+    int think;                 /* chat: the answer opens inside a think block */
+    struct json *body;         /* the request, parsed */
+    const struct json *tools;  /* chat: the body's tools, NULL when none (no tool calls are parsed) */
+    struct serve_answer answer;
     int *prompt;               /* [n_prompt] */
     struct engine_request req;
     char *stop[SERVE_MAX_STOP];
@@ -7757,6 +8191,16 @@ static void serve_fail(struct serve_conn *c, const struct serve_error *e, int ke
 
 static void serve_job_free(struct serve_job *j)
 {
+    struct serve_answer *a = &j->answer;
+    free(a->pending.p);
+    free(a->field[0].p);
+    free(a->field[1].p);
+    for (int i = 0; i < a->n_calls; i++) {
+        free(a->calls[i].name);
+        free(a->calls[i].arguments);
+    }
+    free(a->calls);
+    json_free(j->body);
     free(j->prompt);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
@@ -7976,28 +8420,28 @@ static int serve_bad(struct serve_error *e, const char *param, const char *fmt, 
 
 /* The number NAME of BODY into *OUT when present: within [LO, HI], and whole if WHOLE. Returns
  * 0 (absent or set), -1 with E set. */
-static int serve_number(const struct serve_json *body, const char *name, double lo, double hi, int whole, double *out, struct serve_error *e)
+static int serve_number(const struct json *body, const char *name, double lo, double hi, int whole, double *out, struct serve_error *e)
 {
-    const struct serve_json *v = serve_json_get(body, name);
-    if (!v || v->kind == SERVE_JSON_NULL) return 0;
-    if (v->kind != SERVE_JSON_NUMBER) return serve_bad(e, name, "'%s' must be a number", name);
+    const struct json *v = json_get(body, name);
+    if (!v || v->kind == JSON_NULL) return 0;
+    if (v->kind != JSON_NUMBER) return serve_bad(e, name, "'%s' must be a number", name);
     if (whole && v->number != floor(v->number)) return serve_bad(e, name, "'%s' must be a whole number", name);
     if (!(v->number >= lo && v->number <= hi)) return serve_bad(e, name, "'%s' must be in [%g, %g]", name, lo, hi);
     *out = v->number;
     return 0;
 }
 
-static int serve_bool(const struct serve_json *body, const char *name, int *out, struct serve_error *e)
+static int serve_bool(const struct json *body, const char *name, int *out, struct serve_error *e)
 {
-    const struct serve_json *v = serve_json_get(body, name);
-    if (!v || v->kind == SERVE_JSON_NULL) return 0;
-    if (v->kind != SERVE_JSON_BOOL) return serve_bad(e, name, "'%s' must be true or false", name);
+    const struct json *v = json_get(body, name);
+    if (!v || v->kind == JSON_NULL) return 0;
+    if (v->kind != JSON_BOOL) return serve_bad(e, name, "'%s' must be true or false", name);
     *out = v->boolean;
     return 0;
 }
 
 /* The sampling fields of BODY over the server's defaults. */
-static int serve_sampling(const struct serve_json *body, struct sample_params *p, struct serve_error *e)
+static int serve_sampling(const struct json *body, struct sample_params *p, struct serve_error *e)
 {
     double temp = p->temp, top_p = p->top_p, top_k = p->top_k, min_p = p->min_p, seed = (double)(p->seed & 0xFFFFFFFFFFFFF);
     double rep = p->repeat_penalty, presence = p->presence_penalty, frequency = p->frequency_penalty;
@@ -8013,14 +8457,14 @@ static int serve_sampling(const struct serve_json *body, struct sample_params *p
 }
 
 /* stop: a string or a list of up to SERVE_MAX_STOP non-empty strings, into J. */
-static int serve_stops(const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+static int serve_stops(const struct json *body, struct serve_job *j, struct serve_error *e)
 {
-    const struct serve_json *v = serve_json_get(body, "stop");
-    if (!v || v->kind == SERVE_JSON_NULL) return 0;
-    const struct serve_json *s = v->kind == SERVE_JSON_ARRAY ? v->child : v->kind == SERVE_JSON_STRING ? v : NULL;
-    if (!s && v->kind != SERVE_JSON_ARRAY) return serve_bad(e, "stop", "'stop' must be a string or a list of strings");
-    for (; s; s = v->kind == SERVE_JSON_ARRAY ? s->next : NULL) {
-        if (s->kind != SERVE_JSON_STRING || !s->len || strlen(s->str) != s->len) return serve_bad(e, "stop", "'stop' must hold non-empty strings");
+    const struct json *v = json_get(body, "stop");
+    if (!v || v->kind == JSON_NULL) return 0;
+    const struct json *s = v->kind == JSON_ARRAY ? v->child : v->kind == JSON_STRING ? v : NULL;
+    if (!s && v->kind != JSON_ARRAY) return serve_bad(e, "stop", "'stop' must be a string or a list of strings");
+    for (; s; s = v->kind == JSON_ARRAY ? s->next : NULL) {
+        if (s->kind != JSON_STRING || !s->len || strlen(s->str) != s->len) return serve_bad(e, "stop", "'stop' must hold non-empty strings");
         if (j->n_stop == SERVE_MAX_STOP) return serve_bad(e, "stop", "at most %d stop strings", SERVE_MAX_STOP);
         j->stop[j->n_stop++] = plat_strdup(s->str);
         if (s->len > j->longest_stop) j->longest_stop = s->len;
@@ -8028,70 +8472,46 @@ static int serve_stops(const struct serve_json *body, struct serve_job *j, struc
     return 0;
 }
 
-/* A message's content: a string, or a list of {"type":"text","text":...} parts joined; only an
- * assistant's may be missing. M has a valid role. */
-static int serve_content(const struct serve_json *m, struct tok_buf *b, struct serve_error *e)
+/* The chat prompt of BODY's messages and tools, rendered by the model's template: a malloc'd
+ * string (*LEN bytes). J (if any) learns whether the answer opens inside a think block. MEDIA: image
+ * and video parts are allowed (/apply-template shows them; the engine reads text only). */
+static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int media, size_t *len, struct serve_error *e)
 {
-    const struct serve_json *c = serve_json_get(m, "content"), *role = serve_json_get(m, "role");
-    tok_buf_put(b, "", 0);
-    if ((!c || c->kind == SERVE_JSON_NULL) && strcmp(role->str, "assistant")) return serve_bad(e, "messages", "a %s message needs 'content'", role->str);
-    if (!c || c->kind == SERVE_JSON_NULL) return 0;
-    if (c->kind == SERVE_JSON_STRING) {
-        tok_buf_put(b, c->str, c->len);
-        return 0;
-    }
-    if (c->kind != SERVE_JSON_ARRAY) return serve_bad(e, "messages", "a message's 'content' must be a string or a list of text parts");
-    for (const struct serve_json *part = c->child; part; part = part->next) {
-        const struct serve_json *type = serve_json_get(part, "type"), *text = serve_json_get(part, "text");
-        if (!type || type->kind != SERVE_JSON_STRING || strcmp(type->str, "text") || !text || text->kind != SERVE_JSON_STRING)
-            return serve_bad(e, "messages", "only text content parts are supported");
-        tok_buf_put(b, text->str, text->len);
-    }
-    return 0;
-}
-
-/* The chat prompt of BODY's messages, rendered by the model's template: a malloc'd string. */
-static char *serve_chat_text(struct serve *srv, const struct serve_json *body, struct serve_error *e)
-{
-    const struct serve_json *msgs = serve_json_get(body, "messages");
+    const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *kw = json_get(body, "chat_template_kwargs");
+    struct tok_chat_flags f = {1, srv->think ? -1 : 0, -1};
     if (!msgs) return serve_bad(e, "messages", "'messages' is required"), NULL;
-    if (msgs->kind != SERVE_JSON_ARRAY || !msgs->child) return serve_bad(e, "messages", "'messages' must be a non-empty list"), NULL;
-    int n = 0, think = srv->think, bad = 0;
-    for (const struct serve_json *m = msgs->child; m; m = m->next) n++;
-    struct tok_chat_msg *list = plat_zalloc((size_t)n, sizeof *list);
-    struct tok_buf *texts = plat_zalloc((size_t)n, sizeof *texts);
-    const struct serve_json *kw = serve_json_get(body, "chat_template_kwargs");
-    bad = kw && serve_bool(kw, "enable_thinking", &think, e);
-    int i = 0;
-    for (const struct serve_json *m = msgs->child; m && !bad; m = m->next, i++) {
-        const struct serve_json *role = serve_json_get(m, "role");
-        if (!role || role->kind != SERVE_JSON_STRING || (strcmp(role->str, "system") && strcmp(role->str, "user") && strcmp(role->str, "assistant")))
-            bad = serve_bad(e, "messages", "message %d: 'role' must be system, user or assistant", i);
-        else if (!(bad = serve_content(m, &texts[i], e))) {
-            if (strlen(texts[i].p) != texts[i].n) bad = serve_bad(e, "messages", "message %d: a NUL character in 'content'", i);
-            list[i] = (struct tok_chat_msg){role->str, texts[i].p};
-        }
+    if (msgs->kind != JSON_ARRAY) return serve_bad(e, "messages", "'messages' must be a list"), NULL;
+    if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
+    if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
+    if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
+    struct tok_chat_rendered out;
+    char *text = tok_chat_template_render(srv->tok->chat_template, msgs, tools, &f, &out);
+    if (!text) return serve_bad(e, "messages", "the chat template refuses these messages: %s", out.error), NULL;
+    if (out.n_media && !media) {
+        free(text);
+        return serve_bad(e, "messages", "image and video parts are not supported: coli runs the model on text only"), NULL;
     }
-    char *text = bad ? NULL : tok_chat_render(list, n, 1, think);
-    for (int k = 0; k < n; k++) free(texts[k].p);
-    free(texts);
-    free(list);
+    if (j) {
+        j->think = f.enable_thinking != 0;
+        j->tools = tools && tools->kind == JSON_ARRAY && tools->child ? tools : NULL;
+    }
+    *len = out.len;
     return text;
 }
 
 /* The prompt of a completion: a string, or a list of token ids. Into J. */
-static int serve_completion_prompt(struct serve *srv, const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+static int serve_completion_prompt(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
-    const struct serve_json *p = serve_json_get(body, "prompt");
+    const struct json *p = json_get(body, "prompt");
     if (!p) return serve_bad(e, "prompt", "'prompt' is required");
-    if (p->kind == SERVE_JSON_ARRAY && p->child && p->child->kind == SERVE_JSON_STRING && !p->child->next) p = p->child;
-    if (p->kind == SERVE_JSON_STRING) {
+    if (p->kind == JSON_ARRAY && p->child && p->child->kind == JSON_STRING && !p->child->next) p = p->child;
+    if (p->kind == JSON_STRING) {
         j->req.n_prompt = tok_encode(srv->tok, p->str, p->len, 1, &j->prompt);
         return 0;
     }
-    if (p->kind != SERVE_JSON_ARRAY) return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids");
-    for (const struct serve_json *t = p->child; t; t = t->next) {
-        if (t->kind != SERVE_JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= srv->engine->m->cfg.n_vocab)
+    if (p->kind != JSON_ARRAY) return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids");
+    for (const struct json *t = p->child; t; t = t->next) {
+        if (t->kind != JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= srv->engine->m->cfg.n_vocab)
             return serve_bad(e, "prompt", "'prompt' token ids must be whole numbers in [0, %d)", srv->engine->m->cfg.n_vocab);
         j->prompt = plat_realloc(j->prompt, (size_t)(j->req.n_prompt + 1) * sizeof *j->prompt);
         j->prompt[j->req.n_prompt++] = (int)t->number;
@@ -8101,16 +8521,16 @@ static int serve_completion_prompt(struct serve *srv, const struct serve_json *b
 
 /* The generation settings of BODY into J: max tokens within the context left after the prompt,
  * sampling, stops, streaming. */
-static int serve_settings(struct serve *srv, const struct serve_json *body, struct serve_job *j, struct serve_error *e)
+static int serve_settings(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
     int n_ctx = srv->engine->m->n_ctx;
     double max = -1, n = 1;
-    const struct serve_json *opts = serve_json_get(body, "stream_options");
+    const struct json *opts = json_get(body, "stream_options");
     if (serve_number(body, "max_tokens", 1, 1e9, 1, &max, e) || serve_number(body, "max_completion_tokens", 1, 1e9, 1, &max, e) ||
         serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_sampling(body, &j->req.sample, e) ||
         serve_stops(body, j, e))
         return -1;
-    if (opts && opts->kind != SERVE_JSON_OBJECT && opts->kind != SERVE_JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
+    if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
@@ -8124,7 +8544,7 @@ static int serve_settings(struct serve *srv, const struct serve_json *body, stru
 static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
 {
     const char *why = NULL;
-    struct serve_json *body = serve_json_parse(body_text, n, &why);
+    struct json *body = json_parse(body_text, n, &why);
     if (!body) return serve_bad(e, NULL, "the body is not valid JSON: %s", why), NULL;
     struct serve_job *j = plat_zalloc(1, sizeof *j);
     pthread_mutex_init(&j->mu, NULL);
@@ -8132,15 +8552,17 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
     j->chat = chat;
     j->req.sample = srv->sample;
     j->req.sample.seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)j;
-    int bad = body->kind != SERVE_JSON_OBJECT ? serve_bad(e, NULL, "the body must be a JSON object") : 0;
+    j->body = body;
+    int bad = body->kind != JSON_OBJECT ? serve_bad(e, NULL, "the body must be a JSON object") : 0;
     if (!bad && chat) {
-        char *text = serve_chat_text(srv, body, e);
-        if (text) j->req.n_prompt = tok_encode(srv->tok, text, strlen(text), 1, &j->prompt);
+        size_t len;
+        char *text = serve_chat_text(srv, body, j, 0, &len, e);
+        if (text) j->req.n_prompt = tok_encode(srv->tok, text, len, 1, &j->prompt);
         bad = !text;
         free(text);
+        j->answer.part = j->think ? SERVE_PART_REASONING : SERVE_PART_CONTENT;
     } else if (!bad) bad = serve_completion_prompt(srv, body, j, e);
     bad = bad || serve_settings(srv, body, j, e);
-    serve_json_free(body);
     if (bad) {
         serve_job_free(j);
         return NULL;
@@ -8160,15 +8582,176 @@ static unsigned long long serve_next_id(void)
     return __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
 }
 
-static const char *serve_finish_reason(enum engine_stop stop)
+static int serve_is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* Whether KEY's schema in tool NAME of TOOLS (a list of {"type":"function","function":{...}})
+ * allows a value of kind KIND: its "type" names it (or lists it), or it says no type. */
+static int serve_schema_allows(const struct json *tools, const char *name, const char *key, enum json_kind kind, int integer)
 {
-    return stop == ENGINE_STOP_LENGTH || stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
+    static const char *const names[] = {"null", "boolean", "number", "string", "array", "object"};
+    const struct json *props = NULL;
+    for (const struct json *t = tools ? tools->child : NULL; t && !props; t = t->next) {
+        const struct json *f = json_get(t, "function") ? json_get(t, "function") : t;
+        if (tok_json_is(json_get(f, "name"), name)) props = json_get(json_get(f, "parameters"), "properties");
+    }
+    const struct json *type = json_get(json_get(props, key), "type");
+    if (!type) return 1;
+    for (const struct json *k = type->kind == JSON_ARRAY ? type->child : type; k; k = type->kind == JSON_ARRAY ? k->next : NULL)
+        if (tok_json_is(k, names[kind]) || (kind == JSON_NUMBER && integer && tok_json_is(k, "integer"))) return 1;
+    return 0;
 }
 
+/* A parameter's text V[0..n) as the JSON value its schema asks for: a number, boolean, null,
+ * object or list where the text is one and the schema allows it (Python's True and False, which
+ * Qwen3.5's template writes, count as booleans), else a string. Appended to B. */
+static void serve_typed_value(struct tok_buf *b, const struct json *tools, const char *name, const char *key, const char *v, size_t n)
+{
+    const char *why;
+    struct json *parsed = NULL, py_bool = {.kind = JSON_BOOL, .boolean = n == 4 && !memcmp(v, "True", 4)};
+    const struct json *value = NULL;
+    if ((n == 4 && !memcmp(v, "True", 4)) || (n == 5 && !memcmp(v, "False", 5))) value = &py_bool;
+    else value = parsed = json_parse(v, n, &why);
+    int integer = value && value->kind == JSON_NUMBER && !strpbrk(value->str, ".eE");
+    if (value && value->kind != JSON_STRING && serve_schema_allows(tools, name, key, value->kind, integer)) tok_json_dump(b, value);
+    else {
+        struct json text = {.kind = JSON_STRING, .str = (char *)v, .len = n};
+        tok_json_dump(b, &text);
+    }
+    json_free(parsed);
+}
+
+/* Skips space at *P (before END), then LIT; 0 if LIT is not there. */
+static int serve_expect(const char **p, const char *end, const char *lit)
+{
+    while (*p < end && serve_is_space(**p)) (*p)++;
+    size_t n = strlen(lit);
+    if ((size_t)(end - *p) < n || memcmp(*p, lit, n)) return 0;
+    *p += n;
+    return 1;
+}
+
+/* The text up to '>' at *P as a NUL-terminated copy (a name: one line, not empty), or NULL. */
+static char *serve_tag_name(const char **p, const char *end)
+{
+    const char *q = *p;
+    while (q < end && *q != '>' && *q != '\n' && *q != '<') q++;
+    if (q == *p || q >= end || *q != '>') return NULL;
+    char *name = plat_alloc((size_t)(q - *p) + 1);
+    memcpy(name, *p, (size_t)(q - *p));
+    name[q - *p] = 0;
+    *p = q + 1;
+    return name;
+}
+
+/* The block B[0..n) as the template teaches the model to write a call:
+ *   <tool_call> <function=NAME> (<parameter=KEY>\nVALUE\n</parameter>)* </function> </tool_call>
+ * appended to A's calls with its arguments typed by the tools' schemas; 0 if it is not that. */
+static int serve_parse_call(struct serve_answer *a, const struct json *tools, const char *b, size_t n)
+{
+    const char *p = b, *end = b + n;
+    char *name = NULL, *key = NULL;
+    struct tok_buf args = {NULL, 0, 0};
+    int ok = serve_expect(&p, end, "<tool_call>") && serve_expect(&p, end, "<function=") && (name = serve_tag_name(&p, end));
+    tok_buf_puts(&args, "{");
+    while (ok && !serve_expect(&p, end, "</function>")) {
+        const char *close;
+        ok = serve_expect(&p, end, "<parameter=") && (key = serve_tag_name(&p, end)) &&
+             (close = memmem(p, (size_t)(end - p), "</parameter>", 12));
+        if (!ok) break;
+        const char *v = p, *v_end = close;
+        if (v < v_end && *v == '\n') v++;
+        if (v_end > v && v_end[-1] == '\n') v_end--;
+        struct json k = {.kind = JSON_STRING, .str = key, .len = strlen(key)};
+        if (args.n > 1) tok_buf_puts(&args, ", ");
+        tok_json_dump(&args, &k);
+        tok_buf_puts(&args, ": ");
+        serve_typed_value(&args, tools, name, key, v, (size_t)(v_end - v));
+        free(key);
+        key = NULL;
+        p = close + 12;
+    }
+    ok = ok && serve_expect(&p, end, "</tool_call>");
+    while (ok && p < end && serve_is_space(*p)) p++;
+    free(key);
+    if (!ok || p != end) {
+        free(name);
+        free(args.p);
+        return 0;
+    }
+    tok_buf_puts(&args, "}");
+    a->calls = plat_realloc(a->calls, (size_t)(a->n_calls + 1) * sizeof *a->calls);
+    a->calls[a->n_calls++] = (struct serve_tool_call){name, args.p};
+    return 1;
+}
+
+/* Moves S[0..n) into field PART, without the field's leading space and, unless the field's
+ * text ENDS here, without its trailing space (which waits for what follows). Returns the bytes
+ * taken from S. */
+static size_t serve_answer_place(struct serve_answer *a, enum serve_part part, const char *s, size_t n, int ends)
+{
+    struct tok_buf *f = &a->field[part];
+    size_t from = 0, to = n;
+    if (!f->n) while (from < n && serve_is_space(s[from])) from++;
+    while (to > from && serve_is_space(s[to - 1])) to--;
+    if (to > from) tok_buf_put(f, s + from, to - from);
+    return ends ? n : to;
+}
+
+/* The longest end of S[0..n) that begins TAG: text that may still turn into it. */
+static size_t serve_tag_holdback(const char *s, size_t n, const char *tag)
+{
+    size_t len = strlen(tag);
+    for (size_t k = len - 1 < n ? len - 1 : n; k > 0; k--)
+        if (!memcmp(s + n - k, tag, k)) return k;
+    return 0;
+}
+
+/* Feeds released answer text S[0..n) (whole characters) to A; FINAL: nothing more comes.
+ * Thinking ends at </think>; with tools, a <tool_call> block becomes a call, or text if it
+ * does not parse. */
+static void serve_answer_feed(struct serve_answer *a, const struct json *tools, const char *s, size_t n, int final)
+{
+    tok_buf_put(&a->pending, s, n);
+    for (int more = 1; more;) {
+        char *p = a->pending.p;
+        size_t len = a->pending.n, used;
+        if (a->part == SERVE_PART_CALL) {
+            char *close = memmem(p, len, "</tool_call>", 12);
+            if (!close && !final) return;
+            used = close ? (size_t)(close + 12 - p) : len;
+            if (!serve_parse_call(a, tools, p, used)) serve_answer_place(a, SERVE_PART_CONTENT, p, used, 0);
+            a->part = SERVE_PART_CONTENT;
+        } else {
+            const char *tag = a->part == SERVE_PART_REASONING ? "</think>" : tools ? "<tool_call>" : NULL;
+            char *at = tag ? memmem(p, len, tag, strlen(tag)) : NULL;
+            more = at != NULL;
+            if (!at) used = serve_answer_place(a, a->part, p, len - (final || !tag ? 0 : serve_tag_holdback(p, len, tag)), final);
+            else if (a->part == SERVE_PART_REASONING) {
+                used = serve_answer_place(a, a->part, p, (size_t)(at - p), 1) + 8;
+                a->part = SERVE_PART_CONTENT;
+            } else {
+                used = serve_answer_place(a, a->part, p, (size_t)(at - p), 1);
+                a->part = SERVE_PART_CALL;
+            }
+        }
+        memmove(p, p + used, len - used);
+        a->pending.n = len - used;
+        p[a->pending.n] = 0;
+    }
+}
+
+static const char *serve_finish_reason(const struct serve_job *j)
+{
+    if (j->answer.n_calls && j->gen.stop == ENGINE_STOP_EOG) return "tool_calls";
+    return j->gen.stop == ENGINE_STOP_LENGTH || j->gen.stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
+}
+
+/* usage (cached_tokens: the prompt tokens reused, not computed), and the server's own times. */
 static void serve_usage(FILE *f, const struct serve_job *j)
 {
-    fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}", j->gen.n_prompt, j->gen.n_tokens,
-            j->gen.n_prompt + j->gen.n_tokens);
+    fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}},",
+            j->gen.n_prompt, j->gen.n_tokens, j->gen.n_prompt + j->gen.n_tokens, j->gen.n_cached);
+    fprintf(f, "\"timings\":{\"prompt_ms\":%.3f,\"decode_ms\":%.3f}", j->gen.prompt_s * 1e3, j->gen.decode_s * 1e3);
 }
 
 /* The head of a chat or completion object (or chunk): id, object, created, model. */
@@ -8176,20 +8759,58 @@ static void serve_object_head(FILE *f, struct serve *srv, const struct serve_job
 {
     const char *object = j->chat ? (j->stream ? "chat.completion.chunk" : "chat.completion") : "text_completion";
     fprintf(f, "{\"id\":\"%s-%llx\",\"object\":\"%s\",\"created\":%lld,\"model\":", j->chat ? "chatcmpl" : "cmpl", id, object, (long long)created);
-    serve_json_write_string(f, srv->model_id, strlen(srv->model_id));
+    json_write_string(f, srv->model_id, strlen(srv->model_id));
+}
+
+/* Call K of J's answer as OpenAI writes a tool call (with its INDEX in a stream delta). */
+static void serve_write_call(FILE *f, const struct serve_job *j, unsigned long long id, int k, int index)
+{
+    const struct serve_tool_call *call = &j->answer.calls[k];
+    fputc('{', f);
+    if (index) fprintf(f, "\"index\":%d,", k);
+    fprintf(f, "\"id\":\"call_%llx_%d\",\"type\":\"function\",\"function\":{\"name\":", id, k);
+    json_write_string(f, call->name, strlen(call->name));
+    fputs(",\"arguments\":", f);
+    json_write_string(f, call->arguments, strlen(call->arguments));
+    fputs("}}", f);
+}
+
+/* A chat answer's message: content (null when there are only calls), reasoning_content when
+ * the model thought, tool_calls when it called. */
+static void serve_write_message(FILE *f, const struct serve_job *j, unsigned long long id)
+{
+    const struct serve_answer *a = &j->answer;
+    fputs("\"message\":{\"role\":\"assistant\",\"content\":", f);
+    if (a->n_calls && !a->field[SERVE_PART_CONTENT].n) fputs("null", f);
+    else json_write_string(f, a->field[SERVE_PART_CONTENT].p ? a->field[SERVE_PART_CONTENT].p : "", a->field[SERVE_PART_CONTENT].n);
+    if (a->field[SERVE_PART_REASONING].n) {
+        fputs(",\"reasoning_content\":", f);
+        json_write_string(f, a->field[SERVE_PART_REASONING].p, a->field[SERVE_PART_REASONING].n);
+    }
+    if (a->n_calls) fputs(",\"tool_calls\":[", f);
+    for (int k = 0; k < a->n_calls; k++) {
+        if (k) fputc(',', f);
+        serve_write_call(f, j, id, k, 0);
+    }
+    fputs(a->n_calls ? "]}" : "}", f);
 }
 
 /* The whole answer of a finished job that did not stream. */
-static char *serve_answer_json(struct serve *srv, const struct serve_job *j, size_t *n)
+static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n)
 {
     char *out = NULL;
+    unsigned long long id = serve_next_id();
     FILE *f = open_memstream(&out, n);
-    serve_object_head(f, srv, j, serve_next_id(), time(NULL));
+    serve_object_head(f, srv, j, id, time(NULL));
     fputs(",\"choices\":[{\"index\":0,", f);
-    if (j->chat) fputs("\"message\":{\"role\":\"assistant\",\"content\":", f);
-    else fputs("\"text\":", f);
-    serve_json_write_string(f, j->text ? j->text : "", j->len);
-    fprintf(f, "%s,\"finish_reason\":\"%s\"}],", j->chat ? "}" : "", serve_finish_reason(j->gen.stop));
+    if (j->chat) {
+        serve_answer_feed(&j->answer, j->tools, j->text ? j->text : "", j->len, 1);
+        serve_write_message(f, j, id);
+    } else {
+        fputs("\"text\":", f);
+        json_write_string(f, j->text ? j->text : "", j->len);
+    }
+    fprintf(f, ",\"finish_reason\":\"%s\"}],", serve_finish_reason(j));
     serve_usage(f, j);
     fputs("}", f);
     fclose(f);
@@ -8217,25 +8838,19 @@ static int serve_event(int fd, const char *data, size_t n)
     return serve_write(fd, head, (size_t)h) || serve_write(fd, data, n) || serve_write(fd, "\n\n\r\n", 4) ? -1 : 0;
 }
 
-/* A streamed chunk: a delta of TEXT (role first when ROLE), or the finish (FINISH non-NULL),
- * or the usage (USAGE). */
-static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, int role, const char *text,
-                       size_t n, const char *finish, int usage)
+/* A streamed chunk: CHOICE (the members of the choice after its index: a delta, or a
+ * completion's text) with FINISH (NULL: null), or the usage (CHOICE NULL). */
+static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *choice, const char *finish)
 {
     char *out = NULL;
     size_t len;
     FILE *f = open_memstream(&out, &len);
     serve_object_head(f, c->srv, j, id, created);
-    if (usage) {
+    if (!choice) {
         fputs(",\"choices\":[],", f);
         serve_usage(f, j);
     } else {
-        fputs(j->chat ? ",\"choices\":[{\"index\":0,\"delta\":{" : ",\"choices\":[{\"index\":0,\"text\":", f);
-        if (j->chat && role) fputs("\"role\":\"assistant\",\"content\":\"\"", f);
-        else if (j->chat && text) fputs("\"content\":", f);
-        if (text) serve_json_write_string(f, text, n);
-        else if (!j->chat) fputs("\"\"", f);
-        fprintf(f, "%s,\"finish_reason\":", j->chat ? "}" : "");
+        fprintf(f, ",\"choices\":[{\"index\":0,%s,\"finish_reason\":", choice);
         if (finish) fprintf(f, "\"%s\"}]", finish);
         else fputs("null}]", f);
     }
@@ -8244,6 +8859,51 @@ static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned
     int r = serve_event(c->fd, out, len);
     free(out);
     return r;
+}
+
+/* A chunk of new text: a chat delta of FIELD, or a completion's text. */
+static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *field,
+                            const char *text, size_t n)
+{
+    char *choice = NULL;
+    size_t len;
+    FILE *f = open_memstream(&choice, &len);
+    if (j->chat) fprintf(f, "\"delta\":{\"%s\":", field);
+    else fputs("\"text\":", f);
+    json_write_string(f, text, n);
+    if (j->chat) fputc('}', f);
+    fclose(f);
+    int r = serve_chunk(c, j, id, created, choice, NULL);
+    free(choice);
+    return r;
+}
+
+/* What a chat stream has sent of each field of the answer. */
+struct serve_sent { size_t field[2]; int calls; };
+
+/* Sends what the answer's fields gained since SENT: thinking, content, then whole calls. */
+static int serve_send_answer(struct serve_conn *c, struct serve_job *j, unsigned long long id, time_t created, struct serve_sent *sent)
+{
+    static const char *const names[2] = {"reasoning_content", "content"};
+    const struct serve_answer *a = &j->answer;
+    int gone = 0;
+    for (int k = 0; k < 2 && !gone; k++)
+        if (a->field[k].n > sent->field[k]) {
+            gone = serve_text_chunk(c, j, id, created, names[k], a->field[k].p + sent->field[k], a->field[k].n - sent->field[k]);
+            sent->field[k] = a->field[k].n;
+        }
+    for (; sent->calls < a->n_calls && !gone; sent->calls++) {
+        char *choice = NULL;
+        size_t len;
+        FILE *f = open_memstream(&choice, &len);
+        fputs("\"delta\":{\"tool_calls\":[", f);
+        serve_write_call(f, j, id, sent->calls, 1);
+        fputs("]}", f);
+        fclose(f);
+        gone = serve_chunk(c, j, id, created, choice, NULL);
+        free(choice);
+    }
+    return gone;
 }
 
 /* Whether the client of FD has gone: it hung up (a pipelined request waiting is not that). */
@@ -8282,19 +8942,21 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
                                "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
     unsigned long long id = serve_next_id();
     time_t created = time(NULL);
-    int gone = serve_write(c->fd, head, sizeof head - 1) || (j->chat && serve_chunk(c, j, id, created, 1, NULL, 0, NULL, 0));
-    size_t sent = 0;
-    for (;;) {
+    int gone = serve_write(c->fd, head, sizeof head - 1) ||
+               (j->chat && serve_chunk(c, j, id, created, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}", NULL));
+    size_t released = 0;
+    struct serve_sent sent = {{0, 0}, 0};
+    for (int done = 0; !done;) {
         char *piece;
-        size_t n = serve_job_wait(c, j, sent, &piece);
-        if (n && !gone) gone = serve_chunk(c, j, id, created, 0, piece, n, NULL, 0);
-        free(piece);
-        sent += n;
-        if (gone) j->cancel = 1;
+        size_t n = serve_job_wait(c, j, released, &piece);
+        released += n;
         pthread_mutex_lock(&j->mu);
-        int done = j->done && j->released <= sent;
+        done = j->done && j->released <= released;
         pthread_mutex_unlock(&j->mu);
-        if (done) break;
+        if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
+        if (!gone) gone = j->chat ? serve_send_answer(c, j, id, created, &sent) : n && serve_text_chunk(c, j, id, created, NULL, piece, n);
+        free(piece);
+        if (gone) j->cancel = 1;
     }
     if (gone || (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping)) return -1;
     if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
@@ -8304,8 +8966,8 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         gone = serve_event(c->fd, body, n);
         free(body);
     } else {
-        gone = serve_chunk(c, j, id, created, 0, NULL, 0, serve_finish_reason(j->gen.stop), 0) ||
-               (j->include_usage && serve_chunk(c, j, id, created, 0, NULL, 0, NULL, 1));
+        gone = serve_chunk(c, j, id, created, j->chat ? "\"delta\":{}" : "\"text\":\"\"", serve_finish_reason(j)) ||
+               (j->include_usage && serve_chunk(c, j, id, created, NULL, NULL));
     }
     return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) ? -1 : 0;
 }
@@ -8400,7 +9062,7 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
     } else if (!strcmp(r->path, "/v1/models")) {
         FILE *f = open_memstream(&out, &n);
         fputs("{\"object\":\"list\",\"data\":[{\"id\":", f);
-        serve_json_write_string(f, srv->model_id, strlen(srv->model_id));
+        json_write_string(f, srv->model_id, strlen(srv->model_id));
         fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\"}]}", (long long)srv->started);
         fclose(f);
     } else out = serve_metrics(srv, &n);
@@ -8409,6 +9071,38 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
                            status == 503 ? "Retry-After: 1\r\n" : NULL, r->keep_alive);
     free(out);
     serve_count(srv, status);
+    return rc || !r->keep_alive ? -1 : 0;
+}
+
+/* POST /apply-template: the prompt a chat request's messages render to, as {"prompt": TEXT}
+ * (llama.cpp's endpoint of that name), so that a client can see what the model is given. */
+static int serve_apply_template(struct serve_conn *c, const struct serve_request *r)
+{
+    struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
+    const char *why = NULL;
+    struct json *body = json_parse(r->body, r->body_len, &why);
+    size_t len = 0;
+    char *text = NULL;
+    if (!c->srv->ready) e = (struct serve_error){503, "server_error", "loading", "", "the model is still loading"};
+    else if (!body) serve_bad(&e, NULL, "the body is not valid JSON: %s", why);
+    else if (body->kind != JSON_OBJECT) serve_bad(&e, NULL, "the body must be a JSON object");
+    else text = serve_chat_text(c->srv, body, NULL, 1, &len, &e);
+    json_free(body);
+    if (!text) {
+        serve_fail(c, &e, r->keep_alive);
+        return r->keep_alive ? 0 : -1;
+    }
+    char *out = NULL;
+    size_t n;
+    FILE *f = open_memstream(&out, &n);
+    fputs("{\"prompt\":", f);
+    json_write_string(f, text, len);
+    fputs("}", f);
+    fclose(f);
+    int rc = serve_respond(c, 200, "application/json", out, n, NULL, r->keep_alive);
+    free(out);
+    free(text);
+    serve_count(c->srv, 200);
     return rc || !r->keep_alive ? -1 : 0;
 }
 
@@ -8428,10 +9122,11 @@ static int serve_authorized(const struct serve *srv, const struct serve_request 
 static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
     static const struct { const char *path, *method; } routes[] = {
-        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}, {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"}};
+        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}, {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"},
+        {"/apply-template", "POST"}};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};
     int k = -1;
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(r->path, routes[i].path)) k = i;
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
     else if (strcmp(r->method, routes[k].method)) {
@@ -8439,7 +9134,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
     } else if (k > 0 && !serve_authorized(c->srv, r)) {
         e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY)"};
-    } else return k < 3 ? serve_get(c, r) : serve_generate(c, r, k == 3);
+    } else return k < 3 ? serve_get(c, r) : k == 5 ? serve_apply_template(c, r) : serve_generate(c, r, k == 3);
     char allow[64];
     snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? routes[k].method : "GET");
     size_t n;
@@ -8814,7 +9509,7 @@ static void cmd_print_json(struct cmd_session *s, const int *prompt, const struc
     printf(",\"tokens\":");
     cmd_json_ids(stdout, g->tokens, g->n_tokens);
     printf(",\"text\":");
-    serve_json_write_string(stdout, g->text ? g->text : "", g->text_len);
+    json_write_string(stdout, g->text ? g->text : "", g->text_len);
     printf(",\"top\":[");
     for (int i = 0; i < g->n_tokens; i++) {
         printf("%s[", i ? "," : "");
@@ -8840,10 +9535,7 @@ static int cmd_run(const struct cmd_options *o)
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* Ctrl-C ends the generation; the heat is still saved */
     char *text = NULL;
-    if (o->chat) {
-        struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", o->prompt}};
-        text = tok_chat_render(o->system ? msgs : msgs + 1, o->system ? 2 : 1, 1, o->think);
-    }
+    if (o->chat) text = tok_chat_render_turn(&s.tok, o->system, o->prompt, o->think);
     const char *t = text ? text : o->prompt;
     int *ids = NULL, n = tok_encode(&s.tok, t, strlen(t), 1, &ids);
     if (n == 0) die("the prompt is empty after tokenization");
@@ -8892,9 +9584,7 @@ static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options 
                                 int n_pending, int **ids_out)
 {
     int first = s->engine.slots[0].seq.pos == 0 && n_pending == 0;
-    struct tok_chat_msg msgs[2] = {{"system", o->system}, {"user", line}};
-    int with_system = first && o->system;
-    char *turn = tok_chat_render(with_system ? msgs : msgs + 1, with_system ? 2 : 1, 1, o->think);
+    char *turn = tok_chat_render_turn(&s->tok, first ? o->system : NULL, line, o->think);
     size_t len = strlen(turn);
     char *text = plat_alloc(len + 2);
     snprintf(text, len + 2, "%s%s", first ? "" : "\n", turn); /* "\n" ends the previous <|im_end|> line */

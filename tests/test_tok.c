@@ -178,35 +178,78 @@ static void check_find(const struct tok *t, const char *text, int want, const ch
     check(got == want, name, "got %d", got);
 }
 
-static void check_chat(void)
+/* A plain turn as run --chat and chat render it, thinking and not. */
+static void check_chat_turn(void)
 {
-    struct tok_chat_msg msgs[] = {
-        {"system", "You are helpful."},
-        {"user", "Hi"},
-        {"assistant", "\n<think>\nreasoning here\n</think>\n\nHello!"},
-        {"user", "Bye"},
-    };
-    const char *base = "<|im_start|>system\nYou are helpful.<|im_end|>\n"
-                       "<|im_start|>user\nHi<|im_end|>\n"
-                       "<|im_start|>assistant\nHello!<|im_end|>\n"
-                       "<|im_start|>user\nBye<|im_end|>\n";
-    char want[1024];
-    char *s = tok_chat_render(msgs, 4, 1, 1);
-    snprintf(want, sizeof want, "%s<|im_start|>assistant\n<think>\n", base);
-    check(!strcmp(s, want), "chat: thinking generation prompt", "got [%s]", s);
+    struct tok t = {0};
+    t.chat_template = TOK_TEMPLATE_QWEN36;
+    char *s = tok_chat_render_turn(&t, " You are helpful. ", "Hi\n", 1);
+    check(!strcmp(s, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"),
+          "chat: a system and a user turn, thinking", "got [%s]", s);
     free(s);
-    s = tok_chat_render(msgs, 4, 1, 0);
-    snprintf(want, sizeof want, "%s<|im_start|>assistant\n<think>\n\n</think>\n\n", base);
-    check(!strcmp(s, want), "chat: non-thinking generation prompt", "got [%s]", s);
+    s = tok_chat_render_turn(&t, NULL, "Hi", 0);
+    check(!strcmp(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"), "chat: a user turn, not thinking",
+          "got [%s]", s);
     free(s);
-    s = tok_chat_render(msgs + 1, 1, 0, 0);
-    check(!strcmp(s, "<|im_start|>user\nHi<|im_end|>\n"), "chat: no generation prompt", "got [%s]", s);
-    free(s);
-    struct tok_chat_msg plain[] = {{"assistant", "  no think block <think>x</think>"}};
-    s = tok_chat_render(plain, 1, 0, 0);
-    check(!strcmp(s, "<|im_start|>assistant\n  no think block <think>x</think><|im_end|>\n"),
-          "chat: assistant content without a leading think block is kept", "got [%s]", s);
-    free(s);
+    char about[200];
+    check(tok_template_detect("{{ messages }}", 14, about, sizeof about) == TOK_TEMPLATE_QWEN36 && strstr(about, "not one coli knows"),
+          "chat: an unknown template is rendered as Qwen3.6, and the log says so", "got [%s]", about);
+    check(tok_template_detect(NULL, 0, about, sizeof about) == TOK_TEMPLATE_QWEN36 && strstr(about, "no chat template"),
+          "chat: a file without a template is rendered as Qwen3.6", "got [%s]", about);
+}
+
+/* The flag NAME of a template case: -1 when absent (not passed to the template). */
+static int case_flag(const struct json *c, const char *name)
+{
+    const struct json *v = json_get(c, name);
+    return v && v->kind == JSON_BOOL ? v->boolean : -1;
+}
+
+/* The golden chat-template cases of FILE: the template text is recognised by its sha256, and
+ * each conversation renders byte for byte, or is refused with the template's own message. */
+static void run_template_cases(const char *file, enum tok_template kind)
+{
+    char path[1024], name[300];
+    snprintf(path, sizeof path, "%s/%s", golden_dir, file);
+    FILE *f = fopen(path, "rb");
+    char *text = NULL;
+    size_t n = 0, cap = 0, got;
+    char chunk[65536];
+    while (f && (got = fread(chunk, 1, sizeof chunk, f)) > 0) {
+        text = tok_grow(text, &cap, n + got + 1, 1);
+        memcpy(text + n, chunk, got);
+        n += got;
+    }
+    if (f) fclose(f);
+    const char *why = "unreadable";
+    struct json *root = text ? json_parse(text, n, &why) : NULL;
+    free(text);
+    check(root != NULL, file, "cannot read it: %s", why);
+    if (!root) return;
+    const struct json *tpl = json_get(root, "template");
+    char about[200];
+    snprintf(name, sizeof name, "%s: the template is known by its sha256", file);
+    check(tpl && tok_template_detect(tpl->str, tpl->len, about, sizeof about) == kind && strstr(about, "the file's own"), name, "got [%s]", about);
+    const struct json *cases = json_get(root, "cases");
+    int n_cases = 0;
+    for (const struct json *c = cases ? cases->child : NULL; c; c = c->next, n_cases++) {
+        struct tok_chat_flags flags = {case_flag(c, "add_generation_prompt") == 1, case_flag(c, "enable_thinking"), case_flag(c, "preserve_thinking")};
+        const struct json *want = json_get(c, "rendered"), *error = json_get(c, "error");
+        struct tok_chat_rendered out;
+        char *s = tok_chat_template_render(kind, json_get(c, "messages"), json_get(c, "tools"), &flags, &out);
+        snprintf(name, sizeof name, "%s: %s", file, json_get(c, "name")->str);
+        if (want) {
+            size_t at = 0;
+            while (s && at < out.len && at < want->len && s[at] == want->str[at]) at++;
+            check(s && out.len == want->len && at == want->len, name, "%s; first difference at byte %zu: got [%.60s] want [%.60s]",
+                  s ? "rendered differently" : out.error, at, s ? s + at : "", want->str + (at < want->len ? at : want->len));
+        } else
+            check(!s && out.error && !strcmp(out.error, error->str), name, "want the refusal [%s], got %s", error->str, s ? "a rendering" : out.error);
+        free(s);
+    }
+    snprintf(name, sizeof name, "%s: has cases", file);
+    check(n_cases > 0, name, "none");
+    json_free(root);
 }
 
 /* Streams the decoded pieces of text's tokens through tok_utf8_stream: every push must emit
@@ -382,7 +425,7 @@ int main(int argc, char **argv)
     struct gguf_file g;
     struct tok t;
     if (argc > 1) golden_dir = argv[1];
-    check_chat();
+    check_chat_turn();
     check_splits();
     if (access(golden_dir, F_OK) != 0) {
         printf("ok - golden tokenizer cases # SKIP %s absent\n", golden_dir);
@@ -390,6 +433,8 @@ int main(int argc, char **argv)
         return n_fail != 0;
     }
 
+    run_template_cases("template-qwen35.json", TOK_TEMPLATE_QWEN35);
+    run_template_cases("template-qwen36.json", TOK_TEMPLATE_QWEN36);
     load_tok(&t, &g, "tokenizer-qwen3.gguf");
     run_tokenizer_cases(&t, "tokenizer-qwen3.json");
     check_find(&t, "<think>", 151667, "qwen3");
