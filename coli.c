@@ -5076,13 +5076,19 @@ static int model_choose_ctx(const struct model *m, int request)
     return ctx < 256 ? 256 : (int)ctx;
 }
 
-/* Bytes one sequence takes at full context: its KV cache and its recurrent state. */
-static int64_t model_seq_bytes(const struct model *m)
+/* Bytes of a sequence's recurrent state: every DeltaNet layer's (what a checkpoint copies). */
+static int64_t model_recurrent_bytes(const struct model *m)
 {
     int64_t state = 0;
     for (int i = 0; i < m->cfg.n_layers; i++)
         if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(&m->cfg) * 4;
-    return model_kv_bytes_per_token(m) * m->n_ctx + state;
+    return state;
+}
+
+/* Bytes one sequence takes at full context: its KV cache and its recurrent state. */
+static int64_t model_seq_bytes(const struct model *m)
+{
+    return model_kv_bytes_per_token(m) * m->n_ctx + model_recurrent_bytes(m);
 }
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
@@ -5870,22 +5876,36 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
     else q->pos = cp->pos;
 }
 
+/* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
+ * layer's K rows then V rows, model_kv_bytes_per_token(m) * N bytes. What an idle conversation
+ * parked in RAM keeps (§11). */
+static void model_kv_copy(const struct model *m, struct model_seq *q, float *buf, int n, int save)
+{
+    size_t rows = (size_t)m->cfg.n_kv_head * (size_t)m->cfg.head_dim * (size_t)n;
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        float *cache[2] = {q->state[i].k_cache, q->state[i].v_cache};
+        for (int c = 0; c < 2 && cache[c]; c++, buf += rows) {
+            if (save) memcpy(buf, cache[c], rows * sizeof(float));
+            else memcpy(cache[c], buf, rows * sizeof(float));
+        }
+    }
+}
+
 /* Puts the routed experts behind a RAM budget: RAM bytes, or (RAM < 0) what memory leaves
  * after the trunk, the KV cache at full context and the recurrent state of N_SEQS sequences,
- * less a margin of 1/16 plus 256 MiB (scratch, thread stacks, the allocator). When the budget
+ * RESERVE bytes (the server's prompt cache), less a margin of 1/16 plus 256 MiB (scratch,
+ * thread stacks, the allocator). When the budget
  * holds every expert they stay in the mapping. HEAT: the heat file (NULL:
  * expert_heat_default). Says what it chose in one line. */
-static void model_budget_experts(struct model *m, int n_seqs, int64_t ram, const char *heat, enum expert_io io, const char *place)
+static void model_budget_experts(struct model *m, int n_seqs, int64_t reserve, int64_t ram, const char *heat, enum expert_io io, const char *place)
 {
     const struct model_config *c = &m->cfg;
     if (c->n_expert == 0) return;
     uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
     if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
-    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx * n_seqs, state = 0, avail = plat_mem_available();
-    for (int i = 0; i < c->n_layers; i++)
-        if (m->layers[i].kind == MODEL_LAYER_DELTANET) state += (int64_t)model_recurrent_floats(c) * 4 * n_seqs;
+    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx * n_seqs, state = model_recurrent_bytes(m) * n_seqs, avail = plat_mem_available();
     int64_t margin = avail / 16 + (256 << 20), budget = ram;
-    if (ram < 0) budget = avail - (int64_t)trunk - kv - state - margin;
+    if (ram < 0) budget = avail - (int64_t)trunk - kv - state - reserve - margin;
     uint64_t fp = model_fingerprint(m);
     char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
     /* everything fits: copy the experts when memory also holds the file's pages of them */
@@ -7503,8 +7523,12 @@ static const char *const engine_stop_names[] = {"running", "eog", "length", "con
 
 /* What a caller asks of a slot. The arrays must outlive the generation. */
 struct engine_request {
-    const int *prompt;       /* [n_prompt] fed after what the slot's sequence holds */
+    const int *prompt;       /* [n_prompt]: fed after what the slot's sequence holds, or (WHOLE) all of it */
     int n_prompt;
+    int whole;               /* the prompt is the sequence from position 0: what the slot holds of it is reused */
+    int reuse;               /* WHOLE: may reuse (0: computed from nothing, for comparison) */
+    int mark;                /* WHOLE: a prompt position to keep a checkpoint at (0: none); the server
+                              * marks where the generation prompt opens, where the next turn departs */
     int n_max;               /* tokens to generate at most */
     struct sample_params sample;
     int ignore_eog, want_top; /* want_top: record the five best logits of every position */
@@ -7529,8 +7553,32 @@ struct engine_gen {
     char error[640];     /* ENGINE_STOP_ERROR: why */
 };
 
+#define ENGINE_MAX_CHECKPOINTS 4 /* DeltaNet states kept per sequence */
+
+/* A sequence's past, matched against the next prompt: the tokens its state holds, and copies
+ * of the DeltaNet state at some of their positions. The KV cache is good for any prefix of the
+ * tokens, a recurrent state only where it was taken: a prompt that departs from the tokens at
+ * position p resumes from the deepest copy at or before p, never a later one. */
+struct engine_past {
+    int *tokens;             /* [n_ctx]: tokens[0..n) are in the state */
+    int n;
+    struct model_checkpoint cp[ENGINE_MAX_CHECKPOINTS]; /* positions ascending, <= n */
+    int n_cp;
+    double used;             /* when it last served: the least recently used is parked or evicted first */
+};
+
+/* A conversation parked in RAM while its slot serves another: its past, its state at past.n,
+ * and its KV cache of past.n positions. */
+struct engine_parked {
+    struct engine_past past;
+    struct model_checkpoint live;
+    float *kv;
+    int64_t bytes;           /* what parking added: the KV copy, the live state, the tokens */
+};
+
 struct engine_slot {
     struct model_seq seq;
+    struct engine_past past;
     struct engine_request req;
     struct engine_gen *gen;  /* NULL: the slot is idle */
     int fed;                 /* prompt tokens fed so far */
@@ -7545,27 +7593,57 @@ struct engine {
     const struct tok *tok;
     struct engine_slot *slots; /* [n_slots] */
     int n_slots;
+    struct engine_parked *parked;
+    int n_parked;
+    int64_t cache_budget;      /* bytes for checkpoints and parked conversations (the prompt cache) */
+    int64_t cache_bytes;       /* in use */
+    int64_t checkpoint_bytes;  /* one checkpoint's */
     struct sample_candidate *cand; /* [n_vocab] sampling scratch */
     char *piece;               /* [tok->max_piece + 1] */
 };
 
-static void engine_init(struct engine *e, struct model *m, const struct tok *tok, int n_slots)
+/* N_SLOTS sequences; CACHE_BUDGET bytes for the prompt cache (0: checkpoints are not kept and
+ * idle conversations not parked). */
+static void engine_init(struct engine *e, struct model *m, const struct tok *tok, int n_slots, int64_t cache_budget)
 {
+    memset(e, 0, sizeof *e);
     e->m = m;
     e->tok = tok;
     e->n_slots = n_slots;
+    e->cache_budget = cache_budget;
+    e->checkpoint_bytes = model_recurrent_bytes(m);
     e->slots = plat_zalloc((size_t)n_slots, sizeof *e->slots);
-    for (int i = 0; i < n_slots; i++) model_seq_init(m, &e->slots[i].seq);
+    for (int i = 0; i < n_slots; i++) {
+        model_seq_init(m, &e->slots[i].seq);
+        e->slots[i].past.tokens = plat_alloc((size_t)m->n_ctx * sizeof(int));
+    }
     e->cand = plat_alloc((size_t)m->cfg.n_vocab * sizeof *e->cand);
     e->piece = plat_alloc((size_t)tok->max_piece + 1);
+}
+
+static void engine_past_free(struct engine_past *p)
+{
+    for (int k = 0; k < p->n_cp; k++) free(p->cp[k].recurrent);
+    free(p->tokens);
+    memset(p, 0, sizeof *p);
+}
+
+static void engine_parked_free(struct engine_parked *z)
+{
+    engine_past_free(&z->past);
+    free(z->live.recurrent);
+    free(z->kv);
 }
 
 static void engine_free(struct engine *e)
 {
     for (int i = 0; i < e->n_slots; i++) {
         model_seq_free(e->m, &e->slots[i].seq);
+        engine_past_free(&e->slots[i].past);
         free(e->slots[i].history);
     }
+    for (int k = 0; k < e->n_parked; k++) engine_parked_free(&e->parked[k]);
+    free(e->parked);
     free(e->slots);
     free(e->cand);
     free(e->piece);
@@ -7614,6 +7692,119 @@ static void engine_gen_append(struct engine_gen *g, int id, float top[5][2], con
 
 static int engine_cancelled(const struct engine_slot *sl) { return sl->req.cancel && *sl->req.cancel; }
 
+/* ---- the prompt cache: checkpoints, and idle conversations parked in RAM ---- */
+
+/* How many of PROMPT's N tokens past P can give without computing them: the state itself
+ * when all of P's tokens begin the prompt, else the deepest checkpoint within the common
+ * prefix. One prompt token is always left to compute (its logits choose the first answer
+ * token). *CP: -1 the state as it is, -2 none (from nothing), else the checkpoint's index. */
+static int engine_reuse(const struct engine_past *p, const int *prompt, int n, int *cp)
+{
+    int common = 0;
+    while (common < p->n && common < n && p->tokens[common] == prompt[common]) common++;
+    int limit = common < n - 1 ? common : n - 1;
+    *cp = -1;
+    if (p->n <= limit) return p->n;
+    for (*cp = p->n_cp - 1; *cp >= 0; (*cp)--)
+        if (p->cp[*cp].pos <= limit) return p->cp[*cp].pos;
+    *cp = -2;
+    return 0;
+}
+
+/* Checkpoints of P past position POS go (their state is another prompt's). */
+static void engine_past_cut(struct engine *e, struct engine_past *p, int pos)
+{
+    while (p->n_cp && p->cp[p->n_cp - 1].pos > pos) {
+        free(p->cp[--p->n_cp].recurrent);
+        p->cp[p->n_cp].recurrent = NULL;
+        e->cache_bytes -= e->checkpoint_bytes;
+    }
+    if (p->n > pos) p->n = pos;
+}
+
+/* Evicts the least recently used parked conversation; 0 when there is none. */
+static int engine_evict(struct engine *e)
+{
+    if (!e->n_parked) return 0;
+    int lru = 0;
+    for (int k = 1; k < e->n_parked; k++)
+        if (e->parked[k].past.used < e->parked[lru].past.used) lru = k;
+    struct engine_parked *z = &e->parked[lru];
+    e->cache_bytes -= z->bytes + (int64_t)z->past.n_cp * e->checkpoint_bytes;
+    engine_parked_free(z);
+    e->parked[lru] = e->parked[--e->n_parked];
+    return 1;
+}
+
+/* Whether BYTES more fit the cache budget, parked conversations evicted to make room. */
+static int engine_cache_room(struct engine *e, int64_t bytes)
+{
+    while (e->cache_bytes + bytes > e->cache_budget && engine_evict(e)) {}
+    return e->cache_bytes + bytes <= e->cache_budget;
+}
+
+/* Keeps slot SL's DeltaNet state at its position: a new checkpoint, or the shallowest one's
+ * buffer when the slot has ENGINE_MAX_CHECKPOINTS. */
+static void engine_checkpoint(struct engine *e, struct engine_slot *sl)
+{
+    struct engine_past *p = &sl->past;
+    if (p->n_cp && p->cp[p->n_cp - 1].pos == sl->seq.pos) return;
+    if (p->n_cp == ENGINE_MAX_CHECKPOINTS) {
+        struct model_checkpoint oldest = p->cp[0];
+        memmove(p->cp, p->cp + 1, (size_t)(p->n_cp - 1) * sizeof *p->cp);
+        p->cp[p->n_cp - 1] = oldest;
+    } else {
+        if (!engine_cache_room(e, e->checkpoint_bytes)) return;
+        e->cache_bytes += e->checkpoint_bytes;
+        p->cp[p->n_cp++] = (struct model_checkpoint){0, NULL};
+    }
+    model_checkpoint(e->m, &sl->seq, &p->cp[p->n_cp - 1], 1);
+}
+
+/* Slot I forgets its conversation. */
+static void engine_forget(struct engine *e, int i)
+{
+    struct engine_slot *sl = &e->slots[i];
+    engine_past_cut(e, &sl->past, 0);
+    model_seq_reset(e->m, &sl->seq);
+}
+
+/* Moves idle slot I's conversation into RAM (if the budget holds it); the slot is left empty. */
+static void engine_park(struct engine *e, int i)
+{
+    struct engine_slot *sl = &e->slots[i];
+    int n = sl->past.n;
+    int64_t kv = model_kv_bytes_per_token(e->m) * n, bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
+    if (n == 0 || e->cache_budget == 0 || !engine_cache_room(e, bytes)) {
+        engine_forget(e, i);
+        return;
+    }
+    e->parked = plat_realloc(e->parked, (size_t)(e->n_parked + 1) * sizeof *e->parked);
+    struct engine_parked *z = &e->parked[e->n_parked++];
+    *z = (struct engine_parked){sl->past, {0, NULL}, plat_alloc((size_t)kv), bytes};
+    model_checkpoint(e->m, &sl->seq, &z->live, 1);
+    model_kv_copy(e->m, &sl->seq, z->kv, n, 1);
+    z->past.tokens = plat_realloc(z->past.tokens, (size_t)n * sizeof(int) + 1); /* the slot keeps a buffer of n_ctx */
+    e->cache_bytes += bytes;
+    sl->past = (struct engine_past){plat_alloc((size_t)e->m->n_ctx * sizeof(int)), 0, {{0, NULL}}, 0, 0};
+    model_seq_reset(e->m, &sl->seq);
+}
+
+/* Puts parked conversation Z (taken out of the list) back into empty slot I. */
+static void engine_unpark(struct engine *e, struct engine_parked *z, int i)
+{
+    struct engine_slot *sl = &e->slots[i];
+    int n = z->past.n;
+    model_kv_copy(e->m, &sl->seq, z->kv, n, 0);
+    model_checkpoint(e->m, &sl->seq, &z->live, 0);
+    free(sl->past.tokens);
+    sl->past = z->past;
+    sl->past.tokens = plat_realloc(sl->past.tokens, (size_t)e->m->n_ctx * sizeof(int));
+    z->past = (struct engine_past){0};
+    e->cache_bytes -= z->bytes;
+    engine_parked_free(z);
+}
+
 /* Ends slot SL's generation with STOP; an error leaves its sequence reset (half-fed). */
 static void engine_finish(struct engine *e, struct engine_slot *sl, enum engine_stop stop, const char *why)
 {
@@ -7624,14 +7815,15 @@ static void engine_finish(struct engine *e, struct engine_slot *sl, enum engine_
     else g->prompt_s = now - sl->t_start;
     if (stop == ENGINE_STOP_ERROR) {
         snprintf(g->error, sizeof g->error, "%s", why);
-        model_seq_reset(e->m, &sl->seq);
+        engine_forget(e, (int)(sl - e->slots));
     }
     sl->gen = NULL;
     sl->next = -1;
 }
 
-/* Starts REQ on slot I (idle), its results going to G. A prompt that does not fit the
- * sequence's context ends at once with ENGINE_STOP_CONTEXT and nothing generated. */
+/* Starts REQ on slot I (idle), its results going to G. A WHOLE prompt resumes from what the
+ * slot holds of it (engine_reuse). A prompt that does not fit the sequence's context ends at
+ * once with ENGINE_STOP_CONTEXT and nothing generated. */
 static void engine_start(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
 {
     struct engine_slot *sl = &e->slots[i];
@@ -7640,6 +7832,14 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->req = *req;
     sl->gen = g;
     sl->fed = 0;
+    if (req->whole && req->n_prompt > 0) {
+        int cp, reuse = req->reuse ? engine_reuse(&sl->past, req->prompt, req->n_prompt, &cp) : 0;
+        if (!req->reuse || cp == -2) model_seq_reset(e->m, &sl->seq);
+        else if (cp >= 0) model_checkpoint(e->m, &sl->seq, &sl->past.cp[cp], 0);
+        engine_past_cut(e, &sl->past, reuse);
+        sl->fed = g->n_cached = reuse;
+    }
+    sl->past.used = plat_now();
     sl->next = -1;
     sl->rng = req->sample.seed;
     sl->t_start = plat_now();
@@ -7648,7 +7848,7 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->history = plat_alloc(((size_t)req->n_prompt + (size_t)req->n_max + 1) * sizeof *sl->history);
     memcpy(sl->history, req->prompt, (size_t)req->n_prompt * sizeof *sl->history);
     if (req->n_prompt < 1) engine_finish(e, sl, ENGINE_STOP_ERROR, "the prompt is empty");
-    else if (sl->seq.pos + req->n_prompt > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
+    else if ((req->whole ? 0 : sl->seq.pos) + req->n_prompt > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
     else if (req->rewind) model_checkpoint(e->m, &sl->seq, req->rewind, 1);
 }
 
@@ -7690,6 +7890,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next >= 0) continue;
         int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
+        if (sl->req.whole && sl->req.mark > sl->fed && sl->fed + k > sl->req.mark) k = sl->req.mark - sl->fed; /* end the chunk at the mark */
         runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL};
         owner[n++] = i;
         room -= k;
@@ -7702,8 +7903,12 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
 static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, float *logits)
 {
     sl->fed += n;
+    if (sl->req.whole && sl->fed == sl->req.mark) engine_checkpoint(e, sl);
     if (engine_cancelled(sl)) {
-        if (sl->req.rewind) model_checkpoint(e->m, &sl->seq, sl->req.rewind, 0);
+        if (sl->req.rewind) {
+            model_checkpoint(e->m, &sl->seq, sl->req.rewind, 0);
+            engine_past_cut(e, &sl->past, sl->seq.pos);
+        }
         engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
         return;
     }
@@ -7727,6 +7932,9 @@ static int engine_step(struct engine *e)
     else
         for (int r = 0; r < n; r++) {
             struct engine_slot *sl = &e->slots[owner[r]];
+            int at = sl->seq.pos - runs[r].n; /* where the run's tokens now are in the state */
+            memcpy(sl->past.tokens + at, runs[r].tokens, (size_t)runs[r].n * sizeof(int));
+            sl->past.n = sl->seq.pos;
             if (sl->next >= 0) engine_sample(e, sl, runs[r].logits);
             else engine_prompt_fed(e, sl, runs[r].n, runs[r].logits);
         }
@@ -7741,6 +7949,40 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 {
     engine_start(e, i, req, g);
     while (e->slots[i].gen) engine_step(e);
+}
+
+/* Starts REQ (WHOLE) on the idle slot that can reuse the most of its prompt: a slot's own
+ * past, or a parked conversation brought back into the least recently used slot (whose own
+ * is parked in turn). A prompt nothing holds goes to an empty slot, else the least recently
+ * used one, whose conversation is parked. Returns the slot, or -1 when none is idle. */
+static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
+{
+    int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
+    for (int i = 0; i < e->n_slots; i++) {
+        struct engine_slot *sl = &e->slots[i];
+        if (sl->gen) continue;
+        int r = req->reuse ? engine_reuse(&sl->past, req->prompt, req->n_prompt, &cp) : 0;
+        if (r > best_reuse) best = i, best_reuse = r;
+        struct engine_slot *v = victim >= 0 ? &e->slots[victim] : NULL;
+        if (!v || (v->past.n > 0 && (sl->past.n == 0 || sl->past.used < v->past.used))) victim = i;
+    }
+    if (victim < 0) return -1;
+    for (int k = 0; k < e->n_parked && req->reuse; k++) {
+        int r = engine_reuse(&e->parked[k].past, req->prompt, req->n_prompt, &cp);
+        if (r > best_reuse) parked = k, best_reuse = r;
+    }
+    if (parked >= 0) {
+        struct engine_parked z = e->parked[parked];
+        e->parked[parked] = e->parked[--e->n_parked]; /* out of the list, so that parking the victim cannot evict it */
+        engine_park(e, victim);
+        engine_unpark(e, &z, victim);
+        best = victim;
+    } else if (best_reuse == 0) {
+        best = victim;
+        engine_park(e, victim);
+    }
+    engine_start(e, best, req, g);
+    return best;
 }
 
 /* ==== §12 serve ==== */
@@ -7770,6 +8012,7 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 #define SERVE_MAX_CONNS 256          /* connections at once; more are answered 503 and closed */
 #define SERVE_MAX_STOP 4             /* stop strings per request, as the OpenAI API allows */
 #define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
+#define SERVE_DEFAULT_CACHE (8LL << 30) /* the prompt cache: an eighth of free memory, this at most, unless --cache-ram says */
 
 /* ---- HTTP/1.1 ---- */
 
@@ -8086,7 +8329,7 @@ static char *serve_error_json(const struct serve_error *e, size_t *n)
 struct serve_stats {
     int status[SERVE_STATUS_KINDS];          /* the status codes answered so far, first come first */
     uint64_t by_status[SERVE_STATUS_KINDS];  /* how often each */
-    uint64_t prompt_tokens, generated_tokens, requests_done;
+    uint64_t prompt_tokens, cached_tokens, generated_tokens, requests_done;
     double prompt_s, decode_s; /* summed over the generations */
     struct expert_stats experts; /* the store's figures, copied by the engine thread */
     int slots_busy;
@@ -8189,9 +8432,8 @@ static void serve_fail(struct serve_conn *c, const struct serve_error *e, int ke
     plat_log("[serve] %d: %s", e->status, e->message);
 }
 
-static void serve_job_free(struct serve_job *j)
+static void serve_answer_free(struct serve_answer *a)
 {
-    struct serve_answer *a = &j->answer;
     free(a->pending.p);
     free(a->field[0].p);
     free(a->field[1].p);
@@ -8200,6 +8442,12 @@ static void serve_job_free(struct serve_job *j)
         free(a->calls[i].arguments);
     }
     free(a->calls);
+    memset(a, 0, sizeof *a);
+}
+
+static void serve_job_free(struct serve_job *j)
+{
+    serve_answer_free(&j->answer);
     json_free(j->body);
     free(j->prompt);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
@@ -8273,6 +8521,7 @@ static void serve_job_done(struct serve *srv, struct serve_job *j)
     char tail[8];
     pthread_mutex_lock(&srv->stats_mu);
     srv->stats.prompt_tokens += (uint64_t)j->gen.n_prompt;
+    srv->stats.cached_tokens += (uint64_t)j->gen.n_cached;
     srv->stats.generated_tokens += (uint64_t)j->gen.n_tokens;
     srv->stats.prompt_s += j->gen.prompt_s;
     srv->stats.decode_s += j->gen.decode_s;
@@ -8323,8 +8572,9 @@ static struct serve_job *serve_dequeue(struct serve *srv)
     return j;
 }
 
-/* Gives queued jobs to idle slots (a new conversation each: the slot's sequence is reset);
- * JOBS[i] is slot i's job. Waits for work while there is none. Returns 0 when stopping. */
+/* Gives queued jobs to idle slots, each to the one that holds the most of its prompt
+ * (engine_admit); JOBS[i] is slot i's job. Waits for work while there is none. Returns 0 when
+ * stopping. */
 static int serve_admit(struct serve *srv, struct serve_job **jobs)
 {
     struct engine *e = srv->engine;
@@ -8339,17 +8589,11 @@ static int serve_admit(struct serve *srv, struct serve_job **jobs)
         pthread_cond_timedwait(&srv->cv, &srv->mu, &ts);
     }
     struct serve_job *admitted[MODEL_MAX_RUNS];
-    int slot_of[MODEL_MAX_RUNS], n = 0;
+    int n = 0;
     for (int i = 0; i < e->n_slots && !serve_stopping; i++)
-        if (!jobs[i] && srv->queue_len) {
-            slot_of[n] = i;
-            admitted[n++] = jobs[i] = serve_dequeue(srv);
-        }
+        if (!jobs[i] && srv->queue_len) admitted[n++] = serve_dequeue(srv);
     pthread_mutex_unlock(&srv->mu);
-    for (int k = 0; k < n; k++) {
-        model_seq_reset(e->m, &e->slots[slot_of[k]].seq);
-        engine_start(e, slot_of[k], &admitted[k]->req, &admitted[k]->gen);
-    }
+    for (int k = 0; k < n; k++) jobs[engine_admit(e, &admitted[k]->req, &admitted[k]->gen)] = admitted[k];
     return !serve_stopping;
 }
 
@@ -8540,6 +8784,17 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     return 0;
 }
 
+/* Where the answer's turn opens in PROMPT: the last <|im_start|> (0: none). The next turn's
+ * prompt re-renders this answer without its thinking, so it departs from this one there: a
+ * checkpoint at that position is what the next turn resumes from. */
+static int serve_answer_mark(const struct tok *t, const int *prompt, int n)
+{
+    int im_start = tok_find(t, "<|im_start|>");
+    for (int i = n - 1; i > 0 && im_start >= 0; i--)
+        if (prompt[i] == im_start) return i;
+    return 0;
+}
+
 /* A job for BODY (a chat or a completion); NULL with E set when the request is bad. */
 static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
 {
@@ -8550,6 +8805,7 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
     j->chat = chat;
+    j->req.reuse = 1;
     j->req.sample = srv->sample;
     j->req.sample.seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)j;
     j->body = body;
@@ -8562,12 +8818,14 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
         free(text);
         j->answer.part = j->think ? SERVE_PART_REASONING : SERVE_PART_CONTENT;
     } else if (!bad) bad = serve_completion_prompt(srv, body, j, e);
-    bad = bad || serve_settings(srv, body, j, e);
+    bad = bad || serve_settings(srv, body, j, e) || serve_bool(body, "cache_prompt", &j->req.reuse, e);
     if (bad) {
         serve_job_free(j);
         return NULL;
     }
     j->req.prompt = j->prompt;
+    j->req.whole = 1;
+    j->req.mark = serve_answer_mark(srv->tok, j->prompt, j->req.n_prompt);
     j->req.sink = serve_sink;
     j->req.sink_ctx = j;
     j->req.cancel = &j->cancel;
@@ -9002,8 +9260,8 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, i
         }
     }
     if (status == 200) serve_count(c->srv, 200);
-    plat_log("[serve] %s %s: prompt %d tokens (%.1f tok/s), %d generated (%.1f tok/s), %s%s", r->method, r->path, j->gen.n_prompt,
-             j->gen.prompt_s > 0 ? j->gen.n_prompt / j->gen.prompt_s : 0.0, j->gen.n_tokens,
+    plat_log("[serve] %s %s: prompt %d tokens, %d cached (%d computed at %.1f tok/s), %d generated (%.1f tok/s), %s%s", r->method, r->path,
+             j->gen.n_prompt, j->gen.n_cached, j->gen.n_prompt - j->gen.n_cached, plat_ratio(j->gen.n_prompt - j->gen.n_cached, j->gen.prompt_s), j->gen.n_tokens,
              j->gen.decode_s > 0 && j->gen.n_tokens > 1 ? (j->gen.n_tokens - 1) / j->gen.decode_s : 0.0, engine_stop_names[j->gen.stop],
              rc ? " (client gone)" : "");
     serve_job_free(j);
@@ -9029,7 +9287,9 @@ static char *serve_metrics(struct serve *srv, size_t *n)
         fprintf(f, "coli_requests_total{code=\"%d\"} %llu\n", st.status[k], (unsigned long long)st.by_status[k]);
     fprintf(f, "# TYPE coli_prompt_tokens_total counter\ncoli_prompt_tokens_total %llu\n", (unsigned long long)st.prompt_tokens);
     fprintf(f, "# TYPE coli_generated_tokens_total counter\ncoli_generated_tokens_total %llu\n", (unsigned long long)st.generated_tokens);
-    fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n", plat_ratio(st.prompt_tokens, st.prompt_s));
+    fprintf(f, "# TYPE coli_prompt_tokens_cached_total counter\ncoli_prompt_tokens_cached_total %llu\n", (unsigned long long)st.cached_tokens);
+    fprintf(f, "# TYPE coli_prompt_tokens_per_second gauge\ncoli_prompt_tokens_per_second %.3f\n",
+            plat_ratio(st.prompt_tokens - st.cached_tokens, st.prompt_s));
     fprintf(f, "# TYPE coli_decode_tokens_per_second gauge\ncoli_decode_tokens_per_second %.3f\n",
             plat_ratio(st.generated_tokens > st.requests_done ? st.generated_tokens - st.requests_done : 0, st.decode_s));
     fprintf(f, "# TYPE coli_queue_length gauge\ncoli_queue_length %d\n", queued);
@@ -9328,6 +9588,7 @@ struct cmd_options {
     /* serve */
     const char *host, *api_key; /* --host (default 127.0.0.1); --api-key or COLI_API_KEY */
     int port, parallel, queue;  /* --port 8080; --parallel N slots (0: chosen from memory); --queue N */
+    int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: chosen from memory) */
 };
 
 struct cmd_session {
@@ -9359,7 +9620,9 @@ static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
 
 /* Loads O's model for N_SLOTS conversations at once (the engine's slots; 0: as many as memory
  * allows, model_choose_seqs). */
-static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots)
+/* Loads the model for N_SLOTS conversations (0: as many as memory holds), with CACHE bytes
+ * kept for the prompt cache (§11; the server's, 0 elsewhere). */
+static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots, int64_t cache)
 {
     double t0 = plat_now();
     if (!o->model) die("no model given (-m MODEL.gguf)");
@@ -9381,9 +9644,9 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     }
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
      * and the file's pages it has just read would both be taken for used memory) */
-    model_budget_experts(&s->model, n_slots, o->ram_bytes, o->heat_path, o->expert_io, o->place);
+    model_budget_experts(&s->model, n_slots, cache, o->ram_bytes, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
-    engine_init(&s->engine, &s->model, &s->tok, n_slots);
+    engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
@@ -9436,7 +9699,7 @@ static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
 static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
                                          struct cmd_printer *printer)
 {
-    struct engine_request r = {prompt, n_prompt, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
+    struct engine_request r = {prompt, n_prompt, 0, 0, 0, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
     if (printer) r.sink = cmd_print_piece;
     return r;
 }
@@ -9531,7 +9794,7 @@ static int cmd_run(const struct cmd_options *o)
 {
     struct cmd_session s;
     if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
-    cmd_open(&s, o, 1);
+    cmd_open(&s, o, 1, 0);
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* Ctrl-C ends the generation; the heat is still saved */
     char *text = NULL;
@@ -9613,7 +9876,7 @@ static char *cmd_read_line(char **buf, size_t *cap)
 static int cmd_chat(const struct cmd_options *o)
 {
     struct cmd_session s;
-    cmd_open(&s, o, 1);
+    cmd_open(&s, o, 1, 0);
     struct model_seq *seq = &s.engine.slots[0].seq;
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: Ctrl-C at the prompt ends the read */
@@ -9632,7 +9895,7 @@ static int cmd_chat(const struct cmd_options *o)
         if (!line[0]) continue;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
-            model_seq_reset(&s.model, seq);
+            engine_forget(&s.engine, 0);
             n_pending = 0;
             fprintf(stderr, "(conversation cleared)\n");
             continue;
@@ -9747,7 +10010,7 @@ static int cmd_bench(const struct cmd_options *o)
     bo.ignore_eog = 1;
     bo.sample.temp = 0;
     bo.n_ctx = o->n_ctx ? o->n_ctx : o->n_bench_prompt + o->n_predict + 1;
-    cmd_open(&s, &bo, 1);
+    cmd_open(&s, &bo, 1, 0);
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
     uint64_t rng = 42;
     for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
@@ -9805,7 +10068,12 @@ static int cmd_serve(const struct cmd_options *o)
     srv.sample = o->sample;
     srv.think = o->think;
     serve_start(&srv, o->host, o->port, &acceptor);
-    cmd_open(&s, &so, o->parallel);
+    int64_t avail = plat_mem_available(), cache = o->cache_ram >= 0 ? o->cache_ram : avail > 0 ? avail / 8 : 0;
+    if (o->cache_ram < 0 && cache > SERVE_DEFAULT_CACHE) cache = SERVE_DEFAULT_CACHE;
+    cmd_open(&s, &so, o->parallel, cache);
+    plat_log("[serve] chat template: %s", s.tok.chat_template_about);
+    plat_log("[serve] prompt cache (--cache-ram): %.2f GiB for checkpoints of the DeltaNet state (%.1f MiB each, %d per slot) "
+             "and idle conversations parked in RAM", cache / 1073741824.0, s.engine.checkpoint_bytes / 1048576.0, ENGINE_MAX_CHECKPOINTS);
     pthread_mutex_lock(&srv.mu);
     srv.engine = &s.engine;
     srv.tok = &s.tok;
@@ -9906,6 +10174,7 @@ static const char arg_usage[] =
     "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [sampling] [resources]\n"
     "  chat      -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [sampling] [resources]\n"
     "  serve     -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
+    "            [--cache-ram SIZE]\n"
     "            [-n N] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
     "  plan      -m MODEL.gguf [resources]        where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
@@ -9936,13 +10205,19 @@ static const char *const arg_command_help[][2] = {
              "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
+              "           [--cache-ram SIZE]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
-              "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus). --port 0 picks a free port\n"
+              "  POST /apply-template (the prompt a chat request renders to), GET /v1/models, /health (503 while\n"
+              "  loading) and /metrics (Prometheus). --port 0 picks a free port\n"
               "  (said on stderr). --parallel N conversations decode together as one batch (default: what a quarter\n"
               "  of free memory holds at full context, 1-4), each with -c tokens (default 32768); --queue N requests\n"
               "  wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
               "  'Authorization: Bearer KEY' everywhere but /health. -n N: max_tokens when a request has none\n"
               "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
+              "  A request reuses what a slot, or a conversation parked in RAM, holds of its prompt: the KV cache\n"
+              "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"
+              "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most;\n"
+              "  0: a slot keeps only its last state). A request's \"cache_prompt\": false computes it all.\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
     {"plan", "coli plan -m MODEL.gguf [-c N] [--gpu LIST] [--vram SIZE] [--place SPEC]\n"
              "  Where each part of the model would live, without loading weights: the [place] lines that\n"
@@ -10011,7 +10286,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     o->think = 1;
     o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     o->sample.seed = (uint64_t)time(NULL);
-    o->ram_bytes = o->vram_bytes = -1;
+    o->ram_bytes = o->vram_bytes = o->cache_ram = -1;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
@@ -10032,6 +10307,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--port") && serve) o->port = (int)arg_int(argc, argv, &i, 0, 65535);
         else if (!strcmp(a, "--parallel") && serve) o->parallel = (int)arg_int(argc, argv, &i, 1, MODEL_MAX_RUNS);
         else if (!strcmp(a, "--queue") && serve) o->queue = (int)arg_int(argc, argv, &i, 0, 1 << 20);
+        else if (!strcmp(a, "--cache-ram") && serve) o->cache_ram = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--api-key") && serve) o->api_key = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--heat")) o->heat_path = arg_value(argc, argv, &i);

@@ -61,15 +61,15 @@ static void test_engine_slots(const char *dir, const char *name)
     struct engine e;
     model_load(&m, path, 128);
     tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 2);
+    engine_init(&e, &m, &t, 2, 0);
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     const int pa[4] = {100, 200, 300, 400}, pb[140] = {5};
-    struct engine_request ra = {pa, 4, 12, greedy, 1, 0, NULL, NULL, NULL, NULL}, rb = {pb, 70, 9, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request ra = {pa, 4, 0, 0, 0, 12, greedy, 1, 0, NULL, NULL, NULL, NULL}, rb = {pb, 70, 0, 0, 0, 9, greedy, 1, 0, NULL, NULL, NULL, NULL};
     struct engine_gen ga, gb, ta, tb;
     engine_generate(&e, 0, &ra, &ga);
     engine_generate(&e, 1, &rb, &gb);
-    model_seq_reset(&m, &e.slots[0].seq);
-    model_seq_reset(&m, &e.slots[1].seq);
+    engine_forget(&e, 0);
+    engine_forget(&e, 1);
     engine_start(&e, 0, &ra, &ta);
     engine_start(&e, 1, &rb, &tb); /* 70 prompt tokens: two chunks, the second beside a decode step */
     int steps = 0;
@@ -78,9 +78,9 @@ static void test_engine_slots(const char *dir, const char *name)
     check(ga.n_tokens == 12 && gb.n_tokens == 9 && ta.n_tokens == 12 && tb.n_tokens == 9 && !memcmp(ga.tokens, ta.tokens, 12 * sizeof(int)) &&
               !memcmp(gb.tokens, tb.tokens, 9 * sizeof(int)) && ta.stop == ENGINE_STOP_LENGTH && steps < 12 + 9,
           label, "tokens %d %d %d %d, %d steps", ga.n_tokens, gb.n_tokens, ta.n_tokens, tb.n_tokens, steps);
-    struct engine_request too_long = {pb, 129, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request too_long = {pb, 129, 0, 0, 0, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
     struct engine_gen gl;
-    model_seq_reset(&m, &e.slots[0].seq);
+    engine_forget(&e, 0);
     engine_generate(&e, 0, &too_long, &gl);
     snprintf(label, sizeof label, "%s: a prompt longer than the context stops at once (context), nothing fed", name);
     check(gl.stop == ENGINE_STOP_CONTEXT && gl.n_tokens == 0 && e.slots[0].seq.pos == 0, label, "stop %d", gl.stop);
@@ -89,6 +89,165 @@ static void test_engine_slots(const char *dir, const char *name)
     engine_free(&e);
     tok_free(&t);
     model_free(&m);
+}
+
+static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+
+/* A greedy WHOLE request of PROMPT[0..n) (checkpoint at MARK) for N_MAX tokens, with the top
+ * logits of every position. */
+static struct engine_request whole_request(const int *prompt, int n, int mark, int n_max)
+{
+    return (struct engine_request){prompt, n, 1, 1, mark, n_max, greedy_params, 1, 1, NULL, NULL, NULL, NULL};
+}
+
+/* Whether G and FRESH (the same prompt from nothing) generated the same tokens with the same
+ * top logits, bit for bit. */
+static int same_generation(const struct engine_gen *g, const struct engine_gen *fresh)
+{
+    return g->n_tokens == fresh->n_tokens && g->n_tokens > 0 && !memcmp(g->tokens, fresh->tokens, (size_t)g->n_tokens * sizeof(int)) &&
+           !memcmp(g->top, fresh->top, (size_t)g->n_tokens * sizeof *g->top);
+}
+
+/* REQ on engine E (which may reuse what it holds) against REQ computed from nothing on FRESH:
+ * the same tokens and logits. Returns the tokens E reused. */
+static int run_against_fresh(struct engine *e, struct engine *fresh, struct engine_request req, const char *label)
+{
+    struct engine_gen g, f;
+    int slot = engine_admit(e, &req, &g);
+    while (e->slots[slot].gen) engine_step(e);
+    req.reuse = 0;
+    engine_admit(fresh, &req, &f);
+    while (engine_step(fresh)) {}
+    check(same_generation(&g, &f), label, "%d cached; tokens %d and %d; stops %d %d", g.n_cached, g.n_tokens, f.n_tokens, g.stop, f.stop);
+    int cached = g.n_cached;
+    engine_gen_free(&g);
+    engine_gen_free(&f);
+    return cached;
+}
+
+/* The prompt cache: a prompt that departs from a slot's past after its checkpoint resumes from
+ * the checkpoint; one that continues the past resumes from the state; a conversation parked
+ * in RAM comes back; and each gives the logits of the same prompt computed from nothing. */
+static void test_prefix_reuse(const char *dir, const char *name)
+{
+    char path[1024], label[300];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct model m;
+    struct tok t;
+    struct engine e, fresh;
+    model_load(&m, path, 256);
+    tok_load(&t, &m.file);
+    engine_init(&e, &m, &t, 1, 64 << 20);
+    engine_init(&fresh, &m, &t, 1, 0);
+    int p1[40], p2[50], other[30], p3[100];
+    for (int i = 0; i < 40; i++) p1[i] = 100 + 7 * i;
+    memcpy(p2, p1, 34 * sizeof(int));
+    for (int i = 34; i < 50; i++) p2[i] = 900 + i;
+    for (int i = 0; i < 30; i++) other[i] = 1500 + i;
+    struct engine_gen g;
+    struct engine_request r1 = whole_request(p1, 40, 30, 6);
+    engine_admit(&e, &r1, &g);
+    while (engine_step(&e)) {}
+    snprintf(label, sizeof label, "%s: a prompt keeps a checkpoint at its mark; the state holds prompt and answer but the last token", name);
+    check(e.slots[0].past.n_cp == 1 && e.slots[0].past.cp[0].pos == 30 && e.slots[0].past.n == 45 && g.n_cached == 0, label,
+          "%d checkpoints (first at %d), %d tokens held", e.slots[0].past.n_cp, e.slots[0].past.cp[0].pos, e.slots[0].past.n);
+    engine_gen_free(&g);
+    snprintf(label, sizeof label, "%s: departing after the checkpoint resumes from it: the logits of the prompt from nothing", name);
+    int cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 45, 5), label);
+    snprintf(label, sizeof label, "%s: ... 30 of its tokens reused (the checkpoint, not the deeper common prefix of 34)", name);
+    check(cached == 30, label, "%d", cached);
+    int held = e.slots[0].past.n;
+    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    for (int i = held; i < held + 3; i++) p3[i] = 40 + i;
+    snprintf(label, sizeof label, "%s: a prompt that continues the state resumes from it: the same logits", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 3, 0, 4), label);
+    snprintf(label, sizeof label, "%s: ... all %d tokens the state held reused", name, held);
+    check(cached == held, label, "%d", cached);
+    held = e.slots[0].past.n;
+    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    p3[held] = 77;
+    snprintf(label, sizeof label, "%s: another conversation on the one slot", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(other, 30, 0, 3), label);
+    snprintf(label, sizeof label, "%s: ... parks the first one in RAM", name);
+    check(e.n_parked == 1 && cached == 0, label, "%d parked, %d cached", e.n_parked, cached);
+    snprintf(label, sizeof label, "%s: the parked conversation comes back for its next turn: the same logits", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 3), label);
+    snprintf(label, sizeof label, "%s: ... all %d tokens it held reused, and the other one parked in its place", name, held);
+    check(cached == held && e.n_parked == 1, label, "%d cached, %d parked", cached, e.n_parked);
+    engine_free(&e);
+    engine_init(&e, &m, &t, 1, 0);
+    engine_admit(&e, &r1, &g);
+    while (engine_step(&e)) {}
+    engine_gen_free(&g);
+    snprintf(label, sizeof label, "%s: with no cache budget there are no checkpoints: the departing prompt is computed from nothing", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 45, 2), label);
+    check(cached == 0 && e.slots[0].past.n_cp == 0 && e.cache_bytes == 0, label, "%d cached", cached);
+    engine_free(&e);
+    engine_free(&fresh);
+    tok_free(&t);
+    model_free(&m);
+}
+
+/* The fields of a chat answer fed in PIECES (NULL-terminated) to a parser for a request with
+ * TOOLS (JSON text, or NULL), thinking at first when THINK. */
+static void parse_answer(struct serve_job *j, const char *const *pieces, const char *tools, int think)
+{
+    const char *why;
+    memset(j, 0, sizeof *j);
+    j->body = tools ? json_parse(tools, strlen(tools), &why) : NULL;
+    j->tools = j->body;
+    j->answer.part = think ? SERVE_PART_REASONING : SERVE_PART_CONTENT;
+    for (int i = 0; pieces[i]; i++) serve_answer_feed(&j->answer, j->tools, pieces[i], strlen(pieces[i]), 0);
+    serve_answer_feed(&j->answer, j->tools, "", 0, 1);
+}
+
+static void free_answer(struct serve_job *j)
+{
+    serve_answer_free(&j->answer);
+    json_free(j->body);
+}
+
+static int field_is(const struct serve_job *j, enum serve_part part, const char *want)
+{
+    const struct tok_buf *f = &j->answer.field[part];
+    return f->n == strlen(want) && (!f->n || !memcmp(f->p, want, f->n));
+}
+
+/* Thinking, content and tool calls split out of an answer however its text is cut into pieces. */
+static void test_answer_fields(void)
+{
+    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\",\"properties\":"
+                                "{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"},\"metric\":{\"type\":\"boolean\"},\"zip\":{\"type\":\"string\"}}}}}]";
+    struct serve_job j;
+    const char *think[] = {"\nLet me ", "think.\n</th", "ink>\n\nThe answer", " is 4.\n", NULL};
+    parse_answer(&j, think, NULL, 1);
+    check(field_is(&j, SERVE_PART_REASONING, "Let me think.") && field_is(&j, SERVE_PART_CONTENT, "The answer is 4.") && !j.answer.n_calls,
+          "answer: the think block becomes reasoning_content, split across pieces; the rest is content", "[%s] [%s]",
+          j.answer.field[0].p, j.answer.field[1].p);
+    free_answer(&j);
+    const char *call[] = {"I'll check.\n\n<tool", "_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=days>\n3\n</para",
+                          "meter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=zip>\n8001\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                          "<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n</function>\n</tool_call>", NULL};
+    parse_answer(&j, call, tools, 0);
+    check(field_is(&j, SERVE_PART_CONTENT, "I'll check.") && j.answer.n_calls == 2 && !strcmp(j.answer.calls[0].name, "get_weather") &&
+              !strcmp(j.answer.calls[0].arguments, "{\"city\": \"Zürich\", \"days\": 3, \"metric\": true, \"zip\": \"8001\"}") &&
+              !strcmp(j.answer.calls[1].arguments, "{\"city\": \"Bern\"}"),
+          "answer: two tool calls, their arguments typed by the schema (a string that looks like a number stays a string)", "%d calls: %s",
+          j.answer.n_calls, j.answer.n_calls ? j.answer.calls[0].arguments : "");
+    free_answer(&j);
+    const char *broken[] = {"<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</function>\n</tool_call>", NULL};
+    parse_answer(&j, broken, tools, 0);
+    check(!j.answer.n_calls && field_is(&j, SERVE_PART_CONTENT, broken[0]), "answer: a call written badly comes back as text", "[%s]",
+          j.answer.field[1].p);
+    free_answer(&j);
+    parse_answer(&j, call, NULL, 0);
+    check(!j.answer.n_calls && j.answer.field[1].n > 100, "answer: without tools in the request, <tool_call> is text", "%d calls", j.answer.n_calls);
+    free_answer(&j);
+    const char *unclosed[] = {"still thinking when the tokens ran out </thi", NULL};
+    parse_answer(&j, unclosed, NULL, 1);
+    check(field_is(&j, SERVE_PART_REASONING, "still thinking when the tokens ran out </thi") && !j.answer.field[1].n,
+          "answer: a think block never closed is all reasoning", "[%s]", j.answer.field[0].p);
+    free_answer(&j);
 }
 
 static void test_json(void)
@@ -103,31 +262,31 @@ static void test_json(void)
     const char *why;
     int all = 1;
     for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
-        struct serve_json *v = serve_json_parse(good[i], strlen(good[i]), &why);
+        struct json *v = json_parse(good[i], strlen(good[i]), &why);
         if (!v) printf("# rejected %s: %s\n", good[i], why);
         all &= v != NULL;
-        serve_json_free(v);
+        json_free(v);
     }
     check(all, "JSON: valid documents parse", "see above");
     all = 1;
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        struct serve_json *v = serve_json_parse(bad[i], strlen(bad[i]), &why);
+        struct json *v = json_parse(bad[i], strlen(bad[i]), &why);
         if (v) printf("# accepted %s\n", bad[i]);
         all &= v == NULL && why != NULL;
-        serve_json_free(v);
+        json_free(v);
     }
     check(all, "JSON: malformed documents are refused with a reason", "see above");
     char deep[200];
     memset(deep, '[', 100);
     memset(deep + 100, ']', 100);
-    struct serve_json *v = serve_json_parse(deep, 200, &why);
+    struct json *v = json_parse(deep, 200, &why);
     check(!v && why && strstr(why, "deep"), "JSON: nesting past the limit is refused", "%s", why ? why : "accepted");
     const char *doc = "{\"s\":\"\\u00e9\\ud83d\\ude00\",\"n\":[1,2]}";
-    v = serve_json_parse(doc, strlen(doc), &why);
-    const struct serve_json *s = serve_json_get(v, "s"), *n = serve_json_get(v, "n");
+    v = json_parse(doc, strlen(doc), &why);
+    const struct json *s = json_get(v, "s"), *n = json_get(v, "n");
     check(s && !strcmp(s->str, "\xc3\xa9\xf0\x9f\x98\x80") && n && n->child && n->child->next && n->child->next->number == 2,
           "JSON: escapes decode to UTF-8, members are found", "");
-    serve_json_free(v);
+    json_free(v);
 }
 
 /* A job's text as a stream arrives piece by piece: what is released never holds the start of
@@ -169,6 +328,7 @@ int main(int argc, char **argv)
     quant_init();
     test_json();
     test_stop_strings();
+    test_answer_fields();
     char probe[1024];
     snprintf(probe, sizeof probe, "%s/q35moe-q8_0.gguf", dir);
     if (access(probe, R_OK)) {
@@ -178,5 +338,7 @@ int main(int argc, char **argv)
     test_batch_identity(dir, "q35moe-q8_0.gguf");
     test_batch_identity(dir, "q3next-q8_0.gguf");
     test_engine_slots(dir, "q35moe-q8_0.gguf");
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf");
+    test_prefix_reuse(dir, "q3next-q8_0.gguf");
     return check_done();
 }
