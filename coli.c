@@ -8717,21 +8717,29 @@ static int serve_stops(const struct json *body, struct serve_job *j, struct serv
 }
 
 /* The chat prompt of BODY's messages and tools, rendered by the model's template: a malloc'd
- * string (*LEN bytes). J (if any) learns whether the answer opens inside a think block. MEDIA: image
- * and video parts are allowed (/apply-template shows them; the engine reads text only). */
-static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int media, size_t *len, struct serve_error *e)
+ * string (*LEN bytes). J (if any) learns whether the answer opens inside a think block. SHOW:
+ * for /apply-template, which also renders image and video parts (the engine reads text only)
+ * and takes add_generation_prompt. */
+static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int show, size_t *len, struct serve_error *e)
 {
     const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *kw = json_get(body, "chat_template_kwargs");
     struct tok_chat_flags f = {1, srv->think ? -1 : 0, -1};
     if (!msgs) return serve_bad(e, "messages", "'messages' is required"), NULL;
     if (msgs->kind != JSON_ARRAY) return serve_bad(e, "messages", "'messages' must be a list"), NULL;
+    int i = 0;
+    for (const struct json *m = msgs->child; m; m = m->next, i++) {
+        const struct json *c = json_get(m, "content");
+        if (m->kind == JSON_OBJECT && !tok_role_is(m, "assistant") && (!c || c->kind == JSON_NULL))
+            return serve_bad(e, "messages", "message %d needs 'content' (only an assistant's may be missing)", i), NULL;
+    }
+    if (show && serve_bool(body, "add_generation_prompt", &f.add_generation_prompt, e)) return NULL;
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
     if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
     if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
     struct tok_chat_rendered out;
     char *text = tok_chat_template_render(srv->tok->chat_template, msgs, tools, &f, &out);
     if (!text) return serve_bad(e, "messages", "the chat template refuses these messages: %s", out.error), NULL;
-    if (out.n_media && !media) {
+    if (out.n_media && !show) {
         free(text);
         return serve_bad(e, "messages", "image and video parts are not supported: coli runs the model on text only"), NULL;
     }

@@ -99,6 +99,7 @@ def sse(p):
     s['n_choice_chunks'] = len(cc)
     s['first_role'] = cc[0]['choices'][0].get('delta', {}).get('role') if cc else None
     s['content'] = ''.join((c['choices'][0].get('delta') or {}).get('content') or '' for c in cc)
+    s['reasoning'] = ''.join((c['choices'][0].get('delta') or {}).get('reasoning_content') or '' for c in cc)
     s['text'] = ''.join(c['choices'][0].get('text') or '' for c in cc)
     s['finish'] = [c['choices'][0].get('finish_reason') for c in cc]
     s['last_delta'] = cc[-1]['choices'][0].get('delta') if cc else None
@@ -109,6 +110,12 @@ def greedy(p):  # the text of `coli run --json`, without the end-of-generation t
     r = load(p)
     t = r['text']
     return re.sub(r'(<\|im_end\|>|<\|endoftext\|>)$', '', t) if r['stop'] == 'eog' else t
+def content(p):  # a chat answer's content: the greedy text without the space around it
+    return greedy(p).strip(' \t\r\n')
+def thought(p):  # an answer begun inside a think block: (reasoning, content), split at </think>
+    t = greedy(p)
+    r, _, c = t.partition('</think>')
+    return [r.strip(' \t\r\n'), c.strip(' \t\r\n')]
 def pick_stop(c, frm, n, cls):  # a substring of c from frm*len(c) on, whose first occurrence is not at 0
     for i in range(int(len(c) * frm), len(c) - n):
         s = c[i:i + n]
@@ -133,13 +140,13 @@ qt() { [ "$(q json "$1" "bool($2)")" = true ]; }
 # errbody NAME: the start of a response body, for failure messages
 errbody() { head -c 300 "$tmp/$1.body" 2>/dev/null | tr '\n' ' '; }
 
-# start_server LOG ARGS...: starts coli serve in the background; sets spid and sport
+# start_server LOG ARGS...: starts coli serve (on $SERVE_MODEL, default $M) in the background; sets spid and sport
 start_server() {
     local log=$1 i
     shift
     spid=""
     sport=""
-    HEAT_FILE="$tmp/$log.heat" "$COLI" serve -m "$M" "$@" >"$tmp/$log.out" 2>"$tmp/$log.err" </dev/null &
+    HEAT_FILE="$tmp/$log.heat" "$COLI" serve -m "${SERVE_MODEL:-$M}" "$@" >"$tmp/$log.out" 2>"$tmp/$log.err" </dev/null &
     spid=$!
     srv_pids="$srv_pids $spid"
     for i in $(seq 300); do
@@ -218,20 +225,22 @@ ref() { # OUT ARGS...
     shift
     "$COLI" run -m "$M" "$@" --json -t 1 2>"$tmp/$out.err" </dev/null | tail -n 1 >"$tmp/$out.json"
 }
-ref refA16 --chat -p "$A" -n 16
-ref refA5 --chat -p "$A" -n 5
-ref refA64 --chat -p "$A" -n 64
-ref refB64 --chat -p "$B" -n 64
+# the server runs with --no-think, so that a chat answer is all content, as run --chat --no-think
+ref refA16 --chat --no-think -p "$A" -n 16
+ref refA5 --chat --no-think -p "$A" -n 5
+ref refA64 --chat --no-think -p "$A" -n 64
+ref refB64 --chat --no-think -p "$B" -n 64
+ref refT16 --chat -p "$A" -n 16
 ref refR16 -p "$R" -n 16
-for r in refA16 refA5 refA64 refB64 refR16; do
+for r in refA16 refA5 refA64 refB64 refT16 refR16; do
     if ! q raw "$tmp/$r.json" 'greedy(path)' >"$tmp/$r.txt"; then
         bad "coli run reference $r" "$(head -c 300 "$tmp/$r.err")"
         finish
     fi
-    q json "$tmp/$r.json" 'greedy(path)' >"$tmp/$r.jstr"
+    if [ "$r" = refR16 ]; then q json "$tmp/$r.json" 'greedy(path)' >"$tmp/$r.jstr"; else q json "$tmp/$r.json" 'content(path)' >"$tmp/$r.jstr"; fi
 done
 
-start_server serve --port 0 --parallel 2 -c 256 -t 1 || {
+start_server serve --port 0 --parallel 2 -c 256 -t 1 --no-think || {
     bad "serve starts: listening line and /health 200 within 30 s" "$(head -c 600 "$tmp/serve.err")"
     finish
 }
@@ -320,7 +329,7 @@ else bad "stream content" "got $got, want $(cat "$tmp/refA16.jstr")"; fi
 if qt "$tmp/streamA.sum" "d['finish'][-1] == '$want_fr' and all(f is None for f in d['finish'][:-1]) and not (d['last_delta'] or {}).get('content')"; then
     ok "stream: finish_reason $want_fr on the last choice chunk only, its delta empty"
 else bad "stream finish_reason" "$(q json "$tmp/streamA.sum" "[d['finish'], d['last_delta']]")"; fi
-if qt "$tmp/streamA.sum" "d['usage_last'] and len(d['usage']) == 1 and d['usage'][0] == load('$tmp/chatA.body')['usage']"; then
+if qt "$tmp/streamA.sum" "d['usage_last'] and len(d['usage']) == 1 and all(d['usage'][0][k] == load('$tmp/chatA.body')['usage'][k] for k in ('prompt_tokens', 'completion_tokens', 'total_tokens'))"; then
     ok "stream: include_usage gives a last chunk with choices [] and the usage of the non-stream answer"
 else bad "stream usage chunk" "$(q json "$tmp/streamA.sum" "d['usage']") vs $(q json "$tmp/chatA.body" "d.get('usage')")"; fi
 if qt "$tmp/streamA.sum" "d['done_last'] and d['ends_with_done']"; then ok "stream: data: [DONE] last"; else bad "stream [DONE]" "$(tail -c 200 "$tmp/streamA.body")"; fi
@@ -439,7 +448,7 @@ post e_long /v1/completions "$(comp_body "$long" 4)"
 if is_error e_long 400 invalid_request_error && qt "$tmp/e_long.body" "re.search(r'\\b$ntok\\b', d['error']['message']) and re.search(r'\\b256\\b', d['error']['message'])"; then
     ok "prompt longer than the context: 400 naming $ntok and 256"
 else bad "prompt longer than the context" "$code $(errbody e_long) (want $ntok and 256)"; fi
-ref refLong --chat -p "$long" -n 1 -c 4096
+ref refLong --chat --no-think -p "$long" -n 1 -c 4096
 nchat=$(q json "$tmp/refLong.json" "len(d['prompt_tokens'])")
 post e_longc /v1/chat/completions "$(chat_body "$long" 4)"
 if is_error e_longc 400 invalid_request_error && qt "$tmp/e_longc.body" "re.search(r'\\b$nchat\\b', d['error']['message']) and re.search(r'\\b256\\b', d['error']['message'])"; then
@@ -512,6 +521,57 @@ if [ "$slow_rc" != 124 ] && [ -n "$slow_rc" ] && [ "${ms:-0}" -ge 8000 ] && [ "$
     ok "half a header block, then silence: closed after $ms ms (10 s header deadline)"
 else bad "header deadline" "$( [ "$slow_rc" = 124 ] && echo "still open after 20 s" || echo "closed after ${ms:-?} ms (cat exit ${slow_rc:-?})"); got: $(head -c 100 "$tmp/slow.raw" | tr '\r\n' '  ')"; fi
 
+# --- agents: thinking as a field, a conversation's turns reuse what the slot holds
+post think /v1/chat/completions "$(chat_body "$A" 16 '"chat_template_kwargs":{"enable_thinking":true}')"
+want=$(q json "$tmp/refT16.json" "thought(path)")
+got=$(q json "$tmp/think.body" "[d['choices'][0]['message'].get('reasoning_content', ''), d['choices'][0]['message']['content']]")
+if [ "$code" = 200 ] && [ "$got" = "$want" ] && qt "$tmp/think.body" "len(d['choices'][0]['message'].get('reasoning_content', '')) > 0"; then
+    ok "enable_thinking: the think block comes back as reasoning_content, the rest as content (= coli run --chat)"
+else bad "enable_thinking" "$code got $got want $want"; fi
+post thinkS /v1/chat/completions "$(chat_body "$A" 16 '"chat_template_kwargs":{"enable_thinking":true},"stream":true')" -N
+q sse "$tmp/thinkS.body" 'd' >"$tmp/thinkS.sum" || echo '{}' >"$tmp/thinkS.sum"
+if [ "$code" = 200 ] && [ "$(q json "$tmp/thinkS.sum" "[d['reasoning'], d['content']]")" = "$want" ]; then
+    ok "enable_thinking, streaming: reasoning_content deltas, then content deltas, add up to the same"
+else bad "enable_thinking streaming" "$code got $(q json "$tmp/thinkS.sum" "[d['reasoning'], d['content']]") want $want"; fi
+# turn 2 of a conversation: resumes from the checkpoint where turn 1's answer opened
+im_start=$("$COLI" tokenize -m "$M" -p '<|im_start|>' 2>/dev/null)
+post turn1 /v1/chat/completions "$(chat_body "$A" 16)"
+post turn1p /apply-template "$(chat_body "$A" 16)"
+# (a prompt ends in newlines, which $(...) would drop: the x keeps them)
+p1=$(q raw "$tmp/turn1p.body" "d['prompt']"; printf x)
+"$COLI" tokenize -m "$M" -p "${p1%x}" >"$tmp/turn1.ids" 2>/dev/null
+mark=$(grep -nx -- "$im_start" "$tmp/turn1.ids" | tail -n 1 | cut -d: -f1)
+mark=$((${mark:-1} - 1))
+C1=$(q json "$tmp/turn1.body" "d['choices'][0]['message']['content']")
+turn2="{\"model\":\"$MODEL_ID\",\"messages\":[{\"role\":\"user\",\"content\":\"$A\"},{\"role\":\"assistant\",\"content\":$C1},{\"role\":\"user\",\"content\":\"$B\"}],\"max_tokens\":16,\"temperature\":0"
+post turn2 /v1/chat/completions "$turn2}"
+post turn2p /apply-template "$turn2}"
+p2=$(q raw "$tmp/turn2p.body" "d['prompt']"; printf x)
+"$COLI" run -m "$M" -p "${p2%x}" -n 16 --json -t 1 2>/dev/null </dev/null | tail -n 1 >"$tmp/refTurn2.json"
+want=$(q json "$tmp/refTurn2.json" "content(path)")
+if [ "$code" = 200 ] && [ "$mark" -gt 0 ] && qt "$tmp/turn2.body" "d['usage']['prompt_tokens_details']['cached_tokens'] == $mark" &&
+    [ "$(q json "$tmp/turn2.body" "d['choices'][0]['message']['content']")" = "$want" ]; then
+    ok "turn 2 reuses turn 1 up to where its answer opened ($mark cached tokens), and answers as coli run on its whole prompt"
+else bad "turn 2 reuse" "$code mark $mark: $(q json "$tmp/turn2.body" "[d['usage'], d['choices'][0]['message']['content']]") want $want"; fi
+post turn2n /v1/chat/completions "$turn2,\"cache_prompt\":false}"
+if [ "$code" = 200 ] && qt "$tmp/turn2n.body" "d['usage']['prompt_tokens_details']['cached_tokens'] == 0" &&
+    [ "$(q json "$tmp/turn2n.body" "d['choices'][0]['message']['content']")" = "$want" ]; then
+    ok "cache_prompt false: nothing cached, the same answer"
+else bad "cache_prompt false" "$code $(q json "$tmp/turn2n.body" "[d.get('usage'), d['choices'][0]['message']['content']]")"; fi
+http metrics2 GET /metrics
+if grep -qE '^coli_prompt_tokens_cached_total [1-9]' "$tmp/metrics2.body"; then ok "/metrics counts the cached prompt tokens"
+else bad "/metrics cached tokens" "$(grep cached "$tmp/metrics2.body")"; fi
+if grep -q "chat template: Qwen3.6: the file's template (.*) is not one coli knows" "$tmp/serve.err"; then
+    ok "the log says which chat template renders the golden file's unknown one"
+else bad "template log line" "$(grep 'chat template' "$tmp/serve.err")"; fi
+post media /v1/chat/completions '{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"hi"}]}],"max_tokens":2}'
+if is_error media 400 invalid_request_error && qt "$tmp/media.body" "'image' in d['error']['message']"; then ok "an image part: 400, text only"
+else bad "image part" "$code $(errbody media)"; fi
+post refusal /v1/chat/completions '{"messages":[{"role":"system","content":"a"},{"role":"system","content":"b"},{"role":"user","content":"hi"}],"max_tokens":2}'
+if is_error refusal 400 invalid_request_error && qt "$tmp/refusal.body" "'System message must be at the beginning.' in d['error']['message']"; then
+    ok "a conversation the template refuses: 400 with the template's message"
+else bad "template refusal" "$code $(errbody refusal)"; fi
+
 # --- the fuzz client
 if [ -n "$FUZZ" ]; then
     if [ -x "$FUZZ" ]; then
@@ -540,7 +600,7 @@ if [ -n "$npm_skip" ]; then
 elif ! command -v node >/dev/null; then
     ok "openai client # SKIP no node"
 else
-    A="$A" R="$R" q json - "{'chat_prompt': E['A'], 'chat_text': greedy('$tmp/refA16.json'), 'raw_prompt': E['R'], 'raw_text': greedy('$tmp/refR16.json'), 'n': 16}" >"$tmp/expect.json"
+    A="$A" R="$R" q json - "{'chat_prompt': E['A'], 'chat_text': content('$tmp/refA16.json'), 'raw_prompt': E['R'], 'raw_text': greedy('$tmp/refR16.json'), 'n': 16}" >"$tmp/expect.json"
     rc=0
     timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json" >"$tmp/node.out" 2>&1 || rc=$?
     np=$(grep -c '^ok - ' "$tmp/node.out")
@@ -551,8 +611,65 @@ else
     if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "openai client script" "exit $rc: $(tail -n 5 "$tmp/node.out" | tr '\n' ' ' | head -c 400)"; fi
 fi
 
+# --- the Qwen3.5 and Qwen3.6 templates, written into copies of the model: /apply-template
+# renders every golden case byte for byte, or refuses it with the template's message
+cat >"$tmp/tpl.py" <<'PY'
+import json, sys, urllib.request, urllib.error
+cases, port, label = json.load(open(sys.argv[1]))['cases'], sys.argv[2], sys.argv[3]
+def render(c):
+    body = {'messages': c['messages'], 'add_generation_prompt': c['add_generation_prompt']}
+    if 'tools' in c: body['tools'] = c['tools']
+    kw = {k: c[k] for k in ('enable_thinking', 'preserve_thinking') if k in c}
+    if kw: body['chat_template_kwargs'] = kw
+    req = urllib.request.Request('http://127.0.0.1:%s/apply-template' % port, json.dumps(body).encode(), {'Content-Type': 'application/json'})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+def check(name, c):
+    status, d = render(c)
+    if 'rendered' in c:
+        ok = status == 200 and d.get('prompt') == c['rendered']
+        why = 'status %d, %r' % (status, str(d)[:160])
+    else:
+        ok = status == 400 and c['error'] in d.get('error', {}).get('message', '')
+        why = 'status %d, %r, want the refusal %r' % (status, str(d)[:160], c['error'])
+    print(('ok - %s: %s' % (label, name)) if ok else ('FAIL - %s: %s: %s' % (label, name, why)))
+for c in cases:
+    check(c['name'], c)
+    calls = [m for m in c['messages'] if isinstance(m, dict) and m.get('tool_calls')]
+    if 'rendered' in c and calls and all(isinstance(t.get('function', t).get('arguments'), dict) for m in calls for t in m['tool_calls']):
+        for m in calls:
+            for t in m['tool_calls']:
+                f = t.get('function', t)
+                f['arguments'] = json.dumps(f['arguments'])
+        check(c['name'] + ', arguments as a JSON string', c)
+PY
+for v in 35 36; do
+    python3 -c "import json, sys; sys.stdout.write(json.load(open(sys.argv[1]))['template'])" "$GOLDEN/template-qwen$v.json" >"$tmp/t$v.jinja"
+    if ! python3 "$HERE/gguf_template.py" "$M" "$tmp/tpl$v.gguf" "$tmp/t$v.jinja" 2>"$tmp/tpl$v.mk"; then
+        bad "Qwen$v template copy" "$(head -c 200 "$tmp/tpl$v.mk")"
+        continue
+    fi
+    if ! SERVE_MODEL="$tmp/tpl$v.gguf" start_server tpl$v --port 0 --parallel 1 -c 256 -t 1; then
+        bad "serve on the Qwen$v template copy" "$(head -c 300 "$tmp/tpl$v.err")"
+        continue
+    fi
+    if grep -q "chat template: Qwen3.${v#3}, the file's own" "$tmp/tpl$v.err"; then ok "Qwen3.${v#3} template copy: the log names it"
+    else bad "Qwen3.${v#3} template log line" "$(grep 'chat template' "$tmp/tpl$v.err")"; fi
+    timeout 120 python3 "$tmp/tpl.py" "$GOLDEN/template-qwen$v.json" "$sport" "template-qwen$v via serve" >"$tmp/tpl$v.out" 2>&1
+    grep -E '^FAIL - ' "$tmp/tpl$v.out" | head -n 5
+    np=$(grep -c '^ok - ' "$tmp/tpl$v.out")
+    nf=$(grep -c '^FAIL - ' "$tmp/tpl$v.out")
+    pass=$((pass + np))
+    fail=$((fail + nf))
+    [ "$np" -ge 76 ] || bad "template-qwen$v via serve" "only $np cases answered: $(tail -n 3 "$tmp/tpl$v.out" | tr '\n' ' ' | head -c 300)"
+    stop_server "$spid"
+done
+
 # --- --api-key: a second server
-if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit; then
+if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-think; then
     aport=$sport
     apid=$spid
     base=http://127.0.0.1:$aport
