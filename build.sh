@@ -4,6 +4,10 @@
 # ./build.sh fuzz N   run the GGUF reader fuzz loop for N iterations
 # ./build.sh fuzz-serve [N]       N (default 10000) malformed requests against a coli serve it starts
 # ./build.sh load [K] [M] [MODEL] K streaming clients x M requests against coli serve: tok/s, time to first token
+# ./build.sh agents [TURNS] [MAX_TOKENS] [MODEL]  multi-turn agent chats against coli serve, as three runs at
+#                 --parallel 1 (reuse, --no-reuse, 2 interleaved) and one at --parallel 2: cached prompt
+#                 share, prompt time as the history grows. Defaults 8 turns, 64 tokens (serve_agents' own
+#                 are 20 and 500, too slow for the slice at ~9 tok/s decode on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -107,21 +111,32 @@ check_ptx() {
     echo "$p passed, $f failed"
 }
 
-# The HTTP clients that fuzz and load coli serve (loopback only; tests/serve_fuzz.c, serve_load.c).
-# They report through check.h, whose golden-file helpers they do not use.
+# The HTTP clients that fuzz, load and replay conversations against coli serve (loopback only;
+# tests/serve_fuzz.c, serve_load.c, serve_agents.c). They report through check.h, whose
+# golden-file helpers they do not use.
 build_serve_clients() {
     mkdir -p build
     gcc -std=c11 -O2 -Wall -Wextra -Wno-unused-function -pthread tests/serve_fuzz.c -o build/serve_fuzz
     gcc -std=c11 -O2 -Wall -Wextra -Wno-unused-function -pthread tests/serve_load.c -o build/serve_load
+    gcc -std=c11 -O2 -Wall -Wextra -Wno-unused-function -pthread tests/serve_agents.c -o build/serve_agents
 }
 
-# Starts ./coli serve on a free loopback port with ARGS; sets SERVE_PID and SERVE_PORT, and stops
-# it when the script exits.
+# Stops the server start_server started, if any; it is also the EXIT trap, so that a run that
+# fails leaves no server behind.
+stop_server() {
+    [ -n "${SERVE_PID:-}" ] || return 0
+    kill "$SERVE_PID" 2>/dev/null || true
+    wait "$SERVE_PID" 2>/dev/null || true
+    SERVE_PID=
+}
+
+# Starts ./coli serve on a free loopback port with ARGS; sets SERVE_PID and SERVE_PORT. One at a
+# time: stop_server ends it (at the latest when the script exits).
 start_server() {
     local log=build/serve_bench.log i
     HEAT_FILE=build/serve_bench.heat ./coli serve --port 0 "$@" 2>"$log" &
     SERVE_PID=$!
-    trap 'kill "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null' EXIT
+    trap stop_server EXIT
     for i in $(seq 1 600); do
         SERVE_PORT=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$' || true)
         [ -n "$SERVE_PORT" ] && curl -sf -m 2 "http://127.0.0.1:$SERVE_PORT/health" >/dev/null && return
@@ -139,6 +154,32 @@ slice_model() {
         build/gen_model "$out" --preset 35b-a3b --layers 10 >&2
     fi
     echo "$out"
+}
+
+# One serve_agents run against the server that is up, with ARGS; a run that lost a request sets
+# agents_lost, and the next runs go on.
+agents_client() {
+    echo "-- serve_agents $*"
+    build/serve_agents 127.0.0.1 "$SERVE_PORT" "$@" || agents_lost=1
+}
+
+# The agents benchmark on MODEL, TURNS turns of MAX_TOKENS: one server session per --parallel
+# setting, each stopped before the next starts (one port, one heat file, the memory for one model).
+# -c 16384: the history grows by a user message and a reply each turn. Returns 1 if a run lost.
+run_agents() {
+    local model=$1 turns=$2 max_tokens=$3
+    agents_lost=0
+    echo "== coli serve --parallel 1 -c 16384 ($model)"
+    start_server -m "$model" -c 16384 --parallel 1
+    agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 1
+    agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 1 --no-reuse
+    agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 2
+    stop_server
+    echo "== coli serve --parallel 2 -c 16384 ($model)"
+    start_server -m "$model" -c 16384 --parallel 2
+    agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 2
+    stop_server
+    return "$agents_lost"
 }
 
 passed=0
@@ -202,5 +243,9 @@ case "${1:-build}" in
         model=${4:-$(slice_model)}
         start_server -m "$model" -c 4096 --parallel "${2:-4}"
         build/serve_load 127.0.0.1 "$SERVE_PORT" "${2:-4}" "${3:-3}" ;;
-    *) echo "usage: ./build.sh [build|test|fuzz N|fuzz-serve [N]|load [K] [M] [MODEL]]" >&2; exit 2 ;;
+    agents)
+        build_coli && build_serve_clients
+        model=${4:-$(slice_model)}
+        run_agents "$model" "${2:-8}" "${3:-64}" ;;
+    *) echo "usage: ./build.sh [build|test|fuzz N|fuzz-serve [N]|load [K] [M] [MODEL]|agents [TURNS] [MAX_TOKENS] [MODEL]]" >&2; exit 2 ;;
 esac

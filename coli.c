@@ -7775,13 +7775,14 @@ static void engine_park(struct engine *e, int i)
     struct engine_slot *sl = &e->slots[i];
     int n = sl->past.n;
     int64_t kv = model_kv_bytes_per_token(e->m) * n, bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
-    if (n == 0 || e->cache_budget == 0 || !engine_cache_room(e, bytes)) {
+    float *rows = n && e->cache_budget && engine_cache_room(e, bytes) ? malloc((size_t)kv) : NULL; /* no room: forgotten, never fatal */
+    if (!rows) {
         engine_forget(e, i);
         return;
     }
     e->parked = plat_realloc(e->parked, (size_t)(e->n_parked + 1) * sizeof *e->parked);
     struct engine_parked *z = &e->parked[e->n_parked++];
-    *z = (struct engine_parked){sl->past, {0, NULL}, plat_alloc((size_t)kv), bytes};
+    *z = (struct engine_parked){sl->past, {0, NULL}, rows, bytes};
     model_checkpoint(e->m, &sl->seq, &z->live, 1);
     model_kv_copy(e->m, &sl->seq, z->kv, n, 1);
     z->past.tokens = plat_realloc(z->past.tokens, (size_t)n * sizeof(int) + 1); /* the slot keeps a buffer of n_ctx */
@@ -8784,6 +8785,9 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
         return -1;
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
+    const struct json *format = json_get(body, "response_format");
+    if (format && format->kind != JSON_NULL && !tok_json_is(json_get(format, "type"), "text"))
+        return serve_bad(e, "response_format", "only {\"type\": \"text\"}: sampling is not constrained to JSON (yet)");
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);
@@ -10209,11 +10213,11 @@ static const char *const arg_command_help[][2] = {
             "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
             "  [id, logit] pairs at every generated position), stop, timings, experts. Default: greedy.\n"},
     {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
-             "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think\n"
-             "  skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
+             "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think or\n"
+             "  --reasoning off skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
-              "           [--cache-ram SIZE]\n"
+              "           [--cache-ram SIZE] [--no-think | --reasoning off]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), GET /v1/models, /health (503 while\n"
               "  loading) and /metrics (Prometheus). --port 0 picks a free port\n"
@@ -10253,6 +10257,14 @@ static long arg_int(int argc, char **argv, int *i, long lo, long hi)
     long x = strtol(v, &end, 10);
     if (errno || end == v || *end || x < lo || x > hi) die_usage("%s: '%s' is not a whole number in [%ld, %ld]", flag, v, lo, hi);
     return x;
+}
+
+/* 1 for "on", 0 for "off". */
+static int arg_on_off(int argc, char **argv, int *i)
+{
+    const char *flag = argv[*i], *v = arg_value(argc, argv, i);
+    if (strcmp(v, "on") && strcmp(v, "off")) die_usage("%s: '%s' is not on or off", flag, v);
+    return !strcmp(v, "on");
 }
 
 static float arg_float(int argc, char **argv, int *i, double lo, double hi)
@@ -10308,6 +10320,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--chat")) o->chat = 1;
         else if (!strcmp(a, "--json")) o->json = 1;
         else if (!strcmp(a, "--no-think")) o->think = 0;
+        else if (!strcmp(a, "--reasoning")) o->think = arg_on_off(argc, argv, &i);
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
         else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;
         else if (!strcmp(a, "--kernels") && bench) o->kernels = 1;
