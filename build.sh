@@ -5,7 +5,7 @@
 # ./build.sh fuzz-serve [N]       N (default 10000) malformed requests against a coli serve it starts
 # ./build.sh load [K] [M] [MODEL] K streaming clients x M requests against coli serve: tok/s, time to first token
 # ./build.sh agents [TURNS] [MAX_TOKENS] [MODEL]  multi-turn agent chats against coli serve, as three runs at
-#                 --parallel 1 (reuse, --no-reuse, 2 interleaved) and one at --parallel 2: cached prompt
+#                 --parallel 1 (reuse, 2 turns without reuse, 2 interleaved) and one at --parallel 2: cached prompt
 #                 share, prompt time as the history grows. Defaults 8 turns, 64 tokens (serve_agents' own
 #                 are 20 and 500, too slow for the slice at ~9 tok/s decode on 2 cores)
 set -euo pipefail
@@ -172,7 +172,7 @@ run_agents() {
     echo "== coli serve --parallel 1 -c 16384 ($model)"
     start_server -m "$model" -c 16384 --parallel 1
     agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 1
-    agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 1 --no-reuse
+    agents_client --turns 2 --max-tokens "$max_tokens" --conversations 1 --no-reuse
     agents_client --turns "$turns" --max-tokens "$max_tokens" --conversations 2
     stop_server
     echo "== coli serve --parallel 2 -c 16384 ($model)"

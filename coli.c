@@ -7527,8 +7527,10 @@ struct engine_request {
     int n_prompt;
     int whole;               /* the prompt is the sequence from position 0: what the slot holds of it is reused */
     int reuse;               /* WHOLE: may reuse (0: computed from nothing, for comparison) */
-    int mark;                /* WHOLE: a prompt position to keep a checkpoint at (0: none); the server
-                              * marks where the generation prompt opens, where the next turn departs */
+    int mark[2];             /* WHOLE: prompt positions to keep checkpoints at, ascending (0: none); the
+                              * server marks where the first turn after the system turn opens (a
+                              * prefix other conversations share) and where the answer's turn opens
+                              * (the next turn of this one departs there) */
     int n_max;               /* tokens to generate at most */
     struct sample_params sample;
     int ignore_eog, want_top; /* want_top: record the five best logits of every position */
@@ -7743,16 +7745,17 @@ static int engine_cache_room(struct engine *e, int64_t bytes)
     return e->cache_bytes + bytes <= e->cache_budget;
 }
 
-/* Keeps slot SL's DeltaNet state at its position: a new checkpoint, or the shallowest one's
- * buffer when the slot has ENGINE_MAX_CHECKPOINTS. */
+/* Keeps slot SL's DeltaNet state at its position: a new checkpoint, or, when the slot has
+ * ENGINE_MAX_CHECKPOINTS, the buffer of the second shallowest (the shallowest is kept: it is
+ * where prefixes that conversations share end, a system prompt and its tools). */
 static void engine_checkpoint(struct engine *e, struct engine_slot *sl)
 {
     struct engine_past *p = &sl->past;
     if (p->n_cp && p->cp[p->n_cp - 1].pos == sl->seq.pos) return;
     if (p->n_cp == ENGINE_MAX_CHECKPOINTS) {
-        struct model_checkpoint oldest = p->cp[0];
-        memmove(p->cp, p->cp + 1, (size_t)(p->n_cp - 1) * sizeof *p->cp);
-        p->cp[p->n_cp - 1] = oldest;
+        struct model_checkpoint recycled = p->cp[1];
+        memmove(p->cp + 1, p->cp + 2, (size_t)(p->n_cp - 2) * sizeof *p->cp);
+        p->cp[p->n_cp - 1] = recycled;
     } else {
         if (!engine_cache_room(e, e->checkpoint_bytes)) return;
         e->cache_bytes += e->checkpoint_bytes;
@@ -7769,26 +7772,37 @@ static void engine_forget(struct engine *e, int i)
     model_seq_reset(e->m, &sl->seq);
 }
 
-/* Moves idle slot I's conversation into RAM (if the budget holds it); the slot is left empty. */
-static void engine_park(struct engine *e, int i)
+/* Copies idle slot I's conversation into RAM, if the budget holds it. The slot is left empty,
+ * or (KEEP > 0) keeps its tokens and its checkpoints up to position KEEP: another conversation
+ * that shares that much of it is about to start there. */
+static void engine_park(struct engine *e, int i, int keep)
 {
     struct engine_slot *sl = &e->slots[i];
-    int n = sl->past.n;
+    struct engine_past *p = &sl->past;
+    int n = p->n, n_keep = 0;
+    while (keep && n_keep < p->n_cp && p->cp[n_keep].pos <= keep) n_keep++;
     int64_t kv = model_kv_bytes_per_token(e->m) * n, bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
-    float *rows = n && e->cache_budget && engine_cache_room(e, bytes) ? malloc((size_t)kv) : NULL; /* no room: forgotten, never fatal */
+    int room = n && e->cache_budget && engine_cache_room(e, bytes + n_keep * e->checkpoint_bytes);
+    float *rows = room ? malloc((size_t)kv) : NULL; /* no room: forgotten, never fatal */
     if (!rows) {
-        engine_forget(e, i);
+        if (!keep) engine_forget(e, i);
         return;
     }
     e->parked = plat_realloc(e->parked, (size_t)(e->n_parked + 1) * sizeof *e->parked);
     struct engine_parked *z = &e->parked[e->n_parked++];
-    *z = (struct engine_parked){sl->past, {0, NULL}, rows, bytes};
+    *z = (struct engine_parked){*p, {0, NULL}, rows, bytes};
     model_checkpoint(e->m, &sl->seq, &z->live, 1);
     model_kv_copy(e->m, &sl->seq, z->kv, n, 1);
-    z->past.tokens = plat_realloc(z->past.tokens, (size_t)n * sizeof(int) + 1); /* the slot keeps a buffer of n_ctx */
-    e->cache_bytes += bytes;
-    sl->past = (struct engine_past){plat_alloc((size_t)e->m->n_ctx * sizeof(int)), 0, {{0, NULL}}, 0, 0};
-    model_seq_reset(e->m, &sl->seq);
+    z->past.tokens = plat_alloc((size_t)n * sizeof(int));
+    memcpy(z->past.tokens, p->tokens, (size_t)n * sizeof(int));
+    e->cache_bytes += bytes + n_keep * e->checkpoint_bytes;
+    struct engine_past left = {p->tokens, keep ? n : 0, {{0, NULL}}, n_keep, p->used};
+    for (int k = 0; k < n_keep; k++) {
+        left.cp[k] = (struct model_checkpoint){p->cp[k].pos, plat_alloc((size_t)e->checkpoint_bytes)};
+        memcpy(left.cp[k].recurrent, p->cp[k].recurrent, (size_t)e->checkpoint_bytes);
+    }
+    *p = left;
+    if (!keep) model_seq_reset(e->m, &sl->seq);
 }
 
 /* Puts parked conversation Z (taken out of the list) back into empty slot I. */
@@ -7891,7 +7905,8 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next >= 0) continue;
         int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
-        if (sl->req.whole && sl->req.mark > sl->fed && sl->fed + k > sl->req.mark) k = sl->req.mark - sl->fed; /* end the chunk at the mark */
+        for (int m = 1; m >= 0; m--) /* end the chunk at the next mark */
+            if (sl->req.whole && sl->req.mark[m] > sl->fed && sl->fed + k > sl->req.mark[m]) k = sl->req.mark[m] - sl->fed;
         runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL};
         owner[n++] = i;
         room -= k;
@@ -7904,7 +7919,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
 static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, float *logits)
 {
     sl->fed += n;
-    if (sl->req.whole && sl->fed == sl->req.mark) engine_checkpoint(e, sl);
+    if (sl->req.whole && (sl->fed == sl->req.mark[0] || sl->fed == sl->req.mark[1])) engine_checkpoint(e, sl);
     if (engine_cancelled(sl)) {
         if (sl->req.rewind) {
             model_checkpoint(e->m, &sl->seq, sl->req.rewind, 0);
@@ -7955,7 +7970,9 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 /* Starts REQ (WHOLE) on the idle slot that can reuse the most of its prompt: a slot's own
  * past, or a parked conversation brought back into the least recently used slot (whose own
  * is parked in turn). A prompt nothing holds goes to an empty slot, else the least recently
- * used one, whose conversation is parked. Returns the slot, or -1 when none is idle. */
+ * used one, whose conversation is parked. A prompt that shares only the start of a slot's
+ * conversation (departing before its latest checkpoint: another conversation with the same
+ * system prompt) parks a copy of it first. Returns the slot, or -1 when none is idle. */
 static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
 {
     int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
@@ -7975,12 +7992,15 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
     if (parked >= 0) {
         struct engine_parked z = e->parked[parked];
         e->parked[parked] = e->parked[--e->n_parked]; /* out of the list, so that parking the victim cannot evict it */
-        engine_park(e, victim);
+        engine_park(e, victim, 0);
         engine_unpark(e, &z, victim);
         best = victim;
     } else if (best_reuse == 0) {
         best = victim;
-        engine_park(e, victim);
+        engine_park(e, victim, 0);
+    } else {
+        const struct engine_past *p = &e->slots[best].past;
+        if (p->n_cp && best_reuse < p->cp[p->n_cp - 1].pos) engine_park(e, best, best_reuse);
     }
     engine_start(e, best, req, g);
     return best;
@@ -8796,15 +8816,17 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     return 0;
 }
 
-/* Where the answer's turn opens in PROMPT: the last <|im_start|> (0: none). The next turn's
- * prompt re-renders this answer without its thinking, so it departs from this one there: a
- * checkpoint at that position is what the next turn resumes from. */
-static int serve_answer_mark(const struct tok *t, const int *prompt, int n)
+/* Where J's prompt is to keep checkpoints (engine_request.mark): where the turn after the
+ * first opens (the system prompt and the tools end there, which other conversations share)
+ * and where the answer's turn opens, at the last <|im_start|>: the next turn re-renders this
+ * answer without its thinking, so it departs from this prompt there. */
+static void serve_marks(const struct tok *t, struct serve_job *j)
 {
-    int im_start = tok_find(t, "<|im_start|>");
-    for (int i = n - 1; i > 0 && im_start >= 0; i--)
-        if (prompt[i] == im_start) return i;
-    return 0;
+    int im_start = tok_find(t, "<|im_start|>"), n = j->req.n_prompt;
+    for (int i = 1; i < n && im_start >= 0 && !j->req.mark[0]; i++)
+        if (j->prompt[i] == im_start) j->req.mark[0] = i;
+    for (int i = n - 1; i > j->req.mark[0] && im_start >= 0 && !j->req.mark[1]; i--)
+        if (j->prompt[i] == im_start) j->req.mark[1] = i;
 }
 
 /* A job for BODY (a chat or a completion); NULL with E set when the request is bad. */
@@ -8837,7 +8859,7 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
     }
     j->req.prompt = j->prompt;
     j->req.whole = 1;
-    j->req.mark = serve_answer_mark(srv->tok, j->prompt, j->req.n_prompt);
+    serve_marks(srv->tok, j);
     j->req.sink = serve_sink;
     j->req.sink_ctx = j;
     j->req.cancel = &j->cancel;
@@ -9711,7 +9733,7 @@ static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
 static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
                                          struct cmd_printer *printer)
 {
-    struct engine_request r = {prompt, n_prompt, 0, 0, 0, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
+    struct engine_request r = {prompt, n_prompt, 0, 0, {0, 0}, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
     if (printer) r.sink = cmd_print_piece;
     return r;
 }

@@ -136,4 +136,28 @@ static long conn_line(struct conn *c, double deadline, char *out, size_t cap)
     }
 }
 
+/* GET /health 200, waiting up to 120 s for the model to load. (The includer defines die.) */
+static int wait_health(void)
+{
+    double t0 = now_s();
+    while (now_s() - t0 < 120) {
+        int fd = connect_srv();
+        if (fd >= 0) {
+            const char *req = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+            struct conn *c = malloc(sizeof *c);
+            if (!c) die("out of memory");
+            c->fd = fd, c->beg = c->end = 0;
+            char line[256];
+            int ok = send_all(fd, req, strlen(req), now_s() + 5) == 0 && conn_line(c, now_s() + 5, line, sizeof line) > 12 &&
+                     atoi(line + 9) == 200;
+            close(fd);
+            free(c);
+            if (ok) return 1;
+        }
+        struct timespec ts = {0, 500000000L};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
 #endif

@@ -12,7 +12,8 @@
  *   --no-reuse  each request carries "cache_prompt":false: the baseline without prefix reuse
  *   S        a request not finished after S seconds is lost (default 300)
  *
- * A conversation is a system message (the same for all, as one agent's instructions would be),
+ * Every request offers the same seven tools (read_file, search, apply_patch, ...), as a coding
+ * agent's do. A conversation is a system message (the same for all, as one agent's instructions would be),
  * then per turn a new user message of 40-80 words that names its conversation and turn, so that
  * conversations part from their first user message on. Each request sends the whole history, as
  * a client does: POST /v1/chat/completions, stream, include_usage, temperature 0. The reply's
@@ -327,6 +328,41 @@ static const char system_prompt[] =
     "do not invent APIs, and ask one clear question when the request is ambiguous instead of guessing. "
     "Prefer plain C11, static functions and comments that say why.";
 
+/* The tools every request offers, as a coding agent's do: rendered into the system turn, they
+ * are most of the prefix that every turn of every conversation shares (about 1,300 tokens). */
+static const char agent_tools[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"read_file\",\"description\":\"Read a text file of the repository. Returns the "
+    "lines asked for, numbered from 1, or an error when the file does not exist or is binary. Use it before proposing any change "
+    "to a file, and read enough context around the lines you mean to change.\",\"parameters\":{\"type\":\"object\",\"properties\":"
+    "{\"path\":{\"type\":\"string\",\"description\":\"Path relative to the repository root, e.g. src/serve.c\"},\"first_line\":"
+    "{\"type\":\"integer\",\"description\":\"First line to return (1-based); default 1\"},\"last_line\":{\"type\":\"integer\","
+    "\"description\":\"Last line to return; default the end of the file, at most 400 lines after first_line\"}},\"required\":[\"path\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"search\",\"description\":\"Search the repository for a regular expression "
+    "(POSIX extended). Returns up to max_results matches as path:line:text, sorted by path. Binary files and the build directory "
+    "are skipped.\",\"parameters\":{\"type\":\"object\",\"properties\":{\"pattern\":{\"type\":\"string\",\"description\":"
+    "\"The regular expression\"},\"path\":{\"type\":\"string\",\"description\":\"A folder or file to search in; default the whole "
+    "repository\"},\"max_results\":{\"type\":\"integer\",\"description\":\"Default 50\"},\"case_sensitive\":{\"type\":\"boolean\"}},"
+    "\"required\":[\"pattern\"]}}},{\"type\":\"function\",\"function\":{\"name\":\"apply_patch\",\"description\":\"Apply a unified "
+    "diff to the working tree. The patch must apply cleanly: context lines must match exactly. Returns the files changed, or the "
+    "first hunk that failed and why. Never touches files outside the repository.\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"patch\":{\"type\":\"string\",\"description\":\"A unified diff with a/ and b/ prefixes\"},\"dry_run\":"
+    "{\"type\":\"boolean\",\"description\":\"Check that it applies without writing anything\"}},\"required\":[\"patch\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"run_command\",\"description\":\"Run a shell command in the repository root "
+    "with a time limit and return its exit status, standard output and standard error (each cut to its last 20,000 characters). "
+    "The network is not reachable. Use it to build, to run one test, or to inspect the tree; do not start servers that outlive "
+    "the command.\",\"parameters\":{\"type\":\"object\",\"properties\":{\"command\":{\"type\":\"string\"},\"timeout_s\":"
+    "{\"type\":\"integer\",\"description\":\"Seconds before the command is killed; default 120, at most 600\"}},\"required\":"
+    "[\"command\"]}}},{\"type\":\"function\",\"function\":{\"name\":\"list_files\",\"description\":\"List the files under a folder "
+    "with their sizes in bytes, recursively up to a depth, ignoring what .gitignore ignores.\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"path\":{\"type\":\"string\"},\"depth\":{\"type\":\"integer\",\"description\":\"Default 2\"}},\"required\":"
+    "[]}}},{\"type\":\"function\",\"function\":{\"name\":\"git_diff\",\"description\":\"Show the working tree's changes against a "
+    "revision as a unified diff, or only the names and line counts with stat.\",\"parameters\":{\"type\":\"object\",\"properties\":"
+    "{\"revision\":{\"type\":\"string\",\"description\":\"Default HEAD\"},\"stat\":{\"type\":\"boolean\"},\"paths\":{\"type\":"
+    "\"array\",\"items\":{\"type\":\"string\"}}},\"required\":[]}}},{\"type\":\"function\",\"function\":{\"name\":\"ask_user\","
+    "\"description\":\"Ask the user one question when the request cannot be done without an answer, with up to four suggested "
+    "answers. The conversation waits for the reply.\",\"parameters\":{\"type\":\"object\",\"properties\":{\"question\":{\"type\":"
+    "\"string\"},\"choices\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":4}},\"required\":[\"question\"]}}}]";
+
 static const char *const projects[] = {
     "the tokenizer", "the HTTP server", "the GGUF reader", "the expert cache",
     "the sampler", "the JSON parser", "the chat template renderer", "the thread pool",
@@ -427,7 +463,9 @@ static void run_turn(struct conversation *cv, int c, int t)
     add_message(&cv->messages, "user", text.p, text.n);
     buf_str(&body, "{\"model\":\"coli\",\"messages\":[");
     buf_add(&body, cv->messages.p, cv->messages.n);
-    buf_printf(&body, "],\"max_tokens\":%d,\"temperature\":0,\"stream\":true,\"stream_options\":{\"include_usage\":true}%s}",
+    buf_str(&body, "],\"tools\":");
+    buf_str(&body, agent_tools);
+    buf_printf(&body, ",\"max_tokens\":%d,\"temperature\":0,\"stream\":true,\"stream_options\":{\"include_usage\":true}%s}",
                g_max_tokens, g_no_reuse ? ",\"cache_prompt\":false" : "");
     struct turn *r = &cv->turns[t];
     one_request(&body, r, &reply);
@@ -482,30 +520,6 @@ static void print_summary(const char *label, const struct conversation *cv, int 
 }
 
 /* ---- main ----------------------------------------------------------------------------------- */
-
-/* GET /health 200, waiting up to 120 s for the model to load. */
-static int wait_health(void)
-{
-    double t0 = now_s();
-    while (now_s() - t0 < 120) {
-        int fd = connect_srv();
-        if (fd >= 0) {
-            const char *req = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-            struct conn *c = malloc(sizeof *c);
-            if (!c) die("out of memory");
-            c->fd = fd, c->beg = c->end = 0;
-            char line[256];
-            int ok = send_all(fd, req, strlen(req), now_s() + 5) == 0 && conn_line(c, now_s() + 5, line, sizeof line) > 12 &&
-                     atoi(line + 9) == 200;
-            close(fd);
-            free(c);
-            if (ok) return 1;
-        }
-        struct timespec ts = {0, 500000000L};
-        nanosleep(&ts, NULL);
-    }
-    return 0;
-}
 
 static void usage(void)
 {

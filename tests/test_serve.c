@@ -64,7 +64,7 @@ static void test_engine_slots(const char *dir, const char *name)
     engine_init(&e, &m, &t, 2, 0);
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     const int pa[4] = {100, 200, 300, 400}, pb[140] = {5};
-    struct engine_request ra = {pa, 4, 0, 0, 0, 12, greedy, 1, 0, NULL, NULL, NULL, NULL}, rb = {pb, 70, 0, 0, 0, 9, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request ra = {pa, 4, 0, 0, {0, 0}, 12, greedy, 1, 0, NULL, NULL, NULL, NULL}, rb = {pb, 70, 0, 0, {0, 0}, 9, greedy, 1, 0, NULL, NULL, NULL, NULL};
     struct engine_gen ga, gb, ta, tb;
     engine_generate(&e, 0, &ra, &ga);
     engine_generate(&e, 1, &rb, &gb);
@@ -78,7 +78,7 @@ static void test_engine_slots(const char *dir, const char *name)
     check(ga.n_tokens == 12 && gb.n_tokens == 9 && ta.n_tokens == 12 && tb.n_tokens == 9 && !memcmp(ga.tokens, ta.tokens, 12 * sizeof(int)) &&
               !memcmp(gb.tokens, tb.tokens, 9 * sizeof(int)) && ta.stop == ENGINE_STOP_LENGTH && steps < 12 + 9,
           label, "tokens %d %d %d %d, %d steps", ga.n_tokens, gb.n_tokens, ta.n_tokens, tb.n_tokens, steps);
-    struct engine_request too_long = {pb, 129, 0, 0, 0, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request too_long = {pb, 129, 0, 0, {0, 0}, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
     struct engine_gen gl;
     engine_forget(&e, 0);
     engine_generate(&e, 0, &too_long, &gl);
@@ -93,11 +93,11 @@ static void test_engine_slots(const char *dir, const char *name)
 
 static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
 
-/* A greedy WHOLE request of PROMPT[0..n) (checkpoint at MARK) for N_MAX tokens, with the top
- * logits of every position. */
-static struct engine_request whole_request(const int *prompt, int n, int mark, int n_max)
+/* A greedy WHOLE request of PROMPT[0..n) (checkpoints at the marks SHARED and ANSWER) for N_MAX
+ * tokens, with the top logits of every position. */
+static struct engine_request whole_request(const int *prompt, int n, int shared, int answer, int n_max)
 {
-    return (struct engine_request){prompt, n, 1, 1, mark, n_max, greedy_params, 1, 1, NULL, NULL, NULL, NULL};
+    return (struct engine_request){prompt, n, 1, 1, {shared, answer}, n_max, greedy_params, 1, 1, NULL, NULL, NULL, NULL};
 }
 
 /* Whether G and FRESH (the same prompt from nothing) generated the same tokens with the same
@@ -145,42 +145,56 @@ static void test_prefix_reuse(const char *dir, const char *name)
     for (int i = 34; i < 50; i++) p2[i] = 900 + i;
     for (int i = 0; i < 30; i++) other[i] = 1500 + i;
     struct engine_gen g;
-    struct engine_request r1 = whole_request(p1, 40, 30, 6);
+    struct engine_request r1 = whole_request(p1, 40, 10, 30, 6);
     engine_admit(&e, &r1, &g);
     while (engine_step(&e)) {}
-    snprintf(label, sizeof label, "%s: a prompt keeps a checkpoint at its mark; the state holds prompt and answer but the last token", name);
-    check(e.slots[0].past.n_cp == 1 && e.slots[0].past.cp[0].pos == 30 && e.slots[0].past.n == 45 && g.n_cached == 0, label,
-          "%d checkpoints (first at %d), %d tokens held", e.slots[0].past.n_cp, e.slots[0].past.cp[0].pos, e.slots[0].past.n);
+    snprintf(label, sizeof label, "%s: a prompt keeps checkpoints at its marks; the state holds prompt and answer but the last token", name);
+    check(e.slots[0].past.n_cp == 2 && e.slots[0].past.cp[0].pos == 10 && e.slots[0].past.cp[1].pos == 30 && e.slots[0].past.n == 45 &&
+              g.n_cached == 0,
+          label, "%d checkpoints (first at %d), %d tokens held", e.slots[0].past.n_cp, e.slots[0].past.cp[0].pos, e.slots[0].past.n);
     engine_gen_free(&g);
     snprintf(label, sizeof label, "%s: departing after the checkpoint resumes from it: the logits of the prompt from nothing", name);
-    int cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 45, 5), label);
+    int cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 0, 45, 5), label);
     snprintf(label, sizeof label, "%s: ... 30 of its tokens reused (the checkpoint, not the deeper common prefix of 34)", name);
     check(cached == 30, label, "%d", cached);
     int held = e.slots[0].past.n;
     memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
     for (int i = held; i < held + 3; i++) p3[i] = 40 + i;
     snprintf(label, sizeof label, "%s: a prompt that continues the state resumes from it: the same logits", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 3, 0, 4), label);
+    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 3, 0, 0, 4), label);
     snprintf(label, sizeof label, "%s: ... all %d tokens the state held reused", name, held);
     check(cached == held, label, "%d", cached);
     held = e.slots[0].past.n;
     memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
     p3[held] = 77;
     snprintf(label, sizeof label, "%s: another conversation on the one slot", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(other, 30, 0, 3), label);
+    cached = run_against_fresh(&e, &fresh, whole_request(other, 30, 0, 0, 3), label);
     snprintf(label, sizeof label, "%s: ... parks the first one in RAM", name);
     check(e.n_parked == 1 && cached == 0, label, "%d parked, %d cached", e.n_parked, cached);
     snprintf(label, sizeof label, "%s: the parked conversation comes back for its next turn: the same logits", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 3), label);
+    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 0, 3), label);
     snprintf(label, sizeof label, "%s: ... all %d tokens it held reused, and the other one parked in its place", name, held);
     check(cached == held && e.n_parked == 1, label, "%d cached, %d parked", cached, e.n_parked);
+    held = e.slots[0].past.n;
+    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    p3[held] = 78;
+    int branch[50];
+    memcpy(branch, p3, 12 * sizeof(int));
+    for (int i = 12; i < 50; i++) branch[i] = 2000 + i;
+    snprintf(label, sizeof label, "%s: a conversation that shares only the first checkpoint's prefix", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(branch, 50, 0, 0, 3), label);
+    snprintf(label, sizeof label, "%s: ... reuses it, and parks a copy of the one it branched from", name);
+    check(cached == 10 && e.n_parked == 2, label, "%d cached, %d parked", cached, e.n_parked);
+    snprintf(label, sizeof label, "%s: the copy comes back whole for its next turn: the same logits", name);
+    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 0, 3), label);
+    check(cached == held, label, "%d cached of %d", cached, held);
     engine_free(&e);
     engine_init(&e, &m, &t, 1, 0);
     engine_admit(&e, &r1, &g);
     while (engine_step(&e)) {}
     engine_gen_free(&g);
     snprintf(label, sizeof label, "%s: with no cache budget there are no checkpoints: the departing prompt is computed from nothing", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 45, 2), label);
+    cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 0, 45, 2), label);
     check(cached == 0 && e.slots[0].past.n_cp == 0 && e.cache_bytes == 0, label, "%d cached", cached);
     engine_free(&e);
     engine_free(&fresh);
