@@ -14,16 +14,17 @@
  *   §6  experts    expert_  the expert store: RAM cache with a budget, pread readers, heat, statistics
  *   §7  place      place_   what lives in VRAM, trunk then experts by value per byte; COLI_PLACE, plan's dry run
  *   §8  model      model_   hyper-parameters, weight binding, forward pass (qwen35moe, qwen35, qwen3next)
- *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens, chat template
+ *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens; JSON values (json_); the chat templates
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
- *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch
- *   §12 serve      serve_   the OpenAI-compatible HTTP server: HTTP/1.1, JSON, the job queue, streaming
+ *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch; the prompt cache
+ *   §12 serve      serve_   the OpenAI-compatible HTTP server: HTTP/1.1, the job queue, streaming, reasoning and tool calls
  *   §13 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize
  *   §14 main       arg_     argument parsing and dispatch
  *
- * Conventions: everything is static; every function carries its section prefix; shapes are
- * written outermost first, `[rows][cols]`, in elements. Errors go through die(): one line
- * `coli: <what>: <why>` and exit status 1 (2 for usage errors).
+ * Conventions: everything is static; every function carries its section prefix (§9's JSON
+ * values: json_, as they are the server's too); shapes are written outermost first,
+ * `[rows][cols]`, in elements. Errors go through die(): one line `coli: <what>: <why>` and
+ * exit status 1 (2 for usage errors); once `serve` answers requests, nothing dies.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -5940,12 +5941,15 @@ static void model_budget_experts(struct model *m, int n_seqs, int64_t reserve, i
 /* Owns: the vocabulary (struct tok): token texts and types, the text->id and merge hash tables,
  *   the special-token list, the end-of-generation set; byte-level BPE encoding with the Qwen
  *   pre-tokenizers (qwen2, qwen35) as hand-written matchers; decoding; UTF-8-safe streaming of
- *   decoded pieces; the ChatML prompt template of Qwen3.5/3.6.
+ *   decoded pieces; JSON values (read strictly, written as Python's json.dumps writes them); the
+ *   chat templates of Qwen3.5 and Qwen3.6, rendered from JSON messages and tools.
  * Promises: token ids equal llama.cpp's (b9793) for these tokenizers: no BOS, special-token texts
  *   parsed when asked, no Unicode normalisation; every byte string encodes (invalid UTF-8 too) and
  *   decodes back to the same bytes.  All strings are (pointer, length): NULs are ordinary bytes.
- * May call: die, plat_alloc, plat_realloc; the GGUF accessors of §2 (gguf_get_string, gguf_get_int,
- *   gguf_get_array, gguf_array_string); the range tables of vendor/unicode_tables.h.
+ *   A chat renders byte for byte as the model's Jinja template does (the golden cases of
+ *   template-qwen35.json and -qwen36.json), refusals included; nothing here dies on a message.
+ * May call: die, plat_alloc, plat_realloc, plat_sha256; the GGUF accessors of §2 (gguf_get_string,
+ *   gguf_get_int, gguf_get_array, gguf_array_string); the range tables of vendor/unicode_tables.h.
  * Workload: tok_load once per model (152k tokens and 151k merges: one pass each into open-address
  *   hash tables, ~50 ms); tok_encode once per prompt, linear in the text apart from BPE, which is
  *   O(w log w) per pre-token word of w bytes (a heap of ranked pairs), so a 100 kB word is fine;
@@ -7508,15 +7512,22 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 /* Owns: generation. Slots, each a sequence (§8) with the request it is serving: its prompt is
  *   fed, then tokens are sampled and fed one per step until a stop; one step runs the tokens of
  *   every busy slot through the model as one batch. What a generation produced (engine_gen).
+ *   The prompt cache: what each slot's sequence holds (its tokens, checkpoints of its DeltaNet
+ *   state) and conversations parked in RAM, within a budget; a request goes where most of its
+ *   prompt is already computed.
  * Promises: nothing here prints, reads a process-wide flag or dies: a forward pass that fails
  *   ends the generations of its batch with ENGINE_STOP_ERROR and the reason, and resets their
  *   sequences; the other slots go on. A slot's tokens do not depend on the slots beside it in
- *   a batch (§8's promise), so greedy output is the same alone or in parallel. Runs on one
- *   thread (the one that loaded the model); a sink is called there.
+ *   a batch (§8's promise), so greedy output is the same alone or in parallel; nor on what was
+ *   reused: resuming from a checkpoint or a parked conversation gives the logits of the whole
+ *   prompt computed from nothing, bit for bit. Runs on one thread (the one that loaded the
+ *   model); a sink is called there.
  * May call: §1–§10.
  * Workload: one engine_step per generated token of the busy slots: their decode tokens first,
  *   then prompt chunks, MODEL_BATCH tokens at most; sampling is one pass over n_vocab per
- *   token. */
+ *   token. Admitting a request compares its prompt with each idle slot's and parked
+ *   conversation's tokens; parking copies a conversation's KV rows (40 KiB a token on the
+ *   35B-A3B) and its state. */
 
 enum engine_stop { ENGINE_RUNNING, ENGINE_STOP_EOG, ENGINE_STOP_LENGTH, ENGINE_STOP_CONTEXT, ENGINE_STOP_CANCEL, ENGINE_STOP_SINK, ENGINE_STOP_ERROR };
 static const char *const engine_stop_names[] = {"running", "eog", "length", "context", "interrupt", "stop", "error"};
@@ -8008,9 +8019,10 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 
 /* ==== §12 serve ==== */
 /* Owns: `coli serve`, the OpenAI-compatible HTTP server: the listening socket and a thread per
- *   connection, HTTP/1.1 requests read under limits, a strict JSON reader and the JSON
- *   answers, the queue of generation jobs between the connections and the engine, streaming
- *   (server-sent events), stop strings, the API key, /health and /metrics.
+ *   connection, HTTP/1.1 requests read under limits, the JSON answers, the queue of generation
+ *   jobs between the connections and the engine, streaming (server-sent events), stop strings,
+ *   an answer split into reasoning_content, content and tool_calls, the API key, /health,
+ *   /metrics and /apply-template.
  * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error and the
  *   server lives on. Connection threads never touch model state: they parse, tokenize (the
  *   vocabulary is read-only), queue a job and send what the engine's sink hands them; only
