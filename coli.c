@@ -8626,7 +8626,11 @@ static int serve_admit(struct serve *srv, struct serve_job **jobs)
     for (int i = 0; i < e->n_slots && !serve_stopping; i++)
         if (!jobs[i] && srv->queue_len) admitted[n++] = serve_dequeue(srv);
     pthread_mutex_unlock(&srv->mu);
-    for (int k = 0; k < n; k++) jobs[engine_admit(e, &admitted[k]->req, &admitted[k]->gen)] = admitted[k];
+    for (int k = 0; k < n; k++) {
+        int i = engine_admit(e, &admitted[k]->req, &admitted[k]->gen);
+        if (e->slots[i].gen) jobs[i] = admitted[k];
+        else serve_job_done(srv, admitted[k]); /* ended at once (too long for the context): its slot is idle again */
+    }
     return !serve_stopping;
 }
 
