@@ -2081,7 +2081,7 @@ static void quant_init(void) {
         int want = -1;
         for (int l = 0; l < QUANT_LEVEL_COUNT; l++)
             if (!strcmp(env, quant_level_names[l])) want = l;
-        if (want < 0) die("COLI_CPU=%s: unknown level (use scalar, avx2 or avx512)", env);
+        if (want < 0) die_usage("COLI_CPU=%s: unknown level (use scalar, avx2 or avx512)", env);
         if (want > level)
             die("COLI_CPU=%s: this CPU (%s) supports at most %s", env, plat_cpu.name, quant_level_names[level]);
         level = want;
@@ -3213,7 +3213,9 @@ static void cuda_stop(void);
  * (-1: free memory less a reserve) caps each device's budget for resident weights. Main thread
  * only, before any other thread exists (notes §7.2). Every failure is one [cuda] line; cuda.ready
  * says whether a device can compute. */
-static void cuda_start(const char *list, int64_t vram_bytes)
+/* VERBOSE: also say that there is no driver at all (on a machine without an NVIDIA card that is
+ * not news; info and plan say it in their own lines). */
+static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 {
     char why[512] = "";
     const char *env = getenv("COLI_CUDA");
@@ -3226,7 +3228,8 @@ static void cuda_start(const char *list, int64_t vram_bytes)
     if (cuda_dl_start(why, sizeof why) || cuda_load_driver(why, sizeof why) || cuda_driver_version(&cuda.driver_version) ||
         (cuda.n_devices = cuda_enumerate(why, sizeof why)) == 0 || cuda_select(list, why, sizeof why)) {
         snprintf(cuda.why, sizeof cuda.why, "%s", why[0] ? why : "cuDriverGetVersion failed");
-        plat_log("[cuda] %s; running on the CPU", cuda.why);
+        int absent = !strncmp(cuda.why, "no glibc loader", 15) || !strncmp(cuda.why, "no libcuda.so.1", 15);
+        if (verbose || !absent) plat_log("[cuda] %s; running on the CPU", cuda.why);
         return;
     }
     cuda.call_us = cuda_measure_call();
@@ -9627,6 +9630,7 @@ struct cmd_options {
     const char *model, *prompt, *system;
     int n_predict, n_bench_prompt, n_ctx, threads;
     int chat, json, think, hide_think, ignore_eog, kernels;
+    int verbose;             /* -v: also what is only worth saying when something is wrong */
     struct sample_params sample;
     /* resources (design.md §3); -1 / NULL: not given */
     int64_t ram_bytes;       /* --ram: the expert cache's budget */
@@ -9675,7 +9679,7 @@ static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots, int64_t cache)
 {
     double t0 = plat_now();
-    if (!o->model) die("no model given (-m MODEL.gguf)");
+    if (!o->model) die_usage("no model given (-m MODEL.gguf)");
     model_load(&s->model, o->model, o->n_ctx);
     tok_load(&s->tok, &s->model.file);
     if (s->tok.n_vocab > s->model.cfg.n_vocab)
@@ -9684,9 +9688,6 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     s->think_close = tok_find(&s->tok, "</think>");
     cmd_place_trunk(&s->model, o);
     const struct model_config *c = &s->model.cfg;
-    plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
-             o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
-             s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
     if (n_slots <= 0) {
         n_slots = model_choose_seqs(&s->model);
         plat_log("[coli] %d conversations at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
@@ -9697,6 +9698,10 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     model_budget_experts(&s->model, n_slots, cache, o->ram_bytes, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
+    /* said last: the copies of the trunk and the experts above are most of the time */
+    plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
+             o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
+             s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
@@ -10230,7 +10235,9 @@ static const char arg_usage[] =
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
     "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
-    "  help COMMAND, --help, --version\n"
+    "  help COMMAND, COMMAND --help, --help, --version\n"
+    "\n"
+    "every command: -v/--verbose also says what is only news when something is wrong (no NVIDIA driver)\n"
     "\n"
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
@@ -10331,6 +10338,18 @@ static int64_t arg_size(int argc, char **argv, int *i)
     return (int64_t)(x * unit);
 }
 
+static int arg_help(const char *cmd)
+{
+    for (size_t i = 0; cmd && i < sizeof arg_command_help / sizeof *arg_command_help; i++)
+        if (!strcmp(cmd, arg_command_help[i][0])) {
+            fputs(arg_command_help[i][1], stdout);
+            return 0;
+        }
+    if (cmd) die_usage("no command '%s' (coli --help lists them)", cmd);
+    fputs(arg_usage, stdout);
+    return 0;
+}
+
 /* Parses the options after the command word into O. Defaults depend on the command. */
 static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
 {
@@ -10347,7 +10366,9 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     o->ram_bytes = o->vram_bytes = o->cache_ram = -1;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) exit(arg_help(cmd));
+        if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) o->verbose = 1;
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
             if (bench) o->n_bench_prompt = (int)arg_int(argc, argv, &i, 1, 1 << 20);
             else o->prompt = arg_value(argc, argv, &i);
@@ -10399,18 +10420,6 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     o->expert_io = io && !strcmp(io, "buffered") ? EXPERT_IO_BUFFERED : EXPERT_IO_DIRECT;
 }
 
-static int arg_help(const char *cmd)
-{
-    for (size_t i = 0; cmd && i < sizeof arg_command_help / sizeof *arg_command_help; i++)
-        if (!strcmp(cmd, arg_command_help[i][0])) {
-            fputs(arg_command_help[i][1], stdout);
-            return 0;
-        }
-    if (cmd) die_usage("no command '%s' (coli --help lists them)", cmd);
-    fputs(arg_usage, stdout);
-    return 0;
-}
-
 #ifndef COLI_NO_MAIN
 int main(int argc, char **argv)
 {
@@ -10436,7 +10445,12 @@ int main(int argc, char **argv)
         plat_cpu_detect();
         quant_init();
         if (o.threads) omp_set_num_threads(o.threads);
-        if (commands[i].fn != cmd_tokenize) cuda_start(o.gpu_list, o.vram_bytes); /* before any thread exists */
+        if (o.model) { /* a bad file is said before anything else, and before the driver's start and JIT */
+            struct gguf_file g;
+            gguf_open(&g, o.model);
+            gguf_close(&g);
+        }
+        if (commands[i].fn != cmd_tokenize) cuda_start(o.gpu_list, o.vram_bytes, o.verbose); /* before any thread exists */
         return commands[i].fn(&o);
     }
     die_usage("unknown command '%s' (coli --help lists them)", cmd);

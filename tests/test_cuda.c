@@ -240,7 +240,7 @@ int main(int argc, char **argv)
         setenv("COLI_LIBCUDA", "build/fake/libcuda.so.1", 1);
         setenv("FAKE_CUDA_DEVICES", "2", 1);
     }
-    cuda_start(real ? "0" : NULL, -1);
+    cuda_start(real ? "0" : NULL, -1, 1);
     check(cuda.ready && cuda.n_devices >= (real ? 1 : 2), real ? "system driver: a device ready" : "fake driver: 2 devices ready",
           "%s", cuda.why);
     if (!cuda.ready) return check_done(); /* the check above failed: nothing else can run */
