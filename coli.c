@@ -214,14 +214,50 @@ static void *plat_weight_arena(size_t n)
     return p;
 }
 
+/* One line of progress on a terminal for a long step of loading, "[coli] WHAT: 1.20 of 3.40
+ * GiB, 2.1 GB/s, 1 s left", redrawn at most four times a second and wiped at the end, so that
+ * the log after it reads as before. Silent when stderr is not a terminal, or with --quiet. */
+static int plat_quiet;
+static struct { const char *what; uint64_t total, done; double t0, shown; int on; } plat_progress;
+
+static void plat_progress_begin(const char *what, uint64_t total)
+{
+    plat_progress.what = what;
+    plat_progress.total = total;
+    plat_progress.done = 0;
+    plat_progress.t0 = plat_progress.shown = plat_now();
+    plat_progress.on = !plat_quiet && total > 0 && isatty(STDERR_FILENO);
+}
+
+static void plat_progress_add(uint64_t n)
+{
+    double now = plat_now(), rate;
+    plat_progress.done += n;
+    if (!plat_progress.on || now - plat_progress.shown < 0.25) return;
+    plat_progress.shown = now;
+    rate = plat_progress.done / (now - plat_progress.t0);
+    fprintf(stderr, "\r[coli] %s: %.2f of %.2f GiB, %.1f GB/s, %.0f s left\033[K", plat_progress.what, plat_progress.done / 1073741824.0,
+            plat_progress.total / 1073741824.0, rate / 1e9, rate > 0 ? (plat_progress.total - plat_progress.done) / rate : 0.0);
+}
+
+static void plat_progress_end(void)
+{
+    if (plat_progress.on && plat_progress.shown > plat_progress.t0) fputs("\r\033[K", stderr);
+    plat_progress.on = 0;
+}
+
 /* memcpy of weights out of a file mapping into plat_weight_arena memory, in 2 MiB pieces over
  * the threads: the page faults on both sides (reading the file's pages, zeroing new ones) are
- * most of the cost, and they run in parallel. */
+ * most of the cost, and they run in parallel. 64 MiB at a time, for the progress line. */
 static void plat_copy_weights(uint8_t *dst, const uint8_t *src, size_t n)
 {
-    const size_t piece = (size_t)2 << 20;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (size_t off = 0; off < n; off += piece) memcpy(dst + off, src + off, n - off < piece ? n - off : piece);
+    const size_t piece = (size_t)2 << 20, segment = (size_t)64 << 20;
+    for (size_t seg = 0; seg < n; seg += segment) {
+        size_t end = n - seg < segment ? n : seg + segment;
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (size_t off = seg; off < end; off += piece) memcpy(dst + off, src + off, end - off < piece ? end - off : piece);
+        plat_progress_add(end - seg);
+    }
 }
 
 /* Drops this process's pages of the LEN bytes at P in a file mapping (after they were copied
@@ -3296,16 +3332,39 @@ static void cuda_stop(void)
     cuda.ready = 0;
 }
 
-/* coli info's lines: the driver and each device in PCI bus order, or why there is none. */
+/* What to do about WHY, the reason the GPU path does not run (cuda.why): coli info's doctor. */
+static const char *cuda_advice(const char *why)
+{
+    static const char jit[] = "the driver cannot JIT-compile coli's PTX (ISA 6.0, sm_52 and up): update the NVIDIA driver";
+    static const struct { const char *says, *advice; } table[] = {
+        {"off (", "as asked: drop --gpu off / COLI_CUDA=0 to use a card"},
+        {"no glibc loader", "the NVIDIA driver is a glibc library: run coli on the host, or in the GPU image "
+                            "(docker build --target gpu; a FROM scratch image cannot load it)"},
+        {"no libcuda.so.1", "install the NVIDIA driver (nvidia-smi should list the card); in a container, run it with "
+                            "--gpus all and NVIDIA_DRIVER_CAPABILITIES=compute,utility; COLI_LIBCUDA=PATH names the library"},
+        {"(error 34)", "that libcuda.so.1 is the CUDA toolkit's stub (a .../stubs directory comes first on the library "
+                       "path): take that directory out of LD_LIBRARY_PATH, or set COLI_LIBCUDA to the driver's libcuda.so.1"},
+        {"(error 100)", "the driver sees no device: check nvidia-smi, CUDA_VISIBLE_DEVICES and, in a container, --gpus"},
+        {"(error 35)", "the driver is too old: update the NVIDIA driver"},
+        {"(error 218)", jit}, {"(error 221)", jit}, {"(error 222)", jit},
+        {"--gpu", "name devices that exist (coli info lists them in PCI bus order)"},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (strstr(why, table[i].says)) return table[i].advice;
+    return "coli info -v and the [cuda] lines of a run say more; the CPU path gives the same tokens";
+}
+
+/* coli info's lines: the driver and each device in PCI bus order, or why there is none and
+ * what to do about it. */
 static void cuda_print_info(void)
 {
     if (!cuda.n_devices) {
-        printf("cuda: none: %s\n", cuda.why);
+        printf("cuda: none: %s\ncuda: to use a card: %s\n", cuda.why, cuda_advice(cuda.why));
         return;
     }
     printf("cuda: driver %d.%d, %d device%s, one wrapped driver call %.2f us\n", cuda.driver_version / 1000,
            cuda.driver_version % 1000 / 10, cuda.n_devices, cuda.n_devices > 1 ? "s" : "", cuda.call_us);
-    if (!cuda.ready) printf("cuda: no usable device: %s\n", cuda.why);
+    if (!cuda.ready) printf("cuda: no usable device: %s\ncuda: to use a card: %s\n", cuda.why, cuda_advice(cuda.why));
     for (int i = 0; i < cuda.n_devices; i++) {
         const struct cuda_device *d = &cuda.dev[i];
         printf("cuda %d: %s, compute %d.%d, %d SMs, %.1f GiB VRAM", i, d->name, d->cc_major, d->cc_minor, d->sms,
@@ -4393,6 +4452,7 @@ static void expert_own(struct expert_store *s)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) total += (s->src[l][j].t.stride * (size_t)s->n_expert + 63) & ~(size_t)63;
     uint8_t *arena = plat_weight_arena(total), *dst = arena;
     if (!arena) return;
+    plat_progress_begin("copying the experts", total);
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
@@ -4402,6 +4462,7 @@ static void expert_own(struct expert_store *s)
             src->t.m.data = dst;
             dst += (len + 63) & ~(size_t)63;
         }
+    plat_progress_end();
     s->own = arena;
     s->own_bytes = total;
 }
@@ -5314,6 +5375,7 @@ static void model_own_trunk(struct model *m)
         free(it);
         return;
     }
+    plat_progress_begin("copying the trunk", total);
     for (int i = 0; it[i].m; i++) {
         struct ops_matrix *w = it[i].m;
         size_t bytes = (size_t)w->rows * w->row_bytes;
@@ -5323,6 +5385,7 @@ static void model_own_trunk(struct model *m)
         w->data = dst;
         dst += (bytes + 63) & ~(size_t)63;
     }
+    plat_progress_end();
     m->trunk = arena;
     m->trunk_bytes = total;
     free(it);
@@ -10237,7 +10300,8 @@ static const char arg_usage[] =
     "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
     "  help COMMAND, COMMAND --help, --help, --version\n"
     "\n"
-    "every command: -v/--verbose also says what is only news when something is wrong (no NVIDIA driver)\n"
+    "every command: -v/--verbose also says what is only news when something is wrong (no NVIDIA driver);\n"
+    "           -q/--quiet: no progress line while a model loads (there is none when stderr is not a terminal)\n"
     "\n"
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
@@ -10368,6 +10432,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) exit(arg_help(cmd));
         if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) o->verbose = 1;
+        else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) plat_quiet = 1;
         else if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
             if (bench) o->n_bench_prompt = (int)arg_int(argc, argv, &i, 1, 1 << 20);

@@ -48,7 +48,7 @@ expect "help for an unknown command" 2 "no command 'nope'" -- "$COLI" help nope
 expect "missing model file" 1 "/nonexistent.gguf: cannot open" -- "$COLI" run -m /nonexistent.gguf -p hi
 expect "info without a model" 0 '^kernels: ' -- "$COLI" info
 expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
-expect "COLI_CPU=bogus" 1 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
+expect "COLI_CPU=bogus (a usage error)" 2 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
 
 if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
 if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi
