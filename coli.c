@@ -10515,7 +10515,8 @@ int main(int argc, char **argv)
             gguf_open(&g, o.model);
             gguf_close(&g);
         }
-        if (commands[i].fn != cmd_tokenize) cuda_start(o.gpu_list, o.vram_bytes, o.verbose); /* before any thread exists */
+        int uses_gpu = commands[i].fn != cmd_tokenize && !o.kernels; /* bench --kernels times the CPU's */
+        if (uses_gpu) cuda_start(o.gpu_list, o.vram_bytes, o.verbose); /* before any thread exists */
         return commands[i].fn(&o);
     }
     die_usage("unknown command '%s' (coli --help lists them)", cmd);
