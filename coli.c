@@ -6855,20 +6855,33 @@ static int tok_utf8_len(const unsigned char *s, size_t n)
     return len;
 }
 
-/* Writes S as a JSON string; invalid UTF-8 becomes U+FFFD so the output stays valid JSON. */
-static void json_write_string(FILE *f, const char *s, size_t n)
+/* S as a JSON string, appended to B, as Python's json.dumps(ensure_ascii=False) writes it:
+ * the short escapes, \u00XX for the other control characters, everything else raw. Invalid
+ * UTF-8 (never in text the reader decoded) becomes U+FFFD, so the output stays valid JSON. */
+static void json_put_string(struct tok_buf *b, const char *s, size_t n)
 {
-    fputc('"', f);
+    tok_buf_put(b, "\"", 1);
     for (size_t i = 0; i < n;) {
         unsigned char c = (unsigned char)s[i];
         int len = tok_utf8_len((const unsigned char *)s + i, n - i);
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else if (len) fwrite(s + i, 1, (size_t)len, f);
-        else fputs("\\ufffd", f);
+        const char *short_form = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\n' ? "\\n" : c == '\r' ? "\\r"
+                               : c == '\t' ? "\\t" : c == '\b' ? "\\b" : c == '\f' ? "\\f" : NULL;
+        char u[8];
+        if (short_form) tok_buf_put(b, short_form, 2);
+        else if (c < 0x20) tok_buf_put(b, u, (size_t)snprintf(u, sizeof u, "\\u%04x", c));
+        else if (len) tok_buf_put(b, s + i, (size_t)len);
+        else tok_buf_put(b, "\\ufffd", 6);
         i += len ? (size_t)len : 1;
     }
-    fputc('"', f);
+    tok_buf_put(b, "\"", 1);
+}
+
+static void json_write_string(FILE *f, const char *s, size_t n)
+{
+    struct tok_buf b = {NULL, 0, 0};
+    json_put_string(&b, s, n);
+    fwrite(b.p, 1, b.n, f);
+    free(b.p);
 }
 
 static struct json *json_fail(struct json_parser *ps, const char *why)
@@ -7127,26 +7140,14 @@ static void tok_json_dump(struct tok_buf *b, const struct json *v)
     if (v->kind == JSON_NULL) tok_buf_puts(b, "null");
     else if (v->kind == JSON_BOOL) tok_buf_puts(b, v->boolean ? "true" : "false");
     else if (v->kind == JSON_NUMBER) tok_buf_put(b, v->str, v->len);
-    else if (v->kind == JSON_STRING) {
-        tok_buf_puts(b, "\"");
-        for (size_t i = 0; i < v->len; i++) {
-            unsigned char c = (unsigned char)v->str[i];
-            const char *short_form = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\n' ? "\\n" : c == '\r' ? "\\r"
-                                   : c == '\t' ? "\\t" : c == '\b' ? "\\b" : c == '\f' ? "\\f" : NULL;
-            char u[8];
-            if (short_form) tok_buf_puts(b, short_form);
-            else if (c < 0x20) tok_buf_put(b, u, (size_t)snprintf(u, sizeof u, "\\u%04x", c));
-            else tok_buf_put(b, v->str + i, 1);
-        }
-        tok_buf_puts(b, "\"");
-    } else {
+    else if (v->kind == JSON_STRING) json_put_string(b, v->str, v->len);
+    else {
         int object = v->kind == JSON_OBJECT;
         tok_buf_puts(b, object ? "{" : "[");
         for (const struct json *m = v->child; m; m = m->next) {
             if (m != v->child) tok_buf_puts(b, ", ");
             if (object) {
-                struct json name = {.kind = JSON_STRING, .str = m->name, .len = strlen(m->name)};
-                tok_json_dump(b, &name);
+                json_put_string(b, m->name, strlen(m->name));
                 tok_buf_puts(b, ": ");
             }
             tok_json_dump(b, m);
@@ -8889,7 +8890,8 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     const struct json *format = json_get(body, "response_format");
     if (format && format->kind != JSON_NULL && !tok_json_is(json_get(format, "type"), "text"))
-        return serve_bad(e, "response_format", "only {\"type\": \"text\"}: sampling is not constrained to JSON (yet)");
+        return serve_bad(e, "response_format", "only {\"type\": \"text\"}: coli does not constrain sampling to JSON yet; drop "
+                         "response_format and ask for JSON in the messages");
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);
@@ -8987,10 +8989,7 @@ static void serve_typed_value(struct tok_buf *b, const struct json *tools, const
     else value = parsed = json_parse(v, n, &why);
     int integer = value && value->kind == JSON_NUMBER && !strpbrk(value->str, ".eE");
     if (value && value->kind != JSON_STRING && serve_schema_allows(tools, name, key, value->kind, integer)) tok_json_dump(b, value);
-    else {
-        struct json text = {.kind = JSON_STRING, .str = (char *)v, .len = n};
-        tok_json_dump(b, &text);
-    }
+    else json_put_string(b, v, n);
     json_free(parsed);
 }
 
@@ -9035,9 +9034,8 @@ static int serve_parse_call(struct serve_answer *a, const struct json *tools, co
         const char *v = p, *v_end = close;
         if (v < v_end && *v == '\n') v++;
         if (v_end > v && v_end[-1] == '\n') v_end--;
-        struct json k = {.kind = JSON_STRING, .str = key, .len = strlen(key)};
         if (args.n > 1) tok_buf_puts(&args, ", ");
-        tok_json_dump(&args, &k);
+        json_put_string(&args, key, strlen(key));
         tok_buf_puts(&args, ": ");
         serve_typed_value(&args, tools, name, key, v, (size_t)(v_end - v));
         free(key);

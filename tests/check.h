@@ -67,6 +67,37 @@ static int check_golden_cases(const char *dir, char **names, int cap)
 }
 
 #ifdef COLI_VERSION /* the tests that include coli.c */
+/* Runs OPEN(PATH) in a child and returns its wait status; what it wrote to stderr, NUL-
+ * terminated and cut to CAP, is in OUT. For the paths where coli dies: its one-line errors. */
+static int check_child_stderr(void (*open)(const char *path), const char *path, char *out, size_t cap)
+{
+    int fds[2], status = 0;
+    out[0] = 0;
+    if (pipe(fds) != 0) return -1;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        open(path);
+        _exit(0);
+    }
+    close(fds[1]);
+    size_t got = 0;
+    ssize_t k;
+    while (got < cap - 1 && (k = read(fds[0], out + got, cap - 1 - got)) > 0) got += (size_t)k;
+    out[got] = 0;
+    close(fds[0]);
+    waitpid(pid, &status, 0);
+    return status;
+}
+
+static void check_open_gguf(const char *path)
+{
+    struct gguf_file g;
+    gguf_open(&g, path);
+}
+
 /* Whether coli's GGUF reader refuses the golden model PATH for a weight type it does not read
  * yet (the golden set has more formats than coli so far): a child opens it, and a refusal is
  * reported as a skip of NAME with its reason. Any other outcome is 0, so that the test itself
@@ -74,24 +105,7 @@ static int check_golden_cases(const char *dir, char **names, int cap)
 static int check_golden_unsupported(const char *path, const char *name)
 {
     char why[600], label[900];
-    int fds[2];
-    if (pipe(fds) != 0) return 0;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        struct gguf_file g;
-        gguf_open(&g, path);
-        _exit(0);
-    }
-    close(fds[1]);
-    size_t got = 0;
-    ssize_t k;
-    while (got < sizeof why - 1 && (k = read(fds[0], why + got, sizeof why - 1 - got)) > 0) got += (size_t)k;
-    why[got] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
+    int status = check_child_stderr(check_open_gguf, path, why, sizeof why);
     char *nl = strchr(why, '\n');
     if (nl) *nl = 0;
     int refused = WIFEXITED(status) && WEXITSTATUS(status) == 1 && strstr(why, "has unsupported type id");

@@ -229,29 +229,17 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     mj_free(root);
 }
 
+static void load_model(const char *path)
+{
+    struct model m;
+    model_load(&m, path, 64);
+}
+
 /* Loads PATH in a child; expects exit 1 and one stderr line `coli: ...` containing WANT. */
 static void expect_refusal(const char *label, const char *path, const char *want)
 {
-    int fds[2];
-    char buf[1024] = "";
-    if (pipe(fds) != 0) { check(0, label, "pipe"); return; }
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        close(fds[0]);
-        struct model m;
-        model_load(&m, path, 64);
-        _exit(0);
-    }
-    close(fds[1]);
-    size_t n = 0;
-    ssize_t k;
-    while (n < sizeof buf - 1 && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
-    buf[n] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
+    char buf[1024];
+    int status = check_child_stderr(load_model, path, buf, sizeof buf);
     char *nl = strchr(buf, '\n');
     int one_line = nl && nl[1] == 0 && !strncmp(buf, "coli: ", 6);
     check(WIFEXITED(status) && WEXITSTATUS(status) == 1 && one_line && strstr(buf, want), label, "status %d, stderr '%s'", status, buf);
