@@ -482,7 +482,12 @@ enum gguf_type {
     GGUF_TYPE_F32 = 0, GGUF_TYPE_F16 = 1, GGUF_TYPE_Q4_0 = 2, GGUF_TYPE_Q4_1 = 3,
     GGUF_TYPE_Q5_0 = 6, GGUF_TYPE_Q5_1 = 7, GGUF_TYPE_Q8_0 = 8, GGUF_TYPE_Q8_1 = 9,
     GGUF_TYPE_Q2_K = 10, GGUF_TYPE_Q3_K = 11, GGUF_TYPE_Q4_K = 12, GGUF_TYPE_Q5_K = 13,
-    GGUF_TYPE_Q6_K = 14, GGUF_TYPE_Q8_K = 15, GGUF_TYPE_BF16 = 30, GGUF_TYPE_COUNT = 40
+    GGUF_TYPE_Q6_K = 14, GGUF_TYPE_Q8_K = 15, GGUF_TYPE_IQ2_XXS = 16, GGUF_TYPE_IQ2_XS = 17,
+    GGUF_TYPE_IQ3_XXS = 18, GGUF_TYPE_IQ1_S = 19, GGUF_TYPE_IQ4_NL = 20, GGUF_TYPE_IQ3_S = 21,
+    GGUF_TYPE_IQ2_S = 22, GGUF_TYPE_IQ4_XS = 23, GGUF_TYPE_I8 = 24, GGUF_TYPE_I16 = 25,
+    GGUF_TYPE_I32 = 26, GGUF_TYPE_I64 = 27, GGUF_TYPE_F64 = 28, GGUF_TYPE_IQ1_M = 29,
+    GGUF_TYPE_BF16 = 30, GGUF_TYPE_TQ1_0 = 34, GGUF_TYPE_TQ2_0 = 35, GGUF_TYPE_MXFP4 = 39,
+    GGUF_TYPE_COUNT = 40
 };
 
 enum gguf_value_type {
@@ -496,19 +501,31 @@ struct gguf_type_info {
     const char *name;
     int block_elems; /* elements per block */
     int block_bytes; /* bytes per block */
+    int computes;    /* coli has kernels for it (§3); the others are only described */
 };
 
-/* The formats coli computes with; other GGUF type ids are refused by name or number. */
+/* Every block layout of the GGUF spec, so that any file's tensors can be placed and described;
+ * ids that are not in the spec (4, 5, 31-33, 36-38: formats removed from it) are refused. */
 static const struct gguf_type_info gguf_types[GGUF_TYPE_COUNT] = {
-    [GGUF_TYPE_F32] = {"F32", 1, 4},      [GGUF_TYPE_F16] = {"F16", 1, 2},
-    [GGUF_TYPE_BF16] = {"BF16", 1, 2},    [GGUF_TYPE_Q8_0] = {"Q8_0", 32, 34},
-    [GGUF_TYPE_Q4_0] = {"Q4_0", 32, 18},  [GGUF_TYPE_Q4_1] = {"Q4_1", 32, 20},
-    [GGUF_TYPE_Q5_0] = {"Q5_0", 32, 22},  [GGUF_TYPE_Q5_1] = {"Q5_1", 32, 24},
-    [GGUF_TYPE_Q4_K] = {"Q4_K", 256, 144}, [GGUF_TYPE_Q5_K] = {"Q5_K", 256, 176},
-    [GGUF_TYPE_Q6_K] = {"Q6_K", 256, 210},
+    [GGUF_TYPE_F32] = {"F32", 1, 4, 1},          [GGUF_TYPE_F16] = {"F16", 1, 2, 1},
+    [GGUF_TYPE_BF16] = {"BF16", 1, 2, 1},        [GGUF_TYPE_Q8_0] = {"Q8_0", 32, 34, 1},
+    [GGUF_TYPE_Q4_0] = {"Q4_0", 32, 18, 1},      [GGUF_TYPE_Q4_1] = {"Q4_1", 32, 20, 1},
+    [GGUF_TYPE_Q5_0] = {"Q5_0", 32, 22, 1},      [GGUF_TYPE_Q5_1] = {"Q5_1", 32, 24, 1},
+    [GGUF_TYPE_Q2_K] = {"Q2_K", 256, 84, 1},     [GGUF_TYPE_Q3_K] = {"Q3_K", 256, 110, 1},
+    [GGUF_TYPE_Q4_K] = {"Q4_K", 256, 144, 1},    [GGUF_TYPE_Q5_K] = {"Q5_K", 256, 176, 1},
+    [GGUF_TYPE_Q6_K] = {"Q6_K", 256, 210, 1},    [GGUF_TYPE_IQ4_NL] = {"IQ4_NL", 32, 18, 1},
+    [GGUF_TYPE_IQ4_XS] = {"IQ4_XS", 256, 136, 1}, [GGUF_TYPE_IQ3_XXS] = {"IQ3_XXS", 256, 98, 1},
+    [GGUF_TYPE_IQ3_S] = {"IQ3_S", 256, 110, 0},  [GGUF_TYPE_MXFP4] = {"MXFP4", 32, 17, 1},
+    [GGUF_TYPE_Q8_1] = {"Q8_1", 32, 36, 0},      [GGUF_TYPE_Q8_K] = {"Q8_K", 256, 292, 0},
+    [GGUF_TYPE_IQ2_XXS] = {"IQ2_XXS", 256, 66, 0}, [GGUF_TYPE_IQ2_XS] = {"IQ2_XS", 256, 74, 0},
+    [GGUF_TYPE_IQ2_S] = {"IQ2_S", 256, 82, 0},   [GGUF_TYPE_IQ1_S] = {"IQ1_S", 256, 50, 0},
+    [GGUF_TYPE_IQ1_M] = {"IQ1_M", 256, 56, 0},   [GGUF_TYPE_TQ1_0] = {"TQ1_0", 256, 54, 0},
+    [GGUF_TYPE_TQ2_0] = {"TQ2_0", 256, 66, 0},   [GGUF_TYPE_I8] = {"I8", 1, 1, 0},
+    [GGUF_TYPE_I16] = {"I16", 1, 2, 0},          [GGUF_TYPE_I32] = {"I32", 1, 4, 0},
+    [GGUF_TYPE_I64] = {"I64", 1, 8, 0},          [GGUF_TYPE_F64] = {"F64", 1, 8, 0},
 };
 
-/* NULL for a type id coli does not compute with. */
+/* NULL for a type id that is not in the GGUF spec. */
 static const struct gguf_type_info *gguf_type_get(int type)
 {
     if (type < 0 || type >= GGUF_TYPE_COUNT || !gguf_types[type].name) return NULL;
@@ -718,7 +735,7 @@ static void gguf_read_tensor_info(struct gguf_reader *r, struct gguf_tensor *t, 
     }
     t->type = (int)gguf_u32(r, "tensor type");
     const struct gguf_type_info *ti = gguf_type_get(t->type);
-    if (!ti) die("%s: tensor '%s' has unsupported type id %d", r->path, t->name, t->type);
+    if (!ti) die("%s: tensor '%s' has type id %d, which is not in the GGUF spec", r->path, t->name, t->type);
     int64_t cols = t->shape[n_dims - 1];
     if (cols % ti->block_elems)
         die("%s: tensor '%s' has rows of %lld, not a multiple of the %s block (%d)", r->path, t->name,
@@ -1119,6 +1136,171 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
     }
 }
 
+/* The 16 signed 6-bit scales of a Q3_K super-block (ggml's kmask1/kmask2 unpacking). */
+static void quant_q3k_scales(const uint8_t *p, int *sc) {
+    uint32_t a[4];
+    memcpy(a, p, 12);
+    const uint32_t t = a[2];
+    a[2] = ((a[0] >> 4) & 0x0f0f0f0f) | (((t >> 4) & 0x03030303) << 4);
+    a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
+    a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
+    a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
+    uint8_t u[16];
+    memcpy(u, a, 16);
+    for (int j = 0; j < 16; j++) sc[j] = (int)u[j] - 32;
+}
+
+/* The integer quants of a Q2_K (0..3) or Q3_K (-4..3) super-block in element order. Both keep
+ * 2 bits per weight in 32-byte halves (shift 0, 2, 4, 6 give 4 x 32 weights); Q3_K's third bit
+ * is in hmask, bit (half * 4 + shift / 2) of byte l, and subtracts 4 where clear. */
+static void quant_q23k_quants(enum gguf_type t, const uint8_t *b, int8_t *q) {
+    const int three = t == GGUF_TYPE_Q3_K;
+    const uint8_t *qs = b + (three ? 32 : 16);
+    for (int n = 0; n < 2; n++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[32 * n + l] >> 2 * k) & 3;
+                if (three && !(b[l] >> (4 * n + k) & 1)) v -= 4;
+                q[128 * n + 32 * k + l] = (int8_t)v;
+            }
+}
+
+/* Q2_K super-block: 16 sub-blocks of 16, each with a 4-bit scale (low nibble) and min:
+ * y = (d*sc)*q - (dmin*m), as ggml. */
+static void quant_dequant_q2k(const uint8_t *b, float *y) {
+    const float d = quant_f16_to_f32(quant_rd16(b + 80)), dmin = quant_f16_to_f32(quant_rd16(b + 82));
+    int8_t q[QUANT_QK_K];
+    quant_q23k_quants(GGUF_TYPE_Q2_K, b, q);
+    for (int g = 0; g < 16; g++) {
+        const float dl = d * (float)(b[g] & 0xF), ml = dmin * (float)(b[g] >> 4);
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)q[16 * g + l] - ml;
+    }
+}
+
+/* Q3_K super-block: y = (d*sc)*q with 16 signed scales, as ggml. */
+static void quant_dequant_q3k(const uint8_t *b, float *y) {
+    const float d = quant_f16_to_f32(quant_rd16(b + 108));
+    int8_t q[QUANT_QK_K];
+    int sc[16];
+    quant_q23k_quants(GGUF_TYPE_Q3_K, b, q);
+    quant_q3k_scales(b + 96, sc);
+    for (int g = 0; g < 16; g++) {
+        const float dl = d * (float)sc[g];
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)q[16 * g + l];
+    }
+}
+
+/* The non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its own
+ * dequantisation of the golden files (value / d; tests/test_quant.c derives it again). MXFP4:
+ * the OCP E2M1 values doubled, code = sign | exponent(2) | mantissa(1), with the block's E8M0
+ * scale halved to match (quant_e8m0_half); generated by quant_tables_init. */
+static const int8_t quant_iq4nl_values[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1, 13, 25, 38, 53, 69, 89, 113 };
+static int8_t quant_mxfp4_values[16];
+
+/* 2^(e-128): an E8M0 scale times one half, as ggml's E8M0_TO_FP32_HALF (e = 0, 1: subnormal). */
+static float quant_e8m0_half(uint8_t e) {
+    return quant_bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+/* IQ4_NL (d fp16, 16 bytes of codes) and MXFP4 (e E8M0, 16 bytes) 32-blocks: y = d * value. */
+static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
+    const int mx = t == GGUF_TYPE_MXFP4;
+    const int8_t *v = mx ? quant_mxfp4_values : quant_iq4nl_values;
+    const uint8_t *qs = b + (mx ? 1 : 2);
+    const float d = mx ? quant_e8m0_half(b[0]) : quant_f16_to_f32(quant_rd16(b));
+    for (int j = 0; j < 16; j++) {
+        y[j] = mx ? (float)v[qs[j] & 0xF] * d : d * (float)v[qs[j] & 0xF];
+        y[j + 16] = mx ? (float)v[qs[j] >> 4] * d : d * (float)v[qs[j] >> 4];
+    }
+}
+
+/* IQ3_XXS: each group of 4 weights is one of 256 points of the 4-D lattice {4,12,..,52,62}^4
+ * (a byte index) with 8 signs per 8 weights from 7 stored bits (the eighth makes the count of
+ * minus signs even). The points are data of the format: quant_iq3xxs_keys lists them, sorted,
+ * as 3-bit level indices (level of coordinate j in bits 3j..3j+2). coli derives that list from
+ * the golden files (tests/derive_iq3.c: pinned where the reference's dequantisation shows a
+ * point, elsewhere the sorted list that best explains the quantizer's choices on the same
+ * weights; test_quant checks both). */
+static const uint8_t quant_iq3_levels[8] = { 4, 12, 20, 28, 36, 44, 52, 62 };
+static const uint16_t quant_iq3xxs_keys[256] = {
+    0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
+    81, 85, 88, 90, 97, 108, 120, 128, 130, 132, 137, 144, 146, 153, 155, 159,
+    169, 175, 189, 193, 199, 200, 202, 213, 248, 267, 287, 292, 303, 315, 317, 321,
+    327, 346, 362, 413, 436, 456, 460, 462, 483, 497, 513, 515, 520, 522, 529, 531,
+    536, 538, 540, 551, 552, 576, 578, 585, 592, 594, 641, 643, 648, 650, 657, 664,
+    698, 704, 706, 720, 729, 742, 758, 769, 773, 808, 848, 852, 870, 889, 901, 978,
+    992, 1024, 1026, 1033, 1035, 1040, 1042, 1046, 1049, 1058, 1089, 1091, 1093, 1096, 1098, 1105,
+    1112, 1139, 1143, 1144, 1152, 1154, 1161, 1167, 1168, 1170, 1183, 1184, 1197, 1217, 1224, 1228,
+    1272, 1276, 1309, 1323, 1347, 1367, 1377, 1404, 1473, 1475, 1486, 1509, 1537, 1544, 1546, 1553,
+    1555, 1576, 1589, 1594, 1600, 1602, 1616, 1625, 1636, 1638, 1665, 1667, 1672, 1685, 1706, 1722,
+    1737, 1755, 1816, 1831, 1850, 1856, 1862, 1874, 1901, 1932, 1950, 1971, 2011, 2032, 2052, 2063,
+    2077, 2079, 2091, 2095, 2172, 2192, 2207, 2208, 2224, 2230, 2247, 2277, 2308, 2345, 2356, 2389,
+    2403, 2424, 2501, 2504, 2506, 2520, 2570, 2593, 2616, 2624, 2630, 2646, 2669, 2700, 2714, 2746,
+    2754, 2795, 2824, 2835, 2839, 2874, 2882, 2905, 2984, 3028, 3042, 3092, 3108, 3110, 3124, 3153,
+    3185, 3215, 3252, 3288, 3294, 3364, 3397, 3434, 3483, 3523, 3537, 3587, 3589, 3591, 3592, 3610,
+    3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
+};
+static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
+
+/* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). */
+static uint8_t quant_iq_signs(uint32_t bits7) {
+    return (uint8_t)(bits7 | (uint32_t)(__builtin_popcount(bits7) & 1) << 7);
+}
+
+/* Fills the generated tables; called by quant_set_level, so before any dot or dequant. */
+static void quant_tables_init(void) {
+    for (int c = 0; c < 16; c++) {
+        const int e = (c >> 1) & 3, m = c & 1, v = e ? (2 + m) << (e - 1) : m;
+        quant_mxfp4_values[c] = (int8_t)(c & 8 ? -v : v);
+    }
+    for (int k = 0; k < 256; k++) {
+        uint32_t g = 0;
+        for (int j = 0; j < 4; j++) g |= (uint32_t)quant_iq3_levels[quant_iq3xxs_keys[k] >> 3 * j & 7] << 8 * j;
+        quant_iq3xxs_grid[k] = g;
+    }
+}
+
+/* The signed values of an IQ4_XS (IQ4_NL table) or IQ3_XXS (lattice point times sign)
+ * super-block in element order, and the 8 integer scales of its 32-blocks: IQ4_XS's 6-bit ones
+ * less 32; IQ3_XXS's s in d*(0.5+s)*0.5, whose word also holds 4 x 7 sign bits. */
+static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *sc) {
+    for (int ib = 0; ib < 8; ib++, v += 32) {
+        if (t == GGUF_TYPE_IQ4_XS) {
+            const uint8_t *qs = b + 8 + 16 * ib;
+            sc[ib] = (((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((quant_rd16(b + 2) >> 2 * ib) & 3) << 4)) - 32;
+            for (int j = 0; j < 16; j++) {
+                v[j] = quant_iq4nl_values[qs[j] & 0xF];
+                v[j + 16] = quant_iq4nl_values[qs[j] >> 4];
+            }
+            continue;
+        }
+        uint32_t aux;
+        memcpy(&aux, b + 66 + 4 * ib, 4);
+        sc[ib] = (int)(aux >> 28);
+        for (int l = 0; l < 4; l++) {
+            const uint8_t signs = quant_iq_signs(aux >> 7 * l & 127);
+            for (int j = 0; j < 8; j++) {
+                const int g = (int)(quant_iq3xxs_grid[b[2 + 8 * ib + 2 * l + j / 4]] >> 8 * (j % 4) & 0xff);
+                v[8 * l + j] = (int8_t)(signs >> j & 1 ? -g : g);
+            }
+        }
+    }
+}
+
+/* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v, as ggml (the sign comes last there,
+ * which is the same number). */
+static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
+    const float d = quant_f16_to_f32(quant_rd16(b));
+    int8_t v[QUANT_QK_K];
+    int sc[8];
+    quant_iq_values(t, b, v, sc);
+    for (int ib = 0; ib < 8; ib++) {
+        const float db = t == GGUF_TYPE_IQ4_XS ? d * (float)sc[ib] : d * (0.5f + (float)sc[ib]) * 0.5f;
+        for (int j = 0; j < 32; j++) y[32 * ib + j] = db * (float)v[32 * ib + j];
+    }
+}
+
 /* Writes n floats of a GGUF row of `type` to dst. Caller: type supported, n a multiple of the
  * block size, src holds the row's n/block_elems blocks. Bit-exact with ggml. */
 static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n) {
@@ -1136,6 +1318,10 @@ static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, 
         case GGUF_TYPE_Q4_K: quant_dequant_q45k(b, 0, y); break;
         case GGUF_TYPE_Q5_K: quant_dequant_q45k(b, 1, y); break;
         case GGUF_TYPE_Q6_K: quant_dequant_q6k(b, y); break;
+        case GGUF_TYPE_Q2_K: quant_dequant_q2k(b, y); break;
+        case GGUF_TYPE_Q3_K: quant_dequant_q3k(b, y); break;
+        case GGUF_TYPE_IQ4_NL: case GGUF_TYPE_MXFP4: quant_dequant_nl(type, b, y); break;
+        case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: quant_dequant_iq(type, b, y); break;
         default: quant_dequant_legacy(type, b, y); break;
         }
     }
@@ -1158,8 +1344,10 @@ static enum quant_act_kind quant_act_kind(enum gguf_type wtype) {
     switch (wtype) {
     case GGUF_TYPE_F32: case GGUF_TYPE_F16: case GGUF_TYPE_BF16: return QUANT_ACT_FLOAT;
     case GGUF_TYPE_Q8_0: case GGUF_TYPE_Q4_0: case GGUF_TYPE_Q4_1:
-    case GGUF_TYPE_Q5_0: case GGUF_TYPE_Q5_1: return QUANT_ACT_Q8;
-    case GGUF_TYPE_Q4_K: case GGUF_TYPE_Q5_K: case GGUF_TYPE_Q6_K: return QUANT_ACT_Q8K;
+    case GGUF_TYPE_Q5_0: case GGUF_TYPE_Q5_1: case GGUF_TYPE_IQ4_NL: case GGUF_TYPE_MXFP4:
+        return QUANT_ACT_Q8;
+    case GGUF_TYPE_Q4_K: case GGUF_TYPE_Q5_K: case GGUF_TYPE_Q6_K: case GGUF_TYPE_Q2_K:
+    case GGUF_TYPE_Q3_K: case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: return QUANT_ACT_Q8K;
     default: die("quant: unsupported weight type %d", (int)wtype);
     }
     return QUANT_ACT_FLOAT;
@@ -1280,10 +1468,14 @@ static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = w + b * bb;
         const int8_t *qx = a.qs + b * QUANT_QK;
-        float dq[QUANT_QK], dw = quant_f16_to_f32(quant_rd16(blk));
+        float dq[QUANT_QK], dw = t == GGUF_TYPE_MXFP4 ? quant_e8m0_half(blk[0]) : quant_f16_to_f32(quant_rd16(blk));
         float mw = has_min ? quant_f16_to_f32(quant_rd16(blk + 2)) : 0.0f;
         int32_t isum = 0;
-        if (t == GGUF_TYPE_Q8_0) {
+        if (t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4) {
+            const int8_t *v = t == GGUF_TYPE_MXFP4 ? quant_mxfp4_values : quant_iq4nl_values;
+            const uint8_t *qs = blk + (t == GGUF_TYPE_MXFP4 ? 1 : 2);
+            for (int j = 0; j < 16; j++) isum += v[qs[j] & 0xF] * qx[j] + v[qs[j] >> 4] * qx[j + 16];
+        } else if (t == GGUF_TYPE_Q8_0) {
             for (int j = 0; j < QUANT_QK; j++) isum += (int8_t)blk[2 + j] * qx[j];
         } else {
             /* dequantise with unit scale and zero min to get the exact integer quants */
@@ -1337,6 +1529,63 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
     return sumi;
 }
 
+/* Σ_g scale_g * Σ_{16 in g} q*x over the 16-weight groups of a Q2_K (scale: the low nibble;
+ * *summ = Σ_g min_g * bsum_g) or Q3_K super-block, exact. */
+static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx,
+                                      const int16_t *bs, int32_t *summ) {
+    int8_t q[QUANT_QK_K];
+    int sc[16];
+    quant_q23k_quants(t, b, q);
+    if (t == GGUF_TYPE_Q3_K) quant_q3k_scales(b + 96, sc);
+    else for (int g = 0; g < 16; g++) sc[g] = b[g] & 0xF;
+    int32_t sumi = 0, sm = 0;
+    for (int g = 0; g < 16; g++) {
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += q[16 * g + l] * qx[16 * g + l];
+        sumi += sc[g] * s;
+        if (t == GGUF_TYPE_Q2_K) sm += (b[g] >> 4) * bs[g];
+    }
+    *summ = sm;
+    return sumi;
+}
+
+/* Σ_ib s_ib * Σ_{32 in ib} v*x of an IQ4_XS (s as stored, less 32) or IQ3_XXS (s = 2*scale+1,
+ * i.e. d*(0.5+scale)*0.5 = (d/4)*s) super-block, exact. */
+static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx) {
+    int8_t v[QUANT_QK_K];
+    int sc[8];
+    quant_iq_values(t, b, v, sc);
+    int32_t sumi = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        int32_t s = 0;
+        for (int l = 0; l < 32; l++) s += v[32 * ib + l] * qx[32 * ib + l];
+        sumi += (t == GGUF_TYPE_IQ4_XS ? sc[ib] : 2 * sc[ib] + 1) * s;
+    }
+    return sumi;
+}
+
+/* One super-block's result for the K-like formats besides Q4_K/Q5_K/Q6_K:
+ *   Q2_K:    (d*dx)*(float)isum - (dmin*dx)*(float)summ
+ *   Q3_K, IQ4_XS: (d*dx)*(float)isum
+ *   IQ3_XXS: ((d*dx)*(float)isum) * 0.25 (the reference's final quarter, exact) */
+static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bs,
+                              float dx) {
+    int32_t summ = 0;
+    switch (t) {
+    case GGUF_TYPE_Q2_K: {
+        int32_t isum = quant_q23k_isum_scalar(t, b, qx, bs, &summ);
+        return (quant_f16_to_f32(quant_rd16(b + 80)) * dx) * (float)isum
+             - (quant_f16_to_f32(quant_rd16(b + 82)) * dx) * (float)summ;
+    }
+    case GGUF_TYPE_Q3_K:
+        return (quant_f16_to_f32(quant_rd16(b + 108)) * dx) * (float)quant_q23k_isum_scalar(t, b, qx, bs, &summ);
+    case GGUF_TYPE_IQ4_XS:
+        return (quant_f16_to_f32(quant_rd16(b)) * dx) * (float)quant_iq_isum_scalar(t, b, qx);
+    default:
+        return ((quant_f16_to_f32(quant_rd16(b)) * dx) * (float)quant_iq_isum_scalar(t, b, qx)) * 0.25f;
+    }
+}
+
 /* Dot of a K-quant row with a Q8_K act in canonical order; every level keeps this float combine:
  *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
  *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
@@ -1351,6 +1600,8 @@ static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, in
         float r, dx = a.d[u];
         if (t == GGUF_TYPE_Q6_K) {
             r = (quant_f16_to_f32(quant_rd16(b + 208)) * dx) * (float)quant_q6k_isum_scalar(b, qx);
+        } else if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) {
+            r = quant_dot_k_unit(t, b, qx, bs, dx);
         } else {
             int sc[8], m[8];
             int32_t summ = 0;
@@ -1392,6 +1643,12 @@ QUANT_SCALAR_WRAP(quant_dot_q5_1_scalar, quant_dot_legacy_scalar(GGUF_TYPE_Q5_1,
 QUANT_SCALAR_WRAP(quant_dot_q4_k_scalar, quant_dot_k(GGUF_TYPE_Q4_K, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q5_k_scalar, quant_dot_k(GGUF_TYPE_Q5_K, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q6_k_scalar, quant_dot_k(GGUF_TYPE_Q6_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q2_k_scalar, quant_dot_k(GGUF_TYPE_Q2_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_q3_k_scalar, quant_dot_k(GGUF_TYPE_Q3_K, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_iq4_xs_scalar, quant_dot_k(GGUF_TYPE_IQ4_XS, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_iq3_xxs_scalar, quant_dot_k(GGUF_TYPE_IQ3_XXS, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -2079,6 +2336,12 @@ static const struct {
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n } },
     { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, NULL, NULL }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
@@ -2094,6 +2357,7 @@ static int quant_level_max(void) {
 /* Fills the dot table for `level`. Caller: level <= quant_level_max(); no dot in flight. */
 static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
+    quant_tables_init();
     memset(quant_dot_table, 0, sizeof quant_dot_table);
     memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
@@ -4974,11 +5238,21 @@ static void model_read_config(struct model_config *c, const struct gguf_file *g)
     c->ff = model_hparam(g, n, "feed_forward_length", moe ? 0 : -1, 0, MODEL_MAX_DIM);
 }
 
+/* Dies, naming the format and what to download, on a tensor whose block format §3 lacks. */
+static void model_check_format(const struct gguf_file *g, const struct gguf_tensor *t)
+{
+    if (gguf_types[t->type].computes) return;
+    die("%s: tensor '%s' is %s, a format coli does not read yet; the smallest it reads are Q2_K, "
+        "IQ3_XXS and Q3_K_M (then IQ4_XS, Q4_K_M): download the model in one of those", g->path, t->name,
+        gguf_types[t->type].name);
+}
+
 /* The tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
 static const struct gguf_tensor *model_tensor_get(const struct gguf_file *g, const char *name, int n_dims, const int64_t *shape)
 {
     const struct gguf_tensor *t = gguf_tensor_find(g, name);
     if (!t) die("%s: missing tensor '%s'", g->path, name);
+    model_check_format(g, t);
     /* an outer 1 is the same as no dimension: [1][dim] may be stored as [dim] */
     int td = t->n_dims;
     const int64_t *ts = t->shape;
@@ -5091,6 +5365,7 @@ static void model_bind(struct model *m)
     int64_t dim1[1] = {c->dim};
     const struct gguf_tensor *embed = gguf_tensor_find(g, "token_embd.weight");
     if (!embed) die("%s: missing tensor 'token_embd.weight'", g->path);
+    model_check_format(g, embed);
     if (embed->n_dims != 2 || embed->shape[1] != c->dim) die("%s: tensor 'token_embd.weight' has the wrong shape", g->path);
     c->n_vocab = (int)embed->shape[0];
     m->embed = embed;
