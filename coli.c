@@ -3466,7 +3466,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     r = cuda_module_load(&d->module, cuda_ptx, 4, opts, vals);
     if (r) return snprintf(why, cap, "cuda %d: loading kernels.ptx: %s: %.200s", i, cuda_error_name(r, e, sizeof e), cuda_first_line(err)), -1;
     for (int t = 0; t < GGUF_TYPE_COUNT; t++) {
-        if (!gguf_types[t].name) continue;
+        if (!gguf_types[t].computes) continue;
         cuda_kernel(d, "matvec_", gguf_types[t].name, &d->matvec[t]);
         cuda_kernel(d, "moe_gate_up_", gguf_types[t].name, &d->moe_gate_up[t]);
         cuda_kernel(d, "moe_down_", gguf_types[t].name, &d->moe_down[t]);
@@ -5238,13 +5238,15 @@ static void model_read_config(struct model_config *c, const struct gguf_file *g)
     c->ff = model_hparam(g, n, "feed_forward_length", moe ? 0 : -1, 0, MODEL_MAX_DIM);
 }
 
+#define MODEL_FORMAT_ADVICE "the smallest formats coli reads are Q2_K, IQ3_XXS and Q3_K_M (then IQ4_XS, " \
+    "Q4_K_M): download the model in one of those"
+
 /* Dies, naming the format and what to download, on a tensor whose block format §3 lacks. */
 static void model_check_format(const struct gguf_file *g, const struct gguf_tensor *t)
 {
     if (gguf_types[t->type].computes) return;
-    die("%s: tensor '%s' is %s, a format coli does not read yet; the smallest it reads are Q2_K, "
-        "IQ3_XXS and Q3_K_M (then IQ4_XS, Q4_K_M): download the model in one of those", g->path, t->name,
-        gguf_types[t->type].name);
+    die("%s: tensor '%s' is %s, a format coli does not read yet; %s", g->path, t->name,
+        gguf_types[t->type].name, MODEL_FORMAT_ADVICE);
 }
 
 /* The tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
@@ -10262,6 +10264,43 @@ static char *cmd_read_line(char **buf, size_t *cap)
     return *buf;
 }
 
+/* The part of the model tensor NAME belongs to, for coli info. */
+static const char *cmd_tensor_group(const char *name)
+{
+    if (strstr(name, "norm")) return "norms";
+    if (!strncmp(name, "token_embd", 10)) return "embedding";
+    if (!strncmp(name, "output", 6)) return "output head";
+    if (strstr(name, "_exps")) return "routed experts";
+    if (strstr(name, "_shexp")) return "shared expert";
+    if (strstr(name, "ffn_gate_inp")) return "router";
+    if (strstr(name, "attn_")) return "attention";
+    if (strstr(name, "ssm_")) return "deltanet";
+    if (strstr(name, "ffn_")) return "feed-forward";
+    return "other";
+}
+
+/* coli info's lines per tensor group: each type in it, with its tensors and MiB. */
+static void cmd_info_groups(const struct gguf_file *g)
+{
+    static const char *const groups[] = {"embedding", "attention", "deltanet", "router", "routed experts",
+                                         "shared expert", "feed-forward", "output head", "norms", "other"};
+    for (size_t k = 0; k < sizeof groups / sizeof *groups; k++) {
+        int64_t count[GGUF_TYPE_COUNT] = {0};
+        uint64_t bytes[GGUF_TYPE_COUNT] = {0};
+        for (int64_t i = 0; i < g->n_tensors; i++)
+            if (!strcmp(cmd_tensor_group(g->tensors[i].name), groups[k])) {
+                count[g->tensors[i].type]++;
+                bytes[g->tensors[i].type] += g->tensors[i].bytes;
+            }
+        char line[512] = "";
+        for (int t = 0; t < GGUF_TYPE_COUNT; t++)
+            if (count[t])
+                snprintf(line + strlen(line), sizeof line - strlen(line), "%s%s %lld (%.1f MiB)", *line ? ", " : "",
+                         gguf_types[t].name, (long long)count[t], bytes[t] / 1048576.0);
+        if (*line) printf("  %-15s %s\n", groups[k], line);
+    }
+}
+
 /* coli chat: an interactive conversation. The state carries over between turns, so each
  * turn only feeds its new tokens. Answers keep their thinking in the context. */
 static int cmd_chat(const struct cmd_options *o)
@@ -10367,7 +10406,11 @@ static void cmd_info_model(const char *path)
     }
     printf("tensors: %lld, %.1f MiB\n", (long long)g.n_tensors, g.tensor_bytes / 1048576.0);
     for (int t = 0; t < GGUF_TYPE_COUNT; t++)
-        if (count[t]) printf("  %-5s %5lld tensors %10.1f MiB\n", gguf_types[t].name, (long long)count[t], bytes[t] / 1048576.0);
+        if (count[t]) printf("  %-7s %5lld tensors %10.1f MiB%s\n", gguf_types[t].name, (long long)count[t], bytes[t] / 1048576.0,
+                             gguf_types[t].computes ? "" : "  (a format coli does not read yet)");
+    cmd_info_groups(&g);
+    for (int t = 0; t < GGUF_TYPE_COUNT; t++)
+        if (count[t] && !gguf_types[t].computes) { printf("runs: no: %s\n", MODEL_FORMAT_ADVICE); break; }
     if (gguf_find_key(&g, "tokenizer.ggml.tokens") >= 0) {
         struct tok t;
         tok_load(&t, &g);

@@ -13,7 +13,8 @@ static float rng_unit(void) { return (float)((rng_u64() >> 40) / 16777216.0) * 2
 
 static const enum gguf_type all_types[] = { GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16,
     GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1,
-    GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K };
+    GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K,
+    GGUF_TYPE_IQ4_NL, GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_MXFP4 };
 #define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
 
 enum wmode { W_RANDOM, W_ZERO, W_MAX, W_DENORM_SCALE, W_NEGZERO };
@@ -48,6 +49,14 @@ static void fill_weights(enum gguf_type t, uint8_t *w, int64_t n, enum wmode m) 
             memcpy(blk, &h, 2);
         } else if (t == GGUF_TYPE_Q6_K) {
             memcpy(blk + 208, &s0, 2);
+        } else if (t == GGUF_TYPE_Q2_K) {
+            memcpy(blk + 80, &s0, 2);
+            memcpy(blk + 82, &s1, 2);
+        } else if (t == GGUF_TYPE_Q3_K) {
+            memcpy(blk + 108, &s0, 2);
+        } else if (t == GGUF_TYPE_MXFP4) {   /* E8M0: 2^(e-128), e = 0 and 1 subnormal */
+            blk[0] = m == W_MAX ? 254 : m == W_DENORM_SCALE ? (uint8_t)(rng_u64() & 1)
+                   : m == W_RANDOM ? (uint8_t)(118 + rng_u64() % 16) : 0;
         } else {
             memcpy(blk, &s0, 2);
             if (t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K)
@@ -244,7 +253,9 @@ static int golden_file(const char *dir, const char *stem) {
 
 static void test_golden(const char *dir) {
     static const char *stems[] = { "q35moe-f16", "q35moe-bf16", "q35moe-q8_0", "q35moe-q4_0",
-        "q35moe-q4_1", "q35moe-q5_0", "q35moe-q5_1", "q35moe-k", "q35moe-q6_k", "q35moe-q5_k" };
+        "q35moe-q4_1", "q35moe-q5_0", "q35moe-q5_1", "q35moe-k", "q35moe-q6_k", "q35moe-q5_k",
+        "q35moe-q3_k_m", "q35moe-q3_k", "q35moe-q2_k", "q35moe-iq4_xs", "q35moe-iq4_nl", "q35moe-iq3_xxs",
+        "q35moe-mxfp4" };
     char path[1024];
     snprintf(path, sizeof path, "%s/q35moe-q4_0.json", dir);
     FILE *f = fopen(path, "rb");
@@ -253,6 +264,151 @@ static void test_golden(const char *dir) {
     int total = 0;
     for (size_t i = 0; i < sizeof stems / sizeof stems[0]; i++) total += golden_file(dir, stems[i]);
     check(total >= 30, "golden dequant entry count", "only %d entries found", total);
+}
+
+/* ---- the IQ3_XXS lattice, derived again from the golden files ----
+ * quant_iq3xxs_keys (coli.c §3) lists the format's 256 points, sorted by key (3-bit level of
+ * coordinate j at bits 3j). Here they are derived from the reference's output alone:
+ *   - pinned: points the golden `dequant` rows show (value / (d*(0.5+s)*0.5) is the level);
+ *   - the rest: q35moe-iq3_xxs and q35moe-q6_k quantize the same F32 weights, so the Q6_K
+ *     values stand in for them. Each 32-block gets the scale that best fits its 8 points
+ *     (least squares), and the sorted list of keys that minimises the squared error of all
+ *     blocks is found by dynamic programming over (entry, key).
+ * The check: the derivation gives coli's table, and with every other pin dropped it still
+ * gives every dropped point (that is how far the statistics alone can be trusted). */
+struct iq3_data { int n_blocks; float *x, *scale; uint8_t *idx; int pin[256]; };
+
+static void iq3_block(const uint8_t *sb, int ib, float *db, uint8_t *idx) {
+    uint32_t aux;
+    memcpy(&aux, sb + 66 + 4 * ib, 4);
+    *db = quant_f16_to_f32(quant_rd16(sb)) * (0.5f + (float)(aux >> 28)) * 0.5f;
+    memcpy(idx, sb + 2 + 8 * ib, 8);
+}
+
+static int iq3_level_key(const int *lv) {
+    int key = 0;
+    for (int j = 3; j >= 0; j--) {
+        int l = 0;
+        while (l < 8 && quant_iq3_levels[l] != lv[j]) l++;
+        if (l == 8) return -1;
+        key = key * 8 + l;
+    }
+    return key;
+}
+
+static int iq3_load(const char *dir, struct iq3_data *d) {
+    char p1[1024], p2[1024], p3[1024];
+    snprintf(p1, sizeof p1, "%s/q35moe-iq3_xxs.gguf", dir);
+    snprintf(p2, sizeof p2, "%s/q35moe-q6_k.gguf", dir);
+    snprintf(p3, sizeof p3, "%s/q35moe-iq3_xxs.json", dir);
+    struct plat_map jm;
+    if (access(p1, R_OK) || access(p2, R_OK) || plat_map_file(p3, &jm)) return 0;
+    struct gguf_file g, h;
+    gguf_open(&g, p1);
+    gguf_open(&h, p2);
+    int64_t total = 0;
+    for (int64_t t = 0; t < g.n_tensors; t++) if (g.tensors[t].type == GGUF_TYPE_IQ3_XXS) total += g.tensors[t].n_elems;
+    d->x = plat_alloc((size_t)total * 4);
+    d->scale = plat_alloc((size_t)total / 32 * 4);
+    d->idx = plat_alloc((size_t)total / 4);
+    d->n_blocks = 0;
+    for (int64_t t = 0; t < g.n_tensors; t++) {
+        const struct gguf_tensor *a = &g.tensors[t], *b = gguf_tensor_find(&h, a->name);
+        if (a->type != GGUF_TYPE_IQ3_XXS || !b || b->type != GGUF_TYPE_Q6_K || b->n_elems != a->n_elems) continue;
+        float *x = d->x + (size_t)d->n_blocks * 32;
+        quant_dequant_row(GGUF_TYPE_Q6_K, b->data, x, a->n_elems);
+        for (int64_t i = 0; i < a->n_elems; i++) x[i] = fabsf(x[i]);
+        for (int64_t k = 0; k < a->n_elems / 32; k++, d->n_blocks++)
+            iq3_block(a->data + k / 8 * 98, (int)(k % 8), &d->scale[d->n_blocks], d->idx + (size_t)d->n_blocks * 8);
+    }
+    for (int e = 0; e < 256; e++) d->pin[e] = -1;
+    const char *err;
+    struct json *root = json_parse((const char *)jm.data, jm.size, &err);
+    for (const struct json *e = root ? json_get(root, "dequant")->child : NULL; e; e = e->next) {
+        const struct gguf_tensor *a = gguf_tensor_find(&g, json_get(e, "tensor")->str);
+        const uint8_t *row = a->data + (size_t)json_get(e, "row")->number * (size_t)(a->shape[a->n_dims - 1] / 256 * 98);
+        const struct json *v = json_get(e, "values")->child;
+        for (int k = 0; v && k < a->shape[a->n_dims - 1] / 32; k++) {
+            float db;
+            uint8_t idx[8];
+            iq3_block(row + k / 8 * 98, k % 8, &db, idx);
+            for (int q = 0; q < 8; q++) {
+                int lv[4];
+                for (int j = 0; j < 4 && v; j++, v = v->next) lv[j] = (int)lrintf(fabsf((float)v->number) / db);
+                d->pin[idx[q]] = iq3_level_key(lv);
+            }
+        }
+    }
+    json_free(root);
+    plat_unmap_file(&jm);
+    gguf_close(&g);
+    gguf_close(&h);
+    return 1;
+}
+
+/* The sorted keys (out) minimising Σ_blocks |x - s_b * point|^2 with PIN fixed where >= 0. */
+static void iq3_solve(const struct iq3_data *d, const int *pin, int *out) {
+    static double S[256][4], W[256][4], cost[256][4096];
+    static short from[256][4096];
+    memset(S, 0, sizeof S);
+    memset(W, 0, sizeof W);
+    for (int b = 0; b < d->n_blocks; b++)
+        for (int q = 0; q < 32; q++) {
+            const int e = d->idx[(size_t)b * 8 + q / 4];
+            S[e][q % 4] += (double)d->scale[b] * d->x[(size_t)b * 32 + q];
+            W[e][q % 4] += (double)d->scale[b] * d->scale[b];
+        }
+    for (int e = 0; e < 256; e++) {
+        double best = e ? 1e300 : 0;
+        int arg = -1;
+        for (int key = 0; key < 4096; key++) {
+            double c = 0;
+            for (int j = 0; j < 4; j++) {
+                const double g = quant_iq3_levels[key >> 3 * j & 7];
+                c += W[e][j] * g * g - 2 * S[e][j] * g;
+            }
+            cost[e][key] = pin[e] >= 0 && key != pin[e] ? 1e300 : best + c;
+            from[e][key] = (short)arg;
+            if (e && cost[e - 1][key] < best) { best = cost[e - 1][key]; arg = key; }
+        }
+    }
+    int key = 0;
+    for (int k = 1; k < 4096; k++) if (cost[255][k] < cost[255][key]) key = k;
+    for (int e = 255; e >= 0; e--) { out[e] = key; key = from[e][key]; }
+}
+
+/* Refits each block's scale to the points of KEYS (least squares). */
+static void iq3_refit(struct iq3_data *d, const int *keys) {
+    for (int b = 0; b < d->n_blocks; b++) {
+        double num = 0, den = 0;
+        for (int q = 0; q < 32; q++) {
+            const double g = quant_iq3_levels[keys[d->idx[(size_t)b * 8 + q / 4]] >> 3 * (q % 4) & 7];
+            num += d->x[(size_t)b * 32 + q] * g;
+            den += g * g;
+        }
+        d->scale[b] = (float)(num / den);
+    }
+}
+
+static void test_iq3xxs_lattice(const char *dir) {
+    struct iq3_data d;
+    if (!iq3_load(dir, &d)) { printf("ok - IQ3_XXS lattice derived # SKIP golden data absent (%s)\n", dir); n_pass++; return; }
+    int keys[256], held[256], half[256], n_pinned = 0, dropped = 0, wrong = 0, differ = 0;
+    iq3_solve(&d, d.pin, keys);
+    iq3_refit(&d, keys);
+    iq3_solve(&d, d.pin, keys);
+    for (int e = 0; e < 256; e++) {
+        half[e] = d.pin[e] >= 0 && n_pinned++ % 2 ? -1 : d.pin[e];
+        differ += keys[e] != quant_iq3xxs_keys[e];
+    }
+    iq3_solve(&d, half, held);
+    for (int e = 0; e < 256; e++)
+        if (d.pin[e] >= 0 && half[e] < 0) { dropped++; wrong += held[e] != d.pin[e]; }
+    check(!differ && n_pinned > 100, "IQ3_XXS lattice: derived from the golden files, equal to coli's",
+          "%d of 256 differ (%d pinned)", differ, n_pinned);
+    check(!wrong && dropped > 50, "IQ3_XXS lattice: the statistics alone find every dropped pin",
+          "%d of %d wrong", wrong, dropped);
+    free(d.x); free(d.scale); free(d.idx);
 }
 
 /* ---- dot kernels ---- */
@@ -518,6 +674,7 @@ int main(int argc, char **argv) {
     test_act();
     test_act_levels();
     test_golden(golden);
+    test_iq3xxs_lattice(golden);
     test_simd_vs_scalar();
     test_scalar_vs_double();
     test_ops();
