@@ -6186,6 +6186,15 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
         runs[r].logits = s->logits + (size_t)r * c->n_vocab;
     }
     ops_matmat(&m->lm_head, s->xn, s->logits, n_runs);
+    /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the
+     * logits as zeros through the lm_head's activation quantisation, which skips NaN: keep
+     * it visible as NaN logits. */
+    for (int r = 0; r < n_runs; r++)
+        for (int i = 0; i < c->dim; i++)
+            if (!isfinite(s->xn[(size_t)r * dim + i])) {
+                for (int v = 0; v < c->n_vocab; v++) runs[r].logits[v] = NAN;
+                break;
+            }
     return 0;
 }
 
@@ -8230,6 +8239,12 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, float *logit
     const struct engine_request *r = &sl->req;
     int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens;
     float top[5][2] = {{-1, 0}};
+    for (int i = 0; i < n_vocab; i++)
+        if (!isfinite(logits[i])) {
+            engine_finish(e, sl, ENGINE_STOP_ERROR, "the logits are not finite (NaN or infinite): the model file "
+                          "holds a corrupt weight block (a NaN or infinite scale)");
+            return;
+        }
     if (r->want_top) engine_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
     int id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
     sl->history[n_hist] = id;

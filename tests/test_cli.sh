@@ -61,6 +61,17 @@ else
     expect "tokenize" 0 '^9707$' -- "$COLI" tokenize -m "$GOLDEN/tokenizer-qwen3.gguf" -p "Hello world"
     head -c 4000 "$M" >"$tmp/trunc.gguf"
     expect "truncated model" 1 'trunc.gguf: ' -- "$COLI" info -m "$tmp/trunc.gguf"
+    # a format coli does not read (IQ2_XXS): refused by name with what to download; info still describes it
+    python3 tests/gguf_patch.py "$GOLDEN/q35moe-iq3_xxs.gguf" "$tmp/iq2.gguf" retype 18 16
+    expect "a format coli does not read is refused by name" 1 "is IQ2_XXS, a format coli does not read yet; .*download" -- "$COLI" run -m "$tmp/iq2.gguf" -p hi
+    expect "info describes a file of such a format" 0 '^runs: no: .*Q2_K' -- "$COLI" info -m "$tmp/iq2.gguf"
+    expect "info: types per tensor group" 0 '^  routed experts +IQ2_XXS 12 ' -- "$COLI" info -m "$tmp/iq2.gguf"
+    # a NaN or infinite block scale in each format coli reads: no crash, the NaN is reported
+    for spec in q8_0:7e00 q4_0:7c00 q2_k:7e00 q3_k:7c00 q6_k:7e00 iq4_nl:7e00 iq4_xs:7c00 iq3_xxs:7e00 mxfp4:ff; do
+        f=${spec%%:*}
+        python3 tests/gguf_patch.py "$GOLDEN/q35moe-$f.gguf" "$tmp/nan.gguf" scale blk.1.ffn_down_exps.weight "${spec#*:}"
+        expect "$f: a block scale of ${spec#*:} gives a reported non-finite result" 1 'the logits are not finite' -- "$COLI" run -m "$tmp/nan.gguf" -p hi -n 2
+    done
     expect "vocabulary-only file cannot run" 1 "missing tensor 'token_embd.weight'" -- "$COLI" run -m "$GOLDEN/tokenizer-qwen3.gguf" -p hi
     expect "prompt longer than the context" 1 'context holds 8' -- "$COLI" run -m "$M" -c 8 -p "The capital of France is Paris, and"
     expect "context fills during generation" 0 '"stop":"context"' -- "$COLI" run -m "$M" -c 12 -n 100 --json --ignore-eog -p "The capital of France is"
