@@ -963,9 +963,10 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
 }
 
 /* ==== §3 quant ==== */
-/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
- *   Q6_K), fp16/bf16 conversion, activation quantisation and the row·vector dot kernels with
- *   their per-CPU dispatch table (scalar, AVX2, AVX-512 with VNNI).
+/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
+ *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, MXFP4) and their tables, fp16/bf16 conversion,
+ *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
+ *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 are scalar so far).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
@@ -1219,9 +1220,9 @@ static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
  * (a byte index) with 8 signs per 8 weights from 7 stored bits (the eighth makes the count of
  * minus signs even). The points are data of the format: quant_iq3xxs_keys lists them, sorted,
  * as 3-bit level indices (level of coordinate j in bits 3j..3j+2). coli derives that list from
- * the golden files (tests/derive_iq3.c: pinned where the reference's dequantisation shows a
- * point, elsewhere the sorted list that best explains the quantizer's choices on the same
- * weights; test_quant checks both). */
+ * the golden files (tests/test_quant.c, test_iq3xxs_lattice: pinned where the reference's
+ * dequantisation shows a point, elsewhere the sorted list that best explains the quantizer's
+ * choices on the same weights) and checks that it gives this table. */
 static const uint8_t quant_iq3_levels[8] = { 4, 12, 20, 28, 36, 44, 52, 62 };
 static const uint16_t quant_iq3xxs_keys[256] = {
     0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
@@ -2640,7 +2641,8 @@ static size_t ops_bench_llc(void) {
  * read bandwidth, on the current OpenMP thread count. Caller: quant_init done. */
 static void ops_bench_kernels(void) {
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K,
-        GGUF_TYPE_F16, GGUF_TYPE_F32, GGUF_TYPE_BF16, GGUF_TYPE_Q5_K, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1 };
+        GGUF_TYPE_F16, GGUF_TYPE_F32, GGUF_TYPE_BF16, GGUF_TYPE_Q5_K, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1,
+        GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_NL, GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_MXFP4 };
     size_t big = 4 * ops_bench_llc();
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
     big &= ~(size_t)4095;
@@ -2651,14 +2653,14 @@ static void ops_bench_kernels(void) {
     for (int i = 0; i < 8192; i++) x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     printf("quant level %s, %d threads, read bandwidth %.1f GB/s (%zu MiB buffer)\n",
            quant_level_name(), omp_get_max_threads(), bw, big >> 20);
-    printf("%-5s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio)");
+    printf("%-7s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio)");
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
         enum gguf_type t = types[i];
         const struct gguf_type_info *ti = gguf_type_get(t);
         int64_t rows_big = (int64_t)(big / ((size_t)(4096 / ti->block_elems) * (size_t)ti->block_bytes));
         double g1 = ops_bench_gemv(t, buf, 2048, 2048, x, y), g2 = ops_bench_gemv(t, buf, 8192, 2048, x, y);
         double g3 = ops_bench_gemv(t, buf, 2048, 512, x, y), g4 = ops_bench_gemv(t, buf, rows_big, 4096, x, y);
-        printf("%-5s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", ti->name, g1, g2, g3, g4, 100 * g4 / bw);
+        printf("%-7s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", ti->name, g1, g2, g3, g4, 100 * g4 / bw);
     }
     free(buf); free(x); free(y);
 }

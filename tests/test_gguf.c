@@ -436,8 +436,9 @@ static void test_tensor_corruptions(const struct test_file *b)
     test_patched_u64("1-D dimension 2^64-1", b, test_ti(b, vec->dims_at), UINT64_MAX);
     test_patched_u64("last tensor longer than the file", b, test_ti(b, vec->dims_at), 1000);
     test_patched_u32("tensor type 99", b, test_ti(b, tok->type_at), 99);
-    test_patched_u32("tensor type 10 (Q2_K, not supported)", b, test_ti(b, q8->type_at), GW_TYPE_Q2_K);
-    test_patched_u32("tensor type 9 (Q8_1)", b, test_ti(b, q8->type_at), 9);
+    test_patched_u32("tensor type 10 (Q2_K) on rows of 64, not a multiple of its 256", b, test_ti(b, q8->type_at), GW_TYPE_Q2_K);
+    test_patched_u32("tensor type 5 (Q4_3, removed from the GGUF spec)", b, test_ti(b, q8->type_at), 5);
+    test_patched_u32("tensor type 36 (IQ4_NL_4_4, removed from the GGUF spec)", b, test_ti(b, q8->type_at), 36);
     test_patched_u32("tensor type 2^32-1", b, test_ti(b, tok->type_at), UINT32_MAX);
     test_patched_u32("F32 [4][8] retyped Q4_0 (row not a multiple of 32)", b, test_ti(b, tok->type_at), GW_TYPE_Q4_0);
     test_patched_u64("offset not aligned (+1)", b, test_ti(b, q8->offset_at), q8->offset + 1);
