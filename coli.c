@@ -966,7 +966,8 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
  *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, MXFP4) and their tables, fp16/bf16 conversion,
  *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
- *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 are scalar so far).
+ *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 have no AVX-512
+ *   kernels yet, so that level runs their AVX2 ones).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
@@ -1137,8 +1138,12 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
     }
 }
 
+/* Plain integer helpers that the SIMD kernels also call: always inlined, so that they compile
+ * with the caller's instruction set (a call out of AVX code to SSE code pays for the switch). */
+#define QUANT_SHARED_INLINE static inline __attribute__((always_inline))
+
 /* The 16 signed 6-bit scales of a Q3_K super-block (ggml's kmask1/kmask2 unpacking). */
-static void quant_q3k_scales(const uint8_t *p, int *sc) {
+QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     uint32_t a[4];
     memcpy(a, p, 12);
     const uint32_t t = a[2];
@@ -1148,7 +1153,7 @@ static void quant_q3k_scales(const uint8_t *p, int *sc) {
     a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
     uint8_t u[16];
     memcpy(u, a, 16);
-    for (int j = 0; j < 16; j++) sc[j] = (int)u[j] - 32;
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(u[j] - 32);
 }
 
 /* The integer quants of a Q2_K (0..3) or Q3_K (-4..3) super-block in element order. Both keep
@@ -1181,8 +1186,7 @@ static void quant_dequant_q2k(const uint8_t *b, float *y) {
 /* Q3_K super-block: y = (d*sc)*q with 16 signed scales, as ggml. */
 static void quant_dequant_q3k(const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b + 108));
-    int8_t q[QUANT_QK_K];
-    int sc[16];
+    int8_t q[QUANT_QK_K], sc[16];
     quant_q23k_quants(GGUF_TYPE_Q3_K, b, q);
     quant_q3k_scales(b + 96, sc);
     for (int g = 0; g < 16; g++) {
@@ -1200,7 +1204,7 @@ static const int8_t quant_iq4nl_values[16] = { -127, -104, -83, -65, -49, -35, -
 static int8_t quant_mxfp4_values[16];
 
 /* 2^(e-128): an E8M0 scale times one half, as ggml's E8M0_TO_FP32_HALF (e = 0, 1: subnormal). */
-static float quant_e8m0_half(uint8_t e) {
+QUANT_SHARED_INLINE float quant_e8m0_half(uint8_t e) {
     return quant_bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
 }
 
@@ -1243,10 +1247,27 @@ static const uint16_t quant_iq3xxs_keys[256] = {
     3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
+static uint64_t quant_iq_sign_bytes[128]; /* byte j: -1 or +1, the sign of weight j of 8 */
 
-/* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). */
-static uint8_t quant_iq_signs(uint32_t bits7) {
-    return (uint8_t)(bits7 | (uint32_t)(__builtin_popcount(bits7) & 1) << 7);
+/* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). The
+ * parity is folded by hand: __builtin_popcount is a library call without -mpopcnt. */
+QUANT_SHARED_INLINE uint8_t quant_iq_signs(uint32_t bits7) {
+    uint32_t p = bits7 ^ bits7 >> 4;
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return (uint8_t)(bits7 | (p & 1) << 7);
+}
+
+/* The 4 sign bytes of an IQ3_XXS 32-block (byte l for weights 8l..8l+7) from its word. */
+static uint32_t quant_iq3xxs_signs(uint32_t aux) {
+    uint32_t s = 0;
+    for (int l = 0; l < 4; l++) s |= (uint32_t)quant_iq_signs(aux >> 7 * l & 127) << 8 * l;
+    return s;
+}
+
+/* The 6-bit scale of 32-block ib of an IQ4_XS super-block, less 32. */
+QUANT_SHARED_INLINE int quant_iq4xs_scale(const uint8_t *b, int ib) {
+    return (((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((quant_rd16(b + 2) >> 2 * ib) & 3) << 4)) - 32;
 }
 
 /* Fills the generated tables; called by quant_set_level, so before any dot or dequant. */
@@ -1260,6 +1281,11 @@ static void quant_tables_init(void) {
         for (int j = 0; j < 4; j++) g |= (uint32_t)quant_iq3_levels[quant_iq3xxs_keys[k] >> 3 * j & 7] << 8 * j;
         quant_iq3xxs_grid[k] = g;
     }
+    for (uint32_t bits = 0; bits < 128; bits++) {
+        uint64_t m = 0;
+        for (int j = 0; j < 8; j++) m |= (uint64_t)(quant_iq_signs(bits) >> j & 1 ? 0xff : 0x01) << 8 * j;
+        quant_iq_sign_bytes[bits] = m;
+    }
 }
 
 /* The signed values of an IQ4_XS (IQ4_NL table) or IQ3_XXS (lattice point times sign)
@@ -1269,7 +1295,7 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
     for (int ib = 0; ib < 8; ib++, v += 32) {
         if (t == GGUF_TYPE_IQ4_XS) {
             const uint8_t *qs = b + 8 + 16 * ib;
-            sc[ib] = (((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((quant_rd16(b + 2) >> 2 * ib) & 3) << 4)) - 32;
+            sc[ib] = quant_iq4xs_scale(b, ib);
             for (int j = 0; j < 16; j++) {
                 v[j] = quant_iq4nl_values[qs[j] & 0xF];
                 v[j + 16] = quant_iq4nl_values[qs[j] >> 4];
@@ -1279,12 +1305,10 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
         uint32_t aux;
         memcpy(&aux, b + 66 + 4 * ib, 4);
         sc[ib] = (int)(aux >> 28);
-        for (int l = 0; l < 4; l++) {
-            const uint8_t signs = quant_iq_signs(aux >> 7 * l & 127);
-            for (int j = 0; j < 8; j++) {
-                const int g = (int)(quant_iq3xxs_grid[b[2 + 8 * ib + 2 * l + j / 4]] >> 8 * (j % 4) & 0xff);
-                v[8 * l + j] = (int8_t)(signs >> j & 1 ? -g : g);
-            }
+        const uint32_t signs = quant_iq3xxs_signs(aux);
+        for (int j = 0; j < 32; j++) {
+            const int g = (int)(quant_iq3xxs_grid[b[2 + 8 * ib + j / 4]] >> 8 * (j % 4) & 0xff);
+            v[j] = (int8_t)(signs >> j & 1 ? -g : g);
         }
     }
 }
@@ -1376,9 +1400,13 @@ static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
     }
 }
 
-/* Q8 blocks: d = amax/127, q = nearest-even(x * (1/d)), stored scale fp16(d). A block whose
- * fp16(d) is zero contributes exactly zero, so its q are set to 0 rather than computed with an
- * overflowing 1/d (ggml would produce garbage q there, multiplied by the same zero). */
+/* Q8 blocks: d = amax/127, q = nearest-even(x * (127/amax)), stored scale fp16(d): the x86
+ * reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run too). 127/amax is
+ * not always 1/d to the last bit (ggml's portable code and its NEON path use 1/d); either way
+ * some q land on the other side of a .5, and each such step can tip a router near-tie
+ * (issue 14's Q8_0 drift; test_quant's "Q8 act: the reference's 127/amax" pins it). A block
+ * whose fp16(d) is zero contributes exactly zero, so its q are set to 0 rather than computed
+ * with an overflowing 127/amax. */
 static void quant_act_q8(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1390,7 +1418,7 @@ static void quant_act_q8(const float *x, int64_t n, void *act) {
         float amax = 0.0f;
         for (int j = 0; j < QUANT_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.0f, d16 = quant_f16_to_f32(quant_f32_to_f16(d));
-        const float id = d16 != 0.0f ? 1.0f / d : 0.0f;
+        const float id = d16 != 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int j = 0; j < QUANT_QK; j++) {
             int q = quant_nearest_int(xb[j] * id);
@@ -1534,11 +1562,10 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
  * *summ = Σ_g min_g * bsum_g) or Q3_K super-block, exact. */
 static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx,
                                       const int16_t *bs, int32_t *summ) {
-    int8_t q[QUANT_QK_K];
-    int sc[16];
+    int8_t q[QUANT_QK_K], sc[16];
     quant_q23k_quants(t, b, q);
     if (t == GGUF_TYPE_Q3_K) quant_q3k_scales(b + 96, sc);
-    else for (int g = 0; g < 16; g++) sc[g] = b[g] & 0xF;
+    else for (int g = 0; g < 16; g++) sc[g] = (int8_t)(b[g] & 0xF);
     int32_t sumi = 0, sm = 0;
     for (int g = 0; g < 16; g++) {
         int32_t s = 0;
@@ -1703,6 +1730,22 @@ QUANT_AVX2_INLINE __m256i quant_avx2_bit5(const uint8_t *qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
+/* The int8 values of the 32 weights of 16 packed 4-bit codes under a 16-entry table. */
+QUANT_AVX2_INLINE __m256i quant_avx2_table_values(const int8_t *table, const uint8_t *qs) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    return _mm256_shuffle_epi8(t, quant_avx2_nibbles(qs));
+}
+
+/* 16 int16 pair sums of v*x for signed bytes with |v|, |x| <= 127 (no saturation). */
+QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+}
+
+/* One fp16 at p as a float (F16C, exact). */
+QUANT_AVX2_INLINE float quant_avx2_f16(const uint8_t *p) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(p))));
+}
+
 /* 8 int32 whose sum is the block's Σ q_w*q_x, with Q4_0/Q5_0 quants still unsigned
  * (the caller subtracts 8/16 * Σq_x). */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_block(enum gguf_type t, const uint8_t *b,
@@ -1712,6 +1755,10 @@ QUANT_AVX2_INLINE __m256i quant_avx2_legacy_block(enum gguf_type t, const uint8_
     if (t == GGUF_TYPE_Q8_0) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
         prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    } else if (t == GGUF_TYPE_IQ4_NL) {
+        prod = quant_avx2_signed_pairs(quant_avx2_table_values(quant_iq4nl_values, b + 2), x);
+    } else if (t == GGUF_TYPE_MXFP4) {
+        prod = quant_avx2_signed_pairs(quant_avx2_table_values(quant_mxfp4_values, b + 1), x);
     } else {
         int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
         int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
@@ -1729,6 +1776,15 @@ QUANT_AVX2_INLINE __m256 quant_avx2_scales8(const uint8_t *b, int bb, int off) {
                               (short)quant_rd16(b + 3 * bb + off), (short)quant_rd16(b + 2 * bb + off),
                               (short)quant_rd16(b + 1 * bb + off), (short)quant_rd16(b + off));
     return _mm256_cvtph_ps(h);
+}
+
+/* quant_e8m0_half of the first byte of 8 consecutive blocks of `bb` bytes. */
+QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
+    const __m256i e = _mm256_set_epi32(b[7 * bb], b[6 * bb], b[5 * bb], b[4 * bb], b[3 * bb], b[2 * bb], b[bb], b[0]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
 /* Legacy row dot: groups of 8 blocks give one vector of unit results added to accumulator
@@ -1749,7 +1805,8 @@ QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, co
         __m256i sx = _mm256_loadu_si256((const __m256i *)(a.s + b));
         if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(off)));
         __m256 dx = _mm256_loadu_ps(a.d + b);
-        __m256 r = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales8(wb, bb, 0), dx), _mm256_cvtepi32_ps(isum));
+        __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
         if (has_min)
             r = _mm256_add_ps(r, _mm256_mul_ps(quant_avx2_scales8(wb, bb, 2), _mm256_loadu_ps(a.sd + b)));
         acc[(b / 8) & 3] = _mm256_add_ps(acc[(b / 8) & 3], r);
@@ -1834,6 +1891,86 @@ QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
     return quant_avx2_hsum_i32(acc);
 }
 
+/* Q2_K / Q3_K integer part with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, i.e. the
+ * hmask bit as the third bit): Σ_g sc_g * Σ_{16 in g} q'*x. Q3_K's caller takes off
+ * 4 * Σ_g sc_g * bsum_g. */
+QUANT_AVX2_INLINE int32_t quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
+    const int three = t == GGUF_TYPE_Q3_K;
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hm = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    /* scales 8n..8n+7 in both 128-bit lanes; a byte shuffle picks the pair of each step */
+    const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
+    __m256i acc = _mm256_setzero_si256();
+    #pragma GCC unroll 2
+    for (int n = 0; n < 2; n++) {
+        const __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m256i q = _mm256_and_si256(_mm256_srl_epi16(q2, _mm_cvtsi32_si128(2 * k)), m3);
+            if (three) {
+                __m256i h = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * n + k)), one);
+                q = _mm256_or_si256(q, _mm256_slli_epi16(h, 2));
+            }
+            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                                  _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k)));
+            const __m256i s = _mm256_shuffle_epi8(half[n], pick);
+            __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), s));
+        }
+    }
+    return quant_avx2_hsum_i32(acc);
+}
+
+/* One Q2_K or Q3_K super-block's result, in quant_dot_k_unit's float steps. */
+QUANT_AVX2_INLINE float quant_q23k_unit_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx,
+                                             __m256i bs, float dx) {
+    if (t == GGUF_TYPE_Q2_K) {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
+        const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+        const int32_t isum = quant_q23k_isum_avx2(t, b, qx, sc);
+        const int32_t summ = quant_avx2_hsum_i32(_mm256_madd_epi16(bs, mins));
+        return (quant_avx2_f16(b + 80) * dx) * (float)isum - (quant_avx2_f16(b + 82) * dx) * (float)summ;
+    }
+    int8_t sc8[16];
+    quant_q3k_scales(b + 96, sc8);
+    const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
+    const int32_t isum = quant_q23k_isum_avx2(t, b, qx, scv) - 4 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, scv));
+    return (quant_avx2_f16(b + 108) * dx) * (float)isum;
+}
+
+/* One IQ4_XS or IQ3_XXS super-block's result, in quant_dot_k_unit's float steps: 32-blocks of
+ * signed values (IQ4_XS: the table's; IQ3_XXS: lattice points with the sign folded into x, as
+ * the points are positive) times the 32-block's integer scale. */
+QUANT_AVX2_INLINE float quant_iq_unit_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, float dx) {
+    __m256i acc = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ib++) {
+        const __m256i x = _mm256_load_si256((const __m256i *)(qx + 32 * ib));
+        __m256i pairs;
+        int scale;
+        if (t == GGUF_TYPE_IQ4_XS) {
+            pairs = quant_avx2_signed_pairs(quant_avx2_table_values(quant_iq4nl_values, b + 8 + 16 * ib), x);
+            scale = quant_iq4xs_scale(b, ib);
+        } else {
+            const uint8_t *q = b + 2 + 8 * ib;
+            uint32_t aux;
+            memcpy(&aux, b + 66 + 4 * ib, 4);
+            const __m256i g = _mm256_set_epi32((int)quant_iq3xxs_grid[q[7]], (int)quant_iq3xxs_grid[q[6]],
+                                               (int)quant_iq3xxs_grid[q[5]], (int)quant_iq3xxs_grid[q[4]],
+                                               (int)quant_iq3xxs_grid[q[3]], (int)quant_iq3xxs_grid[q[2]],
+                                               (int)quant_iq3xxs_grid[q[1]], (int)quant_iq3xxs_grid[q[0]]);
+            const __m256i sign = _mm256_set_epi64x((long long)quant_iq_sign_bytes[aux >> 21 & 127], (long long)quant_iq_sign_bytes[aux >> 14 & 127],
+                                                   (long long)quant_iq_sign_bytes[aux >> 7 & 127], (long long)quant_iq_sign_bytes[aux & 127]);
+            pairs = _mm256_maddubs_epi16(g, _mm256_sign_epi8(x, sign));
+            scale = 2 * (int)(aux >> 28) + 1;
+        }
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16((short)scale)));
+    }
+    const float r = (quant_avx2_f16(b) * dx) * (float)quant_avx2_hsum_i32(acc);
+    return t == GGUF_TYPE_IQ3_XXS ? r * 0.25f : r;
+}
+
 /* K-quant row dot: integer parts in SIMD, the float steps of quant_dot_k; no scalar helper is
  * called (an SSE call from here pays AVX-SSE transitions: it made Q6_K 4x slower). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
@@ -1850,7 +1987,11 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
         if (t == GGUF_TYPE_Q6_K) {
             __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
             int32_t isum = quant_q6k_isum_avx2(b, qx) - 32 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, sc));
-            r = (_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(b + 208)))) * dx) * (float)isum;
+            r = (quant_avx2_f16(b + 208) * dx) * (float)isum;
+        } else if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
+            r = quant_q23k_unit_avx2(t, b, qx, bs, dx);
+        } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS) {
+            r = quant_iq_unit_avx2(t, b, qx, dx);
         } else {
             uint64_t sc, mn;
             quant_k4_unpack(b + 4, &sc, &mn);
@@ -1880,6 +2021,12 @@ QUANT_AVX2_WRAP(quant_dot_q5_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_1, w, act, n
 QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_avx2_k(GGUF_TYPE_Q4_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_avx2_k(GGUF_TYPE_Q5_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_avx2_k(GGUF_TYPE_Q6_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q2_k_avx2, quant_avx2_k(GGUF_TYPE_Q2_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_q3_k_avx2, quant_avx2_k(GGUF_TYPE_Q3_K, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_iq4_nl_avx2, quant_avx2_legacy(GGUF_TYPE_IQ4_NL, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_mxfp4_avx2, quant_avx2_legacy(GGUF_TYPE_MXFP4, w, act, n))
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
@@ -2219,7 +2366,7 @@ static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *ac
         __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
         const float amax = _mm512_reduce_max_ps(m);
         const float d = amax / 127.0f, d16 = quant_avx512_f16_round(d);
-        const __m512 id = _mm512_set1_ps(d16 != 0.0f ? 1.0f / d : 0.0f);
+        const __m512 id = _mm512_set1_ps(d16 != 0.0f ? 127.0f / amax : 0.0f);
         __m512i q0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x0, id), magic)), mant), bias);
         __m512i q1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(x1, id), magic)), mant), bias);
         _mm_storeu_si128((__m128i *)(qs + b * QUANT_QK), _mm512_cvtepi32_epi8(q0));
@@ -2337,12 +2484,12 @@ static const struct {
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n } },
     { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };

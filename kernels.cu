@@ -260,7 +260,7 @@ extern "C" __global__ void quantize_q8(QUANT_PARAMS) {
     float amax = fmaxf(0.0f, fabsf(v)); // as the CPU: an all-NaN block has amax 0
     for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
     const float d = __fdiv_rn(amax, 127.0f), d16 = round_f16(d);
-    const float id = d16 != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const float id = d16 != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
     const int q = nearest_int(__fmul_rn(v, id));
     int sum = q;
     for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);

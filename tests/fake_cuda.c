@@ -282,7 +282,7 @@ static void q8_block(const float *x, uint8_t *a, int n, long b)
     float amax = 0.0f; /* the warp's fmaxf of |x|, which skips a NaN */
     for (int i = 0; i < 32; i++)
         if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]);
-    float d = amax / 127.0f, d16 = round_f16(d), id = d16 != 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / 127.0f, d16 = round_f16(d), id = d16 != 0.0f ? 127.0f / amax : 0.0f;
     for (int i = 0; i < 32; i++) {
         int q = nearest_int(xb[i] * id);
         ((int8_t *)a)[32 * b + i] = (int8_t)q;

@@ -1,8 +1,8 @@
 /* test_model: the forward pass against the golden reference outputs (../shared/golden,
- * README §5), at every CPU kernel level and with 1 and 2 threads; bit-identity across
- * levels, threads and batching; refusal of bad models.
+ * README §5) at the best CPU kernel level; bit-identity across levels, threads and batching;
+ * refusal of bad models.
  *
- * usage: test_model [GOLDEN_DIR] [--quick]     (--quick: best level, 1 thread; for sanitizers) */
+ * usage: test_model [GOLDEN_DIR] [--quick]     (--quick: no identity runs; for sanitizers) */
 #define COLI_NO_MAIN
 #include "../coli.c"
 #include "check.h"
@@ -138,30 +138,52 @@ static int read_file(const char *path, void *buf, size_t n)
     return got == n;
 }
 
-/* Whether LEVEL runs the scalar kernels for every format in F (then its runs would repeat
- * the scalar ones); leaves the scalar level set. */
-static int same_kernels_as_scalar(const struct gguf_file *f, int level)
+/* Whether LEVEL runs OTHER's kernels for every format in F (then its runs would repeat
+ * OTHER's); leaves OTHER set. */
+static int same_kernels(const struct gguf_file *f, int level, int other)
 {
     quant_dot_fn at_level[GGUF_TYPE_COUNT];
     quant_set_level(level);
     memcpy(at_level, quant_dot_table, sizeof at_level);
-    quant_set_level(QUANT_LEVEL_SCALAR);
+    quant_set_level(other);
     for (int64_t i = 0; i < f->n_tensors; i++)
         if (at_level[f->tensors[i].type] != quant_dot_table[f->tensors[i].type]) return 0;
     return 1;
 }
 
-static int level_available(int level)
-{
-    if (level == QUANT_LEVEL_AVX2) return plat_cpu.avx2 && plat_cpu.fma && plat_cpu.f16c;
-    if (level == QUANT_LEVEL_AVX512) return plat_cpu.avx512f && plat_cpu.avx512bw && plat_cpu.avx512vl;
-    return 1;
-}
-
 static const char *const level_names[] = {"scalar", "avx2", "avx512"};
 
-/* Every case of one golden model file: the reference comparison once, then bit-identity of
- * every (level, threads) pair and of token-by-token prefill against that first run. */
+/* Hash of a case's greedy tokens and logits. */
+static uint64_t run_hash(const struct run *r, int V)
+{
+    return hash_bytes(r->logits, (size_t)GEN * V * sizeof(float), hash_bytes(r->tokens, sizeof r->tokens, 14695981039346656037ull));
+}
+
+/* Bit-identity with the first runs (ref_hash) of the first n_cases cases at (level, threads). */
+static void check_identity(struct model *m, const struct mj *cases, int n_cases, const uint64_t *ref_hash,
+                           const char *model_file, int level, int threads, struct run *r)
+{
+    char name[256];
+    int same = 1, V = m->cfg.n_vocab;
+    quant_set_level(level);
+    omp_set_num_threads(threads);
+    for (int ci = 0; ci < n_cases; ci++) {
+        const struct mj *pt = mj_get(mj_at(cases, (size_t)ci), "prompt_tokens");
+        int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
+        for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
+        run_case(m, prompt, (int)mj_len(pt), 1, r);
+        same &= run_hash(r, V) == ref_hash[ci];
+        free(prompt);
+    }
+    snprintf(name, sizeof name, "%s: %s with %d thread%s bit-identical to %s, 1 thread (%d case%s)", model_file,
+             level_names[level], threads, threads > 1 ? "s" : "", level_names[quant_level_max()], n_cases, n_cases > 1 ? "s" : "");
+    check(same, name, "tokens or logits differ");
+}
+
+/* Every case of one golden model file: the reference comparison once at the best level, then
+ * bit-identity against that first run: of token-by-token prefill, of 2 threads, and of every
+ * lower level with kernels of its own (on 2 cases: the scalar kernels are slow, and
+ * test_quant checks every kernel's bits against the scalar one). */
 static void test_golden_model(const char *dir, const char *json_name, int quick)
 {
     char path[1024], name[256];
@@ -196,11 +218,11 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
         for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
 
-        quant_set_level(quick ? QUANT_LEVEL_AVX512 * level_available(QUANT_LEVEL_AVX512) : QUANT_LEVEL_SCALAR);
+        quant_set_level(quant_level_max());
         omp_set_num_threads(1);
         run_case(&m, prompt, (int)mj_len(pt), 1, &r);
         check_case(model_file, cname, c, &r, V, tol);
-        ref_hash[ci] = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
+        ref_hash[ci] = run_hash(&r, V);
 
         const char *lf = mj_str(mj_get(c, "logits_file"), &len);
         if (lf) {
@@ -215,43 +237,26 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         }
         if (ci == 0 && !quick) {
             run_case(&m, prompt, (int)mj_len(pt), 0, &r);
-            uint64_t h = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
             snprintf(name, sizeof name, "%s %s: token-by-token prefill bit-identical to batched", model_file, cname);
-            check(h == ref_hash[ci], name, "logits differ");
+            check(run_hash(&r, V) == ref_hash[ci], name, "logits differ");
         }
         free(prompt);
         free(ids);
     }
 
-    for (int level = QUANT_LEVEL_SCALAR; !quick && level <= QUANT_LEVEL_AVX512; level++) {
-        if (!level_available(level)) {
-            printf("ok - %s: level %s # SKIP not on this CPU\n", model_file, level_names[level]);
+    const int best = quant_level_max(), all = n_cases < 8 ? n_cases : 8;
+    if (!quick) check_identity(&m, cases, all, ref_hash, model_file, best, 2, &r);
+    for (int level = QUANT_LEVEL_SCALAR; !quick && level < best; level++) {
+        if (same_kernels(&m.file, level, best)) {
+            printf("ok - %s: level %s # SKIP its formats run the %s kernels there\n", model_file, level_names[level], level_names[best]);
             n_pass++;
             continue;
         }
-        if (level > QUANT_LEVEL_SCALAR && same_kernels_as_scalar(&m.file, level)) {
-            printf("ok - %s: level %s # SKIP its formats have scalar kernels only\n", model_file, level_names[level]);
-            n_pass++;
-            continue;
-        }
-        for (int threads = 1; threads <= 2; threads++) {
-            if (level == QUANT_LEVEL_SCALAR && threads == 1) continue; /* the reference run */
-            quant_set_level(level);
-            omp_set_num_threads(threads);
-            int same = 1;
-            for (int ci = 0; ci < n_cases && ci < 8; ci++) {
-                const struct mj *pt = mj_get(mj_at(cases, (size_t)ci), "prompt_tokens");
-                int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
-                for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
-                run_case(&m, prompt, (int)mj_len(pt), 1, &r);
-                uint64_t h = hash_bytes(r.logits, (size_t)GEN * V * sizeof(float), hash_bytes(r.tokens, sizeof r.tokens, 14695981039346656037ull));
-                same &= h == ref_hash[ci];
-                free(prompt);
-            }
-            snprintf(name, sizeof name, "%s: %s with %d thread%s bit-identical to scalar, 1 thread", model_file,
-                     level_names[level], threads, threads > 1 ? "s" : "");
-            check(same, name, "tokens or logits differ");
-        }
+        check_identity(&m, cases, all < 2 ? all : 2, ref_hash, model_file, level, 1, &r);
+    }
+    for (int level = best + 1; !quick && level <= QUANT_LEVEL_AVX512; level++) {
+        printf("ok - %s: level %s # SKIP not on this CPU\n", model_file, level_names[level]);
+        n_pass++;
     }
     free(r.logits);
     tok_free(&t);

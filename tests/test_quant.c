@@ -518,6 +518,35 @@ static void test_scalar_vs_double(void) {
     }
 }
 
+/* The Q8 act's inverse scale is 127/amax, as in the x86 reference's quantize_row_q8_0, not
+ * 1/(amax/127) as in its portable code: the two differ in the last bit for some amax, and then
+ * an x near a .5 rounds to different q (issue 14's Q8_0 drift). The test finds such an
+ * (amax, x) and checks which q coli stores, at every level. */
+static void test_act_inverse_scale(void) {
+    float amax = 0.0f, x = 0.0f;
+    for (int k = 0; k < 4096 && x == 0.0f; k++) {
+        const float a = 1.0f + (float)k * 0x1p-12f, ia = 127.0f / a, ib = 1.0f / (a / 127.0f);
+        for (int m = 0; m < 126 && ia != ib && x == 0.0f; m++) {
+            float v = ((float)m + 0.5f) / ia;
+            for (int step = 0; step < 8 && x == 0.0f; step++, v = nextafterf(v, 2.0f))
+                if (lrintf(v * ia) != lrintf(v * ib)) { amax = a; x = v; }
+        }
+    }
+    check(x != 0.0f, "Q8 act: an x that 127/amax and 1/(amax/127) round apart exists", "none found");
+    _Alignas(64) float blk[32] = { amax, x };
+    _Alignas(64) uint8_t act[32 + 12];
+    const long want = lrintf(x * (127.0f / amax));
+    for (int l = 0; l <= max_level; l++) {
+        char name[96];
+        quant_set_level(l);
+        quant_act_prepare(GGUF_TYPE_Q8_0, blk, 32, act);
+        const struct quant_q8_view q = quant_q8_view(act, 32);
+        snprintf(name, sizeof name, "Q8 act: the reference's 127/amax (%s)", quant_level_names[l]);
+        check(q.qs[0] == 127 && q.qs[1] == want, name, "q %d, want %ld (amax %a, x %a)", q.qs[1], want, amax, x);
+    }
+    quant_set_level(max_level);
+}
+
 /* quant_act_prepare details the kernels rely on. */
 static void test_act(void) {
     float x[256];
@@ -672,6 +701,7 @@ int main(int argc, char **argv) {
     test_levels();
     test_conversions();
     test_act();
+    test_act_inverse_scale();
     test_act_levels();
     test_golden(golden);
     test_iq3xxs_lattice(golden);
