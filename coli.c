@@ -1151,9 +1151,9 @@ QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
     a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
     a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
-    uint8_t u[16];
-    memcpy(u, a, 16);
-    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(u[j] - 32);
+    /* each byte less 32, four at a time: the high bit set first keeps borrows inside a byte */
+    for (int i = 0; i < 4; i++) a[i] = ((a[i] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+    memcpy(sc, a, 16);
 }
 
 /* The integer quants of a Q2_K (0..3) or Q3_K (-4..3) super-block in element order. Both keep
@@ -1900,16 +1900,18 @@ QUANT_AVX2_INLINE int32_t quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *
     const __m256i hm = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     /* scales 8n..8n+7 in both 128-bit lanes; a byte shuffle picks the pair of each step */
     const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
-    __m256i acc = _mm256_setzero_si256();
+    __m256i acc = _mm256_setzero_si256(), hbits = hm;
     #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
-        const __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
+        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            __m256i q = _mm256_and_si256(_mm256_srl_epi16(q2, _mm_cvtsi32_si128(2 * k)), m3);
+            /* step (n, k) takes bits 2k of the quants and bit 4n + k of hmask */
+            __m256i q = _mm256_and_si256(q2, m3);
+            q2 = _mm256_srli_epi16(q2, 2);
             if (three) {
-                __m256i h = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * n + k)), one);
-                q = _mm256_or_si256(q, _mm256_slli_epi16(h, 2));
+                q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
+                hbits = _mm256_srli_epi16(hbits, 1);
             }
             const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
                                                   _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k)));
