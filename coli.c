@@ -1247,7 +1247,7 @@ static const uint16_t quant_iq3xxs_keys[256] = {
     3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
-static uint64_t quant_iq_sign_bytes[128]; /* byte j: -1 or +1, the sign of weight j of 8 */
+static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored sign bits: byte j is -1 or +1, weight j's sign */
 
 /* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). The
  * parity is folded by hand: __builtin_popcount is a library call without -mpopcnt. */
@@ -1897,10 +1897,10 @@ QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
 QUANT_AVX2_INLINE int32_t quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
     const int three = t == GGUF_TYPE_Q3_K;
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const __m256i hm = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     /* scales 8n..8n+7 in both 128-bit lanes; a byte shuffle picks the pair of each step */
     const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
-    __m256i acc = _mm256_setzero_si256(), hbits = hm;
+    __m256i acc = _mm256_setzero_si256();
+    __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
         __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
@@ -1962,8 +1962,9 @@ QUANT_AVX2_INLINE float quant_iq_unit_avx2(enum gguf_type t, const uint8_t *b, c
                                                (int)quant_iq3xxs_grid[q[5]], (int)quant_iq3xxs_grid[q[4]],
                                                (int)quant_iq3xxs_grid[q[3]], (int)quant_iq3xxs_grid[q[2]],
                                                (int)quant_iq3xxs_grid[q[1]], (int)quant_iq3xxs_grid[q[0]]);
-            const __m256i sign = _mm256_set_epi64x((long long)quant_iq_sign_bytes[aux >> 21 & 127], (long long)quant_iq_sign_bytes[aux >> 14 & 127],
-                                                   (long long)quant_iq_sign_bytes[aux >> 7 & 127], (long long)quant_iq_sign_bytes[aux & 127]);
+            const uint64_t *sb = quant_iq_sign_bytes;
+            const __m256i sign = _mm256_set_epi64x((long long)sb[aux >> 21 & 127], (long long)sb[aux >> 14 & 127],
+                                                   (long long)sb[aux >> 7 & 127], (long long)sb[aux & 127]);
             pairs = _mm256_maddubs_epi16(g, _mm256_sign_epi8(x, sign));
             scale = 2 * (int)(aux >> 28) + 1;
         }
