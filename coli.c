@@ -1215,8 +1215,8 @@ static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
     const uint8_t *qs = b + (mx ? 1 : 2);
     const float d = mx ? quant_e8m0_half(b[0]) : quant_f16_to_f32(quant_rd16(b));
     for (int j = 0; j < 16; j++) {
-        y[j] = mx ? (float)v[qs[j] & 0xF] * d : d * (float)v[qs[j] & 0xF];
-        y[j + 16] = mx ? (float)v[qs[j] >> 4] * d : d * (float)v[qs[j] >> 4];
+        y[j] = d * (float)v[qs[j] & 0xF];
+        y[j + 16] = d * (float)v[qs[j] >> 4];
     }
 }
 
@@ -1736,7 +1736,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_table_values(const int8_t *table, const uin
     return _mm256_shuffle_epi8(t, quant_avx2_nibbles(qs));
 }
 
-/* 16 int16 pair sums of v*x for signed bytes with |v|, |x| <= 127 (no saturation). */
+/* 16 int16 pair sums of v*x for signed bytes, |x| <= 127 (v = -128 works: sign(v, v) reads as
+ * 128 unsigned), so no pair saturates. */
 QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
 }
@@ -1753,8 +1754,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_legacy_block(enum gguf_type t, const uint8_
     const __m256i x = _mm256_load_si256((const __m256i *)qx), ones = _mm256_set1_epi16(1);
     __m256i prod;
     if (t == GGUF_TYPE_Q8_0) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
-        prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        prod = quant_avx2_signed_pairs(_mm256_loadu_si256((const __m256i *)(b + 2)), x);
     } else if (t == GGUF_TYPE_IQ4_NL) {
         prod = quant_avx2_signed_pairs(quant_avx2_table_values(quant_iq4nl_values, b + 2), x);
     } else if (t == GGUF_TYPE_MXFP4) {
@@ -2790,9 +2790,6 @@ static size_t ops_bench_llc(void) {
 /* Prints GEMV throughput (GB/s of weight bytes) per format and shape against the measured
  * read bandwidth, on the current OpenMP thread count. Caller: quant_init done. */
 static void ops_bench_kernels(void) {
-    static const enum gguf_type types[] = { GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K,
-        GGUF_TYPE_F16, GGUF_TYPE_F32, GGUF_TYPE_BF16, GGUF_TYPE_Q5_K, GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1,
-        GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_NL, GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_MXFP4 };
     size_t big = 4 * ops_bench_llc();
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
     big &= ~(size_t)4095;
@@ -2804,8 +2801,8 @@ static void ops_bench_kernels(void) {
     printf("quant level %s, %d threads, read bandwidth %.1f GB/s (%zu MiB buffer)\n",
            quant_level_name(), omp_get_max_threads(), bw, big >> 20);
     printf("%-7s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio)");
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
-        enum gguf_type t = types[i];
+    for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) { /* every format with kernels */
+        enum gguf_type t = quant_kernels[i].type;
         const struct gguf_type_info *ti = gguf_type_get(t);
         int64_t rows_big = (int64_t)(big / ((size_t)(4096 / ti->block_elems) * (size_t)ti->block_bytes));
         double g1 = ops_bench_gemv(t, buf, 2048, 2048, x, y), g2 = ops_bench_gemv(t, buf, 8192, 2048, x, y);
