@@ -1678,6 +1678,11 @@ QUANT_SCALAR_WRAP(quant_dot_iq3_xxs_scalar, quant_dot_k(GGUF_TYPE_IQ3_XXS, w, ac
 QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
+/* Software prefetch distance of the AVX-512 kernels, in weight bytes. Large matrices (1.5 GiB,
+ * 2 threads, read bandwidth ~30 GB/s), GB/s Q4_0/Q8_0/Q4_K: no prefetch 18.5/22/16.5, the next
+ * row at each row start 15/22/15, 1 KiB ahead in the block loops 24/26.5/22.5, 2 KiB 21.5/22/21. */
+#define QUANT_PREFETCH 1024
+
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QUANT_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
@@ -1691,6 +1696,19 @@ QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m25
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));                       /* s = 2 */
     v = _mm_add_ss(v, _mm_movehdup_ps(v));                        /* s = 1 */
     return _mm_cvtss_f32(v);
+}
+
+/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators so that the
+ * next group's comes first: after G groups acc[i] holds partials 8*((G+i)%4) on. A rotation
+ * keeps them in registers where acc[g % 4] would put them in memory. */
+QUANT_AVX2_INLINE void quant_avx2_acc_add(__m256 *acc, __m256 r) {
+    const __m256 a = _mm256_add_ps(acc[0], r);
+    acc[0] = acc[1]; acc[1] = acc[2]; acc[2] = acc[3]; acc[3] = a;
+}
+
+/* The four accumulators back in partial order after G groups of quant_avx2_acc_add. */
+QUANT_AVX2_INLINE void quant_avx2_acc_order(__m256 *acc, int64_t groups) {
+    for (int64_t g = groups; g % 4; g++) quant_avx2_acc_add(acc, _mm256_setzero_ps());
 }
 
 /* Sum of the 8 int32 lanes (exact). */
@@ -1799,7 +1817,9 @@ QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, co
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
+        for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m256i s[8];
+        #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) s[k] = quant_avx2_legacy_block(t, wb + k * bb, a.qs + (b + k) * QUANT_QK);
         __m256i isum = quant_avx2_hsum8(s);
         __m256i sx = _mm256_loadu_si256((const __m256i *)(a.s + b));
@@ -1809,8 +1829,9 @@ QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, co
         __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
         if (has_min)
             r = _mm256_add_ps(r, _mm256_mul_ps(quant_avx2_scales8(wb, bb, 2), _mm256_loadu_ps(a.sd + b)));
-        acc[(b / 8) & 3] = _mm256_add_ps(acc[(b / 8) & 3], r);
+        quant_avx2_acc_add(acc, r);
     }
+    quant_avx2_acc_order(acc, nb8 / 8);
     if (nb8 == nb) return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
     float p[QUANT_NPART];
     for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[k]);
@@ -1833,6 +1854,7 @@ QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, con
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     for (int64_t i = 0; i < n32; i += 32)
         for (int k = 0; k < 4; k++) {
+            if (k % (4 / es) == 0) _mm_prefetch((const char *)w + (i + 8 * k) * es + QUANT_PREFETCH, _MM_HINT_T0);
             __m256 p = _mm256_mul_ps(quant_avx2_load_w8(t, w + (i + 8 * k) * es), _mm256_load_ps(x + i + 8 * k));
             acc[k] = _mm256_add_ps(acc[k], p);
         }
@@ -1843,36 +1865,50 @@ QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, con
     return quant_reduce32(p);
 }
 
-/* Q4_K/Q5_K integer part: Σ_j sc_j * Σ q*x (sc_j = byte j of sc), scales applied with madd on
- * the int16 products. */
-QUANT_AVX2_INLINE int32_t quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
+/* The int16 scale I of 8 int16 held in both 128-bit lanes of H, over all 16 lanes. */
+QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale(__m256i h, int i) {
+    return _mm256_shuffle_epi8(h, _mm256_set1_epi16((short)(0x0100 * (2 * i + 1) + 2 * i)));
+}
+
+/* Scales 2k (low lane) and 2k+1 (high lane) of 8 int16 held in both lanes of H: those of the two
+ * 16-weight halves of 32-weight step k. */
+QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale_pair(__m256i h, int k) {
+    return _mm256_shuffle_epi8(h, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                                   _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k))));
+}
+
+/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): the scales
+ * applied with madd on the int16 products. */
+QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     __m256i acc = _mm256_setzero_si256();
+    #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
         __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         if (five) {
-            __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one);
-            __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one);
-            q0 = _mm256_or_si256(q0, _mm256_slli_epi16(h0, 4));
-            q1 = _mm256_or_si256(q1, _mm256_slli_epi16(h1, 4));
+            q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+            q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+            qh = _mm256_srli_epi16(qh, 2);
         }
         __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
         __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16((short)(sc >> 16 * j & 0xff))));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16((short)(sc >> (16 * j + 8) & 0xff))));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, quant_avx2_pick_scale(sc16, 2 * j)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, quant_avx2_pick_scale(sc16, 2 * j + 1)));
     }
-    return quant_avx2_hsum_i32(acc);
+    return acc;
 }
 
-/* Q6_K integer part before the offset: Σ_j sc_j * Σ q*x with q unsigned (0..63); the caller
- * subtracts 32 * Σ_j sc_j * bsum_j. */
-QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx) {
-    const int8_t *sc = (const int8_t *)(b + 192);
+/* Q6_K integer part before the offset, 8 lanes summing to Σ_j sc_j * Σ q*x with q unsigned
+ * (0..63); SC holds the 16 scales as int16. */
+QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
     __m256i acc = _mm256_setzero_si256();
+    #pragma GCC unroll 2
     for (int c = 0; c < 2; c++) {
         const uint8_t *ql = b + 64 * c, *qhp = b + 128 + 32 * c;
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -1882,22 +1918,21 @@ QUANT_AVX2_INLINE int32_t quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+        #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
-            __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * c + 2 * k + 1]), _mm_set1_epi16(sc[8 * c + 2 * k]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), quant_avx2_pick_scale_pair(half[c], k)));
         }
     }
-    return quant_avx2_hsum_i32(acc);
+    return acc;
 }
 
 /* Q2_K / Q3_K integer part with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, i.e. the
- * hmask bit as the third bit): Σ_g sc_g * Σ_{16 in g} q'*x. Q3_K's caller takes off
- * 4 * Σ_g sc_g * bsum_g. */
-QUANT_AVX2_INLINE int32_t quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
+ * hmask bit as the third bit), 8 lanes summing to Σ_g sc_g * Σ_{16 in g} q'*x; SC holds the 16
+ * scales as int16. Q3_K's caller takes off 4 * Σ_g sc_g * bsum_g. */
+QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
     const int three = t == GGUF_TYPE_Q3_K;
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    /* scales 8n..8n+7 in both 128-bit lanes; a byte shuffle picks the pair of each step */
     const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
     __m256i acc = _mm256_setzero_si256();
     __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
@@ -1913,38 +1948,17 @@ QUANT_AVX2_INLINE int32_t quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *
                 q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
                 hbits = _mm256_srli_epi16(hbits, 1);
             }
-            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
-                                                  _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k)));
-            const __m256i s = _mm256_shuffle_epi8(half[n], pick);
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), s));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), quant_avx2_pick_scale_pair(half[n], k)));
         }
     }
-    return quant_avx2_hsum_i32(acc);
+    return acc;
 }
 
-/* One Q2_K or Q3_K super-block's result, in quant_dot_k_unit's float steps. */
-QUANT_AVX2_INLINE float quant_q23k_unit_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx,
-                                             __m256i bs, float dx) {
-    if (t == GGUF_TYPE_Q2_K) {
-        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
-        const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
-        const int32_t isum = quant_q23k_isum_avx2(t, b, qx, sc);
-        const int32_t summ = quant_avx2_hsum_i32(_mm256_madd_epi16(bs, mins));
-        return (quant_avx2_f16(b + 80) * dx) * (float)isum - (quant_avx2_f16(b + 82) * dx) * (float)summ;
-    }
-    int8_t sc8[16];
-    quant_q3k_scales(b + 96, sc8);
-    const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
-    const int32_t isum = quant_q23k_isum_avx2(t, b, qx, scv) - 4 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, scv));
-    return (quant_avx2_f16(b + 108) * dx) * (float)isum;
-}
-
-/* One IQ4_XS or IQ3_XXS super-block's result, in quant_dot_k_unit's float steps: 32-blocks of
- * signed values (IQ4_XS: the table's; IQ3_XXS: lattice points with the sign folded into x, as
- * the points are positive) times the 32-block's integer scale. */
-QUANT_AVX2_INLINE float quant_iq_unit_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, float dx) {
+/* IQ4_XS / IQ3_XXS integer part, 8 lanes summing to quant_iq_isum_scalar's: 32-blocks of signed
+ * values (IQ4_XS: the table's; IQ3_XXS: lattice points with the sign folded into x, as the
+ * points are positive) times the 32-block's integer scale. */
+QUANT_AVX2_INLINE __m256i quant_iq_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx) {
     __m256i acc = _mm256_setzero_si256();
     #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
@@ -1970,45 +1984,87 @@ QUANT_AVX2_INLINE float quant_iq_unit_avx2(enum gguf_type t, const uint8_t *b, c
         }
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16((short)scale)));
     }
-    const float r = (quant_avx2_f16(b) * dx) * (float)quant_avx2_hsum_i32(acc);
-    return t == GGUF_TYPE_IQ3_XXS ? r * 0.25f : r;
+    return acc;
 }
 
-/* K-quant row dot: integer parts in SIMD, the float steps of quant_dot_k; no scalar helper is
- * called (an SSE call from here pays AVX-SSE transitions: it made Q6_K 4x slower). */
+/* One K-like super-block's integer parts, 8 lanes each: *isum's lanes sum to the isum of
+ * quant_dot_k's float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's
+ * offset of 32 and Q3_K's of 4 come off here, as that many times Σ sc_g * bsum_g. */
+QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bsums,
+                                         __m256i *isum, __m256i *summ) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
+    *summ = _mm256_setzero_si256();
+    if (t == GGUF_TYPE_Q6_K) {
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        *isum = _mm256_sub_epi32(quant_q6k_isum_avx2(b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 5));
+    } else if (t == GGUF_TYPE_Q2_K) {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
+        const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+        *isum = quant_q23k_isum_avx2(t, b, qx, sc);
+        *summ = _mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4)));
+    } else if (t == GGUF_TYPE_Q3_K) {
+        int8_t sc8[16];
+        quant_q3k_scales(b + 96, sc8);
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
+        *isum = _mm256_sub_epi32(quant_q23k_isum_avx2(t, b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 2));
+    } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS) {
+        *isum = quant_iq_isum_avx2(t, b, qx);
+    } else {
+        uint64_t sc, mn;
+        quant_k4_unpack(b + 4, &sc, &mn);
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+        *summ = _mm256_madd_epi16(bs, _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)));
+        *isum = quant_q45k_isum_avx2(b, qx, sc, t == GGUF_TYPE_Q5_K);
+    }
+}
+
+/* All ones in the first COUNT (0..8) of 8 lanes, loaded from quant_avx2_lane_ones + 8 - COUNT. */
+static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
+
+/* The fp16 fields at byte OFF of the first COUNT (1..8) of consecutive blocks of BB bytes, as
+ * floats; the lanes from COUNT on +0, and nothing past the COUNT blocks is read. */
+QUANT_AVX2_INLINE __m256 quant_avx2_scales_upto8(const uint8_t *b, int bb, int off, int count) {
+    if (count == 8) return quant_avx2_scales8(b, bb, off);
+    uint64_t h[2] = { 0, 0 };
+    for (int k = 0; k < count; k++) h[k / 4] |= (uint64_t)quant_rd16(b + k * bb + off) << 16 * (k % 4);
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+}
+
+/* K-quant row dot: groups of 8 super-blocks (the last may be short) give one vector of unit
+ * results, lane k = unit u + k, added to accumulator (u/8) % 4, i.e. partials u % 32, with
+ * quant_dot_k's float steps in each lane. A short group's empty lanes hold +0 (d, dx and the
+ * integer parts zero), and a partial plus +0 is the partial: the scalar bits either way. */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
-    float p[QUANT_NPART];
-    memset(p, 0, sizeof p);
-    for (int64_t u = 0; u < n / QUANT_QK_K; u++) {
-        const uint8_t *b = w + u * bb;
-        const int8_t *qx = a.qs + u * QUANT_QK_K;
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a.bsums + u * 16));
-        const float dx = a.d[u];
-        float r;
-        if (t == GGUF_TYPE_Q6_K) {
-            __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-            int32_t isum = quant_q6k_isum_avx2(b, qx) - 32 * quant_avx2_hsum_i32(_mm256_madd_epi16(bs, sc));
-            r = (quant_avx2_f16(b + 208) * dx) * (float)isum;
-        } else if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
-            r = quant_q23k_unit_avx2(t, b, qx, bs, dx);
-        } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS) {
-            r = quant_iq_unit_avx2(t, b, qx, dx);
-        } else {
-            uint64_t sc, mn;
-            quant_k4_unpack(b + 4, &sc, &mn);
-            __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
-            __m256i md = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-            int32_t summ = quant_avx2_hsum_i32(_mm256_madd_epi16(bs, md));
-            int32_t sumi = quant_q45k_isum_avx2(b, qx, sc, t == GGUF_TYPE_Q5_K);
-            __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(quant_rd16(b) | (uint32_t)quant_rd16(b + 2) << 16)));
-            float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
-            r = (d * dx) * (float)sumi - (dmin * dx) * (float)summ;
+    const int has_min = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
+    const int doff = t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
+    const int64_t nu = n / QUANT_QK_K;
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int64_t u = 0; u < nu; u += 8) {
+        const int count = nu - u < 8 ? (int)(nu - u) : 8;
+        const uint8_t *wb = w + u * bb;
+        __m256i is[8], sm[8];
+        for (int q = 0; q < count * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            is[k] = sm[k] = _mm256_setzero_si256();
+            if (k >= count) continue;
+            quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
         }
-        p[u % QUANT_NPART] = p[u % QUANT_NPART] + r;
+        /* dx of the group's units; past them the load reads the act's bsums, which follow d */
+        const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
+        const __m256 d = quant_avx2_scales_upto8(wb, bb, doff, count);
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
+        if (has_min) {
+            const __m256 dmin = quant_avx2_scales_upto8(wb, bb, doff + 2, count);
+            r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
+        }
+        if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
+        quant_avx2_acc_add(acc, r);
     }
-    return quant_avx2_reduce(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
+    quant_avx2_acc_order(acc, (nu + 7) / 8);
+    return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
 }
 
 #define QUANT_AVX2_WRAP(name, body) \
@@ -2038,11 +2094,6 @@ QUANT_AVX2_WRAP(quant_dot_mxfp4_avx2, quant_avx2_legacy(GGUF_TYPE_MXFP4, w, act,
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-/* Software prefetch distance of the AVX-512 kernels, in weight bytes. Large matrices (1.5 GiB,
- * 2 threads, read bandwidth ~30 GB/s), GB/s Q4_0/Q8_0/Q4_K: no prefetch 18.5/22/16.5, the next
- * row at each row start 15/22/15, 1 KiB ahead in the block loops 24/26.5/22.5, 2 KiB 21.5/22/21. */
-#define QUANT_PREFETCH 1024
 
 /* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and
  * 4 x 2 float accumulators, which with the decoded weights fills the 32 zmm registers. */
