@@ -1987,6 +1987,18 @@ QUANT_AVX2_INLINE __m256i quant_iq_isum_avx2(enum gguf_type t, const uint8_t *b,
     return acc;
 }
 
+/* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
+ * (scales 0-7 low, 8-15 high), bytes 8-11 the top 2 bits of all 16. The 16-byte load starts 4
+ * bytes early, inside the block, so that it ends inside it too. */
+QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
+    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
+                                     _mm_set1_epi8(0x0f));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_set_epi32(6, 4, 2, 0)),
+                                     _mm_set1_epi8(3));
+    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32)));
+}
+
 /* One K-like super-block's integer parts, 8 lanes each: *isum's lanes sum to the isum of
  * quant_dot_k's float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's
  * offset of 32 and Q3_K's of 4 come off here, as that many times Σ sc_g * bsum_g. */
@@ -2003,9 +2015,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
         *isum = quant_q23k_isum_avx2(t, b, qx, sc);
         *summ = _mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4)));
     } else if (t == GGUF_TYPE_Q3_K) {
-        int8_t sc8[16];
-        quant_q3k_scales(b + 96, sc8);
-        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
+        const __m256i sc = quant_avx2_q3k_scales(b + 96);
         *isum = _mm256_sub_epi32(quant_q23k_isum_avx2(t, b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 2));
     } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS) {
         *isum = quant_iq_isum_avx2(t, b, qx);
