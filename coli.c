@@ -1706,9 +1706,14 @@ QUANT_AVX2_INLINE void quant_avx2_acc_add(__m256 *acc, __m256 r) {
     acc[0] = acc[1]; acc[1] = acc[2]; acc[2] = acc[3]; acc[3] = a;
 }
 
-/* The four accumulators back in partial order after G groups of quant_avx2_acc_add. */
-QUANT_AVX2_INLINE void quant_avx2_acc_order(__m256 *acc, int64_t groups) {
-    for (int64_t g = groups; g % 4; g++) quant_avx2_acc_add(acc, _mm256_setzero_ps());
+/* quant_avx2_reduce of the accumulators of quant_avx2_acc_add after G groups. */
+QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t groups) {
+    switch (groups % 4) {
+    case 1: return quant_avx2_reduce(acc[3], acc[0], acc[1], acc[2]);
+    case 2: return quant_avx2_reduce(acc[2], acc[3], acc[0], acc[1]);
+    case 3: return quant_avx2_reduce(acc[1], acc[2], acc[3], acc[0]);
+    default: return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
+    }
 }
 
 /* Sum of the 8 int32 lanes (exact). */
@@ -1727,6 +1732,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum8(const __m256i *s) {
     c = _mm256_hadd_epi32(c, d);
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
                             _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+/* quant_avx2_hsum8 where only s[0..count) may be nonzero (the other lanes come out 0). */
+QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
+    if (count > 4) return quant_avx2_hsum8(s);
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
 
 /* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). */
@@ -1831,10 +1843,9 @@ QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, co
             r = _mm256_add_ps(r, _mm256_mul_ps(quant_avx2_scales8(wb, bb, 2), _mm256_loadu_ps(a.sd + b)));
         quant_avx2_acc_add(acc, r);
     }
-    quant_avx2_acc_order(acc, nb8 / 8);
-    if (nb8 == nb) return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
+    if (nb8 == nb) return quant_avx2_reduce_rotated(acc, nb8 / 8);
     float p[QUANT_NPART];
-    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[k]);
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * ((nb8 / 8 + k) % 4), acc[k]);
     quant_legacy_units(t, w, a, nb8, nb, p);
     return quant_reduce32(p);
 }
@@ -2035,9 +2046,14 @@ static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1
  * floats; the lanes from COUNT on +0, and nothing past the COUNT blocks is read. */
 QUANT_AVX2_INLINE __m256 quant_avx2_scales_upto8(const uint8_t *b, int bb, int off, int count) {
     if (count == 8) return quant_avx2_scales8(b, bb, off);
-    uint64_t h[2] = { 0, 0 };
-    for (int k = 0; k < count; k++) h[k / 4] |= (uint64_t)quant_rd16(b + k * bb + off) << 16 * (k % 4);
-    return _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+    uint64_t lo = 0, hi = 0;
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const uint64_t h = k < count ? quant_rd16(b + k * bb + off) : 0;
+        if (k < 4) lo |= h << 16 * k;
+        else hi |= h << 16 * (k - 4);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
 
 /* K-quant row dot: groups of 8 super-blocks (the last may be short) give one vector of unit
@@ -2055,26 +2071,25 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
         const uint8_t *wb = w + u * bb;
         __m256i is[8], sm[8];
-        for (int q = 0; q < count * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
             is[k] = sm[k] = _mm256_setzero_si256();
             if (k >= count) continue;
+            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
             quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
         }
         /* dx of the group's units; past them the load reads the act's bsums, which follow d */
         const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
         const __m256 d = quant_avx2_scales_upto8(wb, bb, doff, count);
-        __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is, count)));
         if (has_min) {
             const __m256 dmin = quant_avx2_scales_upto8(wb, bb, doff + 2, count);
-            r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
+            r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(sm, count))));
         }
         if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
         quant_avx2_acc_add(acc, r);
     }
-    quant_avx2_acc_order(acc, (nu + 7) / 8);
-    return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
+    return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
 #define QUANT_AVX2_WRAP(name, body) \
