@@ -977,7 +977,9 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
  *   per element), then one quant_dotn per weight row, called concurrently from OpenMP threads
  *   (the kernels are pure; only quant_init/quant_set_level write globals, before any parallel
  *   region). AVX-512, one core, 4096-column rows in L2: Q4_0 ~10 weight bytes per TSC cycle,
- *   Q8_0 ~19, Q4_K ~7.5, Q6_K ~11; with 64 columns per weight row 1.5-2x that per column. */
+ *   Q8_0 ~19, Q4_K ~7.5, Q6_K ~11; with 64 columns per weight row 1.5-2x that per column.
+ *   AVX2 (AMD EPYC), one column: Q4_K ~22-26 TSC cycles per super-block in 4096-column rows,
+ *   ~47 in 512-column ones (the per-row reduction weighs more with 2 super-blocks a row). */
 
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_COUNT };
 
@@ -1678,9 +1680,11 @@ QUANT_SCALAR_WRAP(quant_dot_iq3_xxs_scalar, quant_dot_k(GGUF_TYPE_IQ3_XXS, w, ac
 QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
-/* Software prefetch distance of the AVX-512 kernels, in weight bytes. Large matrices (1.5 GiB,
- * 2 threads, read bandwidth ~30 GB/s), GB/s Q4_0/Q8_0/Q4_K: no prefetch 18.5/22/16.5, the next
- * row at each row start 15/22/15, 1 KiB ahead in the block loops 24/26.5/22.5, 2 KiB 21.5/22/21. */
+/* Software prefetch distance of the SIMD kernels, in weight bytes. AVX-512, large matrices
+ * (1.5 GiB, 2 threads, read bandwidth ~30 GB/s), GB/s Q4_0/Q8_0/Q4_K: no prefetch 18.5/22/16.5,
+ * the next row at each row start 15/22/15, 1 KiB ahead in the block loops 24/26.5/22.5, 2 KiB
+ * 21.5/22/21. AVX2 (AMD EPYC, 1 GiB, 2 threads), share of the bandwidth F32/Q8_0: none 76-79% /
+ * 72-73%, 512 B 88/87%, 1 KiB 88-94% / 82-85%, 2 KiB 96/80%. */
 #define QUANT_PREFETCH 1024
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
@@ -2863,8 +2867,9 @@ static size_t ops_bench_llc(void) {
     return kib * 1024;
 }
 
-/* Prints GEMV throughput (GB/s of weight bytes) per format and shape against the measured
- * read bandwidth, on the current OpenMP thread count. Caller: quant_init done. */
+/* Prints GEMV throughput (GB/s of weight bytes) per format and shape, the large matrix's against
+ * the read bandwidth measured beside it, on the current OpenMP thread count. Caller: quant_init
+ * done. */
 static void ops_bench_kernels(void) {
     size_t big = 4 * ops_bench_llc();
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
@@ -2876,15 +2881,19 @@ static void ops_bench_kernels(void) {
     for (int i = 0; i < 8192; i++) x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     printf("quant level %s, %d threads, read bandwidth %.1f GB/s (%zu MiB buffer)\n",
            quant_level_name(), omp_get_max_threads(), bw, big >> 20);
-    printf("%-7s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio)");
+    printf("%-7s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio*)");
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) { /* every format with kernels */
         enum gguf_type t = quant_kernels[i].type;
         const struct gguf_type_info *ti = gguf_type_get(t);
         int64_t rows_big = (int64_t)(big / ((size_t)(4096 / ti->block_elems) * (size_t)ti->block_bytes));
         double g1 = ops_bench_gemv(t, buf, 2048, 2048, x, y), g2 = ops_bench_gemv(t, buf, 8192, 2048, x, y);
-        double g3 = ops_bench_gemv(t, buf, 2048, 512, x, y), g4 = ops_bench_gemv(t, buf, rows_big, 4096, x, y);
-        printf("%-7s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", ti->name, g1, g2, g3, g4, 100 * g4 / bw);
+        double g3 = ops_bench_gemv(t, buf, 2048, 512, x, y), bw_before = ops_bench_bandwidth(buf, big);
+        double g4 = ops_bench_gemv(t, buf, rows_big, 4096, x, y), bw_after = ops_bench_bandwidth(buf, big);
+        printf("%-7s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", ti->name, g1, g2, g3, g4,
+               200 * g4 / (bw_before + bw_after));
     }
+    printf("* against the mean of the read bandwidth measured just before and just after: on a shared\n"
+           "  machine it drifts by the minute, so the figure at the top is only the first of them\n");
     free(buf); free(x); free(y);
 }
 
