@@ -2043,6 +2043,16 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
     }
 }
 
+/* Slot K of the group at unit U: super-block U + K's integer parts (prefetching ahead), or
+ * zeros from COUNT on. */
+QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, int bb, struct quant_q8k_view a,
+                                         int64_t u, int k, int count, __m256i *is, __m256i *sm) {
+    is[k] = sm[k] = _mm256_setzero_si256();
+    if (k >= count) return;
+    for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
+    quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
+}
+
 /* All ones in the first COUNT (0..8) of 8 lanes, loaded from quant_avx2_lane_ones + 8 - COUNT. */
 static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 
@@ -2075,12 +2085,12 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
         const uint8_t *wb = w + u * bb;
         __m256i is[8], sm[8];
-        #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            is[k] = sm[k] = _mm256_setzero_si256();
-            if (k >= count) continue;
-            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
-            quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
+        if (t == GGUF_TYPE_IQ3_XXS) {
+            /* ~390 instructions a super-block: unrolled 8 times they overflow the op cache */
+            for (int k = 0; k < 8; k++) quant_avx2_k_slot(t, wb, bb, a, u, k, count, is, sm);
+        } else {
+            #pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) quant_avx2_k_slot(t, wb, bb, a, u, k, count, is, sm);
         }
         /* dx of the group's units; past them the load reads the act's bsums, which follow d */
         const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
