@@ -992,8 +992,13 @@ typedef float (*quant_dot_fn)(const void *wrow, const void *act, int64_t n);
 typedef void (*quant_dotn_fn)(const void *wrow, const uint8_t *acts, size_t stride, int nc,
                               int64_t n, float *y, size_t ys);
 
+/* y[r] = dot of the row at wrows + r*row_bytes with act, for r < nrows. */
+typedef void (*quant_dotr_fn)(const uint8_t *wrows, size_t row_bytes, int nrows, const void *act,
+                              int64_t n, float *y);
+
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
 static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
+static quant_dotr_fn quant_dotr_table[GGUF_TYPE_COUNT];
 static int quant_level;
 
 static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -2106,6 +2111,74 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
     return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
+/* Lane L of 8 fp16 fields, each at its own block P[L] + OFF, as floats; lanes with P[L] NULL +0. */
+QUANT_AVX2_INLINE __m256 quant_avx2_scales_at(const uint8_t *const *p, int off) {
+    uint64_t lo = 0, hi = 0;
+    #pragma GCC unroll 8
+    for (int l = 0; l < 8; l++) {
+        const uint64_t h = p[l] ? quant_rd16(p[l] + off) : 0;
+        if (l < 4) lo |= h << 16 * l;
+        else hi |= h << 16 * (l - 4);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+
+/* Lane L of a group of quant_avx2_k_pairs: super-block L % 2 of row L / 2, or nothing (blk NULL,
+ * zero integer parts) past the group's NR rows. */
+QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb, struct quant_q8k_view a,
+                                             int nr, int l, const uint8_t **blk, __m256i *is, __m256i *sm) {
+    const int i = l / 2, k = l % 2;
+    is[l] = sm[l] = _mm256_setzero_si256();
+    blk[l] = i < nr ? wr + (size_t)i * rb + (size_t)k * bb : NULL;
+    if (blk[l]) quant_avx2_k_ints(t, blk[l], a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
+}
+
+/* NR (1..4) rows of 2 super-blocks from WR, in lanes 2 * row + unit; the row results go to Y. */
+QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
+                                              __m256 dx, int nr, float *y) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    const int has_min = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
+    const int doff = t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
+    const uint8_t *blk[8];
+    __m256i is[8], sm[8];
+    for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
+    if (t == GGUF_TYPE_IQ3_XXS) { /* as in quant_avx2_k: too long a body to unroll */
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, blk, is, sm);
+    } else {
+        #pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, blk, is, sm);
+    }
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales_at(blk, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
+    if (has_min)
+        v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales_at(blk, doff + 2), dx),
+                                           _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
+    if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
+    v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* the partials p[0], p[1] of each row */
+    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));      /* the butterfly's last step, p[0] + p[1] */
+    float out[8];
+    _mm256_storeu_ps(out, v);
+    for (int i = 0; i < nr; i++) y[i] = out[2 * i];
+}
+
+/* K-quant rows of 2 super-blocks (512 columns: the down products of the 35B-A3B's experts and of
+ * qwen3next's), 4 rows to one group of 8 lanes, which shares among 4 rows the horizontal sums,
+ * the float steps and the reduction that a 2-super-block row pays alone in quant_avx2_k. Each
+ * lane takes quant_dot_k's float steps; 0 + r is the partial (the single-row kernel's first add),
+ * and p[0] + p[1] is the whole canonical butterfly: the other 30 partials are +0, and adding +0
+ * to a partial that is never -0 changes nothing. Other rows go one by one through quant_avx2_k. */
+QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nrows,
+                                         const void *act, int64_t n, float *y) {
+    if (n != 2 * QUANT_QK_K) {
+        for (int r = 0; r < nrows; r++) y[r] = quant_avx2_k(t, w + (size_t)r * rb, act, n);
+        return;
+    }
+    const struct quant_q8k_view a = quant_q8k_view(act, n);
+    const __m256 dx = _mm256_setr_ps(a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1]);
+    int r = 0;
+    for (; r + 4 <= nrows; r += 4) quant_avx2_pairs_group(t, w + (size_t)r * rb, rb, a, dx, 4, y + r);
+    if (r < nrows) quant_avx2_pairs_group(t, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
+}
+
 #define QUANT_AVX2_WRAP(name, body) \
     static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) { return body; }
 QUANT_AVX2_WRAP(quant_dot_f32_avx2, quant_avx2_float(GGUF_TYPE_F32, w, act, n))
@@ -2125,6 +2198,17 @@ QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n)
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq4_nl_avx2, quant_avx2_legacy(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_mxfp4_avx2, quant_avx2_legacy(GGUF_TYPE_MXFP4, w, act, n))
+
+#define QUANT_AVX2_ROWS(name, type)                                                                  \
+    static QUANT_AVX2 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
+                                float *y) { quant_avx2_k_rows(type, w, rb, nrows, act, n, y); }
+QUANT_AVX2_ROWS(quant_dotr_q4_k_avx2, GGUF_TYPE_Q4_K)
+QUANT_AVX2_ROWS(quant_dotr_q5_k_avx2, GGUF_TYPE_Q5_K)
+QUANT_AVX2_ROWS(quant_dotr_q6_k_avx2, GGUF_TYPE_Q6_K)
+QUANT_AVX2_ROWS(quant_dotr_q2_k_avx2, GGUF_TYPE_Q2_K)
+QUANT_AVX2_ROWS(quant_dotr_q3_k_avx2, GGUF_TYPE_Q3_K)
+QUANT_AVX2_ROWS(quant_dotr_iq4_xs_avx2, GGUF_TYPE_IQ4_XS)
+QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
@@ -2560,29 +2644,32 @@ QUANT_AVX512_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
 
 /* ---- dispatch ---- */
 
-/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column). */
+/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column).
+ * The rows kernels (fnr) do not fall back: one serves only the level whose dots it matches in
+ * speed, and without one a level runs one dot per row. */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
     quant_dotn_fn fnn[QUANT_LEVEL_COUNT];
+    quant_dotr_fn fnr[QUANT_LEVEL_COUNT];
 } quant_kernels[] = {
-    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n } },
-    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n } },
-    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, NULL, quant_dot_q8_0_avx512n } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, NULL, quant_dot_q4_0_avx512n } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, NULL, quant_dot_q4_1_avx512n } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, NULL, quant_dot_q5_0_avx512n } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, NULL, quant_dot_q5_1_avx512n } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, NULL, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, NULL, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, NULL, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, NULL, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, NULL, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx2 } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
+    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, NULL, NULL }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
@@ -2601,12 +2688,14 @@ static void quant_set_level(int level) {
     quant_tables_init();
     memset(quant_dot_table, 0, sizeof quant_dot_table);
     memset(quant_dotn_table, 0, sizeof quant_dotn_table);
+    memset(quant_dotr_table, 0, sizeof quant_dotr_table);
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
         int l = level;
         while (!quant_kernels[i].fn[l]) l--;
         quant_dot_table[quant_kernels[i].type] = quant_kernels[i].fn[l];
         for (l = level; l >= 0 && !quant_kernels[i].fnn[l]; l--) {}
         quant_dotn_table[quant_kernels[i].type] = l >= 0 ? quant_kernels[i].fnn[l] : NULL;
+        quant_dotr_table[quant_kernels[i].type] = quant_kernels[i].fnr[level];
     }
     quant_level = level;
 }
@@ -2663,6 +2752,14 @@ static void quant_dotn(enum gguf_type wtype, const void *wrow, const uint8_t *ac
                        int nc, int64_t n, float *y, size_t ys) {
     if (quant_dotn_table[wtype]) { quant_dotn_table[wtype](wrow, acts, stride, nc, n, y, ys); return; }
     for (int c = 0; c < nc; c++) y[(size_t)c * ys] = quant_dot(wtype, wrow, acts + (size_t)c * stride, n);
+}
+
+/* y[r] = quant_dot(wtype, wrows + r*row_bytes, act, n) for r < nrows, bit for bit; a rows kernel
+ * packs short rows several to a vector. Caller: as quant_dot. */
+static void quant_dotr(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows,
+                       const void *act, int64_t n, float *y) {
+    if (quant_dotr_table[wtype]) { quant_dotr_table[wtype](wrows, row_bytes, nrows, act, n, y); return; }
+    for (int r = 0; r < nrows; r++) y[r] = quant_dot(wtype, wrows + (size_t)r * row_bytes, act, n);
 }
 
 /* ==== §4 ops ==== */
@@ -2757,8 +2854,11 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         while (c >= first_chunk[j + 1]) j++;
         const struct ops_matrix *w = &jobs[j].w;
         int64_t r0 = (c - first_chunk[j]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
-        for (int64_t r = r0; r < r1; r++)
-            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r, (size_t)w->rows);
+        if (jobs[j].n == 1)
+            quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
+        else
+            for (int64_t r = r0; r < r1; r++)
+                quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r, (size_t)w->rows);
     }
 }
 

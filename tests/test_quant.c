@@ -672,6 +672,49 @@ static void test_matmat_columns(void) {
     }
 }
 
+/* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
+ * at the best level against the scalar dot of every row, for rows of 1..9 super-blocks (every
+ * slot width, and long rows) and row counts that leave every remainder of a row group, with
+ * the special weight and activation modes (negative zero, max, denormal). */
+static void test_matvec_rows(void) {
+    static const int units[] = { 1, 2, 3, 4, 5, 8, 9 }, row_counts[] = { 1, 2, 3, 5, 7, 8, 9, 16, 17, 33 };
+    static const struct { enum wmode w; enum xmode x; } modes[] = {
+        { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum gguf_type t = all_types[ti];
+        const struct gguf_type_info *inf = gguf_type_get(t);
+        int bad = 0;
+        char why[160] = "";
+        for (size_t ui = 0; ui < sizeof units / sizeof units[0] && !bad; ui++)
+            for (size_t ri = 0; ri < sizeof row_counts / sizeof row_counts[0] && !bad; ri++)
+                for (size_t mi = 0; mi < sizeof modes / sizeof modes[0] && !bad; mi++) {
+                    const int64_t cols = (int64_t)units[ui] * 256, rows = row_counts[ri];
+                    const size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes);
+                    uint8_t *w = plat_alloc(rb * (size_t)rows);
+                    float *x = plat_alloc(sizeof(float) * (size_t)cols), *y = plat_alloc(sizeof(float) * (size_t)rows);
+                    for (int64_t r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % 3 ? modes[mi].w : W_RANDOM);
+                    fill_x(x, cols, modes[mi].x);
+                    struct ops_matrix m = { t, w, rows, cols, rb };
+                    void *act = plat_alloc_aligned(ops_act_stride(&m));
+                    quant_act_prepare(t, x, cols, act);
+                    quant_set_level(max_level);
+                    ops_matvec(&m, x, y);
+                    for (int64_t r = 0; r < rows && !bad; r++) {
+                        float ref = dot_at(QUANT_LEVEL_SCALAR, t, w + r * rb, act, cols);
+                        if (memcmp(&ref, &y[r], 4)) {
+                            snprintf(why, sizeof why, "%lld columns, %lld rows, mode %zu: row %lld %.9g vs scalar %.9g",
+                                     (long long)cols, (long long)rows, mi, (long long)r, y[r], ref);
+                            bad = 1;
+                        }
+                    }
+                    free(w); free(x); free(y); free(act);
+                }
+        char name[96];
+        snprintf(name, sizeof name, "%s matvec of short and long rows == scalar dot per row", inf->name);
+        check(!bad, name, "%s", why);
+    }
+}
+
 static void test_levels(void) {
     for (int l = 0; l <= max_level; l++) {
         quant_set_level(l);
@@ -706,6 +749,7 @@ int main(int argc, char **argv) {
     test_golden(golden);
     test_iq3xxs_lattice(golden);
     test_simd_vs_scalar();
+    test_matvec_rows();
     test_scalar_vs_double();
     test_ops();
     test_matmat_columns();
