@@ -188,9 +188,10 @@ failed=0
 # to the totals. A program that dies without that line counts as one failure.
 run_test() {
     local label=$1; shift
-    local out rc=0
+    local out rc=0 start=$SECONDS
     echo "== $label"
     out=$("$@" 2>&1) || rc=$?
+    echo "   ($((SECONDS - start)) s)"
     printf '%s\n' "$out" | grep -v '^ok - ' || true
     local line
     line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1 || true)
