@@ -1149,6 +1149,16 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
  * with the caller's instruction set (a call out of AVX code to SSE code pays for the switch). */
 #define QUANT_SHARED_INLINE static inline __attribute__((always_inline))
 
+/* The K-like formats whose super-block result takes off a min term (dmin * Σ m * bsum). */
+QUANT_SHARED_INLINE int quant_k_has_min(enum gguf_type t) {
+    return t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
+}
+
+/* Byte offset of a K-like super-block's fp16 d (its dmin, where it has one, follows). */
+QUANT_SHARED_INLINE int quant_k_d_offset(enum gguf_type t) {
+    return t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
+}
+
 /* The 16 signed 6-bit scales of a Q3_K super-block (ggml's kmask1/kmask2 unpacking). */
 QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     uint32_t a[4];
@@ -1725,14 +1735,6 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
     }
 }
 
-/* Sum of the 8 int32 lanes (exact). */
-QUANT_AVX2_INLINE int32_t quant_avx2_hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* Lane k of the result = sum of the 8 lanes of s[k] (exact). */
 QUANT_AVX2_INLINE __m256i quant_avx2_hsum8(const __m256i *s) {
     __m256i a = _mm256_hadd_epi32(s[0], s[1]), b = _mm256_hadd_epi32(s[2], s[3]);
@@ -1779,11 +1781,6 @@ QUANT_AVX2_INLINE __m256i quant_avx2_table_values(const int8_t *table, const uin
  * 128 unsigned), so no pair saturates. */
 QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
-}
-
-/* One fp16 at p as a float (F16C, exact). */
-QUANT_AVX2_INLINE float quant_avx2_f16(const uint8_t *p) {
-    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(quant_rd16(p))));
 }
 
 /* 8 int32 whose sum is the block's Σ q_w*q_x, with Q4_0/Q5_0 quants still unsigned
@@ -2061,16 +2058,19 @@ QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, in
 /* All ones in the first COUNT (0..8) of 8 lanes, loaded from quant_avx2_lane_ones + 8 - COUNT. */
 static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 
-/* The fp16 fields at byte OFF of the first COUNT (1..8) of consecutive blocks of BB bytes, as
- * floats; the lanes from COUNT on +0, and nothing past the COUNT blocks is read. */
-QUANT_AVX2_INLINE __m256 quant_avx2_scales_upto8(const uint8_t *b, int bb, int off, int count) {
-    if (count == 8) return quant_avx2_scales8(b, bb, off);
+/* The fp16 fields at byte OFF of a group's blocks, as floats: lane l = block l % 2^SHIFT of row
+ * l >> SHIFT (rows RB bytes apart from B, blocks BB); the lanes past NR rows or past PER blocks
+ * of a row +0, and only the blocks in the group are read. Inlined with constant shape, the
+ * tests fold away. */
+QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, int bb, int shift, int nr,
+                                                 int per, int off) {
     uint64_t lo = 0, hi = 0;
     #pragma GCC unroll 8
-    for (int k = 0; k < 8; k++) {
-        const uint64_t h = k < count ? quant_rd16(b + k * bb + off) : 0;
-        if (k < 4) lo |= h << 16 * k;
-        else hi |= h << 16 * (k - 4);
+    for (int l = 0; l < 8; l++) {
+        const int i = l >> shift, k = l & ((1 << shift) - 1);
+        const uint64_t h = i < nr && k < per ? quant_rd16(b + (size_t)i * rb + (size_t)k * bb + off) : 0;
+        if (l < 4) lo |= h << 16 * l;
+        else hi |= h << 16 * (l - 4);
     }
     return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
@@ -2078,12 +2078,12 @@ QUANT_AVX2_INLINE __m256 quant_avx2_scales_upto8(const uint8_t *b, int bb, int o
 /* K-quant row dot: groups of 8 super-blocks (the last may be short) give one vector of unit
  * results, lane k = unit u + k, added to accumulator (u/8) % 4, i.e. partials u % 32, with
  * quant_dot_k's float steps in each lane. A short group's empty lanes hold +0 (d, dx and the
- * integer parts zero), and a partial plus +0 is the partial: the scalar bits either way. */
+ * integer parts zero), and a partial plus +0 is the partial: the scalar bits either way. No
+ * scalar helper is called (an SSE call from AVX code pays transitions: it made Q6_K 4x slower). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
-    const int has_min = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
-    const int doff = t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
+    const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     const int64_t nu = n / QUANT_QK_K;
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     for (int64_t u = 0; u < nu; u += 8) {
@@ -2099,10 +2099,11 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
         }
         /* dx of the group's units; past them the load reads the act's bsums, which follow d */
         const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
-        const __m256 d = quant_avx2_scales_upto8(wb, bb, doff, count);
+        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
         __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is, count)));
         if (has_min) {
-            const __m256 dmin = quant_avx2_scales_upto8(wb, bb, doff + 2, count);
+            const __m256 dmin = count == 8 ? quant_avx2_scales8(wb, bb, doff + 2)
+                                           : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
             r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(sm, count))));
         }
         if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
@@ -2111,46 +2112,31 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
     return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
-/* Lane L of 8 fp16 fields, each at its own block P[L] + OFF, as floats; lanes with P[L] NULL +0. */
-QUANT_AVX2_INLINE __m256 quant_avx2_scales_at(const uint8_t *const *p, int off) {
-    uint64_t lo = 0, hi = 0;
-    #pragma GCC unroll 8
-    for (int l = 0; l < 8; l++) {
-        const uint64_t h = p[l] ? quant_rd16(p[l] + off) : 0;
-        if (l < 4) lo |= h << 16 * l;
-        else hi |= h << 16 * (l - 4);
-    }
-    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
-}
-
-/* Lane L of a group of quant_avx2_k_pairs: super-block L % 2 of row L / 2, or nothing (blk NULL,
- * zero integer parts) past the group's NR rows. */
+/* Lane L of a group of quant_avx2_k_rows: super-block L % 2 of row L / 2, or zero integer parts
+ * past the group's NR rows. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb, struct quant_q8k_view a,
-                                             int nr, int l, const uint8_t **blk, __m256i *is, __m256i *sm) {
+                                             int nr, int l, __m256i *is, __m256i *sm) {
     const int i = l / 2, k = l % 2;
     is[l] = sm[l] = _mm256_setzero_si256();
-    blk[l] = i < nr ? wr + (size_t)i * rb + (size_t)k * bb : NULL;
-    if (blk[l]) quant_avx2_k_ints(t, blk[l], a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
+    if (i < nr) quant_avx2_k_ints(t, wr + (size_t)i * rb + (size_t)k * bb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
 }
 
 /* NR (1..4) rows of 2 super-blocks from WR, in lanes 2 * row + unit; the row results go to Y. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                               __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
-    const int has_min = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
-    const int doff = t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
-    const uint8_t *blk[8];
+    const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     __m256i is[8], sm[8];
     for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
     if (t == GGUF_TYPE_IQ3_XXS) { /* as in quant_avx2_k: too long a body to unroll */
-        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, blk, is, sm);
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
     } else {
         #pragma GCC unroll 8
-        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, blk, is, sm);
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
     }
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales_at(blk, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
     if (has_min)
-        v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_scales_at(blk, doff + 2), dx),
+        v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff + 2), dx),
                                            _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
     if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
     v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* the partials p[0], p[1] of each row */
