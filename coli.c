@@ -1754,8 +1754,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
 
 /* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). */
 QUANT_AVX2_INLINE __m256i quant_avx2_nibbles(const uint8_t *qs) {
-    __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    __m256i lh = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i lh = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)); /* high lane shifted */
     return _mm256_and_si256(lh, _mm256_set1_epi8(0x0f));
 }
 
