@@ -1703,9 +1703,9 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_PREFETCH 1024
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (Q6_K 154 ->
- * 107 instructions a super-block, Q4_K 115 -> 102), at ~17 s more compile time. The sanitizer
- * builds of the tests define COLI_ROLLED: the same code to the sanitizers, compiled in half the
- * time. */
+ * 107 instructions a super-block, Q4_K 115 -> 102), at ~15 s more compile time. COLI_ROLLED
+ * leaves the loops rolled (same results): the test builds that do not check the kernels' speed
+ * or the shipped code's bits (build.sh) define it. */
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
 #else
