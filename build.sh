@@ -82,7 +82,7 @@ build_coli() {
 # sanitizer runtime, so that build uses glibc).
 # A test uses part of coli.c, so unused functions are expected there.
 # The plain builds of the tests that check the kernels bit for bit (test_quant, test_model) compile
-# them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same results, ~40% less
+# them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same results, ~30% less
 # compile time). The two builds of a test run side by side: each compiles all of coli.c.
 build_test() {
     local name=$1 plain san rc=0 rolled=-DCOLI_ROLLED
