@@ -5076,6 +5076,15 @@ static void expert_own(struct expert_store *s)
     s->own_bytes = total;
 }
 
+/* Before expert_start: the cache's budget becomes BUDGET bytes (< 0: mapped mode), with OWN as
+ * expert_config's (§7 has decided what lives in VRAM, which the budget no longer counts). */
+static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
+{
+    s->cfg.budget = budget;
+    s->cfg.own = own;
+    s->mapped = budget < 0;
+}
+
 /* Starts the cache, or copies the experts in mapped mode when asked (after §7 has placed
  * experts in VRAM, which both then leave out). */
 static void expert_start(struct expert_store *s)
@@ -5108,20 +5117,29 @@ static void expert_close(struct expert_store *s)
 }
 
 /* ==== §7 place ==== */
-/* Owns: which weights live in VRAM (design.md §5), priced in bytes of memory-bus traffic saved
- *   per token per byte of VRAM. Every dense trunk matrix is read once per token: value 1.00.
+/* Owns: which weights live in VRAM (design.md §5), priced in bytes of host memory-bus traffic
+ *   saved per token per byte of VRAM. A dense trunk matrix is read on every token: its bytes.
  *   A routed expert is read with the probability p_e that a token routes to it (its share of
- *   the heat, or top_k / n_expert without heat), and its GPU copy is its GGUF bytes: value
- *   p_e < 1. So the trunk goes first, in a fixed order of components (lmhead, attnproj, dnproj,
- *   dnout, shexp, router, ffn), then the experts, hottest first, into the VRAM that is left
- *   (place_experts, before the expert store's cache starts, so that the cache holds only what
- *   the CPU computes). Each goes to the selected device with the most room left, while it fits
- *   that device's budget (--vram, or free VRAM less a reserve). --place / COLI_PLACE may name
- *   a device per component or split its layers over devices (dnproj=0:20+1:20). coli plan runs
- *   the same decisions as a dry run (place_dry_run), so it cannot disagree with a run.
+ *   the heat, or top_k / n_expert without heat): p_e times its bytes, and twice that when the
+ *   RAM cache would not hold it (an O_DIRECT read writes the bytes the product then reads;
+ *   a buffered one four times).
+ *   The host counts too: a trunk matrix in VRAM leaves its RAM to the expert cache when the
+ *   cache's budget is what memory leaves, and an expert leaving the cache frees its slot for
+ *   the first one that missed; both turn misses into hits (place_decide has the formulas).
+ *   So with RAM to spare the trunk goes first (value 1 against p_e < 1), and with a fixed
+ *   cache a resident expert routed on more than about every other token keeps its place. The
+ *   trunk, component by component in a fixed order (lmhead, attnproj, dnproj, dnout, shexp,
+ *   router, ffn), and the experts, hottest first, are merged by value; each goes to the
+ *   selected device with the most room left that has a kernel for it, while it fits that
+ *   device's budget (--vram, or free VRAM less a reserve). This runs before the expert store's
+ *   cache starts, so that the cache holds only what the CPU computes. --place / COLI_PLACE may
+ *   name a device (or cpu) per component or split its layers over devices (dnproj=0:20+1:20).
+ *   coli plan runs the same decisions as a dry run (place_dry_run), so it cannot disagree
+ *   with a run.
  * Promises: placement changes speed only: a resident matrix or expert computes the same bits
- *   (§5). One [place] line per component says where it went and with what numbers. A bad
- *   --place / COLI_PLACE is a usage error.
+ *   (§5). One [place] line per component says where it went and with what numbers, and one
+ *   the prices that decided between trunk and experts. A bad --place / COLI_PLACE, or one
+ *   naming a device that is not there or not selected, is a usage error.
  * May call: §1, §4 (struct ops_matrix), §5 (devices, uploads), §6 (the store's experts, heat).
  * Workload: once per model load. */
 
@@ -5157,20 +5175,24 @@ static long place_number(const char **p)
     return *p == start ? -1 : v;
 }
 
-/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS..., into *R. Returns 0, or
- * -1 when they are anything else (a split with a segment that has no count, say). */
+/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS... (a DEVICE is a number or
+ * cpu), into *R. Returns 0, or -1 when they are anything else (a split with a segment that
+ * has no count, say). */
 static int place_parse_rule(const char *v, size_t n, struct place_rule *r)
 {
     const char *p = v, *end = v + n;
     for (r->n = 0; r->n < PLACE_MAX_SEGMENTS;) {
         struct place_segment *s = &r->seg[r->n++];
-        s->dev = (int)place_number(&p);
+        if (end - p >= 3 && !strncmp(p, "cpu", 3)) {
+            s->dev = PLACE_CPU;
+            p += 3;
+        } else s->dev = (int)place_number(&p);
         s->count = INT_MAX;
         if (p < end && *p == ':') {
             p++;
             s->count = (int)place_number(&p);
         }
-        if (s->dev < 0 || s->count < 0 || (s->count == INT_MAX && (r->n > 1 || p < end))) return -1;
+        if (s->dev == -1 || s->count < 0 || (s->count == INT_MAX && (r->n > 1 || p < end))) return -1;
         if (p == end) return 0;
         if (*p++ != '+') return -1;
     }
@@ -5210,18 +5232,6 @@ static int place_rule_device(const struct place_rule *r, int ordinal)
     return PLACE_CPU;
 }
 
-/* The selected, usable device with the most budget left that fits BYTES (ONLY >= 0: that one). */
-static int place_pick(size_t bytes, int only)
-{
-    int best = -1;
-    for (int i = 0; i < cuda.n_devices; i++) {
-        const struct cuda_device *d = &cuda.dev[i];
-        if ((only >= 0 && i != only) || !d->usable || d->budget - d->used < (int64_t)bytes) continue;
-        if (best < 0 || d->budget - d->used > cuda.dev[best].budget - cuda.dev[best].used) best = i;
-    }
-    return best;
-}
-
 /* In a dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would.
  * Returns 0, or -1 (nothing charged) when they do not fit. */
 static int place_charge(int dev, const size_t *bytes, int n)
@@ -5232,23 +5242,27 @@ static int place_charge(int dev, const size_t *bytes, int n)
     return 0;
 }
 
-/* Makes W resident on device DEV (a dry run only charges it). Returns 0, or -1 as
- * cuda_make_resident: it stays on the CPU. */
+/* Makes W resident on device DEV (a dry run only charges it), and lets go of its pages in the
+ * mapping. Returns 0, or -1 as cuda_make_resident: it stays on the CPU. */
 static int place_matrix(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
-    if (!place_dry_run) return cuda_make_resident(w, dev);
-    return cuda.dev[dev].matvec[w->type] ? place_charge(dev, &bytes, 1) : -1;
+    if (place_dry_run) return cuda.dev[dev].matvec[w->type] ? place_charge(dev, &bytes, 1) : -1;
+    if (cuda_make_resident(w, dev)) return -1;
+    plat_unmap_range(w->data, bytes); /* the CPU reads it again only if the GPU path ends */
+    return 0;
 }
 
-/* Copies expert W (gate, up, down) to device DEV into *E (a dry run only charges it). Returns
- * 0, or -1 as cuda_expert_upload. */
+/* Copies expert W (gate, up, down) to device DEV into *E (a dry run only charges it), and lets
+ * go of its pages in the mapping. Returns 0, or -1 as cuda_expert_upload. */
 static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
 {
     size_t bytes[3];
-    if (!place_dry_run) return cuda_expert_upload(dev, w, e);
     for (int j = 0; j < 3; j++) bytes[j] = (size_t)w[j].rows * w[j].row_bytes;
-    return place_charge(dev, bytes, 3);
+    if (place_dry_run) return place_charge(dev, bytes, 3);
+    if (cuda_expert_upload(dev, w, e)) return -1;
+    for (int j = 0; j < 3; j++) plat_unmap_range(w[j].data, bytes[j]);
+    return 0;
 }
 
 /* Prints LINE: logged on stderr by a run, on stdout by coli plan. */
@@ -5256,60 +5270,6 @@ static void place_say(const char *line)
 {
     if (place_dry_run) puts(line);
     else plat_log("%s", line);
-}
-
-/* Says LINE (LEN of CAP bytes used) with what went to each device, COUNT[d], and the budget it
- * has left; then what stays on the CPU: N_RULE items by --place, N_ROOM for want of room
- * (CPU_TEXT: their count and size). */
-static void place_line_end(char *line, size_t cap, int len, const int *count, int n_rule, int n_room, const char *cpu_text)
-{
-    for (int i = 0; i < cuda.n_devices && len < (int)cap - 64; i++)
-        if (count[i]) len += snprintf(line + len, cap - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
-                                      (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
-    if (n_rule && n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%d by --place, %d with no room in the budget)", cpu_text, n_rule, n_room);
-    else if (n_rule || n_room) snprintf(line + len, cap - (size_t)len, " cpu: %s (%s)", cpu_text, n_rule ? "--place" : "no room in the budget");
-    place_say(line);
-}
-
-/* Places the matrices of component C among ITEMS[N] (in layer order) as RULE allows, each to
- * the device with the most room left; one [place] line. Returns the bytes placed. */
-static double place_component(const struct place_item *items, int n, enum place_component c, const struct place_rule *rule)
-{
-    int count[CUDA_MAX_DEVICES] = {0}, total = 0, ordinal = -1, layer = INT_MIN, n_rule = 0, n_room = 0;
-    double bytes = 0, placed = 0;
-    for (int i = 0; i < n; i++) {
-        if (items[i].comp != c) continue;
-        if (items[i].layer != layer) ordinal++; /* split rules count layers, not matrices */
-        layer = items[i].layer;
-        size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
-        int want = place_rule_device(rule, ordinal), d = want == PLACE_CPU ? -1 : place_pick(cuda_span(&b, 1), want);
-        total++;
-        bytes += (double)b;
-        if (d >= 0 && place_matrix(items[i].m, d) == 0) {
-            count[d]++;
-            placed += (double)b;
-        } else if (want == PLACE_CPU) n_rule++;
-        else n_room++;
-    }
-    if (!total) return 0;
-    char line[512], cpu_text[64];
-    int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value 1.00 per byte ->", place_names[c], total,
-                       total > 1 ? "ces" : "x", bytes / 1048576.0);
-    snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", n_rule + n_room, (bytes - placed) / 1048576.0);
-    place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
-    return placed;
-}
-
-/* Places ITEMS[N] (in layer order) by the greedy rule above, as SPEC allows; one [place] line
- * per component. Returns the bytes placed. */
-static double place_trunk(const struct place_item *items, int n, const char *spec)
-{
-    struct place_rule rule[PLACE_COUNT];
-    double placed = 0;
-    place_parse(spec, rule);
-    if (!cuda.ready) return 0;
-    for (int c = 0; c < PLACE_COUNT; c++) placed += place_component(items, n, (enum place_component)c, &rule[c]);
-    return placed;
 }
 
 /* The device shape of layer L's experts in S, or 0 when no kernel set fits them (gate and up
@@ -5336,50 +5296,318 @@ static int32_t *place_expert_order(const struct expert_store *s)
     return order;
 }
 
-/* Puts S's routed experts in the VRAM the trunk left, hottest first, as SPEC allows (experts=
- * a rule whose segments count layers; none when a list leaves them out); TOP_K experts of each
- * layer's N are routed per token. One [place] line. Returns the bytes placed. */
-static double place_experts(struct expert_store *s, const char *spec, int top_k)
+/* Why an offer stayed on the CPU, or that it did not. */
+enum place_why { PLACE_PLACED, PLACE_BY_RULE, PLACE_NO_ROOM, PLACE_NO_KERNEL };
+
+/* One thing that may live in VRAM: a trunk matrix or a routed expert. The decision is a
+ * function of these numbers alone (place_decide), so it is tested without a device. */
+struct place_offer {
+    enum place_component comp;
+    int ordinal;       /* the layer its component's rule counts (an expert's: its layer) */
+    size_t bytes;      /* the VRAM it takes, as cuda_upload charges it */
+    size_t cpu_bytes;  /* what the CPU reads from memory each time it computes it instead */
+    double p;          /* the probability that a token reads it: 1 for the trunk */
+    uint32_t devices;  /* the devices with a kernel for it: bit d for device d */
+    int home;          /* decided: a device, or PLACE_CPU */
+    int why;           /* enum place_why */
+    double value;      /* bytes saved per token per byte of VRAM, as priced when it was decided */
+    int ref;           /* what it stands for: place_model's trunk item, or the expert's key */
+};
+
+/* What the host does with the routed experts that stay on the CPU: the RAM cache holds the
+ * hottest of them (LRU with the hottest pinned comes close to that), the rest are read from
+ * the file when a token routes to them. */
+struct place_host {
+    int64_t cache_bytes; /* the cache's budget; < 0: every expert stays in memory, none is read */
+    size_t slot_bytes;   /* one cached expert */
+    int cache_grows;     /* the budget is what memory leaves, so a trunk byte in VRAM is a cache byte */
+    double miss_extra;   /* bus bytes a read from the file adds per byte the product reads */
+};
+
+struct place_rooms { int n; int64_t room[CUDA_MAX_DEVICES]; }; /* bytes each device has left; < 0 none */
+
+/* The experts the cache holds once FREED bytes of trunk have left the host (INT64_MAX: all). */
+static int64_t place_slots(const struct place_host *h, double freed)
 {
-    struct place_rule rule[PLACE_COUNT];
-    int cells = s->n_layers * s->n_expert, count[CUDA_MAX_DEVICES] = {0}, placed = 0, n_rule = 0, n_room = 0;
-    place_parse(spec, rule);
-    if (!cuda.ready || rule[PLACE_EXPERTS].n == 0) return 0;
+    if (h->cache_bytes < 0) return INT64_MAX;
+    return (int64_t)(((double)h->cache_bytes + (h->cache_grows ? freed : 0)) / (double)h->slot_bytes);
+}
+
+/* The expert of heat rank R (0: the hottest) among those on the CPU, when SKIPPED[N_SKIPPED]
+ * were kept there and FROM..END are undecided (they stay, for now): its offer, or -1. */
+static int place_cpu_rank(const int *skipped, int n_skipped, int from, int end, int64_t r)
+{
+    if (r < n_skipped) return skipped[r];
+    return r - n_skipped < end - from ? from + (int)(r - n_skipped) : -1;
+}
+
+/* Sends O where RULE allows: to the device with a kernel for it and the most room that fits
+ * it (charged to ROOMS), or to the CPU with the reason. */
+static void place_home(struct place_offer *o, const struct place_rule rule[PLACE_COUNT], struct place_rooms *rooms)
+{
+    int want = place_rule_device(&rule[o->comp], o->ordinal), best = -1;
+    uint32_t allowed = want == PLACE_ANY ? o->devices : want >= 0 ? o->devices & (1u << want) : 0;
+    for (int d = 0; d < rooms->n; d++)
+        if ((allowed >> d & 1) && rooms->room[d] >= (int64_t)o->bytes && (best < 0 || rooms->room[d] > rooms->room[best])) best = d;
+    o->home = best >= 0 ? best : PLACE_CPU;
+    o->why = want == PLACE_CPU ? PLACE_BY_RULE : !allowed ? PLACE_NO_KERNEL : best < 0 ? PLACE_NO_ROOM : PLACE_PLACED;
+    if (best >= 0) rooms->room[best] -= (int64_t)o->bytes;
+}
+
+/* Decides O[N]: the trunk O[0..N_TRUNK) in its order, the experts O[N_TRUNK..N) hottest
+ * first. Each step takes whichever head of the two lists saves more bus bytes per token per
+ * byte of VRAM (ties: the trunk), priced in the state the earlier steps left, and sends it
+ * home (place_home). The prices, for the first expert the RAM cache would not hold (m):
+ *   trunk matrix: cpu_bytes (read every token), plus, when the cache grows by the RAM it
+ *     frees, cpu_bytes / slot_bytes more hits at m's saving;
+ *   expert: p * cpu_bytes, plus a miss's extra traffic: its own when it is a miss, else m's,
+ *     whose slot it frees;
+ * each over its VRAM bytes; a miss's extra traffic is miss_extra * p * cpu_bytes. */
+static void place_decide(struct place_offer *o, int n_trunk, int n, const struct place_rule rule[PLACE_COUNT],
+                         const struct place_host *h, struct place_rooms *rooms)
+{
+    int *skipped = plat_alloc((size_t)(n - n_trunk + 1) * sizeof *skipped), n_skipped = 0, t = 0, x = n_trunk;
+    double freed = 0;
+    while (t < n_trunk || x < n) {
+        int64_t slots = place_slots(h, freed);
+        int m = place_cpu_rank(skipped, n_skipped, x, n, slots);
+        double hit = m < 0 ? 0 : h->miss_extra * o[m].p * (double)o[m].cpu_bytes, vt = 0, vx = 0;
+        if (t < n_trunk) vt = (double)o[t].cpu_bytes * (1 + (h->cache_grows && m >= 0 ? hit / (double)h->slot_bytes : 0)) / (double)o[t].bytes;
+        if (x < n) {
+            double own = o[x].p * (double)o[x].cpu_bytes;
+            vx = (own + (n_skipped >= slots ? h->miss_extra * own : hit)) / (double)o[x].bytes;
+        }
+        int i = t < n_trunk && (x == n || vt >= vx) ? t++ : x++;
+        o[i].value = i < n_trunk ? vt : vx;
+        place_home(&o[i], rule, rooms);
+        if (i < n_trunk && o[i].home >= 0) freed += (double)o[i].cpu_bytes;
+        if (i >= n_trunk && o[i].home < 0) skipped[n_skipped++] = i;
+    }
+    free(skipped);
+}
+
+/* The devices with a kernel for trunk matrix W. */
+static uint32_t place_matrix_devices(const struct ops_matrix *w)
+{
+    uint32_t mask = 0;
+    for (int d = 0; d < cuda.n_devices; d++)
+        if (cuda.dev[d].usable && cuda.dev[d].matvec[w->type]) mask |= 1u << d;
+    return mask;
+}
+
+/* The devices with kernels for layer L's experts in S. */
+static uint32_t place_expert_devices(const struct expert_store *s, int l)
+{
+    struct cuda_moe_shape sh;
+    uint32_t mask = 0;
+    for (int d = 0; d < cuda.n_devices && place_expert_shape(s, l, &sh); d++)
+        if (cuda.dev[d].usable && cuda_moe_supported(d, &sh)) mask |= 1u << d;
+    return mask;
+}
+
+/* The offers of ITEMS[N] into O, component by component in place_names' order, each in layer
+ * order (ref: the item). Returns their count. */
+static int place_trunk_offers(const struct place_item *items, int n, struct place_offer *o)
+{
+    int k = 0;
+    for (int c = 0; c < PLACE_EXPERTS; c++)
+        for (int i = 0, ordinal = -1, layer = INT_MIN; i < n; i++) {
+            if (items[i].comp != (enum place_component)c) continue;
+            if (items[i].layer != layer) ordinal++; /* split rules count layers, not matrices */
+            layer = items[i].layer;
+            size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
+            o[k++] = (struct place_offer){c, ordinal, cuda_span(&b, 1), b, 1.0, place_matrix_devices(items[i].m), PLACE_CPU, 0, 0, i};
+        }
+    return k;
+}
+
+/* The offers of S's experts into O, hottest first (ref: the key), each read with the
+ * probability p_e that a token routes to it: its share of the heat over the n_layers layers
+ * a token passes, times TOP_K; TOP_K / n_expert without heat. Returns their count. */
+static int place_expert_offers(const struct expert_store *s, int top_k, struct place_offer *o)
+{
+    int cells = s->n_layers * s->n_expert;
     int32_t *order = place_expert_order(s);
-    s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
-    for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
-    double heat_total = 0, bytes = 0, value_first = 0, value_last = 0;
+    uint32_t *devices = plat_alloc((size_t)s->n_layers * sizeof *devices);
+    double heat_total = 0;
+    for (int l = 0; l < s->n_layers; l++) devices[l] = place_expert_devices(s, l);
     for (int i = 0; i < cells; i++) heat_total += s->heat[i];
     for (int i = 0; i < cells; i++) {
         int key = order[i], l = key / s->n_expert, e = key % s->n_expert;
-        struct cuda_moe_shape sh;
-        struct ops_matrix w[3];
         size_t part[3], b = 0;
         for (int j = 0; j < 3; j++) {
-            w[j] = expert_mapped(&s->src[l][j].t, e);
-            b += part[j] = (size_t)w[j].rows * w[j].row_bytes;
+            struct ops_matrix w = expert_mapped(&s->src[l][j].t, e);
+            b += part[j] = (size_t)w.rows * w.row_bytes;
         }
-        int want = place_rule_device(&rule[PLACE_EXPERTS], l), d = want == PLACE_CPU ? -1 : place_pick(cuda_span(part, 3), want);
-        if (d < 0 || !place_expert_shape(s, l, &sh) || !cuda_moe_supported(d, &sh) || place_expert(d, w, &s->vram[key].e)) {
-            if (want == PLACE_CPU) n_rule++;
-            else n_room++;
-            continue;
-        }
-        s->vram[key].dev = d;
-        /* the share of routed tokens, over the n_layers layers each token passes through */
         double p = heat_total > 0 ? s->heat[key] * s->n_layers * top_k / heat_total : (double)top_k / s->n_expert;
-        value_last = p;
-        if (!placed++) value_first = p;
-        count[d]++;
-        bytes += (double)b;
+        o[i] = (struct place_offer){PLACE_EXPERTS, l, cuda_span(part, 3), b, p, devices[l], PLACE_CPU, 0, 0, key};
     }
+    free(devices);
     free(order);
+    return cells;
+}
+
+/* Uploads (a dry run charges) what place_decide sent to a device among O[N] (the trunk first,
+ * N_TRUNK of ITEMS; then S's experts); what fails to upload stays on the CPU, for want of room. */
+static void place_apply(struct place_offer *o, int n_trunk, int n, const struct place_item *items, struct expert_store *s)
+{
+    for (int i = 0; i < n; i++) {
+        if (o[i].home < 0) continue;
+        int failed;
+        if (i < n_trunk) failed = place_matrix(items[o[i].ref].m, o[i].home);
+        else {
+            struct ops_matrix w[3];
+            for (int j = 0; j < 3; j++) w[j] = expert_mapped(&s->src[o[i].ref / s->n_expert][j].t, o[i].ref % s->n_expert);
+            failed = place_expert(o[i].home, w, &s->vram[o[i].ref].e);
+            if (!failed) s->vram[o[i].ref].dev = o[i].home;
+        }
+        if (failed) {
+            o[i].home = PLACE_CPU;
+            o[i].why = PLACE_NO_ROOM;
+        }
+    }
+}
+
+/* Appends to LINE (LEN of CAP bytes used) what went to each device, COUNT[d], and the budget it
+ * has left; then what stays on the CPU, CPU_TEXT (their count and size), and why, WHY[]. */
+static void place_line_end(char *line, size_t cap, int len, const int *count, const int why[4], const char *cpu_text)
+{
+    static const char *const reason[4] = {"", "--place", "no room in the budget", "no kernel for the type"};
+    static const char *const counted[4] = {"", "by --place", "with no room in the budget", "with no kernel for the type"};
+    for (int i = 0; i < cuda.n_devices && len < (int)cap - 64; i++)
+        if (count[i]) len += snprintf(line + len, cap - (size_t)len, " cuda %d: %d (%.1f GiB left)", i, count[i],
+                                      (double)(cuda.dev[i].budget - cuda.dev[i].used) / 1073741824.0);
+    int kinds = (why[1] > 0) + (why[2] > 0) + (why[3] > 0);
+    if (kinds) len += snprintf(line + len, cap - (size_t)len, " cpu: %s (", cpu_text);
+    for (int k = 1, said = 0; k < 4 && len < (int)cap - 64; k++)
+        if (why[k] && kinds == 1) len += snprintf(line + len, cap - (size_t)len, "%s", reason[k]);
+        else if (why[k]) len += snprintf(line + len, cap - (size_t)len, "%s%d %s", said++ ? ", " : "", why[k], counted[k]);
+    if (kinds) snprintf(line + len, cap - (size_t)len, ")");
+    place_say(line);
+}
+
+/* One [place] line for trunk component C: where its offers among O[N] went, at what value. */
+static void place_say_component(const struct place_offer *o, int n, enum place_component c)
+{
+    int count[CUDA_MAX_DEVICES] = {0}, why[4] = {0}, total = 0;
+    double bytes = 0, placed = 0, lo = DBL_MAX, hi = 0;
+    for (int i = 0; i < n; i++) {
+        if (o[i].comp != c) continue;
+        total++;
+        why[o[i].why]++;
+        bytes += (double)o[i].cpu_bytes;
+        lo = fmin(lo, o[i].value);
+        hi = fmax(hi, o[i].value);
+        if (o[i].home >= 0) {
+            count[o[i].home]++;
+            placed += (double)o[i].cpu_bytes;
+        }
+    }
+    if (!total) return;
+    char line[512], value[32], cpu_text[64];
+    if (hi - lo < 0.005) snprintf(value, sizeof value, "%.2f", hi);
+    else snprintf(value, sizeof value, "%.2f..%.2f", lo, hi);
+    int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value %s per byte ->", place_names[c], total,
+                       total > 1 ? "ces" : "x", bytes / 1048576.0, value);
+    snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", total - why[0], (bytes - placed) / 1048576.0);
+    place_line_end(line, sizeof line, len, count, why, cpu_text);
+}
+
+/* The [place] line of the experts O[N] (hottest first): how many went where, their VRAM, and
+ * the values of the first and the last placed. */
+static void place_say_experts(const struct place_offer *o, int n)
+{
+    int count[CUDA_MAX_DEVICES] = {0}, why[4] = {0}, placed = 0;
+    double bytes = 0, first = 0, last = 0;
+    for (int i = 0; i < n; i++) {
+        why[o[i].why]++;
+        if (o[i].home < 0) continue;
+        count[o[i].home]++;
+        bytes += (double)o[i].bytes;
+        last = o[i].value;
+        if (!placed++) first = last;
+    }
     char line[512], cpu_text[16];
-    int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", placed, cells,
-                       bytes / 1073741824.0, value_first, value_last);
-    snprintf(cpu_text, sizeof cpu_text, "%d", cells - placed);
-    place_line_end(line, sizeof line, len, count, n_rule, n_room, cpu_text);
-    return bytes;
+    int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", placed, n,
+                       bytes / 1073741824.0, first, last);
+    snprintf(cpu_text, sizeof cpu_text, "%d", n - placed);
+    place_line_end(line, sizeof line, len, count, why, cpu_text);
+}
+
+/* The [place] line of the prices that decided between the trunk O[0..N_TRUNK) and the experts
+ * O[N_TRUNK..N): the host's terms (H), the last expert placed and the first kept on the CPU. */
+static void place_say_prices(const struct place_offer *o, int n_trunk, int n, const struct place_host *h)
+{
+    int last = -1, kept = -1;
+    for (int i = n_trunk; i < n; i++)
+        if (o[i].home >= 0) last = i;
+        else if (kept < 0 && o[i].why != PLACE_BY_RULE) kept = i;
+    char line[512], cache[128], side[2][64];
+    if (h->cache_bytes < 0) snprintf(cache, sizeof cache, "every expert in memory");
+    else snprintf(cache, sizeof cache, "a RAM cache of %lld experts%s, a read from the file %.0fx a read from RAM", (long long)place_slots(h, 0),
+                  h->cache_grows ? " and the RAM the trunk leaves" : "", 1 + h->miss_extra);
+    for (int k = 0; k < 2; k++) {
+        int i = k ? kept : last;
+        if (i < 0) snprintf(side[k], sizeof side[k], "none");
+        else snprintf(side[k], sizeof side[k], "p %.3f, value %.3f", o[i].p, o[i].value);
+    }
+    snprintf(line, sizeof line, "[place] prices: %s; last expert placed: %s; first kept on the CPU: %s", cache, side[0], side[1]);
+    place_say(line);
+}
+
+/* A --place list naming a device that is not there, or not selected (--gpu), is a usage error.
+ * Without a driver nothing is checked: everything stays on the CPU, as `cuda: none` says. */
+static void place_check_devices(const char *spec, const struct place_rule rule[PLACE_COUNT])
+{
+    for (int c = 0; c < PLACE_COUNT && cuda.n_devices > 0; c++)
+        for (int i = 0; i < rule[c].n; i++) {
+            int d = rule[c].seg[i].dev;
+            if (d >= cuda.n_devices) die_usage("--place %s: there is no CUDA device %d (%d found)", spec, d, cuda.n_devices);
+            if (d >= 0 && !cuda.dev[d].selected) die_usage("--place %s: CUDA device %d is not selected (--gpu)", spec, d);
+        }
+}
+
+/* What place_model placed: for coli plan, and the RAM budget of what stays on the CPU. */
+struct place_result {
+    double trunk_cpu_bytes;                /* the trunk's host bytes now in VRAM */
+    double expert_cpu_bytes;               /* the experts' host bytes now in VRAM */
+    int64_t trunk_vram[CUDA_MAX_DEVICES];  /* each device's VRAM the trunk takes */
+};
+
+/* Prices and places the trunk ITEMS[N_ITEMS] and S's routed experts (S NULL: a dense model),
+ * TOP_K of each layer's routed per token, as SPEC allows, with the host's terms H for what
+ * stays; uploads (a dry run charges) what was decided, and says it: a [place] line per trunk
+ * component, one for the experts, one of the prices. Fills *R. */
+static void place_model(const struct place_item *items, int n_items, struct expert_store *s, int top_k, const char *spec,
+                        const struct place_host *h, struct place_result *r)
+{
+    struct place_rule rule[PLACE_COUNT];
+    memset(r, 0, sizeof *r);
+    place_parse(spec, rule);
+    place_check_devices(spec, rule);
+    if (!cuda.ready) return;
+    int cells = s ? s->n_layers * s->n_expert : 0;
+    struct place_offer *o = plat_zalloc((size_t)(n_items + cells), sizeof *o);
+    struct place_rooms rooms = {cuda.n_devices, {0}};
+    for (int d = 0; d < cuda.n_devices; d++) rooms.room[d] = cuda.dev[d].usable ? cuda.dev[d].budget - cuda.dev[d].used : -1;
+    int n_trunk = place_trunk_offers(items, n_items, o), n = n_trunk + (s ? place_expert_offers(s, top_k, o + n_trunk) : 0);
+    if (s) {
+        s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
+        for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
+    }
+    place_decide(o, n_trunk, n, rule, h, &rooms);
+    place_apply(o, n_trunk, n, items, s);
+    for (int c = 0; c < PLACE_EXPERTS; c++) place_say_component(o, n_trunk, (enum place_component)c);
+    if (s) {
+        place_say_experts(o + n_trunk, n - n_trunk);
+        place_say_prices(o, n_trunk, n, h);
+    }
+    for (int i = 0; i < n; i++) {
+        if (o[i].home < 0) continue;
+        if (i < n_trunk) r->trunk_vram[o[i].home] += (int64_t)o[i].bytes;
+        *(i < n_trunk ? &r->trunk_cpu_bytes : &r->expert_cpu_bytes) += (double)o[i].cpu_bytes;
+    }
+    free(o);
 }
 
 /* ==== §8 model ==== */
@@ -6014,7 +6242,7 @@ static void model_own_trunk(struct model *m)
 }
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
- * (0: choose). Routed experts are read in place from the mapping until model_budget_experts. */
+ * (0: choose). Routed experts are read in place from the mapping until model_place_weights. */
 static void model_load(struct model *m, const char *path, int n_ctx)
 {
     memset(m, 0, sizeof *m);
@@ -6589,39 +6817,79 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, float *buf
     }
 }
 
-/* Puts the routed experts behind a RAM budget: RAM bytes, or (RAM < 0) what memory leaves
- * after the trunk, the KV cache at full context and the recurrent state of N_SEQS sequences,
+/* The RAM the routed experts may take, and how it was reckoned. */
+struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; };
+
+/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what
+ * it places), the KV cache at full context and the recurrent state of N_SEQS sequences,
  * RESERVE bytes (the server's prompt cache), less a margin of 1/16 plus 256 MiB (scratch,
- * thread stacks, the allocator). When the budget
- * holds every expert they stay in the mapping. HEAT: the heat file (NULL:
- * expert_heat_default). Says what it chose in one line. */
-static void model_budget_experts(struct model *m, int n_seqs, int64_t reserve, int64_t ram, const char *heat, enum expert_io io, const char *place)
+ * thread stacks, the allocator). */
+static struct model_budget model_expert_budget(const struct model *m, int n_seqs, int64_t reserve, int64_t ram)
+{
+    uint64_t trunk = m->file.tensor_bytes - model_expert_bytes(m);
+    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
+    struct model_budget b = {ram, plat_mem_available(), (int64_t)trunk, model_kv_bytes_per_token(m) * m->n_ctx * n_seqs,
+                             model_recurrent_bytes(m) * n_seqs, reserve, 0};
+    b.margin = b.avail / 16 + (256 << 20);
+    if (ram < 0) b.budget = b.avail - b.trunk - b.kv - b.state - reserve - b.margin;
+    return b;
+}
+
+/* Opens the store of routed experts behind BUDGET bytes of RAM (HEAT: the heat file, NULL:
+ * expert_heat_default), decides with §7 what lives in VRAM, the trunk and the experts priced
+ * together (GROWS: the budget is what memory leaves, so the trunk placed leaves its RAM to the
+ * experts), and gives the store the budget that leaves for what stays on the CPU. When it
+ * holds every such expert they stay in the mapping. Fills *R. */
+static void model_place(struct model *m, int64_t budget, int grows, const char *heat, enum expert_io io, const char *place,
+                        struct place_result *r)
 {
     const struct model_config *c = &m->cfg;
-    if (c->n_expert == 0) return;
-    uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
-    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
-    int64_t kv = model_kv_bytes_per_token(m) * m->n_ctx * n_seqs, state = model_recurrent_bytes(m) * n_seqs, avail = plat_mem_available();
-    int64_t margin = avail / 16 + (256 << 20), budget = ram;
-    if (ram < 0) budget = avail - (int64_t)trunk - kv - state - reserve - margin;
-    uint64_t fp = model_fingerprint(m);
-    char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
+    struct place_item *it = model_trunk_items(m);
+    int n = 0;
+    while (it[n].m) n++;
+    struct place_host h = {-1, 1, grows, io == EXPERT_IO_DIRECT ? 1.0 : 3.0};
+    int64_t experts = (int64_t)model_expert_bytes(m);
+    if (c->n_expert) {
+        uint64_t fp = model_fingerprint(m);
+        char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
+        struct expert_config cfg = {budget >= experts ? -1 : budget, heat_path, fp, io, 0};
+        model_store_experts(m, &cfg);
+        free(heat_path);
+        if (!m->experts->mapped) {
+            expert_size_slots(m->experts);
+            h.cache_bytes = budget;
+            h.slot_bytes = m->experts->slot_bytes;
+        }
+    }
+    place_model(it, n, m->experts, c->n_expert_used, place, &h, r);
+    free(it);
+    if (!c->n_expert) return;
+    int64_t left = budget + (grows ? (int64_t)r->trunk_cpu_bytes : 0), cpu = experts - (int64_t)r->expert_cpu_bytes;
     /* everything fits: copy the experts when memory also holds the file's pages of them */
-    int own = ram < 0 && budget >= 2 * (int64_t)experts;
-    struct expert_config cfg = {budget >= (int64_t)experts ? -1 : budget, heat_path, fp, io, own};
-    model_store_experts(m, &cfg);
-    place_experts(m->experts, place, c->n_expert_used);
-    expert_start(m->experts);
-    const struct expert_store *s = m->experts;
+    expert_set_budget(m->experts, left >= cpu ? -1 : left, grows && left >= 2 * experts);
+}
+
+/* Places the weights (model_place) with the experts behind a RAM budget (model_expert_budget:
+ * for N_SEQS sequences, RESERVE bytes kept, RAM bytes given or < 0), HEAT the heat file,
+ * starts the store, and says what it chose in one line. */
+static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, int64_t ram, const char *heat, enum expert_io io, const char *place)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_budget b = model_expert_budget(m, n_seqs, reserve, ram);
+    struct place_result r;
+    model_place(m, b.budget, ram < 0, heat, io, place, &r);
+    if (c->n_expert == 0) return;
+    struct expert_store *s = m->experts;
+    expert_start(s);
     long page = sysconf(_SC_PAGESIZE);
-    uintptr_t a = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
-    uintptr_t b = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
-    if (!s->mapped && m->lm_head.data != m->embed->data && b > a)
-        madvise((void *)a, b - a, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
-    const char *heat_state = s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
+    uintptr_t lo = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    uintptr_t hi = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
+    if (!s->mapped && m->lm_head.data != m->embed->data && hi > lo)
+        madvise((void *)lo, hi - lo, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
+    const char *heat_path = s->cfg.heat_path, *heat_state = s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: %s; heat %s (%s)", c->n_layers * c->n_expert,
-                 experts / 1073741824.0, s->own ? "copied there (memory holds the file's pages too)" : "read in place from the mapping",
+                 model_expert_bytes(m) / 1073741824.0, s->own ? "copied there (memory holds the file's pages too)" : "read in place from the mapping",
                  heat_path, heat_state);
     else
         plat_log("[experts] cache %.2f GiB%s: %d of %d experts (%.2f MiB each), up to %d pinned; %s, %d readers; heat %s (%s)",
@@ -6629,9 +6897,9 @@ static void model_budget_experts(struct model *m, int n_seqs, int64_t reserve, i
                  s->slot_bytes / 1048576.0, s->n_pin, s->cfg.io == EXPERT_IO_DIRECT ? "O_DIRECT" : "buffered+fadvise", s->n_readers,
                  heat_path, heat_state);
     if (!s->mapped && ram < 0)
-        plat_log("[experts] budget = %.2f GiB available - %.2f trunk - %.2f KV (context %d x %d) - %.2f state - %.2f margin",
-                 avail / 1073741824.0, trunk / 1073741824.0, kv / 1073741824.0, m->n_ctx, n_seqs, state / 1073741824.0, margin / 1073741824.0);
-    free(heat_path);
+        plat_log("[experts] budget = %.2f GiB available - %.2f trunk + %.2f of it in VRAM - %.2f KV (context %d x %d) - %.2f state"
+                 " - %.2f prompt cache - %.2f margin", b.avail / 1073741824.0, b.trunk / 1073741824.0, r.trunk_cpu_bytes / 1073741824.0,
+                 b.kv / 1073741824.0, m->n_ctx, n_seqs, b.state / 1073741824.0, b.reserve / 1073741824.0, b.margin / 1073741824.0);
 }
 
 /* ==== §9 tokenizer ==== */
@@ -10358,18 +10626,6 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
-/* Offers every dense trunk matrix to §7 place (they are named here because only §8 and below
- * know the model's layout), in layer order with their layers. Returns the bytes placed. */
-static double cmd_place_trunk(struct model *m, const struct cmd_options *o)
-{
-    struct place_item *it = model_trunk_items(m);
-    int n = 0;
-    while (it[n].m) n++;
-    double placed = place_trunk(it, n, o->place);
-    free(it);
-    return placed;
-}
-
 /* Loads O's model for N_SLOTS conversations at once (the engine's slots; 0: as many as memory
  * allows, model_choose_seqs). */
 /* Loads the model for N_SLOTS conversations (0: as many as memory holds), with CACHE bytes
@@ -10384,7 +10640,6 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
         die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
     s->think_open = tok_find(&s->tok, "<think>");
     s->think_close = tok_find(&s->tok, "</think>");
-    cmd_place_trunk(&s->model, o);
     const struct model_config *c = &s->model.cfg;
     if (n_slots <= 0) {
         n_slots = model_choose_seqs(&s->model);
@@ -10393,7 +10648,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     }
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
      * and the file's pages it has just read would both be taken for used memory) */
-    model_budget_experts(&s->model, n_slots, cache, o->ram_bytes, o->heat_path, o->expert_io, o->place);
+    model_place_weights(&s->model, n_slots, cache, o->ram_bytes, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
     /* said last: the copies of the trunk and the experts above are most of the time */
@@ -10884,18 +11139,6 @@ static int cmd_serve(const struct cmd_options *o)
     return 0;
 }
 
-/* coli plan's routed experts: the store opened as a run opens it, with the same heat file, but
- * mapped (nothing read), then placed as a run places them. Returns the bytes placed. */
-static double cmd_plan_experts(struct model *m, const struct cmd_options *o)
-{
-    uint64_t fp = model_fingerprint(m);
-    char *heat = o->heat_path ? plat_strdup(o->heat_path) : expert_heat_default(m->file.path, fp);
-    struct expert_config cfg = {-1, heat, fp, o->expert_io, 0};
-    model_store_experts(m, &cfg);
-    free(heat);
-    return place_experts(m->experts, o->place, m->cfg.n_expert_used);
-}
-
 /* coli plan's device lines: each device's budget and what the trunk (the first TRUNK[d] bytes
  * charged) and the experts take of it; or why there is no device. */
 static void cmd_plan_devices(const int64_t *trunk)
@@ -10928,6 +11171,13 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     if (c->n_expert)
         printf("cpu: routed experts: %.1f MiB, about %.1f MiB read per token\n", cpu_experts / 1048576.0,
                cpu_experts * c->n_expert_used / c->n_expert / 1048576.0);
+    if (m->experts && m->experts->mapped) printf("cpu: expert store: every routed expert on the CPU stays in memory\n");
+    else if (m->experts) {
+        expert_size_slots(m->experts);
+        printf("cpu: expert RAM cache: %.2f GiB%s, %d of %d experts, the rest read from the file\n",
+               (double)m->experts->n_slots * m->experts->slot_bytes / 1073741824.0, o->ram_bytes < 0 ? "" : " (--ram)",
+               m->experts->n_slots, c->n_layers * c->n_expert);
+    }
     printf("cpu: KV cache: %.1f KiB per token, %.1f MiB at context %d\n", kv / 1024.0, kv * ctx / 1048576.0, ctx);
     printf("memory available: %.1f MiB\n", plat_mem_available() / 1048576.0);
 }
@@ -10938,18 +11188,18 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
 static int cmd_plan(const struct cmd_options *o)
 {
     struct model m;
-    int64_t trunk[CUDA_MAX_DEVICES];
     if (!o->model) die_usage("plan needs a model (-m MODEL.gguf)");
     memset(&m, 0, sizeof m);
     gguf_open(&m.file, o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
+    m.n_ctx = model_choose_ctx(&m, o->n_ctx);
     place_dry_run = 1;
-    double trunk_vram = cmd_place_trunk(&m, o), experts_vram = 0;
-    for (int i = 0; i < cuda.n_devices; i++) trunk[i] = cuda.dev[i].used;
-    if (m.cfg.n_expert) experts_vram = cmd_plan_experts(&m, o);
-    cmd_plan_devices(trunk);
-    cmd_plan_cpu(&m, o, trunk_vram, experts_vram);
+    struct model_budget b = model_expert_budget(&m, 1, 0, o->ram_bytes);
+    struct place_result r;
+    model_place(&m, b.budget, o->ram_bytes < 0, o->heat_path, o->expert_io, o->place, &r);
+    cmd_plan_devices(r.trunk_vram);
+    cmd_plan_cpu(&m, o, r.trunk_cpu_bytes, r.expert_cpu_bytes);
     expert_close(m.experts);
     free(m.layers);
     gguf_close(&m.file);

@@ -228,6 +228,189 @@ static void test_failures(void)
     free(x);
 }
 
+/* ---- §7's decisions, as functions of numbers (no device) ---- */
+
+#define MiB ((size_t)1 << 20)
+
+/* Offers in O: N_TRUNK lm_head-like matrices of TRUNK bytes, then N_EXPERTS experts of EXPERT
+ * bytes (VRAM and CPU alike), of one layer, read with P[i] (hottest first; NULL: all P0), that
+ * DEVICES can run. Returns the count. */
+static int make_offers(struct place_offer *o, int n_trunk, size_t trunk, int n_experts, size_t expert, const double *p, double p0,
+                       uint32_t devices)
+{
+    for (int i = 0; i < n_trunk; i++) o[i] = (struct place_offer){PLACE_LMHEAD, i, trunk, trunk, 1.0, devices, PLACE_CPU, 0, 0, i};
+    for (int i = 0; i < n_experts; i++)
+        o[n_trunk + i] = (struct place_offer){PLACE_EXPERTS, 0, expert, expert, p ? p[i] : p0, devices, PLACE_CPU, 0, 0, i};
+    return n_trunk + n_experts;
+}
+
+/* The offers among O[FROM..TO) that went to device DEV (PLACE_CPU: stayed). */
+static int count_home(const struct place_offer *o, int from, int to, int dev)
+{
+    int n = 0;
+    for (int i = from; i < to; i++) n += o[i].home == dev;
+    return n;
+}
+
+static void decide(struct place_offer *o, int n_trunk, int n, const char *spec, const struct place_host *h, struct place_rooms *rooms)
+{
+    struct place_rule rule[PLACE_COUNT];
+    place_parse(spec, rule);
+    place_decide(o, n_trunk, n, rule, h, rooms);
+}
+
+/* Without heat every expert is read with top_k / n_expert (8 / 256), so a trunk matrix that fits
+ * goes first and the experts get exactly what it leaves; one too big stays on the CPU. */
+static void test_place_fits(void)
+{
+    struct place_offer o[1 + 64];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_rooms rooms = {1, {100 * MiB}};
+    int n = make_offers(o, 1, 30 * MiB, 64, 2 * MiB, NULL, 8.0 / 256, 1);
+    decide(o, 1, n, NULL, &mem, &rooms);
+    check(o[0].home == 0 && o[0].value == 1.0 && count_home(o, 1, n, 0) == 35 && rooms.room[0] == 0, "place: a trunk matrix that fits goes first; the experts fill exactly what it leaves",
+          "trunk %d (value %.3f), experts %d, room %lld", o[0].home, o[0].value, count_home(o, 1, n, 0), (long long)rooms.room[0]);
+    rooms = (struct place_rooms){1, {100 * MiB}};
+    n = make_offers(o, 1, 101 * MiB, 64, 2 * MiB, NULL, 8.0 / 256, 1);
+    decide(o, 1, n, NULL, &mem, &rooms);
+    check(o[0].home == PLACE_CPU && o[0].why == PLACE_NO_ROOM && count_home(o, 1, n, 0) == 50, "place: a trunk matrix too big for the device stays on the CPU, the experts take the room",
+          "trunk %d (why %d), experts %d", o[0].home, o[0].why, count_home(o, 1, n, 0));
+    rooms = (struct place_rooms){1, {2 * MiB}};
+    n = make_offers(o, 1, 2 * MiB, 1, 2 * MiB, NULL, 1.0, 1);
+    decide(o, 1, n, NULL, &mem, &rooms);
+    check(o[0].home == 0 && o[1].home == PLACE_CPU && o[0].value == o[1].value, "place: a tie between a trunk matrix and an expert read on every token goes to the trunk",
+          "trunk %d, expert %d", o[0].home, o[1].home);
+}
+
+/* A trunk matrix placed leaves its RAM to the cache (the budget is what memory leaves): with
+ * no cache before it, the hottest expert is then a hit, priced p + the next miss's extra read
+ * (0.4 + 0.3), not a miss's 2 x 0.4. */
+static void test_place_freed(void)
+{
+    const double p[3] = {0.4, 0.3, 0.2};
+    struct place_offer o[1 + 3];
+    struct place_host grows = {0, MiB, 1, 1.0};
+    struct place_rooms rooms = {1, {2 * MiB}};
+    int n = make_offers(o, 1, MiB, 3, MiB, p, 0, 1);
+    decide(o, 1, n, NULL, &grows, &rooms);
+    check(o[0].home == 0 && fabs(o[0].value - 1.4) < 1e-12 && o[1].home == 0 && fabs(o[1].value - 0.7) < 1e-12,
+          "place: a trunk matrix in VRAM leaves its RAM to the expert cache, and the experts are priced with it",
+          "trunk %d value %.3f, expert %d value %.3f", o[0].home, o[0].value, o[1].home, o[1].value);
+}
+
+/* The heat's verdicts. A device with room for 10 experts; one trunk matrix of an expert's size;
+ * the experts read from the file beyond a RAM cache of 4 (--ram: fixed). The 10th (marginal)
+ * expert at p 0.67 is worth 2 x 0.67 = 1.33 per byte against the trunk's 1: it keeps its place;
+ * at p 0.17 (0.34) it loses it to the trunk. With the budget of what memory leaves, the trunk's
+ * RAM turns a miss into a hit as well (1 + 0.67): then the trunk wins even against p 0.67; with
+ * every expert in memory (no misses) the trunk wins too. */
+static void test_place_heat(void)
+{
+    double p[40];
+    struct place_offer o[1 + 40];
+    struct place_host fixed = {4 * (int64_t)MiB, MiB, 0, 1.0}, grows = {4 * (int64_t)MiB, MiB, 1, 1.0}, mem = {-1, 0, 1, 1.0};
+    const struct { double hot; const struct place_host *h; int trunk; const char *name; } cases[] = {
+        {0.67, &fixed, 0, "place: heat, fixed RAM cache: the marginal expert at p 0.67 keeps its place against a trunk matrix"},
+        {0.17, &fixed, 1, "place: heat, fixed RAM cache: the marginal expert at p 0.17 loses its place to a trunk matrix"},
+        {0.67, &grows, 1, "place: heat, the cache is what memory leaves: the trunk's RAM tips it, the trunk goes in"},
+        {0.67, &mem, 1, "place: heat, every expert in memory: the trunk goes in"}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        for (int i = 0; i < 40; i++) p[i] = i < 14 ? cases[c].hot : 0.01;
+        struct place_rooms rooms = {1, {10 * MiB}};
+        int n = make_offers(o, 1, MiB, 40, MiB, p, 0, 1);
+        decide(o, 1, n, NULL, cases[c].h, &rooms);
+        int experts = count_home(o, 1, n, 0);
+        check((o[0].home == 0) == cases[c].trunk && experts == 10 - cases[c].trunk && rooms.room[0] == 0, cases[c].name,
+              "trunk %d (value %.3f), experts %d, the last placed's value %.3f", o[0].home, o[0].value, experts, o[experts].value);
+    }
+    struct place_rooms rooms = {1, {10 * MiB}};
+    int n = make_offers(o, 1, MiB, 40, MiB, NULL, 8.0 / 256, 1);
+    decide(o, 1, n, NULL, &fixed, &rooms);
+    check(o[0].home == 0 && count_home(o, 1, n, 0) == 9, "place: no heat file, fixed RAM cache: the trunk goes in (2 x 8/256 per byte against 1)",
+          "trunk %d, experts %d", o[0].home, count_home(o, 1, n, 0));
+}
+
+/* Room the hot experts leave (less than an expert) goes to a trunk matrix that fits it, though
+ * the experts were worth more. */
+static void test_place_leftover(void)
+{
+    double p[20];
+    struct place_offer o[1 + 20];
+    struct place_host fixed = {2 * (int64_t)MiB, MiB, 0, 1.0};
+    for (int i = 0; i < 20; i++) p[i] = 0.9;
+    struct place_rooms rooms = {1, {10 * MiB + MiB / 2}};
+    int n = make_offers(o, 1, MiB / 4, 20, MiB, p, 0, 1);
+    decide(o, 1, n, NULL, &fixed, &rooms);
+    check(o[0].home == 0 && o[0].value < o[1].value && count_home(o, 1, n, 0) == 10 && rooms.room[0] == (int64_t)(MiB / 4),
+          "place: room the experts leave goes to the trunk", "trunk %d, experts %d, room %lld", o[0].home, count_home(o, 1, n, 0),
+          (long long)rooms.room[0]);
+}
+
+/* --place lists: obeyed as written and charged to the device named; off keeps the trunk; cpu
+ * is a device name; two devices each within their own budget. */
+static void test_place_rules(void)
+{
+    struct place_offer o[2 + 16];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_rooms rooms = {2, {40 * MiB, 10 * MiB}};
+    int n = make_offers(o, 2, 4 * MiB, 16, MiB, NULL, 0.1, 3);
+    decide(o, 2, n, "lmhead=1", &mem, &rooms);
+    check(o[0].home == 1 && o[1].home == 1 && count_home(o, 2, n, PLACE_CPU) == 16 && o[2].why == PLACE_BY_RULE && rooms.room[1] == 2 * MiB &&
+              rooms.room[0] == 40 * (int64_t)MiB,
+          "place: --place lmhead=1 is obeyed (device 1, not the roomier 0) and charged there; the experts it leaves out stay",
+          "homes %d %d, experts on the CPU %d, room %lld %lld", o[0].home, o[1].home, count_home(o, 2, n, PLACE_CPU),
+          (long long)rooms.room[0], (long long)rooms.room[1]);
+    rooms = (struct place_rooms){2, {40 * MiB, 10 * MiB}};
+    n = make_offers(o, 2, 4 * MiB, 16, MiB, NULL, 0.1, 3);
+    decide(o, 2, n, "off", &mem, &rooms);
+    check(count_home(o, 0, 2, PLACE_CPU) == 2 && o[0].why == PLACE_BY_RULE && count_home(o, 2, n, PLACE_CPU) == 0,
+          "place: --place off: the trunk stays, every expert placed", "trunk on the CPU %d, experts on the CPU %d",
+          count_home(o, 0, 2, PLACE_CPU), count_home(o, 2, n, PLACE_CPU));
+    rooms = (struct place_rooms){2, {12 * MiB, 7 * MiB}};
+    n = make_offers(o, 2, 4 * MiB, 16, MiB, NULL, 0.1, 3);
+    decide(o, 2, n, "lmhead=0:1+cpu:1,experts=1", &mem, &rooms);
+    check(o[0].home == 0 && o[1].home == PLACE_CPU && o[1].why == PLACE_BY_RULE && count_home(o, 2, n, 1) == 7 &&
+              count_home(o, 2, n, PLACE_CPU) == 9 && o[2 + 7].why == PLACE_NO_ROOM,
+          "place: lmhead=0:1+cpu:1,experts=1: the first to 0, the second to the CPU, device 1's 7 MiB to 7 experts",
+          "homes %d %d, experts on 1 %d", o[0].home, o[1].home, count_home(o, 2, n, 1));
+    rooms = (struct place_rooms){2, {9 * MiB, 5 * MiB}};
+    n = make_offers(o, 0, 0, 16, MiB, NULL, 0.1, 3);
+    decide(o, 0, n, NULL, &mem, &rooms);
+    check(count_home(o, 0, n, 0) == 9 && count_home(o, 0, n, 1) == 5 && rooms.room[0] == 0 && rooms.room[1] == 0,
+          "place: two devices: each takes what its own budget holds", "device 0 %d, device 1 %d", count_home(o, 0, n, 0), count_home(o, 0, n, 1));
+    rooms = (struct place_rooms){2, {4 * MiB, 8 * MiB}};
+    n = make_offers(o, 0, 0, 6, MiB, NULL, 0.1, 3);
+    decide(o, 0, n, NULL, &mem, &rooms);
+    check(count_home(o, 0, n, 0) == 1 && count_home(o, 0, n, 1) == 5 && rooms.room[0] == rooms.room[1],
+          "place: two devices: each offer goes to the one with the most room", "device 0 %d, device 1 %d", count_home(o, 0, n, 0), count_home(o, 0, n, 1));
+}
+
+/* No VRAM, or no kernel: nothing changes. */
+static void test_place_nothing(void)
+{
+    struct place_offer o[1 + 4];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_rooms none = {1, {0}}, rooms = {1, {64 * MiB}};
+    int n = make_offers(o, 1, MiB, 4, MiB, NULL, 0.5, 1);
+    decide(o, 1, n, NULL, &mem, &none);
+    check(count_home(o, 0, n, PLACE_CPU) == n && o[0].why == PLACE_NO_ROOM && none.room[0] == 0,
+          "place: no VRAM offered (--vram 0): everything stays on the CPU", "%d of %d on the CPU", count_home(o, 0, n, PLACE_CPU), n);
+    n = make_offers(o, 1, MiB, 4, MiB, NULL, 0.5, 0);
+    decide(o, 1, n, NULL, &mem, &rooms);
+    check(count_home(o, 0, n, PLACE_CPU) == n && o[1].why == PLACE_NO_KERNEL && rooms.room[0] == 64 * (int64_t)MiB,
+          "place: no kernel for the type: everything stays, nothing charged", "%d of %d on the CPU", count_home(o, 0, n, PLACE_CPU), n);
+}
+
+static void test_place(void)
+{
+    test_place_fits();
+    test_place_freed();
+    test_place_heat();
+    test_place_leftover();
+    test_place_rules();
+    test_place_nothing();
+}
+
 /* COLI_TEST_REAL=1 (tests/gpu_check.sh): the system's driver and its first device instead of
  * the fake, kernels only. */
 int main(int argc, char **argv)
@@ -236,6 +419,7 @@ int main(int argc, char **argv)
     plat_quiet = 1;
     plat_cpu_detect();
     quant_init();
+    if (!real) test_place();
     if (!real) {
         setenv("COLI_LIBCUDA", "build/fake/libcuda.so.1", 1);
         setenv("FAKE_CUDA_DEVICES", "2", 1);

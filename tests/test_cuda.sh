@@ -98,6 +98,21 @@ for spec in dnproj=0: dnproj=0:x dnproj=0:5+ dnproj=0:-1 dnproj=-1 dnproj=0+1:2 
     else bad "--place $spec" "exit $rc: $(head -c 300 "$tmp/e")"; fi
 done
 
+# A list naming a device that is not there, or not selected, is a usage error; cpu is a device.
+for case in "lmhead=2||there is no CUDA device 2 (2 found)" "experts=0:1+5:1||there is no CUDA device 5" \
+    "lmhead=1|--gpu 0|CUDA device 1 is not selected (--gpu)"; do
+    spec=${case%%|*} rest=${case#*|} gpu=${rest%%|*} want=${rest#*|}
+    $FAKE FAKE_CUDA_DEVICES=2 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 1 --place "$spec" ${gpu:+$gpu} >"$tmp/o" 2>"$tmp/e"
+    rc=$?
+    if [ "$rc" = 2 ] && [ "$(wc -l <"$tmp/e")" = 1 ] && grep -qF -- "$want" "$tmp/e" && [ ! -s "$tmp/o" ]; then ok "--place $spec${gpu:+ ($gpu)}: a usage error: $want"
+    else bad "--place $spec $gpu" "exit $rc: $(head -c 300 "$tmp/e")"; fi
+done
+tokens "--place lmhead=cpu,experts=0:2+cpu:2: cpu is a device name" \
+    '^\[place\] experts: 16 of 32, .* cuda 0: 16 .* cpu: 16 \(--place\)$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=cpu,experts=0:2+cpu:2
+has "... and lm_head stays on the CPU by the list" '^\[place\] lmhead: 1 matrix, .* cpu: 1, [0-9.]+ MiB \(--place\)$' "$tmp/e"
+tokens "every run says the prices that decided" \
+    '^\[place\] prices: every expert in memory; last expert placed: p [0-9.]+, value [0-9.]+; first kept on the CPU: none$' $m LD_LIBRARY_PATH="$B/fake"
+
 # plan_vs_run LABEL ENV...: coli plan prints on stdout the [place] lines that coli run logs with
 # the same settings (the same heat file: plan first, as run saves heat at its end)
 plan_vs_run() {
