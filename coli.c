@@ -3148,7 +3148,9 @@ enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5
     X(ctx_set, "cuCtxSetCurrent", 1) X(mem_info, "cuMemGetInfo_v2", 1) \
     X(mem_alloc, "cuMemAlloc_v2", 1) X(mem_free, "cuMemFree_v2", 1) X(htod, "cuMemcpyHtoD_v2", 1) \
     X(dtoh, "cuMemcpyDtoH_v2", 1) X(module_load, "cuModuleLoadDataEx", 1) X(module_unload, "cuModuleUnload", 1) \
-    X(module_function, "cuModuleGetFunction", 1) X(launch, "cuLaunchKernel", 1)
+    X(module_function, "cuModuleGetFunction", 1) X(launch, "cuLaunchKernel", 1) \
+    X(event_create, "cuEventCreate", 0) X(event_record, "cuEventRecord", 0) X(event_sync, "cuEventSynchronize", 0) \
+    X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0)
 
 struct cuda_api {
     cuda_result (*init)(unsigned flags);
@@ -3172,6 +3174,11 @@ struct cuda_api {
     cuda_result (*module_function)(cuda_handle *fn, cuda_handle mod, const char *name);
     cuda_result (*launch)(cuda_handle fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                           unsigned shared, cuda_handle stream, void **params, void **extra);
+    cuda_result (*event_create)(cuda_handle *e, unsigned flags);
+    cuda_result (*event_record)(cuda_handle e, cuda_handle stream);
+    cuda_result (*event_sync)(cuda_handle e);
+    cuda_result (*event_elapsed)(float *ms, cuda_handle start, cuda_handle end);
+    cuda_result (*event_destroy)(cuda_handle e);
 };
 static struct cuda_api cuda_api;
 
@@ -3258,6 +3265,11 @@ CUDA_WRAP(module_load, (cuda_handle *m, const void *img, unsigned n, int *o, voi
 CUDA_WRAP(module_unload, (cuda_handle m), (m))
 CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
 CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned gy, unsigned bx, void **p), (f, gx, gy, 1, bx, 1, 1, 0, NULL, p, NULL))
+CUDA_WRAP(event_create, (cuda_handle *e), (e, 0))
+CUDA_WRAP(event_record, (cuda_handle e), (e, NULL))
+CUDA_WRAP(event_sync, (cuda_handle e), (e))
+CUDA_WRAP(event_elapsed, (float *ms, cuda_handle a, cuda_handle b), (ms, a, b))
+CUDA_WRAP(event_destroy, (cuda_handle e), (e))
 #undef CUDA_WRAP
 
 /* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
@@ -4143,6 +4155,60 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
     if (!cuda.dev[dev].matvec[w->type] || !cuda_upload(dev, &w->data, &bytes, 1, 1)) return -1;
     ops_offload = cuda_jobs;
     return 0;
+}
+
+/* The probe (§7 asks it before placing the trunk): W's product on device DEV, one column, as
+ * CUDA_PROBE_REPS launches timed by the device's own events (their mean), and the round trip of
+ * its input and output timed by the host's clock (the best of CUDA_PROBE_REPS: a thread
+ * descheduled once must not decide a placement). W's weights are copied there for it and freed after.
+ * Fills *KERNEL and *ROUND_TRIP (seconds per product). Returns 0, or -1 when the device cannot
+ * say: a driver without events, or no memory for the copy (nothing changes); a failed launch
+ * ends the GPU path as anywhere else. */
+#define CUDA_PROBE_REPS 8
+static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kernel, double *round_trip)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    size_t wb = (size_t)w->rows * w->row_bytes, ab = ops_act_stride(w), yb = (size_t)w->rows * sizeof(float);
+    cuda_ptr wp = 0, ap = 0, yp = 0;
+    cuda_handle ev[2] = {NULL, NULL};
+    float ms = 0;
+    if (!cuda_api.event_create || !cuda_api.event_record || !cuda_api.event_sync || !cuda_api.event_elapsed ||
+        !cuda_api.event_destroy || !d->matvec[w->type] || cuda_use(dev))
+        return -1;
+    uint8_t *host = plat_zalloc(ab + yb, 1); /* zero activations: the time does not depend on them */
+    cuda_result r = cuda_mem_alloc(&wp, wb);
+    if (!r) r = cuda_mem_alloc(&ap, ab);
+    if (!r) r = cuda_mem_alloc(&yp, yb);
+    if (!r) r = cuda_event_create(&ev[0]);
+    if (!r) r = cuda_event_create(&ev[1]);
+    int cannot = r != CUDA_SUCCESS;
+    uint64_t rb = w->row_bytes, st = ab;
+    int rows = (int)w->rows, cols = (int)w->cols, columns = 1;
+    void *params[] = {&wp, &rb, &ap, &st, &yp, &rows, &cols, &columns};
+    unsigned grid = (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS);
+    if (!r) r = cuda_htod(wp, w->data, wb);
+    if (!r) r = cuda_htod(ap, host, ab);
+    if (!r) r = cuda_launch(d->matvec[w->type], grid, 1, 32 * CUDA_WARPS, params); /* warm-up */
+    if (!r) r = cuda_event_record(ev[0]);
+    for (int i = 0; i < CUDA_PROBE_REPS && !r; i++) r = cuda_launch(d->matvec[w->type], grid, 1, 32 * CUDA_WARPS, params);
+    if (!r) r = cuda_event_record(ev[1]);
+    if (!r) r = cuda_event_sync(ev[1]);
+    if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
+    *round_trip = DBL_MAX;
+    for (int i = 0; i < CUDA_PROBE_REPS && !r; i++) {
+        double t0 = plat_now();
+        if (!(r = cuda_htod(ap, host, ab))) r = cuda_dtoh(host + ab, yp, yb);
+        *round_trip = fmin(*round_trip, plat_now() - t0);
+    }
+    *kernel = ms / 1e3 / CUDA_PROBE_REPS;
+    for (int i = 0; i < 2; i++)
+        if (ev[i]) cuda_event_destroy(ev[i]);
+    cuda_ptr bufs[3] = {wp, ap, yp};
+    for (int i = 0; i < 3; i++)
+        if (bufs[i]) cuda_mem_free(bufs[i]);
+    free(host);
+    if (r && !cannot) cuda_fail("the probe", r);
+    return r ? -1 : 0;
 }
 
 /* ---- routed experts on the device ----
@@ -5567,12 +5633,139 @@ static void place_check_devices(const char *spec, const struct place_rule rule[P
         }
 }
 
+/* ---- the probe ----
+ * Before the trunk is placed (auto only: a list is obeyed as written), one representative trunk
+ * product is timed on each device (cuda_probe_product: the kernel by the device's events, the
+ * round trip of input and output by the host's clock) and on the CPU. A device whose product,
+ * round trip included, is slower than the CPU's gets no trunk; its room goes to the experts. */
+
+static int place_no_probe; /* --no-probe: every device is taken to be faster than the CPU, as said */
+
+/* The probe's figures for one device, in seconds per product: its kernel and round trip, and
+ * the CPU's product. */
+struct place_probe { double kernel, round_trip, cpu; };
+
+static int place_probe_slower(const struct place_probe *p) { return p->kernel + p->round_trip > p->cpu; }
+
+/* Takes device DEV out of the trunk offers O[N_TRUNK]. */
+static void place_withdraw_trunk(struct place_offer *o, int n_trunk, int dev)
+{
+    for (int i = 0; i < n_trunk; i++) o[i].devices &= ~(1u << dev);
+}
+
+#define PLACE_PROBE_BYTES ((size_t)64 << 20)
+
+/* The matrix the probe times: the largest of ITEMS[N] up to PLACE_PROBE_BYTES (on the big
+ * models a DeltaNet or attention projection, the kind the trunk has most of), or NULL. */
+static const struct ops_matrix *place_probe_matrix(const struct place_item *items, int n)
+{
+    const struct ops_matrix *best = NULL;
+    for (int i = 0; i < n; i++) {
+        size_t b = (size_t)items[i].m->rows * items[i].m->row_bytes;
+        if (b <= PLACE_PROBE_BYTES && (!best || b > (size_t)best->rows * best->row_bytes)) best = items[i].m;
+    }
+    return best;
+}
+
+/* The CPU's time for one product over W: the best of CUDA_PROBE_REPS after one to warm up. */
+static double place_cpu_product(const struct ops_matrix *w)
+{
+    float *x = plat_zalloc((size_t)w->cols, sizeof *x), *y = plat_alloc((size_t)w->rows * sizeof *y);
+    double t = DBL_MAX;
+    ops_matvec(w, x, y);
+    for (int i = 0; i < CUDA_PROBE_REPS; i++) {
+        double t0 = plat_now();
+        ops_matvec(w, x, y);
+        t = fmin(t, plat_now() - t0);
+    }
+    free(x);
+    free(y);
+    return t;
+}
+
+/* Probes each usable device with the largest probe matrix of ITEMS[N_ITEMS] (a [probe] line
+ * each, its kernel's GB/s into GBPS[d]) and withdraws from the trunk offers O[N_TRUNK] those
+ * slower than the CPU. */
+static void place_probe_devices(const struct place_item *items, int n_items, struct place_offer *o, int n_trunk, double *gbps)
+{
+    const struct ops_matrix *w = place_probe_matrix(items, n_items);
+    if (!w) return;
+    if (place_no_probe) {
+        place_say("[probe] off (--no-probe): every device taken to be faster than the CPU for the trunk");
+        return;
+    }
+    double mib = (double)w->rows * w->row_bytes / 1048576.0;
+    struct place_probe p = {0, 0, place_cpu_product(w)};
+    for (int d = 0; d < cuda.n_devices && cuda.ready; d++) {
+        char line[384];
+        if (!cuda.dev[d].usable) continue;
+        if (cuda_probe_product(d, w, &p.kernel, &p.round_trip)) {
+            snprintf(line, sizeof line, "[probe] cuda %d: cannot time a product there (no events in this driver, or no memory): taken to be faster than the CPU", d);
+            if (cuda.ready) place_say(line);
+            continue;
+        }
+        int slower = place_probe_slower(&p);
+        gbps[d] = mib * 1048576.0 / 1e9 / p.kernel;
+        snprintf(line, sizeof line, "[probe] cuda %d: a %.1f MiB %s product %.3f ms (kernel %.3f ms, %.1f GB/s; round trip %.3f ms), on the CPU %.3f ms (%.1f GB/s): %s",
+                 d, mib, gguf_types[w->type].name, (p.kernel + p.round_trip) * 1e3, p.kernel * 1e3, mib * 1048576.0 / 1e9 / p.kernel,
+                 p.round_trip * 1e3, p.cpu * 1e3, mib * 1048576.0 / 1e9 / p.cpu, slower ? "slower than the CPU, no trunk there" : "the trunk may go there");
+        place_say(line);
+        if (slower) place_withdraw_trunk(o, n_trunk, d);
+    }
+}
+
 /* What place_model placed: for coli plan, and the RAM budget of what stays on the CPU. */
 struct place_result {
     double trunk_cpu_bytes;                /* the trunk's host bytes now in VRAM */
     double expert_cpu_bytes;               /* the experts' host bytes now in VRAM */
     int64_t trunk_vram[CUDA_MAX_DEVICES];  /* each device's VRAM the trunk takes */
+    double cpu_per_token, file_per_token;  /* expected bytes per token: on the host bus; of them read from the file */
+    double dev_per_token[CUDA_MAX_DEVICES];
+    double dev_gbps[CUDA_MAX_DEVICES];     /* the probe's kernel figure; 0: not probed */
 };
+
+/* A --place list that does not fit says what: a line for each component with offers among O[N]
+ * that the list sent to a device with no room for them, and the room the devices have left. */
+static void place_say_misfits(const struct place_offer *o, int n, const char *spec)
+{
+    for (int c = 0; c < PLACE_COUNT && spec && strcmp(spec, "auto") && strcmp(spec, "off"); c++) {
+        int misfits = 0, total = 0;
+        double bytes = 0;
+        for (int i = 0; i < n; i++) {
+            if (o[i].comp != (enum place_component)c) continue;
+            total++;
+            if (o[i].why != PLACE_NO_ROOM) continue;
+            misfits++;
+            bytes += (double)o[i].bytes;
+        }
+        if (!misfits) continue;
+        char line[512];
+        int len = snprintf(line, sizeof line, "[place] --place %s: %d of %d %s (%.1f MiB) do not fit:", spec, misfits, total,
+                           place_names[c], bytes / 1048576.0);
+        for (int d = 0, said = 0; d < cuda.n_devices && len < (int)sizeof line - 48; d++)
+            if (cuda.dev[d].usable) len += snprintf(line + len, sizeof line - (size_t)len, "%s cuda %d has %.2f MiB left", said++ ? "," : "", d,
+                                                    (double)(cuda.dev[d].budget - cuda.dev[d].used) / 1048576.0);
+        place_say(line);
+    }
+}
+
+/* The bytes each bus is expected to read per token once O[N] are placed: a trunk matrix all of
+ * it, an expert p times it; a CPU expert beyond what the RAM cache holds (the hottest, once the
+ * trunk in VRAM has left FREED bytes to it) is read from the file too, as place_decide prices. */
+static void place_expect(const struct place_offer *o, int n_trunk, int n, const struct place_host *h, double freed,
+                         struct place_result *r)
+{
+    int64_t slots = place_slots(h, freed), rank = 0;
+    for (int i = 0; i < n; i++) {
+        double b = o[i].p * (double)o[i].cpu_bytes;
+        if (o[i].home >= 0) r->dev_per_token[o[i].home] += b;
+        else if (i < n_trunk || rank++ < slots) r->cpu_per_token += b;
+        else {
+            r->cpu_per_token += b * (1 + h->miss_extra);
+            r->file_per_token += b;
+        }
+    }
+}
 
 /* Prices and places the trunk ITEMS[N_ITEMS] and S's routed experts (S NULL: a dense model),
  * TOP_K of each layer's routed per token, as SPEC allows, with the host's terms H for what
@@ -5585,28 +5778,32 @@ static void place_model(const struct place_item *items, int n_items, struct expe
     memset(r, 0, sizeof *r);
     place_parse(spec, rule);
     place_check_devices(spec, rule);
-    if (!cuda.ready) return;
     int cells = s ? s->n_layers * s->n_expert : 0;
     struct place_offer *o = plat_zalloc((size_t)(n_items + cells), sizeof *o);
-    struct place_rooms rooms = {cuda.n_devices, {0}};
-    for (int d = 0; d < cuda.n_devices; d++) rooms.room[d] = cuda.dev[d].usable ? cuda.dev[d].budget - cuda.dev[d].used : -1;
+    struct place_rooms rooms = {cuda.ready ? cuda.n_devices : 0, {0}};
+    for (int d = 0; d < rooms.n; d++) rooms.room[d] = cuda.dev[d].usable ? cuda.dev[d].budget - cuda.dev[d].used : -1;
     int n_trunk = place_trunk_offers(items, n_items, o), n = n_trunk + (s ? place_expert_offers(s, top_k, o + n_trunk) : 0);
-    if (s) {
+    if (cuda.ready && (!spec || !strcmp(spec, "auto"))) place_probe_devices(items, n_items, o, n_trunk, r->dev_gbps);
+    if (cuda.ready && s) {
         s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
         for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
     }
-    place_decide(o, n_trunk, n, rule, h, &rooms);
-    place_apply(o, n_trunk, n, items, s);
-    for (int c = 0; c < PLACE_EXPERTS; c++) place_say_component(o, n_trunk, (enum place_component)c);
-    if (s) {
-        place_say_experts(o + n_trunk, n - n_trunk);
-        place_say_prices(o, n_trunk, n, h);
+    place_decide(o, n_trunk, n, rule, h, &rooms); /* without a device (or after a failed probe): all on the CPU */
+    if (cuda.ready) {
+        place_apply(o, n_trunk, n, items, s);
+        for (int c = 0; c < PLACE_EXPERTS; c++) place_say_component(o, n_trunk, (enum place_component)c);
+        if (s) {
+            place_say_experts(o + n_trunk, n - n_trunk);
+            place_say_prices(o, n_trunk, n, h);
+        }
+        place_say_misfits(o, n, spec);
     }
     for (int i = 0; i < n; i++) {
         if (o[i].home < 0) continue;
         if (i < n_trunk) r->trunk_vram[o[i].home] += (int64_t)o[i].bytes;
         *(i < n_trunk ? &r->trunk_cpu_bytes : &r->expert_cpu_bytes) += (double)o[i].cpu_bytes;
     }
+    place_expect(o, n_trunk, n, h, r->trunk_cpu_bytes, r);
     free(o);
 }
 
@@ -11182,6 +11379,34 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     printf("memory available: %.1f MiB\n", plat_mem_available() / 1048576.0);
 }
 
+/* coli plan's expectation: the bytes each bus reads per token as placed (R) against the host's
+ * read bandwidth measured here and each device's probed kernel speed, so a decode rate bounded
+ * by memory traffic alone: the buses' times added (a layer's trunk products and its experts
+ * wait on each other), reads from the file not timed. */
+static void cmd_plan_expect(const struct place_result *r)
+{
+    size_t n = 4 * ops_bench_llc();
+    n = (n < ((size_t)256 << 20) ? (size_t)256 << 20 : n > ((size_t)1 << 30) ? (size_t)1 << 30 : n) & ~(size_t)4095;
+    uint8_t *buf = plat_alloc_aligned(n);
+    ops_bench_fill(buf, n);
+    double bw = ops_bench_bandwidth(buf, n), seconds = r->cpu_per_token / (bw * 1e9);
+    int unprobed = 0;
+    free(buf);
+    printf("expected per token: cpu %.1f MiB on the memory bus (%.1f GB/s measured: %.2f ms)", r->cpu_per_token / 1048576.0, bw,
+           seconds * 1e3);
+    for (int d = 0; d < cuda.n_devices; d++) {
+        if (r->dev_per_token[d] <= 0) continue;
+        double t = r->dev_gbps[d] > 0 ? r->dev_per_token[d] / (r->dev_gbps[d] * 1e9) : 0;
+        if (t > 0) printf(", cuda %d %.1f MiB (%.1f GB/s probed: %.2f ms)", d, r->dev_per_token[d] / 1048576.0, r->dev_gbps[d], t * 1e3);
+        else printf(", cuda %d %.1f MiB (not probed)", d, r->dev_per_token[d] / 1048576.0);
+        seconds += t;
+        unprobed += t == 0;
+    }
+    printf("; %.1f MiB of it from the file\n", r->file_per_token / 1048576.0);
+    printf("expected decode: at most %.1f tok/s (memory traffic alone, the buses one after another%s)\n", 1 / seconds,
+           unprobed ? "; the devices not probed not counted" : "");
+}
+
 /* coli plan: where each part of the model would live, decided by the code a run uses (§7 as a
  * dry run: budgets charged, nothing allocated or copied, no weight read) and printed on stdout:
  * the [place] lines a run logs, a line per device, then what stays on the CPU. */
@@ -11200,6 +11425,7 @@ static int cmd_plan(const struct cmd_options *o)
     model_place(&m, b.budget, o->ram_bytes < 0, o->heat_path, o->expert_io, o->place, &r);
     cmd_plan_devices(r.trunk_vram);
     cmd_plan_cpu(&m, o, r.trunk_cpu_bytes, r.expert_cpu_bytes);
+    cmd_plan_expect(&r);
     expert_close(m.experts);
     free(m.layers);
     gguf_close(&m.file);
@@ -11237,6 +11463,7 @@ static const char arg_usage[] =
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
     "           --place auto|off|COMPONENT=DEVICE,... where DEVICE may split the layers, DEV:N+DEV:N...\n"
     "             (lmhead attnproj dnproj dnout shexp router ffn experts; e.g. lmhead=0,dnproj=0:20+1:20)\n"
+    "           --no-probe (auto placement without timing a trunk product on each device and the CPU)\n"
     "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
     "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE,\n"
     "           HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts are read)\n";
@@ -11385,6 +11612,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--gpu")) o->gpu_list = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--vram")) o->vram_bytes = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--place")) o->place = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--no-probe")) place_no_probe = 1;
         else if (!strcmp(a, "--temp")) o->sample.temp = arg_float(argc, argv, &i, 0, 100);
         else if (!strcmp(a, "--top-k")) o->sample.top_k = (int)arg_int(argc, argv, &i, 0, INT_MAX);
         else if (!strcmp(a, "--top-p")) o->sample.top_p = arg_float(argc, argv, &i, 0, 1);

@@ -10,6 +10,11 @@
  * Settings (environment, read at cuInit; the fake's own knobs, never read by coli):
  *   FAKE_CUDA_DEVICES=N (default 1; 0: cuInit answers 100 as a real driver does)
  *   FAKE_CUDA_VRAM_MB, FAKE_CUDA_FREE_MB (default 8192, 7680), FAKE_CUDA_NAMES=a,b
+ *   FAKE_CUDA_GBPS (default 1000): the simulated speed at which a launch reads its weights, and
+ *   FAKE_CUDA_LAUNCH_US (default 2) a launch's own time: the device's clock, which its events
+ *   read (the twins take real time, which the events do not see)
+ *   The first four take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
+ *   in PCI bus order, as coli numbers the devices (the names are in the driver's order).
  *   FAKE_CUDA_FAIL=alloc:K | launch:K (the K-th call and every later one fails) | module:CODE
  *   (read at every call, so a test process may change it between calls)
  * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's.
@@ -28,11 +33,21 @@ typedef unsigned long long CUdeviceptr;
 static int n_dev = -1, fail_alloc, fail_launch, fail_module, n_alloc, n_launch, cur_dev;
 static size_t vram[MAX_DEV], avail[MAX_DEV];
 static char names[MAX_DEV][64];
+static double gbps[MAX_DEV], launch_ns[MAX_DEV], clock_ns[MAX_DEV]; /* the simulated device clocks */
 
 static int env_int(const char *k, int dflt)
 {
     const char *v = getenv(k);
     return v && *v ? atoi(v) : dflt;
+}
+
+/* The I-th comma-separated number of K (the last one given, when the list is shorter). */
+static double env_list(const char *k, int i, double dflt)
+{
+    const char *v = getenv(k);
+    if (!v || !*v) return dflt;
+    for (int n = 0; n < i && strchr(v, ','); n++) v = strchr(v, ',') + 1;
+    return atof(v);
 }
 
 /* FAKE_CUDA_FAIL, read at every call so that a test process can change it as it goes. */
@@ -54,8 +69,11 @@ API CUresult cuInit(unsigned flags)
     if (n_dev > MAX_DEV) n_dev = MAX_DEV;
     const char *nm = getenv("FAKE_CUDA_NAMES");
     for (int i = 0; i < n_dev; i++) {
-        vram[i] = (size_t)env_int("FAKE_CUDA_VRAM_MB", 8192) << 20;
-        avail[i] = (size_t)env_int("FAKE_CUDA_FREE_MB", 7680) << 20;
+        int pci = n_dev - 1 - i; /* driver device i is coli's device n_dev - 1 - i */
+        vram[i] = (size_t)env_list("FAKE_CUDA_VRAM_MB", pci, 8192) << 20;
+        avail[i] = (size_t)env_list("FAKE_CUDA_FREE_MB", pci, 7680) << 20;
+        gbps[i] = env_list("FAKE_CUDA_GBPS", pci, 1000);
+        launch_ns[i] = env_list("FAKE_CUDA_LAUNCH_US", pci, 2) * 1e3;
         snprintf(names[i], sizeof names[i], "Fake GPU %c", 'A' + i);
         if (nm) { /* the i-th comma-separated name */
             const char *p = nm;
@@ -462,8 +480,30 @@ API CUresult cuModuleGetFunction(void **f, void *mod, const char *name)
     return 500;
 }
 
+/* The weight bytes launch P of kernel K reads: a matvec's matrix, a batch's experts. */
+static double launch_bytes(int k, void **p, unsigned gy)
+{
+    if (kernels[k].run == run_matvec) return (double)ARG(5, int) * (double)ARG(1, uint64_t);
+    if (kernels[k].run == run_gate_up) return 2.0 * gy * ARG(5, int) * (double)ARG(4, uint64_t);
+    if (kernels[k].run == run_down) return (double)gy * ARG(5, int) * (double)ARG(4, uint64_t);
+    return 0;
+}
+
+/* Events read the current device's simulated clock. */
+struct event { double ns; };
+API CUresult cuEventCreate(void **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(struct event)); return *e ? 0 : 2; }
+API CUresult cuEventRecord(void *e, void *stream) { (void)stream; ((struct event *)e)->ns = clock_ns[cur_dev]; return 0; }
+API CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
+API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
+{
+    *ms = (float)((((struct event *)b)->ns - ((struct event *)a)->ns) / 1e6);
+    return 0;
+}
+API CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
+
 /* Runs the kernel's twin over what the grid covers: gx blocks of bx threads (bx / 32 warps)
- * along x, gy along y. */
+ * along x, gy along y; the device's clock advances by its launch time and its weight bytes at
+ * its speed. */
 API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                             unsigned shared, void *stream, void **p, void **extra)
 {
@@ -473,5 +513,6 @@ API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
     if (fail_launch && n_launch >= fail_launch) return 719;
     int k = ((struct func *)f)->k;
     kernels[k].run(kernels[k].arg, p, (struct grid){(long)gx * (bx / 32), (long)gx * bx, gy});
+    clock_ns[cur_dev] += launch_ns[cur_dev] + launch_bytes(k, p, gy) / gbps[cur_dev];
     return 0;
 }

@@ -401,8 +401,28 @@ static void test_place_nothing(void)
           "place: no kernel for the type: everything stays, nothing charged", "%d of %d on the CPU", count_home(o, 0, n, PLACE_CPU), n);
 }
 
+/* The probe's verdict counts the round trip; a device it withdraws gets no trunk, and its room
+ * goes to the experts. */
+static void test_place_probe(void)
+{
+    const struct place_probe fast = {1e-4, 2e-5, 1e-3}, slow = {2e-3, 2e-5, 1e-3}, round_trip = {9e-4, 2e-4, 1e-3};
+    check(!place_probe_slower(&fast) && place_probe_slower(&slow) && place_probe_slower(&round_trip),
+          "place: the probe's verdict: slower than the CPU, the round trip counted", "fast %d, slow %d, round trip %d",
+          place_probe_slower(&fast), place_probe_slower(&slow), place_probe_slower(&round_trip));
+    struct place_offer o[2 + 16];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_rooms rooms = {2, {10 * MiB, 10 * MiB}};
+    int n = make_offers(o, 2, 4 * MiB, 16, MiB, NULL, 0.1, 3);
+    place_withdraw_trunk(o, 2, 1);
+    decide(o, 2, n, NULL, &mem, &rooms);
+    check(o[0].home == 0 && o[1].home == 0 && count_home(o, 2, n, 1) == 10 && count_home(o, 2, n, 0) == 2 && rooms.room[1] == 0,
+          "place: a device the probe withdrew: the trunk on the other, its room to the experts", "trunk %d %d, experts on 0 %d, on 1 %d",
+          o[0].home, o[1].home, count_home(o, 2, n, 0), count_home(o, 2, n, 1));
+}
+
 static void test_place(void)
 {
+    test_place_probe();
     test_place_fits();
     test_place_freed();
     test_place_heat();

@@ -110,6 +110,15 @@ done
 tokens "--place lmhead=cpu,experts=0:2+cpu:2: cpu is a device name" \
     '^\[place\] experts: 16 of 32, .* cuda 0: 16 .* cpu: 16 \(--place\)$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=cpu,experts=0:2+cpu:2
 has "... and lm_head stays on the CPU by the list" '^\[place\] lmhead: 1 matrix, .* cpu: 1, [0-9.]+ MiB \(--place\)$' "$tmp/e"
+tokens "the probe: a device slower than the CPU gets no trunk" '^\[probe\] cuda 1: .*, on the CPU [0-9.]+ ms .*: slower than the CPU, no trunk there$' \
+    $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001
+if grep '^\[place\] [a-z]*: [0-9]* matri' "$tmp/e" | grep -q 'cuda 1'; then bad "... nothing of the trunk on it" "$(grep '^\[place\]' "$tmp/e" | head -c 400)"
+else has "... nothing of the trunk on it, its room to the experts" '^\[place\] experts: 32 of 32, .*cuda 1: [1-9]' "$tmp/e"; fi
+has "... and the fast one says so" '^\[probe\] cuda 0: .*: the trunk may go there$' "$tmp/e"
+tokens "--no-probe: nominal figures, the slow device takes trunk" '^\[place\] dnproj: .*cuda 1: [1-9]' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001 -- --no-probe
+has "... and says so" '^\[probe\] off \(--no-probe\)' "$tmp/e"
+tokens "a --place list that does not fit says what" '^\[place\] --place lmhead=0,experts=1: 1 of 1 lmhead \([0-9.]+ MiB\) do not fit: cuda 0 has [0-9.]+ MiB left, cuda 1 has' \
+    $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=0,experts=1 -- --vram 100K
 tokens "every run says the prices that decided" \
     '^\[place\] prices: every expert in memory; last expert placed: p [0-9.]+, value [0-9.]+; first kept on the CPU: none$' $m LD_LIBRARY_PATH="$B/fake"
 
@@ -135,6 +144,11 @@ has "plan, 2 fake devices: a line for the second" '^cuda 1: Fake GPU A, budget [
 plan_vs_run "plan, 2 fake devices, CUDA_EXPERT_GB=0.0001: the same partial placement as run" \
     LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 CUDA_EXPERT_GB=0.0001
 has "plan, CUDA_EXPERT_GB=0.0001: part of the experts stays on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? \(no room' "$tmp/plan"
+plan_vs_run "plan, 2 fake devices, one slower than the CPU: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=0.00001,1000
+has "plan: the probe's lines too" '^\[probe\] cuda 0: .*slower than the CPU, no trunk there$' "$tmp/plan"
+has "plan: the bytes per token on each bus, against the bandwidth measured and probed" \
+    '^expected per token: cpu [0-9.]+ MiB on the memory bus \([0-9.]+ GB/s measured: [0-9.]+ ms\)(, cuda [01] [0-9.]+ MiB \([0-9.]+ GB/s probed: [0-9.]+ ms\))+; [0-9.]+ MiB of it from the file$' "$tmp/plan"
+has "plan: a decode rate from them" '^expected decode: at most [0-9.]+ tok/s \(memory traffic alone, the buses one after another\)$' "$tmp/plan"
 plan_vs_run "plan, a split --place: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1,dnproj=0:1+1:1,experts=1:2
 COLI_CUDA=0 "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>&1
 has "plan with COLI_CUDA=0: the reason instead of a device" '^cuda: none: off \(COLI_CUDA=0\)$' "$tmp/plan"
