@@ -4158,9 +4158,9 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
 }
 
 /* The probe (§7 asks it before placing the trunk): W's product on device DEV, one column, as
- * CUDA_PROBE_REPS launches timed by the device's own events (their mean), and the round trip of
- * its input and output timed by the host's clock (the best of CUDA_PROBE_REPS: a thread
- * descheduled once must not decide a placement). W's weights are copied there for it and freed after.
+ * CUDA_PROBE_REPS launches, and the round trip of its input and output (CUDA_PROBE_REPS
+ * copies each way), both timed by the device's own events, not the host's clock: a thread
+ * descheduled once must not decide a placement. W's weights are copied there for it and freed after.
  * Fills *KERNEL and *ROUND_TRIP (seconds per product). Returns 0, or -1 when the device cannot
  * say: a driver without events, or no memory for the copy (nothing changes); a failed launch
  * ends the GPU path as anywhere else. */
@@ -4194,13 +4194,14 @@ static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kerne
     if (!r) r = cuda_event_record(ev[1]);
     if (!r) r = cuda_event_sync(ev[1]);
     if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
-    *round_trip = DBL_MAX;
-    for (int i = 0; i < CUDA_PROBE_REPS && !r; i++) {
-        double t0 = plat_now();
-        if (!(r = cuda_htod(ap, host, ab))) r = cuda_dtoh(host + ab, yp, yb);
-        *round_trip = fmin(*round_trip, plat_now() - t0);
-    }
     *kernel = ms / 1e3 / CUDA_PROBE_REPS;
+    if (!r) r = cuda_event_record(ev[0]);
+    for (int i = 0; i < CUDA_PROBE_REPS && !r; i++)
+        if (!(r = cuda_htod(ap, host, ab))) r = cuda_dtoh(host + ab, yp, yb);
+    if (!r) r = cuda_event_record(ev[1]);
+    if (!r) r = cuda_event_sync(ev[1]);
+    if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
+    *round_trip = ms / 1e3 / CUDA_PROBE_REPS;
     for (int i = 0; i < 2; i++)
         if (ev[i]) cuda_event_destroy(ev[i]);
     cuda_ptr bufs[3] = {wp, ap, yp};
@@ -5645,6 +5646,10 @@ static int place_no_probe; /* --no-probe: every device is taken to be faster tha
  * the CPU's product. */
 struct place_probe { double kernel, round_trip, cpu; };
 
+/* What the probe found, for the expected time per token: GB/s of the CPU's product and of each
+ * device's kernel (0: not probed), and each device's round trip in seconds. */
+struct place_speed { double cpu_gbps, gbps[CUDA_MAX_DEVICES], round_trip[CUDA_MAX_DEVICES]; };
+
 static int place_probe_slower(const struct place_probe *p) { return p->kernel + p->round_trip > p->cpu; }
 
 /* Takes device DEV out of the trunk offers O[N_TRUNK]. */
@@ -5684,9 +5689,9 @@ static double place_cpu_product(const struct ops_matrix *w)
 }
 
 /* Probes each usable device with the largest probe matrix of ITEMS[N_ITEMS] (a [probe] line
- * each, its kernel's GB/s into GBPS[d]) and withdraws from the trunk offers O[N_TRUNK] those
- * slower than the CPU. */
-static void place_probe_devices(const struct place_item *items, int n_items, struct place_offer *o, int n_trunk, double *gbps)
+ * each, the figures into *SP) and withdraws from the trunk offers O[N_TRUNK] those slower than
+ * the CPU. */
+static void place_probe_devices(const struct place_item *items, int n_items, struct place_offer *o, int n_trunk, struct place_speed *sp)
 {
     const struct ops_matrix *w = place_probe_matrix(items, n_items);
     if (!w) return;
@@ -5696,6 +5701,7 @@ static void place_probe_devices(const struct place_item *items, int n_items, str
     }
     double mib = (double)w->rows * w->row_bytes / 1048576.0;
     struct place_probe p = {0, 0, place_cpu_product(w)};
+    sp->cpu_gbps = mib * 1048576.0 / 1e9 / p.cpu;
     for (int d = 0; d < cuda.n_devices && cuda.ready; d++) {
         char line[384];
         if (!cuda.dev[d].usable) continue;
@@ -5705,7 +5711,8 @@ static void place_probe_devices(const struct place_item *items, int n_items, str
             continue;
         }
         int slower = place_probe_slower(&p);
-        gbps[d] = mib * 1048576.0 / 1e9 / p.kernel;
+        sp->gbps[d] = mib * 1048576.0 / 1e9 / p.kernel;
+        sp->round_trip[d] = p.round_trip;
         snprintf(line, sizeof line, "[probe] cuda %d: a %.1f MiB %s product %.3f ms (kernel %.3f ms, %.1f GB/s; round trip %.3f ms), on the CPU %.3f ms (%.1f GB/s): %s",
                  d, mib, gguf_types[w->type].name, (p.kernel + p.round_trip) * 1e3, p.kernel * 1e3, mib * 1048576.0 / 1e9 / p.kernel,
                  p.round_trip * 1e3, p.cpu * 1e3, mib * 1048576.0 / 1e9 / p.cpu, slower ? "slower than the CPU, no trunk there" : "the trunk may go there");
@@ -5721,7 +5728,7 @@ struct place_result {
     int64_t trunk_vram[CUDA_MAX_DEVICES];  /* each device's VRAM the trunk takes */
     double cpu_per_token, file_per_token;  /* expected bytes per token: on the host bus; of them read from the file */
     double dev_per_token[CUDA_MAX_DEVICES];
-    double dev_gbps[CUDA_MAX_DEVICES];     /* the probe's kernel figure; 0: not probed */
+    struct place_speed speed;              /* the probe's figures; zeros: not probed */
 };
 
 /* A --place list that does not fit says what: a line for each component with offers among O[N]
@@ -5767,6 +5774,79 @@ static void place_expect(const struct place_offer *o, int n_trunk, int n, const 
     }
 }
 
+/* The expected seconds per token of the decisions in O[N] (the trunk O[0..N_TRUNK)) at the
+ * probe's speeds SP: each bus's bytes (place_expect) over its speed, plus a device's round
+ * trip for each call a token makes to it: one per trunk component and layer it holds, one
+ * expert batch per layer (reads from the file not timed). Experts run at the trunk's speed. */
+static double place_expected_seconds(const struct place_offer *o, int n_trunk, int n, const struct place_host *h, const struct place_speed *sp)
+{
+    struct place_result r = {0};
+    int layers = 1;
+    for (int i = 0; i < n; i++) {
+        if (i < n_trunk && o[i].home >= 0) r.trunk_cpu_bytes += (double)o[i].cpu_bytes;
+        if (o[i].ordinal >= layers) layers = o[i].ordinal + 1;
+    }
+    place_expect(o, n_trunk, n, h, r.trunk_cpu_bytes, &r);
+    double seconds = r.cpu_per_token / (sp->cpu_gbps * 1e9);
+    uint8_t *called = plat_zalloc((size_t)CUDA_MAX_DEVICES * PLACE_COUNT * (size_t)layers, 1);
+    for (int d = 0; d < CUDA_MAX_DEVICES; d++)
+        if (r.dev_per_token[d] > 0) seconds += r.dev_per_token[d] / (sp->gbps[d] * 1e9);
+    for (int i = 0; i < n; i++) {
+        uint8_t *c = o[i].home >= 0 ? &called[((size_t)o[i].home * PLACE_COUNT + o[i].comp) * (size_t)layers + (size_t)o[i].ordinal] : NULL;
+        if (c && !*c) seconds += sp->round_trip[o[i].home];
+        if (c) *c = 1;
+    }
+    free(called);
+    return seconds;
+}
+
+#define PLACE_SPLIT_GAIN 0.05 /* a split must save this share of mixed's time per token to be chosen */
+
+/* With two or more probed devices: the trunk on device t (one the probe left it) and the
+ * experts on device e, for each pair (t = e: all on one), against mixed by room, each decided on a copy of O[N] (the trunk
+ * O[0..N_TRUNK)) with RULE, H and ROOMS and priced by place_expected_seconds at SP. The fastest
+ * wins if it beats mixed by PLACE_SPLIT_GAIN (else mixed); O's device masks are narrowed to it.
+ * One [probe] line with each candidate's time (measured figures, so not a [place] line: those
+ * say the decisions, which plan and run share). */
+static void place_choose_split(struct place_offer *o, int n_trunk, int n, const struct place_rule rule[PLACE_COUNT],
+                               const struct place_host *h, const struct place_rooms *rooms, const struct place_speed *sp)
+{
+    int probed = 0, best_t = -1, best_e = -1;
+    uint32_t trunk_ok = 0; /* the devices the probe left the trunk */
+    for (int d = 0; d < rooms->n; d++) probed += sp->gbps[d] > 0;
+    for (int i = 0; i < n_trunk; i++) trunk_ok |= o[i].devices;
+    if (probed < 2) return;
+    struct place_offer *try = plat_alloc((size_t)n * sizeof *try);
+    double best = INFINITY, mixed = INFINITY;
+    char line[1024];
+    int len = snprintf(line, sizeof line, "[probe] expected per token:");
+    for (int t = -1; t < rooms->n; t++)
+        for (int e = t < 0 ? -1 : 0; e < (t < 0 ? 0 : rooms->n) && len < (int)sizeof line - 80; e++) {
+            if (t >= 0 && (!(trunk_ok >> t & 1) || sp->gbps[e] <= 0 || rooms->room[t] <= 0 || rooms->room[e] <= 0)) continue;
+            memcpy(try, o, (size_t)n * sizeof *try);
+            for (int i = 0; i < n && t >= 0; i++) try[i].devices &= 1u << (i < n_trunk ? t : e);
+            struct place_rooms left = *rooms;
+            place_decide(try, n_trunk, n, rule, h, &left);
+            double sec = place_expected_seconds(try, n_trunk, n, h, sp);
+            if (t < 0) len += snprintf(line + len, sizeof line - (size_t)len, " mixed by room %.3f ms", sec * 1e3);
+            else if (t == e) len += snprintf(line + len, sizeof line - (size_t)len, ", all on cuda %d %.3f ms", t, sec * 1e3);
+            else len += snprintf(line + len, sizeof line - (size_t)len, ", trunk on cuda %d and experts on cuda %d %.3f ms", t, e, sec * 1e3);
+            if (t < 0) mixed = sec;
+            else if (sec < best) {
+                best = sec;
+                best_t = t;
+                best_e = e;
+            }
+        }
+    free(try);
+    if (!(best < mixed * (1 - PLACE_SPLIT_GAIN))) best_t = best_e = -1;
+    if (best_t < 0) snprintf(line + len, sizeof line - (size_t)len, " -> mixed by room");
+    else if (best_t == best_e) snprintf(line + len, sizeof line - (size_t)len, " -> all on cuda %d", best_t);
+    else snprintf(line + len, sizeof line - (size_t)len, " -> trunk on cuda %d, experts on cuda %d", best_t, best_e);
+    place_say(line);
+    for (int i = 0; i < n && best_t >= 0; i++) o[i].devices &= 1u << (i < n_trunk ? best_t : best_e);
+}
+
 /* Prices and places the trunk ITEMS[N_ITEMS] and S's routed experts (S NULL: a dense model),
  * TOP_K of each layer's routed per token, as SPEC allows, with the host's terms H for what
  * stays; uploads (a dry run charges) what was decided, and says it: a [place] line per trunk
@@ -5783,7 +5863,9 @@ static void place_model(const struct place_item *items, int n_items, struct expe
     struct place_rooms rooms = {cuda.ready ? cuda.n_devices : 0, {0}};
     for (int d = 0; d < rooms.n; d++) rooms.room[d] = cuda.dev[d].usable ? cuda.dev[d].budget - cuda.dev[d].used : -1;
     int n_trunk = place_trunk_offers(items, n_items, o), n = n_trunk + (s ? place_expert_offers(s, top_k, o + n_trunk) : 0);
-    if (cuda.ready && (!spec || !strcmp(spec, "auto"))) place_probe_devices(items, n_items, o, n_trunk, r->dev_gbps);
+    int probe = cuda.ready && (!spec || !strcmp(spec, "auto"));
+    if (probe) place_probe_devices(items, n_items, o, n_trunk, &r->speed);
+    if (probe && cuda.ready) place_choose_split(o, n_trunk, n, rule, h, &rooms, &r->speed);
     if (cuda.ready && s) {
         s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
         for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
@@ -11396,8 +11478,8 @@ static void cmd_plan_expect(const struct place_result *r)
            seconds * 1e3);
     for (int d = 0; d < cuda.n_devices; d++) {
         if (r->dev_per_token[d] <= 0) continue;
-        double t = r->dev_gbps[d] > 0 ? r->dev_per_token[d] / (r->dev_gbps[d] * 1e9) : 0;
-        if (t > 0) printf(", cuda %d %.1f MiB (%.1f GB/s probed: %.2f ms)", d, r->dev_per_token[d] / 1048576.0, r->dev_gbps[d], t * 1e3);
+        double t = r->speed.gbps[d] > 0 ? r->dev_per_token[d] / (r->speed.gbps[d] * 1e9) : 0;
+        if (t > 0) printf(", cuda %d %.1f MiB (%.1f GB/s probed: %.2f ms)", d, r->dev_per_token[d] / 1048576.0, r->speed.gbps[d], t * 1e3);
         else printf(", cuda %d %.1f MiB (not probed)", d, r->dev_per_token[d] / 1048576.0);
         seconds += t;
         unprobed += t == 0;

@@ -11,9 +11,10 @@
  *   FAKE_CUDA_DEVICES=N (default 1; 0: cuInit answers 100 as a real driver does)
  *   FAKE_CUDA_VRAM_MB, FAKE_CUDA_FREE_MB (default 8192, 7680), FAKE_CUDA_NAMES=a,b
  *   FAKE_CUDA_GBPS (default 1000): the simulated speed at which a launch reads its weights, and
- *   FAKE_CUDA_LAUNCH_US (default 2) a launch's own time: the device's clock, which its events
- *   read (the twins take real time, which the events do not see)
- *   The first four take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
+ *   FAKE_CUDA_LAUNCH_US (default 2) a launch's own time, FAKE_CUDA_COPY_US (default 5) and
+ *   FAKE_CUDA_PCIE_GBPS (default 25) a copy's: the device's clock, which its events read (the
+ *   twins take real time, which the events do not see)
+ *   These and the first two take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
  *   in PCI bus order, as coli numbers the devices (the names are in the driver's order).
  *   FAKE_CUDA_FAIL=alloc:K | launch:K (the K-th call and every later one fails) | module:CODE
  *   (read at every call, so a test process may change it between calls)
@@ -33,7 +34,7 @@ typedef unsigned long long CUdeviceptr;
 static int n_dev = -1, fail_alloc, fail_launch, fail_module, n_alloc, n_launch, cur_dev;
 static size_t vram[MAX_DEV], avail[MAX_DEV];
 static char names[MAX_DEV][64];
-static double gbps[MAX_DEV], launch_ns[MAX_DEV], clock_ns[MAX_DEV]; /* the simulated device clocks */
+static double gbps[MAX_DEV], launch_ns[MAX_DEV], copy_ns[MAX_DEV], pcie_gbps[MAX_DEV], clock_ns[MAX_DEV]; /* the simulated clocks */
 
 static int env_int(const char *k, int dflt)
 {
@@ -74,6 +75,8 @@ API CUresult cuInit(unsigned flags)
         avail[i] = (size_t)env_list("FAKE_CUDA_FREE_MB", pci, 7680) << 20;
         gbps[i] = env_list("FAKE_CUDA_GBPS", pci, 1000);
         launch_ns[i] = env_list("FAKE_CUDA_LAUNCH_US", pci, 2) * 1e3;
+        copy_ns[i] = env_list("FAKE_CUDA_COPY_US", pci, 5) * 1e3;
+        pcie_gbps[i] = env_list("FAKE_CUDA_PCIE_GBPS", pci, 25);
         snprintf(names[i], sizeof names[i], "Fake GPU %c", 'A' + i);
         if (nm) { /* the i-th comma-separated name */
             const char *p = nm;
@@ -137,8 +140,10 @@ API CUresult cuMemFree_v2(CUdeviceptr p)
     free(b);
     return 0;
 }
-API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return 0; }
-API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+/* A copy advances the current device's clock by its latency and its bytes at the bus's speed. */
+static void copy_clock(size_t n) { clock_ns[cur_dev] += copy_ns[cur_dev] + (double)n / pcie_gbps[cur_dev]; }
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); copy_clock(n); return 0; }
+API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); copy_clock(n); return 0; }
 
 /* ---- the kernels' C twins ---- */
 

@@ -420,8 +420,54 @@ static void test_place_probe(void)
           o[0].home, o[1].home, count_home(o, 2, n, 0), count_home(o, 2, n, 1));
 }
 
+/* The expected time per token, by hand: a 1 MiB trunk matrix on device 0 (1 GB/s, round trip
+ * 10 us), two 1 MiB experts routed half the time on the CPU (0.5 GB/s), all in memory. */
+static void test_place_expected(void)
+{
+    struct place_offer o[3];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_speed sp = {0.5, {1.0}, {1e-5}};
+    int n = make_offers(o, 1, MiB, 2, MiB, NULL, 0.5, 1);
+    o[0].home = 0;
+    double want = MiB / 1e9 + 1e-5 + 2 * 0.5 * MiB / 0.5e9, got = place_expected_seconds(o, 1, n, &mem, &sp);
+    check(fabs(got - want) < 1e-12, "place: the expected seconds per token: each bus's bytes over its speed, a round trip per call",
+          "%.9f s, by hand %.9f", got, want);
+}
+
+/* Two unequal devices: 0 fast (1000 GB/s) with room for the trunk and one expert, 1 slow (50
+ * GB/s) with room for all. The choice puts the trunk on 0 and the experts on 1, and is no slower
+ * than any of the hand-written lists beside it. */
+static void test_place_two_devices(void)
+{
+    static const char *const lists[] = {"lmhead=0,experts=1", "lmhead=1,experts=0", "lmhead=0,experts=0", "lmhead=1,experts=1",
+                                        "lmhead=0:2+1:2,experts=1", "lmhead=1:2+0:2,experts=0", "lmhead=0,experts=0:1"};
+    struct place_offer o[4 + 32], l[4 + 32];
+    struct place_host mem = {-1, 0, 1, 1.0};
+    struct place_speed sp = {10, {1000, 50}, {2e-6, 2e-6}};
+    const struct place_rooms rooms = {2, {9 * MiB, 64 * MiB}};
+    struct place_rule rule[PLACE_COUNT];
+    int n = make_offers(o, 4, 2 * MiB, 32, MiB, NULL, 0.25, 3);
+    place_parse(NULL, rule);
+    place_choose_split(o, 4, n, rule, &mem, &rooms, &sp);
+    struct place_rooms left = rooms;
+    place_decide(o, 4, n, rule, &mem, &left);
+    double chosen = place_expected_seconds(o, 4, n, &mem, &sp), best_list = INFINITY;
+    for (size_t k = 0; k < sizeof lists / sizeof *lists; k++) {
+        make_offers(l, 4, 2 * MiB, 32, MiB, NULL, 0.25, 3);
+        left = rooms;
+        decide(l, 4, n, lists[k], &mem, &left);
+        best_list = fmin(best_list, place_expected_seconds(l, 4, n, &mem, &sp));
+    }
+    check(count_home(o, 0, 4, 0) == 4 && count_home(o, 4, n, 1) == 32 && chosen <= best_list,
+          "place: two unequal devices: trunk on the fast one, experts on the roomy one, no slower than a hand-written list",
+          "trunk on 0: %d, experts on 1: %d; %.6f ms against the best list's %.6f ms", count_home(o, 0, 4, 0), count_home(o, 4, n, 1),
+          chosen * 1e3, best_list * 1e3);
+}
+
 static void test_place(void)
 {
+    test_place_expected();
+    test_place_two_devices();
     test_place_probe();
     test_place_fits();
     test_place_freed();

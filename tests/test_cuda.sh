@@ -73,7 +73,7 @@ m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
 tokens "allocations fail: matrices stay on the CPU" 'cpu: [0-9]+, .*no room' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=alloc:3
-tokens "2 fake devices: the experts spread over both" '^\[place\] experts: 32 of 32, .* cuda 0: [0-9]+ .* cuda 1: [0-9]+' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
+tokens "2 fake devices, --no-probe: mixed by room, the experts spread over both" '^\[place\] experts: 32 of 32, .* cuda 0: [0-9]+ .* cuda 1: [0-9]+' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 -- --no-probe
 tokens "--place off: the trunk on the CPU, the experts on the device" '^\[place\] experts: 32 of 32' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=off
 tokens "--place lmhead=0: a list without experts= keeps them on the CPU" '^\[cuda\] 8 products and 0 expert batches' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=0
 tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K
@@ -113,22 +113,32 @@ has "... and lm_head stays on the CPU by the list" '^\[place\] lmhead: 1 matrix,
 tokens "the probe: a device slower than the CPU gets no trunk" '^\[probe\] cuda 1: .*, on the CPU [0-9.]+ ms .*: slower than the CPU, no trunk there$' \
     $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001
 if grep '^\[place\] [a-z]*: [0-9]* matri' "$tmp/e" | grep -q 'cuda 1'; then bad "... nothing of the trunk on it" "$(grep '^\[place\]' "$tmp/e" | head -c 400)"
-else has "... nothing of the trunk on it, its room to the experts" '^\[place\] experts: 32 of 32, .*cuda 1: [1-9]' "$tmp/e"; fi
+else has "... nothing of the trunk on it; the choice leaves it out" '^\[probe\] expected per token: mixed by room [0-9.]+ ms, all on cuda 0 [0-9.]+ ms, .* -> all on cuda 0$' "$tmp/e"; fi
 has "... and the fast one says so" '^\[probe\] cuda 0: .*: the trunk may go there$' "$tmp/e"
 tokens "--no-probe: nominal figures, the slow device takes trunk" '^\[place\] dnproj: .*cuda 1: [1-9]' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001 -- --no-probe
 has "... and says so" '^\[probe\] off \(--no-probe\)' "$tmp/e"
 tokens "a --place list that does not fit says what" '^\[place\] --place lmhead=0,experts=1: 1 of 1 lmhead \([0-9.]+ MiB\) do not fit: cuda 0 has [0-9.]+ MiB left, cuda 1 has' \
     $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=0,experts=1 -- --vram 100K
+m=q35moe-f32.gguf
+COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
+tokens "two unequal devices (0: fast, 1 MiB; 1: slow, 7 GiB): the trunk on the fast one, the experts on the roomy one" \
+    '^\[probe\] expected per token: .* -> trunk on cuda 0, experts on cuda 1$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 \
+    FAKE_CUDA_VRAM_MB=1024,8192 FAKE_CUDA_FREE_MB=257,7680 FAKE_CUDA_GBPS=1000,50 FAKE_CUDA_COPY_US=0.5
+has "... lm_head there" '^\[place\] lmhead: 1 matrix, .* -> cuda 0: 1 ' "$tmp/e"
+has "... every expert on the other" '^\[place\] experts: 32 of 32, .* -> cuda 1: 32 ' "$tmp/e"
+m=q35moe-q8_0.gguf
 tokens "every run says the prices that decided" \
     '^\[place\] prices: every expert in memory; last expert placed: p [0-9.]+, value [0-9.]+; first kept on the CPU: none$' $m LD_LIBRARY_PATH="$B/fake"
 
-# plan_vs_run LABEL ENV...: coli plan prints on stdout the [place] lines that coli run logs with
-# the same settings (the same heat file: plan first, as run saves heat at its end)
+# plan_vs_run LABEL ENV... [-- FLAGS...]: coli plan prints on stdout the [place] lines that coli
+# run logs with the same settings (the same heat file: plan first, as run saves heat at its end)
 plan_vs_run() {
-    local label=$1
+    local label=$1 vars=()
     shift
-    env "$@" HEAT_FILE="$tmp/heat" "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>"$tmp/plan-e"
-    env "$@" HEAT_FILE="$tmp/heat" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog 2>"$tmp/e" >/dev/null
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    env "${vars[@]}" HEAT_FILE="$tmp/heat" "$COLI" plan -m "$GOLDEN/$m" "$@" >"$tmp/plan" 2>"$tmp/plan-e"
+    env "${vars[@]}" HEAT_FILE="$tmp/heat" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog "$@" 2>"$tmp/e" >/dev/null
     grep '^\[place\]' "$tmp/plan" >"$tmp/plan-place"
     grep '^\[place\]' "$tmp/e" >"$tmp/run-place"
     if [ ! -s "$tmp/run-place" ] || ! cmp -s "$tmp/plan-place" "$tmp/run-place"; then
@@ -142,8 +152,8 @@ has "plan, 1 fake device: nothing of the trunk left on the CPU" '^cpu: trunk \(d
 plan_vs_run "plan, 2 fake devices (with heat): run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 has "plan, 2 fake devices: a line for the second" '^cuda 1: Fake GPU A, budget [0-9.]+ GiB: trunk [0-9.]+ MiB, experts [0-9.]+ MiB' "$tmp/plan"
 plan_vs_run "plan, 2 fake devices, CUDA_EXPERT_GB=0.0001: the same partial placement as run" \
-    LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 CUDA_EXPERT_GB=0.0001
-has "plan, CUDA_EXPERT_GB=0.0001: part of the experts stays on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? \(no room' "$tmp/plan"
+    LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 CUDA_EXPERT_GB=0.0001 -- --no-probe
+has "plan, CUDA_EXPERT_GB=0.0001, --no-probe: part of the experts stays on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? \(no room' "$tmp/plan"
 plan_vs_run "plan, 2 fake devices, one slower than the CPU: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=0.00001,1000
 has "plan: the probe's lines too" '^\[probe\] cuda 0: .*slower than the CPU, no trunk there$' "$tmp/plan"
 has "plan: the bytes per token on each bus, against the bandwidth measured and probed" \
