@@ -3128,7 +3128,7 @@ typedef unsigned long long cuda_ptr; /* CUdeviceptr: 64-bit since the _v2 API */
 typedef struct cuda_opaque *cuda_handle; /* CUcontext, CUmodule, CUfunction, CUstream */
 
 enum {
-    CUDA_SUCCESS = 0, CUDA_ERROR_OUT_OF_MEMORY = 2, CUDA_ERROR_STUB_LIBRARY = 34,
+    CUDA_SUCCESS = 0, CUDA_ERROR_OUT_OF_MEMORY = 2, CUDA_ERROR_STUB_LIBRARY = 34, CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_NO_DEVICE = 100, CUDA_ERROR_INVALID_PTX = 218, CUDA_ERROR_JIT_COMPILER_NOT_FOUND = 221,
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222, CUDA_ERROR_NOT_FOUND = 500,
 };
@@ -3150,7 +3150,9 @@ enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5
     X(dtoh, "cuMemcpyDtoH_v2", 1) X(module_load, "cuModuleLoadDataEx", 1) X(module_unload, "cuModuleUnload", 1) \
     X(module_function, "cuModuleGetFunction", 1) X(launch, "cuLaunchKernel", 1) \
     X(event_create, "cuEventCreate", 0) X(event_record, "cuEventRecord", 0) X(event_sync, "cuEventSynchronize", 0) \
-    X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0)
+    X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0) X(event_query, "cuEventQuery", 0) \
+    X(stream_create, "cuStreamCreate", 0) X(htod_async, "cuMemcpyHtoDAsync_v2", 0) \
+    X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0)
 
 struct cuda_api {
     cuda_result (*init)(unsigned flags);
@@ -3179,6 +3181,11 @@ struct cuda_api {
     cuda_result (*event_sync)(cuda_handle e);
     cuda_result (*event_elapsed)(float *ms, cuda_handle start, cuda_handle end);
     cuda_result (*event_destroy)(cuda_handle e);
+    cuda_result (*event_query)(cuda_handle e);
+    cuda_result (*stream_create)(cuda_handle *st, unsigned flags);
+    cuda_result (*htod_async)(cuda_ptr dst, const void *src, size_t n, cuda_handle st);
+    cuda_result (*host_alloc)(void **p, size_t n, unsigned flags);
+    cuda_result (*host_free)(void *p);
 };
 static struct cuda_api cuda_api;
 
@@ -3266,10 +3273,15 @@ CUDA_WRAP(module_unload, (cuda_handle m), (m))
 CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
 CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned gy, unsigned bx, void **p), (f, gx, gy, 1, bx, 1, 1, 0, NULL, p, NULL))
 CUDA_WRAP(event_create, (cuda_handle *e), (e, 0))
-CUDA_WRAP(event_record, (cuda_handle e), (e, NULL))
+CUDA_WRAP(event_record, (cuda_handle e, cuda_handle st), (e, st))
 CUDA_WRAP(event_sync, (cuda_handle e), (e))
 CUDA_WRAP(event_elapsed, (float *ms, cuda_handle a, cuda_handle b), (ms, a, b))
 CUDA_WRAP(event_destroy, (cuda_handle e), (e))
+CUDA_WRAP(event_query, (cuda_handle e), (e))
+CUDA_WRAP(stream_create, (cuda_handle *st), (st, 1)) /* CU_STREAM_NON_BLOCKING: no wait on the null stream's kernels */
+CUDA_WRAP(htod_async, (cuda_ptr d, const void *src, size_t n, cuda_handle st), (d, src, n, st))
+CUDA_WRAP(host_alloc, (void **p, size_t n), (p, n, 0))
+CUDA_WRAP(host_free, (void *p), (p))
 #undef CUDA_WRAP
 
 /* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
@@ -3726,6 +3738,10 @@ struct cuda_device {
     cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
     size_t moe_cap, moe_out;             /* its size; where the batch in flight left its outputs */
     int moe_jobs, moe_dim;               /* the batch in flight: jobs, floats per output; 0 none */
+    cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
+    uint8_t *copy_stage;                 /* their pinned staging */
+    size_t copy_cap;
+    int copying;                         /* an upload is under way */
 };
 
 /* An allocation holding weights on a device. For a trunk matrix, HOST is its weights in the
@@ -3919,7 +3935,7 @@ static void cuda_release_all(void)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
     for (int k = 0; k < cuda.n_experts; k++)
         if (cuda_use(cuda.experts[k].dev) == 0) cuda_mem_free(cuda.experts[k].ptr);
-    for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = 0;
+    for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = cuda.dev[i].copying = 0;
     cuda.n_res = cuda.n_experts = 0;
     ops_offload = NULL;
 }
@@ -3929,6 +3945,11 @@ static void cuda_release_all(void)
 static void cuda_stop(void)
 {
     cuda_release_all();
+    for (int i = 0; i < cuda.n_devices; i++) {
+        if (cuda.dev[i].copy_stage && cuda_use(i) == 0) cuda_host_free(cuda.dev[i].copy_stage);
+        cuda.dev[i].copy_stage = NULL;
+        cuda.dev[i].copy_cap = 0;
+    }
     free(cuda.res);
     free(cuda.experts);
     free(cuda.stage);
@@ -4121,6 +4142,20 @@ static int cuda_fits(int dev, size_t total)
     return cuda.ready && d->usable && d->used + (int64_t)total <= d->budget;
 }
 
+/* Lists TOTAL bytes at P on device DEV as resident (HOST: the trunk matrix they hold, NULL: an
+ * expert's) and charges them to its budget. */
+static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
+{
+    struct cuda_resident **list = host ? &cuda.res : &cuda.experts;
+    int *count = host ? &cuda.n_res : &cuda.n_experts, *cap = host ? &cuda.cap_res : &cuda.cap_experts;
+    if (*count == *cap) {
+        *cap = *cap ? 2 * *cap : 64;
+        *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
+    }
+    (*list)[(*count)++] = (struct cuda_resident){host, dev, p, total};
+    cuda.dev[dev].used += (int64_t)total;
+}
+
 /* Copies N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, each at a 256-byte
  * boundary, charged to its budget, and lists it: MATVEC, as the trunk matrix SRC[0] whose
  * products run there; else as an expert's (§6 keeps where it is). Returns the device address,
@@ -4136,14 +4171,7 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
             cuda_mem_free(p);
             return 0;
         }
-    struct cuda_resident **list = matvec ? &cuda.res : &cuda.experts;
-    int *count = matvec ? &cuda.n_res : &cuda.n_experts, *cap = matvec ? &cuda.cap_res : &cuda.cap_experts;
-    if (*count == *cap) {
-        *cap = *cap ? 2 * *cap : 64;
-        *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
-    }
-    (*list)[(*count)++] = (struct cuda_resident){matvec ? src[0] : NULL, dev, p, total};
-    cuda.dev[dev].used += (int64_t)total;
+    cuda_list(dev, matvec ? src[0] : NULL, p, total);
     return p;
 }
 
@@ -4189,16 +4217,16 @@ static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kerne
     if (!r) r = cuda_htod(wp, w->data, wb);
     if (!r) r = cuda_htod(ap, host, ab);
     if (!r) r = cuda_launch(d->matvec[w->type], grid, 1, 32 * CUDA_WARPS, params); /* warm-up */
-    if (!r) r = cuda_event_record(ev[0]);
+    if (!r) r = cuda_event_record(ev[0], NULL);
     for (int i = 0; i < CUDA_PROBE_REPS && !r; i++) r = cuda_launch(d->matvec[w->type], grid, 1, 32 * CUDA_WARPS, params);
-    if (!r) r = cuda_event_record(ev[1]);
+    if (!r) r = cuda_event_record(ev[1], NULL);
     if (!r) r = cuda_event_sync(ev[1]);
     if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
     *kernel = ms / 1e3 / CUDA_PROBE_REPS;
-    if (!r) r = cuda_event_record(ev[0]);
+    if (!r) r = cuda_event_record(ev[0], NULL);
     for (int i = 0; i < CUDA_PROBE_REPS && !r; i++)
         if (!(r = cuda_htod(ap, host, ab))) r = cuda_dtoh(host + ab, yp, yb);
-    if (!r) r = cuda_event_record(ev[1]);
+    if (!r) r = cuda_event_record(ev[1], NULL);
     if (!r) r = cuda_event_sync(ev[1]);
     if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
     *round_trip = ms / 1e3 / CUDA_PROBE_REPS;
@@ -4247,6 +4275,87 @@ static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda
     *e = (struct cuda_expert){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1])};
     return 0;
 }
+/* ---- re-tiering: an expert's upload in the background ----
+ * One upload at a time per device, on a stream of its own (non-blocking: the kernels on the
+ * null stream do not wait for it) from pinned staging, so no token waits for it. §7 asks
+ * cuda_expert_upload_ready at token boundaries and switches the expert over once it is there. */
+
+/* Whether this driver can upload in the background. */
+static int cuda_async_ok(void)
+{
+    return cuda_api.stream_create && cuda_api.htod_async && cuda_api.event_query && cuda_api.host_alloc && cuda_api.host_free &&
+           cuda_api.event_create && cuda_api.event_record;
+}
+
+/* Starts copying expert W (gate, up, down) to device DEV in the background: its VRAM is
+ * allocated and charged now, and *E says where it will be. Returns 0, or -1 with nothing
+ * changed: no room, a driver without background copies, an upload under way there. */
+static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    size_t bytes[3];
+    for (int j = 0; j < 3; j++) bytes[j] = (size_t)w[j].rows * w[j].row_bytes;
+    size_t total = cuda_span(bytes, 3);
+    cuda_ptr p = 0;
+    void *stage = NULL;
+    if (!cuda_async_ok() || d->copying || !cuda_fits(dev, total) || cuda_use(dev)) return -1;
+    if (!d->copy_done && (cuda_stream_create(&d->copy_stream) || cuda_event_create(&d->copy_done))) return -1;
+    if (total > d->copy_cap) {
+        if (d->copy_stage) cuda_host_free(d->copy_stage);
+        d->copy_stage = NULL;
+        d->copy_cap = 0;
+        if (cuda_host_alloc(&stage, total)) return -1;
+        d->copy_stage = stage;
+        d->copy_cap = total;
+    }
+    if (cuda_mem_alloc(&p, total)) return -1;
+    for (size_t j = 0, off = 0; j < 3; off += cuda_align(bytes[j]), j++) memcpy(d->copy_stage + off, w[j].data, bytes[j]);
+    cuda_result r = cuda_htod_async(p, d->copy_stage, total, d->copy_stream);
+    if (!r) r = cuda_event_record(d->copy_done, d->copy_stream);
+    if (r) {
+        cuda_mem_free(p);
+        cuda_fail("an upload in the background", r);
+        return -1;
+    }
+    cuda_list(dev, NULL, p, total);
+    *e = (struct cuda_expert){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1])};
+    d->copying = 1;
+    cuda.calls += 3;
+    return 0;
+}
+
+/* Whether device DEV's upload has arrived: 1 (or none was under way), 0 not yet, -1 the GPU
+ * path has ended. */
+static int cuda_expert_upload_ready(int dev)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    if (!d->copying) return 1;
+    if (!cuda.ready) return -1;
+    cuda_result r = cuda_use(dev) ? CUDA_ERROR_NOT_READY : cuda_event_query(d->copy_done);
+    cuda.calls++;
+    if (r == CUDA_ERROR_NOT_READY) return 0;
+    d->copying = 0;
+    if (r) {
+        cuda_fail("an upload in the background", r);
+        return -1;
+    }
+    return 1;
+}
+
+/* Frees expert E's VRAM on device DEV (no upload under way there, so nothing waits) and takes
+ * it off the budget: the expert computes on the CPU from now on. */
+static void cuda_expert_free(int dev, const struct cuda_expert *e)
+{
+    for (int k = 0; k < cuda.n_experts; k++) {
+        struct cuda_resident *r = &cuda.experts[k];
+        if (r->dev != dev || r->ptr != e->gate) continue;
+        if (cuda_use(dev) == 0) cuda_mem_free(r->ptr);
+        cuda.dev[dev].used -= (int64_t)r->bytes;
+        *r = cuda.experts[--cuda.n_experts];
+        return;
+    }
+}
+
 /* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation
  * columns ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail
  * or once the GPU path has ended (the caller computes the jobs on the CPU). */
@@ -4379,6 +4488,9 @@ struct expert_stats {
     uint64_t bytes_read, reads, prefetches, warm_reads;
     double busy_s;   /* wall time with at least one read in flight */
     double wait_s[2]; /* [phase]: main thread blocked on reads */
+    uint64_t swaps, swap_bytes; /* re-tiering (§7 place_retier): experts brought into VRAM, their bytes */
+    double window_vram;         /* the share of routed experts VRAM served over the last re-tiering window */
+    int windows;                /* re-tiering windows ended (none: window_vram is not set) */
 };
 
 struct expert_store {
@@ -4417,8 +4529,12 @@ struct expert_store {
     void *own;                            /* mapped mode: the experts' own copy (expert_own), or NULL */
     size_t own_bytes;
     int guess_layer;
-    /* the VRAM tier (§7 place_experts fills it; NULL: none) */
+    /* the VRAM tier (§7 place_model fills it, place_retier changes it; NULL: none) */
     struct expert_vram { int dev; struct cuda_expert e; } *vram; /* [n_layers * n_expert], dev -1: not resident */
+    int32_t swap_key[CUDA_MAX_DEVICES];   /* the expert each device is uploading in the background; -1 none */
+    struct cuda_expert swap_e[CUDA_MAX_DEVICES];
+    int retier_tokens;                    /* since the re-tiering window began */
+    uint64_t window_lookups, window_vram; /* the lookups and VRAM uses when the window began */
     int *on_device, n_on_device;          /* [n_expert] wanted ids of the layer being computed that are resident */
     struct expert_stats stats;
 };
@@ -5104,7 +5220,25 @@ static struct expert_store *expert_open(const struct gguf_file *g, const struct 
     s->guess = plat_zalloc((size_t)n_expert, 1);
     s->on_device = plat_zalloc((size_t)n_expert, sizeof *s->on_device);
     s->heat_loaded = expert_heat_load(s);
+    for (int d = 0; d < CUDA_MAX_DEVICES; d++) s->swap_key[d] = -1;
     return s;
+}
+
+/* The share of routed experts VRAM served over the last re-tiering window, or so far when none
+ * has ended. */
+static double expert_window_share(const struct expert_stats *st)
+{
+    return st->windows ? st->window_vram : plat_ratio((double)(st->vram[0] + st->vram[1]), (double)(st->lookups[0] + st->lookups[1]));
+}
+
+/* Ends a re-tiering window: the share of routed experts VRAM served since the last one. */
+static void expert_window_end(struct expert_store *s)
+{
+    uint64_t lookups = s->stats.lookups[0] + s->stats.lookups[1], vram = s->stats.vram[0] + s->stats.vram[1];
+    s->stats.window_vram = plat_ratio((double)(vram - s->window_vram), (double)(lookups - s->window_lookups));
+    s->stats.windows++;
+    s->window_lookups = lookups;
+    s->window_vram = vram;
 }
 
 /* Whether every expert of layer L is resident on a device. */
@@ -5201,14 +5335,17 @@ static void expert_close(struct expert_store *s)
  *   device's budget (--vram, or free VRAM less a reserve). This runs before the expert store's
  *   cache starts, so that the cache holds only what the CPU computes. --place / COLI_PLACE may
  *   name a device (or cpu) per component or split its layers over devices (dnproj=0:20+1:20).
- *   coli plan runs the same decisions as a dry run (place_dry_run), so it cannot disagree
- *   with a run.
+ *   Before the trunk, a probe times a trunk product on each device and the CPU (the trunk
+ *   avoids a device slower than the CPU; with two devices or more whole placements are priced
+ *   per token, place_choose_split). While running, place_retier swaps experts between VRAM
+ *   and the CPU as the heat moves. coli plan runs the same decisions as a dry run
+ *   (place_dry_run), so it cannot disagree with a run.
  * Promises: placement changes speed only: a resident matrix or expert computes the same bits
  *   (§5). One [place] line per component says where it went and with what numbers, and one
  *   the prices that decided between trunk and experts. A bad --place / COLI_PLACE, or one
  *   naming a device that is not there or not selected, is a usage error.
  * May call: §1, §4 (struct ops_matrix), §5 (devices, uploads), §6 (the store's experts, heat).
- * Workload: once per model load. */
+ * Workload: once per model load; place_retier once per forward pass (a pass over the heat). */
 
 enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_EXPERTS, PLACE_COUNT };
 static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn", "experts"};
@@ -5887,6 +6024,85 @@ static void place_model(const struct place_item *items, int n_items, struct expe
     }
     place_expect(o, n_trunk, n, h, r->trunk_cpu_bytes, r);
     free(o);
+}
+
+/* ---- re-tiering while running ----
+ * The heat keeps counting as tokens go, so the experts placed at start (by a heat file from
+ * other prompts, or none) drift from the ones this conversation routes to. At each token
+ * boundary place_retier switches over the uploads that have arrived and, on each device with
+ * no upload under way, swaps its coldest resident expert for the hottest one on the CPU it can
+ * run and hold, when that one is clearly hotter: the cold one computes on the CPU from then
+ * on, the hot one on the device from when its upload (in the background,
+ * cuda_expert_upload_start) has arrived. One upload in flight per device paces it: on the
+ * 35B-A3B at 5 tok/s that is 5 experts (9 MB) a second a card, far below what PCIe carries,
+ * and a check is one pass over the heat (10240 floats). Tokens do not change: both sides
+ * compute the same bits. */
+
+#define PLACE_RETIER_WINDOW 64 /* tokens: the window of the VRAM statistics, the store's repin period */
+#define PLACE_RETIER_GAIN 1.5  /* hysteresis: the expert brought in is routed 1.5x as often as the one it evicts */
+
+/* Whether expert KEY of S is being uploaded to some device. */
+static int place_uploading(const struct expert_store *s, int32_t key)
+{
+    for (int d = 0; d < cuda.n_devices; d++)
+        if (s->swap_key[d] == key) return 1;
+    return 0;
+}
+
+/* Expert KEY's matrices in S (gate, up, down) into W; returns its VRAM bytes. */
+static size_t place_expert_parts(const struct expert_store *s, int32_t key, struct ops_matrix w[3])
+{
+    size_t part[3];
+    for (int j = 0; j < 3; j++) {
+        w[j] = expert_mapped(&s->src[key / s->n_expert][j].t, key % s->n_expert);
+        part[j] = (size_t)w[j].rows * w[j].row_bytes;
+    }
+    return cuda_span(part, 3);
+}
+
+/* On device D: the coldest resident expert of S against the hottest on the CPU that D has
+ * kernels and room for once the cold one is gone; swaps them when the hot one has been routed
+ * and its heat is PLACE_RETIER_GAIN times the cold one's. */
+static void place_retier_device(struct expert_store *s, int d)
+{
+    int cells = s->n_layers * s->n_expert, cold = -1, hot = -1;
+    struct ops_matrix w[3];
+    for (int key = 0; key < cells; key++)
+        if (s->vram[key].dev == d) {
+            if (cold < 0 || s->heat[key] < s->heat[cold]) cold = key;
+        } else if (s->vram[key].dev < 0 && (hot < 0 || s->heat[key] > s->heat[hot]) && (place_expert_devices(s, key / s->n_expert) >> d & 1) &&
+                   !place_uploading(s, key))
+            hot = key;
+    if (cold < 0 || hot < 0 || s->heat[hot] < 1 || !(s->heat[hot] > PLACE_RETIER_GAIN * s->heat[cold])) return;
+    size_t cold_bytes = place_expert_parts(s, cold, w), hot_bytes = place_expert_parts(s, hot, w);
+    if ((int64_t)hot_bytes > cuda.dev[d].budget - cuda.dev[d].used + (int64_t)cold_bytes) return;
+    cuda_expert_free(d, &s->vram[cold].e);
+    s->vram[cold].dev = -1;
+    if (cuda_expert_upload_start(d, w, &s->swap_e[d])) return; /* the cold one stays on the CPU: still the same bits */
+    s->swap_key[d] = hot;
+    s->stats.swap_bytes += hot_bytes;
+}
+
+/* At a token boundary, T tokens after the last call: the re-tiering above. */
+static void place_retier(struct expert_store *s, int T)
+{
+    if (!s || !s->vram || !cuda.ready || !cuda_async_ok()) return;
+    for (int d = 0; d < cuda.n_devices; d++) {
+        int32_t key = s->swap_key[d];
+        int arrived = key >= 0 ? cuda_expert_upload_ready(d) : 0;
+        if (arrived == 0) continue;
+        if (arrived > 0) {
+            s->vram[key] = (struct expert_vram){d, s->swap_e[d]};
+            s->stats.swaps++;
+        }
+        s->swap_key[d] = -1;
+    }
+    if ((s->retier_tokens += T) >= PLACE_RETIER_WINDOW) {
+        s->retier_tokens = 0;
+        expert_window_end(s);
+    }
+    for (int d = 0; d < cuda.n_devices && cuda.ready; d++)
+        if (cuda.dev[d].usable && s->swap_key[d] < 0) place_retier_device(s, d);
 }
 
 /* ==== §8 model ==== */
@@ -7020,6 +7236,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     size_t dim = (size_t)c->dim;
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     int T = model_embed_runs(m, runs, n_runs);
+    place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
     for (int il = 0; il < c->n_layers; il++) {
         if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].attn_norm, c->dim, c->eps);
@@ -11014,6 +11231,11 @@ static void cmd_print_expert_stats(struct expert_store *x)
     plat_log("[experts] prefetch guessed %.1f%% of routed experts (prompt %.1f%%); waited for reads %.2f s (prompt %.2f s); peak RSS %.2f GiB",
              100 * plat_ratio(st.predicted_used[1], st.routed_seen[1]), 100 * plat_ratio(st.predicted_used[0], st.routed_seen[0]),
              st.wait_s[1], st.wait_s[0], cmd_peak_rss() / gib);
+    char window[48] = "so far";
+    if (st.windows) snprintf(window, sizeof window, "over the last %d tokens", PLACE_RETIER_WINDOW);
+    if (x->vram)
+        plat_log("[experts] re-tiering: %llu swaps, %.1f MiB uploaded in the background; VRAM served %.1f%% of the routed experts %s",
+                 (unsigned long long)st.swaps, st.swap_bytes / 1048576.0, 100 * expert_window_share(&st), window);
 }
 
 static void cmd_print_stats(const struct cmd_session *s, const struct engine_gen *g)
@@ -11036,6 +11258,8 @@ static void cmd_json_experts(FILE *f, struct expert_store *x)
             (unsigned long long)st.lookups[0], (unsigned long long)st.lookups[1], plat_ratio(st.hits[0], st.lookups[0]),
             plat_ratio(st.hits[1], st.lookups[1]));
     fprintf(f, ",\"vram_rate_prompt\":%.4f,\"vram_rate_decode\":%.4f", plat_ratio(st.vram[0], st.lookups[0]), plat_ratio(st.vram[1], st.lookups[1]));
+    fprintf(f, ",\"swaps\":%llu,\"swap_bytes\":%llu,\"vram_rate_window\":%.4f", (unsigned long long)st.swaps,
+            (unsigned long long)st.swap_bytes, expert_window_share(&st));
     fprintf(f, ",\"bytes_read\":%llu,\"reads\":%llu,\"prefetches\":%llu,\"warm_reads\":%llu,\"disk_gb_s\":%.3f,\"read_busy_s\":%.3f",
             (unsigned long long)st.bytes_read, (unsigned long long)st.reads, (unsigned long long)st.prefetches,
             (unsigned long long)st.warm_reads, plat_ratio(st.bytes_read / 1e9, st.busy_s), st.busy_s);

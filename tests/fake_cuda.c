@@ -494,10 +494,27 @@ static double launch_bytes(int k, void **p, unsigned gy)
     return 0;
 }
 
-/* Events read the current device's simulated clock. */
-struct event { double ns; };
+/* Events read the current device's simulated clock. An event recorded on a stream (an upload
+ * in the background) answers "not ready" (600) to its first FAKE_CUDA_BUSY queries (default 2),
+ * so that coli's switch-over when a copy has arrived is exercised. */
+struct event { double ns; int queries; };
 API CUresult cuEventCreate(void **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(struct event)); return *e ? 0 : 2; }
-API CUresult cuEventRecord(void *e, void *stream) { (void)stream; ((struct event *)e)->ns = clock_ns[cur_dev]; return 0; }
+API CUresult cuEventRecord(void *e, void *stream)
+{
+    struct event *ev = e;
+    ev->ns = clock_ns[cur_dev];
+    ev->queries = stream ? env_int("FAKE_CUDA_BUSY", 2) : 0;
+    return 0;
+}
+API CUresult cuEventQuery(void *e)
+{
+    struct event *ev = e;
+    return ev->queries-- > 0 ? 600 : 0;
+}
+API CUresult cuStreamCreate(void **st, unsigned flags) { static int stream; (void)flags; *st = &stream; return 0; }
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
+API CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
+API CUresult cuMemFreeHost(void *p) { free(p); return 0; }
 API CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
 API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 {

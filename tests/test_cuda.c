@@ -143,9 +143,20 @@ static void check_quantize(enum gguf_type type, int n)
     free(gpu);
 }
 
+/* Uploads expert W to device DEV as re-tiering does, in the background, into *E; waits for it.
+ * Returns whether it arrived after the fake's 2 "not ready" answers. */
+static int upload_background(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
+{
+    int polls = 0, r;
+    if (cuda_expert_upload_start(dev, w, e)) return 0;
+    while ((r = cuda_expert_upload_ready(dev)) == 0 && polls < 100) polls++;
+    return r == 1 && polls == 2;
+}
+
 /* N_JOBS routed-expert jobs (expert j % N_EXPERTS over column j % N_COLS) as one device batch,
- * against the CPU's gate, up, silu(g) * u and down: the same bits. */
-static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_jobs, int dev)
+ * against the CPU's gate, up, silu(g) * u and down: the same bits. BACKGROUND: uploaded as
+ * re-tiering does, then one freed again. */
+static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_jobs, int dev, int background)
 {
     enum { N_EXPERTS = 3, N_COLS = 2 };
     struct ops_matrix w[N_EXPERTS][3];
@@ -159,7 +170,8 @@ static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int 
     }
     for (int j = 0; j < n_jobs; j++) {
         struct cuda_expert ex = {0, 0, 0};
-        placed &= cuda_expert_upload(dev, w[j % N_EXPERTS], &ex) == 0; /* an upload per job: a copy is as good */
+        if (background) placed &= upload_background(dev, w[j % N_EXPERTS], &ex);
+        else placed &= cuda_expert_upload(dev, w[j % N_EXPERTS], &ex) == 0; /* an upload per job: a copy is as good */
         jobs[j] = (struct cuda_moe_job){ex, (uint32_t)(j % N_COLS), 0};
     }
     float *x = random_x(N_COLS, dim), *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4);
@@ -180,10 +192,17 @@ static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int 
     int bad = 0;
     char name[160];
     while (bad < n_jobs * dim && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
-    snprintf(name, sizeof name, "experts %s/%s, dim %d, ff %d, %d jobs, device %d: bit-identical to the CPU in 5 driver calls",
-             gguf_types[up_type].name, gguf_types[down_type].name, dim, ff, n_jobs, dev);
+    snprintf(name, sizeof name, "experts %s/%s, dim %d, ff %d, %d jobs, device %d%s: bit-identical to the CPU in 5 driver calls",
+             gguf_types[up_type].name, gguf_types[down_type].name, dim, ff, n_jobs, dev, background ? ", uploaded in the background" : "");
     check(ran && bad == n_jobs * dim && cuda.calls - calls == 5, name, "ran %d, calls %ld, y[%d] cpu %a gpu %a", ran, cuda.calls - calls,
           bad, cpu[bad < n_jobs * dim ? bad : 0], gpu[bad < n_jobs * dim ? bad : 0]);
+    if (background) {
+        int64_t used = cuda.dev[dev].used, n = cuda.n_experts;
+        size_t span = cuda.experts[0].bytes;
+        cuda_expert_free(dev, &jobs[0].e);
+        check(cuda.dev[dev].used == used - (int64_t)span && cuda.n_experts == n - 1, "an expert freed (re-tiering evicts it): its VRAM off the budget",
+              "used %lld -> %lld, %lld -> %d listed", (long long)used, (long long)cuda.dev[dev].used, (long long)n, cuda.n_experts);
+    }
     cuda_release_all();
     for (int e = 0; e < N_EXPERTS; e++)
         for (int k = 0; k < 3; k++) free((void *)w[e][k].data);
@@ -200,12 +219,13 @@ static void test_experts(int quick, int real)
     for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
         int be = gguf_types[types[t]].block_elems;
         check_quantize(types[t], be == 256 ? 768 : 224);
-        check_experts(types[t], types[t], be == 256 ? 512 : 160, be == 256 ? 256 : 96, quick ? 2 : 5, real ? 0 : (int)t % 2);
+        check_experts(types[t], types[t], be == 256 ? 512 : 160, be == 256 ? 256 : 96, quick ? 2 : 5, real ? 0 : (int)t % 2, 0);
     }
-    check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 8, 0);   /* the usual Q4_K_M mix */
-    check_experts(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 256, 128, 4, !real);
-    check_experts(GGUF_TYPE_F16, GGUF_TYPE_BF16, 64, 96, 3, 0);
-    if (real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 16, 0); /* the 35B-A3B's shapes */
+    check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 8, 0, 0);   /* the usual Q4_K_M mix */
+    check_experts(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 256, 128, 4, !real, 0);
+    check_experts(GGUF_TYPE_F16, GGUF_TYPE_BF16, 64, 96, 3, 0, 0);
+    if (!real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 4, 1, 1);
+    if (real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 16, 0, 0); /* the 35B-A3B's shapes */
 }
 
 /* FAKE_CUDA_FAIL is read by the fake at every call. */

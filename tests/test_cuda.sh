@@ -119,6 +119,12 @@ tokens "--no-probe: nominal figures, the slow device takes trunk" '^\[place\] dn
 has "... and says so" '^\[probe\] off \(--no-probe\)' "$tmp/e"
 tokens "a --place list that does not fit says what" '^\[place\] --place lmhead=0,experts=1: 1 of 1 lmhead \([0-9.]+ MiB\) do not fit: cuda 0 has [0-9.]+ MiB left, cuda 1 has' \
     $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=0,experts=1 -- --vram 100K
+tokens "re-tiering: experts swapped into VRAM while decoding (mapped), the same tokens" \
+    '^\[experts\] re-tiering: [1-9][0-9]* swaps, [0-9.]+ MiB uploaded in the background; VRAM served [0-9.]+% of the routed experts so far$' \
+    $m LD_LIBRARY_PATH="$B/fake" HEAT_FILE="$tmp/retier-heat" COLI_PLACE=off -- --vram 40K
+rm -f "$tmp/retier-heat"
+tokens "re-tiering with the RAM cache (evicted experts read from the file), the same tokens" '^\[experts\] re-tiering: [1-9][0-9]* swaps' \
+    $m LD_LIBRARY_PATH="$B/fake" HEAT_FILE="$tmp/retier-heat" COLI_PLACE=off FAKE_CUDA_BUSY=0 -- --vram 40K --ram 20K
 m=q35moe-f32.gguf
 COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
 tokens "two unequal devices (0: fast, 1 MiB; 1: slow, 7 GiB): the trunk on the fast one, the experts on the roomy one" \
