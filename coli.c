@@ -5365,8 +5365,9 @@ struct place_rule {
 };
 
 /* coli plan: placement decides and charges the budgets as for a run, but allocates and copies
- * nothing (no weight is read), and its [place] lines go to stdout. */
-static int place_dry_run;
+ * nothing (the probe's one matrix excepted, for a moment); its [place] and [probe] lines go
+ * to stdout unless plan writes JSON there. */
+static int place_dry_run, place_say_stdout;
 
 /* The number at *P, digits only (no sign or space), *P moved past it; -1 when there is none
  * or it exceeds 10^7. */
@@ -5472,7 +5473,7 @@ static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_exper
 /* Prints LINE: logged on stderr by a run, on stdout by coli plan. */
 static void place_say(const char *line)
 {
-    if (place_dry_run) puts(line);
+    if (place_say_stdout) puts(line);
     else plat_log("%s", line);
 }
 
@@ -5690,52 +5691,56 @@ static void place_line_end(char *line, size_t cap, int len, const int *count, co
     place_say(line);
 }
 
-/* One [place] line for trunk component C: where its offers among O[N] went, at what value. */
-static void place_say_component(const struct place_offer *o, int n, enum place_component c)
+/* Where one component's offers went, for its [place] line and plan --json: their count and
+ * host bytes; those placed, per device, with their VRAM; why the others stayed; the values
+ * (lo..hi over all of them; first and last of those placed, in the order decided). */
+struct place_summary {
+    int total, placed, on[CUDA_MAX_DEVICES], why[4];
+    double bytes, placed_bytes, vram_bytes, lo, hi, first, last;
+};
+
+static struct place_summary place_summarize(const struct place_offer *o, int n, enum place_component c)
 {
-    int count[CUDA_MAX_DEVICES] = {0}, why[4] = {0}, total = 0;
-    double bytes = 0, placed = 0, lo = DBL_MAX, hi = 0;
+    struct place_summary m = {.lo = DBL_MAX};
     for (int i = 0; i < n; i++) {
         if (o[i].comp != c) continue;
-        total++;
-        why[o[i].why]++;
-        bytes += (double)o[i].cpu_bytes;
-        lo = fmin(lo, o[i].value);
-        hi = fmax(hi, o[i].value);
-        if (o[i].home >= 0) {
-            count[o[i].home]++;
-            placed += (double)o[i].cpu_bytes;
-        }
+        m.total++;
+        m.why[o[i].why]++;
+        m.bytes += (double)o[i].cpu_bytes;
+        m.lo = fmin(m.lo, o[i].value);
+        m.hi = fmax(m.hi, o[i].value);
+        if (o[i].home < 0) continue;
+        m.on[o[i].home]++;
+        m.placed_bytes += (double)o[i].cpu_bytes;
+        m.vram_bytes += (double)o[i].bytes;
+        m.last = o[i].value;
+        if (!m.placed++) m.first = m.last;
     }
-    if (!total) return;
-    char line[512], value[32], cpu_text[64];
-    if (hi - lo < 0.005) snprintf(value, sizeof value, "%.2f", hi);
-    else snprintf(value, sizeof value, "%.2f..%.2f", lo, hi);
-    int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value %s per byte ->", place_names[c], total,
-                       total > 1 ? "ces" : "x", bytes / 1048576.0, value);
-    snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", total - why[0], (bytes - placed) / 1048576.0);
-    place_line_end(line, sizeof line, len, count, why, cpu_text);
+    if (!m.total) m.lo = 0;
+    return m;
 }
 
-/* The [place] line of the experts O[N] (hottest first): how many went where, their VRAM, and
- * the values of the first and the last placed. */
-static void place_say_experts(const struct place_offer *o, int n)
+/* One [place] line for trunk component C (summary M): where its matrices went, at what value. */
+static void place_say_component(const struct place_summary *m, enum place_component c)
 {
-    int count[CUDA_MAX_DEVICES] = {0}, why[4] = {0}, placed = 0;
-    double bytes = 0, first = 0, last = 0;
-    for (int i = 0; i < n; i++) {
-        why[o[i].why]++;
-        if (o[i].home < 0) continue;
-        count[o[i].home]++;
-        bytes += (double)o[i].bytes;
-        last = o[i].value;
-        if (!placed++) first = last;
-    }
+    char line[512], value[32], cpu_text[64];
+    if (m->hi - m->lo < 0.005) snprintf(value, sizeof value, "%.2f", m->hi);
+    else snprintf(value, sizeof value, "%.2f..%.2f", m->lo, m->hi);
+    int len = snprintf(line, sizeof line, "[place] %s: %d matri%s, %.1f MiB, value %s per byte ->", place_names[c], m->total,
+                       m->total > 1 ? "ces" : "x", m->bytes / 1048576.0, value);
+    snprintf(cpu_text, sizeof cpu_text, "%d, %.1f MiB", m->total - m->placed, (m->bytes - m->placed_bytes) / 1048576.0);
+    place_line_end(line, sizeof line, len, m->on, m->why, cpu_text);
+}
+
+/* The [place] line of the experts (summary M): how many went where, their VRAM, and the values
+ * of the first (hottest) and the last placed. */
+static void place_say_experts(const struct place_summary *m)
+{
     char line[512], cpu_text[16];
-    int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", placed, n,
-                       bytes / 1073741824.0, first, last);
-    snprintf(cpu_text, sizeof cpu_text, "%d", n - placed);
-    place_line_end(line, sizeof line, len, count, why, cpu_text);
+    int len = snprintf(line, sizeof line, "[place] experts: %d of %d, %.2f GiB, value %.3f..%.3f per byte ->", m->placed, m->total,
+                       m->vram_bytes / 1073741824.0, m->first, m->last);
+    snprintf(cpu_text, sizeof cpu_text, "%d", m->total - m->placed);
+    place_line_end(line, sizeof line, len, m->on, m->why, cpu_text);
 }
 
 /* The [place] line of the prices that decided between the trunk O[0..N_TRUNK) and the experts
@@ -5863,6 +5868,7 @@ struct place_result {
     double trunk_cpu_bytes;                /* the trunk's host bytes now in VRAM */
     double expert_cpu_bytes;               /* the experts' host bytes now in VRAM */
     int64_t trunk_vram[CUDA_MAX_DEVICES];  /* each device's VRAM the trunk takes */
+    struct place_summary comp[PLACE_COUNT];
     double cpu_per_token, file_per_token;  /* expected bytes per token: on the host bus; of them read from the file */
     double dev_per_token[CUDA_MAX_DEVICES];
     struct place_speed speed;              /* the probe's figures; zeros: not probed */
@@ -6008,11 +6014,13 @@ static void place_model(const struct place_item *items, int n_items, struct expe
         for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
     }
     place_decide(o, n_trunk, n, rule, h, &rooms); /* without a device (or after a failed probe): all on the CPU */
+    if (cuda.ready) place_apply(o, n_trunk, n, items, s);
+    for (int c = 0; c < PLACE_COUNT; c++) r->comp[c] = place_summarize(o, n, (enum place_component)c);
     if (cuda.ready) {
-        place_apply(o, n_trunk, n, items, s);
-        for (int c = 0; c < PLACE_EXPERTS; c++) place_say_component(o, n_trunk, (enum place_component)c);
+        for (int c = 0; c < PLACE_EXPERTS; c++)
+            if (r->comp[c].total) place_say_component(&r->comp[c], (enum place_component)c);
         if (s) {
-            place_say_experts(o + n_trunk, n - n_trunk);
+            place_say_experts(&r->comp[PLACE_EXPERTS]);
             place_say_prices(o, n_trunk, n, h);
         }
         place_say_misfits(o, n, spec);
@@ -11676,7 +11684,6 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
                cpu_experts * c->n_expert_used / c->n_expert / 1048576.0);
     if (m->experts && m->experts->mapped) printf("cpu: expert store: every routed expert on the CPU stays in memory\n");
     else if (m->experts) {
-        expert_size_slots(m->experts);
         printf("cpu: expert RAM cache: %.2f GiB%s, %d of %d experts, the rest read from the file\n",
                (double)m->experts->n_slots * m->experts->slot_bytes / 1073741824.0, o->ram_bytes < 0 ? "" : " (--ram)",
                m->experts->n_slots, c->n_layers * c->n_expert);
@@ -11689,28 +11696,80 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
  * read bandwidth measured here and each device's probed kernel speed, so a decode rate bounded
  * by memory traffic alone: the buses' times added (a layer's trunk products and its experts
  * wait on each other), reads from the file not timed. */
-static void cmd_plan_expect(const struct place_result *r)
+struct cmd_plan_expectation { double host_gbps, seconds, dev_seconds[CUDA_MAX_DEVICES]; int unprobed; };
+
+static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
 {
+    struct cmd_plan_expectation x = {0};
     size_t n = 4 * ops_bench_llc();
     n = (n < ((size_t)256 << 20) ? (size_t)256 << 20 : n > ((size_t)1 << 30) ? (size_t)1 << 30 : n) & ~(size_t)4095;
     uint8_t *buf = plat_alloc_aligned(n);
     ops_bench_fill(buf, n);
-    double bw = ops_bench_bandwidth(buf, n), seconds = r->cpu_per_token / (bw * 1e9);
-    int unprobed = 0;
+    x.host_gbps = ops_bench_bandwidth(buf, n);
+    x.seconds = r->cpu_per_token / (x.host_gbps * 1e9);
     free(buf);
-    printf("expected per token: cpu %.1f MiB on the memory bus (%.1f GB/s measured: %.2f ms)", r->cpu_per_token / 1048576.0, bw,
-           seconds * 1e3);
     for (int d = 0; d < cuda.n_devices; d++) {
         if (r->dev_per_token[d] <= 0) continue;
-        double t = r->speed.gbps[d] > 0 ? r->dev_per_token[d] / (r->speed.gbps[d] * 1e9) : 0;
-        if (t > 0) printf(", cuda %d %.1f MiB (%.1f GB/s probed: %.2f ms)", d, r->dev_per_token[d] / 1048576.0, r->speed.gbps[d], t * 1e3);
+        x.dev_seconds[d] = r->speed.gbps[d] > 0 ? r->dev_per_token[d] / (r->speed.gbps[d] * 1e9) : 0;
+        x.seconds += x.dev_seconds[d];
+        x.unprobed += x.dev_seconds[d] == 0;
+    }
+    return x;
+}
+
+/* coli plan's expectation lines (X of R). */
+static void cmd_plan_say_expect(const struct place_result *r, const struct cmd_plan_expectation *x)
+{
+    printf("expected per token: cpu %.1f MiB on the memory bus (%.1f GB/s measured: %.2f ms)", r->cpu_per_token / 1048576.0,
+           x->host_gbps, r->cpu_per_token / (x->host_gbps * 1e9) * 1e3);
+    for (int d = 0; d < cuda.n_devices; d++) {
+        if (r->dev_per_token[d] <= 0) continue;
+        if (x->dev_seconds[d] > 0)
+            printf(", cuda %d %.1f MiB (%.1f GB/s probed: %.2f ms)", d, r->dev_per_token[d] / 1048576.0, r->speed.gbps[d], x->dev_seconds[d] * 1e3);
         else printf(", cuda %d %.1f MiB (not probed)", d, r->dev_per_token[d] / 1048576.0);
-        seconds += t;
-        unprobed += t == 0;
     }
     printf("; %.1f MiB of it from the file\n", r->file_per_token / 1048576.0);
-    printf("expected decode: at most %.1f tok/s (memory traffic alone, the buses one after another%s)\n", 1 / seconds,
-           unprobed ? "; the devices not probed not counted" : "");
+    printf("expected decode: at most %.1f tok/s (memory traffic alone, the buses one after another%s)\n", 1 / x->seconds,
+           x->unprobed ? "; the devices not probed not counted" : "");
+}
+
+/* coli plan --json: the same as one object on stdout: devices, components (bytes, values,
+ * where they went), the CPU's side with the expert cache, and the expectation. */
+static void cmd_plan_json(const struct model *m, const struct place_result *r, const struct cmd_plan_expectation *x)
+{
+    const struct model_config *c = &m->cfg;
+    uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
+    const struct expert_store *s = m->experts;
+    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes;
+    printf("{\"model\":");
+    json_write_string(stdout, m->file.path, strlen(m->file.path));
+    printf(",\"devices\":[");
+    for (int i = 0, k = 0; i < cuda.n_devices && cuda.ready; i++) {
+        const struct cuda_device *d = &cuda.dev[i];
+        if (!d->usable) continue;
+        printf("%s{\"index\":%d,\"name\":", k++ ? "," : "", i);
+        json_write_string(stdout, d->name, strlen(d->name));
+        printf(",\"budget_bytes\":%lld,\"trunk_bytes\":%lld,\"expert_bytes\":%lld,\"left_bytes\":%lld,\"probed_gb_s\":%.3f,"
+               "\"bytes_per_token\":%.0f}", (long long)d->budget, (long long)r->trunk_vram[i], (long long)(d->used - r->trunk_vram[i]),
+               (long long)(d->budget - d->used), r->speed.gbps[i], r->dev_per_token[i]);
+    }
+    printf("],\"components\":[");
+    for (int k = 0, said = 0; k < PLACE_COUNT; k++) {
+        const struct place_summary *q = &r->comp[k];
+        if (!q->total) continue;
+        printf("%s{\"name\":\"%s\",\"count\":%d,\"bytes\":%.0f,\"value_min\":%.4f,\"value_max\":%.4f,\"on_device\":[", said++ ? "," : "",
+               place_names[k], q->total, q->bytes, q->lo, q->hi);
+        for (int d = 0; d < cuda.n_devices; d++) printf("%s%d", d ? "," : "", q->on[d]);
+        printf("],\"cpu\":%d}", q->total - q->placed);
+    }
+    printf("],\"cpu\":{\"trunk_bytes\":%.0f,\"expert_bytes\":%.0f,\"expert_cache\":", (double)trunk - r->trunk_cpu_bytes,
+           (double)experts - r->expert_cpu_bytes);
+    if (!s || s->mapped) printf("{\"mode\":\"mapped\"}");
+    else printf("{\"mode\":\"cached\",\"slots\":%d,\"bytes\":%lld}", s->n_slots, (long long)s->n_slots * (long long)s->slot_bytes);
+    printf(",\"kv_bytes_per_token\":%lld},\"expected\":{\"cpu_bytes_per_token\":%.0f,\"file_bytes_per_token\":%.0f,\"host_gb_s\":%.3f,"
+           "\"seconds_per_token\":%.9f,\"tok_s\":%.3f,\"devices_not_probed\":%d},\"layers\":%d}\n",
+           (long long)model_kv_bytes_per_token(m), r->cpu_per_token, r->file_per_token, x->host_gbps, x->seconds,
+           x->seconds > 0 ? 1 / x->seconds : 0.0, x->unprobed, c->n_layers);
 }
 
 /* coli plan: where each part of the model would live, decided by the code a run uses (§7 as a
@@ -11726,12 +11785,18 @@ static int cmd_plan(const struct cmd_options *o)
     model_bind(&m);
     m.n_ctx = model_choose_ctx(&m, o->n_ctx);
     place_dry_run = 1;
+    place_say_stdout = !o->json;
     struct model_budget b = model_expert_budget(&m, 1, 0, o->ram_bytes);
     struct place_result r;
     model_place(&m, b.budget, o->ram_bytes < 0, o->heat_path, o->expert_io, o->place, &r);
-    cmd_plan_devices(r.trunk_vram);
-    cmd_plan_cpu(&m, o, r.trunk_cpu_bytes, r.expert_cpu_bytes);
-    cmd_plan_expect(&r);
+    if (m.experts && !m.experts->mapped) expert_size_slots(m.experts);
+    struct cmd_plan_expectation x = cmd_plan_expect(&r);
+    if (o->json) cmd_plan_json(&m, &r, &x);
+    else {
+        cmd_plan_devices(r.trunk_vram);
+        cmd_plan_cpu(&m, o, r.trunk_cpu_bytes, r.expert_cpu_bytes);
+        cmd_plan_say_expect(&r, &x);
+    }
     expert_close(m.experts);
     free(m.layers);
     gguf_close(&m.file);
@@ -11752,7 +11817,7 @@ static const char arg_usage[] =
     "  serve     -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
     "            [--cache-ram SIZE]\n"
     "            [-n N] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
-    "  plan      -m MODEL.gguf [resources]        where each part would live, without loading weights\n"
+    "  plan      -m MODEL.gguf [--json] [resources]   where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
     "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
@@ -11799,10 +11864,12 @@ static const char *const arg_command_help[][2] = {
               "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most;\n"
               "  0: a slot keeps only its last state). A request's \"cache_prompt\": false computes it all.\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
-    {"plan", "coli plan -m MODEL.gguf [-c N] [--gpu LIST] [--vram SIZE] [--place SPEC]\n"
-             "  Where each part of the model would live, without loading weights: the [place] lines that\n"
-             "  coli run logs (same decisions), each device's budget and what the trunk and the experts take\n"
-             "  of it, then what stays on the CPU (trunk, embedding, experts, KV cache) and the memory free.\n"},
+    {"plan", "coli plan -m MODEL.gguf [-c N] [--ram SIZE] [--gpu LIST] [--vram SIZE] [--place SPEC] [--no-probe] [--json]\n"
+             "  Where each part of the model would live, without loading weights: the [probe] and [place]\n"
+             "  lines that coli run logs (same decisions), each device's budget and what the trunk and the\n"
+             "  experts take of it, what stays on the CPU (trunk, embedding, experts, their RAM cache, KV\n"
+             "  cache), the bytes each bus would read per token and the decode rate that traffic allows at\n"
+             "  the bandwidth measured here. --json: the same as one object (the lines go to stderr).\n"},
     {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
               "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
               "  weight format against the machine's measured memory bandwidth.\n"},

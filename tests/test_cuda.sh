@@ -166,6 +166,24 @@ has "plan: the bytes per token on each bus, against the bandwidth measured and p
     '^expected per token: cpu [0-9.]+ MiB on the memory bus \([0-9.]+ GB/s measured: [0-9.]+ ms\)(, cuda [01] [0-9.]+ MiB \([0-9.]+ GB/s probed: [0-9.]+ ms\))+; [0-9.]+ MiB of it from the file$' "$tmp/plan"
 has "plan: a decode rate from them" '^expected decode: at most [0-9.]+ tok/s \(memory traffic alone, the buses one after another\)$' "$tmp/plan"
 plan_vs_run "plan, a split --place: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1,dnproj=0:1+1:1,experts=1:2
+env LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 "$COLI" plan -m "$GOLDEN/$m" --json --ram 10K --vram 300K >"$tmp/plan.json" 2>"$tmp/plan-e"
+if python3 - "$tmp/plan.json" <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+assert len(lines) == 1, "stdout is one JSON line"
+d = json.loads(lines[0])
+assert [x["index"] for x in d["devices"]] == [0, 1]
+names = [c["name"] for c in d["components"]]
+assert names[0] == "lmhead" and names[-1] == "experts", names
+for c in d["components"]:
+    assert sum(c["on_device"]) + c["cpu"] == c["count"], c
+assert d["cpu"]["expert_cache"]["mode"] == "cached" and d["cpu"]["expert_cache"]["slots"] >= 4
+e = d["expected"]
+assert e["tok_s"] > 0 and abs(e["seconds_per_token"] * e["tok_s"] - 1) < 1e-3, e
+PY
+then ok "plan --json: one object: devices, components and where they went, the CPU's cache (--ram), the expectation"
+else bad "plan --json" "$(head -c 400 "$tmp/plan.json")"; fi
+has "plan --json: the [place] lines on stderr" '^\[place\] lmhead: ' "$tmp/plan-e"
 COLI_CUDA=0 "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>&1
 has "plan with COLI_CUDA=0: the reason instead of a device" '^cuda: none: off \(COLI_CUDA=0\)$' "$tmp/plan"
 has "plan with COLI_CUDA=0: the whole trunk on the CPU" '^cpu: trunk \(dense, read every token\): 0\.3 MiB$' "$tmp/plan"
