@@ -4416,6 +4416,42 @@ static int cuda_moe_finish(int dev, float *out)
     return 0;
 }
 
+/* The probe of device DEV for routed experts: a batch of N_JOBS jobs (at most
+ * CUDA_PROBE_JOBS) over expert W of shape SH on one column, as decode runs one
+ * (cuda_moe_start, then cuda_moe_finish), CUDA_PROBE_REPS times after one to warm up, timed by
+ * the device's events. W is uploaded for it and freed after. Returns the seconds per batch, or
+ * -1 when the device cannot say (no events, no kernels or room for it; a failed call ends the
+ * GPU path as anywhere else). */
+#define CUDA_PROBE_JOBS 16
+static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], int n_jobs)
+{
+    struct cuda_expert e;
+    struct cuda_moe_job jobs[CUDA_PROBE_JOBS];
+    cuda_handle ev[2] = {NULL, NULL};
+    float ms = 0;
+    if (!cuda_api.event_create || !cuda_api.event_record || !cuda_api.event_sync || !cuda_api.event_elapsed || !cuda_api.event_destroy ||
+        n_jobs > CUDA_PROBE_JOBS || !cuda_moe_supported(dev, sh) || cuda_expert_upload(dev, w, &e))
+        return -1;
+    for (int j = 0; j < n_jobs; j++) jobs[j] = (struct cuda_moe_job){e, 0, 0};
+    size_t stride = ops_act_stride(&w[0]);
+    uint8_t *act = plat_alloc_aligned(stride);
+    float *x = plat_zalloc((size_t)sh->dim, sizeof *x), *out = plat_alloc((size_t)n_jobs * (size_t)sh->dim * sizeof *out);
+    quant_act_prepare(sh->up_type, x, sh->dim, act);
+    int ok = !cuda_event_create(&ev[0]) && !cuda_event_create(&ev[1]);
+    for (int i = -1; i < CUDA_PROBE_REPS && ok; i++) {
+        if (i == 0) ok = !cuda_event_record(ev[0], NULL);
+        ok = ok && !cuda_moe_start(dev, sh, jobs, n_jobs, act, stride, 1) && !cuda_moe_finish(dev, out);
+    }
+    ok = ok && !cuda_event_record(ev[1], NULL) && !cuda_event_sync(ev[1]) && !cuda_event_elapsed(&ms, ev[0], ev[1]);
+    for (int i = 0; i < 2; i++)
+        if (ev[i]) cuda_event_destroy(ev[i]);
+    if (cuda.ready) cuda_expert_free(dev, &e);
+    free(act);
+    free(x);
+    free(out);
+    return ok ? ms / 1e3 / CUDA_PROBE_REPS : -1;
+}
+
 /* ==== §6 experts ==== */
 /* Owns: the routed experts of every layer as units (expert e of layer l: its slices of the
  *   merged ffn_{gate,up,down}_exps tensors), the RAM cache that holds a byte budget of them,
@@ -5789,7 +5825,9 @@ static int place_no_probe; /* --no-probe: every device is taken to be faster tha
 struct place_probe { double kernel, round_trip, cpu; };
 
 /* What the probe found, for the expected time per token: GB/s of the CPU's product and of each
- * device's kernel (0: not probed), and each device's round trip in seconds. */
+ * device's kernel (0: not probed), and each device's round trip in seconds. (The expert batch
+ * it times includes its copies, which the time model counts as round trips: it only decides
+ * whether the experts may go to a device.) */
 struct place_speed { double cpu_gbps, gbps[CUDA_MAX_DEVICES], round_trip[CUDA_MAX_DEVICES]; };
 
 static int place_probe_slower(const struct place_probe *p) { return p->kernel + p->round_trip > p->cpu; }
@@ -5830,10 +5868,57 @@ static double place_cpu_product(const struct ops_matrix *w)
     return t;
 }
 
-/* Probes each usable device with the largest probe matrix of ITEMS[N_ITEMS] (a [probe] line
- * each, the figures into *SP) and withdraws from the trunk offers O[N_TRUNK] those slower than
- * the CPU. */
-static void place_probe_devices(const struct place_item *items, int n_items, struct place_offer *o, int n_trunk, struct place_speed *sp)
+/* The CPU's time for a batch of N_JOBS jobs over expert W (gate, up, down): the best of
+ * CUDA_PROBE_REPS after one to warm up. */
+static double place_cpu_experts(const struct ops_matrix w[3], int n_jobs)
+{
+    float *x = plat_zalloc((size_t)w[0].cols, sizeof *x), *g = plat_alloc((size_t)w[0].rows * sizeof *g);
+    float *u = plat_alloc((size_t)w[0].rows * sizeof *u), *y = plat_alloc((size_t)w[2].rows * sizeof *y);
+    double best = DBL_MAX;
+    for (int rep = -1; rep < CUDA_PROBE_REPS; rep++) {
+        double t0 = plat_now();
+        for (int j = 0; j < n_jobs; j++) {
+            ops_matvec(&w[0], x, g);
+            ops_matvec(&w[1], x, u);
+            for (int64_t i = 0; i < w[0].rows; i++) g[i] = ops_silu(g[i]) * u[i];
+            ops_matvec(&w[2], g, y);
+        }
+        if (rep >= 0) best = fmin(best, plat_now() - t0);
+    }
+    free(x);
+    free(g);
+    free(u);
+    free(y);
+    return best;
+}
+
+/* The experts' probe on device D: a batch of TOP_K jobs over expert W (shape SH, BYTES on the
+ * CPU) there against CPU_S on the CPU; a [probe] line, and the experts among O[N_TRUNK..N)
+ * withdrawn from D when it is slower. */
+static void place_probe_experts(int d, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], size_t bytes, int top_k, double cpu_s,
+                                struct place_offer *o, int n_trunk, int n)
+{
+    char line[384];
+    int jobs = top_k < CUDA_PROBE_JOBS ? top_k : CUDA_PROBE_JOBS;
+    double t = cuda_probe_experts(d, sh, w, jobs), mib = (double)bytes / 1048576.0;
+    if (t <= 0) {
+        snprintf(line, sizeof line, "[probe] cuda %d: cannot time an expert batch there: taken to be faster than the CPU", d);
+        if (cuda.ready) place_say(line);
+        return;
+    }
+    snprintf(line, sizeof line, "[probe] cuda %d: a batch of %d experts (%.2f MiB each, %s) %.3f ms (%.1f GB/s), on the CPU %.3f ms (%.1f GB/s): %s",
+             d, jobs, mib, gguf_types[w[0].type].name, t * 1e3, jobs * (double)bytes / 1e9 / t, cpu_s * 1e3, jobs * (double)bytes / 1e9 / cpu_s,
+             t > cpu_s ? "slower than the CPU, no experts there" : "the experts may go there");
+    place_say(line);
+    for (int i = n_trunk; i < n && t > cpu_s; i++) o[i].devices &= ~(1u << d);
+}
+
+/* Probes each usable device with the largest probe matrix of ITEMS[N_ITEMS], and with a batch
+ * of TOP_K experts of S (NULL: none) as decode runs it (a [probe] line each, the figures into
+ * *SP), and withdraws from the offers O[N] (the trunk O[0..N_TRUNK)) the devices slower than
+ * the CPU for them. */
+static void place_probe_devices(const struct place_item *items, int n_items, const struct expert_store *s, int top_k, struct place_offer *o,
+                                int n_trunk, int n, struct place_speed *sp)
 {
     const struct ops_matrix *w = place_probe_matrix(items, n_items);
     if (!w) return;
@@ -5844,6 +5929,21 @@ static void place_probe_devices(const struct place_item *items, int n_items, str
     double mib = (double)w->rows * w->row_bytes / 1048576.0;
     struct place_probe p = {0, 0, place_cpu_product(w)};
     sp->cpu_gbps = mib * 1048576.0 / 1e9 / p.cpu;
+    struct ops_matrix ew[3];
+    struct cuda_moe_shape sh;
+    size_t expert_bytes = 0;
+    double cpu_experts = 0;
+    int layer = -1;
+    for (int l = 0; s && l < s->n_layers && layer < 0; l++)
+        if (place_expert_devices(s, l)) layer = l;
+    if (layer >= 0) {
+        place_expert_shape(s, layer, &sh);
+        for (int j = 0; j < 3; j++) {
+            ew[j] = expert_mapped(&s->src[layer][j].t, 0);
+            expert_bytes += (size_t)ew[j].rows * ew[j].row_bytes;
+        }
+        cpu_experts = place_cpu_experts(ew, top_k < CUDA_PROBE_JOBS ? top_k : CUDA_PROBE_JOBS);
+    }
     for (int d = 0; d < cuda.n_devices && cuda.ready; d++) {
         char line[384];
         if (!cuda.dev[d].usable) continue;
@@ -5860,6 +5960,8 @@ static void place_probe_devices(const struct place_item *items, int n_items, str
                  p.round_trip * 1e3, p.cpu * 1e3, mib * 1048576.0 / 1e9 / p.cpu, slower ? "slower than the CPU, no trunk there" : "the trunk may go there");
         place_say(line);
         if (slower) place_withdraw_trunk(o, n_trunk, d);
+        if (layer >= 0 && (place_expert_devices(s, layer) >> d & 1))
+            place_probe_experts(d, &sh, ew, expert_bytes, top_k, cpu_experts, o, n_trunk, n);
     }
 }
 
@@ -5917,6 +6019,13 @@ static void place_expect(const struct place_offer *o, int n_trunk, int n, const 
     }
 }
 
+/* The seconds per token device D's bus takes for what R puts there, at the speeds SP (0: not
+ * probed). */
+static double place_device_seconds(const struct place_result *r, const struct place_speed *sp, int d)
+{
+    return sp->gbps[d] > 0 ? r->dev_per_token[d] / (sp->gbps[d] * 1e9) : 0;
+}
+
 /* The expected seconds per token of the decisions in O[N] (the trunk O[0..N_TRUNK)) at the
  * probe's speeds SP: each bus's bytes (place_expect) over its speed, plus a device's round
  * trip for each call a token makes to it: one per trunk component and layer it holds, one
@@ -5932,8 +6041,7 @@ static double place_expected_seconds(const struct place_offer *o, int n_trunk, i
     place_expect(o, n_trunk, n, h, r.trunk_cpu_bytes, &r);
     double seconds = r.cpu_per_token / (sp->cpu_gbps * 1e9);
     uint8_t *called = plat_zalloc((size_t)CUDA_MAX_DEVICES * PLACE_COUNT * (size_t)layers, 1);
-    for (int d = 0; d < CUDA_MAX_DEVICES; d++)
-        if (r.dev_per_token[d] > 0) seconds += r.dev_per_token[d] / (sp->gbps[d] * 1e9);
+    for (int d = 0; d < CUDA_MAX_DEVICES; d++) seconds += place_device_seconds(&r, sp, d);
     for (int i = 0; i < n; i++) {
         uint8_t *c = o[i].home >= 0 ? &called[((size_t)o[i].home * PLACE_COUNT + o[i].comp) * (size_t)layers + (size_t)o[i].ordinal] : NULL;
         if (c && !*c) seconds += sp->round_trip[o[i].home];
@@ -5955,9 +6063,9 @@ static void place_choose_split(struct place_offer *o, int n_trunk, int n, const 
                                const struct place_host *h, const struct place_rooms *rooms, const struct place_speed *sp)
 {
     int probed = 0, best_t = -1, best_e = -1;
-    uint32_t trunk_ok = 0; /* the devices the probe left the trunk */
+    uint32_t trunk_ok = 0, experts_ok = 0; /* the devices the probe left the trunk, the experts */
     for (int d = 0; d < rooms->n; d++) probed += sp->gbps[d] > 0;
-    for (int i = 0; i < n_trunk; i++) trunk_ok |= o[i].devices;
+    for (int i = 0; i < n; i++) *(i < n_trunk ? &trunk_ok : &experts_ok) |= o[i].devices;
     if (probed < 2) return;
     struct place_offer *try = plat_alloc((size_t)n * sizeof *try);
     double best = INFINITY, mixed = INFINITY;
@@ -5965,7 +6073,7 @@ static void place_choose_split(struct place_offer *o, int n_trunk, int n, const 
     int len = snprintf(line, sizeof line, "[probe] expected per token:");
     for (int t = -1; t < rooms->n; t++)
         for (int e = t < 0 ? -1 : 0; e < (t < 0 ? 0 : rooms->n) && len < (int)sizeof line - 80; e++) {
-            if (t >= 0 && (!(trunk_ok >> t & 1) || sp->gbps[e] <= 0 || rooms->room[t] <= 0 || rooms->room[e] <= 0)) continue;
+            if (t >= 0 && (!(trunk_ok >> t & 1) || !(experts_ok >> e & 1) || rooms->room[t] <= 0 || rooms->room[e] <= 0)) continue;
             memcpy(try, o, (size_t)n * sizeof *try);
             for (int i = 0; i < n && t >= 0; i++) try[i].devices &= 1u << (i < n_trunk ? t : e);
             struct place_rooms left = *rooms;
@@ -6007,7 +6115,7 @@ static void place_model(const struct place_item *items, int n_items, struct expe
     for (int d = 0; d < rooms.n; d++) rooms.room[d] = cuda.dev[d].usable ? cuda.dev[d].budget - cuda.dev[d].used : -1;
     int n_trunk = place_trunk_offers(items, n_items, o), n = n_trunk + (s ? place_expert_offers(s, top_k, o + n_trunk) : 0);
     int probe = cuda.ready && (!spec || !strcmp(spec, "auto"));
-    if (probe) place_probe_devices(items, n_items, o, n_trunk, &r->speed);
+    if (probe) place_probe_devices(items, n_items, s, top_k, o, n_trunk, n, &r->speed);
     if (probe && cuda.ready) place_choose_split(o, n_trunk, n, rule, h, &rooms, &r->speed);
     if (cuda.ready && s) {
         s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
@@ -11710,7 +11818,7 @@ static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
     free(buf);
     for (int d = 0; d < cuda.n_devices; d++) {
         if (r->dev_per_token[d] <= 0) continue;
-        x.dev_seconds[d] = r->speed.gbps[d] > 0 ? r->dev_per_token[d] / (r->speed.gbps[d] * 1e9) : 0;
+        x.dev_seconds[d] = place_device_seconds(r, &r->speed, d);
         x.seconds += x.dev_seconds[d];
         x.unprobed += x.dev_seconds[d] == 0;
     }

@@ -11,7 +11,7 @@
  *   FAKE_CUDA_DEVICES=N (default 1; 0: cuInit answers 100 as a real driver does)
  *   FAKE_CUDA_VRAM_MB, FAKE_CUDA_FREE_MB (default 8192, 7680), FAKE_CUDA_NAMES=a,b
  *   FAKE_CUDA_GBPS (default 1000): the simulated speed at which a launch reads its weights, and
- *   FAKE_CUDA_LAUNCH_US (default 2) a launch's own time, FAKE_CUDA_COPY_US (default 5) and
+ *   FAKE_CUDA_LAUNCH_US (default 1) a launch's own time, FAKE_CUDA_COPY_US (default 2) and
  *   FAKE_CUDA_PCIE_GBPS (default 25) a copy's: the device's clock, which its events read (the
  *   twins take real time, which the events do not see)
  *   These and the first two take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
@@ -74,8 +74,8 @@ API CUresult cuInit(unsigned flags)
         vram[i] = (size_t)env_list("FAKE_CUDA_VRAM_MB", pci, 8192) << 20;
         avail[i] = (size_t)env_list("FAKE_CUDA_FREE_MB", pci, 7680) << 20;
         gbps[i] = env_list("FAKE_CUDA_GBPS", pci, 1000);
-        launch_ns[i] = env_list("FAKE_CUDA_LAUNCH_US", pci, 2) * 1e3;
-        copy_ns[i] = env_list("FAKE_CUDA_COPY_US", pci, 5) * 1e3;
+        launch_ns[i] = env_list("FAKE_CUDA_LAUNCH_US", pci, 1) * 1e3;
+        copy_ns[i] = env_list("FAKE_CUDA_COPY_US", pci, 2) * 1e3;
         pcie_gbps[i] = env_list("FAKE_CUDA_PCIE_GBPS", pci, 25);
         snprintf(names[i], sizeof names[i], "Fake GPU %c", 'A' + i);
         if (nm) { /* the i-th comma-separated name */

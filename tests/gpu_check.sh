@@ -43,6 +43,19 @@ for f in "$GOLDEN"/q35moe-*.gguf "$GOLDEN"/q3next-*.gguf; do
         bad "$m: CPU vs GPU" "$(grep -E 'cuda|place' "$log/err" | tail -n 3)"
     fi
 done
+# The probe's figures, and re-tiering on the device: experts swapped while decoding, same tokens.
+f="$GOLDEN/q35moe-q8_0.gguf"
+if [ -f "$f" ]; then
+    timeout 60 ./coli plan -m "$f" | grep -E '^(\[probe\]|expected)'
+    COLI_CUDA=0 timeout 60 ./coli run -m "$f" -p "$P" -n 32 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$log/cpu"
+    HEAT_FILE="$log/heat" COLI_PLACE=off timeout 60 ./coli run -m "$f" -p "$P" -n 32 --ignore-eog --json --vram 40K 2>"$log/err" |
+        tail -n 1 | sed 's/"timings".*//' >"$log/gpu"
+    if [ -s "$log/cpu" ] && cmp -s "$log/cpu" "$log/gpu" && grep -qE 're-tiering: [1-9][0-9]* swaps' "$log/err"; then
+        ok "re-tiering on the device, same tokens ($(grep -o 're-tiering: [0-9]* swaps' "$log/err"))"
+    else
+        bad "re-tiering" "$(grep -E 'cuda|re-tier' "$log/err" | tail -n 3)"
+    fi
+fi
 echo "summary: $(grep -m1 '^cuda 0: ' "$log/info"); $(grep -m1 'wrapped driver call' "$log/info" | grep -o 'one wrapped.*'); $(( $(date +%s) - t0 )) s"
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -113,7 +113,9 @@ has "... and lm_head stays on the CPU by the list" '^\[place\] lmhead: 1 matrix,
 tokens "the probe: a device slower than the CPU gets no trunk" '^\[probe\] cuda 1: .*, on the CPU [0-9.]+ ms .*: slower than the CPU, no trunk there$' \
     $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001
 if grep '^\[place\] [a-z]*: [0-9]* matri' "$tmp/e" | grep -q 'cuda 1'; then bad "... nothing of the trunk on it" "$(grep '^\[place\]' "$tmp/e" | head -c 400)"
-else has "... nothing of the trunk on it; the choice leaves it out" '^\[probe\] expected per token: mixed by room [0-9.]+ ms, all on cuda 0 [0-9.]+ ms, .* -> all on cuda 0$' "$tmp/e"; fi
+else has "... nothing of the trunk on it, nor experts: slower than the CPU for them too" \
+    '^\[probe\] cuda 1: a batch of [0-9]+ experts \([0-9.]+ MiB each, Q8_0\) [0-9.]+ ms .*: slower than the CPU, no experts there$' "$tmp/e"; fi
+has "... every expert on the fast one" '^\[place\] experts: 32 of 32, .* -> cuda 0: 32 ' "$tmp/e"
 has "... and the fast one says so" '^\[probe\] cuda 0: .*: the trunk may go there$' "$tmp/e"
 tokens "--no-probe: nominal figures, the slow device takes trunk" '^\[place\] dnproj: .*cuda 1: [1-9]' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 FAKE_CUDA_GBPS=1000,0.00001 -- --no-probe
 has "... and says so" '^\[probe\] off \(--no-probe\)' "$tmp/e"
@@ -166,7 +168,7 @@ has "plan: the bytes per token on each bus, against the bandwidth measured and p
     '^expected per token: cpu [0-9.]+ MiB on the memory bus \([0-9.]+ GB/s measured: [0-9.]+ ms\)(, cuda [01] [0-9.]+ MiB \([0-9.]+ GB/s probed: [0-9.]+ ms\))+; [0-9.]+ MiB of it from the file$' "$tmp/plan"
 has "plan: a decode rate from them" '^expected decode: at most [0-9.]+ tok/s \(memory traffic alone, the buses one after another\)$' "$tmp/plan"
 plan_vs_run "plan, a split --place: run's [place] lines" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1,dnproj=0:1+1:1,experts=1:2
-env LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 "$COLI" plan -m "$GOLDEN/$m" --json --ram 10K --vram 300K >"$tmp/plan.json" 2>"$tmp/plan-e"
+env LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 "$COLI" plan -m "$GOLDEN/$m" --json --ram 10K --vram 150K >"$tmp/plan.json" 2>"$tmp/plan-e"
 if python3 - "$tmp/plan.json" <<'PY'
 import json, sys
 lines = open(sys.argv[1]).read().splitlines()
