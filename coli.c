@@ -6117,6 +6117,7 @@ static void place_model(const struct place_item *items, int n_items, struct expe
     int probe = cuda.ready && (!spec || !strcmp(spec, "auto"));
     if (probe) place_probe_devices(items, n_items, s, top_k, o, n_trunk, n, &r->speed);
     if (probe && cuda.ready) place_choose_split(o, n_trunk, n, rule, h, &rooms, &r->speed);
+    if (!cuda.ready) rooms.n = 0; /* the probe's launch failed: the GPU path has ended */
     if (cuda.ready && s) {
         s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
         for (int i = 0; i < cells; i++) s->vram[i].dev = -1;

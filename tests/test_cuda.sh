@@ -83,6 +83,8 @@ tokens "2 devices, a launch fails in device 0's expert batch: the CPU takes over
 n=$(grep -c 'running on the CPU from here' "$tmp/e")
 if [ "$n" = 1 ]; then ok "... and says so once: no driver call after the failure"; else bad "one failure line" "$n lines: $(grep cuda "$tmp/e" | head -c 300)"; fi
 tokens "a launch fails mid-run: the CPU takes over" '^\[cuda\] GEMV on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:40
+tokens "a launch fails in the probe: everything on the CPU" '^\[cuda\] the probe: unspecified launch failure \(error 719\); running on the CPU from here$' \
+    $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=launch:1
 tokens "module load fails: CPU" 'error 222' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_FAIL=module:222
 tokens "stub: CPU" 'error 34' $m LD_LIBRARY_PATH="$B/stub"
 tokens "--vram 0: nothing placed" 'no room in the budget' $m LD_LIBRARY_PATH="$B/fake" CUDA_EXPERT_GB=0
