@@ -5662,6 +5662,19 @@ static int place_trunk_offers(const struct place_item *items, int n, struct plac
     return k;
 }
 
+/* Expert KEY's matrices in S (gate, up, down) into W, their bytes into *CPU_BYTES (NULL: not
+ * wanted); returns the VRAM they take. */
+static size_t place_expert_parts(const struct expert_store *s, int32_t key, struct ops_matrix w[3], size_t *cpu_bytes)
+{
+    size_t part[3];
+    for (int j = 0; j < 3; j++) {
+        w[j] = expert_mapped(&s->src[key / s->n_expert][j].t, key % s->n_expert);
+        part[j] = (size_t)w[j].rows * w[j].row_bytes;
+    }
+    if (cpu_bytes) *cpu_bytes = part[0] + part[1] + part[2];
+    return cuda_span(part, 3);
+}
+
 /* The offers of S's experts into O, hottest first (ref: the key), each read with the
  * probability p_e that a token routes to it: its share of the heat over the n_layers layers
  * a token passes, times TOP_K; TOP_K / n_expert without heat. Returns their count. */
@@ -5674,14 +5687,11 @@ static int place_expert_offers(const struct expert_store *s, int top_k, struct p
     for (int l = 0; l < s->n_layers; l++) devices[l] = place_expert_devices(s, l);
     for (int i = 0; i < cells; i++) heat_total += s->heat[i];
     for (int i = 0; i < cells; i++) {
-        int key = order[i], l = key / s->n_expert, e = key % s->n_expert;
-        size_t part[3], b = 0;
-        for (int j = 0; j < 3; j++) {
-            struct ops_matrix w = expert_mapped(&s->src[l][j].t, e);
-            b += part[j] = (size_t)w.rows * w.row_bytes;
-        }
+        int key = order[i], l = key / s->n_expert;
+        struct ops_matrix w[3];
+        size_t b, vram = place_expert_parts(s, key, w, &b);
         double p = heat_total > 0 ? s->heat[key] * s->n_layers * top_k / heat_total : (double)top_k / s->n_expert;
-        o[i] = (struct place_offer){PLACE_EXPERTS, l, cuda_span(part, 3), b, p, devices[l], PLACE_CPU, 0, 0, key};
+        o[i] = (struct place_offer){PLACE_EXPERTS, l, vram, b, p, devices[l], PLACE_CPU, 0, 0, key};
     }
     free(devices);
     free(order);
@@ -5698,7 +5708,7 @@ static void place_apply(struct place_offer *o, int n_trunk, int n, const struct 
         if (i < n_trunk) failed = place_matrix(items[o[i].ref].m, o[i].home);
         else {
             struct ops_matrix w[3];
-            for (int j = 0; j < 3; j++) w[j] = expert_mapped(&s->src[o[i].ref / s->n_expert][j].t, o[i].ref % s->n_expert);
+            place_expert_parts(s, o[i].ref, w, NULL);
             failed = place_expert(o[i].home, w, &s->vram[o[i].ref].e);
             if (!failed) s->vram[o[i].ref].dev = o[i].home;
         }
@@ -5938,10 +5948,7 @@ static void place_probe_devices(const struct place_item *items, int n_items, con
         if (place_expert_devices(s, l)) layer = l;
     if (layer >= 0) {
         place_expert_shape(s, layer, &sh);
-        for (int j = 0; j < 3; j++) {
-            ew[j] = expert_mapped(&s->src[layer][j].t, 0);
-            expert_bytes += (size_t)ew[j].rows * ew[j].row_bytes;
-        }
+        place_expert_parts(s, layer * s->n_expert, ew, &expert_bytes);
         cpu_experts = place_cpu_experts(ew, top_k < CUDA_PROBE_JOBS ? top_k : CUDA_PROBE_JOBS);
     }
     for (int d = 0; d < cuda.n_devices && cuda.ready; d++) {
@@ -6166,17 +6173,6 @@ static int place_uploading(const struct expert_store *s, int32_t key)
     return 0;
 }
 
-/* Expert KEY's matrices in S (gate, up, down) into W; returns its VRAM bytes. */
-static size_t place_expert_parts(const struct expert_store *s, int32_t key, struct ops_matrix w[3])
-{
-    size_t part[3];
-    for (int j = 0; j < 3; j++) {
-        w[j] = expert_mapped(&s->src[key / s->n_expert][j].t, key % s->n_expert);
-        part[j] = (size_t)w[j].rows * w[j].row_bytes;
-    }
-    return cuda_span(part, 3);
-}
-
 /* On device D: the coldest resident expert of S against the hottest on the CPU that D has
  * kernels and room for once the cold one is gone; swaps them when the hot one has been routed
  * and its heat is PLACE_RETIER_GAIN times the cold one's. */
@@ -6191,7 +6187,7 @@ static void place_retier_device(struct expert_store *s, int d)
                    !place_uploading(s, key))
             hot = key;
     if (cold < 0 || hot < 0 || s->heat[hot] < 1 || !(s->heat[hot] > PLACE_RETIER_GAIN * s->heat[cold])) return;
-    size_t cold_bytes = place_expert_parts(s, cold, w), hot_bytes = place_expert_parts(s, hot, w);
+    size_t cold_bytes = place_expert_parts(s, cold, w, NULL), hot_bytes = place_expert_parts(s, hot, w, NULL);
     if ((int64_t)hot_bytes > cuda.dev[d].budget - cuda.dev[d].used + (int64_t)cold_bytes) return;
     cuda_expert_free(d, &s->vram[cold].e);
     s->vram[cold].dev = -1;
