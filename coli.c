@@ -214,6 +214,23 @@ static void *plat_weight_arena(size_t n)
     return p;
 }
 
+/* A file of SIZE bytes that lives in memory only (memfd: sparse, a page exists once written),
+ * with a name every open(2) accepts written to PATH: /proc/self/fd/N. Returns the descriptor,
+ * or -1 with errno set. */
+static int plat_memory_file(const char *name, uint64_t size, char *path, size_t path_n)
+{
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0) return -1;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    snprintf(path, path_n, "/proc/self/fd/%d", fd);
+    return fd;
+}
+
 /* One line of progress on a terminal for a long step of loading, "[coli] WHAT: 1.20 of 3.40
  * GiB, 2.1 GB/s, 1 s left", redrawn at most four times a second and wiped at the end, so that
  * the log after it reads as before. Silent when stderr is not a terminal, or with --quiet. */
@@ -962,6 +979,104 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
     return bsearch(&probe, g->tensors, (size_t)g->n_tensors, sizeof *g->tensors, gguf_tensor_by_name);
 }
 
+/* ---- writing: the head of a GGUF v3 file (header, metadata, tensor infos) built in memory ----
+ * Keys first, then tensors, then gguf_image_end; the data section that follows is the caller's:
+ * tensor i's bytes go at data_offset + its offset. The default alignment (32) is used. */
+struct gguf_image {
+    uint8_t *p;
+    size_t n, cap;
+    uint64_t n_kvs, n_tensors, data_bytes; /* data_bytes: the data section so far */
+};
+
+static void gguf_image_put(struct gguf_image *im, const void *v, size_t n)
+{
+    if (im->n + n > im->cap) im->p = plat_realloc(im->p, im->cap = 2 * (im->n + n));
+    memcpy(im->p + im->n, v, n);
+    im->n += n;
+}
+
+static void gguf_image_u32(struct gguf_image *im, uint32_t v) { gguf_image_put(im, &v, 4); }
+static void gguf_image_u64(struct gguf_image *im, uint64_t v) { gguf_image_put(im, &v, 8); }
+
+static void gguf_image_string(struct gguf_image *im, const char *s)
+{
+    gguf_image_u64(im, strlen(s));
+    gguf_image_put(im, s, strlen(s));
+}
+
+/* The magic, version 3, and room for the two counts gguf_image_end writes. */
+static void gguf_image_begin(struct gguf_image *im)
+{
+    memset(im, 0, sizeof *im);
+    gguf_image_put(im, "GGUF", 4);
+    gguf_image_u32(im, 3);
+    gguf_image_u64(im, 0);
+    gguf_image_u64(im, 0);
+}
+
+/* A key of TYPE; the caller puts its value (an array's: elem type, count, elements) next. */
+static void gguf_image_key(struct gguf_image *im, const char *key, uint32_t type)
+{
+    gguf_image_string(im, key);
+    gguf_image_u32(im, type);
+    im->n_kvs++;
+}
+
+static void gguf_image_key_u32(struct gguf_image *im, const char *key, uint32_t v)
+{
+    gguf_image_key(im, key, GGUF_VALUE_UINT32);
+    gguf_image_u32(im, v);
+}
+
+static void gguf_image_key_f32(struct gguf_image *im, const char *key, float v)
+{
+    gguf_image_key(im, key, GGUF_VALUE_FLOAT32);
+    gguf_image_put(im, &v, 4);
+}
+
+static void gguf_image_key_string(struct gguf_image *im, const char *key, const char *v)
+{
+    gguf_image_key(im, key, GGUF_VALUE_STRING);
+    gguf_image_string(im, v);
+}
+
+/* An array key of COUNT elements of ELEM_TYPE, which the caller puts next. */
+static void gguf_image_key_array(struct gguf_image *im, const char *key, uint32_t elem_type, uint64_t count)
+{
+    gguf_image_key(im, key, GGUF_VALUE_ARRAY);
+    gguf_image_u32(im, elem_type);
+    gguf_image_u64(im, count);
+}
+
+/* A tensor of TYPE and SHAPE (outermost first, as gguf_tensor.shape); returns its offset in the
+ * data section. The caller has checked the rows against TYPE's block. */
+static uint64_t gguf_image_tensor(struct gguf_image *im, const char *name, int type, int n_dims, const int64_t *shape)
+{
+    uint64_t elems = 1, at = im->data_bytes;
+    gguf_image_string(im, name);
+    gguf_image_u32(im, (uint32_t)n_dims);
+    for (int d = n_dims - 1; d >= 0; d--) {
+        gguf_image_u64(im, (uint64_t)shape[d]);
+        elems *= (uint64_t)shape[d];
+    }
+    gguf_image_u32(im, (uint32_t)type);
+    gguf_image_u64(im, at);
+    const struct gguf_type_info *ti = gguf_type_get(type);
+    im->data_bytes += (elems / (uint64_t)ti->block_elems * (uint64_t)ti->block_bytes + 31) & ~(uint64_t)31;
+    im->n_tensors++;
+    return at;
+}
+
+/* Writes the counts and pads the head to the alignment; returns where the data section starts. */
+static size_t gguf_image_end(struct gguf_image *im)
+{
+    memcpy(im->p + 8, &im->n_tensors, 8);
+    memcpy(im->p + 16, &im->n_kvs, 8);
+    static const uint8_t zeros[32];
+    gguf_image_put(im, zeros, (32 - im->n % 32) % 32);
+    return im->n;
+}
+
 /* ==== §3 quant ==== */
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
  *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, MXFP4) and their tables, fp16/bf16 conversion,
@@ -1367,6 +1482,45 @@ static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, 
         case GGUF_TYPE_IQ4_NL: case GGUF_TYPE_MXFP4: quant_dequant_nl(type, b, y); break;
         case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: quant_dequant_iq(type, b, y); break;
         default: quant_dequant_legacy(type, b, y); break;
+        }
+    }
+}
+
+/* Byte offsets of the fp16 fields (scale d, and dmin or m) in a block of TYPE; -1: none. */
+static void quant_fp16_fields(enum gguf_type t, int at[2])
+{
+    at[0] = 0;
+    at[1] = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K ? 2 : -1;
+    if (t == GGUF_TYPE_Q2_K) at[0] = 80, at[1] = 82;
+    if (t == GGUF_TYPE_Q3_K) at[0] = 108;
+    if (t == GGUF_TYPE_Q6_K) at[0] = 208;
+}
+
+/* Rewrites the float-valued fields of BYTES bytes of random blocks of TYPE (whole blocks) so
+ * that every one is finite and normal, of magnitude in [2^E, 2^(E+1)) with its random sign:
+ * F32, F16 and BF16 elements, the fp16 scales, MXFP4's E8M0 exponent (2^E). Random bits alone
+ * would give NaN, infinities and denormals (slow, so unrepresentative of real weights). */
+static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, int e)
+{
+    const size_t bb = (size_t)gguf_type_get(t)->block_bytes, nb = bytes / bb;
+    int at[2];
+    quant_fp16_fields(t, at);
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < nb; i++) {
+        uint8_t *p = w + i * bb;
+        if (t == GGUF_TYPE_F32) {
+            uint32_t v;
+            memcpy(&v, p, 4);
+            v = (v & 0x807fffffu) | (uint32_t)(127 + e) << 23;
+            memcpy(p, &v, 4);
+        } else if (t == GGUF_TYPE_MXFP4) {
+            p[0] = (uint8_t)(127 + e);
+        } else {
+            for (int k = 0; k < 2 && at[k] >= 0; k++) {
+                uint16_t h = quant_rd16(p + at[k]);
+                h = t == GGUF_TYPE_BF16 ? (uint16_t)((h & 0x807f) | (127 + e) << 7) : (uint16_t)((h & 0x83ff) | (15 + e) << 10);
+                memcpy(p + at[k], &h, 2);
+            }
         }
     }
 }
@@ -2886,11 +3040,12 @@ static QUANT_AVX2 uint64_t ops_bench_read(const uint64_t *p, size_t n) {
     return t[0] + t[1] + t[2] + t[3];
 }
 
-/* Fills n bytes (a multiple of 8) with xorshift noise, in parallel (first touch per thread). */
-static void ops_bench_fill(uint8_t *buf, size_t n) {
+/* Fills n bytes (the last n % 8 are left) with xorshift noise, a stream of its own per SEED, in
+ * parallel (first touch per thread). */
+static void ops_bench_fill(uint8_t *buf, size_t n, uint64_t seed) {
     #pragma omp parallel for schedule(static)
     for (size_t c = 0; c < n / 8; c += 4096) {
-        uint64_t s = 0x9e3779b97f4a7c15ULL ^ (c * 0xbf58476d1ce4e5b9ULL);
+        uint64_t s = 0x9e3779b97f4a7c15ULL ^ ((c + seed * 0x2545f4914f6cdd1dULL) * 0xbf58476d1ce4e5b9ULL);
         size_t e = c + 4096 < n / 8 ? c + 4096 : n / 8;
         for (size_t i = c; i < e; i++) {
             s ^= s << 13; s ^= s >> 7; s ^= s << 17;
@@ -2916,41 +3071,13 @@ static double ops_bench_bandwidth(const uint8_t *buf, size_t n) {
     return best;
 }
 
-/* Rewrites the float-valued fields of `rows` rows so every value is finite, normal and in
- * ±[0.5, 1): random bits would give NaN/inf (wrong) and denormals (slow, unrepresentative). */
-static void ops_bench_sanitize(enum gguf_type t, uint8_t *w, int64_t rows, size_t rb) {
-    const struct gguf_type_info *ti = gguf_type_get(t);
-    const int bb = ti->block_bytes;
-    const int has_dmin = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K;
-    const int off = t == GGUF_TYPE_Q6_K ? 208 : 0;
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        uint8_t *row = w + (size_t)r * rb;
-        for (size_t b = 0; b + (size_t)bb <= rb; b += (size_t)bb) {
-            uint8_t *p = row + b + off;
-            if (t == GGUF_TYPE_F32) {
-                uint32_t v;
-                memcpy(&v, p, 4);
-                v = (v & 0x807fffffu) | 0x3f000000u;
-                memcpy(p, &v, 4);
-                continue;
-            }
-            for (int k = 0; k <= (has_dmin ? 1 : 0); k++) {
-                uint16_t h = quant_rd16(p + 2 * k);
-                h = t == GGUF_TYPE_BF16 ? (uint16_t)((h & 0x807f) | 0x3f00) : (uint16_t)((h & 0x83ff) | 0x3800);
-                memcpy(p + 2 * k, &h, 2);
-            }
-        }
-    }
-}
-
 /* GB/s of weight bytes for y = W·x on a rows x cols matrix of type t at w (already filled):
  * best of repeated runs for >= 0.2 s (3 runs at least). */
 static double ops_bench_gemv(enum gguf_type t, uint8_t *w, int64_t rows, int64_t cols, float *x, float *y) {
     const struct gguf_type_info *ti = gguf_type_get(t);
     size_t rb = (size_t)(cols / ti->block_elems) * (size_t)ti->block_bytes;
     struct ops_matrix m = { t, w, rows, cols, rb };
-    ops_bench_sanitize(t, w, rows, rb);
+    quant_sanitize_random(t, w, rb * (size_t)rows, -1);
     ops_matvec(&m, x, y);
     double best = 1e30, start = omp_get_wtime();
     for (int rep = 0; rep < 3 || omp_get_wtime() - start < 0.2; rep++) {
@@ -2983,7 +3110,7 @@ static void ops_bench_kernels(void) {
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
     big &= ~(size_t)4095;
     uint8_t *buf = plat_alloc_aligned(big);
-    ops_bench_fill(buf, big);
+    ops_bench_fill(buf, big, 0);
     double bw = ops_bench_bandwidth(buf, big);
     float *x = plat_alloc(sizeof(float) * 8192), *y = plat_alloc_aligned(big / 64 * sizeof(float));
     for (int i = 0; i < 8192; i++) x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
@@ -7380,6 +7507,25 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     return 0;
 }
 
+/* Seconds of a token's output head (the final norm and the lm_head product, as
+ * model_forward_runs ends it) on the hidden state the last pass left: the median of 5. What a
+ * token costs besides its layers (bench --synthetic scales the layers only). */
+static double model_head_seconds(struct model *m)
+{
+    double t[5];
+    for (int k = 0; k < 5; k++) {
+        double t0 = plat_now();
+        ops_rmsnorm(m->s.xn, m->s.x, m->out_norm, m->cfg.dim, m->cfg.eps);
+        ops_matmat(&m->lm_head, m->s.xn, m->s.logits, 1);
+        t[k] = plat_now() - t0;
+        for (int j = k; j > 0 && t[j] < t[j - 1]; j--) {
+            double x = t[j];
+            t[j] = t[j - 1], t[j - 1] = x;
+        }
+    }
+    return t[2];
+}
+
 /* A copy of everything a forward pass changes besides the KV cache beyond pos: rewinding to
  * it undoes the tokens fed since (chat uses it when Ctrl-C cancels a prompt). */
 struct model_checkpoint {
@@ -7445,7 +7591,7 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
 }
 
 /* Opens the store of routed experts behind BUDGET bytes of RAM (HEAT: the heat file, NULL:
- * expert_heat_default), decides with §7 what lives in VRAM, the trunk and the experts priced
+ * expert_heat_default, "": none kept), decides with §7 what lives in VRAM, the trunk and the experts priced
  * together (GROWS: the budget is what memory leaves, so the trunk placed leaves its RAM to the
  * experts), and gives the store the budget that leaves for what stays on the CPU. When it
  * holds every such expert they stay in the mapping. Fills *R. */
@@ -7460,7 +7606,7 @@ static void model_place(struct model *m, int64_t budget, int grows, const char *
     int64_t experts = (int64_t)model_expert_bytes(m);
     if (c->n_expert) {
         uint64_t fp = model_fingerprint(m);
-        char *heat_path = heat ? plat_strdup(heat) : expert_heat_default(m->file.path, fp);
+        char *heat_path = !heat ? expert_heat_default(m->file.path, fp) : *heat ? plat_strdup(heat) : NULL;
         struct expert_config cfg = {budget >= experts ? -1 : budget, heat_path, fp, io, 0};
         model_store_experts(m, &cfg);
         free(heat_path);
@@ -7495,7 +7641,8 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     uintptr_t hi = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
     if (!s->mapped && m->lm_head.data != m->embed->data && hi > lo)
         madvise((void *)lo, hi - lo, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
-    const char *heat_path = s->cfg.heat_path, *heat_state = s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
+    const char *heat_path = s->cfg.heat_path ? s->cfg.heat_path : "none";
+    const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: %s; heat %s (%s)", c->n_layers * c->n_expert,
                  model_expert_bytes(m) / 1073741824.0, s->own ? "copied there (memory holds the file's pages too)" : "read in place from the mapping",
@@ -11203,6 +11350,7 @@ static void serve_stop(struct serve *srv, pthread_t acceptor)
 
 struct cmd_options {
     const char *model, *prompt, *system;
+    const char *synthetic;   /* --synthetic NAME[:QUANT[:LAYERS]] (plan, bench, info): instead of -m */
     int n_predict, n_bench_prompt, n_ctx, threads;
     int chat, json, think, hide_think, ignore_eog, kernels;
     int verbose;             /* -v: also what is only worth saying when something is wrong */
@@ -11262,7 +11410,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
     /* said last: the copies of the trunk and the experts above are most of the time */
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
-             o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
+             o->synthetic ? o->synthetic : o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
 }
 
@@ -11601,6 +11749,244 @@ static int cmd_chat(const struct cmd_options *o)
     return 0;
 }
 
+/* ---- synthetic models: `--synthetic NAME[:QUANT[:LAYERS]]` for plan, bench and info ----
+ * A model nobody has downloaded yet: the head of its GGUF file (metadata, a vocabulary of the
+ * 256 byte tokens and fillers, every tensor of the geometry as the converter names and shapes it,
+ * qwen35-arch.md §9) is written by gguf_image_* into a memory file (§1), which gguf_open and
+ * model_bind then read as any other file. plan and info leave the data section a hole (no
+ * memory); bench fills it with random valid blocks (quant_sanitize_random), on which the
+ * kernels take the time they take on real weights. */
+
+struct cmd_geometry {
+    const char *name, *about;
+    enum model_arch arch;
+    int n_layers, dim, n_vocab, ctx, n_head, n_kv_head, head_dim, rope_dims, interval;
+    int ssm_nk, ssm_nv, ssm_d, conv, n_expert, n_expert_used, expert_ff, shexp_ff;
+};
+
+/* qwen35-arch.md §1.1 and §1.2; tiny is tests/gen_model.c's tiny preset (and the golden files'). */
+static const struct cmd_geometry cmd_geometries[] = {
+    {"35b-a3b", "Qwen3.5/3.6-35B-A3B", MODEL_ARCH_QWEN35MOE, 40, 2048, 248320, 262144, 16, 2, 256, 64, 4, 16, 32, 128, 4, 256, 8, 512, 512},
+    {"80b-a3b-next", "Qwen3-Next-80B-A3B", MODEL_ARCH_QWEN3NEXT, 48, 2048, 151936, 262144, 16, 2, 256, 64, 4, 16, 32, 128, 4, 512, 10, 512, 512},
+    {"tiny", "a 4-layer model of that shape", MODEL_ARCH_QWEN35MOE, 4, 64, 2112, 4096, 4, 2, 32, 8, 4, 2, 4, 16, 4, 8, 2, 32, 32},
+};
+
+/* QUANT: q4_k_m, the mix llama.cpp's Q4_K_M gives these tensors (Q4_K; Q6_K for the output head
+ * and, on the layers that get more bits, attn_v and the down projections; Q5_K for attn_qkv),
+ * or a type name: the routed experts in it and every other matrix in Q8_0 (the mix of this
+ * project's benchmark files, tests/gen_model.c). Norms, routers and the DeltaNet's conv, a and
+ * dt stay F32, as in every published file. */
+struct cmd_synthetic {
+    const struct cmd_geometry *g;
+    int n_layers;               /* of the model described (NAME's, or LAYERS) */
+    int k_mix;                  /* q4_k_m */
+    enum gguf_type experts_type;
+    const char *spec;
+};
+
+/* One tensor of a synthetic model: shape outermost first; E the magnitude of its float fields
+ * (quant_sanitize_random). */
+struct cmd_synthetic_tensor {
+    char name[64];
+    int type, n_dims, e, negative;
+    int64_t shape[3];
+    uint64_t offset, bytes;
+};
+
+/* Parses SPEC; a usage error names what is wrong. */
+static void cmd_synthetic_parse(const char *spec, struct cmd_synthetic *sy)
+{
+    char name[64] = "", quant[32] = "q4_k_m";
+    int layers = 0, n = 0;
+    const char *c1 = strchr(spec, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+    size_t nl = c1 ? (size_t)(c1 - spec) : strlen(spec), ql = c1 ? (c2 ? (size_t)(c2 - c1 - 1) : strlen(c1 + 1)) : 0;
+    if (nl >= sizeof name || ql >= sizeof quant || (c2 && (sscanf(c2 + 1, "%d%n", &layers, &n) != 1 || c2[1 + n] || layers < 1)))
+        die_usage("--synthetic %s: write NAME[:QUANT[:LAYERS]], e.g. 35b-a3b:q4_k_m or 35b-a3b:q4_0:10", spec);
+    memcpy(name, spec, nl);
+    if (c1) memcpy(quant, c1 + 1, ql), quant[ql] = 0;
+    memset(sy, 0, sizeof *sy);
+    sy->spec = spec;
+    for (size_t i = 0; i < sizeof cmd_geometries / sizeof *cmd_geometries; i++)
+        if (!strcmp(name, cmd_geometries[i].name)) sy->g = &cmd_geometries[i];
+    if (!sy->g) die_usage("--synthetic %s: unknown geometry '%s' (35b-a3b, 80b-a3b-next, tiny)", spec, name);
+    sy->n_layers = layers ? layers : sy->g->n_layers;
+    sy->k_mix = !strcasecmp(quant, "q4_k_m");
+    for (int t = 0; t < GGUF_TYPE_COUNT && !sy->k_mix && !sy->experts_type; t++)
+        if (gguf_types[t].name && gguf_types[t].computes && !strcasecmp(quant, gguf_types[t].name)) sy->experts_type = (enum gguf_type)t;
+    if (!sy->k_mix && !sy->experts_type && strcasecmp(quant, "f32"))
+        die_usage("--synthetic %s: unknown QUANT '%s' (q4_k_m, or a format coli reads: q8_0, q4_0, q4_k, iq4_xs, ...)", spec, quant);
+}
+
+/* The type of matrix WHAT of layer IL (-1: none) under SY's mix. */
+static int cmd_synthetic_type(const struct cmd_synthetic *sy, const char *what, int il)
+{
+    int n = sy->n_layers, more_bits = il >= 0 && (il < n / 8 || il >= 7 * n / 8 || (il - n / 8) % 3 == 2);
+    if (!sy->k_mix) return strstr(what, "_exps") ? (int)sy->experts_type : GGUF_TYPE_Q8_0;
+    if (!strcmp(what, "output.weight")) return GGUF_TYPE_Q6_K;
+    if (!strcmp(what, "attn_qkv.weight")) return GGUF_TYPE_Q5_K;
+    if (more_bits && (!strcmp(what, "attn_v.weight") || !strncmp(what, "ffn_down_", 9))) return GGUF_TYPE_Q6_K;
+    return GGUF_TYPE_Q4_K;
+}
+
+struct cmd_synthetic_plan { struct cmd_synthetic_tensor *t; int n; };
+
+/* Adds tensor WHAT of layer IL: a matrix (TYPE < 0: typed by the mix) or an F32 vector. */
+static void cmd_synthetic_add(struct cmd_synthetic_plan *p, const struct cmd_synthetic *sy, int il, const char *what, int type,
+                              int n_dims, int64_t a, int64_t b, int64_t c)
+{
+    struct cmd_synthetic_tensor *t = &p->t[p->n++];
+    memset(t, 0, sizeof *t);
+    if (il >= 0) snprintf(t->name, sizeof t->name, "blk.%d.%s", il, what);
+    else snprintf(t->name, sizeof t->name, "%s", what);
+    t->type = type >= 0 ? type : cmd_synthetic_type(sy, what, il);
+    t->n_dims = n_dims;
+    t->shape[0] = a, t->shape[1] = b, t->shape[2] = c;
+    t->e = strstr(what, "norm") ? 0 : t->type <= GGUF_TYPE_F16 || t->type == GGUF_TYPE_BF16 ? -7 : -12;
+    t->negative = !strcmp(what, "ssm_a"); /* a decay: positive would grow the state without end */
+    if (!strcmp(what, "ssm_a")) t->e = -1;
+    const struct gguf_type_info *ti = gguf_type_get(t->type);
+    t->bytes = gguf_row_bytes(t->type, a * (n_dims > 1 ? b : 1) * (n_dims > 2 ? c : 1));
+    if (t->shape[n_dims - 1] % ti->block_elems)
+        die_usage("--synthetic %s: tensor %s has rows of %lld, not a multiple of the %s block (%d)", sy->spec, t->name,
+                  (long long)t->shape[n_dims - 1], ti->name, ti->block_elems);
+}
+
+/* Every tensor of the first L layers in file order (the embedding, the layers, the head). */
+static struct cmd_synthetic_plan cmd_synthetic_tensors(const struct cmd_synthetic *sy, int layers)
+{
+    const struct cmd_geometry *g = sy->g;
+    const int F32 = GGUF_TYPE_F32, M = -1;
+    int64_t d = g->dim, hd = g->head_dim, nv = g->ssm_nv, vdim = nv * g->ssm_d, conv = 2 * (int64_t)g->ssm_nk * g->ssm_d + vdim;
+    int64_t E = g->n_expert, eff = g->expert_ff, sff = g->shexp_ff;
+    struct cmd_synthetic_plan p = {plat_zalloc((size_t)layers * 20 + 3, sizeof *p.t), 0};
+    cmd_synthetic_add(&p, sy, -1, "token_embd.weight", M, 2, g->n_vocab, d, 0);
+    for (int i = 0; i < layers; i++) {
+        cmd_synthetic_add(&p, sy, i, "attn_norm.weight", F32, 1, d, 0, 0);
+        cmd_synthetic_add(&p, sy, i, "post_attention_norm.weight", F32, 1, d, 0, 0);
+        if ((i + 1) % g->interval == 0) {
+            cmd_synthetic_add(&p, sy, i, "attn_q.weight", M, 2, 2 * g->n_head * hd, d, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_k.weight", M, 2, g->n_kv_head * hd, d, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_v.weight", M, 2, g->n_kv_head * hd, d, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_output.weight", M, 2, d, g->n_head * hd, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_q_norm.weight", F32, 1, hd, 0, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_k_norm.weight", F32, 1, hd, 0, 0);
+        } else {
+            cmd_synthetic_add(&p, sy, i, "attn_qkv.weight", M, 2, conv, d, 0);
+            cmd_synthetic_add(&p, sy, i, "attn_gate.weight", M, 2, vdim, d, 0);
+            cmd_synthetic_add(&p, sy, i, "ssm_conv1d.weight", F32, 2, conv, g->conv, 0);
+            cmd_synthetic_add(&p, sy, i, "ssm_dt.bias", F32, 1, nv, 0, 0);
+            cmd_synthetic_add(&p, sy, i, "ssm_a", F32, 1, nv, 0, 0);
+            if (g->arch == MODEL_ARCH_QWEN3NEXT) cmd_synthetic_add(&p, sy, i, "ssm_ba.weight", M, 2, 2 * nv, d, 0);
+            else {
+                cmd_synthetic_add(&p, sy, i, "ssm_beta.weight", M, 2, nv, d, 0);
+                cmd_synthetic_add(&p, sy, i, "ssm_alpha.weight", M, 2, nv, d, 0);
+            }
+            cmd_synthetic_add(&p, sy, i, "ssm_norm.weight", F32, 1, g->ssm_d, 0, 0);
+            cmd_synthetic_add(&p, sy, i, "ssm_out.weight", M, 2, d, vdim, 0);
+        }
+        cmd_synthetic_add(&p, sy, i, "ffn_gate_inp.weight", F32, 2, E, d, 0);
+        cmd_synthetic_add(&p, sy, i, "ffn_gate_exps.weight", M, 3, E, eff, d);
+        cmd_synthetic_add(&p, sy, i, "ffn_up_exps.weight", M, 3, E, eff, d);
+        cmd_synthetic_add(&p, sy, i, "ffn_down_exps.weight", M, 3, E, d, eff);
+        cmd_synthetic_add(&p, sy, i, "ffn_gate_inp_shexp.weight", F32, 2, 1, d, 0);
+        cmd_synthetic_add(&p, sy, i, "ffn_gate_shexp.weight", M, 2, sff, d, 0);
+        cmd_synthetic_add(&p, sy, i, "ffn_up_shexp.weight", M, 2, sff, d, 0);
+        cmd_synthetic_add(&p, sy, i, "ffn_down_shexp.weight", M, 2, d, sff, 0);
+    }
+    cmd_synthetic_add(&p, sy, -1, "output_norm.weight", F32, 1, d, 0, 0);
+    cmd_synthetic_add(&p, sy, -1, "output.weight", M, 2, g->n_vocab, d, 0);
+    return p;
+}
+
+/* The metadata of a model of SY's geometry with L layers, and its vocabulary: the 256 byte
+ * symbols, then <|endoftext|> (eos) and unused fillers up to the embedding's rows. */
+static void cmd_synthetic_keys(struct gguf_image *im, const struct cmd_synthetic *sy, int layers)
+{
+    const struct cmd_geometry *g = sy->g;
+    const char *a = model_arch_names[g->arch];
+    char key[96], text[32];
+    gguf_image_key_string(im, "general.architecture", a);
+    gguf_image_key_string(im, "general.name", sy->spec);
+    const struct { const char *k; int v; } u[] = {
+        {"block_count", layers}, {"context_length", g->ctx}, {"embedding_length", g->dim},
+        {"attention.head_count", g->n_head}, {"attention.head_count_kv", g->n_kv_head},
+        {"attention.key_length", g->head_dim}, {"attention.value_length", g->head_dim},
+        {"rope.dimension_count", g->rope_dims}, {"full_attention_interval", g->interval},
+        {"ssm.conv_kernel", g->conv}, {"ssm.state_size", g->ssm_d}, {"ssm.group_count", g->ssm_nk},
+        {"ssm.time_step_rank", g->ssm_nv}, {"ssm.inner_size", g->ssm_nv * g->ssm_d},
+        {"expert_count", g->n_expert}, {"expert_used_count", g->n_expert_used},
+        {"expert_feed_forward_length", g->expert_ff}, {"expert_shared_feed_forward_length", g->shexp_ff},
+    };
+    for (size_t i = 0; i < sizeof u / sizeof *u; i++) {
+        snprintf(key, sizeof key, "%s.%s", a, u[i].k);
+        gguf_image_key_u32(im, key, (uint32_t)u[i].v);
+    }
+    snprintf(key, sizeof key, "%s.rope.freq_base", a);
+    gguf_image_key_f32(im, key, 1e7f);
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
+    gguf_image_key_f32(im, key, 1e-6f);
+    gguf_image_key_string(im, "tokenizer.ggml.model", "gpt2");
+    gguf_image_key_string(im, "tokenizer.ggml.pre", g->arch == MODEL_ARCH_QWEN3NEXT ? "qwen2" : "qwen35");
+    gguf_image_key_array(im, "tokenizer.ggml.tokens", GGUF_VALUE_STRING, (uint64_t)g->n_vocab);
+    for (int i = 0; i < g->n_vocab; i++) {
+        if (i < 256) text[tok_utf8_put(tok_byte_cp(i), text)] = 0;
+        else if (i == 256) strcpy(text, "<|endoftext|>");
+        else snprintf(text, sizeof text, "[PAD%d]", i);
+        gguf_image_string(im, text);
+    }
+    gguf_image_key_array(im, "tokenizer.ggml.token_type", GGUF_VALUE_INT32, (uint64_t)g->n_vocab);
+    for (int i = 0; i < g->n_vocab; i++) gguf_image_u32(im, i < 256 ? TOK_T_NORMAL : i == 256 ? TOK_T_CONTROL : TOK_T_UNUSED);
+    gguf_image_key_u32(im, "tokenizer.ggml.eos_token_id", 256);
+}
+
+/* A memory file holding SY's model with its first L layers (see the subsection's head): with
+ * FILL, random weights in its data section. Writes the file's name to PATH; returns its
+ * descriptor (closed by the caller when the model is). Dies when memory refuses it. */
+static int cmd_synthetic_file(const struct cmd_synthetic *sy, int layers, int fill, char *path, size_t path_n)
+{
+    struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
+    struct gguf_image im;
+    gguf_image_begin(&im);
+    cmd_synthetic_keys(&im, sy, layers);
+    for (int i = 0; i < p.n; i++) p.t[i].offset = gguf_image_tensor(&im, p.t[i].name, p.t[i].type, p.t[i].n_dims, p.t[i].shape);
+    size_t head = gguf_image_end(&im);
+    int fd = plat_memory_file("coli-synthetic", head + im.data_bytes, path, path_n);
+    if (fd < 0 || pwrite(fd, im.p, head, 0) != (ssize_t)head) die("--synthetic %s: no memory file: %s", sy->spec, strerror(errno));
+    if (fill) {
+        uint8_t *map = mmap(NULL, head + im.data_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED) die("--synthetic %s: cannot map its memory file: %s", sy->spec, strerror(errno));
+        plat_progress_begin("writing random weights", im.data_bytes);
+        for (int i = 0; i < p.n; i++) {
+            struct cmd_synthetic_tensor *t = &p.t[i];
+            uint8_t *w = map + head + t->offset;
+            size_t bytes = t->bytes;
+            ops_bench_fill(w, bytes, (uint64_t)i + 1);
+            quant_sanitize_random((enum gguf_type)t->type, w, bytes, t->e);
+            for (size_t k = 3; t->negative && k < bytes; k += 4) w[k] |= 0x80;
+            plat_progress_add(bytes);
+        }
+        plat_progress_end();
+        munmap(map, head + im.data_bytes);
+    }
+    free(im.p);
+    free(p.t);
+    return fd;
+}
+
+/* Bytes of SY's model with L layers: all of them, and the trunk's (what is read every token and
+ * copied out of the file: all but the routed experts and the embedding). */
+static void cmd_synthetic_bytes(const struct cmd_synthetic *sy, int layers, uint64_t *all, uint64_t *trunk)
+{
+    struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
+    *all = *trunk = 0;
+    for (int i = 0; i < p.n; i++) {
+        const struct cmd_synthetic_tensor *t = &p.t[i];
+        *all += t->bytes;
+        if (t->n_dims < 3 && strcmp(t->name, "token_embd.weight")) *trunk += t->bytes;
+    }
+    free(p.t);
+}
+
 static void cmd_info_machine(void)
 {
     int64_t total = plat_mem_total(), avail = plat_mem_available();
@@ -11614,13 +12000,14 @@ static void cmd_info_machine(void)
     cuda_print_info();
 }
 
-static void cmd_info_model(const char *path)
+/* NAME: what to call the model at PATH. */
+static void cmd_info_model(const char *path, const char *name)
 {
     struct gguf_file g;
     struct model_config c;
     gguf_open(&g, path);
     model_read_config(&c, &g);
-    printf("model: %s (GGUF v%u, %d part%s)\n", path, g.version, g.n_parts, g.n_parts > 1 ? "s" : "");
+    printf("model: %s (GGUF v%u, %d part%s)\n", name, g.version, g.n_parts, g.n_parts > 1 ? "s" : "");
     printf("architecture: %s\n", model_arch_names[c.arch]);
     printf("layers: %d (every %d%s full attention, the rest Gated DeltaNet)\n", c.n_layers, c.full_attn_interval,
            c.full_attn_interval == 1 ? "st" : c.full_attn_interval == 2 ? "nd" : c.full_attn_interval == 3 ? "rd" : "th");
@@ -11654,16 +12041,82 @@ static void cmd_info_model(const char *path)
     gguf_close(&g);
 }
 
-/* coli info: the machine, and the model when -m is given. */
+/* coli info: the machine, and the model when -m or --synthetic is given. */
 static int cmd_info(const struct cmd_options *o)
 {
     cmd_info_machine();
-    if (o->model) cmd_info_model(o->model);
+    if (o->model) cmd_info_model(o->model, o->model);
+    if (o->synthetic) {
+        struct cmd_synthetic sy;
+        char path[64];
+        cmd_synthetic_parse(o->synthetic, &sy);
+        int fd = cmd_synthetic_file(&sy, sy.n_layers, 0, path, sizeof path);
+        cmd_info_model(path, o->synthetic);
+        close(fd);
+    }
     return 0;
 }
 
+/* What bench --synthetic ran: SY's model on LAYERS of its layers (the most whole blocks that
+ * fit), BYTES of random weights of the ALL its whole model would take (TRUNK of them read every
+ * token), and the output head's time. */
+struct cmd_bench_synthetic {
+    struct cmd_synthetic sy;
+    int layers, fd, fits;
+    uint64_t bytes, all, trunk;
+    double head_s;
+    char path[64];
+};
+
+/* Chooses the layers bench --synthetic runs: all of them, or the most whole blocks
+ * (full_attention_interval layers, so the DeltaNet/attention mix stays the model's) whose
+ * weights and trunk copy take at most RAM bytes (< 0: three quarters of the memory available),
+ * and writes them into a memory file. */
+static void cmd_bench_synthetic_open(struct cmd_bench_synthetic *b, const char *spec, int64_t ram)
+{
+    int64_t avail = plat_mem_available(), room = ram >= 0 ? ram : avail / 4 * 3;
+    cmd_synthetic_parse(spec, &b->sy);
+    int n = b->sy.n_layers, step = b->sy.g->interval;
+    cmd_synthetic_bytes(&b->sy, n, &b->all, &b->trunk);
+    b->fits = (int64_t)(b->all + b->trunk) < avail;
+    b->layers = 0;
+    for (int l = step < n ? step : n;; l = l + step < n ? l + step : n) {
+        uint64_t all, trunk;
+        cmd_synthetic_bytes(&b->sy, l, &all, &trunk);
+        if ((int64_t)(all + trunk) > room) break;
+        b->layers = l;
+        b->bytes = all;
+        if (l == n) break;
+    }
+    if (!b->layers)
+        die("--synthetic %s: not even %d layers fit in the %.2f GiB the benchmark may take (--ram SIZE)", spec, step < n ? step : n,
+            room / 1073741824.0);
+    b->fd = cmd_synthetic_file(&b->sy, b->layers, 1, b->path, sizeof b->path);
+}
+
+/* Seconds of prompt (or of a decoded token) measured on b->layers, scaled to the whole model:
+ * the layers' share by all / measured layers, the output head once. */
+static double cmd_bench_scaled(const struct cmd_bench_synthetic *b, double seconds)
+{
+    if (b->layers == b->sy.n_layers || seconds <= b->head_s) return seconds;
+    return b->head_s + (seconds - b->head_s) * b->sy.n_layers / b->layers;
+}
+
+static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
+{
+    printf("synthetic %s (%s): %d layers, %.2f GiB of weights; ", b->sy.spec, b->sy.g->about, b->sy.n_layers, b->all / 1073741824.0);
+    if (b->layers == b->sy.n_layers) printf("all of them random in memory, measured\n");
+    else
+        printf("measured on %d layers (%.2f GiB random in memory), their time scaled by %d/%d, the output head (%.1f ms) once\n",
+               b->layers, b->bytes / 1073741824.0, b->sy.n_layers, b->layers, b->head_s * 1e3);
+    if (!b->fits)
+        printf("synthetic: the whole model does not fit in this machine's memory: a run would read experts from the disk, slower "
+               "than this (coli plan --synthetic %s gives the traffic)\n", b->sy.spec);
+}
+
 /* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more
- * (greedy, end-of-generation ignored), or the kernel table with --kernels. */
+ * (greedy, end-of-generation ignored), or the kernel table with --kernels. With --synthetic,
+ * on the random weights of a geometry (cmd_bench_synthetic_open), on the CPU. */
 static int cmd_bench(const struct cmd_options *o)
 {
     if (o->kernels) {
@@ -11672,9 +12125,16 @@ static int cmd_bench(const struct cmd_options *o)
     }
     struct cmd_session s;
     struct cmd_options bo = *o;
+    struct cmd_bench_synthetic sb = {.fd = -1};
     bo.ignore_eog = 1;
     bo.sample.temp = 0;
     bo.n_ctx = o->n_ctx ? o->n_ctx : o->n_bench_prompt + o->n_predict + 1;
+    if (o->synthetic) {
+        cmd_bench_synthetic_open(&sb, o->synthetic, o->ram_bytes);
+        bo.model = sb.path;
+        bo.heat_path = ""; /* random routing: nothing worth keeping */
+        bo.ram_bytes = (int64_t)1 << 60; /* the experts stay in the memory file, as a model in the page cache */
+    }
     cmd_open(&s, &bo, 1, 0);
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
     uint64_t rng = 42;
@@ -11685,22 +12145,38 @@ static int cmd_bench(const struct cmd_options *o)
     engine_generate(&s.engine, 0, &req, &g);
     if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
     int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
-    double pp = g.prompt_s > 0 ? g.n_prompt / g.prompt_s : 0, tg = g.decode_s > 0 ? n_fwd / g.decode_s : 0;
+    int scaled = o->synthetic && sb.layers < sb.sy.n_layers;
+    if (scaled) sb.head_s = model_head_seconds(&s.model);
+    double pp_m = plat_ratio(g.n_prompt, g.prompt_s), tg_m = plat_ratio(n_fwd, g.decode_s);
+    double pp = o->synthetic ? plat_ratio(g.n_prompt, cmd_bench_scaled(&sb, g.prompt_s)) : pp_m;
+    double tg = o->synthetic && n_fwd ? 1 / cmd_bench_scaled(&sb, g.decode_s / n_fwd) : tg_m;
     if (o->json) {
-        printf("{\"model\":\"%s\",\"prompt_tokens\":%d,\"gen_tokens\":%d,\"threads\":%d,\"kernels\":\"%s\",\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f",
-               o->model, g.n_prompt, g.n_tokens, plat_threads(), quant_level_name(), pp, tg);
+        printf("{\"model\":");
+        json_write_string(stdout, o->synthetic ? o->synthetic : o->model, strlen(o->synthetic ? o->synthetic : o->model));
+        printf(",\"prompt_tokens\":%d,\"gen_tokens\":%d,\"threads\":%d,\"kernels\":\"%s\",\"prompt_tok_s\":%.3f,\"decode_tok_s\":%.3f",
+               g.n_prompt, g.n_tokens, plat_threads(), quant_level_name(), pp, tg);
+        if (o->synthetic)
+            printf(",\"synthetic\":{\"layers\":%d,\"layers_measured\":%d,\"bytes\":%llu,\"bytes_measured\":%llu,\"head_s\":%.6f,"
+                   "\"measured_prompt_tok_s\":%.3f,\"measured_decode_tok_s\":%.3f,\"fits_in_memory\":%s}", sb.sy.n_layers, sb.layers,
+                   (unsigned long long)sb.all, (unsigned long long)sb.bytes, sb.head_s, pp_m, tg_m, sb.fits ? "true" : "false");
         if (s.model.experts) {
             printf(",\"experts\":");
             cmd_json_experts(stdout, s.model.experts);
         }
         printf("}\n");
     } else {
-        printf("prompt: %d tokens, %.2f tok/s\ndecode: %d tokens, %.2f tok/s\n", g.n_prompt, pp, g.n_tokens, tg);
+        if (o->synthetic) cmd_bench_say_synthetic(&sb);
+        printf("prompt: %d tokens, %.2f tok/s", g.n_prompt, pp);
+        if (scaled) printf(" (measured %.2f on %d layers)", pp_m, sb.layers);
+        printf("\ndecode: %d tokens, %.2f tok/s", g.n_tokens, tg);
+        if (scaled) printf(" (measured %.2f on %d layers)", tg_m, sb.layers);
+        printf("\n");
         if (s.model.experts) cmd_print_expert_stats(s.model.experts);
     }
     engine_gen_free(&g);
     free(ids);
     cmd_close(&s);
+    if (sb.fd >= 0) close(sb.fd);
     return 0;
 }
 
@@ -11809,7 +12285,7 @@ static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
     size_t n = 4 * ops_bench_llc();
     n = (n < ((size_t)256 << 20) ? (size_t)256 << 20 : n > ((size_t)1 << 30) ? (size_t)1 << 30 : n) & ~(size_t)4095;
     uint8_t *buf = plat_alloc_aligned(n);
-    ops_bench_fill(buf, n);
+    ops_bench_fill(buf, n, 0);
     x.host_gbps = ops_bench_bandwidth(buf, n);
     x.seconds = r->cpu_per_token / (x.host_gbps * 1e9);
     free(buf);
@@ -11840,14 +12316,14 @@ static void cmd_plan_say_expect(const struct place_result *r, const struct cmd_p
 
 /* coli plan --json: the same as one object on stdout: devices, components (bytes, values,
  * where they went), the CPU's side with the expert cache, and the expectation. */
-static void cmd_plan_json(const struct model *m, const struct place_result *r, const struct cmd_plan_expectation *x)
+static void cmd_plan_json(const struct model *m, const char *name, const struct place_result *r, const struct cmd_plan_expectation *x)
 {
     const struct model_config *c = &m->cfg;
     uint64_t experts = model_expert_bytes(m), trunk = m->file.tensor_bytes - experts;
     const struct expert_store *s = m->experts;
     if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes;
     printf("{\"model\":");
-    json_write_string(stdout, m->file.path, strlen(m->file.path));
+    json_write_string(stdout, name, strlen(name));
     printf(",\"devices\":[");
     for (int i = 0, k = 0; i < cuda.n_devices && cuda.ready; i++) {
         const struct cuda_device *d = &cuda.dev[i];
@@ -11883,9 +12359,16 @@ static void cmd_plan_json(const struct model *m, const struct place_result *r, c
 static int cmd_plan(const struct cmd_options *o)
 {
     struct model m;
-    if (!o->model) die_usage("plan needs a model (-m MODEL.gguf)");
+    struct cmd_synthetic sy;
+    char path[64];
+    int fd = -1;
+    if (!o->model && !o->synthetic) die_usage("plan needs a model (-m MODEL.gguf, or --synthetic GEOMETRY)");
+    if (o->synthetic) {
+        cmd_synthetic_parse(o->synthetic, &sy);
+        fd = cmd_synthetic_file(&sy, sy.n_layers, 0, path, sizeof path);
+    }
     memset(&m, 0, sizeof m);
-    gguf_open(&m.file, o->model);
+    gguf_open(&m.file, o->synthetic ? path : o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
     m.n_ctx = model_choose_ctx(&m, o->n_ctx);
@@ -11893,10 +12376,10 @@ static int cmd_plan(const struct cmd_options *o)
     place_say_stdout = !o->json;
     struct model_budget b = model_expert_budget(&m, 1, 0, o->ram_bytes);
     struct place_result r;
-    model_place(&m, b.budget, o->ram_bytes < 0, o->heat_path, o->expert_io, o->place, &r);
+    model_place(&m, b.budget, o->ram_bytes < 0, o->synthetic && !o->heat_path ? "" : o->heat_path, o->expert_io, o->place, &r);
     if (m.experts && !m.experts->mapped) expert_size_slots(m.experts);
     struct cmd_plan_expectation x = cmd_plan_expect(&r);
-    if (o->json) cmd_plan_json(&m, &r, &x);
+    if (o->json) cmd_plan_json(&m, o->synthetic ? o->synthetic : o->model, &r, &x);
     else {
         cmd_plan_devices(r.trunk_vram);
         cmd_plan_cpu(&m, o, r.trunk_cpu_bytes, r.expert_cpu_bytes);
@@ -11905,6 +12388,7 @@ static int cmd_plan(const struct cmd_options *o)
     expert_close(m.experts);
     free(m.layers);
     gguf_close(&m.file);
+    if (fd >= 0) close(fd);
     return 0;
 }
 
@@ -11925,6 +12409,8 @@ static const char arg_usage[] =
     "  plan      -m MODEL.gguf [--json] [resources]   where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
+    "            plan, bench and info take --synthetic GEOMETRY[:QUANT[:LAYERS]] instead of -m: a model\n"
+    "            not downloaded yet (35b-a3b, 80b-a3b-next, tiny; q4_k_m or a format such as q4_0)\n"
     "  tokenize  -m MODEL.gguf -p TEXT            one token id per line\n"
     "  help COMMAND, COMMAND --help, --help, --version\n"
     "\n"
@@ -11974,11 +12460,18 @@ static const char *const arg_command_help[][2] = {
              "  lines that coli run logs (same decisions), each device's budget and what the trunk and the\n"
              "  experts take of it, what stays on the CPU (trunk, embedding, experts, their RAM cache, KV\n"
              "  cache), the bytes each bus would read per token and the decode rate that traffic allows at\n"
-             "  the bandwidth measured here. --json: the same as one object (the lines go to stderr).\n"},
+             "  the bandwidth measured here. --json: the same as one object (the lines go to stderr).\n"
+             "  --synthetic GEOMETRY[:QUANT[:LAYERS]] instead of -m: the same for a model you do not have\n"
+             "  (35b-a3b, 80b-a3b-next or tiny; QUANT q4_k_m (default), or a format for the routed experts\n"
+             "  with the rest Q8_0, e.g. q4_0; LAYERS: fewer layers than the geometry's).\n"},
     {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
               "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
-              "  weight format against the machine's measured memory bandwidth.\n"},
-    {"info", "coli info [-m MODEL.gguf]\n  The machine (CPU, features, kernel level, cores, memory) and the model's hyper-parameters.\n"},
+              "  weight format against the machine's measured memory bandwidth.\n"
+              "  coli bench --synthetic GEOMETRY[:QUANT[:LAYERS]] (as coli plan) runs the real kernels on random\n"
+              "  weights of that geometry in memory, on the CPU: as many whole blocks of layers as --ram SIZE\n"
+              "  allows (default three quarters of free memory), their time scaled to all the layers.\n"},
+    {"info", "coli info [-m MODEL.gguf | --synthetic GEOMETRY[:QUANT[:LAYERS]]]\n"
+             "  The machine (CPU, features, kernel level, cores, memory) and the model's hyper-parameters.\n"},
     {"tokenize", "coli tokenize -m MODEL.gguf -p TEXT\n  One token id per line (special-token texts parsed). A vocabulary-only GGUF is enough.\n"},
 };
 
@@ -12049,6 +12542,7 @@ static int arg_help(const char *cmd)
 static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
 {
     int chat = !strcmp(cmd, "chat"), bench = !strcmp(cmd, "bench"), serve = !strcmp(cmd, "serve");
+    int synthetic = bench || !strcmp(cmd, "plan") || !strcmp(cmd, "info");
     memset(o, 0, sizeof *o);
     o->n_predict = serve ? -1 : chat ? 0 : 128;
     o->host = "127.0.0.1";
@@ -12065,6 +12559,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) o->verbose = 1;
         else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) plat_quiet = 1;
         else if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--synthetic") && synthetic) o->synthetic = arg_value(argc, argv, &i);
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
             if (bench) o->n_bench_prompt = (int)arg_int(argc, argv, &i, 1, 1 << 20);
             else o->prompt = arg_value(argc, argv, &i);
@@ -12099,6 +12594,12 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--repeat-last-n")) o->sample.repeat_last_n = (int)arg_int(argc, argv, &i, 0, 1 << 24);
         else if (!strcmp(a, "--seed")) o->sample.seed = (uint64_t)arg_int(argc, argv, &i, 0, LONG_MAX);
         else die_usage("%s: unknown option '%s' (coli help %s)", cmd, a, cmd);
+    }
+    if (o->synthetic) {
+        struct cmd_synthetic sy;
+        if (o->model) die_usage("%s: -m and --synthetic name two models; give one", cmd);
+        cmd_synthetic_parse(o->synthetic, &sy);
+        if (bench) o->gpu_list = "off"; /* its layers are scaled: what is measured is the CPU's */
     }
     /* the environment's resource settings, where no flag gave them (flags win) */
     if (!o->gpu_list) o->gpu_list = getenv("COLI_GPUS");
