@@ -12089,8 +12089,8 @@ static void cmd_bench_synthetic_open(struct cmd_bench_synthetic *b, const char *
         if (l == n) break;
     }
     if (!b->layers)
-        die("--synthetic %s: not even %d layers fit in the %.2f GiB the benchmark may take (--ram SIZE)", spec, step < n ? step : n,
-            room / 1073741824.0);
+        die("--synthetic %s: not even %d layers fit in the %.1f MiB the benchmark may take (--ram SIZE)", spec, step < n ? step : n,
+            room / 1048576.0);
     b->fd = cmd_synthetic_file(&b->sy, b->layers, 1, b->path, sizeof b->path);
 }
 

@@ -16,7 +16,8 @@
  *   twins take real time, which the events do not see)
  *   These and the first two take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
  *   in PCI bus order, as coli numbers the devices (the names are in the driver's order).
- *   FAKE_CUDA_FAIL=alloc:K | launch:K (the K-th call and every later one fails) | module:CODE
+ *   FAKE_CUDA_FAIL=alloc:K | launch:K | query:K (the K-th call and every later one fails; a
+ *   query: an event's work failed, error 700) | module:CODE
  *   (read at every call, so a test process may change it between calls)
  * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's.
  * Build: gcc -shared -fPIC -O2 -ffp-contract=off -Wl,-soname,libcuda.so.1 fake_cuda.c */
@@ -31,7 +32,7 @@ typedef unsigned long long CUdeviceptr;
 #define API __attribute__((visibility("default")))
 
 #define MAX_DEV 8
-static int n_dev = -1, fail_alloc, fail_launch, fail_module, n_alloc, n_launch, cur_dev;
+static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, n_alloc, n_launch, n_query, cur_dev;
 static size_t vram[MAX_DEV], avail[MAX_DEV];
 static char names[MAX_DEV][64];
 static double gbps[MAX_DEV], launch_ns[MAX_DEV], copy_ns[MAX_DEV], pcie_gbps[MAX_DEV], clock_ns[MAX_DEV]; /* the simulated clocks */
@@ -58,6 +59,7 @@ static void read_failures(void)
     fail_alloc = f && !strncmp(f, "alloc:", 6) ? atoi(f + 6) : 0;
     fail_launch = f && !strncmp(f, "launch:", 7) ? atoi(f + 7) : 0;
     fail_module = f && !strncmp(f, "module:", 7) ? atoi(f + 7) : 0;
+    fail_query = f && !strncmp(f, "query:", 6) ? atoi(f + 6) : 0;
 }
 
 API CUresult cuInit(unsigned flags)
@@ -90,7 +92,7 @@ API CUresult cuInit(unsigned flags)
 API CUresult cuDriverGetVersion(int *v) { *v = 12040; return 0; }
 API CUresult cuGetErrorString(CUresult r, const char **s)
 {
-    *s = r == 719 ? "unspecified launch failure" : r == 500 ? "named symbol not found" : "fake error";
+    *s = r == 719 ? "unspecified launch failure" : r == 500 ? "named symbol not found" : r == 700 ? "an illegal memory access was encountered" : "fake error";
     return 0;
 }
 API CUresult cuDeviceGetCount(int *n) { *n = n_dev < 0 ? 0 : n_dev; return n_dev < 0 ? 3 : 0; }
@@ -506,9 +508,13 @@ API CUresult cuEventRecord(void *e, void *stream)
     ev->queries = stream ? env_int("FAKE_CUDA_BUSY", 2) : 0;
     return 0;
 }
+/* Busy (600) for FAKE_CUDA_BUSY queries; query:N makes the Nth and later report the work
+ * behind the event failed (700, an illegal address), as a device that fails mid-copy. */
 API CUresult cuEventQuery(void *e)
 {
     struct event *ev = e;
+    read_failures();
+    if (fail_query && ++n_query >= fail_query) return 700;
     return ev->queries-- > 0 ? 600 : 0;
 }
 API CUresult cuStreamCreate(void **st, unsigned flags) { static int stream; (void)flags; *st = &stream; return 0; }

@@ -50,6 +50,27 @@ expect "info without a model" 0 '^kernels: ' -- "$COLI" info
 expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
 expect "COLI_CPU=bogus (a usage error)" 2 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
 
+# --synthetic: a model from a geometry (no file); its tensors are checked against gen_model and the golden files in test_gguf
+expect "--synthetic: an unknown geometry is a usage error" 2 "unknown geometry 'big'" -- "$COLI" plan --synthetic big
+expect "--synthetic: LAYERS must be a count" 2 'write NAME\[:QUANT\[:LAYERS\]\]' -- "$COLI" plan --synthetic tiny:q4_0:0
+expect "--synthetic: an unknown QUANT" 2 "unknown QUANT 'q9'" -- "$COLI" info --synthetic tiny:q9
+expect "--synthetic and -m together" 2 'name two models; give one' -- "$COLI" bench -m x.gguf --synthetic tiny
+expect "--synthetic is not an option of run" 2 "unknown option '--synthetic'" -- "$COLI" run --synthetic tiny -p hi
+expect "--synthetic tiny:q4_k_m: rows too short for Q4_K" 2 'rows of 64, not a multiple of the Q4_K block \(256\)' -- "$COLI" plan --synthetic tiny:q4_k_m
+expect "info --synthetic 35b-a3b: the Q4_K_M mix, 20.2 GiB, without memory" 0 '^  routed experts +Q4_K 100 \(14400.0 MiB\), Q6_K 20 \(4200.0 MiB\)$' -- "$COLI" info --synthetic 35b-a3b
+expect "plan --synthetic 80b-a3b-next:q4_0 (qwen3next, 512 experts)" 0 '^cpu: routed experts: [0-9.]+ MiB' -- env COLI_CUDA=0 "$COLI" plan --synthetic 80b-a3b-next:q4_0
+expect "bench --synthetic: not even one block of layers fits --ram" 1 'not even 4 layers fit in the 0.0 MiB' -- "$COLI" bench --synthetic tiny:q8_0 --ram 1K
+"$COLI" bench --synthetic tiny:q8_0:8 --ram 1200K -p 16 -n 16 --json 2>"$tmp/syn_err" | tail -n 1 >"$tmp/syn"
+if python3 - "$tmp/syn" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); s = j["synthetic"]
+assert j["model"] == "tiny:q8_0:8" and s["layers"] == 8 and s["layers_measured"] == 4 and s["fits_in_memory"], s
+head, tm, t = s["head_s"], 1 / s["measured_decode_tok_s"], 1 / j["decode_tok_s"]
+assert 0 < head < tm and abs(t - (head + (tm - head) * 8 / 4)) < 0.01 * t, (head, tm, t)
+PY
+then ok "bench --synthetic tiny:q8_0:8 --ram 1200K: 4 of 8 layers measured, the layers' time doubled, the head once"
+else bad "bench --synthetic scaled" "$(cat "$tmp/syn") $(tail -n 3 "$tmp/syn_err")"; fi
+
 if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
 if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi
 
@@ -72,6 +93,18 @@ else
         python3 tests/gguf_patch.py "$GOLDEN/q35moe-$f.gguf" "$tmp/nan.gguf" scale blk.1.ffn_down_exps.weight "${spec#*:}"
         expect "$f: a block scale of ${spec#*:} gives a reported non-finite result" 1 'the logits are not finite' -- "$COLI" run -m "$tmp/nan.gguf" -p hi -n 2
     done
+    # plan --synthetic tiny:q8_0 is the golden q35moe-q8_0's geometry and types: the same plan
+    COLI_CUDA=0 "$COLI" plan --synthetic tiny:q8_0 --json 2>/dev/null >"$tmp/plan_syn"
+    COLI_CUDA=0 "$COLI" plan -m "$M" --json 2>/dev/null >"$tmp/plan_real"
+    if python3 - "$tmp/plan_syn" "$tmp/plan_real" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+assert a["model"] == "tiny:q8_0" and a["components"] and a["components"] == b["components"], (a["components"], b["components"])
+assert a["cpu"] == b["cpu"] and a["layers"] == b["layers"] == 4, (a["cpu"], b["cpu"])
+assert a["expected"]["cpu_bytes_per_token"] == b["expected"]["cpu_bytes_per_token"]
+PY
+    then ok "plan --synthetic tiny:q8_0 --json: the golden q35moe-q8_0's components, CPU side and bytes per token"
+    else bad "plan --synthetic vs the golden file" "$(head -c 300 "$tmp/plan_syn")"; fi
     expect "vocabulary-only file cannot run" 1 "missing tensor 'token_embd.weight'" -- "$COLI" run -m "$GOLDEN/tokenizer-qwen3.gguf" -p hi
     expect "prompt longer than the context" 1 'context holds 8' -- "$COLI" run -m "$M" -c 8 -p "The capital of France is Paris, and"
     expect "context fills during generation" 0 '"stop":"context"' -- "$COLI" run -m "$M" -c 12 -n 100 --json --ignore-eog -p "The capital of France is"

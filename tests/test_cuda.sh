@@ -129,6 +129,10 @@ tokens "re-tiering: experts swapped into VRAM while decoding (mapped), the same 
 rm -f "$tmp/retier-heat"
 tokens "re-tiering with the RAM cache (evicted experts read from the file), the same tokens" '^\[experts\] re-tiering: [1-9][0-9]* swaps' \
     $m LD_LIBRARY_PATH="$B/fake" HEAT_FILE="$tmp/retier-heat" COLI_PLACE=off FAKE_CUDA_BUSY=0 -- --vram 40K --ram 20K
+rm -f "$tmp/retier-heat"
+tokens "the device fails while an expert is uploaded in the background: the CPU takes over, the same tokens" \
+    '^\[cuda\] an upload in the background: an illegal memory access was encountered \(error 700\); running on the CPU from here$' \
+    $m LD_LIBRARY_PATH="$B/fake" HEAT_FILE="$tmp/retier-heat" COLI_PLACE=off FAKE_CUDA_FAIL=query:2 -- --vram 40K
 m=q35moe-f32.gguf
 COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
 tokens "two unequal devices (0: fast, 1 MiB; 1: slow, 7 GiB): the trunk on the fast one, the experts on the roomy one" \
