@@ -14,13 +14,13 @@ static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng <<
 static const enum gguf_type types[] = {GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0,
                                        GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K};
 
-/* A random ROWS x COLS matrix of TYPE with finite modest scales (the benchmark's sanitiser). */
+/* A random ROWS x COLS matrix of TYPE with finite modest scales (quant_sanitize_random). */
 static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_t cols)
 {
     struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols)};
     uint8_t *w = plat_alloc_aligned(m.row_bytes * (size_t)rows);
     for (size_t i = 0; i < m.row_bytes * (size_t)rows; i++) w[i] = (uint8_t)rng_u64();
-    ops_bench_sanitize(type, w, rows, m.row_bytes);
+    quant_sanitize_random(type, w, m.row_bytes * (size_t)rows, -1);
     m.data = w;
     return m;
 }
