@@ -1949,26 +1949,28 @@ QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
 }
 
-/* 8 int32 whose sum is the block's Σ q_w*q_x, with Q4_0/Q5_0 quants still unsigned
- * (the caller subtracts 8/16 * Σq_x). */
-QUANT_AVX2_INLINE __m256i quant_avx2_legacy_block(enum gguf_type t, const uint8_t *b,
-                                                  const int8_t *qx) {
+/* Columns per pass of the AVX2 multi-column kernels: a group's 8 decoded weight blocks are
+ * shared by every column, each column's 8 block products and 4 accumulators come in turn. */
+#define QUANT_AVX2_NCOL 4
+
+/* The weight operand of block B: signed values (Q8_0, IQ4_NL, MXFP4), else unsigned quants. */
+QUANT_AVX2_INLINE __m256i quant_avx2_legacy_w(enum gguf_type t, const uint8_t *b) {
+    if (t == GGUF_TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    if (t == GGUF_TYPE_IQ4_NL) return quant_avx2_table_values(quant_iq4nl_values, b + 2);
+    if (t == GGUF_TYPE_MXFP4) return quant_avx2_table_values(quant_mxfp4_values, b + 1);
+    int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    __m256i q = quant_avx2_nibbles(b + 2 + 2 * has_min + 4 * five);
+    if (five) q = _mm256_or_si256(q, quant_avx2_bit5(b + 2 + 2 * has_min));
+    return q;
+}
+
+/* 8 int32 whose sum is a block's Σ q_w*q_x for its weight operand Q (quant_avx2_legacy_w), with
+ * Q4_0/Q5_0 quants still unsigned (the caller subtracts 8/16 * Σq_x). */
+QUANT_AVX2_INLINE __m256i quant_avx2_legacy_prod(enum gguf_type t, __m256i q, const int8_t *qx) {
     const __m256i x = _mm256_load_si256((const __m256i *)qx), ones = _mm256_set1_epi16(1);
-    __m256i prod;
-    if (t == GGUF_TYPE_Q8_0) {
-        prod = quant_avx2_signed_pairs(_mm256_loadu_si256((const __m256i *)(b + 2)), x);
-    } else if (t == GGUF_TYPE_IQ4_NL) {
-        prod = quant_avx2_signed_pairs(quant_avx2_table_values(quant_iq4nl_values, b + 2), x);
-    } else if (t == GGUF_TYPE_MXFP4) {
-        prod = quant_avx2_signed_pairs(quant_avx2_table_values(quant_mxfp4_values, b + 1), x);
-    } else {
-        int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-        int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
-        __m256i q = quant_avx2_nibbles(b + 2 + 2 * has_min + 4 * five);
-        if (five) q = _mm256_or_si256(q, quant_avx2_bit5(b + 2 + 2 * has_min));
-        prod = _mm256_maddubs_epi16(q, x);
-    }
-    return _mm256_madd_epi16(prod, ones);
+    const int is_signed = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
+    return _mm256_madd_epi16(is_signed ? quant_avx2_signed_pairs(q, x) : _mm256_maddubs_epi16(q, x), ones);
 }
 
 /* fp16 fields at byte offset `off` of 8 consecutive blocks of `bb` bytes, as floats. */
@@ -1989,37 +1991,51 @@ QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
-/* Legacy row dot: groups of 8 blocks give one vector of unit results added to accumulator
- * (g % 4), i.e. partials b % 32; a tail of < 8 blocks goes through the scalar units. */
-QUANT_AVX2_INLINE float quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const void *act,
-                                          int64_t n) {
-    struct quant_q8_view a = quant_q8_view(act, n);
+/* Legacy dot of one row with NC columns (acts STRIDE apart, results y[c*ys]): groups of 8
+ * blocks give one vector of unit results per column, added to its accumulator (g % 4), i.e.
+ * partials b % 32; a tail of < 8 blocks goes through the scalar units. Every column takes the
+ * single-column steps, so matmat gives matvec's bits. */
+QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
+                                         int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
     const int off = t == GGUF_TYPE_Q4_0 ? 8 : t == GGUF_TYPE_Q5_0 ? 16 : 0;
     const int64_t nb = n / QUANT_QK, nb8 = nb & ~(int64_t)7;
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    struct quant_q8_view a[QUANT_AVX2_NCOL];
+    __m256 acc[QUANT_AVX2_NCOL][4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8_view(acts + (size_t)c * stride, n);
+        acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
-        __m256i s[8];
+        __m256i q[8];
         #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) s[k] = quant_avx2_legacy_block(t, wb + k * bb, a.qs + (b + k) * QUANT_QK);
-        __m256i isum = quant_avx2_hsum8(s);
-        __m256i sx = _mm256_loadu_si256((const __m256i *)(a.s + b));
-        if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(off)));
-        __m256 dx = _mm256_loadu_ps(a.d + b);
-        __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
-        __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
-        if (has_min)
-            r = _mm256_add_ps(r, _mm256_mul_ps(quant_avx2_scales8(wb, bb, 2), _mm256_loadu_ps(a.sd + b)));
-        quant_avx2_acc_add(acc, r);
+        for (int k = 0; k < 8; k++) q[k] = quant_avx2_legacy_w(t, wb + k * bb);
+        const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
+        const __m256 mw = has_min ? quant_avx2_scales8(wb, bb, 2) : _mm256_setzero_ps();
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            __m256i s[8];
+            #pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) s[k] = quant_avx2_legacy_prod(t, q[k], a[c].qs + (b + k) * QUANT_QK);
+            __m256i isum = quant_avx2_hsum8(s);
+            if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(a[c].s + b)), _mm256_set1_epi32(off)));
+            __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a[c].d + b)), _mm256_cvtepi32_ps(isum));
+            if (has_min) r = _mm256_add_ps(r, _mm256_mul_ps(mw, _mm256_loadu_ps(a[c].sd + b)));
+            quant_avx2_acc_add(acc[c], r);
+        }
     }
-    if (nb8 == nb) return quant_avx2_reduce_rotated(acc, nb8 / 8);
-    float p[QUANT_NPART];
-    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * ((nb8 / 8 + k) % 4), acc[k]);
-    quant_legacy_units(t, w, a, nb8, nb, p);
-    return quant_reduce32(p);
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        if (nb8 == nb) { y[c * ys] = quant_avx2_reduce_rotated(acc[c], nb8 / 8); continue; }
+        float p[QUANT_NPART];
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * ((nb8 / 8 + k) % 4), acc[c][k]);
+        quant_legacy_units(t, w, a[c], nb8, nb, p);
+        y[c * ys] = quant_reduce32(p);
+    }
 }
 
 /* 8 weights of a float format as f32 (exact conversions). */
@@ -2336,11 +2352,6 @@ QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, siz
 QUANT_AVX2_WRAP(quant_dot_f32_avx2, quant_avx2_float(GGUF_TYPE_F32, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_f16_avx2, quant_avx2_float(GGUF_TYPE_F16, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_bf16_avx2, quant_avx2_float(GGUF_TYPE_BF16, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q8_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q8_0, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q4_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_0, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q4_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q4_1, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q5_0_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_0, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_q5_1_avx2, quant_avx2_legacy(GGUF_TYPE_Q5_1, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_avx2_k(GGUF_TYPE_Q4_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_avx2_k(GGUF_TYPE_Q5_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_avx2_k(GGUF_TYPE_Q6_K, w, act, n))
@@ -2348,8 +2359,30 @@ QUANT_AVX2_WRAP(quant_dot_q2_k_avx2, quant_avx2_k(GGUF_TYPE_Q2_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q3_k_avx2, quant_avx2_k(GGUF_TYPE_Q3_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_iq4_nl_avx2, quant_avx2_legacy(GGUF_TYPE_IQ4_NL, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_mxfp4_avx2, quant_avx2_legacy(GGUF_TYPE_MXFP4, w, act, n))
+
+/* One row with nc columns in passes of QUANT_AVX2_NCOL, each pass size a constant (as
+ * QUANT_AVX512_WRAP); the single-column dot is the 1-column pass. */
+#define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
+    static QUANT_AVX2 void name##n(const void *w, const uint8_t *acts, size_t stride, int nc,          \
+                                   int64_t n, float *y, size_t ys) {                                   \
+        for (; nc >= QUANT_AVX2_NCOL; nc -= QUANT_AVX2_NCOL, acts += QUANT_AVX2_NCOL * stride, y += QUANT_AVX2_NCOL * ys) \
+            kernel(type, w, acts, stride, n, y, ys, QUANT_AVX2_NCOL);                                  \
+        if (nc == 3) kernel(type, w, acts, stride, n, y, ys, 3);                                       \
+        if (nc == 2) kernel(type, w, acts, stride, n, y, ys, 2);                                       \
+        if (nc == 1) kernel(type, w, acts, stride, n, y, ys, 1);                                       \
+    }                                                                                                  \
+    static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) {                          \
+        float y;                                                                                       \
+        kernel(type, w, act, 0, n, &y, 0, 1);                                                          \
+        return y;                                                                                      \
+    }
+QUANT_AVX2_COLUMNS(quant_dot_q8_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q8_0)
+QUANT_AVX2_COLUMNS(quant_dot_q4_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_0)
+QUANT_AVX2_COLUMNS(quant_dot_q4_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_1)
+QUANT_AVX2_COLUMNS(quant_dot_q5_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_0)
+QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
+QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
+QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
 
 #define QUANT_AVX2_ROWS(name, type)                                                                  \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
@@ -2808,11 +2841,11 @@ static const struct {
     { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, NULL, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, NULL, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, NULL, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, NULL, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, NULL, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
     { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
@@ -2820,8 +2853,8 @@ static const struct {
     { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
     { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, NULL, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, NULL, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, quant_dot_iq4_nl_avx2n, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, quant_dot_mxfp4_avx2n, NULL }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
