@@ -2011,16 +2011,17 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
-        __m256i q[8];
+        __m256i q[8]; /* one column decodes as it goes: held 8 registers cost MXFP4 20% */
         #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) q[k] = quant_avx2_legacy_w(t, wb + k * bb);
+        for (int k = 0; k < 8 && NC > 1; k++) q[k] = quant_avx2_legacy_w(t, wb + k * bb);
         const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
         const __m256 mw = has_min ? quant_avx2_scales8(wb, bb, 2) : _mm256_setzero_ps();
         #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
             __m256i s[8];
             #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) s[k] = quant_avx2_legacy_prod(t, q[k], a[c].qs + (b + k) * QUANT_QK);
+            for (int k = 0; k < 8; k++)
+                s[k] = quant_avx2_legacy_prod(t, NC > 1 ? q[k] : quant_avx2_legacy_w(t, wb + k * bb), a[c].qs + (b + k) * QUANT_QK);
             __m256i isum = quant_avx2_hsum8(s);
             if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(a[c].s + b)), _mm256_set1_epi32(off)));
             __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a[c].d + b)), _mm256_cvtepi32_ps(isum));
@@ -2294,6 +2295,103 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
     return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
+/* Step I (0..7: weights 32 I..32 I+31) of a Q4_K, Q5_K or Q6_K super-block B: its unsigned
+ * quants, and in *SC the int16 scales of its two 16-weight halves (from SC16: the Q4_K/Q5_K
+ * scales in both lanes, or the 16 Q6_K scales). Inlined with a constant I, the loads it repeats
+ * fold. */
+QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i, __m256i sc16, __m256i *sc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (t == GGUF_TYPE_Q6_K) {
+        const int c = i / 4, k = i % 4;
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (k & 1)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c));
+        const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+        *sc = quant_avx2_pick_scale_pair(_mm256_permute2x128_si256(sc16, sc16, c ? 0x11 : 0x00), k);
+        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), _mm256_set1_epi8(3)), 4));
+    }
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
+    __m256i v = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
+    if (t == GGUF_TYPE_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, i), _mm256_set1_epi8(1)), 4));
+    }
+    *sc = quant_avx2_pick_scale(sc16, i);
+    return v;
+}
+
+/* quant_avx2_k_ints of super-block B (unit U) for NC columns A, into is[c][k] and sm[c][k],
+ * each step decoded once for all: the same integers per column (in other lanes: exact sums). */
+QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
+                                              int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
+    __m256i sc16, bs_mul, acc[QUANT_AVX2_NCOL];
+    if (t == GGUF_TYPE_Q6_K) {
+        sc16 = bs_mul = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    } else {
+        uint64_t sc, mn;
+        quant_k4_unpack(b + 4, &sc, &mn);
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+        sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        bs_mul = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        __m256i sc, q = quant_avx2_k_step(t, b, i, sc16, &sc);
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m256i x = _mm256_load_si256((const __m256i *)(a[c].qs + u * QUANT_QK_K + 32 * i));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a[c].bsums + u * 16)), bs_mul);
+        is[c][k] = t == GGUF_TYPE_Q6_K ? _mm256_sub_epi32(acc[c], _mm256_slli_epi32(bs, 5)) : acc[c];
+        sm[c][k] = t == GGUF_TYPE_Q6_K ? _mm256_setzero_si256() : bs;
+    }
+}
+
+/* Q4_K, Q5_K or Q6_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns: quant_avx2_k's steps
+ * for every column, each super-block step decoded once for all of them. */
+QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
+                                         float *y, size_t ys, int NC) {
+    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    const int64_t nu = n / QUANT_QK_K;
+    struct quant_q8k_view a[QUANT_AVX2_NCOL];
+    __m256 acc[QUANT_AVX2_NCOL][4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
+        acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
+    }
+    for (int64_t u = 0; u < nu; u += 8) {
+        const int count = nu - u < 8 ? (int)(nu - u) : 8;
+        const uint8_t *wb = w + u * bb;
+        __m256i is[QUANT_AVX2_NCOL][8], sm[QUANT_AVX2_NCOL][8];
+        for (int k = 0; k < 8; k++) {
+            if (k >= count) {
+                for (int c = 0; c < NC; c++) is[c][k] = sm[c][k] = _mm256_setzero_si256();
+                continue;
+            }
+            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
+            quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+        }
+        const __m256 lanes = _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count));
+        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
+        const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a[c].d + u), lanes);
+            __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
+            if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(sm[c], count))));
+            quant_avx2_acc_add(acc[c], r);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
+}
+
 /* Lane L of a group of quant_avx2_k_rows: super-block L % 2 of row L / 2, or zero integer parts
  * past the group's NR rows. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb, struct quant_q8k_view a,
@@ -2383,6 +2481,21 @@ QUANT_AVX2_COLUMNS(quant_dot_q5_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_0)
 QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
+
+/* One row with nc columns: quant_avx2_k_cols in passes of QUANT_AVX2_NCOL, a single column
+ * through quant_avx2_k (its steps, with no super-block stored between decode and use). */
+#define QUANT_AVX2_K_COLUMNS(name, type)                                                               \
+    static QUANT_AVX2 void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,  \
+                                float *y, size_t ys) {                                                 \
+        for (; nc >= QUANT_AVX2_NCOL; nc -= QUANT_AVX2_NCOL, acts += QUANT_AVX2_NCOL * stride, y += QUANT_AVX2_NCOL * ys) \
+            quant_avx2_k_cols(type, w, acts, stride, n, y, ys, QUANT_AVX2_NCOL);                       \
+        if (nc == 3) quant_avx2_k_cols(type, w, acts, stride, n, y, ys, 3);                            \
+        if (nc == 2) quant_avx2_k_cols(type, w, acts, stride, n, y, ys, 2);                            \
+        if (nc == 1) *y = quant_avx2_k(type, w, acts, n);                                              \
+    }
+QUANT_AVX2_K_COLUMNS(quant_dot_q4_k_avx2n, GGUF_TYPE_Q4_K)
+QUANT_AVX2_K_COLUMNS(quant_dot_q5_k_avx2n, GGUF_TYPE_Q5_K)
+QUANT_AVX2_K_COLUMNS(quant_dot_q6_k_avx2n, GGUF_TYPE_Q6_K)
 
 #define QUANT_AVX2_ROWS(name, type)                                                                  \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
@@ -2846,9 +2959,9 @@ static const struct {
     { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, NULL, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, NULL, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, NULL, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
     { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx2 } },
     { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
