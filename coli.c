@@ -2306,7 +2306,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (k & 1)));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c));
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-        *sc = quant_avx2_pick_scale_pair(_mm256_permute2x128_si256(sc16, sc16, c ? 0x11 : 0x00), k);
+        const __m256i half = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+        *sc = quant_avx2_pick_scale_pair(half, k);
         return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), _mm256_set1_epi8(3)), 4));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
