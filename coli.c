@@ -4838,6 +4838,8 @@ struct expert_store {
     uint8_t *guess;                       /* [n_expert] prefetch guesses for guess_layer */
     void *own;                            /* mapped mode: the experts' own copy (expert_own), or NULL */
     size_t own_bytes;
+    uint8_t *hole;                        /* [n_layers * n_expert] 1: left out of own (in VRAM then); or NULL */
+    int n_holes;
     int guess_layer;
     /* the VRAM tier (§7 place_model fills it, place_retier changes it; NULL: none) */
     struct expert_vram { int dev; struct cuda_expert e; } *vram; /* [n_layers * n_expert], dev -1: not resident */
@@ -4861,6 +4863,27 @@ static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
     struct ops_matrix m = t->m;
     m.data += (size_t)e * t->stride;
     return m;
+}
+
+/* Where expert E of layer L's matrix J is in the file's mapping. */
+static const uint8_t *expert_file_slice(const struct expert_store *s, int l, int j, int e)
+{
+    const struct expert_source *src = &s->src[l][j];
+    return s->file->parts[src->part].data + src->offset + (size_t)e * src->t.stride;
+}
+
+/* Mapped mode with an own copy: expert KEY's place there filled from the file if expert_own
+ * left it out, before the CPU reads it. Main thread only. */
+static void expert_fill_hole(struct expert_store *s, int32_t key)
+{
+    if (!s->hole || !s->hole[key]) return;
+    int l = key / s->n_expert, e = key % s->n_expert;
+    for (int j = 0; j < 3; j++) {
+        const struct expert_tensor *t = &s->src[l][j].t;
+        memcpy((uint8_t *)t->m.data + (size_t)e * t->stride, expert_file_slice(s, l, j, e), t->stride); /* the arena: writable */
+    }
+    s->hole[key] = 0;
+    s->n_holes--;
 }
 
 static void expert_lru_unlink(struct expert_store *s, int i)
@@ -5379,6 +5402,7 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
     if (s->mapped) {
         if (s->n_done == s->n_want) return -1;
         int e = s->want[s->n_done++];
+        expert_fill_hole(s, s->layer * s->n_expert + e);
         for (int j = 0; j < 3; j++) w[j] = expert_mapped(&s->src[s->layer][j].t, e);
         return e;
     }
@@ -5562,7 +5586,11 @@ static int expert_layer_in_vram(const struct expert_store *s, int l)
 /* Mapped mode: copies the merged expert tensors into one anonymous arena and hands experts
  * out there; the process lets go of the file's pages, which the page cache keeps (the caller
  * asks for this only when memory holds both). A layer whose experts are all in VRAM stays in
- * the mapping (read only if the GPU path ends). Why: on this machine Q4_0 experts stream at
+ * the mapping (read only if the GPU path ends); in a layer partly in VRAM only the others are
+ * copied: the resident ones' places in the arena stay untouched pages (no memory: huge pages
+ * are turned off there), filled from the file by expert_fill_hole when the CPU first needs one
+ * (re-tiering moved it off the device, or the GPU path ended). Why: on this machine Q4_0
+ * experts stream at
  * 13-14 GB/s from anonymous memory and 8 GB/s in place from the page cache. Without the
  * memory for it the experts stay in place. */
 static void expert_own(struct expert_store *s)
@@ -5572,12 +5600,27 @@ static void expert_own(struct expert_store *s)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) total += (s->src[l][j].t.stride * (size_t)s->n_expert + 63) & ~(size_t)63;
     uint8_t *arena = plat_weight_arena(total), *dst = arena;
     if (!arena) return;
+    s->hole = plat_zalloc((size_t)s->n_layers * (size_t)s->n_expert, 1);
     plat_progress_begin("copying the experts", total);
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
-            size_t len = src->t.stride * (size_t)s->n_expert;
-            plat_copy_weights(dst, src->t.m.data, len);
+            size_t stride = src->t.stride, len = stride * (size_t)s->n_expert;
+            int partial = 0;
+            for (int e = 0; e < s->n_expert; e++) partial |= expert_in_vram(s, l * s->n_expert + e);
+            if (partial) madvise(dst, len, MADV_NOHUGEPAGE);
+            for (int e = 0, run; e < s->n_expert; e += run) {
+                int in_vram = expert_in_vram(s, l * s->n_expert + e);
+                for (run = 1; e + run < s->n_expert && expert_in_vram(s, l * s->n_expert + e + run) == in_vram; run++) {}
+                if (!in_vram) {
+                    plat_copy_weights(dst + (size_t)e * stride, src->t.m.data + (size_t)e * stride, (size_t)run * stride);
+                    continue;
+                }
+                plat_progress_add((size_t)run * stride);
+                if (j > 0) continue;
+                memset(s->hole + l * s->n_expert + e, 1, (size_t)run);
+                s->n_holes += run;
+            }
             plat_unmap_range(src->t.m.data, len);
             src->t.m.data = dst;
             dst += (len + 63) & ~(size_t)63;
@@ -5621,6 +5664,7 @@ static void expert_close(struct expert_store *s)
         pthread_cond_destroy(&s->done);
     }
     if (s->own) munmap(s->own, s->own_bytes);
+    free(s->hole);
     void *bufs[] = {s->src,  s->heat,  s->pin,   s->want, s->want_slot, s->guess,
                     s->vram, s->slots, s->slot_of, s->queue, s->warm, s->on_device, (void *)s->cfg.heat_path};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
@@ -6463,6 +6507,7 @@ static void place_retier_device(struct expert_store *s, int d)
     if (cold < 0 || hot < 0 || s->heat[hot] < 1 || !(s->heat[hot] > PLACE_RETIER_GAIN * s->heat[cold])) return;
     size_t cold_bytes = place_expert_parts(s, cold, w, NULL), hot_bytes = place_expert_parts(s, hot, w, NULL);
     if ((int64_t)hot_bytes > cuda.dev[d].budget - cuda.dev[d].used + (int64_t)cold_bytes) return;
+    expert_fill_hole(s, hot); /* its bytes are what gets uploaded */
     cuda_expert_free(d, &s->vram[cold].e);
     s->vram[cold].dev = -1;
     if (cuda_expert_upload_start(d, w, &s->swap_e[d])) return; /* the cold one stays on the CPU: still the same bits */
@@ -7518,6 +7563,7 @@ static void model_experts_device_finish(struct model *m, int il)
         for (int j = first; j < first + n; j++) {
             int a = s->dev_slot[j], e = s->top[a];
             struct ops_matrix w[3];
+            expert_fill_hole(m->experts, il * c->n_expert + e);
             for (int k = 0; k < 3; k++) w[k] = expert_mapped(&m->experts->src[il][k].t, e);
             model_swiglu(m, &w[0], &w[1], &w[2], s->xn + (size_t)(a / c->n_expert_used) * dim, s->ex_out + (size_t)a * dim, 1);
         }
@@ -7792,7 +7838,7 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: %s; heat %s (%s)", c->n_layers * c->n_expert,
-                 model_expert_bytes(m) / 1073741824.0, s->own ? "copied there (memory holds the file's pages too)" : "read in place from the mapping",
+                 model_expert_bytes(m) / 1073741824.0, !s->own ? "read in place from the mapping" : s->n_holes ? "copied there but for those in VRAM (memory holds the file's pages too)" : "copied there (memory holds the file's pages too)",
                  heat_path, heat_state);
     else
         plat_log("[experts] cache %.2f GiB%s: %d of %d experts (%.2f MiB each), up to %d pinned; %s, %d readers; heat %s (%s)",

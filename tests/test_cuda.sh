@@ -77,6 +77,8 @@ tokens "2 fake devices, --no-probe: mixed by room, the experts spread over both"
 tokens "--place off: the trunk on the CPU, the experts on the device" '^\[place\] experts: 32 of 32' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=off
 tokens "--place lmhead=0: a list without experts= keeps them on the CPU" '^\[cuda\] 8 products and 0 expert batches' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=lmhead=0
 tokens "some experts in VRAM, the rest on the CPU" '^\[place\] experts: [1-9][0-9]? of 32, .*cpu: [1-9][0-9]? ' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K
+has "... their copy in memory leaves out those in VRAM (filled from the file if the CPU needs them: re-tiering below)" \
+    'fit in memory: copied there but for those in VRAM' "$tmp/e"
 tokens "some experts in VRAM, the rest through a 4-slot RAM cache" '^\[experts\] cache .*: 4 of 32' $m LD_LIBRARY_PATH="$B/fake" -- --vram 300K --ram 100K
 tokens "a launch fails in an expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure \(error 719\); running on the CPU from here$' $m LD_LIBRARY_PATH="$B/fake" COLI_PLACE=experts=0 FAKE_CUDA_FAIL=launch:5
 tokens "2 devices, a launch fails in device 0's expert batch: the CPU takes over" '^\[cuda\] experts on the device: unspecified launch failure' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=off FAKE_CUDA_FAIL=launch:2
