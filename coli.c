@@ -1862,10 +1862,13 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
  * 107 instructions a super-block, Q4_K 115 -> 102), at ~15 s more compile time. COLI_ROLLED
  * leaves the loops rolled (same results): the test builds that do not check the kernels' speed
  * or the shipped code's bits (build.sh) define it. */
+#define QUANT_PRAGMA(x) _Pragma(#x)
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
+#define QUANT_UNROLL(n)
 #else
 #define QUANT_GROUP_UNROLL _Pragma("GCC unroll 8")
+#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build */
 #endif
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
@@ -2003,7 +2006,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     const int64_t nb = n / QUANT_QK, nb8 = nb & ~(int64_t)7;
     struct quant_q8_view a[QUANT_AVX2_NCOL];
     __m256 acc[QUANT_AVX2_NCOL][4];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
@@ -2012,14 +2015,14 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m256i q[8]; /* one column decodes as it goes: held 8 registers cost MXFP4 20% */
-        #pragma GCC unroll 8
+        QUANT_UNROLL(8)
         for (int k = 0; k < 8 && NC > 1; k++) q[k] = quant_avx2_legacy_w(t, wb + k * bb);
         const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
         const __m256 mw = has_min ? quant_avx2_scales8(wb, bb, 2) : _mm256_setzero_ps();
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             __m256i s[8];
-            #pragma GCC unroll 8
+            QUANT_UNROLL(8)
             for (int k = 0; k < 8; k++)
                 s[k] = quant_avx2_legacy_prod(t, NC > 1 ? q[k] : quant_avx2_legacy_w(t, wb + k * bb), a[c].qs + (b + k) * QUANT_QK);
             __m256i isum = quant_avx2_hsum8(s);
@@ -2029,7 +2032,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
             quant_avx2_acc_add(acc[c], r);
         }
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         if (nb8 == nb) { y[c * ys] = quant_avx2_reduce_rotated(acc[c], nb8 / 8); continue; }
         float p[QUANT_NPART];
@@ -2334,18 +2337,18 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b
         sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
         bs_mul = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
-    #pragma GCC unroll 8
+    QUANT_UNROLL(8)
     for (int i = 0; i < 8; i++) {
         __m256i sc, q = quant_avx2_k_step(t, b, i, sc16, &sc);
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             const __m256i x = _mm256_load_si256((const __m256i *)(a[c].qs + u * QUANT_QK_K + 32 * i));
             acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
         }
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a[c].bsums + u * 16)), bs_mul);
         is[c][k] = t == GGUF_TYPE_Q6_K ? _mm256_sub_epi32(acc[c], _mm256_slli_epi32(bs, 5)) : acc[c];
@@ -2361,7 +2364,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_AVX2_NCOL];
     __m256 acc[QUANT_AVX2_NCOL][4];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
@@ -2381,7 +2384,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
         const __m256 lanes = _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count));
         const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
         const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a[c].d + u), lanes);
             __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
@@ -2389,7 +2392,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
             quant_avx2_acc_add(acc[c], r);
         }
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
 }
 
@@ -2459,22 +2462,50 @@ QUANT_AVX2_WRAP(quant_dot_q3_k_avx2, quant_avx2_k(GGUF_TYPE_Q3_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
 
-/* One row with nc columns in passes of QUANT_AVX2_NCOL, each pass size a constant (as
- * QUANT_AVX512_WRAP); the single-column dot is the 1-column pass. */
-#define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
-    static QUANT_AVX2 void name##n(const void *w, const uint8_t *acts, size_t stride, int nc,          \
-                                   int64_t n, float *y, size_t ys) {                                   \
-        for (; nc >= QUANT_AVX2_NCOL; nc -= QUANT_AVX2_NCOL, acts += QUANT_AVX2_NCOL * stride, y += QUANT_AVX2_NCOL * ys) \
-            kernel(type, w, acts, stride, n, y, ys, QUANT_AVX2_NCOL);                                  \
-        if (nc == 3) kernel(type, w, acts, stride, n, y, ys, 3);                                       \
-        if (nc == 2) kernel(type, w, acts, stride, n, y, ys, 2);                                       \
-        if (nc == 1) kernel(type, w, acts, stride, n, y, ys, 1);                                       \
-    }                                                                                                  \
+/* One row with nc columns in passes of NCOL (4), each pass size a constant so that the column
+ * loops unroll and the accumulators stay in registers (3 columns left go as 2 + 1: a copy of
+ * the kernel fewer to compile); KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC
+ * columns. The AVX-512 kernels are wrapped the same way. */
+#define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol)                                          \
+    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
+                            float *y, size_t ys) {                                                     \
+        for (; nc >= ncol; nc -= ncol, acts += ncol * stride, y += ncol * ys)                          \
+            kernel(type, w, acts, stride, n, y, ys, ncol);                                             \
+        if (nc >= 2) kernel(type, w, acts, stride, n, y, ys, 2);                                       \
+        if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
+    }
+
+/* COLI_ROLLED builds pass the AVX2 pass size at run time instead: one copy of each kernel, not
+ * four (the same bits; the sanitizer builds compile 40% faster). The AVX-512 ones stay fixed:
+ * with a run-time size gcc takes their Q6_K kernel's unused columns for uninitialised. */
+#ifdef COLI_ROLLED
+#define QUANT_COLUMNS(name, target, kernel, type, ncol)                                                \
+    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
+                            float *y, size_t ys) {                                                     \
+        for (int k; nc > 0; nc -= k, acts += (size_t)k * stride, y += (size_t)k * ys)                  \
+            kernel(type, w, acts, stride, n, y, ys, k = nc < ncol ? nc : ncol);                        \
+    }
+#define QUANT_AVX2_COLUMN(name, kernel, type)                                                          \
     static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) {                          \
+        float y;                                                                                       \
+        name##n(w, act, 0, 1, n, &y, 0);                                                               \
+        return y;                                                                                      \
+    }
+#else
+#define QUANT_COLUMNS QUANT_COLUMNS_FIXED
+#define QUANT_AVX2_COLUMN(name, kernel, type) QUANT_COLUMN(name, QUANT_AVX2, kernel, type)
+#endif
+
+/* The single-column dot of such a kernel: its 1-column pass. */
+#define QUANT_COLUMN(name, target, kernel, type)                                                       \
+    static target float name(const void *w, const void *act, int64_t n) {                              \
         float y;                                                                                       \
         kernel(type, w, act, 0, n, &y, 0, 1);                                                          \
         return y;                                                                                      \
     }
+#define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
+    QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL)                                  \
+    QUANT_AVX2_COLUMN(name, kernel, type)
 QUANT_AVX2_COLUMNS(quant_dot_q8_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q8_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_1)
@@ -2483,17 +2514,14 @@ QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
 
-/* One row with nc columns: quant_avx2_k_cols in passes of QUANT_AVX2_NCOL, a single column
- * through quant_avx2_k (its steps, with no super-block stored between decode and use). */
-#define QUANT_AVX2_K_COLUMNS(name, type)                                                               \
-    static QUANT_AVX2 void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,  \
-                                float *y, size_t ys) {                                                 \
-        for (; nc >= QUANT_AVX2_NCOL; nc -= QUANT_AVX2_NCOL, acts += QUANT_AVX2_NCOL * stride, y += QUANT_AVX2_NCOL * ys) \
-            quant_avx2_k_cols(type, w, acts, stride, n, y, ys, QUANT_AVX2_NCOL);                       \
-        if (nc == 3) quant_avx2_k_cols(type, w, acts, stride, n, y, ys, 3);                            \
-        if (nc == 2) quant_avx2_k_cols(type, w, acts, stride, n, y, ys, 2);                            \
-        if (nc == 1) *y = quant_avx2_k(type, w, acts, n);                                              \
-    }
+/* NC columns of a Q4_K, Q5_K or Q6_K row: quant_avx2_k_cols, a single column through
+ * quant_avx2_k (its steps, with nothing held between decode and use). */
+QUANT_AVX2_INLINE void quant_avx2_k_n(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
+                                      float *y, size_t ys, int NC) {
+    if (NC == 1) *y = quant_avx2_k(t, w, acts, n);
+    else quant_avx2_k_cols(t, w, acts, stride, n, y, ys, NC);
+}
+#define QUANT_AVX2_K_COLUMNS(name, type) QUANT_COLUMNS(name, QUANT_AVX2, quant_avx2_k_n, type, QUANT_AVX2_NCOL)
 QUANT_AVX2_K_COLUMNS(quant_dot_q4_k_avx2n, GGUF_TYPE_Q4_K)
 QUANT_AVX2_K_COLUMNS(quant_dot_q5_k_avx2n, GGUF_TYPE_Q5_K)
 QUANT_AVX2_K_COLUMNS(quant_dot_q6_k_avx2n, GGUF_TYPE_Q6_K)
@@ -2911,22 +2939,9 @@ static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const floa
         f[i] = wtype == GGUF_TYPE_F16 ? quant_f16_to_f32(quant_f32_to_f16(x[i])) : quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
 }
 
-/* One row with nc columns in passes of QUANT_NCOL; each pass size is a constant so the column
- * loops unroll and the accumulators stay in registers. */
 #define QUANT_AVX512_WRAP(name, kernel, type)                                                        \
-    static QUANT_AVX512 void name##n(const void *w, const uint8_t *acts, size_t stride, int nc,      \
-                                     int64_t n, float *y, size_t ys) {                               \
-        for (; nc >= QUANT_NCOL; nc -= QUANT_NCOL, acts += QUANT_NCOL * stride, y += QUANT_NCOL * ys) \
-            kernel(type, w, acts, stride, n, y, ys, QUANT_NCOL);                                     \
-        if (nc == 3) kernel(type, w, acts, stride, n, y, ys, 3);                                     \
-        if (nc == 2) kernel(type, w, acts, stride, n, y, ys, 2);                                     \
-        if (nc == 1) kernel(type, w, acts, stride, n, y, ys, 1);                                     \
-    }                                                                                                \
-    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) {                      \
-        float y;                                                                                     \
-        kernel(type, w, act, 0, n, &y, 0, 1);                                                        \
-        return y;                                                                                    \
-    }
+    QUANT_COLUMNS_FIXED(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                             \
+    QUANT_COLUMN(name, QUANT_AVX512, kernel, type)
 QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float, GGUF_TYPE_F32)
 QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float, GGUF_TYPE_F16)
 QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float, GGUF_TYPE_BF16)
