@@ -4856,7 +4856,6 @@ struct expert_store {
     void *own;                            /* mapped mode: the experts' own copy (expert_own), or NULL */
     size_t own_bytes;
     uint8_t *hole;                        /* [n_layers * n_expert] 1: left out of own (in VRAM then); or NULL */
-    int n_holes;
     int guess_layer;
     /* the VRAM tier (§7 place_model fills it, place_retier changes it; NULL: none) */
     struct expert_vram { int dev; struct cuda_expert e; } *vram; /* [n_layers * n_expert], dev -1: not resident */
@@ -4900,7 +4899,6 @@ static void expert_fill_hole(struct expert_store *s, int32_t key)
         memcpy((uint8_t *)t->m.data + (size_t)e * t->stride, expert_file_slice(s, l, j, e), t->stride); /* the arena: writable */
     }
     s->hole[key] = 0;
-    s->n_holes--;
 }
 
 static void expert_lru_unlink(struct expert_store *s, int i)
@@ -5636,7 +5634,6 @@ static void expert_own(struct expert_store *s)
                 plat_progress_add((size_t)run * stride);
                 if (j > 0) continue;
                 memset(s->hole + l * s->n_expert + e, 1, (size_t)run);
-                s->n_holes += run;
             }
             plat_unmap_range(src->t.m.data, len);
             src->t.m.data = dst;
@@ -7855,7 +7852,7 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: %s; heat %s (%s)", c->n_layers * c->n_expert,
-                 model_expert_bytes(m) / 1073741824.0, !s->own ? "read in place from the mapping" : s->n_holes ? "copied there but for those in VRAM (memory holds the file's pages too)" : "copied there (memory holds the file's pages too)",
+                 model_expert_bytes(m) / 1073741824.0, !s->own ? "read in place from the mapping" : memchr(s->hole, 1, (size_t)c->n_layers * c->n_expert) ? "copied there but for those in VRAM (memory holds the file's pages too)" : "copied there (memory holds the file's pages too)",
                  heat_path, heat_state);
     else
         plat_log("[experts] cache %.2f GiB%s: %d of %d experts (%.2f MiB each), up to %d pinned; %s, %d readers; heat %s (%s)",
