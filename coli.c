@@ -12018,11 +12018,13 @@ static void cmd_synthetic_parse(const char *spec, struct cmd_synthetic *sy)
         if (!strcmp(name, cmd_geometries[i].name)) sy->g = &cmd_geometries[i];
     if (!sy->g) die_usage("--synthetic %s: unknown geometry '%s' (35b-a3b, 80b-a3b-next, tiny)", spec, name);
     sy->n_layers = layers ? layers : sy->g->n_layers;
+    int found = -1;
+    for (int t = 0; t < GGUF_TYPE_COUNT; t++)
+        if (gguf_types[t].name && gguf_types[t].computes && !strcasecmp(quant, gguf_types[t].name)) found = t;
     sy->k_mix = !strcasecmp(quant, "q4_k_m");
-    for (int t = 0; t < GGUF_TYPE_COUNT && !sy->k_mix && !sy->experts_type; t++)
-        if (gguf_types[t].name && gguf_types[t].computes && !strcasecmp(quant, gguf_types[t].name)) sy->experts_type = (enum gguf_type)t;
-    if (!sy->k_mix && !sy->experts_type && strcasecmp(quant, "f32"))
+    if (!sy->k_mix && found < 0)
         die_usage("--synthetic %s: unknown QUANT '%s' (q4_k_m, or a format coli reads: q8_0, q4_0, q4_k, iq4_xs, ...)", spec, quant);
+    sy->experts_type = found < 0 ? GGUF_TYPE_Q8_0 : (enum gguf_type)found;
 }
 
 /* The type of matrix WHAT of layer IL (-1: none) under SY's mix. */
