@@ -533,7 +533,7 @@ static const struct gguf_type_info gguf_types[GGUF_TYPE_COUNT] = {
     [GGUF_TYPE_Q4_K] = {"Q4_K", 256, 144, 1},    [GGUF_TYPE_Q5_K] = {"Q5_K", 256, 176, 1},
     [GGUF_TYPE_Q6_K] = {"Q6_K", 256, 210, 1},    [GGUF_TYPE_IQ4_NL] = {"IQ4_NL", 32, 18, 1},
     [GGUF_TYPE_IQ4_XS] = {"IQ4_XS", 256, 136, 1}, [GGUF_TYPE_IQ3_XXS] = {"IQ3_XXS", 256, 98, 1},
-    [GGUF_TYPE_IQ3_S] = {"IQ3_S", 256, 110, 0},  [GGUF_TYPE_MXFP4] = {"MXFP4", 32, 17, 1},
+    [GGUF_TYPE_IQ3_S] = {"IQ3_S", 256, 110, 1},  [GGUF_TYPE_MXFP4] = {"MXFP4", 32, 17, 1},
     [GGUF_TYPE_Q8_1] = {"Q8_1", 32, 36, 0},      [GGUF_TYPE_Q8_K] = {"Q8_K", 256, 292, 0},
     [GGUF_TYPE_IQ2_XXS] = {"IQ2_XXS", 256, 66, 0}, [GGUF_TYPE_IQ2_XS] = {"IQ2_XS", 256, 74, 0},
     [GGUF_TYPE_IQ2_S] = {"IQ2_S", 256, 82, 0},   [GGUF_TYPE_IQ1_S] = {"IQ1_S", 256, 50, 0},
@@ -1080,7 +1080,7 @@ static size_t gguf_image_end(struct gguf_image *im)
 
 /* ==== §3 quant ==== */
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
- *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, MXFP4) and their tables, fp16/bf16 conversion,
+ *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and their tables, fp16/bf16 conversion,
  *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
  *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 have no AVX-512
  *   kernels yet, so that level runs their AVX2 ones).
@@ -1383,6 +1383,48 @@ static const uint16_t quant_iq3xxs_keys[256] = {
     3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
+
+/* IQ3_S: each group of 4 weights is one of 512 points of {1,3,..,15}^4 (a 9-bit index: a qs
+ * byte and a bit of qh), with a stored sign bit per weight. quant_iq3s_keys lists the points,
+ * sorted, as 3-bit level indices ((v-1)/2 of coordinate j in bits 3j..3j+2), derived from the
+ * golden files like IQ3_XXS's (tests/test_quant.c, test_iq3s_grid: the points the reference's
+ * dequantisation shows, the rest from the quantizer's choices) and confirmed by the reference's
+ * logits (same test). */
+static const uint16_t quant_iq3s_keys[512] = {
+    0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
+    37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
+    80, 83, 87, 89, 93, 100, 113, 117, 122, 128, 129, 133, 135, 136, 139, 142,
+    145, 149, 152, 156, 162, 165, 167, 169, 171, 184, 187, 195, 201, 205, 208, 210,
+    217, 219, 222, 228, 232, 234, 247, 249, 253, 256, 267, 271, 273, 276, 282, 288,
+    291, 297, 312, 322, 324, 336, 338, 342, 347, 353, 357, 359, 374, 379, 390, 393,
+    395, 409, 426, 441, 448, 450, 452, 464, 466, 470, 475, 488, 492, 512, 513, 514,
+    516, 520, 521, 523, 525, 527, 528, 530, 537, 540, 542, 556, 558, 561, 570, 576,
+    577, 579, 582, 584, 588, 593, 600, 603, 609, 616, 618, 632, 638, 640, 650, 653,
+    655, 656, 660, 666, 672, 675, 685, 688, 698, 705, 708, 711, 712, 715, 721, 727,
+    728, 732, 737, 754, 760, 771, 773, 778, 780, 793, 795, 802, 806, 808, 812, 833,
+    840, 843, 849, 856, 858, 873, 912, 916, 919, 932, 934, 961, 963, 968, 970, 977,
+    989, 993, 1010, 1016, 1024, 1025, 1027, 1029, 1031, 1032, 1034, 1036, 1038, 1041, 1043, 1047,
+    1048, 1050, 1057, 1059, 1061, 1064, 1066, 1079, 1080, 1083, 1085, 1088, 1090, 1096, 1099, 1103,
+    1106, 1109, 1113, 1116, 1122, 1129, 1153, 1156, 1159, 1169, 1171, 1176, 1183, 1185, 1195, 1199,
+    1209, 1212, 1216, 1218, 1221, 1225, 1234, 1236, 1241, 1243, 1250, 1256, 1270, 1281, 1287, 1296,
+    1299, 1306, 1309, 1313, 1338, 1341, 1348, 1353, 1362, 1375, 1376, 1387, 1400, 1408, 1410, 1415,
+    1425, 1453, 1457, 1477, 1481, 1494, 1496, 1507, 1512, 1538, 1545, 1547, 1549, 1551, 1554, 1561,
+    1563, 1565, 1570, 1572, 1575, 1577, 1587, 1593, 1601, 1603, 1605, 1612, 1617, 1619, 1632, 1648,
+    1658, 1662, 1664, 1674, 1680, 1690, 1692, 1704, 1729, 1736, 1740, 1745, 1747, 1751, 1752, 1761,
+    1763, 1767, 1773, 1787, 1795, 1801, 1806, 1810, 1817, 1834, 1840, 1844, 1857, 1864, 1866, 1877,
+    1882, 1892, 1902, 1915, 1934, 1953, 1985, 1987, 2000, 2002, 2013, 2048, 2052, 2058, 2064, 2068,
+    2071, 2074, 2081, 2088, 2104, 2114, 2119, 2121, 2123, 2130, 2136, 2141, 2147, 2153, 2157, 2177,
+    2179, 2184, 2189, 2193, 2203, 2208, 2223, 2226, 2232, 2244, 2249, 2251, 2256, 2258, 2265, 2269,
+    2304, 2306, 2324, 2335, 2336, 2361, 2373, 2375, 2385, 2418, 2443, 2460, 2480, 2504, 2509, 2520,
+    2531, 2537, 2562, 2568, 2572, 2578, 2592, 2596, 2599, 2602, 2614, 2620, 2625, 2627, 2629, 2634,
+    2641, 2650, 2682, 2688, 2697, 2707, 2712, 2718, 2731, 2754, 2759, 2760, 2775, 2788, 2793, 2805,
+    2811, 2817, 2820, 2832, 2842, 2854, 2890, 2902, 2921, 2923, 2978, 3010, 3012, 3026, 3081, 3083,
+    3085, 3097, 3099, 3120, 3136, 3152, 3159, 3188, 3210, 3228, 3234, 3245, 3250, 3256, 3264, 3276,
+    3281, 3296, 3349, 3363, 3378, 3392, 3395, 3420, 3440, 3461, 3488, 3529, 3531, 3584, 3588, 3591,
+    3600, 3602, 3614, 3616, 3628, 3634, 3650, 3657, 3668, 3683, 3685, 3713, 3716, 3720, 3726, 3729,
+    3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
+};
+static uint32_t quant_iq3s_grid[512];    /* byte j = coordinate j (quant_tables_init) */
 static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored sign bits: byte j is -1 or +1, weight j's sign */
 
 /* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). The
@@ -1417,6 +1459,11 @@ static void quant_tables_init(void) {
         for (int j = 0; j < 4; j++) g |= (uint32_t)quant_iq3_levels[quant_iq3xxs_keys[k] >> 3 * j & 7] << 8 * j;
         quant_iq3xxs_grid[k] = g;
     }
+    for (int k = 0; k < 512; k++) {
+        uint32_t g = 0;
+        for (int j = 0; j < 4; j++) g |= (uint32_t)(2 * (quant_iq3s_keys[k] >> 3 * j & 7) + 1) << 8 * j;
+        quant_iq3s_grid[k] = g;
+    }
     for (uint32_t bits = 0; bits < 128; bits++) {
         uint64_t m = 0;
         for (int j = 0; j < 8; j++) m |= (uint64_t)(quant_iq_signs(bits) >> j & 1 ? 0xff : 0x01) << 8 * j;
@@ -1424,11 +1471,34 @@ static void quant_tables_init(void) {
     }
 }
 
-/* The signed values of an IQ4_XS (IQ4_NL table) or IQ3_XXS (lattice point times sign)
+/* IQ3_S super-block: d fp16 | qs[64] | qh[8] | signs[32] | scales[4]. The grid index of group
+ * K (weights 4K..4K+3) of 32-block IB: its qs byte, and bit K of the block's qh byte as bit 8. */
+#define QUANT_IQ3S_QH 66
+#define QUANT_IQ3S_SIGNS 74
+#define QUANT_IQ3S_SCALES 106
+QUANT_SHARED_INLINE int quant_iq3s_index(const uint8_t *b, int ib, int k) {
+    return b[2 + 8 * ib + k] | (b[QUANT_IQ3S_QH + ib] >> k & 1) << 8;
+}
+
+/* The 4-bit scale s of 32-block IB of an IQ3_S super-block (its weight is d*(1+2s)). */
+QUANT_SHARED_INLINE int quant_iq3s_scale(const uint8_t *b, int ib) {
+    return b[QUANT_IQ3S_SCALES + ib / 2] >> 4 * (ib % 2) & 15;
+}
+
+/* The signed values of an IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign)
  * super-block in element order, and the 8 integer scales of its 32-blocks: IQ4_XS's 6-bit ones
- * less 32; IQ3_XXS's s in d*(0.5+s)*0.5, whose word also holds 4 x 7 sign bits. */
+ * less 32; IQ3_XXS's s in d*(0.5+s)*0.5, whose word also holds 4 x 7 sign bits; IQ3_S's s in
+ * d*(1+2s), with a stored sign bit per weight. */
 static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *sc) {
     for (int ib = 0; ib < 8; ib++, v += 32) {
+        if (t == GGUF_TYPE_IQ3_S) {
+            sc[ib] = quant_iq3s_scale(b, ib);
+            for (int j = 0; j < 32; j++) {
+                const int g = (int)(quant_iq3s_grid[quant_iq3s_index(b, ib, j / 4)] >> 8 * (j % 4) & 0xff);
+                v[j] = (int8_t)(b[QUANT_IQ3S_SIGNS + 4 * ib + j / 8] >> j % 8 & 1 ? -g : g);
+            }
+            continue;
+        }
         if (t == GGUF_TYPE_IQ4_XS) {
             const uint8_t *qs = b + 8 + 16 * ib;
             sc[ib] = quant_iq4xs_scale(b, ib);
@@ -1449,15 +1519,16 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
     }
 }
 
-/* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v, as ggml (the sign comes last there,
- * which is the same number). */
+/* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v; IQ3_S: y = (d*(1+2s)) * v, as ggml
+ * (the sign comes last there, which is the same number). */
 static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b));
     int8_t v[QUANT_QK_K];
     int sc[8];
     quant_iq_values(t, b, v, sc);
     for (int ib = 0; ib < 8; ib++) {
-        const float db = t == GGUF_TYPE_IQ4_XS ? d * (float)sc[ib] : d * (0.5f + (float)sc[ib]) * 0.5f;
+        const float db = t == GGUF_TYPE_IQ4_XS ? d * (float)sc[ib]
+                       : t == GGUF_TYPE_IQ3_S ? d * (float)(1 + 2 * sc[ib]) : d * (0.5f + (float)sc[ib]) * 0.5f;
         for (int j = 0; j < 32; j++) y[32 * ib + j] = db * (float)v[32 * ib + j];
     }
 }
@@ -1482,7 +1553,7 @@ static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, 
         case GGUF_TYPE_Q2_K: quant_dequant_q2k(b, y); break;
         case GGUF_TYPE_Q3_K: quant_dequant_q3k(b, y); break;
         case GGUF_TYPE_IQ4_NL: case GGUF_TYPE_MXFP4: quant_dequant_nl(type, b, y); break;
-        case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: quant_dequant_iq(type, b, y); break;
+        case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: case GGUF_TYPE_IQ3_S: quant_dequant_iq(type, b, y); break;
         default: quant_dequant_legacy(type, b, y); break;
         }
     }
@@ -1547,7 +1618,8 @@ static enum quant_act_kind quant_act_kind(enum gguf_type wtype) {
     case GGUF_TYPE_Q5_0: case GGUF_TYPE_Q5_1: case GGUF_TYPE_IQ4_NL: case GGUF_TYPE_MXFP4:
         return QUANT_ACT_Q8;
     case GGUF_TYPE_Q4_K: case GGUF_TYPE_Q5_K: case GGUF_TYPE_Q6_K: case GGUF_TYPE_Q2_K:
-    case GGUF_TYPE_Q3_K: case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: return QUANT_ACT_Q8K;
+    case GGUF_TYPE_Q3_K: case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_XXS: case GGUF_TYPE_IQ3_S:
+        return QUANT_ACT_Q8K;
     default: die("quant: unsupported weight type %d", (int)wtype);
     }
     return QUANT_ACT_FLOAT;
@@ -1752,8 +1824,8 @@ static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const 
     return sumi;
 }
 
-/* Σ_ib s_ib * Σ_{32 in ib} v*x of an IQ4_XS (s as stored, less 32) or IQ3_XXS (s = 2*scale+1,
- * i.e. d*(0.5+scale)*0.5 = (d/4)*s) super-block, exact. */
+/* Σ_ib s_ib * Σ_{32 in ib} v*x of an IQ4_XS (s as stored, less 32), IQ3_XXS (s = 2*scale+1,
+ * i.e. d*(0.5+scale)*0.5 = (d/4)*s) or IQ3_S (s = 2*scale+1) super-block, exact. */
 static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx) {
     int8_t v[QUANT_QK_K];
     int sc[8];
@@ -1769,7 +1841,7 @@ static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const in
 
 /* One super-block's result for the K-like formats besides Q4_K/Q5_K/Q6_K:
  *   Q2_K:    (d*dx)*(float)isum - (dmin*dx)*(float)summ
- *   Q3_K, IQ4_XS: (d*dx)*(float)isum
+ *   Q3_K, IQ4_XS, IQ3_S: (d*dx)*(float)isum
  *   IQ3_XXS: ((d*dx)*(float)isum) * 0.25 (the reference's final quarter, exact) */
 static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bs,
                               float dx) {
@@ -1782,7 +1854,7 @@ static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *
     }
     case GGUF_TYPE_Q3_K:
         return (quant_f16_to_f32(quant_rd16(b + 108)) * dx) * (float)quant_q23k_isum_scalar(t, b, qx, bs, &summ);
-    case GGUF_TYPE_IQ4_XS:
+    case GGUF_TYPE_IQ4_XS: case GGUF_TYPE_IQ3_S:
         return (quant_f16_to_f32(quant_rd16(b)) * dx) * (float)quant_iq_isum_scalar(t, b, qx);
     default:
         return ((quant_f16_to_f32(quant_rd16(b)) * dx) * (float)quant_iq_isum_scalar(t, b, qx)) * 0.25f;
@@ -1850,6 +1922,7 @@ QUANT_SCALAR_WRAP(quant_dot_q2_k_scalar, quant_dot_k(GGUF_TYPE_Q2_K, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_q3_k_scalar, quant_dot_k(GGUF_TYPE_Q3_K, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_iq4_xs_scalar, quant_dot_k(GGUF_TYPE_IQ4_XS, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_iq3_xxs_scalar, quant_dot_k(GGUF_TYPE_IQ3_XXS, w, act, n))
+QUANT_SCALAR_WRAP(quant_dot_iq3_s_scalar, quant_dot_k(GGUF_TYPE_IQ3_S, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
@@ -2160,9 +2233,29 @@ QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *
     return acc;
 }
 
-/* IQ4_XS / IQ3_XXS integer part, 8 lanes summing to quant_iq_isum_scalar's: 32-blocks of signed
- * values (IQ4_XS: the table's; IQ3_XXS: lattice points with the sign folded into x, as the
- * points are positive) times the 32-block's integer scale. */
+/* The stored signs of an IQ3_S 32-block (4 bytes at S, bit j of byte l for weight 8l+j) as
+ * bytes -1 / +1 in weight order. */
+QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
+    uint32_t bits;
+    memcpy(&bits, s, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll, 0x0101010101010101ll, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+}
+
+/* The 8 grid points of 32-block IB of an IQ3_S super-block, group k in lane k. */
+QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_points(const uint8_t *b, int ib) {
+    const uint32_t *g = quant_iq3s_grid;
+    return _mm256_set_epi32((int)g[quant_iq3s_index(b, ib, 7)], (int)g[quant_iq3s_index(b, ib, 6)],
+                            (int)g[quant_iq3s_index(b, ib, 5)], (int)g[quant_iq3s_index(b, ib, 4)],
+                            (int)g[quant_iq3s_index(b, ib, 3)], (int)g[quant_iq3s_index(b, ib, 2)],
+                            (int)g[quant_iq3s_index(b, ib, 1)], (int)g[quant_iq3s_index(b, ib, 0)]);
+}
+
+/* IQ4_XS / IQ3_XXS / IQ3_S integer part, 8 lanes summing to quant_iq_isum_scalar's: 32-blocks
+ * of signed values (IQ4_XS: the table's; IQ3_XXS, IQ3_S: grid points with the sign folded into
+ * x, as the points are positive) times the 32-block's integer scale. */
 QUANT_AVX2_INLINE __m256i quant_iq_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx) {
     __m256i acc = _mm256_setzero_si256();
     #pragma GCC unroll 8
@@ -2173,6 +2266,10 @@ QUANT_AVX2_INLINE __m256i quant_iq_isum_avx2(enum gguf_type t, const uint8_t *b,
         if (t == GGUF_TYPE_IQ4_XS) {
             pairs = quant_avx2_signed_pairs(quant_avx2_table_values(quant_iq4nl_values, b + 8 + 16 * ib), x);
             scale = quant_iq4xs_scale(b, ib);
+        } else if (t == GGUF_TYPE_IQ3_S) {
+            const __m256i sign = quant_avx2_iq3s_signs(b + QUANT_IQ3S_SIGNS + 4 * ib);
+            pairs = _mm256_maddubs_epi16(quant_avx2_iq3s_points(b, ib), _mm256_sign_epi8(x, sign));
+            scale = 2 * quant_iq3s_scale(b, ib) + 1;
         } else {
             const uint8_t *q = b + 2 + 8 * ib;
             uint32_t aux;
@@ -2222,7 +2319,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
     } else if (t == GGUF_TYPE_Q3_K) {
         const __m256i sc = quant_avx2_q3k_scales(b + 96);
         *isum = _mm256_sub_epi32(quant_q23k_isum_avx2(t, b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 2));
-    } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS) {
+    } else if (t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S) {
         *isum = quant_iq_isum_avx2(t, b, qx);
     } else {
         uint64_t sc, mn;
@@ -2278,7 +2375,7 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
         const uint8_t *wb = w + u * bb;
         __m256i is[8], sm[8];
-        if (t == GGUF_TYPE_IQ3_XXS) {
+        if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S) {
             /* ~390 instructions a super-block: unrolled 8 times they overflow the op cache */
             for (int k = 0; k < 8; k++) quant_avx2_k_slot(t, wb, bb, a, u, k, count, is, sm);
         } else {
@@ -2414,7 +2511,7 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *w
     const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     __m256i is[8], sm[8];
     for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
-    if (t == GGUF_TYPE_IQ3_XXS) { /* as in quant_avx2_k: too long a body to unroll */
+    if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S) { /* as in quant_avx2_k: too long a body to unroll */
         for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
     } else {
         QUANT_GROUP_UNROLL
@@ -2463,6 +2560,7 @@ QUANT_AVX2_WRAP(quant_dot_q2_k_avx2, quant_avx2_k(GGUF_TYPE_Q2_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q3_k_avx2, quant_avx2_k(GGUF_TYPE_Q3_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
+QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 
 /* One row with nc columns in passes of NCOL (4), each pass size a constant so that the column
  * loops unroll and the accumulators stay in registers (3 columns left go as 2 + 1: a copy of
@@ -2538,6 +2636,7 @@ QUANT_AVX2_ROWS(quant_dotr_q2_k_avx2, GGUF_TYPE_Q2_K)
 QUANT_AVX2_ROWS(quant_dotr_q3_k_avx2, GGUF_TYPE_Q3_K)
 QUANT_AVX2_ROWS(quant_dotr_iq4_xs_avx2, GGUF_TYPE_IQ4_XS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
+QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
@@ -2984,6 +3083,7 @@ static const struct {
     { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
     { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
+    { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx2 } },
     { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, quant_dot_iq4_nl_avx2n, NULL }, { NULL, NULL, NULL } },
     { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, quant_dot_mxfp4_avx2n, NULL }, { NULL, NULL, NULL } },
 };
@@ -6752,8 +6852,8 @@ static void model_read_config(struct model_config *c, const struct gguf_file *g)
     c->ff = model_hparam(g, n, "feed_forward_length", moe ? 0 : -1, 0, MODEL_MAX_DIM);
 }
 
-#define MODEL_FORMAT_ADVICE "the smallest formats coli reads are Q2_K, IQ3_XXS and Q3_K_M (then IQ4_XS, " \
-    "Q4_K_M): download the model in one of those"
+#define MODEL_FORMAT_ADVICE "the smallest formats coli reads are Q2_K, IQ3_XXS, IQ3_S and Q3_K_M (then " \
+    "IQ4_XS, Q4_K_M): download the model in one of those"
 
 /* Dies, naming the format and what to download, on a tensor whose block format §3 lacks. */
 static void model_check_format(const struct gguf_file *g, const struct gguf_tensor *t)

@@ -88,7 +88,7 @@ else
     expect "info describes a file of such a format" 0 '^runs: no: .*Q2_K' -- "$COLI" info -m "$tmp/iq2.gguf"
     expect "info: types per tensor group" 0 '^  routed experts +IQ2_XXS 12 ' -- "$COLI" info -m "$tmp/iq2.gguf"
     # a NaN or infinite block scale in each format coli reads: no crash, the NaN is reported
-    for spec in q8_0:7e00 q4_0:7c00 q2_k:7e00 q3_k:7c00 q6_k:7e00 iq4_nl:7e00 iq4_xs:7c00 iq3_xxs:7e00 mxfp4:ff; do
+    for spec in q8_0:7e00 q4_0:7c00 q2_k:7e00 q3_k:7c00 q6_k:7e00 iq4_nl:7e00 iq4_xs:7c00 iq3_xxs:7e00 iq3_s:7c00 mxfp4:ff; do
         f=${spec%%:*}
         python3 tests/gguf_patch.py "$GOLDEN/q35moe-$f.gguf" "$tmp/nan.gguf" scale blk.1.ffn_down_exps.weight "${spec#*:}"
         expect "$f: a block scale of ${spec#*:} gives a reported non-finite result" 1 'the logits are not finite' -- "$COLI" run -m "$tmp/nan.gguf" -p hi -n 2

@@ -96,12 +96,18 @@ static int compare_case(const struct mj *c, const struct run *r, int V, double t
  *   from position 0, 0.0504 at position 2 (tolerance 0.05).
  *   q3_k_m chat: the 36-token prompt's router gap is 7.4e-5: 0.013 from position 0, 0.073 at 5,
  *   after a step with gap 0.0027.
+ *   iq3_s mixed: 0.157 at position 0. The 187-token prompt has a router gap of 4.4e-4 (layer 1);
+ *   scaling every IQ3_S super-block result by 1 + k * 2^-24 (a scratch build, k = -6..6) moves
+ *   this case's first row between 0.0074 and 0.17, and at k = -2 the short case's whole first
+ *   row matches the reference to 1.8e-7: the arithmetic and the grid are the reference's, and
+ *   this prompt sits on a near-tie that last bits decide.
  * (Measured with a router-gap probe on the scalar path; scripts are not kept.) */
 static const struct { const char *model, *name; int position; double max_diff; } known_deviations[] = {
     {"q35moe-q6_k.gguf", "long", 9, 0.15},
     {"q35moe-iq4_xs.gguf", "short", 15, 0.2},
     {"q35moe-mxfp4.gguf", "mixed", 2, 0.06},
     {"q35moe-q3_k_m.gguf", "chat", 5, 0.08},
+    {"q35moe-iq3_s.gguf", "mixed", 0, 0.17},
 };
 
 /* Applies compare_case and the known deviations; reports one check. */
@@ -359,7 +365,7 @@ static void test_checkpoint(const char *dir, const char *name)
 static int sanitizer_covered_elsewhere(const char *json_name)
 {
     static const char *const skip[] = {"q35moe-q3_k.json", "q35moe-q3_k_m.json", "q35moe-iq4_xs.json",
-                                       "q35moe-iq4_nl.json", "q35moe-iq3_xxs.json"};
+                                       "q35moe-iq4_nl.json", "q35moe-iq3_xxs.json", "q35moe-iq3_s.json"};
     for (size_t i = 0; i < sizeof skip / sizeof *skip; i++)
         if (!strcmp(json_name, skip[i])) return 1;
     return 0;
