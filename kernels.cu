@@ -19,6 +19,22 @@
 
 #define NPART 32
 
+// The weight formats by their GGUF type ids (coli.c's enum gguf_type; the fake driver's twins
+// are keyed by the same numbers).
+enum wtype {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+    Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
+};
+
+__device__ __forceinline__ bool float_format(int t) { return t == F32 || t == F16 || t == BF16; }
+
+// The formats of 32-blocks, which take the Q8 activations; the rest take Q8_K.
+__device__ __forceinline__ bool block32_format(int t) {
+    return t == Q8_0 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1;
+}
+
+// ---- scalars of the blocks ----
+
 __device__ __forceinline__ float f16(const uint8_t *p) {
     unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
     float f;
@@ -45,19 +61,19 @@ __device__ __forceinline__ float reduce32(float p) {
 // ---- float weights: unit = element, x already rounded as the weights (quant_act_prepare) ----
 template <int T>
 __device__ __forceinline__ float fweight(const uint8_t *w, int64_t i) {
-    if (T == 0) return __uint_as_float(*(const unsigned *)(w + 4 * i));
-    if (T == 1) return f16(w + 2 * i);
+    if (T == F32) return __uint_as_float(*(const unsigned *)(w + 4 * i));
+    if (T == F16) return f16(w + 2 * i);
     return bf16(w + 2 * i);
 }
 
-// ---- legacy 32-blocks: act = qs[n] int8 | d[n/32] f32 | s[n/32] i32 | sd[n/32] f32 ----
-// T: 8 Q8_0, 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1
+// ---- 32-blocks: act = qs[n] int8 | d[n/32] f32 | s[n/32] i32 | sd[n/32] f32 ----
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as ggml defines their quants.
 template <int T>
 __device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *qx, float dx, float sd) {
-    const int has_min = T == 41 || T == 51, five = T == 50 || T == 51;
+    const int has_min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
     float dw = f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
     int isum = 0;
-    if (T == 8) {
+    if (T == Q8_0) {
         for (int j = 0; j < 32; j++) isum = imad((int8_t)blk[2 + j], qx[j], isum);
     } else {
         unsigned qh = 0;
@@ -78,7 +94,7 @@ __device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *q
     return has_min ? __fadd_rn(r, __fmul_rn(mw, sd)) : r;
 }
 
-// ---- K super-blocks: act = qs[n] int8 | d[n/256] f32 | bsums[n/16] i16 ----
+// ---- 256-super-blocks: act = qs[n] int8 | d[n/256] f32 | bsums[n/16] i16 ----
 __device__ __forceinline__ void k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     if (j < 4) {
         *sc = q[j] & 63;
@@ -89,10 +105,9 @@ __device__ __forceinline__ void k4_scale_min(int j, const uint8_t *q, int *sc, i
     }
 }
 
-// T: 4 Q4_K, 5 Q5_K
 template <int T>
 __device__ __forceinline__ float q45k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
-    const int five = T == 5;
+    const int five = T == Q5_K;
     const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
     int summ = 0, sumi = 0;
     for (int j = 0; j < 4; j++) {
@@ -134,16 +149,21 @@ __device__ __forceinline__ float q6k_unit(const uint8_t *b, const int8_t *qx, fl
     return __fmul_rn(__fmul_rn(f16(b + 208), dx), (float)sumi);
 }
 
+template <int T>
+__device__ __forceinline__ float k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
+    if (T == Q6_K) return q6k_unit(b, qx, dx);
+    return q45k_unit<T>(b, qx, bs, dx);
+}
+
 // ---- one row against one prepared activation column: the warp's whole product ----
-// K: 0 F32, 1 F16, 2 BF16 (unit = element); 8 Q8_0, 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1 (32-blocks
-// of BB bytes); 4 Q4_K, 5 Q5_K, 6 Q6_K (256-super-blocks of BB bytes). Every lane returns the sum.
+// K: the weight format (enum wtype), BB: bytes of its block (unit). Every lane returns the sum.
 template <int K, int BB>
 __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
     float p = 0.0f;
-    if (K <= 2) {
+    if (float_format(K)) {
         const float *x = (const float *)a;
         for (int i = lane; i < cols; i += 32) p = __fadd_rn(p, __fmul_rn(fweight<K>(wr, i), x[i]));
-    } else if (K >= 8) {
+    } else if (block32_format(K)) {
         const int nb = cols / 32;
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
@@ -153,11 +173,7 @@ __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, in
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols);
         const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
-        for (int b = lane; b < nb; b += 32) {
-            float u = K == 6 ? q6k_unit(wr + b * BB, qs + 256 * b, d[b])
-                             : q45k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]);
-            p = __fadd_rn(p, u);
-        }
+        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]));
     }
     return reduce32(p);
 }
@@ -324,14 +340,14 @@ extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
     extern "C" __global__ void moe_gate_up_##name(MOE_GATE_UP_PARAMS) { moe_gate_up<K, BB>(jobs, act, act_stride, h, row_bytes, ff, cols); } \
     extern "C" __global__ void moe_down_##name(MOE_DOWN_PARAMS) { moe_down<K, BB>(jobs, act, act_stride, y, row_bytes, rows, cols); }
 
-KERNELS(f32, 0, 4)
-KERNELS(f16, 1, 2)
-KERNELS(bf16, 2, 2)
-KERNELS(q8_0, 8, 34)
-KERNELS(q4_0, 40, 18)
-KERNELS(q4_1, 41, 20)
-KERNELS(q5_0, 50, 22)
-KERNELS(q5_1, 51, 24)
-KERNELS(q4_k, 4, 144)
-KERNELS(q5_k, 5, 176)
-KERNELS(q6_k, 6, 210)
+KERNELS(f32, F32, 4)
+KERNELS(f16, F16, 2)
+KERNELS(bf16, BF16, 2)
+KERNELS(q8_0, Q8_0, 34)
+KERNELS(q4_0, Q4_0, 18)
+KERNELS(q4_1, Q4_1, 20)
+KERNELS(q5_0, Q5_0, 22)
+KERNELS(q5_1, Q5_1, 24)
+KERNELS(q4_k, Q4_K, 144)
+KERNELS(q5_k, Q5_K, 176)
+KERNELS(q6_k, Q6_K, 210)
