@@ -5,11 +5,12 @@
 // toolkit: the committed kernels.ptx is what is embedded.
 //
 // Bit-identical to the CPU (coli.c §3): every product follows the canonical order. Unit u of a
-// row (an element for F32/F16/BF16, a 32-block for Q8_0..Q5_1, a 256-super-block for K formats)
-// is added into lane u % 32's partial, in increasing u; then the butterfly s = 16, 8, 4, 2, 1,
-// p[i] = p[i] + p[i + s], is shfl.down. Integer parts are exact, and each unit's float combine
-// is the CPU's expression, operation for operation. nvcc runs with -fmad=false so that no
-// multiply-add is fused (the CPU is built with -ffp-contract=off); fp16 -> f32 is exact.
+// row (an element for F32/F16/BF16, a 32-block for Q8_0..Q5_1, IQ4_NL and MXFP4, a
+// 256-super-block for the K formats, IQ4_XS and IQ3_XXS) is added into lane u % 32's partial, in
+// increasing u; then the butterfly s = 16, 8, 4, 2, 1, p[i] = p[i] + p[i + s], is shfl.down.
+// Integer parts are exact, and each unit's float combine is the CPU's expression, operation for
+// operation. nvcc runs with -fmad=false so that no multiply-add is fused (the CPU is built with
+// -ffp-contract=off); fp16 -> f32 is exact.
 //
 // Every GEMV kernel has one signature: matvec_<type>(w, row_bytes, act, act_stride, y, rows,
 // cols, n): y[j*rows + r] = W[r] . act_j for j < n, with act_j at act + j*act_stride in the
@@ -18,6 +19,57 @@
 #include <stdint.h>
 
 #define NPART 32
+
+// The weight formats by their GGUF type ids (coli.c's enum gguf_type; the fake driver's twins
+// are keyed by the same numbers).
+enum wtype {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+    Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
+};
+
+__device__ __forceinline__ bool float_format(int t) { return t == F32 || t == F16 || t == BF16; }
+
+// The formats of 32-blocks, which take the Q8 activations; the rest take Q8_K.
+__device__ __forceinline__ bool block32_format(int t) {
+    return t == Q8_0 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == IQ4_NL || t == MXFP4;
+}
+
+// ---- the formats' tables: data of the formats, the same numbers as coli.c §3's ----
+
+// IQ4_NL and IQ4_XS: the reference's int8 grid (coli.c quant_iq4nl_values).
+__constant__ int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// MXFP4: the E2M1 values doubled, code = sign | exponent(2) | mantissa(1), as quant_tables_init
+// computes them; the block's E8M0 scale is halved to match (e8m0_half).
+__constant__ int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// IQ3_XXS: the 256 lattice points as coli.c lists them (quant_iq3xxs_keys: the level index of
+// coordinate j in bits 3j..3j+2) and the 8 levels. A weight's coordinate is decoded from its key
+// here rather than read from the 256-word grid that quant_tables_init builds from the same keys:
+// the list is then the very one coli.c spells out (comparable line for line; the fake driver
+// reads it back out of kernels.ptx), not a second, generated copy, for a shift, a mask and an
+// 8-entry lookup per weight.
+__constant__ uint16_t iq3xxs_keys[256] = {
+    0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
+    81, 85, 88, 90, 97, 108, 120, 128, 130, 132, 137, 144, 146, 153, 155, 159,
+    169, 175, 189, 193, 199, 200, 202, 213, 248, 267, 287, 292, 303, 315, 317, 321,
+    327, 346, 362, 413, 436, 456, 460, 462, 483, 497, 513, 515, 520, 522, 529, 531,
+    536, 538, 540, 551, 552, 576, 578, 585, 592, 594, 641, 643, 648, 650, 657, 664,
+    698, 704, 706, 720, 729, 742, 758, 769, 773, 808, 848, 852, 870, 889, 901, 978,
+    992, 1024, 1026, 1033, 1035, 1040, 1042, 1046, 1049, 1058, 1089, 1091, 1093, 1096, 1098, 1105,
+    1112, 1139, 1143, 1144, 1152, 1154, 1161, 1167, 1168, 1170, 1183, 1184, 1197, 1217, 1224, 1228,
+    1272, 1276, 1309, 1323, 1347, 1367, 1377, 1404, 1473, 1475, 1486, 1509, 1537, 1544, 1546, 1553,
+    1555, 1576, 1589, 1594, 1600, 1602, 1616, 1625, 1636, 1638, 1665, 1667, 1672, 1685, 1706, 1722,
+    1737, 1755, 1816, 1831, 1850, 1856, 1862, 1874, 1901, 1932, 1950, 1971, 2011, 2032, 2052, 2063,
+    2077, 2079, 2091, 2095, 2172, 2192, 2207, 2208, 2224, 2230, 2247, 2277, 2308, 2345, 2356, 2389,
+    2403, 2424, 2501, 2504, 2506, 2520, 2570, 2593, 2616, 2624, 2630, 2646, 2669, 2700, 2714, 2746,
+    2754, 2795, 2824, 2835, 2839, 2874, 2882, 2905, 2984, 3028, 3042, 3092, 3108, 3110, 3124, 3153,
+    3185, 3215, 3252, 3288, 3294, 3364, 3397, 3434, 3483, 3523, 3537, 3587, 3589, 3591, 3592, 3610,
+    3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
+};
+__constant__ uint8_t iq3_levels[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+
+// ---- scalars of the blocks ----
 
 __device__ __forceinline__ float f16(const uint8_t *p) {
     unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
@@ -29,6 +81,15 @@ __device__ __forceinline__ float f16(const uint8_t *p) {
 __device__ __forceinline__ float bf16(const uint8_t *p) {
     return __uint_as_float((unsigned)(p[0] | (p[1] << 8)) << 16);
 }
+
+// 2^(e-128), an E8M0 scale times one half, as coli.c's quant_e8m0_half (e = 0, 1: subnormal).
+__device__ __forceinline__ float e8m0_half(uint8_t e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (unsigned)(e - 1) << 23);
+}
+
+// Little-endian words at byte addresses (blocks of 17, 98 or 110 bytes leave them unaligned).
+__device__ __forceinline__ unsigned le16(const uint8_t *p) { return p[0] | p[1] << 8; }
+__device__ __forceinline__ unsigned le32(const uint8_t *p) { return le16(p) | le16(p + 2) << 16; }
 
 // acc + a*b as an opaque mad.lo.s32: NVVM would otherwise fuse byte products into dp4a/dp2a,
 // which need sm_61, and the point of this file is to stay JIT-able on sm_52.
@@ -45,20 +106,25 @@ __device__ __forceinline__ float reduce32(float p) {
 // ---- float weights: unit = element, x already rounded as the weights (quant_act_prepare) ----
 template <int T>
 __device__ __forceinline__ float fweight(const uint8_t *w, int64_t i) {
-    if (T == 0) return __uint_as_float(*(const unsigned *)(w + 4 * i));
-    if (T == 1) return f16(w + 2 * i);
+    if (T == F32) return __uint_as_float(*(const unsigned *)(w + 4 * i));
+    if (T == F16) return f16(w + 2 * i);
     return bf16(w + 2 * i);
 }
 
-// ---- legacy 32-blocks: act = qs[n] int8 | d[n/32] f32 | s[n/32] i32 | sd[n/32] f32 ----
-// T: 8 Q8_0, 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1
+// ---- 32-blocks: act = qs[n] int8 | d[n/32] f32 | s[n/32] i32 | sd[n/32] f32 ----
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as ggml defines their quants; IQ4_NL (d fp16) and MXFP4 (E8M0
+// byte) hold 16 bytes of 4-bit codes into their tables, low nibbles first.
 template <int T>
 __device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *qx, float dx, float sd) {
-    const int has_min = T == 41 || T == 51, five = T == 50 || T == 51;
-    float dw = f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
+    const int has_min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    float dw = T == MXFP4 ? e8m0_half(blk[0]) : f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
     int isum = 0;
-    if (T == 8) {
+    if (T == Q8_0) {
         for (int j = 0; j < 32; j++) isum = imad((int8_t)blk[2 + j], qx[j], isum);
+    } else if (T == IQ4_NL || T == MXFP4) {
+        const int8_t *v = T == MXFP4 ? mxfp4_values : iq4nl_values;
+        const uint8_t *qs = blk + (T == MXFP4 ? 1 : 2);
+        for (int j = 0; j < 16; j++) isum = imad(v[qs[j] >> 4], qx[j + 16], imad(v[qs[j] & 0x0f], qx[j], isum));
     } else {
         unsigned qh = 0;
         const uint8_t *qh_p = blk + 2 + 2 * has_min;
@@ -78,7 +144,7 @@ __device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *q
     return has_min ? __fadd_rn(r, __fmul_rn(mw, sd)) : r;
 }
 
-// ---- K super-blocks: act = qs[n] int8 | d[n/256] f32 | bsums[n/16] i16 ----
+// ---- 256-super-blocks: act = qs[n] int8 | d[n/256] f32 | bsums[n/16] i16 ----
 __device__ __forceinline__ void k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     if (j < 4) {
         *sc = q[j] & 63;
@@ -89,10 +155,9 @@ __device__ __forceinline__ void k4_scale_min(int j, const uint8_t *q, int *sc, i
     }
 }
 
-// T: 4 Q4_K, 5 Q5_K
 template <int T>
 __device__ __forceinline__ float q45k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
-    const int five = T == 5;
+    const int five = T == Q5_K;
     const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
     int summ = 0, sumi = 0;
     for (int j = 0; j < 4; j++) {
@@ -134,16 +199,83 @@ __device__ __forceinline__ float q6k_unit(const uint8_t *b, const int8_t *qx, fl
     return __fmul_rn(__fmul_rn(f16(b + 208), dx), (float)sumi);
 }
 
+// Q3_K's signed 6-bit scale g of 16, from its 12 packed bytes P: the low 4 bits are nibble g / 8
+// of byte g % 8, the top 2 bits 2(g / 4).. of byte 8 + g % 4; less 32 (coli.c quant_q3k_scales).
+__device__ __forceinline__ int q3k_scale(const uint8_t *p, int g) {
+    return (((p[g % 8] >> (4 * (g / 8))) & 0xF) | (((p[8 + g % 4] >> (2 * (g / 4))) & 3) << 4)) - 32;
+}
+
+// Q2_K (scales[16] | qs[64] | d | dmin: per 16 weights a 4-bit scale, low nibble, and min) and
+// Q3_K (hmask[32] | qs[64] | scales[12] | d). Weight e = 128n + 32k + l is bits 2k, 2k+1 of
+// qs[32n + l]; Q3_K's third bit is bit 4n + k of hmask[l], and where it is clear the weight is
+// 4 less. Q2_K: (d*dx)*(float)isum - (dmin*dx)*(float)summ, Q3_K: (d*dx)*(float)isum.
+template <int T>
+__device__ __forceinline__ float q23k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
+    const int three = T == Q3_K;
+    const uint8_t *qs = b + (three ? 32 : 16);
+    int sumi = 0, summ = 0;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int i = 0; i < 16; i++) {
+            const int e = 16 * g + i, n = e / 128, k = e / 32 % 4, l = e % 32;
+            int q = (qs[32 * n + l] >> (2 * k)) & 3;
+            if (three && !((b[l] >> (4 * n + k)) & 1)) q -= 4;
+            s = imad(q, qx[e], s);
+        }
+        sumi += (three ? q3k_scale(b + 96, g) : b[g] & 0xF) * s;
+        if (!three) summ += (b[g] >> 4) * bs[g];
+    }
+    const float r = __fmul_rn(__fmul_rn(f16(b + (three ? 108 : 80)), dx), (float)sumi);
+    return three ? r : __fsub_rn(r, __fmul_rn(__fmul_rn(f16(b + 82), dx), (float)summ));
+}
+
+// IQ4_XS (d | scales_h u16 | scales_l[4] | qs[128]): 32-block ib is 16 bytes of IQ4_NL codes
+// with a 6-bit scale less 32. IQ3_XXS (d | qs[64] | 8 words): 32-block ib's 8 bytes of qs pick a
+// lattice point each for 4 weights; its word holds 4 x 7 sign bits (weights 8l..8l+7 take bits
+// 7l..7l+6, the eighth sign makes the count of minus signs even) and on top the 4-bit s of
+// d*(0.5+s)*0.5 = (d/4)*(2s+1). (d*dx)*(float)isum, for IQ3_XXS then times 0.25 as the CPU.
+template <int T>
+__device__ __forceinline__ float iq_unit(const uint8_t *b, const int8_t *qx, float dx) {
+    int sumi = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        const int8_t *x = qx + 32 * ib;
+        int s = 0, scale;
+        if (T == IQ4_XS) {
+            const uint8_t *qs = b + 8 + 16 * ib;
+            for (int j = 0; j < 16; j++) s = imad(iq4nl_values[qs[j] >> 4], x[j + 16], imad(iq4nl_values[qs[j] & 0xF], x[j], s));
+            scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
+        } else {
+            const unsigned aux = le32(b + 66 + 4 * ib);
+            for (int j = 0; j < 32; j++) {
+                const unsigned bits7 = (aux >> (7 * (j / 8))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
+                const int level = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
+                s = imad((signs >> (j % 8)) & 1 ? -level : level, x[j], s);
+            }
+            scale = 2 * (int)(aux >> 28) + 1;
+        }
+        sumi += scale * s;
+    }
+    const float r = __fmul_rn(__fmul_rn(f16(b), dx), (float)sumi);
+    return T == IQ3_XXS ? __fmul_rn(r, 0.25f) : r;
+}
+
+template <int T>
+__device__ __forceinline__ float k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
+    if (T == Q6_K) return q6k_unit(b, qx, dx);
+    if (T == Q4_K || T == Q5_K) return q45k_unit<T>(b, qx, bs, dx);
+    if (T == Q2_K || T == Q3_K) return q23k_unit<T>(b, qx, bs, dx);
+    return iq_unit<T>(b, qx, dx);
+}
+
 // ---- one row against one prepared activation column: the warp's whole product ----
-// K: 0 F32, 1 F16, 2 BF16 (unit = element); 8 Q8_0, 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1 (32-blocks
-// of BB bytes); 4 Q4_K, 5 Q5_K, 6 Q6_K (256-super-blocks of BB bytes). Every lane returns the sum.
+// K: the weight format (enum wtype), BB: bytes of its block (unit). Every lane returns the sum.
 template <int K, int BB>
 __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
     float p = 0.0f;
-    if (K <= 2) {
+    if (float_format(K)) {
         const float *x = (const float *)a;
         for (int i = lane; i < cols; i += 32) p = __fadd_rn(p, __fmul_rn(fweight<K>(wr, i), x[i]));
-    } else if (K >= 8) {
+    } else if (block32_format(K)) {
         const int nb = cols / 32;
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
@@ -153,11 +285,7 @@ __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, in
         const int8_t *qs = (const int8_t *)a;
         const float *d = (const float *)(a + cols);
         const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
-        for (int b = lane; b < nb; b += 32) {
-            float u = K == 6 ? q6k_unit(wr + b * BB, qs + 256 * b, d[b])
-                             : q45k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]);
-            p = __fadd_rn(p, u);
-        }
+        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]));
     }
     return reduce32(p);
 }
@@ -250,7 +378,7 @@ __device__ __forceinline__ float round_f16(float x) {
 // Rows of N elements at X (row j at x + j*n) into prepared columns at ACT (stride bytes apart).
 #define QUANT_PARAMS const float *__restrict__ x, uint8_t *__restrict__ act, uint64_t stride, int n
 
-// Q8 (for Q8_0..Q5_1 weights): one warp per 32-block; grid (ceil(blocks / 4), rows). Layout
+// Q8 (for the 32-block formats): one warp per 32-block; grid (ceil(blocks / 4), rows). Layout
 // qs[n] | d[n/32] | s[n/32] | sd[n/32] = fp16(d * s).
 extern "C" __global__ void quantize_q8(QUANT_PARAMS) {
     const int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nb = n / 32;
@@ -272,7 +400,7 @@ extern "C" __global__ void quantize_q8(QUANT_PARAMS) {
     }
 }
 
-// Q8_K (for Q4_K..Q6_K weights): one warp per 256-block, lane l holding elements 8l..8l+7;
+// Q8_K (for the 256-super-block formats): one warp per 256-block, lane l holding elements 8l..8l+7;
 // grid (ceil(blocks / 4), rows). The scale comes from the first element of largest magnitude.
 // Layout qs[n] | d[n/256] | bsums[n/16] (int16).
 extern "C" __global__ void quantize_q8k(QUANT_PARAMS) {
@@ -324,14 +452,20 @@ extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
     extern "C" __global__ void moe_gate_up_##name(MOE_GATE_UP_PARAMS) { moe_gate_up<K, BB>(jobs, act, act_stride, h, row_bytes, ff, cols); } \
     extern "C" __global__ void moe_down_##name(MOE_DOWN_PARAMS) { moe_down<K, BB>(jobs, act, act_stride, y, row_bytes, rows, cols); }
 
-KERNELS(f32, 0, 4)
-KERNELS(f16, 1, 2)
-KERNELS(bf16, 2, 2)
-KERNELS(q8_0, 8, 34)
-KERNELS(q4_0, 40, 18)
-KERNELS(q4_1, 41, 20)
-KERNELS(q5_0, 50, 22)
-KERNELS(q5_1, 51, 24)
-KERNELS(q4_k, 4, 144)
-KERNELS(q5_k, 5, 176)
-KERNELS(q6_k, 6, 210)
+KERNELS(f32, F32, 4)
+KERNELS(f16, F16, 2)
+KERNELS(bf16, BF16, 2)
+KERNELS(q8_0, Q8_0, 34)
+KERNELS(q4_0, Q4_0, 18)
+KERNELS(q4_1, Q4_1, 20)
+KERNELS(q5_0, Q5_0, 22)
+KERNELS(q5_1, Q5_1, 24)
+KERNELS(iq4_nl, IQ4_NL, 18)
+KERNELS(mxfp4, MXFP4, 17)
+KERNELS(q2_k, Q2_K, 84)
+KERNELS(q3_k, Q3_K, 110)
+KERNELS(q4_k, Q4_K, 144)
+KERNELS(q5_k, Q5_K, 176)
+KERNELS(q6_k, Q6_K, 210)
+KERNELS(iq4_xs, IQ4_XS, 136)
+KERNELS(iq3_xxs, IQ3_XXS, 98)

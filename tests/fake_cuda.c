@@ -4,7 +4,8 @@
  * The twins are an independent C rendering of what kernels.cu computes (one warp per row,
  * lane = unit % 32, the shfl.down butterfly emulated lane by lane; the experts' gate/up/down
  * and the activation quantisers likewise), not a call into coli, so comparing them with
- * coli's CPU path means something. A launch computes only what its grid covers, so a grid
+ * coli's CPU path means something. The formats' tables (IQ4_NL, MXFP4, IQ3_XXS) are the
+ * kernels' own, read out of the PTX. A launch computes only what its grid covers, so a grid
  * too small in coli shows as wrong results.
  *
  * Settings (environment, read at cuInit; the fake's own knobs, never read by coli):
@@ -149,6 +150,23 @@ API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (cons
 
 /* ---- the kernels' C twins ---- */
 
+/* The weight formats by their GGUF type ids (coli.c's enum gguf_type), which key the twins. */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+       Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39 };
+
+/* Bytes per block of the block formats (0: a float format). */
+static const int block_bytes[40] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34, [IQ4_NL] = 18,
+                                    [MXFP4] = 17, [Q2_K] = 84, [Q3_K] = 110, [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210,
+                                    [IQ4_XS] = 136, [IQ3_XXS] = 98};
+
+/* The formats' tables (IQ4_NL's int8 grid, MXFP4's doubled E2M1 values, IQ3_XXS's lattice keys
+ * and levels), read out of the module's PTX at load: they are data of the formats, which
+ * kernels.cu holds as __constant__ arrays and coli's CPU as its own, so comparing the products
+ * checks the numbers kernels.ptx carries, where a copy here would only check itself. */
+static int8_t iq4nl_values[16], mxfp4_values[16];
+static uint16_t iq3xxs_keys[256]; /* little-endian in the PTX's bytes, as on the host */
+static uint8_t iq3_levels[8];
+
 static float f16(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
 static float bf16(const uint8_t *p) { uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16; float f; memcpy(&f, &u, 4); return f; }
 static float ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
@@ -171,13 +189,19 @@ static float unit_float(int kind, const uint8_t *w, const float *x, int i)
     return wv * x[i];
 }
 
-/* Legacy 32-block B of a row against act (qs | d | s | sd). */
+/* 32-block B of a row against act (qs | d | s | sd). IQ4_NL and MXFP4: element j is table
+ * entry nibble j / 16 of byte j % 16; MXFP4's scale 2^(e-128) is its E8M0 byte halved, as its
+ * table is doubled. */
 static float unit_legacy(int type, const uint8_t *blk, const int8_t *qx, float dx, float sd)
 {
-    int has_min = type == 3 || type == 7, five = type == 6 || type == 7, isum = 0;
-    float dw = f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
-    if (type == 8) {
+    int has_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1, isum = 0;
+    float dw = type == MXFP4 ? ldexpf(1.0f, blk[0] - 128) : f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
+    if (type == Q8_0) {
         for (int j = 0; j < 32; j++) isum += (int8_t)blk[2 + j] * qx[j];
+    } else if (type == IQ4_NL || type == MXFP4) {
+        const int8_t *v = type == MXFP4 ? mxfp4_values : iq4nl_values;
+        const uint8_t *qs = blk + (type == MXFP4 ? 1 : 2);
+        for (int j = 0; j < 32; j++) isum += v[j < 16 ? qs[j] & 15 : qs[j - 16] >> 4] * qx[j];
     } else {
         uint32_t qh = 0;
         if (five) memcpy(&qh, blk + 2 + 2 * has_min, 4);
@@ -238,24 +262,94 @@ static float unit_q6k(const uint8_t *b, const int8_t *qx, float dx)
     return (f16(b + 208) * dx) * (float)sumi;
 }
 
+/* Q2_K (scales | qs | d | dmin) and Q3_K (hmask | qs | scales | d): element e = 128h + 32k + l
+ * is bits 2k..2k+1 of qs[32h + l], for Q3_K 4 less where bit 4h + k of hmask[l] is clear. Per 16
+ * elements g: Q2_K's scale and min are the nibbles of byte g; Q3_K's signed scale is 4 bits
+ * (nibble g / 8 of byte g % 8) and 2 more (bits 2(g / 4) of byte 8 + g % 4) of its 12, less 32. */
+static float unit_q23k(int type, const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx)
+{
+    int three = type == Q3_K, sumi = 0, summ = 0;
+    const uint8_t *qs = b + (three ? 32 : 16), *sc12 = b + 96;
+    for (int g = 0; g < 16; g++) {
+        int s = 0, sc;
+        for (int t = 0; t < 16; t++) {
+            int e = 16 * g + t, h = e / 128, k = e % 128 / 32, l = e % 32;
+            int q = (qs[32 * h + l] >> (2 * k)) & 3;
+            if (three && !((b[l] >> (4 * h + k)) & 1)) q -= 4;
+            s += q * qx[e];
+        }
+        if (three) {
+            sc = (((g < 8 ? sc12[g] : sc12[g - 8] >> 4) & 15) | ((sc12[8 + g % 4] >> (2 * (g / 4))) & 3) << 4) - 32;
+        } else {
+            sc = b[g] & 15;
+            summ += (b[g] >> 4) * bs[g];
+        }
+        sumi += sc * s;
+    }
+    float r = (f16(b + (three ? 108 : 80)) * dx) * (float)sumi;
+    return three ? r : r - (f16(b + 82) * dx) * (float)summ;
+}
+
+/* IQ4_XS (d | scales_h | scales_l[4] | qs[128]): element j of 32-block ib is the IQ4_NL entry
+ * of nibble j / 16 of qs[16ib + j % 16]; its scale 4 bits of scales_l (nibble ib % 2 of byte
+ * ib / 2) and 2 of scales_h, less 32. IQ3_XXS (d | qs[64] | 8 words): element j is coordinate
+ * j % 4 of lattice point qs[8ib + j / 4] (a level index in 3 bits of its key), negative where
+ * bit j % 8 of the 8-bit sign (7 from the word, bits 7(j / 8) on, and their parity) is set; the
+ * scale is 2s + 1 (s: the word's top 4 bits), and the block's result is taken times 0.25. */
+static float unit_iq(int type, const uint8_t *b, const int8_t *qx, float dx)
+{
+    int sumi = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        int s = 0, sc;
+        uint32_t word = 0;
+        if (type == IQ3_XXS) memcpy(&word, b + 66 + 4 * ib, 4);
+        for (int j = 0; j < 32; j++) {
+            int v;
+            if (type == IQ4_XS) {
+                int byte = b[8 + 16 * ib + j % 16];
+                v = iq4nl_values[j < 16 ? byte & 15 : byte >> 4];
+            } else {
+                unsigned bits = (word >> (7 * (j / 8))) & 127, sign = j % 8 == 7 ? __builtin_parity(bits) : (bits >> (j % 8)) & 1;
+                v = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
+                if (sign) v = -v;
+            }
+            s += v * qx[32 * ib + j];
+        }
+        if (type == IQ4_XS) {
+            int low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 15, high = ((b[2] | b[3] << 8) >> (2 * ib)) & 3;
+            sc = (low | high << 4) - 32;
+        } else {
+            sc = 2 * (int)(word >> 28) + 1;
+        }
+        sumi += sc * s;
+    }
+    float r = (f16(b) * dx) * (float)sumi;
+    return type == IQ3_XXS ? r * 0.25f : r;
+}
+
 /* One row of any format: each lane sums its units, then the warp reduces. */
 static float twin_row(int type, const uint8_t *wr, const uint8_t *a, int cols)
 {
     float lane[32] = {0};
-    if (type == 0 || type == 1 || type == 30) {
-        for (int i = 0; i < cols; i++) lane[i % 32] = lane[i % 32] + unit_float(type == 0 ? 0 : type == 1 ? 1 : 2, wr, (const float *)a, i);
-    } else if (type >= 2 && type <= 8) {
-        int nb = cols / 32, bb = type == 8 ? 34 : type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : 24;
+    int bb = block_bytes[type];
+    if (!bb) {
+        for (int i = 0; i < cols; i++) lane[i % 32] = lane[i % 32] + unit_float(type == F32 ? 0 : type == F16 ? 1 : 2, wr, (const float *)a, i);
+    } else if (type <= Q8_0 || type == IQ4_NL || type == MXFP4) {
+        int nb = cols / 32;
         const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
         for (int u = 0; u < nb; u++)
             lane[u % 32] = lane[u % 32] + unit_legacy(type, wr + u * bb, (const int8_t *)a + 32 * u, d[u], sd[u]);
     } else {
-        int nb = cols / 256, bb = type == 12 ? 144 : type == 13 ? 176 : 210;
+        int nb = cols / 256;
         const float *d = (const float *)(a + cols);
         const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
         for (int u = 0; u < nb; u++) {
+            const uint8_t *b = wr + u * bb;
             const int8_t *qx = (const int8_t *)a + 256 * u;
-            float r = type == 14 ? unit_q6k(wr + u * bb, qx, d[u]) : unit_q45k(type == 13, wr + u * bb, qx, bs + 16 * u, d[u]);
+            float r = type == Q6_K ? unit_q6k(b, qx, d[u])
+                    : type == Q4_K || type == Q5_K ? unit_q45k(type == Q5_K, b, qx, bs + 16 * u, d[u])
+                    : type == Q2_K || type == Q3_K ? unit_q23k(type, b, qx, bs + 16 * u, d[u])
+                    : unit_iq(type, b, qx, d[u]);
             lane[u % 32] = lane[u % 32] + r;
         }
     }
@@ -442,9 +536,10 @@ static void run_quantize(int kind, void **p, struct grid g)
 typedef void (*launch_fn)(int arg, void **p, struct grid g);
 #define FORMAT(t, type) {"matvec_" t, type, run_matvec}, {"moe_gate_up_" t, type, run_gate_up}, {"moe_down_" t, type, run_down}
 static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
-    FORMAT("f32", 0), FORMAT("f16", 1), FORMAT("bf16", 30), FORMAT("q8_0", 8), FORMAT("q4_0", 2),
-    FORMAT("q4_1", 3), FORMAT("q5_0", 6), FORMAT("q5_1", 7), FORMAT("q4_k", 12), FORMAT("q5_k", 13),
-    FORMAT("q6_k", 14),
+    FORMAT("f32", F32), FORMAT("f16", F16), FORMAT("bf16", BF16), FORMAT("q8_0", Q8_0), FORMAT("q4_0", Q4_0),
+    FORMAT("q4_1", Q4_1), FORMAT("q5_0", Q5_0), FORMAT("q5_1", Q5_1), FORMAT("iq4_nl", IQ4_NL), FORMAT("mxfp4", MXFP4),
+    FORMAT("q2_k", Q2_K), FORMAT("q3_k", Q3_K), FORMAT("q4_k", Q4_K), FORMAT("q5_k", Q5_K), FORMAT("q6_k", Q6_K),
+    FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS),
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize},
 };
@@ -453,7 +548,26 @@ struct module { int has[N_KERNELS]; };
 struct func { int k; };
 static struct func funcs[N_KERNELS];
 
-/* Accepts PTX text naming at least one of coli's kernels in a `.entry NAME(` line. */
+/* Copies the N bytes of the PTX line `.const .align A .b8 NAME[N] = {b0, b1, ...};` to OUT.
+ * Returns 0, or -1 where PTX has no such table. */
+static int ptx_table(const char *ptx, const char *name, void *out, int n)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, ".b8 %s[%d] = {", name, n);
+    const char *p = strstr(ptx, pat);
+    if (!p) return -1;
+    p += strlen(pat);
+    for (int i = 0; i < n; i++) {
+        char *end;
+        ((uint8_t *)out)[i] = (uint8_t)strtoul(p, &end, 10);
+        if (end == p) return -1;
+        p = end + strspn(end, ", ");
+    }
+    return 0;
+}
+
+/* Accepts PTX text naming at least one of coli's kernels in a `.entry NAME(` line and holding
+ * the formats' tables the twins read. */
 API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals)
 {
     const char *ptx = image;
@@ -467,6 +581,9 @@ API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *
     }
     for (unsigned i = 0; i < n; i++) /* option 5: the error log buffer, 6 its size */
         if (opts[i] == 5 && fail_module) snprintf(vals[i], 64, "ptxas fatal : fake JIT refuses (error %d)", fail_module);
+    if (ptx_table(ptx, "iq4nl_values", iq4nl_values, 16) || ptx_table(ptx, "mxfp4_values", mxfp4_values, 16) ||
+        ptx_table(ptx, "iq3xxs_keys", iq3xxs_keys, 512) || ptx_table(ptx, "iq3_levels", iq3_levels, 8))
+        found = 0;
     if (fail_module || !found) {
         free(m);
         return fail_module ? fail_module : 218;

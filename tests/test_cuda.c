@@ -12,7 +12,9 @@ static uint64_t rng = 0x243f6a8885a308d3ULL;
 static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
 
 static const enum gguf_type types[] = {GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0,
-                                       GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K};
+                                       GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4,
+                                       GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K,
+                                       GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS};
 
 /* A random ROWS x COLS matrix of TYPE with finite modest scales (quant_sanitize_random). */
 static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_t cols)
@@ -225,6 +227,7 @@ static void test_experts(int quick, int real)
     check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 8, 0, 0);   /* the usual Q4_K_M mix */
     check_experts(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 256, 128, 4, !real, 0);
     check_experts(GGUF_TYPE_F16, GGUF_TYPE_BF16, 64, 96, 3, 0, 0);
+    check_experts(GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ4_NL, 512, 96, 4, !real, 0); /* down rows not of 256: the reference's fallback, Q8 act on the device */
     check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 512, 512, 4, !real, 1);
     if (real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 16, 0, 0); /* the 35B-A3B's shapes */
 }
