@@ -141,11 +141,30 @@ tokens "the device fails while an expert is uploaded in the background: the CPU 
     $m LD_LIBRARY_PATH="$B/fake" HEAT_FILE="$tmp/retier-heat" COLI_PLACE=off FAKE_CUDA_FAIL=query:2 -- --vram 40K
 m=q35moe-f32.gguf
 COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
-tokens "two unequal devices (0: fast, 1 MiB; 1: slow, 7 GiB): the trunk on the fast one, the experts on the roomy one" \
-    '^\[probe\] expected per token: .* -> trunk on cuda 0, experts on cuda 1$' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 \
-    FAKE_CUDA_VRAM_MB=1024,8192 FAKE_CUDA_FREE_MB=257,7680 FAKE_CUDA_GBPS=1000,50 FAKE_CUDA_COPY_US=0.5
-has "... lm_head there" '^\[place\] lmhead: 1 matrix, .* -> cuda 0: 1 ' "$tmp/e"
-has "... every expert on the other" '^\[place\] experts: 32 of 32, .* -> cuda 1: 32 ' "$tmp/e"
+tokens "two unequal devices (0: fast, 1 MiB; 1: slow, 7 GiB): a split is priced, the same tokens" \
+    '^\[probe\] expected per token: mixed by room [0-9.]+ ms, .* -> ' $m LD_LIBRARY_PATH="$B/fake" \
+    FAKE_CUDA_DEVICES=2 FAKE_CUDA_VRAM_MB=1024,8192 FAKE_CUDA_FREE_MB=257,7680 FAKE_CUDA_GBPS=1000,50 FAKE_CUDA_COPY_US=0.5
+# Which candidate wins depends on the CPU's measured speed (this model's matrices sit in its
+# cache, at 50-120 GB/s on these machines, near the slow device's), so the run is checked against
+# the rule on its own figures; test_cuda's unit test checks the choice on fixed figures.
+if why=$(python3 - "$tmp/e" <<'PY'
+import re, sys
+log = open(sys.argv[1]).read()
+line = re.search(r"^\[probe\] expected per token: (.*) -> (.*)$", log, re.M)
+times = {name: float(ms) for name, ms in re.findall(r"(mixed by room|all on cuda \d|trunk on cuda \d and experts on cuda \d) ([0-9.]+) ms", line.group(1))}
+best = min((t, n) for n, t in times.items() if n != "mixed by room")
+want = best[1] if best[0] < times["mixed by room"] * 0.95 else "mixed by room"
+want = re.sub(r"trunk on cuda (\d) and experts on cuda (\d)", r"trunk on cuda \1, experts on cuda \2", want)
+if line.group(2) != want: sys.exit(f"chose '{line.group(2)}', the figures say '{want}'")
+split = re.match(r"(?:all on cuda (\d))|(?:trunk on cuda (\d), experts on cuda (\d))", want)
+if split:
+    trunk = split.group(1) or split.group(2)
+    experts = split.group(1) or split.group(3)
+    if not re.search(rf"^\[place\] lmhead: .* -> cuda {trunk}: 1 ", log, re.M): sys.exit(f"lm_head not on cuda {trunk}")
+    if not re.search(rf"^\[place\] experts: .* -> cuda {experts}: [1-9]", log, re.M): sys.exit(f"no expert on cuda {experts}")
+PY
+); then ok "... the choice is the fastest candidate's (by 5% over mixed), and lm_head and the experts are where it says"
+else bad "... the choice follows its own figures" "$why"; fi
 m=q35moe-q8_0.gguf
 tokens "every run says the prices that decided" \
     '^\[place\] prices: every expert in memory; last expert placed: p [0-9.]+, value [0-9.]+; first kept on the CPU: none$' $m LD_LIBRARY_PATH="$B/fake"
