@@ -3465,6 +3465,81 @@ static void ops_softmax(float *x, int n)
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
+/* ---- attention scores ----
+ * out[p] = (q . k_p) * scale for N key rows STRIDE floats apart, each dot over HD floats in one
+ * canonical order at every level: element i into partial i % 16, then the butterfly p[j] +
+ * p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector units idle at one
+ * add per 4 cycles: at 8k tokens of context the scores were most of a decoded token. The SIMD
+ * versions hold the 16 partials in registers, 4 key rows at a time (independent chains). */
+#define OPS_SCORE_PARTS 16
+
+static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
+{
+    for (int i = from; i < hd; i++) part[i % OPS_SCORE_PARTS] = part[i % OPS_SCORE_PARTS] + q[i] * k[i];
+    for (int s = OPS_SCORE_PARTS / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
+    return part[0] * scale;
+}
+
+static void ops_scores_scalar(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+{
+    for (int p = 0; p < n; p++) {
+        float part[OPS_SCORE_PARTS] = {0};
+        out[p] = ops_score_finish(part, q, k + (size_t)p * stride, 0, hd, scale);
+    }
+}
+
+static QUANT_AVX2 void ops_scores_avx2(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+{
+    const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
+    for (int p = 0; p < n; p += 4) {
+        const int rows = n - p < 4 ? n - p : 4;
+        __m256 lo[4], hi[4];
+        for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
+            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+            for (int r = 0; r < rows; r++) {
+                const float *kr = k + (size_t)(p + r) * stride + i;
+                lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(q0, _mm256_loadu_ps(kr)));
+                hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(q1, _mm256_loadu_ps(kr + 8)));
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float part[OPS_SCORE_PARTS];
+            _mm256_storeu_ps(part, lo[r]);
+            _mm256_storeu_ps(part + 8, hi[r]);
+            out[p + r] = ops_score_finish(part, q, k + (size_t)(p + r) * stride, body, hd, scale);
+        }
+    }
+}
+
+static QUANT_AVX512 void ops_scores_avx512(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+{
+    const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
+    for (int p = 0; p < n; p += 4) {
+        const int rows = n - p < 4 ? n - p : 4;
+        __m512 acc[4];
+        for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+        for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
+            const __m512 qv = _mm512_loadu_ps(q + i);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(qv, _mm512_loadu_ps(k + (size_t)(p + r) * stride + i)));
+        }
+        for (int r = 0; r < rows; r++) {
+            float part[OPS_SCORE_PARTS];
+            _mm512_storeu_ps(part, acc[r]);
+            out[p + r] = ops_score_finish(part, q, k + (size_t)(p + r) * stride, body, hd, scale);
+        }
+    }
+}
+
+static void ops_scores(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+{
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, k, stride, n, hd, scale, out);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, k, stride, n, hd, scale, out);
+    else ops_scores_scalar(q, k, stride, n, hd, scale, out);
+}
+
 /* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
  * j + ROT/2. cos_sin holds [ROT/2] cosines then [ROT/2] sines for this position. */
 static void ops_rope_neox(float *x, int rot, const float *cos_sin)
@@ -7369,12 +7444,7 @@ static void model_attention(struct model *m, int il, int T)
             const float *q = s->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
             float *o = s->attn + ((size_t)t * nh + h) * hd;
             int n = s->tok_pos[t] + 1;
-            for (int p = 0; p < n; p++) {
-                const float *k = kc + (size_t)p * kvw;
-                float dot = 0.0f;
-                for (int i = 0; i < hd; i++) dot += q[i] * k[i];
-                sc[p] = dot * scale;
-            }
+            ops_scores(q, kc, (size_t)kvw, n, hd, scale, sc);
             ops_softmax(sc, n);
             memset(o, 0, (size_t)hd * sizeof(float));
             for (int p = 0; p < n; p++) {

@@ -751,6 +751,43 @@ static void test_act_levels(void) {
 }
 
 /* ---- ops_matvec / ops_matmat ---- */
+/* The attention scores: every level gives the scalar bits, for head sizes with and without a
+ * tail past the 16 partials and key counts around the 4-row groups; and the order is the
+ * documented one (16 partials, then the butterfly), checked against a rendering of its own. */
+static void test_scores(void) {
+    static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, ns[] = { 1, 3, 4, 5, 9 };
+    const size_t stride = 300;
+    float *q = plat_alloc(256 * sizeof(float)), *k = plat_alloc(9 * stride * sizeof(float));
+    float ref[9], got[9];
+    int bad = 0, bad_order = 0;
+    char why[200] = "";
+    for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
+        for (size_t c = 0; c < sizeof ns / sizeof *ns; c++) {
+            fill_x(q, 256, X_RANDOM);
+            fill_x(k, 9 * (int64_t)stride, X_RANDOM);
+            quant_set_level(QUANT_LEVEL_SCALAR);
+            ops_scores(q, k, stride, ns[c], hds[h], 0.125f, ref);
+            for (int p = 0; p < ns[c]; p++) {
+                float part[16] = {0};
+                for (int i = 0; i < hds[h]; i++) part[i % 16] += q[i] * k[(size_t)p * stride + i];
+                for (int j = 0; j < 8; j++) part[j] += part[j + 8];
+                for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+                for (int j = 0; j < 2; j++) part[j] += part[j + 2];
+                const float want = (part[0] + part[1]) * 0.125f;
+                bad_order += memcmp(&want, &ref[p], 4) != 0;
+            }
+            for (int l = QUANT_LEVEL_AVX2; l <= max_level; l++) {
+                quant_set_level(l);
+                ops_scores(q, k, stride, ns[c], hds[h], 0.125f, got);
+                if (memcmp(got, ref, (size_t)ns[c] * sizeof *got) && !bad++)
+                    snprintf(why, sizeof why, "head size %d, %d keys: %s differs", hds[h], ns[c], quant_level_names[l]);
+            }
+        }
+    check(!bad_order, "attention scores: 16 strided partials, then the butterfly", "%d scores differ", bad_order);
+    check(!bad, "attention scores: every level gives the scalar bits", "%s", why);
+    free(q); free(k);
+}
+
 static void test_ops(void) {
     quant_set_level(max_level);
     const int rows = 37, ncol = 5;
@@ -913,6 +950,7 @@ int main(int argc, char **argv) {
     test_matvec_rows();
     test_scalar_vs_double();
     test_ops();
+    test_scores();
     test_matmat_columns();
     free(ops_act_buf);
     return check_done();
