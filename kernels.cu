@@ -6,8 +6,9 @@
 //
 // Bit-identical to the CPU (coli.c §3): every product follows the canonical order. Unit u of a
 // row (an element for F32/F16/BF16, a 32-block for Q8_0..Q5_1, IQ4_NL and MXFP4, a
-// 256-super-block for the K formats, IQ4_XS and IQ3_XXS) is added into lane u % 32's partial, in
-// increasing u; then the butterfly s = 16, 8, 4, 2, 1, p[i] = p[i] + p[i + s], is shfl.down.
+// 256-super-block for the K formats, IQ4_XS, IQ3_XXS and IQ3_S) is added into lane u % 32's
+// partial, in increasing u; then the butterfly s = 16, 8, 4, 2, 1, p[i] = p[i] + p[i + s], is
+// shfl.down.
 // Integer parts are exact, and each unit's float combine is the CPU's expression, operation for
 // operation. nvcc runs with -fmad=false so that no multiply-add is fused (the CPU is built with
 // -ffp-contract=off); fp16 -> f32 is exact.
@@ -24,7 +25,8 @@
 // are keyed by the same numbers).
 enum wtype {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
-    Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
+    Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ4_XS = 23, BF16 = 30,
+    MXFP4 = 39
 };
 
 __device__ __forceinline__ bool float_format(int t) { return t == F32 || t == F16 || t == BF16; }
@@ -68,6 +70,44 @@ __constant__ uint16_t iq3xxs_keys[256] = {
     3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
 };
 __constant__ uint8_t iq3_levels[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+
+// IQ3_S: the 512 grid points as coli.c lists them (quant_iq3s_keys: (v-1)/2 of coordinate j in
+// bits 3j..3j+2, v in {1,3,..,15}), decoded per weight as IQ3_XXS's keys are, for the same
+// reason: the list reads against coli.c's line for line, and the fake driver reads it back.
+__constant__ uint16_t iq3s_keys[512] = {
+    0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
+    37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
+    80, 83, 87, 89, 93, 100, 113, 117, 122, 128, 129, 133, 135, 136, 139, 142,
+    145, 149, 152, 156, 162, 165, 167, 169, 171, 184, 187, 195, 201, 205, 208, 210,
+    217, 219, 222, 228, 232, 234, 247, 249, 253, 256, 267, 271, 273, 276, 282, 288,
+    291, 297, 312, 322, 324, 336, 338, 342, 347, 353, 357, 359, 374, 379, 390, 393,
+    395, 409, 426, 441, 448, 450, 452, 464, 466, 470, 475, 488, 492, 512, 513, 514,
+    516, 520, 521, 523, 525, 527, 528, 530, 537, 540, 542, 556, 558, 561, 570, 576,
+    577, 579, 582, 584, 588, 593, 600, 603, 609, 616, 618, 632, 638, 640, 650, 653,
+    655, 656, 660, 666, 672, 675, 685, 688, 698, 705, 708, 711, 712, 715, 721, 727,
+    728, 732, 737, 754, 760, 771, 773, 778, 780, 793, 795, 802, 806, 808, 812, 833,
+    840, 843, 849, 856, 858, 873, 912, 916, 919, 932, 934, 961, 963, 968, 970, 977,
+    989, 993, 1010, 1016, 1024, 1025, 1027, 1029, 1031, 1032, 1034, 1036, 1038, 1041, 1043, 1047,
+    1048, 1050, 1057, 1059, 1061, 1064, 1066, 1079, 1080, 1083, 1085, 1088, 1090, 1096, 1099, 1103,
+    1106, 1109, 1113, 1116, 1122, 1129, 1153, 1156, 1159, 1169, 1171, 1176, 1183, 1185, 1195, 1199,
+    1209, 1212, 1216, 1218, 1221, 1225, 1234, 1236, 1241, 1243, 1250, 1256, 1270, 1281, 1287, 1296,
+    1299, 1306, 1309, 1313, 1338, 1341, 1348, 1353, 1362, 1375, 1376, 1387, 1400, 1408, 1410, 1415,
+    1425, 1453, 1457, 1477, 1481, 1494, 1496, 1507, 1512, 1538, 1545, 1547, 1549, 1551, 1554, 1561,
+    1563, 1565, 1570, 1572, 1575, 1577, 1587, 1593, 1601, 1603, 1605, 1612, 1617, 1619, 1632, 1648,
+    1658, 1662, 1664, 1674, 1680, 1690, 1692, 1704, 1729, 1736, 1740, 1745, 1747, 1751, 1752, 1761,
+    1763, 1767, 1773, 1787, 1795, 1801, 1806, 1810, 1817, 1834, 1840, 1844, 1857, 1864, 1866, 1877,
+    1882, 1892, 1902, 1915, 1934, 1953, 1985, 1987, 2000, 2002, 2013, 2048, 2052, 2058, 2064, 2068,
+    2071, 2074, 2081, 2088, 2104, 2114, 2119, 2121, 2123, 2130, 2136, 2141, 2147, 2153, 2157, 2177,
+    2179, 2184, 2189, 2193, 2203, 2208, 2223, 2226, 2232, 2244, 2249, 2251, 2256, 2258, 2265, 2269,
+    2304, 2306, 2324, 2335, 2336, 2361, 2373, 2375, 2385, 2418, 2443, 2460, 2480, 2504, 2509, 2520,
+    2531, 2537, 2562, 2568, 2572, 2578, 2592, 2596, 2599, 2602, 2614, 2620, 2625, 2627, 2629, 2634,
+    2641, 2650, 2682, 2688, 2697, 2707, 2712, 2718, 2731, 2754, 2759, 2760, 2775, 2788, 2793, 2805,
+    2811, 2817, 2820, 2832, 2842, 2854, 2890, 2902, 2921, 2923, 2978, 3010, 3012, 3026, 3081, 3083,
+    3085, 3097, 3099, 3120, 3136, 3152, 3159, 3188, 3210, 3228, 3234, 3245, 3250, 3256, 3264, 3276,
+    3281, 3296, 3349, 3363, 3378, 3392, 3395, 3420, 3440, 3461, 3488, 3529, 3531, 3584, 3588, 3591,
+    3600, 3602, 3614, 3616, 3628, 3634, 3650, 3657, 3668, 3683, 3685, 3713, 3716, 3720, 3726, 3729,
+    3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
+};
 
 // ---- scalars of the blocks ----
 
@@ -233,7 +273,10 @@ __device__ __forceinline__ float q23k_unit(const uint8_t *b, const int8_t *qx, c
 // with a 6-bit scale less 32. IQ3_XXS (d | qs[64] | 8 words): 32-block ib's 8 bytes of qs pick a
 // lattice point each for 4 weights; its word holds 4 x 7 sign bits (weights 8l..8l+7 take bits
 // 7l..7l+6, the eighth sign makes the count of minus signs even) and on top the 4-bit s of
-// d*(0.5+s)*0.5 = (d/4)*(2s+1). (d*dx)*(float)isum, for IQ3_XXS then times 0.25 as the CPU.
+// d*(0.5+s)*0.5 = (d/4)*(2s+1). IQ3_S (d | qs[64] | qh[8] | signs[32] | scales[4]): group k of
+// 32-block ib is grid point qs[8ib + k] | bit k of qh[ib] as bit 8; weight j's sign is bit j % 8
+// of signs[4ib + j / 8]; the scale is d*(2s+1), s nibble ib % 2 of scales[ib / 2].
+// (d*dx)*(float)isum, for IQ3_XXS then times 0.25 as the CPU.
 template <int T>
 __device__ __forceinline__ float iq_unit(const uint8_t *b, const int8_t *qx, float dx) {
     int sumi = 0;
@@ -244,6 +287,15 @@ __device__ __forceinline__ float iq_unit(const uint8_t *b, const int8_t *qx, flo
             const uint8_t *qs = b + 8 + 16 * ib;
             for (int j = 0; j < 16; j++) s = imad(iq4nl_values[qs[j] >> 4], x[j + 16], imad(iq4nl_values[qs[j] & 0xF], x[j], s));
             scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
+        } else if (T == IQ3_S) {
+            const uint8_t *qs = b + 2 + 8 * ib, *signs = b + 74 + 4 * ib;
+            const unsigned qh = b[66 + ib];
+            for (int j = 0; j < 32; j++) {
+                const unsigned key = iq3s_keys[qs[j / 4] | ((qh >> (j / 4)) & 1) << 8];
+                const int level = 2 * (int)((key >> (3 * (j % 4))) & 7) + 1;
+                s = imad((signs[j / 8] >> (j % 8)) & 1 ? -level : level, x[j], s);
+            }
+            scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
         } else {
             const unsigned aux = le32(b + 66 + 4 * ib);
             for (int j = 0; j < 32; j++) {
@@ -469,3 +521,4 @@ KERNELS(q5_k, Q5_K, 176)
 KERNELS(q6_k, Q6_K, 210)
 KERNELS(iq4_xs, IQ4_XS, 136)
 KERNELS(iq3_xxs, IQ3_XXS, 98)
+KERNELS(iq3_s, IQ3_S, 110)

@@ -4,8 +4,8 @@
  * The twins are an independent C rendering of what kernels.cu computes (one warp per row,
  * lane = unit % 32, the shfl.down butterfly emulated lane by lane; the experts' gate/up/down
  * and the activation quantisers likewise), not a call into coli, so comparing them with
- * coli's CPU path means something. The formats' tables (IQ4_NL, MXFP4, IQ3_XXS) are the
- * kernels' own, read out of the PTX. A launch computes only what its grid covers, so a grid
+ * coli's CPU path means something. The formats' tables (IQ4_NL, MXFP4, IQ3_XXS, IQ3_S) are
+ * the kernels' own, read out of the PTX. A launch computes only what its grid covers, so a grid
  * too small in coli shows as wrong results.
  *
  * Settings (environment, read at cuInit; the fake's own knobs, never read by coli):
@@ -152,19 +152,19 @@ API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (cons
 
 /* The weight formats by their GGUF type ids (coli.c's enum gguf_type), which key the twins. */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-       Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39 };
+       Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ4_XS = 23, BF16 = 30, MXFP4 = 39 };
 
 /* Bytes per block of the block formats (0: a float format). */
 static const int block_bytes[40] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34, [IQ4_NL] = 18,
                                     [MXFP4] = 17, [Q2_K] = 84, [Q3_K] = 110, [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210,
-                                    [IQ4_XS] = 136, [IQ3_XXS] = 98};
+                                    [IQ4_XS] = 136, [IQ3_XXS] = 98, [IQ3_S] = 110};
 
 /* The formats' tables (IQ4_NL's int8 grid, MXFP4's doubled E2M1 values, IQ3_XXS's lattice keys
- * and levels), read out of the module's PTX at load: they are data of the formats, which
- * kernels.cu holds as __constant__ arrays and coli's CPU as its own, so comparing the products
- * checks the numbers kernels.ptx carries, where a copy here would only check itself. */
+ * and levels, IQ3_S's grid keys), read out of the module's PTX at load: they are data of the
+ * formats, which kernels.cu holds as __constant__ arrays and coli's CPU as its own, so comparing
+ * the products checks the numbers kernels.ptx carries, where a copy here would only check itself. */
 static int8_t iq4nl_values[16], mxfp4_values[16];
-static uint16_t iq3xxs_keys[256]; /* little-endian in the PTX's bytes, as on the host */
+static uint16_t iq3xxs_keys[256], iq3s_keys[512]; /* little-endian in the PTX's bytes, as on the host */
 static uint8_t iq3_levels[8];
 
 static float f16(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
@@ -295,7 +295,11 @@ static float unit_q23k(int type, const uint8_t *b, const int8_t *qx, const int16
  * ib / 2) and 2 of scales_h, less 32. IQ3_XXS (d | qs[64] | 8 words): element j is coordinate
  * j % 4 of lattice point qs[8ib + j / 4] (a level index in 3 bits of its key), negative where
  * bit j % 8 of the 8-bit sign (7 from the word, bits 7(j / 8) on, and their parity) is set; the
- * scale is 2s + 1 (s: the word's top 4 bits), and the block's result is taken times 0.25. */
+ * scale is 2s + 1 (s: the word's top 4 bits), and the block's result is taken times 0.25.
+ * IQ3_S (d | qs[64] | qh[8] | signs[32] | scales[4]): element j is 2c + 1, c coordinate j % 4
+ * (3 bits of the key) of grid point qs[8ib + j / 4] + 256 * (bit j / 4 of qh[ib]), negative
+ * where bit j % 8 of signs[4ib + j / 8] is set; the scale is 2s + 1, s the nibble ib % 2 of
+ * scales[ib / 2]. */
 static float unit_iq(int type, const uint8_t *b, const int8_t *qx, float dx)
 {
     int sumi = 0;
@@ -308,6 +312,10 @@ static float unit_iq(int type, const uint8_t *b, const int8_t *qx, float dx)
             if (type == IQ4_XS) {
                 int byte = b[8 + 16 * ib + j % 16];
                 v = iq4nl_values[j < 16 ? byte & 15 : byte >> 4];
+            } else if (type == IQ3_S) {
+                int point = b[2 + 8 * ib + j / 4] + ((b[66 + ib] >> (j / 4)) & 1) * 256;
+                v = 2 * ((iq3s_keys[point] >> (3 * (j % 4))) & 7) + 1;
+                if ((b[74 + 4 * ib + j / 8] >> (j % 8)) & 1) v = -v;
             } else {
                 unsigned bits = (word >> (7 * (j / 8))) & 127, sign = j % 8 == 7 ? __builtin_parity(bits) : (bits >> (j % 8)) & 1;
                 v = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
@@ -318,6 +326,8 @@ static float unit_iq(int type, const uint8_t *b, const int8_t *qx, float dx)
         if (type == IQ4_XS) {
             int low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 15, high = ((b[2] | b[3] << 8) >> (2 * ib)) & 3;
             sc = (low | high << 4) - 32;
+        } else if (type == IQ3_S) {
+            sc = 2 * ((ib % 2 ? b[106 + ib / 2] >> 4 : b[106 + ib / 2]) & 15) + 1;
         } else {
             sc = 2 * (int)(word >> 28) + 1;
         }
@@ -539,7 +549,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     FORMAT("f32", F32), FORMAT("f16", F16), FORMAT("bf16", BF16), FORMAT("q8_0", Q8_0), FORMAT("q4_0", Q4_0),
     FORMAT("q4_1", Q4_1), FORMAT("q5_0", Q5_0), FORMAT("q5_1", Q5_1), FORMAT("iq4_nl", IQ4_NL), FORMAT("mxfp4", MXFP4),
     FORMAT("q2_k", Q2_K), FORMAT("q3_k", Q3_K), FORMAT("q4_k", Q4_K), FORMAT("q5_k", Q5_K), FORMAT("q6_k", Q6_K),
-    FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS),
+    FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS), FORMAT("iq3_s", IQ3_S),
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize},
 };
@@ -582,7 +592,8 @@ API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *
     for (unsigned i = 0; i < n; i++) /* option 5: the error log buffer, 6 its size */
         if (opts[i] == 5 && fail_module) snprintf(vals[i], 64, "ptxas fatal : fake JIT refuses (error %d)", fail_module);
     if (ptx_table(ptx, "iq4nl_values", iq4nl_values, 16) || ptx_table(ptx, "mxfp4_values", mxfp4_values, 16) ||
-        ptx_table(ptx, "iq3xxs_keys", iq3xxs_keys, 512) || ptx_table(ptx, "iq3_levels", iq3_levels, 8))
+        ptx_table(ptx, "iq3xxs_keys", iq3xxs_keys, 512) || ptx_table(ptx, "iq3_levels", iq3_levels, 8) ||
+        ptx_table(ptx, "iq3s_keys", iq3s_keys, 1024))
         found = 0;
     if (fail_module || !found) {
         free(m);

@@ -14,7 +14,7 @@ static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng <<
 static const enum gguf_type types[] = {GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0,
                                        GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4,
                                        GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K,
-                                       GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS};
+                                       GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S};
 
 /* A random ROWS x COLS matrix of TYPE with finite modest scales (quant_sanitize_random). */
 static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_t cols)

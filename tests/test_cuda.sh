@@ -66,10 +66,10 @@ tokens() {
     else ok "$label"; fi
 }
 # The other formats by one or two models per kind of unit (test_cuda checks every kernel alone):
-# MXFP4 for the 32-blocks; the Q3_K_M mix (Q3_K beside Q4_K..Q6_K and Q8_0) and IQ3_XXS for the
-# 256-super-blocks. ~2 s a model: everything runs in the fake's twins.
+# MXFP4 for the 32-blocks; the Q3_K_M mix (Q3_K beside Q4_K..Q6_K and Q8_0), IQ3_XXS and IQ3_S
+# for the 256-super-blocks. ~2 s a model: everything runs in the fake's twins.
 for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-f32.gguf q35moe-mxfp4.gguf q35moe-q3_k_m.gguf \
-    q35moe-iq3_xxs.gguf; do
+    q35moe-iq3_xxs.gguf q35moe-iq3_s.gguf; do
     COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
     tokens "$m: every trunk GEMV and routed expert on 1 fake device, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/fake"
 done
