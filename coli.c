@@ -1386,10 +1386,11 @@ static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_
 
 /* IQ3_S: each group of 4 weights is one of 512 points of {1,3,..,15}^4 (a 9-bit index: a qs
  * byte and a bit of qh), with a stored sign bit per weight. quant_iq3s_keys lists the points,
- * sorted, as 3-bit level indices ((v-1)/2 of coordinate j in bits 3j..3j+2), derived from the
- * golden files like IQ3_XXS's (tests/test_quant.c, test_iq3s_grid: the points the reference's
- * dequantisation shows, the rest from the quantizer's choices) and confirmed by the reference's
- * logits (same test). */
+ * sorted, as 3-bit level indices ((v-1)/2 of coordinate j in bits 3j..3j+2). Derived from the
+ * golden files: 235 points the reference's dequantisation shows, the rest from a likelihood of
+ * the quantizer's choices on the same weights. tests/test_quant.c (test_iq3s_grid) derives it
+ * again by least squares, which agrees but for 7 entries, and there the reference's logits
+ * choose this table's points. */
 static const uint16_t quant_iq3s_keys[512] = {
     0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
     37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
