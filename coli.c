@@ -3466,13 +3466,17 @@ static void ops_softmax(float *x, int n)
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
-/* ---- attention scores ----
- * out[p] = (q . k_p) * scale for N key rows STRIDE floats apart, each dot over HD floats in one
- * canonical order at every level: element i into partial i % 16, then the butterfly p[j] +
- * p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector units idle at one
- * add per 4 cycles: at 8k tokens of context the scores were most of a decoded token. The SIMD
- * versions hold the 16 partials in registers, 4 key rows at a time (independent chains). */
+/* ---- attention over the KV cache ----
+ * The heads of a GQA group read the same cached rows, and at long context those rows are the
+ * memory traffic of a token, so both passes take NQ heads at once and read each row once.
+ * Scores: out[j][p] = (q_j . k_p) * scale for N key rows STRIDE floats apart, each dot over HD
+ * floats in one canonical order at every level: element i into partial i % 16, then the
+ * butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector
+ * units idle at one add per 4 cycles. The SIMD versions hold each head's 16 partials in
+ * registers (independent chains across heads). Values: o_j[i] = o_j[i] + w_j[p] * v_p[i] in
+ * increasing p, element by element (the same operations at any width). */
 #define OPS_SCORE_PARTS 16
+#define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 
 static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
 {
@@ -3482,63 +3486,115 @@ static float ops_score_finish(float *part, const float *q, const float *k, int f
     return part[0] * scale;
 }
 
-static void ops_scores_scalar(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+static void ops_scores_scalar(const float *const *q, int nq, const float *k, size_t stride, int n, int hd, float scale,
+                              float *const *out)
 {
-    for (int p = 0; p < n; p++) {
-        float part[OPS_SCORE_PARTS] = {0};
-        out[p] = ops_score_finish(part, q, k + (size_t)p * stride, 0, hd, scale);
-    }
+    for (int p = 0; p < n; p++)
+        for (int j = 0; j < nq; j++) {
+            float part[OPS_SCORE_PARTS] = {0};
+            out[j][p] = ops_score_finish(part, q[j], k + (size_t)p * stride, 0, hd, scale);
+        }
 }
 
-static QUANT_AVX2 void ops_scores_avx2(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
+                                       float scale, float *const *out)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
-    for (int p = 0; p < n; p += 4) {
-        const int rows = n - p < 4 ? n - p : 4;
-        __m256 lo[4], hi[4];
-        for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
-        for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
-            for (int r = 0; r < rows; r++) {
-                const float *kr = k + (size_t)(p + r) * stride + i;
-                lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(q0, _mm256_loadu_ps(kr)));
-                hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(q1, _mm256_loadu_ps(kr + 8)));
+    for (int p = 0; p < n; p++) {
+        const float *kr = k + (size_t)p * stride;
+        for (int j0 = 0; j0 < nq; j0 += 4) { /* 4 heads: 8 accumulators of the 16 registers */
+            const int heads = nq - j0 < 4 ? nq - j0 : 4;
+            __m256 lo[4], hi[4];
+            for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+            for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
+                const __m256 k0 = _mm256_loadu_ps(kr + i), k1 = _mm256_loadu_ps(kr + i + 8);
+                for (int j = 0; j < heads; j++) {
+                    lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(_mm256_loadu_ps(q[j0 + j] + i), k0));
+                    hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(_mm256_loadu_ps(q[j0 + j] + i + 8), k1));
+                }
+            }
+            for (int j = 0; j < heads; j++) {
+                float part[OPS_SCORE_PARTS];
+                _mm256_storeu_ps(part, lo[j]);
+                _mm256_storeu_ps(part + 8, hi[j]);
+                out[j0 + j][p] = ops_score_finish(part, q[j0 + j], kr, body, hd, scale);
             }
         }
-        for (int r = 0; r < rows; r++) {
-            float part[OPS_SCORE_PARTS];
-            _mm256_storeu_ps(part, lo[r]);
-            _mm256_storeu_ps(part + 8, hi[r]);
-            out[p + r] = ops_score_finish(part, q, k + (size_t)(p + r) * stride, body, hd, scale);
-        }
     }
 }
 
-static QUANT_AVX512 void ops_scores_avx512(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
+                                           float scale, float *const *out)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
-    for (int p = 0; p < n; p += 4) {
-        const int rows = n - p < 4 ? n - p : 4;
-        __m512 acc[4];
-        for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < n; p++) {
+        const float *kr = k + (size_t)p * stride;
+        __m512 acc[OPS_ATTN_HEADS];
+        for (int j = 0; j < nq; j++) acc[j] = _mm512_setzero_ps();
         for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-            const __m512 qv = _mm512_loadu_ps(q + i);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(qv, _mm512_loadu_ps(k + (size_t)(p + r) * stride + i)));
+            const __m512 kv = _mm512_loadu_ps(kr + i);
+            for (int j = 0; j < nq; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_loadu_ps(q[j] + i), kv));
         }
-        for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < nq; j++) {
             float part[OPS_SCORE_PARTS];
-            _mm512_storeu_ps(part, acc[r]);
-            out[p + r] = ops_score_finish(part, q, k + (size_t)(p + r) * stride, body, hd, scale);
+            _mm512_storeu_ps(part, acc[j]);
+            out[j][p] = ops_score_finish(part, q[j], kr, body, hd, scale);
         }
     }
 }
 
-static void ops_scores(const float *q, const float *k, size_t stride, int n, int hd, float scale, float *out)
+/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows. */
+static void ops_scores(const float *const *q, int nq, const float *k, size_t stride, int n, int hd, float scale,
+                       float *const *out)
 {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, k, stride, n, hd, scale, out);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, k, stride, n, hd, scale, out);
-    else ops_scores_scalar(q, k, stride, n, hd, scale, out);
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, nq, k, stride, n, hd, scale, out);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, nq, k, stride, n, hd, scale, out);
+    else ops_scores_scalar(q, nq, k, stride, n, hd, scale, out);
+}
+
+static void ops_attend_scalar(const float *const *w, int nq, const float *v, size_t stride, int n, int hd, float *const *o)
+{
+    for (int p = 0; p < n; p++)
+        for (int j = 0; j < nq; j++)
+            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * v[(size_t)p * stride + i];
+}
+
+static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const float *v, size_t stride, int n, int hd,
+                                           float *const *o)
+{
+    const int body = hd / 16 * 16;
+    for (int p = 0; p < n; p++) {
+        const float *vr = v + (size_t)p * stride;
+        for (int j = 0; j < nq; j++) {
+            const __m512 a = _mm512_set1_ps(w[j][p]);
+            for (int i = 0; i < body; i += 16)
+                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, _mm512_loadu_ps(vr + i))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * vr[i];
+        }
+    }
+}
+
+static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const float *v, size_t stride, int n, int hd,
+                                       float *const *o)
+{
+    const int body = hd / 8 * 8;
+    for (int p = 0; p < n; p++) {
+        const float *vr = v + (size_t)p * stride;
+        for (int j = 0; j < nq; j++) {
+            const __m256 a = _mm256_set1_ps(w[j][p]);
+            for (int i = 0; i < body; i += 8)
+                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, _mm256_loadu_ps(vr + i))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * vr[i];
+        }
+    }
+}
+
+/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows. */
+static void ops_attend(const float *const *w, int nq, const float *v, size_t stride, int n, int hd, float *const *o)
+{
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o);
+    else ops_attend_scalar(w, nq, v, stride, n, hd, o);
 }
 
 /* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
@@ -7434,25 +7490,31 @@ static void model_attention(struct model *m, int il, int T)
         memcpy(st->v_cache + (size_t)s->tok_pos[t] * kvw, s->v + (size_t)t * kvw, (size_t)kvw * sizeof(float));
     }
 
-    /* causal softmax attention per head (GQA: head h reads KV head h / group), then the
-     * sigmoid output gate */
+    /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output
+     * gate. A task is a run of SHARE heads of one group over every token of the batch: they
+     * read each cached row once between them. SHARE halves while there are fewer tasks than
+     * threads; the bits do not depend on it. */
+    int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
+    while (share > 1 && (nh / share < plat_threads() || group % share)) share /= 2;
     #pragma omp parallel for schedule(static)
-    for (int h = 0; h < nh; h++) {
-        float *sc = s->scores + (size_t)h * m->n_ctx;
+    for (int h0 = 0; h0 < nh; h0 += share) {
+        const float *q[OPS_ATTN_HEADS];
+        float *sc[OPS_ATTN_HEADS], *o[OPS_ATTN_HEADS];
         for (int t = 0; t < T; t++) {
             const struct model_layer_state *st = &s->tok_seq[t]->state[il];
-            const float *kc = st->k_cache + (size_t)(h / group) * hd, *vc = st->v_cache + (size_t)(h / group) * hd;
-            const float *q = s->qg + ((size_t)t * nh + h) * 2 * hd, *gate = q + hd;
-            float *o = s->attn + ((size_t)t * nh + h) * hd;
+            const float *kc = st->k_cache + (size_t)(h0 / group) * hd, *vc = st->v_cache + (size_t)(h0 / group) * hd;
             int n = s->tok_pos[t] + 1;
-            ops_scores(q, kc, (size_t)kvw, n, hd, scale, sc);
-            ops_softmax(sc, n);
-            memset(o, 0, (size_t)hd * sizeof(float));
-            for (int p = 0; p < n; p++) {
-                const float *v = vc + (size_t)p * kvw;
-                for (int i = 0; i < hd; i++) o[i] += sc[p] * v[i];
+            for (int j = 0; j < share; j++) {
+                q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
+                sc[j] = s->scores + (size_t)(h0 + j) * m->n_ctx;
+                o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
+                memset(o[j], 0, (size_t)hd * sizeof(float));
             }
-            for (int i = 0; i < hd; i++) o[i] *= ops_sigmoid(gate[i]);
+            ops_scores(q, share, kc, (size_t)kvw, n, hd, scale, sc);
+            for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
+            ops_attend((const float *const *)sc, share, vc, (size_t)kvw, n, hd, o);
+            for (int j = 0; j < share; j++)
+                for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
         }
     }
     ops_matmat(&l->wo, s->attn, s->out, T);

@@ -751,41 +751,52 @@ static void test_act_levels(void) {
 }
 
 /* ---- ops_matvec / ops_matmat ---- */
-/* The attention scores: every level gives the scalar bits, for head sizes with and without a
- * tail past the 16 partials and key counts around the 4-row groups; and the order is the
+/* Attention over cached rows: every level gives the scalar bits, for head sizes with and
+ * without a tail past the vectors, 1 to 8 heads at once; and the scores' order is the
  * documented one (16 partials, then the butterfly), checked against a rendering of its own. */
-static void test_scores(void) {
-    static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, ns[] = { 1, 3, 4, 5, 9 };
-    const size_t stride = 300;
-    float *q = plat_alloc(256 * sizeof(float)), *k = plat_alloc(9 * stride * sizeof(float));
-    float ref[9], got[9];
+static void test_attention(void) {
+    static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
+    enum { N = 9, STRIDE = 300 };
+    float *q = plat_alloc(8 * 256 * sizeof(float)), *k = plat_alloc(N * STRIDE * sizeof(float));
+    float *ref = plat_alloc(8 * (N + 256) * sizeof(float)), *got = plat_alloc(8 * (N + 256) * sizeof(float));
     int bad = 0, bad_order = 0;
     char why[200] = "";
     for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
-        for (size_t c = 0; c < sizeof ns / sizeof *ns; c++) {
-            fill_x(q, 256, X_RANDOM);
-            fill_x(k, 9 * (int64_t)stride, X_RANDOM);
-            quant_set_level(QUANT_LEVEL_SCALAR);
-            ops_scores(q, k, stride, ns[c], hds[h], 0.125f, ref);
-            for (int p = 0; p < ns[c]; p++) {
-                float part[16] = {0};
-                for (int i = 0; i < hds[h]; i++) part[i % 16] += q[i] * k[(size_t)p * stride + i];
-                for (int j = 0; j < 8; j++) part[j] += part[j + 8];
-                for (int j = 0; j < 4; j++) part[j] += part[j + 4];
-                for (int j = 0; j < 2; j++) part[j] += part[j + 2];
-                const float want = (part[0] + part[1]) * 0.125f;
-                bad_order += memcmp(&want, &ref[p], 4) != 0;
+        for (size_t c = 0; c < sizeof nqs / sizeof *nqs; c++) {
+            const int hd = hds[h], nq = nqs[c];
+            const float *qs[8];
+            float *rs[8], *gs[8], *ro[8], *go[8];
+            for (int j = 0; j < nq; j++) {
+                qs[j] = q + j * 256;
+                rs[j] = ref + j * (N + 256); ro[j] = rs[j] + N;
+                gs[j] = got + j * (N + 256); go[j] = gs[j] + N;
             }
-            for (int l = QUANT_LEVEL_AVX2; l <= max_level; l++) {
+            fill_x(q, 8 * 256, X_RANDOM);
+            fill_x(k, N * STRIDE, X_RANDOM);
+            memset(ref, 0, 8 * (N + 256) * sizeof(float));
+            memset(got, 0, 8 * (N + 256) * sizeof(float));
+            for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
                 quant_set_level(l);
-                ops_scores(q, k, stride, ns[c], hds[h], 0.125f, got);
-                if (memcmp(got, ref, (size_t)ns[c] * sizeof *got) && !bad++)
-                    snprintf(why, sizeof why, "head size %d, %d keys: %s differs", hds[h], ns[c], quant_level_names[l]);
+                float *const *sc = l == QUANT_LEVEL_SCALAR ? rs : gs, *const *o = l == QUANT_LEVEL_SCALAR ? ro : go;
+                for (int j = 0; j < nq; j++) memset(o[j], 0, (size_t)hd * sizeof(float));
+                ops_scores(qs, nq, k, STRIDE, N, hd, 0.125f, sc);
+                ops_attend((const float *const *)sc, nq, k, STRIDE, N, hd, o);
+                if (l > QUANT_LEVEL_SCALAR && memcmp(got, ref, 8 * (N + 256) * sizeof(float)) && !bad++)
+                    snprintf(why, sizeof why, "head size %d, %d heads: %s differs", hd, nq, quant_level_names[l]);
             }
+            for (int j = 0; j < nq; j++)
+                for (int p = 0; p < N; p++) {
+                    float part[16] = {0};
+                    for (int i = 0; i < hd; i++) part[i % 16] += qs[j][i] * k[p * STRIDE + i];
+                    for (int s2 = 8; s2 > 0; s2 /= 2)
+                        for (int i = 0; i < s2; i++) part[i] += part[i + s2];
+                    const float want = part[0] * 0.125f;
+                    bad_order += memcmp(&want, &rs[j][p], 4) != 0;
+                }
         }
     check(!bad_order, "attention scores: 16 strided partials, then the butterfly", "%d scores differ", bad_order);
-    check(!bad, "attention scores: every level gives the scalar bits", "%s", why);
-    free(q); free(k);
+    check(!bad, "attention scores and values: every level gives the scalar bits", "%s", why);
+    free(q); free(k); free(ref); free(got);
 }
 
 static void test_ops(void) {
@@ -950,7 +961,7 @@ int main(int argc, char **argv) {
     test_matvec_rows();
     test_scalar_vs_double();
     test_ops();
-    test_scores();
+    test_attention();
     test_matmat_columns();
     free(ops_act_buf);
     return check_done();
