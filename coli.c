@@ -2600,8 +2600,9 @@ QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, 
 }
 
 /* Unsigned quants of the 4 legacy blocks at b, one 128-bit lane per block: *lo holds elements
- * 0-15, *hi elements 16-31. Q8_0 is offset by 128 (the caller subtracts 128 * Σx, as it
- * subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every format. */
+ * 0-15, *hi elements 16-31. Q8_0 and the table formats (IQ4_NL, MXFP4) are offset by 128 (the
+ * caller subtracts 128 * Σx, as it subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x
+ * signed) applies to every format. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb,
                                                   __m512i *lo, __m512i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -2615,13 +2616,21 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         return;
     }
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1, qo = 2 + 2 * has_min + 4 * five;
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    const int qo = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4) {
+        const int8_t *values = t == GGUF_TYPE_MXFP4 ? quant_mxfp4_values : quant_iq4nl_values;
+        const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values)),
+                                             _mm512_set1_epi8((char)0x80));
+        l = _mm512_shuffle_epi8(tab, l);
+        h = _mm512_shuffle_epi8(tab, h);
+    }
     if (five) {
         /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
         uint64_t ml = 0, mh = 0;
@@ -2662,6 +2671,15 @@ QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __
     return quant_avx512_quad_sums(q);
 }
 
+/* quant_e8m0_half of the low byte of each lane of G. */
+QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
+    const __m512i e = _mm512_and_si512(g, _mm512_set1_epi32(0xff));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
+}
+
 /* Legacy dot of one row with NC columns (acts at `stride`, results y[c*ys]): groups of 16
  * blocks give one vector of unit results added to accumulator (g % 2), i.e. partials b % 32;
  * a tail of < 16 blocks goes through the scalar units. */
@@ -2669,7 +2687,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : t == GGUF_TYPE_Q8_0 ? 7 : 0;
+    const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
+    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
     const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
     struct quant_q8_view a[QUANT_NCOL];
     __m512 acc[QUANT_NCOL][2];
@@ -2686,9 +2705,9 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         __m512i wl[4], wh[4];
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
-        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
+        /* the 32 bits at each block start: fp16 d (MXFP4: E8M0), then fp16 m for Q4_1/Q5_1 */
         __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
-        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        __m512 dw = t == GGUF_TYPE_MXFP4 ? quant_avx512_e8m0_half(g) : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
         __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
         #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
@@ -2955,6 +2974,8 @@ QUANT_AVX512_WRAP(quant_dot_q5_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX512_WRAP(quant_dot_q4_k_avx512, quant_avx512_k, GGUF_TYPE_Q4_K)
 QUANT_AVX512_WRAP(quant_dot_q5_k_avx512, quant_avx512_k, GGUF_TYPE_Q5_K)
 QUANT_AVX512_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
+QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
+QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
 
 
@@ -2984,8 +3005,8 @@ static const struct {
     { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
     { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, quant_dot_iq4_nl_avx2n, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, quant_dot_mxfp4_avx2n, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
