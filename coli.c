@@ -2729,10 +2729,12 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
     }
 }
 
-/* A K super-block decoded for the column loop: q[k] holds the unsigned quants of elements
- * 64k..64k+63, sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's
- * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset). */
-struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; };
+/* A K-like super-block decoded for the column loop: q[k] holds the unsigned quants of elements
+ * 64k..64k+63 (IQ4_XS, IQ3_XXS: their magnitudes, with bit i of neg[k] set where element
+ * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
+ * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
+ * for the offset of 32 or 4; unused by the IQ formats). */
+struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
 QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
@@ -2788,86 +2790,187 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     k->m = sc;
 }
 
-/* One column's integer sums for a decoded super-block, each folded to 4 lanes: *s of Σ sc*q*x,
- * *m of the bsums times k->m. */
-QUANT_AVX512_INLINE void quant_avx512_kdot(const struct quant_avx512_kblock *k, const int8_t *qx,
-                                           const int16_t *bs, __m128i *s, __m128i *m) {
+/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: the hmask bit as the third bit) super-block.
+ * q[j] takes the 32 quant bytes of half j / 2 (elements 128 (j / 2) on) shifted by 4 (j % 2) in
+ * its low 256 bits and 2 more in its high ones: quant_q23k_quants' element order. */
+QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
+    const int three = t == GGUF_TYPE_Q3_K;
+    __m256i sc;
+    if (three) {
+        sc = k->m = quant_avx2_q3k_scales(b + 96);
+    } else {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
+        sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+        k->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+    }
+    const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const int h = j / 2, s = 4 * (j % 2);
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * h)));
+        const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)s), _mm256_set1_epi16((short)(s + 2)), 1);
+        k->q[j] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(3));
+        if (three) {
+            /* element l of step (h, k) has its third bit at bit 4h + k of hmask byte l */
+            const int bit = 4 * h + s / 2;
+            const __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << bit)), _mm256_set1_epi8((char)(2 << bit)), 1);
+            k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(hmask, sel), k->q[j], _mm512_set1_epi8(4));
+        }
+        k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
+    }
+}
+
+/* The scales of an IQ super-block's 8 32-blocks (S8, int32) as the multipliers of each vpmaddubsw
+ * pair: word i of sc[j] is block 2j + i / 16's. */
+QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_kblock *k) {
+    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
+}
+
+/* IQ4_XS super-block: the IQ4_NL table's magnitudes and signs, and the 6-bit scales less 32
+ * (quant_iq4xs_scale). A block's 16 bytes hold its elements 0-15 in the low nibbles, 16-31 in
+ * the high ones: one permute per 2 blocks puts both in element order. */
+QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_loadu_si512(b + 8 + 64 * h);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const __m512i val[2] = { _mm512_shuffle_epi8(tab, _mm512_permutex2var_epi64(lo, first, hi)),
+                                 _mm512_shuffle_epi8(tab, _mm512_permutex2var_epi64(lo, second, hi)) };
+        #pragma GCC unroll 2
+        for (int i = 0; i < 2; i++) {
+            k->neg[2 * h + i] = _mm512_movepi8_mask(val[i]);
+            k->q[2 * h + i] = _mm512_abs_epi8(val[i]);
+        }
+    }
+    uint32_t lo4;
+    memcpy(&lo4, b + 4, 4);
+    const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(quant_rd16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i s8 = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xf)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    quant_avx512_iq_scales(_mm256_sub_epi32(s8, _mm256_set1_epi32(32)), k);
+}
+
+/* IQ3_XXS super-block: 4 lattice points per 16 index bytes by one gather; the 8 words of signs
+ * and scales (quant_iq_values) give the sign bytes of quant_iq_signs, 7 bits each spread to a
+ * byte and their parity added as bit 7, i.e. one sign bit per element in order, and the
+ * scales 2 s + 1 of quant_iq_isum_scalar. */
+QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j)));
+        k->q[j] = _mm512_i32gather_epi32(idx, (const void *)quant_iq3xxs_grid, 4);
+    }
+    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+    __m256i f = _mm256_and_si256(aux, _mm256_set1_epi32(0x7f));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7f00)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 2), _mm256_set1_epi32(0x7f0000)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7f000000)));
+    /* bit 8i of p: the parity of byte i of f (the shifts bring in only bits of that byte) */
+    __m256i p = _mm256_xor_si256(f, _mm256_srli_epi32(f, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    uint64_t signs[4];
+    _mm256_storeu_si256((__m256i *)signs, _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u))));
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) k->neg[j] = _cvtu64_mask64(signs[j]);
+    quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
+}
+
+QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
+    switch (t) {
+    case GGUF_TYPE_Q6_K: quant_avx512_q6k_decode(b, k); break;
+    case GGUF_TYPE_Q2_K: case GGUF_TYPE_Q3_K: quant_avx512_q23k_decode(t, b, k); break;
+    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, k); break;
+    case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, k); break;
+    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, k); break;
+    }
+}
+
+/* One column's integer parts of a decoded super-block, 8 lanes each: *is's sum to the isum of
+ * quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken off as that many
+ * times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero). The IQ formats'
+ * signs apply to x: |x| <= 127, so a pair of products stays within int16. */
+QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_avx512_kblock *k, const int8_t *qx,
+                                           const int16_t *bs, __m256i *is, __m256i *ms) {
+    const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS;
     __m512i acc = _mm512_setzero_si512();
     #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], _mm512_load_si512(qx + 64 * j)), k->sc[j]);
-    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-    __m256i m8 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
-    *s = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
-    *m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+    for (int j = 0; j < 4; j++) {
+        __m512i x = _mm512_load_si512(qx + 64 * j);
+        if (iq) x = _mm512_mask_sub_epi8(x, k->neg[j], _mm512_setzero_si512(), x);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], x), k->sc[j]);
+    }
+    *is = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    *ms = _mm256_setzero_si256();
+    if (iq) return;
+    const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
+    if (quant_k_has_min(t)) *ms = m;
+    else *is = _mm256_sub_epi32(*is, _mm256_slli_epi32(m, t == GGUF_TYPE_Q6_K ? 5 : 2));
 }
 
-/* Lane i = sum of the 4 lanes of v[i] (exact). */
-QUANT_AVX512_INLINE __m128i quant_avx512_hsum4x4(const __m128i *v) {
-    __m128i a = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
-    __m128i b = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
-    return _mm_add_epi32(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b));
-}
-
-/* fp16 at byte `off` of g <= 4 blocks of bb bytes from b, and the fp16 two bytes on, as floats
- * (lanes >= g are zero). */
-QUANT_AVX512_INLINE void quant_avx512_kscales(const uint8_t *b, int bb, int off, int g, __m128 *d, __m128 *dm) {
-    uint32_t v[4] = { 0, 0, 0, 0 };
+/* Slot I of the group at unit U: super-block U + I decoded (prefetching ahead) and its integer
+ * parts for every column, or zeros from COUNT on. */
+QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
+                                             int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
+    if (i >= count) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) is[c][i] = ms[c][i] = _mm256_setzero_si256();
+        return;
+    }
+    const uint8_t *b = wb + i * bb;
+    for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
+    struct quant_avx512_kblock k;
+    quant_avx512_kdecode(t, b, &k);
     #pragma GCC unroll 4
-    for (int i = 0; i < g; i++) memcpy(&v[i], b + i * bb + off, off == 208 ? 2 : 4);
-    __m128i x = _mm_loadu_si128((const __m128i *)v);
-    *d = _mm_cvtph_ps(_mm_packus_epi32(_mm_and_si128(x, _mm_set1_epi32(0xffff)), x));
-    *dm = _mm_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(x, 16), x));
+    for (int c = 0; c < NC; c++)
+        quant_avx512_kdot(t, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
 
-/* K-quant dot of one row with NC columns. Units go in groups of 4 so that the horizontal sums
- * and the float steps of quant_dot_k run on 4 lanes; unit u -> partial u % 32 of each column. */
+/* K-like dot of one row with NC columns in quant_avx2_k's order and float steps: groups of 8
+ * super-blocks give one vector of unit results per column (lane k = unit u + k) added to its
+ * accumulator (u / 8) % 4, i.e. partials u % 32; a short group's empty lanes hold +0. Each
+ * super-block is decoded once for all columns. */
 QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                         size_t stride, int64_t n, float *y, size_t ys, int NC) {
-    const int bb = gguf_type_get(t)->block_bytes, six = t == GGUF_TYPE_Q6_K;
+    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_NCOL];
-    float p[QUANT_NCOL][QUANT_NPART];
+    __m256 acc[QUANT_NCOL][4];
     #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
-        memset(p[c], 0, sizeof p[c]);
+        acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
     }
-    for (int64_t u = 0; u < nu; u += 4) {
-        const int g = nu - u < 4 ? (int)(nu - u) : 4;
-        const __mmask8 live = (__mmask8)((1u << g) - 1);
-        __m128i s[QUANT_NCOL][4], m[QUANT_NCOL][4];
-        #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const uint8_t *b = w + (u + i) * bb;
-            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
-            struct quant_avx512_kblock k;
-            if (i >= g) {
-                #pragma GCC unroll 4
-                for (int c = 0; c < NC; c++) s[c][i] = m[c][i] = _mm_setzero_si128();
-                continue;
-            }
-            if (six) quant_avx512_q6k_decode(b, &k);
-            else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
-            #pragma GCC unroll 4
-            for (int c = 0; c < NC; c++)
-                quant_avx512_kdot(&k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &s[c][i], &m[c][i]);
+    for (int64_t u = 0; u < nu; u += 8) {
+        const int count = nu - u < 8 ? (int)(nu - u) : 8;
+        const uint8_t *wb = w + u * bb;
+        __m256i is[QUANT_NCOL][8], ms[QUANT_NCOL][8];
+        if (t == GGUF_TYPE_IQ3_XXS) { /* as in quant_avx2_k: too long a body to unroll */
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
+        } else {
+            QUANT_GROUP_UNROLL
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
         }
-        __m128 d, dm;
-        quant_avx512_kscales(w + u * bb, bb, six ? 208 : 0, g, &d, &dm);
+        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
+        const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2)
+                                                      : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
+        const __mmask8 live = (__mmask8)((1u << count) - 1);
         #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            __m128i is = quant_avx512_hsum4x4(s[c]), ms = quant_avx512_hsum4x4(m[c]);
-            __m128 dx = _mm_maskz_loadu_ps(live, a[c].d + u), r;
-            if (six) r = _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(_mm_sub_epi32(is, _mm_slli_epi32(ms, 5))));
-            else r = _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(is)),
-                                _mm_mul_ps(_mm_mul_ps(dm, dx), _mm_cvtepi32_ps(ms)));
-            float *pp = p[c] + u % QUANT_NPART;
-            _mm_mask_storeu_ps(pp, live, _mm_add_ps(_mm_loadu_ps(pp), r));
+            const __m256 dx = _mm256_maskz_loadu_ps(live, a[c].d + u);
+            __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
+            if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(ms[c], count))));
+            if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
+            quant_avx2_acc_add(acc[c], r);
         }
     }
     #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx512_reduce(_mm512_loadu_ps(p[c]), _mm512_loadu_ps(p[c] + 16));
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
 }
 
 /* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
@@ -2974,6 +3077,10 @@ QUANT_AVX512_WRAP(quant_dot_q5_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX512_WRAP(quant_dot_q4_k_avx512, quant_avx512_k, GGUF_TYPE_Q4_K)
 QUANT_AVX512_WRAP(quant_dot_q5_k_avx512, quant_avx512_k, GGUF_TYPE_Q5_K)
 QUANT_AVX512_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
+QUANT_AVX512_WRAP(quant_dot_q2_k_avx512, quant_avx512_k, GGUF_TYPE_Q2_K)
+QUANT_AVX512_WRAP(quant_dot_q3_k_avx512, quant_avx512_k, GGUF_TYPE_Q3_K)
+QUANT_AVX512_WRAP(quant_dot_iq4_xs_avx512, quant_avx512_k, GGUF_TYPE_IQ4_XS)
+QUANT_AVX512_WRAP(quant_dot_iq3_xxs_avx512, quant_avx512_k, GGUF_TYPE_IQ3_XXS)
 QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
@@ -3001,10 +3108,10 @@ static const struct {
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
     { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx2 } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
-    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
-    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, NULL, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx2 } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
+    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, quant_dot_iq3_xxs_avx512 }, { NULL, NULL, quant_dot_iq3_xxs_avx512n }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
     { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL } },
 };
