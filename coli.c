@@ -2477,9 +2477,9 @@ QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, 
         if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
     }
 
-/* COLI_ROLLED builds pass the AVX2 pass size at run time instead: one copy of each kernel, not
- * four (the same bits; the sanitizer builds compile 40% faster). The AVX-512 ones stay fixed:
- * with a run-time size gcc takes their Q6_K kernel's unused columns for uninitialised. */
+/* COLI_ROLLED builds pass the pass size at run time instead, and the single-column dot is the
+ * multi-column kernel's one-column call: one copy of each kernel, not four (the same bits; the
+ * sanitizer build of test_quant takes 22 s where fixed sizes at both levels take 56). */
 #ifdef COLI_ROLLED
 #define QUANT_COLUMNS(name, target, kernel, type, ncol)                                                \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
@@ -2487,15 +2487,15 @@ QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, 
         for (int k; nc > 0; nc -= k, acts += (size_t)k * stride, y += (size_t)k * ys)                  \
             kernel(type, w, acts, stride, n, y, ys, k = nc < ncol ? nc : ncol);                        \
     }
-#define QUANT_AVX2_COLUMN(name, kernel, type)                                                          \
-    static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) {                          \
+#define QUANT_SINGLE_COLUMN(name, target, kernel, type)                                                \
+    static target float name(const void *w, const void *act, int64_t n) {                              \
         float y;                                                                                       \
         name##n(w, act, 0, 1, n, &y, 0);                                                               \
         return y;                                                                                      \
     }
 #else
 #define QUANT_COLUMNS QUANT_COLUMNS_FIXED
-#define QUANT_AVX2_COLUMN(name, kernel, type) QUANT_COLUMN(name, QUANT_AVX2, kernel, type)
+#define QUANT_SINGLE_COLUMN QUANT_COLUMN
 #endif
 
 /* The single-column dot of such a kernel: its 1-column pass. */
@@ -2507,7 +2507,7 @@ QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, 
     }
 #define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
     QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL)                                  \
-    QUANT_AVX2_COLUMN(name, kernel, type)
+    QUANT_SINGLE_COLUMN(name, QUANT_AVX2, kernel, type)
 QUANT_AVX2_COLUMNS(quant_dot_q8_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q8_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_1)
@@ -2576,19 +2576,19 @@ QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, 
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
     const int64_t n32 = n & ~(int64_t)31;
     __m512 acc[QUANT_NCOL][2];
-#pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n32; i += 32) {
         for (int q = 0; q < 32 * es; q += 64) _mm_prefetch((const char *)w + i * es + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m512 w0 = quant_avx512_load_w16(t, w + i * es), w1 = quant_avx512_load_w16(t, w + (i + 16) * es);
-#pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             const float *x = (const float *)(acts + (size_t)c * stride);
             acc[c][0] = _mm512_add_ps(acc[c][0], _mm512_mul_ps(w0, _mm512_load_ps(x + i)));
             acc[c][1] = _mm512_add_ps(acc[c][1], _mm512_mul_ps(w1, _mm512_load_ps(x + i + 16)));
         }
     }
-#pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         if (n32 == n) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
         float p[QUANT_NPART];
@@ -2728,7 +2728,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
     const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
     struct quant_q8_view a[QUANT_NCOL];
     __m512 acc[QUANT_NCOL][2];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = _mm512_setzero_ps();
@@ -2750,7 +2750,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
             dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
             mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
         }
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
             if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
@@ -2764,7 +2764,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         }
     }
     const int odd = (int)(nb16 / 16) & 1;
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         const __m512 lo = odd ? acc[c][1] : acc[c][0], hi = odd ? acc[c][0] : acc[c][1];
         if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(lo, hi); continue; }
@@ -3001,7 +3001,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_
 QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
                                              int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
     if (i >= count) {
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) is[c][i] = ms[c][i] = _mm256_setzero_si256();
         return;
     }
@@ -3009,7 +3009,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, const uint8_t *wb
     for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
     struct quant_avx512_kblock k;
     quant_avx512_kdecode(t, b, &k);
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++)
         quant_avx512_kdot(t, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
@@ -3024,7 +3024,7 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_NCOL];
     __m256 acc[QUANT_NCOL][4];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
@@ -3033,13 +3033,17 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
         const uint8_t *wb = w + u * bb;
         __m256i is[QUANT_NCOL][8], ms[QUANT_NCOL][8];
-        QUANT_GROUP_UNROLL
-        for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
+        if (NC == 1) {
+            QUANT_GROUP_UNROLL
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
+        } else {
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
+        }
         const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
         const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2)
                                                       : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
         const __mmask8 live = (__mmask8)((1u << count) - 1);
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             const __m256 dx = _mm256_maskz_loadu_ps(live, a[c].d + u);
             __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
@@ -3048,7 +3052,7 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
             quant_avx2_acc_add(acc[c], r);
         }
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
 }
 
@@ -3191,8 +3195,8 @@ static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const floa
 }
 
 #define QUANT_AVX512_WRAP(name, kernel, type)                                                        \
-    QUANT_COLUMNS_FIXED(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                             \
-    QUANT_COLUMN(name, QUANT_AVX512, kernel, type)
+    QUANT_COLUMNS(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                                   \
+    QUANT_SINGLE_COLUMN(name, QUANT_AVX512, kernel, type)
 QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float, GGUF_TYPE_F32)
 QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float, GGUF_TYPE_F16)
 QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float, GGUF_TYPE_BF16)
