@@ -1082,8 +1082,7 @@ static size_t gguf_image_end(struct gguf_image *im)
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
  *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, MXFP4) and their tables, fp16/bf16 conversion,
  *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
- *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 have no AVX-512
- *   kernels yet, so that level runs their AVX2 ones).
+ *   (scalar, AVX2, AVX-512 with VNNI, for every format).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
@@ -2542,7 +2541,9 @@ QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
  * once and applied to up to QUANT_NCOL activation columns, every column going through exactly
- * the single-column steps, so matmat gives matvec's bits. */
+ * the single-column steps, so matmat gives matvec's bits. Only AVX512F/BW/VL/VNNI: VBMI's byte
+ * permutes would shorten the IQ3_XXS lattice lookup and the MXFP4 unpack, but Cascade Lake and
+ * Cooper Lake (VNNI without VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -2964,6 +2965,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct qua
     quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
 }
 
+/* Super-block B of the K-like type T decoded for quant_avx512_kdot. */
 QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
     switch (t) {
     case GGUF_TYPE_Q6_K: quant_avx512_q6k_decode(b, k); break;
