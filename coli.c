@@ -1869,7 +1869,8 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_UNROLL(n)
 #else
 #define QUANT_GROUP_UNROLL _Pragma("GCC unroll 8")
-#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build */
+#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build;
+                                                   * the AVX-512 loops: ~4 s more for test_quant's */
 #endif
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
@@ -2680,7 +2681,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     if (five) {
         /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
         uint64_t ml = 0, mh = 0;
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) {
             uint32_t qh;
             memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
@@ -2707,7 +2708,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
 /* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
 QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
     __m512i q[4];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
         __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
         __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
@@ -2740,7 +2741,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m512i wl[4], wh[4];
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
         __m512 dw, mw = _mm512_setzero_ps();
         if (bb == 18 || t == GGUF_TYPE_MXFP4) {
@@ -2799,7 +2800,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
     k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int h = 0; h < 2; h++) {
         /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
@@ -2807,7 +2808,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
         k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
         k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
         k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
         if (five) {
@@ -2825,7 +2826,7 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < 2; c++) {
         __m512i l = _mm512_loadu_si512(b + 64 * c);
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c)));
@@ -2833,7 +2834,7 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
         k->q[2 * c] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
         k->q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
     k->m = sc;
 }
@@ -2852,7 +2853,7 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_
         k->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
     }
     const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
         const int h = j / 2, s = 4 * (j % 2);
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * h)));
@@ -2872,7 +2873,7 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_
  * pair: word i of sc[j] is block 2j + i / 16's. */
 QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_kblock *k) {
     const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
 }
 
@@ -2884,12 +2885,12 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quan
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
     const __m512i tab = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)));
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-    #pragma GCC unroll 2
+    QUANT_UNROLL(2)
     for (int h = 0; h < 2; h++) {
         const __m512i v = _mm512_loadu_si512(b + 8 + 64 * h);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         const __m512i code[2] = { _mm512_permutex2var_epi64(lo, first, hi), _mm512_permutex2var_epi64(lo, second, hi) };
-        #pragma GCC unroll 2
+        QUANT_UNROLL(2)
         for (int i = 0; i < 2; i++) {
             k->neg[2 * h + i] = _mm512_testn_epi8_mask(code[i], b3);
             k->q[2 * h + i] = _mm512_shuffle_epi8(tab, code[i]);
@@ -2929,7 +2930,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m5
 /* Word c of the two registers: the levels of coordinates c % 8 (low byte) and c / 8 (high). */
 QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     const __m512i levels = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)quant_iq3_levels)));
-    #pragma GCC unroll 2
+    QUANT_UNROLL(2)
     for (int h = 0; h < 2; h++) {
         const __m512i c = _mm512_add_epi16(quant_avx512_widx(0, 1), _mm512_set1_epi16((short)(32 * h)));
         const __m512i l0 = _mm512_permutexvar_epi16(_mm512_and_si512(c, _mm512_set1_epi16(7)), levels);
@@ -2944,7 +2945,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
  * scales 2 s + 1 of quant_iq_isum_scalar. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
     __m512i keys[8], pairs[2];
-    #pragma GCC unroll 8
+    QUANT_UNROLL(8)
     for (int i = 0; i < 8; i++) keys[i] = _mm512_loadu_si512(quant_iq3xxs_keys + 32 * i);
     quant_avx512_iq3_pairs(pairs);
     quant_avx512_iq3xxs_points(b + 2, keys, pairs, &k->q[0], &k->q[1]);
@@ -2960,7 +2961,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct qua
     p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
     uint64_t signs[4];
     _mm256_storeu_si256((__m256i *)signs, _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u))));
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->neg[j] = _cvtu64_mask64(signs[j]);
     quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
 }
@@ -2984,7 +2985,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS;
     __m512i acc = _mm512_setzero_si512();
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
         __m512i x = _mm512_load_si512(qx + 64 * j);
         if (iq) x = _mm512_mask_sub_epi8(x, k->neg[j], _mm512_setzero_si512(), x);
