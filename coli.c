@@ -1082,8 +1082,7 @@ static size_t gguf_image_end(struct gguf_image *im)
 /* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
  *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and their tables, fp16/bf16 conversion,
  *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
- *   (scalar, AVX2, AVX-512 with VNNI; Q2_K, Q3_K, the IQ formats and MXFP4 have no AVX-512
- *   kernels yet, so that level runs their AVX2 ones).
+ *   (scalar, AVX2, AVX-512 with VNNI, for every format).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
@@ -1944,7 +1943,8 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_UNROLL(n)
 #else
 #define QUANT_GROUP_UNROLL _Pragma("GCC unroll 8")
-#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build */
+#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build;
+                                                   * the AVX-512 loops: ~4 s more for test_quant's */
 #endif
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
@@ -2576,9 +2576,9 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
         if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
     }
 
-/* COLI_ROLLED builds pass the AVX2 pass size at run time instead: one copy of each kernel, not
- * four (the same bits; the sanitizer builds compile 40% faster). The AVX-512 ones stay fixed:
- * with a run-time size gcc takes their Q6_K kernel's unused columns for uninitialised. */
+/* COLI_ROLLED builds pass the pass size at run time instead, and the single-column dot is the
+ * multi-column kernel's one-column call: one copy of each kernel, not four (the same bits; the
+ * sanitizer build of test_quant takes 22 s where fixed sizes at both levels take 56). */
 #ifdef COLI_ROLLED
 #define QUANT_COLUMNS(name, target, kernel, type, ncol)                                                \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
@@ -2586,15 +2586,15 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
         for (int k; nc > 0; nc -= k, acts += (size_t)k * stride, y += (size_t)k * ys)                  \
             kernel(type, w, acts, stride, n, y, ys, k = nc < ncol ? nc : ncol);                        \
     }
-#define QUANT_AVX2_COLUMN(name, kernel, type)                                                          \
-    static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) {                          \
+#define QUANT_SINGLE_COLUMN(name, target, kernel, type)                                                \
+    static target float name(const void *w, const void *act, int64_t n) {                              \
         float y;                                                                                       \
         name##n(w, act, 0, 1, n, &y, 0);                                                               \
         return y;                                                                                      \
     }
 #else
 #define QUANT_COLUMNS QUANT_COLUMNS_FIXED
-#define QUANT_AVX2_COLUMN(name, kernel, type) QUANT_COLUMN(name, QUANT_AVX2, kernel, type)
+#define QUANT_SINGLE_COLUMN QUANT_COLUMN
 #endif
 
 /* The single-column dot of such a kernel: its 1-column pass. */
@@ -2606,7 +2606,7 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
     }
 #define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
     QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL)                                  \
-    QUANT_AVX2_COLUMN(name, kernel, type)
+    QUANT_SINGLE_COLUMN(name, QUANT_AVX2, kernel, type)
 QUANT_AVX2_COLUMNS(quant_dot_q8_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q8_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_1)
@@ -2642,7 +2642,9 @@ QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
  * once and applied to up to QUANT_NCOL activation columns, every column going through exactly
- * the single-column steps, so matmat gives matvec's bits. */
+ * the single-column steps, so matmat gives matvec's bits. Only AVX512F/BW/VL/VNNI: VBMI's byte
+ * permutes would shorten the IQ3_XXS lattice lookup and the MXFP4 unpack, but Cascade Lake and
+ * Cooper Lake (VNNI without VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -2676,19 +2678,19 @@ QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, 
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
     const int64_t n32 = n & ~(int64_t)31;
     __m512 acc[QUANT_NCOL][2];
-#pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n32; i += 32) {
         for (int q = 0; q < 32 * es; q += 64) _mm_prefetch((const char *)w + i * es + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m512 w0 = quant_avx512_load_w16(t, w + i * es), w1 = quant_avx512_load_w16(t, w + (i + 16) * es);
-#pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             const float *x = (const float *)(acts + (size_t)c * stride);
             acc[c][0] = _mm512_add_ps(acc[c][0], _mm512_mul_ps(w0, _mm512_load_ps(x + i)));
             acc[c][1] = _mm512_add_ps(acc[c][1], _mm512_mul_ps(w1, _mm512_load_ps(x + i + 16)));
         }
     }
-#pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         if (n32 == n) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
         float p[QUANT_NPART];
@@ -2699,9 +2701,50 @@ QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, 
     }
 }
 
+/* quant_e8m0_half of the low byte of each lane of G. */
+QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
+    const __m512i e = _mm512_and_si512(g, _mm512_set1_epi32(0xff));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
+}
+
+/* The 16 quant bytes of 4 blocks of 18 bytes (Q4_0, IQ4_NL: words 9i+1..9i+8) from B, one per
+ * 128-bit lane: one word permute of two loads (the second 8 bytes on, so as to end in block 3)
+ * instead of four loads and three inserts. */
+QUANT_AVX512_INLINE __m512i quant_avx512_quad18(const uint8_t *b) {
+    int16_t w[32];
+    for (int i = 0; i < 32; i++) {
+        const int word = 9 * (i / 8) + 1 + i % 8;
+        w[i] = (int16_t)(word < 32 ? word : 32 + word - 4);
+    }
+    return _mm512_permutex2var_epi16(_mm512_loadu_si512(b), _mm512_loadu_si512(w), _mm512_loadu_si512(b + 8));
+}
+
+/* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4
+ * (E8M0, byte 17k): two word permutes of two loads each, blocks 0-7 from the first bytes and
+ * 8-15 from byte 144 (MXFP4 136) on, instead of a gather (~13 cycles for 16 lanes). */
+QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t *b) {
+    const int mx = t == GGUF_TYPE_MXFP4, second = mx ? 136 : 144;
+    int16_t w[32], shift[32];
+    for (int k = 0; k < 32; k++) { /* words 16-31 unused */
+        w[k] = (int16_t)(k < 16 ? (mx ? 17 * k / 2 : 9 * k) - (k < 8 ? 0 : second / 2) : 0);
+        shift[k] = (int16_t)(mx && k % 2 ? 8 : 0);
+    }
+    const __m512i idx = _mm512_loadu_si512(w);
+    const __m512i h = _mm512_mask_blend_epi16(0xff00, _mm512_permutex2var_epi16(_mm512_loadu_si512(b), idx, _mm512_loadu_si512(b + 64)),
+                                              _mm512_permutex2var_epi16(_mm512_loadu_si512(b + second), idx,
+                                                                        _mm512_loadu_si512(b + second + 64)));
+    if (!mx) return _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    const __m512i e = _mm512_srlv_epi16(h, _mm512_loadu_si512(shift));
+    return quant_avx512_e8m0_half(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(e)));
+}
+
 /* Unsigned quants of the 4 legacy blocks at b, one 128-bit lane per block: *lo holds elements
- * 0-15, *hi elements 16-31. Q8_0 is offset by 128 (the caller subtracts 128 * Σx, as it
- * subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every format. */
+ * 0-15, *hi elements 16-31. Q8_0 and the table formats (IQ4_NL, MXFP4) are offset by 128 (the
+ * caller subtracts 128 * Σx, as it subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x
+ * signed) applies to every format. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb,
                                                   __m512i *lo, __m512i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -2715,17 +2758,30 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         return;
     }
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1, qo = 2 + 2 * has_min + 4 * five;
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    const int qo = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
+    __m512i v;
+    if (bb == 18) {
+        v = quant_avx512_quad18(b);
+    } else {
+        v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4) {
+        const int8_t *values = t == GGUF_TYPE_MXFP4 ? quant_mxfp4_values : quant_iq4nl_values;
+        const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values)),
+                                             _mm512_set1_epi8((char)0x80));
+        l = _mm512_shuffle_epi8(tab, l);
+        h = _mm512_shuffle_epi8(tab, h);
+    }
     if (five) {
         /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
         uint64_t ml = 0, mh = 0;
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) {
             uint32_t qh;
             memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
@@ -2752,7 +2808,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
 /* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
 QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
     __m512i q[4];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
         __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
         __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
@@ -2769,11 +2825,12 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : t == GGUF_TYPE_Q8_0 ? 7 : 0;
+    const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
+    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
     const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
     struct quant_q8_view a[QUANT_NCOL];
     __m512 acc[QUANT_NCOL][2];
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = _mm512_setzero_ps();
@@ -2784,36 +2841,49 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m512i wl[4], wh[4];
-        #pragma GCC unroll 4
+        QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
-        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
-        __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
-        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-        __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-        #pragma GCC unroll 4
+        __m512 dw, mw = _mm512_setzero_ps();
+        if (bb == 18 || t == GGUF_TYPE_MXFP4) {
+            dw = quant_avx512_scales16(t, wb);
+        } else {
+            /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
+            const __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
+            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        }
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
             __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
             if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
             __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(a[c].d + b)), _mm512_cvtepi32_ps(isum));
             if (has_min) r = _mm512_add_ps(r, _mm512_mul_ps(mw, _mm512_loadu_ps(a[c].sd + b)));
-            acc[c][(b / 16) & 1] = _mm512_add_ps(acc[c][(b / 16) & 1], r);
+            /* into acc[0], then swapped (in registers, where acc[(b / 16) % 2] is memory):
+             * after an odd count of groups acc[1] holds partials 0-15 */
+            const __m512 sum = _mm512_add_ps(acc[c][0], r);
+            acc[c][0] = acc[c][1];
+            acc[c][1] = sum;
         }
     }
-    #pragma GCC unroll 4
+    const int odd = (int)(nb16 / 16) & 1;
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
-        if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(acc[c][0], acc[c][1]); continue; }
+        const __m512 lo = odd ? acc[c][1] : acc[c][0], hi = odd ? acc[c][0] : acc[c][1];
+        if (nb16 == nb) { y[c * ys] = quant_avx512_reduce(lo, hi); continue; }
         float p[QUANT_NPART];
-        _mm512_storeu_ps(p, acc[c][0]);
-        _mm512_storeu_ps(p + 16, acc[c][1]);
+        _mm512_storeu_ps(p, lo);
+        _mm512_storeu_ps(p + 16, hi);
         quant_legacy_units(t, w, a[c], nb16, nb, p);
         y[c * ys] = quant_reduce32(p);
     }
 }
 
-/* A K super-block decoded for the column loop: q[k] holds the unsigned quants of elements
- * 64k..64k+63, sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's
- * 16 bsums (Q4_K/Q5_K: each 32-min twice; Q6_K: the 16 scales, for the -32 offset). */
-struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; };
+/* A K-like super-block decoded for the column loop: q[k] holds the unsigned quants of elements
+ * 64k..64k+63 (IQ4_XS, IQ3_XXS: their magnitudes, with bit i of neg[k] set where element
+ * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
+ * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
+ * for the offset of 32 or 4; unused by the IQ formats). */
+struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
 QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
@@ -2830,7 +2900,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
     k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int h = 0; h < 2; h++) {
         /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
@@ -2838,7 +2908,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
         k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
         k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
         k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
         if (five) {
@@ -2856,7 +2926,7 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int c = 0; c < 2; c++) {
         __m512i l = _mm512_loadu_si512(b + 64 * c);
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c)));
@@ -2864,91 +2934,277 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
         k->q[2 * c] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
         k->q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
     }
-    #pragma GCC unroll 4
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
     k->m = sc;
 }
 
-/* One column's integer sums for a decoded super-block, each folded to 4 lanes: *s of Σ sc*q*x,
- * *m of the bsums times k->m. */
-QUANT_AVX512_INLINE void quant_avx512_kdot(const struct quant_avx512_kblock *k, const int8_t *qx,
-                                           const int16_t *bs, __m128i *s, __m128i *m) {
+/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: the hmask bit as the third bit) super-block.
+ * q[j] takes the 32 quant bytes of half j / 2 (elements 128 (j / 2) on) shifted by 4 (j % 2) in
+ * its low 256 bits and 2 more in its high ones: quant_q23k_quants' element order. */
+QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
+    const int three = t == GGUF_TYPE_Q3_K;
+    __m256i sc;
+    if (three) {
+        sc = k->m = quant_avx2_q3k_scales(b + 96);
+    } else {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
+        sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+        k->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+    }
+    const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) {
+        const int h = j / 2, s = 4 * (j % 2);
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * h)));
+        const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)s), _mm256_set1_epi16((short)(s + 2)), 1);
+        k->q[j] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(3));
+        if (three) {
+            /* element l of step (h, k) has its third bit at bit 4h + k of hmask byte l */
+            const int bit = 4 * h + s / 2;
+            const __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << bit)), _mm256_set1_epi8((char)(2 << bit)), 1);
+            k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(hmask, sel), k->q[j], _mm512_set1_epi8(4));
+        }
+        k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(4 * j, 8), _mm512_castsi256_si512(sc));
+    }
+}
+
+/* The scales of an IQ super-block's 8 32-blocks (S8, int32) as the multipliers of each vpmaddubsw
+ * pair: word i of sc[j] is block 2j + i / 16's. */
+QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_kblock *k) {
+    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
+}
+
+/* IQ4_XS super-block: the IQ4_NL table's magnitudes and signs (codes 0-7 are its negative
+ * values), and the 6-bit scales less 32 (quant_iq4xs_scale). A block's 16 bytes hold its
+ * elements 0-15 in the low nibbles, 16-31 in the high ones: one permute per 2 blocks puts both
+ * in element order. */
+QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
+    const __m512i tab = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)));
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_loadu_si512(b + 8 + 64 * h);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const __m512i code[2] = { _mm512_permutex2var_epi64(lo, first, hi), _mm512_permutex2var_epi64(lo, second, hi) };
+        QUANT_UNROLL(2)
+        for (int i = 0; i < 2; i++) {
+            k->neg[2 * h + i] = _mm512_testn_epi8_mask(code[i], b3);
+            k->q[2 * h + i] = _mm512_shuffle_epi8(tab, code[i]);
+        }
+    }
+    uint32_t lo4;
+    memcpy(&lo4, b + 4, 4);
+    const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(quant_rd16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i s8 = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xf)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    quant_avx512_iq_scales(_mm256_sub_epi32(s8, _mm256_set1_epi32(32)), k);
+}
+
+/* The IQ3_XXS lattice points of the 32 index bytes at Q, elements 0-63 in *lo and 64-127 in
+ * *hi, from registers rather than memory (a gather of 16 table words costs ~20 cycles): each
+ * index's key (quant_iq3xxs_keys, 256 words in KEYS[8]: four two-register permutes, the
+ * index's top 2 bits pick one) gives the levels of coordinates 0-1 (key bits 0-5) and 2-3
+ * (bits 6-11) from the 64 level pairs in PAIRS[2], and two more permutes interleave them. */
+QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m512i *keys, const __m512i *pairs,
+                                                    __m512i *lo, __m512i *hi) {
+    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    const __mmask32 m6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x40));
+    const __mmask32 m7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x80));
+    const __m512i k01 = _mm512_mask_blend_epi16(m6, _mm512_permutex2var_epi16(keys[0], idx, keys[1]),
+                                                _mm512_permutex2var_epi16(keys[2], idx, keys[3]));
+    const __m512i k23 = _mm512_mask_blend_epi16(m6, _mm512_permutex2var_epi16(keys[4], idx, keys[5]),
+                                                _mm512_permutex2var_epi16(keys[6], idx, keys[7]));
+    const __m512i key = _mm512_mask_blend_epi16(m7, k01, k23);
+    const __m512i l01 = _mm512_permutex2var_epi16(pairs[0], key, pairs[1]);
+    const __m512i l23 = _mm512_permutex2var_epi16(pairs[0], _mm512_srli_epi16(key, 6), pairs[1]);
+    /* word 2i: l01[i], word 2i + 1: l23[i] */
+    const __m512i second = _mm512_set1_epi16(32);
+    *lo = _mm512_permutex2var_epi16(l01, _mm512_mask_add_epi16(quant_avx512_widx(0, 2), 0xaaaaaaaa, quant_avx512_widx(0, 2), second), l23);
+    *hi = _mm512_permutex2var_epi16(l01, _mm512_mask_add_epi16(quant_avx512_widx(16, 2), 0xaaaaaaaa, quant_avx512_widx(16, 2), second), l23);
+}
+
+/* Word c of the two registers: the levels of coordinates c % 8 (low byte) and c / 8 (high). */
+QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
+    const __m512i levels = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)quant_iq3_levels)));
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++) {
+        const __m512i c = _mm512_add_epi16(quant_avx512_widx(0, 1), _mm512_set1_epi16((short)(32 * h)));
+        const __m512i l0 = _mm512_permutexvar_epi16(_mm512_and_si512(c, _mm512_set1_epi16(7)), levels);
+        const __m512i l1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 3), levels);
+        pairs[h] = _mm512_or_si512(l0, _mm512_slli_epi16(l1, 8));
+    }
+}
+
+/* IQ3_XXS super-block: the lattice points (quant_avx512_iq3xxs_points); the 8 words of signs
+ * and scales (quant_iq_values) give the sign bytes of quant_iq_signs, 7 bits each spread to a
+ * byte and their parity added as bit 7, i.e. one sign bit per element in order, and the
+ * scales 2 s + 1 of quant_iq_isum_scalar. */
+QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    __m512i keys[8], pairs[2];
+    QUANT_UNROLL(8)
+    for (int i = 0; i < 8; i++) keys[i] = _mm512_loadu_si512(quant_iq3xxs_keys + 32 * i);
+    quant_avx512_iq3_pairs(pairs);
+    quant_avx512_iq3xxs_points(b + 2, keys, pairs, &k->q[0], &k->q[1]);
+    quant_avx512_iq3xxs_points(b + 34, keys, pairs, &k->q[2], &k->q[3]);
+    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+    __m256i f = _mm256_and_si256(aux, _mm256_set1_epi32(0x7f));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7f00)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 2), _mm256_set1_epi32(0x7f0000)));
+    f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7f000000)));
+    /* bit 8i of p: the parity of byte i of f (the shifts bring in only bits of that byte) */
+    __m256i p = _mm256_xor_si256(f, _mm256_srli_epi32(f, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    uint64_t signs[4];
+    _mm256_storeu_si256((__m256i *)signs, _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u))));
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) k->neg[j] = _cvtu64_mask64(signs[j]);
+    quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
+}
+
+/* Super-block B of the K-like type T decoded for quant_avx512_kdot. */
+QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
+    switch (t) {
+    case GGUF_TYPE_Q6_K: quant_avx512_q6k_decode(b, k); break;
+    case GGUF_TYPE_Q2_K: case GGUF_TYPE_Q3_K: quant_avx512_q23k_decode(t, b, k); break;
+    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, k); break;
+    case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, k); break;
+    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, k); break;
+    }
+}
+
+/* One column's integer parts of a decoded super-block, 8 lanes each: *is's sum to the isum of
+ * quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken off as that many
+ * times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero). The IQ formats'
+ * signs apply to x: |x| <= 127, so a pair of products stays within int16. */
+QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_avx512_kblock *k, const int8_t *qx,
+                                           const int16_t *bs, __m256i *is, __m256i *ms) {
+    const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS;
     __m512i acc = _mm512_setzero_si512();
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], _mm512_load_si512(qx + 64 * j)), k->sc[j]);
-    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-    __m256i m8 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
-    *s = _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
-    *m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) {
+        __m512i x = _mm512_load_si512(qx + 64 * j);
+        if (iq) x = _mm512_mask_sub_epi8(x, k->neg[j], _mm512_setzero_si512(), x);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], x), k->sc[j]);
+    }
+    *is = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    *ms = _mm256_setzero_si256();
+    if (iq) return;
+    const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
+    if (quant_k_has_min(t)) *ms = m;
+    else *is = _mm256_sub_epi32(*is, _mm256_slli_epi32(m, t == GGUF_TYPE_Q6_K ? 5 : 2));
 }
 
-/* Lane i = sum of the 4 lanes of v[i] (exact). */
-QUANT_AVX512_INLINE __m128i quant_avx512_hsum4x4(const __m128i *v) {
-    __m128i a = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
-    __m128i b = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
-    return _mm_add_epi32(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b));
+/* Slot I of the group at unit U: super-block U + I decoded (prefetching ahead) and its integer
+ * parts for every column, or zeros from COUNT on. */
+QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
+                                             int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
+    if (i >= count) {
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) is[c][i] = ms[c][i] = _mm256_setzero_si256();
+        return;
+    }
+    const uint8_t *b = wb + i * bb;
+    for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
+    struct quant_avx512_kblock k;
+    quant_avx512_kdecode(t, b, &k);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++)
+        quant_avx512_kdot(t, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
 
-/* fp16 at byte `off` of g <= 4 blocks of bb bytes from b, and the fp16 two bytes on, as floats
- * (lanes >= g are zero). */
-QUANT_AVX512_INLINE void quant_avx512_kscales(const uint8_t *b, int bb, int off, int g, __m128 *d, __m128 *dm) {
-    uint32_t v[4] = { 0, 0, 0, 0 };
-    #pragma GCC unroll 4
-    for (int i = 0; i < g; i++) memcpy(&v[i], b + i * bb + off, off == 208 ? 2 : 4);
-    __m128i x = _mm_loadu_si128((const __m128i *)v);
-    *d = _mm_cvtph_ps(_mm_packus_epi32(_mm_and_si128(x, _mm_set1_epi32(0xffff)), x));
-    *dm = _mm_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(x, 16), x));
-}
-
-/* K-quant dot of one row with NC columns. Units go in groups of 4 so that the horizontal sums
- * and the float steps of quant_dot_k run on 4 lanes; unit u -> partial u % 32 of each column. */
+/* K-like dot of one row with NC columns in quant_avx2_k's order and float steps: groups of 8
+ * super-blocks give one vector of unit results per column (lane k = unit u + k) added to its
+ * accumulator (u / 8) % 4, i.e. partials u % 32; a short group's empty lanes hold +0. Each
+ * super-block is decoded once for all columns. */
 QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                         size_t stride, int64_t n, float *y, size_t ys, int NC) {
-    const int bb = gguf_type_get(t)->block_bytes, six = t == GGUF_TYPE_Q6_K;
+    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_NCOL];
-    float p[QUANT_NCOL][QUANT_NPART];
-    #pragma GCC unroll 4
+    __m256 acc[QUANT_NCOL][4];
+    QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         a[c] = quant_q8k_view(acts + (size_t)c * stride, n);
-        memset(p[c], 0, sizeof p[c]);
+        acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
     }
-    for (int64_t u = 0; u < nu; u += 4) {
-        const int g = nu - u < 4 ? (int)(nu - u) : 4;
-        const __mmask8 live = (__mmask8)((1u << g) - 1);
-        __m128i s[QUANT_NCOL][4], m[QUANT_NCOL][4];
-        #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const uint8_t *b = w + (u + i) * bb;
-            for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
-            struct quant_avx512_kblock k;
-            if (i >= g) {
-                #pragma GCC unroll 4
-                for (int c = 0; c < NC; c++) s[c][i] = m[c][i] = _mm_setzero_si128();
-                continue;
-            }
-            if (six) quant_avx512_q6k_decode(b, &k);
-            else quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, &k);
-            #pragma GCC unroll 4
-            for (int c = 0; c < NC; c++)
-                quant_avx512_kdot(&k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &s[c][i], &m[c][i]);
+    for (int64_t u = 0; u < nu; u += 8) {
+        const int count = nu - u < 8 ? (int)(nu - u) : 8;
+        const uint8_t *wb = w + u * bb;
+        __m256i is[QUANT_NCOL][8], ms[QUANT_NCOL][8];
+        if (NC == 1) {
+            QUANT_GROUP_UNROLL
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
+        } else {
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
         }
-        __m128 d, dm;
-        quant_avx512_kscales(w + u * bb, bb, six ? 208 : 0, g, &d, &dm);
-        #pragma GCC unroll 4
+        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
+        const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2)
+                                                      : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
+        const __mmask8 live = (__mmask8)((1u << count) - 1);
+        QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
-            __m128i is = quant_avx512_hsum4x4(s[c]), ms = quant_avx512_hsum4x4(m[c]);
-            __m128 dx = _mm_maskz_loadu_ps(live, a[c].d + u), r;
-            if (six) r = _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(_mm_sub_epi32(is, _mm_slli_epi32(ms, 5))));
-            else r = _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(is)),
-                                _mm_mul_ps(_mm_mul_ps(dm, dx), _mm_cvtepi32_ps(ms)));
-            float *pp = p[c] + u % QUANT_NPART;
-            _mm_mask_storeu_ps(pp, live, _mm_add_ps(_mm_loadu_ps(pp), r));
+            const __m256 dx = _mm256_maskz_loadu_ps(live, a[c].d + u);
+            __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
+            if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(ms[c], count))));
+            if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
+            quant_avx2_acc_add(acc[c], r);
         }
     }
-    #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx512_reduce(_mm512_loadu_ps(p[c]), _mm512_loadu_ps(p[c] + 16));
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
+}
+
+/* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
+ * parts past the group's NR rows. */
+QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb,
+                                                 struct quant_q8k_view a, int nr, int l, __m256i *is, __m256i *ms) {
+    const int i = l / 2, k = l % 2;
+    is[l] = ms[l] = _mm256_setzero_si256();
+    if (i >= nr) return;
+    struct quant_avx512_kblock kb;
+    quant_avx512_kdecode(t, wr + (size_t)i * rb + (size_t)k * bb, &kb);
+    quant_avx512_kdot(t, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
+}
+
+/* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
+ * lanes 2 * row + unit, the same float steps; the row results go to Y. */
+QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
+                                                  __m256 dx, int nr, float *y) {
+    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    __m256i is[8], ms[8];
+    for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
+    QUANT_GROUP_UNROLL
+    for (int l = 0; l < 8; l++) quant_avx512_pairs_lane(t, wr, rb, bb, a, nr, l, is, ms);
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
+    if (has_min)
+        v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff + 2), dx),
+                                           _mm256_cvtepi32_ps(quant_avx2_hsum8(ms))));
+    if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
+    v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* the partials p[0], p[1] of each row */
+    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));      /* the butterfly's last step, p[0] + p[1] */
+    float out[8];
+    _mm256_storeu_ps(out, v);
+    for (int i = 0; i < nr; i++) y[i] = out[2 * i];
+}
+
+/* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
+ * one by one through DOT (the single-column kernel of type T). */
+QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, quant_dot_fn dot, const uint8_t *w, size_t rb, int nrows,
+                                             const void *act, int64_t n, float *y) {
+    if (n != 2 * QUANT_QK_K) {
+        for (int r = 0; r < nrows; r++) y[r] = dot(w + (size_t)r * rb, act, n);
+        return;
+    }
+    const struct quant_q8k_view a = quant_q8k_view(act, n);
+    const __m256 dx = _mm256_setr_ps(a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1]);
+    int r = 0;
+    for (; r + 4 <= nrows; r += 4) quant_avx512_pairs_group(t, w + (size_t)r * rb, rb, a, dx, 4, y + r);
+    if (r < nrows) quant_avx512_pairs_group(t, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
 }
 
 /* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
@@ -3042,8 +3298,8 @@ static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const floa
 }
 
 #define QUANT_AVX512_WRAP(name, kernel, type)                                                        \
-    QUANT_COLUMNS_FIXED(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                             \
-    QUANT_COLUMN(name, QUANT_AVX512, kernel, type)
+    QUANT_COLUMNS(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                                   \
+    QUANT_SINGLE_COLUMN(name, QUANT_AVX512, kernel, type)
 QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float, GGUF_TYPE_F32)
 QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float, GGUF_TYPE_F16)
 QUANT_AVX512_WRAP(quant_dot_bf16_avx512, quant_avx512_float, GGUF_TYPE_BF16)
@@ -3055,6 +3311,23 @@ QUANT_AVX512_WRAP(quant_dot_q5_1_avx512, quant_avx512_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX512_WRAP(quant_dot_q4_k_avx512, quant_avx512_k, GGUF_TYPE_Q4_K)
 QUANT_AVX512_WRAP(quant_dot_q5_k_avx512, quant_avx512_k, GGUF_TYPE_Q5_K)
 QUANT_AVX512_WRAP(quant_dot_q6_k_avx512, quant_avx512_k, GGUF_TYPE_Q6_K)
+QUANT_AVX512_WRAP(quant_dot_q2_k_avx512, quant_avx512_k, GGUF_TYPE_Q2_K)
+QUANT_AVX512_WRAP(quant_dot_q3_k_avx512, quant_avx512_k, GGUF_TYPE_Q3_K)
+QUANT_AVX512_WRAP(quant_dot_iq4_xs_avx512, quant_avx512_k, GGUF_TYPE_IQ4_XS)
+QUANT_AVX512_WRAP(quant_dot_iq3_xxs_avx512, quant_avx512_k, GGUF_TYPE_IQ3_XXS)
+QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
+QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
+
+#define QUANT_AVX512_ROWS(name, type, dot)                                                           \
+    static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
+                                  float *y) { quant_avx512_k_rows(type, dot, w, rb, nrows, act, n, y); }
+QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, quant_dot_q4_k_avx512)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, quant_dot_q5_k_avx512)
+QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, quant_dot_q6_k_avx512)
+QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, quant_dot_q2_k_avx512)
+QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, quant_dot_q3_k_avx512)
+QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, quant_dot_iq4_xs_avx512)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, quant_dot_iq3_xxs_avx512)
 
 
 
@@ -3077,16 +3350,16 @@ static const struct {
     { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, NULL } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, NULL } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, NULL } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx2 } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx2 } },
-    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx2 } },
-    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx2 } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, quant_dotr_q4_k_avx512 } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512 } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, quant_dotr_q6_k_avx512 } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, NULL, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 } },
+    { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, quant_dot_iq3_xxs_avx512 }, { NULL, NULL, quant_dot_iq3_xxs_avx512n }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx512 } },
     { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx2 } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, NULL }, { NULL, quant_dot_iq4_nl_avx2n, NULL }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, NULL }, { NULL, quant_dot_mxfp4_avx2n, NULL }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512" };
