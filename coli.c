@@ -2879,7 +2879,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
 }
 
 /* A K-like super-block decoded for the column loop: q[k] holds the unsigned quants of elements
- * 64k..64k+63 (IQ4_XS, IQ3_XXS: their magnitudes, with bit i of neg[k] set where element
+ * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: their magnitudes, with bit i of neg[k] set where element
  * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
  * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
  * for the offset of 32 or 4; unused by the IQ formats). */
@@ -3066,6 +3066,29 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, struct qua
     quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
 }
 
+/* IQ3_S super-block: 16 grid points per register by one gather from quant_iq3s_grid (512
+ * words: too many to hold in registers as IQ3_XXS's keys are), their indices the qs bytes
+ * with the qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their two qh bytes); a
+ * sign bit per element, in order, as the 64-bit masks; and the scales 2 s + 1. */
+QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+    const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) {
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j)));
+        const __m512i qh = _mm512_srlv_epi32(_mm512_set1_epi32(quant_rd16(b + QUANT_IQ3S_QH + 2 * j)), bit);
+        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(qh, _mm512_set1_epi32(1)), 8));
+        k->q[j] = _mm512_i32gather_epi32(idx, (const void *)quant_iq3s_grid, 4);
+        uint64_t neg;
+        memcpy(&neg, b + QUANT_IQ3S_SIGNS + 8 * j, 8);
+        k->neg[j] = _cvtu64_mask64(neg);
+    }
+    uint32_t packed;
+    memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
+    const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(15));
+    quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)), k);
+}
+
 /* Super-block B of the K-like type T decoded for quant_avx512_kdot. */
 QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
     switch (t) {
@@ -3073,6 +3096,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b
     case GGUF_TYPE_Q2_K: case GGUF_TYPE_Q3_K: quant_avx512_q23k_decode(t, b, k); break;
     case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, k); break;
     case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, k); break;
+    case GGUF_TYPE_IQ3_S: quant_avx512_iq3s_decode(b, k); break;
     default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, k); break;
     }
 }
@@ -3083,7 +3107,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, const uint8_t *b
  * signs apply to x: |x| <= 127, so a pair of products stays within int16. */
 QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_avx512_kblock *k, const int8_t *qx,
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
-    const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS;
+    const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
@@ -3315,6 +3339,7 @@ QUANT_AVX512_WRAP(quant_dot_q2_k_avx512, quant_avx512_k, GGUF_TYPE_Q2_K)
 QUANT_AVX512_WRAP(quant_dot_q3_k_avx512, quant_avx512_k, GGUF_TYPE_Q3_K)
 QUANT_AVX512_WRAP(quant_dot_iq4_xs_avx512, quant_avx512_k, GGUF_TYPE_IQ4_XS)
 QUANT_AVX512_WRAP(quant_dot_iq3_xxs_avx512, quant_avx512_k, GGUF_TYPE_IQ3_XXS)
+QUANT_AVX512_WRAP(quant_dot_iq3_s_avx512, quant_avx512_k, GGUF_TYPE_IQ3_S)
 QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
@@ -3328,6 +3353,7 @@ QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, quant_dot_q2_k_avx512)
 QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, quant_dot_q3_k_avx512)
 QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, quant_dot_iq4_xs_avx512)
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, quant_dot_iq3_xxs_avx512)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, quant_dot_iq3_s_avx512)
 
 
 
@@ -3357,7 +3383,7 @@ static const struct {
     { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 } },
     { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, quant_dot_iq3_xxs_avx512 }, { NULL, NULL, quant_dot_iq3_xxs_avx512n }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx512 } },
-    { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, NULL }, { NULL, NULL, NULL }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx2 } },
+    { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, quant_dot_iq3_s_avx512 }, { NULL, NULL, quant_dot_iq3_s_avx512n }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx512 } },
     { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL } },
     { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL } },
 };
