@@ -1094,7 +1094,9 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   column), called concurrently from OpenMP threads (the kernels are pure; only
  *   quant_init/quant_set_level write globals, before any parallel region). AVX-512, one core,
  *   4096-column rows in L2: Q4_0 ~10 weight bytes per TSC cycle, Q8_0 ~19, Q4_K ~7.5, Q6_K ~11;
- *   with 64 columns per weight row 1.5-2x that per column. AVX2 (AMD EPYC), one column: Q4_K
+ *   with 64 columns per weight row 1.5-2x that per column. Zen 4 (2.6 GHz TSC), one core, 1 MiB
+ *   of such rows: IQ4_NL ~9, MXFP4 ~7.3, IQ4_XS ~6.3, Q2_K ~5.8, Q3_K ~5.5, IQ3_XXS ~2.4 (its
+ *   AVX2 kernels 4.4, 4.5, 5.6, 5.1, 4.3, 1.7). AVX2 (AMD EPYC), one column: Q4_K
  *   ~22-26 TSC cycles per super-block in 4096-column rows (the legacy formats, Q4_K, Q5_K and
  *   Q6_K decode once for up to 4 columns: prompts 15-30% faster); 512-column rows take 116
  *   instructions per super-block through quant_dotr, 154 one by one, against 102 (callgrind). */
@@ -2578,7 +2580,7 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 
 /* COLI_ROLLED builds pass the pass size at run time instead, and the single-column dot is the
  * multi-column kernel's one-column call: one copy of each kernel, not four (the same bits; the
- * sanitizer build of test_quant takes 22 s where fixed sizes at both levels take 56). */
+ * sanitizer build of test_quant takes ~19 s where fixed sizes at both levels take ~29). */
 #ifdef COLI_ROLLED
 #define QUANT_COLUMNS(name, target, kernel, type, ncol)                                                \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
@@ -3196,13 +3198,13 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, const uint8_t
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
- * lanes 2 * row + unit, the same float steps; the row results go to Y. */
+ * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop stays
+ * rolled: unrolled, Q4_K spills (17 GB/s a core against 21; Q6_K 34 against 31). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
     __m256i is[8], ms[8];
     for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
-    QUANT_GROUP_UNROLL
     for (int l = 0; l < 8; l++) quant_avx512_pairs_lane(t, wr, rb, bb, a, nr, l, is, ms);
     __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
     if (has_min)
