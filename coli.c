@@ -2507,21 +2507,13 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr
     if (i < nr) quant_avx2_k_ints(t, wr + (size_t)i * rb + (size_t)k * bb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
 }
 
-/* NR (1..4) rows of 2 super-blocks from WR, in lanes 2 * row + unit; the row results go to Y. */
-QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
-                                              __m256 dx, int nr, float *y) {
-    const int bb = gguf_type_get(t)->block_bytes;
-    const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
-    __m256i is[8], sm[8];
-    for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
-    if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S) { /* as in quant_avx2_k: too long a body to unroll */
-        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
-    } else {
-        QUANT_GROUP_UNROLL
-        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
-    }
+/* The float steps of a group of quant_avx2_pairs_group (both levels): the integer parts IS and
+ * SM of NR rows' 2 super-blocks each in lanes 2 * row + unit, to the row results in Y. */
+QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *wr, size_t rb, int nr, __m256 dx,
+                                               const __m256i *is, const __m256i *sm, float *y) {
+    const int bb = gguf_type_get(t)->block_bytes, doff = quant_k_d_offset(t);
     __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
-    if (has_min)
+    if (quant_k_has_min(t))
         v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff + 2), dx),
                                            _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
     if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
@@ -2530,6 +2522,21 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *w
     float out[8];
     _mm256_storeu_ps(out, v);
     for (int i = 0; i < nr; i++) y[i] = out[2 * i];
+}
+
+/* NR (1..4) rows of 2 super-blocks from WR, in lanes 2 * row + unit; the row results go to Y. */
+QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
+                                              __m256 dx, int nr, float *y) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    __m256i is[8], sm[8];
+    for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
+    if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S) { /* as in quant_avx2_k: too long a body to unroll */
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
+    } else {
+        QUANT_GROUP_UNROLL
+        for (int l = 0; l < 8; l++) quant_avx2_pairs_lane(t, wr, rb, bb, a, nr, l, is, sm);
+    }
+    quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, sm, y);
 }
 
 /* K-quant rows of 2 super-blocks (512 columns: the down products of the 35B-A3B's experts and of
@@ -3202,20 +3209,11 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, const uint8_t
  * rolled: unrolled, Q4_K spills (17 GB/s a core against 21; Q6_K 34 against 31). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
-    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    const int bb = gguf_type_get(t)->block_bytes;
     __m256i is[8], ms[8];
     for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
     for (int l = 0; l < 8; l++) quant_avx512_pairs_lane(t, wr, rb, bb, a, nr, l, is, ms);
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff), dx), _mm256_cvtepi32_ps(quant_avx2_hsum8(is)));
-    if (has_min)
-        v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff + 2), dx),
-                                           _mm256_cvtepi32_ps(quant_avx2_hsum8(ms))));
-    if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
-    v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* the partials p[0], p[1] of each row */
-    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));      /* the butterfly's last step, p[0] + p[1] */
-    float out[8];
-    _mm256_storeu_ps(out, v);
-    for (int i = 0; i < nr; i++) y[i] = out[2 * i];
+    quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
