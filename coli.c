@@ -3172,7 +3172,7 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
         if (NC == 1) {
             QUANT_GROUP_UNROLL
             for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
-        } else {
+        } else { /* several columns' parts live in memory anyway: unrolled, no faster */
             for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
         }
         const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
