@@ -2458,11 +2458,32 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b
     }
 }
 
+/* The float steps of one group of COUNT (1..8) super-blocks at unit U for NC columns (both
+ * levels' multi-column K kernels): each column's integer parts IS and SM to unit results, lane
+ * k = unit u + k (+0 past COUNT), added to its accumulators ACC as quant_avx2_k adds them. */
+QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *wb, int bb, int count,
+                                               const struct quant_q8k_view *a, int64_t u, __m256i (*is)[8],
+                                               __m256i (*sm)[8], __m256 (*acc)[4], int NC) {
+    const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    /* dx of the group's units; past them the load reads the act's bsums, which follow d */
+    const __m256 lanes = _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count));
+    const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
+    const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a[c].d + u), lanes);
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
+        if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(sm[c], count))));
+        if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
+        quant_avx2_acc_add(acc[c], r);
+    }
+}
+
 /* Q4_K, Q5_K or Q6_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns: quant_avx2_k's steps
  * for every column, each super-block step decoded once for all of them. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
-    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_AVX2_NCOL];
     __m256 acc[QUANT_AVX2_NCOL][4];
@@ -2483,16 +2504,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
             for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
             quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
         }
-        const __m256 lanes = _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count));
-        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
-        const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) {
-            const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a[c].d + u), lanes);
-            __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
-            if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(sm[c], count))));
-            quant_avx2_acc_add(acc[c], r);
-        }
+        quant_avx2_group_finish(t, wb, bb, count, a, u, is, sm, acc, NC);
     }
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
@@ -3156,7 +3168,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, const uint8_t *wb
  * super-block is decoded once for all columns. */
 QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                         size_t stride, int64_t n, float *y, size_t ys, int NC) {
-    const int bb = gguf_type_get(t)->block_bytes, has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
+    const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
     struct quant_q8k_view a[QUANT_NCOL];
     __m256 acc[QUANT_NCOL][4];
@@ -3175,18 +3187,7 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
         } else { /* several columns' parts live in memory anyway: unrolled, no faster */
             for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, wb, bb, a, u, i, count, is, ms, NC);
         }
-        const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
-        const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2)
-                                                      : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
-        const __mmask8 live = (__mmask8)((1u << count) - 1);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) {
-            const __m256 dx = _mm256_maskz_loadu_ps(live, a[c].d + u);
-            __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is[c], count)));
-            if (has_min) r = _mm256_sub_ps(r, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(ms[c], count))));
-            if (t == GGUF_TYPE_IQ3_XXS) r = _mm256_mul_ps(r, _mm256_set1_ps(0.25f));
-            quant_avx2_acc_add(acc[c], r);
-        }
+        quant_avx2_group_finish(t, wb, bb, count, a, u, is, ms, acc, NC);
     }
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
