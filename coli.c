@@ -2913,12 +2913,26 @@ QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
     return _mm512_loadu_si512(ix);
 }
 
+/* quant_k4_unpack's 8 scales (bytes 0-7 of the result) and 8 mins (bytes 8-15) in vector
+ * form; the 16-byte load reads 4 bytes of quants past the 12 packed ones, masked off. */
+QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)packed);
+    /* u0 u2 u1 u2>>4: the low 6 bits of scales 0-3, the low 4 of scales 4-7, then the mins' */
+    const __m128i x = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(2, 2, 0, 0)), 2),
+                                      _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(_mm_and_si128(x, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)), top);
+}
+
+/* Q4_K / Q5_K super-block. The scales and mins of quant_avx512_k4_fields become words by
+ * vpshufb (index byte i, then 0x80: a zero high byte): measured 8% faster on Q4_K than the
+ * scalar quant_k4_unpack and word permutes. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, struct quant_avx512_kblock *k) {
-    uint64_t sc, mn;
-    quant_k4_unpack(b + 4, &sc, &mn);
-    __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-    __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
-    k->m = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
+    /* each min twice (two bsums per 32-block) */
+    const __m256i mins = _mm256_setr_epi16(0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b,
+                                           0x800c, 0x800c, 0x800d, 0x800d, 0x800e, 0x800e, 0x800f, 0x800f);
+    k->m = _mm256_shuffle_epi8(_mm512_castsi512_si256(fields), mins);
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     QUANT_UNROLL(4)
@@ -2931,7 +2945,8 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
     }
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
-        k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
+        const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16((short)(0x8000 | 2 * j)), _mm256_set1_epi16((short)(0x8001 | 2 * j)), 1);
+        k->sc[j] = _mm512_shuffle_epi8(fields, scale);
         if (five) {
             /* bit s of qh[l] is the fifth bit of element l of sub-block s */
             __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
