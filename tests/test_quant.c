@@ -486,10 +486,12 @@ static double iq3s_first_row_error(const char *dir) {
     return worst;
 }
 
-static uint32_t iq3s_point(int key) {
+/* Entry E of coli's IQ3_S tables (the grid, and the pair planes of the VBMI lookups) set to KEY. */
+static void iq3s_set_point(int e, int key) {
     uint32_t g = 0;
     for (int j = 0; j < 4; j++) g |= (uint32_t)(2 * (key >> 3 * j & 7) + 1) << 8 * j;
-    return g;
+    quant_iq3s_grid[e] = g;
+    for (int h = 0; h < 2; h++) quant_iq3s_pairs[h][e] = (uint8_t)quant_iq3_pair((uint16_t)key, h);
 }
 
 static void test_iq3s_grid(const char *dir) {
@@ -509,9 +511,9 @@ static void test_iq3s_grid(const char *dir) {
     for (int e = 0; e < 512; e++) {
         if (keys[e] == quant_iq3s_keys[e]) continue;
         differ++;
-        quant_iq3s_grid[e] = iq3s_point(keys[e]);
+        iq3s_set_point(e, keys[e]);
         const double theirs = iq3s_first_row_error(dir);
-        quant_iq3s_grid[e] = iq3s_point(quant_iq3s_keys[e]);
+        iq3s_set_point(e, quant_iq3s_keys[e]);
         if (theirs <= mine) {
             worse++;
             snprintf(why + strlen(why), sizeof why - strlen(why), " entry %d: %.3g against %.3g;", e, theirs, mine);
