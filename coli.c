@@ -3804,6 +3804,19 @@ static size_t ops_bench_llc(void) {
     return kib * 1024;
 }
 
+/* The host's read bandwidth in GB/s, measured now on a buffer of 4x the last-level cache
+ * (256 MiB to 1 GiB). */
+static double ops_bench_host_gbps(void)
+{
+    size_t n = 4 * ops_bench_llc();
+    n = (n < ((size_t)256 << 20) ? (size_t)256 << 20 : n > ((size_t)1 << 30) ? (size_t)1 << 30 : n) & ~(size_t)4095;
+    uint8_t *buf = plat_alloc_aligned(n);
+    ops_bench_fill(buf, n, 0);
+    double gbps = ops_bench_bandwidth(buf, n);
+    free(buf);
+    return gbps;
+}
+
 /* Prints GEMV throughput (GB/s of weight bytes) per format and shape, the large matrix's against
  * the read bandwidth measured beside it, on the current OpenMP thread count. Caller: quant_init
  * done. */
@@ -3885,6 +3898,85 @@ static float ops_exp(float x)
 /* The activations the GPU computes too (the experts' SwiGLU), hence ops_exp. */
 static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
 static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
+
+/* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read
+ * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases. */
+QUANT_AVX2_INLINE __m128 ops_exp_core_avx2(__m128 x) {
+    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0), xd = _mm256_cvtps_pd(x);
+    const __m256d t = _mm256_add_pd(_mm256_mul_pd(xd, _mm256_set1_pd(1.4426950408889634)), shift), n = _mm256_sub_pd(t, shift);
+    const __m256d r = _mm256_sub_pd(xd, _mm256_mul_pd(n, _mm256_set1_pd(0.6931471805599453)));
+    __m256d p = _mm256_set1_pd(1.0 / 3628800.0);
+    for (int i = 0; i < 10; i++) p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(inv_fact[i]));
+    const __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(shift));
+    const __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52));
+    return _mm256_cvtpd_ps(_mm256_mul_pd(p, scale));
+}
+
+/* ops_silu of 8 floats: ops_exp's special cases by blends (NaN last, as it is first there). */
+QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
+    const __m256 m = _mm256_sub_ps(_mm256_setzero_ps(), x);
+    __m256 e = _mm256_set_m128(ops_exp_core_avx2(_mm256_extractf128_ps(m, 1)), ops_exp_core_avx2(_mm256_castps256_ps128(m)));
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(m, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(m, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
+    e = _mm256_blendv_ps(e, m, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* ops_exp_core_avx2 on 8 double lanes. */
+QUANT_AVX512_INLINE __m256 ops_exp_core_avx512(__m256 x) {
+    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    const __m512d shift = _mm512_set1_pd(6755399441055744.0), xd = _mm512_cvtps_pd(x);
+    const __m512d t = _mm512_add_pd(_mm512_mul_pd(xd, _mm512_set1_pd(1.4426950408889634)), shift), n = _mm512_sub_pd(t, shift);
+    const __m512d r = _mm512_sub_pd(xd, _mm512_mul_pd(n, _mm512_set1_pd(0.6931471805599453)));
+    __m512d p = _mm512_set1_pd(1.0 / 3628800.0);
+    for (int i = 0; i < 10; i++) p = _mm512_add_pd(_mm512_mul_pd(p, r), _mm512_set1_pd(inv_fact[i]));
+    const __m512i k = _mm512_sub_epi64(_mm512_castpd_si512(t), _mm512_castpd_si512(shift));
+    const __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(k, _mm512_set1_epi64(1023)), 52));
+    return _mm512_cvtpd_ps(_mm512_mul_pd(p, scale));
+}
+
+/* ops_silu8_avx2 with 16 floats and masks. */
+QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x) {
+    const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
+    const __m256 lo = ops_exp_core_avx512(_mm512_castps512_ps256(m));
+    const __m256 hi = ops_exp_core_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+    __m512 e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q), m);
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* g[i] = silu(g[i]) * u[i] for N values (U NULL: silu alone), ops_silu's bits at every level:
+ * the SIMD levels run ops_exp's double steps in vector lanes (a scalar ops_exp is ~20 ns: the
+ * 8192 channels of a DeltaNet conv took 0.2 ms a layer). */
+static QUANT_AVX512 void ops_swiglu_avx512(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 s = ops_silu16_avx512(_mm512_loadu_ps(g + i));
+        _mm512_storeu_ps(g + i, u ? _mm512_mul_ps(s, _mm512_loadu_ps(u + i)) : s);
+    }
+    for (; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+}
+
+static QUANT_AVX2 void ops_swiglu_avx2(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 s = ops_silu8_avx2(_mm256_loadu_ps(g + i));
+        _mm256_storeu_ps(g + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
+    }
+    for (; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+}
+
+static void ops_swiglu(float *g, const float *u, int64_t n) {
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_swiglu_avx512(g, u, n);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_swiglu_avx2(g, u, n);
+    else
+        for (int64_t i = 0; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+}
 
 /* log(1 + e^x), switching to x above 20 as the reference does. */
 static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -4032,6 +4124,124 @@ static void ops_attend(const float *const *w, int nq, const float *v, size_t str
     if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o);
     else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o);
     else ops_attend_scalar(w, nq, v, stride, n, hd, o);
+}
+
+/* ---- the gated delta rule ----
+ * One token for one v-head (§5.3 of the architecture): for each row j of the state, decay it,
+ * predict v_j from k, write the scaled error back, read o_j with q; each dot a serial sum over
+ * the dk elements. S is stored i-major ([dk][dv]: element (j, i) at i * dv + j), so that a
+ * vector holds the same element of 16 rows and the SIMD levels run 16 rows' serial sums side
+ * by side: the same operations in the same order as the scalar rows, hence the same bits.
+ * Serial sums one row at a time had made DeltaNet 12-15% of a 35B-A3B token (bench's
+ * profile). */
+
+/* Rows FROM..DV of the step, one at a time. */
+static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const float *q, const float *k, const float *v,
+                                  float beta, float decay, float *out)
+{
+    for (int j = from; j < dv; j++) {
+        float pred = 0.0f, o = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *s = S + (size_t)i * dv + j;
+            *s = *s * decay;
+            pred = pred + *s * k[i];
+        }
+        const float delta = beta * (v[j] - pred);
+        for (int i = 0; i < dk; i++) {
+            float *s = S + (size_t)i * dv + j;
+            *s = *s + k[i] * delta;
+            o = o + *s * q[i];
+        }
+        out[j] = o;
+    }
+}
+
+/* Rows J0..J0 + 8 NB, NB vectors of 8 rows side by side (NB constant where inlined). */
+QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int nb, const float *q, const float *k,
+                                           const float *v, float beta, float decay, float *out)
+{
+    __m256 acc[4], delta[4];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (size_t)i * dv + j0;
+        const __m256 ki = _mm256_set1_ps(k[i]);
+        for (int b = 0; b < nb; b++) {
+            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay));
+            _mm256_storeu_ps(s + 8 * b, r);
+            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, ki));
+        }
+    }
+    for (int b = 0; b < nb; b++) {
+        delta[b] = _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8 * b), acc[b]));
+        acc[b] = _mm256_setzero_ps();
+    }
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (size_t)i * dv + j0;
+        const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+        for (int b = 0; b < nb; b++) {
+            const __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
+            _mm256_storeu_ps(s + 8 * b, r);
+            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, qi));
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm256_storeu_ps(out + j0 + 8 * b, acc[b]);
+}
+
+static QUANT_AVX2 void ops_delta_rule_avx2(float *S, int dk, int dv, const float *q, const float *k, const float *v,
+                                           float beta, float decay, float *out)
+{
+    int j = 0;
+    for (; j + 32 <= dv; j += 32) ops_delta_rows_avx2(S, dk, dv, j, 4, q, k, v, beta, decay, out);
+    for (; j + 8 <= dv; j += 8) ops_delta_rows_avx2(S, dk, dv, j, 1, q, k, v, beta, decay, out);
+    ops_delta_rows_scalar(S, dk, dv, j, q, k, v, beta, decay, out);
+}
+
+/* ops_delta_rows_avx2 with 16 rows a vector. */
+QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0, int nb, const float *q, const float *k,
+                                               const float *v, float beta, float decay, float *out)
+{
+    __m512 acc[8], delta[8];
+    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (size_t)i * dv + j0;
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        for (int b = 0; b < nb; b++) {
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay));
+            _mm512_storeu_ps(s + 16 * b, r);
+            acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, ki));
+        }
+    }
+    for (int b = 0; b < nb; b++) {
+        delta[b] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16 * b), acc[b]));
+        acc[b] = _mm512_setzero_ps();
+    }
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (size_t)i * dv + j0;
+        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        for (int b = 0; b < nb; b++) {
+            const __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
+            _mm512_storeu_ps(s + 16 * b, r);
+            acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, qi));
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out + j0 + 16 * b, acc[b]);
+}
+
+static QUANT_AVX512 void ops_delta_rule_avx512(float *S, int dk, int dv, const float *q, const float *k, const float *v,
+                                               float beta, float decay, float *out)
+{
+    int j = 0;
+    for (; j + 128 <= dv; j += 128) ops_delta_rows_avx512(S, dk, dv, j, 8, q, k, v, beta, decay, out);
+    for (; j + 16 <= dv; j += 16) ops_delta_rows_avx512(S, dk, dv, j, 1, q, k, v, beta, decay, out);
+    ops_delta_rows_scalar(S, dk, dv, j, q, k, v, beta, decay, out);
+}
+
+static void ops_delta_rule(float *S, int dk, int dv, const float *q, const float *k, const float *v, float beta, float decay,
+                           float *out)
+{
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_delta_rule_avx512(S, dk, dv, q, k, v, beta, decay, out);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_delta_rule_avx2(S, dk, dv, q, k, v, beta, decay, out);
+    else ops_delta_rows_scalar(S, dk, dv, 0, q, k, v, beta, decay, out);
 }
 
 /* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
@@ -6891,7 +7101,7 @@ static double place_cpu_experts(const struct ops_matrix w[3], int n_jobs)
         for (int j = 0; j < n_jobs; j++) {
             ops_matvec(&w[0], x, g);
             ops_matvec(&w[1], x, u);
-            for (int64_t i = 0; i < w[0].rows; i++) g[i] = ops_silu(g[i]) * u[i];
+            ops_swiglu(g, u, w[0].rows);
             ops_matvec(&w[2], g, y);
         }
         if (rep >= 0) best = fmin(best, plat_now() - t0);
@@ -7289,7 +7499,7 @@ struct model_layer {
 struct model_layer_state {
     float *k_cache, *v_cache; /* [n_ctx][n_kv_head * head_dim], K after norm and RoPE */
     float *conv_state;        /* [conv_dim][conv_kernel - 1] raw inputs, oldest first */
-    float *ssm_state;         /* [nv][dv][dk]: S transposed so that each row is contiguous in k */
+    float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
 };
 
 /* One sequence (a conversation): what the forward pass remembers of its tokens. Many may
@@ -7343,6 +7553,20 @@ struct model_scratch {
     float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
 };
 
+/* Where the forward passes' time goes, for bench: seconds per phase, prompt steps and decode
+ * steps apart (engine_step says which), summed since the model was loaded. model_phase_mark
+ * charges the time since the previous mark to a phase (~20 ns a mark, ~10 marks a layer);
+ * sampling is the engine's, after the pass. */
+enum model_phase { MODEL_PHASE_PRODUCTS, MODEL_PHASE_EXPERTS, MODEL_PHASE_DELTANET, MODEL_PHASE_ATTENTION,
+                   MODEL_PHASE_ROUTING, MODEL_PHASE_OTHER, MODEL_PHASE_SAMPLING, MODEL_PHASE_COUNT };
+static const char *const model_phase_names[MODEL_PHASE_COUNT] = {"products", "experts", "deltanet", "attention",
+                                                                  "routing", "other", "sampling"};
+struct model_profile {
+    double seconds[2][MODEL_PHASE_COUNT]; /* [decode] */
+    double mark;
+    int decode;
+};
+
 struct model {
     struct gguf_file file;
     struct model_config cfg;
@@ -7356,6 +7580,7 @@ struct model {
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
     void *trunk;                      /* the trunk matrices' own copy (model_own_trunk), or NULL */
     size_t trunk_bytes;
+    struct model_profile profile;
 };
 
 /* An architecture hyper-parameter: ARCH.KEY, required unless DFLT >= 0, within [lo, hi]. */
@@ -7817,6 +8042,18 @@ static struct place_item *model_trunk_items(struct model *m)
     return it;
 }
 
+/* Bytes a decoded token reads from the weights: every dense trunk matrix (*TRUNK of them) and,
+ * in each MoE layer, n_expert_used routed experts of the layer's size (the embedding's one row
+ * left out). */
+static double model_decode_bytes(struct model *m, double *trunk)
+{
+    struct place_item *it = model_trunk_items(m);
+    *trunk = 0;
+    for (int i = 0; it[i].m; i++) *trunk += (double)it[i].m->rows * (double)it[i].m->row_bytes;
+    free(it);
+    return *trunk + (m->cfg.n_expert ? (double)model_expert_bytes(m) * m->cfg.n_expert_used / m->cfg.n_expert : 0);
+}
+
 /* Copies the dense trunk matrices that stay on the CPU (none resident on a device) out of the
  * mapping into one anonymous arena and computes from there; the process lets go of the file's
  * pages (the page cache keeps them for the next start, and gives them up first when memory is
@@ -7897,6 +8134,13 @@ static void model_rope_table(const struct model_config *c, int pos, float *cos_s
 
 /* Gated attention (§4) for the T tokens of a batch, each at its position in its sequence's
  * KV cache (tok_seq, tok_pos): xn -> out. */
+static void model_phase_mark(struct model *m, enum model_phase phase)
+{
+    double now = plat_now();
+    m->profile.seconds[m->profile.decode][phase] += now - m->profile.mark;
+    m->profile.mark = now;
+}
+
 static void model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -7907,6 +8151,7 @@ static void model_attention(struct model *m, int il, int T)
 
     const struct ops_job qkv[] = {{l->wq, s->xn, s->qg, T}, {l->wk, s->xn, s->k, T}, {l->wv, s->xn, s->v, T}};
     ops_matmat_jobs(qkv, 3);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 
     /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache */
     for (int t = 0; t < T; t++) {
@@ -7954,7 +8199,9 @@ static void model_attention(struct model *m, int il, int T)
                 for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
         }
     }
+    model_phase_mark(m, MODEL_PHASE_ATTENTION);
     ops_matmat(&l->wo, s->attn, s->out, T);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
 /* Depthwise causal conv over one token's channels, then SiLU, in place (§5.3). The state
@@ -7971,31 +8218,9 @@ static void model_conv_step(const struct model_config *c, const float *w, float 
         sum += wc[K - 1] * x[ch];
         for (int j = 0; j + 1 < K - 1; j++) sv[j] = sv[j + 1];
         if (K > 1) sv[K - 2] = x[ch];
-        x[ch] = ops_silu(sum);
+        x[ch] = sum;
     }
-}
-
-/* One token of the gated delta rule for v-head h (§5.3): decay the state, predict v from
- * k, write the scaled error back, read with q. S is [dv][dk], so each step is one pass
- * over contiguous rows. */
-static void model_delta_head(float *S, int dk, int dv, const float *q, const float *k, const float *v,
-                             float beta, float decay, float *out)
-{
-    for (int j = 0; j < dv; j++) {
-        float *row = S + (size_t)j * dk;
-        float pred = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            row[i] *= decay;
-            pred += row[i] * k[i];
-        }
-        float delta = beta * (v[j] - pred);
-        float o = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            row[i] += k[i] * delta;
-            o += row[i] * q[i];
-        }
-        out[j] = o;
-    }
+    ops_swiglu(x, NULL, n);
 }
 
 /* qwen3next's fused beta and alpha logits (ba), stored per k-head group as [b x r | a x r]
@@ -8029,6 +8254,7 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     int fused = c->arch == MODEL_ARCH_QWEN3NEXT; /* one projection for beta and alpha */
     if (fused) proj[2] = (struct ops_job){l->wba, s->xn, s->ba, T};
     ops_matmat_jobs(proj, fused ? 3 : 4);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     if (fused) model_split_ba(m, T);
 
     for (int t = 0; t < T; t++) {
@@ -8046,8 +8272,8 @@ static void model_gated_deltanet(struct model *m, int il, int T)
             int g = c->vhead_tiled ? h % nk : h / r;
             float beta = ops_sigmoid(s->beta[(size_t)t * nv + h]);
             float decay = expf(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
-            model_delta_head(st->ssm_state + (size_t)h * dv * dk, dk, dv, q + (size_t)g * dk, k + (size_t)g * dk,
-                             v + (size_t)h * dv, beta, decay, s->core + (size_t)t * vdim + (size_t)h * dv);
+            ops_delta_rule(st->ssm_state + (size_t)h * dv * dk, dk, dv, q + (size_t)g * dk, k + (size_t)g * dk,
+                           v + (size_t)h * dv, beta, decay, s->core + (size_t)t * vdim + (size_t)h * dv);
         }
     }
 
@@ -8055,11 +8281,14 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     for (int t = 0; t < T; t++)
         for (int h = 0; h < nv; h++) {
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv;
-            const float *z = s->z + (size_t)t * vdim + (size_t)h * dv;
+            float *z = s->z + (size_t)t * vdim + (size_t)h * dv;
             ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
-            for (int i = 0; i < dv; i++) o[i] *= ops_silu(z[i]);
+            ops_swiglu(z, NULL, dv);
+            for (int i = 0; i < dv; i++) o[i] *= z[i];
         }
+    model_phase_mark(m, MODEL_PHASE_DELTANET);
     ops_matmat(&l->wout, s->core, s->out, T);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
 /* The second half of a SwiGLU over N rows whose gate and up products are in ex_g and ex_u:
@@ -8068,7 +8297,7 @@ static void model_swiglu_down(struct model *m, const struct ops_matrix *down, fl
 {
     struct model_scratch *s = &m->s;
     size_t total = (size_t)n * (size_t)down->cols;
-    for (size_t i = 0; i < total; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+    ops_swiglu(s->ex_g, s->ex_u, (int64_t)total);
     ops_matmat(down, s->ex_g, out, n);
 }
 
@@ -8172,7 +8401,7 @@ static void model_routed_experts_mapped(struct model *m, int T)
         }
         if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
         ops_matmat_jobs(up, 2 * n);
-        for (size_t i = 0; i < (size_t)rows * ff; i++) s->ex_g[i] = ops_silu(s->ex_g[i]) * s->ex_u[i];
+        ops_swiglu(s->ex_g, s->ex_u, (int64_t)rows * ff);
         ops_matmat_jobs(down, n);
         for (int r = 0; r < rows; r++) memcpy(s->ex_out + (size_t)s->slot_of[r] * dim, s->ex_y + r * dim, dim * sizeof(float));
         n = rows = 0;
@@ -8265,18 +8494,24 @@ static void model_ffn(struct model *m, int il, int T)
     struct model_scratch *s = &m->s;
     if (c->n_expert == 0) {
         model_swiglu(m, &l->ffn_gate, &l->ffn_up, &l->ffn_down, s->xn, s->out, T);
+        model_phase_mark(m, MODEL_PHASE_PRODUCTS);
         return;
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up */
     const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
                                     {l->shexp_gate, s->xn, s->ex_g, T}, {l->shexp_up, s->xn, s->ex_u, T}};
     ops_matmat_jobs(first, c->shexp_ff ? 4 : 1);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_select_experts(m, T);
     model_want_experts(m, il, T);
+    model_phase_mark(m, MODEL_PHASE_ROUTING);
     model_experts_device_start(m, il, T);
+    model_phase_mark(m, MODEL_PHASE_EXPERTS);
     if (c->shexp_ff) model_swiglu_down(m, &l->shexp_down, s->sh_out, T);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_routed_experts(m, T);
     model_experts_device_finish(m, il);
+    model_phase_mark(m, MODEL_PHASE_EXPERTS);
     for (int t = 0; t < T; t++) {
         float *o = s->out + (size_t)t * c->dim;
         for (int k = 0; k < c->n_expert_used; k++) {
@@ -8352,15 +8587,20 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)c->dim;
     if (!model_runs_valid(m, runs, n_runs)) return -1;
+    m->profile.mark = plat_now();
     int T = model_embed_runs(m, runs, n_runs);
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
     for (int il = 0; il < c->n_layers; il++) {
+        model_phase_mark(m, MODEL_PHASE_OTHER);
         if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
+        model_phase_mark(m, MODEL_PHASE_ROUTING);
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].attn_norm, c->dim, c->eps);
+        model_phase_mark(m, MODEL_PHASE_OTHER);
         if (m->layers[il].kind == MODEL_LAYER_ATTENTION) model_attention(m, il, T);
         else model_gated_deltanet(m, il, T);
         for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
         for (int t = 0; t < T; t++) ops_rmsnorm(s->xn + t * dim, s->x + t * dim, m->layers[il].post_norm, c->dim, c->eps);
+        model_phase_mark(m, MODEL_PHASE_OTHER);
         model_ffn(m, il, T);
         if (m->experts && expert_recover(m->experts, m->error, sizeof m->error)) return -1;
         for (size_t i = 0; i < T * dim; i++) s->x[i] += s->out[i];
@@ -8371,7 +8611,9 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
         runs[r].seq->pos += runs[r].n;
         runs[r].logits = s->logits + (size_t)r * c->n_vocab;
     }
+    model_phase_mark(m, MODEL_PHASE_OTHER);
     ops_matmat(&m->lm_head, s->xn, s->logits, n_runs);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the
      * logits as zeros through the lm_head's activation quantisation, which skips NaN: keep
      * it visible as NaN logits. */
@@ -10559,6 +10801,7 @@ static int engine_step(struct engine *e)
     int owner[MODEL_MAX_RUNS], n = engine_plan_step(e, runs, owner), prompt = 0;
     for (int r = 0; r < n; r++) prompt |= e->slots[owner[r]].next < 0;
     if (n && e->m->experts) expert_phase(e->m->experts, prompt ? EXPERT_PHASE_PROMPT : EXPERT_PHASE_DECODE);
+    e->m->profile.decode = !prompt;
     if (n && model_forward_runs(e->m, runs, n))
         for (int r = 0; r < n; r++) engine_finish(e, &e->slots[owner[r]], ENGINE_STOP_ERROR, e->m->error);
     else
@@ -10570,6 +10813,7 @@ static int engine_step(struct engine *e)
             if (sl->next >= 0) engine_sample(e, sl, runs[r].logits);
             else engine_prompt_fed(e, sl, runs[r].n, runs[r].logits);
         }
+    if (n) model_phase_mark(e->m, MODEL_PHASE_SAMPLING);
     int busy = 0;
     for (int i = 0; i < e->n_slots; i++) busy += e->slots[i].gen != NULL;
     return busy;
@@ -12994,6 +13238,29 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
                "than this (coli plan --synthetic %s gives the traffic)\n", b->sy.spec);
 }
 
+/* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens,
+ * measured on the layers that ran), and the roofline: the bytes a token reads against the
+ * read bandwidth measured now, the decode rate that allows, and the rate measured (TG_M). */
+static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int json)
+{
+    const double *ph = m->profile.seconds[1];
+    double total = 0, trunk, bytes = model_decode_bytes(m, &trunk), gbps = ops_bench_host_gbps(), roof = gbps * 1e9 / bytes;
+    for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p];
+    if (json) {
+        printf(",\"decode_ms_per_token\":{");
+        for (int p = 0; p < MODEL_PHASE_COUNT; p++) printf("%s\"%s\":%.4f", p ? "," : "", model_phase_names[p], ph[p] / n_fwd * 1e3);
+        printf("},\"decode_bytes_per_token\":%.0f,\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", bytes, gbps, roof);
+        return;
+    }
+    printf("decode per token: %.2f ms:", total / n_fwd * 1e3);
+    for (int p = 0; p < MODEL_PHASE_COUNT; p++)
+        printf("%s %s %.1f%%", p ? "," : "", model_phase_names[p], 100 * plat_ratio(ph[p], total));
+    printf("\n  products %.1f GB/s, experts %.1f GB/s of weights (their bytes over their time)\n",
+           plat_ratio(trunk * n_fwd, ph[MODEL_PHASE_PRODUCTS] * 1e9), plat_ratio((bytes - trunk) * n_fwd, ph[MODEL_PHASE_EXPERTS] * 1e9));
+    printf("decode roofline: %.1f MiB a token at %.1f GB/s read bandwidth (measured now): %.2f tok/s; measured %.2f tok/s = %.0f%%\n",
+           bytes / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
+}
+
 /* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more
  * (greedy, end-of-generation ignored), or the kernel table with --kernels. With --synthetic,
  * on the random weights of a geometry (cmd_bench_synthetic_open), on the CPU. */
@@ -13039,6 +13306,7 @@ static int cmd_bench(const struct cmd_options *o)
             printf(",\"synthetic\":{\"layers\":%d,\"layers_measured\":%d,\"bytes\":%llu,\"bytes_measured\":%llu,\"head_s\":%.6f,"
                    "\"measured_prompt_tok_s\":%.3f,\"measured_decode_tok_s\":%.3f,\"fits_in_memory\":%s}", sb.sy.n_layers, sb.layers,
                    (unsigned long long)sb.all, (unsigned long long)sb.bytes, sb.head_s, pp_m, tg_m, sb.fits ? "true" : "false");
+        if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 1);
         if (s.model.experts) {
             printf(",\"experts\":");
             cmd_json_experts(stdout, s.model.experts);
@@ -13051,6 +13319,7 @@ static int cmd_bench(const struct cmd_options *o)
         printf("\ndecode: %d tokens, %.2f tok/s", g.n_tokens, tg);
         if (scaled) printf(" (measured %.2f on %d layers)", tg_m, sb.layers);
         printf("\n");
+        if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 0);
         if (s.model.experts) cmd_print_expert_stats(s.model.experts);
     }
     engine_gen_free(&g);
@@ -13162,13 +13431,8 @@ struct cmd_plan_expectation { double host_gbps, seconds, dev_seconds[CUDA_MAX_DE
 static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
 {
     struct cmd_plan_expectation x = {0};
-    size_t n = 4 * ops_bench_llc();
-    n = (n < ((size_t)256 << 20) ? (size_t)256 << 20 : n > ((size_t)1 << 30) ? (size_t)1 << 30 : n) & ~(size_t)4095;
-    uint8_t *buf = plat_alloc_aligned(n);
-    ops_bench_fill(buf, n, 0);
-    x.host_gbps = ops_bench_bandwidth(buf, n);
+    x.host_gbps = ops_bench_host_gbps();
     x.seconds = r->cpu_per_token / (x.host_gbps * 1e9);
-    free(buf);
     for (int d = 0; d < cuda.n_devices; d++) {
         if (r->dev_per_token[d] <= 0) continue;
         x.dev_seconds[d] = place_device_seconds(r, &r->speed, d);

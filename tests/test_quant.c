@@ -801,6 +801,73 @@ static void test_attention(void) {
     free(q); free(k); free(ref); free(got);
 }
 
+/* The gated delta rule at every level against the plain serial row loop (state [dk][dv]),
+ * on shapes with vector tails: the same bits. */
+static void test_delta_rule(void) {
+    static const int shapes[][2] = { {128, 128}, {16, 16}, {32, 48}, {7, 21}, {64, 200} };
+    int bad = 0, bad_order = 0;
+    char why[160] = "";
+    for (size_t c = 0; c < sizeof shapes / sizeof *shapes; c++) {
+        const int dk = shapes[c][0], dv = shapes[c][1];
+        float *s0 = plat_alloc((size_t)dk * dv * sizeof(float)), *s = plat_alloc((size_t)dk * dv * sizeof(float));
+        float *q = plat_alloc(dk * sizeof(float)), *k = plat_alloc(dk * sizeof(float)), *v = plat_alloc(dv * sizeof(float));
+        float *want = plat_alloc(dv * sizeof(float)), *out = plat_alloc(dv * sizeof(float));
+        fill_x(s0, dk * dv, X_RANDOM);
+        fill_x(q, dk, X_RANDOM);
+        fill_x(k, dk, X_RANDOM);
+        fill_x(v, dv, X_RANDOM);
+        float *ref = plat_alloc((size_t)dk * dv * sizeof(float));
+        memcpy(ref, s0, (size_t)dk * dv * sizeof(float));
+        for (int j = 0; j < dv; j++) {
+            float pred = 0, o = 0;
+            for (int i = 0; i < dk; i++) { ref[i * dv + j] *= 0.9f; pred += ref[i * dv + j] * k[i]; }
+            const float delta = 0.3f * (v[j] - pred);
+            for (int i = 0; i < dk; i++) { ref[i * dv + j] += k[i] * delta; o += ref[i * dv + j] * q[i]; }
+            want[j] = o;
+        }
+        for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+            quant_set_level(l);
+            memcpy(s, s0, (size_t)dk * dv * sizeof(float));
+            ops_delta_rule(s, dk, dv, q, k, v, 0.3f, 0.9f, out);
+            const int differs = memcmp(out, want, dv * sizeof(float)) || memcmp(s, ref, (size_t)dk * dv * sizeof(float));
+            if (l == QUANT_LEVEL_SCALAR) bad_order += differs;
+            else if (differs && !bad++) snprintf(why, sizeof why, "dk %d, dv %d: %s differs", dk, dv, quant_level_names[l]);
+        }
+        free(s0); free(s); free(q); free(k); free(v); free(want); free(out); free(ref);
+    }
+    check(!bad_order, "delta rule: each row's dots are serial sums, the state i-major", "%d shapes differ", bad_order);
+    check(!bad, "delta rule: every level gives the scalar bits", "%s", why);
+}
+
+/* ops_swiglu at every level against ops_silu value by value, over random values and the
+ * edges of ops_exp (its cut-offs at 88.8 and -104, infinities, NaN, subnormals, -0). */
+static void test_swiglu(void) {
+    enum { N = 4099 };
+    float *g = plat_alloc(N * sizeof(float)), *u = plat_alloc(N * sizeof(float)), *got = plat_alloc(N * sizeof(float));
+    const float edges[] = { 0.0f, -0.0f, 88.8f, -88.8f, 88.79999f, -88.80001f, 104.0f, -104.0f, 103.99999f, 104.00001f,
+                            INFINITY, -INFINITY, NAN, 1e-40f, -1e-40f, 1e-30f, 20.0f, -20.0f, 0.5f, -0.5f };
+    fill_x(g, N, X_RANDOM);
+    fill_x(u, N, X_RANDOM);
+    for (int i = 0; i < N; i++) g[i] *= (float)(i % 200);
+    memcpy(g, edges, sizeof edges);
+    int bad = 0;
+    char why[160] = "";
+    for (int l = QUANT_LEVEL_AVX2; l <= max_level; l++) {
+        quant_set_level(l);
+        for (int with_up = 0; with_up < 2; with_up++) {
+            memcpy(got, g, N * sizeof(float));
+            ops_swiglu(got, with_up ? u : NULL, N);
+            for (int i = 0; i < N; i++) {
+                const float want = with_up ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+                if (memcmp(&want, &got[i], 4) && !bad++)
+                    snprintf(why, sizeof why, "%s: silu(%a)%s = %a, not %a", quant_level_names[l], g[i], with_up ? " * u" : "", got[i], want);
+            }
+        }
+    }
+    check(!bad, "silu / SwiGLU: every level gives ops_silu's bits", "%s", why);
+    free(g); free(u); free(got);
+}
+
 static void test_ops(void) {
     quant_set_level(max_level);
     const int rows = 37, ncol = 5;
@@ -964,6 +1031,8 @@ int main(int argc, char **argv) {
     test_scalar_vs_double();
     test_ops();
     test_attention();
+    test_delta_rule();
+    test_swiglu();
     test_matmat_columns();
     free(ops_act_buf);
     return check_done();
