@@ -4006,6 +4006,7 @@ static void ops_softmax(float *x, int n)
  * increasing p, element by element (the same operations at any width). */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
+#define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 
 static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
 {
@@ -4066,11 +4067,13 @@ QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int 
 static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
                                        float scale, float *const *out)
 {
-    for (int p = 0; p < n; p++)
+    for (int p = 0; p < n; p++) {
+        for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(k + (size_t)(p + OPS_ATTN_AHEAD) * stride + i), _MM_HINT_T0);
         for (int j0 = 0; j0 < nq; j0 += 4) { /* 4 heads: 8 accumulators of the 16 registers */
             if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, k + (size_t)p * stride, p, hd, scale, out);
             else ops_scores_heads_avx2(q, j0, nq - j0, k + (size_t)p * stride, p, hd, scale, out);
         }
+    }
 }
 
 /* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers. With
@@ -4082,6 +4085,7 @@ QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, 
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     for (int p = 0; p < n; p++) {
         const float *kr = k + (size_t)p * stride;
+        for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(kr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
         __m512 acc[OPS_ATTN_HEADS];
         QUANT_UNROLL(8)
         for (int j = 0; j < OPS_ATTN_HEADS; j++) acc[j] = _mm512_setzero_ps();
@@ -4138,6 +4142,7 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
         for (int r = 0; r < 4; r++) acc[j][r] = _mm512_loadu_ps(o[j0 + j] + i0 + 16 * r);
     for (int p = 0; p < n; p++) {
         const float *vr = v + (size_t)p * stride + i0;
+        for (int i = 0; i < 64; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
         const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
         for (int j = 0; j < 4; j++) {
             const __m512 a = _mm512_set1_ps(w[j0 + j][p]);
@@ -4180,6 +4185,7 @@ QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
     for (int p = 0; p < n; p++) {
         const float *vr = v + (size_t)p * stride + i0;
+        _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride), _MM_HINT_T0);
         const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
         for (int j = 0; j < 4; j++) {
             const __m256 a = _mm256_set1_ps(w[j0 + j][p]);
