@@ -13339,16 +13339,19 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
 
 /* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens,
  * measured on the layers that ran), and the roofline: the bytes a token reads against the
- * read bandwidth measured now, the decode rate that allows, and the rate measured (TG_M). */
+ * read bandwidth measured now, the decode rate that allows, and the rate measured (TG_M). With
+ * a device open the host's bus is not the whole story: no roofline then. */
 static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int json)
 {
     const double *ph = m->profile.seconds[1];
-    double total = 0, trunk, bytes = model_decode_bytes(m, &trunk), gbps = ops_bench_host_gbps(), roof = gbps * 1e9 / bytes;
+    double total = 0, trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
+    double roof = gbps * 1e9 / bytes;
     for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p];
     if (json) {
         printf(",\"decode_ms_per_token\":{");
         for (int p = 0; p < MODEL_PHASE_COUNT; p++) printf("%s\"%s\":%.4f", p ? "," : "", model_phase_names[p], ph[p] / n_fwd * 1e3);
-        printf("},\"decode_bytes_per_token\":%.0f,\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", bytes, gbps, roof);
+        printf("},\"decode_bytes_per_token\":%.0f", bytes);
+        if (!cuda.n_devices) printf(",\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", gbps, roof);
         return;
     }
     printf("decode per token: %.2f ms:", total / n_fwd * 1e3);
@@ -13356,6 +13359,7 @@ static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int j
         printf("%s %s %.1f%%", p ? "," : "", model_phase_names[p], 100 * plat_ratio(ph[p], total));
     printf("\n  products %.1f GB/s, experts %.1f GB/s of weights (their bytes over their time)\n",
            plat_ratio(trunk * n_fwd, ph[MODEL_PHASE_PRODUCTS] * 1e9), plat_ratio((bytes - trunk) * n_fwd, ph[MODEL_PHASE_EXPERTS] * 1e9));
+    if (cuda.n_devices) return;
     printf("decode roofline: %.1f MiB a token at %.1f GB/s read bandwidth (measured now): %.2f tok/s; measured %.2f tok/s = %.0f%%\n",
            bytes / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
 }
