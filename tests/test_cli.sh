@@ -70,6 +70,18 @@ assert 0 < head < tm and abs(t - (head + (tm - head) * 8 / 4)) < 0.01 * t, (head
 PY
 then ok "bench --synthetic tiny:q8_0:8 --ram 1200K: 4 of 8 layers measured, the layers' time doubled, the head once"
 else bad "bench --synthetic scaled" "$(cat "$tmp/syn") $(tail -n 3 "$tmp/syn_err")"; fi
+if python3 - "$tmp/syn" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); ph = j["decode_ms_per_token"]
+assert set(ph) == {"products", "experts", "deltanet", "attention", "routing", "other", "sampling"}, ph
+assert min(ph.values()) >= 0 and ph["products"] > 0 and ph["experts"] > 0 and ph["deltanet"] > 0, ph
+per = 1000 / j["synthetic"]["measured_decode_tok_s"]  # the decode steps' wall time, which the phases divide
+assert 0.3 * per < sum(ph.values()) <= 1.001 * per, (ph, per)
+roof = j["read_gb_s"] * 1e9 / j["decode_bytes_per_token"]
+assert j["decode_bytes_per_token"] > 0 and abs(j["roofline_tok_s"] - roof) <= 1e-3 * roof, j
+PY
+then ok "bench --json: the decode profile's phases divide the decode steps' time; roofline = bandwidth / bytes a token"
+else bad "bench --json decode profile" "$(cat "$tmp/syn")"; fi
 
 if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
 if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi
