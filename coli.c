@@ -3878,17 +3878,18 @@ static void ops_l2norm(float *x, int n, float eps)
  * (relative error < 1e-12), scaled by 2^n, rounded once to float. libm's expf differs between
  * libcs and from CUDA's; this one differed from the correctly rounded e^x in 9 of 3.2e8 floats
  * tried (every 7th in [-104, 89]). */
+static const double ops_exp_taylor[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
+                                           1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0}; /* 1/9! .. 1/0!, for Horner */
+
 static float ops_exp(float x)
 {
-    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
-                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
     if (x != x) return x;
     if (x > 88.8f) return INFINITY;
     if (x < -104.0f) return 0.0f;
     const double shift = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
     double n = ((double)x * 1.4426950408889634 + shift) - shift;
     double r = (double)x - n * 0.6931471805599453, p = 1.0 / 3628800.0;
-    for (int i = 0; i < 10; i++) p = p * r + inv_fact[i];
+    for (int i = 0; i < 10; i++) p = p * r + ops_exp_taylor[i];
     uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
     double scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -3902,13 +3903,11 @@ static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 /* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read
  * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases. */
 QUANT_AVX2_INLINE __m128 ops_exp_core_avx2(__m128 x) {
-    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
-                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
     const __m256d shift = _mm256_set1_pd(6755399441055744.0), xd = _mm256_cvtps_pd(x);
     const __m256d t = _mm256_add_pd(_mm256_mul_pd(xd, _mm256_set1_pd(1.4426950408889634)), shift), n = _mm256_sub_pd(t, shift);
     const __m256d r = _mm256_sub_pd(xd, _mm256_mul_pd(n, _mm256_set1_pd(0.6931471805599453)));
     __m256d p = _mm256_set1_pd(1.0 / 3628800.0);
-    for (int i = 0; i < 10; i++) p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(inv_fact[i]));
+    for (int i = 0; i < 10; i++) p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(ops_exp_taylor[i]));
     const __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(shift));
     const __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52));
     return _mm256_cvtpd_ps(_mm256_mul_pd(p, scale));
@@ -3916,7 +3915,7 @@ QUANT_AVX2_INLINE __m128 ops_exp_core_avx2(__m128 x) {
 
 /* ops_silu of 8 floats: ops_exp's special cases by blends (NaN last, as it is first there). */
 QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
-    const __m256 m = _mm256_sub_ps(_mm256_setzero_ps(), x);
+    const __m256 m = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); /* -x, as the scalar: the sign bit flipped */
     __m256 e = _mm256_set_m128(ops_exp_core_avx2(_mm256_extractf128_ps(m, 1)), ops_exp_core_avx2(_mm256_castps256_ps128(m)));
     e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(m, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
     e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(m, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
@@ -3926,13 +3925,11 @@ QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
 
 /* ops_exp_core_avx2 on 8 double lanes. */
 QUANT_AVX512_INLINE __m256 ops_exp_core_avx512(__m256 x) {
-    static const double inv_fact[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
-                                        1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
     const __m512d shift = _mm512_set1_pd(6755399441055744.0), xd = _mm512_cvtps_pd(x);
     const __m512d t = _mm512_add_pd(_mm512_mul_pd(xd, _mm512_set1_pd(1.4426950408889634)), shift), n = _mm512_sub_pd(t, shift);
     const __m512d r = _mm512_sub_pd(xd, _mm512_mul_pd(n, _mm512_set1_pd(0.6931471805599453)));
     __m512d p = _mm512_set1_pd(1.0 / 3628800.0);
-    for (int i = 0; i < 10; i++) p = _mm512_add_pd(_mm512_mul_pd(p, r), _mm512_set1_pd(inv_fact[i]));
+    for (int i = 0; i < 10; i++) p = _mm512_add_pd(_mm512_mul_pd(p, r), _mm512_set1_pd(ops_exp_taylor[i]));
     const __m512i k = _mm512_sub_epi64(_mm512_castpd_si512(t), _mm512_castpd_si512(shift));
     const __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(k, _mm512_set1_epi64(1023)), 52));
     return _mm512_cvtpd_ps(_mm512_mul_pd(p, scale));
@@ -3940,7 +3937,7 @@ QUANT_AVX512_INLINE __m256 ops_exp_core_avx512(__m256 x) {
 
 /* ops_silu8_avx2 with 16 floats and masks. */
 QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x) {
-    const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
+    const __m512 m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
     const __m256 lo = ops_exp_core_avx512(_mm512_castps512_ps256(m));
     const __m256 hi = ops_exp_core_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
     __m512 e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
