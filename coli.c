@@ -3198,10 +3198,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
     quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
 }
 
-/* IQ3_S super-block: 16 grid points per register by one gather from quant_iq3s_grid (512
- * words: too many to hold in registers as IQ3_XXS's keys are), their indices the qs bytes
- * with the qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their two qh bytes); a
- * sign bit per element, in order, as the 64-bit masks; and the scales 2 s + 1. */
+/* IQ3_S super-block: the grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points),
+ * else 16 per register by one gather from quant_iq3s_grid (512 words: too many to hold in
+ * registers as IQ3_XXS's keys are), their indices the qs bytes with the qh bits as bit 8 (group
+ * m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per element, in order, as
+ * the 64-bit masks; and the scales 2 s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (vbmi) {
