@@ -96,11 +96,22 @@ build_test() {
 }
 
 # The fake CUDA driver (tests/fake_cuda.c): a glibc libcuda.so.1 that runs each kernel's C twin
-# on the host, and the same built as a stub whose cuInit answers 34.
+# on the host, the same built as a stub whose cuInit answers 34, and (where g++ is) the same
+# running kernels.cu's own source on the host instead of the twins (tests/kernels_sim.cc).
+build_kernels_sim() {
+    rm -rf build/sim
+    command -v g++ >/dev/null || { echo "build.sh: no g++: kernels.cu is not simulated on the host" >&2; return 0; }
+    mkdir -p build/sim
+    g++ -c -fPIC -O2 -Wall -Wextra -ffp-contract=off -fno-exceptions -fno-rtti -fvisibility=hidden tests/kernels_sim.cc -o build/sim/kernels_sim.o
+    gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -DFAKE_SIM -Wl,-soname,libcuda.so.1 tests/fake_cuda.c build/sim/kernels_sim.o \
+        -o build/sim/libcuda.so.1 -lm
+}
+
 build_fake_driver() {
     mkdir -p build/fake build/stub
     gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/fake/libcuda.so.1
     gcc -shared -fPIC -O2 -Wall -Wextra -DFAKE_STUB -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/stub/libcuda.so.1
+    build_kernels_sim
 }
 
 # ptxas on kernels.ptx for every architecture the installed ptxas knows (CUDA 13: sm_75 on;
@@ -229,6 +240,8 @@ run_tests() {
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
+    if [ -f build/sim/libcuda.so.1 ]; then run_test "test_cuda (kernels.cu on the host)" env COLI_TEST_SIM=1 build/test_cuda "$GOLDEN"
+    else echo "== test_cuda (kernels.cu on the host): SKIP, no g++"; fi
     run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
     # the static binary's loader paths: the foreign dlopen exists only in the musl build
     run_test "test_cuda.sh" bash tests/test_cuda.sh ./coli "$GOLDEN" build

@@ -111,12 +111,32 @@ __constant__ uint16_t iq3s_keys[512] = {
 
 // ---- scalars of the blocks ----
 
+// The three helpers in PTX assembly; tests/kernels_sim.cc, which compiles this file for the host
+// (KERNELS_ON_HOST), brings its own.
+#ifndef KERNELS_ON_HOST
 __device__ __forceinline__ float f16(const uint8_t *p) {
     unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+
+// f32 -> f16 -> f32, rounding to nearest even.
+__device__ __forceinline__ float round_f16(float x) {
+    unsigned short h;
+    float f;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// acc + a*b as an opaque mad.lo.s32: NVVM would otherwise fuse byte products into dp4a/dp2a,
+// which need sm_61, and the point of this file is to stay JIT-able on sm_52.
+__device__ __forceinline__ int imad(int a, int b, int acc) {
+    asm("mad.lo.s32 %0, %1, %2, %0;" : "+r"(acc) : "r"(a), "r"(b));
+    return acc;
+}
+#endif
 
 __device__ __forceinline__ float bf16(const uint8_t *p) {
     return __uint_as_float((unsigned)(p[0] | (p[1] << 8)) << 16);
@@ -130,13 +150,6 @@ __device__ __forceinline__ float e8m0_half(uint8_t e) {
 // Little-endian words at byte addresses (blocks of 17, 98 or 110 bytes leave them unaligned).
 __device__ __forceinline__ unsigned le16(const uint8_t *p) { return p[0] | p[1] << 8; }
 __device__ __forceinline__ unsigned le32(const uint8_t *p) { return le16(p) | le16(p + 2) << 16; }
-
-// acc + a*b as an opaque mad.lo.s32: NVVM would otherwise fuse byte products into dp4a/dp2a,
-// which need sm_61, and the point of this file is to stay JIT-able on sm_52.
-__device__ __forceinline__ int imad(int a, int b, int acc) {
-    asm("mad.lo.s32 %0, %1, %2, %0;" : "+r"(acc) : "r"(a), "r"(b));
-    return acc;
-}
 
 __device__ __forceinline__ float reduce32(float p) {
     for (int s = NPART / 2; s > 0; s /= 2) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, s));
@@ -419,14 +432,6 @@ __device__ __forceinline__ int nearest_int(float v) {
     return (__float_as_int(__fadd_rn(v, 12582912.0f)) & 0x007fffff) - 0x00400000;
 }
 
-__device__ __forceinline__ float round_f16(float x) {
-    unsigned short h;
-    float f;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
 // Rows of N elements at X (row j at x + j*n) into prepared columns at ACT (stride bytes apart).
 #define QUANT_PARAMS const float *__restrict__ x, uint8_t *__restrict__ act, uint64_t stride, int n
 
@@ -504,21 +509,26 @@ extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
     extern "C" __global__ void moe_gate_up_##name(MOE_GATE_UP_PARAMS) { moe_gate_up<K, BB>(jobs, act, act_stride, h, row_bytes, ff, cols); } \
     extern "C" __global__ void moe_down_##name(MOE_DOWN_PARAMS) { moe_down<K, BB>(jobs, act, act_stride, y, row_bytes, rows, cols); }
 
-KERNELS(f32, F32, 4)
-KERNELS(f16, F16, 2)
-KERNELS(bf16, BF16, 2)
-KERNELS(q8_0, Q8_0, 34)
-KERNELS(q4_0, Q4_0, 18)
-KERNELS(q4_1, Q4_1, 20)
-KERNELS(q5_0, Q5_0, 22)
-KERNELS(q5_1, Q5_1, 24)
-KERNELS(iq4_nl, IQ4_NL, 18)
-KERNELS(mxfp4, MXFP4, 17)
-KERNELS(q2_k, Q2_K, 84)
-KERNELS(q3_k, Q3_K, 110)
-KERNELS(q4_k, Q4_K, 144)
-KERNELS(q5_k, Q5_K, 176)
-KERNELS(q6_k, Q6_K, 210)
-KERNELS(iq4_xs, IQ4_XS, 136)
-KERNELS(iq3_xxs, IQ3_XXS, 98)
-KERNELS(iq3_s, IQ3_S, 110)
+// The formats with kernels: X(name, type, block bytes). tests/kernels_sim.cc lists the entry
+// points by the same list.
+#define KERNEL_FORMATS(X) \
+    X(f32, F32, 4) \
+    X(f16, F16, 2) \
+    X(bf16, BF16, 2) \
+    X(q8_0, Q8_0, 34) \
+    X(q4_0, Q4_0, 18) \
+    X(q4_1, Q4_1, 20) \
+    X(q5_0, Q5_0, 22) \
+    X(q5_1, Q5_1, 24) \
+    X(iq4_nl, IQ4_NL, 18) \
+    X(mxfp4, MXFP4, 17) \
+    X(q2_k, Q2_K, 84) \
+    X(q3_k, Q3_K, 110) \
+    X(q4_k, Q4_K, 144) \
+    X(q5_k, Q5_K, 176) \
+    X(q6_k, Q6_K, 210) \
+    X(iq4_xs, IQ4_XS, 136) \
+    X(iq3_xxs, IQ3_XXS, 98) \
+    X(iq3_s, IQ3_S, 110)
+
+KERNEL_FORMATS(KERNELS)

@@ -20,7 +20,9 @@
  *   FAKE_CUDA_FAIL=alloc:K | launch:K | query:K (the K-th call and every later one fails; a
  *   query: an event's work failed, error 700) | module:CODE
  *   (read at every call, so a test process may change it between calls)
- * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's.
+ * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's. Built with
+ * -DFAKE_SIM and linked with tests/kernels_sim.cc, a launch runs kernels.cu's own source on the
+ * host (lanes as fibers, shuffles answered warp-wide) instead of the twin.
  * Build: gcc -shared -fPIC -O2 -ffp-contract=off -Wl,-soname,libcuda.so.1 fake_cuda.c */
 #include <math.h>
 #include <stdint.h>
@@ -657,7 +659,11 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 }
 API CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
 
-/* Runs the kernel's twin over what the grid covers: gx blocks of bx threads (bx / 32 warps)
+#ifdef FAKE_SIM
+int kernels_sim_launch(const char *name, unsigned gx, unsigned gy, unsigned bx, void **params);
+#endif
+
+/* Runs the kernel's twin (or with FAKE_SIM, kernels.cu's source) over what the grid covers: gx blocks of bx threads (bx / 32 warps)
  * along x, gy along y; the device's clock advances by its launch time and its weight bytes at
  * its speed. */
 API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -668,7 +674,11 @@ API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
     read_failures();
     if (fail_launch && n_launch >= fail_launch) return 719;
     int k = ((struct func *)f)->k;
+#ifdef FAKE_SIM
+    if (kernels_sim_launch(kernels[k].name, gx, gy, bx, p)) return 500;
+#else
     kernels[k].run(kernels[k].arg, p, (struct grid){(long)gx * (bx / 32), (long)gx * bx, gy});
+#endif
     clock_ns[cur_dev] += launch_ns[cur_dev] + launch_bytes(k, p, gy) / gbps[cur_dev];
     return 0;
 }

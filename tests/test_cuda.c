@@ -502,16 +502,18 @@ static void test_place(void)
 }
 
 /* COLI_TEST_REAL=1 (tests/gpu_check.sh): the system's driver and its first device instead of
- * the fake, kernels only. */
+ * the fake, kernels only. COLI_TEST_SIM=1: the fake that runs kernels.cu's source on the host
+ * (build/sim, tests/kernels_sim.cc) instead of its twins, kernels only. */
 int main(int argc, char **argv)
 {
     int quick = argc > 2 && !strcmp(argv[2], "--quick"), real = getenv("COLI_TEST_REAL") != NULL;
+    int sim = !real && getenv("COLI_TEST_SIM") != NULL, kernels_only = real || sim;
     plat_quiet = 1;
     plat_cpu_detect();
     quant_init();
-    if (!real) test_place();
+    if (!kernels_only) test_place();
     if (!real) {
-        setenv("COLI_LIBCUDA", "build/fake/libcuda.so.1", 1);
+        setenv("COLI_LIBCUDA", sim ? "build/sim/libcuda.so.1" : "build/fake/libcuda.so.1", 1);
         setenv("FAKE_CUDA_DEVICES", "2", 1);
     }
     cuda_start(real ? "0" : NULL, -1, 1);
@@ -528,7 +530,7 @@ int main(int argc, char **argv)
     check_jobs(real, 1);
     check_jobs(real, 3);
     test_experts(quick, real);
-    if (!real) test_failures();
+    if (!kernels_only) test_failures();
     cuda_stop();
     return check_done();
 }

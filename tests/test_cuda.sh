@@ -73,6 +73,13 @@ for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-
     COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-$m"
     tokens "$m: every trunk GEMV and routed expert on 1 fake device, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/fake"
 done
+# The same models through kernels.cu's own source run on the host (build/sim: the fake driver
+# with tests/kernels_sim.cc in place of the twins), where g++ built it.
+for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-f32.gguf q35moe-mxfp4.gguf q35moe-q3_k_m.gguf \
+    q35moe-iq3_xxs.gguf q35moe-iq3_s.gguf; do
+    if [ ! -f "$B/sim/libcuda.so.1" ]; then ok "$m through kernels.cu on the host # SKIP no $B/sim (g++)"; continue; fi
+    tokens "$m: kernels.cu's source run on the host, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/sim"
+done
 m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
