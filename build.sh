@@ -102,7 +102,7 @@ build_kernels_sim() {
     rm -rf build/sim
     command -v g++ >/dev/null || { echo "build.sh: no g++: kernels.cu is not simulated on the host" >&2; return 0; }
     mkdir -p build/sim
-    g++ -c -fPIC -O2 -Wall -Wextra -ffp-contract=off -fno-exceptions -fno-rtti -fvisibility=hidden tests/kernels_sim.cc -o build/sim/kernels_sim.o
+    g++ -c -fPIC -O2 -Wall -Wextra -Wno-unknown-pragmas -ffp-contract=off -fno-exceptions -fno-rtti -fvisibility=hidden tests/kernels_sim.cc -o build/sim/kernels_sim.o
     gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -DFAKE_SIM -Wl,-soname,libcuda.so.1 tests/fake_cuda.c build/sim/kernels_sim.o \
         -o build/sim/libcuda.so.1 -lm
 }

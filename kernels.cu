@@ -111,9 +111,18 @@ __constant__ uint16_t iq3s_keys[512] = {
 
 // ---- scalars of the blocks ----
 
-// The three helpers in PTX assembly; tests/kernels_sim.cc, which compiles this file for the host
-// (KERNELS_ON_HOST), brings its own.
+// 16 bytes in four registers, as one vector load brings them.
+struct bytes16 { unsigned w[4]; };
+
+// The helpers in PTX assembly or vector loads; tests/kernels_sim.cc, which compiles this file
+// for the host (KERNELS_ON_HOST), brings its own.
 #ifndef KERNELS_ON_HOST
+// One 16-byte load (ld.global.v4.u32): P must be 16-aligned.
+__device__ __forceinline__ bytes16 load16(const uint8_t *p) {
+    const uint4 v = *(const uint4 *)p;
+    return bytes16{{v.x, v.y, v.z, v.w}};
+}
+
 __device__ __forceinline__ float f16(const uint8_t *p) {
     unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
     float f;
@@ -150,6 +159,10 @@ __device__ __forceinline__ float e8m0_half(uint8_t e) {
 // Little-endian words at byte addresses (blocks of 17, 98 or 110 bytes leave them unaligned).
 __device__ __forceinline__ unsigned le16(const uint8_t *p) { return p[0] | p[1] << 8; }
 __device__ __forceinline__ unsigned le32(const uint8_t *p) { return le16(p) | le16(p + 2) << 16; }
+
+// Byte I of V, unsigned and signed (I a constant once the loops are unrolled).
+__device__ __forceinline__ int byte_at(bytes16 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
+__device__ __forceinline__ int sbyte_at(bytes16 v, int i) { return (int)(int8_t)byte_at(v, i); }
 
 __device__ __forceinline__ float reduce32(float p) {
     for (int s = NPART / 2; s > 0; s /= 2) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, s));
@@ -208,48 +221,56 @@ __device__ __forceinline__ void k4_scale_min(int j, const uint8_t *q, int *sc, i
     }
 }
 
+// A super-block is taken by 8 lanes (an octet): lane t of it sums the integer products of its
+// share, 32 of the 256 weights, into the unit's integer sums. The octet adds the shares exactly
+// and then computes the unit's float from the whole sums as the CPU does (k_combine).
+struct ksums { int sumi, summ; };
+
+// Q4_K / Q5_K (d | dmin | scales[12] | qh[32] (Q5_K) | ql[128]): weights 64j + l and 64j + 32 + l
+// are the low and high nibbles of ql[32j + l] (Q5_K: bit 2j, 2j + 1 of qh[l] on top), with
+// scale/min 2j and 2j + 1. Share t: j = t / 2, l = 16(t % 2) .. + 15, the 16 bytes at ql + 16t
+// (16-aligned: the blocks are 144 and 176 bytes).
 template <int T>
-__device__ __forceinline__ float q45k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
-    const int five = T == Q5_K;
-    const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
-    int summ = 0, sumi = 0;
-    for (int j = 0; j < 4; j++) {
-        int sc0, m0, sc1, m1, s0 = 0, s1 = 0;
-        k4_scale_min(2 * j, b + 4, &sc0, &m0);
-        k4_scale_min(2 * j + 1, b + 4, &sc1, &m1);
-        summ += m0 * (bs[4 * j] + bs[4 * j + 1]) + m1 * (bs[4 * j + 2] + bs[4 * j + 3]);
-        for (int l = 0; l < 32; l++) {
-            int q0 = ql[32 * j + l] & 0xF, q1 = ql[32 * j + l] >> 4;
-            if (five) {
-                q0 |= ((qh[l] >> (2 * j)) & 1) << 4;
-                q1 |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
-            }
-            s0 = imad(q0, qx[64 * j + l], s0);
-            s1 = imad(q1, qx[64 * j + 32 + l], s1);
+__device__ __forceinline__ ksums q45k_share(const uint8_t *b, const int8_t *qx, const int16_t *bs, int t) {
+    const int five = T == Q5_K, j = t / 2, h = t % 2;
+    const bytes16 ql = load16(b + 16 + (five ? 32 : 0) + 16 * t), qh = five ? load16(b + 16 + 16 * h) : bytes16{};
+    const bytes16 x0 = load16((const uint8_t *)qx + 64 * j + 16 * h), x1 = load16((const uint8_t *)qx + 64 * j + 32 + 16 * h);
+    int sc0, m0, sc1, m1, s0 = 0, s1 = 0;
+    k4_scale_min(2 * j, b + 4, &sc0, &m0);
+    k4_scale_min(2 * j + 1, b + 4, &sc1, &m1);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {
+        int q0 = byte_at(ql, l) & 0xF, q1 = byte_at(ql, l) >> 4;
+        if (five) {
+            q0 |= ((byte_at(qh, l) >> (2 * j)) & 1) << 4;
+            q1 |= ((byte_at(qh, l) >> (2 * j + 1)) & 1) << 4;
         }
-        sumi += sc0 * s0 + sc1 * s1;
+        s0 = imad(q0, sbyte_at(x0, l), s0);
+        s1 = imad(q1, sbyte_at(x1, l), s1);
     }
-    float d = f16(b), dmin = f16(b + 2);
-    return __fsub_rn(__fmul_rn(__fmul_rn(d, dx), (float)sumi), __fmul_rn(__fmul_rn(dmin, dx), (float)summ));
+    const int summ = h == 0 ? m0 * (bs[4 * j] + bs[4 * j + 1]) : m1 * (bs[4 * j + 2] + bs[4 * j + 3]);
+    return ksums{sc0 * s0 + sc1 * s1, summ};
 }
 
-__device__ __forceinline__ float q6k_unit(const uint8_t *b, const int8_t *qx, float dx) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
+// Q6_K (ql[128] | qh[64] | scales[16] int8 | d): in half n, weight 32q + l (quarter q) is the low
+// (q < 2) or high nibble of ql[64n + l + 32(q & 1)] with bits 2q, 2q + 1 of qh[32n + l] on top,
+// less 32, scale 8n + 2q + l / 16. Share t: n = t / 4, l = 8(t % 4) .. + 7 of every quarter.
+__device__ __forceinline__ ksums q6k_share(const uint8_t *b, const int8_t *qx, int t) {
+    const int n = t / 4, l0 = 8 * (t % 4);
+    const uint8_t *ql = b + 64 * n + l0, *qh = b + 128 + 32 * n + l0;
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + l0 / 16, *x = qx + 128 * n + l0;
     int sumi = 0;
-    for (int n = 0; n < 2; n++) {
-        for (int g = 0; g < 8; g++) {       // 16-element groups of this 128-half: sc[8n + g]
-            int s = 0;
-            for (int k = 0; k < 16; k++) {
-                int l = (g & 1) * 16 + k, quarter = g >> 1; // element 32*quarter + l of the half
-                int lo = quarter & 1 ? ql[64 * n + l + 32] : ql[64 * n + l];
-                int q = ((quarter < 2 ? lo & 0xF : lo >> 4) | (((qh[32 * n + l] >> (2 * quarter)) & 3) << 4)) - 32;
-                s = imad(q, qx[128 * n + 32 * quarter + l], s);
-            }
-            sumi += sc[8 * n + 2 * (g >> 1) + (g & 1)] * s;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int s = 0;
+#pragma unroll
+        for (int l = 0; l < 8; l++) {
+            const int lo = ql[l + 32 * (q & 1)];
+            s = imad(((q < 2 ? lo & 0xF : lo >> 4) | (((qh[l] >> (2 * q)) & 3) << 4)) - 32, x[32 * q + l], s);
         }
+        sumi += sc[2 * q] * s;
     }
-    return __fmul_rn(__fmul_rn(f16(b + 208), dx), (float)sumi);
+    return ksums{sumi, 0};
 }
 
 // Q3_K's signed 6-bit scale g of 16, from its 12 packed bytes P: the low 4 bits are nibble g / 8
@@ -261,25 +282,28 @@ __device__ __forceinline__ int q3k_scale(const uint8_t *p, int g) {
 // Q2_K (scales[16] | qs[64] | d | dmin: per 16 weights a 4-bit scale, low nibble, and min) and
 // Q3_K (hmask[32] | qs[64] | scales[12] | d). Weight e = 128n + 32k + l is bits 2k, 2k+1 of
 // qs[32n + l]; Q3_K's third bit is bit 4n + k of hmask[l], and where it is clear the weight is
-// 4 less. Q2_K: (d*dx)*(float)isum - (dmin*dx)*(float)summ, Q3_K: (d*dx)*(float)isum.
+// 4 less. Share t: weights 32t .. 32t + 31 (n = t / 4, k = t % 4), the 16-groups 2t and 2t + 1.
 template <int T>
-__device__ __forceinline__ float q23k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
-    const int three = T == Q3_K;
-    const uint8_t *qs = b + (three ? 32 : 16);
+__device__ __forceinline__ ksums q23k_share(const uint8_t *b, const int8_t *qx, const int16_t *bs, int t) {
+    const int three = T == Q3_K, n = t / 4, k = t % 4;
+    const uint8_t *qs = b + (three ? 32 : 16) + 32 * n;
+    const int8_t *x = qx + 32 * t;
     int sumi = 0, summ = 0;
-    for (int g = 0; g < 16; g++) {
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int g = 2 * t + half;
         int s = 0;
+#pragma unroll
         for (int i = 0; i < 16; i++) {
-            const int e = 16 * g + i, n = e / 128, k = e / 32 % 4, l = e % 32;
-            int q = (qs[32 * n + l] >> (2 * k)) & 3;
+            const int l = 16 * half + i;
+            int q = (qs[l] >> (2 * k)) & 3;
             if (three && !((b[l] >> (4 * n + k)) & 1)) q -= 4;
-            s = imad(q, qx[e], s);
+            s = imad(q, x[l], s);
         }
         sumi += (three ? q3k_scale(b + 96, g) : b[g] & 0xF) * s;
-        if (!three) summ += (b[g] >> 4) * bs[g];
+        if (!three) summ = imad(b[g] >> 4, bs[g], summ);
     }
-    const float r = __fmul_rn(__fmul_rn(f16(b + (three ? 108 : 80)), dx), (float)sumi);
-    return three ? r : __fsub_rn(r, __fmul_rn(__fmul_rn(f16(b + 82), dx), (float)summ));
+    return ksums{sumi, summ};
 }
 
 // IQ4_XS (d | scales_h u16 | scales_l[4] | qs[128]): 32-block ib is 16 bytes of IQ4_NL codes
@@ -289,47 +313,82 @@ __device__ __forceinline__ float q23k_unit(const uint8_t *b, const int8_t *qx, c
 // d*(0.5+s)*0.5 = (d/4)*(2s+1). IQ3_S (d | qs[64] | qh[8] | signs[32] | scales[4]): group k of
 // 32-block ib is grid point qs[8ib + k] | bit k of qh[ib] as bit 8; weight j's sign is bit j % 8
 // of signs[4ib + j / 8]; the scale is d*(2s+1), s nibble ib % 2 of scales[ib / 2].
-// (d*dx)*(float)isum, for IQ3_XXS then times 0.25 as the CPU.
+// Share t: 32-block ib = t.
 template <int T>
-__device__ __forceinline__ float iq_unit(const uint8_t *b, const int8_t *qx, float dx) {
-    int sumi = 0;
-    for (int ib = 0; ib < 8; ib++) {
-        const int8_t *x = qx + 32 * ib;
-        int s = 0, scale;
-        if (T == IQ4_XS) {
-            const uint8_t *qs = b + 8 + 16 * ib;
-            for (int j = 0; j < 16; j++) s = imad(iq4nl_values[qs[j] >> 4], x[j + 16], imad(iq4nl_values[qs[j] & 0xF], x[j], s));
-            scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
-        } else if (T == IQ3_S) {
-            const uint8_t *qs = b + 2 + 8 * ib, *signs = b + 74 + 4 * ib;
-            const unsigned qh = b[66 + ib];
-            for (int j = 0; j < 32; j++) {
-                const unsigned key = iq3s_keys[qs[j / 4] | ((qh >> (j / 4)) & 1) << 8];
-                const int level = 2 * (int)((key >> (3 * (j % 4))) & 7) + 1;
-                s = imad((signs[j / 8] >> (j % 8)) & 1 ? -level : level, x[j], s);
-            }
-            scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
-        } else {
-            const unsigned aux = le32(b + 66 + 4 * ib);
-            for (int j = 0; j < 32; j++) {
-                const unsigned bits7 = (aux >> (7 * (j / 8))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
-                const int level = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
-                s = imad((signs >> (j % 8)) & 1 ? -level : level, x[j], s);
-            }
-            scale = 2 * (int)(aux >> 28) + 1;
+__device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, int ib) {
+    const int8_t *x = qx + 32 * ib;
+    int s = 0, scale;
+    if (T == IQ4_XS) {
+        const uint8_t *qs = b + 8 + 16 * ib;
+        for (int j = 0; j < 16; j++) s = imad(iq4nl_values[qs[j] >> 4], x[j + 16], imad(iq4nl_values[qs[j] & 0xF], x[j], s));
+        scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
+    } else if (T == IQ3_S) {
+        const uint8_t *qs = b + 2 + 8 * ib, *signs = b + 74 + 4 * ib;
+        const unsigned qh = b[66 + ib];
+        for (int j = 0; j < 32; j++) {
+            const unsigned key = iq3s_keys[qs[j / 4] | ((qh >> (j / 4)) & 1) << 8];
+            const int level = 2 * (int)((key >> (3 * (j % 4))) & 7) + 1;
+            s = imad((signs[j / 8] >> (j % 8)) & 1 ? -level : level, x[j], s);
         }
-        sumi += scale * s;
+        scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
+    } else {
+        const unsigned aux = le32(b + 66 + 4 * ib);
+        for (int j = 0; j < 32; j++) {
+            const unsigned bits7 = (aux >> (7 * (j / 8))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
+            const int level = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
+            s = imad((signs >> (j % 8)) & 1 ? -level : level, x[j], s);
+        }
+        scale = 2 * (int)(aux >> 28) + 1;
     }
-    const float r = __fmul_rn(__fmul_rn(f16(b), dx), (float)sumi);
-    return T == IQ3_XXS ? __fmul_rn(r, 0.25f) : r;
+    return ksums{scale * s, 0};
 }
 
 template <int T>
-__device__ __forceinline__ float k_unit(const uint8_t *b, const int8_t *qx, const int16_t *bs, float dx) {
-    if (T == Q6_K) return q6k_unit(b, qx, dx);
-    if (T == Q4_K || T == Q5_K) return q45k_unit<T>(b, qx, bs, dx);
-    if (T == Q2_K || T == Q3_K) return q23k_unit<T>(b, qx, bs, dx);
-    return iq_unit<T>(b, qx, dx);
+__device__ __forceinline__ ksums k_share(const uint8_t *b, const int8_t *qx, const int16_t *bs, int t) {
+    if (T == Q6_K) return q6k_share(b, qx, t);
+    if (T == Q4_K || T == Q5_K) return q45k_share<T>(b, qx, bs, t);
+    if (T == Q2_K || T == Q3_K) return q23k_share<T>(b, qx, bs, t);
+    return iq_share<T>(b, qx, t);
+}
+
+// The formats whose unit subtracts mins (summ).
+__device__ __forceinline__ bool has_mins(int t) { return t == Q2_K || t == Q4_K || t == Q5_K; }
+
+// The unit's float from its whole integer sums: the CPU's expression, operation for operation.
+// Q4_K/Q5_K and Q2_K: (d*dx)*(float)sumi - (dmin*dx)*(float)summ; the rest (d*dx)*(float)sumi,
+// IQ3_XXS then times 0.25.
+template <int T>
+__device__ __forceinline__ float k_combine(const uint8_t *b, ksums s, float dx) {
+    const int d_at = T == Q6_K ? 208 : T == Q2_K ? 80 : T == Q3_K ? 108 : 0;
+    const float r = __fmul_rn(__fmul_rn(f16(b + d_at), dx), (float)s.sumi);
+    if (T == Q4_K || T == Q5_K) return __fsub_rn(r, __fmul_rn(__fmul_rn(f16(b + 2), dx), (float)s.summ));
+    if (T == Q2_K) return __fsub_rn(r, __fmul_rn(__fmul_rn(f16(b + 82), dx), (float)s.summ));
+    return T == IQ3_XXS ? __fmul_rn(r, 0.25f) : r;
+}
+
+// A row of NB super-blocks at WR: the warp takes 4 at a time, octet o = lane / 8 unit 4k + o in
+// pass k. Unit u belongs in lane u % 32's partial (the canonical order); lane L's unit of pass k
+// is 4k + L % 4, if L / 4 == k % 8, and octet L % 4 has it: one shuffle hands it over.
+template <int K, int BB>
+__device__ __forceinline__ float k_row_partial(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
+    const int nb = cols / 256, t = lane % 8, octet = lane / 8;
+    const int8_t *qs = (const int8_t *)a;
+    const float *d = (const float *)(a + cols);
+    const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
+    float p = 0.0f;
+    for (int k = 0; 4 * k < nb; k++) {
+        const int b = 4 * k + octet;
+        ksums s = {0, 0};
+        if (b < nb) s = k_share<K>(wr + (uint64_t)b * BB, qs + 256 * b, bs + 16 * b, t);
+        for (int m = 1; m < 8; m *= 2) {
+            s.sumi += __shfl_xor_sync(0xffffffffu, s.sumi, m);
+            if (has_mins(K)) s.summ += __shfl_xor_sync(0xffffffffu, s.summ, m);
+        }
+        const float unit = b < nb ? k_combine<K>(wr + (uint64_t)b * BB, s, d[b]) : 0.0f;
+        const float mine = __shfl_sync(0xffffffffu, unit, 8 * (lane % 4));
+        if (lane / 4 == k % 8 && 4 * k + lane % 4 < nb) p = __fadd_rn(p, mine);
+    }
+    return p;
 }
 
 // ---- one row against one prepared activation column: the warp's whole product ----
@@ -346,11 +405,7 @@ __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, in
         const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
         for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, legacy_unit<K>(wr + b * BB, qs + 32 * b, d[b], sd[b]));
     } else {
-        const int nb = cols / 256;
-        const int8_t *qs = (const int8_t *)a;
-        const float *d = (const float *)(a + cols);
-        const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
-        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, k_unit<K>(wr + b * BB, qs + 256 * b, bs + 16 * b, d[b]));
+        p = k_row_partial<K, BB>(wr, a, cols, lane);
     }
     return reduce32(p);
 }

@@ -116,7 +116,11 @@ static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __double2float_rn(double d) { return (float)d; }
 static inline int __popc(unsigned u) { return __builtin_popcount(u); }
 
-/* kernels.cu's three PTX-assembly helpers. */
+/* kernels.cu's helpers in PTX assembly or vector loads. A misaligned vector load, which a card
+ * faults on, stops the run. */
+struct bytes16;
+static inline bytes16 load16_checked(const uint8_t *p, int line);
+#define load16(p) load16_checked((p), __LINE__)
 static inline float f16(const uint8_t *p)
 {
     _Float16 h;
@@ -128,6 +132,14 @@ static inline int imad(int a, int b, int acc) { return (int)((unsigned)acc + (un
 
 #define KERNELS_ON_HOST
 #include "../kernels.cu"
+
+static inline bytes16 load16_checked(const uint8_t *p, int line)
+{
+    if ((uintptr_t)p % 16) sim_fail(line, "a 16-byte load from an address that is not 16-aligned");
+    bytes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* ---- running a launch ---- */
 
