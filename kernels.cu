@@ -10,7 +10,10 @@
 // partial, in increasing u; then the butterfly s = 16, 8, 4, 2, 1, p[i] = p[i] + p[i + s], is
 // shfl.down.
 // Integer parts are exact, and each unit's float combine is the CPU's expression, operation for
-// operation. nvcc runs with -fmad=false so that no multiply-add is fused (the CPU is built with
+// operation. So a unit's integer products may be split over lanes: 4 lanes take a 32-block and
+// 8 a super-block (block_row_partial), which keeps every lane busy on short rows (an expert's
+// 512-column down product is 2 super-blocks) and has neighbouring lanes read neighbouring
+// bytes; the unit's float then goes to the lane whose partial it belongs in. nvcc runs with -fmad=false so that no multiply-add is fused (the CPU is built with
 // -ffp-contract=off); fp16 -> f32 is exact.
 //
 // Every GEMV kernel has one signature: matvec_<type>(w, row_bytes, act, act_stride, y, rows,
@@ -180,24 +183,23 @@ __device__ __forceinline__ float fweight(const uint8_t *w, int64_t i) {
 // ---- 32-blocks: act = qs[n] int8 | d[n/32] f32 | s[n/32] i32 | sd[n/32] f32 ----
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as ggml defines their quants; IQ4_NL (d fp16) and MXFP4 (E8M0
 // byte) hold 16 bytes of 4-bit codes into their tables, low nibbles first.
+// Share t of a block (4 lanes to a block): Q8_0's weights 8t .. 8t + 7; the nibble formats'
+// bytes 4t .. 4t + 3 of their 16, weights 4t.. (low nibbles) and 16 + 4t.. (high).
 template <int T>
-__device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *qx, float dx, float sd) {
+__device__ __forceinline__ int legacy_share(const uint8_t *blk, const int8_t *qx, int t) {
     const int has_min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
-    float dw = T == MXFP4 ? e8m0_half(blk[0]) : f16(blk), mw = has_min ? f16(blk + 2) : 0.0f;
     int isum = 0;
     if (T == Q8_0) {
-        for (int j = 0; j < 32; j++) isum = imad((int8_t)blk[2 + j], qx[j], isum);
+        for (int j = 8 * t; j < 8 * t + 8; j++) isum = imad((int8_t)blk[2 + j], qx[j], isum);
     } else if (T == IQ4_NL || T == MXFP4) {
         const int8_t *v = T == MXFP4 ? mxfp4_values : iq4nl_values;
         const uint8_t *qs = blk + (T == MXFP4 ? 1 : 2);
-        for (int j = 0; j < 16; j++) isum = imad(v[qs[j] >> 4], qx[j + 16], imad(v[qs[j] & 0x0f], qx[j], isum));
+        for (int j = 4 * t; j < 4 * t + 4; j++) isum = imad(v[qs[j] >> 4], qx[j + 16], imad(v[qs[j] & 0x0f], qx[j], isum));
     } else {
-        unsigned qh = 0;
-        const uint8_t *qh_p = blk + 2 + 2 * has_min;
-        if (five) qh = qh_p[0] | (qh_p[1] << 8) | (qh_p[2] << 16) | ((unsigned)qh_p[3] << 24);
+        const unsigned qh = five ? le32(blk + 2 + 2 * has_min) : 0;
         const uint8_t *qs = blk + 2 + 2 * has_min + 4 * five;
         const int off = has_min ? 0 : (five ? 16 : 8);
-        for (int j = 0; j < 16; j++) {
+        for (int j = 4 * t; j < 4 * t + 4; j++) {
             int x0 = qs[j] & 0x0f, x1 = qs[j] >> 4;
             if (five) {
                 x0 |= (int)(((qh >> j) << 4) & 0x10);
@@ -206,8 +208,15 @@ __device__ __forceinline__ float legacy_unit(const uint8_t *blk, const int8_t *q
             isum = imad(x1 - off, qx[j + 16], imad(x0 - off, qx[j], isum));
         }
     }
-    float r = __fmul_rn(__fmul_rn(dw, dx), (float)isum);
-    return has_min ? __fadd_rn(r, __fmul_rn(mw, sd)) : r;
+    return isum;
+}
+
+// The block's float from its whole integer sum: (d*dx)*(float)isum, plus m*sd where it has a min.
+template <int T>
+__device__ __forceinline__ float legacy_combine(const uint8_t *blk, int isum, float dx, float sd) {
+    const float dw = T == MXFP4 ? e8m0_half(blk[0]) : f16(blk);
+    const float r = __fmul_rn(__fmul_rn(dw, dx), (float)isum);
+    return T == Q4_1 || T == Q5_1 ? __fadd_rn(r, __fmul_rn(f16(blk + 2), sd)) : r;
 }
 
 // ---- 256-super-blocks: act = qs[n] int8 | d[n/256] f32 | bsums[n/16] i16 ----
@@ -366,27 +375,56 @@ __device__ __forceinline__ float k_combine(const uint8_t *b, ksums s, float dx) 
     return T == IQ3_XXS ? __fmul_rn(r, 0.25f) : r;
 }
 
-// A row of NB super-blocks at WR: the warp takes 4 at a time, octet o = lane / 8 unit 4k + o in
-// pass k. Unit u belongs in lane u % 32's partial (the canonical order); lane L's unit of pass k
-// is 4k + L % 4, if L / 4 == k % 8, and octet L % 4 has it: one shuffle hands it over.
-template <int K, int BB>
-__device__ __forceinline__ float k_row_partial(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
-    const int nb = cols / 256, t = lane % 8, octet = lane / 8;
-    const int8_t *qs = (const int8_t *)a;
+// ---- a row of blocks: every lane busy, the canonical order kept ----
+
+// One unit's activations (quant_act_prepare's layout): its int8 values and scale, and the
+// 32-block's fp16(d*s) or the super-block's 16-sums.
+struct act_unit { const int8_t *qx; const int16_t *bs; float dx, sd; };
+
+template <int K>
+__device__ __forceinline__ act_unit act_at(const uint8_t *a, int cols, int b) {
     const float *d = (const float *)(a + cols);
-    const int16_t *bs = (const int16_t *)(a + cols + 4 * nb);
+    if (block32_format(K)) return act_unit{(const int8_t *)a + 32 * b, nullptr, d[b], ((const float *)(a + cols + 8 * (cols / 32)))[b]};
+    return act_unit{(const int8_t *)a + 256 * b, (const int16_t *)(a + cols + 4 * (cols / 256)) + 16 * b, d[b], 0.0f};
+}
+
+template <int K>
+__device__ __forceinline__ ksums unit_share(const uint8_t *w, const act_unit &x, int t) {
+    if (block32_format(K)) return ksums{legacy_share<K>(w, x.qx, t), 0};
+    return k_share<K>(w, x.qx, x.bs, t);
+}
+
+template <int K>
+__device__ __forceinline__ float unit_combine(const uint8_t *w, ksums s, const act_unit &x) {
+    if (block32_format(K)) return legacy_combine<K>(w, s.sumi, x.dx, x.sd);
+    return k_combine<K>(w, s, x.dx);
+}
+
+// Lane LANE's partial of the row at WR: G lanes take a unit (4 a 32-block, 8 a super-block), the
+// warp U = 32 / G units a pass, group o = lane / G unit Uk + o in pass k. The group adds its
+// shares' integers exactly, then has the unit's float. Unit u belongs in lane u % 32's partial
+// (the canonical order): lane L's unit of pass k is Uk + L % U, if L / U == k % G, and group
+// L % U has it, so one shuffle a pass hands it over.
+template <int K, int BB>
+__device__ __forceinline__ float block_row_partial(const uint8_t *wr, const uint8_t *a, int cols, int lane) {
+    const int G = block32_format(K) ? 4 : 8, U = 32 / G, nb = cols / (block32_format(K) ? 32 : 256);
     float p = 0.0f;
-    for (int k = 0; 4 * k < nb; k++) {
-        const int b = 4 * k + octet;
+    for (int k = 0; U * k < nb; k++) {
+        const int b = U * k + lane / G;
+        const uint8_t *w = wr + (uint64_t)b * BB;
+        act_unit x = {};
         ksums s = {0, 0};
-        if (b < nb) s = k_share<K>(wr + (uint64_t)b * BB, qs + 256 * b, bs + 16 * b, t);
-        for (int m = 1; m < 8; m *= 2) {
+        if (b < nb) {
+            x = act_at<K>(a, cols, b);
+            s = unit_share<K>(w, x, lane % G);
+        }
+        for (int m = 1; m < G; m *= 2) {
             s.sumi += __shfl_xor_sync(0xffffffffu, s.sumi, m);
             if (has_mins(K)) s.summ += __shfl_xor_sync(0xffffffffu, s.summ, m);
         }
-        const float unit = b < nb ? k_combine<K>(wr + (uint64_t)b * BB, s, d[b]) : 0.0f;
-        const float mine = __shfl_sync(0xffffffffu, unit, 8 * (lane % 4));
-        if (lane / 4 == k % 8 && 4 * k + lane % 4 < nb) p = __fadd_rn(p, mine);
+        const float unit = b < nb ? unit_combine<K>(w, s, x) : 0.0f;
+        const float mine = __shfl_sync(0xffffffffu, unit, G * (lane % U));
+        if (lane / U == k % G && U * k + lane % U < nb) p = __fadd_rn(p, mine);
     }
     return p;
 }
@@ -399,13 +437,8 @@ __device__ __forceinline__ float row_dot(const uint8_t *wr, const uint8_t *a, in
     if (float_format(K)) {
         const float *x = (const float *)a;
         for (int i = lane; i < cols; i += 32) p = __fadd_rn(p, __fmul_rn(fweight<K>(wr, i), x[i]));
-    } else if (block32_format(K)) {
-        const int nb = cols / 32;
-        const int8_t *qs = (const int8_t *)a;
-        const float *d = (const float *)(a + cols), *sd = (const float *)(a + cols + 8 * nb);
-        for (int b = lane; b < nb; b += 32) p = __fadd_rn(p, legacy_unit<K>(wr + b * BB, qs + 32 * b, d[b], sd[b]));
     } else {
-        p = k_row_partial<K, BB>(wr, a, cols, lane);
+        p = block_row_partial<K, BB>(wr, a, cols, lane);
     }
     return reduce32(p);
 }
