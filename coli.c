@@ -4419,7 +4419,7 @@ enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5
     X(event_create, "cuEventCreate", 0) X(event_record, "cuEventRecord", 0) X(event_sync, "cuEventSynchronize", 0) \
     X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0) X(event_query, "cuEventQuery", 0) \
     X(stream_create, "cuStreamCreate", 0) X(htod_async, "cuMemcpyHtoDAsync_v2", 0) \
-    X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0)
+    X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0) X(dtod, "cuMemcpyDtoD_v2", 0)
 
 struct cuda_api {
     cuda_result (*init)(unsigned flags);
@@ -4453,6 +4453,7 @@ struct cuda_api {
     cuda_result (*htod_async)(cuda_ptr dst, const void *src, size_t n, cuda_handle st);
     cuda_result (*host_alloc)(void **p, size_t n, unsigned flags);
     cuda_result (*host_free)(void *p);
+    cuda_result (*dtod)(cuda_ptr dst, cuda_ptr src, size_t n);
 };
 static struct cuda_api cuda_api;
 
@@ -4535,6 +4536,7 @@ CUDA_WRAP(mem_alloc, (cuda_ptr *p, size_t n), (p, n))
 CUDA_WRAP(mem_free, (cuda_ptr p), (p))
 CUDA_WRAP(htod, (cuda_ptr d, const void *s, size_t n), (d, s, n))
 CUDA_WRAP(dtoh, (void *d, cuda_ptr s, size_t n), (d, s, n))
+CUDA_WRAP(dtod, (cuda_ptr d, cuda_ptr s, size_t n), (d, s, n))
 CUDA_WRAP(module_load, (cuda_handle *m, const void *img, unsigned n, int *o, void **v), (m, img, n, o, v))
 CUDA_WRAP(module_unload, (cuda_handle m), (m))
 CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
@@ -5505,6 +5507,68 @@ static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kerne
     free(host);
     if (r && !cannot) cuda_fail("the probe", r);
     return r ? -1 : 0;
+}
+
+/* ---- bench --kernels on a device ---- */
+
+/* GB/s of weights of a random ROWS x COLS matrix of TYPE's product on device DEV, timed as the
+ * probe times one; 0 where it cannot run. */
+static double cuda_bench_gemv(int dev, enum gguf_type type, int64_t rows, int64_t cols)
+{
+    struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols)};
+    size_t n = m.row_bytes * (size_t)rows;
+    uint8_t *w = plat_alloc_aligned(n);
+    ops_bench_fill(w, n, 0);
+    quant_sanitize_random(type, w, n, -1);
+    m.data = w;
+    double kernel = 0, round_trip = 0;
+    int r = cuda_probe_product(dev, &m, &kernel, &round_trip);
+    free(w);
+    return r || kernel <= 0 ? 0 : (double)n / kernel / 1e9;
+}
+
+/* Device DEV's memory bandwidth in GB/s: a device-to-device copy of 256 MiB, its bytes read and
+ * written over its time (events around 4 copies); 0 where the driver has no such copy. */
+static double cuda_bench_bandwidth(int dev)
+{
+    const size_t n = (size_t)256 << 20;
+    cuda_ptr a = 0, b = 0;
+    cuda_handle ev[2] = {NULL, NULL};
+    float ms = 0;
+    if (!cuda_api.dtod || !cuda_api.event_create || cuda_use(dev)) return 0;
+    cuda_result r = cuda_mem_alloc(&a, n);
+    if (!r) r = cuda_mem_alloc(&b, n);
+    if (!r) r = cuda_event_create(&ev[0]);
+    if (!r) r = cuda_event_create(&ev[1]);
+    if (!r) r = cuda_dtod(b, a, n); /* warm-up */
+    if (!r) r = cuda_event_record(ev[0], NULL);
+    for (int i = 0; i < 4 && !r; i++) r = cuda_dtod(i % 2 ? a : b, i % 2 ? b : a, n);
+    if (!r) r = cuda_event_record(ev[1], NULL);
+    if (!r) r = cuda_event_sync(ev[1]);
+    if (!r) r = cuda_event_elapsed(&ms, ev[0], ev[1]);
+    for (int i = 0; i < 2; i++)
+        if (ev[i]) cuda_event_destroy(ev[i]);
+    if (a) cuda_mem_free(a);
+    if (b) cuda_mem_free(b);
+    return r || ms <= 0 ? 0 : 4 * 2.0 * (double)n / (ms / 1e3) / 1e9;
+}
+
+/* bench --kernels' table for device DEV: every format's GEMV at the CPU table's shapes but the
+ * largest, which is 16384 x 4096 (beyond a card's L2 for 4-bit formats and up), that one
+ * against the card's copy bandwidth. */
+static void cuda_bench_kernels(int dev)
+{
+    double bw = cuda_bench_bandwidth(dev);
+    printf("\ncuda %d: %s, copy bandwidth %.1f GB/s (read + write; 0: not measured)\n", dev, cuda.dev[dev].name, bw);
+    printf("%-7s %14s %14s %14s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "16384x4096 (ratio)");
+    for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0] && cuda.ready; i++) {
+        enum gguf_type t = quant_kernels[i].type;
+        if (!cuda.dev[dev].matvec[t]) continue;
+        double g1 = cuda_bench_gemv(dev, t, 2048, 2048), g2 = cuda_bench_gemv(dev, t, 8192, 2048);
+        double g3 = cuda_bench_gemv(dev, t, 2048, 512), g4 = cuda_bench_gemv(dev, t, 16384, 4096);
+        printf("%-7s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%)\n", gguf_type_get(t)->name, g1, g2, g3, g4,
+               100 * plat_ratio(g4, bw));
+    }
 }
 
 /* ---- routed experts on the device ----
@@ -13369,6 +13433,8 @@ static int cmd_bench(const struct cmd_options *o)
 {
     if (o->kernels) {
         ops_bench_kernels();
+        for (int d = 0; d < cuda.n_devices && cuda.ready; d++)
+            if (cuda.dev[d].usable) cuda_bench_kernels(d);
         return 0;
     }
     struct cmd_session s;
@@ -13711,7 +13777,8 @@ static const char *const arg_command_help[][2] = {
              "  with the rest Q8_0, e.g. q4_0; LAYERS: fewer layers than the geometry's).\n"},
     {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
               "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
-              "  weight format against the machine's measured memory bandwidth.\n"
+              "  weight format against the machine's measured memory bandwidth, then on each CUDA device in use\n"
+              "  against the card's.\n"
               "  coli bench --synthetic GEOMETRY[:QUANT[:LAYERS]] (as coli plan) runs the real kernels on random\n"
               "  weights of that geometry in memory, on the CPU: as many whole blocks of layers as --ram SIZE\n"
               "  allows (default three quarters of free memory), their time scaled to all the layers.\n"},
@@ -13893,7 +13960,7 @@ int main(int argc, char **argv)
             gguf_open(&g, o.model);
             gguf_close(&g);
         }
-        int uses_gpu = commands[i].fn != cmd_tokenize && !o.kernels; /* bench --kernels times the CPU's */
+        int uses_gpu = commands[i].fn != cmd_tokenize;
         if (uses_gpu) cuda_start(o.gpu_list, o.vram_bytes, o.verbose); /* before any thread exists */
         return commands[i].fn(&o);
     }

@@ -149,6 +149,13 @@ API CUresult cuMemFree_v2(CUdeviceptr p)
 static void copy_clock(size_t n) { clock_ns[cur_dev] += copy_ns[cur_dev] + (double)n / pcie_gbps[cur_dev]; }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); copy_clock(n); return 0; }
 API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); copy_clock(n); return 0; }
+/* A copy on the device reads and writes its bytes at the device's speed. */
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n)
+{
+    memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n);
+    clock_ns[cur_dev] += launch_ns[cur_dev] + 2.0 * (double)n / gbps[cur_dev];
+    return 0;
+}
 
 /* ---- the kernels' C twins ---- */
 

@@ -2,7 +2,8 @@
 # gpu_check.sh: the GPU path on a machine with a real NVIDIA card and driver (no toolkit needed).
 # Builds, prints coli info, runs every kernel on device 0 against the CPU (GEMVs, batches of
 # products, activation quantisation, routed-expert batches: bit-identical, through the native
-# dlopen of a glibc test build), then the golden models on the CPU and with the trunk and the
+# dlopen of a glibc test build; then the copy bandwidth and GB/s of the main formats' GEMVs),
+# then the golden models on the CPU and with the trunk and the
 # experts on the GPU through the static binary's foreign dlopen (same tokens and logits), and
 # prints a summary. Budget: well under 5 minutes.
 # usage: tests/gpu_check.sh [GOLDEN_DIR]

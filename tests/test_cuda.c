@@ -501,6 +501,26 @@ static void test_place(void)
     test_place_nothing();
 }
 
+/* bench --kernels' device figures. On the fake, its clock: a launch takes 1 us plus its weight
+ * bytes at 1000 GB/s, a device copy 1 us plus twice its bytes at that speed, so the figures
+ * are known ahead. On a real card (gpu_check.sh): printed, for the decode's main formats. */
+static void test_bench(int real)
+{
+    const enum gguf_type bt[3] = {GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q8_0};
+    double bw = cuda_bench_bandwidth(0), want_bw = 2.0 * (256 << 20) / (1e3 + 2.0 * (256 << 20) / 1000.0);
+    if (real) printf("# device 0: copy bandwidth %.1f GB/s (read + write)\n", bw);
+    else check(fabs(bw - want_bw) < 0.01 * want_bw, "bench: the device's copy bandwidth by its events", "%.2f GB/s, want %.2f", bw, want_bw);
+    for (int i = 0; i < 3; i++) {
+        int64_t rows = real ? 16384 : 512, cols = real ? 4096 : 2048;
+        double g = cuda_bench_gemv(0, bt[i], rows, cols), bytes = (double)gguf_row_bytes(bt[i], cols) * (double)rows;
+        double want = bytes / (1e3 + bytes / 1000.0);
+        if (real) printf("# device 0: matvec_%s %lldx%lld: %.1f GB/s, %.0f%% of the copy bandwidth\n", gguf_types[bt[i]].name,
+                         (long long)rows, (long long)cols, g, 100 * plat_ratio(g, bw));
+        else check(fabs(g - want) < 0.01 * want, "bench: a GEMV's GB/s by the probe's timing", "%s: %.2f GB/s, want %.2f",
+                   gguf_types[bt[i]].name, g, want);
+    }
+}
+
 /* COLI_TEST_REAL=1 (tests/gpu_check.sh): the system's driver and its first device instead of
  * the fake, kernels only. COLI_TEST_SIM=1: the fake that runs kernels.cu's source on the host
  * (build/sim, tests/kernels_sim.cc) instead of its twins, kernels only. */
@@ -530,6 +550,7 @@ int main(int argc, char **argv)
     check_jobs(real, 1);
     check_jobs(real, 3);
     test_experts(quick, real);
+    if (!sim) test_bench(real);
     if (!kernels_only) test_failures();
     cuda_stop();
     return check_done();
