@@ -6055,6 +6055,16 @@ static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, si
     return 0;
 }
 
+/* Frees slot I, whose read failed and which nobody holds: the expert is read again when next
+ * routed. Under mu. */
+static void expert_free_failed(struct expert_store *s, int i)
+{
+    struct expert_slot *x = &s->slots[i];
+    s->slot_of[x->key] = -1;
+    *x = (struct expert_slot){-1, EXPERT_FREE, 0, 0, -1, s->free_head, x->buf};
+    s->free_head = i;
+}
+
 /* The next slot a reader should fill: a queued read, else the next expert of the warm list
  * while free slots last (warming never evicts) and fewer than half the readers are busy, so
  * that a routed expert's read never queues behind more than two warming reads. -1: nothing
@@ -6093,9 +6103,13 @@ static void *expert_reader(void *arg)
         int bad = expert_read(s, i, key, msg, sizeof msg);
         pthread_mutex_lock(&s->mu);
         if (--s->in_flight == 0) s->stats.busy_s += plat_now() - s->busy_since;
-        if (bad && !s->error[0]) memcpy(s->error, msg, sizeof msg);
-        if (bad) s->slots[i].state = EXPERT_FAILED; /* freed by expert_recover */
-        else {
+        /* A failed read fails the forward pass only if it holds the slot; one nobody holds (a
+         * warming read, or one whose pass has failed already and let go) must not fail the next. */
+        if (bad && s->slots[i].refs == 0) expert_free_failed(s, i);
+        else if (bad) {
+            if (!s->error[0]) memcpy(s->error, msg, sizeof msg);
+            s->slots[i].state = EXPERT_FAILED; /* freed by expert_recover */
+        } else {
             const struct expert_source *src = s->src[key / s->n_expert];
             s->stats.bytes_read += src[0].bytes + src[1].bytes + src[2].bytes;
             s->stats.reads++;
@@ -6147,13 +6161,8 @@ static int expert_recover(struct expert_store *s, char *msg, size_t n)
                 expert_relist(s, s->want_slot[k]);
             }
         s->n_done = s->n_want;
-        for (int i = 0; i < s->n_slots; i++) {
-            struct expert_slot *x = &s->slots[i];
-            if (x->state != EXPERT_FAILED || x->refs) continue;
-            s->slot_of[x->key] = -1;
-            *x = (struct expert_slot){-1, EXPERT_FREE, 0, 0, -1, s->free_head, x->buf};
-            s->free_head = i;
-        }
+        for (int i = 0; i < s->n_slots; i++)
+            if (s->slots[i].state == EXPERT_FAILED && !s->slots[i].refs) expert_free_failed(s, i);
         s->error[0] = 0;
     }
     pthread_mutex_unlock(&s->mu);
