@@ -13789,8 +13789,9 @@ static const char *const arg_command_help[][2] = {
               "  weight format against the machine's measured memory bandwidth, then on each CUDA device in use\n"
               "  against the card's.\n"
               "  coli bench --synthetic GEOMETRY[:QUANT[:LAYERS]] (as coli plan) runs the real kernels on random\n"
-              "  weights of that geometry in memory, on the CPU: as many whole blocks of layers as --ram SIZE\n"
-              "  allows (default three quarters of free memory), their time scaled to all the layers.\n"},
+              "  weights of that geometry in memory, on the CPU (with --gpu LIST, placed on those devices too):\n"
+              "  as many whole blocks of layers as --ram SIZE allows (default three quarters of free memory),\n"
+              "  their time scaled to all the layers.\n"},
     {"info", "coli info [-m MODEL.gguf | --synthetic GEOMETRY[:QUANT[:LAYERS]]]\n"
              "  The machine (CPU, features, kernel level, cores, memory) and the model's hyper-parameters.\n"},
     {"tokenize", "coli tokenize -m MODEL.gguf -p TEXT\n  One token id per line (special-token texts parsed). A vocabulary-only GGUF is enough.\n"},
@@ -13920,7 +13921,9 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         struct cmd_synthetic sy;
         if (o->model) die_usage("%s: -m and --synthetic name two models; give one", cmd);
         cmd_synthetic_parse(o->synthetic, &sy);
-        if (bench) o->gpu_list = "off"; /* its layers are scaled: what is measured is the CPU's */
+        /* its layers may be scaled, so what it measures is the CPU's unless --gpu names devices
+         * (a card's decode benchmark: gpu_check.sh) */
+        if (bench && !o->gpu_list) o->gpu_list = "off";
     }
     /* the environment's resource settings, where no flag gave them (flags win) */
     if (!o->gpu_list) o->gpu_list = getenv("COLI_GPUS");

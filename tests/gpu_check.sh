@@ -5,7 +5,8 @@
 # dlopen of a glibc test build; then the copy bandwidth and GB/s of the main formats' GEMVs),
 # then the golden models on the CPU and with the trunk and the
 # experts on the GPU through the static binary's foreign dlopen (same tokens and logits), and
-# prints a summary. Budget: well under 5 minutes.
+# runs the decode benchmark on the 35B-A3B geometry at 1k and 8k tokens of context, and prints a
+# summary. Budget: under 10 minutes (each benchmark stops at 200 s).
 # usage: tests/gpu_check.sh [GOLDEN_DIR]
 set -u
 cd "$(dirname "$0")/.."
@@ -57,6 +58,25 @@ if [ -f "$f" ]; then
         bad "re-tiering" "$(grep -E 'cuda|re-tier' "$log/err" | tail -n 3)"
     fi
 fi
+# The decode benchmark: the 35B-A3B geometry in the Q4_K_M mix (Q4_K experts; Q6_K head, down and
+# attn_v; Q5_K attn_qkv), random weights in memory placed on device 0, decode after a 1k and an 8k
+# prompt: tok/s, and the weight bytes a token reads per second against the card's copy bandwidth
+# (test_cuda's figure above, bytes read and written).
+bw=$(grep -o 'copy bandwidth [0-9.]*' "$log/kernels" | grep -o '[0-9.]*$')
+for ctx in 1024 8192; do
+    timeout 200 ./coli bench --synthetic 35b-a3b:q4_k_m --gpu 0 -p "$ctx" -n 64 --json >"$log/bench" 2>"$log/err"
+    if python3 - "$log/bench" "$ctx" "${bw:-0}" <<'PY'; then ok "decode benchmark at $ctx tokens of context"
+import json, sys
+b = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+gbs = b["decode_bytes_per_token"] * b["decode_tok_s"] / 1e9
+bw = float(sys.argv[3])
+share = f", {100 * gbs / bw:.0f}% of the copy bandwidth" if bw > 0 else ""
+print(f"# decode, 35b-a3b:q4_k_m on device 0 after {sys.argv[2]} tokens: {b['decode_tok_s']:.1f} tok/s ({gbs:.0f} GB/s of weights{share}); "
+      f"prompt {b['prompt_tok_s']:.1f} tok/s; {b['synthetic']['layers_measured']} of {b['synthetic']['layers']} layers measured")
+PY
+    else bad "decode benchmark at $ctx tokens of context" "$(grep -E 'cuda|place|coli' "$log/err" | tail -n 3)"; fi
+    grep -E '^\[(place\] experts|cuda\])' "$log/err"
+done
 echo "summary: $(grep -m1 '^cuda 0: ' "$log/info"); $(grep -m1 'wrapped driver call' "$log/info" | grep -o 'one wrapped.*'); $(( $(date +%s) - t0 )) s"
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]

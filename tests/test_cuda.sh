@@ -197,6 +197,13 @@ plan_vs_run() {
         bad "$label" "plan and run differ: $(diff "$tmp/plan-place" "$tmp/run-place" | head -c 400)"
     else ok "$label"; fi
 }
+# bench --synthetic measures the CPU unless --gpu names devices (gpu_check.sh's decode benchmark)
+$FAKE "$COLI" bench --synthetic tiny:q8_0 -p 4 -n 4 >"$tmp/o" 2>"$tmp/e"
+if grep -qE '^\[(cuda|place)\]' "$tmp/e" || ! grep -q '^decode: 4 tokens' "$tmp/o"; then bad "bench --synthetic: on the CPU alone" "$(head -c 300 "$tmp/e")"
+else ok "bench --synthetic: on the CPU alone"; fi
+$FAKE "$COLI" bench --synthetic tiny:q8_0 --gpu 0 -p 4 -n 4 >"$tmp/o" 2>"$tmp/e"
+has "bench --synthetic --gpu 0: the experts placed on the device" '^\[place\] experts: 32 of 32, .* -> cuda 0: 32 ' "$tmp/e"
+has "... and run there" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' "$tmp/e"
 plan_vs_run "plan, 1 fake device (no heat yet): run's [place] lines" LD_LIBRARY_PATH="$B/fake"
 has "plan, 1 fake device: its budget and what trunk and experts take" \
     '^cuda 0: Fake GPU A, budget [0-9.]+ GiB: trunk 0\.3 MiB, experts 0\.2 MiB, [0-9.]+ GiB left$' "$tmp/plan"
