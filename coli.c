@@ -7716,6 +7716,7 @@ struct model_scratch {
     int *dev_slot;           /* [B * n_expert_used] the assignment (ex_out row) of each job */
     float *dev_out;          /* [B * n_expert_used][dim] the jobs' outputs as downloaded */
     int dev_first[CUDA_MAX_DEVICES], dev_count[CUDA_MAX_DEVICES], dev_failed[CUDA_MAX_DEVICES];
+    float *sh_h;             /* [B][shexp_ff] silu(gate x) * up x of the shared expert, apart from ex_g */
     float *sh_out;           /* [B][dim] */
     float *sh_gate;          /* [B] */
     struct model_seq **tok_seq; /* [B] the sequence each token of the batch belongs to */
@@ -8062,6 +8063,7 @@ static void model_alloc_scratch(struct model *m)
     s->dev_jobs = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof *s->dev_jobs);
     s->dev_slot = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
     s->dev_out = model_buf(B * (used ? used : 1), c->dim);
+    s->sh_h = model_buf(B, c->shexp_ff ? c->shexp_ff : 1);
     s->sh_out = model_buf(B, c->dim);
     s->sh_gate = model_buf(B, 1);
     s->tok_seq = plat_zalloc((size_t)B, sizeof *s->tok_seq);
@@ -8281,7 +8283,7 @@ static void model_free(struct model *m)
     struct model_scratch *s = &m->s;
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
-                     s->ex_out, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
+                     s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
     void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
@@ -8461,16 +8463,6 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
-/* The second half of a SwiGLU over N rows whose gate and up products are in ex_g and ex_u:
- * out [n][rows of down] = down(silu(gate x) * up x). */
-static void model_swiglu_down(struct model *m, const struct ops_matrix *down, float *out, int n)
-{
-    struct model_scratch *s = &m->s;
-    size_t total = (size_t)n * (size_t)down->cols;
-    ops_swiglu(s->ex_g, s->ex_u, (int64_t)total);
-    ops_matmat(down, s->ex_g, out, n);
-}
-
 /* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate],
  * out [n][rows of down]; uses ex_g and ex_u. */
 static void model_swiglu(struct model *m, const struct ops_matrix *gate, const struct ops_matrix *up,
@@ -8479,7 +8471,8 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
     struct model_scratch *s = &m->s;
     const struct ops_job gate_up[] = {{*gate, in, s->ex_g, n}, {*up, in, s->ex_u, n}};
     ops_matmat_jobs(gate_up, 2);
-    model_swiglu_down(m, down, out, n);
+    ops_swiglu(s->ex_g, s->ex_u, (int64_t)n * down->cols);
+    ops_matmat(down, s->ex_g, out, n);
 }
 
 /* Routing (§6) from the router logits in s->router: softmax over all experts, the
@@ -8653,10 +8646,19 @@ static void model_experts_device_finish(struct model *m, int il)
     }
 }
 
+/* Whether trunk matrix W is on a device that has layer's expert batch queued: a product there
+ * would wait for the batch (its upload is on the same stream), and the CPU with it. */
+static int model_behind_device_batch(const struct model *m, const struct ops_matrix *w)
+{
+    const struct cuda_resident *r = cuda.ready ? cuda_resident_of(w->data) : NULL;
+    return r && m->s.dev_count[r->dev] > 0 && !m->s.dev_failed[r->dev];
+}
+
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
  * order of the chosen experts, best first. The experts resident on a device are queued there
  * first; the shared expert's down product runs while they run and while the store reads the
- * routed experts that are not in memory. A dense SwiGLU for qwen35. */
+ * routed experts that are not in memory, unless it would wait for them on their device: then
+ * after the CPU's experts. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -8669,17 +8671,22 @@ static void model_ffn(struct model *m, int il, int T)
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up */
     const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
-                                    {l->shexp_gate, s->xn, s->ex_g, T}, {l->shexp_up, s->xn, s->ex_u, T}};
+                                    {l->shexp_gate, s->xn, s->sh_h, T}, {l->shexp_up, s->xn, s->ex_u, T}};
     ops_matmat_jobs(first, c->shexp_ff ? 4 : 1);
+    if (c->shexp_ff) ops_swiglu(s->sh_h, s->ex_u, (int64_t)T * c->shexp_ff);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_select_experts(m, T);
     model_want_experts(m, il, T);
     model_phase_mark(m, MODEL_PHASE_ROUTING);
     model_experts_device_start(m, il, T);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
-    if (c->shexp_ff) model_swiglu_down(m, &l->shexp_down, s->sh_out, T);
+    int shexp_late = c->shexp_ff && model_behind_device_batch(m, &l->shexp_down);
+    if (c->shexp_ff && !shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_routed_experts(m, T);
+    model_phase_mark(m, MODEL_PHASE_EXPERTS);
+    if (shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_experts_device_finish(m, il);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
     for (int t = 0; t < T; t++) {
