@@ -8646,7 +8646,7 @@ static void model_experts_device_finish(struct model *m, int il)
     }
 }
 
-/* Whether trunk matrix W is on a device that has layer's expert batch queued: a product there
+/* Whether trunk matrix W is on a device that has this layer's expert batch queued: a product there
  * would wait for the batch (its upload is on the same stream), and the CPU with it. */
 static int model_behind_device_batch(const struct model *m, const struct ops_matrix *w)
 {

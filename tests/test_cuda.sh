@@ -24,7 +24,7 @@ has() { if grep -qE -- "$2" "$3"; then ok "$1"; else bad "$1" "no /$2/ in: $(hea
 # The golden models' matrices are a few KiB, so a device's time for them is its fixed costs: at
 # the fake's defaults (1 us a launch, 2 us a copy) near the CPU's time on these machines, where
 # the probe's verdict would turn with the machine's load (CI stop 25). Every case here runs on a
-# fake with 0.1 us costs, 3-10x faster than the CPU at these sizes, unless it sets its own
+# fake with 0.1 us costs, 2-12x faster than the CPU at these sizes, unless it sets its own
 # (test_cuda's unit tests keep the defaults, whose figures they know).
 export FAKE_CUDA_LAUNCH_US=0.1 FAKE_CUDA_COPY_US=0.1
 FAKE="env -u COLI_LIBCUDA LD_LIBRARY_PATH=$B/fake"
