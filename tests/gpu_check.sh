@@ -62,7 +62,7 @@ fi
 # attn_v; Q5_K attn_qkv), random weights in memory placed on device 0, decode after a 1k and an 8k
 # prompt: tok/s, and the weight bytes a token reads per second against the card's copy bandwidth
 # (test_cuda's figure above, bytes read and written).
-bw=$(grep -o 'copy bandwidth [0-9.]*' "$log/kernels" | grep -o '[0-9.]*$')
+bw=$(grep -m1 -o '^# device 0: copy bandwidth [0-9.]*' "$log/kernels" | grep -o '[0-9.]*$')
 for ctx in 1024 8192; do
     timeout 200 ./coli bench --synthetic 35b-a3b:q4_k_m --gpu 0 -p "$ctx" -n 64 --json >"$log/bench" 2>"$log/err"
     if python3 - "$log/bench" "$ctx" "${bw:-0}" <<'PY'; then ok "decode benchmark at $ctx tokens of context"
