@@ -55,6 +55,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 
 #include "vendor/unicode_tables.h"
 
@@ -3641,6 +3642,7 @@ struct ops_job {
 };
 
 #define OPS_MAX_JOBS 64
+#define OPS_PARALLEL_PREPARE 65536 /* elements of acts to prepare from which two threads pay (~1 ns each) */
 
 /* §5 cuda sets this when matrices are resident on a device: it runs there the jobs whose
  * matrices are, over their prepared columns at ACT + OFF[j] (ops_act_stride apart), and
@@ -3672,6 +3674,25 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
+/* The acts of the jobs that own one (OWN), column by column, in parallel once a prompt's batch
+ * has enough of them to pay a parallel region (each column is prepared alone: the same bits). */
+static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8_t *own, uint8_t *act, const size_t *off,
+                             const size_t *stride) {
+    int64_t first_col[OPS_MAX_JOBS + 1] = {0}, elems = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        const int64_t n = own[j] && jobs[j].n > 0 ? jobs[j].n : 0;
+        first_col[j + 1] = first_col[j] + n;
+        elems += n * jobs[j].w.cols;
+    }
+    #pragma omp parallel for schedule(static) if (elems >= OPS_PARALLEL_PREPARE)
+    for (int64_t i = 0; i < first_col[n_jobs]; i++) {
+        int j = 0;
+        while (i >= first_col[j + 1]) j++;
+        const int64_t t = i - first_col[j];
+        quant_act_prepare(jobs[j].w.type, jobs[j].x + (size_t)t * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
+    }
+}
+
 /* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
  * rows, so that several small products pay one parallel region and its barrier, and each
  * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
@@ -3694,9 +3715,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         if (own[j]) end += stride[j] * (size_t)(jobs[j].n > 0 ? jobs[j].n : 0);
     }
     uint8_t *act = ops_act_scratch(end);
-    for (int j = 0; j < n_jobs; j++)
-        for (int t = 0; own[j] && t < jobs[j].n; t++)
-            quant_act_prepare(jobs[j].w.type, jobs[j].x + (size_t)t * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
+    ops_prepare_acts(jobs, n_jobs, own, act, off, stride);
     if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
     for (int j = 0; j < n_jobs; j++)
         first_chunk[j + 1] = first_chunk[j] + (done[j] || jobs[j].n < 1 ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
@@ -5905,6 +5924,13 @@ struct expert_store {
     uint64_t window_lookups, window_vram; /* the lookups and VRAM uses when the window began */
     int *on_device, n_on_device;          /* [n_expert] wanted ids of the layer being computed that are resident */
     struct expert_stats stats;
+    /* mapped in place: the thread that maps the experts' pages ahead (expert_map_ahead) */
+    pthread_t mapper;
+    int mapper_on, mapper_stop;           /* mapper_stop: atomic */
+    struct expert_range { uintptr_t lo, hi; } *map_ranges; /* [n_map_ranges] page-aligned */
+    int n_map_ranges;
+    size_t map_ahead_bytes;               /* mapped; with map_ahead_s, valid once the thread is joined */
+    double map_ahead_s;
 };
 
 
@@ -6702,12 +6728,80 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
     s->mapped = budget < 0;
 }
 
-/* Starts the cache, or copies the experts in mapped mode when asked (after §7 has placed
- * experts in VRAM, which both then leave out). */
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14; musl's headers may predate it */
+#endif
+#define EXPERT_MAP_CHUNK ((uintptr_t)32 << 20) /* bytes a populate call covers: a stop waits for one */
+
+/* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
+ * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
+ * page tables (reading from the disk what the page cache lacks; ~0.2 us a page here against
+ * ~1.5 us a fault), then one read a page warms what lies below them (on this project's VMs the
+ * hypervisor's own tables: ~1.8 us a page on the first touch, even with the page tables filled).
+ * Without it the first 64-token batch of a 4-layer 35B-A3B slice ran its experts' gate/up at
+ * 16-23 GMAC/s, the next ones at 60-110; with it the first at 38-99. A kernel without
+ * MADV_POPULATE_READ (before 5.14) gets the reads alone; a range the kernel refuses (a file cut
+ * short) ends it: the forward pass then says what is wrong. The thread runs only on idle cores
+ * (SCHED_IDLE): while a server waits, or bench waits for it; a prompt that starts at once still
+ * maps what it reads itself, as before. */
+static void *expert_map_ahead(void *arg)
+{
+    struct expert_store *s = arg;
+    const double t0 = plat_now();
+    /* only when a core is idle: the forward passes' threads come first (if refused: as any thread) */
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &(struct sched_param){0});
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t bytes = 0;
+    int ok = 1, populate = 1;
+    for (int r = 0; r < s->n_map_ranges && ok; r++)
+        for (uintptr_t a = s->map_ranges[r].lo; a < s->map_ranges[r].hi && ok; a += EXPERT_MAP_CHUNK) {
+            const size_t len = s->map_ranges[r].hi - a < EXPERT_MAP_CHUNK ? s->map_ranges[r].hi - a : EXPERT_MAP_CHUNK;
+            if (populate && madvise((void *)a, len, MADV_POPULATE_READ)) populate = 0, ok = errno == EINVAL;
+            ok = ok && !__atomic_load_n(&s->mapper_stop, __ATOMIC_RELAXED);
+            for (uintptr_t p = a; ok && p < a + len; p += page) (void)*(volatile const uint8_t *)p;
+            if (ok) bytes += len;
+        }
+    s->map_ahead_bytes = bytes;
+    s->map_ahead_s = plat_now() - t0;
+    return NULL;
+}
+
+/* Starts expert_map_ahead over the experts the CPU computes: runs of them, as expert_own copies
+ * (one in VRAM is read again only if the GPU path ends). */
+static void expert_map_ahead_start(struct expert_store *s)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    s->map_ranges = plat_alloc((size_t)s->n_layers * 3 * (size_t)s->n_expert * sizeof *s->map_ranges);
+    for (int l = 0; l < s->n_layers; l++)
+        for (int j = 0; j < 3; j++) {
+            const struct expert_source *src = &s->src[l][j];
+            const size_t stride = src->t.stride;
+            for (int e = 0, run; e < s->n_expert; e += run) {
+                const int in_vram = expert_in_vram(s, l * s->n_expert + e);
+                for (run = 1; e + run < s->n_expert && expert_in_vram(s, l * s->n_expert + e + run) == in_vram; run++) {}
+                const uintptr_t lo = (uintptr_t)(src->t.m.data + (size_t)e * stride);
+                if (!in_vram) s->map_ranges[s->n_map_ranges++] = (struct expert_range){lo & ~(page - 1), lo + (size_t)run * stride};
+            }
+        }
+    s->mapper_on = pthread_create(&s->mapper, NULL, expert_map_ahead, s) == 0;
+}
+
+/* Waits for expert_map_ahead to end (at once with STOP: after the call in progress). */
+static void expert_map_ahead_join(struct expert_store *s, int stop)
+{
+    if (!s->mapper_on) return;
+    if (stop) __atomic_store_n(&s->mapper_stop, 1, __ATOMIC_RELAXED);
+    pthread_join(s->mapper, NULL);
+    s->mapper_on = 0;
+}
+
+/* Starts the cache, or copies the experts in mapped mode when asked, else maps their pages
+ * ahead (after §7 has placed experts in VRAM, which all of these then leave out). */
 static void expert_start(struct expert_store *s)
 {
     if (!s->mapped) expert_start_cache(s);
     else if (s->cfg.own) expert_own(s);
+    else expert_map_ahead_start(s);
 }
 
 /* Stops the readers (each finishes the read it is in) and frees everything; NULL is fine. */
@@ -6726,6 +6820,8 @@ static void expert_close(struct expert_store *s)
         pthread_cond_destroy(&s->wake);
         pthread_cond_destroy(&s->done);
     }
+    expert_map_ahead_join(s, 1);
+    free(s->map_ranges);
     if (s->own) munmap(s->own, s->own_bytes);
     free(s->hole);
     void *bufs[] = {s->src,  s->heat,  s->pin,   s->want, s->want_slot, s->guess,
@@ -8524,20 +8620,35 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* Gathers the tokens (of T) routed to expert E into ex_in from row FIRST on, their assignments
- * into slot_of alike; returns how many. */
+/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on;
+ * returns how many. model_gather_rows then copies their tokens. */
 static int model_gather_tokens(struct model *m, int e, int T, int first)
 {
     struct model_scratch *s = &m->s;
     int used = m->cfg.n_expert_used, rows = first;
-    size_t dim = (size_t)m->cfg.dim;
     for (int a = 0; a < T * used; a++)
-        if (s->top[a] == e) {
-            s->slot_of[rows] = a;
-            memcpy(s->ex_in + rows * dim, s->xn + (size_t)(a / used) * dim, dim * sizeof(float));
-            rows++;
-        }
+        if (s->top[a] == e) s->slot_of[rows++] = a;
     return rows - first;
+}
+
+/* Rows [first, first + n) of ex_in: the tokens of those assignments (slot_of), copied in
+ * parallel (a prompt batch's experts gather 4096 rows of 8 KiB on the 35B). */
+static void model_gather_rows(struct model *m, int first, int n)
+{
+    struct model_scratch *s = &m->s;
+    int used = m->cfg.n_expert_used;
+    size_t dim = (size_t)m->cfg.dim;
+    #pragma omp parallel for schedule(static) if (n >= 64)
+    for (int r = first; r < first + n; r++) memcpy(s->ex_in + r * dim, s->xn + (size_t)(s->slot_of[r] / used) * dim, dim * sizeof(float));
+}
+
+/* Rows [0, n) of SRC (one per assignment listed in slot_of) into ex_out at their assignments. */
+static void model_scatter_rows(struct model *m, const float *src, int n)
+{
+    struct model_scratch *s = &m->s;
+    size_t dim = (size_t)m->cfg.dim;
+    #pragma omp parallel for schedule(static) if (n >= 64)
+    for (int r = 0; r < n; r++) memcpy(s->ex_out + (size_t)s->slot_of[r] * dim, src + r * dim, dim * sizeof(float));
 }
 
 /* The routed experts the CPU computes for T tokens when the store hands them out in place (a
@@ -8563,10 +8674,11 @@ static void model_routed_experts_mapped(struct model *m, int T)
             rows += count;
         }
         if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
+        model_gather_rows(m, 0, rows);
         ops_matmat_jobs(up, 2 * n);
         ops_swiglu(s->ex_g, s->ex_u, (int64_t)rows * ff);
         ops_matmat_jobs(down, n);
-        for (int r = 0; r < rows; r++) memcpy(s->ex_out + (size_t)s->slot_of[r] * dim, s->ex_y + r * dim, dim * sizeof(float));
+        model_scatter_rows(m, s->ex_y, rows);
         n = rows = 0;
     }
 }
@@ -8577,7 +8689,6 @@ static void model_routed_experts_mapped(struct model *m, int T)
  * change the sums. */
 static void model_routed_experts(struct model *m, int T)
 {
-    const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     struct ops_matrix w[3]; /* gate, up, down */
     if (m->experts->mapped) {
@@ -8586,9 +8697,9 @@ static void model_routed_experts(struct model *m, int T)
     }
     for (int e; (e = expert_next(m->experts, w)) >= 0;) {
         int n = model_gather_tokens(m, e, T, 0);
+        model_gather_rows(m, 0, n);
         model_swiglu(m, &w[0], &w[1], &w[2], s->ex_in, s->ex_in, n);
-        for (int i = 0; i < n; i++)
-            memcpy(s->ex_out + (size_t)s->slot_of[i] * c->dim, s->ex_in + (size_t)i * c->dim, (size_t)c->dim * sizeof(float));
+        model_scatter_rows(m, s->ex_in, n);
     }
 }
 
@@ -8689,6 +8800,7 @@ static void model_ffn(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_experts_device_finish(m, il);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
+    #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
         float *o = s->out + (size_t)t * c->dim;
         for (int k = 0; k < c->n_expert_used; k++) {
@@ -13415,6 +13527,23 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
                "than this (coli plan --synthetic %s gives the traffic)\n", b->sy.spec);
 }
 
+/* One line of bench's profile: the time per token of WHAT (prompt or decode: N tokens) and each
+ * phase's share of it; with JSON the field WHAT_ms_per_token, ms a token per phase. */
+static void cmd_bench_say_phases(const char *what, const double *ph, int n, int json)
+{
+    double total = 0;
+    for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p];
+    if (json) {
+        printf(",\"%s_ms_per_token\":{", what);
+        for (int p = 0; p < MODEL_PHASE_COUNT; p++) printf("%s\"%s\":%.4f", p ? "," : "", model_phase_names[p], ph[p] / n * 1e3);
+        printf("}");
+        return;
+    }
+    printf("%s per token: %.2f ms:", what, total / n * 1e3);
+    for (int p = 0; p < MODEL_PHASE_COUNT; p++)
+        printf("%s %s %.1f%%", p ? "," : "", model_phase_names[p], 100 * plat_ratio(ph[p], total));
+}
+
 /* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens,
  * measured on the layers that ran), and the roofline: the bytes a token reads against the
  * read bandwidth measured now, the decode rate that allows, and the rate measured (TG_M). With
@@ -13422,24 +13551,29 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
 static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int json)
 {
     const double *ph = m->profile.seconds[1];
-    double total = 0, trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
+    double trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
     double roof = gbps * 1e9 / bytes;
-    for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p];
+    cmd_bench_say_phases("decode", ph, n_fwd, json);
     if (json) {
-        printf(",\"decode_ms_per_token\":{");
-        for (int p = 0; p < MODEL_PHASE_COUNT; p++) printf("%s\"%s\":%.4f", p ? "," : "", model_phase_names[p], ph[p] / n_fwd * 1e3);
-        printf("},\"decode_bytes_per_token\":%.0f", bytes);
+        printf(",\"decode_bytes_per_token\":%.0f", bytes);
         if (!cuda.n_devices) printf(",\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", gbps, roof);
         return;
     }
-    printf("decode per token: %.2f ms:", total / n_fwd * 1e3);
-    for (int p = 0; p < MODEL_PHASE_COUNT; p++)
-        printf("%s %s %.1f%%", p ? "," : "", model_phase_names[p], 100 * plat_ratio(ph[p], total));
     printf("\n  products %.1f GB/s, experts %.1f GB/s of weights (their bytes over their time)\n",
            plat_ratio(trunk * n_fwd, ph[MODEL_PHASE_PRODUCTS] * 1e9), plat_ratio((bytes - trunk) * n_fwd, ph[MODEL_PHASE_EXPERTS] * 1e9));
     if (cuda.n_devices) return;
     printf("decode roofline: %.1f MiB a token at %.1f GB/s read bandwidth (measured now): %.2f tok/s; measured %.2f tok/s = %.0f%%\n",
            bytes / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
+}
+
+/* Before bench measures: the experts mapped (§6 expert_map_ahead), as in a run that has been up
+ * a while, and how long that took, on stderr. */
+static void cmd_bench_map_ahead(struct expert_store *s)
+{
+    if (!s || !s->mapper_on) return;
+    expert_map_ahead_join(s, 0);
+    plat_log("[experts] %.2f GiB of experts mapped ahead in %.2f s (before the measured run)",
+             s->map_ahead_bytes / 1073741824.0, s->map_ahead_s);
 }
 
 /* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more
@@ -13472,6 +13606,7 @@ static int cmd_bench(const struct cmd_options *o)
     struct engine_request req = cmd_request(&bo, ids, o->n_bench_prompt, o->n_predict, NULL);
     req.want_top = 0;
     struct engine_gen g;
+    cmd_bench_map_ahead(s.model.experts);
     engine_generate(&s.engine, 0, &req, &g);
     if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
     int n_fwd = g.n_tokens > 1 ? g.n_tokens - 1 : 0;
@@ -13489,6 +13624,7 @@ static int cmd_bench(const struct cmd_options *o)
             printf(",\"synthetic\":{\"layers\":%d,\"layers_measured\":%d,\"bytes\":%llu,\"bytes_measured\":%llu,\"head_s\":%.6f,"
                    "\"measured_prompt_tok_s\":%.3f,\"measured_decode_tok_s\":%.3f,\"fits_in_memory\":%s}", sb.sy.n_layers, sb.layers,
                    (unsigned long long)sb.all, (unsigned long long)sb.bytes, sb.head_s, pp_m, tg_m, sb.fits ? "true" : "false");
+        if (g.n_prompt) cmd_bench_say_phases("prompt", s.model.profile.seconds[0], g.n_prompt, 1);
         if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 1);
         if (s.model.experts) {
             printf(",\"experts\":");
@@ -13502,6 +13638,10 @@ static int cmd_bench(const struct cmd_options *o)
         printf("\ndecode: %d tokens, %.2f tok/s", g.n_tokens, tg);
         if (scaled) printf(" (measured %.2f on %d layers)", tg_m, sb.layers);
         printf("\n");
+        if (g.n_prompt) {
+            cmd_bench_say_phases("prompt", s.model.profile.seconds[0], g.n_prompt, 0);
+            printf("\n");
+        }
         if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 0);
         if (s.model.experts) cmd_print_expert_stats(s.model.experts);
     }

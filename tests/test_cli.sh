@@ -82,6 +82,20 @@ assert j["decode_bytes_per_token"] > 0 and abs(j["roofline_tok_s"] - roof) <= 1e
 PY
 then ok "bench --json: the decode profile's phases divide the decode steps' time; roofline = bandwidth / bytes a token"
 else bad "bench --json decode profile" "$(cat "$tmp/syn")"; fi
+if python3 - "$tmp/syn" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); ph = j["prompt_ms_per_token"]
+assert set(ph) == set(j["decode_ms_per_token"]) and min(ph.values()) >= 0 and ph["experts"] > 0, ph
+per = 1000 / j["synthetic"]["measured_prompt_tok_s"]  # the prompt's wall time per token
+# the phases also hold the first token's sampling, which the prompt's time leaves out, and each
+# is printed to 1e-4 ms (a tiny model's prompt takes ~0.1 ms a token)
+assert 0.3 * per < sum(ph.values()) <= 1.02 * per + 7e-4, (ph, per)
+PY
+then ok "bench --json: the prompt profile's phases divide the prompt's time"
+else bad "bench --json prompt profile" "$(cat "$tmp/syn")"; fi
+if grep -qE '^\[experts\] [0-9.]+ GiB of experts mapped ahead in [0-9.]+ s \(before the measured run\)$' "$tmp/syn_err"
+then ok "bench: the experts mapped ahead before it measures"
+else bad "bench maps the experts ahead" "$(cat "$tmp/syn_err")"; fi
 
 if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
 if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi

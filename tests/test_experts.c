@@ -295,6 +295,30 @@ static int store_covered_elsewhere(const char *json_name)
     return 0;
 }
 
+/* Mapped in place, the store maps every expert's pages ahead (expert_map_ahead): all their
+ * bytes once joined; a store closed at once stops it without waiting for the rest. */
+static void test_map_ahead(const char *dir)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/q35moe-q8_0.gguf", dir);
+    struct model m;
+    model_load(&m, path, 64);
+    store_with(&m, -1, NULL);
+    struct expert_store *s = m.experts;
+    size_t want = 0, bytes = 0;
+    for (int r = 0; r < s->n_map_ranges; r++) want += s->map_ranges[r].hi - s->map_ranges[r].lo;
+    for (int l = 0; l < s->n_layers; l++)
+        for (int j = 0; j < 3; j++) bytes += s->src[l][j].t.stride * (size_t)s->n_expert;
+    int started = s->mapper_on;
+    expert_map_ahead_join(s, 0);
+    check(started && s->mapped && !s->own && s->map_ahead_bytes == want && want >= bytes, "mapped in place: every expert's pages mapped ahead",
+          "started %d, %zu of %zu bytes (experts %zu)", started, s->map_ahead_bytes, want, bytes);
+    store_with(&m, -1, NULL);
+    expert_map_ahead_join(m.experts, 1);
+    check(m.experts->map_ahead_bytes <= want && !m.experts->mapper_on, "mapping ahead told to stop: ends, within what it had to map", "%zu bytes", m.experts->map_ahead_bytes);
+    model_free(&m);
+}
+
 int main(int argc, char **argv)
 {
     const char *dir;
@@ -315,6 +339,7 @@ int main(int argc, char **argv)
     expect_read_failure(dir, 1, "the model file truncated while running: one line, exit 1", "while running");
     test_read_recovers(dir);
     test_heat_file(dir);
+    test_map_ahead(dir);
     for (int i = 0; i < n; i++) {
         if (store_covered_elsewhere(names[i])) {
             printf("ok - %s # SKIP the store moves bytes, whatever the format: q35moe-q2_k and -mxfp4 stand for the "
