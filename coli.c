@@ -6731,7 +6731,8 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14; musl's headers may predate it */
 #endif
-#define EXPERT_MAP_CHUNK ((uintptr_t)32 << 20) /* bytes a populate call covers: a stop waits for one */
+#define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20) /* bytes a populate call covers: a stop waits for one (~2 ms here), and so does a thread
+                                               * that wants the address space while it holds it */
 
 /* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
