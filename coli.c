@@ -6740,9 +6740,10 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
  * ~1.5 us a fault), then one read a page warms what lies below them (on this project's VMs the
  * hypervisor's own tables: ~1.8 us a page on the first touch, even with the page tables filled).
  * Without it the first 64-token batch of a 4-layer 35B-A3B slice ran its experts' gate/up at
- * 16-23 GMAC/s, the next ones at 60-110; with it the first at 38-99. A kernel without
- * MADV_POPULATE_READ (before 5.14) gets the reads alone; a range the kernel refuses (a file cut
- * short) ends it: the forward pass then says what is wrong. The thread runs only on idle cores
+ * 16-23 GMAC/s, the next ones at 60-110; with it the first at 38-99. A range the kernel refuses
+ * (a file cut short) ends it: the forward pass then says what is wrong. A kernel without
+ * MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file cut short ends the process
+ * with model_on_sigbus's one line, as a forward pass reading it would. The thread runs only on idle cores
  * (SCHED_IDLE): while a server waits, or bench waits for it; a prompt that starts at once still
  * maps what it reads itself, as before. */
 static void *expert_map_ahead(void *arg)
