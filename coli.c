@@ -3933,13 +3933,17 @@ QUANT_AVX2_INLINE __m128 ops_exp_core_avx2(__m128 x) {
     return _mm256_cvtpd_ps(_mm256_mul_pd(p, scale));
 }
 
-/* ops_silu of 8 floats: ops_exp's special cases by blends (NaN last, as it is first there). */
+/* ops_exp of 8 floats: its special cases by blends (NaN last, as it is first there). */
+QUANT_AVX2_INLINE __m256 ops_exp8_avx2(__m256 x) {
+    __m256 e = _mm256_set_m128(ops_exp_core_avx2(_mm256_extractf128_ps(x, 1)), ops_exp_core_avx2(_mm256_castps256_ps128(x)));
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
+    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* ops_silu of 8 floats. */
 QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
-    const __m256 m = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); /* -x, as the scalar: the sign bit flipped */
-    __m256 e = _mm256_set_m128(ops_exp_core_avx2(_mm256_extractf128_ps(m, 1)), ops_exp_core_avx2(_mm256_castps256_ps128(m)));
-    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(m, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
-    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(m, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
-    e = _mm256_blendv_ps(e, m, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+    const __m256 e = ops_exp8_avx2(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f))); /* -x, as the scalar: the sign bit flipped */
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
@@ -3955,15 +3959,19 @@ QUANT_AVX512_INLINE __m256 ops_exp_core_avx512(__m256 x) {
     return _mm512_cvtpd_ps(_mm512_mul_pd(p, scale));
 }
 
-/* ops_silu8_avx2 with 16 floats and masks. */
-QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x) {
-    const __m512 m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
-    const __m256 lo = ops_exp_core_avx512(_mm512_castps512_ps256(m));
-    const __m256 hi = ops_exp_core_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+/* ops_exp8_avx2 with 16 floats and masks. */
+QUANT_AVX512_INLINE __m512 ops_exp16_avx512(__m512 x) {
+    const __m256 lo = ops_exp_core_avx512(_mm512_castps512_ps256(x));
+    const __m256 hi = ops_exp_core_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
     __m512 e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q), m);
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* ops_silu8_avx2 with 16 floats. */
+QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x) {
+    const __m512 e = ops_exp16_avx512(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
@@ -3998,17 +4006,76 @@ static void ops_swiglu(float *g, const float *u, int64_t n) {
 /* log(1 + e^x), switching to x above 20 as the reference does. */
 static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* In-place softmax over N values. */
+/* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
+ * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
+ * ops_exp, their sum in double with element i in partial i % 16 and a butterfly over the
+ * partials (the serial sum it replaces was an add every 4 cycles), then one scale. Attention at
+ * 8k of context takes 8192 of them per head and token: libm's expf and the serial sum were 40%
+ * of its time. */
+#define OPS_SOFTMAX_PARTS 16
+
+/* The SIMD levels: the maximum of all N, and the partials of the whole vectors (ops_softmax
+ * does the tail); returns how many values are done. */
+static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *part)
+{
+    const int body = n / OPS_SOFTMAX_PARTS * OPS_SOFTMAX_PARTS;
+    __m512 mv = _mm512_set1_ps(x[0]);
+    for (int i = 0; i < body; i += 16) mv = _mm512_max_ps(_mm512_loadu_ps(x + i), mv); /* x > m ? x : m */
+    float lanes[16];
+    _mm512_storeu_ps(lanes, mv);
+    for (int l = 0; l < 16; l++) *max = lanes[l] > *max ? lanes[l] : *max;
+    for (int i = body; i < n; i++) *max = x[i] > *max ? x[i] : *max;
+    const __m512 m = _mm512_set1_ps(*max);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int i = 0; i < body; i += 16) {
+        const __m512 e = ops_exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
+        _mm512_storeu_ps(x + i, e);
+        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    }
+    _mm512_storeu_pd(part, lo);
+    _mm512_storeu_pd(part + 8, hi);
+    return body;
+}
+
+static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part)
+{
+    const int body = n / OPS_SOFTMAX_PARTS * OPS_SOFTMAX_PARTS;
+    __m256 mv = _mm256_set1_ps(x[0]);
+    for (int i = 0; i < body; i += 8) mv = _mm256_max_ps(_mm256_loadu_ps(x + i), mv);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) *max = lanes[l] > *max ? lanes[l] : *max;
+    for (int i = body; i < n; i++) *max = x[i] > *max ? x[i] : *max;
+    const __m256 m = _mm256_set1_ps(*max);
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (int i = 0; i < body; i += 16)
+        for (int h = 0; h < 2; h++) {
+            const __m256 e = ops_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * h), m));
+            _mm256_storeu_ps(x + i + 8 * h, e);
+            acc[2 * h] = _mm256_add_pd(acc[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            acc[2 * h + 1] = _mm256_add_pd(acc[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+    for (int a = 0; a < 4; a++) _mm256_storeu_pd(part + 4 * a, acc[a]);
+    return body;
+}
+
 static void ops_softmax(float *x, int n)
 {
     float max = x[0];
-    for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) {
-        x[i] = expf(x[i] - max);
-        sum += x[i];
+    double part[OPS_SOFTMAX_PARTS] = {0};
+    int done = 0; /* the values already replaced by their e^(x - max) and summed */
+    if (quant_level >= QUANT_LEVEL_AVX512) done = ops_softmax_avx512(x, n, &max, part);
+    else if (quant_level >= QUANT_LEVEL_AVX2) done = ops_softmax_avx2(x, n, &max, part);
+    else
+        for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
+    for (int i = done; i < n; i++) {
+        x[i] = ops_exp(x[i] - max);
+        part[i % OPS_SOFTMAX_PARTS] += x[i];
     }
-    float inv = (float)(1.0 / sum);
+    for (int s = OPS_SOFTMAX_PARTS / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
+    float inv = (float)(1.0 / part[0]);
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
@@ -4024,6 +4091,7 @@ static void ops_softmax(float *x, int n)
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
+#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares: 32 KiB of rows of 256, read once from memory */
 
 static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
 {
@@ -4149,18 +4217,22 @@ static void ops_attend_scalar(const float *const *w, int nq, const float *v, siz
             for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * v[(size_t)p * stride + i];
 }
 
-/* Dims I0..I0 + 64 of heads J0..J0 + 4, the 16 accumulators in registers across every row
- * (each row is read once for the 4 heads; o in memory would be loaded and stored per row). */
-QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const float *v, size_t stride, int n, int i0,
-                                                float *const *o)
+/* Dims I0..I0 + 64 of heads J0..J0 + 4 over rows P0..P1, the 16 accumulators in registers
+ * (o in memory would be loaded and stored per row). The first tile of a chunk prefetches whole
+ * rows ahead for the others, which then find them in the cache. */
+QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const float *v, size_t stride, int p0, int p1,
+                                                int i0, int prefetch, float *const *o)
 {
     __m512 acc[4][4];
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
+        QUANT_UNROLL(4)
         for (int r = 0; r < 4; r++) acc[j][r] = _mm512_loadu_ps(o[j0 + j] + i0 + 16 * r);
-    for (int p = 0; p < n; p++) {
+    for (int p = p0; p < p1; p++) {
         const float *vr = v + (size_t)p * stride + i0;
-        for (int i = 0; i < 64; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
+        for (int i = 0; i < prefetch; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
         const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+        QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m512 a = _mm512_set1_ps(w[j0 + j][p]);
             acc[j][0] = _mm512_add_ps(acc[j][0], _mm512_mul_ps(a, v0));
@@ -4169,7 +4241,9 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
             acc[j][3] = _mm512_add_ps(acc[j][3], _mm512_mul_ps(a, v3));
         }
     }
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
+        QUANT_UNROLL(4)
         for (int r = 0; r < 4; r++) _mm512_storeu_ps(o[j0 + j] + i0 + 16 * r, acc[j][r]);
 }
 
@@ -4177,8 +4251,12 @@ static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const 
                                            float *const *o)
 {
     if (nq % 4 == 0 && hd % 64 == 0) {
-        for (int j0 = 0; j0 < nq; j0 += 4)
-            for (int i0 = 0; i0 < hd; i0 += 64) ops_attend_tile_avx512(w, j0, v, stride, n, i0, o);
+        for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
+            const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
+            for (int j0 = 0; j0 < nq; j0 += 4)
+                for (int i0 = 0; i0 < hd; i0 += 64)
+                    ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, j0 + i0 == 0 ? hd : 0, o);
+        }
         return;
     }
     const int body = hd / 16 * 16;
@@ -4194,22 +4272,25 @@ static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const 
 }
 
 /* ops_attend_tile_avx512 at this width: dims I0..I0 + 16 of heads J0..J0 + 4, 8 registers. */
-QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const float *v, size_t stride, int n, int i0,
-                                            float *const *o)
+QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const float *v, size_t stride, int p0, int p1,
+                                            int i0, int prefetch, float *const *o)
 {
     __m256 acc[4][2];
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
-    for (int p = 0; p < n; p++) {
+    for (int p = p0; p < p1; p++) {
         const float *vr = v + (size_t)p * stride + i0;
-        _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride), _MM_HINT_T0);
+        for (int i = 0; i < prefetch; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
         const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+        QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m256 a = _mm256_set1_ps(w[j0 + j][p]);
             acc[j][0] = _mm256_add_ps(acc[j][0], _mm256_mul_ps(a, v0));
             acc[j][1] = _mm256_add_ps(acc[j][1], _mm256_mul_ps(a, v1));
         }
     }
+    QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < 2; r++) _mm256_storeu_ps(o[j0 + j] + i0 + 8 * r, acc[j][r]);
 }
@@ -4218,8 +4299,12 @@ static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const floa
                                        float *const *o)
 {
     if (nq % 4 == 0 && hd % 16 == 0) {
-        for (int j0 = 0; j0 < nq; j0 += 4)
-            for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, n, i0, o);
+        for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
+            const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
+            for (int j0 = 0; j0 < nq; j0 += 4)
+                for (int i0 = 0; i0 < hd; i0 += 16)
+                    ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, j0 + i0 == 0 ? hd : 0, o);
+        }
         return;
     }
     const int body = hd / 8 * 8;
@@ -7765,7 +7850,9 @@ struct model_layer {
 };
 
 struct model_layer_state {
-    float *k_cache, *v_cache; /* [n_ctx][n_kv_head * head_dim], K after norm and RoPE */
+    float *k_cache, *v_cache; /* [n_kv_head][n_ctx][head_dim], K after norm and RoPE: a KV head's
+                               * rows are one run of memory (its GQA group reads only them; rows
+                               * of all heads side by side had halved the scores' read speed) */
     float *conv_state;        /* [conv_dim][conv_kernel - 1] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
 };
@@ -8435,11 +8522,12 @@ static void model_attention(struct model *m, int il, int T)
         }
         for (int h = 0; h < c->n_kv_head; h++) {
             float *k = s->k + (size_t)t * kvw + (size_t)h * hd;
+            size_t row = ((size_t)h * m->n_ctx + (size_t)s->tok_pos[t]) * hd;
             ops_rmsnorm(k, k, l->k_norm, hd, c->eps);
             ops_rope_neox(k, c->rope_dims, cs);
+            memcpy(st->k_cache + row, k, (size_t)hd * sizeof(float));
+            memcpy(st->v_cache + row, s->v + (size_t)t * kvw + (size_t)h * hd, (size_t)hd * sizeof(float));
         }
-        memcpy(st->k_cache + (size_t)s->tok_pos[t] * kvw, s->k + (size_t)t * kvw, (size_t)kvw * sizeof(float));
-        memcpy(st->v_cache + (size_t)s->tok_pos[t] * kvw, s->v + (size_t)t * kvw, (size_t)kvw * sizeof(float));
     }
 
     /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output
@@ -8454,7 +8542,8 @@ static void model_attention(struct model *m, int il, int T)
         float *sc[OPS_ATTN_HEADS], *o[OPS_ATTN_HEADS];
         for (int t = 0; t < T; t++) {
             const struct model_layer_state *st = &s->tok_seq[t]->state[il];
-            const float *kc = st->k_cache + (size_t)(h0 / group) * hd, *vc = st->v_cache + (size_t)(h0 / group) * hd;
+            const size_t head = (size_t)(h0 / group) * m->n_ctx * hd;
+            const float *kc = st->k_cache + head, *vc = st->v_cache + head;
             int n = s->tok_pos[t] + 1;
             for (int j = 0; j < share; j++) {
                 q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
@@ -8462,9 +8551,9 @@ static void model_attention(struct model *m, int il, int T)
                 o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
                 memset(o[j], 0, (size_t)hd * sizeof(float));
             }
-            ops_scores(q, share, kc, (size_t)kvw, n, hd, scale, sc);
+            ops_scores(q, share, kc, (size_t)hd, n, hd, scale, sc);
             for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-            ops_attend((const float *const *)sc, share, vc, (size_t)kvw, n, hd, o);
+            ops_attend((const float *const *)sc, share, vc, (size_t)hd, n, hd, o);
             for (int j = 0; j < share; j++)
                 for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
         }
@@ -8964,17 +9053,18 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
 }
 
 /* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
- * layer's K rows then V rows, model_kv_bytes_per_token(m) * N bytes. What an idle conversation
- * parked in RAM keeps (§11). */
+ * layer's K rows then V rows, each KV head's N rows in turn, model_kv_bytes_per_token(m) * N
+ * bytes. What an idle conversation parked in RAM keeps (§11). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, float *buf, int n, int save)
 {
-    size_t rows = (size_t)m->cfg.n_kv_head * (size_t)m->cfg.head_dim * (size_t)n;
+    size_t rows = (size_t)m->cfg.head_dim * (size_t)n, head = (size_t)m->cfg.head_dim * (size_t)m->n_ctx;
     for (int i = 0; i < m->cfg.n_layers; i++) {
         float *cache[2] = {q->state[i].k_cache, q->state[i].v_cache};
-        for (int c = 0; c < 2 && cache[c]; c++, buf += rows) {
-            if (save) memcpy(buf, cache[c], rows * sizeof(float));
-            else memcpy(cache[c], buf, rows * sizeof(float));
-        }
+        for (int c = 0; c < 2 && cache[c]; c++)
+            for (int h = 0; h < m->cfg.n_kv_head; h++, buf += rows) {
+                if (save) memcpy(buf, cache[c] + h * head, rows * sizeof(float));
+                else memcpy(cache[c] + h * head, buf, rows * sizeof(float));
+            }
     }
 }
 

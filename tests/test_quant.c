@@ -758,7 +758,7 @@ static void test_act_levels(void) {
  * documented one (16 partials, then the butterfly), checked against a rendering of its own. */
 static void test_attention(void) {
     static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
-    enum { N = 9, STRIDE = 300 };
+    enum { N = 75, STRIDE = 300 }; /* value rows in two chunks of OPS_ATTN_CHUNK and a tail */
     float *q = plat_alloc(8 * 256 * sizeof(float)), *k = plat_alloc(N * STRIDE * sizeof(float));
     float *ref = plat_alloc(8 * (N + 256) * sizeof(float)), *got = plat_alloc(8 * (N + 256) * sizeof(float));
     int bad = 0, bad_order = 0;
@@ -799,6 +799,45 @@ static void test_attention(void) {
     check(!bad_order, "attention scores: 16 strided partials, then the butterfly", "%d scores differ", bad_order);
     check(!bad, "attention scores and values: every level gives the scalar bits", "%s", why);
     free(q); free(k); free(ref); free(got);
+}
+
+/* Softmax at every level against a rendering of its documented order (the maximum, ops_exp,
+ * 16 strided partials in double, the butterfly, one scale), on lengths with and without a tail
+ * past the vectors and values at the edges: -inf, a NaN first or later, scores far below the
+ * maximum (e^x is 0). A partial that takes a lane's values twice or skips one shows here; the
+ * order of the double sum itself rarely shows after the division to float. */
+static void test_softmax(void) {
+    static const int ns[] = { 1, 5, 16, 17, 100, 4099 };
+    enum { N = 4099 };
+    float *x = plat_alloc(N * sizeof(float)), *want = plat_alloc(N * sizeof(float)), *got = plat_alloc(N * sizeof(float));
+    int bad = 0;
+    char why[200] = "";
+    for (int edge = 0; edge < 4; edge++)
+        for (size_t c = 0; c < sizeof ns / sizeof *ns; c++) {
+            const int n = ns[c];
+            fill_x(x, n, X_RANDOM);
+            for (int i = 0; i < n; i++) x[i] *= (float)(i % 150);
+            if (edge == 1) for (int i = 1; i < n; i += 7) x[i] = -INFINITY;
+            if (edge == 2) x[n / 2] = NAN;
+            if (edge == 3) x[0] = NAN;
+            float max = x[0];
+            for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
+            double part[16] = {0};
+            for (int i = 0; i < n; i++) { want[i] = ops_exp(x[i] - max); part[i % 16] += want[i]; }
+            for (int s2 = 8; s2 > 0; s2 /= 2)
+                for (int j = 0; j < s2; j++) part[j] += part[j + s2];
+            const float inv = (float)(1.0 / part[0]);
+            for (int i = 0; i < n; i++) want[i] *= inv;
+            for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+                quant_set_level(l);
+                memcpy(got, x, n * sizeof(float));
+                ops_softmax(got, n);
+                if (memcmp(got, want, n * sizeof(float)) && !bad++)
+                    snprintf(why, sizeof why, "%d values, edge case %d: %s differs", n, edge, quant_level_names[l]);
+            }
+        }
+    check(!bad, "softmax: every level gives the documented order's bits", "%s", why);
+    free(x); free(want); free(got);
 }
 
 /* The gated delta rule at every level against the plain serial row loop (state [dk][dv]),
@@ -1033,6 +1072,7 @@ int main(int argc, char **argv) {
     test_attention();
     test_delta_rule();
     test_swiglu();
+    test_softmax();
     test_matmat_columns();
     free(ops_act_buf);
     return check_done();
