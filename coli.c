@@ -4050,6 +4050,7 @@ static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part
     const __m256 m = _mm256_set1_ps(*max);
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
     for (int i = 0; i < body; i += 16)
+        QUANT_UNROLL(2)
         for (int h = 0; h < 2; h++) {
             const __m256 e = ops_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * h), m));
             _mm256_storeu_ps(x + i + 8 * h, e);
@@ -4362,16 +4363,19 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
                                            const float *v, float beta, float decay, float *out)
 {
     __m256 acc[4], delta[4];
+    QUANT_UNROLL(4)
     for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
         const __m256 ki = _mm256_set1_ps(k[i]);
+        QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
             const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay));
             _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, ki));
         }
     }
+    QUANT_UNROLL(4)
     for (int b = 0; b < nb; b++) {
         delta[b] = _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8 * b), acc[b]));
         acc[b] = _mm256_setzero_ps();
@@ -4379,12 +4383,14 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
         const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+        QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
             const __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
             _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, qi));
         }
     }
+    QUANT_UNROLL(4)
     for (int b = 0; b < nb; b++) _mm256_storeu_ps(out + j0 + 8 * b, acc[b]);
 }
 
@@ -4402,16 +4408,19 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
                                                const float *v, float beta, float decay, float *out)
 {
     __m512 acc[8], delta[8];
+    QUANT_UNROLL(8)
     for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
         const __m512 ki = _mm512_set1_ps(k[i]);
+        QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
             const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay));
             _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, ki));
         }
     }
+    QUANT_UNROLL(8)
     for (int b = 0; b < nb; b++) {
         delta[b] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16 * b), acc[b]));
         acc[b] = _mm512_setzero_ps();
@@ -4419,12 +4428,14 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
         const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
             const __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
             _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, qi));
         }
     }
+    QUANT_UNROLL(8)
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out + j0 + 16 * b, acc[b]);
 }
 
