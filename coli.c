@@ -7845,7 +7845,8 @@ struct model_layer {
     struct ops_matrix wz;      /* [nv*dv][dim] output gate */
     struct ops_matrix wbeta, walpha; /* [nv][dim] (qwen35*) */
     struct ops_matrix wba;     /* [2*nv][dim] (qwen3next): per k-head group [b.. | a..] */
-    const float *conv;         /* [conv_dim][conv_kernel] */
+    float *conv;               /* [conv_kernel][conv_dim]: the file's [conv_dim][conv_kernel] transposed
+                                * at load (model_conv_taps), so the conv runs across channels */
     const float *dt_bias, *ssm_a; /* [nv]; ssm_a = -exp(A_log) */
     const float *ssm_norm;     /* [dv] shared by all heads, or [nv*dv] */
     int ssm_norm_per_head;
@@ -7864,7 +7865,7 @@ struct model_layer_state {
     float *k_cache, *v_cache; /* [n_kv_head][n_ctx][head_dim], K after norm and RoPE: a KV head's
                                * rows are one run of memory (its GQA group reads only them; rows
                                * of all heads side by side had halved the scores' read speed) */
-    float *conv_state;        /* [conv_dim][conv_kernel - 1] raw inputs, oldest first */
+    float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
 };
 
@@ -8090,6 +8091,15 @@ static void model_bind_attention(struct model_layer *l, const struct gguf_file *
     l->k_norm = model_vector(g, model_name(nm, i, "attn_k_norm.weight"), 1, one);
 }
 
+/* The conv weights tap-major: W[ch][j] to TAPS[j][ch]. */
+static float *model_conv_taps(const float *w, int64_t conv_dim, int kernel)
+{
+    float *taps = plat_alloc((size_t)conv_dim * (size_t)kernel * sizeof(float));
+    for (int64_t ch = 0; ch < conv_dim; ch++)
+        for (int j = 0; j < kernel; j++) taps[(size_t)j * conv_dim + ch] = w[ch * kernel + j];
+    return taps;
+}
+
 static void model_bind_deltanet(struct model_layer *l, const struct gguf_file *g, const struct model_config *c, int i)
 {
     char nm[96];
@@ -8103,7 +8113,8 @@ static void model_bind_deltanet(struct model_layer *l, const struct gguf_file *g
         l->wbeta = model_matrix(g, model_name(nm, i, "ssm_beta.weight"), nv, c->dim);
         l->walpha = model_matrix(g, model_name(nm, i, "ssm_alpha.weight"), nv, c->dim);
     }
-    l->conv = model_vector(g, model_name(nm, i, "ssm_conv1d.weight"), 2, conv_shape);
+    const float *conv = model_vector(g, model_name(nm, i, "ssm_conv1d.weight"), 2, conv_shape);
+    l->conv = model_conv_taps(conv, conv_dim, c->conv_kernel);
     l->dt_bias = model_vector(g, model_name(nm, i, "ssm_dt.bias"), 1, heads);
     l->ssm_a = model_vector(g, model_name(nm, i, "ssm_a"), 1, heads);
     const struct gguf_tensor *norm = gguf_tensor_find(g, model_name(nm, i, "ssm_norm.weight"));
@@ -8484,6 +8495,7 @@ static void model_free(struct model *m)
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
+    for (int i = 0; m->layers && i < m->cfg.n_layers; i++) free(m->layers[i].conv);
     free(m->layers);
     if (m->trunk) munmap(m->trunk, m->trunk_bytes);
     gguf_close(&m->file);
@@ -8574,23 +8586,25 @@ static void model_attention(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
-/* Depthwise causal conv over one token's channels, then SiLU, in place (§5.3). The state
- * keeps the last conv_kernel-1 raw inputs, oldest first. */
-static void model_conv_step(const struct model_config *c, const float *w, float *state, float *x)
+/* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
+ * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state
+ * keeps the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs
+ * across channels (vector lanes) and each channel's sum keeps its order. */
+#define MODEL_CONV_BLOCK 256
+
+static void model_conv_step(const struct model_config *c, const float *taps, float *state, float *x, int64_t c0, int64_t c1)
 {
-    int K = c->conv_kernel;
-    int64_t n = model_conv_dim(c);
-    for (int64_t ch = 0; ch < n; ch++) {
-        float *sv = state + ch * (K - 1);
-        const float *wc = w + ch * K;
-        float sum = 0.0f;
-        for (int j = 0; j < K - 1; j++) sum += wc[j] * sv[j];
-        sum += wc[K - 1] * x[ch];
-        for (int j = 0; j + 1 < K - 1; j++) sv[j] = sv[j + 1];
-        if (K > 1) sv[K - 2] = x[ch];
-        x[ch] = sum;
-    }
-    ops_swiglu(x, NULL, n);
+    const int K = c->conv_kernel;
+    const int64_t n = model_conv_dim(c);
+    float sum[MODEL_CONV_BLOCK];
+    for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] = 0.0f;
+    for (int j = 0; j < K - 1; j++)
+        for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] += taps[j * n + ch] * state[j * n + ch];
+    for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] += taps[(K - 1) * n + ch] * x[ch];
+    for (int j = 0; j + 1 < K - 1; j++)
+        for (int64_t ch = c0; ch < c1; ch++) state[j * n + ch] = state[(j + 1) * n + ch];
+    for (int64_t ch = c0; K > 1 && ch < c1; ch++) state[(K - 2) * n + ch] = x[ch];
+    for (int64_t ch = c0; ch < c1; ch++) x[ch] = sum[ch - c0];
 }
 
 /* qwen3next's fused beta and alpha logits (ba), stored per k-head group as [b x r | a x r]
@@ -8627,9 +8641,19 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     if (fused) model_split_ba(m, T);
 
+    /* The conv in blocks of channels across threads, each block over the tokens in order (a
+     * sequence's tokens follow one another through its state); then token by token the SiLU,
+     * the L2 norms of q's and k's heads and q's scale. One thread, a token at a time, had the
+     * conv at a quarter of the DeltaNet phase. */
+    #pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < conv_dim; c0 += MODEL_CONV_BLOCK)
+        for (int t = 0; t < T; t++)
+            model_conv_step(c, l->conv, s->tok_seq[t]->state[il].conv_state, s->mixed + (size_t)t * conv_dim, c0,
+                            conv_dim - c0 < MODEL_CONV_BLOCK ? conv_dim : c0 + MODEL_CONV_BLOCK);
+    #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
-        model_conv_step(c, l->conv, s->tok_seq[t]->state[il].conv_state, x);
+        ops_swiglu(x, NULL, conv_dim);
         for (int g = 0; g < 2 * nk; g++) ops_l2norm(x + (size_t)g * dk, dk, c->eps); /* q's heads, then k's */
         for (int i = 0; i < nk * dk; i++) x[i] *= qscale;
     }
