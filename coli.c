@@ -4320,6 +4320,21 @@ static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const floa
     }
 }
 
+/* fp16 to float, exact at every level (the KV cache with --kv f16). */
+static QUANT_AVX2 void ops_widen_f16_avx2(const uint16_t *src, float *dst, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = quant_f16_to_f32(src[i]);
+}
+
+static void ops_widen_f16(const uint16_t *src, float *dst, int64_t n)
+{
+    if (quant_level >= QUANT_LEVEL_AVX2) ops_widen_f16_avx2(src, dst, n);
+    else
+        for (int64_t i = 0; i < n; i++) dst[i] = quant_f16_to_f32(src[i]);
+}
+
 /* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows. */
 static void ops_attend(const float *const *w, int nq, const float *v, size_t stride, int n, int hd, float *const *o)
 {
@@ -7862,9 +7877,10 @@ struct model_layer {
 };
 
 struct model_layer_state {
-    float *k_cache, *v_cache; /* [n_kv_head][n_ctx][head_dim], K after norm and RoPE: a KV head's
-                               * rows are one run of memory (its GQA group reads only them; rows
-                               * of all heads side by side had halved the scores' read speed) */
+    void *k_cache, *v_cache;  /* [n_kv_head][n_ctx][head_dim] floats or fp16 (model_kv_elem), K after
+                               * norm and RoPE: a KV head's rows are one run of memory (its GQA
+                               * group reads only them; rows of all heads side by side had halved
+                               * the scores' read speed) */
     float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
 };
@@ -7892,6 +7908,7 @@ struct model_scratch {
     float *k, *v;            /* [B][n_kv_head * head_dim] */
     float *attn;             /* [B][n_head * head_dim] gated attention output */
     float *scores;           /* [n_head][n_ctx] */
+    float *kv_rows;          /* [n_head][OPS_ATTN_CHUNK * head_dim]: a task's fp16 rows widened */
     float *rope;             /* [B][rope_dims] cos then sin per position */
     float *mixed;            /* [B][conv_dim] */
     float *z;                /* [B][nv * dv] */
@@ -7943,6 +7960,8 @@ struct model {
     const float *out_norm;            /* [dim] */
     struct ops_matrix lm_head;        /* [n_vocab][dim] */
     int n_ctx;                        /* tokens of context each sequence holds */
+    int kv_f16;                       /* --kv f16: the KV cache in fp16, half the bytes (default f32,
+                                       * as the reference's goldens) */
     struct model_scratch s;
     char error[640];                  /* why the last forward failed */
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
@@ -8183,12 +8202,16 @@ static size_t model_recurrent_floats(const struct model_config *c)
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
 }
 
-/* Bytes of KV cache one token of context takes (F32, every attention layer). */
+/* Bytes of one element of the KV cache. */
+static size_t model_kv_elem(const struct model *m) { return m->kv_f16 ? sizeof(uint16_t) : sizeof(float); }
+
+/* Bytes of KV cache one token of context takes (every attention layer). */
 static int64_t model_kv_bytes_per_token(const struct model *m)
 {
     int64_t n = 0;
     for (int i = 0; i < m->cfg.n_layers; i++)
-        if (m->layers[i].kind == MODEL_LAYER_ATTENTION) n += 2 * (int64_t)m->cfg.n_kv_head * m->cfg.head_dim * 4;
+        if (m->layers[i].kind == MODEL_LAYER_ATTENTION)
+            n += 2 * (int64_t)m->cfg.n_kv_head * m->cfg.head_dim * (int64_t)model_kv_elem(m);
     return n;
 }
 
@@ -8248,6 +8271,7 @@ static void model_alloc_scratch(struct model *m)
     s->v = model_buf(B, (int64_t)c->n_kv_head * c->head_dim);
     s->attn = model_buf(B, (int64_t)c->n_head * c->head_dim);
     s->scores = model_buf(c->n_head, m->n_ctx);
+    s->kv_rows = model_buf(c->n_head, (int64_t)OPS_ATTN_CHUNK * c->head_dim);
     s->rope = model_buf(B, c->rope_dims);
     s->mixed = model_buf(B, model_conv_dim(c));
     s->z = model_buf(B, nvdv);
@@ -8289,8 +8313,8 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
         if (m->layers[i].kind == MODEL_LAYER_ATTENTION) {
             /* calloc: pages of context never reached are never touched */
             size_t n = plat_mul_size((size_t)m->n_ctx, (size_t)c->n_kv_head * (size_t)c->head_dim, "KV cache");
-            st->k_cache = plat_zalloc(n, sizeof(float));
-            st->v_cache = plat_zalloc(n, sizeof(float));
+            st->k_cache = plat_zalloc(n, model_kv_elem(m));
+            st->v_cache = plat_zalloc(n, model_kv_elem(m));
         } else {
             st->conv_state = plat_zalloc((size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
             st->ssm_state = plat_zalloc((size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk, sizeof(float));
@@ -8469,9 +8493,10 @@ static void model_own_trunk(struct model *m)
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
  * (0: choose). Routed experts are read in place from the mapping until model_place_weights. */
-static void model_load(struct model *m, const char *path, int n_ctx)
+static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
 {
     memset(m, 0, sizeof *m);
+    m->kv_f16 = kv_f16;
     gguf_open(&m->file, path);
     model_read_config(&m->cfg, &m->file);
     model_bind(m);
@@ -8488,7 +8513,7 @@ static void model_load(struct model *m, const char *path, int n_ctx)
 static void model_free(struct model *m)
 {
     struct model_scratch *s = &m->s;
-    float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
+    float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->kv_rows, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
     void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
@@ -8521,6 +8546,50 @@ static void model_phase_mark(struct model *m, enum model_phase phase)
     m->profile.mark = now;
 }
 
+/* Row POS of KV head H in CACHE: the floats at SRC, rounded to fp16 with --kv f16. */
+static void model_kv_store(const struct model *m, void *cache, int h, int pos, const float *src)
+{
+    size_t hd = (size_t)m->cfg.head_dim, row = ((size_t)h * m->n_ctx + (size_t)pos) * hd;
+    if (!m->kv_f16) {
+        memcpy((float *)cache + row, src, hd * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + row;
+    for (size_t i = 0; i < hd; i++) dst[i] = quant_f32_to_f16(src[i]);
+}
+
+/* Scores, softmax and values of SHARE heads (queries Q, scores SC, outputs O) over the first N
+ * rows of KV head KVH. An fp16 cache is widened OPS_ATTN_CHUNK rows at a time into ROWS, and
+ * the float kernels run on each chunk: a row's score does not depend on its neighbours, and the
+ * values' sums run in increasing row through o either way, so the chunks change no bit. */
+static void model_attend_rows(const struct model *m, const struct model_layer_state *st, int kvh, const float *const *q,
+                              int share, int n, float scale, float *const *sc, float *const *o, float *rows)
+{
+    const int hd = m->cfg.head_dim;
+    const size_t head = (size_t)kvh * m->n_ctx * hd;
+    if (!m->kv_f16) {
+        ops_scores(q, share, (const float *)st->k_cache + head, (size_t)hd, n, hd, scale, sc);
+        for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
+        ops_attend((const float *const *)sc, share, (const float *)st->v_cache + head, (size_t)hd, n, hd, o);
+        return;
+    }
+    const uint16_t *kc = (const uint16_t *)st->k_cache + head, *vc = (const uint16_t *)st->v_cache + head;
+    float *part[OPS_ATTN_HEADS]; /* the scores of a chunk's rows */
+    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
+        const int len = n - p0 < OPS_ATTN_CHUNK ? n - p0 : OPS_ATTN_CHUNK;
+        ops_widen_f16(kc + (size_t)p0 * hd, rows, (int64_t)len * hd);
+        for (int j = 0; j < share; j++) part[j] = sc[j] + p0;
+        ops_scores(q, share, rows, (size_t)hd, len, hd, scale, part);
+    }
+    for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
+    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
+        const int len = n - p0 < OPS_ATTN_CHUNK ? n - p0 : OPS_ATTN_CHUNK;
+        ops_widen_f16(vc + (size_t)p0 * hd, rows, (int64_t)len * hd);
+        for (int j = 0; j < share; j++) part[j] = sc[j] + p0;
+        ops_attend((const float *const *)part, share, rows, (size_t)hd, len, hd, o);
+    }
+}
+
 static void model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -8545,11 +8614,10 @@ static void model_attention(struct model *m, int il, int T)
         }
         for (int h = 0; h < c->n_kv_head; h++) {
             float *k = s->k + (size_t)t * kvw + (size_t)h * hd;
-            size_t row = ((size_t)h * m->n_ctx + (size_t)s->tok_pos[t]) * hd;
             ops_rmsnorm(k, k, l->k_norm, hd, c->eps);
             ops_rope_neox(k, c->rope_dims, cs);
-            memcpy(st->k_cache + row, k, (size_t)hd * sizeof(float));
-            memcpy(st->v_cache + row, s->v + (size_t)t * kvw + (size_t)h * hd, (size_t)hd * sizeof(float));
+            model_kv_store(m, st->k_cache, h, s->tok_pos[t], k);
+            model_kv_store(m, st->v_cache, h, s->tok_pos[t], s->v + (size_t)t * kvw + (size_t)h * hd);
         }
     }
 
@@ -8565,18 +8633,14 @@ static void model_attention(struct model *m, int il, int T)
         float *sc[OPS_ATTN_HEADS], *o[OPS_ATTN_HEADS];
         for (int t = 0; t < T; t++) {
             const struct model_layer_state *st = &s->tok_seq[t]->state[il];
-            const size_t head = (size_t)(h0 / group) * m->n_ctx * hd;
-            const float *kc = st->k_cache + head, *vc = st->v_cache + head;
-            int n = s->tok_pos[t] + 1;
             for (int j = 0; j < share; j++) {
                 q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
                 sc[j] = s->scores + (size_t)(h0 + j) * m->n_ctx;
                 o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
                 memset(o[j], 0, (size_t)hd * sizeof(float));
             }
-            ops_scores(q, share, kc, (size_t)hd, n, hd, scale, sc);
-            for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-            ops_attend((const float *const *)sc, share, vc, (size_t)hd, n, hd, o);
+            model_attend_rows(m, st, h0 / group, q, share, s->tok_pos[t] + 1, scale, sc, o,
+                              s->kv_rows + (size_t)h0 * OPS_ATTN_CHUNK * hd);
             for (int j = 0; j < share; j++)
                 for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
         }
@@ -9090,15 +9154,17 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
 /* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
  * layer's K rows then V rows, each KV head's N rows in turn, model_kv_bytes_per_token(m) * N
  * bytes. What an idle conversation parked in RAM keeps (§11). */
-static void model_kv_copy(const struct model *m, struct model_seq *q, float *buf, int n, int save)
+static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
-    size_t rows = (size_t)m->cfg.head_dim * (size_t)n, head = (size_t)m->cfg.head_dim * (size_t)m->n_ctx;
+    size_t rows = (size_t)m->cfg.head_dim * (size_t)n * model_kv_elem(m);
+    size_t head = (size_t)m->cfg.head_dim * (size_t)m->n_ctx * model_kv_elem(m);
+    char *b = buf;
     for (int i = 0; i < m->cfg.n_layers; i++) {
-        float *cache[2] = {q->state[i].k_cache, q->state[i].v_cache};
+        char *cache[2] = {q->state[i].k_cache, q->state[i].v_cache};
         for (int c = 0; c < 2 && cache[c]; c++)
-            for (int h = 0; h < m->cfg.n_kv_head; h++, buf += rows) {
-                if (save) memcpy(buf, cache[c] + h * head, rows * sizeof(float));
-                else memcpy(cache[c] + h * head, buf, rows * sizeof(float));
+            for (int h = 0; h < m->cfg.n_kv_head; h++, b += rows) {
+                if (save) memcpy(b, cache[c] + h * head, rows);
+                else memcpy(cache[c] + h * head, b, rows);
             }
     }
 }
@@ -12886,6 +12952,7 @@ struct cmd_options {
     const char *model, *prompt, *system;
     const char *synthetic;   /* --synthetic NAME[:QUANT[:LAYERS]] (plan, bench, info): instead of -m */
     int n_predict, n_bench_prompt, n_ctx, threads;
+    int kv_f16;              /* --kv f16 */
     int chat, json, think, hide_think, ignore_eog, kernels;
     int verbose;             /* -v: also what is only worth saying when something is wrong */
     struct sample_params sample;
@@ -12925,7 +12992,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
 {
     double t0 = plat_now();
     if (!o->model) die_usage("no model given (-m MODEL.gguf)");
-    model_load(&s->model, o->model, o->n_ctx);
+    model_load(&s->model, o->model, o->n_ctx, o->kv_f16);
     tok_load(&s->tok, &s->model.file);
     if (s->tok.n_vocab > s->model.cfg.n_vocab)
         die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
@@ -13961,6 +14028,7 @@ static int cmd_plan(const struct cmd_options *o)
     gguf_open(&m.file, o->synthetic ? path : o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
+    m.kv_f16 = o->kv_f16;
     m.n_ctx = model_choose_ctx(&m, o->n_ctx);
     place_dry_run = 1;
     place_say_stdout = !o->json;
@@ -14010,6 +14078,7 @@ static const char arg_usage[] =
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
+    "           --kv f32|f16 (the KV cache's format; f16 takes half the memory and reads, default f32)\n"
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
     "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
@@ -14118,6 +14187,13 @@ static int64_t arg_size(int argc, char **argv, int *i)
     return (int64_t)(x * unit);
 }
 
+/* --kv's value: 1 for f16, 0 for f32. */
+static int arg_kv_format(const char *v)
+{
+    if (strcmp(v, "f16") && strcmp(v, "f32")) die_usage("--kv: '%s' is not a KV cache format (f32 or f16)", v);
+    return !strcmp(v, "f16");
+}
+
 static int arg_help(const char *cmd)
 {
     for (size_t i = 0; cmd && i < sizeof arg_command_help / sizeof *arg_command_help; i++)
@@ -14158,6 +14234,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) o->n_predict = (int)arg_int(argc, argv, &i, 0, 1 << 24);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) o->threads = (int)arg_int(argc, argv, &i, 1, 1024);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) o->n_ctx = (int)arg_int(argc, argv, &i, 1, 1 << 24);
+        else if (!strcmp(a, "--kv")) o->kv_f16 = arg_kv_format(arg_value(argc, argv, &i));
         else if (!strcmp(a, "--system")) o->system = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--chat")) o->chat = 1;
         else if (!strcmp(a, "--json")) o->json = 1;

@@ -83,7 +83,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     }
     int *prompts[8], lens[8], n = load_prompts(root, quick ? 1 : 8, prompts, lens);
     struct model m;
-    model_load(&m, path, 512);
+    model_load(&m, path, 512, 0);
     if (m.cfg.n_expert == 0) {
         snprintf(name, sizeof name, "%s # SKIP a dense model: no routed experts", model_file);
         check(1, name, "");
@@ -178,7 +178,7 @@ static void test_heat_file(const char *dir)
     close(mkstemp(heat));
     unlink(heat);
     struct model m, o;
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
     int prompt[3] = {1000, 879, 13};
     store_with(&m, 0, heat);
     run_hash(&m, prompt, 3);
@@ -189,7 +189,7 @@ static void test_heat_file(const char *dir)
     int same = m.experts->heat_loaded && !memcmp(saved, m.experts->heat, (size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
     check(same, "heat file: saved and read back unchanged", "loaded %d", m.experts->heat_loaded);
 
-    model_load(&o, other, 64);
+    model_load(&o, other, 64, 0);
     expect_heat_ignored(&o, heat, "heat file of another model ignored with one line", "written for another model");
     model_free(&o);
     uint32_t v2 = 2;
@@ -228,7 +228,7 @@ static void expect_read_failure(const char *dir, int how, const char *label, con
         close(fds[0]);
         struct model m;
         int prompt[3] = {1000, 879, 13};
-        model_load(&m, copy, 64);
+        model_load(&m, copy, 64, 0);
         store_with(&m, 0, NULL);
         run_hash(&m, prompt, 3);
         if (how == 0) { /* every later read of the store fails with EISDIR */
@@ -262,7 +262,7 @@ static void test_read_recovers(const char *dir)
     snprintf(path, sizeof path, "%s/q35moe-q8_0.gguf", dir);
     struct model m;
     int prompt[3] = {1000, 879, 13};
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
     store_with(&m, 0, NULL);
     uint64_t before = run_hash(&m, prompt, 3);
     int saved = dup(m.experts->fds[0]), d = open("/tmp", O_RDONLY | O_DIRECTORY);
@@ -308,7 +308,7 @@ static void test_map_ahead(const char *dir)
     char path[1024];
     snprintf(path, sizeof path, "%s/q35moe-q8_0.gguf", dir);
     struct model m;
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
     store_with(&m, -1, NULL);
     struct expert_store *s = m.experts;
     size_t want = 0, bytes = 0;

@@ -207,7 +207,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     }
     struct model m;
     struct tok t;
-    model_load(&m, path, 1024);
+    model_load(&m, path, 1024, 0);
     tok_load(&t, &m.file);
     int V = m.cfg.n_vocab, n_cases = (int)mj_len(cases);
     struct run r = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))};
@@ -273,7 +273,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
 static void load_model(const char *path)
 {
     struct model m;
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
 }
 
 /* Loads PATH in a child; expects exit 1 and one stderr line `coli: ...` containing WANT. */
@@ -340,7 +340,7 @@ static void test_checkpoint(const char *dir, const char *name)
     struct model m;
     struct model_checkpoint cp = {0, NULL};
     const int prefix[5] = {11, 22, 33, 44, 55}, more[4] = {66, 77, 88, 99};
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
     struct model_seq q;
     model_seq_init(&m, &q);
     int V = m.cfg.n_vocab;
@@ -358,6 +358,64 @@ static void test_checkpoint(const char *dir, const char *name)
     free(cp.recurrent);
     model_seq_free(&m, &q);
     model_free(&m);
+}
+
+/* --kv f16 on golden file NAME, the first two cases of JSON_NAME: the same greedy tokens as
+ * the f32 cache, every logit within 1e-2 of its (observed on q35moe-q8_0: ~3e-4), half the
+ * bytes a token; and its own bits at the lower levels, on 2 threads and token by token (the
+ * rows are widened in chunks of OPS_ATTN_CHUNK, which the cases' contexts cross). */
+static void test_kv_f16(const char *dir, const char *json_name, int quick)
+{
+    char path[1024], name[300];
+    snprintf(path, sizeof path, "%s/%s", dir, json_name);
+    struct mj *root = mj_load(path);
+    if (!root) { check(0, json_name, "cannot read"); return; }
+    size_t len = 0;
+    const char *model_file = mj_str(mj_get(root, "model"), &len);
+    const struct mj *cases = mj_get(root, "cases");
+    snprintf(path, sizeof path, "%s/%s", dir, model_file);
+    struct model m32, m16;
+    model_load(&m32, path, 256, 0);
+    model_load(&m16, path, 256, 1);
+    const int V = m16.cfg.n_vocab, n_cases = mj_len(cases) < 2 ? (int)mj_len(cases) : 2;
+    struct run r32 = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))}, r16 = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))};
+    uint64_t ref_hash[2] = {0};
+    int same_tokens = 1;
+    double worst = 0;
+    quant_set_level(quant_level_max());
+    omp_set_num_threads(1);
+    for (int ci = 0; ci < n_cases; ci++) {
+        const struct mj *pt = mj_get(mj_at(cases, (size_t)ci), "prompt_tokens");
+        int *prompt = plat_alloc(mj_len(pt) * sizeof *prompt);
+        for (size_t i = 0; i < mj_len(pt); i++) prompt[i] = (int)mj_num(mj_at(pt, i), -1);
+        run_case(&m32, prompt, (int)mj_len(pt), 1, &r32);
+        run_case(&m16, prompt, (int)mj_len(pt), 1, &r16);
+        same_tokens &= !memcmp(r32.tokens, r16.tokens, sizeof r16.tokens);
+        for (size_t i = 0; i < (size_t)GEN * V; i++) worst = fmax(worst, fabs(r32.logits[i] - r16.logits[i]));
+        ref_hash[ci] = run_hash(&r16, V);
+        if (ci == 0 && !quick) {
+            run_case(&m16, prompt, (int)mj_len(pt), 0, &r16);
+            snprintf(name, sizeof name, "%s --kv f16: token-by-token prefill bit-identical to batched", model_file);
+            check(run_hash(&r16, V) == ref_hash[0], name, "logits differ");
+        }
+        free(prompt);
+    }
+    snprintf(name, sizeof name, "%s --kv f16: the f32 cache's greedy tokens, logits within 1e-2 (max %.2g)", model_file, worst);
+    check(same_tokens && worst <= 1e-2, name, "tokens %s, max |diff| %g", same_tokens ? "same" : "differ", worst);
+    snprintf(name, sizeof name, "%s --kv f16: half the f32 cache's bytes a token", model_file);
+    check(2 * model_kv_bytes_per_token(&m16) == model_kv_bytes_per_token(&m32), name, "%lld against %lld",
+          (long long)model_kv_bytes_per_token(&m16), (long long)model_kv_bytes_per_token(&m32));
+    snprintf(name, sizeof name, "%s --kv f16", model_file);
+    if (!quick) {
+        check_identity(&m16, cases, n_cases, ref_hash, name, quant_level_max(), 2, &r16);
+        check_identity(&m16, cases, n_cases, ref_hash, name, QUANT_LEVEL_SCALAR, 1, &r16);
+        if (quant_level_max() > QUANT_LEVEL_AVX2) check_identity(&m16, cases, n_cases, ref_hash, name, QUANT_LEVEL_AVX2, 1, &r16);
+    }
+    free(r32.logits);
+    free(r16.logits);
+    model_free(&m32);
+    model_free(&m16);
+    mj_free(root);
 }
 
 /* Golden files the quick (sanitizer) run leaves to test_quant and two files of the same kind,
@@ -396,6 +454,8 @@ int main(int argc, char **argv)
     }
     test_checkpoint(dir, "q35moe-q8_0.gguf");
     test_checkpoint(dir, "q3next-q8_0.gguf");
+    test_kv_f16(dir, "q35moe-q8_0.json", quick);
+    test_kv_f16(dir, "q3next-q8_0.json", quick);
     test_bad_models(dir);
     return check_done();
 }

@@ -16,7 +16,7 @@ static void test_batch_identity(const char *dir, const char *name)
     char path[1024], label[300];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     struct model m;
-    model_load(&m, path, 64);
+    model_load(&m, path, 64, 0);
     int V = m.cfg.n_vocab;
     const int a[6] = {11, 22, 33, 44, 55, 66}, b[3] = {7, 8, 9};
     struct model_seq qa, qb;
@@ -59,7 +59,7 @@ static void test_engine_slots(const char *dir, const char *name)
     struct model m;
     struct tok t;
     struct engine e;
-    model_load(&m, path, 128);
+    model_load(&m, path, 128, 0);
     tok_load(&t, &m.file);
     engine_init(&e, &m, &t, 2, 0);
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
@@ -127,15 +127,17 @@ static int run_against_fresh(struct engine *e, struct engine *fresh, struct engi
 
 /* The prompt cache: a prompt that departs from a slot's past after its checkpoint resumes from
  * the checkpoint; one that continues the past resumes from the state; a conversation parked
- * in RAM comes back; and each gives the logits of the same prompt computed from nothing. */
-static void test_prefix_reuse(const char *dir, const char *name)
+ * in RAM comes back; and each gives the logits of the same prompt computed from nothing
+ * (KV_F16: with the cache in fp16). */
+static void test_prefix_reuse(const char *dir, const char *file, int kv_f16)
 {
-    char path[1024], label[300];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char path[1024], label[512], name[128];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    snprintf(name, sizeof name, "%s%s", file, kv_f16 ? " --kv f16" : "");
     struct model m;
     struct tok t;
     struct engine e, fresh;
-    model_load(&m, path, 256);
+    model_load(&m, path, 256, kv_f16);
     tok_load(&t, &m.file);
     engine_init(&e, &m, &t, 1, 64 << 20);
     engine_init(&fresh, &m, &t, 1, 0);
@@ -352,7 +354,8 @@ int main(int argc, char **argv)
     test_batch_identity(dir, "q35moe-q8_0.gguf");
     test_batch_identity(dir, "q3next-q8_0.gguf");
     test_engine_slots(dir, "q35moe-q8_0.gguf");
-    test_prefix_reuse(dir, "q35moe-q8_0.gguf");
-    test_prefix_reuse(dir, "q3next-q8_0.gguf");
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf", 0);
+    test_prefix_reuse(dir, "q3next-q8_0.gguf", 0);
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf", 1); /* a parked fp16 cache */
     return check_done();
 }
