@@ -4088,7 +4088,8 @@ static void ops_softmax(float *x, int n)
  * butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector
  * units idle at one add per 4 cycles. The SIMD versions hold each head's 16 partials in
  * registers (independent chains across heads). Values: o_j[i] = o_j[i] + w_j[p] * v_p[i] in
- * increasing p, element by element (the same operations at any width). */
+ * increasing p, element by element (the same operations at any width), the rows in chunks of
+ * OPS_ATTN_CHUNK that every tile of accumulators passes over before the next chunk. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
@@ -7860,8 +7861,9 @@ struct model_layer {
     struct ops_matrix wz;      /* [nv*dv][dim] output gate */
     struct ops_matrix wbeta, walpha; /* [nv][dim] (qwen35*) */
     struct ops_matrix wba;     /* [2*nv][dim] (qwen3next): per k-head group [b.. | a..] */
-    float *conv;               /* [conv_kernel][conv_dim]: the file's [conv_dim][conv_kernel] transposed
-                                * at load (model_conv_taps), so the conv runs across channels */
+    const float *conv;         /* [conv_dim][conv_kernel] */
+    float *conv_taps;          /* the same [conv_kernel][conv_dim], made at load (model_conv_taps): the
+                                * conv runs across channels */
     const float *dt_bias, *ssm_a; /* [nv]; ssm_a = -exp(A_log) */
     const float *ssm_norm;     /* [dv] shared by all heads, or [nv*dv] */
     int ssm_norm_per_head;
@@ -8110,15 +8112,6 @@ static void model_bind_attention(struct model_layer *l, const struct gguf_file *
     l->k_norm = model_vector(g, model_name(nm, i, "attn_k_norm.weight"), 1, one);
 }
 
-/* The conv weights tap-major: W[ch][j] to TAPS[j][ch]. */
-static float *model_conv_taps(const float *w, int64_t conv_dim, int kernel)
-{
-    float *taps = plat_alloc((size_t)conv_dim * (size_t)kernel * sizeof(float));
-    for (int64_t ch = 0; ch < conv_dim; ch++)
-        for (int j = 0; j < kernel; j++) taps[(size_t)j * conv_dim + ch] = w[ch * kernel + j];
-    return taps;
-}
-
 static void model_bind_deltanet(struct model_layer *l, const struct gguf_file *g, const struct model_config *c, int i)
 {
     char nm[96];
@@ -8132,8 +8125,7 @@ static void model_bind_deltanet(struct model_layer *l, const struct gguf_file *g
         l->wbeta = model_matrix(g, model_name(nm, i, "ssm_beta.weight"), nv, c->dim);
         l->walpha = model_matrix(g, model_name(nm, i, "ssm_alpha.weight"), nv, c->dim);
     }
-    const float *conv = model_vector(g, model_name(nm, i, "ssm_conv1d.weight"), 2, conv_shape);
-    l->conv = model_conv_taps(conv, conv_dim, c->conv_kernel);
+    l->conv = model_vector(g, model_name(nm, i, "ssm_conv1d.weight"), 2, conv_shape);
     l->dt_bias = model_vector(g, model_name(nm, i, "ssm_dt.bias"), 1, heads);
     l->ssm_a = model_vector(g, model_name(nm, i, "ssm_a"), 1, heads);
     const struct gguf_tensor *norm = gguf_tensor_find(g, model_name(nm, i, "ssm_norm.weight"));
@@ -8493,6 +8485,20 @@ static void model_own_trunk(struct model *m)
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
  * (0: choose). Routed experts are read in place from the mapping until model_place_weights. */
+/* Every DeltaNet layer's conv weights tap-major: conv[ch][j] to conv_taps[j][ch]. */
+static void model_conv_taps(struct model *m)
+{
+    const int64_t n = model_conv_dim(&m->cfg);
+    const int K = m->cfg.conv_kernel;
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        struct model_layer *l = &m->layers[i];
+        if (l->kind != MODEL_LAYER_DELTANET) continue;
+        l->conv_taps = plat_alloc((size_t)n * (size_t)K * sizeof(float));
+        for (int64_t ch = 0; ch < n; ch++)
+            for (int j = 0; j < K; j++) l->conv_taps[j * n + ch] = l->conv[ch * K + j];
+    }
+}
+
 static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
 {
     memset(m, 0, sizeof *m);
@@ -8500,6 +8506,7 @@ static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
     gguf_open(&m->file, path);
     model_read_config(&m->cfg, &m->file);
     model_bind(m);
+    model_conv_taps(m);
     m->n_ctx = model_choose_ctx(m, n_ctx);
     model_alloc_scratch(m);
     struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT, 0};
@@ -8520,7 +8527,7 @@ static void model_free(struct model *m)
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
-    for (int i = 0; m->layers && i < m->cfg.n_layers; i++) free(m->layers[i].conv);
+    for (int i = 0; m->layers && i < m->cfg.n_layers; i++) free(m->layers[i].conv_taps);
     free(m->layers);
     if (m->trunk) munmap(m->trunk, m->trunk_bytes);
     gguf_close(&m->file);
@@ -8712,7 +8719,7 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     #pragma omp parallel for schedule(static)
     for (int64_t c0 = 0; c0 < conv_dim; c0 += MODEL_CONV_BLOCK)
         for (int t = 0; t < T; t++)
-            model_conv_step(c, l->conv, s->tok_seq[t]->state[il].conv_state, s->mixed + (size_t)t * conv_dim, c0,
+            model_conv_step(c, l->conv_taps, s->tok_seq[t]->state[il].conv_state, s->mixed + (size_t)t * conv_dim, c0,
                             conv_dim - c0 < MODEL_CONV_BLOCK ? conv_dim : c0 + MODEL_CONV_BLOCK);
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
