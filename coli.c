@@ -8483,8 +8483,6 @@ static void model_own_trunk(struct model *m)
     free(it);
 }
 
-/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
- * (0: choose). Routed experts are read in place from the mapping until model_place_weights. */
 /* Every DeltaNet layer's conv weights tap-major: conv[ch][j] to conv_taps[j][ch]. */
 static void model_conv_taps(struct model *m)
 {
@@ -8499,6 +8497,9 @@ static void model_conv_taps(struct model *m)
     }
 }
 
+/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
+ * (0: choose) with the KV cache in fp16 if KV_F16. Routed experts are read in place from the
+ * mapping until model_place_weights. */
 static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
 {
     memset(m, 0, sizeof *m);
