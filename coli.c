@@ -13018,9 +13018,9 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     model_own_trunk(&s->model);
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
     /* said last: the copies of the trunk and the experts above are most of the time */
-    plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens; %d threads, %s kernels; loaded in %.2f s",
+    plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens%s; %d threads, %s kernels; loaded in %.2f s",
              o->synthetic ? o->synthetic : o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
-             s->model.n_ctx, c->ctx_train, plat_threads(), quant_level_name(), plat_now() - t0);
+             s->model.n_ctx, c->ctx_train, s->model.kv_f16 ? " (KV cache fp16)" : "", plat_threads(), quant_level_name(), plat_now() - t0);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
