@@ -374,8 +374,8 @@ static void test_checkpoint(const char *dir, const char *name)
     model_free(&m);
 }
 
-/* --kv f16 on golden file NAME, the first two cases of JSON_NAME: the same greedy tokens as
- * the f32 cache, every logit within 1e-2 of its (observed: 2.7e-3 and 2.9e-3), half the
+/* --kv f16 on the model of golden case file JSON_NAME, its first two cases: the greedy tokens
+ * of the f32 cache, every logit within 1e-2 of its (observed: 2.7e-3 and 2.9e-3), half the
  * bytes a token; and its own bits at the lower levels, on 2 threads and token by token (the
  * rows are widened in chunks of OPS_ATTN_CHUNK, which the cases' contexts cross). */
 static void test_kv_f16(const char *dir, const char *json_name, int quick)
