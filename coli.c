@@ -4093,7 +4093,8 @@ static void ops_softmax(float *x, int n)
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
-#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares: 32 KiB of rows of 256, read once from memory */
+#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (32 KiB of rows of 256, read once from memory);
+                          * also the rows an fp16 cache widens at a time (model_attend_rows) */
 
 static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
 {
@@ -7910,7 +7911,7 @@ struct model_scratch {
     float *k, *v;            /* [B][n_kv_head * head_dim] */
     float *attn;             /* [B][n_head * head_dim] gated attention output */
     float *scores;           /* [n_head][n_ctx] */
-    float *kv_rows;          /* [n_head][OPS_ATTN_CHUNK * head_dim]: a task's fp16 rows widened */
+    float *kv_rows;          /* [n_head][OPS_ATTN_CHUNK * head_dim]: a task's fp16 rows widened (--kv f16 only) */
     float *rope;             /* [B][rope_dims] cos then sin per position */
     float *mixed;            /* [B][conv_dim] */
     float *z;                /* [B][nv * dv] */
@@ -8263,7 +8264,7 @@ static void model_alloc_scratch(struct model *m)
     s->v = model_buf(B, (int64_t)c->n_kv_head * c->head_dim);
     s->attn = model_buf(B, (int64_t)c->n_head * c->head_dim);
     s->scores = model_buf(c->n_head, m->n_ctx);
-    s->kv_rows = model_buf(c->n_head, (int64_t)OPS_ATTN_CHUNK * c->head_dim);
+    s->kv_rows = m->kv_f16 ? model_buf(c->n_head, (int64_t)OPS_ATTN_CHUNK * c->head_dim) : NULL;
     s->rope = model_buf(B, c->rope_dims);
     s->mixed = model_buf(B, model_conv_dim(c));
     s->z = model_buf(B, nvdv);
