@@ -9213,6 +9213,13 @@ static void model_place(struct model *m, int64_t budget, int grows, const char *
     if (c->n_expert) {
         uint64_t fp = model_fingerprint(m);
         char *heat_path = !heat ? expert_heat_default(m->file.path, fp) : *heat ? plat_strdup(heat) : NULL;
+        struct stat st;
+        if (heat_path && stat(heat_path, &st) == 0 && !S_ISREG(st.st_mode)) {
+            /* saving renames a file over the path: over /dev/null, say, as root */
+            plat_log("[experts] heat %s is not a regular file: no heat kept", heat_path);
+            free(heat_path);
+            heat_path = NULL;
+        }
         struct expert_config cfg = {budget >= experts ? -1 : budget, heat_path, fp, io, 0};
         model_store_experts(m, &cfg);
         free(heat_path);
@@ -12967,6 +12974,7 @@ struct cmd_options {
     int n_predict, n_bench_prompt, n_ctx, threads;
     int kv_f16;              /* --kv f16 */
     int chat, json, think, hide_think, ignore_eog, kernels;
+    int seed_given;          /* --seed: bench draws its random prompt from it (else from 42) */
     int verbose;             /* -v: also what is only worth saying when something is wrong */
     struct sample_params sample;
     /* resources (design.md §3); -1 / NULL: not given */
@@ -13804,7 +13812,7 @@ static int cmd_bench(const struct cmd_options *o)
     }
     cmd_open(&s, &bo, 1, 0);
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
-    uint64_t rng = 42;
+    uint64_t rng = o->seed_given ? o->sample.seed : 42;
     for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
     struct engine_request req = cmd_request(&bo, ids, o->n_bench_prompt, o->n_predict, NULL);
     req.want_top = 0;
@@ -14093,7 +14101,8 @@ static const char arg_usage[] =
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
     "           --kv f32|f16 (the KV cache's format; f16 takes half the memory and reads, default f32)\n"
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
-    "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli)\n"
+    "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli;\n"
+    "           '' or /dev/null: none kept)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
     "           --place auto|off|COMPONENT=DEVICE,... where DEVICE may split the layers, DEV:N+DEV:N...\n"
     "             (lmhead attnproj dnproj dnout shexp router ffn experts; e.g. lmhead=0,dnproj=0:20+1:20)\n"
@@ -14136,10 +14145,10 @@ static const char *const arg_command_help[][2] = {
              "  --synthetic GEOMETRY[:QUANT[:LAYERS]] instead of -m: the same for a model you do not have\n"
              "  (35b-a3b, 80b-a3b-next or tiny; QUANT q4_k_m (default), or a format for the routed experts\n"
              "  with the rest Q8_0, e.g. q4_0; LAYERS: fewer layers than the geometry's).\n"},
-    {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--json]\n"
-              "  Prompt and decode speed on random tokens. coli bench --kernels prints GEMV throughput per\n"
-              "  weight format against the machine's measured memory bandwidth, then on each CUDA device in use\n"
-              "  against the card's.\n"
+    {"bench", "coli bench -m MODEL.gguf [-p 512] [-n 128] [--seed S] [--json]\n"
+              "  Prompt and decode speed on random tokens (drawn from seed S, default 42; decode is greedy).\n"
+              "  coli bench --kernels prints GEMV throughput per weight format against the machine's measured\n"
+              "  memory bandwidth, then on each CUDA device in use against the card's.\n"
               "  coli bench --synthetic GEOMETRY[:QUANT[:LAYERS]] (as coli plan) runs the real kernels on random\n"
               "  weights of that geometry in memory, on the CPU (with --gpu LIST, placed on those devices too):\n"
               "  as many whole blocks of layers as --ram SIZE allows (default three quarters of free memory),\n"
@@ -14274,7 +14283,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--min-p")) o->sample.min_p = arg_float(argc, argv, &i, 0, 1);
         else if (!strcmp(a, "--repeat-penalty")) o->sample.repeat_penalty = arg_float(argc, argv, &i, 0.01, 100);
         else if (!strcmp(a, "--repeat-last-n")) o->sample.repeat_last_n = (int)arg_int(argc, argv, &i, 0, 1 << 24);
-        else if (!strcmp(a, "--seed")) o->sample.seed = (uint64_t)arg_int(argc, argv, &i, 0, LONG_MAX);
+        else if (!strcmp(a, "--seed")) o->sample.seed = (uint64_t)arg_int(argc, argv, &i, 0, LONG_MAX), o->seed_given = 1;
         else die_usage("%s: unknown option '%s' (coli help %s)", cmd, a, cmd);
     }
     if (o->synthetic) {

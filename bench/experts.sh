@@ -9,7 +9,7 @@
 # mapping). Prints one line per run: decode tok/s, hit rates, bytes read and disk GB/s while
 # reading, prefetch accuracy, peak RSS of coli and the cgroup's peak charge (RSS + page cache).
 # Needs root (cgroup, drop_caches). The heat file is the default one, so a second run of this
-# script starts warm; HEAT_FILE=/dev/null... is not special: pass --heat FILE to choose.
+# script starts warm: pass --heat FILE to choose one, --heat /dev/null for none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: bench/experts.sh MODEL.gguf [LIMIT] [PROMPT] [GEN] [coli flags]}

@@ -107,6 +107,27 @@ if grep -qE '^\[experts\] [0-9.]+ GiB of experts mapped ahead in [0-9.]+ s \(bef
 then ok "bench: the experts mapped ahead before it measures"
 else bad "bench maps the experts ahead" "$(cat "$tmp/syn_err")"; fi
 
+# bench --seed S draws another random prompt (default 42): the routing it saw, kept as heat, differs
+M="$GOLDEN/q35moe-q8_0.gguf"
+if [ -f "$M" ]; then
+    for s in default 42 7; do
+        seed=(); [ "$s" = default ] || seed=(--seed "$s")
+        "$COLI" bench -m "$M" -p 16 -n 2 "${seed[@]}" --heat "$tmp/heat_$s" >/dev/null 2>&1
+    done
+    if [ -s "$tmp/heat_default" ] && cmp -s "$tmp/heat_default" "$tmp/heat_42" && ! cmp -s "$tmp/heat_42" "$tmp/heat_7"
+    then ok "bench --seed: 42 is the default prompt, 7 another (the heat files of their routing)"
+    else bad "bench --seed draws the prompt" "$(ls -l "$tmp"/heat_* 2>&1)"; fi
+else ok "bench --seed # SKIP golden data absent"; fi
+
+# a heat path that is not a regular file keeps no heat: saving renames over the path (as root,
+# --heat /dev/null had replaced /dev/null); a FIFO stands in for it here, and would block a read
+if [ -f "$M" ] && mkfifo "$tmp/heat_fifo"; then
+    if timeout 60 "$COLI" run -m "$M" -p hi -n 2 --heat "$tmp/heat_fifo" >/dev/null 2>"$tmp/fifo_err" && [ -p "$tmp/heat_fifo" ] &&
+        grep -q "heat $tmp/heat_fifo is not a regular file: no heat kept" "$tmp/fifo_err"
+    then ok "--heat on a FIFO: said, not read, not replaced"
+    else bad "--heat on a non-regular file" "$(ls -l "$tmp/heat_fifo" 2>&1) $(head -c 300 "$tmp/fifo_err")"; fi
+else ok "--heat on a FIFO # SKIP golden data absent or no mkfifo"; fi
+
 if file "$COLI" | grep -q 'statically linked'; then ok "binary is statically linked"; else bad "binary is statically linked" "$(file "$COLI")"; fi
 if ldd "$COLI" 2>&1 | grep -q 'not a dynamic executable'; then ok "ldd: not a dynamic executable"; else bad "ldd" "$(ldd "$COLI" 2>&1)"; fi
 
