@@ -8665,22 +8665,54 @@ static void model_attention(struct model *m, int il, int T)
 /* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
  * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state
  * keeps the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs
- * across channels (vector lanes) and each channel's sum keeps its order. */
+ * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar) and each
+ * channel's sum keeps its order. */
 #define MODEL_CONV_BLOCK 256
 
 static void model_conv_step(const struct model_config *c, const float *taps, float *state, float *x, int64_t c0, int64_t c1)
 {
-    const int K = c->conv_kernel;
+    const int K = c->conv_kernel, w = (int)(c1 - c0);
     const int64_t n = model_conv_dim(c);
     float sum[MODEL_CONV_BLOCK];
-    for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] = 0.0f;
-    for (int j = 0; j < K - 1; j++)
-        for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] += taps[j * n + ch] * state[j * n + ch];
-    for (int64_t ch = c0; ch < c1; ch++) sum[ch - c0] += taps[(K - 1) * n + ch] * x[ch];
-    for (int j = 0; j + 1 < K - 1; j++)
-        for (int64_t ch = c0; ch < c1; ch++) state[j * n + ch] = state[(j + 1) * n + ch];
-    for (int64_t ch = c0; K > 1 && ch < c1; ch++) state[(K - 2) * n + ch] = x[ch];
-    for (int64_t ch = c0; ch < c1; ch++) x[ch] = sum[ch - c0];
+    taps += c0, state += c0, x += c0;
+    #pragma omp simd
+    for (int i = 0; i < w; i++) sum[i] = 0.0f;
+    for (int j = 0; j < K - 1; j++) {
+        #pragma omp simd
+        for (int i = 0; i < w; i++) sum[i] += taps[j * n + i] * state[j * n + i];
+    }
+    #pragma omp simd
+    for (int i = 0; i < w; i++) sum[i] += taps[(K - 1) * n + i] * x[i];
+    for (int j = 0; j + 1 < K - 1; j++) {
+        #pragma omp simd
+        for (int i = 0; i < w; i++) state[j * n + i] = state[(j + 1) * n + i];
+    }
+    if (K > 1) {
+        #pragma omp simd
+        for (int i = 0; i < w; i++) state[(K - 2) * n + i] = x[i];
+    }
+    #pragma omp simd
+    for (int i = 0; i < w; i++) x[i] = sum[i];
+}
+
+/* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for the T tokens of a batch, in
+ * order (a sequence's tokens follow one another through its state), each token's channels
+ * then through the SiLU, the L2 norm of each q and k head among them, and q's scale. C0..C1
+ * holds whole heads, so a task needs no other's channels. */
+static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t c1)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    const int64_t conv_dim = model_conv_dim(c), dk = c->ssm_dk, q_end = (int64_t)c->ssm_nk * dk;
+    const float qscale = 1.0f / sqrtf((float)dk);
+    for (int t = 0; t < T; t++) {
+        float *x = s->mixed + (size_t)t * conv_dim;
+        for (int64_t b = c0; b < c1; b += MODEL_CONV_BLOCK)
+            model_conv_step(c, m->layers[il].conv_taps, s->tok_seq[t]->state[il].conv_state, x, b, c1 - b < MODEL_CONV_BLOCK ? c1 : b + MODEL_CONV_BLOCK);
+        ops_swiglu(x + c0, NULL, c1 - c0);
+        for (int64_t h = c0; h < c1 && h < 2 * q_end; h += dk) ops_l2norm(x + h, (int)dk, c->eps); /* q's heads, then k's */
+        for (int64_t i = c0; i < c1 && i < q_end; i++) x[i] *= qscale;
+    }
 }
 
 /* qwen3next's fused beta and alpha logits (ba), stored per k-head group as [b x r | a x r]
@@ -8707,7 +8739,6 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     struct model_scratch *s = &m->s;
     int nk = c->ssm_nk, nv = c->ssm_nv, dk = c->ssm_dk, dv = c->ssm_dv, r = nv / nk;
     int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
-    float qscale = 1.0f / sqrtf((float)dk);
 
     struct ops_job proj[] = {{l->wqkv, s->xn, s->mixed, T}, {l->wz, s->xn, s->z, T}, {l->wbeta, s->xn, s->beta, T},
                              {l->walpha, s->xn, s->alpha, T}};
@@ -8717,22 +8748,12 @@ static void model_gated_deltanet(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     if (fused) model_split_ba(m, T);
 
-    /* The conv in blocks of channels across threads, each block over the tokens in order (a
-     * sequence's tokens follow one another through its state); then token by token the SiLU,
-     * the L2 norms of q's and k's heads and q's scale. One thread, a token at a time, had the
-     * conv at a quarter of the DeltaNet phase. */
-    #pragma omp parallel for schedule(static)
-    for (int64_t c0 = 0; c0 < conv_dim; c0 += MODEL_CONV_BLOCK)
-        for (int t = 0; t < T; t++)
-            model_conv_step(c, l->conv_taps, s->tok_seq[t]->state[il].conv_state, s->mixed + (size_t)t * conv_dim, c0,
-                            conv_dim - c0 < MODEL_CONV_BLOCK ? conv_dim : c0 + MODEL_CONV_BLOCK);
-    #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        float *x = s->mixed + (size_t)t * conv_dim;
-        ops_swiglu(x, NULL, conv_dim);
-        for (int g = 0; g < 2 * nk; g++) ops_l2norm(x + (size_t)g * dk, dk, c->eps); /* q's heads, then k's */
-        for (int i = 0; i < nk * dk; i++) x[i] *= qscale;
-    }
+    /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so
+     * that each thread has q/k heads (normed) and v channels (not). One thread, a token at a
+     * time, had the conv at a quarter of the DeltaNet phase. */
+    const int64_t task = c->ssm_dk * (MODEL_CONV_BLOCK > c->ssm_dk ? MODEL_CONV_BLOCK / c->ssm_dk : 1);
+    #pragma omp parallel for schedule(static, 1)
+    for (int64_t c0 = 0; c0 < conv_dim; c0 += task) model_conv_task(m, il, T, c0, conv_dim - c0 < task ? conv_dim : c0 + task);
     /* Head by head, each over the batch's tokens in order: a head's state (dk x dv floats, 64 KiB
      * on the 35B) stays in this thread's cache for the whole batch, and a batch pays one
      * parallel region instead of one a token. Each (token, head) does what it did alone. */
