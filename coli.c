@@ -8886,7 +8886,10 @@ static void model_routed_experts_mapped(struct model *m, int T)
     for (int e = 0; e >= 0;) {
         if ((e = expert_next(m->experts, w)) >= 0) {
             int first = rows, count = model_gather_tokens(m, e, T, first);
-            float *x = s->ex_in + first * dim, *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
+            /* an expert of one token reads that token's row in place: experts of the same token
+             * then share one prepared activation (decode: one for the layer's gates and ups, not 8) */
+            const float *x = count == 1 ? s->xn + (size_t)(s->slot_of[first] / c->n_expert_used) * dim : s->ex_in + first * dim;
+            float *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
             up[2 * n] = (struct ops_job){w[0], x, g, count};
             up[2 * n + 1] = (struct ops_job){w[1], x, u, count};
             down[n++] = (struct ops_job){w[2], g, s->ex_y + first * dim, count};
