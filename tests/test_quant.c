@@ -1007,6 +1007,36 @@ static void test_matmat_columns(void) {
     }
 }
 
+/* Q4_K rows of more than 32 super-blocks through quant_tile (3 tiles of 16 rows, QUANT_TILE_MIN_NC
+ * columns and more, on 1 and 2 threads: each thread its own scratch): every partial of the
+ * canonical order in use, one of them twice. */
+static void test_tile_long_rows(void) {
+    const int rows = 48, cols = 33 * 256, ncs[] = {QUANT_TILE_MIN_NC, QUANT_TILE_MIN_NC + 5}, maxc = QUANT_TILE_MIN_NC + 5;
+    size_t rb = (size_t)(cols / 256 * 144), stride;
+    uint8_t *w = plat_alloc(rb * rows);
+    for (int r = 0; r < rows; r++) fill_weights(GGUF_TYPE_Q4_K, w + r * rb, cols, r % 5 ? W_RANDOM : W_MAX);
+    struct ops_matrix m = { GGUF_TYPE_Q4_K, w, rows, cols, rb };
+    float *x = plat_alloc(sizeof(float) * cols * maxc), *y = plat_alloc(sizeof(float) * rows * maxc);
+    fill_x(x, cols * maxc, X_RANDOM);
+    stride = ops_act_stride(&m);
+    uint8_t *act = plat_alloc_aligned(stride * maxc);
+    for (int j = 0; j < maxc; j++) quant_act_prepare(GGUF_TYPE_Q4_K, x + (size_t)j * cols, cols, act + j * stride);
+    int bad = 0;
+    quant_set_level(max_level);
+    for (int k = 0; k < 4; k++) {
+        omp_set_num_threads(1 + k / 2);
+        ops_matmat(&m, x, y, ncs[k % 2]);
+        for (int j = 0; j < ncs[k % 2]; j++)
+            for (int r = 0; r < rows; r++) {
+                float ref = dot_at(QUANT_LEVEL_SCALAR, GGUF_TYPE_Q4_K, w + r * rb, act + j * stride, cols);
+                bad += memcmp(&ref, &y[j * rows + r], 4) != 0;
+            }
+    }
+    omp_set_num_threads(2);
+    check(!bad, "Q4_K tiles: rows of 33 super-blocks, 32 and 37 columns, 1 and 2 threads == scalar dot", "%d outputs differ", bad);
+    free(w); free(x); free(y); free(act);
+}
+
 /* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
  * at the best level against the scalar dot of every row, for rows of 1..9 super-blocks (every
  * slot width, and long rows) and row counts that leave every remainder of a row group, with
@@ -1101,6 +1131,8 @@ int main(int argc, char **argv) {
     test_softmax();
     test_widen_f16();
     test_matmat_columns();
-    free(ops_act_buf);
+    test_tile_long_rows();
+    free(ops_act_buf.buf);
+    free(ops_tile_buf.buf);
     return check_done();
 }
