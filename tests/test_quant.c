@@ -972,38 +972,57 @@ static void test_ops(void) {
     }
 }
 
+/* A random matrix of TYPE (every MAX_EVERY-th row W_MAX) and MAXC random columns, prepared. */
+struct matmat_case { struct ops_matrix m; float *x, *y; uint8_t *act; size_t stride; };
+
+static struct matmat_case matmat_case_new(enum gguf_type t, int rows, int64_t cols, int maxc, int max_every) {
+    const struct gguf_type_info *inf = gguf_type_get(t);
+    size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes);
+    uint8_t *w = plat_alloc(rb * rows);
+    for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % max_every ? W_RANDOM : W_MAX);
+    struct matmat_case c = { { t, w, rows, cols, rb }, plat_alloc(sizeof(float) * cols * maxc), plat_alloc(sizeof(float) * rows * maxc), NULL, 0 };
+    fill_x(c.x, cols * maxc, X_RANDOM);
+    c.stride = ops_act_stride(&c.m);
+    c.act = plat_alloc_aligned(c.stride * maxc);
+    for (int j = 0; j < maxc; j++) quant_act_prepare(t, c.x + (size_t)j * cols, cols, c.act + j * c.stride);
+    return c;
+}
+
+/* How many outputs of ops_matmat over NC columns (best level) differ from the scalar dot. */
+static int matmat_wrong(struct matmat_case *c, int nc) {
+    const struct ops_matrix *m = &c->m;
+    int bad = 0;
+    quant_set_level(max_level);
+    ops_matmat(m, c->x, c->y, nc);
+    for (int j = 0; j < nc; j++)
+        for (int r = 0; r < m->rows; r++) {
+            float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c->act + j * c->stride, m->cols);
+            bad += memcmp(&ref, &c->y[(size_t)j * m->rows + r], 4) != 0;
+        }
+    return bad;
+}
+
+static void matmat_case_free(struct matmat_case *c) {
+    free((void *)c->m.data); free(c->x); free(c->y); free(c->act);
+}
+
 /* Multi-column kernels: ops_matmat at the best level against the scalar dot of every column, for
- * 1..64 columns (every pass split of QUANT_NCOL), an odd row count and rows with tails (legacy
- * blocks not a multiple of 16, K units not a multiple of 4). */
+ * 1..64 columns (every pass split of QUANT_NCOL, and quant_tile's from QUANT_TILE_MIN_NC on), an
+ * odd row count and rows with tails (legacy blocks not a multiple of 16, K units not a multiple
+ * of 4). */
 static void test_matmat_columns(void) {
-    const int rows = 19, maxc = 64;
+    const int maxc = 64;
     for (int ti = 0; ti < N_TYPES; ti++) {
         enum gguf_type t = all_types[ti];
         const struct gguf_type_info *inf = gguf_type_get(t);
-        int64_t cols = inf->block_elems == 256 ? 1280 : inf->block_elems == 32 ? 1056 : 1000;
-        size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes), stride;
-        uint8_t *w = plat_alloc(rb * rows);
-        for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % 7 ? W_RANDOM : W_MAX);
-        struct ops_matrix m = { t, w, rows, cols, rb };
-        float *x = plat_alloc(sizeof(float) * cols * maxc), *y = plat_alloc(sizeof(float) * rows * maxc);
-        fill_x(x, cols * maxc, X_RANDOM);
-        stride = ops_act_stride(&m);
-        uint8_t *act = plat_alloc_aligned(stride * maxc);
-        for (int j = 0; j < maxc; j++) quant_act_prepare(t, x + j * cols, cols, act + j * stride);
-        int bad = 0, first = 0;
-        for (int nc = 1; nc <= maxc && !bad; nc++) {
-            quant_set_level(max_level);
-            ops_matmat(&m, x, y, nc);
-            for (int j = 0; j < nc && !bad; j++)
-                for (int r = 0; r < rows && !bad; r++) {
-                    float ref = dot_at(QUANT_LEVEL_SCALAR, t, w + r * rb, act + j * stride, cols);
-                    if (memcmp(&ref, &y[j * rows + r], 4)) { bad = 1; first = nc; }
-                }
-        }
+        struct matmat_case c = matmat_case_new(t, 19, inf->block_elems == 256 ? 1280 : inf->block_elems == 32 ? 1056 : 1000, maxc, 7);
+        int first = 0;
+        for (int nc = 1; nc <= maxc && !first; nc++)
+            if (matmat_wrong(&c, nc)) first = nc;
         char name[96];
         snprintf(name, sizeof name, "%s matmat of 1..64 columns == scalar dot", inf->name);
-        check(!bad, name, "first wrong at %d columns", first);
-        free(w); free(x); free(y); free(act);
+        check(!first, name, "first wrong at %d columns", first);
+        matmat_case_free(&c);
     }
 }
 
@@ -1011,30 +1030,15 @@ static void test_matmat_columns(void) {
  * columns and more, on 1 and 2 threads: each thread its own scratch): every partial of the
  * canonical order in use, one of them twice. */
 static void test_tile_long_rows(void) {
-    const int rows = 48, cols = 33 * 256, ncs[] = {QUANT_TILE_MIN_NC, QUANT_TILE_MIN_NC + 5}, maxc = QUANT_TILE_MIN_NC + 5;
-    size_t rb = (size_t)(cols / 256 * 144), stride;
-    uint8_t *w = plat_alloc(rb * rows);
-    for (int r = 0; r < rows; r++) fill_weights(GGUF_TYPE_Q4_K, w + r * rb, cols, r % 5 ? W_RANDOM : W_MAX);
-    struct ops_matrix m = { GGUF_TYPE_Q4_K, w, rows, cols, rb };
-    float *x = plat_alloc(sizeof(float) * cols * maxc), *y = plat_alloc(sizeof(float) * rows * maxc);
-    fill_x(x, cols * maxc, X_RANDOM);
-    stride = ops_act_stride(&m);
-    uint8_t *act = plat_alloc_aligned(stride * maxc);
-    for (int j = 0; j < maxc; j++) quant_act_prepare(GGUF_TYPE_Q4_K, x + (size_t)j * cols, cols, act + j * stride);
+    struct matmat_case c = matmat_case_new(GGUF_TYPE_Q4_K, 48, 33 * 256, QUANT_TILE_MIN_NC + 5, 5);
     int bad = 0;
-    quant_set_level(max_level);
     for (int k = 0; k < 4; k++) {
         omp_set_num_threads(1 + k / 2);
-        ops_matmat(&m, x, y, ncs[k % 2]);
-        for (int j = 0; j < ncs[k % 2]; j++)
-            for (int r = 0; r < rows; r++) {
-                float ref = dot_at(QUANT_LEVEL_SCALAR, GGUF_TYPE_Q4_K, w + r * rb, act + j * stride, cols);
-                bad += memcmp(&ref, &y[j * rows + r], 4) != 0;
-            }
+        bad += matmat_wrong(&c, QUANT_TILE_MIN_NC + 5 * (k % 2));
     }
     omp_set_num_threads(2);
     check(!bad, "Q4_K tiles: rows of 33 super-blocks, 32 and 37 columns, 1 and 2 threads == scalar dot", "%d outputs differ", bad);
-    free(w); free(x); free(y); free(act);
+    matmat_case_free(&c);
 }
 
 /* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
