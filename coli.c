@@ -3497,7 +3497,7 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
 
 
 
-/* ---- Q4_K tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Q4_K and Q5_K tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -3517,11 +3517,11 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
 /* One super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r; sc[j] the
  * scale of sub-block j in int32 lanes, mn[j] its min as the int16 pair (m, m), for vpdpwssd
  * against the pair of the act's 16-element sums that make sub-block j's. */
-struct quant_q4k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
+struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
 
 /* Bytes of scratch quant_tile needs for rows of N elements. */
 static size_t quant_tile_bytes(int64_t n) {
-    return (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q4k_tile) + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
+    return (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile) + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
 /* Bits [8 BYTE, 8 BYTE + BITS) of each lane. */
@@ -3529,21 +3529,26 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
     return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32((1 << bits) - 1));
 }
 
-/* Super-block U of the 16 rows at W (RB bytes apart) into T, by gathers across the rows: dword
- * m of a 32-byte run of nibbles holds elements 4m..4m+3 of one sub-block (low nibbles) and of
- * the next (high); the scale bytes and d, dmin come as 4 more dwords a row, unpacked as
- * quant_k4_scale_min in 32-bit lanes. Scalar loops took 3.2 us for 8 super-blocks, this 1.8. */
-QUANT_AVX512_INLINE void quant_q4k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_q4k_tile *t) {
+/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, by
+ * gathers across the rows: dword m of a 32-byte run of nibbles holds elements 4m..4m+3 of one
+ * sub-block (low nibbles) and of the next (high), and Q5_K's dword m of qh their fifth bits
+ * (bit s of a byte: sub-block s); the scale bytes and d, dmin come as 4 more dwords a row,
+ * unpacked as quant_k4_scale_min in 32-bit lanes. Scalar loops took 3.2 us for 8 Q4_K
+ * super-blocks, this 1.8. */
+QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)rb));
-    const uint8_t *b = w + (size_t)u * 144;
-    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), six = _mm512_set1_epi32(63);
-    QUANT_UNROLL(4)
-    for (int h = 0; h < 4; h++) {
-        QUANT_UNROLL(8)
-        for (int m = 0; m < 8; m++) {
-            const __m512i v = _mm512_i32gather_epi32(rows, b + 16 + 32 * h + 4 * m, 1);
-            _mm512_storeu_si512(t->q[16 * h + m], _mm512_and_si512(v, m4));
-            _mm512_storeu_si512(t->q[16 * h + 8 + m], _mm512_and_si512(_mm512_srli_epi32(v, 4), m4));
+    const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
+    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), six = _mm512_set1_epi32(63), ones = _mm512_set1_epi32(0x01010101);
+    QUANT_UNROLL(8)
+    for (int m = 0; m < 8; m++) {
+        const __m512i qh = five ? _mm512_i32gather_epi32(rows, b + 16 + 4 * m, 1) : _mm512_setzero_si512();
+        QUANT_UNROLL(4)
+        for (int h = 0; h < 4; h++) {
+            const __m512i v = _mm512_i32gather_epi32(rows, ql + 32 * h + 4 * m, 1);
+            const __m512i hi0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * h), ones), 4);
+            const __m512i hi1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * h + 1), ones), 4);
+            _mm512_storeu_si512(t->q[16 * h + m], _mm512_or_si512(_mm512_and_si512(v, m4), hi0));
+            _mm512_storeu_si512(t->q[16 * h + 8 + m], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4), hi1));
         }
     }
     const __m512i dd = _mm512_i32gather_epi32(rows, b, 1), u0 = _mm512_i32gather_epi32(rows, b + 4, 1);
@@ -3566,7 +3571,7 @@ QUANT_AVX512_INLINE int32_t quant_rd32(const void *p) { int32_t v; memcpy(&v, p,
 
 /* Super-block U of a tile against 4 columns: each one's unit result, 16 rows, added to its
  * partial P[c][u % 32]. */
-QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q4k_tile *t, const struct quant_q8k_view *a, int64_t u,
+QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                          float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
     QUANT_UNROLL(4)
@@ -3601,18 +3606,18 @@ QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q4k_tile *t, const s
     }
 }
 
-/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart) with column c (its act at
- * ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(n). */
-static QUANT_AVX512 void quant_tile_q4k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
-                                              int64_t n, float *y, size_t ys, void *scratch) {
+/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, or Q5_K if FIVE) with
+ * column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(n). */
+static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
+                                               int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
-    struct quant_q4k_tile *tiles = scratch;
+    struct quant_q45k_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
     /* the next 16 rows into L2 while these compute (a thread's chunks are mostly consecutive);
      * the unpack's gathers would otherwise wait on 16 rows' misses at a time */
     for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
-    for (int64_t u = 0; u < nu; u++) quant_q4k_tile_unpack(w, rb, u, &tiles[u]);
+    for (int64_t u = 0; u < nu; u++) quant_q45k_tile_unpack(w, rb, u, five, &tiles[u]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
@@ -3756,15 +3761,14 @@ static void quant_dotr(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 
 /* Whether quant_tile takes NC columns of rows of TYPE at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc) {
-    return wtype == GGUF_TYPE_Q4_K && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
+    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
- * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(n), one per thread. Caller: quant_tile_ok
- * (Q4_K, the one format with tiles so far). */
-static void quant_tile(const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
-                       size_t ys, void *scratch) {
-    quant_tile_q4k_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+ * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(n), one per thread. Caller: quant_tile_ok. */
+static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
+                       int64_t n, float *y, size_t ys, void *scratch) {
+    quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ==== §4 ops ==== */
@@ -3887,7 +3891,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         if (jobs[j].n == 1)
             quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
         else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n))
-            quant_tile(w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
+            quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
                        (size_t)w->rows, tiles + tile_bytes * (size_t)omp_get_thread_num());
         else
             for (int64_t r = r0; r < r1; r++)

@@ -1026,19 +1026,25 @@ static void test_matmat_columns(void) {
     }
 }
 
-/* Q4_K rows of more than 32 super-blocks through quant_tile (3 tiles of 16 rows, QUANT_TILE_MIN_NC
- * columns and more, on 1 and 2 threads: each thread its own scratch): every partial of the
- * canonical order in use, one of them twice. */
+/* Q4_K and Q5_K rows of more than 32 super-blocks through quant_tile (3 tiles of 16 rows,
+ * QUANT_TILE_MIN_NC columns and more, on 1 and 2 threads: each thread its own scratch): every
+ * partial of the canonical order in use, one of them twice. */
 static void test_tile_long_rows(void) {
-    struct matmat_case c = matmat_case_new(GGUF_TYPE_Q4_K, 48, 33 * 256, QUANT_TILE_MIN_NC + 5, 5);
-    int bad = 0;
-    for (int k = 0; k < 4; k++) {
-        omp_set_num_threads(1 + k / 2);
-        bad += matmat_wrong(&c, QUANT_TILE_MIN_NC + 5 * (k % 2));
+    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K };
+    for (int ti = 0; ti < 2; ti++) {
+        struct matmat_case c = matmat_case_new(types[ti], 48, 33 * 256, QUANT_TILE_MIN_NC + 5, 5);
+        int bad = 0;
+        for (int k = 0; k < 4; k++) {
+            omp_set_num_threads(1 + k / 2);
+            bad += matmat_wrong(&c, QUANT_TILE_MIN_NC + 5 * (k % 2));
+        }
+        omp_set_num_threads(2);
+        char name[112];
+        snprintf(name, sizeof name, "%s tiles: rows of 33 super-blocks, 32 and 37 columns, 1 and 2 threads == scalar dot",
+                 gguf_type_get(types[ti])->name);
+        check(!bad, name, "%d outputs differ", bad);
+        matmat_case_free(&c);
     }
-    omp_set_num_threads(2);
-    check(!bad, "Q4_K tiles: rows of 33 super-blocks, 32 and 37 columns, 1 and 2 threads == scalar dot", "%d outputs differ", bad);
-    matmat_case_free(&c);
 }
 
 /* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
