@@ -3507,9 +3507,9 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
  * The same bits as quant_dot_k. One core, 16 rows of 2048 columns in cache: 512 columns 195-202
  * GMAC/s against quant_dotn's 65-74, 64 columns 160-180 against 87, 16 columns 122 against 99,
  * 8 columns 86 against 98 (the unpack, 1.8 us, no longer paid for). In the model the trunk's
- * Q4_K products of a 512-token prompt took ~20% less time; the experts' (16 tokens each on
- * average, their weights cold) showed no gain on this noisy VM, so they keep quant_dotn below
- * QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. */
+ * Q4_K and Q5_K products of a 512-token prompt took ~35% less time; the experts' (16 tokens
+ * each on average, their weights cold) showed no gain on this noisy VM, so they keep quant_dotn
+ * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 #define QUANT_TILE_MIN_NC 32
