@@ -1129,6 +1129,7 @@ static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return 
 static uint32_t quant_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 /* GGUF is little-endian and so is every target of coli; memcpy keeps unaligned reads legal. */
 static uint16_t quant_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static int32_t quant_rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* Exact: every fp16 value (incl. subnormals, inf, nan) is representable in f32. */
 static float quant_f16_to_f32(uint16_t h) {
@@ -3566,8 +3567,6 @@ QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int
         _mm512_storeu_si512(t->mn[j + 4], _mm512_or_si512(m_hi, _mm512_slli_epi32(m_hi, 16)));
     }
 }
-
-QUANT_AVX512_INLINE int32_t quant_rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* Super-block U of a tile against 4 columns: each one's unit result, 16 rows, added to its
  * partial P[c][u % 32]. */
