@@ -9055,7 +9055,7 @@ static void model_routed_experts_mapped(struct model *m, int T)
             rows += count;
         }
         if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
-        model_gather_rows(m, 0, rows);
+        if (rows > n) model_gather_rows(m, 0, rows); /* else every expert has one token, read in place */
         ops_matmat_jobs(up, 2 * n);
         ops_swiglu(s->ex_g, s->ex_u, (int64_t)rows * ff);
         ops_matmat_jobs(down, n);
