@@ -7991,7 +7991,11 @@ static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next
 
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
-#define MODEL_BATCH 64    /* tokens per forward call: 64 keeps the scratch small */
+/* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
+ * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
+ * token at 64 tokens, 70 MB at 256 (35 -> 47 tok/s at pp512 here). Past 256, the products'
+ * activations (2 KiB a token) outgrow the L2 and the prompt slowed again. Scratch: ~90 MB. */
+#define MODEL_BATCH 256
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
 
@@ -11049,7 +11053,8 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
  *   model); a sink is called there.
  * May call: §1–§10.
  * Workload: one engine_step per generated token of the busy slots: their decode tokens first,
- *   then prompt chunks, MODEL_BATCH tokens at most; sampling is one pass over n_vocab per
+ *   then prompt chunks, MODEL_BATCH tokens at most (ENGINE_STEP_BESIDE_DECODE in all where some
+ *   slot decodes); sampling is one pass over n_vocab per
  *   token. Admitting a request compares its prompt with each idle slot's and parked
  *   conversation's tokens; parking copies a conversation's KV rows (40 KiB a token on the
  *   35B-A3B) and its state. */
@@ -11092,6 +11097,7 @@ struct engine_gen {
 };
 
 #define ENGINE_MAX_CHECKPOINTS 4 /* DeltaNet states kept per sequence */
+#define ENGINE_STEP_BESIDE_DECODE 64 /* tokens of a step that has decoding slots (engine_plan_step) */
 
 /* A sequence's past, matched against the next prompt: the tokens its state holds, and copies
  * of the DeltaNet state at some of their positions. The KV cache is good for any prefix of the
@@ -11432,7 +11438,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, float *logit
 }
 
 /* The runs of the next step: each decoding slot's token, then the prompts' next chunks while
- * MODEL_BATCH tokens last. OWNER[r] is run r's slot. Returns the number of runs. */
+ * MODEL_BATCH tokens last, or ENGINE_STEP_BESIDE_DECODE where some slot decodes: its next
+ * token waits for the whole step, and a step of MODEL_BATCH prompt tokens takes seconds on a
+ * large model. OWNER[r] is run r's slot. Returns the number of runs. */
 static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner)
 {
     int n = 0, room = MODEL_BATCH;
@@ -11443,6 +11451,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         owner[n++] = i;
         room--;
     }
+    if (n) room = ENGINE_STEP_BESIDE_DECODE - n;
     for (int i = 0; i < e->n_slots && n < MODEL_MAX_RUNS && room > 0; i++) {
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next >= 0) continue;

@@ -71,13 +71,17 @@ static void test_engine_slots(const char *dir, const char *name)
     engine_forget(&e, 0);
     engine_forget(&e, 1);
     engine_start(&e, 0, &ra, &ta);
-    engine_start(&e, 1, &rb, &tb); /* 70 prompt tokens: two chunks, the second beside a decode step */
-    int steps = 0;
+    int steps = engine_step(&e) > 0; /* slot 0's prompt and first token */
+    engine_start(&e, 1, &rb, &tb);   /* 70 prompt tokens beside slot 0's decoding: two chunks */
+    steps += engine_step(&e) > 0;
+    int first_chunk = e.slots[1].fed;
     while (engine_step(&e)) steps++;
     snprintf(label, sizeof label, "%s: two slots stepped together give the tokens each gives alone", name);
     check(ga.n_tokens == 12 && gb.n_tokens == 9 && ta.n_tokens == 12 && tb.n_tokens == 9 && !memcmp(ga.tokens, ta.tokens, 12 * sizeof(int)) &&
               !memcmp(gb.tokens, tb.tokens, 9 * sizeof(int)) && ta.stop == ENGINE_STOP_LENGTH && steps < 12 + 9,
           label, "tokens %d %d %d %d, %d steps", ga.n_tokens, gb.n_tokens, ta.n_tokens, tb.n_tokens, steps);
+    snprintf(label, sizeof label, "%s: a prompt beside a decoding slot goes in chunks of the step beside decode", name);
+    check(first_chunk == ENGINE_STEP_BESIDE_DECODE - 1, label, "first chunk %d tokens", first_chunk);
     struct engine_request too_long = {pb, 129, 0, 0, {0, 0}, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
     struct engine_gen gl;
     engine_forget(&e, 0);
