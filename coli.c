@@ -3784,6 +3784,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; };
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
+#define OPS_ACT_BLOCK (32 << 10) /* bytes of prepared columns a row chunk takes at a time (L1: 48 KiB) */
 
 /* One product of a batch (ops_matmat_jobs): y[n][rows] = W·x[n][cols]. */
 struct ops_job {
@@ -3847,6 +3848,21 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
     }
 }
 
+/* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]), by
+ * quant_dotn, a block of columns at a time: the block's activations stay in the L1 while every
+ * row of the chunk uses them, and the rows come again from the L2. Row by row, each row read
+ * every column's activations from the L2 or beyond (an F32 router's 256 columns are 2 MiB). A
+ * scratch harness, one core, 256 rows of 2048 by 256 columns, 16-row chunks, GMAC/s in blocks
+ * against row by row: F32 57 against 21, Q8_0 91-93 against 77-80, Q6_K 112 against 89. */
+static void ops_dotn_rows(const struct ops_matrix *w, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n, float *y) {
+    int block = (int)(OPS_ACT_BLOCK / stride) & ~(QUANT_NCOL - 1); /* whole groups of the kernel's columns */
+    if (block < QUANT_NCOL) block = QUANT_NCOL;
+    for (int c0 = 0; c0 < n; c0 += block)
+        for (int64_t r = r0; r < r1; r++)
+            quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + (size_t)c0 * stride, stride, n - c0 < block ? n - c0 : block, w->cols,
+                       y + (size_t)c0 * w->rows + r, (size_t)w->rows);
+}
+
 /* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
  * rows, so that several small products pay one parallel region and its barrier, and each
  * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
@@ -3893,8 +3909,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
             quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
                        (size_t)w->rows, tiles + tile_bytes * (size_t)omp_get_thread_num());
         else
-            for (int64_t r = r0; r < r1; r++)
-                quant_dotn(w->type, w->data + (size_t)r * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r, (size_t)w->rows);
+            ops_dotn_rows(w, r0, r1, act + off[j], stride[j], jobs[j].n, jobs[j].y);
     }
 }
 
