@@ -3498,7 +3498,7 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
 
 
 
-/* ---- Q4_K and Q5_K tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Q4_K, Q5_K and Q8_0 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -3510,7 +3510,8 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
  * 8 columns 86 against 98 (the unpack, 1.8 us, no longer paid for). In the model the trunk's
  * Q4_K and Q5_K products of a 512-token prompt took ~35% less time; the experts' (16 tokens
  * each on average, their weights cold) showed no gain on this noisy VM, so they keep quant_dotn
- * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. */
+ * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. Q8_0 tiles do the
+ * same per 32-element block (quant_legacy_units' float step, its unit a block). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 #define QUANT_TILE_MIN_NC 32
@@ -3520,9 +3521,21 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3
  * against the pair of the act's 16-element sums that make sub-block j's. */
 struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
 
-/* Bytes of scratch quant_tile needs for rows of N elements. */
-static size_t quant_tile_bytes(int64_t n) {
-    return (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile) + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
+/* One Q8_0 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r plus 128 (as
+ * vpdpbusd's unsigned bytes; the 128s come off as 128 times the act block's sum), d the scales. */
+struct quant_q8_0_tile { uint8_t q[8][64]; float d[16]; };
+
+/* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
+ * partials of QUANT_TILE_NC columns. */
+static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
+    size_t rows = t == GGUF_TYPE_Q8_0 ? (size_t)(n / QUANT_QK) * sizeof(struct quant_q8_0_tile)
+                                      : (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile);
+    return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
+}
+
+/* The lane offsets of 16 rows RB bytes apart, for gathers across them. */
+QUANT_AVX512_INLINE __m512i quant_tile_rows(size_t rb) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)rb));
 }
 
 /* Bits [8 BYTE, 8 BYTE + BITS) of each lane. */
@@ -3537,7 +3550,7 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
  * unpacked as quant_k4_scale_min in 32-bit lanes. Scalar loops took 3.2 us for 8 Q4_K
  * super-blocks, this 1.8. */
 QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)rb));
+    const __m512i rows = quant_tile_rows(rb);
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), six = _mm512_set1_epi32(63), ones = _mm512_set1_epi32(0x01010101);
     QUANT_UNROLL(8)
@@ -3605,17 +3618,34 @@ QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const 
     }
 }
 
+/* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
+ * butterfly into y[c * ys + r]. Adding a partial from USED on is adding a zero vector (it turns
+ * -0 into +0, as there), so those are left out. */
+QUANT_AVX512_INLINE void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
+    for (int c = 0; c < cc; c++) {
+        for (int s = QUANT_NPART / 2; s > 0; s /= 2)
+            for (int i = 0; i < s && i < used; i++)
+                _mm512_storeu_ps(p[c][i], _mm512_add_ps(_mm512_loadu_ps(p[c][i]), i + s < used ? _mm512_loadu_ps(p[c][i + s]) : _mm512_setzero_ps()));
+        _mm512_storeu_ps(y + (size_t)c * ys, _mm512_loadu_ps(p[c][0]));
+    }
+}
+
+/* Before the 16 rows at W (RB bytes apart) are unpacked: the next 16 into L2 while these compute
+ * (a thread's chunks are mostly consecutive); the unpack's gathers would otherwise wait on 16
+ * rows' misses at a time. */
+QUANT_AVX512_INLINE void quant_tile_prefetch_next(const uint8_t *w, size_t rb) {
+    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+}
+
 /* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, or Q5_K if FIVE) with
- * column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(n). */
+ * column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(t, n). */
 static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
                                                int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
     struct quant_q45k_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    /* the next 16 rows into L2 while these compute (a thread's chunks are mostly consecutive);
-     * the unpack's gathers would otherwise wait on 16 rows' misses at a time */
-    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+    quant_tile_prefetch_next(w, rb);
     for (int64_t u = 0; u < nu; u++) quant_q45k_tile_unpack(w, rb, u, five, &tiles[u]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
@@ -3623,14 +3653,61 @@ static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int c = 0; c < QUANT_TILE_NC; c++) memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         for (int64_t u = 0; u < nu; u++) quant_tile_unit(&tiles[u], a, u, p);
-        for (int c = 0; c < cc; c++) {
-            /* the butterfly of quant_reduce32; partials from USED on are +0 throughout, and
-             * adding one is adding a zero vector (it turns -0 into +0, as there) */
-            for (int s = QUANT_NPART / 2; s > 0; s /= 2)
-                for (int i = 0; i < s && i < used; i++)
-                    _mm512_storeu_ps(p[c][i], _mm512_add_ps(_mm512_loadu_ps(p[c][i]), i + s < used ? _mm512_loadu_ps(p[c][i + s]) : _mm512_setzero_ps()));
-            _mm512_storeu_ps(y + (size_t)(c0 + c) * ys, _mm512_loadu_ps(p[c][0]));
-        }
+        quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
+    }
+}
+
+/* Block B of the 16 rows at W (RB bytes apart) of a Q8_0 matrix into T: dword k of the block's
+ * quants gathered across the rows, and d with 2 quant bytes (its fp16 in the low half). */
+QUANT_AVX512_INLINE void quant_q8_0_tile_unpack(const uint8_t *w, size_t rb, int64_t b, struct quant_q8_0_tile *t) {
+    const __m512i rows = quant_tile_rows(rb);
+    const uint8_t *blk = w + (size_t)b * 34;
+    QUANT_UNROLL(8)
+    for (int k = 0; k < 8; k++)
+        _mm512_storeu_si512(t->q[k], _mm512_xor_si512(_mm512_i32gather_epi32(rows, blk + 2 + 4 * k, 1), _mm512_set1_epi8((char)0x80)));
+    _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
+}
+
+/* Block B of a Q8_0 tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
+ * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -128 times the
+ * act block's sum: every addend an integer well inside int32, so the sum is exact. */
+QUANT_AVX512_INLINE void quant_q8_0_tile_unit(const struct quant_q8_0_tile *t, const struct quant_q8_view *a, int64_t b,
+                                              float (*p)[QUANT_NPART][16]) {
+    __m512i s[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_set1_epi32(-128 * a[c].s[b]);
+    QUANT_UNROLL(8)
+    for (int k = 0; k < 8; k++) {
+        const __m512i wq = _mm512_loadu_si512(t->q[k]);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++)
+            s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + b * QUANT_QK + 4 * k)));
+    }
+    const __m512 d = _mm512_loadu_ps(t->d);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) {
+        const __m512 r = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[b])), _mm512_cvtepi32_ps(s[c]));
+        float *pp = p[c][b % QUANT_NPART];
+        _mm512_storeu_ps(pp, _mm512_add_ps(_mm512_loadu_ps(pp), r));
+    }
+}
+
+/* quant_tile_q45k_avx512 for Q8_0 rows: the same bits as quant_legacy_units. */
+static QUANT_AVX512 void quant_tile_q8_0_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
+                                               int64_t n, float *y, size_t ys, void *scratch) {
+    const int64_t nb = n / QUANT_QK;
+    const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
+    struct quant_q8_0_tile *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
+    quant_tile_prefetch_next(w, rb);
+    for (int64_t b = 0; b < nb; b++) quant_q8_0_tile_unpack(w, rb, b, &tiles[b]);
+    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
+        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
+        struct quant_q8_view a[QUANT_TILE_NC];
+        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
+        for (int c = 0; c < QUANT_TILE_NC; c++) memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
+        for (int64_t b = 0; b < nb; b++) quant_q8_0_tile_unit(&tiles[b], a, b, p);
+        quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
 
@@ -3760,14 +3837,16 @@ static void quant_dotr(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 
 /* Whether quant_tile takes NC columns of rows of TYPE at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc) {
-    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
+    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K || wtype == GGUF_TYPE_Q8_0) && nc >= QUANT_TILE_MIN_NC &&
+           quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
- * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(n), one per thread. Caller: quant_tile_ok. */
+ * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
-    quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
+    if (wtype == GGUF_TYPE_Q8_0) quant_tile_q8_0_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+    else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ==== §4 ops ==== */
@@ -3889,8 +3968,8 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
     size_t tile_bytes = 0;
     for (int j = 0; j < n_jobs; j++)
-        if (!done[j] && quant_tile_ok(jobs[j].w.type, jobs[j].n) && quant_tile_bytes(jobs[j].w.cols) > tile_bytes)
-            tile_bytes = quant_tile_bytes(jobs[j].w.cols);
+        if (!done[j] && quant_tile_ok(jobs[j].w.type, jobs[j].n) && quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
+            tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_bytes * (size_t)plat_threads()) : NULL;
     for (int j = 0; j < n_jobs; j++)
         first_chunk[j + 1] = first_chunk[j] + (done[j] || jobs[j].n < 1 ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
