@@ -1123,6 +1123,11 @@ typedef void (*quant_dotr_fn)(const uint8_t *wrows, size_t row_bytes, int nrows,
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
 static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
 static quant_dotr_fn quant_dotr_table[GGUF_TYPE_COUNT];
+/* y[c*ys + r] = dot of the row at wrows + r*row_bytes with the act at acts + c*stride, for r <
+ * nrows and c < nc: rows of 2 K super-blocks (512 columns) only. */
+typedef void (*quant_pairs_fn)(const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
+                               int nc, float *y, size_t ys);
+static quant_pairs_fn quant_pairs_table[GGUF_TYPE_COUNT];
 static int quant_level;
 
 static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -3368,6 +3373,54 @@ QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_d
     if (r < nrows) quant_avx512_pairs_group(t, vbmi, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
 }
 
+/* quant_avx512_pairs_group for NC (1..QUANT_NCOL) columns, acts STRIDE apart: each lane's
+ * super-block decoded once for all of them, the row results of column c to Y + c * YS. */
+QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, const uint8_t *wr, size_t rb, const uint8_t *acts,
+                                                       size_t stride, int nr, int NC, float *y, size_t ys) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    struct quant_q8k_view a[QUANT_NCOL];
+    __m256i is[QUANT_NCOL][8], ms[QUANT_NCOL][8];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) a[c] = quant_q8k_view(acts + (size_t)c * stride, 2 * QUANT_QK_K);
+    for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
+    for (int l = 0; l < 8; l++) {
+        const int i = l / 2, k = l % 2;
+        if (i >= nr) {
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) is[c][l] = ms[c][l] = _mm256_setzero_si256();
+            continue;
+        }
+        struct quant_avx512_kblock kb;
+        quant_avx512_kdecode(t, 0, wr + (size_t)i * rb + (size_t)k * bb, &kb);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) quant_avx512_kdot(t, &kb, a[c].qs + k * QUANT_QK_K, a[c].bsums + k * 16, &is[c][l], &ms[c][l]);
+    }
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256 dx = _mm256_setr_ps(a[c].d[0], a[c].d[1], a[c].d[0], a[c].d[1], a[c].d[0], a[c].d[1], a[c].d[0], a[c].d[1]);
+        quant_avx2_pairs_finish(t, wr, rb, nr, dx, is[c], ms[c], y + (size_t)c * ys);
+    }
+}
+
+/* quant_pairs at this level: 4 rows at a time, QUANT_NCOL columns at a time. One finish (the
+ * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
+ * per-row finish is as long as a row's two super-blocks of work. */
+QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
+                                                 size_t stride, int nc, float *y, size_t ys) {
+    for (int r = 0; r < nrows; r += 4)
+        for (int c0 = 0; c0 < nc; c0 += QUANT_NCOL) {
+            const int nr = nrows - r < 4 ? nrows - r : 4;
+            const uint8_t *wr = w + (size_t)r * rb, *ac = acts + (size_t)c0 * stride;
+            float *yc = y + (size_t)c0 * ys + r;
+            switch (nc - c0 < QUANT_NCOL ? nc - c0 : QUANT_NCOL) { /* the column count constant in each body */
+            case 1: quant_avx512_pairs_cols_group(t, wr, rb, ac, stride, nr, 1, yc, ys); break;
+            case 2: quant_avx512_pairs_cols_group(t, wr, rb, ac, stride, nr, 2, yc, ys); break;
+            case 3: quant_avx512_pairs_cols_group(t, wr, rb, ac, stride, nr, 3, yc, ys); break;
+            default: quant_avx512_pairs_cols_group(t, wr, rb, ac, stride, nr, 4, yc, ys); break;
+            }
+        }
+}
+
 /* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
  * cost SSE/AVX transitions here: measured 4x slower). */
 QUANT_AVX512_INLINE float quant_avx512_f16_round(float f) {
@@ -3495,6 +3548,16 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512)
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi)
+
+#define QUANT_AVX512_PAIRS(name, type)                                                                             \
+    static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc, \
+                                  float *y, size_t ys) { quant_avx512_pairs_cols(type, w, rb, nrows, acts, stride, nc, y, ys); }
+QUANT_AVX512_PAIRS(quant_pairs_q4_k_avx512, GGUF_TYPE_Q4_K)
+QUANT_AVX512_PAIRS(quant_pairs_q5_k_avx512, GGUF_TYPE_Q5_K)
+QUANT_AVX512_PAIRS(quant_pairs_q6_k_avx512, GGUF_TYPE_Q6_K)
+QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
+QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
+QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
 
 
@@ -3724,27 +3787,34 @@ static const struct {
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
     quant_dotn_fn fnn[QUANT_LEVEL_COUNT];
     quant_dotr_fn fnr[QUANT_LEVEL_COUNT];
+    quant_pairs_fn fnp[QUANT_LEVEL_COUNT];
 } quant_kernels[] = {
-    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, quant_dotr_q4_k_avx512 } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512 } },
-    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, quant_dotr_q6_k_avx512 } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, NULL, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 } },
-    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 } },
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, quant_dotr_q4_k_avx512 },
+      { NULL, NULL, quant_pairs_q4_k_avx512 } },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512 },
+      { NULL, NULL, quant_pairs_q5_k_avx512 } },
+    { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, quant_dotr_q6_k_avx512 },
+      { NULL, NULL, quant_pairs_q6_k_avx512 } },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, NULL, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 },
+      { NULL, NULL, quant_pairs_q2_k_avx512 } },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 },
+      { NULL, NULL, quant_pairs_q3_k_avx512 } },
+    { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 },
+      { NULL, NULL, quant_pairs_iq4_xs_avx512 } },
     { GGUF_TYPE_IQ3_XXS, { quant_dot_iq3_xxs_scalar, quant_dot_iq3_xxs_avx2, quant_dot_iq3_xxs_avx512, quant_dot_iq3_xxs_avx512vbmi },
-      { NULL, NULL, quant_dot_iq3_xxs_avx512n, quant_dot_iq3_xxs_avx512vbmin }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx512, quant_dotr_iq3_xxs_avx512vbmi } },
+      { NULL, NULL, quant_dot_iq3_xxs_avx512n, quant_dot_iq3_xxs_avx512vbmin }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx512, quant_dotr_iq3_xxs_avx512vbmi }, { NULL } },
     { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, quant_dot_iq3_s_avx512, quant_dot_iq3_s_avx512vbmi },
-      { NULL, NULL, quant_dot_iq3_s_avx512n, quant_dot_iq3_s_avx512vbmin }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx512, quant_dotr_iq3_s_avx512vbmi } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL } },
+      { NULL, NULL, quant_dot_iq3_s_avx512n, quant_dot_iq3_s_avx512vbmin }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx512, quant_dotr_iq3_s_avx512vbmi }, { NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL }, { NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512", "avx512vbmi" };
@@ -3764,6 +3834,7 @@ static void quant_set_level(int level) {
     memset(quant_dot_table, 0, sizeof quant_dot_table);
     memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     memset(quant_dotr_table, 0, sizeof quant_dotr_table);
+    memset(quant_pairs_table, 0, sizeof quant_pairs_table);
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) {
         int l = level;
         while (!quant_kernels[i].fn[l]) l--;
@@ -3771,6 +3842,8 @@ static void quant_set_level(int level) {
         quant_dotr_table[quant_kernels[i].type] = quant_kernels[i].fnr[l];
         for (l = level; l >= 0 && !quant_kernels[i].fnn[l]; l--) {}
         quant_dotn_table[quant_kernels[i].type] = l >= 0 ? quant_kernels[i].fnn[l] : NULL;
+        for (l = level; l >= 0 && !quant_kernels[i].fnp[l]; l--) {}
+        quant_pairs_table[quant_kernels[i].type] = l >= 0 ? quant_kernels[i].fnp[l] : NULL;
     }
     quant_level = level;
 }
@@ -3835,6 +3908,16 @@ static void quant_dotr(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
                        const void *act, int64_t n, float *y) {
     if (quant_dotr_table[wtype]) { quant_dotr_table[wtype](wrows, row_bytes, nrows, act, n, y); return; }
     for (int r = 0; r < nrows; r++) y[r] = quant_dot(wtype, wrows + (size_t)r * row_bytes, act, n);
+}
+
+/* y[c*ys + r] = quant_dot of row r of the NROWS at WROWS with column c, for c < NC, bit for bit,
+ * when this level has a kernel for rows of N elements of WTYPE (K rows of 2 super-blocks: the
+ * experts' down products); returns 0 when it has none. Caller: as quant_dotn. */
+static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
+                       int nc, int64_t n, float *y, size_t ys) {
+    if (n != 2 * QUANT_QK_K || !quant_pairs_table[wtype]) return 0;
+    quant_pairs_table[wtype](wrows, row_bytes, nrows, acts, stride, nc, y, ys);
+    return 1;
 }
 
 /* Whether quant_tile takes NC columns of rows of TYPE at this level. */
@@ -3936,6 +4019,9 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
  * scratch harness, one core, 256 rows of 2048 by 256 columns, 16-row chunks, GMAC/s in blocks
  * against row by row: F32 57 against 21, Q8_0 91-93 against 77-80, Q6_K 112 against 89. */
 static void ops_dotn_rows(const struct ops_matrix *w, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n, float *y) {
+    if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
+                    (size_t)w->rows))
+        return;
     int block = (int)(OPS_ACT_BLOCK / stride) & ~(QUANT_NCOL - 1); /* whole groups of the kernel's columns */
     if (block < QUANT_NCOL) block = QUANT_NCOL;
     for (int c0 = 0; c0 < n; c0 += block)

@@ -1047,6 +1047,22 @@ static void test_tile_long_rows(void) {
     }
 }
 
+/* Several columns over K rows of 2 super-blocks (quant_pairs: 4 rows to a vector), 1..9
+ * columns (every pass split of QUANT_NCOL), 19 rows (a short group of rows at the end). */
+static void test_pairs_columns(void) {
+    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
+        struct matmat_case c = matmat_case_new(types[ti], 19, 2 * QUANT_QK_K, 9, 7);
+        int first = 0;
+        for (int nc = 2; nc <= 9 && !first; nc++)
+            if (matmat_wrong(&c, nc)) first = nc;
+        char name[96];
+        snprintf(name, sizeof name, "%s rows of 2 super-blocks, 2..9 columns == scalar dot", gguf_type_get(types[ti])->name);
+        check(!first, name, "first wrong at %d columns", first);
+        matmat_case_free(&c);
+    }
+}
+
 /* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
  * at the best level against the scalar dot of every row, for rows of 1..9 super-blocks (every
  * slot width, and long rows) and row counts that leave every remainder of a row group, with
@@ -1142,6 +1158,7 @@ int main(int argc, char **argv) {
     test_widen_f16();
     test_matmat_columns();
     test_tile_long_rows();
+    test_pairs_columns();
     free(ops_act_buf.buf);
     free(ops_tile_buf.buf);
     return check_done();
