@@ -1088,7 +1088,8 @@ static size_t gguf_image_end(struct gguf_image *im)
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
- *   quant_dotn (one row, many columns), quant_dotr (many rows, one column) and
+ *   quant_dotn (one row, many columns), quant_dotr (many rows, one column), quant_pairs (rows
+ *   of 2 K super-blocks, many columns), quant_tile (16 rows, many columns) and
  *   quant_act_prepare give the same bits at every level.
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
  * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
@@ -3559,8 +3560,6 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-
-
 /* ---- Q4_K, Q5_K and Q8_0 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
@@ -4012,8 +4011,9 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
     }
 }
 
-/* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]), by
- * quant_dotn, a block of columns at a time: the block's activations stay in the L1 while every
+/* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
+ * quant_pairs where it serves (K rows of 2 super-blocks), else by quant_dotn, a block of columns
+ * at a time: the block's activations stay in the L1 while every
  * row of the chunk uses them, and the rows come again from the L2. Row by row, each row read
  * every column's activations from the L2 or beyond (an F32 router's 256 columns are 2 MiB). A
  * scratch harness, one core, 256 rows of 2048 by 256 columns, 16-row chunks, GMAC/s in blocks
