@@ -4030,6 +4030,26 @@ static void ops_dotn_rows(const struct ops_matrix *w, int64_t r0, int64_t r1, co
                        y + (size_t)c0 * w->rows + r, (size_t)w->rows);
 }
 
+/* The order in which the parallel loop takes the jobs' chunks of OPS_ROW_CHUNK rows: the jobs by
+ * the work of a chunk (its bytes times its columns), least first, ORDER[k] the k-th, its chunks
+ * from FIRST_CHUNK[k] on. Guided scheduling hands the first chunks out in long runs and the last
+ * ones a few at a time, so the heaviest chunks (an F32 router's 16 rows are 128 KiB, a Q4_K
+ * matrix's 18 KiB) even out between the threads at the end instead of all going into one
+ * thread's first run. */
+static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_t *done, int *order, int64_t *first_chunk) {
+    for (int j = 0; j < n_jobs; j++) { /* insertion sort, stable */
+        int k = j;
+        for (; k > 0 && jobs[order[k - 1]].w.row_bytes * (size_t)jobs[order[k - 1]].n > jobs[j].w.row_bytes * (size_t)jobs[j].n; k--)
+            order[k] = order[k - 1];
+        order[k] = j;
+    }
+    first_chunk[0] = 0;
+    for (int k = 0; k < n_jobs; k++) {
+        const struct ops_job *job = &jobs[order[k]];
+        first_chunk[k + 1] = first_chunk[k] + (done[order[k]] || job->n < 1 ? 0 : (job->w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
+    }
+}
+
 /* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
  * rows, so that several small products pay one parallel region and its barrier, and each
  * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
@@ -4038,7 +4058,8 @@ static void ops_dotn_rows(const struct ops_matrix *w, int64_t r0, int64_t r1, co
  * no y overlaps an x; one caller at a time. */
 static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
-    int64_t first_chunk[OPS_MAX_JOBS + 1] = {0};
+    int64_t first_chunk[OPS_MAX_JOBS + 1];
+    int order[OPS_MAX_JOBS];
     uint8_t done[OPS_MAX_JOBS] = {0}, own[OPS_MAX_JOBS] = {0};
     if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     for (int j = 0; j < n_jobs; j++) {
@@ -4059,17 +4080,17 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         if (!done[j] && quant_tile_ok(jobs[j].w.type, jobs[j].n) && quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
             tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_bytes * (size_t)plat_threads()) : NULL;
-    for (int j = 0; j < n_jobs; j++)
-        first_chunk[j + 1] = first_chunk[j] + (done[j] || jobs[j].n < 1 ? 0 : (jobs[j].w.rows + OPS_ROW_CHUNK - 1) / OPS_ROW_CHUNK);
+    ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
      * shrinking pieces that even out a thread that fell behind (slice decode +5% over static;
      * dynamic, which interleaves the threads' rows, lost 7%) */
     #pragma omp parallel for schedule(guided)
     for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
-        int j = 0;
-        while (c >= first_chunk[j + 1]) j++;
+        int k = 0;
+        while (c >= first_chunk[k + 1]) k++;
+        const int j = order[k];
         const struct ops_matrix *w = &jobs[j].w;
-        int64_t r0 = (c - first_chunk[j]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
+        int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
         if (jobs[j].n == 1)
             quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
         else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n))
