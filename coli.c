@@ -3560,7 +3560,7 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Q4_K, Q5_K and Q8_0 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Q4_K, Q5_K, Q8_0 and Q4_0 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -3572,10 +3572,11 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * 8 columns 86 against 98 (the unpack, 1.8 us, no longer paid for). In the model the trunk's
  * Q4_K and Q5_K products of a 512-token prompt took ~35% less time; the experts' (16 tokens
  * each on average, their weights cold) showed no gain on this noisy VM, so they keep quant_dotn
- * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. Q8_0 tiles do the
- * same per 32-element block (quant_legacy_units' float step, its unit a block); one core, 256
- * rows of 2048 in cache, GMAC/s against quant_dotn: 512 columns 188-190 against 87-90, 256
- * 177-190 against 88-93, 32 120 against 97, 16 84 against 98. */
+ * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. Q8_0 and Q4_0 tiles
+ * do the same per 32-element block (quant_legacy_units' float step, its unit a block); one core, 256
+ * rows of 2048 in cache, GMAC/s against quant_dotn: Q8_0 512 columns 188-190 against 87-90, 256
+ * 177-190 against 88-93, 32 120 against 97, 16 84 against 98; Q4_0 256 columns 180 against
+ * 116-118, 32 134 against 123, 16 103 against 125. */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 #define QUANT_TILE_MIN_NC 32
@@ -3585,15 +3586,16 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * against the pair of the act's 16-element sums that make sub-block j's. */
 struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
 
-/* One Q8_0 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r plus 128 (as
- * vpdpbusd's unsigned bytes; the 128s come off as 128 times the act block's sum), d the scales. */
-struct quant_q8_0_tile { uint8_t q[8][64]; float d[16]; };
+/* One Q8_0 or Q4_0 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r plus
+ * 128 (Q8_0) or as stored, 0..15 (Q4_0: less 8), as vpdpbusd's unsigned bytes (the offset comes
+ * off as that many times the act block's sum), d the scales. */
+struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
  * partials of QUANT_TILE_NC columns. */
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
-    size_t rows = t == GGUF_TYPE_Q8_0 ? (size_t)(n / QUANT_QK) * sizeof(struct quant_q8_0_tile)
-                                      : (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile);
+    size_t rows = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
+                                                             : (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile);
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
@@ -3721,25 +3723,37 @@ static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int
     }
 }
 
-/* Block B of the 16 rows at W (RB bytes apart) of a Q8_0 matrix into T: dword k of the block's
- * quants gathered across the rows, and d with 2 quant bytes (its fp16 in the low half). */
-QUANT_AVX512_INLINE void quant_q8_0_tile_unpack(const uint8_t *w, size_t rb, int64_t b, struct quant_q8_0_tile *t) {
+/* Block B of the 16 rows at W (RB bytes apart) of a Q8_0 (FOUR: Q4_0) matrix into T: dword k of
+ * the block's quants gathered across the rows (Q4_0: dword m of its 16 bytes holds elements
+ * 4m..4m+3 in the low nibbles, 16 + 4m.. in the high ones), and d with 2 quant bytes (its fp16
+ * in the low half). */
+QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, int four, int64_t b, struct quant_legacy_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
-    const uint8_t *blk = w + (size_t)b * 34;
-    QUANT_UNROLL(8)
-    for (int k = 0; k < 8; k++)
-        _mm512_storeu_si512(t->q[k], _mm512_xor_si512(_mm512_i32gather_epi32(rows, blk + 2 + 4 * k, 1), _mm512_set1_epi8((char)0x80)));
+    const uint8_t *blk = w + (size_t)b * (four ? 18 : 34);
+    if (four) {
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        QUANT_UNROLL(4)
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = _mm512_i32gather_epi32(rows, blk + 2 + 4 * m, 1);
+            _mm512_storeu_si512(t->q[m], _mm512_and_si512(v, m4));
+            _mm512_storeu_si512(t->q[4 + m], _mm512_and_si512(_mm512_srli_epi32(v, 4), m4));
+        }
+    } else {
+        QUANT_UNROLL(8)
+        for (int k = 0; k < 8; k++)
+            _mm512_storeu_si512(t->q[k], _mm512_xor_si512(_mm512_i32gather_epi32(rows, blk + 2 + 4 * k, 1), _mm512_set1_epi8((char)0x80)));
+    }
     _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
 }
 
-/* Block B of a Q8_0 tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
- * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -128 times the
- * act block's sum: every addend an integer well inside int32, so the sum is exact. */
-QUANT_AVX512_INLINE void quant_q8_0_tile_unit(const struct quant_q8_0_tile *t, const struct quant_q8_view *a, int64_t b,
-                                              float (*p)[QUANT_NPART][16]) {
+/* Block B of a legacy tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
+ * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or
+ * 8) times the act block's sum: every addend an integer well inside int32, so the sum is exact. */
+QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
+                                                float (*p)[QUANT_NPART][16]) {
     __m512i s[QUANT_TILE_NC];
     QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_set1_epi32(-128 * a[c].s[b]);
+    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_set1_epi32(-offset * a[c].s[b]);
     QUANT_UNROLL(8)
     for (int k = 0; k < 8; k++) {
         const __m512i wq = _mm512_loadu_si512(t->q[k]);
@@ -3756,21 +3770,21 @@ QUANT_AVX512_INLINE void quant_q8_0_tile_unit(const struct quant_q8_0_tile *t, c
     }
 }
 
-/* quant_tile_q45k_avx512 for Q8_0 rows: the same bits as quant_legacy_units. */
-static QUANT_AVX512 void quant_tile_q8_0_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
-                                               int64_t n, float *y, size_t ys, void *scratch) {
+/* quant_tile_q45k_avx512 for Q8_0 or (FOUR) Q4_0 rows: the same bits as quant_legacy_units. */
+static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, int four, const uint8_t *acts, size_t stride, int nc,
+                                                 int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
-    struct quant_q8_0_tile *tiles = scratch;
+    struct quant_legacy_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
     quant_tile_prefetch_next(w, rb);
-    for (int64_t b = 0; b < nb; b++) quant_q8_0_tile_unpack(w, rb, b, &tiles[b]);
+    for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unpack(w, rb, four, b, &tiles[b]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int c = 0; c < QUANT_TILE_NC; c++) memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
-        for (int64_t b = 0; b < nb; b++) quant_q8_0_tile_unit(&tiles[b], a, b, p);
+        for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unit(&tiles[b], a, b, four ? 8 : 128, p);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -3921,15 +3935,16 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 
 /* Whether quant_tile takes NC columns of rows of TYPE at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc) {
-    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K || wtype == GGUF_TYPE_Q8_0) && nc >= QUANT_TILE_MIN_NC &&
-           quant_level >= QUANT_LEVEL_AVX512;
+    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) &&
+           nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
  * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
-    if (wtype == GGUF_TYPE_Q8_0) quant_tile_q8_0_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+    if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
+        quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
 
