@@ -2756,18 +2756,6 @@ QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
 }
 
-/* The 16 quant bytes of 4 blocks of 18 bytes (Q4_0, IQ4_NL: words 9i+1..9i+8) from B, one per
- * 128-bit lane: one word permute of two loads (the second 8 bytes on, so as to end in block 3)
- * instead of four loads and three inserts. */
-QUANT_AVX512_INLINE __m512i quant_avx512_quad18(const uint8_t *b) {
-    int16_t w[32];
-    for (int i = 0; i < 32; i++) {
-        const int word = 9 * (i / 8) + 1 + i % 8;
-        w[i] = (int16_t)(word < 32 ? word : 32 + word - 4);
-    }
-    return _mm512_permutex2var_epi16(_mm512_loadu_si512(b), _mm512_loadu_si512(w), _mm512_loadu_si512(b + 8));
-}
-
 /* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4
  * (E8M0, byte 17k): two word permutes of two loads each, blocks 0-7 from the first bytes and
  * 8-15 from byte 144 (MXFP4 136) on, instead of a gather (~13 cycles for 16 lanes). */
@@ -2806,15 +2794,12 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
     const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
     const int qo = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
-    __m512i v;
-    if (bb == 18) {
-        v = quant_avx512_quad18(b);
-    } else {
-        v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
-    }
+    /* four loads and three inserts: one word permute of two wider loads took the 18-byte blocks
+     * (Q4_0, IQ4_NL) at 19 GB/s a core from memory against 25-29 (Zen 5) */
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * bb + qo)), 3);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     if (t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4) {
@@ -2851,17 +2836,71 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
 }
 
-/* Σ q_w*q_x of 16 blocks from 64 activation bytes per quad (4 blocks), w as from legacy_quad. */
-QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const int8_t *qx) {
-    __m512i q[4];
+/* The 512 activation quants of 16 blocks at QX in legacy_quad's lane order: xl[k] and xh[k]
+ * pair with quad k's lo and hi. */
+QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, __m512i *xl, __m512i *xh) {
     QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
         __m512i x0 = _mm512_load_si512(qx + 128 * k), x1 = _mm512_load_si512(qx + 128 * k + 64);
-        __m512i xl = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
-        __m512i xh = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
-        q[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[k], xl), wh[k], xh);
+        xl[k] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+        xh[k] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
     }
+}
+
+/* Σ q_w*q_x of 16 blocks, w as from legacy_quad, x as from legacy_acts. */
+QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __m512i *wh, const __m512i *xl, const __m512i *xh) {
+    __m512i q[4];
+    QUANT_UNROLL(4)
+    for (int k = 0; k < 4; k++) q[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[k], xl[k]), wh[k], xh[k]);
     return quant_avx512_quad_sums(q);
+}
+
+/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), the
+ * block scales in *dw, the mins in *mw (Q4_1, Q5_1; else zero). */
+QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8_t *wb, __m512i *wl, __m512i *wh, __m512 *dw,
+                                                   __m512 *mw) {
+    const int bb = gguf_type_get(t)->block_bytes;
+    for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
+    QUANT_UNROLL(4)
+    for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
+    *mw = _mm512_setzero_ps();
+    if (bb == 18 || t == GGUF_TYPE_MXFP4) {
+        *dw = quant_avx512_scales16(t, wb);
+    } else {
+        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
+        const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(bb));
+        const __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
+        *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    }
+}
+
+/* How far the quants of T sit above the signed ones, as a shift: the caller takes off
+ * Σx << shift (Q4_0 8, Q5_0 16, the formats offset by 128 in legacy_quad 128); 0 for none. */
+QUANT_AVX512_INLINE int quant_avx512_legacy_shift(enum gguf_type t) {
+    const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
+    return t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
+}
+
+/* quant_legacy_combine for 16 blocks of one column: ISUM less the quants' offset OFF (Σx << shift),
+ * then (dw * dx) * isum, plus mw * sd with a min. */
+QUANT_AVX512_INLINE __m512 quant_avx512_legacy_unit(enum gguf_type t, __m512i isum, __m512i off, __m512 dw, __m512 dx, __m512 mw,
+                                                    __m512 sd) {
+    if (quant_avx512_legacy_shift(t)) isum = _mm512_sub_epi32(isum, off);
+    const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum));
+    return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_add_ps(r, _mm512_mul_ps(mw, sd)) : r;
+}
+
+/* The offset legacy_unit takes off for blocks B..B+15 of act A. */
+QUANT_AVX512_INLINE __m512i quant_avx512_legacy_off(enum gguf_type t, const struct quant_q8_view *a, int64_t b) {
+    const int sh = quant_avx512_legacy_shift(t);
+    return sh ? _mm512_slli_epi32(_mm512_loadu_si512(a->s + b), sh) : _mm512_setzero_si512();
+}
+
+/* The mins' act sums of blocks B..B+15 (Q4_1, Q5_1), else zero. */
+QUANT_AVX512_INLINE __m512 quant_avx512_legacy_sd(enum gguf_type t, const struct quant_q8_view *a, int64_t b) {
+    return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_loadu_ps(a->sd + b) : _mm512_setzero_ps();
 }
 
 /* Legacy dot of one row with NC columns (acts at `stride`, results y[c*ys]): groups of 16
@@ -2870,9 +2909,6 @@ QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __
 QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
-    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
-    const int sh = t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
     const int64_t nb = n / QUANT_QK, nb16 = nb & ~(int64_t)15;
     struct quant_q8_view a[QUANT_NCOL];
     __m512 acc[QUANT_NCOL][2];
@@ -2881,29 +2917,16 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         a[c] = quant_q8_view(acts + (size_t)c * stride, n);
         acc[c][0] = acc[c][1] = _mm512_setzero_ps();
     }
-    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(bb));
     for (int64_t b = 0; b < nb16; b += 16) {
-        const uint8_t *wb = w + b * bb;
-        for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
         __m512i wl[4], wh[4];
-        QUANT_UNROLL(4)
-        for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
-        __m512 dw, mw = _mm512_setzero_ps();
-        if (bb == 18 || t == GGUF_TYPE_MXFP4) {
-            dw = quant_avx512_scales16(t, wb);
-        } else {
-            /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
-            const __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
-            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-            mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-        }
+        __m512 dw, mw;
+        quant_avx512_legacy_group(t, w + b * bb, wl, wh, &dw, &mw);
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
-            __m512i isum = quant_avx512_legacy_isum(wl, wh, a[c].qs + b * QUANT_QK);
-            if (sh) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a[c].s + b), sh));
-            __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(a[c].d + b)), _mm512_cvtepi32_ps(isum));
-            if (has_min) r = _mm512_add_ps(r, _mm512_mul_ps(mw, _mm512_loadu_ps(a[c].sd + b)));
+            __m512i xl[4], xh[4];
+            quant_avx512_legacy_acts(a[c].qs + b * QUANT_QK, xl, xh);
+            const __m512 r = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), quant_avx512_legacy_off(t, &a[c], b),
+                                                      dw, _mm512_loadu_ps(a[c].d + b), mw, quant_avx512_legacy_sd(t, &a[c], b));
             /* into acc[0], then swapped (in registers, where acc[(b / 16) % 2] is memory):
              * after an odd count of groups acc[1] holds partials 0-15 */
             const __m512 sum = _mm512_add_ps(acc[c][0], r);
@@ -2921,6 +2944,52 @@ QUANT_AVX512_INLINE void quant_avx512_legacy(enum gguf_type t, const uint8_t *w,
         _mm512_storeu_ps(p + 16, hi);
         quant_legacy_units(t, w, a[c], nb16, nb, p);
         y[c * ys] = quant_reduce32(p);
+    }
+}
+
+/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, the
+ * rows side by side in the vector instead of one per vector. */
+QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
+    const __m512 z = _mm512_setzero_ps(), a0 = _mm512_add_ps(v[0], z), a1 = _mm512_add_ps(v[1], z);
+    const __m512 a2 = _mm512_add_ps(v[2], z), a3 = _mm512_add_ps(v[3], z);
+    /* s = 8: rows 0,1 (2,3) in halves, lane i + lane i+8 */
+    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* s = 4: row i in 128-bit lane i */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 p = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(3, 2, 3, 2)));  /* s = 2 */
+    const __m512 o = _mm512_add_ps(p, _mm512_movehdup_ps(p));                          /* s = 1 */
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), o));
+}
+
+/* Rows kernel of the legacy formats: rows of 16 blocks (the 35B-A3B's expert and shared-expert
+ * down products) 4 at a time, the act's lanes ordered once for all of them and their 4
+ * butterflies in one (quant_avx512_reduce4): one dot per row paid both per row, as long as the
+ * row's own work. Other lengths go through DOT, one row at a time. */
+QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, quant_dot_fn dot, const uint8_t *w, size_t rb, int nrows,
+                                                  const void *act, int64_t n, float *y) {
+    if (n != 16 * QUANT_QK) {
+        for (int r = 0; r < nrows; r++) y[r] = dot(w + (size_t)r * rb, act, n);
+        return;
+    }
+    const struct quant_q8_view a = quant_q8_view(act, n);
+    __m512i xl[4], xh[4];
+    quant_avx512_legacy_acts(a.qs, xl, xh);
+    const __m512i off = quant_avx512_legacy_off(t, &a, 0);
+    const __m512 dx = _mm512_loadu_ps(a.d), sd = quant_avx512_legacy_sd(t, &a, 0);
+    for (int r = 0; r < nrows; r += 4) {
+        __m512 v[4];
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm512_setzero_ps();
+            if (r + i >= nrows) continue;
+            __m512i wl[4], wh[4];
+            __m512 dw, mw;
+            quant_avx512_legacy_group(t, w + (size_t)(r + i) * rb, wl, wh, &dw, &mw);
+            v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
+        }
+        float s[4];
+        _mm_storeu_ps(s, quant_avx512_reduce4(v));
+        for (int i = 0; i < 4 && r + i < nrows; i++) y[r + i] = s[i];
     }
 }
 
@@ -3550,6 +3619,17 @@ QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_a
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi)
 
+#define QUANT_AVX512_LEGACY_ROWS(name, type, dot)                                                    \
+    static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
+                                  float *y) { quant_avx512_legacy_rows(type, dot, w, rb, nrows, act, n, y); }
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_q8_0_avx512, GGUF_TYPE_Q8_0, quant_dot_q8_0_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_q4_0_avx512, GGUF_TYPE_Q4_0, quant_dot_q4_0_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_q4_1_avx512, GGUF_TYPE_Q4_1, quant_dot_q4_1_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_q5_0_avx512, GGUF_TYPE_Q5_0, quant_dot_q5_0_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_q5_1_avx512, GGUF_TYPE_Q5_1, quant_dot_q5_1_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_iq4_nl_avx512, GGUF_TYPE_IQ4_NL, quant_dot_iq4_nl_avx512)
+QUANT_AVX512_LEGACY_ROWS(quant_dotr_mxfp4_avx512, GGUF_TYPE_MXFP4, quant_dot_mxfp4_avx512)
+
 #define QUANT_AVX512_PAIRS(name, type)                                                                             \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc, \
                                   float *y, size_t ys) { quant_avx512_pairs_cols(type, w, rb, nrows, acts, stride, nc, y, ys); }
@@ -3805,11 +3885,11 @@ static const struct {
     { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL }, { NULL } },
     { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL }, { NULL } },
     { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, quant_dotr_q8_0_avx512 }, { NULL } },
+    { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, quant_dotr_q4_0_avx512 }, { NULL } },
+    { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, quant_dotr_q4_1_avx512 }, { NULL } },
+    { GGUF_TYPE_Q5_0, { quant_dot_q5_0_scalar, quant_dot_q5_0_avx2, quant_dot_q5_0_avx512 }, { NULL, quant_dot_q5_0_avx2n, quant_dot_q5_0_avx512n }, { NULL, NULL, quant_dotr_q5_0_avx512 }, { NULL } },
+    { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, quant_dotr_q5_1_avx512 }, { NULL } },
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, quant_dotr_q4_k_avx512 },
       { NULL, NULL, quant_pairs_q4_k_avx512 } },
     { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512 },
@@ -3826,8 +3906,8 @@ static const struct {
       { NULL, NULL, quant_dot_iq3_xxs_avx512n, quant_dot_iq3_xxs_avx512vbmin }, { NULL, quant_dotr_iq3_xxs_avx2, quant_dotr_iq3_xxs_avx512, quant_dotr_iq3_xxs_avx512vbmi }, { NULL } },
     { GGUF_TYPE_IQ3_S, { quant_dot_iq3_s_scalar, quant_dot_iq3_s_avx2, quant_dot_iq3_s_avx512, quant_dot_iq3_s_avx512vbmi },
       { NULL, NULL, quant_dot_iq3_s_avx512n, quant_dot_iq3_s_avx512vbmin }, { NULL, quant_dotr_iq3_s_avx2, quant_dotr_iq3_s_avx512, quant_dotr_iq3_s_avx512vbmi }, { NULL } },
-    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_IQ4_NL, { quant_dot_iq4_nl_scalar, quant_dot_iq4_nl_avx2, quant_dot_iq4_nl_avx512 }, { NULL, quant_dot_iq4_nl_avx2n, quant_dot_iq4_nl_avx512n }, { NULL, NULL, quant_dotr_iq4_nl_avx512 }, { NULL } },
+    { GGUF_TYPE_MXFP4, { quant_dot_mxfp4_scalar, quant_dot_mxfp4_avx2, quant_dot_mxfp4_avx512 }, { NULL, quant_dot_mxfp4_avx2n, quant_dot_mxfp4_avx512n }, { NULL, NULL, quant_dotr_mxfp4_avx512 }, { NULL } },
 };
 
 static const char *const quant_level_names[QUANT_LEVEL_COUNT] = { "scalar", "avx2", "avx512", "avx512vbmi" };
