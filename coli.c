@@ -3648,18 +3648,20 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * needed: a super-block's integer parts come out as one vector of 16 rows, then quant_dot_k's
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
  * The same bits as quant_dot_k. One core, 16 rows of 2048 columns in cache: 512 columns 195-202
- * GMAC/s against quant_dotn's 65-74, 64 columns 160-180 against 87, 16 columns 122 against 99,
- * 8 columns 86 against 98 (the unpack, 1.8 us, no longer paid for). In the model the trunk's
- * Q4_K and Q5_K products of a 512-token prompt took ~35% less time; the experts' (16 tokens
- * each on average, their weights cold) showed no gain on this noisy VM, so they keep quant_dotn
- * below QUANT_TILE_MIN_NC columns. 8 columns a pass were no faster than 4. Q8_0 and Q4_0 tiles
- * do the same per 32-element block (quant_legacy_units' float step, its unit a block); one core, 256
- * rows of 2048 in cache, GMAC/s against quant_dotn: Q8_0 512 columns 188-190 against 87-90, 256
- * 177-190 against 88-93, 32 120 against 97, 16 84 against 98; Q4_0 256 columns 180 against
- * 116-118, 32 134 against 123, 16 103 against 125. */
+ * GMAC/s against quant_dotn's 65-74, 64 columns 160-180 against 87. In the model the trunk's
+ * Q4_K and Q5_K products of a 512-token prompt took ~35% less time. 8 columns a pass were no
+ * faster than 4. Q8_0 and Q4_0 tiles do the same per 32-element block (quant_legacy_units' float
+ * step, its unit a block); one core, 256 rows of 2048 in cache, GMAC/s against quant_dotn: Q8_0
+ * 512 columns 188-190 against 87-90, 256 177-190 against 88-93; Q4_0 256 columns 180 against
+ * 116-118. The unpack (rows into lanes) is what a few columns pay for: by transposes, one core,
+ * 200 experts' 512 x 2048 (cold, as an expert's are), GMAC/s at 8 / 16 / 32 columns against
+ * quant_dotn: Q4_K 73-77 / 103-109 / 122-139 against 84-92; Q5_K 66-69 / 100-103 / 129-135
+ * against 71-76; Q8_0 64-68 / 95-99 / 127-128 against 84-88; Q4_0 78-79 / 87-111 / 137 against
+ * 84-113. By gathers they were 50-55 / 82-86 / 108-120 (Q4_K), 29 / 51-53 / 80-84 (Q8_0), 39-40 /
+ * 66-67 / 98 (Q4_0): the tiles then started at 32 columns, now at QUANT_TILE_MIN_NC. */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-#define QUANT_TILE_MIN_NC 32
+#define QUANT_TILE_MIN_NC 16
 
 /* One super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r; sc[j] the
  * scale of sub-block j in int32 lanes, mn[j] its min as the int16 pair (m, m), for vpdpwssd
@@ -3689,26 +3691,80 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
     return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32((1 << bits) - 1));
 }
 
-/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, by
- * gathers across the rows: dword m of a 32-byte run of nibbles holds elements 4m..4m+3 of one
- * sub-block (low nibbles) and of the next (high), and Q5_K's dword m of qh their fifth bits
- * (bit s of a byte: sub-block s); the scale bytes and d, dmin come as 4 more dwords a row,
- * unpacked as quant_k4_scale_min in 32-bit lanes. Scalar loops took 3.2 us for 8 Q4_K
- * super-blocks, this 1.8. */
+/* Lane r of out[m] = dword m (< 8) of the 32 bytes at P + r * RB, for 16 rows: an 8x8 dword
+ * transpose in each 256-bit half (rows r and r + 4 share a register), then one lane shuffle an
+ * output. 40 operations instead of 8 gathers. */
+QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m512i *out) {
+    __m512i z[8], t[8], u[8];
+    QUANT_UNROLL(8)
+    for (int i = 0; i < 8; i++) {
+        const size_t r = i < 4 ? (size_t)i : (size_t)i + 4; /* rows 0-3 and 8-11, each beside the row 4 on */
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + r * rb))),
+                                  _mm256_loadu_si256((const __m256i *)(p + (r + 4) * rb)), 1);
+    }
+    QUANT_UNROLL(4)
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    QUANT_UNROLL(2)
+    for (int g = 0; g < 8; g += 4) { /* u[g + k]: dword k of 4 rows in lanes 0 and 2, dword k + 4 in lanes 1 and 3 */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    QUANT_UNROLL(4)
+    for (int k = 0; k < 4; k++) {
+        out[k] = _mm512_shuffle_i32x4(u[k], u[k + 4], _MM_SHUFFLE(2, 0, 2, 0));
+        out[k + 4] = _mm512_shuffle_i32x4(u[k], u[k + 4], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* quant_tile_transpose for 16 bytes a row (dwords m < 4): rows r, r + 4, r + 8, r + 12 in one
+ * register, then a 4x4 dword transpose in each 128-bit lane. */
+QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m512i *out) {
+    __m512i z[4], t[4];
+    QUANT_UNROLL(4)
+    for (int i = 0; i < 4; i++) {
+        z[i] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + (size_t)i * rb)));
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(p + (size_t)(i + 4) * rb)), 1);
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(p + (size_t)(i + 8) * rb)), 2);
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(p + (size_t)(i + 12) * rb)), 3);
+    }
+    t[0] = _mm512_unpacklo_epi32(z[0], z[1]);
+    t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
+    t[2] = _mm512_unpacklo_epi32(z[2], z[3]);
+    t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+    out[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+    out[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+    out[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T:
+ * dword m of a 32-byte run of nibbles holds elements 4m..4m+3 of one sub-block (low nibbles)
+ * and of the next (high), and Q5_K's dword m of qh their fifth bits (bit s of a byte:
+ * sub-block s), each run turned rows-in-lanes by quant_tile_transpose; the scale bytes and d,
+ * dmin come as 4 more dwords a row by gathers, unpacked as quant_k4_scale_min in 32-bit lanes.
+ * Scalar loops took 3.2 us for 8 Q4_K super-blocks, gathers (4 dwords at a time) 1.8. */
 QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), six = _mm512_set1_epi32(63), ones = _mm512_set1_epi32(0x01010101);
+    __m512i qh[8], v[8];
     QUANT_UNROLL(8)
-    for (int m = 0; m < 8; m++) {
-        const __m512i qh = five ? _mm512_i32gather_epi32(rows, b + 16 + 4 * m, 1) : _mm512_setzero_si512();
-        QUANT_UNROLL(4)
-        for (int h = 0; h < 4; h++) {
-            const __m512i v = _mm512_i32gather_epi32(rows, ql + 32 * h + 4 * m, 1);
-            const __m512i hi0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * h), ones), 4);
-            const __m512i hi1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * h + 1), ones), 4);
-            _mm512_storeu_si512(t->q[16 * h + m], _mm512_or_si512(_mm512_and_si512(v, m4), hi0));
-            _mm512_storeu_si512(t->q[16 * h + 8 + m], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4), hi1));
+    for (int m = 0; m < 8; m++) qh[m] = _mm512_setzero_si512();
+    if (five) quant_tile_transpose(b + 16, rb, qh);
+    QUANT_UNROLL(4)
+    for (int h = 0; h < 4; h++) {
+        quant_tile_transpose(ql + 32 * h, rb, v);
+        QUANT_UNROLL(8)
+        for (int m = 0; m < 8; m++) {
+            const __m512i hi0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 2 * h), ones), 4);
+            const __m512i hi1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 2 * h + 1), ones), 4);
+            _mm512_storeu_si512(t->q[16 * h + m], _mm512_or_si512(_mm512_and_si512(v[m], m4), hi0));
+            _mm512_storeu_si512(t->q[16 * h + 8 + m], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4), hi1));
         }
     }
     const __m512i dd = _mm512_i32gather_epi32(rows, b, 1), u0 = _mm512_i32gather_epi32(rows, b + 4, 1);
@@ -3812,16 +3868,18 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, i
     const uint8_t *blk = w + (size_t)b * (four ? 18 : 34);
     if (four) {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
+        __m512i v[4];
+        quant_tile_transpose4(blk + 2, rb, v);
         QUANT_UNROLL(4)
         for (int m = 0; m < 4; m++) {
-            const __m512i v = _mm512_i32gather_epi32(rows, blk + 2 + 4 * m, 1);
-            _mm512_storeu_si512(t->q[m], _mm512_and_si512(v, m4));
-            _mm512_storeu_si512(t->q[4 + m], _mm512_and_si512(_mm512_srli_epi32(v, 4), m4));
+            _mm512_storeu_si512(t->q[m], _mm512_and_si512(v[m], m4));
+            _mm512_storeu_si512(t->q[4 + m], _mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4));
         }
     } else {
+        __m512i v[8];
+        quant_tile_transpose(blk + 2, rb, v);
         QUANT_UNROLL(8)
-        for (int k = 0; k < 8; k++)
-            _mm512_storeu_si512(t->q[k], _mm512_xor_si512(_mm512_i32gather_epi32(rows, blk + 2 + 4 * k, 1), _mm512_set1_epi8((char)0x80)));
+        for (int k = 0; k < 8; k++) _mm512_storeu_si512(t->q[k], _mm512_xor_si512(v[k], _mm512_set1_epi8((char)0x80)));
     }
     _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
 }
