@@ -2964,8 +2964,8 @@ QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
 
 /* Rows kernel of the legacy formats: rows of 16 blocks (the 35B-A3B's expert and shared-expert
  * down products) 4 at a time, the act's lanes ordered once for all of them and their 4
- * butterflies in one (quant_avx512_reduce4): one dot per row paid both per row, as long as the
- * row's own work. Other lengths go through DOT, one row at a time. */
+ * butterflies in one (quant_avx512_reduce4). A dot per row paid for both on every row, together
+ * as much as the row's own work. Other lengths go through DOT, one row at a time. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, quant_dot_fn dot, const uint8_t *w, size_t rb, int nrows,
                                                   const void *act, int64_t n, float *y) {
     if (n != 16 * QUANT_QK) {
@@ -3747,7 +3747,8 @@ QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m5
  * and of the next (high), and Q5_K's dword m of qh their fifth bits (bit s of a byte:
  * sub-block s), each run turned rows-in-lanes by quant_tile_transpose; the scale bytes and d,
  * dmin come as 4 more dwords a row by gathers, unpacked as quant_k4_scale_min in 32-bit lanes.
- * Scalar loops took 3.2 us for 8 Q4_K super-blocks, gathers (4 dwords at a time) 1.8. */
+ * Scalar loops took 3.2 us for 8 Q4_K super-blocks, gathers of every dword 1.8 (the section's
+ * head has the transposes' figures). */
 QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
