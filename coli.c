@@ -4612,12 +4612,23 @@ static void ops_softmax(float *x, int n)
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
-#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (32 KiB of rows of 256, read once from memory);
-                          * also the rows an fp16 cache widens at a time (model_attend_rows) */
+#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (32 KiB of rows of 256, read once from memory) */
 
-static float ops_score_finish(float *part, const float *q, const float *k, int from, int hd, float scale)
+/* Element I of a cached row: fp32, or fp16 with F16 (--kv f16; widened exactly). */
+static inline float ops_kv_at(const void *row, int i, int f16)
 {
-    for (int i = from; i < hd; i++) part[i % OPS_SCORE_PARTS] = part[i % OPS_SCORE_PARTS] + q[i] * k[i];
+    return f16 ? quant_f16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* Row P of a cache STRIDE elements a row. */
+static inline const void *ops_kv_row(const void *cache, size_t stride, int p, int f16)
+{
+    return (const uint8_t *)cache + (size_t)p * stride * (f16 ? 2 : 4);
+}
+
+static float ops_score_finish(float *part, const float *q, const void *k, int from, int hd, float scale, int f16)
+{
+    for (int i = from; i < hd; i++) part[i % OPS_SCORE_PARTS] = part[i % OPS_SCORE_PARTS] + q[i] * ops_kv_at(k, i, f16);
     for (int s = OPS_SCORE_PARTS / 2; s > 0; s /= 2)
         for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
     return part[0] * scale;
@@ -4632,26 +4643,43 @@ QUANT_AVX2_INLINE float ops_butterfly8_avx2(__m256 s) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-static void ops_scores_scalar(const float *const *q, int nq, const float *k, size_t stride, int n, int hd, float scale,
-                              float *const *out)
+/* 8 elements of a cached row from I on, as floats (fp16: F16C's exact widening). */
+QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))) : _mm256_loadu_ps((const float *)row + i);
+}
+
+/* 16 elements of a cached row from I on, as floats. */
+QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))) : _mm512_loadu_ps((const float *)row + i);
+}
+
+/* The cache lines of row P + OPS_ATTN_AHEAD (HD elements) asked for. */
+static inline void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, int f16)
+{
+    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, f16);
+    for (int b = 0; b < hd * (f16 ? 2 : 4); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
+static void ops_scores_scalar(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
+                              float *const *out, int f16)
 {
     for (int p = 0; p < n; p++)
         for (int j = 0; j < nq; j++) {
             float part[OPS_SCORE_PARTS] = {0};
-            out[j][p] = ops_score_finish(part, q[j], k + (size_t)p * stride, 0, hd, scale);
+            out[j][p] = ops_score_finish(part, q[j], ops_kv_row(k, stride, p, f16), 0, hd, scale, f16);
         }
 }
 
 /* The scores of HEADS (1..4; constant where inlined, so that the 8 accumulators stay in
  * registers) heads from J0 against key row KR, into out[.][p]. */
-QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const float *kr, int p, int hd,
-                                             float scale, float *const *out)
+QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const void *kr, int p, int hd,
+                                             float scale, float *const *out, int f16)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     __m256 lo[4], hi[4];
     for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
     for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-        const __m256 k0 = _mm256_loadu_ps(kr + i), k1 = _mm256_loadu_ps(kr + i + 8);
+        const __m256 k0 = ops_kv_load8(kr, i, f16), k1 = ops_kv_load8(kr, i + 8, f16);
         QUANT_UNROLL(4)
         for (int j = 0; j < heads; j++) {
             lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(_mm256_loadu_ps(q[j0 + j] + i), k0));
@@ -4667,37 +4695,45 @@ QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int 
         float part[OPS_SCORE_PARTS];
         _mm256_storeu_ps(part, lo[j]);
         _mm256_storeu_ps(part + 8, hi[j]);
-        out[j0 + j][p] = ops_score_finish(part, q[j0 + j], kr, body, hd, scale);
+        out[j0 + j][p] = ops_score_finish(part, q[j0 + j], kr, body, hd, scale, f16);
     }
 }
 
-static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
-                                       float scale, float *const *out)
+QUANT_AVX2_INLINE void ops_scores_rows_avx2(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
+                                            float scale, float *const *out, int f16)
 {
     for (int p = 0; p < n; p++) {
-        for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(k + (size_t)(p + OPS_ATTN_AHEAD) * stride + i), _MM_HINT_T0);
+        ops_kv_prefetch(k, stride, p, hd, f16);
+        const void *kr = ops_kv_row(k, stride, p, f16);
         for (int j0 = 0; j0 < nq; j0 += 4) { /* 4 heads: 8 accumulators of the 16 registers */
-            if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, k + (size_t)p * stride, p, hd, scale, out);
-            else ops_scores_heads_avx2(q, j0, nq - j0, k + (size_t)p * stride, p, hd, scale, out);
+            if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, kr, p, hd, scale, out, f16);
+            else ops_scores_heads_avx2(q, j0, nq - j0, kr, p, hd, scale, out, f16);
         }
     }
+}
+
+static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
+                                       float scale, float *const *out, int f16)
+{
+    if (f16) ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, 1);
+    else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, 0);
 }
 
 /* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers. With
  * NQ a variable they went to memory, a load and a store per add: 8 heads of 256 over 4096 cached
  * rows took 1.6 ms on one core, now 0.27. */
-QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
-                                                 float scale, float *const *out)
+QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
+                                                 float scale, float *const *out, int f16)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     for (int p = 0; p < n; p++) {
-        const float *kr = k + (size_t)p * stride;
-        for (int i = 0; i < hd; i += 16) _mm_prefetch((const char *)(kr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
+        const void *kr = ops_kv_row(k, stride, p, f16);
+        ops_kv_prefetch(k, stride, p, hd, f16);
         __m512 acc[OPS_ATTN_HEADS];
         QUANT_UNROLL(8)
         for (int j = 0; j < OPS_ATTN_HEADS; j++) acc[j] = _mm512_setzero_ps();
         for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-            const __m512 kv = _mm512_loadu_ps(kr + i);
+            const __m512 kv = ops_kv_load16(kr, i, f16);
             QUANT_UNROLL(8)
             for (int j = 0; j < nq; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_loadu_ps(q[j] + i), kv));
         }
@@ -4711,39 +4747,41 @@ QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, 
             }
             float part[OPS_SCORE_PARTS];
             _mm512_storeu_ps(part, acc[j]);
-            out[j][p] = ops_score_finish(part, q[j], kr, body, hd, scale);
+            out[j][p] = ops_score_finish(part, q[j], kr, body, hd, scale, f16);
         }
     }
 }
 
-static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const float *k, size_t stride, int n, int hd,
-                                           float scale, float *const *out)
+static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
+                                           float scale, float *const *out, int f16)
 {
-    if (nq == OPS_ATTN_HEADS) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out);
-    else ops_scores_heads_avx512(q, nq, k, stride, n, hd, scale, out);
+    if (nq == OPS_ATTN_HEADS && f16) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, 1);
+    else if (nq == OPS_ATTN_HEADS) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, 0);
+    else ops_scores_heads_avx512(q, nq, k, stride, n, hd, scale, out, f16);
 }
 
-/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows. */
-static void ops_scores(const float *const *q, int nq, const float *k, size_t stride, int n, int hd, float scale,
-                       float *const *out)
+/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K (fp32, or fp16 with F16),
+ * STRIDE elements a row. */
+static void ops_scores(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
+                       float *const *out, int f16)
 {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, nq, k, stride, n, hd, scale, out);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, nq, k, stride, n, hd, scale, out);
-    else ops_scores_scalar(q, nq, k, stride, n, hd, scale, out);
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, nq, k, stride, n, hd, scale, out, f16);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, nq, k, stride, n, hd, scale, out, f16);
+    else ops_scores_scalar(q, nq, k, stride, n, hd, scale, out, f16);
 }
 
-static void ops_attend_scalar(const float *const *w, int nq, const float *v, size_t stride, int n, int hd, float *const *o)
+static void ops_attend_scalar(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, int f16)
 {
     for (int p = 0; p < n; p++)
         for (int j = 0; j < nq; j++)
-            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * v[(size_t)p * stride + i];
+            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(ops_kv_row(v, stride, p, f16), i, f16);
 }
 
 /* Dims I0..I0 + 64 of heads J0..J0 + 4 over rows P0..P1, the 16 accumulators in registers
- * (o in memory would be loaded and stored per row). The first tile of a chunk prefetches whole
- * rows ahead for the others, which then find them in the cache. */
-QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const float *v, size_t stride, int p0, int p1,
-                                                int i0, int prefetch, float *const *o)
+ * (o in memory would be loaded and stored per row). The first tile of a chunk (PREFETCH) asks
+ * for whole rows ahead for the others, which then find them in the cache. */
+QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
+                                                int i0, int hd, int prefetch, float *const *o, int f16)
 {
     __m512 acc[4][4];
     QUANT_UNROLL(4)
@@ -4751,9 +4789,10 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
         QUANT_UNROLL(4)
         for (int r = 0; r < 4; r++) acc[j][r] = _mm512_loadu_ps(o[j0 + j] + i0 + 16 * r);
     for (int p = p0; p < p1; p++) {
-        const float *vr = v + (size_t)p * stride + i0;
-        for (int i = 0; i < prefetch; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
-        const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+        const void *vr = ops_kv_row(v, stride, p, f16);
+        if (prefetch) ops_kv_prefetch(v, stride, p, hd, f16);
+        const __m512 v0 = ops_kv_load16(vr, i0, f16), v1 = ops_kv_load16(vr, i0 + 16, f16);
+        const __m512 v2 = ops_kv_load16(vr, i0 + 32, f16), v3 = ops_kv_load16(vr, i0 + 48, f16);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m512 a = _mm512_set1_ps(w[j0 + j][p]);
@@ -4769,42 +4808,48 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
         for (int r = 0; r < 4; r++) _mm512_storeu_ps(o[j0 + j] + i0 + 16 * r, acc[j][r]);
 }
 
-static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const float *v, size_t stride, int n, int hd,
-                                           float *const *o)
+QUANT_AVX512_INLINE void ops_attend_rows_avx512(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
+                                                float *const *o, int f16)
 {
     if (nq % 4 == 0 && hd % 64 == 0) {
         for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
             const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
             for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 64)
-                    ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, j0 + i0 == 0 ? hd : 0, o);
+                for (int i0 = 0; i0 < hd; i0 += 64) ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, f16);
         }
         return;
     }
     const int body = hd / 16 * 16;
     for (int p = 0; p < n; p++) {
-        const float *vr = v + (size_t)p * stride;
+        const void *vr = ops_kv_row(v, stride, p, f16);
         for (int j = 0; j < nq; j++) {
             const __m512 a = _mm512_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 16)
-                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, _mm512_loadu_ps(vr + i))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * vr[i];
+                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, ops_kv_load16(vr, i, f16))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, f16);
         }
     }
 }
 
+static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
+                                           float *const *o, int f16)
+{
+    if (f16) ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, 1);
+    else ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, 0);
+}
+
 /* ops_attend_tile_avx512 at this width: dims I0..I0 + 16 of heads J0..J0 + 4, 8 registers. */
-QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const float *v, size_t stride, int p0, int p1,
-                                            int i0, int prefetch, float *const *o)
+QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
+                                            int i0, int hd, int prefetch, float *const *o, int f16)
 {
     __m256 acc[4][2];
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
     for (int p = p0; p < p1; p++) {
-        const float *vr = v + (size_t)p * stride + i0;
-        for (int i = 0; i < prefetch; i += 16) _mm_prefetch((const char *)(vr + OPS_ATTN_AHEAD * stride + i), _MM_HINT_T0);
-        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+        const void *vr = ops_kv_row(v, stride, p, f16);
+        if (prefetch) ops_kv_prefetch(v, stride, p, hd, f16);
+        const __m256 v0 = ops_kv_load8(vr, i0, f16), v1 = ops_kv_load8(vr, i0 + 8, f16);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m256 a = _mm256_set1_ps(w[j0 + j][p]);
@@ -4817,51 +4862,43 @@ QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const
         for (int r = 0; r < 2; r++) _mm256_storeu_ps(o[j0 + j] + i0 + 8 * r, acc[j][r]);
 }
 
-static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const float *v, size_t stride, int n, int hd,
-                                       float *const *o)
+QUANT_AVX2_INLINE void ops_attend_rows_avx2(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
+                                            float *const *o, int f16)
 {
     if (nq % 4 == 0 && hd % 16 == 0) {
         for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
             const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
             for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 16)
-                    ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, j0 + i0 == 0 ? hd : 0, o);
+                for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, f16);
         }
         return;
     }
     const int body = hd / 8 * 8;
     for (int p = 0; p < n; p++) {
-        const float *vr = v + (size_t)p * stride;
+        const void *vr = ops_kv_row(v, stride, p, f16);
         for (int j = 0; j < nq; j++) {
             const __m256 a = _mm256_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 8)
-                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, _mm256_loadu_ps(vr + i))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * vr[i];
+                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, ops_kv_load8(vr, i, f16))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, f16);
         }
     }
 }
 
-/* fp16 to float, exact at every level (the KV cache with --kv f16). */
-static QUANT_AVX2 void ops_widen_f16_avx2(const uint16_t *src, float *dst, int64_t n)
+static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
+                                       float *const *o, int f16)
 {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) dst[i] = quant_f16_to_f32(src[i]);
+    if (f16) ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, 1);
+    else ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, 0);
 }
 
-static void ops_widen_f16(const uint16_t *src, float *dst, int64_t n)
+/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V (fp32, or
+ * fp16 with F16), STRIDE elements a row. */
+static void ops_attend(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, int f16)
 {
-    if (quant_level >= QUANT_LEVEL_AVX2) ops_widen_f16_avx2(src, dst, n);
-    else
-        for (int64_t i = 0; i < n; i++) dst[i] = quant_f16_to_f32(src[i]);
-}
-
-/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows. */
-static void ops_attend(const float *const *w, int nq, const float *v, size_t stride, int n, int hd, float *const *o)
-{
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o);
-    else ops_attend_scalar(w, nq, v, stride, n, hd, o);
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, f16);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o, f16);
+    else ops_attend_scalar(w, nq, v, stride, n, hd, o, f16);
 }
 
 /* ---- the gated delta rule ----
@@ -8434,7 +8471,6 @@ struct model_scratch {
     float *k, *v;            /* [B][n_kv_head * head_dim] */
     float *attn;             /* [B][n_head * head_dim] gated attention output */
     float *scores;           /* [n_head][n_ctx] */
-    float *kv_rows;          /* [n_head][OPS_ATTN_CHUNK * head_dim]: a task's fp16 rows widened (--kv f16 only) */
     float *rope;             /* [B][rope_dims] cos then sin per position */
     float *mixed;            /* [B][conv_dim] */
     float *z;                /* [B][nv * dv] */
@@ -8787,7 +8823,6 @@ static void model_alloc_scratch(struct model *m)
     s->v = model_buf(B, (int64_t)c->n_kv_head * c->head_dim);
     s->attn = model_buf(B, (int64_t)c->n_head * c->head_dim);
     s->scores = model_buf(c->n_head, m->n_ctx);
-    s->kv_rows = m->kv_f16 ? model_buf(c->n_head, (int64_t)OPS_ATTN_CHUNK * c->head_dim) : NULL;
     s->rope = model_buf(B, c->rope_dims);
     s->mixed = model_buf(B, model_conv_dim(c));
     s->z = model_buf(B, nvdv);
@@ -9045,7 +9080,7 @@ static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
 static void model_free(struct model *m)
 {
     struct model_scratch *s = &m->s;
-    float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->kv_rows, s->rope, s->mixed, s->z,
+    float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
     void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
@@ -9091,35 +9126,15 @@ static void model_kv_store(const struct model *m, void *cache, int h, int pos, c
 }
 
 /* Scores, softmax and values of SHARE heads (queries Q, scores SC, outputs O) over the first N
- * rows of KV head KVH. An fp16 cache is widened OPS_ATTN_CHUNK rows at a time into ROWS, and
- * the float kernels run on each chunk: a row's score does not depend on its neighbours, and the
- * values' sums run in increasing row through o either way, so the chunks change no bit. */
+ * rows of KV head KVH; an fp16 cache is widened by the kernels as they read it. */
 static void model_attend_rows(const struct model *m, const struct model_layer_state *st, int kvh, const float *const *q,
-                              int share, int n, float scale, float *const *sc, float *const *o, float *rows)
+                              int share, int n, float scale, float *const *sc, float *const *o)
 {
     const int hd = m->cfg.head_dim;
-    const size_t head = (size_t)kvh * m->n_ctx * hd;
-    if (!m->kv_f16) {
-        ops_scores(q, share, (const float *)st->k_cache + head, (size_t)hd, n, hd, scale, sc);
-        for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-        ops_attend((const float *const *)sc, share, (const float *)st->v_cache + head, (size_t)hd, n, hd, o);
-        return;
-    }
-    const uint16_t *kc = (const uint16_t *)st->k_cache + head, *vc = (const uint16_t *)st->v_cache + head;
-    float *part[OPS_ATTN_HEADS]; /* the scores of a chunk's rows */
-    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
-        const int len = n - p0 < OPS_ATTN_CHUNK ? n - p0 : OPS_ATTN_CHUNK;
-        ops_widen_f16(kc + (size_t)p0 * hd, rows, (int64_t)len * hd);
-        for (int j = 0; j < share; j++) part[j] = sc[j] + p0;
-        ops_scores(q, share, rows, (size_t)hd, len, hd, scale, part);
-    }
+    const size_t head = (size_t)kvh * m->n_ctx * hd * model_kv_elem(m);
+    ops_scores(q, share, (const uint8_t *)st->k_cache + head, (size_t)hd, n, hd, scale, sc, m->kv_f16);
     for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
-        const int len = n - p0 < OPS_ATTN_CHUNK ? n - p0 : OPS_ATTN_CHUNK;
-        ops_widen_f16(vc + (size_t)p0 * hd, rows, (int64_t)len * hd);
-        for (int j = 0; j < share; j++) part[j] = sc[j] + p0;
-        ops_attend((const float *const *)part, share, rows, (size_t)hd, len, hd, o);
-    }
+    ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv_f16);
 }
 
 static void model_attention(struct model *m, int il, int T)
@@ -9171,8 +9186,7 @@ static void model_attention(struct model *m, int il, int T)
                 o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
                 memset(o[j], 0, (size_t)hd * sizeof(float));
             }
-            model_attend_rows(m, st, h0 / group, q, share, s->tok_pos[t] + 1, scale, sc, o,
-                              s->kv_rows + (size_t)h0 * OPS_ATTN_CHUNK * hd);
+            model_attend_rows(m, st, h0 / group, q, share, s->tok_pos[t] + 1, scale, sc, o);
             for (int j = 0; j < share; j++)
                 for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
         }

@@ -760,45 +760,51 @@ static void test_attention(void) {
     static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
     enum { N = 75, STRIDE = 300 }; /* value rows in two chunks of OPS_ATTN_CHUNK and a tail */
     float *q = plat_alloc(8 * 256 * sizeof(float)), *k = plat_alloc(N * STRIDE * sizeof(float));
+    uint16_t *k16 = plat_alloc(N * STRIDE * sizeof(uint16_t));
     float *ref = plat_alloc(8 * (N + 256) * sizeof(float)), *got = plat_alloc(8 * (N + 256) * sizeof(float));
     int bad = 0, bad_order = 0;
     char why[200] = "";
-    for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
-        for (size_t c = 0; c < sizeof nqs / sizeof *nqs; c++) {
-            const int hd = hds[h], nq = nqs[c];
-            const float *qs[8];
-            float *rs[8], *gs[8], *ro[8], *go[8];
-            for (int j = 0; j < nq; j++) {
-                qs[j] = q + j * 256;
-                rs[j] = ref + j * (N + 256); ro[j] = rs[j] + N;
-                gs[j] = got + j * (N + 256); go[j] = gs[j] + N;
-            }
-            fill_x(q, 8 * 256, X_RANDOM);
-            fill_x(k, N * STRIDE, X_RANDOM);
-            memset(ref, 0, 8 * (N + 256) * sizeof(float));
-            memset(got, 0, 8 * (N + 256) * sizeof(float));
-            for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
-                quant_set_level(l);
-                float *const *sc = l == QUANT_LEVEL_SCALAR ? rs : gs, *const *o = l == QUANT_LEVEL_SCALAR ? ro : go;
-                for (int j = 0; j < nq; j++) memset(o[j], 0, (size_t)hd * sizeof(float));
-                ops_scores(qs, nq, k, STRIDE, N, hd, 0.125f, sc);
-                ops_attend((const float *const *)sc, nq, k, STRIDE, N, hd, o);
-                if (l > QUANT_LEVEL_SCALAR && memcmp(got, ref, 8 * (N + 256) * sizeof(float)) && !bad++)
-                    snprintf(why, sizeof why, "head size %d, %d heads: %s differs", hd, nq, quant_level_names[l]);
-            }
-            for (int j = 0; j < nq; j++)
-                for (int p = 0; p < N; p++) {
-                    float part[16] = {0};
-                    for (int i = 0; i < hd; i++) part[i % 16] += qs[j][i] * k[p * STRIDE + i];
-                    for (int s2 = 8; s2 > 0; s2 /= 2)
-                        for (int i = 0; i < s2; i++) part[i] += part[i + s2];
-                    const float want = part[0] * 0.125f;
-                    bad_order += memcmp(&want, &rs[j][p], 4) != 0;
+    for (int f16 = 0; f16 < 2; f16++)
+        for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
+            for (size_t c = 0; c < sizeof nqs / sizeof *nqs; c++) {
+                const int hd = hds[h], nq = nqs[c];
+                const float *qs[8];
+                float *rs[8], *gs[8], *ro[8], *go[8];
+                for (int j = 0; j < nq; j++) {
+                    qs[j] = q + j * 256;
+                    rs[j] = ref + j * (N + 256); ro[j] = rs[j] + N;
+                    gs[j] = got + j * (N + 256); go[j] = gs[j] + N;
                 }
-        }
-    check(!bad_order, "attention scores: 16 strided partials, then the butterfly", "%d scores differ", bad_order);
-    check(!bad, "attention scores and values: every level gives the scalar bits", "%s", why);
-    free(q); free(k); free(ref); free(got);
+                fill_x(q, 8 * 256, X_RANDOM);
+                fill_x(k, N * STRIDE, X_RANDOM);
+                if (f16) /* the cache holds fp16: the reference below reads its exact widening */
+                    for (int i = 0; i < N * STRIDE; i++) k[i] = quant_f16_to_f32(k16[i] = quant_f32_to_f16(k[i]));
+                const void *rows = f16 ? (const void *)k16 : (const void *)k;
+                memset(ref, 0, 8 * (N + 256) * sizeof(float));
+                memset(got, 0, 8 * (N + 256) * sizeof(float));
+                for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+                    quant_set_level(l);
+                    float *const *sc = l == QUANT_LEVEL_SCALAR ? rs : gs, *const *o = l == QUANT_LEVEL_SCALAR ? ro : go;
+                    for (int j = 0; j < nq; j++) memset(o[j], 0, (size_t)hd * sizeof(float));
+                    ops_scores(qs, nq, rows, STRIDE, N, hd, 0.125f, sc, f16);
+                    ops_attend((const float *const *)sc, nq, rows, STRIDE, N, hd, o, f16);
+                    if (l > QUANT_LEVEL_SCALAR && memcmp(got, ref, 8 * (N + 256) * sizeof(float)) && !bad++)
+                        snprintf(why, sizeof why, "%s cache, head size %d, %d heads: %s differs", f16 ? "fp16" : "fp32", hd, nq,
+                                 quant_level_names[l]);
+                }
+                for (int j = 0; j < nq; j++)
+                    for (int p = 0; p < N; p++) {
+                        float part[16] = {0};
+                        for (int i = 0; i < hd; i++) part[i % 16] += qs[j][i] * k[p * STRIDE + i];
+                        for (int s2 = 8; s2 > 0; s2 /= 2)
+                            for (int i = 0; i < s2; i++) part[i] += part[i + s2];
+                        const float want = part[0] * 0.125f;
+                        bad_order += memcmp(&want, &rs[j][p], 4) != 0;
+                    }
+            }
+    check(!bad_order, "attention scores (fp32 and fp16 caches): 16 strided partials, then the butterfly", "%d scores differ", bad_order);
+    check(!bad, "attention scores and values (fp32 and fp16 caches): every level gives the scalar bits", "%s", why);
+    free(q); free(k); free(k16); free(ref); free(got);
 }
 
 /* Softmax at every level against a rendering of its documented order (the maximum, ops_exp,
@@ -840,29 +846,34 @@ static void test_softmax(void) {
     free(x); free(want); free(got);
 }
 
-/* The KV cache's fp16 rows widened at every level: quant_f16_to_f32's bits for every pattern
- * the cache can hold, at lengths with a tail past the vectors. Signalling NaNs are left out:
- * F16C quiets them and the scalar keeps them, but quant_f32_to_f16, which fills the cache,
- * never makes one. */
+/* The KV cache's fp16 rows as the attention kernels widen them, at every level: a value row
+ * times a weight of 1 added to 0 is the row itself (a -0 becomes +0, as it does in the scalar
+ * sum), so quant_f16_to_f32's bits must come out for every pattern the cache can hold, with
+ * rows of 256 and of 255 (a tail past the vectors). Signalling NaNs are left out: F16C quiets
+ * them and the scalar keeps them, but quant_f32_to_f16, which fills the cache, never makes one. */
 static void test_widen_f16(void) {
     enum { N = 65536 };
     uint16_t *h = plat_alloc(N * sizeof *h);
-    float *got = plat_alloc(N * sizeof *got);
+    float *got = plat_alloc(256 * sizeof *got), one = 1.0f;
     int bad = 0;
     char why[160] = "";
     for (int i = 0; i < N; i++) h[i] = (i & 0x7c00) == 0x7c00 && (i & 0x3ff) && !(i & 0x200) ? 0x7e00 : (uint16_t)i;
+    const float *w[1] = { &one };
+    float *o[1] = { got };
     for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
         quant_set_level(l);
-        for (int64_t n = N - 5; n <= N; n += 5) {
-            ops_widen_f16(h, got, n);
-            for (int64_t i = 0; i < n; i++) {
-                const float want = quant_f16_to_f32(h[i]);
-                if (memcmp(&want, &got[i], 4) && !bad++)
-                    snprintf(why, sizeof why, "%s: 0x%04x gives %a, not %a", quant_level_names[l], h[i], got[i], want);
+        for (int hd = 255; hd <= 256; hd++)
+            for (int r = 0; r + hd <= N; r += hd) {
+                memset(got, 0, 256 * sizeof *got);
+                ops_attend(w, 1, h + r, (size_t)hd, 1, hd, o, 1);
+                for (int i = 0; i < hd; i++) {
+                    const float want = 0.0f + quant_f16_to_f32(h[r + i]);
+                    if (memcmp(&want, &got[i], 4) && !bad++)
+                        snprintf(why, sizeof why, "%s: 0x%04x gives %a, not %a", quant_level_names[l], h[r + i], got[i], want);
+                }
             }
-        }
     }
-    check(!bad, "fp16 widening: every level gives quant_f16_to_f32's bits", "%s", why);
+    check(!bad, "fp16 cache rows: every level widens them to quant_f16_to_f32's bits", "%s", why);
     free(h); free(got);
 }
 
