@@ -4603,7 +4603,8 @@ static void ops_softmax(float *x, int n)
  * The heads of a GQA group read the same cached rows, and at long context those rows are the
  * memory traffic of a token, so both passes take NQ heads at once and read each row once.
  * Scores: out[j][p] = (q_j . k_p) * scale for N key rows STRIDE elements apart (fp32, or fp16
- * widened exactly as the kernels load it: --kv f16), each dot over HD elements in one
+ * widened exactly as the kernels load it: --kv f16; each SIMD body is inlined once per element
+ * type, so that the type is a constant in its loops), each dot over HD elements in one
  * canonical order at every level: element i into partial i % 16, then the
  * butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector
  * units idle at one add per 4 cycles. The SIMD versions hold each head's 16 partials in
