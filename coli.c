@@ -10,7 +10,8 @@
  *   §2  gguf       gguf_    GGUF v2/v3 reader (split files too), strictly validated, memory-mapped;
  *                           the writer of a file's head (synthetic models)
  *   §3  quant      quant_   block formats, dequantisation, activation quantisation, dot products
- *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations
+ *   §4  ops        ops_     matrix-vector / matrix-matrix products, norms, RoPE, softmax, activations,
+ *                           attention over the KV cache (fp32, fp16, Q8_0)
  *   §5  cuda       cuda_    the system's CUDA driver via foreign dlopen, devices, embedded PTX, device GEMVs
  *   §6  experts    expert_  the expert store: RAM cache with a budget, pread readers, heat, statistics
  *   §7  place      place_   what lives in VRAM, trunk then experts by value per byte; COLI_PLACE, plan's dry run
@@ -4601,36 +4602,62 @@ static void ops_softmax(float *x, int n)
 
 /* ---- attention over the KV cache ----
  * The heads of a GQA group read the same cached rows, and at long context those rows are the
- * memory traffic of a token, so both passes take NQ heads at once and read each row once.
- * Scores: out[j][p] = (q_j . k_p) * scale for N key rows STRIDE elements apart (fp32, or fp16
- * widened exactly as the kernels load it: --kv f16; each SIMD body is inlined once per element
- * type, so that the type is a constant in its loops), each dot over HD elements in one
- * canonical order at every level: element i into partial i % 16, then the
- * butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A serial sum (the order before) kept the vector
- * units idle at one add per 4 cycles. The SIMD versions hold each head's 16 partials in
- * registers (independent chains across heads). Values: o_j[i] = o_j[i] + w_j[p] * v_p[i] in
- * increasing p, element by element (the same operations at any width), the rows in chunks of
- * OPS_ATTN_CHUNK that every tile of accumulators passes over before the next chunk. */
+ * memory traffic of a token, so both passes take NQ heads at once and read each row once. A
+ * cache holds a KV head's rows STRIDE elements apart in one of the formats of enum ops_kv
+ * (--kv): fp32, fp16, or Q8_0 (8.5 bits a value). Each SIMD body is inlined once per format,
+ * so that the format is a constant in its loops.
+ * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as
+ * the kernels load it): each dot over HD elements in one canonical order at every level:
+ * element i into partial i % 16, then the butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A
+ * serial sum (the order before) kept the vector units idle at one add per 4 cycles. The SIMD
+ * versions hold each head's 16 partials in registers (independent chains across heads).
+ * Q8_0 keys: integer products against the query quantised (ops_scores_q8_0, below).
+ * Values: o_j[i] = o_j[i] + w_j[p] * v_p[i] in increasing p, element by element (the same
+ * operations at any width), the rows in chunks of OPS_ATTN_CHUNK that every tile of
+ * accumulators passes over before the next chunk. A Q8_0 value is widened exactly (d * q has
+ * at most 18 significant bits), so the sums are those of fp32 rows holding those values. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 #define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (32 KiB of rows of 256, read once from memory) */
 
-/* Element I of a cached row: fp32, or fp16 with F16 (--kv f16; widened exactly). */
-static inline float ops_kv_at(const void *row, int i, int f16)
+/* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale
+ * and 32 int8), quantised as quant_act_q8 quantises an activation; Q8_0 keys are stored
+ * OPS_KV_GROUP positions to a group instead (ops_scores_q8_0), in the same bytes. */
+enum ops_kv { OPS_KV_F32, OPS_KV_F16, OPS_KV_Q8_0 };
+#define OPS_KV_GROUP 16   /* Q8_0 key positions a group, one vector lane each */
+#define OPS_KV_MAX_HD 512 /* the longest Q8_0 row: ops_scores_q8_0 quantises queries on the stack */
+
+/* Bytes of a cached row of STRIDE elements (a multiple of QUANT_QK for Q8_0). */
+static inline size_t ops_kv_row_bytes(size_t stride, enum ops_kv kv)
 {
-    return f16 ? quant_f16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+    return kv == OPS_KV_F32 ? 4 * stride : kv == OPS_KV_F16 ? 2 * stride : stride / QUANT_QK * (2 + QUANT_QK);
+}
+
+/* The Q8_0 block that holds element I of ROW. */
+static inline const uint8_t *ops_kv_block(const void *row, int i)
+{
+    return (const uint8_t *)row + (size_t)(i / QUANT_QK) * (2 + QUANT_QK);
+}
+
+/* Element I of a cached row, widened exactly. */
+static inline float ops_kv_at(const void *row, int i, enum ops_kv kv)
+{
+    if (kv == OPS_KV_F32) return ((const float *)row)[i];
+    if (kv == OPS_KV_F16) return quant_f16_to_f32(((const uint16_t *)row)[i]);
+    const uint8_t *b = ops_kv_block(row, i);
+    return (float)(int8_t)b[2 + i % QUANT_QK] * quant_f16_to_f32(quant_rd16(b));
 }
 
 /* Row P of a cache STRIDE elements a row. */
-static inline const void *ops_kv_row(const void *cache, size_t stride, int p, int f16)
+static inline const void *ops_kv_row(const void *cache, size_t stride, int p, enum ops_kv kv)
 {
-    return (const uint8_t *)cache + (size_t)p * stride * (f16 ? 2 : 4);
+    return (const uint8_t *)cache + (size_t)p * ops_kv_row_bytes(stride, kv);
 }
 
-static float ops_score_finish(float *part, const float *q, const void *k, int from, int hd, float scale, int f16)
+static float ops_score_finish(float *part, const float *q, const void *k, int from, int hd, float scale, enum ops_kv kv)
 {
-    for (int i = from; i < hd; i++) part[i % OPS_SCORE_PARTS] = part[i % OPS_SCORE_PARTS] + q[i] * ops_kv_at(k, i, f16);
+    for (int i = from; i < hd; i++) part[i % OPS_SCORE_PARTS] = part[i % OPS_SCORE_PARTS] + q[i] * ops_kv_at(k, i, kv);
     for (int s = OPS_SCORE_PARTS / 2; s > 0; s /= 2)
         for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
     return part[0] * scale;
@@ -4645,43 +4672,52 @@ QUANT_AVX2_INLINE float ops_butterfly8_avx2(__m256 s) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* 8 elements of a cached row from I on, as floats (fp16: F16C's exact widening). */
-QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, int f16) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))) : _mm256_loadu_ps((const float *)row + i);
+/* 8 elements of a cached row from I on (I % 8 == 0 for Q8_0), as floats: fp16 by F16C's exact
+ * widening, Q8_0 as q * d (exact, as ops_kv_at). */
+QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, enum ops_kv kv) {
+    if (kv == OPS_KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (kv == OPS_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    const uint8_t *b = ops_kv_block(row, i);
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + i % QUANT_QK))));
+    return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* 16 elements of a cached row from I on, as floats. */
-QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, int f16) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))) : _mm512_loadu_ps((const float *)row + i);
+/* 16 elements of a cached row from I on (I % 16 == 0 for Q8_0), as floats. */
+QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv) {
+    if (kv == OPS_KV_F32) return _mm512_loadu_ps((const float *)row + i);
+    if (kv == OPS_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    const uint8_t *b = ops_kv_block(row, i);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + i % QUANT_QK))));
+    return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
 /* The cache lines of row P + OPS_ATTN_AHEAD (HD elements) asked for. */
-static inline void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, int f16)
+static inline void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, enum ops_kv kv)
 {
-    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, f16);
-    for (int b = 0; b < hd * (f16 ? 2 : 4); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv);
+    for (size_t b = 0; b < ops_kv_row_bytes((size_t)hd, kv); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
 static void ops_scores_scalar(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
-                              float *const *out, int f16)
+                              float *const *out, enum ops_kv kv)
 {
     for (int p = 0; p < n; p++)
         for (int j = 0; j < nq; j++) {
             float part[OPS_SCORE_PARTS] = {0};
-            out[j][p] = ops_score_finish(part, q[j], ops_kv_row(k, stride, p, f16), 0, hd, scale, f16);
+            out[j][p] = ops_score_finish(part, q[j], ops_kv_row(k, stride, p, kv), 0, hd, scale, kv);
         }
 }
 
 /* The scores of HEADS (1..4; constant where inlined, so that the 8 accumulators stay in
  * registers) heads from J0 against key row KR, into out[.][p]. */
 QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const void *kr, int p, int hd,
-                                             float scale, float *const *out, int f16)
+                                             float scale, float *const *out, enum ops_kv kv)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     __m256 lo[4], hi[4];
     for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
     for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-        const __m256 k0 = ops_kv_load8(kr, i, f16), k1 = ops_kv_load8(kr, i + 8, f16);
+        const __m256 k0 = ops_kv_load8(kr, i, kv), k1 = ops_kv_load8(kr, i + 8, kv);
         QUANT_UNROLL(4)
         for (int j = 0; j < heads; j++) {
             lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(_mm256_loadu_ps(q[j0 + j] + i), k0));
@@ -4697,47 +4733,47 @@ QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int 
         float part[OPS_SCORE_PARTS];
         _mm256_storeu_ps(part, lo[j]);
         _mm256_storeu_ps(part + 8, hi[j]);
-        out[j0 + j][p] = ops_score_finish(part, q[j0 + j], kr, body, hd, scale, f16);
+        out[j0 + j][p] = ops_score_finish(part, q[j0 + j], kr, body, hd, scale, kv);
     }
 }
 
 QUANT_AVX2_INLINE void ops_scores_rows_avx2(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
-                                            float scale, float *const *out, int f16)
+                                            float scale, float *const *out, enum ops_kv kv)
 {
     for (int p = 0; p < n; p++) {
-        ops_kv_prefetch(k, stride, p, hd, f16);
-        const void *kr = ops_kv_row(k, stride, p, f16);
+        ops_kv_prefetch(k, stride, p, hd, kv);
+        const void *kr = ops_kv_row(k, stride, p, kv);
         for (int j0 = 0; j0 < nq; j0 += 4) { /* 4 heads: 8 accumulators of the 16 registers */
-            if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, kr, p, hd, scale, out, f16);
-            else ops_scores_heads_avx2(q, j0, nq - j0, kr, p, hd, scale, out, f16);
+            if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, kr, p, hd, scale, out, kv);
+            else ops_scores_heads_avx2(q, j0, nq - j0, kr, p, hd, scale, out, kv);
         }
     }
 }
 
 static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
-                                       float scale, float *const *out, int f16)
+                                       float scale, float *const *out, enum ops_kv kv)
 {
-    if (f16) ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, 1);
-    else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, 0);
+    if (kv == OPS_KV_F16) ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, OPS_KV_F16);
+    else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, OPS_KV_F32);
 }
 
 /* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers. With
  * NQ a variable they went to memory, a load and a store per add: 8 heads of 256 over 4096 cached
  * rows took 1.6 ms on one core, now 0.27. */
 QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
-                                                 float scale, float *const *out, int f16)
+                                                 float scale, float *const *out, enum ops_kv kv)
 {
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     for (int p = 0; p < n; p++) {
-        const void *kr = ops_kv_row(k, stride, p, f16);
-        ops_kv_prefetch(k, stride, p, hd, f16);
+        const void *kr = ops_kv_row(k, stride, p, kv);
+        ops_kv_prefetch(k, stride, p, hd, kv);
         __m512 acc[OPS_ATTN_HEADS];
         QUANT_UNROLL(8)
         for (int j = 0; j < OPS_ATTN_HEADS; j++) acc[j] = _mm512_setzero_ps();
         for (int i = 0; i < body; i += OPS_SCORE_PARTS) {
-            const __m512 kv = ops_kv_load16(kr, i, f16);
+            const __m512 kr16 = ops_kv_load16(kr, i, kv);
             QUANT_UNROLL(8)
-            for (int j = 0; j < nq; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_loadu_ps(q[j] + i), kv));
+            for (int j = 0; j < nq; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_loadu_ps(q[j] + i), kr16));
         }
         QUANT_UNROLL(8)
         for (int j = 0; j < nq; j++) {
@@ -4749,41 +4785,199 @@ QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, 
             }
             float part[OPS_SCORE_PARTS];
             _mm512_storeu_ps(part, acc[j]);
-            out[j][p] = ops_score_finish(part, q[j], kr, body, hd, scale, f16);
+            out[j][p] = ops_score_finish(part, q[j], kr, body, hd, scale, kv);
         }
     }
 }
 
 static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
-                                           float scale, float *const *out, int f16)
+                                           float scale, float *const *out, enum ops_kv kv)
 {
-    if (nq == OPS_ATTN_HEADS && f16) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, 1);
-    else if (nq == OPS_ATTN_HEADS) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, 0);
-    else ops_scores_heads_avx512(q, nq, k, stride, n, hd, scale, out, f16);
+    if (nq == OPS_ATTN_HEADS && kv == OPS_KV_F16) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, OPS_KV_F16);
+    else if (nq == OPS_ATTN_HEADS) ops_scores_heads_avx512(q, OPS_ATTN_HEADS, k, stride, n, hd, scale, out, OPS_KV_F32);
+    else ops_scores_heads_avx512(q, nq, k, stride, n, hd, scale, out, kv);
 }
 
-/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K (fp32, or fp16 with F16),
- * STRIDE elements a row. */
+/* ---- Q8_0 keys ----
+ * Scores against Q8_0 keys are integer products. The query is quantised as a Q8 activation
+ * (quant_act_q8: per 32 elements a scale dq, fp16-rounded, and the sum of the quants). A group
+ * of OPS_KV_GROUP key positions holds its quants with the positions in vector lanes,
+ * [STRIDE/4][16][4] bytes (dword r of vector m: elements 4m..4m+3 of position r, each plus 128,
+ * vpdpbusd's unsigned operand), then its scales, [STRIDE/32][16] fp16: as many bytes as 16 rows.
+ * A score is, from acc = 0 over the blocks b in order, acc = acc + (dk_b * dq_b) *
+ * (float)isum_b with isum_b = Σ k q exact, then acc * SCALE: one position's operations in each
+ * lane, so every level gives the scalar bits. One vpdpbusd adds 4 products of 16 positions,
+ * where float keys take a multiply and an add for 16; the quants are a quarter of fp32's bytes. */
+
+/* Where a Q8_0 key group of STRIDE-element rows holds element I of position R's quants, and
+ * the scale of its block B. */
+static inline size_t ops_kq8_quant(int i, int r) { return (size_t)(i / 4) * 4 * OPS_KV_GROUP + 4 * (size_t)r + (size_t)(i % 4); }
+static inline size_t ops_kq8_scale(size_t stride, int b, int r)
+{
+    return OPS_KV_GROUP * stride + 2 * ((size_t)b * OPS_KV_GROUP + (size_t)r);
+}
+
+/* Writes the HD floats at X as row P of a cache of STRIDE-element rows in format KV: fp16
+ * rounded, or Q8_0 quantised (KEYS: in the key groups). */
+static void ops_kv_store(void *cache, size_t stride, int p, const float *x, int hd, enum ops_kv kv, int keys)
+{
+    uint8_t *row = (uint8_t *)cache + (size_t)p * ops_kv_row_bytes(stride, kv);
+    if (kv != OPS_KV_Q8_0) {
+        if (kv == OPS_KV_F32) memcpy(row, x, (size_t)hd * sizeof(float));
+        else
+            for (int i = 0; i < hd; i++) ((uint16_t *)row)[i] = quant_f32_to_f16(x[i]);
+        return;
+    }
+    _Alignas(64) uint8_t act[OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12];
+    quant_act_q8(x, hd, act);
+    const struct quant_q8_view a = quant_q8_view(act, hd);
+    uint8_t *group = (uint8_t *)cache + (size_t)(p / OPS_KV_GROUP) * OPS_KV_GROUP * ops_kv_row_bytes(stride, kv);
+    const int r = p % OPS_KV_GROUP;
+    for (int b = 0; b < hd / QUANT_QK; b++) {
+        const uint16_t d = quant_f32_to_f16(a.d[b]); /* exact: quant_act_q8 rounded it so */
+        if (!keys) {
+            memcpy(row + (size_t)b * (2 + QUANT_QK), &d, 2);
+            memcpy(row + (size_t)b * (2 + QUANT_QK) + 2, a.qs + b * QUANT_QK, QUANT_QK);
+            continue;
+        }
+        memcpy(group + ops_kq8_scale(stride, b, r), &d, 2);
+        for (int i = b * QUANT_QK; i < (b + 1) * QUANT_QK; i++) group[ops_kq8_quant(i, r)] = (uint8_t)(a.qs[i] + 128);
+    }
+}
+
+/* Position R's score in the key group G against the quantised query A. */
+static float ops_score_q8_0(const uint8_t *g, size_t stride, int r, const struct quant_q8_view *a, int hd, float scale)
+{
+    float acc = 0.0f;
+    for (int b = 0; b < hd / QUANT_QK; b++) {
+        int32_t isum = 0;
+        for (int i = b * QUANT_QK; i < (b + 1) * QUANT_QK; i++) isum += ((int)g[ops_kq8_quant(i, r)] - 128) * a->qs[i];
+        const float dk = quant_f16_to_f32(quant_rd16(g + ops_kq8_scale(stride, b, r)));
+        acc = acc + (dk * a->d[b]) * (float)isum;
+    }
+    return acc * scale;
+}
+
+/* The 16 positions of a group in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes
+ * into saturating 16-bit pairs, so the key is made signed again (k - 128, by the top bit) and
+ * the product taken as |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
+QUANT_AVX2_INLINE void ops_scores_q8_0_half_avx2(const uint8_t *g, size_t stride, int half, const struct quant_q8_view *a, int hd,
+                                                 float scale, float *out)
+{
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < hd / QUANT_QK; b++) {
+        __m256i s = _mm256_setzero_si256();
+        QUANT_UNROLL(8)
+        for (int m = 0; m < 8; m++) {
+            const __m256i q = _mm256_set1_epi32(quant_rd32(a->qs + b * QUANT_QK + 4 * m));
+            const __m256i k = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(g + ops_kq8_quant(b * QUANT_QK + 4 * m, 8 * half))), flip);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(k, q)), ones));
+        }
+        const __m256 dk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + ops_kq8_scale(stride, b, 8 * half))));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dk, _mm256_set1_ps(a->d[b])), _mm256_cvtepi32_ps(s)));
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+}
+
+static QUANT_AVX2 void ops_scores_q8_0_avx2(const struct quant_q8_view *a, int nq, const uint8_t *k, size_t stride, int n, int hd,
+                                            float scale, float *const *out)
+{
+    float s[OPS_KV_GROUP];
+    for (int p0 = 0; p0 < n; p0 += OPS_KV_GROUP) {
+        const uint8_t *g = k + (size_t)p0 * ops_kv_row_bytes(stride, OPS_KV_Q8_0);
+        const int count = n - p0 < OPS_KV_GROUP ? n - p0 : OPS_KV_GROUP;
+        for (int j = 0; j < nq; j++) {
+            ops_scores_q8_0_half_avx2(g, stride, 0, &a[j], hd, scale, s);
+            if (count > 8) ops_scores_q8_0_half_avx2(g, stride, 1, &a[j], hd, scale, s + 8);
+            memcpy(out[j] + p0, s, (size_t)count * sizeof(float));
+        }
+    }
+}
+
+/* A group's scores for NQ heads (constant where inlined: the heads' accumulators and a block's
+ * 8 key vectors stay in registers), positions P0..P0 + COUNT. */
+QUANT_AVX512_INLINE void ops_scores_q8_0_group_avx512(const uint8_t *g, size_t stride, const struct quant_q8_view *a, int nq,
+                                                      int hd, float scale, float *const *out, int p0, int count)
+{
+    __m512 acc[OPS_ATTN_HEADS];
+    QUANT_UNROLL(8)
+    for (int j = 0; j < OPS_ATTN_HEADS; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < hd / QUANT_QK; b++) {
+        __m512i k[8];
+        QUANT_UNROLL(8)
+        for (int m = 0; m < 8; m++) k[m] = _mm512_loadu_si512(g + ops_kq8_quant(b * QUANT_QK + 4 * m, 0));
+        const __m512 dk = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + ops_kq8_scale(stride, b, 0))));
+        QUANT_UNROLL(8)
+        for (int j = 0; j < nq; j++) {
+            __m512i s = _mm512_set1_epi32(-128 * a[j].s[b]); /* the keys' +128 */
+            QUANT_UNROLL(8)
+            for (int m = 0; m < 8; m++) s = _mm512_dpbusd_epi32(s, k[m], _mm512_set1_epi32(quant_rd32(a[j].qs + b * QUANT_QK + 4 * m)));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_mul_ps(dk, _mm512_set1_ps(a[j].d[b])), _mm512_cvtepi32_ps(s)));
+        }
+    }
+    QUANT_UNROLL(8)
+    for (int j = 0; j < nq; j++)
+        _mm512_mask_storeu_ps(out[j] + p0, (__mmask16)((1u << count) - 1), _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+}
+
+QUANT_AVX512_INLINE void ops_scores_q8_0_rows_avx512(const struct quant_q8_view *a, int nq, const uint8_t *k, size_t stride, int n,
+                                                     int hd, float scale, float *const *out)
+{
+    for (int p0 = 0; p0 < n; p0 += OPS_KV_GROUP)
+        ops_scores_q8_0_group_avx512(k + (size_t)p0 * ops_kv_row_bytes(stride, OPS_KV_Q8_0), stride, a, nq, hd, scale, out, p0,
+                                     n - p0 < OPS_KV_GROUP ? n - p0 : OPS_KV_GROUP);
+}
+
+static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, int nq, const uint8_t *k, size_t stride, int n, int hd,
+                                                float scale, float *const *out)
+{
+    if (nq == OPS_ATTN_HEADS) ops_scores_q8_0_rows_avx512(a, OPS_ATTN_HEADS, k, stride, n, hd, scale, out);
+    else ops_scores_q8_0_rows_avx512(a, nq, k, stride, n, hd, scale, out);
+}
+
+/* ops_scores for Q8_0 keys: HD a multiple of QUANT_QK, at most OPS_KV_MAX_HD. */
+static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
+                            float *const *out)
+{
+    _Alignas(64) uint8_t act[OPS_ATTN_HEADS][OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12];
+    struct quant_q8_view a[OPS_ATTN_HEADS];
+    for (int j = 0; j < nq; j++) {
+        quant_act_q8(q[j], hd, act[j]);
+        a[j] = quant_q8_view(act[j], hd);
+    }
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_q8_0_avx512(a, nq, k, stride, n, hd, scale, out);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_q8_0_avx2(a, nq, k, stride, n, hd, scale, out);
+    else
+        for (int p = 0; p < n; p++)
+            for (int j = 0; j < nq; j++)
+                out[j][p] = ops_score_q8_0(k + (size_t)(p / OPS_KV_GROUP) * OPS_KV_GROUP * ops_kv_row_bytes(stride, OPS_KV_Q8_0), stride,
+                                           p % OPS_KV_GROUP, &a[j], hd, scale);
+}
+
+/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K in format KV, STRIDE
+ * elements a row. */
 static void ops_scores(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
-                       float *const *out, int f16)
+                       float *const *out, enum ops_kv kv)
 {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, nq, k, stride, n, hd, scale, out, f16);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, nq, k, stride, n, hd, scale, out, f16);
-    else ops_scores_scalar(q, nq, k, stride, n, hd, scale, out, f16);
+    if (kv == OPS_KV_Q8_0) ops_scores_q8_0(q, nq, k, stride, n, hd, scale, out);
+    else if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_avx512(q, nq, k, stride, n, hd, scale, out, kv);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_avx2(q, nq, k, stride, n, hd, scale, out, kv);
+    else ops_scores_scalar(q, nq, k, stride, n, hd, scale, out, kv);
 }
 
-static void ops_attend_scalar(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, int f16)
+static void ops_attend_scalar(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, enum ops_kv kv)
 {
     for (int p = 0; p < n; p++)
         for (int j = 0; j < nq; j++)
-            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(ops_kv_row(v, stride, p, f16), i, f16);
+            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(ops_kv_row(v, stride, p, kv), i, kv);
 }
 
 /* Dims I0..I0 + 64 of heads J0..J0 + 4 over rows P0..P1, the 16 accumulators in registers
  * (o in memory would be loaded and stored per row). The first tile of a chunk (PREFETCH) asks
  * for whole rows ahead for the others, which then find them in the cache. */
 QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
-                                                int i0, int hd, int prefetch, float *const *o, int f16)
+                                                int i0, int hd, int prefetch, float *const *o, enum ops_kv kv)
 {
     __m512 acc[4][4];
     QUANT_UNROLL(4)
@@ -4791,10 +4985,10 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
         QUANT_UNROLL(4)
         for (int r = 0; r < 4; r++) acc[j][r] = _mm512_loadu_ps(o[j0 + j] + i0 + 16 * r);
     for (int p = p0; p < p1; p++) {
-        const void *vr = ops_kv_row(v, stride, p, f16);
-        if (prefetch) ops_kv_prefetch(v, stride, p, hd, f16);
-        const __m512 v0 = ops_kv_load16(vr, i0, f16), v1 = ops_kv_load16(vr, i0 + 16, f16);
-        const __m512 v2 = ops_kv_load16(vr, i0 + 32, f16), v3 = ops_kv_load16(vr, i0 + 48, f16);
+        const void *vr = ops_kv_row(v, stride, p, kv);
+        if (prefetch) ops_kv_prefetch(v, stride, p, hd, kv);
+        const __m512 v0 = ops_kv_load16(vr, i0, kv), v1 = ops_kv_load16(vr, i0 + 16, kv);
+        const __m512 v2 = ops_kv_load16(vr, i0 + 32, kv), v3 = ops_kv_load16(vr, i0 + 48, kv);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m512 a = _mm512_set1_ps(w[j0 + j][p]);
@@ -4811,47 +5005,48 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, c
 }
 
 QUANT_AVX512_INLINE void ops_attend_rows_avx512(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
-                                                float *const *o, int f16)
+                                                float *const *o, enum ops_kv kv)
 {
     if (nq % 4 == 0 && hd % 64 == 0) {
         for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
             const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
             for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 64) ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, f16);
+                for (int i0 = 0; i0 < hd; i0 += 64) ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, kv);
         }
         return;
     }
     const int body = hd / 16 * 16;
     for (int p = 0; p < n; p++) {
-        const void *vr = ops_kv_row(v, stride, p, f16);
+        const void *vr = ops_kv_row(v, stride, p, kv);
         for (int j = 0; j < nq; j++) {
             const __m512 a = _mm512_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 16)
-                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, ops_kv_load16(vr, i, f16))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, f16);
+                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, ops_kv_load16(vr, i, kv))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, kv);
         }
     }
 }
 
 static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
-                                           float *const *o, int f16)
+                                           float *const *o, enum ops_kv kv)
 {
-    if (f16) ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, 1);
-    else ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, 0);
+    if (kv == OPS_KV_Q8_0) ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, OPS_KV_Q8_0);
+    else if (kv == OPS_KV_F16) ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, OPS_KV_F16);
+    else ops_attend_rows_avx512(w, nq, v, stride, n, hd, o, OPS_KV_F32);
 }
 
 /* ops_attend_tile_avx512 at this width: dims I0..I0 + 16 of heads J0..J0 + 4, 8 registers. */
 QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
-                                            int i0, int hd, int prefetch, float *const *o, int f16)
+                                            int i0, int hd, int prefetch, float *const *o, enum ops_kv kv)
 {
     __m256 acc[4][2];
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
     for (int p = p0; p < p1; p++) {
-        const void *vr = ops_kv_row(v, stride, p, f16);
-        if (prefetch) ops_kv_prefetch(v, stride, p, hd, f16);
-        const __m256 v0 = ops_kv_load8(vr, i0, f16), v1 = ops_kv_load8(vr, i0 + 8, f16);
+        const void *vr = ops_kv_row(v, stride, p, kv);
+        if (prefetch) ops_kv_prefetch(v, stride, p, hd, kv);
+        const __m256 v0 = ops_kv_load8(vr, i0, kv), v1 = ops_kv_load8(vr, i0 + 8, kv);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m256 a = _mm256_set1_ps(w[j0 + j][p]);
@@ -4865,42 +5060,43 @@ QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const
 }
 
 QUANT_AVX2_INLINE void ops_attend_rows_avx2(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
-                                            float *const *o, int f16)
+                                            float *const *o, enum ops_kv kv)
 {
     if (nq % 4 == 0 && hd % 16 == 0) {
         for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
             const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
             for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, f16);
+                for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, kv);
         }
         return;
     }
     const int body = hd / 8 * 8;
     for (int p = 0; p < n; p++) {
-        const void *vr = ops_kv_row(v, stride, p, f16);
+        const void *vr = ops_kv_row(v, stride, p, kv);
         for (int j = 0; j < nq; j++) {
             const __m256 a = _mm256_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 8)
-                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, ops_kv_load8(vr, i, f16))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, f16);
+                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, ops_kv_load8(vr, i, kv))));
+            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, kv);
         }
     }
 }
 
 static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
-                                       float *const *o, int f16)
+                                       float *const *o, enum ops_kv kv)
 {
-    if (f16) ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, 1);
-    else ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, 0);
+    if (kv == OPS_KV_Q8_0) ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, OPS_KV_Q8_0);
+    else if (kv == OPS_KV_F16) ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, OPS_KV_F16);
+    else ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, OPS_KV_F32);
 }
 
-/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V (fp32, or
- * fp16 with F16), STRIDE elements a row. */
-static void ops_attend(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, int f16)
+/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V in format
+ * KV, STRIDE elements a row. */
+static void ops_attend(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, enum ops_kv kv)
 {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, f16);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o, f16);
-    else ops_attend_scalar(w, nq, v, stride, n, hd, o, f16);
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, kv);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o, kv);
+    else ops_attend_scalar(w, nq, v, stride, n, hd, o, kv);
 }
 
 /* ---- the gated delta rule ----
@@ -8442,7 +8638,7 @@ struct model_layer {
 };
 
 struct model_layer_state {
-    void *k_cache, *v_cache;  /* [n_kv_head][n_ctx][head_dim] floats or fp16 (model_kv_elem), K after
+    void *k_cache, *v_cache;  /* [n_kv_head][model_kv_rows][head_dim] in format m->kv, K after
                                * norm and RoPE: a KV head's rows are one run of memory (its GQA
                                * group reads only them; rows of all heads side by side had halved
                                * the scores' read speed) */
@@ -8524,8 +8720,8 @@ struct model {
     const float *out_norm;            /* [dim] */
     struct ops_matrix lm_head;        /* [n_vocab][dim] */
     int n_ctx;                        /* tokens of context each sequence holds */
-    int kv_f16;                       /* --kv f16: the KV cache in fp16, half the bytes (default f32,
-                                       * as the reference's goldens) */
+    enum ops_kv kv;                   /* --kv: the KV cache's format (default f32, as the reference's
+                                       * goldens; f16 half the bytes, q8_0 about a quarter) */
     struct model_scratch s;
     char error[640];                  /* why the last forward failed */
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
@@ -8757,7 +8953,21 @@ static size_t model_recurrent_floats(const struct model_config *c)
 }
 
 /* Bytes of one element of the KV cache. */
-static size_t model_kv_elem(const struct model *m) { return m->kv_f16 ? sizeof(uint16_t) : sizeof(float); }
+static size_t model_kv_row_bytes(const struct model *m) { return ops_kv_row_bytes((size_t)m->cfg.head_dim, m->kv); }
+
+/* Rows a KV head's cache holds: n_ctx in whole groups of OPS_KV_GROUP (Q8_0 keys are stored a
+ * group at a time). */
+static int64_t model_kv_rows(const struct model *m) { return ((int64_t)m->n_ctx + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP; }
+
+/* Dies unless the model's heads suit the KV cache's format (Q8_0: whole blocks, at most
+ * OPS_KV_MAX_HD). */
+static void model_check_kv(const struct model *m)
+{
+    const int hd = m->cfg.head_dim;
+    if (m->kv == OPS_KV_Q8_0 && (hd % QUANT_QK || hd > OPS_KV_MAX_HD))
+        die("--kv q8_0: this model's attention heads have %d dimensions, not a multiple of %d up to %d (use --kv f16)", hd,
+            QUANT_QK, OPS_KV_MAX_HD);
+}
 
 /* Bytes of KV cache one token of context takes (every attention layer). */
 static int64_t model_kv_bytes_per_token(const struct model *m)
@@ -8765,7 +8975,7 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
     int64_t n = 0;
     for (int i = 0; i < m->cfg.n_layers; i++)
         if (m->layers[i].kind == MODEL_LAYER_ATTENTION)
-            n += 2 * (int64_t)m->cfg.n_kv_head * m->cfg.head_dim * (int64_t)model_kv_elem(m);
+            n += 2 * (int64_t)m->cfg.n_kv_head * (int64_t)model_kv_row_bytes(m);
     return n;
 }
 
@@ -8865,9 +9075,9 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
         struct model_layer_state *st = &q->state[i];
         if (m->layers[i].kind == MODEL_LAYER_ATTENTION) {
             /* calloc: pages of context never reached are never touched */
-            size_t n = plat_mul_size((size_t)m->n_ctx, (size_t)c->n_kv_head * (size_t)c->head_dim, "KV cache");
-            st->k_cache = plat_zalloc(n, model_kv_elem(m));
-            st->v_cache = plat_zalloc(n, model_kv_elem(m));
+            size_t n = plat_mul_size((size_t)model_kv_rows(m), (size_t)c->n_kv_head, "KV cache");
+            st->k_cache = plat_zalloc(n, model_kv_row_bytes(m));
+            st->v_cache = plat_zalloc(n, model_kv_row_bytes(m));
         } else {
             st->conv_state = plat_zalloc((size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
             st->ssm_state = plat_zalloc((size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk, sizeof(float));
@@ -9059,14 +9269,15 @@ static void model_conv_taps(struct model *m)
 }
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
- * (0: choose) with the KV cache in fp16 if KV_F16. Routed experts are read in place from the
+ * (0: choose) with the KV cache in format KV. Routed experts are read in place from the
  * mapping until model_place_weights. */
-static void model_load(struct model *m, const char *path, int n_ctx, int kv_f16)
+static void model_load(struct model *m, const char *path, int n_ctx, enum ops_kv kv)
 {
     memset(m, 0, sizeof *m);
-    m->kv_f16 = kv_f16;
+    m->kv = kv;
     gguf_open(&m->file, path);
     model_read_config(&m->cfg, &m->file);
+    model_check_kv(m);
     model_bind(m);
     model_conv_taps(m);
     m->n_ctx = model_choose_ctx(m, n_ctx);
@@ -9115,16 +9326,11 @@ static void model_phase_mark(struct model *m, enum model_phase phase)
     m->profile.mark = now;
 }
 
-/* Row POS of KV head H in CACHE: the floats at SRC, rounded to fp16 with --kv f16. */
-static void model_kv_store(const struct model *m, void *cache, int h, int pos, const float *src)
+/* Row POS of KV head H in CACHE (KEYS: the key cache): the floats at SRC in format m->kv. */
+static void model_kv_store(const struct model *m, void *cache, int h, int pos, const float *src, int keys)
 {
-    size_t hd = (size_t)m->cfg.head_dim, row = ((size_t)h * m->n_ctx + (size_t)pos) * hd;
-    if (!m->kv_f16) {
-        memcpy((float *)cache + row, src, hd * sizeof(float));
-        return;
-    }
-    uint16_t *dst = (uint16_t *)cache + row;
-    for (size_t i = 0; i < hd; i++) dst[i] = quant_f32_to_f16(src[i]);
+    const size_t hd = (size_t)m->cfg.head_dim;
+    ops_kv_store((uint8_t *)cache + (size_t)h * (size_t)model_kv_rows(m) * model_kv_row_bytes(m), hd, pos, src, (int)hd, m->kv, keys);
 }
 
 /* Scores, softmax and values of SHARE heads (queries Q, scores SC, outputs O) over the first N
@@ -9133,10 +9339,10 @@ static void model_attend_rows(const struct model *m, const struct model_layer_st
                               int share, int n, float scale, float *const *sc, float *const *o)
 {
     const int hd = m->cfg.head_dim;
-    const size_t head = (size_t)kvh * m->n_ctx * hd * model_kv_elem(m);
-    ops_scores(q, share, (const uint8_t *)st->k_cache + head, (size_t)hd, n, hd, scale, sc, m->kv_f16);
+    const size_t head = (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
+    ops_scores(q, share, (const uint8_t *)st->k_cache + head, (size_t)hd, n, hd, scale, sc, m->kv);
     for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-    ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv_f16);
+    ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv);
 }
 
 static void model_attention(struct model *m, int il, int T)
@@ -9165,8 +9371,8 @@ static void model_attention(struct model *m, int il, int T)
             float *k = s->k + (size_t)t * kvw + (size_t)h * hd;
             ops_rmsnorm(k, k, l->k_norm, hd, c->eps);
             ops_rope_neox(k, c->rope_dims, cs);
-            model_kv_store(m, st->k_cache, h, s->tok_pos[t], k);
-            model_kv_store(m, st->v_cache, h, s->tok_pos[t], s->v + (size_t)t * kvw + (size_t)h * hd);
+            model_kv_store(m, st->k_cache, h, s->tok_pos[t], k, 1);
+            model_kv_store(m, st->v_cache, h, s->tok_pos[t], s->v + (size_t)t * kvw + (size_t)h * hd, 0);
         }
     }
 
@@ -9723,13 +9929,20 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
     else q->pos = cp->pos;
 }
 
+/* Bytes of the KV cache's first N positions as model_kv_copy copies them: whole groups of
+ * OPS_KV_GROUP rows. */
+static int64_t model_kv_bytes(const struct model *m, int n)
+{
+    return model_kv_bytes_per_token(m) * (((int64_t)n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP);
+}
+
 /* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
- * layer's K rows then V rows, each KV head's N rows in turn, model_kv_bytes_per_token(m) * N
- * bytes. What an idle conversation parked in RAM keeps (§11). */
+ * layer's K rows then V rows, each KV head's rows in turn, model_kv_bytes(m, N) bytes. What an
+ * idle conversation parked in RAM keeps (§11). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
-    size_t rows = (size_t)m->cfg.head_dim * (size_t)n * model_kv_elem(m);
-    size_t head = (size_t)m->cfg.head_dim * (size_t)m->n_ctx * model_kv_elem(m);
+    size_t rows = (size_t)(n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP * model_kv_row_bytes(m);
+    size_t head = (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
     char *b = buf;
     for (int i = 0; i < m->cfg.n_layers; i++) {
         char *cache[2] = {q->state[i].k_cache, q->state[i].v_cache};
@@ -11696,7 +11909,7 @@ static void engine_park(struct engine *e, int i, int keep)
     struct engine_past *p = &sl->past;
     int n = p->n, n_keep = 0;
     while (keep && n_keep < p->n_cp && p->cp[n_keep].pos <= keep) n_keep++;
-    int64_t kv = model_kv_bytes_per_token(e->m) * n, bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
+    int64_t kv = model_kv_bytes(e->m, n), bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
     int room = n && e->cache_budget && engine_cache_room(e, bytes + n_keep * e->checkpoint_bytes);
     float *rows = room ? malloc((size_t)kv) : NULL; /* no room: forgotten, never fatal */
     if (!rows) {
@@ -13540,7 +13753,7 @@ struct cmd_options {
     const char *model, *prompt, *system;
     const char *synthetic;   /* --synthetic NAME[:QUANT[:LAYERS]] (plan, bench, info): instead of -m */
     int n_predict, n_bench_prompt, n_ctx, threads;
-    int kv_f16;              /* --kv f16 */
+    enum ops_kv kv;          /* --kv */
     int chat, json, think, hide_think, ignore_eog, kernels;
     int seed_given;          /* --seed: bench draws its random prompt from it (else from 42) */
     int verbose;             /* -v: also what is only worth saying when something is wrong */
@@ -13581,7 +13794,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
 {
     double t0 = plat_now();
     if (!o->model) die_usage("no model given (-m MODEL.gguf)");
-    model_load(&s->model, o->model, o->n_ctx, o->kv_f16);
+    model_load(&s->model, o->model, o->n_ctx, o->kv);
     tok_load(&s->tok, &s->model.file);
     if (s->tok.n_vocab > s->model.cfg.n_vocab)
         die("%s: the tokenizer has %d tokens but the embedding only %d rows", o->model, s->tok.n_vocab, s->model.cfg.n_vocab);
@@ -13601,7 +13814,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     /* said last: the copies of the trunk and the experts above are most of the time */
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens%s; %d threads, %s kernels; loaded in %.2f s",
              o->synthetic ? o->synthetic : o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
-             s->model.n_ctx, c->ctx_train, s->model.kv_f16 ? " (KV cache fp16)" : "", plat_threads(), quant_level_name(), plat_now() - t0);
+             s->model.n_ctx, c->ctx_train, s->model.kv == OPS_KV_F16 ? " (KV cache fp16)" : s->model.kv == OPS_KV_Q8_0 ? " (KV cache q8_0)" : "", plat_threads(), quant_level_name(), plat_now() - t0);
 }
 
 /* Saves the heat (the next run starts warm) and frees the session. */
@@ -14617,7 +14830,8 @@ static int cmd_plan(const struct cmd_options *o)
     gguf_open(&m.file, o->synthetic ? path : o->model);
     model_read_config(&m.cfg, &m.file);
     model_bind(&m);
-    m.kv_f16 = o->kv_f16;
+    m.kv = o->kv;
+    model_check_kv(&m);
     m.n_ctx = model_choose_ctx(&m, o->n_ctx);
     place_dry_run = 1;
     place_say_stdout = !o->json;
@@ -14667,7 +14881,8 @@ static const char arg_usage[] =
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
-    "           --kv f32|f16 (the KV cache's format; f16 takes half the memory and reads, default f32)\n"
+    "           --kv f32|f16|q8_0 (the KV cache's format; f16 takes half the memory and reads, q8_0 about\n"
+    "           a quarter, default f32)\n"
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
     "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli;\n"
     "           '' or /dev/null: none kept)\n"
@@ -14777,11 +14992,13 @@ static int64_t arg_size(int argc, char **argv, int *i)
     return (int64_t)(x * unit);
 }
 
-/* --kv's value: 1 for f16, 0 for f32. */
-static int arg_kv_format(const char *v)
+/* --kv's value. */
+static enum ops_kv arg_kv_format(const char *v)
 {
-    if (strcmp(v, "f16") && strcmp(v, "f32")) die_usage("--kv: '%s' is not a KV cache format (f32 or f16)", v);
-    return !strcmp(v, "f16");
+    if (!strcmp(v, "f32")) return OPS_KV_F32;
+    if (!strcmp(v, "f16")) return OPS_KV_F16;
+    if (!strcmp(v, "q8_0")) return OPS_KV_Q8_0;
+    die_usage("--kv: '%s' is not a KV cache format (f32, f16 or q8_0)", v);
 }
 
 static int arg_help(const char *cmd)
@@ -14824,7 +15041,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) o->n_predict = (int)arg_int(argc, argv, &i, 0, 1 << 24);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) o->threads = (int)arg_int(argc, argv, &i, 1, 1024);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx")) o->n_ctx = (int)arg_int(argc, argv, &i, 1, 1 << 24);
-        else if (!strcmp(a, "--kv")) o->kv_f16 = arg_kv_format(arg_value(argc, argv, &i));
+        else if (!strcmp(a, "--kv")) o->kv = arg_kv_format(arg_value(argc, argv, &i));
         else if (!strcmp(a, "--system")) o->system = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--chat")) o->chat = 1;
         else if (!strcmp(a, "--json")) o->json = 1;

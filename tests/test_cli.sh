@@ -49,16 +49,20 @@ expect "missing model file" 1 "/nonexistent.gguf: cannot open" -- "$COLI" run -m
 expect "info without a model" 0 '^kernels: ' -- "$COLI" info
 expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
 expect "COLI_CPU=bogus (a usage error)" 2 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
-expect "--kv: an unknown format is a usage error" 2 "--kv: 'q8' is not a KV cache format \(f32 or f16\)" -- "$COLI" run -m x.gguf -p hi --kv q8
+expect "--kv: an unknown format is a usage error" 2 "--kv: 'q8' is not a KV cache format \(f32, f16 or q8_0\)" -- "$COLI" run -m x.gguf -p hi --kv q8
 # the 35B-A3B's KV cache a token: 10 attention layers x K and V x 2 KV heads x 256 dims x 4 bytes = 40 KiB
 expect "plan: the 35B-A3B's f32 KV cache, 40 KiB a token" 0 '^cpu: KV cache: 40.0 KiB per token' -- env COLI_CUDA=0 "$COLI" plan --synthetic 35b-a3b -c 4096
 expect "plan --kv f16: half of it" 0 '^cpu: KV cache: 20.0 KiB per token' -- env COLI_CUDA=0 "$COLI" plan --synthetic 35b-a3b -c 4096 --kv f16
+# Q8_0: 34 bytes a block of 32 values
+expect "plan --kv q8_0: 17/64 of it" 0 '^cpu: KV cache: 10.6 KiB per token' -- env COLI_CUDA=0 "$COLI" plan --synthetic 35b-a3b -c 4096 --kv q8_0
 # (its own heat file: the plans compared below must not find this run's heat)
-if [ -f "$GOLDEN/q35moe-q8_0.gguf" ] && HEAT_FILE="$tmp/kv.heat" "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p hi -n 2 --kv f16 >/dev/null 2>"$tmp/kv_err" &&
-    grep -q '^\[coli\] .*context [0-9]* of [0-9]* tokens (KV cache fp16);' "$tmp/kv_err"; then
-    ok "run --kv f16 says so where it tells the context"
-elif [ -f "$GOLDEN/q35moe-q8_0.gguf" ]; then bad "run --kv f16 says so where it tells the context" "$(head -c 300 "$tmp/kv_err")"
-else ok "run --kv f16 # SKIP golden data absent"; fi
+for kv in f16:fp16 q8_0:q8_0; do
+    if [ -f "$GOLDEN/q35moe-q8_0.gguf" ] && HEAT_FILE="$tmp/kv.heat" "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p hi -n 2 --kv "${kv%%:*}" >/dev/null 2>"$tmp/kv_err" &&
+        grep -q "^\[coli\] .*context [0-9]* of [0-9]* tokens (KV cache ${kv#*:});" "$tmp/kv_err"; then
+        ok "run --kv ${kv%%:*} says so where it tells the context"
+    elif [ -f "$GOLDEN/q35moe-q8_0.gguf" ]; then bad "run --kv ${kv%%:*} says so where it tells the context" "$(head -c 300 "$tmp/kv_err")"
+    else ok "run --kv ${kv%%:*} # SKIP golden data absent"; fi
+done
 
 # --synthetic: a model from a geometry (no file); its tensors are checked against gen_model and the golden files in test_gguf
 expect "--synthetic: an unknown geometry is a usage error" 2 "unknown geometry 'big'" -- "$COLI" plan --synthetic big

@@ -753,21 +753,28 @@ static void test_act_levels(void) {
 }
 
 /* ---- ops_matvec / ops_matmat ---- */
-/* Attention over cached rows: every level gives the scalar bits, for head sizes with and
- * without a tail past the vectors, 1 to 8 heads at once; and the scores' order is the
- * documented one (16 partials, then the butterfly), checked against a rendering of its own. */
+/* Attention over cached rows (fp32, fp16 and Q8_0 caches): every level gives the scalar bits,
+ * for head sizes with and without a tail past the vectors, 1 to 8 heads at once, a last Q8_0
+ * key group part full; and the scores' order is the documented one, checked against a
+ * rendering of its own: for float keys 16 partials, then the butterfly; for Q8_0 keys the
+ * blocks' integer sums of the query quantised by quant_act_q8 against the row quantised the
+ * same way, each scaled by dk * dq, added in order. Q8_0 values give what fp32 rows of the
+ * widened values give. */
 static void test_attention(void) {
-    static const int hds[] = { 1, 15, 16, 17, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
-    enum { N = 75, STRIDE = 300 }; /* value rows in two chunks of OPS_ATTN_CHUNK and a tail */
+    static const int hds[] = { 1, 15, 16, 17, 32, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
+    static const char *const kv_names[] = { "fp32", "fp16", "Q8_0" };
+    enum { N = 75, STRIDE = 320 }; /* value rows in two chunks of OPS_ATTN_CHUNK and a tail; Q8_0: 4 groups and 11 */
     float *q = plat_alloc(8 * 256 * sizeof(float)), *k = plat_alloc(N * STRIDE * sizeof(float));
-    uint16_t *k16 = plat_alloc(N * STRIDE * sizeof(uint16_t));
+    uint8_t *kc = plat_alloc((N + OPS_KV_GROUP) * STRIDE * 4), *vc = plat_alloc((N + OPS_KV_GROUP) * STRIDE * 4);
+    uint8_t *qa = plat_alloc(256 + 256 / 32 * 12), *ka = plat_alloc(256 + 256 / 32 * 12);
     float *ref = plat_alloc(8 * (N + 256) * sizeof(float)), *got = plat_alloc(8 * (N + 256) * sizeof(float));
-    int bad = 0, bad_order = 0;
+    int bad = 0, bad_order = 0, bad_values = 0;
     char why[200] = "";
-    for (int f16 = 0; f16 < 2; f16++)
+    for (int kv = OPS_KV_F32; kv <= OPS_KV_Q8_0; kv++)
         for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
             for (size_t c = 0; c < sizeof nqs / sizeof *nqs; c++) {
                 const int hd = hds[h], nq = nqs[c];
+                if (kv == OPS_KV_Q8_0 && hd % 32) continue;
                 const float *qs[8];
                 float *rs[8], *gs[8], *ro[8], *go[8];
                 for (int j = 0; j < nq; j++) {
@@ -777,34 +784,60 @@ static void test_attention(void) {
                 }
                 fill_x(q, 8 * 256, X_RANDOM);
                 fill_x(k, N * STRIDE, X_RANDOM);
-                if (f16) /* the cache holds fp16: the reference below reads its exact widening */
-                    for (int i = 0; i < N * STRIDE; i++) k[i] = quant_f16_to_f32(k16[i] = quant_f32_to_f16(k[i]));
-                const void *rows = f16 ? (const void *)k16 : (const void *)k;
+                for (int p = 0; p < N; p++) { /* the same rows as keys and as values */
+                    ops_kv_store(kc, STRIDE, p, k + p * STRIDE, hd, (enum ops_kv)kv, 1);
+                    ops_kv_store(vc, STRIDE, p, k + p * STRIDE, hd, (enum ops_kv)kv, 0);
+                }
                 memset(ref, 0, 8 * (N + 256) * sizeof(float));
                 memset(got, 0, 8 * (N + 256) * sizeof(float));
                 for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
                     quant_set_level(l);
                     float *const *sc = l == QUANT_LEVEL_SCALAR ? rs : gs, *const *o = l == QUANT_LEVEL_SCALAR ? ro : go;
                     for (int j = 0; j < nq; j++) memset(o[j], 0, (size_t)hd * sizeof(float));
-                    ops_scores(qs, nq, rows, STRIDE, N, hd, 0.125f, sc, f16);
-                    ops_attend((const float *const *)sc, nq, rows, STRIDE, N, hd, o, f16);
+                    ops_scores(qs, nq, kc, STRIDE, N, hd, 0.125f, sc, (enum ops_kv)kv);
+                    ops_attend((const float *const *)sc, nq, vc, STRIDE, N, hd, o, (enum ops_kv)kv);
                     if (l > QUANT_LEVEL_SCALAR && memcmp(got, ref, 8 * (N + 256) * sizeof(float)) && !bad++)
-                        snprintf(why, sizeof why, "%s cache, head size %d, %d heads: %s differs", f16 ? "fp16" : "fp32", hd, nq,
+                        snprintf(why, sizeof why, "%s cache, head size %d, %d heads: %s differs", kv_names[kv], hd, nq,
                                  quant_level_names[l]);
                 }
-                for (int j = 0; j < nq; j++)
+                for (int j = 0; j < nq; j++) {
+                    if (kv == OPS_KV_Q8_0) quant_act_q8(qs[j], hd, qa);
                     for (int p = 0; p < N; p++) {
-                        float part[16] = {0};
-                        for (int i = 0; i < hd; i++) part[i % 16] += qs[j][i] * k[p * STRIDE + i];
-                        for (int s2 = 8; s2 > 0; s2 /= 2)
-                            for (int i = 0; i < s2; i++) part[i] += part[i + s2];
-                        const float want = part[0] * 0.125f;
+                        float want;
+                        if (kv == OPS_KV_Q8_0) {
+                            quant_act_q8(k + p * STRIDE, hd, ka);
+                            const float *dq = (const float *)(qa + hd), *dk = (const float *)(ka + hd);
+                            float acc = 0.0f;
+                            for (int b = 0; b < hd / 32; b++) {
+                                int32_t isum = 0;
+                                for (int i = 32 * b; i < 32 * b + 32; i++) isum += (int8_t)ka[i] * (int8_t)qa[i];
+                                acc = acc + (dk[b] * dq[b]) * (float)isum;
+                            }
+                            want = acc * 0.125f;
+                        } else {
+                            float part[16] = {0};
+                            for (int i = 0; i < hd; i++)
+                                part[i % 16] += qs[j][i] * ops_kv_at(ops_kv_row(vc, STRIDE, p, (enum ops_kv)kv), i, (enum ops_kv)kv);
+                            for (int s2 = 8; s2 > 0; s2 /= 2)
+                                for (int i = 0; i < s2; i++) part[i] += part[i + s2];
+                            want = part[0] * 0.125f;
+                        }
                         bad_order += memcmp(&want, &rs[j][p], 4) != 0;
                     }
+                }
+                if (kv == OPS_KV_Q8_0) { /* the values again from fp32 rows of the widened values */
+                    float *wide = (float *)kc;
+                    for (int p = 0; p < N; p++)
+                        for (int i = 0; i < hd; i++) wide[p * STRIDE + i] = ops_kv_at(ops_kv_row(vc, STRIDE, p, OPS_KV_Q8_0), i, OPS_KV_Q8_0);
+                    for (int j = 0; j < nq; j++) memset(go[j], 0, (size_t)hd * sizeof(float));
+                    ops_attend((const float *const *)rs, nq, wide, STRIDE, N, hd, go, OPS_KV_F32);
+                    for (int j = 0; j < nq; j++) bad_values += memcmp(go[j], ro[j], (size_t)hd * sizeof(float)) != 0;
+                }
             }
-    check(!bad_order, "attention scores (fp32 and fp16 caches): 16 strided partials, then the butterfly", "%d scores differ", bad_order);
-    check(!bad, "attention scores and values (fp32 and fp16 caches): every level gives the scalar bits", "%s", why);
-    free(q); free(k); free(k16); free(ref); free(got);
+    check(!bad_order, "attention scores (fp32, fp16 and Q8_0 keys): the documented order", "%d scores differ", bad_order);
+    check(!bad, "attention scores and values (fp32, fp16 and Q8_0 caches): every level gives the scalar bits", "%s", why);
+    check(!bad_values, "attention values from a Q8_0 cache: the sums of fp32 rows of its widened values", "%d heads differ", bad_values);
+    free(q); free(k); free(kc); free(vc); free(qa); free(ka); free(ref); free(got);
 }
 
 /* Softmax at every level against a rendering of its documented order (the maximum, ops_exp,
@@ -865,7 +898,7 @@ static void test_widen_f16(void) {
         for (int hd = 255; hd <= 256; hd++)
             for (int r = 0; r + hd <= N; r += hd) {
                 memset(got, 0, 256 * sizeof *got);
-                ops_attend(w, 1, h + r, (size_t)hd, 1, hd, o, 1);
+                ops_attend(w, 1, h + r, (size_t)hd, 1, hd, o, OPS_KV_F16);
                 for (int i = 0; i < hd; i++) {
                     const float want = 0.0f + quant_f16_to_f32(h[r + i]);
                     if (memcmp(&want, &got[i], 4) && !bad++)

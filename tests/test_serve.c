@@ -132,16 +132,16 @@ static int run_against_fresh(struct engine *e, struct engine *fresh, struct engi
 /* The prompt cache: a prompt that departs from a slot's past after its checkpoint resumes from
  * the checkpoint; one that continues the past resumes from the state; a conversation parked
  * in RAM comes back; and each gives the logits of the same prompt computed from nothing
- * (KV_F16: with the cache in fp16). */
-static void test_prefix_reuse(const char *dir, const char *file, int kv_f16)
+ * (with the KV cache in format KV). */
+static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
 {
     char path[1024], label[512], name[128];
     snprintf(path, sizeof path, "%s/%s", dir, file);
-    snprintf(name, sizeof name, "%s%s", file, kv_f16 ? " --kv f16" : "");
+    snprintf(name, sizeof name, "%s%s", file, kv == OPS_KV_F16 ? " --kv f16" : kv == OPS_KV_Q8_0 ? " --kv q8_0" : "");
     struct model m;
     struct tok t;
     struct engine e, fresh;
-    model_load(&m, path, 256, kv_f16);
+    model_load(&m, path, 256, kv);
     tok_load(&t, &m.file);
     engine_init(&e, &m, &t, 1, 64 << 20);
     engine_init(&fresh, &m, &t, 1, 0);
@@ -358,8 +358,9 @@ int main(int argc, char **argv)
     test_batch_identity(dir, "q35moe-q8_0.gguf");
     test_batch_identity(dir, "q3next-q8_0.gguf");
     test_engine_slots(dir, "q35moe-q8_0.gguf");
-    test_prefix_reuse(dir, "q35moe-q8_0.gguf", 0);
-    test_prefix_reuse(dir, "q3next-q8_0.gguf", 0);
-    test_prefix_reuse(dir, "q35moe-q8_0.gguf", 1); /* a parked fp16 cache */
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
+    test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */
+    test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_Q8_0); /* Q8_0: keys parked in whole groups */
     return check_done();
 }
