@@ -287,18 +287,26 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
 static void load_model(const char *path)
 {
     struct model m;
-    model_load(&m, path, 64, 0);
+    model_load(&m, path, 64, OPS_KV_F32);
 }
 
-/* Loads PATH in a child; expects exit 1 and one stderr line `coli: ...` containing WANT. */
-static void expect_refusal(const char *label, const char *path, const char *want)
+static void load_model_kv_q8_0(const char *path)
+{
+    struct model m;
+    model_load(&m, path, 64, OPS_KV_Q8_0);
+}
+
+/* Loads PATH in a child (by LOAD); expects exit 1 and one stderr line `coli: ...` containing WANT. */
+static void expect_refusal_by(void (*load)(const char *), const char *label, const char *path, const char *want)
 {
     char buf[1024];
-    int status = check_child_stderr(load_model, path, buf, sizeof buf);
+    int status = check_child_stderr(load, path, buf, sizeof buf);
     char *nl = strchr(buf, '\n');
     int one_line = nl && nl[1] == 0 && !strncmp(buf, "coli: ", 6);
     check(WIFEXITED(status) && WEXITSTATUS(status) == 1 && one_line && strstr(buf, want), label, "status %d, stderr '%s'", status, buf);
 }
+
+static void expect_refusal(const char *label, const char *path, const char *want) { expect_refusal_by(load_model, label, path, want); }
 
 /* A copy of golden file SRC with the first occurrence of FROM (N bytes) replaced by TO. */
 static int patched_copy(const char *src, const char *dst, const void *from, const void *to, size_t n)
@@ -341,6 +349,10 @@ static void test_bad_models(const char *dir)
     memcpy(to + 25, ne_to, 16);
     ok = patched_copy(src, dst, from, to, 41);
     if (ok) expect_refusal("wrong shape refused", dst, "tensor 'blk.0.attn_qkv.weight' has shape [64][128], expected [128][64]");
+    /* heads of 48 (attention.key_length and value_length, u32s, 32 -> 48): not whole Q8_0 blocks */
+    ok = ok && patched_copy(src, dst, "attention.key_length\x04\0\0\0\x20", "attention.key_length\x04\0\0\0\x30", 25) &&
+         patched_copy(dst, dst, "attention.value_length\x04\0\0\0\x20", "attention.value_length\x04\0\0\0\x30", 27);
+    if (ok) expect_refusal_by(load_model_kv_q8_0, "--kv q8_0 refused for heads of 48", dst, "--kv q8_0: this model's attention heads have 48 dimensions");
     check(ok, "bad-model fixtures built", "patching %s failed", src);
     unlink(dst);
 }
