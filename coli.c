@@ -12725,11 +12725,27 @@ static void serve_job_done(struct serve *srv, struct serve_job *j)
     pthread_mutex_unlock(&j->mu);
 }
 
+/* Whether the model is loaded (set once, under mu, after the engine and tokenizer it
+ * publishes): until then nothing may touch them. */
+static int serve_ready(struct serve *srv)
+{
+    pthread_mutex_lock(&srv->mu);
+    int ready = srv->ready;
+    pthread_mutex_unlock(&srv->mu);
+    return ready;
+}
+
+/* E: the 503 of a request that came while the model loads. */
+static void serve_loading(struct serve_error *e)
+{
+    *e = (struct serve_error){503, "server_error", "loading", "", "the model is still loading"};
+}
+
 /* Queues J for the engine; 503 in E when the queue is full or the model still loading. */
 static int serve_submit(struct serve *srv, struct serve_job *j, struct serve_error *e)
 {
     pthread_mutex_lock(&srv->mu);
-    int ok = srv->ready && !serve_stopping && srv->queue_len < srv->queue_max;
+    const int ready = srv->ready, ok = ready && !serve_stopping && srv->queue_len < srv->queue_max;
     if (ok) {
         if (srv->queue_tail) srv->queue_tail->next = j;
         else srv->queue_head = j;
@@ -12738,12 +12754,12 @@ static int serve_submit(struct serve *srv, struct serve_job *j, struct serve_err
         pthread_cond_signal(&srv->cv);
     }
     pthread_mutex_unlock(&srv->mu);
-    if (!ok) {
+    if (!ok && !ready) serve_loading(e);
+    else if (!ok) {
         e->status = 503;
         e->type = "server_error";
-        e->code = !srv->ready ? "loading" : serve_stopping ? "shutting_down" : "queue_full";
-        snprintf(e->message, sizeof e->message, "%s", !srv->ready ? "the model is still loading" : serve_stopping ? "the server is shutting down"
-                 : "the queue is full; try again");
+        e->code = serve_stopping ? "shutting_down" : "queue_full";
+        snprintf(e->message, sizeof e->message, "%s", serve_stopping ? "the server is shutting down" : "the queue is full; try again");
     }
     return ok ? 0 : -1;
 }
@@ -13436,7 +13452,9 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
 static int serve_generate(struct serve_conn *c, const struct serve_request *r, int chat)
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
-    struct serve_job *j = serve_job_new(c->srv, chat, r->body, r->body_len, &e);
+    struct serve_job *j = NULL;
+    if (!serve_ready(c->srv)) serve_loading(&e); /* the job's prompt needs the tokenizer */
+    else j = serve_job_new(c->srv, chat, r->body, r->body_len, &e);
     if (!j || serve_submit(c->srv, j, &e)) {
         serve_fail(c, &e, r->keep_alive);
         if (j) serve_job_free(j);
@@ -13517,8 +13535,8 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
     size_t n = 0;
     int status = 200;
     if (!strcmp(r->path, "/health")) {
-        status = srv->ready ? 200 : 503;
-        out = plat_strdup(srv->ready ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
+        status = serve_ready(srv) ? 200 : 503;
+        out = plat_strdup(status == 200 ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
         n = strlen(out);
     } else if (!strcmp(r->path, "/v1/models")) {
         FILE *f = open_memstream(&out, &n);
@@ -13544,7 +13562,7 @@ static int serve_apply_template(struct serve_conn *c, const struct serve_request
     struct json *body = json_parse(r->body, r->body_len, &why);
     size_t len = 0;
     char *text = NULL;
-    if (!c->srv->ready) e = (struct serve_error){503, "server_error", "loading", "", "the model is still loading"};
+    if (!serve_ready(c->srv)) serve_loading(&e);
     else if (!body) serve_bad(&e, NULL, "the body is not valid JSON: %s", why);
     else if (body->kind != JSON_OBJECT) serve_bad(&e, NULL, "the body must be a JSON object");
     else text = serve_chat_text(c->srv, body, NULL, 1, &len, &e);

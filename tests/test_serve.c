@@ -1,8 +1,9 @@
 /* test_serve: the parts of `coli serve` that need no socket. The forward pass over a batch of
  * several sequences (each sequence's logits bit for bit those it gets alone), the engine's
  * slots (two greedy generations stepped together give the tokens each gives alone), the JSON
- * reader against valid and malformed documents, and stop strings cut and held back as a
- * stream arrives. The server over HTTP is tests/test_serve.sh.
+ * reader against valid and malformed documents, stop strings cut and held back as a stream
+ * arrives, and what each endpoint answers while the model loads (over a socket pair: that
+ * window is too short to hit from a client). The server over HTTP is tests/test_serve.sh.
  *
  * usage: test_serve [GOLDEN_DIR] [--quick] */
 #define COLI_NO_MAIN
@@ -339,6 +340,49 @@ static void test_stop_strings(void)
     free(j.text);
 }
 
+/* Requests routed while the model loads (ready 0: no tokenizer, no engine yet): each endpoint
+ * that needs the model answers 503 with the code "loading", /health says "loading", and none
+ * touches the tokenizer (a chat request read its template through NULL: a segfault). */
+static void test_loading_answers(void)
+{
+    static const struct { const char *method, *path, *want; } reqs[] = {
+        {"POST", "/v1/chat/completions", "\"code\":\"loading\""}, {"POST", "/v1/completions", "\"code\":\"loading\""},
+        {"POST", "/apply-template", "\"code\":\"loading\""}, {"GET", "/health", "{\"status\":\"loading\"}"}};
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"prompt\":\"hi\",\"max_tokens\":4}";
+    struct serve srv;
+    memset(&srv, 0, sizeof srv);
+    pthread_mutex_init(&srv.mu, NULL);
+    pthread_cond_init(&srv.cv, NULL);
+    pthread_mutex_init(&srv.stats_mu, NULL);
+    srv.model_id = "m";
+    srv.queue_max = 4;
+    for (size_t i = 0; i < sizeof reqs / sizeof *reqs; i++) {
+        int sv[2];
+        char got[2048] = "", label[160];
+        size_t n = 0;
+        if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) { check(0, "loading: a socket pair", "%s", strerror(errno)); return; }
+        struct serve_conn *c = plat_zalloc(1, sizeof *c);
+        struct serve_request r;
+        memset(&r, 0, sizeof r);
+        c->srv = &srv;
+        c->fd = sv[0];
+        snprintf(r.method, sizeof r.method, "%s", reqs[i].method);
+        snprintf(r.path, sizeof r.path, "%s", reqs[i].path);
+        r.body = plat_strdup(body);
+        r.body_len = strlen(body);
+        r.content_length = (long long)r.body_len;
+        serve_route(c, &r);
+        close(sv[0]);
+        for (ssize_t k; n + 1 < sizeof got && (k = read(sv[1], got + n, sizeof got - 1 - n)) > 0;) n += (size_t)k;
+        got[n] = 0;
+        close(sv[1]);
+        snprintf(label, sizeof label, "while the model loads, %s %s answers 503 %s", reqs[i].method, reqs[i].path, reqs[i].want);
+        check(!strncmp(got, "HTTP/1.1 503", 12) && strstr(got, reqs[i].want), label, "got '%.200s'", got);
+        free(r.body);
+        free(c);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *dir;
@@ -349,6 +393,7 @@ int main(int argc, char **argv)
     test_json();
     test_stop_strings();
     test_answer_fields();
+    test_loading_answers();
     char probe[1024];
     snprintf(probe, sizeof probe, "%s/q35moe-q8_0.gguf", dir);
     if (access(probe, R_OK)) {
