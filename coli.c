@@ -182,7 +182,8 @@ struct plat_map {
     int fd;
 };
 
-/* Maps PATH read-only; returns 0, or -1 with errno set (the caller words the error). */
+/* Maps PATH read-only; returns 0, or -1 with errno set (the caller words the error): EISDIR
+ * for a directory, EINVAL for another file that is not a regular one (a FIFO, a device). */
 static int plat_map_file(const char *path, struct plat_map *m)
 {
     struct stat st;
@@ -190,9 +191,10 @@ static int plat_map_file(const char *path, struct plat_map *m)
     m->size = 0;
     m->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (m->fd < 0) return -1;
-    if (fstat(m->fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        if (!errno || S_ISDIR(st.st_mode)) errno = EISDIR;
+    const int bad = fstat(m->fd, &st) != 0 ? errno : S_ISDIR(st.st_mode) ? EISDIR : !S_ISREG(st.st_mode) ? EINVAL : 0;
+    if (bad) {
         close(m->fd);
+        errno = bad;
         return -1;
     }
     m->size = (size_t)st.st_size;
@@ -935,7 +937,8 @@ static void gguf_read_part(struct gguf_file *g, int part, const char *path)
 
 static void gguf_map_part(struct gguf_file *g, int part, const char *path)
 {
-    if (plat_map_file(path, &g->parts[part]) != 0) die("%s: cannot open: %s", path, strerror(errno));
+    if (plat_map_file(path, &g->parts[part]) != 0)
+        die("%s: cannot open: %s", path, errno == EINVAL ? "not a regular file" : strerror(errno));
     g->n_parts = part + 1;
 }
 

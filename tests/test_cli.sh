@@ -46,6 +46,8 @@ expect "bad number" 2 "'-3' is not a whole number" -- "$COLI" run -m x.gguf -p h
 expect "missing value" 2 "needs a value" -- "$COLI" run -m
 expect "help for an unknown command" 2 "no command 'nope'" -- "$COLI" help nope
 expect "missing model file" 1 "/nonexistent.gguf: cannot open" -- "$COLI" run -m /nonexistent.gguf -p hi
+expect "a device as the model file" 1 "/dev/null: cannot open: not a regular file" -- "$COLI" run -m /dev/null -p hi
+expect "a directory as the model file" 1 ": cannot open: Is a directory" -- "$COLI" run -m "$tmp" -p hi
 expect "info without a model" 0 '^kernels: ' -- "$COLI" info
 expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
 expect "COLI_CPU=bogus (a usage error)" 2 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
