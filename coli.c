@@ -4116,7 +4116,7 @@ struct ops_job {
 };
 
 #define OPS_MAX_JOBS 64
-#define OPS_PARALLEL_PREPARE 65536 /* elements of acts to prepare from which two threads pay (~1 ns each) */
+#define OPS_PARALLEL_ELEMS 65536 /* elements of per-element work (acts to prepare, ~1 ns each; SwiGLU) from which two threads pay */
 
 /* §5 cuda sets this when matrices are resident on a device: it runs there the jobs whose
  * matrices are, over their prepared columns at ACT + OFF[j] (ops_act_stride apart), and
@@ -4160,7 +4160,7 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
         first_col[j + 1] = first_col[j] + n;
         elems += n * jobs[j].w.cols;
     }
-    #pragma omp parallel for schedule(static) if (elems >= OPS_PARALLEL_PREPARE)
+    #pragma omp parallel for schedule(static) if (elems >= OPS_PARALLEL_ELEMS)
     for (int64_t i = 0; i < first_col[n_jobs]; i++) {
         int j = 0;
         while (i >= first_col[j + 1]) j++;
@@ -4530,7 +4530,7 @@ static void ops_swiglu(float *g, const float *u, int64_t n) {
  * batch's routed experts: 2048 rows of 512 a layer on the 35B). Each element is computed on
  * its own, so the split changes no bit. */
 static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t width) {
-    #pragma omp parallel for schedule(static) if (rows * width >= OPS_PARALLEL_PREPARE)
+    #pragma omp parallel for schedule(static) if (rows * width >= OPS_PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) ops_swiglu(g + r * width, u ? u + r * width : NULL, width);
 }
 

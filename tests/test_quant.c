@@ -763,7 +763,9 @@ static void test_act_levels(void) {
 static void test_attention(void) {
     static const int hds[] = { 1, 15, 16, 17, 32, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
     static const char *const kv_names[] = { "fp32", "fp16", "Q8_0" };
-    enum { N = 75, STRIDE = 320 }; /* value rows in two chunks of OPS_ATTN_CHUNK and a tail; Q8_0: 4 groups and 11 */
+    /* value rows in two chunks of OPS_ATTN_CHUNK and a tail, Q8_0 keys in 4 groups and 11; the
+     * float caches' rows 300 elements apart (no power of two), Q8_0's 320 (whole blocks) */
+    enum { N = 75, STRIDE = 320 };
     float *q = plat_alloc(8 * 256 * sizeof(float)), *k = plat_alloc(N * STRIDE * sizeof(float));
     uint8_t *kc = plat_alloc((N + OPS_KV_GROUP) * STRIDE * 4), *vc = plat_alloc((N + OPS_KV_GROUP) * STRIDE * 4);
     uint8_t *qa = plat_alloc(256 + 256 / 32 * 12), *ka = plat_alloc(256 + 256 / 32 * 12);
@@ -774,6 +776,7 @@ static void test_attention(void) {
         for (size_t h = 0; h < sizeof hds / sizeof *hds; h++)
             for (size_t c = 0; c < sizeof nqs / sizeof *nqs; c++) {
                 const int hd = hds[h], nq = nqs[c];
+                const size_t cs = kv == OPS_KV_Q8_0 ? STRIDE : 300;
                 if (kv == OPS_KV_Q8_0 && hd % 32) continue;
                 const float *qs[8];
                 float *rs[8], *gs[8], *ro[8], *go[8];
@@ -785,8 +788,8 @@ static void test_attention(void) {
                 fill_x(q, 8 * 256, X_RANDOM);
                 fill_x(k, N * STRIDE, X_RANDOM);
                 for (int p = 0; p < N; p++) { /* the same rows as keys and as values */
-                    ops_kv_store(kc, STRIDE, p, k + p * STRIDE, hd, (enum ops_kv)kv, 1);
-                    ops_kv_store(vc, STRIDE, p, k + p * STRIDE, hd, (enum ops_kv)kv, 0);
+                    ops_kv_store(kc, cs, p, k + p * STRIDE, hd, (enum ops_kv)kv, 1);
+                    ops_kv_store(vc, cs, p, k + p * STRIDE, hd, (enum ops_kv)kv, 0);
                 }
                 memset(ref, 0, 8 * (N + 256) * sizeof(float));
                 memset(got, 0, 8 * (N + 256) * sizeof(float));
@@ -794,8 +797,8 @@ static void test_attention(void) {
                     quant_set_level(l);
                     float *const *sc = l == QUANT_LEVEL_SCALAR ? rs : gs, *const *o = l == QUANT_LEVEL_SCALAR ? ro : go;
                     for (int j = 0; j < nq; j++) memset(o[j], 0, (size_t)hd * sizeof(float));
-                    ops_scores(qs, nq, kc, STRIDE, N, hd, 0.125f, sc, (enum ops_kv)kv);
-                    ops_attend((const float *const *)sc, nq, vc, STRIDE, N, hd, o, (enum ops_kv)kv);
+                    ops_scores(qs, nq, kc, cs, N, hd, 0.125f, sc, (enum ops_kv)kv);
+                    ops_attend((const float *const *)sc, nq, vc, cs, N, hd, o, (enum ops_kv)kv);
                     if (l > QUANT_LEVEL_SCALAR && memcmp(got, ref, 8 * (N + 256) * sizeof(float)) && !bad++)
                         snprintf(why, sizeof why, "%s cache, head size %d, %d heads: %s differs", kv_names[kv], hd, nq,
                                  quant_level_names[l]);
@@ -817,7 +820,7 @@ static void test_attention(void) {
                         } else {
                             float part[16] = {0};
                             for (int i = 0; i < hd; i++)
-                                part[i % 16] += qs[j][i] * ops_kv_at(ops_kv_row(vc, STRIDE, p, (enum ops_kv)kv), i, (enum ops_kv)kv);
+                                part[i % 16] += qs[j][i] * ops_kv_at(ops_kv_row(vc, cs, p, (enum ops_kv)kv), i, (enum ops_kv)kv);
                             for (int s2 = 8; s2 > 0; s2 /= 2)
                                 for (int i = 0; i < s2; i++) part[i] += part[i + s2];
                             want = part[0] * 0.125f;
@@ -828,7 +831,7 @@ static void test_attention(void) {
                 if (kv == OPS_KV_Q8_0) { /* the values again from fp32 rows of the widened values */
                     float *wide = (float *)kc;
                     for (int p = 0; p < N; p++)
-                        for (int i = 0; i < hd; i++) wide[p * STRIDE + i] = ops_kv_at(ops_kv_row(vc, STRIDE, p, OPS_KV_Q8_0), i, OPS_KV_Q8_0);
+                        for (int i = 0; i < hd; i++) wide[p * STRIDE + i] = ops_kv_at(ops_kv_row(vc, cs, p, OPS_KV_Q8_0), i, OPS_KV_Q8_0);
                     for (int j = 0; j < nq; j++) memset(go[j], 0, (size_t)hd * sizeof(float));
                     ops_attend((const float *const *)rs, nq, wide, STRIDE, N, hd, go, OPS_KV_F32);
                     for (int j = 0; j < nq; j++) bad_values += memcmp(go[j], ro[j], (size_t)hd * sizeof(float)) != 0;
