@@ -3024,8 +3024,10 @@ QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
 
 /* Q4_K / Q5_K super-block. The scales and mins of quant_avx512_k4_fields become words by
  * vpshufb (index byte i, then 0x80: a zero high byte): measured 8% faster on Q4_K than the
- * scalar quant_k4_unpack and word permutes. */
-QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, struct quant_avx512_kblock *k) {
+ * scalar quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
+ * 4h + 2, its high ones 4h + 1 and 4h + 3: NIBBLES (the act's 32-blocks in that order,
+ * quant_avx512_nibble_act) keeps them so, else two lane shuffles put them in element order. */
+QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
     const __m256i mins = _mm256_setr_epi16(0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b,
@@ -3038,17 +3040,19 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, st
         /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
         __m512i a0 = _mm512_and_si512(l, m4), a1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
-        k->q[2 * h] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
-        k->q[2 * h + 1] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
+        k->q[2 * h] = nibbles ? a0 : _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
+        k->q[2 * h + 1] = nibbles ? a1 : _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
     }
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
-        const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16((short)(0x8000 | 2 * j)), _mm256_set1_epi16((short)(0x8001 | 2 * j)), 1);
+        /* the sub-blocks of q[j]'s two halves */
+        const int s0 = nibbles ? 4 * (j / 2) + j % 2 : 2 * j, s1 = nibbles ? s0 + 2 : s0 + 1;
+        const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16((short)(0x8000 | s0)), _mm256_set1_epi16((short)(0x8000 | s1)), 1);
         k->sc[j] = _mm512_shuffle_epi8(fields, scale);
         if (five) {
             /* bit s of qh[l] is the fifth bit of element l of sub-block s */
             __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
-            __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * j)), _mm256_set1_epi8((char)(2 << 2 * j)), 1);
+            __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s0)), _mm256_set1_epi8((char)(1 << s1)), 1);
             k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(qh, bit), k->q[j], _mm512_set1_epi8(0x10));
         }
     }
@@ -3113,9 +3117,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_
 
 /* IQ4_XS super-block: the IQ4_NL table's magnitudes and signs (codes 0-7 are its negative
  * values), and the 6-bit scales less 32 (quant_iq4xs_scale). A block's 16 bytes hold its
- * elements 0-15 in the low nibbles, 16-31 in the high ones: one permute per 2 blocks puts both
- * in element order. */
-QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
+ * elements 0-15 in the low nibbles, 16-31 in the high ones: a 64-byte load's low nibbles are
+ * the first halves of 4 blocks, its high ones their second halves. NIBBLES (the act in that
+ * order, quant_avx512_nibble_act) keeps them so, with the scales of the 4 blocks in the 4
+ * lanes; else one permute per 2 blocks puts both in element order. */
+QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
     const __m512i tab = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)));
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
@@ -3123,7 +3129,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quan
     for (int h = 0; h < 2; h++) {
         const __m512i v = _mm512_loadu_si512(b + 8 + 64 * h);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        const __m512i code[2] = { _mm512_permutex2var_epi64(lo, first, hi), _mm512_permutex2var_epi64(lo, second, hi) };
+        const __m512i code[2] = { nibbles ? lo : _mm512_permutex2var_epi64(lo, first, hi), nibbles ? hi : _mm512_permutex2var_epi64(lo, second, hi) };
         QUANT_UNROLL(2)
         for (int i = 0; i < 2; i++) {
             k->neg[2 * h + i] = _mm512_testn_epi8_mask(code[i], b3);
@@ -3135,7 +3141,13 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, struct quan
     const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
     const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(quant_rd16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
     const __m256i s8 = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xf)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
-    quant_avx512_iq_scales(_mm256_sub_epi32(s8, _mm256_set1_epi32(32)), k);
+    if (!nibbles) {
+        quant_avx512_iq_scales(_mm256_sub_epi32(s8, _mm256_set1_epi32(32)), k);
+        return;
+    }
+    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_sub_epi32(s8, _mm256_set1_epi32(32))));
+    k->sc[0] = k->sc[1] = _mm512_permutexvar_epi16(quant_avx512_widx(0, 8), s16);
+    k->sc[2] = k->sc[3] = _mm512_permutexvar_epi16(quant_avx512_widx(4, 8), s16);
 }
 
 /* The IQ3_XXS lattice points of the 32 index bytes at Q, elements 0-63 in *lo and 64-127 in
@@ -3314,16 +3326,20 @@ QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, st
     quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)), k);
 }
 
-/* Super-block B of the K-like type T decoded for quant_avx512_kdot (VBMI: the IQ3 formats by
- * VBMI lookups). */
-QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int vbmi, const uint8_t *b, struct quant_avx512_kblock *k) {
+/* How a K super-block is decoded: the IQ3 formats by VBMI lookups; Q4_K, Q5_K and IQ4_XS for an
+ * act in their nibble order (quant_avx512_nibble_act). */
+enum { QUANT_DECODE_VBMI = 1, QUANT_DECODE_NIBBLES = 2 };
+
+/* Super-block B of the K-like type T decoded for quant_avx512_kdot as HOW says. */
+QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const uint8_t *b, struct quant_avx512_kblock *k) {
+    const int vbmi = (how & QUANT_DECODE_VBMI) != 0;
     switch (t) {
     case GGUF_TYPE_Q6_K: quant_avx512_q6k_decode(b, k); break;
     case GGUF_TYPE_Q2_K: case GGUF_TYPE_Q3_K: quant_avx512_q23k_decode(t, b, k); break;
-    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, k); break;
+    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, (how & QUANT_DECODE_NIBBLES) != 0, k); break;
     case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, vbmi, k); break;
     case GGUF_TYPE_IQ3_S: quant_avx512_iq3s_decode(b, vbmi, k); break;
-    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, k); break;
+    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, (how & QUANT_DECODE_NIBBLES) != 0, k); break;
     }
 }
 
@@ -3351,7 +3367,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_
 
 /* Slot I of the group at unit U: super-block U + I decoded (prefetching ahead) and its integer
  * parts for every column, or zeros from COUNT on. */
-QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int vbmi, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
+QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
                                              int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
     if (i >= count) {
         QUANT_UNROLL(4)
@@ -3361,7 +3377,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int vbmi, const u
     const uint8_t *b = wb + i * bb;
     for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
     struct quant_avx512_kblock k;
-    quant_avx512_kdecode(t, vbmi, b, &k);
+    quant_avx512_kdecode(t, how, b, &k);
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++)
         quant_avx512_kdot(t, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
@@ -3370,8 +3386,8 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int vbmi, const u
 /* K-like dot of one row with NC columns in quant_avx2_k's order and float steps: groups of 8
  * super-blocks give one vector of unit results per column (lane k = unit u + k) added to its
  * accumulator (u / 8) % 4, i.e. partials u % 32; a short group's empty lanes hold +0. Each
- * super-block is decoded once for all columns (VBMI: quant_avx512_kdecode's). */
-QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int vbmi, const uint8_t *w, const uint8_t *acts,
+ * super-block is decoded once for all columns, as HOW says (quant_avx512_kdecode). */
+QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int how, const uint8_t *w, const uint8_t *acts,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
@@ -3388,9 +3404,9 @@ QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int vbmi, const u
         __m256i is[QUANT_NCOL][8], ms[QUANT_NCOL][8];
         if (NC == 1) {
             QUANT_GROUP_UNROLL
-            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, vbmi, wb, bb, a, u, i, count, is, ms, NC);
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, how, wb, bb, a, u, i, count, is, ms, NC);
         } else { /* several columns' parts live in memory anyway: unrolled, no faster */
-            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, vbmi, wb, bb, a, u, i, count, is, ms, NC);
+            for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, how, wb, bb, a, u, i, count, is, ms, NC);
         }
         quant_avx2_group_finish(t, wb, bb, count, a, u, is, ms, acc, NC);
     }
@@ -3405,37 +3421,69 @@ QUANT_AVX512_INLINE void quant_avx512_k(enum gguf_type t, const uint8_t *w, cons
 
 QUANT_AVX512_INLINE void quant_avx512vbmi_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                             int64_t n, float *y, size_t ys, int NC) {
-    quant_avx512_k_loop(t, 1, w, acts, stride, n, y, ys, NC);
+    quant_avx512_k_loop(t, QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
 /* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
  * parts past the group's NR rows. */
-QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int vbmi, const uint8_t *wr, size_t rb, int bb,
+QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, const uint8_t *wr, size_t rb, int bb,
                                                  struct quant_q8k_view a, int nr, int l, __m256i *is, __m256i *ms) {
     const int i = l / 2, k = l % 2;
     is[l] = ms[l] = _mm256_setzero_si256();
     if (i >= nr) return;
     struct quant_avx512_kblock kb;
-    quant_avx512_kdecode(t, vbmi, wr + (size_t)i * rb + (size_t)k * bb, &kb);
+    quant_avx512_kdecode(t, how, wr + (size_t)i * rb + (size_t)k * bb, &kb);
     quant_avx512_kdot(t, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
  * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop stays
  * rolled: unrolled, Q4_K spills (17 GB/s a core against 21; Q6_K 34 against 31). */
-QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int vbmi, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
+QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
     __m256i is[8], ms[8];
     for (size_t q = 0; q < (size_t)nr * rb; q += 64) _mm_prefetch((const char *)wr + QUANT_PREFETCH + q, _MM_HINT_T0);
-    for (int l = 0; l < 8; l++) quant_avx512_pairs_lane(t, vbmi, wr, rb, bb, a, nr, l, is, ms);
+    for (int l = 0; l < 8; l++) quant_avx512_pairs_lane(t, how, wr, rb, bb, a, nr, l, is, ms);
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
+/* The largest row (elements) whose act quant_avx512_k_rows puts in nibble order: its copy lives
+ * on the stack (9.1 KiB). */
+#define QUANT_NIBBLE_MAX 8192
+
+/* A copy at BUF of the Q8_K act of N elements for type T's weights with the values of each 128
+ * in the order of the quants' low and high nibbles in a 64-byte load, so that the decode needs
+ * no lane shuffles: Q4_K / Q5_K 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3,
+ * then their last 16. The integer sums are exact in any order, so the bits do not change. */
+QUANT_AVX512_INLINE const void *quant_avx512_nibble_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
+    /* the 16-byte pieces of each 128 values, as qwords of the two 64-byte halves */
+    const __m512i first = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i second = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    const uint8_t *a = act;
+    for (int64_t i = 0; i < n; i += 128) {
+        const __m512i lo = _mm512_loadu_si512(a + i), hi = _mm512_loadu_si512(a + i + 64);
+        _mm512_store_si512(buf + i, _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_store_si512(buf + i + 64, _mm512_permutex2var_epi64(lo, second, hi));
+    }
+    memcpy(buf + n, a + n, quant_act_bytes(t, n) - (size_t)n);
+    return buf;
+}
+
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
- * one by one through DOT (the single-column kernel of type T, VBMI or not as these). */
-QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, const uint8_t *w, size_t rb, int nrows,
-                                             const void *act, int64_t n, float *y) {
+ * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows of
+ * Q4_K, Q5_K and IQ4_XS (DOT_NIBBLES given: their single-column kernel for an act in nibble
+ * order) up to QUANT_NIBBLE_MAX elements read the act in nibble order, put so once for all NROWS
+ * rows. */
+QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_nibbles, const uint8_t *w,
+                                             size_t rb, int nrows, const void *act, int64_t n, float *y) {
+    _Alignas(64) uint8_t nibble_act[QUANT_NIBBLE_MAX + QUANT_NIBBLE_MAX / 64 + QUANT_NIBBLE_MAX / 8];
+    int how = vbmi ? QUANT_DECODE_VBMI : 0;
+    if (dot_nibbles && n <= QUANT_NIBBLE_MAX) {
+        act = quant_avx512_nibble_act(t, act, n, nibble_act);
+        dot = dot_nibbles;
+        how |= QUANT_DECODE_NIBBLES;
+    }
     if (n != 2 * QUANT_QK_K) {
         for (int r = 0; r < nrows; r++) y[r] = dot(w + (size_t)r * rb, act, n);
         return;
@@ -3443,8 +3491,8 @@ QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_d
     const struct quant_q8k_view a = quant_q8k_view(act, n);
     const __m256 dx = _mm256_setr_ps(a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1], a.d[0], a.d[1]);
     int r = 0;
-    for (; r + 4 <= nrows; r += 4) quant_avx512_pairs_group(t, vbmi, w + (size_t)r * rb, rb, a, dx, 4, y + r);
-    if (r < nrows) quant_avx512_pairs_group(t, vbmi, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
+    for (; r + 4 <= nrows; r += 4) quant_avx512_pairs_group(t, how, w + (size_t)r * rb, rb, a, dx, 4, y + r);
+    if (r < nrows) quant_avx512_pairs_group(t, how, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
 }
 
 /* quant_avx512_pairs_group for NC (1..QUANT_NCOL) columns, acts STRIDE apart: each lane's
@@ -3609,19 +3657,30 @@ QUANT_AVX512_WRAP(quant_dot_iq3_s_avx512vbmi, quant_avx512vbmi_k, GGUF_TYPE_IQ3_
 QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
-#define QUANT_AVX512_ROWS(name, type, vbmi, dot)                                                     \
+/* The single-column Q4_K / Q5_K / IQ4_XS kernels for an act in nibble order (quant_avx512_nibble_act). */
+#define QUANT_AVX512_NIBBLE_COLUMN(name, type)                                                          \
+    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) {                         \
+        float y;                                                                                        \
+        quant_avx512_k_loop(type, QUANT_DECODE_NIBBLES, w, act, 0, n, &y, 0, 1);                         \
+        return y;                                                                                       \
+    }
+QUANT_AVX512_NIBBLE_COLUMN(quant_dot_q4_k_avx512_nibbles, GGUF_TYPE_Q4_K)
+QUANT_AVX512_NIBBLE_COLUMN(quant_dot_q5_k_avx512_nibbles, GGUF_TYPE_Q5_K)
+QUANT_AVX512_NIBBLE_COLUMN(quant_dot_iq4_xs_avx512_nibbles, GGUF_TYPE_IQ4_XS)
+
+#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_nibbles)                                        \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
-                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, w, rb, nrows, act, n, y); }
-QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512)
-QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512)
-QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512)
-QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512)
-QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512)
-QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi)
+                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_nibbles, w, rb, nrows, act, n, y); }
+QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_nibbles)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_nibbles)
+QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_nibbles)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, NULL)
 
 #define QUANT_AVX512_LEGACY_ROWS(name, type, dot)                                                    \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
