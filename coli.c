@@ -3436,6 +3436,11 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_k(enum gguf_type t, const uint8_t *w, 
     quant_avx512_k_loop(t, QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
+QUANT_AVX512_INLINE void quant_avx512_nibbles_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
+                                                int64_t n, float *y, size_t ys, int NC) {
+    quant_avx512_k_loop(t, QUANT_DECODE_NIBBLES, w, acts, stride, n, y, ys, NC);
+}
+
 /* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
  * parts past the group's NR rows. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, const uint8_t *wr, size_t rb, int bb,
@@ -3670,15 +3675,9 @@ QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
 /* The single-column Q4_K / Q5_K / IQ4_XS kernels for an act in nibble order (quant_avx512_nibble_act). */
-#define QUANT_AVX512_NIBBLE_COLUMN(name, type)                                                          \
-    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) {                         \
-        float y;                                                                                        \
-        quant_avx512_k_loop(type, QUANT_DECODE_NIBBLES, w, act, 0, n, &y, 0, 1);                         \
-        return y;                                                                                       \
-    }
-QUANT_AVX512_NIBBLE_COLUMN(quant_dot_q4_k_avx512_nibbles, GGUF_TYPE_Q4_K)
-QUANT_AVX512_NIBBLE_COLUMN(quant_dot_q5_k_avx512_nibbles, GGUF_TYPE_Q5_K)
-QUANT_AVX512_NIBBLE_COLUMN(quant_dot_iq4_xs_avx512_nibbles, GGUF_TYPE_IQ4_XS)
+QUANT_COLUMN(quant_dot_q4_k_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_Q4_K)
+QUANT_COLUMN(quant_dot_q5_k_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_Q5_K)
+QUANT_COLUMN(quant_dot_iq4_xs_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_IQ4_XS)
 
 #define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_nibbles)                                        \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
@@ -9034,12 +9033,15 @@ static size_t model_recurrent_floats(const struct model_config *c)
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
 }
 
-/* Bytes of one element of the KV cache. */
+/* Bytes of one cached row (a KV head's head_dim values at one position) in the cache's format. */
 static size_t model_kv_row_bytes(const struct model *m) { return ops_kv_row_bytes((size_t)m->cfg.head_dim, m->kv); }
 
-/* Rows a KV head's cache holds: n_ctx in whole groups of OPS_KV_GROUP (Q8_0 keys are stored a
- * group at a time). */
-static int64_t model_kv_rows(const struct model *m) { return ((int64_t)m->n_ctx + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP; }
+/* N positions of the KV cache rounded up to whole groups of OPS_KV_GROUP rows (Q8_0 keys are
+ * stored a group at a time). */
+static int64_t model_kv_whole_groups(int64_t n) { return (n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP; }
+
+/* Rows a KV head's cache holds: n_ctx in whole groups. */
+static int64_t model_kv_rows(const struct model *m) { return model_kv_whole_groups(m->n_ctx); }
 
 /* Dies unless the model's heads suit the KV cache's format (Q8_0: whole blocks, at most
  * OPS_KV_MAX_HD). */
@@ -10033,7 +10035,7 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
  * OPS_KV_GROUP rows. */
 static int64_t model_kv_bytes(const struct model *m, int n)
 {
-    return model_kv_bytes_per_token(m) * (((int64_t)n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP);
+    return model_kv_bytes_per_token(m) * model_kv_whole_groups(n);
 }
 
 /* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
@@ -10041,7 +10043,7 @@ static int64_t model_kv_bytes(const struct model *m, int n)
  * idle conversation parked in RAM keeps (§11). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
-    size_t rows = (size_t)(n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP * model_kv_row_bytes(m);
+    size_t rows = (size_t)model_kv_whole_groups(n) * model_kv_row_bytes(m);
     size_t head = (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
     char *b = buf;
     for (int i = 0; i < m->cfg.n_layers; i++) {
