@@ -371,7 +371,7 @@ static int64_t plat_mem_total(void)
 }
 
 struct plat_cpu {
-    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512vbmi;
+    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512vbmi, avx512bitalg;
     char name[64];
 };
 static struct plat_cpu plat_cpu;
@@ -408,6 +408,7 @@ static void plat_cpu_detect(void)
         plat_cpu.avx512vl = zmm_ok && ((r[1] >> 31) & 1);
         plat_cpu.avx512vnni = zmm_ok && ((r[2] >> 11) & 1);
         plat_cpu.avx512vbmi = zmm_ok && ((r[2] >> 1) & 1);
+        plat_cpu.avx512bitalg = zmm_ok && ((r[2] >> 12) & 1);
     }
     plat_cpuid(0x80000000u, 0, r);
     if (r[0] >= 0x80000004u) {
@@ -1109,7 +1110,9 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   instructions per super-block through quant_dotr, 154 one by one, against 102 (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
- * (quant_avx512_iq3_vbmi_points); the same bits, a level of its own so that both are tested. */
+ * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
+ * both (every CPU with VBMI but Cannon Lake has BITALG). The same bits, a level of its own so
+ * that both are tested. */
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_AVX512VBMI, QUANT_LEVEL_COUNT };
 
 #define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
@@ -3001,7 +3004,9 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, quant_dot_fn
  * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: their magnitudes, with bit i of neg[k] set where element
  * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
  * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
- * for the offset of 32 or 4; unused by the IQ formats). */
+ * for the offset of 32 or 4; unused by the IQ formats). An act in the decode's own order
+ * (QUANT_DECODE_REORDERED) changes which elements a register holds, and an IQ3 decode in
+ * coordinate planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
@@ -3026,7 +3031,7 @@ QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
  * vpshufb (index byte i, then 0x80: a zero high byte): measured 8% faster on Q4_K than the
  * scalar quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
  * 4h + 2, its high ones 4h + 1 and 4h + 3: NIBBLES (the act's 32-blocks in that order,
- * quant_avx512_nibble_act) keeps them so, else two lane shuffles put them in element order. */
+ * quant_avx512_nibble_order) keeps them so, else two lane shuffles put them in element order. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
@@ -3131,7 +3136,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_
  * values), and the 6-bit scales less 32 (quant_iq4xs_scale). A block's 16 bytes hold its
  * elements 0-15 in the low nibbles, 16-31 in the high ones: a 64-byte load's low nibbles are
  * the first halves of 4 blocks, its high ones their second halves. NIBBLES (the act in that
- * order, quant_avx512_nibble_act) keeps them so, with the scales of the 4 blocks in the 4
+ * order, quant_avx512_nibble_order) keeps them so, with the scales of the 4 blocks in the 4
  * lanes; else one permute per 2 blocks puts both in element order. */
 QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
@@ -3198,9 +3203,10 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
 }
 
 /* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: their decodes look
- * the points and signs up by VBMI byte permutes. Its three instructions go through asm: GCC
- * inlines a function only into one whose target includes the callee's, so kernels with a
- * VBMI target could not use the AVX-512 functions. */
+ * the points and signs up by VBMI byte permutes, and take sign bits apart by BITALG's bit
+ * shuffle. Those four instructions go through asm: GCC inlines a function only into one whose
+ * target includes the callee's, so kernels with a VBMI target could not use the AVX-512
+ * functions. */
 
 /* VPERMB: byte i of the result is TABLE[IDX[i] & 63]. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_permute(__m512i idx, __m512i table) {
@@ -3215,27 +3221,43 @@ QUANT_AVX512_INLINE __m512i quant_vbmi_permute2(__m512i lo, __m512i idx, __m512i
     return idx;
 }
 
+/* VPMULTISHIFTQB: byte i of the result is the 8 bits of qword i / 8 of DATA from bit CTRL[i] & 63 on. */
+QUANT_AVX512_INLINE __m512i quant_vbmi_multishift(__m512i ctrl, __m512i data) {
+    __m512i r;
+    __asm__("vpmultishiftqb %2, %1, %0" : "=v"(r) : "v"(ctrl), "v"(data));
+    return r;
+}
+
+/* VPSHUFBITQMB (BITALG): bit i of the result is bit CTRL[i] & 63 of qword i / 8 of DATA. */
+QUANT_AVX512_INLINE __mmask64 quant_bitalg_shuffle(__m512i ctrl, __m512i data) {
+    __mmask64 r;
+    __asm__("vpshufbitqmb %2, %1, %0" : "=k"(r) : "v"(data), "v"(ctrl));
+    return r;
+}
+
 /* The 64 points of an IQ3 super-block into k->q, by VBMI: the index bytes at QS (bit 8 from
  * the 64 bits at QH for IQ3_S's 512 points; QH NULL for IQ3_XXS's 256) look up both pair
  * planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs) 128 entries a permute;
  * the planes' nibbles become levels by VALUES (vpshufb: their bit 3 is clear, so a nibble
- * shifted in from the next byte never sets bit 7); and the four coordinates are interleaved
- * lane by lane. The indices are permuted first so that the interleave lands in element
- * order: position 16L + 4j + i takes point 16j + 4L + i. */
+ * shifted in from the next byte never sets bit 7). That gives the 4 coordinate planes: byte i
+ * of plane j is coordinate j of point i, element 4i + j. IN_PLANES keeps them so (for an act
+ * in the same order, quant_avx512_plane_order); else the coordinates are interleaved lane by
+ * lane, the indices permuted first so that the interleave lands in element order: position
+ * 16L + 4j + i takes point 16j + 4L + i. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
-                                                      __m128i values, struct quant_avx512_kblock *k) {
+                                                      __m128i values, int in_planes, struct quant_avx512_kblock *k) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
         0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
         8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63,
     };
     const __m512i perm = _mm512_load_si512(order), vt = _mm512_broadcast_i32x4(values);
-    const __m512i idx = quant_vbmi_permute(perm, _mm512_loadu_si512(qs));
+    const __m512i idx = in_planes ? _mm512_loadu_si512(qs) : quant_vbmi_permute(perm, _mm512_loadu_si512(qs));
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
     __mmask64 bit8 = 0;
     if (qh) {
         uint64_t h;
         memcpy(&h, qh, 8);
-        bit8 = _mm512_movepi8_mask(quant_vbmi_permute(perm, _mm512_movm_epi8(_cvtu64_mask64(h))));
+        bit8 = in_planes ? _cvtu64_mask64(h) : _mm512_movepi8_mask(quant_vbmi_permute(perm, _mm512_movm_epi8(_cvtu64_mask64(h))));
     }
     __m512i c[4];
     QUANT_UNROLL(2)
@@ -3250,6 +3272,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const u
         }
         c[2 * h] = _mm512_shuffle_epi8(vt, r);
         c[2 * h + 1] = _mm512_shuffle_epi8(vt, _mm512_srli_epi16(r, 4));
+    }
+    if (in_planes) {
+        QUANT_UNROLL(4)
+        for (int j = 0; j < 4; j++) k->q[j] = c[j];
+        return;
     }
     const __m512i w_lo = _mm512_unpacklo_epi8(c[0], c[1]), w_hi = _mm512_unpackhi_epi8(c[0], c[1]);
     const __m512i u_lo = _mm512_unpacklo_epi8(c[2], c[3]), u_hi = _mm512_unpackhi_epi8(c[2], c[3]);
@@ -3273,23 +3300,40 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     return _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u)));
 }
 
+/* The sign masks and scales of an IQ3 super-block decoded in coordinate planes, from its 256
+ * sign bits S (element order) and the scales S8 of its 32-blocks: bit i of k->neg[j] is the
+ * sign of element 4i + j (dword q of S widened to qword q holds elements 32q..32q+31, so point
+ * i's are in qword i / 8, at 4 (i % 8) + j); dword l of k->sc[0] is the scale of points
+ * 4l..4l+3, block l / 2. */
+QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
+    const __m512i w = _mm512_cvtepu32_epi64(s);
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) k->neg[j] = quant_bitalg_shuffle(_mm512_set1_epi64(0x1c1814100c080400LL + 0x0101010101010101LL * j), w);
+    k->sc[0] = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castsi256_si512(s8));
+}
+
 /* quant_avx512_iq3xxs_signs by VBMI: VPMULTISHIFTQB takes the 8 bits at each field's offset
  * (0, 7, 14, 21 in each word), and their 7 low bits index quant_iq_sign_table (VPERMI2B
  * ignores bit 7). Measured: IQ3_XXS 5 ns a super-block faster than the shifts and parity. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs_vbmi(__m256i aux) {
-    const __m512i offsets = _mm512_set1_epi64(0x352e2720150e0700);
-    __m512i f;
-    __asm__("vpmultishiftqb %2, %1, %0" : "=v"(f) : "v"(offsets), "v"(_mm512_castsi256_si512(aux)));
+    const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), _mm512_castsi256_si512(aux));
     const __m512i *table = (const __m512i *)quant_iq_sign_table;
     return _mm512_castsi512_si256(quant_vbmi_permute2(_mm512_load_si512(table), f, _mm512_load_si512(table + 1)));
 }
 
-/* IQ3_XXS super-block: the lattice points (quant_avx512_iq3xxs_points, or VBMI's); one sign
- * bit per element in order, from the sign bytes; and the scales 2 s + 1 of
- * quant_iq_isum_scalar. */
-QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, struct quant_avx512_kblock *k) {
+/* IQ3_XXS super-block: the lattice points (quant_avx512_iq3xxs_points, or VBMI's, in coordinate
+ * planes where IN_PLANES says); one sign bit per element, from the sign bytes; and the scales
+ * 2 s + 1 of quant_iq_isum_scalar. */
+QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
+    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+    const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+    if (in_planes) {
+        quant_avx512_iq3_vbmi_points(b + 2, NULL, quant_iq3xxs_pairs[0], 4, _mm_loadl_epi64((const __m128i *)quant_iq3_levels), 1, k);
+        quant_avx512_iq3_plane_signs(quant_avx512_iq3xxs_signs_vbmi(aux), scales, k);
+        return;
+    }
     if (vbmi) {
-        quant_avx512_iq3_vbmi_points(b + 2, NULL, quant_iq3xxs_pairs[0], 4, _mm_loadl_epi64((const __m128i *)quant_iq3_levels), k);
+        quant_avx512_iq3_vbmi_points(b + 2, NULL, quant_iq3xxs_pairs[0], 4, _mm_loadl_epi64((const __m128i *)quant_iq3_levels), 0, k);
     } else {
         __m512i keys[8], pairs[2];
         QUANT_UNROLL(8)
@@ -3298,24 +3342,28 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
         quant_avx512_iq3xxs_points(b + 2, keys, pairs, &k->q[0], &k->q[1]);
         quant_avx512_iq3xxs_points(b + 34, keys, pairs, &k->q[2], &k->q[3]);
     }
-    const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
     uint64_t signs[4];
     _mm256_storeu_si256((__m256i *)signs, vbmi ? quant_avx512_iq3xxs_signs_vbmi(aux) : quant_avx512_iq3xxs_signs(aux));
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->neg[j] = _cvtu64_mask64(signs[j]);
-    quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1)), k);
+    quant_avx512_iq_scales(scales, k);
 }
 
-/* IQ3_S super-block: the grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points),
- * else 16 per register by one gather from quant_iq3s_grid (512 words: too many to hold in
- * registers as IQ3_XXS's keys are), their indices the qs bytes with the qh bits as bit 8 (group
+/* IQ3_S super-block: the grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points,
+ * in coordinate planes where IN_PLANES says), else 16 per register by one gather from
+ * quant_iq3s_grid (512 words: too many to hold in registers as IQ3_XXS's keys are), their indices the qs bytes with the qh bits as bit 8 (group
  * m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per element, in order, as
  * the 64-bit masks; and the scales 2 s + 1. */
-QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, struct quant_avx512_kblock *k) {
+QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    uint32_t packed;
+    memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
+    const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(15));
+    const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1));
     if (vbmi) {
         quant_avx512_iq3_vbmi_points(b + 2, b + QUANT_IQ3S_QH, quant_iq3s_pairs[0], 8,
-                                     _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), k);
+                                     _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), in_planes, k);
     } else {
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
@@ -3325,22 +3373,28 @@ QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, st
             k->q[j] = _mm512_i32gather_epi32(idx, (const void *)quant_iq3s_grid, 4);
         }
     }
+    if (in_planes) {
+        quant_avx512_iq3_plane_signs(_mm256_loadu_si256((const __m256i *)(b + QUANT_IQ3S_SIGNS)), scales, k);
+        return;
+    }
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
         uint64_t neg;
         memcpy(&neg, b + QUANT_IQ3S_SIGNS + 8 * j, 8);
         k->neg[j] = _cvtu64_mask64(neg);
     }
-    uint32_t packed;
-    memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
-    const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                       _mm256_set1_epi32(15));
-    quant_avx512_iq_scales(_mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)), k);
+    quant_avx512_iq_scales(scales, k);
 }
 
-/* How a K super-block is decoded: the IQ3 formats by VBMI lookups; Q4_K, Q5_K and IQ4_XS for an
- * act in their nibble order (quant_avx512_nibble_act). */
-enum { QUANT_DECODE_VBMI = 1, QUANT_DECODE_NIBBLES = 2 };
+/* How a K super-block is decoded: the IQ3 formats by VBMI lookups (VBMI); for an act in the
+ * decode's own order (REORDERED, quant_avx512_reorder_act): Q4_K, Q5_K and IQ4_XS in their
+ * nibble order, the IQ3 formats at VBMI in coordinate planes. */
+enum { QUANT_DECODE_VBMI = 1, QUANT_DECODE_REORDERED = 2 };
+
+/* Whether HOW decodes the IQ3 type T in coordinate planes. */
+QUANT_AVX512_INLINE int quant_avx512_in_planes(enum gguf_type t, int how) {
+    return (how & QUANT_DECODE_REORDERED) && (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S);
+}
 
 /* Super-block B of the K-like type T decoded for quant_avx512_kdot as HOW says. */
 QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const uint8_t *b, struct quant_avx512_kblock *k) {
@@ -3348,20 +3402,38 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const u
     switch (t) {
     case GGUF_TYPE_Q6_K: quant_avx512_q6k_decode(b, k); break;
     case GGUF_TYPE_Q2_K: case GGUF_TYPE_Q3_K: quant_avx512_q23k_decode(t, b, k); break;
-    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, (how & QUANT_DECODE_NIBBLES) != 0, k); break;
-    case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, vbmi, k); break;
-    case GGUF_TYPE_IQ3_S: quant_avx512_iq3s_decode(b, vbmi, k); break;
-    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, (how & QUANT_DECODE_NIBBLES) != 0, k); break;
+    case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, (how & QUANT_DECODE_REORDERED) != 0, k); break;
+    case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, vbmi, quant_avx512_in_planes(t, how), k); break;
+    case GGUF_TYPE_IQ3_S: quant_avx512_iq3s_decode(b, vbmi, quant_avx512_in_planes(t, how), k); break;
+    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, (how & QUANT_DECODE_REORDERED) != 0, k); break;
     }
 }
 
-/* One column's integer parts of a decoded super-block, 8 lanes each: *is's sum to the isum of
- * quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken off as that many
- * times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero). The IQ formats'
- * signs apply to x: |x| <= 127, so a pair of products stays within int16. */
-QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, const struct quant_avx512_kblock *k, const int8_t *qx,
+/* quant_avx512_kdot of an IQ3 super-block decoded in coordinate planes: dword l of the 4
+ * planes' products is points 4l..4l+3, all of one 32-block, so one multiply by its scale. */
+QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx512_kblock *k, const int8_t *qx) {
+    __m512i acc = _mm512_setzero_si512();
+    QUANT_UNROLL(4)
+    for (int j = 0; j < 4; j++) {
+        const __m512i x = _mm512_load_si512(qx + 64 * j);
+        acc = _mm512_dpbusd_epi32(acc, k->q[j], _mm512_mask_sub_epi8(x, k->neg[j], _mm512_setzero_si512(), x));
+    }
+    acc = _mm512_mullo_epi32(acc, k->sc[0]);
+    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+}
+
+/* One column's integer parts of a decoded super-block (as HOW decoded it), 8 lanes each: *is's
+ * sum to the isum of quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken
+ * off as that many times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero).
+ * The IQ formats' signs apply to x: |x| <= 127, so a pair of products stays within int16. */
+QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const struct quant_avx512_kblock *k, const int8_t *qx,
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
+    *ms = _mm256_setzero_si256();
+    if (quant_avx512_in_planes(t, how)) {
+        *is = quant_avx512_iq3_planes_dot(k, qx);
+        return;
+    }
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) {
@@ -3392,7 +3464,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const ui
     quant_avx512_kdecode(t, how, b, &k);
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++)
-        quant_avx512_kdot(t, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
+        quant_avx512_kdot(t, how, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
 
 /* K-like dot of one row with NC columns in quant_avx2_k's order and float steps: groups of 8
@@ -3436,9 +3508,12 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_k(enum gguf_type t, const uint8_t *w, 
     quant_avx512_k_loop(t, QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
-QUANT_AVX512_INLINE void quant_avx512_nibbles_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
-                                                int64_t n, float *y, size_t ys, int NC) {
-    quant_avx512_k_loop(t, QUANT_DECODE_NIBBLES, w, acts, stride, n, y, ys, NC);
+/* For an act in the decode's order (quant_avx512_reorder_act); the IQ3 formats' decode in
+ * coordinate planes is the avx512vbmi level's. */
+QUANT_AVX512_INLINE void quant_avx512_reordered_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
+                                                  int64_t n, float *y, size_t ys, int NC) {
+    const int iq3 = t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
+    quant_avx512_k_loop(t, QUANT_DECODE_REORDERED | (iq3 ? QUANT_DECODE_VBMI : 0), w, acts, stride, n, y, ys, NC);
 }
 
 /* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
@@ -3450,7 +3525,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
     if (i >= nr) return;
     struct quant_avx512_kblock kb;
     quant_avx512_kdecode(t, how, wr + (size_t)i * rb + (size_t)k * bb, &kb);
-    quant_avx512_kdot(t, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
+    quant_avx512_kdot(t, how, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
@@ -3465,41 +3540,67 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
-/* The largest row (elements) whose act quant_avx512_k_rows puts in nibble order: its copy lives
- * on the stack (9.1 KiB). */
-#define QUANT_NIBBLE_MAX 8192
+/* The largest row (elements) whose act quant_avx512_k_rows puts in the decode's order: its copy
+ * lives on the stack (9.1 KiB). */
+#define QUANT_REORDER_MAX 8192
 
-/* A copy at BUF of the Q8_K act of N elements for type T's weights with the values of each 128
- * in the order of the quants' low and high nibbles in a 64-byte load, so that the decode needs
- * no lane shuffles: Q4_K / Q5_K 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3,
- * then their last 16. The integer sums are exact in any order, so the bits do not change. */
-QUANT_AVX512_INLINE const void *quant_avx512_nibble_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
-    /* the 16-byte pieces of each 128 values, as qwords of the two 64-byte halves */
+/* The values of 128 at A in the order of the quants' low and high nibbles in a 64-byte load:
+ * Q4_K / Q5_K 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3, then their last 16. */
+QUANT_AVX512_INLINE void quant_avx512_nibble_order(enum gguf_type t, const uint8_t *a, uint8_t *buf) {
+    /* the 16-byte pieces of the 128, as qwords of the two 64-byte halves */
     const __m512i first = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
     const __m512i second = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i lo = _mm512_loadu_si512(a), hi = _mm512_loadu_si512(a + 64);
+    _mm512_store_si512(buf, _mm512_permutex2var_epi64(lo, first, hi));
+    _mm512_store_si512(buf + 64, _mm512_permutex2var_epi64(lo, second, hi));
+}
+
+/* The values of 256 at A in the 4 coordinate planes of the IQ3 decode: byte i of plane j is
+ * element 4i + j. A byte permute sorts each 64 by j (16 bytes each), and a 4x4 transpose of
+ * 16-byte pieces gathers each j's. */
+QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf) {
+    static const uint8_t by_coordinate[64] __attribute__((aligned(64))) = {
+        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+        2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63,
+    };
+    __m512i g[4];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < 4; c++) g[c] = quant_vbmi_permute(_mm512_load_si512(by_coordinate), _mm512_loadu_si512(a + 64 * c));
+    const __m512i t01 = _mm512_shuffle_i64x2(g[0], g[1], _MM_SHUFFLE(1, 0, 1, 0)), t23 = _mm512_shuffle_i64x2(g[0], g[1], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i u01 = _mm512_shuffle_i64x2(g[2], g[3], _MM_SHUFFLE(1, 0, 1, 0)), u23 = _mm512_shuffle_i64x2(g[2], g[3], _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_store_si512(buf, _mm512_shuffle_i64x2(t01, u01, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_store_si512(buf + 64, _mm512_shuffle_i64x2(t01, u01, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_store_si512(buf + 128, _mm512_shuffle_i64x2(t23, u23, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_store_si512(buf + 192, _mm512_shuffle_i64x2(t23, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* A copy at BUF of the Q8_K act of N elements for type T's weights with its values in the order
+ * in which the decode finds the quants (QUANT_DECODE_REORDERED), so that it needs no lane
+ * shuffles: quant_avx512_nibble_order, or the IQ3 formats' quant_avx512_plane_order. The integer
+ * sums are exact in any order, so the bits do not change. */
+QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     const uint8_t *a = act;
-    for (int64_t i = 0; i < n; i += 128) {
-        const __m512i lo = _mm512_loadu_si512(a + i), hi = _mm512_loadu_si512(a + i + 64);
-        _mm512_store_si512(buf + i, _mm512_permutex2var_epi64(lo, first, hi));
-        _mm512_store_si512(buf + i + 64, _mm512_permutex2var_epi64(lo, second, hi));
-    }
+    if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
+        for (int64_t i = 0; i < n; i += QUANT_QK_K) quant_avx512_plane_order(a + i, buf + i);
+    else
+        for (int64_t i = 0; i < n; i += 128) quant_avx512_nibble_order(t, a + i, buf + i);
     memcpy(buf + n, a + n, quant_act_bytes(t, n) - (size_t)n);
     return buf;
 }
 
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
  * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows of
- * Q4_K, Q5_K and IQ4_XS (DOT_NIBBLES given: their single-column kernel for an act in nibble
- * order) up to QUANT_NIBBLE_MAX elements read the act in nibble order, put so once for all NROWS
- * rows. */
-QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_nibbles, const uint8_t *w,
+ * Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3 formats (DOT_REORDERED given: their single-column
+ * kernel for an act in the decode's order) up to QUANT_REORDER_MAX elements read the act so,
+ * put so once for all NROWS rows. */
+QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
                                              size_t rb, int nrows, const void *act, int64_t n, float *y) {
-    _Alignas(64) uint8_t nibble_act[QUANT_NIBBLE_MAX + QUANT_NIBBLE_MAX / 64 + QUANT_NIBBLE_MAX / 8];
+    _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
     int how = vbmi ? QUANT_DECODE_VBMI : 0;
-    if (dot_nibbles && n <= QUANT_NIBBLE_MAX) {
-        act = quant_avx512_nibble_act(t, act, n, nibble_act);
-        dot = dot_nibbles;
-        how |= QUANT_DECODE_NIBBLES;
+    if (dot_reordered && n <= QUANT_REORDER_MAX) {
+        act = quant_avx512_reorder_act(t, act, n, reordered);
+        dot = dot_reordered;
+        how |= QUANT_DECODE_REORDERED;
     }
     if (n != 2 * QUANT_QK_K) {
         for (int r = 0; r < nrows; r++) y[r] = dot(w + (size_t)r * rb, act, n);
@@ -3532,7 +3633,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, const u
         struct quant_avx512_kblock kb;
         quant_avx512_kdecode(t, 0, wr + (size_t)i * rb + (size_t)k * bb, &kb);
         QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) quant_avx512_kdot(t, &kb, a[c].qs + k * QUANT_QK_K, a[c].bsums + k * 16, &is[c][l], &ms[c][l]);
+        for (int c = 0; c < NC; c++) quant_avx512_kdot(t, 0, &kb, a[c].qs + k * QUANT_QK_K, a[c].bsums + k * 16, &is[c][l], &ms[c][l]);
     }
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
@@ -3674,24 +3775,26 @@ QUANT_AVX512_WRAP(quant_dot_iq3_s_avx512vbmi, quant_avx512vbmi_k, GGUF_TYPE_IQ3_
 QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
-/* The single-column Q4_K / Q5_K / IQ4_XS kernels for an act in nibble order (quant_avx512_nibble_act). */
-QUANT_COLUMN(quant_dot_q4_k_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_Q4_K)
-QUANT_COLUMN(quant_dot_q5_k_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_Q5_K)
-QUANT_COLUMN(quant_dot_iq4_xs_avx512_nibbles, QUANT_AVX512, quant_avx512_nibbles_k, GGUF_TYPE_IQ4_XS)
+/* The single-column kernels for an act in the decode's order (quant_avx512_reorder_act). */
+QUANT_COLUMN(quant_dot_q4_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q4_K)
+QUANT_COLUMN(quant_dot_q5_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q5_K)
+QUANT_COLUMN(quant_dot_iq4_xs_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS)
+QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_XXS)
+QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_S)
 
-#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_nibbles)                                        \
+#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered)                                      \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
-                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_nibbles, w, rb, nrows, act, n, y); }
-QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_nibbles)
-QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_nibbles)
+                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, w, rb, nrows, act, n, y); }
+QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_reordered)
 QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL)
 QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, NULL)
 QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_nibbles)
+QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered)
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
 
 #define QUANT_AVX512_LEGACY_ROWS(name, type, dot)                                                    \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
@@ -4050,7 +4153,7 @@ static int quant_level_max(void) {
     const struct plat_cpu *c = &plat_cpu;
     if (!(c->avx2 && c->fma && c->f16c)) return QUANT_LEVEL_SCALAR;
     if (!(c->avx512f && c->avx512bw && c->avx512vl && c->avx512vnni)) return QUANT_LEVEL_AVX2;
-    return c->avx512vbmi ? QUANT_LEVEL_AVX512VBMI : QUANT_LEVEL_AVX512;
+    return c->avx512vbmi && c->avx512bitalg ? QUANT_LEVEL_AVX512VBMI : QUANT_LEVEL_AVX512;
 }
 
 /* Fills the dot table for `level`. Caller: level <= quant_level_max(); no dot in flight. */
