@@ -114,8 +114,9 @@ __constant__ uint16_t iq3s_keys[512] = {
 
 // ---- scalars of the blocks ----
 
-// 16 bytes in four registers, as one vector load brings them.
+// 16 bytes in four registers, as one vector load brings them; 8 in two.
 struct bytes16 { unsigned w[4]; };
+struct bytes8 { unsigned w[2]; };
 
 // The helpers in PTX assembly or vector loads; tests/kernels_sim.cc, which compiles this file
 // for the host (KERNELS_ON_HOST), brings its own.
@@ -125,6 +126,16 @@ __device__ __forceinline__ bytes16 load16(const uint8_t *p) {
     const uint4 v = *(const uint4 *)p;
     return bytes16{{v.x, v.y, v.z, v.w}};
 }
+
+// One 8-byte load (ld.global.v2.u32): P must be 8-aligned.
+__device__ __forceinline__ bytes8 load8(const uint8_t *p) {
+    const uint2 v = *(const uint2 *)p;
+    return bytes8{{v.x, v.y}};
+}
+
+// One 4-byte load of read-only global memory (ld.global.nc: the address, rounded through an
+// integer, no longer tells nvcc where it points): P must be 4-aligned.
+__device__ __forceinline__ unsigned load4(const uint8_t *p) { return __ldg((const unsigned *)p); }
 
 __device__ __forceinline__ float f16(const uint8_t *p) {
     unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
@@ -166,6 +177,17 @@ __device__ __forceinline__ unsigned le32(const uint8_t *p) { return le16(p) | le
 // Byte I of V, unsigned and signed (I a constant once the loops are unrolled).
 __device__ __forceinline__ int byte_at(bytes16 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
 __device__ __forceinline__ int sbyte_at(bytes16 v, int i) { return (int)(int8_t)byte_at(v, i); }
+__device__ __forceinline__ int byte_at(bytes8 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
+__device__ __forceinline__ int sbyte_at(bytes8 v, int i) { return (int)(int8_t)byte_at(v, i); }
+
+// The 8 bytes at P, which is only 2-aligned (in the blocks of 210 and 110 bytes): the three
+// aligned words that cover them, joined by funnel shifts, for eight byte loads. It reads up to 4
+// bytes past P + 8: every caller's bytes end that far inside their block.
+__device__ __forceinline__ bytes8 load8_unaligned(const uint8_t *p) {
+    const uint8_t *w = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)3);
+    const unsigned shift = 8u * (unsigned)((uintptr_t)p & 3), a = load4(w), b = load4(w + 4), c = load4(w + 8);
+    return bytes8{{__funnelshift_r(a, b, shift), __funnelshift_r(b, c, shift)}};
+}
 
 __device__ __forceinline__ float reduce32(float p) {
     for (int s = NPART / 2; s > 0; s /= 2) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, s));
@@ -263,19 +285,22 @@ __device__ __forceinline__ ksums q45k_share(const uint8_t *b, const int8_t *qx, 
 
 // Q6_K (ql[128] | qh[64] | scales[16] int8 | d): in half n, weight 32q + l (quarter q) is the low
 // (q < 2) or high nibble of ql[64n + l + 32(q & 1)] with bits 2q, 2q + 1 of qh[32n + l] on top,
-// less 32, scale 8n + 2q + l / 16. Share t: n = t / 4, l = 8(t % 4) .. + 7 of every quarter.
+// less 32, scale 8n + 2q + l / 16. Share t: n = t / 4, l = 8(t % 4) .. + 7 of every quarter: 8
+// bytes of ql twice and of qh, neighbouring lanes' neighbouring bytes.
 __device__ __forceinline__ ksums q6k_share(const uint8_t *b, const int8_t *qx, int t) {
     const int n = t / 4, l0 = 8 * (t % 4);
-    const uint8_t *ql = b + 64 * n + l0, *qh = b + 128 + 32 * n + l0;
-    const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + l0 / 16, *x = qx + 128 * n + l0;
+    const bytes8 ql[2] = {load8_unaligned(b + 64 * n + l0), load8_unaligned(b + 64 * n + 32 + l0)};
+    const bytes8 qh = load8_unaligned(b + 128 + 32 * n + l0);
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + l0 / 16;
     int sumi = 0;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
+        const bytes8 x = load8((const uint8_t *)qx + 128 * n + 32 * q + l0);
         int s = 0;
 #pragma unroll
         for (int l = 0; l < 8; l++) {
-            const int lo = ql[l + 32 * (q & 1)];
-            s = imad(((q < 2 ? lo & 0xF : lo >> 4) | (((qh[l] >> (2 * q)) & 3) << 4)) - 32, x[32 * q + l], s);
+            const int lo = byte_at(ql[q & 1], l);
+            s = imad(((q < 2 ? lo & 0xF : lo >> 4) | (((byte_at(qh, l) >> (2 * q)) & 3) << 4)) - 32, sbyte_at(x, l), s);
         }
         sumi += sc[2 * q] * s;
     }
@@ -291,23 +316,26 @@ __device__ __forceinline__ int q3k_scale(const uint8_t *p, int g) {
 // Q2_K (scales[16] | qs[64] | d | dmin: per 16 weights a 4-bit scale, low nibble, and min) and
 // Q3_K (hmask[32] | qs[64] | scales[12] | d). Weight e = 128n + 32k + l is bits 2k, 2k+1 of
 // qs[32n + l]; Q3_K's third bit is bit 4n + k of hmask[l], and where it is clear the weight is
-// 4 less. Share t: weights 32t .. 32t + 31 (n = t / 4, k = t % 4), the 16-groups 2t and 2t + 1.
+// 4 less. Share t: weights 32t .. 32t + 31 (n = t / 4, k = t % 4), the 16-groups 2t and 2t + 1;
+// the quants and hmask by words (the 110-byte Q3_K blocks are only 2-aligned, the 84-byte Q2_K
+// ones 4-aligned).
 template <int T>
 __device__ __forceinline__ ksums q23k_share(const uint8_t *b, const int8_t *qx, const int16_t *bs, int t) {
     const int three = T == Q3_K, n = t / 4, k = t % 4;
     const uint8_t *qs = b + (three ? 32 : 16) + 32 * n;
-    const int8_t *x = qx + 32 * t;
     int sumi = 0, summ = 0;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int g = 2 * t + half;
+        const bytes16 x = load16((const uint8_t *)qx + 32 * t + 16 * half);
+        const bytes8 q8[2] = {load8_unaligned(qs + 16 * half), load8_unaligned(qs + 16 * half + 8)};
+        const bytes8 h8[2] = {three ? load8_unaligned(b + 16 * half) : bytes8{}, three ? load8_unaligned(b + 16 * half + 8) : bytes8{}};
         int s = 0;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const int l = 16 * half + i;
-            int q = (qs[l] >> (2 * k)) & 3;
-            if (three && !((b[l] >> (4 * n + k)) & 1)) q -= 4;
-            s = imad(q, x[l], s);
+            int q = (byte_at(q8[i / 8], i % 8) >> (2 * k)) & 3;
+            if (three && !((byte_at(h8[i / 8], i % 8) >> (4 * n + k)) & 1)) q -= 4;
+            s = imad(q, sbyte_at(x, i), s);
         }
         sumi += (three ? q3k_scale(b + 96, g) : b[g] & 0xF) * s;
         if (!three) summ = imad(b[g] >> 4, bs[g], summ);
@@ -327,9 +355,14 @@ template <int T>
 __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, int ib) {
     const int8_t *x = qx + 32 * ib;
     int s = 0, scale;
-    if (T == IQ4_XS) {
-        const uint8_t *qs = b + 8 + 16 * ib;
-        for (int j = 0; j < 16; j++) s = imad(iq4nl_values[qs[j] >> 4], x[j + 16], imad(iq4nl_values[qs[j] & 0xF], x[j], s));
+    if (T == IQ4_XS) { /* 136-byte blocks: the codes are 8-aligned, the act 32-aligned */
+        const bytes8 qs[2] = {load8(b + 8 + 16 * ib), load8(b + 16 + 16 * ib)};
+        const bytes16 x0 = load16((const uint8_t *)x), x1 = load16((const uint8_t *)x + 16);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int code = byte_at(qs[j / 8], j % 8);
+            s = imad(iq4nl_values[code >> 4], sbyte_at(x1, j), imad(iq4nl_values[code & 0xF], sbyte_at(x0, j), s));
+        }
         scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
     } else if (T == IQ3_S) {
         const uint8_t *qs = b + 2 + 8 * ib, *signs = b + 74 + 4 * ib;

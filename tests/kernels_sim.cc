@@ -119,8 +119,18 @@ static inline int __popc(unsigned u) { return __builtin_popcount(u); }
 /* kernels.cu's helpers in PTX assembly or vector loads. A misaligned vector load, which a card
  * faults on, stops the run. */
 struct bytes16;
+struct bytes8;
 static inline bytes16 load16_checked(const uint8_t *p, int line);
+static inline bytes8 load8_checked(const uint8_t *p, int line);
+static inline unsigned load4_checked(const uint8_t *p, int line);
 #define load16(p) load16_checked((p), __LINE__)
+#define load8(p) load8_checked((p), __LINE__)
+#define load4(p) load4_checked((p), __LINE__)
+/* shf.r.wrap: the low 32 bits of HI:LO shifted right by SHIFT % 32 */
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift)
+{
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> (shift & 31));
+}
 static inline float f16(const uint8_t *p)
 {
     _Float16 h;
@@ -137,6 +147,22 @@ static inline bytes16 load16_checked(const uint8_t *p, int line)
 {
     if ((uintptr_t)p % 16) sim_fail(line, "a 16-byte load from an address that is not 16-aligned");
     bytes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline bytes8 load8_checked(const uint8_t *p, int line)
+{
+    if ((uintptr_t)p % 8) sim_fail(line, "an 8-byte load from an address that is not 8-aligned");
+    bytes8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline unsigned load4_checked(const uint8_t *p, int line)
+{
+    if ((uintptr_t)p % 4) sim_fail(line, "a 4-byte load from an address that is not 4-aligned");
+    unsigned v;
     memcpy(&v, p, sizeof v);
     return v;
 }
