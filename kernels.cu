@@ -170,9 +170,8 @@ __device__ __forceinline__ float e8m0_half(uint8_t e) {
     return __uint_as_float(e < 2 ? 0x00200000u << e : (unsigned)(e - 1) << 23);
 }
 
-// Little-endian words at byte addresses (blocks of 17, 98 or 110 bytes leave them unaligned).
+// A little-endian 16-bit word at a byte address (IQ4_XS's high scale bits).
 __device__ __forceinline__ unsigned le16(const uint8_t *p) { return p[0] | p[1] << 8; }
-__device__ __forceinline__ unsigned le32(const uint8_t *p) { return le16(p) | le16(p + 2) << 16; }
 
 // Byte I of V, unsigned and signed (I a constant once the loops are unrolled).
 __device__ __forceinline__ int byte_at(bytes16 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
@@ -180,14 +179,23 @@ __device__ __forceinline__ int sbyte_at(bytes16 v, int i) { return (int)(int8_t)
 __device__ __forceinline__ int byte_at(bytes8 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
 __device__ __forceinline__ int sbyte_at(bytes8 v, int i) { return (int)(int8_t)byte_at(v, i); }
 
-// The 8 bytes at P, which is only 2-aligned (in the blocks of 210 and 110 bytes): the three
-// aligned words that cover them, joined by funnel shifts, for eight byte loads. It reads up to 4
-// bytes past P + 8: every caller's bytes end that far inside their block.
+// The 4 or 8 bytes at P, at any alignment (blocks of 17, 18, 22, 34, 110 and 210 bytes): the
+// aligned words that cover them, joined by funnel shifts, instead of a load a byte. No word past
+// the one that holds the last byte is read.
+__device__ __forceinline__ unsigned load4_unaligned(const uint8_t *p) {
+    const uint8_t *w = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)3);
+    const unsigned shift = 8u * (unsigned)((uintptr_t)p & 3);
+    return __funnelshift_r(load4(w), shift ? load4(w + 4) : 0u, shift);
+}
+
 __device__ __forceinline__ bytes8 load8_unaligned(const uint8_t *p) {
     const uint8_t *w = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)3);
-    const unsigned shift = 8u * (unsigned)((uintptr_t)p & 3), a = load4(w), b = load4(w + 4), c = load4(w + 8);
+    const unsigned shift = 8u * (unsigned)((uintptr_t)p & 3), a = load4(w), b = load4(w + 4), c = shift ? load4(w + 8) : 0u;
     return bytes8{{__funnelshift_r(a, b, shift), __funnelshift_r(b, c, shift)}};
 }
+
+// Byte I of the word V, signed.
+__device__ __forceinline__ int sbyte_of(unsigned v, int i) { return (int)(int8_t)(v >> (8 * i)); }
 
 __device__ __forceinline__ float reduce32(float p) {
     for (int s = NPART / 2; s > 0; s /= 2) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, s));
@@ -206,29 +214,43 @@ __device__ __forceinline__ float fweight(const uint8_t *w, int64_t i) {
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as ggml defines their quants; IQ4_NL (d fp16) and MXFP4 (E8M0
 // byte) hold 16 bytes of 4-bit codes into their tables, low nibbles first.
 // Share t of a block (4 lanes to a block): Q8_0's weights 8t .. 8t + 7; the nibble formats'
-// bytes 4t .. 4t + 3 of their 16, weights 4t.. (low nibbles) and 16 + 4t.. (high).
+// bytes 4t .. 4t + 3 of their 16, weights 4t.. (low nibbles) and 16 + 4t.. (high). The block's
+// bytes by words (load4_unaligned: the blocks leave them at any alignment), the act's by aligned
+// words.
 template <int T>
 __device__ __forceinline__ int legacy_share(const uint8_t *blk, const int8_t *qx, int t) {
     const int has_min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    const uint8_t *x = (const uint8_t *)qx;
     int isum = 0;
     if (T == Q8_0) {
-        for (int j = 8 * t; j < 8 * t + 8; j++) isum = imad((int8_t)blk[2 + j], qx[j], isum);
-    } else if (T == IQ4_NL || T == MXFP4) {
+        const bytes8 q = load8_unaligned(blk + 2 + 8 * t), xs = load8(x + 8 * t);
+#pragma unroll
+        for (int j = 0; j < 8; j++) isum = imad(sbyte_at(q, j), sbyte_at(xs, j), isum);
+        return isum;
+    }
+    const unsigned x0 = load4(x + 4 * t), x1 = load4(x + 16 + 4 * t);
+    if (T == IQ4_NL || T == MXFP4) {
         const int8_t *v = T == MXFP4 ? mxfp4_values : iq4nl_values;
-        const uint8_t *qs = blk + (T == MXFP4 ? 1 : 2);
-        for (int j = 4 * t; j < 4 * t + 4; j++) isum = imad(v[qs[j] >> 4], qx[j + 16], imad(v[qs[j] & 0x0f], qx[j], isum));
-    } else {
-        const unsigned qh = five ? le32(blk + 2 + 2 * has_min) : 0;
-        const uint8_t *qs = blk + 2 + 2 * has_min + 4 * five;
-        const int off = has_min ? 0 : (five ? 16 : 8);
-        for (int j = 4 * t; j < 4 * t + 4; j++) {
-            int x0 = qs[j] & 0x0f, x1 = qs[j] >> 4;
-            if (five) {
-                x0 |= (int)(((qh >> j) << 4) & 0x10);
-                x1 |= (int)((qh >> (j + 12)) & 0x10);
-            }
-            isum = imad(x1 - off, qx[j + 16], imad(x0 - off, qx[j], isum));
+        const unsigned qs = load4_unaligned(blk + (T == MXFP4 ? 1 : 2) + 4 * t);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const unsigned code = qs >> (8 * j);
+            isum = imad(v[(code >> 4) & 0x0f], sbyte_of(x1, j), imad(v[code & 0x0f], sbyte_of(x0, j), isum));
         }
+        return isum;
+    }
+    const unsigned qh = five ? load4_unaligned(blk + 2 + 2 * has_min) : 0;
+    const unsigned qs = load4_unaligned(blk + 2 + 2 * has_min + 4 * five + 4 * t);
+    const int off = has_min ? 0 : (five ? 16 : 8);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int j = 4 * t + i;
+        int q0 = (qs >> (8 * i)) & 0x0f, q1 = (qs >> (8 * i + 4)) & 0x0f;
+        if (five) {
+            q0 |= (int)(((qh >> j) << 4) & 0x10);
+            q1 |= (int)((qh >> (j + 12)) & 0x10);
+        }
+        isum = imad(q1 - off, sbyte_of(x1, i), imad(q0 - off, sbyte_of(x0, i), isum));
     }
     return isum;
 }
@@ -364,21 +386,26 @@ __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, in
             s = imad(iq4nl_values[code >> 4], sbyte_at(x1, j), imad(iq4nl_values[code & 0xF], sbyte_at(x0, j), s));
         }
         scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
-    } else if (T == IQ3_S) {
-        const uint8_t *qs = b + 2 + 8 * ib, *signs = b + 74 + 4 * ib;
-        const unsigned qh = b[66 + ib];
+    } else if (T == IQ3_S) { /* 110-byte blocks: the point indices and signs by load*_unaligned */
+        const bytes8 qs = load8_unaligned(b + 2 + 8 * ib);
+        const unsigned qh = b[66 + ib], signs = load4_unaligned(b + 74 + 4 * ib);
+        const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
+#pragma unroll
         for (int j = 0; j < 32; j++) {
-            const unsigned key = iq3s_keys[qs[j / 4] | ((qh >> (j / 4)) & 1) << 8];
+            const unsigned key = iq3s_keys[byte_at(qs, j / 4) | ((qh >> (j / 4)) & 1) << 8];
             const int level = 2 * (int)((key >> (3 * (j % 4))) & 7) + 1;
-            s = imad((signs[j / 8] >> (j % 8)) & 1 ? -level : level, x[j], s);
+            s = imad((signs >> j) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
         }
         scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
-    } else {
-        const unsigned aux = le32(b + 66 + 4 * ib);
+    } else { /* IQ3_XXS, 98-byte blocks: likewise */
+        const bytes8 qs = load8_unaligned(b + 2 + 8 * ib);
+        const unsigned aux = load4_unaligned(b + 66 + 4 * ib);
+        const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
+#pragma unroll
         for (int j = 0; j < 32; j++) {
             const unsigned bits7 = (aux >> (7 * (j / 8))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
-            const int level = iq3_levels[(iq3xxs_keys[b[2 + 8 * ib + j / 4]] >> (3 * (j % 4))) & 7];
-            s = imad((signs >> (j % 8)) & 1 ? -level : level, x[j], s);
+            const int level = iq3_levels[(iq3xxs_keys[byte_at(qs, j / 4)] >> (3 * (j % 4))) & 7];
+            s = imad((signs >> (j % 8)) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
         }
         scale = 2 * (int)(aux >> 28) + 1;
     }
