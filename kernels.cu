@@ -197,6 +197,21 @@ __device__ __forceinline__ bytes8 load8_unaligned(const uint8_t *p) {
 // Byte I of the word V, signed.
 __device__ __forceinline__ int sbyte_of(unsigned v, int i) { return (int)(int8_t)(v >> (8 * i)); }
 
+// Word K of a 16-byte table (4 uniform constant loads: the same address in every lane).
+__device__ __forceinline__ unsigned table_word(const int8_t *tab, int k) {
+    return (uint8_t)tab[4 * k] | (uint8_t)tab[4 * k + 1] << 8 | (uint8_t)tab[4 * k + 2] << 16 | (unsigned)(uint8_t)tab[4 * k + 3] << 24;
+}
+
+// The entries of the 16-byte table (words TAB) for the 4 codes in the low nibbles of C's bytes,
+// as the bytes of the result: a byte permute (prmt) takes 4 of 8 bytes at once, codes 0-7 from
+// words 0-1 and 8-15 from words 2-3, and each code's bit 3 picks between the two. In registers:
+// a constant-memory load serialises over the warp's different addresses.
+__device__ __forceinline__ unsigned table16_lookup(const unsigned tab[4], unsigned c) {
+    const unsigned low3 = c & 0x07070707u, pairs = low3 | low3 >> 4;
+    const unsigned sel = (pairs & 0xFFu) | ((pairs >> 8) & 0xFF00u), high = ((c >> 3) & 0x01010101u) * 0xFFu;
+    return (__byte_perm(tab[0], tab[1], sel) & ~high) | (__byte_perm(tab[2], tab[3], sel) & high);
+}
+
 __device__ __forceinline__ float reduce32(float p) {
     for (int s = NPART / 2; s > 0; s /= 2) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, s));
     return p;
@@ -231,12 +246,11 @@ __device__ __forceinline__ int legacy_share(const uint8_t *blk, const int8_t *qx
     const unsigned x0 = load4(x + 4 * t), x1 = load4(x + 16 + 4 * t);
     if (T == IQ4_NL || T == MXFP4) {
         const int8_t *v = T == MXFP4 ? mxfp4_values : iq4nl_values;
+        const unsigned tab[4] = {table_word(v, 0), table_word(v, 1), table_word(v, 2), table_word(v, 3)};
         const unsigned qs = load4_unaligned(blk + (T == MXFP4 ? 1 : 2) + 4 * t);
+        const unsigned w0 = table16_lookup(tab, qs), w1 = table16_lookup(tab, qs >> 4);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const unsigned code = qs >> (8 * j);
-            isum = imad(v[(code >> 4) & 0x0f], sbyte_of(x1, j), imad(v[code & 0x0f], sbyte_of(x0, j), isum));
-        }
+        for (int j = 0; j < 4; j++) isum = imad(sbyte_of(w1, j), sbyte_of(x1, j), imad(sbyte_of(w0, j), sbyte_of(x0, j), isum));
         return isum;
     }
     const unsigned qh = five ? load4_unaligned(blk + 2 + 2 * has_min) : 0;
@@ -380,10 +394,13 @@ __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, in
     if (T == IQ4_XS) { /* 136-byte blocks: the codes are 8-aligned, the act 32-aligned */
         const bytes8 qs[2] = {load8(b + 8 + 16 * ib), load8(b + 16 + 16 * ib)};
         const bytes16 x0 = load16((const uint8_t *)x), x1 = load16((const uint8_t *)x + 16);
+        const unsigned tab[4] = {table_word(iq4nl_values, 0), table_word(iq4nl_values, 1), table_word(iq4nl_values, 2),
+                                 table_word(iq4nl_values, 3)};
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int code = byte_at(qs[j / 8], j % 8);
-            s = imad(iq4nl_values[code >> 4], sbyte_at(x1, j), imad(iq4nl_values[code & 0xF], sbyte_at(x0, j), s));
+        for (int k = 0; k < 4; k++) {
+            const unsigned codes = qs[k / 2].w[k % 2], w0 = table16_lookup(tab, codes), w1 = table16_lookup(tab, codes >> 4);
+#pragma unroll
+            for (int i = 0; i < 4; i++) s = imad(sbyte_of(w1, i), sbyte_at(x1, 4 * k + i), imad(sbyte_of(w0, i), sbyte_at(x0, 4 * k + i), s));
         }
         scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
     } else if (T == IQ3_S) { /* 110-byte blocks: the point indices and signs by load*_unaligned */

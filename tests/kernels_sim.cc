@@ -115,6 +115,19 @@ static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __double2float_rn(double d) { return (float)d; }
 static inline int __popc(unsigned u) { return __builtin_popcount(u); }
+/* prmt.b32 (default mode): byte n of the result is byte S[4n..4n+2] of Y:X, or, where S's bit
+ * 4n+3 is set, that byte's sign bit in all 8 bits */
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s)
+{
+    const uint64_t v = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) {
+        unsigned sel = s >> (4 * n) & 15, b = (unsigned)(v >> (8 * (sel & 7))) & 0xFF;
+        if (sel & 8) b = b & 0x80 ? 0xFF : 0;
+        r |= b << (8 * n);
+    }
+    return r;
+}
 
 /* kernels.cu's helpers in PTX assembly or vector loads. A misaligned vector load, which a card
  * faults on, stops the run. */
