@@ -53,8 +53,10 @@ __constant__ int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, 
 // here rather than read from the 256-word grid that quant_tables_init builds from the same keys:
 // the list is then the very one coli.c spells out (comparable line for line; the fake driver
 // reads it back out of kernels.ptx), not a second, generated copy, for a shift, a mask and an
-// 8-entry lookup per weight.
-__constant__ uint16_t iq3xxs_keys[256] = {
+// 8-entry lookup per weight. The keys live in global memory, read through the read-only cache
+// (__ldg): a warp's different keys are a few cache lines there, where constant memory serves
+// one address at a time.
+__device__ uint16_t iq3xxs_keys[256] = {
     0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
     81, 85, 88, 90, 97, 108, 120, 128, 130, 132, 137, 144, 146, 153, 155, 159,
     169, 175, 189, 193, 199, 200, 202, 213, 248, 267, 287, 292, 303, 315, 317, 321,
@@ -76,8 +78,9 @@ __constant__ uint8_t iq3_levels[8] = {4, 12, 20, 28, 36, 44, 52, 62};
 
 // IQ3_S: the 512 grid points as coli.c lists them (quant_iq3s_keys: (v-1)/2 of coordinate j in
 // bits 3j..3j+2, v in {1,3,..,15}), decoded per weight as IQ3_XXS's keys are, for the same
-// reason: the list reads against coli.c's line for line, and the fake driver reads it back.
-__constant__ uint16_t iq3s_keys[512] = {
+// reason: the list reads against coli.c's line for line, and the fake driver reads it back. In
+// global memory as IQ3_XXS's.
+__device__ uint16_t iq3s_keys[512] = {
     0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
     37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
     80, 83, 87, 89, 93, 100, 113, 117, 122, 128, 129, 133, 135, 136, 139, 142,
@@ -197,7 +200,7 @@ __device__ __forceinline__ bytes8 load8_unaligned(const uint8_t *p) {
 // Byte I of the word V, signed.
 __device__ __forceinline__ int sbyte_of(unsigned v, int i) { return (int)(int8_t)(v >> (8 * i)); }
 
-// Word K of a 16-byte table (4 uniform constant loads: the same address in every lane).
+// Word K of a table of bytes (4 uniform constant loads: the same address in every lane).
 __device__ __forceinline__ unsigned table_word(const int8_t *tab, int k) {
     return (uint8_t)tab[4 * k] | (uint8_t)tab[4 * k + 1] << 8 | (uint8_t)tab[4 * k + 2] << 16 | (unsigned)(uint8_t)tab[4 * k + 3] << 24;
 }
@@ -408,21 +411,29 @@ __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, in
         const unsigned qh = b[66 + ib], signs = load4_unaligned(b + 74 + 4 * ib);
         const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
 #pragma unroll
-        for (int j = 0; j < 32; j++) {
-            const unsigned key = iq3s_keys[byte_at(qs, j / 4) | ((qh >> (j / 4)) & 1) << 8];
-            const int level = 2 * (int)((key >> (3 * (j % 4))) & 7) + 1;
-            s = imad((signs >> j) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
+        for (int k = 0; k < 8; k++) {
+            const unsigned key = __ldg(&iq3s_keys[byte_at(qs, k) | ((qh >> k) & 1) << 8]);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int j = 4 * k + c, level = 2 * (int)((key >> (3 * c)) & 7) + 1;
+                s = imad((signs >> j) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
+            }
         }
         scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
     } else { /* IQ3_XXS, 98-byte blocks: likewise */
         const bytes8 qs = load8_unaligned(b + 2 + 8 * ib);
         const unsigned aux = load4_unaligned(b + 66 + 4 * ib);
         const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
+        const unsigned levels[2] = {table_word((const int8_t *)iq3_levels, 0), table_word((const int8_t *)iq3_levels, 1)};
 #pragma unroll
-        for (int j = 0; j < 32; j++) {
-            const unsigned bits7 = (aux >> (7 * (j / 8))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
-            const int level = iq3_levels[(iq3xxs_keys[byte_at(qs, j / 4)] >> (3 * (j % 4))) & 7];
-            s = imad((signs >> (j % 8)) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
+        for (int k = 0; k < 8; k++) {
+            const unsigned key = __ldg(&iq3xxs_keys[byte_at(qs, k)]);
+            const unsigned bits7 = (aux >> (7 * (k / 2))) & 127, signs = bits7 | (__popc(bits7) & 1) << 7;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int j = 4 * k + c, level = (int)(__byte_perm(levels[0], levels[1], (key >> (3 * c)) & 7) & 0xFF);
+                s = imad((signs >> (j % 8)) & 1 ? -level : level, sbyte_at(xs[j / 16], j % 16), s);
+            }
         }
         scale = 2 * (int)(aux >> 28) + 1;
     }

@@ -115,6 +115,7 @@ static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __double2float_rn(double d) { return (float)d; }
 static inline int __popc(unsigned u) { return __builtin_popcount(u); }
+template <class T> static inline T __ldg(const T *p) { return *p; }
 /* prmt.b32 (default mode): byte n of the result is byte S[4n..4n+2] of Y:X, or, where S's bit
  * 4n+3 is set, that byte's sign bit in all 8 bits */
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s)
