@@ -3305,7 +3305,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
  * sign of element 4i + j (dword q of S widened to qword q holds elements 32q..32q+31, so point
  * i's are in qword i / 8, at 4 (i % 8) + j); dword l of k->sc[0] is the scale of points
  * 4l..4l+3, block l / 2. */
-QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
+QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
     const __m512i w = _mm512_cvtepu32_epi64(s);
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->neg[j] = quant_bitalg_shuffle(_mm512_set1_epi64(0x1c1814100c080400LL + 0x0101010101010101LL * j), w);
@@ -3329,7 +3329,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
     const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
     if (in_planes) {
         quant_avx512_iq3_vbmi_points(b + 2, NULL, quant_iq3xxs_pairs[0], 4, _mm_loadl_epi64((const __m128i *)quant_iq3_levels), 1, k);
-        quant_avx512_iq3_plane_signs(quant_avx512_iq3xxs_signs_vbmi(aux), scales, k);
+        quant_avx512_iq3_plane_signs_scales(quant_avx512_iq3xxs_signs_vbmi(aux), scales, k);
         return;
     }
     if (vbmi) {
@@ -3351,9 +3351,9 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
 
 /* IQ3_S super-block: the grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points,
  * in coordinate planes where IN_PLANES says), else 16 per register by one gather from
- * quant_iq3s_grid (512 words: too many to hold in registers as IQ3_XXS's keys are), their indices the qs bytes with the qh bits as bit 8 (group
- * m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per element, in order, as
- * the 64-bit masks; and the scales 2 s + 1. */
+ * quant_iq3s_grid (512 words: too many to hold in registers as IQ3_XXS's keys are), their
+ * indices the qs bytes with the qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their
+ * two qh bytes); a sign bit per element, in order, as the 64-bit masks; and the scales 2 s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t packed;
@@ -3374,7 +3374,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, in
         }
     }
     if (in_planes) {
-        quant_avx512_iq3_plane_signs(_mm256_loadu_si256((const __m256i *)(b + QUANT_IQ3S_SIGNS)), scales, k);
+        quant_avx512_iq3_plane_signs_scales(_mm256_loadu_si256((const __m256i *)(b + QUANT_IQ3S_SIGNS)), scales, k);
         return;
     }
     QUANT_UNROLL(4)
@@ -3430,7 +3430,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const stru
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
     *ms = _mm256_setzero_si256();
-    if (quant_avx512_in_planes(t, how)) {
+    if (quant_avx512_in_planes(t, how)) { /* IQ3: no min term */
         *is = quant_avx512_iq3_planes_dot(k, qx);
         return;
     }
@@ -3442,7 +3442,6 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const stru
         acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(k->q[j], x), k->sc[j]);
     }
     *is = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-    *ms = _mm256_setzero_si256();
     if (iq) return;
     const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
     if (quant_k_has_min(t)) *ms = m;
