@@ -75,24 +75,60 @@ build_coli() {
     need_musl
     build_helper
     build_ptx
+    build_coli_binary
+}
+
+# The compile itself: needs build_helper's and build_ptx's outputs.
+build_coli_binary() {
     musl-gcc -static $CFLAGS coli.c -o coli -lm
 }
 
-# Builds tests/NAME.c twice: plain glibc gcc, and with AddressSanitizer + UBSan (musl has no
-# sanitizer runtime, so that build uses glibc).
+# Runs each argument (a command line) in the background, at most as many at once as there are
+# CPUs, and waits for all; fails if any failed. The test builds are 20 compiles of very different
+# lengths: paired two by two (a test's plain and sanitizer builds), a core waited on the longer.
+# Each job leaves its outcome in build/pool/N, read once all have ended (a job's exit status
+# could otherwise be collected by the wait that makes room for the next).
+run_pool() {
+    local slots cmd i=0 j rc=0 dir=build/pool cmds=("$@")
+    slots=$(nproc 2>/dev/null || echo 2)
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    for cmd in "$@"; do
+        while [ "$(jobs -rp | wc -l)" -ge "$slots" ]; do wait -n || true; done
+        # not in an if: a condition's commands run with set -e off, down to a function's last one
+        { set +e; (set -e; eval "$cmd"); echo "$?" >"$dir/$i"; } &
+        i=$((i + 1))
+    done
+    wait
+    for ((j = 0; j < i; j++)); do
+        if [ "$(cat "$dir/$j" 2>/dev/null)" != 0 ]; then
+            echo "build.sh: failed (status $(cat "$dir/$j" 2>/dev/null || echo unknown)): ${cmds[j]}" >&2
+            rc=1
+        fi
+    done
+    return "$rc"
+}
+
+# Builds tests/NAME.c plain (glibc gcc) or, given "san", with AddressSanitizer + UBSan (musl has
+# no sanitizer runtime, so that build uses glibc).
 # A test uses part of coli.c, so unused functions are expected there.
 # The plain builds of the tests that check the kernels bit for bit (test_quant, test_model) compile
 # them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same results, ~30% less
-# compile time). The two builds of a test run side by side: each compiles all of coli.c.
-build_test() {
-    local name=$1 plain san rc=0 rolled=-DCOLI_ROLLED
+# compile time).
+build_test_variant() {
+    local name=$1 rolled=-DCOLI_ROLLED
     case $name in test_quant|test_model) rolled= ;; esac
     mkdir -p build
-    gcc $CFLAGS $rolled -Wno-unused-function -g -I. "tests/$name.c" -o "build/$name" -lm & plain=$!
-    gcc $CFLAGS -Wno-unused-function -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -DCOLI_ROLLED -I. "tests/$name.c" -o "build/$name.san" -lm & san=$!
-    wait "$plain" || rc=$?
-    wait "$san" || rc=$?
-    return "$rc"
+    if [ "${2:-}" = san ]; then
+        gcc $CFLAGS -Wno-unused-function -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -DCOLI_ROLLED -I. "tests/$name.c" -o "build/$name.san" -lm
+    else
+        gcc $CFLAGS $rolled -Wno-unused-function -g -I. "tests/$name.c" -o "build/$name" -lm
+    fi
+}
+
+# Both builds of tests/NAME.c, side by side.
+build_test() {
+    run_pool "build_test_variant $1" "build_test_variant $1 san"
 }
 
 # The fake CUDA driver (tests/fake_cuda.c): a glibc libcuda.so.1 that runs each kernel's C twin
@@ -229,14 +265,24 @@ run_test() {
     fi
 }
 
+TESTS="test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve"
+
 run_tests() {
-    build_coli
-    local t
-    build_fake_driver
-    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve; do build_test "$t"; done
-    build_serve_clients
+    local t builds=()
+    need_musl
+    build_helper
+    build_ptx
+    # every compile in one pool, the longest first (the unrolled plain builds of test_quant and
+    # test_model, then coli itself)
+    for t in test_quant test_model; do builds+=("build_test_variant $t"); done
+    builds+=(build_coli_binary)
+    for t in $TESTS; do
+        case $t in test_quant|test_model) ;; *) builds+=("build_test_variant $t") ;; esac
+        builds+=("build_test_variant $t san")
+    done
+    run_pool "${builds[@]}" build_fake_driver build_serve_clients
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    for t in test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve; do
+    for t in $TESTS; do
         run_test "$t" "build/$t" "$GOLDEN"
         run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
     done
