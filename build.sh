@@ -115,9 +115,11 @@ run_pool() {
 # The plain builds of the tests that check the kernels bit for bit (test_quant, test_model) compile
 # them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same results, ~30% less
 # compile time).
+unrolled_test() { case $1 in test_quant|test_model) return 0 ;; *) return 1 ;; esac; }
+
 build_test_variant() {
     local name=$1 rolled=-DCOLI_ROLLED
-    case $name in test_quant|test_model) rolled= ;; esac
+    if unrolled_test "$name"; then rolled=; fi
     mkdir -p build
     if [ "${2:-}" = san ]; then
         gcc $CFLAGS -Wno-unused-function -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -DCOLI_ROLLED -I. "tests/$name.c" -o "build/$name.san" -lm
@@ -272,12 +274,11 @@ run_tests() {
     need_musl
     build_helper
     build_ptx
-    # every compile in one pool, the longest first (the unrolled plain builds of test_quant and
-    # test_model, then coli itself)
-    for t in test_quant test_model; do builds+=("build_test_variant $t"); done
+    # every compile in one pool, the longest first (the unrolled plain builds, then coli itself)
+    for t in $TESTS; do if unrolled_test "$t"; then builds+=("build_test_variant $t"); fi; done
     builds+=(build_coli_binary)
     for t in $TESTS; do
-        case $t in test_quant|test_model) ;; *) builds+=("build_test_variant $t") ;; esac
+        if ! unrolled_test "$t"; then builds+=("build_test_variant $t"); fi
         builds+=("build_test_variant $t san")
     done
     run_pool "${builds[@]}" build_fake_driver build_serve_clients

@@ -182,7 +182,7 @@ __device__ __forceinline__ int sbyte_at(bytes16 v, int i) { return (int)(int8_t)
 __device__ __forceinline__ int byte_at(bytes8 v, int i) { return (v.w[i / 4] >> (8 * (i % 4))) & 0xFF; }
 __device__ __forceinline__ int sbyte_at(bytes8 v, int i) { return (int)(int8_t)byte_at(v, i); }
 
-// The 4 or 8 bytes at P, at any alignment (blocks of 17, 18, 22, 34, 110 and 210 bytes): the
+// The 4 or 8 bytes at P, at any alignment (blocks of 17, 18, 22, 34, 98, 110 and 210 bytes): the
 // aligned words that cover them, joined by funnel shifts, instead of a load a byte. No word past
 // the one that holds the last byte is read.
 __device__ __forceinline__ unsigned load4_unaligned(const uint8_t *p) {
@@ -394,7 +394,7 @@ template <int T>
 __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, int ib) {
     const int8_t *x = qx + 32 * ib;
     int s = 0, scale;
-    if (T == IQ4_XS) { /* 136-byte blocks: the codes are 8-aligned, the act 32-aligned */
+    if (T == IQ4_XS) { // 136-byte blocks: the codes are 8-aligned, the act 32-aligned
         const bytes8 qs[2] = {load8(b + 8 + 16 * ib), load8(b + 16 + 16 * ib)};
         const bytes16 x0 = load16((const uint8_t *)x), x1 = load16((const uint8_t *)x + 16);
         const unsigned tab[4] = {table_word(iq4nl_values, 0), table_word(iq4nl_values, 1), table_word(iq4nl_values, 2),
@@ -406,7 +406,7 @@ __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, in
             for (int i = 0; i < 4; i++) s = imad(sbyte_of(w1, i), sbyte_at(x1, 4 * k + i), imad(sbyte_of(w0, i), sbyte_at(x0, 4 * k + i), s));
         }
         scale = (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((le16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
-    } else if (T == IQ3_S) { /* 110-byte blocks: the point indices and signs by load*_unaligned */
+    } else if (T == IQ3_S) { // 110-byte blocks: the point indices and signs by load*_unaligned
         const bytes8 qs = load8_unaligned(b + 2 + 8 * ib);
         const unsigned qh = b[66 + ib], signs = load4_unaligned(b + 74 + 4 * ib);
         const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
@@ -420,7 +420,7 @@ __device__ __forceinline__ ksums iq_share(const uint8_t *b, const int8_t *qx, in
             }
         }
         scale = 2 * (int)((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
-    } else { /* IQ3_XXS, 98-byte blocks: likewise */
+    } else { // IQ3_XXS, 98-byte blocks: likewise
         const bytes8 qs = load8_unaligned(b + 2 + 8 * ib);
         const unsigned aux = load4_unaligned(b + 66 + 4 * ib);
         const bytes16 xs[2] = {load16((const uint8_t *)x), load16((const uint8_t *)x + 16)};
