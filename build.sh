@@ -84,8 +84,9 @@ build_coli_binary() {
 }
 
 # Runs each argument (a command line) in the background, at most as many at once as there are
-# CPUs, and waits for all; fails if any failed. The test builds are 20 compiles of very different
-# lengths: paired two by two (a test's plain and sanitizer builds), a core waited on the longer.
+# CPUs, and waits for all; fails if any failed. `./build.sh test` has 19 such jobs (16 test
+# builds, coli, the fake driver, the clients) of very different lengths: paired two by two (a
+# test's plain and sanitizer builds), a core waited on the longer.
 # Each job leaves its outcome in build/pool/N, read once all have ended (a job's exit status
 # could otherwise be collected by the wait that makes room for the next).
 run_pool() {
