@@ -3157,12 +3157,13 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
     memcpy(&lo4, b + 4, 4);
     const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
     const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(quant_rd16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-    const __m256i s8 = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xf)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    const __m256i s6 = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xf)), _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    const __m256i s8 = _mm256_sub_epi32(s6, _mm256_set1_epi32(32));
     if (!nibbles) {
-        quant_avx512_iq_scales(_mm256_sub_epi32(s8, _mm256_set1_epi32(32)), k);
+        quant_avx512_iq_scales(s8, k);
         return;
     }
-    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(_mm256_sub_epi32(s8, _mm256_set1_epi32(32))));
+    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
     k->sc[0] = k->sc[1] = _mm512_permutexvar_epi16(quant_avx512_widx(0, 8), s16);
     k->sc[2] = k->sc[3] = _mm512_permutexvar_epi16(quant_avx512_widx(4, 8), s16);
 }
@@ -4178,7 +4179,7 @@ static void quant_set_level(int level) {
 
 static const char *quant_level_name(void) { return quant_level_names[quant_level]; }
 
-/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512 forces (dies on an
+/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces (dies on an
  * unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
 static void quant_init(void) {
     int level = quant_level_max();
@@ -15112,9 +15113,10 @@ static const char arg_usage[] =
     "           --place auto|off|COMPONENT=DEVICE,... where DEVICE may split the layers, DEV:N+DEV:N...\n"
     "             (lmhead attnproj dnproj dnout shexp router ffn experts; e.g. lmhead=0,dnproj=0:20+1:20)\n"
     "           --no-probe (auto placement without timing a trunk product on each device and the CPU)\n"
-    "environment: COLI_CPU=scalar|avx2|avx512 forces a kernel level; COLI_CUDA=0 never loads the\n"
-    "           driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB), COLI_PLACE,\n"
-    "           HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts are read)\n";
+    "environment: COLI_CPU=scalar|avx2|avx512|avx512vbmi forces a kernel level; COLI_CUDA=0 never\n"
+    "           loads the driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB),\n"
+    "           COLI_PLACE, HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts\n"
+    "           are read)\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
