@@ -4643,26 +4643,53 @@ QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-/* ops_exp_core_avx2 on 8 double lanes. */
-QUANT_AVX512_INLINE __m256 ops_exp_core_avx512(__m256 x) {
-    const __m512d shift = _mm512_set1_pd(6755399441055744.0), xd = _mm512_cvtps_pd(x);
-    const __m512d t = _mm512_add_pd(_mm512_mul_pd(xd, _mm512_set1_pd(1.4426950408889634)), shift), n = _mm512_sub_pd(t, shift);
-    const __m512d r = _mm512_sub_pd(xd, _mm512_mul_pd(n, _mm512_set1_pd(0.6931471805599453)));
-    __m512d p = _mm512_set1_pd(1.0 / 3628800.0);
-    for (int i = 0; i < 10; i++) p = _mm512_add_pd(_mm512_mul_pd(p, r), _mm512_set1_pd(ops_exp_taylor[i]));
-    const __m512i k = _mm512_sub_epi64(_mm512_castpd_si512(t), _mm512_castpd_si512(shift));
-    const __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(k, _mm512_set1_epi64(1023)), 52));
-    return _mm512_cvtpd_ps(_mm512_mul_pd(p, scale));
+/* ops_exp_core_avx2 on 8 double lanes, for N (1..4; constant where inlined) vectors in
+ * lockstep: each step for every vector before the next step, so that N independent chains
+ * fill the pipes. One 10-step chain at a time left them waiting on its latency (softmax over
+ * 8 heads of 32k scores: 0.33 ms on one core, 0.27 with four chains). */
+QUANT_AVX512_INLINE void ops_exp_cores_avx512(const __m256 *x, __m256 *e, int n) {
+    const __m512d shift = _mm512_set1_pd(6755399441055744.0);
+    __m512d xd[4], t[4], r[4], p[4];
+    QUANT_UNROLL(4)
+    for (int v = 0; v < n; v++) {
+        xd[v] = _mm512_cvtps_pd(x[v]);
+        t[v] = _mm512_add_pd(_mm512_mul_pd(xd[v], _mm512_set1_pd(1.4426950408889634)), shift);
+        r[v] = _mm512_sub_pd(xd[v], _mm512_mul_pd(_mm512_sub_pd(t[v], shift), _mm512_set1_pd(0.6931471805599453)));
+        p[v] = _mm512_set1_pd(1.0 / 3628800.0);
+    }
+    for (int i = 0; i < 10; i++)
+        QUANT_UNROLL(4)
+        for (int v = 0; v < n; v++) p[v] = _mm512_add_pd(_mm512_mul_pd(p[v], r[v]), _mm512_set1_pd(ops_exp_taylor[i]));
+    QUANT_UNROLL(4)
+    for (int v = 0; v < n; v++) {
+        const __m512i k = _mm512_sub_epi64(_mm512_castpd_si512(t[v]), _mm512_castpd_si512(shift));
+        const __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(k, _mm512_set1_epi64(1023)), 52));
+        e[v] = _mm512_cvtpd_ps(_mm512_mul_pd(p[v], scale));
+    }
 }
 
-/* ops_exp8_avx2 with 16 floats and masks. */
+/* ops_exp8_avx2 with 16 floats and masks, for N (1 or 2) vectors in lockstep. */
+QUANT_AVX512_INLINE void ops_exp16n_avx512(const __m512 *x, __m512 *e, int n) {
+    __m256 half[4], eh[4];
+    QUANT_UNROLL(2)
+    for (int v = 0; v < n; v++) {
+        half[2 * v] = _mm512_castps512_ps256(x[v]);
+        half[2 * v + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x[v]), 1));
+    }
+    ops_exp_cores_avx512(half, eh, 2 * n);
+    QUANT_UNROLL(2)
+    for (int v = 0; v < n; v++) {
+        __m512 ev = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(eh[2 * v])), _mm256_castps_pd(eh[2 * v + 1]), 1));
+        ev = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+        ev = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+        e[v] = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], x[v], _CMP_UNORD_Q), x[v]);
+    }
+}
+
 QUANT_AVX512_INLINE __m512 ops_exp16_avx512(__m512 x) {
-    const __m256 lo = ops_exp_core_avx512(_mm512_castps512_ps256(x));
-    const __m256 hi = ops_exp_core_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    __m512 e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
-    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    __m512 e;
+    ops_exp16n_avx512(&x, &e, 1);
+    return e;
 }
 
 /* ops_silu8_avx2 with 16 floats. */
@@ -4731,11 +4758,17 @@ static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *
     for (int i = body; i < n; i++) *max = x[i] > *max ? x[i] : *max;
     const __m512 m = _mm512_set1_ps(*max);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-    for (int i = 0; i < body; i += 16) {
-        const __m512 e = ops_exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
-        _mm512_storeu_ps(x + i, e);
-        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    for (int i = 0; i < body; i += 32) {
+        const int vectors = body - i >= 32 ? 2 : 1;
+        __m512 d[2], e[2];
+        for (int v = 0; v < vectors; v++) d[v] = _mm512_sub_ps(_mm512_loadu_ps(x + i + 16 * v), m);
+        if (vectors == 2) ops_exp16n_avx512(d, e, 2);
+        else ops_exp16n_avx512(d, e, 1);
+        for (int v = 0; v < vectors; v++) {
+            _mm512_storeu_ps(x + i + 16 * v, e[v]);
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e[v])));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e[v]), 1))));
+        }
     }
     _mm512_storeu_pd(part, lo);
     _mm512_storeu_pd(part + 8, hi);
@@ -4781,6 +4814,7 @@ static void ops_softmax(float *x, int n)
     for (int s = OPS_SOFTMAX_PARTS / 2; s > 0; s /= 2)
         for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
     float inv = (float)(1.0 / part[0]);
+    #pragma omp simd
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
@@ -4796,14 +4830,18 @@ static void ops_softmax(float *x, int n)
  * serial sum (the order before) kept the vector units idle at one add per 4 cycles. The SIMD
  * versions hold each head's 16 partials in registers (independent chains across heads).
  * Q8_0 keys: integer products against the query quantised (ops_scores_q8_0, below).
- * Values: o_j[i] = o_j[i] + w_j[p] * v_p[i] in increasing p, element by element (the same
- * operations at any width), the rows in chunks of OPS_ATTN_CHUNK that every tile of
- * accumulators passes over before the next chunk. A Q8_0 value is widened exactly (d * q has
- * at most 18 significant bits), so the sums are those of fp32 rows holding those values. */
+ * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the
+ * same operation at any width: fmaf, or the FMA instructions every AVX2 CPU has), the rows in
+ * chunks of OPS_ATTN_CHUNK that every tile of accumulators passes over before the next chunk.
+ * Fused, because a Q8_0 value's widening then runs beside the products: with a multiply and
+ * an add, the FP pipes also had to take the conversions (8 heads x 32 dims a row: 13 cycles
+ * against 9.5 fused, on Zen 5). A Q8_0 value is widened exactly (d * q has at most 18
+ * significant bits), so the sums are those of fp32 rows holding those values. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
-#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (32 KiB of rows of 256, read once from memory) */
+#define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (8.5-32 KiB of rows of 256, read once from memory) */
+#define OPS_ATTN_VALUES_AHEAD 32 /* value rows a tile asks for ahead, its own part of them */
 
 /* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale
  * and 32 int8), quantised as quant_act_q8 quantises an activation; Q8_0 keys are stored
@@ -4875,8 +4913,9 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
     return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* The cache lines of row P + OPS_ATTN_AHEAD (HD elements) asked for. */
-static inline void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, enum ops_kv kv)
+/* The cache lines of row P + OPS_ATTN_AHEAD (HD elements) asked for. Always inlined, as
+ * ops_kv_prefetch_part (below). */
+QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, enum ops_kv kv)
 {
     const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv);
     for (size_t b = 0; b < ops_kv_row_bytes((size_t)hd, kv); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
@@ -5154,49 +5193,87 @@ static void ops_attend_scalar(const float *const *w, int nq, const void *v, size
 {
     for (int p = 0; p < n; p++)
         for (int j = 0; j < nq; j++)
-            for (int i = 0; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(ops_kv_row(v, stride, p, kv), i, kv);
+            for (int i = 0; i < hd; i++) o[j][i] = fmaf(w[j][p], ops_kv_at(ops_kv_row(v, stride, p, kv), i, kv), o[j][i]);
 }
 
-/* Dims I0..I0 + 64 of heads J0..J0 + 4 over rows P0..P1, the 16 accumulators in registers
- * (o in memory would be loaded and stored per row). The first tile of a chunk (PREFETCH) asks
- * for whole rows ahead for the others, which then find them in the cache. */
-QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
-                                                int i0, int hd, int prefetch, float *const *o, enum ops_kv kv)
+/* The cache lines of elements I0..I1 (with their Q8_0 scales) of row P +
+ * OPS_ATTN_VALUES_AHEAD asked for: a tile's part, so that the requests spread over the pass
+ * instead of all coming with its first tile (which had left the values at 32k rows 1.4x
+ * slower than in cache). Always inlined: gcc counts a function of prefetches alone as having
+ * no effect and drops its calls. */
+QUANT_SHARED_INLINE void ops_kv_prefetch_part(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
-    __m512 acc[4][4];
-    QUANT_UNROLL(4)
-    for (int j = 0; j < 4; j++)
-        QUANT_UNROLL(4)
-        for (int r = 0; r < 4; r++) acc[j][r] = _mm512_loadu_ps(o[j0 + j] + i0 + 16 * r);
+    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_VALUES_AHEAD, kv), *first, *last;
+    if (kv == OPS_KV_Q8_0) {
+        first = (const char *)ops_kv_block(row, i0);
+        last = (const char *)ops_kv_block(row, i1 - 1) + 2 + (i1 - 1) % QUANT_QK;
+    } else {
+        const size_t size = kv == OPS_KV_F32 ? 4 : 2;
+        first = row + (size_t)i0 * size;
+        last = row + (size_t)i1 * size - 1;
+    }
+    for (const char *b = first; b < last; b += 64) _mm_prefetch(b, _MM_HINT_T0);
+    _mm_prefetch(last, _MM_HINT_T0);
+}
+
+/* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, the
+ * accumulators in registers (o in memory would be loaded and stored per row). WT holds the
+ * rows' weights head by head, row p's at wt[HEADS * (p - p0)]: one base pointer for all of
+ * them. The 32 dims are one Q8_0 block: one scale a row. */
+QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, const void *v, size_t stride, int p0, int p1,
+                                                int i0, float *const *o, enum ops_kv kv)
+{
+    __m512 acc[OPS_ATTN_HEADS][2];
+    QUANT_UNROLL(8)
+    for (int j = 0; j < heads; j++)
+        QUANT_UNROLL(2)
+        for (int r = 0; r < 2; r++) acc[j][r] = _mm512_loadu_ps(o[j] + i0 + 16 * r);
     for (int p = p0; p < p1; p++) {
         const void *vr = ops_kv_row(v, stride, p, kv);
-        if (prefetch) ops_kv_prefetch(v, stride, p, hd, kv);
-        const __m512 v0 = ops_kv_load16(vr, i0, kv), v1 = ops_kv_load16(vr, i0 + 16, kv);
-        const __m512 v2 = ops_kv_load16(vr, i0 + 32, kv), v3 = ops_kv_load16(vr, i0 + 48, kv);
-        QUANT_UNROLL(4)
-        for (int j = 0; j < 4; j++) {
-            const __m512 a = _mm512_set1_ps(w[j0 + j][p]);
-            acc[j][0] = _mm512_add_ps(acc[j][0], _mm512_mul_ps(a, v0));
-            acc[j][1] = _mm512_add_ps(acc[j][1], _mm512_mul_ps(a, v1));
-            acc[j][2] = _mm512_add_ps(acc[j][2], _mm512_mul_ps(a, v2));
-            acc[j][3] = _mm512_add_ps(acc[j][3], _mm512_mul_ps(a, v3));
+        ops_kv_prefetch_part(v, stride, p, i0, i0 + 32, kv);
+        __m512 v0, v1;
+        if (kv == OPS_KV_Q8_0) {
+            const uint8_t *b = ops_kv_block(vr, i0);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(quant_rd16(b)));
+            v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+            v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
+        } else {
+            v0 = ops_kv_load16(vr, i0, kv);
+            v1 = ops_kv_load16(vr, i0 + 16, kv);
+        }
+        const float *a = wt + (size_t)heads * (size_t)(p - p0);
+        QUANT_UNROLL(8)
+        for (int j = 0; j < heads; j++) {
+            const __m512 wj = _mm512_set1_ps(a[j]);
+            acc[j][0] = _mm512_fmadd_ps(wj, v0, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(wj, v1, acc[j][1]);
         }
     }
-    QUANT_UNROLL(4)
-    for (int j = 0; j < 4; j++)
-        QUANT_UNROLL(4)
-        for (int r = 0; r < 4; r++) _mm512_storeu_ps(o[j0 + j] + i0 + 16 * r, acc[j][r]);
+    QUANT_UNROLL(8)
+    for (int j = 0; j < heads; j++)
+        QUANT_UNROLL(2)
+        for (int r = 0; r < 2; r++) _mm512_storeu_ps(o[j] + i0 + 16 * r, acc[j][r]);
+}
+
+/* The tiles over every chunk of rows, HEADS (4 or 8) heads and dims of a multiple of 32. */
+QUANT_AVX512_INLINE void ops_attend_tiles_avx512(const float *const *w, int heads, const void *v, size_t stride, int n, int hd,
+                                                 float *const *o, enum ops_kv kv)
+{
+    float wt[OPS_ATTN_CHUNK * OPS_ATTN_HEADS];
+    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
+        const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
+        for (int p = p0; p < p1; p++)
+            for (int j = 0; j < heads; j++) wt[heads * (p - p0) + j] = w[j][p];
+        for (int i0 = 0; i0 < hd; i0 += 32) ops_attend_tile_avx512(wt, heads, v, stride, p0, p1, i0, o, kv);
+    }
 }
 
 QUANT_AVX512_INLINE void ops_attend_rows_avx512(const float *const *w, int nq, const void *v, size_t stride, int n, int hd,
                                                 float *const *o, enum ops_kv kv)
 {
-    if (nq % 4 == 0 && hd % 64 == 0) {
-        for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
-            const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
-            for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 64) ops_attend_tile_avx512(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, kv);
-        }
+    if (hd % 32 == 0 && (nq == 8 || nq == 4)) {
+        if (nq == 8) ops_attend_tiles_avx512(w, 8, v, stride, n, hd, o, kv);
+        else ops_attend_tiles_avx512(w, 4, v, stride, n, hd, o, kv);
         return;
     }
     const int body = hd / 16 * 16;
@@ -5205,8 +5282,8 @@ QUANT_AVX512_INLINE void ops_attend_rows_avx512(const float *const *w, int nq, c
         for (int j = 0; j < nq; j++) {
             const __m512 a = _mm512_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 16)
-                _mm512_storeu_ps(o[j] + i, _mm512_add_ps(_mm512_loadu_ps(o[j] + i), _mm512_mul_ps(a, ops_kv_load16(vr, i, kv))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, kv);
+                _mm512_storeu_ps(o[j] + i, _mm512_fmadd_ps(a, ops_kv_load16(vr, i, kv), _mm512_loadu_ps(o[j] + i)));
+            for (int i = body; i < hd; i++) o[j][i] = fmaf(w[j][p], ops_kv_at(vr, i, kv), o[j][i]);
         }
     }
 }
@@ -5221,7 +5298,7 @@ static QUANT_AVX512 void ops_attend_avx512(const float *const *w, int nq, const 
 
 /* ops_attend_tile_avx512 at this width: dims I0..I0 + 16 of heads J0..J0 + 4, 8 registers. */
 QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const void *v, size_t stride, int p0, int p1,
-                                            int i0, int hd, int prefetch, float *const *o, enum ops_kv kv)
+                                            int i0, float *const *o, enum ops_kv kv)
 {
     __m256 acc[4][2];
     QUANT_UNROLL(4)
@@ -5229,13 +5306,13 @@ QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
     for (int p = p0; p < p1; p++) {
         const void *vr = ops_kv_row(v, stride, p, kv);
-        if (prefetch) ops_kv_prefetch(v, stride, p, hd, kv);
+        if (j0 == 0) ops_kv_prefetch_part(v, stride, p, i0, i0 + 16, kv);
         const __m256 v0 = ops_kv_load8(vr, i0, kv), v1 = ops_kv_load8(vr, i0 + 8, kv);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
             const __m256 a = _mm256_set1_ps(w[j0 + j][p]);
-            acc[j][0] = _mm256_add_ps(acc[j][0], _mm256_mul_ps(a, v0));
-            acc[j][1] = _mm256_add_ps(acc[j][1], _mm256_mul_ps(a, v1));
+            acc[j][0] = _mm256_fmadd_ps(a, v0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(a, v1, acc[j][1]);
         }
     }
     QUANT_UNROLL(4)
@@ -5250,7 +5327,7 @@ QUANT_AVX2_INLINE void ops_attend_rows_avx2(const float *const *w, int nq, const
         for (int p0 = 0; p0 < n; p0 += OPS_ATTN_CHUNK) {
             const int p1 = n - p0 < OPS_ATTN_CHUNK ? n : p0 + OPS_ATTN_CHUNK;
             for (int j0 = 0; j0 < nq; j0 += 4)
-                for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, hd, j0 + i0 == 0, o, kv);
+                for (int i0 = 0; i0 < hd; i0 += 16) ops_attend_tile_avx2(w, j0, v, stride, p0, p1, i0, o, kv);
         }
         return;
     }
@@ -5260,8 +5337,8 @@ QUANT_AVX2_INLINE void ops_attend_rows_avx2(const float *const *w, int nq, const
         for (int j = 0; j < nq; j++) {
             const __m256 a = _mm256_set1_ps(w[j][p]);
             for (int i = 0; i < body; i += 8)
-                _mm256_storeu_ps(o[j] + i, _mm256_add_ps(_mm256_loadu_ps(o[j] + i), _mm256_mul_ps(a, ops_kv_load8(vr, i, kv))));
-            for (int i = body; i < hd; i++) o[j][i] = o[j][i] + w[j][p] * ops_kv_at(vr, i, kv);
+                _mm256_storeu_ps(o[j] + i, _mm256_fmadd_ps(a, ops_kv_load8(vr, i, kv), _mm256_loadu_ps(o[j] + i)));
+            for (int i = body; i < hd; i++) o[j][i] = fmaf(w[j][p], ops_kv_at(vr, i, kv), o[j][i]);
         }
     }
 }

@@ -754,14 +754,15 @@ static void test_act_levels(void) {
 
 /* ---- ops_matvec / ops_matmat ---- */
 /* Attention over cached rows (fp32, fp16 and Q8_0 caches): every level gives the scalar bits,
- * for head sizes with and without a tail past the vectors, 1 to 8 heads at once, a last Q8_0
- * key group part full; and the scores' order is the documented one, checked against a
- * rendering of its own: for float keys 16 partials, then the butterfly; for Q8_0 keys the
- * blocks' integer sums of the query quantised by quant_act_q8 against the row quantised the
- * same way, each scaled by dk * dq, added in order. Q8_0 values give what fp32 rows of the
- * widened values give. */
+ * for head sizes with and without a tail past the vectors, 1, 3, 4 and 8 heads at once (the
+ * SIMD levels' tiles take 4 and 8), a last Q8_0 key group part full; and the order is the
+ * documented one, checked against a rendering of its own: for float keys 16 partials, then
+ * the butterfly; for Q8_0 keys the blocks' integer sums of the query quantised by quant_act_q8
+ * against the row quantised the same way, each scaled by dk * dq, added in order; the values
+ * one fused multiply-add a row, in order. Q8_0 values give what fp32 rows of the widened
+ * values give. */
 static void test_attention(void) {
-    static const int hds[] = { 1, 15, 16, 17, 32, 64, 100, 128, 256 }, nqs[] = { 1, 3, 8 };
+    static const int hds[] = { 1, 15, 16, 17, 32, 64, 100, 128, 256 }, nqs[] = { 1, 3, 4, 8 };
     static const char *const kv_names[] = { "fp32", "fp16", "Q8_0" };
     /* value rows in two chunks of OPS_ATTN_CHUNK and a tail, Q8_0 keys in 4 groups and 11; the
      * float caches' rows 300 elements apart (no power of two), Q8_0's 320 (whole blocks) */
@@ -828,6 +829,12 @@ static void test_attention(void) {
                         bad_order += memcmp(&want, &rs[j][p], 4) != 0;
                     }
                 }
+                for (int j = 0; j < nq; j++)
+                    for (int i = 0; i < hd; i++) {
+                        float want = 0.0f;
+                        for (int p = 0; p < N; p++) want = fmaf(rs[j][p], ops_kv_at(ops_kv_row(vc, cs, p, (enum ops_kv)kv), i, (enum ops_kv)kv), want);
+                        bad_order += memcmp(&want, &ro[j][i], 4) != 0;
+                    }
                 if (kv == OPS_KV_Q8_0) { /* the values again from fp32 rows of the widened values */
                     float *wide = (float *)kc;
                     for (int p = 0; p < N; p++)
@@ -837,7 +844,7 @@ static void test_attention(void) {
                     for (int j = 0; j < nq; j++) bad_values += memcmp(go[j], ro[j], (size_t)hd * sizeof(float)) != 0;
                 }
             }
-    check(!bad_order, "attention scores (fp32, fp16 and Q8_0 keys): the documented order", "%d scores differ", bad_order);
+    check(!bad_order, "attention scores and values (fp32, fp16 and Q8_0 caches): the documented order", "%d scores or values differ", bad_order);
     check(!bad, "attention scores and values (fp32, fp16 and Q8_0 caches): every level gives the scalar bits", "%s", why);
     check(!bad_values, "attention values from a Q8_0 cache: the sums of fp32 rows of its widened values", "%d heads differ", bad_values);
     free(q); free(k); free(kc); free(vc); free(qa); free(ka); free(ref); free(got);
@@ -849,7 +856,7 @@ static void test_attention(void) {
  * maximum (e^x is 0). A partial that takes a lane's values twice or skips one shows here; the
  * order of the double sum itself rarely shows after the division to float. */
 static void test_softmax(void) {
-    static const int ns[] = { 1, 5, 16, 17, 100, 4099 };
+    static const int ns[] = { 1, 5, 16, 17, 50, 100, 4099 };
     enum { N = 4099 };
     float *x = plat_alloc(N * sizeof(float)), *want = plat_alloc(N * sizeof(float)), *got = plat_alloc(N * sizeof(float));
     int bad = 0;
