@@ -4637,10 +4637,10 @@ QUANT_AVX2_INLINE __m256 ops_exp8_avx2(__m256 x) {
     return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-/* ops_silu of 8 floats. */
-QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x) {
+/* NUM / (1 + e^-x) of 8 floats: ops_silu with NUM = x, ops_sigmoid with NUM = 1. */
+QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x, __m256 num) {
     const __m256 e = ops_exp8_avx2(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f))); /* -x, as the scalar: the sign bit flipped */
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
 /* ops_exp_core_avx2 on 8 double lanes, for N (1..4; constant where inlined) vectors in
@@ -4693,38 +4693,48 @@ QUANT_AVX512_INLINE __m512 ops_exp16_avx512(__m512 x) {
 }
 
 /* ops_silu8_avx2 with 16 floats. */
-QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x) {
+QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x, __m512 num) {
     const __m512 e = ops_exp16_avx512(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-/* g[i] = silu(g[i]) * u[i] for N values (U NULL: silu alone), ops_silu's bits at every level:
- * the SIMD levels run ops_exp's double steps in vector lanes (a scalar ops_exp is ~20 ns: the
- * 8192 channels of a DeltaNet conv took 0.2 ms a layer). */
-static QUANT_AVX512 void ops_swiglu_avx512(float *g, const float *u, int64_t n) {
+/* out[i] = f(x[i]) * u[i] for N values (U NULL: f alone), f ops_silu or (SIGMOID) ops_sigmoid,
+ * their bits at every level: the SIMD levels run ops_exp's double steps in vector lanes (a
+ * scalar ops_exp is ~20 ns: the 8192 channels of a DeltaNet conv took 0.2 ms a layer). OUT
+ * may be X or U. */
+static float ops_gate_one(float x, const float *u, int64_t i, int sigmoid)
+{
+    const float f = sigmoid ? ops_sigmoid(x) : ops_silu(x);
+    return u ? f * u[i] : f;
+}
+
+static QUANT_AVX512 void ops_gate_avx512(float *out, const float *x, const float *u, int64_t n, int sigmoid) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 s = ops_silu16_avx512(_mm512_loadu_ps(g + i));
-        _mm512_storeu_ps(g + i, u ? _mm512_mul_ps(s, _mm512_loadu_ps(u + i)) : s);
+        const __m512 xv = _mm512_loadu_ps(x + i), f = ops_silu16_avx512(xv, sigmoid ? _mm512_set1_ps(1.0f) : xv);
+        _mm512_storeu_ps(out + i, u ? _mm512_mul_ps(f, _mm512_loadu_ps(u + i)) : f);
     }
-    for (; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+    for (; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
-static QUANT_AVX2 void ops_swiglu_avx2(float *g, const float *u, int64_t n) {
+static QUANT_AVX2 void ops_gate_avx2(float *out, const float *x, const float *u, int64_t n, int sigmoid) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 s = ops_silu8_avx2(_mm256_loadu_ps(g + i));
-        _mm256_storeu_ps(g + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
+        const __m256 xv = _mm256_loadu_ps(x + i), f = ops_silu8_avx2(xv, sigmoid ? _mm256_set1_ps(1.0f) : xv);
+        _mm256_storeu_ps(out + i, u ? _mm256_mul_ps(f, _mm256_loadu_ps(u + i)) : f);
     }
-    for (; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+    for (; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
-static void ops_swiglu(float *g, const float *u, int64_t n) {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_swiglu_avx512(g, u, n);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_swiglu_avx2(g, u, n);
+static void ops_gate(float *out, const float *x, const float *u, int64_t n, int sigmoid) {
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_gate_avx512(out, x, u, n, sigmoid);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_gate_avx2(out, x, u, n, sigmoid);
     else
-        for (int64_t i = 0; i < n; i++) g[i] = u ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+        for (int64_t i = 0; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
+
+/* g[i] = silu(g[i]) * u[i] (U NULL: silu alone). */
+static void ops_swiglu(float *g, const float *u, int64_t n) { ops_gate(g, g, u, n, 0); }
 
 /* ops_swiglu over ROWS rows of WIDTH, a row a task where there are enough of them (a prompt
  * batch's routed experts: 2048 rows of 512 a layer on the 35B). Each element is computed on
@@ -9661,8 +9671,7 @@ static void model_attention(struct model *m, int il, int T)
                 memset(o[j], 0, (size_t)hd * sizeof(float));
             }
             model_attend_rows(m, st, h0 / group, q, share, s->tok_pos[t] + 1, scale, sc, o);
-            for (int j = 0; j < share; j++)
-                for (int i = 0; i < hd; i++) o[j][i] *= ops_sigmoid(q[j][hd + i]);
+            for (int j = 0; j < share; j++) ops_gate(o[j], q[j] + hd, o[j], hd, 1);
         }
     }
     model_phase_mark(m, MODEL_PHASE_ATTENTION);

@@ -958,8 +958,9 @@ static void test_delta_rule(void) {
     check(!bad, "delta rule: every level gives the scalar bits", "%s", why);
 }
 
-/* ops_swiglu at every level against ops_silu value by value, over random values and the
- * edges of ops_exp (its cut-offs at 88.8 and -104, infinities, NaN, subnormals, -0). */
+/* ops_swiglu and the sigmoid gate at every level against ops_silu and ops_sigmoid value by
+ * value, over random values and the edges of ops_exp (its cut-offs at 88.8 and -104,
+ * infinities, NaN, subnormals, -0). */
 static void test_swiglu(void) {
     enum { N = 4099 };
     float *g = plat_alloc(N * sizeof(float)), *u = plat_alloc(N * sizeof(float)), *got = plat_alloc(N * sizeof(float));
@@ -973,17 +974,21 @@ static void test_swiglu(void) {
     char why[160] = "";
     for (int l = QUANT_LEVEL_AVX2; l <= max_level; l++) {
         quant_set_level(l);
-        for (int with_up = 0; with_up < 2; with_up++) {
-            memcpy(got, g, N * sizeof(float));
-            ops_swiglu(got, with_up ? u : NULL, N);
+        for (int mode = 0; mode < 3; mode++) { /* silu, silu * u, u * sigmoid into u (the attention gate) */
+            memcpy(got, mode == 2 ? u : g, N * sizeof(float));
+            if (mode == 2) ops_gate(got, g, got, N, 1);
+            else ops_swiglu(got, mode ? u : NULL, N);
             for (int i = 0; i < N; i++) {
-                const float want = with_up ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
-                if (memcmp(&want, &got[i], 4) && !bad++)
-                    snprintf(why, sizeof why, "%s: silu(%a)%s = %a, not %a", quant_level_names[l], g[i], with_up ? " * u" : "", got[i], want);
+                const float want = mode == 2 ? ops_sigmoid(g[i]) * u[i] : mode ? ops_silu(g[i]) * u[i] : ops_silu(g[i]);
+                /* a NaN's sign is the compiler's: gcc folds ops_sigmoid's 1 + (-x) into 1 - x */
+                const int same = isnan(want) ? isnan(got[i]) : !memcmp(&want, &got[i], 4);
+                if (!same && !bad++)
+                    snprintf(why, sizeof why, "%s: %s(%a)%s = %a, not %a", quant_level_names[l], mode == 2 ? "sigmoid" : "silu", g[i],
+                             mode ? " * u" : "", got[i], want);
             }
         }
     }
-    check(!bad, "silu / SwiGLU: every level gives ops_silu's bits", "%s", why);
+    check(!bad, "silu / SwiGLU / sigmoid gate: every level gives ops_silu's and ops_sigmoid's bits", "%s", why);
     free(g); free(u); free(got);
 }
 
