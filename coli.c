@@ -2817,18 +2817,20 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         h = _mm512_shuffle_epi8(tab, h);
     }
     if (five) {
-        /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi */
-        uint64_t ml = 0, mh = 0;
-        QUANT_UNROLL(4)
-        for (int k = 0; k < 4; k++) {
-            uint32_t qh;
-            memcpy(&qh, b + k * bb + 2 + 2 * has_min, 4);
-            ml |= (uint64_t)(qh & 0xffff) << 16 * k;
-            mh |= (uint64_t)(qh >> 16) << 16 * k;
-        }
+        /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi. Each
+         * block's lane holds its qh four times; a byte shuffle gives byte i the qh byte with
+         * element i's bit, a test picks the bit. Building the two masks with scalar shifts
+         * and ors took ~28 integer operations a quad, the most of Q5_0/Q5_1's time. */
+        const uint8_t *qh = b + 2 + 2 * has_min;
+        __m512i q = _mm512_castsi128_si512(_mm_set1_epi32((int)quant_rd32(qh)));
+        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + bb)), 1);
+        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 2 * bb)), 2);
+        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 3 * bb)), 3);
+        const __m512i bit = _mm512_broadcast_i32x4(_mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1));
+        const __m512i byte_lo = _mm512_broadcast_i32x4(_mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
         const __m512i b4 = _mm512_set1_epi8(0x10);
-        l = _mm512_mask_add_epi8(l, ml, l, b4);
-        h = _mm512_mask_add_epi8(h, mh, h, b4);
+        l = _mm512_mask_add_epi8(l, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q, byte_lo), bit), l, b4);
+        h = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q, _mm512_add_epi8(byte_lo, _mm512_set1_epi8(2))), bit), h, b4);
     }
     *lo = l;
     *hi = h;
