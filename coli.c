@@ -4688,6 +4688,7 @@ QUANT_AVX512_INLINE void ops_exp16n_avx512(const __m512 *x, __m512 *e, int n) {
     }
 }
 
+/* ops_exp of 16 floats. */
 QUANT_AVX512_INLINE __m512 ops_exp16_avx512(__m512 x) {
     __m512 e;
     ops_exp16n_avx512(&x, &e, 1);
