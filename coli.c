@@ -2826,11 +2826,11 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + bb)), 1);
         q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 2 * bb)), 2);
         q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 3 * bb)), 3);
-        const __m512i bit = _mm512_broadcast_i32x4(_mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1));
-        const __m512i byte_lo = _mm512_broadcast_i32x4(_mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
-        const __m512i b4 = _mm512_set1_epi8(0x10);
+        const __m512i bit = _mm512_broadcast_i32x4(_mm_set1_epi64x(0x8040201008040201));
+        const __m512i byte_lo = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0101010101010101, 0));
+        const __m512i byte_hi = _mm512_add_epi8(byte_lo, _mm512_set1_epi8(2)), b4 = _mm512_set1_epi8(0x10);
         l = _mm512_mask_add_epi8(l, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q, byte_lo), bit), l, b4);
-        h = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q, _mm512_add_epi8(byte_lo, _mm512_set1_epi8(2))), bit), h, b4);
+        h = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q, byte_hi), bit), h, b4);
     }
     *lo = l;
     *hi = h;
@@ -4681,7 +4681,8 @@ QUANT_AVX512_INLINE void ops_exp16n_avx512(const __m512 *x, __m512 *e, int n) {
     ops_exp_cores_avx512(half, eh, 2 * n);
     QUANT_UNROLL(2)
     for (int v = 0; v < n; v++) {
-        __m512 ev = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(eh[2 * v])), _mm256_castps_pd(eh[2 * v + 1]), 1));
+        __m512 ev = _mm512_castpd_ps(
+            _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(eh[2 * v])), _mm256_castps_pd(eh[2 * v + 1]), 1));
         ev = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], _mm512_set1_ps(88.8f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
         ev = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
         e[v] = _mm512_mask_mov_ps(ev, _mm512_cmp_ps_mask(x[v], x[v], _CMP_UNORD_Q), x[v]);
