@@ -4619,24 +4619,55 @@ static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
 static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 
 /* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read
- * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases. */
-QUANT_AVX2_INLINE __m128 ops_exp_core_avx2(__m128 x) {
-    const __m256d shift = _mm256_set1_pd(6755399441055744.0), xd = _mm256_cvtps_pd(x);
-    const __m256d t = _mm256_add_pd(_mm256_mul_pd(xd, _mm256_set1_pd(1.4426950408889634)), shift), n = _mm256_sub_pd(t, shift);
-    const __m256d r = _mm256_sub_pd(xd, _mm256_mul_pd(n, _mm256_set1_pd(0.6931471805599453)));
-    __m256d p = _mm256_set1_pd(1.0 / 3628800.0);
-    for (int i = 0; i < 10; i++) p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(ops_exp_taylor[i]));
-    const __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(shift));
-    const __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52));
-    return _mm256_cvtpd_ps(_mm256_mul_pd(p, scale));
+ * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases; for N
+ * (1..4; constant where inlined) vectors in lockstep: each step for every vector before the
+ * next step, so that N independent chains fill the pipes (one 10-step chain at a time left
+ * them waiting on its latency). */
+QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0);
+    __m256d t[4], r[4], p[4];
+    QUANT_UNROLL(4)
+    for (int v = 0; v < n; v++) {
+        const __m256d xd = _mm256_cvtps_pd(x[v]);
+        t[v] = _mm256_add_pd(_mm256_mul_pd(xd, _mm256_set1_pd(1.4426950408889634)), shift);
+        r[v] = _mm256_sub_pd(xd, _mm256_mul_pd(_mm256_sub_pd(t[v], shift), _mm256_set1_pd(0.6931471805599453)));
+        p[v] = _mm256_set1_pd(1.0 / 3628800.0);
+    }
+    for (int i = 0; i < 10; i++)
+        QUANT_UNROLL(4)
+        for (int v = 0; v < n; v++) p[v] = _mm256_add_pd(_mm256_mul_pd(p[v], r[v]), _mm256_set1_pd(ops_exp_taylor[i]));
+    QUANT_UNROLL(4)
+    for (int v = 0; v < n; v++) {
+        const __m256i k = _mm256_sub_epi64(_mm256_castpd_si256(t[v]), _mm256_castpd_si256(shift));
+        const __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)), 52));
+        e[v] = _mm256_cvtpd_ps(_mm256_mul_pd(p[v], scale));
+    }
 }
 
-/* ops_exp of 8 floats: its special cases by blends (NaN last, as it is first there). */
+/* ops_exp of 8 floats, for N (1 or 2) vectors in lockstep: its special cases by blends (NaN
+ * last, as it is first there). */
+QUANT_AVX2_INLINE void ops_exp8n_avx2(const __m256 *x, __m256 *e, int n) {
+    __m128 half[4], eh[4];
+    QUANT_UNROLL(2)
+    for (int v = 0; v < n; v++) {
+        half[2 * v] = _mm256_castps256_ps128(x[v]);
+        half[2 * v + 1] = _mm256_extractf128_ps(x[v], 1);
+    }
+    ops_exp_cores_avx2(half, eh, 2 * n);
+    QUANT_UNROLL(2)
+    for (int v = 0; v < n; v++) {
+        __m256 ev = _mm256_set_m128(eh[2 * v + 1], eh[2 * v]);
+        ev = _mm256_blendv_ps(ev, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x[v], _mm256_set1_ps(88.8f), _CMP_GT_OQ));
+        ev = _mm256_blendv_ps(ev, _mm256_setzero_ps(), _mm256_cmp_ps(x[v], _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
+        e[v] = _mm256_blendv_ps(ev, x[v], _mm256_cmp_ps(x[v], x[v], _CMP_UNORD_Q));
+    }
+}
+
+/* ops_exp of 8 floats. */
 QUANT_AVX2_INLINE __m256 ops_exp8_avx2(__m256 x) {
-    __m256 e = _mm256_set_m128(ops_exp_core_avx2(_mm256_extractf128_ps(x, 1)), ops_exp_core_avx2(_mm256_castps256_ps128(x)));
-    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
-    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
-    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    __m256 e;
+    ops_exp8n_avx2(&x, &e, 1);
+    return e;
 }
 
 /* NUM / (1 + e^-x) of 8 floats: ops_silu with NUM = x, ops_sigmoid with NUM = 1. */
@@ -4645,10 +4676,8 @@ QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x, __m256 num) {
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-/* ops_exp_core_avx2 on 8 double lanes, for N (1..4; constant where inlined) vectors in
- * lockstep: each step for every vector before the next step, so that N independent chains
- * fill the pipes. One 10-step chain at a time left them waiting on its latency (softmax over
- * 8 heads of 32k scores: 0.33 ms on one core, 0.27 with four chains). */
+/* ops_exp_cores_avx2 on 8 double lanes (softmax over 8 heads of 32k scores: 0.33 ms on one
+ * core with one chain at a time, 0.27 with four in lockstep). */
 QUANT_AVX512_INLINE void ops_exp_cores_avx512(const __m256 *x, __m256 *e, int n) {
     const __m512d shift = _mm512_set1_pd(6755399441055744.0);
     __m512d xd[4], t[4], r[4], p[4];
@@ -4670,7 +4699,7 @@ QUANT_AVX512_INLINE void ops_exp_cores_avx512(const __m256 *x, __m256 *e, int n)
     }
 }
 
-/* ops_exp8_avx2 with 16 floats and masks, for N (1 or 2) vectors in lockstep. */
+/* ops_exp8n_avx2 with 16 floats and masks. */
 QUANT_AVX512_INLINE void ops_exp16n_avx512(const __m512 *x, __m512 *e, int n) {
     __m256 half[4], eh[4];
     QUANT_UNROLL(2)
@@ -4800,14 +4829,17 @@ static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part
     for (int i = body; i < n; i++) *max = x[i] > *max ? x[i] : *max;
     const __m256 m = _mm256_set1_ps(*max);
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-    for (int i = 0; i < body; i += 16)
+    for (int i = 0; i < body; i += 16) {
+        const __m256 d[2] = {_mm256_sub_ps(_mm256_loadu_ps(x + i), m), _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m)};
+        __m256 e[2];
+        ops_exp8n_avx2(d, e, 2);
         QUANT_UNROLL(2)
         for (int h = 0; h < 2; h++) {
-            const __m256 e = ops_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * h), m));
-            _mm256_storeu_ps(x + i + 8 * h, e);
-            acc[2 * h] = _mm256_add_pd(acc[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-            acc[2 * h + 1] = _mm256_add_pd(acc[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+            _mm256_storeu_ps(x + i + 8 * h, e[h]);
+            acc[2 * h] = _mm256_add_pd(acc[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(e[h])));
+            acc[2 * h + 1] = _mm256_add_pd(acc[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e[h], 1)));
         }
+    }
     for (int a = 0; a < 4; a++) _mm256_storeu_pd(part + 4 * a, acc[a]);
     return body;
 }
