@@ -4181,8 +4181,8 @@ static void quant_set_level(int level) {
 
 static const char *quant_level_name(void) { return quant_level_names[quant_level]; }
 
-/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces (dies on an
- * unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
+/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces
+ * (dies on an unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
 static void quant_init(void) {
     int level = quant_level_max();
     const char *env = getenv("COLI_CPU");
@@ -4885,9 +4885,8 @@ static void ops_softmax(float *x, int n)
  * significant bits), so the sums are those of fp32 rows holding those values. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
-#define OPS_ATTN_AHEAD 16 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
+#define OPS_ATTN_AHEAD 32 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 #define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (8.5-32 KiB of rows of 256, read once from memory) */
-#define OPS_ATTN_VALUES_AHEAD 32 /* value rows a tile asks for ahead, its own part of them */
 
 /* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale
  * and 32 int8), quantised as quant_act_q8 quantises an activation; Q8_0 keys are stored
@@ -4959,12 +4958,24 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
     return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* The cache lines of row P + OPS_ATTN_AHEAD (HD elements) asked for. Always inlined, as
- * ops_kv_prefetch_part (below). */
-QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int hd, enum ops_kv kv)
+/* The cache lines of elements I0..I1 (with their Q8_0 scales) of row P + OPS_ATTN_AHEAD asked
+ * for: a float key's whole row, or a value tile's part of it, so that the values' requests
+ * spread over the pass instead of all coming with its first tile (which had left them at 32k
+ * rows 1.4x slower than in cache). Always inlined: gcc counts a function of prefetches alone as
+ * having no effect and drops its calls. */
+QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
-    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv);
-    for (size_t b = 0; b < ops_kv_row_bytes((size_t)hd, kv); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv), *first, *last;
+    if (kv == OPS_KV_Q8_0) {
+        first = (const char *)ops_kv_block(row, i0);
+        last = (const char *)ops_kv_block(row, i1 - 1) + 2 + (i1 - 1) % QUANT_QK;
+    } else {
+        const size_t size = kv == OPS_KV_F32 ? 4 : 2;
+        first = row + (size_t)i0 * size;
+        last = row + (size_t)i1 * size - 1;
+    }
+    for (const char *b = first; b < last; b += 64) _mm_prefetch(b, _MM_HINT_T0);
+    _mm_prefetch(last, _MM_HINT_T0);
 }
 
 static void ops_scores_scalar(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
@@ -5010,7 +5021,7 @@ QUANT_AVX2_INLINE void ops_scores_rows_avx2(const float *const *q, int nq, const
                                             float scale, float *const *out, enum ops_kv kv)
 {
     for (int p = 0; p < n; p++) {
-        ops_kv_prefetch(k, stride, p, hd, kv);
+        ops_kv_prefetch(k, stride, p, 0, hd, kv);
         const void *kr = ops_kv_row(k, stride, p, kv);
         for (int j0 = 0; j0 < nq; j0 += 4) { /* 4 heads: 8 accumulators of the 16 registers */
             if (nq - j0 >= 4) ops_scores_heads_avx2(q, j0, 4, kr, p, hd, scale, out, kv);
@@ -5035,7 +5046,7 @@ QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, 
     const int body = hd / OPS_SCORE_PARTS * OPS_SCORE_PARTS;
     for (int p = 0; p < n; p++) {
         const void *kr = ops_kv_row(k, stride, p, kv);
-        ops_kv_prefetch(k, stride, p, hd, kv);
+        ops_kv_prefetch(k, stride, p, 0, hd, kv);
         __m512 acc[OPS_ATTN_HEADS];
         QUANT_UNROLL(8)
         for (int j = 0; j < OPS_ATTN_HEADS; j++) acc[j] = _mm512_setzero_ps();
@@ -5242,26 +5253,6 @@ static void ops_attend_scalar(const float *const *w, int nq, const void *v, size
             for (int i = 0; i < hd; i++) o[j][i] = fmaf(w[j][p], ops_kv_at(ops_kv_row(v, stride, p, kv), i, kv), o[j][i]);
 }
 
-/* The cache lines of elements I0..I1 (with their Q8_0 scales) of row P +
- * OPS_ATTN_VALUES_AHEAD asked for: a tile's part, so that the requests spread over the pass
- * instead of all coming with its first tile (which had left the values at 32k rows 1.4x
- * slower than in cache). Always inlined: gcc counts a function of prefetches alone as having
- * no effect and drops its calls. */
-QUANT_SHARED_INLINE void ops_kv_prefetch_part(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
-{
-    const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_VALUES_AHEAD, kv), *first, *last;
-    if (kv == OPS_KV_Q8_0) {
-        first = (const char *)ops_kv_block(row, i0);
-        last = (const char *)ops_kv_block(row, i1 - 1) + 2 + (i1 - 1) % QUANT_QK;
-    } else {
-        const size_t size = kv == OPS_KV_F32 ? 4 : 2;
-        first = row + (size_t)i0 * size;
-        last = row + (size_t)i1 * size - 1;
-    }
-    for (const char *b = first; b < last; b += 64) _mm_prefetch(b, _MM_HINT_T0);
-    _mm_prefetch(last, _MM_HINT_T0);
-}
-
 /* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, the
  * accumulators in registers (o in memory would be loaded and stored per row). WT holds the
  * rows' weights head by head, row p's at wt[HEADS * (p - p0)]: one base pointer for all of
@@ -5276,7 +5267,7 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, cons
         for (int r = 0; r < 2; r++) acc[j][r] = _mm512_loadu_ps(o[j] + i0 + 16 * r);
     for (int p = p0; p < p1; p++) {
         const void *vr = ops_kv_row(v, stride, p, kv);
-        ops_kv_prefetch_part(v, stride, p, i0, i0 + 32, kv);
+        ops_kv_prefetch(v, stride, p, i0, i0 + 32, kv);
         __m512 v0, v1;
         if (kv == OPS_KV_Q8_0) {
             const uint8_t *b = ops_kv_block(vr, i0);
@@ -5352,7 +5343,7 @@ QUANT_AVX2_INLINE void ops_attend_tile_avx2(const float *const *w, int j0, const
         for (int r = 0; r < 2; r++) acc[j][r] = _mm256_loadu_ps(o[j0 + j] + i0 + 8 * r);
     for (int p = p0; p < p1; p++) {
         const void *vr = ops_kv_row(v, stride, p, kv);
-        if (j0 == 0) ops_kv_prefetch_part(v, stride, p, i0, i0 + 16, kv);
+        if (j0 == 0) ops_kv_prefetch(v, stride, p, i0, i0 + 16, kv);
         const __m256 v0 = ops_kv_load8(vr, i0, kv), v1 = ops_kv_load8(vr, i0 + 8, kv);
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
