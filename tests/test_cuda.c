@@ -19,7 +19,7 @@ static const enum gguf_type types[] = {GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_B
 /* A random ROWS x COLS matrix of TYPE with finite modest scales (quant_sanitize_random). */
 static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_t cols)
 {
-    struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols)};
+    struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols), 0};
     uint8_t *w = plat_alloc_aligned(m.row_bytes * (size_t)rows);
     for (size_t i = 0; i < m.row_bytes * (size_t)rows; i++) w[i] = (uint8_t)rng_u64();
     quant_sanitize_random(type, w, m.row_bytes * (size_t)rows, -1);

@@ -186,6 +186,21 @@ static void check_identity(struct model *m, const struct mj *cases, int n_cases,
     check(same, name, "tokens or logits differ");
 }
 
+/* The trunk copied into the model's own memory as a run has it (model_own_trunk: Q4_K matrices
+ * interleaved at AVX-512), then bit-identity with the first runs at the best level, 2 threads. */
+static void check_owned_trunk(struct model *m, const struct mj *cases, int n_cases, const uint64_t *ref_hash, const char *model_file,
+                              struct run *r)
+{
+    quant_set_level(quant_level_max());
+    model_own_trunk(m);
+    struct place_item *it = model_trunk_items(m);
+    int n = 0, interleaved = 0;
+    for (; it[n].m; n++) interleaved += it[n].m->interleaved;
+    free(it);
+    printf("# %s: the trunk's own copy, %d of %d matrices interleaved\n", model_file, interleaved, n);
+    check_identity(m, cases, n_cases, ref_hash, model_file, quant_level_max(), 2, r);
+}
+
 /* Golden case file JSON_NAME in DIR (NULL, said as a failure, when unreadable); *MODEL_FILE is
  * the model it names, and PATH its path. */
 static struct mj *open_cases(const char *dir, const char *json_name, char *path, size_t size, const char **model_file)
@@ -278,6 +293,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         printf("ok - %s: level %s # SKIP not on this CPU\n", model_file, level_names[level]);
         n_pass++;
     }
+    if (!quick) check_owned_trunk(&m, cases, all, ref_hash, model_file, &r);
     free(r.logits);
     tok_free(&t);
     model_free(&m);
