@@ -4126,52 +4126,67 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Interleaved Q4_K: 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved Q4_K and Q5_K: 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
- * scales and to each super-block's lane sums (~75 a super-block: 15.7 cycles, 14 weights a
- * cycle, against 64 a vpdpbusd). A matrix the CPU owns (§8 model_own_trunk) is repacked
- * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, 36 vectors of
- * 16 dwords, lane r from row r, so that one 64-byte load masked to its low or high nibbles is
- * vpdpbusd's operand for 16 rows, as a tile's is, and the tile's integer and float steps run on
- * it as they are: the same bits as quant_dot_k. One core, 2048 x 2048 in cache, one column:
- * 69 -> 38 us; two threads 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64
- * columns 1077 -> 654 us. */
-#define QUANT_INTERLEAVED_BYTES (QUANT_TILE_ROWS * 144) /* a super-block of 16 Q4_K rows */
+ * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
+ * a cycle, against 64 a vpdpbusd). A matrix the CPU owns (§8 model_own_trunk) is repacked
+ * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
+ * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
+ * low or high nibbles (Q5_K: with the fifth bits or-ed in) is vpdpbusd's operand for 16 rows,
+ * as a tile's is, and the tile's integer and float steps run on it as they are: the same bits
+ * as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads
+ * 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
+
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
- * (a scratch harness, 2 threads, three Q4_K matrices of 16384 x 4096 interleaved and read
+ * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
  * alternately with the plain ones): 4 KiB 53-55, 8 KiB 58-61, 12 KiB 55-56, 16 KiB 53-54 GB/s;
  * an L2 prefetch 16 or 24 KiB ahead besides lost. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
-    return t == GGUF_TYPE_Q4_K && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
+    return (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K) && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
-/* DST = the ROWS Q4_K rows (RB bytes each) at SRC interleaved: for each 16 rows and
- * super-block, vector k (16 dwords, lane r from row r) holds the block's dword 4 + k for
- * k < 32 (the nibbles: 32-byte run k / 8, its dword k % 8), then dwords 1-3 (scales and mins),
- * then dword 0 (d and dmin). 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
-static void quant_interleave(uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
-    const int64_t nu = (int64_t)(rb / 144);
+/* Vector K of an interleaved super-block of type T holds which dword of each row's block: the
+ * 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth bits, the
+ * 3 of scales and mins, and last dword 0 (d and dmin). */
+static int quant_interleaved_dword(enum gguf_type t, int k) {
+    const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
+    return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
+}
+
+/* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
+ * super-block, one vector of 16 dwords (lane r from row r) per dword of the block, in
+ * quant_interleaved_dword's order. 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
+static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
+    const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4;
+    const int64_t nu = (int64_t)rb / bb;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++)
         for (int64_t u = 0; u < nu; u++) {
-            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_INTERLEAVED_BYTES;
+            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * (size_t)bb;
             for (int r = 0; r < QUANT_TILE_ROWS; r++) {
-                const uint8_t *b = src + ((size_t)g * QUANT_TILE_ROWS + (size_t)r) * rb + (size_t)u * 144;
-                for (int k = 0; k < 36; k++) memcpy(v + 64 * k + 4 * r, b + 4 * (k < 32 ? k + 4 : k < 35 ? k - 31 : 0), 4);
+                const uint8_t *b = src + ((size_t)g * QUANT_TILE_ROWS + (size_t)r) * rb + (size_t)u * (size_t)bb;
+                for (int k = 0; k < dwords; k++) memcpy(v + 64 * k + 4 * r, b + 4 * quant_interleaved_dword(t, k), 4);
             }
         }
 }
 
-/* Super-block U of 16 interleaved rows at T against NC columns, as quant_tile_unit: the 32-byte
- * run h of each row is sub-block 2h in its low nibbles and 2h + 1 in its high ones. */
-QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
+/* Bit BIT of each byte of V moved to bit 4 (other bits left for the caller to mask). */
+QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
+    return bit <= 4 ? _mm512_slli_epi32(v, 4 - bit) : _mm512_srli_epi32(v, bit - 4);
+}
+
+/* Super-block U of 16 interleaved Q4_K (FIVE: Q5_K) rows at T against NC columns, as
+ * quant_tile_unit: the 32-byte run h of each row is sub-block 2h in its low nibbles and 2h + 1
+ * in its high ones, and Q5_K's fifth bits of both are bits 2h and 2h + 1 of its qh bytes. */
+QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
                                                 float (*p)[QUANT_NPART][16], int NC) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(t + 64 * 32), u1 = _mm512_loadu_si512(t + 64 * 33);
-    const __m512i u2 = _mm512_loadu_si512(t + 64 * 34), dd = _mm512_loadu_si512(t + 64 * 35);
+    const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales and mins, then d and dmin */
+    const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(sm), u1 = _mm512_loadu_si512(sm + 64);
+    const __m512i u2 = _mm512_loadu_si512(sm + 128);
     __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = msum[c] = _mm512_setzero_si512();
@@ -4183,7 +4198,12 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, const struct q
         QUANT_UNROLL(8)
         for (int m = 0; m < 8; m++) {
             const __m512i v = _mm512_loadu_si512(t + 64 * (8 * h + m));
-            const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (five) { /* lo | (qh's bit 2h at bit 4 & 0x10), hi the same with bit 2h + 1 */
+                const __m512i qh = _mm512_loadu_si512(t + 64 * (32 + m));
+                lo = _mm512_ternarylogic_epi32(lo, quant_bit_to_4(qh, 2 * h), _mm512_set1_epi8(0x10), 0xf8);
+                hi = _mm512_ternarylogic_epi32(hi, quant_bit_to_4(qh, 2 * h + 1), _mm512_set1_epi8(0x10), 0xf8);
+            }
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 const int8_t *x = a[c].qs + u * QUANT_QK_K + 64 * h + 4 * m;
@@ -4202,19 +4222,34 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, const struct q
             }
         }
     }
+    const __m512i dd = _mm512_loadu_si512(sm + 192);
     quant_tile_k_step(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))), a, u,
                       isum, msum, p, NC);
 }
 
-/* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows at W (a group of
+/* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
  * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now (the
  * matrix was interleaved where the CPU has this kernel): columns 4 at a time, the last few one
- * by one. The first pass prefetches; the later ones find the group (18 KiB at 2048 columns) in
- * the L1 or L2. */
-static QUANT_AVX512 void quant_interleaved(const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
-                                                 size_t ys) {
+ * by one. The first pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K
+ * columns) in the L1 or L2. */
+/* Every super-block of 16 interleaved rows at W against NC columns into their partials P;
+ * PREFETCH: ahead of the reads. FIVE and NC constants, so that each pass's loop is unrolled
+ * (with the super-block's size read at run time, the prefetch loop stayed a loop, and bench
+ * --kernels had Q4_K/i at 2048 x 2048 at 53-58 GB/s against 98). */
+QUANT_AVX512_INLINE void quant_interleaved_pass(const uint8_t *w, int five, const struct quant_q8k_view *a, int64_t nu,
+                                                float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (five ? 176 : 144); /* a super-block of 16 rows */
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *b = w + (size_t)u * bytes;
+        for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
+        quant_interleaved_unit(b, five, a, u, p, NC);
+    }
+}
+
+static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                          float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
-    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
+    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART, five = t == GGUF_TYPE_Q5_K;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
     for (int c0 = 0; c0 < nc;) {
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
@@ -4223,12 +4258,10 @@ static QUANT_AVX512 void quant_interleaved(const uint8_t *w, const uint8_t *acts
             a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
             memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         }
-        for (int64_t u = 0; u < nu; u++) {
-            const uint8_t *t = w + (size_t)u * QUANT_INTERLEAVED_BYTES;
-            for (int q = 0; c0 == 0 && q < QUANT_INTERLEAVED_BYTES; q += 64) _mm_prefetch((const char *)t + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-            if (cc == QUANT_TILE_NC) quant_interleaved_unit(t, a, u, p, QUANT_TILE_NC);
-            else quant_interleaved_unit(t, a, u, p, 1);
-        }
+        if (cc == QUANT_TILE_NC && five) quant_interleaved_pass(w, 1, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else if (cc == QUANT_TILE_NC) quant_interleaved_pass(w, 0, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else if (five) quant_interleaved_pass(w, 1, a, nu, p, 1, c0 == 0);
+        else quant_interleaved_pass(w, 0, a, nu, p, 1, c0 == 0);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }
@@ -4554,7 +4587,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         const struct ops_matrix *w = &jobs[j].w;
         int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
         if (w->interleaved)
-            quant_interleaved(w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0, (size_t)w->rows);
+            quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0, (size_t)w->rows);
         else if (jobs[j].n == 1)
             quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
         else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n))
@@ -4632,7 +4665,7 @@ static double ops_bench_gemv(enum gguf_type t, uint8_t *w, int64_t rows, int64_t
     quant_sanitize_random(t, w, rb * (size_t)rows, -1);
     uint8_t *packed = interleave ? plat_alloc_aligned(rb * (size_t)rows) : NULL;
     if (packed) {
-        quant_interleave(packed, w, rb, rows);
+        quant_interleave(t, packed, w, rb, rows);
         m.data = packed;
     }
     ops_matvec(&m, x, y);
@@ -9674,7 +9707,8 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * memory but 17 GB/s in place from the page cache; the 35B's 10-layer slice decodes 11.7 ->
  * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts stay in place: copying 17 GB of
  * them would push the file out of the page cache, and every start would read it again. A
- * matrix with an interleaved form (§3 quant_interleave: Q4_K at AVX-512) is copied into it. */
+ * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K at AVX-512) is copied into it
+ * interleaved. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
@@ -9692,7 +9726,7 @@ static void model_own_trunk(struct model *m)
         size_t bytes = (size_t)w->rows * w->row_bytes;
         if (cuda_resident_of(w->data)) continue;
         if (quant_interleave_ok(w->type, w->rows)) {
-            quant_interleave(dst, w->data, w->row_bytes, w->rows);
+            quant_interleave(w->type, dst, w->data, w->row_bytes, w->rows);
             plat_progress_add(bytes);
             w->interleaved = 1;
         } else {
