@@ -7299,7 +7299,8 @@ static const uint8_t *expert_file_slice(const struct expert_store *s, int l, int
 }
 
 /* Mapped mode with an own copy: expert KEY's place there filled from the file if expert_own
- * left it out, before the CPU reads it. Main thread only. */
+ * left it out, before the CPU reads it. Main thread only. Only a device leaves holes, and with
+ * one the copy is never interleaved. */
 static void expert_fill_hole(struct expert_store *s, int32_t key)
 {
     if (!s->hole || !s->hole[key]) return;
@@ -8017,6 +8018,17 @@ static int expert_layer_in_vram(const struct expert_store *s, int l)
     return 1;
 }
 
+/* RUN experts of tensor T from SRC to DST, as they are or (INTERLEAVE) interleaved one by one. */
+static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *dst, const uint8_t *src, int run)
+{
+    if (!interleave) {
+        plat_copy_weights(dst, src, (size_t)run * t->stride);
+        return;
+    }
+    for (int e = 0; e < run; e++) quant_interleave(t->m.type, dst + (size_t)e * t->stride, src + (size_t)e * t->stride, t->m.row_bytes, t->m.rows);
+    plat_progress_add((size_t)run * t->stride);
+}
+
 /* Mapped mode: copies the merged expert tensors into one anonymous arena and hands experts
  * out there; the process lets go of the file's pages, which the page cache keeps (the caller
  * asks for this only when memory holds both). A layer whose experts are all in VRAM stays in
@@ -8026,7 +8038,8 @@ static int expert_layer_in_vram(const struct expert_store *s, int l)
  * (re-tiering moved it off the device, or the GPU path ended). Why: on this machine Q4_0
  * experts stream at
  * 13-14 GB/s from anonymous memory and 8 GB/s in place from the page cache. Without the
- * memory for it the experts stay in place. */
+ * memory for it the experts stay in place. Where no device takes part (S->vram unset: nothing
+ * will upload from this copy), a type with an interleaved form (§3) is copied in it. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
@@ -8040,6 +8053,7 @@ static void expert_own(struct expert_store *s)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
             size_t stride = src->t.stride, len = stride * (size_t)s->n_expert;
+            const int interleave = !s->vram && quant_interleave_ok(src->t.m.type, src->t.m.rows);
             int partial = 0;
             for (int e = 0; e < s->n_expert; e++) partial |= expert_in_vram(s, l * s->n_expert + e);
             if (partial) madvise(dst, len, MADV_NOHUGEPAGE);
@@ -8047,7 +8061,7 @@ static void expert_own(struct expert_store *s)
                 int in_vram = expert_in_vram(s, l * s->n_expert + e);
                 for (run = 1; e + run < s->n_expert && expert_in_vram(s, l * s->n_expert + e + run) == in_vram; run++) {}
                 if (!in_vram) {
-                    plat_copy_weights(dst + (size_t)e * stride, src->t.m.data + (size_t)e * stride, (size_t)run * stride);
+                    expert_copy(&src->t, interleave, dst + (size_t)e * stride, src->t.m.data + (size_t)e * stride, run);
                     continue;
                 }
                 plat_progress_add((size_t)run * stride);
@@ -8056,6 +8070,7 @@ static void expert_own(struct expert_store *s)
             }
             plat_unmap_range(src->t.m.data, len);
             src->t.m.data = dst;
+            src->t.m.interleaved = interleave;
             dst += (len + 63) & ~(size_t)63;
         }
     plat_progress_end();

@@ -65,6 +65,23 @@ static int load_prompts(const struct mj *root, int max, int **prompts, int *lens
     return n;
 }
 
+/* Mapped mode with the store's own copy of the experts (expert_own: interleaved where the type
+ * has that form, as no device takes part here): the same hashes WANT as the mapping. */
+static void test_own_copy(struct model *m, const char *model_file, int **prompts, const int *lens, int n, const uint64_t *want)
+{
+    struct expert_config cfg = {-1, NULL, model_fingerprint(m), EXPERT_IO_DIRECT, 1};
+    model_store_experts(m, &cfg);
+    expert_start(m->experts);
+    int same = 1, interleaved = 0;
+    for (int l = 0; l < m->experts->n_layers; l++)
+        for (int j = 0; j < 3; j++) interleaved += m->experts->src[l][j].t.m.interleaved;
+    for (int i = 0; i < n; i++) same &= run_hash(m, prompts[i], lens[i]) == want[i];
+    char name[300];
+    snprintf(name, sizeof name, "%s: experts copied into the store's memory (%d of %d tensors interleaved) bit-identical to the mapping",
+             model_file, interleaved, 3 * m->experts->n_layers);
+    check(same && m->experts->own, name, "logits or tokens differ (own copy %s)", m->experts->own ? "made" : "not made");
+}
+
 /* One golden model: the plain run, then the same cases through the store with budgets of 4
  * slots, half the experts, and 4 slots again warm from the heat the previous runs saved. */
 static void test_golden_model(const char *dir, const char *json_name, int quick)
@@ -112,6 +129,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         check(same && st.reads > 0 && (r < 2 || loaded), name, "logits or tokens differ (heat loaded %d)", loaded);
         expert_heat_save(m.experts);
     }
+    test_own_copy(&m, model_file, prompts, lens, n, want);
     unlink(heat);
     for (int i = 0; i < n; i++) free(prompts[i]);
     model_free(&m);
