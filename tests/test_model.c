@@ -293,7 +293,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         printf("ok - %s: level %s # SKIP not on this CPU\n", model_file, level_names[level]);
         n_pass++;
     }
-    if (!quick) check_owned_trunk(&m, cases, all, ref_hash, model_file, &r);
+    if (!quick) check_owned_trunk(&m, cases, all < 2 ? all : 2, ref_hash, model_file, &r);
     free(r.logits);
     tok_free(&t);
     model_free(&m);
