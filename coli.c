@@ -4227,11 +4227,6 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
                       isum, msum, p, NC);
 }
 
-/* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
- * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now (the
- * matrix was interleaved where the CPU has this kernel): columns 4 at a time, the last few one
- * by one. The first pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K
- * columns) in the L1 or L2. */
 /* Every super-block of 16 interleaved rows at W against NC columns into their partials P;
  * PREFETCH: ahead of the reads. FIVE and NC constants, so that each pass's loop is unrolled
  * (with the super-block's size read at run time, the prefetch loop stayed a loop, and bench
@@ -4246,6 +4241,11 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(const uint8_t *w, int five, cons
     }
 }
 
+/* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
+ * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now (the
+ * matrix was interleaved where the CPU has this kernel): columns 4 at a time, the last few one
+ * by one. The first pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K
+ * columns) in the L1 or L2. */
 static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n,
                                           float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
@@ -8039,7 +8039,7 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
  * experts stream at
  * 13-14 GB/s from anonymous memory and 8 GB/s in place from the page cache. Without the
  * memory for it the experts stay in place. Where no device takes part (S->vram unset: nothing
- * will upload from this copy), a type with an interleaved form (§3) is copied in it. */
+ * will upload from this copy), the types with an interleaved form (§3) are interleaved in it. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
