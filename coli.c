@@ -4146,13 +4146,16 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
-    return (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K) && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
+    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
+    return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
-/* Vector K of an interleaved super-block of type T holds which dword of each row's block: the
- * 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth bits, the
- * 3 of scales and mins, and last dword 0 (d and dmin). */
+/* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
+ * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
+ * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K: its 21 as they are (4 of
+ * scales and mins, 16 of quants, d and dmin). */
 static int quant_interleaved_dword(enum gguf_type t, int k) {
+    if (t == GGUF_TYPE_Q2_K) return k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
     return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
 }
@@ -4241,6 +4244,57 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(const uint8_t *w, int five, cons
     }
 }
 
+/* Super-block U of 16 interleaved Q2_K rows at T against NC columns: quant_q23k_quants'
+ * element 128h + 32j + l is bits 2j of quant byte 32h + l, so dword m of run h, shifted and
+ * masked, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4; each group's products by its
+ * 4-bit scale, its act sums by its min, then quant_dot_k_unit's float step. */
+QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
+                                                    float (*p)[QUANT_NPART][16], int NC) {
+    const __m512i m2 = _mm512_set1_epi8(3);
+    __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) isum[c] = msum[c] = _mm512_setzero_si512();
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++)
+        QUANT_UNROLL(4)
+        for (int j = 0; j < 4; j++) {
+            __m512i s[2][QUANT_TILE_NC];
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
+            QUANT_UNROLL(8)
+            for (int m = 0; m < 8; m++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), m2);
+                QUANT_UNROLL(4)
+                for (int c = 0; c < NC; c++)
+                    s[m / 4][c] = _mm512_dpbusd_epi32(s[m / 4][c], q, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m)));
+            }
+            const int g = 8 * h + 2 * j; /* groups g and g + 1: scale and min bytes g % 4, g % 4 + 1 of dword g / 4 */
+            const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
+            const __m512i m_lo = _mm512_srli_epi32(quant_tile_field(sm, g % 4, 8), 4), m_hi = _mm512_srli_epi32(quant_tile_field(sm, g % 4 + 1, 8), 4);
+            const __m512i mn = _mm512_or_si512(m_lo, _mm512_slli_epi32(m_hi, 16)); /* the mins as int16 pairs for vpdpwssd */
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) {
+                isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[0][c], quant_tile_field(sm, g % 4, 4)));
+                isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[1][c], quant_tile_field(sm, g % 4 + 1, 4)));
+                msum[c] = _mm512_dpwssd_epi32(msum[c], mn, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
+            }
+        }
+    const __m512i dd = _mm512_loadu_si512(t + 64 * 20);
+    quant_tile_k_step(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))), a, u,
+                      isum, msum, p, NC);
+}
+
+/* quant_interleaved_pass for Q2_K rows. */
+QUANT_AVX512_INLINE void quant_interleaved_q2k_pass(const uint8_t *w, const struct quant_q8k_view *a, int64_t nu, float (*p)[QUANT_NPART][16],
+                                                    int NC, int prefetch) {
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * 84; /* a super-block of 16 rows */
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *b = w + (size_t)u * bytes;
+        for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
+        quant_interleaved_q2k_unit(b, a, u, p, NC);
+    }
+}
+
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
  * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now (the
  * matrix was interleaved where the CPU has this kernel): columns 4 at a time, the last few one
@@ -4258,7 +4312,9 @@ static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, c
             a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
             memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         }
-        if (cc == QUANT_TILE_NC && five) quant_interleaved_pass(w, 1, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        if (t == GGUF_TYPE_Q2_K && cc == QUANT_TILE_NC) quant_interleaved_q2k_pass(w, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_pass(w, a, nu, p, 1, c0 == 0);
+        else if (cc == QUANT_TILE_NC && five) quant_interleaved_pass(w, 1, a, nu, p, QUANT_TILE_NC, c0 == 0);
         else if (cc == QUANT_TILE_NC) quant_interleaved_pass(w, 0, a, nu, p, QUANT_TILE_NC, c0 == 0);
         else if (five) quant_interleaved_pass(w, 1, a, nu, p, 1, c0 == 0);
         else quant_interleaved_pass(w, 0, a, nu, p, 1, c0 == 0);
