@@ -4146,16 +4146,17 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
-    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
+    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_IQ4_XS;
     return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
  * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
- * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K: its 21 as they are (4 of
- * scales and mins, 16 of quants, d and dmin). */
+ * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K and IQ4_XS: theirs as
+ * they are (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; IQ4_XS: d with the scales'
+ * high bits, their low bits, 32 of codes). */
 static int quant_interleaved_dword(enum gguf_type t, int k) {
-    if (t == GGUF_TYPE_Q2_K) return k;
+    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_IQ4_XS) return k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
     return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
 }
@@ -4284,14 +4285,62 @@ QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const stru
                       isum, msum, p, NC);
 }
 
-/* quant_interleaved_pass for Q2_K rows. */
-QUANT_AVX512_INLINE void quant_interleaved_q2k_pass(const uint8_t *w, const struct quant_q8k_view *a, int64_t nu, float (*p)[QUANT_NPART][16],
-                                                    int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * 84; /* a super-block of 16 rows */
+/* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: 32-block ib's dword m
+ * (m < 4) holds the codes of elements 4m.. in its low nibbles and 16 + 4m.. in its high ones;
+ * a byte shuffle gives their IQ4_NL values plus 128, vpdpbusd's unsigned operand, and the 128
+ * comes off as 128 times the block's act sum. Each block's sum by its scale (less 32), then
+ * quant_dot_k_unit's float step, (d * dx) * isum. */
+QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
+                                                      float (*p)[QUANT_NPART][16], int NC) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(t), u1 = _mm512_loadu_si512(t + 64);
+    const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)), _mm512_set1_epi8((char)0x80));
+    __m512i isum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) isum[c] = _mm512_setzero_si512();
+    QUANT_UNROLL(8)
+    for (int ib = 0; ib < 8; ib++) {
+        __m512i s[2][QUANT_TILE_NC];
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) { /* less 128 times the block's act sum (its two 16-sums) */
+            s[0][c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
+            s[1][c] = _mm512_setzero_si512();
+        }
+        QUANT_UNROLL(4)
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = _mm512_loadu_si512(t + 64 * (2 + 4 * ib + m));
+            const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m4)), hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) {
+                const int8_t *x = a[c].qs + u * QUANT_QK_K + 32 * ib + 4 * m;
+                s[0][c] = _mm512_dpbusd_epi32(s[0][c], lo, _mm512_set1_epi32(quant_rd32(x)));
+                s[1][c] = _mm512_dpbusd_epi32(s[1][c], hi, _mm512_set1_epi32(quant_rd32(x + 16)));
+            }
+        }
+        /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high bits from dword 0's top half */
+        const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u1, 4 * ib), _mm512_set1_epi32(0xf)),
+                                                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 16 + 2 * ib), _mm512_set1_epi32(3)), 4)),
+                                            _mm512_set1_epi32(32));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(_mm512_add_epi32(s[0][c], s[1][c]), ls));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(u0));
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m512 r = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(isum[c]));
+        float *pp = p[c][u % QUANT_NPART];
+        _mm512_storeu_ps(pp, _mm512_add_ps(_mm512_loadu_ps(pp), r));
+    }
+}
+
+/* quant_interleaved_pass for Q2_K or (IQ4) IQ4_XS rows. */
+QUANT_AVX512_INLINE void quant_interleaved_q2k_iq4_pass(const uint8_t *w, int iq4, const struct quant_q8k_view *a, int64_t nu,
+                                                    float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (iq4 ? 136 : 84); /* a super-block of 16 rows */
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-        quant_interleaved_q2k_unit(b, a, u, p, NC);
+        if (iq4) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
+        else quant_interleaved_q2k_unit(b, a, u, p, NC);
     }
 }
 
@@ -4312,8 +4361,10 @@ static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, c
             a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
             memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         }
-        if (t == GGUF_TYPE_Q2_K && cc == QUANT_TILE_NC) quant_interleaved_q2k_pass(w, a, nu, p, QUANT_TILE_NC, c0 == 0);
-        else if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_pass(w, a, nu, p, 1, c0 == 0);
+        if (t == GGUF_TYPE_Q2_K && cc == QUANT_TILE_NC) quant_interleaved_q2k_iq4_pass(w, 0, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_iq4_pass(w, 0, a, nu, p, 1, c0 == 0);
+        else if (t == GGUF_TYPE_IQ4_XS && cc == QUANT_TILE_NC) quant_interleaved_q2k_iq4_pass(w, 1, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_q2k_iq4_pass(w, 1, a, nu, p, 1, c0 == 0);
         else if (cc == QUANT_TILE_NC && five) quant_interleaved_pass(w, 1, a, nu, p, QUANT_TILE_NC, c0 == 0);
         else if (cc == QUANT_TILE_NC) quant_interleaved_pass(w, 0, a, nu, p, QUANT_TILE_NC, c0 == 0);
         else if (five) quant_interleaved_pass(w, 1, a, nu, p, 1, c0 == 0);
@@ -4772,7 +4823,7 @@ static void ops_bench_kernels_row(enum gguf_type t, int interleave, uint8_t *buf
     double g5 = ops_bench_gemv(t, buf, (int64_t)(big / block_row), 512, interleave, x, y), bw2 = ops_bench_bandwidth(buf, big);
     char name[16];
     snprintf(name, sizeof name, "%s%s", ti->name, interleave ? "/i" : "");
-    printf("%-7s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%) %9.1f GB/s (%3.0f%%)\n", name, g1, g2, g3, g4,
+    printf("%-8s %9.1f GB/s %9.1f GB/s %9.1f GB/s %9.1f GB/s (%3.0f%%) %9.1f GB/s (%3.0f%%)\n", name, g1, g2, g3, g4,
            200 * g4 / (bw0 + bw1), g5, 200 * g5 / (bw1 + bw2));
 }
 
@@ -4790,7 +4841,7 @@ static void ops_bench_kernels(void) {
     for (int i = 0; i < 8192; i++) x[i] = (float)((i * 7919) % 2001 - 1000) / 1000.0f;
     printf("quant level %s, %d threads, read bandwidth %.1f GB/s (%zu MiB buffer)\n",
            quant_level_name(), omp_get_max_threads(), bw, big >> 20);
-    printf("%-7s %14s %14s %14s %22s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio*)",
+    printf("%-8s %14s %14s %14s %22s %22s\n", "type", "2048x2048", "8192x2048", "2048x512", "large x4096 (ratio*)",
            "large x512 (ratio*)");
     for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++) { /* every format with kernels */
         ops_bench_kernels_row(quant_kernels[i].type, 0, buf, big, x, y);
