@@ -4135,8 +4135,9 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
  * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q2_K: shifted and masked; IQ4_XS:
  * looked up) is vpdpbusd's operand for 16 rows, as a tile's is, and the tile's integer and
- * float steps run on it: the same bits as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads
- * 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
+ * float steps run on it: the same bits as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache,
+ * one column: 69 -> 38 us; two threads 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169
+ * us, 64 columns 1077 -> 654 us. */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
  * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
@@ -4266,8 +4267,10 @@ QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const stru
             for (int m = 0; m < 8; m++) {
                 const __m512i q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), m2);
                 QUANT_UNROLL(4)
-                for (int c = 0; c < NC; c++)
-                    s[m / 4][c] = _mm512_dpbusd_epi32(s[m / 4][c], q, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m)));
+                for (int c = 0; c < NC; c++) {
+                    const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
+                    s[m / 4][c] = _mm512_dpbusd_epi32(s[m / 4][c], q, _mm512_set1_epi32(quant_rd32(x)));
+                }
             }
             const int g = 8 * h + 2 * j; /* groups g and g + 1: scale and min bytes g % 4, g % 4 + 1 of dword g / 4 */
             const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
@@ -4302,13 +4305,15 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
         __m512i s[2][QUANT_TILE_NC];
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) { /* less 128 times the block's act sum (its two 16-sums) */
-            s[0][c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
+            const __m512i sums = _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib));
+            s[0][c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), sums);
             s[1][c] = _mm512_setzero_si512();
         }
         QUANT_UNROLL(4)
         for (int m = 0; m < 4; m++) {
             const __m512i v = _mm512_loadu_si512(t + 64 * (2 + 4 * ib + m));
-            const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m4)), hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m4));
+            const __m512i hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 const int8_t *x = a[c].qs + u * QUANT_QK_K + 32 * ib + 4 * m;
@@ -4317,9 +4322,9 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
             }
         }
         /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high bits from dword 0's top half */
-        const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u1, 4 * ib), _mm512_set1_epi32(0xf)),
-                                                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 16 + 2 * ib), _mm512_set1_epi32(3)), 4)),
-                                            _mm512_set1_epi32(32));
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u1, 4 * ib), _mm512_set1_epi32(0xf));
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(u0, 16 + 2 * ib), _mm512_set1_epi32(3));
+        const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(_mm512_add_epi32(s[0][c], s[1][c]), ls));
     }
@@ -4334,7 +4339,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 
 /* quant_interleaved_pass for Q2_K or (IQ4) IQ4_XS rows. */
 QUANT_AVX512_INLINE void quant_interleaved_q2k_iq4_pass(const uint8_t *w, int iq4, const struct quant_q8k_view *a, int64_t nu,
-                                                    float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+                                                        float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (iq4 ? 136 : 84); /* a super-block of 16 rows */
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * bytes;
@@ -4679,7 +4684,8 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
     size_t tile_bytes = 0;
     for (int j = 0; j < n_jobs; j++)
-        if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n) && quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
+        if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n) &&
+            quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
             tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_bytes * (size_t)plat_threads()) : NULL;
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
@@ -4694,7 +4700,8 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         const struct ops_matrix *w = &jobs[j].w;
         int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
         if (w->interleaved)
-            quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0, (size_t)w->rows);
+            quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
+                              (size_t)w->rows);
         else if (jobs[j].n == 1)
             quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
         else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n))
