@@ -186,8 +186,9 @@ static void check_identity(struct model *m, const struct mj *cases, int n_cases,
     check(same, name, "tokens or logits differ");
 }
 
-/* The trunk copied into the model's own memory as a run has it (model_own_trunk: Q4_K matrices
- * interleaved at AVX-512), then bit-identity with the first runs at the best level, 2 threads. */
+/* The trunk copied into the model's own memory as a run has it (model_own_trunk: the formats
+ * with an interleaved form interleaved), then bit-identity with the first runs at the best
+ * level, 2 threads. */
 static void check_owned_trunk(struct model *m, const struct mj *cases, int n_cases, const uint64_t *ref_hash, const char *model_file,
                               struct run *r)
 {
