@@ -3976,6 +3976,13 @@ QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int
     }
 }
 
+/* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
+ * to +0 without reading the slot, so that no pass clears its partials first (the clearing
+ * memsets were 8% of a prompt's time). 0 + r, as before: -0 becomes +0 the same way. */
+QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
+    _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
+}
+
 /* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and the
  * integer parts of NC columns: each column's unit result added to its partial P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct quant_q8k_view *a, int64_t u, const __m512i *isum,
@@ -3985,8 +3992,7 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
         const __m512 dx = _mm512_set1_ps(a[c].d[u]);
         const __m512 r = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[c])),
                                        _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum[c])));
-        float *pp = p[c][u % QUANT_NPART];
-        _mm512_storeu_ps(pp, _mm512_add_ps(_mm512_loadu_ps(pp), r));
+        quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
     }
 }
 
@@ -4052,7 +4058,6 @@ static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int c = 0; c < QUANT_TILE_NC; c++) memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         for (int64_t u = 0; u < nu; u++) quant_tile_unit(&tiles[u], a, u, p);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
@@ -4102,8 +4107,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     QUANT_UNROLL(4)
     for (int c = 0; c < QUANT_TILE_NC; c++) {
         const __m512 r = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[b])), _mm512_cvtepi32_ps(s[c]));
-        float *pp = p[c][b % QUANT_NPART];
-        _mm512_storeu_ps(pp, _mm512_add_ps(_mm512_loadu_ps(pp), r));
+        quant_tile_partial_add(p[c][b % QUANT_NPART], b, r);
     }
 }
 
@@ -4120,24 +4124,23 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int c = 0; c < QUANT_TILE_NC; c++) memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
         for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unit(&tiles[b], a, b, four ? 8 : 128, p);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q2_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
  * a cycle, against 64 a vpdpbusd). A matrix the CPU owns (§8 model_own_trunk) is repacked
  * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
  * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
- * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q2_K: shifted and masked; IQ4_XS:
- * looked up) is vpdpbusd's operand for 16 rows, as a tile's is, and the tile's integer and
- * float steps run on it: the same bits as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache,
- * one column: 69 -> 38 us; two threads 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169
- * us, 64 columns 1077 -> 654 us. */
+ * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q2_K: shifted and masked; Q3_K:
+ * that with its hmask bit; IQ4_XS: looked up) is vpdpbusd's operand for 16 rows, as a tile's is,
+ * and the tile's integer and float steps run on it: the same bits as quant_dot_k. Q4_K, one
+ * core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads 40.5 -> 20.2 us; 16 columns
+ * (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
  * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
@@ -4147,36 +4150,43 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
-    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_IQ4_XS;
+    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_IQ4_XS;
     return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
  * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
- * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K and IQ4_XS: theirs as
- * they are (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; IQ4_XS: d with the scales'
- * high bits, their low bits, 32 of codes). */
+ * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K, Q3_K and IQ4_XS: theirs
+ * as they are (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of
+ * quants, 3 of scales, its d left over; IQ4_XS: d with the scales' high bits, their low bits,
+ * 32 of codes). */
 static int quant_interleaved_dword(enum gguf_type t, int k) {
-    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_IQ4_XS) return k;
+    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_IQ4_XS) return k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
     return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
 }
 
 /* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
- * super-block, one vector of 16 dwords (lane r from row r) per dword of the block, in
- * quant_interleaved_dword's order. 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
+ * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
+ * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, its d
+ * last) leaves 2 bytes a row: those of the 16 rows' super-block u follow all of the group's
+ * vectors, 32 bytes for each u, so that every vector stays 64-byte aligned. 16 rows keep their
+ * 16 RB bytes. Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
-    const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4;
+    const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
+    const size_t unit = (size_t)64 * dwords; /* a super-block's vectors */
     int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast: 9.5 GB/s on 2 threads) */
     for (int k = 0; k < dwords; k++) from[k] = 4 * quant_interleaved_dword(t, k);
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++)
         for (int64_t u = 0; u < nu; u++) {
-            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * (size_t)bb;
+            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * unit;
             const uint8_t *b = src + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * (size_t)bb;
             for (int k = 0; k < dwords; k++)
                 for (int r = 0; r < QUANT_TILE_ROWS; r++) memcpy(v + 64 * k + 4 * r, b + (size_t)r * rb + from[k], 4);
+            uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)nu * unit + (size_t)u * QUANT_TILE_ROWS * rest;
+            for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + 4 * dwords, (size_t)rest);
         }
 }
 
@@ -4275,6 +4285,66 @@ QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const stru
                       isum, msum, p, NC);
 }
 
+/* Scale G (0..15) of a Q3_K super-block, less 32, in each 32-bit lane, from its 3 dwords of
+ * scale bytes S0-S2 (quant_q3k_scales: G's low 4 bits are a nibble of byte G % 4 of S0 or S1,
+ * its high 2 bits bits 2 (G / 4) of byte G % 4 of S2). */
+QUANT_AVX512_INLINE __m512i quant_q3k_lane_scale(__m512i s0, __m512i s1, __m512i s2, int g) {
+    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32((g / 4) % 2 ? s1 : s0, 8 * (g % 4) + (g >= 8 ? 4 : 0)), _mm512_set1_epi32(0xf));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(s2, 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
+    return _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+}
+
+/* Super-block U of 16 interleaved Q3_K rows at T (their 16 d at D) against NC columns:
+ * quant_q23k_quants' element 128h + 32j + l is bits 2j of quant byte 32h + l, with bit 4h + j of
+ * hmask byte l its third (clear: less 4). So dword m of run h, shifted and masked, or-ed with
+ * that bit moved to bit 2, is q + 4 (0..7, vpdpbusd's unsigned operand) for elements 128h +
+ * 32j + 4m.. of group 8h + 2j + m / 4. Each group's products by its scale (quant_q3k_lane_scale);
+ * the 4 comes off as 4 times Σ_g scale_g * bsum_g; then quant_dot_k_unit's float step. */
+QUANT_AVX512_INLINE void quant_interleaved_q3k_unit(const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a, int64_t u,
+                                                    float (*p)[QUANT_NPART][16], int NC) {
+    const __m512i m2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+    const __m512i sc0 = _mm512_loadu_si512(t + 64 * 24), sc1 = _mm512_loadu_si512(t + 64 * 25), sc2 = _mm512_loadu_si512(t + 64 * 26);
+    __m512i isum[QUANT_TILE_NC], corr[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) isum[c] = corr[c] = _mm512_setzero_si512();
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++)
+        QUANT_UNROLL(4)
+        for (int j = 0; j < 4; j++) {
+            __m512i s[2][QUANT_TILE_NC];
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
+            const int hbit = 4 * h + j;
+            QUANT_UNROLL(8)
+            for (int m = 0; m < 8; m++) {
+                const __m512i hm = _mm512_loadu_si512(t + 64 * m);
+                const __m512i low = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (8 + 8 * h + m)), 2 * j), m2);
+                const __m512i high = hbit >= 2 ? _mm512_srli_epi16(hm, hbit - 2) : _mm512_slli_epi16(hm, 2 - hbit);
+                const __m512i q = _mm512_ternarylogic_epi32(low, high, bit2, 0xf8); /* low | (high & 4) */
+                QUANT_UNROLL(4)
+                for (int c = 0; c < NC; c++) {
+                    const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
+                    s[m / 4][c] = _mm512_dpbusd_epi32(s[m / 4][c], q, _mm512_set1_epi32(quant_rd32(x)));
+                }
+            }
+            const int g = 8 * h + 2 * j; /* groups g and g + 1 */
+            const __m512i sa = quant_q3k_lane_scale(sc0, sc1, sc2, g), sb = quant_q3k_lane_scale(sc0, sc1, sc2, g + 1);
+            const __m512i pair = _mm512_or_si512(_mm512_and_si512(sa, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(sb, 16));
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) {
+                isum[c] = _mm512_add_epi32(isum[c], _mm512_add_epi32(_mm512_mullo_epi32(s[0][c], sa), _mm512_mullo_epi32(s[1][c], sb)));
+                corr[c] = _mm512_dpwssd_epi32(corr[c], pair, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
+            }
+        }
+    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(corr[c], 2));
+        const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(is));
+        quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
+    }
+}
+
 /* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: 32-block ib's dword m
  * (m < 4) holds the codes of elements 4m.. in its low nibbles and 16 + 4m.. in its high ones;
  * a byte shuffle gives their IQ4_NL values plus 128, vpdpbusd's unsigned operand, and the 128
@@ -4319,8 +4389,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
         const __m512 r = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(isum[c]));
-        float *pp = p[c][u % QUANT_NPART];
-        _mm512_storeu_ps(pp, _mm512_add_ps(_mm512_loadu_ps(pp), r));
+        quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
     }
 }
 
@@ -4330,11 +4399,13 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
  * stayed a loop, and bench --kernels had Q4_K/i at 2048 x 2048 at 53-58 GB/s against 98). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_IQ4_XS ? 136 : 144);
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108
+                                                    : t == GGUF_TYPE_IQ4_XS ? 136 : 144); /* Q3_K: its whole dwords */
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_unit(b, a, u, p, NC);
+        else if (t == GGUF_TYPE_Q3_K) quant_interleaved_q3k_unit(b, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }
@@ -4346,6 +4417,7 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
     switch (t) {
     case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch); break;
+    case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch); break;
     default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch); break;
     }
@@ -4364,10 +4436,7 @@ static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, c
     for (int c0 = 0; c0 < nc;) {
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
-        for (int c = 0; c < cc; c++) {
-            a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-            memset(p[c], 0, sizeof(float) * 16 * (size_t)used);
-        }
+        for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
         if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0);
         else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
@@ -9832,7 +9901,7 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * memory but 17 GB/s in place from the page cache; the 35B's 10-layer slice decodes 11.7 ->
  * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts stay in place: copying 17 GB of
  * them would push the file out of the page cache, and every start would read it again. A
- * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q2_K and IQ4_XS at
+ * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q2_K, Q3_K and IQ4_XS at
  * AVX-512) is copied into it interleaved. */
 static void model_own_trunk(struct model *m)
 {
