@@ -4150,18 +4150,19 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
-    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_IQ4_XS;
+    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
+                       t == GGUF_TYPE_IQ4_XS;
     return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
  * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
- * bits, the 3 of scales and mins, and last dword 0 (d and dmin). Q2_K, Q3_K and IQ4_XS: theirs
- * as they are (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of
- * quants, 3 of scales, its d left over; IQ4_XS: d with the scales' high bits, their low bits,
- * 32 of codes). */
+ * bits, the 3 of scales and mins, and last dword 0 (d and dmin). The others theirs as they are
+ * (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of quants, 3 of
+ * scales, its d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d left over; IQ4_XS: d
+ * with the scales' high bits, their low bits, 32 of codes). */
 static int quant_interleaved_dword(enum gguf_type t, int k) {
-    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_IQ4_XS) return k;
+    if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
     return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
 }
@@ -4285,25 +4286,44 @@ QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const stru
                       isum, msum, p, NC);
 }
 
-/* Scale G (0..15) of a Q3_K super-block, less 32, in each 32-bit lane, from its 3 dwords of
- * scale bytes S0-S2 (quant_q3k_scales: G's low 4 bits are a nibble of byte G % 4 of S0 or S1,
- * its high 2 bits bits 2 (G / 4) of byte G % 4 of S2). */
-QUANT_AVX512_INLINE __m512i quant_q3k_lane_scale(__m512i s0, __m512i s1, __m512i s2, int g) {
-    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32((g / 4) % 2 ? s1 : s0, 8 * (g % 4) + (g >= 8 ? 4 : 0)), _mm512_set1_epi32(0xf));
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(s2, 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
+/* Vector M of run (H, J) of an interleaved Q3_K (SIX: Q6_K) super-block at T (quant_interleaved_q36k_unit's
+ * terms): q + 4 (Q3_K) or q + 32 (Q6_K), vpdpbusd's unsigned operand, for elements 128h + 32j + 4m.. of
+ * each row. */
+QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_quants(const uint8_t *t, int six, int h, int j, int m) {
+    if (!six) {
+        const int bit = 4 * h + j; /* of hmask, to bit 2 */
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (8 + 8 * h + m)), 2 * j), _mm512_set1_epi8(3));
+        const __m512i hm = _mm512_loadu_si512(t + 64 * m);
+        const __m512i high = bit >= 2 ? _mm512_srli_epi16(hm, bit - 2) : _mm512_slli_epi16(hm, 2 - bit);
+        return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(4), 0xf8); /* low | (high & 4) */
+    }
+    const __m512i v = _mm512_loadu_si512(t + 64 * (16 * h + 8 * (j % 2) + m)), qh = _mm512_loadu_si512(t + 64 * (32 + 8 * h + m));
+    const __m512i low = _mm512_and_si512(j < 2 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+    const __m512i high = j < 2 ? _mm512_slli_epi16(qh, 4 - 2 * j) : j == 2 ? qh : _mm512_srli_epi16(qh, 2); /* bits 2j to 4 */
+    return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8);
+}
+
+/* Scale G (0..15) of an interleaved Q3_K (SIX: Q6_K) super-block at T in each 32-bit lane: Q3_K's
+ * as quant_q3k_scales unpacks it (its low 4 bits a nibble of byte G % 4 of scale dword 0 or 1,
+ * its high 2 bits bits 2 (G / 4) of byte G % 4 of dword 2; less 32), Q6_K's byte G. */
+QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_scale(const uint8_t *t, int six, int g) {
+    if (six) return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(t + 64 * (48 + g / 4)), 24 - 8 * (g % 4)), 24);
+    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * (24 + (g / 4) % 2)), 8 * (g % 4) + (g >= 8 ? 4 : 0)),
+                                        _mm512_set1_epi32(0xf));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
     return _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
 }
 
-/* Super-block U of 16 interleaved Q3_K rows at T (their 16 d at D) against NC columns:
- * quant_q23k_quants' element 128h + 32j + l is bits 2j of quant byte 32h + l, with bit 4h + j of
- * hmask byte l its third (clear: less 4). So dword m of run h, shifted and masked, or-ed with
- * that bit moved to bit 2, is q + 4 (0..7, vpdpbusd's unsigned operand) for elements 128h +
- * 32j + 4m.. of group 8h + 2j + m / 4. Each group's products by its scale (quant_q3k_lane_scale);
- * the 4 comes off as 4 times Σ_g scale_g * bsum_g; then quant_dot_k_unit's float step. */
-QUANT_AVX512_INLINE void quant_interleaved_q3k_unit(const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a, int64_t u,
-                                                    float (*p)[QUANT_NPART][16], int NC) {
-    const __m512i m2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
-    const __m512i sc0 = _mm512_loadu_si512(t + 64 * 24), sc1 = _mm512_loadu_si512(t + 64 * 25), sc2 = _mm512_loadu_si512(t + 64 * 26);
+/* Super-block U of 16 interleaved Q3_K (SIX: Q6_K) rows at T (their 16 d at D) against NC
+ * columns. Both keep element 128h + 32j + l of a row in a byte l of their runs of half h: Q3_K
+ * in bits 2j of quant byte 32h + l, with bit 4h + j of hmask byte l its third (clear: less 4);
+ * Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, the high nibble for j >= 2), with bits 2j
+ * of qh byte 32h + l its fifth and sixth (less 32). So dword m of those runs, shifted, masked
+ * and or-ed, is q + 4 or q + 32 for elements 128h + 32j + 4m.. of group 8h + 2j + m / 4. Each
+ * group's products by its scale; the 4 or 32 comes off as that many times Σ_g scale_g * bsum_g;
+ * then quant_dot_k's float step, (d * dx) * isum. */
+QUANT_AVX512_INLINE void quant_interleaved_q36k_unit(const uint8_t *t, int six, const uint8_t *d, const struct quant_q8k_view *a,
+                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC) {
     __m512i isum[QUANT_TILE_NC], corr[QUANT_TILE_NC];
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = corr[c] = _mm512_setzero_si512();
@@ -4314,13 +4334,9 @@ QUANT_AVX512_INLINE void quant_interleaved_q3k_unit(const uint8_t *t, const uint
             __m512i s[2][QUANT_TILE_NC];
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
-            const int hbit = 4 * h + j;
             QUANT_UNROLL(8)
             for (int m = 0; m < 8; m++) {
-                const __m512i hm = _mm512_loadu_si512(t + 64 * m);
-                const __m512i low = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (8 + 8 * h + m)), 2 * j), m2);
-                const __m512i high = hbit >= 2 ? _mm512_srli_epi16(hm, hbit - 2) : _mm512_slli_epi16(hm, 2 - hbit);
-                const __m512i q = _mm512_ternarylogic_epi32(low, high, bit2, 0xf8); /* low | (high & 4) */
+                const __m512i q = quant_interleaved_q36k_quants(t, six, h, j, m);
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) {
                     const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
@@ -4328,7 +4344,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q3k_unit(const uint8_t *t, const uint
                 }
             }
             const int g = 8 * h + 2 * j; /* groups g and g + 1 */
-            const __m512i sa = quant_q3k_lane_scale(sc0, sc1, sc2, g), sb = quant_q3k_lane_scale(sc0, sc1, sc2, g + 1);
+            const __m512i sa = quant_interleaved_q36k_scale(t, six, g), sb = quant_interleaved_q36k_scale(t, six, g + 1);
             const __m512i pair = _mm512_or_si512(_mm512_and_si512(sa, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(sb, 16));
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
@@ -4339,7 +4355,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q3k_unit(const uint8_t *t, const uint
     const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
-        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(corr[c], 2));
+        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(corr[c], six ? 5 : 2));
         const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(is));
         quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
     }
@@ -4400,12 +4416,15 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108
-                                                    : t == GGUF_TYPE_IQ4_XS ? 136 : 144); /* Q3_K: its whole dwords */
+                                                    : t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_IQ4_XS ? 136 : 144); /* Q3_K, Q6_K: their whole dwords */
+    for (size_t q = 0; prefetch && (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) && q < (size_t)nu * 32; q += 64)
+        _mm_prefetch((const char *)w + (size_t)nu * bytes + q, _MM_HINT_T0); /* their d, after all the vectors */
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_unit(b, a, u, p, NC);
-        else if (t == GGUF_TYPE_Q3_K) quant_interleaved_q3k_unit(b, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
+        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
+            quant_interleaved_q36k_unit(b, t == GGUF_TYPE_Q6_K, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }
@@ -4418,6 +4437,7 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
     case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch); break;
+    case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch); break;
     default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch); break;
     }

@@ -1107,21 +1107,22 @@ static void test_tile_long_rows(void) {
     }
 }
 
-/* Interleaved Q4_K, Q5_K, Q2_K, Q3_K and IQ4_XS (quant_interleave, as §8 model_own_trunk makes the
- * trunk's): ops_matmat on the interleaved copy against the scalar dot of each original row, for
- * rows of 1, 8 and 33 super-blocks (33: past the 32 partials), 16 and 48 rows, 1..5, 9 and 17
- * columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the special
- * weight and activation modes. */
+/* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS (quant_interleave, as §8 model_own_trunk
+ * makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
+ * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's
+ * left-over d bytes after an odd number of units), 16 and 48 rows, 1..5, 9 and 17 columns (every
+ * remainder of the kernel's passes of 4), 1 and 2 threads, with the special weight and
+ * activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
-        printf("ok - interleaved Q4_K, Q5_K, Q2_K, Q3_K and IQ4_XS # SKIP no AVX-512 VNNI kernels on this CPU\n");
+        printf("ok - interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS # SKIP no AVX-512 VNNI kernels on this CPU\n");
         n_pass++;
         return;
     }
-    check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q6_K, QUANT_TILE_ROWS),
-          "interleaved: Q4_K, Q5_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
-    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
+    check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q8_0, QUANT_TILE_ROWS),
+          "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
