@@ -191,6 +191,43 @@ static void gen_quant_q4_k(const float *x, uint8_t *out)
         for (int l = 0; l < 32; l++) q[32 * c + l] = (uint8_t)(L[64 * c + l] | L[64 * c + 32 + l] << 4);
 }
 
+/* Q6_K: 256 values as 128 bytes of low nibbles (ql), 64 of high 2-bit pairs (qh), 16 int8
+ * scales, fp16 d; group g (16 values) is x = d sc_g (q - 32), q in 0..63. In each half h
+ * (128 values), value 128h + 32k + l keeps its low nibble in ql byte 64h + 32 (k % 2) + l (the
+ * high nibble for k >= 2) and its high 2 bits in bits 2k of qh byte 32h + l, as ggml's
+ * dequantize_row_q6_K reads them. A plain absmax quantiser per group. */
+static void gen_quant_q6_k(const float *x, uint8_t *out)
+{
+    float sc[16], max_sc = 0;
+    for (int g = 0; g < 16; g++) {
+        float amax = 0;
+        for (int i = 0; i < 16; i++) amax = fabsf(x[16 * g + i]) > amax ? fabsf(x[16 * g + i]) : amax;
+        sc[g] = amax / 31.0f;
+        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
+    }
+    uint16_t hd = gen_f16(max_sc / 127.0f);
+    float d = gen_f16_to_f32(hd);
+    uint8_t q[256];
+    for (int g = 0; g < 16; g++) {
+        long ls = d > 0 ? lrintf(sc[g] / d) : 0;
+        out[192 + g] = (uint8_t)(int8_t)(ls > 127 ? 127 : ls);
+        float step = d * (float)(int8_t)out[192 + g];
+        for (int i = 0; i < 16; i++) {
+            long v = step > 0 ? lrintf(x[16 * g + i] / step) : 0;
+            q[16 * g + i] = (uint8_t)((v < -32 ? -32 : v > 31 ? 31 : v) + 32);
+        }
+    }
+    memset(out, 0, 192);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 32; l++) {
+                int v = q[128 * h + 32 * k + l];
+                out[64 * h + 32 * (k % 2) + l] |= (uint8_t)((v & 15) << (k >= 2 ? 4 : 0));
+                out[128 + 32 * h + l] |= (uint8_t)((v >> 4) << 2 * k);
+            }
+    memcpy(out + 208, &hd, 2);
+}
+
 /* Writes row X of N values (N a multiple of the block) as TYPE into OUT. */
 static void gen_quant_row(int type, const float *x, int64_t n, uint8_t *out)
 {
@@ -201,6 +238,7 @@ static void gen_quant_row(int type, const float *x, int64_t n, uint8_t *out)
     case GW_TYPE_Q8_0: for (int64_t b = 0; b < n / 32; b++) gen_quant_q8_0(x + 32 * b, out + 34 * b); break;
     case GW_TYPE_Q4_0: for (int64_t b = 0; b < n / 32; b++) gen_quant_q4_0(x + 32 * b, out + 18 * b); break;
     case GW_TYPE_Q4_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q4_k(x + 256 * b, out + 144 * b); break;
+    case GW_TYPE_Q6_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q6_k(x + 256 * b, out + 210 * b); break;
     default: fprintf(stderr, "gen_model: cannot quantise type %d\n", type); exit(1);
     }
 }
@@ -246,13 +284,29 @@ static void gen_dequant_row(int type, const uint8_t *p, float *y, int64_t n)
             }
         }
         break;
+    case GW_TYPE_Q6_K:
+        for (int64_t b = 0; b < n / 256; b++, p += 210) {
+            memcpy(&h, p + 208, 2);
+            float d = gen_f16_to_f32(h);
+            for (int half = 0; half < 2; half++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *ql = p + 64 * half, qh = p[128 + 32 * half + l];
+                    const int q[4] = { (ql[l] & 15) | (qh & 3) << 4, (ql[l + 32] & 15) | (qh >> 2 & 3) << 4,
+                                       (ql[l] >> 4) | (qh >> 4 & 3) << 4, (ql[l + 32] >> 4) | (qh >> 6 & 3) << 4 };
+                    for (int k = 0; k < 4; k++) {
+                        const int e = 128 * half + 32 * k + l;
+                        y[256 * b + e] = d * (float)(int8_t)p[192 + e / 16] * (float)(q[k] - 32);
+                    }
+                }
+        }
+        break;
     default: fprintf(stderr, "gen_model: cannot dequantise type %d\n", type); exit(1);
     }
 }
 
 static const struct { const char *name; int type, ftype; } gen_type_names[] = {
     {"F32", GW_TYPE_F32, 0}, {"F16", GW_TYPE_F16, 1}, {"BF16", GW_TYPE_BF16, 32},
-    {"Q8_0", GW_TYPE_Q8_0, 7}, {"Q4_0", GW_TYPE_Q4_0, 2}, {"Q4_K", GW_TYPE_Q4_K, 15},
+    {"Q8_0", GW_TYPE_Q8_0, 7}, {"Q4_0", GW_TYPE_Q4_0, 2}, {"Q4_K", GW_TYPE_Q4_K, 15}, {"Q6_K", GW_TYPE_Q6_K, 18},
 };
 
 static int gen_type_parse(const char *s)
@@ -729,6 +783,7 @@ static int gen_selftest(void)
         /* max_step: the worst error allowed, in units of the block's largest magnitude */
         {GW_TYPE_F32, 0, 0}, {GW_TYPE_F16, 1e-3, 1e-3}, {GW_TYPE_BF16, 8e-3, 8e-3},
         {GW_TYPE_Q8_0, 0.01, 1.0 / 127 * 0.51 + 1e-3}, {GW_TYPE_Q4_0, 0.12, 1.0 / 8 + 1e-3}, {GW_TYPE_Q4_K, 0.15, 0.25},
+        {GW_TYPE_Q6_K, 0.04, 0.06},
     };
     enum { N = 4096 };
     static float x[N], y[N];
@@ -743,7 +798,7 @@ static int gen_selftest(void)
             if (trial == 1) for (int i = 0; i < 256; i++) x[i] = 0; /* an all-zero block */
             gen_quant_row(c[k].type, x, N, q);
             gen_dequant_row(c[k].type, q, y, N);
-            int blk = c[k].type == GW_TYPE_Q4_K ? 256 : 32;
+            int blk = c[k].type == GW_TYPE_Q4_K || c[k].type == GW_TYPE_Q6_K ? 256 : 32;
             for (int b = 0; b < N; b += blk) {
                 float amax = 0;
                 for (int i = b; i < b + blk; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
@@ -778,7 +833,7 @@ static void gen_usage(void)
           "  --heads N --kv-heads N --head-dim N --rope-dims N --rope-base F --attn-interval N\n"
           "  --ssm-k-heads N --ssm-v-heads N --ssm-head-dim N --conv N --vocab N --ctx N --eps F\n"
           "  --type T (every matrix but the experts; default Q8_0) --experts-type T (default Q4_0)\n"
-          "     T: F32 F16 BF16 Q8_0 Q4_0 Q4_K\n"
+          "     T: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K\n"
           "  --seed S   --check (reopen the file with coli's reader and verify it)\n", stderr);
     exit(2);
 }
