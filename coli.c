@@ -4303,15 +4303,24 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_quants(const uint8_t *t, int 
     return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8);
 }
 
-/* Scale G (0..15) of an interleaved Q3_K (SIX: Q6_K) super-block at T in each 32-bit lane: Q3_K's
- * as quant_q3k_scales unpacks it (its low 4 bits a nibble of byte G % 4 of scale dword 0 or 1,
- * its high 2 bits bits 2 (G / 4) of byte G % 4 of dword 2; less 32), Q6_K's byte G. */
-QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_scale(const uint8_t *t, int six, int g) {
-    if (six) return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(t + 64 * (48 + g / 4)), 24 - 8 * (g % 4)), 24);
-    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * (24 + (g / 4) % 2)), 8 * (g % 4) + (g >= 8 ? 4 : 0)),
-                                        _mm512_set1_epi32(0xf));
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
-    return _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+/* Scales G and G + 1 (G even) of an interleaved Q3_K (SIX: Q6_K) super-block at T as the int16
+ * pair (scale G, scale G + 1) in each 32-bit lane. Both first make the int8 scales 4G' .. 4G' + 3
+ * (G' = G / 4) in the bytes of a lane: Q6_K's are stored so; Q3_K's as quant_q3k_scales unpacks
+ * them, a nibble of scale dword 0 or 1 and 2 bits of dword 2, less 32, four at a time (a scale a
+ * lane at a time took twice the unit's instructions). */
+QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(const uint8_t *t, int six, int g) {
+    const int k = g / 4;
+    __m512i v;
+    if (six) v = _mm512_loadu_si512(t + 64 * (48 + k));
+    else {
+        const __m512i nib = _mm512_loadu_si512(t + 64 * (24 + k % 2)), top = _mm512_loadu_si512(t + 64 * 26);
+        const __m512i low = _mm512_and_si512(k >= 2 ? _mm512_srli_epi16(nib, 4) : nib, _mm512_set1_epi8(0x0f));
+        const __m512i high = k < 2 ? _mm512_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm512_srli_epi16(top, 2); /* bits 2k to 4 */
+        v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8), _mm512_set1_epi8(32));
+    }
+    const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), odd = _mm512_srai_epi16(v, 8); /* bytes 0, 2 and 1, 3 as int16 */
+    return g % 4 ? _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd)
+                 : _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
 }
 
 /* Super-block U of 16 interleaved Q3_K (SIX: Q6_K) rows at T (their 16 d at D) against NC
@@ -4344,8 +4353,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q36k_unit(const uint8_t *t, int six, 
                 }
             }
             const int g = 8 * h + 2 * j; /* groups g and g + 1 */
-            const __m512i sa = quant_interleaved_q36k_scale(t, six, g), sb = quant_interleaved_q36k_scale(t, six, g + 1);
-            const __m512i pair = _mm512_or_si512(_mm512_and_si512(sa, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(sb, 16));
+            const __m512i pair = quant_interleaved_q36k_pair(t, six, g);
+            const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), sb = _mm512_srai_epi32(pair, 16);
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 isum[c] = _mm512_add_epi32(isum[c], _mm512_add_epi32(_mm512_mullo_epi32(s[0][c], sa), _mm512_mullo_epi32(s[1][c], sb)));
