@@ -4129,18 +4129,18 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
  * a cycle, against 64 a vpdpbusd). A matrix the CPU owns (§8 model_own_trunk) is repacked
  * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
  * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
- * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q2_K: shifted and masked; Q3_K:
- * that with its hmask bit; IQ4_XS: looked up) is vpdpbusd's operand for 16 rows, as a tile's is,
- * and the tile's integer and float steps run on it: the same bits as quant_dot_k. Q4_K, one
- * core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads 40.5 -> 20.2 us; 16 columns
- * (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
+ * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q6_K: with its 2 high bits; Q2_K:
+ * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up) is vpdpbusd's operand
+ * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
+ * as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads
+ * 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
  * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
@@ -4148,7 +4148,9 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * an L2 prefetch 16 or 24 KiB ahead besides lost. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
-/* Whether a matrix of ROWS rows of type T has an interleaved form at this level. */
+/* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
+ * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
+ * faster for one column 3-4% slower in the model (README, Weight formats), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS;
@@ -4244,53 +4246,12 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
                       isum, msum, p, NC);
 }
 
-/* Super-block U of 16 interleaved Q2_K rows at T against NC columns: quant_q23k_quants'
- * element 128h + 32j + l is bits 2j of quant byte 32h + l, so dword m of run h, shifted and
- * masked, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4; each group's products by its
- * 4-bit scale, its act sums by its min, then quant_dot_k_unit's float step. */
-QUANT_AVX512_INLINE void quant_interleaved_q2k_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
-                                                    float (*p)[QUANT_NPART][16], int NC) {
-    const __m512i m2 = _mm512_set1_epi8(3);
-    __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) isum[c] = msum[c] = _mm512_setzero_si512();
-    QUANT_UNROLL(2)
-    for (int h = 0; h < 2; h++)
-        QUANT_UNROLL(4)
-        for (int j = 0; j < 4; j++) {
-            __m512i s[2][QUANT_TILE_NC];
-            QUANT_UNROLL(4)
-            for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
-            QUANT_UNROLL(8)
-            for (int m = 0; m < 8; m++) {
-                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), m2);
-                QUANT_UNROLL(4)
-                for (int c = 0; c < NC; c++) {
-                    const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
-                    s[m / 4][c] = _mm512_dpbusd_epi32(s[m / 4][c], q, _mm512_set1_epi32(quant_rd32(x)));
-                }
-            }
-            const int g = 8 * h + 2 * j; /* groups g and g + 1: scale and min bytes g % 4, g % 4 + 1 of dword g / 4 */
-            const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
-            const __m512i m_lo = _mm512_srli_epi32(quant_tile_field(sm, g % 4, 8), 4), m_hi = _mm512_srli_epi32(quant_tile_field(sm, g % 4 + 1, 8), 4);
-            const __m512i mn = _mm512_or_si512(m_lo, _mm512_slli_epi32(m_hi, 16)); /* the mins as int16 pairs for vpdpwssd */
-            QUANT_UNROLL(4)
-            for (int c = 0; c < NC; c++) {
-                isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[0][c], quant_tile_field(sm, g % 4, 4)));
-                isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[1][c], quant_tile_field(sm, g % 4 + 1, 4)));
-                msum[c] = _mm512_dpwssd_epi32(msum[c], mn, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
-            }
-        }
-    const __m512i dd = _mm512_loadu_si512(t + 64 * 20);
-    quant_tile_k_step(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))), a, u,
-                      isum, msum, p, NC);
-}
-
-/* Vector M of run (H, J) of an interleaved Q3_K (SIX: Q6_K) super-block at T (quant_interleaved_q36k_unit's
- * terms): q + 4 (Q3_K) or q + 32 (Q6_K), vpdpbusd's unsigned operand, for elements 128h + 32j + 4m.. of
- * each row. */
-QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_quants(const uint8_t *t, int six, int h, int j, int m) {
-    if (!six) {
+/* Vector M of run (H, J) of an interleaved Q2_K, Q3_K or Q6_K super-block at T
+ * (quant_interleaved_q236k_unit's terms): vpdpbusd's unsigned operand for elements 128h + 32j +
+ * 4m.. of each row, q (Q2_K), q + 4 (Q3_K) or q + 32 (Q6_K). */
+QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int h, int j, int m) {
+    if (type == GGUF_TYPE_Q2_K) return _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), _mm512_set1_epi8(3));
+    if (type == GGUF_TYPE_Q3_K) {
         const int bit = 4 * h + j; /* of hmask, to bit 2 */
         const __m512i low = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (8 + 8 * h + m)), 2 * j), _mm512_set1_epi8(3));
         const __m512i hm = _mm512_loadu_si512(t + 64 * m);
@@ -4303,15 +4264,15 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_quants(const uint8_t *t, int 
     return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8);
 }
 
-/* Scales G and G + 1 (G even) of an interleaved Q3_K (SIX: Q6_K) super-block at T as the int16
+/* Scales G and G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as the int16
  * pair (scale G, scale G + 1) in each 32-bit lane. Both first make the int8 scales 4G' .. 4G' + 3
  * (G' = G / 4) in the bytes of a lane: Q6_K's are stored so; Q3_K's as quant_q3k_scales unpacks
  * them, a nibble of scale dword 0 or 1 and 2 bits of dword 2, less 32, four at a time (a scale a
- * lane at a time took twice the unit's instructions). */
-QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(const uint8_t *t, int six, int g) {
+ * lane at a time: Q6_K's one column 13% slower in cache). */
+QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int g) {
     const int k = g / 4;
     __m512i v;
-    if (six) v = _mm512_loadu_si512(t + 64 * (48 + k));
+    if (type == GGUF_TYPE_Q6_K) v = _mm512_loadu_si512(t + 64 * (48 + k));
     else {
         const __m512i nib = _mm512_loadu_si512(t + 64 * (24 + k % 2)), top = _mm512_loadu_si512(t + 64 * 26);
         const __m512i low = _mm512_and_si512(k >= 2 ? _mm512_srli_epi16(nib, 4) : nib, _mm512_set1_epi8(0x0f));
@@ -4323,19 +4284,37 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(const uint8_t *t, int si
                  : _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
 }
 
-/* Super-block U of 16 interleaved Q3_K (SIX: Q6_K) rows at T (their 16 d at D) against NC
- * columns. Both keep element 128h + 32j + l of a row in a byte l of their runs of half h: Q3_K
- * in bits 2j of quant byte 32h + l, with bit 4h + j of hmask byte l its third (clear: less 4);
- * Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, the high nibble for j >= 2), with bits 2j
- * of qh byte 32h + l its fifth and sixth (less 32). So dword m of those runs, shifted, masked
- * and or-ed, is q + 4 or q + 32 for elements 128h + 32j + 4m.. of group 8h + 2j + m / 4. Each
- * group's products by its scale; the 4 or 32 comes off as that many times Σ_g scale_g * bsum_g;
- * then quant_dot_k's float step, (d * dx) * isum. */
-QUANT_AVX512_INLINE void quant_interleaved_q36k_unit(const uint8_t *t, int six, const uint8_t *d, const struct quant_q8k_view *a,
-                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC) {
-    __m512i isum[QUANT_TILE_NC], corr[QUANT_TILE_NC];
+/* Groups G and G + 1 (G even) of an interleaved super-block at T: *SA, *SB their scales in 32-bit
+ * lanes, *PAIR the int16 pair a vpdpwssd takes against the act's two 16-sums: Q2_K's mins
+ * (scale and min the low and high nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), the scales
+ * of Q3_K and Q6_K (their offset, 4 or 32 times those sums). */
+QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, const uint8_t *t, int g, __m512i *sa, __m512i *sb, __m512i *pair) {
+    if (type == GGUF_TYPE_Q2_K) {
+        const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
+        *sa = quant_tile_field(sm, g % 4, 4);
+        *sb = quant_tile_field(sm, g % 4 + 1, 4);
+        *pair = _mm512_or_si512(_mm512_srli_epi32(quant_tile_field(sm, g % 4, 8), 4), _mm512_slli_epi32(_mm512_srli_epi32(quant_tile_field(sm, g % 4 + 1, 8), 4), 16));
+        return;
+    }
+    *pair = quant_interleaved_q36k_pair(type, t, g);
+    *sa = _mm512_srai_epi32(_mm512_slli_epi32(*pair, 16), 16);
+    *sb = _mm512_srai_epi32(*pair, 16);
+}
+
+/* Super-block U of 16 interleaved Q2_K, Q3_K or Q6_K rows at T (Q3_K's and Q6_K's 16 d at D)
+ * against NC columns. All three keep element 128h + 32j + l of a row in a byte l of their runs of
+ * half h: Q2_K in bits 2j of quant byte 32h + l; Q3_K the same, with bit 4h + j of hmask byte l
+ * its third (clear: less 4); Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, the high
+ * nibble for j >= 2), with bits 2j of qh byte 32h + l its fifth and sixth (less 32). So dword m
+ * of those runs, shifted, masked and or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4
+ * (Q3_K, Q6_K: plus 4 or 32). Each group's products by its scale; a vpdpwssd of the act's sums
+ * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then quant_dot_k_unit's
+ * float step. */
+QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
+                                                      int64_t u, float (*p)[QUANT_NPART][16], int NC) {
+    __m512i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
     QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) isum[c] = corr[c] = _mm512_setzero_si512();
+    for (int c = 0; c < NC; c++) isum[c] = sums[c] = _mm512_setzero_si512();
     QUANT_UNROLL(2)
     for (int h = 0; h < 2; h++)
         QUANT_UNROLL(4)
@@ -4345,7 +4324,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q36k_unit(const uint8_t *t, int six, 
             for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
             QUANT_UNROLL(8)
             for (int m = 0; m < 8; m++) {
-                const __m512i q = quant_interleaved_q36k_quants(t, six, h, j, m);
+                const __m512i q = quant_interleaved_q236k_quants(type, t, h, j, m);
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) {
                     const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
@@ -4353,18 +4332,24 @@ QUANT_AVX512_INLINE void quant_interleaved_q36k_unit(const uint8_t *t, int six, 
                 }
             }
             const int g = 8 * h + 2 * j; /* groups g and g + 1 */
-            const __m512i pair = quant_interleaved_q36k_pair(t, six, g);
-            const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), sb = _mm512_srai_epi32(pair, 16);
+            __m512i sa, sb, pair;
+            quant_interleaved_q236k_groups(type, t, g, &sa, &sb, &pair);
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 isum[c] = _mm512_add_epi32(isum[c], _mm512_add_epi32(_mm512_mullo_epi32(s[0][c], sa), _mm512_mullo_epi32(s[1][c], sb)));
-                corr[c] = _mm512_dpwssd_epi32(corr[c], pair, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
+                sums[c] = _mm512_dpwssd_epi32(sums[c], pair, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
             }
         }
+    if (type == GGUF_TYPE_Q2_K) {
+        const __m512i dd = _mm512_loadu_si512(t + 64 * 20);
+        quant_tile_k_step(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))), a, u,
+                          isum, sums, p, NC);
+        return;
+    }
     const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) {
-        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(corr[c], six ? 5 : 2));
+        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(sums[c], type == GGUF_TYPE_Q6_K ? 5 : 2));
         const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(is));
         quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
     }
@@ -4431,9 +4416,8 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-        if (t == GGUF_TYPE_Q2_K) quant_interleaved_q2k_unit(b, a, u, p, NC);
-        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
-            quant_interleaved_q36k_unit(b, t == GGUF_TYPE_Q6_K, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
+        if (t == GGUF_TYPE_Q2_K) quant_interleaved_q236k_unit(t, b, NULL, a, u, p, NC);
+        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) quant_interleaved_q236k_unit(t, b, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }
@@ -9930,8 +9914,8 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * memory but 17 GB/s in place from the page cache; the 35B's 10-layer slice decodes 11.7 ->
  * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts stay in place: copying 17 GB of
  * them would push the file out of the page cache, and every start would read it again. A
- * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q2_K, Q3_K and IQ4_XS at
- * AVX-512) is copied into it interleaved. */
+ * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS
+ * at AVX-512) is copied into it interleaved. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
