@@ -4171,10 +4171,10 @@ static int quant_interleaved_dword(enum gguf_type t, int k) {
 
 /* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
  * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
- * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, its d
- * last) leaves 2 bytes a row: those of the 16 rows' super-block u follow all of the group's
- * vectors, 32 bytes for each u, so that every vector stays 64-byte aligned. 16 rows keep their
- * 16 RB bytes. Caller: quant_interleave_ok. */
+ * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
+ * 210, each its d last) leaves 2 bytes a row: those of the 16 rows' super-block u follow all of
+ * the group's vectors, 32 bytes for each u, so that every vector stays 64-byte aligned. 16 rows
+ * keep their 16 RB bytes. Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
@@ -4293,7 +4293,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
         const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
         *sa = quant_tile_field(sm, g % 4, 4);
         *sb = quant_tile_field(sm, g % 4 + 1, 4);
-        *pair = _mm512_or_si512(_mm512_srli_epi32(quant_tile_field(sm, g % 4, 8), 4), _mm512_slli_epi32(_mm512_srli_epi32(quant_tile_field(sm, g % 4 + 1, 8), 4), 16));
+        const __m512i min_a = _mm512_srli_epi32(quant_tile_field(sm, g % 4, 8), 4), min_b = _mm512_srli_epi32(quant_tile_field(sm, g % 4 + 1, 8), 4);
+        *pair = _mm512_or_si512(min_a, _mm512_slli_epi32(min_b, 16));
         return;
     }
     *pair = quant_interleaved_q36k_pair(type, t, g);
@@ -4308,8 +4309,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
  * nibble for j >= 2), with bits 2j of qh byte 32h + l its fifth and sixth (less 32). So dword m
  * of those runs, shifted, masked and or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4
  * (Q3_K, Q6_K: plus 4 or 32). Each group's products by its scale; a vpdpwssd of the act's sums
- * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then quant_dot_k_unit's
- * float step. */
+ * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then the float step of
+ * quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k (Q6_K). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                       int64_t u, float (*p)[QUANT_NPART][16], int NC) {
     __m512i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
