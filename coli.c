@@ -4150,7 +4150,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
  * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
- * faster for one column 3-4% slower in the model (README, Weight formats), and is kept for them. */
+ * faster for one column 0-4% slower in the model (README, Weight formats), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS;
@@ -4172,9 +4172,10 @@ static int quant_interleaved_dword(enum gguf_type t, int k) {
 /* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
  * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
  * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
- * 210, each its d last) leaves 2 bytes a row: those of the 16 rows' super-block u follow all of
- * the group's vectors, 32 bytes for each u, so that every vector stays 64-byte aligned. 16 rows
- * keep their 16 RB bytes. Caller: quant_interleave_ok. */
+ * 210, each its d last) leaves 2 bytes a row: those of the 16 rows' super-blocks come first in
+ * the group, 32 bytes for each, so that a pass reads them in its stream and every vector stays
+ * 64-byte aligned (rows of an even number of super-blocks: every matrix of the Qwen3.5/3.6
+ * models). 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
@@ -4184,11 +4185,11 @@ static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src,
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++)
         for (int64_t u = 0; u < nu; u++) {
-            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * unit;
+            uint8_t *v = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)nu * QUANT_TILE_ROWS * rest + (size_t)u * unit;
             const uint8_t *b = src + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * (size_t)bb;
             for (int k = 0; k < dwords; k++)
                 for (int r = 0; r < QUANT_TILE_ROWS; r++) memcpy(v + 64 * k + 4 * r, b + (size_t)r * rb + from[k], 4);
-            uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)nu * unit + (size_t)u * QUANT_TILE_ROWS * rest;
+            uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * rest;
             for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + 4 * dwords, (size_t)rest);
         }
 }
@@ -4412,13 +4413,12 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108
                                                     : t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_IQ4_XS ? 136 : 144); /* Q3_K, Q6_K: their whole dwords */
-    for (size_t q = 0; prefetch && (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) && q < (size_t)nu * 32; q += 64)
-        _mm_prefetch((const char *)w + (size_t)nu * bytes + q, _MM_HINT_T0); /* their d, after all the vectors */
+    const uint8_t *d = w, *v = w + (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K ? (size_t)nu * 32 : 0); /* Q3_K's, Q6_K's d first */
     for (int64_t u = 0; u < nu; u++) {
-        const uint8_t *b = w + (size_t)u * bytes;
+        const uint8_t *b = v + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K) quant_interleaved_q236k_unit(t, b, NULL, a, u, p, NC);
-        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) quant_interleaved_q236k_unit(t, b, w + (size_t)nu * bytes + (size_t)u * 32, a, u, p, NC);
+        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }

@@ -1109,10 +1109,10 @@ static void test_tile_long_rows(void) {
 
 /* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS (quant_interleave, as §8 model_own_trunk
  * makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
- * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's
- * left-over d bytes after an odd number of units), 16 and 48 rows, 1..5, 9 and 17 columns (every
- * remainder of the kernel's passes of 4), 1 and 2 threads, with the special weight and
- * activation modes. */
+ * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's d
+ * bytes for an odd number of units, their vectors then off the 64-byte grid), 16 and 48 rows,
+ * 1..5, 9 and 17 columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the
+ * special weight and activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
