@@ -4417,8 +4417,8 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = v + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-        if (t == GGUF_TYPE_Q2_K) quant_interleaved_q236k_unit(t, b, NULL, a, u, p, NC);
-        else if (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K) quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC);
+        if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
+            quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC); /* Q2_K: D unread */
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }
