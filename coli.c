@@ -4129,7 +4129,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Interleaved rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; Q4_0, Q8_0, IQ4_NL): 16 rows' blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
@@ -4148,50 +4148,40 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * an L2 prefetch 16 or 24 KiB ahead besides lost. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
-/* Whether T's interleaved unit is a 32-block of the legacy kind: its fp16 d first, then whole
- * dwords of quants (Q4_0 and IQ4_NL: 4 of nibbles; Q8_0: 8 of bytes). */
-static int quant_interleaved_legacy(enum gguf_type t) {
-    return t == GGUF_TYPE_Q4_0 || t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL;
-}
-
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
  * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
  * faster for one column 0-4% slower in the model (README, Weight formats), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
-                       t == GGUF_TYPE_IQ4_XS || quant_interleaved_legacy(t);
+                       t == GGUF_TYPE_IQ4_XS;
     return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
-/* Vector K of an interleaved block of type T holds the dword at which byte of each row's
- * block. Q4_K, Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's
- * 8 of fifth bits, the 3 of scales and mins, and last dword 0 (d and dmin). The legacy blocks
- * their quants, from byte 2 on, their d left over. The others theirs as they are (Q2_K: 4 of
- * scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of quants, 3 of scales, its d
- * left over; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d left over; IQ4_XS: d with the scales'
- * high bits, their low bits, 32 of codes). */
-static int quant_interleaved_offset(enum gguf_type t, int k) {
-    if (quant_interleaved_legacy(t)) return 2 + 4 * k;
-    if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return 4 * k;
+/* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
+ * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
+ * bits, the 3 of scales and mins, and last dword 0 (d and dmin). The others theirs as they are
+ * (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of quants, 3 of
+ * scales, its d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d left over; IQ4_XS: d
+ * with the scales' high bits, their low bits, 32 of codes). */
+static int quant_interleaved_dword(enum gguf_type t, int k) {
+    if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
-    return 4 * (k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0);
+    return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
 }
 
 /* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
- * block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
- * quant_interleaved_offset's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
- * 210, each its d last; Q4_0 and IQ4_NL: 18, Q8_0: 34, each its d first) leaves 2 bytes a row:
- * those of the 16 rows' blocks come first in the group, 32 bytes for each, so that a pass reads
- * them in its stream and every vector stays 64-byte aligned (rows of an even number of blocks:
- * every matrix of the Qwen3.5/3.6 models). 16 rows keep their 16 RB bytes. Caller:
- * quant_interleave_ok. */
+ * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
+ * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
+ * 210, each its d last) leaves 2 bytes a row: those of the 16 rows' super-blocks come first in
+ * the group, 32 bytes for each, so that a pass reads them in its stream and every vector stays
+ * 64-byte aligned (rows of an even number of super-blocks: every matrix of the Qwen3.5/3.6
+ * models). 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
     const size_t unit = (size_t)64 * dwords; /* a super-block's vectors */
     int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast: 9.5 GB/s on 2 threads) */
-    for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
-    const int rest_at = quant_interleaved_legacy(t) ? 0 : 4 * dwords;
+    for (int k = 0; k < dwords; k++) from[k] = 4 * quant_interleaved_dword(t, k);
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++)
         for (int64_t u = 0; u < nu; u++) {
@@ -4200,7 +4190,7 @@ static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src,
             for (int k = 0; k < dwords; k++)
                 for (int r = 0; r < QUANT_TILE_ROWS; r++) memcpy(v + 64 * k + 4 * r, b + (size_t)r * rb + from[k], 4);
             uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * rest;
-            for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + rest_at, (size_t)rest);
+            for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + 4 * dwords, (size_t)rest);
         }
 }
 
@@ -4434,71 +4424,6 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     }
 }
 
-/* Block U of 16 interleaved Q4_0, IQ4_NL or Q8_0 rows at T (their 16 fp16 d at D) against NC
- * columns, as quant_legacy_units: vpdpbusd's unsigned operand is q for Q4_0 (dword m of the
- * nibbles holds elements 4m.. in its low nibbles, 16 + 4m.. in its high ones), IQ4_NL's value
- * plus 128 by a byte shuffle, q + 128 for Q8_0 (its sign bit flipped); the offset, 8 or 128
- * times the act block's sum, is where the integer sum starts, exact as in the tiles. Two sums a
- * column (low and high nibbles, even and odd dwords) keep one column's chain short. */
-QUANT_AVX512_INLINE void quant_interleaved_legacy_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8_view *a,
-                                                       int64_t u, float (*p)[QUANT_NPART][16], int NC) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)), flip);
-    const int offset = type == GGUF_TYPE_Q4_0 ? 8 : 128;
-    __m512i s[2][QUANT_TILE_NC];
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) {
-        s[0][c] = _mm512_set1_epi32(-offset * a[c].s[u]);
-        s[1][c] = _mm512_setzero_si512();
-    }
-    QUANT_UNROLL(4)
-    for (int m = 0; m < 4; m++) {
-        const __m512i v = _mm512_loadu_si512(t + 64 * m);
-        __m512i lo, hi; /* elements 4m.. and 16 + 4m.. */
-        if (type == GGUF_TYPE_Q8_0) {
-            lo = _mm512_xor_si512(v, flip);
-            hi = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * (4 + m)), flip);
-        } else {
-            lo = _mm512_and_si512(v, m4);
-            hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            if (type == GGUF_TYPE_IQ4_NL) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
-        }
-        QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) {
-            const int8_t *x = a[c].qs + u * QUANT_QK + 4 * m;
-            s[0][c] = _mm512_dpbusd_epi32(s[0][c], lo, _mm512_set1_epi32(quant_rd32(x)));
-            s[1][c] = _mm512_dpbusd_epi32(s[1][c], hi, _mm512_set1_epi32(quant_rd32(x + 16)));
-        }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) {
-        const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(_mm512_add_epi32(s[0][c], s[1][c])));
-        quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
-    }
-}
-
-/* Every block of 16 interleaved legacy rows of type T at W (16 d a block first, then its
- * vectors) against NC columns into their partials P, as quant_interleaved_pass. */
-QUANT_AVX512_INLINE void quant_interleaved_legacy_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8_view *a, int64_t nb,
-                                                       float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q8_0 ? 32 : 16);
-    const uint8_t *v = w + (size_t)nb * 32;
-    for (int64_t u = 0; u < nb; u++) {
-        const uint8_t *b = v + (size_t)u * bytes;
-        for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-        quant_interleaved_legacy_unit(t, b, w + (size_t)u * 32, a, u, p, NC);
-    }
-}
-
-/* quant_interleaved_legacy_pass with T as a constant in each branch. */
-QUANT_AVX512_INLINE void quant_interleaved_legacy_columns(enum gguf_type t, const uint8_t *w, const struct quant_q8_view *a, int64_t nb,
-                                                          float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    if (t == GGUF_TYPE_Q8_0) quant_interleaved_legacy_pass(GGUF_TYPE_Q8_0, w, a, nb, p, NC, prefetch);
-    else if (t == GGUF_TYPE_IQ4_NL) quant_interleaved_legacy_pass(GGUF_TYPE_IQ4_NL, w, a, nb, p, NC, prefetch);
-    else quant_interleaved_legacy_pass(GGUF_TYPE_Q4_0, w, a, nb, p, NC, prefetch);
-}
-
 /* quant_interleaved_pass with T as a constant in each branch. */
 QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                    float (*p)[QUANT_NPART][16], int NC, int prefetch) {
@@ -4519,23 +4444,15 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
  * columns) in the L1 or L2. */
 static QUANT_AVX512 void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n,
                                           float *y, size_t ys) {
-    const int legacy = quant_interleaved_legacy(t);
-    const int64_t nu = n / (legacy ? QUANT_QK : QUANT_QK_K);
+    const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
     for (int c0 = 0; c0 < nc;) {
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
-        if (legacy) {
-            struct quant_q8_view a[QUANT_TILE_NC];
-            for (int c = 0; c < cc; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + c) * stride, n);
-            if (cc == QUANT_TILE_NC) quant_interleaved_legacy_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0);
-            else quant_interleaved_legacy_columns(t, w, a, nu, p, 1, c0 == 0);
-        } else {
-            struct quant_q8k_view a[QUANT_TILE_NC];
-            for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-            if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0);
-            else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0);
-        }
+        struct quant_q8k_view a[QUANT_TILE_NC];
+        for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
+        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0);
+        else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }

@@ -1107,26 +1107,22 @@ static void test_tile_long_rows(void) {
     }
 }
 
-/* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q8_0 and IQ4_NL (quant_interleave, as
- * §8 model_own_trunk makes the trunk's): ops_matmat on the interleaved copy against the scalar
- * dot of each original row, for rows of 1, 8 and 33 blocks (super-blocks; the legacy types' 32-
- * blocks) (33: past the 32 partials, and the d bytes of the types that leave them for an odd
- * number of units, their vectors then off the 64-byte grid), 16 and 48 rows,
+/* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS (quant_interleave, as §8 model_own_trunk
+ * makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
+ * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's d
+ * bytes for an odd number of units, their vectors then off the 64-byte grid), 16 and 48 rows,
  * 1..5, 9 and 17 columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the
  * special weight and activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
-        printf("ok - interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q8_0 and IQ4_NL # SKIP no AVX-512 VNNI kernels on this CPU\n");
+        printf("ok - interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS # SKIP no AVX-512 VNNI kernels on this CPU\n");
         n_pass++;
         return;
     }
-    check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q5_1, QUANT_TILE_ROWS) &&
-              !quant_interleave_ok(GGUF_TYPE_IQ3_S, QUANT_TILE_ROWS),
-          "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q8_0 and IQ4_NL in whole groups of 16 rows only",
-          "another type or row count accepted");
-    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
-                                            GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, GGUF_TYPE_IQ4_NL };
+    check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q8_0, QUANT_TILE_ROWS),
+          "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
@@ -1138,8 +1134,7 @@ static void test_interleaved(void) {
             for (size_t ri = 0; ri < sizeof row_counts / sizeof *row_counts && !bad; ri++)
                 for (size_t mi = 0; mi < sizeof modes / sizeof *modes && !bad; mi++) {
                     const int rows = row_counts[ri];
-                    const int64_t unit = gguf_type_get(types[ti])->block_elems;
-                    struct matmat_case c = matmat_case_new(types[ti], rows, units[ui] * unit, maxc, 5);
+                    struct matmat_case c = matmat_case_new(types[ti], rows, (int64_t)units[ui] * QUANT_QK_K, maxc, 5);
                     const struct ops_matrix *m = &c.m;
                     for (int r = 0; r < rows; r++) fill_weights(m->type, (uint8_t *)m->data + r * m->row_bytes, m->cols, r % 3 ? modes[mi].w : W_RANDOM);
                     fill_x(c.x, m->cols * maxc, modes[mi].x);
@@ -1157,7 +1152,7 @@ static void test_interleaved(void) {
                             for (int r = 0; r < rows && !bad; r++) {
                                 float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c.act + j * c.stride, m->cols);
                                 if (memcmp(&ref, &c.y[(size_t)j * rows + r], 4)) {
-                                    snprintf(why, sizeof why, "%d blocks, %d rows, mode %zu, %d columns, %d threads: row %d column %d %.9g vs %.9g",
+                                    snprintf(why, sizeof why, "%d super-blocks, %d rows, mode %zu, %d columns, %d threads: row %d column %d %.9g vs %.9g",
                                              units[ui], rows, mi, nc, 1 + k % 2, r, j, c.y[(size_t)j * rows + r], ref);
                                     bad = 1;
                                 }
