@@ -3238,31 +3238,14 @@ QUANT_AVX512_INLINE __mmask64 quant_bitalg_shuffle(__m512i ctrl, __m512i data) {
     return r;
 }
 
-/* The 64 points of an IQ3 super-block into k->q, by VBMI: the index bytes at QS (bit 8 from
- * the 64 bits at QH for IQ3_S's 512 points; QH NULL for IQ3_XXS's 256) look up both pair
- * planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs) 128 entries a permute;
- * the planes' nibbles become levels by VALUES (vpshufb: their bit 3 is clear, so a nibble
- * shifted in from the next byte never sets bit 7). That gives the 4 coordinate planes: byte i
- * of plane j is coordinate j of point i, element 4i + j. IN_PLANES keeps them so (for an act
- * in the same order, quant_avx512_plane_order); else the coordinates are interleaved lane by
- * lane, the indices permuted first so that the interleave lands in element order: position
- * 16L + 4j + i takes point 16j + 4L + i. */
-QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
-                                                      __m128i values, int in_planes, struct quant_avx512_kblock *k) {
-    static const uint8_t order[64] __attribute__((aligned(64))) = {
-        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
-        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63,
-    };
-    const __m512i perm = _mm512_load_si512(order), vt = _mm512_broadcast_i32x4(values);
-    const __m512i idx = in_planes ? _mm512_loadu_si512(qs) : quant_vbmi_permute(perm, _mm512_loadu_si512(qs));
+/* The 4 coordinate planes C of 64 IQ3 points by VBMI: the index bytes IDX (bit 8 in BIT8 for
+ * IQ3_S's 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or
+ * quant_iq3s_pairs) 128 entries a permute; the planes' nibbles become levels by VALUES
+ * (vpshufb: their bit 3 is clear, so a nibble shifted in from the next byte never sets bit 7).
+ * Byte i of plane j is coordinate j of point i. */
+QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit8, const uint8_t *planes, int np, __m128i values, __m512i *c) {
+    const __m512i vt = _mm512_broadcast_i32x4(values);
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
-    __mmask64 bit8 = 0;
-    if (qh) {
-        uint64_t h;
-        memcpy(&h, qh, 8);
-        bit8 = in_planes ? _cvtu64_mask64(h) : _mm512_movepi8_mask(quant_vbmi_permute(perm, _mm512_movm_epi8(_cvtu64_mask64(h))));
-    }
-    __m512i c[4];
     QUANT_UNROLL(2)
     for (int h = 0; h < 2; h++) {
         const __m512i *p = (const __m512i *)(planes + 64 * np * h);
@@ -3276,6 +3259,30 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const u
         c[2 * h] = _mm512_shuffle_epi8(vt, r);
         c[2 * h + 1] = _mm512_shuffle_epi8(vt, _mm512_srli_epi16(r, 4));
     }
+}
+
+/* The 64 points of an IQ3 super-block into k->q, by quant_avx512_iq3_vbmi_lookup of the index
+ * bytes at QS (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane
+ * j is element 4i + j. IN_PLANES keeps them so (for an act in the same order,
+ * quant_avx512_plane_order); else the coordinates are interleaved lane by lane, the indices
+ * permuted first so that the interleave lands in element order: position 16L + 4j + i takes
+ * point 16j + 4L + i. */
+QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
+                                                      __m128i values, int in_planes, struct quant_avx512_kblock *k) {
+    static const uint8_t order[64] __attribute__((aligned(64))) = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63,
+    };
+    const __m512i perm = _mm512_load_si512(order);
+    const __m512i idx = in_planes ? _mm512_loadu_si512(qs) : quant_vbmi_permute(perm, _mm512_loadu_si512(qs));
+    __mmask64 bit8 = 0;
+    if (qh) {
+        uint64_t h;
+        memcpy(&h, qh, 8);
+        bit8 = in_planes ? _cvtu64_mask64(h) : _mm512_movepi8_mask(quant_vbmi_permute(perm, _mm512_movm_epi8(_cvtu64_mask64(h))));
+    }
+    __m512i c[4];
+    quant_avx512_iq3_vbmi_lookup(idx, bit8, planes, np, values, c);
     if (in_planes) {
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) k->q[j] = c[j];
@@ -3315,13 +3322,14 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i 
     k->sc[0] = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castsi256_si512(s8));
 }
 
-/* quant_avx512_iq3xxs_signs by VBMI: VPMULTISHIFTQB takes the 8 bits at each field's offset
- * (0, 7, 14, 21 in each word), and their 7 low bits index quant_iq_sign_table (VPERMI2B
- * ignores bit 7). Measured: IQ3_XXS 5 ns a super-block faster than the shifts and parity. */
-QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs_vbmi(__m256i aux) {
-    const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), _mm512_castsi256_si512(aux));
+/* quant_avx512_iq3xxs_signs by VBMI, for the 16 words of AUX: VPMULTISHIFTQB takes the 8 bits
+ * at each field's offset (0, 7, 14, 21 in each word), and their 7 low bits index
+ * quant_iq_sign_table (VPERMI2B ignores bit 7). Measured: IQ3_XXS 5 ns a super-block faster
+ * than the shifts and parity. */
+QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
+    const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), aux);
     const __m512i *table = (const __m512i *)quant_iq_sign_table;
-    return _mm512_castsi512_si256(quant_vbmi_permute2(_mm512_load_si512(table), f, _mm512_load_si512(table + 1)));
+    return quant_vbmi_permute2(_mm512_load_si512(table), f, _mm512_load_si512(table + 1));
 }
 
 /* IQ3_XXS super-block: the lattice points (quant_avx512_iq3xxs_points, or VBMI's, in coordinate
@@ -3332,7 +3340,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
     const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
     if (in_planes) {
         quant_avx512_iq3_vbmi_points(b + 2, NULL, quant_iq3xxs_pairs[0], 4, _mm_loadl_epi64((const __m128i *)quant_iq3_levels), 1, k);
-        quant_avx512_iq3_plane_signs_scales(quant_avx512_iq3xxs_signs_vbmi(aux), scales, k);
+        quant_avx512_iq3_plane_signs_scales(_mm512_castsi512_si256(quant_avx512_iq3xxs_signs_vbmi(_mm512_castsi256_si512(aux))), scales, k);
         return;
     }
     if (vbmi) {
@@ -3346,7 +3354,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
         quant_avx512_iq3xxs_points(b + 34, keys, pairs, &k->q[2], &k->q[3]);
     }
     uint64_t signs[4];
-    _mm256_storeu_si256((__m256i *)signs, vbmi ? quant_avx512_iq3xxs_signs_vbmi(aux) : quant_avx512_iq3xxs_signs(aux));
+    _mm256_storeu_si256((__m256i *)signs, vbmi ? _mm512_castsi512_si256(quant_avx512_iq3xxs_signs_vbmi(_mm512_castsi256_si512(aux)))
+                                               : quant_avx512_iq3xxs_signs(aux));
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->neg[j] = _cvtu64_mask64(signs[j]);
     quant_avx512_iq_scales(scales, k);
@@ -4148,40 +4157,48 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * an L2 prefetch 16 or 24 KiB ahead besides lost. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
+/* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
+static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
+
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
  * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
  * faster for one column 0-4% slower in the model (README, Weight formats), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
-                       t == GGUF_TYPE_IQ4_XS;
+                       t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
     return format && rows > 0 && rows % QUANT_TILE_ROWS == 0 && quant_level >= QUANT_LEVEL_AVX512;
 }
 
-/* Vector K of an interleaved super-block of type T holds which dword of each row's block. Q4_K,
- * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth
- * bits, the 3 of scales and mins, and last dword 0 (d and dmin). The others theirs as they are
+/* Vector K of an interleaved super-block of type T holds the dword at which byte of each row's
+ * block. Q4_K, Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8
+ * of fifth bits, the 3 of scales and mins, and last dword 0 (d and dmin). The IQ3 formats theirs
+ * from byte 2 on, their d left over (IQ3_XXS: 16 of grid indices, 8 of signs and scales; IQ3_S:
+ * 16 of indices, 2 of their high bits, 8 of signs, 1 of scales). The others theirs as they are
  * (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of quants, 3 of
  * scales, its d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d left over; IQ4_XS: d
  * with the scales' high bits, their low bits, 32 of codes). */
-static int quant_interleaved_dword(enum gguf_type t, int k) {
-    if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return k;
+static int quant_interleaved_offset(enum gguf_type t, int k) {
+    if (quant_interleaved_iq3(t)) return 2 + 4 * k;
+    if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return 4 * k;
     const int five = t == GGUF_TYPE_Q5_K, nibbles = 4 + 8 * five;
-    return k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0;
+    return 4 * (k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0);
 }
 
 /* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
  * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
- * quant_interleaved_dword's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
- * 210, each its d last) leaves 2 bytes a row: those of the 16 rows' super-blocks come first in
- * the group, 32 bytes for each, so that a pass reads them in its stream and every vector stays
- * 64-byte aligned (rows of an even number of super-blocks: every matrix of the Qwen3.5/3.6
- * models). 16 rows keep their 16 RB bytes. Caller: quant_interleave_ok. */
+ * quant_interleaved_offset's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
+ * 210, each its d last; IQ3_XXS: 98, IQ3_S: 110, each its d first) leaves 2 bytes a row: those
+ * of the 16 rows' super-blocks come first in the group, 32 bytes for each, so that a pass reads
+ * them in its stream and every vector stays 64-byte aligned (rows of an even number of
+ * super-blocks: every matrix of the Qwen3.5/3.6 models). 16 rows keep their 16 RB bytes.
+ * Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
     const size_t unit = (size_t)64 * dwords; /* a super-block's vectors */
     int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast: 9.5 GB/s on 2 threads) */
-    for (int k = 0; k < dwords; k++) from[k] = 4 * quant_interleaved_dword(t, k);
+    for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
+    const int rest_at = quant_interleaved_iq3(t) ? 0 : 4 * dwords;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++)
         for (int64_t u = 0; u < nu; u++) {
@@ -4190,7 +4207,7 @@ static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src,
             for (int k = 0; k < dwords; k++)
                 for (int r = 0; r < QUANT_TILE_ROWS; r++) memcpy(v + 64 * k + 4 * r, b + (size_t)r * rb + from[k], 4);
             uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * rest;
-            for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + 4 * dwords, (size_t)rest);
+            for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + rest_at, (size_t)rest);
         }
 }
 
@@ -4405,6 +4422,66 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
     }
 }
 
+/* Super-block U of 16 interleaved IQ3_XXS or IQ3_S rows at T (their 16 d at D) against NC
+ * columns, by VBMI. Vector 2 ib + h of grid indices holds in lane r points 4h.. of 32-block ib of
+ * row r (IQ3_S: bit 8 of point 4h + k is bit 8 (ib % 4) + 4h + k of high-bit dword ib / 4); their
+ * lookup gives 4 coordinate planes, byte 4r + k of plane j the coordinate j of point k, element
+ * 16h + 4k + j of the block: against the act in the same planes (quant_avx512_plane_order, a
+ * super-block at a time) one vpdpbusd per plane. Each row's 32 sign bits of the block (IQ3_XXS:
+ * from its word of 7-bit fields; IQ3_S: as stored), bit e for element e, become a byte mask per
+ * plane by BITALG's bit shuffle, and vpdpbusd's unsigned operand is 128 + the signed value; the
+ * 128 comes off as 128 times the block's act sum. Each block's sum by its 2 s + 1, then
+ * quant_dot_k_unit's float step. */
+QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
+                                                    int64_t u, float (*p)[QUANT_NPART][16], int NC) {
+    const int xxs = type == GGUF_TYPE_IQ3_XXS;
+    const __m128i values = xxs ? _mm_loadl_epi64((const __m128i *)quant_iq3_levels) : _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    _Alignas(64) int8_t x[QUANT_TILE_NC][QUANT_QK_K];
+    __m512i isum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        quant_avx512_plane_order((const uint8_t *)a[c].qs + u * QUANT_QK_K, (uint8_t *)x[c]);
+        isum[c] = _mm512_setzero_si512();
+    }
+    for (int ib = 0; ib < 8; ib++) {
+        const __m512i aux = _mm512_loadu_si512(t + 64 * (16 + ib)); /* IQ3_XXS: signs and scale; IQ3_S: high bits (ib < 2) */
+        const __m512i signs = xxs ? quant_avx512_iq3xxs_signs_vbmi(aux) : _mm512_loadu_si512(t + 64 * (18 + ib));
+        const __m512i ls = xxs ? _mm512_srli_epi32(aux, 28) : _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 4 * ib), _mm512_set1_epi32(15));
+        __m512i s[QUANT_TILE_NC];
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++)
+            s[c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
+        QUANT_UNROLL(2)
+        for (int h = 0; h < 2; h++) {
+            __mmask64 bit8 = 0;
+            if (!xxs)
+                bit8 = quant_bitalg_shuffle(_mm512_set1_epi64(0x2322212003020100LL + 0x0101010101010101LL * (8 * (ib % 4) + 4 * h)),
+                                            _mm512_loadu_si512(t + 64 * (16 + ib / 4)));
+            __m512i plane[4];
+            quant_avx512_iq3_vbmi_lookup(_mm512_loadu_si512(t + 64 * (2 * ib + h)), bit8, xxs ? quant_iq3xxs_pairs[0] : quant_iq3s_pairs[0],
+                                         xxs ? 4 : 8, values, plane);
+            QUANT_UNROLL(4)
+            for (int j = 0; j < 4; j++) {
+                const __mmask64 neg = quant_bitalg_shuffle(_mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j)), signs);
+                const __m512i w = _mm512_mask_sub_epi8(_mm512_or_si512(plane[j], flip), neg, flip, plane[j]);
+                QUANT_UNROLL(4)
+                for (int c = 0; c < NC; c++) s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(quant_rd32(x[c] + 64 * j + 8 * ib + 4 * h)));
+            }
+        }
+        const __m512i scale = _mm512_or_si512(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], scale));
+    }
+    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(isum[c]));
+        if (xxs) r = _mm512_mul_ps(r, _mm512_set1_ps(0.25f));
+        quant_tile_partial_add(p[c][u % QUANT_NPART], u, r);
+    }
+}
+
 /* Every super-block of 16 interleaved rows of type T at W against NC columns into their
  * partials P; PREFETCH: ahead of the reads. T and NC constants where inlined, so that each
  * pass's loop is unrolled (with the super-block's size read at run time, the prefetch loop
@@ -4412,13 +4489,16 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108
-                                                    : t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_IQ4_XS ? 136 : 144); /* Q3_K, Q6_K: their whole dwords */
-    const uint8_t *d = w, *v = w + (t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K ? (size_t)nu * 32 : 0); /* Q3_K's, Q6_K's d first */
+                                                    : t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_IQ4_XS ? 136 : t == GGUF_TYPE_IQ3_XXS ? 96
+                                                    : t == GGUF_TYPE_IQ3_S ? 108 : 144); /* Q3_K, Q6_K, IQ3: their whole dwords */
+    const int d_first = t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || quant_interleaved_iq3(t);
+    const uint8_t *d = w, *v = w + (d_first ? (size_t)nu * 32 : 0);
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = v + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
             quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC); /* Q2_K: D unread */
+        else if (quant_interleaved_iq3(t)) quant_interleaved_iq3_unit(t, b, d + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
         else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
     }
@@ -4433,6 +4513,8 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
     case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch); break;
     case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch); break;
+    case GGUF_TYPE_IQ3_XXS: quant_interleaved_pass(GGUF_TYPE_IQ3_XXS, w, a, nu, p, NC, prefetch); break;
+    case GGUF_TYPE_IQ3_S: quant_interleaved_pass(GGUF_TYPE_IQ3_S, w, a, nu, p, NC, prefetch); break;
     default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch); break;
     }
 }

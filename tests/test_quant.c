@@ -1107,8 +1107,8 @@ static void test_tile_long_rows(void) {
     }
 }
 
-/* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS (quant_interleave, as §8 model_own_trunk
- * makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
+/* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS, and at the avx512vbmi level IQ3_XXS and
+ * IQ3_S (quant_interleave, as §8 model_own_trunk makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
  * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's d
  * bytes for an odd number of units, their vectors then off the 64-byte grid), 16 and 48 rows,
  * 1..5, 9 and 17 columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the
@@ -1122,7 +1122,12 @@ static void test_interleaved(void) {
     }
     check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q8_0, QUANT_TILE_ROWS),
           "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
-    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
+    quant_set_level(QUANT_LEVEL_AVX512);
+    check(!quant_interleave_ok(GGUF_TYPE_IQ3_XXS, QUANT_TILE_ROWS) && !quant_interleave_ok(GGUF_TYPE_IQ3_S, QUANT_TILE_ROWS),
+          "interleaved: IQ3_XXS and IQ3_S not below the avx512vbmi level", "accepted at avx512");
+    quant_set_level(max_level);
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
+                                            GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
@@ -1130,6 +1135,12 @@ static void test_interleaved(void) {
     for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++) {
         int bad = 0;
         char why[160] = "", name[112];
+        quant_set_level(max_level); /* dot_at leaves the scalar level */
+        if (!quant_interleave_ok(types[ti], QUANT_TILE_ROWS)) {
+            printf("ok - interleaved %s # SKIP no avx512vbmi kernels on this CPU\n", gguf_type_get(types[ti])->name);
+            n_pass++;
+            continue;
+        }
         for (size_t ui = 0; ui < sizeof units / sizeof *units && !bad; ui++)
             for (size_t ri = 0; ri < sizeof row_counts / sizeof *row_counts && !bad; ri++)
                 for (size_t mi = 0; mi < sizeof modes / sizeof *modes && !bad; mi++) {
