@@ -4435,8 +4435,9 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
-    const __m128i values = xxs ? _mm_loadl_epi64((const __m128i *)quant_iq3_levels) : _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m128i flip = _mm_set1_epi8((char)0x80); /* levels plus 128: their sign is 0 - that, mod 256 */
+    const __m128i values = _mm_or_si128(flip, xxs ? _mm_loadl_epi64((const __m128i *)quant_iq3_levels)
+                                                  : _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0));
     _Alignas(64) int8_t x[QUANT_TILE_NC][QUANT_QK_K];
     __m512i isum[QUANT_TILE_NC];
     QUANT_UNROLL(4)
@@ -4464,7 +4465,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
             QUANT_UNROLL(4)
             for (int j = 0; j < 4; j++) {
                 const __mmask64 neg = quant_bitalg_shuffle(_mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j)), signs);
-                const __m512i w = _mm512_mask_sub_epi8(_mm512_or_si512(plane[j], flip), neg, flip, plane[j]);
+                const __m512i w = _mm512_mask_sub_epi8(plane[j], neg, _mm512_setzero_si512(), plane[j]);
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(quant_rd32(x[c] + 64 * j + 8 * ib + 4 * h)));
             }
