@@ -4138,7 +4138,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
@@ -4146,7 +4146,8 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
  * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
  * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q6_K: with its 2 high bits; Q2_K:
- * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up) is vpdpbusd's operand
+ * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up; IQ3: looked up by VBMI,
+ * a vector per coordinate, with its signs) is vpdpbusd's operand
  * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
  * as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads
  * 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
@@ -9999,7 +10000,7 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts stay in place: copying 17 GB of
  * them would push the file out of the page cache, and every start would read it again. A
  * matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS
- * at AVX-512) is copied into it interleaved. */
+ * at AVX-512, IQ3_XXS and IQ3_S at avx512vbmi) is copied into it interleaved. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
