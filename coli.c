@@ -4447,16 +4447,22 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
         isum[c] = _mm512_setzero_si512();
     }
     for (int ib = 0; ib < 8; ib++) {
-        const __m512i aux = _mm512_loadu_si512(t + 64 * (16 + ib)); /* IQ3_XXS: signs and scale; IQ3_S: high bits (ib < 2) */
-        const __m512i signs = xxs ? quant_avx512_iq3xxs_signs_vbmi(aux) : _mm512_loadu_si512(t + 64 * (18 + ib));
-        const __m512i ls = xxs ? _mm512_srli_epi32(aux, 28) : _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 4 * ib), _mm512_set1_epi32(15));
+        __m512i signs, ls; /* a lane's 32 sign bits of the block, and its 4-bit scale */
+        if (xxs) {
+            const __m512i aux = _mm512_loadu_si512(t + 64 * (16 + ib));
+            signs = quant_avx512_iq3xxs_signs_vbmi(aux);
+            ls = _mm512_srli_epi32(aux, 28);
+        } else {
+            signs = _mm512_loadu_si512(t + 64 * (18 + ib));
+            ls = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 4 * ib), _mm512_set1_epi32(15));
+        }
         __m512i s[QUANT_TILE_NC];
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++)
             s[c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
         QUANT_UNROLL(2)
         for (int h = 0; h < 2; h++) {
-            __mmask64 bit8 = 0;
+            __mmask64 bit8 = 0; /* the bit shuffles' byte 4r + k reads bit 32 (r % 2) + ... of qword r / 2: lane r's */
             if (!xxs)
                 bit8 = quant_bitalg_shuffle(_mm512_set1_epi64(0x2322212003020100LL + 0x0101010101010101LL * (8 * (ib % 4) + 4 * h)),
                                             _mm512_loadu_si512(t + 64 * (16 + ib / 4)));
