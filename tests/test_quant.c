@@ -1108,11 +1108,12 @@ static void test_tile_long_rows(void) {
 }
 
 /* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS, and at the avx512vbmi level IQ3_XXS and
- * IQ3_S (quant_interleave, as §8 model_own_trunk makes the trunk's): ops_matmat on the interleaved copy against the scalar dot of each original
- * row, for rows of 1, 8 and 33 super-blocks (33: past the 32 partials, and Q3_K's and Q6_K's d
- * bytes for an odd number of units, their vectors then off the 64-byte grid), 16 and 48 rows,
- * 1..5, 9 and 17 columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the
- * special weight and activation modes. */
+ * IQ3_S (quant_interleave, as §8 model_own_trunk makes the trunk's): ops_matmat on the
+ * interleaved copy against the scalar dot of each original row, for rows of 1, 8 and 33
+ * super-blocks (33: past the 32 partials, and the d bytes of Q3_K, Q6_K and IQ3 for an odd
+ * number of units, their vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9 and 17
+ * columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the special
+ * weight and activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
@@ -1125,7 +1126,6 @@ static void test_interleaved(void) {
     quant_set_level(QUANT_LEVEL_AVX512);
     check(!quant_interleave_ok(GGUF_TYPE_IQ3_XXS, QUANT_TILE_ROWS) && !quant_interleave_ok(GGUF_TYPE_IQ3_S, QUANT_TILE_ROWS),
           "interleaved: IQ3_XXS and IQ3_S not below the avx512vbmi level", "accepted at avx512");
-    quant_set_level(max_level);
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
                                             GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
