@@ -5036,11 +5036,63 @@ static void ops_bench_kernels(void) {
 /* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
  * without changing results (-ffp-contract=off, no -ffast-math). */
 
+/* Sums in double of N values, the same bits at every SIMD level and on the GPU: value i goes
+ * into partial i % OPS_SUM_PARTS, and the partials meet by the butterfly p[j] + p[j + s] for
+ * s = 8, 4, 2, 1. A serial sum (the reference's order) is one add every 4 cycles: the norms'
+ * sums of squares were 3.8% of a prompt's time (perf, Q4_K slice, pp2048), and a GPU warp could
+ * not follow such a chain at all. */
+#define OPS_SUM_PARTS 16
+
+static double ops_parts_sum(double *part)
+{
+    for (int s = OPS_SUM_PARTS / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
+    return part[0];
+}
+
+/* The partials of x[i]^2 over the whole groups of 16 (each square exact in double); returns how
+ * many values are done. */
+static QUANT_AVX512 int ops_squares_avx512(const float *x, int n, double *part)
+{
+    const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int i = 0; i < body; i += 16) {
+        const __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
+        lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
+        hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
+    }
+    _mm512_storeu_pd(part, lo);
+    _mm512_storeu_pd(part + 8, hi);
+    return body;
+}
+
+static QUANT_AVX2 int ops_squares_avx2(const float *x, int n, double *part)
+{
+    const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (int i = 0; i < body; i += 16)
+        for (int a = 0; a < 4; a++) {
+            const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * a));
+            acc[a] = _mm256_add_pd(acc[a], _mm256_mul_pd(v, v));
+        }
+    for (int a = 0; a < 4; a++) _mm256_storeu_pd(part + 4 * a, acc[a]);
+    return body;
+}
+
+static double ops_sum_squares(const float *x, int n)
+{
+    double part[OPS_SUM_PARTS] = {0};
+    int done = 0;
+    if (quant_level >= QUANT_LEVEL_AVX512) done = ops_squares_avx512(x, n, part);
+    else if (quant_level >= QUANT_LEVEL_AVX2) done = ops_squares_avx2(x, n, part);
+    for (int i = done; i < n; i++) part[i % OPS_SUM_PARTS] += (double)x[i] * x[i];
+    return ops_parts_sum(part);
+}
+
 /* y = x / sqrt(mean(x^2) + eps) * w, over N values (w may be NULL: no weight). In place is fine. */
 static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float eps)
 {
-    double ss = 0.0; /* as ggml: squares summed in double, the scale formed in float */
-    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    double ss = ops_sum_squares(x, n); /* in double, the scale formed in float, as ggml */
     float mean = (float)(ss / n);
     float scale = 1.0f / sqrtf(mean + eps);
     for (int i = 0; i < n; i++) y[i] = w ? x[i] * scale * w[i] : x[i] * scale;
@@ -5049,9 +5101,7 @@ static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float e
 /* x /= max(||x||, eps): the L2 normalisation of DeltaNet queries and keys (ggml's rule). */
 static void ops_l2norm(float *x, int n, float eps)
 {
-    double ss = 0.0;
-    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    float norm = sqrtf((float)ss);
+    float norm = sqrtf((float)ops_sum_squares(x, n));
     float scale = 1.0f / (norm > eps ? norm : eps);
     for (int i = 0; i < n; i++) x[i] *= scale;
 }
@@ -5247,17 +5297,15 @@ static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
  * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
- * ops_exp, their sum in double with element i in partial i % 16 and a butterfly over the
- * partials (the serial sum it replaces was an add every 4 cycles), then one scale. Attention at
- * 8k of context takes 8192 of them per head and token: libm's expf and the serial sum were 40%
- * of its time. */
-#define OPS_SOFTMAX_PARTS 16
+ * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Attention at 8k of
+ * context takes 8192 of them per head and token: libm's expf and a serial sum were 40% of its
+ * time. */
 
 /* The SIMD levels: the maximum of all N, and the partials of the whole vectors (ops_softmax
  * does the tail); returns how many values are done. */
 static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *part)
 {
-    const int body = n / OPS_SOFTMAX_PARTS * OPS_SOFTMAX_PARTS;
+    const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
     __m512 mv = _mm512_set1_ps(x[0]);
     for (int i = 0; i < body; i += 16) mv = _mm512_max_ps(_mm512_loadu_ps(x + i), mv); /* x > m ? x : m */
     float lanes[16];
@@ -5285,7 +5333,7 @@ static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *
 
 static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part)
 {
-    const int body = n / OPS_SOFTMAX_PARTS * OPS_SOFTMAX_PARTS;
+    const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
     __m256 mv = _mm256_set1_ps(x[0]);
     for (int i = 0; i < body; i += 8) mv = _mm256_max_ps(_mm256_loadu_ps(x + i), mv);
     float lanes[8];
@@ -5312,7 +5360,7 @@ static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part
 static void ops_softmax(float *x, int n)
 {
     float max = x[0];
-    double part[OPS_SOFTMAX_PARTS] = {0};
+    double part[OPS_SUM_PARTS] = {0};
     int done = 0; /* the values already replaced by their e^(x - max) and summed */
     if (quant_level >= QUANT_LEVEL_AVX512) done = ops_softmax_avx512(x, n, &max, part);
     else if (quant_level >= QUANT_LEVEL_AVX2) done = ops_softmax_avx2(x, n, &max, part);
@@ -5320,11 +5368,9 @@ static void ops_softmax(float *x, int n)
         for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
     for (int i = done; i < n; i++) {
         x[i] = ops_exp(x[i] - max);
-        part[i % OPS_SOFTMAX_PARTS] += x[i];
+        part[i % OPS_SUM_PARTS] += x[i];
     }
-    for (int s = OPS_SOFTMAX_PARTS / 2; s > 0; s /= 2)
-        for (int j = 0; j < s; j++) part[j] = part[j] + part[j + s];
-    float inv = (float)(1.0 / part[0]);
+    float inv = (float)(1.0 / ops_parts_sum(part));
     #pragma omp simd
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
@@ -5868,6 +5914,8 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
  * the dk elements. S is stored i-major ([dk][dv]: element (j, i) at i * dv + j), so that a
  * vector holds the same element of 16 rows and the SIMD levels run 16 rows' serial sums side
  * by side: the same operations in the same order as the scalar rows, hence the same bits.
+ * The decayed state is formed in both passes over a row and stored once, in the second: the
+ * same bits as storing it between them, with half the stores.
  * Serial sums one row at a time had made DeltaNet 12-15% of a 35B-A3B token (bench's
  * profile). */
 
@@ -5877,15 +5925,11 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const floa
 {
     for (int j = from; j < dv; j++) {
         float pred = 0.0f, o = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float *s = S + (size_t)i * dv + j;
-            *s = *s * decay;
-            pred = pred + *s * k[i];
-        }
+        for (int i = 0; i < dk; i++) pred = pred + S[(size_t)i * dv + j] * decay * k[i];
         const float delta = beta * (v[j] - pred);
         for (int i = 0; i < dk; i++) {
             float *s = S + (size_t)i * dv + j;
-            *s = *s + k[i] * delta;
+            *s = *s * decay + k[i] * delta;
             o = o + *s * q[i];
         }
         out[j] = o;
@@ -5905,7 +5949,6 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
             const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay));
-            _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, ki));
         }
     }
@@ -5919,7 +5962,7 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
         const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
-            const __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
+            const __m256 r = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay)), _mm256_mul_ps(ki, delta[b]));
             _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, qi));
         }
@@ -5950,7 +5993,6 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
             const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay));
-            _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, ki));
         }
     }
@@ -5964,7 +6006,7 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
         const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
-            const __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
+            const __m512 r = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay)), _mm512_mul_ps(ki, delta[b]));
             _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, qi));
         }
@@ -10584,8 +10626,7 @@ static void model_prefetch(struct model *m, int il, int T)
 }
 
 /* For each of T tokens: x += out where ADD, then xn = rmsnorm(x) * NORM where NORM is given.
- * A token a task: a norm sums the squares of its DIM values serially in double (1.4 us on the
- * 35B, as the reference orders it), and a prompt batch has 256 tokens. */
+ * A token a task when a prompt batch has enough of them to pay the parallel region. */
 static void model_residual_norm(struct model *m, int T, int add, const float *norm)
 {
     struct model_scratch *s = &m->s;

@@ -889,6 +889,50 @@ static void test_softmax(void) {
     free(x); free(want); free(got);
 }
 
+/* The norms' sums of squares at every level against a rendering of their documented order
+ * (x[i]^2 in double into partial i % 16, the butterfly), compared as doubles, so any other
+ * order shows: the values span 2^-20..2^20, where a double sum's rounding depends on its
+ * order. Lengths with and without a tail past the vectors; then RMSNorm (with and without
+ * weights) and the L2 norm on that sum. */
+static void test_norms(void) {
+    static const int ns[] = { 1, 5, 16, 17, 128, 2048, 4099 };
+    enum { N = 4099 };
+    float *x = plat_alloc(N * sizeof(float)), *w = plat_alloc(N * sizeof(float)), *want = plat_alloc(N * sizeof(float));
+    float *got = plat_alloc(N * sizeof(float));
+    int bad = 0;
+    char why[200] = "";
+    fill_x(w, N, X_RANDOM);
+    for (size_t c = 0; c < sizeof ns / sizeof *ns; c++) {
+        const int n = ns[c];
+        fill_x(x, n, X_RANDOM);
+        for (int i = 0; i < n; i++) x[i] = ldexpf(x[i], (int)(rng_u64() % 41) - 20);
+        double part[16] = {0};
+        for (int i = 0; i < n; i++) part[i % 16] += (double)x[i] * x[i];
+        for (int s2 = 8; s2 > 0; s2 /= 2)
+            for (int j = 0; j < s2; j++) part[j] += part[j + s2];
+        const float scale = 1.0f / sqrtf((float)(part[0] / n) + 1e-6f), norm = sqrtf((float)part[0]);
+        for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+            quant_set_level(l);
+            const double sum = ops_sum_squares(x, n);
+            if (memcmp(&sum, &part[0], sizeof sum) && !bad++)
+                snprintf(why, sizeof why, "%d values: %s sums %a, not %a", n, quant_level_names[l], sum, part[0]);
+            for (int weighted = 0; weighted < 2; weighted++) {
+                for (int i = 0; i < n; i++) want[i] = weighted ? x[i] * scale * w[i] : x[i] * scale;
+                ops_rmsnorm(got, x, weighted ? w : NULL, n, 1e-6f);
+                if (memcmp(got, want, n * sizeof(float)) && !bad++)
+                    snprintf(why, sizeof why, "%d values: %s RMSNorm (weights %d) differs", n, quant_level_names[l], weighted);
+            }
+            for (int i = 0; i < n; i++) want[i] = x[i] * (1.0f / (norm > 1e-6f ? norm : 1e-6f));
+            memcpy(got, x, n * sizeof(float));
+            ops_l2norm(got, n, 1e-6f);
+            if (memcmp(got, want, n * sizeof(float)) && !bad++)
+                snprintf(why, sizeof why, "%d values: %s L2 norm differs", n, quant_level_names[l]);
+        }
+    }
+    check(!bad, "norms: every level sums the squares in the documented order", "%s", why);
+    free(x); free(w); free(want); free(got);
+}
+
 /* The KV cache's fp16 rows as the attention kernels widen them, at every level: a value row
  * times a weight of 1 added to 0 is the row itself (a -0 becomes +0, as it does in the scalar
  * sum), so quant_f16_to_f32's bits must come out for every pattern the cache can hold, with
@@ -1289,6 +1333,7 @@ int main(int argc, char **argv) {
     test_delta_rule();
     test_swiglu();
     test_softmax();
+    test_norms();
     test_widen_f16();
     test_matmat_columns();
     test_tile_long_rows();
