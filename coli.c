@@ -5914,8 +5914,8 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
  * the dk elements. S is stored i-major ([dk][dv]: element (j, i) at i * dv + j), so that a
  * vector holds the same element of 16 rows and the SIMD levels run 16 rows' serial sums side
  * by side: the same operations in the same order as the scalar rows, hence the same bits.
- * The decayed state is formed in both passes over a row and stored once, in the second: the
- * same bits as storing it between them, with half the stores.
+ * The step is bound by its float operations, not by the state's loads and stores: forming the
+ * decayed state in both passes to store it once took 860-920 ns a head (128 x 128) against 800.
  * Serial sums one row at a time had made DeltaNet 12-15% of a 35B-A3B token (bench's
  * profile). */
 
@@ -5925,11 +5925,15 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const floa
 {
     for (int j = from; j < dv; j++) {
         float pred = 0.0f, o = 0.0f;
-        for (int i = 0; i < dk; i++) pred = pred + S[(size_t)i * dv + j] * decay * k[i];
+        for (int i = 0; i < dk; i++) {
+            float *s = S + (size_t)i * dv + j;
+            *s = *s * decay;
+            pred = pred + *s * k[i];
+        }
         const float delta = beta * (v[j] - pred);
         for (int i = 0; i < dk; i++) {
             float *s = S + (size_t)i * dv + j;
-            *s = *s * decay + k[i] * delta;
+            *s = *s + k[i] * delta;
             o = o + *s * q[i];
         }
         out[j] = o;
@@ -5949,6 +5953,7 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
             const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay));
+            _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, ki));
         }
     }
@@ -5962,7 +5967,7 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
         const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
-            const __m256 r = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay)), _mm256_mul_ps(ki, delta[b]));
+            const __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
             _mm256_storeu_ps(s + 8 * b, r);
             acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, qi));
         }
@@ -5993,6 +5998,7 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
             const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay));
+            _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, ki));
         }
     }
@@ -6006,7 +6012,7 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
         const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
-            const __m512 r = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay)), _mm512_mul_ps(ki, delta[b]));
+            const __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
             _mm512_storeu_ps(s + 16 * b, r);
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, qi));
         }
