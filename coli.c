@@ -5292,8 +5292,83 @@ static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t widt
     for (int64_t r = 0; r < rows; r++) ops_swiglu(g + r * width, u ? u + r * width : NULL, width);
 }
 
-/* log(1 + e^x), switching to x above 20 as the reference does. */
-static float ops_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+/* ---- the logarithm, exponential and sine/cosine the forward pass uses, in double ----
+ * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own),
+ * and the device has its own again; these use only IEEE additions, multiplications and
+ * divisions, so every build and a device twin get the same bits. Each is accurate to a few
+ * units of 1e-16, so the floats rounded from them are libm's but for a rare last bit. */
+static const double ops_ln2_hi = 6.93147180369123816490e-01, ops_ln2_lo = 1.90821492927058770002e-10; /* hi: 32 bits */
+
+/* The exponent K and the mantissa M in [sqrt(1/2), sqrt(2)) of a positive normal X = M 2^K. */
+static double ops_split_exponent(double x, int *k)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    *k = (int)(bits >> 52) - 1023;
+    bits = (bits & 0x000fffffffffffffull) | 0x3ff0000000000000ull;
+    double m;
+    memcpy(&m, &bits, sizeof m);
+    if (m > 1.4142135623730951) m *= 0.5, ++*k;
+    return m;
+}
+
+/* ln z for a positive normal z: z = m 2^k, ln m = 2 atanh(s) with s = (m - 1) / (m + 1),
+ * |s| < 0.172, by its series to s^21 (the next term < 1e-17); m - 1 is exact. */
+static double ops_ln(double z)
+{
+    int k;
+    const double m = ops_split_exponent(z, &k), s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double t = 1.0 / 21;
+    for (int j = 19; j >= 1; j -= 2) t = t * s2 + 1.0 / j;
+    return k * ops_ln2_hi + (2.0 * s * t + k * ops_ln2_lo);
+}
+
+/* ln(1 + y) for y >= 0 (NaN stays NaN). 1 + y holds a float's every bit only from 2^-29 up, so
+ * below 2^-10 the series of ln(1 + y) itself, to y^6. */
+static double ops_log1p(float y)
+{
+    if (!(y >= 0.0)) return y;
+    if (y < 0.0009765625) return y * (1.0 - y * (0.5 - y * (1.0 / 3 - y * (0.25 - y * (0.2 - y / 6)))));
+    return ops_ln(1.0 + y);
+}
+
+/* e^x in double for |x| < 700: x = n ln2 + r (ln2 in two parts, so r is exact to 1e-20),
+ * e^r by its Taylor series to r^14 (|r| <= 0.35: the next term < 1e-17), scaled by 2^n. */
+static double ops_exp_double(double x)
+{
+    const double shift = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
+    const double n = (x * 1.4426950408889634 + shift) - shift, r = (x - n * ops_ln2_hi) - n * ops_ln2_lo;
+    double p = 1.0; /* 1 + r (1 + r/2 (1 + r/3 (...))) */
+    for (int j = 14; j >= 1; j--) p = 1.0 + p * (r / j);
+    uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* sin and cos of x in [0, 2^20 pi/2): x = k pi/2 + r, pi/2 in three parts (fdlibm's: k pi/2's
+ * first product is exact below that bound), then Taylor series of r (|r| <= pi/4) to r^17 and
+ * r^16 (the next terms < 1e-17), and the quadrant k mod 4. RoPE's angles reach pos x 1: 2^18 at a 262k context. */
+static void ops_sincos(double x, double *sine, double *cosine)
+{
+    const double pio2_1 = 1.57079632673412561417e+00, pio2_1t = 6.07710050650619224932e-11;
+    const double shift = 6755399441055744.0, k = (x * 0.63661977236758134308 + shift) - shift;
+    const double r = (x - k * pio2_1) - k * pio2_1t, r2 = r * r;
+    double sn = 1.0, cs = 1.0;
+    for (int j = 17; j >= 3; j -= 2) sn = 1.0 - sn * r2 / ((double)j * (j - 1));
+    for (int j = 16; j >= 2; j -= 2) cs = 1.0 - cs * r2 / ((double)j * (j - 1));
+    sn *= r;
+    switch ((int64_t)k & 3) {
+    case 0: *sine = sn, *cosine = cs; break;
+    case 1: *sine = cs, *cosine = -sn; break;
+    case 2: *sine = -sn, *cosine = -cs; break;
+    default: *sine = -cs, *cosine = sn; break;
+    }
+}
+
+/* log(1 + e^x), switching to x above 20 as the reference does; e^x rounded to float first, as
+ * the reference's log1pf(expf(x)). */
+static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops_exp(x)); }
 
 /* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
  * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
@@ -10148,9 +10223,10 @@ static void model_rope_table(const struct model_config *c, int pos, float *cos_s
 {
     int half = c->rope_dims / 2;
     for (int j = 0; j < half; j++) {
-        double theta = pos * pow((double)c->rope_base, -2.0 * j / c->rope_dims);
-        cos_sin[j] = (float)cos(theta);
-        cos_sin[half + j] = (float)sin(theta);
+        double sine, cosine;
+        ops_sincos(pos * ops_exp_double(-2.0 * j / c->rope_dims * ops_ln(c->rope_base)), &sine, &cosine);
+        cos_sin[j] = (float)cosine;
+        cos_sin[half + j] = (float)sine;
     }
 }
 
@@ -10344,7 +10420,7 @@ static void model_gated_deltanet(struct model *m, int il, int T)
             const float *x = s->mixed + (size_t)t * conv_dim;
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv, *z = s->z + (size_t)t * vdim + (size_t)h * dv;
             float beta = ops_sigmoid(s->beta[(size_t)t * nv + h]);
-            float decay = expf(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
+            float decay = ops_exp(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
             ops_delta_rule(s->tok_seq[t]->state[il].ssm_state + (size_t)h * dv * dk, dk, dv, x + (size_t)g * dk,
                            x + (size_t)(nk + g) * dk, x + 2 * (size_t)nk * dk + (size_t)h * dv, beta, decay, o);
             /* gated RMSNorm: norm(o) * w * silu(z) */
