@@ -477,6 +477,57 @@ static int sanitizer_covered_elsewhere(const char *json_name)
     return 0;
 }
 
+/* The shipped binary is built against musl, these tests against glibc: the same forward pass
+ * must give the same bits under both libcs (coli's own exp, ln and sin/cos, §4). `./coli run
+ * --json` on the first case of JSON_NAME against run_case here: the same prompt ids, greedy
+ * tokens and top-5 logits (printed with 9 digits, so each float round-trips). */
+static void test_binary_same_bits(const char *dir, const char *json_name)
+{
+    char path[1024], cmd[2048], name[256];
+    const char *model_file;
+    if (access("./coli", X_OK)) {
+        printf("ok - %s: ./coli gives the same bits # SKIP no ./coli built here\n", json_name);
+        n_pass++;
+        return;
+    }
+    struct mj *root = open_cases(dir, json_name, path, sizeof path, &model_file);
+    if (!root) return;
+    size_t len = 0;
+    const struct mj *c = mj_at(mj_get(root, "cases"), 0), *pt = mj_get(c, "prompt_tokens");
+    const char *text = mj_str(mj_get(c, "prompt"), &len);
+    snprintf(cmd, sizeof cmd, "./coli run -m '%s' -p '%s' -n %d --json -t 2 2>/dev/null", path, text, GEN);
+    FILE *f = popen(cmd, "r");
+    char *out = plat_alloc(1 << 20);
+    size_t n = f ? fread(out, 1, (1 << 20) - 1, f) : 0;
+    if (f) pclose(f);
+    struct mj *got = mj_parse(out, n, NULL, NULL);
+    struct model m;
+    model_load(&m, path, 1024, 0);
+    const int V = m.cfg.n_vocab, n_prompt = (int)mj_len(pt);
+    struct run r = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))};
+    int *prompt = plat_alloc((size_t)n_prompt * sizeof *prompt), bad = 0;
+    for (int i = 0; i < n_prompt; i++) prompt[i] = (int)mj_num(mj_at(pt, (size_t)i), -1);
+    quant_set_level(quant_level_max());
+    run_case(&m, prompt, n_prompt, 1, &r);
+    const struct mj *ids = mj_get(got, "prompt_tokens"), *toks = mj_get(got, "tokens"), *top = mj_get(got, "top");
+    bad |= !got || mj_len(ids) != (size_t)n_prompt || mj_len(toks) != GEN || mj_len(top) != GEN;
+    for (int i = 0; !bad && i < n_prompt; i++) bad |= (int)mj_num(mj_at(ids, (size_t)i), -1) != prompt[i];
+    for (int g = 0; !bad && g < GEN; g++) {
+        bad |= (int)mj_num(mj_at(toks, (size_t)g), -1) != r.tokens[g];
+        for (size_t k = 0; k < mj_len(mj_at(top, (size_t)g)); k++) {
+            const struct mj *pair = mj_at(mj_at(top, (size_t)g), k);
+            const int id = (int)mj_num(mj_at(pair, 0), -1);
+            bad |= id < 0 || id >= V || (float)mj_num(mj_at(pair, 1), 0) != r.logits[(size_t)g * V + (id < 0 || id >= V ? 0 : id)];
+        }
+    }
+    snprintf(name, sizeof name, "%s: ./coli (musl) gives this build's (glibc) prompt ids, tokens and top logits bit for bit", model_file);
+    check(!bad, name, "%s", got ? "they differ" : "no JSON from ./coli run");
+    free(prompt); free(r.logits); free(out);
+    mj_free(got);
+    model_free(&m);
+    mj_free(root);
+}
+
 int main(int argc, char **argv)
 {
     const char *dir;
@@ -506,6 +557,11 @@ int main(int argc, char **argv)
     test_kv_format(dir, "q3next-q8_0.json", OPS_KV_F16, 1e-2, 1, 2, quick);
     test_kv_format(dir, "q35moe-q8_0.json", OPS_KV_Q8_0, 5e-2, 17, 64, quick);
     test_kv_format(dir, "q3next-q8_0.json", OPS_KV_Q8_0, 5e-2, 17, 64, quick);
+    if (!quick) {
+        test_binary_same_bits(dir, "q35moe-f32.json");
+        test_binary_same_bits(dir, "q3next-f32.json");
+        test_binary_same_bits(dir, "q35moe-q8_0.json");
+    }
     test_bad_models(dir);
     return check_done();
 }
