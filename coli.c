@@ -12444,16 +12444,65 @@ static uint64_t sample_next_u64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
-/* The first index of the largest logit (a NaN never wins). The best value is held in a
- * variable: compared through logits[best], the loop took 1.03 ms on a 248k vocabulary, 5% of a
- * 10-layer slice's decode token; now 0.17. */
-static int sample_argmax(const float *logits, int n)
+/* The first index of the largest logit. A NaN never wins, but for one at 0: nothing is greater
+ * than the value the loop starts from. The best value is held in a variable: compared through
+ * logits[best], the loop took 1.03 ms on a 248k vocabulary, 5% of a 10-layer slice's decode
+ * token; 0.17 ms so, and 0.02 ms with AVX-512 (sample_argmax_avx512). */
+static int sample_argmax_scalar(const float *logits, int from, int n, int best)
 {
-    int best = 0;
-    float top = logits[0];
-    for (int i = 1; i < n; i++)
+    float top = logits[best];
+    for (int i = from; i < n; i++)
         if (logits[i] > top) top = logits[i], best = i;
     return best;
+}
+
+/* 16 lanes, lane l the first best of logits l, l + 16, ...: from -inf up by "greater", so a
+ * NaN never enters (the caller keeps a NaN at 0 for the scalar loop); then the best lane
+ * value, the lowest index among equals (all -inf: index 0), and the tail. */
+__attribute__((target("avx512f"))) static int sample_argmax_avx512(const float *logits, int n)
+{
+    const int body = n / 16 * 16;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < body; i += 16, index = _mm512_add_epi32(index, _mm512_set1_epi32(16))) {
+        const __m512 v = _mm512_loadu_ps(logits + i);
+        const __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, up, v);
+        at = _mm512_mask_mov_epi32(at, up, index);
+    }
+    float lanes[16];
+    int32_t where[16], first = 0;
+    _mm512_storeu_ps(lanes, best);
+    _mm512_storeu_si512(where, at);
+    for (int l = 1; l < 16; l++)
+        if (lanes[l] > lanes[first] || (lanes[l] == lanes[first] && where[l] < where[first])) first = l;
+    return sample_argmax_scalar(logits, body, n, where[first]);
+}
+
+static int sample_argmax(const float *logits, int n)
+{
+    if (plat_cpu.avx512f && logits[0] == logits[0]) return sample_argmax_avx512(logits, n);
+    return sample_argmax_scalar(logits, 1, n, 0);
+}
+
+/* Whether no logit is NaN or infinite: every exponent field below all-ones, 16 at a time. */
+__attribute__((target("avx512f"))) static int sample_all_finite_avx512(const float *logits, int n)
+{
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    __mmask16 bad = 0;
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_loadu_si512(logits + i), exponent), exponent);
+    for (; i < n; i++) bad |= !isfinite(logits[i]);
+    return !bad;
+}
+
+static int sample_all_finite(const float *logits, int n)
+{
+    if (plat_cpu.avx512f) return sample_all_finite_avx512(logits, n);
+    for (int i = 0; i < n; i++)
+        if (!isfinite(logits[i])) return 0;
+    return 1;
 }
 
 static int sample_by_logit_desc(const void *a, const void *b)
@@ -12932,12 +12981,11 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, float *logit
     const struct engine_request *r = &sl->req;
     int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens;
     float top[5][2] = {{-1, 0}};
-    for (int i = 0; i < n_vocab; i++)
-        if (!isfinite(logits[i])) {
-            engine_finish(e, sl, ENGINE_STOP_ERROR, "the logits are not finite (NaN or infinite): the model file "
-                          "holds a corrupt weight block (a NaN or infinite scale)");
-            return;
-        }
+    if (!sample_all_finite(logits, n_vocab)) {
+        engine_finish(e, sl, ENGINE_STOP_ERROR, "the logits are not finite (NaN or infinite): the model file "
+                      "holds a corrupt weight block (a NaN or infinite scale)");
+        return;
+    }
     if (r->want_top) engine_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
     int id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
     sl->history[n_hist] = id;

@@ -27,6 +27,46 @@ static void draw(const struct sample_params *p, const float *logits, int n, int 
     }
 }
 
+/* The vector argmax and finiteness check (where the CPU has AVX-512) against their plain
+ * loops, on rows that end inside and past the vectors: a random row with its best in a
+ * random place (a tie placed after it), all equal, all -inf, NaN at 0 and elsewhere, and
+ * infinities and NaN at every place of short rows. */
+static void test_vector_scans(void)
+{
+    static const int lengths[] = { 1, 15, 16, 17, 47, 1000, 248320 };
+    enum { N = 248320 };
+    float *row = malloc(N * sizeof *row);
+    uint64_t rng = 99;
+    int bad_max = 0, bad_finite = 0, vector = plat_cpu.avx512f;
+    for (size_t c = 0; c < sizeof lengths / sizeof *lengths; c++)
+        for (int kind = 0; kind < 6; kind++) {
+            const int n = lengths[c];
+            for (int i = 0; i < n; i++) row[i] = (float)(sample_next_u64(&rng) >> 40) / 1048576.0f;
+            const int at = (int)(sample_next_u64(&rng) % (uint64_t)n);
+            if (kind == 0) { row[at] = 100.0f; row[(at + 1) % n] = 100.0f; }
+            for (int i = 0; kind == 1 && i < n; i++) row[i] = 2.0f;
+            for (int i = 0; kind == 2 && i < n; i++) row[i] = -INFINITY;
+            if (kind == 3) row[0] = NAN;
+            if (kind == 4) row[at] = NAN;
+            if (kind == 5) row[at] = -INFINITY;
+            plat_cpu.avx512f = 0;
+            const int want = sample_argmax(row, n), want_finite = sample_all_finite(row, n);
+            plat_cpu.avx512f = vector;
+            bad_max += sample_argmax(row, n) != want;
+            bad_finite += sample_all_finite(row, n) != want_finite;
+        }
+    for (int n = 1; n <= 40; n++)
+        for (int at = 0; at < n; at++)
+            for (int v = 0; v < 3; v++) {
+                for (int i = 0; i < n; i++) row[i] = 1.0f;
+                row[at] = v == 0 ? INFINITY : v == 1 ? -INFINITY : NAN;
+                bad_finite += sample_all_finite(row, n) != 0;
+            }
+    check(!bad_max && !bad_finite, vector ? "argmax and the finiteness check: AVX-512 gives the plain loops' answers"
+                                          : "argmax and the finiteness check (no AVX-512 here: the plain loops)");
+    free(row);
+}
+
 int main(void)
 {
     float logits[V], row[V];
@@ -36,6 +76,8 @@ int main(void)
     logits[700] = 3.0f; /* a tie with 500: greedy takes the lower id */
     logits[100] = 2.0f;
     uint64_t rng = 1;
+    plat_cpu_detect();
+    test_vector_scans();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
