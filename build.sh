@@ -84,9 +84,9 @@ build_coli_binary() {
 }
 
 # Runs each argument (a command line) in the background, at most as many at once as there are
-# CPUs, and waits for all; fails if any failed. `./build.sh test` has 19 such jobs (16 test
-# builds, coli, the fake driver, the clients) of very different lengths: paired two by two (a
-# test's plain and sanitizer builds), a core waited on the longer.
+# CPUs, and waits for all; fails if any failed. `./build.sh test` has 11 such jobs (the suite's
+# two builds, coli, six small test builds, the fake driver, the clients) of very different
+# lengths, the longest first: paired two by two, a core waited on the longer.
 # Each job leaves its outcome in build/pool/N, read once all have ended (a job's exit status
 # could otherwise be collected by the wait that makes room for the next).
 run_pool() {
@@ -113,10 +113,10 @@ run_pool() {
 # Builds tests/NAME.c plain (glibc gcc) or, given "san", with AddressSanitizer + UBSan (musl has
 # no sanitizer runtime, so that build uses glibc).
 # A test uses part of coli.c, so unused functions are expected there.
-# The plain builds of the tests that check the kernels bit for bit (test_quant, test_model) compile
-# them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same results, ~30% less
-# compile time).
-unrolled_test() { case $1 in test_quant|test_model) return 0 ;; *) return 1 ;; esac; }
+# The plain build of the suite (it holds test_quant and test_model, which check the kernels bit
+# for bit) compiles them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same
+# results, ~30% less compile time).
+unrolled_test() { case $1 in suite) return 0 ;; *) return 1 ;; esac; }
 
 build_test_variant() {
     local name=$1 rolled=-DCOLI_ROLLED
@@ -269,26 +269,32 @@ run_test() {
 }
 
 TESTS="test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve"
+# The tests that reach coli's kernels run from one binary per build kind (tests/suite.c): coli.c's
+# reachable part, compiled once instead of five times, was most of the suite's time. The others
+# are small and build alone.
+SUITE_TESTS="test_quant test_model test_experts test_cuda test_serve"
+in_suite() { case " $SUITE_TESTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# The command line of test T's build kind (empty or .san).
+test_command() { if in_suite "$1"; then echo "build/suite${2:-} $1"; else echo "build/$1${2:-}"; fi; }
 
 run_tests() {
     local t builds=()
     need_musl
     build_helper
     build_ptx
-    # every compile in one pool, the longest first (the unrolled plain builds, then coli itself)
-    for t in $TESTS; do if unrolled_test "$t"; then builds+=("build_test_variant $t"); fi; done
-    builds+=(build_coli_binary)
+    # every compile in one pool, the longest first (the suite's two, then coli itself)
+    builds=("build_test_variant suite san" "build_test_variant suite" build_coli_binary)
     for t in $TESTS; do
-        if ! unrolled_test "$t"; then builds+=("build_test_variant $t"); fi
-        builds+=("build_test_variant $t san")
+        if ! in_suite "$t"; then builds+=("build_test_variant $t" "build_test_variant $t san"); fi
     done
     run_pool "${builds[@]}" build_fake_driver build_serve_clients
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
     for t in $TESTS; do
-        run_test "$t" "build/$t" "$GOLDEN"
-        run_test "$t (asan+ubsan)" "build/$t.san" "$GOLDEN" --quick
+        run_test "$t" $(test_command "$t") "$GOLDEN"
+        run_test "$t (asan+ubsan)" $(test_command "$t" .san) "$GOLDEN" --quick
     done
-    if [ -f build/sim/libcuda.so.1 ]; then run_test "test_cuda (kernels.cu on the host)" env COLI_TEST_SIM=1 build/test_cuda "$GOLDEN"
+    if [ -f build/sim/libcuda.so.1 ]; then run_test "test_cuda (kernels.cu on the host)" env COLI_TEST_SIM=1 build/suite test_cuda "$GOLDEN"
     else echo "== test_cuda (kernels.cu on the host): SKIP, no g++"; fi
     run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
     # the static binary's loader paths: the foreign dlopen exists only in the musl build

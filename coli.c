@@ -28,6 +28,9 @@
  * `[rows][cols]`, in elements. Errors go through die(): one line `coli: <what>: <why>` and
  * exit status 1 (2 for usage errors); once `serve` answers requests, nothing dies.
  */
+/* Tests include this file, several of them into one binary (tests/suite.c): once is enough. */
+#ifndef COLI_C
+#define COLI_C
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <errno.h>
@@ -16155,3 +16158,4 @@ int main(int argc, char **argv)
     die_usage("unknown command '%s' (coli --help lists them)", cmd);
 }
 #endif
+#endif /* COLI_C */

@@ -9,7 +9,7 @@
 
 
 static uint64_t rng = 0x243f6a8885a308d3ULL;
-static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
+static uint64_t rng_next(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
 
 static const enum gguf_type types[] = {GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_TYPE_BF16, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0,
                                        GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4,
@@ -21,7 +21,7 @@ static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_
 {
     struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols), 0};
     uint8_t *w = plat_alloc_aligned(m.row_bytes * (size_t)rows);
-    for (size_t i = 0; i < m.row_bytes * (size_t)rows; i++) w[i] = (uint8_t)rng_u64();
+    for (size_t i = 0; i < m.row_bytes * (size_t)rows; i++) w[i] = (uint8_t)rng_next();
     quant_sanitize_random(type, w, m.row_bytes * (size_t)rows, -1);
     m.data = w;
     return m;
@@ -30,7 +30,7 @@ static struct ops_matrix random_matrix(enum gguf_type type, int64_t rows, int64_
 static float *random_x(int64_t n, int cols)
 {
     float *x = plat_alloc((size_t)n * (size_t)cols * sizeof *x);
-    for (int64_t i = 0; i < n * cols; i++) x[i] = (float)((int64_t)(rng_u64() % 20001) - 10000) * (i % 7 ? 1e-4f : 3e-3f);
+    for (int64_t i = 0; i < n * cols; i++) x[i] = (float)((int64_t)(rng_next() % 20001) - 10000) * (i % 7 ? 1e-4f : 3e-3f);
     return x;
 }
 

@@ -13,10 +13,10 @@
 
 #include <sys/wait.h>
 
-#define GEN 16
+#define GEN_TOKENS 16
 
 /* T tokens of sequence Q through the model; the logits of the last. */
-static float *forward(struct model *m, struct model_seq *q, const int *tokens, int T)
+static float *forward_tokens(struct model *m, struct model_seq *q, const int *tokens, int T)
 {
     struct model_run run = {q, tokens, T, NULL};
     if (model_forward_runs(m, &run, 1)) die("%s", m->error);
@@ -24,21 +24,21 @@ static float *forward(struct model *m, struct model_seq *q, const int *tokens, i
 }
 
 
-/* Runs PROMPT (in batches) then GEN greedy tokens from position 0; returns a hash of every
+/* Runs PROMPT (in batches) then GEN_TOKENS greedy tokens from position 0; returns a hash of every
  * logit row and token, so two runs agree bit for bit iff their hashes do. */
-static uint64_t run_hash(struct model *m, const int *prompt, int n_prompt)
+static uint64_t greedy_run_hash(struct model *m, const int *prompt, int n_prompt)
 {
     int V = m->cfg.n_vocab;
     uint64_t h = 14695981039346656037ull;
     struct model_seq q;
     model_seq_init(m, &q);
     float *lg = NULL;
-    for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = forward(m, &q, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
-    for (int g = 0; g < GEN; g++) {
+    for (int i = 0; i < n_prompt; i += MODEL_BATCH) lg = forward_tokens(m, &q, prompt + i, n_prompt - i < MODEL_BATCH ? n_prompt - i : MODEL_BATCH);
+    for (int g = 0; g < GEN_TOKENS; g++) {
         int tok = sample_argmax(lg, V);
         h = (h ^ expert_fnv((const uint8_t *)lg, (size_t)V * sizeof(float))) * 1099511628211ull;
         h = (h ^ (uint64_t)tok) * 1099511628211ull;
-        if (g + 1 < GEN) lg = forward(m, &q, &tok, 1);
+        if (g + 1 < GEN_TOKENS) lg = forward_tokens(m, &q, &tok, 1);
     }
     model_seq_free(m, &q);
     return h;
@@ -75,7 +75,7 @@ static void test_own_copy(struct model *m, const char *model_file, int **prompts
     int same = 1, interleaved = 0;
     for (int l = 0; l < m->experts->n_layers; l++)
         for (int j = 0; j < 3; j++) interleaved += m->experts->src[l][j].t.m.interleaved;
-    for (int i = 0; i < n; i++) same &= run_hash(m, prompts[i], lens[i]) == want[i];
+    for (int i = 0; i < n; i++) same &= greedy_run_hash(m, prompts[i], lens[i]) == want[i];
     char name[300];
     snprintf(name, sizeof name, "%s: experts copied into the store's memory (%d of %d tensors interleaved) bit-identical to the mapping",
              model_file, interleaved, 3 * m->experts->n_layers);
@@ -84,7 +84,7 @@ static void test_own_copy(struct model *m, const char *model_file, int **prompts
 
 /* One golden model: the plain run, then the same cases through the store with budgets of 4
  * slots, half the experts, and 4 slots again warm from the heat the previous runs saved. */
-static void test_golden_model(const char *dir, const char *json_name, int quick)
+static void test_store_golden_model(const char *dir, const char *json_name, int quick)
 {
     char path[1024], name[400], heat[] = "/tmp/coli_test_heat_XXXXXX";
     snprintf(path, sizeof path, "%s/%s", dir, json_name);
@@ -112,7 +112,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
     close(mkstemp(heat));
     unlink(heat);
     uint64_t want[8];
-    for (int i = 0; i < n; i++) want[i] = run_hash(&m, prompts[i], lens[i]);
+    for (int i = 0; i < n; i++) want[i] = greedy_run_hash(&m, prompts[i], lens[i]);
     size_t slot = 0;
     struct { const char *what; int64_t budget; const char *heat; } runs[] = {
         {"4 slots", 0, heat}, {"half the experts", -2, NULL}, {"4 slots, warm from the heat file", 0, heat},
@@ -122,7 +122,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
         store_with(&m, budget, runs[r].heat);
         slot = m.experts->slot_bytes;
         int same = 1, loaded = m.experts->heat_loaded;
-        for (int i = 0; i < n; i++) same &= run_hash(&m, prompts[i], lens[i]) == want[i];
+        for (int i = 0; i < n; i++) same &= greedy_run_hash(&m, prompts[i], lens[i]) == want[i];
         struct expert_stats st = expert_stats_get(m.experts);
         snprintf(name, sizeof name, "%s: experts cached in %s (%d slots, %llu reads) bit-identical to the mapping", model_file,
                  runs[r].what, m.experts->n_slots, (unsigned long long)st.reads);
@@ -199,7 +199,7 @@ static void test_heat_file(const char *dir)
     model_load(&m, path, 64, 0);
     int prompt[3] = {1000, 879, 13};
     store_with(&m, 0, heat);
-    run_hash(&m, prompt, 3);
+    greedy_run_hash(&m, prompt, 3);
     float *saved = plat_alloc((size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
     memcpy(saved, m.experts->heat, (size_t)m.cfg.n_layers * m.cfg.n_expert * sizeof(float));
     expert_heat_save(m.experts);
@@ -248,12 +248,12 @@ static void expect_read_failure(const char *dir, int how, const char *label, con
         int prompt[3] = {1000, 879, 13};
         model_load(&m, copy, 64, 0);
         store_with(&m, 0, NULL);
-        run_hash(&m, prompt, 3);
+        greedy_run_hash(&m, prompt, 3);
         if (how == 0) { /* every later read of the store fails with EISDIR */
             int d = open("/tmp", O_RDONLY | O_DIRECTORY);
             dup2(d, m.experts->fds[0]);
         } else patch_file(copy, (long)(map.size / 2), NULL, 0);
-        run_hash(&m, prompt, 3);
+        greedy_run_hash(&m, prompt, 3);
         _exit(0);
     }
     close(fds[1]);
@@ -282,7 +282,7 @@ static void test_read_recovers(const char *dir)
     int prompt[3] = {1000, 879, 13};
     model_load(&m, path, 64, 0);
     store_with(&m, 0, NULL);
-    uint64_t before = run_hash(&m, prompt, 3);
+    uint64_t before = greedy_run_hash(&m, prompt, 3);
     int saved = dup(m.experts->fds[0]), d = open("/tmp", O_RDONLY | O_DIRECTORY);
     dup2(d, m.experts->fds[0]); /* every read now fails with EISDIR */
     struct model_seq q;
@@ -303,7 +303,7 @@ static void test_read_recovers(const char *dir)
     dup2(saved, m.experts->fds[0]);
     close(saved);
     close(d);
-    check(run_hash(&m, prompt, 3) == before, "after a failed read the store serves the same bits again", "hash differs");
+    check(greedy_run_hash(&m, prompt, 3) == before, "after a failed read the store serves the same bits again", "hash differs");
     model_seq_free(&m, &q);
     model_free(&m);
 }
@@ -370,7 +370,7 @@ int main(int argc, char **argv)
                    "q35moe-q2_k and -mxfp4 stand for the formats added with them\n", names[i]);
             n_pass++;
         } else {
-            test_golden_model(dir, names[i], quick);
+            test_store_golden_model(dir, names[i], quick);
         }
         free(names[i]);
     }

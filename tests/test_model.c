@@ -135,7 +135,7 @@ static uint64_t hash_bytes(const void *p, size_t n, uint64_t h)
     return h;
 }
 
-static int read_file(const char *path, void *buf, size_t n)
+static int read_exact(const char *path, void *buf, size_t n)
 {
     FILE *f = fopen(path, "rb");
     if (!f) return 0;
@@ -265,7 +265,7 @@ static void test_golden_model(const char *dir, const char *json_name, int quick)
             float *row = plat_alloc((size_t)V * sizeof(float));
             snprintf(path, sizeof path, "%s/%s", dir, lf);
             double worst = 0;
-            int ok = read_file(path, row, (size_t)V * sizeof(float));
+            int ok = read_exact(path, row, (size_t)V * sizeof(float));
             for (int i = 0; ok && i < V; i++) worst = fmax(worst, fabs(row[i] - r.logits[i]));
             snprintf(name, sizeof name, "%s %s: full first logit row within %g (max %.2g)", model_file, cname, tol, worst);
             check(ok && worst <= tol, name, "max |diff| %g", worst);
