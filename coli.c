@@ -2209,11 +2209,21 @@ QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale_pair(__m256i h, int k) {
                                                    _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k))));
 }
 
+/* Each byte of V shifted so that its bit FROM (0..7) lands on bit 4, then masked by MASK (bits
+ * 4 and up): the high bits of Q5_K (one, mask 0x10) and Q6_K (two, 0x30) in place with one
+ * 16-bit shift, where shift, mask, shift took two. Exact per byte: the bits kept never cross
+ * one. Zen 1 shifts on one pipe, and they were Q6_K's bottleneck there: 27.7 -> 24.3 ns a
+ * super-block (one core, in cache). */
+QUANT_AVX2_INLINE __m256i quant_avx2_to_bit4(__m256i v, int from, int mask) {
+    const __m256i shifted = from < 4 ? _mm256_slli_epi16(v, 4 - from) : from == 4 ? v : _mm256_srli_epi16(v, from - 4);
+    return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
+}
+
 /* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): the scales
  * applied with madd on the int16 products. */
 QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     __m256i acc = _mm256_setzero_si256();
@@ -2222,9 +2232,8 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
         __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
         __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         if (five) {
-            q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-            q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-            qh = _mm256_srli_epi16(qh, 2);
+            q0 = _mm256_or_si256(q0, quant_avx2_to_bit4(qh, 2 * j, 0x10));
+            q1 = _mm256_or_si256(q1, quant_avx2_to_bit4(qh, 2 * j + 1, 0x10));
         }
         __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
         __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
@@ -2232,14 +2241,6 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, quant_avx2_pick_scale(sc16, 2 * j + 1)));
     }
     return acc;
-}
-
-/* Bits 2K, 2K + 1 of each byte of H (a Q6_K super-block's high bits) at bits 4, 5: one shift
- * by 4 - 2K, not two (Zen 1 shifts on one pipe, and Q6_K's were its bottleneck: 28 -> 25 ns a
- * super-block there, in cache). */
-QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
-    const __m256i shifted = k < 2 ? _mm256_slli_epi16(h, 4 - 2 * k) : k == 2 ? h : _mm256_srli_epi16(h, 2);
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
 }
 
 /* Q6_K integer part before the offset, 8 lanes summing to Σ_j sc_j * Σ q*x with q unsigned
@@ -2254,10 +2255,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qhp);
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_q6k_high(h, 0));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_q6k_high(h, 1));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_q6k_high(h, 2));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_q6k_high(h, 3));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_to_bit4(h, 0, 0x30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_to_bit4(h, 2, 0x30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_to_bit4(h, 4, 0x30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_to_bit4(h, 6, 0x30));
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
@@ -2472,13 +2473,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
         const __m256i half = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         *sc = quant_avx2_pick_scale_pair(half, k);
-        return _mm256_or_si256(lo, quant_avx2_q6k_high(h, k));
+        return _mm256_or_si256(lo, quant_avx2_to_bit4(h, 2 * k, 0x30));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
     __m256i v = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
     if (t == GGUF_TYPE_Q5_K) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, i), _mm256_set1_epi8(1)), 4));
+        v = _mm256_or_si256(v, quant_avx2_to_bit4(qh, i, 0x10));
     }
     *sc = quant_avx2_pick_scale(sc16, i);
     return v;
