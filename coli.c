@@ -2209,13 +2209,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale_pair(__m256i h, int k) {
                                                    _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k))));
 }
 
-/* Each byte of V shifted so that its bit FROM (0..7) lands on bit 4, then masked by MASK (bits
- * 4 and up): the high bits of Q5_K (one, mask 0x10) and Q6_K (two, 0x30) in place with one
- * 16-bit shift, where shift, mask, shift took two. Exact per byte: the bits kept never cross
- * one. Zen 1 shifts on one pipe, and they were Q6_K's bottleneck there: 27.7 -> 24.3 ns a
- * super-block (one core, in cache). */
-QUANT_AVX2_INLINE __m256i quant_avx2_to_bit4(__m256i v, int from, int mask) {
-    const __m256i shifted = from < 4 ? _mm256_slli_epi16(v, 4 - from) : from == 4 ? v : _mm256_srli_epi16(v, from - 4);
+/* Each byte of V shifted so that its bit FROM lands on bit TO, then masked by MASK: the high
+ * bits of Q5_K (one, to bit 4), Q6_K (two, to bits 4-5) and Q3_K (one, to bit 2) in place with
+ * one 16-bit shift, where shift, mask, shift took two. Exact per byte as long as the bits kept
+ * come from their own byte, as they do for these. Zen 1 shifts on one pipe, and they were Q6_K's
+ * bottleneck there: 27.7 -> 24.3 ns a super-block (one core, in cache). */
+QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
+    const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
@@ -2232,8 +2232,8 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
         __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
         __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         if (five) {
-            q0 = _mm256_or_si256(q0, quant_avx2_to_bit4(qh, 2 * j, 0x10));
-            q1 = _mm256_or_si256(q1, quant_avx2_to_bit4(qh, 2 * j + 1, 0x10));
+            q0 = _mm256_or_si256(q0, quant_avx2_bits_to(qh, 2 * j, 4, 0x10));
+            q1 = _mm256_or_si256(q1, quant_avx2_bits_to(qh, 2 * j + 1, 4, 0x10));
         }
         __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
         __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
@@ -2255,10 +2255,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qhp);
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_to_bit4(h, 0, 0x30));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_to_bit4(h, 2, 0x30));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_to_bit4(h, 4, 0x30));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_to_bit4(h, 6, 0x30));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_bits_to(h, 0, 4, 0x30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_bits_to(h, 2, 4, 0x30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_bits_to(h, 4, 4, 0x30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_bits_to(h, 6, 4, 0x30));
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
@@ -2273,10 +2273,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
  * scales as int16. Q3_K's caller takes off 4 * Σ_g sc_g * bsum_g. */
 QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
     const int three = t == GGUF_TYPE_Q3_K;
-    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
     __m256i acc = _mm256_setzero_si256();
-    __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    const __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
         __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
@@ -2285,10 +2285,7 @@ QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *
             /* step (n, k) takes bits 2k of the quants and bit 4n + k of hmask */
             __m256i q = _mm256_and_si256(q2, m3);
             q2 = _mm256_srli_epi16(q2, 2);
-            if (three) {
-                q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 2));
-                hbits = _mm256_srli_epi16(hbits, 1);
-            }
+            if (three) q = _mm256_or_si256(q, quant_avx2_bits_to(hbits, 4 * n + k, 2, 0x04));
             __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), quant_avx2_pick_scale_pair(half[n], k)));
         }
@@ -2473,13 +2470,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
         const __m256i half = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         *sc = quant_avx2_pick_scale_pair(half, k);
-        return _mm256_or_si256(lo, quant_avx2_to_bit4(h, 2 * k, 0x30));
+        return _mm256_or_si256(lo, quant_avx2_bits_to(h, 2 * k, 4, 0x30));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
     __m256i v = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
     if (t == GGUF_TYPE_Q5_K) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-        v = _mm256_or_si256(v, quant_avx2_to_bit4(qh, i, 0x10));
+        v = _mm256_or_si256(v, quant_avx2_bits_to(qh, i, 4, 0x10));
     }
     *sc = quant_avx2_pick_scale(sc16, i);
     return v;
