@@ -5306,6 +5306,30 @@ static void ops_gate(float *out, const float *x, const float *u, int64_t n, int 
         for (int64_t i = 0; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
+/* out[i] = ops_exp((x[i] - sub) / div) for N values, its bits at every level (sampling's
+ * weights over a whole vocabulary: the same under every libc, where expf's last bit is each
+ * libc's own). OUT may be X. */
+static QUANT_AVX512 void ops_exp_shifted_avx512(float *out, const float *x, int64_t n, float sub, float div) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, ops_exp16_avx512(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(sub)), _mm512_set1_ps(div))));
+    for (; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+}
+
+static QUANT_AVX2 void ops_exp_shifted_avx2(float *out, const float *x, int64_t n, float sub, float div) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, ops_exp8_avx2(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(sub)), _mm256_set1_ps(div))));
+    for (; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+}
+
+static void ops_exp_shifted(float *out, const float *x, int64_t n, float sub, float div) {
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_exp_shifted_avx512(out, x, n, sub, div);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_exp_shifted_avx2(out, x, n, sub, div);
+    else
+        for (int64_t i = 0; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+}
+
 /* g[i] = silu(g[i]) * u[i] (U NULL: silu alone). */
 static void ops_swiglu(float *g, const float *u, int64_t n) { ops_gate(g, g, u, n, 0); }
 
@@ -12449,8 +12473,9 @@ static char *tok_chat_render_turn(const struct tok *t, const char *system, const
 /* Owns: turning a row of logits into the next token: greedy, or repetition penalty,
  *   temperature, top-k, top-p, min-p and a seeded draw.
  * Promises: greedy (temp 0) is the argmax over all logits, the lowest id on ties, nothing
- *   masked. With the same seed and logits, the same token. The logits row may be modified.
- * May call: §1.
+ *   masked. With the same seed and logits, the same token, at every SIMD level and under every
+ *   libc (the draw's weights are ops_exp's). The logits row may be modified.
+ * May call: §1, §4 (ops_exp, ops_exp_shifted).
  * Workload: once per generated token over n_vocab logits (248k for the 35B): candidates are
  *   cut to top-k by a partial selection before anything is sorted. */
 
@@ -12612,17 +12637,19 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 {
     sample_apply_penalty(p, logits, history, n_hist);
     if (p->temp <= 0.0f) return sample_argmax(logits, n_vocab);
-    int n = n_vocab, best = sample_argmax(logits, n_vocab);
-    for (int i = 0; i < n; i++) cand[i] = (struct sample_candidate){i, logits[i]};
+    int n = n_vocab;
+    const float max = logits[sample_argmax(logits, n_vocab)];
     if (p->top_k > 0 && p->top_k < n) {
+        for (int i = 0; i < n; i++) cand[i] = (struct sample_candidate){i, logits[i]};
         sample_select(cand, n, p->top_k);
         n = p->top_k;
+        for (int i = 0; i < n; i++) cand[i].logit = ops_exp((cand[i].logit - max) / p->temp);
+    } else {
+        ops_exp_shifted(logits, logits, n, max, p->temp);
+        for (int i = 0; i < n; i++) cand[i] = (struct sample_candidate){i, logits[i]};
     }
     double total = 0.0;
-    for (int i = 0; i < n; i++) {
-        cand[i].logit = expf((cand[i].logit - logits[best]) / p->temp);
-        total += cand[i].logit;
-    }
+    for (int i = 0; i < n; i++) total += cand[i].logit;
     if (p->top_p < 1.0f || p->min_p > 0.0f) {
         n = sample_nucleus(p, cand, n, total);
         total = 0.0;

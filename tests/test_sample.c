@@ -67,6 +67,38 @@ static void test_vector_scans(void)
     free(row);
 }
 
+/* The draw's weights: ops_exp_shifted at every level the CPU has against the scalar
+ * ops_exp((x - max) / t), bit for bit, on rows ending inside and past the vectors (weights that
+ * underflow to 0 and a -inf logit among them); and seeded temperature draws over the whole row
+ * (no top-k: the vector path) give the same tokens at every level. */
+static void test_draw_weights(const float *logits)
+{
+    enum { N = 203 };
+    static const int lengths[] = {1, 7, 8, 9, 15, 16, 17, 31, 33, N};
+    static const float temps[] = {0.25f, 0.7f, 1.0f, 1.3f};
+    float x[N], want[N], got[N];
+    for (int i = 0; i < N; i++) x[i] = (float)((i * 7919) % 4001 - 3000) / 97.0f;
+    x[5] = -INFINITY;
+    int bad = 0, bad_draws = 0, ref[V], count[V];
+    struct sample_params plain = {0.8f, 0, 1.0f, 0.0f, 1.0f, 64, 11, 0.0f, 0.0f};
+    for (int level = 0; level <= quant_level_max(); level++) {
+        quant_set_level(level);
+        for (size_t l = 0; l < sizeof lengths / sizeof lengths[0]; l++)
+            for (size_t t = 0; t < sizeof temps / sizeof temps[0]; t++) {
+                const int n = lengths[l];
+                for (int i = 0; i < n; i++) want[i] = ops_exp((x[i] - 10.5f) / temps[t]);
+                ops_exp_shifted(got, x, n, 10.5f, temps[t]);
+                bad += memcmp(got, want, (size_t)n * sizeof *got) != 0;
+            }
+        draw(&plain, logits, 300, level ? count : ref);
+        bad_draws += level && memcmp(count, ref, sizeof ref) != 0;
+    }
+    char name[160];
+    snprintf(name, sizeof name, "the draw's weights at %d SIMD levels: ops_exp's bits, the same seeded draws", quant_level_max() + 1);
+    check(!bad && !bad_draws, name);
+    quant_set_level(0);
+}
+
 int main(void)
 {
     float logits[V], row[V];
@@ -78,6 +110,7 @@ int main(void)
     uint64_t rng = 1;
     plat_cpu_detect();
     test_vector_scans();
+    test_draw_weights(logits);
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
