@@ -99,6 +99,81 @@ static void test_draw_weights(const float *logits)
     quant_set_level(0);
 }
 
+/* sample_top against a sort of every candidate (sample_by_logit_desc), on rows with many ties,
+ * one rising row (its fallback) and K from 1 to the whole row. */
+static void test_top(void)
+{
+    enum { N = 5000 };
+    static float w[N];
+    static struct sample_candidate got[N], all[N];
+    static const int ks[] = {1, 2, 20, 64, 256, 257, 1024, N};
+    uint64_t rng = 5;
+    int bad = 0;
+    for (int row = 0; row < 3; row++) {
+        for (int i = 0; i < N; i++)
+            w[i] = row == 2 ? (float)i : (float)(sample_next_u64(&rng) % (row ? 40 : 100000)); /* row 1: ties */
+        for (int i = 0; i < N; i++) all[i] = (struct sample_candidate){i, w[i]};
+        qsort(all, N, sizeof *all, sample_by_logit_desc);
+        for (size_t k = 0; k < sizeof ks / sizeof ks[0]; k++) {
+            sample_top(w, N, ks[k], got);
+            bad += memcmp(got, all, (size_t)ks[k] * sizeof *got) != 0;
+        }
+    }
+    check(!bad, "top-k selection: the K first of a full sort (ties to the lower id), also for a rising row");
+}
+
+/* The documented draw, rendered plainly: every candidate sorted (sample_by_logit_desc), the
+ * top-k kept, weights ops_exp((logit - max) / temp), the nucleus cut, a draw over the kept ones
+ * best first; with neither top-k nor a nucleus, over every token in id order. */
+static int reference_next(const struct sample_params *p, const float *logits, uint64_t *rng)
+{
+    static struct sample_candidate c[V];
+    float max = logits[0];
+    for (int i = 0; i < V; i++) max = logits[i] > max ? logits[i] : max;
+    const int nucleus = p->top_p < 1.0f || p->min_p > 0.0f, sorted = nucleus || (p->top_k > 0 && p->top_k < V);
+    for (int i = 0; i < V; i++) c[i] = (struct sample_candidate){i, logits[i]};
+    if (sorted) qsort(c, V, sizeof *c, sample_by_logit_desc);
+    int n = p->top_k > 0 && p->top_k < V ? p->top_k : V;
+    double total = 0.0;
+    for (int i = 0; i < n; i++) total += c[i].logit = ops_exp((c[i].logit - max) / p->temp);
+    if (nucleus) {
+        double mass = 0.0, kept = 0.0;
+        int keep = 0;
+        while (keep < n && !(c[keep].logit < p->min_p * c[0].logit) && !(mass >= p->top_p * total)) mass += c[keep++].logit;
+        n = keep;
+        for (int i = 0; i < n; i++) kept += c[i].logit;
+        total = kept;
+    }
+    double r = (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    for (int i = 0; i < n; i++)
+        if ((r -= c[i].logit) < 0) return c[i].id;
+    return c[n - 1].id;
+}
+
+/* sample_next against reference_next: 200 seeded draws for each of six settings, on a row of
+ * logits in [-15, 5) on a grid of 0.01 (ties among them). */
+static void test_against_reference(void)
+{
+    float logits[V];
+    uint64_t r = 9;
+    for (int i = 0; i < V; i++) logits[i] = (float)(sample_next_u64(&r) % 2000) / 100.0f - 15.0f;
+    static const struct sample_params settings[] = {
+        {0.6f, 20, 0.95f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 2, 0.0f, 0.0f},
+        {0.7f, 0, 0.9f, 0.0f, 1.0f, 64, 3, 0.0f, 0.0f},   {1.3f, 5, 1.0f, 0.0f, 1.0f, 64, 4, 0.0f, 0.0f},
+        {0.9f, 0, 1.0f, 0.05f, 1.0f, 64, 5, 0.0f, 0.0f},  {2.0f, 300, 0.99f, 0.0f, 1.0f, 64, 6, 0.0f, 0.0f},
+    };
+    int bad = 0;
+    float row[V];
+    for (size_t s = 0; s < sizeof settings / sizeof settings[0]; s++) {
+        uint64_t a = settings[s].seed, b = settings[s].seed;
+        for (int d = 0; d < 200; d++) {
+            memcpy(row, logits, sizeof row);
+            bad += sample_next(&settings[s], row, V, NULL, 0, &a, cand) != reference_next(&settings[s], logits, &b);
+        }
+    }
+    check(!bad, "temperature draws: the documented procedure's tokens, top-k, top-p and min-p");
+}
+
 int main(void)
 {
     float logits[V], row[V];
@@ -111,6 +186,8 @@ int main(void)
     plat_cpu_detect();
     test_vector_scans();
     test_draw_weights(logits);
+    test_top();
+    test_against_reference();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
