@@ -12476,8 +12476,9 @@ static char *tok_chat_render_turn(const struct tok *t, const char *system, const
  *   masked. With the same seed and logits, the same token, at every SIMD level and under every
  *   libc (the draw's weights are ops_exp's). The logits row may be modified.
  * May call: §1, §4 (ops_exp, ops_exp_shifted).
- * Workload: once per generated token over n_vocab logits (248k for the 35B): candidates are
- *   cut to top-k by a partial selection before anything is sorted. */
+ * Workload: once per generated token over n_vocab logits (248k for the 35B): the argmax, then
+ *   the top-k in one pass against the K-th best so far (sample_top), or the weights of every
+ *   logit in vector lanes; only the kept candidates are sorted. */
 
 struct sample_params {
     float temp;           /* 0: greedy */
