@@ -27,43 +27,53 @@ static void draw(const struct sample_params *p, const float *logits, int n, int 
     }
 }
 
-/* The vector argmax and finiteness check (where the CPU has AVX-512) against their plain
- * loops, on rows that end inside and past the vectors: a random row with its best in a
- * random place (a tie placed after it), all equal, all -inf, NaN at 0 and elsewhere, and
+/* The vector argmax and finiteness check at each level the CPU has (AVX2, AVX-512) against
+ * their plain loops, on rows that end inside and past the vectors: a random row with its best
+ * in a random place (a tie placed after it), all equal, all -inf, NaN at 0 and elsewhere, and
  * infinities and NaN at every place of short rows. */
 static void test_vector_scans(void)
 {
-    static const int lengths[] = { 1, 15, 16, 17, 47, 1000, 248320 };
+    static const int lengths[] = { 1, 7, 8, 9, 15, 16, 17, 47, 1000, 248320 };
     enum { N = 248320 };
     float *row = malloc(N * sizeof *row);
     uint64_t rng = 99;
-    int bad_max = 0, bad_finite = 0, vector = plat_cpu.avx512f;
-    for (size_t c = 0; c < sizeof lengths / sizeof *lengths; c++)
-        for (int kind = 0; kind < 6; kind++) {
-            const int n = lengths[c];
-            for (int i = 0; i < n; i++) row[i] = (float)(sample_next_u64(&rng) >> 40) / 1048576.0f;
-            const int at = (int)(sample_next_u64(&rng) % (uint64_t)n);
-            if (kind == 0) { row[at] = 100.0f; row[(at + 1) % n] = 100.0f; }
-            for (int i = 0; kind == 1 && i < n; i++) row[i] = 2.0f;
-            for (int i = 0; kind == 2 && i < n; i++) row[i] = -INFINITY;
-            if (kind == 3) row[0] = NAN;
-            if (kind == 4) row[at] = NAN;
-            if (kind == 5) row[at] = -INFINITY;
-            plat_cpu.avx512f = 0;
-            const int want = sample_argmax(row, n), want_finite = sample_all_finite(row, n);
-            plat_cpu.avx512f = vector;
-            bad_max += sample_argmax(row, n) != want;
-            bad_finite += sample_all_finite(row, n) != want_finite;
-        }
-    for (int n = 1; n <= 40; n++)
-        for (int at = 0; at < n; at++)
-            for (int v = 0; v < 3; v++) {
-                for (int i = 0; i < n; i++) row[i] = 1.0f;
-                row[at] = v == 0 ? INFINITY : v == 1 ? -INFINITY : NAN;
-                bad_finite += sample_all_finite(row, n) != 0;
+    const int has_avx2 = plat_cpu.avx2, has_avx512 = plat_cpu.avx512f;
+    int bad_max = 0, bad_finite = 0;
+    char levels[32] = "";
+    for (int level = 1; level <= 2; level++) {
+        if (!(level == 1 ? has_avx2 : has_avx512)) continue;
+        strcat(levels, level == 1 ? " AVX2" : " AVX-512");
+        for (size_t c = 0; c < sizeof lengths / sizeof *lengths; c++)
+            for (int kind = 0; kind < 6; kind++) {
+                const int n = lengths[c];
+                for (int i = 0; i < n; i++) row[i] = (float)(sample_next_u64(&rng) >> 40) / 1048576.0f;
+                const int at = (int)(sample_next_u64(&rng) % (uint64_t)n);
+                if (kind == 0) { row[at] = 100.0f; row[(at + 1) % n] = 100.0f; }
+                for (int i = 0; kind == 1 && i < n; i++) row[i] = 2.0f;
+                for (int i = 0; kind == 2 && i < n; i++) row[i] = -INFINITY;
+                if (kind == 3) row[0] = NAN;
+                if (kind == 4) row[at] = NAN;
+                if (kind == 5) row[at] = -INFINITY;
+                plat_cpu.avx2 = plat_cpu.avx512f = 0;
+                const int want = sample_argmax(row, n), want_finite = sample_all_finite(row, n);
+                plat_cpu.avx2 = 1;
+                plat_cpu.avx512f = level == 2;
+                bad_max += sample_argmax(row, n) != want;
+                bad_finite += sample_all_finite(row, n) != want_finite;
             }
-    check(!bad_max && !bad_finite, vector ? "argmax and the finiteness check: AVX-512 gives the plain loops' answers"
-                                          : "argmax and the finiteness check (no AVX-512 here: the plain loops)");
+        for (int n = 1; n <= 40; n++)
+            for (int at = 0; at < n; at++)
+                for (int v = 0; v < 3; v++) {
+                    for (int i = 0; i < n; i++) row[i] = 1.0f;
+                    row[at] = v == 0 ? INFINITY : v == 1 ? -INFINITY : NAN;
+                    bad_finite += sample_all_finite(row, n) != 0;
+                }
+    }
+    plat_cpu.avx2 = has_avx2;
+    plat_cpu.avx512f = has_avx512;
+    char name[160];
+    snprintf(name, sizeof name, "argmax and the finiteness check at%s: the plain loops' answers", *levels ? levels : " no SIMD level (none here)");
+    check(!bad_max && !bad_finite, name);
     free(row);
 }
 
