@@ -5306,28 +5306,31 @@ static void ops_gate(float *out, const float *x, const float *u, int64_t n, int 
         for (int64_t i = 0; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
-/* out[i] = ops_exp((x[i] - sub) / div) for N values, its bits at every level (sampling's
- * weights over a whole vocabulary: the same under every libc, where expf's last bit is each
- * libc's own). OUT may be X. */
+/* ops_exp((x - sub) / div): a sampling weight (§10), the same under every libc, where expf's
+ * last bit is each libc's own. */
+static float ops_exp_shifted_one(float x, float sub, float div) { return ops_exp((x - sub) / div); }
+
+/* out[i] = ops_exp_shifted_one(x[i], sub, div) for N values, its bits at every level (the
+ * weights of a whole vocabulary). OUT may be X. */
 static QUANT_AVX512 void ops_exp_shifted_avx512(float *out, const float *x, int64_t n, float sub, float div) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(out + i, ops_exp16_avx512(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(sub)), _mm512_set1_ps(div))));
-    for (; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+    for (; i < n; i++) out[i] = ops_exp_shifted_one(x[i], sub, div);
 }
 
 static QUANT_AVX2 void ops_exp_shifted_avx2(float *out, const float *x, int64_t n, float sub, float div) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, ops_exp8_avx2(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(sub)), _mm256_set1_ps(div))));
-    for (; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+    for (; i < n; i++) out[i] = ops_exp_shifted_one(x[i], sub, div);
 }
 
 static void ops_exp_shifted(float *out, const float *x, int64_t n, float sub, float div) {
     if (quant_level >= QUANT_LEVEL_AVX512) ops_exp_shifted_avx512(out, x, n, sub, div);
     else if (quant_level >= QUANT_LEVEL_AVX2) ops_exp_shifted_avx2(out, x, n, sub, div);
     else
-        for (int64_t i = 0; i < n; i++) out[i] = ops_exp((x[i] - sub) / div);
+        for (int64_t i = 0; i < n; i++) out[i] = ops_exp_shifted_one(x[i], sub, div);
 }
 
 /* g[i] = silu(g[i]) * u[i] (U NULL: silu alone). */
@@ -12475,7 +12478,7 @@ static char *tok_chat_render_turn(const struct tok *t, const char *system, const
  * Promises: greedy (temp 0) is the argmax over all logits, the lowest id on ties, nothing
  *   masked. With the same seed and logits, the same token, at every SIMD level and under every
  *   libc (the draw's weights are ops_exp's). The logits row may be modified.
- * May call: §1, §4 (ops_exp, ops_exp_shifted).
+ * May call: §1, §4 (ops_exp_shifted_one, ops_exp_shifted).
  * Workload: once per generated token over n_vocab logits (248k for the 35B): the argmax, then
  *   the top-k in one pass against the K-th best so far (sample_top), or the weights of every
  *   logit in vector lanes; only the kept candidates are sorted. */
@@ -12666,15 +12669,16 @@ static void sample_select(struct sample_candidate *cand, int n, int k)
  * the same candidates in the same order. */
 static void sample_top(const float *w, int n, int k, struct sample_candidate *cand)
 {
+    const int scan = k <= 256;
     int have = 0, inserts = 0, i = 0;
-    for (; i < n && k <= 256; i++) {
+    for (; scan && i < n; i++) {
         if (have == k && !(w[i] > cand[k - 1].logit)) continue;
         if (++inserts > 8 * k + 1024) break;
         int at = have < k ? have++ : k - 1;
         for (; at > 0 && w[i] > cand[at - 1].logit; at--) cand[at] = cand[at - 1];
         cand[at] = (struct sample_candidate){i, w[i]};
     }
-    if (i == n && k <= 256) return;
+    if (scan && i == n) return;
     for (i = 0; i < n; i++) cand[i] = (struct sample_candidate){i, w[i]};
     sample_select(cand, n, k);
     qsort(cand, (size_t)k, sizeof *cand, sample_by_logit_desc);
@@ -12727,7 +12731,7 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
     if (p->top_k > 0 && p->top_k < n_vocab) {
         n = p->top_k;
         sample_top(logits, n_vocab, n, cand);
-        for (int i = 0; i < n; i++) total += cand[i].logit = ops_exp((cand[i].logit - max) / p->temp);
+        for (int i = 0; i < n; i++) total += cand[i].logit = ops_exp_shifted_one(cand[i].logit, max, p->temp);
         if (nucleus) n = sample_nucleus_cut(p, cand, n, total);
     } else {
         ops_exp_shifted(logits, logits, n_vocab, max, p->temp); /* the weights, in place */
