@@ -3,13 +3,25 @@
 # Builds, prints coli info, runs every kernel on device 0 against the CPU (GEMVs, batches of
 # products, activation quantisation, routed-expert batches: bit-identical, through the native
 # dlopen of a glibc test build; then the copy bandwidth and GB/s of the main formats' GEMVs),
-# then the golden models on the CPU and with the trunk and the
-# experts on the GPU through the static binary's foreign dlopen (same tokens and logits), and
-# runs the decode benchmark on the 35B-A3B geometry at 1k and 8k tokens of context, and prints a
-# summary. Budget: under 10 minutes (each benchmark stops at 200 s).
-# usage: tests/gpu_check.sh [GOLDEN_DIR]
+# then the golden models on the CPU and with the trunk and the experts on the GPU through the
+# static binary's foreign dlopen (same tokens and logits), prints bench --kernels' table for the
+# card, runs the decode benchmark on the 35B-A3B geometry at 1k and 8k tokens of context, and
+# prints a summary. Budget: under 10 minutes (each benchmark stops at 200 s).
+# usage: tests/gpu_check.sh [--prebuilt] [GOLDEN_DIR]
+# --prebuilt: a machine without musl-tools or a network (a lent card) runs the ./coli and
+# build/test_cuda built elsewhere (`./build.sh` and `tests/gpu_check.sh --build-only`).
+# GPU_CHECK_CONTEXTS: the decode benchmark's contexts (default "1024 8192"; "" skips it).
 set -u
 cd "$(dirname "$0")/.."
+prebuilt=0
+case "${1:-}" in
+--prebuilt) prebuilt=1; shift ;;
+--build-only)
+    mkdir -p build
+    # libgomp linked in, so that the machine with the card needs no gcc runtime beside glibc.
+    exec gcc -std=c11 -O2 -Wall -Wextra -ffp-contract=off -fopenmp -I. tests/test_cuda.c -o build/test_cuda -lm -ldl \
+        "$(gcc -print-file-name=libgomp.a)" -lpthread ;;
+esac
 GOLDEN=${1:-${COLI_GOLDEN:-../shared/golden}}
 log=$(mktemp -d)
 trap 'rm -rf "$log"' EXIT
@@ -19,13 +31,18 @@ ok() { echo "ok - $1"; pass=$((pass + 1)); }
 bad() { echo "FAIL - $1: $2"; fail=$((fail + 1)); }
 t0=$(date +%s)
 
-timeout 240 ./build.sh >"$log/build" 2>&1 && ok "build" || { bad "build" "$(tail -n 5 "$log/build")"; echo "$pass passed, $fail failed"; exit 1; }
+if [ "$prebuilt" = 1 ]; then
+    [ -x ./coli ] && [ -x build/test_cuda ] && ok "prebuilt ./coli and build/test_cuda" ||
+        { bad "prebuilt" "./coli or build/test_cuda missing"; echo "$pass passed, $fail failed"; exit 1; }
+else
+    timeout 240 ./build.sh >"$log/build" 2>&1 && ok "build" || { bad "build" "$(tail -n 5 "$log/build")"; echo "$pass passed, $fail failed"; exit 1; }
+fi
 timeout 60 ./coli info 2>&1 | tee "$log/info" | grep -E '^(cuda|\[cuda\])'
 grep -q '^cuda 0: ' "$log/info" && ok "coli info lists a device" || bad "coli info" "no device: $(grep cuda "$log/info" | head -n 2)"
 if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=index,pci.bus_id,name,driver_version --format=csv,noheader; fi
 
 mkdir -p build
-gcc -std=c11 -O2 -Wall -Wextra -ffp-contract=off -fopenmp -I. tests/test_cuda.c -o build/test_cuda -lm -ldl 2>"$log/cc" || bad "build test_cuda" "$(head -c 300 "$log/cc")"
+[ "$prebuilt" = 1 ] || "$0" --build-only 2>"$log/cc" || bad "build test_cuda" "$(head -c 300 "$log/cc")"
 COLI_TEST_REAL=1 timeout 120 build/test_cuda >"$log/kernels" 2>&1
 grep -E '^(FAIL|#)' "$log/kernels"
 k=$(grep -c '^ok - ' "$log/kernels")
@@ -58,12 +75,16 @@ if [ -f "$f" ]; then
         bad "re-tiering" "$(grep -E 'cuda|re-tier' "$log/err" | tail -n 3)"
     fi
 fi
+# bench --kernels' table for the card: every format's GEMV in GB/s against its copy bandwidth.
+timeout 150 ./coli bench --kernels >"$log/kt" 2>&1
+sed -n '/^cuda [0-9]*: /,$p' "$log/kt"
+grep -q '^cuda 0: ' "$log/kt" && ok "bench --kernels: the card's table" || bad "bench --kernels" "$(tail -n 2 "$log/kt")"
 # The decode benchmark: the 35B-A3B geometry in the Q4_K_M mix (Q4_K experts; Q6_K head, down and
 # attn_v; Q5_K attn_qkv), random weights in memory placed on device 0, decode after a 1k and an 8k
 # prompt: tok/s, and the weight bytes a token reads per second against the card's copy bandwidth
 # (test_cuda's figure above, bytes read and written).
 bw=$(grep -m1 -o '^# device 0: copy bandwidth [0-9.]*' "$log/kernels" | grep -o '[0-9.]*$')
-for ctx in 1024 8192; do
+for ctx in ${GPU_CHECK_CONTEXTS-1024 8192}; do
     timeout 200 ./coli bench --synthetic 35b-a3b:q4_k_m --gpu 0 -p "$ctx" -n 64 --json >"$log/bench" 2>"$log/err"
     if python3 - "$log/bench" "$ctx" "${bw:-0}" <<'PY'; then ok "decode benchmark at $ctx tokens of context"
 import json, sys
