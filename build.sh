@@ -245,23 +245,31 @@ run_agents() {
 
 passed=0
 failed=0
-# Runs one test program, echoing its output, and adds its closing "N passed, N failed" line
-# to the totals. A program that dies without that line counts as one failure.
-run_test() {
-    local label=$1; shift
-    local out rc=0 start=$SECONDS
+# Runs one test program (job N of the test pool, labelled LABEL) with its output, exit status and
+# seconds left in build/results/N.*, for test_report.
+test_job() {
+    local n=$1 label=$2 start=$SECONDS rc=0; shift 2
+    "$@" >"build/results/$n.out" 2>&1 || rc=$?
+    echo "$label" >"build/results/$n.label"
+    echo "$rc" >"build/results/$n.rc"
+    echo "$((SECONDS - start))" >"build/results/$n.s"
+}
+
+# Prints job N's output but its ok lines, and adds its closing "N passed, N failed" line to the
+# totals. A program that dies without that line counts as one failure.
+test_report() {
+    local d=build/results n=$1 label rc line p f
+    label=$(cat "$d/$n.label" 2>/dev/null || echo "test job $n")
+    rc=$(cat "$d/$n.rc" 2>/dev/null || echo "unknown")
     echo "== $label"
-    out=$("$@" 2>&1) || rc=$?
-    echo "   ($((SECONDS - start)) s)"
-    printf '%s\n' "$out" | grep -v '^ok - ' || true
-    local line
-    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1 || true)
+    echo "   ($(cat "$d/$n.s" 2>/dev/null || echo ?) s)"
+    grep -v '^ok - ' "$d/$n.out" 2>/dev/null || true
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$d/$n.out" 2>/dev/null | tail -n 1 || true)
     if [ -z "$line" ]; then
         echo "FAIL - $label: exited $rc without a result line"
         failed=$((failed + 1))
         return
     fi
-    local p f
     p=${line%% passed*}
     f=${line#*, }; f=${f%% failed*}
     passed=$((passed + p))
@@ -294,17 +302,37 @@ run_tests() {
     done
     run_pool "${builds[@]}" build_fake_driver build_serve_clients
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
+    # Two tests at once (one a CPU), the longest first as measured on a 2-core host, so that the
+    # lanes end together: on their own they kept 1.15 cores busy. Waiting threads sleep rather than
+    # spin, which another test's threads would pay for.
+    export OMP_WAIT_POLICY=passive
+    # LABEL|COMMAND; then every other test of $TESTS in both builds, and the simulation.
+    local g=${GOLDEN@Q}
+    local jobs=(
+        "test_cuda.sh|bash tests/test_cuda.sh ./coli $g build"
+        "test_model|$(test_command test_model) $g"
+        "test_model (asan+ubsan)|$(test_command test_model .san) $g --quick"
+        "test_quant (asan+ubsan)|$(test_command test_quant .san) $g --quick"
+        "test_serve.sh|bash tests/test_serve.sh ./coli $g --fuzz-bin build/serve_fuzz"
+        "test_experts|$(test_command test_experts) $g"
+        "test_experts (asan+ubsan)|$(test_command test_experts .san) $g --quick"
+        "test_gguf (asan+ubsan)|$(test_command test_gguf .san) $g --quick"
+        "test_quant|$(test_command test_quant) $g"
+        "kernels.ptx (ptxas)|check_ptx"
+        "test_cli|bash tests/test_cli.sh ./coli $g"
+    )
     for t in $TESTS; do
-        run_test "$t" $(test_command "$t") "$GOLDEN"
-        run_test "$t (asan+ubsan)" $(test_command "$t" .san) "$GOLDEN" --quick
+        case " ${jobs[*]} " in *"|$(test_command "$t") "*) ;; *) jobs+=("$t|$(test_command "$t") $g") ;; esac
+        case " ${jobs[*]} " in *"|$(test_command "$t" .san) "*) ;; *) jobs+=("$t (asan+ubsan)|$(test_command "$t" .san) $g --quick") ;; esac
     done
-    if [ -f build/sim/libcuda.so.1 ]; then run_test "test_cuda (kernels.cu on the host)" env COLI_TEST_SIM=1 build/suite test_cuda "$GOLDEN"
+    if [ -f build/sim/libcuda.so.1 ]; then jobs+=("test_cuda (kernels.cu on the host)|env COLI_TEST_SIM=1 $(test_command test_cuda) $g")
     else echo "== test_cuda (kernels.cu on the host): SKIP, no g++"; fi
-    run_test "test_cli" bash tests/test_cli.sh ./coli "$GOLDEN"
-    # the static binary's loader paths: the foreign dlopen exists only in the musl build
-    run_test "test_cuda.sh" bash tests/test_cuda.sh ./coli "$GOLDEN" build
-    run_test "test_serve.sh" bash tests/test_serve.sh ./coli "$GOLDEN" --fuzz-bin build/serve_fuzz
-    run_test "kernels.ptx (ptxas)" check_ptx
+    local pool=() i
+    rm -rf build/results
+    mkdir -p build/results
+    for i in "${!jobs[@]}"; do pool+=("test_job $i '${jobs[i]%%|*}' ${jobs[i]#*|}"); done
+    run_pool "${pool[@]}" || true
+    for i in "${!jobs[@]}"; do test_report "$i"; done
     echo "$passed passed, $failed failed"
     [ "$failed" = 0 ]
 }
