@@ -84,9 +84,10 @@ build_coli_binary() {
 }
 
 # Runs each argument (a command line) in the background, at most as many at once as there are
-# CPUs, and waits for all; fails if any failed. `./build.sh test` has 11 such jobs (the suite's
-# two builds, coli, six small test builds, the fake driver, the clients) of very different
-# lengths, the longest first: paired two by two, a core waited on the longer.
+# CPUs, and waits for all; fails if any failed. `./build.sh test` runs its 9 compiles so (the
+# suite's two builds, coli, four small test builds, the fake driver, the clients), then its 21
+# test runs: jobs of very different lengths, given the longest first so that the cores end
+# close together.
 # Each job leaves its outcome in build/pool/N, read once all have ended (a job's exit status
 # could otherwise be collected by the wait that makes room for the next).
 run_pool() {
@@ -111,7 +112,8 @@ run_pool() {
 }
 
 # Builds tests/NAME.c plain (glibc gcc) or, given "san", with AddressSanitizer + UBSan (musl has
-# no sanitizer runtime, so that build uses glibc).
+# no sanitizer runtime, so that build uses glibc; -g1: line tables for the reports' stacks, without
+# the variable tracking that took a sixth of its compile).
 # A test uses part of coli.c, so unused functions are expected there.
 # The plain build of the suite (it holds test_quant and test_model, which check the kernels bit
 # for bit) compiles them as shipped; every other build defines COLI_ROLLED (coli.c §3: the same
@@ -123,7 +125,7 @@ build_test_variant() {
     if unrolled_test "$name"; then rolled=; fi
     mkdir -p build
     if [ "${2:-}" = san ]; then
-        gcc $CFLAGS -Wno-unused-function -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -DCOLI_ROLLED -I. "tests/$name.c" -o "build/$name.san" -lm
+        gcc $CFLAGS -Wno-unused-function -O1 -g1 -fsanitize=address,undefined -fno-sanitize-recover=all -DCOLI_ROLLED -I. "tests/$name.c" -o "build/$name.san" -lm
     else
         gcc $CFLAGS $rolled -Wno-unused-function -g -I. "tests/$name.c" -o "build/$name" -lm
     fi
@@ -282,9 +284,9 @@ test_report() {
 
 TESTS="test_quant test_gguf test_tok test_sample test_model test_experts test_cuda test_serve"
 # The tests that reach coli's kernels run from one binary per build kind (tests/suite.c): coli.c's
-# reachable part, compiled once instead of five times, was most of the suite's time. The others
+# reachable part, compiled once instead of six times, was most of the suite's time. The others
 # are small and build alone.
-SUITE_TESTS="test_quant test_model test_experts test_cuda test_serve"
+SUITE_TESTS="test_quant test_model test_experts test_cuda test_serve test_sample"
 in_suite() { case " $SUITE_TESTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 # The command line of test T's build kind (empty or .san).

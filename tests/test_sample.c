@@ -2,14 +2,7 @@
  * usage: test_sample [ignored...] */
 #define COLI_NO_MAIN
 #include "../coli.c"
-
-static int n_pass, n_fail;
-
-static void check(int ok, const char *name)
-{
-    printf("%s - %s\n", ok ? "ok" : "FAIL", name);
-    ok ? n_pass++ : n_fail++;
-}
+#include "check.h"
 
 #define V 1000
 
@@ -73,7 +66,7 @@ static void test_vector_scans(void)
     plat_cpu.avx512f = has_avx512;
     char name[160];
     snprintf(name, sizeof name, "argmax and the finiteness check at%s: the plain loops' answers", *levels ? levels : " no SIMD level (none here)");
-    check(!bad_max && !bad_finite, name);
+    check(!bad_max && !bad_finite, name, "%d argmax and %d finiteness answers differ", bad_max, bad_finite);
     free(row);
 }
 
@@ -105,7 +98,7 @@ static void test_draw_weights(const float *logits)
     }
     char name[160];
     snprintf(name, sizeof name, "the draw's weights at %d SIMD levels: ops_exp's bits, the same seeded draws", quant_level_max() + 1);
-    check(!bad && !bad_draws, name);
+    check(!bad && !bad_draws, name, "%d weight rows and %d levels' draws differ", bad, bad_draws);
     quant_set_level(0);
 }
 
@@ -129,7 +122,7 @@ static void test_top(void)
             bad += memcmp(got, all, (size_t)ks[k] * sizeof *got) != 0;
         }
     }
-    check(!bad, "top-k selection: the K first of a full sort (ties to the lower id), also for a rising row");
+    check(!bad, "top-k selection: the K first of a full sort (ties to the lower id), also for a rising row", "%d selections differ", bad);
 }
 
 /* The documented draw, rendered plainly: every candidate sorted (sample_by_logit_desc), the
@@ -181,11 +174,13 @@ static void test_against_reference(void)
             bad += sample_next(&settings[s], row, V, NULL, 0, &a, cand) != reference_next(&settings[s], logits, &b);
         }
     }
-    check(!bad, "temperature draws: the documented procedure's tokens, top-k, top-p and min-p");
+    check(!bad, "temperature draws: the documented procedure's tokens, top-k, top-p and min-p", "%d of 1200 tokens differ", bad);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    (void)argc;
+    (void)argv;
     float logits[V], row[V];
     int count[V];
     for (int i = 0; i < V; i++) logits[i] = -10.0f + (float)(i % 7) * 0.01f;
@@ -200,44 +195,46 @@ int main(void)
     test_against_reference();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
-    check(sample_next(&greedy, row, V, NULL, 0, &rng, cand) == 500, "greedy: argmax, lowest id on a tie");
+    int greedy_id = sample_next(&greedy, row, V, NULL, 0, &rng, cand);
+    check(greedy_id == 500, "greedy: argmax, lowest id on a tie", "token %d", greedy_id);
 
     struct sample_params top1 = {1.0f, 1, 1.0f, 0.0f, 1.0f, 64, 7, 0.0f, 0.0f};
     draw(&top1, logits, 200, count);
-    check(count[500] + count[700] == 200 && (count[500] == 200 || count[700] == 200), "top-k 1: always one of the best");
+    check(count[500] + count[700] == 200 && (count[500] == 200 || count[700] == 200), "top-k 1: always one of the best", "500: %d, 700: %d of 200", count[500], count[700]);
 
     /* p(500) = p(700) = e^3 / (2e^3 + e^2 + ~997 e^-10) ~ 0.4223, p(100) ~ 0.1554 */
     struct sample_params plain = {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 11, 0.0f, 0.0f};
     draw(&plain, logits, 20000, count);
     double f500 = count[500] / 20000.0, f100 = count[100] / 20000.0;
-    check(fabs(f500 - 0.4223) < 0.02 && fabs(f100 - 0.1554) < 0.015, "temperature 1: frequencies follow softmax");
+    check(fabs(f500 - 0.4223) < 0.02 && fabs(f100 - 0.1554) < 0.015, "temperature 1: frequencies follow softmax", "500: %.4f, 100: %.4f", f500, f100);
 
     struct sample_params nucleus = {1.0f, 0, 0.8f, 0.0f, 1.0f, 64, 3, 0.0f, 0.0f};
     draw(&nucleus, logits, 2000, count);
-    check(count[500] + count[700] == 2000, "top-p 0.8: only the two best (0.84 of the mass)");
+    check(count[500] + count[700] == 2000, "top-p 0.8: only the two best (0.84 of the mass)", "500 and 700: %d of 2000", count[500] + count[700]);
 
     struct sample_params minp = {1.0f, 0, 1.0f, 0.5f, 1.0f, 64, 5, 0.0f, 0.0f};
     draw(&minp, logits, 2000, count);
-    check(count[100] == 0 && count[500] > 0 && count[700] > 0, "min-p 0.5: drops what is below half the best");
+    check(count[100] == 0 && count[500] > 0 && count[700] > 0, "min-p 0.5: drops what is below half the best", "100: %d, 500: %d, 700: %d", count[100], count[500], count[700]);
 
     struct sample_params a = plain, b = plain;
     int ca[V], cb[V];
     draw(&a, logits, 500, ca);
     draw(&b, logits, 500, cb);
-    check(!memcmp(ca, cb, sizeof ca), "same seed, same draws");
+    check(!memcmp(ca, cb, sizeof ca), "same seed, same draws", "the counts differ");
 
     int history[3] = {500, 500, 42};
     struct sample_params pen = {0.0f, 0, 1.0f, 0.0f, 2.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     int id = sample_next(&pen, row, V, history, 3, &rng, cand);
-    check(id == 700 && row[500] == 1.5f && row[42] == logits[42] * 2.0f, "repetition penalty: divides positive, multiplies negative, once per token");
+    check(id == 700 && row[500] == 1.5f && row[42] == logits[42] * 2.0f, "repetition penalty: divides positive, multiplies negative, once per token",
+          "token %d, 500: %g, 42: %g", id, row[500], row[42]);
 
     struct sample_params pf = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.25f, 0.5f};
     memcpy(row, logits, sizeof row);
     sample_next(&pf, row, V, history, 3, &rng, cand);
     check(row[500] == logits[500] - (0.25f + 0.5f * 2) && row[42] == logits[42] - (0.25f + 0.5f) && row[700] == logits[700],
-          "presence and frequency penalties: once per token seen, and per time seen");
+          "presence and frequency penalties: once per token seen, and per time seen", "500: %g, 42: %g, 700: %g", row[500], row[42],
+          row[700]);
 
-    printf("%d passed, %d failed\n", n_pass, n_fail);
-    return n_fail != 0;
+    return check_done();
 }
