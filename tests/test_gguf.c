@@ -616,9 +616,9 @@ static void test_golden(const char *dir)
     qsort(names, (size_t)n, sizeof names[0], (int (*)(const void *, const void *))strcmp);
     for (int i = 0; i < n; i++) {
         char path[512], json[512], name[300], why[512];
-        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        snprintf(path, sizeof path, "%.250s/%.250s", dir, names[i]);
         snprintf(json, sizeof json, "%.*s.json", (int)(strlen(path) - 5), path);
-        snprintf(name, sizeof name, "golden %s opens", names[i]);
+        snprintf(name, sizeof name, "golden %.250s opens", names[i]);
         if (!test_child(test_open_and_close, path, EXPECT_OPEN, why, sizeof why)) {
             if (strstr(why, "a format coli does not read yet")) { /* refused cleanly: a format coli does not read yet */
                 printf("ok - %s # SKIP a weight type coli does not read yet: %.200s\n", name, why);
@@ -812,7 +812,7 @@ static void test_corpus(const char *dir)
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         n++;
         if (!test_child(test_open_and_close, path, EXPECT_EITHER, why, sizeof why)) {
-            if (bad++ == 0) snprintf(first, sizeof first, "%s: %s", e->d_name, why);
+            if (bad++ == 0) snprintf(first, sizeof first, "%.180s: %.500s", e->d_name, why);
             printf("# corpus file %s: %.200s\n", e->d_name, why);
         }
     }
