@@ -35,7 +35,12 @@ typedef unsigned long long CUdeviceptr;
 #define API __attribute__((visibility("default")))
 
 #define MAX_DEV 8
-static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, n_alloc, n_launch, n_query, cur_dev;
+static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, n_alloc, n_launch, n_query;
+/* The current context is a thread's, as in the driver: a thread that set none (-1) gets
+ * CUDA_ERROR_INVALID_CONTEXT from every call that needs one, so that coli calling from a thread
+ * other than the one that made the context current fails here as it would on a card. */
+static __thread int cur_dev = -1;
+#define NEED_CONTEXT() do { if (cur_dev < 0) return 201; } while (0)
 static size_t vram[MAX_DEV], avail[MAX_DEV];
 static char names[MAX_DEV][64];
 static double gbps[MAX_DEV], launch_ns[MAX_DEV], copy_ns[MAX_DEV], pcie_gbps[MAX_DEV], clock_ns[MAX_DEV]; /* the simulated clocks */
@@ -121,12 +126,13 @@ struct ctx { int dev; };
 static struct ctx ctxs[MAX_DEV];
 API CUresult cuDevicePrimaryCtxRetain(void **c, int d) { ctxs[d].dev = d; *c = &ctxs[d]; return 0; }
 API CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return 0; }
-API CUresult cuCtxSetCurrent(void *c) { cur_dev = c ? ((struct ctx *)c)->dev : 0; return 0; }
-API CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { *f = avail[cur_dev]; *t = vram[cur_dev]; return 0; }
+API CUresult cuCtxSetCurrent(void *c) { cur_dev = c ? ((struct ctx *)c)->dev : -1; return 0; }
+API CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { NEED_CONTEXT(); *f = avail[cur_dev]; *t = vram[cur_dev]; return 0; }
 
 /* A block: its size in front, so that cuMemFree can give the bytes back. */
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
+    NEED_CONTEXT();
     n_alloc++;
     read_failures();
     if ((fail_alloc && n_alloc >= fail_alloc) || n > avail[cur_dev]) return 2;
@@ -147,11 +153,12 @@ API CUresult cuMemFree_v2(CUdeviceptr p)
 }
 /* A copy advances the current device's clock by its latency and its bytes at the bus's speed. */
 static void copy_clock(size_t n) { clock_ns[cur_dev] += copy_ns[cur_dev] + (double)n / pcie_gbps[cur_dev]; }
-API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); copy_clock(n); return 0; }
-API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); copy_clock(n); return 0; }
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { NEED_CONTEXT(); memcpy((void *)(uintptr_t)d, s, n); copy_clock(n); return 0; }
+API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { NEED_CONTEXT(); memcpy(d, (const void *)(uintptr_t)s, n); copy_clock(n); return 0; }
 /* A copy on the device reads and writes its bytes at the device's speed. */
 API CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n)
 {
+    NEED_CONTEXT();
     memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n);
     clock_ns[cur_dev] += launch_ns[cur_dev] + 2.0 * (double)n / gbps[cur_dev];
     return 0;
@@ -589,6 +596,7 @@ static int ptx_table(const char *ptx, const char *name, void *out, int n)
  * the formats' tables the twins read. */
 API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals)
 {
+    NEED_CONTEXT();
     const char *ptx = image;
     struct module *m = calloc(1, sizeof *m);
     int found = 0;
@@ -637,9 +645,10 @@ static double launch_bytes(int k, void **p, unsigned gy)
  * in the background) answers "not ready" (600) to its first FAKE_CUDA_BUSY queries (default 2),
  * so that coli's switch-over when a copy has arrived is exercised. */
 struct event { double ns; int queries; };
-API CUresult cuEventCreate(void **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(struct event)); return *e ? 0 : 2; }
+API CUresult cuEventCreate(void **e, unsigned flags) { NEED_CONTEXT(); (void)flags; *e = calloc(1, sizeof(struct event)); return *e ? 0 : 2; }
 API CUresult cuEventRecord(void *e, void *stream)
 {
+    NEED_CONTEXT();
     struct event *ev = e;
     ev->ns = clock_ns[cur_dev];
     ev->queries = stream ? env_int("FAKE_CUDA_BUSY", 2) : 0;
@@ -654,9 +663,9 @@ API CUresult cuEventQuery(void *e)
     if (fail_query && ++n_query >= fail_query) return 700;
     return ev->queries-- > 0 ? 600 : 0;
 }
-API CUresult cuStreamCreate(void **st, unsigned flags) { static int stream; (void)flags; *st = &stream; return 0; }
+API CUresult cuStreamCreate(void **st, unsigned flags) { NEED_CONTEXT(); static int stream; (void)flags; *st = &stream; return 0; }
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
-API CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
+API CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { NEED_CONTEXT(); (void)flags; *p = malloc(n); return *p ? 0 : 2; }
 API CUresult cuMemFreeHost(void *p) { free(p); return 0; }
 API CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
 API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
@@ -677,6 +686,7 @@ API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
                             unsigned shared, void *stream, void **p, void **extra)
 {
     (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    NEED_CONTEXT();
     n_launch++;
     read_failures();
     if (fail_launch && n_launch >= fail_launch) return 719;

@@ -5,7 +5,8 @@
 # Dockerfile's two images as roots (no glibc loader; the loader and the driver). Each case must
 # print its one-line reason (none where there is no driver at all, unless -v) and keep the
 # CPU's tokens and logits. Then placement: --place splits a component's layers over
-# devices, and coli plan decides as coli run does (the same [place] lines) without loading weights.
+# devices, and coli plan decides as coli run does (the same [place] lines) without loading weights;
+# coli serve's requests on the device.
 # usage: tests/test_cuda.sh ./coli GOLDEN_DIR BUILD_DIR   (BUILD_DIR holds fake/ and stub/)
 set -u
 COLI=$(realpath "${1:-./coli}")
@@ -240,6 +241,29 @@ has "plan --json: the [place] lines on stderr" '^\[place\] lmhead: ' "$tmp/plan-
 COLI_CUDA=0 "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>&1
 has "plan with COLI_CUDA=0: the reason instead of a device" '^cuda: none: off \(COLI_CUDA=0\)$' "$tmp/plan"
 has "plan with COLI_CUDA=0: the whole trunk on the CPU" '^cpu: trunk \(dense, read every token\): 0\.3 MiB$' "$tmp/plan"
+
+# coli serve on the fake device. The fake's current context is a thread's, as the driver's, so a
+# driver call from a thread that did not make it current fails there (error 201) as on a card:
+# the server's requests must run on the device, with no fallback line, and give the CPU's text.
+serve_text() { # serve_text LOG ENV...: one greedy completion from a server started with ENV
+    local log=$1 port="" i; shift
+    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 2>"$log" &
+    local pid=$!
+    for i in $(seq 100); do
+        grep -q '^\[serve\] ready' "$log" && port=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$') && break
+        sleep 0.1
+    done
+    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
+        -d '{"prompt":"The capital of France is","max_tokens":8,"temperature":0,"ignore_eos":true}' | grep -o '"text":"[^"]*"'
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+serve_text "$tmp/serve-cpu" COLI_CUDA=0 >"$tmp/serve-cpu.txt"
+serve_text "$tmp/serve-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/serve-gpu.txt"
+if [ -s "$tmp/serve-cpu.txt" ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/serve-gpu" &&
+    ! grep -q 'running on the CPU from here' "$tmp/serve-gpu"; then
+    ok "serve on the fake device (a context per thread): requests run there, the CPU's text ($(cat "$tmp/serve-gpu.txt"))"
+else bad "serve on the fake device" "cpu $(head -c 100 "$tmp/serve-cpu.txt"), gpu $(head -c 100 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
 
 # The two images of the Dockerfile, as root file systems built here and entered with chroot.
 # cpu (FROM scratch): only the binary and the model: no glibc loader, nothing said about CUDA
