@@ -248,10 +248,13 @@ run_agents() {
 passed=0
 failed=0
 # Runs one test program (job N of the test pool, labelled LABEL) with its output, exit status and
-# seconds left in build/results/N.*, for test_report.
+# seconds left in build/results/N.*, for test_report. A program still running after
+# TEST_TIMEOUT seconds (default 600) is stopped, so that a hang fails the run instead of holding it.
 test_job() {
     local n=$1 label=$2 start=$SECONDS rc=0; shift 2
-    "$@" >"build/results/$n.out" 2>&1 || rc=$?
+    if [ "$(type -t "$1")" = function ]; then "$@" >"build/results/$n.out" 2>&1 || rc=$?
+    else timeout -k 10 "${TEST_TIMEOUT:-600}" "$@" >"build/results/$n.out" 2>&1 || rc=$?; fi
+    [ "$rc" != 124 ] || echo "FAIL - $label: still running after ${TEST_TIMEOUT:-600} s, stopped" >>"build/results/$n.out"
     echo "$label" >"build/results/$n.label"
     echo "$rc" >"build/results/$n.rc"
     echo "$((SECONDS - start))" >"build/results/$n.s"
