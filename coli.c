@@ -6195,14 +6195,16 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). Per batch of products over one input
  *   (§4 ops_matmat_jobs): one upload, a launch per product, one download: 2 + n wrapped calls;
- *   per layer's routed experts: one upload, 3 launches, one download. A decoded token of the
- *   35B-A3B with everything resident: 30 DeltaNet layers x (6 projections + 3 out), 10
- *   attention x (5 q/k/v + 3 o), 40 x (6 router and shared gate/up + 3 shared down + 5
- *   experts), 3 lm_head = 913 calls, 330 of them waits for a download (measured: 231 per token
- *   on a 10-layer slice with the fake driver). One wrapped call costs 0.25 µs on this VM
- *   (WRFSBASE; mostly the two sigprocmask calls): 0.23 ms per token. Fewer waits need the
- *   per-token work between products (norms, DeltaNet recurrence, attention) on the device too,
- *   and then a CUDA graph per token. */
+ *   per layer's routed experts, and the shared expert where its shape lets it join them: one
+ *   upload, 3 launches, one download. A decoded token of the 35B-A3B with everything resident:
+ *   30 DeltaNet layers x (6 projections + 3 out), 10 attention x (5 q/k/v + 3 o), 40 x (4
+ *   router and shared gate logit + 5 experts), 3 lm_head = 713 calls, 161 of them downloads
+ *   that wait for the device (measured with the fake driver on a 4-layer slice: 74 calls a
+ *   token; 94 before the shared expert joined the batch, 913 and 201 for the whole model). One
+ *   wrapped call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two
+ *   sigprocmask calls): 0.18 ms per token. Fewer waits need the per-token work between
+ *   products (norms, DeltaNet recurrence, attention) on the device too, and then a CUDA graph
+ *   per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -9638,11 +9640,13 @@ struct model_scratch {
     float *ex_g, *ex_u;      /* [B * n_expert_used][max(expert_ff, shexp_ff, ff)] */
     float *ex_y;             /* [B * n_expert_used][dim] the gathered tokens' expert outputs */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
-    /* routed experts on devices (§5): the jobs of a layer, grouped by device */
+    /* routed experts on devices (§5), and the shared expert where it joins them: the jobs of a
+     * layer, grouped by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
-    struct cuda_moe_job *dev_jobs; /* [B * n_expert_used] */
-    int *dev_slot;           /* [B * n_expert_used] the assignment (ex_out row) of each job */
-    float *dev_out;          /* [B * n_expert_used][dim] the jobs' outputs as downloaded */
+    struct cuda_moe_job *dev_jobs; /* [B * (n_expert_used + 1)] */
+    int *dev_slot;           /* [B * (n_expert_used + 1)] each job's assignment (ex_out row), or -1 - t:
+                              * token t's shared expert (sh_out row) */
+    float *dev_out;          /* [B * (n_expert_used + 1)][dim] the jobs' outputs as downloaded */
     int dev_first[CUDA_MAX_DEVICES], dev_count[CUDA_MAX_DEVICES], dev_failed[CUDA_MAX_DEVICES];
     float *sh_h;             /* [B][shexp_ff] silu(gate x) * up x of the shared expert, apart from ex_g */
     float *sh_out;           /* [B][dim] */
@@ -10016,9 +10020,9 @@ static void model_alloc_scratch(struct model *m)
     s->ex_y = model_buf(B * (used ? used : 1), c->dim, 1);
     s->ex_out = model_buf(B * (used ? used : 1), c->dim, 1);
     s->ex_dev = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
-    s->dev_jobs = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof *s->dev_jobs);
-    s->dev_slot = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
-    s->dev_out = model_buf(B * (used ? used : 1), c->dim, 0);
+    s->dev_jobs = plat_zalloc((size_t)(B * (used + 1)), sizeof *s->dev_jobs);
+    s->dev_slot = plat_zalloc((size_t)(B * (used + 1)), sizeof(int));
+    s->dev_out = model_buf(B * (used + 1), c->dim, 0);
     s->sh_h = model_buf(B, c->shexp_ff ? c->shexp_ff : 1, 1);
     s->sh_out = model_buf(B, c->dim, 1);
     s->sh_gate = model_buf(B, 1, 1);
@@ -10644,17 +10648,36 @@ static void model_routed_experts(struct model *m, int T)
     }
 }
 
+/* The device whose expert batch also runs layer IL's shared expert: the one holding its three
+ * matrices, where they have the routed experts' shape (the batch's activations and kernels then
+ * serve it too); -1 where none does, and the shared expert runs as products. In the batch it
+ * costs no download and no launch of its own: 5 driver calls a layer fewer, one wait fewer. */
+static int model_shexp_device(const struct model *m, int il)
+{
+    const struct model_layer *l = &m->layers[il];
+    struct cuda_moe_shape sh;
+    if (!cuda.ready || !m->cfg.shexp_ff || !m->experts || !place_expert_shape(m->experts, il, &sh)) return -1;
+    const struct cuda_resident *g = cuda_resident_of(l->shexp_gate.data), *u = cuda_resident_of(l->shexp_up.data),
+                               *d = cuda_resident_of(l->shexp_down.data);
+    if (!g || !u || !d || u->dev != g->dev || d->dev != g->dev || !cuda_moe_supported(g->dev, &sh)) return -1;
+    int same = l->shexp_gate.type == sh.up_type && l->shexp_up.type == sh.up_type && l->shexp_down.type == sh.down_type &&
+               l->shexp_gate.row_bytes == sh.up_row_bytes && l->shexp_up.row_bytes == sh.up_row_bytes &&
+               l->shexp_down.row_bytes == sh.down_row_bytes && l->shexp_gate.rows == sh.ff && l->shexp_down.rows == sh.dim;
+    return same ? g->dev : -1;
+}
+
 /* Queues on each device the jobs (token, expert) of layer IL whose expert is resident there
- * (the store listed them in on_device): they run while the CPU computes the shared expert and
- * the other experts. */
-static void model_experts_device_start(struct model *m, int il, int T)
+ * (the store listed them in on_device), and on device SHD (-1: none) each token's shared
+ * expert: they run while the CPU computes the other experts. */
+static void model_experts_device_start(struct model *m, int il, int T, int shd)
 {
     const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
     struct model_scratch *s = &m->s;
     struct expert_store *x = m->experts;
     int used = c->n_expert_used, n = 0;
     memset(s->dev_count, 0, sizeof s->dev_count);
-    if (!x->n_on_device) return;
+    if (!x->n_on_device && shd < 0) return;
     for (int e = 0; e < c->n_expert; e++) s->ex_dev[e] = -1;
     for (int k = 0; k < x->n_on_device; k++) s->ex_dev[x->on_device[k]] = x->vram[il * c->n_expert + x->on_device[k]].dev;
     struct cuda_moe_shape sh;
@@ -10669,26 +10692,48 @@ static void model_experts_device_start(struct model *m, int il, int T)
                 s->dev_jobs[n] = (struct cuda_moe_job){x->vram[il * c->n_expert + s->top[a]].e, (uint32_t)(a / used), 0};
                 s->dev_slot[n++] = a;
             }
+        if (d == shd) {
+            struct cuda_expert e = {cuda_resident_of(l->shexp_gate.data)->ptr, cuda_resident_of(l->shexp_up.data)->ptr,
+                                    cuda_resident_of(l->shexp_down.data)->ptr};
+            for (int t = 0; t < T; t++) {
+                s->dev_jobs[n] = (struct cuda_moe_job){e, (uint32_t)t, 0};
+                s->dev_slot[n++] = -1 - t;
+            }
+        }
         s->dev_count[d] = n - s->dev_first[d];
         s->dev_failed[d] = s->dev_count[d] && cuda_moe_start(d, &sh, s->dev_jobs + s->dev_first[d], s->dev_count[d], acts, stride, T);
     }
 }
 
-/* Collects the device jobs of layer IL into ex_out; a device that failed (the GPU path has
- * ended, §5 said why) has its jobs computed here on the CPU from the mapping, the same bits. */
+/* Where job J's output goes: its assignment's ex_out row, or its token's sh_out row. */
+static float *model_device_job_out(struct model_scratch *s, int j, size_t dim)
+{
+    int slot = s->dev_slot[j];
+    return slot >= 0 ? s->ex_out + (size_t)slot * dim : s->sh_out + (size_t)(-1 - slot) * dim;
+}
+
+/* Collects the device jobs of layer IL into ex_out and sh_out; a device that failed (the GPU
+ * path has ended, §5 said why) has its jobs computed here on the CPU from the mapping, the same
+ * bits. */
 static void model_experts_device_finish(struct model *m, int il)
 {
     const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)c->dim;
     for (int d = 0; d < cuda.n_devices; d++) {
         int first = s->dev_first[d], n = s->dev_count[d];
         if (!n) continue;
         if (!s->dev_failed[d] && cuda_moe_finish(d, s->dev_out + first * dim) == 0) {
-            for (int j = first; j < first + n; j++) memcpy(s->ex_out + (size_t)s->dev_slot[j] * dim, s->dev_out + j * dim, dim * sizeof(float));
+            for (int j = first; j < first + n; j++) memcpy(model_device_job_out(s, j, dim), s->dev_out + j * dim, dim * sizeof(float));
             continue;
         }
         for (int j = first; j < first + n; j++) {
+            if (s->dev_slot[j] < 0) {
+                int t = -1 - s->dev_slot[j];
+                model_swiglu(m, &l->shexp_gate, &l->shexp_up, &l->shexp_down, s->xn + (size_t)t * dim, model_device_job_out(s, j, dim), 1);
+                continue;
+            }
             int a = s->dev_slot[j], e = s->top[a];
             struct ops_matrix w[3];
             expert_fill_hole(m->experts, il * c->n_expert + e);
@@ -10708,9 +10753,10 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
 
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
  * order of the chosen experts, best first. The experts resident on a device are queued there
- * first; the shared expert's down product runs while they run and while the store reads the
- * routed experts that are not in memory, unless it would wait for them on their device: then
- * after the CPU's experts. A dense SwiGLU for qwen35. */
+ * first, with the shared expert where it can join them (model_shexp_device). Otherwise the
+ * shared expert's down product runs while they run and while the store reads the routed experts
+ * that are not in memory, unless it would wait for them on their device: then after the CPU's
+ * experts. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -10721,19 +10767,21 @@ static void model_ffn(struct model *m, int il, int T)
         model_phase_mark(m, MODEL_PHASE_PRODUCTS);
         return;
     }
-    /* every product of xn at once: the router, the shared expert's gate logit, gate and up */
+    /* every product of xn at once: the router, the shared expert's gate logit, gate and up
+     * (unless the shared expert runs in a device's expert batch) */
+    int shd = model_shexp_device(m, il), shexp_apart = c->shexp_ff && shd < 0;
     const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
                                     {l->shexp_gate, s->xn, s->sh_h, T}, {l->shexp_up, s->xn, s->ex_u, T}};
-    ops_matmat_jobs(first, c->shexp_ff ? 4 : 1);
-    if (c->shexp_ff) ops_swiglu_rows(s->sh_h, s->ex_u, T, c->shexp_ff);
+    ops_matmat_jobs(first, shexp_apart ? 4 : c->shexp_ff ? 2 : 1);
+    if (shexp_apart) ops_swiglu_rows(s->sh_h, s->ex_u, T, c->shexp_ff);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_select_experts(m, T);
     model_want_experts(m, il, T);
     model_phase_mark(m, MODEL_PHASE_ROUTING);
-    model_experts_device_start(m, il, T);
+    model_experts_device_start(m, il, T, shd);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
-    int shexp_late = c->shexp_ff && model_behind_device_batch(m, &l->shexp_down);
-    if (c->shexp_ff && !shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
+    int shexp_late = shexp_apart && model_behind_device_batch(m, &l->shexp_down);
+    if (shexp_apart && !shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_routed_experts(m, T);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);

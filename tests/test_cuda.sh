@@ -242,6 +242,23 @@ COLI_CUDA=0 "$COLI" plan -m "$GOLDEN/$m" >"$tmp/plan" 2>&1
 has "plan with COLI_CUDA=0: the reason instead of a device" '^cuda: none: off \(COLI_CUDA=0\)$' "$tmp/plan"
 has "plan with COLI_CUDA=0: the whole trunk on the CPU" '^cpu: trunk \(dense, read every token\): 0\.3 MiB$' "$tmp/plan"
 
+# The shared expert inside the routed experts' batch (q35moe-q8_0: its matrices have their types
+# and shapes): the same tokens as with it on the CPU, and one FFN more on the device per layer and
+# token forwarded (the prompt's tokens, then each generated one but the last).
+all0=lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,experts=0
+for where in 0 cpu; do
+    $FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json --place "$all0,shexp=$where" \
+        2>"$tmp/shexp-$where.err" | tail -n 1 >"$tmp/shexp-$where.full"
+    sed 's/"timings".*//' "$tmp/shexp-$where.full" >"$tmp/shexp-$where.json"
+done
+ffns() { grep -o "([0-9]* experts' FFNs)" "$1" | grep -o '[0-9]*'; }
+forwarded=$(python3 -c 'import json, sys; j = json.load(open(sys.argv[1])); print(len(j["prompt_tokens"]) + len(j["tokens"]) - 1)' \
+    "$tmp/shexp-0.full" 2>/dev/null)
+if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json" && [ -n "$forwarded" ] &&
+    [ "$(( $(ffns "$tmp/shexp-0.err") - $(ffns "$tmp/shexp-cpu.err") ))" = "$((4 * forwarded))" ]; then
+    ok "the shared expert in the experts' batch: the same tokens as on the CPU, 4 layers x $forwarded tokens more FFNs there"
+else bad "the shared expert in the experts' batch" "FFNs $(ffns "$tmp/shexp-0.err") vs $(ffns "$tmp/shexp-cpu.err"), $forwarded tokens forwarded; $(grep cuda "$tmp/shexp-0.err" | tail -n 1)"; fi
+
 # coli serve on the fake device. The fake's current context is a thread's, as the driver's, so a
 # driver call from a thread that did not make it current fails there (error 201) as on a card:
 # the server's requests must run on the device, with no fallback line, and give the CPU's text.
