@@ -6212,8 +6212,8 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   upload, 3 launches, one download. A decoded token of the 35B-A3B with everything resident:
  *   30 DeltaNet layers x (6 projections + 3 out), 10 attention x (5 q/k/v + 3 o), 40 x (4
  *   router and shared gate logit + 5 experts), 3 lm_head = 713 calls, 161 of them downloads
- *   that wait for the device (measured with the fake driver on a 4-layer slice: 74 calls a
- *   token; 94 before the shared expert joined the batch, 913 and 201 for the whole model). One
+ *   that wait for the device (before the shared expert joined the batch: 913 and 201). The fake
+ *   driver on a 4-layer slice measures what this count gives: 74 calls a token (94 before). One
  *   wrapped call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two
  *   sigprocmask calls): 0.18 ms per token. Fewer waits need the per-token work between
  *   products (norms, DeltaNet recurrence, attention) on the device too, and then a CUDA graph
