@@ -6389,7 +6389,7 @@ CUDA_WRAP(event_destroy, (cuda_handle e), (e))
 CUDA_WRAP(event_query, (cuda_handle e), (e))
 CUDA_WRAP(stream_create, (cuda_handle *st), (st, 1)) /* CU_STREAM_NON_BLOCKING: no wait on the null stream's kernels */
 CUDA_WRAP(htod_async, (cuda_ptr d, const void *src, size_t n, cuda_handle st), (d, src, n, st))
-CUDA_WRAP(host_alloc, (void **p, size_t n), (p, n, 0))
+CUDA_WRAP(host_alloc, (void **p, size_t n), (p, n, 1)) /* CU_MEMHOSTALLOC_PORTABLE: pinned for every context */
 CUDA_WRAP(host_free, (void *p), (p))
 #undef CUDA_WRAP
 
@@ -6869,6 +6869,7 @@ static struct {
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
+    int stage_pinned;          /* the driver allocated it (cuda_stage) */
 } cuda;
 
 static int cuda_pci_order(const void *a, const void *b)
@@ -7049,6 +7050,16 @@ static void cuda_release_all(void)
     ops_offload = NULL;
 }
 
+/* Frees the host staging buffer (cuda_stage), pinned or not. */
+static void cuda_stage_free(void)
+{
+    if (cuda.stage_pinned) cuda_host_free(cuda.stage);
+    else free(cuda.stage);
+    cuda.stage = NULL;
+    cuda.stage_cap = 0;
+    cuda.stage_pinned = 0;
+}
+
 /* Gives the contexts back: glibc's and libcuda's destructors never run in this process
  * (notes §5.5). */
 static void cuda_stop(void)
@@ -7061,11 +7072,9 @@ static void cuda_stop(void)
     }
     free(cuda.res);
     free(cuda.experts);
-    free(cuda.stage);
+    cuda_stage_free();
     cuda.res = cuda.experts = NULL;
-    cuda.stage = NULL;
     cuda.cap_res = cuda.cap_experts = 0;
-    cuda.stage_cap = 0;
     for (int i = 0; i < cuda.n_devices; i++) {
         struct cuda_device *d = &cuda.dev[i];
         if (!d->ctx) continue;
@@ -7151,13 +7160,18 @@ static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
     return r;
 }
 
-/* Grows the host staging buffer to N bytes. */
+/* Grows the host staging buffer to N bytes: pinned (page-locked) where the driver gives it, so
+ * that a product batch's outputs and an expert batch's upload cross the bus by DMA straight
+ * from it, not through the driver's own pinned bounce buffer and a second copy; else plain
+ * memory, with the same results. */
 static uint8_t *cuda_stage(size_t n)
 {
-    if (n > cuda.stage_cap) {
-        free(cuda.stage);
-        cuda.stage = plat_alloc(cuda.stage_cap = n);
-    }
+    if (n <= cuda.stage_cap) return cuda.stage;
+    void *p = NULL;
+    cuda_stage_free();
+    cuda.stage_pinned = cuda_api.host_alloc && cuda_api.host_free && cuda_host_alloc(&p, n) == CUDA_SUCCESS;
+    cuda.stage = cuda.stage_pinned ? p : plat_alloc(n);
+    cuda.stage_cap = n;
     return cuda.stage;
 }
 

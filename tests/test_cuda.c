@@ -92,10 +92,11 @@ static void check_jobs(int real, int T)
     ops_matmat_jobs(jobs, 5);
     for (int j = 0; j < 5; j++) same &= !memcmp(cpu[j], gpu[j], (size_t)T * rows[j] * 4);
     char name[160];
-    snprintf(name, sizeof name, "a batch of 5 products over %d column%s, 4 on devices: the CPU's bits, %s driver calls", T, T > 1 ? "s" : "",
-             real ? "6" : "5 + 3 + 2 context switches");
-    check(placed && same && cuda.products - products == 4 && cuda.calls - calls == (real ? 6 : 10), name,
-          "placed %d, same %d, products %ld, calls %ld", placed, same, cuda.products - products, cuda.calls - calls);
+    snprintf(name, sizeof name, "a batch of 5 products over %d column%s, 4 on devices: the CPU's bits, %s driver calls, pinned staging", T,
+             T > 1 ? "s" : "", real ? "6" : "5 + 3 + 2 context switches");
+    check(placed && same && cuda.products - products == 4 && cuda.calls - calls == (real ? 6 : 10) && cuda.stage_pinned, name,
+          "placed %d, same %d, products %ld, calls %ld, pinned %d", placed, same, cuda.products - products, cuda.calls - calls,
+          cuda.stage_pinned);
     cuda_release_all();
     for (int j = 0; j < 5; j++) {
         free((void *)jobs[j].w.data);
