@@ -307,9 +307,9 @@ run_tests() {
     done
     run_pool "${builds[@]}" build_fake_driver build_serve_clients
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-    # Two tests at once (one a CPU), the longest first as measured on a 2-core host, so that the
-    # lanes end together: on their own they kept 1.15 cores busy. Waiting threads sleep rather than
-    # spin, which another test's threads would pay for.
+    # As many tests at once as there are CPUs (run_pool), the longest first as measured on a 2-core
+    # host, so that they end together: one at a time they kept 1.15 of its 2 cores busy. Waiting
+    # threads sleep rather than spin, which another test's threads would pay for.
     export OMP_WAIT_POLICY=passive
     # LABEL|COMMAND; then every other test of $TESTS in both builds, and the simulation.
     local g=${GOLDEN@Q}

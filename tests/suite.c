@@ -1,8 +1,8 @@
 /* suite: the six test programs that reach coli's kernels (test_quant, test_model, test_experts,
  * test_cuda, test_serve, test_sample) in one binary, so that ./build.sh test compiles coli.c once
- * per build kind instead of six times: the kernels' dispatch tables make most of coli.c reachable from
- * each, and that part is the compile (on a 2-core AMD EPYC host, ~110 s each under ASan+UBSan
- * and as shipped). Each program still builds alone (tests/gpu_check.sh builds test_cuda).
+ * per build kind instead of six times: the kernels' dispatch tables make most of coli.c
+ * reachable from each, and that part is the compile (on a 2-core AMD EPYC host, ~110 s each
+ * under ASan+UBSan and as shipped). Each program still builds alone (tests/gpu_check.sh builds test_cuda).
  *
  * usage: suite PROGRAM [ARGS...]     runs PROGRAM's main with ARGS (argv[0] = PROGRAM) */
 #define main suite_test_quant_main
