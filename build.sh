@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ./build.sh          build ./coli: one static x86-64 executable (musl, OpenMP)
 # ./build.sh test     build, then run every test (also under ASan+UBSan); ends "N passed, N failed"
-# ./build.sh fuzz N   run the GGUF reader fuzz loop for N iterations
+# ./build.sh fuzz N [SEED]  run the GGUF reader fuzz loop for N iterations (SEED: other mutations than the suite's)
 # ./build.sh fuzz-serve [N]       N (default 10000) malformed requests against a coli serve it starts
 # ./build.sh load [K] [M] [MODEL] K streaming clients x M requests against coli serve: tok/s, time to first token
 # ./build.sh agents [TURNS] [MAX_TOKENS] [MODEL]  multi-turn agent chats against coli serve, as three runs at
@@ -345,7 +345,7 @@ run_tests() {
 case "${1:-build}" in
     build) build_coli ;;
     test) run_tests ;;
-    fuzz) build_test test_gguf && "build/test_gguf" "$GOLDEN" --long "${2:-100000}" ;;
+    fuzz) build_test test_gguf && "build/test_gguf" "$GOLDEN" --long "${2:-100000}" --seed "${3:-20240601}" ;;
     fuzz-serve)
         build_coli && build_serve_clients
         start_server -m "$GOLDEN/q35moe-q8_0.gguf" -c 256 --parallel 2
@@ -359,5 +359,5 @@ case "${1:-build}" in
         build_coli && build_serve_clients
         model=${4:-$(slice_model)}
         run_agents "$model" "${2:-8}" "${3:-64}" ;;
-    *) echo "usage: ./build.sh [build|test|fuzz N|fuzz-serve [N]|load [K] [M] [MODEL]|agents [TURNS] [MAX_TOKENS] [MODEL]]" >&2; exit 2 ;;
+    *) echo "usage: ./build.sh [build|test|fuzz N [SEED]|fuzz-serve [N]|load [K] [M] [MODEL]|agents [TURNS] [MAX_TOKENS] [MODEL]]" >&2; exit 2 ;;
 esac

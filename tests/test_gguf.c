@@ -882,7 +882,7 @@ static int test_fuzz_model(struct gw_buf *out, size_t *header)
     return 0;
 }
 
-static void test_fuzz(int iterations)
+static void test_fuzz(int iterations, uint64_t seed)
 {
     struct test_file b;
     test_build(&b, 0, 3, -1);
@@ -895,7 +895,7 @@ static void test_fuzz(int iterations)
         UINT64_MAX - 31, UINT64_MAX - 7};
     const size_t n_int = sizeof interesting / sizeof interesting[0];
     struct gw_buf m = {0};
-    uint64_t s = 20240601;
+    uint64_t s = seed;
     int bad = 0, rejected = 0;
     char first[800] = "", why[512];
     char path[192];
@@ -942,8 +942,8 @@ static void test_fuzz(int iterations)
         }
     }
     char name[200];
-    snprintf(name, sizeof name, "fuzz: %d mutated files (seed 20240601; %s), %d rejected, none crashed or hung (%.1f s)",
-             iterations, have_model ? "half of them a generated model" : "generated model unavailable", rejected, plat_now() - t0);
+    snprintf(name, sizeof name, "fuzz: %d mutated files (seed %llu; %s), %d rejected, none crashed or hung (%.1f s)",
+             iterations, (unsigned long long)seed, have_model ? "half of them a generated model" : "generated model unavailable", rejected, plat_now() - t0);
     test_result(bad == 0, name, "%d wrong; first %s", bad, first);
     gw_buf_free(&m);
     gw_buf_free(&model);
@@ -954,14 +954,16 @@ int main(int argc, char **argv)
 {
     const char *golden = "../shared/golden", *corpus = "tests/corpus/gguf";
     int iterations = 2000;
+    uint64_t seed = 20240601; /* the suite's: the same files every run */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--long") && i + 1 < argc) iterations = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--quick")) iterations = 500; /* the sanitizer build: slower per file */
         else if (!strcmp(argv[i], "--corpus") && i + 1 < argc) corpus = argv[++i];
         else if (!strcmp(argv[i], "--write-corpus") && i + 1 < argc) test_corpus_out = argv[++i];
         else if (argv[i][0] != '-') golden = argv[i];
         else {
-            fprintf(stderr, "usage: test_gguf [GOLDEN_DIR] [--quick] [--corpus DIR] [--long N] [--write-corpus DIR]\n");
+            fprintf(stderr, "usage: test_gguf [GOLDEN_DIR] [--quick] [--corpus DIR] [--long N] [--seed S] [--write-corpus DIR]\n");
             return 2;
         }
     }
@@ -983,7 +985,7 @@ int main(int argc, char **argv)
     test_generator();
     test_synthetic(golden);
     test_corpus(corpus);
-    test_fuzz(iterations);
+    test_fuzz(iterations, seed);
 
     close(test_err_fd);
     if (test_failed == 0) { /* keep the scratch files of a failure for a look */
