@@ -10679,31 +10679,32 @@ static void model_routed_experts(struct model *m, int T)
     }
 }
 
-/* The device whose expert batch also runs layer IL's shared expert: the one holding its three
- * matrices, where they have the routed experts' shape (the batch's activations and kernels then
- * serve it too); -1 where none does, and the shared expert runs as products. In the batch it
- * costs no download and no launch of its own: 5 driver calls a layer fewer, one wait fewer. */
-static int model_shexp_device(const struct model *m, int il)
+/* The device whose expert batch also runs layer IL's shared expert, with its three matrices
+ * there in *E: the one holding them, where they have the routed experts' shape (the batch's
+ * activations and kernels then serve it too); -1 where none does, and the shared expert runs as
+ * products. In the batch it costs no download and no launch of its own: 5 driver calls a layer
+ * fewer, one wait fewer. */
+static int model_shexp_device(const struct model *m, int il, struct cuda_expert *e)
 {
     const struct model_layer *l = &m->layers[il];
+    const struct ops_matrix *gm = &l->shexp_gate, *um = &l->shexp_up, *dm = &l->shexp_down;
     struct cuda_moe_shape sh;
     if (!cuda.ready || !m->cfg.shexp_ff || !m->experts || !place_expert_shape(m->experts, il, &sh)) return -1;
-    const struct cuda_resident *g = cuda_resident_of(l->shexp_gate.data), *u = cuda_resident_of(l->shexp_up.data),
-                               *d = cuda_resident_of(l->shexp_down.data);
+    if (gm->type != sh.up_type || um->type != sh.up_type || dm->type != sh.down_type || gm->row_bytes != sh.up_row_bytes ||
+        um->row_bytes != sh.up_row_bytes || dm->row_bytes != sh.down_row_bytes || gm->rows != sh.ff || dm->rows != sh.dim)
+        return -1;
+    const struct cuda_resident *g = cuda_resident_of(gm->data), *u = cuda_resident_of(um->data), *d = cuda_resident_of(dm->data);
     if (!g || !u || !d || u->dev != g->dev || d->dev != g->dev || !cuda_moe_supported(g->dev, &sh)) return -1;
-    int same = l->shexp_gate.type == sh.up_type && l->shexp_up.type == sh.up_type && l->shexp_down.type == sh.down_type &&
-               l->shexp_gate.row_bytes == sh.up_row_bytes && l->shexp_up.row_bytes == sh.up_row_bytes &&
-               l->shexp_down.row_bytes == sh.down_row_bytes && l->shexp_gate.rows == sh.ff && l->shexp_down.rows == sh.dim;
-    return same ? g->dev : -1;
+    *e = (struct cuda_expert){g->ptr, u->ptr, d->ptr};
+    return g->dev;
 }
 
 /* Queues on each device the jobs (token, expert) of layer IL whose expert is resident there
  * (the store listed them in on_device), and on device SHD (-1: none) each token's shared
- * expert: they run while the CPU computes the other experts. */
-static void model_experts_device_start(struct model *m, int il, int T, int shd)
+ * expert SH: they run while the CPU computes the other experts. */
+static void model_experts_device_start(struct model *m, int il, int T, int shd, struct cuda_expert sh_e)
 {
     const struct model_config *c = &m->cfg;
-    const struct model_layer *l = &m->layers[il];
     struct model_scratch *s = &m->s;
     struct expert_store *x = m->experts;
     int used = c->n_expert_used, n = 0;
@@ -10723,14 +10724,11 @@ static void model_experts_device_start(struct model *m, int il, int T, int shd)
                 s->dev_jobs[n] = (struct cuda_moe_job){x->vram[il * c->n_expert + s->top[a]].e, (uint32_t)(a / used), 0};
                 s->dev_slot[n++] = a;
             }
-        if (d == shd) {
-            struct cuda_expert e = {cuda_resident_of(l->shexp_gate.data)->ptr, cuda_resident_of(l->shexp_up.data)->ptr,
-                                    cuda_resident_of(l->shexp_down.data)->ptr};
+        if (d == shd)
             for (int t = 0; t < T; t++) {
-                s->dev_jobs[n] = (struct cuda_moe_job){e, (uint32_t)t, 0};
+                s->dev_jobs[n] = (struct cuda_moe_job){sh_e, (uint32_t)t, 0};
                 s->dev_slot[n++] = -1 - t;
             }
-        }
         s->dev_count[d] = n - s->dev_first[d];
         s->dev_failed[d] = s->dev_count[d] && cuda_moe_start(d, &sh, s->dev_jobs + s->dev_first[d], s->dev_count[d], acts, stride, T);
     }
@@ -10800,7 +10798,8 @@ static void model_ffn(struct model *m, int il, int T)
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up
      * (unless the shared expert runs in a device's expert batch) */
-    int shd = model_shexp_device(m, il), shexp_apart = c->shexp_ff && shd < 0;
+    struct cuda_expert sh_e = {0, 0, 0};
+    int shd = model_shexp_device(m, il, &sh_e), shexp_apart = c->shexp_ff && shd < 0;
     const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
                                     {l->shexp_gate, s->xn, s->sh_h, T}, {l->shexp_up, s->xn, s->ex_u, T}};
     ops_matmat_jobs(first, shexp_apart ? 4 : c->shexp_ff ? 2 : 1);
@@ -10809,7 +10808,7 @@ static void model_ffn(struct model *m, int il, int T)
     model_select_experts(m, T);
     model_want_experts(m, il, T);
     model_phase_mark(m, MODEL_PHASE_ROUTING);
-    model_experts_device_start(m, il, T, shd);
+    model_experts_device_start(m, il, T, shd, sh_e);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
     int shexp_late = shexp_apart && model_behind_device_batch(m, &l->shexp_down);
     if (shexp_apart && !shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
