@@ -33,7 +33,7 @@ t0=$(date +%s)
 
 if [ "$prebuilt" = 1 ]; then
     [ -x ./coli ] && [ -x build/test_cuda ] && ok "prebuilt ./coli and build/test_cuda" ||
-        { bad "prebuilt" "./coli or build/test_cuda missing"; echo "$pass passed, $fail failed"; exit 1; }
+        { bad "prebuilt" "./coli or build/test_cuda missing: build them where musl-tools are (./build.sh; tests/gpu_check.sh --build-only) and copy them here"; echo "$pass passed, $fail failed"; exit 1; }
 else
     timeout 240 ./build.sh >"$log/build" 2>&1 && ok "build" || { bad "build" "$(tail -n 5 "$log/build")"; echo "$pass passed, $fail failed"; exit 1; }
 fi
