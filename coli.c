@@ -6213,15 +6213,16 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). Per batch of products over one input
  *   (§4 ops_matmat_jobs): one upload, a launch per product, one download: 2 + n wrapped calls;
  *   per layer's routed experts, and the shared expert where its shape lets it join them: one
- *   upload, 3 launches, one download. A decoded token of the 35B-A3B with everything resident:
- *   30 DeltaNet layers x (6 projections + 3 out), 10 attention x (5 q/k/v + 3 o), 40 x (4
- *   router and shared gate logit + 5 experts), 3 lm_head = 713 calls, 161 of them downloads
- *   that wait for the device (before the shared expert joined the batch: 913 and 201). The fake
- *   driver on a 4-layer slice measures what this count gives: 74 calls a token (94 before). One
- *   wrapped call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two
- *   sigprocmask calls): 0.18 ms per token. Fewer waits need the per-token work between
- *   products (norms, DeltaNet recurrence, attention) on the device too, and then a CUDA graph
- *   per token. */
+ *   upload, 3 launches, one download; a layer whose whole mixture is on one device (router,
+ *   routing, experts, their sum: cuda_moe_layer_start): one upload, 8 launches, one download.
+ *   A decoded token of the 35B-A3B with everything resident: 30 DeltaNet layers x (6
+ *   projections + 3 out), 10 attention x (5 q/k/v + 3 o), 40 x 9 mixture, 3 lm_head = 713
+ *   calls, 121 of them downloads that wait for the device (before the routing ran there: 161;
+ *   before the shared expert joined the batch: 913 calls, 201 waits). The fake driver on a
+ *   4-layer slice measures what this count gives: 74 calls and 13 waits a token. One wrapped
+ *   call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask
+ *   calls): 0.18 ms per token. Fewer waits need the rest of a layer (norms, DeltaNet
+ *   recurrence, attention) on the device too, and then a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -6845,12 +6846,13 @@ struct cuda_device {
     cuda_handle matvec[GGUF_TYPE_COUNT]; /* the kernel matvec_<type>, NULL where none */
     cuda_handle moe_gate_up[GGUF_TYPE_COUNT], moe_down[GGUF_TYPE_COUNT];
     cuda_handle quantize[3];             /* by enum quant_act_kind */
+    cuda_handle moe_route, moe_combine;  /* a layer's routing and its experts' sum (cuda_moe_layer_start) */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
     cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
-    size_t moe_cap, moe_out;             /* its size; where the batch in flight left its outputs */
-    int moe_jobs, moe_dim;               /* the batch in flight: jobs, floats per output; 0 none */
+    size_t moe_cap, moe_out, moe_bytes;  /* its size; where the batch in flight left its outputs, their bytes */
+    int moe_jobs;                        /* the batch in flight: its jobs; 0 none */
     cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
@@ -6869,7 +6871,8 @@ static struct {
     struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
     int n_res, cap_res, n_experts, cap_experts;
     double call_us;            /* measured cost of one wrapped driver call */
-    long calls;                /* driver calls made by offloaded work (GEMVs, expert batches) */
+    long calls, waits;         /* driver calls made by offloaded work (GEMVs, expert batches); those
+                                * that wait for the device (the downloads) */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
@@ -6961,6 +6964,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "quantize_", "float", &d->quantize[QUANT_ACT_FLOAT]);
     cuda_kernel(d, "quantize_", "q8", &d->quantize[QUANT_ACT_Q8]);
     cuda_kernel(d, "quantize_", "q8k", &d->quantize[QUANT_ACT_Q8K]);
+    cuda_kernel(d, "moe_", "route", &d->moe_route);
+    cuda_kernel(d, "moe_", "combine", &d->moe_combine);
     d->usable = 1;
     return 0;
 }
@@ -7042,9 +7047,9 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 static void cuda_release_all(void)
 {
     if (cuda.products || cuda.batches)
-        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls", cuda.products,
-                 cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda.calls);
-    cuda.calls = cuda.products = cuda.batches = cuda.jobs = 0;
+        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls, %ld waits",
+                 cuda.products, cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda.calls, cuda.waits);
+    cuda.calls = cuda.waits = cuda.products = cuda.batches = cuda.jobs = 0;
     for (int k = 0; k < cuda.n_res; k++)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
     for (int k = 0; k < cuda.n_experts; k++)
@@ -7232,6 +7237,7 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_r
         y += b;
     }
     cuda.calls += 2 + n;
+    cuda.waits++;
     cuda.products += n;
     return 0;
 }
@@ -7545,6 +7551,34 @@ static void cuda_expert_free(int dev, const struct cuda_expert *e)
     }
 }
 
+/* The device bytes of a batch of N jobs of shape SH: the hidden rows, their quantised form
+ * (rows HQ_STRIDE bytes apart) and the outputs. */
+static size_t cuda_moe_hq_stride(const struct cuda_moe_shape *sh) { return (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63; }
+static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
+{
+    return cuda_align((size_t)n * (size_t)sh->ff * 4) + cuda_align((size_t)n * cuda_moe_hq_stride(sh)) + (size_t)n * (size_t)sh->dim * 4;
+}
+
+/* Launches on the current device the N jobs at PJ (experts of shape SH) over the activation
+ * columns at PA, STRIDE bytes apart: gate and up, the hidden rows' quantisation, down, the
+ * outputs at PW + cuda_moe_work_bytes' last part. 3 launches; returns the driver's result. */
+static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_shape *sh, cuda_ptr pj, cuda_ptr pa, size_t stride, int n,
+                                   cuda_ptr pw)
+{
+    enum quant_act_kind kind = quant_act_kind(sh->down_type);
+    cuda_ptr ph = pw, pq = ph + cuda_align((size_t)n * (size_t)sh->ff * 4), po = pq + cuda_align((size_t)n * cuda_moe_hq_stride(sh));
+    uint64_t st = stride, hs = cuda_moe_hq_stride(sh), urb = sh->up_row_bytes, drb = sh->down_row_bytes;
+    int ff = sh->ff, dim = sh->dim, mode = sh->down_type == GGUF_TYPE_F16 ? 1 : sh->down_type == GGUF_TYPE_BF16 ? 2 : 0;
+    void *gate_up[] = {&pj, &pa, &st, &ph, &urb, &ff, &dim};
+    void *quantize[] = {&ph, &pq, &hs, &ff, &mode};
+    void *down[] = {&pj, &pq, &hs, &po, &drb, &dim, &ff};
+    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS; /* elements a block quantises */
+    cuda_result r = cuda_launch(d->moe_gate_up[sh->up_type], (unsigned)(ff + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, gate_up);
+    if (!r) r = cuda_launch(d->quantize[kind], (unsigned)(ff + per_block - 1) / per_block, (unsigned)n, 32 * CUDA_WARPS, quantize);
+    if (!r) r = cuda_launch(d->moe_down[sh->down_type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, down);
+    return r;
+}
+
 /* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation
  * columns ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail
  * or once the GPU path has ended (the caller computes the jobs on the CPU). */
@@ -7552,54 +7586,123 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
                           const uint8_t *acts, size_t stride, int n_cols)
 {
     struct cuda_device *d = &cuda.dev[dev];
-    enum quant_act_kind kind = quant_act_kind(sh->down_type);
     if (!cuda.ready) return -1; /* another device failed this layer: no more driver calls */
-    size_t hq_stride = (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63;
     size_t jobs_b = cuda_align((size_t)n * sizeof *jobs), acts_b = cuda_align(stride * (size_t)n_cols);
-    size_t h_b = cuda_align((size_t)n * (size_t)sh->ff * 4), hq_b = cuda_align((size_t)n * hq_stride);
     uint8_t *stage = cuda_stage(jobs_b + acts_b);
     memcpy(stage, jobs, (size_t)n * sizeof *jobs);
     memcpy(stage + jobs_b, acts, stride * (size_t)n_cols);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, jobs_b + acts_b + h_b + hq_b + (size_t)n * sh->dim * 4)) ||
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, jobs_b + acts_b + cuda_moe_work_bytes(sh, n))) ||
         (r = cuda_htod(d->moe, stage, jobs_b + acts_b))) {
         cuda_fail("expert batch upload", r);
         return -1;
     }
-    cuda_ptr pj = d->moe, pa = pj + jobs_b, ph = pa + acts_b, pq = ph + h_b, po = pq + hq_b;
-    uint64_t st = stride, hs = hq_stride, urb = sh->up_row_bytes, drb = sh->down_row_bytes;
-    int ff = sh->ff, dim = sh->dim, mode = sh->down_type == GGUF_TYPE_F16 ? 1 : sh->down_type == GGUF_TYPE_BF16 ? 2 : 0;
-    void *gate_up[] = {&pj, &pa, &st, &ph, &urb, &ff, &dim};
-    void *quantize[] = {&ph, &pq, &hs, &ff, &mode};
-    void *down[] = {&pj, &pq, &hs, &po, &drb, &dim, &ff};
-    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS; /* elements a block quantises */
-    if ((r = cuda_launch(d->moe_gate_up[sh->up_type], (unsigned)(ff + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, gate_up)) ||
-        (r = cuda_launch(d->quantize[kind], (unsigned)(ff + per_block - 1) / per_block, (unsigned)n, 32 * CUDA_WARPS, quantize)) ||
-        (r = cuda_launch(d->moe_down[sh->down_type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, down))) {
+    if ((r = cuda_moe_launch(d, sh, d->moe, d->moe + jobs_b, stride, n, d->moe + jobs_b + acts_b))) {
         cuda_fail("experts on the device", r);
         return -1;
     }
     d->moe_jobs = n;
-    d->moe_dim = dim;
-    d->moe_out = (size_t)(po - d->moe);
+    d->moe_bytes = (size_t)n * (size_t)sh->dim * 4;
+    d->moe_out = jobs_b + acts_b + cuda_moe_work_bytes(sh, n) - d->moe_bytes;
     cuda.calls += 4;
     return 0;
 }
 
-/* Downloads the outputs of device DEV's batch in flight into OUT[jobs][dim] (waiting for its
- * kernels). Returns 0, or -1 when the GPU path has ended (the caller computes the jobs). */
-static int cuda_moe_finish(int dev, float *out)
+/* A layer's whole mixture of experts on one device: the router (and the shared expert's gate
+ * logit) over the layer's input, the routing (moe_route: model_select_experts' bits), the
+ * routed experts through TABLE (n_expert entries) and the shared expert SHEXP, and their sum
+ * (moe_combine: model_ffn's). The router and gate logit matrices are resident there, of one
+ * type (one prepared activation serves both). */
+struct cuda_moe_layer {
+    struct cuda_moe_shape sh;
+    const struct ops_matrix *router, *gate_inp; /* gate_inp NULL: no shared expert */
+    cuda_ptr router_ptr, gate_inp_ptr;
+    const struct cuda_expert *table;
+    struct cuda_expert shexp;
+    int n_expert, used;
+};
+
+/* The routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
+#define CUDA_ROUTE_MAX_EXPERTS 512
+#define CUDA_ROUTE_MAX_USED 32
+
+/* Whether device DEV can run layer L's mixture (cuda_moe_layer_start) over T tokens. */
+static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int T)
+{
+    const struct cuda_device *d = &cuda.dev[dev];
+    return d->moe_route && d->moe_combine && d->matvec[L->router->type] && cuda_moe_supported(dev, &L->sh) &&
+           L->n_expert <= CUDA_ROUTE_MAX_EXPERTS && L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert &&
+           (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
+}
+
+/* Queues layer L's mixture on device DEV for T tokens, ACT_ROUTER (prepared for the router's
+ * type, STRIDE_R bytes apart) and ACT_UP (for the experts', STRIDE_U apart) being the same T
+ * inputs. One upload (the shared expert's jobs, the table, the activations), 7 or 8 launches;
+ * cuda_moe_finish then downloads the output [T][dim] followed by the chosen ids [T][used]
+ * (int32). Returns 0, or -1 after cuda_fail. */
+static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const uint8_t *act_router, size_t stride_r, const uint8_t *act_up,
+                                size_t stride_u, int T)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    if (!cuda.ready) return -1;
+    const int used = L->used, shared = L->gate_inp != NULL, n = T * used + (shared ? T : 0), dim = L->sh.dim;
+    /* jobs (routed, then shared) | table | router act | experts' act | logits | gate logits | weights | work | ids */
+    size_t routed_b = (size_t)T * used * sizeof(struct cuda_moe_job), o_table = cuda_align((size_t)n * sizeof(struct cuda_moe_job));
+    size_t o_ar = o_table + cuda_align((size_t)L->n_expert * sizeof *L->table), o_au = o_ar + cuda_align(stride_r * (size_t)T);
+    size_t o_logits = o_au + cuda_align(stride_u * (size_t)T), o_gate = o_logits + cuda_align((size_t)T * L->n_expert * 4);
+    size_t o_w = o_gate + cuda_align((size_t)T * 4), o_work = o_w + cuda_align((size_t)T * used * 4);
+    size_t o_out = o_work + cuda_align(cuda_moe_work_bytes(&L->sh, n)), o_ids = o_out + (size_t)T * dim * 4;
+    uint8_t *stage = cuda_stage(o_logits - routed_b);
+    for (int t = 0; shared && t < T; t++) ((struct cuda_moe_job *)stage)[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
+    memcpy(stage + o_table - routed_b, L->table, (size_t)L->n_expert * sizeof *L->table);
+    memcpy(stage + o_ar - routed_b, act_router, stride_r * (size_t)T);
+    memcpy(stage + o_au - routed_b, act_up, stride_u * (size_t)T);
+    cuda_result r;
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o_ids + (size_t)T * used * 4)) ||
+        (r = cuda_htod(d->moe + routed_b, stage, o_logits - routed_b))) {
+        cuda_fail("expert batch upload", r);
+        return -1;
+    }
+    cuda_ptr base = d->moe, pj = base, ptab = base + o_table, par = base + o_ar, pl = base + o_logits, pg = base + o_gate;
+    cuda_ptr pw = base + o_w, py = base + o_work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * dim * 4, pout = base + o_out, pid = base + o_ids;
+    cuda_ptr prw = L->router_ptr, pgw = L->gate_inp_ptr;
+    uint64_t rrb = L->router->row_bytes, srt = stride_r;
+    int ne = L->n_expert, k = used, sh = shared, one = 1, cols = dim, columns = T;
+    void *router[] = {&prw, &rrb, &par, &srt, &pl, &ne, &cols, &columns};
+    void *gate[] = {&pgw, &rrb, &par, &srt, &pg, &one, &cols, &columns};
+    void *route[] = {&pl, &ne, &k, &ptab, &pj, &pw, &pid};
+    void *combine[] = {&py, &pw, &pg, &pout, &k, &cols, &sh};
+    if ((r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
+        (shared && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
+        (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)) ||
+        (r = cuda_moe_launch(d, &L->sh, pj, base + o_au, stride_u, n, base + o_work)) ||
+        (r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine))) {
+        cuda_fail("experts on the device", r);
+        return -1;
+    }
+    d->moe_jobs = n;
+    d->moe_out = o_out;
+    d->moe_bytes = (size_t)T * (size_t)(dim + used) * 4;
+    cuda.calls += 7 + shared;
+    return 0;
+}
+
+/* Downloads the outputs of device DEV's batch in flight into OUT (waiting for its kernels): a
+ * batch's [jobs][dim] floats, a layer's as cuda_moe_layer_start says. Returns 0, or -1 when the
+ * GPU path has ended (the caller computes the jobs). */
+static int cuda_moe_finish(int dev, void *out)
 {
     struct cuda_device *d = &cuda.dev[dev];
     int n = d->moe_jobs;
     cuda_result r;
     d->moe_jobs = 0;
     if (!cuda.ready) return -1;
-    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, d->moe + d->moe_out, (size_t)n * (size_t)d->moe_dim * 4))) {
+    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, d->moe + d->moe_out, d->moe_bytes))) {
         cuda_fail("experts on the device", r);
         return -1;
     }
     cuda.calls++;
+    cuda.waits++;
     cuda.batches++;
     cuda.jobs += n;
     return 0;
@@ -9674,6 +9777,7 @@ struct model_scratch {
     /* routed experts on devices (§5), and the shared expert where it joins them: the jobs of a
      * layer, grouped by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
+    struct cuda_expert *ex_table; /* [n_expert] where they are, when a device runs the whole layer */
     struct cuda_moe_job *dev_jobs; /* [B * (n_expert_used + 1)] */
     int *dev_slot;           /* [B * (n_expert_used + 1)] each job's assignment (ex_out row), or -1 - t:
                               * token t's shared expert (sh_out row) */
@@ -10051,6 +10155,7 @@ static void model_alloc_scratch(struct model *m)
     s->ex_y = model_buf(B * (used ? used : 1), c->dim, 1);
     s->ex_out = model_buf(B * (used ? used : 1), c->dim, 1);
     s->ex_dev = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
+    s->ex_table = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof *s->ex_table);
     s->dev_jobs = plat_zalloc((size_t)(B * (used + 1)), sizeof *s->dev_jobs);
     s->dev_slot = plat_zalloc((size_t)(B * (used + 1)), sizeof(int));
     s->dev_out = model_buf(B * (used + 1), c->dim, 0);
@@ -10304,7 +10409,7 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
+    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
@@ -10780,9 +10885,59 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
     return r && m->s.dev_count[r->dev] > 0 && !m->s.dev_failed[r->dev];
 }
 
+/* The device that runs layer IL's whole mixture for T tokens (cuda_moe_layer_start), with *L
+ * filled: the one that holds every routed expert of the layer, its router and its shared
+ * expert's gate logit (of the router's type), and runs its shared expert in the batch
+ * (model_shexp_device); -1 where none does. */
+static int model_moe_device(struct model *m, int il, int T, struct cuda_moe_layer *L)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    struct expert_store *x = m->experts;
+    struct cuda_expert sh_e = {0, 0, 0};
+    if (!cuda.ready || !x || !expert_layer_in_vram(x, il)) return -1;
+    const struct cuda_resident *router = cuda_resident_of(l->router.data);
+    const struct cuda_resident *gate = c->shexp_ff ? cuda_resident_of(l->shexp_gate_inp.data) : NULL;
+    const int dev = router ? router->dev : -1;
+    if (dev < 0 || (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type ||
+                                    model_shexp_device(m, il, &sh_e) != dev)))
+        return -1;
+    for (int e = 0; e < c->n_expert; e++) {
+        if (x->vram[il * c->n_expert + e].dev != dev) return -1;
+        m->s.ex_table[e] = x->vram[il * c->n_expert + e].e;
+    }
+    *L = (struct cuda_moe_layer){.router = &l->router, .gate_inp = gate ? &l->shexp_gate_inp : NULL, .router_ptr = router->ptr,
+                                 .gate_inp_ptr = gate ? gate->ptr : 0, .table = m->s.ex_table, .shexp = sh_e,
+                                 .n_expert = c->n_expert, .used = c->n_expert_used};
+    place_expert_shape(x, il, &L->sh);
+    return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
+}
+
+/* Layer IL's mixture for T tokens on device DEV (model_moe_device): its output into out, the
+ * chosen experts into top (for the store's heat and statistics, as the CPU's routing would
+ * tell it). Returns 0, or -1 where the device failed (the GPU path has ended; the caller
+ * computes the layer). */
+static int model_ffn_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    const size_t stride_r = ops_act_stride(L->router), stride_u = ops_act_stride(&m->experts->src[il][0].t.m);
+    uint8_t *act = ops_scratch(&ops_act_buf, (stride_r + stride_u) * (size_t)T); /* copied before cuda_moe_layer_start returns */
+    for (int t = 0; t < T; t++) {
+        quant_act_prepare(L->router->type, s->xn + (size_t)t * c->dim, c->dim, act + (size_t)t * stride_r);
+        quant_act_prepare(L->sh.up_type, s->xn + (size_t)t * c->dim, c->dim, act + (size_t)T * stride_r + (size_t)t * stride_u);
+    }
+    if (cuda_moe_layer_start(dev, L, act, stride_r, act + (size_t)T * stride_r, stride_u, T) || cuda_moe_finish(dev, s->dev_out)) return -1;
+    memcpy(s->out, s->dev_out, (size_t)T * c->dim * sizeof(float));
+    memcpy(s->top, s->dev_out + (size_t)T * c->dim, (size_t)T * c->n_expert_used * sizeof(int));
+    model_want_experts(m, il, T);
+    return 0;
+}
+
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
- * order of the chosen experts, best first. The experts resident on a device are queued there
- * first, with the shared expert where it can join them (model_shexp_device). Otherwise the
+ * order of the chosen experts, best first. Where one device holds all of the layer's mixture
+ * (model_moe_device), all of it runs there, the same bits. Else the experts resident on a
+ * device are queued there first, with the shared expert where it can join them (model_shexp_device). Otherwise the
  * shared expert's down product runs while they run and while the store reads the routed experts
  * that are not in memory, unless it would wait for them on their device: then after the CPU's
  * experts. A dense SwiGLU for qwen35. */
@@ -10794,6 +10949,12 @@ static void model_ffn(struct model *m, int il, int T)
     if (c->n_expert == 0) {
         model_swiglu(m, &l->ffn_gate, &l->ffn_up, &l->ffn_down, s->xn, s->out, T);
         model_phase_mark(m, MODEL_PHASE_PRODUCTS);
+        return;
+    }
+    struct cuda_moe_layer layer;
+    int whole = model_moe_device(m, il, T, &layer);
+    if (whole >= 0 && model_ffn_device(m, il, T, whole, &layer) == 0) {
+        model_phase_mark(m, MODEL_PHASE_EXPERTS);
         return;
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up

@@ -679,6 +679,113 @@ extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
     ((float *)(act + (uint64_t)blockIdx.y * stride))[i] = v;
 }
 
+// ---- a layer's routing and its experts' weighted sum: the mixture without the CPU ----
+// With every expert of a layer resident on one device, the router's logits, the routing, the
+// experts and their sum stay there, and only the layer's output (and the chosen ids, for the
+// CPU's heat) come back: one wait a layer instead of two.
+
+// A resident expert's three matrices (coli.c's struct cuda_expert), an entry of a layer's table.
+struct moe_expert { uint64_t gate, up, down; };
+
+// The routed experts a layer can have (Qwen3-Next: 512); 16 a lane.
+#define ROUTE_MAX_EXPERTS 512
+#define ROUTE_PER_LANE (ROUTE_MAX_EXPERTS / 32)
+
+// Whether (value A, id IA) is chosen over (B, IB) as coli.c's scan would: the larger value, or
+// where neither is larger (equal, or NaN: then every value is NaN) the lower id; id -1 never.
+__device__ __forceinline__ bool route_better(float a, int ia, float b, int ib) {
+    if (ia < 0 || ib < 0) return ib < 0 && ia >= 0;
+    if (a > b || b > a) return a > b;
+    return ia < ib;
+}
+
+// coli.c's model_select_experts for token t = blockIdx.x, bit for bit, one warp a token: the
+// softmax of LOGITS[t] (ops_softmax: the maximum, e^(x - max) by exp_canonical, the sum in
+// double over 16 partials, partial j taking elements j, j + 16, ... in order, the partials met
+// by the butterfly 8, 4, 2, 1, one scale), then USED times the best expert not yet taken, their
+// probabilities renormalised by their sum in double. Lane l holds elements l + 32m in
+// registers; partial j's chain alternates lanes j and j + 16. Writes job t*used + k as TABLE's
+// entry for the k-th choice reading column t, its weight and its id.
+extern "C" __global__ void moe_route(const float *__restrict__ logits, int n_expert, int used, const moe_expert *__restrict__ table,
+                                     moe_job *__restrict__ jobs, float *__restrict__ weights, int *__restrict__ ids) {
+    const int lane = threadIdx.x & 31, t = blockIdx.x;
+    const float *x = logits + (uint64_t)t * n_expert;
+    float p[ROUTE_PER_LANE];
+    float max = x[0];
+    for (int m = 0; m < ROUTE_PER_LANE; m++) {
+        const int i = lane + 32 * m;
+        p[m] = i < n_expert ? x[i] : 0.0f;
+        if (i < n_expert) max = p[m] > max ? p[m] : max;
+    }
+    for (int s = 16; s > 0; s /= 2) {
+        const float o = __shfl_xor_sync(0xffffffffu, max, s);
+        max = o > max ? o : max;
+    }
+    double part = 0.0;
+    for (int m = 0; m < ROUTE_PER_LANE; m++) {
+        const int i = lane + 32 * m;
+        if (i < n_expert) p[m] = exp_canonical(__fsub_rn(p[m], max));
+        const float upper = __shfl_down_sync(0xffffffffu, p[m], 16);
+        if (lane < 16 && i < n_expert) part = __dadd_rn(part, (double)p[m]);
+        if (lane < 16 && i + 16 < n_expert) part = __dadd_rn(part, (double)upper);
+    }
+    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
+    const float inv = __double2float_rn(__ddiv_rn(1.0, __shfl_sync(0xffffffffu, part, 0)));
+    for (int m = 0; m < ROUTE_PER_LANE; m++) p[m] = __fmul_rn(p[m], inv);
+    unsigned taken = 0; // bit m: element lane + 32m chosen
+    double sum = 0.0;
+    float w[32];
+    int id[32];
+    for (int k = 0; k < used; k++) {
+        float bv = 0.0f;
+        int bi = -1;
+        for (int m = 0; m < ROUTE_PER_LANE; m++) {
+            const int i = lane + 32 * m;
+            if (i < n_expert && !(taken >> m & 1) && route_better(p[m], i, bv, bi)) { bv = p[m]; bi = i; }
+        }
+        for (int s = 16; s > 0; s /= 2) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, s);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, s);
+            if (route_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+        w[k] = bv;
+        id[k] = bi;
+        sum = __dadd_rn(sum, (double)bv);
+    }
+    const float total = __double2float_rn(sum);
+    for (int k = lane; k < used; k += 32) {
+        const uint64_t a = (uint64_t)t * used + k;
+        const moe_expert e = table[id[k]];
+        jobs[a] = moe_job{e.gate, e.up, e.down, (uint32_t)t, 0};
+        weights[a] = __fdiv_rn(w[k], total);
+        ids[a] = id[k];
+    }
+}
+
+// sigmoid(x) = 1 / (1 + e^-x), coli.c's ops_sigmoid.
+__device__ __forceinline__ float sigmoid_canonical(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_canonical(-x)));
+}
+
+// The layer's output, coli.c's model_ffn sum: out[t][i] = sum_k weights[t][k] y[t*used + k][i]
+// in the order of the choices (a product, then an add each), plus, with SHARED, the shared
+// expert's output (job T*used + t) times sigmoid(gate_logit[t]). Grid (ceil(dim / 128), T).
+extern "C" __global__ void moe_combine(const float *__restrict__ y, const float *__restrict__ weights,
+                                       const float *__restrict__ gate_logit, float *__restrict__ out, int used, int dim,
+                                       int shared) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, T = gridDim.y;
+    if (i >= dim) return;
+    float o = 0.0f;
+    for (int k = 0; k < used; k++) {
+        const uint64_t a = (uint64_t)t * used + k;
+        const float v = __fmul_rn(y[a * dim + i], weights[a]);
+        o = k ? __fadd_rn(o, v) : v;
+    }
+    if (shared) o = __fadd_rn(o, __fmul_rn(y[((uint64_t)T * used + t) * dim + i], sigmoid_canonical(gate_logit[t])));
+    out[(uint64_t)t * dim + i] = o;
+}
+
 // One set of entry points per weight format: matvec_<t>, moe_gate_up_<t>, moe_down_<t>.
 #define KERNELS(name, K, BB) \
     extern "C" __global__ void matvec_##name(MATVEC_PARAMS) { matvec<K, BB>(w, row_bytes, act, act_stride, y, rows, cols, n); } \

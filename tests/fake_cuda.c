@@ -556,6 +556,66 @@ static void run_quantize(int kind, void **p, struct grid g)
     }
 }
 
+/* moe_route(logits, n_expert, used, table, jobs, weights, ids): token t = blockIdx.x, written
+ * as a plain loop: the softmax (the maximum, e^(x - max), the 16 partials in double, element i
+ * into partial i % 16, met pairwise 8, 4, 2, 1, one scale), then USED times the first expert of
+ * the highest probability not taken, the chosen renormalised by their sum in double. */
+struct moe_expert { uint64_t gate, up, down; };
+static void run_route(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *logits = ARG(0, const float *);
+    int n = ARG(1, int), used = ARG(2, int);
+    const struct moe_expert *table = ARG(3, const struct moe_expert *);
+    struct moe_job *jobs = ARG(4, struct moe_job *);
+    float *weights = ARG(5, float *), prob[512];
+    int *ids = ARG(6, int *);
+    for (long t = 0; t < g.warps; t++) {
+        float max = logits[t * n];
+        double part[16] = {0}, sum = 0;
+        for (int i = 0; i < n; i++) max = logits[t * n + i] > max ? logits[t * n + i] : max;
+        for (int i = 0; i < n; i++) part[i % 16] += prob[i] = exp_canonical(logits[t * n + i] - max);
+        for (int s = 8; s > 0; s /= 2)
+            for (int j = 0; j < s; j++) part[j] += part[j + s];
+        float inv = (float)(1.0 / part[0]);
+        for (int i = 0; i < n; i++) prob[i] *= inv;
+        for (int k = 0; k < used; k++) {
+            int best = -1;
+            for (int i = 0; i < n; i++) {
+                int taken = 0;
+                for (int j = 0; j < k; j++) taken |= ids[t * used + j] == i;
+                if (!taken && (best < 0 || prob[i] > prob[best])) best = i;
+            }
+            ids[t * used + k] = best;
+            sum += prob[best];
+        }
+        for (int k = 0; k < used; k++) {
+            long a = t * used + k;
+            const struct moe_expert e = table[ids[a]];
+            jobs[a] = (struct moe_job){e.gate, e.up, e.down, (uint32_t)t, 0};
+            weights[a] = prob[ids[a]] / (float)sum;
+        }
+    }
+}
+
+/* moe_combine(y, weights, gate_logit, out, used, dim, shared): token t = blockIdx.y, element i
+ * a thread: the weighted outputs in choice order, then the shared expert's (job T*used + t,
+ * T = the grid's height) times sigmoid of its gate logit. */
+static void run_combine(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *y = ARG(0, const float *), *w = ARG(1, const float *), *gate = ARG(2, const float *);
+    float *out = ARG(3, float *);
+    int used = ARG(4, int), dim = ARG(5, int), shared = ARG(6, int);
+    for (unsigned t = 0; t < g.y; t++)
+        for (long i = 0; i < dim && i < g.threads; i++) {
+            float o = 0;
+            for (int k = 0; k < used; k++) o = k ? o + y[(t * used + k) * (size_t)dim + i] * w[t * used + k] : y[(t * used + k) * (size_t)dim + i] * w[t * used + k];
+            if (shared) o += y[((size_t)g.y * used + t) * dim + i] * (1.0f / (1.0f + exp_canonical(-gate[t])));
+            out[(size_t)t * dim + i] = o;
+        }
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -567,7 +627,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     FORMAT("q2_k", Q2_K), FORMAT("q3_k", Q3_K), FORMAT("q4_k", Q4_K), FORMAT("q5_k", Q5_K), FORMAT("q6_k", Q6_K),
     FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS), FORMAT("iq3_s", IQ3_S),
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
-    {"quantize_q8k", QUANT_Q8K, run_quantize},
+    {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

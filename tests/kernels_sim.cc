@@ -64,7 +64,7 @@ asm(".text\n"
     "    popq %r15\n    popq %r14\n    popq %r13\n    popq %r12\n    popq %rbx\n    popq %rbp\n"
     "    ret\n"
     ".size sim_switch, . - sim_switch\n");
-static sim_dim blockIdx, blockDim;
+static sim_dim blockIdx, blockDim, gridDim;
 #define threadIdx (sim_current->thread)
 
 static void sim_fail(int line, const char *why)
@@ -113,6 +113,7 @@ static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline float __double2float_rn(double d) { return (float)d; }
 static inline int __popc(unsigned u) { return __builtin_popcount(u); }
 template <class T> static inline T __ldg(const T *p) { return *p; }
@@ -261,6 +262,10 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"quantize_q8", [](void **p) { quantize_q8(SIM_QUANT_ARGS); }},
     {"quantize_q8k", [](void **p) { quantize_q8k(SIM_QUANT_ARGS); }},
     {"quantize_float", [](void **p) { quantize_float(SIM_QUANT_ARGS, ARG(4, int)); }},
+    {"moe_route", [](void **p) { moe_route(ARG(0, const float *), ARG(1, int), ARG(2, int), ARG(3, const moe_expert *), ARG(4, moe_job *),
+                                           ARG(5, float *), ARG(6, int *)); }},
+    {"moe_combine", [](void **p) { moe_combine(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
+                                               ARG(4, int), ARG(5, int), ARG(6, int)); }},
 };
 
 /* Runs kernel NAME over a grid of GX x GY blocks of BX threads, with cuLaunchKernel's
@@ -274,6 +279,7 @@ extern "C" int kernels_sim_launch(const char *name, unsigned gx, unsigned gy, un
     sim_kernel = sim_entries[k].run;
     sim_params = params;
     blockDim = sim_dim{bx, 1, 1};
+    gridDim = sim_dim{gx, gy, 1};
     for (unsigned y = 0; y < gy; y++)
         for (unsigned x = 0; x < gx; x++) {
             blockIdx = sim_dim{x, y, 0};
