@@ -4791,10 +4791,10 @@ static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act
 struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf;
 
-/* Bytes of one prepared activation column, rounded up to keep every column 64-byte aligned. */
-static size_t ops_act_stride(const struct ops_matrix *w) {
-    return (quant_act_bytes(w->type, w->cols) + 63) & ~(size_t)63;
-}
+/* Bytes of one prepared activation column of COLS for weights of TYPE (or of matrix W),
+ * rounded up to keep every column 64-byte aligned. */
+static size_t ops_act_stride_of(enum gguf_type type, int64_t cols) { return (quant_act_bytes(type, cols) + 63) & ~(size_t)63; }
+static size_t ops_act_stride(const struct ops_matrix *w) { return ops_act_stride_of(w->type, w->cols); }
 
 /* Returns S, grown to at least n bytes (contents not kept). Not thread-safe. */
 static void *ops_scratch(struct ops_scratch *s, size_t n) {
@@ -6213,16 +6213,17 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). Per batch of products over one input
  *   (§4 ops_matmat_jobs): one upload, a launch per product, one download: 2 + n wrapped calls;
  *   per layer's routed experts, and the shared expert where its shape lets it join them: one
- *   upload, 3 launches, one download; a layer whose whole mixture is on one device (router,
- *   routing, experts, their sum: cuda_moe_layer_start): one upload, 8 launches, one download.
- *   A decoded token of the 35B-A3B with everything resident: 30 DeltaNet layers x (6
- *   projections + 3 out), 10 attention x (5 q/k/v + 3 o), 40 x 9 mixture, 3 lm_head = 713
- *   calls, 121 of them downloads that wait for the device (before the routing ran there: 161;
- *   before the shared expert joined the batch: 913 calls, 201 waits). The fake driver on a
- *   4-layer slice measures what this count gives: 74 calls and 13 waits a token. One wrapped
- *   call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask
- *   calls): 0.18 ms per token. Fewer waits need the rest of a layer (norms, DeltaNet
- *   recurrence, attention) on the device too, and then a CUDA graph per token. */
+ *   upload, 3 launches, one download; the rest of a layer after its mixer where one device
+ *   holds all of it (output projection, residual and norm, router, routing, experts, their sum
+ *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download. A decoded token
+ *   of the 35B-A3B with everything resident: 30 DeltaNet layers x (6 projections + 13 rest),
+ *   10 attention x (5 q/k/v + 13 rest), 3 lm_head = 753 calls, 81 of them downloads that wait
+ *   for the device (as products and expert batches: 713 calls, 161 waits; before the shared
+ *   expert joined the batch: 913 and 201). The fake driver on a 4-layer slice measures what
+ *   this count gives: 78 calls and 9 waits a token. One wrapped call cost 0.25 µs on the VM
+ *   where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.19 ms per token.
+ *   Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device too, and
+ *   then a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -6846,7 +6847,7 @@ struct cuda_device {
     cuda_handle matvec[GGUF_TYPE_COUNT]; /* the kernel matvec_<type>, NULL where none */
     cuda_handle moe_gate_up[GGUF_TYPE_COUNT], moe_down[GGUF_TYPE_COUNT];
     cuda_handle quantize[3];             /* by enum quant_act_kind */
-    cuda_handle moe_route, moe_combine;  /* a layer's routing and its experts' sum (cuda_moe_layer_start) */
+    cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
@@ -6966,6 +6967,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "quantize_", "q8k", &d->quantize[QUANT_ACT_Q8K]);
     cuda_kernel(d, "moe_", "route", &d->moe_route);
     cuda_kernel(d, "moe_", "combine", &d->moe_combine);
+    cuda_kernel(d, "residual_", "norm", &d->residual_norm);
     d->usable = 1;
     return 0;
 }
@@ -7559,22 +7561,31 @@ static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
     return cuda_align((size_t)n * (size_t)sh->ff * 4) + cuda_align((size_t)n * cuda_moe_hq_stride(sh)) + (size_t)n * (size_t)sh->dim * 4;
 }
 
+/* Launches on the current device the preparation of ROWS rows of N floats at PX (N apart) for
+ * weights of TYPE into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
+static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type type, cuda_ptr px, cuda_ptr pact, size_t stride, int n, int rows)
+{
+    enum quant_act_kind kind = quant_act_kind(type);
+    uint64_t st = stride;
+    int mode = type == GGUF_TYPE_F16 ? 1 : type == GGUF_TYPE_BF16 ? 2 : 0;
+    void *params[] = {&px, &pact, &st, &n, &mode};
+    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS; /* elements a block quantises (a thread each for floats) */
+    return cuda_launch(d->quantize[kind], (unsigned)(n + (int)per_block - 1) / per_block, (unsigned)rows, 32 * CUDA_WARPS, params);
+}
+
 /* Launches on the current device the N jobs at PJ (experts of shape SH) over the activation
  * columns at PA, STRIDE bytes apart: gate and up, the hidden rows' quantisation, down, the
  * outputs at PW + cuda_moe_work_bytes' last part. 3 launches; returns the driver's result. */
 static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_shape *sh, cuda_ptr pj, cuda_ptr pa, size_t stride, int n,
                                    cuda_ptr pw)
 {
-    enum quant_act_kind kind = quant_act_kind(sh->down_type);
     cuda_ptr ph = pw, pq = ph + cuda_align((size_t)n * (size_t)sh->ff * 4), po = pq + cuda_align((size_t)n * cuda_moe_hq_stride(sh));
     uint64_t st = stride, hs = cuda_moe_hq_stride(sh), urb = sh->up_row_bytes, drb = sh->down_row_bytes;
-    int ff = sh->ff, dim = sh->dim, mode = sh->down_type == GGUF_TYPE_F16 ? 1 : sh->down_type == GGUF_TYPE_BF16 ? 2 : 0;
+    int ff = sh->ff, dim = sh->dim;
     void *gate_up[] = {&pj, &pa, &st, &ph, &urb, &ff, &dim};
-    void *quantize[] = {&ph, &pq, &hs, &ff, &mode};
     void *down[] = {&pj, &pq, &hs, &po, &drb, &dim, &ff};
-    unsigned per_block = (kind == QUANT_ACT_Q8K ? 256 : 32) * CUDA_WARPS; /* elements a block quantises */
     cuda_result r = cuda_launch(d->moe_gate_up[sh->up_type], (unsigned)(ff + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, gate_up);
-    if (!r) r = cuda_launch(d->quantize[kind], (unsigned)(ff + per_block - 1) / per_block, (unsigned)n, 32 * CUDA_WARPS, quantize);
+    if (!r) r = cuda_quantize_launch(d, sh->down_type, ph, pq, hs, ff, n);
     if (!r) r = cuda_launch(d->moe_down[sh->down_type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, (unsigned)n, 32 * CUDA_WARPS, down);
     return r;
 }
@@ -7608,15 +7619,18 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     return 0;
 }
 
-/* A layer's whole mixture of experts on one device: the router (and the shared expert's gate
- * logit) over the layer's input, the routing (moe_route: model_select_experts' bits), the
- * routed experts through TABLE (n_expert entries) and the shared expert SHEXP, and their sum
- * (moe_combine: model_ffn's). The router and gate logit matrices are resident there, of one
- * type (one prepared activation serves both). */
+/* The rest of a layer from its mixer's output on, on one device: the output projection WO,
+ * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
+ * logit over that, the routing (moe_route: model_select_experts' bits), the routed experts
+ * through TABLE (n_expert entries) and the shared expert SHEXP, and their sum added to the
+ * hidden state (moe_combine): model_forward_runs' steps, the same bits. WO, the router and the
+ * gate logit matrices are resident there. */
 struct cuda_moe_layer {
     struct cuda_moe_shape sh;
-    const struct ops_matrix *router, *gate_inp; /* gate_inp NULL: no shared expert */
-    cuda_ptr router_ptr, gate_inp_ptr;
+    const struct ops_matrix *wo, *router, *gate_inp; /* gate_inp NULL: no shared expert */
+    cuda_ptr wo_ptr, router_ptr, gate_inp_ptr;
+    const float *norm;
+    float eps;
     const struct cuda_expert *table;
     struct cuda_expert shexp;
     int n_expert, used;
@@ -7626,64 +7640,97 @@ struct cuda_moe_layer {
 #define CUDA_ROUTE_MAX_EXPERTS 512
 #define CUDA_ROUTE_MAX_USED 32
 
-/* Whether device DEV can run layer L's mixture (cuda_moe_layer_start) over T tokens. */
+/* Whether device DEV can run the rest of layer L (cuda_moe_layer_start) over T tokens. */
 static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int T)
 {
     const struct cuda_device *d = &cuda.dev[dev];
-    return d->moe_route && d->moe_combine && d->matvec[L->router->type] && cuda_moe_supported(dev, &L->sh) &&
-           L->n_expert <= CUDA_ROUTE_MAX_EXPERTS && L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert &&
-           (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
+    return d->moe_route && d->moe_combine && d->residual_norm && d->matvec[L->wo->type] && d->matvec[L->router->type] &&
+           d->quantize[quant_act_kind(L->router->type)] && d->quantize[quant_act_kind(L->sh.up_type)] && cuda_moe_supported(dev, &L->sh) &&
+           L->wo->rows == L->sh.dim && L->router->cols == L->sh.dim && L->n_expert <= CUDA_ROUTE_MAX_EXPERTS &&
+           L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert && (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
 }
 
-/* Queues layer L's mixture on device DEV for T tokens, ACT_ROUTER (prepared for the router's
- * type, STRIDE_R bytes apart) and ACT_UP (for the experts', STRIDE_U apart) being the same T
- * inputs. One upload (the shared expert's jobs, the table, the activations), 7 or 8 launches;
- * cuda_moe_finish then downloads the output [T][dim] followed by the chosen ids [T][used]
- * (int32). Returns 0, or -1 after cuda_fail. */
-static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const uint8_t *act_router, size_t stride_r, const uint8_t *act_up,
-                                size_t stride_u, int T)
+/* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the
+ * jobs (routed, then shared); what goes up (from the shared jobs to the end of the norm); what
+ * the kernels make; what comes back (the output, then the ids). */
+struct cuda_moe_layout { size_t shared, table, x, mix, norm, y, xn, ar, au, logits, gate, w, work, out, ids, end; };
+
+static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L, size_t stride_mix, int T)
+{
+    struct cuda_moe_layout o;
+    const size_t rows = (size_t)T * (size_t)L->sh.dim * 4;
+    const int n = T * L->used + (L->gate_inp ? T : 0);
+    o.shared = (size_t)T * L->used * sizeof(struct cuda_moe_job);
+    o.table = cuda_align((size_t)n * sizeof(struct cuda_moe_job));
+    o.x = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
+    o.mix = o.x + cuda_align(rows);
+    o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
+    o.y = o.norm + cuda_align((size_t)L->sh.dim * 4);
+    o.xn = o.y + cuda_align(rows);
+    o.ar = o.xn + cuda_align(rows);
+    o.au = o.ar + cuda_align(ops_act_stride(L->router) * (size_t)T);
+    o.logits = o.au + cuda_align(ops_act_stride_of(L->sh.up_type, L->sh.dim) * (size_t)T);
+    o.gate = o.logits + cuda_align((size_t)T * L->n_expert * 4);
+    o.w = o.gate + cuda_align((size_t)T * 4);
+    o.work = o.w + cuda_align((size_t)T * L->used * 4);
+    o.out = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
+    o.ids = o.out + rows;
+    o.end = o.ids + (size_t)T * L->used * 4;
+    return o;
+}
+
+/* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
+ * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
+ * apart). One upload (the shared expert's jobs, the table, X, MIX, the norm), 10 launches
+ * and 1 for the shared expert's gate logit; cuda_moe_finish then downloads the new hidden state [T][dim] followed by the chosen
+ * ids [T][used] (int32). Returns 0, or -1 after cuda_fail. */
+static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T)
 {
     struct cuda_device *d = &cuda.dev[dev];
     if (!cuda.ready) return -1;
     const int used = L->used, shared = L->gate_inp != NULL, n = T * used + (shared ? T : 0), dim = L->sh.dim;
-    /* jobs (routed, then shared) | table | router act | experts' act | logits | gate logits | weights | work | ids */
-    size_t routed_b = (size_t)T * used * sizeof(struct cuda_moe_job), o_table = cuda_align((size_t)n * sizeof(struct cuda_moe_job));
-    size_t o_ar = o_table + cuda_align((size_t)L->n_expert * sizeof *L->table), o_au = o_ar + cuda_align(stride_r * (size_t)T);
-    size_t o_logits = o_au + cuda_align(stride_u * (size_t)T), o_gate = o_logits + cuda_align((size_t)T * L->n_expert * 4);
-    size_t o_w = o_gate + cuda_align((size_t)T * 4), o_work = o_w + cuda_align((size_t)T * used * 4);
-    size_t o_out = o_work + cuda_align(cuda_moe_work_bytes(&L->sh, n)), o_ids = o_out + (size_t)T * dim * 4;
-    uint8_t *stage = cuda_stage(o_logits - routed_b);
+    const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
+    uint8_t *stage = cuda_stage(o.y - o.shared);
     for (int t = 0; shared && t < T; t++) ((struct cuda_moe_job *)stage)[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
-    memcpy(stage + o_table - routed_b, L->table, (size_t)L->n_expert * sizeof *L->table);
-    memcpy(stage + o_ar - routed_b, act_router, stride_r * (size_t)T);
-    memcpy(stage + o_au - routed_b, act_up, stride_u * (size_t)T);
+    memcpy(stage + o.table - o.shared, L->table, (size_t)L->n_expert * sizeof *L->table);
+    memcpy(stage + o.x - o.shared, x, (size_t)T * dim * 4);
+    memcpy(stage + o.mix - o.shared, mix, stride_mix * (size_t)T);
+    memcpy(stage + o.norm - o.shared, L->norm, (size_t)dim * 4);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o_ids + (size_t)T * used * 4)) ||
-        (r = cuda_htod(d->moe + routed_b, stage, o_logits - routed_b))) {
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end)) || (r = cuda_htod(d->moe + o.shared, stage, o.y - o.shared))) {
         cuda_fail("expert batch upload", r);
         return -1;
     }
-    cuda_ptr base = d->moe, pj = base, ptab = base + o_table, par = base + o_ar, pl = base + o_logits, pg = base + o_gate;
-    cuda_ptr pw = base + o_w, py = base + o_work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * dim * 4, pout = base + o_out, pid = base + o_ids;
-    cuda_ptr prw = L->router_ptr, pgw = L->gate_inp_ptr;
-    uint64_t rrb = L->router->row_bytes, srt = stride_r;
-    int ne = L->n_expert, k = used, sh = shared, one = 1, cols = dim, columns = T;
-    void *router[] = {&prw, &rrb, &par, &srt, &pl, &ne, &cols, &columns};
-    void *gate[] = {&pgw, &rrb, &par, &srt, &pg, &one, &cols, &columns};
+    const cuda_ptr b = d->moe;
+    cuda_ptr pj = b, ptab = b + o.table, px = b + o.x, pmix = b + o.mix, pnorm = b + o.norm, py = b + o.y, pxn = b + o.xn, par = b + o.ar;
+    cuda_ptr pl = b + o.logits, pg = b + o.gate, pw = b + o.w, pout = b + o.out, pid = b + o.ids;
+    cuda_ptr pexp = b + o.work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * dim * 4; /* the experts' outputs */
+    cuda_ptr pwo = L->wo_ptr, prw = L->router_ptr, pgw = L->gate_inp_ptr;
+    uint64_t orb = L->wo->row_bytes, smix = stride_mix, rrb = L->router->row_bytes, sr = ops_act_stride(L->router);
+    int ne = L->n_expert, k = used, sh = shared, one = 1, cols = dim, ocols = (int)L->wo->cols, columns = T;
+    float eps = L->eps;
+    void *out_proj[] = {&pwo, &orb, &pmix, &smix, &py, &cols, &ocols, &columns};
+    void *norm[] = {&px, &py, &pnorm, &pxn, &cols, &eps};
+    void *router[] = {&prw, &rrb, &par, &sr, &pl, &ne, &cols, &columns};
+    void *gate[] = {&pgw, &rrb, &par, &sr, &pg, &one, &cols, &columns};
     void *route[] = {&pl, &ne, &k, &ptab, &pj, &pw, &pid};
-    void *combine[] = {&py, &pw, &pg, &pout, &k, &cols, &sh};
-    if ((r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
+    void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &cols, &sh};
+    if ((r = cuda_launch(d->matvec[L->wo->type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, out_proj)) ||
+        (r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm)) ||
+        (r = cuda_quantize_launch(d, L->router->type, pxn, par, sr, dim, T)) ||
+        (r = cuda_quantize_launch(d, L->sh.up_type, pxn, b + o.au, ops_act_stride_of(L->sh.up_type, dim), dim, T)) ||
+        (r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
         (shared && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
         (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)) ||
-        (r = cuda_moe_launch(d, &L->sh, pj, base + o_au, stride_u, n, base + o_work)) ||
+        (r = cuda_moe_launch(d, &L->sh, pj, b + o.au, ops_act_stride_of(L->sh.up_type, dim), n, b + o.work)) ||
         (r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine))) {
-        cuda_fail("experts on the device", r);
+        cuda_fail("a layer on the device", r);
         return -1;
     }
     d->moe_jobs = n;
-    d->moe_out = o_out;
-    d->moe_bytes = (size_t)T * (size_t)(dim + used) * 4;
-    cuda.calls += 7 + shared;
+    d->moe_out = o.out;
+    d->moe_bytes = o.end - o.out;
+    cuda.calls += 11 + shared;
     return 0;
 }
 
@@ -10460,7 +10507,7 @@ static void model_attend_rows(const struct model *m, const struct model_layer_st
     ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv);
 }
 
-static void model_attention(struct model *m, int il, int T)
+static const float *model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
@@ -10516,8 +10563,7 @@ static void model_attention(struct model *m, int il, int T)
         }
     }
     model_phase_mark(m, MODEL_PHASE_ATTENTION);
-    ops_matmat(&l->wo, s->attn, s->out, T);
-    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
+    return s->attn;
 }
 
 /* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
@@ -10590,7 +10636,7 @@ static void model_split_ba(struct model *m, int T)
 
 /* Gated DeltaNet (§5) for the T tokens of a batch, one after another through their sequences'
  * recurrent states: xn -> out. */
-static void model_gated_deltanet(struct model *m, int il, int T)
+static const float *model_gated_deltanet(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
@@ -10632,8 +10678,7 @@ static void model_gated_deltanet(struct model *m, int il, int T)
         }
     }
     model_phase_mark(m, MODEL_PHASE_DELTANET);
-    ops_matmat(&l->wout, s->core, s->out, T);
-    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
+    return s->core;
 }
 
 /* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate],
@@ -10885,59 +10930,55 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
     return r && m->s.dev_count[r->dev] > 0 && !m->s.dev_failed[r->dev];
 }
 
-/* The device that runs layer IL's whole mixture for T tokens (cuda_moe_layer_start), with *L
- * filled: the one that holds every routed expert of the layer, its router and its shared
- * expert's gate logit (of the router's type), and runs its shared expert in the batch
- * (model_shexp_device); -1 where none does. */
-static int model_moe_device(struct model *m, int il, int T, struct cuda_moe_layer *L)
+/* The device that runs the rest of layer IL after its mixer (cuda_moe_layer_start) for T
+ * tokens, with *L filled: the one that holds the output projection WO, every routed expert of
+ * the layer, its router and its shared expert's gate logit (of the router's type), and runs
+ * its shared expert in the batch (model_shexp_device); -1 where none does. */
+static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, struct cuda_moe_layer *L)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
     struct expert_store *x = m->experts;
     struct cuda_expert sh_e = {0, 0, 0};
     if (!cuda.ready || !x || !expert_layer_in_vram(x, il)) return -1;
-    const struct cuda_resident *router = cuda_resident_of(l->router.data);
+    const struct cuda_resident *out = cuda_resident_of(wo->data), *router = cuda_resident_of(l->router.data);
     const struct cuda_resident *gate = c->shexp_ff ? cuda_resident_of(l->shexp_gate_inp.data) : NULL;
     const int dev = router ? router->dev : -1;
-    if (dev < 0 || (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type ||
-                                    model_shexp_device(m, il, &sh_e) != dev)))
+    if (dev < 0 || !out || out->dev != dev ||
+        (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type || model_shexp_device(m, il, &sh_e) != dev)))
         return -1;
     for (int e = 0; e < c->n_expert; e++) {
         if (x->vram[il * c->n_expert + e].dev != dev) return -1;
         m->s.ex_table[e] = x->vram[il * c->n_expert + e].e;
     }
-    *L = (struct cuda_moe_layer){.router = &l->router, .gate_inp = gate ? &l->shexp_gate_inp : NULL, .router_ptr = router->ptr,
-                                 .gate_inp_ptr = gate ? gate->ptr : 0, .table = m->s.ex_table, .shexp = sh_e,
-                                 .n_expert = c->n_expert, .used = c->n_expert_used};
+    *L = (struct cuda_moe_layer){.wo = wo, .router = &l->router, .gate_inp = gate ? &l->shexp_gate_inp : NULL, .wo_ptr = out->ptr,
+                                 .router_ptr = router->ptr, .gate_inp_ptr = gate ? gate->ptr : 0, .norm = l->post_norm, .eps = c->eps,
+                                 .table = m->s.ex_table, .shexp = sh_e, .n_expert = c->n_expert, .used = c->n_expert_used};
     place_expert_shape(x, il, &L->sh);
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
-/* Layer IL's mixture for T tokens on device DEV (model_moe_device): its output into out, the
- * chosen experts into top (for the store's heat and statistics, as the CPU's routing would
- * tell it). Returns 0, or -1 where the device failed (the GPU path has ended; the caller
- * computes the layer). */
-static int model_ffn_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L)
+/* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
+ * MIX: the new hidden state into x, the chosen experts into top (for the store's heat and
+ * statistics, as the CPU's routing would tell it). Returns 0, or -1 where the device failed
+ * (the GPU path has ended, x is as it was; the caller computes the layer). */
+static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    const size_t stride_r = ops_act_stride(L->router), stride_u = ops_act_stride(&m->experts->src[il][0].t.m);
-    uint8_t *act = ops_scratch(&ops_act_buf, (stride_r + stride_u) * (size_t)T); /* copied before cuda_moe_layer_start returns */
-    for (int t = 0; t < T; t++) {
-        quant_act_prepare(L->router->type, s->xn + (size_t)t * c->dim, c->dim, act + (size_t)t * stride_r);
-        quant_act_prepare(L->sh.up_type, s->xn + (size_t)t * c->dim, c->dim, act + (size_t)T * stride_r + (size_t)t * stride_u);
-    }
-    if (cuda_moe_layer_start(dev, L, act, stride_r, act + (size_t)T * stride_r, stride_u, T) || cuda_moe_finish(dev, s->dev_out)) return -1;
-    memcpy(s->out, s->dev_out, (size_t)T * c->dim * sizeof(float));
+    const size_t stride = ops_act_stride(L->wo);
+    uint8_t *act = ops_scratch(&ops_act_buf, stride * (size_t)T); /* copied before cuda_moe_layer_start returns */
+    for (int t = 0; t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
+    if (cuda_moe_layer_start(dev, L, s->x, act, stride, T) || cuda_moe_finish(dev, s->dev_out)) return -1;
+    memcpy(s->x, s->dev_out, (size_t)T * c->dim * sizeof(float));
     memcpy(s->top, s->dev_out + (size_t)T * c->dim, (size_t)T * c->n_expert_used * sizeof(int));
     model_want_experts(m, il, T);
     return 0;
 }
 
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
- * order of the chosen experts, best first. Where one device holds all of the layer's mixture
- * (model_moe_device), all of it runs there, the same bits. Else the experts resident on a
- * device are queued there first, with the shared expert where it can join them (model_shexp_device). Otherwise the
+ * order of the chosen experts, best first. The experts resident on a device are queued there
+ * first, with the shared expert where it can join them (model_shexp_device). Otherwise the
  * shared expert's down product runs while they run and while the store reads the routed experts
  * that are not in memory, unless it would wait for them on their device: then after the CPU's
  * experts. A dense SwiGLU for qwen35. */
@@ -10949,12 +10990,6 @@ static void model_ffn(struct model *m, int il, int T)
     if (c->n_expert == 0) {
         model_swiglu(m, &l->ffn_gate, &l->ffn_up, &l->ffn_down, s->xn, s->out, T);
         model_phase_mark(m, MODEL_PHASE_PRODUCTS);
-        return;
-    }
-    struct cuda_moe_layer layer;
-    int whole = model_moe_device(m, il, T, &layer);
-    if (whole >= 0 && model_ffn_device(m, il, T, whole, &layer) == 0) {
-        model_phase_mark(m, MODEL_PHASE_EXPERTS);
         return;
     }
     /* every product of xn at once: the router, the shared expert's gate logit, gate and up
@@ -11023,6 +11058,30 @@ static void model_residual_norm(struct model *m, int T, int add, const float *no
     }
 }
 
+/* The rest of layer IL for T tokens after its mixer left its rows in MIX: the output
+ * projection, the residual and the post-norm, the FFN and its residual. All of it on one
+ * device where one holds it all (model_rest_device), else step by step. Returns 0, or -1 with
+ * m->error where an expert could not be read. */
+static int model_layer_rest(struct model *m, int il, int T, const float *mix)
+{
+    const struct model_layer *l = &m->layers[il];
+    const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
+    struct cuda_moe_layer L;
+    int dev = model_rest_device(m, il, T, wo, &L);
+    if (dev >= 0 && model_rest_on_device(m, il, T, dev, &L, mix) == 0) {
+        model_phase_mark(m, MODEL_PHASE_EXPERTS);
+        return 0;
+    }
+    ops_matmat(wo, mix, m->s.out, T);
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
+    model_residual_norm(m, T, 1, l->post_norm);
+    model_phase_mark(m, MODEL_PHASE_OTHER);
+    model_ffn(m, il, T);
+    if (m->experts && expert_recover(m->experts, m->error, sizeof m->error)) return -1;
+    model_residual_norm(m, T, 1, NULL);
+    return 0;
+}
+
 /* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, at most
  * MODEL_BATCH tokens in all, each within its sequence's context and the vocabulary. Otherwise
  * says why in m->error. */
@@ -11080,13 +11139,8 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
         model_phase_mark(m, MODEL_PHASE_ROUTING);
         model_residual_norm(m, T, 0, m->layers[il].attn_norm);
         model_phase_mark(m, MODEL_PHASE_OTHER);
-        if (m->layers[il].kind == MODEL_LAYER_ATTENTION) model_attention(m, il, T);
-        else model_gated_deltanet(m, il, T);
-        model_residual_norm(m, T, 1, m->layers[il].post_norm);
-        model_phase_mark(m, MODEL_PHASE_OTHER);
-        model_ffn(m, il, T);
-        if (m->experts && expert_recover(m->experts, m->error, sizeof m->error)) return -1;
-        model_residual_norm(m, T, 1, NULL);
+        const float *mix = m->layers[il].kind == MODEL_LAYER_ATTENTION ? model_attention(m, il, T) : model_gated_deltanet(m, il, T);
+        if (model_layer_rest(m, il, T, mix)) return -1;
     }
     for (int r = 0, last = 0; r < n_runs; r++) {
         last += runs[r].n;

@@ -770,10 +770,12 @@ __device__ __forceinline__ float sigmoid_canonical(float x) {
 
 // The layer's output, coli.c's model_ffn sum: out[t][i] = sum_k weights[t][k] y[t*used + k][i]
 // in the order of the choices (a product, then an add each), plus, with SHARED, the shared
-// expert's output (job T*used + t) times sigmoid(gate_logit[t]). Grid (ceil(dim / 128), T).
+// expert's output (job T*used + t) times sigmoid(gate_logit[t]); with RESIDUAL (else NULL),
+// residual[t][i] + that, as coli.c adds a layer's output to the hidden state. Grid
+// (ceil(dim / 128), T).
 extern "C" __global__ void moe_combine(const float *__restrict__ y, const float *__restrict__ weights,
-                                       const float *__restrict__ gate_logit, float *__restrict__ out, int used, int dim,
-                                       int shared) {
+                                       const float *__restrict__ gate_logit, const float *residual, float *out, int used,
+                                       int dim, int shared) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, T = gridDim.y;
     if (i >= dim) return;
     float o = 0.0f;
@@ -783,7 +785,32 @@ extern "C" __global__ void moe_combine(const float *__restrict__ y, const float 
         o = k ? __fadd_rn(o, v) : v;
     }
     if (shared) o = __fadd_rn(o, __fmul_rn(y[((uint64_t)T * used + t) * dim + i], sigmoid_canonical(gate_logit[t])));
+    if (residual) o = __fadd_rn(residual[(uint64_t)t * dim + i], o);
     out[(uint64_t)t * dim + i] = o;
+}
+
+// Token t = blockIdx.x of coli.c's model_residual_norm, one warp a token: x[t] += y[t], then
+// xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element i into partial
+// i % 16 in order, the partials met by the butterfly 8, 4, 2, 1; the mean and the scale in
+// float). Lane l takes elements l + 32m, so partial j's chain alternates lanes j and j + 16.
+extern "C" __global__ void residual_norm(float *x, const float *__restrict__ y, const float *__restrict__ w, float *__restrict__ xn,
+                                         int dim, float eps) {
+    const int lane = threadIdx.x & 31;
+    float *xr = x + (uint64_t)blockIdx.x * dim, *nr = xn + (uint64_t)blockIdx.x * dim;
+    const float *yr = y + (uint64_t)blockIdx.x * dim;
+    double part = 0.0;
+    for (int i0 = 0; i0 < dim; i0 += 32) {
+        const int i = i0 + lane;
+        float v = 0.0f;
+        if (i < dim) xr[i] = v = __fadd_rn(xr[i], yr[i]);
+        const double sq = __dmul_rn((double)v, (double)v), upper = __shfl_down_sync(0xffffffffu, sq, 16);
+        if (lane < 16 && i < dim) part = __dadd_rn(part, sq);
+        if (lane < 16 && i + 16 < dim) part = __dadd_rn(part, upper);
+    }
+    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
+    const float mean = __double2float_rn(__ddiv_rn(__shfl_sync(0xffffffffu, part, 0), (double)dim));
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    for (int i = lane; i < dim; i += 32) nr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
 }
 
 // One set of entry points per weight format: matvec_<t>, moe_gate_up_<t>, moe_down_<t>.

@@ -598,22 +598,50 @@ static void run_route(int unused, void **p, struct grid g)
     }
 }
 
-/* moe_combine(y, weights, gate_logit, out, used, dim, shared): token t = blockIdx.y, element i
- * a thread: the weighted outputs in choice order, then the shared expert's (job T*used + t,
- * T = the grid's height) times sigmoid of its gate logit. */
+/* moe_combine(y, weights, gate_logit, residual, out, used, dim, shared): token t = blockIdx.y,
+ * element i a thread: the weighted outputs in choice order, then the shared expert's (job
+ * T*used + t, T = the grid's height) times sigmoid of its gate logit, then added to the
+ * residual row where one is given. */
 static void run_combine(int unused, void **p, struct grid g)
 {
     (void)unused;
-    const float *y = ARG(0, const float *), *w = ARG(1, const float *), *gate = ARG(2, const float *);
-    float *out = ARG(3, float *);
-    int used = ARG(4, int), dim = ARG(5, int), shared = ARG(6, int);
+    const float *y = ARG(0, const float *), *w = ARG(1, const float *), *gate = ARG(2, const float *), *res = ARG(3, const float *);
+    float *out = ARG(4, float *);
+    int used = ARG(5, int), dim = ARG(6, int), shared = ARG(7, int);
     for (unsigned t = 0; t < g.y; t++)
         for (long i = 0; i < dim && i < g.threads; i++) {
             float o = 0;
-            for (int k = 0; k < used; k++) o = k ? o + y[(t * used + k) * (size_t)dim + i] * w[t * used + k] : y[(t * used + k) * (size_t)dim + i] * w[t * used + k];
+            for (int k = 0; k < used; k++) {
+                float v = y[(t * used + k) * (size_t)dim + i] * w[t * used + k];
+                o = k ? o + v : v;
+            }
             if (shared) o += y[((size_t)g.y * used + t) * dim + i] * (1.0f / (1.0f + exp_canonical(-gate[t])));
-            out[(size_t)t * dim + i] = o;
+            out[(size_t)t * dim + i] = res ? res[(size_t)t * dim + i] + o : o;
         }
+}
+
+/* residual_norm(x, y, w, xn, dim, eps): token t = blockIdx.x: x[t] += y[t], then xn[t] = x[t]
+ * times 1 / sqrt(mean of squares + eps) times w, the squares summed in double into 16 partials
+ * (element i into partial i % 16), met pairwise 8, 4, 2, 1. */
+static void run_residual_norm(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    float *x = ARG(0, float *), *xn = ARG(3, float *);
+    const float *y = ARG(1, const float *), *w = ARG(2, const float *);
+    int dim = ARG(4, int);
+    float eps = ARG(5, float);
+    for (long t = 0; t < g.warps; t++) {
+        float *xr = x + t * dim;
+        double part[16] = {0};
+        for (int i = 0; i < dim; i++) {
+            xr[i] += y[t * dim + i];
+            part[i % 16] += (double)xr[i] * xr[i];
+        }
+        for (int s = 8; s > 0; s /= 2)
+            for (int j = 0; j < s; j++) part[j] += part[j + s];
+        float scale = 1.0f / sqrtf((float)(part[0] / dim) + eps);
+        for (int i = 0; i < dim; i++) xn[t * dim + i] = xr[i] * scale * w[i];
+    }
 }
 
 /* ---- modules ---- */
@@ -628,6 +656,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS), FORMAT("iq3_s", IQ3_S),
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
+    {"residual_norm", 0, run_residual_norm},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

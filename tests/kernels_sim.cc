@@ -110,6 +110,7 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
@@ -264,8 +265,10 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"quantize_float", [](void **p) { quantize_float(SIM_QUANT_ARGS, ARG(4, int)); }},
     {"moe_route", [](void **p) { moe_route(ARG(0, const float *), ARG(1, int), ARG(2, int), ARG(3, const moe_expert *), ARG(4, moe_job *),
                                            ARG(5, float *), ARG(6, int *)); }},
-    {"moe_combine", [](void **p) { moe_combine(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
-                                               ARG(4, int), ARG(5, int), ARG(6, int)); }},
+    {"moe_combine", [](void **p) { moe_combine(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, const float *),
+                                               ARG(4, float *), ARG(5, int), ARG(6, int), ARG(7, int)); }},
+    {"residual_norm", [](void **p) { residual_norm(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
+                                                   ARG(4, int), ARG(5, float)); }},
 };
 
 /* Runs kernel NAME over a grid of GX x GY blocks of BX threads, with cuLaunchKernel's

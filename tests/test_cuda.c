@@ -233,18 +233,21 @@ static void test_experts(int quick, int real)
     if (real) check_experts(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 16, 0, 0); /* the 35B-A3B's shapes */
 }
 
-/* A layer's whole mixture on device DEV (cuda_moe_layer_start) against the CPU's: routing by
- * model_select_experts, each expert's SwiGLU by ops_matvec, model_ffn's sum. N_EXPERT not a
- * multiple of 16 exercises the softmax partials' tail; TIES gives experts 1..3 the router row
- * of expert 0 (equal probabilities: the lower id first); NAN_ROW puts a NaN in one router row
- * (every probability NaN: the first USED ids, as the CPU's scan takes them). */
+/* The rest of a layer on device DEV (cuda_moe_layer_start) against the CPU's steps: the output
+ * projection (Q8_0, MIXC columns) by ops_matvec, the residual and ops_rmsnorm, the routing by
+ * model_select_experts, each expert's SwiGLU by ops_matvec, model_ffn's sum, the residual.
+ * N_EXPERT not a multiple of 16 exercises the softmax partials' tail; TIES gives experts 1..3
+ * the router row of expert 0 (equal probabilities: the lower id first); NAN_ROW puts a NaN in
+ * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them). */
 static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_expert, int used, int T, int shared,
                             int ties, int nan_row, int dev)
 {
+    const int mixc = 160;
     struct model mm;
     memset(&mm, 0, sizeof mm);
     mm.cfg.n_expert = n_expert;
     mm.cfg.n_expert_used = used;
+    struct ops_matrix wo = random_matrix(GGUF_TYPE_Q8_0, dim, mixc);
     struct ops_matrix router = random_matrix(GGUF_TYPE_F32, n_expert, dim), gate_inp = random_matrix(GGUF_TYPE_F32, 1, dim);
     for (int64_t i = 0; i < router.rows * dim; i++) /* logits of a few units: probabilities that neither vanish nor saturate */
         ((float *)router.data)[i] = (float)((int64_t)(rng_next() % 2001) - 1000) * 5e-5f;
@@ -253,66 +256,73 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     struct ops_matrix (*w)[3] = plat_alloc((size_t)(n_expert + 1) * sizeof *w); /* the last one: the shared expert */
     struct cuda_expert *table = plat_alloc((size_t)(n_expert + 1) * sizeof *table);
     struct cuda_moe_shape sh = {up_type, down_type, gguf_row_bytes(up_type, dim), gguf_row_bytes(down_type, ff), dim, ff};
-    int placed = cuda_make_resident(&router, dev) == 0 && cuda_make_resident(&gate_inp, dev) == 0;
+    int placed = cuda_make_resident(&wo, dev) == 0 && cuda_make_resident(&router, dev) == 0 && cuda_make_resident(&gate_inp, dev) == 0;
     for (int e = 0; e <= n_expert; e++) {
         w[e][0] = random_matrix(up_type, ff, dim);
         w[e][1] = random_matrix(up_type, ff, dim);
         w[e][2] = random_matrix(down_type, dim, ff);
         placed &= cuda_expert_upload(dev, w[e], &table[e]) == 0;
     }
-    float *x = random_x(T, dim), *logits = plat_alloc((size_t)T * n_expert * 4), *top_w = plat_alloc((size_t)T * used * 4);
-    float *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4), *y = plat_alloc((size_t)dim * 4);
-    float *cpu = plat_zalloc((size_t)T * dim, 4), *gpu = plat_alloc((size_t)T * (dim + used) * 4);
+    float *x = random_x(T, dim), *mix = random_x(T, mixc), *norm = random_x(1, dim), *xn = plat_alloc((size_t)T * dim * 4);
+    float *logits = plat_alloc((size_t)T * n_expert * 4), *top_w = plat_alloc((size_t)T * used * 4);
+    float *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4), *y = plat_alloc((size_t)dim * 4), *o = plat_alloc((size_t)dim * 4);
+    float *cpu = plat_alloc((size_t)T * dim * 4), *gpu = plat_alloc((size_t)T * (dim + used) * 4);
     int *top = plat_alloc((size_t)T * used * sizeof *top);
     mm.s.router = logits;
     mm.s.top = top;
     mm.s.top_w = top_w;
-    for (int t = 0; t < T; t++) ops_matvec(&router, x + (size_t)t * dim, logits + (size_t)t * n_expert);
+    for (int t = 0; t < T; t++) {
+        float *xt = cpu + (size_t)t * dim;
+        ops_matvec(&wo, mix + (size_t)t * mixc, y);
+        for (int i = 0; i < dim; i++) xt[i] = x[(size_t)t * dim + i] + y[i];
+        ops_rmsnorm(xn + (size_t)t * dim, xt, norm, dim, 1e-6f);
+        ops_matvec(&router, xn + (size_t)t * dim, logits + (size_t)t * n_expert);
+    }
     model_select_experts(&mm, T);
     for (int t = 0; t < T; t++) {
-        float *o = cpu + (size_t)t * dim, gl;
+        float gl;
         for (int k = 0; k <= used; k++) {
             if (k == used && !shared) break;
             const struct ops_matrix *we = w[k < used ? top[t * used + k] : n_expert];
-            ops_matvec(&we[0], x + (size_t)t * dim, g);
-            ops_matvec(&we[1], x + (size_t)t * dim, u);
+            ops_matvec(&we[0], xn + (size_t)t * dim, g);
+            ops_matvec(&we[1], xn + (size_t)t * dim, u);
             for (int i = 0; i < ff; i++) g[i] = ops_silu(g[i]) * u[i];
             ops_matvec(&we[2], g, y);
-            if (k == used) ops_matvec(&gate_inp, x + (size_t)t * dim, &gl);
+            if (k == used) ops_matvec(&gate_inp, xn + (size_t)t * dim, &gl);
             for (int i = 0; i < dim; i++) o[i] = k == used ? o[i] + y[i] * ops_sigmoid(gl) : k ? o[i] + y[i] * top_w[t * used + k] : y[i] * top_w[t * used + k];
         }
+        for (int i = 0; i < dim; i++) cpu[(size_t)t * dim + i] += o[i];
     }
-    struct cuda_moe_layer L = {sh, &router, shared ? &gate_inp : NULL, 0, 0, table, table[n_expert], n_expert, used};
+    struct cuda_moe_layer L = {.sh = sh, .wo = &wo, .router = &router, .gate_inp = shared ? &gate_inp : NULL, .norm = norm, .eps = 1e-6f,
+                               .table = table, .shexp = table[n_expert], .n_expert = n_expert, .used = used};
     if (placed) {
+        L.wo_ptr = cuda_resident_of(wo.data)->ptr;
         L.router_ptr = cuda_resident_of(router.data)->ptr;
         L.gate_inp_ptr = cuda_resident_of(gate_inp.data)->ptr;
     }
-    size_t stride_r = ops_act_stride(&router), stride_u = ops_act_stride(&w[0][0]);
-    uint8_t *act_r = plat_alloc_aligned(stride_r * (size_t)T), *act_u = plat_alloc_aligned(stride_u * (size_t)T);
-    for (int t = 0; t < T; t++) {
-        quant_act_prepare(GGUF_TYPE_F32, x + (size_t)t * dim, dim, act_r + (size_t)t * stride_r);
-        quant_act_prepare(up_type, x + (size_t)t * dim, dim, act_u + (size_t)t * stride_u);
-    }
+    size_t stride = ops_act_stride(&wo);
+    uint8_t *act = plat_alloc_aligned(stride * (size_t)T);
+    for (int t = 0; t < T; t++) quant_act_prepare(wo.type, mix + (size_t)t * mixc, mixc, act + (size_t)t * stride);
     long calls = cuda.calls;
     memset(gpu, 0xff, (size_t)T * (dim + used) * 4);
-    int ran = placed && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, act_r, stride_r, act_u, stride_u, T) == 0 &&
+    int ran = placed && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, x, act, stride, T) == 0 &&
               cuda_moe_finish(dev, gpu) == 0;
     int bad = 0, bad_id = 0;
     while (bad < T * dim && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
     while (bad_id < T * used && top[bad_id] == ((int *)gpu + (size_t)T * dim)[bad_id]) bad_id++;
     char name[220];
-    snprintf(name, sizeof name, "a layer's mixture on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s: the CPU's ids and bits in %d driver calls", dev,
-             gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T, shared ? ", shared expert" : "",
-             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", 8 + shared);
+    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s: the CPU's ids and bits in %d driver calls",
+             dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T, shared ? ", shared expert" : "",
+             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", 12 + shared);
     /* with NaN logits the outputs are NaN: the ids say what was chosen */
-    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && cuda.calls - calls == 8 + shared, name,
+    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && cuda.calls - calls == 12 + shared, name,
           "ran %d, calls %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a", ran, cuda.calls - calls, bad_id,
           top[bad_id < T * used ? bad_id : 0], ((int *)gpu + (size_t)T * dim)[bad_id < T * used ? bad_id : 0], bad,
           cpu[bad < T * dim ? bad : 0], gpu[bad < T * dim ? bad : 0]);
     cuda_release_all();
     for (int e = 0; e <= n_expert; e++)
         for (int k = 0; k < 3; k++) free((void *)w[e][k].data);
-    void *bufs[] = {(void *)router.data, (void *)gate_inp.data, w, table, x, logits, top_w, g, u, y, cpu, gpu, top, act_r, act_u};
+    void *bufs[] = {(void *)wo.data, (void *)router.data, (void *)gate_inp.data, w, table, x, mix, norm, xn, logits, top_w, g, u, y, o, cpu, gpu, top, act};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
 }
 

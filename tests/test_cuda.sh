@@ -258,22 +258,25 @@ if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json
     [ "$(( $(ffns "$tmp/shexp-0.err") - $(ffns "$tmp/shexp-cpu.err") ))" = "$((4 * forwarded))" ]; then
     ok "the shared expert in the experts' batch: the same tokens as on the CPU, 4 layers x $forwarded tokens more FFNs there"
 else bad "the shared expert in the experts' batch" "FFNs $(ffns "$tmp/shexp-0.err") vs $(ffns "$tmp/shexp-cpu.err"), $forwarded tokens forwarded; $(grep cuda "$tmp/shexp-0.err" | tail -n 1)"; fi
-# With the shared expert there too, device 0 holds all of each layer's mixture: the router's
-# products, the routing and the experts' sum run there (cuda_moe_layer_start), so each layer
-# waits for the device once a forward pass instead of twice, and the router and gate logit are
-# no products of their own. A pass: the prompt's, then one a generated token but the last.
+# With the shared expert there too, device 0 holds all of each layer after its mixer: the
+# output projection, the residual and norm, the router's products, the routing, the experts and
+# their sum run there (cuda_moe_layer_start), so each layer waits for the device twice a forward
+# pass fewer (the output projection's and the router's downloads), and the output projection,
+# router and gate logit are no products of their own. A pass: the prompt's, then one a
+# generated token but the last.
 cuda_count() { grep -o "[0-9]* $2" "$1" | tail -n 1 | grep -o '^[0-9]*'; }
 passes=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["tokens"]))' "$tmp/shexp-0.full" 2>/dev/null)
 if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json" && [ -n "$passes" ] &&
-    [ "$(( $(cuda_count "$tmp/shexp-cpu.err" waits) - $(cuda_count "$tmp/shexp-0.err" waits) ))" = "$((4 * passes))" ] &&
-    [ "$(( $(cuda_count "$tmp/shexp-cpu.err" products) - $(cuda_count "$tmp/shexp-0.err" products) ))" = "$((8 * passes))" ]; then
-    ok "each layer's whole mixture on the device: the same tokens, one wait a layer and pass fewer (4 x $passes), no router products"
-else bad "a layer's mixture on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
-# A launch that fails inside layer 0's mixture: launches 6-12 of that placement are its router
-# and gate logit products, the routing, gate/up, the hidden rows' quantisation, down and the sum.
-# The CPU computes the layer from its input again, and the run keeps the CPU's tokens.
-for k in 6 7 8 9 10 11 12; do
-    tokens "launch $k (in a layer's mixture on the device) fails: the CPU's tokens" '^\[cuda\] experts on the device: unspecified launch failure' \
+    [ "$(( $(cuda_count "$tmp/shexp-cpu.err" waits) - $(cuda_count "$tmp/shexp-0.err" waits) ))" = "$((8 * passes))" ] &&
+    [ "$(( $(cuda_count "$tmp/shexp-cpu.err" products) - $(cuda_count "$tmp/shexp-0.err" products) ))" = "$((12 * passes))" ]; then
+    ok "the rest of each layer on the device: the same tokens, two waits a layer and pass fewer (8 x $passes), no products of its own"
+else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
+# A launch that fails in the rest of layer 0: launches 5-15 of that placement are its output
+# projection, residual and norm, the two activations' quantisation, router and gate logit, the
+# routing, gate/up, the hidden rows' quantisation, down and the sum. The CPU computes the rest of
+# the layer from the mixer's rows again, and the run keeps the CPU's tokens.
+for k in 5 6 7 8 9 10 11 12 13 14 15; do
+    tokens "launch $k (in the rest of a layer on the device) fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
 
