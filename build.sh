@@ -151,7 +151,7 @@ build_kernels_sim() {
 build_fake_driver() {
     mkdir -p build/fake build/stub
     gcc -shared -fPIC -O2 -Wall -Wextra -ffp-contract=off -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/fake/libcuda.so.1 -lm
-    gcc -shared -fPIC -O2 -Wall -Wextra -DFAKE_STUB -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/stub/libcuda.so.1
+    gcc -shared -fPIC -O2 -Wall -Wextra -DFAKE_STUB -Wl,-soname,libcuda.so.1 tests/fake_cuda.c -o build/stub/libcuda.so.1 -lm
     build_kernels_sim
 }
 

@@ -6215,15 +6215,17 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   per layer's routed experts, and the shared expert where its shape lets it join them: one
  *   upload, 3 launches, one download; the rest of a layer after its mixer where one device
  *   holds all of it (output projection, residual and norm, router, routing, experts, their sum
- *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download. A decoded token
- *   of the 35B-A3B with everything resident: 30 DeltaNet layers x (6 projections + 13 rest),
- *   10 attention x (5 q/k/v + 13 rest), 3 lm_head = 753 calls, 81 of them downloads that wait
- *   for the device (as products and expert batches: 713 calls, 161 waits; before the shared
- *   expert joined the batch: 913 and 201). The fake driver on a 4-layer slice measures what
- *   this count gives: 78 calls and 9 waits a token. One wrapped call cost 0.25 µs on the VM
- *   where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.19 ms per token.
- *   Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device too, and
- *   then a CUDA graph per token. */
+ *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download, and the next
+ *   layer's norm and mixer projections in the same batch where they are there too (a launch
+ *   for the norm, one a weight type, one a projection). A decoded token of the 35B-A3B (Q4_K_M
+ *   mix) with everything resident: layer 0's projections 6, 40 rests x 13, 29 DeltaNet
+ *   layers' starts x 7 and 10 attention ones' x 6, the output head 3 = 792 calls, 42 of them
+ *   downloads that wait for the device (as products and expert batches: 713 calls, 161 waits;
+ *   before the shared expert joined the batch: 913 and 201). The fake driver on a 4-layer slice
+ *   measures what this count gives: 81 calls and 6 waits a token. One wrapped call cost 0.25
+ *   µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms
+ *   per token. Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device
+ *   too, and then a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -7619,6 +7621,8 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     return 0;
 }
 
+#define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
+
 /* The rest of a layer from its mixer's output on, on one device: the output projection WO,
  * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
  * logit over that, the routing (moe_route: model_select_experts' bits), the routed experts
@@ -7634,6 +7638,12 @@ struct cuda_moe_layer {
     const struct cuda_expert *table;
     struct cuda_expert shexp;
     int n_expert, used;
+    /* the next layer's start, where its matrices are there too (n_next > 0): its input norm
+     * NEXT_NORM over the new hidden state, then its mixer's input projections NEXT[j] */
+    const float *next_norm;
+    int n_next;
+    struct ops_matrix next[CUDA_NEXT_MAX];
+    cuda_ptr next_ptr[CUDA_NEXT_MAX];
 };
 
 /* The routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
@@ -7644,6 +7654,8 @@ struct cuda_moe_layer {
 static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int T)
 {
     const struct cuda_device *d = &cuda.dev[dev];
+    for (int j = 0; j < L->n_next; j++)
+        if (!d->matvec[L->next[j].type] || !d->quantize[quant_act_kind(L->next[j].type)] || L->next[j].cols != L->sh.dim) return 0;
     return d->moe_route && d->moe_combine && d->residual_norm && d->matvec[L->wo->type] && d->matvec[L->router->type] &&
            d->quantize[quant_act_kind(L->router->type)] && d->quantize[quant_act_kind(L->sh.up_type)] && cuda_moe_supported(dev, &L->sh) &&
            L->wo->rows == L->sh.dim && L->router->cols == L->sh.dim && L->n_expert <= CUDA_ROUTE_MAX_EXPERTS &&
@@ -7651,9 +7663,13 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
 }
 
 /* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the
- * jobs (routed, then shared); what goes up (from the shared jobs to the end of the norm); what
- * the kernels make; what comes back (the output, then the ids). */
-struct cuda_moe_layout { size_t shared, table, x, mix, norm, y, xn, ar, au, logits, gate, w, work, out, ids, end; };
+ * jobs (routed, then shared); what goes up (from the shared jobs to the end of the norms); what
+ * the kernels make (the next projections' activations: one a type); what comes back (the
+ * output, the ids, the next projections). */
+struct cuda_moe_layout {
+    size_t shared, table, x, mix, norm, next_norm, y, xn, ar, au, logits, gate, w, work, out, ids, end;
+    size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
+};
 
 static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L, size_t stride_mix, int T)
 {
@@ -7665,7 +7681,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.x = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
     o.mix = o.x + cuda_align(rows);
     o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
-    o.y = o.norm + cuda_align((size_t)L->sh.dim * 4);
+    o.next_norm = o.norm + cuda_align((size_t)L->sh.dim * 4);
+    o.y = o.next_norm + cuda_align((size_t)L->sh.dim * 4);
     o.xn = o.y + cuda_align(rows);
     o.ar = o.xn + cuda_align(rows);
     o.au = o.ar + cuda_align(ops_act_stride(L->router) * (size_t)T);
@@ -7673,17 +7690,57 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.gate = o.logits + cuda_align((size_t)T * L->n_expert * 4);
     o.w = o.gate + cuda_align((size_t)T * 4);
     o.work = o.w + cuda_align((size_t)T * L->used * 4);
-    o.out = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
+    size_t at = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
+    for (int j = 0; j < L->n_next; j++) {
+        int same = 0;
+        while (L->next[same].type != L->next[j].type) same++;
+        o.next_act[j] = same < j ? o.next_act[same] : at;
+        at += same < j ? 0 : cuda_align(ops_act_stride_of(L->next[j].type, L->sh.dim) * (size_t)T);
+    }
+    o.out = at;
     o.ids = o.out + rows;
     o.end = o.ids + (size_t)T * L->used * 4;
+    for (int j = 0; j < L->n_next; j++) {
+        o.next_out[j] = o.end;
+        o.end += (size_t)T * (size_t)L->next[j].rows * 4;
+    }
     return o;
+}
+
+/* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
+ * over the new hidden state, the activations a type, a product a projection. Counts its calls;
+ * returns the driver's result. */
+static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+{
+    const cuda_ptr b = d->moe;
+    cuda_ptr pout = b + o.out, pnorm = b + o.next_norm, pxn = b + o.xn, none = 0;
+    int dim = L->sh.dim, columns = T;
+    float eps = L->eps;
+    void *norm[] = {&pout, &none, &pnorm, &pxn, &dim, &eps};
+    cuda_result r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm);
+    cuda.calls++;
+    for (int j = 0; j < L->n_next && !r; j++) {
+        const struct ops_matrix *w = &L->next[j];
+        cuda_ptr pw = L->next_ptr[j], pa = b + o.next_act[j], py = b + o.next_out[j];
+        uint64_t rb = w->row_bytes, st = ops_act_stride_of(w->type, dim);
+        int rows = (int)w->rows;
+        void *params[] = {&pw, &rb, &pa, &st, &py, &rows, &dim, &columns};
+        int first = 1; /* the first projection of its type prepares the activations they share */
+        for (int i = 0; i < j; i++) first &= o.next_act[i] != o.next_act[j];
+        if (first) r = cuda_quantize_launch(d, w->type, pxn, pa, st, dim, T);
+        if (!r) r = cuda_launch(d->matvec[w->type], (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params);
+        cuda.calls += 1 + first;
+    }
+    return r;
 }
 
 /* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
  * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
- * apart). One upload (the shared expert's jobs, the table, X, MIX, the norm), 10 launches
- * and 1 for the shared expert's gate logit; cuda_moe_finish then downloads the new hidden state [T][dim] followed by the chosen
- * ids [T][used] (int32). Returns 0, or -1 after cuda_fail. */
+ * apart). One upload (the shared expert's jobs, the table, X, MIX, the norms), 10 launches, 1
+ * for the shared expert's gate logit, and for the next layer's start a norm, a quantisation a
+ * type and a product a projection; cuda_moe_finish then downloads the new hidden state [T][dim],
+ * the chosen ids [T][used] (int32) and each next projection's outputs [T][rows]. Returns 0, or
+ * -1 after cuda_fail. */
 static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -7696,6 +7753,7 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     memcpy(stage + o.x - o.shared, x, (size_t)T * dim * 4);
     memcpy(stage + o.mix - o.shared, mix, stride_mix * (size_t)T);
     memcpy(stage + o.norm - o.shared, L->norm, (size_t)dim * 4);
+    if (L->n_next) memcpy(stage + o.next_norm - o.shared, L->next_norm, (size_t)dim * 4);
     cuda_result r;
     if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end)) || (r = cuda_htod(d->moe + o.shared, stage, o.y - o.shared))) {
         cuda_fail("expert batch upload", r);
@@ -7724,6 +7782,10 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)) ||
         (r = cuda_moe_launch(d, &L->sh, pj, b + o.au, ops_act_stride_of(L->sh.up_type, dim), n, b + o.work)) ||
         (r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine))) {
+        cuda_fail("a layer on the device", r);
+        return -1;
+    }
+    if (L->n_next && (r = cuda_next_start(d, L, o, T))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
@@ -10479,8 +10541,6 @@ static void model_rope_table(const struct model_config *c, int pos, float *cos_s
     }
 }
 
-/* Gated attention (§4) for the T tokens of a batch, each at its position in its sequence's
- * KV cache (tok_seq, tok_pos): xn -> out. */
 static void model_phase_mark(struct model *m, enum model_phase phase)
 {
     double now = plat_now();
@@ -10507,6 +10567,32 @@ static void model_attend_rows(const struct model *m, const struct model_layer_st
     ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv);
 }
 
+/* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its
+ * gate, k, v; DeltaNet: qkv, z, and beta and alpha, fused in qwen3next); returns how many. */
+static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs)
+{
+    const struct model_layer *l = &m->layers[il];
+    struct model_scratch *s = &m->s;
+    if (l->kind == MODEL_LAYER_ATTENTION) {
+        jobs[0] = (struct ops_job){l->wq, s->xn, s->qg, T};
+        jobs[1] = (struct ops_job){l->wk, s->xn, s->k, T};
+        jobs[2] = (struct ops_job){l->wv, s->xn, s->v, T};
+        return 3;
+    }
+    jobs[0] = (struct ops_job){l->wqkv, s->xn, s->mixed, T};
+    jobs[1] = (struct ops_job){l->wz, s->xn, s->z, T};
+    if (m->cfg.arch == MODEL_ARCH_QWEN3NEXT) {
+        jobs[2] = (struct ops_job){l->wba, s->xn, s->ba, T};
+        return 3;
+    }
+    jobs[2] = (struct ops_job){l->wbeta, s->xn, s->beta, T};
+    jobs[3] = (struct ops_job){l->walpha, s->xn, s->alpha, T};
+    return 4;
+}
+
+/* Gated attention (§4) for the T tokens of a batch, each at its position in its sequence's
+ * KV cache (tok_seq, tok_pos), from its projections (qg, k, v: model_mixer_jobs); returns the
+ * rows its output projection takes (attn). */
 static const float *model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -10514,10 +10600,6 @@ static const float *model_attention(struct model *m, int il, int T)
     struct model_scratch *s = &m->s;
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
-
-    const struct ops_job qkv[] = {{l->wq, s->xn, s->qg, T}, {l->wk, s->xn, s->k, T}, {l->wv, s->xn, s->v, T}};
-    ops_matmat_jobs(qkv, 3);
-    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 
     /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache (a token a task: its
      * own rows, and its own position in its sequence's cache) */
@@ -10635,7 +10717,8 @@ static void model_split_ba(struct model *m, int T)
 }
 
 /* Gated DeltaNet (§5) for the T tokens of a batch, one after another through their sequences'
- * recurrent states: xn -> out. */
+ * recurrent states, from its projections (mixed, z, beta and alpha or ba: model_mixer_jobs);
+ * returns the rows its output projection takes (core). */
 static const float *model_gated_deltanet(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -10644,13 +10727,7 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
     int nk = c->ssm_nk, nv = c->ssm_nv, dk = c->ssm_dk, dv = c->ssm_dv, r = nv / nk;
     int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
 
-    struct ops_job proj[] = {{l->wqkv, s->xn, s->mixed, T}, {l->wz, s->xn, s->z, T}, {l->wbeta, s->xn, s->beta, T},
-                             {l->walpha, s->xn, s->alpha, T}};
-    int fused = c->arch == MODEL_ARCH_QWEN3NEXT; /* one projection for beta and alpha */
-    if (fused) proj[2] = (struct ops_job){l->wba, s->xn, s->ba, T};
-    ops_matmat_jobs(proj, fused ? 3 : 4);
-    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
-    if (fused) model_split_ba(m, T);
+    if (c->arch == MODEL_ARCH_QWEN3NEXT) model_split_ba(m, T);
 
     /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so
      * that each thread has q/k heads (normed) and v channels (not). One thread, a token at a
@@ -10933,8 +11010,10 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
 /* The device that runs the rest of layer IL after its mixer (cuda_moe_layer_start) for T
  * tokens, with *L filled: the one that holds the output projection WO, every routed expert of
  * the layer, its router and its shared expert's gate logit (of the router's type), and runs
- * its shared expert in the batch (model_shexp_device); -1 where none does. */
-static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, struct cuda_moe_layer *L)
+ * its shared expert in the batch (model_shexp_device); -1 where none does. The next layer's
+ * norm and mixer projections (NEXT[0..n_next)) go with it where they are there too. */
+static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const struct ops_job *next, int n_next,
+                             struct cuda_moe_layer *L)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
@@ -10955,14 +11034,28 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .router_ptr = router->ptr, .gate_inp_ptr = gate ? gate->ptr : 0, .norm = l->post_norm, .eps = c->eps,
                                  .table = m->s.ex_table, .shexp = sh_e, .n_expert = c->n_expert, .used = c->n_expert_used};
     place_expert_shape(x, il, &L->sh);
+    size_t floats = (size_t)T * (size_t)(c->dim + c->n_expert_used); /* what comes back must fit dev_out */
+    for (int j = 0; j < n_next; j++) {
+        const struct cuda_resident *r = cuda_resident_of(next[j].w.data);
+        if (!r || r->dev != dev) break;
+        L->next[j] = next[j].w;
+        L->next_ptr[j] = r->ptr;
+        floats += (size_t)T * (size_t)next[j].w.rows;
+        L->n_next = j + 1;
+    }
+    if (L->n_next < n_next || floats > (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1) * (size_t)c->dim) L->n_next = 0;
+    L->next_norm = L->n_next ? m->layers[il + 1].attn_norm : NULL;
+    if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
 /* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
  * MIX: the new hidden state into x, the chosen experts into top (for the store's heat and
- * statistics, as the CPU's routing would tell it). Returns 0, or -1 where the device failed
- * (the GPU path has ended, x is as it was; the caller computes the layer). */
-static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix)
+ * statistics, as the CPU's routing would tell it), the next layer's projections (L->n_next of
+ * NEXT) into their outputs. Returns 0, or -1 where the device failed (the GPU path has ended,
+ * x is as it was; the caller computes the layer). */
+static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix,
+                                const struct ops_job *next)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
@@ -10972,6 +11065,9 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     if (cuda_moe_layer_start(dev, L, s->x, act, stride, T) || cuda_moe_finish(dev, s->dev_out)) return -1;
     memcpy(s->x, s->dev_out, (size_t)T * c->dim * sizeof(float));
     memcpy(s->top, s->dev_out + (size_t)T * c->dim, (size_t)T * c->n_expert_used * sizeof(int));
+    const float *y = s->dev_out + (size_t)T * (size_t)(c->dim + c->n_expert_used);
+    for (int j = 0; j < L->n_next; y += (size_t)T * (size_t)next[j].w.rows, j++)
+        memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
     model_want_experts(m, il, T);
     return 0;
 }
@@ -11058,19 +11154,33 @@ static void model_residual_norm(struct model *m, int T, int add, const float *no
     }
 }
 
+/* Layer IL's input norm and mixer projections for T tokens, the products where their
+ * matrices are. */
+static void model_project(struct model *m, int il, int T)
+{
+    struct ops_job jobs[CUDA_NEXT_MAX];
+    model_residual_norm(m, T, 0, m->layers[il].attn_norm);
+    model_phase_mark(m, MODEL_PHASE_OTHER);
+    ops_matmat_jobs(jobs, model_mixer_jobs(m, il, T, jobs));
+    model_phase_mark(m, MODEL_PHASE_PRODUCTS);
+}
+
 /* The rest of layer IL for T tokens after its mixer left its rows in MIX: the output
  * projection, the residual and the post-norm, the FFN and its residual. All of it on one
- * device where one holds it all (model_rest_device), else step by step. Returns 0, or -1 with
- * m->error where an expert could not be read. */
+ * device where one holds it all (model_rest_device), and the next layer's model_project with
+ * it where its matrices are there too; else step by step. Returns 1 where the next layer's
+ * projections were made, 0 where not, or -1 with m->error where an expert could not be read. */
 static int model_layer_rest(struct model *m, int il, int T, const float *mix)
 {
     const struct model_layer *l = &m->layers[il];
     const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
+    struct ops_job next[CUDA_NEXT_MAX];
+    int n_next = il + 1 < m->cfg.n_layers && cuda.ready ? model_mixer_jobs(m, il + 1, T, next) : 0;
     struct cuda_moe_layer L;
-    int dev = model_rest_device(m, il, T, wo, &L);
-    if (dev >= 0 && model_rest_on_device(m, il, T, dev, &L, mix) == 0) {
+    int dev = model_rest_device(m, il, T, wo, next, n_next, &L);
+    if (dev >= 0 && model_rest_on_device(m, il, T, dev, &L, mix, next) == 0) {
         model_phase_mark(m, MODEL_PHASE_EXPERTS);
-        return 0;
+        return L.n_next > 0;
     }
     ops_matmat(wo, mix, m->s.out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
@@ -11133,14 +11243,13 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     m->profile.mark = plat_now();
     int T = model_embed_runs(m, runs, n_runs);
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
-    for (int il = 0; il < c->n_layers; il++) {
+    for (int il = 0, projected = 0; il < c->n_layers; il++) { /* projected: the last layer's rest made this one's projections */
         model_phase_mark(m, MODEL_PHASE_OTHER);
         if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
         model_phase_mark(m, MODEL_PHASE_ROUTING);
-        model_residual_norm(m, T, 0, m->layers[il].attn_norm);
-        model_phase_mark(m, MODEL_PHASE_OTHER);
+        if (!projected) model_project(m, il, T);
         const float *mix = m->layers[il].kind == MODEL_LAYER_ATTENTION ? model_attention(m, il, T) : model_gated_deltanet(m, il, T);
-        if (model_layer_rest(m, il, T, mix)) return -1;
+        if ((projected = model_layer_rest(m, il, T, mix)) < 0) return -1;
     }
     for (int r = 0, last = 0; r < n_runs; r++) {
         last += runs[r].n;

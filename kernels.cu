@@ -789,20 +789,21 @@ extern "C" __global__ void moe_combine(const float *__restrict__ y, const float 
     out[(uint64_t)t * dim + i] = o;
 }
 
-// Token t = blockIdx.x of coli.c's model_residual_norm, one warp a token: x[t] += y[t], then
-// xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element i into partial
+// Token t = blockIdx.x of coli.c's model_residual_norm, one warp a token: x[t] += y[t] (where
+// Y is not NULL), then xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element i into partial
 // i % 16 in order, the partials met by the butterfly 8, 4, 2, 1; the mean and the scale in
 // float). Lane l takes elements l + 32m, so partial j's chain alternates lanes j and j + 16.
 extern "C" __global__ void residual_norm(float *x, const float *__restrict__ y, const float *__restrict__ w, float *__restrict__ xn,
                                          int dim, float eps) {
     const int lane = threadIdx.x & 31;
     float *xr = x + (uint64_t)blockIdx.x * dim, *nr = xn + (uint64_t)blockIdx.x * dim;
-    const float *yr = y + (uint64_t)blockIdx.x * dim;
+    const float *yr = y ? y + (uint64_t)blockIdx.x * dim : NULL;
     double part = 0.0;
     for (int i0 = 0; i0 < dim; i0 += 32) {
         const int i = i0 + lane;
         float v = 0.0f;
-        if (i < dim) xr[i] = v = __fadd_rn(xr[i], yr[i]);
+        if (i < dim) v = xr[i];
+        if (i < dim && y) xr[i] = v = __fadd_rn(v, yr[i]);
         const double sq = __dmul_rn((double)v, (double)v), upper = __shfl_down_sync(0xffffffffu, sq, 16);
         if (lane < 16 && i < dim) part = __dadd_rn(part, sq);
         if (lane < 16 && i + 16 < dim) part = __dadd_rn(part, upper);

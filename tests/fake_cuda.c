@@ -620,7 +620,7 @@ static void run_combine(int unused, void **p, struct grid g)
         }
 }
 
-/* residual_norm(x, y, w, xn, dim, eps): token t = blockIdx.x: x[t] += y[t], then xn[t] = x[t]
+/* residual_norm(x, y, w, xn, dim, eps): token t = blockIdx.x: x[t] += y[t] (Y not NULL), then xn[t] = x[t]
  * times 1 / sqrt(mean of squares + eps) times w, the squares summed in double into 16 partials
  * (element i into partial i % 16), met pairwise 8, 4, 2, 1. */
 static void run_residual_norm(int unused, void **p, struct grid g)
@@ -634,7 +634,7 @@ static void run_residual_norm(int unused, void **p, struct grid g)
         float *xr = x + t * dim;
         double part[16] = {0};
         for (int i = 0; i < dim; i++) {
-            xr[i] += y[t * dim + i];
+            if (y) xr[i] += y[t * dim + i];
             part[i % 16] += (double)xr[i] * xr[i];
         }
         for (int s = 8; s > 0; s /= 2)
