@@ -6217,7 +6217,9 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   holds all of it (output projection, residual and norm, router, routing, experts, their sum
  *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download, and the next
  *   layer's norm and mixer projections in the same batch where they are there too (a launch
- *   for the norm, one a weight type, one a projection). A decoded token of the 35B-A3B (Q4_K_M
+ *   for the norm, one a weight type, one a projection). A layer whose routed experts are partly
+ *   the CPU's is split: its routing comes down after the routing kernel, the CPU's experts'
+ *   outputs go up before the sum (2 calls, one of them a wait, more). A decoded token of the 35B-A3B (Q4_K_M
  *   mix) with everything resident: layer 0's projections 6, 40 rests x 13, 29 DeltaNet
  *   layers' starts x 7 and 10 attention ones' x 6, the output head 3 = 792 calls, 42 of them
  *   downloads that wait for the device (as products and expert batches: 713 calls, 161 waits;
@@ -7635,9 +7637,9 @@ struct cuda_moe_layer {
     cuda_ptr wo_ptr, router_ptr, gate_inp_ptr;
     const float *norm;
     float eps;
-    const struct cuda_expert *table;
+    const struct cuda_expert *table; /* an entry of zeros: the CPU computes that expert */
     struct cuda_expert shexp;
-    int n_expert, used;
+    int n_expert, used, split;       /* split: the table has such entries */
     /* the next layer's start, where its matrices are there too (n_next > 0): its input norm
      * NEXT_NORM over the new hidden state, then its mixer's input projections NEXT[j] */
     const float *next_norm;
@@ -7664,10 +7666,12 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
 
 /* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the
  * jobs (routed, then shared); what goes up (from the shared jobs to the end of the norms); what
- * the kernels make (the next projections' activations: one a type); what comes back (the
- * output, the ids, the next projections). */
+ * the kernels make (the next projections' activations: one a type); the CPU's experts'
+ * outputs (a split layer); then what comes back, in an order that keeps each download one
+ * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
+ * projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, xn, ar, au, logits, gate, w, work, out, ids, end;
+    size_t shared, table, x, mix, norm, next_norm, y, ar, au, logits, gate, w, work, cpu_y, xn, ids, out, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
@@ -7683,8 +7687,7 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
     o.next_norm = o.norm + cuda_align((size_t)L->sh.dim * 4);
     o.y = o.next_norm + cuda_align((size_t)L->sh.dim * 4);
-    o.xn = o.y + cuda_align(rows);
-    o.ar = o.xn + cuda_align(rows);
+    o.ar = o.y + cuda_align(rows);
     o.au = o.ar + cuda_align(ops_act_stride(L->router) * (size_t)T);
     o.logits = o.au + cuda_align(ops_act_stride_of(L->sh.up_type, L->sh.dim) * (size_t)T);
     o.gate = o.logits + cuda_align((size_t)T * L->n_expert * 4);
@@ -7697,9 +7700,11 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
         o.next_act[j] = same < j ? o.next_act[same] : at;
         at += same < j ? 0 : cuda_align(ops_act_stride_of(L->next[j].type, L->sh.dim) * (size_t)T);
     }
-    o.out = at;
-    o.ids = o.out + rows;
-    o.end = o.ids + (size_t)T * L->used * 4;
+    o.cpu_y = at;
+    o.xn = o.cpu_y + cuda_align(L->split ? (size_t)L->used * rows : 0);
+    o.ids = o.xn + rows;
+    o.out = o.ids + (size_t)T * L->used * 4;
+    o.end = o.out + rows;
     for (int j = 0; j < L->n_next; j++) {
         o.next_out[j] = o.end;
         o.end += (size_t)T * (size_t)L->next[j].rows * 4;
@@ -7734,18 +7739,69 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
+/* The layer's front on device D (uploaded): the output projection, the residual and norm, the
+ * activations, the router and gate logit, the routing. 6 or 7 launches; the driver's result. */
+static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
+                                        int T)
+{
+    const cuda_ptr b = d->moe;
+    cuda_ptr pj = b, ptab = b + o.table, px = b + o.x, pmix = b + o.mix, pnorm = b + o.norm, py = b + o.y, pxn = b + o.xn, par = b + o.ar;
+    cuda_ptr pl = b + o.logits, pg = b + o.gate, pw = b + o.w, pid = b + o.ids, pwo = L->wo_ptr, prw = L->router_ptr, pgw = L->gate_inp_ptr;
+    uint64_t orb = L->wo->row_bytes, smix = stride_mix, rrb = L->router->row_bytes, sr = ops_act_stride(L->router);
+    int ne = L->n_expert, k = L->used, one = 1, dim = L->sh.dim, ocols = (int)L->wo->cols, columns = T;
+    float eps = L->eps;
+    void *out_proj[] = {&pwo, &orb, &pmix, &smix, &py, &dim, &ocols, &columns};
+    void *norm[] = {&px, &py, &pnorm, &pxn, &dim, &eps};
+    void *router[] = {&prw, &rrb, &par, &sr, &pl, &ne, &dim, &columns};
+    void *gate[] = {&pgw, &rrb, &par, &sr, &pg, &one, &dim, &columns};
+    void *route[] = {&pl, &ne, &k, &ptab, &pj, &pw, &pid};
+    cuda_result r;
+    if ((r = cuda_launch(d->matvec[L->wo->type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, out_proj)) ||
+        (r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm)) || (r = cuda_quantize_launch(d, L->router->type, pxn, par, sr, dim, T)) ||
+        (r = cuda_quantize_launch(d, L->sh.up_type, pxn, b + o.au, ops_act_stride_of(L->sh.up_type, dim), dim, T)) ||
+        (r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
+        (L->gate_inp && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
+        (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)))
+        return r;
+    cuda.calls += 6 + (L->gate_inp != NULL);
+    return CUDA_SUCCESS;
+}
+
+/* The layer's end on device D: the experts' sum added to the hidden state (the CPU's experts'
+ * outputs at o.cpu_y), then the next layer's start; marks what cuda_moe_finish downloads. */
+static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+{
+    const cuda_ptr b = d->moe;
+    const int n = T * L->used + (L->gate_inp ? T : 0);
+    cuda_ptr pexp = b + o.work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * L->sh.dim * 4; /* the experts' outputs */
+    cuda_ptr pw = b + o.w, pg = b + o.gate, px = b + o.x, pout = b + o.out, pj = b, pcpu = b + o.cpu_y;
+    int k = L->used, dim = L->sh.dim, shared = L->gate_inp != NULL;
+    void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &shared, &pj, &pcpu};
+    cuda_result r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine);
+    cuda.calls++;
+    if (!r && L->n_next) r = cuda_next_start(d, L, o, T);
+    d->moe_jobs = n;
+    d->moe_out = o.ids;
+    d->moe_bytes = o.end - o.ids;
+    return r;
+}
+
 /* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
  * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
  * apart). One upload (the shared expert's jobs, the table, X, MIX, the norms), 10 launches, 1
  * for the shared expert's gate logit, and for the next layer's start a norm, a quantisation a
- * type and a product a projection; cuda_moe_finish then downloads the new hidden state [T][dim],
- * the chosen ids [T][used] (int32) and each next projection's outputs [T][rows]. Returns 0, or
- * -1 after cuda_fail. */
-static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T)
+ * type and a product a projection; cuda_moe_finish then downloads the chosen ids [T][used]
+ * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows]. A split
+ * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
+ * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
+ * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. Returns 0,
+ * or -1 after cuda_fail. */
+static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T,
+                                void *routing)
 {
     struct cuda_device *d = &cuda.dev[dev];
     if (!cuda.ready) return -1;
-    const int used = L->used, shared = L->gate_inp != NULL, n = T * used + (shared ? T : 0), dim = L->sh.dim;
+    const int shared = L->gate_inp != NULL, n = T * L->used + (shared ? T : 0), dim = L->sh.dim;
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
     uint8_t *stage = cuda_stage(o.y - o.shared);
     for (int t = 0; shared && t < T; t++) ((struct cuda_moe_job *)stage)[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
@@ -7755,44 +7811,34 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     memcpy(stage + o.norm - o.shared, L->norm, (size_t)dim * 4);
     if (L->n_next) memcpy(stage + o.next_norm - o.shared, L->next_norm, (size_t)dim * 4);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end)) || (r = cuda_htod(d->moe + o.shared, stage, o.y - o.shared))) {
-        cuda_fail("expert batch upload", r);
-        return -1;
-    }
-    const cuda_ptr b = d->moe;
-    cuda_ptr pj = b, ptab = b + o.table, px = b + o.x, pmix = b + o.mix, pnorm = b + o.norm, py = b + o.y, pxn = b + o.xn, par = b + o.ar;
-    cuda_ptr pl = b + o.logits, pg = b + o.gate, pw = b + o.w, pout = b + o.out, pid = b + o.ids;
-    cuda_ptr pexp = b + o.work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * dim * 4; /* the experts' outputs */
-    cuda_ptr pwo = L->wo_ptr, prw = L->router_ptr, pgw = L->gate_inp_ptr;
-    uint64_t orb = L->wo->row_bytes, smix = stride_mix, rrb = L->router->row_bytes, sr = ops_act_stride(L->router);
-    int ne = L->n_expert, k = used, sh = shared, one = 1, cols = dim, ocols = (int)L->wo->cols, columns = T;
-    float eps = L->eps;
-    void *out_proj[] = {&pwo, &orb, &pmix, &smix, &py, &cols, &ocols, &columns};
-    void *norm[] = {&px, &py, &pnorm, &pxn, &cols, &eps};
-    void *router[] = {&prw, &rrb, &par, &sr, &pl, &ne, &cols, &columns};
-    void *gate[] = {&pgw, &rrb, &par, &sr, &pg, &one, &cols, &columns};
-    void *route[] = {&pl, &ne, &k, &ptab, &pj, &pw, &pid};
-    void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &cols, &sh};
-    if ((r = cuda_launch(d->matvec[L->wo->type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, out_proj)) ||
-        (r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm)) ||
-        (r = cuda_quantize_launch(d, L->router->type, pxn, par, sr, dim, T)) ||
-        (r = cuda_quantize_launch(d, L->sh.up_type, pxn, b + o.au, ops_act_stride_of(L->sh.up_type, dim), dim, T)) ||
-        (r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
-        (shared && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
-        (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)) ||
-        (r = cuda_moe_launch(d, &L->sh, pj, b + o.au, ops_act_stride_of(L->sh.up_type, dim), n, b + o.work)) ||
-        (r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine))) {
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end)) || (r = cuda_htod(d->moe + o.shared, stage, o.y - o.shared)) ||
+        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
+        (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
+        (r = cuda_moe_launch(d, &L->sh, d->moe, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
+        (!L->split && (r = cuda_moe_layer_end(d, L, o, T)))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    if (L->n_next && (r = cuda_next_start(d, L, o, T))) {
+    cuda.calls += 4 + L->split;
+    cuda.waits += L->split;
+    return 0;
+}
+
+/* A split layer's end (cuda_moe_layer_start): the outputs of the CPU's CPU_JOBS experts in
+ * CPU_Y [T * used][dim] (rows of the device's experts unread) up, then the sum and the next
+ * layer's start. Returns 0, or -1 after cuda_fail. */
+static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t stride_mix, const float *cpu_y, int cpu_jobs, int T)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    if (!cuda.ready) return -1;
+    const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
+    cuda_result r;
+    if ((r = cuda_use(dev)) || (r = cuda_htod(d->moe + o.cpu_y, cpu_y, (size_t)T * L->used * L->sh.dim * 4)) || (r = cuda_moe_layer_end(d, L, o, T))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    d->moe_jobs = n;
-    d->moe_out = o.out;
-    d->moe_bytes = o.end - o.out;
-    cuda.calls += 11 + shared;
+    d->moe_jobs -= cpu_jobs; /* the count of experts' FFNs the device ran */
+    cuda.calls++;
     return 0;
 }
 
@@ -11008,10 +11054,11 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
 }
 
 /* The device that runs the rest of layer IL after its mixer (cuda_moe_layer_start) for T
- * tokens, with *L filled: the one that holds the output projection WO, every routed expert of
- * the layer, its router and its shared expert's gate logit (of the router's type), and runs
- * its shared expert in the batch (model_shexp_device); -1 where none does. The next layer's
- * norm and mixer projections (NEXT[0..n_next)) go with it where they are there too. */
+ * tokens, with *L filled: the one that holds the output projection WO, the layer's router and
+ * its shared expert's gate logit (of the router's type), runs its shared expert in the batch
+ * (model_shexp_device), and holds those of its routed experts that any device holds (the CPU
+ * computes the others: a split layer); -1 where none does. The next layer's norm and mixer
+ * projections (NEXT[0..n_next)) go with it where they are there too. */
 static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const struct ops_job *next, int n_next,
                              struct cuda_moe_layer *L)
 {
@@ -11019,20 +11066,23 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     const struct model_layer *l = &m->layers[il];
     struct expert_store *x = m->experts;
     struct cuda_expert sh_e = {0, 0, 0};
-    if (!cuda.ready || !x || !expert_layer_in_vram(x, il)) return -1;
+    if (!cuda.ready || !x) return -1;
     const struct cuda_resident *out = cuda_resident_of(wo->data), *router = cuda_resident_of(l->router.data);
     const struct cuda_resident *gate = c->shexp_ff ? cuda_resident_of(l->shexp_gate_inp.data) : NULL;
     const int dev = router ? router->dev : -1;
     if (dev < 0 || !out || out->dev != dev ||
         (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type || model_shexp_device(m, il, &sh_e) != dev)))
         return -1;
+    int split = 0;
     for (int e = 0; e < c->n_expert; e++) {
-        if (x->vram[il * c->n_expert + e].dev != dev) return -1;
-        m->s.ex_table[e] = x->vram[il * c->n_expert + e].e;
+        const int32_t key = il * c->n_expert + e;
+        if (expert_in_vram(x, key) && x->vram[key].dev != dev) return -1; /* on another device: the batches of model_ffn */
+        split |= !expert_in_vram(x, key);
+        m->s.ex_table[e] = expert_in_vram(x, key) ? x->vram[key].e : (struct cuda_expert){0, 0, 0};
     }
     *L = (struct cuda_moe_layer){.wo = wo, .router = &l->router, .gate_inp = gate ? &l->shexp_gate_inp : NULL, .wo_ptr = out->ptr,
                                  .router_ptr = router->ptr, .gate_inp_ptr = gate ? gate->ptr : 0, .norm = l->post_norm, .eps = c->eps,
-                                 .table = m->s.ex_table, .shexp = sh_e, .n_expert = c->n_expert, .used = c->n_expert_used};
+                                 .table = m->s.ex_table, .shexp = sh_e, .n_expert = c->n_expert, .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
     size_t floats = (size_t)T * (size_t)(c->dim + c->n_expert_used); /* what comes back must fit dev_out */
     for (int j = 0; j < n_next; j++) {
@@ -11052,23 +11102,35 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
 /* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
  * MIX: the new hidden state into x, the chosen experts into top (for the store's heat and
  * statistics, as the CPU's routing would tell it), the next layer's projections (L->n_next of
- * NEXT) into their outputs. Returns 0, or -1 where the device failed (the GPU path has ended,
- * x is as it was; the caller computes the layer). */
+ * NEXT) into their outputs. A split layer's CPU experts run here while the device runs its
+ * own. Returns 0; -1 where the device failed (the GPU path has ended, x is as it was: the
+ * caller computes the layer); -2 where the store could not read an expert (m->error). */
 static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix,
                                 const struct ops_job *next)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    const size_t stride = ops_act_stride(L->wo);
+    const size_t stride = ops_act_stride(L->wo), dim = (size_t)c->dim, ids = (size_t)T * (size_t)c->n_expert_used;
     uint8_t *act = ops_scratch(&ops_act_buf, stride * (size_t)T); /* copied before cuda_moe_layer_start returns */
     for (int t = 0; t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
-    if (cuda_moe_layer_start(dev, L, s->x, act, stride, T) || cuda_moe_finish(dev, s->dev_out)) return -1;
-    memcpy(s->x, s->dev_out, (size_t)T * c->dim * sizeof(float));
-    memcpy(s->top, s->dev_out + (size_t)T * c->dim, (size_t)T * c->n_expert_used * sizeof(int));
-    const float *y = s->dev_out + (size_t)T * (size_t)(c->dim + c->n_expert_used);
+    if (cuda_moe_layer_start(dev, L, s->x, act, stride, T, s->dev_out)) return -1;
+    if (L->split) { /* the routing came back: the CPU's experts of xn into ex_out, then up */
+        memcpy(s->xn, s->dev_out, (size_t)T * dim * sizeof(float));
+        memcpy(s->top, s->dev_out + (size_t)T * dim, ids * sizeof(int));
+        model_want_experts(m, il, T);
+        int cpu_jobs = 0;
+        for (int k = 0; k < m->experts->n_want; k++) cpu_jobs += s->want_count[m->experts->want[k]];
+        model_routed_experts(m, T);
+        if (expert_recover(m->experts, m->error, sizeof m->error)) return -2;
+        if (cuda_moe_layer_resume(dev, L, stride, s->ex_out, cpu_jobs, T)) return -1;
+    }
+    if (cuda_moe_finish(dev, s->dev_out)) return -1;
+    memcpy(s->top, s->dev_out, ids * sizeof(int));
+    memcpy(s->x, s->dev_out + ids, (size_t)T * dim * sizeof(float));
+    const float *y = s->dev_out + ids + (size_t)T * dim;
     for (int j = 0; j < L->n_next; y += (size_t)T * (size_t)next[j].w.rows, j++)
         memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
-    model_want_experts(m, il, T);
+    if (!L->split) model_want_experts(m, il, T);
     return 0;
 }
 
@@ -11177,8 +11239,9 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix)
     struct ops_job next[CUDA_NEXT_MAX];
     int n_next = il + 1 < m->cfg.n_layers && cuda.ready ? model_mixer_jobs(m, il + 1, T, next) : 0;
     struct cuda_moe_layer L;
-    int dev = model_rest_device(m, il, T, wo, next, n_next, &L);
-    if (dev >= 0 && model_rest_on_device(m, il, T, dev, &L, mix, next) == 0) {
+    int dev = model_rest_device(m, il, T, wo, next, n_next, &L), done = dev >= 0 ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
+    if (done == -2) return -1;
+    if (done == 0) {
         model_phase_mark(m, MODEL_PHASE_EXPERTS);
         return L.n_next > 0;
     }

@@ -582,6 +582,7 @@ __device__ __forceinline__ void moe_gate_up(MOE_GATE_UP_PARAMS) {
     const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= ff) return;
     const moe_job jb = jobs[blockIdx.y];
+    if (!jb.gate) return; // an expert the CPU computes (moe_combine reads its output from there)
     const uint8_t *x = act + (uint64_t)jb.column * act_stride;
     float g = row_dot<K, BB>((const uint8_t *)jb.gate + (uint64_t)r * row_bytes, x, cols, lane);
     float u = row_dot<K, BB>((const uint8_t *)jb.up + (uint64_t)r * row_bytes, x, cols, lane);
@@ -595,7 +596,7 @@ __device__ __forceinline__ void moe_gate_up(MOE_GATE_UP_PARAMS) {
 template <int K, int BB>
 __device__ __forceinline__ void moe_down(MOE_DOWN_PARAMS) {
     const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;
+    if (r >= rows || !jobs[blockIdx.y].down) return;
     const uint8_t *wr = (const uint8_t *)jobs[blockIdx.y].down + (uint64_t)r * row_bytes;
     float p = row_dot<K, BB>(wr, act + (uint64_t)blockIdx.y * act_stride, cols, lane);
     if (lane == 0) y[(uint64_t)blockIdx.y * rows + r] = p;
@@ -771,17 +772,19 @@ __device__ __forceinline__ float sigmoid_canonical(float x) {
 // The layer's output, coli.c's model_ffn sum: out[t][i] = sum_k weights[t][k] y[t*used + k][i]
 // in the order of the choices (a product, then an add each), plus, with SHARED, the shared
 // expert's output (job T*used + t) times sigmoid(gate_logit[t]); with RESIDUAL (else NULL),
-// residual[t][i] + that, as coli.c adds a layer's output to the hidden state. Grid
-// (ceil(dim / 128), T).
+// residual[t][i] + that, as coli.c adds a layer's output to the hidden state. A job the CPU
+// computed (its expert is not here: no matrices in JOBS) has its output in CPU_Y, same rows.
+// Grid (ceil(dim / 128), T).
 extern "C" __global__ void moe_combine(const float *__restrict__ y, const float *__restrict__ weights,
                                        const float *__restrict__ gate_logit, const float *residual, float *out, int used,
-                                       int dim, int shared) {
+                                       int dim, int shared, const moe_job *__restrict__ jobs, const float *__restrict__ cpu_y) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, T = gridDim.y;
     if (i >= dim) return;
     float o = 0.0f;
     for (int k = 0; k < used; k++) {
         const uint64_t a = (uint64_t)t * used + k;
-        const float v = __fmul_rn(y[a * dim + i], weights[a]);
+        const float *ya = jobs[a].gate ? y : cpu_y;
+        const float v = __fmul_rn(ya[a * dim + i], weights[a]);
         o = k ? __fadd_rn(o, v) : v;
     }
     if (shared) o = __fadd_rn(o, __fmul_rn(y[((uint64_t)T * used + t) * dim + i], sigmoid_canonical(gate_logit[t])));

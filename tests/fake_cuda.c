@@ -511,6 +511,7 @@ static void run_gate_up(int type, void **p, struct grid g)
     float *h = ARG(3, float *);
     int ff = ARG(5, int), cols = ARG(6, int);
     for (unsigned j = 0; j < g.y; j++) {
+        if (!jobs[j].gate) continue; /* the CPU's */
         const uint8_t *x = act + jobs[j].column * st;
         for (long r = 0; r < ff && r < g.warps; r++) {
             float gate = twin_row(type, dev_bytes(jobs[j].gate) + r * rb, x, cols);
@@ -530,7 +531,7 @@ static void run_down(int type, void **p, struct grid g)
     float *y = ARG(3, float *);
     int rows = ARG(5, int), cols = ARG(6, int);
     for (unsigned j = 0; j < g.y; j++)
-        for (long r = 0; r < rows && r < g.warps; r++)
+        for (long r = 0; r < rows && r < g.warps && jobs[j].down; r++)
             y[(size_t)j * rows + r] = twin_row(type, dev_bytes(jobs[j].down) + r * rb, act + j * st, cols);
 }
 
@@ -598,21 +599,24 @@ static void run_route(int unused, void **p, struct grid g)
     }
 }
 
-/* moe_combine(y, weights, gate_logit, residual, out, used, dim, shared): token t = blockIdx.y,
- * element i a thread: the weighted outputs in choice order, then the shared expert's (job
- * T*used + t, T = the grid's height) times sigmoid of its gate logit, then added to the
- * residual row where one is given. */
+/* moe_combine(y, weights, gate_logit, residual, out, used, dim, shared, jobs, cpu_y): token
+ * t = blockIdx.y, element i a thread: the weighted outputs in choice order (a job without
+ * matrices: its output from cpu_y), then the shared expert's (job T*used + t, T = the grid's
+ * height) times sigmoid of its gate logit, then added to the residual row where one is given. */
 static void run_combine(int unused, void **p, struct grid g)
 {
     (void)unused;
     const float *y = ARG(0, const float *), *w = ARG(1, const float *), *gate = ARG(2, const float *), *res = ARG(3, const float *);
     float *out = ARG(4, float *);
     int used = ARG(5, int), dim = ARG(6, int), shared = ARG(7, int);
+    const struct moe_job *jobs = ARG(8, const struct moe_job *);
+    const float *cpu_y = ARG(9, const float *);
     for (unsigned t = 0; t < g.y; t++)
         for (long i = 0; i < dim && i < g.threads; i++) {
             float o = 0;
             for (int k = 0; k < used; k++) {
-                float v = y[(t * used + k) * (size_t)dim + i] * w[t * used + k];
+                const float *src = jobs[t * used + k].gate ? y : cpu_y;
+                float v = src[(t * used + k) * (size_t)dim + i] * w[t * used + k];
                 o = k ? o + v : v;
             }
             if (shared) o += y[((size_t)g.y * used + t) * dim + i] * (1.0f / (1.0f + exp_canonical(-gate[t])));

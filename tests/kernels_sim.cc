@@ -266,7 +266,8 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"moe_route", [](void **p) { moe_route(ARG(0, const float *), ARG(1, int), ARG(2, int), ARG(3, const moe_expert *), ARG(4, moe_job *),
                                            ARG(5, float *), ARG(6, int *)); }},
     {"moe_combine", [](void **p) { moe_combine(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, const float *),
-                                               ARG(4, float *), ARG(5, int), ARG(6, int), ARG(7, int)); }},
+                                               ARG(4, float *), ARG(5, int), ARG(6, int), ARG(7, int), ARG(8, const moe_job *),
+                                               ARG(9, const float *)); }},
     {"residual_norm", [](void **p) { residual_norm(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
                                                    ARG(4, int), ARG(5, float)); }},
 };

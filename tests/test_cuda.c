@@ -238,9 +238,11 @@ static void test_experts(int quick, int real)
  * model_select_experts, each expert's SwiGLU by ops_matvec, model_ffn's sum, the residual.
  * N_EXPERT not a multiple of 16 exercises the softmax partials' tail; TIES gives experts 1..3
  * the router row of expert 0 (equal probabilities: the lower id first); NAN_ROW puts a NaN in
- * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them). */
+ * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them).
+ * SPLIT leaves every third expert off the device: the layer hands back its routing, the CPU's
+ * outputs for those go up (cuda_moe_layer_resume), and the sum is the same. */
 static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_expert, int used, int T, int shared,
-                            int ties, int nan_row, int dev)
+                            int ties, int nan_row, int split, int dev)
 {
     const int mixc = 160;
     struct model mm;
@@ -267,6 +269,7 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     float *logits = plat_alloc((size_t)T * n_expert * 4), *top_w = plat_alloc((size_t)T * used * 4);
     float *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4), *y = plat_alloc((size_t)dim * 4), *o = plat_alloc((size_t)dim * 4);
     float *cpu = plat_alloc((size_t)T * dim * 4), *gpu = plat_alloc((size_t)T * (dim + used) * 4);
+    float *cpu_y = plat_zalloc((size_t)T * used * dim, 4), *routing = plat_alloc((size_t)T * (dim + used) * 4);
     int *top = plat_alloc((size_t)T * used * sizeof *top);
     mm.s.router = logits;
     mm.s.top = top;
@@ -288,13 +291,16 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
             ops_matvec(&we[1], xn + (size_t)t * dim, u);
             for (int i = 0; i < ff; i++) g[i] = ops_silu(g[i]) * u[i];
             ops_matvec(&we[2], g, y);
+            if (k < used && split && top[t * used + k] % 3 == 1) memcpy(cpu_y + ((size_t)t * used + k) * dim, y, (size_t)dim * 4);
             if (k == used) ops_matvec(&gate_inp, xn + (size_t)t * dim, &gl);
             for (int i = 0; i < dim; i++) o[i] = k == used ? o[i] + y[i] * ops_sigmoid(gl) : k ? o[i] + y[i] * top_w[t * used + k] : y[i] * top_w[t * used + k];
         }
         for (int i = 0; i < dim; i++) cpu[(size_t)t * dim + i] += o[i];
     }
+    struct cuda_expert shexp = table[n_expert];
+    for (int e = 1; split && e < n_expert; e += 3) table[e] = (struct cuda_expert){0, 0, 0};
     struct cuda_moe_layer L = {.sh = sh, .wo = &wo, .router = &router, .gate_inp = shared ? &gate_inp : NULL, .norm = norm, .eps = 1e-6f,
-                               .table = table, .shexp = table[n_expert], .n_expert = n_expert, .used = used};
+                               .table = table, .shexp = shexp, .n_expert = n_expert, .used = used, .split = split};
     if (placed) {
         L.wo_ptr = cuda_resident_of(wo.data)->ptr;
         L.router_ptr = cuda_resident_of(router.data)->ptr;
@@ -305,35 +311,40 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     for (int t = 0; t < T; t++) quant_act_prepare(wo.type, mix + (size_t)t * mixc, mixc, act + (size_t)t * stride);
     long calls = cuda.calls;
     memset(gpu, 0xff, (size_t)T * (dim + used) * 4);
-    int ran = placed && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, x, act, stride, T) == 0 &&
-              cuda_moe_finish(dev, gpu) == 0;
-    int bad = 0, bad_id = 0;
-    while (bad < T * dim && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
-    while (bad_id < T * used && top[bad_id] == ((int *)gpu + (size_t)T * dim)[bad_id]) bad_id++;
+    int ran = placed && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, x, act, stride, T, routing) == 0 &&
+              (!split || cuda_moe_layer_resume(dev, &L, stride, cpu_y, 0, T) == 0) && cuda_moe_finish(dev, gpu) == 0;
+    int bad = 0, bad_id = 0, bad_xn = 0;
+    while (bad < T * dim && !memcmp(&cpu[bad], &gpu[T * used + bad], 4)) bad++;
+    while (bad_id < T * used && top[bad_id] == ((int *)gpu)[bad_id]) bad_id++;
+    while (split && bad_xn < T * dim && !memcmp(&xn[bad_xn], &routing[bad_xn], 4)) bad_xn++;
+    if (split && bad_xn == T * dim && memcmp(top, routing + (size_t)T * dim, (size_t)T * used * 4)) bad_xn = 0; /* the routing's ids */
     char name[220];
-    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s: the CPU's ids and bits in %d driver calls",
+    const int want_calls = 12 + shared + 2 * split; /* a split layer: the routing down, the CPU's outputs up */
+    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s: the CPU's ids and bits in %d driver calls",
              dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T, shared ? ", shared expert" : "",
-             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", 12 + shared);
+             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", split ? ", every third expert the CPU's" : "", want_calls);
     /* with NaN logits the outputs are NaN: the ids say what was chosen */
-    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && cuda.calls - calls == 12 + shared, name,
-          "ran %d, calls %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a", ran, cuda.calls - calls, bad_id,
-          top[bad_id < T * used ? bad_id : 0], ((int *)gpu + (size_t)T * dim)[bad_id < T * used ? bad_id : 0], bad,
-          cpu[bad < T * dim ? bad : 0], gpu[bad < T * dim ? bad : 0]);
+    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && cuda.calls - calls == want_calls, name,
+          "ran %d, calls %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a, routing %d", ran, cuda.calls - calls, bad_id,
+          top[bad_id < T * used ? bad_id : 0], ((int *)gpu)[bad_id < T * used ? bad_id : 0], bad, cpu[bad < T * dim ? bad : 0],
+          gpu[T * used + (bad < T * dim ? bad : 0)], bad_xn);
     cuda_release_all();
     for (int e = 0; e <= n_expert; e++)
         for (int k = 0; k < 3; k++) free((void *)w[e][k].data);
-    void *bufs[] = {(void *)wo.data, (void *)router.data, (void *)gate_inp.data, w, table, x, mix, norm, xn, logits, top_w, g, u, y, o, cpu, gpu, top, act};
+    void *bufs[] = {(void *)wo.data, (void *)router.data, (void *)gate_inp.data, w, table, x, mix, norm, xn, logits, top_w, g, u, y, o, cpu, gpu, top, act, cpu_y, routing};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
 }
 
 static void test_moe_layer(int real)
 {
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 1, 1, 0, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 0, 0, 0, !real);
-    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 128, 96, 33, 5, 2, 1, 1, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 64, 64, 16, 4, 2, 1, 0, 1, 0);
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 256, 8, 2, 1, 0, 0, !real); /* the 35B-A3B's routing */
-    if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 0); /* and its shapes */
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 1, 1, 0, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 0, 0, 0, 0, !real);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 128, 96, 33, 5, 2, 1, 1, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 64, 64, 16, 4, 2, 1, 0, 1, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 256, 8, 2, 1, 0, 0, 0, !real); /* the 35B-A3B's routing */
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 3, 1, 0, 0, 1, 0);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 2, 0, 0, 0, 1, !real);
+    if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0); /* the 35B-A3B's shapes, split */
 }
 
 /* FAKE_CUDA_FAIL is read by the fake at every call. */

@@ -273,6 +273,23 @@ if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json
     [ "$(cuda_count "$tmp/shexp-0.err" products)" = "$((5 * passes))" ]; then
     ok "the rest of each layer and the next one's projections on the device: the same tokens, 6 waits a pass instead of 17 ($passes passes)"
 else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
+# The trunk and the shared expert on the device, the routed experts on the CPU: each layer is
+# split. The device hands back its routing, the CPU computes the routed experts while the device
+# runs the shared one, their outputs go up for the sum: 10 waits a pass (layer 0's projections,
+# two a layer, the head), the device's FFNs the shared expert's alone, the same tokens.
+$FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json \
+    --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0 2>"$tmp/split.err" | tail -n 1 >"$tmp/split.full"
+sed 's/"timings".*//' "$tmp/split.full" >"$tmp/split.json"
+if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((10 * passes))" ] &&
+    [ "$(ffns "$tmp/split.err")" = "$((4 * forwarded))" ]; then
+    ok "a split layer (the routed experts on the CPU): the same tokens, 10 waits a pass, the shared expert's FFNs alone on the device"
+else bad "a split layer" "$passes passes, $forwarded tokens; $(grep cuda "$tmp/split.err" | tail -n 1)"; fi
+# ... and a launch failing there: 11 the routing, 12 the device's experts after the routing went
+# to the CPU, 15 the sum after the CPU's experts came up. The CPU's tokens each time.
+for k in 11 12 15; do
+    tokens "a split layer's launch $k fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
+        q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
+done
 # A launch that fails in the rest of layer 0: launches 5-15 of that placement are its output
 # projection, residual and norm, the two activations' quantisation, router and gate logit, the
 # routing, gate/up, the hidden rows' quantisation, down and the sum; 16-21 layer 1's norm, its
