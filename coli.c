@@ -7190,12 +7190,17 @@ static uint8_t *cuda_stage(size_t n)
     return cuda.stage;
 }
 
-/* The device copy of the trunk matrix whose weights are at HOST, or NULL. */
+/* The device copy of the trunk matrix whose weights are at HOST, or NULL: a binary search of
+ * the list (in address order, cuda_list), which a token asks ~10 times a layer. */
 static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
 {
-    for (int k = 0; k < cuda.n_res; k++)
-        if (cuda.res[k].host == host) return &cuda.res[k];
-    return NULL;
+    int lo = 0, hi = cuda.n_res;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if ((uintptr_t)cuda.res[mid].host < (uintptr_t)host) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < cuda.n_res && cuda.res[lo].host == host ? &cuda.res[lo] : NULL;
 }
 
 /* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), their weights at RES[j] on
@@ -7291,7 +7296,11 @@ static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
         *cap = *cap ? 2 * *cap : 64;
         *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
     }
-    (*list)[(*count)++] = (struct cuda_resident){host, dev, p, total};
+    int at = *count; /* the trunk's list in address order: cuda_resident_of searches it by halves */
+    while (host && at > 0 && (uintptr_t)(*list)[at - 1].host > (uintptr_t)host) at--;
+    memmove(&(*list)[at + 1], &(*list)[at], (size_t)(*count - at) * sizeof **list);
+    (*list)[at] = (struct cuda_resident){host, dev, p, total};
+    (*count)++;
     cuda.dev[dev].used += (int64_t)total;
 }
 
