@@ -7467,6 +7467,12 @@ struct cuda_moe_job { struct cuda_expert e; uint32_t column, pad; };
 /* One layer's expert shapes: gate and up share a type (their activations are one upload). */
 struct cuda_moe_shape { enum gguf_type up_type, down_type; size_t up_row_bytes, down_row_bytes; int dim, ff; };
 
+static int cuda_moe_shape_same(const struct cuda_moe_shape *a, const struct cuda_moe_shape *b)
+{
+    return a->up_type == b->up_type && a->down_type == b->down_type && a->up_row_bytes == b->up_row_bytes &&
+           a->down_row_bytes == b->down_row_bytes && a->dim == b->dim && a->ff == b->ff;
+}
+
 /* Whether device DEV has the kernels for experts of shape SH. */
 static int cuda_moe_supported(int dev, const struct cuda_moe_shape *sh)
 {
@@ -7574,6 +7580,12 @@ static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
     return cuda_align((size_t)n * (size_t)sh->ff * 4) + cuda_align((size_t)n * cuda_moe_hq_stride(sh)) + (size_t)n * (size_t)sh->dim * 4;
 }
 
+/* Where the outputs [n][dim] of a batch whose work bytes start at WORK are: their last part. */
+static cuda_ptr cuda_moe_outputs(cuda_ptr work, const struct cuda_moe_shape *sh, int n)
+{
+    return work + cuda_moe_work_bytes(sh, n) - (size_t)n * (size_t)sh->dim * 4;
+}
+
 /* Launches on the current device the preparation of ROWS rows of N floats at PX (N apart) for
  * weights of TYPE into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
 static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type type, cuda_ptr px, cuda_ptr pact, size_t stride, int n, int rows)
@@ -7627,7 +7639,7 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     }
     d->moe_jobs = n;
     d->moe_bytes = (size_t)n * (size_t)sh->dim * 4;
-    d->moe_out = jobs_b + acts_b + cuda_moe_work_bytes(sh, n) - d->moe_bytes;
+    d->moe_out = cuda_moe_outputs(jobs_b + acts_b, sh, n);
     cuda.calls += 4;
     return 0;
 }
@@ -7637,11 +7649,12 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
 /* The rest of a layer from its mixer's output on, on one device: the output projection WO,
  * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
  * logit over that, the routing (moe_route: model_select_experts' bits), the routed experts
- * through TABLE (n_expert entries) and the shared expert SHEXP, and their sum added to the
- * hidden state (moe_combine): model_forward_runs' steps, the same bits. WO, the router and the
- * gate logit matrices are resident there. */
+ * through TABLE (n_expert entries) and the shared expert SHEXP (of shape SHEXP_SH: in the
+ * routed experts' batch where that is theirs, SH, else in a batch of its own), and their sum
+ * added to the hidden state (moe_combine): model_forward_runs' steps, the same bits. WO, the
+ * router and the gate logit matrices are resident there. */
 struct cuda_moe_layer {
-    struct cuda_moe_shape sh;
+    struct cuda_moe_shape sh, shexp_sh;
     const struct ops_matrix *wo, *router, *gate_inp; /* gate_inp NULL: no shared expert */
     cuda_ptr wo_ptr, router_ptr, gate_inp_ptr;
     const float *norm;
@@ -7661,10 +7674,14 @@ struct cuda_moe_layer {
 #define CUDA_ROUTE_MAX_EXPERTS 512
 #define CUDA_ROUTE_MAX_USED 32
 
+/* Whether layer L's shared expert runs in its routed experts' batch (it has their shape). */
+static int cuda_moe_shexp_in_batch(const struct cuda_moe_layer *L) { return L->gate_inp && cuda_moe_shape_same(&L->sh, &L->shexp_sh); }
+
 /* Whether device DEV can run the rest of layer L (cuda_moe_layer_start) over T tokens. */
 static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int T)
 {
     const struct cuda_device *d = &cuda.dev[dev];
+    if (L->gate_inp && !cuda_moe_shexp_in_batch(L) && (!cuda_moe_supported(dev, &L->shexp_sh) || L->shexp_sh.dim != L->sh.dim)) return 0;
     for (int j = 0; j < L->n_next; j++)
         if (!d->matvec[L->next[j].type] || !d->quantize[quant_act_kind(L->next[j].type)] || L->next[j].cols != L->sh.dim) return 0;
     return d->moe_route && d->moe_combine && d->residual_norm && d->matvec[L->wo->type] && d->matvec[L->router->type] &&
@@ -7680,7 +7697,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
  * projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, ar, au, logits, gate, w, work, cpu_y, xn, ids, out, end;
+    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, cpu_y, xn, ids, out, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
@@ -7688,9 +7705,9 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
 {
     struct cuda_moe_layout o;
     const size_t rows = (size_t)T * (size_t)L->sh.dim * 4;
-    const int n = T * L->used + (L->gate_inp ? T : 0);
+    const int apart = L->gate_inp && !cuda_moe_shexp_in_batch(L), n = T * L->used + (L->gate_inp && !apart ? T : 0);
     o.shared = (size_t)T * L->used * sizeof(struct cuda_moe_job);
-    o.table = cuda_align((size_t)n * sizeof(struct cuda_moe_job));
+    o.table = cuda_align((size_t)(T * L->used + (L->gate_inp ? T : 0)) * sizeof(struct cuda_moe_job));
     o.x = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
     o.mix = o.x + cuda_align(rows);
     o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
@@ -7698,11 +7715,14 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.y = o.next_norm + cuda_align((size_t)L->sh.dim * 4);
     o.ar = o.y + cuda_align(rows);
     o.au = o.ar + cuda_align(ops_act_stride(L->router) * (size_t)T);
-    o.logits = o.au + cuda_align(ops_act_stride_of(L->sh.up_type, L->sh.dim) * (size_t)T);
+    o.as = o.au + cuda_align(ops_act_stride_of(L->sh.up_type, L->sh.dim) * (size_t)T); /* the shared expert's, of another type */
+    o.logits = o.as + (apart && L->shexp_sh.up_type != L->sh.up_type ? cuda_align(ops_act_stride_of(L->shexp_sh.up_type, L->sh.dim) * (size_t)T) : 0);
+    if (o.as == o.logits) o.as = o.au;
     o.gate = o.logits + cuda_align((size_t)T * L->n_expert * 4);
     o.w = o.gate + cuda_align((size_t)T * 4);
     o.work = o.w + cuda_align((size_t)T * L->used * 4);
-    size_t at = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
+    o.swork = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
+    size_t at = o.swork + (apart ? cuda_align(cuda_moe_work_bytes(&L->shexp_sh, T)) : 0);
     for (int j = 0; j < L->n_next; j++) {
         int same = 0;
         while (L->next[same].type != L->next[j].type) same++;
@@ -7749,7 +7769,7 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
 }
 
 /* The layer's front on device D (uploaded): the output projection, the residual and norm, the
- * activations, the router and gate logit, the routing. 6 or 7 launches; the driver's result. */
+ * activations, the router and gate logit, the routing. 6 to 8 launches; the driver's result. */
 static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                         int T)
 {
@@ -7768,11 +7788,12 @@ static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda
     if ((r = cuda_launch(d->matvec[L->wo->type], (unsigned)(dim + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, out_proj)) ||
         (r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm)) || (r = cuda_quantize_launch(d, L->router->type, pxn, par, sr, dim, T)) ||
         (r = cuda_quantize_launch(d, L->sh.up_type, pxn, b + o.au, ops_act_stride_of(L->sh.up_type, dim), dim, T)) ||
+        (o.as != o.au && (r = cuda_quantize_launch(d, L->shexp_sh.up_type, pxn, b + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), dim, T))) ||
         (r = cuda_launch(d->matvec[L->router->type], (unsigned)(ne + CUDA_WARPS - 1) / CUDA_WARPS, 1, 32 * CUDA_WARPS, router)) ||
         (L->gate_inp && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
         (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)))
         return r;
-    cuda.calls += 6 + (L->gate_inp != NULL);
+    cuda.calls += 6 + (L->gate_inp != NULL) + (o.as != o.au);
     return CUDA_SUCCESS;
 }
 
@@ -7781,15 +7802,15 @@ static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda
 static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     const cuda_ptr b = d->moe;
-    const int n = T * L->used + (L->gate_inp ? T : 0);
-    cuda_ptr pexp = b + o.work + cuda_moe_work_bytes(&L->sh, n) - (size_t)n * L->sh.dim * 4; /* the experts' outputs */
-    cuda_ptr pw = b + o.w, pg = b + o.gate, px = b + o.x, pout = b + o.out, pj = b, pcpu = b + o.cpu_y;
-    int k = L->used, dim = L->sh.dim, shared = L->gate_inp != NULL;
-    void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &shared, &pj, &pcpu};
+    const int in_batch = cuda_moe_shexp_in_batch(L), n = T * L->used + (in_batch ? T : 0);
+    cuda_ptr pexp = cuda_moe_outputs(b + o.work, &L->sh, n), pw = b + o.w, pg = b + o.gate, px = b + o.x, pout = b + o.out, pj = b;
+    cuda_ptr pcpu = b + o.cpu_y, psh = !L->gate_inp ? 0 : in_batch ? pexp + (size_t)T * L->used * L->sh.dim * 4 : cuda_moe_outputs(b + o.swork, &L->shexp_sh, T);
+    int k = L->used, dim = L->sh.dim;
+    void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &psh, &pj, &pcpu};
     cuda_result r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine);
     cuda.calls++;
     if (!r && L->n_next) r = cuda_next_start(d, L, o, T);
-    d->moe_jobs = n;
+    d->moe_jobs = T * L->used + (L->gate_inp ? T : 0);
     d->moe_out = o.ids;
     d->moe_bytes = o.end - o.ids;
     return r;
@@ -7798,7 +7819,8 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
 /* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
  * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
  * apart). One upload (the shared expert's jobs, the table, X, MIX, the norms), 10 launches, 1
- * for the shared expert's gate logit, and for the next layer's start a norm, a quantisation a
+ * for the shared expert's gate logit (4 more where it has a batch of its own: its activations
+ * and its three kernels), and for the next layer's start a norm, a quantisation a
  * type and a product a projection; cuda_moe_finish then downloads the chosen ids [T][used]
  * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows]. A split
  * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
@@ -7810,7 +7832,8 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
 {
     struct cuda_device *d = &cuda.dev[dev];
     if (!cuda.ready) return -1;
-    const int shared = L->gate_inp != NULL, n = T * L->used + (shared ? T : 0), dim = L->sh.dim;
+    const int shared = L->gate_inp != NULL, apart = shared && !cuda_moe_shexp_in_batch(L), n = T * L->used + (shared && !apart ? T : 0);
+    const int dim = L->sh.dim;
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
     uint8_t *stage = cuda_stage(o.y - o.shared);
     for (int t = 0; shared && t < T; t++) ((struct cuda_moe_job *)stage)[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
@@ -7824,11 +7847,13 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
         (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
         (r = cuda_moe_launch(d, &L->sh, d->moe, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
+        (apart && (r = cuda_moe_launch(d, &L->shexp_sh, d->moe + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
+                                       d->moe + o.swork))) ||
         (!L->split && (r = cuda_moe_layer_end(d, L, o, T)))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    cuda.calls += 4 + L->split;
+    cuda.calls += 4 + L->split + 3 * apart;
     cuda.waits += L->split;
     return 0;
 }
@@ -10961,6 +10986,19 @@ static void model_routed_experts(struct model *m, int T)
     }
 }
 
+/* Layer IL's shared expert on device DEV: its three matrices' addresses there into *E and its
+ * shape into *SH. 1, or 0 where one of them is not there (or gate and up differ in type). */
+static int model_shexp_on(const struct model *m, int il, int dev, struct cuda_expert *e, struct cuda_moe_shape *sh)
+{
+    const struct model_layer *l = &m->layers[il];
+    const struct ops_matrix *gm = &l->shexp_gate, *um = &l->shexp_up, *dm = &l->shexp_down;
+    const struct cuda_resident *g = cuda_resident_of(gm->data), *u = cuda_resident_of(um->data), *d = cuda_resident_of(dm->data);
+    if (!g || !u || !d || g->dev != dev || u->dev != dev || d->dev != dev || gm->type != um->type || gm->row_bytes != um->row_bytes) return 0;
+    *e = (struct cuda_expert){g->ptr, u->ptr, d->ptr};
+    *sh = (struct cuda_moe_shape){gm->type, dm->type, gm->row_bytes, dm->row_bytes, (int)gm->cols, (int)gm->rows};
+    return 1;
+}
+
 /* The device whose expert batch also runs layer IL's shared expert, with its three matrices
  * there in *E: the one holding them, where they have the routed experts' shape (the batch's
  * activations and kernels then serve it too); -1 where none does, and the shared expert runs as
@@ -10968,16 +11006,10 @@ static void model_routed_experts(struct model *m, int T)
  * fewer, one wait fewer. */
 static int model_shexp_device(const struct model *m, int il, struct cuda_expert *e)
 {
-    const struct model_layer *l = &m->layers[il];
-    const struct ops_matrix *gm = &l->shexp_gate, *um = &l->shexp_up, *dm = &l->shexp_down;
-    struct cuda_moe_shape sh;
+    struct cuda_moe_shape sh, shs;
     if (!cuda.ready || !m->cfg.shexp_ff || !m->experts || !place_expert_shape(m->experts, il, &sh)) return -1;
-    if (gm->type != sh.up_type || um->type != sh.up_type || dm->type != sh.down_type || gm->row_bytes != sh.up_row_bytes ||
-        um->row_bytes != sh.up_row_bytes || dm->row_bytes != sh.down_row_bytes || gm->rows != sh.ff || dm->rows != sh.dim)
-        return -1;
-    const struct cuda_resident *g = cuda_resident_of(gm->data), *u = cuda_resident_of(um->data), *d = cuda_resident_of(dm->data);
-    if (!g || !u || !d || u->dev != g->dev || d->dev != g->dev || !cuda_moe_supported(g->dev, &sh)) return -1;
-    *e = (struct cuda_expert){g->ptr, u->ptr, d->ptr};
+    const struct cuda_resident *g = cuda_resident_of(m->layers[il].shexp_gate.data);
+    if (!g || !model_shexp_on(m, il, g->dev, e, &shs) || !cuda_moe_shape_same(&sh, &shs) || !cuda_moe_supported(g->dev, &sh)) return -1;
     return g->dev;
 }
 
@@ -11064,10 +11096,10 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
 
 /* The device that runs the rest of layer IL after its mixer (cuda_moe_layer_start) for T
  * tokens, with *L filled: the one that holds the output projection WO, the layer's router and
- * its shared expert's gate logit (of the router's type), runs its shared expert in the batch
- * (model_shexp_device), and holds those of its routed experts that any device holds (the CPU
- * computes the others: a split layer); -1 where none does. The next layer's norm and mixer
- * projections (NEXT[0..n_next)) go with it where they are there too. */
+ * its shared expert's gate logit (of the router's type), its shared expert (model_shexp_on),
+ * and those of its routed experts that any device holds (the CPU computes the others: a split
+ * layer); -1 where none does. The next layer's norm and mixer projections (NEXT[0..n_next))
+ * go with it where they are there too. */
 static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const struct ops_job *next, int n_next,
                              struct cuda_moe_layer *L)
 {
@@ -11075,12 +11107,13 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     const struct model_layer *l = &m->layers[il];
     struct expert_store *x = m->experts;
     struct cuda_expert sh_e = {0, 0, 0};
+    struct cuda_moe_shape sh_shape = {0};
     if (!cuda.ready || !x) return -1;
     const struct cuda_resident *out = cuda_resident_of(wo->data), *router = cuda_resident_of(l->router.data);
     const struct cuda_resident *gate = c->shexp_ff ? cuda_resident_of(l->shexp_gate_inp.data) : NULL;
     const int dev = router ? router->dev : -1;
     if (dev < 0 || !out || out->dev != dev ||
-        (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type || model_shexp_device(m, il, &sh_e) != dev)))
+        (c->shexp_ff && (!gate || gate->dev != dev || l->shexp_gate_inp.type != l->router.type || !model_shexp_on(m, il, dev, &sh_e, &sh_shape))))
         return -1;
     int split = 0;
     for (int e = 0; e < c->n_expert; e++) {
@@ -11091,7 +11124,8 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     }
     *L = (struct cuda_moe_layer){.wo = wo, .router = &l->router, .gate_inp = gate ? &l->shexp_gate_inp : NULL, .wo_ptr = out->ptr,
                                  .router_ptr = router->ptr, .gate_inp_ptr = gate ? gate->ptr : 0, .norm = l->post_norm, .eps = c->eps,
-                                 .table = m->s.ex_table, .shexp = sh_e, .n_expert = c->n_expert, .used = c->n_expert_used, .split = split};
+                                 .table = m->s.ex_table, .shexp = sh_e, .shexp_sh = sh_shape, .n_expert = c->n_expert,
+                                 .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
     size_t floats = (size_t)T * (size_t)(c->dim + c->n_expert_used); /* what comes back must fit dev_out */
     for (int j = 0; j < n_next; j++) {

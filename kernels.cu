@@ -770,15 +770,16 @@ __device__ __forceinline__ float sigmoid_canonical(float x) {
 }
 
 // The layer's output, coli.c's model_ffn sum: out[t][i] = sum_k weights[t][k] y[t*used + k][i]
-// in the order of the choices (a product, then an add each), plus, with SHARED, the shared
-// expert's output (job T*used + t) times sigmoid(gate_logit[t]); with RESIDUAL (else NULL),
+// in the order of the choices (a product, then an add each), plus, with SHARED_Y (else NULL),
+// the shared expert's output shared_y[t] times sigmoid(gate_logit[t]); with RESIDUAL (else NULL),
 // residual[t][i] + that, as coli.c adds a layer's output to the hidden state. A job the CPU
 // computed (its expert is not here: no matrices in JOBS) has its output in CPU_Y, same rows.
 // Grid (ceil(dim / 128), T).
 extern "C" __global__ void moe_combine(const float *__restrict__ y, const float *__restrict__ weights,
                                        const float *__restrict__ gate_logit, const float *residual, float *out, int used,
-                                       int dim, int shared, const moe_job *__restrict__ jobs, const float *__restrict__ cpu_y) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, T = gridDim.y;
+                                       int dim, const float *__restrict__ shared_y, const moe_job *__restrict__ jobs,
+                                       const float *__restrict__ cpu_y) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (i >= dim) return;
     float o = 0.0f;
     for (int k = 0; k < used; k++) {
@@ -787,7 +788,7 @@ extern "C" __global__ void moe_combine(const float *__restrict__ y, const float 
         const float v = __fmul_rn(ya[a * dim + i], weights[a]);
         o = k ? __fadd_rn(o, v) : v;
     }
-    if (shared) o = __fadd_rn(o, __fmul_rn(y[((uint64_t)T * used + t) * dim + i], sigmoid_canonical(gate_logit[t])));
+    if (shared_y) o = __fadd_rn(o, __fmul_rn(shared_y[(uint64_t)t * dim + i], sigmoid_canonical(gate_logit[t])));
     if (residual) o = __fadd_rn(residual[(uint64_t)t * dim + i], o);
     out[(uint64_t)t * dim + i] = o;
 }

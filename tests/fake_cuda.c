@@ -599,16 +599,17 @@ static void run_route(int unused, void **p, struct grid g)
     }
 }
 
-/* moe_combine(y, weights, gate_logit, residual, out, used, dim, shared, jobs, cpu_y): token
+/* moe_combine(y, weights, gate_logit, residual, out, used, dim, shared_y, jobs, cpu_y): token
  * t = blockIdx.y, element i a thread: the weighted outputs in choice order (a job without
- * matrices: its output from cpu_y), then the shared expert's (job T*used + t, T = the grid's
- * height) times sigmoid of its gate logit, then added to the residual row where one is given. */
+ * matrices: its output from cpu_y), then the shared expert's (row t of shared_y, where given)
+ * times sigmoid of its gate logit, then added to the residual row where one is given. */
 static void run_combine(int unused, void **p, struct grid g)
 {
     (void)unused;
     const float *y = ARG(0, const float *), *w = ARG(1, const float *), *gate = ARG(2, const float *), *res = ARG(3, const float *);
     float *out = ARG(4, float *);
-    int used = ARG(5, int), dim = ARG(6, int), shared = ARG(7, int);
+    int used = ARG(5, int), dim = ARG(6, int);
+    const float *shared_y = ARG(7, const float *);
     const struct moe_job *jobs = ARG(8, const struct moe_job *);
     const float *cpu_y = ARG(9, const float *);
     for (unsigned t = 0; t < g.y; t++)
@@ -619,7 +620,7 @@ static void run_combine(int unused, void **p, struct grid g)
                 float v = src[(t * used + k) * (size_t)dim + i] * w[t * used + k];
                 o = k ? o + v : v;
             }
-            if (shared) o += y[((size_t)g.y * used + t) * dim + i] * (1.0f / (1.0f + exp_canonical(-gate[t])));
+            if (shared_y) o += shared_y[(size_t)t * dim + i] * (1.0f / (1.0f + exp_canonical(-gate[t])));
             out[(size_t)t * dim + i] = res ? res[(size_t)t * dim + i] + o : o;
         }
 }

@@ -64,7 +64,7 @@ asm(".text\n"
     "    popq %r15\n    popq %r14\n    popq %r13\n    popq %r12\n    popq %rbx\n    popq %rbp\n"
     "    ret\n"
     ".size sim_switch, . - sim_switch\n");
-static sim_dim blockIdx, blockDim, gridDim;
+static sim_dim blockIdx, blockDim;
 #define threadIdx (sim_current->thread)
 
 static void sim_fail(int line, const char *why)
@@ -266,7 +266,7 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"moe_route", [](void **p) { moe_route(ARG(0, const float *), ARG(1, int), ARG(2, int), ARG(3, const moe_expert *), ARG(4, moe_job *),
                                            ARG(5, float *), ARG(6, int *)); }},
     {"moe_combine", [](void **p) { moe_combine(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, const float *),
-                                               ARG(4, float *), ARG(5, int), ARG(6, int), ARG(7, int), ARG(8, const moe_job *),
+                                               ARG(4, float *), ARG(5, int), ARG(6, int), ARG(7, const float *), ARG(8, const moe_job *),
                                                ARG(9, const float *)); }},
     {"residual_norm", [](void **p) { residual_norm(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
                                                    ARG(4, int), ARG(5, float)); }},
@@ -283,7 +283,6 @@ extern "C" int kernels_sim_launch(const char *name, unsigned gx, unsigned gy, un
     sim_kernel = sim_entries[k].run;
     sim_params = params;
     blockDim = sim_dim{bx, 1, 1};
-    gridDim = sim_dim{gx, gy, 1};
     for (unsigned y = 0; y < gy; y++)
         for (unsigned x = 0; x < gx; x++) {
             blockIdx = sim_dim{x, y, 0};

@@ -240,7 +240,8 @@ static void test_experts(int quick, int real)
  * the router row of expert 0 (equal probabilities: the lower id first); NAN_ROW puts a NaN in
  * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them).
  * SPLIT leaves every third expert off the device: the layer hands back its routing, the CPU's
- * outputs for those go up (cuda_moe_layer_resume), and the sum is the same. */
+ * outputs for those go up (cuda_moe_layer_resume), and the sum is the same. SHARED 2: the
+ * shared expert in Q8_0 with half the hidden size, a batch of its own. */
 static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_expert, int used, int T, int shared,
                             int ties, int nan_row, int split, int dev)
 {
@@ -260,11 +261,14 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     struct cuda_moe_shape sh = {up_type, down_type, gguf_row_bytes(up_type, dim), gguf_row_bytes(down_type, ff), dim, ff};
     int placed = cuda_make_resident(&wo, dev) == 0 && cuda_make_resident(&router, dev) == 0 && cuda_make_resident(&gate_inp, dev) == 0;
     for (int e = 0; e <= n_expert; e++) {
-        w[e][0] = random_matrix(up_type, ff, dim);
-        w[e][1] = random_matrix(up_type, ff, dim);
-        w[e][2] = random_matrix(down_type, dim, ff);
+        const int apart = e == n_expert && shared == 2, f = apart ? ff / 2 : ff;
+        w[e][0] = random_matrix(apart ? GGUF_TYPE_Q8_0 : up_type, f, dim);
+        w[e][1] = random_matrix(apart ? GGUF_TYPE_Q8_0 : up_type, f, dim);
+        w[e][2] = random_matrix(apart ? GGUF_TYPE_Q8_0 : down_type, dim, f);
         placed &= cuda_expert_upload(dev, w[e], &table[e]) == 0;
     }
+    const struct ops_matrix *ws = w[n_expert];
+    struct cuda_moe_shape shs = {ws[0].type, ws[2].type, ws[0].row_bytes, ws[2].row_bytes, dim, (int)ws[0].rows};
     float *x = random_x(T, dim), *mix = random_x(T, mixc), *norm = random_x(1, dim), *xn = plat_alloc((size_t)T * dim * 4);
     float *logits = plat_alloc((size_t)T * n_expert * 4), *top_w = plat_alloc((size_t)T * used * 4);
     float *g = plat_alloc((size_t)ff * 4), *u = plat_alloc((size_t)ff * 4), *y = plat_alloc((size_t)dim * 4), *o = plat_alloc((size_t)dim * 4);
@@ -289,7 +293,7 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
             const struct ops_matrix *we = w[k < used ? top[t * used + k] : n_expert];
             ops_matvec(&we[0], xn + (size_t)t * dim, g);
             ops_matvec(&we[1], xn + (size_t)t * dim, u);
-            for (int i = 0; i < ff; i++) g[i] = ops_silu(g[i]) * u[i];
+            for (int64_t i = 0; i < we[0].rows; i++) g[i] = ops_silu(g[i]) * u[i];
             ops_matvec(&we[2], g, y);
             if (k < used && split && top[t * used + k] % 3 == 1) memcpy(cpu_y + ((size_t)t * used + k) * dim, y, (size_t)dim * 4);
             if (k == used) ops_matvec(&gate_inp, xn + (size_t)t * dim, &gl);
@@ -299,8 +303,8 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     }
     struct cuda_expert shexp = table[n_expert];
     for (int e = 1; split && e < n_expert; e += 3) table[e] = (struct cuda_expert){0, 0, 0};
-    struct cuda_moe_layer L = {.sh = sh, .wo = &wo, .router = &router, .gate_inp = shared ? &gate_inp : NULL, .norm = norm, .eps = 1e-6f,
-                               .table = table, .shexp = shexp, .n_expert = n_expert, .used = used, .split = split};
+    struct cuda_moe_layer L = {.sh = sh, .shexp_sh = shs, .wo = &wo, .router = &router, .gate_inp = shared ? &gate_inp : NULL, .norm = norm,
+                               .eps = 1e-6f, .table = table, .shexp = shexp, .n_expert = n_expert, .used = used, .split = split};
     if (placed) {
         L.wo_ptr = cuda_resident_of(wo.data)->ptr;
         L.router_ptr = cuda_resident_of(router.data)->ptr;
@@ -319,9 +323,11 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     while (split && bad_xn < T * dim && !memcmp(&xn[bad_xn], &routing[bad_xn], 4)) bad_xn++;
     if (split && bad_xn == T * dim && memcmp(top, routing + (size_t)T * dim, (size_t)T * used * 4)) bad_xn = 0; /* the routing's ids */
     char name[220];
-    const int want_calls = 12 + shared + 2 * split; /* a split layer: the routing down, the CPU's outputs up */
+    /* a split layer: the routing down, the CPU's outputs up; a shared expert apart: its activations and 3 kernels */
+    const int want_calls = 12 + (shared > 0) + 2 * split + 4 * (shared == 2);
     snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s: the CPU's ids and bits in %d driver calls",
-             dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T, shared ? ", shared expert" : "",
+             dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T,
+             shared == 2 ? ", a Q8_0 shared expert apart" : shared ? ", shared expert" : "",
              ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", split ? ", every third expert the CPU's" : "", want_calls);
     /* with NaN logits the outputs are NaN: the ids say what was chosen */
     check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && cuda.calls - calls == want_calls, name,
@@ -344,6 +350,8 @@ static void test_moe_layer(int real)
     check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 256, 8, 2, 1, 0, 0, 0, !real); /* the 35B-A3B's routing */
     check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 3, 1, 0, 0, 1, 0);
     check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 2, 0, 0, 0, 1, !real);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 2, 0, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 128, 128, 16, 4, 2, 2, 0, 0, 1, !real);
     if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0); /* the 35B-A3B's shapes, split */
 }
 
