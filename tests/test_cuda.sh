@@ -303,25 +303,32 @@ done
 # coli serve on the fake device. The fake's current context is a thread's, as the driver's, so a
 # driver call from a thread that did not make it current fails there (error 201) as on a card:
 # the server's requests must run on the device, with no fallback line, and give the CPU's text.
-serve_text() { # serve_text LOG ENV...: one greedy completion from a server started with ENV
-    local log=$1 port="" i; shift
-    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 2>"$log" &
+serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots decoding together) from a server started with ENV
+    local log=$1 port="" i pids=(); shift
+    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 --parallel 3 2>"$log" &
     local pid=$!
     for i in $(seq 100); do
         grep -q '^\[serve\] ready' "$log" && port=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$') && break
         sleep 0.1
     done
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
-        -d '{"prompt":"The capital of France is","max_tokens":8,"temperature":0,"ignore_eos":true}' | grep -o '"text":"[^"]*"'
+    if [ -n "$port" ]; then
+        for i in 1 2 3; do
+            curl -s -m 30 "http://127.0.0.1:$port/v1/completions" -o "$log.$i" \
+                -d '{"prompt":"The capital of France is'"$(printf '%*s' "$i" '' | tr ' ' '!')"'","max_tokens":8,"temperature":0,"ignore_eos":true}' &
+            pids+=($!)
+        done
+        wait "${pids[@]}"
+        for i in 1 2 3; do grep -o '"text":"[^"]*"' "$log.$i"; done
+    fi
     kill "$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
 }
 serve_text "$tmp/serve-cpu" COLI_CUDA=0 >"$tmp/serve-cpu.txt"
 serve_text "$tmp/serve-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/serve-gpu.txt"
-if [ -s "$tmp/serve-cpu.txt" ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/serve-gpu" &&
+if [ "$(wc -l <"$tmp/serve-cpu.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/serve-gpu" &&
     ! grep -q 'running on the CPU from here' "$tmp/serve-gpu"; then
-    ok "serve on the fake device (a context per thread): requests run there, the CPU's text ($(cat "$tmp/serve-gpu.txt"))"
-else bad "serve on the fake device" "cpu $(head -c 100 "$tmp/serve-cpu.txt"), gpu $(head -c 100 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
+    ok "serve on the fake device (a context per thread), three requests at once: they run there, the CPU's texts ($(tr '\n' ' ' <"$tmp/serve-gpu.txt"))"
+else bad "serve on the fake device" "cpu $(head -c 200 "$tmp/serve-cpu.txt"), gpu $(head -c 200 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
 
 # The two images of the Dockerfile, as root file systems built here and entered with chroot.
 # cpu (FROM scratch): only the binary and the model: no glibc loader, nothing said about CUDA
