@@ -6217,17 +6217,18 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   holds all of it (output projection, residual and norm, router, routing, experts, their sum
  *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download, and the next
  *   layer's norm and mixer projections in the same batch where they are there too (a launch
- *   for the norm, one a weight type, one a projection). A layer whose routed experts are partly
- *   the CPU's is split: its routing comes down after the routing kernel, the CPU's experts'
- *   outputs go up before the sum (2 calls, one of them a wait, more). A decoded token of the 35B-A3B (Q4_K_M
- *   mix) with everything resident: layer 0's projections 6, 40 rests x 13, 29 DeltaNet
- *   layers' starts x 7 and 10 attention ones' x 6, the output head 3 = 792 calls, 42 of them
- *   downloads that wait for the device (as products and expert batches: 713 calls, 161 waits;
- *   before the shared expert joined the batch: 913 and 201). The fake driver on a 4-layer slice
- *   measures what this count gives: 81 calls and 6 waits a token. One wrapped call cost 0.25
- *   µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms
- *   per token. Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device
- *   too, and then a CUDA graph per token. */
+ *   for the norm, one a weight type, one a projection), after the last layer of a decode step
+ *   the final norm and the output head. A layer whose routed experts are partly the CPU's is
+ *   split: its routing comes down after the routing kernel, the CPU's experts' outputs go up
+ *   before the sum (2 calls, one of them a wait, more). A decoded token of the 35B-A3B (Q4_K_M
+ *   mix) with everything resident: layer 0's projections 6, 40 rests x 13, 29 DeltaNet layers'
+ *   starts x 7 and 10 attention ones' x 6, the head 3 = 792 calls, 41 of them downloads that
+ *   wait for the device (as products and expert batches: 713 calls, 161 waits; before the
+ *   shared expert joined the batch: 913 and 201). The fake driver on a 4-layer slice measures
+ *   what this count gives: 81 calls and 5 waits a token. One wrapped call cost 0.25 µs on the
+ *   VM where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token.
+ *   Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device too, and
+ *   then a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -11098,10 +11099,11 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
  * tokens, with *L filled: the one that holds the output projection WO, the layer's router and
  * its shared expert's gate logit (of the router's type), its shared expert (model_shexp_on),
  * and those of its routed experts that any device holds (the CPU computes the others: a split
- * layer); -1 where none does. The next layer's norm and mixer projections (NEXT[0..n_next))
- * go with it where they are there too. */
-static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const struct ops_job *next, int n_next,
-                             struct cuda_moe_layer *L)
+ * layer); -1 where none does. What follows, the norm NEXT_NORM and the products
+ * NEXT[0..n_next) over it (the next layer's mixer projections, or the output head), goes with it
+ * where those matrices are there too. */
+static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const float *next_norm, const struct ops_job *next,
+                             int n_next, struct cuda_moe_layer *L)
 {
     const struct model_config *c = &m->cfg;
     const struct model_layer *l = &m->layers[il];
@@ -11137,7 +11139,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
         L->n_next = j + 1;
     }
     if (L->n_next < n_next || floats > (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1) * (size_t)c->dim) L->n_next = 0;
-    L->next_norm = L->n_next ? m->layers[il + 1].attn_norm : NULL;
+    L->next_norm = L->n_next ? next_norm : NULL;
     if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
@@ -11273,16 +11275,20 @@ static void model_project(struct model *m, int il, int T)
 /* The rest of layer IL for T tokens after its mixer left its rows in MIX: the output
  * projection, the residual and the post-norm, the FFN and its residual. All of it on one
  * device where one holds it all (model_rest_device), and the next layer's model_project with
- * it where its matrices are there too; else step by step. Returns 1 where the next layer's
- * projections were made, 0 where not, or -1 with m->error where an expert could not be read. */
-static int model_layer_rest(struct model *m, int il, int T, const float *mix)
+ * it where its matrices are there too; after the last layer, where HEAD (each token is its
+ * run's last), the final norm and the output head into logits. Else step by step. Returns 1
+ * where what follows was made, 0 where not, or -1 with m->error where an expert could not be
+ * read. */
+static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
 {
     const struct model_layer *l = &m->layers[il];
     const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
-    struct ops_job next[CUDA_NEXT_MAX];
-    int n_next = il + 1 < m->cfg.n_layers && cuda.ready ? model_mixer_jobs(m, il + 1, T, next) : 0;
+    const int last = il + 1 == m->cfg.n_layers;
+    struct ops_job next[CUDA_NEXT_MAX] = {{m->lm_head, m->s.xn, m->s.logits, T}};
+    int n_next = !cuda.ready ? 0 : !last ? model_mixer_jobs(m, il + 1, T, next) : head;
     struct cuda_moe_layer L;
-    int dev = model_rest_device(m, il, T, wo, next, n_next, &L), done = dev >= 0 ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
+    int dev = model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, &L);
+    int done = dev >= 0 ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
     if (done == -2) return -1;
     if (done == 0) {
         model_phase_mark(m, MODEL_PHASE_EXPERTS);
@@ -11349,13 +11355,14 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     m->profile.mark = plat_now();
     int T = model_embed_runs(m, runs, n_runs);
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
-    for (int il = 0, projected = 0; il < c->n_layers; il++) { /* projected: the last layer's rest made this one's projections */
+    int projected = 0; /* the last layer's rest made what follows it: this layer's projections, or the logits */
+    for (int il = 0; il < c->n_layers; il++) {
         model_phase_mark(m, MODEL_PHASE_OTHER);
         if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
         model_phase_mark(m, MODEL_PHASE_ROUTING);
         if (!projected) model_project(m, il, T);
         const float *mix = m->layers[il].kind == MODEL_LAYER_ATTENTION ? model_attention(m, il, T) : model_gated_deltanet(m, il, T);
-        if ((projected = model_layer_rest(m, il, T, mix)) < 0) return -1;
+        if ((projected = model_layer_rest(m, il, T, mix, T == n_runs)) < 0) return -1;
     }
     for (int r = 0, last = 0; r < n_runs; r++) {
         last += runs[r].n;
@@ -11364,7 +11371,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
         runs[r].logits = s->logits + (size_t)r * c->n_vocab;
     }
     model_phase_mark(m, MODEL_PHASE_OTHER);
-    ops_matmat(&m->lm_head, s->xn, s->logits, n_runs);
+    if (!projected) ops_matmat(&m->lm_head, s->xn, s->logits, n_runs); /* else the last layer's rest made the logits */
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the
      * logits as zeros through the lm_head's activation quantisation, which skips NaN: keep

@@ -261,28 +261,31 @@ else bad "the shared expert in the experts' batch" "FFNs $(ffns "$tmp/shexp-0.er
 # With the shared expert there too, device 0 holds all of each layer after its mixer: the
 # output projection, the residual and norm, the router's products, the routing, the experts and
 # their sum run there (cuda_moe_layer_start), and with them the next layer's input norm and
-# mixer projections. So a forward pass of the 4 layers waits for the device 6 times (layer 0's
-# projections, once a layer, the output head) where step by step it waits 17 times (the
-# projections, the output projection, the router's products and the experts' batch of each
-# layer, the head), and only layer 0's projections and the head are products. A pass: the
-# prompt's, then one a generated token but the last.
+# mixer projections, and after the last layer of a decode step the final norm and the output
+# head. So a decode step of the 4 layers waits for the device 5 times (layer 0's projections,
+# once a layer), the prompt's pass once more (its head: the logits of its last token alone),
+# where step by step a pass waits 17 times (the projections, the output projection, the
+# router's products and the experts' batch of each layer, the head); and only layer 0's
+# projections (and the prompt's head) are products. A pass: the prompt's, then one a generated
+# token but the last.
 cuda_count() { grep -o "[0-9]* $2" "$1" | tail -n 1 | grep -o '^[0-9]*'; }
 passes=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["tokens"]))' "$tmp/shexp-0.full" 2>/dev/null)
 if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json" && [ -n "$passes" ] &&
-    [ "$(cuda_count "$tmp/shexp-0.err" waits)" = "$((6 * passes))" ] && [ "$(cuda_count "$tmp/shexp-cpu.err" waits)" = "$((17 * passes))" ] &&
-    [ "$(cuda_count "$tmp/shexp-0.err" products)" = "$((5 * passes))" ]; then
-    ok "the rest of each layer and the next one's projections on the device: the same tokens, 6 waits a pass instead of 17 ($passes passes)"
+    [ "$(cuda_count "$tmp/shexp-0.err" waits)" = "$((5 * passes + 1))" ] && [ "$(cuda_count "$tmp/shexp-cpu.err" waits)" = "$((17 * passes))" ] &&
+    [ "$(cuda_count "$tmp/shexp-0.err" products)" = "$((4 * passes + 1))" ]; then
+    ok "the rest of each layer and what follows it on the device: the same tokens, 5 waits a decode step instead of 17 ($passes passes)"
 else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
 # The trunk and the shared expert on the device, the routed experts on the CPU: each layer is
 # split. The device hands back its routing, the CPU computes the routed experts while the device
-# runs the shared one, their outputs go up for the sum: 10 waits a pass (layer 0's projections,
-# two a layer, the head), the device's FFNs the shared expert's alone, the same tokens.
+# runs the shared one, their outputs go up for the sum: 9 waits a decode step (layer 0's
+# projections, two a layer; the prompt's pass one more, its head), the device's FFNs the shared
+# expert's alone, the same tokens.
 $FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json \
     --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0 2>"$tmp/split.err" | tail -n 1 >"$tmp/split.full"
 sed 's/"timings".*//' "$tmp/split.full" >"$tmp/split.json"
-if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((10 * passes))" ] &&
+if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((9 * passes + 1))" ] &&
     [ "$(ffns "$tmp/split.err")" = "$((4 * forwarded))" ]; then
-    ok "a split layer (the routed experts on the CPU): the same tokens, 10 waits a pass, the shared expert's FFNs alone on the device"
+    ok "a split layer (the routed experts on the CPU): the same tokens, 9 waits a decode step, the shared expert's FFNs alone on the device"
 else bad "a split layer" "$passes passes, $forwarded tokens; $(grep cuda "$tmp/split.err" | tail -n 1)"; fi
 # ... and a launch failing there: 11 the routing, 12 the device's experts after the routing went
 # to the CPU, 15 the sum after the CPU's experts came up. The CPU's tokens each time.
