@@ -680,10 +680,11 @@ extern "C" __global__ void quantize_float(QUANT_PARAMS, int mode) {
     ((float *)(act + (uint64_t)blockIdx.y * stride))[i] = v;
 }
 
-// ---- a layer's routing and its experts' weighted sum: the mixture without the CPU ----
-// With every expert of a layer resident on one device, the router's logits, the routing, the
-// experts and their sum stay there, and only the layer's output (and the chosen ids, for the
-// CPU's heat) come back: one wait a layer instead of two.
+// ---- the rest of a layer after its mixer: residual and norm, routing, the experts' sum ----
+// Where one device holds a layer's output projection, router, shared expert and routed experts
+// (those it has: the CPU computes the others), everything from the mixer's output to the next
+// layer's projections stays there (coli.c cuda_moe_layer_start), and only the new hidden state
+// and the chosen ids (for the CPU's heat) come back: one wait a layer.
 
 // A resident expert's three matrices (coli.c's struct cuda_expert), an entry of a layer's table.
 struct moe_expert { uint64_t gate, up, down; };
@@ -794,9 +795,10 @@ extern "C" __global__ void moe_combine(const float *__restrict__ y, const float 
 }
 
 // Token t = blockIdx.x of coli.c's model_residual_norm, one warp a token: x[t] += y[t] (where
-// Y is not NULL), then xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element i into partial
-// i % 16 in order, the partials met by the butterfly 8, 4, 2, 1; the mean and the scale in
-// float). Lane l takes elements l + 32m, so partial j's chain alternates lanes j and j + 16.
+// Y is not NULL), then xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element
+// i into partial i % 16 in order, the partials met by the butterfly 8, 4, 2, 1; the mean and
+// the scale in float). Lane l takes elements l + 32m, so partial j's chain alternates lanes j
+// and j + 16.
 extern "C" __global__ void residual_norm(float *x, const float *__restrict__ y, const float *__restrict__ w, float *__restrict__ xn,
                                          int dim, float eps) {
     const int lane = threadIdx.x & 31;
