@@ -10311,6 +10311,10 @@ static float *model_buf(int64_t a, int64_t b, int touched)
     return p;
 }
 
+/* The rows of dim floats dev_out holds: a batch's device jobs' outputs, and what the rest of a
+ * layer on a device brings back (model_rest_device checks that it fits). */
+static size_t model_dev_out_rows(const struct model_config *c) { return (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1); }
+
 static void model_alloc_scratch(struct model *m)
 {
     const struct model_config *c = &m->cfg;
@@ -10348,7 +10352,7 @@ static void model_alloc_scratch(struct model *m)
     s->ex_table = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof *s->ex_table);
     s->dev_jobs = plat_zalloc((size_t)(B * (used + 1)), sizeof *s->dev_jobs);
     s->dev_slot = plat_zalloc((size_t)(B * (used + 1)), sizeof(int));
-    s->dev_out = model_buf(B * (used + 1), c->dim, 0);
+    s->dev_out = model_buf((int64_t)model_dev_out_rows(c), c->dim, 0);
     s->sh_h = model_buf(B, c->shexp_ff ? c->shexp_ff : 1, 1);
     s->sh_out = model_buf(B, c->dim, 1);
     s->sh_gate = model_buf(B, 1, 1);
@@ -11138,7 +11142,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
         floats += (size_t)T * (size_t)next[j].w.rows;
         L->n_next = j + 1;
     }
-    if (L->n_next < n_next || floats > (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1) * (size_t)c->dim) L->n_next = 0;
+    if (L->n_next < n_next || floats > model_dev_out_rows(c) * (size_t)c->dim) L->n_next = 0;
     L->next_norm = L->n_next ? next_norm : NULL;
     if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
