@@ -6841,6 +6841,7 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 
 #define CUDA_MAX_DEVICES 16
 #define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
+#define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
 
 struct cuda_device {
     cuda_device_id id;
@@ -6853,12 +6854,19 @@ struct cuda_device {
     cuda_handle moe_gate_up[GGUF_TYPE_COUNT], moe_down[GGUF_TYPE_COUNT];
     cuda_handle quantize[3];             /* by enum quant_act_kind */
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
+    cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
     cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
     size_t moe_cap, moe_out, moe_bytes;  /* its size; where the batch in flight left its outputs, their bytes */
     int moe_jobs;                        /* the batch in flight: its jobs; 0 none */
+    cuda_ptr moe_prev;                   /* the layer scratch before: a chain's kept layer's outputs */
+    size_t moe_prev_cap;
+    cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left the hidden state and the next projections */
+    cuda_ptr chain;                      /* a pass's chains: the tokens' state addresses, the ids, the layers' blocks */
+    size_t chain_cap;
+    int64_t states;                      /* bytes of sequences' recurrent states held here (cuda_state_alloc) */
     cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
@@ -6973,6 +6981,9 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "moe_", "route", &d->moe_route);
     cuda_kernel(d, "moe_", "combine", &d->moe_combine);
     cuda_kernel(d, "residual_", "norm", &d->residual_norm);
+    cuda_kernel(d, "deltanet_", "conv", &d->deltanet_conv);
+    cuda_kernel(d, "deltanet_", "rule", &d->deltanet_rule);
+    cuda_kernel(d, "deltanet_", "gate", &d->deltanet_gate);
     d->usable = 1;
     return 0;
 }
@@ -7098,12 +7109,14 @@ static void cuda_stop(void)
             if (d->act) cuda_mem_free(d->act);
             if (d->y) cuda_mem_free(d->y);
             if (d->moe) cuda_mem_free(d->moe);
+            if (d->moe_prev) cuda_mem_free(d->moe_prev);
+            if (d->chain) cuda_mem_free(d->chain);
             if (d->module) cuda_module_unload(d->module);
         }
         cuda_ctx_release(d->id);
         d->ctx = NULL;
-        d->act = d->y = d->moe = 0;
-        d->act_cap = d->y_cap = d->moe_cap = 0;
+        d->act = d->y = d->moe = d->moe_prev = d->chain = 0;
+        d->act_cap = d->y_cap = d->moe_cap = d->moe_prev_cap = d->chain_cap = 0;
     }
     cuda.ready = 0;
 }
@@ -7280,11 +7293,11 @@ static size_t cuda_span(const size_t *bytes, int n)
     return total;
 }
 
-/* Whether TOTAL more bytes fit device DEV's budget for weights. */
+/* Whether TOTAL more bytes fit device DEV's budget (weights, and the sequences' states there). */
 static int cuda_fits(int dev, size_t total)
 {
     const struct cuda_device *d = &cuda.dev[dev];
-    return cuda.ready && d->usable && d->used + (int64_t)total <= d->budget;
+    return cuda.ready && d->usable && d->used + d->states + (int64_t)total <= d->budget;
 }
 
 /* Lists TOTAL bytes at P on device DEV as resident (HOST: the trunk matrix they hold, NULL: an
@@ -7645,7 +7658,16 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     return 0;
 }
 
-#define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
+/* A DeltaNet mixer on a device (cuda_deltanet_launch): its constants there (one allocation:
+ * the conv's taps [K][conv_dim], dt_bias [nv], a [nv], the gated norm's weights), its shape, and
+ * where its state lies in a sequence's (STATE_OFF floats in, its conv state's CONV_FLOATS first;
+ * cuda_state_alloc). BA: beta and alpha come fused (Qwen3-Next). */
+struct cuda_deltanet {
+    cuda_ptr taps, dt_bias, ssm_a, norm;
+    int conv_dim, K, nk, nv, dk, dv, tiled, ba, norm_per_head;
+    float eps, qscale;
+    uint64_t state_off, conv_floats;
+};
 
 /* The rest of a layer from its mixer's output on, on one device: the output projection WO,
  * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
@@ -7669,6 +7691,13 @@ struct cuda_moe_layer {
     int n_next;
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
+    /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (the shared expert's already
+     * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS.
+     * KEEP: the outputs stay on the device for the next layer (nothing comes back); DN: this
+     * layer's mixer, a DeltaNet run there over what the layer before kept */
+    cuda_ptr block, ids;
+    int keep;
+    const struct cuda_deltanet *dn;
 };
 
 /* The routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
@@ -7698,7 +7727,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
  * projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, cpu_y, xn, ids, out, end;
+    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, cpu_y, xn, ids, out, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
@@ -7723,7 +7752,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.w = o.gate + cuda_align((size_t)T * 4);
     o.work = o.w + cuda_align((size_t)T * L->used * 4);
     o.swork = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
-    size_t at = o.swork + (apart ? cuda_align(cuda_moe_work_bytes(&L->shexp_sh, T)) : 0);
+    o.core = o.swork + (apart ? cuda_align(cuda_moe_work_bytes(&L->shexp_sh, T)) : 0);
+    size_t at = o.core + (L->dn ? cuda_align((size_t)T * (size_t)L->dn->nv * (size_t)L->dn->dv * 4) : 0);
     for (int j = 0; j < L->n_next; j++) {
         int same = 0;
         while (L->next[same].type != L->next[j].type) same++;
@@ -7742,13 +7772,51 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     return o;
 }
 
+/* Device addresses of what a layer reads from its upload, or, in a chain, from its block and
+ * the layer before (cuda_moe_layer): the jobs, the table, the hidden state, the two norms, and
+ * where the ids go. */
+struct cuda_moe_inputs { cuda_ptr jobs, table, x, norm, next_norm, ids; };
+
+static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o)
+{
+    const cuda_ptr b = d->moe, k = L->block;
+    struct cuda_moe_inputs in = {b, b + o.table, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
+    if (k) in.jobs = k, in.table = k + o.table, in.norm = k + o.x, in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
+    if (L->dn) in.x = d->kept_x;
+    return in;
+}
+
+/* Writes layer L's shared expert's jobs and its table at BASE as the batch scratch lays them out
+ * (jobs from 0, the table at o.table), its norms at BASE + NORM and BASE + NEXT_NORM. */
+static void cuda_moe_fill(const struct cuda_moe_layer *L, struct cuda_moe_layout o, uint8_t *base, size_t norm, size_t next_norm, int T)
+{
+    for (int t = 0; L->gate_inp && t < T; t++) ((struct cuda_moe_job *)(base + o.shared))[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
+    memcpy(base + o.table, L->table, (size_t)L->n_expert * sizeof *L->table);
+    memcpy(base + norm, L->norm, (size_t)L->sh.dim * 4);
+    if (L->n_next) memcpy(base + next_norm, L->next_norm, (size_t)L->sh.dim * 4);
+}
+
+/* Bytes of layer L's block in a chain for T tokens (cuda_chain_block_fill). */
+static size_t cuda_chain_block_bytes(const struct cuda_moe_layer *L, int T)
+{
+    return cuda_moe_layout_of(L, 0, T).x + 2 * cuda_align((size_t)L->sh.dim * 4);
+}
+
+/* Layer L's block for T tokens at DST (cuda_chain_block_bytes): what its upload would carry but
+ * the hidden state and the mixer's rows, laid out as cuda_moe_inputs_of reads it. */
+static void cuda_chain_block_fill(const struct cuda_moe_layer *L, int T, uint8_t *dst)
+{
+    const struct cuda_moe_layout o = cuda_moe_layout_of(L, 0, T);
+    cuda_moe_fill(L, o, dst, o.x, o.x + cuda_align((size_t)L->sh.dim * 4), T);
+}
+
 /* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
  * over the new hidden state, the activations a type, a product a projection. Counts its calls;
  * returns the driver's result. */
 static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     const cuda_ptr b = d->moe;
-    cuda_ptr pout = b + o.out, pnorm = b + o.next_norm, pxn = b + o.xn, none = 0;
+    cuda_ptr pout = b + o.out, pnorm = cuda_moe_inputs_of(d, L, o).next_norm, pxn = b + o.xn, none = 0;
     int dim = L->sh.dim, columns = T;
     float eps = L->eps;
     void *norm[] = {&pout, &none, &pnorm, &pxn, &dim, &eps};
@@ -7769,14 +7837,43 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
+/* Layer L's DeltaNet mixer on device D over the projections the layer before kept there (its
+ * qkv, z, beta and alpha or ba): the conv, SiLU, norms and scale (deltanet_conv), the gated
+ * delta rule over each token's state (deltanet_rule: the state addresses lead the pass's chain
+ * buffer), the gated norm (deltanet_gate), then the rows prepared for the output projection at
+ * o.mix. 4 launches; the driver's result. */
+static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
+                                        int T)
+{
+    const struct cuda_deltanet *dn = L->dn;
+    cuda_ptr mixed = d->kept_next[0], z = d->kept_next[1], beta = d->kept_next[2], alpha = dn->ba ? beta : d->kept_next[3];
+    cuda_ptr states = d->chain, core = d->moe + o.core, taps = dn->taps, dt_bias = dn->dt_bias, ssm_a = dn->ssm_a, norm = dn->norm;
+    uint64_t off = dn->state_off, ssm_off = dn->state_off + dn->conv_floats;
+    int conv_dim = dn->conv_dim, K = dn->K, nk = dn->nk, nv = dn->nv, dk = dn->dk, dv = dn->dv, q_end = nk * dk, tiled = dn->tiled;
+    int ba = dn->ba, per_head = dn->norm_per_head;
+    float eps = dn->eps, qscale = dn->qscale;
+    void *conv[] = {&mixed, &taps, &states, &off, &conv_dim, &K, &dk, &q_end, &eps, &qscale, &T};
+    void *rule[] = {&mixed, &beta, &alpha, &ba, &dt_bias, &ssm_a, &states, &ssm_off, &nk, &nv, &dk, &dv, &tiled, &conv_dim, &T, &core};
+    void *gate[] = {&core, &z, &norm, &per_head, &dv, &eps};
+    cuda_result r;
+    if ((r = cuda_launch(d->deltanet_conv, (unsigned)((conv_dim + dk - 1) / dk), 1, 32, conv)) ||
+        (r = cuda_launch(d->deltanet_rule, (unsigned)((dv + 31) / 32), (unsigned)nv, 32, rule)) ||
+        (r = cuda_launch(d->deltanet_gate, (unsigned)nv, (unsigned)T, 32, gate)) ||
+        (r = cuda_quantize_launch(d, L->wo->type, core, d->moe + o.mix, stride_mix, nv * dv, T)))
+        return r;
+    cuda.calls += 4;
+    return CUDA_SUCCESS;
+}
+
 /* The layer's front on device D (uploaded): the output projection, the residual and norm, the
  * activations, the router and gate logit, the routing. 6 to 8 launches; the driver's result. */
 static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                         int T)
 {
     const cuda_ptr b = d->moe;
-    cuda_ptr pj = b, ptab = b + o.table, px = b + o.x, pmix = b + o.mix, pnorm = b + o.norm, py = b + o.y, pxn = b + o.xn, par = b + o.ar;
-    cuda_ptr pl = b + o.logits, pg = b + o.gate, pw = b + o.w, pid = b + o.ids, pwo = L->wo_ptr, prw = L->router_ptr, pgw = L->gate_inp_ptr;
+    const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
+    cuda_ptr pj = in.jobs, ptab = in.table, px = in.x, pmix = b + o.mix, pnorm = in.norm, py = b + o.y, pxn = b + o.xn, par = b + o.ar;
+    cuda_ptr pl = b + o.logits, pg = b + o.gate, pw = b + o.w, pid = in.ids, pwo = L->wo_ptr, prw = L->router_ptr, pgw = L->gate_inp_ptr;
     uint64_t orb = L->wo->row_bytes, smix = stride_mix, rrb = L->router->row_bytes, sr = ops_act_stride(L->router);
     int ne = L->n_expert, k = L->used, one = 1, dim = L->sh.dim, ocols = (int)L->wo->cols, columns = T;
     float eps = L->eps;
@@ -7803,14 +7900,17 @@ static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda
 static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     const cuda_ptr b = d->moe;
+    const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
     const int in_batch = cuda_moe_shexp_in_batch(L), n = T * L->used + (in_batch ? T : 0);
-    cuda_ptr pexp = cuda_moe_outputs(b + o.work, &L->sh, n), pw = b + o.w, pg = b + o.gate, px = b + o.x, pout = b + o.out, pj = b;
+    cuda_ptr pexp = cuda_moe_outputs(b + o.work, &L->sh, n), pw = b + o.w, pg = b + o.gate, px = in.x, pout = b + o.out, pj = in.jobs;
     cuda_ptr pcpu = b + o.cpu_y, psh = !L->gate_inp ? 0 : in_batch ? pexp + (size_t)T * L->used * L->sh.dim * 4 : cuda_moe_outputs(b + o.swork, &L->shexp_sh, T);
     int k = L->used, dim = L->sh.dim;
     void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &psh, &pj, &pcpu};
     cuda_result r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine);
     cuda.calls++;
     if (!r && L->n_next) r = cuda_next_start(d, L, o, T);
+    d->kept_x = b + o.out;
+    for (int j = 0; j < L->n_next; j++) d->kept_next[j] = b + o.next_out[j];
     d->moe_jobs = T * L->used + (L->gate_inp ? T : 0);
     d->moe_out = o.ids;
     d->moe_bytes = o.end - o.ids;
@@ -7835,27 +7935,41 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     if (!cuda.ready) return -1;
     const int shared = L->gate_inp != NULL, apart = shared && !cuda_moe_shexp_in_batch(L), n = T * L->used + (shared && !apart ? T : 0);
     const int dim = L->sh.dim;
+    if (L->dn) { /* the layer before left its outputs in this scratch: the other one is this layer's */
+        const cuda_ptr kept = d->moe;
+        const size_t cap = d->moe_cap;
+        d->moe = d->moe_prev, d->moe_cap = d->moe_prev_cap, d->moe_prev = kept, d->moe_prev_cap = cap;
+    }
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
-    uint8_t *stage = cuda_stage(o.y - o.shared);
-    for (int t = 0; shared && t < T; t++) ((struct cuda_moe_job *)stage)[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
-    memcpy(stage + o.table - o.shared, L->table, (size_t)L->n_expert * sizeof *L->table);
-    memcpy(stage + o.x - o.shared, x, (size_t)T * dim * 4);
-    memcpy(stage + o.mix - o.shared, mix, stride_mix * (size_t)T);
-    memcpy(stage + o.norm - o.shared, L->norm, (size_t)dim * 4);
-    if (L->n_next) memcpy(stage + o.next_norm - o.shared, L->next_norm, (size_t)dim * 4);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end)) || (r = cuda_htod(d->moe + o.shared, stage, o.y - o.shared)) ||
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, o.end))) {
+        cuda_fail("a layer on the device", r);
+        return -1;
+    }
+    const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
+    if (!L->dn) {
+        uint8_t *stage = cuda_stage(o.y);
+        cuda_moe_fill(L, o, stage, o.norm, o.next_norm, T);
+        memcpy(stage + o.x, x, (size_t)T * dim * 4);
+        memcpy(stage + o.mix, mix, stride_mix * (size_t)T);
+    }
+    if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T)) : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
         (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
         (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
-        (r = cuda_moe_launch(d, &L->sh, d->moe, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
-        (apart && (r = cuda_moe_launch(d, &L->shexp_sh, d->moe + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
+        (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
+        (apart && (r = cuda_moe_launch(d, &L->shexp_sh, in.jobs + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
                                        d->moe + o.swork))) ||
         (!L->split && (r = cuda_moe_layer_end(d, L, o, T)))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    cuda.calls += 4 + L->split + 3 * apart;
+    cuda.calls += 3 + !L->dn + L->split + 3 * apart;
     cuda.waits += L->split;
+    if (L->keep) { /* its batch is done with, unread: counted here */
+        cuda.batches++;
+        cuda.jobs += d->moe_jobs;
+        d->moe_jobs = 0;
+    }
     return 0;
 }
 
@@ -7895,6 +8009,85 @@ static int cuda_moe_finish(int dev, void *out)
     cuda.waits++;
     cuda.batches++;
     cuda.jobs += n;
+    return 0;
+}
+
+/* ---- chains: DeltaNet layers run where the layer before left their inputs ----
+ * A DeltaNet layer whose projections the layer before made on the same device (its rest kept
+ * there, KEEP) runs its mixer there too (DN), over its sequences' recurrent states held in
+ * device memory, and its rest after it: nothing crosses the bus between them. A pass uploads
+ * once, before its first layer, what its chained layers need (cuda_chain_begin); a chain's ids
+ * come back after its last layer (cuda_chain_ids). A sequence's state on a device is one
+ * allocation laid out as coli's checkpoints (§8 keeps which copy is current). */
+
+/* Device DEV's chain buffer for a pass: BYTES of STAGE (the T tokens' state addresses at 0,
+ * room for the ids, the chained layers' blocks) uploaded. Returns its address, or 0 after
+ * cuda_fail. */
+static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    cuda_result r;
+    if (!cuda.ready) return 0;
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->chain, &d->chain_cap, bytes)) || (r = cuda_htod(d->chain, stage, bytes))) {
+        cuda_fail("a chain of layers on the device", r);
+        return 0;
+    }
+    cuda.calls++;
+    return d->chain;
+}
+
+/* Downloads BYTES of ids from AT (in device DEV's chain buffer) into OUT, after the chain's last
+ * layer came back (nothing left to wait for). Returns 0, or -1 after cuda_fail. */
+static int cuda_chain_ids(int dev, cuda_ptr at, int *out, size_t bytes)
+{
+    cuda_result r;
+    if (!cuda.ready) return -1;
+    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, at, bytes))) {
+        cuda_fail("a chain of layers on the device", r);
+        return -1;
+    }
+    cuda.calls++;
+    return 0;
+}
+
+/* A DeltaNet layer's constants on device DEV (struct cuda_deltanet's TAPS..NORM: N parts, one
+ * allocation listed under the taps), made resident there on first use. The address, or 0 where
+ * they do not fit (they stay the CPU's: not a failure). */
+static cuda_ptr cuda_deltanet_resident(int dev, const float *const *src, const size_t *bytes, int n)
+{
+    const struct cuda_resident *r = cuda_resident_of((const uint8_t *)src[0]);
+    if (r) return r->dev == dev ? r->ptr : 0;
+    return cuda_upload(dev, (const uint8_t *const *)src, bytes, n, 1);
+}
+
+/* Room for a sequence's recurrent state on device DEV (BYTES, charged to its budget): its
+ * address, or 0 where it does not fit. */
+static cuda_ptr cuda_state_alloc(int dev, size_t bytes)
+{
+    cuda_ptr p = 0;
+    if (!cuda_fits(dev, bytes) || cuda_use(dev) || cuda_mem_alloc(&p, bytes)) return 0;
+    cuda.dev[dev].states += (int64_t)bytes;
+    return p;
+}
+
+static void cuda_state_free(int dev, cuda_ptr p, size_t bytes)
+{
+    if (cuda.ready && cuda_use(dev) == 0) cuda_mem_free(p);
+    cuda.dev[dev].states -= (int64_t)bytes;
+}
+
+/* Copies BYTES between HOST and P on device DEV (UP: to the device). Returns 0, or -1 after
+ * cuda_fail. */
+static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int up)
+{
+    cuda_result r;
+    if (!cuda.ready) return -1;
+    if ((r = cuda_use(dev)) || (r = up ? cuda_htod(p, host, bytes) : cuda_dtoh(host, p, bytes))) {
+        cuda_fail("a recurrent state's copy", r);
+        return -1;
+    }
+    cuda.calls++;
+    cuda.waits += !up;
     return 0;
 }
 
@@ -9924,6 +10117,9 @@ struct model_layer_state {
                                * the scores' read speed) */
     float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
+    int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's
+                               * dev_state), 0: none */
+    int host_stale;           /* only that copy is: the CPU's is older (model_state_to_host) */
 };
 
 /* One sequence (a conversation): what the forward pass remembers of its tokens. Many may
@@ -9931,6 +10127,17 @@ struct model_layer_state {
 struct model_seq {
     struct model_layer_state *state; /* [n_layers] */
     int pos;                         /* tokens already in the state */
+    cuda_ptr dev_state[CUDA_MAX_DEVICES]; /* every DeltaNet layer's state on a device where a chain ran
+                                           * it (§5), laid out as a checkpoint's; 0: none */
+};
+
+/* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of the chain its
+ * rest is in (-1: none); DN, its DeltaNet mixer runs there too; BLOCK and IDS, its addresses in
+ * that device's chain buffer (BLOCK_OFF before it is uploaded). */
+struct model_chain {
+    int dev, dn;
+    size_t block_off;
+    cuda_ptr block, ids;
 };
 
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
@@ -9979,6 +10186,11 @@ struct model_scratch {
     struct model_seq **tok_seq; /* [B] the sequence each token of the batch belongs to */
     int *tok_pos;            /* [B] its position there */
     float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
+    struct model_chain *chain;  /* [n_layers] this pass's chains */
+    struct cuda_deltanet *dn;   /* [n_layers] the DeltaNet layers' constants on their chain's device */
+    uint8_t *chain_stage[CUDA_MAX_DEVICES]; /* what cuda_chain_begin uploads there, of chain_bytes */
+    size_t chain_bytes[CUDA_MAX_DEVICES], chain_cap[CUDA_MAX_DEVICES];
+    int chain_first;            /* the first layer of the chain under way (its ids not yet down), or -1 */
 };
 
 /* Where the forward passes' time goes, for bench: seconds per phase, prompt steps and decode
@@ -10007,6 +10219,8 @@ struct model {
                                        * goldens; f16 half the bytes, q8_0 about a quarter) */
     struct model_scratch s;
     char error[640];                  /* why the last forward failed */
+    int lost;                         /* ... because a device failed with sequences' states on it: the
+                                       * caller feeds them again (model_seq_lost) */
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
     void *trunk;                      /* the trunk matrices' own copy (model_own_trunk), or NULL */
     size_t trunk_bytes;
@@ -10359,6 +10573,8 @@ static void model_alloc_scratch(struct model *m)
     s->tok_seq = plat_zalloc((size_t)B, sizeof *s->tok_seq);
     s->tok_pos = plat_zalloc((size_t)B, sizeof *s->tok_pos);
     s->logits = model_buf(MODEL_MAX_RUNS, c->n_vocab, 0); /* pages never written cost nothing */
+    s->chain = plat_zalloc((size_t)c->n_layers, sizeof *s->chain);
+    s->dn = plat_zalloc((size_t)c->n_layers, sizeof *s->dn);
 }
 
 /* A new sequence at position 0 with zero state. */
@@ -10384,6 +10600,67 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
     }
 }
 
+/* ---- a sequence's DeltaNet state on devices ----
+ * Where a chain (§5) runs a DeltaNet layer on a device, the state of each of its sequences
+ * lives there between passes; the CPU's copy is brought up to date only where the CPU needs it:
+ * its own pass over that layer, a checkpoint. A device that fails with the only current copy
+ * loses it: the sequence is then fed its tokens again (model_seq_lost, the engine's replay). */
+
+/* Layer IL's state's place in a sequence's state on a device, in floats: DeltaNet layers in
+ * order, model_recurrent_floats apiece, as a checkpoint lays them. */
+static uint64_t model_state_off(const struct model *m, int il)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < il; i++) n += m->layers[i].kind == MODEL_LAYER_DELTANET;
+    return n * model_recurrent_floats(&m->cfg);
+}
+
+/* Copies layer IL's state of Q between the CPU and its place on device DEV (UP: there). */
+static int model_state_copy(const struct model *m, struct model_seq *q, int il, int dev, int up)
+{
+    struct model_layer_state *st = &q->state[il];
+    const size_t conv = (size_t)model_conv_dim(&m->cfg) * (size_t)(m->cfg.conv_kernel - 1), per = model_recurrent_floats(&m->cfg);
+    const cuda_ptr p = q->dev_state[dev] + model_state_off(m, il) * sizeof(float);
+    return cuda_state_copy(dev, p, st->conv_state, conv * sizeof(float), up) ||
+           cuda_state_copy(dev, p + conv * sizeof(float), st->ssm_state, (per - conv) * sizeof(float), up) ? -1 : 0;
+}
+
+/* Makes the CPU's copy of layer IL's state of Q current. 0, or -1 where the device that held
+ * the current one failed. */
+static int model_state_to_host(const struct model *m, struct model_seq *q, int il)
+{
+    struct model_layer_state *st = &q->state[il];
+    if (!st->host_stale) return 0;
+    if (model_state_copy(m, q, il, st->on_dev - 1, 0)) return -1;
+    st->host_stale = 0;
+    return 0;
+}
+
+/* Makes device DEV's copy of layer IL's state of Q (its room there taken) current; the CPU's is
+ * then stale, as the device is about to compute it. 0, or -1 where a device failed. */
+static int model_state_to_device(const struct model *m, struct model_seq *q, int il, int dev)
+{
+    struct model_layer_state *st = &q->state[il];
+    if (st->on_dev != dev + 1 && (model_state_to_host(m, q, il) || model_state_copy(m, q, il, dev, 1))) return -1;
+    st->on_dev = dev + 1;
+    st->host_stale = 1;
+    return 0;
+}
+
+/* The CPU's copy of Q's state was just written: the devices' are outdated. */
+static void model_states_written(const struct model *m, struct model_seq *q)
+{
+    for (int i = 0; i < m->cfg.n_layers; i++) q->state[i].on_dev = q->state[i].host_stale = 0;
+}
+
+/* Whether Q's state was lost with a device that failed (only its copy was current). */
+static int model_seq_lost(const struct model *m, const struct model_seq *q)
+{
+    for (int i = 0; i < m->cfg.n_layers && !cuda.ready; i++)
+        if (q->state[i].host_stale) return 1;
+    return 0;
+}
+
 /* Forgets the conversation: position 0, zero state (the KV cache beyond pos is never read). */
 static void model_seq_reset(const struct model *m, struct model_seq *q)
 {
@@ -10395,11 +10672,14 @@ static void model_seq_reset(const struct model *m, struct model_seq *q)
             memset(st->ssm_state, 0, (size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk * sizeof(float));
         }
     }
+    model_states_written(m, q);
     q->pos = 0;
 }
 
 static void model_seq_free(const struct model *m, struct model_seq *q)
 {
+    for (int dev = 0; dev < CUDA_MAX_DEVICES; dev++)
+        if (q->dev_state[dev]) cuda_state_free(dev, q->dev_state[dev], (size_t)model_recurrent_bytes(m));
     for (int i = 0; q->state && i < m->cfg.n_layers; i++) {
         free(q->state[i].k_cache);
         free(q->state[i].v_cache);
@@ -10603,7 +10883,9 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos};
+    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
+                    s->chain, s->dn};
+    for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
@@ -11148,6 +11430,24 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
+/* The end of the chain that ends with layer LAST on device DEV: its layers' ids down, and the
+ * store told of each layer's experts in order, as each layer would have. 0, or -1 after a
+ * failure (the GPU path has ended). */
+static int model_chain_end(struct model *m, int last, int T, int dev)
+{
+    struct model_scratch *s = &m->s;
+    const int first = s->chain_first;
+    const size_t per = (size_t)T * (size_t)m->cfg.n_expert_used;
+    int *ids = (int *)s->dev_out; /* read out already: room for every layer's ids */
+    s->chain_first = -1;
+    if (cuda_chain_ids(dev, s->chain[first].ids, ids, (size_t)(last - first + 1) * per * sizeof(int))) return -1;
+    for (int il = first; il <= last; il++) {
+        memcpy(s->top, ids + (size_t)(il - first) * per, per * sizeof(int));
+        model_want_experts(m, il, T);
+    }
+    return 0;
+}
+
 /* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
  * MIX: the new hidden state into x, the chosen experts into top (for the store's heat and
  * statistics, as the CPU's routing would tell it), the next layer's projections (L->n_next of
@@ -11160,9 +11460,10 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     const size_t stride = ops_act_stride(L->wo), dim = (size_t)c->dim, ids = (size_t)T * (size_t)c->n_expert_used;
-    uint8_t *act = ops_scratch(&ops_act_buf, stride * (size_t)T); /* copied before cuda_moe_layer_start returns */
-    for (int t = 0; t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
+    uint8_t *act = L->dn ? NULL : ops_scratch(&ops_act_buf, stride * (size_t)T); /* copied before cuda_moe_layer_start returns */
+    for (int t = 0; act && t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
     if (cuda_moe_layer_start(dev, L, s->x, act, stride, T, s->dev_out)) return -1;
+    if (L->keep) return 0; /* the next layer takes it from here, on the device */
     if (L->split) { /* the routing came back: the CPU's experts of xn into ex_out, then up */
         memcpy(s->xn, s->dev_out, (size_t)T * dim * sizeof(float));
         memcpy(s->top, s->dev_out + (size_t)T * dim, ids * sizeof(int));
@@ -11179,6 +11480,7 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     const float *y = s->dev_out + ids + (size_t)T * dim;
     for (int j = 0; j < L->n_next; y += (size_t)T * (size_t)next[j].w.rows, j++)
         memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
+    if (s->chain_first >= 0) return model_chain_end(m, il, T, dev);
     if (!L->split) model_want_experts(m, il, T);
     return 0;
 }
@@ -11276,28 +11578,51 @@ static void model_project(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
-/* The rest of layer IL for T tokens after its mixer left its rows in MIX: the output
- * projection, the residual and the post-norm, the FFN and its residual. All of it on one
- * device where one holds it all (model_rest_device), and the next layer's model_project with
- * it where its matrices are there too; after the last layer, where HEAD (each token is its
- * run's last), the final norm and the output head into logits. Else step by step. Returns 1
- * where what follows was made, 0 where not, or -1 with m->error where an expert could not be
- * read. */
-static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
+/* The device that runs the rest of layer IL for T tokens (model_rest_device), with *L and
+ * NEXT filled: what follows it is the next layer's mixer projections, or after the last layer,
+ * where HEAD (each token is its run's last), the final norm and the output head into logits. */
+static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_job *next, struct cuda_moe_layer *L)
 {
     const struct model_layer *l = &m->layers[il];
     const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
     const int last = il + 1 == m->cfg.n_layers;
-    struct ops_job next[CUDA_NEXT_MAX] = {{m->lm_head, m->s.xn, m->s.logits, T}};
+    next[0] = (struct ops_job){m->lm_head, m->s.xn, m->s.logits, T};
     int n_next = !cuda.ready ? 0 : !last ? model_mixer_jobs(m, il + 1, T, next) : head;
+    return model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, L);
+}
+
+/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: a DeltaNet run
+ * on the device, model_chain_plan): the output projection, the residual and the post-norm,
+ * the FFN and its residual. All of it on one device where one holds it all (model_rest_device),
+ * with what follows it where its matrices are there too (model_rest_plan); else step by step.
+ * Returns 1 where what follows was made (on the device, where the next layer's DeltaNet runs
+ * there), 0 where not, or -1 with m->error where an expert could not be read or a chain's
+ * device failed (m->lost). */
+static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
+{
+    const struct model_layer *l = &m->layers[il];
+    const struct model_chain *ch = &m->s.chain[il];
+    struct ops_job next[CUDA_NEXT_MAX];
     struct cuda_moe_layer L;
-    int dev = model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, &L);
-    int done = dev >= 0 ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
+    int dev = model_rest_plan(m, il, T, head, next, &L);
+    if (ch->dev >= 0) {
+        L.keep = il + 1 < m->cfg.n_layers && m->s.chain[il + 1].dn;
+        L.dn = ch->dn ? &m->s.dn[il] : NULL;
+        L.block = ch->block, L.ids = ch->ids;
+        if (m->s.chain_first < 0) m->s.chain_first = il;
+    }
+    int done = dev >= 0 && dev == (ch->dev >= 0 ? ch->dev : dev) ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
     if (done == -2) return -1;
     if (done == 0) {
         model_phase_mark(m, MODEL_PHASE_EXPERTS);
         return L.n_next > 0;
     }
+    if (ch->dev >= 0) {
+        m->lost = 1;
+        snprintf(m->error, sizeof m->error, "the device failed in the middle of a pass");
+        return -1;
+    }
+    const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
     ops_matmat(wo, mix, m->s.out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_residual_norm(m, T, 1, l->post_norm);
@@ -11305,6 +11630,115 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
     model_ffn(m, il, T);
     if (m->experts && expert_recover(m->experts, m->error, sizeof m->error)) return -1;
     model_residual_norm(m, T, 1, NULL);
+    return 0;
+}
+
+/* ---- chains: a pass's DeltaNet layers on the device after the layer before (§5) ---- */
+
+/* Layer IL's DeltaNet constants on device DEV (resident from here on) into s->dn[il]. 1, or 0
+ * where the device lacks the kernels or the room. */
+static int model_deltanet_on(struct model *m, int il, int dev)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    const struct cuda_device *d = &cuda.dev[dev];
+    const int64_t conv_dim = model_conv_dim(c);
+    const float *src[] = {l->conv_taps, l->dt_bias, l->ssm_a, l->ssm_norm};
+    const size_t bytes[] = {(size_t)c->conv_kernel * (size_t)conv_dim * 4, (size_t)c->ssm_nv * 4, (size_t)c->ssm_nv * 4,
+                            (size_t)(l->ssm_norm_per_head ? c->ssm_nv : 1) * (size_t)c->ssm_dv * 4};
+    if (!d->deltanet_conv || !d->deltanet_rule || !d->deltanet_gate || c->ssm_nv % c->ssm_nk) return 0;
+    const cuda_ptr p = cuda_deltanet_resident(dev, src, bytes, 4);
+    if (!p) return 0;
+    m->s.dn[il] = (struct cuda_deltanet){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1]),
+                                         p + cuda_span(bytes, 3), (int)conv_dim, c->conv_kernel, c->ssm_nk, c->ssm_nv, c->ssm_dk,
+                                         c->ssm_dv, c->vhead_tiled, c->arch == MODEL_ARCH_QWEN3NEXT, l->ssm_norm_per_head, c->eps,
+                                         1.0f / sqrtf((float)c->ssm_dk), model_state_off(m, il),
+                                         (uint64_t)conv_dim * (uint64_t)(c->conv_kernel - 1)};
+    return 1;
+}
+
+/* Bytes of a chain buffer's head for T tokens: the tokens' state addresses, then the ids of
+ * every layer (layer il's at il T used ints from the ids' start). */
+static size_t model_chain_head(int T) { return cuda_align((size_t)T * 8); }
+static size_t model_chain_ids_bytes(const struct model *m, int T)
+{
+    return cuda_align((size_t)m->cfg.n_layers * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int));
+}
+
+/* Chains DeltaNet layer IL (not the first) to the layer before for this pass's T tokens (of
+ * N_RUNS runs) where one device would run both layers' rests whole (no expert of theirs the
+ * CPU's) and the layer before makes IL's projections there, and IL's constants and every run's
+ * state fit there: stages IL's block for cuda_chain_begin. */
+static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il)
+{
+    struct model_scratch *s = &m->s;
+    struct ops_job next[CUDA_NEXT_MAX];
+    struct cuda_moe_layer before, L;
+    if (m->layers[il].kind != MODEL_LAYER_DELTANET || m->cfg.n_layers > m->cfg.dim) return; /* the ids come down through dev_out */
+    const int dev = model_rest_plan(m, il - 1, T, T == n_runs, next, &before);
+    if (dev < 0 || before.split || before.n_next != model_mixer_jobs(m, il, T, next) || model_rest_plan(m, il, T, T == n_runs, next, &L) != dev ||
+        L.split || !model_deltanet_on(m, il, dev))
+        return;
+    const size_t state = (size_t)model_recurrent_bytes(m);
+    for (int r = 0; r < n_runs; r++)
+        if (!runs[r].seq->dev_state[dev] && !(runs[r].seq->dev_state[dev] = cuda_state_alloc(dev, state))) return;
+    L.dn = &s->dn[il];
+    size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(&L, T);
+    if (!*used) *used = model_chain_head(T) + model_chain_ids_bytes(m, T);
+    if (*used + bytes > s->chain_cap[dev]) {
+        s->chain_cap[dev] = 2 * (*used + bytes);
+        s->chain_stage[dev] = plat_realloc(s->chain_stage[dev], s->chain_cap[dev]);
+    }
+    cuda_chain_block_fill(&L, T, s->chain_stage[dev] + *used);
+    s->chain[il] = (struct model_chain){dev, 1, *used, 0, 0};
+    s->chain[il - 1].dev = dev;
+    *used += bytes;
+}
+
+/* Uploads each device's staged chains (the tokens' state addresses first) and sets the chained
+ * layers' addresses there. -1 where a device failed. */
+static int model_chain_upload(struct model *m, int T)
+{
+    struct model_scratch *s = &m->s;
+    for (int dev = 0; dev < cuda.n_devices; dev++) {
+        if (!s->chain_bytes[dev]) continue;
+        for (int t = 0; t < T; t++) memcpy(s->chain_stage[dev] + (size_t)t * 8, &s->tok_seq[t]->dev_state[dev], 8);
+        const cuda_ptr base = cuda_chain_begin(dev, s->chain_stage[dev], s->chain_bytes[dev]);
+        if (!base) return -1;
+        for (int il = 0; il < m->cfg.n_layers; il++) {
+            struct model_chain *ch = &s->chain[il];
+            if (ch->dev != dev) continue;
+            ch->block = ch->dn ? base + ch->block_off : 0;
+            ch->ids = base + model_chain_head(T) + (size_t)il * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
+        }
+    }
+    return 0;
+}
+
+/* This pass's chains (model_chain_layer, model_chain_upload), and every run's DeltaNet states
+ * made current where the pass computes them: on a chain's device, else on the CPU. Returns 0,
+ * or -1 with m->error and m->lost where a device holding states failed. */
+static int model_chain_plan(struct model *m, const struct model_run *runs, int n_runs, int T)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_scratch *s = &m->s;
+    s->chain_first = -1;
+    memset(s->chain_bytes, 0, sizeof s->chain_bytes);
+    for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
+    for (int il = 1; il < c->n_layers && cuda.ready && m->experts; il++) model_chain_layer(m, runs, n_runs, T, il);
+    if (model_chain_upload(m, T))
+        for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
+    for (int r = 0; r < n_runs; r++)
+        for (int il = 0; il < c->n_layers; il++) {
+            if (m->layers[il].kind != MODEL_LAYER_DELTANET) continue;
+            struct model_layer_state *st = &runs[r].seq->state[il];
+            if (s->chain[il].dn ? model_state_to_device(m, runs[r].seq, il, s->chain[il].dev) : model_state_to_host(m, runs[r].seq, il)) {
+                m->lost = 1;
+                snprintf(m->error, sizeof m->error, "the device that held this conversation's state failed");
+                return -1;
+            }
+            if (!s->chain[il].dn) st->on_dev = 0; /* the CPU computes it: the device's copy falls behind */
+        }
     return 0;
 }
 
@@ -11358,14 +11792,19 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     m->profile.mark = plat_now();
     int T = model_embed_runs(m, runs, n_runs);
+    m->lost = 0;
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
+    if (model_chain_plan(m, runs, n_runs, T)) return -1;
     int projected = 0; /* the last layer's rest made what follows it: this layer's projections, or the logits */
     for (int il = 0; il < c->n_layers; il++) {
+        const int on_device = s->chain[il].dn; /* its mixer, from the projections the layer before kept there */
         model_phase_mark(m, MODEL_PHASE_OTHER);
-        if (m->experts && !m->experts->mapped) model_prefetch(m, il, T);
+        if (m->experts && !m->experts->mapped && !on_device) model_prefetch(m, il, T);
         model_phase_mark(m, MODEL_PHASE_ROUTING);
         if (!projected) model_project(m, il, T);
-        const float *mix = m->layers[il].kind == MODEL_LAYER_ATTENTION ? model_attention(m, il, T) : model_gated_deltanet(m, il, T);
+        const float *mix = on_device                                   ? NULL
+                           : m->layers[il].kind == MODEL_LAYER_ATTENTION ? model_attention(m, il, T)
+                                                                         : model_gated_deltanet(m, il, T);
         if ((projected = model_layer_rest(m, il, T, mix, T == n_runs)) < 0) return -1;
     }
     for (int r = 0, last = 0; r < n_runs; r++) {
@@ -11415,13 +11854,22 @@ struct model_checkpoint {
     float *recurrent; /* every DeltaNet layer's conv state then ssm state, in layer order */
 };
 
-/* Saves (SAVE = 1) or restores (0) the state of Q; the checkpoint's buffer is allocated once. */
+/* Saves (SAVE = 1) or restores (0) the state of Q; the checkpoint's buffer is allocated once. A
+ * state lost with a failed device is saved as the empty sequence's (position 0, zero state),
+ * which any prompt may start from. */
 static void model_checkpoint(const struct model *m, struct model_seq *q, struct model_checkpoint *cp, int save)
 {
     const struct model_config *c = &m->cfg;
     size_t conv = (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1), per = model_recurrent_floats(c), n_deltanet = 0;
     for (int i = 0; i < c->n_layers; i++) n_deltanet += q->state[i].conv_state != NULL;
     if (!cp->recurrent) cp->recurrent = plat_alloc(plat_mul_size(per * sizeof(float), n_deltanet ? n_deltanet : 1, "checkpoint"));
+    for (int i = 0; save && i < c->n_layers; i++)
+        if (model_state_to_host(m, q, i)) {
+            memset(cp->recurrent, 0, per * n_deltanet * sizeof(float));
+            cp->pos = 0;
+            return;
+        }
+    if (!save) model_states_written(m, q);
     float *p = cp->recurrent;
     for (int i = 0; i < c->n_layers; i++) {
         struct model_layer_state *st = &q->state[i];
@@ -13721,6 +14169,31 @@ static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, f
     else engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
 }
 
+/* After a pass that failed with sequences' states on a device that failed (m->lost): the
+ * slots of its runs (OWNER[0..n), their states half advanced) and every slot whose state was
+ * lost are reset and fed their tokens again, on the CPU now: the same bits as before. Returns
+ * 0, or -1 with m->error. */
+static int engine_replay(struct engine *e, const int *owner, int n)
+{
+    int fed = 0;
+    for (int i = 0; i < e->n_slots; i++) {
+        struct engine_slot *sl = &e->slots[i];
+        int in_batch = 0, pos = sl->seq.pos;
+        for (int r = 0; r < n; r++) in_batch |= owner[r] == i;
+        if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
+        if (sl->past.n < pos) return snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known"), -1;
+        model_seq_reset(e->m, &sl->seq);
+        for (int at = 0; at < pos;) {
+            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL};
+            if (model_forward_runs(e->m, &run, 1)) return -1;
+            at += run.n;
+        }
+        fed += pos;
+    }
+    plat_log("[cuda] %d tokens of context fed again on the CPU", fed);
+    return 0;
+}
+
 /* One forward batch over the busy slots, then each one's next token. Returns how many slots
  * are still busy. */
 static int engine_step(struct engine *e)
@@ -13730,7 +14203,9 @@ static int engine_step(struct engine *e)
     for (int r = 0; r < n; r++) prompt |= e->slots[owner[r]].next < 0;
     if (n && e->m->experts) expert_phase(e->m->experts, prompt ? EXPERT_PHASE_PROMPT : EXPERT_PHASE_DECODE);
     e->m->profile.decode = !prompt;
-    if (n && model_forward_runs(e->m, runs, n))
+    int failed = n && model_forward_runs(e->m, runs, n);
+    if (failed && e->m->lost) failed = engine_replay(e, owner, n) || model_forward_runs(e->m, runs, n);
+    if (failed)
         for (int r = 0; r < n; r++) engine_finish(e, &e->slots[owner[r]], ENGINE_STOP_ERROR, e->m->error);
     else
         for (int r = 0; r < n; r++) {

@@ -849,3 +849,141 @@ extern "C" __global__ void residual_norm(float *x, const float *__restrict__ y, 
     X(iq3_s, IQ3_S, 110)
 
 KERNEL_FORMATS(KERNELS)
+
+// ---- Gated DeltaNet on the device: coli.c's model_gated_deltanet, bit for bit ----
+// Where a DeltaNet layer's projections were made on the device by the layer before it, its
+// mixer runs there too (coli.c cuda_deltanet_start), over the sequences' recurrent states kept
+// in device memory: STATES[t] is the address of token t's sequence's state, a run of floats laid
+// out as coli.c's checkpoints (per DeltaNet layer its conv state [K-1][conv_dim], then its ssm
+// state [nv][dk][dv]); LAYER_OFF is this layer's place in it, in floats. A batch's tokens go
+// through their states in order, as on the CPU.
+
+// The sum of squares of a warp's run of elements, ops_sum_squares' order: element e (lane e % 32
+// of pass e / 32) into partial e % 16 in increasing e, the partials met by the butterfly 8, 4, 2,
+// 1. Call once a pass with the lane's element V (or VALID 0); PART is lane 0..15's partial.
+__device__ __forceinline__ double squares_add(double part, float v, bool valid, bool upper_valid) {
+    const int lane = threadIdx.x & 31;
+    const double sq = __dmul_rn((double)v, (double)v), upper = __shfl_down_sync(0xffffffffu, sq, 16);
+    if (lane < 16 && valid) part = __dadd_rn(part, sq);
+    if (lane < 16 && upper_valid) part = __dadd_rn(part, upper);
+    return part;
+}
+
+// The partials of squares_add met, in every lane.
+__device__ __forceinline__ double squares_total(double part) {
+    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
+    return __shfl_sync(0xffffffffu, part, 0);
+}
+
+// coli.c's ops_ln for a positive normal z: z = m 2^k, m in [sqrt(1/2), sqrt(2)), ln m =
+// 2 atanh(s), s = (m - 1) / (m + 1), by its series to s^21.
+__device__ __forceinline__ double ln_canonical(double z) {
+    long long bits = __double_as_longlong(z);
+    int k = (int)(bits >> 52) - 1023;
+    double m = __longlong_as_double((bits & 0x000fffffffffffffLL) | 0x3ff0000000000000LL);
+    if (m > 1.4142135623730951) { m = __dmul_rn(m, 0.5); k++; }
+    const double s = __ddiv_rn(__dsub_rn(m, 1.0), __dadd_rn(m, 1.0)), s2 = __dmul_rn(s, s);
+    double t = 1.0 / 21;
+    for (int j = 19; j >= 1; j -= 2) t = __dadd_rn(__dmul_rn(t, s2), __ddiv_rn(1.0, (double)j));
+    const double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
+    return __dadd_rn(__dmul_rn((double)k, ln2_hi), __dadd_rn(__dmul_rn(__dmul_rn(2.0, s), t), __dmul_rn((double)k, ln2_lo)));
+}
+
+// coli.c's ops_softplus: log(1 + e^x), x above 20 as is; e^x rounded to float first; ln(1 + y)
+// by its own series below 2^-10.
+__device__ __forceinline__ float softplus_canonical(float x) {
+    if (x > 20.0f) return x;
+    const double y = (double)exp_canonical(x);
+    if (!(y >= 0.0)) return (float)y;
+    if (y < 0.0009765625)
+        return __double2float_rn(__dmul_rn(y, __dsub_rn(1.0, __dmul_rn(y, __dsub_rn(0.5, __dmul_rn(y, __dsub_rn(1.0 / 3,
+               __dmul_rn(y, __dsub_rn(0.25, __dmul_rn(y, __dsub_rn(0.2, __ddiv_rn(y, 6.0))))))))))));
+    return __double2float_rn(ln_canonical(__dadd_rn(1.0, y)));
+}
+
+// The causal conv of DeltaNet channels, coli.c's model_conv_task: block b (one warp) takes
+// channels [b*dk, (b+1)*dk), lane l those l + 32m, and for each token in order: the sum over the
+// taps, oldest first, from 0; the state shifted by one input; SiLU; then for a q or k head (the
+// channels below 2*Q_END) the L2 norm (ops_l2norm: the squares in ops_sum_squares' order, the
+// norm's root in float, the division by max(norm, eps)) and for q (below Q_END) the scale QSCALE.
+// MIXED [T][conv_dim] in place; TAPS [K][conv_dim]. Grid ceil(conv_dim / dk).
+extern "C" __global__ void deltanet_conv(float *mixed, const float *__restrict__ taps, const uint64_t *__restrict__ states,
+                                         uint64_t layer_off, int conv_dim, int K, int dk, int q_end, float eps, float qscale, int T) {
+    const int lane = threadIdx.x & 31, c0 = blockIdx.x * dk, c1 = c0 + dk < conv_dim ? c0 + dk : conv_dim;
+    for (int t = 0; t < T; t++) {
+        float *x = mixed + (uint64_t)t * conv_dim, *state = (float *)states[t] + layer_off;
+        double part = 0.0;
+        for (int i0 = c0; i0 < c1; i0 += 32) {
+            const int ch = i0 + lane;
+            float v = 0.0f;
+            if (ch < c1) {
+                float sum = 0.0f;
+                for (int j = 0; j < K - 1; j++) sum = __fadd_rn(sum, __fmul_rn(taps[(uint64_t)j * conv_dim + ch], state[(uint64_t)j * conv_dim + ch]));
+                const float in = x[ch];
+                sum = __fadd_rn(sum, __fmul_rn(taps[(uint64_t)(K - 1) * conv_dim + ch], in));
+                for (int j = 0; j + 1 < K - 1; j++) state[(uint64_t)j * conv_dim + ch] = state[(uint64_t)(j + 1) * conv_dim + ch];
+                if (K > 1) state[(uint64_t)(K - 2) * conv_dim + ch] = in;
+                x[ch] = v = silu_canonical(sum);
+            }
+            part = squares_add(part, v, ch < c1, ch + 16 < c1);
+        }
+        if (c0 >= 2 * q_end) continue; // a v channel: no norm
+        const float norm = __fsqrt_rn(__double2float_rn(squares_total(part)));
+        const float scale = __fdiv_rn(1.0f, norm > eps ? norm : eps);
+        for (int ch = c0 + lane; ch < c1; ch += 32) {
+            const float v = __fmul_rn(x[ch], scale);
+            x[ch] = c0 < q_end ? __fmul_rn(v, qscale) : v;
+        }
+    }
+}
+
+// The gated delta rule, coli.c's ops_delta_rows_scalar: v-head h = blockIdx.y, row j of its
+// state a lane (blockIdx.x * 32 + lane), every token in order. Its gates from the projections:
+// beta = sigmoid(BETA), decay = e^(softplus(ALPHA + dt_bias) * a); with BA (Qwen3-Next) both come
+// from BETA's fused rows [T][2 nv], per k-head group [b x r | a x r]. Its q and k are k-head g's
+// (TILED: h mod nk, else h / (nv / nk)) in MIXED (after deltanet_conv); v its own. Writes
+// CORE[t][h*dv + j]. Grid (ceil(dv / 32), nv).
+extern "C" __global__ void deltanet_rule(const float *__restrict__ mixed, const float *__restrict__ beta_in, const float *__restrict__ alpha_in,
+                                         int ba, const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
+                                         const uint64_t *__restrict__ states, uint64_t ssm_off, int nk, int nv, int dk, int dv, int tiled,
+                                         int conv_dim, int T, float *__restrict__ core) {
+    const int lane = threadIdx.x & 31, h = blockIdx.y, j = blockIdx.x * 32 + lane, r = nv / nk, g = tiled ? h % nk : h / r;
+    if (j >= dv) return;
+    for (int t = 0; t < T; t++) {
+        const float *x = mixed + (uint64_t)t * conv_dim, *q = x + (uint64_t)g * dk, *k = x + (uint64_t)(nk + g) * dk;
+        const float *v = x + 2 * (uint64_t)nk * dk + (uint64_t)h * dv;
+        const float b = ba ? beta_in[(uint64_t)t * 2 * nv + (h / r) * 2 * r + h % r] : beta_in[(uint64_t)t * nv + h];
+        const float a = ba ? beta_in[(uint64_t)t * 2 * nv + (h / r) * 2 * r + r + h % r] : alpha_in[(uint64_t)t * nv + h];
+        const float beta = sigmoid_canonical(b), decay = exp_canonical(__fmul_rn(softplus_canonical(__fadd_rn(a, dt_bias[h])), ssm_a[h]));
+        float *S = (float *)states[t] + ssm_off + (uint64_t)h * dv * dk + j;
+        float pred = 0.0f, o = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            const float s = __fmul_rn(S[(uint64_t)i * dv], decay);
+            S[(uint64_t)i * dv] = s;
+            pred = __fadd_rn(pred, __fmul_rn(s, k[i]));
+        }
+        const float delta = __fmul_rn(beta, __fsub_rn(v[j], pred));
+        for (int i = 0; i < dk; i++) {
+            const float s = __fadd_rn(S[(uint64_t)i * dv], __fmul_rn(k[i], delta));
+            S[(uint64_t)i * dv] = s;
+            o = __fadd_rn(o, __fmul_rn(s, q[i]));
+        }
+        core[(uint64_t)t * nv * dv + (uint64_t)h * dv + j] = o;
+    }
+}
+
+// The gated RMSNorm after the rule: core = rmsnorm(core) * w * silu(z) (ops_rmsnorm's order, as
+// residual_norm), head h = blockIdx.x of token t = blockIdx.y a warp; W is per head where
+// PER_HEAD, else one [dv] for all. Grid (nv, T).
+extern "C" __global__ void deltanet_gate(float *core, const float *__restrict__ z, const float *__restrict__ w, int per_head, int dv,
+                                         float eps) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t row = ((uint64_t)blockIdx.y * gridDim.x + blockIdx.x) * dv;
+    float *o = core + row;
+    const float *wh = w + (per_head ? (uint64_t)blockIdx.x * dv : 0);
+    double part = 0.0;
+    for (int i0 = 0; i0 < dv; i0 += 32) part = squares_add(part, i0 + lane < dv ? o[i0 + lane] : 0.0f, i0 + lane < dv, i0 + lane + 16 < dv);
+    const float mean = __double2float_rn(__ddiv_rn(squares_total(part), (double)dv));
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    for (int i = lane; i < dv; i += 32) o[i] = __fmul_rn(__fmul_rn(__fmul_rn(o[i], scale), wh[i]), silu_canonical(z[row + i]));
+}

@@ -649,6 +649,129 @@ static void run_residual_norm(int unused, void **p, struct grid g)
     }
 }
 
+/* ln z for a positive normal z as coli.c's ops_ln: z = m 2^k with m in [sqrt(1/2), sqrt(2)),
+ * ln m = 2 atanh((m - 1) / (m + 1)) by its odd series to s^21, ln 2 in two parts. */
+static double ln_canonical(double z)
+{
+    uint64_t bits;
+    memcpy(&bits, &z, 8);
+    int k = (int)(bits >> 52) - 1023;
+    bits = (bits & 0x000fffffffffffffull) | 0x3ff0000000000000ull;
+    double m;
+    memcpy(&m, &bits, 8);
+    if (m > 1.4142135623730951) m *= 0.5, k++;
+    const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double t = 1.0 / 21;
+    for (int j = 19; j >= 1; j -= 2) t = t * s2 + 1.0 / j;
+    return k * 6.93147180369123816490e-01 + (2.0 * s * t + k * 1.90821492927058770002e-10);
+}
+
+/* log(1 + e^x) (x above 20: x), e^x rounded to float, ln(1 + y) by its series below 2^-10. */
+static float softplus(float x)
+{
+    if (x > 20.0f) return x;
+    const double y = exp_canonical(x);
+    if (!(y >= 0.0)) return (float)y;
+    if (y < 0.0009765625) return (float)(y * (1.0 - y * (0.5 - y * (1.0 / 3 - y * (0.25 - y * (0.2 - y / 6))))));
+    return (float)ln_canonical(1.0 + y);
+}
+
+/* The squares of N floats in double, element i into partial i % 16, met pairwise 8, 4, 2, 1. */
+static double squares(const float *x, int n)
+{
+    double part[16] = {0};
+    for (int i = 0; i < n; i++) part[i % 16] += (double)x[i] * x[i];
+    for (int s = 8; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) part[j] += part[j + s];
+    return part[0];
+}
+
+/* deltanet_conv(mixed, taps, states, layer_off, conv_dim, K, dk, q_end, eps, qscale, T): for
+ * each token in order, every channel's causal conv over its state (the taps oldest first from
+ * 0, then the input; the state shifted), SiLU, then each q and k head (channels below 2 q_end,
+ * dk apiece) divided by max(its L2 norm, eps), q's channels times qscale. */
+static void run_deltanet_conv(int unused, void **p, struct grid g)
+{
+    (void)unused; (void)g;
+    float *mixed = ARG(0, float *);
+    const float *taps = ARG(1, const float *);
+    const uint64_t *states = ARG(2, const uint64_t *);
+    uint64_t off = ARG(3, uint64_t);
+    int n = ARG(4, int), K = ARG(5, int), dk = ARG(6, int), q_end = ARG(7, int), T = ARG(10, int);
+    float eps = ARG(8, float), qscale = ARG(9, float);
+    for (int t = 0; t < T; t++) {
+        float *x = mixed + (size_t)t * n, *st = (float *)(uintptr_t)states[t] + off;
+        for (int ch = 0; ch < n; ch++) {
+            float sum = 0.0f, in = x[ch];
+            for (int j = 0; j < K - 1; j++) sum += taps[(size_t)j * n + ch] * st[(size_t)j * n + ch];
+            sum += taps[(size_t)(K - 1) * n + ch] * in;
+            for (int j = 0; j + 1 < K - 1; j++) st[(size_t)j * n + ch] = st[(size_t)(j + 1) * n + ch];
+            if (K > 1) st[(size_t)(K - 2) * n + ch] = in;
+            x[ch] = silu(sum);
+        }
+        for (int h = 0; h < 2 * q_end; h += dk) {
+            float norm = sqrtf((float)squares(x + h, dk)), scale = 1.0f / (norm > eps ? norm : eps);
+            for (int i = h; i < h + dk; i++) x[i] = i < q_end ? x[i] * scale * qscale : x[i] * scale;
+        }
+    }
+}
+
+/* deltanet_rule(mixed, beta, alpha, ba, dt_bias, ssm_a, states, ssm_off, nk, nv, dk, dv, tiled,
+ * conv_dim, T, core): for each token in order and each v-head h, its state S ([dk][dv], element
+ * (row j, i) at i dv + j) decayed by e^(softplus(alpha + dt_bias) a), row j's prediction k . S_j,
+ * S_j += k beta (v_j - prediction), core_j = q . S_j, each dot a serial sum over i. */
+static void run_deltanet_rule(int unused, void **p, struct grid g)
+{
+    (void)unused; (void)g;
+    const float *mixed = ARG(0, const float *), *bin = ARG(1, const float *), *ain = ARG(2, const float *);
+    const float *dt_bias = ARG(4, const float *), *ssm_a = ARG(5, const float *);
+    const uint64_t *states = ARG(6, const uint64_t *);
+    uint64_t off = ARG(7, uint64_t);
+    int ba = ARG(3, int), nk = ARG(8, int), nv = ARG(9, int), dk = ARG(10, int), dv = ARG(11, int), tiled = ARG(12, int);
+    int n = ARG(13, int), T = ARG(14, int), r = nv / nk;
+    float *core = ARG(15, float *);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < nv; h++) {
+            const int grp = tiled ? h % nk : h / r;
+            const float *x = mixed + (size_t)t * n, *q = x + (size_t)grp * dk, *k = x + (size_t)(nk + grp) * dk, *v = x + (size_t)2 * nk * dk + (size_t)h * dv;
+            float b = ba ? bin[(size_t)t * 2 * nv + (h / r) * 2 * r + h % r] : bin[(size_t)t * nv + h];
+            float a = ba ? bin[(size_t)t * 2 * nv + (h / r) * 2 * r + r + h % r] : ain[(size_t)t * nv + h];
+            float beta = 1.0f / (1.0f + exp_canonical(-b)), decay = exp_canonical(softplus(a + dt_bias[h]) * ssm_a[h]);
+            float *S = (float *)(uintptr_t)states[t] + off + (size_t)h * dv * dk;
+            for (int j = 0; j < dv; j++) {
+                float pred = 0.0f, o = 0.0f;
+                for (int i = 0; i < dk; i++) {
+                    S[(size_t)i * dv + j] *= decay;
+                    pred += S[(size_t)i * dv + j] * k[i];
+                }
+                float delta = beta * (v[j] - pred);
+                for (int i = 0; i < dk; i++) {
+                    S[(size_t)i * dv + j] += k[i] * delta;
+                    o += S[(size_t)i * dv + j] * q[i];
+                }
+                core[(size_t)t * nv * dv + (size_t)h * dv + j] = o;
+            }
+        }
+}
+
+/* deltanet_gate(core, z, w, per_head, dv, eps): each row of dv (head gx of token gy) becomes
+ * rmsnorm(row) * w * silu(z's row), w the head's own where per_head. */
+static void run_deltanet_gate(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    float *core = ARG(0, float *);
+    const float *z = ARG(1, const float *), *w = ARG(2, const float *);
+    int per_head = ARG(3, int), dv = ARG(4, int), heads = (int)(g.warps);
+    float eps = ARG(5, float);
+    for (unsigned t = 0; t < g.y; t++)
+        for (int h = 0; h < heads; h++) {
+            float *o = core + ((size_t)t * heads + h) * dv;
+            const float *wh = w + (per_head ? (size_t)h * dv : 0), *zr = z + ((size_t)t * heads + h) * dv;
+            float scale = 1.0f / sqrtf((float)(squares(o, dv) / dv) + eps);
+            for (int i = 0; i < dv; i++) o[i] = o[i] * scale * wh[i] * silu(zr[i]);
+        }
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -661,7 +784,8 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     FORMAT("iq4_xs", IQ4_XS), FORMAT("iq3_xxs", IQ3_XXS), FORMAT("iq3_s", IQ3_S),
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
-    {"residual_norm", 0, run_residual_norm},
+    {"residual_norm", 0, run_residual_norm}, {"deltanet_conv", 0, run_deltanet_conv}, {"deltanet_rule", 0, run_deltanet_rule},
+    {"deltanet_gate", 0, run_deltanet_gate},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

@@ -64,7 +64,7 @@ asm(".text\n"
     "    popq %r15\n    popq %r14\n    popq %r13\n    popq %r12\n    popq %rbx\n    popq %rbp\n"
     "    ret\n"
     ".size sim_switch, . - sim_switch\n");
-static sim_dim blockIdx, blockDim;
+static sim_dim blockIdx, blockDim, gridDim;
 #define threadIdx (sim_current->thread)
 
 static void sim_fail(int line, const char *why)
@@ -106,6 +106,7 @@ static inline float __int_as_float(int i) { return sim_bits<float>(i); }
 static inline unsigned __float_as_uint(float f) { return sim_bits<unsigned>(f); }
 static inline int __float_as_int(float f) { return sim_bits<int>(f); }
 static inline double __longlong_as_double(long long i) { return sim_bits<double>(i); }
+static inline long long __double_as_longlong(double d) { return sim_bits<long long>(d); }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -270,6 +271,15 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
                                                ARG(9, const float *)); }},
     {"residual_norm", [](void **p) { residual_norm(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, float *),
                                                    ARG(4, int), ARG(5, float)); }},
+    {"deltanet_conv", [](void **p) { deltanet_conv(ARG(0, float *), ARG(1, const float *), ARG(2, const uint64_t *), ARG(3, uint64_t),
+                                                   ARG(4, int), ARG(5, int), ARG(6, int), ARG(7, int), ARG(8, float), ARG(9, float),
+                                                   ARG(10, int)); }},
+    {"deltanet_rule", [](void **p) { deltanet_rule(ARG(0, const float *), ARG(1, const float *), ARG(2, const float *), ARG(3, int),
+                                                   ARG(4, const float *), ARG(5, const float *), ARG(6, const uint64_t *), ARG(7, uint64_t),
+                                                   ARG(8, int), ARG(9, int), ARG(10, int), ARG(11, int), ARG(12, int), ARG(13, int),
+                                                   ARG(14, int), ARG(15, float *)); }},
+    {"deltanet_gate", [](void **p) { deltanet_gate(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, int),
+                                                   ARG(4, int), ARG(5, float)); }},
 };
 
 /* Runs kernel NAME over a grid of GX x GY blocks of BX threads, with cuLaunchKernel's
@@ -283,6 +293,7 @@ extern "C" int kernels_sim_launch(const char *name, unsigned gx, unsigned gy, un
     sim_kernel = sim_entries[k].run;
     sim_params = params;
     blockDim = sim_dim{bx, 1, 1};
+    gridDim = sim_dim{gx, gy, 1};
     for (unsigned y = 0; y < gy; y++)
         for (unsigned x = 0; x < gx; x++) {
             blockIdx = sim_dim{x, y, 0};

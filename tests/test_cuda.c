@@ -355,6 +355,137 @@ static void test_moe_layer(int real)
     if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0); /* the 35B-A3B's shapes, split */
 }
 
+/* A device buffer holding N bytes of HOST (NULL: room only). */
+static cuda_ptr device_copy(int dev, const void *host, size_t n)
+{
+    cuda_ptr p = 0;
+    if (cuda_use(dev) || cuda_mem_alloc(&p, n) || (host && cuda_htod(p, host, n))) return 0;
+    return p;
+}
+
+/* Whether the N floats at device address P have the bits of WANT; *AT the first that differs. */
+static int device_same(cuda_ptr p, const float *want, size_t n, size_t *at)
+{
+    float *got = plat_alloc(n * sizeof *got);
+    int same = cuda_dtoh(got, p, n * sizeof *got) == 0;
+    for (*at = 0; same && *at < n && !memcmp(&got[*at], &want[*at], 4); ++*at) {}
+    same = same && *at == n;
+    free(got);
+    return same;
+}
+
+/* A Gated DeltaNet layer on device DEV (cuda_deltanet_launch: conv, rule, gated norm, the rows
+ * prepared for the output projection) against coli's own model_gated_deltanet on the CPU: T
+ * tokens of N_SEQ sequences (in runs, as a batch lays them) through their states, the layer
+ * the second of a sequence's two (its state at an offset), nk key and nv value heads of dk and
+ * dv, a conv of K taps; BA: Qwen3-Next's fused beta and alpha (its head order too); PER_HEAD:
+ * the gated norm's weights per head. The states after, the conv's output and the rows compared
+ * bit for bit, and the driver calls counted. */
+static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T, int n_seq, int ba, int per_head)
+{
+    struct model mm;
+    memset(&mm, 0, sizeof mm);
+    struct model_config *c = &mm.cfg;
+    c->ssm_nk = nk, c->ssm_nv = nv, c->ssm_dk = dk, c->ssm_dv = dv, c->conv_kernel = K, c->eps = 1e-6f, c->n_layers = 2;
+    c->arch = ba ? MODEL_ARCH_QWEN3NEXT : MODEL_ARCH_QWEN35MOE;
+    c->vhead_tiled = !ba;
+    const int64_t conv_dim = model_conv_dim(c), vdim = (int64_t)nv * dv;
+    const size_t per = model_recurrent_floats(c), conv = (size_t)conv_dim * (size_t)(K - 1);
+    struct model_layer layers[2];
+    memset(layers, 0, sizeof layers);
+    struct model_layer *l = &layers[1];
+    l->kind = MODEL_LAYER_DELTANET;
+    l->conv_taps = random_x(K, (int)conv_dim);
+    float *dt_bias = random_x(1, nv), *ssm_a = random_x(1, nv), *norm = random_x(1, per_head ? (int)vdim : dv);
+    for (int h = 0; h < nv; h++) ssm_a[h] = -0.25f - (float)h * 0.4f; /* -exp(A_log): decays from 0.8 down */
+    l->dt_bias = dt_bias, l->ssm_a = ssm_a, l->ssm_norm = norm, l->ssm_norm_per_head = per_head;
+    mm.layers = layers;
+    struct model_scratch *s = &mm.s;
+    s->mixed = random_x(T, (int)conv_dim);
+    s->z = random_x(T, (int)vdim);
+    s->ba = random_x(T, 2 * nv);
+    s->beta = random_x(T, nv);
+    s->alpha = random_x(T, nv);
+    s->core = plat_alloc((size_t)T * (size_t)vdim * 4);
+    s->tok_seq = plat_alloc((size_t)T * sizeof *s->tok_seq);
+    struct model_seq *seqs = plat_zalloc((size_t)n_seq, sizeof *seqs);
+    float *states = random_x((int64_t)n_seq, (int)(2 * per)); /* per sequence: two layers' states, this one second */
+    uint64_t *addr = plat_alloc((size_t)T * 8);
+    const struct ops_matrix wo = random_matrix(GGUF_TYPE_Q8_0, 64, vdim);
+    const size_t stride = ops_act_stride(&wo);
+    struct cuda_device *d = &cuda.dev[dev];
+    cuda_ptr dev_state[8] = {0};
+    for (int q = 0; q < n_seq; q++) {
+        seqs[q].state = plat_zalloc(2, sizeof *seqs[q].state);
+        seqs[q].state[1].conv_state = plat_alloc(conv * 4 + 4);
+        seqs[q].state[1].ssm_state = plat_alloc((per - conv) * 4);
+        memcpy(seqs[q].state[1].conv_state, states + (2 * q + 1) * per, conv * 4);
+        memcpy(seqs[q].state[1].ssm_state, states + (2 * q + 1) * per + conv, (per - conv) * 4);
+        dev_state[q] = device_copy(dev, states + 2 * q * per, 2 * per * 4);
+    }
+    for (int t = 0; t < T; t++) {
+        const int q = t * n_seq / T;
+        s->tok_seq[t] = &seqs[q];
+        addr[t] = dev_state[q];
+    }
+    /* the device's inputs first: the CPU's pass works in place */
+    cuda_ptr mixed = device_copy(dev, s->mixed, (size_t)T * conv_dim * 4), z = device_copy(dev, s->z, (size_t)T * vdim * 4);
+    cuda_ptr beta = device_copy(dev, ba ? s->ba : s->beta, (size_t)T * (ba ? 2 : 1) * nv * 4), alpha = device_copy(dev, s->alpha, (size_t)T * nv * 4);
+    cuda_ptr consts = device_copy(dev, NULL, (size_t)(K * conv_dim + 2 * nv + (per_head ? vdim : dv)) * 4), table = device_copy(dev, addr, (size_t)T * 8);
+    cuda_ptr scratch = device_copy(dev, NULL, cuda_align((size_t)T * vdim * 4) + stride * (size_t)T);
+    const float *parts[] = {l->conv_taps, dt_bias, ssm_a, norm};
+    const size_t part_n[] = {(size_t)K * conv_dim, (size_t)nv, (size_t)nv, (size_t)(per_head ? vdim : dv)};
+    for (size_t i = 0, at = 0; i < 4; at += part_n[i++] * 4) cuda_htod(consts + at, parts[i], part_n[i] * 4);
+    struct cuda_deltanet dn = {consts, consts + part_n[0] * 4, consts + (part_n[0] + part_n[1]) * 4, consts + (part_n[0] + 2 * part_n[1]) * 4,
+                               (int)conv_dim, K, nk, nv, dk, dv, !ba, ba, per_head, 1e-6f, 1.0f / sqrtf((float)dk), per, conv};
+    struct cuda_moe_layer L = {.wo = &wo, .dn = &dn};
+    struct cuda_moe_layout o;
+    memset(&o, 0, sizeof o);
+    o.mix = cuda_align((size_t)T * vdim * 4);
+    d->kept_next[0] = mixed, d->kept_next[1] = z, d->kept_next[2] = beta, d->kept_next[3] = alpha;
+    d->chain = table, d->moe = scratch;
+    long calls = cuda.calls;
+    int ran = table && scratch && cuda_deltanet_launch(d, &L, o, stride, T) == CUDA_SUCCESS;
+    d->chain = d->moe = 0;
+    model_gated_deltanet(&mm, 1, T);
+    uint8_t *act = plat_zalloc(stride * (size_t)T, 1);
+    for (int t = 0; t < T; t++) quant_act_prepare(wo.type, s->core + (size_t)t * vdim, vdim, act + (size_t)t * stride);
+    size_t at = 0, bad_state = 0;
+    int same = ran && device_same(mixed, s->mixed, (size_t)T * conv_dim, &at) && device_same(scratch, s->core, (size_t)T * vdim, &at);
+    uint8_t *got = plat_alloc(stride * (size_t)T);
+    same = same && cuda_dtoh(got, scratch + o.mix, stride * (size_t)T) == 0;
+    for (int t = 0; t < T && same; t++) same = !memcmp(got + (size_t)t * stride, act + (size_t)t * stride, quant_act_bytes(wo.type, vdim));
+    for (int q = 0; q < n_seq && same; q++) {
+        memcpy(states + (2 * q + 1) * per, seqs[q].state[1].conv_state, conv * 4);
+        memcpy(states + (2 * q + 1) * per + conv, seqs[q].state[1].ssm_state, (per - conv) * 4);
+        same = device_same(dev_state[q], states + 2 * q * per, 2 * per, &bad_state);
+    }
+    char name[200];
+    snprintf(name, sizeof name, "DeltaNet on device %d, %d/%d heads of %d/%d, conv %d, %d tokens of %d sequences%s%s: the CPU's states, rows and bits in 4 calls",
+             dev, nk, nv, dk, dv, K, T, n_seq, ba ? ", fused beta/alpha" : "", per_head ? ", a norm per head" : "");
+    check(same && cuda.calls - calls == 4, name, "ran %d, calls %ld, first difference at %zu, state %zu", ran, cuda.calls - calls, at, bad_state);
+    cuda_ptr bufs_d[] = {mixed, z, beta, alpha, consts, table, scratch};
+    for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
+    for (int q = 0; q < n_seq; q++) {
+        cuda_mem_free(dev_state[q]);
+        free(seqs[q].state[1].conv_state);
+        free(seqs[q].state[1].ssm_state);
+        free(seqs[q].state);
+    }
+    void *bufs[] = {l->conv_taps, dt_bias, ssm_a, norm, s->mixed, s->z, s->ba, s->beta, s->alpha, s->core, s->tok_seq, seqs, states, addr,
+                    (void *)wo.data, act, got};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+}
+
+static void test_deltanet(int real)
+{
+    check_deltanet(0, 2, 4, 16, 16, 4, 1, 1, 0, 0);     /* the golden models' heads */
+    check_deltanet(1, 2, 4, 128, 128, 4, 3, 2, 0, 0);   /* the 35B-A3B's head sizes, two sequences */
+    check_deltanet(0, 2, 6, 64, 96, 4, 5, 3, 1, 1);     /* Qwen3-Next's order, dv not a multiple of 64 */
+    check_deltanet(!real, 4, 8, 48, 40, 3, 2, 1, 0, 1); /* heads that are not whole warps */
+    if (real) check_deltanet(0, 16, 32, 128, 128, 4, 4, 2, 0, 0); /* the 35B-A3B's layer */
+}
+
 /* FAKE_CUDA_FAIL is read by the fake at every call. */
 static void test_failures(void)
 {
@@ -674,6 +805,7 @@ int main(int argc, char **argv)
     check_jobs(real, 3);
     test_experts(quick, real);
     test_moe_layer(real);
+    test_deltanet(real);
     if (!sim) test_bench(real);
     if (!kernels_only) test_failures();
     cuda_stop();
