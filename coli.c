@@ -6220,15 +6220,16 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   for the norm, one a weight type, one a projection), after the last layer of a decode step
  *   the final norm and the output head. A layer whose routed experts are partly the CPU's is
  *   split: its routing comes down after the routing kernel, the CPU's experts' outputs go up
- *   before the sum (2 calls, one of them a wait, more). A decoded token of the 35B-A3B (Q4_K_M
- *   mix) with everything resident: layer 0's projections 6, 40 rests x 13, 29 DeltaNet layers'
- *   starts x 7 and 10 attention ones' x 6, the head 3 = 792 calls, 41 of them downloads that
- *   wait for the device (as products and expert batches: 713 calls, 161 waits; before the
- *   shared expert joined the batch: 913 and 201). The fake driver on a 4-layer slice measures
- *   what this count gives: 81 calls and 5 waits a token. One wrapped call cost 0.25 µs on the
- *   VM where it was measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token.
- *   Fewer waits need the mixers (the DeltaNet recurrence, attention) on the device too, and
- *   then a CUDA graph per token. */
+ *   before the sum (2 calls, one of them a wait, more). A DeltaNet layer whose projections the
+ *   layer before made there runs its mixer there too, over its sequences' states kept in device
+ *   memory (a chain: 4 launches, no upload, no download; see "chains" below). A decoded token of
+ *   the 35B-A3B (Q4_K_M mix) with everything resident then waits 12 times (layer 0's
+ *   projections, the end of each chain before an attention layer's mixer, the head: 41 before
+ *   the chains, 161 as products and expert batches); the fake driver measures 3 waits and 87
+ *   calls a token on a 4-layer slice, 4 and 173 on 8 layers: ~860 calls on the 40. One wrapped
+ *   call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask
+ *   calls): 0.2 ms per token. Fewer waits need attention on the device too (its KV cache
+ *   there), and fewer calls a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -10040,13 +10041,15 @@ static void place_retier(struct expert_store *s, int T)
 
 /* ==== §8 model ==== */
 /* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the
- *   mapping, the run state (KV cache, DeltaNet conv and recurrent state), the forward pass.
+ *   mapping, the run state (KV cache, DeltaNet conv and recurrent state, and which copy of the
+ *   latter is current where §5's chains keep it on a device), the forward pass.
  * Promises: model_load refuses an unknown architecture, a missing tensor or a wrong shape
  *   with one line naming it. model_forward computes the same bits for a token whether it
  *   arrives alone or in a batch, on any number of threads and any kernel level: every
  *   product goes through ops_matmat (bit-identical per column to ops_matvec), sums run in a
  *   fixed order, and parallel loops split independent rows or heads only.
- * May call: §1–§4, §6 experts (routed experts come from its store, in the mapping or cached).
+ * May call: §1–§4, §5 (what runs on devices), §6 experts (routed experts come from its store,
+ *   in the mapping or cached).
  * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts
  *   per layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights
  *   read once per batch. The architecture is qwen35-arch.md; section numbers cite it. */
@@ -11979,7 +11982,13 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     const struct model_config *c = &m->cfg;
     struct model_budget b = model_expert_budget(m, n_seqs, reserve, ram);
     struct place_result r;
+    /* the sequences' DeltaNet states where chains run them (§5) take room beside the weights:
+     * kept free on each device whose budget it leaves three quarters of */
+    const int64_t states = (int64_t)n_seqs * model_recurrent_bytes(m);
+    int64_t kept[CUDA_MAX_DEVICES] = {0};
+    for (int d = 0; cuda.ready && d < cuda.n_devices; d++) cuda.dev[d].budget -= kept[d] = 4 * states <= cuda.dev[d].budget ? states : 0;
     model_place(m, b.budget, ram < 0, heat, io, place, &r);
+    for (int d = 0; d < cuda.n_devices; d++) cuda.dev[d].budget += kept[d];
     if (c->n_expert == 0) return;
     struct expert_store *s = m->experts;
     expert_start(s);
@@ -14190,7 +14199,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
         }
         fed += pos;
     }
-    plat_log("[cuda] %d tokens of context fed again on the CPU", fed);
+    plat_log("[cuda] the pass runs again on the CPU, after %d tokens of context fed again", fed);
     return 0;
 }
 

@@ -262,18 +262,20 @@ else bad "the shared expert in the experts' batch" "FFNs $(ffns "$tmp/shexp-0.er
 # output projection, the residual and norm, the router's products, the routing, the experts and
 # their sum run there (cuda_moe_layer_start), and with them the next layer's input norm and
 # mixer projections, and after the last layer of a decode step the final norm and the output
-# head. So a decode step of the 4 layers waits for the device 5 times (layer 0's projections,
-# once a layer), the prompt's pass once more (its head: the logits of its last token alone),
-# where step by step a pass waits 17 times (the projections, the output projection, the
-# router's products and the experts' batch of each layer, the head); and only layer 0's
-# projections (and the prompt's head) are products. A pass: the prompt's, then one a generated
-# token but the last.
+# head. Layers 1 and 2 are DeltaNet layers whose projections the layer before makes there: they
+# are chained, their mixers run there too over the states kept there, and nothing comes back
+# between layers 0 and 2. So a decode step of the 4 layers waits for the device 3 times (layer
+# 0's projections, the chain's end after layer 2, layer 3), the prompt's pass once more (its
+# head: the logits of its last token alone), where step by step a pass waits 17 times (the
+# projections, the output projection, the router's products and the experts' batch of each
+# layer, the head); and only layer 0's projections (and the prompt's head) are products. A
+# pass: the prompt's, then one a generated token but the last.
 cuda_count() { grep -o "[0-9]* $2" "$1" | tail -n 1 | grep -o '^[0-9]*'; }
 passes=$(python3 -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["tokens"]))' "$tmp/shexp-0.full" 2>/dev/null)
 if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json" && [ -n "$passes" ] &&
-    [ "$(cuda_count "$tmp/shexp-0.err" waits)" = "$((5 * passes + 1))" ] && [ "$(cuda_count "$tmp/shexp-cpu.err" waits)" = "$((17 * passes))" ] &&
+    [ "$(cuda_count "$tmp/shexp-0.err" waits)" = "$((3 * passes + 1))" ] && [ "$(cuda_count "$tmp/shexp-cpu.err" waits)" = "$((17 * passes))" ] &&
     [ "$(cuda_count "$tmp/shexp-0.err" products)" = "$((4 * passes + 1))" ]; then
-    ok "the rest of each layer and what follows it on the device: the same tokens, 5 waits a decode step instead of 17 ($passes passes)"
+    ok "the rest of each layer, what follows it and the chained DeltaNet layers on the device: the same tokens, 3 waits a decode step instead of 17 ($passes passes)"
 else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
 # The trunk and the shared expert on the device, the routed experts on the CPU: each layer is
 # split. The device hands back its routing, the CPU computes the routed experts while the device
@@ -293,13 +295,16 @@ for k in 11 12 15; do
     tokens "a split layer's launch $k fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
 done
-# A launch that fails in the rest of layer 0: launches 5-15 of that placement are its output
+# A launch that fails in a chain: launches 5-15 of that placement are layer 0's output
 # projection, residual and norm, the two activations' quantisation, router and gate logit, the
 # routing, gate/up, the hidden rows' quantisation, down and the sum; 16-21 layer 1's norm, its
-# activations and its projections. The CPU computes the rest of the layer from the mixer's rows
-# again (and layer 1's projections), and the run keeps the CPU's tokens.
-for k in 5 6 7 9 11 13 15 16 17 18 19 20 21; do
-    tokens "launch $k (in the rest of a layer on the device) fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
+# activations and its projections; 22-25 layer 1's DeltaNet (conv, rule, gated norm, its rows'
+# quantisation), 26 on its rest; later ones fail in a decode step, where the states of layers 1
+# and 2 are only on the device. The pass is lost with them: the sequence is fed its tokens again
+# on the CPU (engine_replay), then the pass, and the run keeps the CPU's tokens.
+for k in 5 9 15 16 21 22 23 24 25 26 100 150; do
+    tokens "launch $k (in a chain of layers on the device) fails: the pass again on the CPU, the CPU's tokens" \
+        '^\[cuda\] the pass runs again on the CPU, after [0-9]+ tokens of context fed again$' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
 
@@ -332,6 +337,13 @@ if [ "$(wc -l <"$tmp/serve-cpu.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp
     ! grep -q 'running on the CPU from here' "$tmp/serve-gpu"; then
     ok "serve on the fake device (a context per thread), three requests at once: they run there, the CPU's texts ($(tr '\n' ' ' <"$tmp/serve-gpu.txt"))"
 else bad "serve on the fake device" "cpu $(head -c 200 "$tmp/serve-cpu.txt"), gpu $(head -c 200 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
+# ... and a launch failing while the three decode together, their DeltaNet states on the device:
+# each conversation is fed its tokens again on the CPU, and every text is still the CPU's.
+serve_text "$tmp/serve-fail" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:400 >"$tmp/serve-fail.txt"
+if [ "$(wc -l <"$tmp/serve-fail.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-fail.txt" &&
+    grep -qE '^\[cuda\] the pass runs again on the CPU, after [1-9][0-9]* tokens of context fed again$' "$tmp/serve-fail"; then
+    ok "serve: a device failing mid-decode with three conversations' states on it: each fed again on the CPU, the CPU's texts"
+else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fail.txt"); $(grep -E 'cuda' "$tmp/serve-fail" | tail -n 2)"; fi
 
 # The two images of the Dockerfile, as root file systems built here and entered with chroot.
 # cpu (FROM scratch): only the binary and the model: no glibc loader, nothing said about CUDA
