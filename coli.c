@@ -11937,8 +11937,9 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
  * expert_heat_default, "": none kept), decides with §7 what lives in VRAM, the trunk and the experts priced
  * together (GROWS: the budget is what memory leaves, so the trunk placed leaves its RAM to the
  * experts), and gives the store the budget that leaves for what stays on the CPU. When it
- * holds every such expert they stay in the mapping. Fills *R. */
-static void model_place(struct model *m, int64_t budget, int grows, const char *heat, enum expert_io io, const char *place,
+ * holds every such expert they stay in the mapping. Room is kept on the devices for N_SEQS
+ * sequences' states. Fills *R. */
+static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, const char *heat, enum expert_io io, const char *place,
                         struct place_result *r)
 {
     const struct model_config *c = &m->cfg;
@@ -11966,7 +11967,13 @@ static void model_place(struct model *m, int64_t budget, int grows, const char *
             h.slot_bytes = m->experts->slot_bytes;
         }
     }
+    /* the N_SEQS sequences' DeltaNet states where chains run them (§5) take room beside the
+     * weights: kept free on each device whose budget it leaves three quarters of */
+    const int64_t states = (int64_t)n_seqs * model_recurrent_bytes(m);
+    int64_t kept[CUDA_MAX_DEVICES] = {0};
+    for (int d = 0; cuda.ready && d < cuda.n_devices; d++) cuda.dev[d].budget -= kept[d] = 4 * states <= cuda.dev[d].budget ? states : 0;
     place_model(it, n, m->experts, c->n_expert_used, place, &h, r);
+    for (int d = 0; d < cuda.n_devices; d++) cuda.dev[d].budget += kept[d];
     free(it);
     if (!c->n_expert) return;
     int64_t left = budget + (grows ? (int64_t)r->trunk_cpu_bytes : 0), cpu = experts - (int64_t)r->expert_cpu_bytes;
@@ -11982,13 +11989,7 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     const struct model_config *c = &m->cfg;
     struct model_budget b = model_expert_budget(m, n_seqs, reserve, ram);
     struct place_result r;
-    /* the sequences' DeltaNet states where chains run them (§5) take room beside the weights:
-     * kept free on each device whose budget it leaves three quarters of */
-    const int64_t states = (int64_t)n_seqs * model_recurrent_bytes(m);
-    int64_t kept[CUDA_MAX_DEVICES] = {0};
-    for (int d = 0; cuda.ready && d < cuda.n_devices; d++) cuda.dev[d].budget -= kept[d] = 4 * states <= cuda.dev[d].budget ? states : 0;
-    model_place(m, b.budget, ram < 0, heat, io, place, &r);
-    for (int d = 0; d < cuda.n_devices; d++) cuda.dev[d].budget += kept[d];
+    model_place(m, n_seqs, b.budget, ram < 0, heat, io, place, &r);
     if (c->n_expert == 0) return;
     struct expert_store *s = m->experts;
     expert_start(s);
@@ -14178,28 +14179,32 @@ static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, f
     else engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
 }
 
-/* After a pass that failed with sequences' states on a device that failed (m->lost): the
- * slots of its runs (OWNER[0..n), their states half advanced) and every slot whose state was
- * lost are reset and fed their tokens again, on the CPU now: the same bits as before. Returns
- * 0, or -1 with m->error. */
+/* Rebuilds on the CPU the states a failed device held (model_seq_lost), and those of the slots
+ * of a pass that failed with it (OWNER[0..n), their states half advanced: m->lost): each such
+ * slot is reset and fed its tokens again, the same bits as before. Returns 0, or -1 with
+ * m->error (the slot that failed is forgotten). */
 static int engine_replay(struct engine *e, const int *owner, int n)
 {
-    int fed = 0;
+    int fed = 0, rebuilt = 0;
     for (int i = 0; i < e->n_slots; i++) {
         struct engine_slot *sl = &e->slots[i];
         int in_batch = 0, pos = sl->seq.pos;
         for (int r = 0; r < n; r++) in_batch |= owner[r] == i;
         if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
-        if (sl->past.n < pos) return snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known"), -1;
         model_seq_reset(e->m, &sl->seq);
         for (int at = 0; at < pos;) {
             struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL};
-            if (model_forward_runs(e->m, &run, 1)) return -1;
+            if (sl->past.n < pos) snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known");
+            if (sl->past.n < pos || model_forward_runs(e->m, &run, 1)) {
+                engine_forget(e, i);
+                return -1;
+            }
             at += run.n;
         }
         fed += pos;
+        rebuilt++;
     }
-    plat_log("[cuda] the pass runs again on the CPU, after %d tokens of context fed again", fed);
+    if (rebuilt) plat_log("[cuda] the states of %d conversations rebuilt on the CPU: %d tokens of context fed again", rebuilt, fed);
     return 0;
 }
 
@@ -14248,6 +14253,7 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
 {
     int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
+    if (!cuda.ready) engine_replay(e, NULL, 0); /* nothing below may read a state the device took with it */
     for (int i = 0; i < e->n_slots; i++) {
         struct engine_slot *sl = &e->slots[i];
         if (sl->gen) continue;
@@ -16988,7 +16994,7 @@ static int cmd_plan(const struct cmd_options *o)
     place_say_stdout = !o->json;
     struct model_budget b = model_expert_budget(&m, 1, 0, o->ram_bytes);
     struct place_result r;
-    model_place(&m, b.budget, o->ram_bytes < 0, o->synthetic && !o->heat_path ? "" : o->heat_path, o->expert_io, o->place, &r);
+    model_place(&m, 1, b.budget, o->ram_bytes < 0, o->synthetic && !o->heat_path ? "" : o->heat_path, o->expert_io, o->place, &r);
     if (m.experts && !m.experts->mapped) expert_size_slots(m.experts);
     struct cmd_plan_expectation x = cmd_plan_expect(&r);
     if (o->json) cmd_plan_json(&m, o->synthetic ? o->synthetic : o->model, &r, &x);

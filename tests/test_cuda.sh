@@ -301,10 +301,10 @@ done
 # activations and its projections; 22-25 layer 1's DeltaNet (conv, rule, gated norm, its rows'
 # quantisation), 26 on its rest; later ones fail in a decode step, where the states of layers 1
 # and 2 are only on the device. The pass is lost with them: the sequence is fed its tokens again
-# on the CPU (engine_replay), then the pass, and the run keeps the CPU's tokens.
+# on the CPU (engine_replay), then the pass runs again, and the run keeps the CPU's tokens.
 for k in 5 9 15 16 21 22 23 24 25 26 100 150; do
     tokens "launch $k (in a chain of layers on the device) fails: the pass again on the CPU, the CPU's tokens" \
-        '^\[cuda\] the pass runs again on the CPU, after [0-9]+ tokens of context fed again$' \
+        '^\[cuda\] the states of 1 conversations rebuilt on the CPU: [0-9]+ tokens of context fed again$' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
 
@@ -341,7 +341,7 @@ else bad "serve on the fake device" "cpu $(head -c 200 "$tmp/serve-cpu.txt"), gp
 # each conversation is fed its tokens again on the CPU, and every text is still the CPU's.
 serve_text "$tmp/serve-fail" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:400 >"$tmp/serve-fail.txt"
 if [ "$(wc -l <"$tmp/serve-fail.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-fail.txt" &&
-    grep -qE '^\[cuda\] the pass runs again on the CPU, after [1-9][0-9]* tokens of context fed again$' "$tmp/serve-fail"; then
+    grep -qE '^\[cuda\] the states of [1-3] conversations rebuilt on the CPU: [1-9][0-9]* tokens of context fed again$' "$tmp/serve-fail"; then
     ok "serve: a device failing mid-decode with three conversations' states on it: each fed again on the CPU, the CPU's texts"
 else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fail.txt"); $(grep -E 'cuda' "$tmp/serve-fail" | tail -n 2)"; fi
 
