@@ -6856,6 +6856,7 @@ struct cuda_device {
     cuda_handle quantize[3];             /* by enum quant_act_kind */
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
+    cuda_handle attn_prep, attn_heads;   /* an attention mixer there (cuda_attention_launch) */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
@@ -6985,6 +6986,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "deltanet_", "conv", &d->deltanet_conv);
     cuda_kernel(d, "deltanet_", "rule", &d->deltanet_rule);
     cuda_kernel(d, "deltanet_", "gate", &d->deltanet_gate);
+    cuda_kernel(d, "attn_", "prep", &d->attn_prep);
+    cuda_kernel(d, "attn_", "heads", &d->attn_heads);
     d->usable = 1;
     return 0;
 }
@@ -7670,6 +7673,17 @@ struct cuda_deltanet {
     uint64_t state_off, conv_floats;
 };
 
+/* An attention mixer on a device (cuda_attention_launch): its q and k norms there, its shape,
+ * and in a pass's chain buffer the tokens' KV caches' addresses (KV), their positions (POS) and
+ * their RoPE rows (ROPE: rot/2 cosines then sines); the layer's place in a sequence's caches on
+ * the device (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a head, f32 or F16 values. */
+struct cuda_attention {
+    cuda_ptr q_norm, k_norm, kv, pos, rope;
+    int n_head, n_kv, hd, rot, f16;
+    float eps, scale;
+    uint64_t layer_off, rows;
+};
+
 /* The rest of a layer from its mixer's output on, on one device: the output projection WO,
  * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
  * logit over that, the routing (moe_route: model_select_experts' bits), the routed experts
@@ -7699,6 +7713,7 @@ struct cuda_moe_layer {
     cuda_ptr block, ids;
     int keep;
     const struct cuda_deltanet *dn;
+    const struct cuda_attention *attn; /* or an attention mixer, likewise */
 };
 
 /* The routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
@@ -7754,7 +7769,7 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.work = o.w + cuda_align((size_t)T * L->used * 4);
     o.swork = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
     o.core = o.swork + (apart ? cuda_align(cuda_moe_work_bytes(&L->shexp_sh, T)) : 0);
-    size_t at = o.core + (L->dn ? cuda_align((size_t)T * (size_t)L->dn->nv * (size_t)L->dn->dv * 4) : 0);
+    size_t at = o.core + (L->dn || L->attn ? cuda_align((size_t)T * (size_t)L->wo->cols * 4) : 0);
     for (int j = 0; j < L->n_next; j++) {
         int same = 0;
         while (L->next[same].type != L->next[j].type) same++;
@@ -7783,7 +7798,7 @@ static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, co
     const cuda_ptr b = d->moe, k = L->block;
     struct cuda_moe_inputs in = {b, b + o.table, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
     if (k) in.jobs = k, in.table = k + o.table, in.norm = k + o.x, in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
-    if (L->dn) in.x = d->kept_x;
+    if (L->dn || L->attn) in.x = d->kept_x;
     return in;
 }
 
@@ -7866,6 +7881,30 @@ static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda
     return CUDA_SUCCESS;
 }
 
+/* Layer L's attention mixer on device D over the projections the layer before kept there (q
+ * with its gate, k, v): the q and k norms and RoPE, the new K and V rows into each token's cache
+ * (attn_prep), the scores, softmax, values and gate (attn_heads), then the rows prepared for the
+ * output projection at o.mix. 3 launches; the driver's result. */
+static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
+                                         int T)
+{
+    const struct cuda_attention *a = L->attn;
+    cuda_ptr qg = d->kept_next[0], k = d->kept_next[1], v = d->kept_next[2], out = d->moe + o.core, qn = a->q_norm, kn = a->k_norm;
+    cuda_ptr rope = a->rope, kv = a->kv, pos = a->pos;
+    uint64_t off = a->layer_off, rows = a->rows;
+    int nh = a->n_head, nkv = a->n_kv, hd = a->hd, rot = a->rot, f16c = a->f16;
+    float eps = a->eps, scale = a->scale;
+    void *prep[] = {&qg, &k, &v, &qn, &kn, &rope, &kv, &off, &pos, &nh, &nkv, &hd, &rot, &rows, &f16c, &eps};
+    void *heads[] = {&qg, &kv, &off, &pos, &nh, &nkv, &hd, &rows, &f16c, &scale, &out};
+    cuda_result r;
+    if ((r = cuda_launch(d->attn_prep, (unsigned)(nh + nkv), (unsigned)T, 32, prep)) ||
+        (r = cuda_launch(d->attn_heads, (unsigned)nh, (unsigned)T, 32, heads)) ||
+        (r = cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T)))
+        return r;
+    cuda.calls += 3;
+    return CUDA_SUCCESS;
+}
+
 /* The layer's front on device D (uploaded): the output projection, the residual and norm, the
  * activations, the router and gate logit, the routing. 6 to 8 launches; the driver's result. */
 static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
@@ -7936,7 +7975,8 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     if (!cuda.ready) return -1;
     const int shared = L->gate_inp != NULL, apart = shared && !cuda_moe_shexp_in_batch(L), n = T * L->used + (shared && !apart ? T : 0);
     const int dim = L->sh.dim;
-    if (L->dn) { /* the layer before left its outputs in this scratch: the other one is this layer's */
+    const int mixer = L->dn || L->attn; /* the mixer runs here, from what the layer before kept */
+    if (mixer) { /* the layer before left its outputs in this scratch: the other one is this layer's */
         const cuda_ptr kept = d->moe;
         const size_t cap = d->moe_cap;
         d->moe = d->moe_prev, d->moe_cap = d->moe_prev_cap, d->moe_prev = kept, d->moe_prev_cap = cap;
@@ -7948,13 +7988,15 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         return -1;
     }
     const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
-    if (!L->dn) {
+    if (!mixer) {
         uint8_t *stage = cuda_stage(o.y);
         cuda_moe_fill(L, o, stage, o.norm, o.next_norm, T);
         memcpy(stage + o.x, x, (size_t)T * dim * 4);
         memcpy(stage + o.mix, mix, stride_mix * (size_t)T);
     }
-    if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T)) : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
+    if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T))
+               : L->attn ? (r = cuda_attention_launch(d, L, o, stride_mix, T))
+                         : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
         (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
         (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
         (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
@@ -7964,7 +8006,7 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    cuda.calls += 3 + !L->dn + L->split + 3 * apart;
+    cuda.calls += 3 + !mixer + L->split + 3 * apart;
     cuda.waits += L->split;
     if (L->keep) { /* its batch is done with, unread: counted here */
         cuda.batches++;
@@ -8051,10 +8093,10 @@ static int cuda_chain_ids(int dev, cuda_ptr at, int *out, size_t bytes)
     return 0;
 }
 
-/* A DeltaNet layer's constants on device DEV (struct cuda_deltanet's TAPS..NORM: N parts, one
- * allocation listed under the taps), made resident there on first use. The address, or 0 where
- * they do not fit (they stay the CPU's: not a failure). */
-static cuda_ptr cuda_deltanet_resident(int dev, const float *const *src, const size_t *bytes, int n)
+/* A mixer's constants on device DEV (struct cuda_deltanet's TAPS..NORM, or cuda_attention's
+ * norms: N parts, one allocation listed under the first), made resident there on first use.
+ * The address, or 0 where they do not fit (they stay the CPU's: not a failure). */
+static cuda_ptr cuda_floats_resident(int dev, const float *const *src, const size_t *bytes, int n)
 {
     const struct cuda_resident *r = cuda_resident_of((const uint8_t *)src[0]);
     if (r) return r->dev == dev ? r->ptr : 0;
@@ -10123,6 +10165,8 @@ struct model_layer_state {
     int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's
                                * dev_state), 0: none */
     int host_stale;           /* only that copy is: the CPU's is older (model_state_to_host) */
+    int host_rows, dev_rows;  /* attention: the KV rows current on the CPU and on that device (the
+                               * first so many; model_kv_to_host) */
 };
 
 /* One sequence (a conversation): what the forward pass remembers of its tokens. Many may
@@ -10132,13 +10176,14 @@ struct model_seq {
     int pos;                         /* tokens already in the state */
     cuda_ptr dev_state[CUDA_MAX_DEVICES]; /* every DeltaNet layer's state on a device where a chain ran
                                            * it (§5), laid out as a checkpoint's; 0: none */
+    cuda_ptr dev_kv[CUDA_MAX_DEVICES];    /* every attention layer's KV cache there, as the CPU's */
 };
 
 /* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of the chain its
- * rest is in (-1: none); DN, its DeltaNet mixer runs there too; BLOCK and IDS, its addresses in
- * that device's chain buffer (BLOCK_OFF before it is uploaded). */
+ * rest is in (-1: none); MIXER, its mixer runs there too; BLOCK and IDS, its addresses in that
+ * device's chain buffer (BLOCK_OFF before it is uploaded). */
 struct model_chain {
-    int dev, dn;
+    int dev, mixer;
     size_t block_off;
     cuda_ptr block, ids;
 };
@@ -10191,6 +10236,7 @@ struct model_scratch {
     float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
     struct model_chain *chain;  /* [n_layers] this pass's chains */
     struct cuda_deltanet *dn;   /* [n_layers] the DeltaNet layers' constants on their chain's device */
+    struct cuda_attention *attn_dev; /* [n_layers] the attention layers' */
     uint8_t *chain_stage[CUDA_MAX_DEVICES]; /* what cuda_chain_begin uploads there, of chain_bytes */
     size_t chain_bytes[CUDA_MAX_DEVICES], chain_cap[CUDA_MAX_DEVICES];
     int chain_first;            /* the first layer of the chain under way (its ids not yet down), or -1 */
@@ -10578,6 +10624,7 @@ static void model_alloc_scratch(struct model *m)
     s->logits = model_buf(MODEL_MAX_RUNS, c->n_vocab, 0); /* pages never written cost nothing */
     s->chain = plat_zalloc((size_t)c->n_layers, sizeof *s->chain);
     s->dn = plat_zalloc((size_t)c->n_layers, sizeof *s->dn);
+    s->attn_dev = plat_zalloc((size_t)c->n_layers, sizeof *s->attn_dev);
 }
 
 /* A new sequence at position 0 with zero state. */
@@ -10650,17 +10697,82 @@ static int model_state_to_device(const struct model *m, struct model_seq *q, int
     return 0;
 }
 
-/* The CPU's copy of Q's state was just written: the devices' are outdated. */
+/* Bytes of a sequence's KV caches on a device (every attention layer's, as the CPU's), and
+ * layer IL's place in them. */
+static size_t model_kv_dev_bytes(const struct model *m) { return (size_t)model_kv_bytes_per_token(m) * (size_t)model_kv_rows(m); }
+static uint64_t model_kv_off(const struct model *m, int il)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < il; i++) n += m->layers[i].kind == MODEL_LAYER_ATTENTION;
+    return n * 2 * (uint64_t)m->cfg.n_kv_head * (uint64_t)model_kv_rows(m) * model_kv_row_bytes(m);
+}
+
+/* Copies KV rows [R0, R1) of attention layer IL of Q between the CPU and device DEV (UP: there),
+ * a run a head, keys and values. */
+static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il, int dev, int r0, int r1, int up)
+{
+    const size_t row = model_kv_row_bytes(m), head = (size_t)model_kv_rows(m) * row, n_kv = (size_t)m->cfg.n_kv_head;
+    const cuda_ptr base = q->dev_kv[dev] + model_kv_off(m, il);
+    uint8_t *cache[2] = {q->state[il].k_cache, q->state[il].v_cache};
+    for (size_t c = 0; c < 2 && r1 > r0; c++)
+        for (size_t h = 0; h < n_kv; h++)
+            if (cuda_state_copy(dev, base + (c * n_kv + h) * head + (size_t)r0 * row, (float *)(void *)(cache[c] + h * head + (size_t)r0 * row),
+                                (size_t)(r1 - r0) * row, up))
+                return -1;
+    return 0;
+}
+
+/* Makes the CPU's KV rows of attention layer IL of Q current up to row POS (those a device
+ * holds newer come down). 0, or -1 where that device failed. */
+static int model_kv_to_host(const struct model *m, struct model_seq *q, int il, int pos)
+{
+    struct model_layer_state *st = &q->state[il];
+    const int upto = st->dev_rows < pos ? st->dev_rows : pos;
+    if (st->on_dev && st->host_rows < upto && model_kv_copy_rows(m, q, il, st->on_dev - 1, st->host_rows, upto, 0)) return -1;
+    if (st->host_rows < pos) st->host_rows = pos;
+    return 0;
+}
+
+/* Makes device DEV's KV rows of attention layer IL of Q current up to row POS. */
+static int model_kv_to_device(const struct model *m, struct model_seq *q, int il, int dev, int pos)
+{
+    struct model_layer_state *st = &q->state[il];
+    if (st->on_dev != dev + 1) {
+        if (model_kv_to_host(m, q, il, pos)) return -1;
+        st->on_dev = dev + 1, st->dev_rows = 0;
+    }
+    if (st->dev_rows < pos && (model_kv_to_host(m, q, il, pos) || model_kv_copy_rows(m, q, il, dev, st->dev_rows, pos, 1))) return -1;
+    if (st->dev_rows < pos) st->dev_rows = pos;
+    return 0;
+}
+
+/* Makes the CPU's copy of everything in Q current (a conversation parked in RAM). 0, or -1
+ * where a device that held some of it failed. */
+static int model_seq_to_host(const struct model *m, struct model_seq *q)
+{
+    for (int i = 0; i < m->cfg.n_layers; i++)
+        if (m->layers[i].kind == MODEL_LAYER_ATTENTION ? model_kv_to_host(m, q, i, q->pos) : model_state_to_host(m, q, i)) return -1;
+    return 0;
+}
+
+/* Q's CPU copy was just written (reset, or a checkpoint restored, Q's position set): the
+ * devices' DeltaNet states are outdated, and every KV row from the position on. */
 static void model_states_written(const struct model *m, struct model_seq *q)
 {
-    for (int i = 0; i < m->cfg.n_layers; i++) q->state[i].on_dev = q->state[i].host_stale = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        struct model_layer_state *st = &q->state[i];
+        if (m->layers[i].kind == MODEL_LAYER_DELTANET) st->on_dev = st->host_stale = 0;
+        if (st->host_rows > q->pos) st->host_rows = q->pos;
+        if (st->dev_rows > q->pos) st->dev_rows = q->pos;
+    }
 }
 
 /* Whether Q's state was lost with a device that failed (only its copy was current). */
 static int model_seq_lost(const struct model *m, const struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers && !cuda.ready; i++)
-        if (q->state[i].host_stale) return 1;
+        if (q->state[i].host_stale || (q->state[i].on_dev && q->state[i].host_rows < q->pos && q->state[i].dev_rows > q->state[i].host_rows))
+            return 1;
     return 0;
 }
 
@@ -10675,14 +10787,16 @@ static void model_seq_reset(const struct model *m, struct model_seq *q)
             memset(st->ssm_state, 0, (size_t)c->ssm_nv * (size_t)c->ssm_dv * (size_t)c->ssm_dk * sizeof(float));
         }
     }
-    model_states_written(m, q);
     q->pos = 0;
+    model_states_written(m, q);
 }
 
 static void model_seq_free(const struct model *m, struct model_seq *q)
 {
-    for (int dev = 0; dev < CUDA_MAX_DEVICES; dev++)
+    for (int dev = 0; dev < CUDA_MAX_DEVICES; dev++) {
         if (q->dev_state[dev]) cuda_state_free(dev, q->dev_state[dev], (size_t)model_recurrent_bytes(m));
+        if (q->dev_kv[dev]) cuda_state_free(dev, q->dev_kv[dev], model_kv_dev_bytes(m));
+    }
     for (int i = 0; q->state && i < m->cfg.n_layers; i++) {
         free(q->state[i].k_cache);
         free(q->state[i].v_cache);
@@ -10887,7 +11001,7 @@ static void model_free(struct model *m)
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
     void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
-                    s->chain, s->dn};
+                    s->chain, s->dn, s->attn_dev};
     for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
@@ -11463,7 +11577,7 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
     const size_t stride = ops_act_stride(L->wo), dim = (size_t)c->dim, ids = (size_t)T * (size_t)c->n_expert_used;
-    uint8_t *act = L->dn ? NULL : ops_scratch(&ops_act_buf, stride * (size_t)T); /* copied before cuda_moe_layer_start returns */
+    uint8_t *act = mix ? ops_scratch(&ops_act_buf, stride * (size_t)T) : NULL; /* copied before cuda_moe_layer_start returns */
     for (int t = 0; act && t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
     if (cuda_moe_layer_start(dev, L, s->x, act, stride, T, s->dev_out)) return -1;
     if (L->keep) return 0; /* the next layer takes it from here, on the device */
@@ -11609,8 +11723,9 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
     struct cuda_moe_layer L;
     int dev = model_rest_plan(m, il, T, head, next, &L);
     if (ch->dev >= 0) {
-        L.keep = il + 1 < m->cfg.n_layers && m->s.chain[il + 1].dn;
-        L.dn = ch->dn ? &m->s.dn[il] : NULL;
+        L.keep = il + 1 < m->cfg.n_layers && m->s.chain[il + 1].mixer;
+        L.dn = ch->mixer && l->kind == MODEL_LAYER_DELTANET ? &m->s.dn[il] : NULL;
+        L.attn = ch->mixer && l->kind == MODEL_LAYER_ATTENTION ? &m->s.attn_dev[il] : NULL;
         L.block = ch->block, L.ids = ch->ids;
         if (m->s.chain_first < 0) m->s.chain_first = il;
     }
@@ -11636,7 +11751,7 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
     return 0;
 }
 
-/* ---- chains: a pass's DeltaNet layers on the device after the layer before (§5) ---- */
+/* ---- chains: a pass's mixers on the device after the layer before (§5) ---- */
 
 /* Layer IL's DeltaNet constants on device DEV (resident from here on) into s->dn[il]. 1, or 0
  * where the device lacks the kernels or the room. */
@@ -11650,7 +11765,7 @@ static int model_deltanet_on(struct model *m, int il, int dev)
     const size_t bytes[] = {(size_t)c->conv_kernel * (size_t)conv_dim * 4, (size_t)c->ssm_nv * 4, (size_t)c->ssm_nv * 4,
                             (size_t)(l->ssm_norm_per_head ? c->ssm_nv : 1) * (size_t)c->ssm_dv * 4};
     if (!d->deltanet_conv || !d->deltanet_rule || !d->deltanet_gate || c->ssm_nv % c->ssm_nk) return 0;
-    const cuda_ptr p = cuda_deltanet_resident(dev, src, bytes, 4);
+    const cuda_ptr p = cuda_floats_resident(dev, src, bytes, 4);
     if (!p) return 0;
     m->s.dn[il] = (struct cuda_deltanet){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1]),
                                          p + cuda_span(bytes, 3), (int)conv_dim, c->conv_kernel, c->ssm_nk, c->ssm_nv, c->ssm_dk,
@@ -11660,34 +11775,72 @@ static int model_deltanet_on(struct model *m, int il, int dev)
     return 1;
 }
 
-/* Bytes of a chain buffer's head for T tokens: the tokens' state addresses, then the ids of
- * every layer (layer il's at il T used ints from the ids' start). */
-static size_t model_chain_head(int T) { return cuda_align((size_t)T * 8); }
-static size_t model_chain_ids_bytes(const struct model *m, int T)
+/* Layer IL's attention constants on device DEV into s->attn_dev[il] (its chain addresses come
+ * with the upload). 1, or 0 where the device lacks the kernels or the room, or the cache's
+ * format or the heads' shape are not the kernels' (f32 or f16; whole warps, at most 512). */
+static int model_attention_on(struct model *m, int il, int dev)
 {
-    return cuda_align((size_t)m->cfg.n_layers * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int));
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *l = &m->layers[il];
+    const struct cuda_device *d = &cuda.dev[dev];
+    const float *src[] = {l->q_norm, l->k_norm};
+    const size_t bytes[] = {(size_t)c->head_dim * 4, (size_t)c->head_dim * 4};
+    if (!d->attn_prep || !d->attn_heads || m->kv == OPS_KV_Q8_0 || c->head_dim % 32 || c->head_dim > 512 || c->n_head % c->n_kv_head)
+        return 0;
+    const cuda_ptr p = cuda_floats_resident(dev, src, bytes, 2);
+    if (!p) return 0;
+    m->s.attn_dev[il] = (struct cuda_attention){p, p + cuda_align(bytes[0]), 0, 0, 0, c->n_head, c->n_kv_head, c->head_dim, c->rope_dims,
+                                                m->kv == OPS_KV_F16, c->eps, 1.0f / sqrtf((float)c->head_dim), model_kv_off(m, il),
+                                                (uint64_t)model_kv_rows(m)};
+    return 1;
 }
 
-/* Chains DeltaNet layer IL (not the first) to the layer before for this pass's T tokens (of
- * N_RUNS runs) where one device would run both layers' rests whole (no expert of theirs the
- * CPU's) and the layer before makes IL's projections there, and IL's constants and every run's
- * state fit there: stages IL's block for cuda_chain_begin. */
+/* A chain buffer for T tokens: its head (the tokens' DeltaNet state addresses, KV cache
+ * addresses, positions and RoPE rows, at these offsets), then the ids of every layer (layer
+ * il's at il T used ints from the ids' start), then the chained layers' blocks. */
+struct model_chain_head { size_t kv, pos, rope, ids, blocks; };
+
+static struct model_chain_head model_chain_head_of(const struct model *m, int T)
+{
+    struct model_chain_head h;
+    h.kv = cuda_align((size_t)T * 8);
+    h.pos = h.kv + cuda_align((size_t)T * 8);
+    h.rope = h.pos + cuda_align((size_t)T * 4);
+    h.ids = h.rope + cuda_align((size_t)T * (size_t)m->cfg.rope_dims * 4);
+    h.blocks = h.ids + cuda_align((size_t)m->cfg.n_layers * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int));
+    return h;
+}
+
+/* Room on device DEV for what layer IL keeps of each of the runs' sequences (its DeltaNet state,
+ * or its KV cache), from their first pass there on. 1, or 0 where it does not fit. */
+static int model_chain_room(const struct model *m, const struct model_run *runs, int n_runs, int il, int dev)
+{
+    const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
+    const size_t bytes = attention ? model_kv_dev_bytes(m) : (size_t)model_recurrent_bytes(m);
+    for (int r = 0; r < n_runs; r++) {
+        cuda_ptr *p = attention ? &runs[r].seq->dev_kv[dev] : &runs[r].seq->dev_state[dev];
+        if (!*p && !(*p = cuda_state_alloc(dev, bytes))) return 0;
+    }
+    return 1;
+}
+
+/* Chains layer IL (not the first) to the layer before for this pass's T tokens (of N_RUNS
+ * runs) where one device would run both layers' rests whole (no expert of theirs the CPU's),
+ * the layer before makes IL's projections there, and IL's mixer can run there (its constants
+ * and every run's state fit): stages IL's block for cuda_chain_begin. */
 static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il)
 {
     struct model_scratch *s = &m->s;
     struct ops_job next[CUDA_NEXT_MAX];
     struct cuda_moe_layer before, L;
-    if (m->layers[il].kind != MODEL_LAYER_DELTANET || m->cfg.n_layers > m->cfg.dim) return; /* the ids come down through dev_out */
+    const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
+    if (m->cfg.n_layers > m->cfg.dim) return; /* the ids come down through dev_out */
     const int dev = model_rest_plan(m, il - 1, T, T == n_runs, next, &before);
     if (dev < 0 || before.split || before.n_next != model_mixer_jobs(m, il, T, next) || model_rest_plan(m, il, T, T == n_runs, next, &L) != dev ||
-        L.split || !model_deltanet_on(m, il, dev))
+        L.split || !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) || !model_chain_room(m, runs, n_runs, il, dev))
         return;
-    const size_t state = (size_t)model_recurrent_bytes(m);
-    for (int r = 0; r < n_runs; r++)
-        if (!runs[r].seq->dev_state[dev] && !(runs[r].seq->dev_state[dev] = cuda_state_alloc(dev, state))) return;
-    L.dn = &s->dn[il];
     size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(&L, T);
-    if (!*used) *used = model_chain_head(T) + model_chain_ids_bytes(m, T);
+    if (!*used) *used = model_chain_head_of(m, T).blocks;
     if (*used + bytes > s->chain_cap[dev]) {
         s->chain_cap[dev] = 2 * (*used + bytes);
         s->chain_stage[dev] = plat_realloc(s->chain_stage[dev], s->chain_cap[dev]);
@@ -11698,29 +11851,57 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
     *used += bytes;
 }
 
-/* Uploads each device's staged chains (the tokens' state addresses first) and sets the chained
- * layers' addresses there. -1 where a device failed. */
+/* Uploads each device's staged chains (the head filled in first) and sets the chained layers'
+ * addresses there. -1 where a device failed. */
 static int model_chain_upload(struct model *m, int T)
 {
     struct model_scratch *s = &m->s;
+    const struct model_chain_head h = model_chain_head_of(m, T);
     for (int dev = 0; dev < cuda.n_devices; dev++) {
+        uint8_t *stage = s->chain_stage[dev];
         if (!s->chain_bytes[dev]) continue;
-        for (int t = 0; t < T; t++) memcpy(s->chain_stage[dev] + (size_t)t * 8, &s->tok_seq[t]->dev_state[dev], 8);
-        const cuda_ptr base = cuda_chain_begin(dev, s->chain_stage[dev], s->chain_bytes[dev]);
+        for (int t = 0; t < T; t++) {
+            memcpy(stage + (size_t)t * 8, &s->tok_seq[t]->dev_state[dev], 8);
+            memcpy(stage + h.kv + (size_t)t * 8, &s->tok_seq[t]->dev_kv[dev], 8);
+            memcpy(stage + h.pos + (size_t)t * 4, &s->tok_pos[t], 4);
+            model_rope_table(&m->cfg, s->tok_pos[t], (float *)(void *)(stage + h.rope) + (size_t)t * m->cfg.rope_dims);
+        }
+        const cuda_ptr base = cuda_chain_begin(dev, stage, s->chain_bytes[dev]);
         if (!base) return -1;
         for (int il = 0; il < m->cfg.n_layers; il++) {
             struct model_chain *ch = &s->chain[il];
             if (ch->dev != dev) continue;
-            ch->block = ch->dn ? base + ch->block_off : 0;
-            ch->ids = base + model_chain_head(T) + (size_t)il * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
+            ch->block = ch->mixer ? base + ch->block_off : 0;
+            ch->ids = base + h.ids + (size_t)il * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
+            struct cuda_attention *a = &s->attn_dev[il];
+            a->kv = base + h.kv, a->pos = base + h.pos, a->rope = base + h.rope;
         }
     }
     return 0;
 }
 
-/* This pass's chains (model_chain_layer, model_chain_upload), and every run's DeltaNet states
- * made current where the pass computes them: on a chain's device, else on the CPU. Returns 0,
- * or -1 with m->error and m->lost where a device holding states failed. */
+/* Brings run R's state of layer IL where this pass computes it: on DEV (>= 0), else on the
+ * CPU, and marks what the pass leaves where. 0, or -1 where a device holding it failed. */
+static int model_state_for_pass(struct model *m, const struct model_run *run, int il, int dev)
+{
+    struct model_seq *q = run->seq;
+    struct model_layer_state *st = &q->state[il];
+    if (m->layers[il].kind == MODEL_LAYER_DELTANET) {
+        if (dev >= 0) return model_state_to_device(m, q, il, dev);
+        if (model_state_to_host(m, q, il)) return -1;
+        st->on_dev = 0; /* the CPU computes it: the device's copy falls behind */
+        return 0;
+    }
+    if (dev >= 0 ? model_kv_to_device(m, q, il, dev, q->pos) : model_kv_to_host(m, q, il, q->pos)) return -1;
+    int *written = dev >= 0 ? &st->dev_rows : &st->host_rows, *other = dev >= 0 ? &st->host_rows : &st->dev_rows;
+    *written = q->pos + run->n;
+    if (*other > q->pos) *other = q->pos; /* its rows from here on are about to change */
+    return 0;
+}
+
+/* This pass's chains (model_chain_layer, model_chain_upload), and every run's states made
+ * current where the pass computes them: on a chain's device, else on the CPU. Returns 0, or -1
+ * with m->error and m->lost where a device holding states failed. */
 static int model_chain_plan(struct model *m, const struct model_run *runs, int n_runs, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -11732,16 +11913,12 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     if (model_chain_upload(m, T))
         for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
     for (int r = 0; r < n_runs; r++)
-        for (int il = 0; il < c->n_layers; il++) {
-            if (m->layers[il].kind != MODEL_LAYER_DELTANET) continue;
-            struct model_layer_state *st = &runs[r].seq->state[il];
-            if (s->chain[il].dn ? model_state_to_device(m, runs[r].seq, il, s->chain[il].dev) : model_state_to_host(m, runs[r].seq, il)) {
+        for (int il = 0; il < c->n_layers; il++)
+            if (model_state_for_pass(m, &runs[r], il, s->chain[il].mixer ? s->chain[il].dev : -1)) {
                 m->lost = 1;
                 snprintf(m->error, sizeof m->error, "the device that held this conversation's state failed");
                 return -1;
             }
-            if (!s->chain[il].dn) st->on_dev = 0; /* the CPU computes it: the device's copy falls behind */
-        }
     return 0;
 }
 
@@ -11800,7 +11977,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (model_chain_plan(m, runs, n_runs, T)) return -1;
     int projected = 0; /* the last layer's rest made what follows it: this layer's projections, or the logits */
     for (int il = 0; il < c->n_layers; il++) {
-        const int on_device = s->chain[il].dn; /* its mixer, from the projections the layer before kept there */
+        const int on_device = s->chain[il].mixer; /* its mixer, from the projections the layer before kept there */
         model_phase_mark(m, MODEL_PHASE_OTHER);
         if (m->experts && !m->experts->mapped && !on_device) model_prefetch(m, il, T);
         model_phase_mark(m, MODEL_PHASE_ROUTING);
@@ -11872,7 +12049,6 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
             cp->pos = 0;
             return;
         }
-    if (!save) model_states_written(m, q);
     float *p = cp->recurrent;
     for (int i = 0; i < c->n_layers; i++) {
         struct model_layer_state *st = &q->state[i];
@@ -11888,6 +12064,7 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
     }
     if (save) cp->pos = q->pos;
     else q->pos = cp->pos;
+    if (!save) model_states_written(m, q);
 }
 
 /* Bytes of the KV cache's first N positions as model_kv_copy copies them: whole groups of
@@ -11899,7 +12076,8 @@ static int64_t model_kv_bytes(const struct model *m, int n)
 
 /* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
  * layer's K rows then V rows, each KV head's rows in turn, model_kv_bytes(m, N) bytes. What an
- * idle conversation parked in RAM keeps (§11). */
+ * idle conversation parked in RAM keeps (§11); SAVE reads the CPU's copy (model_seq_to_host
+ * makes it current). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
     size_t rows = (size_t)model_kv_whole_groups(n) * model_kv_row_bytes(m);
@@ -11912,6 +12090,7 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
                 if (save) memcpy(b, cache[c] + h * head, rows);
                 else memcpy(cache[c] + h * head, b, rows);
             }
+        if (!save) q->state[i].host_rows = n, q->state[i].dev_rows = 0; /* another conversation's rows: the devices' are not its */
     }
 }
 
@@ -14019,7 +14198,7 @@ static void engine_park(struct engine *e, int i, int keep)
     while (keep && n_keep < p->n_cp && p->cp[n_keep].pos <= keep) n_keep++;
     int64_t kv = model_kv_bytes(e->m, n), bytes = kv + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
     int room = n && e->cache_budget && engine_cache_room(e, bytes + n_keep * e->checkpoint_bytes);
-    float *rows = room ? malloc((size_t)kv) : NULL; /* no room: forgotten, never fatal */
+    float *rows = room && !model_seq_to_host(e->m, &sl->seq) ? malloc((size_t)kv) : NULL; /* no room (or its device failed): forgotten, never fatal */
     if (!rows) {
         if (!keep) engine_forget(e, i);
         return;

@@ -156,6 +156,13 @@ __device__ __forceinline__ float round_f16(float x) {
     return f;
 }
 
+// f32 -> the bits of f16, rounding to nearest even (coli.c's quant_f32_to_f16).
+__device__ __forceinline__ unsigned short f16_bits(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
 // acc + a*b as an opaque mad.lo.s32: NVVM would otherwise fuse byte products into dp4a/dp2a,
 // which need sm_61, and the point of this file is to stay JIT-able on sm_52.
 __device__ __forceinline__ int imad(int a, int b, int acc) {
@@ -986,4 +993,108 @@ extern "C" __global__ void deltanet_gate(float *core, const float *__restrict__ 
     const float mean = __double2float_rn(__ddiv_rn(squares_total(part), (double)dv));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     for (int i = lane; i < dv; i += 32) o[i] = __fmul_rn(__fmul_rn(__fmul_rn(o[i], scale), wh[i]), silu_canonical(z[row + i]));
+}
+
+// ---- gated attention on the device: coli.c's model_attention, bit for bit ----
+// Where an attention layer's projections were made on the device by the layer before it, its
+// mixer runs there too (coli.c cuda_attention_launch), over the sequences' KV caches kept in
+// device memory in the CPU's layout and format (f32, or f16 where F16): token t's at KV[t] +
+// LAYER_OFF bytes, the keys [n_kv][rows][hd], then the values alike; POS[t] its position there.
+
+// Element I of a cached row in its format.
+__device__ __forceinline__ float kv_get(const uint8_t *row, int i, int f16c) { return f16c ? f16(row + 2 * i) : ((const float *)row)[i]; }
+__device__ __forceinline__ void kv_put(uint8_t *row, int i, float v, int f16c) {
+    if (f16c) ((unsigned short *)row)[i] = f16_bits(v);
+    else ((float *)row)[i] = v;
+}
+
+// The per-head RMSNorm and partial NeoX RoPE of coli.c's model_attention, block x = a head of
+// token t = blockIdx.y a warp: heads below N_HEAD are q's (in QG [T][n_head][2 hd], q then its
+// gate), the rest k's ([T][n_kv][hd]), whose row goes to the cache at the token's position with
+// V's. ROPE [T][rot]: rot/2 cosines then sines. rmsnorm(x) * w as ops_rmsnorm, then dims j and
+// j + rot/2 rotated as ops_rope_neox; each lane writes only the elements it read. Grid
+// (n_head + n_kv, T).
+extern "C" __global__ void attn_prep(float *qg, float *k, const float *__restrict__ v, const float *__restrict__ q_norm,
+                                     const float *__restrict__ k_norm, const float *__restrict__ rope, const uint64_t *__restrict__ kv,
+                                     uint64_t layer_off, const int *__restrict__ pos, int n_head, int n_kv, int hd, int rot, uint64_t rows,
+                                     int f16c, float eps) {
+    const int lane = threadIdx.x & 31, t = blockIdx.y, h = blockIdx.x, is_q = h < n_head, kh = h - n_head, half = rot / 2;
+    float *x = is_q ? qg + ((uint64_t)t * n_head + h) * 2 * hd : k + ((uint64_t)t * n_kv + kh) * hd;
+    const float *w = is_q ? q_norm : k_norm, *cs = rope + (uint64_t)t * rot;
+    double part = 0.0;
+    for (int i0 = 0; i0 < hd; i0 += 32) part = squares_add(part, i0 + lane < hd ? x[i0 + lane] : 0.0f, i0 + lane < hd, i0 + lane + 16 < hd);
+    const float mean = __double2float_rn(__ddiv_rn(squares_total(part), (double)hd));
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    const uint64_t esz = f16c ? 2 : 4, head = (uint64_t)(is_q ? 0 : kh) * rows * hd * esz, at = (uint64_t)(is_q ? 0 : pos[t]) * hd * esz;
+    uint8_t *kr = is_q ? NULL : (uint8_t *)kv[t] + layer_off + head + at, *vr = is_q ? NULL : kr + (uint64_t)n_kv * rows * hd * esz;
+    for (int j = lane; j < half; j += 32) {
+        const float a = __fmul_rn(__fmul_rn(x[j], scale), w[j]), b = __fmul_rn(__fmul_rn(x[j + half], scale), w[j + half]);
+        const float c = cs[j], s = cs[half + j];
+        x[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        x[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        if (kr) kv_put(kr, j, x[j], f16c), kv_put(kr, j + half, x[j + half], f16c);
+    }
+    for (int i = rot + lane; i < hd; i += 32) {
+        x[i] = __fmul_rn(__fmul_rn(x[i], scale), w[i]);
+        if (kr) kv_put(kr, i, x[i], f16c);
+    }
+    for (int i = lane; vr && i < hd; i += 32) kv_put(vr, i, v[((uint64_t)t * n_kv + kh) * hd + i], f16c);
+}
+
+// Score of query Q (hd floats) against key row K, coli.c's ops_scores order: element i into
+// partial i % 16, the partials met by the butterfly 8, 4, 2, 1, times SCALE. One lane alone.
+__device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, int hd, int f16c, float scale) {
+    float p[16];
+    for (int j = 0; j < 16; j++) p[j] = 0.0f;
+    for (int i = 0; i < hd; i++) p[i % 16] = __fadd_rn(p[i % 16], __fmul_rn(q[i], kv_get(kr, i, f16c)));
+    for (int s = 8; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) p[j] = __fadd_rn(p[j], p[j + s]);
+    return __fmul_rn(p[0], scale);
+}
+
+// Head h = blockIdx.x of token t = blockIdx.y a warp, over the first pos[t] + 1 rows of its KV
+// head's cache (h / (n_head / n_kv)): the scores (lane l takes rows l + 32r), their softmax
+// (ops_softmax: the maximum, a NaN counting only as row 0's; e^(s - max) by exp_canonical, the
+// sum in double over 16 partials, row p into partial p % 16 in order; one scale), the values
+// (o[i] = fma(w_p, v_p[i], o[i]) in increasing p, lane l taking elements l + 32m), then the
+// sigmoid gate. The scores are computed again in each pass rather than kept. OUT [T][n_head][hd].
+extern "C" __global__ void attn_heads(const float *__restrict__ qg, const uint64_t *__restrict__ kv, uint64_t layer_off,
+                                      const int *__restrict__ pos, int n_head, int n_kv, int hd, uint64_t rows, int f16c, float scale,
+                                      float *__restrict__ out) {
+    const int lane = threadIdx.x & 31, t = blockIdx.y, h = blockIdx.x, n = pos[t] + 1;
+    const float *q = qg + ((uint64_t)t * n_head + h) * 2 * hd, *gate = q + hd;
+    const uint64_t esz = f16c ? 2 : 4, row = (uint64_t)hd * esz;
+    const uint8_t *keys = (const uint8_t *)kv[t] + layer_off + (uint64_t)(h / (n_head / n_kv)) * rows * row;
+    const uint8_t *vals = keys + (uint64_t)n_kv * rows * row;
+    float max = attn_score(q, keys, hd, f16c, scale);
+    for (int p = lane; p < n; p += 32) {
+        const float s = attn_score(q, keys + p * row, hd, f16c, scale);
+        max = s > max ? s : max;
+    }
+    for (int s = 16; s > 0; s /= 2) {
+        const float o = __shfl_xor_sync(0xffffffffu, max, s);
+        max = o > max ? o : max;
+    }
+    double part = 0.0;
+    for (int p0 = 0; p0 < n; p0 += 32) {
+        const int p = p0 + lane;
+        const float e = p < n ? exp_canonical(__fsub_rn(attn_score(q, keys + p * row, hd, f16c, scale), max)) : 0.0f;
+        const double upper = __shfl_down_sync(0xffffffffu, (double)e, 16);
+        if (lane < 16 && p < n) part = __dadd_rn(part, (double)e);
+        if (lane < 16 && p + 16 < n) part = __dadd_rn(part, upper);
+    }
+    const float inv = __double2float_rn(__ddiv_rn(1.0, squares_total(part)));
+    float o[16];
+    for (int m = 0; m < 16; m++) o[m] = 0.0f;
+    for (int p0 = 0; p0 < n; p0 += 32) {
+        const int p = p0 + lane;
+        const float w = p < n ? __fmul_rn(exp_canonical(__fsub_rn(attn_score(q, keys + p * row, hd, f16c, scale), max)), inv) : 0.0f;
+        for (int r = 0; r < 32 && p0 + r < n; r++) {
+            const float wr = __shfl_sync(0xffffffffu, w, r);
+            for (int m = 0; m < 16 && lane + 32 * m < hd; m++)
+                o[m] = __fmaf_rn(wr, kv_get(vals + (uint64_t)(p0 + r) * row, lane + 32 * m, f16c), o[m]);
+        }
+    }
+    float *y = out + ((uint64_t)t * n_head + h) * hd;
+    for (int m = 0; m < 16 && lane + 32 * m < hd; m++) y[lane + 32 * m] = __fmul_rn(sigmoid_canonical(gate[lane + 32 * m]), o[m]);
 }

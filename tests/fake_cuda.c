@@ -772,6 +772,98 @@ static void run_deltanet_gate(int unused, void **p, struct grid g)
         }
 }
 
+/* A cached row's element I, f32 or (F16) f16; and the store of one. */
+static float kv_get(const uint8_t *row, int i, int f16c) { return f16c ? f16(row + 2 * i) : ld_f32(row + 4 * i); }
+static void kv_put(uint8_t *row, int i, float v, int f16c)
+{
+    if (f16c) {
+        _Float16 h = (_Float16)v;
+        memcpy(row + 2 * i, &h, 2);
+    } else memcpy(row + 4 * i, &v, 4);
+}
+
+/* attn_prep(qg, k, v, q_norm, k_norm, rope, kv, layer_off, pos, n_head, n_kv, hd, rot, rows, f16,
+ * eps): every q head (in qg's rows of 2 hd, q then gate) and k head of each token through its
+ * RMSNorm (times q_norm / k_norm) and the NeoX rotation of its first rot dims (rope's row: rot/2
+ * cosines, then sines); each k head's row and its v row into the token's cache at its position
+ * (keys [n_kv][rows][hd], then values). */
+static void run_attn_prep(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    float *qg = ARG(0, float *), *k = ARG(1, float *);
+    const float *v = ARG(2, const float *), *qn = ARG(3, const float *), *kn = ARG(4, const float *), *rope = ARG(5, const float *);
+    const uint64_t *kv = ARG(6, const uint64_t *);
+    uint64_t off = ARG(7, uint64_t), rows = ARG(13, uint64_t);
+    const int *pos = ARG(8, const int *);
+    int nh = ARG(9, int), nkv = ARG(10, int), hd = ARG(11, int), rot = ARG(12, int), f16c = ARG(14, int), half = rot / 2;
+    float eps = ARG(15, float);
+    size_t esz = f16c ? 2 : 4;
+    for (unsigned t = 0; t < g.y; t++)
+        for (int h = 0; h < nh + nkv; h++) {
+            float *x = h < nh ? qg + ((size_t)t * nh + h) * 2 * hd : k + ((size_t)t * nkv + h - nh) * hd;
+            const float *w = h < nh ? qn : kn, *cs = rope + (size_t)t * rot;
+            float scale = 1.0f / sqrtf((float)(squares(x, hd) / hd) + eps);
+            for (int i = 0; i < hd; i++) x[i] = x[i] * scale * w[i];
+            for (int j = 0; j < half; j++) {
+                float a = x[j], b = x[j + half];
+                x[j] = a * cs[j] - b * cs[half + j];
+                x[j + half] = b * cs[j] + a * cs[half + j];
+            }
+            if (h < nh) continue;
+            uint8_t *kr = (uint8_t *)(uintptr_t)kv[t] + off + ((size_t)(h - nh) * rows + (size_t)pos[t]) * hd * esz;
+            uint8_t *vr = kr + (size_t)nkv * rows * hd * esz;
+            for (int i = 0; i < hd; i++) {
+                kv_put(kr, i, x[i], f16c);
+                kv_put(vr, i, v[((size_t)t * nkv + h - nh) * hd + i], f16c);
+            }
+        }
+}
+
+/* attn_heads(qg, kv, layer_off, pos, n_head, n_kv, hd, rows, f16, scale, out): for each token and
+ * q head, over rows 0..pos of its KV head's cache: scores q . k_p (16 partials by element, met
+ * pairwise 8, 4, 2, 1) times scale; their softmax (the largest, NaN only as row 0's; e^(s - max);
+ * the sum in double over 16 partials by row; one scale); o = sum of w_p v_p as fused multiply-adds
+ * in increasing p; then times sigmoid of the gate. */
+static void run_attn_heads(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *qg = ARG(0, const float *);
+    const uint64_t *kv = ARG(1, const uint64_t *);
+    uint64_t off = ARG(2, uint64_t), rows = ARG(7, uint64_t);
+    const int *pos = ARG(3, const int *);
+    int nh = ARG(4, int), nkv = ARG(5, int), hd = ARG(6, int), f16c = ARG(8, int);
+    float scale = ARG(9, float), *out = ARG(10, float *);
+    size_t row = (size_t)hd * (f16c ? 2 : 4);
+    for (unsigned t = 0; t < g.y; t++)
+        for (int h = 0; h < nh; h++) {
+            const float *q = qg + ((size_t)t * nh + h) * 2 * hd;
+            const uint8_t *keys = (const uint8_t *)(uintptr_t)kv[t] + off + (size_t)(h / (nh / nkv)) * rows * row;
+            const uint8_t *vals = keys + (size_t)nkv * rows * row;
+            int n = pos[t] + 1;
+            float *w = malloc((size_t)n * sizeof *w), *o = out + ((size_t)t * nh + h) * hd;
+            for (int r = 0; r < n; r++) {
+                float part[16] = {0};
+                for (int i = 0; i < hd; i++) part[i % 16] += q[i] * kv_get(keys + r * row, i, f16c);
+                for (int s = 8; s > 0; s /= 2)
+                    for (int j = 0; j < s; j++) part[j] += part[j + s];
+                w[r] = part[0] * scale;
+            }
+            float max = w[0];
+            for (int r = 1; r < n; r++) max = w[r] > max ? w[r] : max;
+            double sum[16] = {0};
+            for (int r = 0; r < n; r++) sum[r % 16] += w[r] = exp_canonical(w[r] - max);
+            for (int s = 8; s > 0; s /= 2)
+                for (int j = 0; j < s; j++) sum[j] += sum[j + s];
+            float inv = (float)(1.0 / sum[0]);
+            for (int i = 0; i < hd; i++) {
+                float acc = 0.0f;
+                for (int r = 0; r < n; r++) acc = fmaf(w[r] * inv, kv_get(vals + r * row, i, f16c), acc);
+                o[i] = (1.0f / (1.0f + exp_canonical(-q[hd + i]))) * acc;
+            }
+            free(w);
+        }
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -785,7 +877,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
     {"residual_norm", 0, run_residual_norm}, {"deltanet_conv", 0, run_deltanet_conv}, {"deltanet_rule", 0, run_deltanet_rule},
-    {"deltanet_gate", 0, run_deltanet_gate},
+    {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_heads", 0, run_attn_heads},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

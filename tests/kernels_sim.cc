@@ -112,6 +112,7 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
@@ -155,6 +156,13 @@ static inline float f16(const uint8_t *p)
     return (float)h;
 }
 static inline float round_f16(float x) { return (float)(_Float16)x; }
+static inline unsigned short f16_bits(float x)
+{
+    _Float16 h = (_Float16)x;
+    unsigned short u;
+    memcpy(&u, &h, 2);
+    return u;
+}
 static inline int imad(int a, int b, int acc) { return (int)((unsigned)acc + (unsigned)a * (unsigned)b); }
 
 #define KERNELS_ON_HOST
@@ -278,6 +286,13 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
                                                    ARG(4, const float *), ARG(5, const float *), ARG(6, const uint64_t *), ARG(7, uint64_t),
                                                    ARG(8, int), ARG(9, int), ARG(10, int), ARG(11, int), ARG(12, int), ARG(13, int),
                                                    ARG(14, int), ARG(15, float *)); }},
+    {"attn_prep", [](void **p) { attn_prep(ARG(0, float *), ARG(1, float *), ARG(2, const float *), ARG(3, const float *),
+                                           ARG(4, const float *), ARG(5, const float *), ARG(6, const uint64_t *), ARG(7, uint64_t),
+                                           ARG(8, const int *), ARG(9, int), ARG(10, int), ARG(11, int), ARG(12, int), ARG(13, uint64_t),
+                                           ARG(14, int), ARG(15, float)); }},
+    {"attn_heads", [](void **p) { attn_heads(ARG(0, const float *), ARG(1, const uint64_t *), ARG(2, uint64_t), ARG(3, const int *),
+                                             ARG(4, int), ARG(5, int), ARG(6, int), ARG(7, uint64_t), ARG(8, int), ARG(9, float),
+                                             ARG(10, float *)); }},
     {"deltanet_gate", [](void **p) { deltanet_gate(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, int),
                                                    ARG(4, int), ARG(5, float)); }},
 };
