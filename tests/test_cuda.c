@@ -477,6 +477,120 @@ static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
 }
 
+/* A gated attention layer on device DEV (cuda_attention_launch: q/k norms and RoPE, the new
+ * K and V rows into each sequence's cache, scores, softmax, values and gate, the rows prepared
+ * for the output projection) against coli's own model_attention on the CPU: T tokens of N_SEQ
+ * sequences, each already FILLED positions into its cache (the rows the device was given), the
+ * layer the second attention layer of two (its caches at an offset), KV format KV. The queries,
+ * keys, outputs, rows and whole caches after compared bit for bit, the driver calls counted. */
+static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int T, int n_seq, int filled, enum ops_kv kv)
+{
+    struct model mm;
+    memset(&mm, 0, sizeof mm);
+    struct model_config *c = &mm.cfg;
+    c->n_head = n_head, c->n_kv_head = n_kv, c->head_dim = hd, c->rope_dims = rot, c->rope_base = 1e7f, c->eps = 1e-6f, c->n_layers = 2;
+    mm.n_ctx = filled + T + 40, mm.kv = kv;
+    struct model_layer layers[2];
+    memset(layers, 0, sizeof layers);
+    layers[0].kind = layers[1].kind = MODEL_LAYER_ATTENTION;
+    struct model_layer *l = &layers[1];
+    float *q_norm = random_x(1, hd), *k_norm = random_x(1, hd);
+    for (int i = 0; i < hd; i++) q_norm[i] += 1.0f, k_norm[i] += 1.0f;
+    l->q_norm = q_norm, l->k_norm = k_norm;
+    mm.layers = layers;
+    struct model_scratch *s = &mm.s;
+    const int qw = n_head * 2 * hd, kvw = n_kv * hd;
+    s->qg = random_x(T, qw), s->k = random_x(T, kvw), s->v = random_x(T, kvw);
+    s->attn = plat_alloc((size_t)T * n_head * hd * 4);
+    s->scores = plat_alloc((size_t)n_head * mm.n_ctx * 4);
+    s->rope = plat_alloc((size_t)T * rot * 4);
+    s->tok_seq = plat_alloc((size_t)T * sizeof *s->tok_seq);
+    s->tok_pos = plat_alloc((size_t)T * sizeof *s->tok_pos);
+    struct model_seq *seqs = plat_zalloc((size_t)n_seq, sizeof *seqs);
+    const size_t bytes = model_kv_dev_bytes(&mm), head = (size_t)model_kv_rows(&mm) * model_kv_row_bytes(&mm), layer = 2 * (size_t)n_kv * head;
+    uint8_t *host = plat_alloc(bytes);
+    uint64_t *addr = plat_alloc((size_t)T * 8);
+    int *pos = plat_alloc((size_t)T * sizeof *pos);
+    float *rope = plat_alloc((size_t)T * rot * 4), *row = random_x(1, hd);
+    cuda_ptr dev_kv[8] = {0};
+    for (int q = 0; q < n_seq; q++) { /* FILLED rows of every head of both layers, random */
+        seqs[q].state = plat_zalloc(2, sizeof *seqs[q].state);
+        for (int li = 0; li < 2; li++) {
+            seqs[q].state[li].k_cache = plat_zalloc((size_t)n_kv, head);
+            seqs[q].state[li].v_cache = plat_zalloc((size_t)n_kv, head);
+            for (int h = 0; h < n_kv; h++)
+                for (int r = 0; r < filled; r++)
+                    for (int keys = 0; keys < 2; keys++) {
+                        for (int i = 0; i < hd; i++) row[i] = (float)((int64_t)(rng_next() % 2001) - 1000) * 1e-3f;
+                        model_kv_store(&mm, keys ? seqs[q].state[li].k_cache : seqs[q].state[li].v_cache, h, r, row, keys);
+                    }
+            memcpy(host + li * layer, seqs[q].state[li].k_cache, (size_t)n_kv * head);
+            memcpy(host + li * layer + (size_t)n_kv * head, seqs[q].state[li].v_cache, (size_t)n_kv * head);
+        }
+        dev_kv[q] = device_copy(dev, host, bytes);
+    }
+    for (int t = 0; t < T; t++) {
+        const int q = t * n_seq / T; /* runs of tokens, each sequence's in order */
+        int before = 0;
+        for (int u = 0; u < t; u++) before += u * n_seq / T == q;
+        s->tok_seq[t] = &seqs[q];
+        s->tok_pos[t] = pos[t] = filled + before;
+        addr[t] = dev_kv[q];
+        model_rope_table(c, pos[t], rope + (size_t)t * rot);
+    }
+    const struct ops_matrix wo = random_matrix(GGUF_TYPE_Q8_0, 64, n_head * hd);
+    const size_t stride = ops_act_stride(&wo), out_bytes = cuda_align((size_t)T * n_head * hd * 4);
+    struct cuda_device *d = &cuda.dev[dev];
+    cuda_ptr qg = device_copy(dev, s->qg, (size_t)T * qw * 4), k = device_copy(dev, s->k, (size_t)T * kvw * 4), v = device_copy(dev, s->v, (size_t)T * kvw * 4);
+    cuda_ptr qn = device_copy(dev, q_norm, (size_t)hd * 4), kn = device_copy(dev, k_norm, (size_t)hd * 4), dr = device_copy(dev, rope, (size_t)T * rot * 4);
+    cuda_ptr da = device_copy(dev, addr, (size_t)T * 8), dp = device_copy(dev, pos, (size_t)T * 4), scratch = device_copy(dev, NULL, out_bytes + stride * T);
+    struct cuda_attention a = {qn, kn, da, dp, dr, n_head, n_kv, hd, rot, kv == OPS_KV_F16, 1e-6f, 1.0f / sqrtf((float)hd), layer, (uint64_t)model_kv_rows(&mm)};
+    struct cuda_moe_layer L = {.wo = &wo, .attn = &a};
+    struct cuda_moe_layout o;
+    memset(&o, 0, sizeof o);
+    o.mix = out_bytes;
+    d->kept_next[0] = qg, d->kept_next[1] = k, d->kept_next[2] = v, d->moe = scratch;
+    long calls = cuda.calls;
+    int ran = scratch && cuda_attention_launch(d, &L, o, stride, T) == CUDA_SUCCESS;
+    d->moe = 0;
+    model_attention(&mm, 1, T);
+    uint8_t *act = plat_zalloc(stride * (size_t)T, 1), *got = plat_alloc(stride * (size_t)T);
+    for (int t = 0; t < T; t++) quant_act_prepare(wo.type, s->attn + (size_t)t * n_head * hd, n_head * hd, act + (size_t)t * stride);
+    size_t at = 0;
+    int same = ran && device_same(qg, s->qg, (size_t)T * qw, &at) && device_same(k, s->k, (size_t)T * kvw, &at) &&
+               device_same(scratch, s->attn, (size_t)T * n_head * hd, &at) && cuda_dtoh(got, scratch + o.mix, stride * (size_t)T) == 0;
+    for (int t = 0; t < T && same; t++) same = !memcmp(got + (size_t)t * stride, act + (size_t)t * stride, quant_act_bytes(wo.type, n_head * hd));
+    uint8_t *back = plat_alloc(bytes);
+    for (int q = 0; q < n_seq && same; q++) {
+        memcpy(host + layer, seqs[q].state[1].k_cache, (size_t)n_kv * head);
+        memcpy(host + layer + (size_t)n_kv * head, seqs[q].state[1].v_cache, (size_t)n_kv * head);
+        same = cuda_dtoh(back, dev_kv[q] + layer, layer) == 0 && !memcmp(back, host + layer, layer);
+    }
+    char name[200];
+    snprintf(name, sizeof name, "attention on device %d, %d heads on %d of %d (RoPE %d), %s cache, %d tokens of %d sequences after %d: "
+             "the CPU's queries, keys, caches, rows and bits in 3 calls", dev, n_head, n_kv, hd, rot, kv == OPS_KV_F16 ? "f16" : "f32", T, n_seq, filled);
+    check(same && cuda.calls - calls == 3, name, "ran %d, calls %ld, first difference at %zu", ran, cuda.calls - calls, at);
+    cuda_ptr bufs_d[] = {qg, k, v, qn, kn, dr, da, dp, scratch};
+    for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
+    for (int q = 0; q < n_seq; q++) {
+        cuda_mem_free(dev_kv[q]);
+        for (int li = 0; li < 2; li++) free(seqs[q].state[li].k_cache), free(seqs[q].state[li].v_cache);
+        free(seqs[q].state);
+    }
+    void *bufs[] = {q_norm, k_norm, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->tok_seq, s->tok_pos, seqs, host, addr, pos, rope, row,
+                    (void *)wo.data, act, got, back};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+}
+
+static void test_attention(int real)
+{
+    check_attention(0, 4, 2, 32, 8, 1, 1, 5, OPS_KV_F32);            /* the golden models' heads */
+    check_attention(1, 16, 2, 256, 64, 3, 2, 37, OPS_KV_F32);        /* the 35B-A3B's heads, rows past a warp's 32 */
+    check_attention(0, 8, 4, 64, 32, 4, 1, 70, OPS_KV_F16);          /* a prompt's tokens after 70 rows, f16 */
+    check_attention(!real, 6, 3, 128, 128, 2, 2, 0, OPS_KV_F16);     /* RoPE over the whole head, an empty cache */
+    if (real) check_attention(0, 16, 2, 256, 64, 4, 2, 1000, OPS_KV_F32); /* the 35B-A3B at 1k of context */
+}
+
 static void test_deltanet(int real)
 {
     check_deltanet(0, 2, 4, 16, 16, 4, 1, 1, 0, 0);     /* the golden models' heads */
@@ -806,6 +920,7 @@ int main(int argc, char **argv)
     test_experts(quick, real);
     test_moe_layer(real);
     test_deltanet(real);
+    test_attention(real);
     if (!sim) test_bench(real);
     if (!kernels_only) test_failures();
     cuda_stop();
