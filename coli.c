@@ -6220,16 +6220,15 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   for the norm, one a weight type, one a projection), after the last layer of a decode step
  *   the final norm and the output head. A layer whose routed experts are partly the CPU's is
  *   split: its routing comes down after the routing kernel, the CPU's experts' outputs go up
- *   before the sum (2 calls, one of them a wait, more). A DeltaNet layer whose projections the
- *   layer before made there runs its mixer there too, over its sequences' states kept in device
- *   memory (a chain: 4 launches, no upload, no download; see "chains" below). A decoded token of
- *   the 35B-A3B (Q4_K_M mix) with everything resident then waits 12 times (layer 0's
- *   projections, the end of each chain before an attention layer's mixer, the head: 41 before
- *   the chains, 161 as products and expert batches); the fake driver measures 3 waits and 87
- *   calls a token on a 4-layer slice, 4 and 173 on 8 layers: ~860 calls on the 40. One wrapped
- *   call cost 0.25 µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask
- *   calls): 0.2 ms per token. Fewer waits need attention on the device too (its KV cache
- *   there), and fewer calls a CUDA graph per token. */
+ *   before the sum (2 calls, one of them a wait, more). A layer whose projections the layer
+ *   before made there runs its mixer there too, over its sequences' DeltaNet states or KV caches
+ *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; see "chains"
+ *   below). A decoded token of the 35B-A3B (Q4_K_M mix) with everything resident then waits
+ *   twice: layer 0's projections and the end (41 before the chains, 161 as products and expert
+ *   batches); the fake driver measures 2 waits and 88 calls a token on a 4-layer slice, 2 and
+ *   174 on 8 layers: ~860 calls on the 40. One wrapped call cost 0.25 µs on the VM where it was
+ *   measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token. Fewer calls need
+ *   a CUDA graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -7966,8 +7965,10 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
  * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows]. A split
  * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
  * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
- * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. Returns 0,
- * or -1 after cuda_fail. */
+ * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. In a chain
+ * (L->dn or L->attn) nothing goes up: the mixer runs first from what the layer before kept
+ * (X and MIX unread), and a layer that keeps (L->keep) is not downloaded. Returns 0, or -1 after
+ * cuda_fail. */
 static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T,
                                 void *routing)
 {
@@ -8055,13 +8056,14 @@ static int cuda_moe_finish(int dev, void *out)
     return 0;
 }
 
-/* ---- chains: DeltaNet layers run where the layer before left their inputs ----
- * A DeltaNet layer whose projections the layer before made on the same device (its rest kept
- * there, KEEP) runs its mixer there too (DN), over its sequences' recurrent states held in
- * device memory, and its rest after it: nothing crosses the bus between them. A pass uploads
- * once, before its first layer, what its chained layers need (cuda_chain_begin); a chain's ids
- * come back after its last layer (cuda_chain_ids). A sequence's state on a device is one
- * allocation laid out as coli's checkpoints (§8 keeps which copy is current). */
+/* ---- chains: mixers run where the layer before left their inputs ----
+ * A layer whose projections the layer before made on the same device (its rest kept there,
+ * KEEP) runs its mixer there too (DN: a DeltaNet over its sequences' recurrent states held in
+ * device memory; ATTN: attention over their KV caches there), and its rest after it: nothing
+ * crosses the bus between them. A pass uploads once, before its first layer, what its chained
+ * layers need (cuda_chain_begin); a chain's ids come back after its last layer
+ * (cuda_chain_ids). A sequence's states on a device are one allocation laid out as coli's
+ * checkpoints, its KV caches another laid out as the CPU's (§8 keeps which copy is current). */
 
 /* Device DEV's chain buffer for a pass: BYTES of STAGE (the T tokens' state addresses at 0,
  * room for the ids, the chained layers' blocks) uploaded. Returns its address, or 0 after
