@@ -6867,7 +6867,7 @@ struct cuda_device {
     cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left the hidden state and the next projections */
     cuda_ptr chain;                      /* a pass's chains: the tokens' state addresses, the ids, the layers' blocks */
     size_t chain_cap;
-    int64_t states;                      /* bytes of sequences' recurrent states held here (cuda_state_alloc) */
+    int64_t states;                      /* bytes of sequences' states and KV caches held here (cuda_state_alloc) */
     cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
@@ -8065,9 +8065,9 @@ static int cuda_moe_finish(int dev, void *out)
  * (cuda_chain_ids). A sequence's states on a device are one allocation laid out as coli's
  * checkpoints, its KV caches another laid out as the CPU's (§8 keeps which copy is current). */
 
-/* Device DEV's chain buffer for a pass: BYTES of STAGE (the T tokens' state addresses at 0,
- * room for the ids, the chained layers' blocks) uploaded. Returns its address, or 0 after
- * cuda_fail. */
+/* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers
+ * read, the state addresses first; room for the ids; the chained layers' blocks: §8's
+ * model_chain_head_of) uploaded. Returns its address, or 0 after cuda_fail. */
 static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -8105,8 +8105,8 @@ static cuda_ptr cuda_floats_resident(int dev, const float *const *src, const siz
     return cuda_upload(dev, (const uint8_t *const *)src, bytes, n, 1);
 }
 
-/* Room for a sequence's recurrent state on device DEV (BYTES, charged to its budget): its
- * address, or 0 where it does not fit. */
+/* Room for a sequence's recurrent states or KV caches on device DEV (BYTES, charged to its
+ * budget): its address, or 0 where it does not fit. */
 static cuda_ptr cuda_state_alloc(int dev, size_t bytes)
 {
     cuda_ptr p = 0;

@@ -582,7 +582,7 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
 }
 
-static void test_attention(int real)
+static void test_attention_device(int real)
 {
     check_attention(0, 4, 2, 32, 8, 1, 1, 5, OPS_KV_F32);            /* the golden models' heads */
     check_attention(1, 16, 2, 256, 64, 3, 2, 37, OPS_KV_F32);        /* the 35B-A3B's heads, rows past a warp's 32 */
@@ -591,7 +591,7 @@ static void test_attention(int real)
     if (real) check_attention(0, 16, 2, 256, 64, 4, 2, 1000, OPS_KV_F32); /* the 35B-A3B at 1k of context */
 }
 
-static void test_deltanet(int real)
+static void test_deltanet_device(int real)
 {
     check_deltanet(0, 2, 4, 16, 16, 4, 1, 1, 0, 0);     /* the golden models' heads */
     check_deltanet(1, 2, 4, 128, 128, 4, 3, 2, 0, 0);   /* the 35B-A3B's head sizes, two sequences */
@@ -919,8 +919,8 @@ int main(int argc, char **argv)
     check_jobs(real, 3);
     test_experts(quick, real);
     test_moe_layer(real);
-    test_deltanet(real);
-    test_attention(real);
+    test_deltanet_device(real);
+    test_attention_device(real);
     if (!sim) test_bench(real);
     if (!kernels_only) test_failures();
     cuda_stop();
