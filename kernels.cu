@@ -1041,12 +1041,14 @@ extern "C" __global__ void attn_prep(float *qg, float *k, const float *__restric
     for (int i = lane; vr && i < hd; i += 32) kv_put(vr, i, v[((uint64_t)t * n_kv + kh) * hd + i], f16c);
 }
 
-// Score of query Q (hd floats) against key row K, coli.c's ops_scores order: element i into
-// partial i % 16, the partials met by the butterfly 8, 4, 2, 1, times SCALE. One lane alone.
+// Score of query Q (hd floats, a multiple of 16) against key row K, coli.c's ops_scores order:
+// element i into partial i % 16, the partials met by the butterfly 8, 4, 2, 1, times SCALE. One
+// lane alone; the partials in registers.
 __device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, int hd, int f16c, float scale) {
     float p[16];
     for (int j = 0; j < 16; j++) p[j] = 0.0f;
-    for (int i = 0; i < hd; i++) p[i % 16] = __fadd_rn(p[i % 16], __fmul_rn(q[i], kv_get(kr, i, f16c)));
+    for (int i0 = 0; i0 < hd; i0 += 16)
+        for (int j = 0; j < 16; j++) p[j] = __fadd_rn(p[j], __fmul_rn(q[i0 + j], kv_get(kr, i0 + j, f16c)));
     for (int s = 8; s > 0; s /= 2)
         for (int j = 0; j < s; j++) p[j] = __fadd_rn(p[j], p[j + s]);
     return __fmul_rn(p[0], scale);
