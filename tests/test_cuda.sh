@@ -314,14 +314,19 @@ done
 # coli serve on the fake device. The fake's current context is a thread's, as the driver's, so a
 # driver call from a thread that did not make it current fails there (error 201) as on a card:
 # the server's requests must run on the device, with no fallback line, and give the CPU's text.
-serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots decoding together) from a server started with ENV
-    local log=$1 port="" i pids=(); shift
-    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 --parallel 3 2>"$log" &
-    local pid=$!
+serve_up() { # serve_up LOG SLOTS ENV...: coli serve with ENV on a free port; sets pid, and port once it is ready (else empty)
+    local log=$1 slots=$2 i; shift 2
+    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 --parallel "$slots" 2>"$log" &
+    pid=$! port=""
     for i in $(seq 100); do
         grep -q '^\[serve\] ready' "$log" && port=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$') && break
         sleep 0.1
     done
+}
+serve_down() { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
+serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots decoding together) from a server started with ENV
+    local log=$1 i pids=(); shift
+    serve_up "$log" 3 "$@"
     if [ -n "$port" ]; then
         for i in 1 2 3; do
             curl -s -m 30 "http://127.0.0.1:$port/v1/completions" -o "$log.$i" \
@@ -331,8 +336,7 @@ serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots 
         wait "${pids[@]}"
         for i in 1 2 3; do grep -o '"text":"[^"]*"' "$log.$i"; done
     fi
-    kill "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    serve_down
 }
 serve_text "$tmp/serve-cpu" COLI_CUDA=0 >"$tmp/serve-cpu.txt"
 serve_text "$tmp/serve-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/serve-gpu.txt"
@@ -352,13 +356,8 @@ else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fai
 # continues the first (its prompt and answer, and more), which is brought back and reused (its
 # rows go up again). The CPU's texts, and the third's prompt tokens reused.
 serve_turns() { # serve_turns LOG ENV...
-    local log=$1 port="" i first; shift
-    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 --parallel 1 2>"$log" &
-    local pid=$!
-    for i in $(seq 100); do
-        grep -q '^\[serve\] ready' "$log" && port=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$') && break
-        sleep 0.1
-    done
+    local log=$1 first; shift
+    serve_up "$log" 1 "$@"
     turn() { curl -s -m 30 "http://127.0.0.1:$port/v1/completions" -d '{"prompt":"'"$1"'","max_tokens":6,"temperature":0,"ignore_eos":true}'; }
     if [ -n "$port" ]; then
         first=$(turn "The capital of France is" | grep -o '"text":"[^"]*"' | sed 's/^"text":"//; s/"$//')
@@ -367,8 +366,7 @@ serve_turns() { # serve_turns LOG ENV...
         turn "The capital of France is$first and" | grep -o '"text":"[^"]*"\|"cached_tokens":[0-9]*' | tr '\n' ' '
         echo
     fi
-    kill "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    serve_down
 }
 serve_turns "$tmp/turns-cpu" COLI_CUDA=0 >"$tmp/turns-cpu.txt"
 serve_turns "$tmp/turns-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/turns-gpu.txt"
