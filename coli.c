@@ -8128,7 +8128,7 @@ static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int u
     cuda_result r;
     if (!cuda.ready) return -1;
     if ((r = cuda_use(dev)) || (r = up ? cuda_htod(p, host, bytes) : cuda_dtoh(host, p, bytes))) {
-        cuda_fail("a recurrent state's copy", r);
+        cuda_fail("a conversation's state copied to or from the device", r);
         return -1;
     }
     cuda.calls++;
@@ -10652,11 +10652,12 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
     }
 }
 
-/* ---- a sequence's DeltaNet state on devices ----
- * Where a chain (§5) runs a DeltaNet layer on a device, the state of each of its sequences
- * lives there between passes; the CPU's copy is brought up to date only where the CPU needs it:
- * its own pass over that layer, a checkpoint. A device that fails with the only current copy
- * loses it: the sequence is then fed its tokens again (model_seq_lost, the engine's replay). */
+/* ---- a sequence's state on devices ----
+ * Where a chain (§5) runs a layer's mixer on a device, the DeltaNet state or the KV cache of
+ * each of its sequences lives there between passes; the CPU's copy is brought up to date only
+ * where the CPU needs it: its own pass over that layer, a checkpoint, a conversation parked. A
+ * device that fails with the only current copy loses it: the sequence is then fed its tokens
+ * again (model_seq_lost, the engine's replay). */
 
 /* Layer IL's state's place in a sequence's state on a device, in floats: DeltaNet layers in
  * order, model_recurrent_floats apiece, as a checkpoint lays them. */
@@ -11710,11 +11711,11 @@ static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_
     return model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, L);
 }
 
-/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: a DeltaNet run
- * on the device, model_chain_plan): the output projection, the residual and the post-norm,
- * the FFN and its residual. All of it on one device where one holds it all (model_rest_device),
+/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: the mixer runs
+ * on the device, model_chain_plan): the output projection, the residual and the post-norm, the
+ * FFN and its residual. All of it on one device where one holds it all (model_rest_device),
  * with what follows it where its matrices are there too (model_rest_plan); else step by step.
- * Returns 1 where what follows was made (on the device, where the next layer's DeltaNet runs
+ * Returns 1 where what follows was made (kept on the device where the next layer's mixer runs
  * there), 0 where not, or -1 with m->error where an expert could not be read or a chain's
  * device failed (m->lost). */
 static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
@@ -11875,7 +11876,7 @@ static int model_chain_upload(struct model *m, int T)
             if (ch->dev != dev) continue;
             ch->block = ch->mixer ? base + ch->block_off : 0;
             ch->ids = base + h.ids + (size_t)il * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
-            struct cuda_attention *a = &s->attn_dev[il];
+            struct cuda_attention *a = &s->attn_dev[il]; /* read where the layer is attention */
             a->kv = base + h.kv, a->pos = base + h.pos, a->rope = base + h.rope;
         }
     }
