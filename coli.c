@@ -7825,31 +7825,40 @@ static void cuda_chain_block_fill(const struct cuda_moe_layer *L, int T, uint8_t
     cuda_moe_fill(L, o, dst, o.x, o.x + cuda_align((size_t)L->sh.dim * 4), T);
 }
 
-/* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
- * over the new hidden state, the activations a type, a product a projection. Counts its calls;
+/* A layer's start on device D: the norm NORM over T hidden rows X into XN (residual_norm), then
+ * each of its N mixer projections W[j] (resident at W_PTR[j]) over that: the activations a type
+ * (at ACT[j]: projections of one type share them), the products into OUT[j]. Counts its calls;
  * returns the driver's result. */
-static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm, cuda_ptr xn, const struct ops_matrix *w, const cuda_ptr *w_ptr,
+                                const cuda_ptr *act, const cuda_ptr *out, int n, int dim, float eps, int T)
 {
-    const cuda_ptr b = d->moe;
-    cuda_ptr pout = b + o.out, pnorm = cuda_moe_inputs_of(d, L, o).next_norm, pxn = b + o.xn, none = 0;
-    int dim = L->sh.dim, columns = T;
-    float eps = L->eps;
-    void *norm[] = {&pout, &none, &pnorm, &pxn, &dim, &eps};
-    cuda_result r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm);
+    cuda_ptr none = 0;
+    int columns = T;
+    void *norm_params[] = {&x, &none, &norm, &xn, &dim, &eps};
+    cuda_result r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm_params);
     cuda.calls++;
-    for (int j = 0; j < L->n_next && !r; j++) {
-        const struct ops_matrix *w = &L->next[j];
-        cuda_ptr pw = L->next_ptr[j], pa = b + o.next_act[j], py = b + o.next_out[j];
-        uint64_t rb = w->row_bytes, st = ops_act_stride_of(w->type, dim);
-        int rows = (int)w->rows;
+    for (int j = 0; j < n && !r; j++) {
+        cuda_ptr pw = w_ptr[j], pa = act[j], py = out[j];
+        uint64_t rb = w[j].row_bytes, st = ops_act_stride_of(w[j].type, dim);
+        int rows = (int)w[j].rows;
         void *params[] = {&pw, &rb, &pa, &st, &py, &rows, &dim, &columns};
         int first = 1; /* the first projection of its type prepares the activations they share */
-        for (int i = 0; i < j; i++) first &= o.next_act[i] != o.next_act[j];
-        if (first) r = cuda_quantize_launch(d, w->type, pxn, pa, st, dim, T);
-        if (!r) r = cuda_launch(d->matvec[w->type], (unsigned)((w->rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params);
+        for (int i = 0; i < j; i++) first &= act[i] != act[j];
+        if (first) r = cuda_quantize_launch(d, w[j].type, xn, pa, st, dim, T);
+        if (!r) r = cuda_launch(d->matvec[w[j].type], (unsigned)((w[j].rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params);
         cuda.calls += 1 + first;
     }
     return r;
+}
+
+/* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
+ * over the new hidden state, and its projections (cuda_project). Returns the driver's result. */
+static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+{
+    cuda_ptr act[CUDA_NEXT_MAX], out[CUDA_NEXT_MAX];
+    for (int j = 0; j < L->n_next; j++) act[j] = d->moe + o.next_act[j], out[j] = d->moe + o.next_out[j];
+    return cuda_project(d, d->moe + o.out, cuda_moe_inputs_of(d, L, o).next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out, L->n_next,
+                        L->sh.dim, L->eps, T);
 }
 
 /* Layer L's DeltaNet mixer on device D over the projections the layer before kept there (its
@@ -8092,6 +8101,44 @@ static int cuda_chain_ids(int dev, cuda_ptr at, int *out, size_t bytes)
         return -1;
     }
     cuda.calls++;
+    return 0;
+}
+
+/* The first layer's start in a chain on device DEV, from the embedded rows X [T][dim] and its
+ * input norm NORM (both in the chain buffer): the norm and its N mixer projections W[j]
+ * (resident at W_PTR[j]: cuda_project) into the layer scratch, kept there for the layer's
+ * mixer as a layer before it would have. Returns 0, or -1 after cuda_fail. */
+static int cuda_chain_first(int dev, cuda_ptr x, cuda_ptr norm, const struct ops_matrix *w, const cuda_ptr *w_ptr, int n, int dim, float eps,
+                            int T)
+{
+    struct cuda_device *d = &cuda.dev[dev];
+    cuda_ptr act[CUDA_NEXT_MAX], out[CUDA_NEXT_MAX];
+    size_t at = cuda_align((size_t)T * (size_t)dim * 4), acts[CUDA_NEXT_MAX];
+    for (int j = 0; j < n; j++) { /* xn, the activations a type, the outputs */
+        int same = 0;
+        while (w[same].type != w[j].type) same++;
+        acts[j] = same < j ? acts[same] : at;
+        at += same < j ? 0 : cuda_align(ops_act_stride_of(w[j].type, dim) * (size_t)T);
+    }
+    size_t need = at;
+    for (int j = 0; j < n; j++) need += cuda_align((size_t)T * (size_t)w[j].rows * 4);
+    cuda_result r;
+    if (!cuda.ready) return -1;
+    if ((r = cuda_use(dev)) || (r = cuda_scratch(&d->moe, &d->moe_cap, need))) {
+        cuda_fail("a chain of layers on the device", r);
+        return -1;
+    }
+    for (int j = 0; j < n; j++) {
+        act[j] = d->moe + acts[j];
+        out[j] = d->moe + at;
+        at += cuda_align((size_t)T * (size_t)w[j].rows * 4);
+    }
+    if ((r = cuda_project(d, x, norm, d->moe, w, w_ptr, act, out, n, dim, eps, T))) {
+        cuda_fail("a chain of layers on the device", r);
+        return -1;
+    }
+    d->kept_x = x;
+    for (int j = 0; j < n; j++) d->kept_next[j] = out[j];
     return 0;
 }
 
@@ -11799,9 +11846,10 @@ static int model_attention_on(struct model *m, int il, int dev)
 }
 
 /* A chain buffer for T tokens: its head (the tokens' DeltaNet state addresses, KV cache
- * addresses, positions and RoPE rows, at these offsets), then the ids of every layer (layer
- * il's at il T used ints from the ids' start), then the chained layers' blocks. */
-struct model_chain_head { size_t kv, pos, rope, ids, blocks; };
+ * addresses, positions and RoPE rows, and where layer 0 is chained its embedded rows and input
+ * norm, at these offsets), then the ids of every layer (layer il's at il T used ints from the
+ * ids' start), then the chained layers' blocks. */
+struct model_chain_head { size_t kv, pos, rope, x, norm, ids, blocks; };
 
 static struct model_chain_head model_chain_head_of(const struct model *m, int T)
 {
@@ -11809,7 +11857,9 @@ static struct model_chain_head model_chain_head_of(const struct model *m, int T)
     h.kv = cuda_align((size_t)T * 8);
     h.pos = h.kv + cuda_align((size_t)T * 8);
     h.rope = h.pos + cuda_align((size_t)T * 4);
-    h.ids = h.rope + cuda_align((size_t)T * (size_t)m->cfg.rope_dims * 4);
+    h.x = h.rope + cuda_align((size_t)T * (size_t)m->cfg.rope_dims * 4);
+    h.norm = h.x + cuda_align((size_t)T * (size_t)m->cfg.dim * 4);
+    h.ids = h.norm + cuda_align((size_t)m->cfg.dim * 4);
     h.blocks = h.ids + cuda_align((size_t)m->cfg.n_layers * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int));
     return h;
 }
@@ -11827,20 +11877,38 @@ static int model_chain_room(const struct model *m, const struct model_run *runs,
     return 1;
 }
 
-/* Chains layer IL (not the first) to the layer before for this pass's T tokens (of N_RUNS
- * runs) where one device would run both layers' rests whole (no expert of theirs the CPU's),
- * the layer before makes IL's projections there, and IL's mixer can run there (its constants
- * and every run's state fit): stages IL's block for cuda_chain_begin. */
+/* Layer 0's mixer projections for T tokens into JOBS and their device addresses into PTR where
+ * device DEV holds them all and can run them (cuda_project); how many, or 0. */
+static int model_first_projections(struct model *m, int T, int dev, struct ops_job *jobs, cuda_ptr *ptr)
+{
+    const struct cuda_device *d = &cuda.dev[dev];
+    const int n = model_mixer_jobs(m, 0, T, jobs);
+    for (int j = 0; j < n; j++) {
+        const struct cuda_resident *r = cuda_resident_of(jobs[j].w.data);
+        const enum gguf_type t = jobs[j].w.type;
+        if (!r || r->dev != dev || !d->matvec[t] || !d->quantize[quant_act_kind(t)] || jobs[j].w.cols != m->cfg.dim) return 0;
+        ptr[j] = r->ptr;
+    }
+    return n;
+}
+
+/* Chains layer IL to the layer before for this pass's T tokens (of N_RUNS runs) where one
+ * device would run both layers' rests whole (no expert of theirs the CPU's) and the layer before
+ * makes IL's projections there (layer 0: where that device holds them, from the embedded rows),
+ * and IL's mixer can run there (its constants and every run's state fit): stages IL's block
+ * for cuda_chain_begin. */
 static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il)
 {
     struct model_scratch *s = &m->s;
-    struct ops_job next[CUDA_NEXT_MAX];
+    struct ops_job next[CUDA_NEXT_MAX], first[CUDA_NEXT_MAX];
+    cuda_ptr first_ptr[CUDA_NEXT_MAX];
     struct cuda_moe_layer before, L;
     const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
     if (m->cfg.n_layers > m->cfg.dim) return; /* the ids come down through dev_out */
-    const int dev = model_rest_plan(m, il - 1, T, T == n_runs, next, &before);
-    if (dev < 0 || before.split || before.n_next != model_mixer_jobs(m, il, T, next) || model_rest_plan(m, il, T, T == n_runs, next, &L) != dev ||
-        L.split || !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) || !model_chain_room(m, runs, n_runs, il, dev))
+    const int dev = model_rest_plan(m, il > 0 ? il - 1 : 0, T, T == n_runs, next, &before);
+    if (dev < 0 || (il > 0 ? before.split || before.n_next != model_mixer_jobs(m, il, T, next) : !model_first_projections(m, T, dev, first, first_ptr)) ||
+        model_rest_plan(m, il, T, T == n_runs, next, &L) != dev || L.split ||
+        !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) || !model_chain_room(m, runs, n_runs, il, dev))
         return;
     size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(&L, T);
     if (!*used) *used = model_chain_head_of(m, T).blocks;
@@ -11850,7 +11918,7 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
     }
     cuda_chain_block_fill(&L, T, s->chain_stage[dev] + *used);
     s->chain[il] = (struct model_chain){dev, 1, *used, 0, 0};
-    s->chain[il - 1].dev = dev;
+    if (il > 0) s->chain[il - 1].dev = dev;
     *used += bytes;
 }
 
@@ -11869,6 +11937,8 @@ static int model_chain_upload(struct model *m, int T)
             memcpy(stage + h.pos + (size_t)t * 4, &s->tok_pos[t], 4);
             model_rope_table(&m->cfg, s->tok_pos[t], (float *)(void *)(stage + h.rope) + (size_t)t * m->cfg.rope_dims);
         }
+        memcpy(stage + h.x, s->x, (size_t)T * (size_t)m->cfg.dim * 4);
+        memcpy(stage + h.norm, m->layers[0].attn_norm, (size_t)m->cfg.dim * 4);
         const cuda_ptr base = cuda_chain_begin(dev, stage, s->chain_bytes[dev]);
         if (!base) return -1;
         for (int il = 0; il < m->cfg.n_layers; il++) {
@@ -11879,6 +11949,12 @@ static int model_chain_upload(struct model *m, int T)
             struct cuda_attention *a = &s->attn_dev[il]; /* read where the layer is attention */
             a->kv = base + h.kv, a->pos = base + h.pos, a->rope = base + h.rope;
         }
+        struct ops_job first[CUDA_NEXT_MAX];
+        cuda_ptr ptr[CUDA_NEXT_MAX];
+        const int n = s->chain[0].mixer && s->chain[0].dev == dev ? model_first_projections(m, T, dev, first, ptr) : 0;
+        struct ops_matrix w[CUDA_NEXT_MAX];
+        for (int j = 0; j < n; j++) w[j] = first[j].w;
+        if (n && cuda_chain_first(dev, base + h.x, base + h.norm, w, ptr, n, m->cfg.dim, m->cfg.eps, T)) return -1;
     }
     return 0;
 }
@@ -11912,7 +11988,7 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     s->chain_first = -1;
     memset(s->chain_bytes, 0, sizeof s->chain_bytes);
     for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
-    for (int il = 1; il < c->n_layers && cuda.ready && m->experts; il++) model_chain_layer(m, runs, n_runs, T, il);
+    for (int il = 0; il < c->n_layers && cuda.ready && m->experts; il++) model_chain_layer(m, runs, n_runs, T, il);
     if (model_chain_upload(m, T))
         for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
     for (int r = 0; r < n_runs; r++)
@@ -11978,7 +12054,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     m->lost = 0;
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
     if (model_chain_plan(m, runs, n_runs, T)) return -1;
-    int projected = 0; /* the last layer's rest made what follows it: this layer's projections, or the logits */
+    int projected = s->chain[0].mixer; /* made what follows: this layer's projections (layer 0's: cuda_chain_first), or the logits */
     for (int il = 0; il < c->n_layers; il++) {
         const int on_device = s->chain[il].mixer; /* its mixer, from the projections the layer before kept there */
         model_phase_mark(m, MODEL_PHASE_OTHER);
