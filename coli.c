@@ -6222,13 +6222,14 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   split: its routing comes down after the routing kernel, the CPU's experts' outputs go up
  *   before the sum (2 calls, one of them a wait, more). A layer whose projections the layer
  *   before made there runs its mixer there too, over its sequences' DeltaNet states or KV caches
- *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; see "chains"
+ *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; layer 0's
+ *   projections from the embedded rows, which go up with the pass's first upload; see "chains"
  *   below). A decoded token of the 35B-A3B (Q4_K_M mix) with everything resident then waits
- *   twice: layer 0's projections and the end (41 before the chains, 161 as products and expert
- *   batches); the fake driver measures 2 waits and 88 calls a token on a 4-layer slice, 2 and
- *   174 on 8 layers: ~860 calls on the 40. One wrapped call cost 0.25 µs on the VM where it was
- *   measured (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token. Fewer calls need
- *   a CUDA graph per token. */
+ *   once, for the logits (41 before the chains, 161 as products and expert batches); the fake
+ *   driver measures 1 wait and 92 calls a token on a 4-layer slice, 1 and 178 on 8 layers:
+ *   ~870 calls on the 40. One wrapped call cost 0.25 µs on the VM where it was measured
+ *   (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token. Fewer calls need a CUDA
+ *   graph per token. */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -8067,11 +8068,11 @@ static int cuda_moe_finish(int dev, void *out)
 
 /* ---- chains: mixers run where the layer before left their inputs ----
  * A layer whose projections the layer before made on the same device (its rest kept there,
- * KEEP) runs its mixer there too (DN: a DeltaNet over its sequences' recurrent states held in
- * device memory; ATTN: attention over their KV caches there), and its rest after it: nothing
- * crosses the bus between them. A pass uploads once, before its first layer, what its chained
- * layers need (cuda_chain_begin); a chain's ids come back after its last layer
- * (cuda_chain_ids). A sequence's states on a device are one allocation laid out as coli's
+ * KEEP; layer 0's: cuda_chain_first, from the embedded rows) runs its mixer there too (DN: a
+ * DeltaNet over its sequences' recurrent states held in device memory; ATTN: attention over
+ * their KV caches there), and its rest after it: nothing crosses the bus between them. A pass
+ * uploads once, before its first layer, what its chained layers need (cuda_chain_begin); a
+ * chain's ids come back after its last layer (cuda_chain_ids). A sequence's states on a device are one allocation laid out as coli's
  * checkpoints, its KV caches another laid out as the CPU's (§8 keeps which copy is current). */
 
 /* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers
