@@ -11923,8 +11923,9 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
     *used += bytes;
 }
 
-/* Uploads each device's staged chains (the head filled in first) and sets the chained layers'
- * addresses there. -1 where a device failed. */
+/* Uploads each device's staged chains (the head filled in first), sets the chained layers'
+ * addresses there, and where layer 0 is chained starts it (cuda_chain_first). -1 where a device
+ * failed. */
 static int model_chain_upload(struct model *m, int T)
 {
     struct model_scratch *s = &m->s;
