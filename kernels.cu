@@ -859,7 +859,7 @@ KERNEL_FORMATS(KERNELS)
 
 // ---- Gated DeltaNet on the device: coli.c's model_gated_deltanet, bit for bit ----
 // Where a DeltaNet layer's projections were made on the device by the layer before it, its
-// mixer runs there too (coli.c cuda_deltanet_start), over the sequences' recurrent states kept
+// mixer runs there too (coli.c cuda_deltanet_launch), over the sequences' recurrent states kept
 // in device memory: STATES[t] is the address of token t's sequence's state, a run of floats laid
 // out as coli.c's checkpoints (per DeltaNet layer its conv state [K-1][conv_dim], then its ssm
 // state [nv][dk][dv]); LAYER_OFF is this layer's place in it, in floats. A batch's tokens go
