@@ -801,6 +801,29 @@ extern "C" __global__ void moe_combine(const float *__restrict__ y, const float 
     out[(uint64_t)t * dim + i] = o;
 }
 
+// A sum in double of a warp's run of values in coli.c's ops_parts_sum order: value e (lane e % 32
+// of pass e / 32) into partial e % 16 in increasing e, the partials met by the butterfly 8, 4, 2,
+// 1 (parts_total). Call once a pass with the lane's value V (VALID 0: none; UPPER_VALID: lane +
+// 16's is one); PART is lane 0..15's partial.
+__device__ __forceinline__ double parts_add(double part, double v, bool valid, bool upper_valid) {
+    const int lane = threadIdx.x & 31;
+    const double upper = __shfl_down_sync(0xffffffffu, v, 16);
+    if (lane < 16 && valid) part = __dadd_rn(part, v);
+    if (lane < 16 && upper_valid) part = __dadd_rn(part, upper);
+    return part;
+}
+
+// ... of the squares of floats, as ops_sum_squares (each square exact in double).
+__device__ __forceinline__ double squares_add(double part, float v, bool valid, bool upper_valid) {
+    return parts_add(part, __dmul_rn((double)v, (double)v), valid, upper_valid);
+}
+
+// The partials of parts_add met, in every lane.
+__device__ __forceinline__ double parts_total(double part) {
+    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
+    return __shfl_sync(0xffffffffu, part, 0);
+}
+
 // Token t = blockIdx.x of coli.c's model_residual_norm, one warp a token: x[t] += y[t] (where
 // Y is not NULL), then xn[t] = rmsnorm(x[t]) * w (ops_rmsnorm: the squares in double, element
 // i into partial i % 16 in order, the partials met by the butterfly 8, 4, 2, 1; the mean and
@@ -817,12 +840,9 @@ extern "C" __global__ void residual_norm(float *x, const float *__restrict__ y, 
         float v = 0.0f;
         if (i < dim) v = xr[i];
         if (i < dim && y) xr[i] = v = __fadd_rn(v, yr[i]);
-        const double sq = __dmul_rn((double)v, (double)v), upper = __shfl_down_sync(0xffffffffu, sq, 16);
-        if (lane < 16 && i < dim) part = __dadd_rn(part, sq);
-        if (lane < 16 && i + 16 < dim) part = __dadd_rn(part, upper);
+        part = squares_add(part, v, i < dim, i + 16 < dim);
     }
-    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
-    const float mean = __double2float_rn(__ddiv_rn(__shfl_sync(0xffffffffu, part, 0), (double)dim));
+    const float mean = __double2float_rn(__ddiv_rn(parts_total(part), (double)dim));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     for (int i = lane; i < dim; i += 32) nr[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
 }
@@ -864,23 +884,6 @@ KERNEL_FORMATS(KERNELS)
 // out as coli.c's checkpoints (per DeltaNet layer its conv state [K-1][conv_dim], then its ssm
 // state [nv][dk][dv]); LAYER_OFF is this layer's place in it, in floats. A batch's tokens go
 // through their states in order, as on the CPU.
-
-// The sum of squares of a warp's run of elements, ops_sum_squares' order: element e (lane e % 32
-// of pass e / 32) into partial e % 16 in increasing e, the partials met by the butterfly 8, 4, 2,
-// 1. Call once a pass with the lane's element V (or VALID 0); PART is lane 0..15's partial.
-__device__ __forceinline__ double squares_add(double part, float v, bool valid, bool upper_valid) {
-    const int lane = threadIdx.x & 31;
-    const double sq = __dmul_rn((double)v, (double)v), upper = __shfl_down_sync(0xffffffffu, sq, 16);
-    if (lane < 16 && valid) part = __dadd_rn(part, sq);
-    if (lane < 16 && upper_valid) part = __dadd_rn(part, upper);
-    return part;
-}
-
-// The partials of squares_add met, in every lane.
-__device__ __forceinline__ double squares_total(double part) {
-    for (int s = 8; s > 0; s /= 2) part = __dadd_rn(part, __shfl_down_sync(0xffffffffu, part, s));
-    return __shfl_sync(0xffffffffu, part, 0);
-}
 
 // coli.c's ops_ln for a positive normal z: z = m 2^k, m in [sqrt(1/2), sqrt(2)), ln m =
 // 2 atanh(s), s = (m - 1) / (m + 1), by its series to s^21.
@@ -935,7 +938,7 @@ extern "C" __global__ void deltanet_conv(float *mixed, const float *__restrict__
             part = squares_add(part, v, ch < c1, ch + 16 < c1);
         }
         if (c0 >= 2 * q_end) continue; // a v channel: no norm
-        const float norm = __fsqrt_rn(__double2float_rn(squares_total(part)));
+        const float norm = __fsqrt_rn(__double2float_rn(parts_total(part)));
         const float scale = __fdiv_rn(1.0f, norm > eps ? norm : eps);
         for (int ch = c0 + lane; ch < c1; ch += 32) {
             const float v = __fmul_rn(x[ch], scale);
@@ -990,7 +993,7 @@ extern "C" __global__ void deltanet_gate(float *core, const float *__restrict__ 
     const float *wh = w + (per_head ? (uint64_t)blockIdx.x * dv : 0);
     double part = 0.0;
     for (int i0 = 0; i0 < dv; i0 += 32) part = squares_add(part, i0 + lane < dv ? o[i0 + lane] : 0.0f, i0 + lane < dv, i0 + lane + 16 < dv);
-    const float mean = __double2float_rn(__ddiv_rn(squares_total(part), (double)dv));
+    const float mean = __double2float_rn(__ddiv_rn(parts_total(part), (double)dv));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     for (int i = lane; i < dv; i += 32) o[i] = __fmul_rn(__fmul_rn(__fmul_rn(o[i], scale), wh[i]), silu_canonical(z[row + i]));
 }
@@ -1023,7 +1026,7 @@ extern "C" __global__ void attn_prep(float *qg, float *k, const float *__restric
     const float *w = is_q ? q_norm : k_norm, *cs = rope + (uint64_t)t * rot;
     double part = 0.0;
     for (int i0 = 0; i0 < hd; i0 += 32) part = squares_add(part, i0 + lane < hd ? x[i0 + lane] : 0.0f, i0 + lane < hd, i0 + lane + 16 < hd);
-    const float mean = __double2float_rn(__ddiv_rn(squares_total(part), (double)hd));
+    const float mean = __double2float_rn(__ddiv_rn(parts_total(part), (double)hd));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     const uint64_t esz = f16c ? 2 : 4, head = (uint64_t)(is_q ? 0 : kh) * rows * hd * esz, at = (uint64_t)(is_q ? 0 : pos[t]) * hd * esz;
     uint8_t *kr = is_q ? NULL : (uint8_t *)kv[t] + layer_off + head + at, *vr = is_q ? NULL : kr + (uint64_t)n_kv * rows * hd * esz;
@@ -1081,11 +1084,9 @@ extern "C" __global__ void attn_heads(const float *__restrict__ qg, const uint64
     for (int p0 = 0; p0 < n; p0 += 32) {
         const int p = p0 + lane;
         const float e = p < n ? exp_canonical(__fsub_rn(attn_score(q, keys + p * row, hd, f16c, scale), max)) : 0.0f;
-        const double upper = __shfl_down_sync(0xffffffffu, (double)e, 16);
-        if (lane < 16 && p < n) part = __dadd_rn(part, (double)e);
-        if (lane < 16 && p + 16 < n) part = __dadd_rn(part, upper);
+        part = parts_add(part, (double)e, p < n, p + 16 < n);
     }
-    const float inv = __double2float_rn(__ddiv_rn(1.0, squares_total(part)));
+    const float inv = __double2float_rn(__ddiv_rn(1.0, parts_total(part)));
     float o[16];
     for (int m = 0; m < 16; m++) o[m] = 0.0f;
     for (int p0 = 0; p0 < n; p0 += 32) {
