@@ -11893,34 +11893,45 @@ static int model_first_projections(struct model *m, int T, int dev, struct ops_j
     return n;
 }
 
-/* Chains layer IL to the layer before for this pass's T tokens (of N_RUNS runs) where one
- * device would run both layers' rests whole (no expert of theirs the CPU's) and the layer before
- * makes IL's projections there (layer 0: where that device holds them, from the embedded rows),
- * and IL's mixer can run there (its constants and every run's state fit): stages IL's block
- * for cuda_chain_begin. */
-static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il)
+/* Chains layer IL for this pass's T tokens (of N_RUNS runs) to device DEV, which makes its
+ * projections and would run its rest L whole (DEV < 0: nothing does both), where its mixer can
+ * run there too (its constants and every run's state fit): stages IL's block for
+ * cuda_chain_begin. */
+static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il, int dev, const struct cuda_moe_layer *L)
 {
     struct model_scratch *s = &m->s;
-    struct ops_job next[CUDA_NEXT_MAX], first[CUDA_NEXT_MAX];
-    cuda_ptr first_ptr[CUDA_NEXT_MAX];
-    struct cuda_moe_layer before, L;
     const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
-    if (m->cfg.n_layers > m->cfg.dim) return; /* the ids come down through dev_out */
-    const int dev = model_rest_plan(m, il > 0 ? il - 1 : 0, T, T == n_runs, next, &before);
-    if (dev < 0 || (il > 0 ? before.split || before.n_next != model_mixer_jobs(m, il, T, next) : !model_first_projections(m, T, dev, first, first_ptr)) ||
-        model_rest_plan(m, il, T, T == n_runs, next, &L) != dev || L.split ||
-        !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) || !model_chain_room(m, runs, n_runs, il, dev))
+    if (dev < 0 || L->split || !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) ||
+        !model_chain_room(m, runs, n_runs, il, dev))
         return;
-    size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(&L, T);
+    size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(L, T);
     if (!*used) *used = model_chain_head_of(m, T).blocks;
     if (*used + bytes > s->chain_cap[dev]) {
         s->chain_cap[dev] = 2 * (*used + bytes);
         s->chain_stage[dev] = plat_realloc(s->chain_stage[dev], s->chain_cap[dev]);
     }
-    cuda_chain_block_fill(&L, T, s->chain_stage[dev] + *used);
+    cuda_chain_block_fill(L, T, s->chain_stage[dev] + *used);
     s->chain[il] = (struct model_chain){dev, 1, *used, 0, 0};
     if (il > 0) s->chain[il - 1].dev = dev;
     *used += bytes;
+}
+
+/* Each layer's chain for this pass (model_chain_layer), each layer's rest planned once: layer
+ * il's projections are made where the layer before's rest runs whole and makes them all, layer
+ * 0's where its rest's device holds them (from the embedded rows). */
+static void model_chain_layers(struct model *m, const struct model_run *runs, int n_runs, int T)
+{
+    struct ops_job next[CUDA_NEXT_MAX];
+    cuda_ptr ptr[CUDA_NEXT_MAX];
+    struct cuda_moe_layer L;
+    const int n = m->cfg.n_layers;
+    if (!cuda.ready || !m->experts || n > m->cfg.dim) return; /* the ids come down through dev_out */
+    for (int il = 0, made = -1; il < n; il++) {
+        const int dev = model_rest_plan(m, il, T, T == n_runs, next, &L);
+        if (il == 0 && dev >= 0 && model_first_projections(m, T, dev, next, ptr)) made = dev;
+        model_chain_layer(m, runs, n_runs, T, il, made == dev ? dev : -1, &L);
+        made = dev >= 0 && !L.split && il + 1 < n && L.n_next == model_mixer_jobs(m, il + 1, T, next) ? dev : -1;
+    }
 }
 
 /* Uploads each device's staged chains (the head filled in first), sets the chained layers'
@@ -11990,7 +12001,7 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     s->chain_first = -1;
     memset(s->chain_bytes, 0, sizeof s->chain_bytes);
     for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
-    for (int il = 0; il < c->n_layers && cuda.ready && m->experts; il++) model_chain_layer(m, runs, n_runs, T, il);
+    model_chain_layers(m, runs, n_runs, T);
     if (model_chain_upload(m, T))
         for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
     for (int r = 0; r < n_runs; r++)
