@@ -6257,6 +6257,14 @@ enum {
 };
 enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
 
+/* A kernel node of a graph: CUDA_KERNEL_NODE_PARAMS as the unversioned cuGraphAddKernelNode
+ * takes it (the _v1 layout; cuda.h's _v2 adds two fields after these). */
+struct cuda_kernel_node {
+    cuda_handle fn;
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+    void **params, **extra;
+};
+
 /* Driver entry points, resolved by their versioned names (notes §5.10: the plain cuMemAlloc is
  * the 32-bit-pointer ABI of CUDA 3). X(field, symbol, required). */
 #define CUDA_API(X) \
@@ -6271,7 +6279,10 @@ enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5
     X(event_create, "cuEventCreate", 0) X(event_record, "cuEventRecord", 0) X(event_sync, "cuEventSynchronize", 0) \
     X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0) X(event_query, "cuEventQuery", 0) \
     X(stream_create, "cuStreamCreate", 0) X(htod_async, "cuMemcpyHtoDAsync_v2", 0) \
-    X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0) X(dtod, "cuMemcpyDtoD_v2", 0)
+    X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0) X(dtod, "cuMemcpyDtoD_v2", 0) \
+    X(graph_create, "cuGraphCreate", 0) X(graph_add_kernel, "cuGraphAddKernelNode", 0) \
+    X(graph_instantiate, "cuGraphInstantiateWithFlags", 0) X(graph_launch, "cuGraphLaunch", 0) \
+    X(graph_destroy, "cuGraphDestroy", 0) X(graph_exec_destroy, "cuGraphExecDestroy", 0)
 
 struct cuda_api {
     cuda_result (*init)(unsigned flags);
@@ -6306,6 +6317,13 @@ struct cuda_api {
     cuda_result (*host_alloc)(void **p, size_t n, unsigned flags);
     cuda_result (*host_free)(void *p);
     cuda_result (*dtod)(cuda_ptr dst, cuda_ptr src, size_t n);
+    cuda_result (*graph_create)(cuda_handle *graph, unsigned flags);
+    cuda_result (*graph_add_kernel)(cuda_handle *node, cuda_handle graph, const cuda_handle *deps, size_t n_deps,
+                                    const struct cuda_kernel_node *params);
+    cuda_result (*graph_instantiate)(cuda_handle *exec, cuda_handle graph, unsigned long long flags);
+    cuda_result (*graph_launch)(cuda_handle exec, cuda_handle stream);
+    cuda_result (*graph_destroy)(cuda_handle graph);
+    cuda_result (*graph_exec_destroy)(cuda_handle exec);
 };
 static struct cuda_api cuda_api;
 
@@ -6348,10 +6366,13 @@ static inline void cuda_tp_set(uintptr_t tp)
     }
 }
 
+static long cuda_calls; /* wrapped driver calls made (coli's only way to the driver) */
+
 static void cuda_enter(void)
 {
     sigset_t async;
     pthread_mutex_lock(&cuda_lock);
+    cuda_calls++;
     sigfillset(&async);
     sigdelset(&async, SIGSEGV); sigdelset(&async, SIGBUS); sigdelset(&async, SIGFPE);
     sigdelset(&async, SIGILL); sigdelset(&async, SIGTRAP); sigdelset(&async, SIGABRT);
@@ -6370,11 +6391,25 @@ static void cuda_leave(void)
 }
 
 /* Typed wrappers: the arguments are evaluated by the caller, before the switch, so nothing
- * in them can touch musl's TLS while %fs is glibc's. */
-#define CUDA_WRAP(name, params, args) \
+ * in them can touch musl's TLS while %fs is glibc's. CUDA_WRAP's first make the launches the
+ * window holds back (cuda_window_end, "graphs" below): a copy, a free, a switch of context or a
+ * wait comes after the launches queued before it. CUDA_WRAP_NOW's are the launches and graphs
+ * themselves, and the calls that touch no memory a launch may use. */
+static cuda_result cuda_window_end(void);
+#define CUDA_WRAP_NOW(name, params, args) \
     static cuda_result cuda_##name params { cuda_enter(); cuda_result r_ = cuda_api.name args; cuda_leave(); return r_; }
+#define CUDA_WRAP(name, params, args) \
+    static cuda_result cuda_##name params \
+    { \
+        cuda_result r_ = cuda_window_end(); \
+        if (r_) return r_; \
+        cuda_enter(); \
+        r_ = cuda_api.name args; \
+        cuda_leave(); \
+        return r_; \
+    }
 CUDA_WRAP(init, (unsigned f), (f))
-CUDA_WRAP(driver_version, (int *v), (v))
+CUDA_WRAP_NOW(driver_version, (int *v), (v))
 CUDA_WRAP(device_count, (int *n), (n))
 CUDA_WRAP(device_get, (cuda_device_id *d, int i), (d, i))
 CUDA_WRAP(device_name, (char *s, int n, cuda_device_id d), (s, n, d))
@@ -6392,18 +6427,32 @@ CUDA_WRAP(dtod, (cuda_ptr d, cuda_ptr s, size_t n), (d, s, n))
 CUDA_WRAP(module_load, (cuda_handle *m, const void *img, unsigned n, int *o, void **v), (m, img, n, o, v))
 CUDA_WRAP(module_unload, (cuda_handle m), (m))
 CUDA_WRAP(module_function, (cuda_handle *f, cuda_handle m, const char *s), (f, m, s))
-CUDA_WRAP(launch, (cuda_handle f, unsigned gx, unsigned gy, unsigned bx, void **p), (f, gx, gy, 1, bx, 1, 1, 0, NULL, p, NULL))
+static cuda_result cuda_launch_now(cuda_handle f, unsigned gx, unsigned gy, unsigned bx, void **p) /* cuda_launch: as the window allows */
+{
+    cuda_enter();
+    cuda_result r = cuda_api.launch(f, gx, gy, 1, bx, 1, 1, 0, NULL, p, NULL);
+    cuda_leave();
+    return r;
+}
 CUDA_WRAP(event_create, (cuda_handle *e), (e, 0))
 CUDA_WRAP(event_record, (cuda_handle e, cuda_handle st), (e, st))
 CUDA_WRAP(event_sync, (cuda_handle e), (e))
 CUDA_WRAP(event_elapsed, (float *ms, cuda_handle a, cuda_handle b), (ms, a, b))
 CUDA_WRAP(event_destroy, (cuda_handle e), (e))
-CUDA_WRAP(event_query, (cuda_handle e), (e))
+CUDA_WRAP_NOW(event_query, (cuda_handle e), (e)) /* a background copy's: to memory no launch reads yet */
 CUDA_WRAP(stream_create, (cuda_handle *st), (st, 1)) /* CU_STREAM_NON_BLOCKING: no wait on the null stream's kernels */
 CUDA_WRAP(htod_async, (cuda_ptr d, const void *src, size_t n, cuda_handle st), (d, src, n, st))
 CUDA_WRAP(host_alloc, (void **p, size_t n), (p, n, 1)) /* CU_MEMHOSTALLOC_PORTABLE: pinned for every context */
 CUDA_WRAP(host_free, (void *p), (p))
+CUDA_WRAP_NOW(graph_create, (cuda_handle *g), (g, 0))
+CUDA_WRAP_NOW(graph_add_kernel, (cuda_handle *node, cuda_handle g, const cuda_handle *after, const struct cuda_kernel_node *k),
+              (node, g, after, *after != NULL, k))
+CUDA_WRAP_NOW(graph_instantiate, (cuda_handle *exec, cuda_handle g), (exec, g, 0))
+CUDA_WRAP_NOW(graph_launch, (cuda_handle exec), (exec, NULL)) /* the legacy stream, as every launch and copy */
+CUDA_WRAP_NOW(graph_destroy, (cuda_handle g), (g))
+CUDA_WRAP(graph_exec_destroy, (cuda_handle exec), (exec))
 #undef CUDA_WRAP
+#undef CUDA_WRAP_NOW
 
 /* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
  * codes a user meets at start-up. Copied into BUF: the driver's strings are static, but are
@@ -6844,6 +6893,31 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
 #define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
 
+/* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
+ * WIDE for each 8 bytes wide (.u64; the others .u32 or .f32), from its .entry in the PTX. */
+#define CUDA_PARAMS_MAX 16
+struct cuda_signature { cuda_handle fn; int n; uint32_t wide; };
+#define CUDA_SIGNATURES 256 /* a device's table of them by handle: over twice kernels.ptx's entries */
+
+/* A launch: its kernel, grid, block, and its parameters' values, each in an 8-byte slot of the
+ * list's BYTES from slot AT on. */
+struct cuda_launch_record { cuda_handle fn; unsigned gx, gy, bx; struct cuda_signature sig; size_t at; };
+
+/* A list of launches (the window, a graph's): HASH covers each one's kernel, grid and values. */
+struct cuda_launches {
+    struct cuda_launch_record *rec;
+    uint64_t *slots;
+    int n, cap;
+    size_t used, slots_cap;
+    uint64_t hash;
+};
+
+/* A window seen on a device: its HASH and its N launches; EXEC once it is a graph, its launches
+ * then in LIST; LAST: when it was last seen (cuda.clock). */
+struct cuda_graph { uint64_t hash; int n; cuda_handle exec; struct cuda_launches list; long last; };
+#define CUDA_GRAPHS 256     /* windows a device remembers: a token of a split model makes ~3 a layer */
+#define CUDA_GRAPH_MIN 8    /* launches a window needs to become a graph */
+
 struct cuda_device {
     cuda_device_id id;
     char name[128];
@@ -6857,6 +6931,8 @@ struct cuda_device {
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     cuda_handle attn_prep, attn_heads;   /* an attention mixer there (cuda_attention_launch) */
+    struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
+    struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
@@ -6887,13 +6963,263 @@ static struct {
     struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
     int n_res, cap_res, n_experts, cap_experts;
     double call_us;            /* measured cost of one wrapped driver call */
-    long calls, waits;         /* driver calls made by offloaded work (GEMVs, expert batches); those
-                                * that wait for the device (the downloads) */
+    long waits;                /* driver calls that wait for the device (the downloads); cuda_calls
+                                * counts them all */
+    struct cuda_launches window; /* the launches since the last other call (graphs) */
+    int made, follow;          /* the window's first MADE launches are made; the graph whose
+                                * launches it has followed so far, -1 none */
+    int graphs;                /* windows that repeat become graphs: the driver has them, and
+                                * COLI_CUDA_GRAPHS is not 0 */
+    long clock, graph_runs;    /* windows ended; those run as one graph */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
     int stage_pinned;          /* the driver allocated it (cuda_stage) */
 } cuda;
+
+/* ---- graphs: a token's launches in one call ----
+ * Every launch is recorded in the window (the launches since the last other driver call) with
+ * its parameters' values. A window of CUDA_GRAPH_MIN launches or more that repeats one seen on
+ * the device (the same kernels, grids and values: every address a kernel reads or writes) is
+ * built into a CUDA graph, a node a launch, each after the one before. From then on a window
+ * that follows a graph's launches holds them back, and at its end (the next other driver call,
+ * or cuda_window_end where the CPU works meanwhile) the graph runs in one call; a launch that
+ * departs from it is made, with those held, one by one as before. So which kernels run, in
+ * which order, over which bytes, is the same either way, and so are the results: only the
+ * driver calls change. A decoded token whose layers are all chained on one device is one window
+ * (its upload before, its download after): from the third such token, one graph launch instead
+ * of ~870.
+ * Why built from recorded launches and not captured from a stream: a window is known to repeat
+ * only once it has run, and capture needs a stream of its own where every copy and launch of
+ * coli uses the legacy one, whose order is what makes a download wait for the kernels before it.
+ * Why compare every value: positions, lengths, expert ids and states' addresses live in device
+ * memory, so a decode step's launches repeat exactly; whatever does change (a scratch that grew,
+ * another number of tokens) is a window of its own, never a stale graph. */
+
+/* *SIG = kernel NAME's parameters, read from its `.entry NAME(` in the embedded PTX (a line
+ * `.param .u64 NAME_param_0,` each). Returns 0, or -1 where there is no such entry or a
+ * parameter of another kind. */
+static int cuda_signature_read(const char *name, struct cuda_signature *sig)
+{
+    char head[80];
+    snprintf(head, sizeof head, ".entry %s(", name);
+    const char *p = strstr(cuda_ptx, head);
+    if (!p) return -1;
+    p += strlen(head);
+    sig->n = 0;
+    sig->wide = 0;
+    for (;;) {
+        p += strspn(p, " \t\r\n");
+        if (*p == ')') return 0;
+        if (sig->n == CUDA_PARAMS_MAX || strncmp(p, ".param .", 8)) return -1;
+        p += 8;
+        if (!strncmp(p, "u64 ", 4)) sig->wide |= 1u << sig->n;
+        else if (strncmp(p, "u32 ", 4) && strncmp(p, "f32 ", 4)) return -1;
+        sig->n++;
+        p = strpbrk(p, ",)");
+        if (!p) return -1;
+        p += *p == ',';
+    }
+}
+
+/* Device D's slot for kernel FN's signature: its own, or the empty one where it would go. */
+static struct cuda_signature *cuda_signature_of(struct cuda_device *d, cuda_handle fn)
+{
+    size_t i = (size_t)((uintptr_t)fn >> 4) % CUDA_SIGNATURES;
+    while (d->sig[i].fn && d->sig[i].fn != fn) i = (i + 1) % CUDA_SIGNATURES;
+    return &d->sig[i];
+}
+
+static void cuda_window_reset(void)
+{
+    cuda.window.n = 0;
+    cuda.window.used = 0;
+    cuda.window.hash = 14695981039346656037ull; /* FNV-1a's offset basis */
+    cuda.made = 0;
+    cuda.follow = -1;
+}
+
+static void cuda_launches_free(struct cuda_launches *l)
+{
+    free(l->rec);
+    free(l->slots);
+    *l = (struct cuda_launches){0};
+}
+
+/* Appends launch FN (of signature SIG) over GX x GY blocks of BX threads with PARAMS to W. */
+static void cuda_record(struct cuda_launches *w, const struct cuda_signature *sig, unsigned gx, unsigned gy, unsigned bx, void **params)
+{
+    if (w->n == w->cap) {
+        w->cap = w->cap ? 2 * w->cap : 256;
+        w->rec = plat_realloc(w->rec, (size_t)w->cap * sizeof *w->rec);
+    }
+    if (w->used + CUDA_PARAMS_MAX > w->slots_cap) {
+        w->slots_cap = w->slots_cap ? 2 * w->slots_cap : 4096;
+        w->slots = plat_realloc(w->slots, w->slots_cap * sizeof *w->slots);
+    }
+    w->rec[w->n++] = (struct cuda_launch_record){sig->fn, gx, gy, bx, *sig, w->used};
+    uint64_t head[4] = {(uint64_t)(uintptr_t)sig->fn, gx, gy, bx}, *v = w->slots + w->used;
+    for (int i = 0; i < sig->n; i++) {
+        v[i] = 0;
+        memcpy(&v[i], params[i], sig->wide >> i & 1 ? 8 : 4);
+    }
+    w->used += (size_t)sig->n;
+    const uint8_t *parts[2] = {(const uint8_t *)head, (const uint8_t *)v};
+    const size_t bytes[2] = {sizeof head, (size_t)sig->n * 8};
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 0; i < bytes[k]; i++) w->hash = (w->hash ^ parts[k][i]) * 1099511628211ull; /* FNV-1a */
+}
+
+/* Launch I of A and launch J of B: the same kernel, grid and values. */
+static int cuda_record_same(const struct cuda_launches *a, int i, const struct cuda_launches *b, int j)
+{
+    const struct cuda_launch_record *x = &a->rec[i], *y = &b->rec[j];
+    return x->fn == y->fn && x->gx == y->gx && x->gy == y->gy && x->bx == y->bx &&
+           !memcmp(a->slots + x->at, b->slots + y->at, (size_t)x->sig.n * 8);
+}
+
+/* PARAMS[k] = where launch I of L keeps its k-th value, as cuLaunchKernel takes them. */
+static void cuda_record_params(const struct cuda_launches *l, int i, void **params)
+{
+    for (int k = 0; k < l->rec[i].sig.n; k++) params[k] = &l->slots[l->rec[i].at + (size_t)k];
+}
+
+/* Makes the window's launches not made yet, one by one. The driver's result. */
+static cuda_result cuda_window_make(void)
+{
+    cuda_result r = CUDA_SUCCESS;
+    for (; cuda.made < cuda.window.n && !r; cuda.made++) {
+        const struct cuda_launch_record *x = &cuda.window.rec[cuda.made];
+        void *params[CUDA_PARAMS_MAX];
+        cuda_record_params(&cuda.window, cuda.made, params);
+        r = cuda_launch_now(x->fn, x->gx, x->gy, x->bx, params);
+    }
+    cuda.made = cuda.window.n;
+    return r;
+}
+
+/* The graph of device D whose first launch the window's is, seen last; -1 none. */
+static int cuda_graph_to_follow(const struct cuda_device *d)
+{
+    int best = -1;
+    for (int k = 0; d->graphs && k < CUDA_GRAPHS; k++) {
+        const struct cuda_graph *g = &d->graphs[k];
+        if (g->exec && cuda_record_same(&g->list, 0, &cuda.window, 0) && (best < 0 || g->last > d->graphs[best].last)) best = k;
+    }
+    return best;
+}
+
+/* Launches FN over a grid of GX x GY blocks of BX threads with PARAMS on the current device:
+ * recorded in the window, then held while the window follows a graph, else made now (with
+ * any held before it). The driver's result (a held launch's: at the window's end). */
+static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigned bx, void **params)
+{
+    struct cuda_device *d = &cuda.dev[cuda.current];
+    const int i = cuda.window.n;
+    cuda_record(&cuda.window, cuda_signature_of(d, fn), gx, gy, bx, params);
+    if (i == 0 && cuda.graphs) cuda.follow = cuda_graph_to_follow(d);
+    if (cuda.follow >= 0 && i < d->graphs[cuda.follow].n && cuda_record_same(&cuda.window, i, &d->graphs[cuda.follow].list, i))
+        return CUDA_SUCCESS;
+    cuda.follow = -1;
+    return cuda_window_make();
+}
+
+/* Builds G's launches into a graph: a kernel node each, after the one before. Returns the
+ * driver's result (G->exec NULL where it failed). */
+static cuda_result cuda_graph_build(struct cuda_graph *g)
+{
+    cuda_handle graph = NULL, node = NULL;
+    cuda_result r = cuda_graph_create(&graph);
+    for (int i = 0; i < g->list.n && !r; i++) {
+        const struct cuda_launch_record *x = &g->list.rec[i];
+        void *params[CUDA_PARAMS_MAX];
+        cuda_record_params(&g->list, i, params);
+        const struct cuda_kernel_node k = {x->fn, x->gx, x->gy, 1, x->bx, 1, 1, 0, params, NULL};
+        const cuda_handle after = node;
+        r = cuda_graph_add_kernel(&node, graph, &after, &k);
+    }
+    g->exec = NULL;
+    if (!r) r = cuda_graph_instantiate(&g->exec, graph);
+    if (r) g->exec = NULL;
+    if (graph) cuda_graph_destroy(graph);
+    return r;
+}
+
+/* After the window's launches were made one by one on device D: where it repeats a window seen
+ * there, it becomes a graph (its launches kept); else it is remembered in place of the window
+ * seen longest ago. A graph that cannot be built ends graphs, in one line. */
+static void cuda_window_learn(struct cuda_device *d)
+{
+    struct cuda_launches *w = &cuda.window;
+    if (!cuda.graphs || w->n < CUDA_GRAPH_MIN || (!d->graphs && !(d->graphs = calloc(CUDA_GRAPHS, sizeof *d->graphs)))) return;
+    int oldest = 0;
+    for (int k = 0; k < CUDA_GRAPHS; k++) {
+        struct cuda_graph *g = &d->graphs[k];
+        if (g->n == w->n && g->hash == w->hash) {
+            g->last = cuda.clock;
+            if (g->exec) return;
+            const struct cuda_launches spare = g->list;
+            g->list = *w;
+            *w = spare; /* the window's buffers to be, emptied by cuda_window_reset */
+            char e[160];
+            cuda_result r = cuda_graph_build(g);
+            if (r) {
+                cuda.graphs = 0;
+                plat_log("[cuda] a graph of %d launches could not be built: %s; launches made one by one from here", g->n,
+                         cuda_error_name(r, e, sizeof e));
+            }
+            return;
+        }
+        if (g->last < d->graphs[oldest].last) oldest = k;
+    }
+    struct cuda_graph *g = &d->graphs[oldest];
+    if (g->exec) cuda_graph_exec_destroy(g->exec);
+    *g = (struct cuda_graph){w->hash, w->n, NULL, g->list, cuda.clock};
+}
+
+/* Ends the window: a window that followed a graph to its end runs as that graph; else its
+ * launches not made yet are made, and the window is learnt. The driver's result. */
+static cuda_result cuda_window_end(void)
+{
+    if (!cuda.window.n) return CUDA_SUCCESS;
+    struct cuda_device *d = &cuda.dev[cuda.current];
+    cuda_result r;
+    cuda.clock++;
+    if (cuda.follow >= 0 && d->graphs[cuda.follow].n == cuda.window.n) {
+        d->graphs[cuda.follow].last = cuda.clock;
+        r = cuda_graph_launch(d->graphs[cuda.follow].exec);
+        cuda.graph_runs++;
+    } else if (!(r = cuda_window_make())) {
+        cuda_window_learn(d);
+    }
+    cuda_window_reset();
+    return r;
+}
+
+/* Whether graphs are built (the driver has them, COLI_CUDA_GRAPHS is not 0), said in a line
+ * where the driver lacks them. */
+static int cuda_graphs_on(void)
+{
+    const char *env = getenv("COLI_CUDA_GRAPHS");
+    if (env && !strcmp(env, "0")) return 0;
+    if (cuda_api.graph_create && cuda_api.graph_add_kernel && cuda_api.graph_instantiate && cuda_api.graph_launch &&
+        cuda_api.graph_destroy && cuda_api.graph_exec_destroy)
+        return 1;
+    plat_log("[cuda] this driver has no CUDA graphs (CUDA 11.4 and up): a token's launches are made one by one");
+    return 0;
+}
+
+/* Frees device D's graphs: the driver's too where its context is current (IN_CONTEXT; else they
+ * go with the context). */
+static void cuda_graphs_free(struct cuda_device *d, int in_context)
+{
+    for (int k = 0; d->graphs && k < CUDA_GRAPHS; k++) {
+        if (d->graphs[k].exec && in_context) cuda_graph_exec_destroy(d->graphs[k].exec);
+        cuda_launches_free(&d->graphs[k].list);
+    }
+    free(d->graphs);
+    d->graphs = NULL;
+}
 
 static int cuda_pci_order(const void *a, const void *b)
 {
@@ -6933,7 +7259,6 @@ static int cuda_enumerate(char *why, size_t cap)
 static int cuda_use(int i)
 {
     if (cuda.current == i) return 0;
-    cuda.calls++;
     if (cuda_ctx_set(cuda.dev[i].ctx)) return -1;
     cuda.current = i;
     return 0;
@@ -6947,13 +7272,20 @@ static const char *cuda_first_line(char *log)
     return log[0] ? log : "no log";
 }
 
-/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, NULL where it has none. */
+/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, with its signature; NULL where it
+ * has none. */
 static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *type, cuda_handle *fn)
 {
     char name[64];
+    struct cuda_signature sig;
     snprintf(name, sizeof name, "%s%s", prefix, type);
     for (char *p = name; *p; p++) *p = (char)tolower((unsigned char)*p);
-    if (cuda_module_function(fn, d->module, name)) *fn = NULL;
+    if (cuda_signature_read(name, &sig) || cuda_module_function(fn, d->module, name)) {
+        *fn = NULL;
+        return;
+    }
+    sig.fn = *fn;
+    *cuda_signature_of(d, *fn) = sig;
 }
 
 /* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX
@@ -7035,6 +7367,7 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
     const char *env = getenv("COLI_CUDA");
     cuda.started = 1;
     cuda.current = -1;
+    cuda_window_reset();
     if ((list && !strcmp(list, "off")) || (env && !strcmp(env, "0"))) {
         snprintf(cuda.why, sizeof cuda.why, "off (%s)", list && !strcmp(list, "off") ? "--gpu off" : "COLI_CUDA=0");
         return;
@@ -7062,6 +7395,8 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
         if (vram_bytes >= 0 && vram_bytes < d->budget) d->budget = vram_bytes;
         cuda.ready = 1;
     }
+    cuda.graphs = cuda.ready && cuda_graphs_on();
+    cuda_calls = 0; /* from here, the work's */
 }
 
 /* Frees every resident matrix: residency is keyed by the host address of the weights, so it
@@ -7069,14 +7404,17 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 static void cuda_release_all(void)
 {
     if (cuda.products || cuda.batches)
-        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls, %ld waits",
-                 cuda.products, cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda.calls, cuda.waits);
-    cuda.calls = cuda.waits = cuda.products = cuda.batches = cuda.jobs = 0;
+        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls, %ld waits, %ld graph launches",
+                 cuda.products, cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda_calls, cuda.waits, cuda.graph_runs);
+    cuda_calls = cuda.waits = cuda.products = cuda.batches = cuda.jobs = cuda.graph_runs = 0;
     for (int k = 0; k < cuda.n_res; k++)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
     for (int k = 0; k < cuda.n_experts; k++)
         if (cuda_use(cuda.experts[k].dev) == 0) cuda_mem_free(cuda.experts[k].ptr);
-    for (int i = 0; i < cuda.n_devices; i++) cuda.dev[i].used = cuda.dev[i].copying = 0;
+    for (int i = 0; i < cuda.n_devices; i++) {
+        if (cuda.dev[i].graphs) cuda_graphs_free(&cuda.dev[i], cuda_use(i) == 0); /* they name the weights' addresses */
+        cuda.dev[i].used = cuda.dev[i].copying = 0;
+    }
     cuda.n_res = cuda.n_experts = 0;
     ops_offload = NULL;
 }
@@ -7109,7 +7447,9 @@ static void cuda_stop(void)
     for (int i = 0; i < cuda.n_devices; i++) {
         struct cuda_device *d = &cuda.dev[i];
         if (!d->ctx) continue;
-        if (cuda_use(i) == 0) {
+        const int in_context = cuda_use(i) == 0;
+        cuda_graphs_free(d, in_context);
+        if (in_context) {
             if (d->act) cuda_mem_free(d->act);
             if (d->y) cuda_mem_free(d->y);
             if (d->moe) cuda_mem_free(d->moe);
@@ -7122,6 +7462,7 @@ static void cuda_stop(void)
         d->act = d->y = d->moe = d->moe_prev = d->chain = 0;
         d->act_cap = d->y_cap = d->moe_cap = d->moe_prev_cap = d->chain_cap = 0;
     }
+    cuda_launches_free(&cuda.window);
     cuda.ready = 0;
 }
 
@@ -7178,6 +7519,7 @@ static void cuda_fail(const char *what, cuda_result r)
     plat_log("[cuda] %s: %s; running on the CPU from here", what, cuda_error_name(r, e, sizeof e));
     ops_offload = NULL;
     cuda.ready = 0;
+    cuda_window_reset(); /* what it held will not run */
     snprintf(cuda.why, sizeof cuda.why, "%s failed", what);
 }
 
@@ -7265,7 +7607,6 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_r
         memcpy(jobs[mine[i]].y, y, b);
         y += b;
     }
-    cuda.calls += 2 + n;
     cuda.waits++;
     cuda.products += n;
     return 0;
@@ -7554,7 +7895,6 @@ static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struc
     cuda_list(dev, NULL, p, total);
     *e = (struct cuda_expert){p, p + cuda_align(bytes[0]), p + cuda_align(bytes[0]) + cuda_align(bytes[1])};
     d->copying = 1;
-    cuda.calls += 3;
     return 0;
 }
 
@@ -7566,7 +7906,6 @@ static int cuda_expert_upload_ready(int dev)
     if (!d->copying) return 1;
     if (!cuda.ready) return -1;
     cuda_result r = cuda_use(dev) ? CUDA_ERROR_NOT_READY : cuda_event_query(d->copy_done);
-    cuda.calls++;
     if (r == CUDA_ERROR_NOT_READY) return 0;
     d->copying = 0;
     if (r) {
@@ -7658,7 +7997,6 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     d->moe_jobs = n;
     d->moe_bytes = (size_t)n * (size_t)sh->dim * 4;
     d->moe_out = cuda_moe_outputs(jobs_b + acts_b, sh, n);
-    cuda.calls += 4;
     return 0;
 }
 
@@ -7837,7 +8175,6 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
     int columns = T;
     void *norm_params[] = {&x, &none, &norm, &xn, &dim, &eps};
     cuda_result r = cuda_launch(d->residual_norm, (unsigned)T, 1, 32, norm_params);
-    cuda.calls++;
     for (int j = 0; j < n && !r; j++) {
         cuda_ptr pw = w_ptr[j], pa = act[j], py = out[j];
         uint64_t rb = w[j].row_bytes, st = ops_act_stride_of(w[j].type, dim);
@@ -7847,7 +8184,6 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
         for (int i = 0; i < j; i++) first &= act[i] != act[j];
         if (first) r = cuda_quantize_launch(d, w[j].type, xn, pa, st, dim, T);
         if (!r) r = cuda_launch(d->matvec[w[j].type], (unsigned)((w[j].rows + CUDA_WARPS - 1) / CUDA_WARPS), 1, 32 * CUDA_WARPS, params);
-        cuda.calls += 1 + first;
     }
     return r;
 }
@@ -7886,7 +8222,6 @@ static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda
         (r = cuda_launch(d->deltanet_gate, (unsigned)nv, (unsigned)T, 32, gate)) ||
         (r = cuda_quantize_launch(d, L->wo->type, core, d->moe + o.mix, stride_mix, nv * dv, T)))
         return r;
-    cuda.calls += 4;
     return CUDA_SUCCESS;
 }
 
@@ -7910,7 +8245,6 @@ static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cud
         (r = cuda_launch(d->attn_heads, (unsigned)nh, (unsigned)T, 32, heads)) ||
         (r = cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T)))
         return r;
-    cuda.calls += 3;
     return CUDA_SUCCESS;
 }
 
@@ -7940,7 +8274,6 @@ static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda
         (L->gate_inp && (r = cuda_launch(d->matvec[L->router->type], 1, 1, 32 * CUDA_WARPS, gate))) ||
         (r = cuda_launch(d->moe_route, (unsigned)T, 1, 32, route)))
         return r;
-    cuda.calls += 6 + (L->gate_inp != NULL) + (o.as != o.au);
     return CUDA_SUCCESS;
 }
 
@@ -7956,7 +8289,6 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     int k = L->used, dim = L->sh.dim;
     void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &psh, &pj, &pcpu};
     cuda_result r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine);
-    cuda.calls++;
     if (!r && L->n_next) r = cuda_next_start(d, L, o, T);
     d->kept_x = b + o.out;
     for (int j = 0; j < L->n_next; j++) d->kept_next[j] = b + o.next_out[j];
@@ -8013,11 +8345,10 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
         (apart && (r = cuda_moe_launch(d, &L->shexp_sh, in.jobs + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
                                        d->moe + o.swork))) ||
-        (!L->split && (r = cuda_moe_layer_end(d, L, o, T)))) {
+        (!L->split && (r = cuda_moe_layer_end(d, L, o, T))) || (!L->keep && (r = cuda_window_end()))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
-    cuda.calls += 3 + !mixer + L->split + 3 * apart;
     cuda.waits += L->split;
     if (L->keep) { /* its batch is done with, unread: counted here */
         cuda.batches++;
@@ -8036,12 +8367,12 @@ static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t
     if (!cuda.ready) return -1;
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_htod(d->moe + o.cpu_y, cpu_y, (size_t)T * L->used * L->sh.dim * 4)) || (r = cuda_moe_layer_end(d, L, o, T))) {
+    if ((r = cuda_use(dev)) || (r = cuda_htod(d->moe + o.cpu_y, cpu_y, (size_t)T * L->used * L->sh.dim * 4)) || (r = cuda_moe_layer_end(d, L, o, T)) ||
+        (r = cuda_window_end())) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
     d->moe_jobs -= cpu_jobs; /* the count of experts' FFNs the device ran */
-    cuda.calls++;
     return 0;
 }
 
@@ -8059,7 +8390,6 @@ static int cuda_moe_finish(int dev, void *out)
         cuda_fail("experts on the device", r);
         return -1;
     }
-    cuda.calls++;
     cuda.waits++;
     cuda.batches++;
     cuda.jobs += n;
@@ -8087,7 +8417,6 @@ static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
         cuda_fail("a chain of layers on the device", r);
         return 0;
     }
-    cuda.calls++;
     return d->chain;
 }
 
@@ -8101,7 +8430,6 @@ static int cuda_chain_ids(int dev, cuda_ptr at, int *out, size_t bytes)
         cuda_fail("a chain of layers on the device", r);
         return -1;
     }
-    cuda.calls++;
     return 0;
 }
 
@@ -8179,7 +8507,6 @@ static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int u
         cuda_fail("a conversation's state copied to or from the device", r);
         return -1;
     }
-    cuda.calls++;
     cuda.waits += !up;
     return 0;
 }

@@ -17,8 +17,9 @@
  *   twins take real time, which the events do not see)
  *   These and the first two take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
  *   in PCI bus order, as coli numbers the devices (the names are in the driver's order).
- *   FAKE_CUDA_FAIL=alloc:K | launch:K | query:K (the K-th call and every later one fails; a
- *   query: an event's work failed, error 700) | module:CODE
+ *   FAKE_CUDA_FAIL=alloc:K | launch:K | query:K | graph:K (the K-th call and every later one
+ *   fails; a query: an event's work failed, error 700; a graph: its instantiation, error 2; a
+ *   graph's kernels count as launches) | module:CODE
  *   (read at every call, so a test process may change it between calls)
  * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's. Built with
  * -DFAKE_SIM and linked with tests/kernels_sim.cc, a launch runs kernels.cu's own source on the
@@ -35,7 +36,7 @@ typedef unsigned long long CUdeviceptr;
 #define API __attribute__((visibility("default")))
 
 #define MAX_DEV 8
-static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, n_alloc, n_launch, n_query;
+static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, fail_graph, n_alloc, n_launch, n_query, n_graph;
 /* The current context is a thread's, as in the driver: a thread that set none (-1) gets
  * CUDA_ERROR_INVALID_CONTEXT from every call that needs one, so that coli calling from a thread
  * other than the one that made the context current fails here as it would on a card. */
@@ -68,6 +69,7 @@ static void read_failures(void)
     fail_launch = f && !strncmp(f, "launch:", 7) ? atoi(f + 7) : 0;
     fail_module = f && !strncmp(f, "module:", 7) ? atoi(f + 7) : 0;
     fail_query = f && !strncmp(f, "query:", 6) ? atoi(f + 6) : 0;
+    fail_graph = f && !strncmp(f, "graph:", 6) ? atoi(f + 6) : 0;
 }
 
 API CUresult cuInit(unsigned flags)
@@ -881,8 +883,23 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };
-struct func { int k; };
+struct func { int k, n_params, wide[16]; }; /* the kernel's parameters: how many, which are 8 bytes */
 static struct func funcs[N_KERNELS];
+
+/* F's parameters, read from its `.entry NAME(` in PTX: `.param .u64 ...` 8 bytes, `.u32` and
+ * `.f32` 4. Returns 0, or -1 where the entry has another kind or too many. */
+static int ptx_params(const char *ptx, const char *name, struct func *f)
+{
+    char pat[80];
+    snprintf(pat, sizeof pat, ".entry %s(", name);
+    const char *p = strstr(ptx, pat), *end = p ? strchr(p, ')') : NULL;
+    f->n_params = 0;
+    for (p = p ? strstr(p, ".param ") : NULL; p && p < end; p = strstr(p + 1, ".param ")) {
+        if (f->n_params == 16 || (strncmp(p, ".param .u64", 11) && strncmp(p, ".param .u32", 11) && strncmp(p, ".param .f32", 11))) return -1;
+        f->wide[f->n_params++] = !strncmp(p, ".param .u64", 11);
+    }
+    return 0;
+}
 
 /* Copies the N bytes of the PTX line `.const .align A .b8 NAME[N] = {b0, b1, ...};` to OUT.
  * Returns 0, or -1 where PTX has no such table. */
@@ -915,6 +932,7 @@ API CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *
         char pat[80];
         snprintf(pat, sizeof pat, ".entry %s(", kernels[k].name);
         found += m->has[k] = strstr(ptx, pat) != NULL;
+        if (m->has[k] && ptx_params(ptx, kernels[k].name, &funcs[k])) found = 0;
     }
     for (unsigned i = 0; i < n; i++) /* option 5: the error log buffer, 6 its size */
         if (opts[i] == 5 && fail_module) snprintf(vals[i], 64, "ptxas fatal : fake JIT refuses (error %d)", fail_module);
@@ -992,15 +1010,11 @@ int kernels_sim_launch(const char *name, unsigned gx, unsigned gy, unsigned bx, 
 /* Runs the kernel's twin (or with FAKE_SIM, kernels.cu's source) over what the grid covers: gx blocks of bx threads (bx / 32 warps)
  * along x, gy along y; the device's clock advances by its launch time and its weight bytes at
  * its speed. */
-API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                            unsigned shared, void *stream, void **p, void **extra)
+static CUresult run_kernel(int k, unsigned gx, unsigned gy, unsigned bx, void **p)
 {
-    (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
-    NEED_CONTEXT();
     n_launch++;
     read_failures();
     if (fail_launch && n_launch >= fail_launch) return 719;
-    int k = ((struct func *)f)->k;
 #ifdef FAKE_SIM
     if (kernels_sim_launch(kernels[k].name, gx, gy, bx, p)) return 500;
 #else
@@ -1009,3 +1023,92 @@ API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
     clock_ns[cur_dev] += launch_ns[cur_dev] + launch_bytes(k, p, gy) / gbps[cur_dev];
     return 0;
 }
+
+API CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned shared, void *stream, void **p, void **extra)
+{
+    (void)stream;
+    NEED_CONTEXT();
+    if (gz != 1 || by != 1 || bz != 1 || shared || extra) return 1; /* coli launches none such */
+    return run_kernel(((struct func *)f)->k, gx, gy, bx, p);
+}
+
+/* ---- graphs: kernel nodes, each after the one before (the only shape coli builds) ----
+ * A node keeps its parameters' values, copied when it is added as the driver does, so a graph
+ * launched later runs what was added whatever the caller's variables hold by then. */
+struct kernel_node_params { /* CUDA_KERNEL_NODE_PARAMS_v1 */
+    void *func;
+    unsigned gx, gy, gz, bx, by, bz, shared;
+    void **params, **extra;
+};
+struct node { int k; unsigned gx, gy, bx; uint64_t v[16]; };
+struct graph { struct node *nodes; int n, dev; };
+
+API CUresult cuGraphCreate(void **g, unsigned flags)
+{
+    NEED_CONTEXT();
+    *g = flags ? NULL : calloc(1, sizeof(struct graph));
+    return *g ? 0 : 1;
+}
+
+/* A node's handle is its number from 1; a node must come after the graph's last one. */
+API CUresult cuGraphAddKernelNode(void **node, void *graph, void *const *deps, size_t n_deps, const struct kernel_node_params *kp)
+{
+    struct graph *g = graph;
+    NEED_CONTEXT();
+    if (n_deps != (g->n > 0) || (n_deps && deps[0] != (void *)(uintptr_t)g->n)) return 1;
+    if (kp->gz != 1 || kp->by != 1 || kp->bz != 1 || kp->shared || kp->extra) return 1;
+    struct node *grown = realloc(g->nodes, (size_t)(g->n + 1) * sizeof *g->nodes);
+    if (!grown) return 2;
+    g->nodes = grown;
+    const struct func *f = kp->func;
+    struct node *nd = &g->nodes[g->n++];
+    *nd = (struct node){f->k, kp->gx, kp->gy, kp->bx, {0}};
+    for (int i = 0; i < f->n_params; i++) memcpy(&nd->v[i], kp->params[i], f->wide[i] ? 8 : 4);
+    *node = (void *)(uintptr_t)g->n;
+    return 0;
+}
+
+API CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags)
+{
+    const struct graph *g = graph;
+    NEED_CONTEXT();
+    read_failures();
+    if (fail_graph && ++n_graph >= fail_graph) return 2;
+    struct graph *e = calloc(1, sizeof *e);
+    if (flags || !e || !(e->nodes = malloc((size_t)(g->n ? g->n : 1) * sizeof *g->nodes))) {
+        free(e);
+        return flags ? 1 : 2;
+    }
+    memcpy(e->nodes, g->nodes, (size_t)g->n * sizeof *g->nodes);
+    e->n = g->n;
+    e->dev = cur_dev;
+    *exec = e;
+    return 0;
+}
+
+/* Runs the nodes in order, each as cuLaunchKernel would; in the context it was built in only. */
+API CUresult cuGraphLaunch(void *exec, void *stream)
+{
+    const struct graph *e = exec;
+    (void)stream;
+    NEED_CONTEXT();
+    if (e->dev != cur_dev) return 400;
+    for (int i = 0; i < e->n; i++) {
+        struct node *nd = &e->nodes[i];
+        void *p[16];
+        for (int j = 0; j < 16; j++) p[j] = &nd->v[j];
+        CUresult r = run_kernel(nd->k, nd->gx, nd->gy, nd->bx, p);
+        if (r) return r;
+    }
+    return 0;
+}
+
+static void graph_free(void *graph)
+{
+    struct graph *g = graph;
+    free(g->nodes);
+    free(g);
+}
+API CUresult cuGraphDestroy(void *g) { graph_free(g); return 0; }
+API CUresult cuGraphExecDestroy(void *e) { graph_free(e); return 0; }

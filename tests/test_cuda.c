@@ -42,15 +42,16 @@ static void check_kernel(enum gguf_type type, int64_t rows, int64_t cols, int n,
     float *x = random_x(n, (int)cols), *cpu = plat_alloc((size_t)n * rows * 4), *gpu = plat_alloc((size_t)n * rows * 4);
     ops_matmat(&w, x, cpu, n);
     int placed = cuda_make_resident(&w, dev) == 0;
-    long calls = cuda.calls;
+    ops_matmat(&w, x, gpu, n); /* once before: the scratch and staging it needs are there after */
+    long calls = cuda_calls;
     memset(gpu, 0xff, (size_t)n * rows * 4);
     ops_matmat(&w, x, gpu, n);
     snprintf(name, sizeof name, "matvec_%s %lldx%lld, %d column%s, device %d: bit-identical to the CPU", gguf_types[type].name,
              (long long)rows, (long long)cols, n, n > 1 ? "s" : "", dev);
     int64_t bad = 0;
     while (bad < n * rows && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
-    check(placed && cuda.calls == calls + 3 && bad == n * rows, name, "placed %d, calls %ld, y[%lld] cpu %a gpu %a", placed,
-          cuda.calls - calls, (long long)bad, cpu[bad < n * rows ? bad : 0], gpu[bad < n * rows ? bad : 0]);
+    check(placed && cuda_calls == calls + 3 && bad == n * rows, name, "placed %d, calls %ld, y[%lld] cpu %a gpu %a", placed,
+          cuda_calls - calls, (long long)bad, cpu[bad < n * rows ? bad : 0], gpu[bad < n * rows ? bad : 0]);
     cuda_release_all();
     free((void *)w.data);
     free(x);
@@ -88,14 +89,15 @@ static void check_jobs(int real, int T)
         if (j < 4) placed &= cuda_make_resident(&jobs[j].w, j < 3 || real ? 0 : 1) == 0;
         jobs[j].y = gpu[j];
     }
-    long calls = cuda.calls, products = cuda.products;
+    ops_matmat_jobs(jobs, 5); /* once before: the scratch and staging it needs are there after */
+    long calls = cuda_calls, products = cuda.products;
     ops_matmat_jobs(jobs, 5);
     for (int j = 0; j < 5; j++) same &= !memcmp(cpu[j], gpu[j], (size_t)T * rows[j] * 4);
     char name[160];
     snprintf(name, sizeof name, "a batch of 5 products over %d column%s, 4 on devices: the CPU's bits, %s driver calls, pinned staging", T,
              T > 1 ? "s" : "", real ? "6" : "5 + 3 + 2 context switches");
-    check(placed && same && cuda.products - products == 4 && cuda.calls - calls == (real ? 6 : 10) && cuda.stage_pinned, name,
-          "placed %d, same %d, products %ld, calls %ld, pinned %d", placed, same, cuda.products - products, cuda.calls - calls,
+    check(placed && same && cuda.products - products == 4 && cuda_calls - calls == (real ? 6 : 10) && cuda.stage_pinned, name,
+          "placed %d, same %d, products %ld, calls %ld, pinned %d", placed, same, cuda.products - products, cuda_calls - calls,
           cuda.stage_pinned);
     cuda_release_all();
     for (int j = 0; j < 5; j++) {
@@ -190,15 +192,16 @@ static void check_experts(enum gguf_type up_type, enum gguf_type down_type, int 
     size_t stride = ops_act_stride(&w[0][0]);
     uint8_t *acts = plat_alloc_aligned(stride * N_COLS);
     for (int c = 0; c < N_COLS; c++) quant_act_prepare(up_type, x + (size_t)c * dim, dim, acts + (size_t)c * stride);
-    long calls = cuda.calls;
+    int ran = placed && cuda_moe_start(dev, &sh, jobs, n_jobs, acts, stride, N_COLS) == 0 && cuda_moe_finish(dev, gpu) == 0; /* the scratch */
+    long calls = cuda_calls;
     memset(gpu, 0xff, (size_t)n_jobs * dim * 4);
-    int ran = placed && cuda_moe_start(dev, &sh, jobs, n_jobs, acts, stride, N_COLS) == 0 && cuda_moe_finish(dev, gpu) == 0;
+    ran = ran && cuda_moe_start(dev, &sh, jobs, n_jobs, acts, stride, N_COLS) == 0 && cuda_moe_finish(dev, gpu) == 0;
     int bad = 0;
     char name[160];
     while (bad < n_jobs * dim && !memcmp(&cpu[bad], &gpu[bad], 4)) bad++;
     snprintf(name, sizeof name, "experts %s/%s, dim %d, ff %d, %d jobs, device %d%s: bit-identical to the CPU in 5 driver calls",
              gguf_types[up_type].name, gguf_types[down_type].name, dim, ff, n_jobs, dev, background ? ", uploaded in the background" : "");
-    check(ran && bad == n_jobs * dim && cuda.calls - calls == 5, name, "ran %d, calls %ld, y[%d] cpu %a gpu %a", ran, cuda.calls - calls,
+    check(ran && bad == n_jobs * dim && cuda_calls - calls == 5, name, "ran %d, calls %ld, y[%d] cpu %a gpu %a", ran, cuda_calls - calls,
           bad, cpu[bad < n_jobs * dim ? bad : 0], gpu[bad < n_jobs * dim ? bad : 0]);
     if (background) {
         int64_t used = cuda.dev[dev].used, n = cuda.n_experts;
@@ -241,9 +244,11 @@ static void test_experts(int quick, int real)
  * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them).
  * SPLIT leaves every third expert off the device: the layer hands back its routing, the CPU's
  * outputs for those go up (cuda_moe_layer_resume), and the sum is the same. SHARED 2: the
- * shared expert in Q8_0 with half the hidden size, a batch of its own. */
+ * shared expert in Q8_0 with half the hidden size, a batch of its own. GRAPH: the layer three
+ * times, the last one's launches as the CUDA graph the second built (the same bits). The calls
+ * are counted with the room the layer needs already there. */
 static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, int dim, int ff, int n_expert, int used, int T, int shared,
-                            int ties, int nan_row, int split, int dev)
+                            int ties, int nan_row, int split, int dev, int graph)
 {
     const int mixc = 160;
     struct model mm;
@@ -313,25 +318,33 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     size_t stride = ops_act_stride(&wo);
     uint8_t *act = plat_alloc_aligned(stride * (size_t)T);
     for (int t = 0; t < T; t++) quant_act_prepare(wo.type, mix + (size_t)t * mixc, mixc, act + (size_t)t * stride);
-    long calls = cuda.calls;
-    memset(gpu, 0xff, (size_t)T * (dim + used) * 4);
-    int ran = placed && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, x, act, stride, T, routing) == 0 &&
+    const struct cuda_moe_layout lo = cuda_moe_layout_of(&L, stride, T);
+    int ran = placed && cuda_use(dev) == 0 && cuda_scratch(&cuda.dev[dev].moe, &cuda.dev[dev].moe_cap, lo.end) == 0 && cuda_stage(lo.y);
+    long calls = 0, graph_runs = cuda.graph_runs;
+    for (int run = 0; run < (graph ? 3 : 1); run++) { /* a graph: built the second time, run the third */
+        calls = cuda_calls;
+        memset(gpu, 0xff, (size_t)T * (dim + used) * 4);
+        ran = ran && cuda_moe_layer_supported(dev, &L, T) && cuda_moe_layer_start(dev, &L, x, act, stride, T, routing) == 0 &&
               (!split || cuda_moe_layer_resume(dev, &L, stride, cpu_y, 0, T) == 0) && cuda_moe_finish(dev, gpu) == 0;
+    }
+    calls = cuda_calls - calls;
     int bad = 0, bad_id = 0, bad_xn = 0;
     while (bad < T * dim && !memcmp(&cpu[bad], &gpu[T * used + bad], 4)) bad++;
     while (bad_id < T * used && top[bad_id] == ((int *)gpu)[bad_id]) bad_id++;
     while (split && bad_xn < T * dim && !memcmp(&xn[bad_xn], &routing[bad_xn], 4)) bad_xn++;
     if (split && bad_xn == T * dim && memcmp(top, routing + (size_t)T * dim, (size_t)T * used * 4)) bad_xn = 0; /* the routing's ids */
-    char name[220];
+    char name[260];
     /* a split layer: the routing down, the CPU's outputs up; a shared expert apart: its activations and 3 kernels */
-    const int want_calls = 12 + (shared > 0) + 2 * split + 4 * (shared == 2);
-    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s: the CPU's ids and bits in %d driver calls",
+    const int want_calls = graph ? 3 : 12 + (shared > 0) + 2 * split + 4 * (shared == 2); /* a graph: the upload, the graph, the download */
+    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s%s: the CPU's ids and bits in %d driver calls",
              dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T,
              shared == 2 ? ", a Q8_0 shared expert apart" : shared ? ", shared expert" : "",
-             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", split ? ", every third expert the CPU's" : "", want_calls);
+             ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", split ? ", every third expert the CPU's" : "",
+             graph ? ", its third time as one CUDA graph" : "", want_calls);
     /* with NaN logits the outputs are NaN: the ids say what was chosen */
-    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && cuda.calls - calls == want_calls, name,
-          "ran %d, calls %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a, routing %d", ran, cuda.calls - calls, bad_id,
+    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && calls == want_calls &&
+              cuda.graph_runs - graph_runs == graph, name, "ran %d, calls %ld, graph launches %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a, routing %d",
+          ran, calls, cuda.graph_runs - graph_runs, bad_id,
           top[bad_id < T * used ? bad_id : 0], ((int *)gpu)[bad_id < T * used ? bad_id : 0], bad, cpu[bad < T * dim ? bad : 0],
           gpu[T * used + (bad < T * dim ? bad : 0)], bad_xn);
     cuda_release_all();
@@ -343,16 +356,18 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
 
 static void test_moe_layer(int real)
 {
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 1, 1, 0, 0, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 0, 0, 0, 0, !real);
-    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 128, 96, 33, 5, 2, 1, 1, 0, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 64, 64, 16, 4, 2, 1, 0, 1, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 256, 8, 2, 1, 0, 0, 0, !real); /* the 35B-A3B's routing */
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 3, 1, 0, 0, 1, 0);
-    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 2, 0, 0, 0, 1, !real);
-    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 2, 0, 0, 0, 0);
-    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 128, 128, 16, 4, 2, 2, 0, 0, 1, !real);
-    if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0); /* the 35B-A3B's shapes, split */
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 1, 1, 0, 0, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 0, 0, 0, 0, !real, 0);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0, 128, 96, 33, 5, 2, 1, 1, 0, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 64, 64, 16, 4, 2, 1, 0, 1, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 256, 8, 2, 1, 0, 0, 0, !real, 0); /* the 35B-A3B's routing */
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 3, 1, 0, 0, 1, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 2, 0, 0, 0, 1, !real, 0);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 2, 0, 0, 0, 0, 0);
+    check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 128, 128, 16, 4, 2, 2, 0, 0, 1, !real, 0);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 1, 0, 0, 0, !real, 1);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 2, 0, 0, 0, 0, 1);
+    if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0, 0); /* the 35B-A3B's shapes, split */
 }
 
 /* A device buffer holding N bytes of HOST (NULL: room only). */
@@ -444,8 +459,9 @@ static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T
     o.mix = cuda_align((size_t)T * vdim * 4);
     d->kept_next[0] = mixed, d->kept_next[1] = z, d->kept_next[2] = beta, d->kept_next[3] = alpha;
     d->chain = table, d->moe = scratch;
-    long calls = cuda.calls;
+    long calls = cuda_calls;
     int ran = table && scratch && cuda_deltanet_launch(d, &L, o, stride, T) == CUDA_SUCCESS;
+    calls = cuda_calls - calls;
     d->chain = d->moe = 0;
     model_gated_deltanet(&mm, 1, T);
     uint8_t *act = plat_zalloc(stride * (size_t)T, 1);
@@ -463,7 +479,7 @@ static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T
     char name[200];
     snprintf(name, sizeof name, "DeltaNet on device %d, %d/%d heads of %d/%d, conv %d, %d tokens of %d sequences%s%s: the CPU's states, rows and bits in 4 calls",
              dev, nk, nv, dk, dv, K, T, n_seq, ba ? ", fused beta/alpha" : "", per_head ? ", a norm per head" : "");
-    check(same && cuda.calls - calls == 4, name, "ran %d, calls %ld, first difference at %zu, state %zu", ran, cuda.calls - calls, at, bad_state);
+    check(same && calls == 4, name, "ran %d, calls %ld, first difference at %zu, state %zu", ran, calls, at, bad_state);
     cuda_ptr bufs_d[] = {mixed, z, beta, alpha, consts, table, scratch};
     for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
     for (int q = 0; q < n_seq; q++) {
@@ -550,8 +566,9 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     memset(&o, 0, sizeof o);
     o.mix = out_bytes;
     d->kept_next[0] = qg, d->kept_next[1] = k, d->kept_next[2] = v, d->moe = scratch;
-    long calls = cuda.calls;
+    long calls = cuda_calls;
     int ran = scratch && cuda_attention_launch(d, &L, o, stride, T) == CUDA_SUCCESS;
+    calls = cuda_calls - calls;
     d->moe = 0;
     model_attention(&mm, 1, T);
     uint8_t *act = plat_zalloc(stride * (size_t)T, 1), *got = plat_alloc(stride * (size_t)T);
@@ -569,7 +586,7 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     char name[200];
     snprintf(name, sizeof name, "attention on device %d, %d heads on %d of %d (RoPE %d), %s cache, %d tokens of %d sequences after %d: "
              "the CPU's queries, keys, caches, rows and bits in 3 calls", dev, n_head, n_kv, hd, rot, kv == OPS_KV_F16 ? "f16" : "f32", T, n_seq, filled);
-    check(same && cuda.calls - calls == 3, name, "ran %d, calls %ld, first difference at %zu", ran, cuda.calls - calls, at);
+    check(same && calls == 3, name, "ran %d, calls %ld, first difference at %zu", ran, calls, at);
     cuda_ptr bufs_d[] = {qg, k, v, qn, kn, dr, da, dp, scratch};
     for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
     for (int q = 0; q < n_seq; q++) {
