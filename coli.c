@@ -6916,7 +6916,7 @@ struct cuda_launches {
  * then in LIST; LAST: when it was last seen (cuda.clock). */
 struct cuda_graph { uint64_t hash; int n; cuda_handle exec; struct cuda_launches list; long last; };
 #define CUDA_GRAPHS 256     /* windows a device remembers: a token of a split model makes ~3 a layer */
-#define CUDA_GRAPH_MIN 8    /* launches a window needs to become a graph */
+#define CUDA_GRAPH_MIN 3    /* launches a window needs to become a graph */
 
 struct cuda_device {
     cuda_device_id id;
@@ -6966,8 +6966,9 @@ static struct {
     long waits;                /* driver calls that wait for the device (the downloads); cuda_calls
                                 * counts them all */
     struct cuda_launches window; /* the launches since the last other call (graphs) */
-    int made, follow;          /* the window's first MADE launches are made; the graph whose
-                                * launches it has followed so far, -1 none */
+    int made, following;       /* the window's first MADE launches are made; the rest are held,
+                                * following the graphs of FOLLOW, whose launches they are so far */
+    uint64_t follow[CUDA_GRAPHS / 64];
     int graphs;                /* windows that repeat become graphs: the driver has them, and
                                 * COLI_CUDA_GRAPHS is not 0 */
     long clock, graph_runs;    /* windows ended; those run as one graph */
@@ -7036,7 +7037,7 @@ static void cuda_window_reset(void)
     cuda.window.used = 0;
     cuda.window.hash = 14695981039346656037ull; /* FNV-1a's offset basis */
     cuda.made = 0;
-    cuda.follow = -1;
+    cuda.following = 0;
 }
 
 static void cuda_launches_free(struct cuda_launches *l)
@@ -7064,10 +7065,7 @@ static void cuda_record(struct cuda_launches *w, const struct cuda_signature *si
         memcpy(&v[i], params[i], sig->wide >> i & 1 ? 8 : 4);
     }
     w->used += (size_t)sig->n;
-    const uint8_t *parts[2] = {(const uint8_t *)head, (const uint8_t *)v};
-    const size_t bytes[2] = {sizeof head, (size_t)sig->n * 8};
-    for (int k = 0; k < 2; k++)
-        for (size_t i = 0; i < bytes[k]; i++) w->hash = (w->hash ^ parts[k][i]) * 1099511628211ull; /* FNV-1a */
+    for (int i = 0; i < 4 + sig->n; i++) w->hash = (w->hash ^ (i < 4 ? head[i] : v[i - 4])) * 1099511628211ull; /* FNV-1a, a word a step */
 }
 
 /* Launch I of A and launch J of B: the same kernel, grid and values. */
@@ -7098,15 +7096,32 @@ static cuda_result cuda_window_make(void)
     return r;
 }
 
-/* The graph of device D whose first launch the window's is, seen last; -1 none. */
-static int cuda_graph_to_follow(const struct cuda_device *d)
+/* Narrows the graphs of device D the window follows to those whose launch I is its own (at
+ * I 0, from all of them: windows of different layers may begin alike). Returns whether any
+ * is left. */
+static int cuda_window_follow(const struct cuda_device *d, int i)
 {
-    int best = -1;
-    for (int k = 0; d->graphs && k < CUDA_GRAPHS; k++) {
-        const struct cuda_graph *g = &d->graphs[k];
-        if (g->exec && cuda_record_same(&g->list, 0, &cuda.window, 0) && (best < 0 || g->last > d->graphs[best].last)) best = k;
+    int left = 0;
+    for (int w = 0; w < CUDA_GRAPHS / 64; w++) {
+        uint64_t kept = 0;
+        for (uint64_t m = i == 0 ? ~0ull : cuda.follow[w]; m; m &= m - 1) {
+            const int k = 64 * w + __builtin_ctzll(m);
+            const struct cuda_graph *g = &d->graphs[k];
+            if (g->exec && i < g->n && cuda_record_same(&g->list, i, &cuda.window, i)) kept |= m & -m;
+        }
+        cuda.follow[w] = kept;
+        left |= kept != 0;
     }
-    return best;
+    return left;
+}
+
+/* The graph of device D the window has followed to its end: -1 none. */
+static int cuda_window_graph(const struct cuda_device *d)
+{
+    for (int w = 0; cuda.following && w < CUDA_GRAPHS / 64; w++)
+        for (uint64_t m = cuda.follow[w]; m; m &= m - 1)
+            if (d->graphs[64 * w + __builtin_ctzll(m)].n == cuda.window.n) return 64 * w + __builtin_ctzll(m);
+    return -1;
 }
 
 /* Launches FN over a grid of GX x GY blocks of BX threads with PARAMS on the current device:
@@ -7117,10 +7132,9 @@ static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigne
     struct cuda_device *d = &cuda.dev[cuda.current];
     const int i = cuda.window.n;
     cuda_record(&cuda.window, cuda_signature_of(d, fn), gx, gy, bx, params);
-    if (i == 0 && cuda.graphs) cuda.follow = cuda_graph_to_follow(d);
-    if (cuda.follow >= 0 && i < d->graphs[cuda.follow].n && cuda_record_same(&cuda.window, i, &d->graphs[cuda.follow].list, i))
-        return CUDA_SUCCESS;
-    cuda.follow = -1;
+    if (i == 0) cuda.following = cuda.graphs && d->graphs;
+    if (cuda.following && cuda_window_follow(d, i)) return CUDA_SUCCESS;
+    cuda.following = 0;
     return cuda_window_make();
 }
 
@@ -7183,11 +7197,12 @@ static cuda_result cuda_window_end(void)
 {
     if (!cuda.window.n) return CUDA_SUCCESS;
     struct cuda_device *d = &cuda.dev[cuda.current];
+    const int k = cuda_window_graph(d);
     cuda_result r;
     cuda.clock++;
-    if (cuda.follow >= 0 && d->graphs[cuda.follow].n == cuda.window.n) {
-        d->graphs[cuda.follow].last = cuda.clock;
-        r = cuda_graph_launch(d->graphs[cuda.follow].exec);
+    if (k >= 0) {
+        d->graphs[k].last = cuda.clock;
+        r = cuda_graph_launch(d->graphs[k].exec);
         cuda.graph_runs++;
     } else if (!(r = cuda_window_make())) {
         cuda_window_learn(d);

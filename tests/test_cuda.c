@@ -906,6 +906,41 @@ static void test_bench(int real)
     }
 }
 
+/* Windows of CUDA_GRAPH_MIN launches of residual_norm (T rows of X normed by NORM into an
+ * output) on device DEV: the first made one by one, the second too and then built into a graph,
+ * the third run as that graph; a fourth of the same kernels and grids into another output must
+ * not run as it (a graph is followed only while every value is the same). Each output the
+ * bits of ops_rmsnorm. */
+static void check_graph_windows(int dev)
+{
+    const int dim = 96, T = 3;
+    const size_t bytes = (size_t)T * dim * 4;
+    float *x = random_x(T, dim), *norm = random_x(1, dim), *cpu = plat_alloc(bytes), *got = plat_alloc(bytes), *zeros = plat_zalloc(bytes, 1);
+    for (int t = 0; t < T; t++) ops_rmsnorm(cpu + (size_t)t * dim, x + (size_t)t * dim, norm, dim, 1e-6f);
+    cuda_ptr px = device_copy(dev, x, bytes), pn = device_copy(dev, norm, (size_t)dim * 4);
+    cuda_ptr outs[2] = {device_copy(dev, NULL, bytes), device_copy(dev, NULL, bytes)};
+    long runs[4];
+    int same = px && pn && outs[0] && outs[1];
+    for (int w = 0; w < 4 && same; w++) {
+        cuda_ptr none = 0, out = outs[w == 3];
+        int n = dim;
+        float eps = 1e-6f;
+        void *params[] = {&px, &none, &pn, &out, &n, &eps};
+        const long before = cuda.graph_runs;
+        same = cuda_htod(out, zeros, bytes) == 0;
+        for (int i = 0; i < CUDA_GRAPH_MIN && same; i++) same = cuda_launch(cuda.dev[dev].residual_norm, (unsigned)T, 1, 32, params) == 0;
+        same = same && cuda_dtoh(got, out, bytes) == 0 && !memcmp(got, cpu, bytes);
+        runs[w] = cuda.graph_runs - before;
+    }
+    check(same && !runs[0] && !runs[1] && runs[2] == 1 && !runs[3], "windows of launches: the third as one CUDA graph, one with other values not",
+          "same %d, graph launches %ld %ld %ld %ld", same, runs[0], runs[1], runs[2], runs[3]);
+    cuda_ptr bufs_d[] = {px, pn, outs[0], outs[1]};
+    for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
+    cuda_release_all();
+    void *bufs[] = {x, norm, cpu, got, zeros};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+}
+
 /* COLI_TEST_REAL=1 (tests/gpu_check.sh): the system's driver and its first device instead of
  * the fake, kernels only. COLI_TEST_SIM=1: the fake that runs kernels.cu's source on the host
  * (build/sim, tests/kernels_sim.cc) instead of its twins, kernels only. */
@@ -931,11 +966,15 @@ int main(int argc, char **argv)
     double us = cuda_measure_call();
     printf("ok - one wrapped driver call: %.3f us (glibc build: lock and signal mask, no thread-pointer switch)\n", us);
     n_pass++;
+    const int graphs = cuda.graphs;
+    cuda.graphs = 0; /* the calls counted below are launches one by one, their windows short and repeated */
     test_kernels(quick, real);
     check_jobs(real, 1);
     check_jobs(real, 3);
     test_experts(quick, real);
+    cuda.graphs = graphs;
     test_moe_layer(real);
+    check_graph_windows(real ? 0 : 1);
     test_deltanet_device(real);
     test_attention_device(real);
     if (!sim) test_bench(real);

@@ -278,6 +278,23 @@ if [ -s "$tmp/shexp-0.json" ] && cmp -s "$tmp/shexp-0.json" "$tmp/shexp-cpu.json
     [ "$(cuda_count "$tmp/shexp-0.err" products)" = 1 ]; then
     ok "every layer chained on the device, mixers too: the same tokens, 1 wait a decode step instead of 17 ($passes passes)"
 else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/shexp-0.err" | tail -n 1) against $(grep cuda "$tmp/shexp-cpu.err" | tail -n 1)"; fi
+# Each decode step there is one window of launches (its upload before, its downloads after): the
+# first step's made one by one, the second's too and then built into a CUDA graph, each later
+# one that graph in one call. So passes - 3 graph launches; four more steps cost 16 driver
+# calls (each: the upload, the graph, the logits and the ids down) where without graphs
+# (COLI_CUDA_GRAPHS=0) they cost a call a launch; the same tokens each way.
+calls_of() { # calls_of STEPS ENV...: the driver calls of that run, its tokens in $tmp/calls-STEPS.json
+    local n=$1; shift
+    env "$@" FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n "$n" --ignore-eog --json --place "$all0,shexp=0" \
+        2>"$tmp/calls.err" | tail -n 1 | sed 's/"timings".*//' >"$tmp/calls-$n.json"
+    cuda_count "$tmp/calls.err" 'driver calls'
+}
+with8=$(calls_of 8 LD_LIBRARY_PATH="$B/fake") with12=$(calls_of 12 LD_LIBRARY_PATH="$B/fake")
+without8=$(calls_of 8 LD_LIBRARY_PATH="$B/fake" COLI_CUDA_GRAPHS=0) without12=$(calls_of 12 LD_LIBRARY_PATH="$B/fake" COLI_CUDA_GRAPHS=0)
+if [ "$(cuda_count "$tmp/shexp-0.err" 'graph launches')" = "$((passes - 3))" ] && [ "$((with12 - with8))" = 16 ] &&
+    [ "$((without12 - without8))" -gt 200 ] && cmp -s "$tmp/calls-8.json" "$tmp/shexp-cpu.json"; then
+    ok "a decode step as one CUDA graph from the third on: $((passes - 3)) graph launches, 4 driver calls a step (without graphs $(((without12 - without8) / 4))), the same tokens"
+else bad "a decode step as one CUDA graph" "graph launches: $(grep cuda "$tmp/shexp-0.err" | tail -n 1); calls $with8 -> $with12, without graphs $without8 -> $without12"; fi
 # The trunk and the shared expert on the device, the routed experts on the CPU: each layer is
 # split. The device hands back its routing, the CPU computes the routed experts while the device
 # runs the shared one, their outputs go up for the sum: 9 waits a decode step (layer 0's
@@ -303,18 +320,24 @@ done
 # the two activations, router and gate logit, routing, gate/up, the hidden rows' quantisation,
 # down and the sum), 22-27 layer 1's start, 28-31 its DeltaNet, 69-71 layer 3's attention
 # (norms, RoPE and the cache's new rows; scores to gate; its rows' quantisation), 72 on its
-# rest; later ones fail in a decode step. There the states and the KV cache are only on the
+# rest; later ones fail in a decode step (500: in the fifth, run as a graph, which reports it
+# when it is launched). There the states and the KV cache are only on the
 # device: the pass is lost with them, the sequence is fed its tokens again on the CPU
 # (engine_replay), then the pass runs again. The run keeps the CPU's tokens each time.
 for k in 1 3 6; do
     tokens "launch $k (the first layer's start in a chain) fails: the CPU's tokens" '^\[cuda\] a chain of layers on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
-for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 100 150; do
+for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 100 150 500; do
     tokens "launch $k (in a chain of layers on the device) fails: the pass again on the CPU, the CPU's tokens" \
         '^\[cuda\] the states of 1 conversations rebuilt on the CPU: [0-9]+ tokens of context fed again$' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
+# A graph the driver cannot build (its instantiation runs out of memory): one line, the launches
+# one by one from then on, the CPU's tokens.
+tokens "a CUDA graph that cannot be built: launches one by one, the CPU's tokens" \
+    '^\[cuda\] a graph of [0-9]+ launches could not be built: out of device memory \(error 2\); launches made one by one from here$' \
+    q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=graph:1 -- --place "$all0,shexp=0"
 
 # coli serve on the fake device. The fake's current context is a thread's, as the driver's, so a
 # driver call from a thread that did not make it current fails there (error 201) as on a card:
