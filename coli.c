@@ -6202,7 +6202,8 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   build, as the tests use, the native dlopen), the typed driver wrappers, the device list in
  *   PCI bus order, per-device contexts and the module JIT-compiled from the embedded kernels.ptx,
  *   device memory for resident trunk matrices and routed experts, the GEMV launches of the
- *   batches of products §4 offloads (ops_offload), and the routed experts' batches (§8).
+ *   batches of products §4 offloads (ops_offload), the routed experts' batches and the layers
+ *   and chains §8 runs there, and the CUDA graphs that replay a repeated window of launches.
  * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the
  *   CPU; results never change: a device GEMV computes the CPU's canonical order bit for bit, and
  *   a launch that fails is recomputed on the CPU. Device i is the i-th card in PCI bus order in
@@ -6225,11 +6226,14 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; layer 0's
  *   projections from the embedded rows, which go up with the pass's first upload; see "chains"
  *   below). A decoded token of the 35B-A3B (Q4_K_M mix) with everything resident then waits
- *   once, for the logits (41 before the chains, 161 as products and expert batches); the fake
- *   driver measures 1 wait and 92 calls a token on a 4-layer slice, 1 and 178 on 8 layers:
- *   ~870 calls on the 40. One wrapped call cost 0.25 µs on the VM where it was measured
- *   (WRFSBASE; mostly the two sigprocmask calls): 0.2 ms per token. Fewer calls need a CUDA
- *   graph per token. */
+ *   once, for the logits (41 before the chains, 161 as products and expert batches), and its
+ *   launches (~870) are one window that repeats token after token: from the third decode step
+ *   on it runs as one CUDA graph ("graphs" below), 4 driver calls a token (the upload, the
+ *   graph, the logits and the ids down; the fake driver: 92 a token on a 4-layer slice and 178
+ *   on 8 without graphs, 4 on both with). A layer split with the CPU makes windows of its own
+ *   (its routing, its experts, its end): 33 calls a token on the 4-layer slice in 1 GiB, 91
+ *   without graphs. One wrapped call cost 0.25 µs on the VM where it was measured (WRFSBASE;
+ *   mostly the two sigprocmask calls). */
 
 #include <pthread.h>
 #include <sys/syscall.h>

@@ -5,8 +5,9 @@
 # dlopen of a glibc test build; then the copy bandwidth and GB/s of the main formats' GEMVs),
 # then the golden models on the CPU and with the trunk and the experts on the GPU through the
 # static binary's foreign dlopen (same tokens and logits), prints bench --kernels' table for the
-# card, runs the decode benchmark on the 35B-A3B geometry at 1k and 8k tokens of context, and
-# prints a summary. Budget: under 10 minutes (each benchmark stops at 200 s).
+# card, runs the decode benchmark on the 35B-A3B geometry at 1k and 8k tokens of context (and at
+# 1k without CUDA graphs), and prints a summary. Budget: under 10 minutes (each benchmark stops
+# at 200 s).
 # usage: tests/gpu_check.sh [--prebuilt] [GOLDEN_DIR]
 # --prebuilt: a machine without musl-tools or a network (a lent card) runs the ./coli and
 # build/test_cuda built elsewhere (`./build.sh` and `tests/gpu_check.sh --build-only`).
@@ -84,9 +85,13 @@ grep -q '^cuda 0: ' "$log/kt" && ok "bench --kernels: the card's table" || bad "
 # prompt: tok/s, and the weight bytes a token reads per second against the card's copy bandwidth
 # (test_cuda's figure above, bytes read and written).
 bw=$(grep -m1 -o '^# device 0: copy bandwidth [0-9.]*' "$log/kernels" | grep -o '[0-9.]*$')
-for ctx in ${GPU_CHECK_CONTEXTS-1024 8192}; do
-    timeout 200 ./coli bench --synthetic 35b-a3b:q4_k_m --gpu 0 -p "$ctx" -n 64 --json >"$log/bench" 2>"$log/err"
-    if python3 - "$log/bench" "$ctx" "${bw:-0}" <<'PY'; then ok "decode benchmark at $ctx tokens of context"
+# The first context again without CUDA graphs (every launch on its own), for the launches' cost.
+contexts=${GPU_CHECK_CONTEXTS-1024 8192}
+for run in $contexts ${contexts:+${contexts%% *}:nographs}; do
+    ctx=${run%:nographs} graphs=1
+    [ "$run" != "$ctx" ] && graphs=0
+    COLI_CUDA_GRAPHS=$graphs timeout 200 ./coli bench --synthetic 35b-a3b:q4_k_m --gpu 0 -p "$ctx" -n 64 --json >"$log/bench" 2>"$log/err"
+    if python3 - "$log/bench" "$run" "${bw:-0}" <<'PY'; then ok "decode benchmark at $run tokens of context"
 import json, sys
 b = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 gbs = b["decode_bytes_per_token"] * b["decode_tok_s"] / 1e9
@@ -95,7 +100,7 @@ share = f", {100 * gbs / bw:.0f}% of the copy bandwidth" if bw > 0 else ""
 print(f"# decode, 35b-a3b:q4_k_m on device 0 after {sys.argv[2]} tokens: {b['decode_tok_s']:.1f} tok/s ({gbs:.0f} GB/s of weights{share}); "
       f"prompt {b['prompt_tok_s']:.1f} tok/s; {b['synthetic']['layers_measured']} of {b['synthetic']['layers']} layers measured")
 PY
-    else bad "decode benchmark at $ctx tokens of context" "$(grep -E 'cuda|place|coli' "$log/err" | tail -n 3)"; fi
+    else bad "decode benchmark at $run tokens of context" "$(grep -E 'cuda|place|coli' "$log/err" | tail -n 3)"; fi
     grep -E '^\[(place\] experts|cuda\])' "$log/err"
 done
 echo "summary: $(grep -m1 '^cuda 0: ' "$log/info"); $(grep -m1 'wrapped driver call' "$log/info" | grep -o 'one wrapped.*'); $(( $(date +%s) - t0 )) s"
