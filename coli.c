@@ -6903,9 +6903,9 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 struct cuda_signature { cuda_handle fn; int n; uint32_t wide; };
 #define CUDA_SIGNATURES 256 /* a device's table of them by handle: over twice kernels.ptx's entries */
 
-/* A launch: its kernel, grid, block, and its parameters' values, each in an 8-byte slot of the
- * list's BYTES from slot AT on. */
-struct cuda_launch_record { cuda_handle fn; unsigned gx, gy, bx; struct cuda_signature sig; size_t at; };
+/* A launch: its kernel (SIG.fn), grid, block, and its parameters' values, each in an 8-byte slot
+ * of the list's SLOTS from slot AT on. */
+struct cuda_launch_record { struct cuda_signature sig; unsigned gx, gy, bx; size_t at; };
 
 /* A list of launches (the window, a graph's): HASH covers each one's kernel, grid and values. */
 struct cuda_launches {
@@ -7051,7 +7051,7 @@ static void cuda_launches_free(struct cuda_launches *l)
     *l = (struct cuda_launches){0};
 }
 
-/* Appends launch FN (of signature SIG) over GX x GY blocks of BX threads with PARAMS to W. */
+/* Appends the launch of SIG's kernel over GX x GY blocks of BX threads with PARAMS to W. */
 static void cuda_record(struct cuda_launches *w, const struct cuda_signature *sig, unsigned gx, unsigned gy, unsigned bx, void **params)
 {
     if (w->n == w->cap) {
@@ -7062,7 +7062,7 @@ static void cuda_record(struct cuda_launches *w, const struct cuda_signature *si
         w->slots_cap = w->slots_cap ? 2 * w->slots_cap : 4096;
         w->slots = plat_realloc(w->slots, w->slots_cap * sizeof *w->slots);
     }
-    w->rec[w->n++] = (struct cuda_launch_record){sig->fn, gx, gy, bx, *sig, w->used};
+    w->rec[w->n++] = (struct cuda_launch_record){*sig, gx, gy, bx, w->used};
     uint64_t head[4] = {(uint64_t)(uintptr_t)sig->fn, gx, gy, bx}, *v = w->slots + w->used;
     for (int i = 0; i < sig->n; i++) {
         v[i] = 0;
@@ -7076,7 +7076,7 @@ static void cuda_record(struct cuda_launches *w, const struct cuda_signature *si
 static int cuda_record_same(const struct cuda_launches *a, int i, const struct cuda_launches *b, int j)
 {
     const struct cuda_launch_record *x = &a->rec[i], *y = &b->rec[j];
-    return x->fn == y->fn && x->gx == y->gx && x->gy == y->gy && x->bx == y->bx &&
+    return x->sig.fn == y->sig.fn && x->gx == y->gx && x->gy == y->gy && x->bx == y->bx &&
            !memcmp(a->slots + x->at, b->slots + y->at, (size_t)x->sig.n * 8);
 }
 
@@ -7094,7 +7094,7 @@ static cuda_result cuda_window_make(void)
         const struct cuda_launch_record *x = &cuda.window.rec[cuda.made];
         void *params[CUDA_PARAMS_MAX];
         cuda_record_params(&cuda.window, cuda.made, params);
-        r = cuda_launch_now(x->fn, x->gx, x->gy, x->bx, params);
+        r = cuda_launch_now(x->sig.fn, x->gx, x->gy, x->bx, params);
     }
     cuda.made = cuda.window.n;
     return r;
@@ -7152,7 +7152,7 @@ static cuda_result cuda_graph_build(struct cuda_graph *g)
         const struct cuda_launch_record *x = &g->list.rec[i];
         void *params[CUDA_PARAMS_MAX];
         cuda_record_params(&g->list, i, params);
-        const struct cuda_kernel_node k = {x->fn, x->gx, x->gy, 1, x->bx, 1, 1, 0, params, NULL};
+        const struct cuda_kernel_node k = {x->sig.fn, x->gx, x->gy, 1, x->bx, 1, 1, 0, params, NULL};
         const cuda_handle after = node;
         r = cuda_graph_add_kernel(&node, graph, &after, &k);
     }
