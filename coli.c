@@ -8317,6 +8317,27 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     return r;
 }
 
+/* A split layer's routing into ROUTING: the normed input [T][dim] (at o.xn), then the ids
+ * [T][used] from IDS (at o.ids, just after it, unless in a chain's buffer: a second download).
+ * The driver's result. */
+static cuda_result cuda_routing_down(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, cuda_ptr ids,
+                                     void *routing, int T)
+{
+    const size_t rows = (size_t)T * (size_t)L->sh.dim * 4;
+    if (ids == d->moe + o.ids) return cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn);
+    cuda_result r = cuda_dtoh(routing, d->moe + o.xn, rows);
+    return r ? r : cuda_dtoh((uint8_t *)routing + rows, ids, (size_t)T * L->used * 4);
+}
+
+/* A layer's batch that stays on device D for the next layer (L->keep): done with, unread,
+ * counted here. */
+static void cuda_moe_kept(struct cuda_device *d)
+{
+    cuda.batches++;
+    cuda.jobs += d->moe_jobs;
+    d->moe_jobs = 0;
+}
+
 /* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
  * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
  * apart). One upload (the shared expert's jobs, the table, X, MIX, the norms), 10 launches, 1
@@ -8359,21 +8380,16 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T))
                : L->attn ? (r = cuda_attention_launch(d, L, o, stride_mix, T))
                          : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
-        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
-        (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
+        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) || (L->split && (r = cuda_routing_down(d, L, o, in.ids, routing, T))) ||
         (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
         (apart && (r = cuda_moe_launch(d, &L->shexp_sh, in.jobs + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
                                        d->moe + o.swork))) ||
-        (!L->split && (r = cuda_moe_layer_end(d, L, o, T))) || (!L->keep && (r = cuda_window_end()))) {
+        (!L->split && (r = cuda_moe_layer_end(d, L, o, T))) || ((L->split || !L->keep) && (r = cuda_window_end()))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
     cuda.waits += L->split;
-    if (L->keep) { /* its batch is done with, unread: counted here */
-        cuda.batches++;
-        cuda.jobs += d->moe_jobs;
-        d->moe_jobs = 0;
-    }
+    if (L->keep && !L->split) cuda_moe_kept(d);
     return 0;
 }
 
@@ -8387,11 +8403,12 @@ static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
     cuda_result r;
     if ((r = cuda_use(dev)) || (r = cuda_htod(d->moe + o.cpu_y, cpu_y, (size_t)T * L->used * L->sh.dim * 4)) || (r = cuda_moe_layer_end(d, L, o, T)) ||
-        (r = cuda_window_end())) {
+        (!L->keep && (r = cuda_window_end()))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
     d->moe_jobs -= cpu_jobs; /* the count of experts' FFNs the device ran */
+    if (L->keep) cuda_moe_kept(d);
     return 0;
 }
 
@@ -10576,10 +10593,11 @@ struct model_seq {
 };
 
 /* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of the chain its
- * rest is in (-1: none); MIXER, its mixer runs there too; BLOCK and IDS, its addresses in that
+ * rest is in (-1: none); MIXER, its mixer runs there too; SPLIT, some of its routed experts are
+ * the CPU's (its routing came down in the middle: model_layer_rest); BLOCK and IDS, its addresses in that
  * device's chain buffer (BLOCK_OFF before it is uploaded). */
 struct model_chain {
-    int dev, mixer;
+    int dev, mixer, split;
     size_t block_off;
     cuda_ptr block, ids;
 };
@@ -11956,6 +11974,7 @@ static int model_chain_end(struct model *m, int last, int T, int dev)
     s->chain_first = -1;
     if (cuda_chain_ids(dev, s->chain[first].ids, ids, (size_t)(last - first + 1) * per * sizeof(int))) return -1;
     for (int il = first; il <= last; il++) {
+        if (s->chain[il].split) continue; /* told at its routing */
         memcpy(s->top, ids + (size_t)(il - first) * per, per * sizeof(int));
         model_want_experts(m, il, T);
     }
@@ -11977,7 +11996,6 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     uint8_t *act = mix ? ops_scratch(&ops_act_buf, stride * (size_t)T) : NULL; /* copied before cuda_moe_layer_start returns */
     for (int t = 0; act && t < T; t++) quant_act_prepare(L->wo->type, mix + (size_t)t * L->wo->cols, L->wo->cols, act + (size_t)t * stride);
     if (cuda_moe_layer_start(dev, L, s->x, act, stride, T, s->dev_out)) return -1;
-    if (L->keep) return 0; /* the next layer takes it from here, on the device */
     if (L->split) { /* the routing came back: the CPU's experts of xn into ex_out, then up */
         memcpy(s->xn, s->dev_out, (size_t)T * dim * sizeof(float));
         memcpy(s->top, s->dev_out + (size_t)T * dim, ids * sizeof(int));
@@ -11988,6 +12006,7 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
         if (expert_recover(m->experts, m->error, sizeof m->error)) return -2;
         if (cuda_moe_layer_resume(dev, L, stride, s->ex_out, cpu_jobs, T)) return -1;
     }
+    if (L->keep) return 0; /* the next layer takes it from here, on the device */
     if (cuda_moe_finish(dev, s->dev_out)) return -1;
     memcpy(s->top, s->dev_out, ids * sizeof(int));
     memcpy(s->x, s->dev_out + ids, (size_t)T * dim * sizeof(float));
@@ -12124,6 +12143,7 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
         L.dn = ch->mixer && l->kind == MODEL_LAYER_DELTANET ? &m->s.dn[il] : NULL;
         L.attn = ch->mixer && l->kind == MODEL_LAYER_ATTENTION ? &m->s.attn_dev[il] : NULL;
         L.block = ch->block, L.ids = ch->ids;
+        m->s.chain[il].split = L.split;
         if (m->s.chain_first < 0) m->s.chain_first = il;
     }
     int done = dev >= 0 && dev == (ch->dev >= 0 ? ch->dev : dev) ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
@@ -12247,7 +12267,7 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
 {
     struct model_scratch *s = &m->s;
     const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
-    if (dev < 0 || L->split || !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) ||
+    if (dev < 0 || !(attention ? model_attention_on(m, il, dev) : model_deltanet_on(m, il, dev)) ||
         !model_chain_room(m, runs, n_runs, il, dev))
         return;
     size_t *used = &s->chain_bytes[dev], bytes = cuda_chain_block_bytes(L, T);
@@ -12257,7 +12277,7 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
         s->chain_stage[dev] = plat_realloc(s->chain_stage[dev], s->chain_cap[dev]);
     }
     cuda_chain_block_fill(L, T, s->chain_stage[dev] + *used);
-    s->chain[il] = (struct model_chain){dev, 1, *used, 0, 0};
+    s->chain[il] = (struct model_chain){dev, 1, 0, *used, 0, 0};
     if (il > 0) s->chain[il - 1].dev = dev;
     *used += bytes;
 }
@@ -12276,7 +12296,7 @@ static void model_chain_layers(struct model *m, const struct model_run *runs, in
         const int dev = model_rest_plan(m, il, T, T == n_runs, next, &L);
         if (il == 0 && dev >= 0 && model_first_projections(m, T, dev, next, ptr)) made = dev;
         model_chain_layer(m, runs, n_runs, T, il, made == dev ? dev : -1, &L);
-        made = dev >= 0 && !L.split && il + 1 < n && L.n_next == model_mixer_jobs(m, il + 1, T, next) ? dev : -1;
+        made = dev >= 0 && il + 1 < n && L.n_next == model_mixer_jobs(m, il + 1, T, next) ? dev : -1;
     }
 }
 
@@ -12346,10 +12366,10 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     struct model_scratch *s = &m->s;
     s->chain_first = -1;
     memset(s->chain_bytes, 0, sizeof s->chain_bytes);
-    for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
+    for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0, 0};
     model_chain_layers(m, runs, n_runs, T);
     if (model_chain_upload(m, T))
-        for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0};
+        for (int il = 0; il < c->n_layers; il++) s->chain[il] = (struct model_chain){-1, 0, 0, 0, 0, 0};
     for (int r = 0; r < n_runs; r++)
         for (int il = 0; il < c->n_layers; il++)
             if (model_state_for_pass(m, &runs[r], il, s->chain[il].mixer ? s->chain[il].dev : -1)) {

@@ -297,19 +297,27 @@ if [ "$(cuda_count "$tmp/shexp-0.err" 'graph launches')" = "$((passes - 3))" ] &
 else bad "a decode step as one CUDA graph" "graph launches: $(grep cuda "$tmp/shexp-0.err" | tail -n 1); calls $with8 -> $with12, without graphs $without8 -> $without12"; fi
 # The trunk and the shared expert on the device, the routed experts on the CPU: each layer is
 # split. The device hands back its routing, the CPU computes the routed experts while the device
-# runs the shared one, their outputs go up for the sum: 9 waits a decode step (layer 0's
-# projections, two a layer; the prompt's pass one more, its head), the device's FFNs the shared
-# expert's alone, the same tokens.
-$FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json \
-    --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0 2>"$tmp/split.err" | tail -n 1 >"$tmp/split.full"
-sed 's/"timings".*//' "$tmp/split.full" >"$tmp/split.json"
-if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((9 * passes + 1))" ] &&
-    [ "$(ffns "$tmp/split.err")" = "$((4 * forwarded))" ]; then
-    ok "a split layer (the routed experts on the CPU): the same tokens, 9 waits a decode step, the shared expert's FFNs alone on the device"
-else bad "a split layer" "$passes passes, $forwarded tokens; $(grep cuda "$tmp/split.err" | tail -n 1)"; fi
-# ... and a launch failing there: 11 the routing, 12 the device's experts after the routing went
-# to the CPU, 15 the sum after the CPU's experts came up. The CPU's tokens each time.
-for k in 11 12 15; do
+# runs the shared one, their outputs go up for the sum. The layers are chained all the same (the
+# sum, the next layer's start, its mixer and its routing there): 5 waits a decode step (a layer's
+# routing, then the logits; the prompt's pass one more, its head), the device's FFNs the shared
+# expert's alone, the same tokens. With the DeltaNet projections on the CPU their layers cannot
+# chain: two waits each (the routing, then the layer's outputs), one for the attention layer
+# after them: 7 a decode step.
+split_run() { # split_run NAME PLACE: the run's tokens and [cuda] lines in $tmp/NAME.json and .err
+    $FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json --place "$2" 2>"$tmp/$1.err" |
+        tail -n 1 | sed 's/"timings".*//' >"$tmp/$1.json"
+}
+split_run split lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
+split_run split-unchained lmhead=0,attnproj=0,dnout=0,router=0,shexp=0
+if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((5 * passes + 1))" ] &&
+    [ "$(ffns "$tmp/split.err")" = "$((4 * forwarded))" ] && cmp -s "$tmp/split-unchained.json" "$tmp/shexp-cpu.json" &&
+    [ "$(cuda_count "$tmp/split-unchained.err" waits)" = "$((7 * passes + 1))" ]; then
+    ok "split layers (the routed experts on the CPU) chained: the same tokens, 5 waits a decode step (7 unchained), the shared expert's FFNs alone on the device"
+else bad "split layers" "$passes passes, $forwarded tokens; $(grep cuda "$tmp/split.err" | tail -n 1); unchained $(grep cuda "$tmp/split-unchained.err" | tail -n 1)"; fi
+# ... and a launch failing there (after layer 0's start, 1-6, and its DeltaNet, 7-10, as in the
+# chain below): 17 the routing, 18 the device's experts after the routing went to the CPU, 21
+# the sum after the CPU's experts came up. The CPU's tokens each time.
+for k in 17 18 21; do
     tokens "a split layer's launch $k fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
 done
