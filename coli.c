@@ -6225,15 +6225,17 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   before made there runs its mixer there too, over its sequences' DeltaNet states or KV caches
  *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; layer 0's
  *   projections from the embedded rows, which go up with the pass's first upload; see "chains"
- *   below). A decoded token of the 35B-A3B (Q4_K_M mix) with everything resident then waits
+ *   below; a split layer chains too, its routing still coming down). A decoded token of the
+ *   35B-A3B (Q4_K_M mix) with everything resident then waits
  *   once, for the logits (41 before the chains, 161 as products and expert batches), and its
  *   launches (~870) are one window that repeats token after token: from the third decode step
  *   on it runs as one CUDA graph ("graphs" below), 4 driver calls a token (the upload, the
  *   graph, the logits and the ids down; the fake driver: 92 a token on a 4-layer slice and 178
- *   on 8 without graphs, 4 on both with). A layer split with the CPU makes windows of its own
- *   (its routing, its experts, its end): 33 calls a token on the 4-layer slice in 1 GiB, 91
- *   without graphs. One wrapped call cost 0.25 µs on the VM where it was measured (WRFSBASE;
- *   mostly the two sigprocmask calls). */
+ *   on 8 without graphs, 4 on both with). Chained layers split with the CPU wait once each
+ *   (their routing) and make 4 calls (the routing down, the device's experts as a graph, the
+ *   CPU's outputs up, the rest to the next layer's routing as a graph): on the 4-layer slice in
+ *   1 GiB, 5 waits and 20 calls a decode step (102 without graphs). One wrapped call cost 0.25
+ *   µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask calls). */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -8064,7 +8066,8 @@ struct cuda_moe_layer {
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
     /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (the shared expert's already
-     * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS.
+     * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS
+     * (0: in the layer's scratch, as a split layer's routing download reads them).
      * KEEP: the outputs stay on the device for the next layer (nothing comes back); DN: this
      * layer's mixer, a DeltaNet run there over what the layer before kept */
     cuda_ptr block, ids;
@@ -8317,18 +8320,6 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     return r;
 }
 
-/* A split layer's routing into ROUTING: the normed input [T][dim] (at o.xn), then the ids
- * [T][used] from IDS (at o.ids, just after it, unless in a chain's buffer: a second download).
- * The driver's result. */
-static cuda_result cuda_routing_down(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, cuda_ptr ids,
-                                     void *routing, int T)
-{
-    const size_t rows = (size_t)T * (size_t)L->sh.dim * 4;
-    if (ids == d->moe + o.ids) return cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn);
-    cuda_result r = cuda_dtoh(routing, d->moe + o.xn, rows);
-    return r ? r : cuda_dtoh((uint8_t *)routing + rows, ids, (size_t)T * L->used * 4);
-}
-
 /* A layer's batch that stays on device D for the next layer (L->keep): done with, unread,
  * counted here. */
 static void cuda_moe_kept(struct cuda_device *d)
@@ -8349,8 +8340,8 @@ static void cuda_moe_kept(struct cuda_device *d)
  * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
  * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. In a chain
  * (L->dn or L->attn) nothing goes up: the mixer runs first from what the layer before kept
- * (X and MIX unread), and a layer that keeps (L->keep) is not downloaded. Returns 0, or -1 after
- * cuda_fail. */
+ * (X and MIX unread), and a layer that keeps (L->keep) is not downloaded (a split one's routing
+ * comes down all the same, its resume keeps). Returns 0, or -1 after cuda_fail. */
 static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T,
                                 void *routing)
 {
@@ -8380,7 +8371,7 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T))
                : L->attn ? (r = cuda_attention_launch(d, L, o, stride_mix, T))
                          : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
-        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) || (L->split && (r = cuda_routing_down(d, L, o, in.ids, routing, T))) ||
+        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) || (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
         (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
         (apart && (r = cuda_moe_launch(d, &L->shexp_sh, in.jobs + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
                                        d->moe + o.swork))) ||
@@ -12142,7 +12133,7 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
         L.keep = il + 1 < m->cfg.n_layers && m->s.chain[il + 1].mixer;
         L.dn = ch->mixer && l->kind == MODEL_LAYER_DELTANET ? &m->s.dn[il] : NULL;
         L.attn = ch->mixer && l->kind == MODEL_LAYER_ATTENTION ? &m->s.attn_dev[il] : NULL;
-        L.block = ch->block, L.ids = ch->ids;
+        L.block = ch->block, L.ids = L.split ? 0 : ch->ids; /* a split layer's come down with its routing */
         m->s.chain[il].split = L.split;
         if (m->s.chain_first < 0) m->s.chain_first = il;
     }
