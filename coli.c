@@ -7234,6 +7234,7 @@ static int cuda_graphs_on(void)
  * go with the context). */
 static void cuda_graphs_free(struct cuda_device *d, int in_context)
 {
+    if (in_context) cuda_window_end(); /* what the window holds may follow them */
     for (int k = 0; d->graphs && k < CUDA_GRAPHS; k++) {
         if (d->graphs[k].exec && in_context) cuda_graph_exec_destroy(d->graphs[k].exec);
         cuda_launches_free(&d->graphs[k].list);
