@@ -7518,8 +7518,9 @@ static void cuda_print_info(void)
         printf("cuda: none: %s\ncuda: to use a card: %s\n", cuda.why, cuda_advice(cuda.why));
         return;
     }
-    printf("cuda: driver %d.%d, %d device%s, one wrapped driver call %.2f us\n", cuda.driver_version / 1000,
-           cuda.driver_version % 1000 / 10, cuda.n_devices, cuda.n_devices > 1 ? "s" : "", cuda.call_us);
+    printf("cuda: driver %d.%d, %d device%s, one wrapped driver call %.2f us, %s\n", cuda.driver_version / 1000,
+           cuda.driver_version % 1000 / 10, cuda.n_devices, cuda.n_devices > 1 ? "s" : "", cuda.call_us,
+           cuda.graphs ? "a token's launches as CUDA graphs" : "launches one by one (no CUDA graphs)");
     if (!cuda.ready) printf("cuda: no usable device: %s\ncuda: to use a card: %s\n", cuda.why, cuda_advice(cuda.why));
     for (int i = 0; i < cuda.n_devices; i++) {
         const struct cuda_device *d = &cuda.dev[i];

@@ -31,6 +31,9 @@ export FAKE_CUDA_LAUNCH_US=0.1 FAKE_CUDA_COPY_US=0.1
 FAKE="env -u COLI_LIBCUDA LD_LIBRARY_PATH=$B/fake"
 $FAKE FAKE_CUDA_DEVICES=1 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 1 device: listed" '^cuda 0: Fake GPU A, compute 8.6, 20 SMs, 8.0 GiB VRAM, 7.5 GiB free, PCI 0000:10:00.0$' "$tmp/o"
 has "the cost of one wrapped driver call is measured" 'one wrapped driver call [0-9.]+ us' "$tmp/o"
+has "info: a token's launches as CUDA graphs" "one wrapped driver call [0-9.]+ us, a token's launches as CUDA graphs$" "$tmp/o"
+$FAKE FAKE_CUDA_DEVICES=1 COLI_CUDA_GRAPHS=0 "$COLI" info >"$tmp/o" 2>&1
+has "info with COLI_CUDA_GRAPHS=0: launches one by one" 'one wrapped driver call [0-9.]+ us, launches one by one \(no CUDA graphs\)$' "$tmp/o"
 $FAKE FAKE_CUDA_DEVICES=2 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 2 devices: in PCI bus order" '^cuda 0: Fake GPU B.*PCI 0000:10' "$tmp/o"
 has "fake driver, 2 devices: the second" '^cuda 1: Fake GPU A.*PCI 0000:20' "$tmp/o"
 $FAKE FAKE_CUDA_DEVICES=0 "$COLI" info >"$tmp/o" 2>&1; has "fake driver, 0 devices: error 100" '^cuda: none: .*no CUDA device \(error 100\)' "$tmp/o"
