@@ -10659,6 +10659,7 @@ static const char *const model_phase_names[MODEL_PHASE_COUNT] = {"products", "ex
                                                                   "routing", "other", "sampling"};
 struct model_profile {
     double seconds[2][MODEL_PHASE_COUNT]; /* [decode] */
+    long calls[2], waits[2], graphs[2];   /* [decode]: driver calls, waits, graph launches (§5) */
     double mark;
     int decode;
 };
@@ -14846,9 +14847,12 @@ static int engine_step(struct engine *e)
     int owner[MODEL_MAX_RUNS], n = engine_plan_step(e, runs, owner), prompt = 0;
     for (int r = 0; r < n; r++) prompt |= e->slots[owner[r]].next < 0;
     if (n && e->m->experts) expert_phase(e->m->experts, prompt ? EXPERT_PHASE_PROMPT : EXPERT_PHASE_DECODE);
-    e->m->profile.decode = !prompt;
+    struct model_profile *pf = &e->m->profile;
+    const long calls = cuda_calls, waits = cuda.waits, graphs = cuda.graph_runs;
+    pf->decode = !prompt;
     int failed = n && model_forward_runs(e->m, runs, n);
     if (failed && e->m->lost) failed = engine_replay(e, owner, n) || model_forward_runs(e->m, runs, n);
+    pf->calls[!prompt] += cuda_calls - calls, pf->waits[!prompt] += cuda.waits - waits, pf->graphs[!prompt] += cuda.graph_runs - graphs;
     if (failed)
         for (int r = 0; r < n; r++) engine_finish(e, &e->slots[owner[r]], ENGINE_STOP_ERROR, e->m->error);
     else
@@ -17332,7 +17336,14 @@ static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int j
     const double *ph = m->profile.seconds[1];
     double trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
     double roof = gbps * 1e9 / bytes;
+    const struct model_profile *pf = &m->profile;
     cmd_bench_say_phases("decode", ph, n_fwd, json);
+    if (json && cuda.n_devices)
+        printf(",\"decode_driver_calls_per_token\":%.2f,\"decode_waits_per_token\":%.2f,\"decode_graph_launches_per_token\":%.2f",
+               (double)pf->calls[1] / n_fwd, (double)pf->waits[1] / n_fwd, (double)pf->graphs[1] / n_fwd);
+    else if (cuda.n_devices)
+        printf("\n  device: %.1f driver calls, %.1f waits and %.1f graph launches a decode step (the mean of %d)",
+               (double)pf->calls[1] / n_fwd, (double)pf->waits[1] / n_fwd, (double)pf->graphs[1] / n_fwd, n_fwd);
     if (json) {
         printf(",\"decode_bytes_per_token\":%.0f", bytes);
         if (!cuda.n_devices) printf(",\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", gbps, roof);

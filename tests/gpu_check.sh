@@ -98,7 +98,8 @@ gbs = b["decode_bytes_per_token"] * b["decode_tok_s"] / 1e9
 bw = float(sys.argv[3])
 share = f", {100 * gbs / bw:.0f}% of the copy bandwidth" if bw > 0 else ""
 print(f"# decode, 35b-a3b:q4_k_m on device 0 after {sys.argv[2]} tokens: {b['decode_tok_s']:.1f} tok/s ({gbs:.0f} GB/s of weights{share}); "
-      f"prompt {b['prompt_tok_s']:.1f} tok/s; {b['synthetic']['layers_measured']} of {b['synthetic']['layers']} layers measured")
+      f"prompt {b['prompt_tok_s']:.1f} tok/s; {b['synthetic']['layers_measured']} of {b['synthetic']['layers']} layers measured; "
+      f"a decode step {b['decode_driver_calls_per_token']:.1f} driver calls, {b['decode_graph_launches_per_token']:.2f} graph launches")
 PY
     else bad "decode benchmark at $run tokens of context" "$(grep -E 'cuda|place|coli' "$log/err" | tail -n 3)"; fi
     grep -E '^\[(place\] experts|cuda\])' "$log/err"

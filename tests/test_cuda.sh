@@ -344,6 +344,16 @@ for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 100 150 500; do
         '^\[cuda\] the states of 1 conversations rebuilt on the CPU: [0-9]+ tokens of context fed again$' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
+# bench says the same a decode step: of 11 steps of a small model all on the device, the first
+# two made launch by launch and 9 as one graph each, one wait each.
+$FAKE FAKE_CUDA_DEVICES=1 "$COLI" bench --synthetic tiny:q8_0 --gpu 0 -p 1 -n 12 --json >"$tmp/bench.json" 2>/dev/null
+if python3 -c '
+import json, sys
+j = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+assert round(11 * j["decode_graph_launches_per_token"]) == 9 and j["decode_waits_per_token"] == 1, j
+assert 4 < j["decode_driver_calls_per_token"] < 92, j' "$tmp/bench.json" 2>"$tmp/e"; then
+    ok "bench --json: driver calls, waits and graph launches a decode step (9 graphs in 11 steps, 1 wait each)"
+else bad "bench --json: driver calls a decode step" "$(tail -c 300 "$tmp/e")"; fi
 # A graph the driver cannot build (its instantiation runs out of memory): one line, the launches
 # one by one from then on, the CPU's tokens.
 tokens "a CUDA graph that cannot be built: launches one by one, the CPU's tokens" \
