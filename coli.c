@@ -7135,10 +7135,11 @@ static int cuda_window_graph(const struct cuda_device *d)
  * any held before it). The driver's result (a held launch's: at the window's end). */
 static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigned bx, void **params)
 {
+    if (!cuda.graphs) return cuda_launch_now(fn, gx, gy, bx, params); /* nothing to learn: no record */
     struct cuda_device *d = &cuda.dev[cuda.current];
     const int i = cuda.window.n;
     cuda_record(&cuda.window, cuda_signature_of(d, fn), gx, gy, bx, params);
-    if (i == 0) cuda.following = cuda.graphs && d->graphs;
+    if (i == 0) cuda.following = d->graphs != NULL;
     if (cuda.following && cuda_window_follow(d, i)) return CUDA_SUCCESS;
     cuda.following = 0;
     return cuda_window_make();
@@ -7226,7 +7227,7 @@ static int cuda_graphs_on(void)
     if (cuda_api.graph_create && cuda_api.graph_add_kernel && cuda_api.graph_instantiate && cuda_api.graph_launch &&
         cuda_api.graph_destroy && cuda_api.graph_exec_destroy)
         return 1;
-    plat_log("[cuda] this driver has no CUDA graphs (CUDA 11.4 and up): a token's launches are made one by one");
+    plat_log("[cuda] this driver has no CUDA graphs: a token's launches are made one by one (a driver of CUDA 11.4 or later has them)");
     return 0;
 }
 
