@@ -2035,25 +2035,29 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
     }
 }
 
+/* The low 128-bit lanes of A and C side by side plus their high lanes side by side: the last
+ * step of the horizontal sums. Zen 1 crosses lanes with vperm2i128 at ~2.5 cycles, where an
+ * extract and an insert take ~0.5 each. */
+QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
+    const __m256i lo = _mm256_inserti128_si256(a, _mm256_castsi256_si128(c), 1);
+    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_extracti128_si256(a, 1)),
+                                               _mm256_extracti128_si256(c, 1), 1);
+    return _mm256_add_epi32(lo, hi);
+}
+
+/* The 128-bit lane L of V in both lanes (an extract and an insert: see quant_avx2_add_lanes). */
+QUANT_AVX2_INLINE __m256i quant_avx2_lane_twice(__m256i v, int l) {
+    const __m128i h = l ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(h), h, 1);
+}
+
 /* Lane k of the result = sum of the 8 lanes of s[k] (exact). */
 QUANT_AVX2_INLINE __m256i quant_avx2_hsum8(const __m256i *s) {
     __m256i a = _mm256_hadd_epi32(s[0], s[1]), b = _mm256_hadd_epi32(s[2], s[3]);
     __m256i c = _mm256_hadd_epi32(s[4], s[5]), d = _mm256_hadd_epi32(s[6], s[7]);
     a = _mm256_hadd_epi32(a, b);
     c = _mm256_hadd_epi32(c, d);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
-                            _mm256_permute2x128_si256(a, c, 0x31));
-}
-
-/* quant_avx2_hsum8 of 16-bit lanes: lane k the sum of s[k]'s 16 int16, each at most 32767 / 4
- * in magnitude (pairs of 5-bit by 8-bit products: 2 * 31 * 128), so that the sums of 4 made in
- * 16 bits do not wrap. Two multiplies widen them then, where each block took one before the
- * sums (Q4_0 6%, Q5_1 5% faster on Zen 1). */
-QUANT_AVX2_INLINE __m256i quant_avx2_hsum8_i16(const __m256i *s) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), ones);
-    const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s[4], s[5]), _mm256_hadd_epi16(s[6], s[7])), ones);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    return quant_avx2_add_lanes(a, c);
 }
 
 /* quant_avx2_hsum8 where only s[0..count) may be nonzero (the other lanes come out 0). */
@@ -2063,23 +2067,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
     return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
 
-/* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). */
+/* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). The high lane
+ * is shifted as a 128-bit half and inserted: Zen 1 takes ~4 cycles for a 256-bit variable shift
+ * (vpsrlvq), which had been half of a Q4_0 block's time there. */
 QUANT_AVX2_INLINE __m256i quant_avx2_nibbles(const uint8_t *qs) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i lh = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)); /* high lane shifted */
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i lh = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
     return _mm256_and_si256(lh, _mm256_set1_epi8(0x0f));
-}
-
-/* 32 bits (element i = bit i) -> 32 bytes of 0x10 or 0. */
-QUANT_AVX2_INLINE __m256i quant_avx2_bit5(const uint8_t *qh) {
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                           0x0101010101010101, 0x0000000000000000);
-    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
-    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
 /* The int8 values of the 32 weights of 16 packed 4-bit codes under a 16-entry table. */
@@ -2098,25 +2092,78 @@ QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
  * shared by every column, each column's 8 block products and 4 accumulators come in turn. */
 #define QUANT_AVX2_NCOL 4
 
-/* The weight operand of block B: signed values (Q8_0, IQ4_NL), else unsigned quants (MXFP4's
- * values + 12). */
-QUANT_AVX2_INLINE __m256i quant_avx2_legacy_w(enum gguf_type t, const uint8_t *b) {
-    if (t == GGUF_TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    if (t == GGUF_TYPE_IQ4_NL) return quant_avx2_table_values(quant_iq4nl_values, b + 2);
-    if (t == GGUF_TYPE_MXFP4) return quant_avx2_table_values(quant_mxfp4_offset_values, b + 1);
-    int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
-    int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
-    __m256i q = quant_avx2_nibbles(b + 2 + 2 * has_min + 4 * five);
-    if (five) q = _mm256_or_si256(q, quant_avx2_bit5(b + 2 + 2 * has_min));
-    return q;
+/* The 16 bytes at P in the low 128-bit lane, those at Q in the high one. */
+QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                   _mm_loadu_si128((const __m128i *)q), 1);
 }
 
-/* 16 int16 whose sum is a block's Σ q_w*q_x for its weight operand Q (quant_avx2_legacy_w), with
- * Q4_0/Q5_0 quants and MXFP4's values still offset (the caller subtracts 8/16/12 * Σq_x). */
-QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pairs(enum gguf_type t, __m256i q, const int8_t *qx) {
-    const __m256i x = _mm256_load_si256((const __m256i *)qx);
-    const int is_signed = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL;
-    return is_signed ? quant_avx2_signed_pairs(q, x) : _mm256_maddubs_epi16(q, x);
+/* A legacy group's 8 blocks go as 4 pairs, block j beside block j + 4 (j < 4), each pair's
+ * elements 0-15 in one vector (LO: block j's in the low 128-bit lane, block j + 4's in the high)
+ * and 16-31 in another (HI). Then the two products of a pair add up within each lane, and the
+ * horizontal sums of quant_avx2_legacy_sums leave block k's total in lane k: half the horizontal
+ * adds of summing 8 whole blocks, and no lane-crossing step (Zen 1: Q4_0 ~15% faster). */
+
+/* The weight operands of the pair of blocks at BJ and BJ4 (quant_avx2_legacy_sums' layout):
+ * signed values (Q8_0, IQ4_NL), else unsigned quants (MXFP4's values + 12). */
+QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj, const uint8_t *bj4, __m256i *lo,
+                                            __m256i *hi) {
+    if (t == GGUF_TYPE_Q8_0) {
+        *lo = quant_avx2_halves(bj + 2, bj4 + 2);
+        *hi = quant_avx2_halves(bj + 18, bj4 + 18);
+        return;
+    }
+    const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    const int qs = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), v = quant_avx2_halves(bj + qs, bj4 + qs);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4) {
+        const int8_t *values = t == GGUF_TYPE_IQ4_NL ? quant_iq4nl_values : quant_mxfp4_offset_values;
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values));
+        *lo = _mm256_shuffle_epi8(table, *lo);
+        *hi = _mm256_shuffle_epi8(table, *hi);
+    }
+    if (five) { /* bit 4 of element i is bit i of qh: bytes 0-1 of it for LO, 2-3 for HI */
+        uint32_t hj, hj4;
+        memcpy(&hj, bj + 2 + 2 * has_min, 4);
+        memcpy(&hj4, bj4 + 2 + 2 * has_min, 4);
+        const __m256i h = _mm256_set_m128i(_mm_set1_epi32((int)hj4), _mm_set1_epi32((int)hj));
+        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL), b5 = _mm256_set1_epi8(0x10);
+        const __m256i lo_bytes = _mm256_set_epi64x(0x0101010101010101, 0, 0x0101010101010101, 0);
+        const __m256i hi_bytes = _mm256_add_epi8(lo_bytes, _mm256_set1_epi8(2));
+        const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(h, lo_bytes), bits);
+        const __m256i u = _mm256_and_si256(_mm256_shuffle_epi8(h, hi_bytes), bits);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, bits), b5));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(u, bits), b5));
+    }
+}
+
+/* Σ q_w*q_x of the pair (LO, HI) against the activation's blocks at XJ and XJ4, lane by lane:
+ * 16 int16 (each at most 2 * 2 * 31 * 127 = 15748), or 8 int32 for the signed types, whose
+ * pairs reach 2 * 128 * 127. Q4_0/Q5_0 quants and MXFP4's values are still offset (the caller
+ * subtracts 8/16/12 * Σq_x). */
+QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, __m256i hi, const int8_t *xj,
+                                                 const int8_t *xj4) {
+    const __m256i xl = quant_avx2_halves(xj, xj4), xh = quant_avx2_halves(xj + 16, xj4 + 16);
+    if (t != GGUF_TYPE_Q8_0 && t != GGUF_TYPE_IQ4_NL)
+        return _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(quant_avx2_signed_pairs(lo, xl), ones),
+                            _mm256_madd_epi16(quant_avx2_signed_pairs(hi, xh), ones));
+}
+
+/* Lane k = block k's sum, from the pairs' P[j] (quant_avx2_legacy_pair). Sums stay 16-bit as
+ * long as they cannot wrap: 4 of 4-bit quants' P (4 * 2 * 2 * 15 * 127 = 30480), 2 of the
+ * 5-bit ones' and MXFP4's. */
+QUANT_AVX2_INLINE __m256i quant_avx2_legacy_sums(enum gguf_type t, const __m256i *p) {
+    if (t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL)
+        return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i a = _mm256_hadd_epi16(p[0], p[1]), b = _mm256_hadd_epi16(p[2], p[3]);
+    if (t == GGUF_TYPE_Q4_0 || t == GGUF_TYPE_Q4_1) return _mm256_madd_epi16(_mm256_hadd_epi16(a, b), ones);
+    return _mm256_hadd_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
 }
 
 /* fp16 fields at byte offset `off` of 8 consecutive blocks of `bb` bytes, as floats. */
@@ -2146,7 +2193,6 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     const int bb = gguf_type_get(t)->block_bytes;
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
     const int off = t == GGUF_TYPE_Q4_0 ? 8 : t == GGUF_TYPE_Q5_0 ? 16 : t == GGUF_TYPE_MXFP4 ? 12 : 0;
-    const int narrow = t != GGUF_TYPE_Q8_0 && t != GGUF_TYPE_IQ4_NL; /* quant_avx2_hsum8_i16's bound holds */
     const int64_t nb = n / QUANT_QK, nb8 = nb & ~(int64_t)7;
     struct quant_q8_view a[QUANT_AVX2_NCOL];
     __m256 acc[QUANT_AVX2_NCOL][4];
@@ -2158,20 +2204,21 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
-        __m256i q[8]; /* one column decodes as it goes: held 8 registers cost MXFP4 20% */
-        QUANT_UNROLL(8)
-        for (int k = 0; k < 8 && NC > 1; k++) q[k] = quant_avx2_legacy_w(t, wb + k * bb);
+        __m256i lo[4], hi[4]; /* one column decodes as it goes: held 8 registers cost MXFP4 20% */
+        QUANT_UNROLL(4)
+        for (int j = 0; j < 4 && NC > 1; j++) quant_avx2_legacy_w2(t, wb + j * bb, wb + (j + 4) * bb, &lo[j], &hi[j]);
         const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
         const __m256 mw = has_min ? quant_avx2_scales8(wb, bb, 2) : _mm256_setzero_ps();
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
-            __m256i s[8];
-            QUANT_UNROLL(8)
-            for (int k = 0; k < 8; k++) {
-                s[k] = quant_avx2_legacy_pairs(t, NC > 1 ? q[k] : quant_avx2_legacy_w(t, wb + k * bb), a[c].qs + (b + k) * QUANT_QK);
-                if (!narrow) s[k] = _mm256_madd_epi16(s[k], _mm256_set1_epi16(1));
+            __m256i p[4];
+            QUANT_UNROLL(4)
+            for (int j = 0; j < 4; j++) {
+                if (NC == 1) quant_avx2_legacy_w2(t, wb + j * bb, wb + (j + 4) * bb, &lo[j], &hi[j]);
+                const int8_t *xj = a[c].qs + (b + j) * QUANT_QK;
+                p[j] = quant_avx2_legacy_pair(t, lo[j], hi[j], xj, xj + 4 * QUANT_QK);
             }
-            __m256i isum = narrow ? quant_avx2_hsum8_i16(s) : quant_avx2_hsum8(s);
+            __m256i isum = quant_avx2_legacy_sums(t, p);
             if (off) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(a[c].s + b)), _mm256_set1_epi32(off)));
             __m256 r = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a[c].d + b)), _mm256_cvtepi32_ps(isum));
             if (has_min) r = _mm256_add_ps(r, _mm256_mul_ps(mw, _mm256_loadu_ps(a[c].sd + b)));
@@ -2264,7 +2311,7 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
  * (0..63); SC holds the 16 scales as int16. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
+    const __m256i half[2] = { quant_avx2_lane_twice(sc, 0), quant_avx2_lane_twice(sc, 1) };
     __m256i acc = _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int c = 0; c < 2; c++) {
@@ -2291,7 +2338,7 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
 QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
     const int three = t == GGUF_TYPE_Q3_K;
     const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i half[2] = { _mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11) };
+    const __m256i half[2] = { quant_avx2_lane_twice(sc, 0), quant_avx2_lane_twice(sc, 1) };
     __m256i acc = _mm256_setzero_si256();
     const __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     #pragma GCC unroll 2
@@ -2485,7 +2532,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (k & 1)));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c));
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-        const __m256i half = c ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+        const __m256i half = quant_avx2_lane_twice(sc16, c);
         *sc = quant_avx2_pick_scale_pair(half, k);
         return _mm256_or_si256(lo, quant_avx2_bits_to(h, 2 * k, 4, 0x30));
     }

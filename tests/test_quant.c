@@ -18,8 +18,10 @@ static const enum gguf_type all_types[] = { GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_T
     GGUF_TYPE_IQ4_NL, GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S, GGUF_TYPE_MXFP4 };
 #define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
 
-enum wmode { W_RANDOM, W_ZERO, W_MAX, W_DENORM_SCALE, W_NEGZERO };
-enum xmode { X_RANDOM, X_ZERO, X_BIG, X_DENORM, X_NEGZERO };
+/* W_FULL: every quant at its largest (all bits set; MXFP4's code 7): the widest integer sums */
+enum wmode { W_RANDOM, W_ZERO, W_MAX, W_DENORM_SCALE, W_NEGZERO, W_FULL };
+/* X_ONES / X_MINUS_ONES: every activation quant at 127 / -127, the same sign throughout */
+enum xmode { X_RANDOM, X_ZERO, X_BIG, X_DENORM, X_NEGZERO, X_ONES, X_MINUS_ONES };
 
 /* fp16 scale for a weight mode: modest random, 65504, subnormal, or -0. */
 static uint16_t w_scale(enum wmode m) {
@@ -37,7 +39,8 @@ static void fill_weights(enum gguf_type t, uint8_t *w, int64_t n, enum wmode m) 
     const struct gguf_type_info *ti = gguf_type_get(t);
     int64_t nb = n / ti->block_elems, bytes = nb * ti->block_bytes;
     for (int64_t i = 0; i < bytes; i++)
-        w[i] = m == W_ZERO || m == W_NEGZERO ? 0 : m == W_MAX ? ((rng_u64() & 1) ? 0xff : 0x00) : (uint8_t)rng_u64();
+        w[i] = m == W_ZERO || m == W_NEGZERO ? 0 : m == W_MAX ? ((rng_u64() & 1) ? 0xff : 0x00)
+             : m == W_FULL ? (t == GGUF_TYPE_MXFP4 ? 0x77 : 0xff) : (uint8_t)rng_u64();
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *blk = w + b * ti->block_bytes;
         uint16_t s0 = w_scale(m), s1 = w_scale(m);
@@ -57,7 +60,7 @@ static void fill_weights(enum gguf_type t, uint8_t *w, int64_t n, enum wmode m) 
             memcpy(blk + 108, &s0, 2);
         } else if (t == GGUF_TYPE_MXFP4) {   /* E8M0: 2^(e-128), e = 0 and 1 subnormal */
             blk[0] = m == W_MAX ? 254 : m == W_DENORM_SCALE ? (uint8_t)(rng_u64() & 1)
-                   : m == W_RANDOM ? (uint8_t)(118 + rng_u64() % 16) : 0;
+                   : m == W_RANDOM || m == W_FULL ? (uint8_t)(118 + rng_u64() % 16) : 0;
         } else {
             memcpy(blk, &s0, 2);
             if (t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 || t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K)
@@ -73,6 +76,8 @@ static void fill_x(float *x, int64_t n, enum xmode m) {
         case X_NEGZERO: x[i] = -0.0f; break;
         case X_BIG: x[i] = rng_unit() * 60000.0f; break;
         case X_DENORM: x[i] = rng_unit() * 1e-40f; break;
+        case X_ONES: x[i] = 1.0f; break;
+        case X_MINUS_ONES: x[i] = -1.0f; break;
         default: x[i] = rng_unit() * (1.0f + (float)(i / 32 % 5)); break;
         }
     }
@@ -616,7 +621,9 @@ static void test_simd_vs_scalar(void) {
         static const struct { enum wmode w; enum xmode x; const char *what; } ex[] = {
             { W_ZERO, X_ZERO, "all zero" }, { W_MAX, X_BIG, "max scales and quants" },
             { W_RANDOM, X_DENORM, "denormal activations" }, { W_DENORM_SCALE, X_RANDOM, "denormal scales" },
-            { W_NEGZERO, X_NEGZERO, "negative zero" }, { W_MAX, X_DENORM, "max weights, denormal x" } };
+            { W_NEGZERO, X_NEGZERO, "negative zero" }, { W_MAX, X_DENORM, "max weights, denormal x" },
+            { W_FULL, X_ONES, "every quant at its largest, x at 127" },
+            { W_FULL, X_MINUS_ONES, "every quant at its largest, x at -127" } };
         for (size_t e = 0; e < sizeof ex / sizeof ex[0]; e++) {
             bad = 0;
             for (int i = 0; i < nl && !bad; i++) bad = simd_case(t, lens[i], ex[e].w, ex[e].x, why, sizeof why);
@@ -1122,16 +1129,19 @@ static void test_ops(void) {
     }
 }
 
-/* A random matrix of TYPE (every MAX_EVERY-th row W_MAX) and MAXC random columns, prepared. */
+/* A random matrix of TYPE (every MAX_EVERY-th row W_MAX, the one after it W_FULL) and MAXC random
+ * columns, prepared, but for columns 3 and 4: X_ONES and X_MINUS_ONES. */
 struct matmat_case { struct ops_matrix m; float *x, *y; uint8_t *act; size_t stride; };
 
 static struct matmat_case matmat_case_new(enum gguf_type t, int rows, int64_t cols, int maxc, int max_every) {
     const struct gguf_type_info *inf = gguf_type_get(t);
     size_t rb = (size_t)(cols / inf->block_elems * inf->block_bytes);
     uint8_t *w = plat_alloc(rb * rows);
-    for (int r = 0; r < rows; r++) fill_weights(t, w + r * rb, cols, r % max_every ? W_RANDOM : W_MAX);
+    for (int r = 0; r < rows; r++)
+        fill_weights(t, w + r * rb, cols, r % max_every == 0 ? W_MAX : r % max_every == 1 ? W_FULL : W_RANDOM);
     struct matmat_case c = { { t, w, rows, cols, rb, 0 }, plat_alloc(sizeof(float) * cols * maxc), plat_alloc(sizeof(float) * rows * maxc), NULL, 0 };
     fill_x(c.x, cols * maxc, X_RANDOM);
+    for (int j = 3; j < 5 && j < maxc; j++) fill_x(c.x + (size_t)j * cols, cols, j == 3 ? X_ONES : X_MINUS_ONES);
     c.stride = ops_act_stride(&c.m);
     c.act = plat_alloc_aligned(c.stride * maxc);
     for (int j = 0; j < maxc; j++) quant_act_prepare(t, c.x + (size_t)j * cols, cols, c.act + j * c.stride);
@@ -1220,7 +1230,8 @@ static void test_interleaved(void) {
                                             GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
-        { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
+        { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
+        { W_FULL, X_ONES }, { W_FULL, X_MINUS_ONES } };
     const int maxc = 17;
     for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++) {
         int bad = 0;
@@ -1294,7 +1305,8 @@ static void test_matvec_rows(void) {
     static const int units[] = { 1, 2, 3, 4, 5, 8, 9, 33 }, row_counts[] = { 1, 2, 3, 5, 7, 8, 9, 16, 17, 33 };
     _Static_assert(33 * 256 > QUANT_REORDER_MAX, "the longest rows must pass the reordered act");
     static const struct { enum wmode w; enum xmode x; } modes[] = {
-        { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM } };
+        { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
+        { W_FULL, X_ONES }, { W_FULL, X_MINUS_ONES } };
     for (int ti = 0; ti < N_TYPES; ti++) {
         enum gguf_type t = all_types[ti];
         const struct gguf_type_info *inf = gguf_type_get(t);
