@@ -2261,16 +2261,50 @@ QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, con
     return quant_reduce32(p);
 }
 
-/* The int16 scale I of 8 int16 held in both 128-bit lanes of H, over all 16 lanes. */
-QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale(__m256i h, int i) {
-    return _mm256_shuffle_epi8(h, _mm256_set1_epi16((short)(0x0100 * (2 * i + 1) + 2 * i)));
+/* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs
+ * on one pipe at two cycles a vector, as the products themselves. So the products of 2 or 4
+ * steps of 32 weights are first folded into one vector of sums (adds and unpacks, on the other
+ * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales:
+ * Q4_K 6% faster there. Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 *
+ * 2 * 31 * 127 = 31496); Q6_K's (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
+
+/* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
+QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
 }
 
-/* Scales 2k (low lane) and 2k+1 (high lane) of 8 int16 held in both lanes of H: those of the two
- * 16-weight halves of 32-weight step k. */
-QUANT_AVX2_INLINE __m256i quant_avx2_pick_scale_pair(__m256i h, int k) {
-    return _mm256_shuffle_epi8(h, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * k + 3) + 4 * k + 2)),
-                                                   _mm_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k))));
+/* Steps P[0..3] -> dword d of each lane from P[d]. */
+QUANT_AVX2_INLINE __m256i quant_avx2_fold4(const __m256i *p) {
+    const __m256i a = _mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i c = _mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+    return quant_avx2_fold2(a, c);
+}
+
+/* A vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i and
+ * 2i + 1). Closed form, so that constant indices fold to a constant. */
+QUANT_AVX2_INLINE uint64_t quant_avx2_words(int i0, int i1, int i2, int i3) {
+    return (uint64_t)(0x0202u * (unsigned)i0 + 0x0100u) | (uint64_t)(0x0202u * (unsigned)i1 + 0x0100u) << 16 |
+           (uint64_t)(0x0202u * (unsigned)i2 + 0x0100u) << 32 | (uint64_t)(0x0202u * (unsigned)i3 + 0x0100u) << 48;
+}
+
+/* H's int16 (scales) picked by quant_avx2_words controls: the low lane's qwords by L0, L1, the
+ * high lane's by H0, H1. */
+QUANT_AVX2_INLINE __m256i quant_avx2_pick(__m256i h, uint64_t l0, uint64_t l1, uint64_t h0, uint64_t h1) {
+    return _mm256_shuffle_epi8(h, _mm256_set_epi64x((long long)h1, (long long)h0, (long long)l1, (long long)l0));
+}
+
+/* The scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: the 8 scales in both
+ * lanes), or of Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's two 16-weight
+ * halves' 2i and 2i + 1 in the low and high lane). */
+QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, int f) {
+    if (t != GGUF_TYPE_Q6_K) {
+        const uint64_t a = quant_avx2_words(f, f, f + 1, f + 1), b = quant_avx2_words(f + 2, f + 2, f + 3, f + 3);
+        return quant_avx2_pick(sc16, a, b, a, b);
+    }
+    const int k = 2 * (f % 4); /* within the lane-pair of scales 8 (f / 4) on */
+    return quant_avx2_pick(quant_avx2_lane_twice(sc16, f / 4), quant_avx2_words(k, k, k, k),
+                           quant_avx2_words(k + 2, k + 2, k + 2, k + 2), quant_avx2_words(k + 1, k + 1, k + 1, k + 1),
+                           quant_avx2_words(k + 3, k + 3, k + 3, k + 3));
 }
 
 /* Each byte of V shifted so that its bit FROM lands on bit TO, then masked by MASK: the high
@@ -2291,18 +2325,21 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     __m256i acc = _mm256_setzero_si256();
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
-        __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (five) {
-            q0 = _mm256_or_si256(q0, quant_avx2_bits_to(qh, 2 * j, 4, 0x10));
-            q1 = _mm256_or_si256(q1, quant_avx2_bits_to(qh, 2 * j + 1, 4, 0x10));
+    #pragma GCC unroll 2
+    for (int g = 0; g < 2; g++) {
+        __m256i p[4];
+        #pragma GCC unroll 4
+        for (int j = 2 * g; j < 2 * g + 2; j++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
+            __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                q0 = _mm256_or_si256(q0, quant_avx2_bits_to(qh, 2 * j, 4, 0x10));
+                q1 = _mm256_or_si256(q1, quant_avx2_bits_to(qh, 2 * j + 1, 4, 0x10));
+            }
+            p[2 * (j - 2 * g)] = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
+            p[2 * (j - 2 * g) + 1] = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
         }
-        __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
-        __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, quant_avx2_pick_scale(sc16, 2 * j)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, quant_avx2_pick_scale(sc16, 2 * j + 1)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold4(p), quant_avx2_k_scales(GGUF_TYPE_Q4_K, sc16, 4 * g)));
     }
     return acc;
 }
@@ -2311,7 +2348,6 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
  * (0..63); SC holds the 16 scales as int16. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i half[2] = { quant_avx2_lane_twice(sc, 0), quant_avx2_lane_twice(sc, 1) };
     __m256i acc = _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int c = 0; c < 2; c++) {
@@ -2323,10 +2359,12 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_bits_to(h, 2, 4, 0x30));
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_bits_to(h, 4, 4, 0x30));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_bits_to(h, 6, 4, 0x30));
-        #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * c + 32 * k));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), quant_avx2_pick_scale_pair(half[c], k)));
+        #pragma GCC unroll 2
+        for (int k = 0; k < 4; k += 2) {
+            const int8_t *x = qx + 128 * c + 32 * k;
+            const __m256i p0 = _mm256_maddubs_epi16(q[k], _mm256_load_si256((const __m256i *)x));
+            const __m256i p1 = _mm256_maddubs_epi16(q[k + 1], _mm256_load_si256((const __m256i *)(x + 32)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold2(p0, p1), quant_avx2_k_scales(GGUF_TYPE_Q6_K, sc, 4 * c + k)));
         }
     }
     return acc;
@@ -2343,16 +2381,19 @@ QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *
     const __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
-        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n));
+        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n)), p[4];
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             /* step (n, k) takes bits 2k of the quants and bit 4n + k of hmask */
             __m256i q = _mm256_and_si256(q2, m3);
             q2 = _mm256_srli_epi16(q2, 2);
             if (three) q = _mm256_or_si256(q, quant_avx2_bits_to(hbits, 4 * n + k, 2, 0x04));
-            __m256i x = _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), quant_avx2_pick_scale_pair(half[n], k)));
+            p[k] = _mm256_maddubs_epi16(q, _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k)));
         }
+        /* step k's 16-weight halves have scales 2k (low lane) and 2k + 1 (high) of half n */
+        const __m256i sc_n = quant_avx2_pick(half[n], quant_avx2_words(0, 0, 2, 2), quant_avx2_words(4, 4, 6, 6),
+                                             quant_avx2_words(1, 1, 3, 3), quant_avx2_words(5, 5, 7, 7));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold4(p), sc_n));
     }
     return acc;
 }
@@ -2522,18 +2563,14 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
 }
 
 /* Step I (0..7: weights 32 I..32 I+31) of a Q4_K, Q5_K or Q6_K super-block B: its unsigned
- * quants, and in *SC the int16 scales of its two 16-weight halves (from SC16: the Q4_K/Q5_K
- * scales in both lanes, or the 16 Q6_K scales). Inlined with a constant I, the loads it repeats
- * fold. */
-QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i, __m256i sc16, __m256i *sc) {
+ * quants. Inlined with a constant I, the loads it repeats fold. */
+QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (t == GGUF_TYPE_Q6_K) {
         const int c = i / 4, k = i % 4;
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (k & 1)));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c));
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-        const __m256i half = quant_avx2_lane_twice(sc16, c);
-        *sc = quant_avx2_pick_scale_pair(half, k);
         return _mm256_or_si256(lo, quant_avx2_bits_to(h, 2 * k, 4, 0x30));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
@@ -2542,7 +2579,6 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
         v = _mm256_or_si256(v, quant_avx2_bits_to(qh, i, 4, 0x10));
     }
-    *sc = quant_avx2_pick_scale(sc16, i);
     return v;
 }
 
@@ -2562,13 +2598,20 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b
     }
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
-    QUANT_UNROLL(8)
-    for (int i = 0; i < 8; i++) {
-        __m256i sc, q = quant_avx2_k_step(t, b, i, sc16, &sc);
+    const int per = t == GGUF_TYPE_Q6_K ? 2 : 4; /* steps to a fold */
+    QUANT_UNROLL(4)
+    for (int f = 0; f < 8; f += per) {
+        __m256i q[4];
+        QUANT_UNROLL(4)
+        for (int h = 0; h < per; h++) q[h] = quant_avx2_k_step(t, b, f + h);
+        const __m256i sc = quant_avx2_k_scales(t, sc16, f);
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(a[c].qs + u * QUANT_QK_K + 32 * i));
-            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+            __m256i p[4];
+            QUANT_UNROLL(4)
+            for (int h = 0; h < per; h++)
+                p[h] = _mm256_maddubs_epi16(q[h], _mm256_load_si256((const __m256i *)(a[c].qs + u * QUANT_QK_K + 32 * (f + h))));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(per == 2 ? quant_avx2_fold2(p[0], p[1]) : quant_avx2_fold4(p), sc));
         }
     }
     QUANT_UNROLL(4)
