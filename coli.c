@@ -2317,6 +2317,18 @@ QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int ma
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
+/* Bits 2K and 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts
+ * on one pipe at ~1.7 cycles a vector, so the two that move bits up are byte lookups (the low
+ * nibble of H -> its bits 2K, 2K + 1 at bits 4-5), and step 2's bits are already in place. */
+QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
+    if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
+    if (k == 3) return quant_avx2_bits_to(h, 6, 4, 0x30);
+    /* entry i: (i & 3) << 4 for step 0, (i >> 2) << 4 for step 1 */
+    const __m256i table = k == 0 ? _mm256_set1_epi64x(0x3020100030201000LL)
+                                 : _mm256_set_epi64x(0x3030303020202020LL, 0x1010101000000000LL, 0x3030303020202020LL, 0x1010101000000000LL);
+    return _mm256_shuffle_epi8(table, _mm256_and_si256(h, _mm256_set1_epi8(0x0f)));
+}
+
 /* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): the scales
  * applied with madd on the int16 products. */
 QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
@@ -2355,10 +2367,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qhp);
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_bits_to(h, 0, 4, 0x30));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_bits_to(h, 2, 4, 0x30));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_bits_to(h, 4, 4, 0x30));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_bits_to(h, 6, 4, 0x30));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), quant_avx2_q6k_high(h, 0));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), quant_avx2_q6k_high(h, 1));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), quant_avx2_q6k_high(h, 2));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), quant_avx2_q6k_high(h, 3));
         #pragma GCC unroll 2
         for (int k = 0; k < 4; k += 2) {
             const int8_t *x = qx + 128 * c + 32 * k;
@@ -2571,7 +2583,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (k & 1)));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * c));
         const __m256i lo = k < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-        return _mm256_or_si256(lo, quant_avx2_bits_to(h, 2 * k, 4, 0x30));
+        return _mm256_or_si256(lo, quant_avx2_q6k_high(h, k));
     }
     const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (t == GGUF_TYPE_Q5_K ? 32 : 0) + 32 * (i / 2)));
     __m256i v = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
