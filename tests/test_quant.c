@@ -18,7 +18,8 @@ static const enum gguf_type all_types[] = { GGUF_TYPE_F32, GGUF_TYPE_F16, GGUF_T
     GGUF_TYPE_IQ4_NL, GGUF_TYPE_IQ4_XS, GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S, GGUF_TYPE_MXFP4 };
 #define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
 
-/* W_FULL: every quant at its largest (all bits set; MXFP4's code 7): the widest integer sums */
+/* W_FULL: every quant byte with all bits set (the unsigned formats' largest quants; MXFP4: code 7,
+ * its largest value): the widest integer sums */
 enum wmode { W_RANDOM, W_ZERO, W_MAX, W_DENORM_SCALE, W_NEGZERO, W_FULL };
 /* X_ONES / X_MINUS_ONES: every activation quant at 127 / -127, the same sign throughout */
 enum xmode { X_RANDOM, X_ZERO, X_BIG, X_DENORM, X_NEGZERO, X_ONES, X_MINUS_ONES };
