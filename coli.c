@@ -2343,16 +2343,17 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
     #pragma GCC unroll 2
     for (int g = 0; g < 2; g++) {
         __m256i p[4];
-        #pragma GCC unroll 4
-        for (int j = 2 * g; j < 2 * g + 2; j++) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* 64 weights: steps 2j (low nibbles) and 2j + 1 (high) */
+            const int j = 2 * g + h;
             __m256i q = _mm256_loadu_si256((const __m256i *)(ql + 32 * j));
             __m256i q0 = _mm256_and_si256(q, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             if (five) {
                 q0 = _mm256_or_si256(q0, quant_avx2_bits_to(qh, 2 * j, 4, 0x10));
                 q1 = _mm256_or_si256(q1, quant_avx2_bits_to(qh, 2 * j + 1, 4, 0x10));
             }
-            p[2 * (j - 2 * g)] = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
-            p[2 * (j - 2 * g) + 1] = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
+            p[2 * h] = _mm256_maddubs_epi16(q0, _mm256_load_si256((const __m256i *)(qx + 64 * j)));
+            p[2 * h + 1] = _mm256_maddubs_epi16(q1, _mm256_load_si256((const __m256i *)(qx + 64 * j + 32)));
         }
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold4(p), quant_avx2_k_scales(GGUF_TYPE_Q4_K, sc16, 4 * g)));
     }
