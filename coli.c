@@ -5276,11 +5276,13 @@ static QUANT_AVX2 int ops_squares_avx2(const float *x, int n, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-    for (int i = 0; i < body; i += 16)
+    for (int i = 0; i < body; i += 16) {
+        QUANT_UNROLL(4) /* the accumulators in registers (quant_avx2_float) */
         for (int a = 0; a < 4; a++) {
             const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * a));
             acc[a] = _mm256_add_pd(acc[a], _mm256_mul_pd(v, v));
         }
+    }
     for (int a = 0; a < 4; a++) _mm256_storeu_pd(part + 4 * a, acc[a]);
     return body;
 }
