@@ -1125,9 +1125,10 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   of such rows: IQ4_NL ~9, MXFP4 ~7.3, IQ4_XS ~6.3, Q2_K ~5.8, Q3_K ~5.5, IQ3_XXS ~2.4 (its
  *   AVX2 kernels 4.4, 4.5, 5.6, 5.1, 4.3, 1.7). AVX2 (AMD EPYC Zen 1, 2.0 GHz TSC), one core,
  *   one column, a 1024x4096 matrix in cache, TSC cycles per 256 weights: Q4_K ~33-36, Q6_K ~42,
- *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46 (the legacy formats, Q4_K, Q5_K and
- *   Q6_K decode once for up to 4 columns: prompts 15-30% faster); 512-column rows take 116
- *   instructions per super-block through quant_dotr, 154 one by one, against 102 (callgrind). */
+ *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
+ *   (the legacy formats, Q4_K, Q5_K and Q6_K decode once for up to 4 columns: prompts 15-30%
+ *   faster); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
+ *   by one, against 102 (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
