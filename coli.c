@@ -2069,21 +2069,6 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
     return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
 
-/* 16 packed nibbles -> 32 bytes: low nibbles (elements 0-15) then high (16-31). The high lane
- * is shifted as a 128-bit half and inserted: Zen 1 takes ~4 cycles for a 256-bit variable shift
- * (vpsrlvq), which had been half of a Q4_0 block's time there. */
-QUANT_AVX2_INLINE __m256i quant_avx2_nibbles(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    const __m256i lh = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-    return _mm256_and_si256(lh, _mm256_set1_epi8(0x0f));
-}
-
-/* The int8 values of the 32 weights of 16 packed 4-bit codes under a 16-entry table. */
-QUANT_AVX2_INLINE __m256i quant_avx2_table_values(const int8_t *table, const uint8_t *qs) {
-    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
-    return _mm256_shuffle_epi8(t, quant_avx2_nibbles(qs));
-}
-
 /* 16 int16 pair sums of v*x for signed bytes, |x| <= 127 (v = -128 works: sign(v, v) reads as
  * 128 unsigned), so no pair saturates. */
 QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
@@ -2429,7 +2414,9 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
 }
 
 /* IQ4_XS integer part, 8 lanes summing to quant_iq_isum_scalar's: 32-blocks of the table's
- * signed values times the 32-block's integer scale. */
+ * signed values times the 32-block's integer scale. One 32-byte load holds blocks k and k + 1
+ * in its lanes, their low nibbles weights 0-15 and high nibbles 16-31, so x comes in those
+ * halves; its values reach 127, so each product takes its own scale multiply. */
 QUANT_AVX2_INLINE __m256i quant_iq4xs_isum_avx2(const uint8_t *b, const int8_t *qx) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2479,7 +2466,8 @@ QUANT_AVX2_INLINE __m256i quant_iq3xxs_isum_avx2(const uint8_t *b, const int8_t 
         p[ib % 2] = _mm256_maddubs_epi16(quant_avx2_iq3xxs_points(q), _mm256_sign_epi8(x, sign));
         if (ib % 2) {
             const int k = ib % 4 - 1;
-            const uint64_t lo = quant_avx2_words(2 * k, 2 * k, 2 * k, 2 * k), hi = quant_avx2_words(2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 2);
+            const uint64_t lo = quant_avx2_words(2 * k, 2 * k, 2 * k, 2 * k);
+            const uint64_t hi = quant_avx2_words(2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 2);
             const __m256i scales = quant_avx2_pick(half[ib / 4], lo, hi, lo, hi);
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold2(p[0], p[1]), scales));
         }
@@ -2496,10 +2484,12 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
     const uint64_t byte16 = 0x00ff00ff00ff00ffull, h = b[QUANT_IQ3S_QH + ib];
     uint64_t q;
     memcpy(&q, b + 2 + 8 * ib, 8);
-    const uint64_t even = (q & byte16) | ((h & 0x55) * spread & at8), odd = (q >> 8 & byte16) | ((h >> 1 & 0x55) * spread & at8);
+    const uint64_t even = (q & byte16) | ((h & 0x55) * spread & at8);
+    const uint64_t odd = (q >> 8 & byte16) | ((h >> 1 & 0x55) * spread & at8);
     const uint32_t *g = quant_iq3s_grid;
-    return _mm256_set_epi32((int)g[odd >> 48], (int)g[even >> 48], (int)g[odd >> 32 & 0xffff], (int)g[even >> 32 & 0xffff],
-                            (int)g[odd >> 16 & 0xffff], (int)g[even >> 16 & 0xffff], (int)g[odd & 0xffff], (int)g[even & 0xffff]);
+    return _mm256_set_epi32((int)g[odd >> 48], (int)g[even >> 48], (int)g[odd >> 32 & 0xffff],
+                            (int)g[even >> 32 & 0xffff], (int)g[odd >> 16 & 0xffff], (int)g[even >> 16 & 0xffff],
+                            (int)g[odd & 0xffff], (int)g[even & 0xffff]);
 }
 
 /* IQ3_S integer part, 8 lanes summing to quant_iq_isum_scalar's. Its points are at most 15, so
@@ -2508,8 +2498,9 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
 QUANT_AVX2_INLINE __m256i quant_iq3s_isum_avx2(const uint8_t *b, const int8_t *qx) {
     uint32_t packed;
     memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
-    const __m256i nibbles = _mm256_srlv_epi32(_mm256_set1_epi32((int)packed), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(nibbles, _mm256_set1_epi32(15)), 1), _mm256_set1_epi32(1));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed), shifts), _mm256_set1_epi32(15));
+    const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)); /* block k's in dword k */
     __m256i acc = _mm256_setzero_si256(), p[4];
     #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
