@@ -2231,24 +2231,42 @@ QUANT_AVX2_INLINE __m256 quant_avx2_load_w8(enum gguf_type t, const uint8_t *w) 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Float row dot: element i -> partial i % 32, i.e. accumulator (i/8) % 4, lane i % 8. */
-QUANT_AVX2_INLINE float quant_avx2_float(enum gguf_type t, const uint8_t *w, const float *x, int64_t n) {
+/* Float row dot with NC (1 or 2) columns at ACTS, STRIDE apart: element i -> partial i % 32,
+ * i.e. accumulator (i/8) % 4 of its column, lane i % 8. Each weight vector is converted once
+ * for both columns; two columns' 8 accumulators and the 4 weight vectors fit the 16 registers,
+ * where four columns would spill (rolled, the accumulators lived on the stack and F16 ran 60%
+ * slower on Zen 1). */
+QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
+                                        int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
     const int64_t n32 = n & ~(int64_t)31;
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    __m256 acc[2][4];
+    QUANT_UNROLL(2)
+    for (int c = 0; c < NC; c++)
+        for (int k = 0; k < 4; k++) acc[c][k] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n32; i += 32) {
-        QUANT_UNROLL(4) /* rolled, the accumulators live on the stack: F16 60% slower on Zen 1 */
+        QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) {
             if (k % (4 / es) == 0) _mm_prefetch((const char *)w + (i + 8 * k) * es + QUANT_PREFETCH, _MM_HINT_T0);
-            __m256 p = _mm256_mul_ps(quant_avx2_load_w8(t, w + (i + 8 * k) * es), _mm256_load_ps(x + i + 8 * k));
-            acc[k] = _mm256_add_ps(acc[k], p);
+            const __m256 wk = quant_avx2_load_w8(t, w + (i + 8 * k) * es);
+            QUANT_UNROLL(2)
+            for (int c = 0; c < NC; c++) {
+                const float *x = (const float *)(acts + (size_t)c * stride);
+                acc[c][k] = _mm256_add_ps(acc[c][k], _mm256_mul_ps(wk, _mm256_load_ps(x + i + 8 * k)));
+            }
         }
     }
-    if (n32 == n) return quant_avx2_reduce(acc[0], acc[1], acc[2], acc[3]);
-    float p[QUANT_NPART];
-    for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[k]);
-    quant_float_units(t, w, x, n32, n, p);
-    return quant_reduce32(p);
+    QUANT_UNROLL(2)
+    for (int c = 0; c < NC; c++) {
+        if (n32 == n) {
+            y[c * ys] = quant_avx2_reduce(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
+            continue;
+        }
+        float p[QUANT_NPART];
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(p + 8 * k, acc[c][k]);
+        quant_float_units(t, w, (const float *)(acts + (size_t)c * stride), n32, n, p);
+        y[c * ys] = quant_reduce32(p);
+    }
 }
 
 /* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs
@@ -2802,9 +2820,6 @@ QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, siz
 
 #define QUANT_AVX2_WRAP(name, body) \
     static QUANT_AVX2 float name(const void *w, const void *act, int64_t n) { return body; }
-QUANT_AVX2_WRAP(quant_dot_f32_avx2, quant_avx2_float(GGUF_TYPE_F32, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_f16_avx2, quant_avx2_float(GGUF_TYPE_F16, w, act, n))
-QUANT_AVX2_WRAP(quant_dot_bf16_avx2, quant_avx2_float(GGUF_TYPE_BF16, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q4_k_avx2, quant_avx2_k(GGUF_TYPE_Q4_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q5_k_avx2, quant_avx2_k(GGUF_TYPE_Q5_K, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_q6_k_avx2, quant_avx2_k(GGUF_TYPE_Q6_K, w, act, n))
@@ -2858,6 +2873,12 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 #define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
     QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL)                                  \
     QUANT_SINGLE_COLUMN(name, QUANT_AVX2, kernel, type)
+#define QUANT_AVX2_FLOAT_COLUMNS(name, type)                                                         \
+    QUANT_COLUMNS(name##n, QUANT_AVX2, quant_avx2_float, type, 2)                                      \
+    QUANT_SINGLE_COLUMN(name, QUANT_AVX2, quant_avx2_float, type)
+QUANT_AVX2_FLOAT_COLUMNS(quant_dot_f32_avx2, GGUF_TYPE_F32)
+QUANT_AVX2_FLOAT_COLUMNS(quant_dot_f16_avx2, GGUF_TYPE_F16)
+QUANT_AVX2_FLOAT_COLUMNS(quant_dot_bf16_avx2, GGUF_TYPE_BF16)
 QUANT_AVX2_COLUMNS(quant_dot_q8_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q8_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_0_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_0)
 QUANT_AVX2_COLUMNS(quant_dot_q4_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q4_1)
@@ -4762,9 +4783,9 @@ static const struct {
     quant_dotr_fn fnr[QUANT_LEVEL_COUNT];
     quant_pairs_fn fnp[QUANT_LEVEL_COUNT];
 } quant_kernels[] = {
-    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, NULL, quant_dot_f32_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, NULL, quant_dot_f16_avx512n }, { NULL, NULL, NULL }, { NULL } },
-    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, NULL, quant_dot_bf16_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_F32,  { quant_dot_f32_scalar,  quant_dot_f32_avx2,  quant_dot_f32_avx512 }, { NULL, quant_dot_f32_avx2n, quant_dot_f32_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_F16,  { quant_dot_f16_scalar,  quant_dot_f16_avx2,  quant_dot_f16_avx512 }, { NULL, quant_dot_f16_avx2n, quant_dot_f16_avx512n }, { NULL, NULL, NULL }, { NULL } },
+    { GGUF_TYPE_BF16, { quant_dot_bf16_scalar, quant_dot_bf16_avx2, quant_dot_bf16_avx512 }, { NULL, quant_dot_bf16_avx2n, quant_dot_bf16_avx512n }, { NULL, NULL, NULL }, { NULL } },
     { GGUF_TYPE_Q8_0, { quant_dot_q8_0_scalar, quant_dot_q8_0_avx2, quant_dot_q8_0_avx512 }, { NULL, quant_dot_q8_0_avx2n, quant_dot_q8_0_avx512n }, { NULL, NULL, quant_dotr_q8_0_avx512 }, { NULL } },
     { GGUF_TYPE_Q4_0, { quant_dot_q4_0_scalar, quant_dot_q4_0_avx2, quant_dot_q4_0_avx512 }, { NULL, quant_dot_q4_0_avx2n, quant_dot_q4_0_avx512n }, { NULL, NULL, quant_dotr_q4_0_avx512 }, { NULL } },
     { GGUF_TYPE_Q4_1, { quant_dot_q4_1_scalar, quant_dot_q4_1_avx2, quant_dot_q4_1_avx512 }, { NULL, quant_dot_q4_1_avx2n, quant_dot_q4_1_avx512n }, { NULL, NULL, quant_dotr_q4_1_avx512 }, { NULL } },
