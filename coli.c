@@ -2392,32 +2392,77 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
     return acc;
 }
 
-/* Q2_K / Q3_K integer part with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, i.e. the
- * hmask bit as the third bit), 8 lanes summing to Σ_g sc_g * Σ_{16 in g} q'*x; SC holds the 16
- * scales as int16. Q3_K's caller takes off 4 * Σ_g sc_g * bsum_g. */
-QUANT_AVX2_INLINE __m256i quant_q23k_isum_avx2(enum gguf_type t, const uint8_t *b, const int8_t *qx, __m256i sc) {
+/* Q2_K / Q3_K integer parts with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, i.e. the
+ * hmask bit as the third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16
+ * in g} q'*x; SC holds the 16 scales as int16. Each half's quants are decoded once for all the
+ * columns. quant_avx2_q23k_finish takes off Q3_K's offset and gives Q2_K's min term. */
+QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b, const int8_t *const *qx, int NC,
+                                             __m256i sc, __m256i *acc) {
     const int three = t == GGUF_TYPE_Q3_K;
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i half[2] = { quant_avx2_lane_twice(sc, 0), quant_avx2_lane_twice(sc, 1) };
-    __m256i acc = _mm256_setzero_si256();
     const __m256i hbits = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
     #pragma GCC unroll 2
     for (int n = 0; n < 2; n++) {
-        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n)), p[4];
+        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n)), q[4];
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             /* step (n, k) takes bits 2k of the quants and bit 4n + k of hmask */
-            __m256i q = _mm256_and_si256(q2, m3);
+            q[k] = _mm256_and_si256(q2, m3);
             q2 = _mm256_srli_epi16(q2, 2);
-            if (three) q = _mm256_or_si256(q, quant_avx2_bits_to(hbits, 4 * n + k, 2, 0x04));
-            p[k] = _mm256_maddubs_epi16(q, _mm256_load_si256((const __m256i *)(qx + 128 * n + 32 * k)));
+            if (three) q[k] = _mm256_or_si256(q[k], quant_avx2_bits_to(hbits, 4 * n + k, 2, 0x04));
         }
         /* step k's 16-weight halves have scales 2k (low lane) and 2k + 1 (high) of half n */
         const __m256i sc_n = quant_avx2_pick(half[n], quant_avx2_words(0, 0, 2, 2), quant_avx2_words(4, 4, 6, 6),
                                              quant_avx2_words(1, 1, 3, 3), quant_avx2_words(5, 5, 7, 7));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(quant_avx2_fold4(p), sc_n));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) {
+            __m256i p[4];
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                p[k] = _mm256_maddubs_epi16(q[k], _mm256_load_si256((const __m256i *)(qx[c] + 128 * n + 32 * k)));
+            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(quant_avx2_fold4(p), sc_n));
+        }
     }
-    return acc;
+}
+
+/* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
+ * (scales 0-7 low, 8-15 high), bytes 8-11 the top 2 bits of all 16. The 16-byte load starts 4
+ * bytes early, inside the block, so that it ends inside it too. */
+QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
+    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
+                                     _mm_set1_epi8(0x0f));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_set_epi32(6, 4, 2, 0)),
+                                     _mm_set1_epi8(3));
+    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32)));
+}
+
+/* The 16 scales of a Q2_K / Q3_K super-block as int16 (*SC), and Q2_K's 16 mins (*MINS). */
+QUANT_AVX2_INLINE void quant_avx2_q23k_scales(enum gguf_type t, const uint8_t *b, __m256i *sc, __m256i *mins) {
+    if (t == GGUF_TYPE_Q3_K) {
+        *sc = quant_avx2_q3k_scales(b + 96);
+        *mins = _mm256_setzero_si256();
+        return;
+    }
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
+    *sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+    *mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+}
+
+/* A column's Q2_K / Q3_K integer parts from its quant_q23k_isums_avx2 sum and its 16 bsums BS:
+ * Q3_K's offset of 4 comes off as 4 * Σ sc_g * bsum_g; Q2_K's min term is Σ min_g * bsum_g. */
+QUANT_AVX2_INLINE void quant_avx2_q23k_finish(enum gguf_type t, __m256i isum, __m256i bs, __m256i sc, __m256i mins,
+                                              __m256i *is, __m256i *sm) {
+    if (t == GGUF_TYPE_Q3_K) {
+        *is = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 2));
+        *sm = _mm256_setzero_si256();
+    } else {
+        *is = isum;
+        *sm = _mm256_madd_epi16(bs, mins);
+    }
 }
 
 /* The stored signs of an IQ3_S 32-block (4 bytes at S, bit j of byte l for weight 8l+j) as
@@ -2534,18 +2579,6 @@ QUANT_AVX2_INLINE __m256i quant_iq3s_isum_avx2(const uint8_t *b, const int8_t *q
     return acc;
 }
 
-/* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
- * (scales 0-7 low, 8-15 high), bytes 8-11 the top 2 bits of all 16. The 16-byte load starts 4
- * bytes early, inside the block, so that it ends inside it too. */
-QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
-    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
-    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
-                                     _mm_set1_epi8(0x0f));
-    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_set_epi32(6, 4, 2, 0)),
-                                     _mm_set1_epi8(3));
-    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32)));
-}
-
 /* One K-like super-block's integer parts, 8 lanes each: *isum's lanes sum to the isum of
  * quant_dot_k's float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's
  * offset of 32 and Q3_K's of 4 come off here, as that many times Σ sc_g * bsum_g. */
@@ -2556,14 +2589,11 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
     if (t == GGUF_TYPE_Q6_K) {
         const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         *isum = _mm256_sub_epi32(quant_q6k_isum_avx2(b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 5));
-    } else if (t == GGUF_TYPE_Q2_K) {
-        const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0f);
-        const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
-        *isum = quant_q23k_isum_avx2(t, b, qx, sc);
-        *summ = _mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4)));
-    } else if (t == GGUF_TYPE_Q3_K) {
-        const __m256i sc = quant_avx2_q3k_scales(b + 96);
-        *isum = _mm256_sub_epi32(quant_q23k_isum_avx2(t, b, qx, sc), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc), 2));
+    } else if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
+        __m256i sc, mins, acc;
+        quant_avx2_q23k_scales(t, b, &sc, &mins);
+        quant_q23k_isums_avx2(t, b, &qx, 1, sc, &acc);
+        quant_avx2_q23k_finish(t, acc, bs, sc, mins, isum, summ);
     } else if (t == GGUF_TYPE_IQ3_XXS) {
         *isum = quant_iq3xxs_isum_avx2(b, qx);
     } else if (t == GGUF_TYPE_IQ3_S) {
@@ -2727,7 +2757,23 @@ QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *
     }
 }
 
-/* Q4_K, Q5_K or Q6_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns: quant_avx2_k's steps
+/* quant_avx2_k_ints_cols for Q2_K / Q3_K: super-block K of the group, unit U of each column. */
+QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
+                                                 int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
+    __m256i sc, mins, acc[QUANT_AVX2_NCOL];
+    const int8_t *qx[QUANT_AVX2_NCOL];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) qx[c] = a[c].qs + u * QUANT_QK_K;
+    quant_avx2_q23k_scales(t, b, &sc, &mins);
+    quant_q23k_isums_avx2(t, b, qx, NC, sc, acc);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[c].bsums + u * 16));
+        quant_avx2_q23k_finish(t, acc[c], bs, sc, mins, &is[c][k], &sm[c][k]);
+    }
+}
+
+/* Q4_K, Q5_K, Q6_K, Q2_K or Q3_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns: quant_avx2_k's steps
  * for every column, each super-block step decoded once for all of them. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
@@ -2750,7 +2796,8 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
                 continue;
             }
             for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
-            quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+            if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) quant_avx2_q23k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+            else quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
         }
         quant_avx2_group_finish(t, wb, bb, count, a, u, is, sm, acc, NC);
     }
@@ -2898,6 +2945,8 @@ QUANT_AVX2_INLINE void quant_avx2_k_n(enum gguf_type t, const uint8_t *w, const 
 QUANT_AVX2_K_COLUMNS(quant_dot_q4_k_avx2n, GGUF_TYPE_Q4_K)
 QUANT_AVX2_K_COLUMNS(quant_dot_q5_k_avx2n, GGUF_TYPE_Q5_K)
 QUANT_AVX2_K_COLUMNS(quant_dot_q6_k_avx2n, GGUF_TYPE_Q6_K)
+QUANT_AVX2_K_COLUMNS(quant_dot_q2_k_avx2n, GGUF_TYPE_Q2_K)
+QUANT_AVX2_K_COLUMNS(quant_dot_q3_k_avx2n, GGUF_TYPE_Q3_K)
 
 #define QUANT_AVX2_ROWS(name, type)                                                                  \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
@@ -4797,9 +4846,9 @@ static const struct {
       { NULL, NULL, quant_pairs_q5_k_avx512 } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, quant_dotr_q6_k_avx512 },
       { NULL, NULL, quant_pairs_q6_k_avx512 } },
-    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, NULL, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 },
+    { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, quant_dot_q2_k_avx2n, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 },
       { NULL, NULL, quant_pairs_q2_k_avx512 } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, NULL, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, quant_dot_q3_k_avx2n, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 },
       { NULL, NULL, quant_pairs_q3_k_avx512 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, NULL, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 },
       { NULL, NULL, quant_pairs_iq4_xs_avx512 } },
