@@ -2773,8 +2773,8 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t
     }
 }
 
-/* Q4_K, Q5_K, Q6_K, Q2_K or Q3_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns: quant_avx2_k's steps
- * for every column, each super-block step decoded once for all of them. */
+/* Q4_K, Q5_K, Q6_K, Q2_K or Q3_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns:
+ * quant_avx2_k's steps for every column, each super-block step decoded once for all of them. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2796,8 +2796,10 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
                 continue;
             }
             for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
-            if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) quant_avx2_q23k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
-            else quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+            if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K)
+                quant_avx2_q23k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+            else
+                quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
         }
         quant_avx2_group_finish(t, wb, bb, count, a, u, is, sm, acc, NC);
     }
