@@ -1126,8 +1126,8 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   AVX2 kernels 4.4, 4.5, 5.6, 5.1, 4.3, 1.7). AVX2 (AMD EPYC Zen 1, 2.0 GHz TSC), one core,
  *   one column, a 1024x4096 matrix in cache, TSC cycles per 256 weights: Q4_K ~33-36, Q6_K ~42,
  *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
- *   (the legacy formats, Q4_K, Q5_K and Q6_K decode once for up to 4 columns: prompts 15-30%
- *   faster); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
+ *   (the legacy and K formats but IQ4_XS decode once for up to 4 columns, the float ones for
+ *   2: prompts 15-50% faster); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
  *   by one, against 102 (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
@@ -2696,10 +2696,30 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, 
     return v;
 }
 
+/* quant_avx2_k_ints_cols for Q2_K / Q3_K. */
+QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
+                                                 int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
+    __m256i sc, mins, acc[QUANT_AVX2_NCOL];
+    const int8_t *qx[QUANT_AVX2_NCOL];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) qx[c] = a[c].qs + u * QUANT_QK_K;
+    quant_avx2_q23k_scales(t, b, &sc, &mins);
+    quant_q23k_isums_avx2(t, b, qx, NC, sc, acc);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[c].bsums + u * 16));
+        quant_avx2_q23k_finish(t, acc[c], bs, sc, mins, &is[c][k], &sm[c][k]);
+    }
+}
+
 /* quant_avx2_k_ints of super-block B (unit U) for NC columns A, into is[c][k] and sm[c][k],
  * each step decoded once for all: the same integers per column (in other lanes: exact sums). */
 QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
                                               int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
+    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
+        quant_avx2_q23k_ints_cols(t, b, a, u, k, is, sm, NC);
+        return;
+    }
     __m256i sc16, bs_mul, acc[QUANT_AVX2_NCOL];
     if (t == GGUF_TYPE_Q6_K) {
         sc16 = bs_mul = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
@@ -2757,22 +2777,6 @@ QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *
     }
 }
 
-/* quant_avx2_k_ints_cols for Q2_K / Q3_K: super-block K of the group, unit U of each column. */
-QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
-                                                 int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
-    __m256i sc, mins, acc[QUANT_AVX2_NCOL];
-    const int8_t *qx[QUANT_AVX2_NCOL];
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) qx[c] = a[c].qs + u * QUANT_QK_K;
-    quant_avx2_q23k_scales(t, b, &sc, &mins);
-    quant_q23k_isums_avx2(t, b, qx, NC, sc, acc);
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) {
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[c].bsums + u * 16));
-        quant_avx2_q23k_finish(t, acc[c], bs, sc, mins, &is[c][k], &sm[c][k]);
-    }
-}
-
 /* Q4_K, Q5_K, Q6_K, Q2_K or Q3_K dot of one row with NC (2..QUANT_AVX2_NCOL) columns:
  * quant_avx2_k's steps for every column, each super-block step decoded once for all of them. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
@@ -2796,10 +2800,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
                 continue;
             }
             for (int q = 0; q < bb; q += 64) _mm_prefetch((const char *)wb + k * bb + QUANT_PREFETCH + q, _MM_HINT_T0);
-            if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K)
-                quant_avx2_q23k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
-            else
-                quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
+            quant_avx2_k_ints_cols(t, wb + k * bb, a, u + k, k, is, sm, NC);
         }
         quant_avx2_group_finish(t, wb, bb, count, a, u, is, sm, acc, NC);
     }
