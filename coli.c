@@ -4181,11 +4181,14 @@ struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]
  * off as that many times the act block's sum), d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
+/* A K tile's bytes: quant_q45k_tile's (AVX-512), the same as quant_avx2_k_tile's. */
+#define QUANT_K_TILE_BYTES sizeof(struct quant_q45k_tile)
+
 /* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
  * partials of QUANT_TILE_NC columns. */
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
     size_t rows = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
-                                                             : (size_t)(n / QUANT_QK_K) * sizeof(struct quant_q45k_tile);
+                                                             : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
@@ -4460,6 +4463,173 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
+
+/* ---- Q4_K and Q5_K tiles at AVX2: 16 rows by a batch of columns ----
+ * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
+ * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
+ * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
+ * quants reach 31) and one vpmaddwd applies the 8 rows' scales. quant_dotn instead decodes a row
+ * once for 4 columns and then, per column, folds its products with shuffles before each scale
+ * multiply and sums lanes at the end: on Zen 1 the multiplies share one pipe with nothing to
+ * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
+ * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. */
+
+/* The columns from which the AVX2 tile pays (a pass of fewer than 4 computes 4; one core, 16
+ * columns against quant_dotn, cycles a 256 weights: Q4_K rows of 2048 +12%, of 512 +101%):
+ * rows of 2 super-blocks from 4 (2048 x 512, 4 columns: Q4_K +32%, Q5_K +22%; 2 and 3 even or
+ * less), longer ones from 12 (512 x 2048: 8 columns -5%, 10 -8%, 12 +7%). */
+#define QUANT_AVX2_TILE_MIN_NC 12
+#define QUANT_AVX2_TILE_MIN_NC_SHORT 4
+
+/* One super-block of 16 rows unpacked for the AVX2 tile: q as in quant_q45k_tile; sc[j] and
+ * mn[j] the scale and min of sub-block j as the int16 pair (v, v) in dword r for row r, for
+ * vpmaddwd against the int16 pair sums of its products and the pair of the act's 16-element
+ * sums; d and dmin as floats. */
+struct quant_avx2_k_tile { uint8_t q[64][64]; int16_t sc[8][32], mn[8][32]; float d[16], dmin[16]; };
+_Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_tile_bytes counts either K tile");
+
+/* Lane r of out[m] = dword m of the 32 bytes at P + r * RB, for 8 rows: rows r and r + 4 loaded
+ * into one register's two lanes, then a 4x4 dword transpose in each lane, so that no shuffle
+ * crosses lanes (Zen 1 pays ~2.5 cycles for one). */
+QUANT_AVX2_INLINE void quant_avx2_tile_transpose(const uint8_t *p, size_t rb, __m256i *out) {
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++) { /* dwords 4h..4h+3 */
+        __m256i z[4];
+        QUANT_UNROLL(4)
+        for (int i = 0; i < 4; i++) z[i] = quant_avx2_halves(p + (size_t)i * rb + 16 * h, p + (size_t)(i + 4) * rb + 16 * h);
+        const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+        out[4 * h] = _mm256_unpacklo_epi64(t0, t2);
+        out[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
+        out[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3);
+        out[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+}
+
+/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, as
+ * quant_q45k_tile_unpack lays out the quants (8 rows at a time); the scales, mins and d, dmin
+ * row by row. */
+QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_avx2_k_tile *t) {
+    const uint8_t *b = w + (size_t)u * (five ? 176 : 144);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    QUANT_UNROLL(2)
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *bh = b + (size_t)8 * half * rb;
+        __m256i qh[8], v[8];
+        if (five) quant_avx2_tile_transpose(bh + 16, rb, qh);
+        QUANT_UNROLL(4)
+        for (int h = 0; h < 4; h++) {
+            quant_avx2_tile_transpose(bh + 16 + 32 * five + 32 * h, rb, v);
+            QUANT_UNROLL(8)
+            for (int m = 0; m < 8; m++) {
+                __m256i lo = _mm256_and_si256(v[m], m4), hi = _mm256_and_si256(_mm256_srli_epi16(v[m], 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, quant_avx2_bits_to(qh[m], 2 * h, 4, 0x10));
+                    hi = _mm256_or_si256(hi, quant_avx2_bits_to(qh[m], 2 * h + 1, 4, 0x10));
+                }
+                _mm256_storeu_si256((__m256i *)(t->q[16 * h + m] + 32 * half), lo);
+                _mm256_storeu_si256((__m256i *)(t->q[16 * h + 8 + m] + 32 * half), hi);
+            }
+        }
+    }
+    uint16_t dd[16], dm[16];
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *br = b + (size_t)r * rb;
+        uint64_t sc, mn;
+        dd[r] = quant_rd16(br);
+        dm[r] = quant_rd16(br + 2);
+        quant_k4_unpack(br + 4, &sc, &mn);
+        for (int j = 0; j < 8; j++) {
+            t->sc[j][2 * r] = t->sc[j][2 * r + 1] = (int16_t)(sc >> 8 * j & 0xff);
+            t->mn[j][2 * r] = t->mn[j][2 * r + 1] = (int16_t)(mn >> 8 * j & 0xff);
+        }
+    }
+    QUANT_UNROLL(2)
+    for (int i = 0; i < 16; i += 8) {
+        _mm256_storeu_ps(t->d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + i))));
+        _mm256_storeu_ps(t->dmin + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + i))));
+    }
+}
+
+/* Super-block U of a tile's rows 8 HALF.. against 4 columns: each one's unit result (quant_dot_k's
+ * float step) added to its partial P[c][u % 32] in those rows' lanes; the products of PER steps
+ * (8 or 4) add in int16 before their scale multiply. */
+QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, const struct quant_q8k_view *a,
+                                            int64_t u, float (*p)[QUANT_NPART][16]) {
+    __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = msum[c] = _mm256_setzero_si256();
+    QUANT_UNROLL(8)
+    for (int j = 0; j < 8; j++) {
+        const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->sc[j] + 16 * half));
+        QUANT_UNROLL(2)
+        for (int k0 = 8 * j; k0 < 8 * j + 8; k0 += per) {
+            __m256i s[QUANT_TILE_NC];
+            QUANT_UNROLL(4)
+            for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm256_setzero_si256();
+            QUANT_UNROLL(8)
+            for (int k = k0; k < k0 + per; k++) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *)(t->q[k] + 32 * half));
+                QUANT_UNROLL(4)
+                for (int c = 0; c < QUANT_TILE_NC; c++)
+                    s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k))));
+            }
+            QUANT_UNROLL(4)
+            for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(s[c], sc));
+        }
+        const __m256i mn = _mm256_loadu_si256((const __m256i *)(t->mn[j] + 16 * half));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++)
+            msum[c] = _mm256_add_epi32(msum[c], _mm256_madd_epi16(mn, _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * j))));
+    }
+    const __m256 d = _mm256_loadu_ps(t->d + 8 * half), dmin = _mm256_loadu_ps(t->dmin + 8 * half);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) {
+        const __m256 dx = _mm256_set1_ps(a[c].d[u]);
+        const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[c])),
+                                       _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum[c])));
+        float *pp = p[c][u % QUANT_NPART] + 8 * half;
+        _mm256_storeu_ps(pp, _mm256_add_ps(u < QUANT_NPART ? _mm256_setzero_ps() : _mm256_loadu_ps(pp), r));
+    }
+}
+
+/* quant_tile_finish at AVX2: the first CC columns' partials P (USED of them reached) summed by
+ * quant_reduce32's butterfly into y[c * ys + r]. */
+static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
+    for (int c = 0; c < cc; c++) {
+        for (int s = QUANT_NPART / 2; s > 0; s /= 2)
+            for (int i = 0; i < s && i + s < used; i++)
+                for (int h = 0; h < 16; h += 8)
+                    _mm256_storeu_ps(p[c][i] + h, _mm256_add_ps(_mm256_loadu_ps(p[c][i] + h), _mm256_loadu_ps(p[c][i + s] + h)));
+        _mm256_storeu_ps(y + (size_t)c * ys, _mm256_loadu_ps(p[c][0]));
+        _mm256_storeu_ps(y + (size_t)c * ys + 8, _mm256_loadu_ps(p[c][0] + 8));
+    }
+}
+
+/* quant_tile_q45k_avx512 at AVX2, the same bits; FIVE a constant where it is inlined (the steps
+ * a scale multiply takes, 8 or 4, then unroll). */
+QUANT_AVX2_INLINE void quant_avx2_k_tile(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
+                                         int64_t n, float *y, size_t ys, void *scratch) {
+    const int64_t nu = n / QUANT_QK_K;
+    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
+    struct quant_avx2_k_tile *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
+    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+    for (int64_t u = 0; u < nu; u++) quant_avx2_k_tile_unpack(w, rb, u, five, &tiles[u]);
+    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
+        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
+        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
+        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
+        for (int64_t u = 0; u < nu; u++)
+            for (int half = 0; half < 2; half++) quant_avx2_tile_unit(&tiles[u], half, five ? 4 : 8, a, u, p);
+        quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
+    }
+}
+
+static QUANT_AVX2 void quant_tile_q4k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                          float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 0, acts, stride, nc, n, y, ys, scratch); }
+static QUANT_AVX2 void quant_tile_q5k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                          float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 1, acts, stride, nc, n, y, ys, scratch); }
 
 /* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
@@ -5015,17 +5185,20 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     return 1;
 }
 
-/* Whether quant_tile takes NC columns of rows of TYPE at this level. */
-static int quant_tile_ok(enum gguf_type wtype, int nc) {
-    return (wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) &&
-           nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
+/* Whether quant_tile takes NC columns of rows of N elements of TYPE at this level. */
+static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
+    const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
+    if (quant_level == QUANT_LEVEL_AVX2) return k45 && nc >= (n <= 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_SHORT : QUANT_AVX2_TILE_MIN_NC);
+    return (k45 || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
  * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
-    if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
+    if (quant_level == QUANT_LEVEL_AVX2)
+        (wtype == GGUF_TYPE_Q4_K ? quant_tile_q4k_avx2 : quant_tile_q5k_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+    else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
@@ -5176,7 +5349,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
     size_t tile_bytes = 0;
     for (int j = 0; j < n_jobs; j++)
-        if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n) &&
+        if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n, jobs[j].w.cols) &&
             quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
             tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_bytes * (size_t)plat_threads()) : NULL;
@@ -5196,7 +5369,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
                               (size_t)w->rows);
         else if (jobs[j].n == 1)
             quant_dotr(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act + off[j], w->cols, jobs[j].y + r0);
-        else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n))
+        else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n, w->cols))
             quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
                        (size_t)w->rows, tiles + tile_bytes * (size_t)omp_get_thread_num());
         else

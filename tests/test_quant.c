@@ -1280,9 +1280,10 @@ static void test_interleaved(void) {
     }
 }
 
-/* Several columns over K rows of 2 super-blocks (quant_pairs: 4 rows to a vector), 2..9
- * columns (every pass split of QUANT_NCOL; one column goes through quant_dotr), 19 rows (a
- * short group of rows at the end). */
+/* Several columns over K rows of 2 super-blocks (quant_pairs: 4 rows to a vector; at AVX2 the
+ * first 16 rows of Q4_K and Q5_K go through quant_tile from 4 columns), 2..9 columns (every pass
+ * split of QUANT_NCOL; one column goes through quant_dotr), 19 rows (a short group of rows at
+ * the end). */
 static void test_pairs_columns(void) {
     const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS };
     for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
