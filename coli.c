@@ -4464,7 +4464,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Q4_K and Q5_K tiles at AVX2: 16 rows by a batch of columns ----
+/* ---- Q4_K, Q5_K and Q4_0 tiles at AVX2: 16 rows by a batch of columns ----
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
  * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
  * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
@@ -4474,12 +4474,13 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
  * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. */
 
-/* The columns from which the AVX2 tile pays (a pass of fewer than 4 computes 4; one core, 16
- * columns against quant_dotn, cycles a 256 weights: Q4_K rows of 2048 +12%, of 512 +101%):
- * rows of 2 super-blocks from 4 (2048 x 512, 4 columns: Q4_K +32%, Q5_K +22%; 2 and 3 even or
- * less), longer ones from 12 (512 x 2048: 8 columns -5%, 10 -8%, 12 +7%). */
-#define QUANT_AVX2_TILE_MIN_NC 12
-#define QUANT_AVX2_TILE_MIN_NC_SHORT 4
+/* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
+ * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
+ * 6 +2%, 8 +29%; of 512, 4 columns: Q4_0 +43%, Q4_K +32%, Q5_K +22%; 2 and 3 columns even or
+ * less), but Q4_K and Q5_K rows longer than 2 super-blocks from 12 (512 x 2048: 8 columns -5%,
+ * 10 -8%, 12 +7%, 16 +12%). */
+#define QUANT_AVX2_TILE_MIN_NC 4
+#define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
 /* One super-block of 16 rows unpacked for the AVX2 tile: q as in quant_q45k_tile; sc[j] and
  * mn[j] the scale and min of sub-block j as the int16 pair (v, v) in dword r for row r, for
@@ -4488,22 +4489,25 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 struct quant_avx2_k_tile { uint8_t q[64][64]; int16_t sc[8][32], mn[8][32]; float d[16], dmin[16]; };
 _Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_tile_bytes counts either K tile");
 
-/* Lane r of out[m] = dword m of the 32 bytes at P + r * RB, for 8 rows: rows r and r + 4 loaded
- * into one register's two lanes, then a 4x4 dword transpose in each lane, so that no shuffle
- * crosses lanes (Zen 1 pays ~2.5 cycles for one). */
+/* Lane r of out[m] = dword m (< 4) of the 16 bytes at P + r * RB, for 8 rows: rows r and r + 4
+ * loaded into one register's two lanes, then a 4x4 dword transpose in each lane, so that no
+ * shuffle crosses lanes (Zen 1 pays ~2.5 cycles for one). */
+QUANT_AVX2_INLINE void quant_avx2_tile_transpose4(const uint8_t *p, size_t rb, __m256i *out) {
+    __m256i z[4];
+    QUANT_UNROLL(4)
+    for (int i = 0; i < 4; i++) z[i] = quant_avx2_halves(p + (size_t)i * rb, p + (size_t)(i + 4) * rb);
+    const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* quant_avx2_tile_transpose4 for 32 bytes a row (dwords m < 8). */
 QUANT_AVX2_INLINE void quant_avx2_tile_transpose(const uint8_t *p, size_t rb, __m256i *out) {
-    QUANT_UNROLL(2)
-    for (int h = 0; h < 2; h++) { /* dwords 4h..4h+3 */
-        __m256i z[4];
-        QUANT_UNROLL(4)
-        for (int i = 0; i < 4; i++) z[i] = quant_avx2_halves(p + (size_t)i * rb + 16 * h, p + (size_t)(i + 4) * rb + 16 * h);
-        const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
-        out[4 * h] = _mm256_unpacklo_epi64(t0, t2);
-        out[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
-        out[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3);
-        out[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
-    }
+    quant_avx2_tile_transpose4(p, rb, out);
+    quant_avx2_tile_transpose4(p + 16, rb, out + 4);
 }
 
 /* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, as
@@ -4551,6 +4555,16 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int
     }
 }
 
+/* quant_tile_partial_add for 8 rows: partial PP plus R for unit U (+0 plus R for a slot's first). */
+QUANT_AVX2_INLINE void quant_avx2_tile_partial_add(float *pp, int64_t u, __m256 r) {
+    _mm256_storeu_ps(pp, _mm256_add_ps(u < QUANT_NPART ? _mm256_setzero_ps() : _mm256_loadu_ps(pp), r));
+}
+
+/* quant_tile_prefetch_next at AVX2. */
+QUANT_AVX2_INLINE void quant_avx2_tile_prefetch_next(const uint8_t *w, size_t rb) {
+    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+}
+
 /* Super-block U of a tile's rows 8 HALF.. against 4 columns: each one's unit result (quant_dot_k's
  * float step) added to its partial P[c][u % 32] in those rows' lanes; the products of PER steps
  * (8 or 4) add in int16 before their scale multiply. */
@@ -4588,8 +4602,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
         const __m256 dx = _mm256_set1_ps(a[c].d[u]);
         const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[c])),
                                        _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum[c])));
-        float *pp = p[c][u % QUANT_NPART] + 8 * half;
-        _mm256_storeu_ps(pp, _mm256_add_ps(u < QUANT_NPART ? _mm256_setzero_ps() : _mm256_loadu_ps(pp), r));
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
     }
 }
 
@@ -4614,7 +4627,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(const uint8_t *w, size_t rb, int five, 
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     struct quant_avx2_k_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+    quant_avx2_tile_prefetch_next(w, rb);
     for (int64_t u = 0; u < nu; u++) quant_avx2_k_tile_unpack(w, rb, u, five, &tiles[u]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
@@ -4630,6 +4643,70 @@ static QUANT_AVX2 void quant_tile_q4k_avx2(const uint8_t *w, size_t rb, const ui
                                           float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 0, acts, stride, nc, n, y, ys, scratch); }
 static QUANT_AVX2 void quant_tile_q5k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
                                           float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 1, acts, stride, nc, n, y, ys, scratch); }
+
+/* Block B of the 16 Q4_0 rows at W (RB bytes apart) into T, as quant_legacy_tile_unpack lays it
+ * out (8 rows at a time). */
+QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unpack(const uint8_t *w, size_t rb, int64_t b, struct quant_legacy_tile *t) {
+    const uint8_t *blk = w + (size_t)b * 18;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    QUANT_UNROLL(2)
+    for (int half = 0; half < 2; half++) {
+        __m256i v[4];
+        quant_avx2_tile_transpose4(blk + (size_t)8 * half * rb + 2, rb, v);
+        QUANT_UNROLL(4)
+        for (int m = 0; m < 4; m++) {
+            _mm256_storeu_si256((__m256i *)(t->q[m] + 32 * half), _mm256_and_si256(v[m], m4));
+            _mm256_storeu_si256((__m256i *)(t->q[4 + m] + 32 * half), _mm256_and_si256(_mm256_srli_epi16(v[m], 4), m4));
+        }
+    }
+    uint16_t dd[16];
+    for (int r = 0; r < 16; r++) dd[r] = quant_rd16(blk + (size_t)r * rb);
+    _mm256_storeu_ps(t->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
+    _mm256_storeu_ps(t->d + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8))));
+}
+
+/* Block B of a Q4_0 tile's rows 8 HALF.. against 4 columns: quant_legacy_units' unit, (dw * dx)
+ * * isum, added to each column's partial P[c][b % 32] in those rows' lanes. The block's 8 steps
+ * (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), one vpmaddwd widens them,
+ * and the offset of 8 comes off as 8 times the act block's sum: the same integer. */
+QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unit(const struct quant_legacy_tile *t, int half, const struct quant_q8_view *a,
+                                                 int64_t b, float (*p)[QUANT_NPART][16]) {
+    __m256i s[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm256_setzero_si256();
+    QUANT_UNROLL(8)
+    for (int k = 0; k < 8; k++) {
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(t->q[k] + 32 * half));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++)
+            s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(quant_rd32(a[c].qs + b * QUANT_QK + 4 * k))));
+    }
+    const __m256 d = _mm256_loadu_ps(t->d + 8 * half);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) {
+        const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(s[c], _mm256_set1_epi16(1)), _mm256_set1_epi32(8 * a[c].s[b]));
+        quant_avx2_tile_partial_add(p[c][b % QUANT_NPART] + 8 * half, b, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[b])), _mm256_cvtepi32_ps(isum)));
+    }
+}
+
+/* quant_tile_legacy_avx512 for Q4_0 rows at AVX2: the same bits. */
+static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                           float *y, size_t ys, void *scratch) {
+    const int64_t nb = n / QUANT_QK;
+    const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
+    struct quant_legacy_tile *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
+    quant_avx2_tile_prefetch_next(w, rb);
+    for (int64_t b = 0; b < nb; b++) quant_avx2_q4_0_tile_unpack(w, rb, b, &tiles[b]);
+    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
+        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
+        struct quant_q8_view a[QUANT_TILE_NC];
+        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
+        for (int64_t b = 0; b < nb; b++)
+            for (int half = 0; half < 2; half++) quant_avx2_q4_0_tile_unit(&tiles[b], half, a, b, p);
+        quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
+    }
+}
 
 /* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
@@ -5188,7 +5265,9 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 /* Whether quant_tile takes NC columns of rows of N elements of TYPE at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
-    if (quant_level == QUANT_LEVEL_AVX2) return k45 && nc >= (n <= 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_SHORT : QUANT_AVX2_TILE_MIN_NC);
+    if (quant_level == QUANT_LEVEL_AVX2)
+        return (k45 || wtype == GGUF_TYPE_Q4_0) &&
+               nc >= (k45 && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
     return (k45 || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
@@ -5197,7 +5276,8 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
     if (quant_level == QUANT_LEVEL_AVX2)
-        (wtype == GGUF_TYPE_Q4_K ? quant_tile_q4k_avx2 : quant_tile_q5k_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+        (wtype == GGUF_TYPE_Q4_K ? quant_tile_q4k_avx2 : wtype == GGUF_TYPE_Q5_K ? quant_tile_q5k_avx2 : quant_tile_q4_0_avx2)(
+            wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
