@@ -1127,7 +1127,8 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   one column, a 1024x4096 matrix in cache, TSC cycles per 256 weights: Q4_K ~33-36, Q6_K ~42,
  *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
  *   (the legacy, K and IQ formats decode once for up to 4 columns, the float ones for 2:
- *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
+ *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x; Q4_K, Q5_K and Q4_0
+ *   through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
  *   by one, against 102 (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
@@ -4472,7 +4473,12 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * once for 4 columns and then, per column, folds its products with shuffles before each scale
  * multiply and sums lanes at the end: on Zen 1 the multiplies share one pipe with nothing to
  * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
- * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. */
+ * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q4_0's block adds
+ * its 8 steps in int16 and one vpmaddwd (by ones) widens them. One core, cycles a 256 weights
+ * of all the columns against quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318
+ * -> 1804; 2048 x 512 (an expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64
+ * columns 2714 -> 1812. In the model (Zen 1, 2 threads) a 512-token prompt of the Q4_K_M
+ * slice went from 36-37 to 43-47 tok/s. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
  * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
