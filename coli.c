@@ -1127,8 +1127,8 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   one column, a 1024x4096 matrix in cache, TSC cycles per 256 weights: Q4_K ~33-36, Q6_K ~42,
  *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
  *   (the legacy, K and IQ formats decode once for up to 4 columns, the float ones for 2:
- *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x; Q4_K, Q5_K and Q4_0
- *   through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
+ *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x; Q4_K, Q5_K, Q6_K and
+ *   Q4_0 through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
  *   by one, against 102 (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
@@ -4465,7 +4465,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Q4_K, Q5_K and Q4_0 tiles at AVX2: 16 rows by a batch of columns ----
+/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2: 16 rows by a batch of columns ----
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
  * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
  * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
@@ -4473,18 +4473,20 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * once for 4 columns and then, per column, folds its products with shuffles before each scale
  * multiply and sums lanes at the end: on Zen 1 the multiplies share one pipe with nothing to
  * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
- * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q4_0's block adds
- * its 8 steps in int16 and one vpmaddwd (by ones) widens them. One core, cycles a 256 weights
+ * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q6_K's quants go in
+ * signed (q - 32), so that 4 steps add in int16; Q4_0's block adds its 8 steps in int16 and one
+ * vpmaddwd (by ones) widens them. One core, cycles a 256 weights
  * of all the columns against quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318
  * -> 1804; 2048 x 512 (an expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64
- * columns 2714 -> 1812. In the model (Zen 1, 2 threads) a 512-token prompt of the Q4_K_M
- * slice went from 36-37 to 43-47 tok/s. */
+ * columns 2714 -> 1812; Q6_K 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 ->
+ * 1857. In the model (Zen 1, 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37
+ * to 44-48 tok/s. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
  * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
  * 6 +2%, 8 +29%; of 512, 4 columns: Q4_0 +43%, Q4_K +32%, Q5_K +22%; 2 and 3 columns even or
- * less), but Q4_K and Q5_K rows longer than 2 super-blocks from 12 (512 x 2048: 8 columns -5%,
- * 10 -8%, 12 +7%, 16 +12%). */
+ * less), but K rows longer than 2 super-blocks from 12 (512 x 2048: Q4_K 8 columns -5%, 10
+ * -8%, 12 +7%, 16 +12%; Q6_K 12 +6%, 16 +12%). */
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
@@ -4649,6 +4651,103 @@ static QUANT_AVX2 void quant_tile_q4k_avx2(const uint8_t *w, size_t rb, const ui
                                           float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 0, acts, stride, nc, n, y, ys, scratch); }
 static QUANT_AVX2 void quant_tile_q5k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
                                           float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 1, acts, stride, nc, n, y, ys, scratch); }
+
+/* One Q6_K super-block of 16 rows unpacked for the AVX2 tile: q[k] holds elements 4k..4k+3 of
+ * row r in dword r as signed values (q - 32, so that |q| <= 32 and 4 steps' products add in
+ * int16: 4 * 2 * 32 * 127 = 32512), sc[g] the scale of 16-element group g as the int16 pair
+ * (v, v) in dword r, d as floats. */
+struct quant_avx2_q6k_tile { int8_t q[64][64]; int16_t sc[16][32]; float d[16]; };
+_Static_assert(sizeof(struct quant_avx2_q6k_tile) <= QUANT_K_TILE_BYTES, "quant_tile_bytes counts a Q6_K tile");
+
+/* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l <
+ * 32) is step 32n + 8i + l / 4: its low 4 bits are nibble i / 2 of ql byte 64n + 32 (i % 2) + l,
+ * its high 2 bits bits 2i, 2i + 1 of qh byte 32n + l; each 32-byte run turned rows-in-lanes by
+ * quant_avx2_tile_transpose. */
+QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_avx2_q6k_tile *t) {
+    const uint8_t *b = w + (size_t)u * 210;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), offset = _mm256_set1_epi8(32);
+    QUANT_UNROLL(2)
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *bh = b + (size_t)8 * half * rb;
+        QUANT_UNROLL(2)
+        for (int n = 0; n < 2; n++) {
+            __m256i v[2][8], h[8];
+            quant_avx2_tile_transpose(bh + 64 * n, rb, v[0]);
+            quant_avx2_tile_transpose(bh + 64 * n + 32, rb, v[1]);
+            quant_avx2_tile_transpose(bh + 128 + 32 * n, rb, h);
+            QUANT_UNROLL(4)
+            for (int i = 0; i < 4; i++) {
+                QUANT_UNROLL(8)
+                for (int m = 0; m < 8; m++) {
+                    const __m256i src = v[i % 2][m];
+                    const __m256i low = i < 2 ? _mm256_and_si256(src, m4) : _mm256_and_si256(_mm256_srli_epi16(src, 4), m4);
+                    const __m256i q = _mm256_or_si256(low, quant_avx2_bits_to(h[m], 2 * i, 4, 0x30));
+                    _mm256_storeu_si256((__m256i *)(t->q[32 * n + 8 * i + m] + 32 * half), _mm256_sub_epi8(q, offset));
+                }
+            }
+        }
+    }
+    uint16_t dd[16];
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *br = b + (size_t)r * rb;
+        dd[r] = quant_rd16(br + 208);
+        for (int g = 0; g < 16; g++) t->sc[g][2 * r] = t->sc[g][2 * r + 1] = (int8_t)br[192 + g];
+    }
+    _mm256_storeu_ps(t->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
+    _mm256_storeu_ps(t->d + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8))));
+}
+
+/* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum added to each
+ * column's partial P[c][u % 32] in those rows' lanes. A step multiplies the quants' magnitudes by
+ * x with their signs, and a group's 4 steps add in int16 before its scale multiply: 80
+ * multiplies a super-block of 8 rows and one column, against the column kernel's 104. */
+QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile *t, int half, const struct quant_q8k_view *a,
+                                                int64_t u, float (*p)[QUANT_NPART][16]) {
+    __m256i isum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm256_setzero_si256();
+    QUANT_UNROLL(16)
+    for (int g = 0; g < 16; g++) {
+        __m256i s[QUANT_TILE_NC];
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm256_setzero_si256();
+        QUANT_UNROLL(4)
+        for (int k = 4 * g; k < 4 * g + 4; k++) {
+            const __m256i wq = _mm256_loadu_si256((const __m256i *)(t->q[k] + 32 * half)), mag = _mm256_abs_epi8(wq);
+            QUANT_UNROLL(4)
+            for (int c = 0; c < QUANT_TILE_NC; c++) {
+                const __m256i x = _mm256_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k));
+                s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, wq)));
+            }
+        }
+        const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->sc[g] + 16 * half));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(s[c], sc));
+    }
+    const __m256 d = _mm256_loadu_ps(t->d + 8 * half);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++)
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[u])), _mm256_cvtepi32_ps(isum[c])));
+}
+
+/* quant_avx2_k_tile for Q6_K rows: the same bits as quant_dot_k. */
+static QUANT_AVX2 void quant_tile_q6k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                          float *y, size_t ys, void *scratch) {
+    const int64_t nu = n / QUANT_QK_K;
+    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
+    struct quant_avx2_q6k_tile *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)((uint8_t *)scratch + (size_t)nu * QUANT_K_TILE_BYTES);
+    quant_avx2_tile_prefetch_next(w, rb);
+    for (int64_t u = 0; u < nu; u++) quant_avx2_q6k_tile_unpack(w, rb, u, &tiles[u]);
+    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
+        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
+        struct quant_q8k_view a[QUANT_TILE_NC];
+        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
+        for (int64_t u = 0; u < nu; u++)
+            for (int half = 0; half < 2; half++) quant_avx2_q6k_tile_unit(&tiles[u], half, a, u, p);
+        quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
+    }
+}
 
 /* Block B of the 16 Q4_0 rows at W (RB bytes apart) into T, as quant_legacy_tile_unpack lays it
  * out (8 rows at a time). */
@@ -5271,9 +5370,10 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 /* Whether quant_tile takes NC columns of rows of N elements of TYPE at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
-    if (quant_level == QUANT_LEVEL_AVX2)
-        return (k45 || wtype == GGUF_TYPE_Q4_0) &&
-               nc >= (k45 && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
+    if (quant_level == QUANT_LEVEL_AVX2) {
+        const int k = k45 || wtype == GGUF_TYPE_Q6_K;
+        return (k || wtype == GGUF_TYPE_Q4_0) && nc >= (k && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
+    }
     return (k45 || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
@@ -5282,8 +5382,10 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
     if (quant_level == QUANT_LEVEL_AVX2)
-        (wtype == GGUF_TYPE_Q4_K ? quant_tile_q4k_avx2 : wtype == GGUF_TYPE_Q5_K ? quant_tile_q5k_avx2 : quant_tile_q4_0_avx2)(
-            wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+        (wtype == GGUF_TYPE_Q4_K   ? quant_tile_q4k_avx2
+         : wtype == GGUF_TYPE_Q5_K ? quant_tile_q5k_avx2
+         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2
+                                   : quant_tile_q4_0_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
