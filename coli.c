@@ -1128,8 +1128,9 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
  *   (the legacy, K and IQ formats decode once for up to 4 columns, the float ones for 2:
  *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x; Q4_K, Q5_K, Q6_K and
- *   Q4_0 through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column rows take 116 instructions per super-block through quant_dotr, 154 one
- *   by one, against 102 (callgrind). */
+ *   Q4_0 through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column
+ *   rows take 116 instructions per super-block through quant_dotr, 154 one by one, against 102
+ *   (callgrind). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
@@ -4475,12 +4476,11 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
  * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q6_K's quants go in
  * signed (q - 32), so that 4 steps add in int16; Q4_0's block adds its 8 steps in int16 and one
- * vpmaddwd (by ones) widens them. One core, cycles a 256 weights
- * of all the columns against quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318
- * -> 1804; 2048 x 512 (an expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64
- * columns 2714 -> 1812; Q6_K 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 ->
- * 1857. In the model (Zen 1, 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37
- * to 44-48 tok/s. */
+ * vpmaddwd (by ones) widens them. One core, cycles a 256 weights of all the columns against
+ * quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318 -> 1804; 2048 x 512 (an
+ * expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64 columns 2714 -> 1812; Q6_K
+ * 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 -> 1857. In the model (Zen 1,
+ * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
  * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
@@ -4726,8 +4726,10 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
     const __m256 d = _mm256_loadu_ps(t->d + 8 * half);
     QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++)
-        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[u])), _mm256_cvtepi32_ps(isum[c])));
+    for (int c = 0; c < QUANT_TILE_NC; c++) {
+        const __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[u])), _mm256_cvtepi32_ps(isum[c]));
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
+    }
 }
 
 /* quant_avx2_k_tile for Q6_K rows: the same bits as quant_dot_k. */
@@ -4790,7 +4792,8 @@ QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unit(const struct quant_legacy_tile 
     QUANT_UNROLL(4)
     for (int c = 0; c < QUANT_TILE_NC; c++) {
         const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(s[c], _mm256_set1_epi16(1)), _mm256_set1_epi32(8 * a[c].s[b]));
-        quant_avx2_tile_partial_add(p[c][b % QUANT_NPART] + 8 * half, b, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[b])), _mm256_cvtepi32_ps(isum)));
+        const __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[b])), _mm256_cvtepi32_ps(isum));
+        quant_avx2_tile_partial_add(p[c][b % QUANT_NPART] + 8 * half, b, r);
     }
 }
 
