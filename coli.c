@@ -4627,31 +4627,6 @@ static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*
     }
 }
 
-/* quant_tile_q45k_avx512 at AVX2, the same bits; FIVE a constant where it is inlined (the steps
- * a scale multiply takes, 8 or 4, then unroll). */
-QUANT_AVX2_INLINE void quant_avx2_k_tile(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
-                                         int64_t n, float *y, size_t ys, void *scratch) {
-    const int64_t nu = n / QUANT_QK_K;
-    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
-    struct quant_avx2_k_tile *tiles = scratch;
-    float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    quant_avx2_tile_prefetch_next(w, rb);
-    for (int64_t u = 0; u < nu; u++) quant_avx2_k_tile_unpack(w, rb, u, five, &tiles[u]);
-    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
-        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
-        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
-        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t u = 0; u < nu; u++)
-            for (int half = 0; half < 2; half++) quant_avx2_tile_unit(&tiles[u], half, five ? 4 : 8, a, u, p);
-        quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
-    }
-}
-
-static QUANT_AVX2 void quant_tile_q4k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                          float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 0, acts, stride, nc, n, y, ys, scratch); }
-static QUANT_AVX2 void quant_tile_q5k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                          float *y, size_t ys, void *scratch) { quant_avx2_k_tile(w, rb, 1, acts, stride, nc, n, y, ys, scratch); }
-
 /* One Q6_K super-block of 16 rows unpacked for the AVX2 tile: q[k] holds elements 4k..4k+3 of
  * row r in dword r as signed values (q - 32, so that |q| <= 32 and 4 steps' products add in
  * int16: 4 * 2 * 32 * 127 = 32512), sc[g] the scale of 16-element group g as the int16 pair
@@ -4732,24 +4707,41 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* quant_avx2_k_tile for Q6_K rows: the same bits as quant_dot_k. */
-static QUANT_AVX2 void quant_tile_q6k_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                          float *y, size_t ys, void *scratch) {
+/* quant_tile_q45k_avx512 at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
+ * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
+ * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
+QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
+                                         int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
-    struct quant_avx2_q6k_tile *tiles = scratch;
-    float (*p)[QUANT_NPART][16] = (void *)((uint8_t *)scratch + (size_t)nu * QUANT_K_TILE_BYTES);
+    uint8_t *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + (size_t)nu * QUANT_K_TILE_BYTES);
     quant_avx2_tile_prefetch_next(w, rb);
-    for (int64_t u = 0; u < nu; u++) quant_avx2_q6k_tile_unpack(w, rb, u, &tiles[u]);
+    for (int64_t u = 0; u < nu; u++) {
+        void *tile = tiles + (size_t)u * QUANT_K_TILE_BYTES;
+        if (t == GGUF_TYPE_Q6_K) quant_avx2_q6k_tile_unpack(w, rb, u, tile);
+        else quant_avx2_k_tile_unpack(w, rb, u, t == GGUF_TYPE_Q5_K, tile);
+    }
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
-        struct quant_q8k_view a[QUANT_TILE_NC];
+        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t u = 0; u < nu; u++)
-            for (int half = 0; half < 2; half++) quant_avx2_q6k_tile_unit(&tiles[u], half, a, u, p);
+            for (int half = 0; half < 2; half++) {
+                const void *tile = tiles + (size_t)u * QUANT_K_TILE_BYTES;
+                if (t == GGUF_TYPE_Q6_K) quant_avx2_q6k_tile_unit(tile, half, a, u, p);
+                else quant_avx2_tile_unit(tile, half, t == GGUF_TYPE_Q5_K ? 4 : 8, a, u, p);
+            }
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
+
+#define QUANT_AVX2_K_TILE(name, type)                                                                                     \
+    static QUANT_AVX2 void name(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y, \
+                                size_t ys, void *scratch) { quant_avx2_k_tile(type, w, rb, acts, stride, nc, n, y, ys, scratch); }
+QUANT_AVX2_K_TILE(quant_tile_q4k_avx2, GGUF_TYPE_Q4_K)
+QUANT_AVX2_K_TILE(quant_tile_q5k_avx2, GGUF_TYPE_Q5_K)
+QUANT_AVX2_K_TILE(quant_tile_q6k_avx2, GGUF_TYPE_Q6_K)
 
 /* Block B of the 16 Q4_0 rows at W (RB bytes apart) into T, as quant_legacy_tile_unpack lays it
  * out (8 rows at a time). */
