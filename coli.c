@@ -4518,6 +4518,12 @@ QUANT_AVX2_INLINE void quant_avx2_tile_transpose(const uint8_t *p, size_t rb, __
     quant_avx2_tile_transpose4(p + 16, rb, out + 4);
 }
 
+/* The 16 fp16 values at H (a tile's rows' d) as floats at OUT. */
+QUANT_AVX2_INLINE void quant_avx2_tile_floats(const uint16_t *h, float *out) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+}
+
 /* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, as
  * quant_q45k_tile_unpack lays out the quants (8 rows at a time); the scales, mins and d, dmin
  * row by row. */
@@ -4556,11 +4562,8 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int
             t->mn[j][2 * r] = t->mn[j][2 * r + 1] = (int16_t)(mn >> 8 * j & 0xff);
         }
     }
-    QUANT_UNROLL(2)
-    for (int i = 0; i < 16; i += 8) {
-        _mm256_storeu_ps(t->d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + i))));
-        _mm256_storeu_ps(t->dmin + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + i))));
-    }
+    quant_avx2_tile_floats(dd, t->d);
+    quant_avx2_tile_floats(dm, t->dmin);
 }
 
 /* quant_tile_partial_add for 8 rows: partial PP plus R for unit U (+0 plus R for a slot's first). */
@@ -4668,8 +4671,7 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, i
         dd[r] = quant_rd16(br + 208);
         for (int g = 0; g < 16; g++) t->sc[g][2 * r] = t->sc[g][2 * r + 1] = (int8_t)br[192 + g];
     }
-    _mm256_storeu_ps(t->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
-    _mm256_storeu_ps(t->d + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8))));
+    quant_avx2_tile_floats(dd, t->d);
 }
 
 /* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum added to each
@@ -4760,8 +4762,7 @@ QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unpack(const uint8_t *w, size_t rb, 
     }
     uint16_t dd[16];
     for (int r = 0; r < 16; r++) dd[r] = quant_rd16(blk + (size_t)r * rb);
-    _mm256_storeu_ps(t->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
-    _mm256_storeu_ps(t->d + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8))));
+    quant_avx2_tile_floats(dd, t->d);
 }
 
 /* Block B of a Q4_0 tile's rows 8 HALF.. against 4 columns: quant_legacy_units' unit, (dw * dx)
