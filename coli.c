@@ -6079,7 +6079,8 @@ static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops
 
 /* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
  * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
- * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Attention at 8k of
+ * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Returns the maximum,
+ * and the sum in *SUM where SUM is not NULL (attention's splits merge by them). Attention at 8k of
  * context takes 8192 of them per head and token: libm's expf and a serial sum were 40% of its
  * time. */
 
@@ -6139,7 +6140,7 @@ static QUANT_AVX2 int ops_softmax_avx2(float *x, int n, float *max, double *part
     return body;
 }
 
-static void ops_softmax(float *x, int n)
+static float ops_softmax(float *x, int n, double *sum)
 {
     float max = x[0];
     double part[OPS_SUM_PARTS] = {0};
@@ -6152,9 +6153,12 @@ static void ops_softmax(float *x, int n)
         x[i] = ops_exp(x[i] - max);
         part[i % OPS_SUM_PARTS] += x[i];
     }
-    float inv = (float)(1.0 / ops_parts_sum(part));
+    const double total = ops_parts_sum(part);
+    float inv = (float)(1.0 / total);
     #pragma omp simd
     for (int i = 0; i < n; i++) x[i] *= inv;
+    if (sum) *sum = total;
+    return max;
 }
 
 /* ---- attention over the KV cache ----
@@ -6175,11 +6179,16 @@ static void ops_softmax(float *x, int n)
  * Fused, because a Q8_0 value's widening then runs beside the products: with a multiply and
  * an add, the FP pipes also had to take the conversions (8 heads x 32 dims a row: 13 cycles
  * against 9.5 fused, on Zen 5). A Q8_0 value is widened exactly (d * q has at most 18
- * significant bits), so the sums are those of fp32 rows holding those values. */
+ * significant bits), so the sums are those of fp32 rows holding those values.
+ * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each its scores, its own softmax and
+ * its values, then merged in order of the splits (ops_attn_merge). Why: a GPU computes the
+ * splits of a long context side by side (one warp a split, not one a head), and it can only
+ * give the CPU's bits if the order is the same on both sides. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 32 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 #define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (8.5-32 KiB of rows of 256, read once from memory) */
+#define OPS_ATTN_SPLIT 256 /* cached rows a split: a softmax of its own, merged in order (ops_attn_merge) */
 
 /* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale
  * and 32 int8), quantised as quant_act_q8 quantises an activation; Q8_0 keys are stored
@@ -6688,6 +6697,49 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
     if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, kv);
     else if (quant_level >= QUANT_LEVEL_AVX2) ops_attend_avx2(w, nq, v, stride, n, hd, o, kv);
     else ops_attend_scalar(w, nq, v, stride, n, hd, o, kv);
+}
+
+/* Folds a split's output OC (HD floats: its rows' values weighed by their own softmax), with
+ * its largest score MAX_C and its sum SUM_C of e^(s - MAX_C), into O, the splits' before it
+ * merged, whose largest score and sum are *MAX and *SUM: each side's share of the new sum
+ * (its sum times e^(its max - the new max), in double) as a float weight, then o = fma(wc, oc,
+ * wo * o) element by element. The first split is O as it is, so a context of one split gives
+ * the bits of one softmax over all its rows. */
+static void ops_attn_merge(float *o, float *max, double *sum, const float *oc, float max_c, double sum_c, int hd)
+{
+    const float m = max_c > *max ? max_c : *max;
+    const double a = (double)ops_exp(*max - m) * *sum, b = (double)ops_exp(max_c - m) * sum_c, total = a + b;
+    const float wo = (float)(a / total), wc = (float)(b / total);
+    for (int i = 0; i < hd; i++) o[i] = fmaf(wc, oc[i], wo * o[i]);
+    *max = m;
+    *sum = total;
+}
+
+/* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O, zeroed) over the first N
+ * rows of one KV head's KEYS and VALUES (rows of HD elements in format KV), split by split:
+ * scores times SCALE, their softmax, the values, then ops_attn_merge. SC: a scratch of N + HD
+ * floats a head (the scores, then a split's output). */
+static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
+                          float *const *sc, float *const *o, enum ops_kv kv)
+{
+    const size_t row = ops_kv_row_bytes((size_t)hd, kv);
+    float max[OPS_ATTN_HEADS], max_c[OPS_ATTN_HEADS], *w[OPS_ATTN_HEADS], *oc[OPS_ATTN_HEADS];
+    double sum[OPS_ATTN_HEADS], sum_c[OPS_ATTN_HEADS];
+    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_SPLIT) {
+        const int rows = n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT;
+        for (int j = 0; j < nq; j++) {
+            w[j] = sc[j] + p0;
+            oc[j] = p0 ? sc[j] + n : o[j];
+            if (p0) memset(oc[j], 0, (size_t)hd * sizeof(float));
+        }
+        ops_scores(q, nq, keys + (size_t)p0 * row, (size_t)hd, rows, hd, scale, w, kv);
+        for (int j = 0; j < nq; j++) max_c[j] = ops_softmax(w[j], rows, &sum_c[j]);
+        ops_attend((const float *const *)w, nq, values + (size_t)p0 * row, (size_t)hd, rows, hd, oc, kv);
+        for (int j = 0; j < nq; j++) {
+            if (!p0) max[j] = max_c[j], sum[j] = sum_c[j];
+            else ops_attn_merge(o[j], &max[j], &sum[j], oc[j], max_c[j], sum_c[j], hd);
+        }
+    }
 }
 
 /* ---- the gated delta rule ----
@@ -11624,6 +11676,10 @@ static float *model_buf(int64_t a, int64_t b, int touched)
  * layer on a device brings back (model_rest_device checks that it fits). */
 static size_t model_dev_out_rows(const struct model_config *c) { return (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1); }
 
+/* Floats of a head's scratch in s->scores: its scores over the whole context, then the output
+ * of the split at hand. */
+static size_t model_scores_floats(const struct model *m) { return (size_t)m->n_ctx + (size_t)m->cfg.head_dim; }
+
 static void model_alloc_scratch(struct model *m)
 {
     const struct model_config *c = &m->cfg;
@@ -11638,7 +11694,7 @@ static void model_alloc_scratch(struct model *m)
     s->k = model_buf(B, (int64_t)c->n_kv_head * c->head_dim, 1);
     s->v = model_buf(B, (int64_t)c->n_kv_head * c->head_dim, 1);
     s->attn = model_buf(B, (int64_t)c->n_head * c->head_dim, 1);
-    s->scores = model_buf(c->n_head, m->n_ctx, 0);
+    s->scores = model_buf(c->n_head, (int64_t)model_scores_floats(m), 0);
     s->rope = model_buf(B, c->rope_dims, 1);
     s->mixed = model_buf(B, model_conv_dim(c), 1);
     s->z = model_buf(B, nvdv, 1);
@@ -12086,16 +12142,14 @@ static void model_kv_store(const struct model *m, void *cache, int h, int pos, c
     ops_kv_store((uint8_t *)cache + (size_t)h * (size_t)model_kv_rows(m) * model_kv_row_bytes(m), hd, pos, src, (int)hd, m->kv, keys);
 }
 
-/* Scores, softmax and values of SHARE heads (queries Q, scores SC, outputs O) over the first N
- * rows of KV head KVH; an fp16 cache is widened by the kernels as they read it. */
+/* Scores, softmax and values of SHARE heads (queries Q, scratch SC: model_scores_floats each,
+ * outputs O, zeroed) over the first N rows of KV head KVH (ops_attention). */
 static void model_attend_rows(const struct model *m, const struct model_layer_state *st, int kvh, const float *const *q,
                               int share, int n, float scale, float *const *sc, float *const *o)
 {
-    const int hd = m->cfg.head_dim;
     const size_t head = (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
-    ops_scores(q, share, (const uint8_t *)st->k_cache + head, (size_t)hd, n, hd, scale, sc, m->kv);
-    for (int j = 0; j < share; j++) ops_softmax(sc[j], n);
-    ops_attend((const float *const *)sc, share, (const uint8_t *)st->v_cache + head, (size_t)hd, n, hd, o, m->kv);
+    ops_attention(q, share, (const uint8_t *)st->k_cache + head, (const uint8_t *)st->v_cache + head, n, m->cfg.head_dim, scale, sc, o,
+                  m->kv);
 }
 
 /* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its
@@ -12167,7 +12221,7 @@ static const float *model_attention(struct model *m, int il, int T)
             const struct model_layer_state *st = &s->tok_seq[t]->state[il];
             for (int j = 0; j < share; j++) {
                 q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
-                sc[j] = s->scores + (size_t)(h0 + j) * m->n_ctx;
+                sc[j] = s->scores + (size_t)(h0 + j) * model_scores_floats(m);
                 o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
                 memset(o[j], 0, (size_t)hd * sizeof(float));
             }
@@ -12314,7 +12368,7 @@ static void model_select_experts(struct model *m, int T)
         int *top = s->top + (size_t)t * used;
         float *w = s->top_w + (size_t)t * used;
         double sum = 0.0; /* as the reference: the weights' sum in double, the division in float */
-        ops_softmax(p, c->n_expert);
+        ops_softmax(p, c->n_expert, NULL);
         for (int k = 0; k < used; k++) {
             int best = -1;
             for (int e = 0; e < c->n_expert; e++) {

@@ -858,6 +858,98 @@ static void test_attention(void) {
     free(q); free(k); free(kc); free(vc); free(qa); free(ka); free(ref); free(got);
 }
 
+/* Attention in splits (ops_attention) over contexts of one split, one and a row, and three with
+ * a short last, fp32, fp16 and Q8_0 caches, 1, 4 and 8 heads: every level gives the scalar
+ * bits; the scalar bits are those of a rendering of the documented order (each split's scores,
+ * softmax and values by the kernels checked above, then the merge written out here); and the
+ * result is one softmax over all the rows, computed in double, to within 3e-6 of the values'
+ * largest magnitude (a merge that dropped a split's share or weighed it by the wrong maximum
+ * is off by far more). */
+static void test_attention_splits(void) {
+    static const int ns[] = { OPS_ATTN_SPLIT, OPS_ATTN_SPLIT + 1, 2 * OPS_ATTN_SPLIT + 88 }, nqs[] = { 1, 4, 8 };
+    enum { N = 2 * OPS_ATTN_SPLIT + 88, HD = 64, MAXQ = 8 };
+    float *q = plat_alloc(MAXQ * HD * sizeof(float)), *rows = plat_alloc((size_t)N * HD * sizeof(float));
+    uint8_t *kc = plat_alloc((N + OPS_KV_GROUP) * HD * 4), *vc = plat_alloc((N + OPS_KV_GROUP) * HD * 4);
+    float *scratch = plat_alloc(2 * MAXQ * (N + HD) * sizeof(float)), *out = plat_alloc(3 * MAXQ * HD * sizeof(float));
+    int bad_level = 0, bad_order = 0;
+    double worst = 0;
+    char why[200] = "";
+    fill_x(q, MAXQ * HD, X_RANDOM);
+    for (int i = 0; i < MAXQ * HD; i++) q[i] *= 4.0f; /* scores spread over several units, so the splits' maxima differ */
+    fill_x(rows, N * HD, X_RANDOM);
+    for (int kv = OPS_KV_F32; kv <= OPS_KV_Q8_0; kv++) {
+        for (int p = 0; p < N; p++) {
+            ops_kv_store(kc, HD, p, rows + p * HD, HD, (enum ops_kv)kv, 1);
+            ops_kv_store(vc, HD, p, rows + (size_t)(N - 1 - p) * HD, HD, (enum ops_kv)kv, 0);
+        }
+        const size_t row = ops_kv_row_bytes(HD, (enum ops_kv)kv);
+        for (size_t c = 0; c < sizeof ns / sizeof *ns; c++)
+            for (size_t h = 0; h < sizeof nqs / sizeof *nqs; h++) {
+                const int n = ns[c], nq = nqs[h];
+                const float *qs[MAXQ];
+                float *sc[MAXQ], *ref[MAXQ], *got[MAXQ], *ren[MAXQ];
+                for (int j = 0; j < nq; j++) {
+                    qs[j] = q + j * HD;
+                    sc[j] = scratch + (size_t)j * (N + HD);
+                    ref[j] = out + j * HD, got[j] = out + (MAXQ + j) * HD, ren[j] = out + (2 * MAXQ + j) * HD;
+                }
+                for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+                    quant_set_level(l);
+                    float *const *o = l == QUANT_LEVEL_SCALAR ? ref : got;
+                    for (int j = 0; j < nq; j++) memset(o[j], 0, HD * sizeof(float));
+                    ops_attention(qs, nq, kc, vc, n, HD, 0.125f, sc, o, (enum ops_kv)kv);
+                    for (int j = 0; l > QUANT_LEVEL_SCALAR && j < nq; j++)
+                        if (memcmp(got[j], ref[j], HD * sizeof(float)) && !bad_level++)
+                            snprintf(why, sizeof why, "%d rows, %d heads, cache %d: %s differs", n, nq, kv, quant_level_names[l]);
+                }
+                quant_set_level(QUANT_LEVEL_SCALAR);
+                for (int j = 0; j < nq; j++) { /* the documented order, one head at a time */
+                    float *s = scratch + (size_t)(MAXQ + j) * (N + HD), m = 0, part[HD];
+                    double total = 0;
+                    for (int p0 = 0; p0 < n; p0 += OPS_ATTN_SPLIT) {
+                        const int k = n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT;
+                        double sum_c;
+                        float *oc = p0 ? part : ren[j];
+                        memset(oc, 0, HD * sizeof(float));
+                        ops_scores(&qs[j], 1, kc + p0 * row, HD, k, HD, 0.125f, &s, (enum ops_kv)kv);
+                        const float m_c = ops_softmax(s, k, &sum_c);
+                        ops_attend((const float *const *)&s, 1, vc + p0 * row, HD, k, HD, &oc, (enum ops_kv)kv);
+                        if (!p0) { m = m_c, total = sum_c; continue; }
+                        const float mn = m_c > m ? m_c : m;
+                        const double a = (double)ops_exp(m - mn) * total, b = (double)ops_exp(m_c - mn) * sum_c;
+                        for (int i = 0; i < HD; i++) ren[j][i] = fmaf((float)(b / (a + b)), part[i], (float)(a / (a + b)) * ren[j][i]);
+                        m = mn, total = a + b;
+                    }
+                    bad_order += memcmp(ren[j], ref[j], HD * sizeof(float)) != 0;
+                }
+                for (int j = 0; kv != OPS_KV_Q8_0 && j < nq; j++) { /* one softmax over all n rows, in double */
+                    double sd[N], mx = -INFINITY, z = 0, vmax = 0;
+                    for (int p = 0; p < n; p++) {
+                        const void *kr = ops_kv_row(kc, HD, p, (enum ops_kv)kv);
+                        double dot = 0;
+                        for (int i = 0; i < HD; i++) dot += (double)qs[j][i] * ops_kv_at(kr, i, (enum ops_kv)kv);
+                        sd[p] = dot * 0.125;
+                        mx = fmax(mx, sd[p]);
+                    }
+                    for (int p = 0; p < n; p++) z += sd[p] = exp(sd[p] - mx);
+                    for (int i = 0; i < HD; i++) {
+                        double want = 0;
+                        for (int p = 0; p < n; p++) {
+                            const double v = ops_kv_at(ops_kv_row(vc, HD, p, (enum ops_kv)kv), i, (enum ops_kv)kv);
+                            want += sd[p] / z * v;
+                            vmax = fmax(vmax, fabs(v));
+                        }
+                        worst = fmax(worst, fabs(want - ref[j][i]) / vmax);
+                    }
+                }
+            }
+    }
+    check(!bad_level, "attention in splits: every level gives the scalar bits", "%s", why);
+    check(!bad_order, "attention in splits: each split's softmax and values, merged in order as documented", "%d heads differ", bad_order);
+    check(worst < 3e-6, "attention in splits: one softmax over all the rows (fp32 and fp16 caches, within 3e-6 of the values)", "worst %.3g", worst);
+    free(q); free(rows); free(kc); free(vc); free(scratch); free(out);
+}
+
 /* Softmax at every level against a rendering of its documented order (the maximum, ops_exp,
  * 16 strided partials in double, the butterfly, one scale), on lengths with and without a tail
  * past the vectors and values at the edges: -inf, a NaN first or later, scores far below the
@@ -888,12 +980,13 @@ static void test_softmax(void) {
             for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
                 quant_set_level(l);
                 memcpy(got, x, n * sizeof(float));
-                ops_softmax(got, n);
-                if (memcmp(got, want, n * sizeof(float)) && !bad++)
+                double sum;
+                const float got_max = ops_softmax(got, n, &sum);
+                if ((memcmp(got, want, n * sizeof(float)) || memcmp(&got_max, &max, 4) || memcmp(&sum, &part[0], 8)) && !bad++)
                     snprintf(why, sizeof why, "%d values, edge case %d: %s differs", n, edge, quant_level_names[l]);
             }
         }
-    check(!bad, "softmax: every level gives the documented order's bits", "%s", why);
+    check(!bad, "softmax: every level gives the documented order's bits, its maximum and sum", "%s", why);
     free(x); free(want); free(got);
 }
 
@@ -1390,6 +1483,7 @@ int main(int argc, char **argv) {
     test_scalar_vs_double();
     test_ops();
     test_attention();
+    test_attention_splits();
     test_delta_rule();
     test_swiglu();
     test_softmax();
