@@ -6699,6 +6699,32 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
     else ops_attend_scalar(w, nq, v, stride, n, hd, o, kv);
 }
 
+/* o[i] = fma(wc, oc[i], wo * o[i]) for N values, the same bits at every level (fmaf is a
+ * library call where the compiler may not assume FMA: 2048 of them a split of 8 heads made
+ * decode's attention at 8k of context 15-70% slower). The SIMD levels return how many they did. */
+static QUANT_AVX512 int ops_blend_avx512(float *o, const float *oc, float wo, float wc, int n)
+{
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(_mm512_set1_ps(wc), _mm512_loadu_ps(oc + i), _mm512_mul_ps(_mm512_set1_ps(wo), _mm512_loadu_ps(o + i))));
+    return i;
+}
+
+static QUANT_AVX2 int ops_blend_avx2(float *o, const float *oc, float wo, float wc, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(wc), _mm256_loadu_ps(oc + i), _mm256_mul_ps(_mm256_set1_ps(wo), _mm256_loadu_ps(o + i))));
+    return i;
+}
+
+static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
+{
+    int i = quant_level >= QUANT_LEVEL_AVX512 ? ops_blend_avx512(o, oc, wo, wc, n)
+            : quant_level >= QUANT_LEVEL_AVX2 ? ops_blend_avx2(o, oc, wo, wc, n) : 0;
+    for (; i < n; i++) o[i] = fmaf(wc, oc[i], wo * o[i]);
+}
+
 /* Folds a split's output OC (HD floats: its rows' values weighed by their own softmax), with
  * its largest score MAX_C and its sum SUM_C of e^(s - MAX_C), into O, the splits' before it
  * merged, whose largest score and sum are *MAX and *SUM: each side's share of the new sum
@@ -6709,8 +6735,7 @@ static void ops_attn_merge(float *o, float *max, double *sum, const float *oc, f
 {
     const float m = max_c > *max ? max_c : *max;
     const double a = (double)ops_exp(*max - m) * *sum, b = (double)ops_exp(max_c - m) * sum_c, total = a + b;
-    const float wo = (float)(a / total), wc = (float)(b / total);
-    for (int i = 0; i < hd; i++) o[i] = fmaf(wc, oc[i], wo * o[i]);
+    ops_blend(o, oc, (float)(a / total), (float)(b / total), hd);
     *max = m;
     *sum = total;
 }
@@ -7625,7 +7650,7 @@ struct cuda_device {
     cuda_handle quantize[3];             /* by enum quant_act_kind */
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
-    cuda_handle attn_prep, attn_heads;   /* an attention mixer there (cuda_attention_launch) */
+    cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
@@ -8031,7 +8056,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "deltanet_", "rule", &d->deltanet_rule);
     cuda_kernel(d, "deltanet_", "gate", &d->deltanet_gate);
     cuda_kernel(d, "attn_", "prep", &d->attn_prep);
-    cuda_kernel(d, "attn_", "heads", &d->attn_heads);
+    cuda_kernel(d, "attn_", "split", &d->attn_split);
+    cuda_kernel(d, "attn_", "merge", &d->attn_merge);
     d->usable = 1;
     return 0;
 }
@@ -8730,7 +8756,7 @@ struct cuda_deltanet {
  * the device (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a head, f32 or F16 values. */
 struct cuda_attention {
     cuda_ptr q_norm, k_norm, kv, pos, rope;
-    int n_head, n_kv, hd, rot, f16;
+    int n_head, n_kv, hd, rot, f16, splits; /* splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
     float eps, scale;
     uint64_t layer_off, rows;
 };
@@ -8795,9 +8821,25 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
  * projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, cpu_y, xn, ids, out, end;
+    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, cpu_y, xn, ids, out, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
+
+/* Bytes of a token's split records (attn_split: HD + 4 floats a split of a head), and how many
+ * of a batch of T one pair of attention launches takes: as many as fit cuda_attention_parts
+ * bytes, at least one (a prompt at long context goes in groups; a decode step in one). */
+static size_t cuda_attention_parts = (size_t)64 << 20; /* test_cuda lowers it, to see groups */
+
+static size_t cuda_attention_token_parts(const struct cuda_attention *a)
+{
+    return (size_t)a->n_head * (size_t)a->splits * ((size_t)a->hd + 4) * 4;
+}
+
+static int cuda_attention_group(const struct cuda_attention *a, int T)
+{
+    const size_t fit = cuda_attention_parts / cuda_attention_token_parts(a);
+    return fit < 1 ? 1 : fit < (size_t)T ? (int)fit : T;
+}
 
 static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L, size_t stride_mix, int T)
 {
@@ -8821,7 +8863,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.work = o.w + cuda_align((size_t)T * L->used * 4);
     o.swork = o.work + cuda_align(cuda_moe_work_bytes(&L->sh, n));
     o.core = o.swork + (apart ? cuda_align(cuda_moe_work_bytes(&L->shexp_sh, T)) : 0);
-    size_t at = o.core + (L->dn || L->attn ? cuda_align((size_t)T * (size_t)L->wo->cols * 4) : 0);
+    o.parts = o.core + (L->dn || L->attn ? cuda_align((size_t)T * (size_t)L->wo->cols * 4) : 0);
+    size_t at = o.parts + (L->attn ? cuda_align((size_t)cuda_attention_group(L->attn, T) * cuda_attention_token_parts(L->attn)) : 0);
     for (int j = 0; j < L->n_next; j++) {
         int same = 0;
         while (L->next[same].type != L->next[j].type) same++;
@@ -8941,25 +8984,29 @@ static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda
 
 /* Layer L's attention mixer on device D over the projections the layer before kept there (q
  * with its gate, k, v): the q and k norms and RoPE, the new K and V rows into each token's cache
- * (attn_prep), the scores, softmax, values and gate (attn_heads), then the rows prepared for the
- * output projection at o.mix. 3 launches; the driver's result. */
+ * (attn_prep), each split's scores, softmax and values (attn_split) and their merge and gate
+ * (attn_merge), a pair a group of tokens (cuda_attention_group), then the rows prepared for the
+ * output projection at o.mix. 4 launches where the batch is one group; the driver's result. */
 static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                          int T)
 {
     const struct cuda_attention *a = L->attn;
     cuda_ptr qg = d->kept_next[0], k = d->kept_next[1], v = d->kept_next[2], out = d->moe + o.core, qn = a->q_norm, kn = a->k_norm;
-    cuda_ptr rope = a->rope, kv = a->kv, pos = a->pos;
+    cuda_ptr rope = a->rope, kv = a->kv, pos = a->pos, parts = d->moe + o.parts;
     uint64_t off = a->layer_off, rows = a->rows;
-    int nh = a->n_head, nkv = a->n_kv, hd = a->hd, rot = a->rot, f16c = a->f16;
+    int nh = a->n_head, nkv = a->n_kv, hd = a->hd, rot = a->rot, f16c = a->f16, splits = a->splits, t0 = 0;
+    const int group = cuda_attention_group(a, T);
     float eps = a->eps, scale = a->scale;
     void *prep[] = {&qg, &k, &v, &qn, &kn, &rope, &kv, &off, &pos, &nh, &nkv, &hd, &rot, &rows, &f16c, &eps};
-    void *heads[] = {&qg, &kv, &off, &pos, &nh, &nkv, &hd, &rows, &f16c, &scale, &out};
-    cuda_result r;
-    if ((r = cuda_launch(d->attn_prep, (unsigned)(nh + nkv), (unsigned)T, 32, prep)) ||
-        (r = cuda_launch(d->attn_heads, (unsigned)nh, (unsigned)T, 32, heads)) ||
-        (r = cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T)))
-        return r;
-    return CUDA_SUCCESS;
+    void *split[] = {&qg, &kv, &off, &pos, &t0, &nh, &nkv, &hd, &rows, &f16c, &scale, &splits, &parts};
+    void *merge[] = {&qg, &pos, &t0, &nh, &hd, &splits, &parts, &out};
+    cuda_result r = cuda_launch(d->attn_prep, (unsigned)(nh + nkv), (unsigned)T, 32, prep);
+    for (; !r && t0 < T; t0 += group) {
+        const unsigned tokens = (unsigned)(T - t0 < group ? T - t0 : group);
+        if (!(r = cuda_launch(d->attn_split, (unsigned)(nh * splits), tokens, 32, split)))
+            r = cuda_launch(d->attn_merge, (unsigned)nh, tokens, 32, merge);
+    }
+    return r ? r : cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T);
 }
 
 /* The layer's front on device D (uploaded): the output projection, the residual and norm, the
@@ -12888,12 +12935,12 @@ static int model_attention_on(struct model *m, int il, int dev)
     const struct cuda_device *d = &cuda.dev[dev];
     const float *src[] = {l->q_norm, l->k_norm};
     const size_t bytes[] = {(size_t)c->head_dim * 4, (size_t)c->head_dim * 4};
-    if (!d->attn_prep || !d->attn_heads || m->kv == OPS_KV_Q8_0 || c->head_dim % 32 || c->head_dim > 512 || c->n_head % c->n_kv_head)
+    if (!d->attn_prep || !d->attn_split || !d->attn_merge || m->kv == OPS_KV_Q8_0 || c->head_dim % 32 || c->head_dim > 512 || c->n_head % c->n_kv_head)
         return 0;
     const cuda_ptr p = cuda_floats_resident(dev, src, bytes, 2);
     if (!p) return 0;
     m->s.attn_dev[il] = (struct cuda_attention){p, p + cuda_align(bytes[0]), 0, 0, 0, c->n_head, c->n_kv_head, c->head_dim, c->rope_dims,
-                                                m->kv == OPS_KV_F16, c->eps, 1.0f / sqrtf((float)c->head_dim), model_kv_off(m, il),
+                                                m->kv == OPS_KV_F16, 0, c->eps, 1.0f / sqrtf((float)c->head_dim), model_kv_off(m, il),
                                                 (uint64_t)model_kv_rows(m)};
     return 1;
 }
@@ -12993,6 +13040,8 @@ static int model_chain_upload(struct model *m, int T)
 {
     struct model_scratch *s = &m->s;
     const struct model_chain_head h = model_chain_head_of(m, T);
+    int longest = 0; /* rows of the batch's longest context */
+    for (int t = 0; t < T; t++) longest = s->tok_pos[t] + 1 > longest ? s->tok_pos[t] + 1 : longest;
     for (int dev = 0; dev < cuda.n_devices; dev++) {
         uint8_t *stage = s->chain_stage[dev];
         if (!s->chain_bytes[dev]) continue;
@@ -13013,6 +13062,7 @@ static int model_chain_upload(struct model *m, int T)
             ch->ids = base + h.ids + (size_t)il * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
             struct cuda_attention *a = &s->attn_dev[il]; /* read where the layer is attention */
             a->kv = base + h.kv, a->pos = base + h.pos, a->rope = base + h.rope;
+            a->splits = (longest + OPS_ATTN_SPLIT - 1) / OPS_ATTN_SPLIT;
         }
         struct ops_job first[CUDA_NEXT_MAX];
         cuda_ptr ptr[CUDA_NEXT_MAX];

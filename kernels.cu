@@ -1057,46 +1057,82 @@ __device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, i
     return __fmul_rn(p[0], scale);
 }
 
-// Head h = blockIdx.x of token t = blockIdx.y a warp, over the first pos[t] + 1 rows of its KV
-// head's cache (h / (n_head / n_kv)): the scores (lane l takes rows l + 32r), their softmax
-// (ops_softmax: the maximum, a NaN counting only as row 0's; e^(s - max) by exp_canonical, the
+// coli.c's ops_attention on the device: a head's rows in splits of ATTN_SPLIT (OPS_ATTN_SPLIT),
+// a warp each (attn_split), so that a long context keeps the card busy; then a warp a head
+// merges its splits in order (attn_merge). A split's record in PARTS, HD + 4 floats: its
+// largest score, its sum in double at float 2, its output from float 4; records [token of the
+// launch][head][split], SPLITS a head.
+#define ATTN_SPLIT 256
+#define ATTN_LANE_ROWS (ATTN_SPLIT / 32)
+
+// Split c of head h of token t = t0 + blockIdx.y, blockIdx.x = h splits + c, a warp: rows
+// c ATTN_SPLIT on of the first pos[t] + 1 of its KV head's cache (h / (n_head / n_kv)). The
+// scores (lane l takes rows l + 32r and keeps them), their softmax (ops_softmax: the maximum
+// from the split's first row on, a NaN counting only there; e^(s - max) by exp_canonical; the
 // sum in double over 16 partials, row p into partial p % 16 in order; one scale), the values
-// (o[i] = fma(w_p, v_p[i], o[i]) in increasing p, lane l taking elements l + 32m), then the
-// sigmoid gate. The scores are computed again in each pass rather than kept. OUT [T][n_head][hd].
-extern "C" __global__ void attn_heads(const float *__restrict__ qg, const uint64_t *__restrict__ kv, uint64_t layer_off,
-                                      const int *__restrict__ pos, int n_head, int n_kv, int hd, uint64_t rows, int f16c, float scale,
-                                      float *__restrict__ out) {
-    const int lane = threadIdx.x & 31, t = blockIdx.y, h = blockIdx.x, n = pos[t] + 1;
-    const float *q = qg + ((uint64_t)t * n_head + h) * 2 * hd, *gate = q + hd;
+// (o[i] = fma(w_p, v_p[i], o[i]) from zero in increasing p, lane l taking elements l + 32m).
+// A split past the token's rows writes nothing.
+extern "C" __global__ void attn_split(const float *__restrict__ qg, const uint64_t *__restrict__ kv, uint64_t layer_off,
+                                      const int *__restrict__ pos, int t0, int n_head, int n_kv, int hd, uint64_t rows, int f16c,
+                                      float scale, int splits, float *__restrict__ parts) {
+    const int lane = threadIdx.x & 31, t = t0 + blockIdx.y, h = blockIdx.x / splits, c = blockIdx.x % splits;
+    const int rest = pos[t] + 1 - c * ATTN_SPLIT, n = rest < ATTN_SPLIT ? rest : ATTN_SPLIT;
+    if (n <= 0) return;
+    const float *q = qg + ((uint64_t)t * n_head + h) * 2 * hd;
     const uint64_t esz = f16c ? 2 : 4, row = (uint64_t)hd * esz;
-    const uint8_t *keys = (const uint8_t *)kv[t] + layer_off + (uint64_t)(h / (n_head / n_kv)) * rows * row;
+    const uint8_t *keys = (const uint8_t *)kv[t] + layer_off + (uint64_t)(h / (n_head / n_kv)) * rows * row + (uint64_t)c * ATTN_SPLIT * row;
     const uint8_t *vals = keys + (uint64_t)n_kv * rows * row;
-    float max = attn_score(q, keys, hd, f16c, scale);
-    for (int p = lane; p < n; p += 32) {
-        const float s = attn_score(q, keys + p * row, hd, f16c, scale);
-        max = s > max ? s : max;
+    float s[ATTN_LANE_ROWS], max = attn_score(q, keys, hd, f16c, scale);
+    for (int r = 0; r < ATTN_LANE_ROWS; r++) {
+        const int p = lane + 32 * r;
+        s[r] = p < n ? attn_score(q, keys + p * row, hd, f16c, scale) : 0.0f;
+        max = p < n && s[r] > max ? s[r] : max;
     }
-    for (int s = 16; s > 0; s /= 2) {
-        const float o = __shfl_xor_sync(0xffffffffu, max, s);
+    for (int d = 16; d > 0; d /= 2) {
+        const float o = __shfl_xor_sync(0xffffffffu, max, d);
         max = o > max ? o : max;
     }
     double part = 0.0;
-    for (int p0 = 0; p0 < n; p0 += 32) {
-        const int p = p0 + lane;
-        const float e = p < n ? exp_canonical(__fsub_rn(attn_score(q, keys + p * row, hd, f16c, scale), max)) : 0.0f;
-        part = parts_add(part, (double)e, p < n, p + 16 < n);
+    for (int r = 0; r < ATTN_LANE_ROWS; r++) {
+        const int p = lane + 32 * r;
+        s[r] = p < n ? exp_canonical(__fsub_rn(s[r], max)) : 0.0f;
+        part = parts_add(part, (double)s[r], p < n, p + 16 < n);
     }
-    const float inv = __double2float_rn(__ddiv_rn(1.0, parts_total(part)));
+    const double sum = parts_total(part);
+    const float inv = __double2float_rn(__ddiv_rn(1.0, sum));
     float o[16];
     for (int m = 0; m < 16; m++) o[m] = 0.0f;
-    for (int p0 = 0; p0 < n; p0 += 32) {
-        const int p = p0 + lane;
-        const float w = p < n ? __fmul_rn(exp_canonical(__fsub_rn(attn_score(q, keys + p * row, hd, f16c, scale), max)), inv) : 0.0f;
-        for (int r = 0; r < 32 && p0 + r < n; r++) {
-            const float wr = __shfl_sync(0xffffffffu, w, r);
-            for (int m = 0; m < 16 && lane + 32 * m < hd; m++)
-                o[m] = __fmaf_rn(wr, kv_get(vals + (uint64_t)(p0 + r) * row, lane + 32 * m, f16c), o[m]);
+    for (int r = 0; r < ATTN_LANE_ROWS && 32 * r < n; r++) {
+        const float w = __fmul_rn(s[r], inv);
+        for (int k = 0; k < 32 && 32 * r + k < n; k++) {
+            const float wk = __shfl_sync(0xffffffffu, w, k);
+            const uint8_t *vr = vals + (uint64_t)(32 * r + k) * row;
+            for (int m = 0; m < 16 && lane + 32 * m < hd; m++) o[m] = __fmaf_rn(wk, kv_get(vr, lane + 32 * m, f16c), o[m]);
         }
+    }
+    float *rec = parts + (((uint64_t)blockIdx.y * n_head + h) * splits + c) * (hd + 4);
+    if (lane == 0) rec[0] = max, *(double *)(rec + 2) = sum;
+    for (int m = 0; m < 16 && lane + 32 * m < hd; m++) rec[4 + lane + 32 * m] = o[m];
+}
+
+// Head h = blockIdx.x of token t = t0 + blockIdx.y a warp: its splits' records merged in order
+// (ops_attn_merge: each side's share of the new sum, its sum times e^(its max - the new max) in
+// double, as a float weight; o = fma(wc, oc, wo o), lane l taking elements l + 32m; the first
+// split as it is), then the sigmoid gate. OUT [T][n_head][hd].
+extern "C" __global__ void attn_merge(const float *__restrict__ qg, const int *__restrict__ pos, int t0, int n_head, int hd, int splits,
+                                      const float *__restrict__ parts, float *__restrict__ out) {
+    const int lane = threadIdx.x & 31, t = t0 + blockIdx.y, h = blockIdx.x, n = (pos[t] + ATTN_SPLIT) / ATTN_SPLIT;
+    const float *rec = parts + ((uint64_t)blockIdx.y * n_head + h) * splits * (hd + 4), *gate = qg + ((uint64_t)t * n_head + h) * 2 * hd + hd;
+    float o[16], max = rec[0];
+    double sum = *(const double *)(rec + 2);
+    for (int m = 0; m < 16 && lane + 32 * m < hd; m++) o[m] = rec[4 + lane + 32 * m];
+    for (int c = 1; c < n; c++) {
+        const float *rc = rec + (uint64_t)c * (hd + 4), max_c = rc[0], top = max_c > max ? max_c : max;
+        const double a = __dmul_rn((double)exp_canonical(__fsub_rn(max, top)), sum);
+        const double b = __dmul_rn((double)exp_canonical(__fsub_rn(max_c, top)), *(const double *)(rc + 2)), total = __dadd_rn(a, b);
+        const float wo = __double2float_rn(__ddiv_rn(a, total)), wc = __double2float_rn(__ddiv_rn(b, total));
+        for (int m = 0; m < 16 && lane + 32 * m < hd; m++) o[m] = __fmaf_rn(wc, rc[4 + lane + 32 * m], __fmul_rn(wo, o[m]));
+        max = top, sum = total;
     }
     float *y = out + ((uint64_t)t * n_head + h) * hd;
     for (int m = 0; m < 16 && lane + 32 * m < hd; m++) y[lane + 32 * m] = __fmul_rn(sigmoid_canonical(gate[lane + 32 * m]), o[m]);

@@ -821,28 +821,32 @@ static void run_attn_prep(int unused, void **p, struct grid g)
         }
 }
 
-/* attn_heads(qg, kv, layer_off, pos, n_head, n_kv, hd, rows, f16, scale, out): for each token and
- * q head, over rows 0..pos of its KV head's cache: scores q . k_p (16 partials by element, met
- * pairwise 8, 4, 2, 1) times scale; their softmax (the largest, NaN only as row 0's; e^(s - max);
- * the sum in double over 16 partials by row; one scale); o = sum of w_p v_p as fused multiply-adds
- * in increasing p; then times sigmoid of the gate. */
-static void run_attn_heads(int unused, void **p, struct grid g)
+/* attn_split(qg, kv, layer_off, pos, t0, n_head, n_kv, hd, rows, f16, scale, splits, parts): for
+ * token t0 + y, q head h and split c (x = h splits + c), rows 256c.. of the first pos + 1 of its
+ * KV head's cache: scores q . k_p (16 partials by element, met pairwise 8, 4, 2, 1) times scale;
+ * their softmax (the largest from the split's first row, NaN only there; e^(s - max); the sum in
+ * double over 16 partials by row; one scale); o = sum of w_p v_p as fused multiply-adds in
+ * increasing p. Record [y][h][c] of hd + 4 floats: the largest, the sum (double, at float 2), o. */
+#define ATTN_SPLIT 256
+static void run_attn_split(int unused, void **p, struct grid g)
 {
     (void)unused;
     const float *qg = ARG(0, const float *);
     const uint64_t *kv = ARG(1, const uint64_t *);
-    uint64_t off = ARG(2, uint64_t), rows = ARG(7, uint64_t);
+    uint64_t off = ARG(2, uint64_t), rows = ARG(8, uint64_t);
     const int *pos = ARG(3, const int *);
-    int nh = ARG(4, int), nkv = ARG(5, int), hd = ARG(6, int), f16c = ARG(8, int);
-    float scale = ARG(9, float), *out = ARG(10, float *);
+    int t0 = ARG(4, int), nh = ARG(5, int), nkv = ARG(6, int), hd = ARG(7, int), f16c = ARG(9, int), splits = ARG(11, int);
+    float scale = ARG(10, float), *parts = ARG(12, float *);
     size_t row = (size_t)hd * (f16c ? 2 : 4);
-    for (unsigned t = 0; t < g.y; t++)
-        for (int h = 0; h < nh; h++) {
+    for (unsigned y = 0; y < g.y; y++)
+        for (long x = 0; x < g.warps; x++) {
+            const int t = t0 + (int)y, h = (int)x / splits, c = (int)x % splits, p0 = c * ATTN_SPLIT;
+            const int n = pos[t] + 1 - p0 < ATTN_SPLIT ? pos[t] + 1 - p0 : ATTN_SPLIT;
+            if (n <= 0) continue;
             const float *q = qg + ((size_t)t * nh + h) * 2 * hd;
-            const uint8_t *keys = (const uint8_t *)(uintptr_t)kv[t] + off + (size_t)(h / (nh / nkv)) * rows * row;
+            const uint8_t *keys = (const uint8_t *)(uintptr_t)kv[t] + off + (size_t)(h / (nh / nkv)) * rows * row + (size_t)p0 * row;
             const uint8_t *vals = keys + (size_t)nkv * rows * row;
-            int n = pos[t] + 1;
-            float *w = malloc((size_t)n * sizeof *w), *o = out + ((size_t)t * nh + h) * hd;
+            float w[ATTN_SPLIT], *rec = parts + (((size_t)y * nh + h) * splits + c) * (hd + 4);
             for (int r = 0; r < n; r++) {
                 float part[16] = {0};
                 for (int i = 0; i < hd; i++) part[i % 16] += q[i] * kv_get(keys + r * row, i, f16c);
@@ -857,12 +861,44 @@ static void run_attn_heads(int unused, void **p, struct grid g)
             for (int s = 8; s > 0; s /= 2)
                 for (int j = 0; j < s; j++) sum[j] += sum[j + s];
             float inv = (float)(1.0 / sum[0]);
+            rec[0] = max;
+            memcpy(rec + 2, &sum[0], 8);
             for (int i = 0; i < hd; i++) {
                 float acc = 0.0f;
                 for (int r = 0; r < n; r++) acc = fmaf(w[r] * inv, kv_get(vals + r * row, i, f16c), acc);
-                o[i] = (1.0f / (1.0f + exp_canonical(-q[hd + i]))) * acc;
+                rec[4 + i] = acc;
             }
-            free(w);
+        }
+}
+
+/* attn_merge(qg, pos, t0, n_head, hd, splits, parts, out): for token t0 + y and q head x, its
+ * splits' records in order: the new maximum; each side's share of the new sum (its sum times
+ * e^(its max - the new max), in double) as a float weight; o = fma(w_split, its o, w_before o);
+ * then times sigmoid of the gate. */
+static void run_attn_merge(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *qg = ARG(0, const float *), *parts = ARG(6, const float *);
+    const int *pos = ARG(1, const int *);
+    int t0 = ARG(2, int), nh = ARG(3, int), hd = ARG(4, int), splits = ARG(5, int);
+    float *out = ARG(7, float *);
+    for (unsigned y = 0; y < g.y; y++)
+        for (long h = 0; h < g.warps; h++) {
+            const int t = t0 + (int)y, n = (pos[t] + ATTN_SPLIT) / ATTN_SPLIT;
+            const float *rec = parts + ((size_t)y * nh + h) * splits * (hd + 4), *gate = qg + ((size_t)t * nh + h) * 2 * hd + hd;
+            float *o = out + ((size_t)t * nh + h) * hd, max = rec[0];
+            double sum;
+            memcpy(&sum, rec + 2, 8);
+            memcpy(o, rec + 4, (size_t)hd * 4);
+            for (int c = 1; c < n; c++) {
+                const float *rc = rec + (size_t)c * (hd + 4), top = rc[0] > max ? rc[0] : max;
+                double sum_c;
+                memcpy(&sum_c, rc + 2, 8);
+                const double a = (double)exp_canonical(max - top) * sum, b = (double)exp_canonical(rc[0] - top) * sum_c;
+                for (int i = 0; i < hd; i++) o[i] = fmaf((float)(b / (a + b)), rc[4 + i], (float)(a / (a + b)) * o[i]);
+                max = top, sum = a + b;
+            }
+            for (int i = 0; i < hd; i++) o[i] *= 1.0f / (1.0f + exp_canonical(-gate[i]));
         }
 }
 
@@ -879,7 +915,8 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"quantize_float", QUANT_FLOAT, run_quantize}, {"quantize_q8", QUANT_Q8, run_quantize},
     {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
     {"residual_norm", 0, run_residual_norm}, {"deltanet_conv", 0, run_deltanet_conv}, {"deltanet_rule", 0, run_deltanet_rule},
-    {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_heads", 0, run_attn_heads},
+    {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_split", 0, run_attn_split},
+    {"attn_merge", 0, run_attn_merge},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

@@ -494,12 +494,14 @@ static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T
 }
 
 /* A gated attention layer on device DEV (cuda_attention_launch: q/k norms and RoPE, the new
- * K and V rows into each sequence's cache, scores, softmax, values and gate, the rows prepared
- * for the output projection) against coli's own model_attention on the CPU: T tokens of N_SEQ
- * sequences, each already FILLED positions into its cache (the rows the device was given), the
- * layer the second attention layer of two (its caches at an offset), KV format KV. The queries,
- * keys, outputs, rows and whole caches after compared bit for bit, the driver calls counted. */
-static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int T, int n_seq, int filled, enum ops_kv kv)
+ * K and V rows into each sequence's cache, each split's scores, softmax and values, their
+ * merge and the gate, the rows prepared for the output projection) against coli's own
+ * model_attention on the CPU: T tokens of N_SEQ sequences, each already FILLED positions into
+ * its cache (the rows the device was given), the layer the second attention layer of two (its
+ * caches at an offset), KV format KV; GROUP: tokens a pair of split launches takes (0: all).
+ * The queries, keys, outputs, rows and whole caches after compared bit for bit, the driver
+ * calls counted (3, and 2 a group). */
+static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int T, int n_seq, int filled, enum ops_kv kv, int group)
 {
     struct model mm;
     memset(&mm, 0, sizeof mm);
@@ -518,7 +520,7 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     const int qw = n_head * 2 * hd, kvw = n_kv * hd;
     s->qg = random_x(T, qw), s->k = random_x(T, kvw), s->v = random_x(T, kvw);
     s->attn = plat_alloc((size_t)T * n_head * hd * 4);
-    s->scores = plat_alloc((size_t)n_head * mm.n_ctx * 4);
+    s->scores = plat_alloc((size_t)n_head * model_scores_floats(&mm) * 4);
     s->rope = plat_alloc((size_t)T * rot * 4);
     s->tok_seq = plat_alloc((size_t)T * sizeof *s->tok_seq);
     s->tok_pos = plat_alloc((size_t)T * sizeof *s->tok_pos);
@@ -559,16 +561,26 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     struct cuda_device *d = &cuda.dev[dev];
     cuda_ptr qg = device_copy(dev, s->qg, (size_t)T * qw * 4), k = device_copy(dev, s->k, (size_t)T * kvw * 4), v = device_copy(dev, s->v, (size_t)T * kvw * 4);
     cuda_ptr qn = device_copy(dev, q_norm, (size_t)hd * 4), kn = device_copy(dev, k_norm, (size_t)hd * 4), dr = device_copy(dev, rope, (size_t)T * rot * 4);
-    cuda_ptr da = device_copy(dev, addr, (size_t)T * 8), dp = device_copy(dev, pos, (size_t)T * 4), scratch = device_copy(dev, NULL, out_bytes + stride * T);
-    struct cuda_attention a = {qn, kn, da, dp, dr, n_head, n_kv, hd, rot, kv == OPS_KV_F16, 1e-6f, 1.0f / sqrtf((float)hd), layer, (uint64_t)model_kv_rows(&mm)};
+    cuda_ptr da = device_copy(dev, addr, (size_t)T * 8), dp = device_copy(dev, pos, (size_t)T * 4);
+    int longest = 0;
+    for (int t = 0; t < T; t++) longest = pos[t] + 1 > longest ? pos[t] + 1 : longest;
+    const int splits = (longest + OPS_ATTN_SPLIT - 1) / OPS_ATTN_SPLIT;
+    struct cuda_attention a = {qn, kn, da, dp, dr, n_head, n_kv, hd, rot, kv == OPS_KV_F16, splits, 1e-6f, 1.0f / sqrtf((float)hd), layer,
+                               (uint64_t)model_kv_rows(&mm)};
+    const size_t parts_cap = cuda_attention_parts;
+    if (group) cuda_attention_parts = (size_t)group * cuda_attention_token_parts(&a);
+    const int groups = (T + cuda_attention_group(&a, T) - 1) / cuda_attention_group(&a, T);
     struct cuda_moe_layer L = {.wo = &wo, .attn = &a};
     struct cuda_moe_layout o;
     memset(&o, 0, sizeof o);
     o.mix = out_bytes;
+    o.parts = cuda_align(out_bytes + stride * T);
+    cuda_ptr scratch = device_copy(dev, NULL, o.parts + cuda_attention_group(&a, T) * cuda_attention_token_parts(&a));
     d->kept_next[0] = qg, d->kept_next[1] = k, d->kept_next[2] = v, d->moe = scratch;
     long calls = cuda_calls;
     int ran = scratch && cuda_attention_launch(d, &L, o, stride, T) == CUDA_SUCCESS;
     calls = cuda_calls - calls;
+    cuda_attention_parts = parts_cap;
     d->moe = 0;
     model_attention(&mm, 1, T);
     uint8_t *act = plat_zalloc(stride * (size_t)T, 1), *got = plat_alloc(stride * (size_t)T);
@@ -584,9 +596,10 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
         same = cuda_dtoh(back, dev_kv[q] + layer, layer) == 0 && !memcmp(back, host + layer, layer);
     }
     char name[200];
-    snprintf(name, sizeof name, "attention on device %d, %d heads on %d of %d (RoPE %d), %s cache, %d tokens of %d sequences after %d: "
-             "the CPU's queries, keys, caches, rows and bits in 3 calls", dev, n_head, n_kv, hd, rot, kv == OPS_KV_F16 ? "f16" : "f32", T, n_seq, filled);
-    check(same && calls == 3, name, "ran %d, calls %ld, first difference at %zu", ran, calls, at);
+    snprintf(name, sizeof name, "attention on device %d, %d heads on %d of %d (RoPE %d), %s cache, %d tokens of %d sequences after %d "
+             "(%d splits, %d groups): the CPU's queries, keys, caches, rows and bits in %d calls", dev, n_head, n_kv, hd, rot,
+             kv == OPS_KV_F16 ? "f16" : "f32", T, n_seq, filled, splits, groups, 2 + 2 * groups);
+    check(same && calls == 2 + 2 * groups, name, "ran %d, calls %ld, first difference at %zu", ran, calls, at);
     cuda_ptr bufs_d[] = {qg, k, v, qn, kn, dr, da, dp, scratch};
     for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
     for (int q = 0; q < n_seq; q++) {
@@ -601,11 +614,14 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
 
 static void test_attention_device(int real)
 {
-    check_attention(0, 4, 2, 32, 8, 1, 1, 5, OPS_KV_F32);            /* the golden models' heads */
-    check_attention(1, 16, 2, 256, 64, 3, 2, 37, OPS_KV_F32);        /* the 35B-A3B's heads, rows past a warp's 32 */
-    check_attention(0, 8, 4, 64, 32, 4, 1, 70, OPS_KV_F16);          /* a prompt's tokens after 70 rows, f16 */
-    check_attention(!real, 6, 3, 128, 128, 2, 2, 0, OPS_KV_F16);     /* RoPE over the whole head, an empty cache */
-    if (real) check_attention(0, 16, 2, 256, 64, 4, 2, 1000, OPS_KV_F32); /* the 35B-A3B at 1k of context */
+    check_attention(0, 4, 2, 32, 8, 1, 1, 5, OPS_KV_F32, 0);            /* the golden models' heads */
+    check_attention(1, 16, 2, 256, 64, 3, 2, 37, OPS_KV_F32, 0);        /* the 35B-A3B's heads, rows past a warp's 32 */
+    check_attention(0, 8, 4, 64, 32, 4, 1, 70, OPS_KV_F16, 0);          /* a prompt's tokens after 70 rows, f16 */
+    check_attention(!real, 6, 3, 128, 128, 2, 2, 0, OPS_KV_F16, 0);     /* RoPE over the whole head, an empty cache */
+    check_attention(0, 4, 2, 64, 32, 5, 2, 254, OPS_KV_F32, 0);         /* tokens on both sides of a split's end */
+    check_attention(!real, 8, 2, 128, 64, 7, 3, 766, OPS_KV_F16, 3);    /* 3 and 4 splits, in groups of 3 tokens */
+    if (real) check_attention(0, 16, 2, 256, 64, 4, 2, 1000, OPS_KV_F32, 0); /* the 35B-A3B at 1k of context */
+    if (real) check_attention(0, 16, 2, 256, 64, 1, 1, 8191, OPS_KV_F16, 0); /* and a decode step at 8k */
 }
 
 static void test_deltanet_device(int real)

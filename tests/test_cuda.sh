@@ -329,9 +329,9 @@ done
 # the uploaded copies, so the pass goes on on the CPU. 7-10 are layer 0's DeltaNet (conv, rule,
 # gated norm, its rows' quantisation), 11-21 its rest (output projection, residual and norm,
 # the two activations, router and gate logit, routing, gate/up, the hidden rows' quantisation,
-# down and the sum), 22-27 layer 1's start, 28-31 its DeltaNet, 69-71 layer 3's attention
-# (norms, RoPE and the cache's new rows; scores to gate; its rows' quantisation), 72 on its
-# rest; later ones fail in a decode step (500: in the fifth, run as a graph, which reports it
+# down and the sum), 22-27 layer 1's start, 28-31 its DeltaNet, 69-72 layer 3's attention
+# (norms, RoPE and the cache's new rows; the splits' scores to values; their merge and the
+# gate; its rows' quantisation), 73 on its rest; later ones fail in a decode step (500: in the fifth, run as a graph, which reports it
 # when it is launched). There the states and the KV cache are only on the
 # device: the pass is lost with them, the sequence is fed its tokens again on the CPU
 # (engine_replay), then the pass runs again. The run keeps the CPU's tokens each time.
@@ -339,10 +339,28 @@ for k in 1 3 6; do
     tokens "launch $k (the first layer's start in a chain) fails: the CPU's tokens" '^\[cuda\] a chain of layers on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
 done
-for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 100 150 500; do
+for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 73 100 150 500; do
     tokens "launch $k (in a chain of layers on the device) fails: the pass again on the CPU, the CPU's tokens" \
         '^\[cuda\] the states of 1 conversations rebuilt on the CPU: [0-9]+ tokens of context fed again$' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
+done
+# Attention past one split (OPS_ATTN_SPLIT, 256 rows): a prompt of 340 tokens, its second
+# batch (256 on) and the decode steps over 2 splits, every layer chained on device 0, through
+# the fake's twins and through kernels.cu's source: the CPU's tokens and logits.
+LP=$(for i in $(seq 12); do printf '%s %s. ' "$P" "$i"; done)
+long_run() { # long_run NAME ENV...: the run's --json line without timings in $tmp/long-NAME.json
+    local name=$1; shift
+    env "$@" "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$LP" -n 8 -c 1024 --ignore-eog --json --place "$all0,shexp=0" 2>"$tmp/long.err" |
+        tail -n 1 | sed 's/"timings".*//' >"$tmp/long-$name.json"
+}
+long_run cpu COLI_CUDA=0
+for lib in fake sim; do
+    if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "attention in 2 splits on the device ($lib) # SKIP no $B/$lib"; continue; fi
+    long_run $lib LD_LIBRARY_PATH="$B/$lib" FAKE_CUDA_DEVICES=1
+    n=$(($(grep -o '"prompt_tokens":\[[0-9,]*\]' "$tmp/long-cpu.json" | tr -cd , | wc -c) + 1))
+    if [ "$n" -gt 256 ] && cmp -s "$tmp/long-$lib.json" "$tmp/long-cpu.json" && grep -q ' 17 waits' "$tmp/long.err"; then
+        ok "attention over 2 splits, every layer chained on the device ($lib): a prompt of $n tokens and 8 more, the CPU's tokens and logits"
+    else bad "attention over 2 splits on the device ($lib)" "prompt of $n tokens; $(grep cuda "$tmp/long.err" | tail -n 1)"; fi
 done
 # bench says the same a decode step: of 11 steps of a small model all on the device, the first
 # two made launch by launch and 9 as one graph each, one wait each.
