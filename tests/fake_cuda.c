@@ -895,7 +895,8 @@ static void run_attn_merge(int unused, void **p, struct grid g)
                 double sum_c;
                 memcpy(&sum_c, rc + 2, 8);
                 const double a = (double)exp_canonical(max - top) * sum, b = (double)exp_canonical(rc[0] - top) * sum_c;
-                for (int i = 0; i < hd; i++) o[i] = fmaf((float)(b / (a + b)), rc[4 + i], (float)(a / (a + b)) * o[i]);
+                const float w_before = (float)(a / (a + b)), w_split = (float)(b / (a + b));
+                for (int i = 0; i < hd; i++) o[i] = fmaf(w_split, rc[4 + i], w_before * o[i]);
                 max = top, sum = a + b;
             }
             for (int i = 0; i < hd; i++) o[i] *= 1.0f / (1.0f + exp_canonical(-gate[i]));

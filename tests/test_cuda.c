@@ -500,7 +500,7 @@ static void check_deltanet(int dev, int nk, int nv, int dk, int dv, int K, int T
  * its cache (the rows the device was given), the layer the second attention layer of two (its
  * caches at an offset), KV format KV; GROUP: tokens a pair of split launches takes (0: all).
  * The queries, keys, outputs, rows and whole caches after compared bit for bit, the driver
- * calls counted (3, and 2 a group). */
+ * calls counted (2, and 2 a group). */
 static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int T, int n_seq, int filled, enum ops_kv kv, int group)
 {
     struct model mm;
