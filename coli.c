@@ -6740,30 +6740,33 @@ static void ops_attn_merge(float *o, float *max, double *sum, const float *oc, f
     *sum = total;
 }
 
-/* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O, zeroed) over the first N
- * rows of one KV head's KEYS and VALUES (rows of HD elements in format KV), split by split:
- * scores times SCALE, their softmax, the values, then ops_attn_merge. SC: a scratch of N + HD
- * floats a head (the scores, then a split's output). */
+/* Split P0.. (ROWS rows) of NQ heads' attention (1..OPS_ATTN_HEADS; queries Q) over one KV
+ * head's KEYS and VALUES (rows of HD elements in format KV): the scores times SCALE into W
+ * (ROWS floats a head), their softmax (its maximum and sum into MAX and SUM, a head each), the
+ * values into OC (HD floats a head). */
+static void ops_attention_split(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int p0, int rows, int hd,
+                                float scale, float *const *w, float *const *oc, float *max, double *sum, enum ops_kv kv)
+{
+    const size_t at = (size_t)p0 * ops_kv_row_bytes((size_t)hd, kv);
+    for (int j = 0; j < nq; j++) memset(oc[j], 0, (size_t)hd * sizeof(float));
+    ops_scores(q, nq, keys + at, (size_t)hd, rows, hd, scale, w, kv);
+    for (int j = 0; j < nq; j++) max[j] = ops_softmax(w[j], rows, &sum[j]);
+    ops_attend((const float *const *)w, nq, values + at, (size_t)hd, rows, hd, oc, kv);
+}
+
+/* Attention of NQ heads (queries Q, outputs O) over the first N rows of one KV head's KEYS and
+ * VALUES, split by split (ops_attention_split), each merged into O in order (ops_attn_merge).
+ * SC: a scratch of N + HD floats a head (the scores, then a split's output). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
-    const size_t row = ops_kv_row_bytes((size_t)hd, kv);
     float max[OPS_ATTN_HEADS], max_c[OPS_ATTN_HEADS], *w[OPS_ATTN_HEADS], *oc[OPS_ATTN_HEADS];
     double sum[OPS_ATTN_HEADS], sum_c[OPS_ATTN_HEADS];
     for (int p0 = 0; p0 < n; p0 += OPS_ATTN_SPLIT) {
-        const int rows = n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT;
-        for (int j = 0; j < nq; j++) {
-            w[j] = sc[j] + p0;
-            oc[j] = p0 ? sc[j] + n : o[j];
-            if (p0) memset(oc[j], 0, (size_t)hd * sizeof(float));
-        }
-        ops_scores(q, nq, keys + (size_t)p0 * row, (size_t)hd, rows, hd, scale, w, kv);
-        for (int j = 0; j < nq; j++) max_c[j] = ops_softmax(w[j], rows, &sum_c[j]);
-        ops_attend((const float *const *)w, nq, values + (size_t)p0 * row, (size_t)hd, rows, hd, oc, kv);
-        for (int j = 0; j < nq; j++) {
-            if (!p0) max[j] = max_c[j], sum[j] = sum_c[j];
-            else ops_attn_merge(o[j], &max[j], &sum[j], oc[j], max_c[j], sum_c[j], hd);
-        }
+        for (int j = 0; j < nq; j++) w[j] = sc[j] + p0, oc[j] = p0 ? sc[j] + n : o[j];
+        ops_attention_split(q, nq, keys, values, p0, n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT, hd, scale, w, oc, p0 ? max_c : max,
+                            p0 ? sum_c : sum, kv);
+        for (int j = 0; p0 && j < nq; j++) ops_attn_merge(o[j], &max[j], &sum[j], oc[j], max_c[j], sum_c[j], hd);
     }
 }
 
@@ -11347,7 +11350,8 @@ struct model_scratch {
     float *qg;               /* [B][n_head * 2 * head_dim] */
     float *k, *v;            /* [B][n_kv_head * head_dim] */
     float *attn;             /* [B][n_head * head_dim] gated attention output */
-    float *scores;           /* [n_head][n_ctx] */
+    float *scores;           /* [n_head][n_ctx + head_dim] (model_scores_floats) */
+    struct ops_scratch splits; /* model_attention_spread's records */
     float *rope;             /* [B][rope_dims] cos then sin per position */
     float *mixed;            /* [B][conv_dim] */
     float *z;                /* [B][nv * dv] */
@@ -12154,6 +12158,7 @@ static void model_free(struct model *m)
                     s->chain, s->dn, s->attn_dev};
     for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    free(s->splits.buf);
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) free(ints[i]);
     expert_close(m->experts);
     for (int i = 0; m->layers && i < m->cfg.n_layers; i++) free(m->layers[i].conv_taps);
@@ -12189,14 +12194,59 @@ static void model_kv_store(const struct model *m, void *cache, int h, int pos, c
     ops_kv_store((uint8_t *)cache + (size_t)h * (size_t)model_kv_rows(m) * model_kv_row_bytes(m), hd, pos, src, (int)hd, m->kv, keys);
 }
 
-/* Scores, softmax and values of SHARE heads (queries Q, scratch SC: model_scores_floats each,
- * outputs O, zeroed) over the first N rows of KV head KVH (ops_attention). */
-static void model_attend_rows(const struct model *m, const struct model_layer_state *st, int kvh, const float *const *q,
-                              int share, int n, float scale, float *const *sc, float *const *o)
+/* KV head KVH's rows in layer state ST's key cache (KEYS) or value cache. */
+static const uint8_t *model_kv_head(const struct model *m, const struct model_layer_state *st, int kvh, int keys)
 {
-    const size_t head = (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
-    ops_attention(q, share, (const uint8_t *)st->k_cache + head, (const uint8_t *)st->v_cache + head, n, m->cfg.head_dim, scale, sc, o,
-                  m->kv);
+    return (const uint8_t *)(keys ? st->k_cache : st->v_cache) + (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
+}
+
+/* Decode's attention where a batch has fewer head groups than threads: each split of each
+ * group of SHARE heads of each token a task (ops_attention_split: the group's heads read its
+ * rows once), their records in s->splits, then each head's splits merged in order and gated,
+ * a head a task: the bits of the run of splits one after the other. 0 (nothing done) where no
+ * context spans two splits, or the records would pass MODEL_SPREAD_BYTES (a long prompt). */
+#define MODEL_SPREAD_BYTES ((size_t)64 << 20)
+
+static int model_attention_spread(struct model *m, int il, int T, int share, float scale)
+{
+    struct model_scratch *s = &m->s;
+    const int hd = m->cfg.head_dim, nh = m->cfg.n_head, groups = nh / share, group = nh / m->cfg.n_kv_head;
+    const size_t rec = (size_t)hd + OPS_ATTN_SPLIT; /* a split's output, then its scores */
+    int first[MODEL_BATCH + 1] = {0};               /* token t's splits: first[t] .. first[t + 1] - 1 */
+    for (int t = 0; t < T; t++) first[t + 1] = first[t] + (s->tok_pos[t] + OPS_ATTN_SPLIT) / OPS_ATTN_SPLIT;
+    const size_t n = (size_t)first[T] * (size_t)nh, bytes = n * (sizeof(double) + sizeof(float) + rec * sizeof(float));
+    if (first[T] == T || bytes > MODEL_SPREAD_BYTES) return 0;
+    double *sum = ops_scratch(&s->splits, bytes);
+    float *max = (float *)(sum + n), *rows = max + n;
+    #pragma omp parallel for schedule(static)
+    for (int k = 0; k < first[T] * groups; k++) {
+        const int split = k / groups, h0 = k % groups * share;
+        int t = 0;
+        while (first[t + 1] <= split) t++;
+        const int p0 = (split - first[t]) * OPS_ATTN_SPLIT, left = s->tok_pos[t] + 1 - p0;
+        const struct model_layer_state *st = &s->tok_seq[t]->state[il];
+        const float *q[OPS_ATTN_HEADS];
+        float *w[OPS_ATTN_HEADS], *oc[OPS_ATTN_HEADS];
+        for (int j = 0; j < share; j++) {
+            q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
+            oc[j] = rows + ((size_t)split * nh + h0 + j) * rec;
+            w[j] = oc[j] + hd;
+        }
+        const size_t at = (size_t)split * nh + h0;
+        ops_attention_split(q, share, model_kv_head(m, st, h0 / group, 1), model_kv_head(m, st, h0 / group, 0), p0,
+                            left < OPS_ATTN_SPLIT ? left : OPS_ATTN_SPLIT, hd, scale, w, oc, max + at, sum + at, m->kv);
+    }
+    #pragma omp parallel for schedule(static)
+    for (int k = 0; k < T * nh; k++) {
+        const int t = k / nh, h = k % nh;
+        const size_t at = (size_t)first[t] * nh + h;
+        float *o = s->attn + (size_t)k * hd, top = max[at];
+        double total = sum[at];
+        memcpy(o, rows + at * rec, (size_t)hd * sizeof(float));
+        for (size_t c = at + nh; c < (size_t)first[t + 1] * nh; c += nh) ops_attn_merge(o, &top, &total, rows + c * rec, max[c], sum[c], hd);
+        ops_gate(o, s->qg + (size_t)k * 2 * hd + hd, o, hd, 1);
+    }
+    return 1;
 }
 
 /* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its
@@ -12256,9 +12306,15 @@ static const float *model_attention(struct model *m, int il, int T)
 
     /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output
      * gate. A task is a run of SHARE heads of one group over every token of the batch: they
-     * read each cached row once between them. SHARE halves while there are fewer tasks than
-     * threads; the bits do not depend on it. */
+     * read each cached row once between them. Where there are fewer such tasks than threads,
+     * decode spreads each split of a group over the threads (model_attention_spread); else, or
+     * where the contexts are short, SHARE halves while there are fewer tasks than threads. The
+     * bits depend on neither. */
     int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
+    if (nh / share < plat_threads() && model_attention_spread(m, il, T, share, scale)) {
+        model_phase_mark(m, MODEL_PHASE_ATTENTION);
+        return s->attn;
+    }
     while (share > 1 && (nh / share < plat_threads() || group % share)) share /= 2;
     #pragma omp parallel for schedule(static)
     for (int h0 = 0; h0 < nh; h0 += share) {
@@ -12270,9 +12326,9 @@ static const float *model_attention(struct model *m, int il, int T)
                 q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
                 sc[j] = s->scores + (size_t)(h0 + j) * model_scores_floats(m);
                 o[j] = s->attn + ((size_t)t * nh + h0 + j) * hd;
-                memset(o[j], 0, (size_t)hd * sizeof(float));
             }
-            model_attend_rows(m, st, h0 / group, q, share, s->tok_pos[t] + 1, scale, sc, o);
+            ops_attention(q, share, model_kv_head(m, st, h0 / group, 1), model_kv_head(m, st, h0 / group, 0), s->tok_pos[t] + 1, hd, scale,
+                          sc, o, m->kv);
             for (int j = 0; j < share; j++) ops_gate(o[j], q[j] + hd, o[j], hd, 1);
         }
     }

@@ -466,6 +466,50 @@ static void test_kv_format(const char *dir, const char *json_name, enum ops_kv k
     mj_free(root);
 }
 
+/* Attention past one split (OPS_ATTN_SPLIT rows) on the model of golden case file JSON_NAME
+ * (2 head groups): a prompt of its first case's tokens repeated to 700, in batches (the second
+ * and third over 2 and 3 splits), then 32 greedy tokens, in each KV format: on 1 thread (a
+ * group's splits one after the other), on 2 (a task a group) and on 3 (more threads than
+ * groups: model_attention_spread, a split a task); the same bits each time. (That splits give
+ * one softmax over all the rows is test_quant's check, and every level the same bits too.) */
+static void test_long_context(const char *dir, const char *json_name)
+{
+    char path[1024], name[300];
+    const char *model_file;
+    struct mj *root = open_cases(dir, json_name, path, sizeof path, &model_file);
+    if (!root) return;
+    const struct mj *pt = mj_get(mj_at(mj_get(root, "cases"), 0), "prompt_tokens");
+    enum { N = 700 };
+    int *prompt = plat_alloc(N * sizeof *prompt);
+    for (int i = 0; i < N; i++) prompt[i] = (int)mj_num(mj_at(pt, (size_t)i % mj_len(pt)), -1);
+    static const int threads[] = {2, 3};
+    for (int kv = OPS_KV_F32; kv <= OPS_KV_Q8_0; kv++) {
+        struct model m;
+        model_load(&m, path, N + GEN, (enum ops_kv)kv);
+        const int V = m.cfg.n_vocab;
+        struct run r = {.logits = plat_alloc((size_t)GEN * V * sizeof(float))};
+        quant_set_level(quant_level_max());
+        omp_set_num_threads(1);
+        run_case(&m, prompt, N, 1, &r);
+        const uint64_t ref = run_hash(&r, V);
+        int same = 1;
+        for (size_t i = 0; i < sizeof threads / sizeof *threads; i++) {
+            omp_set_num_threads(threads[i]);
+            run_case(&m, prompt, N, 1, &r);
+            same &= run_hash(&r, V) == ref;
+        }
+        snprintf(name, sizeof name, "%s, KV %s: a context of %d-%d rows (3 splits) bit-identical on 1, 2 and 3 threads",
+                 model_file, kv == OPS_KV_F32 ? "f32" : kv == OPS_KV_F16 ? "f16" : "q8_0", N, N + GEN);
+        check(same, name, "tokens or logits differ");
+        free(r.logits);
+        model_free(&m);
+    }
+    omp_set_num_threads(1);
+    quant_set_level(quant_level_max());
+    free(prompt);
+    mj_free(root);
+}
+
 /* Golden files the quick (sanitizer) run leaves to test_quant and two files of the same kind,
  * to keep the suite within its time. */
 static int sanitizer_covered_elsewhere(const char *json_name)
@@ -555,6 +599,7 @@ int main(int argc, char **argv)
     }
     test_checkpoint(dir, "q35moe-q8_0.gguf");
     test_checkpoint(dir, "q3next-q8_0.gguf");
+    if (!quick) test_long_context(dir, "q35moe-q8_0.json");
     test_kv_format(dir, "q35moe-q8_0.json", OPS_KV_F16, 1e-2, 1, 2, quick);
     test_kv_format(dir, "q3next-q8_0.json", OPS_KV_F16, 1e-2, 1, 2, quick);
     test_kv_format(dir, "q35moe-q8_0.json", OPS_KV_Q8_0, 5e-2, 17, 64, quick);
