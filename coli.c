@@ -8756,10 +8756,11 @@ struct cuda_deltanet {
 /* An attention mixer on a device (cuda_attention_launch): its q and k norms there, its shape,
  * and in a pass's chain buffer the tokens' KV caches' addresses (KV), their positions (POS) and
  * their RoPE rows (ROPE: rot/2 cosines then sines); the layer's place in a sequence's caches on
- * the device (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a head, f32 or F16 values. */
+ * the device (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a head, in FORMAT (f32, f16 or
+ * Q8_0, laid out as the CPU's). */
 struct cuda_attention {
     cuda_ptr q_norm, k_norm, kv, pos, rope;
-    int n_head, n_kv, hd, rot, f16, splits; /* splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
+    int n_head, n_kv, hd, rot, format, splits; /* format: the cache's enum ops_kv; splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
     float eps, scale;
     uint64_t layer_off, rows;
 };
@@ -8997,11 +8998,11 @@ static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cud
     cuda_ptr qg = d->kept_next[0], k = d->kept_next[1], v = d->kept_next[2], out = d->moe + o.core, qn = a->q_norm, kn = a->k_norm;
     cuda_ptr rope = a->rope, kv = a->kv, pos = a->pos, parts = d->moe + o.parts;
     uint64_t off = a->layer_off, rows = a->rows;
-    int nh = a->n_head, nkv = a->n_kv, hd = a->hd, rot = a->rot, f16c = a->f16, splits = a->splits, t0 = 0;
+    int nh = a->n_head, nkv = a->n_kv, hd = a->hd, rot = a->rot, kvf = a->format, splits = a->splits, t0 = 0;
     const int group = cuda_attention_group(a, T);
     float eps = a->eps, scale = a->scale;
-    void *prep[] = {&qg, &k, &v, &qn, &kn, &rope, &kv, &off, &pos, &nh, &nkv, &hd, &rot, &rows, &f16c, &eps};
-    void *split[] = {&qg, &kv, &off, &pos, &t0, &nh, &nkv, &hd, &rows, &f16c, &scale, &splits, &parts};
+    void *prep[] = {&qg, &k, &v, &qn, &kn, &rope, &kv, &off, &pos, &nh, &nkv, &hd, &rot, &rows, &kvf, &eps};
+    void *split[] = {&qg, &kv, &off, &pos, &t0, &nh, &nkv, &hd, &rows, &kvf, &scale, &splits, &parts};
     void *merge[] = {&qg, &pos, &t0, &nh, &hd, &splits, &parts, &out};
     cuda_result r = cuda_launch(d->attn_prep, (unsigned)(nh + nkv), (unsigned)T, 32, prep);
     for (; !r && t0 < T; t0 += group) {
@@ -12982,8 +12983,8 @@ static int model_deltanet_on(struct model *m, int il, int dev)
 }
 
 /* Layer IL's attention constants on device DEV into s->attn_dev[il] (its chain addresses come
- * with the upload). 1, or 0 where the device lacks the kernels or the room, or the cache's
- * format or the heads' shape are not the kernels' (f32 or f16; whole warps, at most 512). */
+ * with the upload). 1, or 0 where the device lacks the kernels or the room, or the heads' shape
+ * is not the kernels' (whole warps, at most 512). */
 static int model_attention_on(struct model *m, int il, int dev)
 {
     const struct model_config *c = &m->cfg;
@@ -12991,12 +12992,12 @@ static int model_attention_on(struct model *m, int il, int dev)
     const struct cuda_device *d = &cuda.dev[dev];
     const float *src[] = {l->q_norm, l->k_norm};
     const size_t bytes[] = {(size_t)c->head_dim * 4, (size_t)c->head_dim * 4};
-    if (!d->attn_prep || !d->attn_split || !d->attn_merge || m->kv == OPS_KV_Q8_0 || c->head_dim % 32 || c->head_dim > 512 || c->n_head % c->n_kv_head)
+    if (!d->attn_prep || !d->attn_split || !d->attn_merge || c->head_dim % 32 || c->head_dim > 512 || c->n_head % c->n_kv_head)
         return 0;
     const cuda_ptr p = cuda_floats_resident(dev, src, bytes, 2);
     if (!p) return 0;
     m->s.attn_dev[il] = (struct cuda_attention){p, p + cuda_align(bytes[0]), 0, 0, 0, c->n_head, c->n_kv_head, c->head_dim, c->rope_dims,
-                                                m->kv == OPS_KV_F16, 0, c->eps, 1.0f / sqrtf((float)c->head_dim), model_kv_off(m, il),
+                                                (int)m->kv, 0, c->eps, 1.0f / sqrtf((float)c->head_dim), model_kv_off(m, il),
                                                 (uint64_t)model_kv_rows(m)};
     return 1;
 }

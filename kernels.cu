@@ -621,16 +621,24 @@ __device__ __forceinline__ int nearest_int(float v) {
 
 // Q8 (for the 32-block formats): one warp per 32-block; grid (ceil(blocks / 4), rows). Layout
 // qs[n] | d[n/32] | s[n/32] | sd[n/32] = fp16(d * s).
+// The 32-block whose element l lane l holds (V), as coli.c's quant_act_q8: its largest
+// magnitude over 127 into *D (an all-NaN block's amax is 0, as on the CPU); returns the lane's
+// quant, nearest_int(v 127 / amax) (0 where d rounds to 0 in fp16).
+__device__ __forceinline__ int q8_quantize(float v, float *d) {
+    float amax = fmaxf(0.0f, fabsf(v));
+    for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    *d = __fdiv_rn(amax, 127.0f);
+    return nearest_int(__fmul_rn(v, round_f16(*d) != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f));
+}
+
 extern "C" __global__ void quantize_q8(QUANT_PARAMS) {
     const int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nb = n / 32;
     if (b >= nb) return;
     const float v = x[(uint64_t)blockIdx.y * n + 32 * b + lane];
     uint8_t *a = act + (uint64_t)blockIdx.y * stride;
-    float amax = fmaxf(0.0f, fabsf(v)); // as the CPU: an all-NaN block has amax 0
-    for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-    const float d = __fdiv_rn(amax, 127.0f), d16 = round_f16(d);
-    const float id = d16 != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    const int q = nearest_int(__fmul_rn(v, id));
+    float d;
+    const int q = q8_quantize(v, &d);
+    const float d16 = round_f16(d);
     int sum = q;
     for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
     ((int8_t *)a)[32 * b + lane] = (int8_t)q;
@@ -1001,60 +1009,135 @@ extern "C" __global__ void deltanet_gate(float *core, const float *__restrict__ 
 // ---- gated attention on the device: coli.c's model_attention, bit for bit ----
 // Where an attention layer's projections were made on the device by the layer before it, its
 // mixer runs there too (coli.c cuda_attention_launch), over the sequences' KV caches kept in
-// device memory in the CPU's layout and format (f32, or f16 where F16): token t's at KV[t] +
-// LAYER_OFF bytes, the keys [n_kv][rows][hd], then the values alike; POS[t] its position there.
+// device memory in the CPU's layout and format KVF (coli.c's enum ops_kv: 0 f32, 1 f16, 2
+// Q8_0): token t's at KV[t] + LAYER_OFF bytes, the keys [n_kv][rows] rows, then the values
+// alike; POS[t] its position there. A Q8_0 row is GGUF's Q8_0 (32-blocks of an fp16 d and 32
+// int8), quantised as coli.c's quant_act_q8; Q8_0 keys go in groups of 16 positions
+// (ops_kv_store): dword m of every position's quants side by side (64 bytes), then each
+// block's 16 scales.
+#define KV_GROUP 16
 
-// Element I of a cached row in its format.
-__device__ __forceinline__ float kv_get(const uint8_t *row, int i, int f16c) { return f16c ? f16(row + 2 * i) : ((const float *)row)[i]; }
-__device__ __forceinline__ void kv_put(uint8_t *row, int i, float v, int f16c) {
-    if (f16c) ((unsigned short *)row)[i] = f16_bits(v);
+__device__ __forceinline__ uint64_t kv_row_bytes(int hd, int kvf) { return kvf == 2 ? (uint64_t)hd / 32 * 34 : (uint64_t)hd * (kvf ? 2 : 4); }
+
+// Element I of a cached row (a value row, for Q8_0) in its format; d q is exact in a float.
+__device__ __forceinline__ float kv_get(const uint8_t *row, int i, int kvf) {
+    if (kvf == 2) return __fmul_rn(f16(row + i / 32 * 34), (float)(int)((const int8_t *)row)[i / 32 * 34 + 2 + i % 32]);
+    return kvf ? f16(row + 2 * i) : ((const float *)row)[i];
+}
+__device__ __forceinline__ void kv_put(uint8_t *row, int i, float v, int kvf) {
+    if (kvf) ((unsigned short *)row)[i] = f16_bits(v);
     else ((float *)row)[i] = v;
+}
+
+// Row P of a Q8_0 cache's KV head at HEAD (KEYS: in the key groups) = the HD floats at X, a
+// block a pass, lane l taking element l of each.
+__device__ __forceinline__ void kv_put_q8(uint8_t *head, uint64_t p, const float *x, int hd, int keys) {
+    const int lane = threadIdx.x & 31;
+    const uint64_t rb = kv_row_bytes(hd, 2);
+    uint8_t *group = head + p / KV_GROUP * KV_GROUP * rb, *row = head + p * rb;
+    const int r = (int)(p % KV_GROUP);
+    for (int b = 0; b < hd / 32; b++) {
+        float d32;
+        const int q = q8_quantize(x[32 * b + lane], &d32), i = 32 * b + lane;
+        const unsigned short d = f16_bits(round_f16(d32));
+        if (keys) group[i / 4 * 4 * KV_GROUP + 4 * r + i % 4] = (uint8_t)(q + 128);
+        else row[b * 34 + 2 + lane] = (uint8_t)(int8_t)q;
+        if (lane == 0 && keys) *(unsigned short *)(group + KV_GROUP * hd + 2 * (b * KV_GROUP + r)) = d;
+        if (lane == 0 && !keys) *(unsigned short *)(row + b * 34) = d;
+    }
 }
 
 // The per-head RMSNorm and partial NeoX RoPE of coli.c's model_attention, block x = a head of
 // token t = blockIdx.y a warp: heads below N_HEAD are q's (in QG [T][n_head][2 hd], q then its
 // gate), the rest k's ([T][n_kv][hd]), whose row goes to the cache at the token's position with
 // V's. ROPE [T][rot]: rot/2 cosines then sines. rmsnorm(x) * w as ops_rmsnorm, then dims j and
-// j + rot/2 rotated as ops_rope_neox; each lane writes only the elements it read. Grid
-// (n_head + n_kv, T).
+// j + rot/2 rotated as ops_rope_neox; each lane writes only the elements it read (a Q8_0
+// cache's rows are quantised after, a block at a time). Grid (n_head + n_kv, T).
 extern "C" __global__ void attn_prep(float *qg, float *k, const float *__restrict__ v, const float *__restrict__ q_norm,
                                      const float *__restrict__ k_norm, const float *__restrict__ rope, const uint64_t *__restrict__ kv,
                                      uint64_t layer_off, const int *__restrict__ pos, int n_head, int n_kv, int hd, int rot, uint64_t rows,
-                                     int f16c, float eps) {
+                                     int kvf, float eps) {
     const int lane = threadIdx.x & 31, t = blockIdx.y, h = blockIdx.x, is_q = h < n_head, kh = h - n_head, half = rot / 2;
     float *x = is_q ? qg + ((uint64_t)t * n_head + h) * 2 * hd : k + ((uint64_t)t * n_kv + kh) * hd;
-    const float *w = is_q ? q_norm : k_norm, *cs = rope + (uint64_t)t * rot;
+    const float *w = is_q ? q_norm : k_norm, *cs = rope + (uint64_t)t * rot, *vx = v + ((uint64_t)t * n_kv + kh) * hd;
     double part = 0.0;
     for (int i0 = 0; i0 < hd; i0 += 32) part = squares_add(part, i0 + lane < hd ? x[i0 + lane] : 0.0f, i0 + lane < hd, i0 + lane + 16 < hd);
     const float mean = __double2float_rn(__ddiv_rn(parts_total(part), (double)hd));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-    const uint64_t esz = f16c ? 2 : 4, head = (uint64_t)(is_q ? 0 : kh) * rows * hd * esz, at = (uint64_t)(is_q ? 0 : pos[t]) * hd * esz;
-    uint8_t *kr = is_q ? NULL : (uint8_t *)kv[t] + layer_off + head + at, *vr = is_q ? NULL : kr + (uint64_t)n_kv * rows * hd * esz;
+    const uint64_t rb = kv_row_bytes(hd, kvf);
+    uint8_t *kh_rows = is_q ? NULL : (uint8_t *)kv[t] + layer_off + (uint64_t)kh * rows * rb, *vh_rows = kh_rows + (uint64_t)n_kv * rows * rb;
+    uint8_t *kr = is_q || kvf == 2 ? NULL : kh_rows + (uint64_t)pos[t] * rb, *vr = kr ? vh_rows + (uint64_t)pos[t] * rb : NULL;
     for (int j = lane; j < half; j += 32) {
         const float a = __fmul_rn(__fmul_rn(x[j], scale), w[j]), b = __fmul_rn(__fmul_rn(x[j + half], scale), w[j + half]);
         const float c = cs[j], s = cs[half + j];
         x[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
         x[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-        if (kr) kv_put(kr, j, x[j], f16c), kv_put(kr, j + half, x[j + half], f16c);
+        if (kr) kv_put(kr, j, x[j], kvf), kv_put(kr, j + half, x[j + half], kvf);
     }
     for (int i = rot + lane; i < hd; i += 32) {
         x[i] = __fmul_rn(__fmul_rn(x[i], scale), w[i]);
-        if (kr) kv_put(kr, i, x[i], f16c);
+        if (kr) kv_put(kr, i, x[i], kvf);
     }
-    for (int i = lane; vr && i < hd; i += 32) kv_put(vr, i, v[((uint64_t)t * n_kv + kh) * hd + i], f16c);
+    for (int i = lane; vr && i < hd; i += 32) kv_put(vr, i, vx[i], kvf);
+    if (is_q || kvf != 2) return;
+    __syncwarp(); // the row's elements, written by other lanes
+    kv_put_q8(kh_rows, (uint64_t)pos[t], x, hd, 1);
+    kv_put_q8(vh_rows, (uint64_t)pos[t], vx, hd, 0);
 }
 
 // Score of query Q (hd floats, a multiple of 16) against key row K, coli.c's ops_scores order:
 // element i into partial i % 16, the partials met by the butterfly 8, 4, 2, 1, times SCALE. One
 // lane alone; the partials in registers.
-__device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, int hd, int f16c, float scale) {
+__device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, int hd, int kvf, float scale) {
     float p[16];
     for (int j = 0; j < 16; j++) p[j] = 0.0f;
     for (int i0 = 0; i0 < hd; i0 += 16)
-        for (int j = 0; j < 16; j++) p[j] = __fadd_rn(p[j], __fmul_rn(q[i0 + j], kv_get(kr, i0 + j, f16c)));
+        for (int j = 0; j < 16; j++) p[j] = __fadd_rn(p[j], __fmul_rn(q[i0 + j], kv_get(kr, i0 + j, kvf)));
     for (int s = 8; s > 0; s /= 2)
         for (int j = 0; j < s; j++) p[j] = __fadd_rn(p[j], p[j + s]);
     return __fmul_rn(p[0], scale);
+}
+
+// Scores of rows l + 32r (r < ATTN_LANE_ROWS, those below N) of a split whose Q8_0 keys start
+// at the group at KEYS, in lane l's S[r], coli.c's ops_score_q8_0 order: Q quantised as an
+// activation (lane l holding dword l + 32k of its quants, QW[k], and block l's d, QD), each
+// block's integer sum exact, acc = acc + (d_k d_q) isum in block order, times SCALE. A dword
+// step is one shuffle for all 32 rows.
+#define ATTN_SPLIT 256
+#define ATTN_LANE_ROWS (ATTN_SPLIT / 32)
+__device__ __forceinline__ void attn_scores_q8(const float *q, const uint8_t *keys, int hd, int n, float scale, float *s) {
+    const int lane = threadIdx.x & 31, words = hd / 4;
+    int qw[4] = {0, 0, 0, 0};
+    float qd = 0.0f;
+    for (int b = 0; b < hd / 32; b++) { /* dword 8b + m of the quants from lanes 4m .. 4m + 3, to lane 8 (b % 4) + m */
+        float d;
+        const int qi = q8_quantize(q[32 * b + lane], &d);
+        if (lane == b) qd = round_f16(d);
+        int word = 0;
+        for (int e = 0; e < 4; e++) word |= __shfl_sync(0xffffffffu, qi & 0xff, 4 * (lane & 7) + e) << 8 * e;
+        for (int k = 0; k < 4; k++)
+            if (k == b / 4 && lane / 8 == b % 4) qw[k] = word;
+    }
+    const uint64_t rb = kv_row_bytes(hd, 2);
+    for (int r = 0; r < ATTN_LANE_ROWS; r++) {
+        const int p = lane + 32 * r;
+        const uint8_t *g = keys + (uint64_t)(p / KV_GROUP) * KV_GROUP * rb;
+        float acc = 0.0f;
+        int isum = 0;
+        for (int k = 0; k < 4; k++)
+            for (int m = 0; m < 32 && 32 * k + m < words; m++) {
+                const int w = 32 * k + m, qd4 = __shfl_sync(0xffffffffu, qw[k], m);
+                const unsigned kd = p < n ? *(const unsigned *)(g + (uint64_t)w * 4 * KV_GROUP + 4 * (p % KV_GROUP)) : 0x80808080u;
+                for (int e = 0; e < 4; e++) isum += ((int)(kd >> 8 * e & 0xff) - 128) * (int)(signed char)(qd4 >> 8 * e);
+                if (w % 8 == 7) {
+                    const int b = w / 8;
+                    const float dk = p < n ? f16(g + KV_GROUP * hd + 2 * (b * KV_GROUP + p % KV_GROUP)) : 0.0f;
+                    acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(dk, __shfl_sync(0xffffffffu, qd, b)), (float)isum));
+                    isum = 0;
+                }
+            }
+        s[r] = __fmul_rn(acc, scale);
+    }
 }
 
 // coli.c's ops_attention on the device: a head's rows in splits of ATTN_SPLIT (OPS_ATTN_SPLIT),
@@ -1062,8 +1145,6 @@ __device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, i
 // merges its splits in order (attn_merge). A split's record in PARTS, HD + 4 floats: its
 // largest score, its sum in double at float 2, its output from float 4; records [token of the
 // launch][head][split], SPLITS a head.
-#define ATTN_SPLIT 256
-#define ATTN_LANE_ROWS (ATTN_SPLIT / 32)
 
 // Split c of head h of token t = t0 + blockIdx.y, blockIdx.x = h splits + c, a warp: rows
 // c ATTN_SPLIT on of the first pos[t] + 1 of its KV head's cache (h / (n_head / n_kv)). The
@@ -1073,21 +1154,21 @@ __device__ __forceinline__ float attn_score(const float *q, const uint8_t *kr, i
 // (o[i] = fma(w_p, v_p[i], o[i]) from zero in increasing p, lane l taking elements l + 32m).
 // A split past the token's rows writes nothing.
 extern "C" __global__ void attn_split(const float *__restrict__ qg, const uint64_t *__restrict__ kv, uint64_t layer_off,
-                                      const int *__restrict__ pos, int t0, int n_head, int n_kv, int hd, uint64_t rows, int f16c,
+                                      const int *__restrict__ pos, int t0, int n_head, int n_kv, int hd, uint64_t rows, int kvf,
                                       float scale, int splits, float *__restrict__ parts) {
     const int lane = threadIdx.x & 31, t = t0 + blockIdx.y, h = blockIdx.x / splits, c = blockIdx.x % splits;
     const int rest = pos[t] + 1 - c * ATTN_SPLIT, n = rest < ATTN_SPLIT ? rest : ATTN_SPLIT;
     if (n <= 0) return;
     const float *q = qg + ((uint64_t)t * n_head + h) * 2 * hd;
-    const uint64_t esz = f16c ? 2 : 4, row = (uint64_t)hd * esz;
+    const uint64_t row = kv_row_bytes(hd, kvf);
     const uint8_t *keys = (const uint8_t *)kv[t] + layer_off + (uint64_t)(h / (n_head / n_kv)) * rows * row + (uint64_t)c * ATTN_SPLIT * row;
     const uint8_t *vals = keys + (uint64_t)n_kv * rows * row;
-    float s[ATTN_LANE_ROWS], max = attn_score(q, keys, hd, f16c, scale);
-    for (int r = 0; r < ATTN_LANE_ROWS; r++) {
-        const int p = lane + 32 * r;
-        s[r] = p < n ? attn_score(q, keys + p * row, hd, f16c, scale) : 0.0f;
-        max = p < n && s[r] > max ? s[r] : max;
-    }
+    float s[ATTN_LANE_ROWS];
+    if (kvf == 2) attn_scores_q8(q, keys, hd, n, scale, s);
+    else
+        for (int r = 0; r < ATTN_LANE_ROWS; r++) s[r] = lane + 32 * r < n ? attn_score(q, keys + (lane + 32 * r) * row, hd, kvf, scale) : 0.0f;
+    float max = __shfl_sync(0xffffffffu, s[0], 0);
+    for (int r = 0; r < ATTN_LANE_ROWS; r++) max = lane + 32 * r < n && s[r] > max ? s[r] : max;
     for (int d = 16; d > 0; d /= 2) {
         const float o = __shfl_xor_sync(0xffffffffu, max, d);
         max = o > max ? o : max;
@@ -1107,7 +1188,7 @@ extern "C" __global__ void attn_split(const float *__restrict__ qg, const uint64
         for (int k = 0; k < 32 && 32 * r + k < n; k++) {
             const float wk = __shfl_sync(0xffffffffu, w, k);
             const uint8_t *vr = vals + (uint64_t)(32 * r + k) * row;
-            for (int m = 0; m < 16 && lane + 32 * m < hd; m++) o[m] = __fmaf_rn(wk, kv_get(vr, lane + 32 * m, f16c), o[m]);
+            for (int m = 0; m < 16 && lane + 32 * m < hd; m++) o[m] = __fmaf_rn(wk, kv_get(vr, lane + 32 * m, kvf), o[m]);
         }
     }
     float *rec = parts + (((uint64_t)blockIdx.y * n_head + h) * splits + c) * (hd + 4);

@@ -774,17 +774,37 @@ static void run_deltanet_gate(int unused, void **p, struct grid g)
         }
 }
 
-/* A cached row's element I, f32 or (F16) f16; and the store of one. */
-static float kv_get(const uint8_t *row, int i, int f16c) { return f16c ? f16(row + 2 * i) : ld_f32(row + 4 * i); }
-static void kv_put(uint8_t *row, int i, float v, int f16c)
+/* The KV cache's formats (KVF: coli.c's enum ops_kv): f32, f16, or Q8_0 rows (32-blocks of an
+ * fp16 d and 32 int8, quantised as an activation), its keys in groups of 16 positions: dword m
+ * of each position's quants (+128) side by side, then each block's 16 d. A row's bytes; a value
+ * row's element I; the store of row P of HD floats X into a KV head's rows at HEAD. */
+#define KV_GROUP 16
+static size_t kv_row_bytes(int hd, int kvf) { return kvf == 2 ? (size_t)hd / 32 * 34 : (size_t)hd * (kvf ? 2 : 4); }
+static float kv_get(const uint8_t *row, int i, int kvf)
 {
-    if (f16c) {
-        _Float16 h = (_Float16)v;
-        memcpy(row + 2 * i, &h, 2);
-    } else memcpy(row + 4 * i, &v, 4);
+    if (kvf == 2) return f16(row + i / 32 * 34) * (float)((const int8_t *)row)[i / 32 * 34 + 2 + i % 32];
+    return kvf ? f16(row + 2 * i) : ld_f32(row + 4 * i);
+}
+static void kv_store(uint8_t *head, size_t p, const float *x, int hd, int kvf, int keys)
+{
+    uint8_t *row = head + p * kv_row_bytes(hd, kvf), *group = head + p / KV_GROUP * KV_GROUP * kv_row_bytes(hd, kvf), a[512 + 16 * 12];
+    const int r = (int)(p % KV_GROUP);
+    for (int i = 0; i < hd && kvf < 2; i++) {
+        _Float16 h = (_Float16)x[i];
+        if (kvf) memcpy(row + 2 * i, &h, 2);
+        else memcpy(row + 4 * i, &x[i], 4);
+    }
+    for (int b = 0; b < hd / 32 && kvf == 2; b++) {
+        q8_block(x, a, hd, b);
+        _Float16 d = (_Float16)((float *)(a + hd))[b];
+        for (int i = 32 * b; i < 32 * b + 32; i++)
+            if (keys) group[i / 4 * 4 * KV_GROUP + 4 * r + i % 4] = (uint8_t)(a[i] + 128);
+            else row[b * 34 + 2 + i % 32] = a[i];
+        memcpy(keys ? group + KV_GROUP * hd + 2 * (b * KV_GROUP + r) : row + b * 34, &d, 2);
+    }
 }
 
-/* attn_prep(qg, k, v, q_norm, k_norm, rope, kv, layer_off, pos, n_head, n_kv, hd, rot, rows, f16,
+/* attn_prep(qg, k, v, q_norm, k_norm, rope, kv, layer_off, pos, n_head, n_kv, hd, rot, rows, kvf,
  * eps): every q head (in qg's rows of 2 hd, q then gate) and k head of each token through its
  * RMSNorm (times q_norm / k_norm) and the NeoX rotation of its first rot dims (rope's row: rot/2
  * cosines, then sines); each k head's row and its v row into the token's cache at its position
@@ -797,9 +817,9 @@ static void run_attn_prep(int unused, void **p, struct grid g)
     const uint64_t *kv = ARG(6, const uint64_t *);
     uint64_t off = ARG(7, uint64_t), rows = ARG(13, uint64_t);
     const int *pos = ARG(8, const int *);
-    int nh = ARG(9, int), nkv = ARG(10, int), hd = ARG(11, int), rot = ARG(12, int), f16c = ARG(14, int), half = rot / 2;
+    int nh = ARG(9, int), nkv = ARG(10, int), hd = ARG(11, int), rot = ARG(12, int), kvf = ARG(14, int), half = rot / 2;
     float eps = ARG(15, float);
-    size_t esz = f16c ? 2 : 4;
+    size_t rb = kv_row_bytes(hd, kvf);
     for (unsigned t = 0; t < g.y; t++)
         for (int h = 0; h < nh + nkv; h++) {
             float *x = h < nh ? qg + ((size_t)t * nh + h) * 2 * hd : k + ((size_t)t * nkv + h - nh) * hd;
@@ -812,18 +832,17 @@ static void run_attn_prep(int unused, void **p, struct grid g)
                 x[j + half] = b * cs[j] + a * cs[half + j];
             }
             if (h < nh) continue;
-            uint8_t *kr = (uint8_t *)(uintptr_t)kv[t] + off + ((size_t)(h - nh) * rows + (size_t)pos[t]) * hd * esz;
-            uint8_t *vr = kr + (size_t)nkv * rows * hd * esz;
-            for (int i = 0; i < hd; i++) {
-                kv_put(kr, i, x[i], f16c);
-                kv_put(vr, i, v[((size_t)t * nkv + h - nh) * hd + i], f16c);
-            }
+            uint8_t *kh = (uint8_t *)(uintptr_t)kv[t] + off + (size_t)(h - nh) * rows * rb;
+            kv_store(kh, (size_t)pos[t], x, hd, kvf, 1);
+            kv_store(kh + (size_t)nkv * rows * rb, (size_t)pos[t], v + ((size_t)t * nkv + h - nh) * hd, hd, kvf, 0);
         }
 }
 
-/* attn_split(qg, kv, layer_off, pos, t0, n_head, n_kv, hd, rows, f16, scale, splits, parts): for
+/* attn_split(qg, kv, layer_off, pos, t0, n_head, n_kv, hd, rows, kvf, scale, splits, parts): for
  * token t0 + y, q head h and split c (x = h splits + c), rows 256c.. of the first pos + 1 of its
- * KV head's cache: scores q . k_p (16 partials by element, met pairwise 8, 4, 2, 1) times scale;
+ * KV head's cache: scores q . k_p (float keys: 16 partials by element, met pairwise 8, 4, 2, 1;
+ * Q8_0 keys: q quantised as an activation, a block's integer sum times d_k d_q added in block
+ * order) times scale;
  * their softmax (the largest from the split's first row, NaN only there; e^(s - max); the sum in
  * double over 16 partials by row; one scale); o = sum of w_p v_p as fused multiply-adds in
  * increasing p. Record [y][h][c] of hd + 4 floats: the largest, the sum (double, at float 2), o. */
@@ -835,9 +854,9 @@ static void run_attn_split(int unused, void **p, struct grid g)
     const uint64_t *kv = ARG(1, const uint64_t *);
     uint64_t off = ARG(2, uint64_t), rows = ARG(8, uint64_t);
     const int *pos = ARG(3, const int *);
-    int t0 = ARG(4, int), nh = ARG(5, int), nkv = ARG(6, int), hd = ARG(7, int), f16c = ARG(9, int), splits = ARG(11, int);
+    int t0 = ARG(4, int), nh = ARG(5, int), nkv = ARG(6, int), hd = ARG(7, int), kvf = ARG(9, int), splits = ARG(11, int);
     float scale = ARG(10, float), *parts = ARG(12, float *);
-    size_t row = (size_t)hd * (f16c ? 2 : 4);
+    size_t row = kv_row_bytes(hd, kvf);
     for (unsigned y = 0; y < g.y; y++)
         for (long x = 0; x < g.warps; x++) {
             const int t = t0 + (int)y, h = (int)x / splits, c = (int)x % splits, p0 = c * ATTN_SPLIT;
@@ -847,12 +866,20 @@ static void run_attn_split(int unused, void **p, struct grid g)
             const uint8_t *keys = (const uint8_t *)(uintptr_t)kv[t] + off + (size_t)(h / (nh / nkv)) * rows * row + (size_t)p0 * row;
             const uint8_t *vals = keys + (size_t)nkv * rows * row;
             float w[ATTN_SPLIT], *rec = parts + (((size_t)y * nh + h) * splits + c) * (hd + 4);
+            uint8_t qa[512 + 16 * 12];
+            for (int b = 0; b < hd / 32 && kvf == 2; b++) q8_block(q, qa, hd, b);
             for (int r = 0; r < n; r++) {
-                float part[16] = {0};
-                for (int i = 0; i < hd; i++) part[i % 16] += q[i] * kv_get(keys + r * row, i, f16c);
+                float part[16] = {0}, acc = 0.0f;
+                const uint8_t *g = keys + (size_t)r / KV_GROUP * KV_GROUP * row;
+                for (int b = 0; b < hd / 32 && kvf == 2; b++) {
+                    int isum = 0;
+                    for (int i = 32 * b; i < 32 * b + 32; i++) isum += ((int)g[i / 4 * 4 * KV_GROUP + 4 * (r % KV_GROUP) + i % 4] - 128) * (int8_t)qa[i];
+                    acc = acc + (f16(g + KV_GROUP * hd + 2 * (b * KV_GROUP + r % KV_GROUP)) * ((float *)(qa + hd))[b]) * (float)isum;
+                }
+                for (int i = 0; i < hd && kvf < 2; i++) part[i % 16] += q[i] * kv_get(keys + r * row, i, kvf);
                 for (int s = 8; s > 0; s /= 2)
                     for (int j = 0; j < s; j++) part[j] += part[j + s];
-                w[r] = part[0] * scale;
+                w[r] = (kvf == 2 ? acc : part[0]) * scale;
             }
             float max = w[0];
             for (int r = 1; r < n; r++) max = w[r] > max ? w[r] : max;
@@ -865,7 +892,7 @@ static void run_attn_split(int unused, void **p, struct grid g)
             memcpy(rec + 2, &sum[0], 8);
             for (int i = 0; i < hd; i++) {
                 float acc = 0.0f;
-                for (int r = 0; r < n; r++) acc = fmaf(w[r] * inv, kv_get(vals + r * row, i, f16c), acc);
+                for (int r = 0; r < n; r++) acc = fmaf(w[r] * inv, kv_get(vals + r * row, i, kvf), acc);
                 rec[4 + i] = acc;
             }
         }

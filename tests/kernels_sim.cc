@@ -93,6 +93,8 @@ template <class T> static T sim_shuffle(unsigned mask, T v, int shuffle, int arg
 #define __shfl_down_sync(mask, v, delta) sim_shuffle((mask), (v), SIM_DOWN, (delta), __LINE__)
 #define __shfl_xor_sync(mask, v, lanes) sim_shuffle((mask), (v), SIM_XOR, (lanes), __LINE__)
 #define __shfl_sync(mask, v, src) sim_shuffle((mask), (v), SIM_IDX, (src), __LINE__)
+/* A warp's barrier (and its memory fence): every lane at it before any goes on, as a shuffle. */
+#define __syncwarp() ((void)sim_shuffle(0xffffffffu, 0, SIM_IDX, 0, __LINE__))
 
 template <class To, class From> static inline To sim_bits(From f)
 {

@@ -565,7 +565,7 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     int longest = 0;
     for (int t = 0; t < T; t++) longest = pos[t] + 1 > longest ? pos[t] + 1 : longest;
     const int splits = (longest + OPS_ATTN_SPLIT - 1) / OPS_ATTN_SPLIT;
-    struct cuda_attention a = {qn, kn, da, dp, dr, n_head, n_kv, hd, rot, kv == OPS_KV_F16, splits, 1e-6f, 1.0f / sqrtf((float)hd), layer,
+    struct cuda_attention a = {qn, kn, da, dp, dr, n_head, n_kv, hd, rot, (int)kv, splits, 1e-6f, 1.0f / sqrtf((float)hd), layer,
                                (uint64_t)model_kv_rows(&mm)};
     const size_t parts_cap = cuda_attention_parts;
     if (group) cuda_attention_parts = (size_t)group * cuda_attention_token_parts(&a);
@@ -598,7 +598,7 @@ static void check_attention(int dev, int n_head, int n_kv, int hd, int rot, int 
     char name[200];
     snprintf(name, sizeof name, "attention on device %d, %d heads on %d of %d (RoPE %d), %s cache, %d tokens of %d sequences after %d "
              "(%d splits, %d groups): the CPU's queries, keys, caches, rows and bits in %d calls", dev, n_head, n_kv, hd, rot,
-             kv == OPS_KV_F16 ? "f16" : "f32", T, n_seq, filled, splits, groups, 2 + 2 * groups);
+             kv == OPS_KV_F16 ? "f16" : kv == OPS_KV_Q8_0 ? "q8_0" : "f32", T, n_seq, filled, splits, groups, 2 + 2 * groups);
     check(same && calls == 2 + 2 * groups, name, "ran %d, calls %ld, first difference at %zu", ran, calls, at);
     cuda_ptr bufs_d[] = {qg, k, v, qn, kn, dr, da, dp, scratch};
     for (size_t i = 0; i < sizeof bufs_d / sizeof *bufs_d; i++) cuda_mem_free(bufs_d[i]);
@@ -620,8 +620,11 @@ static void test_attention_device(int real)
     check_attention(!real, 6, 3, 128, 128, 2, 2, 0, OPS_KV_F16, 0);     /* RoPE over the whole head, an empty cache */
     check_attention(0, 4, 2, 64, 32, 5, 2, 254, OPS_KV_F32, 0);         /* tokens on both sides of a split's end */
     check_attention(!real, 8, 2, 128, 64, 7, 3, 766, OPS_KV_F16, 3);    /* 3 and 4 splits, in groups of 3 tokens */
+    check_attention(0, 4, 2, 32, 8, 3, 1, 5, OPS_KV_Q8_0, 0);           /* Q8_0: one key group, part full */
+    check_attention(!real, 16, 2, 256, 64, 5, 2, 300, OPS_KV_Q8_0, 2);  /* Q8_0: the 35B-A3B's heads over 2 splits, in groups */
     if (real) check_attention(0, 16, 2, 256, 64, 4, 2, 1000, OPS_KV_F32, 0); /* the 35B-A3B at 1k of context */
     if (real) check_attention(0, 16, 2, 256, 64, 1, 1, 8191, OPS_KV_F16, 0); /* and a decode step at 8k */
+    if (real) check_attention(0, 16, 2, 256, 64, 1, 1, 8191, OPS_KV_Q8_0, 0);
 }
 
 static void test_deltanet_device(int real)

@@ -346,21 +346,24 @@ for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 73 100 150 500; do
 done
 # Attention past one split (OPS_ATTN_SPLIT, 256 rows): a prompt of 340 tokens, its second
 # batch (256 on) and the decode steps over 2 splits, every layer chained on device 0, through
-# the fake's twins and through kernels.cu's source: the CPU's tokens and logits.
+# the fake's twins and through kernels.cu's source, with an f32 and a Q8_0 KV cache: the CPU's tokens
+# and logits, and one wait a pass (attention stays on the device).
 LP=$(for i in $(seq 12); do printf '%s %s. ' "$P" "$i"; done)
-long_run() { # long_run NAME ENV...: the run's --json line without timings in $tmp/long-NAME.json
-    local name=$1; shift
-    env "$@" "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$LP" -n 8 -c 1024 --ignore-eog --json --place "$all0,shexp=0" 2>"$tmp/long.err" |
-        tail -n 1 | sed 's/"timings".*//' >"$tmp/long-$name.json"
+long_run() { # long_run NAME KV ENV...: the run's --json line without timings in $tmp/long-NAME.json
+    local name=$1 kv=$2; shift 2
+    env "$@" "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$LP" -n 8 -c 1024 --kv "$kv" --ignore-eog --json --place "$all0,shexp=0" \
+        2>"$tmp/long.err" | tail -n 1 | sed 's/"timings".*//' >"$tmp/long-$name.json"
 }
-long_run cpu COLI_CUDA=0
-for lib in fake sim; do
-    if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "attention in 2 splits on the device ($lib) # SKIP no $B/$lib"; continue; fi
-    long_run $lib LD_LIBRARY_PATH="$B/$lib" FAKE_CUDA_DEVICES=1
-    n=$(($(grep -o '"prompt_tokens":\[[0-9,]*\]' "$tmp/long-cpu.json" | tr -cd , | wc -c) + 1))
-    if [ "$n" -gt 256 ] && cmp -s "$tmp/long-$lib.json" "$tmp/long-cpu.json" && grep -q ' 17 waits' "$tmp/long.err"; then
-        ok "attention over 2 splits, every layer chained on the device ($lib): a prompt of $n tokens and 8 more, the CPU's tokens and logits"
-    else bad "attention over 2 splits on the device ($lib)" "prompt of $n tokens; $(grep cuda "$tmp/long.err" | tail -n 1)"; fi
+for kv in f32 q8_0; do
+    long_run cpu $kv COLI_CUDA=0
+    for lib in fake sim; do
+        if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "attention in 2 splits on the device ($lib, --kv $kv) # SKIP no $B/$lib"; continue; fi
+        long_run $lib $kv LD_LIBRARY_PATH="$B/$lib" FAKE_CUDA_DEVICES=1
+        n=$(($(grep -o '"prompt_tokens":\[[0-9,]*\]' "$tmp/long-cpu.json" | tr -cd , | wc -c) + 1))
+        if [ "$n" -gt 256 ] && cmp -s "$tmp/long-$lib.json" "$tmp/long-cpu.json" && grep -q ' 17 waits' "$tmp/long.err"; then
+            ok "attention over 2 splits, every layer chained on the device ($lib, --kv $kv): a prompt of $n tokens and 8 more, the CPU's tokens and logits"
+        else bad "attention over 2 splits on the device ($lib, --kv $kv)" "prompt of $n tokens; $(grep cuda "$tmp/long.err" | tail -n 1)"; fi
+    done
 done
 # bench says the same a decode step: of 11 steps of a small model all on the device, the first
 # two made launch by launch and 9 as one graph each, one wait each.
