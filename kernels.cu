@@ -1065,7 +1065,8 @@ extern "C" __global__ void attn_prep(float *qg, float *k, const float *__restric
     const float mean = __double2float_rn(__ddiv_rn(parts_total(part), (double)hd));
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     const uint64_t rb = kv_row_bytes(hd, kvf);
-    uint8_t *kh_rows = is_q ? NULL : (uint8_t *)kv[t] + layer_off + (uint64_t)kh * rows * rb, *vh_rows = kh_rows + (uint64_t)n_kv * rows * rb;
+    uint8_t *kh_rows = is_q ? NULL : (uint8_t *)kv[t] + layer_off + (uint64_t)kh * rows * rb;
+    uint8_t *vh_rows = is_q ? NULL : kh_rows + (uint64_t)n_kv * rows * rb;
     uint8_t *kr = is_q || kvf == 2 ? NULL : kh_rows + (uint64_t)pos[t] * rb, *vr = kr ? vh_rows + (uint64_t)pos[t] * rb : NULL;
     for (int j = lane; j < half; j += 32) {
         const float a = __fmul_rn(__fmul_rn(x[j], scale), w[j]), b = __fmul_rn(__fmul_rn(x[j + half], scale), w[j + half]);
