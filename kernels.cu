@@ -1110,7 +1110,7 @@ __device__ __forceinline__ void attn_scores_q8(const float *q, const uint8_t *ke
     const int lane = threadIdx.x & 31, words = hd / 4;
     int qw[4] = {0, 0, 0, 0};
     float qd = 0.0f;
-    for (int b = 0; b < hd / 32; b++) { /* dword 8b + m of the quants from lanes 4m .. 4m + 3, to lane 8 (b % 4) + m */
+    for (int b = 0; b < hd / 32; b++) { // dword 8b + m of the quants, from lanes 4m .. 4m + 3, to lane 8 (b % 4) + m
         float d;
         const int qi = q8_quantize(q[32 * b + lane], &d);
         if (lane == b) qd = round_f16(d);
