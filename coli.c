@@ -6519,15 +6519,22 @@ static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, i
 }
 
 /* ops_scores for Q8_0 keys: HD a multiple of QUANT_QK, at most OPS_KV_MAX_HD. */
-static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
-                            float *const *out)
+/* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A:
+ * what the integer scores against Q8_0 keys take; once a token, not once a split (quantising
+ * in every split had made attention at 16k-32k 1.3-1.8 times slower). */
+#define OPS_KV_Q8_ACT (OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12)
+static void ops_queries_q8_0(const float *const *q, int nq, int hd, uint8_t (*act)[OPS_KV_Q8_ACT], struct quant_q8_view *a)
 {
-    _Alignas(64) uint8_t act[OPS_ATTN_HEADS][OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12];
-    struct quant_q8_view a[OPS_ATTN_HEADS];
     for (int j = 0; j < nq; j++) {
         quant_act_q8(q[j], hd, act[j]);
         a[j] = quant_q8_view(act[j], hd);
     }
+}
+
+/* The scores of NQ quantised queries A against N Q8_0 key rows K (ops_scores_q8_0). */
+static void ops_scores_q8_0_of(const struct quant_q8_view *a, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
+                               float *const *out)
+{
     if (quant_level >= QUANT_LEVEL_AVX512) ops_scores_q8_0_avx512(a, nq, k, stride, n, hd, scale, out);
     else if (quant_level >= QUANT_LEVEL_AVX2) ops_scores_q8_0_avx2(a, nq, k, stride, n, hd, scale, out);
     else
@@ -6535,6 +6542,15 @@ static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, siz
             for (int j = 0; j < nq; j++)
                 out[j][p] = ops_score_q8_0(k + (size_t)(p / OPS_KV_GROUP) * OPS_KV_GROUP * ops_kv_row_bytes(stride, OPS_KV_Q8_0), stride,
                                            p % OPS_KV_GROUP, &a[j], hd, scale);
+}
+
+static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
+                            float *const *out)
+{
+    _Alignas(64) uint8_t act[OPS_ATTN_HEADS][OPS_KV_Q8_ACT];
+    struct quant_q8_view a[OPS_ATTN_HEADS];
+    ops_queries_q8_0(q, nq, hd, act, a);
+    ops_scores_q8_0_of(a, nq, k, stride, n, hd, scale, out);
 }
 
 /* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K in format KV, STRIDE
@@ -6740,16 +6756,18 @@ static void ops_attn_merge(float *o, float *max, double *sum, const float *oc, f
     *sum = total;
 }
 
-/* Split P0.. (ROWS rows) of NQ heads' attention (1..OPS_ATTN_HEADS; queries Q) over one KV
- * head's KEYS and VALUES (rows of HD elements in format KV): the scores times SCALE into W
- * (ROWS floats a head), their softmax (its maximum and sum into MAX and SUM, a head each), the
- * values into OC (HD floats a head). */
-static void ops_attention_split(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int p0, int rows, int hd,
-                                float scale, float *const *w, float *const *oc, float *max, double *sum, enum ops_kv kv)
+/* Split P0.. (ROWS rows) of NQ heads' attention (1..OPS_ATTN_HEADS; queries Q, and QA: them
+ * quantised, for a Q8_0 cache) over one KV head's KEYS and VALUES (rows of HD elements in
+ * format KV): the scores times SCALE into W (ROWS floats a head), their softmax (its maximum
+ * and sum into MAX and SUM, a head each), the values into OC (HD floats a head). */
+static void ops_attention_split(const float *const *q, const struct quant_q8_view *qa, int nq, const uint8_t *keys, const uint8_t *values,
+                                int p0, int rows, int hd, float scale, float *const *w, float *const *oc, float *max, double *sum,
+                                enum ops_kv kv)
 {
     const size_t at = (size_t)p0 * ops_kv_row_bytes((size_t)hd, kv);
     for (int j = 0; j < nq; j++) memset(oc[j], 0, (size_t)hd * sizeof(float));
-    ops_scores(q, nq, keys + at, (size_t)hd, rows, hd, scale, w, kv);
+    if (kv == OPS_KV_Q8_0) ops_scores_q8_0_of(qa, nq, keys + at, (size_t)hd, rows, hd, scale, w);
+    else ops_scores(q, nq, keys + at, (size_t)hd, rows, hd, scale, w, kv);
     for (int j = 0; j < nq; j++) max[j] = ops_softmax(w[j], rows, &sum[j]);
     ops_attend((const float *const *)w, nq, values + at, (size_t)hd, rows, hd, oc, kv);
 }
@@ -6762,9 +6780,12 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
 {
     float max[OPS_ATTN_HEADS], max_c[OPS_ATTN_HEADS], *w[OPS_ATTN_HEADS], *oc[OPS_ATTN_HEADS];
     double sum[OPS_ATTN_HEADS], sum_c[OPS_ATTN_HEADS];
+    _Alignas(64) uint8_t act[OPS_ATTN_HEADS][OPS_KV_Q8_ACT];
+    struct quant_q8_view qa[OPS_ATTN_HEADS];
+    if (kv == OPS_KV_Q8_0) ops_queries_q8_0(q, nq, hd, act, qa);
     for (int p0 = 0; p0 < n; p0 += OPS_ATTN_SPLIT) {
         for (int j = 0; j < nq; j++) w[j] = sc[j] + p0, oc[j] = p0 ? sc[j] + n : o[j];
-        ops_attention_split(q, nq, keys, values, p0, n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT, hd, scale, w, oc, p0 ? max_c : max,
+        ops_attention_split(q, qa, nq, keys, values, p0, n - p0 < OPS_ATTN_SPLIT ? n - p0 : OPS_ATTN_SPLIT, hd, scale, w, oc, p0 ? max_c : max,
                             p0 ? sum_c : sum, kv);
         for (int j = 0; p0 && j < nq; j++) ops_attn_merge(o[j], &max[j], &sum[j], oc[j], max_c[j], sum_c[j], hd);
     }
@@ -12215,10 +12236,14 @@ static int model_attention_spread(struct model *m, int il, int T, int share, flo
     const size_t rec = (size_t)hd + OPS_ATTN_SPLIT; /* a split's output, then its scores */
     int first[MODEL_BATCH + 1] = {0};               /* token t's splits: first[t] .. first[t + 1] - 1 */
     for (int t = 0; t < T; t++) first[t + 1] = first[t] + (s->tok_pos[t] + OPS_ATTN_SPLIT) / OPS_ATTN_SPLIT;
-    const size_t n = (size_t)first[T] * (size_t)nh, bytes = n * (sizeof(double) + sizeof(float) + rec * sizeof(float));
+    const size_t n = (size_t)first[T] * (size_t)nh, acts = m->kv == OPS_KV_Q8_0 ? (size_t)T * nh * OPS_KV_Q8_ACT : 0;
+    const size_t bytes = acts + n * (sizeof(double) + sizeof(float) + rec * sizeof(float));
     if (first[T] == T || bytes > MODEL_SPREAD_BYTES) return 0;
-    double *sum = ops_scratch(&s->splits, bytes);
+    uint8_t (*act)[OPS_KV_Q8_ACT] = ops_scratch(&s->splits, bytes); /* a Q8_0 cache's queries, quantised once: [T][nh] */
+    double *sum = (double *)((uint8_t *)act + acts);
     float *max = (float *)(sum + n), *rows = max + n;
+    #pragma omp parallel for schedule(static)
+    for (int k = 0; k < (acts ? T * nh : 0); k++) quant_act_q8(s->qg + (size_t)k * 2 * hd, hd, act[k]);
     #pragma omp parallel for schedule(static)
     for (int k = 0; k < first[T] * groups; k++) {
         const int split = k / groups, h0 = k % groups * share;
@@ -12228,13 +12253,15 @@ static int model_attention_spread(struct model *m, int il, int T, int share, flo
         const struct model_layer_state *st = &s->tok_seq[t]->state[il];
         const float *q[OPS_ATTN_HEADS];
         float *w[OPS_ATTN_HEADS], *oc[OPS_ATTN_HEADS];
+        struct quant_q8_view qa[OPS_ATTN_HEADS];
         for (int j = 0; j < share; j++) {
             q[j] = s->qg + ((size_t)t * nh + h0 + j) * 2 * hd;
+            if (acts) qa[j] = quant_q8_view(act[(size_t)t * nh + h0 + j], hd);
             oc[j] = rows + ((size_t)split * nh + h0 + j) * rec;
             w[j] = oc[j] + hd;
         }
         const size_t at = (size_t)split * nh + h0;
-        ops_attention_split(q, share, model_kv_head(m, st, h0 / group, 1), model_kv_head(m, st, h0 / group, 0), p0,
+        ops_attention_split(q, qa, share, model_kv_head(m, st, h0 / group, 1), model_kv_head(m, st, h0 / group, 0), p0,
                             left < OPS_ATTN_SPLIT ? left : OPS_ATTN_SPLIT, hd, scale, w, oc, max + at, sum + at, m->kv);
     }
     #pragma omp parallel for schedule(static)
