@@ -6747,7 +6747,7 @@ static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
  * side's share of the new sum (its sum times e^(its max - the new max), in double) as a float
  * weight, then o = fma(wc, oc, wo * o) element by element. The first split is O as it is, so a
  * context of one split gives the bits of one softmax over all its rows. The 2 NQ exponentials
- * go in one call (ops_exp_shifted: 16 scalar ones were 3% of a split at 8k of context). */
+ * go in one call (ops_exp_shifted; a scalar ops_exp is ~20 ns). */
 static void ops_attn_merge(float *const *o, float *max, double *sum, float *const *oc, const float *max_c, const double *sum_c, int nq,
                            int hd)
 {
@@ -6792,8 +6792,9 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
  * split by split their softmax and values (ops_attention_values), each merged into O in order
  * (ops_attn_merge). SC: a scratch of N + HD floats a head (the scores, then a split's output).
  * The scores go in one pass rather than a split at a time: the bits are the same, and the key
- * rows stream without a break (scores a split at a time, between the values of the splits
- * before and after, made attention at 8k-32k of context 7-13% slower with a Q8_0 cache). */
+ * rows stream without a break (a split at a time, between the values of the splits before and
+ * after, attention at 32k of context with a Q8_0 cache took 12-13% more than one softmax over
+ * all rows; this way 6-7% more). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
