@@ -12243,9 +12243,9 @@ static const uint8_t *model_kv_head(const struct model *m, const struct model_la
     return (const uint8_t *)(keys ? st->k_cache : st->v_cache) + (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
 }
 
-/* Decode's attention where a batch has fewer head groups than threads: each split of each
- * group of SHARE heads of each token a task (ops_attention_scores, ops_attention_values: the
- * group's heads read its rows once), their records in s->splits, then each head's splits
+/* Attention where a batch has fewer head groups than threads (decode, mostly): each split of
+ * each group of SHARE heads of each token a task (ops_attention_scores, ops_attention_values:
+ * the group's heads read its rows once), their records in s->splits, then each head's splits
  * merged in order and gated, a head a task: ops_attention's bits. 0 (nothing done) where no
  * context spans two splits, or the records would pass MODEL_SPREAD_BYTES (a long prompt). */
 #define MODEL_SPREAD_BYTES ((size_t)64 << 20)
@@ -12360,9 +12360,9 @@ static const float *model_attention(struct model *m, int il, int T)
     /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output
      * gate. A task is a run of SHARE heads of one group over every token of the batch: they
      * read each cached row once between them. Where there are fewer such tasks than threads,
-     * decode spreads each split of a group over the threads (model_attention_spread); else, or
-     * where the contexts are short, SHARE halves while there are fewer tasks than threads. The
-     * bits depend on neither. */
+     * each split of a group is a task of its own (model_attention_spread: decode, or a batch
+     * whose records stay small); else, or where no context spans two splits, SHARE halves while
+     * there are fewer tasks than threads. The bits depend on neither. */
     int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
     if (nh / share < plat_threads() && model_attention_spread(m, il, T, share, scale)) {
         model_phase_mark(m, MODEL_PHASE_ATTENTION);
