@@ -331,10 +331,11 @@ done
 # the two activations, router and gate logit, routing, gate/up, the hidden rows' quantisation,
 # down and the sum), 22-27 layer 1's start, 28-31 its DeltaNet, 69-72 layer 3's attention
 # (norms, RoPE and the cache's new rows; the splits' scores to values; their merge and the
-# gate; its rows' quantisation), 73 on its rest; later ones fail in a decode step (500: in the fifth, run as a graph, which reports it
-# when it is launched). There the states and the KV cache are only on the
-# device: the pass is lost with them, the sequence is fed its tokens again on the CPU
-# (engine_replay), then the pass runs again. The run keeps the CPU's tokens each time.
+# gate; its rows' quantisation), 73 on its rest; later ones fail in a decode step (500: in the
+# fifth, run as a graph, which reports it when it is launched). There the states and the KV
+# cache are only on the device: the pass is lost with them, the sequence is fed its tokens
+# again on the CPU (engine_replay), then the pass runs again. The run keeps the CPU's tokens
+# each time.
 for k in 1 3 6; do
     tokens "launch $k (the first layer's start in a chain) fails: the CPU's tokens" '^\[cuda\] a chain of layers on the device: unspecified launch failure' \
         q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place "$all0,shexp=0"
@@ -346,8 +347,8 @@ for k in 7 8 9 10 11 15 21 22 27 28 31 69 70 71 72 73 100 150 500; do
 done
 # Attention past one split (OPS_ATTN_SPLIT, 256 rows): a prompt of 340 tokens, its second
 # batch (256 on) and the decode steps over 2 splits, every layer chained on device 0, through
-# the fake's twins and through kernels.cu's source, with an f32 and a Q8_0 KV cache: the CPU's tokens
-# and logits, and one wait a pass (attention stays on the device).
+# the fake's twins and through kernels.cu's source, with an f32 and a Q8_0 KV cache: the CPU's
+# tokens and logits, and one wait a pass (attention stays on the device).
 LP=$(for i in $(seq 12); do printf '%s %s. ' "$P" "$i"; done)
 long_run() { # long_run NAME KV ENV...: the run's --json line without timings in $tmp/long-NAME.json
     local name=$1 kv=$2; shift 2
