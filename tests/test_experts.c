@@ -82,6 +82,30 @@ static void test_own_copy(struct model *m, const char *model_file, int **prompts
     check(same && m->experts->own, name, "logits or tokens differ (own copy %s)", m->experts->own ? "made" : "not made");
 }
 
+/* The rule by which model_place copies the experts out of the mapping (model_copies), at
+ * budgets of 0.5, 1.5 and 2.5 times their bytes: below them a cache; at 1.5 times a copy for a
+ * server (MODEL_COPY_OVER_FILE_PAGES) and the mapping for the rest; at 2.5 times a copy for both. */
+static void test_copy_rule(struct model *m, const char *model_file)
+{
+    static const double times[] = {0.5, 1.5, 2.5};
+    const int64_t experts = (int64_t)model_expert_bytes(m);
+    int bad = 0;
+    char name[300], why[200] = "";
+    for (int t = 0; t < 3; t++)
+        for (int c = MODEL_COPY_OVER_FILE_PAGES; c <= MODEL_COPY_BESIDE_FILE_PAGES; c++) {
+            struct place_result r;
+            model_place(m, 1, (int64_t)(times[t] * (double)experts), 1, (enum model_copies)c, "", EXPERT_IO_DIRECT, "auto", &r);
+            expert_start(m->experts);
+            const int mapped = t > 0, own = t == 2 || (t == 1 && c == MODEL_COPY_OVER_FILE_PAGES);
+            if ((m->experts->mapped != mapped || (m->experts->own != NULL) != own) && !bad++)
+                snprintf(why, sizeof why, "budget %.1fx, copies %d: %s, %s", times[t], c, m->experts->mapped ? "mapped" : "cached",
+                         m->experts->own ? "copied" : "not copied");
+        }
+    snprintf(name, sizeof name, "%s: the experts copied for a server where the budget holds them once, for all where it holds them twice",
+             model_file);
+    check(!bad, name, "%s", why);
+}
+
 /* One golden model: the plain run, then the same cases through the store with budgets of 4
  * slots, half the experts, and 4 slots again warm from the heat the previous runs saved. */
 static void test_store_golden_model(const char *dir, const char *json_name, int quick)
@@ -130,6 +154,7 @@ static void test_store_golden_model(const char *dir, const char *json_name, int 
         expert_heat_save(m.experts);
     }
     test_own_copy(&m, model_file, prompts, lens, n, want);
+    test_copy_rule(&m, model_file);
     unlink(heat);
     for (int i = 0; i < n; i++) free(prompts[i]);
     model_free(&m);
