@@ -17446,9 +17446,29 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
+/* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory,
+ * SERVE_DEFAULT_CACHE at most, but never so much that the routed experts, which would fit in
+ * memory without it, no longer do: it then takes what they leave. Every token reads experts,
+ * and those left out are read from the disk; a prompt cache spares recomputing a prefix now
+ * and then (README, Serve). It counts every expert in RAM: those a device takes would leave
+ * more. RAM: --ram (given: the experts' budget is the user's). */
+static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
+{
+    const int64_t avail = plat_mem_available(), eighth = avail > 0 ? avail / 8 : 0;
+    const int64_t cache = eighth < SERVE_DEFAULT_CACHE ? eighth : SERVE_DEFAULT_CACHE;
+    if (ram >= 0 || !m->cfg.n_expert) return cache;
+    const int64_t fit = model_expert_budget(m, n_slots, 0, -1).budget - (int64_t)model_expert_bytes(m);
+    if (fit < 0 || fit >= cache) return cache;
+    const int64_t slack = 128 << 20, room = fit > slack ? fit - slack : 0; /* free memory moves a little before the placement reads it */
+    plat_log("[serve] prompt cache: %.2f GiB, what memory leaves once the routed experts fit (%.2f GiB would have left them out)",
+             room / 1073741824.0, cache / 1073741824.0);
+    return room;
+}
+
 /* Loads O's model for N_SLOTS conversations at once (the engine's slots; 0: as many as memory
- * holds, model_choose_seqs), with CACHE bytes kept for the prompt cache (§11; the server's, 0
- * elsewhere) and the experts copied where memory holds them COPIES times (model_copies). */
+ * holds, model_choose_seqs), with CACHE bytes kept for the prompt cache (§11; the server's: < 0
+ * its default, cmd_prompt_cache; 0 elsewhere) and the experts copied where memory holds them
+ * COPIES times (model_copies). */
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots, int64_t cache, enum model_copies copies)
 {
     double t0 = plat_now();
@@ -17465,6 +17485,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
         plat_log("[coli] %d conversations at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
                  model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
     }
+    if (cache < 0) cache = cmd_prompt_cache(&s->model, n_slots, o->ram_bytes);
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
      * and the file's pages it has just read would both be taken for used memory) */
     model_place_weights(&s->model, n_slots, cache, o->ram_bytes, copies, o->heat_path, o->expert_io, o->place);
@@ -18339,12 +18360,11 @@ static int cmd_serve(const struct cmd_options *o)
     srv.sample = o->sample;
     srv.think = o->think;
     serve_start(&srv, o->host, o->port, &acceptor);
-    int64_t avail = plat_mem_available(), cache = o->cache_ram >= 0 ? o->cache_ram : avail > 0 ? avail / 8 : 0;
-    if (o->cache_ram < 0 && cache > SERVE_DEFAULT_CACHE) cache = SERVE_DEFAULT_CACHE;
-    cmd_open(&s, &so, o->parallel, cache, MODEL_COPY_OVER_FILE_PAGES);
+    cmd_open(&s, &so, o->parallel, o->cache_ram, MODEL_COPY_OVER_FILE_PAGES);
     plat_log("[serve] chat template: %s", s.tok.chat_template_about);
     plat_log("[serve] prompt cache (--cache-ram): %.2f GiB for checkpoints of the DeltaNet state (%.1f MiB each, %d per slot) "
-             "and idle conversations parked in RAM", cache / 1073741824.0, s.engine.checkpoint_bytes / 1048576.0, ENGINE_MAX_CHECKPOINTS);
+             "and idle conversations parked in RAM", s.engine.cache_budget / 1073741824.0, s.engine.checkpoint_bytes / 1048576.0,
+             ENGINE_MAX_CHECKPOINTS);
     pthread_mutex_lock(&srv.mu);
     srv.engine = &s.engine;
     srv.tok = &s.tok;
@@ -18584,8 +18604,10 @@ static const char *const arg_command_help[][2] = {
               "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
               "  A request reuses what a slot, or a conversation parked in RAM, holds of its prompt: the KV cache\n"
               "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"
-              "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most;\n"
-              "  0: a slot keeps only its last state). A request's \"cache_prompt\": false computes it all.\n"
+              "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most,\n"
+              "  less where the routed experts would not fit in memory beside it; 0: a slot keeps only its last\n"
+              "  state). A request's \"cache_prompt\": false computes it all. The experts are copied into\n"
+              "  coli's memory where it holds them once (faster decode, a slower start).\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
     {"plan", "coli plan -m MODEL.gguf [-c N] [--ram SIZE] [--gpu LIST] [--vram SIZE] [--place SPEC] [--no-probe] [--json]\n"
              "  Where each part of the model would live, without loading weights: the [probe] and [place]\n"
