@@ -11749,15 +11749,6 @@ static int64_t model_seq_bytes(const struct model *m)
     return model_kv_bytes_per_token(m) * m->n_ctx + model_recurrent_bytes(m);
 }
 
-/* How many sequences to hold at once when not told: as many as a quarter of the memory still
- * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
- * each takes memory from the expert cache). */
-static int model_choose_seqs(const struct model *m)
-{
-    int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
-    return n < 1 ? 1 : n > 4 ? 4 : (int)n;
-}
-
 /* [a][b] floats of scratch; TOUCHED: faulted in now (plat_prefault), for the buffers a batch
  * writes from its first token on, not those sized for a whole context or every run at once. */
 static float *model_buf(int64_t a, int64_t b, int touched)
@@ -13425,6 +13416,21 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
     b.margin = b.avail / 16 + (256 << 20);
     if (ram < 0) b.budget = b.avail - b.trunk - b.kv - b.state - reserve - b.margin;
     return b;
+}
+
+/* How many sequences to hold at once when not told: as many as a quarter of the memory still
+ * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
+ * each takes memory from the expert cache), and no more than leave every routed expert in
+ * memory where one sequence would: each token reads experts, and those left out come from the
+ * disk (the 35B-A3B geometry on a 24 GB machine: 4 sequences of 32k left a third out). */
+static int model_choose_seqs(const struct model *m)
+{
+    int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
+    n = n < 1 ? 1 : n > 4 ? 4 : n;
+    const int64_t experts = (int64_t)model_expert_bytes(m);
+    if (model_expert_budget(m, 1, 0, -1).budget >= experts)
+        while (n > 1 && model_expert_budget(m, (int)n, 0, -1).budget < experts) n--;
+    return (int)n;
 }
 
 /* Opens the store of routed experts behind BUDGET bytes of RAM (HEAT: the heat file, NULL:
@@ -17482,8 +17488,8 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     const struct model_config *c = &s->model.cfg;
     if (n_slots <= 0) {
         n_slots = model_choose_seqs(&s->model);
-        plat_log("[coli] %d conversations at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
-                 model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
+        plat_log("[coli] %d conversation%s at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
+                 n_slots == 1 ? "" : "s", model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
     }
     if (cache < 0) cache = cmd_prompt_cache(&s->model, n_slots, o->ram_bytes);
     /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
@@ -18598,7 +18604,8 @@ static const char *const arg_command_help[][2] = {
               "  POST /apply-template (the prompt a chat request renders to), GET /v1/models, /health (503 while\n"
               "  loading) and /metrics (Prometheus). --port 0 picks a free port\n"
               "  (said on stderr). --parallel N conversations decode together as one batch (default: what a quarter\n"
-              "  of free memory holds at full context, 1-4), each with -c tokens (default 32768); --queue N requests\n"
+              "  of free memory holds at full context, 1-4, fewer where more would leave routed experts out of\n"
+              "  memory), each with -c tokens (default 32768); --queue N requests\n"
               "  wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
               "  'Authorization: Bearer KEY' everywhere but /health. -n N: max_tokens when a request has none\n"
               "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
