@@ -11722,18 +11722,6 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
     return n;
 }
 
-/* The context to use: the request, else the model's length capped so that the KV cache
- * takes at most half of the memory still available, or an eighth when the weights and that
- * KV cache do not fit together (the rest is the expert cache's, §6). */
-static int model_choose_ctx(const struct model *m, int request)
-{
-    if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
-    int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
-    int64_t ctx = m->cfg.ctx_train, need = (int64_t)m->file.tensor_bytes + per * ctx, share = avail > 0 && need > avail ? 8 : 2;
-    if (per > 0 && avail > 0 && ctx > avail / share / per) ctx = avail / share / per;
-    return ctx < 256 ? 256 : (int)ctx;
-}
-
 /* Bytes of a sequence's recurrent state: every DeltaNet layer's (what a checkpoint copies). */
 static int64_t model_recurrent_bytes(const struct model *m)
 {
@@ -12146,6 +12134,47 @@ static void model_own_trunk(struct model *m)
     m->trunk = arena;
     m->trunk_bytes = total;
     free(it);
+}
+
+/* The RAM the routed experts may take, and how it was reckoned. */
+struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; };
+
+/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what
+ * it places), the KV cache at full context and the recurrent state of N_SEQS sequences,
+ * RESERVE bytes (the server's prompt cache), less a margin of 1/16 plus 256 MiB (scratch,
+ * thread stacks, the allocator). */
+static struct model_budget model_expert_budget(const struct model *m, int n_seqs, int64_t reserve, int64_t ram)
+{
+    uint64_t trunk = m->file.tensor_bytes - model_expert_bytes(m);
+    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
+    struct model_budget b = {ram, plat_mem_available(), (int64_t)trunk, model_kv_bytes_per_token(m) * m->n_ctx * n_seqs,
+                             model_recurrent_bytes(m) * n_seqs, reserve, 0};
+    b.margin = b.avail / 16 + (256 << 20);
+    if (ram < 0) b.budget = b.avail - b.trunk - b.kv - b.state - reserve - b.margin;
+    return b;
+}
+
+/* The context to use: the request, else the model's length capped so that the KV cache
+ * takes at most half of the memory still available, or an eighth when the weights and that
+ * KV cache do not fit together (the rest is the expert cache's, §6); but where the weights
+ * fit with room for MODEL_MIN_CTX tokens beside them, no more than that room, so that every
+ * routed expert stays in memory rather than a context mostly unused pushing some of them to
+ * the disk (the 35B-A3B geometry on a 24 GB machine: an eighth, 75k tokens, left 3% of them
+ * out, and `coli run -p Hello` read 9 GiB from the disk at 1 tok/s). */
+#define MODEL_MIN_CTX 4096
+
+static int model_choose_ctx(const struct model *m, int request)
+{
+    if (request > 0) return request < m->cfg.ctx_train ? request : m->cfg.ctx_train;
+    int64_t per = model_kv_bytes_per_token(m), avail = plat_mem_available();
+    int64_t ctx = m->cfg.ctx_train, need = (int64_t)m->file.tensor_bytes + per * ctx, share = avail > 0 && need > avail ? 8 : 2;
+    if (per > 0 && avail > 0 && ctx > avail / share / per) ctx = avail / share / per;
+    if (per > 0 && avail > 0 && share == 8) {
+        const struct model_budget b = model_expert_budget(m, 1, 0, -1);
+        const int64_t room = b.budget + b.kv - (int64_t)model_expert_bytes(m) - (128 << 20); /* b.kv: whatever m->n_ctx is now */
+        if (room / per >= MODEL_MIN_CTX && room / per < ctx) ctx = room / per;
+    }
+    return ctx < 256 ? 256 : (int)ctx;
 }
 
 /* Every DeltaNet layer's conv weights tap-major: conv[ch][j] to conv_taps[j][ch]. */
@@ -13390,9 +13419,6 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
     }
 }
 
-/* The RAM the routed experts may take, and how it was reckoned. */
-struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; };
-
 /* How many times memory must hold the routed experts for the store to copy them out of the
  * mapping (expert_own) rather than read them in place. The copy is faster, being interleaved
  * where its type has such a form (§3): the 10-layer Q4_K slice of the 35B-A3B decodes at 81
@@ -13402,21 +13428,6 @@ struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; 
  * file's pages give way and its next start reads the file again (seconds on an SSD), which a
  * process that serves for hours pays back many times. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
-
-/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what
- * it places), the KV cache at full context and the recurrent state of N_SEQS sequences,
- * RESERVE bytes (the server's prompt cache), less a margin of 1/16 plus 256 MiB (scratch,
- * thread stacks, the allocator). */
-static struct model_budget model_expert_budget(const struct model *m, int n_seqs, int64_t reserve, int64_t ram)
-{
-    uint64_t trunk = m->file.tensor_bytes - model_expert_bytes(m);
-    if (m->lm_head.data != m->embed->data) trunk -= m->embed->bytes; /* only the prompt's rows are ever read */
-    struct model_budget b = {ram, plat_mem_available(), (int64_t)trunk, model_kv_bytes_per_token(m) * m->n_ctx * n_seqs,
-                             model_recurrent_bytes(m) * n_seqs, reserve, 0};
-    b.margin = b.avail / 16 + (256 << 20);
-    if (ram < 0) b.budget = b.avail - b.trunk - b.kv - b.state - reserve - b.margin;
-    return b;
-}
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
  * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
