@@ -13430,15 +13430,16 @@ enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
  * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
- * each takes memory from the expert cache), and no more than leave every routed expert in
- * memory where one sequence would: each token reads experts, and those left out come from the
- * disk (the 35B-A3B geometry on a 24 GB machine: 4 sequences of 32k left a third out). */
-static int model_choose_seqs(const struct model *m)
+ * each takes memory from the expert cache), and, unless RAM (--ram) fixes the experts' budget,
+ * no more than leave every routed expert in memory where one sequence would: each token reads
+ * experts, and those left out come from the disk (the 35B-A3B geometry on a 24 GB machine: 4
+ * sequences of 32k left a third out). */
+static int model_choose_seqs(const struct model *m, int64_t ram)
 {
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
     n = n < 1 ? 1 : n > 4 ? 4 : n;
     const int64_t experts = (int64_t)model_expert_bytes(m);
-    if (model_expert_budget(m, 1, 0, -1).budget >= experts)
+    if (ram < 0 && model_expert_budget(m, 1, 0, -1).budget >= experts)
         while (n > 1 && model_expert_budget(m, (int)n, 0, -1).budget < experts) n--;
     return (int)n;
 }
@@ -17497,7 +17498,7 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
     s->think_close = tok_find(&s->tok, "</think>");
     const struct model_config *c = &s->model.cfg;
     if (n_slots <= 0) {
-        n_slots = model_choose_seqs(&s->model);
+        n_slots = model_choose_seqs(&s->model, o->ram_bytes);
         plat_log("[coli] %d conversation%s at once (--parallel): each holds %.1f MiB of KV cache and state at context %d", n_slots,
                  n_slots == 1 ? "" : "s", model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
     }
