@@ -12100,8 +12100,9 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * short). Why: on this machine a 515 MiB Q8_0 lm_head streams at 22.4 GB/s from anonymous
  * memory but 17 GB/s in place from the page cache; the 35B's 10-layer slice decodes 11.7 ->
  * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts are §6's (expert_own copies
- * them where memory allows: model_copies). A matrix with an interleaved form (§3 quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS
- * at AVX-512, IQ3_XXS and IQ3_S at avx512vbmi) is copied into it interleaved. */
+ * them where memory allows: model_copies). A matrix with an interleaved form (§3
+ * quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS at AVX-512, IQ3_XXS and IQ3_S at
+ * avx512vbmi) is copied into it interleaved. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
