@@ -72,7 +72,7 @@
  *   link into a static musl binary.
  * Promises: die() never returns and prints exactly one line. plat_alloc* never return NULL.
  *   plat_cpu is filled by plat_cpu_detect() before anything reads it.
- * May call: libc; OpenMP (plat_copy_weights).
+ * May call: libc; OpenMP (plat_copy_weights, plat_prefault_parallel).
  * Workload: start-up and error paths; nothing here is on the per-token path. */
 
 /* Prints `coli: MESSAGE` as one line: control characters that came from a file (a tensor
