@@ -13447,7 +13447,8 @@ enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES
  * each takes memory from the expert cache), and, unless RAM (--ram) fixes the experts' budget,
  * no more than leave every routed expert in memory where one sequence would: each token reads
  * experts, and those left out come from the disk (the 35B-A3B geometry on a 24 GB machine: 4
- * sequences of 32k left a third out). */
+ * sequences of 32k left a third out). It counts every expert in RAM: those a device takes
+ * would leave room for more. */
 static int model_choose_seqs(const struct model *m, int64_t ram)
 {
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
