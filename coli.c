@@ -6531,7 +6531,6 @@ static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, i
     else ops_scores_q8_0_rows_avx512(a, nq, k, stride, n, hd, scale, out);
 }
 
-/* ops_scores for Q8_0 keys: HD a multiple of QUANT_QK, at most OPS_KV_MAX_HD. */
 /* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A:
  * what the integer scores against Q8_0 keys take; once a token, not once a split (quantising
  * in every split had made attention at 16k-32k 1.3-1.8 times slower). */
@@ -6557,6 +6556,7 @@ static void ops_scores_q8_0_of(const struct quant_q8_view *a, int nq, const uint
                                            p % OPS_KV_GROUP, &a[j], hd, scale);
 }
 
+/* ops_scores for Q8_0 keys: HD a multiple of QUANT_QK, at most OPS_KV_MAX_HD. */
 static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
                             float *const *out)
 {
@@ -13454,7 +13454,7 @@ static int model_choose_seqs(const struct model *m, int64_t ram)
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
     n = n < 1 ? 1 : n > 4 ? 4 : n;
     const int64_t experts = (int64_t)model_expert_bytes(m);
-    if (ram < 0 && model_expert_budget(m, 1, 0, -1).budget >= experts)
+    if (ram < 0 && m->cfg.n_expert && model_expert_budget(m, 1, 0, -1).budget >= experts)
         while (n > 1 && model_expert_budget(m, (int)n, 0, -1).budget < experts) n--;
     return (int)n;
 }
