@@ -1302,24 +1302,30 @@ static void test_tile_long_rows(void) {
 }
 
 /* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS, and at the avx512vbmi level IQ3_XXS and
- * IQ3_S (quant_interleave, as §8 model_own_trunk makes the trunk's): ops_matmat on the
- * interleaved copy against the scalar dot of each original row, for rows of 1, 8 and 33
- * super-blocks (33: past the 32 partials, and the d bytes of Q3_K, Q6_K and IQ3 for an odd
- * number of units, their vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9 and 17
- * columns (every remainder of the kernel's passes of 4), 1 and 2 threads, with the special
- * weight and activation modes. */
+ * IQ3_S (quant_interleave, as §8 model_own_trunk makes the trunk's), each by the kernel of every
+ * level that interleaves it (AVX2 with AVX-VNNI: Q4_K): ops_matmat on the interleaved
+ * copy against the scalar dot of each original row, for rows of 1, 8 and 33 super-blocks (33:
+ * past the 32 partials, and the d bytes of Q3_K, Q6_K and IQ3 for an odd number of units, their
+ * vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9 and 17 columns (every remainder
+ * of the kernels' passes of 4), 1 and 2 threads, with the special weight and activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
-        printf("ok - interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS # SKIP no AVX-512 VNNI kernels on this CPU\n");
+        printf("ok - interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS # SKIP no AVX-VNNI or AVX-512 VNNI on this CPU\n");
         n_pass++;
         return;
     }
     check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q8_0, QUANT_TILE_ROWS),
           "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
-    quant_set_level(QUANT_LEVEL_AVX512);
-    check(!quant_interleave_ok(GGUF_TYPE_IQ3_XXS, QUANT_TILE_ROWS) && !quant_interleave_ok(GGUF_TYPE_IQ3_S, QUANT_TILE_ROWS),
-          "interleaved: IQ3_XXS and IQ3_S not below the avx512vbmi level", "accepted at avx512");
+    quant_set_level(QUANT_LEVEL_AVX2);
+    check(quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS) == plat_cpu.avxvnni && !quant_interleave_ok(GGUF_TYPE_Q5_K, QUANT_TILE_ROWS) &&
+              !quant_interleave_ok(GGUF_TYPE_Q6_K, QUANT_TILE_ROWS) && !quant_interleave_ok(GGUF_TYPE_IQ4_XS, QUANT_TILE_ROWS),
+          "interleaved at avx2: Q4_K only, with AVX-VNNI", "another set of types");
+    if (max_level >= QUANT_LEVEL_AVX512) {
+        quant_set_level(QUANT_LEVEL_AVX512);
+        check(!quant_interleave_ok(GGUF_TYPE_IQ3_XXS, QUANT_TILE_ROWS) && !quant_interleave_ok(GGUF_TYPE_IQ3_S, QUANT_TILE_ROWS),
+              "interleaved: IQ3_XXS and IQ3_S not below the avx512vbmi level", "accepted at avx512");
+    }
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
                                             GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
@@ -1327,50 +1333,55 @@ static void test_interleaved(void) {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
         { W_FULL, X_ONES }, { W_FULL, X_MINUS_ONES } };
     const int maxc = 17;
-    for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++) {
-        int bad = 0;
-        char why[160] = "", name[112];
-        quant_set_level(max_level); /* dot_at leaves the scalar level */
-        if (!quant_interleave_ok(types[ti], QUANT_TILE_ROWS)) {
-            printf("ok - interleaved %s # SKIP no avx512vbmi kernels on this CPU\n", gguf_type_get(types[ti])->name);
-            n_pass++;
-            continue;
-        }
-        for (size_t ui = 0; ui < sizeof units / sizeof *units && !bad; ui++)
-            for (size_t ri = 0; ri < sizeof row_counts / sizeof *row_counts && !bad; ri++)
-                for (size_t mi = 0; mi < sizeof modes / sizeof *modes && !bad; mi++) {
-                    const int rows = row_counts[ri];
-                    struct matmat_case c = matmat_case_new(types[ti], rows, (int64_t)units[ui] * QUANT_QK_K, maxc, 5);
-                    const struct ops_matrix *m = &c.m;
-                    for (int r = 0; r < rows; r++) fill_weights(m->type, (uint8_t *)m->data + r * m->row_bytes, m->cols, r % 3 ? modes[mi].w : W_RANDOM);
-                    fill_x(c.x, m->cols * maxc, modes[mi].x);
-                    for (int j = 0; j < maxc; j++) quant_act_prepare(m->type, c.x + (size_t)j * m->cols, m->cols, c.act + j * c.stride);
-                    struct ops_matrix im = *m;
-                    uint8_t *packed = plat_alloc_aligned(m->row_bytes * (size_t)rows);
-                    quant_interleave(m->type, packed, m->data, m->row_bytes, rows);
-                    im.data = packed;
-                    im.interleaved = 1;
-                    for (int k = 0; k < 2 * (int)(sizeof columns / sizeof *columns) && !bad; k++) {
-                        const int nc = columns[k / 2];
-                        omp_set_num_threads(1 + k % 2);
-                        ops_matmat(&im, c.x, c.y, nc);
-                        for (int j = 0; j < nc && !bad; j++)
-                            for (int r = 0; r < rows && !bad; r++) {
-                                float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c.act + j * c.stride, m->cols);
-                                if (memcmp(&ref, &c.y[(size_t)j * rows + r], 4)) {
-                                    snprintf(why, sizeof why, "%d super-blocks, %d rows, mode %zu, %d columns, %d threads: row %d column %d %.9g vs %.9g",
-                                             units[ui], rows, mi, nc, 1 + k % 2, r, j, c.y[(size_t)j * rows + r], ref);
-                                    bad = 1;
-                                }
-                            }
-                    }
-                    free(packed);
-                    matmat_case_free(&c);
+    for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++)
+        for (int level = max_level; level >= QUANT_LEVEL_AVX2; level = level > QUANT_LEVEL_AVX512 ? QUANT_LEVEL_AVX2 : level - 1) {
+            int bad = 0;
+            char why[160] = "", name[112];
+            quant_set_level(level);
+            if (!quant_interleave_ok(types[ti], QUANT_TILE_ROWS)) {
+                if (level == max_level) {
+                    printf("ok - interleaved %s # SKIP no avx512vbmi kernels on this CPU\n", gguf_type_get(types[ti])->name);
+                    n_pass++;
                 }
-        omp_set_num_threads(2);
-        snprintf(name, sizeof name, "interleaved %s: 1..5, 9 and 17 columns, 1 and 2 threads == scalar dot of the rows", gguf_type_get(types[ti])->name);
-        check(!bad, name, "%s", why);
-    }
+                continue;
+            }
+            for (size_t ui = 0; ui < sizeof units / sizeof *units && !bad; ui++)
+                for (size_t ri = 0; ri < sizeof row_counts / sizeof *row_counts && !bad; ri++)
+                    for (size_t mi = 0; mi < sizeof modes / sizeof *modes && !bad; mi++) {
+                        const int rows = row_counts[ri];
+                        struct matmat_case c = matmat_case_new(types[ti], rows, (int64_t)units[ui] * QUANT_QK_K, maxc, 5);
+                        const struct ops_matrix *m = &c.m;
+                        for (int r = 0; r < rows; r++) fill_weights(m->type, (uint8_t *)m->data + r * m->row_bytes, m->cols, r % 3 ? modes[mi].w : W_RANDOM);
+                        fill_x(c.x, m->cols * maxc, modes[mi].x);
+                        for (int j = 0; j < maxc; j++) quant_act_prepare(m->type, c.x + (size_t)j * m->cols, m->cols, c.act + j * c.stride);
+                        struct ops_matrix im = *m;
+                        uint8_t *packed = plat_alloc_aligned(m->row_bytes * (size_t)rows);
+                        quant_interleave(m->type, packed, m->data, m->row_bytes, rows);
+                        im.data = packed;
+                        im.interleaved = 1;
+                        for (int k = 0; k < 2 * (int)(sizeof columns / sizeof *columns) && !bad; k++) {
+                            const int nc = columns[k / 2];
+                            omp_set_num_threads(1 + k % 2);
+                            quant_set_level(level); /* dot_at leaves the scalar level */
+                            ops_matmat(&im, c.x, c.y, nc);
+                            for (int j = 0; j < nc && !bad; j++)
+                                for (int r = 0; r < rows && !bad; r++) {
+                                    float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c.act + j * c.stride, m->cols);
+                                    if (memcmp(&ref, &c.y[(size_t)j * rows + r], 4)) {
+                                        snprintf(why, sizeof why, "%d super-blocks, %d rows, mode %zu, %d columns, %d threads: row %d column %d %.9g vs %.9g",
+                                                 units[ui], rows, mi, nc, 1 + k % 2, r, j, c.y[(size_t)j * rows + r], ref);
+                                        bad = 1;
+                                    }
+                                }
+                        }
+                        free(packed);
+                        matmat_case_free(&c);
+                    }
+            omp_set_num_threads(2);
+            snprintf(name, sizeof name, "interleaved %s at %s: 1..5, 9 and 17 columns, 1 and 2 threads == scalar dot of the rows",
+                     gguf_type_get(types[ti])->name, quant_level_names[level]);
+            check(!bad, name, "%s", why);
+        }
 }
 
 /* Several columns over K rows of 2 super-blocks (quant_pairs: 4 rows to a vector; at AVX2 the
