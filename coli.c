@@ -4825,7 +4825,7 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI): 16 rows' super-blocks side by side, repacked once at load (AVX-512 VNNI) ----
+/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI; Q4_K at AVX2 with AVX-VNNI): 16 rows' super-blocks side by side, repacked once at load ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
