@@ -402,7 +402,7 @@ static int64_t plat_mem_total(void)
 
 struct plat_cpu {
     int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512vbmi, avx512bitalg;
-    int avxvnni; /* VEX-encoded VPDPBUSD on ymm: Intel client cores from Alder Lake on, AMD from Zen 4 */
+    int avxvnni; /* VEX-encoded VPDPBUSD on ymm: Intel client cores from Alder Lake on, AMD Zen 5 */
     char name[64];
 };
 static struct plat_cpu plat_cpu;
@@ -4825,7 +4825,7 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3_XXS, IQ3_S with VBMI; Q4_K at AVX2 with AVX-VNNI): 16 rows' super-blocks side by side, repacked once at load ----
+/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2: Q4_K with AVX-VNNI): 16 rows side by side ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
@@ -5233,7 +5233,8 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
  * sub-block J's scale *SC (a dword) and min *MN (the int16 pair (m, m), for vpmaddwd). */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_k4_field(__m256i u0, __m256i u1, __m256i u2, int j, __m256i *sc, __m256i *mn) {
     const __m256i six = _mm256_set1_epi32(63), byte = _mm256_set1_epi32(0xff), low4 = _mm256_set1_epi32(15);
-    const __m256i bs = _mm256_and_si256(_mm256_srli_epi32(u0, 8 * (j % 4)), byte), bm = _mm256_and_si256(_mm256_srli_epi32(u1, 8 * (j % 4)), byte);
+    const __m256i bs = _mm256_and_si256(_mm256_srli_epi32(u0, 8 * (j % 4)), byte);
+    const __m256i bm = _mm256_and_si256(_mm256_srli_epi32(u1, 8 * (j % 4)), byte);
     __m256i m;
     if (j < 4) {
         *sc = _mm256_and_si256(bs, six);
@@ -5333,8 +5334,8 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(const uint8_t *w, const uint8
 
 /* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first
  * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in the L1 or L2. */
-static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                          float *y, size_t ys) {
+static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
+                                                 int64_t n, float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
