@@ -4853,7 +4853,9 @@ static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_X
  * one core, in cache, 512 x 2048 at 1 / 4 / 16 / 64 columns, 32.5 / 60.5 / 68.0 / 67.4 GMAC/s
  * against the rows' and tiles' 31.1 / 47.6 / 63.7 / 70.7 (Q4_K: 47.9 / 74.7 / 79.0 / 80.4
  * against 37.6 / 51.9 / 57.6 / 63.1). */
-static int quant_interleaved_avx2_ok(enum gguf_type t) { return plat_cpu.avxvnni && t == GGUF_TYPE_Q4_K; }
+static int quant_interleaved_avx2_ok(enum gguf_type t) {
+    return plat_cpu.avxvnni && (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K);
+}
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
  * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
@@ -5298,26 +5300,162 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_unit(const uint8_t *g, int ha
     }
 }
 
-/* Every super-block of 16 interleaved Q4_K rows at W against NC columns into their partials P,
- * both halves of each; PREFETCH: ahead of the reads. The halves read the same act bytes, and
- * without the barrier between them gcc kept all of a super-block's broadcasts of them live
- * across both and spilled them to the stack. */
-QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
-                                                        float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * 144;
-    for (int64_t u = 0; u < nu; u++) {
-        const uint8_t *g = w + (size_t)u * bytes;
-        for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)g + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
-        quant_avx2_interleaved_unit(g, 0, a, u, p, NC);
-        __asm__ volatile("" ::: "memory");
-        quant_avx2_interleaved_unit(g, 1, a, u, p, NC);
+/* quant_interleaved_q236k_quants at 8 lanes: vector M of run (H, J) of rows 8 HALF.. of an
+ * interleaved Q2_K, Q3_K or Q6_K super-block at T, VPDPBUSD's unsigned operand. */
+QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int half, int h, int j, int m) {
+    const uint8_t *th = t + 32 * half;
+    if (type == GGUF_TYPE_Q2_K) return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(th + 64 * (4 + 8 * h + m))), 2 * j), _mm256_set1_epi8(3));
+    if (type == GGUF_TYPE_Q3_K) {
+        const int bit = 4 * h + j; /* of hmask, to bit 2 */
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(th + 64 * (8 + 8 * h + m))), 2 * j), _mm256_set1_epi8(3));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)(th + 64 * m));
+        const __m256i high = bit >= 2 ? _mm256_srli_epi16(hm, bit - 2) : _mm256_slli_epi16(hm, 2 - bit);
+        return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(th + 64 * (16 * h + 8 * (j % 2) + m)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(th + 64 * (32 + 8 * h + m)));
+    const __m256i low = _mm256_and_si256(j < 2 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+    const __m256i high = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : j == 2 ? qh : _mm256_srli_epi16(qh, 2); /* bits 2j to 4 */
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
+
+/* quant_interleaved_q36k_pair at 8 lanes (rows 8 HALF..): scales G and G + 1 (G even) of an
+ * interleaved Q3_K or Q6_K super-block at T as the int16 pair in each 32-bit lane. */
+QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int half, int g) {
+    const uint8_t *th = t + 32 * half;
+    const int k = g / 4;
+    __m256i v;
+    if (type == GGUF_TYPE_Q6_K) v = _mm256_loadu_si256((const __m256i *)(th + 64 * (48 + k)));
+    else {
+        const __m256i nib = _mm256_loadu_si256((const __m256i *)(th + 64 * (24 + k % 2))), top = _mm256_loadu_si256((const __m256i *)(th + 64 * 26));
+        const __m256i low = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(nib, 4) : nib, _mm256_set1_epi8(0x0f));
+        const __m256i high = k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm256_srli_epi16(top, 2); /* bits 2k to 4 */
+        v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
+    }
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), odd = _mm256_srai_epi16(v, 8); /* bytes 0, 2 and 1, 3 as int16 */
+    return g % 4 ? _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA) : _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA);
+}
+
+/* quant_interleaved_q236k_groups at 8 lanes (rows 8 HALF..). */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_groups(enum gguf_type type, const uint8_t *t, int half, int g, __m256i *sa, __m256i *sb,
+                                                                __m256i *pair) {
+    if (type == GGUF_TYPE_Q2_K) {
+        const __m256i sm = _mm256_loadu_si256((const __m256i *)(t + 64 * (g / 4) + 32 * half));
+        const __m256i a = _mm256_srli_epi32(sm, 8 * (g % 4)), b = _mm256_srli_epi32(sm, 8 * (g % 4 + 1));
+        *sa = _mm256_and_si256(a, _mm256_set1_epi32(15));
+        *sb = _mm256_and_si256(b, _mm256_set1_epi32(15));
+        const __m256i min_a = _mm256_and_si256(_mm256_srli_epi32(a, 4), _mm256_set1_epi32(15));
+        *pair = _mm256_or_si256(min_a, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 4), _mm256_set1_epi32(15)), 16));
+        return;
+    }
+    *pair = quant_avx2_interleaved_q36k_pair(type, t, half, g);
+    *sa = _mm256_srai_epi32(_mm256_slli_epi32(*pair, 16), 16);
+    *sb = _mm256_srai_epi32(*pair, 16);
+}
+
+/* The fp16 pairs of dword vector DD (low halves, high halves) of 8 rows as floats. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 *hi) {
+    const __m256i l = _mm256_and_si256(dd, _mm256_set1_epi32(0xffff)), h = _mm256_srli_epi32(dd, 16);
+    *lo = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
+    *hi = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+/* Super-block U of rows 8 HALF.. of 16 interleaved Q2_K, Q3_K or Q6_K rows at T (Q3_K's and
+ * Q6_K's 16 d at D) against NC columns: quant_interleaved_q236k_unit at 8 lanes, each group's
+ * products by its scale as soon as its 4 steps are in (one set of sums a column, not two: 16
+ * registers). The same integers and float steps. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, int half,
+                                                              const struct quant_q8k_view *a, int64_t u, float (*p)[QUANT_NPART][16], int NC) {
+    __m256i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) isum[c] = sums[c] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++)
+        QUANT_UNROLL(4)
+        for (int j = 0; j < 4; j++) {
+            const int g = 8 * h + 2 * j; /* groups g and g + 1 */
+            __m256i sc[2], pair;
+            quant_avx2_interleaved_q236k_groups(type, t, half, g, &sc[0], &sc[1], &pair);
+            QUANT_UNROLL(2)
+            for (int i = 0; i < 2; i++) {
+                __m256i s[QUANT_TILE_NC];
+                QUANT_UNROLL(4)
+                for (int c = 0; c < NC; c++) s[c] = _mm256_setzero_si256();
+                QUANT_UNROLL(4)
+                for (int m = 4 * i; m < 4 * i + 4; m++) {
+                    const __m256i q = quant_avx2_interleaved_q236k_quants(type, t, half, h, j, m);
+                    QUANT_UNROLL(4)
+                    for (int c = 0; c < NC; c++) {
+                        const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
+                        s[c] = _mm256_dpbusd_avx_epi32(s[c], q, _mm256_set1_epi32(quant_rd32(x)));
+                    }
+                }
+                QUANT_UNROLL(4)
+                for (int c = 0; c < NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_mullo_epi32(s[c], sc[i]));
+            }
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) sums[c] = _mm256_dpwssd_avx_epi32(sums[c], pair, _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
+        }
+    if (type == GGUF_TYPE_Q2_K) {
+        __m256 dd, dmin;
+        quant_avx2_f16_pairs(_mm256_loadu_si256((const __m256i *)(t + 64 * 20 + 32 * half)), &dd, &dmin);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) {
+            const __m256 dx = _mm256_set1_ps(a[c].d[u]);
+            const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dd, dx), _mm256_cvtepi32_ps(isum[c])),
+                                           _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(sums[c])));
+            quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
+        }
+        return;
+    }
+    const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 16 * half)));
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256i is = _mm256_sub_epi32(isum[c], _mm256_slli_epi32(sums[c], type == GGUF_TYPE_Q6_K ? 5 : 2));
+        const __m256 r = _mm256_mul_ps(_mm256_mul_ps(dd, _mm256_set1_ps(a[c].d[u])), _mm256_cvtepi32_ps(is));
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
     }
 }
 
-/* quant_interleaved at the AVX2 level with AVX-VNNI, for Q4_K (quant_interleaved_avx2_ok):
- * columns 4 at a time, the last few one by one; the first pass prefetches. */
-static QUANT_AVX2_VNNI void quant_interleaved_avx2(const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
-                                                  size_t ys) {
+/* Every super-block of 16 interleaved rows of type T (Q4_K, Q2_K, Q3_K or Q6_K; a constant where
+ * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead
+ * of the reads. The halves read the same act bytes, and without the barrier between them gcc
+ * kept all of a super-block's broadcasts of them live across both and spilled them to the stack. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
+                                                        float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108 : t == GGUF_TYPE_Q6_K ? 208 : 144);
+    const int d_first = t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K;
+    const uint8_t *d = w, *v = w + (d_first ? (size_t)nu * 32 : 0);
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *g = v + (size_t)u * bytes;
+        for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)g + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
+        QUANT_UNROLL(2)
+        for (int half = 0; half < 2; half++) {
+            if (t == GGUF_TYPE_Q4_K) quant_avx2_interleaved_unit(g, half, a, u, p, NC);
+            else quant_avx2_interleaved_q236k_unit(t, g, d + (size_t)u * 32, half, a, u, p, NC);
+            __asm__ volatile("" ::: "memory");
+        }
+    }
+}
+
+/* The pass with T and NC constants in each branch. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_columns(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
+                                                           float (*p)[QUANT_NPART][16], int cc, int prefetch) {
+    switch (t) {
+    case GGUF_TYPE_Q2_K: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
+                                             : quant_avx2_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, 1, prefetch); break;
+    case GGUF_TYPE_Q3_K: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
+                                             : quant_avx2_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, 1, prefetch); break;
+    case GGUF_TYPE_Q6_K: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
+                                             : quant_avx2_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, 1, prefetch); break;
+    default: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
+                                 : quant_avx2_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, 1, prefetch); break;
+    }
+}
+
+/* quant_interleaved at the AVX2 level with AVX-VNNI (quant_interleaved_avx2_ok): columns 4 at a
+ * time, the last few one by one; the first pass prefetches. */
+static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
+                                                  int64_t n, float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
@@ -5325,8 +5463,7 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(const uint8_t *w, const uint8
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
         for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-        if (cc == QUANT_TILE_NC) quant_avx2_interleaved_pass(w, a, nu, p, QUANT_TILE_NC, c0 == 0);
-        else quant_avx2_interleaved_pass(w, a, nu, p, 1, c0 == 0);
+        quant_avx2_interleaved_columns(t, w, a, nu, p, cc, c0 == 0);
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }
@@ -5408,7 +5545,7 @@ static int quant_level_max(void) {
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
                               size_t ys) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
-        quant_interleaved_avx2(w, acts, stride, nc, n, y, ys);
+        quant_interleaved_avx2(t, w, acts, stride, nc, n, y, ys);
     else quant_interleaved_avx512(t, w, acts, stride, nc, n, y, ys);
 }
 
