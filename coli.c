@@ -4825,7 +4825,7 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2: Q4_K with AVX-VNNI): 16 rows side by side ----
+/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: Q4_K, Q2_K, Q3_K, Q6_K): 16 rows side by side ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
@@ -4848,13 +4848,14 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
 /* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
 
-/* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K, on
- * a CPU with AVX-VNNI). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved:
+/* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
+ * Q2_K, Q3_K and Q6_K, on a CPU with AVX-VNNI; README, Weight formats, has their figures). Q5_K's
+ * was bit-exact too, but its fifth bits cost what the layout saved:
  * one core, in cache, 512 x 2048 at 1 / 4 / 16 / 64 columns, 32.5 / 60.5 / 68.0 / 67.4 GMAC/s
  * against the rows' and tiles' 31.1 / 47.6 / 63.7 / 70.7 (Q4_K: 47.9 / 74.7 / 79.0 / 80.4
  * against 37.6 / 51.9 / 57.6 / 63.1). */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
-    return plat_cpu.avxvnni && (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K);
+    return plat_cpu.avxvnni && (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS);
 }
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
@@ -5416,13 +5417,57 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type typ
     }
 }
 
+/* quant_interleaved_iq4xs_unit at 8 lanes: super-block U of rows 8 HALF.. of 16 interleaved
+ * IQ4_XS rows at T against NC columns, a block's low and high nibbles into one sum. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, int half, const struct quant_q8k_view *a, int64_t u,
+                                                              float (*p)[QUANT_NPART][16], int NC) {
+    const uint8_t *th = t + 32 * half;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), u0 = _mm256_loadu_si256((const __m256i *)th), u1 = _mm256_loadu_si256((const __m256i *)(th + 64));
+    const __m256i tab = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)), _mm256_set1_epi8((char)0x80));
+    __m256i isum[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) isum[c] = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        __m256i s[QUANT_TILE_NC];
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) /* less 128 times the block's act sum (its two 16-sums) */
+            s[c] = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi16(-128), _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
+        QUANT_UNROLL(4)
+        for (int m = 0; m < 4; m++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(th + 64 * (2 + 4 * ib + m)));
+            const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(v, m4));
+            const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            QUANT_UNROLL(4)
+            for (int c = 0; c < NC; c++) {
+                const int8_t *x = a[c].qs + u * QUANT_QK_K + 32 * ib + 4 * m;
+                s[c] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[c], lo, _mm256_set1_epi32(quant_rd32(x))), hi,
+                                               _mm256_set1_epi32(quant_rd32(x + 16)));
+            }
+        }
+        /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high bits from dword 0's top half */
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(u1, 4 * ib), _mm256_set1_epi32(0xf));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(u0, 16 + 2 * ib), _mm256_set1_epi32(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+        QUANT_UNROLL(4)
+        for (int c = 0; c < NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_mullo_epi32(s[c], ls));
+    }
+    __m256 d, unused;
+    quant_avx2_f16_pairs(u0, &d, &unused);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[u])), _mm256_cvtepi32_ps(isum[c]));
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
+    }
+}
+
 /* Every super-block of 16 interleaved rows of type T (Q4_K, Q2_K, Q3_K or Q6_K; a constant where
  * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead
  * of the reads. The halves read the same act bytes, and without the barrier between them gcc
  * kept all of a super-block's broadcasts of them live across both and spilled them to the stack. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                         float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108 : t == GGUF_TYPE_Q6_K ? 208 : 144);
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108 : t == GGUF_TYPE_Q6_K ? 208
+                                                    : t == GGUF_TYPE_IQ4_XS ? 136 : 144);
     const int d_first = t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K;
     const uint8_t *d = w, *v = w + (d_first ? (size_t)nu * 32 : 0);
     for (int64_t u = 0; u < nu; u++) {
@@ -5431,6 +5476,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const 
         QUANT_UNROLL(2)
         for (int half = 0; half < 2; half++) {
             if (t == GGUF_TYPE_Q4_K) quant_avx2_interleaved_unit(g, half, a, u, p, NC);
+            else if (t == GGUF_TYPE_IQ4_XS) quant_avx2_interleaved_iq4xs_unit(g, half, a, u, p, NC);
             else quant_avx2_interleaved_q236k_unit(t, g, d + (size_t)u * 32, half, a, u, p, NC);
             __asm__ volatile("" ::: "memory");
         }
@@ -5447,6 +5493,8 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_columns(enum gguf_type t, con
                                              : quant_avx2_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, 1, prefetch); break;
     case GGUF_TYPE_Q6_K: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
                                              : quant_avx2_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, 1, prefetch); break;
+    case GGUF_TYPE_IQ4_XS: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, QUANT_TILE_NC, prefetch)
+                                               : quant_avx2_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, 1, prefetch); break;
     default: cc == QUANT_TILE_NC ? quant_avx2_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, QUANT_TILE_NC, prefetch)
                                  : quant_avx2_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, 1, prefetch); break;
     }
