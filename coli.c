@@ -4825,7 +4825,7 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
     }
 }
 
-/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: Q4_K, Q2_K, Q3_K, Q6_K): 16 rows side by side ----
+/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
@@ -4849,8 +4849,8 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
 
 /* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
- * Q2_K, Q3_K and Q6_K, on a CPU with AVX-VNNI; README, Weight formats, has their figures). Q5_K's
- * was bit-exact too, but its fifth bits cost what the layout saved:
+ * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README, Weight formats, has their
+ * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved:
  * one core, in cache, 512 x 2048 at 1 / 4 / 16 / 64 columns, 32.5 / 60.5 / 68.0 / 67.4 GMAC/s
  * against the rows' and tiles' 31.1 / 47.6 / 63.7 / 70.7 (Q4_K: 47.9 / 74.7 / 79.0 / 80.4
  * against 37.6 / 51.9 / 57.6 / 63.1). */
@@ -5460,10 +5460,10 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
     }
 }
 
-/* Every super-block of 16 interleaved rows of type T (Q4_K, Q2_K, Q3_K or Q6_K; a constant where
- * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead
- * of the reads. The halves read the same act bytes, and without the barrier between them gcc
- * kept all of a super-block's broadcasts of them live across both and spilled them to the stack. */
+/* Every super-block of 16 interleaved rows of type T (quant_interleaved_avx2_ok's; a constant
+ * where inlined) at W against NC columns into their partials P, both halves of each; PREFETCH:
+ * ahead of the reads. The halves read the same act bytes, and without the barrier between them
+ * gcc kept all of a super-block's broadcasts of them live across both and spilled them. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                         float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108 : t == GGUF_TYPE_Q6_K ? 208
