@@ -4592,6 +4592,19 @@ QUANT_AVX2_INLINE void quant_avx2_tile_prefetch_next(const uint8_t *w, size_t rb
     for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
 }
 
+/* quant_tile_k_step for rows 8 HALF.. of 16 in lanes (scales D, DMIN): each column's unit result
+ * (d * dx) * isum - (dmin * dx) * msum added to its partial P[c][u % 32] in those rows' lanes. */
+QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const struct quant_q8k_view *a, int64_t u, const __m256i *isum,
+                                               const __m256i *msum, int half, float (*p)[QUANT_NPART][16], int NC) {
+    QUANT_UNROLL(4)
+    for (int c = 0; c < NC; c++) {
+        const __m256 dx = _mm256_set1_ps(a[c].d[u]);
+        const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[c])),
+                                       _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum[c])));
+        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
+    }
+}
+
 /* Super-block U of a tile's rows 8 HALF.. against 4 columns: each one's unit result (quant_dot_k's
  * float step) added to its partial P[c][u % 32] in those rows' lanes; the products of PER steps
  * (8 or 4) add in int16 before their scale multiply. */
@@ -4624,13 +4637,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
             msum[c] = _mm256_add_epi32(msum[c], _mm256_madd_epi16(mn, _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * j))));
     }
     const __m256 d = _mm256_loadu_ps(t->d + 8 * half), dmin = _mm256_loadu_ps(t->dmin + 8 * half);
-    QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) {
-        const __m256 dx = _mm256_set1_ps(a[c].d[u]);
-        const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[c])),
-                                       _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum[c])));
-        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
-    }
+    quant_avx2_k_float_step(d, dmin, a, u, isum, msum, half, p, QUANT_TILE_NC);
 }
 
 /* quant_tile_finish at AVX2: the first CC columns' partials P (USED of them reached) summed by
@@ -5250,11 +5257,18 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_k4_field(__m256i u0, __m256i u1, __m256i 
     *mn = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
 }
 
+/* The fp16 pairs of dword vector DD (low halves, high halves) of 8 rows as floats. */
+QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 *hi) {
+    const __m256i l = _mm256_and_si256(dd, _mm256_set1_epi32(0xffff)), h = _mm256_srli_epi32(dd, 16);
+    *lo = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
+    *hi = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
 /* Super-block U of rows 8 HALF.. of 16 interleaved Q4_K rows at G (bytes 32 HALF.. of each
  * vector) against NC columns, as quant_interleaved_unit at 8 lanes: a vector of run h holds
  * sub-block 2h in its low nibbles and 2h + 1 in its high ones, both from one load; the same
  * integers and float step. */
-QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_unit(const uint8_t *g, int half, const struct quant_q8k_view *a, int64_t u,
+QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, int half, const struct quant_q8k_view *a, int64_t u,
                                                         float (*p)[QUANT_NPART][16], int NC) {
     const uint8_t *sm = g + 64 * 32 + 32 * half; /* scales and mins, then d and dmin */
     const __m256i m4 = _mm256_set1_epi8(0x0f), u0 = _mm256_loadu_si256((const __m256i *)sm);
@@ -5288,17 +5302,9 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_unit(const uint8_t *g, int ha
             msum[c] = _mm256_add_epi32(msum[c], b);
         }
     }
-    const __m256i dd = _mm256_loadu_si256((const __m256i *)(sm + 192));
-    const __m256i dl = _mm256_and_si256(dd, _mm256_set1_epi32(0xffff)), dh = _mm256_srli_epi32(dd, 16);
-    const __m256 d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dl), _mm256_extracti128_si256(dl, 1)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dh), _mm256_extracti128_si256(dh, 1)));
-    QUANT_UNROLL(4)
-    for (int c = 0; c < NC; c++) {
-        const __m256 dx = _mm256_set1_ps(a[c].d[u]);
-        const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[c])),
-                                       _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum[c])));
-        quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
-    }
+    __m256 d, dmin;
+    quant_avx2_f16_pairs(_mm256_loadu_si256((const __m256i *)(sm + 192)), &d, &dmin);
+    quant_avx2_k_float_step(d, dmin, a, u, isum, msum, half, p, NC);
 }
 
 /* quant_interleaved_q236k_quants at 8 lanes: vector M of run (H, J) of rows 8 HALF.. of an
@@ -5354,13 +5360,6 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_groups(enum gguf_type t
     *sb = _mm256_srai_epi32(*pair, 16);
 }
 
-/* The fp16 pairs of dword vector DD (low halves, high halves) of 8 rows as floats. */
-QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 *hi) {
-    const __m256i l = _mm256_and_si256(dd, _mm256_set1_epi32(0xffff)), h = _mm256_srli_epi32(dd, 16);
-    *lo = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
-    *hi = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
-
 /* Super-block U of rows 8 HALF.. of 16 interleaved Q2_K, Q3_K or Q6_K rows at T (Q3_K's and
  * Q6_K's 16 d at D) against NC columns: quant_interleaved_q236k_unit at 8 lanes, each group's
  * products by its scale as soon as its 4 steps are in (one set of sums a column, not two: 16
@@ -5399,13 +5398,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type typ
     if (type == GGUF_TYPE_Q2_K) {
         __m256 dd, dmin;
         quant_avx2_f16_pairs(_mm256_loadu_si256((const __m256i *)(t + 64 * 20 + 32 * half)), &dd, &dmin);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) {
-            const __m256 dx = _mm256_set1_ps(a[c].d[u]);
-            const __m256 r = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dd, dx), _mm256_cvtepi32_ps(isum[c])),
-                                           _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(sums[c])));
-            quant_avx2_tile_partial_add(p[c][u % QUANT_NPART] + 8 * half, u, r);
-        }
+        quant_avx2_k_float_step(dd, dmin, a, u, isum, sums, half, p, NC);
         return;
     }
     const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 16 * half)));
@@ -5475,7 +5468,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const 
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)g + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         QUANT_UNROLL(2)
         for (int half = 0; half < 2; half++) {
-            if (t == GGUF_TYPE_Q4_K) quant_avx2_interleaved_unit(g, half, a, u, p, NC);
+            if (t == GGUF_TYPE_Q4_K) quant_avx2_interleaved_q4k_unit(g, half, a, u, p, NC);
             else if (t == GGUF_TYPE_IQ4_XS) quant_avx2_interleaved_iq4xs_unit(g, half, a, u, p, NC);
             else quant_avx2_interleaved_q236k_unit(t, g, d + (size_t)u * 32, half, a, u, p, NC);
             __asm__ volatile("" ::: "memory");
