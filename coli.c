@@ -4862,7 +4862,8 @@ static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_X
  * against the rows' and tiles' 31.1 / 47.6 / 63.7 / 70.7 (Q4_K: 47.9 / 74.7 / 79.0 / 80.4
  * against 37.6 / 51.9 / 57.6 / 63.1). */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
-    return plat_cpu.avxvnni && (t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS);
+    const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS;
+    return plat_cpu.avxvnni && format;
 }
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
@@ -5311,10 +5312,15 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, in
  * interleaved Q2_K, Q3_K or Q6_K super-block at T, VPDPBUSD's unsigned operand. */
 QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int half, int h, int j, int m) {
     const uint8_t *th = t + 32 * half;
-    if (type == GGUF_TYPE_Q2_K) return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(th + 64 * (4 + 8 * h + m))), 2 * j), _mm256_set1_epi8(3));
+    const __m256i three = _mm256_set1_epi8(3);
+    if (type == GGUF_TYPE_Q2_K) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(th + 64 * (4 + 8 * h + m)));
+        return _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
+    }
     if (type == GGUF_TYPE_Q3_K) {
         const int bit = 4 * h + j; /* of hmask, to bit 2 */
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(th + 64 * (8 + 8 * h + m))), 2 * j), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(th + 64 * (8 + 8 * h + m)));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
         const __m256i hm = _mm256_loadu_si256((const __m256i *)(th + 64 * m));
         const __m256i high = bit >= 2 ? _mm256_srli_epi16(hm, bit - 2) : _mm256_slli_epi16(hm, 2 - bit);
         return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)));
@@ -5334,7 +5340,8 @@ QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q36k_pair(enum gguf_type t
     __m256i v;
     if (type == GGUF_TYPE_Q6_K) v = _mm256_loadu_si256((const __m256i *)(th + 64 * (48 + k)));
     else {
-        const __m256i nib = _mm256_loadu_si256((const __m256i *)(th + 64 * (24 + k % 2))), top = _mm256_loadu_si256((const __m256i *)(th + 64 * 26));
+        const __m256i nib = _mm256_loadu_si256((const __m256i *)(th + 64 * (24 + k % 2)));
+        const __m256i top = _mm256_loadu_si256((const __m256i *)(th + 64 * 26));
         const __m256i low = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(nib, 4) : nib, _mm256_set1_epi8(0x0f));
         const __m256i high = k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm256_srli_epi16(top, 2); /* bits 2k to 4 */
         v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
@@ -5393,7 +5400,8 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type typ
                 for (int c = 0; c < NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_mullo_epi32(s[c], sc[i]));
             }
             QUANT_UNROLL(4)
-            for (int c = 0; c < NC; c++) sums[c] = _mm256_dpwssd_avx_epi32(sums[c], pair, _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
+            for (int c = 0; c < NC; c++)
+                sums[c] = _mm256_dpwssd_avx_epi32(sums[c], pair, _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + g)));
         }
     if (type == GGUF_TYPE_Q2_K) {
         __m256 dd, dmin;
@@ -5415,16 +5423,20 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type typ
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, int half, const struct quant_q8k_view *a, int64_t u,
                                                               float (*p)[QUANT_NPART][16], int NC) {
     const uint8_t *th = t + 32 * half;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), u0 = _mm256_loadu_si256((const __m256i *)th), u1 = _mm256_loadu_si256((const __m256i *)(th + 64));
-    const __m256i tab = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)), _mm256_set1_epi8((char)0x80));
+    const __m256i m4 = _mm256_set1_epi8(0x0f), u0 = _mm256_loadu_si256((const __m256i *)th);
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(th + 64));
+    const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
+    const __m256i tab = _mm256_xor_si256(values, _mm256_set1_epi8((char)0x80));
     __m256i isum[QUANT_TILE_NC];
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = _mm256_setzero_si256();
     for (int ib = 0; ib < 8; ib++) {
         __m256i s[QUANT_TILE_NC];
         QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) /* less 128 times the block's act sum (its two 16-sums) */
-            s[c] = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi16(-128), _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
+        for (int c = 0; c < NC; c++) { /* less 128 times the block's act sum (its two 16-sums) */
+            const __m256i sums = _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib));
+            s[c] = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi16(-128), sums);
+        }
         QUANT_UNROLL(4)
         for (int m = 0; m < 4; m++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(th + 64 * (2 + 4 * ib + m)));
