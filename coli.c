@@ -4855,6 +4855,22 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
 /* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
 
+/* The bytes B of a super-block of an interleaved type T, as literals that a pass inlined for a
+ * constant T folds (quant_interleaved_pass says why). An interleaved unit is 16 rows' whole
+ * dwords, 16 (B & ~3) bytes; a block that is not whole dwords (B % 4: Q3_K, Q6_K, IQ3) has its
+ * 2 bytes a row of d before all of the group's units, 32 bytes a unit (quant_interleave). */
+QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
+    switch (t) {
+    case GGUF_TYPE_Q5_K: return 176;
+    case GGUF_TYPE_Q2_K: return 84;
+    case GGUF_TYPE_Q3_K: case GGUF_TYPE_IQ3_S: return 110;
+    case GGUF_TYPE_Q6_K: return 210;
+    case GGUF_TYPE_IQ4_XS: return 136;
+    case GGUF_TYPE_IQ3_XXS: return 98;
+    default: return 144;
+    }
+}
+
 /* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
  * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README, Weight formats, has their
  * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved:
@@ -5202,11 +5218,9 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
  * stayed a loop, and bench --kernels had Q4_K/i at 2048 x 2048 at 53-58 GB/s against 98). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q5_K ? 176 : t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108
-                                                    : t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_IQ4_XS ? 136 : t == GGUF_TYPE_IQ3_XXS ? 96
-                                                    : t == GGUF_TYPE_IQ3_S ? 108 : 144); /* Q3_K, Q6_K, IQ3: their whole dwords */
-    const int d_first = t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || quant_interleaved_iq3(t);
-    const uint8_t *d = w, *v = w + (d_first ? (size_t)nu * 32 : 0);
+    const int bb = quant_interleaved_block_bytes(t);
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (size_t)(bb & ~3);
+    const uint8_t *d = w, *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = v + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
@@ -5471,10 +5485,9 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
  * gcc kept all of a super-block's broadcasts of them live across both and spilled them. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                         float (*p)[QUANT_NPART][16], int NC, int prefetch) {
-    const size_t bytes = (size_t)QUANT_TILE_ROWS * (t == GGUF_TYPE_Q2_K ? 84 : t == GGUF_TYPE_Q3_K ? 108 : t == GGUF_TYPE_Q6_K ? 208
-                                                    : t == GGUF_TYPE_IQ4_XS ? 136 : 144);
-    const int d_first = t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K;
-    const uint8_t *d = w, *v = w + (d_first ? (size_t)nu * 32 : 0);
+    const int bb = quant_interleaved_block_bytes(t);
+    const size_t bytes = (size_t)QUANT_TILE_ROWS * (size_t)(bb & ~3);
+    const uint8_t *d = w, *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *g = v + (size_t)u * bytes;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)g + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);

@@ -1315,6 +1315,11 @@ static void test_interleaved(void) {
         n_pass++;
         return;
     }
+    int sizes_ok = 1;
+    for (size_t i = 0; i < sizeof quant_kernels / sizeof quant_kernels[0]; i++)
+        if (quant_interleave_ok(quant_kernels[i].type, QUANT_TILE_ROWS))
+            sizes_ok &= quant_interleaved_block_bytes(quant_kernels[i].type) == gguf_type_get(quant_kernels[i].type)->block_bytes;
+    check(sizes_ok, "interleaved: the passes' block sizes are the formats'", "quant_interleaved_block_bytes disagrees with gguf_types");
     check(!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS + 8) && !quant_interleave_ok(GGUF_TYPE_Q8_0, QUANT_TILE_ROWS),
           "interleaved: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in whole groups of 16 rows only", "another type or row count accepted");
     quant_set_level(QUANT_LEVEL_AVX2);
