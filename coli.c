@@ -4556,6 +4556,16 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
+/* VEX vpdpbusd (AVX-VNNI): ACC plus, in each dword, the 4 products of U's unsigned bytes with
+ * S's signed ones. As inline assembly, so that one kernel body compiled for plain AVX2 serves
+ * both kinds of CPU behind a constant flag: the intrinsic would need the avxvnni target on every
+ * function it is inlined into, and such a function may not run on an AVX2 CPU without it.
+ * Callers run it only where plat_cpu.avxvnni. */
+QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+}
+
 /* One super-block of 16 rows unpacked for the AVX2 tile: q as in quant_q45k_tile; sc[j] and
  * mn[j] the scale and min of sub-block j as the int16 pair (v, v) in dword r for row r, for
  * vpmaddwd against the int16 pair sums of its products and the pair of the act's 16-element
@@ -4657,12 +4667,14 @@ QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const stru
 
 /* Super-block U of a tile's rows 8 HALF.. against 4 columns: each one's unit result (quant_dot_k's
  * float step) added to its partial P[c][u % 32] in those rows' lanes; the products of PER steps
- * (8 or 4) add in int16 before their scale multiply. */
-QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, const struct quant_q8k_view *a,
+ * (8 or 4) add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in int32 by
+ * quant_avx2_dpbusd, then one vpmulld by its scale: the same integers. */
+QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, int vnni, const struct quant_q8k_view *a,
                                             int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
     QUANT_UNROLL(4)
     for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = msum[c] = _mm256_setzero_si256();
+    if (vnni) per = 8;
     QUANT_UNROLL(8)
     for (int j = 0; j < 8; j++) {
         const __m256i sc = _mm256_loadu_si256((const __m256i *)(t->sc[j] + 16 * half));
@@ -4675,11 +4687,14 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
             for (int k = k0; k < k0 + per; k++) {
                 const __m256i wq = _mm256_loadu_si256((const __m256i *)(t->q[k] + 32 * half));
                 QUANT_UNROLL(4)
-                for (int c = 0; c < QUANT_TILE_NC; c++)
-                    s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k))));
+                for (int c = 0; c < QUANT_TILE_NC; c++) {
+                    const __m256i x = _mm256_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k));
+                    s[c] = vnni ? quant_avx2_dpbusd(s[c], wq, x) : _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, x));
+                }
             }
             QUANT_UNROLL(4)
-            for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(s[c], sc));
+            for (int c = 0; c < QUANT_TILE_NC; c++)
+                isum[c] = _mm256_add_epi32(isum[c], vnni ? _mm256_mullo_epi32(s[c], _mm256_srai_epi32(sc, 16)) : _mm256_madd_epi16(s[c], sc));
         }
         const __m256i mn = _mm256_loadu_si256((const __m256i *)(t->mn[j] + 16 * half));
         QUANT_UNROLL(4)
@@ -4785,8 +4800,8 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
 /* quant_tile_q45k_avx512 at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
  * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
  * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
-QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
-                                         int64_t n, float *y, size_t ys, void *scratch) {
+QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
+                                         int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     uint8_t *tiles = scratch;
@@ -4805,18 +4820,20 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, const uint8_t *w, siz
             for (int half = 0; half < 2; half++) {
                 const void *tile = tiles + (size_t)u * QUANT_K_TILE_BYTES;
                 if (t == GGUF_TYPE_Q6_K) quant_avx2_q6k_tile_unit(tile, half, a, u, p);
-                else quant_avx2_tile_unit(tile, half, t == GGUF_TYPE_Q5_K ? 4 : 8, a, u, p);
+                else quant_avx2_tile_unit(tile, half, t == GGUF_TYPE_Q5_K ? 4 : 8, vnni, a, u, p);
             }
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
 
-#define QUANT_AVX2_K_TILE(name, type)                                                                                     \
+#define QUANT_AVX2_K_TILE(name, type, vnni)                                                                               \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y, \
-                                size_t ys, void *scratch) { quant_avx2_k_tile(type, w, rb, acts, stride, nc, n, y, ys, scratch); }
-QUANT_AVX2_K_TILE(quant_tile_q4k_avx2, GGUF_TYPE_Q4_K)
-QUANT_AVX2_K_TILE(quant_tile_q5k_avx2, GGUF_TYPE_Q5_K)
-QUANT_AVX2_K_TILE(quant_tile_q6k_avx2, GGUF_TYPE_Q6_K)
+                                size_t ys, void *scratch) { quant_avx2_k_tile(type, vnni, w, rb, acts, stride, nc, n, y, ys, scratch); }
+QUANT_AVX2_K_TILE(quant_tile_q4k_avx2, GGUF_TYPE_Q4_K, 0)
+QUANT_AVX2_K_TILE(quant_tile_q5k_avx2, GGUF_TYPE_Q5_K, 0)
+QUANT_AVX2_K_TILE(quant_tile_q6k_avx2, GGUF_TYPE_Q6_K, 0)
+QUANT_AVX2_K_TILE(quant_tile_q4k_avx2_vnni, GGUF_TYPE_Q4_K, 1)
+QUANT_AVX2_K_TILE(quant_tile_q5k_avx2_vnni, GGUF_TYPE_Q5_K, 1)
 
 /* Block B of the 16 Q4_0 rows at W (RB bytes apart) into T, as quant_legacy_tile_unpack lays it
  * out (8 rows at a time). */
@@ -4841,8 +4858,9 @@ QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unpack(const uint8_t *w, size_t rb, 
 /* Block B of a Q4_0 tile's rows 8 HALF.. against 4 columns: quant_legacy_units' unit, (dw * dx)
  * * isum, added to each column's partial P[c][b % 32] in those rows' lanes. The block's 8 steps
  * (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), one vpmaddwd widens them,
- * and the offset of 8 comes off as 8 times the act block's sum: the same integer. */
-QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unit(const struct quant_legacy_tile *t, int half, const struct quant_q8_view *a,
+ * and the offset of 8 comes off as 8 times the act block's sum: the same integer. VNNI: each
+ * step one quant_avx2_dpbusd into int32 instead. */
+QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unit(const struct quant_legacy_tile *t, int half, int vnni, const struct quant_q8_view *a,
                                                  int64_t b, float (*p)[QUANT_NPART][16]) {
     __m256i s[QUANT_TILE_NC];
     QUANT_UNROLL(4)
@@ -4851,21 +4869,24 @@ QUANT_AVX2_INLINE void quant_avx2_q4_0_tile_unit(const struct quant_legacy_tile 
     for (int k = 0; k < 8; k++) {
         const __m256i wq = _mm256_loadu_si256((const __m256i *)(t->q[k] + 32 * half));
         QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++)
-            s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(quant_rd32(a[c].qs + b * QUANT_QK + 4 * k))));
+        for (int c = 0; c < QUANT_TILE_NC; c++) {
+            const __m256i x = _mm256_set1_epi32(quant_rd32(a[c].qs + b * QUANT_QK + 4 * k));
+            s[c] = vnni ? quant_avx2_dpbusd(s[c], wq, x) : _mm256_add_epi16(s[c], _mm256_maddubs_epi16(wq, x));
+        }
     }
     const __m256 d = _mm256_loadu_ps(t->d + 8 * half);
     QUANT_UNROLL(4)
     for (int c = 0; c < QUANT_TILE_NC; c++) {
-        const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(s[c], _mm256_set1_epi16(1)), _mm256_set1_epi32(8 * a[c].s[b]));
+        const __m256i sum = vnni ? s[c] : _mm256_madd_epi16(s[c], _mm256_set1_epi16(1));
+        const __m256i isum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * a[c].s[b]));
         const __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[c].d[b])), _mm256_cvtepi32_ps(isum));
         quant_avx2_tile_partial_add(p[c][b % QUANT_NPART] + 8 * half, b, r);
     }
 }
 
 /* quant_tile_legacy_avx512 for Q4_0 rows at AVX2: the same bits. */
-static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                           float *y, size_t ys, void *scratch) {
+QUANT_AVX2_INLINE void quant_avx2_q4_0_tile(int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                            float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
     struct quant_legacy_tile *tiles = scratch;
@@ -4877,9 +4898,19 @@ static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const u
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t b = 0; b < nb; b++)
-            for (int half = 0; half < 2; half++) quant_avx2_q4_0_tile_unit(&tiles[b], half, a, b, p);
+            for (int half = 0; half < 2; half++) quant_avx2_q4_0_tile_unit(&tiles[b], half, vnni, a, b, p);
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
+}
+
+static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                           float *y, size_t ys, void *scratch) {
+    quant_avx2_q4_0_tile(0, w, rb, acts, stride, nc, n, y, ys, scratch);
+}
+
+static QUANT_AVX2 void quant_tile_q4_0_avx2_vnni(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                                float *y, size_t ys, void *scratch) {
+    quant_avx2_q4_0_tile(1, w, rb, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
@@ -5807,11 +5838,13 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
  * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
+    const int vnni = plat_cpu.avxvnni; /* the AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
     if (quant_level == QUANT_LEVEL_AVX2)
-        (wtype == GGUF_TYPE_Q4_K   ? quant_tile_q4k_avx2
-         : wtype == GGUF_TYPE_Q5_K ? quant_tile_q5k_avx2
-         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2
-                                   : quant_tile_q4_0_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+        (wtype == GGUF_TYPE_Q4_K   ? (vnni ? quant_tile_q4k_avx2_vnni : quant_tile_q4k_avx2)
+         : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
+         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2 /* no faster by vpdpbusd: its steps need their signs */
+                                   : (vnni ? quant_tile_q4_0_avx2_vnni : quant_tile_q4_0_avx2))(wrows, row_bytes, acts, stride, nc, n, y, ys,
+                                                                                               scratch);
     else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);

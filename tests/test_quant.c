@@ -1242,11 +1242,11 @@ static struct matmat_case matmat_case_new(enum gguf_type t, int rows, int64_t co
     return c;
 }
 
-/* How many outputs of ops_matmat over NC columns (best level) differ from the scalar dot. */
-static int matmat_wrong(struct matmat_case *c, int nc) {
+/* How many outputs of ops_matmat over NC columns at LEVEL differ from the scalar dot. */
+static int matmat_wrong_at(struct matmat_case *c, int level, int nc) {
     const struct ops_matrix *m = &c->m;
     int bad = 0;
-    quant_set_level(max_level);
+    quant_set_level(level);
     ops_matmat(m, c->x, c->y, nc);
     for (int j = 0; j < nc; j++)
         for (int r = 0; r < m->rows; r++) {
@@ -1255,6 +1255,8 @@ static int matmat_wrong(struct matmat_case *c, int nc) {
         }
     return bad;
 }
+
+static int matmat_wrong(struct matmat_case *c, int nc) { return matmat_wrong_at(c, max_level, nc); }
 
 static void matmat_case_free(struct matmat_case *c) {
     free((void *)c->m.data); free(c->x); free(c->y); free(c->act);
@@ -1299,6 +1301,39 @@ static void test_tile_long_rows(void) {
         check(!bad, name, "%d outputs differ", bad);
         matmat_case_free(&c);
     }
+}
+
+/* The AVX2 tiles (Q4_K, Q5_K, Q6_K, Q4_0), and where the CPU has AVX-VNNI its tiles (Q4_K, Q5_K,
+ * Q4_0: the steps by vpdpbusd into int32, a vpmulld by each scale), rows of 2 and of 9 super-blocks (16
+ * rows to a tile, 3 left), from the columns where they start, past a pass of 4, on 1 and 2
+ * threads, against the scalar dot. */
+static void test_avx2_tiles(void) {
+    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q4_0 };
+    const int columns[] = { QUANT_AVX2_TILE_MIN_NC, QUANT_AVX2_TILE_MIN_NC_LONG_K + 1, QUANT_TILE_MIN_NC + 5 };
+    if (max_level < QUANT_LEVEL_AVX2) {
+        printf("ok - AVX2 tiles # SKIP: this CPU has no AVX2\n");
+        n_pass++;
+        return;
+    }
+    const int has_vnni = plat_cpu.avxvnni;
+    for (int vnni = 0; vnni <= has_vnni; vnni++)
+        for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++)
+            for (int units = 2; units <= 9 && !(vnni && types[ti] == GGUF_TYPE_Q6_K); units += 7) { /* Q6_K: no VNNI tile */
+                struct matmat_case c = matmat_case_new(types[ti], 19, (int64_t)units * QUANT_QK_K, QUANT_TILE_MIN_NC + 5, 5);
+                int bad = 0;
+                plat_cpu.avxvnni = vnni;
+                for (int k = 0; k < 6; k++) {
+                    omp_set_num_threads(1 + k % 2);
+                    bad += matmat_wrong_at(&c, QUANT_LEVEL_AVX2, columns[k / 2]);
+                }
+                plat_cpu.avxvnni = has_vnni;
+                omp_set_num_threads(2);
+                char name[128];
+                snprintf(name, sizeof name, "%s AVX2 tiles%s: rows of %d super-blocks, %d, %d and %d columns == scalar dot",
+                         gguf_type_get(types[ti])->name, vnni ? " by AVX-VNNI" : "", units, columns[0], columns[1], columns[2]);
+                check(!bad, name, "%d outputs differ", bad);
+                matmat_case_free(&c);
+            }
 }
 
 /* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS, and at the avx512vbmi level IQ3_XXS and
@@ -1509,6 +1544,7 @@ int main(int argc, char **argv) {
     test_widen_f16();
     test_matmat_columns();
     test_tile_long_rows();
+    test_avx2_tiles();
     test_interleaved();
     test_pairs_columns();
     free(ops_act_buf.buf);
