@@ -1130,7 +1130,8 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
  *   quant_dotn (one row, many columns), quant_dotr (many rows, one column), quant_pairs (rows
  *   of 2 K super-blocks, many columns), quant_tile (16 rows, many columns) and
- *   quant_act_prepare give the same bits at every level.
+ *   quant_act_prepare give the same bits at every level, and quant_dotn and quant_dotr the same
+ *   over an act that quant_act_to_lanes put in lanes.
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
  * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
  *   per element), then one quant_dotn per weight row (quant_dotr per chunk of rows for a single
@@ -4532,7 +4533,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
     }
 }
 
-/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2: 16 rows by a batch of columns ----
+/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0 with AVX-VNNI): 16 rows by a batch of columns ----
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
  * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
  * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
@@ -4546,7 +4547,12 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, i
  * quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318 -> 1804; 2048 x 512 (an
  * expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64 columns 2714 -> 1812; Q6_K
  * 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 -> 1857. In the model (Zen 1,
- * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. */
+ * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. With
+ * AVX-VNNI a step goes into int32 by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum
+ * takes its scale by vpmulld; Q8_0, its bytes plus 128 too wide for vpmaddubsw's int16 pairs,
+ * has a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s without -> with: 512 x 2048,
+ * 64 columns, Q4_K 56 -> 73, Q4_0 56 -> 64, Q8_0 (quant_dotn) 34 -> 64; 2048 x 512, 8 columns,
+ * Q4_K 56 -> 72. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
  * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
