@@ -1507,6 +1507,19 @@ static void test_levels(void) {
     quant_init();
     check(!strcmp(quant_level_name(), "scalar"), "COLI_CPU=scalar forces scalar", "%s", quant_level_name());
     unsetenv("COLI_CPU");
+    /* which products read their act in lanes (the matmat and matvec checks pass either way) */
+    int wrong = 0;
+    char why[96] = "";
+    for (int l = 0; l <= max_level; l++) {
+        quant_set_level(l);
+        for (int ti = 0; ti < N_TYPES; ti++) {
+            const enum gguf_type t = all_types[ti];
+            const int want = gguf_type_get(t)->block_elems == QUANT_QK && l >= QUANT_LEVEL_AVX512; /* the legacy formats' blocks */
+            if (quant_act_in_lanes(t, 16 * QUANT_QK) != want || quant_act_in_lanes(t, 15 * QUANT_QK) || quant_act_in_lanes(t, 33 * QUANT_QK) != want)
+                if (!wrong++) snprintf(why, sizeof why, "%s at %s", gguf_type_get(t)->name, quant_level_names[l]);
+        }
+    }
+    check(!wrong, "acts in lanes: the legacy formats at the AVX-512 levels, rows of 16 blocks and more", "%s", why);
 }
 
 int main(int argc, char **argv) {
