@@ -1303,10 +1303,10 @@ static void test_tile_long_rows(void) {
     }
 }
 
-/* The AVX2 tiles (Q4_K, Q5_K, Q6_K, Q4_0), and where the CPU has AVX-VNNI its tiles (Q4_K, Q5_K,
- * Q4_0, Q8_0: the steps by vpdpbusd into int32, a vpmulld by each K scale), rows of 2 and of 9 super-blocks (16
- * rows to a tile, 3 left), from the columns where they start, past a pass of 4, on 1 and 2
- * threads, against the scalar dot. */
+/* The AVX2 tiles (Q4_K, Q5_K, Q6_K, Q4_0), and where the CPU has AVX-VNNI its tiles (Q4_K,
+ * Q5_K, Q4_0, Q8_0: the steps by vpdpbusd into int32, a vpmulld by each K scale), rows of 2 and
+ * of 9 super-blocks (16 rows to a tile, 3 left), from the columns where they start, past a pass
+ * of 4, on 1 and 2 threads, against the scalar dot. */
 static void test_avx2_tiles(void) {
     const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0 };
     const int columns[] = { QUANT_AVX2_TILE_MIN_NC, QUANT_AVX2_TILE_MIN_NC_LONG_K + 1, QUANT_TILE_MIN_NC + 5 };
