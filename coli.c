@@ -4699,8 +4699,9 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
                 }
             }
             QUANT_UNROLL(4)
-            for (int c = 0; c < QUANT_TILE_NC; c++)
-                isum[c] = _mm256_add_epi32(isum[c], vnni ? _mm256_mullo_epi32(s[c], _mm256_srai_epi32(sc, 16)) : _mm256_madd_epi16(s[c], sc));
+            for (int c = 0; c < QUANT_TILE_NC; c++) /* the scale from its pair (v, v) */
+                isum[c] = _mm256_add_epi32(isum[c], vnni ? _mm256_mullo_epi32(s[c], _mm256_srai_epi32(sc, 16))
+                                                         : _mm256_madd_epi16(s[c], sc));
         }
         const __m256i mn = _mm256_loadu_si256((const __m256i *)(t->mn[j] + 16 * half));
         QUANT_UNROLL(4)
@@ -4915,9 +4916,11 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile(int four, int vnni, const uint8_t 
     }
 }
 
-#define QUANT_AVX2_LEGACY_TILE(name, four, vnni)                                                                            \
+#define QUANT_AVX2_LEGACY_TILE(name, four, vnni)                                                                          \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y, \
-                                size_t ys, void *scratch) { quant_avx2_legacy_tile(four, vnni, w, rb, acts, stride, nc, n, y, ys, scratch); }
+                                size_t ys, void *scratch) {                                                               \
+        quant_avx2_legacy_tile(four, vnni, w, rb, acts, stride, nc, n, y, ys, scratch);                                   \
+    }
 QUANT_AVX2_LEGACY_TILE(quant_tile_q4_0_avx2, 1, 0)
 QUANT_AVX2_LEGACY_TILE(quant_tile_q4_0_avx2_vnni, 1, 1)
 QUANT_AVX2_LEGACY_TILE(quant_tile_q8_0_avx2_vnni, 0, 1)
@@ -5852,10 +5855,10 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     if (quant_level == QUANT_LEVEL_AVX2)
         (wtype == GGUF_TYPE_Q4_K   ? (vnni ? quant_tile_q4k_avx2_vnni : quant_tile_q4k_avx2)
          : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
-         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2 /* no faster by vpdpbusd: its steps need their signs */
+         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2 /* by vpdpbusd only 2-7% faster (README, Weight formats) */
          : wtype == GGUF_TYPE_Q8_0 ? quant_tile_q8_0_avx2_vnni /* quant_tile_ok: with VNNI only */
-                                   : (vnni ? quant_tile_q4_0_avx2_vnni : quant_tile_q4_0_avx2))(wrows, row_bytes, acts, stride, nc, n, y, ys,
-                                                                                               scratch);
+         : vnni                    ? quant_tile_q4_0_avx2_vnni
+                                   : quant_tile_q4_0_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
@@ -5984,8 +5987,10 @@ static void ops_plan_lanes(const struct ops_job *jobs, int n_jobs, const size_t 
 static void ops_acts_to_lanes(const struct ops_job *jobs, int n_jobs, const int *lanes_of, uint8_t *act, const size_t *off,
                               const size_t *lanes_off, const size_t *stride) {
     for (int j = 0; j < n_jobs; j++)
-        for (int t = 0; lanes_of[j] == j && t < jobs[j].n; t++)
-            quant_act_to_lanes(jobs[j].w.type, act + off[j] + (size_t)t * stride[j], jobs[j].w.cols, act + lanes_off[j] + (size_t)t * stride[j]);
+        for (int t = 0; lanes_of[j] == j && t < jobs[j].n; t++) {
+            const size_t col = (size_t)t * stride[j];
+            quant_act_to_lanes(jobs[j].w.type, act + off[j] + col, jobs[j].w.cols, act + lanes_off[j] + col);
+        }
 }
 
 /* The order in which the parallel loop takes the jobs' chunks of OPS_ROW_CHUNK rows: the jobs by
