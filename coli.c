@@ -4255,9 +4255,14 @@ struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
  * partials of QUANT_TILE_NC columns. */
+/* Whether the AVX-512 legacy tile takes rows of T. */
+static int quant_tile_legacy(enum gguf_type t) {
+    return t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
+}
+
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
-    size_t rows = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
-                                                             : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
+    size_t rows = quant_tile_legacy(t) ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
+                                       : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
@@ -4467,21 +4472,30 @@ static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int
     }
 }
 
-/* Block B of the 16 rows at W (RB bytes apart) of a Q8_0 (FOUR: Q4_0) matrix into T: dword k of
- * the block's quants gathered across the rows (Q4_0: dword m of its 16 bytes holds elements
- * 4m..4m+3 in the low nibbles, 16 + 4m.. in the high ones), and d with 2 quant bytes (its fp16
- * in the low half). */
-QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, int four, int64_t b, struct quant_legacy_tile *t) {
+/* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
+ * dword k of the block's quants gathered across the rows (the 4-bit formats: dword m of their 16
+ * bytes holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high ones; IQ4_NL's and
+ * MXFP4's looked up, plus 128), and d from the block's first dword (fp16 in the low half, or
+ * MXFP4's E8M0 byte, as quant_avx512_scales16 takes them). */
+QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
-    const uint8_t *blk = w + (size_t)b * (four ? 18 : 34);
-    if (four) {
+    const int mx = type == GGUF_TYPE_MXFP4, qo = mx ? 1 : 2; /* the quants after MXFP4's 1-byte scale, the others' fp16 d */
+    const uint8_t *blk = w + (size_t)b * gguf_type_get(type)->block_bytes;
+    if (type != GGUF_TYPE_Q8_0) {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
+        const int8_t *values = mx ? quant_mxfp4_values : quant_iq4nl_values;
+        const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values)), _mm512_set1_epi8((char)0x80));
         __m512i v[4];
-        quant_tile_transpose4(blk + 2, rb, v);
+        quant_tile_transpose4(blk + qo, rb, v);
         QUANT_UNROLL(4)
         for (int m = 0; m < 4; m++) {
-            _mm512_storeu_si512(t->q[m], _mm512_and_si512(v[m], m4));
-            _mm512_storeu_si512(t->q[4 + m], _mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4));
+            __m512i lo = _mm512_and_si512(v[m], m4), hi = _mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4);
+            if (type != GGUF_TYPE_Q4_0) { /* the table's values plus 128 */
+                lo = _mm512_shuffle_epi8(tab, lo);
+                hi = _mm512_shuffle_epi8(tab, hi);
+            }
+            _mm512_storeu_si512(t->q[m], lo);
+            _mm512_storeu_si512(t->q[4 + m], hi);
         }
     } else {
         __m512i v[8];
@@ -4489,7 +4503,8 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, i
         QUANT_UNROLL(8)
         for (int k = 0; k < 8; k++) _mm512_storeu_si512(t->q[k], _mm512_xor_si512(v[k], _mm512_set1_epi8((char)0x80)));
     }
-    _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
+    const __m512i g = _mm512_i32gather_epi32(rows, blk, 1);
+    _mm512_storeu_ps(t->d, mx ? quant_avx512_e8m0_half(g) : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
 }
 
 /* Block B of a legacy tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
@@ -4515,20 +4530,20 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     }
 }
 
-/* quant_tile_q45k_avx512 for Q8_0 or (FOUR) Q4_0 rows: the same bits as quant_legacy_units. */
-static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, int four, const uint8_t *acts, size_t stride, int nc,
-                                                 int64_t n, float *y, size_t ys, void *scratch) {
+/* quant_tile_q45k_avx512 for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
+static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
+                                                 int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
     struct quant_legacy_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
     quant_tile_prefetch_next(w, rb);
-    for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unpack(w, rb, four, b, &tiles[b]);
+    for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unpack(w, rb, type, b, &tiles[b]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unit(&tiles[b], a, b, four ? 8 : 128, p);
+        for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unit(&tiles[b], a, b, type == GGUF_TYPE_Q4_0 ? 8 : 128, p);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -5844,7 +5859,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
         const int legacy = wtype == GGUF_TYPE_Q4_0 || (wtype == GGUF_TYPE_Q8_0 && plat_cpu.avxvnni);
         return (k || legacy) && nc >= (k && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
     }
-    return (k45 || wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
+    return (k45 || quant_tile_legacy(wtype)) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
@@ -5859,8 +5874,8 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
          : wtype == GGUF_TYPE_Q8_0 ? quant_tile_q8_0_avx2_vnni /* quant_tile_ok: with VNNI only */
          : vnni                    ? quant_tile_q4_0_avx2_vnni
                                    : quant_tile_q4_0_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
-    else if (wtype == GGUF_TYPE_Q8_0 || wtype == GGUF_TYPE_Q4_0)
-        quant_tile_legacy_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q4_0, acts, stride, nc, n, y, ys, scratch);
+    else if (wtype != GGUF_TYPE_Q4_K && wtype != GGUF_TYPE_Q5_K)
+        quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
 

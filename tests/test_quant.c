@@ -1282,12 +1282,12 @@ static void test_matmat_columns(void) {
     }
 }
 
-/* Q4_K, Q5_K, Q8_0 and Q4_0 rows of more than 32 super-blocks through quant_tile (3 tiles of 16
+/* Q4_K, Q5_K, Q8_0, Q4_0, IQ4_NL and MXFP4 rows of more than 32 super-blocks through quant_tile (3 tiles of 16
  * rows, QUANT_TILE_MIN_NC columns and more, on 1 and 2 threads: each thread its own scratch):
  * every partial of the canonical order in use, one of them twice (K), or several times. */
 static void test_tile_long_rows(void) {
-    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0 };
-    for (int ti = 0; ti < 4; ti++) {
+    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4 };
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
         struct matmat_case c = matmat_case_new(types[ti], 48, 33 * 256, QUANT_TILE_MIN_NC + 5, 5);
         int bad = 0;
         for (int k = 0; k < 4; k++) {
