@@ -4217,7 +4217,7 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Q4_K, Q5_K, Q8_0 and Q4_0 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Q4_K, Q5_K, Q8_0, Q4_0, IQ4_NL and MXFP4 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -4245,9 +4245,10 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * against the pair of the act's 16-element sums that make sub-block j's. */
 struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
 
-/* One Q8_0 or Q4_0 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r plus
- * 128 (Q8_0) or as stored, 0..15 (Q4_0: less 8), as vpdpbusd's unsigned bytes (the offset comes
- * off as that many times the act block's sum), d the scales. */
+/* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3
+ * of row r plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as stored, 0..15 (Q4_0: less
+ * 8), as vpdpbusd's unsigned bytes (the offset comes off as that many times the act block's
+ * sum), d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* A K tile's bytes: quant_q45k_tile's (AVX-512), the same as quant_avx2_k_tile's. */
