@@ -4858,25 +4858,37 @@ QUANT_AVX2_K_TILE(quant_tile_q6k_avx2, GGUF_TYPE_Q6_K, 0)
 QUANT_AVX2_K_TILE(quant_tile_q4k_avx2_vnni, GGUF_TYPE_Q4_K, 1)
 QUANT_AVX2_K_TILE(quant_tile_q5k_avx2_vnni, GGUF_TYPE_Q5_K, 1)
 
-/* Block B of the 16 Q4_0 (FOUR) or Q8_0 rows at W (RB bytes apart) into T, as
+/* Block B of the 16 Q8_0, Q4_0, IQ4_NL or MXFP4 rows at W (RB bytes apart) into T, as
  * quant_legacy_tile_unpack lays it out (8 rows at a time). */
-QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb, int four, int64_t b, struct quant_legacy_tile *t) {
-    const uint8_t *blk = w + (size_t)b * (four ? 18 : 34);
+QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
+    const int mx = type == GGUF_TYPE_MXFP4, four = type != GGUF_TYPE_Q8_0, qo = mx ? 1 : 2;
+    const uint8_t *blk = w + (size_t)b * gguf_type_get(type)->block_bytes;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i tab = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mx ? quant_mxfp4_values : quant_iq4nl_values))),
+                                         _mm256_set1_epi8((char)0x80));
     QUANT_UNROLL(2)
     for (int half = 0; half < 2; half++) {
         __m256i v[8];
-        if (four) quant_avx2_tile_transpose4(blk + (size_t)8 * half * rb + 2, rb, v);
+        if (four) quant_avx2_tile_transpose4(blk + (size_t)8 * half * rb + qo, rb, v);
         else quant_avx2_tile_transpose(blk + (size_t)8 * half * rb + 2, rb, v);
         QUANT_UNROLL(8)
         for (int m = 0; m < 8; m++) {
-            if (!four)
+            if (!four) {
                 _mm256_storeu_si256((__m256i *)(t->q[m] + 32 * half), _mm256_xor_si256(v[m], _mm256_set1_epi8((char)0x80)));
-            else if (m < 4) {
-                _mm256_storeu_si256((__m256i *)(t->q[m] + 32 * half), _mm256_and_si256(v[m], m4));
-                _mm256_storeu_si256((__m256i *)(t->q[4 + m] + 32 * half), _mm256_and_si256(_mm256_srli_epi16(v[m], 4), m4));
+            } else if (m < 4) {
+                __m256i lo = _mm256_and_si256(v[m], m4), hi = _mm256_and_si256(_mm256_srli_epi16(v[m], 4), m4);
+                if (type != GGUF_TYPE_Q4_0) { /* the table's values plus 128 */
+                    lo = _mm256_shuffle_epi8(tab, lo);
+                    hi = _mm256_shuffle_epi8(tab, hi);
+                }
+                _mm256_storeu_si256((__m256i *)(t->q[m] + 32 * half), lo);
+                _mm256_storeu_si256((__m256i *)(t->q[4 + m] + 32 * half), hi);
             }
         }
+    }
+    if (mx) {
+        for (int r = 0; r < 16; r++) t->d[r] = quant_e8m0_half(blk[(size_t)r * rb]);
+        return;
     }
     uint16_t dd[16];
     for (int r = 0; r < 16; r++) dd[r] = quant_rd16(blk + (size_t)r * rb);
@@ -4885,10 +4897,10 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
 
 /* Block B of a legacy tile's rows 8 HALF.. against 4 columns: quant_legacy_units' unit, (dw *
  * dx) * isum, added to each column's partial P[c][b % 32] in those rows' lanes; OFFSET (Q4_0 8,
- * Q8_0 128) comes off as that many times the act block's sum: the same integer. Q4_0's 8 steps
- * (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480) and one vpmaddwd widens
- * them; VNNI: each step one quant_avx2_dpbusd into int32 instead (Q8_0's bytes, up to 255,
- * only so: their pairs would overflow int16). */
+ * the others 128) comes off as that many times the act block's sum: the same integer. Q4_0's 8
+ * steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480) and one vpmaddwd
+ * widens them; VNNI: each step one quant_avx2_dpbusd into int32 instead (the other formats'
+ * bytes, up to 255, only so: their pairs would overflow int16). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_tile *t, int half, int vnni, int offset,
                                                    const struct quant_q8_view *a, int64_t b, float (*p)[QUANT_NPART][16]) {
     __m256i s[QUANT_TILE_NC];
@@ -4913,33 +4925,34 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_til
     }
 }
 
-/* quant_tile_legacy_avx512 at AVX2 for Q4_0 (FOUR) or, with VNNI, Q8_0 rows: the same bits. */
-QUANT_AVX2_INLINE void quant_avx2_legacy_tile(int four, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
-                                              int64_t n, float *y, size_t ys, void *scratch) {
+/* quant_tile_legacy_avx512 at AVX2 for Q4_0 or, with VNNI, Q8_0, IQ4_NL and MXFP4 rows: the same bits. */
+QUANT_AVX2_INLINE void quant_avx2_legacy_tile(enum gguf_type type, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
+                                              int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
     struct quant_legacy_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
     quant_avx2_tile_prefetch_next(w, rb);
-    for (int64_t b = 0; b < nb; b++) quant_avx2_legacy_tile_unpack(w, rb, four, b, &tiles[b]);
+    for (int64_t b = 0; b < nb; b++) quant_avx2_legacy_tile_unpack(w, rb, type, b, &tiles[b]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t b = 0; b < nb; b++)
-            for (int half = 0; half < 2; half++) quant_avx2_legacy_tile_unit(&tiles[b], half, vnni, four ? 8 : 128, a, b, p);
+            for (int half = 0; half < 2; half++) quant_avx2_legacy_tile_unit(&tiles[b], half, vnni, type == GGUF_TYPE_Q4_0 ? 8 : 128, a, b, p);
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
 
-#define QUANT_AVX2_LEGACY_TILE(name, four, vnni)                                                                          \
-    static QUANT_AVX2 void name(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y, \
-                                size_t ys, void *scratch) {                                                               \
-        quant_avx2_legacy_tile(four, vnni, w, rb, acts, stride, nc, n, y, ys, scratch);                                   \
-    }
-QUANT_AVX2_LEGACY_TILE(quant_tile_q4_0_avx2, 1, 0)
-QUANT_AVX2_LEGACY_TILE(quant_tile_q4_0_avx2_vnni, 1, 1)
-QUANT_AVX2_LEGACY_TILE(quant_tile_q8_0_avx2_vnni, 0, 1)
+static QUANT_AVX2 void quant_tile_q4_0_avx2(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                           float *y, size_t ys, void *scratch) {
+    quant_avx2_legacy_tile(GGUF_TYPE_Q4_0, 0, w, rb, acts, stride, nc, n, y, ys, scratch);
+}
+
+static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
+                                                  int nc, int64_t n, float *y, size_t ys, void *scratch) {
+    quant_avx2_legacy_tile(type, 1, w, rb, acts, stride, nc, n, y, ys, scratch);
+}
 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
@@ -5857,7 +5870,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
     if (quant_level == QUANT_LEVEL_AVX2) {
         const int k = k45 || wtype == GGUF_TYPE_Q6_K;
-        const int legacy = wtype == GGUF_TYPE_Q4_0 || (wtype == GGUF_TYPE_Q8_0 && plat_cpu.avxvnni);
+        const int legacy = wtype == GGUF_TYPE_Q4_0 || (quant_tile_legacy(wtype) && plat_cpu.avxvnni); /* the others' bytes: VNNI only */
         return (k || legacy) && nc >= (k && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
     }
     return (k45 || quant_tile_legacy(wtype)) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
@@ -5868,13 +5881,15 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
     const int vnni = plat_cpu.avxvnni; /* the AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
-    if (quant_level == QUANT_LEVEL_AVX2)
+    if (quant_level == QUANT_LEVEL_AVX2 && quant_tile_legacy(wtype) && vnni)
+        quant_tile_legacy_avx2_vnni(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
+    else if (quant_level == QUANT_LEVEL_AVX2 && wtype == GGUF_TYPE_Q4_0)
+        quant_tile_q4_0_avx2(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+    else if (quant_level == QUANT_LEVEL_AVX2)
         (wtype == GGUF_TYPE_Q4_K   ? (vnni ? quant_tile_q4k_avx2_vnni : quant_tile_q4k_avx2)
          : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
-         : wtype == GGUF_TYPE_Q6_K ? quant_tile_q6k_avx2 /* by vpdpbusd only 2-7% faster (README, Weight formats) */
-         : wtype == GGUF_TYPE_Q8_0 ? quant_tile_q8_0_avx2_vnni /* quant_tile_ok: with VNNI only */
-         : vnni                    ? quant_tile_q4_0_avx2_vnni
-                                   : quant_tile_q4_0_avx2)(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+                                   : quant_tile_q6k_avx2 /* by vpdpbusd only 2-7% faster (README, Weight formats) */)(
+            wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (wtype != GGUF_TYPE_Q4_K && wtype != GGUF_TYPE_Q5_K)
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);

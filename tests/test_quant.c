@@ -1304,11 +1304,12 @@ static void test_tile_long_rows(void) {
 }
 
 /* The AVX2 tiles (Q4_K, Q5_K, Q6_K, Q4_0), and where the CPU has AVX-VNNI its tiles (Q4_K,
- * Q5_K, Q4_0, Q8_0: the steps by vpdpbusd into int32, a vpmulld by each K scale), rows of 2 and
- * of 9 super-blocks (16 rows to a tile, 3 left), from the columns where they start, past a pass
- * of 4, on 1 and 2 threads, against the scalar dot. */
+ * Q5_K, Q4_0, Q8_0, IQ4_NL, MXFP4: the steps by vpdpbusd into int32, a vpmulld by each K
+ * scale), rows of 2 and of 9 super-blocks (16 rows to a tile, 3 left), from the columns where
+ * they start, past a pass of 4, on 1 and 2 threads, against the scalar dot. */
 static void test_avx2_tiles(void) {
-    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q4_0, GGUF_TYPE_Q8_0 };
+    const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q4_0,
+                                     GGUF_TYPE_Q8_0, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4 };
     const int columns[] = { QUANT_AVX2_TILE_MIN_NC, QUANT_AVX2_TILE_MIN_NC_LONG_K + 1, QUANT_TILE_MIN_NC + 5 };
     if (max_level < QUANT_LEVEL_AVX2) {
         printf("ok - AVX2 tiles # SKIP: this CPU has no AVX2\n");
@@ -1318,7 +1319,8 @@ static void test_avx2_tiles(void) {
     const int has_vnni = plat_cpu.avxvnni;
     for (int vnni = 0; vnni <= has_vnni; vnni++)
         for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
-            if (vnni ? types[ti] == GGUF_TYPE_Q6_K : types[ti] == GGUF_TYPE_Q8_0) continue; /* no VNNI tile of Q6_K, none but it of Q8_0 */
+            const int only_vnni = types[ti] == GGUF_TYPE_Q8_0 || types[ti] == GGUF_TYPE_IQ4_NL || types[ti] == GGUF_TYPE_MXFP4;
+            if (vnni ? types[ti] == GGUF_TYPE_Q6_K : only_vnni) continue; /* no VNNI tile of Q6_K; these three have no other */
             for (int units = 2; units <= 9; units += 7) {
                 struct matmat_case c = matmat_case_new(types[ti], 19, (int64_t)units * QUANT_QK_K, QUANT_TILE_MIN_NC + 5, 5);
                 int bad = 0;
@@ -1337,8 +1339,9 @@ static void test_avx2_tiles(void) {
             }
         }
     quant_set_level(QUANT_LEVEL_AVX2);
-    check(quant_tile_ok(GGUF_TYPE_Q8_0, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_Q4_0, QUANT_TILE_MIN_NC, QUANT_QK_K),
-          "AVX2 tiles: Q8_0 by AVX-VNNI only, Q4_0 always", "avxvnni %d", has_vnni);
+    check(quant_tile_ok(GGUF_TYPE_Q8_0, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_MXFP4, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni &&
+              quant_tile_ok(GGUF_TYPE_IQ4_NL, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_Q4_0, QUANT_TILE_MIN_NC, QUANT_QK_K),
+          "AVX2 tiles: Q8_0, IQ4_NL and MXFP4 by AVX-VNNI only, Q4_0 always", "avxvnni %d", has_vnni);
 }
 
 /* Interleaved Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS, and at the avx512vbmi level IQ3_XXS and
