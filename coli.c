@@ -4549,7 +4549,7 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
     }
 }
 
-/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0 with AVX-VNNI): 16 rows by a batch of columns ----
+/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
  * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
  * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
@@ -4565,8 +4565,8 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
  * 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 -> 1857. In the model (Zen 1,
  * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. With
  * AVX-VNNI a step goes into int32 by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum
- * takes its scale by vpmulld; Q8_0, its bytes plus 128 too wide for vpmaddubsw's int16 pairs,
- * has a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s without -> with: 512 x 2048,
+ * takes its scale by vpmulld; Q8_0, IQ4_NL and MXFP4, their bytes plus 128 too wide for
+ * vpmaddubsw's int16 pairs, have a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s without -> with: 512 x 2048,
  * 64 columns, Q4_K 56 -> 73, Q4_0 56 -> 64, Q8_0 (quant_dotn) 34 -> 64; 2048 x 512, 8 columns,
  * Q4_K 56 -> 72. */
 
