@@ -4566,9 +4566,9 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
  * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. With
  * AVX-VNNI a step goes into int32 by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum
  * takes its scale by vpmulld; Q8_0, IQ4_NL and MXFP4, their bytes plus 128 too wide for
- * vpmaddubsw's int16 pairs, have a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s without -> with: 512 x 2048,
- * 64 columns, Q4_K 56 -> 73, Q4_0 56 -> 64, Q8_0 (quant_dotn) 34 -> 64; 2048 x 512, 8 columns,
- * Q4_K 56 -> 72. */
+ * vpmaddubsw's int16 pairs, have a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s
+ * without -> with: 512 x 2048, 64 columns, Q4_K 56 -> 73, Q4_0 56 -> 64, Q8_0 (quant_dotn) 34
+ * -> 64; 2048 x 512, 8 columns, Q4_K 56 -> 72. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
  * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
