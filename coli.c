@@ -4864,8 +4864,8 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
     const int mx = type == GGUF_TYPE_MXFP4, four = type != GGUF_TYPE_Q8_0, qo = mx ? 1 : 2;
     const uint8_t *blk = w + (size_t)b * gguf_type_get(type)->block_bytes;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i tab = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mx ? quant_mxfp4_values : quant_iq4nl_values))),
-                                         _mm256_set1_epi8((char)0x80));
+    const int8_t *values = mx ? quant_mxfp4_values : quant_iq4nl_values;
+    const __m256i tab = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values)), _mm256_set1_epi8((char)0x80));
     QUANT_UNROLL(2)
     for (int half = 0; half < 2; half++) {
         __m256i v[8];
