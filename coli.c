@@ -5890,7 +5890,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
          : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
                                    : quant_tile_q6k_avx2 /* by vpdpbusd only 2-7% faster (README, Weight formats) */)(
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
-    else if (wtype != GGUF_TYPE_Q4_K && wtype != GGUF_TYPE_Q5_K)
+    else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
