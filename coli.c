@@ -3382,8 +3382,10 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
  * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
  * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
  * for the offset of 32 or 4; unused by the IQ formats). An act in the decode's own order
- * (QUANT_DECODE_REORDERED) changes which elements a register holds, and an IQ3 decode in
- * coordinate planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot). */
+ * (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in coordinate
+ * planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), and an IQ4_XS one
+ * in nibble order its values plus 128, its block scales as dwords in sc[0..1] and as words in
+ * m, for the offset of 128 (quant_avx512_iq4xs_nibbles_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
@@ -3509,15 +3511,17 @@ QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
 }
 
-/* IQ4_XS super-block: the IQ4_NL table's magnitudes and signs (codes 0-7 are its negative
- * values), and the 6-bit scales less 32 (quant_iq4xs_scale). A block's 16 bytes hold its
- * elements 0-15 in the low nibbles, 16-31 in the high ones: a 64-byte load's low nibbles are
- * the first halves of 4 blocks, its high ones their second halves. NIBBLES (the act in that
- * order, quant_avx512_nibble_order) keeps them so, with the scales of the 4 blocks in the 4
- * lanes; else one permute per 2 blocks puts both in element order. */
+/* IQ4_XS super-block: the 6-bit scales less 32 (quant_iq4xs_scale), and the IQ4_NL table's
+ * values. A block's 16 bytes hold its elements 0-15 in the low nibbles, 16-31 in the high ones:
+ * a 64-byte load's low nibbles are the first halves of 4 blocks, its high ones their second
+ * halves. NIBBLES (the act in that order, quant_avx512_nibble_order) keeps them so, as the values
+ * plus 128 (quant_avx512_iq4xs_nibbles_dot), with sc[h] each lane's block scale as dwords and m
+ * each 16-group's as words; else their magnitudes and signs (codes 0-7 are its negative values),
+ * one permute per 2 blocks putting both in element order. */
 QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
-    const __m512i tab = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values)));
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
+    const __m512i tab = nibbles ? _mm512_xor_si512(values, _mm512_set1_epi8((char)0x80)) : _mm512_abs_epi8(values);
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     QUANT_UNROLL(2)
     for (int h = 0; h < 2; h++) {
@@ -3526,7 +3530,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
         const __m512i code[2] = { nibbles ? lo : _mm512_permutex2var_epi64(lo, first, hi), nibbles ? hi : _mm512_permutex2var_epi64(lo, second, hi) };
         QUANT_UNROLL(2)
         for (int i = 0; i < 2; i++) {
-            k->neg[2 * h + i] = _mm512_testn_epi8_mask(code[i], b3);
+            if (!nibbles) k->neg[2 * h + i] = _mm512_testn_epi8_mask(code[i], b3);
             k->q[2 * h + i] = _mm512_shuffle_epi8(tab, code[i]);
         }
     }
@@ -3540,9 +3544,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
         quant_avx512_iq_scales(s8, k);
         return;
     }
-    const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
-    k->sc[0] = k->sc[1] = _mm512_permutexvar_epi16(quant_avx512_widx(0, 8), s16);
-    k->sc[2] = k->sc[3] = _mm512_permutexvar_epi16(quant_avx512_widx(4, 8), s16);
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++) /* dword i: block 4h + i / 4 */
+        k->sc[h] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * h), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)),
+                                            _mm512_castsi256_si512(s8));
+    k->m = _mm512_castsi512_si256(_mm512_permutexvar_epi16(quant_avx512_widx(0, 2), _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8))));
 }
 
 /* The IQ3_XXS lattice points of the 32 index bytes at Q, elements 0-63 in *lo and 64-127 in
@@ -3809,6 +3815,24 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
     return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
 }
 
+/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: the values plus
+ * 128 as vpdpbusd's unsigned operand, so lane L of registers 2h and 2h + 1 holds products of
+ * block 4h + L alone and one multiply applies its scale; the 128s come off as 128 times each
+ * block's scale times its act sum (its two 16-sums). One instruction a register fewer than the
+ * signs and vpmaddubsw, and no sign masks: one core in cache, GB/s, 1024 rows of 2048 26.0-26.6
+ * -> 28.0-28.9, 4096 rows of 512 27.4-27.7 -> 30.5-30.8 (three alternations). */
+QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
+    __m512i acc = _mm512_setzero_si512();
+    QUANT_UNROLL(2)
+    for (int h = 0; h < 2; h++) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k->q[2 * h], _mm512_load_si512(qx + 128 * h)),
+                                              k->q[2 * h + 1], _mm512_load_si512(qx + 128 * h + 64));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(p, k->sc[h]));
+    }
+    const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), k->m);
+    return _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1)), _mm256_slli_epi32(offset, 7));
+}
+
 /* One column's integer parts of a decoded super-block (as HOW decoded it), 8 lanes each: *is's
  * sum to the isum of quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken
  * off as that many times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero).
@@ -3819,6 +3843,10 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const stru
     *ms = _mm256_setzero_si256();
     if (quant_avx512_in_planes(t, how)) { /* IQ3: no min term */
         *is = quant_avx512_iq3_planes_dot(k, qx);
+        return;
+    }
+    if (t == GGUF_TYPE_IQ4_XS && (how & QUANT_DECODE_REORDERED)) {
+        *is = quant_avx512_iq4xs_nibbles_dot(k, qx, bs);
         return;
     }
     __m512i acc = _mm512_setzero_si512();
