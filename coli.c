@@ -3381,11 +3381,11 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
  * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: their magnitudes, with bit i of neg[k] set where element
  * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
  * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
- * for the offset of 32 or 4; unused by the IQ formats). An act in the decode's own order
- * (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in coordinate
- * planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), and an IQ4_XS one
- * in nibble order its values plus 128, its block scales as dwords in sc[0..1] and as words in
- * m, for the offset of 128 (quant_avx512_iq4xs_nibbles_dot). */
+ * for the offset of 32 or 4; unused by the IQ formats in element order). An act in the decode's
+ * own order (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in
+ * coordinate planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), and an
+ * IQ4_XS one in nibble order its values plus 128, its block scales as dwords in sc[0..1] and as
+ * words in m, for the offset of 128 (quant_avx512_iq4xs_nibbles_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
