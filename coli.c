@@ -4228,7 +4228,8 @@ static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t 
     for (int c0 = 0; c0 < nc; c0 += QUANT_NCOL) {
         const int m = nc - c0 < QUANT_NCOL ? nc - c0 : QUANT_NCOL;
         for (int c = 0; c < m; c++) quant_avx512_reorder_act(GGUF_TYPE_IQ4_XS, acts + (size_t)(c0 + c) * stride, n, ordered[c]);
-        for (int r = 0; r < nrows; r++) quant_dot_iq4_xs_avx512_reorderedn(w + (size_t)r * rb, ordered[0], ACT, m, n, y + (size_t)c0 * ys + r, ys);
+        for (int r = 0; r < nrows; r++)
+            quant_dot_iq4_xs_avx512_reorderedn(w + (size_t)r * rb, ordered[0], ACT, m, n, y + (size_t)c0 * ys + r, ys);
     }
 }
 
