@@ -1129,9 +1129,10 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
  *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
  *   quant_dotn (one row, many columns), quant_dotr (many rows, one column), quant_pairs (rows
- *   of 2 K super-blocks, many columns), quant_tile (16 rows, many columns) and
- *   quant_act_prepare give the same bits at every level, and quant_dotn and quant_dotr the same
- *   over an act that quant_act_to_lanes put in lanes.
+ *   of 2 K super-blocks, many columns), quant_dotn_rows (many rows, many columns, where a level
+ *   orders the acts once for them), quant_tile (16 rows, many columns) and quant_act_prepare
+ *   give the same bits at every level, and quant_dotn and quant_dotr the same over an act that
+ *   quant_act_to_lanes put in lanes.
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
  * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
  *   per element), then one quant_dotn per weight row (quant_dotr per chunk of rows for a single
