@@ -4296,10 +4296,21 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * quant_dotn: Q4_K 73-77 / 103-109 / 122-139 against 84-92; Q5_K 66-69 / 100-103 / 129-135
  * against 71-76; Q8_0 64-68 / 95-99 / 127-128 against 84-88; Q4_0 78-79 / 87-111 / 137 against
  * 84-113. By gathers they were 50-55 / 82-86 / 108-120 (Q4_K), 29 / 51-53 / 80-84 (Q8_0), 39-40 /
- * 66-67 / 98 (Q4_0): the tiles then started at 32 columns, now at QUANT_TILE_MIN_NC. */
+ * 66-67 / 98 (Q4_0): the tiles then started at 32 columns, later at 16, now as below. */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-#define QUANT_TILE_MIN_NC 16
+/* The columns from which the AVX-512 tiles pay, against quant_dotn, now that a tile asks for the
+ * next one's rows as it computes (quant_tile_prefetch_part). One core, 150 matrices read from
+ * memory (as a prompt's experts are), GMAC/s tile / quant_dotn, two runs: Q4_K 512 x 2048, 6
+ * columns 78.6-82.0 / 74.0-74.9, 8 101-109 / 82-83; Q5_K 8 97 / 69-71; rows of 512 (2048 x
+ * 512), 4 columns Q4_K 89 / 67-68, Q5_K 83-86 / 56-57 (2 columns: 32 / 49). The legacy tiles
+ * against quant_dotn's act in lanes: rows of 512, 8 columns within 5% (Q8_0 78-80 / 77-79), 12
+ * columns Q8_0 86 / 74, Q4_0 114 / 101, IQ4_NL 104 / 93; rows of 2048, 12 columns even (Q8_0 94.5
+ * / 94.0-94.5). */
+#define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
+#define QUANT_TILE_MIN_NC_K_PAIRS 4   /* their rows of 2 super-blocks */
+#define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
+#define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
 /* One super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r; sc[j] the
  * scale of sub-block j in int32 lanes, mn[j] its min as the int16 pair (m, m), for vpdpwssd
@@ -4508,11 +4519,18 @@ static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[
     }
 }
 
-/* Before the 16 rows at W (RB bytes apart) are unpacked: the next 16 into L2 while these compute
- * (a thread's chunks are mostly consecutive); the unpack's gathers would otherwise wait on 16
- * rows' misses at a time. */
-QUANT_AVX512_INLINE void quant_tile_prefetch_next(const uint8_t *w, size_t rb) {
-    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
+/* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
+ * L1, while these compute: a thread's chunks are mostly consecutive, and the unpack's gathers
+ * and transposes would otherwise wait on 16 rows' misses at a time. A tile's first pass over
+ * its columns asks for one part before each unit, so the requests spread over its work; all of
+ * them at once before the unpack (a 16 x 2048 Q4_K tile is 288 lines) left most unserved. One
+ * core, 150 Q4_K experts' 512 x 2048 (read from memory), GMAC/s at 4 / 8 / 12 columns: 47.5 /
+ * 77.8 / 92.7 -> 70.6 / 112.8 / 123.6. */
+QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
+    const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
+    const uint8_t *next = w + bytes;
+    for (size_t l = (size_t)part * lines / (size_t)parts; l < (size_t)(part + 1) * lines / (size_t)parts; l++)
+        _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
 }
 
 /* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, or Q5_K if FIVE) with
@@ -4523,13 +4541,15 @@ static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
     struct quant_q45k_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    quant_tile_prefetch_next(w, rb);
     for (int64_t u = 0; u < nu; u++) quant_q45k_tile_unpack(w, rb, u, five, &tiles[u]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t u = 0; u < nu; u++) quant_tile_unit(&tiles[u], a, u, p);
+        for (int64_t u = 0; u < nu; u++) {
+            if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
+            quant_tile_unit(&tiles[u], a, u, p);
+        }
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -4599,13 +4619,15 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
     struct quant_legacy_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
-    quant_tile_prefetch_next(w, rb);
     for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unpack(w, rb, type, b, &tiles[b]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t b = 0; b < nb; b++) quant_legacy_tile_unit(&tiles[b], a, b, type == GGUF_TYPE_Q4_0 ? 8 : 128, p);
+        for (int64_t b = 0; b < nb; b++) {
+            if (c0 == 0) quant_tile_prefetch_part(w, rb, b, nb);
+            quant_legacy_tile_unit(&tiles[b], a, b, type == GGUF_TYPE_Q4_0 ? 8 : 128, p);
+        }
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -4728,11 +4750,6 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int
 /* quant_tile_partial_add for 8 rows: partial PP plus R for unit U (+0 plus R for a slot's first). */
 QUANT_AVX2_INLINE void quant_avx2_tile_partial_add(float *pp, int64_t u, __m256 r) {
     _mm256_storeu_ps(pp, _mm256_add_ps(u < QUANT_NPART ? _mm256_setzero_ps() : _mm256_loadu_ps(pp), r));
-}
-
-/* quant_tile_prefetch_next at AVX2. */
-QUANT_AVX2_INLINE void quant_avx2_tile_prefetch_next(const uint8_t *w, size_t rb) {
-    for (size_t q = 0; q < QUANT_TILE_ROWS * rb; q += 64) _mm_prefetch((const char *)w + QUANT_TILE_ROWS * rb + q, _MM_HINT_T1);
 }
 
 /* quant_tile_k_step for rows 8 HALF.. of 16 in lanes (scales D, DMIN): each column's unit result
@@ -4890,7 +4907,6 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     uint8_t *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + (size_t)nu * QUANT_K_TILE_BYTES);
-    quant_avx2_tile_prefetch_next(w, rb);
     for (int64_t u = 0; u < nu; u++) {
         void *tile = tiles + (size_t)u * QUANT_K_TILE_BYTES;
         if (t == GGUF_TYPE_Q6_K) quant_avx2_q6k_tile_unpack(w, rb, u, tile);
@@ -4900,12 +4916,14 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t u = 0; u < nu; u++)
+        for (int64_t u = 0; u < nu; u++) {
+            if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
             for (int half = 0; half < 2; half++) {
                 const void *tile = tiles + (size_t)u * QUANT_K_TILE_BYTES;
                 if (t == GGUF_TYPE_Q6_K) quant_avx2_q6k_tile_unit(tile, half, a, u, p);
                 else quant_avx2_tile_unit(tile, half, t == GGUF_TYPE_Q5_K ? 4 : 8, vnni, a, u, p);
             }
+        }
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -4993,14 +5011,15 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile(enum gguf_type type, int vnni, con
     const int used = nb < QUANT_NPART ? (int)nb : QUANT_NPART;
     struct quant_legacy_tile *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + nb);
-    quant_avx2_tile_prefetch_next(w, rb);
     for (int64_t b = 0; b < nb; b++) quant_avx2_legacy_tile_unpack(w, rb, type, b, &tiles[b]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8_view a[QUANT_TILE_NC];
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t b = 0; b < nb; b++)
+        for (int64_t b = 0; b < nb; b++) {
+            if (c0 == 0) quant_tile_prefetch_part(w, rb, b, nb);
             for (int half = 0; half < 2; half++) quant_avx2_legacy_tile_unit(&tiles[b], half, vnni, type == GGUF_TYPE_Q4_0 ? 8 : 128, a, b, p);
+        }
         quant_tile_finish_avx2(p, used, cc, y + (size_t)c0 * ys, ys);
     }
 }
@@ -5943,7 +5962,10 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
         const int legacy = wtype == GGUF_TYPE_Q4_0 || (quant_tile_legacy(wtype) && plat_cpu.avxvnni); /* the others' bytes: VNNI only */
         return (k || legacy) && nc >= (k && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
     }
-    return (k45 || quant_tile_legacy(wtype)) && nc >= QUANT_TILE_MIN_NC && quant_level >= QUANT_LEVEL_AVX512;
+    if (quant_level < QUANT_LEVEL_AVX512) return 0;
+    const int short_rows = n <= 2 * QUANT_QK_K;
+    if (k45) return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : QUANT_TILE_MIN_NC_K);
+    return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
@@ -6003,6 +6025,14 @@ static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act
  * tiles (on the heap: 16 rows of 4096 columns take 90 KiB, most of a musl thread's stack). */
 struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf;
+
+/* Bytes left unused between two threads' quant_tile scratch. Back to back, each thread's
+ * writes to its own (46 KiB for 16 rows of 2048 Q4_K, rewritten every tile) ran next to the
+ * other's, and the second thread took twice the cycles a tile (TSC, one core's tiles beside the
+ * other's: 4.5k against 8.3k). A scratch harness, 2 threads, 8 Q4_K matrices of 512 x 2048 by
+ * 8 columns, GMAC/s by the gap: none 118-119, 8 KiB 126, 16 KiB 137, 32 KiB 158-188, 64 KiB 167,
+ * 128 KiB 193; one thread alone 118-124. */
+#define OPS_TILE_GAP (128 << 10)
 
 /* Bytes of one prepared activation column of COLS for weights of TYPE (or of matrix W),
  * rounded up to keep every column 64-byte aligned. */
@@ -6149,7 +6179,8 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n, jobs[j].w.cols) &&
             quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
             tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
-    uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_bytes * (size_t)plat_threads()) : NULL;
+    const size_t tile_stride = tile_bytes ? tile_bytes + OPS_TILE_GAP : 0;
+    uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_stride * (size_t)plat_threads()) : NULL;
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
      * shrinking pieces that even out a thread that fell behind (slice decode +5% over static;
@@ -6170,7 +6201,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
             quant_dotr(w->type, in_lanes, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), a, w->cols, jobs[j].y + r0);
         else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n, w->cols))
             quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
-                       (size_t)w->rows, tiles + tile_bytes * (size_t)omp_get_thread_num());
+                       (size_t)w->rows, tiles + tile_stride * (size_t)omp_get_thread_num());
         else
             ops_dotn_rows(w, in_lanes, r0, r1, a, stride[j], jobs[j].n, jobs[j].y);
     }

@@ -1263,7 +1263,7 @@ static void matmat_case_free(struct matmat_case *c) {
 }
 
 /* Multi-column kernels: ops_matmat at the best level against the scalar dot of every column, for
- * 1..64 columns (every pass split of QUANT_NCOL, and quant_tile's from QUANT_TILE_MIN_NC on), an
+ * 1..64 columns (every pass split of QUANT_NCOL, and quant_tile's from where it starts on), an
  * odd row count and rows with tails (legacy blocks not a multiple of 16, K units not a multiple
  * of 4). */
 static void test_matmat_columns(void) {
@@ -1283,21 +1283,23 @@ static void test_matmat_columns(void) {
 }
 
 /* Q4_K, Q5_K, Q8_0, Q4_0, IQ4_NL and MXFP4 rows of more than 32 super-blocks through quant_tile (3 tiles of 16
- * rows, QUANT_TILE_MIN_NC columns and more, on 1 and 2 threads: each thread its own scratch):
- * every partial of the canonical order in use, one of them twice (K), or several times. */
+ * rows, from the columns where the tiles start and 5 more, on 1 and 2 threads: each thread its own
+ * scratch): every partial of the canonical order in use, one of them twice (K), or several times. */
 static void test_tile_long_rows(void) {
     const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q8_0, GGUF_TYPE_Q4_0, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4 };
     for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
-        struct matmat_case c = matmat_case_new(types[ti], 48, 33 * 256, QUANT_TILE_MIN_NC + 5, 5);
+        const int k45 = types[ti] == GGUF_TYPE_Q4_K || types[ti] == GGUF_TYPE_Q5_K;
+        const int from = k45 ? QUANT_TILE_MIN_NC_K : QUANT_TILE_MIN_NC_LEGACY;
+        struct matmat_case c = matmat_case_new(types[ti], 48, 33 * 256, from + 5, 5);
         int bad = 0;
         for (int k = 0; k < 4; k++) {
             omp_set_num_threads(1 + k / 2);
-            bad += matmat_wrong(&c, QUANT_TILE_MIN_NC + 5 * (k % 2));
+            bad += matmat_wrong(&c, from + 5 * (k % 2));
         }
         omp_set_num_threads(2);
         char name[112];
         snprintf(name, sizeof name, "%s tiles: rows of 33 super-blocks, %d and %d columns, 1 and 2 threads == scalar dot",
-                 gguf_type_get(types[ti])->name, QUANT_TILE_MIN_NC, QUANT_TILE_MIN_NC + 5);
+                 gguf_type_get(types[ti])->name, from, from + 5);
         check(!bad, name, "%d outputs differ", bad);
         matmat_case_free(&c);
     }
@@ -1310,7 +1312,7 @@ static void test_tile_long_rows(void) {
 static void test_avx2_tiles(void) {
     const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q4_0,
                                      GGUF_TYPE_Q8_0, GGUF_TYPE_IQ4_NL, GGUF_TYPE_MXFP4 };
-    const int columns[] = { QUANT_AVX2_TILE_MIN_NC, QUANT_AVX2_TILE_MIN_NC_LONG_K + 1, QUANT_TILE_MIN_NC + 5 };
+    const int columns[] = { QUANT_AVX2_TILE_MIN_NC, QUANT_AVX2_TILE_MIN_NC_LONG_K + 1, QUANT_TILE_MIN_NC_LEGACY + 5 };
     if (max_level < QUANT_LEVEL_AVX2) {
         printf("ok - AVX2 tiles # SKIP: this CPU has no AVX2\n");
         n_pass++;
@@ -1322,7 +1324,7 @@ static void test_avx2_tiles(void) {
             const int only_vnni = types[ti] == GGUF_TYPE_Q8_0 || types[ti] == GGUF_TYPE_IQ4_NL || types[ti] == GGUF_TYPE_MXFP4;
             if (vnni ? types[ti] == GGUF_TYPE_Q6_K : only_vnni) continue; /* no VNNI tile of Q6_K; these three have no other */
             for (int units = 2; units <= 9; units += 7) {
-                struct matmat_case c = matmat_case_new(types[ti], 19, (int64_t)units * QUANT_QK_K, QUANT_TILE_MIN_NC + 5, 5);
+                struct matmat_case c = matmat_case_new(types[ti], 19, (int64_t)units * QUANT_QK_K, QUANT_TILE_MIN_NC_LEGACY + 5, 5);
                 int bad = 0;
                 plat_cpu.avxvnni = vnni;
                 for (int k = 0; k < 6; k++) {
@@ -1339,8 +1341,8 @@ static void test_avx2_tiles(void) {
             }
         }
     quant_set_level(QUANT_LEVEL_AVX2);
-    check(quant_tile_ok(GGUF_TYPE_Q8_0, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_MXFP4, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni &&
-              quant_tile_ok(GGUF_TYPE_IQ4_NL, QUANT_TILE_MIN_NC, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_Q4_0, QUANT_TILE_MIN_NC, QUANT_QK_K),
+    check(quant_tile_ok(GGUF_TYPE_Q8_0, QUANT_TILE_MIN_NC_LEGACY, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_MXFP4, QUANT_TILE_MIN_NC_LEGACY, QUANT_QK_K) == has_vnni &&
+              quant_tile_ok(GGUF_TYPE_IQ4_NL, QUANT_TILE_MIN_NC_LEGACY, QUANT_QK_K) == has_vnni && quant_tile_ok(GGUF_TYPE_Q4_0, QUANT_TILE_MIN_NC_LEGACY, QUANT_QK_K),
           "AVX2 tiles: Q8_0, IQ4_NL and MXFP4 by AVX-VNNI only, Q4_0 always", "avxvnni %d", has_vnni);
 }
 
