@@ -4309,6 +4309,7 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * / 94.0-94.5). */
 #define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 4   /* their rows of 2 super-blocks */
+#define QUANT_TILE_MIN_NC_Q6K_PAIRS 16 /* Q6_K: its rows of 2 super-blocks only (below) */
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
@@ -4317,14 +4318,21 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * against the pair of the act's 16-element sums that make sub-block j's. */
 struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
 
+/* A Q6_K super-block of 16 rows: q as above, the 6-bit quants as stored (0..63); sc[j] the scale
+ * of 16-element sub-block j in int32 lanes, pair[i] scales 2i and 2i + 1 as an int16 pair, for
+ * vpdpwssd against the act's 16-sums of those sub-blocks (the offset of 32). */
+struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][32]; float d[16]; };
+
 /* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3
  * of row r plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as stored, 0..15 (Q4_0: less
  * 8), as vpdpbusd's unsigned bytes (the offset comes off as that many times the act block's
  * sum), d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
-/* A K tile's bytes: quant_q45k_tile's (AVX-512), the same as quant_avx2_k_tile's. */
+/* A K tile's bytes: quant_q45k_tile's (AVX-512), the same as quant_avx2_k_tile's; the AVX-512
+ * Q6_K tile's, a little more. */
 #define QUANT_K_TILE_BYTES sizeof(struct quant_q45k_tile)
+#define QUANT_Q6K_TILE_BYTES sizeof(struct quant_q6k_tile)
 
 /* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
  * partials of QUANT_TILE_NC columns. */
@@ -4334,8 +4342,9 @@ static int quant_tile_legacy(enum gguf_type t) {
 }
 
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
-    size_t rows = quant_tile_legacy(t) ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
-                                       : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
+    size_t rows = quant_tile_legacy(t)    ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
+                  : t == GGUF_TYPE_Q6_K ? (size_t)(n / QUANT_QK_K) * QUANT_Q6K_TILE_BYTES
+                                        : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
@@ -4504,6 +4513,84 @@ QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const 
     quant_tile_k_step(_mm512_loadu_ps(t->d), _mm512_loadu_ps(t->dmin), a, u, isum, msum, p, QUANT_TILE_NC);
 }
 
+/* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l < 32)
+ * is nibble i / 2 (low, then high) of ql byte 64n + 32(i % 2) + l with bits 2i, 2i + 1 of qh byte
+ * 32n + l above it, so dword m of the transposed runs gives elements 4m.. of each 32. The scales
+ * come as 4 dwords a row (quant_tile_transpose4), d by a gather of the dword that ends with it. */
+QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_q6k_tile *t) {
+    const uint8_t *b = w + (size_t)u * 210;
+    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
+    QUANT_UNROLL(2)
+    for (int n = 0; n < 2; n++) {
+        __m512i v[2][8], h[8];
+        quant_tile_transpose(b + 64 * n, rb, v[0]);
+        quant_tile_transpose(b + 64 * n + 32, rb, v[1]);
+        quant_tile_transpose(b + 128 + 32 * n, rb, h);
+        QUANT_UNROLL(4)
+        for (int i = 0; i < 4; i++) {
+            QUANT_UNROLL(8)
+            for (int m = 0; m < 8; m++) {
+                const __m512i low = _mm512_and_si512(i < 2 ? v[i % 2][m] : _mm512_srli_epi32(v[i % 2][m], 4), m4);
+                const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[m], 2 * i), m2), 4);
+                _mm512_storeu_si512(t->q[32 * n + 8 * i + m], _mm512_or_si512(low, high));
+            }
+        }
+    }
+    __m512i sc[4];
+    quant_tile_transpose4(b + 192, rb, sc);
+    QUANT_UNROLL(16)
+    for (int j = 0; j < 16; j++) /* byte j % 4 of dword j / 4, sign-extended */
+        _mm512_storeu_si512(t->sc[j], _mm512_srai_epi32(_mm512_slli_epi32(sc[j / 4], 24 - 8 * (j % 4)), 24));
+    QUANT_UNROLL(8)
+    for (int i = 0; i < 8; i++)
+        _mm512_storeu_si512(t->pair[i], _mm512_or_si512(_mm512_and_si512(_mm512_loadu_si512(t->sc[2 * i]), _mm512_set1_epi32(0xffff)),
+                                                        _mm512_slli_epi32(_mm512_loadu_si512(t->sc[2 * i + 1]), 16)));
+    const __m512i dd = _mm512_i32gather_epi32(quant_tile_rows(rb), b + 206, 1); /* d in the high half: no read past the block */
+    _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
+}
+
+/* quant_tile_unit for a Q6_K tile: each sub-block's sum of q * x times its scale, less 32 times
+ * the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum, exact in int32;
+ * then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale multiplies of a
+ * Q4_K unit, and the AVX-512 Q6_K column kernels are strong: 2 threads, 150 matrices read from
+ * memory, GMAC/s tile / quant_pairs, rows of 512: 8 columns 130 / 133, 16 151 / 141, 32 170 /
+ * 128; against quant_dotn, rows of 2048: 16 145 / 178, 32 159 / 164. So rows of 512 only. */
+QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
+                                             float (*p)[QUANT_NPART][16]) {
+    __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = offset[c] = _mm512_setzero_si512();
+    QUANT_UNROLL(16)
+    for (int j = 0; j < 16; j++) {
+        __m512i s[QUANT_TILE_NC];
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_setzero_si512();
+        QUANT_UNROLL(4)
+        for (int k = 4 * j; k < 4 * j + 4; k++) {
+            const __m512i wq = _mm512_loadu_si512(t->q[k]);
+            QUANT_UNROLL(4)
+            for (int c = 0; c < QUANT_TILE_NC; c++)
+                s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
+        }
+        const __m512i sc = _mm512_loadu_si512(t->sc[j]);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], sc));
+    }
+    QUANT_UNROLL(8)
+    for (int i = 0; i < 8; i++) {
+        const __m512i pair = _mm512_loadu_si512(t->pair[i]);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++)
+            offset[c] = _mm512_dpwssd_epi32(offset[c], pair, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * i)));
+    }
+    const __m512 d = _mm512_loadu_ps(t->d);
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) {
+        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(offset[c], 5));
+        quant_tile_partial_add(p[c][u % QUANT_NPART], u, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(is)));
+    }
+}
+
 /* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
  * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
  * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
@@ -4533,22 +4620,29 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
         _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
 }
 
-/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, or Q5_K if FIVE) with
- * column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(t, n). */
-static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
-                                               int64_t n, float *y, size_t ys, void *scratch) {
+/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, Q5_K or Q6_K, as T
+ * says) with column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(t, n). */
+static QUANT_AVX512 void quant_tile_k_avx512(const uint8_t *w, size_t rb, enum gguf_type t, const uint8_t *acts, size_t stride, int nc,
+                                            int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
-    struct quant_q45k_tile *tiles = scratch;
-    float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    for (int64_t u = 0; u < nu; u++) quant_q45k_tile_unpack(w, rb, u, five, &tiles[u]);
+    const size_t tb = t == GGUF_TYPE_Q6_K ? QUANT_Q6K_TILE_BYTES : QUANT_K_TILE_BYTES;
+    uint8_t *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + (size_t)nu * tb);
+    for (int64_t u = 0; u < nu; u++) {
+        void *tile = tiles + (size_t)u * tb;
+        if (t == GGUF_TYPE_Q6_K) quant_q6k_tile_unpack(w, rb, u, tile);
+        else quant_q45k_tile_unpack(w, rb, u, t == GGUF_TYPE_Q5_K, tile);
+    }
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t u = 0; u < nu; u++) {
+            const void *tile = tiles + (size_t)u * tb;
             if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
-            quant_tile_unit(&tiles[u], a, u, p);
+            if (t == GGUF_TYPE_Q6_K) quant_q6k_tile_unit(tile, a, u, p);
+            else quant_tile_unit(tile, a, u, p);
         }
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
@@ -4612,7 +4706,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     }
 }
 
-/* quant_tile_q45k_avx512 for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
+/* quant_tile_k_avx512 for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
 static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
                                                  int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
@@ -4898,7 +4992,7 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* quant_tile_q45k_avx512 at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
+/* quant_tile_k_avx512 at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
  * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
  * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
@@ -5964,6 +6058,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     }
     if (quant_level < QUANT_LEVEL_AVX512) return 0;
     const int short_rows = n <= 2 * QUANT_QK_K;
+    if (wtype == GGUF_TYPE_Q6_K) return n == 2 * QUANT_QK_K && nc >= QUANT_TILE_MIN_NC_Q6K_PAIRS;
     if (k45) return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : QUANT_TILE_MIN_NC_K);
     return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
@@ -5984,7 +6079,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
-    else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
+    else quant_tile_k_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ==== §4 ops ==== */
