@@ -4308,8 +4308,8 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * columns Q8_0 86 / 74, Q4_0 114 / 101, IQ4_NL 104 / 93; rows of 2048, 12 columns even (Q8_0 94.5
  * / 94.0-94.5). */
 #define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
-#define QUANT_TILE_MIN_NC_K_PAIRS 4   /* their rows of 2 super-blocks */
-#define QUANT_TILE_MIN_NC_Q6K_PAIRS 16 /* Q6_K: its rows of 2 super-blocks only (below) */
+#define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K (quant_q6k_tile_unit) */
+#define QUANT_TILE_MIN_NC_K_PAIRS 4   /* the three's rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
@@ -4552,9 +4552,9 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int6
 /* quant_tile_unit for a Q6_K tile: each sub-block's sum of q * x times its scale, less 32 times
  * the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum, exact in int32;
  * then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale multiplies of a
- * Q4_K unit, and the AVX-512 Q6_K column kernels are strong: 2 threads, 150 matrices read from
- * memory, GMAC/s tile / quant_pairs, rows of 512: 8 columns 130 / 133, 16 151 / 141, 32 170 /
- * 128; against quant_dotn, rows of 2048: 16 145 / 178, 32 159 / 164. So rows of 512 only. */
+ * Q4_K unit, against strong column kernels: 2 threads, 150 matrices read from memory, GMAC/s
+ * tile / quant_pairs, rows of 512: 4 columns 125 / 114, 8 165 / 127, 16 199 / 134; against
+ * quant_dotn, rows of 2048: 8 143 / 160, 12 177 / 164, 16 200 / 169, 32 260 / 183. */
 QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                              float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
@@ -4620,19 +4620,21 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
         _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
 }
 
-/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q4_K, Q5_K or Q6_K, as T
- * says) with column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(t, n). */
-static QUANT_AVX512 void quant_tile_k_avx512(const uint8_t *w, size_t rb, enum gguf_type t, const uint8_t *acts, size_t stride, int nc,
-                                            int64_t n, float *y, size_t ys, void *scratch) {
+/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q6_K if SIX, else Q4_K, or
+ * Q5_K if FIVE) with column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds
+ * quant_tile_bytes(t, n). SIX is a constant where this is inlined: one function with both units
+ * ran the Q4_K tiles 30% slower (2 threads, 512 x 2048, 8 columns: 172-179 -> 121-129 GMAC/s). */
+QUANT_AVX512_INLINE void quant_tile_k(const uint8_t *w, size_t rb, int six, int five, const uint8_t *acts, size_t stride, int nc,
+                                      int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
-    const size_t tb = t == GGUF_TYPE_Q6_K ? QUANT_Q6K_TILE_BYTES : QUANT_K_TILE_BYTES;
+    const size_t tb = six ? QUANT_Q6K_TILE_BYTES : QUANT_K_TILE_BYTES;
     uint8_t *tiles = scratch;
     float (*p)[QUANT_NPART][16] = (void *)(tiles + (size_t)nu * tb);
     for (int64_t u = 0; u < nu; u++) {
         void *tile = tiles + (size_t)u * tb;
-        if (t == GGUF_TYPE_Q6_K) quant_q6k_tile_unpack(w, rb, u, tile);
-        else quant_q45k_tile_unpack(w, rb, u, t == GGUF_TYPE_Q5_K, tile);
+        if (six) quant_q6k_tile_unpack(w, rb, u, tile);
+        else quant_q45k_tile_unpack(w, rb, u, five, tile);
     }
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
@@ -4641,11 +4643,21 @@ static QUANT_AVX512 void quant_tile_k_avx512(const uint8_t *w, size_t rb, enum g
         for (int64_t u = 0; u < nu; u++) {
             const void *tile = tiles + (size_t)u * tb;
             if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
-            if (t == GGUF_TYPE_Q6_K) quant_q6k_tile_unit(tile, a, u, p);
+            if (six) quant_q6k_tile_unit(tile, a, u, p);
             else quant_tile_unit(tile, a, u, p);
         }
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
+}
+
+static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
+                                               int64_t n, float *y, size_t ys, void *scratch) {
+    quant_tile_k(w, rb, 0, five, acts, stride, nc, n, y, ys, scratch);
+}
+
+static QUANT_AVX512 void quant_tile_q6k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                              float *y, size_t ys, void *scratch) {
+    quant_tile_k(w, rb, 1, 0, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
@@ -4706,7 +4718,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     }
 }
 
-/* quant_tile_k_avx512 for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
+/* quant_tile_k for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
 static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
                                                  int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
@@ -4992,7 +5004,7 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* quant_tile_k_avx512 at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
+/* quant_tile_k at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
  * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
  * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
@@ -6058,8 +6070,8 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     }
     if (quant_level < QUANT_LEVEL_AVX512) return 0;
     const int short_rows = n <= 2 * QUANT_QK_K;
-    if (wtype == GGUF_TYPE_Q6_K) return n == 2 * QUANT_QK_K && nc >= QUANT_TILE_MIN_NC_Q6K_PAIRS;
-    if (k45) return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : QUANT_TILE_MIN_NC_K);
+    if (k45 || wtype == GGUF_TYPE_Q6_K)
+        return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : k45 ? QUANT_TILE_MIN_NC_K : QUANT_TILE_MIN_NC_Q6K);
     return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
 
@@ -6079,7 +6091,8 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
-    else quant_tile_k_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
+    else if (wtype == GGUF_TYPE_Q6_K) quant_tile_q6k_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
+    else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ==== §4 ops ==== */
@@ -6246,14 +6259,14 @@ static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_
  * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
  * prepared activation (and, on a device, one upload). Job j's y is bit-identical whatever the
  * batch, the thread count or the device. Caller: quant_init done; at most OPS_MAX_JOBS jobs;
- * no y overlaps an x; one caller at a time. */
-static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
+ * no y overlaps an x; one caller at a time; at most OPS_COLUMN_BLOCK columns a job
+ * (ops_matmat_jobs). */
+static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1];
     size_t lanes_off[OPS_MAX_JOBS];
     int order[OPS_MAX_JOBS], lanes_of[OPS_MAX_JOBS];
     uint8_t done[OPS_MAX_JOBS] = {0}, own[OPS_MAX_JOBS] = {0};
-    if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     for (int j = 0; j < n_jobs; j++) {
         const struct ops_matrix *w = &jobs[j].w;
         ops_check_matrix(w);
@@ -6299,6 +6312,37 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
                        (size_t)w->rows, tiles + tile_stride * (size_t)omp_get_thread_num());
         else
             ops_dotn_rows(w, in_lanes, r0, r1, a, stride[j], jobs[j].n, jobs[j].y);
+    }
+}
+
+/* The columns ops_matmat_block takes of a product at a time. A chunk of rows runs against all of
+ * a job's columns, whose prepared acts (2.1 KiB a column of 2048 in Q8_K) must stay in the L2
+ * while it does: a prompt batch of 512 tokens made the trunk's products 5-8% slower than two of
+ * 256. The weights are then read once a block: of the trunk, ~1 MiB a token more for 512. */
+#define OPS_COLUMN_BLOCK 256
+
+/* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, one block of
+ * each after the other (each column's output is computed alone: the same bits). Caller: as
+ * ops_matmat_block, without the limit on columns. */
+static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
+    if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
+    int most = 0;
+    for (int j = 0; j < n_jobs; j++) most = jobs[j].n > most ? jobs[j].n : most;
+    if (most <= OPS_COLUMN_BLOCK) {
+        ops_matmat_block(jobs, n_jobs);
+        return;
+    }
+    for (int c0 = 0; c0 < most; c0 += OPS_COLUMN_BLOCK) {
+        struct ops_job part[OPS_MAX_JOBS];
+        int k = 0;
+        for (int j = 0; j < n_jobs; j++) {
+            if (jobs[j].n <= c0) continue;
+            part[k] = jobs[j];
+            part[k].x += (size_t)c0 * (size_t)jobs[j].w.cols;
+            part[k].y += (size_t)c0 * (size_t)jobs[j].w.rows;
+            part[k++].n = jobs[j].n - c0 < OPS_COLUMN_BLOCK ? jobs[j].n - c0 : OPS_COLUMN_BLOCK;
+        }
+        ops_matmat_block(part, k);
     }
 }
 
@@ -12036,9 +12080,12 @@ enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
 /* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
  * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
- * token at 64 tokens, 70 MB at 256 (35 -> 47 tok/s at pp512 here). Past 256, the products'
- * activations (2 KiB a token) outgrow the L2 and the prompt slowed again. Scratch: ~90 MB. */
-#define MODEL_BATCH 256
+ * token at 64 tokens, 70 MB at 256 (35 -> 47 tok/s at pp512 here), 35 MB at 512. 512 gives an
+ * expert 16 tokens on average, where the tiles run at 1.3-1.5 times their rate at 8; the
+ * trunk's products take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the
+ * L2. `bench --synthetic 35b-a3b:q4_k_m:10 -p 1024`, 256 -> 512: experts 1.50-1.63 -> 1.12-1.23
+ * ms a token, prompt 284-303 -> 327-349 tok/s. Scratch: ~190 MB (96 MB more than at 256). */
+#define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
 
