@@ -12681,11 +12681,16 @@ static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il
     const size_t row = model_kv_row_bytes(m), head = (size_t)model_kv_rows(m) * row, n_kv = (size_t)m->cfg.n_kv_head;
     const cuda_ptr base = q->dev_kv[dev] + model_kv_off(m, il);
     uint8_t *cache[2] = {q->state[il].k_cache, q->state[il].v_cache};
-    for (size_t c = 0; c < 2 && r1 > r0; c++)
+    for (size_t c = 0; c < 2 && r1 > r0; c++) {
+        /* Q8_0 keys: whole groups, whose bytes mix their rows (ops_kv_store); the rows of a group
+         * below R0 are the same on both sides, those from R1 on not yet read by either */
+        const int grouped = c == 0 && m->kv == OPS_KV_Q8_0;
+        const size_t a = grouped ? (size_t)(r0 / OPS_KV_GROUP * OPS_KV_GROUP) : (size_t)r0;
+        const size_t b = grouped ? (size_t)model_kv_whole_groups(r1) : (size_t)r1;
         for (size_t h = 0; h < n_kv; h++)
-            if (cuda_state_copy(dev, base + (c * n_kv + h) * head + (size_t)r0 * row, (float *)(void *)(cache[c] + h * head + (size_t)r0 * row),
-                                (size_t)(r1 - r0) * row, up))
+            if (cuda_state_copy(dev, base + (c * n_kv + h) * head + a * row, (float *)(void *)(cache[c] + h * head + a * row), (b - a) * row, up))
                 return -1;
+    }
     return 0;
 }
 
