@@ -4484,6 +4484,20 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
     }
 }
 
+/* S[c] = the sums of products of rows Q[K0..K0 + STEPS) (elements 4k..4k+3 of 16 rows in
+ * lanes) with column c's act at super-block U, one vpdpbusd a step (STEPS constant). */
+QUANT_AVX512_INLINE void quant_tile_steps(const uint8_t (*q)[64], const struct quant_q8k_view *a, int64_t u, int k0, int steps, __m512i *s) {
+    QUANT_UNROLL(4)
+    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_setzero_si512();
+    QUANT_UNROLL(8)
+    for (int k = k0; k < k0 + steps; k++) {
+        const __m512i wq = _mm512_loadu_si512(q[k]);
+        QUANT_UNROLL(4)
+        for (int c = 0; c < QUANT_TILE_NC; c++)
+            s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
+    }
+}
+
 /* Super-block U of a tile against 4 columns: each one's unit result, 16 rows, added to its
  * partial P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const struct quant_q8k_view *a, int64_t u,
@@ -4494,15 +4508,7 @@ QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const 
     QUANT_UNROLL(8)
     for (int j = 0; j < 8; j++) {
         __m512i s[QUANT_TILE_NC];
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_setzero_si512();
-        QUANT_UNROLL(8)
-        for (int k = 8 * j; k < 8 * j + 8; k++) {
-            const __m512i wq = _mm512_loadu_si512(t->q[k]);
-            QUANT_UNROLL(4)
-            for (int c = 0; c < QUANT_TILE_NC; c++)
-                s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
-        }
+        quant_tile_steps(t->q, a, u, 8 * j, 8, s);
         const __m512i sc = _mm512_loadu_si512(t->sc[j]), mn = _mm512_loadu_si512(t->mn[j]);
         QUANT_UNROLL(4)
         for (int c = 0; c < QUANT_TILE_NC; c++) {
@@ -4563,15 +4569,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
     QUANT_UNROLL(16)
     for (int j = 0; j < 16; j++) {
         __m512i s[QUANT_TILE_NC];
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_setzero_si512();
-        QUANT_UNROLL(4)
-        for (int k = 4 * j; k < 4 * j + 4; k++) {
-            const __m512i wq = _mm512_loadu_si512(t->q[k]);
-            QUANT_UNROLL(4)
-            for (int c = 0; c < QUANT_TILE_NC; c++)
-                s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
-        }
+        quant_tile_steps(t->q, a, u, 4 * j, 4, s);
         const __m512i sc = _mm512_loadu_si512(t->sc[j]);
         QUANT_UNROLL(4)
         for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], sc));
