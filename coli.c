@@ -4306,7 +4306,9 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * 512), 4 columns Q4_K 89 / 67-68, Q5_K 83-86 / 56-57 (2 columns: 32 / 49). The legacy tiles
  * against quant_dotn's act in lanes: rows of 512, 8 columns within 5% (Q8_0 78-80 / 77-79), 12
  * columns Q8_0 86 / 74, Q4_0 114 / 101, IQ4_NL 104 / 93; rows of 2048, 12 columns even (Q8_0 94.5
- * / 94.0-94.5). */
+ * / 94.0-94.5). On 2 threads (scratch apart, OPS_TILE_GAP) the boundaries hold: Q4_K 512 x 2048,
+ * 4 / 5 columns 106 / 116 against 118 / 113; 2048 x 512, 3 columns 98 against 93; Q4_0 512 x
+ * 2048, 12 columns 179 against 186. */
 #define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K (quant_q6k_tile_unit) */
 #define QUANT_TILE_MIN_NC_K_PAIRS 4   /* the three's rows of 2 super-blocks */
@@ -6133,7 +6135,7 @@ struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf;
 
 /* Bytes left unused between two threads' quant_tile scratch. Back to back, each thread's
- * writes to its own (46 KiB for 16 rows of 2048 Q4_K, rewritten every tile) ran next to the
+ * writes to its own (50 KiB for 16 rows of 2048 Q4_K, rewritten every tile) ran next to the
  * other's, and the second thread took twice the cycles a tile (TSC, one core's tiles beside the
  * other's: 4.5k against 8.3k). A scratch harness, 2 threads, 8 Q4_K matrices of 512 x 2048 by
  * 8 columns, GMAC/s by the gap: none 118-119, 8 KiB 126, 16 KiB 137, 32 KiB 158-188, 64 KiB 167,
