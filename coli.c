@@ -11039,19 +11039,6 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
     plat_progress_add((size_t)run * t->stride);
 }
 
-/* Asks for the file's pages of tensor J of layer L's experts ahead of expert_own's copy (none
- * past the last layer, nor of a layer with experts in VRAM, whose pages stay untouched): from
- * a cold page cache the copy's own page faults read 128 KiB at a time, one after another
- * (0.6-0.75 GB/s from this project's VM's disk, which reads 1.7 GB/s in large requests). Pages
- * asked for twice are read once. */
-static void expert_own_ask(const struct expert_store *s, int l, int j)
-{
-    if (l >= s->n_layers) return;
-    for (int e = 0; e < s->n_expert; e++)
-        if (expert_in_vram(s, l * s->n_expert + e)) return;
-    plat_ask_pages(s->src[l][j].t.m.data, s->src[l][j].t.stride * (size_t)s->n_expert);
-}
-
 /* Mapped mode: copies the merged expert tensors into one anonymous arena and hands experts
  * out there; the process lets go of the file's pages, which the page cache keeps (the caller
  * asks for this only when memory holds both). A layer whose experts are all in VRAM stays in
@@ -11075,8 +11062,6 @@ static void expert_own(struct expert_store *s)
     for (int l = 0; l < s->n_layers; l++)
         for (int j = 0; j < 3 && !expert_layer_in_vram(s, l); j++) {
             struct expert_source *src = &s->src[l][j];
-            expert_own_ask(s, l, j); /* this tensor and the next */
-            expert_own_ask(s, j < 2 ? l : l + 1, j < 2 ? j + 1 : 0);
             size_t stride = src->t.stride, len = stride * (size_t)s->n_expert;
             const int interleave = !s->vram && quant_interleave_ok(src->t.m.type, src->t.m.rows);
             int partial = 0;
@@ -12913,13 +12898,6 @@ static double model_decode_bytes(struct model *m, double *trunk)
     return *trunk + (m->cfg.n_expert ? (double)model_expert_bytes(m) * m->cfg.n_expert_used / m->cfg.n_expert : 0);
 }
 
-/* Asks for the file's pages of trunk matrix W ahead of model_own_trunk's copy, as
- * expert_own_ask does for the experts (none for a matrix resident on a device). */
-static void model_own_ask(const struct ops_matrix *w)
-{
-    if (!cuda_resident_of(w->data)) plat_ask_pages(w->data, (size_t)w->rows * w->row_bytes);
-}
-
 /* Copies the dense trunk matrices that stay on the CPU (none resident on a device) out of the
  * mapping into one anonymous arena and computes from there; the process lets go of the file's
  * pages (the page cache keeps them for the next start, and gives them up first when memory is
@@ -12945,8 +12923,6 @@ static void model_own_trunk(struct model *m)
     for (int i = 0; it[i].m; i++) {
         struct ops_matrix *w = it[i].m;
         size_t bytes = (size_t)w->rows * w->row_bytes;
-        model_own_ask(w); /* this matrix and the next */
-        if (it[i + 1].m) model_own_ask(it[i + 1].m);
         if (cuda_resident_of(w->data)) continue;
         if (quant_interleave_ok(w->type, w->rows)) {
             quant_interleave(w->type, dst, w->data, w->row_bytes, w->rows);
