@@ -324,7 +324,9 @@ static void plat_unmap_range(const uint8_t *p, size_t len)
 
 /* Asks the kernel to start reading the pages that hold the LEN bytes at P in a file mapping,
  * without waiting for them: reads asked for together overlap, where touching the pages one
- * after another waits for each in turn. */
+ * after another waits for each in turn. For scattered small reads only: pages read so come
+ * into the page cache in small folios, where the mapping's own faults make 2 MiB ones, and
+ * experts read in place from small folios ran slower (README, Models larger than memory). */
 static void plat_ask_pages(const uint8_t *p, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -14079,8 +14081,10 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
     /* a batch's rows asked for first: from a cold page cache (the first run after a boot) each
-     * row is a disk read, 2.6 ms apiece one after another on this project's VM */
-    for (int r = 0; r < n_runs && (n_runs > 1 || runs[0].n > 1); r++)
+     * row is a disk read, 2.6 ms apiece one after another on this project's VM; a single token
+     * (decode) has no other read to overlap */
+    const int batch = n_runs > 1 || (n_runs == 1 && runs[0].n > 1);
+    for (int r = 0; batch && r < n_runs; r++)
         for (int t = 0; t < runs[r].n; t++) plat_ask_pages(m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, row_bytes);
     int T = 0;
     for (int r = 0; r < n_runs; r++)
