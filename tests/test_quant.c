@@ -1456,12 +1456,13 @@ static void test_pairs_columns(void) {
 }
 
 /* Single-column products through the rows kernels (several short K rows to one vector): ops_matvec
- * at the best level against the scalar dot of every row, for rows of 1..9 super-blocks (every
- * slot width, and long rows) and of 33 (past QUANT_REORDER_MAX: Q4_K, Q5_K, IQ4_XS and the IQ3
- * rows then read the act as it is), row counts that leave every remainder of a row group, with the
- * special weight and activation modes (negative zero, max, denormal). */
+ * at the best level against the scalar dot of every row, for rows of 1..10 super-blocks (every
+ * slot width, and long rows; Q2_K and Q3_K rows of 4, 6, 8 and 10 go in pairs, the last group of
+ * 10 short) and of 33 (past QUANT_REORDER_MAX: Q4_K, Q5_K, IQ4_XS and the IQ3 rows then read the
+ * act as it is), row counts that leave every remainder of a row group, with the special weight
+ * and activation modes (negative zero, max, denormal). */
 static void test_matvec_rows(void) {
-    static const int units[] = { 1, 2, 3, 4, 5, 8, 9, 33 }, row_counts[] = { 1, 2, 3, 5, 7, 8, 9, 16, 17, 33 };
+    static const int units[] = { 1, 2, 3, 4, 5, 6, 8, 9, 10, 33 }, row_counts[] = { 1, 2, 3, 5, 7, 8, 9, 16, 17, 33 };
     _Static_assert(33 * 256 > QUANT_REORDER_MAX, "the longest rows must pass the reordered act");
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
