@@ -3976,18 +3976,19 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
-/* ---- Q2_K and Q3_K rows two super-blocks at a time ----
+/* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
  * One column against rows of these formats is bound by arithmetic here, and decoded one
  * super-block at a time (quant_avx512_k_loop) each super-block leaves 16 lanes of integer parts
  * to be summed across, then its float step. Here a register holds 32 quants of super-block u in
  * its low half and the same 32 of u + 1 in its high half, against an act put in that order once
- * for all the rows (quant_avx512_pair_order): a pair's integer parts come out 8 lanes each, a
+ * for all the rows (quant_avx512_pair_act): a pair's integer parts come out 8 lanes each, a
  * group's 8 super-blocks reach their sums in one tree of unpacks, and the shifts that take the
  * quants apart are the same for a whole register. The sums are exact and the float steps are
  * quant_dot_k's, so the bits are too. Through quant_dotr, 16 rows a call as ops_matvec makes
- * them, against the kernel before in the same process, GB/s: one core, 512 rows of 2048 in
- * cache, Q2_K 19.4-19.9 -> 22.3-22.7, Q3_K 18.2-18.5 -> 20.7-20.8; two threads, 32768 rows of
- * 4096 from memory (four runs), Q2_K 32.9-39.9 -> 40.2-47.7, Q3_K 34.4-35.2 -> 37.7-39.0. */
+ * them, against the kernels before in the same process (medians, GB/s): one core, 512 rows of
+ * 2048 in cache, Q2_K 19.4-19.9 -> 22.3-23.3, Q3_K 17.1-18.5 -> 19.3-20.8, Q4_K (before: in
+ * its nibble order) 29.7 -> 33.8; two threads, 16384-32768 rows of 4096 from memory, Q2_K
+ * 32.9-39.9 -> 40.2-48.6, Q3_K 34.4-35.2 -> 37.7-39.4, Q4_K 52.0 -> 55.8. */
 
 /* The Q8_K values of N elements at A (a whole number of super-block pairs) in pair order at
  * BUF: 32 values of super-block 2p, then the same 32 of 2p + 1, and so on. */
@@ -4018,9 +4019,10 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t 
         sc = _mm512_cvtepu8_epi16(_mm256_and_si256(packed, m4));
         mins = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), m4));
     }
-    int16_t ix[32]; /* lane L: groups 2j + L % 2 of super-block L / 2, for j = 0..7 */
-    for (int i = 0; i < 32; i++) ix[i] = (int16_t)(16 * (i / 16) + 2 * (i % 8) + (i / 8) % 2);
-    const __m512i by_lane = _mm512_permutexvar_epi16(_mm512_loadu_si512(ix), sc);
+    static const int16_t lanes[32] __attribute__((aligned(64))) = { /* lane L: groups 2j + L % 2 of super-block L / 2, j = 0..7 */
+        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31,
+    };
+    const __m512i by_lane = _mm512_permutexvar_epi16(_mm512_load_si512(lanes), sc);
     const __m512i bsums = _mm512_loadu_si512(bs);
     const __m512i hmask = three ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
                                                      _mm256_loadu_si256((const __m256i *)(b + bb)), 1)
@@ -4049,6 +4051,36 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t 
     }
 }
 
+/* quant_avx512_q23k_pair for Q4_K: register 2c + i holds 32-block 2c + i of both super-blocks
+ * (the low nibbles of quant chunk c for i = 0, the high ones for 1); its scales and mins are the
+ * fields of quant_avx512_k4_fields, the first super-block's in lanes 0-1 and the second's in
+ * lanes 2-3, taken out by byte shuffles. (Q5_K so, its fifth bits tested and added a register at
+ * a time, ran slower than quant_avx512_k_loop: 27.5 against 30.5 GB/s in the figures above.) */
+QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const int8_t *x, const int16_t *bs, __m512i *is, __m512i *ms) {
+    static const int8_t mins[64] __attribute__((aligned(64))) = { /* lane L: words of mins 4 (L % 2).., each twice (two bsums) */
+        8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128, 12, -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128,
+        8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128, 12, -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128,
+    };
+    const __m512i fields = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(quant_avx512_k4_fields(b + 4))),
+                                              _mm256_broadcastsi128_si256(quant_avx512_k4_fields(b + bb + 4)), 1);
+    *ms = _mm512_madd_epi16(_mm512_loadu_si512(bs), _mm512_shuffle_epi8(fields, _mm512_load_si512(mins)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    QUANT_UNROLL(4)
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c))),
+                                             _mm256_loadu_si256((const __m256i *)(b + bb + 16 + 32 * c)), 1);
+        QUANT_UNROLL(2)
+        for (int i = 0; i < 2; i++) {
+            const int j = 2 * c + i;
+            const __m512i q = _mm512_and_si512(i ? _mm512_srli_epi16(v, 4) : v, m4);
+            const __m512i scale = _mm512_shuffle_epi8(fields, _mm512_set1_epi16((short)(0x8000 | j)));
+            acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_maddubs_epi16(q, _mm512_load_si512(x + 64 * j)), scale);
+        }
+    }
+    *is = _mm512_add_epi32(acc[0], acc[1]);
+}
+
 /* Lane L of the result holds lane L's sums (its 4 dwords) of V[0], V[1], V[2] and V[3] in turn. */
 QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
@@ -4057,7 +4089,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
 }
 
 /* The fields at byte OFF of the group's super-blocks 0, 2, 4, 6, 1, 3, 5, 7 (the order of the
- * pair sums), 0 from COUNT on: 32 bits each (Q2_K's d and dmin) or 16 (Q3_K's d, low half). */
+ * pair sums), 0 from COUNT on: 32 bits each (d and dmin) or 16 (Q3_K's d, in the low half). */
 #define QUANT_PAIR_FIELD(k, rd) ((k) < count ? (int)rd(wb + (k) * bb + off) : 0)
 QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, int bb, int off, int wide, int count) {
     if (wide) {
@@ -4085,8 +4117,8 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, int bb, 
 
 /* A group of COUNT (2, 4, 6 or 8) super-blocks at WB (unit U of the act A in pair order):
  * their results in the order 0, 2, 4, 6, 1, 3, 5, 7 (+0 from COUNT on). */
-QUANT_AVX512_INLINE __m256 quant_avx512_q23k_pair_group(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
-                                                        int64_t u, int count) {
+QUANT_AVX512_INLINE __m256 quant_avx512_k_pair_group(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
+                                                     int64_t u, int count) {
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     __m512i is[4], ms[4];
     QUANT_UNROLL(4)
@@ -4097,38 +4129,41 @@ QUANT_AVX512_INLINE __m256 quant_avx512_q23k_pair_group(enum gguf_type t, const 
         }
         const uint8_t *b = wb + 2 * p * bb;
         for (int q = 0; q < 2 * bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
-        quant_avx512_q23k_pair(t, b, bb, a->qs + (u + 2 * p) * QUANT_QK_K, a->bsums + (u + 2 * p) * 16, &is[p], &ms[p]);
+        const int8_t *x = a->qs + (u + 2 * p) * QUANT_QK_K;
+        const int16_t *bs = a->bsums + (u + 2 * p) * 16;
+        if (t == GGUF_TYPE_Q4_K) quant_avx512_q4k_pair(b, bb, x, bs, &is[p], &ms[p]);
+        else quant_avx512_q23k_pair(t, b, bb, x, bs, &is[p], &ms[p]);
     }
     const __m256 dx = _mm256_permutevar8x32_ps(_mm256_maskz_loadu_ps((__mmask8)((1u << count) - 1), a->d + u), order);
     if (t == GGUF_TYPE_Q3_K) { /* the lanes' halves added: units 0, 2, 4, 6 in lane 0, 1, 3, 5, 7 in lane 2 */
         const __m512i s = quant_avx512_lane_sums(is);
         const __m512i w = _mm512_add_epi32(s, _mm512_shuffle_i64x2(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
         const __m256i isum = _mm512_castsi512_si256(_mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(2, 0, 2, 0)));
-        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(quant_avx512_pair_fields(wb, bb, 108, 0, count)));
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(quant_avx512_pair_fields(wb, bb, quant_k_d_offset(t), 0, count)));
         return _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum));
     }
     /* isums in the low half, the min terms in the high one */
     const __m512i si = quant_avx512_lane_sums(is), sm = quant_avx512_lane_sums(ms);
     const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
-                                            _mm512_cvtph_ps(quant_avx512_pair_fields(wb, bb, 80, 1, count)));
+                                            _mm512_cvtph_ps(quant_avx512_pair_fields(wb, bb, quant_k_d_offset(t), 1, count)));
     const __m512 dx2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dx)), _mm256_castps_pd(dx), 1));
     const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, dx2), _mm512_cvtepi32_ps(sums));
     return _mm256_sub_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
-/* quant_dot_k of a Q2_K or Q3_K row of N elements (a whole number of super-block pairs) against
+/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (a whole number of super-block pairs) against
  * an act in pair order: groups of 8 super-blocks, their results added to rotating partials as
  * quant_avx2_acc_add does, in the group's order, put back in element order at the end. */
-QUANT_AVX512_INLINE float quant_avx512_q23k_paired(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
+QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
     const struct quant_q8k_view a = quant_q8k_view(act, n);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t u = 0; u < nu; u += 8) {
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
-        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_q23k_pair_group(t, w + u * bb, bb, &a, u, 8)
-                                           : quant_avx512_q23k_pair_group(t, w + u * bb, bb, &a, u, count));
+        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_k_pair_group(t, w + u * bb, bb, &a, u, 8)
+                                           : quant_avx512_k_pair_group(t, w + u * bb, bb, &a, u, count));
     }
     const __m256i back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256 p[4];
@@ -4177,9 +4212,7 @@ QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf
  * sums are exact in any order, so the bits do not change. */
 QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     const uint8_t *a = act;
-    if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K)
-        quant_avx512_pair_order(a, n, buf);
-    else if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
+    if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
         for (int64_t i = 0; i < n; i += QUANT_QK_K) quant_avx512_plane_order(a + i, buf + i);
     else
         for (int64_t i = 0; i < n; i += 128) quant_avx512_nibble_order(t, a + i, buf + i);
@@ -4187,18 +4220,29 @@ QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const
     return buf;
 }
 
+/* A copy at BUF of the Q8_K act of N elements with its values in pair order. */
+QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
+    quant_avx512_pair_order(act, n, buf);
+    memcpy(buf + n, (const uint8_t *)act + n, quant_act_bytes(t, n) - (size_t)n);
+    return buf;
+}
+
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
- * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows of
- * Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3 formats (DOT_REORDERED given: their single-column
- * kernel for an act in the decode's order) up to QUANT_REORDER_MAX elements read the act so,
- * put so once for all NROWS rows; so do rows of Q2_K and Q3_K (DOT_REORDERED: their pair kernel)
- * of whole super-block pairs but one. */
-QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
-                                             size_t rb, int nrows, const void *act, int64_t n, float *y) {
+ * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows up to
+ * QUANT_REORDER_MAX elements read the act in another order, put so once for all NROWS rows: of
+ * Q2_K, Q3_K and Q4_K and a whole number of super-block pairs but one, in pair order through
+ * DOT_PAIRED (quant_avx512_k_paired); other rows of Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3
+ * formats in the decode's order (DOT_REORDERED: their single-column kernel for it). */
+QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, quant_dot_fn dot_paired,
+                                             const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, float *y) {
     _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
     int how = vbmi ? QUANT_DECODE_VBMI : 0;
-    const int in_pairs = t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K;
-    if (dot_reordered && n <= QUANT_REORDER_MAX && (!in_pairs || (n % (2 * QUANT_QK_K) == 0 && n != 2 * QUANT_QK_K))) {
+    if (dot_paired && n <= QUANT_REORDER_MAX && n % (2 * QUANT_QK_K) == 0 && n != 2 * QUANT_QK_K) {
+        act = quant_avx512_pair_act(t, act, n, reordered);
+        for (int r = 0; r < nrows; r++) y[r] = dot_paired(w + (size_t)r * rb, act, n);
+        return;
+    }
+    if (dot_reordered && n <= QUANT_REORDER_MAX) {
         act = quant_avx512_reorder_act(t, act, n, reordered);
         dot = dot_reordered;
         how |= QUANT_DECODE_REORDERED;
@@ -4398,12 +4442,13 @@ QUANT_COLUMN(quant_dot_iq4_xs_avx512_reordered, QUANT_AVX512, quant_avx512_reord
 QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_XXS)
 QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_S)
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
-static QUANT_AVX512 float quant_dot_q2_k_avx512_paired(const void *w, const void *act, int64_t n) {
-    return quant_avx512_q23k_paired(GGUF_TYPE_Q2_K, w, act, n);
-}
-static QUANT_AVX512 float quant_dot_q3_k_avx512_paired(const void *w, const void *act, int64_t n) {
-    return quant_avx512_q23k_paired(GGUF_TYPE_Q3_K, w, act, n);
-}
+
+/* The single-column kernels for an act in pair order (quant_avx512_pair_act). */
+#define QUANT_AVX512_PAIRED(name, type) \
+    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) { return quant_avx512_k_paired(type, w, act, n); }
+QUANT_AVX512_PAIRED(quant_dot_q2_k_avx512_paired, GGUF_TYPE_Q2_K)
+QUANT_AVX512_PAIRED(quant_dot_q3_k_avx512_paired, GGUF_TYPE_Q3_K)
+QUANT_AVX512_PAIRED(quant_dot_q4_k_avx512_paired, GGUF_TYPE_Q4_K)
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
  * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot. One core
@@ -4421,19 +4466,19 @@ static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t 
     }
 }
 
-#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered)                                      \
+#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered, dot_paired)                          \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
-                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, w, rb, nrows, act, n, y); }
-QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered)
-QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_reordered)
-QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL)
-QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, quant_dot_q2_k_avx512_paired)
-QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, quant_dot_q3_k_avx512_paired)
-QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
+                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, dot_paired, w, rb, nrows, act, n, y); }
+QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered, quant_dot_q4_k_avx512_paired)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_reordered, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, NULL, quant_dot_q2_k_avx512_paired)
+QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, NULL, quant_dot_q3_k_avx512_paired)
+QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered, NULL)
 
 /* Each legacy format's rows kernel, and its kernels for an act in lanes (quant_act_to_lanes). */
 #define QUANT_AVX512_LEGACY_ROWS(name, type)                                                                        \
