@@ -1161,10 +1161,11 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   Q4_0 through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column
  *   rows take 116 instructions per super-block through quant_dotr, 154 one by one, against 102
  *   (callgrind). Zen 5 (3.35 GHz), one core, 1024x2048 in L2, one column: Q2_K ~3.9 ns a
- *   super-block, Q4_K ~4.8. Half of a Q2_K row is the group loop's own work, most of it the two
+ *   super-block, Q4_K ~4.8. Half of a Q2_K row was the group loop's own work, most of it the two
  *   8x8 horizontal sums of the float step: with its decode and dot cut to one vpdpbusd it ran
  *   only 2x faster, without the float step 3.3x. Fewer decode instructions (the scales folded
- *   into the quants by a byte table, or the act in the decode's order) measured no faster. */
+ *   into the quants by a byte table, or the act in the decode's order) measured no faster; two
+ *   super-blocks a register (quant_avx512_k_paired: Q2_K, Q3_K, Q4_K) 1.1-1.2x. */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
@@ -4088,10 +4089,12 @@ QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-/* The fields at byte OFF of the group's super-blocks 0, 2, 4, 6, 1, 3, 5, 7 (the order of the
- * pair sums), 0 from COUNT on: 32 bits each (d and dmin) or 16 (Q3_K's d, in the low half). */
-#define QUANT_PAIR_FIELD(k, rd) ((k) < count ? (int)rd(wb + (k) * bb + off) : 0)
-QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, int bb, int off, int wide, int count) {
+/* The fields at byte OFF of a group's super-blocks in the order of the pair sums: pair p's two
+ * at WB + p * PS and BB after it, the first of each pair, then the second (0, 2, 4, 6, 1, 3, 5, 7
+ * of a row's group), 0 from super-block COUNT on; 32 bits each (d and dmin) or 16 (Q3_K's d, in
+ * the low half). */
+#define QUANT_PAIR_FIELD(i, rd) ((i) < count ? (int)rd(wb + (i) / 2 * ps + (i) % 2 * bb + off) : 0)
+QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t ps, int bb, int off, int wide, int count) {
     if (wide) {
         const __m128i lo = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(QUANT_PAIR_FIELD(0, quant_rd32)),
                                                                               QUANT_PAIR_FIELD(2, quant_rd32), 1),
@@ -4115,11 +4118,11 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, int bb, 
 }
 #undef QUANT_PAIR_FIELD
 
-/* A group of COUNT (2, 4, 6 or 8) super-blocks at WB (unit U of the act A in pair order):
- * their results in the order 0, 2, 4, 6, 1, 3, 5, 7 (+0 from COUNT on). */
-QUANT_AVX512_INLINE __m256 quant_avx512_k_pair_group(enum gguf_type t, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
-                                                     int64_t u, int count) {
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+/* The results of up to 4 super-block pairs in the order of quant_avx512_pair_fields (WB, PS, BB,
+ * COUNT as there; +0 from COUNT on): pair p against the act X + p * XS with its bsums BS + p *
+ * BSS (pair order), DX the act's scales in the results' order. */
+QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
+                                                     const int16_t *bs, size_t bss, __m256 dx, int count) {
     __m512i is[4], ms[4];
     QUANT_UNROLL(4)
     for (int p = 0; p < 4; p++) {
@@ -4127,49 +4130,62 @@ QUANT_AVX512_INLINE __m256 quant_avx512_k_pair_group(enum gguf_type t, const uin
             is[p] = ms[p] = _mm512_setzero_si512();
             continue;
         }
-        const uint8_t *b = wb + 2 * p * bb;
+        const uint8_t *b = wb + p * ps;
         for (int q = 0; q < 2 * bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
-        const int8_t *x = a->qs + (u + 2 * p) * QUANT_QK_K;
-        const int16_t *bs = a->bsums + (u + 2 * p) * 16;
-        if (t == GGUF_TYPE_Q4_K) quant_avx512_q4k_pair(b, bb, x, bs, &is[p], &ms[p]);
-        else quant_avx512_q23k_pair(t, b, bb, x, bs, &is[p], &ms[p]);
+        if (t == GGUF_TYPE_Q4_K) quant_avx512_q4k_pair(b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
+        else quant_avx512_q23k_pair(t, b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
     }
-    const __m256 dx = _mm256_permutevar8x32_ps(_mm256_maskz_loadu_ps((__mmask8)((1u << count) - 1), a->d + u), order);
-    if (t == GGUF_TYPE_Q3_K) { /* the lanes' halves added: units 0, 2, 4, 6 in lane 0, 1, 3, 5, 7 in lane 2 */
+    if (t == GGUF_TYPE_Q3_K) { /* the lanes' halves added: first super-blocks in lane 0, second ones in lane 2 */
         const __m512i s = quant_avx512_lane_sums(is);
         const __m512i w = _mm512_add_epi32(s, _mm512_shuffle_i64x2(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
         const __m256i isum = _mm512_castsi512_si256(_mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(2, 0, 2, 0)));
-        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(quant_avx512_pair_fields(wb, bb, quant_k_d_offset(t), 0, count)));
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(quant_avx512_pair_fields(wb, ps, bb, quant_k_d_offset(t), 0, count)));
         return _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum));
     }
     /* isums in the low half, the min terms in the high one */
     const __m512i si = quant_avx512_lane_sums(is), sm = quant_avx512_lane_sums(ms);
     const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
-                                            _mm512_cvtph_ps(quant_avx512_pair_fields(wb, bb, quant_k_d_offset(t), 1, count)));
+                                            _mm512_cvtph_ps(quant_avx512_pair_fields(wb, ps, bb, quant_k_d_offset(t), 1, count)));
     const __m512 dx2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dx)), _mm256_castps_pd(dx), 1));
     const __m512 r = _mm512_mul_ps(_mm512_mul_ps(dd, dx2), _mm512_cvtepi32_ps(sums));
     return _mm256_sub_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
-/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (a whole number of super-block pairs) against
- * an act in pair order: groups of 8 super-blocks, their results added to rotating partials as
- * quant_avx2_acc_add does, in the group's order, put back in element order at the end. */
-QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
+/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (a whole number of super-block pairs)
+ * against the act A in pair order: groups of 8 super-blocks, their results added to rotating
+ * partials as quant_avx2_acc_add does, in the group's order, put back in element order at the end. */
+QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
-    const struct quant_q8k_view a = quant_q8k_view(act, n);
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t u = 0; u < nu; u += 8) {
         const int count = nu - u < 8 ? (int)(nu - u) : 8;
-        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_k_pair_group(t, w + u * bb, bb, &a, u, 8)
-                                           : quant_avx512_k_pair_group(t, w + u * bb, bb, &a, u, count));
+        const uint8_t *wb = w + u * bb;
+        const int8_t *x = a->qs + u * QUANT_QK_K;
+        const int16_t *bs = a->bsums + u * 16;
+        const __m256 dx = _mm256_permutevar8x32_ps(_mm256_maskz_loadu_ps((__mmask8)((1u << count) - 1), a->d + u), order);
+        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_pair_results(t, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, 8)
+                                           : quant_avx512_pair_results(t, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, count));
     }
     const __m256i back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256 p[4];
     QUANT_UNROLL(4)
     for (int i = 0; i < 4; i++) p[i] = _mm256_permutevar8x32_ps(acc[i], back);
     return quant_avx2_reduce_rotated(p, (nu + 7) / 8);
+}
+
+/* quant_avx2_pairs_group's rows of 2 super-blocks as pairs: NR (1..4) rows at W, RB bytes apart,
+ * against the act A (one pair, in pair order); each row's result, its two super-blocks' as the
+ * canonical order adds them (partials 0 and 1 from +0, then their sum), to Y. */
+QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
+                                                  float *y) {
+    const __m256 dx = _mm256_setr_ps(a->d[0], a->d[0], a->d[0], a->d[0], a->d[1], a->d[1], a->d[1], a->d[1]);
+    const __m256 r = _mm256_add_ps(_mm256_setzero_ps(), quant_avx512_pair_results(t, w, rb, gguf_type_get(t)->block_bytes, a->qs, 0, a->bsums, 0, dx, 2 * nr));
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)));
+    for (int i = 0; i < nr; i++) y[i] = out[i];
 }
 
 /* The largest row (elements) whose act quant_avx512_k_rows puts in the decode's order: its copy
@@ -4230,16 +4246,19 @@ QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const vo
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
  * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows up to
  * QUANT_REORDER_MAX elements read the act in another order, put so once for all NROWS rows: of
- * Q2_K, Q3_K and Q4_K and a whole number of super-block pairs but one, in pair order through
- * DOT_PAIRED (quant_avx512_k_paired); other rows of Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3
- * formats in the decode's order (DOT_REORDERED: their single-column kernel for it). */
-QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, quant_dot_fn dot_paired,
-                                             const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, float *y) {
+ * Q2_K, Q3_K and Q4_K and a whole number of super-block pairs, in pair order (rows of one pair
+ * 4 at a time); other rows of Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3 formats in the decode's
+ * order (DOT_REORDERED: their single-column kernel for it). */
+QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
+                                             size_t rb, int nrows, const void *act, int64_t n, float *y) {
     _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
     int how = vbmi ? QUANT_DECODE_VBMI : 0;
-    if (dot_paired && n <= QUANT_REORDER_MAX && n % (2 * QUANT_QK_K) == 0 && n != 2 * QUANT_QK_K) {
-        act = quant_avx512_pair_act(t, act, n, reordered);
-        for (int r = 0; r < nrows; r++) y[r] = dot_paired(w + (size_t)r * rb, act, n);
+    if ((t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q4_K) && n <= QUANT_REORDER_MAX && n % (2 * QUANT_QK_K) == 0) {
+        const struct quant_q8k_view a = quant_q8k_view(quant_avx512_pair_act(t, act, n, reordered), n);
+        if (n == 2 * QUANT_QK_K)
+            for (int r = 0; r < nrows; r += 4) quant_avx512_k_pair_rows(t, w + (size_t)r * rb, rb, nrows - r < 4 ? nrows - r : 4, &a, y + r);
+        else
+            for (int r = 0; r < nrows; r++) y[r] = quant_avx512_k_paired(t, w + (size_t)r * rb, &a, n);
         return;
     }
     if (dot_reordered && n <= QUANT_REORDER_MAX) {
@@ -4443,12 +4462,6 @@ QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_
 QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_S)
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
-/* The single-column kernels for an act in pair order (quant_avx512_pair_act). */
-#define QUANT_AVX512_PAIRED(name, type) \
-    static QUANT_AVX512 float name(const void *w, const void *act, int64_t n) { return quant_avx512_k_paired(type, w, act, n); }
-QUANT_AVX512_PAIRED(quant_dot_q2_k_avx512_paired, GGUF_TYPE_Q2_K)
-QUANT_AVX512_PAIRED(quant_dot_q3_k_avx512_paired, GGUF_TYPE_Q3_K)
-QUANT_AVX512_PAIRED(quant_dot_q4_k_avx512_paired, GGUF_TYPE_Q4_K)
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
  * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot. One core
@@ -4466,19 +4479,19 @@ static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t 
     }
 }
 
-#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered, dot_paired)                          \
+#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered)                                      \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
-                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, dot_paired, w, rb, nrows, act, n, y); }
-QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered, quant_dot_q4_k_avx512_paired)
-QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_reordered, NULL)
-QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL, NULL)
-QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, NULL, quant_dot_q2_k_avx512_paired)
-QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, NULL, quant_dot_q3_k_avx512_paired)
-QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered, NULL)
-QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered, NULL)
+                                  float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, w, rb, nrows, act, n, y); }
+QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512, GGUF_TYPE_Q5_K, 0, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512_reordered)
+QUANT_AVX512_ROWS(quant_dotr_q6_k_avx512, GGUF_TYPE_Q6_K, 0, quant_dot_q6_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q2_k_avx512, GGUF_TYPE_Q2_K, 0, quant_dot_q2_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
+QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
 
 /* Each legacy format's rows kernel, and its kernels for an act in lanes (quant_act_to_lanes). */
 #define QUANT_AVX512_LEGACY_ROWS(name, type)                                                                        \
