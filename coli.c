@@ -3989,7 +3989,11 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
  * them, against the kernels before in the same process (medians, GB/s): one core, 512 rows of
  * 2048 in cache, Q2_K 19.4-19.9 -> 22.3-23.3, Q3_K 17.1-18.5 -> 19.3-20.8, Q4_K (before: in
  * its nibble order) 29.7 -> 33.8; two threads, 16384-32768 rows of 4096 from memory, Q2_K
- * 32.9-39.9 -> 40.2-48.6, Q3_K 34.4-35.2 -> 37.7-39.4, Q4_K 52.0 -> 55.8. */
+ * 32.9-39.9 -> 40.2-48.6, Q3_K 34.4-35.2 -> 37.7-39.4, Q4_K 52.0 -> 55.8. Rows of one pair (512:
+ * the experts' down products), 4 rows a group (against quant_avx512_pairs_group, builds of before
+ * and after alternated): one core, 1024 rows in cache, Q2_K 19.7-19.8 -> 22.1-22.3, Q3_K
+ * 19.6-20.0 -> 20.3-20.4, Q4_K 30.2-31.3 -> 32.6-32.7; two threads over 128 such matrices of
+ * 2048 rows in turn, from memory, within the swings. */
 
 /* The Q8_K values of N elements at A (a whole number of super-block pairs) in pair order at
  * BUF: 32 values of super-block 2p, then the same 32 of 2p + 1, and so on. */
