@@ -4466,7 +4466,6 @@ QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_
 QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_S)
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
-
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
  * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot. One core
  * in cache, 512 x 2048 through ops_matmat (16-row calls), GMAC/s at 2 / 4 / 8 columns 55-56 /
