@@ -1149,23 +1149,9 @@ static size_t gguf_image_end(struct gguf_image *im)
  * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
  *   per element), then one quant_dotn per weight row (quant_dotr per chunk of rows for a single
  *   column), called concurrently from OpenMP threads (the kernels are pure; only
- *   quant_init/quant_set_level write globals, before any parallel region). AVX-512, one core,
- *   4096-column rows in L2: Q4_0 ~10 weight bytes per TSC cycle, Q8_0 ~19, Q4_K ~7.5, Q6_K ~11;
- *   with 64 columns per weight row 1.5-2x that per column. Zen 4 (2.6 GHz TSC), one core, 1 MiB
- *   of such rows: IQ4_NL ~9, MXFP4 ~7.3, IQ4_XS ~6.3, Q2_K ~5.8, Q3_K ~5.5, IQ3_XXS ~2.4 (its
- *   AVX2 kernels 4.4, 4.5, 5.6, 5.1, 4.3, 1.7). AVX2 (AMD EPYC Zen 1, 2.0 GHz TSC), one core,
- *   one column, a 1024x4096 matrix in cache, TSC cycles per 256 weights: Q4_K ~33-36, Q6_K ~42,
- *   Q4_0 ~37, Q8_0 ~48, Q3_K ~42, IQ4_XS ~46, IQ3_XXS ~87-91, IQ3_S ~100, F16 and BF16 ~105
- *   (the legacy, K and IQ formats decode once for up to 4 columns, the float ones for 2:
- *   prompts 15-50% faster; 16 columns of IQ3 2.1-2.3x, of IQ4_XS 1.3x; Q4_K, Q5_K, Q6_K and
- *   Q4_0 through quant_tile at this level too, 1.1-2x by the columns and the rows); 512-column
- *   rows take 116 instructions per super-block through quant_dotr, 154 one by one, against 102
- *   (callgrind). Zen 5 (3.35 GHz), one core, 1024x2048 in L2, one column: Q2_K ~3.9 ns a
- *   super-block, Q4_K ~4.8. Half of a Q2_K row was the group loop's own work, most of it the two
- *   8x8 horizontal sums of the float step: with its decode and dot cut to one vpdpbusd it ran
- *   only 2x faster, without the float step 3.3x. Fewer decode instructions (the scales folded
- *   into the quants by a byte table, or the act in the decode's order) measured no faster; two
- *   super-blocks a register (quant_avx512_k_paired: Q2_K, Q3_K, Q4_K) 1.1-1.2x. */
+ *   quant_init/quant_set_level write globals, before any parallel region). The rows of the K
+ *   and IQ formats against one column are bound by arithmetic on a few cores; the kernels'
+ *   speeds per format and CPU are in README, Weight formats ("Kernel speeds"). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
@@ -3978,22 +3964,13 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
 }
 
 /* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
- * One column against rows of these formats is bound by arithmetic here, and decoded one
- * super-block at a time (quant_avx512_k_loop) each super-block leaves 16 lanes of integer parts
- * to be summed across, then its float step. Here a register holds 32 quants of super-block u in
- * its low half and the same 32 of u + 1 in its high half, against an act put in that order once
- * for all the rows (quant_avx512_pair_act): a pair's integer parts come out 8 lanes each, a
- * group's 8 super-blocks reach their sums in one tree of unpacks, and the shifts that take the
- * quants apart are the same for a whole register. The sums are exact and the float steps are
- * quant_dot_k's, so the bits are too. Through quant_dotr, 16 rows a call as ops_matvec makes
- * them, against the kernels before in the same process (medians, GB/s): one core, 512 rows of
- * 2048 in cache, Q2_K 19.4-19.9 -> 22.3-23.3, Q3_K 17.1-18.5 -> 19.3-20.8, Q4_K (before: in
- * its nibble order) 29.7 -> 33.8; two threads, 16384-32768 rows of 4096 from memory, Q2_K
- * 32.9-39.9 -> 40.2-48.6, Q3_K 34.4-35.2 -> 37.7-39.4, Q4_K 52.0 -> 55.8. Rows of one pair (512:
- * the experts' down products), 4 rows a group (against quant_avx512_pairs_group, builds of before
- * and after alternated): one core, 1024 rows in cache, Q2_K 19.7-19.8 -> 22.1-22.3, Q3_K
- * 19.6-20.0 -> 20.3-20.4, Q4_K 30.2-31.3 -> 32.6-32.7; two threads over 128 such matrices of
- * 2048 rows in turn, from memory, within the swings. */
+ * One column against these rows is bound by arithmetic here; one super-block at a time
+ * (quant_avx512_k_loop) each leaves 16 lanes of integer parts to sum across before its float
+ * step. Here a register holds 32 quants of super-block u in its low half and the same 32 of u +
+ * 1 in its high half, against an act put so once for the rows (quant_avx512_pair_act): a pair's
+ * parts come out 8 lanes each, a group's 8 super-blocks reach their sums in one tree of unpacks,
+ * and one shift serves a whole register. Exact sums and quant_dot_k's float steps: the same
+ * bits. 1.1-1.2x (README, Weight formats); Q5_K and IQ4_XS measured slower so. */
 
 /* The Q8_K values of N elements at A (a whole number of super-block pairs) in pair order at
  * BUF: 32 values of super-block 2p, then the same 32 of 2p + 1, and so on. */
@@ -4007,10 +3984,9 @@ QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, ui
 
 /* The integer parts of the Q2_K or Q3_K super-blocks at B and B + BB against their act X (pair
  * order) and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum
- * (Q3_K: its quants taken as q + 4 and the 4 taken off again as 4 Σ sc_g bsum_g), *MS to Q2_K's
- * min term. Step j = 4h + k reads bits 2k of the quant bytes of half h, groups 2j and 2j + 1 of
- * each super-block: the scales are put with a lane for each of those four sets of 8 (a word
- * permute), and each step's come out of that by one byte shuffle. */
+ * (Q3_K: its quants as q + 4, the 4 taken off as 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step
+ * j = 4h + k reads bits 2k of the bytes of half h: groups 2j and 2j + 1 of each super-block, their
+ * scales from a lane each (one word permute) by one byte shuffle. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
                                                 __m512i *is, __m512i *ms) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -4059,12 +4035,11 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t 
 /* quant_avx512_q23k_pair for Q4_K: register 2c + i holds 32-block 2c + i of both super-blocks
  * (the low nibbles of quant chunk c for i = 0, the high ones for 1); its scales and mins are the
  * fields of quant_avx512_k4_fields, the first super-block's in lanes 0-1 and the second's in
- * lanes 2-3, taken out by byte shuffles. (Q5_K so, its fifth bits tested and added a register at
- * a time, ran slower than quant_avx512_k_loop: 27.5 against 30.5 GB/s in the figures above.) */
+ * lanes 2-3, taken out by byte shuffles. */
 QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const int8_t *x, const int16_t *bs, __m512i *is, __m512i *ms) {
-    static const int8_t mins[64] __attribute__((aligned(64))) = { /* lane L: words of mins 4 (L % 2).., each twice (two bsums) */
-        8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128, 12, -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128,
-        8, -128, 8, -128, 9, -128, 9, -128, 10, -128, 10, -128, 11, -128, 11, -128, 12, -128, 12, -128, 13, -128, 13, -128, 14, -128, 14, -128, 15, -128, 15, -128,
+    static const uint16_t mins[32] __attribute__((aligned(64))) = { /* lane L: mins 4 (L % 2).. (bytes 8..), each twice (two bsums) */
+        0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b, 0x800c, 0x800c, 0x800d, 0x800d, 0x800e, 0x800e, 0x800f, 0x800f,
+        0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b, 0x800c, 0x800c, 0x800d, 0x800d, 0x800e, 0x800e, 0x800f, 0x800f,
     };
     const __m512i fields = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(quant_avx512_k4_fields(b + 4))),
                                               _mm256_broadcastsi128_si256(quant_avx512_k4_fields(b + bb + 4)), 1);
@@ -4093,23 +4068,21 @@ QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-/* The fields at byte OFF of a group's super-blocks in the order of the pair sums: pair p's two
- * at WB + p * PS and BB after it, the first of each pair, then the second (0, 2, 4, 6, 1, 3, 5, 7
- * of a row's group), 0 from super-block COUNT on; 32 bits each (d and dmin) or 16 (Q3_K's d, in
- * the low half). */
+/* The fields at byte OFF of a group's super-blocks in the order of the pair sums (pair p's at WB
+ * + p * PS and BB after it; the first of each pair, then the second: 0, 2, 4, 6, 1, 3, 5, 7 of a
+ * row), 0 from COUNT on; 32 bits each (d and dmin) or 16 (Q3_K's d, in the low half). */
 #define QUANT_PAIR_FIELD(i, rd) ((i) < count ? (int)rd(wb + (i) / 2 * ps + (i) % 2 * bb + off) : 0)
+QUANT_AVX512_INLINE __m128i quant_avx512_pair_fields4(const uint8_t *wb, size_t ps, int bb, int off, int count, int first) {
+    __m128i v = _mm_cvtsi32_si128(QUANT_PAIR_FIELD(first, quant_rd32));
+    v = _mm_insert_epi32(v, QUANT_PAIR_FIELD(first + 2, quant_rd32), 1);
+    v = _mm_insert_epi32(v, QUANT_PAIR_FIELD(first + 4, quant_rd32), 2);
+    return _mm_insert_epi32(v, QUANT_PAIR_FIELD(first + 6, quant_rd32), 3);
+}
+
 QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t ps, int bb, int off, int wide, int count) {
-    if (wide) {
-        const __m128i lo = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(QUANT_PAIR_FIELD(0, quant_rd32)),
-                                                                              QUANT_PAIR_FIELD(2, quant_rd32), 1),
-                                                             QUANT_PAIR_FIELD(4, quant_rd32), 2),
-                                            QUANT_PAIR_FIELD(6, quant_rd32), 3);
-        const __m128i hi = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(QUANT_PAIR_FIELD(1, quant_rd32)),
-                                                                              QUANT_PAIR_FIELD(3, quant_rd32), 1),
-                                                             QUANT_PAIR_FIELD(5, quant_rd32), 2),
-                                            QUANT_PAIR_FIELD(7, quant_rd32), 3);
-        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    }
+    if (wide)
+        return _mm256_inserti128_si256(_mm256_castsi128_si256(quant_avx512_pair_fields4(wb, ps, bb, off, count, 0)),
+                                       quant_avx512_pair_fields4(wb, ps, bb, off, count, 1), 1);
     __m128i h = _mm_cvtsi32_si128(QUANT_PAIR_FIELD(0, quant_rd16));
     h = _mm_insert_epi16(h, QUANT_PAIR_FIELD(2, quant_rd16), 1);
     h = _mm_insert_epi16(h, QUANT_PAIR_FIELD(4, quant_rd16), 2);
@@ -4156,9 +4129,9 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, const uin
     return _mm256_sub_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
-/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (a whole number of super-block pairs)
- * against the act A in pair order: groups of 8 super-blocks, their results added to rotating
- * partials as quant_avx2_acc_add does, in the group's order, put back in element order at the end. */
+/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (whole super-block pairs) against the act
+ * A in pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in the
+ * group's order, put back in element order at the end. */
 QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
@@ -4181,8 +4154,8 @@ QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t 
 }
 
 /* quant_avx2_pairs_group's rows of 2 super-blocks as pairs: NR (1..4) rows at W, RB bytes apart,
- * against the act A (one pair, in pair order); each row's result, its two super-blocks' as the
- * canonical order adds them (partials 0 and 1 from +0, then their sum), to Y. */
+ * against the act A (one pair, pair order); each row's result (partials 0 and 1 from +0, then
+ * their sum, as the canonical order adds them) to Y. */
 QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
                                                   float *y) {
     const __m256 dx = _mm256_setr_ps(a->d[0], a->d[0], a->d[0], a->d[0], a->d[1], a->d[1], a->d[1], a->d[1]);
@@ -12331,8 +12304,7 @@ enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
  * token at 64 tokens, 70 MB at 256 (35 -> 47 tok/s at pp512 here), 35 MB at 512. 512 gives an
  * expert 16 tokens on average, where the tiles run at 1.3-1.5 times their rate at 8; the
  * trunk's products take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the
- * L2. `bench --synthetic 35b-a3b:q4_k_m:10 -p 1024`, 256 -> 512: experts 1.50-1.63 -> 1.12-1.23
- * ms a token, prompt 284-303 -> 327-349 tok/s. Scratch: ~190 MB (96 MB more than at 256). */
+ * L2. Scratch: ~190 MB (96 MB more than at 256); measured in README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
