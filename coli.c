@@ -4506,30 +4506,14 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * 4k..4k+3 of row r), so one vpdpbusd adds 4 products for each of 16 rows and no lane sum is
  * needed: a super-block's integer parts come out as one vector of 16 rows, then quant_dot_k's
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
- * The same bits as quant_dot_k. One core, 16 rows of 2048 columns in cache: 512 columns 195-202
- * GMAC/s against quant_dotn's 65-74, 64 columns 160-180 against 87. In the model the trunk's
- * Q4_K and Q5_K products of a 512-token prompt took ~35% less time. 8 columns a pass were no
- * faster than 4. Q8_0 and Q4_0 tiles do the same per 32-element block (quant_legacy_units' float
- * step, its unit a block); one core, 256 rows of 2048 in cache, GMAC/s against quant_dotn: Q8_0
- * 512 columns 188-190 against 87-90, 256 177-190 against 88-93; Q4_0 256 columns 180 against
- * 116-118. The unpack (rows into lanes) is what a few columns pay for: by transposes, one core,
- * 200 experts' 512 x 2048 (cold, as an expert's are), GMAC/s at 8 / 16 / 32 columns against
- * quant_dotn: Q4_K 73-77 / 103-109 / 122-139 against 84-92; Q5_K 66-69 / 100-103 / 129-135
- * against 71-76; Q8_0 64-68 / 95-99 / 127-128 against 84-88; Q4_0 78-79 / 87-111 / 137 against
- * 84-113. By gathers they were 50-55 / 82-86 / 108-120 (Q4_K), 29 / 51-53 / 80-84 (Q8_0), 39-40 /
- * 66-67 / 98 (Q4_0): the tiles then started at 32 columns, later at 16, now as below. */
+ * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
+ * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
+ * The unpack (rows into lanes, by transposes) is what a few columns pay for. Figures: README,
+ * Weight formats ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* The columns from which the AVX-512 tiles pay, against quant_dotn, now that a tile asks for the
- * next one's rows as it computes (quant_tile_prefetch_part). One core, 150 matrices read from
- * memory (as a prompt's experts are), GMAC/s tile / quant_dotn, two runs: Q4_K 512 x 2048, 6
- * columns 78.6-82.0 / 74.0-74.9, 8 101-109 / 82-83; Q5_K 8 97 / 69-71; rows of 512 (2048 x
- * 512), 4 columns Q4_K 89 / 67-68, Q5_K 83-86 / 56-57 (2 columns: 32 / 49). The legacy tiles
- * against quant_dotn's act in lanes: rows of 512, 8 columns within 5% (Q8_0 78-80 / 77-79), 12
- * columns Q8_0 86 / 74, Q4_0 114 / 101, IQ4_NL 104 / 93; rows of 2048, 12 columns even (Q8_0 94.5
- * / 94.0-94.5). On 2 threads (scratch apart, OPS_TILE_GAP) the boundaries hold: Q4_K 512 x 2048,
- * 4 / 5 columns 106 / 116 against 118 / 113; 2048 x 512, 3 columns 98 against 93; Q4_0 512 x
- * 2048, 12 columns 179 against 186. */
+ * next one's rows as it computes (quant_tile_prefetch_part), as measured (README, the same item). */
 #define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K (quant_q6k_tile_unit) */
 #define QUANT_TILE_MIN_NC_K_PAIRS 4   /* the three's rows of 2 super-blocks */
@@ -4781,9 +4765,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int6
 /* quant_tile_unit for a Q6_K tile: each sub-block's sum of q * x times its scale, less 32 times
  * the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum, exact in int32;
  * then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale multiplies of a
- * Q4_K unit, against strong column kernels: 2 threads, 150 matrices read from memory, GMAC/s
- * tile / quant_pairs, rows of 512: 4 columns 125 / 114, 8 165 / 127, 16 199 / 134; against
- * quant_dotn, rows of 2048: 8 143 / 160, 12 177 / 164, 16 200 / 169, 32 260 / 183. */
+ * Q4_K unit, against strong column kernels (README, the tiles' figures). */
 QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                              float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
@@ -4831,9 +4813,8 @@ static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[
  * L1, while these compute: a thread's chunks are mostly consecutive, and the unpack's gathers
  * and transposes would otherwise wait on 16 rows' misses at a time. A tile's first pass over
  * its columns asks for one part before each unit, so the requests spread over its work; all of
- * them at once before the unpack (a 16 x 2048 Q4_K tile is 288 lines) left most unserved. One
- * core, 150 Q4_K experts' 512 x 2048 (read from memory), GMAC/s at 4 / 8 / 12 columns: 47.5 /
- * 77.8 / 92.7 -> 70.6 / 112.8 / 123.6. */
+ * them at once before the unpack (a 16 x 2048 Q4_K tile is 288 lines) left most unserved
+ * (README, the tiles' figures). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -6408,9 +6389,8 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
  * quant_pairs where it serves (K rows of 2 super-blocks), else by quant_dotn, a block of columns
  * at a time: the block's activations stay in the L1 while every
  * row of the chunk uses them, and the rows come again from the L2. Row by row, each row read
- * every column's activations from the L2 or beyond (an F32 router's 256 columns are 2 MiB). A
- * scratch harness, one core, 256 rows of 2048 by 256 columns, 16-row chunks, GMAC/s in blocks
- * against row by row: F32 57 against 21, Q8_0 91-93 against 77-80, Q6_K 112 against 89. */
+ * every column's activations from the L2 or beyond (an F32 router's 256 columns are 2 MiB;
+ * README, the tiles' figures). */
 static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n,
                           float *y) {
     if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
@@ -7826,128 +7806,160 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
  * the dk elements. S is stored i-major ([dk][dv]: element (j, i) at i * dv + j), so that a
  * vector holds the same element of 16 rows and the SIMD levels run 16 rows' serial sums side
  * by side: the same operations in the same order as the scalar rows, hence the same bits.
- * The step is bound by its float operations, not by the state's loads and stores: forming the
- * decayed state in both passes to store it once took 860-920 ns a head (128 x 128) against 800.
- * Serial sums one row at a time had made DeltaNet 12-15% of a 35B-A3B token (bench's
- * profile). */
+ * A sequence's tokens in a batch go through one call: token t's second pass (write, read with
+ * q) and token t + 1's first (decay, predict) are one pass over the state, each element's
+ * operations and each row's sums as token by token, so a prompt reads and writes the state
+ * once a token instead of twice (0.84 -> 0.62 us a head and token; README, Weight formats,
+ * Prompts). */
+
+/* A sequence's N tokens for one head: token t's q, k and v at Q, K, V + t * STRIDE, its beta and
+ * decay, its output at OUT + t * OUT_STRIDE. */
+struct ops_delta_tokens {
+    const float *q, *k, *v, *beta, *decay;
+    size_t stride, out_stride;
+    float *out;
+    int n;
+};
 
 /* Rows FROM..DV of the step, one at a time. */
-static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const float *q, const float *k, const float *v,
-                                  float beta, float decay, float *out)
+static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const struct ops_delta_tokens *a)
 {
     for (int j = from; j < dv; j++) {
-        float pred = 0.0f, o = 0.0f;
+        float pred = 0.0f;
         for (int i = 0; i < dk; i++) {
             float *s = S + (size_t)i * dv + j;
-            *s = *s * decay;
-            pred = pred + *s * k[i];
+            *s = *s * a->decay[0];
+            pred = pred + *s * a->k[i];
         }
-        const float delta = beta * (v[j] - pred);
-        for (int i = 0; i < dk; i++) {
-            float *s = S + (size_t)i * dv + j;
-            *s = *s + k[i] * delta;
-            o = o + *s * q[i];
+        for (int t = 0; t < a->n; t++) {
+            const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
+            const float delta = a->beta[t] * (a->v[t * a->stride + j] - pred);
+            float o = 0.0f;
+            pred = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float *s = S + (size_t)i * dv + j;
+                *s = *s + k[i] * delta;
+                o = o + *s * q[i];
+                if (t + 1 < a->n) {
+                    *s = *s * a->decay[t + 1];
+                    pred = pred + *s * kn[i];
+                }
+            }
+            a->out[t * a->out_stride + j] = o;
         }
-        out[j] = o;
     }
 }
 
 /* Rows J0..J0 + 8 NB, NB vectors of 8 rows side by side (NB constant where inlined). */
-QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int nb, const float *q, const float *k,
-                                           const float *v, float beta, float decay, float *out)
+QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a)
 {
-    __m256 acc[4], delta[4];
+    __m256 pred[4], o[4], delta[4];
     QUANT_UNROLL(4)
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) pred[b] = _mm256_setzero_ps();
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
-        const __m256 ki = _mm256_set1_ps(k[i]);
+        const __m256 ki = _mm256_set1_ps(a->k[i]);
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
-            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(decay));
+            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(a->decay[0]));
             _mm256_storeu_ps(s + 8 * b, r);
-            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, ki));
+            pred[b] = _mm256_add_ps(pred[b], _mm256_mul_ps(r, ki));
         }
     }
-    QUANT_UNROLL(4)
-    for (int b = 0; b < nb; b++) {
-        delta[b] = _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8 * b), acc[b]));
-        acc[b] = _mm256_setzero_ps();
-    }
-    for (int i = 0; i < dk; i++) {
-        float *s = S + (size_t)i * dv + j0;
-        const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
+        const int next = t + 1 < a->n;
+        const __m256 dn = _mm256_set1_ps(next ? a->decay[t + 1] : 1.0f);
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
-            const __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
-            _mm256_storeu_ps(s + 8 * b, r);
-            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(r, qi));
+            delta[b] = _mm256_mul_ps(_mm256_set1_ps(a->beta[t]), _mm256_sub_ps(_mm256_loadu_ps(a->v + t * a->stride + j0 + 8 * b), pred[b]));
+            o[b] = pred[b] = _mm256_setzero_ps();
         }
+        for (int i = 0; i < dk; i++) {
+            float *s = S + (size_t)i * dv + j0;
+            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+            QUANT_UNROLL(4)
+            for (int b = 0; b < nb; b++) {
+                __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
+                o[b] = _mm256_add_ps(o[b], _mm256_mul_ps(r, qi));
+                if (next) {
+                    r = _mm256_mul_ps(r, dn);
+                    pred[b] = _mm256_add_ps(pred[b], _mm256_mul_ps(r, _mm256_set1_ps(kn[i])));
+                }
+                _mm256_storeu_ps(s + 8 * b, r);
+            }
+        }
+        QUANT_UNROLL(4)
+        for (int b = 0; b < nb; b++) _mm256_storeu_ps(a->out + t * a->out_stride + j0 + 8 * b, o[b]);
     }
-    QUANT_UNROLL(4)
-    for (int b = 0; b < nb; b++) _mm256_storeu_ps(out + j0 + 8 * b, acc[b]);
 }
 
-static QUANT_AVX2 void ops_delta_rule_avx2(float *S, int dk, int dv, const float *q, const float *k, const float *v,
-                                           float beta, float decay, float *out)
+static QUANT_AVX2 void ops_delta_rule_avx2(float *S, int dk, int dv, const struct ops_delta_tokens *a)
 {
     int j = 0;
-    for (; j + 32 <= dv; j += 32) ops_delta_rows_avx2(S, dk, dv, j, 4, q, k, v, beta, decay, out);
-    for (; j + 8 <= dv; j += 8) ops_delta_rows_avx2(S, dk, dv, j, 1, q, k, v, beta, decay, out);
-    ops_delta_rows_scalar(S, dk, dv, j, q, k, v, beta, decay, out);
+    for (; j + 32 <= dv; j += 32) ops_delta_rows_avx2(S, dk, dv, j, 4, a);
+    for (; j + 8 <= dv; j += 8) ops_delta_rows_avx2(S, dk, dv, j, 1, a);
+    ops_delta_rows_scalar(S, dk, dv, j, a);
 }
 
 /* ops_delta_rows_avx2 with 16 rows a vector. */
-QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0, int nb, const float *q, const float *k,
-                                               const float *v, float beta, float decay, float *out)
+QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a)
 {
-    __m512 acc[8], delta[8];
+    __m512 pred[8], o[8], delta[8];
     QUANT_UNROLL(8)
-    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) pred[b] = _mm512_setzero_ps();
     for (int i = 0; i < dk; i++) {
         float *s = S + (size_t)i * dv + j0;
-        const __m512 ki = _mm512_set1_ps(k[i]);
+        const __m512 ki = _mm512_set1_ps(a->k[i]);
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
-            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(decay));
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(a->decay[0]));
             _mm512_storeu_ps(s + 16 * b, r);
-            acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, ki));
+            pred[b] = _mm512_add_ps(pred[b], _mm512_mul_ps(r, ki));
         }
     }
-    QUANT_UNROLL(8)
-    for (int b = 0; b < nb; b++) {
-        delta[b] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16 * b), acc[b]));
-        acc[b] = _mm512_setzero_ps();
-    }
-    for (int i = 0; i < dk; i++) {
-        float *s = S + (size_t)i * dv + j0;
-        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
+        const int next = t + 1 < a->n;
+        const __m512 dn = _mm512_set1_ps(next ? a->decay[t + 1] : 1.0f);
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
-            const __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
-            _mm512_storeu_ps(s + 16 * b, r);
-            acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(r, qi));
+            delta[b] = _mm512_mul_ps(_mm512_set1_ps(a->beta[t]), _mm512_sub_ps(_mm512_loadu_ps(a->v + t * a->stride + j0 + 16 * b), pred[b]));
+            o[b] = pred[b] = _mm512_setzero_ps();
         }
+        for (int i = 0; i < dk; i++) {
+            float *s = S + (size_t)i * dv + j0;
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            QUANT_UNROLL(8)
+            for (int b = 0; b < nb; b++) {
+                __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
+                o[b] = _mm512_add_ps(o[b], _mm512_mul_ps(r, qi));
+                if (next) {
+                    r = _mm512_mul_ps(r, dn);
+                    pred[b] = _mm512_add_ps(pred[b], _mm512_mul_ps(r, _mm512_set1_ps(kn[i])));
+                }
+                _mm512_storeu_ps(s + 16 * b, r);
+            }
+        }
+        QUANT_UNROLL(8)
+        for (int b = 0; b < nb; b++) _mm512_storeu_ps(a->out + t * a->out_stride + j0 + 16 * b, o[b]);
     }
-    QUANT_UNROLL(8)
-    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out + j0 + 16 * b, acc[b]);
 }
 
-static QUANT_AVX512 void ops_delta_rule_avx512(float *S, int dk, int dv, const float *q, const float *k, const float *v,
-                                               float beta, float decay, float *out)
+static QUANT_AVX512 void ops_delta_rule_avx512(float *S, int dk, int dv, const struct ops_delta_tokens *a)
 {
     int j = 0;
-    for (; j + 128 <= dv; j += 128) ops_delta_rows_avx512(S, dk, dv, j, 8, q, k, v, beta, decay, out);
-    for (; j + 16 <= dv; j += 16) ops_delta_rows_avx512(S, dk, dv, j, 1, q, k, v, beta, decay, out);
-    ops_delta_rows_scalar(S, dk, dv, j, q, k, v, beta, decay, out);
+    for (; j + 128 <= dv; j += 128) ops_delta_rows_avx512(S, dk, dv, j, 8, a);
+    for (; j + 16 <= dv; j += 16) ops_delta_rows_avx512(S, dk, dv, j, 1, a);
+    ops_delta_rows_scalar(S, dk, dv, j, a);
 }
 
-static void ops_delta_rule(float *S, int dk, int dv, const float *q, const float *k, const float *v, float beta, float decay,
-                           float *out)
+/* The step for each of A's tokens in turn on the head's state S. */
+static void ops_delta_rule(float *S, int dk, int dv, const struct ops_delta_tokens *a)
 {
-    if (quant_level >= QUANT_LEVEL_AVX512) ops_delta_rule_avx512(S, dk, dv, q, k, v, beta, decay, out);
-    else if (quant_level >= QUANT_LEVEL_AVX2) ops_delta_rule_avx2(S, dk, dv, q, k, v, beta, decay, out);
-    else ops_delta_rows_scalar(S, dk, dv, 0, q, k, v, beta, decay, out);
+    if (quant_level >= QUANT_LEVEL_AVX512) ops_delta_rule_avx512(S, dk, dv, a);
+    else if (quant_level >= QUANT_LEVEL_AVX2) ops_delta_rule_avx2(S, dk, dv, a);
+    else ops_delta_rows_scalar(S, dk, dv, 0, a);
 }
 
 /* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
@@ -13518,14 +13530,22 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
      * parallel region instead of one a token. Each (token, head) does what it did alone. */
     #pragma omp parallel for schedule(static)
     for (int h = 0; h < nv; h++) {
-        int g = c->vhead_tiled ? h % nk : h / r;
+        const int g = c->vhead_tiled ? h % nk : h / r;
+        float beta[MODEL_BATCH], decay[MODEL_BATCH];
         for (int t = 0; t < T; t++) {
-            const float *x = s->mixed + (size_t)t * conv_dim;
+            beta[t] = ops_sigmoid(s->beta[(size_t)t * nv + h]);
+            decay[t] = ops_exp(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
+        }
+        for (int t0 = 0, t1; t0 < T; t0 = t1) { /* a sequence's tokens in one call */
+            for (t1 = t0 + 1; t1 < T && s->tok_seq[t1] == s->tok_seq[t0]; t1++) {}
+            const float *x = s->mixed + (size_t)t0 * conv_dim;
+            const struct ops_delta_tokens a = {x + (size_t)g * dk, x + (size_t)(nk + g) * dk, x + 2 * (size_t)nk * dk + (size_t)h * dv,
+                                               beta + t0, decay + t0, (size_t)conv_dim, (size_t)vdim,
+                                               s->core + (size_t)t0 * vdim + (size_t)h * dv, t1 - t0};
+            ops_delta_rule(s->tok_seq[t0]->state[il].ssm_state + (size_t)h * dv * dk, dk, dv, &a);
+        }
+        for (int t = 0; t < T; t++) {
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv, *z = s->z + (size_t)t * vdim + (size_t)h * dv;
-            float beta = ops_sigmoid(s->beta[(size_t)t * nv + h]);
-            float decay = ops_exp(ops_softplus(s->alpha[(size_t)t * nv + h] + l->dt_bias[h]) * l->ssm_a[h]);
-            ops_delta_rule(s->tok_seq[t]->state[il].ssm_state + (size_t)h * dv * dk, dk, dv, x + (size_t)g * dk,
-                           x + (size_t)(nk + g) * dk, x + 2 * (size_t)nk * dk + (size_t)h * dv, beta, decay, o);
             /* gated RMSNorm: norm(o) * w * silu(z) */
             ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
             ops_swiglu(z, NULL, dv);

@@ -1112,40 +1112,46 @@ static void test_widen_f16(void) {
 }
 
 /* The gated delta rule at every level against the plain serial row loop (state [dk][dv]),
- * on shapes with vector tails: the same bits. */
+ * token by token, on shapes with vector tails and runs of 1 and 3 tokens (one call for the
+ * run, each token's second pass and the next one's first as one): the same bits. */
 static void test_delta_rule(void) {
     static const int shapes[][2] = { {128, 128}, {16, 16}, {32, 48}, {7, 21}, {64, 200} };
+    enum { TOKENS = 3 };
+    const float beta[TOKENS] = {0.3f, 0.7f, 0.55f}, decay[TOKENS] = {0.9f, 0.97f, 0.6f};
     int bad = 0, bad_order = 0;
     char why[160] = "";
-    for (size_t c = 0; c < sizeof shapes / sizeof *shapes; c++) {
-        const int dk = shapes[c][0], dv = shapes[c][1];
-        float *s0 = plat_alloc((size_t)dk * dv * sizeof(float)), *s = plat_alloc((size_t)dk * dv * sizeof(float));
-        float *q = plat_alloc(dk * sizeof(float)), *k = plat_alloc(dk * sizeof(float)), *v = plat_alloc(dv * sizeof(float));
-        float *want = plat_alloc(dv * sizeof(float)), *out = plat_alloc(dv * sizeof(float));
-        fill_x(s0, dk * dv, X_RANDOM);
-        fill_x(q, dk, X_RANDOM);
-        fill_x(k, dk, X_RANDOM);
-        fill_x(v, dv, X_RANDOM);
-        float *ref = plat_alloc((size_t)dk * dv * sizeof(float));
-        memcpy(ref, s0, (size_t)dk * dv * sizeof(float));
-        for (int j = 0; j < dv; j++) {
-            float pred = 0, o = 0;
-            for (int i = 0; i < dk; i++) { ref[i * dv + j] *= 0.9f; pred += ref[i * dv + j] * k[i]; }
-            const float delta = 0.3f * (v[j] - pred);
-            for (int i = 0; i < dk; i++) { ref[i * dv + j] += k[i] * delta; o += ref[i * dv + j] * q[i]; }
-            want[j] = o;
+    for (size_t c = 0; c < sizeof shapes / sizeof *shapes; c++)
+        for (int n = 1; n <= TOKENS; n += TOKENS - 1) {
+            const int dk = shapes[c][0], dv = shapes[c][1], stride = 2 * dk + dv + 5;
+            float *s0 = plat_alloc((size_t)dk * dv * sizeof(float)), *s = plat_alloc((size_t)dk * dv * sizeof(float));
+            float *x = plat_alloc((size_t)n * stride * sizeof(float)), *ref = plat_alloc((size_t)dk * dv * sizeof(float));
+            float *want = plat_alloc((size_t)n * dv * sizeof(float)), *out = plat_alloc((size_t)n * dv * sizeof(float));
+            fill_x(s0, dk * dv, X_RANDOM);
+            fill_x(x, n * stride, X_RANDOM);
+            memcpy(ref, s0, (size_t)dk * dv * sizeof(float));
+            for (int t = 0; t < n; t++) {
+                const float *q = x + t * stride, *k = q + dk, *v = k + dk;
+                for (int j = 0; j < dv; j++) {
+                    float pred = 0, o = 0;
+                    for (int i = 0; i < dk; i++) { ref[i * dv + j] *= decay[t]; pred += ref[i * dv + j] * k[i]; }
+                    const float delta = beta[t] * (v[j] - pred);
+                    for (int i = 0; i < dk; i++) { ref[i * dv + j] += k[i] * delta; o += ref[i * dv + j] * q[i]; }
+                    want[t * dv + j] = o;
+                }
+            }
+            const struct ops_delta_tokens a = {x, x + dk, x + 2 * dk, beta, decay, (size_t)stride, (size_t)dv, out, n};
+            for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
+                quant_set_level(l);
+                memcpy(s, s0, (size_t)dk * dv * sizeof(float));
+                ops_delta_rule(s, dk, dv, &a);
+                const int differs = memcmp(out, want, (size_t)n * dv * sizeof(float)) || memcmp(s, ref, (size_t)dk * dv * sizeof(float));
+                if (l == QUANT_LEVEL_SCALAR) bad_order += differs;
+                else if (differs && !bad++)
+                    snprintf(why, sizeof why, "dk %d, dv %d, %d tokens: %s differs", dk, dv, n, quant_level_names[l]);
+            }
+            free(s0); free(s); free(x); free(ref); free(want); free(out);
         }
-        for (int l = QUANT_LEVEL_SCALAR; l <= max_level; l++) {
-            quant_set_level(l);
-            memcpy(s, s0, (size_t)dk * dv * sizeof(float));
-            ops_delta_rule(s, dk, dv, q, k, v, 0.3f, 0.9f, out);
-            const int differs = memcmp(out, want, dv * sizeof(float)) || memcmp(s, ref, (size_t)dk * dv * sizeof(float));
-            if (l == QUANT_LEVEL_SCALAR) bad_order += differs;
-            else if (differs && !bad++) snprintf(why, sizeof why, "dk %d, dv %d: %s differs", dk, dv, quant_level_names[l]);
-        }
-        free(s0); free(s); free(q); free(k); free(v); free(want); free(out); free(ref);
-    }
-    check(!bad_order, "delta rule: each row's dots are serial sums, the state i-major", "%d shapes differ", bad_order);
+    check(!bad_order, "delta rule: each row's dots are serial sums, the state i-major, a run's tokens in turn", "%d cases differ", bad_order);
     check(!bad, "delta rule: every level gives the scalar bits", "%s", why);
 }
 
