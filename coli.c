@@ -4950,22 +4950,12 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
  * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
  * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q6_K's quants go in
  * signed (q - 32), so that 4 steps add in int16; Q4_0's block adds its 8 steps in int16 and one
- * vpmaddwd (by ones) widens them. One core, cycles a 256 weights of all the columns against
- * quant_dotn: Q4_K 256 x 2048, 16 columns 576 -> 516-527, 64 2318 -> 1804; 2048 x 512 (an
- * expert's down product), 16 columns 860 -> 429; Q4_0 512 x 2048, 64 columns 2714 -> 1812; Q6_K
- * 2048 x 512, 16 columns 747 -> 452, 512 x 2048, 64 columns 2257 -> 1857. In the model (Zen 1,
- * 2 threads) a 512-token prompt of the Q4_K_M slice went from 36-37 to 44-48 tok/s. With
- * AVX-VNNI a step goes into int32 by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum
- * takes its scale by vpmulld; Q8_0, IQ4_NL and MXFP4, their bytes plus 128 too wide for
- * vpmaddubsw's int16 pairs, have a tile only there. One core, COLI_CPU=avx2 on Zen 5, GMAC/s
- * without -> with: 512 x 2048, 64 columns, Q4_K 56 -> 73, Q4_0 56 -> 64, Q8_0 (quant_dotn) 34
- * -> 64; 2048 x 512, 8 columns, Q4_K 56 -> 72. */
+ * vpmaddwd (by ones) widens them. With AVX-VNNI a step goes into int32 by one vpdpbusd
+ * (quant_avx2_dpbusd) and a K sub-block's sum takes its scale by vpmulld; Q8_0, IQ4_NL and
+ * MXFP4, their bytes plus 128 too wide for vpmaddubsw's int16 pairs, have a tile only there.
+ * Figures: README, Weight formats (AVX2 items). */
 
-/* The columns from which the AVX2 tiles pay, against quant_dotn (one core, cycles a 256
- * weights; a pass of fewer than 4 columns computes 4): from 4 (Q4_0 rows of 2048: 4 columns +9%,
- * 6 +2%, 8 +29%; of 512, 4 columns: Q4_0 +43%, Q4_K +32%, Q5_K +22%; 2 and 3 columns even or
- * less), but K rows longer than 2 super-blocks from 12 (512 x 2048: Q4_K 8 columns -5%, 10
- * -8%, 12 +7%, 16 +12%; Q6_K 12 +6%, 16 +12%). */
+/* The columns from which the AVX2 tiles pay, against quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
@@ -12433,6 +12423,7 @@ struct model_scratch {
     float *ex_g, *ex_u;      /* [B * n_expert_used][max(expert_ff, shexp_ff, ff)] */
     float *ex_y;             /* [B * n_expert_used][dim] the gathered tokens' expert outputs */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
+    const float **ex_src;    /* [B * n_expert_used] where it is: its ex_out row, or the CPU's ex_y row */
     /* routed experts on devices (§5), and the shared expert where it joins them: the jobs of a
      * layer, grouped by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
@@ -12809,6 +12800,7 @@ static void model_alloc_scratch(struct model *m)
     s->ex_u = model_buf(B * (used ? used : 1), ffmax ? ffmax : 1, 1);
     s->ex_y = model_buf(B * (used ? used : 1), c->dim, 1);
     s->ex_out = model_buf(B * (used ? used : 1), c->dim, 1);
+    s->ex_src = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof *s->ex_src);
     s->ex_dev = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->ex_table = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof *s->ex_table);
     s->dev_jobs = plat_zalloc((size_t)(B * (used + 1)), sizeof *s->dev_jobs);
@@ -13246,7 +13238,7 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
+    void *ints[] = {s->top, s->slot_of, (void *)s->ex_src, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
                     s->chain, s->dn, s->attn_dev};
     for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
@@ -13653,12 +13645,14 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
  * pointer stays valid after the next expert_next): each expert's tokens are gathered into
  * ex_in, then up to OPS_MAX_JOBS / 2 experts at a time run as two batches of products, gates
  * and ups, then downs, so that a layer pays a few parallel regions rather than two per expert.
- * Each output is bit-identical to the expert's own ops_matmat; it lands in ex_out[assignment]. */
-static void model_routed_experts_mapped(struct model *m, int T)
+ * Each output is bit-identical to the expert's own ops_matmat; it stays in ex_y, its row there
+ * in ex_src[assignment] (a prompt's 4096 rows of 8 KiB on the 35B, scattered, were 8% of the
+ * experts' time), or with TO_EX_OUT is copied to ex_out[assignment]. */
+static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 {
     const struct model_config *c = &m->cfg;
     struct model_scratch *s = &m->s;
-    int ff = c->expert_ff, n = 0, rows = 0;
+    int ff = c->expert_ff, n = 0, rows = 0, done = 0; /* DONE: ex_y's rows of the batches before */
     size_t dim = (size_t)c->dim;
     struct ops_job up[OPS_MAX_JOBS], down[OPS_MAX_JOBS / 2];
     struct ops_matrix w[3];
@@ -13671,7 +13665,7 @@ static void model_routed_experts_mapped(struct model *m, int T)
             float *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
             up[2 * n] = (struct ops_job){w[0], x, g, count};
             up[2 * n + 1] = (struct ops_job){w[1], x, u, count};
-            down[n++] = (struct ops_job){w[2], g, s->ex_y + first * dim, count};
+            down[n++] = (struct ops_job){w[2], g, s->ex_y + (done + first) * dim, count};
             rows += count;
         }
         if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
@@ -13679,21 +13673,25 @@ static void model_routed_experts_mapped(struct model *m, int T)
         ops_matmat_jobs(up, 2 * n);
         ops_swiglu_rows(s->ex_g, s->ex_u, rows, ff);
         ops_matmat_jobs(down, n);
-        model_scatter_rows(m, s->ex_y, rows);
+        if (to_ex_out) model_scatter_rows(m, s->ex_y + done * dim, rows);
+        for (int r = 0; r < rows && !to_ex_out; r++) s->ex_src[s->slot_of[r]] = s->ex_y + (done + r) * dim;
+        done += rows;
         n = rows = 0;
     }
 }
 
 /* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over
- * the tokens that chose it, its output landing in ex_out[t * used + k]. The store hands the
- * experts out as their bytes arrive; each output has its own place, so that order does not
+ * the tokens that chose it, its output landing where ex_src[t * used + k] says (ex_out's row
+ * unless model_routed_experts_mapped keeps it; always there with TO_EX_OUT). The store hands
+ * the experts out as their bytes arrive; each output has its own place, so that order does not
  * change the sums. */
-static void model_routed_experts(struct model *m, int T)
+static void model_routed_experts(struct model *m, int T, int to_ex_out)
 {
     struct model_scratch *s = &m->s;
     struct ops_matrix w[3]; /* gate, up, down */
+    for (int a = 0; a < T * m->cfg.n_expert_used; a++) s->ex_src[a] = s->ex_out + (size_t)a * m->cfg.dim;
     if (m->experts->mapped) {
-        model_routed_experts_mapped(m, T);
+        model_routed_experts_mapped(m, T, to_ex_out);
         return;
     }
     for (int e; (e = expert_next(m->experts, w)) >= 0;) {
@@ -13901,7 +13899,7 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
         model_want_experts(m, il, T);
         int cpu_jobs = 0;
         for (int k = 0; k < m->experts->n_want; k++) cpu_jobs += s->want_count[m->experts->want[k]];
-        model_routed_experts(m, T);
+        model_routed_experts(m, T, 1);
         if (expert_recover(m->experts, m->error, sizeof m->error)) return -2;
         if (cuda_moe_layer_resume(dev, L, stride, s->ex_out, cpu_jobs, T)) return -1;
     }
@@ -13950,7 +13948,7 @@ static void model_ffn(struct model *m, int il, int T)
     int shexp_late = shexp_apart && model_behind_device_batch(m, &l->shexp_down);
     if (shexp_apart && !shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
-    model_routed_experts(m, T);
+    model_routed_experts(m, T, 0);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
     if (shexp_late) ops_matmat(&l->shexp_down, s->sh_h, s->sh_out, T);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
@@ -13960,7 +13958,7 @@ static void model_ffn(struct model *m, int il, int T)
     for (int t = 0; t < T; t++) {
         float *o = s->out + (size_t)t * c->dim;
         for (int k = 0; k < c->n_expert_used; k++) {
-            const float *e = s->ex_out + ((size_t)t * c->n_expert_used + k) * c->dim;
+            const float *e = s->ex_src[(size_t)t * c->n_expert_used + k];
             float w = s->top_w[(size_t)t * c->n_expert_used + k];
             for (int i = 0; i < c->dim; i++) o[i] = k ? o[i] + e[i] * w : e[i] * w;
         }
