@@ -2008,8 +2008,12 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 
 /* Software prefetch distance of the SIMD kernels, in weight bytes: far enough ahead that a
  * line arrives before the kernel reaches it, which grows with the memory's latency times the
- * rate a core consumes weights: on a VM reading 70-90 GB/s no format lost at 4 KiB, where a
- * host reading ~30 GB/s had its best at 1 KiB (README, Software prefetch distance). */
+ * rate a core consumes weights. Measured on an AMD EPYC (Zen 5-class) VM reading 70-90 GB/s
+ * with 2 threads, one 768 MiB matrix of 4096 columns, the distances alternated in one process,
+ * medians of 9 in GB/s for 1, 2, 4 and 8 KiB ahead: AVX-512 Q4_K 47.4 51.5 55.4 50.1, Q5_K 44.2
+ * 47.3 52.8 49.2, Q6_K 54.0 59.7 62.0 61.2, Q8_0 53.5 54.4 58.2 59.2, Q4_0 42.8 44.6 45.3 43.4;
+ * AVX2 Q4_K 43.5 46.1 47.7 42.1; 512-column Q4_K rows (the experts' down) 42.2 46.9 51.7 52.2;
+ * no format lost at 4 KiB. An older host reading ~30 GB/s had its best at 1 KiB. */
 #define QUANT_PREFETCH 4096
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (Q6_K 154 ->
@@ -6301,14 +6305,12 @@ struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
 #define OPS_ACT_BLOCK (32 << 10) /* bytes of prepared columns a row chunk takes at a time (L1: 48 KiB) */
 
-/* One product of a batch (ops_matmat_jobs): y[n][rows] = W·x[n][cols], column t of x its row
- * t, or row ROWS[t] where ROWS is given (an expert's tokens, read where they lie). */
+/* One product of a batch (ops_matmat_jobs): y[n][rows] = W·x[n][cols]. */
 struct ops_job {
     struct ops_matrix w;
     const float *x;
     float *y;
     int n;
-    const int *rows;
 };
 
 #define OPS_MAX_JOBS 64
@@ -6369,8 +6371,7 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
         int j = 0;
         while (i >= first_col[j + 1]) j++;
         const int64_t t = i - first_col[j];
-        const size_t row = (size_t)(jobs[j].rows ? jobs[j].rows[t] : t);
-        quant_act_prepare(jobs[j].w.type, jobs[j].x + row * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
+        quant_act_prepare(jobs[j].w.type, jobs[j].x + (size_t)t * jobs[j].w.cols, jobs[j].w.cols, act + off[j] + (size_t)t * stride[j]);
     }
 }
 
@@ -6446,11 +6447,11 @@ static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_
 
 /* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
  * rows, so that several small products pay one parallel region and its barrier, and each
- * thread has rows of every matrix in flight. Jobs with the same x, rows, n, type and width
- * share one prepared activation (and, on a device, one upload). Job j's y is bit-identical
- * whatever the batch, the thread count or the device. Caller: quant_init done; at most
- * OPS_MAX_JOBS jobs; no y overlaps an x; one caller at a time; at most OPS_COLUMN_BLOCK
- * columns a job (ops_matmat_jobs). */
+ * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
+ * prepared activation (and, on a device, one upload). Job j's y is bit-identical whatever the
+ * batch, the thread count or the device. Caller: quant_init done; at most OPS_MAX_JOBS jobs;
+ * no y overlaps an x; one caller at a time; at most OPS_COLUMN_BLOCK columns a job
+ * (ops_matmat_jobs). */
 static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1];
@@ -6461,9 +6462,7 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
         const struct ops_matrix *w = &jobs[j].w;
         ops_check_matrix(w);
         int i = 0;
-        while (i < j && (jobs[i].x != jobs[j].x || jobs[i].rows != jobs[j].rows || jobs[i].n != jobs[j].n || jobs[i].w.type != w->type ||
-                         jobs[i].w.cols != w->cols))
-            i++;
+        while (i < j && (jobs[i].x != jobs[j].x || jobs[i].n != jobs[j].n || jobs[i].w.type != w->type || jobs[i].w.cols != w->cols)) i++;
         own[j] = i == j;
         off[j] = own[j] ? end : off[i];
         stride[j] = ops_act_stride(w);
@@ -6530,8 +6529,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
         for (int j = 0; j < n_jobs; j++) {
             if (jobs[j].n <= c0) continue;
             part[k] = jobs[j];
-            if (part[k].rows) part[k].rows += c0;
-            else part[k].x += (size_t)c0 * (size_t)jobs[j].w.cols;
+            part[k].x += (size_t)c0 * (size_t)jobs[j].w.cols;
             part[k].y += (size_t)c0 * (size_t)jobs[j].w.rows;
             part[k++].n = jobs[j].n - c0 < OPS_COLUMN_BLOCK ? jobs[j].n - c0 : OPS_COLUMN_BLOCK;
         }
@@ -6542,7 +6540,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
 /* y[n][rows] = W·x[n][cols]. Caller: as ops_matmat_jobs. The weight row stays in cache while
  * the n columns use it. */
 static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
-    struct ops_job job = {*w, x, y, n, NULL};
+    struct ops_job job = {*w, x, y, n};
     ops_matmat_jobs(&job, 1);
 }
 
@@ -12420,7 +12418,6 @@ struct model_scratch {
     int *top;                /* [B][n_expert_used] chosen experts, best first */
     float *top_w;            /* [B][n_expert_used] renormalised weights */
     int *slot_of;            /* [B * n_expert_used] assignment order grouped by expert */
-    int *tok_of;             /* [B * n_expert_used] the token of each slot_of entry */
     int *want, *want_count;  /* [n_expert] experts routed in a layer, tokens routed to each */
     float *ex_in;            /* [B * n_expert_used][dim] tokens gathered by expert */
     float *ex_g, *ex_u;      /* [B * n_expert_used][max(expert_ff, shexp_ff, ff)] */
@@ -12796,7 +12793,6 @@ static void model_alloc_scratch(struct model *m)
     s->top = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
     s->top_w = model_buf(B, used ? used : 1, 1);
     s->slot_of = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
-    s->tok_of = plat_zalloc((size_t)(B * (used ? used : 1)), sizeof(int));
     s->want = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->want_count = plat_zalloc((size_t)(c->n_expert ? c->n_expert : 1), sizeof(int));
     s->ex_in = model_buf(B * (used ? used : 1), c->dim, 1);
@@ -13242,7 +13238,7 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, s->tok_of, (void *)s->ex_src, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
+    void *ints[] = {s->top, s->slot_of, (void *)s->ex_src, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
                     s->chain, s->dn, s->attn_dev};
     for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
@@ -13354,19 +13350,19 @@ static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs
     const struct model_layer *l = &m->layers[il];
     struct model_scratch *s = &m->s;
     if (l->kind == MODEL_LAYER_ATTENTION) {
-        jobs[0] = (struct ops_job){l->wq, s->xn, s->qg, T, NULL};
-        jobs[1] = (struct ops_job){l->wk, s->xn, s->k, T, NULL};
-        jobs[2] = (struct ops_job){l->wv, s->xn, s->v, T, NULL};
+        jobs[0] = (struct ops_job){l->wq, s->xn, s->qg, T};
+        jobs[1] = (struct ops_job){l->wk, s->xn, s->k, T};
+        jobs[2] = (struct ops_job){l->wv, s->xn, s->v, T};
         return 3;
     }
-    jobs[0] = (struct ops_job){l->wqkv, s->xn, s->mixed, T, NULL};
-    jobs[1] = (struct ops_job){l->wz, s->xn, s->z, T, NULL};
+    jobs[0] = (struct ops_job){l->wqkv, s->xn, s->mixed, T};
+    jobs[1] = (struct ops_job){l->wz, s->xn, s->z, T};
     if (m->cfg.arch == MODEL_ARCH_QWEN3NEXT) {
-        jobs[2] = (struct ops_job){l->wba, s->xn, s->ba, T, NULL};
+        jobs[2] = (struct ops_job){l->wba, s->xn, s->ba, T};
         return 3;
     }
-    jobs[2] = (struct ops_job){l->wbeta, s->xn, s->beta, T, NULL};
-    jobs[3] = (struct ops_job){l->walpha, s->xn, s->alpha, T, NULL};
+    jobs[2] = (struct ops_job){l->wbeta, s->xn, s->beta, T};
+    jobs[3] = (struct ops_job){l->walpha, s->xn, s->alpha, T};
     return 4;
 }
 
@@ -13558,7 +13554,7 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
                          const struct ops_matrix *down, const float *in, float *out, int n)
 {
     struct model_scratch *s = &m->s;
-    const struct ops_job gate_up[] = {{*gate, in, s->ex_g, n, NULL}, {*up, in, s->ex_u, n, NULL}};
+    const struct ops_job gate_up[] = {{*gate, in, s->ex_g, n}, {*up, in, s->ex_u, n}};
     ops_matmat_jobs(gate_up, 2);
     ops_swiglu_rows(s->ex_g, s->ex_u, n, down->cols);
     ops_matmat(down, s->ex_g, out, n);
@@ -13614,17 +13610,14 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on, their
- * tokens in tok_of; returns how many. */
+/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on;
+ * returns how many. model_gather_rows then copies their tokens. */
 static int model_gather_tokens(struct model *m, int e, int T, int first)
 {
     struct model_scratch *s = &m->s;
     int used = m->cfg.n_expert_used, rows = first;
     for (int a = 0; a < T * used; a++)
-        if (s->top[a] == e) {
-            s->tok_of[rows] = a / used;
-            s->slot_of[rows++] = a;
-        }
+        if (s->top[a] == e) s->slot_of[rows++] = a;
     return rows - first;
 }
 
@@ -13649,12 +13642,12 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
 }
 
 /* The routed experts the CPU computes for T tokens when the store hands them out in place (a
- * pointer stays valid after the next expert_next): up to OPS_MAX_JOBS / 2 experts at a time
- * run as two batches of products, gates and ups (each reading its tokens' rows of xn where
- * they lie), then downs, so that a layer pays a few parallel regions rather than two per
- * expert. Each output is bit-identical to the expert's own ops_matmat; it stays in ex_y, its
- * row in ex_src[assignment], or with TO_EX_OUT is copied to ex_out[assignment] (README,
- * Prompts: neither copy paid). */
+ * pointer stays valid after the next expert_next): each expert's tokens are gathered into
+ * ex_in, then up to OPS_MAX_JOBS / 2 experts at a time run as two batches of products, gates
+ * and ups, then downs, so that a layer pays a few parallel regions rather than two per expert.
+ * Each output is bit-identical to the expert's own ops_matmat; it stays in ex_y, its row there
+ * in ex_src[assignment] (a prompt's 4096 rows of 8 KiB on the 35B, scattered, were 8% of the
+ * experts' time), or with TO_EX_OUT is copied to ex_out[assignment]. */
 static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 {
     const struct model_config *c = &m->cfg;
@@ -13666,17 +13659,17 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
     for (int e = 0; e >= 0;) {
         if ((e = expert_next(m->experts, w)) >= 0) {
             int first = rows, count = model_gather_tokens(m, e, T, first);
-            /* an expert of one token reads that token's row alone: experts of the same token then
-             * share one prepared activation (decode: one for the layer's gates and ups, not 8) */
-            const float *x = s->xn + (count == 1 ? (size_t)s->tok_of[first] * dim : 0);
-            const int *at = count == 1 ? NULL : s->tok_of + first;
+            /* an expert of one token reads that token's row in place: experts of the same token
+             * then share one prepared activation (decode: one for the layer's gates and ups, not 8) */
+            const float *x = count == 1 ? s->xn + (size_t)(s->slot_of[first] / c->n_expert_used) * dim : s->ex_in + first * dim;
             float *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
-            up[2 * n] = (struct ops_job){w[0], x, g, count, at};
-            up[2 * n + 1] = (struct ops_job){w[1], x, u, count, at};
-            down[n++] = (struct ops_job){w[2], g, s->ex_y + (done + first) * dim, count, NULL};
+            up[2 * n] = (struct ops_job){w[0], x, g, count};
+            up[2 * n + 1] = (struct ops_job){w[1], x, u, count};
+            down[n++] = (struct ops_job){w[2], g, s->ex_y + (done + first) * dim, count};
             rows += count;
         }
         if (!n || (e >= 0 && n < OPS_MAX_JOBS / 2)) continue;
+        if (rows > n) model_gather_rows(m, 0, rows); /* else every expert has one token, read in place */
         ops_matmat_jobs(up, 2 * n);
         ops_swiglu_rows(s->ex_g, s->ex_u, rows, ff);
         ops_matmat_jobs(down, n);
@@ -13942,8 +13935,8 @@ static void model_ffn(struct model *m, int il, int T)
      * (unless the shared expert runs in a device's expert batch) */
     struct cuda_expert sh_e = {0, 0, 0};
     int shd = model_shexp_device(m, il, &sh_e), shexp_apart = c->shexp_ff && shd < 0;
-    const struct ops_job first[] = {{l->router, s->xn, s->router, T, NULL}, {l->shexp_gate_inp, s->xn, s->sh_gate, T, NULL},
-                                    {l->shexp_gate, s->xn, s->sh_h, T, NULL}, {l->shexp_up, s->xn, s->ex_u, T, NULL}};
+    const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
+                                    {l->shexp_gate, s->xn, s->sh_h, T}, {l->shexp_up, s->xn, s->ex_u, T}};
     ops_matmat_jobs(first, shexp_apart ? 4 : c->shexp_ff ? 2 : 1);
     if (shexp_apart) ops_swiglu_rows(s->sh_h, s->ex_u, T, c->shexp_ff);
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
@@ -14023,7 +14016,7 @@ static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_
     const struct model_layer *l = &m->layers[il];
     const struct ops_matrix *wo = l->kind == MODEL_LAYER_ATTENTION ? &l->wo : &l->wout;
     const int last = il + 1 == m->cfg.n_layers;
-    next[0] = (struct ops_job){m->lm_head, m->s.xn, m->s.logits, T, NULL};
+    next[0] = (struct ops_job){m->lm_head, m->s.xn, m->s.logits, T};
     int n_next = !cuda.ready ? 0 : !last ? model_mixer_jobs(m, il + 1, T, next) : head;
     return model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, L);
 }

@@ -82,7 +82,7 @@ static void check_jobs(int real, int T)
     float *x = random_x(T, 512), *cpu[5], *gpu[5];
     int placed = 1, same = 1;
     for (int j = 0; j < 5; j++) {
-        jobs[j] = (struct ops_job){random_matrix(jt[j], rows[j], 512), x, NULL, T, NULL};
+        jobs[j] = (struct ops_job){random_matrix(jt[j], rows[j], 512), x, NULL, T};
         cpu[j] = plat_alloc((size_t)T * rows[j] * 4);
         gpu[j] = plat_alloc((size_t)T * rows[j] * 4);
         ops_matmat(&jobs[j].w, x, cpu[j], T);
