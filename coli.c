@@ -7822,7 +7822,7 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
             pred = pred + *s * a->k[i];
         }
         for (int t = 0; t < a->n; t++) {
-            const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
+            const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = t + 1 < a->n ? k + a->stride : k;
             const float delta = a->beta[t] * (a->v[t * a->stride + j] - pred);
             float o = 0.0f;
             pred = 0.0f;
@@ -7857,8 +7857,8 @@ QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int
         }
     }
     for (int t = 0; t < a->n; t++) {
-        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
         const int next = t + 1 < a->n;
+        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k;
         const __m256 dn = _mm256_set1_ps(next ? a->decay[t + 1] : 1.0f);
         QUANT_UNROLL(4)
         for (int b = 0; b < nb; b++) {
@@ -7909,8 +7909,8 @@ QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0,
         }
     }
     for (int t = 0; t < a->n; t++) {
-        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = k + a->stride;
         const int next = t + 1 < a->n;
+        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k;
         const __m512 dn = _mm512_set1_ps(next ? a->decay[t + 1] : 1.0f);
         QUANT_UNROLL(8)
         for (int b = 0; b < nb; b++) {
@@ -13238,8 +13238,8 @@ static void model_free(struct model *m)
     float *bufs[] = {s->x, s->xn, s->out, s->qg, s->k, s->v, s->attn, s->scores, s->rope, s->mixed, s->z,
                      s->beta, s->alpha, s->ba, s->core, s->router, s->top_w, s->ex_in, s->ex_g, s->ex_u,
                      s->ex_out, s->sh_h, s->sh_out, s->sh_gate, s->logits, s->dev_out, s->ex_y};
-    void *ints[] = {s->top, s->slot_of, (void *)s->ex_src, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot, s->tok_seq, s->tok_pos,
-                    s->chain, s->dn, s->attn_dev};
+    void *ints[] = {s->top, s->slot_of, (void *)s->ex_src, s->want, s->want_count, s->ex_dev, s->ex_table, s->dev_jobs, s->dev_slot,
+                    s->tok_seq, s->tok_pos, s->chain, s->dn, s->attn_dev};
     for (int i = 0; i < CUDA_MAX_DEVICES; i++) free(s->chain_stage[i]);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
     free(s->splits.buf);
@@ -13674,7 +13674,8 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
         ops_swiglu_rows(s->ex_g, s->ex_u, rows, ff);
         ops_matmat_jobs(down, n);
         if (to_ex_out) model_scatter_rows(m, s->ex_y + done * dim, rows);
-        for (int r = 0; r < rows && !to_ex_out; r++) s->ex_src[s->slot_of[r]] = s->ex_y + (done + r) * dim;
+        else
+            for (int r = 0; r < rows; r++) s->ex_src[s->slot_of[r]] = s->ex_y + (done + r) * dim;
         done += rows;
         n = rows = 0;
     }
