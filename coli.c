@@ -2008,12 +2008,8 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 
 /* Software prefetch distance of the SIMD kernels, in weight bytes: far enough ahead that a
  * line arrives before the kernel reaches it, which grows with the memory's latency times the
- * rate a core consumes weights. Measured on an AMD EPYC (Zen 5-class) VM reading 70-90 GB/s
- * with 2 threads, one 768 MiB matrix of 4096 columns, the distances alternated in one process,
- * medians of 9 in GB/s for 1, 2, 4 and 8 KiB ahead: AVX-512 Q4_K 47.4 51.5 55.4 50.1, Q5_K 44.2
- * 47.3 52.8 49.2, Q6_K 54.0 59.7 62.0 61.2, Q8_0 53.5 54.4 58.2 59.2, Q4_0 42.8 44.6 45.3 43.4;
- * AVX2 Q4_K 43.5 46.1 47.7 42.1; 512-column Q4_K rows (the experts' down) 42.2 46.9 51.7 52.2;
- * no format lost at 4 KiB. An older host reading ~30 GB/s had its best at 1 KiB. */
+ * rate a core consumes weights: on a VM reading 70-90 GB/s no format lost at 4 KiB, where a
+ * host reading ~30 GB/s had its best at 1 KiB (README, Software prefetch distance). */
 #define QUANT_PREFETCH 4096
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (Q6_K 154 ->
@@ -3375,8 +3371,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
             quant_avx512_legacy_group(t, w + (size_t)(r + i) * rb, wl, wh, &dw, &mw);
             v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
         }
-        /* unrolled, and stored under a mask instead of through a copy on the stack: one core in
-         * cache, 4096 rows of 512, GB/s: Q4_0 38-40 -> 44, MXFP4 29-31 -> 34-36, Q8_0 43-45 -> 47-50 */
+        /* unrolled, and stored under a mask instead of through a copy on the stack (README, Weight
+         * formats: 8-18% faster) */
         _mm_mask_storeu_ps(y + r, (__mmask8)(nrows - r >= 4 ? 0xf : (1 << (nrows - r)) - 1), quant_avx512_reduce4(v));
     }
 }
@@ -3449,8 +3445,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
 /* The 16 scales of a super-block's 16-groups (SC, int16) as the word multipliers of its 4
  * registers of 64 values: lane L (128 bits) of register j is group 4j + L. One word permute
  * puts groups L, 4 + L, 8 + L and 12 + L in lane L, then an in-lane byte shuffle makes each
- * register (measured, one core in cache: Q6_K 3.87-3.91 -> 3.70-3.73 ns a super-block, Q3_K
- * 5.35-5.43 -> 5.16-5.25, against a word permute a register). */
+ * register (4-5% faster than a word permute a register: README, Weight formats). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -3947,12 +3942,8 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
- * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop unrolled:
- * one core in cache, 4096 rows of 512, GB/s rolled -> unrolled on Zen 5: Q4_K 30-31 -> 34,
- * Q5_K 31 -> 34-35, Q6_K 42-44 -> 46-50, Q2_K 19-20 -> 22-23, Q3_K 19 -> 22, IQ4_XS 24-25 ->
- * 27-29, IQ3 17-18 -> 19. (An earlier build on another machine had measured Q4_K the other way,
- * 21 rolled against 17 unrolled, from spills; the several-column group stays rolled: there
- * unrolled was no faster, and slower for Q6_K and IQ4_XS.) */
+ * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop unrolled
+ * (1.1-1.2x on Zen 5; the several-column group stays rolled: README, Weight formats). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -4797,9 +4788,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
 /* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
  * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
  * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
- * changed the register allocation of the kernels around it (one core in cache: Q8_0 tiles 2048
- * columns x 256 5% slower, then 4% faster out of line; interleaved Q4_K rows of 512, 16
- * columns, 100 -> 83 us). */
+ * changed the register allocation of the kernels around it (README, the tiles' figures). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         for (int s = QUANT_NPART / 2; s > 0; s /= 2)
@@ -4825,7 +4814,7 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
 /* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q6_K if SIX, else Q4_K, or
  * Q5_K if FIVE) with column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds
  * quant_tile_bytes(t, n). SIX is a constant where this is inlined: one function with both units
- * ran the Q4_K tiles 30% slower (2 threads, 512 x 2048, 8 columns: 172-179 -> 121-129 GMAC/s). */
+ * ran the Q4_K tiles 30% slower (README, the tiles' figures). */
 QUANT_AVX512_INLINE void quant_tile_k(const uint8_t *w, size_t rb, int six, int five, const uint8_t *acts, size_t stride, int nc,
                                       int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5343,8 +5332,7 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
  * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up; IQ3: looked up by VBMI,
  * a vector per coordinate, with its signs) is vpdpbusd's operand
  * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
- * as quant_dot_k. Q4_K, one core, 2048 x 2048 in cache, one column: 69 -> 38 us; two threads
- * 40.5 -> 20.2 us; 16 columns (tiles before) 369 -> 169 us, 64 columns 1077 -> 654 us. */
+ * as quant_dot_k (Q4_K one column 1.8x faster, 16 columns 2.2x: README, Weight formats). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
  * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
@@ -5373,10 +5361,7 @@ QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
 
 /* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
  * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README, Weight formats, has their
- * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved:
- * one core, in cache, 512 x 2048 at 1 / 4 / 16 / 64 columns, 32.5 / 60.5 / 68.0 / 67.4 GMAC/s
- * against the rows' and tiles' 31.1 / 47.6 / 63.7 / 70.7 (Q4_K: 47.9 / 74.7 / 79.0 / 80.4
- * against 37.6 / 51.9 / 57.6 / 63.1). */
+ * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved. */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS;
     return plat_cpu.avxvnni && format;
@@ -6328,10 +6313,7 @@ static struct ops_scratch ops_act_buf, ops_tile_buf;
 
 /* Bytes left unused between two threads' quant_tile scratch. Back to back, each thread's
  * writes to its own (50 KiB for 16 rows of 2048 Q4_K, rewritten every tile) ran next to the
- * other's, and the second thread took twice the cycles a tile (TSC, one core's tiles beside the
- * other's: 4.5k against 8.3k). A scratch harness, 2 threads, 8 Q4_K matrices of 512 x 2048 by
- * 8 columns, GMAC/s by the gap: none 118-119, 8 KiB 126, 16 KiB 137, 32 KiB 158-188, 64 KiB 167,
- * 128 KiB 193; one thread alone 118-124. */
+ * other's, and the second thread took twice the cycles a tile (README, Prompts: the gap). */
 #define OPS_TILE_GAP (128 << 10)
 
 /* Bytes of one prepared activation column of COLS for weights of TYPE (or of matrix W),
@@ -11321,9 +11303,8 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
  * page tables (reading from the disk what the page cache lacks; ~0.2 us a page here against
  * ~1.5 us a fault), then one read a page warms what lies below them (on this project's VMs the
- * hypervisor's own tables: ~1.8 us a page on the first touch, even with the page tables filled).
- * Without it the first 64-token batch of a 4-layer 35B-A3B slice ran its experts' gate/up at
- * 16-23 GMAC/s, the next ones at 60-110; with it the first at 38-99. A range the kernel refuses
+ * hypervisor's own tables: ~1.8 us a page on the first touch, even with the page tables filled;
+ * README, Prompts: the first batch). A range the kernel refuses
  * (a file cut short) ends it: the forward pass then says what is wrong. A kernel without
  * MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file cut short ends the process
  * with model_on_sigbus's one line, as a forward pass reading it would. The thread runs only on idle cores
@@ -13115,9 +13096,8 @@ static double model_decode_bytes(struct model *m, double *trunk)
 /* Copies the dense trunk matrices that stay on the CPU (none resident on a device) out of the
  * mapping into one anonymous arena and computes from there; the process lets go of the file's
  * pages (the page cache keeps them for the next start, and gives them up first when memory is
- * short). Why: on this machine a 515 MiB Q8_0 lm_head streams at 22.4 GB/s from anonymous
- * memory but 17 GB/s in place from the page cache; the 35B's 10-layer slice decodes 11.7 ->
- * 14.7 tok/s, the 35B 3.8-4.3 -> 4.5-4.6. The routed experts are §6's (expert_own copies
+ * short). Why: anonymous memory streams faster than the page cache (README, Models larger than
+ * memory). The routed experts are §6's (expert_own copies
  * them where memory allows: model_copies). A matrix with an interleaved form (§3
  * quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS at AVX-512, IQ3_XXS and IQ3_S at
  * avx512vbmi) is copied into it interleaved. */
@@ -13433,16 +13413,13 @@ static const float *model_attention(struct model *m, int il, int T)
 /* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
  * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state
  * keeps the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs
- * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar) and each
- * channel's sum keeps its order. */
+ * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar), as wide as the
+ * level's function it is inlined into allows, and each channel's sum keeps its order. */
 #define MODEL_CONV_BLOCK 256
 
-static void model_conv_step(const struct model_config *c, const float *taps, float *state, float *x, int64_t c0, int64_t c1)
+static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
 {
-    const int K = c->conv_kernel, w = (int)(c1 - c0);
-    const int64_t n = model_conv_dim(c);
     float sum[MODEL_CONV_BLOCK];
-    taps += c0, state += c0, x += c0;
     #pragma omp simd
     for (int i = 0; i < w; i++) sum[i] = 0.0f;
     for (int j = 0; j < K - 1; j++) {
@@ -13461,6 +13438,25 @@ static void model_conv_step(const struct model_config *c, const float *taps, flo
     }
     #pragma omp simd
     for (int i = 0; i < w; i++) x[i] = sum[i];
+}
+
+static QUANT_AVX512 void model_conv_avx512(const float *taps, float *state, float *x, int64_t n, int K, int w)
+{
+    model_conv_lanes(taps, state, x, n, K, w);
+}
+
+static QUANT_AVX2 void model_conv_avx2(const float *taps, float *state, float *x, int64_t n, int K, int w)
+{
+    model_conv_lanes(taps, state, x, n, K, w);
+}
+
+static void model_conv_step(const struct model_config *c, const float *taps, float *state, float *x, int64_t c0, int64_t c1)
+{
+    const int K = c->conv_kernel, w = (int)(c1 - c0);
+    const int64_t n = model_conv_dim(c);
+    if (quant_level >= QUANT_LEVEL_AVX512) model_conv_avx512(taps + c0, state + c0, x + c0, n, K, w);
+    else if (quant_level >= QUANT_LEVEL_AVX2) model_conv_avx2(taps + c0, state + c0, x + c0, n, K, w);
+    else model_conv_lanes(taps + c0, state + c0, x + c0, n, K, w);
 }
 
 /* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for the T tokens of a batch, in
@@ -13916,6 +13912,37 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     return 0;
 }
 
+/* A token's MoE output O: its USED experts' outputs E[k] weighed by W[k] in turn, then the shared
+ * expert's SH gated by G (SH NULL: none), in vector lanes as model_conv_lanes. */
+static inline __attribute__((always_inline)) void model_moe_sum_lanes(float *o, const float *const *e, const float *w, int used, int dim,
+                                                                      const float *sh, float g)
+{
+    for (int k = 0; k < used; k++) {
+        const float *x = e[k], wk = w[k];
+        if (k == 0) {
+            #pragma omp simd
+            for (int i = 0; i < dim; i++) o[i] = x[i] * wk;
+        } else {
+            #pragma omp simd
+            for (int i = 0; i < dim; i++) o[i] = o[i] + x[i] * wk;
+        }
+    }
+    if (sh) {
+        #pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = o[i] + sh[i] * g;
+    }
+}
+
+static QUANT_AVX512 void model_moe_sum_avx512(float *o, const float *const *e, const float *w, int used, int dim, const float *sh, float g)
+{
+    model_moe_sum_lanes(o, e, w, used, dim, sh, g);
+}
+
+static QUANT_AVX2 void model_moe_sum_avx2(float *o, const float *const *e, const float *w, int used, int dim, const float *sh, float g)
+{
+    model_moe_sum_lanes(o, e, w, used, dim, sh, g);
+}
+
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
  * order of the chosen experts, best first. The experts resident on a device are queued there
  * first, with the shared expert where it can join them (model_shexp_device). Otherwise the
@@ -13955,18 +13982,15 @@ static void model_ffn(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     model_experts_device_finish(m, il);
     model_phase_mark(m, MODEL_PHASE_EXPERTS);
+    const size_t used = (size_t)c->n_expert_used;
     #pragma omp parallel for schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
+        const float *sh = c->shexp_ff ? s->sh_out + (size_t)t * c->dim : NULL;
+        const float g = c->shexp_ff ? ops_sigmoid(s->sh_gate[t]) : 0.0f;
         float *o = s->out + (size_t)t * c->dim;
-        for (int k = 0; k < c->n_expert_used; k++) {
-            const float *e = s->ex_src[(size_t)t * c->n_expert_used + k];
-            float w = s->top_w[(size_t)t * c->n_expert_used + k];
-            for (int i = 0; i < c->dim; i++) o[i] = k ? o[i] + e[i] * w : e[i] * w;
-        }
-        if (!c->shexp_ff) continue;
-        float g = ops_sigmoid(s->sh_gate[t]);
-        const float *sh = s->sh_out + (size_t)t * c->dim;
-        for (int i = 0; i < c->dim; i++) o[i] += sh[i] * g;
+        if (quant_level >= QUANT_LEVEL_AVX512) model_moe_sum_avx512(o, s->ex_src + t * used, s->top_w + t * used, (int)used, c->dim, sh, g);
+        else if (quant_level >= QUANT_LEVEL_AVX2) model_moe_sum_avx2(o, s->ex_src + t * used, s->top_w + t * used, (int)used, c->dim, sh, g);
+        else model_moe_sum_lanes(o, s->ex_src + t * used, s->top_w + t * used, (int)used, c->dim, sh, g);
     }
 }
 
