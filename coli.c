@@ -3818,8 +3818,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
  * 128 as vpdpbusd's unsigned operand, so lane L of registers 2h and 2h + 1 holds products of
  * block 4h + L alone and one multiply applies its scale; the 128s come off as 128 times each
  * block's scale times its act sum (its two 16-sums). One instruction a register fewer than the
- * signs and vpmaddubsw, and no sign masks: one core in cache, GB/s, 1024 rows of 2048 26.0-26.6
- * -> 28.0-28.9, 4096 rows of 512 27.4-27.7 -> 30.5-30.8 (three alternations). */
+ * signs and vpmaddubsw, and no sign masks (1.1x: README, Weight formats). */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(2)
@@ -4277,9 +4276,8 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
 /* quant_pairs at this level: 4 rows at a time, QUANT_NCOL columns at a time. One finish (the
  * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
  * per-row finish is as long as a row's two super-blocks of work. IQ4_XS's columns are first put
- * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot: one core in cache,
- * 2048 x 512, GMAC/s at 2 / 4 / 8 / 16 columns 48 / 53-60 / 60-65 / 65 -> 57-58 / 69-72 / 75 /
- * 71. Q4_K and Q5_K in their nibble order gained nothing here (within 1%), so they keep theirs. */
+ * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (1.1-1.3x; README,
+ * Weight formats). Q4_K and Q5_K in their nibble order gained nothing here (within 1%). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
     enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns put in order at a time; a copy's bytes (quant_act_bytes: 584) */
@@ -4431,9 +4429,8 @@ QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_re
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
- * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot. One core
- * in cache, 512 x 2048 through ops_matmat (16-row calls), GMAC/s at 2 / 4 / 8 columns 55-56 /
- * 76-77 / 81-82 -> 69 / 92 / 94-96. */
+ * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot
+ * (1.15-1.25x: README, Weight formats). */
 static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc,
                                                        int64_t n, float *y, size_t ys) {
     enum { ACT = QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8 };
@@ -4791,6 +4788,17 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
  * changed the register allocation of the kernels around it (README, the tiles' figures). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
+        if (used <= 8) { /* rows of up to 2048 (1-5% faster): in registers, +0 for the slots from USED on */
+            __m512 v[8];
+            QUANT_UNROLL(8)
+            for (int i = 0; i < 8; i++) v[i] = i < used ? _mm512_loadu_ps(p[c][i]) : _mm512_setzero_ps();
+            QUANT_UNROLL(3)
+            for (int s = 4; s > 0; s /= 2)
+                QUANT_UNROLL(4)
+                for (int i = 0; i < s; i++) v[i] = _mm512_add_ps(v[i], v[i + s]);
+            _mm512_storeu_ps(y + (size_t)c * ys, v[0]);
+            continue;
+        }
         for (int s = QUANT_NPART / 2; s > 0; s /= 2)
             for (int i = 0; i < s && i + s < used; i++)
                 _mm512_storeu_ps(p[c][i], _mm512_add_ps(_mm512_loadu_ps(p[c][i]), _mm512_loadu_ps(p[c][i + s])));
@@ -5334,10 +5342,8 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
  * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
  * as quant_dot_k (Q4_K one column 1.8x faster, 16 columns 2.2x: README, Weight formats). */
 
-/* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. Measured
- * (a scratch harness, 2 threads, 20 layers' worth of Q4_K matrices of the 35B's shapes read
- * alternately with the plain ones): 4 KiB 53-55, 8 KiB 58-61, 12 KiB 55-56, 16 KiB 53-54 GB/s;
- * an L2 prefetch 16 or 24 KiB ahead besides lost. */
+/* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast (README,
+ * Software prefetch distance). */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
 /* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
