@@ -4788,7 +4788,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
  * changed the register allocation of the kernels around it (README, the tiles' figures). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
-        if (used <= 8) { /* rows of up to 2048 (1-5% faster): in registers, +0 for the slots from USED on */
+        if (used <= 8) { /* rows of up to 8 units (1-5% faster): in registers, +0 from USED on */
             __m512 v[8];
             QUANT_UNROLL(8)
             for (int i = 0; i < 8; i++) v[i] = i < used ? _mm512_loadu_ps(p[c][i]) : _mm512_setzero_ps();
