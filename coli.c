@@ -3372,7 +3372,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
             v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
         }
         /* unrolled, and stored under a mask instead of through a copy on the stack (README, Weight
-         * formats: 8-18% faster) */
+         * formats: 10-17% faster) */
         _mm_mask_storeu_ps(y + r, (__mmask8)(nrows - r >= 4 ? 0xf : (1 << (nrows - r)) - 1), quant_avx512_reduce4(v));
     }
 }
@@ -3445,7 +3445,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
 /* The 16 scales of a super-block's 16-groups (SC, int16) as the word multipliers of its 4
  * registers of 64 values: lane L (128 bits) of register j is group 4j + L. One word permute
  * puts groups L, 4 + L, 8 + L and 12 + L in lane L, then an in-lane byte shuffle makes each
- * register (4-5% faster than a word permute a register: README, Weight formats). */
+ * register (3-5% faster than a word permute a register: README, Weight formats). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -4276,7 +4276,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
 /* quant_pairs at this level: 4 rows at a time, QUANT_NCOL columns at a time. One finish (the
  * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
  * per-row finish is as long as a row's two super-blocks of work. IQ4_XS's columns are first put
- * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (1.1-1.3x; README,
+ * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (1.1-1.25x; README,
  * Weight formats). Q4_K and Q5_K in their nibble order gained nothing here (within 1%). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
