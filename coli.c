@@ -217,8 +217,7 @@ static int plat_map_file(const char *path, struct plat_map *m)
 
 /* Faults in the pages of [P, P + N) now, writable, keeping their contents: memory allocated at
  * load that every forward pass writes (the recurrent state, the batch's scratch) would else
- * fault page by page in the first prompt. On this project's VMs that is slow: a 10-layer slice's
- * first 16-token batch spent 40 ms more in DeltaNet than later ones, for 16 MiB of state. */
+ * fault page by page in the first prompt (slow on this project's VMs: README, Weight formats). */
 static void plat_prefault(void *p, size_t n)
 {
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = ((uintptr_t)p + page - 1) & ~(page - 1);
@@ -2012,10 +2011,10 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
  * host reading ~30 GB/s had its best at 1 KiB (README, Software prefetch distance). */
 #define QUANT_PREFETCH 4096
 
-/* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (Q6_K 154 ->
- * 107 instructions a super-block, Q4_K 115 -> 102), at ~15 s more compile time. COLI_ROLLED
- * leaves the loops rolled (same results): the test builds that do not check the kernels' speed
- * or the shipped code's bits (build.sh) define it. */
+/* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (fewer
+ * instructions: README, Weight formats), at ~15 s more compile time. COLI_ROLLED leaves the
+ * loops rolled (same results): test builds that check neither the kernels' speed nor the
+ * shipped code's bits (build.sh) define it. */
 #define QUANT_PRAGMA(x) _Pragma(#x)
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
@@ -2111,8 +2110,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
  * elements 0-15 in one vector (LO: block j's in the low 128-bit lane, block j + 4's in the high)
  * and 16-31 in another (HI). Then the two products of a pair add up within each lane, and the
  * horizontal sums of quant_avx2_legacy_sums leave block k's total in lane k: half the horizontal
- * adds of summing 8 whole blocks, and no lane-crossing step (Zen 1, one core, in cache: a Q4_0
- * group of 8 blocks 47 -> 37-43 TSC cycles). */
+ * adds of summing 8 whole blocks, and no lane-crossing step. */
 
 /* The weight operands of the pair of blocks at BJ and BJ4 (quant_avx2_legacy_sums' layout):
  * signed values (Q8_0, IQ4_NL), else unsigned quants (MXFP4's values + 12). */
@@ -2344,7 +2342,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, in
  * bits of Q5_K (one, to bit 4), Q6_K (two, to bits 4-5) and Q3_K (one, to bit 2) in place with
  * one 16-bit shift, where shift, mask, shift took two. Exact per byte as long as the bits kept
  * come from their own byte, as they do for these. Zen 1 shifts on one pipe, and they were Q6_K's
- * bottleneck there: 27.7 -> 24.3 ns a super-block (one core, in cache). */
+ * bottleneck there (README, Weight formats). */
 QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
     const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
@@ -4625,8 +4623,7 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
  * and of the next (high), and Q5_K's dword m of qh their fifth bits (bit s of a byte:
  * sub-block s), each run turned rows-in-lanes by quant_tile_transpose; the scale bytes and d,
  * dmin come as 4 more dwords a row by gathers, unpacked as quant_k4_scale_min in 32-bit lanes.
- * Scalar loops took 3.2 us for 8 Q4_K super-blocks, gathers of every dword 1.8 (the section's
- * head has the transposes' figures). */
+ * Gathers, not scalar loops: README, Weight formats, "Figures behind comments". */
 QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
@@ -5346,6 +5343,11 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
  * Software prefetch distance). */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
+/* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a
+ * row for which they are (24 KiB on the stack: rows of up to 4096 elements). */
+#define QUANT_FIELDS 24
+#define QUANT_FIELDS_MAX_NU 16
+
 /* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
 
@@ -5410,7 +5412,7 @@ static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src,
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
     const size_t unit = (size_t)64 * dwords; /* a super-block's vectors */
-    int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast: 9.5 GB/s on 2 threads) */
+    int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast) */
     for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
     const int rest_at = quant_interleaved_iq3(t) ? 0 : 4 * dwords;
     #pragma omp parallel for schedule(static)
@@ -5434,7 +5436,7 @@ QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
  * quant_tile_unit: the 32-byte run h of each row is sub-block 2h in its low nibbles and 2h + 1
  * in its high ones, and Q5_K's fifth bits of both are bits 2h and 2h + 1 of its qh bytes. */
 QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
-                                                float (*p)[QUANT_NPART][16], int NC) {
+                                                float (*p)[QUANT_NPART][16], int NC, const __m512i *f) {
     const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales and mins, then d and dmin */
     const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(sm), u1 = _mm512_loadu_si512(sm + 64);
     const __m512i u2 = _mm512_loadu_si512(sm + 128);
@@ -5465,7 +5467,8 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
         QUANT_UNROLL(2)
         for (int i = 0; i < 2; i++) {
             __m512i sc, mn;
-            quant_tile_k4_field(u0, u1, u2, 2 * h + i, &sc, &mn);
+            if (f) sc = f[2 * h + i], mn = f[8 + 2 * h + i];
+            else quant_tile_k4_field(u0, u1, u2, 2 * h + i, &sc, &mn);
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[i][c], sc));
@@ -5544,7 +5547,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
  * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then the float step of
  * quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k (Q6_K). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
-                                                      int64_t u, float (*p)[QUANT_NPART][16], int NC) {
+                                                      int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f) {
     __m512i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = sums[c] = _mm512_setzero_si512();
@@ -5566,7 +5569,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const
             }
             const int g = 8 * h + 2 * j; /* groups g and g + 1 */
             __m512i sa, sb, pair;
-            quant_interleaved_q236k_groups(type, t, g, &sa, &sb, &pair);
+            if (f) sa = f[3 * g / 2], sb = f[3 * g / 2 + 1], pair = f[3 * g / 2 + 2];
+            else quant_interleaved_q236k_groups(type, t, g, &sa, &sb, &pair);
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
                 isum[c] = _mm512_add_epi32(isum[c], _mm512_add_epi32(_mm512_mullo_epi32(s[0][c], sa), _mm512_mullo_epi32(s[1][c], sb)));
@@ -5706,42 +5710,63 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
 /* Every super-block of 16 interleaved rows of type T at W against NC columns into their
  * partials P; PREFETCH: ahead of the reads. T and NC constants where inlined, so that each
  * pass's loop is unrolled (with the super-block's size read at run time, the prefetch loop
- * stayed a loop, and bench --kernels had Q4_K/i at 2048 x 2048 at 53-58 GB/s against 98). */
+ * stayed a loop, and Q4_K/i ran at half the rate). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
-                                                float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+                                                float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields) {
     const int bb = quant_interleaved_block_bytes(t);
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (size_t)(bb & ~3);
     const uint8_t *d = w, *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = v + (size_t)u * bytes;
+        const __m512i *f = fields ? fields + QUANT_FIELDS * u : NULL;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
-            quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC); /* Q2_K: D unread */
+            quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC, f); /* Q2_K: D unread */
         else if (quant_interleaved_iq3(t)) quant_interleaved_iq3_unit(t, b, d + (size_t)u * 32, a, u, p, NC);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
-        else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC);
+        else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC, f);
+    }
+}
+
+/* The scale fields of the NU super-blocks of 16 interleaved rows of type T (a K type) at W,
+ * QUANT_FIELDS vectors each, unpacked once for all of a prompt's passes instead of once a pass:
+ * Q4_K, Q5_K the 8 scales then the 8 mins of quant_tile_k4_field, the others each group pair's
+ * scales and pair of quant_interleaved_q236k_groups. */
+QUANT_AVX512_INLINE void quant_interleaved_fields(enum gguf_type t, const uint8_t *w, int64_t nu, __m512i *fields) {
+    const int bb = quant_interleaved_block_bytes(t), k45 = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K;
+    const uint8_t *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *b = v + (size_t)u * QUANT_TILE_ROWS * (size_t)(bb & ~3), *sm = b + 64 * (bb == 176 ? 40 : 32);
+        __m512i *f = fields + QUANT_FIELDS * u;
+        if (k45) {
+            const __m512i u0 = _mm512_loadu_si512(sm), u1 = _mm512_loadu_si512(sm + 64), u2 = _mm512_loadu_si512(sm + 128);
+            QUANT_UNROLL(8)
+            for (int j = 0; j < 8; j++) quant_tile_k4_field(u0, u1, u2, j, &f[j], &f[8 + j]);
+        } else {
+            QUANT_UNROLL(8)
+            for (int g = 0; g < 16; g += 2) quant_interleaved_q236k_groups(t, b, g, &f[3 * g / 2], &f[3 * g / 2 + 1], &f[3 * g / 2 + 2]);
+        }
     }
 }
 
 /* quant_interleaved_pass with T as a constant in each branch. */
 QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
-                                                   float (*p)[QUANT_NPART][16], int NC, int prefetch) {
+                                                   float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields) {
     switch (t) {
-    case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_IQ3_XXS: quant_interleaved_pass(GGUF_TYPE_IQ3_XXS, w, a, nu, p, NC, prefetch); break;
-    case GGUF_TYPE_IQ3_S: quant_interleaved_pass(GGUF_TYPE_IQ3_S, w, a, nu, p, NC, prefetch); break;
-    default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch); break;
+    case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_IQ3_XXS: quant_interleaved_pass(GGUF_TYPE_IQ3_XXS, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_IQ3_S: quant_interleaved_pass(GGUF_TYPE_IQ3_S, w, a, nu, p, NC, prefetch, fields); break;
+    default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch, fields); break;
     }
 }
 
 /* The AVX2 level's interleaved kernels need AVX-VNNI (VPDPBUSD on ymm). With AVX2's
  * maddubs, add and madd a step instead, the interleaved rows were no faster than the plain ones
- * (one core, in cache, Q4_K 2048 x 2048 one column: 25-27 against 23-25 GB/s; 512 x 2048 at 4
- * columns 45 against 52 GMAC/s): the steps cost the same in either layout. */
+ * (README, Weight formats): the steps cost the same in either layout. */
 #define QUANT_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QUANT_AVX2_VNNI_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
 
@@ -6033,12 +6058,15 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
+    __m512i fields[QUANT_FIELDS * QUANT_FIELDS_MAX_NU];
+    const int unpacked = nc >= 2 * QUANT_TILE_NC && nu <= QUANT_FIELDS_MAX_NU && t != GGUF_TYPE_IQ4_XS && !quant_interleaved_iq3(t);
+    if (unpacked) quant_interleaved_fields(t, w, nu, fields);
     for (int c0 = 0; c0 < nc;) {
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
         for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0);
-        else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0);
+        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0, unpacked ? fields : NULL);
+        else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0, unpacked ? fields : NULL);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }
@@ -6834,9 +6862,8 @@ QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x, __m256 num) {
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-/* ops_exp_cores_avx2 on 8 double lanes, for N (1..8) vectors (softmax over 8 heads of 32k
- * scores: 0.33 ms on one core with one chain at a time, 0.27 with four in lockstep, 0.24 with
- * eight). */
+/* ops_exp_cores_avx2 on 8 double lanes, for N (1..8) vectors in lockstep (README, Weight
+ * formats, "Figures behind comments"). */
 QUANT_AVX512_INLINE void ops_exp_cores_avx512(const __m256 *x, __m256 *e, int n) {
     const __m512d shift = _mm512_set1_pd(6755399441055744.0);
     __m512d xd[8], t[8], r[8], p[8];
@@ -7305,9 +7332,8 @@ static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void
     else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, OPS_KV_F32);
 }
 
-/* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers. With
- * NQ a variable they went to memory, a load and a store per add: 8 heads of 256 over 4096 cached
- * rows took 1.6 ms on one core, now 0.27. */
+/* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers (with
+ * NQ a variable they went to memory, a load and a store per add: README, Weight formats). */
 QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
                                                  float scale, float *const *out, enum ops_kv kv)
 {
@@ -7968,31 +7994,12 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   never). Driver calls are serialised under one lock, with async signals blocked and, in the
  *   musl build, the thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
- * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). Per batch of products over one input
- *   (§4 ops_matmat_jobs): one upload, a launch per product, one download: 2 + n wrapped calls;
- *   per layer's routed experts, and the shared expert where its shape lets it join them: one
- *   upload, 3 launches, one download; the rest of a layer after its mixer where one device
- *   holds all of it (output projection, residual and norm, router, routing, experts, their sum
- *   and residual: cuda_moe_layer_start): one upload, 11 launches, one download, and the next
- *   layer's norm and mixer projections in the same batch where they are there too (a launch
- *   for the norm, one a weight type, one a projection), after the last layer of a decode step
- *   the final norm and the output head. A layer whose routed experts are partly the CPU's is
- *   split: its routing comes down after the routing kernel, the CPU's experts' outputs go up
- *   before the sum (2 calls, one of them a wait, more). A layer whose projections the layer
- *   before made there runs its mixer there too, over its sequences' DeltaNet states or KV caches
- *   kept in device memory (a chain: 3 or 4 launches, no upload, no download; layer 0's
- *   projections from the embedded rows, which go up with the pass's first upload; see "chains"
- *   below; a split layer chains too, its routing still coming down). A decoded token of the
- *   35B-A3B (Q4_K_M mix) with everything resident then waits
- *   once, for the logits (41 before the chains, 161 as products and expert batches), and its
- *   launches (~870) are one window that repeats token after token: from the third decode step
- *   on it runs as one CUDA graph ("graphs" below), 4 driver calls a token (the upload, the
- *   graph, the logits and the ids down; the fake driver: 92 a token on a 4-layer slice and 178
- *   on 8 without graphs, 4 on both with). Chained layers split with the CPU wait once each
- *   (their routing) and make 4 calls (the routing down, the device's experts as a graph, the
- *   CPU's outputs up, the rest to the next layer's routing as a graph): on the 4-layer slice in
- *   1 GiB, 5 waits and 20 calls a decode step (102 without graphs). One wrapped call cost 0.25
- *   µs on the VM where it was measured (WRFSBASE; mostly the two sigprocmask calls). */
+ * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A batch of products over one input:
+ *   one upload, a launch a product, one download; a layer's routed experts: one upload, 3
+ *   launches, one download; a layer one device holds whole (cuda_moe_layer_start): one upload,
+ *   11 launches, one download, a split one's routing down and the CPU's outputs up besides.
+ *   Chains and graphs (below) take most of these out. Calls and waits a token, measured, and a
+ *   wrapped call's cost: README, NVIDIA GPUs, "Driver calls". */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -11246,9 +11253,9 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
  * the mapping (read only if the GPU path ends); in a layer partly in VRAM only the others are
  * copied: the resident ones' places in the arena stay untouched pages (no memory: huge pages
  * are turned off there), filled from the file by expert_fill_hole when the CPU first needs one
- * (re-tiering moved it off the device, or the GPU path ended). Why: on this machine Q4_0
- * experts stream at
- * 13-14 GB/s from anonymous memory and 8 GB/s in place from the page cache. Without the
+ * (re-tiering moved it off the device, or the GPU path ended). Why: experts stream faster
+ * from anonymous memory than in place from the page cache (README, Models larger than
+ * memory). Without the
  * memory for it the experts stay in place. Where no device takes part (S->vram unset: nothing
  * will upload from this copy), the types with an interleaved form (§3) are interleaved in it. */
 static void expert_own(struct expert_store *s)
@@ -11307,10 +11314,8 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 
 /* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
- * page tables (reading from the disk what the page cache lacks; ~0.2 us a page here against
- * ~1.5 us a fault), then one read a page warms what lies below them (on this project's VMs the
- * hypervisor's own tables: ~1.8 us a page on the first touch, even with the page tables filled;
- * README, Prompts: the first batch). A range the kernel refuses
+ * page tables (reading from the disk what the page cache lacks), then one read a page warms
+ * what lies below them (a VM's own tables; figures: README, Models larger than memory). A range the kernel refuses
  * (a file cut short) ends it: the forward pass then says what is wrong. A kernel without
  * MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file cut short ends the process
  * with model_on_sigbus's one line, as a forward pass reading it would. The thread runs only on idle cores
@@ -12290,7 +12295,7 @@ enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
 /* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
  * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
- * token at 64 tokens, 70 MB at 256 (35 -> 47 tok/s at pp512 here), 35 MB at 512. 512 gives an
+ * token at 64 tokens, 70 MB at 256, 35 MB at 512. 512 gives an
  * expert 16 tokens on average, where the tiles run at 1.3-1.5 times their rate at 8; the
  * trunk's products take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the
  * L2. Scratch: ~190 MB (96 MB more than at 256); measured in README, Benchmarks. */
@@ -16075,9 +16080,8 @@ static uint64_t sample_next_u64(uint64_t *state)
 }
 
 /* The first index of the largest logit. A NaN never wins, but for one at 0: nothing is greater
- * than the value the loop starts from. The best value is held in a variable: compared through
- * logits[best], the loop took 1.03 ms on a 248k vocabulary, 5% of a 10-layer slice's decode
- * token; 0.17 ms so, and 0.03 ms with AVX-512 (sample_argmax_avx512). */
+ * than the value the loop starts from. The best value is held in a variable, not read through
+ * logits[best] (6 times faster; README, Weight formats: Sampling). */
 static int sample_argmax_scalar(const float *logits, int from, int n, int best)
 {
     float top = logits[best];
@@ -16117,7 +16121,7 @@ __attribute__((target("avx512f"))) static int sample_argmax_avx512(const float *
     return sample_argmax_scalar(logits, body, n, sample_best_lane(lanes, where, 16));
 }
 
-/* sample_argmax_avx512 in 8 lanes (0.2 -> ~0.05 ms over 248k logits on a Zen 1 EPYC). */
+/* sample_argmax_avx512 in 8 lanes (4 times faster than the scalar loop on a Zen 1 EPYC). */
 __attribute__((target("avx2"))) static int sample_argmax_avx2(const float *logits, int n)
 {
     const int body = n / 8 * 8;
@@ -16230,7 +16234,7 @@ static void sample_select(struct sample_candidate *cand, int n, int k)
 
 /* The K (1..n) first of the candidates (i, W[i]), i < N, into cand[0..K) in order. One pass
  * compares each value with the K-th so far and inserts the few that beat it (a later id loses a
- * tie): 0.1 ms over 248k logits, where a quickselect over all of them took 3.6 ms (Zen 1). Large
+ * tie; README has its figures against a quickselect over all of them). Large
  * K, or values that keep beating it (a rising row), take the quickselect and a sort instead:
  * the same candidates in the same order. */
 static void sample_top(const float *w, int n, int k, struct sample_candidate *cand)
