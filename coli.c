@@ -4485,7 +4485,7 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Q4_K, Q5_K, Q8_0, Q4_0, IQ4_NL and MXFP4 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL and MXFP4 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -4494,26 +4494,25 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
  * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
  * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
- * The unpack (rows into lanes, by transposes) is what a few columns pay for. Figures: README,
- * Weight formats ("The tiles' figures"). */
+ * The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K and Q5_K
+ * tiles are 16 rows interleaved as coli's own copies are (quant_tile_interleaved, after the
+ * interleaved kernels). Figures: README, Weight formats ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-/* The columns from which the AVX-512 tiles pay, against quant_dotn, now that a tile asks for the
- * next one's rows as it computes (quant_tile_prefetch_part), as measured (README, the same item). */
-#define QUANT_TILE_MIN_NC_K 6         /* Q4_K, Q5_K */
-#define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K (quant_q6k_tile_unit) */
-#define QUANT_TILE_MIN_NC_K_PAIRS 4   /* the three's rows of 2 super-blocks */
+/* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, now that a
+ * tile asks for the next one's rows as it computes (quant_tile_prefetch_part), as measured
+ * (README, the same item; Q4_K, Q5_K: Weight formats, the tiles interleaved). */
+#define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
+#define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
+#define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K */
+#define QUANT_TILE_MIN_NC_Q6K_PAIRS 4 /* its rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
-/* One super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r; sc[j] the
- * scale of sub-block j in int32 lanes, mn[j] its min as the int16 pair (m, m), for vpdpwssd
- * against the pair of the act's 16-element sums that make sub-block j's. */
-struct quant_q45k_tile { uint8_t q[64][64]; int32_t sc[8][16]; int16_t mn[8][32]; float d[16], dmin[16]; };
-
-/* A Q6_K super-block of 16 rows: q as above, the 6-bit quants as stored (0..63); sc[j] the scale
- * of 16-element sub-block j in int32 lanes, pair[i] scales 2i and 2i + 1 as an int16 pair, for
- * vpdpwssd against the act's 16-sums of those sub-blocks (the offset of 32). */
+/* A Q6_K super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r, the 6-bit
+ * quants as stored (0..63); sc[j] the scale of 16-element sub-block j in int32 lanes, pair[i]
+ * scales 2i and 2i + 1 as an int16 pair, for vpdpwssd against the act's 16-sums of those
+ * sub-blocks (the offset of 32). */
 struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][32]; float d[16]; };
 
 /* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3
@@ -4522,9 +4521,9 @@ struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][3
  * sum), d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
-/* A K tile's bytes: quant_q45k_tile's (AVX-512), the same as quant_avx2_k_tile's; the AVX-512
- * Q6_K tile's, a little more. */
-#define QUANT_K_TILE_BYTES sizeof(struct quant_q45k_tile)
+/* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than its 16 rows
+ * interleaved take (AVX-512 Q4_K, Q5_K: quant_tile_interleaved); the AVX-512 Q6_K tile's. */
+#define QUANT_K_TILE_BYTES 5248
 #define QUANT_Q6K_TILE_BYTES sizeof(struct quant_q6k_tile)
 
 /* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
@@ -4618,44 +4617,6 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
     *mn = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
 }
 
-/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T:
- * dword m of a 32-byte run of nibbles holds elements 4m..4m+3 of one sub-block (low nibbles)
- * and of the next (high), and Q5_K's dword m of qh their fifth bits (bit s of a byte:
- * sub-block s), each run turned rows-in-lanes by quant_tile_transpose; the scale bytes and d,
- * dmin come as 4 more dwords a row by gathers, unpacked as quant_k4_scale_min in 32-bit lanes.
- * Gathers, not scalar loops: README, Weight formats, "Figures behind comments". */
-QUANT_AVX512_INLINE void quant_q45k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_q45k_tile *t) {
-    const __m512i rows = quant_tile_rows(rb);
-    const uint8_t *b = w + (size_t)u * (five ? 176 : 144), *ql = b + 16 + 32 * five;
-    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), ones = _mm512_set1_epi32(0x01010101);
-    __m512i qh[8], v[8];
-    QUANT_UNROLL(8)
-    for (int m = 0; m < 8; m++) qh[m] = _mm512_setzero_si512();
-    if (five) quant_tile_transpose(b + 16, rb, qh);
-    QUANT_UNROLL(4)
-    for (int h = 0; h < 4; h++) {
-        quant_tile_transpose(ql + 32 * h, rb, v);
-        QUANT_UNROLL(8)
-        for (int m = 0; m < 8; m++) {
-            const __m512i hi0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 2 * h), ones), 4);
-            const __m512i hi1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 2 * h + 1), ones), 4);
-            _mm512_storeu_si512(t->q[16 * h + m], _mm512_or_si512(_mm512_and_si512(v[m], m4), hi0));
-            _mm512_storeu_si512(t->q[16 * h + 8 + m], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4), hi1));
-        }
-    }
-    const __m512i dd = _mm512_i32gather_epi32(rows, b, 1), u0 = _mm512_i32gather_epi32(rows, b + 4, 1);
-    const __m512i u1 = _mm512_i32gather_epi32(rows, b + 8, 1), u2 = _mm512_i32gather_epi32(rows, b + 12, 1);
-    _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
-    _mm512_storeu_ps(t->dmin, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
-    QUANT_UNROLL(8)
-    for (int j = 0; j < 8; j++) {
-        __m512i sc, mn;
-        quant_tile_k4_field(u0, u1, u2, j, &sc, &mn);
-        _mm512_storeu_si512(t->sc[j], sc);
-        _mm512_storeu_si512(t->mn[j], mn);
-    }
-}
-
 /* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
  * to +0 without reading the slot, so that no pass clears its partials first (the clearing
  * memsets were 8% of a prompt's time). 0 + r, as before: -0 becomes +0 the same way. */
@@ -4676,6 +4637,30 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
     }
 }
 
+/* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
+ * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
+ * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
+ * changed the register allocation of the kernels around it (README, the tiles' figures). */
+static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
+    for (int c = 0; c < cc; c++) {
+        if (used <= 8) { /* rows of up to 8 units (1-5% faster): in registers, +0 from USED on */
+            __m512 v[8];
+            QUANT_UNROLL(8)
+            for (int i = 0; i < 8; i++) v[i] = i < used ? _mm512_loadu_ps(p[c][i]) : _mm512_setzero_ps();
+            QUANT_UNROLL(3)
+            for (int s = 4; s > 0; s /= 2)
+                QUANT_UNROLL(4)
+                for (int i = 0; i < s; i++) v[i] = _mm512_add_ps(v[i], v[i + s]);
+            _mm512_storeu_ps(y + (size_t)c * ys, v[0]);
+            continue;
+        }
+        for (int s = QUANT_NPART / 2; s > 0; s /= 2)
+            for (int i = 0; i < s && i + s < used; i++)
+                _mm512_storeu_ps(p[c][i], _mm512_add_ps(_mm512_loadu_ps(p[c][i]), _mm512_loadu_ps(p[c][i + s])));
+        _mm512_storeu_ps(y + (size_t)c * ys, _mm512_loadu_ps(p[c][0]));
+    }
+}
+
 /* S[c] = the sums of products of rows Q[K0..K0 + STEPS) (elements 4k..4k+3 of 16 rows in
  * lanes) with column c's act at super-block U, one vpdpbusd a step (STEPS constant). */
 QUANT_AVX512_INLINE void quant_tile_steps(const uint8_t (*q)[64], const struct quant_q8k_view *a, int64_t u, int k0, int steps, __m512i *s) {
@@ -4688,27 +4673,6 @@ QUANT_AVX512_INLINE void quant_tile_steps(const uint8_t (*q)[64], const struct q
         for (int c = 0; c < QUANT_TILE_NC; c++)
             s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
     }
-}
-
-/* Super-block U of a tile against 4 columns: each one's unit result, 16 rows, added to its
- * partial P[c][u % 32]. */
-QUANT_AVX512_INLINE void quant_tile_unit(const struct quant_q45k_tile *t, const struct quant_q8k_view *a, int64_t u,
-                                         float (*p)[QUANT_NPART][16]) {
-    __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
-    QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = msum[c] = _mm512_setzero_si512();
-    QUANT_UNROLL(8)
-    for (int j = 0; j < 8; j++) {
-        __m512i s[QUANT_TILE_NC];
-        quant_tile_steps(t->q, a, u, 8 * j, 8, s);
-        const __m512i sc = _mm512_loadu_si512(t->sc[j]), mn = _mm512_loadu_si512(t->mn[j]);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++) {
-            isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], sc));
-            msum[c] = _mm512_dpwssd_epi32(msum[c], mn, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * j)));
-        }
-    }
-    quant_tile_k_step(_mm512_loadu_ps(t->d), _mm512_loadu_ps(t->dmin), a, u, isum, msum, p, QUANT_TILE_NC);
 }
 
 /* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l < 32)
@@ -4747,10 +4711,10 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int6
     _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
 }
 
-/* quant_tile_unit for a Q6_K tile: each sub-block's sum of q * x times its scale, less 32 times
- * the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum, exact in int32;
- * then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale multiplies of a
- * Q4_K unit, against strong column kernels (README, the tiles' figures). */
+/* Super-block U of a Q6_K tile against 4 columns: each sub-block's sum of q * x times its scale,
+ * less 32 times the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum,
+ * exact in int32; then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale
+ * multiplies of a Q4_K unit, against strong column kernels (README, the tiles' figures). */
 QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                              float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
@@ -4779,30 +4743,6 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
     }
 }
 
-/* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
- * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
- * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
- * changed the register allocation of the kernels around it (README, the tiles' figures). */
-static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
-    for (int c = 0; c < cc; c++) {
-        if (used <= 8) { /* rows of up to 8 units (1-5% faster): in registers, +0 from USED on */
-            __m512 v[8];
-            QUANT_UNROLL(8)
-            for (int i = 0; i < 8; i++) v[i] = i < used ? _mm512_loadu_ps(p[c][i]) : _mm512_setzero_ps();
-            QUANT_UNROLL(3)
-            for (int s = 4; s > 0; s /= 2)
-                QUANT_UNROLL(4)
-                for (int i = 0; i < s; i++) v[i] = _mm512_add_ps(v[i], v[i + s]);
-            _mm512_storeu_ps(y + (size_t)c * ys, v[0]);
-            continue;
-        }
-        for (int s = QUANT_NPART / 2; s > 0; s /= 2)
-            for (int i = 0; i < s && i + s < used; i++)
-                _mm512_storeu_ps(p[c][i], _mm512_add_ps(_mm512_loadu_ps(p[c][i]), _mm512_loadu_ps(p[c][i + s])));
-        _mm512_storeu_ps(y + (size_t)c * ys, _mm512_loadu_ps(p[c][0]));
-    }
-}
-
 /* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
  * L1, while these compute: a thread's chunks are mostly consecutive, and the unpack's gathers
  * and transposes would otherwise wait on 16 rows' misses at a time. A tile's first pass over
@@ -4816,44 +4756,27 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
         _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
 }
 
-/* y[c * ys + r] = the dot of row r (of the 16 at W, RB bytes apart; Q6_K if SIX, else Q4_K, or
- * Q5_K if FIVE) with column c (its act at ACTS + c * STRIDE), for c < NC; SCRATCH holds
- * quant_tile_bytes(t, n). SIX is a constant where this is inlined: one function with both units
- * ran the Q4_K tiles 30% slower (README, the tiles' figures). */
-QUANT_AVX512_INLINE void quant_tile_k(const uint8_t *w, size_t rb, int six, int five, const uint8_t *acts, size_t stride, int nc,
-                                      int64_t n, float *y, size_t ys, void *scratch) {
+/* y[c * ys + r] = the dot of row r (of the 16 Q6_K rows at W, RB bytes apart) with column c (its
+ * act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(Q6_K, n). Its own tile
+ * (the quants unpacked once, not once a pass) ran 2-17% faster than quant_tile_interleaved's
+ * passes at 16 and 32 columns. */
+static QUANT_AVX512 void quant_tile_q6k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
+                                              float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
-    const size_t tb = six ? QUANT_Q6K_TILE_BYTES : QUANT_K_TILE_BYTES;
-    uint8_t *tiles = scratch;
-    float (*p)[QUANT_NPART][16] = (void *)(tiles + (size_t)nu * tb);
-    for (int64_t u = 0; u < nu; u++) {
-        void *tile = tiles + (size_t)u * tb;
-        if (six) quant_q6k_tile_unpack(w, rb, u, tile);
-        else quant_q45k_tile_unpack(w, rb, u, five, tile);
-    }
+    struct quant_q6k_tile *tiles = scratch;
+    float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
+    for (int64_t u = 0; u < nu; u++) quant_q6k_tile_unpack(w, rb, u, &tiles[u]);
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
         struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t u = 0; u < nu; u++) {
-            const void *tile = tiles + (size_t)u * tb;
             if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
-            if (six) quant_q6k_tile_unit(tile, a, u, p);
-            else quant_tile_unit(tile, a, u, p);
+            quant_q6k_tile_unit(&tiles[u], a, u, p);
         }
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
     }
-}
-
-static QUANT_AVX512 void quant_tile_q45k_avx512(const uint8_t *w, size_t rb, int five, const uint8_t *acts, size_t stride, int nc,
-                                               int64_t n, float *y, size_t ys, void *scratch) {
-    quant_tile_k(w, rb, 0, five, acts, stride, nc, n, y, ys, scratch);
-}
-
-static QUANT_AVX512 void quant_tile_q6k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                              float *y, size_t ys, void *scratch) {
-    quant_tile_k(w, rb, 1, 0, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
@@ -4916,7 +4839,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     }
 }
 
-/* quant_tile_k for Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
+/* The tile of Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
 static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
                                                  int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
@@ -4965,7 +4888,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
     return acc;
 }
 
-/* One super-block of 16 rows unpacked for the AVX2 tile: q as in quant_q45k_tile; sc[j] and
+/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] elements 4k..4k+3 of row
+ * r (the low 8 rows in bytes 0-31, the high in 32-63); sc[j] and
  * mn[j] the scale and min of sub-block j as the int16 pair (v, v) in dword r for row r, for
  * vpmaddwd against the int16 pair sums of its products and the pair of the act's 16-element
  * sums; d and dmin as floats. */
@@ -4999,9 +4923,8 @@ QUANT_AVX2_INLINE void quant_avx2_tile_floats(const uint16_t *h, float *out) {
     _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 }
 
-/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T, as
- * quant_q45k_tile_unpack lays out the quants (8 rows at a time); the scales, mins and d, dmin
- * row by row. */
+/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T:
+ * the quants by transposes, 8 rows at a time; the scales, mins and d, dmin row by row. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_avx2_k_tile *t) {
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -5192,7 +5115,7 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* quant_tile_k at AVX2 for Q4_K, Q5_K or Q6_K rows (T a constant where it is inlined,
+/* The tile of Q4_K, Q5_K or Q6_K rows at AVX2 (T a constant where it is inlined,
  * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
  * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
@@ -6055,8 +5978,8 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8
 
 /* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first
  * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in the L1 or L2. */
-static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
-                                                 int64_t n, float *y, size_t ys) {
+QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
+                                                 int64_t n, float *y, size_t ys, int prefetch) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
@@ -6067,11 +5990,45 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
         for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, c0 == 0, unpacked ? fields : NULL);
-        else quant_interleaved_columns(t, w, a, nu, p, 1, c0 == 0, unpacked ? fields : NULL);
+        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch && c0 == 0, unpacked ? fields : NULL);
+        else quant_interleaved_columns(t, w, a, nu, p, 1, prefetch && c0 == 0, unpacked ? fields : NULL);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }
+}
+
+static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
+                                                 int64_t n, float *y, size_t ys) {
+    quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1);
+}
+
+/* The 16 rows at W (RB bytes apart, NU super-blocks of T: Q4_K or Q5_K) into DST in
+ * quant_interleave's layout, by transposes (quant_interleave copies a dword at a time), and part
+ * u of the next 16 rows asked for with super-block u (quant_tile_prefetch_part). */
+QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
+    const int five = t == GGUF_TYPE_Q5_K, bb = five ? 176 : 144;
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *b = w + (size_t)u * (size_t)bb;
+        uint8_t *v = dst + (size_t)u * QUANT_TILE_ROWS * (size_t)bb;
+        __m512i o[8];
+        quant_tile_prefetch_part(w, rb, u, nu);
+        for (int run = 0; run < 4 + five; run++) { /* the quants' 4 runs of 32 bytes, then Q5_K's fifth bits */
+            quant_tile_transpose(b + (run < 4 ? 16 + 32 * five + 32 * run : 16), rb, o);
+            for (int m = 0; m < 8; m++) _mm512_storeu_si512(v + 64 * (8 * run + m), o[m]);
+        }
+        quant_tile_transpose4(b, rb, o);
+        for (int k = 0; k < 4; k++) _mm512_storeu_si512(v + 64 * (32 + 8 * five + k), o[(k + 1) % 4]); /* scales, then d and dmin */
+    }
+}
+
+/* The tile of 16 Q4_K or Q5_K rows read in place (quant_tile's contract): interleaved into
+ * SCRATCH as coli's own copies are, then quant_interleaved's passes, the same bits. Unpacking into
+ * a tile of its own (lo and hi nibbles apart, the scales in lanes) took 20-25% of a pass of 16
+ * columns; this ran 11-25% faster (README, Weight formats). */
+static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
+                                                int64_t n, float *y, size_t ys, void *scratch) {
+    quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
+    quant_interleaved_group(t, scratch, acts, stride, nc, n, y, ys, 0);
 }
 
 /* ---- dispatch ---- */
@@ -6283,8 +6240,8 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     }
     if (quant_level < QUANT_LEVEL_AVX512) return 0;
     const int short_rows = n <= 2 * QUANT_QK_K;
-    if (k45 || wtype == GGUF_TYPE_Q6_K)
-        return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : k45 ? QUANT_TILE_MIN_NC_K : QUANT_TILE_MIN_NC_Q6K);
+    if (k45) return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : QUANT_TILE_MIN_NC_K);
+    if (wtype == GGUF_TYPE_Q6_K) return nc >= (short_rows ? QUANT_TILE_MIN_NC_Q6K_PAIRS : QUANT_TILE_MIN_NC_Q6K);
     return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
 
@@ -6305,7 +6262,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
     else if (wtype == GGUF_TYPE_Q6_K) quant_tile_q6k_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
-    else quant_tile_q45k_avx512(wrows, row_bytes, wtype == GGUF_TYPE_Q5_K, acts, stride, nc, n, y, ys, scratch);
+    else quant_tile_interleaved(wtype, wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
 }
 
 /* ==== §4 ops ==== */
