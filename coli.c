@@ -4485,7 +4485,7 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL and MXFP4 tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+/* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
  * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
@@ -4494,9 +4494,10 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
  * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
  * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
- * The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K and Q5_K
- * tiles are 16 rows interleaved as coli's own copies are (quant_tile_interleaved, after the
- * interleaved kernels). Figures: README, Weight formats ("The tiles' figures"). */
+ * The unpack (rows into lanes, by transposes) is what a few columns pay for. The tiles of Q4_K,
+ * Q5_K and the formats without one here (Q2_K, Q3_K, IQ4_XS, IQ3) are 16 rows interleaved as
+ * coli's own copies are (quant_tile_interleaved, after the interleaved kernels). Figures:
+ * README, Weight formats ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, now that a
@@ -4504,6 +4505,7 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * (README, the same item; Q4_K, Q5_K: Weight formats, the tiles interleaved). */
 #define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
+#define QUANT_TILE_MIN_NC_INTERLEAVED 4 /* Q2_K, Q3_K, IQ4_XS, IQ3 (VBMI) */
 #define QUANT_TILE_MIN_NC_Q6K 12      /* Q6_K */
 #define QUANT_TILE_MIN_NC_Q6K_PAIRS 4 /* its rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
@@ -6002,30 +6004,50 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
     quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1);
 }
 
-/* The 16 rows at W (RB bytes apart, NU super-blocks of T: Q4_K or Q5_K) into DST in
- * quant_interleave's layout, by transposes (quant_interleave copies a dword at a time), and part
- * u of the next 16 rows asked for with super-block u (quant_tile_prefetch_part). */
+/* The 16 rows at W (RB bytes apart, NU super-blocks of T, a type quant_interleave_ok takes but
+ * Q6_K) into DST in quant_interleave's layout, by transposes where 8 or 4 of a block's dwords
+ * lie in a row (quant_interleave copies a dword at a time), the first 16 bytes' dwords out of
+ * order from one transpose, the others (Q2_K 1, Q3_K and IQ3_S 3, IQ4_XS 2) by gathers, none
+ * reading past a block; and part u of the next 16 rows asked for with super-block u. */
 QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
-    const int five = t == GGUF_TYPE_Q5_K, bb = five ? 176 : 144;
+    const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, iq3 = quant_interleaved_iq3(t);
+    const __m512i rows = quant_tile_rows(rb);
+    int from[64], step[64], steps = 0; /* step: the first dword of a transpose of 8 or 4 (+ 64, + 128), or of a single one */
+    for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
+    for (int k = 0, run; k < dwords; k += run == 8 ? 8 : run == 4 ? 4 : 1) {
+        for (run = 1; k + run < dwords && run < 8 && from[k + run] == from[k] + 4 * run; run++) {}
+        run = run == 8 ? 8 : run >= 4 && from[k] + 16 <= bb ? 4 : 1;
+        step[steps++] = k + (run == 8 ? 64 : run == 4 ? 128 : 0);
+    }
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * (size_t)bb;
-        uint8_t *v = dst + (size_t)u * QUANT_TILE_ROWS * (size_t)bb;
-        __m512i o[8];
+        uint8_t *v = dst + (bb % 4 ? (size_t)nu * 32 : 0) + (size_t)u * QUANT_TILE_ROWS * (size_t)(bb & ~3);
+        __m512i o[8], head[4];
         quant_tile_prefetch_part(w, rb, u, nu);
-        for (int run = 0; run < 4 + five; run++) { /* the quants' 4 runs of 32 bytes, then Q5_K's fifth bits */
-            quant_tile_transpose(b + (run < 4 ? 16 + 32 * five + 32 * run : 16), rb, o);
-            for (int m = 0; m < 8; m++) _mm512_storeu_si512(v + 64 * (8 * run + m), o[m]);
+        quant_tile_transpose4(b, rb, head);
+        for (int i = 0; i < steps; i++) {
+            const int k = step[i] % 64;
+            if (step[i] >= 128) {
+                quant_tile_transpose4(b + from[k], rb, o);
+                QUANT_UNROLL(4)
+                for (int m = 0; m < 4; m++) _mm512_storeu_si512(v + 64 * (k + m), o[m]);
+            } else if (step[i] >= 64) {
+                quant_tile_transpose(b + from[k], rb, o);
+                QUANT_UNROLL(8)
+                for (int m = 0; m < 8; m++) _mm512_storeu_si512(v + 64 * (k + m), o[m]);
+            } else
+                _mm512_storeu_si512(v + 64 * k, from[k] < 16 && from[k] % 4 == 0 ? head[from[k] / 4] : _mm512_i32gather_epi32(rows, b + from[k], 1));
         }
-        quant_tile_transpose4(b, rb, o);
-        for (int k = 0; k < 4; k++) _mm512_storeu_si512(v + 64 * (32 + 8 * five + k), o[(k + 1) % 4]); /* scales, then d and dmin */
+        if (bb % 4) /* the 16 rows' d: IQ3's first, Q3_K's last, from the dword that ends with it */
+            _mm256_storeu_si256((__m256i *)(dst + 32 * u), _mm512_cvtepi32_epi16(iq3 ? head[0] : _mm512_srli_epi32(_mm512_i32gather_epi32(rows, b + bb - 4, 1), 16)));
     }
 }
 
-/* The tile of 16 Q4_K or Q5_K rows read in place (quant_tile's contract): interleaved into
- * SCRATCH as coli's own copies are, then quant_interleaved's passes, the same bits. Unpacking into
- * a tile of its own (lo and hi nibbles apart, the scales in lanes) took 20-25% of a pass of 16
- * columns; this ran 11-25% faster (README, Weight formats). */
-static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
+/* The tile of 16 rows read in place of a type quant_interleave_ok takes but Q6_K (quant_tile's
+ * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
+ * the same bits. Q4_K and Q5_K had a tile of their own (lo and hi nibbles apart, the scales in
+ * lanes): this ran 11-25% faster at 16 columns; Q2_K, Q3_K, IQ4_XS and IQ3 had none: 1.5-3x
+ * quant_dotn's rate at 8-16 columns (README, Weight formats). */static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
     quant_interleaved_group(t, scratch, acts, stride, nc, n, y, ys, 0);
@@ -6241,6 +6263,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     if (quant_level < QUANT_LEVEL_AVX512) return 0;
     const int short_rows = n <= 2 * QUANT_QK_K;
     if (k45) return nc >= (short_rows ? QUANT_TILE_MIN_NC_K_PAIRS : QUANT_TILE_MIN_NC_K);
+    if (wtype != GGUF_TYPE_Q6_K && quant_interleave_ok(wtype, QUANT_TILE_ROWS)) return nc >= QUANT_TILE_MIN_NC_INTERLEAVED;
     if (wtype == GGUF_TYPE_Q6_K) return nc >= (short_rows ? QUANT_TILE_MIN_NC_Q6K_PAIRS : QUANT_TILE_MIN_NC_Q6K);
     return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
