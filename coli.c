@@ -4524,7 +4524,7 @@ struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][3
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than its 16 rows
- * interleaved take (AVX-512 Q4_K, Q5_K: quant_tile_interleaved); the AVX-512 Q6_K tile's. */
+ * interleaved take (AVX-512: quant_tile_interleaved); the AVX-512 Q6_K tile's. */
 #define QUANT_K_TILE_BYTES 5248
 #define QUANT_Q6K_TILE_BYTES sizeof(struct quant_q6k_tile)
 
@@ -6047,7 +6047,8 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
  * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
  * the same bits. Q4_K and Q5_K had a tile of their own (lo and hi nibbles apart, the scales in
  * lanes): this ran 11-25% faster at 16 columns; Q2_K, Q3_K, IQ4_XS and IQ3 had none: 1.5-3x
- * quant_dotn's rate at 8-16 columns (README, Weight formats). */static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
+ * quant_dotn's rate at 8-16 columns (README, Weight formats). */
+static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
     quant_interleaved_group(t, scratch, acts, stride, nc, n, y, ys, 0);
@@ -11236,10 +11237,10 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
  * copied: the resident ones' places in the arena stay untouched pages (no memory: huge pages
  * are turned off there), filled from the file by expert_fill_hole when the CPU first needs one
  * (re-tiering moved it off the device, or the GPU path ended). Why: experts stream faster
- * from anonymous memory than in place from the page cache (README, Models larger than
- * memory). Without the
- * memory for it the experts stay in place. Where no device takes part (S->vram unset: nothing
- * will upload from this copy), the types with an interleaved form (§3) are interleaved in it. */
+ * from anonymous memory than in place from the page cache (README, Models larger than memory).
+ * Without the memory for it the experts stay in place. Where no device takes part (S->vram
+ * unset: nothing will upload from this copy), the types with an interleaved form (§3) are
+ * interleaved in it. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
@@ -11297,12 +11298,12 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 /* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
  * page tables (reading from the disk what the page cache lacks), then one read a page warms
- * what lies below them (a VM's own tables; figures: README, Models larger than memory). A range the kernel refuses
- * (a file cut short) ends it: the forward pass then says what is wrong. A kernel without
- * MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file cut short ends the process
- * with model_on_sigbus's one line, as a forward pass reading it would. The thread runs only on idle cores
- * (SCHED_IDLE): while a server waits, or bench waits for it; a prompt that starts at once still
- * maps what it reads itself, as before. */
+ * what lies below them (a VM's own tables; figures: README, Models larger than memory). A
+ * range the kernel refuses (a file cut short) ends it: the forward pass then says what is
+ * wrong. A kernel without MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file
+ * cut short ends the process with model_on_sigbus's one line, as a forward pass reading it
+ * would. The thread runs only on idle cores (SCHED_IDLE): while a server waits, or bench waits
+ * for it; a prompt that starts at once still maps what it reads itself, as before. */
 static void *expert_map_ahead(void *arg)
 {
     struct expert_store *s = arg;
