@@ -4494,15 +4494,13 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
  * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
  * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
- * The unpack (rows into lanes, by transposes) is what a few columns pay for. The tiles of Q4_K,
- * Q5_K and the formats without one here (Q2_K, Q3_K, IQ4_XS, IQ3) are 16 rows interleaved as
- * coli's own copies are (quant_tile_interleaved, after the interleaved kernels). Figures:
- * README, Weight formats ("The tiles' figures"). */
+ * The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K,
+ * Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved (quant_tile_interleaved). Figures: README,
+ * Weight formats ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-/* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, now that a
- * tile asks for the next one's rows as it computes (quant_tile_prefetch_part), as measured
- * (README, the same item; Q4_K, Q5_K: Weight formats, the tiles interleaved). */
+/* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, as measured
+ * with the next tile's rows asked for (README, the same item, and "the tiles interleaved"). */
 #define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_INTERLEAVED 4 /* Q2_K, Q3_K, IQ4_XS, IQ3 (VBMI) */
@@ -6004,21 +6002,35 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
     quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1);
 }
 
-/* The 16 rows at W (RB bytes apart, NU super-blocks of T, a type quant_interleave_ok takes but
- * Q6_K) into DST in quant_interleave's layout, by transposes where 8 or 4 of a block's dwords
- * lie in a row (quant_interleave copies a dword at a time), the first 16 bytes' dwords out of
- * order from one transpose, the others (Q2_K 1, Q3_K and IQ3_S 3, IQ4_XS 2) by gathers, none
- * reading past a block; and part u of the next 16 rows asked for with super-block u. */
-QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
-    const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, iq3 = quant_interleaved_iq3(t);
-    const __m512i rows = quant_tile_rows(rb);
-    int from[64], step[64], steps = 0; /* step: the first dword of a transpose of 8 or 4 (+ 64, + 128), or of a single one */
-    for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
-    for (int k = 0, run; k < dwords; k += run == 8 ? 8 : run == 4 ? 4 : 1) {
-        for (run = 1; k + run < dwords && run < 8 && from[k + run] == from[k] + 4 * run; run++) {}
-        run = run == 8 ? 8 : run >= 4 && from[k] + 16 <= bb ? 4 : 1;
-        step[steps++] = k + (run == 8 ? 64 : run == 4 ? 128 : 0);
+/* quant_interleave_tile's plan for each interleaved type but Q6_K: FROM[k] the byte of vector
+ * k's dword, STEP[i] the first vector of a transpose of 8 (+ 64) or 4 (+ 128) dwords in a row
+ * within the block, else of one (the first 16 bytes' transpose, or a gather). Made once a tile,
+ * it cost 3-6% at 2 columns, 20% for Q3_K rows of 512 at 4. */
+static struct quant_tile_plan { int from[64], step[64], steps; } quant_tile_plans[GGUF_TYPE_COUNT];
+
+static void quant_tile_plans_init(void) {
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
+                                            GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        struct quant_tile_plan *pl = &quant_tile_plans[types[i]];
+        const int bb = gguf_type_get(types[i])->block_bytes, dwords = bb / 4;
+        for (int k = 0; k < dwords; k++) pl->from[k] = quant_interleaved_offset(types[i], k);
+        pl->steps = 0;
+        for (int k = 0, run; k < dwords; k += run) {
+            for (run = 1; k + run < dwords && run < 8 && pl->from[k + run] == pl->from[k] + 4 * run; run++) {}
+            run = run == 8 ? 8 : run >= 4 && pl->from[k] + 16 <= bb ? 4 : 1;
+            pl->step[pl->steps++] = k + (run == 8 ? 64 : run == 4 ? 128 : 0);
+        }
     }
+}
+
+/* The 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
+ * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block,
+ * Q3_K and IQ3_S 3, IQ4_XS 2), and part u of the next 16 rows asked for with super-block u. */
+QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
+    const int bb = gguf_type_get(t)->block_bytes, iq3 = quant_interleaved_iq3(t);
+    const __m512i rows = quant_tile_rows(rb);
+    const int *from = quant_tile_plans[t].from, *step = quant_tile_plans[t].step, steps = quant_tile_plans[t].steps;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *b = w + (size_t)u * (size_t)bb;
         uint8_t *v = dst + (bb % 4 ? (size_t)nu * 32 : 0) + (size_t)u * QUANT_TILE_ROWS * (size_t)(bb & ~3);
@@ -6045,9 +6057,8 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
 
 /* The tile of 16 rows read in place of a type quant_interleave_ok takes but Q6_K (quant_tile's
  * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
- * the same bits. Q4_K and Q5_K had a tile of their own (lo and hi nibbles apart, the scales in
- * lanes): this ran 11-25% faster at 16 columns; Q2_K, Q3_K, IQ4_XS and IQ3 had none: 1.5-3x
- * quant_dotn's rate at 8-16 columns (README, Weight formats). */
+ * the same bits; faster than Q4_K's and Q5_K's tiles of their own (nibbles apart, scales in
+ * lanes) and than quant_dotn for the others (README, Weight formats). */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
@@ -6135,6 +6146,7 @@ static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t 
 static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
     quant_tables_init();
+    quant_tile_plans_init();
     memset(quant_dot_table, 0, sizeof quant_dot_table);
     memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     memset(quant_dotr_table, 0, sizeof quant_dotr_table);
