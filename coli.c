@@ -228,8 +228,7 @@ static void plat_prefault(void *p, size_t n)
 
 /* plat_prefault over the N bytes at P by every thread, 4 MiB at a time. The kernel zeroes a
  * page as it maps it, and a copy that faults its destination as it goes pays that on whichever
- * thread touches a 2 MiB huge page first while the others wait for it: copying the 10-layer
- * slice's experts spent 28% of its samples in OpenMP's barrier. */
+ * thread touches a 2 MiB huge page first while the others wait for it (README). */
 static void plat_prefault_parallel(void *p, size_t n)
 {
     const size_t piece = (size_t)4 << 20;
@@ -2007,8 +2006,7 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 
 /* Software prefetch distance of the SIMD kernels, in weight bytes: far enough ahead that a
  * line arrives before the kernel reaches it, which grows with the memory's latency times the
- * rate a core consumes weights: on a VM reading 70-90 GB/s no format lost at 4 KiB, where a
- * host reading ~30 GB/s had its best at 1 KiB (README, Software prefetch distance). */
+ * rate a core consumes weights (README, Software prefetch distance). */
 #define QUANT_PREFETCH 4096
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (fewer
@@ -2059,8 +2057,7 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
 }
 
 /* The low 128-bit lanes of A and C side by side plus their high lanes side by side: the last
- * step of the horizontal sums. Zen 1 crosses lanes with vperm2i128 at ~2.5 cycles, where an
- * extract and an insert take ~0.5 each. */
+ * step of the horizontal sums: an extract and an insert, not vperm2i128 (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     const __m256i lo = _mm256_inserti128_si256(a, _mm256_castsi256_si128(c), 1);
     const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_extracti128_si256(a, 1)),
@@ -2212,7 +2209,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
-        __m256i lo[4], hi[4]; /* one column decodes as it goes: held 8 registers cost MXFP4 20% */
+        __m256i lo[4], hi[4]; /* one column decodes as it goes (8 held registers: slower) */
         QUANT_UNROLL(4)
         for (int j = 0; j < 4 && NC > 1; j++) quant_avx2_legacy_w2(t, wb + j * bb, wb + (j + 4) * bb, &lo[j], &hi[j]);
         const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
@@ -2254,8 +2251,7 @@ QUANT_AVX2_INLINE __m256 quant_avx2_load_w8(enum gguf_type t, const uint8_t *w) 
 /* Float row dot with NC (1 or 2) columns at ACTS, STRIDE apart: element i -> partial i % 32,
  * i.e. accumulator (i/8) % 4 of its column, lane i % 8. Each weight vector is converted once
  * for both columns; two columns' 8 accumulators and the 4 weight vectors fit the 16 registers,
- * where four columns would spill (rolled, the accumulators lived on the stack and F16 ran 60%
- * slower on Zen 1). */
+ * where four columns would spill (README). */
 QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                         int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
@@ -2292,8 +2288,8 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
 /* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs
  * on one pipe at two cycles a vector, as the products themselves. So the products of 2 or 4
  * steps of 32 weights are first folded into one vector of sums (adds and unpacks, on the other
- * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales:
- * Q4_K 6% faster there. Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 *
+ * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales
+ * (README). Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 *
  * 2 * 31 * 127 = 31496); Q6_K's (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
@@ -2349,7 +2345,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int ma
 }
 
 /* Bits 2K and 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts
- * on one pipe at ~1.7 cycles a vector, so the two that move bits up are byte lookups (the low
+ * on one pipe (README), so the two that move bits up are byte lookups (the low
  * nibble of H -> its bits 2K, 2K + 1 at bits 4-5), and step 2's bits are already in place. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
@@ -2502,9 +2498,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
 /* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's,
  * 32-blocks of the table's signed values times the 32-block's integer scale. One 32-byte load
  * holds blocks k and k + 1 in its lanes, their low nibbles weights 0-15 and high nibbles 16-31,
- * decoded once for all the columns, so each column's x comes in those halves (for 16 columns
- * as fast as blocks decoded in element order, and one column 5% faster). The values reach 127,
- * so each product takes its own scale multiply. */
+ * decoded once for all the columns, so each column's x comes in those halves (README). The
+ * values reach 127, so each product takes its own scale multiply. */
 QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -3103,9 +3098,51 @@ QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
 }
 
+/* Word permutes instead of a gather for the fields of 16 blocks of Q4_1, Q5_0, Q5_1 or Q8_0,
+ * through 128-byte windows at 0, 128, ... (the last ends with the group: no load leaves it).
+ * F = 0: d of block k in word k, Q4_1's and Q5_1's min in word 16 + k; F = 1: Q5_0's and
+ * Q5_1's qh of block k in dword k. Made once, at quant_set_level. */
+static struct quant_group_words { int16_t idx[32]; uint32_t from[5 /* Q8_0's 544 bytes */]; int windows; } quant_group_words[GGUF_TYPE_COUNT][2];
+
+QUANT_SHARED_INLINE int quant_group_window_at(int bb, int w) { return 128 * w < 16 * bb - 128 ? 128 * w : 16 * bb - 128; }
+
+static void quant_group_words_init(void) {
+    static const enum gguf_type types[] = { GGUF_TYPE_Q4_1, GGUF_TYPE_Q5_0, GGUF_TYPE_Q5_1, GGUF_TYPE_Q8_0 };
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        const enum gguf_type t = types[i];
+        const int bb = gguf_type_get(t)->block_bytes, qh = t == GGUF_TYPE_Q5_1 ? 4 : 2;
+        for (int f = 0; f < (t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1 ? 2 : 1); f++) {
+            struct quant_group_words *g = &quant_group_words[t][f];
+            memset(g->from, 0, sizeof g->from);
+            g->windows = 0;
+            for (int w = 0; w < 32; w++) {
+                const int at = f ? bb * (w / 2) + qh + 2 * (w % 2) : bb * (w % 16) + 2 * (w / 16);
+                int window = 0;
+                while (at + 2 > 128 * (window + 1)) window++;
+                g->idx[w] = (int16_t)((at - quant_group_window_at(bb, window)) / 2);
+                g->from[window] |= 1u << w;
+                g->windows = window + 1 > g->windows ? window + 1 : g->windows;
+            }
+        }
+    }
+}
+
+QUANT_AVX512_INLINE __m512i quant_avx512_group_words(enum gguf_type t, int f, const uint8_t *b) {
+    const struct quant_group_words *g = &quant_group_words[t][f];
+    const int bb = gguf_type_get(t)->block_bytes;
+    const __m512i idx = _mm512_loadu_si512(g->idx);
+    __m512i r = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), idx, _mm512_loadu_si512(b + 64));
+    QUANT_UNROLL(4)
+    for (int w = 1; w < g->windows; w++) {
+        const uint8_t *at = b + quant_group_window_at(bb, w);
+        r = _mm512_mask_blend_epi16(g->from[w], r, _mm512_permutex2var_epi16(_mm512_loadu_si512(at), idx, _mm512_loadu_si512(at + 64)));
+    }
+    return r;
+}
+
 /* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4
  * (E8M0, byte 17k): two word permutes of two loads each, blocks 0-7 from the first bytes and
- * 8-15 from byte 144 (MXFP4 136) on, instead of a gather (~13 cycles for 16 lanes). */
+ * 8-15 from byte 144 (MXFP4 136) on, instead of a gather (slow: ~13 cycles). */
 QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t *b) {
     const int mx = t == GGUF_TYPE_MXFP4, second = mx ? 136 : 144;
     int16_t w[32], shift[32];
@@ -3122,11 +3159,12 @@ QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t
     return quant_avx512_e8m0_half(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(e)));
 }
 
-/* Unsigned quants of the 4 legacy blocks at b, one 128-bit lane per block: *lo holds elements
- * 0-15, *hi elements 16-31. Q8_0 and the table formats (IQ4_NL, MXFP4) are offset by 128 (the
- * caller subtracts 128 * Σx, as it subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x
- * signed) applies to every format. */
-QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb,
+/* Unsigned quants of the 4 legacy blocks at b (QUAD of a group whose qh dwords are QHS, for
+ * Q5_0 and Q5_1), one 128-bit lane per block: *lo holds elements 0-15, *hi elements 16-31.
+ * Q8_0 and the table formats (IQ4_NL, MXFP4) are offset by 128 (the caller subtracts 128 * Σx,
+ * as it subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every
+ * format. */
+QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb, __m512i qhs, int quad,
                                                   __m512i *lo, __m512i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
         __m512i p0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
@@ -3141,8 +3179,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
     const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
     const int qo = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
-    /* four loads and three inserts: one word permute of two wider loads took the 18-byte blocks
-     * (Q4_0, IQ4_NL) at 19 GB/s a core from memory against 25-29 (Zen 5) */
+    /* four loads and three inserts (README: faster than one word permute of two wide loads) */
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
@@ -3158,14 +3195,10 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     }
     if (five) {
         /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi. Each
-         * block's lane holds its qh four times; a byte shuffle gives byte i the qh byte with
-         * element i's bit, a test picks the bit. Building the two masks with scalar shifts
-         * and ors took ~28 integer operations a quad, the most of Q5_0/Q5_1's time. */
-        const uint8_t *qh = b + 2 + 2 * has_min;
-        __m512i q = _mm512_castsi128_si512(_mm_set1_epi32((int)quant_rd32(qh)));
-        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + bb)), 1);
-        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 2 * bb)), 2);
-        q = _mm512_inserti32x4(q, _mm_set1_epi32((int)quant_rd32(qh + 3 * bb)), 3);
+         * block's lane holds its qh four times (a dword permute of QHS); a byte shuffle gives byte
+         * i the qh byte with element i's bit, a test picks the bit. */
+        const __m512i q = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                                    _mm512_set1_epi32(4 * quad)), qhs);
         const __m512i bit = _mm512_broadcast_i32x4(_mm_set1_epi64x(0x8040201008040201));
         const __m512i byte_lo = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0101010101010101, 0));
         const __m512i byte_hi = _mm512_add_epi8(byte_lo, _mm512_set1_epi8(2)), b4 = _mm512_set1_epi8(0x10);
@@ -3199,8 +3232,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes
 /* An act for the legacy formats' kernels at this level with the quants of each whole group of
  * 16 blocks in legacy_acts' lane order (every 128 bytes: the first halves of 4 blocks, then
  * their second halves), the rest as it was: the kernels then load them as they are, where each
- * row and column took two lane shuffles per 128 (prompts' multi-column products ~17-20% faster
- * a core, single columns ~8%). The integer sums pair the same bytes, so the bits do not change. */
+ * row and column took two lane shuffles per 128. The integer sums pair the same bytes: the
+ * same bits. */
 static QUANT_AVX512 void quant_act_to_lanes_avx512(enum gguf_type t, const void *act, int64_t n, void *out) {
     const int8_t *qx = act;
     int8_t *o = out;
@@ -3231,18 +3264,17 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8
                                                    __m512 *mw) {
     const int bb = gguf_type_get(t)->block_bytes;
     for (int q = 0; q < 16 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
+    const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
+    const __m512i qhs = five ? quant_avx512_group_words(t, 1, wb) : _mm512_setzero_si512();
     QUANT_UNROLL(4)
-    for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, &wl[k], &wh[k]);
+    for (int k = 0; k < 4; k++) quant_avx512_legacy_quad(t, wb + 4 * k * bb, bb, qhs, k, &wl[k], &wh[k]);
     *mw = _mm512_setzero_ps();
     if (bb == 18 || t == GGUF_TYPE_MXFP4) {
         *dw = quant_avx512_scales16(t, wb);
     } else {
-        /* the 32 bits at each block start: fp16 d, then fp16 m for Q4_1/Q5_1 */
-        const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(bb));
-        const __m512i g = _mm512_i32gather_epi32(gidx, wb, 1);
-        *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-        *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        const __m512i g = quant_avx512_group_words(t, 0, wb);
+        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(g));
+        if (t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1) *mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(g, 1));
     }
 }
 
@@ -3369,8 +3401,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
             quant_avx512_legacy_group(t, w + (size_t)(r + i) * rb, wl, wh, &dw, &mw);
             v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
         }
-        /* unrolled, and stored under a mask instead of through a copy on the stack (README, Weight
-         * formats: 10-17% faster) */
+        /* unrolled, stored under a mask, not through a copy on the stack (README, Weight formats) */
         _mm_mask_storeu_ps(y + r, (__mmask8)(nrows - r >= 4 ? 0xf : (1 << (nrows - r)) - 1), quant_avx512_reduce4(v));
     }
 }
@@ -3405,8 +3436,8 @@ QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
 }
 
 /* Q4_K / Q5_K super-block. The scales and mins of quant_avx512_k4_fields become words by
- * vpshufb (index byte i, then 0x80: a zero high byte): measured 8% faster on Q4_K than the
- * scalar quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
+ * vpshufb (index byte i, then 0x80: a zero high byte), faster than the scalar
+ * quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
  * 4h + 2, its high ones 4h + 1 and 4h + 3: NIBBLES (the act's 32-blocks in that order,
  * quant_avx512_nibble_order) keeps them so, else two lane shuffles put them in element order. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, struct quant_avx512_kblock *k) {
@@ -3443,7 +3474,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
 /* The 16 scales of a super-block's 16-groups (SC, int16) as the word multipliers of its 4
  * registers of 64 values: lane L (128 bits) of register j is group 4j + L. One word permute
  * puts groups L, 4 + L, 8 + L and 12 + L in lane L, then an in-lane byte shuffle makes each
- * register (3-5% faster than a word permute a register: README, Weight formats). */
+ * register (faster than a word permute a register: README, Weight formats). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -3549,7 +3580,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
 }
 
 /* The IQ3_XXS lattice points of the 32 index bytes at Q, elements 0-63 in *lo and 64-127 in
- * *hi, from registers rather than memory (a gather of 16 table words costs ~20 cycles): each
+ * *hi, from registers rather than memory (a gather of 16 table words is slow): each
  * index's key (quant_iq3xxs_keys, 256 words in KEYS[8]: four two-register permutes, the
  * index's top 2 bits pick one) gives the levels of coordinates 0-1 (key bits 0-5) and 2-3
  * (bits 6-11) from the 64 level pairs in PAIRS[2], and two more permutes interleave them. */
@@ -3702,8 +3733,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i 
 
 /* quant_avx512_iq3xxs_signs by VBMI, for the 16 words of AUX: VPMULTISHIFTQB takes the 8 bits
  * at each field's offset (0, 7, 14, 21 in each word), and their 7 low bits index
- * quant_iq_sign_table (VPERMI2B ignores bit 7). Measured: IQ3_XXS 5 ns a super-block faster
- * than the shifts and parity. */
+ * quant_iq_sign_table (VPERMI2B ignores bit 7): faster than the shifts and parity. */
 QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
     const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), aux);
     const __m512i *table = (const __m512i *)quant_iq_sign_table;
@@ -4275,7 +4305,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
  * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
  * per-row finish is as long as a row's two super-blocks of work. IQ4_XS's columns are first put
  * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (1.1-1.25x; README,
- * Weight formats). Q4_K and Q5_K in their nibble order gained nothing here (within 1%). */
+ * Weight formats). Q4_K and Q5_K in their nibble order gained nothing here. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
     enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns put in order at a time; a copy's bytes (quant_act_bytes: 584) */
@@ -4305,7 +4335,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t
 }
 
 /* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
- * cost SSE/AVX transitions here: measured 4x slower). */
+ * cost SSE/AVX transitions here). */
 QUANT_AVX512_INLINE float quant_avx512_f16_round(float f) {
     return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
@@ -4618,8 +4648,8 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
 }
 
 /* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
- * to +0 without reading the slot, so that no pass clears its partials first (the clearing
- * memsets were 8% of a prompt's time). 0 + r, as before: -0 becomes +0 the same way. */
+ * to +0 without reading the slot, so that no pass clears its partials first (memsets cost
+ * time). 0 + r, as before: -0 becomes +0 the same way. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
@@ -4643,7 +4673,7 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
  * changed the register allocation of the kernels around it (README, the tiles' figures). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
-        if (used <= 8) { /* rows of up to 8 units (1-5% faster): in registers, +0 from USED on */
+        if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
             __m512 v[8];
             QUANT_UNROLL(8)
             for (int i = 0; i < 8; i++) v[i] = i < used ? _mm512_loadu_ps(p[c][i]) : _mm512_setzero_ps();
@@ -4758,8 +4788,8 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
 
 /* y[c * ys + r] = the dot of row r (of the 16 Q6_K rows at W, RB bytes apart) with column c (its
  * act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(Q6_K, n). Its own tile
- * (the quants unpacked once, not once a pass) ran 2-17% faster than quant_tile_interleaved's
- * passes at 16 and 32 columns. */
+ * (the quants unpacked once, not once a pass) runs faster than quant_tile_interleaved's passes
+ * (README). */
 static QUANT_AVX512 void quant_tile_q6k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
                                               float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
@@ -4818,7 +4848,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
  * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or
  * 8) times the act block's sum: every addend an integer well inside int32, so the sum is exact,
  * and in two parts (the even steps and the odd) so that 8 chains of vpdpbusd are in flight, not
- * 4 (3-8% faster; README, Weight formats). */
+ * 4 (README, Weight formats). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
                                                 float (*p)[QUANT_NPART][16]) {
     __m512i s[2][QUANT_TILE_NC];
@@ -4898,7 +4928,7 @@ _Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_ti
 
 /* Lane r of out[m] = dword m (< 4) of the 16 bytes at P + r * RB, for 8 rows: rows r and r + 4
  * loaded into one register's two lanes, then a 4x4 dword transpose in each lane, so that no
- * shuffle crosses lanes (Zen 1 pays ~2.5 cycles for one). */
+ * shuffle crosses lanes (slow on Zen 1). */
 QUANT_AVX2_INLINE void quant_avx2_tile_transpose4(const uint8_t *p, size_t rb, __m256i *out) {
     __m256i z[4];
     QUANT_UNROLL(4)
@@ -5254,15 +5284,14 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
- * scales and to each super-block's lane sums (Q4_K: ~75 a super-block, 15.7 cycles, 14 weights
- * a cycle, against 64 a vpdpbusd). A matrix the CPU owns (§8 model_own_trunk) is repacked
- * instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
+ * scales and to each super-block's lane sums (README). A matrix the CPU owns (§8
+ * model_own_trunk) is repacked instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
  * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
  * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q6_K: with its 2 high bits; Q2_K:
  * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up; IQ3: looked up by VBMI,
  * a vector per coordinate, with its signs) is vpdpbusd's operand
  * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
- * as quant_dot_k (Q4_K one column 1.8x faster, 16 columns 2.2x: README, Weight formats). */
+ * as quant_dot_k (faster at one column and at 16: README, Weight formats). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast (README,
  * Software prefetch distance). */
@@ -5301,8 +5330,8 @@ static int quant_interleaved_avx2_ok(enum gguf_type t) {
 }
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
- * already read at the bandwidth; its interleaved form makes a prompt's products 1.45-1.7x
- * faster for one column 0-4% slower in the model (README, Weight formats), and is kept for them. */
+ * already read at the bandwidth; its interleaved form makes a prompt's products faster
+ * (one column no faster: README, Weight formats), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
@@ -5428,7 +5457,7 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, 
  * pair (scale G, scale G + 1) in each 32-bit lane. Both first make the int8 scales 4G' .. 4G' + 3
  * (G' = G / 4) in the bytes of a lane: Q6_K's are stored so; Q3_K's as quant_q3k_scales unpacks
  * them, a nibble of scale dword 0 or 1 and 2 bits of dword 2, less 32, four at a time (a scale a
- * lane at a time: Q6_K's one column 13% slower in cache). */
+ * lane at a time was slower: README). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int g) {
     const int k = g / 4;
     __m512i v;
@@ -6004,8 +6033,8 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
 
 /* quant_interleave_tile's plan for each interleaved type but Q6_K: FROM[k] the byte of vector
  * k's dword, STEP[i] the first vector of a transpose of 8 (+ 64) or 4 (+ 128) dwords in a row
- * within the block, else of one (the first 16 bytes' transpose, or a gather). Made once a tile,
- * it cost 3-6% at 2 columns, 20% for Q3_K rows of 512 at 4. */
+ * within the block, else of one (the first 16 bytes' transpose, or a gather). Made once, not
+ * once a tile (README). */
 static struct quant_tile_plan { int from[64], step[64], steps; } quant_tile_plans[GGUF_TYPE_COUNT];
 
 static void quant_tile_plans_init(void) {
@@ -6147,6 +6176,7 @@ static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
     quant_tables_init();
     quant_tile_plans_init();
+    quant_group_words_init();
     memset(quant_dot_table, 0, sizeof quant_dot_table);
     memset(quant_dotn_table, 0, sizeof quant_dotn_table);
     memset(quant_dotr_table, 0, sizeof quant_dotr_table);
@@ -6293,7 +6323,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     else if (quant_level == QUANT_LEVEL_AVX2)
         (wtype == GGUF_TYPE_Q4_K   ? (vnni ? quant_tile_q4k_avx2_vnni : quant_tile_q4k_avx2)
          : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
-                                   : quant_tile_q6k_avx2 /* by vpdpbusd only 2-7% faster (README, Weight formats) */)(
+                                   : quant_tile_q6k_avx2 /* by vpdpbusd hardly faster (README, Weight formats) */)(
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
@@ -6493,8 +6523,7 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_stride * (size_t)plat_threads()) : NULL;
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
-     * shrinking pieces that even out a thread that fell behind (slice decode +5% over static;
-     * dynamic, which interleaves the threads' rows, lost 7%) */
+     * shrinking pieces that even out a thread that fell behind (README: static and dynamic) */
     #pragma omp parallel for schedule(guided)
     for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
         int k = 0;
@@ -6519,8 +6548,8 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
 
 /* The columns ops_matmat_block takes of a product at a time. A chunk of rows runs against all of
  * a job's columns, whose prepared acts (2.1 KiB a column of 2048 in Q8_K) must stay in the L2
- * while it does: a prompt batch of 512 tokens made the trunk's products 5-8% slower than two of
- * 256. The weights are then read once a block: of the trunk, ~1 MiB a token more for 512. */
+ * while it does (one block of 512 was slower: README). The weights are then read once a
+ * block: of the trunk, ~1 MiB a token more for 512. */
 #define OPS_COLUMN_BLOCK 256
 
 /* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, one block of
@@ -6702,9 +6731,8 @@ static void ops_bench_kernels(void) {
 
 /* Sums in double of N values, the same bits at every SIMD level and on the GPU: value i goes
  * into partial i % OPS_SUM_PARTS, and the partials meet by the butterfly p[j] + p[j + s] for
- * s = 8, 4, 2, 1. A serial sum (the reference's order) is one add every 4 cycles: the norms'
- * sums of squares were 3.8% of a prompt's time (perf, Q4_K slice, pp2048), and a GPU warp could
- * not follow such a chain at all. */
+ * s = 8, 4, 2, 1. A serial sum (the reference's order) is one add every 4 cycles (README), and a
+ * GPU warp could not follow such a chain at all. */
 #define OPS_SUM_PARTS 16
 
 static double ops_parts_sum(double *part)
@@ -6914,8 +6942,7 @@ QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x, __m512 num) {
 
 /* out[i] = f(x[i]) * u[i] for N values (U NULL: f alone), f ops_silu or (SIGMOID) ops_sigmoid,
  * their bits at every level: the SIMD levels run ops_exp's double steps in vector lanes (a
- * scalar ops_exp is ~20 ns: the 8192 channels of a DeltaNet conv took 0.2 ms a layer). OUT
- * may be X or U. */
+ * scalar ops_exp is slow: README). OUT may be X or U. */
 static float ops_gate_one(float x, const float *u, int64_t i, int sigmoid)
 {
     const float f = sigmoid ? ops_sigmoid(x) : ops_silu(x);
@@ -7068,8 +7095,7 @@ static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops
  * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
  * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Returns the maximum,
  * and the sum in *SUM where SUM is not NULL (attention's splits merge by them). Attention at 8k of
- * context takes 8192 of them per head and token: libm's expf and a serial sum were 40% of its
- * time. */
+ * context takes 8192 of them per head and token (README: libm's expf). */
 
 /* The SIMD levels: the maximum of all N, and the partials of the whole vectors (ops_softmax
  * does the tail); returns how many values are done. */
@@ -7157,17 +7183,16 @@ static float ops_softmax(float *x, int n, double *sum)
  * so that the format is a constant in its loops.
  * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as
  * the kernels load it): each dot over HD elements in one canonical order at every level:
- * element i into partial i % 16, then the butterfly p[j] + p[j + s] for s = 8, 4, 2, 1. A
- * serial sum (the order before) kept the vector units idle at one add per 4 cycles. The SIMD
+ * element i into partial i % 16, then the butterfly p[j] + p[j + s] for s = 8, 4, 2, 1 (a
+ * serial sum kept the vector units idle). The SIMD
  * versions hold each head's 16 partials in registers (independent chains across heads).
  * Q8_0 keys: integer products against the query quantised (ops_scores_q8_0, below).
  * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the
  * same operation at any width: fmaf, or the FMA instructions every AVX2 CPU has), the rows in
  * chunks of OPS_ATTN_CHUNK that every tile of accumulators passes over before the next chunk.
  * Fused, because a Q8_0 value's widening then runs beside the products: with a multiply and
- * an add, the FP pipes also had to take the conversions (8 heads x 32 dims a row: 13 cycles
- * against 9.5 fused, on Zen 5). A Q8_0 value is widened exactly (d * q has at most 18
- * significant bits), so the sums are those of fp32 rows holding those values.
+ * an add, the FP pipes also had to take the conversions (README). A Q8_0 value is widened
+ * exactly (d * q has at most 18 significant bits), so the sums are those of fp32 rows holding those values.
  * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each its scores, its own softmax and
  * its values, then merged in order of the splits (ops_attn_merge). Why: a GPU computes the
  * splits of a long context side by side (one warp a split, not one a head), and it can only
@@ -7703,8 +7728,7 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
 }
 
 /* o[i] = fma(wc, oc[i], wo * o[i]) for N values, the same bits at every level (fmaf is a
- * library call where the compiler may not assume FMA: 2048 of them a split of 8 heads made
- * decode's attention at 8k of context 15-70% slower). The SIMD levels return how many they did. */
+ * library call where the compiler may not assume FMA: README). The SIMD levels return how many they did. */
 static QUANT_AVX512 int ops_blend_avx512(float *o, const float *oc, float wo, float wc, int n)
 {
     int i = 0;
@@ -7734,7 +7758,7 @@ static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
  * side's share of the new sum (its sum times e^(its max - the new max), in double) as a float
  * weight, then o = fma(wc, oc, wo * o) element by element. The first split is O as it is, so a
  * context of one split gives the bits of one softmax over all its rows. The 2 NQ exponentials
- * go in one call (ops_exp_shifted; a scalar ops_exp is ~20 ns). */
+ * go in one call (ops_exp_shifted). */
 static void ops_attn_merge(float *const *o, float *max, double *sum, float *const *oc, const float *max_c, const double *sum_c, int nq,
                            int hd)
 {
@@ -7779,9 +7803,8 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
  * split by split their softmax and values (ops_attention_values), each merged into O in order
  * (ops_attn_merge). SC: a scratch of N + HD floats a head (the scores, then a split's output).
  * The scores go in one pass rather than a split at a time: the bits are the same, and the key
- * rows stream without a break (a split at a time, between the values of the splits before and
- * after, attention at 32k of context with a Q8_0 cache took 12-13% more than one softmax over
- * all rows; this way 6-7% more). */
+ * rows stream without a break (README: a split at a time, between the values of the splits before and
+ * after, took longer). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
@@ -7808,8 +7831,7 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
  * A sequence's tokens in a batch go through one call: token t's second pass (write, read with
  * q) and token t + 1's first (decay, predict) are one pass over the state, each element's
  * operations and each row's sums as token by token, so a prompt reads and writes the state
- * once a token instead of twice (0.84 -> 0.62 us a head and token; README, Weight formats,
- * Prompts). */
+ * once a token instead of twice (README, Weight formats, Prompts). */
 
 /* A sequence's N tokens for one head: token t's q, k and v at Q, K, V + t * STRIDE, its beta and
  * decay, its output at OUT + t * OUT_STRIDE. */
@@ -10379,7 +10401,7 @@ static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const
  *   35B-A3B, 1.77 MB each at Q4_0); a prompt batch of 64 tokens wants ~220 of 256 per layer.
  *   A miss is three preads of one expert's slices, done by EXPERT_READERS threads. */
 
-#define EXPERT_READERS 4          /* reads in flight: 1.5 GB/s while reading, O_DIRECT, on a virtio disk rated ~1.1 GB/s */
+#define EXPERT_READERS 4          /* reads in flight (README, Models larger than memory: their rate) */
 #define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
 #define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
 #define EXPERT_HEAT_VERSION 1
@@ -11304,8 +11326,9 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14; musl's headers may predate it */
 #endif
-#define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20) /* bytes a populate call covers: a stop waits for one (~2 ms here), and so does a thread
-                                               * that wants the address space while it holds it */
+/* bytes a populate call covers: a stop waits for one (~2 ms), as does a thread that wants the
+ * address space while it holds it */
+#define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20)
 
 /* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
@@ -12206,9 +12229,9 @@ static void place_model(const struct place_item *items, int n_items, struct expe
  * no upload under way, swaps its coldest resident expert for the hottest one on the CPU it can
  * run and hold, when that one is clearly hotter: the cold one computes on the CPU from then
  * on, the hot one on the device from when its upload (in the background,
- * cuda_expert_upload_start) has arrived. One upload in flight per device paces it: on the
- * 35B-A3B at 5 tok/s that is 5 experts (9 MB) a second a card, far below what PCIe carries,
- * and a check is one pass over the heat (10240 floats). Tokens do not change: both sides
+ * cuda_expert_upload_start) has arrived. One upload in flight per device paces it (a few
+ * experts a second a card, far below what PCIe carries), and a check is one pass over the
+ * heat (10240 floats on the 35B-A3B). Tokens do not change: both sides
  * compute the same bits. */
 
 #define PLACE_RETIER_WINDOW 64 /* tokens: the window of the VRAM statistics, the store's repin period */
@@ -12291,9 +12314,9 @@ enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 /* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
  * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
  * token at 64 tokens, 70 MB at 256, 35 MB at 512. 512 gives an
- * expert 16 tokens on average, where the tiles run at 1.3-1.5 times their rate at 8; the
- * trunk's products take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the
- * L2. Scratch: ~190 MB (96 MB more than at 256); measured in README, Benchmarks. */
+ * expert 16 tokens on average, where the tiles run faster than at 8; the trunk's products take
+ * their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch and
+ * figures: README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
@@ -13164,8 +13187,7 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
  * KV cache do not fit together (the rest is the expert cache's, §6); but where the weights
  * fit with room for MODEL_MIN_CTX tokens beside them, no more than that room, so that every
  * routed expert stays in memory rather than a context mostly unused pushing some of them to
- * the disk (the 35B-A3B geometry on a 24 GB machine: an eighth, 75k tokens, left 3% of them
- * out, and `coli run -p Hello` read 9 GiB from the disk at 1 tok/s). */
+ * the disk (README: the 35B-A3B geometry on a 24 GB machine). */
 #define MODEL_MIN_CTX 4096
 
 static int model_choose_ctx(const struct model *m, int request)
@@ -13648,8 +13670,7 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
  * ex_in, then up to OPS_MAX_JOBS / 2 experts at a time run as two batches of products, gates
  * and ups, then downs, so that a layer pays a few parallel regions rather than two per expert.
  * Each output is bit-identical to the expert's own ops_matmat; it stays in ex_y, its row there
- * in ex_src[assignment] (a prompt's 4096 rows of 8 KiB on the 35B, scattered, were 8% of the
- * experts' time), or with TO_EX_OUT is copied to ex_out[assignment]. */
+ * in ex_src[assignment] (not copied: README), or with TO_EX_OUT is copied to ex_out[assignment]. */
 static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 {
     const struct model_config *c = &m->cfg;
@@ -14337,9 +14358,8 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
 {
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
-    /* a batch's rows asked for first: from a cold page cache (the first run after a boot) each
-     * row is a disk read, 2.6 ms apiece one after another on this project's VM; a single token
-     * (decode) has no other read to overlap */
+    /* a batch's rows asked for first: from a cold page cache each row is a disk read, one
+     * after another unless asked for together; a single token (decode) has none to overlap */
     const int batch = n_runs > 1 || (n_runs == 1 && runs[0].n > 1);
     for (int r = 0; batch && r < n_runs; r++)
         for (int t = 0; t < runs[r].n; t++) plat_ask_pages(m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, row_bytes);
@@ -14491,9 +14511,7 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
 
 /* How many times memory must hold the routed experts for the store to copy them out of the
  * mapping (expert_own) rather than read them in place. The copy is faster, being interleaved
- * where its type has such a form (§3) and in pages of its own: 0-60% faster decode on the
- * 10-layer Q4_K slice of the 35B-A3B, by how the page cache held the file (README, Models
- * larger than memory). Where memory holds the copy beside the file's pages, the page cache
+ * where its type has such a form (§3) and in pages of its own (README, Models larger than memory). Where memory holds the copy beside the file's pages, the page cache
  * keeps them for the next start. A server copies where memory holds the experts once: the
  * file's pages give way and its next start reads the file again (seconds on an SSD), which a
  * process that serves for hours pays back many times. */
