@@ -3068,8 +3068,7 @@ QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, 
     __m512 acc[QUANT_NCOL][2];
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n32; i += 32) {
-        for (int q = 0; q < 32 * es; q += 64) _mm_prefetch((const char *)w + i * es + QUANT_PREFETCH + q, _MM_HINT_T0);
+    for (int64_t i = 0; i < n32; i += 32) { /* no prefetch: the hardware's serves this stream better (README) */
         __m512 w0 = quant_avx512_load_w16(t, w + i * es), w1 = quant_avx512_load_w16(t, w + (i + 16) * es);
         QUANT_UNROLL(4)
         for (int c = 0; c < NC; c++) {
