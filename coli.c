@@ -217,7 +217,7 @@ static int plat_map_file(const char *path, struct plat_map *m)
 
 /* Faults in the pages of [P, P + N) now, writable, keeping their contents: memory allocated at
  * load that every forward pass writes (the recurrent state, the batch's scratch) would else
- * fault page by page in the first prompt (slow on this project's VMs: README, Weight formats). */
+ * fault page by page in the first prompt (slow on this project's VMs: README). */
 static void plat_prefault(void *p, size_t n)
 {
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = ((uintptr_t)p + page - 1) & ~(page - 1);
@@ -324,7 +324,7 @@ static void plat_unmap_range(const uint8_t *p, size_t len)
  * without waiting for them: reads asked for together overlap, where touching the pages one
  * after another waits for each in turn. For scattered small reads only: pages read so come
  * into the page cache in small folios, where the mapping's own faults make 2 MiB ones, and
- * experts read in place from small folios ran slower (README, Models larger than memory). */
+ * experts read in place from small folios ran slower (README). */
 static void plat_ask_pages(const uint8_t *p, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -2010,7 +2010,7 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_PREFETCH 4096
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (fewer
- * instructions: README, Weight formats), at ~15 s more compile time. COLI_ROLLED leaves the
+ * instructions: README), at ~15 s more compile time. COLI_ROLLED leaves the
  * loops rolled (same results): test builds that check neither the kernels' speed nor the
  * shipped code's bits (build.sh) define it. */
 #define QUANT_PRAGMA(x) _Pragma(#x)
@@ -2289,8 +2289,8 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
  * on one pipe at two cycles a vector, as the products themselves. So the products of 2 or 4
  * steps of 32 weights are first folded into one vector of sums (adds and unpacks, on the other
  * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales
- * (README). Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 *
- * 2 * 31 * 127 = 31496); Q6_K's (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
+ * (README). Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 * 2 * 31 *
+ * 127 = 31496); Q6_K's (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
@@ -2337,16 +2337,15 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, in
 /* Each byte of V shifted so that its bit FROM lands on bit TO, then masked by MASK: the high
  * bits of Q5_K (one, to bit 4), Q6_K (two, to bits 4-5) and Q3_K (one, to bit 2) in place with
  * one 16-bit shift, where shift, mask, shift took two. Exact per byte as long as the bits kept
- * come from their own byte, as they do for these. Zen 1 shifts on one pipe, and they were Q6_K's
- * bottleneck there (README, Weight formats). */
+ * come from their own byte, as they do for these (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
     const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
 /* Bits 2K and 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts
- * on one pipe (README), so the two that move bits up are byte lookups (the low
- * nibble of H -> its bits 2K, 2K + 1 at bits 4-5), and step 2's bits are already in place. */
+ * on one pipe (README), so the two that move bits up are byte lookups (the low nibble of H ->
+ * its bits 2K, 2K + 1 at bits 4-5), and step 2's bits are already in place. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
     if (k == 3) return quant_avx2_bits_to(h, 6, 4, 0x30);
@@ -3375,9 +3374,9 @@ QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
 
 /* Rows kernel of the legacy formats: rows of 16 blocks (the 35B-A3B's expert and shared-expert
  * down products) 4 at a time, the act's lanes ordered once for all of them and their 4
- * butterflies in one (quant_avx512_reduce4). A dot per row paid for both on every row, together
- * as much as the row's own work. Other lengths go through DOT, one row at a time. IN_LANES: the
- * act from quant_act_to_lanes, DOT a kernel for such acts. */
+ * butterflies in one (quant_avx512_reduce4; a dot per row paid for both on every row). Other
+ * lengths go through DOT, one row at a time. IN_LANES: the act from quant_act_to_lanes, DOT a
+ * kernel for such acts. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes, quant_dot_fn dot, const uint8_t *w, size_t rb,
                                                   int nrows, const void *act, int64_t n, float *y) {
     if (n != 16 * QUANT_QK) {
@@ -3400,7 +3399,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
             quant_avx512_legacy_group(t, w + (size_t)(r + i) * rb, wl, wh, &dw, &mw);
             v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
         }
-        /* unrolled, stored under a mask, not through a copy on the stack (README, Weight formats) */
+        /* unrolled, stored under a mask, not through a copy on the stack (README) */
         _mm_mask_storeu_ps(y + r, (__mmask8)(nrows - r >= 4 ? 0xf : (1 << (nrows - r)) - 1), quant_avx512_reduce4(v));
     }
 }
@@ -3473,7 +3472,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
 /* The 16 scales of a super-block's 16-groups (SC, int16) as the word multipliers of its 4
  * registers of 64 values: lane L (128 bits) of register j is group 4j + L. One word permute
  * puts groups L, 4 + L, 8 + L and 12 + L in lane L, then an in-lane byte shuffle makes each
- * register (faster than a word permute a register: README, Weight formats). */
+ * register (faster than a word permute a register: README). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -3845,7 +3844,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
  * 128 as vpdpbusd's unsigned operand, so lane L of registers 2h and 2h + 1 holds products of
  * block 4h + L alone and one multiply applies its scale; the 128s come off as 128 times each
  * block's scale times its act sum (its two 16-sums). One instruction a register fewer than the
- * signs and vpmaddubsw, and no sign masks (1.1x: README, Weight formats). */
+ * signs and vpmaddubsw, and no sign masks (README). */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(2)
@@ -3969,7 +3968,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
  * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop unrolled
- * (1.1-1.2x on Zen 5; the several-column group stays rolled: README, Weight formats). */
+ * (faster; the several-column group stays rolled: README). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3983,11 +3982,11 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
 /* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
  * One column against these rows is bound by arithmetic here; one super-block at a time
  * (quant_avx512_k_loop) each leaves 16 lanes of integer parts to sum across before its float
- * step. Here a register holds 32 quants of super-block u in its low half and the same 32 of u +
- * 1 in its high half, against an act put so once for the rows (quant_avx512_pair_act): a pair's
+ * step. Here a register holds 32 quants of super-block u in its low half and the same 32 of u + 1
+ * in its high half, against an act put so once for the rows (quant_avx512_pair_act): a pair's
  * parts come out 8 lanes each, a group's 8 super-blocks reach their sums in one tree of unpacks,
  * and one shift serves a whole register. Exact sums and quant_dot_k's float steps: the same
- * bits. 1.1-1.2x (README, Weight formats); Q5_K and IQ4_XS measured slower so. */
+ * bits (README: Q5_K and IQ4_XS were slower so). */
 
 /* The Q8_K values of N elements at A (a whole number of super-block pairs) in pair order at
  * BUF: 32 values of super-block 2p, then the same 32 of 2p + 1, and so on. */
@@ -4303,8 +4302,8 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
 /* quant_pairs at this level: 4 rows at a time, QUANT_NCOL columns at a time. One finish (the
  * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
  * per-row finish is as long as a row's two super-blocks of work. IQ4_XS's columns are first put
- * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (1.1-1.25x; README,
- * Weight formats). Q4_K and Q5_K in their nibble order gained nothing here. */
+ * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (README). Q4_K and
+ * Q5_K in their nibble order gained nothing here. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
     enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns put in order at a time; a copy's bytes (quant_act_bytes: 584) */
@@ -4457,7 +4456,7 @@ QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reo
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
  * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot
- * (1.15-1.25x: README, Weight formats). */
+ * (README). */
 static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc,
                                                        int64_t n, float *y, size_t ys) {
     enum { ACT = QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8 };
@@ -4524,8 +4523,8 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
  * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
  * The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K,
- * Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved (quant_tile_interleaved). Figures: README,
- * Weight formats ("The tiles' figures"). */
+ * Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved (quant_tile_interleaved). Figures:
+ * README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, as measured
@@ -4669,7 +4668,7 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
 /* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
  * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
  * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
- * changed the register allocation of the kernels around it (README, the tiles' figures). */
+ * changed the register allocation of the kernels around it (README: the tiles). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
@@ -4743,7 +4742,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int6
 /* Super-block U of a Q6_K tile against 4 columns: each sub-block's sum of q * x times its scale,
  * less 32 times the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum,
  * exact in int32; then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale
- * multiplies of a Q4_K unit, against strong column kernels (README, the tiles' figures). */
+ * multiplies of a Q4_K unit, against strong column kernels (README: the tiles). */
 QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                              float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
@@ -4776,8 +4775,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
  * L1, while these compute: a thread's chunks are mostly consecutive, and the unpack's gathers
  * and transposes would otherwise wait on 16 rows' misses at a time. A tile's first pass over
  * its columns asks for one part before each unit, so the requests spread over its work; all of
- * them at once before the unpack (a 16 x 2048 Q4_K tile is 288 lines) left most unserved
- * (README, the tiles' figures). */
+ * them at once before the unpack left most unserved (README: the tiles). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -4847,7 +4845,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
  * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or
  * 8) times the act block's sum: every addend an integer well inside int32, so the sum is exact,
  * and in two parts (the even steps and the odd) so that 8 chains of vpdpbusd are in flight, not
- * 4 (README, Weight formats). */
+ * 4 (README). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
                                                 float (*p)[QUANT_NPART][16]) {
     __m512i s[2][QUANT_TILE_NC];
@@ -4892,16 +4890,13 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
  * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
  * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
- * quants reach 31) and one vpmaddwd applies the 8 rows' scales. quant_dotn instead decodes a row
- * once for 4 columns and then, per column, folds its products with shuffles before each scale
- * multiply and sums lanes at the end: on Zen 1 the multiplies share one pipe with nothing to
- * spare, and the tile needs fewer of them (a super-block of 8 rows and one column: 64 products,
- * 8 or 16 scale and 8 min multiplies, against 8 rows' 88) and few shuffles. Q6_K's quants go in
+ * quants reach 31) and one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than
+ * quant_dotn's (README: Zen 1 runs the multiplies on one pipe). Q6_K's quants go in
  * signed (q - 32), so that 4 steps add in int16; Q4_0's block adds its 8 steps in int16 and one
  * vpmaddwd (by ones) widens them. With AVX-VNNI a step goes into int32 by one vpdpbusd
  * (quant_avx2_dpbusd) and a K sub-block's sum takes its scale by vpmulld; Q8_0, IQ4_NL and
  * MXFP4, their bytes plus 128 too wide for vpmaddubsw's int16 pairs, have a tile only there.
- * Figures: README, Weight formats (AVX2 items). */
+ * Figures: README. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
@@ -5111,8 +5106,8 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, i
 
 /* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum added to each
  * column's partial P[c][u % 32] in those rows' lanes. A step multiplies the quants' magnitudes by
- * x with their signs, and a group's 4 steps add in int16 before its scale multiply: 80
- * multiplies a super-block of 8 rows and one column, against the column kernel's 104. */
+ * x with their signs, and a group's 4 steps add in int16 before its scale multiply (fewer
+ * multiplies than the column kernel's: README). */
 QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile *t, int half, const struct quant_q8k_view *a,
                                                 int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC];
@@ -5284,13 +5279,13 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
  * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
  * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
  * scales and to each super-block's lane sums (README). A matrix the CPU owns (§8
- * model_own_trunk) is repacked instead, in the same bytes (quant_interleave): for 16 rows and one super-block, a vector of
- * 16 dwords per dword of the block, lane r from row r, so that one 64-byte load masked to its
- * low or high nibbles (Q5_K: with the fifth bits or-ed in; Q6_K: with its 2 high bits; Q2_K:
- * shifted and masked; Q3_K: that with its hmask bit; IQ4_XS: looked up; IQ3: looked up by VBMI,
- * a vector per coordinate, with its signs) is vpdpbusd's operand
- * for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the same bits
- * as quant_dot_k (faster at one column and at 16: README, Weight formats). */
+ * model_own_trunk) is repacked instead, in the same bytes (quant_interleave): for 16 rows and
+ * one super-block, a vector of 16 dwords per dword of the block, lane r from row r, so that
+ * one 64-byte load masked to its low or high nibbles (Q5_K: with the fifth bits or-ed in;
+ * Q6_K: with its 2 high bits; Q2_K: shifted and masked; Q3_K: that with its hmask bit; IQ4_XS:
+ * looked up; IQ3: looked up by VBMI, a vector per coordinate, with its signs) is vpdpbusd's
+ * operand for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the
+ * same bits as quant_dot_k (faster at one column and at 16: README). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast (README,
  * Software prefetch distance). */
@@ -5321,7 +5316,7 @@ QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
 }
 
 /* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
- * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README, Weight formats, has their
+ * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README has their
  * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved. */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS;
@@ -5330,7 +5325,7 @@ static int quant_interleaved_avx2_ok(enum gguf_type t) {
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
  * already read at the bandwidth; its interleaved form makes a prompt's products faster
- * (one column no faster: README, Weight formats), and is kept for them. */
+ * (one column no faster: README), and is kept for them. */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
@@ -5719,7 +5714,7 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
 
 /* The AVX2 level's interleaved kernels need AVX-VNNI (VPDPBUSD on ymm). With AVX2's
  * maddubs, add and madd a step instead, the interleaved rows were no faster than the plain ones
- * (README, Weight formats): the steps cost the same in either layout. */
+ * (README): the steps cost the same in either layout. */
 #define QUANT_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QUANT_AVX2_VNNI_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
 
@@ -6086,7 +6081,7 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
 /* The tile of 16 rows read in place of a type quant_interleave_ok takes but Q6_K (quant_tile's
  * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
  * the same bits; faster than Q4_K's and Q5_K's tiles of their own (nibbles apart, scales in
- * lanes) and than quant_dotn for the others (README, Weight formats). */
+ * lanes) and than quant_dotn for the others (README). */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
@@ -6322,7 +6317,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     else if (quant_level == QUANT_LEVEL_AVX2)
         (wtype == GGUF_TYPE_Q4_K   ? (vnni ? quant_tile_q4k_avx2_vnni : quant_tile_q4k_avx2)
          : wtype == GGUF_TYPE_Q5_K ? (vnni ? quant_tile_q5k_avx2_vnni : quant_tile_q5k_avx2)
-                                   : quant_tile_q6k_avx2 /* by vpdpbusd hardly faster (README, Weight formats) */)(
+                                   : quant_tile_q6k_avx2 /* by vpdpbusd hardly faster (README) */)(
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
@@ -6367,11 +6362,15 @@ static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act
 /* Scratch that only grows: one for the prepared activations, one for the threads' quant_tile
  * tiles (on the heap: 16 rows of 4096 columns take 90 KiB, most of a musl thread's stack). */
 struct ops_scratch { void *buf; size_t cap; };
-static struct ops_scratch ops_act_buf, ops_tile_buf;
+static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
+
+/* Seconds the threads stood idle at the ends of ops_matmat_block's loops (the loop's end less
+ * each thread's last chunk, their mean), summed: bench's barriers. */
+static double ops_idle_seconds;
 
 /* Bytes left unused between two threads' quant_tile scratch. Back to back, each thread's
- * writes to its own (50 KiB for 16 rows of 2048 Q4_K, rewritten every tile) ran next to the
- * other's, and the second thread took twice the cycles a tile (README, Prompts: the gap). */
+ * writes to its own (50 KiB for 16 rows of 2048 Q4_K, every tile) slowed the other's (README,
+ * Prompts: the gap). */
 #define OPS_TILE_GAP (128 << 10)
 
 /* Bytes of one prepared activation column of COLS for weights of TYPE (or of matrix W),
@@ -6417,10 +6416,9 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
 
 /* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
  * quant_pairs where it serves (K rows of 2 super-blocks), else by quant_dotn, a block of columns
- * at a time: the block's activations stay in the L1 while every
- * row of the chunk uses them, and the rows come again from the L2. Row by row, each row read
- * every column's activations from the L2 or beyond (an F32 router's 256 columns are 2 MiB;
- * README, the tiles' figures). */
+ * at a time: the block's activations stay in the L1 while every row of the chunk uses them,
+ * and the rows come again from the L2 (row by row, each row read every column's activations
+ * from the L2 or beyond: README). */
 static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n,
                           float *y) {
     if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
@@ -6523,26 +6521,36 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
      * shrinking pieces that even out a thread that fell behind (README: static and dynamic) */
-    #pragma omp parallel for schedule(guided)
-    for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
-        int k = 0;
-        while (c >= first_chunk[k + 1]) k++;
-        const int j = order[k];
-        const struct ops_matrix *w = &jobs[j].w;
-        int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
-        const int in_lanes = lanes_of[j] >= 0;
-        const uint8_t *a = act + (in_lanes ? lanes_off[lanes_of[j]] : off[j]);
-        if (w->interleaved)
-            quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
-                              (size_t)w->rows);
-        else if (jobs[j].n == 1)
-            quant_dotr(w->type, in_lanes, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), a, w->cols, jobs[j].y + r0);
-        else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n, w->cols))
-            quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols, jobs[j].y + r0,
-                       (size_t)w->rows, tiles + tile_stride * (size_t)omp_get_thread_num());
-        else
-            ops_dotn_rows(w, in_lanes, r0, r1, a, stride[j], jobs[j].n, jobs[j].y);
+    double *finish = ops_scratch(&ops_finish_buf, sizeof(double) * (size_t)plat_threads());
+    int team = 1;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(guided) nowait
+        for (int64_t c = 0; c < first_chunk[n_jobs]; c++) {
+            int k = 0;
+            while (c >= first_chunk[k + 1]) k++;
+            const int j = order[k];
+            const struct ops_matrix *w = &jobs[j].w;
+            int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
+            const int in_lanes = lanes_of[j] >= 0;
+            const uint8_t *a = act + (in_lanes ? lanes_off[lanes_of[j]] : off[j]);
+            if (w->interleaved)
+                quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols,
+                                  jobs[j].y + r0, (size_t)w->rows);
+            else if (jobs[j].n == 1)
+                quant_dotr(w->type, in_lanes, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), a, w->cols,
+                           jobs[j].y + r0);
+            else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n, w->cols))
+                quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols,
+                           jobs[j].y + r0, (size_t)w->rows, tiles + tile_stride * (size_t)omp_get_thread_num());
+            else
+                ops_dotn_rows(w, in_lanes, r0, r1, a, stride[j], jobs[j].n, jobs[j].y);
+        }
+        finish[omp_get_thread_num()] = plat_now();
+        if (omp_get_thread_num() == 0) team = omp_get_num_threads();
     }
+    const double done_at = plat_now();
+    for (int t = 0; t < team; t++) ops_idle_seconds += (done_at - finish[t]) / team;
 }
 
 /* The columns ops_matmat_block takes of a product at a time. A chunk of rows runs against all of
@@ -6829,8 +6837,7 @@ static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 /* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read
  * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases; for N
  * (1..4; constant where inlined) vectors in lockstep: each step for every vector before the
- * next step, so that N independent chains fill the pipes (one 10-step chain at a time left
- * them waiting on its latency). */
+ * next step, so that N independent chains fill the pipes. */
 QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
     const __m256d shift = _mm256_set1_pd(6755399441055744.0);
     __m256d t[4], r[4], p[4];
@@ -7093,8 +7100,8 @@ static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops
 /* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
  * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
  * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Returns the maximum,
- * and the sum in *SUM where SUM is not NULL (attention's splits merge by them). Attention at 8k of
- * context takes 8192 of them per head and token (README: libm's expf). */
+ * and the sum in *SUM where SUM is not NULL (attention's splits merge by them). Attention at
+ * 8k of context takes 8192 of them per head and token (README: libm's expf). */
 
 /* The SIMD levels: the maximum of all N, and the partials of the whole vectors (ops_softmax
  * does the tail); returns how many values are done. */
@@ -7183,8 +7190,8 @@ static float ops_softmax(float *x, int n, double *sum)
  * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as
  * the kernels load it): each dot over HD elements in one canonical order at every level:
  * element i into partial i % 16, then the butterfly p[j] + p[j + s] for s = 8, 4, 2, 1 (a
- * serial sum kept the vector units idle). The SIMD
- * versions hold each head's 16 partials in registers (independent chains across heads).
+ * serial sum kept the vector units idle). The SIMD versions hold each head's 16 partials in
+ * registers (independent chains across heads).
  * Q8_0 keys: integer products against the query quantised (ops_scores_q8_0, below).
  * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the
  * same operation at any width: fmaf, or the FMA instructions every AVX2 CPU has), the rows in
@@ -7352,7 +7359,7 @@ static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void
 }
 
 /* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers (with
- * NQ a variable they went to memory, a load and a store per add: README, Weight formats). */
+ * NQ a variable they went to memory, a load and a store per add: README). */
 QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
                                                  float scale, float *const *out, enum ops_kv kv)
 {
@@ -7802,8 +7809,7 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
  * split by split their softmax and values (ops_attention_values), each merged into O in order
  * (ops_attn_merge). SC: a scratch of N + HD floats a head (the scores, then a split's output).
  * The scores go in one pass rather than a split at a time: the bits are the same, and the key
- * rows stream without a break (README: a split at a time, between the values of the splits before and
- * after, took longer). */
+ * rows stream without a break (README). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
@@ -7830,7 +7836,7 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
  * A sequence's tokens in a batch go through one call: token t's second pass (write, read with
  * q) and token t + 1's first (decay, predict) are one pass over the state, each element's
  * operations and each row's sums as token by token, so a prompt reads and writes the state
- * once a token instead of twice (README, Weight formats, Prompts). */
+ * once a token instead of twice (README, Prompts). */
 
 /* A sequence's N tokens for one head: token t's q, k and v at Q, K, V + t * STRIDE, its beta and
  * decay, its output at OUT + t * OUT_STRIDE. */
@@ -10235,8 +10241,9 @@ static int cuda_moe_finish(int dev, void *out)
  * DeltaNet over its sequences' recurrent states held in device memory; ATTN: attention over
  * their KV caches there), and its rest after it: nothing crosses the bus between them. A pass
  * uploads once, before its first layer, what its chained layers need (cuda_chain_begin); a
- * chain's ids come back after its last layer (cuda_chain_ids). A sequence's states on a device are one allocation laid out as coli's
- * checkpoints, its KV caches another laid out as the CPU's (§8 keeps which copy is current). */
+ * chain's ids come back after its last layer (cuda_chain_ids). A sequence's states on a
+ * device are one allocation laid out as coli's checkpoints, its KV caches another laid out as
+ * the CPU's (§8 keeps which copy is current). */
 
 /* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers
  * read, the state addresses first; room for the ids; the chained layers' blocks: §8's
@@ -10400,7 +10407,7 @@ static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const
  *   35B-A3B, 1.77 MB each at Q4_0); a prompt batch of 64 tokens wants ~220 of 256 per layer.
  *   A miss is three preads of one expert's slices, done by EXPERT_READERS threads. */
 
-#define EXPERT_READERS 4          /* reads in flight (README, Models larger than memory: their rate) */
+#define EXPERT_READERS 4          /* reads in flight (README: their rate) */
 #define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
 #define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
 #define EXPERT_HEAT_VERSION 1
@@ -11270,7 +11277,7 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
  * copied: the resident ones' places in the arena stay untouched pages (no memory: huge pages
  * are turned off there), filled from the file by expert_fill_hole when the CPU first needs one
  * (re-tiering moved it off the device, or the GPU path ended). Why: experts stream faster
- * from anonymous memory than in place from the page cache (README, Models larger than memory).
+ * from anonymous memory than in place from the page cache (README).
  * Without the memory for it the experts stay in place. Where no device takes part (S->vram
  * unset: nothing will upload from this copy), the types with an interleaved form (§3) are
  * interleaved in it. */
@@ -11332,7 +11339,7 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 /* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
  * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
  * page tables (reading from the disk what the page cache lacks), then one read a page warms
- * what lies below them (a VM's own tables; figures: README, Models larger than memory). A
+ * what lies below them (a VM's own tables: README). A
  * range the kernel refuses (a file cut short) ends it: the forward pass then says what is
  * wrong. A kernel without MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file
  * cut short ends the process with model_on_sigbus's one line, as a forward pass reading it
@@ -12132,8 +12139,8 @@ static double place_expected_seconds(const struct place_offer *o, int n_trunk, i
 #define PLACE_SPLIT_GAIN 0.05 /* a split must save this share of mixed's time per token to be chosen */
 
 /* With two or more probed devices: the trunk on device t (one the probe left it) and the
- * experts on device e, for each pair (t = e: all on one), against mixed by room, each decided on a copy of O[N] (the trunk
- * O[0..N_TRUNK)) with RULE, H and ROOMS and priced by place_expected_seconds at SP. The fastest
+ * experts on device e, for each pair (t = e: all on one), against mixed by room, each decided
+ * on a copy of O[N] (the trunk O[0..N_TRUNK)) with RULE, H and ROOMS and priced by place_expected_seconds at SP. The fastest
  * wins if it beats mixed by PLACE_SPLIT_GAIN (else mixed); O's device masks are narrowed to it.
  * One [probe] line with each candidate's time (measured figures, so not a [place] line: those
  * say the decisions, which plan and run share). */
@@ -12312,10 +12319,9 @@ enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
 /* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
  * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
- * token at 64 tokens, 70 MB at 256, 35 MB at 512. 512 gives an
- * expert 16 tokens on average, where the tiles run faster than at 8; the trunk's products take
- * their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch and
- * figures: README, Benchmarks. */
+ * token at 64 tokens, 35 MB at 512. 512 gives an expert 16 tokens on average, where the tiles
+ * run faster than at 8; the trunk's products take their columns 256 at a time
+ * (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch and figures: README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
@@ -12392,8 +12398,8 @@ struct model_seq {
 
 /* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of the chain its
  * rest is in (-1: none); MIXER, its mixer runs there too; SPLIT, some of its routed experts are
- * the CPU's (its routing came down in the middle: model_layer_rest); BLOCK and IDS, its addresses in that
- * device's chain buffer (BLOCK_OFF before it is uploaded). */
+ * the CPU's (its routing came down in the middle: model_layer_rest); BLOCK and IDS, its
+ * addresses in that device's chain buffer (BLOCK_OFF before it is uploaded). */
 struct model_chain {
     int dev, mixer, split;
     size_t block_off;
@@ -12465,9 +12471,9 @@ enum model_phase { MODEL_PHASE_PRODUCTS, MODEL_PHASE_EXPERTS, MODEL_PHASE_DELTAN
 static const char *const model_phase_names[MODEL_PHASE_COUNT] = {"products", "experts", "deltanet", "attention",
                                                                   "routing", "other", "sampling"};
 struct model_profile {
-    double seconds[2][MODEL_PHASE_COUNT]; /* [decode] */
+    double seconds[2][MODEL_PHASE_COUNT], idle[2][MODEL_PHASE_COUNT]; /* [decode]; idle: ops_idle_seconds */
     long calls[2], waits[2], graphs[2];   /* [decode]: driver calls, waits, graph launches (§5) */
-    double mark;
+    double mark, idle_mark;
     int decode;
 };
 
@@ -13125,8 +13131,8 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * mapping into one anonymous arena and computes from there; the process lets go of the file's
  * pages (the page cache keeps them for the next start, and gives them up first when memory is
  * short). Why: anonymous memory streams faster than the page cache (README, Models larger than
- * memory). The routed experts are §6's (expert_own copies
- * them where memory allows: model_copies). A matrix with an interleaved form (§3
+ * memory). The routed experts are §6's (expert_own copies them where memory allows:
+ * model_copies). A matrix with an interleaved form (§3
  * quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS at AVX-512, IQ3_XXS and IQ3_S at
  * avx512vbmi) is copied into it interleaved. */
 static void model_own_trunk(struct model *m)
@@ -13275,7 +13281,9 @@ static void model_phase_mark(struct model *m, enum model_phase phase)
 {
     double now = plat_now();
     m->profile.seconds[m->profile.decode][phase] += now - m->profile.mark;
+    m->profile.idle[m->profile.decode][phase] += ops_idle_seconds - m->profile.idle_mark;
     m->profile.mark = now;
+    m->profile.idle_mark = ops_idle_seconds;
 }
 
 /* Row POS of KV head H in CACHE (KEYS: the key cache): the floats at SRC in format m->kv. */
@@ -14385,6 +14393,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     size_t dim = (size_t)c->dim;
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     m->profile.mark = plat_now();
+    m->profile.idle_mark = ops_idle_seconds;
     int T = model_embed_runs(m, runs, n_runs);
     m->lost = 0;
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
@@ -14510,10 +14519,11 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
 
 /* How many times memory must hold the routed experts for the store to copy them out of the
  * mapping (expert_own) rather than read them in place. The copy is faster, being interleaved
- * where its type has such a form (§3) and in pages of its own (README, Models larger than memory). Where memory holds the copy beside the file's pages, the page cache
- * keeps them for the next start. A server copies where memory holds the experts once: the
- * file's pages give way and its next start reads the file again (seconds on an SSD), which a
- * process that serves for hours pays back many times. */
+ * where its type has such a form (§3) and in pages of its own (README, Models larger than
+ * memory). Where memory holds the copy beside the file's pages, the page cache keeps them for
+ * the next start. A server copies where memory holds the experts once: the file's pages give
+ * way and its next start reads the file again, which a process that serves for hours pays
+ * back many times. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
@@ -16093,7 +16103,7 @@ static uint64_t sample_next_u64(uint64_t *state)
 
 /* The first index of the largest logit. A NaN never wins, but for one at 0: nothing is greater
  * than the value the loop starts from. The best value is held in a variable, not read through
- * logits[best] (6 times faster; README, Weight formats: Sampling). */
+ * logits[best] (README, Sampling). */
 static int sample_argmax_scalar(const float *logits, int from, int n, int best)
 {
     float top = logits[best];
@@ -16246,9 +16256,8 @@ static void sample_select(struct sample_candidate *cand, int n, int k)
 
 /* The K (1..n) first of the candidates (i, W[i]), i < N, into cand[0..K) in order. One pass
  * compares each value with the K-th so far and inserts the few that beat it (a later id loses a
- * tie; README has its figures against a quickselect over all of them). Large
- * K, or values that keep beating it (a rising row), take the quickselect and a sort instead:
- * the same candidates in the same order. */
+ * tie; README: against a quickselect). Large K, or values that keep beating it (a rising
+ * row), take the quickselect and a sort instead: the same candidates in the same order. */
 static void sample_top(const float *w, int n, int k, struct sample_candidate *cand)
 {
     const int scan = k <= 256;
@@ -19305,21 +19314,24 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
                "than this (coli plan --synthetic %s gives the traffic)\n", b->sy.spec);
 }
 
-/* One line of bench's profile: the time per token of WHAT (prompt or decode: N tokens) and each
- * phase's share of it; with JSON the field WHAT_ms_per_token, ms a token per phase. */
-static void cmd_bench_say_phases(const char *what, const double *ph, int n, int json)
+/* bench's profile of WHAT (prompt or decode: N tokens): the time a token, each phase's share,
+ * and the threads' idle at the products' barriers (IDLE); with JSON WHAT_ms_per_token (ms a
+ * token per phase) and WHAT_idle_ms_per_token. */
+static void cmd_bench_say_phases(const char *what, const double *ph, const double *idle, int n, int json)
 {
-    double total = 0;
-    for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p];
+    double total = 0, idled = 0;
+    for (int p = 0; p < MODEL_PHASE_COUNT; p++) total += ph[p], idled += idle[p];
     if (json) {
         printf(",\"%s_ms_per_token\":{", what);
         for (int p = 0; p < MODEL_PHASE_COUNT; p++) printf("%s\"%s\":%.4f", p ? "," : "", model_phase_names[p], ph[p] / n * 1e3);
-        printf("}");
+        printf("},\"%s_idle_ms_per_token\":%.4f", what, idled / n * 1e3);
         return;
     }
     printf("%s per token: %.2f ms:", what, total / n * 1e3);
     for (int p = 0; p < MODEL_PHASE_COUNT; p++)
         printf("%s %s %.1f%%", p ? "," : "", model_phase_names[p], 100 * plat_ratio(ph[p], total));
+    printf("\n  threads idle at the products' barriers: %.1f%% (products %.1f%%, experts %.1f%%)", 100 * plat_ratio(idled, total),
+           100 * plat_ratio(idle[MODEL_PHASE_PRODUCTS], total), 100 * plat_ratio(idle[MODEL_PHASE_EXPERTS], total));
 }
 
 /* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens,
@@ -19332,7 +19344,7 @@ static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int j
     double trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
     double roof = gbps * 1e9 / bytes;
     const struct model_profile *pf = &m->profile;
-    cmd_bench_say_phases("decode", ph, n_fwd, json);
+    cmd_bench_say_phases("decode", ph, m->profile.idle[1], n_fwd, json);
     if (json && cuda.n_devices)
         printf(",\"decode_driver_calls_per_token\":%.2f,\"decode_waits_per_token\":%.2f,\"decode_graph_launches_per_token\":%.2f",
                (double)pf->calls[1] / n_fwd, (double)pf->waits[1] / n_fwd, (double)pf->graphs[1] / n_fwd);
@@ -19409,7 +19421,7 @@ static int cmd_bench(const struct cmd_options *o)
             printf(",\"synthetic\":{\"layers\":%d,\"layers_measured\":%d,\"bytes\":%llu,\"bytes_measured\":%llu,\"head_s\":%.6f,"
                    "\"measured_prompt_tok_s\":%.3f,\"measured_decode_tok_s\":%.3f,\"fits_in_memory\":%s}", sb.sy.n_layers, sb.layers,
                    (unsigned long long)sb.all, (unsigned long long)sb.bytes, sb.head_s, pp_m, tg_m, sb.fits ? "true" : "false");
-        if (g.n_prompt) cmd_bench_say_phases("prompt", s.model.profile.seconds[0], g.n_prompt, 1);
+        if (g.n_prompt) cmd_bench_say_phases("prompt", s.model.profile.seconds[0], s.model.profile.idle[0], g.n_prompt, 1);
         if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 1);
         if (s.model.experts) {
             printf(",\"experts\":");
@@ -19424,7 +19436,7 @@ static int cmd_bench(const struct cmd_options *o)
         if (scaled) printf(" (measured %.2f on %d layers)", tg_m, sb.layers);
         printf("\n");
         if (g.n_prompt) {
-            cmd_bench_say_phases("prompt", s.model.profile.seconds[0], g.n_prompt, 0);
+            cmd_bench_say_phases("prompt", s.model.profile.seconds[0], s.model.profile.idle[0], g.n_prompt, 0);
             printf("\n");
         }
         if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 0);

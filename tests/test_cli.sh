@@ -93,10 +93,11 @@ assert set(ph) == {"products", "experts", "deltanet", "attention", "routing", "o
 assert min(ph.values()) >= 0 and ph["products"] > 0 and ph["experts"] > 0 and ph["deltanet"] > 0, ph
 per = 1000 / j["synthetic"]["measured_decode_tok_s"]  # the decode steps' wall time, which the phases divide
 assert 0.3 * per < sum(ph.values()) <= 1.001 * per, (ph, per)
+assert 0 <= j["decode_idle_ms_per_token"] <= ph["products"] + ph["experts"] + ph["routing"], j  # the products' barriers
 roof = j["read_gb_s"] * 1e9 / j["decode_bytes_per_token"]
 assert j["decode_bytes_per_token"] > 0 and abs(j["roofline_tok_s"] - roof) <= 1e-3 * roof, j
 PY
-then ok "bench --json: the decode profile's phases divide the decode steps' time; roofline = bandwidth / bytes a token"
+then ok "bench --json: the decode profile's phases divide the decode steps' time, its idle at barriers within the products'; roofline = bandwidth / bytes a token"
 else bad "bench --json decode profile" "$(cat "$tmp/syn")"; fi
 if python3 - "$tmp/syn" <<'PY'
 import json, sys
