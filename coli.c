@@ -4647,7 +4647,7 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
 
 /* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
  * to +0 without reading the slot, so that no pass clears its partials first (memsets cost
- * time). 0 + r, as before: -0 becomes +0 the same way. */
+ * time: README). 0 + r, as before: -0 becomes +0 the same way. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
