@@ -411,7 +411,7 @@ static int64_t plat_mem_total(void)
 }
 
 struct plat_cpu {
-    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512vbmi, avx512bitalg;
+    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vnni, avx512vbmi, avx512bitalg, gfni;
     int avxvnni; /* VEX-encoded VPDPBUSD on ymm: Intel client cores from Alder Lake on, AMD Zen 5 */
     char name[64];
 };
@@ -450,6 +450,7 @@ static void plat_cpu_detect(void)
         plat_cpu.avx512vnni = zmm_ok && ((r[2] >> 11) & 1);
         plat_cpu.avx512vbmi = zmm_ok && ((r[2] >> 1) & 1);
         plat_cpu.avx512bitalg = zmm_ok && ((r[2] >> 12) & 1);
+        plat_cpu.gfni = zmm_ok && ((r[2] >> 8) & 1);
         if (r[0] >= 1) {
             plat_cpuid(7, 1, r);
             plat_cpu.avxvnni = plat_cpu.avx2 && ((r[0] >> 4) & 1);
@@ -1152,9 +1153,10 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   speeds per format and CPU are in README, Weight formats ("Kernel speeds"). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
- * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle; it needs
- * both (every CPU with VBMI but Cannon Lake has BITALG). The same bits, a level of its own so
- * that both are tested. */
+ * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle, and Q3_K's
+ * and Q5_K's high bits moved into place by GFNI (quant_gfni_affine); it needs all three (every
+ * CPU with VBMI but Cannon Lake has the other two). The same bits, a level of its own so that
+ * both are tested. */
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_AVX512VBMI, QUANT_LEVEL_COUNT };
 
 #define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
@@ -2943,12 +2945,12 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
  * loops unroll and the accumulators stay in registers (3 columns left go as 2 + 1: a copy of
  * the kernel fewer to compile); KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC
  * columns. The AVX-512 kernels are wrapped the same way. */
-#define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol)                                          \
-    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
-                            float *y, size_t ys) {                                                     \
-        for (; nc >= ncol; nc -= ncol, acts += ncol * stride, y += ncol * ys)                          \
-            kernel(type, w, acts, stride, n, y, ys, ncol);                                             \
-        if (nc >= 2) kernel(type, w, acts, stride, n, y, ys, 2);                                       \
+#define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol) \
+    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
+                            float *y, size_t ys) { \
+        for (; nc >= ncol; nc -= ncol, acts += ncol * stride, y += ncol * ys) \
+            kernel(type, w, acts, stride, n, y, ys, ncol); \
+        if (nc >= 2) kernel(type, w, acts, stride, n, y, ys, 2); \
         if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
     }
 
@@ -2956,17 +2958,17 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
  * multi-column kernel's one-column call: one copy of each kernel, not four (the same bits; the
  * sanitizer build of test_quant takes ~19 s where fixed sizes at both levels take ~29). */
 #ifdef COLI_ROLLED
-#define QUANT_COLUMNS(name, target, kernel, type, ncol)                                                \
-    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n,      \
-                            float *y, size_t ys) {                                                     \
-        for (int k; nc > 0; nc -= k, acts += (size_t)k * stride, y += (size_t)k * ys)                  \
-            kernel(type, w, acts, stride, n, y, ys, k = nc < ncol ? nc : ncol);                        \
+#define QUANT_COLUMNS(name, target, kernel, type, ncol) \
+    static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
+                            float *y, size_t ys) { \
+        for (int k; nc > 0; nc -= k, acts += (size_t)k * stride, y += (size_t)k * ys) \
+            kernel(type, w, acts, stride, n, y, ys, k = nc < ncol ? nc : ncol); \
     }
-#define QUANT_SINGLE_COLUMN(name, target, kernel, type)                                                \
-    static target float name(const void *w, const void *act, int64_t n) {                              \
-        float y;                                                                                       \
-        name##n(w, act, 0, 1, n, &y, 0);                                                               \
-        return y;                                                                                      \
+#define QUANT_SINGLE_COLUMN(name, target, kernel, type) \
+    static target float name(const void *w, const void *act, int64_t n) { \
+        float y; \
+        name##n(w, act, 0, 1, n, &y, 0); \
+        return y; \
     }
 #else
 #define QUANT_COLUMNS QUANT_COLUMNS_FIXED
@@ -2974,17 +2976,17 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 #endif
 
 /* The single-column dot of such a kernel: its 1-column pass. */
-#define QUANT_COLUMN(name, target, kernel, type)                                                       \
-    static target float name(const void *w, const void *act, int64_t n) {                              \
-        float y;                                                                                       \
-        kernel(type, w, act, 0, n, &y, 0, 1);                                                          \
-        return y;                                                                                      \
+#define QUANT_COLUMN(name, target, kernel, type) \
+    static target float name(const void *w, const void *act, int64_t n) { \
+        float y; \
+        kernel(type, w, act, 0, n, &y, 0, 1); \
+        return y; \
     }
-#define QUANT_AVX2_COLUMNS(name, kernel, type)                                                         \
-    QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL)                                  \
+#define QUANT_AVX2_COLUMNS(name, kernel, type) \
+    QUANT_COLUMNS(name##n, QUANT_AVX2, kernel, type, QUANT_AVX2_NCOL) \
     QUANT_SINGLE_COLUMN(name, QUANT_AVX2, kernel, type)
-#define QUANT_AVX2_FLOAT_COLUMNS(name, type)                                                         \
-    QUANT_COLUMNS(name##n, QUANT_AVX2, quant_avx2_float, type, 2)                                      \
+#define QUANT_AVX2_FLOAT_COLUMNS(name, type) \
+    QUANT_COLUMNS(name##n, QUANT_AVX2, quant_avx2_float, type, 2) \
     QUANT_SINGLE_COLUMN(name, QUANT_AVX2, quant_avx2_float, type)
 QUANT_AVX2_FLOAT_COLUMNS(quant_dot_f32_avx2, GGUF_TYPE_F32)
 QUANT_AVX2_FLOAT_COLUMNS(quant_dot_f16_avx2, GGUF_TYPE_F16)
@@ -3014,7 +3016,7 @@ QUANT_AVX2_K_COLUMNS(quant_dot_iq4_xs_avx2n, GGUF_TYPE_IQ4_XS)
 QUANT_AVX2_K_COLUMNS(quant_dot_iq3_xxs_avx2n, GGUF_TYPE_IQ3_XXS)
 QUANT_AVX2_K_COLUMNS(quant_dot_iq3_s_avx2n, GGUF_TYPE_IQ3_S)
 
-#define QUANT_AVX2_ROWS(name, type)                                                                  \
+#define QUANT_AVX2_ROWS(name, type) \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
                                 float *y) { quant_avx2_k_rows(type, w, rb, nrows, act, n, y); }
 QUANT_AVX2_ROWS(quant_dotr_q4_k_avx2, GGUF_TYPE_Q4_K)
@@ -3433,12 +3435,28 @@ QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
     return _mm_or_si128(_mm_and_si128(x, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)), top);
 }
 
+/* VGF2P8AFFINEQB (GFNI): bit i of a result byte is the parity of DATA's byte & byte 7 - i of MATRIX's qword. */
+QUANT_AVX512_INLINE __m512i quant_gfni_affine(__m512i data, __m512i matrix) {
+    __m512i r;
+    __asm__("vgf2p8affineqb $0, %2, %1, %0" : "=v"(r) : "v"(data), "v"(matrix));
+    return r;
+}
+
+/* The matrix that moves bit S0 of each byte (S1 in the high 256 bits) to bit I, the rest 0. */
+QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
+    return _mm512_inserti64x4(_mm512_set1_epi64((long long)((uint64_t)(1u << s0) << (56 - 8 * i))),
+                              _mm256_set1_epi64x((long long)((uint64_t)(1u << s1) << (56 - 8 * i))), 1);
+}
+
+#define QUANT_TERNLOG_AND_OR 0xEC /* vpternlogd's table for (A & C) | B */
+
 /* Q4_K / Q5_K super-block. The scales and mins of quant_avx512_k4_fields become words by
  * vpshufb (index byte i, then 0x80: a zero high byte), faster than the scalar
  * quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
  * 4h + 2, its high ones 4h + 1 and 4h + 3: NIBBLES (the act's 32-blocks in that order,
- * quant_avx512_nibble_order) keeps them so, else two lane shuffles put them in element order. */
-QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, struct quant_avx512_kblock *k) {
+ * quant_avx512_nibble_order) keeps them so, else two lane shuffles put them in element order.
+ * GFNI with NIBBLES: the fifth bits moved to bit 4, or-ed in with the mask by one ternary op. */
+QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, int gfni, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
     const __m256i mins = _mm256_setr_epi16(0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b,
@@ -3446,10 +3464,19 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
     k->m = _mm256_shuffle_epi8(_mm512_castsi512_si256(fields), mins);
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* bit s of qh[l] is the fifth bit of element l of sub-block s */
+    const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
+    const int fused = five && nibbles && gfni;
     QUANT_UNROLL(4)
     for (int h = 0; h < 2; h++) {
         /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
+        if (fused) {
+            k->q[2 * h] = _mm512_ternarylogic_epi32(l, quant_gfni_affine(qh, quant_gfni_move(4 * h, 4 * h + 2, 4)), m4, QUANT_TERNLOG_AND_OR);
+            k->q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), quant_gfni_affine(qh, quant_gfni_move(4 * h + 1, 4 * h + 3, 4)),
+                                                        m4, QUANT_TERNLOG_AND_OR);
+            continue;
+        }
         __m512i a0 = _mm512_and_si512(l, m4), a1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
         k->q[2 * h] = nibbles ? a0 : _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
         k->q[2 * h + 1] = nibbles ? a1 : _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
@@ -3460,9 +3487,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
         const int s0 = nibbles ? 4 * (j / 2) + j % 2 : 2 * j, s1 = nibbles ? s0 + 2 : s0 + 1;
         const __m512i scale = _mm512_inserti64x4(_mm512_set1_epi16((short)(0x8000 | s0)), _mm256_set1_epi16((short)(0x8000 | s1)), 1);
         k->sc[j] = _mm512_shuffle_epi8(fields, scale);
-        if (five) {
-            /* bit s of qh[l] is the fifth bit of element l of sub-block s */
-            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        if (five && !fused) {
             __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s0)), _mm256_set1_epi8((char)(1 << s1)), 1);
             k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(qh, bit), k->q[j], _mm512_set1_epi8(0x10));
         }
@@ -3823,7 +3848,7 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const u
     case GGUF_TYPE_IQ4_XS: quant_avx512_iq4xs_decode(b, (how & QUANT_DECODE_REORDERED) != 0, k); break;
     case GGUF_TYPE_IQ3_XXS: quant_avx512_iq3xxs_decode(b, vbmi, quant_avx512_in_planes(t, how), k); break;
     case GGUF_TYPE_IQ3_S: quant_avx512_iq3s_decode(b, vbmi, quant_avx512_in_planes(t, how), k); break;
-    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, (how & QUANT_DECODE_REORDERED) != 0, k); break;
+    default: quant_avx512_q45k_decode(b, t == GGUF_TYPE_Q5_K, (how & QUANT_DECODE_REORDERED) != 0, vbmi, k); break;
     }
 }
 
@@ -3946,12 +3971,15 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_k(enum gguf_type t, const uint8_t *w, 
     quant_avx512_k_loop(t, QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
-/* For an act in the decode's order (quant_avx512_reorder_act); the IQ3 formats' decode in
- * coordinate planes is the avx512vbmi level's. */
+/* For an act in the decode's order (quant_avx512_reorder_act), at each AVX-512 level. */
 QUANT_AVX512_INLINE void quant_avx512_reordered_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                                   int64_t n, float *y, size_t ys, int NC) {
-    const int iq3 = t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
-    quant_avx512_k_loop(t, QUANT_DECODE_REORDERED | (iq3 ? QUANT_DECODE_VBMI : 0), w, acts, stride, n, y, ys, NC);
+    quant_avx512_k_loop(t, QUANT_DECODE_REORDERED, w, acts, stride, n, y, ys, NC);
+}
+
+QUANT_AVX512_INLINE void quant_avx512vbmi_reordered_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
+                                                      int64_t n, float *y, size_t ys, int NC) {
+    quant_avx512_k_loop(t, QUANT_DECODE_REORDERED | QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
 /* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
@@ -4002,8 +4030,8 @@ QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, ui
  * order) and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum
  * (Q3_K: its quants as q + 4, the 4 taken off as 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step
  * j = 4h + k reads bits 2k of the bytes of half h: groups 2j and 2j + 1 of each super-block, their
- * scales from a lane each (one word permute) by one byte shuffle. */
-QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
+ * scales from a lane each (one word permute) by one byte shuffle. GFNI: Q3_K's as Q5_K's. */
+QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
                                                 __m512i *is, __m512i *ms) {
     const int three = t == GGUF_TYPE_Q3_K;
     __m512i sc, mins = _mm512_setzero_si512();
@@ -4033,9 +4061,11 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, const uint8_t 
         QUANT_UNROLL(4)
         for (int k = 0; k < 4; k++) {
             const int j = 4 * h + k;
-            __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), _mm512_set1_epi8(3));
-            if (three) /* element l of step j has its third bit at bit j of hmask byte l */
-                q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hmask, _mm512_set1_epi8((char)(1 << j))), q, _mm512_set1_epi8(4));
+            const __m512i low = _mm512_srli_epi16(v, 2 * k), two_bits = _mm512_set1_epi8(3);
+            __m512i q = _mm512_and_si512(low, two_bits);
+            /* element l of step j has its third bit at bit j of hmask byte l */
+            if (three && gfni) q = _mm512_ternarylogic_epi32(low, quant_gfni_affine(hmask, quant_gfni_move(j, j, 2)), two_bits, QUANT_TERNLOG_AND_OR);
+            else if (three) q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hmask, _mm512_set1_epi8((char)(1 << j))), q, _mm512_set1_epi8(4));
             const __m512i s = _mm512_shuffle_epi8(by_lane, _mm512_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
             acc[k % 2] = _mm512_dpwssd_epi32(acc[k % 2], _mm512_maddubs_epi16(q, _mm512_load_si512(x + 64 * j)), s);
         }
@@ -4114,7 +4144,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t p
 /* The results of up to 4 super-block pairs in the order of quant_avx512_pair_fields (WB, PS, BB,
  * COUNT as there; +0 from COUNT on): pair p against the act X + p * XS with its bsums BS + p *
  * BSS (pair order), DX the act's scales in the results' order. */
-QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
+QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
                                                      const int16_t *bs, size_t bss, __m256 dx, int count) {
     __m512i is[4], ms[4];
     QUANT_UNROLL(4)
@@ -4126,7 +4156,7 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, const uin
         const uint8_t *b = wb + p * ps;
         for (int q = 0; q < 2 * bb; q += 64) _mm_prefetch((const char *)b + QUANT_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q4_K) quant_avx512_q4k_pair(b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
-        else quant_avx512_q23k_pair(t, b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
+        else quant_avx512_q23k_pair(t, gfni, b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
     }
     if (t == GGUF_TYPE_Q3_K) { /* the lanes' halves added: first super-blocks in lane 0, second ones in lane 2 */
         const __m512i s = quant_avx512_lane_sums(is);
@@ -4148,7 +4178,7 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, const uin
 /* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (whole super-block pairs) against the act
  * A in pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in the
  * group's order, put back in element order at the end. */
-QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
+QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, int gfni, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -4159,8 +4189,8 @@ QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t 
         const int8_t *x = a->qs + u * QUANT_QK_K;
         const int16_t *bs = a->bsums + u * 16;
         const __m256 dx = _mm256_permutevar8x32_ps(_mm256_maskz_loadu_ps((__mmask8)((1u << count) - 1), a->d + u), order);
-        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_pair_results(t, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, 8)
-                                           : quant_avx512_pair_results(t, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, count));
+        quant_avx2_acc_add(acc, count == 8 ? quant_avx512_pair_results(t, gfni, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, 8)
+                                           : quant_avx512_pair_results(t, gfni, wb, 2 * bb, bb, x, 2 * QUANT_QK_K, bs, 32, dx, count));
     }
     const __m256i back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256 p[4];
@@ -4172,10 +4202,10 @@ QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, const uint8_t 
 /* quant_avx2_pairs_group's rows of 2 super-blocks as pairs: NR (1..4) rows at W, RB bytes apart,
  * against the act A (one pair, pair order); each row's result (partials 0 and 1 from +0, then
  * their sum, as the canonical order adds them) to Y. */
-QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
+QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, int gfni, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
                                                   float *y) {
     const __m256 dx = _mm256_setr_ps(a->d[0], a->d[0], a->d[0], a->d[0], a->d[1], a->d[1], a->d[1], a->d[1]);
-    const __m256 r = _mm256_add_ps(_mm256_setzero_ps(), quant_avx512_pair_results(t, w, rb, gguf_type_get(t)->block_bytes, a->qs, 0, a->bsums, 0, dx, 2 * nr));
+    const __m256 r = _mm256_add_ps(_mm256_setzero_ps(), quant_avx512_pair_results(t, gfni, w, rb, gguf_type_get(t)->block_bytes, a->qs, 0, a->bsums, 0, dx, 2 * nr));
     float out[4];
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)));
     for (int i = 0; i < nr; i++) y[i] = out[i];
@@ -4249,9 +4279,9 @@ QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_d
     if ((t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q4_K) && n <= QUANT_REORDER_MAX && n % (2 * QUANT_QK_K) == 0) {
         const struct quant_q8k_view a = quant_q8k_view(quant_avx512_pair_act(t, act, n, reordered), n);
         if (n == 2 * QUANT_QK_K)
-            for (int r = 0; r < nrows; r += 4) quant_avx512_k_pair_rows(t, w + (size_t)r * rb, rb, nrows - r < 4 ? nrows - r : 4, &a, y + r);
+            for (int r = 0; r < nrows; r += 4) quant_avx512_k_pair_rows(t, vbmi, w + (size_t)r * rb, rb, nrows - r < 4 ? nrows - r : 4, &a, y + r);
         else
-            for (int r = 0; r < nrows; r++) y[r] = quant_avx512_k_paired(t, w + (size_t)r * rb, &a, n);
+            for (int r = 0; r < nrows; r++) y[r] = quant_avx512_k_paired(t, vbmi, w + (size_t)r * rb, &a, n);
         return;
     }
     if (dot_reordered && n <= QUANT_REORDER_MAX) {
@@ -4422,8 +4452,8 @@ static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const floa
         f[i] = wtype == GGUF_TYPE_F16 ? quant_f16_to_f32(quant_f32_to_f16(x[i])) : quant_bf16_to_f32(quant_f32_to_bf16(x[i]));
 }
 
-#define QUANT_AVX512_WRAP(name, kernel, type)                                                        \
-    QUANT_COLUMNS(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL)                                   \
+#define QUANT_AVX512_WRAP(name, kernel, type) \
+    QUANT_COLUMNS(name##n, QUANT_AVX512, kernel, type, QUANT_NCOL) \
     QUANT_SINGLE_COLUMN(name, QUANT_AVX512, kernel, type)
 QUANT_AVX512_WRAP(quant_dot_f32_avx512, quant_avx512_float, GGUF_TYPE_F32)
 QUANT_AVX512_WRAP(quant_dot_f16_avx512, quant_avx512_float, GGUF_TYPE_F16)
@@ -4450,8 +4480,9 @@ QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 QUANT_COLUMN(quant_dot_q4_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q4_K)
 QUANT_COLUMN(quant_dot_q5_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q5_K)
 QUANT_COLUMN(quant_dot_iq4_xs_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS)
-QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_XXS)
-QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ3_S)
+QUANT_COLUMN(quant_dot_q5_k_avx512vbmi_reordered, QUANT_AVX512, quant_avx512vbmi_reordered_k, GGUF_TYPE_Q5_K)
+QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512vbmi_reordered_k, GGUF_TYPE_IQ3_XXS)
+QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512vbmi_reordered_k, GGUF_TYPE_IQ3_S)
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
@@ -4469,7 +4500,7 @@ static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t 
     }
 }
 
-#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered)                                      \
+#define QUANT_AVX512_ROWS(name, type, vbmi, dot, dot_reordered) \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const void *act, int64_t n, \
                                   float *y) { quant_avx512_k_rows(type, vbmi, dot, dot_reordered, w, rb, nrows, act, n, y); }
 QUANT_AVX512_ROWS(quant_dotr_q4_k_avx512, GGUF_TYPE_Q4_K, 0, quant_dot_q4_k_avx512, quant_dot_q4_k_avx512_reordered)
@@ -4480,20 +4511,22 @@ QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512, GGUF_TYPE_Q3_K, 0, quant_dot_q3_k_avx5
 QUANT_AVX512_ROWS(quant_dotr_iq4_xs_avx512, GGUF_TYPE_IQ4_XS, 0, quant_dot_iq4_xs_avx512, quant_dot_iq4_xs_avx512_reordered)
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512, GGUF_TYPE_IQ3_XXS, 0, quant_dot_iq3_xxs_avx512, NULL)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512, GGUF_TYPE_IQ3_S, 0, quant_dot_iq3_s_avx512, NULL)
+QUANT_AVX512_ROWS(quant_dotr_q5_k_avx512vbmi, GGUF_TYPE_Q5_K, 1, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512vbmi_reordered)
+QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512vbmi, GGUF_TYPE_Q3_K, 1, quant_dot_q3_k_avx512, NULL)
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
 
 /* Each legacy format's rows kernel, and its kernels for an act in lanes (quant_act_to_lanes). */
-#define QUANT_AVX512_LEGACY_ROWS(name, type)                                                                        \
-    QUANT_COLUMNS(quant_dot_##name##_avx512_lanesn, QUANT_AVX512, quant_avx512_legacy_in_lanes, type, QUANT_NCOL)   \
-    QUANT_SINGLE_COLUMN(quant_dot_##name##_avx512_lanes, QUANT_AVX512, quant_avx512_legacy_in_lanes, type)          \
-    static QUANT_AVX512 void quant_dotr_##name##_avx512(const uint8_t *w, size_t rb, int nrows, const void *act,    \
-                                                        int64_t n, float *y) {                                      \
-        quant_avx512_legacy_rows(type, 0, quant_dot_##name##_avx512, w, rb, nrows, act, n, y);                     \
-    }                                                                                                               \
+#define QUANT_AVX512_LEGACY_ROWS(name, type) \
+    QUANT_COLUMNS(quant_dot_##name##_avx512_lanesn, QUANT_AVX512, quant_avx512_legacy_in_lanes, type, QUANT_NCOL) \
+    QUANT_SINGLE_COLUMN(quant_dot_##name##_avx512_lanes, QUANT_AVX512, quant_avx512_legacy_in_lanes, type) \
+    static QUANT_AVX512 void quant_dotr_##name##_avx512(const uint8_t *w, size_t rb, int nrows, const void *act, \
+                                                        int64_t n, float *y) { \
+        quant_avx512_legacy_rows(type, 0, quant_dot_##name##_avx512, w, rb, nrows, act, n, y); \
+    } \
     static QUANT_AVX512 void quant_dotr_##name##_avx512_lanes(const uint8_t *w, size_t rb, int nrows, const void *act, \
-                                                              int64_t n, float *y) {                                \
-        quant_avx512_legacy_rows(type, 1, quant_dot_##name##_avx512_lanes, w, rb, nrows, act, n, y);               \
+                                                              int64_t n, float *y) { \
+        quant_avx512_legacy_rows(type, 1, quant_dot_##name##_avx512_lanes, w, rb, nrows, act, n, y); \
     }
 QUANT_AVX512_LEGACY_ROWS(q8_0, GGUF_TYPE_Q8_0)
 QUANT_AVX512_LEGACY_ROWS(q4_0, GGUF_TYPE_Q4_0)
@@ -4503,7 +4536,7 @@ QUANT_AVX512_LEGACY_ROWS(q5_1, GGUF_TYPE_Q5_1)
 QUANT_AVX512_LEGACY_ROWS(iq4_nl, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_LEGACY_ROWS(mxfp4, GGUF_TYPE_MXFP4)
 
-#define QUANT_AVX512_PAIRS(name, type)                                                                             \
+#define QUANT_AVX512_PAIRS(name, type) \
     static QUANT_AVX512 void name(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc, \
                                   float *y, size_t ys) { quant_avx512_pairs_cols(type, w, rb, nrows, acts, stride, nc, y, ys); }
 QUANT_AVX512_PAIRS(quant_pairs_q4_k_avx512, GGUF_TYPE_Q4_K)
@@ -5169,7 +5202,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8
     }
 }
 
-#define QUANT_AVX2_K_TILE(name, type, vnni)                                                                               \
+#define QUANT_AVX2_K_TILE(name, type, vnni) \
     static QUANT_AVX2 void name(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y, \
                                 size_t ys, void *scratch) { quant_avx2_k_tile(type, vnni, w, rb, acts, stride, nc, n, y, ys, scratch); }
 QUANT_AVX2_K_TILE(quant_tile_q4k_avx2, GGUF_TYPE_Q4_K, 0)
@@ -6093,7 +6126,7 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 /* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column).
  * A rows kernel (fnr) goes with the dot of its own level: it serves only where that dot does,
  * the one it matches in speed, and without one a level runs one dot per row. avx512vbmi has
- * kernels of its own only for the IQ3 formats. */
+ * kernels of its own for the IQ3 formats, and rows kernels for Q3_K and Q5_K (GFNI). */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
@@ -6111,13 +6144,15 @@ static const struct {
     { GGUF_TYPE_Q5_1, { quant_dot_q5_1_scalar, quant_dot_q5_1_avx2, quant_dot_q5_1_avx512 }, { NULL, quant_dot_q5_1_avx2n, quant_dot_q5_1_avx512n }, { NULL, NULL, quant_dotr_q5_1_avx512 }, { NULL } },
     { GGUF_TYPE_Q4_K, { quant_dot_q4_k_scalar, quant_dot_q4_k_avx2, quant_dot_q4_k_avx512 }, { NULL, quant_dot_q4_k_avx2n, quant_dot_q4_k_avx512n }, { NULL, quant_dotr_q4_k_avx2, quant_dotr_q4_k_avx512 },
       { NULL, NULL, quant_pairs_q4_k_avx512 } },
-    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n }, { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512 },
+    { GGUF_TYPE_Q5_K, { quant_dot_q5_k_scalar, quant_dot_q5_k_avx2, quant_dot_q5_k_avx512, quant_dot_q5_k_avx512 }, { NULL, quant_dot_q5_k_avx2n, quant_dot_q5_k_avx512n },
+      { NULL, quant_dotr_q5_k_avx2, quant_dotr_q5_k_avx512, quant_dotr_q5_k_avx512vbmi },
       { NULL, NULL, quant_pairs_q5_k_avx512 } },
     { GGUF_TYPE_Q6_K, { quant_dot_q6_k_scalar, quant_dot_q6_k_avx2, quant_dot_q6_k_avx512 }, { NULL, quant_dot_q6_k_avx2n, quant_dot_q6_k_avx512n }, { NULL, quant_dotr_q6_k_avx2, quant_dotr_q6_k_avx512 },
       { NULL, NULL, quant_pairs_q6_k_avx512 } },
     { GGUF_TYPE_Q2_K, { quant_dot_q2_k_scalar, quant_dot_q2_k_avx2, quant_dot_q2_k_avx512 }, { NULL, quant_dot_q2_k_avx2n, quant_dot_q2_k_avx512n }, { NULL, quant_dotr_q2_k_avx2, quant_dotr_q2_k_avx512 },
       { NULL, NULL, quant_pairs_q2_k_avx512 } },
-    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512 }, { NULL, quant_dot_q3_k_avx2n, quant_dot_q3_k_avx512n }, { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512 },
+    { GGUF_TYPE_Q3_K, { quant_dot_q3_k_scalar, quant_dot_q3_k_avx2, quant_dot_q3_k_avx512, quant_dot_q3_k_avx512 }, { NULL, quant_dot_q3_k_avx2n, quant_dot_q3_k_avx512n },
+      { NULL, quant_dotr_q3_k_avx2, quant_dotr_q3_k_avx512, quant_dotr_q3_k_avx512vbmi },
       { NULL, NULL, quant_pairs_q3_k_avx512 } },
     { GGUF_TYPE_IQ4_XS, { quant_dot_iq4_xs_scalar, quant_dot_iq4_xs_avx2, quant_dot_iq4_xs_avx512 }, { NULL, quant_dot_iq4_xs_avx2n, quant_dot_iq4_xs_avx512n }, { NULL, quant_dotr_iq4_xs_avx2, quant_dotr_iq4_xs_avx512 },
       { NULL, NULL, quant_pairs_iq4_xs_avx512 } },
@@ -6151,7 +6186,7 @@ static int quant_level_max(void) {
     const struct plat_cpu *c = &plat_cpu;
     if (!(c->avx2 && c->fma && c->f16c)) return QUANT_LEVEL_SCALAR;
     if (!(c->avx512f && c->avx512bw && c->avx512vl && c->avx512vnni)) return QUANT_LEVEL_AVX2;
-    return c->avx512vbmi && c->avx512bitalg ? QUANT_LEVEL_AVX512VBMI : QUANT_LEVEL_AVX512;
+    return c->avx512vbmi && c->avx512bitalg && c->gfni ? QUANT_LEVEL_AVX512VBMI : QUANT_LEVEL_AVX512;
 }
 
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
@@ -7876,49 +7911,59 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
     }
 }
 
-/* Rows J0..J0 + 8 NB, NB vectors of 8 rows side by side (NB constant where inlined). */
-QUANT_AVX2_INLINE void ops_delta_rows_avx2(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a)
-{
-    __m256 pred[4], o[4], delta[4];
-    QUANT_UNROLL(4)
-    for (int b = 0; b < nb; b++) pred[b] = _mm256_setzero_ps();
-    for (int i = 0; i < dk; i++) {
-        float *s = S + (size_t)i * dv + j0;
-        const __m256 ki = _mm256_set1_ps(a->k[i]);
-        QUANT_UNROLL(4)
-        for (int b = 0; b < nb; b++) {
-            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * b), _mm256_set1_ps(a->decay[0]));
-            _mm256_storeu_ps(s + 8 * b, r);
-            pred[b] = _mm256_add_ps(pred[b], _mm256_mul_ps(r, ki));
-        }
+/* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined),
+ * in GCC's vector types (a float operand is broadcast): the scalar rows' operations in order. */
+#define OPS_DELTA_ROWS(name, attr, vec, W) \
+    attr void name(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a) \
+    { \
+        vec pred[8], o[8], delta[8], r; \
+        const float decay = a->decay[0]; \
+        QUANT_UNROLL(8) \
+        for (int b = 0; b < nb; b++) pred[b] = (vec){0}; \
+        for (int i = 0; i < dk; i++) { \
+            float *s = S + (size_t)i * dv + j0; \
+            const float ki = a->k[i]; \
+            QUANT_UNROLL(8) \
+            for (int b = 0; b < nb; b++) { \
+                memcpy(&r, s + W * b, sizeof r); \
+                r = r * decay; \
+                memcpy(s + W * b, &r, sizeof r); \
+                pred[b] = pred[b] + r * ki; \
+            } \
+        } \
+        for (int t = 0; t < a->n; t++) { \
+            const int next = t + 1 < a->n; \
+            const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k; \
+            const float dn = next ? a->decay[t + 1] : 1.0f, beta = a->beta[t]; \
+            QUANT_UNROLL(8) \
+            for (int b = 0; b < nb; b++) { \
+                memcpy(&r, a->v + t * a->stride + j0 + W * b, sizeof r); \
+                delta[b] = beta * (r - pred[b]); \
+                o[b] = pred[b] = (vec){0}; \
+            } \
+            for (int i = 0; i < dk; i++) { \
+                float *s = S + (size_t)i * dv + j0; \
+                const float ki = k[i], qi = q[i], kni = kn[i]; \
+                QUANT_UNROLL(8) \
+                for (int b = 0; b < nb; b++) { \
+                    memcpy(&r, s + W * b, sizeof r); \
+                    r = r + ki * delta[b]; \
+                    o[b] = o[b] + r * qi; \
+                    if (next) { \
+                        r = r * dn; \
+                        pred[b] = pred[b] + r * kni; \
+                    } \
+                    memcpy(s + W * b, &r, sizeof r); \
+                } \
+            } \
+            QUANT_UNROLL(8) \
+            for (int b = 0; b < nb; b++) memcpy(a->out + t * a->out_stride + j0 + W * b, &o[b], sizeof o[b]); \
+        } \
     }
-    for (int t = 0; t < a->n; t++) {
-        const int next = t + 1 < a->n;
-        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k;
-        const __m256 dn = _mm256_set1_ps(next ? a->decay[t + 1] : 1.0f);
-        QUANT_UNROLL(4)
-        for (int b = 0; b < nb; b++) {
-            delta[b] = _mm256_mul_ps(_mm256_set1_ps(a->beta[t]), _mm256_sub_ps(_mm256_loadu_ps(a->v + t * a->stride + j0 + 8 * b), pred[b]));
-            o[b] = pred[b] = _mm256_setzero_ps();
-        }
-        for (int i = 0; i < dk; i++) {
-            float *s = S + (size_t)i * dv + j0;
-            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
-            QUANT_UNROLL(4)
-            for (int b = 0; b < nb; b++) {
-                __m256 r = _mm256_add_ps(_mm256_loadu_ps(s + 8 * b), _mm256_mul_ps(ki, delta[b]));
-                o[b] = _mm256_add_ps(o[b], _mm256_mul_ps(r, qi));
-                if (next) {
-                    r = _mm256_mul_ps(r, dn);
-                    pred[b] = _mm256_add_ps(pred[b], _mm256_mul_ps(r, _mm256_set1_ps(kn[i])));
-                }
-                _mm256_storeu_ps(s + 8 * b, r);
-            }
-        }
-        QUANT_UNROLL(4)
-        for (int b = 0; b < nb; b++) _mm256_storeu_ps(a->out + t * a->out_stride + j0 + 8 * b, o[b]);
-    }
-}
+typedef float ops_f32x8 __attribute__((vector_size(32)));
+typedef float ops_f32x16 __attribute__((vector_size(64)));
+OPS_DELTA_ROWS(ops_delta_rows_avx2, QUANT_AVX2_INLINE, ops_f32x8, 8)
+OPS_DELTA_ROWS(ops_delta_rows_avx512, QUANT_AVX512_INLINE, ops_f32x16, 16)
 
 static QUANT_AVX2 void ops_delta_rule_avx2(float *S, int dk, int dv, const struct ops_delta_tokens *a)
 {
@@ -7926,50 +7971,6 @@ static QUANT_AVX2 void ops_delta_rule_avx2(float *S, int dk, int dv, const struc
     for (; j + 32 <= dv; j += 32) ops_delta_rows_avx2(S, dk, dv, j, 4, a);
     for (; j + 8 <= dv; j += 8) ops_delta_rows_avx2(S, dk, dv, j, 1, a);
     ops_delta_rows_scalar(S, dk, dv, j, a);
-}
-
-/* ops_delta_rows_avx2 with 16 rows a vector. */
-QUANT_AVX512_INLINE void ops_delta_rows_avx512(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a)
-{
-    __m512 pred[8], o[8], delta[8];
-    QUANT_UNROLL(8)
-    for (int b = 0; b < nb; b++) pred[b] = _mm512_setzero_ps();
-    for (int i = 0; i < dk; i++) {
-        float *s = S + (size_t)i * dv + j0;
-        const __m512 ki = _mm512_set1_ps(a->k[i]);
-        QUANT_UNROLL(8)
-        for (int b = 0; b < nb; b++) {
-            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * b), _mm512_set1_ps(a->decay[0]));
-            _mm512_storeu_ps(s + 16 * b, r);
-            pred[b] = _mm512_add_ps(pred[b], _mm512_mul_ps(r, ki));
-        }
-    }
-    for (int t = 0; t < a->n; t++) {
-        const int next = t + 1 < a->n;
-        const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k;
-        const __m512 dn = _mm512_set1_ps(next ? a->decay[t + 1] : 1.0f);
-        QUANT_UNROLL(8)
-        for (int b = 0; b < nb; b++) {
-            delta[b] = _mm512_mul_ps(_mm512_set1_ps(a->beta[t]), _mm512_sub_ps(_mm512_loadu_ps(a->v + t * a->stride + j0 + 16 * b), pred[b]));
-            o[b] = pred[b] = _mm512_setzero_ps();
-        }
-        for (int i = 0; i < dk; i++) {
-            float *s = S + (size_t)i * dv + j0;
-            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
-            QUANT_UNROLL(8)
-            for (int b = 0; b < nb; b++) {
-                __m512 r = _mm512_add_ps(_mm512_loadu_ps(s + 16 * b), _mm512_mul_ps(ki, delta[b]));
-                o[b] = _mm512_add_ps(o[b], _mm512_mul_ps(r, qi));
-                if (next) {
-                    r = _mm512_mul_ps(r, dn);
-                    pred[b] = _mm512_add_ps(pred[b], _mm512_mul_ps(r, _mm512_set1_ps(kn[i])));
-                }
-                _mm512_storeu_ps(s + 16 * b, r);
-            }
-        }
-        QUANT_UNROLL(8)
-        for (int b = 0; b < nb; b++) _mm512_storeu_ps(a->out + t * a->out_stride + j0 + 16 * b, o[b]);
-    }
 }
 
 static QUANT_AVX512 void ops_delta_rule_avx512(float *S, int dk, int dv, const struct ops_delta_tokens *a)
