@@ -6126,7 +6126,8 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 /* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column).
  * A rows kernel (fnr) goes with the dot of its own level: it serves only where that dot does,
  * the one it matches in speed, and without one a level runs one dot per row. avx512vbmi has
- * kernels of its own for the IQ3 formats, and rows kernels for Q3_K and Q5_K (GFNI). */
+ * kernels of its own for the IQ3 formats, and rows kernels for Q3_K and Q5_K (GFNI), their dot
+ * the avx512 one repeated, since a level's rows kernel serves only beside a dot of that level. */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
