@@ -7883,6 +7883,22 @@ struct ops_delta_tokens {
     int n;
 };
 
+/* Token U's q and k (DK each), and its v and out from J0 to J0 + W, asked for while an earlier
+ * token computes: a token's rows lie a whole conv row apart (32 KiB on the 35B), so no hardware
+ * prefetcher follows them, and each head's pass met every line cold (README: the rule in the
+ * model). Always inlined: gcc drops the calls of a function of prefetches alone. */
+QUANT_SHARED_INLINE void ops_delta_prefetch(const struct ops_delta_tokens *a, int u, int dk, int j0, int w)
+{
+    for (int i = 0; i < dk; i += 16) {
+        _mm_prefetch((const char *)(a->q + u * a->stride + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(a->k + u * a->stride + i), _MM_HINT_T0);
+    }
+    for (int j = j0; j < j0 + w; j += 16) {
+        _mm_prefetch((const char *)(a->v + u * a->stride + j), _MM_HINT_T0);
+        _mm_prefetch((const char *)(a->out + u * a->out_stride + j), _MM_HINT_T0);
+    }
+}
+
 /* Rows FROM..DV of the step, one at a time. */
 static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const struct ops_delta_tokens *a)
 {
@@ -7912,6 +7928,8 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
     }
 }
 
+#define OPS_DELTA_AHEAD 2 /* tokens: 1 to 3 measured the same, 1 without the out lines slower */
+
 /* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined),
  * in GCC's vector types (a float operand is broadcast): the scalar rows' operations in order. */
 #define OPS_DELTA_ROWS(name, attr, vec, W) \
@@ -7936,6 +7954,7 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
             const int next = t + 1 < a->n; \
             const float *q = a->q + t * a->stride, *k = a->k + t * a->stride, *kn = next ? k + a->stride : k; \
             const float dn = next ? a->decay[t + 1] : 1.0f, beta = a->beta[t]; \
+            if (t + OPS_DELTA_AHEAD < a->n) ops_delta_prefetch(a, t + OPS_DELTA_AHEAD, dk, j0, W * nb); \
             QUANT_UNROLL(8) \
             for (int b = 0; b < nb; b++) { \
                 memcpy(&r, a->v + t * a->stride + j0 + W * b, sizeof r); \
@@ -13453,6 +13472,7 @@ static const float *model_attention(struct model *m, int il, int T)
  * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar), as wide as the
  * level's function it is inlined into allows, and each channel's sum keeps its order. */
 #define MODEL_CONV_BLOCK 256
+#define MODEL_DELTANET_AHEAD 2 /* tokens a task or head asks for its rows ahead (README: the rule in the model) */
 
 static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
 {
@@ -13508,6 +13528,8 @@ static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t 
     const float qscale = 1.0f / sqrtf((float)dk);
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
+        if (t + MODEL_DELTANET_AHEAD < T) /* a token's channels lie a conv row apart: no hardware prefetcher follows */
+            for (int64_t i = c0; i < c1; i += 16) _mm_prefetch((const char *)(x + MODEL_DELTANET_AHEAD * conv_dim + i), _MM_HINT_T0);
         for (int64_t b = c0; b < c1; b += MODEL_CONV_BLOCK)
             model_conv_step(c, m->layers[il].conv_taps, s->tok_seq[t]->state[il].conv_state, x, b, c1 - b < MODEL_CONV_BLOCK ? c1 : b + MODEL_CONV_BLOCK);
         ops_swiglu(x + c0, NULL, c1 - c0);
@@ -13571,6 +13593,8 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
         }
         for (int t = 0; t < T; t++) {
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv, *z = s->z + (size_t)t * vdim + (size_t)h * dv;
+            if (t + MODEL_DELTANET_AHEAD < T)
+                for (int i = 0; i < dv; i += 16) _mm_prefetch((const char *)(z + MODEL_DELTANET_AHEAD * vdim + i), _MM_HINT_T0);
             /* gated RMSNorm: norm(o) * w * silu(z) */
             ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
             ops_swiglu(z, NULL, dv);
