@@ -2692,7 +2692,7 @@ QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, in
  * results, lane k = unit u + k, added to accumulator (u/8) % 4, i.e. partials u % 32, with
  * quant_dot_k's float steps in each lane. A short group's empty lanes hold +0 (d, dx and the
  * integer parts zero), and a partial plus +0 is the partial: the scalar bits either way. No
- * scalar helper is called (an SSE call from AVX code pays transitions: it made Q6_K 4x slower). */
+ * scalar helper is called (an SSE call from AVX code pays transitions: README). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -7317,9 +7317,8 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
 
 /* The cache lines of elements I0..I1 (with their Q8_0 scales) of row P + OPS_ATTN_AHEAD asked
  * for: a float key's whole row, or a value tile's part of it, so that the values' requests
- * spread over the pass instead of all coming with its first tile (which had left them at 32k
- * rows 1.4x slower than in cache). Always inlined: gcc counts a function of prefetches alone as
- * having no effect and drops its calls. */
+ * spread over the pass instead of all coming with its first tile (README). Always inlined: gcc
+ * counts a function of prefetches alone as having no effect and drops its calls. */
 QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
     const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv), *first, *last;
@@ -7573,8 +7572,7 @@ static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, i
 }
 
 /* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A:
- * what the integer scores against Q8_0 keys take; once a token, not once a split (quantising
- * in every split had made attention at 16k-32k 1.3-1.8 times slower). */
+ * what the integer scores against Q8_0 keys take; once a token, not once a split (README). */
 #define OPS_KV_Q8_ACT (OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12)
 static void ops_queries_q8_0(const float *const *q, int nq, int hd, uint8_t (*act)[OPS_KV_Q8_ACT], struct quant_q8_view *a)
 {
@@ -7883,10 +7881,8 @@ struct ops_delta_tokens {
     int n;
 };
 
-/* Token U's q and k (DK each), and its v and out from J0 to J0 + W, asked for while an earlier
- * token computes: a token's rows lie a whole conv row apart (32 KiB on the 35B), so no hardware
- * prefetcher follows them, and each head's pass met every line cold (README: the rule in the
- * model). Always inlined: gcc drops the calls of a function of prefetches alone. */
+/* Token U's q, k (DK each), v and out (J0..J0 + W) asked for: rows a conv row apart, which no
+ * hardware prefetcher follows (README: the rule in the model). Inlined as ops_kv_prefetch. */
 QUANT_SHARED_INLINE void ops_delta_prefetch(const struct ops_delta_tokens *a, int u, int dk, int j0, int w)
 {
     for (int i = 0; i < dk; i += 16) {
@@ -7928,7 +7924,7 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
     }
 }
 
-#define OPS_DELTA_AHEAD 2 /* tokens: 1 to 3 measured the same, 1 without the out lines slower */
+#define OPS_DELTA_AHEAD 2 /* tokens */
 
 /* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined),
  * in GCC's vector types (a float operand is broadcast): the scalar rows' operations in order. */
@@ -12396,8 +12392,7 @@ struct model_layer {
 struct model_layer_state {
     void *k_cache, *v_cache;  /* [n_kv_head][model_kv_rows][head_dim] in format m->kv, K after
                                * norm and RoPE: a KV head's rows are one run of memory (its GQA
-                               * group reads only them; rows of all heads side by side had halved
-                               * the scores' read speed) */
+                               * group reads only them: README) */
     float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
     int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's
@@ -13153,9 +13148,7 @@ static double model_decode_bytes(struct model *m, double *trunk)
  * pages (the page cache keeps them for the next start, and gives them up first when memory is
  * short). Why: anonymous memory streams faster than the page cache (README, Models larger than
  * memory). The routed experts are §6's (expert_own copies them where memory allows:
- * model_copies). A matrix with an interleaved form (§3
- * quant_interleave: Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS at AVX-512, IQ3_XXS and IQ3_S at
- * avx512vbmi) is copied into it interleaved. */
+ * model_copies). A matrix with an interleaved form (quant_interleave_ok) is copied so. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13472,7 +13465,7 @@ static const float *model_attention(struct model *m, int il, int T)
  * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar), as wide as the
  * level's function it is inlined into allows, and each channel's sum keeps its order. */
 #define MODEL_CONV_BLOCK 256
-#define MODEL_DELTANET_AHEAD 2 /* tokens a task or head asks for its rows ahead (README: the rule in the model) */
+#define MODEL_DELTANET_AHEAD 2 /* tokens ahead a task asks for its rows (as OPS_DELTA_AHEAD) */
 
 static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
 {
@@ -13528,7 +13521,7 @@ static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t 
     const float qscale = 1.0f / sqrtf((float)dk);
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
-        if (t + MODEL_DELTANET_AHEAD < T) /* a token's channels lie a conv row apart: no hardware prefetcher follows */
+        if (t + MODEL_DELTANET_AHEAD < T)
             for (int64_t i = c0; i < c1; i += 16) _mm_prefetch((const char *)(x + MODEL_DELTANET_AHEAD * conv_dim + i), _MM_HINT_T0);
         for (int64_t b = c0; b < c1; b += MODEL_CONV_BLOCK)
             model_conv_step(c, m->layers[il].conv_taps, s->tok_seq[t]->state[il].conv_state, x, b, c1 - b < MODEL_CONV_BLOCK ? c1 : b + MODEL_CONV_BLOCK);
@@ -13567,8 +13560,7 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
     if (c->arch == MODEL_ARCH_QWEN3NEXT) model_split_ba(m, T);
 
     /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so
-     * that each thread has q/k heads (normed) and v channels (not). One thread, a token at a
-     * time, had the conv at a quarter of the DeltaNet phase. */
+     * that each thread has q/k heads (normed) and v channels (not). */
     const int64_t task = c->ssm_dk * (MODEL_CONV_BLOCK > c->ssm_dk ? MODEL_CONV_BLOCK / c->ssm_dk : 1);
     #pragma omp parallel for schedule(static, 1)
     for (int64_t c0 = 0; c0 < conv_dim; c0 += task) model_conv_task(m, il, T, c0, conv_dim - c0 < task ? conv_dim : c0 + task);
@@ -16169,7 +16161,7 @@ __attribute__((target("avx512f"))) static int sample_argmax_avx512(const float *
     return sample_argmax_scalar(logits, body, n, sample_best_lane(lanes, where, 16));
 }
 
-/* sample_argmax_avx512 in 8 lanes (4 times faster than the scalar loop on a Zen 1 EPYC). */
+/* sample_argmax_avx512 in 8 lanes (README). */
 __attribute__((target("avx2"))) static int sample_argmax_avx2(const float *logits, int n)
 {
     const int body = n / 8 * 8;
