@@ -13131,16 +13131,19 @@ static struct place_item *model_trunk_items(struct model *m)
     return it;
 }
 
-/* Bytes a decoded token reads from the weights: every dense trunk matrix (*TRUNK of them) and,
- * in each MoE layer, n_expert_used routed experts of the layer's size (the embedding's one row
- * left out). */
-static double model_decode_bytes(struct model *m, double *trunk)
+/* Bytes a decoded token reads: every dense trunk matrix (*TRUNK of them); in each MoE layer,
+ * n_expert_used routed experts of the layer's size (*EXPERTS; the embedding's one row left out);
+ * and the sequence's state (*STATE): every DeltaNet layer's, and the KV rows of CTX positions.
+ * The state is written back as well; that traffic is not counted. */
+static double model_decode_bytes(struct model *m, double ctx, double *trunk, double *experts, double *state)
 {
     struct place_item *it = model_trunk_items(m);
     *trunk = 0;
     for (int i = 0; it[i].m; i++) *trunk += (double)it[i].m->rows * (double)it[i].m->row_bytes;
     free(it);
-    return *trunk + (m->cfg.n_expert ? (double)model_expert_bytes(m) * m->cfg.n_expert_used / m->cfg.n_expert : 0);
+    *experts = m->cfg.n_expert ? (double)model_expert_bytes(m) * m->cfg.n_expert_used / m->cfg.n_expert : 0;
+    *state = (double)model_recurrent_bytes(m) + (double)model_kv_bytes_per_token(m) * ctx;
+    return *trunk + *experts + *state;
 }
 
 /* Copies the dense trunk matrices that stay on the CPU (none resident on a device) out of the
@@ -19352,14 +19355,16 @@ static void cmd_bench_say_phases(const char *what, const double *ph, const doubl
            100 * plat_ratio(idle[MODEL_PHASE_PRODUCTS], total), 100 * plat_ratio(idle[MODEL_PHASE_EXPERTS], total));
 }
 
-/* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens,
- * measured on the layers that ran), and the roofline: the bytes a token reads against the
- * read bandwidth measured now, the decode rate that allows, and the rate measured (TG_M). With
- * a device open the host's bus is not the whole story: no roofline then. */
-static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int json)
+/* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens
+ * after N_PROMPT, measured on the layers that ran), and the roofline: the bytes a token reads
+ * (the KV rows at the steps' mean context) against the read bandwidth measured now, the decode
+ * rate that allows, and the rate measured (TG_M). With a device open the host's bus is not the
+ * whole story: no roofline then. */
+static void cmd_bench_say_profile(struct model *m, int n_prompt, int n_fwd, double tg_m, int json)
 {
     const double *ph = m->profile.seconds[1];
-    double trunk, bytes = model_decode_bytes(m, &trunk), gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
+    double trunk, experts, state, bytes = model_decode_bytes(m, n_prompt + (n_fwd + 1) / 2.0, &trunk, &experts, &state);
+    double gbps = cuda.n_devices ? 0 : ops_bench_host_gbps();
     double roof = gbps * 1e9 / bytes;
     const struct model_profile *pf = &m->profile;
     cmd_bench_say_phases("decode", ph, m->profile.idle[1], n_fwd, json);
@@ -19370,15 +19375,15 @@ static void cmd_bench_say_profile(struct model *m, int n_fwd, double tg_m, int j
         printf("\n  device: %.1f driver calls, %.1f waits and %.1f graph launches a decode step (the mean of %d)",
                (double)pf->calls[1] / n_fwd, (double)pf->waits[1] / n_fwd, (double)pf->graphs[1] / n_fwd, n_fwd);
     if (json) {
-        printf(",\"decode_bytes_per_token\":%.0f", bytes);
+        printf(",\"decode_bytes_per_token\":%.0f,\"decode_state_bytes_per_token\":%.0f", bytes, state);
         if (!cuda.n_devices) printf(",\"read_gb_s\":%.3f,\"roofline_tok_s\":%.3f", gbps, roof);
         return;
     }
     printf("\n  products %.1f GB/s, experts %.1f GB/s of weights (their bytes over their time)\n",
-           plat_ratio(trunk * n_fwd, ph[MODEL_PHASE_PRODUCTS] * 1e9), plat_ratio((bytes - trunk) * n_fwd, ph[MODEL_PHASE_EXPERTS] * 1e9));
+           plat_ratio(trunk * n_fwd, ph[MODEL_PHASE_PRODUCTS] * 1e9), plat_ratio(experts * n_fwd, ph[MODEL_PHASE_EXPERTS] * 1e9));
     if (cuda.n_devices) return;
-    printf("decode roofline: %.1f MiB a token at %.1f GB/s read bandwidth (measured now): %.2f tok/s; measured %.2f tok/s = %.0f%%\n",
-           bytes / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
+    printf("decode roofline: %.1f MiB a token (%.1f of it state: DeltaNet's, KV rows) at %.1f GB/s read bandwidth (measured now): %.2f "
+           "tok/s; measured %.2f tok/s = %.0f%%\n", bytes / 1048576.0, state / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
 }
 
 /* Before bench measures: the experts mapped (§6 expert_map_ahead), as in a run that has been up
@@ -19440,7 +19445,7 @@ static int cmd_bench(const struct cmd_options *o)
                    "\"measured_prompt_tok_s\":%.3f,\"measured_decode_tok_s\":%.3f,\"fits_in_memory\":%s}", sb.sy.n_layers, sb.layers,
                    (unsigned long long)sb.all, (unsigned long long)sb.bytes, sb.head_s, pp_m, tg_m, sb.fits ? "true" : "false");
         if (g.n_prompt) cmd_bench_say_phases("prompt", s.model.profile.seconds[0], s.model.profile.idle[0], g.n_prompt, 1);
-        if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 1);
+        if (n_fwd) cmd_bench_say_profile(&s.model, g.n_prompt, n_fwd, tg_m, 1);
         if (s.model.experts) {
             printf(",\"experts\":");
             cmd_json_experts(stdout, s.model.experts);
@@ -19457,7 +19462,7 @@ static int cmd_bench(const struct cmd_options *o)
             cmd_bench_say_phases("prompt", s.model.profile.seconds[0], s.model.profile.idle[0], g.n_prompt, 0);
             printf("\n");
         }
-        if (n_fwd) cmd_bench_say_profile(&s.model, n_fwd, tg_m, 0);
+        if (n_fwd) cmd_bench_say_profile(&s.model, g.n_prompt, n_fwd, tg_m, 0);
         if (s.model.experts) cmd_print_expert_stats(s.model.experts);
     }
     engine_gen_free(&g);

@@ -96,8 +96,13 @@ assert 0.3 * per < sum(ph.values()) <= 1.001 * per, (ph, per)
 assert 0 <= j["decode_idle_ms_per_token"] <= ph["products"] + ph["experts"] + ph["routing"], j  # the products' barriers
 roof = j["read_gb_s"] * 1e9 / j["decode_bytes_per_token"]
 assert j["decode_bytes_per_token"] > 0 and abs(j["roofline_tok_s"] - roof) <= 1e-3 * roof, j
+# the state a decode step reads, from the tiny geometry (`info --synthetic tiny`): 4 measured layers,
+# 3 of them DeltaNet (4 value heads of 16 x 16 floats, a conv state of 3 rows of 2*2*16 + 4*16
+# channels), one attention layer's KV rows (2 heads of 32 floats, K and V) at the steps' mean context
+rows = j["prompt_tokens"] + j["gen_tokens"] / 2
+assert j["decode_state_bytes_per_token"] == 3 * (4 * 16 * 16 + 3 * 128) * 4 + 2 * 2 * 32 * 4 * rows, j
 PY
-then ok "bench --json: the decode profile's phases divide the decode steps' time, its idle at barriers within the products'; roofline = bandwidth / bytes a token"
+then ok "bench --json: the decode profile's phases divide the decode steps' time, its idle at barriers within the products'; roofline = bandwidth / bytes a token (state included)"
 else bad "bench --json decode profile" "$(cat "$tmp/syn")"; fi
 if python3 - "$tmp/syn" <<'PY'
 import json, sys
