@@ -1145,12 +1145,11 @@ static size_t gguf_image_end(struct gguf_image *im)
  *   give the same bits at every level, and quant_dotn and quant_dotr the same over an act that
  *   quant_act_to_lanes put in lanes.
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
- * Workload: decode bound to memory bandwidth; one activation prepare per vector (SIMD, ~1 ns
- *   per element), then one quant_dotn per weight row (quant_dotr per chunk of rows for a single
- *   column), called concurrently from OpenMP threads (the kernels are pure; only
- *   quant_init/quant_set_level write globals, before any parallel region). The rows of the K
- *   and IQ formats against one column are bound by arithmetic on a few cores; the kernels'
- *   speeds per format and CPU are in README, Weight formats ("Kernel speeds"). */
+ * Workload: decode bound to memory bandwidth; one activation prepare per vector, then one
+ *   quant_dotn per weight row (quant_dotr per chunk of rows for a single column), called
+ *   concurrently from OpenMP threads (the kernels are pure; only quant_init/quant_set_level
+ *   write globals, before any parallel region). Speeds per format and CPU: README, Weight
+ *   formats ("Kernel speeds"). */
 
 /* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle, and Q3_K's
@@ -2288,7 +2287,7 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
 }
 
 /* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs
- * on one pipe at two cycles a vector, as the products themselves. So the products of 2 or 4
+ * on one pipe (README), as the products themselves. So the products of 2 or 4
  * steps of 32 weights are first folded into one vector of sums (adds and unpacks, on the other
  * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales
  * (README). Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 * 2 * 31 *
@@ -4554,8 +4553,7 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
  * needed: a super-block's integer parts come out as one vector of 16 rows, then quant_dot_k's
  * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
  * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
- * (quant_legacy_units' float step, its unit a block). 8 columns a pass were no faster than 4.
- * The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K,
+ * (quant_legacy_units' float step, its unit a block). The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K,
  * Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved (quant_tile_interleaved). Figures:
  * README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
@@ -4805,10 +4803,9 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
 }
 
 /* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
- * L1, while these compute: a thread's chunks are mostly consecutive, and the unpack's gathers
- * and transposes would otherwise wait on 16 rows' misses at a time. A tile's first pass over
- * its columns asks for one part before each unit, so the requests spread over its work; all of
- * them at once before the unpack left most unserved (README: the tiles). */
+ * L1, while these compute: a thread's chunks are mostly consecutive. A tile asks for a part
+ * with each unit it starts on (its first pass, or its unpack), so that the requests spread over
+ * its work (README: the tiles). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -4920,16 +4917,15 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
 }
 
 /* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
- * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r)
- * run 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a
- * sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its
- * quants reach 31) and one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than
- * quant_dotn's (README: Zen 1 runs the multiplies on one pipe). Q6_K's quants go in
- * signed (q - 32), so that 4 steps add in int16; Q4_0's block adds its 8 steps in int16 and one
- * vpmaddwd (by ones) widens them. With AVX-VNNI a step goes into int32 by one vpdpbusd
- * (quant_avx2_dpbusd) and a K sub-block's sum takes its scale by vpmulld; Q8_0, IQ4_NL and
- * MXFP4, their bytes plus 128 too wide for vpmaddubsw's int16 pairs, have a tile only there.
- * Figures: README. */
+ * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r) run 8
+ * rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's
+ * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its quants reach 31)
+ * and one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn's
+ * (README). Q6_K's quants go in signed (q - 32), so that 4 steps add in int16; Q4_0's block adds
+ * its 8 steps in int16 and one vpmaddwd (by ones) widens them. With AVX-VNNI a step goes into int32
+ * by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum takes its scale by vpmulld; Q8_0,
+ * IQ4_NL and MXFP4, their bytes plus 128 too wide for vpmaddubsw's int16 pairs, have a tile only
+ * there. Figures: README. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
@@ -4945,11 +4941,10 @@ QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
     return acc;
 }
 
-/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] elements 4k..4k+3 of row
- * r (the low 8 rows in bytes 0-31, the high in 32-63); sc[j] and
- * mn[j] the scale and min of sub-block j as the int16 pair (v, v) in dword r for row r, for
- * vpmaddwd against the int16 pair sums of its products and the pair of the act's 16-element
- * sums; d and dmin as floats. */
+/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] elements 4k..4k+3 of row r
+ * (the low 8 rows in bytes 0-31, the high in 32-63); sc[j] and mn[j] the scale and min of sub-block
+ * j as the int16 pair (v, v) in dword r for row r, for vpmaddwd against the int16 pair sums of its
+ * products and the pair of the act's 16-element sums; d and dmin as floats. */
 struct quant_avx2_k_tile { uint8_t q[64][64]; int16_t sc[8][32], mn[8][32]; float d[16], dmin[16]; };
 _Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_tile_bytes counts either K tile");
 
@@ -5314,11 +5309,9 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
  * scales and to each super-block's lane sums (README). A matrix the CPU owns (§8
  * model_own_trunk) is repacked instead, in the same bytes (quant_interleave): for 16 rows and
  * one super-block, a vector of 16 dwords per dword of the block, lane r from row r, so that
- * one 64-byte load masked to its low or high nibbles (Q5_K: with the fifth bits or-ed in;
- * Q6_K: with its 2 high bits; Q2_K: shifted and masked; Q3_K: that with its hmask bit; IQ4_XS:
- * looked up; IQ3: looked up by VBMI, a vector per coordinate, with its signs) is vpdpbusd's
- * operand for 16 rows, as a tile's is, and the tile's integer and float steps run on it: the
- * same bits as quant_dot_k (faster at one column and at 16: README). */
+ * one 64-byte load masked to its low or high nibbles (with the format's high bits, or looked
+ * up) is vpdpbusd's operand for 16 rows, as a tile's is, and the tile's integer and float
+ * steps run on it: the same bits as quant_dot_k (faster at one column and at 16: README). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast (README,
  * Software prefetch distance). */
@@ -11353,15 +11346,15 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
  * address space while it holds it */
 #define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20)
 
-/* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do
- * not pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the
- * page tables (reading from the disk what the page cache lacks), then one read a page warms
- * what lies below them (a VM's own tables: README). A
- * range the kernel refuses (a file cut short) ends it: the forward pass then says what is
- * wrong. A kernel without MADV_POPULATE_READ (before 5.14) gets the reads alone; there a file
- * cut short ends the process with model_on_sigbus's one line, as a forward pass reading it
- * would. The thread runs only on idle cores (SCHED_IDLE): while a server waits, or bench waits
- * for it; a prompt that starts at once still maps what it reads itself, as before. */
+/* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do not
+ * pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the page
+ * tables (reading from the disk what the page cache lacks), then one read a page warms what lies
+ * below them (a VM's own tables: README). A range the kernel refuses (a file cut short) ends it:
+ * the forward pass then says what is wrong. A kernel without MADV_POPULATE_READ (before 5.14) gets
+ * the reads alone; there a file cut short ends the process with model_on_sigbus's one line, as a
+ * forward pass reading it would. The thread runs only on idle cores (SCHED_IDLE): while a server
+ * waits, or bench waits for it; a prompt that starts at once still maps what it reads itself, as
+ * before. */
 static void *expert_map_ahead(void *arg)
 {
     struct expert_store *s = arg;
@@ -12335,10 +12328,10 @@ static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
 /* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
- * with 8 of 256 experts a token nearly all of them: 18 GB a batch on the 35B-A3B, 280 MB a
- * token at 64 tokens, 35 MB at 512. 512 gives an expert 16 tokens on average, where the tiles
- * run faster than at 8; the trunk's products take their columns 256 at a time
- * (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch and figures: README, Benchmarks. */
+ * with 8 of 256 experts a token nearly all of them (18 GB on the 35B-A3B). 512 gives an
+ * expert 16 tokens on average, where the tiles run faster than at 8; the trunk's products
+ * take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch
+ * and figures: README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
