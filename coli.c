@@ -2286,12 +2286,12 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
     }
 }
 
-/* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs
- * on one pipe (README), as the products themselves. So the products of 2 or 4
- * steps of 32 weights are first folded into one vector of sums (adds and unpacks, on the other
- * pipes), each 128-bit lane's qword or dword one step's, and one multiply applies their scales
- * (README). Sums of up to 4 products stay in int16 for quants of up to 5 bits (4 * 2 * 31 *
- * 127 = 31496); Q6_K's (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
+/* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs on
+ * one pipe (README), as the products themselves. So the products of 2 or 4 steps of 32 weights
+ * are first folded into one vector of sums (adds and unpacks, on the other pipes), each 128-bit
+ * lane's qword or dword one step's, and one multiply applies their scales (README). Sums of up
+ * to 4 products stay in int16 for quants of up to 5 bits (4 * 2 * 31 * 127 = 31496); Q6_K's
+ * (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
@@ -4547,15 +4547,15 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
 /* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
- * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile instead
- * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
- * 4k..4k+3 of row r), so one vpdpbusd adds 4 products for each of 16 rows and no lane sum is
- * needed: a super-block's integer parts come out as one vector of 16 rows, then quant_dot_k's
- * float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at a time.
- * The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
- * (quant_legacy_units' float step, its unit a block). The unpack (rows into lanes, by transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K,
- * Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved (quant_tile_interleaved). Figures:
- * README ("The tiles' figures"). */
+ * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile
+ * instead unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds
+ * elements 4k..4k+3 of row r), so one vpdpbusd adds 4 products for each of 16 rows and no lane
+ * sum is needed: a super-block's integer parts come out as one vector of 16 rows, then
+ * quant_dot_k's float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows
+ * at a time. The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
+ * (quant_legacy_units' float step, its unit a block). The unpack (rows into lanes, by
+ * transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16
+ * rows interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, as measured
