@@ -7874,18 +7874,20 @@ struct ops_delta_tokens {
     int n;
 };
 
+/* The lines of the N floats at P asked for. Inlined as ops_kv_prefetch. */
+QUANT_SHARED_INLINE void ops_prefetch_floats(const float *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}
+
 /* Token U's q, k (DK each), v and out (J0..J0 + W) asked for: rows a conv row apart, which no
- * hardware prefetcher follows (README: the rule in the model). Inlined as ops_kv_prefetch. */
+ * hardware prefetcher follows (README: the rule in the model). */
 QUANT_SHARED_INLINE void ops_delta_prefetch(const struct ops_delta_tokens *a, int u, int dk, int j0, int w)
 {
-    for (int i = 0; i < dk; i += 16) {
-        _mm_prefetch((const char *)(a->q + u * a->stride + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(a->k + u * a->stride + i), _MM_HINT_T0);
-    }
-    for (int j = j0; j < j0 + w; j += 16) {
-        _mm_prefetch((const char *)(a->v + u * a->stride + j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(a->out + u * a->out_stride + j), _MM_HINT_T0);
-    }
+    ops_prefetch_floats(a->q + u * a->stride, dk);
+    ops_prefetch_floats(a->k + u * a->stride, dk);
+    ops_prefetch_floats(a->v + u * a->stride + j0, w);
+    ops_prefetch_floats(a->out + u * a->out_stride + j0, w);
 }
 
 /* Rows FROM..DV of the step, one at a time. */
@@ -13517,8 +13519,7 @@ static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t 
     const float qscale = 1.0f / sqrtf((float)dk);
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
-        if (t + MODEL_DELTANET_AHEAD < T)
-            for (int64_t i = c0; i < c1; i += 16) _mm_prefetch((const char *)(x + MODEL_DELTANET_AHEAD * conv_dim + i), _MM_HINT_T0);
+        if (t + MODEL_DELTANET_AHEAD < T) ops_prefetch_floats(x + MODEL_DELTANET_AHEAD * conv_dim + c0, c1 - c0);
         for (int64_t b = c0; b < c1; b += MODEL_CONV_BLOCK)
             model_conv_step(c, m->layers[il].conv_taps, s->tok_seq[t]->state[il].conv_state, x, b, c1 - b < MODEL_CONV_BLOCK ? c1 : b + MODEL_CONV_BLOCK);
         ops_swiglu(x + c0, NULL, c1 - c0);
@@ -13581,8 +13582,7 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
         }
         for (int t = 0; t < T; t++) {
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv, *z = s->z + (size_t)t * vdim + (size_t)h * dv;
-            if (t + MODEL_DELTANET_AHEAD < T)
-                for (int i = 0; i < dv; i += 16) _mm_prefetch((const char *)(z + MODEL_DELTANET_AHEAD * vdim + i), _MM_HINT_T0);
+            if (t + MODEL_DELTANET_AHEAD < T) ops_prefetch_floats(z + MODEL_DELTANET_AHEAD * vdim, dv);
             /* gated RMSNorm: norm(o) * w * silu(z) */
             ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
             ops_swiglu(z, NULL, dv);
