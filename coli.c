@@ -4683,6 +4683,20 @@ QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) 
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
+/* Dword K (0..3) of the 16 bytes at X in every lane, by one in-lane shuffle of the 16 broadcast
+ * (one load serves four dwords). The tiles take half of their act dwords so: with a broadcast
+ * load for each vpdpbusd the load ports were their bound (README). A switch, since the shuffle
+ * takes only a constant and the rolled builds leave K a variable. */
+QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+    switch (k) {
+    case 0: return _mm512_shuffle_epi32(v, _MM_PERM_AAAA);
+    case 1: return _mm512_shuffle_epi32(v, _MM_PERM_BBBB);
+    case 2: return _mm512_shuffle_epi32(v, _MM_PERM_CCCC);
+    default: return _mm512_shuffle_epi32(v, _MM_PERM_DDDD);
+    }
+}
+
 /* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and the
  * integer parts of NC columns: each column's unit result added to its partial P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct quant_q8k_view *a, int64_t u, const __m512i *isum,
@@ -5433,9 +5447,9 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
             }
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
-                const int8_t *x = a[c].qs + u * QUANT_QK_K + 64 * h + 4 * m;
-                s[0][c] = _mm512_dpbusd_epi32(s[0][c], lo, _mm512_set1_epi32(quant_rd32(x)));
-                s[1][c] = _mm512_dpbusd_epi32(s[1][c], hi, _mm512_set1_epi32(quant_rd32(x + 32)));
+                const int8_t *x = a[c].qs + u * QUANT_QK_K + 64 * h;
+                s[0][c] = _mm512_dpbusd_epi32(s[0][c], lo, _mm512_set1_epi32(quant_rd32(x + 4 * m)));
+                s[1][c] = _mm512_dpbusd_epi32(s[1][c], hi, quant_tile_act_dword(x + 32 + 16 * (m / 4), m % 4));
             }
         }
         QUANT_UNROLL(2)
