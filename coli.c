@@ -4684,9 +4684,10 @@ QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) 
 }
 
 /* Dword K (0..3) of the 16 bytes at X in every lane, by one in-lane shuffle of the 16 broadcast
- * (one load serves four dwords). The tiles take half of their act dwords so: with a broadcast
- * load for each vpdpbusd the load ports were their bound (README). A switch, since the shuffle
- * takes only a constant and the rolled builds leave K a variable. */
+ * (one load serves four dwords). The Q4_K / Q5_K tiles take half of their act dwords so, the
+ * legacy tiles all: with a broadcast load for each vpdpbusd the load ports were their bound
+ * (README). A switch, since the shuffle takes only a constant and the rolled builds leave K a
+ * variable. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
@@ -4900,7 +4901,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
         const __m512i wq = _mm512_loadu_si512(t->q[k]);
         QUANT_UNROLL(4)
         for (int c = 0; c < QUANT_TILE_NC; c++)
-            s[k % 2][c] = _mm512_dpbusd_epi32(s[k % 2][c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + b * QUANT_QK + 4 * k)));
+            s[k % 2][c] = _mm512_dpbusd_epi32(s[k % 2][c], wq, quant_tile_act_dword(a[c].qs + b * QUANT_QK + 16 * (k / 4), k % 4));
     }
     const __m512 d = _mm512_loadu_ps(t->d);
     QUANT_UNROLL(4)
