@@ -2007,7 +2007,7 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 
 /* Software prefetch distance of the SIMD kernels, in weight bytes: far enough ahead that a
  * line arrives before the kernel reaches it, which grows with the memory's latency times the
- * rate a core consumes weights (README, Software prefetch distance). */
+ * rate a core consumes weights (README: prefetch distance). */
 #define QUANT_PREFETCH 4096
 
 /* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (fewer
@@ -4548,18 +4548,16 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 /* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile
- * instead unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds
- * elements 4k..4k+3 of row r), so one vpdpbusd adds 4 products for each of 16 rows and no lane
- * sum is needed: a super-block's integer parts come out as one vector of 16 rows, then
+ * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
+ * 4k..4k+3 of row r): one vpdpbusd adds 4 products for each of 16 rows, no lane sum needed, and
  * quant_dot_k's float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows
- * at a time. The same bits as quant_dot_k. Q8_0 and Q4_0 tiles do the same per 32-element block
- * (quant_legacy_units' float step, its unit a block). The unpack (rows into lanes, by
- * transposes) is what a few columns pay for. Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16
- * rows interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
+ * at a time: the same bits. Q8_0 and Q4_0 tiles do the same per 32-element block
+ * (quant_legacy_units' float step). The unpack (rows into lanes, by transposes) is what a few
+ * columns pay for. Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved
+ * (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-/* The columns from which the AVX-512 tiles pay, against quant_dotn and quant_pairs, as measured
- * with the next tile's rows asked for (README, the same item, and "the tiles interleaved"). */
+/* The columns from which the AVX-512 tiles pay against quant_dotn and quant_pairs (README). */
 #define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_INTERLEAVED 4 /* Q2_K, Q3_K, IQ4_XS, IQ3 (VBMI) */
@@ -4585,13 +4583,13 @@ struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 #define QUANT_K_TILE_BYTES 5248
 #define QUANT_Q6K_TILE_BYTES sizeof(struct quant_q6k_tile)
 
-/* Bytes of scratch quant_tile needs for rows of N elements of type T: the unpacked rows, then the
- * partials of QUANT_TILE_NC columns. */
 /* Whether the AVX-512 legacy tile takes rows of T. */
 static int quant_tile_legacy(enum gguf_type t) {
     return t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
 }
 
+/* Scratch bytes quant_tile needs for rows of N elements of T: the unpacked rows, then the
+ * partials of QUANT_TILE_NC columns. */
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
     size_t rows = quant_tile_legacy(t)    ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
                   : t == GGUF_TYPE_Q6_K ? (size_t)(n / QUANT_QK_K) * QUANT_Q6K_TILE_BYTES
@@ -4678,16 +4676,13 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
 
 /* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
  * to +0 without reading the slot, so that no pass clears its partials first (memsets cost
- * time: README). 0 + r, as before: -0 becomes +0 the same way. */
+ * time: README); 0 + r turns -0 into +0 as before. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
-/* Dword K (0..3) of the 16 bytes at X in every lane, by one in-lane shuffle of the 16 broadcast
- * (one load serves four dwords). The Q4_K / Q5_K tiles take half of their act dwords so, the
- * legacy tiles all: with a broadcast load for each vpdpbusd the load ports were their bound
- * (README). A switch, since the shuffle takes only a constant and the rolled builds leave K a
- * variable. */
+/* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (a broadcast load
+ * each made loads the tiles' bound: README). A switch: the shuffle needs a constant. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
@@ -4714,7 +4709,7 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
 /* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
  * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
  * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
- * changed the register allocation of the kernels around it (README: the tiles). */
+ * upset the register allocation of the kernels around it (README). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
@@ -4788,7 +4783,7 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int6
 /* Super-block U of a Q6_K tile against 4 columns: each sub-block's sum of q * x times its scale,
  * less 32 times the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum,
  * exact in int32; then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale
- * multiplies of a Q4_K unit, against strong column kernels (README: the tiles). */
+ * multiplies of a Q4_K unit, against strong column kernels (README). */
 QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
                                              float (*p)[QUANT_NPART][16]) {
     __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
@@ -4819,8 +4814,8 @@ QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, con
 
 /* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
  * L1, while these compute: a thread's chunks are mostly consecutive. A tile asks for a part
- * with each unit it starts on (its first pass, or its unpack), so that the requests spread over
- * its work (README: the tiles). */
+ * with each unit it starts on (its first pass, or its unpack): the requests spread over its
+ * work (README). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -5319,17 +5314,15 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
 }
 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
- * A tile pays for turning 16 rows into lanes on every call, which one column (decode) cannot
- * repay: there quant_dotr runs a row at a time, and most of its instructions go to unpacking
- * scales and to each super-block's lane sums (README). A matrix the CPU owns (§8
- * model_own_trunk) is repacked instead, in the same bytes (quant_interleave): for 16 rows and
- * one super-block, a vector of 16 dwords per dword of the block, lane r from row r, so that
- * one 64-byte load masked to its low or high nibbles (with the format's high bits, or looked
- * up) is vpdpbusd's operand for 16 rows, as a tile's is, and the tile's integer and float
- * steps run on it: the same bits as quant_dot_k (faster at one column and at 16: README). */
+ * A tile turns 16 rows into lanes on every call, which one column (decode) cannot repay; there
+ * quant_dotr's instructions go mostly to unpacking scales and to lane sums (README). A matrix
+ * the CPU owns (§8 model_own_trunk) is repacked instead, in the same bytes (quant_interleave):
+ * for 16 rows and a super-block, a vector of 16 dwords per dword of the block, lane r from row
+ * r, so one 64-byte load masked to its low or high nibbles (with the format's high bits, or
+ * looked up) is vpdpbusd's operand for 16 rows, and the tile's integer and float steps run on
+ * it: the same bits as quant_dot_k (faster at one column and at 16: README). */
 
-/* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast (README,
- * Software prefetch distance). */
+/* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
 /* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a
@@ -6041,7 +6034,7 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8
 }
 
 /* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first
- * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in the L1 or L2. */
+ * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2. */
 QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
                                                  int64_t n, float *y, size_t ys, int prefetch) {
     const int64_t nu = n / QUANT_QK_K;
@@ -6121,8 +6114,7 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
 
 /* The tile of 16 rows read in place of a type quant_interleave_ok takes but Q6_K (quant_tile's
  * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
- * the same bits; faster than Q4_K's and Q5_K's tiles of their own (nibbles apart, scales in
- * lanes) and than quant_dotn for the others (README). */
+ * the same bits; faster than Q4_K's former tile and than quant_dotn (README). */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
