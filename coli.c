@@ -2020,8 +2020,7 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_UNROLL(n)
 #else
 #define QUANT_GROUP_UNROLL _Pragma("GCC unroll 8")
-#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* the AVX2 multi-column kernels: ~30 s more per sanitizer build;
-                                                   * the AVX-512 loops: ~4 s more for test_quant's */
+#define QUANT_UNROLL(n) QUANT_PRAGMA(GCC unroll n) /* compile time: README, Figures behind comments */
 #endif
 
 /* ---- AVX2 kernels: same units, same float steps, integer parts in SIMD ---- */
@@ -4681,8 +4680,8 @@ QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) 
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
-/* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (a broadcast load
- * each made loads the tiles' bound: README). A switch: the shuffle needs a constant. */
+/* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (with a broadcast
+ * load each, the loads bounded the tiles: README). A switch: the shuffle needs a constant. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
