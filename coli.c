@@ -4565,12 +4565,6 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
-/* A Q6_K super-block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3 of row r, the 6-bit
- * quants as stored (0..63); sc[j] the scale of 16-element sub-block j in int32 lanes, pair[i]
- * scales 2i and 2i + 1 as an int16 pair, for vpdpwssd against the act's 16-sums of those
- * sub-blocks (the offset of 32). */
-struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][32]; float d[16]; };
-
 /* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3
  * of row r plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as stored, 0..15 (Q4_0: less
  * 8), as vpdpbusd's unsigned bytes (the offset comes off as that many times the act block's
@@ -4578,9 +4572,8 @@ struct quant_q6k_tile { uint8_t q[64][64]; int32_t sc[16][16]; int16_t pair[8][3
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than its 16 rows
- * interleaved take (AVX-512: quant_tile_interleaved); the AVX-512 Q6_K tile's. */
+ * interleaved take (AVX-512: quant_tile_interleaved). */
 #define QUANT_K_TILE_BYTES 5248
-#define QUANT_Q6K_TILE_BYTES sizeof(struct quant_q6k_tile)
 
 /* Whether the AVX-512 legacy tile takes rows of T. */
 static int quant_tile_legacy(enum gguf_type t) {
@@ -4590,9 +4583,7 @@ static int quant_tile_legacy(enum gguf_type t) {
 /* Scratch bytes quant_tile needs for rows of N elements of T: the unpacked rows, then the
  * partials of QUANT_TILE_NC columns. */
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
-    size_t rows = quant_tile_legacy(t)    ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile)
-                  : t == GGUF_TYPE_Q6_K ? (size_t)(n / QUANT_QK_K) * QUANT_Q6K_TILE_BYTES
-                                        : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
+    size_t rows = quant_tile_legacy(t) ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile) : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
@@ -4729,88 +4720,6 @@ static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[
     }
 }
 
-/* S[c] = the sums of products of rows Q[K0..K0 + STEPS) (elements 4k..4k+3 of 16 rows in
- * lanes) with column c's act at super-block U, one vpdpbusd a step (STEPS constant). */
-QUANT_AVX512_INLINE void quant_tile_steps(const uint8_t (*q)[64], const struct quant_q8k_view *a, int64_t u, int k0, int steps, __m512i *s) {
-    QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) s[c] = _mm512_setzero_si512();
-    QUANT_UNROLL(8)
-    for (int k = k0; k < k0 + steps; k++) {
-        const __m512i wq = _mm512_loadu_si512(q[k]);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++)
-            s[c] = _mm512_dpbusd_epi32(s[c], wq, _mm512_set1_epi32(quant_rd32(a[c].qs + u * QUANT_QK_K + 4 * k)));
-    }
-}
-
-/* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l < 32)
- * is nibble i / 2 (low, then high) of ql byte 64n + 32(i % 2) + l with bits 2i, 2i + 1 of qh byte
- * 32n + l above it, so dword m of the transposed runs gives elements 4m.. of each 32. The scales
- * come as 4 dwords a row (quant_tile_transpose4), d by a gather of the dword that ends with it. */
-QUANT_AVX512_INLINE void quant_q6k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_q6k_tile *t) {
-    const uint8_t *b = w + (size_t)u * 210;
-    const __m512i m4 = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
-    QUANT_UNROLL(2)
-    for (int n = 0; n < 2; n++) {
-        __m512i v[2][8], h[8];
-        quant_tile_transpose(b + 64 * n, rb, v[0]);
-        quant_tile_transpose(b + 64 * n + 32, rb, v[1]);
-        quant_tile_transpose(b + 128 + 32 * n, rb, h);
-        QUANT_UNROLL(4)
-        for (int i = 0; i < 4; i++) {
-            QUANT_UNROLL(8)
-            for (int m = 0; m < 8; m++) {
-                const __m512i low = _mm512_and_si512(i < 2 ? v[i % 2][m] : _mm512_srli_epi32(v[i % 2][m], 4), m4);
-                const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[m], 2 * i), m2), 4);
-                _mm512_storeu_si512(t->q[32 * n + 8 * i + m], _mm512_or_si512(low, high));
-            }
-        }
-    }
-    __m512i sc[4];
-    quant_tile_transpose4(b + 192, rb, sc);
-    QUANT_UNROLL(16)
-    for (int j = 0; j < 16; j++) /* byte j % 4 of dword j / 4, sign-extended */
-        _mm512_storeu_si512(t->sc[j], _mm512_srai_epi32(_mm512_slli_epi32(sc[j / 4], 24 - 8 * (j % 4)), 24));
-    QUANT_UNROLL(8)
-    for (int i = 0; i < 8; i++)
-        _mm512_storeu_si512(t->pair[i], _mm512_or_si512(_mm512_and_si512(_mm512_loadu_si512(t->sc[2 * i]), _mm512_set1_epi32(0xffff)),
-                                                        _mm512_slli_epi32(_mm512_loadu_si512(t->sc[2 * i + 1]), 16)));
-    const __m512i dd = _mm512_i32gather_epi32(quant_tile_rows(rb), b + 206, 1); /* d in the high half: no read past the block */
-    _mm512_storeu_ps(t->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
-}
-
-/* Super-block U of a Q6_K tile against 4 columns: each sub-block's sum of q * x times its scale,
- * less 32 times the scales times the act's 16-sums (the quants' offset), is quant_dot_k's isum,
- * exact in int32; then (d * dx) * isum into each column's partial P[c][u % 32]. Twice the scale
- * multiplies of a Q4_K unit, against strong column kernels (README). */
-QUANT_AVX512_INLINE void quant_q6k_tile_unit(const struct quant_q6k_tile *t, const struct quant_q8k_view *a, int64_t u,
-                                             float (*p)[QUANT_NPART][16]) {
-    __m512i isum[QUANT_TILE_NC], offset[QUANT_TILE_NC];
-    QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = offset[c] = _mm512_setzero_si512();
-    QUANT_UNROLL(16)
-    for (int j = 0; j < 16; j++) {
-        __m512i s[QUANT_TILE_NC];
-        quant_tile_steps(t->q, a, u, 4 * j, 4, s);
-        const __m512i sc = _mm512_loadu_si512(t->sc[j]);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], sc));
-    }
-    QUANT_UNROLL(8)
-    for (int i = 0; i < 8; i++) {
-        const __m512i pair = _mm512_loadu_si512(t->pair[i]);
-        QUANT_UNROLL(4)
-        for (int c = 0; c < QUANT_TILE_NC; c++)
-            offset[c] = _mm512_dpwssd_epi32(offset[c], pair, _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * i)));
-    }
-    const __m512 d = _mm512_loadu_ps(t->d);
-    QUANT_UNROLL(4)
-    for (int c = 0; c < QUANT_TILE_NC; c++) {
-        const __m512i is = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(offset[c], 5));
-        quant_tile_partial_add(p[c][u % QUANT_NPART], u, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[c].d[u])), _mm512_cvtepi32_ps(is)));
-    }
-}
-
 /* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
  * L1, while these compute: a thread's chunks are mostly consecutive. A tile asks for a part
  * with each unit it starts on (its first pass, or its unpack): the requests spread over its
@@ -4820,29 +4729,6 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
     const uint8_t *next = w + bytes;
     for (size_t l = (size_t)part * lines / (size_t)parts; l < (size_t)(part + 1) * lines / (size_t)parts; l++)
         _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
-}
-
-/* y[c * ys + r] = the dot of row r (of the 16 Q6_K rows at W, RB bytes apart) with column c (its
- * act at ACTS + c * STRIDE), for c < NC; SCRATCH holds quant_tile_bytes(Q6_K, n). Its own tile
- * (the quants unpacked once, not once a pass) runs faster than quant_tile_interleaved's passes
- * (README). */
-static QUANT_AVX512 void quant_tile_q6k_avx512(const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc, int64_t n,
-                                              float *y, size_t ys, void *scratch) {
-    const int64_t nu = n / QUANT_QK_K;
-    const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART; /* partials a unit reaches */
-    struct quant_q6k_tile *tiles = scratch;
-    float (*p)[QUANT_NPART][16] = (void *)(tiles + nu);
-    for (int64_t u = 0; u < nu; u++) quant_q6k_tile_unpack(w, rb, u, &tiles[u]);
-    for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
-        const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
-        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
-        for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
-        for (int64_t u = 0; u < nu; u++) {
-            if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
-            quant_q6k_tile_unit(&tiles[u], a, u, p);
-        }
-        quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
-    }
 }
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
@@ -5329,8 +5215,25 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
 #define QUANT_FIELDS 24
 #define QUANT_FIELDS_MAX_NU 16
 
+/* A group's vpdpbusd operands kept for its later passes (64 vectors a super-block): the first
+ * pass stores them as it decodes, the others load them. It pays from QUANT_KEPT_MIN_NC columns
+ * where a decode costs more than a load (fifth and sixth bits, lookups and signs; not Q4_K's or
+ * Q2_K's mask and shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
+#define QUANT_KEPT_MIN_NC 32
+#define QUANT_KEPT_BYTES ((size_t)QUANT_FIELDS_MAX_NU * 64 * 64)
+enum quant_kept { QUANT_KEPT_NONE, QUANT_KEPT_STORE, QUANT_KEPT_LOAD };
+/* Operand I of KEPT as MODE says, DECODE evaluated only where it is not loaded. */
+#define QUANT_KEPT(kept, mode, i, decode) \
+    ((mode) == QUANT_KEPT_LOAD ? (kept)[i] : (mode) == QUANT_KEPT_STORE ? ((kept)[i] = (decode)) : (decode))
+
 /* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
+
+/* Whether a group of NC columns over rows of NU super-blocks of T keeps its operands. */
+static int quant_kept_pays(enum gguf_type t, int nc, int64_t nu) {
+    const int decode_pays = t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || quant_interleaved_iq3(t);
+    return nc >= QUANT_KEPT_MIN_NC && nu <= QUANT_FIELDS_MAX_NU && decode_pays;
+}
 
 /* The bytes B of a super-block of an interleaved type T, as literals that a pass inlined for a
  * constant T folds (quant_interleaved_pass says why). An interleaved unit is 16 rows' whole
@@ -5417,7 +5320,7 @@ QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
  * quant_tile_unit: the 32-byte run h of each row is sub-block 2h in its low nibbles and 2h + 1
  * in its high ones, and Q5_K's fifth bits of both are bits 2h and 2h + 1 of its qh bytes. */
 QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
-                                                float (*p)[QUANT_NPART][16], int NC, const __m512i *f) {
+                                                float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode, __m512i *kept) {
     const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales and mins, then d and dmin */
     const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(sm), u1 = _mm512_loadu_si512(sm + 64);
     const __m512i u2 = _mm512_loadu_si512(sm + 128);
@@ -5431,12 +5334,19 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
         for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
         QUANT_UNROLL(8)
         for (int m = 0; m < 8; m++) {
-            const __m512i v = _mm512_loadu_si512(t + 64 * (8 * h + m));
-            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            if (five) { /* lo | (qh's bit 2h at bit 4 & 0x10), hi the same with bit 2h + 1 */
-                const __m512i qh = _mm512_loadu_si512(t + 64 * (32 + m));
-                lo = _mm512_ternarylogic_epi32(lo, quant_bit_to_4(qh, 2 * h), _mm512_set1_epi8(0x10), 0xf8);
-                hi = _mm512_ternarylogic_epi32(hi, quant_bit_to_4(qh, 2 * h + 1), _mm512_set1_epi8(0x10), 0xf8);
+            const int64_t k = 64 * u + 16 * h + 2 * m; /* kept: lo, then hi */
+            __m512i lo, hi;
+            if (mode == QUANT_KEPT_LOAD) {
+                lo = kept[k], hi = kept[k + 1];
+            } else {
+                const __m512i v = _mm512_loadu_si512(t + 64 * (8 * h + m));
+                lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (five) { /* lo | (qh's bit 2h at bit 4 & 0x10), hi the same with bit 2h + 1 */
+                    const __m512i qh = _mm512_loadu_si512(t + 64 * (32 + m));
+                    lo = _mm512_ternarylogic_epi32(lo, quant_bit_to_4(qh, 2 * h), _mm512_set1_epi8(0x10), 0xf8);
+                    hi = _mm512_ternarylogic_epi32(hi, quant_bit_to_4(qh, 2 * h + 1), _mm512_set1_epi8(0x10), 0xf8);
+                }
+                if (mode == QUANT_KEPT_STORE) kept[k] = lo, kept[k + 1] = hi;
             }
             QUANT_UNROLL(4)
             for (int c = 0; c < NC; c++) {
@@ -5528,7 +5438,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
  * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then the float step of
  * quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k (Q6_K). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
-                                                      int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f) {
+                                                      int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode,
+                                                      __m512i *kept) {
     __m512i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = sums[c] = _mm512_setzero_si512();
@@ -5541,7 +5452,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const
             for (int c = 0; c < NC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
             QUANT_UNROLL(8)
             for (int m = 0; m < 8; m++) {
-                const __m512i q = quant_interleaved_q236k_quants(type, t, h, j, m);
+                const __m512i q = QUANT_KEPT(kept, mode, 64 * u + 32 * h + 8 * j + m, quant_interleaved_q236k_quants(type, t, h, j, m));
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) {
                     const int8_t *x = a[c].qs + u * QUANT_QK_K + 128 * h + 32 * j + 4 * m;
@@ -5632,7 +5543,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
  * 128 comes off as 128 times the block's act sum. Each block's sum by its 2 s + 1, then
  * quant_dot_k_unit's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
-                                                    int64_t u, float (*p)[QUANT_NPART][16], int NC) {
+                                                    int64_t u, float (*p)[QUANT_NPART][16], int NC, int mode, __m512i *kept) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
     const __m128i flip = _mm_set1_epi8((char)0x80); /* levels plus 128: their sign is 0 - that, mod 256 */
     const __m128i values = _mm_or_si128(flip, xxs ? _mm_loadl_epi64((const __m128i *)quant_iq3_levels)
@@ -5664,13 +5575,15 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
             if (!xxs)
                 bit8 = quant_bitalg_shuffle(_mm512_set1_epi64(0x2322212003020100LL + 0x0101010101010101LL * (8 * (ib % 4) + 4 * h)),
                                             _mm512_loadu_si512(t + 64 * (16 + ib / 4)));
-            __m512i plane[4];
-            quant_avx512_iq3_vbmi_lookup(_mm512_loadu_si512(t + 64 * (2 * ib + h)), bit8, xxs ? quant_iq3xxs_pairs[0] : quant_iq3s_pairs[0],
-                                         xxs ? 4 : 8, values, plane);
+            __m512i plane[4] = {0};
+            if (mode != QUANT_KEPT_LOAD)
+                quant_avx512_iq3_vbmi_lookup(_mm512_loadu_si512(t + 64 * (2 * ib + h)), bit8, xxs ? quant_iq3xxs_pairs[0] : quant_iq3s_pairs[0],
+                                             xxs ? 4 : 8, values, plane);
             QUANT_UNROLL(4)
             for (int j = 0; j < 4; j++) {
-                const __mmask64 neg = quant_bitalg_shuffle(_mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j)), signs);
-                const __m512i w = _mm512_mask_sub_epi8(plane[j], neg, _mm512_setzero_si512(), plane[j]);
+                const __m512i sign_bits = _mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j));
+                const __m512i w = QUANT_KEPT(kept, mode, 64 * u + 8 * ib + 4 * h + j,
+                                             _mm512_mask_sub_epi8(plane[j], quant_bitalg_shuffle(sign_bits, signs), _mm512_setzero_si512(), plane[j]));
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(quant_rd32(x[c] + 64 * j + 8 * ib + 4 * h)));
             }
@@ -5693,7 +5606,8 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
  * pass's loop is unrolled (with the super-block's size read at run time, the prefetch loop
  * stayed a loop, and Q4_K/i ran at half the rate). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
-                                                float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields) {
+                                                float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
+                                                __m512i *kept) {
     const int bb = quant_interleaved_block_bytes(t);
     const size_t bytes = (size_t)QUANT_TILE_ROWS * (size_t)(bb & ~3);
     const uint8_t *d = w, *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
@@ -5702,10 +5616,10 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
         const __m512i *f = fields ? fields + QUANT_FIELDS * u : NULL;
         for (size_t q = 0; prefetch && q < bytes; q += 64) _mm_prefetch((const char *)b + QUANT_INTERLEAVED_PREFETCH + q, _MM_HINT_T0);
         if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K)
-            quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC, f); /* Q2_K: D unread */
-        else if (quant_interleaved_iq3(t)) quant_interleaved_iq3_unit(t, b, d + (size_t)u * 32, a, u, p, NC);
+            quant_interleaved_q236k_unit(t, b, d + (size_t)u * 32, a, u, p, NC, f, mode, kept); /* Q2_K: D unread */
+        else if (quant_interleaved_iq3(t)) quant_interleaved_iq3_unit(t, b, d + (size_t)u * 32, a, u, p, NC, mode, kept);
         else if (t == GGUF_TYPE_IQ4_XS) quant_interleaved_iq4xs_unit(b, a, u, p, NC);
-        else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC, f);
+        else quant_interleaved_unit(b, t == GGUF_TYPE_Q5_K, a, u, p, NC, f, mode, kept);
     }
 }
 
@@ -5730,18 +5644,19 @@ QUANT_AVX512_INLINE void quant_interleaved_fields(enum gguf_type t, const uint8_
     }
 }
 
-/* quant_interleaved_pass with T as a constant in each branch. */
+/* quant_interleaved_pass with T as a constant in each branch (and MODE where inlined). */
 QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
-                                                   float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields) {
+                                                   float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
+                                                   __m512i *kept) {
     switch (t) {
-    case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_IQ3_XXS: quant_interleaved_pass(GGUF_TYPE_IQ3_XXS, w, a, nu, p, NC, prefetch, fields); break;
-    case GGUF_TYPE_IQ3_S: quant_interleaved_pass(GGUF_TYPE_IQ3_S, w, a, nu, p, NC, prefetch, fields); break;
-    default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch, fields); break;
+    case GGUF_TYPE_Q5_K: quant_interleaved_pass(GGUF_TYPE_Q5_K, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_Q2_K: quant_interleaved_pass(GGUF_TYPE_Q2_K, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_Q3_K: quant_interleaved_pass(GGUF_TYPE_Q3_K, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_Q6_K: quant_interleaved_pass(GGUF_TYPE_Q6_K, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_IQ4_XS: quant_interleaved_pass(GGUF_TYPE_IQ4_XS, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_IQ3_XXS: quant_interleaved_pass(GGUF_TYPE_IQ3_XXS, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    case GGUF_TYPE_IQ3_S: quant_interleaved_pass(GGUF_TYPE_IQ3_S, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
+    default: quant_interleaved_pass(GGUF_TYPE_Q4_K, w, a, nu, p, NC, prefetch, fields, mode, kept); break;
     }
 }
 
@@ -6033,9 +5948,10 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8
 }
 
 /* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first
- * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2. */
+ * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2,
+ * or its operands in KEPT (QUANT_KEPT_BYTES, or NULL) where quant_kept_pays. */
 QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
-                                                 int64_t n, float *y, size_t ys, int prefetch) {
+                                                 int64_t n, float *y, size_t ys, int prefetch, __m512i *kept) {
     const int64_t nu = n / QUANT_QK_K;
     const int used = nu < QUANT_NPART ? (int)nu : QUANT_NPART;
     float p[QUANT_TILE_NC][QUANT_NPART][16];
@@ -6046,19 +5962,23 @@ QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
         for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
-        if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch && c0 == 0, unpacked ? fields : NULL);
-        else quant_interleaved_columns(t, w, a, nu, p, 1, prefetch && c0 == 0, unpacked ? fields : NULL);
+        const __m512i *f = unpacked ? fields : NULL;
+        const int keep = cc == QUANT_TILE_NC && kept && quant_kept_pays(t, nc, nu);
+        if (keep && c0 == 0) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch, f, QUANT_KEPT_STORE, kept);
+        else if (keep) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, 0, f, QUANT_KEPT_LOAD, kept);
+        else if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch && c0 == 0, f, QUANT_KEPT_NONE, NULL);
+        else quant_interleaved_columns(t, w, a, nu, p, 1, prefetch && c0 == 0, f, QUANT_KEPT_NONE, NULL);
         quant_tile_finish(p, used, cc, y + (size_t)c0 * ys, ys);
         c0 += cc;
     }
 }
 
 static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
-                                                 int64_t n, float *y, size_t ys) {
-    quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1);
+                                                 int64_t n, float *y, size_t ys, void *kept) {
+    quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1, kept);
 }
 
-/* quant_interleave_tile's plan for each interleaved type but Q6_K: FROM[k] the byte of vector
+/* quant_interleave_tile's plan for each interleaved type: FROM[k] the byte of vector
  * k's dword, STEP[i] the first vector of a transpose of 8 (+ 64) or 4 (+ 128) dwords in a row
  * within the block, else of one (the first 16 bytes' transpose, or a gather). Made once, not
  * once a tile (README). */
@@ -6066,7 +5986,7 @@ static struct quant_tile_plan { int from[64], step[64], steps; } quant_tile_plan
 
 static void quant_tile_plans_init(void) {
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
-                                            GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
+                                            GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S, GGUF_TYPE_Q6_K };
     for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
         struct quant_tile_plan *pl = &quant_tile_plans[types[i]];
         const int bb = gguf_type_get(types[i])->block_bytes, dwords = bb / 4;
@@ -6111,13 +6031,13 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
     }
 }
 
-/* The tile of 16 rows read in place of a type quant_interleave_ok takes but Q6_K (quant_tile's
- * contract): interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes,
- * the same bits; faster than Q4_K's former tile and than quant_dotn (README). */
+/* The tile of 16 rows read in place of a type quant_interleave_ok takes (quant_tile's contract):
+ * interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes, the same
+ * bits; faster than the former tiles of Q4_K and Q6_K (README) and than quant_dotn. */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
-    quant_interleaved_group(t, scratch, acts, stride, nc, n, y, ys, 0);
+    quant_interleaved_group(t, scratch, acts, stride, nc, n, y, ys, 0, NULL);
 }
 
 /* ---- dispatch ---- */
@@ -6192,12 +6112,13 @@ static int quant_level_max(void) {
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
  * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now: the AVX2
  * kernel at the AVX2 level where it has one, and on a CPU without AVX-512 (a matrix is
- * interleaved only where the CPU has its level's kernel), else the AVX-512 one. */
+ * interleaved only where the CPU has its level's kernel), else the AVX-512 one, which keeps the
+ * operands in KEPT (QUANT_KEPT_BYTES, 64-byte aligned; or NULL) where quant_kept_pays. */
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
-                              size_t ys) {
+                              size_t ys, void *kept) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
         quant_interleaved_avx2(t, w, acts, stride, nc, n, y, ys);
-    else quant_interleaved_avx512(t, w, acts, stride, nc, n, y, ys);
+    else quant_interleaved_avx512(t, w, acts, stride, nc, n, y, ys, kept);
 }
 
 /* Fills the dot table for `level`. Caller: level <= quant_level_max(); no dot in flight. */
@@ -6356,7 +6277,6 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
             wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else if (quant_tile_legacy(wtype))
         quant_tile_legacy_avx512(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
-    else if (wtype == GGUF_TYPE_Q6_K) quant_tile_q6k_avx512(wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
     else quant_tile_interleaved(wtype, wrows, row_bytes, acts, stride, nc, n, y, ys, scratch);
 }
 
@@ -6546,11 +6466,14 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     ops_prepare_acts(jobs, n_jobs, own, act, off, stride);
     ops_acts_to_lanes(jobs, n_jobs, lanes_of, act, off, lanes_off, stride);
     if (ops_offload) ops_offload(jobs, n_jobs, act, off, done);
-    size_t tile_bytes = 0;
-    for (int j = 0; j < n_jobs; j++)
-        if (!done[j] && !jobs[j].w.interleaved && quant_tile_ok(jobs[j].w.type, jobs[j].n, jobs[j].w.cols) &&
-            quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols) > tile_bytes)
-            tile_bytes = quant_tile_bytes(jobs[j].w.type, jobs[j].w.cols);
+    size_t tile_bytes = 0; /* a thread's scratch: the tiles', or an interleaved group's kept operands */
+    for (int j = 0; j < n_jobs; j++) {
+        const struct ops_matrix *w = &jobs[j].w;
+        const size_t need = done[j] ? 0
+                            : w->interleaved ? (quant_kept_pays(w->type, jobs[j].n, w->cols / QUANT_QK_K) ? QUANT_KEPT_BYTES : 0)
+                            : quant_tile_ok(w->type, jobs[j].n, w->cols) ? quant_tile_bytes(w->type, w->cols) : 0;
+        tile_bytes = need > tile_bytes ? need : tile_bytes;
+    }
     const size_t tile_stride = tile_bytes ? tile_bytes + OPS_TILE_GAP : 0;
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_stride * (size_t)plat_threads()) : NULL;
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
@@ -6569,15 +6492,16 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
             int64_t r0 = (c - first_chunk[k]) * OPS_ROW_CHUNK, r1 = r0 + OPS_ROW_CHUNK < w->rows ? r0 + OPS_ROW_CHUNK : w->rows;
             const int in_lanes = lanes_of[j] >= 0;
             const uint8_t *a = act + (in_lanes ? lanes_off[lanes_of[j]] : off[j]);
+            uint8_t *scratch = tiles ? tiles + tile_stride * (size_t)omp_get_thread_num() : NULL;
             if (w->interleaved)
                 quant_interleaved(w->type, w->data + (size_t)r0 * w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols,
-                                  jobs[j].y + r0, (size_t)w->rows);
+                                  jobs[j].y + r0, (size_t)w->rows, tile_bytes >= QUANT_KEPT_BYTES ? scratch : NULL);
             else if (jobs[j].n == 1)
                 quant_dotr(w->type, in_lanes, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), a, w->cols,
                            jobs[j].y + r0);
             else if (r1 - r0 == QUANT_TILE_ROWS && quant_tile_ok(w->type, jobs[j].n, w->cols))
                 quant_tile(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, act + off[j], stride[j], jobs[j].n, w->cols,
-                           jobs[j].y + r0, (size_t)w->rows, tiles + tile_stride * (size_t)omp_get_thread_num());
+                           jobs[j].y + r0, (size_t)w->rows, scratch);
             else
                 ops_dotn_rows(w, in_lanes, r0, r1, a, stride[j], jobs[j].n, jobs[j].y);
         }
@@ -11451,27 +11375,24 @@ static void expert_close(struct expert_store *s)
 
 /* ==== §7 place ==== */
 /* Owns: which weights live in VRAM (design.md §5), priced in bytes of host memory-bus traffic
- *   saved per token per byte of VRAM. A dense trunk matrix is read on every token: its bytes.
- *   A routed expert is read with the probability p_e that a token routes to it (its share of
- *   the heat, or top_k / n_expert without heat): p_e times its bytes, and twice that when the
- *   RAM cache would not hold it (an O_DIRECT read writes the bytes the product then reads;
- *   a buffered one four times).
- *   The host counts too: a trunk matrix in VRAM leaves its RAM to the expert cache when the
- *   cache's budget is what memory leaves, and an expert leaving the cache frees its slot for
- *   the first one that missed; both turn misses into hits (place_decide has the formulas).
- *   So with RAM to spare the trunk goes first (value 1 against p_e < 1), and with a fixed
- *   cache a resident expert routed on more than about every other token keeps its place. The
- *   trunk, component by component in a fixed order (lmhead, attnproj, dnproj, dnout, shexp,
- *   router, ffn), and the experts, hottest first, are merged by value; each goes to the
- *   selected device with the most room left that has a kernel for it, while it fits that
- *   device's budget (--vram, or free VRAM less a reserve). This runs before the expert store's
- *   cache starts, so that the cache holds only what the CPU computes. --place / COLI_PLACE may
- *   name a device (or cpu) per component or split its layers over devices (dnproj=0:20+1:20).
- *   Before the trunk, a probe times a trunk product on each device and the CPU (the trunk
- *   avoids a device slower than the CPU; with two devices or more whole placements are priced
- *   per token, place_choose_split). While running, place_retier swaps experts between VRAM
- *   and the CPU as the heat moves. coli plan runs the same decisions as a dry run
- *   (place_dry_run), so it cannot disagree with a run.
+ *   saved per token per byte of VRAM. A dense trunk matrix is read every token: its bytes. A
+ *   routed expert is read with the probability p_e that a token routes to it (its share of the
+ *   heat, or top_k / n_expert without): p_e times its bytes, twice that when the RAM cache would
+ *   not hold it (an O_DIRECT read writes the bytes the product then reads; a buffered one four
+ *   times). The host counts too: a trunk matrix in VRAM leaves its RAM to the expert cache when
+ *   memory sets the cache's budget, and an expert leaving the cache frees its slot for the first
+ *   one that missed (place_decide has the formulas). So with RAM to spare the trunk goes first
+ *   (value 1 against p_e < 1); with a fixed cache an expert routed on more than about every
+ *   other token keeps its place. The trunk, component by component in a fixed order (lmhead,
+ *   attnproj, dnproj, dnout, shexp, router, ffn), and the experts, hottest first, are merged by
+ *   value; each goes to the selected device with the most room left that has a kernel for it,
+ *   within that device's budget (--vram, or free VRAM less a reserve), before the expert store's
+ *   cache starts (it holds only what the CPU computes). --place / COLI_PLACE may name a device
+ *   (or cpu) per component or split its layers (dnproj=0:20+1:20). A probe times a trunk product
+ *   on each device and the CPU first (a device slower than the CPU gets no trunk; two devices or
+ *   more: whole placements priced per token, place_choose_split). place_retier swaps experts
+ *   between VRAM and the CPU as the heat moves. coli plan is the same decisions as a dry run
+ *   (place_dry_run): it cannot disagree with a run.
  * Promises: placement changes speed only: a resident matrix or expert computes the same bits
  *   (§5). One [place] line per component says where it went and with what numbers, and one
  *   the prices that decided between trunk and experts. A bad --place / COLI_PLACE, or one

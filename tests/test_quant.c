@@ -1359,8 +1359,9 @@ static void test_avx2_tiles(void) {
  * level that interleaves it (AVX2 with AVX-VNNI: all but Q5_K and IQ3): ops_matmat on the interleaved
  * copy against the scalar dot of each original row, for rows of 1, 8 and 33 super-blocks (33:
  * past the 32 partials, and the d bytes of Q3_K, Q6_K and IQ3 for an odd number of units, their
- * vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9 and 17 columns (every remainder
- * of the kernels' passes of 4), 1 and 2 threads, with the special weight and activation modes. */
+ * vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9, 17 and 34 columns (every
+ * remainder of the kernels' passes of 4; 34, on rows that keep operands for the later passes),
+ * 1 and 2 threads, with the special weight and activation modes. */
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
@@ -1387,11 +1388,11 @@ static void test_interleaved(void) {
     }
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
                                             GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
-    static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17 };
+    static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17, 34 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
         { W_FULL, X_ONES }, { W_FULL, X_MINUS_ONES } };
-    const int maxc = 17;
+    const int maxc = 34;
     for (int ti = 0; ti < (int)(sizeof types / sizeof *types); ti++)
         for (int level = max_level; level >= QUANT_LEVEL_AVX2; level = level > QUANT_LEVEL_AVX512 ? QUANT_LEVEL_AVX2 : level - 1) {
             int bad = 0;
@@ -1420,6 +1421,7 @@ static void test_interleaved(void) {
                         im.interleaved = 1;
                         for (int k = 0; k < 2 * (int)(sizeof columns / sizeof *columns) && !bad; k++) {
                             const int nc = columns[k / 2];
+                            if (nc >= QUANT_KEPT_MIN_NC && units[ui] > QUANT_FIELDS_MAX_NU) continue; /* kept only up to that */
                             omp_set_num_threads(1 + k % 2);
                             quant_set_level(level); /* dot_at leaves the scalar level */
                             ops_matmat(&im, c.x, c.y, nc);
@@ -1437,7 +1439,7 @@ static void test_interleaved(void) {
                         matmat_case_free(&c);
                     }
             omp_set_num_threads(2);
-            snprintf(name, sizeof name, "interleaved %s at %s: 1..5, 9 and 17 columns, 1 and 2 threads == scalar dot of the rows",
+            snprintf(name, sizeof name, "interleaved %s at %s: 1..5, 9, 17 and 34 columns, 1 and 2 threads == scalar dot of the rows",
                      gguf_type_get(types[ti])->name, quant_level_names[level]);
             check(!bad, name, "%s", why);
         }
