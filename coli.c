@@ -5957,13 +5957,14 @@ QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t
     float p[QUANT_TILE_NC][QUANT_NPART][16];
     __m512i fields[QUANT_FIELDS * QUANT_FIELDS_MAX_NU];
     const int unpacked = nc >= 2 * QUANT_TILE_NC && nu <= QUANT_FIELDS_MAX_NU && t != GGUF_TYPE_IQ4_XS && !quant_interleaved_iq3(t);
+    const int keeps = kept && quant_kept_pays(t, nc, nu);
     if (unpacked) quant_interleaved_fields(t, w, nu, fields);
     for (int c0 = 0; c0 < nc;) {
         const int cc = nc - c0 >= QUANT_TILE_NC ? QUANT_TILE_NC : 1;
         struct quant_q8k_view a[QUANT_TILE_NC];
         for (int c = 0; c < cc; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + c) * stride, n);
         const __m512i *f = unpacked ? fields : NULL;
-        const int keep = cc == QUANT_TILE_NC && kept && quant_kept_pays(t, nc, nu);
+        const int keep = keeps && cc == QUANT_TILE_NC;
         if (keep && c0 == 0) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch, f, QUANT_KEPT_STORE, kept);
         else if (keep) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, 0, f, QUANT_KEPT_LOAD, kept);
         else if (cc == QUANT_TILE_NC) quant_interleaved_columns(t, w, a, nu, p, QUANT_TILE_NC, prefetch && c0 == 0, f, QUANT_KEPT_NONE, NULL);
@@ -7804,7 +7805,8 @@ struct ops_delta_tokens {
     int n;
 };
 
-/* The lines of the N floats at P asked for. Inlined as ops_kv_prefetch. */
+/* The lines of the N floats at P asked for. Always inlined: gcc drops calls of a function of
+ * prefetches alone (README, as for ops_kv_prefetch). */
 QUANT_SHARED_INLINE void ops_prefetch_floats(const float *p, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
@@ -7849,7 +7851,7 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
     }
 }
 
-#define OPS_DELTA_AHEAD 2 /* tokens */
+#define OPS_DELTA_AHEAD 2 /* tokens ahead the rule, the conv and the gated norms ask for rows */
 
 /* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined),
  * in GCC's vector types (a float operand is broadcast): the scalar rows' operations in order. */
@@ -13390,7 +13392,6 @@ static const float *model_attention(struct model *m, int il, int T)
  * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar), as wide as the
  * level's function it is inlined into allows, and each channel's sum keeps its order. */
 #define MODEL_CONV_BLOCK 256
-#define MODEL_DELTANET_AHEAD 2 /* tokens ahead a task asks for its rows (as OPS_DELTA_AHEAD) */
 
 static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
 {
@@ -13446,7 +13447,7 @@ static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t 
     const float qscale = 1.0f / sqrtf((float)dk);
     for (int t = 0; t < T; t++) {
         float *x = s->mixed + (size_t)t * conv_dim;
-        if (t + MODEL_DELTANET_AHEAD < T) ops_prefetch_floats(x + MODEL_DELTANET_AHEAD * conv_dim + c0, c1 - c0);
+        if (t + OPS_DELTA_AHEAD < T) ops_prefetch_floats(x + OPS_DELTA_AHEAD * conv_dim + c0, c1 - c0);
         for (int64_t b = c0; b < c1; b += MODEL_CONV_BLOCK)
             model_conv_step(c, m->layers[il].conv_taps, s->tok_seq[t]->state[il].conv_state, x, b, c1 - b < MODEL_CONV_BLOCK ? c1 : b + MODEL_CONV_BLOCK);
         ops_swiglu(x + c0, NULL, c1 - c0);
@@ -13509,7 +13510,7 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
         }
         for (int t = 0; t < T; t++) {
             float *o = s->core + (size_t)t * vdim + (size_t)h * dv, *z = s->z + (size_t)t * vdim + (size_t)h * dv;
-            if (t + MODEL_DELTANET_AHEAD < T) ops_prefetch_floats(z + MODEL_DELTANET_AHEAD * vdim, dv);
+            if (t + OPS_DELTA_AHEAD < T) ops_prefetch_floats(z + OPS_DELTA_AHEAD * vdim, dv);
             /* gated RMSNorm: norm(o) * w * silu(z) */
             ops_rmsnorm(o, o, l->ssm_norm + (l->ssm_norm_per_head ? (size_t)h * dv : 0), dv, c->eps);
             ops_swiglu(z, NULL, dv);
