@@ -144,6 +144,78 @@ static void gen_quant_q4_0(const float *x, uint8_t *out)
     }
 }
 
+/* Q2_K: 256 values as 16 bytes of (scale, min) nibbles, 64 bytes of 2-bit quants, fp16 d, fp16
+ * dmin; group g (16 values) is x = d sc_g q - dmin m_g, q in 0..3. Value 128h + 32k + l keeps
+ * its quant in bits 2k of byte 32h + l, as ggml's dequantize_row_q2_K reads it. A plain min/max
+ * quantiser per group. */
+static void gen_quant_q2_k(const float *x, uint8_t *out)
+{
+    float sc[16], mn[16], max_sc = 0, max_mn = 0;
+    for (int g = 0; g < 16; g++) {
+        float lo = 0, hi = x[16 * g];
+        for (int i = 0; i < 16; i++) {
+            float v = x[16 * g + i];
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        sc[g] = hi > lo ? (hi - lo) / 3.0f : 0.0f;
+        mn[g] = -lo;
+        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
+        max_mn = mn[g] > max_mn ? mn[g] : max_mn;
+    }
+    uint16_t hd = gen_f16(max_sc / 15.0f), hm = gen_f16(max_mn / 15.0f);
+    float d = gen_f16_to_f32(hd), dmin = gen_f16_to_f32(hm);
+    memset(out + 16, 0, 64);
+    for (int g = 0; g < 16; g++) {
+        long a = d > 0 ? lrintf(sc[g] / d) : 0, b = dmin > 0 ? lrintf(mn[g] / dmin) : 0;
+        const int ls = (int)(a > 15 ? 15 : a), lm = (int)(b > 15 ? 15 : b);
+        out[g] = (uint8_t)(ls | lm << 4);
+        const float step = d * (float)ls, off = dmin * (float)lm;
+        for (int i = 0; i < 16; i++) {
+            const int e = 16 * g + i, h = e / 128, k = e % 128 / 32, l = e % 32;
+            long v = step > 0 ? lrintf((x[e] + off) / step) : 0;
+            out[16 + 32 * h + l] |= (uint8_t)((v < 0 ? 0 : v > 3 ? 3 : v) << 2 * k);
+        }
+    }
+    memcpy(out + 80, &hd, 2);
+    memcpy(out + 82, &hm, 2);
+}
+
+/* Q3_K: 256 values as 32 bytes of high bits (hmask), 64 of low 2-bit pairs, 12 bytes of sixteen
+ * 6-bit scales (stored plus 32), fp16 d; group g (16 values) is x = d (s_g - 32) q, q in -4..3.
+ * Value 128h + 32k + l keeps q + 4 in bits 2k of byte 32 + 32h + l (low two) and bit 4h + k of
+ * hmask byte l (the third), as ggml's dequantize_row_q3_K reads them; scale i keeps its low
+ * nibble in byte i % 8 (the high nibble of it for i >= 8) and its top 2 bits at bits 2 (i / 4)
+ * of byte 104 + i % 4. A plain absmax quantiser per group. */
+static void gen_quant_q3_k(const float *x, uint8_t *out)
+{
+    float sc[16], max_sc = 0;
+    for (int g = 0; g < 16; g++) {
+        float amax = 0;
+        for (int i = 0; i < 16; i++) amax = fabsf(x[16 * g + i]) > amax ? fabsf(x[16 * g + i]) : amax;
+        sc[g] = amax / 4.0f;
+        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
+    }
+    uint16_t hd = gen_f16(max_sc / 31.0f);
+    float d = gen_f16_to_f32(hd);
+    memset(out, 0, 108);
+    for (int g = 0; g < 16; g++) {
+        long a = d > 0 ? lrintf(sc[g] / d) : 0;
+        const int ls = (int)(a > 31 ? 31 : a), s = ls + 32;
+        out[96 + g % 8] |= (uint8_t)((s & 15) << (g >= 8 ? 4 : 0));
+        out[104 + g % 4] |= (uint8_t)((s >> 4) << 2 * (g / 4));
+        const float step = d * (float)ls;
+        for (int i = 0; i < 16; i++) {
+            const int e = 16 * g + i, h = e / 128, k = e % 128 / 32, l = e % 32;
+            long v = step > 0 ? lrintf(x[e] / step) : 0;
+            const int q = (int)(v < -4 ? -4 : v > 3 ? 3 : v) + 4;
+            out[32 + 32 * h + l] |= (uint8_t)((q & 3) << 2 * k);
+            out[l] |= (uint8_t)((q >> 2) << (4 * h + k));
+        }
+    }
+    memcpy(out + 108, &hd, 2);
+}
+
 /* Q4_K: 256 values as fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128
  * bytes of nibbles; sub-block j (32 values) is x = d sc_j q - dmin m_j, q in 0..15. Scales
  * and mins are packed as ggml's get_scale_min_k4 unpacks them; nibbles of sub-blocks 2c and
@@ -237,6 +309,8 @@ static void gen_quant_row(int type, const float *x, int64_t n, uint8_t *out)
     case GW_TYPE_BF16: for (int64_t i = 0; i < n; i++) { uint16_t h = gen_bf16(x[i]); memcpy(out + 2 * i, &h, 2); } break;
     case GW_TYPE_Q8_0: for (int64_t b = 0; b < n / 32; b++) gen_quant_q8_0(x + 32 * b, out + 34 * b); break;
     case GW_TYPE_Q4_0: for (int64_t b = 0; b < n / 32; b++) gen_quant_q4_0(x + 32 * b, out + 18 * b); break;
+    case GW_TYPE_Q2_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q2_k(x + 256 * b, out + 84 * b); break;
+    case GW_TYPE_Q3_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q3_k(x + 256 * b, out + 110 * b); break;
     case GW_TYPE_Q4_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q4_k(x + 256 * b, out + 144 * b); break;
     case GW_TYPE_Q6_K: for (int64_t b = 0; b < n / 256; b++) gen_quant_q6_k(x + 256 * b, out + 210 * b); break;
     default: fprintf(stderr, "gen_model: cannot quantise type %d\n", type); exit(1);
@@ -264,6 +338,29 @@ static void gen_dequant_row(int type, const uint8_t *p, float *y, int64_t n)
             for (int j = 0; j < 16; j++) {
                 y[32 * b + j] = (float)((p[2 + j] & 15) - 8) * d;
                 y[32 * b + j + 16] = (float)((p[2 + j] >> 4) - 8) * d;
+            }
+        }
+        break;
+    case GW_TYPE_Q2_K:
+        for (int64_t b = 0; b < n / 256; b++, p += 84) {
+            memcpy(&h, p + 80, 2);
+            memcpy(&h2, p + 82, 2);
+            const float d = gen_f16_to_f32(h), dmin = gen_f16_to_f32(h2);
+            for (int e = 0; e < 256; e++) {
+                const int sc = p[e / 16], q = p[16 + 32 * (e / 128) + e % 32] >> 2 * (e % 128 / 32) & 3;
+                y[256 * b + e] = d * (float)(sc & 15) * (float)q - dmin * (float)(sc >> 4);
+            }
+        }
+        break;
+    case GW_TYPE_Q3_K:
+        for (int64_t b = 0; b < n / 256; b++, p += 110) {
+            memcpy(&h, p + 108, 2);
+            const float d = gen_f16_to_f32(h);
+            for (int e = 0; e < 256; e++) {
+                const int g = e / 16, hh = e / 128, k = e % 128 / 32, l = e % 32;
+                const int s = (p[96 + g % 8] >> (g >= 8 ? 4 : 0) & 15) | (p[104 + g % 4] >> 2 * (g / 4) & 3) << 4;
+                const int q = (p[32 + 32 * hh + l] >> 2 * k & 3) - (p[l] >> (4 * hh + k) & 1 ? 0 : 4);
+                y[256 * b + e] = d * (float)(s - 32) * (float)q;
             }
         }
         break;
@@ -306,7 +403,8 @@ static void gen_dequant_row(int type, const uint8_t *p, float *y, int64_t n)
 
 static const struct { const char *name; int type, ftype; } gen_type_names[] = {
     {"F32", GW_TYPE_F32, 0}, {"F16", GW_TYPE_F16, 1}, {"BF16", GW_TYPE_BF16, 32},
-    {"Q8_0", GW_TYPE_Q8_0, 7}, {"Q4_0", GW_TYPE_Q4_0, 2}, {"Q4_K", GW_TYPE_Q4_K, 15}, {"Q6_K", GW_TYPE_Q6_K, 18},
+    {"Q8_0", GW_TYPE_Q8_0, 7}, {"Q4_0", GW_TYPE_Q4_0, 2}, {"Q2_K", GW_TYPE_Q2_K, 10}, {"Q3_K", GW_TYPE_Q3_K, 12},
+    {"Q4_K", GW_TYPE_Q4_K, 15}, {"Q6_K", GW_TYPE_Q6_K, 18},
 };
 
 static int gen_type_parse(const char *s)
@@ -783,7 +881,7 @@ static int gen_selftest(void)
         /* max_step: the worst error allowed, in units of the block's largest magnitude */
         {GW_TYPE_F32, 0, 0}, {GW_TYPE_F16, 1e-3, 1e-3}, {GW_TYPE_BF16, 8e-3, 8e-3},
         {GW_TYPE_Q8_0, 0.01, 1.0 / 127 * 0.51 + 1e-3}, {GW_TYPE_Q4_0, 0.12, 1.0 / 8 + 1e-3}, {GW_TYPE_Q4_K, 0.15, 0.25},
-        {GW_TYPE_Q6_K, 0.04, 0.06},
+        {GW_TYPE_Q6_K, 0.04, 0.06}, {GW_TYPE_Q2_K, 0.4, 0.4}, {GW_TYPE_Q3_K, 0.25, 0.35},
     };
     enum { N = 4096 };
     static float x[N], y[N];
@@ -798,7 +896,7 @@ static int gen_selftest(void)
             if (trial == 1) for (int i = 0; i < 256; i++) x[i] = 0; /* an all-zero block */
             gen_quant_row(c[k].type, x, N, q);
             gen_dequant_row(c[k].type, q, y, N);
-            int blk = c[k].type == GW_TYPE_Q4_K || c[k].type == GW_TYPE_Q6_K ? 256 : 32;
+            int blk = c[k].type == GW_TYPE_Q8_0 || c[k].type == GW_TYPE_Q4_0 ? 32 : 256;
             for (int b = 0; b < N; b += blk) {
                 float amax = 0;
                 for (int i = b; i < b + blk; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
@@ -833,7 +931,7 @@ static void gen_usage(void)
           "  --heads N --kv-heads N --head-dim N --rope-dims N --rope-base F --attn-interval N\n"
           "  --ssm-k-heads N --ssm-v-heads N --ssm-head-dim N --conv N --vocab N --ctx N --eps F\n"
           "  --type T (every matrix but the experts; default Q8_0) --experts-type T (default Q4_0)\n"
-          "     T: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K\n"
+          "     T: F32 F16 BF16 Q8_0 Q4_0 Q2_K Q3_K Q4_K Q6_K\n"
           "  --seed S   --check (reopen the file with coli's reader and verify it)\n", stderr);
     exit(2);
 }

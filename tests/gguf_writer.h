@@ -26,8 +26,8 @@ enum gw_value {
 /* Tensor type ids as GGUF numbers them (the subset the tests and generator write). */
 enum gw_type {
     GW_TYPE_F32 = 0, GW_TYPE_F16 = 1, GW_TYPE_Q4_0 = 2, GW_TYPE_Q4_1 = 3, GW_TYPE_Q5_0 = 6,
-    GW_TYPE_Q5_1 = 7, GW_TYPE_Q8_0 = 8, GW_TYPE_Q2_K = 10, GW_TYPE_Q4_K = 12, GW_TYPE_Q5_K = 13,
-    GW_TYPE_Q6_K = 14, GW_TYPE_BF16 = 30
+    GW_TYPE_Q5_1 = 7, GW_TYPE_Q8_0 = 8, GW_TYPE_Q2_K = 10, GW_TYPE_Q3_K = 11, GW_TYPE_Q4_K = 12,
+    GW_TYPE_Q5_K = 13, GW_TYPE_Q6_K = 14, GW_TYPE_BF16 = 30
 };
 
 /* Elements and bytes per block; 0 elements for a type the writer does not know. */
@@ -36,7 +36,8 @@ static void gw_type_block(int type, int *elems, int *bytes)
     static const struct { int type, elems, bytes; } t[] = {
         {GW_TYPE_F32, 1, 4}, {GW_TYPE_F16, 1, 2}, {GW_TYPE_BF16, 1, 2}, {GW_TYPE_Q4_0, 32, 18},
         {GW_TYPE_Q4_1, 32, 20}, {GW_TYPE_Q5_0, 32, 22}, {GW_TYPE_Q5_1, 32, 24}, {GW_TYPE_Q8_0, 32, 34},
-        {GW_TYPE_Q2_K, 256, 84}, {GW_TYPE_Q4_K, 256, 144}, {GW_TYPE_Q5_K, 256, 176}, {GW_TYPE_Q6_K, 256, 210},
+        {GW_TYPE_Q2_K, 256, 84}, {GW_TYPE_Q3_K, 256, 110}, {GW_TYPE_Q4_K, 256, 144}, {GW_TYPE_Q5_K, 256, 176},
+        {GW_TYPE_Q6_K, 256, 210},
     };
     *elems = *bytes = 0;
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)

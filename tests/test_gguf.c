@@ -652,15 +652,25 @@ static int test_gen_verify_tiny(const char *path)
     return gen_verify(path, &g) ? 3 : 0;
 }
 
+/* The tiny preset at widths of whole super-blocks, its matrices in the K types of
+ * test_gen_k_types (the trunk's, the experts'). */
+static int test_gen_k_types[2];
+
+static void test_gen_k_geom(struct gen_geom *g)
+{
+    gen_preset_tiny(g);
+    g->dim = g->expert_ff = g->shexp_ff = 256;
+    g->head_dim = g->ssm_d = 64;
+    g->rope_dims = 16;
+    g->type = test_gen_k_types[0];
+    g->experts_type = test_gen_k_types[1];
+    g->seed = 9;
+}
+
 static int test_gen_verify_k(const char *path)
 {
     struct gen_geom g;
-    gen_preset_tiny(&g);
-    g.dim = g.expert_ff = g.shexp_ff = 256;
-    g.head_dim = g.ssm_d = 64;
-    g.rope_dims = 16;
-    g.type = g.experts_type = GW_TYPE_Q4_K;
-    g.seed = 9;
+    test_gen_k_geom(&g);
     return gen_verify(path, &g) ? 3 : 0;
 }
 
@@ -674,14 +684,16 @@ static void test_generator(void)
     int ok = gen_write(path, &g, 0) == 0;
     test_result(ok && test_child(test_gen_verify_tiny, path, EXPECT_OPEN, why, sizeof why),
                 "gen_model tiny (Q8_0, experts Q4_0) opens with every planned tensor", "%s", ok ? why : "write failed");
-    g.dim = g.expert_ff = g.shexp_ff = 256;
-    g.head_dim = g.ssm_d = 64;
-    g.rope_dims = 16;
-    g.type = g.experts_type = GW_TYPE_Q4_K;
-    g.seed = 9;
-    ok = gen_write(path, &g, 0) == 0;
-    test_result(ok && test_child(test_gen_verify_k, path, EXPECT_OPEN, why, sizeof why),
-                "gen_model K geometry (Q4_K) opens with every planned tensor", "%s", ok ? why : "write failed");
+    static const int k_types[][2] = {{GW_TYPE_Q4_K, GW_TYPE_Q4_K}, {GW_TYPE_Q2_K, GW_TYPE_Q3_K}};
+    for (size_t i = 0; i < sizeof k_types / sizeof k_types[0]; i++) {
+        memcpy(test_gen_k_types, k_types[i], sizeof test_gen_k_types);
+        test_gen_k_geom(&g);
+        ok = gen_write(path, &g, 0) == 0;
+        char name[96];
+        snprintf(name, sizeof name, "gen_model K geometry (%s, experts %s) opens with every planned tensor", gen_type_name(g.type),
+                 gen_type_name(g.experts_type));
+        test_result(ok && test_child(test_gen_verify_k, path, EXPECT_OPEN, why, sizeof why), name, "%s", ok ? why : "write failed");
+    }
     unlink(path);
 }
 
