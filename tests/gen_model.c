@@ -144,25 +144,48 @@ static void gen_quant_q4_0(const float *x, uint8_t *out)
     }
 }
 
+/* The K formats' min/max step per group: for each of N groups of SIZE values at X, the step
+ * SC[g] = (max - min) / LEVELS and the offset MN[g] = -min (min taken with 0, so that zero is
+ * a level); *MAX_SC and *MAX_MN their largest. */
+static void gen_group_steps(const float *x, int n, int size, float levels, float *sc, float *mn, float *max_sc, float *max_mn)
+{
+    *max_sc = *max_mn = 0;
+    for (int g = 0; g < n; g++) {
+        float lo = 0, hi = x[size * g];
+        for (int i = 0; i < size; i++) {
+            float v = x[size * g + i];
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        sc[g] = hi > lo ? (hi - lo) / levels : 0.0f;
+        mn[g] = -lo;
+        *max_sc = sc[g] > *max_sc ? sc[g] : *max_sc;
+        *max_mn = mn[g] > *max_mn ? mn[g] : *max_mn;
+    }
+}
+
+/* The absmax step per group: SC[g] = max |x| / LEVELS for each of 16 groups of 16 values at X;
+ * returns the largest. */
+static float gen_group_absmax(const float *x, float levels, float *sc)
+{
+    float max_sc = 0;
+    for (int g = 0; g < 16; g++) {
+        float amax = 0;
+        for (int i = 0; i < 16; i++) amax = fabsf(x[16 * g + i]) > amax ? fabsf(x[16 * g + i]) : amax;
+        sc[g] = amax / levels;
+        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
+    }
+    return max_sc;
+}
+
 /* Q2_K: 256 values as 16 bytes of (scale, min) nibbles, 64 bytes of 2-bit quants, fp16 d, fp16
  * dmin; group g (16 values) is x = d sc_g q - dmin m_g, q in 0..3. Value 128h + 32k + l keeps
  * its quant in bits 2k of byte 32h + l, as ggml's dequantize_row_q2_K reads it. A plain min/max
  * quantiser per group. */
 static void gen_quant_q2_k(const float *x, uint8_t *out)
 {
-    float sc[16], mn[16], max_sc = 0, max_mn = 0;
-    for (int g = 0; g < 16; g++) {
-        float lo = 0, hi = x[16 * g];
-        for (int i = 0; i < 16; i++) {
-            float v = x[16 * g + i];
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-        sc[g] = hi > lo ? (hi - lo) / 3.0f : 0.0f;
-        mn[g] = -lo;
-        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
-        max_mn = mn[g] > max_mn ? mn[g] : max_mn;
-    }
+    float sc[16], mn[16], max_sc, max_mn;
+    gen_group_steps(x, 16, 16, 3.0f, sc, mn, &max_sc, &max_mn);
     uint16_t hd = gen_f16(max_sc / 15.0f), hm = gen_f16(max_mn / 15.0f);
     float d = gen_f16_to_f32(hd), dmin = gen_f16_to_f32(hm);
     memset(out + 16, 0, 64);
@@ -189,13 +212,7 @@ static void gen_quant_q2_k(const float *x, uint8_t *out)
  * of byte 104 + i % 4. A plain absmax quantiser per group. */
 static void gen_quant_q3_k(const float *x, uint8_t *out)
 {
-    float sc[16], max_sc = 0;
-    for (int g = 0; g < 16; g++) {
-        float amax = 0;
-        for (int i = 0; i < 16; i++) amax = fabsf(x[16 * g + i]) > amax ? fabsf(x[16 * g + i]) : amax;
-        sc[g] = amax / 4.0f;
-        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
-    }
+    float sc[16], max_sc = gen_group_absmax(x, 4.0f, sc);
     uint16_t hd = gen_f16(max_sc / 31.0f);
     float d = gen_f16_to_f32(hd);
     memset(out, 0, 108);
@@ -222,19 +239,8 @@ static void gen_quant_q3_k(const float *x, uint8_t *out)
  * 2c+1 share bytes 32c..32c+31 (low, high). A plain min/max quantiser per sub-block. */
 static void gen_quant_q4_k(const float *x, uint8_t *out)
 {
-    float sc[8], mn[8], max_sc = 0, max_mn = 0;
-    for (int j = 0; j < 8; j++) {
-        float lo = 0, hi = x[32 * j];
-        for (int i = 0; i < 32; i++) {
-            float v = x[32 * j + i];
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-        sc[j] = hi > lo ? (hi - lo) / 15.0f : 0.0f;
-        mn[j] = -lo;
-        max_sc = sc[j] > max_sc ? sc[j] : max_sc;
-        max_mn = mn[j] > max_mn ? mn[j] : max_mn;
-    }
+    float sc[8], mn[8], max_sc, max_mn;
+    gen_group_steps(x, 8, 32, 15.0f, sc, mn, &max_sc, &max_mn);
     uint16_t hd = gen_f16(max_sc / 63.0f), hm = gen_f16(max_mn / 63.0f);
     float d = gen_f16_to_f32(hd), dmin = gen_f16_to_f32(hm);
     uint8_t ls[8], lm[8];
@@ -270,13 +276,7 @@ static void gen_quant_q4_k(const float *x, uint8_t *out)
  * dequantize_row_q6_K reads them. A plain absmax quantiser per group. */
 static void gen_quant_q6_k(const float *x, uint8_t *out)
 {
-    float sc[16], max_sc = 0;
-    for (int g = 0; g < 16; g++) {
-        float amax = 0;
-        for (int i = 0; i < 16; i++) amax = fabsf(x[16 * g + i]) > amax ? fabsf(x[16 * g + i]) : amax;
-        sc[g] = amax / 31.0f;
-        max_sc = sc[g] > max_sc ? sc[g] : max_sc;
-    }
+    float sc[16], max_sc = gen_group_absmax(x, 31.0f, sc);
     uint16_t hd = gen_f16(max_sc / 127.0f);
     float d = gen_f16_to_f32(hd);
     uint8_t q[256];
