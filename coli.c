@@ -11115,8 +11115,8 @@ static void expert_start_cache(struct expert_store *s)
     void *p = mmap(NULL, arena, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) die("cannot reserve %zu bytes for the expert cache: %s", arena, strerror(errno));
     /* huge pages: a slot's first read faults its pages in, and near a memory cgroup's limit
-     * each 4 KiB fault reclaimed on its own (the 35B-A3B in 12 GiB: prompt 2-3x, decode
-     * 1.3-1.7x slower: README) */
+     * each 4 KiB fault reclaimed on its own (the 35B-A3B in 8-12 GiB: prompt 1.6-5x, decode
+     * 1.2-1.7x slower: README) */
     madvise(p, arena, MADV_HUGEPAGE);
     s->arena = p;
     s->slots = plat_zalloc((size_t)s->n_slots, sizeof *s->slots);
