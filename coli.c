@@ -5603,8 +5603,9 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
 
 /* Every super-block of 16 interleaved rows of type T at W against NC columns into their
  * partials P; PREFETCH: ahead of the reads. T and NC constants where inlined, so that each
- * pass's loop is unrolled (with the super-block's size read at run time, the prefetch loop
- * stayed a loop, and Q4_K/i ran at half the rate). */
+ * unit's body folds them (with the super-block's size read at run time Q4_K/i ran at half the
+ * rate). The prefetch stays a loop: unrolled, its burst of requests slowed reads from memory
+ * (README). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
                                                 __m512i *kept) {
