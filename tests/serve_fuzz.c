@@ -437,7 +437,9 @@ static void gen_content_length(struct fcase *c, uint64_t *r)
     bprintf(&c->req, "POST /v1/chat/completions HTTP/1.1\r\n" HOST "Content-Type: application/json\r\nContent-Length: %s\r\n\r\n", v);
     bput(&c->req, body.p, body.n);
     free(body.p);
-    c->shut_wr = 1;
+    /* a legal one is not half-closed: the server takes the EOF for the client's leaving and
+     * cancels its generation, which then gets no answer when it takes longer than the check */
+    c->shut_wr = !strstr(cl[k].expect, GEN);
     c->expect[0] = cl[k].expect;
     char e[80];
     escape(v, strlen(v), e, sizeof e);
