@@ -17974,7 +17974,10 @@ static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n
 static struct serve_error serve_gen_error(const struct serve_job *j)
 {
     struct serve_error e = {500, "server_error", "generation_failed", "", ""};
-    if (j->gen.stop == ENGINE_STOP_CANCEL) {
+    if (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping) { /* serve_job_wait: the client shut its side */
+        e = (struct serve_error){400, "invalid_request_error", "client_closed", "", ""};
+        snprintf(e.message, sizeof e.message, "the client closed its side of the connection: the generation was cancelled");
+    } else if (j->gen.stop == ENGINE_STOP_CANCEL) {
         e.status = 503;
         e.code = "shutting_down";
         snprintf(e.message, sizeof e.message, "the server is shutting down");
@@ -18110,7 +18113,10 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         free(piece);
         if (gone) j->cancel = 1;
     }
-    if (gone || (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping)) return -1;
+    if (gone) return -1;
+    /* cancelled for a client that shut its side (it may still read, as a half-closed one
+     * does): the stream still ends well-formed, with the error event, then the connection */
+    const int left = j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping;
     if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
         struct serve_error e = serve_gen_error(j);
         size_t n;
@@ -18121,7 +18127,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         gone = serve_chunk(c, j, id, created, j->chat ? "\"delta\":{}" : "\"text\":\"\"", serve_finish_reason(j)) ||
                (j->include_usage && serve_chunk(c, j, id, created, NULL, NULL));
     }
-    return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) ? -1 : 0;
+    return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) || left ? -1 : 0;
 }
 
 /* A generation endpoint: the request becomes a job, queued, then answered whole or streamed.

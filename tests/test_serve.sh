@@ -703,6 +703,35 @@ else
     bad "--api-key server starts" "$(head -c 600 "$tmp/auth.err")"
 fi
 
+# --- a client that shuts its sending side after its request counts as gone (README): the stream
+# the server then cancels still ends well-formed. ~3800 prompt tokens of the deep golden model on
+# one thread take longer than the 200 ms after which the server looks.
+if SERVE_MODEL="$GOLDEN/q35moe-deep-q8_0.gguf" start_server half --port 0 --parallel 1 -c 4096 -t 1; then
+    timeout 60 python3 - "$sport" >"$tmp/half.out" 2>&1 <<'PY'
+import json, socket, sys
+body = json.dumps({'messages': [{'role': 'user', 'content': 'word ' * 1900}], 'max_tokens': 4, 'stream': True}).encode()
+s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=50)
+s.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+          b'Content-Length: %d\r\n\r\n' % len(body) + body)
+s.shutdown(socket.SHUT_WR)
+data = b''
+while True:
+    d = s.recv(65536)
+    if not d: break
+    data += d
+whole = data.endswith(b'\r\n0\r\n\r\n') and b'\r\ndata: [DONE]\n\n\r\n' in data
+print(('cancelled' if b'"code":"client_closed"' in data else 'answered') if whole else 'cut: %r' % data[-200:])
+PY
+    case $(cat "$tmp/half.out") in
+    cancelled) ok "a half-closed client: its stream cancelled, ending with the client_closed error event, [DONE] and the last chunk" ;;
+    answered) ok "a half-closed client: answered before the server looked (a fast machine), the stream whole" ;;
+    *) bad "a half-closed client's stream" "$(head -c 300 "$tmp/half.out")" ;;
+    esac
+    stop_server "$spid"
+else
+    bad "serve on the deep golden model" "$(head -c 300 "$tmp/half.err")"
+fi
+
 # --- SIGTERM: exit 0, heat saved
 rm -f "$tmp/serve.heat"
 http health4 GET /health
