@@ -17971,12 +17971,17 @@ static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n
 
 /* The error of a generation that failed (a model file that became unreadable, say: 500) or was
  * cancelled because the server is stopping (503). */
+/* Whether J was cancelled for a client that went (serve_job_wait saw it shut its side), not by
+ * a shutdown. */
+static int serve_client_left(const struct serve_job *j) { return j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping; }
+
 static struct serve_error serve_gen_error(const struct serve_job *j)
 {
     struct serve_error e = {500, "server_error", "generation_failed", "", ""};
-    if (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping) { /* serve_job_wait: the client shut its side */
+    if (serve_client_left(j)) { /* only a stream says it: its 200 is sent, so the status stays off the wire */
         e = (struct serve_error){400, "invalid_request_error", "client_closed", "", ""};
-        snprintf(e.message, sizeof e.message, "the client closed its side of the connection: the generation was cancelled");
+        snprintf(e.message, sizeof e.message,
+                 "the client closed its side of the connection, so the generation was cancelled: keep it open until the answer ends");
     } else if (j->gen.stop == ENGINE_STOP_CANCEL) {
         e.status = 503;
         e.code = "shutting_down";
@@ -18116,7 +18121,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     if (gone) return -1;
     /* cancelled for a client that shut its side (it may still read, as a half-closed one
      * does): the stream still ends well-formed, with the error event, then the connection */
-    const int left = j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping;
+    const int left = serve_client_left(j);
     if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
         struct serve_error e = serve_gen_error(j);
         size_t n;
@@ -18148,7 +18153,7 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, i
     else {
         char *piece;
         serve_job_wait(c, j, SIZE_MAX, &piece); /* releases nothing past SIZE_MAX: waits for the end */
-        if (j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping) rc = -1; /* the client left */
+        if (serve_client_left(j)) rc = -1;
         else if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
             e = serve_gen_error(j);
             serve_fail(c, &e, r->keep_alive);
