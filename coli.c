@@ -8629,6 +8629,12 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_MAX_DEVICES 16
 #define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
 #define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
+/* The output head's best candidates on the device (kernels.cu's logits_top_*): TOP_K, the
+ * slices and the list of each row's scratch (struct top_scratch: CUDA_TOP_SCRATCH bytes). */
+#define CUDA_TOP_K 64
+#define CUDA_TOP_SLICES 256
+#define CUDA_TOP_LIST 2048
+#define CUDA_TOP_SCRATCH ((CUDA_TOP_SLICES + 3) * 4 + CUDA_TOP_LIST * 8)
 
 /* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
  * WIDE for each 8 bytes wide (.u64; the others .u32 or .f32), from its .entry in the PTX. */
@@ -8668,6 +8674,7 @@ struct cuda_device {
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
+    cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best candidates (cuda_top_launch) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
@@ -8710,6 +8717,7 @@ static struct {
                                 * COLI_CUDA_GRAPHS is not 0 */
     long clock, graph_runs;    /* windows ended; those run as one graph */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
+    long tops;                 /* tokens whose logits stayed there, their best sent instead (cuda_top_launch) */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
     int stage_pinned;          /* the driver allocated it (cuda_stage) */
@@ -9075,6 +9083,10 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "attn_", "prep", &d->attn_prep);
     cuda_kernel(d, "attn_", "split", &d->attn_split);
     cuda_kernel(d, "attn_", "merge", &d->attn_merge);
+    cuda_kernel(d, "logits_top_", "max", &d->top_max);
+    cuda_kernel(d, "logits_top_", "bound", &d->top_bound);
+    cuda_kernel(d, "logits_top_", "collect", &d->top_collect);
+    cuda_kernel(d, "logits_top_", "rank", &d->top_rank);
     d->usable = 1;
     return 0;
 }
@@ -9159,9 +9171,10 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 static void cuda_release_all(void)
 {
     if (cuda.products || cuda.batches)
-        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls, %ld waits, %ld graph launches",
-                 cuda.products, cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda_calls, cuda.waits, cuda.graph_runs);
-    cuda_calls = cuda.waits = cuda.products = cuda.batches = cuda.jobs = cuda.graph_runs = 0;
+        plat_log("[cuda] %ld products and %ld expert batches (%ld experts' FFNs) ran on the device%s, %ld driver calls, %ld waits, %ld graph "
+                 "launches; %ld tokens' logits stayed there",
+                 cuda.products, cuda.batches, cuda.jobs, cuda.n_devices > 1 ? "s" : "", cuda_calls, cuda.waits, cuda.graph_runs, cuda.tops);
+    cuda_calls = cuda.waits = cuda.products = cuda.batches = cuda.jobs = cuda.graph_runs = cuda.tops = 0;
     for (int k = 0; k < cuda.n_res; k++)
         if (cuda_use(cuda.res[k].dev) == 0) cuda_mem_free(cuda.res[k].ptr);
     for (int k = 0; k < cuda.n_experts; k++)
@@ -9801,6 +9814,9 @@ struct cuda_moe_layer {
     int n_next;
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
+    /* NEXT[0] is the output head and only its rows' best candidates come down (cuda_top_launch),
+     * the logits kept at d->kept_next[0] */
+    int top;
     /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (the shared expert's already
      * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS
      * (0: in the layer's scratch, as a split layer's routing download reads them).
@@ -9839,7 +9855,8 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
  * projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, cpu_y, xn, ids, out, end;
+    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
+        top, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
@@ -9889,15 +9906,21 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
         o.next_act[j] = same < j ? o.next_act[same] : at;
         at += same < j ? 0 : cuda_align(ops_act_stride_of(L->next[j].type, L->sh.dim) * (size_t)T);
     }
+    o.top_scratch = at;
+    if (L->top) { /* the logits stay: only their best come down, after the output */
+        o.next_out[0] = at + cuda_align((size_t)T * CUDA_TOP_SCRATCH);
+        at = o.next_out[0] + cuda_align((size_t)T * (size_t)L->next[0].rows * 4);
+    }
     o.cpu_y = at;
     o.xn = o.cpu_y + cuda_align(L->split ? (size_t)L->used * rows : 0);
     o.ids = o.xn + rows;
     o.out = o.ids + (size_t)T * L->used * 4;
-    o.end = o.out + rows;
-    for (int j = 0; j < L->n_next; j++) {
+    o.top = o.end = o.out + rows;
+    for (int j = 0; j < L->n_next && !L->top; j++) {
         o.next_out[j] = o.end;
         o.end += (size_t)T * (size_t)L->next[j].rows * 4;
     }
+    o.end += L->top ? (size_t)T * (CUDA_TOP_K + 1) * 8 : 0;
     return o;
 }
 
@@ -9963,14 +9986,40 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
     return r;
 }
 
+/* The CUDA_TOP_K best of each of T rows of N logits at LOGITS by sample_before's order, each
+ * row's then followed by {1 where the row is finite + 2 where its best were all found, 0}, into
+ * OUT [T][CUDA_TOP_K + 1] (struct sample_candidate's layout), through SCRATCH [T]
+ * [CUDA_TOP_SCRATCH] (kernels.cu's logits_top_*). 4 launches; the driver's result. */
+static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, int T)
+{
+    void *scan[] = {&logits, &n, &scratch}, *bound[] = {&scratch}, *rank[] = {&scratch, &out};
+    cuda_result r;
+    if ((r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, (unsigned)T, 1, 32, bound)) ||
+        (r = cuda_launch(d->top_collect, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) ||
+        (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)))
+        return r;
+    cuda.tops += T;
+    return CUDA_SUCCESS;
+}
+
+/* Whether device DEV has the kernels of cuda_top_launch. */
+static int cuda_top_ready(int dev)
+{
+    const struct cuda_device *d = &cuda.dev[dev];
+    return d->top_max && d->top_bound && d->top_collect && d->top_rank;
+}
+
 /* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
- * over the new hidden state, and its projections (cuda_project). Returns the driver's result. */
+ * over the new hidden state, and its projections (cuda_project); the output head's best
+ * candidates where L->top. Returns the driver's result. */
 static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     cuda_ptr act[CUDA_NEXT_MAX], out[CUDA_NEXT_MAX];
     for (int j = 0; j < L->n_next; j++) act[j] = d->moe + o.next_act[j], out[j] = d->moe + o.next_out[j];
-    return cuda_project(d, d->moe + o.out, cuda_moe_inputs_of(d, L, o).next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out, L->n_next,
-                        L->sh.dim, L->eps, T);
+    cuda_result r = cuda_project(d, d->moe + o.out, cuda_moe_inputs_of(d, L, o).next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out,
+                                 L->n_next, L->sh.dim, L->eps, T);
+    if (!r && L->top) r = cuda_top_launch(d, out[0], (int)L->next[0].rows, d->moe + o.top_scratch, d->moe + o.top, T);
+    return r;
 }
 
 /* Layer L's DeltaNet mixer on device D over the projections the layer before kept there (its
@@ -10092,7 +10141,8 @@ static void cuda_moe_kept(struct cuda_device *d)
  * for the shared expert's gate logit (4 more where it has a batch of its own: its activations
  * and its three kernels), and for the next layer's start a norm, a quantisation a
  * type and a product a projection; cuda_moe_finish then downloads the chosen ids [T][used]
- * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows]. A split
+ * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows] (L->top:
+ * the output head's best candidates instead, [T][CUDA_TOP_K + 1]: cuda_top_launch). A split
  * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
  * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
  * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. In a chain
@@ -10186,7 +10236,7 @@ static int cuda_moe_finish(int dev, void *out)
  * DeltaNet over its sequences' recurrent states held in device memory; ATTN: attention over
  * their KV caches there), and its rest after it: nothing crosses the bus between them. A pass
  * uploads once, before its first layer, what its chained layers need (cuda_chain_begin); a
- * chain's ids come back after its last layer (cuda_chain_ids). A sequence's states on a
+ * chain's ids come back after its last layer (cuda_read_back). A sequence's states on a
  * device are one allocation laid out as coli's checkpoints, its KV caches another laid out as
  * the CPU's (§8 keeps which copy is current). */
 
@@ -10205,9 +10255,10 @@ static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
     return d->chain;
 }
 
-/* Downloads BYTES of ids from AT (in device DEV's chain buffer) into OUT, after the chain's last
- * layer came back (nothing left to wait for). Returns 0, or -1 after cuda_fail. */
-static int cuda_chain_ids(int dev, cuda_ptr at, int *out, size_t bytes)
+/* Downloads BYTES from AT on device DEV into OUT, after its last layer came back (nothing left
+ * to wait for): a chain's ids from its buffer, or the logits a layer kept (L->top). Returns 0,
+ * or -1 after cuda_fail. */
+static int cuda_read_back(int dev, cuda_ptr at, void *out, size_t bytes)
 {
     cuda_result r;
     if (!cuda.ready) return -1;
@@ -12351,13 +12402,26 @@ struct model_chain {
     cuda_ptr block, ids;
 };
 
+/* The best logits of a run's last token, where the device found them (model_run.best):
+ * MODEL_TOP of them in sample_before's order (id -1 past a vocabulary that short), laid out as
+ * struct sample_candidate, and whether every logit of the row was finite. */
+#define MODEL_TOP CUDA_TOP_K
+struct model_top {
+    struct { int id; float logit; } best[MODEL_TOP];
+    int finite;
+};
+
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
- * token ([n_vocab], valid until the next forward). */
+ * token ([n_vocab], valid until the next forward). Where every run of a decode step says TOP
+ * (its caller reads no logit but the MODEL_TOP best: sample_best_enough) and the device makes
+ * the logits, BEST receives those instead and LOGITS is NULL: the row stays on the device. */
 struct model_run {
     struct model_seq *seq;
     const int *tokens;
     int n;
     float *logits;
+    int top;
+    const struct model_top *best;
 };
 
 /* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
@@ -12399,6 +12463,8 @@ struct model_scratch {
     struct model_seq **tok_seq; /* [B] the sequence each token of the batch belongs to */
     int *tok_pos;            /* [B] its position there */
     float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
+    struct model_top best[MODEL_MAX_RUNS]; /* or their best (model_run.best): where BEST_MADE */
+    int head_top, best_made; /* head_top: every run of the pass reads only those */
     struct model_chain *chain;  /* [n_layers] this pass's chains */
     struct cuda_deltanet *dn;   /* [n_layers] the DeltaNet layers' constants on their chain's device */
     struct cuda_attention *attn_dev; /* [n_layers] the attention layers' */
@@ -13822,18 +13888,20 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .table = m->s.ex_table, .shexp = sh_e, .shexp_sh = sh_shape, .n_expert = c->n_expert,
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
+    const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev); /* NEXT: the output head, of which only the best */
     size_t floats = (size_t)T * (size_t)(c->dim + c->n_expert_used); /* what comes back must fit dev_out */
     for (int j = 0; j < n_next; j++) {
         const struct cuda_resident *r = cuda_resident_of(next[j].w.data);
         if (!r || r->dev != dev) break;
         L->next[j] = next[j].w;
         L->next_ptr[j] = r->ptr;
-        floats += (size_t)T * (size_t)next[j].w.rows;
+        floats += (size_t)T * (top ? 2 * (MODEL_TOP + 1) : (size_t)next[j].w.rows);
         L->n_next = j + 1;
     }
     if (L->n_next < n_next || floats > model_dev_out_rows(c) * (size_t)c->dim) L->n_next = 0;
     L->next_norm = L->n_next ? next_norm : NULL;
     if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
+    L->top = top && L->n_next;
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
@@ -13847,13 +13915,31 @@ static int model_chain_end(struct model *m, int last, int T, int dev)
     const size_t per = (size_t)T * (size_t)m->cfg.n_expert_used;
     int *ids = (int *)s->dev_out; /* read out already: room for every layer's ids */
     s->chain_first = -1;
-    if (cuda_chain_ids(dev, s->chain[first].ids, ids, (size_t)(last - first + 1) * per * sizeof(int))) return -1;
+    if (cuda_read_back(dev, s->chain[first].ids, ids, (size_t)(last - first + 1) * per * sizeof(int))) return -1;
     for (int il = first; il <= last; il++) {
         if (s->chain[il].split) continue; /* told at its routing */
         memcpy(s->top, ids + (size_t)(il - first) * per, per * sizeof(int));
         model_want_experts(m, il, T);
     }
     return 0;
+}
+
+/* The output head's best candidates of T tokens as they came down (cuda_top_launch), from FROM
+ * into s->best; where a row's were not all found (thousands of equal logits), every row's
+ * logits come down into s->logits instead. Returns 0, or -1 where the device failed. */
+static int model_best_read(struct model *m, int dev, const float *from, int T)
+{
+    struct model_scratch *s = &m->s;
+    int whole = 1;
+    for (int t = 0; t < T; t++, from += 2 * (MODEL_TOP + 1)) {
+        int status;
+        memcpy(s->best[t].best, from, sizeof s->best[t].best);
+        memcpy(&status, from + 2 * MODEL_TOP, sizeof status);
+        s->best[t].finite = status & 1;
+        whole &= status >> 1;
+    }
+    s->best_made = whole;
+    return whole ? 0 : cuda_read_back(dev, cuda.dev[dev].kept_next[0], s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
 }
 
 /* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
@@ -13882,11 +13968,11 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
         if (cuda_moe_layer_resume(dev, L, stride, s->ex_out, cpu_jobs, T)) return -1;
     }
     if (L->keep) return 0; /* the next layer takes it from here, on the device */
-    if (cuda_moe_finish(dev, s->dev_out)) return -1;
+    const float *y = s->dev_out + ids + (size_t)T * dim;
+    if (cuda_moe_finish(dev, s->dev_out) || (L->top && model_best_read(m, dev, y, T))) return -1;
     memcpy(s->top, s->dev_out, ids * sizeof(int));
     memcpy(s->x, s->dev_out + ids, (size_t)T * dim * sizeof(float));
-    const float *y = s->dev_out + ids + (size_t)T * dim;
-    for (int j = 0; j < L->n_next; y += (size_t)T * (size_t)next[j].w.rows, j++)
+    for (int j = 0; j < L->n_next && !L->top; y += (size_t)T * (size_t)next[j].w.rows, j++)
         memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
     if (s->chain_first >= 0) return model_chain_end(m, il, T, dev);
     if (!L->split) model_want_experts(m, il, T);
@@ -14341,6 +14427,8 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     m->profile.mark = plat_now();
     m->profile.idle_mark = ops_idle_seconds;
+    s->head_top = 1, s->best_made = 0;
+    for (int r = 0; r < n_runs; r++) s->head_top &= runs[r].n == 1 && runs[r].top;
     int T = model_embed_runs(m, runs, n_runs);
     m->lost = 0;
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
@@ -14361,7 +14449,8 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
         last += runs[r].n;
         ops_rmsnorm(s->xn + r * dim, s->x + (last - 1) * dim, m->out_norm, c->dim, c->eps);
         runs[r].seq->pos += runs[r].n;
-        runs[r].logits = s->logits + (size_t)r * c->n_vocab;
+        runs[r].logits = s->best_made ? NULL : s->logits + (size_t)r * c->n_vocab;
+        runs[r].best = s->best_made ? &s->best[r] : NULL;
     }
     model_phase_mark(m, MODEL_PHASE_OTHER);
     if (!projected) ops_matmat(&m->lm_head, s->xn, s->logits, n_runs); /* else the last layer's rest made the logits */
@@ -14372,7 +14461,8 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     for (int r = 0; r < n_runs; r++)
         for (int i = 0; i < c->dim; i++)
             if (!isfinite(s->xn[(size_t)r * dim + i])) {
-                for (int v = 0; v < c->n_vocab; v++) runs[r].logits[v] = NAN;
+                for (int v = 0; v < c->n_vocab && !runs[r].best; v++) runs[r].logits[v] = NAN;
+                s->best[r].finite = 0;
                 break;
             }
     return 0;
@@ -16253,6 +16343,51 @@ static double sample_uniform(uint64_t *rng, double total)
     return (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * total;
 }
 
+/* Whether top-p or min-p cut the candidates. */
+static int sample_nucleus_on(const struct sample_params *p) { return p->top_p < 1.0f || p->min_p > 0.0f; }
+
+/* The sum of the first N candidates' weights, in order. */
+static double sample_total(const struct sample_candidate *cand, int n)
+{
+    double total = 0.0;
+    for (int i = 0; i < n; i++) total += cand[i].logit;
+    return total;
+}
+
+/* A draw from the first N candidates by their weights (TOTAL their sum), best first. */
+static int sample_draw(const struct sample_candidate *cand, int n, double total, uint64_t *rng)
+{
+    double r = sample_uniform(rng, total);
+    for (int i = 0; i < n; i++)
+        if ((r -= cand[i].logit) < 0) return cand[i].id;
+    return cand[n - 1].id;
+}
+
+/* The top-k draw from the K best candidates (in order; their logits become weights against
+ * MAX, the best logit), top-p and min-p applied. */
+static int sample_top_k_draw(const struct sample_params *p, struct sample_candidate *cand, int k, float max, uint64_t *rng)
+{
+    for (int i = 0; i < k; i++) cand[i].logit = ops_exp_shifted_one(cand[i].logit, max, p->temp);
+    double total = sample_total(cand, k);
+    if (sample_nucleus_on(p)) total = sample_total(cand, k = sample_nucleus_cut(p, cand, k, total));
+    return sample_draw(cand, k, total, rng);
+}
+
+/* Whether sample_next reads no logit but the N_BEST best of N_VOCAB (sample_next_best): no
+ * penalty, and greedy or top-k within them. */
+static int sample_best_enough(const struct sample_params *p, int n_best, int n_vocab)
+{
+    const int penalties = p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+    return !penalties && (p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab));
+}
+
+/* sample_next where sample_best_enough: from CAND, the best logits in order, as many as it
+ * said (their logits become weights); the same token, and the same draws from RNG. */
+static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, uint64_t *rng)
+{
+    return p->temp <= 0.0f ? cand[0].id : sample_top_k_draw(p, cand, p->top_k, cand[0].logit, rng);
+}
+
 /* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
  * caller's splitmix64 state, seeded from p->seed. CAND is scratch of n_vocab entries; LOGITS
  * are left changed. The draw walks the candidates best first (sample_before), or with neither
@@ -16263,33 +16398,21 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
     sample_apply_penalty(p, logits, history, n_hist);
     if (p->temp <= 0.0f) return sample_argmax(logits, n_vocab);
     const float max = logits[sample_argmax(logits, n_vocab)];
-    const int nucleus = p->top_p < 1.0f || p->min_p > 0.0f;
-    double total = 0.0;
-    int n;
     if (p->top_k > 0 && p->top_k < n_vocab) {
-        n = p->top_k;
-        sample_top(logits, n_vocab, n, cand);
-        for (int i = 0; i < n; i++) total += cand[i].logit = ops_exp_shifted_one(cand[i].logit, max, p->temp);
-        if (nucleus) n = sample_nucleus_cut(p, cand, n, total);
-    } else {
-        ops_exp_shifted(logits, logits, n_vocab, max, p->temp); /* the weights, in place */
-        for (int i = 0; i < n_vocab; i++) total += logits[i];
-        if (!nucleus) {
-            double r = sample_uniform(rng, total);
-            for (int i = 0; i < n_vocab; i++)
-                if ((r -= logits[i]) < 0) return i;
-            return n_vocab - 1;
-        }
-        n = sample_nucleus(p, logits, n_vocab, total, cand);
+        sample_top(logits, n_vocab, p->top_k, cand);
+        return sample_top_k_draw(p, cand, p->top_k, max, rng);
     }
-    if (nucleus) {
-        total = 0.0;
-        for (int i = 0; i < n; i++) total += cand[i].logit;
+    ops_exp_shifted(logits, logits, n_vocab, max, p->temp); /* the weights, in place */
+    double total = 0.0;
+    for (int i = 0; i < n_vocab; i++) total += logits[i];
+    if (!sample_nucleus_on(p)) {
+        double r = sample_uniform(rng, total);
+        for (int i = 0; i < n_vocab; i++)
+            if ((r -= logits[i]) < 0) return i;
+        return n_vocab - 1;
     }
-    double r = sample_uniform(rng, total);
-    for (int i = 0; i < n; i++)
-        if ((r -= cand[i].logit) < 0) return cand[i].id;
-    return cand[n - 1].id;
+    const int n = sample_nucleus(p, logits, n_vocab, total, cand);
+    return sample_draw(cand, n, sample_total(cand, n), rng);
 }
 
 /* ==== §11 engine ==== */
@@ -16416,7 +16539,7 @@ static void engine_init(struct engine *e, struct model *m, const struct tok *tok
         model_seq_init(m, &e->slots[i].seq);
         e->slots[i].past.tokens = plat_alloc((size_t)m->n_ctx * sizeof(int));
     }
-    e->cand = plat_alloc((size_t)m->cfg.n_vocab * sizeof *e->cand);
+    e->cand = plat_alloc((size_t)(m->cfg.n_vocab > MODEL_TOP ? m->cfg.n_vocab : MODEL_TOP) * sizeof *e->cand); /* or the best */
     e->piece = plat_alloc((size_t)tok->max_piece + 1);
 }
 
@@ -16664,21 +16787,29 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     else if (req->rewind) model_checkpoint(e->m, &sl->seq, req->rewind, 1);
 }
 
-/* Samples slot SL's next token from LOGITS, hands it to the sink, and decides whether the
- * generation goes on (the token is then fed in the next step) or stops. */
-static void engine_sample(struct engine *e, struct engine_slot *sl, float *logits)
+/* Samples slot SL's next token from RUN's logits (or their best, where the device sent only
+ * those), hands it to the sink, and decides whether the generation goes on (the token is then
+ * fed in the next step) or stops. */
+static void engine_sample(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     struct engine_gen *g = sl->gen;
     const struct engine_request *r = &sl->req;
-    int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens;
+    const struct model_top *best = run->best;
+    int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens, id;
     float top[5][2] = {{-1, 0}};
-    if (!sample_all_finite(logits, n_vocab)) {
+    if (best ? !best->finite : !sample_all_finite(run->logits, n_vocab)) {
         engine_finish(e, sl, ENGINE_STOP_ERROR, "the logits are not finite (NaN or infinite): the model file "
                       "holds a corrupt weight block (a NaN or infinite scale)");
         return;
     }
-    if (r->want_top) engine_top5(logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
-    int id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
+    if (best) {
+        for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
+        for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id >= 0 ? e->cand[k].logit : 0.0f;
+        id = sample_next_best(&r->sample, e->cand, &sl->rng);
+    } else {
+        if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
+        id = sample_next(&r->sample, run->logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
+    }
     sl->history[n_hist] = id;
     /* an embedding row beyond the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
@@ -16691,6 +16822,12 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, float *logit
     else sl->next = id;
 }
 
+/* Whether slot SL's next token needs no logit but the MODEL_TOP best (sample_best_enough). */
+static int engine_best_enough(const struct engine *e, const struct engine_slot *sl)
+{
+    return sample_best_enough(&sl->req.sample, MODEL_TOP, e->m->cfg.n_vocab);
+}
+
 /* The runs of the next step: each decoding slot's token, then the prompts' next chunks while
  * MODEL_BATCH tokens last, or ENGINE_STEP_BESIDE_DECODE where some slot decodes: its next
  * token waits for the whole step, and a step of MODEL_BATCH prompt tokens takes seconds on a
@@ -16701,7 +16838,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
     for (int i = 0; i < e->n_slots && n < MODEL_MAX_RUNS; i++) {
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next < 0) continue;
-        runs[n] = (struct model_run){&sl->seq, &sl->next, 1, NULL};
+        runs[n] = (struct model_run){&sl->seq, &sl->next, 1, NULL, engine_best_enough(e, sl), NULL};
         owner[n++] = i;
         room--;
     }
@@ -16712,7 +16849,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
         for (int m = 1; m >= 0; m--) /* end the chunk at the next mark */
             if (sl->req.whole && sl->req.mark[m] > sl->fed && sl->fed + k > sl->req.mark[m]) k = sl->req.mark[m] - sl->fed;
-        runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL};
+        runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL, engine_best_enough(e, sl), NULL};
         owner[n++] = i;
         room -= k;
     }
@@ -16721,9 +16858,9 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
 
 /* Slot SL after a prompt chunk: cancelled (rewound to its checkpoint if it has one), still
  * reading its prompt, or done with it and sampling its first token. */
-static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, float *logits)
+static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
-    sl->fed += n;
+    sl->fed += run->n;
     if (sl->req.whole && (sl->fed == sl->req.mark[0] || sl->fed == sl->req.mark[1])) engine_checkpoint(e, sl);
     if (engine_cancelled(sl)) {
         if (sl->req.rewind) {
@@ -16736,7 +16873,7 @@ static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, int n, f
     if (sl->fed < sl->req.n_prompt) return;
     sl->t_prompt = plat_now();
     sl->gen->prompt_s = sl->t_prompt - sl->t_start;
-    if (sl->req.n_max > 0) engine_sample(e, sl, logits);
+    if (sl->req.n_max > 0) engine_sample(e, sl, run);
     else engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
 }
 
@@ -16754,7 +16891,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
         if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
         model_seq_reset(e->m, &sl->seq);
         for (int at = 0; at < pos;) {
-            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL};
+            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL};
             if (sl->past.n < pos) snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known");
             if (sl->past.n < pos || model_forward_runs(e->m, &run, 1)) {
                 engine_forget(e, i);
@@ -16791,8 +16928,8 @@ static int engine_step(struct engine *e)
             int at = sl->seq.pos - runs[r].n; /* where the run's tokens now are in the state */
             memcpy(sl->past.tokens + at, runs[r].tokens, (size_t)runs[r].n * sizeof(int));
             sl->past.n = sl->seq.pos;
-            if (sl->next >= 0) engine_sample(e, sl, runs[r].logits);
-            else engine_prompt_fed(e, sl, runs[r].n, runs[r].logits);
+            if (sl->next >= 0) engine_sample(e, sl, &runs[r]);
+            else engine_prompt_fed(e, sl, &runs[r]);
         }
     if (n) model_phase_mark(e->m, MODEL_PHASE_SAMPLING);
     int busy = 0;

@@ -1219,3 +1219,110 @@ extern "C" __global__ void attn_merge(const float *__restrict__ qg, const int *_
     float *y = out + ((uint64_t)t * n_head + h) * hd;
     for (int m = 0; m < 16 && lane + 32 * m < hd; m++) y[lane + 32 * m] = __fmul_rn(sigmoid_canonical(gate[lane + 32 * m]), o[m]);
 }
+
+// ---- the output head's best candidates: what coli.c's sampler reads, instead of the logits ----
+// Greedy decoding and top-k sampling up to TOP_K (coli.c's sample_next) read only the TOP_K
+// best logits of a row, by coli.c's sample_before: the larger logit first, the lower id on a tie.
+// So a decode step's logits (248k a token: 1 MiB) stay here and only their TOP_K best come down,
+// with whether the whole row is finite. Four launches, each a few reads of the row at most:
+// logits_top_max: each of TOP_SLICES slices' largest logit;
+// logits_top_bound: the TOP_K-th largest of those, a bound that at least TOP_K logits reach;
+// logits_top_collect: the logits that reach it (a few more than TOP_K on a real row) into a list;
+// logits_top_rank: each listed one's rank by counting those before it: the TOP_K first in order.
+// A row whose list would pass TOP_LIST entries (thousands of equal logits) says so, and coli.c
+// reads that row's logits instead.
+#define TOP_K 64
+#define TOP_SLICES 256
+#define TOP_LIST 2048
+
+// An entry as coli.c's struct sample_candidate lays it out.
+struct top_entry { int id; float logit; };
+
+// A row's state between the launches: the slices' maxima, the bound, how many logits reach it,
+// whether every logit is finite, and the list. coli.c's CUDA_TOP_SCRATCH is its size.
+struct top_scratch {
+    float maxima[TOP_SLICES], bound;
+    int count, finite;
+    top_entry list[TOP_LIST];
+};
+
+// Row t's elements of slice s (of TOP_SLICES): [*FROM, *END), a whole number of warp loads each.
+__device__ __forceinline__ void top_slice(int n, int s, int *from, int *end) {
+    const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
+    *from = s * span;
+    *end = n < *from + span ? n : *from + span;
+}
+
+// Slice s = blockIdx.x of row t = blockIdx.y of LOGITS (N a row), a warp: its largest logit (-inf
+// where it has none; a NaN never wins) into SCRATCH[t]. Slice 0 also starts the row's state.
+extern "C" __global__ void logits_top_max(const float *__restrict__ logits, int n, top_scratch *__restrict__ scratch) {
+    const int lane = threadIdx.x & 31;
+    int from, end;
+    top_slice(n, blockIdx.x, &from, &end);
+    const float *x = logits + (uint64_t)blockIdx.y * n;
+    top_scratch *z = scratch + blockIdx.y;
+    float max = -INFINITY;
+    for (int i = from + lane; i < end; i += 32) max = x[i] > max ? x[i] : max;
+    for (int s = 16; s > 0; s /= 2) {
+        const float o = __shfl_xor_sync(0xffffffffu, max, s);
+        max = o > max ? o : max;
+    }
+    if (lane == 0) z->maxima[blockIdx.x] = max;
+    if (lane == 0 && blockIdx.x == 0) z->bound = -INFINITY, z->count = 0, z->finite = 1;
+}
+
+// Row t = blockIdx.x a warp: the maximum M that TOP_K - 1 maxima at most exceed and TOP_K at
+// least reach, the TOP_K-th largest, into its bound (-inf, as logits_top_max left it, where fewer
+// than TOP_K slices have one). Lane l counts for maxima l, l + 32, ...
+extern "C" __global__ void logits_top_bound(top_scratch *__restrict__ scratch) {
+    top_scratch *z = scratch + blockIdx.x;
+    for (int i = threadIdx.x & 31; i < TOP_SLICES; i += 32) {
+        const float m = z->maxima[i];
+        int above = 0, reach = 0;
+        for (int j = 0; j < TOP_SLICES; j++) above += z->maxima[j] > m, reach += z->maxima[j] >= m;
+        if (above < TOP_K && reach >= TOP_K && m > -INFINITY) z->bound = m;
+    }
+}
+
+// Slice s = blockIdx.x of row t = blockIdx.y, a warp: its logits that reach the row's bound
+// appended to its list (in no set order: logits_top_rank orders them), every one counted; a
+// logit that is not finite clears the row's FINITE.
+extern "C" __global__ void logits_top_collect(const float *__restrict__ logits, int n, top_scratch *__restrict__ scratch) {
+    const int lane = threadIdx.x & 31;
+    int from, end;
+    top_slice(n, blockIdx.x, &from, &end);
+    const float *x = logits + (uint64_t)blockIdx.y * n;
+    top_scratch *z = scratch + blockIdx.y;
+    const float bound = z->bound;
+    for (int i0 = from; i0 < end; i0 += 32) {
+        const int i = i0 + lane;
+        const float v = i < end ? x[i] : 0.0f;
+        if (i < end && !isfinite(v)) z->finite = 0;
+        const unsigned take = __ballot_sync(0xffffffffu, i < end && v >= bound);
+        if (!take) continue;
+        int at = 0;
+        if (lane == 0) at = atomicAdd(&z->count, __popc(take));
+        at = __shfl_sync(0xffffffffu, at, 0) + __popc(take & ((1u << lane) - 1u));
+        if (take >> lane & 1 && at < TOP_LIST) z->list[at] = top_entry{i, v};
+    }
+}
+
+// Row t = blockIdx.y, list entries 32 blockIdx.x + lane: each one's rank (how many listed come
+// before it), the TOP_K first into OUT[t][rank]; then OUT[t][TOP_K].id = 1 where the row is
+// finite, + 2 where its list held every logit that reached the bound. Block 0 fills the ranks
+// past the list's end with id -1. Grid (TOP_LIST / 32, T).
+extern "C" __global__ void logits_top_rank(const top_scratch *__restrict__ scratch, top_entry *__restrict__ out) {
+    const int lane = threadIdx.x & 31, i = blockIdx.x * 32 + lane;
+    const top_scratch *z = scratch + blockIdx.y;
+    const int count = z->count < TOP_LIST ? z->count : TOP_LIST;
+    top_entry *o = out + (uint64_t)blockIdx.y * (TOP_K + 1);
+    if (blockIdx.x == 0) {
+        for (int r = count + lane; r < TOP_K; r += 32) o[r] = top_entry{-1, 0.0f};
+        if (lane == 0) o[TOP_K] = top_entry{z->finite + (z->count <= TOP_LIST ? 2 : 0), 0.0f};
+    }
+    if (i >= count) return;
+    const top_entry e = z->list[i];
+    int rank = 0;
+    for (int j = 0; j < count && rank < TOP_K; j++) rank += route_better(z->list[j].logit, z->list[j].id, e.logit, e.id);
+    if (rank < TOP_K) o[rank] = e;
+}

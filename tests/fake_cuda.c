@@ -930,6 +930,103 @@ static void run_attn_merge(int unused, void **p, struct grid g)
         }
 }
 
+/* The output head's best candidates (logits_top_max, _bound, _collect, _rank): a row's state
+ * between the four launches, laid out as kernels.cu's struct top_scratch. */
+enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048 };
+struct top_entry { int id; float logit; };
+struct top_scratch {
+    float maxima[TOP_SLICES], bound;
+    int count, finite;
+    struct top_entry list[TOP_LIST];
+};
+
+/* Slice S of a row of N: [*FROM, *END), each but the last a whole number of 32s. */
+static void top_slice(int n, int s, int *from, int *end)
+{
+    const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
+    *from = s * span;
+    *end = n < *from + span ? n : *from + span;
+}
+
+/* logits_top_max(logits, n, scratch): row y's slices' largest logits (a NaN never; -inf where
+ * none), its bound -inf, its count 0, its finite 1. */
+static void run_top_max(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *logits = ARG(0, const float *);
+    int n = ARG(1, int), from, end;
+    struct top_scratch *z = ARG(2, struct top_scratch *);
+    for (unsigned t = 0; t < g.y; t++) {
+        for (int s = 0; s < TOP_SLICES && s < g.warps; s++) {
+            float max = -INFINITY;
+            top_slice(n, s, &from, &end);
+            for (int i = from; i < end; i++) max = logits[(size_t)t * n + i] > max ? logits[(size_t)t * n + i] : max;
+            z[t].maxima[s] = max;
+        }
+        z[t].bound = -INFINITY, z[t].count = 0, z[t].finite = 1;
+    }
+}
+
+static int top_float_desc(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x > y ? -1 : x < y;
+}
+
+/* logits_top_bound(scratch): row t's bound the TOP_K-th of its maxima sorted from the largest,
+ * where that is above -inf. */
+static void run_top_bound(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    struct top_scratch *z = ARG(0, struct top_scratch *);
+    for (long t = 0; t < g.warps; t++) {
+        float m[TOP_SLICES];
+        memcpy(m, z[t].maxima, sizeof m);
+        qsort(m, TOP_SLICES, sizeof *m, top_float_desc);
+        if (m[TOP_K - 1] > -INFINITY) z[t].bound = m[TOP_K - 1];
+    }
+}
+
+/* logits_top_collect(logits, n, scratch): row y's logits that reach its bound listed in id
+ * order (the first TOP_LIST), all of them counted; a logit not finite clears finite. */
+static void run_top_collect(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *logits = ARG(0, const float *);
+    int n = ARG(1, int);
+    struct top_scratch *z = ARG(2, struct top_scratch *);
+    for (unsigned t = 0; t < g.y; t++)
+        for (int i = 0; i < n; i++) {
+            const float v = logits[(size_t)t * n + i];
+            if (!isfinite(v)) z[t].finite = 0;
+            if (v >= z[t].bound && z[t].count++ < TOP_LIST) z[t].list[z[t].count - 1] = (struct top_entry){i, v};
+        }
+}
+
+static int top_entry_first(const void *a, const void *b)
+{
+    const struct top_entry *x = a, *y = b;
+    return x->logit > y->logit ? -1 : x->logit < y->logit ? 1 : (x->id > y->id) - (x->id < y->id);
+}
+
+/* logits_top_rank(scratch, out): row y's list sorted (the larger logit first, the lower id on a
+ * tie), its TOP_K first into out[y] (id -1 past the list's end), then the entry {1 where finite
+ * + 2 where the list held every logit counted, 0}. */
+static void run_top_rank(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const struct top_scratch *z = ARG(0, const struct top_scratch *);
+    struct top_entry *out = ARG(1, struct top_entry *), list[TOP_LIST];
+    for (unsigned t = 0; t < g.y; t++) {
+        const int count = z[t].count < TOP_LIST ? z[t].count : TOP_LIST;
+        struct top_entry *o = out + (size_t)t * (TOP_K + 1);
+        memcpy(list, z[t].list, (size_t)count * sizeof *list);
+        qsort(list, (size_t)count, sizeof *list, top_entry_first);
+        for (int r = 0; r < TOP_K; r++) o[r] = r < count ? list[r] : (struct top_entry){-1, 0.0f};
+        o[TOP_K] = (struct top_entry){z[t].finite + (z[t].count <= TOP_LIST ? 2 : 0), 0.0f};
+    }
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -944,7 +1041,8 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"quantize_q8k", QUANT_Q8K, run_quantize}, {"moe_route", 0, run_route}, {"moe_combine", 0, run_combine},
     {"residual_norm", 0, run_residual_norm}, {"deltanet_conv", 0, run_deltanet_conv}, {"deltanet_rule", 0, run_deltanet_rule},
     {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_split", 0, run_attn_split},
-    {"attn_merge", 0, run_attn_merge},
+    {"attn_merge", 0, run_attn_merge}, {"logits_top_max", 0, run_top_max}, {"logits_top_bound", 0, run_top_bound},
+    {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

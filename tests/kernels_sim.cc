@@ -35,7 +35,7 @@
 
 struct sim_dim { unsigned x, y, z; };
 enum sim_state { SIM_RUNNING, SIM_WAITING, SIM_DONE };
-enum sim_shuffle { SIM_DOWN, SIM_XOR, SIM_IDX };
+enum sim_shuffle { SIM_DOWN, SIM_XOR, SIM_IDX, SIM_BALLOT };
 
 /* One lane of the warp being run: its fiber's saved stack pointer and, while it waits, the
  * shuffle it waits at. */
@@ -93,6 +93,15 @@ template <class T> static T sim_shuffle(unsigned mask, T v, int shuffle, int arg
 #define __shfl_down_sync(mask, v, delta) sim_shuffle((mask), (v), SIM_DOWN, (delta), __LINE__)
 #define __shfl_xor_sync(mask, v, lanes) sim_shuffle((mask), (v), SIM_XOR, (lanes), __LINE__)
 #define __shfl_sync(mask, v, src) sim_shuffle((mask), (v), SIM_IDX, (src), __LINE__)
+/* A vote: bit l of every lane's answer is whether lane l's predicate holds. */
+#define __ballot_sync(mask, pred) sim_shuffle((mask), (unsigned)((pred) != 0), SIM_BALLOT, 0, __LINE__)
+/* Lanes run one at a time, to their next shuffle: a read and a write are one step. */
+static inline int atomicAdd(int *p, int v)
+{
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
 /* A warp's barrier (and its memory fence): every lane at it before any goes on, as a shuffle. */
 #define __syncwarp() ((void)sim_shuffle(0xffffffffu, 0, SIM_IDX, 0, __LINE__))
 
@@ -227,7 +236,8 @@ static void sim_answer(void)
         if (l->line != l0->line || l->shuffle != l0->shuffle) sim_fail(l->line, "lanes of a warp at different shuffles");
         int src = l->shuffle == SIM_DOWN ? (i + l->arg < 32 ? i + l->arg : i)
                   : l->shuffle == SIM_XOR ? (i ^ l->arg) & 31 : l->arg & 31;
-        l->answer = sim_lanes[src].value;
+        l->answer = l->shuffle == SIM_BALLOT ? 0 : sim_lanes[src].value;
+        for (int j = 0; l->shuffle == SIM_BALLOT && j < 32; j++) l->answer |= sim_lanes[j].value << j;
     }
     for (int i = 0; i < 32; i++) sim_lanes[i].state = SIM_RUNNING;
 }
@@ -297,6 +307,10 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
                                              ARG(10, float), ARG(11, int), ARG(12, float *)); }},
     {"attn_merge", [](void **p) { attn_merge(ARG(0, const float *), ARG(1, const int *), ARG(2, int), ARG(3, int), ARG(4, int),
                                              ARG(5, int), ARG(6, const float *), ARG(7, float *)); }},
+    {"logits_top_max", [](void **p) { logits_top_max(ARG(0, const float *), ARG(1, int), ARG(2, top_scratch *)); }},
+    {"logits_top_bound", [](void **p) { logits_top_bound(ARG(0, top_scratch *)); }},
+    {"logits_top_collect", [](void **p) { logits_top_collect(ARG(0, const float *), ARG(1, int), ARG(2, top_scratch *)); }},
+    {"logits_top_rank", [](void **p) { logits_top_rank(ARG(0, const top_scratch *), ARG(1, top_entry *)); }},
     {"deltanet_gate", [](void **p) { deltanet_gate(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, int),
                                                    ARG(4, int), ARG(5, float)); }},
 };

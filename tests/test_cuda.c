@@ -636,6 +636,61 @@ static void test_deltanet_device(int real)
     if (real) check_deltanet(0, 16, 32, 128, 128, 4, 4, 2, 0, 0); /* the 35B-A3B's layer */
 }
 
+/* Row kinds for check_top: many equal logits; distinct ones with the best 200 side by side in
+ * one slice; all equal (more than the list holds); one NaN and one infinity. */
+enum top_kind { TOP_TIES, TOP_CLUSTER, TOP_EQUAL, TOP_NOT_FINITE };
+
+static float top_logit(enum top_kind kind, int i)
+{
+    if (kind == TOP_TIES) return (float)((int)(rng_next() % 2001) - 1000) / 16.0f * (i & 1 ? -1.0f : 1.0f); /* -0.0 among them */
+    if (kind == TOP_EQUAL) return 1.0f;
+    if (kind == TOP_CLUSTER && i >= 100000 && i < 100200) return 30.0f + (float)(i % 7) * 1e-3f;
+    return (float)((int)(rng_next() % 4000001) - 2000000) * 1e-5f;
+}
+
+/* cuda_top_launch over T rows of N logits of KIND on device DEV: each row's CUDA_TOP_K best in
+ * sample_top's order (id -1 past N) and its finite flag as the CPU finds them; where the
+ * logits reaching the bound outnumber the list (WHOLE 0), the row says so. */
+static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
+{
+    char name[200];
+    const int k = n < CUDA_TOP_K ? n : CUDA_TOP_K;
+    float *x = plat_alloc((size_t)n * T * sizeof *x);
+    struct sample_candidate *want = plat_alloc((size_t)n * sizeof *want), got[CUDA_TOP_K + 1];
+    for (int i = 0; i < n * T; i++) x[i] = top_logit(kind, i % n);
+    if (kind == TOP_NOT_FINITE) x[n / 3] = NAN, x[n - 1] = INFINITY;
+    cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
+    cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got);
+    long calls = cuda_calls;
+    int ran = logits && scratch && out && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, T) == CUDA_SUCCESS, same = ran;
+    calls = cuda_calls - calls;
+    for (int t = 0; same && t < T; t++) {
+        const float *row = x + (size_t)t * n;
+        same = cuda_dtoh(got, out + (size_t)t * sizeof got, sizeof got) == 0 && got[CUDA_TOP_K].id == sample_all_finite(row, n) + 2 * whole;
+        if (kind == TOP_NOT_FINITE || !whole) continue;
+        sample_top(row, n, k, want);
+        for (int r = 0; same && r < CUDA_TOP_K; r++)
+            same = r < k ? got[r].id == want[r].id && !memcmp(&got[r].logit, &want[r].logit, 4) : got[r].id == -1;
+    }
+    snprintf(name, sizeof name, "the output head's best on device %d: %d row%s of %d %s logits, as sample_top and sample_all_finite find them, "
+             "in 4 launches", dev, T, T > 1 ? "s" : "", n,
+             kind == TOP_TIES ? "often equal" : kind == TOP_CLUSTER ? "clustered" : kind == TOP_EQUAL ? "all equal (too many for the list)"
+                                                                                 : "some not finite");
+    check(same && calls == 4, name, "ran %d, calls %ld", ran, calls);
+    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out);
+    free(x), free(want);
+}
+
+static void test_top_device(void)
+{
+    check_top(0, 248320, 2, TOP_TIES, 1);   /* the 35B-A3B's vocabulary: its best are one value */
+    check_top(1, 248320, 1, TOP_CLUSTER, 1);
+    check_top(0, 2112, 3, TOP_CLUSTER, 1);  /* the golden models' vocabulary: 66 slices of 32 */
+    check_top(0, 50, 2, TOP_TIES, 1);       /* fewer logits than CUDA_TOP_K */
+    check_top(0, 5000, 1, TOP_EQUAL, 0);
+    check_top(1, 2112, 2, TOP_NOT_FINITE, 1);
+}
+
 /* FAKE_CUDA_FAIL is read by the fake at every call. */
 static void test_failures(void)
 {
@@ -996,6 +1051,7 @@ int main(int argc, char **argv)
     check_graph_windows(real ? 0 : 1);
     test_deltanet_device(real);
     test_attention_device(real);
+    test_top_device();
     if (!sim) test_bench(real);
     if (!kernels_only) test_failures();
     cuda_stop();

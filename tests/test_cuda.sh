@@ -90,6 +90,21 @@ for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-
     if [ ! -f "$B/sim/libcuda.so.1" ]; then ok "$m through kernels.cu on the host # SKIP no $B/sim (g++)"; continue; fi
     tokens "$m: kernels.cu's source run on the host, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/sim"
 done
+# A decode step brings down the output head's best 64 logits, not the row (the greedy runs above):
+# top-k sampling too, through the twins and kernels.cu's source; a repetition penalty reads
+# every logit, so its steps bring down the row.
+m=q35moe-q8_0.gguf
+for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.3 --top-k 64 --min-p 0.02 --seed 3|7" \
+    "fake|--temp 0.7 --top-k 20 --repeat-penalty 1.1 --seed 5|0"; do
+    lib=${case%%|*} rest=${case#*|} kept=${case##*|}
+    args=${rest%|*}
+    if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "sampled ($args) through $B/$lib # SKIP not built"; continue; fi
+    COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json $args 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-sampled"
+    LD_LIBRARY_PATH="$B/$lib" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json $args 2>"$tmp/e" | tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
+    if [ -s "$tmp/j" ] && cmp -s "$tmp/j" "$tmp/cpu-sampled" && grep -q "; $kept tokens' logits stayed there$" "$tmp/e"; then
+        ok "$lib, $args: the CPU's tokens, $kept steps' logits left on the device"
+    else bad "$lib, $args" "tokens differ or not $kept steps' logits kept: $(grep '^\[cuda\]' "$tmp/e" | tail -c 300)"; fi
+done
 m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
@@ -406,13 +421,15 @@ serve_up() { # serve_up LOG SLOTS ENV...: coli serve with ENV on a free port; se
     done
 }
 serve_down() { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
-serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots decoding together) from a server started with ENV
-    local log=$1 i pids=(); shift
+# The three sample differently: the first with a penalty (every logit comes down while it
+# decodes), then greedy and top-k, which go on after it ends (only each step's best logits then).
+serve_text() { # serve_text LOG ENV...: three completions at once (slots decoding together) from a server started with ENV
+    local log=$1 i pids=() sampling=('"temperature":0,"frequency_penalty":0.5' '"temperature":0' '"temperature":0.9,"top_k":30,"seed":7'); shift
     serve_up "$log" 3 "$@"
     if [ -n "$port" ]; then
         for i in 1 2 3; do
             curl -s -m 30 "http://127.0.0.1:$port/v1/completions" -o "$log.$i" \
-                -d '{"prompt":"The capital of France is'"$(printf '%*s' "$i" '' | tr ' ' '!')"'","max_tokens":8,"temperature":0,"ignore_eos":true}' &
+                -d '{"prompt":"The capital of France is'"$(printf '%*s' "$i" '' | tr ' ' '!')"'","max_tokens":'$((4 + 4 * i))',"ignore_eos":true,'"${sampling[i - 1]}"'}' &
             pids+=($!)
         done
         wait "${pids[@]}"
@@ -423,8 +440,8 @@ serve_text() { # serve_text LOG ENV...: three greedy completions at once (slots 
 serve_text "$tmp/serve-cpu" COLI_CUDA=0 >"$tmp/serve-cpu.txt"
 serve_text "$tmp/serve-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/serve-gpu.txt"
 if [ "$(wc -l <"$tmp/serve-cpu.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/serve-gpu" &&
-    ! grep -q 'running on the CPU from here' "$tmp/serve-gpu"; then
-    ok "serve on the fake device (a context per thread), three requests at once: they run there, the CPU's texts ($(tr '\n' ' ' <"$tmp/serve-gpu.txt"))"
+    ! grep -q 'running on the CPU from here' "$tmp/serve-gpu" && grep -qE "; [1-9][0-9]* tokens' logits stayed there$" "$tmp/serve-gpu"; then
+    ok "serve on the fake device (a context per thread), three requests at once: they run there, the CPU's texts ($(tr '\n' ' ' <"$tmp/serve-gpu.txt")), $(grep -oE "[0-9]+ tokens' logits stayed there" "$tmp/serve-gpu")"
 else bad "serve on the fake device" "cpu $(head -c 200 "$tmp/serve-cpu.txt"), gpu $(head -c 200 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
 # ... and a launch failing while the three decode together, their DeltaNet states on the device:
 # each conversation is fed its tokens again on the CPU, and every text is still the CPU's.
