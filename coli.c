@@ -8717,7 +8717,7 @@ static struct {
                                 * COLI_CUDA_GRAPHS is not 0 */
     long clock, graph_runs;    /* windows ended; those run as one graph */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
-    long tops;                 /* tokens whose logits stayed there, their best sent instead (cuda_top_launch) */
+    long tops;                 /* tokens whose logits stayed there, their best sent instead (§8 counts) */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
     int stage_pinned;          /* the driver allocated it (cuda_stage) */
@@ -9998,7 +9998,6 @@ static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n
         (r = cuda_launch(d->top_collect, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) ||
         (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)))
         return r;
-    cuda.tops += T;
     return CUDA_SUCCESS;
 }
 
@@ -10263,7 +10262,7 @@ static int cuda_read_back(int dev, cuda_ptr at, void *out, size_t bytes)
     cuda_result r;
     if (!cuda.ready) return -1;
     if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, at, bytes))) {
-        cuda_fail("a chain of layers on the device", r);
+        cuda_fail("a read back from the device", r);
         return -1;
     }
     return 0;
@@ -13939,6 +13938,7 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
         whole &= status >> 1;
     }
     s->best_made = whole;
+    cuda.tops += whole ? T : 0;
     return whole ? 0 : cuda_read_back(dev, cuda.dev[dev].kept_next[0], s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
 }
 

@@ -987,19 +987,27 @@ static void run_top_bound(int unused, void **p, struct grid g)
     }
 }
 
+/* The entries the list holds: TOP_LIST, or fewer where FAKE_CUDA_TOP_LIST says (to see a
+ * row whose best cannot all be listed, which takes thousands of equal logits). */
+static int top_list(void)
+{
+    const int n = env_int("FAKE_CUDA_TOP_LIST", TOP_LIST);
+    return n < TOP_LIST ? n : TOP_LIST;
+}
+
 /* logits_top_collect(logits, n, scratch): row y's logits that reach its bound listed in id
- * order (the first TOP_LIST), all of them counted; a logit not finite clears finite. */
+ * order (the first top_list()), all of them counted; a logit not finite clears finite. */
 static void run_top_collect(int unused, void **p, struct grid g)
 {
     (void)unused;
     const float *logits = ARG(0, const float *);
-    int n = ARG(1, int);
+    int n = ARG(1, int), room = top_list();
     struct top_scratch *z = ARG(2, struct top_scratch *);
     for (unsigned t = 0; t < g.y; t++)
         for (int i = 0; i < n; i++) {
             const float v = logits[(size_t)t * n + i];
             if (!isfinite(v)) z[t].finite = 0;
-            if (v >= z[t].bound && z[t].count++ < TOP_LIST) z[t].list[z[t].count - 1] = (struct top_entry){i, v};
+            if (v >= z[t].bound && z[t].count++ < room) z[t].list[z[t].count - 1] = (struct top_entry){i, v};
         }
 }
 
@@ -1018,12 +1026,12 @@ static void run_top_rank(int unused, void **p, struct grid g)
     const struct top_scratch *z = ARG(0, const struct top_scratch *);
     struct top_entry *out = ARG(1, struct top_entry *), list[TOP_LIST];
     for (unsigned t = 0; t < g.y; t++) {
-        const int count = z[t].count < TOP_LIST ? z[t].count : TOP_LIST;
+        const int room = top_list(), count = z[t].count < room ? z[t].count : room;
         struct top_entry *o = out + (size_t)t * (TOP_K + 1);
         memcpy(list, z[t].list, (size_t)count * sizeof *list);
         qsort(list, (size_t)count, sizeof *list, top_entry_first);
         for (int r = 0; r < TOP_K; r++) o[r] = r < count ? list[r] : (struct top_entry){-1, 0.0f};
-        o[TOP_K] = (struct top_entry){z[t].finite + (z[t].count <= TOP_LIST ? 2 : 0), 0.0f};
+        o[TOP_K] = (struct top_entry){z[t].finite + (z[t].count <= room ? 2 : 0), 0.0f};
     }
 }
 

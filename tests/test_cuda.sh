@@ -105,6 +105,10 @@ for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.
         ok "$lib, $args: the CPU's tokens, $kept steps' logits left on the device"
     else bad "$lib, $args" "tokens differ or not $kept steps' logits kept: $(grep '^\[cuda\]' "$tmp/e" | tail -c 300)"; fi
 done
+# A row whose logits reaching the bound outnumber the list (thousands of equal logits; here a
+# list of 8 in the fake): its row comes down after all, the CPU's tokens.
+tokens "a list too short for a row's best: its logits come down instead, the CPU's tokens" "; 0 tokens' logits stayed there$" $m \
+    LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_TOP_LIST=8
 m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
