@@ -1132,30 +1132,28 @@ static size_t gguf_image_end(struct gguf_image *im)
 }
 
 /* ==== §3 quant ==== */
-/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
- *   Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and their tables, fp16/bf16 conversion,
+/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+ *   Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and their tables, fp16/bf16 conversion,
  *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
  *   (scalar, AVX2, AVX-512 with VNNI, for every format).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
- *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level
- *   gives the same bits as the scalar reference for the same inputs; integer parts are exact.
- *   quant_dotn (one row, many columns), quant_dotr (many rows, one column), quant_pairs (rows
- *   of 2 K super-blocks, many columns), quant_dotn_rows (many rows, many columns, where a level
- *   orders the acts once for them), quant_tile (16 rows, many columns) and quant_act_prepare
- *   give the same bits at every level, and quant_dotn and quant_dotr the same over an act that
- *   quant_act_to_lanes put in lanes.
+ *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level gives
+ *   the scalar reference's bits for the same inputs; integer parts are exact. quant_dotn (one row,
+ *   many columns), quant_dotr (many rows, one column), quant_pairs (rows of 2 K super-blocks, many
+ *   columns), quant_dotn_rows (many rows, many columns, a level ordering the acts once for them),
+ *   quant_tile (16 rows, many columns) and quant_act_prepare give the same bits at every level;
+ *   quant_dotn and quant_dotr also over an act in lanes (quant_act_to_lanes).
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
  * Workload: decode bound to memory bandwidth; one activation prepare per vector, then one
  *   quant_dotn per weight row (quant_dotr per chunk of rows for a single column), called
- *   concurrently from OpenMP threads (the kernels are pure; only quant_init/quant_set_level
- *   write globals, before any parallel region). Speeds per format and CPU: README, Weight
- *   formats ("Kernel speeds"). */
+ *   concurrently from OpenMP threads (the kernels are pure; only quant_init/quant_set_level write
+ *   globals, before any parallel region). Speeds per format and CPU: README, Weight formats
+ *   ("Kernel speeds"). */
 
-/* avx512vbmi: the AVX-512 kernels, with the IQ3 formats' lookups done by VBMI byte permutes
- * (quant_avx512_iq3_vbmi_points) and their signs taken apart by BITALG's bit shuffle, and Q3_K's
- * and Q5_K's high bits moved into place by GFNI (quant_gfni_affine); it needs all three (every
- * CPU with VBMI but Cannon Lake has the other two). The same bits, a level of its own so that
- * both are tested. */
+/* avx512vbmi: the AVX-512 kernels with the IQ3 lookups by VBMI byte permutes
+ * (quant_avx512_iq3_vbmi_points), signs split by BITALG's bit shuffle, and Q3_K's and Q5_K's high
+ * bits placed by GFNI (quant_gfni_affine); it needs all three (every VBMI CPU but Cannon Lake has
+ * the other two). The same bits; its own level so both are tested. */
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_AVX512VBMI, QUANT_LEVEL_COUNT };
 
 #define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
@@ -1174,8 +1172,8 @@ typedef void (*quant_dotr_fn)(const uint8_t *wrows, size_t row_bytes, int nrows,
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
 static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
 static quant_dotr_fn quant_dotr_table[GGUF_TYPE_COUNT];
-/* y[c*ys + r] = dot of the row at wrows + r*row_bytes with the act at acts + c*stride, for r <
- * nrows and c < nc: rows of 2 K super-blocks (512 columns) only. */
+/* y[c*ys + r] = dot of row wrows + r*row_bytes with act acts + c*stride, for r < nrows, c < nc;
+ * rows of 2 K super-blocks (512 columns) only. */
 typedef void (*quant_pairs_fn)(const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                                int nc, float *y, size_t ys);
 static quant_pairs_fn quant_pairs_table[GGUF_TYPE_COUNT];
@@ -1186,7 +1184,7 @@ static int quant_level;
 
 static float quant_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static uint32_t quant_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-/* GGUF is little-endian and so is every target of coli; memcpy keeps unaligned reads legal. */
+/* GGUF and every coli target are little-endian; memcpy keeps unaligned reads legal. */
 static uint16_t quant_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static int32_t quant_rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -1208,8 +1206,7 @@ static uint32_t quant_round_shift(uint32_t v, int shift) {
     return r + (rem > half || (rem == half && (r & 1)));
 }
 
-/* Nearest-even f32 -> fp16; overflow gives inf, tiny values give (signed) zero or subnormals,
- * NaN stays a quiet NaN. */
+/* f32 -> fp16, nearest-even: overflow gives inf, tiny values ±0 or subnormals, NaN a quiet NaN. */
 static uint16_t quant_f32_to_f16(float f) {
     uint32_t x = quant_f32_to_bits(f), sign = (x >> 16) & 0x8000;
     x &= 0x7fffffff;
@@ -1278,8 +1275,7 @@ static void quant_k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* All 8 scales (byte j of *sc) and mins (byte j of *m) of quant_k4_scale_min at once, with
- * 32-bit word operations. */
+/* All 8 scales (byte j of *sc) and mins (*m) of quant_k4_scale_min at once, by word operations. */
 static inline void quant_k4_unpack(const uint8_t *q, uint64_t *sc, uint64_t *m) {
     uint32_t u[3];
     memcpy(u, q, 12);
@@ -1329,8 +1325,8 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
     }
 }
 
-/* Plain integer helpers that the SIMD kernels also call: always inlined, so that they compile
- * with the caller's instruction set (a call out of AVX code to SSE code pays for the switch). */
+/* Plain integer helpers the SIMD kernels also call: always inlined, so they compile with the
+ * caller's instruction set (a call from AVX to SSE code pays for the switch). */
 #define QUANT_SHARED_INLINE static inline __attribute__((always_inline))
 
 /* The K-like formats whose super-block result takes off a min term (dmin * Σ m * bsum). */
@@ -1357,9 +1353,9 @@ QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     memcpy(sc, a, 16);
 }
 
-/* The integer quants of a Q2_K (0..3) or Q3_K (-4..3) super-block in element order. Both keep
- * 2 bits per weight in 32-byte halves (shift 0, 2, 4, 6 give 4 x 32 weights); Q3_K's third bit
- * is in hmask, bit (half * 4 + shift / 2) of byte l, and subtracts 4 where clear. */
+/* A Q2_K (0..3) or Q3_K (-4..3) super-block's integer quants in element order. Both keep 2 bits a
+ * weight in 32-byte halves (shifts 0, 2, 4, 6: 4 x 32 weights); Q3_K's third bit, bit (half * 4 +
+ * shift / 2) of hmask byte l, subtracts 4 where clear. */
 static void quant_q23k_quants(enum gguf_type t, const uint8_t *b, int8_t *q) {
     const int three = t == GGUF_TYPE_Q3_K;
     const uint8_t *qs = b + (three ? 32 : 16);
@@ -1372,8 +1368,8 @@ static void quant_q23k_quants(enum gguf_type t, const uint8_t *b, int8_t *q) {
             }
 }
 
-/* Q2_K super-block: 16 sub-blocks of 16, each with a 4-bit scale (low nibble) and min:
- * y = (d*sc)*q - (dmin*m), as ggml. */
+/* Q2_K super-block: 16 sub-blocks of 16, each a 4-bit scale (low nibble) and min: y = (d*sc)*q -
+ * (dmin*m), as ggml. */
 static void quant_dequant_q2k(const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b + 80)), dmin = quant_f16_to_f32(quant_rd16(b + 82));
     int8_t q[QUANT_QK_K];
@@ -1396,21 +1392,21 @@ static void quant_dequant_q3k(const uint8_t *b, float *y) {
     }
 }
 
-/* The non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its own
- * dequantisation of the golden files (value / d; tests/test_quant.c derives it again). MXFP4:
- * the OCP E2M1 values doubled, code = sign | exponent(2) | mantissa(1), with the block's E8M0
- * scale halved to match (quant_e8m0_half); generated by quant_tables_init. */
+/* The non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its
+ * dequantisation of the golden files (value / d; tests/test_quant.c derives it again). MXFP4: OCP
+ * E2M1 values doubled (code = sign | exponent(2) | mantissa(1)), the block's E8M0 scale halved to
+ * match (quant_e8m0_half); by quant_tables_init. */
 static const int8_t quant_iq4nl_values[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
                                                  1, 13, 25, 38, 53, 69, 89, 113 };
 static int8_t quant_mxfp4_values[16];
 static int8_t quant_mxfp4_offset_values[16]; /* the same + 12, 0..24: unsigned operands for maddubs (AVX2) */
 
-/* 2^(e-128): an E8M0 scale times one half, as ggml's E8M0_TO_FP32_HALF (e = 0, 1: subnormal). */
+/* 2^(e-128): an E8M0 scale times a half, as ggml's E8M0_TO_FP32_HALF (e = 0, 1: subnormal). */
 QUANT_SHARED_INLINE float quant_e8m0_half(uint8_t e) {
     return quant_bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
 }
 
-/* IQ4_NL (d fp16, 16 bytes of codes) and MXFP4 (e E8M0, 16 bytes) 32-blocks: y = d * value. */
+/* IQ4_NL (d fp16, 16 code bytes) and MXFP4 (e E8M0, 16 bytes) 32-blocks: y = d * value. */
 static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
     const int mx = t == GGUF_TYPE_MXFP4;
     const int8_t *v = mx ? quant_mxfp4_values : quant_iq4nl_values;
@@ -1422,13 +1418,13 @@ static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
     }
 }
 
-/* IQ3_XXS: each group of 4 weights is one of 256 points of the 4-D lattice {4,12,..,52,62}^4
- * (a byte index) with 8 signs per 8 weights from 7 stored bits (the eighth makes the count of
- * minus signs even). The points are data of the format: quant_iq3xxs_keys lists them, sorted,
- * as 3-bit level indices (level of coordinate j in bits 3j..3j+2). coli derives that list from
- * the golden files (tests/test_quant.c, test_iq3xxs_lattice: pinned where the reference's
- * dequantisation shows a point, elsewhere the sorted list that best explains the quantizer's
- * choices on the same weights) and checks that it gives this table. */
+/* IQ3_XXS: each 4 weights are one of 256 points (a byte index) of the 4-D lattice
+ * {4,12,..,52,62}^4, with 8 signs per 8 weights from 7 stored bits (the eighth makes the count of
+ * minus signs even). The points are format data: quant_iq3xxs_keys lists them, sorted, as 3-bit
+ * level indices (coordinate j's in bits 3j..3j+2). coli derives that list from the golden files
+ * (tests/test_quant.c test_iq3xxs_lattice: pinned where the reference's dequantisation shows a
+ * point, elsewhere the sorted list best explaining the quantizer's choices on the same weights) and
+ * checks it gives this table. */
 static const uint8_t quant_iq3_levels[8] = { 4, 12, 20, 28, 36, 44, 52, 62 };
 static const uint16_t quant_iq3xxs_keys[256] = {
     0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
@@ -1450,13 +1446,12 @@ static const uint16_t quant_iq3xxs_keys[256] = {
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
 
-/* IQ3_S: each group of 4 weights is one of 512 points of {1,3,..,15}^4 (a 9-bit index: a qs
- * byte and a bit of qh), with a stored sign bit per weight. quant_iq3s_keys lists the points,
- * sorted, as 3-bit level indices ((v-1)/2 of coordinate j in bits 3j..3j+2). Derived from the
- * golden files: 235 points the reference's dequantisation shows, the rest from a likelihood of
- * the quantizer's choices on the same weights. tests/test_quant.c (test_iq3s_grid) derives it
- * again by least squares, which agrees but for 7 entries, and there the reference's logits
- * choose this table's points. */
+/* IQ3_S: each 4 weights are one of 512 points of {1,3,..,15}^4 (a 9-bit index: a qs byte and a qh
+ * bit), with a stored sign bit per weight. quant_iq3s_keys lists the points, sorted, as 3-bit level
+ * indices ((v-1)/2 of coordinate j in bits 3j..3j+2), derived from the golden files: 235 points
+ * shown by the reference's dequantisation, the rest from a likelihood of the quantizer's choices on
+ * the same weights. tests/test_quant.c (test_iq3s_grid) derives it again by least squares, agreeing
+ * but for 7 entries, where the reference's logits choose this table's points. */
 static const uint16_t quant_iq3s_keys[512] = {
     0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
     37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
@@ -1492,15 +1487,15 @@ static const uint16_t quant_iq3s_keys[512] = {
     3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
 };
 static uint32_t quant_iq3s_grid[512];    /* byte j = coordinate j (quant_tables_init) */
-/* The level indices of coordinates 2h (low nibble) and 2h + 1 (high) of each point, plane h
- * of the tables the VBMI lookups permute (quant_tables_init). */
+/* Plane h of the tables the VBMI lookups permute (quant_tables_init): each point's level indices of
+ * coordinates 2h (low nibble) and 2h + 1 (high). */
 static uint8_t quant_iq3xxs_pairs[2][256] __attribute__((aligned(64)));
 static uint8_t quant_iq3s_pairs[2][512] __attribute__((aligned(64)));
 static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored sign bits: byte j is -1 or +1, weight j's sign */
 static uint8_t quant_iq_sign_table[128] __attribute__((aligned(64))); /* quant_iq_signs of each */
 
-/* Sign byte for 7 stored bits: bit 7 set when the 7 hold an odd count (ggml's ksigns). The
- * parity is folded by hand: __builtin_popcount is a library call without -mpopcnt. */
+/* Sign byte for 7 stored bits: bit 7 set when they hold an odd count (ggml's ksigns). Parity folded
+ * by hand: __builtin_popcount is a library call without -mpopcnt. */
 QUANT_SHARED_INLINE uint8_t quant_iq_signs(uint32_t bits7) {
     uint32_t p = bits7 ^ bits7 >> 4;
     p ^= p >> 2;
@@ -1550,8 +1545,8 @@ static void quant_tables_init(void) {
     }
 }
 
-/* IQ3_S super-block: d fp16 | qs[64] | qh[8] | signs[32] | scales[4]. The grid index of group
- * K (weights 4K..4K+3) of 32-block IB: its qs byte, and bit K of the block's qh byte as bit 8. */
+/* IQ3_S super-block: d fp16 | qs[64] | qh[8] | signs[32] | scales[4]. Grid index of group K
+ * (weights 4K..4K+3) of 32-block IB: its qs byte, bit K of the block's qh byte as bit 8. */
 #define QUANT_IQ3S_QH 66
 #define QUANT_IQ3S_SIGNS 74
 #define QUANT_IQ3S_SCALES 106
@@ -1564,10 +1559,10 @@ QUANT_SHARED_INLINE int quant_iq3s_scale(const uint8_t *b, int ib) {
     return b[QUANT_IQ3S_SCALES + ib / 2] >> 4 * (ib % 2) & 15;
 }
 
-/* The signed values of an IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign)
- * super-block in element order, and the 8 integer scales of its 32-blocks: IQ4_XS's 6-bit ones
- * less 32; IQ3_XXS's s in d*(0.5+s)*0.5, whose word also holds 4 x 7 sign bits; IQ3_S's s in
- * d*(1+2s), with a stored sign bit per weight. */
+/* An IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign) super-block's signed values in
+ * element order and its 32-blocks' 8 integer scales: IQ4_XS's 6-bit ones less 32; IQ3_XXS's s in
+ * d*(0.5+s)*0.5 (its word also holds 4 x 7 sign bits); IQ3_S's s in d*(1+2s), a stored sign bit a
+ * weight. */
 static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *sc) {
     for (int ib = 0; ib < 8; ib++, v += 32) {
         if (t == GGUF_TYPE_IQ3_S) {
@@ -1599,7 +1594,7 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
 }
 
 /* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v; IQ3_S: y = (d*(1+2s)) * v, as ggml
- * (the sign comes last there, which is the same number). */
+ * (whose sign comes last: the same number). */
 static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b));
     int8_t v[QUANT_QK_K];
@@ -1648,10 +1643,9 @@ static void quant_fp16_fields(enum gguf_type t, int at[2])
     if (t == GGUF_TYPE_Q6_K) at[0] = 208;
 }
 
-/* Rewrites the float-valued fields of BYTES bytes of random blocks of TYPE (whole blocks) so
- * that every one is finite and normal, of magnitude in [2^E, 2^(E+1)) with its random sign:
- * F32, F16 and BF16 elements, the fp16 scales, MXFP4's E8M0 exponent (2^E). Random bits alone
- * would give NaN, infinities and denormals (slow, so unrepresentative of real weights). */
+/* Rewrites the float fields of BYTES bytes of random TYPE blocks (whole) to finite normals of
+ * magnitude in [2^E, 2^(E+1)), random sign kept: F32/F16/BF16 elements, fp16 scales, MXFP4's E8M0
+ * exponent (2^E). Random bits give NaN, infinities, denormals (slow: unlike real weights). */
 static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, int e)
 {
     const size_t bb = (size_t)gguf_type_get(t)->block_bytes, nb = bytes / bb;
@@ -1679,11 +1673,11 @@ static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, in
 
 /* ---- activations ----
  * Layouts (act is 64-byte aligned; n is a multiple of the block, so every part stays aligned):
- *   F32/F16/BF16 weights: n floats (x, rounded to f16/bf16 for F16/BF16 weights).
+ *   F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16).
  *   legacy weights (Q8 act, shared by Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float
- *     (fp16-rounded scale) | s[n/32] int32 (sum of the block's qs) | sd[n/32] float
- *     (Q8_1's s = fp16(d * sum), rounded as the reference stores it: Q4_1/Q5_1 weights
- *     multiply their min by it, and the rounding is visible in the logits).
+ *     (fp16-rounded scale) | s[n/32] int32 (sum of the block's qs) | sd[n/32] float (Q8_1's
+ *     s = fp16(d * sum), rounded as the reference stores it: Q4_1/Q5_1 multiply their min by
+ *     it, and the rounding shows in the logits).
  *   K weights (Q8_K act): qs[n] int8 | d[n/256] float | bsums[n/16] int16. */
 struct quant_q8_view { const int8_t *qs; const float *d; const int32_t *s; const float *sd; };
 struct quant_q8k_view { const int8_t *qs; const float *d; const int16_t *bsums; };
@@ -1726,13 +1720,12 @@ static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
     }
 }
 
-/* Q8 blocks: d = amax/127, q = nearest-even(x * (127/amax)), stored scale fp16(d): the x86
- * reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run too). 127/amax is
- * not always 1/d to the last bit (ggml's portable code and its NEON path use 1/d); either way
- * some q land on the other side of a .5, and each such step can tip a router near-tie
- * (issue 14's Q8_0 drift; test_quant's "Q8 act: the reference's 127/amax" pins it). A block
- * whose fp16(d) is zero contributes exactly zero, so its q are set to 0 rather than computed
- * with an overflowing 127/amax. */
+/* Q8 blocks: d = amax/127, q = nearest-even(x * (127/amax)), stored scale fp16(d), as the x86
+ * reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run too). 127/amax is not
+ * always 1/d to the last bit (ggml's portable code and NEON path use 1/d), so some q land on the
+ * other side of a .5, and each can tip a router near-tie (issue 14's Q8_0 drift; pinned by
+ * test_quant's "Q8 act: the reference's 127/amax"). A block whose fp16(d) is zero contributes
+ * exactly zero, so its q are set to 0, not computed with an overflowing 127/amax. */
 static void quant_act_q8(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1758,7 +1751,7 @@ static void quant_act_q8(const float *x, int64_t n, void *act) {
 }
 
 /* Q8_K blocks (ggml quantize_row_q8_K_ref): scale from the signed value of largest magnitude.
- * Blocks so tiny that -127/max overflows (|max| < ~3.7e-37) are stored as zero (d = 0). */
+ * Blocks so tiny -127/max overflows (|max| < ~3.7e-37) are stored as zero (d = 0). */
 static void quant_act_q8k(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1814,8 +1807,8 @@ static inline float quant_legacy_combine(float dw, float mw, float dx, int32_t i
     return has_min ? r + mw * sd : r;
 }
 
-/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32]. Weight quants
- * are used as ggml defines them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
+/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32], weight quants as ggml
+ * defines them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
 static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_q8_view a,
                                int64_t b0, int64_t b1, float *p) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -1884,8 +1877,8 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
     return sumi;
 }
 
-/* Σ_g scale_g * Σ_{16 in g} q*x over the 16-weight groups of a Q2_K (scale: the low nibble;
- * *summ = Σ_g min_g * bsum_g) or Q3_K super-block, exact. */
+/* Σ_g scale_g * Σ_{16 in g} q*x over a Q2_K (scale: the low nibble; *summ = Σ_g min_g * bsum_g) or
+ * Q3_K super-block's 16-weight groups, exact. */
 static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx,
                                       const int16_t *bs, int32_t *summ) {
     int8_t q[QUANT_QK_K], sc[16];
@@ -2005,15 +1998,13 @@ QUANT_SCALAR_WRAP(quant_dot_iq3_s_scalar, quant_dot_k(GGUF_TYPE_IQ3_S, w, act, n
 QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
-/* Software prefetch distance of the SIMD kernels, in weight bytes: far enough ahead that a
- * line arrives before the kernel reaches it, which grows with the memory's latency times the
- * rate a core consumes weights (README: prefetch distance). */
+/* SIMD kernels' software prefetch distance, weight bytes: far enough for a line to arrive before
+ * use, growing with memory latency times a core's weight rate (README: prefetch distance). */
 #define QUANT_PREFETCH 4096
 
-/* The 8 super-blocks of a K group unrolled: their integer parts stay in registers (fewer
- * instructions: README), at ~15 s more compile time. COLI_ROLLED leaves the
- * loops rolled (same results): test builds that check neither the kernels' speed nor the
- * shipped code's bits (build.sh) define it. */
+/* A K group's 8 super-blocks unrolled keep their integer parts in registers (fewer instructions:
+ * README) for ~15 s more compile time. COLI_ROLLED leaves the loops rolled (same results), for test
+ * builds that check neither the kernels' speed nor the shipped code's bits (build.sh). */
 #define QUANT_PRAGMA(x) _Pragma(#x)
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
@@ -2038,9 +2029,9 @@ QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m25
     return _mm_cvtss_f32(v);
 }
 
-/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators so that the
- * next group's comes first: after G groups acc[i] holds partials 8*((G+i)%4) on. A rotation
- * keeps them in registers where acc[g % 4] would put them in memory. */
+/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators so the next
+ * group's comes first: after G groups acc[i] holds partials 8*((G+i)%4) on. Rotating keeps them in
+ * registers; acc[g % 4] would put them in memory. */
 QUANT_AVX2_INLINE void quant_avx2_acc_add(__m256 *acc, __m256 r) {
     const __m256 a = _mm256_add_ps(acc[0], r);
     acc[0] = acc[1]; acc[1] = acc[2]; acc[2] = acc[3]; acc[3] = a;
@@ -2056,8 +2047,8 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
     }
 }
 
-/* The low 128-bit lanes of A and C side by side plus their high lanes side by side: the last
- * step of the horizontal sums: an extract and an insert, not vperm2i128 (Zen 1: README). */
+/* A's and C's low 128-bit lanes side by side plus their high lanes side by side, the horizontal
+ * sums' last step: an extract and an insert, not vperm2i128 (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     const __m256i lo = _mm256_inserti128_si256(a, _mm256_castsi256_si128(c), 1);
     const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_extracti128_si256(a, 1)),
@@ -2065,7 +2056,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     return _mm256_add_epi32(lo, hi);
 }
 
-/* The 128-bit lane L of V in both lanes (an extract and an insert: see quant_avx2_add_lanes). */
+/* V's 128-bit lane L in both lanes (an extract and an insert: see quant_avx2_add_lanes). */
 QUANT_AVX2_INLINE __m256i quant_avx2_lane_twice(__m256i v, int l) {
     const __m128i h = l ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
     return _mm256_inserti128_si256(_mm256_castsi128_si256(h), h, 1);
@@ -2087,14 +2078,14 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
     return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
 
-/* 16 int16 pair sums of v*x for signed bytes, |x| <= 127 (v = -128 works: sign(v, v) reads as
- * 128 unsigned), so no pair saturates. */
+/* 16 int16 pair sums of v*x for signed bytes, |x| <= 127 (v = -128 works: sign(v, v) reads 128
+ * unsigned): no pair saturates. */
 QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
 }
 
-/* Columns per pass of the AVX2 multi-column kernels: a group's 8 decoded weight blocks are
- * shared by every column, each column's 8 block products and 4 accumulators come in turn. */
+/* Columns per pass of the AVX2 multi-column kernels: every column shares a group's 8 decoded weight
+ * blocks; each column's 8 block products and 4 accumulators come in turn. */
 #define QUANT_AVX2_NCOL 4
 
 /* The 16 bytes at P in the low 128-bit lane, those at Q in the high one. */
@@ -2103,14 +2094,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
                                    _mm_loadu_si128((const __m128i *)q), 1);
 }
 
-/* A legacy group's 8 blocks go as 4 pairs, block j beside block j + 4 (j < 4), each pair's
- * elements 0-15 in one vector (LO: block j's in the low 128-bit lane, block j + 4's in the high)
- * and 16-31 in another (HI). Then the two products of a pair add up within each lane, and the
- * horizontal sums of quant_avx2_legacy_sums leave block k's total in lane k: half the horizontal
- * adds of summing 8 whole blocks, and no lane-crossing step. */
+/* A legacy group's 8 blocks go as 4 pairs, block j beside j + 4 (j < 4): elements 0-15 in one
+ * vector (LO: block j's in the low 128-bit lane, j + 4's in the high), 16-31 in another (HI). A
+ * pair's two products add within each lane, and quant_avx2_legacy_sums' horizontal sums leave block
+ * k's total in lane k: half the horizontal adds of summing 8 whole blocks, none crossing lanes. */
 
-/* The weight operands of the pair of blocks at BJ and BJ4 (quant_avx2_legacy_sums' layout):
- * signed values (Q8_0, IQ4_NL), else unsigned quants (MXFP4's values + 12). */
+/* The weight operands of the block pair at BJ and BJ4 (quant_avx2_legacy_sums' layout): signed
+ * values (Q8_0, IQ4_NL), else unsigned quants (MXFP4: values + 12). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj, const uint8_t *bj4, __m256i *lo,
                                             __m256i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -2145,10 +2135,9 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj,
     }
 }
 
-/* Σ q_w*q_x of the pair (LO, HI) against the activation's blocks at XJ and XJ4, lane by lane:
- * 16 int16 (each at most 2 * 2 * 31 * 127 = 15748), or 8 int32 for the signed types, whose
- * pairs reach 2 * 128 * 127. Q4_0/Q5_0 quants and MXFP4's values are still offset (the caller
- * subtracts 8/16/12 * Σq_x). */
+/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ and XJ4, by lane: 16 int16 (each <=
+ * 2 * 2 * 31 * 127 = 15748), or 8 int32 for the signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
+ * quants and MXFP4's values are still offset (the caller subtracts 8/16/12 * Σq_x). */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, __m256i hi, const int8_t *xj,
                                                  const int8_t *xj4) {
     const __m256i xl = quant_avx2_halves(xj, xj4), xh = quant_avx2_halves(xj + 16, xj4 + 16);
@@ -2159,9 +2148,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, _
                             _mm256_madd_epi16(quant_avx2_signed_pairs(hi, xh), ones));
 }
 
-/* Lane k = block k's sum, from the pairs' P[j] (quant_avx2_legacy_pair). Sums stay 16-bit as
- * long as they cannot wrap: 4 of 4-bit quants' P (4 * 2 * 2 * 15 * 127 = 30480), 2 of the
- * 5-bit ones' and MXFP4's. */
+/* Lane k = block k's sum, from the pairs' P[j] (quant_avx2_legacy_pair). Sums stay 16-bit while
+ * they cannot wrap: 4 of 4-bit quants' P (4 * 2 * 2 * 15 * 127 = 30480), 2 of 5-bit or MXFP4's. */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_sums(enum gguf_type t, const __m256i *p) {
     if (t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL)
         return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -2189,10 +2177,9 @@ QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
-/* Legacy dot of one row with NC columns (acts STRIDE apart, results y[c*ys]): groups of 8
- * blocks give one vector of unit results per column, added to its accumulator (g % 4), i.e.
- * partials b % 32; a tail of < 8 blocks goes through the scalar units. Every column takes the
- * single-column steps, so matmat gives matvec's bits. */
+/* Legacy dot of one row with NC columns (acts STRIDE apart, results y[c*ys]): each 8-block group
+ * gives a vector of unit results per column, added to its accumulator g % 4 (partials b % 32); a <
+ * 8-block tail takes the scalar units. Columns take single-column steps: matvec's bits. */
 QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                          int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2248,10 +2235,9 @@ QUANT_AVX2_INLINE __m256 quant_avx2_load_w8(enum gguf_type t, const uint8_t *w) 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Float row dot with NC (1 or 2) columns at ACTS, STRIDE apart: element i -> partial i % 32,
- * i.e. accumulator (i/8) % 4 of its column, lane i % 8. Each weight vector is converted once
- * for both columns; two columns' 8 accumulators and the 4 weight vectors fit the 16 registers,
- * where four columns would spill (README). */
+/* Float row dot with NC (1 or 2) columns at ACTS, STRIDE apart: element i -> partial i % 32 (its
+ * column's accumulator (i/8) % 4, lane i % 8). Weight vectors convert once for both columns; two
+ * columns' 8 accumulators and 4 weight vectors fit 16 registers; four spill (README). */
 QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                         int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
@@ -2285,12 +2271,11 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
     }
 }
 
-/* The K formats' scales multiply their int16 products (maddubs) in vpmaddwd, which Zen 1 runs on
- * one pipe (README), as the products themselves. So the products of 2 or 4 steps of 32 weights
- * are first folded into one vector of sums (adds and unpacks, on the other pipes), each 128-bit
- * lane's qword or dword one step's, and one multiply applies their scales (README). Sums of up
- * to 4 products stay in int16 for quants of up to 5 bits (4 * 2 * 31 * 127 = 31496); Q6_K's
- * (6 bits: 2 * 2 * 63 * 127 = 32004) fold by 2 only. */
+/* K formats' scales multiply their int16 products (maddubs) by vpmaddwd, which Zen 1 runs on one
+ * pipe (README), like the products. So 2 or 4 steps' products (32 weights each) first fold into one
+ * vector of sums (adds, unpacks: other pipes), a step a qword or dword of each 128-bit lane, and
+ * one multiply applies their scales (README). Up to 4 products' sums stay in int16 for quants up to
+ * 5 bits (4 * 2 * 31 * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
@@ -2307,22 +2292,21 @@ QUANT_AVX2_INLINE __m256i quant_avx2_fold4(const __m256i *p) {
     return quant_avx2_fold2(quant_avx2_fold32(p[0], p[1]), quant_avx2_fold32(p[2], p[3]));
 }
 
-/* A vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i and
- * 2i + 1). Closed form, so that constant indices fold to a constant. */
+/* A vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i, 2i +
+ * 1). Closed form, so constant indices fold to a constant. */
 QUANT_AVX2_INLINE uint64_t quant_avx2_words(int i0, int i1, int i2, int i3) {
     return (uint64_t)(0x0202u * (unsigned)i0 + 0x0100u) | (uint64_t)(0x0202u * (unsigned)i1 + 0x0100u) << 16 |
            (uint64_t)(0x0202u * (unsigned)i2 + 0x0100u) << 32 | (uint64_t)(0x0202u * (unsigned)i3 + 0x0100u) << 48;
 }
 
-/* H's int16 (scales) picked by quant_avx2_words controls: the low lane's qwords by L0, L1, the
- * high lane's by H0, H1. */
+/* H's int16 scales by quant_avx2_words controls: low lane's qwords by L0, L1; high's by H0, H1. */
 QUANT_AVX2_INLINE __m256i quant_avx2_pick(__m256i h, uint64_t l0, uint64_t l1, uint64_t h0, uint64_t h1) {
     return _mm256_shuffle_epi8(h, _mm256_set_epi64x((long long)h1, (long long)h0, (long long)l1, (long long)l0));
 }
 
 /* The scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: the 8 scales in both
- * lanes), or of Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's two 16-weight
- * halves' 2i and 2i + 1 in the low and high lane). */
+ * lanes) or of Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's 16-weight halves'
+ * 2i and 2i + 1 in the low and high lane). */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, int f) {
     if (t != GGUF_TYPE_Q6_K) {
         const uint64_t a = quant_avx2_words(f, f, f + 1, f + 1), b = quant_avx2_words(f + 2, f + 2, f + 3, f + 3);
@@ -2334,18 +2318,17 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, in
                            quant_avx2_words(k + 3, k + 3, k + 3, k + 3));
 }
 
-/* Each byte of V shifted so that its bit FROM lands on bit TO, then masked by MASK: the high
- * bits of Q5_K (one, to bit 4), Q6_K (two, to bits 4-5) and Q3_K (one, to bit 2) in place with
- * one 16-bit shift, where shift, mask, shift took two. Exact per byte as long as the bits kept
- * come from their own byte, as they do for these (Zen 1: README). */
+/* Each byte of V shifted so its bit FROM lands on bit TO, masked by MASK: Q5_K's high bit (to bit
+ * 4), Q6_K's two (to bits 4-5), Q3_K's one (to bit 2) placed by one 16-bit shift, where shift,
+ * mask, shift took two. Exact per byte while bits kept come from their own byte (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
     const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
-/* Bits 2K and 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts
- * on one pipe (README), so the two that move bits up are byte lookups (the low nibble of H ->
- * its bits 2K, 2K + 1 at bits 4-5), and step 2's bits are already in place. */
+/* Bits 2K, 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts on one
+ * pipe (README), so the steps moving bits up are byte lookups (H's low nibble -> its bits 2K, 2K +
+ * 1 at bits 4-5); step 2's are already in place. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
     if (k == 3) return quant_avx2_bits_to(h, 6, 4, 0x30);
@@ -2355,9 +2338,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     return _mm256_shuffle_epi8(table, _mm256_and_si256(h, _mm256_set1_epi8(0x0f)));
 }
 
-/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): the scales
- * applied with madd on folds of 4 steps' int16 products (quant_avx2_fold4; the scales' layout
- * is Q4_K's and Q5_K's alike). */
+/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): scales applied
+ * by madd on folds of 4 steps' int16 products (quant_avx2_fold4; Q4_K, Q5_K lay scales alike). */
 QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2384,8 +2366,8 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
     return acc;
 }
 
-/* Q6_K integer part before the offset, 8 lanes summing to Σ_j sc_j * Σ q*x with q unsigned
- * (0..63); SC holds the 16 scales as int16. */
+/* Q6_K integer part less offset, 8 lanes summing to Σ_j sc_j * Σ q*x, q unsigned (0..63); SC: the
+ * 16 scales as int16. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i acc = _mm256_setzero_si256();
@@ -2410,10 +2392,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
     return acc;
 }
 
-/* Q2_K / Q3_K integer parts with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, i.e. the
- * hmask bit as the third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16
- * in g} q'*x; SC holds the 16 scales as int16. Each half's quants are decoded once for all the
- * columns. quant_avx2_q23k_finish takes off Q3_K's offset and gives Q2_K's min term. */
+/* Q2_K / Q3_K integer parts with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, the hmask
+ * bit as third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16 in g} q'*x;
+ * SC holds the 16 scales as int16. Each half's quants are decoded once for all columns;
+ * quant_avx2_q23k_finish takes off Q3_K's offset, gives Q2_K's min term. */
 QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b, const int8_t *const *qx, int NC,
                                              __m256i sc, __m256i *acc) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -2447,8 +2429,8 @@ QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b,
 }
 
 /* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
- * (scales 0-7 low, 8-15 high), bytes 8-11 the top 2 bits of all 16. The 16-byte load starts 4
- * bytes early, inside the block, so that it ends inside it too. */
+ * (scales 0-7 low, 8-15 high), bytes 8-11 all 16's top 2 bits. The 16-byte load starts 4 bytes
+ * early, inside the block, so it ends inside it too. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
     const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
     const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
@@ -2470,8 +2452,8 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_scales(enum gguf_type t, const uint8_t *b
     *mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
 }
 
-/* A column's Q2_K / Q3_K integer parts from its quant_q23k_isums_avx2 sum and its 16 bsums BS:
- * Q3_K's offset of 4 comes off as 4 * Σ sc_g * bsum_g; Q2_K's min term is Σ min_g * bsum_g. */
+/* A column's Q2_K / Q3_K integer parts from its quant_q23k_isums_avx2 sum and 16 bsums BS: Q3_K's
+ * offset of 4 comes off as 4 * Σ sc_g * bsum_g; Q2_K's min term is Σ min_g * bsum_g. */
 QUANT_AVX2_INLINE void quant_avx2_q23k_finish(enum gguf_type t, __m256i isum, __m256i bs, __m256i sc, __m256i mins,
                                               __m256i *is, __m256i *sm) {
     if (t == GGUF_TYPE_Q3_K) {
@@ -2483,8 +2465,7 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_finish(enum gguf_type t, __m256i isum, __
     }
 }
 
-/* The stored signs of an IQ3_S 32-block (4 bytes at S, bit j of byte l for weight 8l+j) as
- * bytes -1 / +1 in weight order. */
+/* An IQ3_S 32-block's signs (4 bytes at S, bit j of byte l for weight 8l+j) as -1/+1 bytes. */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
     uint32_t bits;
     memcpy(&bits, s, 4);
@@ -2494,11 +2475,11 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
     return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
 }
 
-/* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's,
- * 32-blocks of the table's signed values times the 32-block's integer scale. One 32-byte load
- * holds blocks k and k + 1 in its lanes, their low nibbles weights 0-15 and high nibbles 16-31,
- * decoded once for all the columns, so each column's x comes in those halves (README). The
- * values reach 127, so each product takes its own scale multiply. */
+/* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's:
+ * 32-blocks of the table's signed values times the block's integer scale. One 32-byte load holds
+ * blocks k and k + 1 in its lanes, low nibbles weights 0-15, high ones 16-31, decoded once for all
+ * columns, so each column's x comes in those halves (README). Values reach 127, so each product
+ * takes its own scale multiply. */
 QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2522,19 +2503,18 @@ QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *co
     }
 }
 
-/* The 8 grid points of an IQ3_XXS 32-block from its 8 index bytes Q (one load; the bytes come
- * apart in integer registers, where 8 byte loads took the load ports the grid needs). */
+/* An IQ3_XXS 32-block's 8 grid points from its 8 index bytes Q (one load, split in integer
+ * registers: 8 byte loads took the load ports the grid needs). */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3xxs_points(uint64_t q) {
     const uint32_t *g = quant_iq3xxs_grid;
     return _mm256_set_epi32((int)g[q >> 56], (int)g[q >> 48 & 255], (int)g[q >> 40 & 255], (int)g[q >> 32 & 255],
                             (int)g[q >> 24 & 255], (int)g[q >> 16 & 255], (int)g[q >> 8 & 255], (int)g[q & 255]);
 }
 
-/* IQ3_XXS integer parts for NC columns at QX[c], ACC[c]'s 8 lanes summing to
- * quant_iq_isum_scalar's; each 32-block's points and signs are decoded once for all the columns.
- * Its points are at most 62, so two 32-blocks' products add in int16 (2 * 2 * 62 * 127 = 31496)
- * and one multiply applies both scales (2 s + 1, from the top 4 bits of each block's word), as
- * quant_avx2_fold2 lays them out. */
+/* IQ3_XXS integer parts for NC columns at QX[c] (ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's);
+ * each 32-block's points and signs are decoded once for all columns. Points are at most 62, so two
+ * 32-blocks' products add in int16 (2 * 2 * 62 * 127 = 31496) and one multiply applies both scales
+ * (2 s + 1, from the top 4 bits of each block's word), laid out as by quant_avx2_fold2. */
 QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i words = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
@@ -2569,10 +2549,9 @@ QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *c
     }
 }
 
-/* The grid points of an IQ3_S 32-block IB: its 8 qs bytes with bit j of its qh byte as bit 8
- * of index j. The qh bits move into two words of four 16-bit indices (even and odd j) by a
- * multiply: bit 2k lands at 16k + 8 and the cross terms at bits that are not (2a + 8 + 14b,
- * all apart), so nothing carries. */
+/* The grid points of IQ3_S 32-block IB: its 8 qs bytes with bit j of its qh byte as index j's bit
+ * 8. One multiply moves the qh bits into two words of four 16-bit indices (even and odd j): bit 2k
+ * lands at 16k + 8, the cross terms at other bits (2a + 8 + 14b, all apart), so nothing carries. */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
     const uint64_t spread = (1ull << 8) + (1ull << 22) + (1ull << 36) + (1ull << 50), at8 = 0x0100010001000100ull;
     const uint64_t byte16 = 0x00ff00ff00ff00ffull, h = b[QUANT_IQ3S_QH + ib];
@@ -2586,11 +2565,10 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
                             (int)g[odd & 0xffff], (int)g[even & 0xffff]);
 }
 
-/* IQ3_S integer parts for NC columns at QX[c], ACC[c]'s 8 lanes summing to
- * quant_iq_isum_scalar's; each 32-block's points and signs are decoded once for all the columns.
- * Its points are at most 15, so four 32-blocks' products add in int16 (4 * 2 * 15 * 127 = 15240)
- * and one multiply applies their scales (2 s + 1), as quant_avx2_fold4 lays them out (its first
- * step taken as each pair of products comes, so that a column holds two vectors, not four). */
+/* quant_iq3xxs_isums_avx2 for IQ3_S: points are at most 15, so four 32-blocks' products add in
+ * int16 (4 * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as by
+ * quant_avx2_fold4 (its first step taken as each pair of products comes, so a column holds two
+ * vectors, not four). */
 QUANT_AVX2_INLINE void quant_iq3s_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     uint32_t packed;
     memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
@@ -2656,8 +2634,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
     }
 }
 
-/* Slot K of the group at unit U: super-block U + K's integer parts (prefetching ahead), or
- * zeros from COUNT on. */
+/* Slot K of unit U's group: super-block U + K's integer parts (prefetching), 0 from COUNT on. */
 QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, int bb, struct quant_q8k_view a,
                                          int64_t u, int k, int count, __m256i *is, __m256i *sm) {
     is[k] = sm[k] = _mm256_setzero_si256();
@@ -2666,13 +2643,12 @@ QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, in
     quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
 }
 
-/* All ones in the first COUNT (0..8) of 8 lanes, loaded from quant_avx2_lane_ones + 8 - COUNT. */
+/* All ones in the first COUNT (0..8) of 8 lanes, from quant_avx2_lane_ones + 8 - COUNT. */
 static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 
-/* The fp16 fields at byte OFF of a group's blocks, as floats: lane l = block l % 2^SHIFT of row
- * l >> SHIFT (rows RB bytes apart from B, blocks BB); the lanes past NR rows or past PER blocks
- * of a row +0, and only the blocks in the group are read. Inlined with constant shape, the
- * tests fold away. */
+/* The fp16 fields at byte OFF of a group's blocks as floats: lane l = block l % 2^SHIFT of row l >>
+ * SHIFT (rows RB bytes apart from B, blocks BB); lanes past NR rows or PER blocks of a row +0; only
+ * the group's blocks are read. Inlined with a constant shape, the tests fold away. */
 QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, int bb, int shift, int nr,
                                                  int per, int off) {
     uint64_t lo = 0, hi = 0;
@@ -2687,10 +2663,10 @@ QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, in
 }
 
 /* K-quant row dot: groups of 8 super-blocks (the last may be short) give one vector of unit
- * results, lane k = unit u + k, added to accumulator (u/8) % 4, i.e. partials u % 32, with
- * quant_dot_k's float steps in each lane. A short group's empty lanes hold +0 (d, dx and the
- * integer parts zero), and a partial plus +0 is the partial: the scalar bits either way. No
- * scalar helper is called (an SSE call from AVX code pays transitions: README). */
+ * results, lane k = unit u + k, added to accumulator (u/8) % 4 (partials u % 32), each lane taking
+ * quant_dot_k's float steps. A short group's empty lanes hold +0 (d, dx and integer parts zero),
+ * and a partial plus +0 is the partial: the scalar bits either way. No scalar helper is called (an
+ * SSE call from AVX code pays transitions: README). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2723,8 +2699,8 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
     return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
-/* Step I (0..7: weights 32 I..32 I+31) of a Q4_K, Q5_K or Q6_K super-block B: its unsigned
- * quants. Inlined with a constant I, the loads it repeats fold. */
+/* Step I (0..7: weights 32 I..32 I+31) of Q4_K, Q5_K or Q6_K super-block B: its unsigned quants.
+ * Inlined with a constant I, its repeated loads fold. */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (t == GGUF_TYPE_Q6_K) {
@@ -2759,8 +2735,8 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t
     }
 }
 
-/* quant_avx2_k_ints of super-block B (unit U) for NC columns A, into is[c][k] and sm[c][k],
- * each step decoded once for all: the same integers per column (in other lanes: exact sums). */
+/* quant_avx2_k_ints of super-block B (unit U) for NC columns A into is[c][k] and sm[c][k], each
+ * step decoded once for all: per column the same integers (in other lanes: exact sums). */
 QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
                                               int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
     if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
@@ -2838,7 +2814,7 @@ QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *
 }
 
 /* K or IQ (IQ4_XS, IQ3_XXS, IQ3_S) dot of one row with NC (2..QUANT_AVX2_NCOL) columns:
- * quant_avx2_k's steps for every column, each super-block step decoded once for all of them. */
+ * quant_avx2_k's steps for every column, each super-block step decoded once for all. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2868,8 +2844,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
 }
 
-/* Lane L of a group of quant_avx2_k_rows: super-block L % 2 of row L / 2, or zero integer parts
- * past the group's NR rows. */
+/* Lane L of a quant_avx2_k_rows group: super-block L % 2 of row L / 2, or zero past NR rows. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb, struct quant_q8k_view a,
                                              int nr, int l, __m256i *is, __m256i *sm) {
     const int i = l / 2, k = l % 2;
@@ -2877,8 +2852,8 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr
     if (i < nr) quant_avx2_k_ints(t, wr + (size_t)i * rb + (size_t)k * bb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
 }
 
-/* The float steps of a group of quant_avx2_pairs_group (both levels): the integer parts IS and
- * SM of NR rows' 2 super-blocks each in lanes 2 * row + unit, to the row results in Y. */
+/* The float steps of a quant_avx2_pairs_group group (both levels): integer parts IS and SM of NR
+ * rows' 2 super-blocks each, in lanes 2 * row + unit, to the row results in Y. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *wr, size_t rb, int nr, __m256 dx,
                                                const __m256i *is, const __m256i *sm, float *y) {
     const int bb = gguf_type_get(t)->block_bytes, doff = quant_k_d_offset(t);
@@ -2894,7 +2869,7 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *
     for (int i = 0; i < nr; i++) y[i] = out[2 * i];
 }
 
-/* NR (1..4) rows of 2 super-blocks from WR, in lanes 2 * row + unit; the row results go to Y. */
+/* NR (1..4) rows of 2 super-blocks from WR in lanes 2 * row + unit; row results to Y. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                               __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2909,12 +2884,12 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *w
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, sm, y);
 }
 
-/* K-quant rows of 2 super-blocks (512 columns: the down products of the 35B-A3B's experts and of
- * qwen3next's), 4 rows to one group of 8 lanes, which shares among 4 rows the horizontal sums,
- * the float steps and the reduction that a 2-super-block row pays alone in quant_avx2_k. Each
- * lane takes quant_dot_k's float steps; 0 + r is the partial (the single-row kernel's first add),
- * and p[0] + p[1] is the whole canonical butterfly: the other 30 partials are +0, and adding +0
- * to a partial that is never -0 changes nothing. Other rows go one by one through quant_avx2_k. */
+/* K-quant rows of 2 super-blocks (512 columns: the 35B-A3B's and qwen3next's experts' down
+ * products), 4 rows to a group of 8 lanes, sharing the horizontal sums, float steps and reduction
+ * that quant_avx2_k makes a 2-super-block row pay alone. Each lane takes quant_dot_k's float steps;
+ * 0 + r is the partial (the single-row kernel's first add), and p[0] + p[1] the whole canonical
+ * butterfly: the other 30 partials are +0, and adding +0 to a partial that is never -0 changes
+ * nothing. Other rows go one by one through quant_avx2_k. */
 QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nrows,
                                          const void *act, int64_t n, float *y) {
     if (n != 2 * QUANT_QK_K) {
@@ -2939,10 +2914,9 @@ QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n)
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 
-/* One row with nc columns in passes of NCOL (4), each pass size a constant so that the column
- * loops unroll and the accumulators stay in registers (3 columns left go as 2 + 1: a copy of
- * the kernel fewer to compile); KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC
- * columns. The AVX-512 kernels are wrapped the same way. */
+/* One row with nc columns in passes of NCOL (4), each pass size a constant so column loops unroll,
+ * accumulators in registers (3 leftover columns go as 2 + 1: a kernel copy fewer to compile);
+ * KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC columns (the AVX-512 kernels alike). */
 #define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol) \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
                             float *y, size_t ys) { \
@@ -2952,9 +2926,9 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
         if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
     }
 
-/* COLI_ROLLED builds pass the pass size at run time instead, and the single-column dot is the
- * multi-column kernel's one-column call: one copy of each kernel, not four (the same bits; the
- * sanitizer build of test_quant takes ~19 s where fixed sizes at both levels take ~29). */
+/* COLI_ROLLED builds pass the pass size at run time, and the single-column dot is the multi-column
+ * kernel's one-column call: one copy of each kernel, not four (the same bits; test_quant's
+ * sanitizer build takes ~19 s, fixed sizes at both levels ~29). */
 #ifdef COLI_ROLLED
 #define QUANT_COLUMNS(name, target, kernel, type, ncol) \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
@@ -2997,8 +2971,8 @@ QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
 
-/* NC columns of a K or IQ row: quant_avx2_k_cols, a single column through
- * quant_avx2_k (its steps, with nothing held between decode and use). */
+/* NC columns of a K or IQ row: quant_avx2_k_cols, one column through quant_avx2_k (its steps,
+ * nothing held between decode and use). */
 QUANT_AVX2_INLINE void quant_avx2_k_n(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                       float *y, size_t ys, int NC) {
     if (NC == 1) *y = quant_avx2_k(t, w, acts, n);
@@ -3028,16 +3002,16 @@ QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
  * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
- * once and applied to up to QUANT_NCOL activation columns, every column going through exactly
- * the single-column steps, so matmat gives matvec's bits. Only AVX512F/BW/VL/VNNI: VBMI's byte
- * permutes would shorten the IQ3_XXS lattice lookup and the MXFP4 unpack, but Cascade Lake and
- * Cooper Lake (VNNI without VBMI) lack them. */
+ * once for up to QUANT_NCOL act columns, each through exactly the single-column steps, so
+ * matmat gives matvec's bits. Only AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the
+ * IQ3_XXS lattice lookup and the MXFP4 unpack, but Cascade Lake and Cooper Lake (VNNI without
+ * VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and
- * 4 x 2 float accumulators, which with the decoded weights fills the 32 zmm registers. */
+/* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and 4 x
+ * 2 float accumulators, filling the 32 zmm registers with the decoded weights. */
 #define QUANT_NCOL 4
 
 /* Canonical butterfly on two accumulators holding partials 0-15 and 16-31. */
@@ -3096,10 +3070,10 @@ QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
 }
 
-/* Word permutes instead of a gather for the fields of 16 blocks of Q4_1, Q5_0, Q5_1 or Q8_0,
- * through 128-byte windows at 0, 128, ... (the last ends with the group: no load leaves it).
- * F = 0: d of block k in word k, Q4_1's and Q5_1's min in word 16 + k; F = 1: Q5_0's and
- * Q5_1's qh of block k in dword k. Made once, at quant_set_level. */
+/* Word permutes, not a gather, for the fields of 16 Q4_1, Q5_0, Q5_1 or Q8_0 blocks, through
+ * 128-byte windows at 0, 128, ... (the last ends with the group: no load leaves it). F = 0: block
+ * k's d in word k, Q4_1's and Q5_1's min in word 16 + k; F = 1: Q5_0's and Q5_1's block k qh in
+ * dword k. Made once, at quant_set_level. */
 static struct quant_group_words { int16_t idx[32]; uint32_t from[5 /* Q8_0's 544 bytes */]; int windows; } quant_group_words[GGUF_TYPE_COUNT][2];
 
 QUANT_SHARED_INLINE int quant_group_window_at(int bb, int w) { return 128 * w < 16 * bb - 128 ? 128 * w : 16 * bb - 128; }
@@ -3138,9 +3112,9 @@ QUANT_AVX512_INLINE __m512i quant_avx512_group_words(enum gguf_type t, int f, co
     return r;
 }
 
-/* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4
- * (E8M0, byte 17k): two word permutes of two loads each, blocks 0-7 from the first bytes and
- * 8-15 from byte 144 (MXFP4 136) on, instead of a gather (slow: ~13 cycles). */
+/* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4 (E8M0,
+ * byte 17k) by two word permutes of two loads each, blocks 0-7 from the first bytes, 8-15 from byte
+ * 144 (MXFP4 136) on, not a gather (slow: ~13 cycles). */
 QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t *b) {
     const int mx = t == GGUF_TYPE_MXFP4, second = mx ? 136 : 144;
     int16_t w[32], shift[32];
@@ -3157,11 +3131,10 @@ QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t
     return quant_avx512_e8m0_half(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(e)));
 }
 
-/* Unsigned quants of the 4 legacy blocks at b (QUAD of a group whose qh dwords are QHS, for
- * Q5_0 and Q5_1), one 128-bit lane per block: *lo holds elements 0-15, *hi elements 16-31.
- * Q8_0 and the table formats (IQ4_NL, MXFP4) are offset by 128 (the caller subtracts 128 * Σx,
- * as it subtracts 8 or 16 for Q4_0/Q5_0), so vpdpbusd (unsigned x signed) applies to every
- * format. */
+/* The 4 legacy blocks' unsigned quants at b (QUAD of a group with qh dwords QHS, for Q5_0/Q5_1), a
+ * 128-bit lane a block: elements 0-15 in *lo, 16-31 in *hi. Q8_0 and the table formats (IQ4_NL,
+ * MXFP4) are offset by 128 (the caller subtracts 128 * Σx, as 8 or 16 for Q4_0/Q5_0), so vpdpbusd
+ * (unsigned x signed) serves all. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb, __m512i qhs, int quad,
                                                   __m512i *lo, __m512i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -3192,9 +3165,9 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         h = _mm512_shuffle_epi8(tab, h);
     }
     if (five) {
-        /* bit j of a block's qh is element j's fifth bit: bits 0-15 go to lo, 16-31 to hi. Each
-         * block's lane holds its qh four times (a dword permute of QHS); a byte shuffle gives byte
-         * i the qh byte with element i's bit, a test picks the bit. */
+        /* bit j of a block's qh is element j's fifth bit (0-15 to lo, 16-31 to hi). Each block's
+         * lane holds its qh four times (a dword permute of QHS); a byte shuffle gives byte i the qh
+         * byte holding element i's bit, a test picks it. */
         const __m512i q = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                                                     _mm512_set1_epi32(4 * quad)), qhs);
         const __m512i bit = _mm512_broadcast_i32x4(_mm_set1_epi64x(0x8040201008040201));
@@ -3207,8 +3180,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     *hi = h;
 }
 
-/* Lane u = sum of the 4 int32 of block u, where q[j] holds blocks 4j..4j+3 in its 128-bit lanes
- * (two unpack rounds leave block 4j+k in lane 4k+j; the permute undoes that). */
+/* Lane u = sum of block u's 4 int32, q[j] holding blocks 4j..4j+3 in its 128-bit lanes (two unpack
+ * rounds leave block 4j+k in lane 4k+j; the permute undoes that). */
 QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(q[0], q[1]), _mm512_unpackhi_epi32(q[0], q[1]));
     __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(q[2], q[3]), _mm512_unpackhi_epi32(q[2], q[3]));
@@ -3216,8 +3189,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
 }
 
-/* The 512 activation quants of 16 blocks at QX in legacy_quad's lane order: xl[k] and xh[k]
- * pair with quad k's lo and hi. IN_LANES: QX is already in that order (quant_act_to_lanes). */
+/* 16 blocks' 512 act quants at QX in legacy_quad's lane order: xl[k] and xh[k] pair with quad k's
+ * lo and hi. IN_LANES: QX is already so (quant_act_to_lanes). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes, __m512i *xl, __m512i *xh) {
     QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
@@ -3227,11 +3200,10 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes
     }
 }
 
-/* An act for the legacy formats' kernels at this level with the quants of each whole group of
- * 16 blocks in legacy_acts' lane order (every 128 bytes: the first halves of 4 blocks, then
- * their second halves), the rest as it was: the kernels then load them as they are, where each
- * row and column took two lane shuffles per 128. The integer sums pair the same bytes: the
- * same bits. */
+/* An act for this level's legacy kernels with each whole group of 16 blocks' quants in legacy_acts'
+ * lane order (every 128 bytes: 4 blocks' first halves, then their second), the rest unchanged:
+ * kernels load them as they are, where each row and column took two lane shuffles per 128. The
+ * integer sums pair the same bytes: the same bits. */
 static QUANT_AVX512 void quant_act_to_lanes_avx512(enum gguf_type t, const void *act, int64_t n, void *out) {
     const int8_t *qx = act;
     int8_t *o = out;
@@ -3256,8 +3228,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __
     return quant_avx512_quad_sums(q);
 }
 
-/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), the
- * block scales in *dw, the mins in *mw (Q4_1, Q5_1; else zero). */
+/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), block
+ * scales in *dw, mins in *mw (Q4_1, Q5_1; else zero). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8_t *wb, __m512i *wl, __m512i *wh, __m512 *dw,
                                                    __m512 *mw) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3276,8 +3248,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8
     }
 }
 
-/* How far the quants of T sit above the signed ones, as a shift: the caller takes off
- * Σx << shift (Q4_0 8, Q5_0 16, the formats offset by 128 in legacy_quad 128); 0 for none. */
+/* How far T's quants sit above the signed ones, as a shift (0: none): the caller takes off Σx <<
+ * shift (Q4_0 8, Q5_0 16, the formats offset by 128 in legacy_quad 128). */
 QUANT_AVX512_INLINE int quant_avx512_legacy_shift(enum gguf_type t) {
     const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
     return t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
@@ -3303,9 +3275,8 @@ QUANT_AVX512_INLINE __m512 quant_avx512_legacy_sd(enum gguf_type t, const struct
     return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_loadu_ps(a->sd + b) : _mm512_setzero_ps();
 }
 
-/* Legacy dot of one row with NC columns (acts at `stride`, results y[c*ys]): groups of 16
- * blocks give one vector of unit results added to accumulator (g % 2), i.e. partials b % 32;
- * a tail of < 16 blocks goes through the scalar units. */
+/* quant_avx2_legacy at this level, 16 blocks a group: a vector of unit results into accumulator g %
+ * 2 (partials b % 32); tails: scalar units. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_dot(enum gguf_type t, int in_lanes, const uint8_t *w, const uint8_t *acts,
                                                  size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3357,8 +3328,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_in_lanes(enum gguf_type t, const ui
     quant_avx512_legacy_dot(t, 1, w, acts, stride, n, y, ys, NC);
 }
 
-/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, the
- * rows side by side in the vector instead of one per vector. */
+/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, the rows
+ * side by side in one vector, not one a vector. */
 QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
     const __m512 z = _mm512_setzero_ps(), a0 = _mm512_add_ps(v[0], z), a1 = _mm512_add_ps(v[1], z);
     const __m512 a2 = _mm512_add_ps(v[2], z), a3 = _mm512_add_ps(v[3], z);
@@ -3372,11 +3343,10 @@ QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), o));
 }
 
-/* Rows kernel of the legacy formats: rows of 16 blocks (the 35B-A3B's expert and shared-expert
- * down products) 4 at a time, the act's lanes ordered once for all of them and their 4
- * butterflies in one (quant_avx512_reduce4; a dot per row paid for both on every row). Other
- * lengths go through DOT, one row at a time. IN_LANES: the act from quant_act_to_lanes, DOT a
- * kernel for such acts. */
+/* Legacy rows kernel: rows of 16 blocks (the 35B-A3B's expert and shared-expert down products) 4 at
+ * a time, the act's lanes ordered once for all, their 4 butterflies in one (quant_avx512_reduce4; a
+ * dot per row paid both every row). Other lengths go a row at a time through DOT. IN_LANES: the act
+ * is from quant_act_to_lanes, DOT a kernel for such acts. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes, quant_dot_fn dot, const uint8_t *w, size_t rb,
                                                   int nrows, const void *act, int64_t n, float *y) {
     if (n != 16 * QUANT_QK) {
@@ -3404,15 +3374,15 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
     }
 }
 
-/* A K-like super-block decoded for the column loop: q[k] holds the unsigned quants of elements
- * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: their magnitudes, with bit i of neg[k] set where element
- * 64k+i is negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the
- * act's 16 bsums (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales,
- * for the offset of 32 or 4; unused by the IQ formats in element order). An act in the decode's
- * own order (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in
- * coordinate planes keeps its scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), and an
- * IQ4_XS one in nibble order its values plus 128, its block scales as dwords in sc[0..1] and as
- * words in m, for the offset of 128 (quant_avx512_iq4xs_nibbles_dot). */
+/* A K-like super-block decoded for the column loop: q[k] the unsigned quants of elements
+ * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: magnitudes, bit i of neg[k] set where element 64k+i is
+ * negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's 16 bsums
+ * (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales, for the offset of 32
+ * or 4; unused by the IQ formats in element order). An act in the decode's order
+ * (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in coordinate
+ * planes keeps scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), an IQ4_XS one in nibble
+ * order values plus 128, block scales as dwords in sc[0..1] and as words in m for the 128 offset
+ * (quant_avx512_iq4xs_nibbles_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
 /* Word index vector: word i takes entry base + i / per of the source. */
@@ -3422,8 +3392,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
     return _mm512_loadu_si512(ix);
 }
 
-/* quant_k4_unpack's 8 scales (bytes 0-7 of the result) and 8 mins (bytes 8-15) in vector
- * form; the 16-byte load reads 4 bytes of quants past the 12 packed ones, masked off. */
+/* quant_k4_unpack's 8 scales (result bytes 0-7) and 8 mins (bytes 8-15) in vector form; the 16-byte
+ * load reads 4 quant bytes past the 12 packed ones, masked off. */
 QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
     const __m128i v = _mm_loadu_si128((const __m128i *)packed);
     /* u0 u2 u1 u2>>4: the low 6 bits of scales 0-3, the low 4 of scales 4-7, then the mins' */
@@ -3440,7 +3410,7 @@ QUANT_AVX512_INLINE __m512i quant_gfni_affine(__m512i data, __m512i matrix) {
     return r;
 }
 
-/* The matrix that moves bit S0 of each byte (S1 in the high 256 bits) to bit I, the rest 0. */
+/* The matrix moving bit S0 of each byte (S1 in the high 256 bits) to bit I, the rest 0. */
 QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
     return _mm512_inserti64x4(_mm512_set1_epi64((long long)((uint64_t)(1u << s0) << (56 - 8 * i))),
                               _mm256_set1_epi64x((long long)((uint64_t)(1u << s1) << (56 - 8 * i))), 1);
@@ -3448,12 +3418,11 @@ QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
 
 #define QUANT_TERNLOG_AND_OR 0xEC /* vpternlogd's table for (A & C) | B */
 
-/* Q4_K / Q5_K super-block. The scales and mins of quant_avx512_k4_fields become words by
- * vpshufb (index byte i, then 0x80: a zero high byte), faster than the scalar
- * quant_k4_unpack and word permutes. A 64-byte load's low nibbles are sub-blocks 4h and
- * 4h + 2, its high ones 4h + 1 and 4h + 3: NIBBLES (the act's 32-blocks in that order,
- * quant_avx512_nibble_order) keeps them so, else two lane shuffles put them in element order.
- * GFNI with NIBBLES: the fifth bits moved to bit 4, or-ed in with the mask by one ternary op. */
+/* Q4_K/Q5_K super-block. quant_avx512_k4_fields' scales and mins become words by vpshufb (index
+ * byte i, then 0x80: a zero high byte), beating scalar quant_k4_unpack and word permutes. A 64-byte
+ * load's low nibbles are sub-blocks 4h and 4h + 2, high ones 4h + 1 and 4h + 3: NIBBLES (the act's
+ * 32-blocks so ordered, quant_avx512_nibble_order) keeps them, else two lane shuffles restore
+ * order. GFNI with NIBBLES: fifth bits to bit 4, or-ed in with the mask in one op. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, int gfni, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
@@ -3492,10 +3461,9 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
     }
 }
 
-/* The 16 scales of a super-block's 16-groups (SC, int16) as the word multipliers of its 4
- * registers of 64 values: lane L (128 bits) of register j is group 4j + L. One word permute
- * puts groups L, 4 + L, 8 + L and 12 + L in lane L, then an in-lane byte shuffle makes each
- * register (faster than a word permute a register: README). */
+/* A super-block's 16 group scales (SC, int16) as word multipliers of its 4 registers of 64 values:
+ * lane L of register j is group 4j + L. A word permute puts groups L, 4 + L, 8 + L, 12 + L in lane
+ * L, then an in-lane byte shuffle makes each register (beats a word permute each: README). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -3522,9 +3490,9 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     k->m = sc;
 }
 
-/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: the hmask bit as the third bit) super-block.
- * q[j] takes the 32 quant bytes of half j / 2 (elements 128 (j / 2) on) shifted by 4 (j % 2) in
- * its low 256 bits and 2 more in its high ones: quant_q23k_quants' element order. */
+/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: the hmask bit as third bit) super-block. q[j] holds
+ * half j / 2's 32 quant bytes (elements 128 (j / 2) on) shifted by 4 (j % 2) in its low 256 bits,
+ * by 2 more in its high: quant_q23k_quants' element order. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
     const int three = t == GGUF_TYPE_Q3_K;
     __m256i sc;
@@ -3552,21 +3520,20 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_
     quant_avx512_group_scales(sc, k->sc);
 }
 
-/* The scales of an IQ super-block's 8 32-blocks (S8, int32) as the multipliers of each vpmaddubsw
- * pair: word i of sc[j] is block 2j + i / 16's. */
+/* An IQ super-block's 8 32-block scales (S8, int32) as multipliers of each vpmaddubsw pair: word i
+ * of sc[j] is block 2j + i / 16's. */
 QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_kblock *k) {
     const __m512i s16 = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8));
     QUANT_UNROLL(4)
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
 }
 
-/* IQ4_XS super-block: the 6-bit scales less 32 (quant_iq4xs_scale), and the IQ4_NL table's
- * values. A block's 16 bytes hold its elements 0-15 in the low nibbles, 16-31 in the high ones:
- * a 64-byte load's low nibbles are the first halves of 4 blocks, its high ones their second
- * halves. NIBBLES (the act in that order, quant_avx512_nibble_order) keeps them so, as the values
- * plus 128 (quant_avx512_iq4xs_nibbles_dot), with sc[h] each lane's block scale as dwords and m
- * each 16-group's as words; else their magnitudes and signs (codes 0-7 are its negative values),
- * one permute per 2 blocks putting both in element order. */
+/* IQ4_XS super-block: the 6-bit scales less 32 (quant_iq4xs_scale) and the IQ4_NL table's values. A
+ * block's 16 bytes hold elements 0-15 in the low nibbles, 16-31 in the high: a 64-byte load's low
+ * nibbles are 4 blocks' first halves, its high ones their second. NIBBLES (the act so ordered,
+ * quant_avx512_nibble_order) keeps them so, as values plus 128 (quant_avx512_iq4xs_nibbles_dot),
+ * sc[h] each lane's block scale as dwords, m each 16-group's as words; else magnitudes and signs
+ * (codes 0-7 are the negative values), one permute per 2 blocks putting both in element order. */
 QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
@@ -3600,11 +3567,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
     k->m = _mm512_castsi512_si256(_mm512_permutexvar_epi16(quant_avx512_widx(0, 2), _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8))));
 }
 
-/* The IQ3_XXS lattice points of the 32 index bytes at Q, elements 0-63 in *lo and 64-127 in
- * *hi, from registers rather than memory (a gather of 16 table words is slow): each
- * index's key (quant_iq3xxs_keys, 256 words in KEYS[8]: four two-register permutes, the
- * index's top 2 bits pick one) gives the levels of coordinates 0-1 (key bits 0-5) and 2-3
- * (bits 6-11) from the 64 level pairs in PAIRS[2], and two more permutes interleave them. */
+/* The IQ3_XXS lattice points of the 32 index bytes at Q (elements 0-63 in *lo, 64-127 in *hi) from
+ * registers, not memory (a gather of 16 table words is slow): each index's key (quant_iq3xxs_keys,
+ * 256 words in KEYS[8]: four two-register permutes, picked by the index's top 2 bits) gives
+ * coordinates 0-1's levels (key bits 0-5) and 2-3's (bits 6-11) from the 64 level pairs in
+ * PAIRS[2]; two more permutes interleave them. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m512i *keys, const __m512i *pairs,
                                                     __m512i *lo, __m512i *hi) {
     const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
@@ -3623,7 +3590,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m5
     *hi = _mm512_permutex2var_epi16(l01, _mm512_mask_add_epi16(quant_avx512_widx(16, 2), 0xaaaaaaaa, quant_avx512_widx(16, 2), second), l23);
 }
 
-/* Word c of the two registers: the levels of coordinates c % 8 (low byte) and c / 8 (high). */
+/* Word c of the two registers: coordinates c % 8's level (low byte) and c / 8's (high). */
 QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     const __m512i levels = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)quant_iq3_levels)));
     QUANT_UNROLL(2)
@@ -3635,11 +3602,10 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     }
 }
 
-/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: their decodes look
- * the points and signs up by VBMI byte permutes, and take sign bits apart by BITALG's bit
- * shuffle. Those four instructions go through asm: GCC inlines a function only into one whose
- * target includes the callee's, so kernels with a VBMI target could not use the AVX-512
- * functions. */
+/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: their decodes look points
+ * and signs up by VBMI byte permutes and split sign bits by BITALG's bit shuffle. Those four
+ * instructions are asm: GCC inlines a function only into one whose target includes the callee's, so
+ * VBMI kernels could not use the AVX-512 ones. */
 
 /* VPERMB: byte i of the result is TABLE[IDX[i] & 63]. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_permute(__m512i idx, __m512i table) {
@@ -3668,11 +3634,11 @@ QUANT_AVX512_INLINE __mmask64 quant_bitalg_shuffle(__m512i ctrl, __m512i data) {
     return r;
 }
 
-/* The 4 coordinate planes C of 64 IQ3 points by VBMI: the index bytes IDX (bit 8 in BIT8 for
- * IQ3_S's 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or
- * quant_iq3s_pairs) 128 entries a permute; the planes' nibbles become levels by VALUES
- * (vpshufb: their bit 3 is clear, so a nibble shifted in from the next byte never sets bit 7).
- * Byte i of plane j is coordinate j of point i. */
+/* The 4 coordinate planes C of 64 IQ3 points by VBMI: index bytes IDX (bit 8 in BIT8 for IQ3_S's
+ * 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs),
+ * 128 entries a permute; VALUES turns the planes' nibbles into levels (vpshufb: their bit 3 is
+ * clear, so a nibble shifted in from the next byte never sets bit 7). Plane j's byte i: point i's
+ * coordinate j. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit8, const uint8_t *planes, int np, __m128i values, __m512i *c) {
     const __m512i vt = _mm512_broadcast_i32x4(values);
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
@@ -3691,12 +3657,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit
     }
 }
 
-/* The 64 points of an IQ3 super-block into k->q, by quant_avx512_iq3_vbmi_lookup of the index
- * bytes at QS (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane
- * j is element 4i + j. IN_PLANES keeps them so (for an act in the same order,
- * quant_avx512_plane_order); else the coordinates are interleaved lane by lane, the indices
- * permuted first so that the interleave lands in element order: position 16L + 4j + i takes
- * point 16j + 4L + i. */
+/* An IQ3 super-block's 64 points into k->q by quant_avx512_iq3_vbmi_lookup of the index bytes at QS
+ * (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane j is element 4i +
+ * j. IN_PLANES keeps them so (for an act in that order, quant_avx512_plane_order); else coordinates
+ * are interleaved lane by lane, the indices permuted first so the interleave lands in element
+ * order: position 16L + 4j + i takes point 16j + 4L + i. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
                                                       __m128i values, int in_planes, struct quant_avx512_kblock *k) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
@@ -3726,8 +3691,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const u
     k->q[3] = _mm512_unpackhi_epi16(w_hi, u_hi);
 }
 
-/* The sign bytes of quant_iq_signs for an IQ3_XXS super-block's 8 words of signs and scales
- * (quant_iq_values): 7 bits each spread to a byte, their parity added as bit 7. */
+/* quant_iq_signs' sign bytes for an IQ3_XXS super-block's 8 words of signs and scales
+ * (quant_iq_values): 7 bits each spread to a byte, parity added as bit 7. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     __m256i f = _mm256_and_si256(aux, _mm256_set1_epi32(0x7f));
     f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7f00)));
@@ -3740,11 +3705,10 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     return _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u)));
 }
 
-/* The sign masks and scales of an IQ3 super-block decoded in coordinate planes, from its 256
- * sign bits S (element order) and the scales S8 of its 32-blocks: bit i of k->neg[j] is the
- * sign of element 4i + j (dword q of S widened to qword q holds elements 32q..32q+31, so point
- * i's are in qword i / 8, at 4 (i % 8) + j); dword l of k->sc[0] is the scale of points
- * 4l..4l+3, block l / 2. */
+/* Sign masks and scales of an IQ3 super-block decoded in coordinate planes, from its 256 sign bits
+ * S (element order) and its 32-blocks' scales S8: bit i of k->neg[j] is element 4i + j's sign
+ * (dword q of S widened to qword q holds elements 32q..32q+31, so point i's are in qword i / 8, at
+ * 4 (i % 8) + j); dword l of k->sc[0] is the scale of points 4l..4l+3, block l / 2. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
     const __m512i w = _mm512_cvtepu32_epi64(s);
     QUANT_UNROLL(4)
@@ -3752,18 +3716,18 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i 
     k->sc[0] = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castsi256_si512(s8));
 }
 
-/* quant_avx512_iq3xxs_signs by VBMI, for the 16 words of AUX: VPMULTISHIFTQB takes the 8 bits
- * at each field's offset (0, 7, 14, 21 in each word), and their 7 low bits index
- * quant_iq_sign_table (VPERMI2B ignores bit 7): faster than the shifts and parity. */
+/* quant_avx512_iq3xxs_signs by VBMI for AUX's 16 words: VPMULTISHIFTQB takes the 8 bits at each
+ * field's offset (0, 7, 14, 21 a word), whose 7 low bits index quant_iq_sign_table (VPERMI2B
+ * ignores bit 7): faster than shifts and parity. */
 QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
     const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), aux);
     const __m512i *table = (const __m512i *)quant_iq_sign_table;
     return quant_vbmi_permute2(_mm512_load_si512(table), f, _mm512_load_si512(table + 1));
 }
 
-/* IQ3_XXS super-block: the lattice points (quant_avx512_iq3xxs_points, or VBMI's, in coordinate
- * planes where IN_PLANES says); one sign bit per element, from the sign bytes; and the scales
- * 2 s + 1 of quant_iq_isum_scalar. */
+/* IQ3_XXS super-block: lattice points (quant_avx512_iq3xxs_points, or VBMI's, in planes where
+ * IN_PLANES says); an element's sign bit from its sign byte; quant_iq_isum_scalar's scales 2s +
+ * 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
@@ -3790,11 +3754,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
     quant_avx512_iq_scales(scales, k);
 }
 
-/* IQ3_S super-block: the grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points,
- * in coordinate planes where IN_PLANES says), else 16 per register by one gather from
- * quant_iq3s_grid (512 words: too many to hold in registers as IQ3_XXS's keys are), their
- * indices the qs bytes with the qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their
- * two qh bytes); a sign bit per element, in order, as the 64-bit masks; and the scales 2 s + 1. */
+/* IQ3_S super-block: grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points, in
+ * coordinate planes where IN_PLANES says), else 16 a register by one gather from quant_iq3s_grid
+ * (512 words: too many to keep in registers like IQ3_XXS's keys), indexed by the qs bytes with the
+ * qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per
+ * element, in order, as the 64-bit masks; the scales 2 s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t packed;
@@ -3827,9 +3791,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, in
     quant_avx512_iq_scales(scales, k);
 }
 
-/* How a K super-block is decoded: the IQ3 formats by VBMI lookups (VBMI); for an act in the
- * decode's own order (REORDERED, quant_avx512_reorder_act): Q4_K, Q5_K and IQ4_XS in their
- * nibble order, the IQ3 formats at VBMI in coordinate planes. */
+/* How a K super-block decodes: VBMI: IQ3 by VBMI lookups; REORDERED (act in decode order:
+ * quant_avx512_reorder_act): Q4_K, Q5_K, IQ4_XS in nibble order, IQ3 at VBMI in planes. */
 enum { QUANT_DECODE_VBMI = 1, QUANT_DECODE_REORDERED = 2 };
 
 /* Whether HOW decodes the IQ3 type T in coordinate planes. */
@@ -3850,8 +3813,8 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const u
     }
 }
 
-/* quant_avx512_kdot of an IQ3 super-block decoded in coordinate planes: dword l of the 4
- * planes' products is points 4l..4l+3, all of one 32-block, so one multiply by its scale. */
+/* quant_avx512_kdot of an IQ3 super-block decoded in coordinate planes: dword l of the 4 planes'
+ * products is points 4l..4l+3, all of one 32-block: one multiply by its scale. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx512_kblock *k, const int8_t *qx) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(4)
@@ -3863,11 +3826,10 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
     return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
 }
 
-/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: the values plus
- * 128 as vpdpbusd's unsigned operand, so lane L of registers 2h and 2h + 1 holds products of
- * block 4h + L alone and one multiply applies its scale; the 128s come off as 128 times each
- * block's scale times its act sum (its two 16-sums). One instruction a register fewer than the
- * signs and vpmaddubsw, and no sign masks (README). */
+/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: values plus 128 as
+ * vpdpbusd's unsigned operand, so lane L of registers 2h, 2h + 1 holds only block 4h + L's products
+ * and one multiply applies its scale; less 128 times each block's scale times its act sum (its two
+ * 16-sums). An instruction a register fewer than signs and vpmaddubsw, no sign masks (README). */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(2)
@@ -3880,10 +3842,8 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_av
     return _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1)), _mm256_slli_epi32(offset, 7));
 }
 
-/* One column's integer parts of a decoded super-block (as HOW decoded it), 8 lanes each: *is's
- * sum to the isum of quant_dot_k's float step (Q6_K's and Q3_K's quant offsets, 32 and 4, taken
- * off as that many times Σ sc_g * bsum_g), *ms's to its min term (Q4_K, Q5_K, Q2_K; else zero).
- * The IQ formats' signs apply to x: |x| <= 127, so a pair of products stays within int16. */
+/* quant_avx2_k_ints for one column of a super-block decoded as HOW says, 8 lanes each (*is, *ms).
+ * The IQ formats' signs apply to x: |x| <= 127, so a pair of products fits int16. */
 QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const struct quant_avx512_kblock *k, const int8_t *qx,
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
@@ -3910,8 +3870,8 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const stru
     else *is = _mm256_sub_epi32(*is, _mm256_slli_epi32(m, t == GGUF_TYPE_Q6_K ? 5 : 2));
 }
 
-/* Slot I of the group at unit U: super-block U + I decoded (prefetching ahead) and its integer
- * parts for every column, or zeros from COUNT on. */
+/* Slot I of unit U's group: super-block U + I decoded (prefetching ahead) and its integer parts for
+ * every column, or zeros from COUNT on. */
 QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
                                              int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
     if (i >= count) {
@@ -3928,10 +3888,9 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const ui
         quant_avx512_kdot(t, how, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
 
-/* K-like dot of one row with NC columns in quant_avx2_k's order and float steps: groups of 8
- * super-blocks give one vector of unit results per column (lane k = unit u + k) added to its
- * accumulator (u / 8) % 4, i.e. partials u % 32; a short group's empty lanes hold +0. Each
- * super-block is decoded once for all columns, as HOW says (quant_avx512_kdecode). */
+/* quant_avx2_k_cols at this level: quant_avx2_k's order and float steps for each column (a short
+ * group's empty lanes +0), each super-block decoded once for all columns as HOW says
+ * (quant_avx512_kdecode). */
 QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int how, const uint8_t *w, const uint8_t *acts,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3980,8 +3939,7 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_reordered_k(enum gguf_type t, const ui
     quant_avx512_k_loop(t, QUANT_DECODE_REORDERED | QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
-/* Lane L of a group of quant_avx512_k_rows: super-block L % 2 of row L / 2, or zero integer
- * parts past the group's NR rows. */
+/* Lane L of a quant_avx512_k_rows group: super-block L % 2 of row L / 2, or zero past NR rows. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, const uint8_t *wr, size_t rb, int bb,
                                                  struct quant_q8k_view a, int nr, int l, __m256i *is, __m256i *ms) {
     const int i = l / 2, k = l % 2;
@@ -3992,9 +3950,9 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
     quant_avx512_kdot(t, how, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
 }
 
-/* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in
- * lanes 2 * row + unit, the same float steps; the row results go to Y. The lane loop unrolled
- * (faster; the several-column group stays rolled: README). */
+/* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in lanes 2
+ * * row + unit, the same float steps, row results to Y. The lane loop is unrolled (faster; the
+ * several-column group stays rolled: README). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -4006,16 +3964,15 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
 }
 
 /* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
- * One column against these rows is bound by arithmetic here; one super-block at a time
- * (quant_avx512_k_loop) each leaves 16 lanes of integer parts to sum across before its float
- * step. Here a register holds 32 quants of super-block u in its low half and the same 32 of u + 1
- * in its high half, against an act put so once for the rows (quant_avx512_pair_act): a pair's
- * parts come out 8 lanes each, a group's 8 super-blocks reach their sums in one tree of unpacks,
- * and one shift serves a whole register. Exact sums and quant_dot_k's float steps: the same
- * bits (README: Q5_K and IQ4_XS were slower so). */
+ * One column against these rows is arithmetic-bound; a super-block at a time (quant_avx512_k_loop),
+ * each leaves 16 lanes of integer parts to sum before its float step. Here a register's low half
+ * holds 32 quants of super-block u, its high the same 32 of u + 1, against an act so ordered once
+ * for the rows (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8
+ * super-blocks reach their sums in one tree of unpacks, one shift serving a whole register. Exact
+ * sums, quant_dot_k's float steps: the same bits (README: Q5_K and IQ4_XS were slower so). */
 
-/* The Q8_K values of N elements at A (a whole number of super-block pairs) in pair order at
- * BUF: 32 values of super-block 2p, then the same 32 of 2p + 1, and so on. */
+/* The Q8_K values of N elements at A (whole super-block pairs) in pair order at BUF: 32 values of
+ * super-block 2p, then the same 32 of 2p + 1, and so on. */
 QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, uint8_t *buf) {
     for (int64_t i = 0; i < n; i += 2 * QUANT_QK_K)
         for (int c = 0; c < 8; c++) {
@@ -4024,11 +3981,11 @@ QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, ui
         }
 }
 
-/* The integer parts of the Q2_K or Q3_K super-blocks at B and B + BB against their act X (pair
- * order) and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum
- * (Q3_K: its quants as q + 4, the 4 taken off as 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step
- * j = 4h + k reads bits 2k of the bytes of half h: groups 2j and 2j + 1 of each super-block, their
- * scales from a lane each (one word permute) by one byte shuffle. GFNI: Q3_K's as Q5_K's. */
+/* Integer parts of the Q2_K or Q3_K super-blocks at B and B + BB against their act X (pair order)
+ * and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum (Q3_K:
+ * quants as q + 4, the 4 taken off as 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step j = 4h + k
+ * reads bits 2k of half h's bytes: each super-block's groups 2j and 2j + 1, their scales from a
+ * lane each (one word permute) by one byte shuffle. GFNI: Q3_K's as Q5_K's. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
                                                 __m512i *is, __m512i *ms) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -4077,9 +4034,8 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, cons
 }
 
 /* quant_avx512_q23k_pair for Q4_K: register 2c + i holds 32-block 2c + i of both super-blocks
- * (the low nibbles of quant chunk c for i = 0, the high ones for 1); its scales and mins are the
- * fields of quant_avx512_k4_fields, the first super-block's in lanes 0-1 and the second's in
- * lanes 2-3, taken out by byte shuffles. */
+ * (quant chunk c's low nibbles for i = 0, high for 1); scales and mins are quant_avx512_k4_fields',
+ * the first super-block's in lanes 0-1, the second's in 2-3, taken out by byte shuffles. */
 QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const int8_t *x, const int16_t *bs, __m512i *is, __m512i *ms) {
     static const uint16_t mins[32] __attribute__((aligned(64))) = { /* lane L: mins 4 (L % 2).. (bytes 8..), each twice (two bsums) */
         0x8008, 0x8008, 0x8009, 0x8009, 0x800a, 0x800a, 0x800b, 0x800b, 0x800c, 0x800c, 0x800d, 0x800d, 0x800e, 0x800e, 0x800f, 0x800f,
@@ -4105,16 +4061,16 @@ QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const i
     *is = _mm512_add_epi32(acc[0], acc[1]);
 }
 
-/* Lane L of the result holds lane L's sums (its 4 dwords) of V[0], V[1], V[2] and V[3] in turn. */
+/* Lane L of the result holds lane L's sums (4 dwords) of V[0], V[1], V[2], V[3] in turn. */
 QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
     const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-/* The fields at byte OFF of a group's super-blocks in the order of the pair sums (pair p's at WB
- * + p * PS and BB after it; the first of each pair, then the second: 0, 2, 4, 6, 1, 3, 5, 7 of a
- * row), 0 from COUNT on; 32 bits each (d and dmin) or 16 (Q3_K's d, in the low half). */
+/* The fields at byte OFF of a group's super-blocks in pair-sum order (pair p's at WB + p * PS and
+ * BB after; each pair's first, then second: 0, 2, 4, 6, 1, 3, 5, 7 of a row), 0 from COUNT on; 32
+ * bits each (d and dmin) or 16 (Q3_K's d, low half). */
 #define QUANT_PAIR_FIELD(i, rd) ((i) < count ? (int)rd(wb + (i) / 2 * ps + (i) % 2 * bb + off) : 0)
 QUANT_AVX512_INLINE __m128i quant_avx512_pair_fields4(const uint8_t *wb, size_t ps, int bb, int off, int count, int first) {
     __m128i v = _mm_cvtsi32_si128(QUANT_PAIR_FIELD(first, quant_rd32));
@@ -4139,9 +4095,9 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t p
 }
 #undef QUANT_PAIR_FIELD
 
-/* The results of up to 4 super-block pairs in the order of quant_avx512_pair_fields (WB, PS, BB,
- * COUNT as there; +0 from COUNT on): pair p against the act X + p * XS with its bsums BS + p *
- * BSS (pair order), DX the act's scales in the results' order. */
+/* Results of up to 4 super-block pairs in quant_avx512_pair_fields' order (WB, PS, BB, COUNT as
+ * there; +0 from COUNT on): pair p against act X + p * XS with bsums BS + p * BSS (pair order), DX
+ * the act's scales in the results' order. */
 QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
                                                      const int16_t *bs, size_t bss, __m256 dx, int count) {
     __m512i is[4], ms[4];
@@ -4173,9 +4129,9 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni,
     return _mm256_sub_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
-/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (whole super-block pairs) against the act
- * A in pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in the
- * group's order, put back in element order at the end. */
+/* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (whole super-block pairs) against act A in
+ * pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in the group's
+ * order, back in element order at the end. */
 QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, int gfni, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
@@ -4198,8 +4154,8 @@ QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, int gfni, cons
 }
 
 /* quant_avx2_pairs_group's rows of 2 super-blocks as pairs: NR (1..4) rows at W, RB bytes apart,
- * against the act A (one pair, pair order); each row's result (partials 0 and 1 from +0, then
- * their sum, as the canonical order adds them) to Y. */
+ * against act A (one pair, pair order); each row's result (partials 0 and 1 from +0, then their
+ * sum, as the canonical order adds them) to Y. */
 QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, int gfni, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
                                                   float *y) {
     const __m256 dx = _mm256_setr_ps(a->d[0], a->d[0], a->d[0], a->d[0], a->d[1], a->d[1], a->d[1], a->d[1]);
@@ -4209,12 +4165,11 @@ QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, int gfni, co
     for (int i = 0; i < nr; i++) y[i] = out[i];
 }
 
-/* The largest row (elements) whose act quant_avx512_k_rows puts in the decode's order: its copy
- * lives on the stack (9.1 KiB). */
+/* Largest row (elements) whose act quant_avx512_k_rows decode-orders: a stack copy (9.1 KiB). */
 #define QUANT_REORDER_MAX 8192
 
-/* The values of 128 at A in the order of the quants' low and high nibbles in a 64-byte load:
- * Q4_K / Q5_K 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3, then their last 16. */
+/* 128 values at A in the order of a 64-byte load's low and high quant nibbles: Q4_K / Q5_K
+ * 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3, then their last 16. */
 QUANT_AVX512_INLINE void quant_avx512_nibble_order(enum gguf_type t, const uint8_t *a, uint8_t *buf) {
     /* the 16-byte pieces of the 128, as qwords of the two 64-byte halves */
     const __m512i first = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
@@ -4224,9 +4179,8 @@ QUANT_AVX512_INLINE void quant_avx512_nibble_order(enum gguf_type t, const uint8
     _mm512_store_si512(buf + 64, _mm512_permutex2var_epi64(lo, second, hi));
 }
 
-/* The values of 256 at A in the 4 coordinate planes of the IQ3 decode: byte i of plane j is
- * element 4i + j. A byte permute sorts each 64 by j (16 bytes each), and a 4x4 transpose of
- * 16-byte pieces gathers each j's. */
+/* A's 256 values in the IQ3 decode's 4 coordinate planes: byte i of plane j is element 4i + j. A
+ * byte permute sorts each 64 by j, a 4x4 transpose of 16-byte pieces gathers each j. */
 QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf) {
     static const uint8_t by_coordinate[64] __attribute__((aligned(64))) = {
         0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
@@ -4243,10 +4197,9 @@ QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf
     _mm512_store_si512(buf + 192, _mm512_shuffle_i64x2(t23, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* A copy at BUF of the Q8_K act of N elements for type T's weights with its values in the order
- * in which the decode finds the quants (QUANT_DECODE_REORDERED), so that it needs no lane
- * shuffles: quant_avx512_nibble_order, or the IQ3 formats' quant_avx512_plane_order. The integer
- * sums are exact in any order, so the bits do not change. */
+/* A copy at BUF of the Q8_K act of N elements for type T's weights, in the order the decode finds
+ * the quants (QUANT_DECODE_REORDERED) so it needs no lane shuffles: quant_avx512_nibble_order, or
+ * the IQ3 formats' quant_avx512_plane_order. Integer sums are exact in any order: same bits. */
 QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     const uint8_t *a = act;
     if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
@@ -4264,12 +4217,12 @@ QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const vo
     return buf;
 }
 
-/* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, other rows
- * one by one through DOT (the single-column kernel of type T, VBMI or not as these). Rows up to
- * QUANT_REORDER_MAX elements read the act in another order, put so once for all NROWS rows: of
- * Q2_K, Q3_K and Q4_K and a whole number of super-block pairs, in pair order (rows of one pair
- * 4 at a time); other rows of Q4_K, Q5_K, IQ4_XS and at VBMI the IQ3 formats in the decode's
- * order (DOT_REORDERED: their single-column kernel for it). */
+/* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, others one by
+ * one through DOT (type T's single-column kernel, VBMI or not as these). Rows of up to
+ * QUANT_REORDER_MAX elements read the act reordered once for all NROWS rows: Q2_K, Q3_K, Q4_K of
+ * whole super-block pairs in pair order (one-pair rows 4 at a time); other Q4_K, Q5_K, IQ4_XS rows
+ * and at VBMI the IQ3 formats in the decode's order (DOT_REORDERED: their single-column kernel for
+ * it). */
 QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
                                              size_t rb, int nrows, const void *act, int64_t n, float *y) {
     _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
@@ -4299,7 +4252,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_d
 }
 
 /* quant_avx512_pairs_group for NC (1..QUANT_NCOL) columns, acts STRIDE apart: each lane's
- * super-block decoded once for all of them, the row results of column c to Y + c * YS. */
+ * super-block decoded once for all, column c's row results to Y + c * YS. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, const uint8_t *acts,
                                                        size_t stride, int nr, int NC, float *y, size_t ys) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -4327,11 +4280,10 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
     }
 }
 
-/* quant_pairs at this level: 4 rows at a time, QUANT_NCOL columns at a time. One finish (the
- * float steps and the butterfly, in vector lanes) serves 4 rows instead of one row: quant_dotn's
- * per-row finish is as long as a row's two super-blocks of work. IQ4_XS's columns are first put
- * in its nibble order, BLOCK at a time, for quant_avx512_iq4xs_nibbles_dot (README). Q4_K and
- * Q5_K in their nibble order gained nothing here. */
+/* quant_pairs at this level: 4 rows by QUANT_NCOL columns at a time. One finish (float steps and
+ * butterfly, in vector lanes) serves 4 rows: quant_dotn's per-row finish is as long as a row's two
+ * super-blocks of work. IQ4_XS's columns go first into nibble order, BLOCK at a time, for
+ * quant_avx512_iq4xs_nibbles_dot (README); Q4_K and Q5_K gained nothing so. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
     enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns put in order at a time; a copy's bytes (quant_act_bytes: 584) */
@@ -4360,8 +4312,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t
     }
 }
 
-/* f32 -> nearest-even fp16 -> f32 in F16C, as quant_f32_to_f16 (the scalar call would also
- * cost SSE/AVX transitions here). */
+/* f32 -> nearest-even fp16 -> f32 by F16C as quant_f32_to_f16 (a scalar call: SSE/AVX switches). */
 QUANT_AVX512_INLINE float quant_avx512_f16_round(float f) {
     return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
@@ -4393,8 +4344,8 @@ static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *ac
     }
 }
 
-/* Q8_K activation (see quant_act_q8k): the signed max is the first element of largest
- * magnitude, found by comparing with the maximum. */
+/* Q8_K activation (see quant_act_q8k): the signed max is the first element of largest magnitude,
+ * found by comparing with the max. */
 static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -4428,8 +4379,8 @@ static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *a
     }
 }
 
-/* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (the integer steps of
- * quant_f32_to_bf16), 16 at a time; the tail goes through the scalar conversions. */
+/* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (quant_f32_to_bf16's integer
+ * steps), 16 at a time; the tail by the scalar conversions. */
 static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const float *x, int64_t n, float *f) {
     const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     int64_t i = 0;
@@ -4484,8 +4435,7 @@ QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512vbm
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
 /* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
- * time put in the nibble order once for all the rows, for quant_avx512_iq4xs_nibbles_dot
- * (README). */
+ * time put in nibble order once for all rows, for quant_avx512_iq4xs_nibbles_dot (README). */
 static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc,
                                                        int64_t n, float *y, size_t ys) {
     enum { ACT = QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8 };
@@ -4514,7 +4464,7 @@ QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512vbmi, GGUF_TYPE_Q3_K, 1, quant_dot_q3_k_
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
 
-/* Each legacy format's rows kernel, and its kernels for an act in lanes (quant_act_to_lanes). */
+/* Each legacy format's rows kernel and kernels for an act in lanes (quant_act_to_lanes). */
 #define QUANT_AVX512_LEGACY_ROWS(name, type) \
     QUANT_COLUMNS(quant_dot_##name##_avx512_lanesn, QUANT_AVX512, quant_avx512_legacy_in_lanes, type, QUANT_NCOL) \
     QUANT_SINGLE_COLUMN(quant_dot_##name##_avx512_lanes, QUANT_AVX512, quant_avx512_legacy_in_lanes, type) \
@@ -4546,17 +4496,16 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
 /* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
- * columns, then reduces each super-block's 16 integer lanes to one sum per column. A tile
- * unpacks 16 rows once for all the columns, rows in lanes (dword r of q[k] holds elements
- * 4k..4k+3 of row r): one vpdpbusd adds 4 products for each of 16 rows, no lane sum needed, and
- * quant_dot_k's float step and partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows
- * at a time: the same bits. Q8_0 and Q4_0 tiles do the same per 32-element block
- * (quant_legacy_units' float step). The unpack (rows into lanes, by transposes) is what a few
- * columns pay for. Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved
- * (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
+ * columns, then reduces each super-block's 16 integer lanes to a sum per column. A tile unpacks 16
+ * rows once for all columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one
+ * vpdpbusd adds 4 products for each of 16 rows, with no lane sum, and quant_dot_k's float step and
+ * partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at once: the same bits. Q8_0 and
+ * Q4_0 tiles do so per 32-element block (quant_legacy_units' float step). Few columns pay for the
+ * unpack (rows into lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows
+ * interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-/* The columns from which the AVX-512 tiles pay against quant_dotn and quant_pairs (README). */
+/* The columns from which the AVX-512 tiles beat quant_dotn and quant_pairs (README). */
 #define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_INTERLEAVED 4 /* Q2_K, Q3_K, IQ4_XS, IQ3 (VBMI) */
@@ -4565,10 +4514,10 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
-/* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] elements 4k..4k+3
- * of row r plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as stored, 0..15 (Q4_0: less
- * 8), as vpdpbusd's unsigned bytes (the offset comes off as that many times the act block's
- * sum), d the scales. */
+/* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] row r's elements
+ * 4k..4k+3 as vpdpbusd's unsigned bytes, plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as
+ * stored, 0..15 (Q4_0: less 8), the offset off as that many times the act block's sum; d the
+ * scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than its 16 rows
@@ -4580,8 +4529,8 @@ static int quant_tile_legacy(enum gguf_type t) {
     return t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_Q4_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
 }
 
-/* Scratch bytes quant_tile needs for rows of N elements of T: the unpacked rows, then the
- * partials of QUANT_TILE_NC columns. */
+/* Scratch bytes quant_tile needs for rows of N elements of T: unpacked rows, then QUANT_TILE_NC
+ * columns' partials. */
 static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
     size_t rows = quant_tile_legacy(t) ? (size_t)(n / QUANT_QK) * sizeof(struct quant_legacy_tile) : (size_t)(n / QUANT_QK_K) * QUANT_K_TILE_BYTES;
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
@@ -4598,8 +4547,8 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
 }
 
 /* Lane r of out[m] = dword m (< 8) of the 32 bytes at P + r * RB, for 16 rows: an 8x8 dword
- * transpose in each 256-bit half (rows r and r + 4 share a register), then one lane shuffle an
- * output. 40 operations instead of 8 gathers. */
+ * transpose in each 256-bit half (rows r and r + 4 share a register), then a lane shuffle an
+ * output: 40 operations, not 8 gathers. */
 QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m512i *out) {
     __m512i z[8], t[8], u[8];
     QUANT_UNROLL(8)
@@ -4627,7 +4576,7 @@ QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m51
     }
 }
 
-/* quant_tile_transpose for 16 bytes a row (dwords m < 4): rows r, r + 4, r + 8, r + 12 in one
+/* quant_tile_transpose for 16 bytes a row (dwords m < 4): rows r, r + 4, r + 8, r + 12 in a
  * register, then a 4x4 dword transpose in each 128-bit lane. */
 QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m512i *out) {
     __m512i z[4], t[4];
@@ -4648,9 +4597,9 @@ QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m5
     out[3] = _mm512_unpackhi_epi64(t[1], t[3]);
 }
 
-/* quant_k4_scale_min of sub-block J for 16 rows in lanes, from U0-U2, dwords 1-3 (bytes 4-15)
- * of each row's super-block: *SC the scale, *MN the min as the int16 pair (m, m), for vpdpwssd
- * against the act's two 16-element sums that make sub-block J's. */
+/* quant_k4_scale_min of sub-block J for 16 rows in lanes, from U0-U2 (dwords 1-3, bytes 4-15, of
+ * each row's super-block): *SC the scale, *MN the min as int16 pair (m, m), for vpdpwssd against
+ * the act's two 16-element sums making sub-block J's. */
 QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2, int j, __m512i *sc, __m512i *mn) {
     const __m512i six = _mm512_set1_epi32(63), bs = quant_tile_field(u0, j % 4, 8), bm = quant_tile_field(u1, j % 4, 8);
     __m512i m;
@@ -4664,15 +4613,15 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
     *mn = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
 }
 
-/* Partial PP (slot u % 32 of its column) plus R, for unit U: a slot's first unit (u < 32) is added
- * to +0 without reading the slot, so that no pass clears its partials first (memsets cost
- * time: README); 0 + r turns -0 into +0 as before. */
+/* Partial PP (slot u % 32 of its column) plus R for unit U: a slot's first unit (u < 32) is added
+ * to +0 without reading the slot, so no pass clears its partials first (memsets cost time: README);
+ * 0 + r turns -0 into +0 as before. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
 /* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (with a broadcast
- * load each, the loads bounded the tiles: README). A switch: the shuffle needs a constant. */
+ * load each, loads bounded the tiles: README). A switch: the shuffle needs a constant. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
@@ -4683,8 +4632,8 @@ QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     }
 }
 
-/* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and the
- * integer parts of NC columns: each column's unit result added to its partial P[c][u % 32]. */
+/* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and NC columns'
+ * integer parts: each column's unit result added to its partial P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct quant_q8k_view *a, int64_t u, const __m512i *isum,
                                            const __m512i *msum, float (*p)[QUANT_NPART][16], int NC) {
     QUANT_UNROLL(4)
@@ -4696,10 +4645,10 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
     }
 }
 
-/* The first CC columns' partials P (USED of them reached, the rest +0) summed by quant_reduce32's
- * butterfly into y[c * ys + r]. The adds of a partial from USED on, +0, are left out: a partial
- * (0 + r, then sums of such) is never -0, so adding +0 changes no bit. Not inlined: inlined, it
- * upset the register allocation of the kernels around it (README). */
+/* The first CC columns' partials P (USED reached, the rest +0) summed by quant_reduce32's butterfly
+ * into y[c * ys + r], leaving out adds of partials from USED on (+0): a partial (0 + r, then sums
+ * of such) is never -0, so adding +0 changes no bit. Not inlined: that upset the surrounding
+ * kernels' register allocation (README). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
@@ -4720,10 +4669,9 @@ static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[
     }
 }
 
-/* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into
- * L1, while these compute: a thread's chunks are mostly consecutive. A tile asks for a part
- * with each unit it starts on (its first pass, or its unpack): the requests spread over its
- * work (README). */
+/* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into L1
+ * while these compute: a thread's chunks are mostly consecutive. A tile asks for a part with each
+ * unit it starts (its first pass, or its unpack), spreading the requests over its work (README). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -4732,10 +4680,10 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
 }
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
- * dword k of the block's quants gathered across the rows (the 4-bit formats: dword m of their 16
- * bytes holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high ones; IQ4_NL's and
- * MXFP4's looked up, plus 128), and d from the block's first dword (fp16 in the low half, or
- * MXFP4's E8M0 byte, as quant_avx512_scales16 takes them). */
+ * dword k of the block's quants gathered across rows (4-bit formats: dword m of their 16 bytes
+ * holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high; IQ4_NL's and MXFP4's looked
+ * up, plus 128), d from the block's first dword (fp16 in the low half, or MXFP4's E8M0 byte, as
+ * quant_avx512_scales16 takes them). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
     const int mx = type == GGUF_TYPE_MXFP4, qo = mx ? 1 : 2; /* the quants after MXFP4's 1-byte scale, the others' fp16 d */
@@ -4767,10 +4715,9 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
 }
 
 /* Block B of a legacy tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
- * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or
- * 8) times the act block's sum: every addend an integer well inside int32, so the sum is exact,
- * and in two parts (the even steps and the odd) so that 8 chains of vpdpbusd are in flight, not
- * 4 (README). */
+ * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or 8)
+ * times the act block's sum (every addend an integer well inside int32: exact), in two parts (even
+ * and odd steps): 8 vpdpbusd chains in flight, not 4 (README). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
                                                 float (*p)[QUANT_NPART][16]) {
     __m512i s[2][QUANT_TILE_NC];
@@ -4812,40 +4759,37 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
 }
 
 /* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
- * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds elements 4k..4k+3 of row r) run 8
+ * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row r's elements 4k..4k+3), 8
  * rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's
- * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K 4 at a time, its quants reach 31)
- * and one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn's
- * (README). Q6_K's quants go in signed (q - 32), so that 4 steps add in int16; Q4_0's block adds
- * its 8 steps in int16 and one vpmaddwd (by ones) widens them. With AVX-VNNI a step goes into int32
- * by one vpdpbusd (quant_avx2_dpbusd) and a K sub-block's sum takes its scale by vpmulld; Q8_0,
- * IQ4_NL and MXFP4, their bytes plus 128 too wide for vpmaddubsw's int16 pairs, have a tile only
- * there. Figures: README. */
+ * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants up to 31, 4 at a time),
+ * then one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn
+ * (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16; Q4_0's 8 steps add in
+ * int16, widened by one vpmaddwd by ones. With AVX-VNNI a step goes to int32 by one vpdpbusd
+ * (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there have Q8_0, IQ4_NL and
+ * MXFP4 (bytes plus 128, too wide for vpmaddubsw's int16 pairs) a tile. Figures: README. */
 
 /* The columns from which the AVX2 tiles pay, against quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
-/* VEX vpdpbusd (AVX-VNNI): ACC plus, in each dword, the 4 products of U's unsigned bytes with
- * S's signed ones. As inline assembly, so that one kernel body compiled for plain AVX2 serves
- * both kinds of CPU behind a constant flag: the intrinsic would need the avxvnni target on every
- * function it is inlined into, and such a function may not run on an AVX2 CPU without it.
- * Callers run it only where plat_cpu.avxvnni. */
+/* VEX vpdpbusd (AVX-VNNI): ACC plus, in each dword, the 4 products of U's unsigned bytes with S's
+ * signed ones. Inline assembly, so one kernel body compiled for plain AVX2 serves both kinds of CPU
+ * behind a constant flag: the intrinsic would need the avxvnni target on every function it is
+ * inlined into, which then may not run on an AVX2 CPU lacking it. Only where plat_cpu.avxvnni. */
 QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
 }
 
-/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] elements 4k..4k+3 of row r
- * (the low 8 rows in bytes 0-31, the high in 32-63); sc[j] and mn[j] the scale and min of sub-block
- * j as the int16 pair (v, v) in dword r for row r, for vpmaddwd against the int16 pair sums of its
- * products and the pair of the act's 16-element sums; d and dmin as floats. */
+/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] row r's elements 4k..4k+3
+ * (low 8 rows in bytes 0-31, high in 32-63); sc[j], mn[j] sub-block j's scale and min as int16 pair
+ * (v, v) in dword r, for vpmaddwd against its products' int16 pair sums and the act's pair of
+ * 16-element sums; d, dmin as floats. */
 struct quant_avx2_k_tile { uint8_t q[64][64]; int16_t sc[8][32], mn[8][32]; float d[16], dmin[16]; };
 _Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_tile_bytes counts either K tile");
 
-/* Lane r of out[m] = dword m (< 4) of the 16 bytes at P + r * RB, for 8 rows: rows r and r + 4
- * loaded into one register's two lanes, then a 4x4 dword transpose in each lane, so that no
- * shuffle crosses lanes (slow on Zen 1). */
+/* Lane r of out[m] = dword m (< 4) of the 16 bytes at P + r * RB, 8 rows: rows r, r + 4 in a
+ * register's two lanes, then 4x4 dword transposes: no shuffle crosses lanes (slow on Zen 1). */
 QUANT_AVX2_INLINE void quant_avx2_tile_transpose4(const uint8_t *p, size_t rb, __m256i *out) {
     __m256i z[4];
     QUANT_UNROLL(4)
@@ -4870,8 +4814,8 @@ QUANT_AVX2_INLINE void quant_avx2_tile_floats(const uint16_t *h, float *out) {
     _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 }
 
-/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T:
- * the quants by transposes, 8 rows at a time; the scales, mins and d, dmin row by row. */
+/* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T: quants
+ * by transposes, 8 rows at a time; scales, mins and d, dmin row by row. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_avx2_k_tile *t) {
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -4911,13 +4855,13 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int
     quant_avx2_tile_floats(dm, t->dmin);
 }
 
-/* quant_tile_partial_add for 8 rows: partial PP plus R for unit U (+0 plus R for a slot's first). */
+/* quant_tile_partial_add for 8 rows. */
 QUANT_AVX2_INLINE void quant_avx2_tile_partial_add(float *pp, int64_t u, __m256 r) {
     _mm256_storeu_ps(pp, _mm256_add_ps(u < QUANT_NPART ? _mm256_setzero_ps() : _mm256_loadu_ps(pp), r));
 }
 
-/* quant_tile_k_step for rows 8 HALF.. of 16 in lanes (scales D, DMIN): each column's unit result
- * (d * dx) * isum - (dmin * dx) * msum added to its partial P[c][u % 32] in those rows' lanes. */
+/* quant_tile_k_step for rows 8 HALF.. of 16 in lanes (scales D, DMIN): each column's (d * dx) *
+ * isum - (dmin * dx) * msum added to its partial P[c][u % 32]. */
 QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const struct quant_q8k_view *a, int64_t u, const __m256i *isum,
                                                const __m256i *msum, int half, float (*p)[QUANT_NPART][16], int NC) {
     QUANT_UNROLL(4)
@@ -4929,10 +4873,10 @@ QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const stru
     }
 }
 
-/* Super-block U of a tile's rows 8 HALF.. against 4 columns: each one's unit result (quant_dot_k's
- * float step) added to its partial P[c][u % 32] in those rows' lanes; the products of PER steps
- * (8 or 4) add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in int32 by
- * quant_avx2_dpbusd, then one vpmulld by its scale: the same integers. */
+/* Super-block U of a tile's rows 8 HALF.. against 4 columns: each column's unit result
+ * (quant_dot_k's float step) added to its partial P[c][u % 32] in those rows' lanes; PER steps' (8
+ * or 4) products add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in int32
+ * by quant_avx2_dpbusd, then a vpmulld by its scale: the same integers. */
 QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, int vnni, const struct quant_q8k_view *a,
                                             int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
@@ -4970,8 +4914,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
     quant_avx2_k_float_step(d, dmin, a, u, isum, msum, half, p, QUANT_TILE_NC);
 }
 
-/* quant_tile_finish at AVX2: the first CC columns' partials P (USED of them reached) summed by
- * quant_reduce32's butterfly into y[c * ys + r]. */
+/* quant_tile_finish at AVX2 (the same partials, butterfly and outputs). */
 static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         for (int s = QUANT_NPART / 2; s > 0; s /= 2)
@@ -4983,17 +4926,15 @@ static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*
     }
 }
 
-/* One Q6_K super-block of 16 rows unpacked for the AVX2 tile: q[k] holds elements 4k..4k+3 of
- * row r in dword r as signed values (q - 32, so that |q| <= 32 and 4 steps' products add in
- * int16: 4 * 2 * 32 * 127 = 32512), sc[g] the scale of 16-element group g as the int16 pair
- * (v, v) in dword r, d as floats. */
+/* One Q6_K super-block of 16 rows unpacked for the AVX2 tile: dword r of q[k] row r's elements
+ * 4k..4k+3, signed (q - 32: |q| <= 32, so 4 steps' products add in int16: 4 * 2 * 32 * 127 =
+ * 32512), sc[g] 16-group g's scale as int16 pair (v, v) in dword r, d as floats. */
 struct quant_avx2_q6k_tile { int8_t q[64][64]; int16_t sc[16][32]; float d[16]; };
 _Static_assert(sizeof(struct quant_avx2_q6k_tile) <= QUANT_K_TILE_BYTES, "quant_tile_bytes counts a Q6_K tile");
 
-/* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l <
- * 32) is step 32n + 8i + l / 4: its low 4 bits are nibble i / 2 of ql byte 64n + 32 (i % 2) + l,
- * its high 2 bits bits 2i, 2i + 1 of qh byte 32n + l; each 32-byte run turned rows-in-lanes by
- * quant_avx2_tile_transpose. */
+/* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l < 32)
+ * is step 32n + 8i + l / 4: low 4 bits nibble i / 2 of ql byte 64n + 32 (i % 2) + l, high 2 bits
+ * 2i, 2i + 1 of qh byte 32n + l; 32-byte runs rows-in-lanes by quant_avx2_tile_transpose. */
 QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_avx2_q6k_tile *t) {
     const uint8_t *b = w + (size_t)u * 210;
     const __m256i m4 = _mm256_set1_epi8(0x0f), offset = _mm256_set1_epi8(32);
@@ -5027,10 +4968,9 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, i
     quant_avx2_tile_floats(dd, t->d);
 }
 
-/* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum added to each
- * column's partial P[c][u % 32] in those rows' lanes. A step multiplies the quants' magnitudes by
- * x with their signs, and a group's 4 steps add in int16 before its scale multiply (fewer
- * multiplies than the column kernel's: README). */
+/* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum to each column's
+ * partial P[c][u % 32] in their lanes. A step multiplies |q| by x with q's sign; a group's 4 steps
+ * add in int16 before scaling (fewer multiplies than the column kernel's: README). */
 QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile *t, int half, const struct quant_q8k_view *a,
                                                 int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC];
@@ -5062,9 +5002,8 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* The tile of Q4_K, Q5_K or Q6_K rows at AVX2 (T a constant where it is inlined,
- * so that the steps a scale multiply takes, 8 or 4, unroll): the same bits as quant_dot_k. Each
- * super-block's tile takes QUANT_K_TILE_BYTES of SCRATCH. */
+/* AVX2 tile of Q4_K, Q5_K or Q6_K rows (T constant if inlined, so the steps a scale multiply takes,
+ * 8 or 4, unroll): quant_dot_k's bits. Each super-block: QUANT_K_TILE_BYTES of SCRATCH. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
                                          int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5101,8 +5040,7 @@ QUANT_AVX2_K_TILE(quant_tile_q6k_avx2, GGUF_TYPE_Q6_K, 0)
 QUANT_AVX2_K_TILE(quant_tile_q4k_avx2_vnni, GGUF_TYPE_Q4_K, 1)
 QUANT_AVX2_K_TILE(quant_tile_q5k_avx2_vnni, GGUF_TYPE_Q5_K, 1)
 
-/* Block B of the 16 Q8_0, Q4_0, IQ4_NL or MXFP4 rows at W (RB bytes apart) into T, as
- * quant_legacy_tile_unpack lays it out (8 rows at a time). */
+/* quant_legacy_tile_unpack at AVX2: block B of the 16 rows at W into T, 8 rows at a time. */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
     const int mx = type == GGUF_TYPE_MXFP4, four = type != GGUF_TYPE_Q8_0, qo = mx ? 1 : 2;
     const uint8_t *blk = w + (size_t)b * gguf_type_get(type)->block_bytes;
@@ -5138,12 +5076,11 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
     quant_avx2_tile_floats(dd, t->d);
 }
 
-/* Block B of a legacy tile's rows 8 HALF.. against 4 columns: quant_legacy_units' unit, (dw *
- * dx) * isum, added to each column's partial P[c][b % 32] in those rows' lanes; OFFSET (Q4_0 8,
- * the others 128) comes off as that many times the act block's sum: the same integer. Q4_0's 8
- * steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480) and one vpmaddwd
- * widens them; VNNI: each step one quant_avx2_dpbusd into int32 instead (the other formats'
- * bytes, up to 255, only so: their pairs would overflow int16). */
+/* Block B of a legacy tile's rows 8 HALF.. against 4 columns, as quant_legacy_tile_unit in those
+ * rows' lanes; OFFSET (Q4_0 8, others 128) comes off as that many times the act block's sum. Q4_0's
+ * 8 steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), widened by one
+ * vpmaddwd; VNNI: each step one quant_avx2_dpbusd into int32 (the only way for the other formats'
+ * bytes, up to 255, whose pairs would overflow int16). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_tile *t, int half, int vnni, int offset,
                                                    const struct quant_q8_view *a, int64_t b, float (*p)[QUANT_NPART][16]) {
     __m256i s[QUANT_TILE_NC];
@@ -5200,25 +5137,25 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
  * A tile turns 16 rows into lanes on every call, which one column (decode) cannot repay; there
- * quant_dotr's instructions go mostly to unpacking scales and to lane sums (README). A matrix
- * the CPU owns (§8 model_own_trunk) is repacked instead, in the same bytes (quant_interleave):
- * for 16 rows and a super-block, a vector of 16 dwords per dword of the block, lane r from row
- * r, so one 64-byte load masked to its low or high nibbles (with the format's high bits, or
- * looked up) is vpdpbusd's operand for 16 rows, and the tile's integer and float steps run on
- * it: the same bits as quant_dot_k (faster at one column and at 16: README). */
+ * quant_dotr's instructions go mostly to unpacking scales and lane sums (README). So a matrix the
+ * CPU owns (§8 model_own_trunk) is repacked in the same bytes (quant_interleave): per 16 rows and
+ * super-block, a vector of 16 dwords per dword of the block, lane r from row r; one 64-byte load
+ * masked to its low or high nibbles (with the format's high bits, or looked up) is vpdpbusd's
+ * operand for 16 rows, and the tile's integer and float steps run on it: quant_dot_k's bits (faster
+ * at one column and at 16: README). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
-/* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a
- * row for which they are (24 KiB on the stack: rows of up to 4096 elements). */
+/* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a row
+ * they serve (24 KiB on the stack: rows of up to 4096 elements). */
 #define QUANT_FIELDS 24
 #define QUANT_FIELDS_MAX_NU 16
 
-/* A group's vpdpbusd operands kept for its later passes (64 vectors a super-block): the first
- * pass stores them as it decodes, the others load them. It pays from QUANT_KEPT_MIN_NC columns
- * where a decode costs more than a load (fifth and sixth bits, lookups and signs; not Q4_K's or
- * Q2_K's mask and shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
+/* A group's vpdpbusd operands kept for its later passes (64 vectors a super-block): the first pass
+ * stores them as it decodes, the others load them. It pays from QUANT_KEPT_MIN_NC columns where
+ * decoding costs more than loading (fifth and sixth bits, lookups, signs; not Q4_K's or Q2_K's mask
+ * and shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
 #define QUANT_KEPT_MIN_NC 32
 #define QUANT_KEPT_BYTES ((size_t)QUANT_FIELDS_MAX_NU * 64 * 64)
 enum quant_kept { QUANT_KEPT_NONE, QUANT_KEPT_STORE, QUANT_KEPT_LOAD };
@@ -5235,10 +5172,10 @@ static int quant_kept_pays(enum gguf_type t, int nc, int64_t nu) {
     return nc >= QUANT_KEPT_MIN_NC && nu <= QUANT_FIELDS_MAX_NU && decode_pays;
 }
 
-/* The bytes B of a super-block of an interleaved type T, as literals that a pass inlined for a
- * constant T folds (quant_interleaved_pass says why). An interleaved unit is 16 rows' whole
- * dwords, 16 (B & ~3) bytes; a block that is not whole dwords (B % 4: Q3_K, Q6_K, IQ3) has its
- * 2 bytes a row of d before all of the group's units, 32 bytes a unit (quant_interleave). */
+/* Bytes B of a super-block of interleaved type T, as literals a pass inlined for a constant T folds
+ * (quant_interleaved_pass says why). An interleaved unit is 16 rows' whole dwords, 16 (B & ~3)
+ * bytes; a block of not whole dwords (B % 4: Q3_K, Q6_K, IQ3) has its 2 bytes a row of d before all
+ * the group's units, 32 a unit (quant_interleave). */
 QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
     switch (t) {
     case GGUF_TYPE_Q5_K: return 176;
@@ -5252,16 +5189,16 @@ QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
 }
 
 /* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
- * Q2_K, Q3_K, Q6_K and IQ4_XS, on a CPU with AVX-VNNI; README has their
- * figures). Q5_K's was bit-exact too, but its fifth bits cost what the layout saved. */
+ * Q2_K, Q3_K, Q6_K, IQ4_XS, on a CPU with AVX-VNNI; figures: README). Q5_K's was bit-exact too, but
+ * its fifth bits cost what the layout saved. */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS;
     return plat_cpu.avxvnni && format;
 }
 
 /* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
- * already read at the bandwidth; its interleaved form makes a prompt's products faster
- * (one column no faster: README), and is kept for them. */
+ * already read at the bandwidth; its interleaved form, kept for a prompt's products, makes those
+ * faster (one column no faster: README). */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
@@ -5269,14 +5206,13 @@ static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     return quant_level >= QUANT_LEVEL_AVX512 ? format : quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t);
 }
 
-/* Vector K of an interleaved super-block of type T holds the dword at which byte of each row's
- * block. Q4_K, Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8
- * of fifth bits, the 3 of scales and mins, and last dword 0 (d and dmin). The IQ3 formats theirs
- * from byte 2 on, their d left over (IQ3_XXS: 16 of grid indices, 8 of signs and scales; IQ3_S:
- * 16 of indices, 2 of their high bits, 8 of signs, 1 of scales). The others theirs as they are
- * (Q2_K: 4 of scales and mins, 16 of quants, d and dmin; Q3_K: 8 of hmask, 16 of quants, 3 of
- * scales, its d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d left over; IQ4_XS: d
- * with the scales' high bits, their low bits, 32 of codes). */
+/* Byte of each row's block whose dword vector K of an interleaved type-T super-block holds. Q4_K,
+ * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth bits,
+ * the 3 of scales and mins, last dword 0 (d and dmin). IQ3: theirs from byte 2 on, d left over
+ * (IQ3_XXS: 16 of grid indices, 8 of signs and scales; IQ3_S: 16 of indices, 2 of their high bits,
+ * 8 of signs, 1 of scales). Others as stored (Q2_K: 4 of scales and mins, 16 of quants, d and dmin;
+ * Q3_K: 8 of hmask, 16 of quants, 3 of scales, d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales,
+ * d left over; IQ4_XS: d with the scales' high bits, their low bits, 32 of codes). */
 static int quant_interleaved_offset(enum gguf_type t, int k) {
     if (quant_interleaved_iq3(t)) return 2 + 4 * k;
     if (t != GGUF_TYPE_Q4_K && t != GGUF_TYPE_Q5_K) return 4 * k;
@@ -5284,14 +5220,13 @@ static int quant_interleaved_offset(enum gguf_type t, int k) {
     return 4 * (k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0);
 }
 
-/* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: for each 16 rows and
- * super-block, one vector of 16 dwords (lane r from row r) per whole dword of the block, in
- * quant_interleaved_offset's order. A block that is not whole dwords (Q3_K: 110 bytes, Q6_K:
- * 210, each its d last; IQ3_XXS: 98, IQ3_S: 110, each its d first) leaves 2 bytes a row: those
- * of the 16 rows' super-blocks come first in the group, 32 bytes for each, so that a pass reads
- * them in its stream and every vector stays 64-byte aligned (rows of an even number of
- * super-blocks: every matrix of the Qwen3.5/3.6 models). 16 rows keep their 16 RB bytes.
- * Caller: quant_interleave_ok. */
+/* DST = the ROWS rows of type T (RB bytes each) at SRC interleaved: per 16 rows and super-block,
+ * one vector of 16 dwords (lane r from row r) per whole dword of the block, in
+ * quant_interleaved_offset's order. A block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d
+ * last; IQ3_XXS: 98, IQ3_S: 110, d first) leaves 2 bytes a row, the 16 rows' first in the group, 32
+ * bytes a super-block, so a pass reads them in its stream and every vector stays 64-byte aligned
+ * (rows of an even number of super-blocks: every Qwen3.5/3.6 matrix). 16 rows keep their 16 RB
+ * bytes. Caller: quant_interleave_ok. */
 static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t rows) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
@@ -5317,8 +5252,8 @@ QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
 }
 
 /* Super-block U of 16 interleaved Q4_K (FIVE: Q5_K) rows at T against NC columns, as
- * quant_tile_unit: the 32-byte run h of each row is sub-block 2h in its low nibbles and 2h + 1
- * in its high ones, and Q5_K's fifth bits of both are bits 2h and 2h + 1 of its qh bytes. */
+ * quant_tile_unit: each row's 32-byte run h is sub-block 2h in its low nibbles, 2h + 1 in its high,
+ * their Q5_K fifth bits bits 2h and 2h + 1 of its qh bytes. */
 QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
                                                 float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode, __m512i *kept) {
     const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales and mins, then d and dmin */
@@ -5373,8 +5308,8 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
 }
 
 /* Vector M of run (H, J) of an interleaved Q2_K, Q3_K or Q6_K super-block at T
- * (quant_interleaved_q236k_unit's terms): vpdpbusd's unsigned operand for elements 128h + 32j +
- * 4m.. of each row, q (Q2_K), q + 4 (Q3_K) or q + 32 (Q6_K). */
+ * (quant_interleaved_q236k_unit's terms): vpdpbusd's unsigned operand for each row's elements 128h
+ * + 32j + 4m.., q (Q2_K), q + 4 (Q3_K) or q + 32 (Q6_K). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int h, int j, int m) {
     if (type == GGUF_TYPE_Q2_K) return _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), _mm512_set1_epi8(3));
     if (type == GGUF_TYPE_Q3_K) {
@@ -5390,11 +5325,10 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, 
     return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8);
 }
 
-/* Scales G and G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as the int16
- * pair (scale G, scale G + 1) in each 32-bit lane. Both first make the int8 scales 4G' .. 4G' + 3
- * (G' = G / 4) in the bytes of a lane: Q6_K's are stored so; Q3_K's as quant_q3k_scales unpacks
- * them, a nibble of scale dword 0 or 1 and 2 bits of dword 2, less 32, four at a time (a scale a
- * lane at a time was slower: README). */
+/* Scales G and G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as int16 pair (G's, G
+ * + 1's) in each 32-bit lane. Both first make int8 scales 4G' .. 4G' + 3 (G' = G / 4) in a lane's
+ * bytes: Q6_K's are stored so; Q3_K's unpacked as by quant_q3k_scales, a nibble of scale dword 0 or
+ * 1 and 2 bits of dword 2, less 32, 4 at a time (a lane at a time was slower: README). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int g) {
     const int k = g / 4;
     __m512i v;
@@ -5411,9 +5345,9 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, con
 }
 
 /* Groups G and G + 1 (G even) of an interleaved super-block at T: *SA, *SB their scales in 32-bit
- * lanes, *PAIR the int16 pair a vpdpwssd takes against the act's two 16-sums: Q2_K's mins
- * (scale and min the low and high nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), the scales
- * of Q3_K and Q6_K (their offset, 4 or 32 times those sums). */
+ * lanes, *PAIR the int16 pair for a vpdpwssd against the act's two 16-sums: Q2_K's mins (scale and
+ * min the nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), Q3_K's and Q6_K's scales (their
+ * offset, 4 or 32 times those sums). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, const uint8_t *t, int g, __m512i *sa, __m512i *sb, __m512i *pair) {
     if (type == GGUF_TYPE_Q2_K) {
         const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
@@ -5429,14 +5363,13 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
 }
 
 /* Super-block U of 16 interleaved Q2_K, Q3_K or Q6_K rows at T (Q3_K's and Q6_K's 16 d at D)
- * against NC columns. All three keep element 128h + 32j + l of a row in a byte l of their runs of
- * half h: Q2_K in bits 2j of quant byte 32h + l; Q3_K the same, with bit 4h + j of hmask byte l
- * its third (clear: less 4); Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, the high
- * nibble for j >= 2), with bits 2j of qh byte 32h + l its fifth and sixth (less 32). So dword m
- * of those runs, shifted, masked and or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4
- * (Q3_K, Q6_K: plus 4 or 32). Each group's products by its scale; a vpdpwssd of the act's sums
- * with Q2_K's mins, or with the scales for the 4 or 32 to come off; then the float step of
- * quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k (Q6_K). */
+ * against NC columns. All three keep a row's element 128h + 32j + l in byte l of their runs of half
+ * h: Q2_K in bits 2j of quant byte 32h + l; Q3_K too, bit 4h + j of hmask byte l its third (clear:
+ * less 4); Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, high nibble for j >= 2), bits 2j of
+ * qh byte 32h + l its fifth and sixth (less 32). So dword m of those runs, shifted, masked and
+ * or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4 (Q3_K, Q6_K: plus 4 or 32). Each
+ * group's products by its scale; a vpdpwssd of the act's sums with Q2_K's mins, or the scales for
+ * the 4 or 32 to come off; then the float step of quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k. */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                       int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode,
                                                       __m512i *kept) {
@@ -5484,11 +5417,10 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const
     }
 }
 
-/* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: 32-block ib's dword m
- * (m < 4) holds the codes of elements 4m.. in its low nibbles and 16 + 4m.. in its high ones;
- * a byte shuffle gives their IQ4_NL values plus 128, vpdpbusd's unsigned operand, and the 128
- * comes off as 128 times the block's act sum. Each block's sum by its scale (less 32), then
- * quant_dot_k_unit's float step, (d * dx) * isum. */
+/* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: dword m (m < 4) of 32-block
+ * ib holds the codes of elements 4m.. in its low nibbles, 16 + 4m.. in its high; a byte shuffle
+ * gives their IQ4_NL values plus 128 (vpdpbusd's unsigned operand), less 128 times the block's act
+ * sum. Each block's sum by its scale (less 32), then quant_dot_k_unit's (d * dx) * isum. */
 QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
                                                       float (*p)[QUANT_NPART][16], int NC) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(t), u1 = _mm512_loadu_si512(t + 64);
@@ -5532,16 +5464,15 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
     }
 }
 
-/* Super-block U of 16 interleaved IQ3_XXS or IQ3_S rows at T (their 16 d at D) against NC
- * columns, by VBMI. Vector 2 ib + h of grid indices holds in lane r points 4h.. of 32-block ib of
- * row r (IQ3_S: bit 8 of point 4h + k is bit 8 (ib % 4) + 4h + k of high-bit dword ib / 4); their
- * lookup gives 4 coordinate planes, byte 4r + k of plane j the coordinate j of point k, element
- * 16h + 4k + j of the block: against the act in the same planes (quant_avx512_plane_order, a
- * super-block at a time) one vpdpbusd per plane. Each row's 32 sign bits of the block (IQ3_XXS:
- * from its word of 7-bit fields; IQ3_S: as stored), bit e for element e, become a byte mask per
- * plane by BITALG's bit shuffle, and vpdpbusd's unsigned operand is 128 + the signed value; the
- * 128 comes off as 128 times the block's act sum. Each block's sum by its 2 s + 1, then
- * quant_dot_k_unit's float step. */
+/* Super-block U of 16 interleaved IQ3_XXS or IQ3_S rows at T (their 16 d at D) against NC columns,
+ * by VBMI. Lane r of grid-index vector 2 ib + h holds points 4h.. of row r's 32-block ib (IQ3_S:
+ * point 4h + k's bit 8 is bit 8 (ib % 4) + 4h + k of high-bit dword ib / 4); their lookup gives 4
+ * coordinate planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k +
+ * j): one vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a
+ * super-block at a time). BITALG's bit shuffle turns each row's 32 sign bits of the block (IQ3_XXS:
+ * from its word of 7-bit fields; IQ3_S: as stored; bit e for element e) into a byte mask a plane;
+ * vpdpbusd's unsigned operand is 128 + the signed value, the 128 coming off as 128 times the
+ * block's act sum. Each block's sum by its 2 s + 1, then quant_dot_k_unit's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC, int mode, __m512i *kept) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
@@ -5601,11 +5532,10 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
     }
 }
 
-/* Every super-block of 16 interleaved rows of type T at W against NC columns into their
- * partials P; PREFETCH: ahead of the reads. T and NC constants where inlined, so that each
- * unit's body folds them (with the super-block's size read at run time Q4_K/i ran at half the
- * rate). The prefetch stays a loop: unrolled, its burst of requests slowed reads from memory
- * (README). */
+/* Every super-block of 16 interleaved rows of type T at W against NC columns into their partials P;
+ * PREFETCH: ahead of the reads. T and NC are constants where inlined, so each unit's body folds
+ * them (the super-block's size read at run time halved Q4_K/i's rate). The prefetch stays a loop:
+ * unrolled, its burst of requests slowed memory reads (README). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
                                                 __m512i *kept) {
@@ -5624,10 +5554,9 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     }
 }
 
-/* The scale fields of the NU super-blocks of 16 interleaved rows of type T (a K type) at W,
- * QUANT_FIELDS vectors each, unpacked once for all of a prompt's passes instead of once a pass:
- * Q4_K, Q5_K the 8 scales then the 8 mins of quant_tile_k4_field, the others each group pair's
- * scales and pair of quant_interleaved_q236k_groups. */
+/* The scale fields of the NU super-blocks of 16 interleaved rows of K type T at W, QUANT_FIELDS
+ * vectors each, unpacked once for all a prompt's passes: Q4_K, Q5_K quant_tile_k4_field's 8 scales
+ * then 8 mins, the others each group pair's scales and pair of quant_interleaved_q236k_groups. */
 QUANT_AVX512_INLINE void quant_interleaved_fields(enum gguf_type t, const uint8_t *w, int64_t nu, __m512i *fields) {
     const int bb = quant_interleaved_block_bytes(t), k45 = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K;
     const uint8_t *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
@@ -5661,14 +5590,13 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
     }
 }
 
-/* The AVX2 level's interleaved kernels need AVX-VNNI (VPDPBUSD on ymm). With AVX2's
- * maddubs, add and madd a step instead, the interleaved rows were no faster than the plain ones
- * (README): the steps cost the same in either layout. */
+/* AVX2-level interleaved kernels need AVX-VNNI (VPDPBUSD on ymm). With AVX2's maddubs, add, madd a
+ * step, interleaved rows were no faster than plain (README): steps cost alike in both. */
 #define QUANT_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QUANT_AVX2_VNNI_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
 
-/* quant_tile_k4_field for 8 rows in lanes, from dwords 1-3 of their super-blocks (U0-U2):
- * sub-block J's scale *SC (a dword) and min *MN (the int16 pair (m, m), for vpmaddwd). */
+/* quant_tile_k4_field for 8 rows in lanes (U0-U2: their dwords 1-3): *SC a dword, *MN the int16
+ * pair (m, m) for vpmaddwd. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_k4_field(__m256i u0, __m256i u1, __m256i u2, int j, __m256i *sc, __m256i *mn) {
     const __m256i six = _mm256_set1_epi32(63), byte = _mm256_set1_epi32(0xff), low4 = _mm256_set1_epi32(15);
     const __m256i bs = _mm256_and_si256(_mm256_srli_epi32(u0, 8 * (j % 4)), byte);
@@ -5692,10 +5620,9 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 
     *hi = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
-/* Super-block U of rows 8 HALF.. of 16 interleaved Q4_K rows at G (bytes 32 HALF.. of each
- * vector) against NC columns, as quant_interleaved_unit at 8 lanes: a vector of run h holds
- * sub-block 2h in its low nibbles and 2h + 1 in its high ones, both from one load; the same
- * integers and float step. */
+/* quant_interleaved_unit for Q4_K at 8 lanes: super-block U of rows 8 HALF.. of the 16 at G (bytes
+ * 32 HALF.. of each vector) against NC columns, run h's sub-blocks 2h and 2h + 1 from one load; the
+ * same integers and float step. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, int half, const struct quant_q8k_view *a, int64_t u,
                                                         float (*p)[QUANT_NPART][16], int NC) {
     const uint8_t *sm = g + 64 * 32 + 32 * half; /* scales and mins, then d and dmin */
@@ -5735,8 +5662,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, in
     quant_avx2_k_float_step(d, dmin, a, u, isum, msum, half, p, NC);
 }
 
-/* quant_interleaved_q236k_quants at 8 lanes: vector M of run (H, J) of rows 8 HALF.. of an
- * interleaved Q2_K, Q3_K or Q6_K super-block at T, VPDPBUSD's unsigned operand. */
+/* quant_interleaved_q236k_quants at 8 lanes (rows 8 HALF..): VPDPBUSD's unsigned operand. */
 QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int half, int h, int j, int m) {
     const uint8_t *th = t + 32 * half;
     const __m256i three = _mm256_set1_epi8(3);
@@ -5759,8 +5685,7 @@ QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_typ
     return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
 }
 
-/* quant_interleaved_q36k_pair at 8 lanes (rows 8 HALF..): scales G and G + 1 (G even) of an
- * interleaved Q3_K or Q6_K super-block at T as the int16 pair in each 32-bit lane. */
+/* quant_interleaved_q36k_pair at 8 lanes (rows 8 HALF..): the same int16 pairs in 32-bit lanes. */
 QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int half, int g) {
     const uint8_t *th = t + 32 * half;
     const int k = g / 4;
@@ -5794,10 +5719,8 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_groups(enum gguf_type t
     *sb = _mm256_srai_epi32(*pair, 16);
 }
 
-/* Super-block U of rows 8 HALF.. of 16 interleaved Q2_K, Q3_K or Q6_K rows at T (Q3_K's and
- * Q6_K's 16 d at D) against NC columns: quant_interleaved_q236k_unit at 8 lanes, each group's
- * products by its scale as soon as its 4 steps are in (one set of sums a column, not two: 16
- * registers). The same integers and float steps. */
+/* quant_interleaved_q236k_unit at 8 lanes (rows 8 HALF..), each group's products scaled after its 4
+ * steps (one set of sums a column, not two: 16 registers). The same integers and float steps. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, int half,
                                                               const struct quant_q8k_view *a, int64_t u, float (*p)[QUANT_NPART][16], int NC) {
     __m256i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
@@ -5845,8 +5768,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type typ
     }
 }
 
-/* quant_interleaved_iq4xs_unit at 8 lanes: super-block U of rows 8 HALF.. of 16 interleaved
- * IQ4_XS rows at T against NC columns, a block's low and high nibbles into one sum. */
+/* quant_interleaved_iq4xs_unit at 8 lanes (rows 8 HALF..), a block's two nibbles in one sum. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, int half, const struct quant_q8k_view *a, int64_t u,
                                                               float (*p)[QUANT_NPART][16], int NC) {
     const uint8_t *th = t + 32 * half;
@@ -5892,10 +5814,10 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
     }
 }
 
-/* Every super-block of 16 interleaved rows of type T (quant_interleaved_avx2_ok's; a constant
- * where inlined) at W against NC columns into their partials P, both halves of each; PREFETCH:
- * ahead of the reads. The halves read the same act bytes, and without the barrier between them
- * gcc kept all of a super-block's broadcasts of them live across both and spilled them. */
+/* Every super-block of 16 interleaved rows of type T (quant_interleaved_avx2_ok's; constant where
+ * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead of
+ * the reads. The halves read the same act bytes; without the barrier between them gcc kept a
+ * super-block's broadcasts live across both and spilled them. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                         float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const int bb = quant_interleaved_block_bytes(t);
@@ -5948,9 +5870,9 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8
     }
 }
 
-/* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first
- * pass prefetches; the later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2,
- * or its operands in KEPT (QUANT_KEPT_BYTES, or NULL) where quant_kept_pays. */
+/* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first pass
+ * prefetches; later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2, or its operands
+ * in KEPT (QUANT_KEPT_BYTES, or NULL) where quant_kept_pays. */
 QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
                                                  int64_t n, float *y, size_t ys, int prefetch, __m512i *kept) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5980,10 +5902,9 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
     quant_interleaved_group(t, w, acts, stride, nc, n, y, ys, 1, kept);
 }
 
-/* quant_interleave_tile's plan for each interleaved type: FROM[k] the byte of vector
- * k's dword, STEP[i] the first vector of a transpose of 8 (+ 64) or 4 (+ 128) dwords in a row
- * within the block, else of one (the first 16 bytes' transpose, or a gather). Made once, not
- * once a tile (README). */
+/* quant_interleave_tile's plan per interleaved type: FROM[k] the byte of vector k's dword, STEP[i]
+ * the first vector of a transpose of 8 (+ 64) or 4 (+ 128) consecutive dwords of the block, else of
+ * one (the first 16 bytes' transpose, or a gather). Made once, not once a tile (README). */
 static struct quant_tile_plan { int from[64], step[64], steps; } quant_tile_plans[GGUF_TYPE_COUNT];
 
 static void quant_tile_plans_init(void) {
@@ -6003,8 +5924,8 @@ static void quant_tile_plans_init(void) {
 }
 
 /* The 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
- * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block,
- * Q3_K and IQ3_S 3, IQ4_XS 2), and part u of the next 16 rows asked for with super-block u. */
+ * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block, Q3_K
+ * and IQ3_S 3, IQ4_XS 2), asking for part u of the next 16 rows with super-block u. */
 QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
     const int bb = gguf_type_get(t)->block_bytes, iq3 = quant_interleaved_iq3(t);
     const __m512i rows = quant_tile_rows(rb);
@@ -6034,8 +5955,8 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
 }
 
 /* The tile of 16 rows read in place of a type quant_interleave_ok takes (quant_tile's contract):
- * interleaved into SCRATCH as coli's own copies are, then quant_interleaved's passes, the same
- * bits; faster than the former tiles of Q4_K and Q6_K (README) and than quant_dotn. */
+ * interleaved into SCRATCH like coli's own copies, then quant_interleaved's passes: the same bits,
+ * faster than the former Q4_K and Q6_K tiles (README) and quant_dotn. */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
@@ -6044,11 +5965,10 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 
 /* ---- dispatch ---- */
 
-/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column).
- * A rows kernel (fnr) goes with the dot of its own level: it serves only where that dot does,
- * the one it matches in speed, and without one a level runs one dot per row. avx512vbmi has
- * kernels of its own for the IQ3 formats, and rows kernels for Q3_K and Q5_K (GFNI), their dot
- * the avx512 one repeated, since a level's rows kernel serves only beside a dot of that level. */
+/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column). A
+ * rows kernel (fnr) serves only where its own level's dot does (matching its speed); else a level
+ * runs a dot per row. avx512vbmi has its own IQ3 kernels, and rows kernels for Q3_K and Q5_K (GFNI)
+ * whose dot repeats avx512's, as a rows kernel serves only beside its level's dot. */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
@@ -6112,10 +6032,10 @@ static int quant_level_max(void) {
 }
 
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
- * quant_interleave's) with column c, for c < NC, bit for bit, whatever the level now: the AVX2
- * kernel at the AVX2 level where it has one, and on a CPU without AVX-512 (a matrix is
- * interleaved only where the CPU has its level's kernel), else the AVX-512 one, which keeps the
- * operands in KEPT (QUANT_KEPT_BYTES, 64-byte aligned; or NULL) where quant_kept_pays. */
+ * quant_interleave's) with column c, for c < NC, bit for bit at any level: the AVX2 kernel at the
+ * AVX2 level where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the
+ * CPU has its level's kernel), else the AVX-512 one, keeping the operands in KEPT
+ * (QUANT_KEPT_BYTES, 64-byte aligned; or NULL) where quant_kept_pays. */
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
                               size_t ys, void *kept) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
@@ -6171,8 +6091,8 @@ static void quant_init(void) {
     quant_set_level(level);
 }
 
-/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) the way
- * the dot kernels of wtype expect. Caller: n is a multiple of wtype's block size. */
+/* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) as wtype's dot
+ * kernels expect. Caller: n a multiple of wtype's block size. */
 static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
     float *f = act;
     const int simd = quant_level >= QUANT_LEVEL_AVX512;
@@ -6197,21 +6117,21 @@ static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, 
     return quant_dot_table[wtype](wrow, act, n);
 }
 
-/* Whether this level's kernels take WTYPE's act of N elements in lanes (quant_act_to_lanes):
- * the legacy formats at the AVX-512 levels, rows of 16 blocks or more. */
+/* Whether this level's kernels take WTYPE's act of N elements in lanes (quant_act_to_lanes): legacy
+ * formats at the AVX-512 levels, rows of 16+ blocks. */
 static int quant_act_in_lanes(enum gguf_type wtype, int64_t n) {
     return quant_dotr_lanes_table[wtype] != NULL && n >= 16 * QUANT_QK;
 }
 
-/* OUT (quant_act_bytes(wtype, n), 64-byte aligned) = the act from quant_act_prepare in lanes.
- * Caller: quant_act_in_lanes(wtype, n). */
+/* OUT (quant_act_bytes(wtype, n), 64-byte aligned) = quant_act_prepare's act in lanes. Caller:
+ * quant_act_in_lanes(wtype, n). */
 static void quant_act_to_lanes(enum gguf_type wtype, const void *act, int64_t n, void *out) {
     quant_act_to_lanes_avx512(wtype, act, n, out);
 }
 
 /* y[c*ys] = quant_dot(wtype, wrow, acts + c*stride, n) for c < nc, bit for bit; a multi-column
- * kernel decodes each weight block once for all columns. IN_LANES: the acts from
- * quant_act_to_lanes. Caller: as quant_dot, every act 64-byte aligned. */
+ * kernel decodes each weight block once for all columns. IN_LANES: acts from quant_act_to_lanes.
+ * Caller: as quant_dot, every act 64-byte aligned. */
 static void quant_dotn(enum gguf_type wtype, int in_lanes, const void *wrow, const uint8_t *acts, size_t stride,
                        int nc, int64_t n, float *y, size_t ys) {
     if (in_lanes) { quant_dotn_lanes_table[wtype](wrow, acts, stride, nc, n, y, ys); return; }
@@ -6220,7 +6140,7 @@ static void quant_dotn(enum gguf_type wtype, int in_lanes, const void *wrow, con
 }
 
 /* y[r] = quant_dot(wtype, wrows + r*row_bytes, act, n) for r < nrows, bit for bit; a rows kernel
- * packs short rows several to a vector. IN_LANES: as quant_dotn's. Caller: as quant_dot. */
+ * packs short rows several a vector. IN_LANES: as quant_dotn's. Caller: as quant_dot. */
 static void quant_dotr(enum gguf_type wtype, int in_lanes, const uint8_t *wrows, size_t row_bytes, int nrows,
                        const void *act, int64_t n, float *y) {
     if (in_lanes) { quant_dotr_lanes_table[wtype](wrows, row_bytes, nrows, act, n, y); return; }
@@ -6229,8 +6149,8 @@ static void quant_dotr(enum gguf_type wtype, int in_lanes, const uint8_t *wrows,
 }
 
 /* y[c*ys + r] = quant_dot of row r of the NROWS at WROWS with column c, for c < NC, bit for bit,
- * when this level has a kernel for rows of N elements of WTYPE (K rows of 2 super-blocks: the
- * experts' down products); returns 0 when it has none. Caller: as quant_dotn. */
+ * where this level has a kernel for WTYPE rows of N elements (K rows of 2 super-blocks: the
+ * experts' down products); else returns 0. Caller: as quant_dotn. */
 static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                        int nc, int64_t n, float *y, size_t ys) {
     if (n != 2 * QUANT_QK_K || !quant_pairs_table[wtype]) return 0;
@@ -6238,8 +6158,8 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
     return 1;
 }
 
-/* As quant_pairs, for rows of N elements of WTYPE whose acts this level puts in an order of their
- * own once for all the rows: IQ4_XS at AVX-512, up to QUANT_REORDER_MAX elements. */
+/* As quant_pairs, for WTYPE rows of N elements whose acts this level reorders once for all rows:
+ * IQ4_XS at AVX-512, up to QUANT_REORDER_MAX elements. */
 static int quant_dotn_rows(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                            int nc, int64_t n, float *y, size_t ys) {
     if (wtype != GGUF_TYPE_IQ4_XS || quant_level < QUANT_LEVEL_AVX512 || n > QUANT_REORDER_MAX) return 0;
@@ -6263,8 +6183,8 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     return quant_tile_legacy(wtype) && nc >= (short_rows ? QUANT_TILE_MIN_NC_LEGACY_SHORT : QUANT_TILE_MIN_NC_LEGACY);
 }
 
-/* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, for
- * c < NC, bit for bit; SCRATCH holds quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
+/* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, c < NC,
+ * bit for bit; SCRATCH: quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
     const int vnni = plat_cpu.avxvnni; /* the AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
@@ -6285,16 +6205,15 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 /* ==== §4 ops ==== */
 /* Owns: the tensor operations of the forward pass; this part: matrix-vector and matrix-matrix
  *   products over GGUF weight matrices, and the kernel benchmark.
- * Promises: y = W·x with each output computed in quant_dot's canonical order (quant_dotn decodes
- *   a row once for all columns), so results never depend on the thread count, the row
- *   placement or matvec vs matmat.
+ * Promises: y = W·x with each output in quant_dot's canonical order (quant_dotn decodes a row once
+ *   for all columns), so results never depend on thread count, row placement or matvec vs matmat.
  * May call: §3 quant, die, plat_alloc*, OpenMP.
  * Workload: the bulk of inference time; memory bound (every weight byte read once per token),
- *   parallel over row chunks. Called from one orchestrating thread only: the activation scratch
- *   is a single static buffer. */
+ *   parallel over row chunks. Called from one orchestrating thread only: the activation scratch is
+ *   one static buffer. */
 
-/* A weight matrix: ROWS rows of ROW_BYTES at DATA, in GGUF's order or, where INTERLEAVED, in
- * quant_interleave's (16 rows a group, the same bytes a group: §8 model_own_trunk makes it). */
+/* A weight matrix: ROWS rows of ROW_BYTES at DATA, in GGUF's order or, if INTERLEAVED,
+ * quant_interleave's (16 rows a group, the same bytes: made by §8 model_own_trunk). */
 struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; int interleaved; };
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
@@ -6311,13 +6230,13 @@ struct ops_job {
 #define OPS_MAX_JOBS 64
 #define OPS_PARALLEL_ELEMS 65536 /* elements of per-element work (acts to prepare, ~1 ns each; SwiGLU) from which two threads pay */
 
-/* §5 cuda sets this when matrices are resident on a device: it runs there the jobs whose
- * matrices are, over their prepared columns at ACT + OFF[j] (ops_act_stride apart), and
- * marks them in DONE; the CPU computes the rest. The one place §4 reaches a device. */
+/* Set by §5 cuda when matrices are resident on a device: it runs there the jobs whose matrices are,
+ * over their prepared columns at ACT + OFF[j] (ops_act_stride apart), marking them in DONE; the CPU
+ * computes the rest. §4's one way to a device. */
 static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done);
 
-/* Scratch that only grows: one for the prepared activations, one for the threads' quant_tile
- * tiles (on the heap: 16 rows of 4096 columns take 90 KiB, most of a musl thread's stack). */
+/* Grow-only scratch: the prepared activations, and the threads' quant_tile tiles (on the heap: 16
+ * rows of 4096 columns take 90 KiB, most of a musl thread's stack). */
 struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
 
@@ -6325,13 +6244,12 @@ static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
  * each thread's last chunk, their mean), summed: bench's barriers. */
 static double ops_idle_seconds;
 
-/* Bytes left unused between two threads' quant_tile scratch. Back to back, each thread's
- * writes to its own (50 KiB for 16 rows of 2048 Q4_K, every tile) slowed the other's (README,
- * Prompts: the gap). */
+/* Unused bytes between two threads' quant_tile scratch: back to back, each thread's writes to its
+ * own (50 KiB for 16 rows of 2048 Q4_K, every tile) slowed the other's (README, Prompts: the
+ * gap). */
 #define OPS_TILE_GAP (128 << 10)
 
-/* Bytes of one prepared activation column of COLS for weights of TYPE (or of matrix W),
- * rounded up to keep every column 64-byte aligned. */
+/* A prepared act column's bytes (COLS for TYPE or W weights), rounded up to 64-byte alignment. */
 static size_t ops_act_stride_of(enum gguf_type type, int64_t cols) { return (quant_act_bytes(type, cols) + 63) & ~(size_t)63; }
 static size_t ops_act_stride(const struct ops_matrix *w) { return ops_act_stride_of(w->type, w->cols); }
 
@@ -6352,8 +6270,8 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* The acts of the jobs that own one (OWN), column by column, in parallel once a prompt's batch
- * has enough of them to pay a parallel region (each column is prepared alone: the same bits). */
+/* The acts of the jobs owning one (OWN), column by column, in parallel once a prompt's batch has
+ * enough to pay a parallel region (each column is prepared alone: the same bits). */
 static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8_t *own, uint8_t *act, const size_t *off,
                              const size_t *stride) {
     int64_t first_col[OPS_MAX_JOBS + 1] = {0}, elems = 0;
@@ -6372,10 +6290,9 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
 }
 
 /* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
- * quant_pairs where it serves (K rows of 2 super-blocks), else by quant_dotn, a block of columns
- * at a time: the block's activations stay in the L1 while every row of the chunk uses them,
- * and the rows come again from the L2 (row by row, each row read every column's activations
- * from the L2 or beyond: README). */
+ * quant_pairs where it serves (K rows of 2 super-blocks), else quant_dotn a block of columns at a
+ * time, whose activations stay in L1 while every row of the chunk uses them, rows coming again from
+ * L2 (row by row, each row read every column's activations from L2 or beyond: README). */
 static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n,
                           float *y) {
     if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
@@ -6391,9 +6308,9 @@ static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, 
                        n - c0 < block ? n - c0 : block, w->cols, y + (size_t)c0 * w->rows + r, (size_t)w->rows);
 }
 
-/* Which jobs' CPU kernels read their act in lanes (quant_act_in_lanes; not tiles, not
- * interleaved): LANES_OF[j] is the job whose copy in lanes job j reads (the first with the same
- * act), or -1; each such first job's copy gets LANES_OFF[j] in the act scratch, from *END on. */
+/* Which jobs' CPU kernels read their act in lanes (quant_act_in_lanes; not tiles, not interleaved):
+ * LANES_OF[j] is the job whose lane copy job j reads (the first with the same act), or -1; each
+ * such first job's copy gets LANES_OFF[j] in the act scratch, from *END on. */
 static void ops_plan_lanes(const struct ops_job *jobs, int n_jobs, const size_t *off, const size_t *stride, int *lanes_of,
                            size_t *lanes_off, size_t *end) {
     for (int j = 0; j < n_jobs; j++) {
@@ -6420,12 +6337,11 @@ static void ops_acts_to_lanes(const struct ops_job *jobs, int n_jobs, const int 
         }
 }
 
-/* The order in which the parallel loop takes the jobs' chunks of OPS_ROW_CHUNK rows: the jobs by
- * the work of a chunk (its bytes times its columns), least first, ORDER[k] the k-th, its chunks
- * from FIRST_CHUNK[k] on. Guided scheduling hands the first chunks out in long runs and the last
- * ones a few at a time, so the heaviest chunks (an F32 router's 16 rows are 128 KiB, a Q4_K
- * matrix's 18 KiB) even out between the threads at the end instead of all going into one
- * thread's first run. */
+/* The order the parallel loop takes the jobs' chunks of OPS_ROW_CHUNK rows in: jobs by a chunk's
+ * work (bytes times columns), least first, ORDER[k] the k-th, its chunks from FIRST_CHUNK[k] on.
+ * Guided scheduling hands out the first chunks in long runs and the last a few at a time, so the
+ * heaviest (an F32 router's 16 rows are 128 KiB, a Q4_K matrix's 18 KiB) even out between threads
+ * at the end rather than all going into one thread's first run. */
 static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_t *done, int *order, int64_t *first_chunk) {
     for (int j = 0; j < n_jobs; j++) { /* insertion sort, stable */
         int k = j;
@@ -6440,13 +6356,12 @@ static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_
     }
 }
 
-/* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their
- * rows, so that several small products pay one parallel region and its barrier, and each
- * thread has rows of every matrix in flight. Jobs with the same x, n, type and width share one
- * prepared activation (and, on a device, one upload). Job j's y is bit-identical whatever the
- * batch, the thread count or the device. Caller: quant_init done; at most OPS_MAX_JOBS jobs;
- * no y overlaps an x; one caller at a time; at most OPS_COLUMN_BLOCK columns a job
- * (ops_matmat_jobs). */
+/* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their rows,
+ * so several small products pay one parallel region and barrier, and each thread has rows of every
+ * matrix in flight. Jobs with the same x, n, type and width share a prepared activation (on a
+ * device, an upload). Job j's y is bit-identical whatever the batch, thread count or device.
+ * Caller: quant_init done; at most OPS_MAX_JOBS jobs; no y overlaps an x; one caller at a time; at
+ * most OPS_COLUMN_BLOCK columns a job (ops_matmat_jobs). */
 static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1];
@@ -6514,15 +6429,14 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     for (int t = 0; t < team; t++) ops_idle_seconds += (done_at - finish[t]) / team;
 }
 
-/* The columns ops_matmat_block takes of a product at a time. A chunk of rows runs against all of
- * a job's columns, whose prepared acts (2.1 KiB a column of 2048 in Q8_K) must stay in the L2
- * while it does (one block of 512 was slower: README). The weights are then read once a
- * block: of the trunk, ~1 MiB a token more for 512. */
+/* Columns of a product ops_matmat_block takes at once. A row chunk meets all a job's columns, whose
+ * prepared acts (2.1 KiB a column of 2048 in Q8_K) stay in L2 meanwhile (a block of 512 was slower:
+ * README). Weights are read once a block: for 512, ~1 MiB more trunk a token. */
 #define OPS_COLUMN_BLOCK 256
 
-/* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, one block of
- * each after the other (each column's output is computed alone: the same bits). Caller: as
- * ops_matmat_block, without the limit on columns. */
+/* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, in turn (each
+ * column's output computed alone: same bits). Caller: as ops_matmat_block, without its column
+ * limit. */
 static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     int most = 0;
@@ -6545,8 +6459,7 @@ static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     }
 }
 
-/* y[n][rows] = W·x[n][cols]. Caller: as ops_matmat_jobs. The weight row stays in cache while
- * the n columns use it. */
+/* y[n][rows] = W·x[n][cols], a row cached while n columns use it. Caller: as ops_matmat_jobs. */
 static void ops_matmat(const struct ops_matrix *w, const float *x, float *y, int n) {
     struct ops_job job = {*w, x, y, n};
     ops_matmat_jobs(&job, 1);
@@ -6571,8 +6484,8 @@ static QUANT_AVX2 uint64_t ops_bench_read(const uint64_t *p, size_t n) {
     return t[0] + t[1] + t[2] + t[3];
 }
 
-/* Fills n bytes (the last n % 8 are left) with xorshift noise, a stream of its own per SEED, in
- * parallel (first touch per thread). */
+/* Fills n bytes (the last n % 8 left) with xorshift noise, a stream per SEED, in parallel (first
+ * touch per thread). */
 static void ops_bench_fill(uint8_t *buf, size_t n, uint64_t seed) {
     #pragma omp parallel for schedule(static)
     for (size_t c = 0; c < n / 8; c += 4096) {
@@ -6602,8 +6515,8 @@ static double ops_bench_bandwidth(const uint8_t *buf, size_t n) {
     return best;
 }
 
-/* GB/s of weight bytes for y = W·x on a rows x cols matrix of type t at w (already filled):
- * best of repeated runs for >= 0.2 s (3 runs at least). */
+/* GB/s of weight bytes for y = W·x on a rows x cols matrix of type t at w (filled): best of runs
+ * over >= 0.2 s (3 at least). */
 static double ops_bench_gemv(enum gguf_type t, uint8_t *w, int64_t rows, int64_t cols, int interleave, float *x, float *y) {
     const struct gguf_type_info *ti = gguf_type_get(t);
     size_t rb = (size_t)(cols / ti->block_elems) * (size_t)ti->block_bytes;
@@ -6640,8 +6553,7 @@ static size_t ops_bench_llc(void) {
     return kib * 1024;
 }
 
-/* The host's read bandwidth in GB/s, measured now on a buffer of 4x the last-level cache
- * (256 MiB to 1 GiB). */
+/* The host's read bandwidth in GB/s, measured now on 4x the last-level cache (256 MiB to 1 GiB). */
 static double ops_bench_host_gbps(void)
 {
     size_t n = 4 * ops_bench_llc();
@@ -6668,8 +6580,7 @@ static void ops_bench_kernels_row(enum gguf_type t, int interleave, uint8_t *buf
 }
 
 /* Prints GEMV throughput (GB/s of weight bytes) per format and shape, the large matrix's against
- * the read bandwidth measured beside it, on the current OpenMP thread count. Caller: quant_init
- * done. */
+ * the read bandwidth measured beside it, at the current thread count. Caller: quant_init done. */
 static void ops_bench_kernels(void) {
     size_t big = 4 * ops_bench_llc();
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
@@ -6697,10 +6608,10 @@ static void ops_bench_kernels(void) {
 /* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
  * without changing results (-ffp-contract=off, no -ffast-math). */
 
-/* Sums in double of N values, the same bits at every SIMD level and on the GPU: value i goes
- * into partial i % OPS_SUM_PARTS, and the partials meet by the butterfly p[j] + p[j + s] for
- * s = 8, 4, 2, 1. A serial sum (the reference's order) is one add every 4 cycles (README), and a
- * GPU warp could not follow such a chain at all. */
+/* Sum in double of N values, the same bits at every SIMD level and on the GPU: value i goes into
+ * partial i % OPS_SUM_PARTS, partials meeting by the butterfly p[j] + p[j + s], s = 8, 4, 2, 1. A
+ * serial sum (the reference's order) adds once every 4 cycles (README), a chain no GPU warp can
+ * follow. */
 #define OPS_SUM_PARTS 16
 
 static double ops_parts_sum(double *part)
@@ -6710,8 +6621,7 @@ static double ops_parts_sum(double *part)
     return part[0];
 }
 
-/* The partials of x[i]^2 over the whole groups of 16 (each square exact in double); returns how
- * many values are done. */
+/* Partials of x[i]^2 over whole groups of 16 (squares exact in double); returns how many done. */
 static QUANT_AVX512 int ops_squares_avx512(const float *x, int n, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
@@ -6751,7 +6661,7 @@ static double ops_sum_squares(const float *x, int n)
     return ops_parts_sum(part);
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * w, over N values (w may be NULL: no weight). In place is fine. */
+/* y = x / sqrt(mean(x^2) + eps) * w over N values (w NULL: no weight); in place is fine. */
 static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float eps)
 {
     double ss = ops_sum_squares(x, n); /* in double, the scale formed in float, as ggml */
@@ -6768,11 +6678,10 @@ static void ops_l2norm(float *x, int n, float eps)
     for (int i = 0; i < n; i++) x[i] *= scale;
 }
 
-/* e^x with the same bits on every CPU and on the GPU (kernels.cu's exp_canonical, operation
- * for operation): x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^10 in double
- * (relative error < 1e-12), scaled by 2^n, rounded once to float. libm's expf differs between
- * libcs and from CUDA's; this one differed from the correctly rounded e^x in 9 of 3.2e8 floats
- * tried (every 7th in [-104, 89]). */
+/* e^x with the same bits on every CPU and the GPU (kernels.cu's exp_canonical, op for op): x = n
+ * ln2 + r, |r| <= ln2/2, e^r by Taylor series to r^10 in double (relative error < 1e-12), times
+ * 2^n, rounded once to float. libm's expf differs between libcs and from CUDA's; this one differed
+ * from the correctly rounded e^x in 9 of 3.2e8 floats (every 7th in [-104, 89]). */
 static const double ops_exp_taylor[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
                                            1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0}; /* 1/9! .. 1/0!, for Horner */
 
@@ -6795,10 +6704,10 @@ static float ops_exp(float x)
 static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
 static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 
-/* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read
- * from the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases; for N
- * (1..4; constant where inlined) vectors in lockstep: each step for every vector before the
- * next step, so that N independent chains fill the pipes. */
+/* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read from
+ * the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases; N (1..4; constant
+ * where inlined) vectors in lockstep, each step for all before the next: N independent chains fill
+ * the pipes. */
 QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
     const __m256d shift = _mm256_set1_pd(6755399441055744.0);
     __m256d t[4], r[4], p[4];
@@ -6820,8 +6729,7 @@ QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
     }
 }
 
-/* ops_exp of 8 floats, for N (1 or 2) vectors in lockstep: its special cases by blends (NaN
- * last, as it is first there). */
+/* ops_exp of 8 floats x N (1 or 2) in lockstep: special cases by blends (NaN last, first there). */
 QUANT_AVX2_INLINE void ops_exp8n_avx2(const __m256 *x, __m256 *e, int n) {
     __m128 half[4], eh[4];
     QUANT_UNROLL(2)
@@ -6852,8 +6760,8 @@ QUANT_AVX2_INLINE __m256 ops_silu8_avx2(__m256 x, __m256 num) {
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-/* ops_exp_cores_avx2 on 8 double lanes, for N (1..8) vectors in lockstep (README, Weight
- * formats, "Figures behind comments"). */
+/* ops_exp_cores_avx2 on 8 double lanes, N (1..8) vectors in lockstep (README, Weight formats,
+ * "Figures behind comments"). */
 QUANT_AVX512_INLINE void ops_exp_cores_avx512(const __m256 *x, __m256 *e, int n) {
     const __m512d shift = _mm512_set1_pd(6755399441055744.0);
     __m512d xd[8], t[8], r[8], p[8];
@@ -6941,12 +6849,11 @@ static void ops_gate(float *out, const float *x, const float *u, int64_t n, int 
         for (int64_t i = 0; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
-/* ops_exp((x - sub) / div): a sampling weight (§10), the same under every libc, where expf's
- * last bit is each libc's own. */
+/* ops_exp((x - sub) / div): a sampling weight (§10), the same under every libc, unlike expf. */
 static float ops_exp_shifted_one(float x, float sub, float div) { return ops_exp((x - sub) / div); }
 
-/* out[i] = ops_exp_shifted_one(x[i], sub, div) for N values, its bits at every level (the
- * weights of a whole vocabulary). OUT may be X. */
+/* out[i] = ops_exp_shifted_one(x[i], sub, div) for N values (a whole vocabulary's weights), its
+ * bits at every level. OUT may be X. */
 static QUANT_AVX512 void ops_exp_shifted_avx512(float *out, const float *x, int64_t n, float sub, float div) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -6971,22 +6878,22 @@ static void ops_exp_shifted(float *out, const float *x, int64_t n, float sub, fl
 /* g[i] = silu(g[i]) * u[i] (U NULL: silu alone). */
 static void ops_swiglu(float *g, const float *u, int64_t n) { ops_gate(g, g, u, n, 0); }
 
-/* ops_swiglu over ROWS rows of WIDTH, a row a task where there are enough of them (a prompt
- * batch's routed experts: 2048 rows of 512 a layer on the 35B). Each element is computed on
- * its own, so the split changes no bit. */
+/* ops_swiglu over ROWS rows of WIDTH, a row a task where there are enough (a prompt batch's routed
+ * experts: 2048 rows of 512 a layer on the 35B). Elements are computed alone: the split changes no
+ * bit. */
 static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t width) {
     #pragma omp parallel for schedule(static) if (rows * width >= OPS_PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) ops_swiglu(g + r * width, u ? u + r * width : NULL, width);
 }
 
 /* ---- the logarithm, exponential and sine/cosine the forward pass uses, in double ----
- * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own),
- * and the device has its own again; these use only IEEE additions, multiplications and
- * divisions, so every build and a device twin get the same bits. Each is accurate to a few
- * units of 1e-16, so the floats rounded from them are libm's but for a rare last bit. */
+ * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own), and
+ * the device has its own; these use only IEEE additions, multiplications and divisions, so every
+ * build and a device twin get the same bits. Each is accurate to a few units of 1e-16, so the
+ * floats rounded from them are libm's but for a rare last bit. */
 static const double ops_ln2_hi = 6.93147180369123816490e-01, ops_ln2_lo = 1.90821492927058770002e-10; /* hi: 32 bits */
 
-/* The exponent K and the mantissa M in [sqrt(1/2), sqrt(2)) of a positive normal X = M 2^K. */
+/* Exponent K and mantissa M in [sqrt(1/2), sqrt(2)) of a positive normal X = M 2^K. */
 static double ops_split_exponent(double x, int *k)
 {
     uint64_t bits;
@@ -6999,8 +6906,8 @@ static double ops_split_exponent(double x, int *k)
     return m;
 }
 
-/* ln z for a positive normal z: z = m 2^k, ln m = 2 atanh(s) with s = (m - 1) / (m + 1),
- * |s| < 0.172, by its series to s^21 (the next term < 1e-17); m - 1 is exact. */
+/* ln z for a positive normal z: z = m 2^k, ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
+ * by its series to s^21 (next term < 1e-17); m - 1 is exact. */
 static double ops_ln(double z)
 {
     int k;
@@ -7019,8 +6926,8 @@ static double ops_log1p(float y)
     return ops_ln(1.0 + y);
 }
 
-/* e^x in double for |x| < 700: x = n ln2 + r (ln2 in two parts, so r is exact to 1e-20),
- * e^r by its Taylor series to r^14 (|r| <= 0.35: the next term < 1e-17), scaled by 2^n. */
+/* e^x in double for |x| < 700: x = n ln2 + r (ln2 in two parts: r exact to 1e-20), e^r by Taylor
+ * series to r^14 (|r| <= 0.35: next term < 1e-17), times 2^n. */
 static double ops_exp_double(double x)
 {
     const double shift = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
@@ -7033,10 +6940,10 @@ static double ops_exp_double(double x)
     return p * scale;
 }
 
-/* sin and cos of x in [0, 2^20 pi/2): x = k pi/2 + r with pi/2 in two parts (fdlibm's pio2_1,
- * whose product with k is exact below that bound, and the rest), then the Taylor series of r
- * (|r| <= pi/4) to r^17 and r^16 (the next terms < 1e-17), and the quadrant k mod 4. RoPE's
- * angles reach pos x 1: 2^18 at a 262k context. */
+/* sin, cos of x in [0, 2^20 pi/2): x = k pi/2 + r, pi/2 in two parts (fdlibm's pio2_1, its product
+ * with k exact below that bound, and the rest), then r's Taylor series (|r| <= pi/4) to r^17 and
+ * r^16 (next terms < 1e-17), and quadrant k mod 4. RoPE angles reach pos x 1: 2^18 at a 262k
+ * context. */
 static void ops_sincos(double x, double *sine, double *cosine)
 {
     const double pio2_1 = 1.57079632673412561417e+00, pio2_1t = 6.07710050650619224932e-11;
@@ -7058,14 +6965,14 @@ static void ops_sincos(double x, double *sine, double *cosine)
  * the reference's log1pf(expf(x)). */
 static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops_exp(x)); }
 
-/* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max
- * picks x[i], so a NaN counts only as x[0], and the order does not matter), e^(x - max) by
- * ops_exp, their sum in double in ops_parts_sum's order, then one scale. Returns the maximum,
- * and the sum in *SUM where SUM is not NULL (attention's splits merge by them). Attention at
- * 8k of context takes 8192 of them per head and token (README: libm's expf). */
+/* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max picks x[i],
+ * so a NaN counts only as x[0] and order does not matter), e^(x - max) by ops_exp, their sum in
+ * double in ops_parts_sum's order, then one scale. Returns the maximum, and the sum in *SUM if SUM
+ * is not NULL (attention's splits merge by them). Attention at 8k of context takes 8192 of them per
+ * head and token (README: libm's expf). */
 
-/* The SIMD levels: the maximum of all N, and the partials of the whole vectors (ops_softmax
- * does the tail); returns how many values are done. */
+/* The SIMD levels: the maximum of all N and the whole vectors' partials (ops_softmax does the
+ * tail); returns how many are done. */
 static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
@@ -7143,36 +7050,34 @@ static float ops_softmax(float *x, int n, double *sum)
 }
 
 /* ---- attention over the KV cache ----
- * The heads of a GQA group read the same cached rows, and at long context those rows are the
- * memory traffic of a token, so both passes take NQ heads at once and read each row once. A
- * cache holds a KV head's rows STRIDE elements apart in one of the formats of enum ops_kv
- * (--kv): fp32, fp16, or Q8_0 (8.5 bits a value). Each SIMD body is inlined once per format,
- * so that the format is a constant in its loops.
- * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as
- * the kernels load it): each dot over HD elements in one canonical order at every level:
- * element i into partial i % 16, then the butterfly p[j] + p[j + s] for s = 8, 4, 2, 1 (a
- * serial sum kept the vector units idle). The SIMD versions hold each head's 16 partials in
- * registers (independent chains across heads).
- * Q8_0 keys: integer products against the query quantised (ops_scores_q8_0, below).
- * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the
- * same operation at any width: fmaf, or the FMA instructions every AVX2 CPU has), the rows in
- * chunks of OPS_ATTN_CHUNK that every tile of accumulators passes over before the next chunk.
- * Fused, because a Q8_0 value's widening then runs beside the products: with a multiply and
- * an add, the FP pipes also had to take the conversions (README). A Q8_0 value is widened
- * exactly (d * q has at most 18 significant bits), so the sums are those of fp32 rows holding those values.
- * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each its scores, its own softmax and
- * its values, then merged in order of the splits (ops_attn_merge). Why: a GPU computes the
- * splits of a long context side by side (one warp a split, not one a head), and it can only
- * give the CPU's bits if the order is the same on both sides. */
+ * A GQA group's heads read the same cached rows, at long context a token's memory traffic, so both
+ * passes take NQ heads at once and read each row once. A cache holds a KV head's rows STRIDE
+ * elements apart in an enum ops_kv format (--kv): fp32, fp16, or Q8_0 (8.5 bits a value). Each SIMD
+ * body is inlined once per format, a constant in its loops.
+ * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as the
+ * kernels load it): each dot over HD elements in one canonical order at every level: element i into
+ * partial i % 16, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1 (a serial sum left the vector
+ * units idle). The SIMD versions keep each head's 16 partials in registers (independent chains
+ * across heads).
+ * Q8_0 keys: integer products against the quantised query (ops_scores_q8_0, below).
+ * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the same
+ * operation at any width: fmaf, or every AVX2 CPU's FMA), rows in chunks of OPS_ATTN_CHUNK that
+ * every tile of accumulators passes over before the next. Fused, so a Q8_0 value's widening runs
+ * beside the products (with a multiply and an add, the FP pipes also took the conversions: README).
+ * Q8_0 values widen exactly (d * q has at most 18 significant bits): the sums are those of fp32
+ * rows holding them.
+ * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each with its scores, own softmax and
+ * values, merged in split order (ops_attn_merge), because a GPU computes a long context's splits
+ * side by side (a warp a split, not a head) and gives the CPU's bits only in the same order. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 32 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 #define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (8.5-32 KiB of rows of 256, read once from memory) */
 #define OPS_ATTN_SPLIT 256 /* cached rows a split: a softmax of its own, merged in order (ops_attn_merge) */
 
-/* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale
- * and 32 int8), quantised as quant_act_q8 quantises an activation; Q8_0 keys are stored
- * OPS_KV_GROUP positions to a group instead (ops_scores_q8_0), in the same bytes. */
+/* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale and 32
+ * int8), quantised as quant_act_q8 does an activation; Q8_0 keys are instead stored OPS_KV_GROUP
+ * positions to a group (ops_scores_q8_0), in the same bytes. */
 enum ops_kv { OPS_KV_F32, OPS_KV_F16, OPS_KV_Q8_0 };
 #define OPS_KV_GROUP 16   /* Q8_0 key positions a group, one vector lane each */
 #define OPS_KV_MAX_HD 512 /* the longest Q8_0 row: ops_scores_q8_0 quantises queries on the stack */
@@ -7212,17 +7117,17 @@ static float ops_score_finish(float *part, const float *q, const void *k, int fr
     return part[0] * scale;
 }
 
-/* The butterfly's last three steps in registers: S holds part[j] + part[j + 8] for j < 8
- * (the first step); then + 4, + 2, + 1 lane by lane, the same adds as ops_score_finish's. A
- * store and 15 scalar adds per score had cost as much as the score's products. */
+/* The butterfly's last three steps in registers: S holds part[j] + part[j + 8] for j < 8 (the first
+ * step); then + 4, + 2, + 1 by lane, ops_score_finish's adds. A store and 15 scalar adds per score
+ * cost as much as the score's products. */
 QUANT_AVX2_INLINE float ops_butterfly8_avx2(__m256 s) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* 8 elements of a cached row from I on (I % 8 == 0 for Q8_0), as floats: fp16 by F16C's exact
- * widening, Q8_0 as q * d (exact, as ops_kv_at). */
+/* 8 elements of a cached row from I (I % 8 == 0 for Q8_0) as floats: fp16 by F16C's exact widening,
+ * Q8_0 as q * d (exact, as ops_kv_at). */
 QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, enum ops_kv kv) {
     if (kv == OPS_KV_F32) return _mm256_loadu_ps((const float *)row + i);
     if (kv == OPS_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
@@ -7240,10 +7145,10 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
     return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* The cache lines of elements I0..I1 (with their Q8_0 scales) of row P + OPS_ATTN_AHEAD asked
- * for: a float key's whole row, or a value tile's part of it, so that the values' requests
- * spread over the pass instead of all coming with its first tile (README). Always inlined: gcc
- * counts a function of prefetches alone as having no effect and drops its calls. */
+/* Asks for the cache lines of elements I0..I1 (with their Q8_0 scales) of row P + OPS_ATTN_AHEAD: a
+ * float key's whole row, or a value tile's part, so the values' requests spread over the pass, not
+ * all with its first tile (README). Always inlined: gcc deems a function of prefetches alone
+ * without effect and drops its calls. */
 QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
     const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv), *first, *last;
@@ -7269,8 +7174,8 @@ static void ops_scores_scalar(const float *const *q, int nq, const void *k, size
         }
 }
 
-/* The scores of HEADS (1..4; constant where inlined, so that the 8 accumulators stay in
- * registers) heads from J0 against key row KR, into out[.][p]. */
+/* The scores of HEADS (1..4; constant where inlined, so the 8 accumulators stay in registers) heads
+ * from J0 against key row KR, into out[.][p]. */
 QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const void *kr, int p, int hd,
                                              float scale, float *const *out, enum ops_kv kv)
 {
@@ -7318,8 +7223,8 @@ static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void
     else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, OPS_KV_F32);
 }
 
-/* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers (with
- * NQ a variable they went to memory, a load and a store per add: README). */
+/* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers (NQ
+ * variable put them in memory, a load and a store per add: README). */
 QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
                                                  float scale, float *const *out, enum ops_kv kv)
 {
@@ -7359,26 +7264,24 @@ static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const 
 }
 
 /* ---- Q8_0 keys ----
- * Scores against Q8_0 keys are integer products. The query is quantised as a Q8 activation
- * (quant_act_q8: per 32 elements a scale dq, fp16-rounded, and the sum of the quants). A group
- * of OPS_KV_GROUP key positions holds its quants with the positions in vector lanes,
- * [STRIDE/4][16][4] bytes (dword r of vector m: elements 4m..4m+3 of position r, each plus 128,
- * vpdpbusd's unsigned operand), then its scales, [STRIDE/32][16] fp16: as many bytes as 16 rows.
- * A score is, from acc = 0 over the blocks b in order, acc = acc + (dk_b * dq_b) *
- * (float)isum_b with isum_b = Σ k q exact, then acc * SCALE: one position's operations in each
- * lane, so every level gives the scalar bits. One vpdpbusd adds 4 products of 16 positions,
- * where float keys take a multiply and an add for 16; the quants are a quarter of fp32's bytes. */
+ * Scores against Q8_0 keys: integer products. The query is quantised as a Q8 act (quant_act_q8: per
+ * 32 elements fp16-rounded scale dq, quants' sum). A group of OPS_KV_GROUP key positions holds its
+ * quants with positions in lanes, [STRIDE/4][16][4] bytes (dword r of vector m: position r's
+ * elements 4m..4m+3 plus 128, vpdpbusd's unsigned operand), then its scales, [STRIDE/32][16] fp16:
+ * the bytes of 16 rows. A score: acc = 0, then over blocks b in order acc = acc + (dk_b * dq_b) *
+ * (float)isum_b, isum_b = Σ k q exact, then acc * SCALE: a position's operations a lane: every
+ * level gives the scalar bits. One vpdpbusd adds 4 products of 16 positions, where float keys take
+ * a multiply and add for 16; the quants a quarter of fp32's bytes. */
 
-/* Where a Q8_0 key group of STRIDE-element rows holds element I of position R's quants, and
- * the scale of its block B. */
+/* Where a Q8_0 key group of STRIDE-element rows keeps position R's element I, block B's scale. */
 static inline size_t ops_kq8_quant(int i, int r) { return (size_t)(i / 4) * 4 * OPS_KV_GROUP + 4 * (size_t)r + (size_t)(i % 4); }
 static inline size_t ops_kq8_scale(size_t stride, int b, int r)
 {
     return OPS_KV_GROUP * stride + 2 * ((size_t)b * OPS_KV_GROUP + (size_t)r);
 }
 
-/* Writes the HD floats at X as row P of a cache of STRIDE-element rows in format KV: fp16
- * rounded, or Q8_0 quantised (KEYS: in the key groups). */
+/* Writes the HD floats at X as row P of a cache of STRIDE-element rows in format KV: fp16-rounded
+ * or Q8_0-quantised (KEYS: in key groups). */
 static void ops_kv_store(void *cache, size_t stride, int p, const float *x, int hd, enum ops_kv kv, int keys)
 {
     uint8_t *row = (uint8_t *)cache + (size_t)p * ops_kv_row_bytes(stride, kv);
@@ -7418,9 +7321,9 @@ static float ops_score_q8_0(const uint8_t *g, size_t stride, int r, const struct
     return acc * scale;
 }
 
-/* The 16 positions of a group in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes
- * into saturating 16-bit pairs, so the key is made signed again (k - 128, by the top bit) and
- * the product taken as |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
+/* The 16 positions of a group in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes into
+ * saturating 16-bit pairs, so the key is signed again (k - 128, by the top bit) and the product
+ * taken as |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
 QUANT_AVX2_INLINE void ops_scores_q8_0_half_avx2(const uint8_t *g, size_t stride, int half, const struct quant_q8_view *a, int hd,
                                                  float scale, float *out)
 {
@@ -7496,8 +7399,8 @@ static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, i
     else ops_scores_q8_0_rows_avx512(a, nq, k, stride, n, hd, scale, out);
 }
 
-/* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A:
- * what the integer scores against Q8_0 keys take; once a token, not once a split (README). */
+/* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A, for the
+ * integer scores against Q8_0 keys; once a token, not once a split (README). */
 #define OPS_KV_Q8_ACT (OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12)
 static void ops_queries_q8_0(const float *const *q, int nq, int hd, uint8_t (*act)[OPS_KV_Q8_ACT], struct quant_q8_view *a)
 {
@@ -7530,8 +7433,7 @@ static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, siz
     ops_scores_q8_0_of(a, nq, k, stride, n, hd, scale, out);
 }
 
-/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K in format KV, STRIDE
- * elements a row. */
+/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K in format KV, STRIDE apart. */
 static void ops_scores(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
                        float *const *out, enum ops_kv kv)
 {
@@ -7548,10 +7450,9 @@ static void ops_attend_scalar(const float *const *w, int nq, const void *v, size
             for (int i = 0; i < hd; i++) o[j][i] = fmaf(w[j][p], ops_kv_at(ops_kv_row(v, stride, p, kv), i, kv), o[j][i]);
 }
 
-/* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, the
- * accumulators in registers (o in memory would be loaded and stored per row). WT holds the
- * rows' weights head by head, row p's at wt[HEADS * (p - p0)]: one base pointer for all of
- * them. The 32 dims are one Q8_0 block: one scale a row. */
+/* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, accumulators
+ * in registers (o in memory: a load and store a row). WT holds the rows' weights head by head, row
+ * p's at wt[HEADS * (p - p0)]: one base pointer. 32 dims are a Q8_0 block: a scale a row. */
 QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, const void *v, size_t stride, int p0, int p1,
                                                 int i0, float *const *o, enum ops_kv kv)
 {
@@ -7683,8 +7584,8 @@ static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const void
     else ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, OPS_KV_F32);
 }
 
-/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V in format
- * KV, STRIDE elements a row. */
+/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V (format KV,
+ * STRIDE apart). */
 static void ops_attend(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, enum ops_kv kv)
 {
     if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, kv);
@@ -7718,12 +7619,11 @@ static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
 }
 
 /* Folds a split's outputs OC (HD floats a head of NQ: its rows' values weighed by their own
- * softmax), with its largest scores MAX_C and its sums SUM_C of e^(s - MAX_C), into O, the
- * splits' before it merged, whose largest scores and sums are MAX and SUM: for each head, each
- * side's share of the new sum (its sum times e^(its max - the new max), in double) as a float
- * weight, then o = fma(wc, oc, wo * o) element by element. The first split is O as it is, so a
- * context of one split gives the bits of one softmax over all its rows. The 2 NQ exponentials
- * go in one call (ops_exp_shifted). */
+ * softmax), its largest scores MAX_C and sums SUM_C of e^(s - MAX_C), into O, the earlier splits
+ * merged, with largest scores MAX and sums SUM: per head, each side's share of the new sum (its sum
+ * times e^(its max - new max), in double) as a float weight, then o = fma(wc, oc, wo * o) element
+ * by element. The first split is O as is, so a one-split context gives the bits of one softmax over
+ * all its rows. The 2 NQ exponentials go in one call (ops_exp_shifted). */
 static void ops_attn_merge(float *const *o, float *max, double *sum, float *const *oc, const float *max_c, const double *sum_c, int nq,
                            int hd)
 {
@@ -7741,9 +7641,9 @@ static void ops_attn_merge(float *const *o, float *max, double *sum, float *cons
     }
 }
 
-/* Split P0.. (ROWS rows) of NQ heads' attention over one KV head's VALUES (rows of HD elements
- * in format KV) from its scores W (ROWS floats a head): their softmax (its maximum and sum into
- * MAX and SUM, a head each), then the values into OC (HD floats a head). */
+/* Split P0.. (ROWS rows) of NQ heads' attention over one KV head's VALUES (rows of HD elements in
+ * format KV) from its scores W (ROWS floats a head): their softmax (max and sum into MAX and SUM, a
+ * head each), then the values into OC (HD floats a head). */
 static void ops_attention_values(float *const *w, int nq, const uint8_t *values, int p0, int rows, int hd, float *const *oc, float *max,
                                  double *sum, enum ops_kv kv)
 {
@@ -7754,8 +7654,8 @@ static void ops_attention_values(float *const *w, int nq, const uint8_t *values,
     ops_attend((const float *const *)w, nq, values + (size_t)p0 * ops_kv_row_bytes((size_t)hd, kv), (size_t)hd, rows, hd, oc, kv);
 }
 
-/* The scores times SCALE of NQ heads' queries (Q, and QA: them quantised, for a Q8_0 cache)
- * against N key rows KEYS into W (N floats a head). */
+/* The scores times SCALE of NQ heads' queries (Q; QA: them quantised, for a Q8_0 cache) against N
+ * key rows KEYS into W (N floats a head). */
 static void ops_attention_scores(const float *const *q, const struct quant_q8_view *qa, int nq, const uint8_t *keys, int n, int hd,
                                  float scale, float *const *w, enum ops_kv kv)
 {
@@ -7763,12 +7663,11 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
     else ops_scores(q, nq, keys, (size_t)hd, n, hd, scale, w, kv);
 }
 
-/* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O) over the first N rows of one
- * KV head's KEYS and VALUES (rows of HD elements in format KV): the scores of all N rows, then
- * split by split their softmax and values (ops_attention_values), each merged into O in order
- * (ops_attn_merge). SC: a scratch of N + HD floats a head (the scores, then a split's output).
- * The scores go in one pass rather than a split at a time: the bits are the same, and the key
- * rows stream without a break (README). */
+/* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O) over the first N rows of one KV
+ * head's KEYS and VALUES (rows of HD elements in format KV): all N rows' scores, then split by
+ * split their softmax and values (ops_attention_values), each merged into O in order
+ * (ops_attn_merge). SC: scratch of N + HD floats a head (the scores, then a split's output). Scores
+ * go in one pass, not split by split: same bits, key rows streaming unbroken (README). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
@@ -7787,18 +7686,18 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
 }
 
 /* ---- the gated delta rule ----
- * One token for one v-head (§5.3 of the architecture): for each row j of the state, decay it,
- * predict v_j from k, write the scaled error back, read o_j with q; each dot a serial sum over
- * the dk elements. S is stored i-major ([dk][dv]: element (j, i) at i * dv + j), so that a
- * vector holds the same element of 16 rows and the SIMD levels run 16 rows' serial sums side
- * by side: the same operations in the same order as the scalar rows, hence the same bits.
- * A sequence's tokens in a batch go through one call: token t's second pass (write, read with
- * q) and token t + 1's first (decay, predict) are one pass over the state, each element's
- * operations and each row's sums as token by token, so a prompt reads and writes the state
- * once a token instead of twice (README, Prompts). */
+ * One token for one v-head (architecture §5.3): for each state row j, decay it, predict v_j from k,
+ * write the scaled error back, read o_j with q; each dot a serial sum over the dk elements. S is
+ * stored i-major ([dk][dv]: element (j, i) at i * dv + j), so a vector holds the same element of 16
+ * rows and the SIMD levels run 16 rows' serial sums side by side: the scalar rows' operations in
+ * order: the same bits.
+ * A batch's tokens of a sequence go through one call: token t's second pass (write, read with q)
+ * and token t + 1's first (decay, predict) are one pass over the state, each element's operations
+ * and each row's sums as token by token, so a prompt reads and writes the state once a token, not
+ * twice (README, Prompts). */
 
 /* A sequence's N tokens for one head: token t's q, k and v at Q, K, V + t * STRIDE, its beta and
- * decay, its output at OUT + t * OUT_STRIDE. */
+ * decay, output at OUT + t * OUT_STRIDE. */
 struct ops_delta_tokens {
     const float *q, *k, *v, *beta, *decay;
     size_t stride, out_stride;
@@ -7806,14 +7705,14 @@ struct ops_delta_tokens {
     int n;
 };
 
-/* The lines of the N floats at P asked for. Always inlined: gcc drops calls of a function of
+/* Asks for the lines of the N floats at P. Always inlined: gcc drops calls of a function of
  * prefetches alone (README, as for ops_kv_prefetch). */
 QUANT_SHARED_INLINE void ops_prefetch_floats(const float *p, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
 }
 
-/* Token U's q, k (DK each), v and out (J0..J0 + W) asked for: rows a conv row apart, which no
+/* Asks for token U's q, k (DK each), v and out (J0..J0 + W): rows a conv row apart, which no
  * hardware prefetcher follows (README: the rule in the model). */
 QUANT_SHARED_INLINE void ops_delta_prefetch(const struct ops_delta_tokens *a, int u, int dk, int j0, int w)
 {
@@ -7933,8 +7832,8 @@ static void ops_delta_rule(float *S, int dk, int dv, const struct ops_delta_toke
     else ops_delta_rows_scalar(S, dk, dv, 0, a);
 }
 
-/* NeoX ("rotate half") RoPE on the first ROT dims of one head vector: dim j pairs with
- * j + ROT/2. cos_sin holds [ROT/2] cosines then [ROT/2] sines for this position. */
+/* NeoX ("rotate half") RoPE on one head vector's first ROT dims: dim j pairs with j + ROT/2.
+ * cos_sin: [ROT/2] cosines then [ROT/2] sines for this position. */
 static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 {
     int half = rot / 2;
@@ -7947,26 +7846,26 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 }
 
 /* ==== §5 cuda ==== */
-/* Owns: the system's CUDA driver, reached from this static binary at run time: the foreign
- *   dlopen (glibc's ld.so and the embedded glibc helper mapped into this process; in a glibc
- *   build, as the tests use, the native dlopen), the typed driver wrappers, the device list in
- *   PCI bus order, per-device contexts and the module JIT-compiled from the embedded kernels.ptx,
- *   device memory for resident trunk matrices and routed experts, the GEMV launches of the
- *   batches of products §4 offloads (ops_offload), the routed experts' batches and the layers
- *   and chains §8 runs there, and the CUDA graphs that replay a repeated window of launches.
- * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the
- *   CPU; results never change: a device GEMV computes the CPU's canonical order bit for bit, and
- *   a launch that fails is recomputed on the CPU. Device i is the i-th card in PCI bus order in
- *   every flag and line. No driver call is made unless cuda_start ran (COLI_CUDA=0 / --gpu off:
- *   never). Driver calls are serialised under one lock, with async signals blocked and, in the
- *   musl build, the thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
+/* Owns: the system's CUDA driver, reached from this static binary at run time: the foreign dlopen
+ *   (glibc's ld.so and the embedded glibc helper mapped into this process; in a glibc build, as the
+ *   tests use, the native dlopen), the typed driver wrappers, the device list in PCI bus order,
+ *   per-device contexts and the module JIT-compiled from the embedded kernels.ptx, device memory
+ *   for resident trunk matrices and routed experts, the GEMV launches of the product batches §4
+ *   offloads (ops_offload), the routed experts' batches, the layers and chains §8 runs there, and
+ *   the CUDA graphs replaying a repeated window of launches.
+ * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the CPU;
+ *   results never change: a device GEMV computes the CPU's canonical order bit for bit, and a
+ *   failed launch is recomputed on the CPU. Device i is the i-th card in PCI bus order in every
+ *   flag and line. No driver call is made unless cuda_start ran (COLI_CUDA=0 / --gpu off: never).
+ *   Driver calls are serialised under one lock, async signals blocked and, in the musl build, the
+ *   thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
- * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A batch of products over one input:
- *   one upload, a launch a product, one download; a layer's routed experts: one upload, 3
- *   launches, one download; a layer one device holds whole (cuda_moe_layer_start): one upload,
- *   11 launches, one download, a split one's routing down and the CPU's outputs up besides.
- *   Chains and graphs (below) take most of these out. Calls and waits a token, measured, and a
- *   wrapped call's cost: README, NVIDIA GPUs, "Driver calls". */
+ * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch over one input: one upload, a
+ *   launch a product, one download; a layer's routed experts: one upload, 3 launches, one download;
+ *   a layer one device holds whole (cuda_moe_layer_start): one upload, 11 launches, one download,
+ *   plus a split one's routing down and the CPU's outputs up. Chains and graphs (below) take most
+ *   of these out. Calls and waits a token, measured, and a wrapped call's cost: README, NVIDIA
+ *   GPUs, "Driver calls". */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -7994,16 +7893,16 @@ enum {
 };
 enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
 
-/* A kernel node of a graph: CUDA_KERNEL_NODE_PARAMS as the unversioned cuGraphAddKernelNode
- * takes it (the _v1 layout; cuda.h's _v2 adds two fields after these). */
+/* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS as the unversioned cuGraphAddKernelNode takes it
+ * (the _v1 layout; cuda.h's _v2 adds two fields after). */
 struct cuda_kernel_node {
     cuda_handle fn;
     unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
     void **params, **extra;
 };
 
-/* Driver entry points, resolved by their versioned names (notes §5.10: the plain cuMemAlloc is
- * the 32-bit-pointer ABI of CUDA 3). X(field, symbol, required). */
+/* Driver entry points, by their versioned names (notes §5.10: plain cuMemAlloc is CUDA 3's
+ * 32-bit-pointer ABI). X(field, symbol, required). */
 #define CUDA_API(X) \
     X(init, "cuInit", 1) X(driver_version, "cuDriverGetVersion", 1) X(get_error_string, "cuGetErrorString", 0) \
     X(device_count, "cuDeviceGetCount", 1) X(device_get, "cuDeviceGet", 1) X(device_name, "cuDeviceGetName", 1) \
@@ -8074,9 +7973,9 @@ struct cuda_dl {
 static struct cuda_dl cuda_dl;
 
 /* ---- the call wrapper: lock, async signals blocked, glibc's thread pointer ----
- * All musl threads share the one glibc TCB that ld.so set up (notes §5.2), so calls are
- * serialised; signals are blocked so that no musl handler runs on glibc's TCB (§5.3), and
- * threads the driver creates inherit the blocked mask. */
+ * All musl threads share the one glibc TCB ld.so set up (notes §5.2), so calls are serialised;
+ * signals are blocked so no musl handler runs on glibc's TCB (§5.3); driver threads inherit the
+ * mask. */
 
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 static sigset_t cuda_saved_mask;
@@ -8090,7 +7989,7 @@ static inline uintptr_t cuda_tp_get(void)
     return tp;
 }
 
-/* Raw: musl's syscall() would write errno through whichever TCB %fs points at (notes §5.1). */
+/* Raw: musl's syscall() would write errno via whichever TCB %fs points at (notes §5.1). */
 static inline void cuda_tp_set(uintptr_t tp)
 {
     if (cuda_fsgsbase) {
@@ -8127,11 +8026,11 @@ static void cuda_leave(void)
     pthread_mutex_unlock(&cuda_lock);
 }
 
-/* Typed wrappers: the arguments are evaluated by the caller, before the switch, so nothing
- * in them can touch musl's TLS while %fs is glibc's. CUDA_WRAP's first make the launches the
- * window holds back (cuda_window_end, "graphs" below): a copy, a free, a switch of context or a
- * wait comes after the launches queued before it. CUDA_WRAP_NOW's are the launches and graphs
- * themselves, and the calls that touch no memory a launch may use. */
+/* Typed wrappers: callers evaluate arguments before the switch, so nothing in them touches musl's
+ * TLS while %fs is glibc's. CUDA_WRAP's first make the window's held-back launches
+ * (cuda_window_end, "graphs" below): a copy, free, context switch or wait follows earlier-queued
+ * launches. CUDA_WRAP_NOW's: the launches and graphs, and calls touching no memory launches may
+ * use. */
 static cuda_result cuda_window_end(void);
 #define CUDA_WRAP_NOW(name, params, args) \
     static cuda_result cuda_##name params { cuda_enter(); cuda_result r_ = cuda_api.name args; cuda_leave(); return r_; }
@@ -8191,9 +8090,8 @@ CUDA_WRAP(graph_exec_destroy, (cuda_handle exec), (exec))
 #undef CUDA_WRAP
 #undef CUDA_WRAP_NOW
 
-/* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") when it has one; coli's words for the
- * codes a user meets at start-up. Copied into BUF: the driver's strings are static, but are
- * read here under the wrapper like any other driver memory. */
+/* The driver's name for R ("CUDA_ERROR_OUT_OF_MEMORY") if any; coli's words for codes users meet at
+ * start-up. Copied into BUF: static driver strings, read under the wrapper like its memory. */
 static const char *cuda_error_name(cuda_result r, char *buf, size_t cap)
 {
     const char *why = r == CUDA_ERROR_STUB_LIBRARY ? "the CUDA toolkit's stub library, not a driver"
@@ -8235,8 +8133,8 @@ static int cuda_elf_check(const uint8_t *img, size_t n)
            eh->e_phnum <= (n - eh->e_phoff) / sizeof(Elf64_Phdr);
 }
 
-/* Maps one PT_LOAD at BIAS: from FD when given (ld.so: like the kernel does), else an anonymous
- * copy of IMG (the helper when no memfd). Zeroes the bss. Returns 0 or -1. */
+/* Maps one PT_LOAD at BIAS: from FD when given (ld.so: as the kernel does), else an anonymous copy
+ * of IMG (the helper without memfd). Zeroes the bss. Returns 0 or -1. */
 static int cuda_elf_segment(const Elf64_Phdr *p, uintptr_t bias, int fd, const uint8_t *img, size_t n)
 {
     const uintptr_t pg = 4096, start = (bias + p->p_vaddr) & ~(pg - 1);
@@ -8328,8 +8226,8 @@ static void cuda_interp_of(const char *path, char *out, size_t cap)
     free(img);
 }
 
-/* Finds glibc's loader (notes step 1): COLI_LDSO, then the PT_INTERP of /usr/bin/env and
- * /bin/sh (NixOS and Guix store paths), then the fixed places. Returns its image, or NULL. */
+/* Finds glibc's loader (notes step 1): COLI_LDSO, then the PT_INTERP of /usr/bin/env and /bin/sh
+ * (NixOS and Guix store paths), then fixed places. Its image, or NULL. */
 static uint8_t *cuda_find_loader(char *path, size_t cap, size_t *n)
 {
     static const char *const fixed[] = {"/lib64/ld-linux-x86-64.so.2", "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
@@ -8351,8 +8249,8 @@ static jmp_buf cuda_ld_home;
 static void *cuda_ld_fns[4];
 
 /* Called by the helper once ld.so has set glibc up. Touches no musl TLS (%fs is glibc's): stores
- * the four dl* pointers and glibc's thread pointer, and goes home with musl's longjmp, which,
- * unlike glibc's, does not demangle pointers through the TCB. */
+ * the four dl* pointers and glibc's thread pointer, and returns by musl's longjmp, which, unlike
+ * glibc's, demangles no pointers through the TCB. */
 __attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback(void *const fns[4])
 {
     for (int i = 0; i < 4; i++) cuda_ld_fns[i] = fns[i];
@@ -8369,10 +8267,10 @@ static char *cuda_stack_str(char **top, const char *s)
     return *top;
 }
 
-/* A fresh initial process stack for ld.so (notes step 5), 1 MiB, never freed: glibc keeps
- * pointers to argv, environ and auxv. argv = {"coli-helper", hex(callback)}; environ without
- * LD_PRELOAD/LD_AUDIT; auxv from getauxval with the helper as the program and ld.so as AT_BASE.
- * Returns the stack pointer (16-byte aligned, at argc), or 0. */
+/* A fresh initial process stack for ld.so (notes step 5), 1 MiB, never freed: glibc keeps pointers
+ * to argv, environ and auxv. argv = {"coli-helper", hex(callback)}; environ less
+ * LD_PRELOAD/LD_AUDIT; auxv from getauxval, the helper as program, ld.so as AT_BASE. Returns the
+ * stack pointer (16-byte aligned, at argc), or 0. */
 static uintptr_t cuda_ld_stack(const struct cuda_elf *helper, const struct cuda_elf *ld)
 {
     extern char **environ;
@@ -8411,17 +8309,16 @@ static uintptr_t cuda_ld_stack(const struct cuda_elf *helper, const struct cuda_
     return (uintptr_t)sp;
 }
 
-/* One PROT_NONE page at the program break (notes §5.4): glibc and musl both cache the break,
- * and one shrinking it under the other crashed every time; with the fence every later brk
- * growth fails and both fall back to mmap. */
+/* A PROT_NONE page at the program break (notes §5.4): glibc and musl cache the break; one shrinking
+ * it under the other always crashed. The fence fails later brk growth: both use mmap. */
 static void cuda_brk_fence(void)
 {
     uintptr_t cur = (uintptr_t)syscall(SYS_brk, 0), page = (cur + 4095) & ~(uintptr_t)4095;
     if (cur) mmap((void *)page, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
 }
 
-/* Maps the helper, from a memfd where possible (SELinux execmem and PaX refuse executable
- * anonymous memory), else as an anonymous copy (vm.memfd_noexec refuses the memfd). */
+/* Maps the helper from a memfd where possible (SELinux execmem and PaX refuse executable anonymous
+ * memory), else as an anonymous copy (vm.memfd_noexec refuses memfds). */
 static int cuda_map_helper(struct cuda_elf *e)
 {
 #ifdef CUDA_HAVE_HELPER
@@ -8442,9 +8339,9 @@ static int cuda_map_helper(struct cuda_elf *e)
 #endif
 }
 
-/* Maps the helper and LD (image IMG[N] of file LD_PATH), jumps to ld.so's entry on a fresh
- * stack with all signals blocked, and comes back through cuda_ld_callback. Returns 0 with
- * cuda_dl filled and musl's state restored, or -1 with WHY set. */
+/* Maps the helper and LD (image IMG[N] of file LD_PATH), jumps to ld.so's entry on a fresh stack
+ * with all signals blocked, and returns through cuda_ld_callback. Returns 0 with cuda_dl filled and
+ * musl's state restored, or -1 with WHY set. */
 static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *why, size_t cap)
 {
     extern volatile int __thread_list_lock __attribute__((weak));
@@ -8476,9 +8373,9 @@ static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *
     return 0;
 }
 
-/* The loader start-up (notes steps 1-6): finds glibc's ld.so, fences brk, rehearses the start-up
- * in a child (ld.so _exit(127)s on a missing libc.so.6, which would kill coli), then does it
- * for real. Main thread only, before any other thread exists. Returns 0, or -1 with WHY. */
+/* The loader start-up (notes steps 1-6): finds glibc's ld.so, fences brk, rehearses in a child
+ * (ld.so _exit(127)s on a missing libc.so.6, which would kill coli), then does it for real. Main
+ * thread only, before any other thread exists. Returns 0, or -1 with WHY. */
 static int cuda_dl_start(char *why, size_t cap)
 {
     char ld_path[PATH_MAX];
@@ -8542,9 +8439,9 @@ static void cuda_dlerror(char *buf, size_t cap)
     cuda_leave();
 }
 
-/* Signals 32-34 are musl's own (timers, cancellation, setxid). glibc < 2.34's libpthread, a
- * dependency of libcuda, installs handlers for 32 and 33 process-wide, after which musl's
- * pthread_cancel crashed (notes §5.3). Raw rt_sigaction: musl's sigaction refuses them. */
+/* Signals 32-34 are musl's own (timers, cancellation, setxid). glibc < 2.34's libpthread, a libcuda
+ * dependency, installs handlers for 32 and 33 process-wide, after which musl's pthread_cancel
+ * crashed (notes §5.3). Raw rt_sigaction: musl's sigaction refuses them. */
 struct cuda_ksigaction { void *handler; unsigned long flags; void *restorer; uint64_t mask; };
 
 static void cuda_musl_signals(struct cuda_ksigaction saved[3], int restore)
@@ -8596,8 +8493,8 @@ static int cuda_try_driver(const char *path, char *why, size_t cap)
     return r == CUDA_ERROR_STUB_LIBRARY ? 1 : -1;
 }
 
-/* Loads and initialises the driver: COLI_LIBCUDA alone when set, else the standard places.
- * Returns 0, or -1 with WHY (the most telling failure: a stub beats "not found"). */
+/* Loads and initialises the driver: COLI_LIBCUDA alone when set, else the standard places. 0, or -1
+ * with WHY (the most telling failure: a stub beats "not found"). */
 static int cuda_load_driver(char *why, size_t cap)
 {
     const char *named = getenv("COLI_LIBCUDA");
@@ -8621,7 +8518,7 @@ static int cuda_load_driver(char *why, size_t cap)
 
 /* ---- devices ---- */
 
-/* The GPU kernels, PTX text assembled at build time into the binary, NUL-terminated because
+/* The GPU kernels: PTX text assembled into the binary at build time, NUL-terminated as
  * cuModuleLoadDataEx reads PTX as a C string. */
 __asm__(".section .rodata\n.balign 64\ncuda_ptx:\n.incbin \"kernels.ptx\"\n.byte 0\n.previous");
 extern const char cuda_ptx[]; /* a local asm label of this file */
@@ -8637,16 +8534,15 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_TOP_SCRATCH ((CUDA_TOP_SLICES + 3) * 4 + CUDA_TOP_LIST * 8)
 
 /* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
- * WIDE for each 8 bytes wide (.u64; the others .u32 or .f32), from its .entry in the PTX. */
+ * WIDE for each 8 bytes wide (.u64; others .u32 or .f32), from its PTX .entry. */
 #define CUDA_PARAMS_MAX 16
 struct cuda_signature { cuda_handle fn; int n; uint32_t wide; };
 #define CUDA_SIGNATURES 256 /* a device's table of them by handle: over twice kernels.ptx's entries */
 
-/* A launch: its kernel (SIG.fn), grid, block, and its parameters' values, each in an 8-byte slot
- * of the list's SLOTS from slot AT on. */
+/* A launch: kernel (SIG.fn), grid, block, parameter values in 8-byte slots of SLOTS from AT on. */
 struct cuda_launch_record { struct cuda_signature sig; unsigned gx, gy, bx; size_t at; };
 
-/* A list of launches (the window, a graph's): HASH covers each one's kernel, grid and values. */
+/* A list of launches (the window, a graph's): HASH covers each one's kernel, grid, values. */
 struct cuda_launches {
     struct cuda_launch_record *rec;
     uint64_t *slots;
@@ -8655,8 +8551,8 @@ struct cuda_launches {
     uint64_t hash;
 };
 
-/* A window seen on a device: its HASH and its N launches; EXEC once it is a graph, its launches
- * then in LIST; LAST: when it was last seen (cuda.clock). */
+/* A window seen on a device: its HASH and N launches; EXEC once a graph, its launches then in LIST;
+ * LAST: when last seen (cuda.clock). */
 struct cuda_graph { uint64_t hash; int n; cuda_handle exec; struct cuda_launches list; long last; };
 #define CUDA_GRAPHS 256     /* windows a device remembers: a token of a split model makes ~3 a layer */
 #define CUDA_GRAPH_MIN 3    /* launches a window needs to become a graph */
@@ -8695,8 +8591,8 @@ struct cuda_device {
     int copying;                         /* an upload is under way */
 };
 
-/* An allocation holding weights on a device. For a trunk matrix, HOST is its weights in the
- * mapping and the products over it run there; an expert's has HOST NULL (§6 keeps where it is). */
+/* An allocation holding weights on a device. A trunk matrix's HOST is its weights in the mapping,
+ * its products running there; an expert's has HOST NULL (§6 keeps where it is). */
 struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; };
 
 static struct {
@@ -8724,27 +8620,25 @@ static struct {
 } cuda;
 
 /* ---- graphs: a token's launches in one call ----
- * Every launch is recorded in the window (the launches since the last other driver call) with
- * its parameters' values. A window of CUDA_GRAPH_MIN launches or more that repeats one seen on
- * the device (the same kernels, grids and values: every address a kernel reads or writes) is
- * built into a CUDA graph, a node a launch, each after the one before. From then on a window
- * that follows a graph's launches holds them back, and at its end (the next other driver call,
- * or cuda_window_end where the CPU works meanwhile) the graph runs in one call; a launch that
- * departs from it is made, with those held, one by one as before. So which kernels run, in
- * which order, over which bytes, is the same either way, and so are the results: only the
- * driver calls change. A decoded token whose layers are all chained on one device is one window
- * (its upload before, its download after): from the third such token, one graph launch instead
- * of ~870.
- * Why built from recorded launches and not captured from a stream: a window is known to repeat
- * only once it has run, and capture needs a stream of its own where every copy and launch of
- * coli uses the legacy one, whose order is what makes a download wait for the kernels before it.
+ * Every launch is recorded with its parameters' values in the window (the launches since the last
+ * other driver call). A window of CUDA_GRAPH_MIN or more launches repeating one seen on the device
+ * (the same kernels, grids and values: every address a kernel reads or writes) is built into a CUDA
+ * graph, a node a launch, each after the one before. Then a window following a graph's launches
+ * holds them back, and at its end (the next other driver call, or cuda_window_end where the CPU
+ * works meanwhile) the graph runs in one call; a launch departing from it is made, with those held,
+ * one by one as before. Which kernels run, in which order, over which bytes, and so the results,
+ * are the same either way: only the driver calls change. A decoded token with all layers chained on
+ * one device is one window (its upload before, its download after): from the third such token, one
+ * graph launch instead of ~870.
+ * Why recorded launches, not stream capture: a window is known to repeat only once it has run, and
+ * capture needs a stream of its own where every coli copy and launch uses the legacy one, whose
+ * order makes a download wait for the kernels before it.
  * Why compare every value: positions, lengths, expert ids and states' addresses live in device
- * memory, so a decode step's launches repeat exactly; whatever does change (a scratch that grew,
- * another number of tokens) is a window of its own, never a stale graph. */
+ * memory, so a decode step's launches repeat exactly; whatever changes (a grown scratch, another
+ * token count) is a window of its own, never a stale graph. */
 
-/* *SIG = kernel NAME's parameters, read from its `.entry NAME(` in the embedded PTX (a line
- * `.param .u64 NAME_param_0,` each). Returns 0, or -1 where there is no such entry or a
- * parameter of another kind. */
+/* *SIG = kernel NAME's parameters, from its `.entry NAME(` in the embedded PTX (a line `.param .u64
+ * NAME_param_0,` each). 0, or -1 where there is no such entry or a parameter of another kind. */
 static int cuda_signature_read(const char *name, struct cuda_signature *sig)
 {
     char head[80];
@@ -8841,9 +8735,8 @@ static cuda_result cuda_window_make(void)
     return r;
 }
 
-/* Narrows the graphs of device D the window follows to those whose launch I is its own (at
- * I 0, from all of them: windows of different layers may begin alike). Returns whether any
- * is left. */
+/* Narrows the graphs of device D the window follows to those whose launch I is its own (at I 0,
+ * from all: windows of different layers may begin alike). Returns whether any is left. */
 static int cuda_window_follow(const struct cuda_device *d, int i)
 {
     int left = 0;
@@ -8870,8 +8763,8 @@ static int cuda_window_graph(const struct cuda_device *d)
 }
 
 /* Launches FN over a grid of GX x GY blocks of BX threads with PARAMS on the current device:
- * recorded in the window, then held while the window follows a graph, else made now (with
- * any held before it). The driver's result (a held launch's: at the window's end). */
+ * recorded in the window, held while the window follows a graph, else made now (with any held
+ * before). The driver's result (a held launch's: at the window's end). */
 static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigned bx, void **params)
 {
     if (!cuda.graphs) return cuda_launch_now(fn, gx, gy, bx, params); /* nothing to learn: no record */
@@ -8884,8 +8777,8 @@ static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigne
     return cuda_window_make();
 }
 
-/* Builds G's launches into a graph: a kernel node each, after the one before. Returns the
- * driver's result (G->exec NULL where it failed). */
+/* Builds G's launches into a graph, a kernel node each after the last: the driver's result (G->exec
+ * NULL on failure). */
 static cuda_result cuda_graph_build(struct cuda_graph *g)
 {
     cuda_handle graph = NULL, node = NULL;
@@ -8906,8 +8799,8 @@ static cuda_result cuda_graph_build(struct cuda_graph *g)
 }
 
 /* After the window's launches were made one by one on device D: where it repeats a window seen
- * there, it becomes a graph (its launches kept); else it is remembered in place of the window
- * seen longest ago. A graph that cannot be built ends graphs, in one line. */
+ * there it becomes a graph (its launches kept), else it replaces the window seen longest ago. A
+ * graph that cannot be built ends graphs, in one line. */
 static void cuda_window_learn(struct cuda_device *d)
 {
     struct cuda_launches *w = &cuda.window;
@@ -8937,8 +8830,8 @@ static void cuda_window_learn(struct cuda_device *d)
     *g = (struct cuda_graph){w->hash, w->n, NULL, g->list, cuda.clock};
 }
 
-/* Ends the window: a window that followed a graph to its end runs as that graph; else its
- * launches not made yet are made, and the window is learnt. The driver's result. */
+/* Ends the window: one that followed a graph to its end runs as that graph; else its launches not
+ * yet made are made and the window is learnt. The driver's result. */
 static cuda_result cuda_window_end(void)
 {
     if (!cuda.window.n) return CUDA_SUCCESS;
@@ -8957,8 +8850,7 @@ static cuda_result cuda_window_end(void)
     return r;
 }
 
-/* Whether graphs are built (the driver has them, COLI_CUDA_GRAPHS is not 0), said in a line
- * where the driver lacks them. */
+/* Whether graphs are built (driver has them, COLI_CUDA_GRAPHS not 0); a line if it lacks them. */
 static int cuda_graphs_on(void)
 {
     const char *env = getenv("COLI_CUDA_GRAPHS");
@@ -8991,8 +8883,8 @@ static int cuda_pci_order(const void *a, const void *b)
     return (x->pci_dev > y->pci_dev) - (x->pci_dev < y->pci_dev);
 }
 
-/* Fills cuda.dev in PCI bus order, so that --gpu 1 names the same card everywhere whatever
- * CUDA_DEVICE_ORDER the driver uses. Returns the count; 0 with WHY when there is none. */
+/* Fills cuda.dev in PCI bus order, so --gpu 1 names the same card whatever CUDA_DEVICE_ORDER the
+ * driver uses. Returns the count; 0 with WHY when there is none. */
 static int cuda_enumerate(char *why, size_t cap)
 {
     int n = 0;
@@ -9034,8 +8926,7 @@ static const char *cuda_first_line(char *log)
     return log[0] ? log : "no log";
 }
 
-/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, with its signature; NULL where it
- * has none. */
+/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, with its signature; NULL if none. */
 static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *type, cuda_handle *fn)
 {
     char name[64];
@@ -9050,8 +8941,8 @@ static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *t
     *cuda_signature_of(d, *fn) = sig;
 }
 
-/* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX
- * and finds the kernels. Returns 0, or -1 with WHY. */
+/* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX and
+ * finds the kernels. 0, or -1 with WHY. */
 static int cuda_open_device(int i, char *why, size_t cap)
 {
     struct cuda_device *d = &cuda.dev[i];
@@ -9091,8 +8982,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     return 0;
 }
 
-/* Marks the devices LIST selects ("all", or indices in PCI order such as "0,2"). Returns 0,
- * or -1 with WHY naming a bad entry. */
+/* Marks devices LIST picks ("all", or PCI indices like "0,2"): 0, or -1 with WHY naming a bad
+ * one. */
 static int cuda_select(const char *list, char *why, size_t cap)
 {
     if (!list || !strcmp(list, "all") || !*list) {
@@ -9122,12 +9013,11 @@ static double cuda_measure_call(void)
 
 static void cuda_stop(void);
 
-/* Starts the GPU path: loader, driver, devices (LIST as --gpu), contexts, kernels. VRAM_BYTES
- * (-1: free memory less a reserve) caps each device's budget for resident weights. Main thread
- * only, before any other thread exists (notes §7.2). Every failure is one [cuda] line; cuda.ready
- * says whether a device can compute. */
-/* VERBOSE: also say that there is no driver at all (on a machine without an NVIDIA card that is
- * not news; info and plan say it in their own lines). */
+/* Starts the GPU path: loader, driver, devices (LIST as --gpu), contexts, kernels. VRAM_BYTES (-1:
+ * free memory less a reserve) caps each device's resident-weight budget. Main thread, before any
+ * other (notes §7.2). Each failure is one [cuda] line; cuda.ready: whether a device can compute. */
+/* VERBOSE: also say there is no driver at all (no news on a machine without an NVIDIA card; info
+ * and plan say it in their own lines). */
 static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 {
     char why[512] = "";
@@ -9166,8 +9056,8 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
     cuda_calls = 0; /* from here, the work's */
 }
 
-/* Frees every resident matrix: residency is keyed by the host address of the weights, so it
- * must end before that memory is unmapped or reused. */
+/* Frees every resident matrix: residency is keyed by the weights' host address, so it must end
+ * before that memory is unmapped or reused. */
 static void cuda_release_all(void)
 {
     if (cuda.products || cuda.batches)
@@ -9197,8 +9087,8 @@ static void cuda_stage_free(void)
     cuda.stage_pinned = 0;
 }
 
-/* Gives the contexts back: glibc's and libcuda's destructors never run in this process
- * (notes §5.5). */
+/* Gives the contexts back: glibc's and libcuda's destructors never run in this process (notes
+ * §5.5). */
 static void cuda_stop(void)
 {
     cuda_release_all();
@@ -9234,7 +9124,7 @@ static void cuda_stop(void)
     cuda.ready = 0;
 }
 
-/* What to do about WHY, the reason the GPU path does not run (cuda.why): coli info's doctor. */
+/* What to do about WHY, why the GPU path does not run (cuda.why): coli info's doctor. */
 static const char *cuda_advice(const char *why)
 {
     static const char jit[] = "the driver cannot JIT-compile coli's PTX (ISA 6.0, sm_52 and up): update the NVIDIA driver";
@@ -9256,8 +9146,7 @@ static const char *cuda_advice(const char *why)
     return "coli info -v and the [cuda] lines of a run say more; the CPU path gives the same tokens";
 }
 
-/* coli info's lines: the driver and each device in PCI bus order, or why there is none and
- * what to do about it. */
+/* coli info's lines: the driver and each device in PCI bus order, or why none and what to do. */
 static void cuda_print_info(void)
 {
     if (!cuda.n_devices) {
@@ -9280,8 +9169,8 @@ static void cuda_print_info(void)
 
 /* ---- resident weights and offloaded GEMVs ---- */
 
-/* Ends the GPU path after a failure at run time (a launch, a copy): one line, then everything
- * runs on the CPU. The failed product is recomputed there, so no result changes. */
+/* Ends the GPU path after a run-time failure (a launch, a copy): one line, then everything runs on
+ * the CPU, which recomputes the failed product, so no result changes. */
 static void cuda_fail(const char *what, cuda_result r)
 {
     char e[160];
@@ -9304,10 +9193,9 @@ static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
     return r;
 }
 
-/* Grows the host staging buffer to N bytes: pinned (page-locked) where the driver gives it, so
- * that a product batch's outputs and an expert batch's upload cross the bus by DMA straight
- * from it, not through the driver's own pinned bounce buffer and a second copy; else plain
- * memory, with the same results. */
+/* Grows the host staging buffer to N bytes: pinned (page-locked) where the driver gives it, so a
+ * product batch's outputs and an expert batch's upload cross the bus by DMA straight from it, not
+ * via the driver's pinned bounce buffer and a second copy; else plain memory, the same results. */
 static uint8_t *cuda_stage(size_t n)
 {
     if (n <= cuda.stage_cap) return cuda.stage;
@@ -9319,8 +9207,8 @@ static uint8_t *cuda_stage(size_t n)
     return cuda.stage;
 }
 
-/* The device copy of the trunk matrix whose weights are at HOST, or NULL: a binary search of
- * the list (in address order, cuda_list), which a token asks ~10 times a layer. */
+/* The device copy of the trunk matrix with weights at HOST, or NULL: a binary search of the list
+ * (address order, cuda_list), asked ~10 times a layer a token. */
 static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
 {
     int lo = 0, hi = cuda.n_res;
@@ -9332,11 +9220,10 @@ static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
     return lo < cuda.n_res && cuda.res[lo].host == host ? &cuda.res[lo] : NULL;
 }
 
-/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), their weights at RES[j] on
- * the device, over the activations at ACT + OFF[j]. One upload of the span of activations they read, one launch of
- * matvec_<type> per job (one warp per row, lane = unit % 32, shfl butterfly: the canonical
- * order), one download of all their outputs: 2 + n driver calls. Returns 0, or -1 after
- * cuda_fail. */
+/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), weights at RES[j] on the device,
+ * over the activations at ACT + OFF[j]. One upload of the span of activations they read, a launch
+ * of matvec_<type> a job (a warp a row, lane = unit % 32, shfl butterfly: the canonical order), one
+ * download of all outputs: 2 + n driver calls. 0, or -1 after cuda_fail. */
 static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_resident *const *res, const int *mine, int n,
                         const uint8_t *act, const size_t *off)
 {
@@ -9381,8 +9268,8 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_r
     return 0;
 }
 
-/* ops_offload: runs each job whose matrix is resident on its device (cuda_jobs_on), marking
- * it in DONE; a failure leaves the rest to the CPU, which computes the same bits. */
+/* ops_offload: runs each job whose matrix is resident on its device (cuda_jobs_on), marking it in
+ * DONE; a failure leaves the rest to the CPU, with the same bits. */
 static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done)
 {
     const struct cuda_resident *res[OPS_MAX_JOBS];
@@ -9407,7 +9294,7 @@ static size_t cuda_span(const size_t *bytes, int n)
     return total;
 }
 
-/* Whether TOTAL more bytes fit device DEV's budget (weights, and the sequences' states there). */
+/* Whether TOTAL more bytes fit device DEV's budget (weights, and sequences' states there). */
 static int cuda_fits(int dev, size_t total)
 {
     const struct cuda_device *d = &cuda.dev[dev];
@@ -9415,7 +9302,7 @@ static int cuda_fits(int dev, size_t total)
 }
 
 /* Lists TOTAL bytes at P on device DEV as resident (HOST: the trunk matrix they hold, NULL: an
- * expert's) and charges them to its budget. */
+ * expert's), charging its budget. */
 static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
 {
     struct cuda_resident **list = host ? &cuda.res : &cuda.experts;
@@ -9432,11 +9319,10 @@ static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
     cuda.dev[dev].used += (int64_t)total;
 }
 
-/* Copies N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, each at a 256-byte
- * boundary, charged to its budget, and lists it: MATVEC, as the trunk matrix SRC[0] whose
- * products run there; else as an expert's (§6 keeps where it is). Returns the device address,
- * or 0 (nothing changed) when the budget or the device's memory is short: that is not a
- * failure of the GPU path, the weights just stay on the CPU. */
+/* Copies N parts (SRC[i], BYTES[i]) into a new allocation on device DEV, each at a 256-byte
+ * boundary, charged to its budget, and lists it: MATVEC, as trunk matrix SRC[0] whose products run
+ * there; else as an expert's (§6 keeps where it is). The device address, or 0 (nothing changed) if
+ * the budget or device memory is short: not a GPU failure; the weights stay on the CPU. */
 static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *bytes, int n, int matvec)
 {
     size_t total = cuda_span(bytes, n);
@@ -9451,8 +9337,8 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
     return p;
 }
 
-/* Copies W's weights to device DEV and makes its GEMVs run there. Returns 0, or -1 (nothing
- * changed) as cuda_upload. */
+/* Copies W's weights to device DEV, its GEMVs to run there: 0, or -1 (nothing changed) as
+ * cuda_upload. */
 static int cuda_make_resident(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
@@ -9462,12 +9348,11 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
 }
 
 /* The probe (§7 asks it before placing the trunk): W's product on device DEV, one column, as
- * CUDA_PROBE_REPS launches, and the round trip of its input and output (CUDA_PROBE_REPS
- * copies each way), both timed by the device's own events, not the host's clock: a thread
- * descheduled once must not decide a placement. W's weights are copied there for it and freed after.
- * Fills *KERNEL and *ROUND_TRIP (seconds per product). Returns 0, or -1 when the device cannot
- * say: a driver without events, or no memory for the copy (nothing changes); a failed launch
- * ends the GPU path as anywhere else. */
+ * CUDA_PROBE_REPS launches, and its input's and output's round trip (CUDA_PROBE_REPS copies each
+ * way), both timed by the device's events, not the host's clock: a thread descheduled once must not
+ * decide a placement. W's weights are copied there for it and freed after. Fills *KERNEL and
+ * *ROUND_TRIP (seconds per product). Returns 0, or -1 when the device cannot say: a driver without
+ * events, or no memory for the copy (nothing changes); a failed launch ends the GPU path. */
 #define CUDA_PROBE_REPS 8
 static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kernel, double *round_trip)
 {
@@ -9518,8 +9403,8 @@ static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kerne
 
 /* ---- bench --kernels on a device ---- */
 
-/* GB/s of weights of a random ROWS x COLS matrix of TYPE's product on device DEV, timed as the
- * probe times one; 0 where it cannot run. */
+/* GB/s of weights of a random ROWS x COLS TYPE matrix's product on device DEV, timed as the probe
+ * times one; 0 where it cannot run. */
 static double cuda_bench_gemv(int dev, enum gguf_type type, int64_t rows, int64_t cols)
 {
     struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols), 0};
@@ -9534,8 +9419,8 @@ static double cuda_bench_gemv(int dev, enum gguf_type type, int64_t rows, int64_
     return r || kernel <= 0 ? 0 : (double)n / kernel / 1e9;
 }
 
-/* Device DEV's memory bandwidth in GB/s: a device-to-device copy of 256 MiB, its bytes read and
- * written over its time (events around 4 copies); 0 where the driver has no such copy. */
+/* Device DEV's memory bandwidth in GB/s: a device-to-device copy of 256 MiB, bytes read and written
+ * over its time (events around 4 copies); 0 where the driver has no such copy. */
 static double cuda_bench_bandwidth(int dev)
 {
     const size_t n = (size_t)256 << 20;
@@ -9561,8 +9446,8 @@ static double cuda_bench_bandwidth(int dev)
 }
 
 /* bench --kernels' table for device DEV: every format's GEMV at the CPU table's shapes but the
- * largest, which is 16384 x 4096 (beyond a card's L2 for 4-bit formats and up), that one
- * against the card's copy bandwidth. */
+ * largest, 16384 x 4096 (past a card's L2 from 4-bit formats up), against the card's copy
+ * bandwidth. */
 static void cuda_bench_kernels(int dev)
 {
     double bw = cuda_bench_bandwidth(dev);
@@ -9579,16 +9464,15 @@ static void cuda_bench_kernels(int dev)
 }
 
 /* ---- routed experts on the device ----
- * An expert in VRAM is its three matrices in one allocation. A batch is a list of jobs, one
- * per (expert, token): cuda_moe_start uploads the jobs and the tokens' activations (prepared
- * for the gate/up type by the CPU, as for its own products) in one copy and queues three
- * kernels: gate and up with silu(g) * u, the quantisation of that for the down type, and down.
- * The launches return at once, so the CPU computes the experts it holds meanwhile;
- * cuda_moe_finish downloads the outputs, one [dim] row per job, and the caller sums them with
- * the routing weights in its fixed order. 5 driver calls per device and layer. */
+ * An expert in VRAM is its three matrices in one allocation. A batch lists jobs, one per (expert,
+ * token): cuda_moe_start uploads the jobs and the tokens' activations (prepared by the CPU for the
+ * gate/up type, as for its own) in one copy and queues three kernels: gate and up with silu(g) * u,
+ * its quantisation for the down type, and down. Launches return at once: the CPU computes its own
+ * experts meanwhile; cuda_moe_finish downloads the outputs, a [dim] row per job, which the caller
+ * sums with the routing weights in its fixed order. 5 driver calls a device a layer. */
 
-/* A routed expert resident on a device: where its gate, up and down matrices start. The layout
- * is kernels.cu's struct moe_job, whose column field says which activation a job reads. */
+/* A routed expert resident on a device: where its gate, up and down matrices start, laid out as
+ * kernels.cu's struct moe_job, whose column field says which activation a job reads. */
 struct cuda_expert { cuda_ptr gate, up, down; };
 struct cuda_moe_job { struct cuda_expert e; uint32_t column, pad; };
 
@@ -9620,9 +9504,9 @@ static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda
     return 0;
 }
 /* ---- re-tiering: an expert's upload in the background ----
- * One upload at a time per device, on a stream of its own (non-blocking: the kernels on the
- * null stream do not wait for it) from pinned staging, so no token waits for it. §7 asks
- * cuda_expert_upload_ready at token boundaries and switches the expert over once it is there. */
+ * One upload at a time per device, on its own stream (non-blocking: null-stream kernels do not wait
+ * for it) from pinned staging, so no token waits. §7 asks cuda_expert_upload_ready at token
+ * boundaries and switches the expert over once there. */
 
 /* Whether this driver can upload in the background. */
 static int cuda_async_ok(void)
@@ -9631,9 +9515,9 @@ static int cuda_async_ok(void)
            cuda_api.event_create && cuda_api.event_record;
 }
 
-/* Starts copying expert W (gate, up, down) to device DEV in the background: its VRAM is
- * allocated and charged now, and *E says where it will be. Returns 0, or -1 with nothing
- * changed: no room, a driver without background copies, an upload under way there. */
+/* Starts copying expert W (gate, up, down) to device DEV in the background: its VRAM is allocated
+ * and charged now, *E saying where it will be. Returns 0, or -1 with nothing changed: no room, a
+ * driver without background copies, an upload under way there. */
 static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -9667,8 +9551,7 @@ static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struc
     return 0;
 }
 
-/* Whether device DEV's upload has arrived: 1 (or none was under way), 0 not yet, -1 the GPU
- * path has ended. */
+/* Whether device DEV's upload arrived: 1 (or none under way), 0 not yet, -1 GPU path ended. */
 static int cuda_expert_upload_ready(int dev)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -9684,8 +9567,8 @@ static int cuda_expert_upload_ready(int dev)
     return 1;
 }
 
-/* Frees expert E's VRAM on device DEV (no upload under way there, so nothing waits) and takes
- * it off the budget: the expert computes on the CPU from now on. */
+/* Frees expert E's VRAM on device DEV (no upload under way there: nothing waits) and takes it off
+ * the budget: the expert computes on the CPU from now on. */
 static void cuda_expert_free(int dev, const struct cuda_expert *e)
 {
     for (int k = 0; k < cuda.n_experts; k++) {
@@ -9698,22 +9581,22 @@ static void cuda_expert_free(int dev, const struct cuda_expert *e)
     }
 }
 
-/* The device bytes of a batch of N jobs of shape SH: the hidden rows, their quantised form
- * (rows HQ_STRIDE bytes apart) and the outputs. */
+/* Device bytes of a batch of N jobs of shape SH: the hidden rows, their quantised form (rows
+ * HQ_STRIDE bytes apart), the outputs. */
 static size_t cuda_moe_hq_stride(const struct cuda_moe_shape *sh) { return (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63; }
 static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
 {
     return cuda_align((size_t)n * (size_t)sh->ff * 4) + cuda_align((size_t)n * cuda_moe_hq_stride(sh)) + (size_t)n * (size_t)sh->dim * 4;
 }
 
-/* Where the outputs [n][dim] of a batch whose work bytes start at WORK are: their last part. */
+/* Where the outputs [n][dim] of a batch with work bytes at WORK are: their last part. */
 static cuda_ptr cuda_moe_outputs(cuda_ptr work, const struct cuda_moe_shape *sh, int n)
 {
     return work + cuda_moe_work_bytes(sh, n) - (size_t)n * (size_t)sh->dim * 4;
 }
 
-/* Launches on the current device the preparation of ROWS rows of N floats at PX (N apart) for
- * weights of TYPE into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
+/* Launches on the current device the preparation of ROWS rows of N floats at PX (N apart) for TYPE
+ * weights into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
 static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type type, cuda_ptr px, cuda_ptr pact, size_t stride, int n, int rows)
 {
     enum quant_act_kind kind = quant_act_kind(type);
@@ -9724,9 +9607,9 @@ static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type ty
     return cuda_launch(d->quantize[kind], (unsigned)(n + (int)per_block - 1) / per_block, (unsigned)rows, 32 * CUDA_WARPS, params);
 }
 
-/* Launches on the current device the N jobs at PJ (experts of shape SH) over the activation
- * columns at PA, STRIDE bytes apart: gate and up, the hidden rows' quantisation, down, the
- * outputs at PW + cuda_moe_work_bytes' last part. 3 launches; returns the driver's result. */
+/* Launches on the current device the N jobs at PJ (experts of shape SH) over the activation columns
+ * at PA, STRIDE bytes apart: gate and up, the hidden rows' quantisation, down, outputs at PW +
+ * cuda_moe_work_bytes' last part. 3 launches; the driver's result. */
 static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_shape *sh, cuda_ptr pj, cuda_ptr pa, size_t stride, int n,
                                    cuda_ptr pw)
 {
@@ -9741,9 +9624,9 @@ static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
-/* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation
- * columns ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail
- * or once the GPU path has ended (the caller computes the jobs on the CPU). */
+/* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation columns
+ * ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail or once the
+ * GPU path has ended (the CPU computes the jobs). */
 static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct cuda_moe_job *jobs, int n,
                           const uint8_t *acts, size_t stride, int n_cols)
 {
@@ -9769,9 +9652,9 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     return 0;
 }
 
-/* A DeltaNet mixer on a device (cuda_deltanet_launch): its constants there (one allocation:
- * the conv's taps [K][conv_dim], dt_bias [nv], a [nv], the gated norm's weights), its shape, and
- * where its state lies in a sequence's (STATE_OFF floats in, its conv state's CONV_FLOATS first;
+/* A DeltaNet mixer on a device (cuda_deltanet_launch): its constants there (one allocation: the
+ * conv's taps [K][conv_dim], dt_bias [nv], a [nv], the gated norm's weights), its shape, and its
+ * state's place in a sequence's (STATE_OFF floats in, its conv state's CONV_FLOATS first;
  * cuda_state_alloc). BA: beta and alpha come fused (Qwen3-Next). */
 struct cuda_deltanet {
     cuda_ptr taps, dt_bias, ssm_a, norm;
@@ -9780,11 +9663,10 @@ struct cuda_deltanet {
     uint64_t state_off, conv_floats;
 };
 
-/* An attention mixer on a device (cuda_attention_launch): its q and k norms there, its shape,
- * and in a pass's chain buffer the tokens' KV caches' addresses (KV), their positions (POS) and
- * their RoPE rows (ROPE: rot/2 cosines then sines); the layer's place in a sequence's caches on
- * the device (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a head, in FORMAT (f32, f16 or
- * Q8_0, laid out as the CPU's). */
+/* An attention mixer on a device (cuda_attention_launch): its q and k norms there, its shape, and
+ * in a pass's chain buffer the tokens' KV cache addresses (KV), positions (POS) and RoPE rows
+ * (ROPE: rot/2 cosines then sines); the layer's place in a sequence's caches there (LAYER_OFF
+ * bytes: cuda_state_alloc), ROWS rows a head, in FORMAT (f32, f16 or Q8_0, as the CPU's). */
 struct cuda_attention {
     cuda_ptr q_norm, k_norm, kv, pos, rope;
     int n_head, n_kv, hd, rot, format, splits; /* format: the cache's enum ops_kv; splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
@@ -9792,13 +9674,13 @@ struct cuda_attention {
     uint64_t layer_off, rows;
 };
 
-/* The rest of a layer from its mixer's output on, on one device: the output projection WO,
- * the residual and the post-norm NORM (residual_norm), the router and the shared expert's gate
- * logit over that, the routing (moe_route: model_select_experts' bits), the routed experts
- * through TABLE (n_expert entries) and the shared expert SHEXP (of shape SHEXP_SH: in the
- * routed experts' batch where that is theirs, SH, else in a batch of its own), and their sum
- * added to the hidden state (moe_combine): model_forward_runs' steps, the same bits. WO, the
- * router and the gate logit matrices are resident there. */
+/* The rest of a layer from its mixer's output on, on one device: output projection WO, residual and
+ * post-norm NORM (residual_norm), over that the router and the shared expert's gate logit, the
+ * routing (moe_route: model_select_experts' bits), the routed experts through TABLE (n_expert
+ * entries) and shared expert SHEXP (shape SHEXP_SH: in the routed experts' batch where that is
+ * theirs, SH, else a batch of its own), and their sum added to the hidden state (moe_combine):
+ * model_forward_runs' steps, the same bits. WO, router and gate logit matrices are resident
+ * there. */
 struct cuda_moe_layer {
     struct cuda_moe_shape sh, shexp_sh;
     const struct ops_matrix *wo, *router, *gate_inp; /* gate_inp NULL: no shared expert */
@@ -9828,7 +9710,7 @@ struct cuda_moe_layer {
     const struct cuda_attention *attn; /* or an attention mixer, likewise */
 };
 
-/* The routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
+/* Routed experts moe_route can take (kernels.cu's ROUTE_MAX_EXPERTS), and choices a token. */
 #define CUDA_ROUTE_MAX_EXPERTS 512
 #define CUDA_ROUTE_MAX_USED 32
 
@@ -9848,21 +9730,20 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
            L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert && (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
 }
 
-/* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the
- * jobs (routed, then shared); what goes up (from the shared jobs to the end of the norms); what
- * the kernels make (the next projections' activations: one a type); the CPU's experts'
- * outputs (a split layer); then what comes back, in an order that keeps each download one
- * span: the normed input, the ids (a split layer's routing: xn, ids), the output and the next
- * projections (ids, out, next). */
+/* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the jobs
+ * (routed, then shared); what goes up (from the shared jobs to the norms' end); what the kernels
+ * make (the next projections' activations, one a type); the CPU's experts' outputs (a split layer);
+ * then what comes back, ordered so each download is one span: the normed input, the ids (a split
+ * layer's routing: xn, ids), the output and the next projections (ids, out, next). */
 struct cuda_moe_layout {
     size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
         top, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
-/* Bytes of a token's split records (attn_split: HD + 4 floats a split of a head), and how many
- * of a batch of T one pair of attention launches takes: as many as fit cuda_attention_parts
- * bytes, at least one (a prompt at long context goes in groups; a decode step in one). */
+/* Bytes of a token's split records (attn_split: HD + 4 floats a split of a head), and how many of a
+ * batch of T one pair of attention launches takes: as many as fit cuda_attention_parts bytes, at
+ * least one (a long-context prompt goes in groups; a decode step in one). */
 static size_t cuda_attention_parts = (size_t)64 << 20; /* test_cuda lowers it, to see groups */
 
 static size_t cuda_attention_token_parts(const struct cuda_attention *a)
@@ -9924,9 +9805,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     return o;
 }
 
-/* Device addresses of what a layer reads from its upload, or, in a chain, from its block and
- * the layer before (cuda_moe_layer): the jobs, the table, the hidden state, the two norms, and
- * where the ids go. */
+/* Device addresses of what a layer reads from its upload or, in a chain, its block and the layer
+ * before (cuda_moe_layer): the jobs, the table, hidden state, two norms, where the ids go. */
 struct cuda_moe_inputs { cuda_ptr jobs, table, x, norm, next_norm, ids; };
 
 static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o)
@@ -9938,8 +9818,8 @@ static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, co
     return in;
 }
 
-/* Writes layer L's shared expert's jobs and its table at BASE as the batch scratch lays them out
- * (jobs from 0, the table at o.table), its norms at BASE + NORM and BASE + NEXT_NORM. */
+/* Writes layer L's shared expert's jobs and table at BASE as the batch scratch lays them out (jobs
+ * from 0, table at o.table), its norms at BASE + NORM and BASE + NEXT_NORM. */
 static void cuda_moe_fill(const struct cuda_moe_layer *L, struct cuda_moe_layout o, uint8_t *base, size_t norm, size_t next_norm, int T)
 {
     for (int t = 0; L->gate_inp && t < T; t++) ((struct cuda_moe_job *)(base + o.shared))[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
@@ -9954,18 +9834,17 @@ static size_t cuda_chain_block_bytes(const struct cuda_moe_layer *L, int T)
     return cuda_moe_layout_of(L, 0, T).x + 2 * cuda_align((size_t)L->sh.dim * 4);
 }
 
-/* Layer L's block for T tokens at DST (cuda_chain_block_bytes): what its upload would carry but
- * the hidden state and the mixer's rows, laid out as cuda_moe_inputs_of reads it. */
+/* Layer L's block for T tokens at DST (cuda_chain_block_bytes): what its upload would carry but the
+ * hidden state and mixer's rows, laid out as cuda_moe_inputs_of reads it. */
 static void cuda_chain_block_fill(const struct cuda_moe_layer *L, int T, uint8_t *dst)
 {
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, 0, T);
     cuda_moe_fill(L, o, dst, o.x, o.x + cuda_align((size_t)L->sh.dim * 4), T);
 }
 
-/* A layer's start on device D: the norm NORM over T hidden rows X into XN (residual_norm), then
- * each of its N mixer projections W[j] (resident at W_PTR[j]) over that: the activations a type
- * (at ACT[j]: projections of one type share them), the products into OUT[j]. Counts its calls;
- * returns the driver's result. */
+/* A layer's start on device D: norm NORM over T hidden rows X into XN (residual_norm), then over
+ * that its N mixer projections W[j] (resident at W_PTR[j]): activations a type (at ACT[j], shared
+ * by a type's projections), products into OUT[j]. Counts its calls; the driver's result. */
 static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm, cuda_ptr xn, const struct ops_matrix *w, const cuda_ptr *w_ptr,
                                 const cuda_ptr *act, const cuda_ptr *out, int n, int dim, float eps, int T)
 {
@@ -10021,11 +9900,10 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
-/* Layer L's DeltaNet mixer on device D over the projections the layer before kept there (its
- * qkv, z, beta and alpha or ba): the conv, SiLU, norms and scale (deltanet_conv), the gated
- * delta rule over each token's state (deltanet_rule: the state addresses lead the pass's chain
- * buffer), the gated norm (deltanet_gate), then the rows prepared for the output projection at
- * o.mix. 4 launches; the driver's result. */
+/* Layer L's DeltaNet mixer on device D over projections the layer before kept there (qkv, z, beta
+ * and alpha or ba): conv, SiLU, norms, scale (deltanet_conv), gated delta rule on each token's
+ * state (deltanet_rule: state addresses lead the pass's chain buffer), gated norm (deltanet_gate),
+ * rows prepared for the output projection at o.mix. 4 launches; the driver's result. */
 static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                         int T)
 {
@@ -10048,9 +9926,9 @@ static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda
     return CUDA_SUCCESS;
 }
 
-/* Layer L's attention mixer on device D over the projections the layer before kept there (q
- * with its gate, k, v): the q and k norms and RoPE, the new K and V rows into each token's cache
- * (attn_prep), each split's scores, softmax and values (attn_split) and their merge and gate
+/* Layer L's attention mixer on device D over the projections the layer before kept there (q with
+ * its gate, k, v): q and k norms and RoPE, the new K and V rows into each token's cache
+ * (attn_prep), each split's scores, softmax and values (attn_split), their merge and gate
  * (attn_merge), a pair a group of tokens (cuda_attention_group), then the rows prepared for the
  * output projection at o.mix. 4 launches where the batch is one group; the driver's result. */
 static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
@@ -10075,8 +9953,8 @@ static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cud
     return r ? r : cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T);
 }
 
-/* The layer's front on device D (uploaded): the output projection, the residual and norm, the
- * activations, the router and gate logit, the routing. 6 to 8 launches; the driver's result. */
+/* The layer's front on device D (uploaded): output projection, residual and norm, activations,
+ * router and gate logit, routing. 6 to 8 launches; the driver's result. */
 static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                         int T)
 {
@@ -10105,7 +9983,7 @@ static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda
 }
 
 /* The layer's end on device D: the experts' sum added to the hidden state (the CPU's experts'
- * outputs at o.cpu_y), then the next layer's start; marks what cuda_moe_finish downloads. */
+ * outputs at o.cpu_y), the next layer's start; marks what cuda_moe_finish downloads. */
 static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     const cuda_ptr b = d->moe;
@@ -10125,8 +10003,7 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     return r;
 }
 
-/* A layer's batch that stays on device D for the next layer (L->keep): done with, unread,
- * counted here. */
+/* A layer's batch staying on device D for the next layer (L->keep): done with, unread, counted. */
 static void cuda_moe_kept(struct cuda_device *d)
 {
     cuda.batches++;
@@ -10190,9 +10067,8 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     return 0;
 }
 
-/* A split layer's end (cuda_moe_layer_start): the outputs of the CPU's CPU_JOBS experts in
- * CPU_Y [T * used][dim] (rows of the device's experts unread) up, then the sum and the next
- * layer's start. Returns 0, or -1 after cuda_fail. */
+/* A split layer's end (cuda_moe_layer_start): the CPU's CPU_JOBS experts' outputs in CPU_Y [T *
+ * used][dim] (device rows unread) up, then sum, next layer's start. 0, or -1 after cuda_fail. */
 static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t stride_mix, const float *cpu_y, int cpu_jobs, int T)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -10209,9 +10085,9 @@ static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t
     return 0;
 }
 
-/* Downloads the outputs of device DEV's batch in flight into OUT (waiting for its kernels): a
- * batch's [jobs][dim] floats, a layer's as cuda_moe_layer_start says. Returns 0, or -1 when the
- * GPU path has ended (the caller computes the jobs). */
+/* Downloads device DEV's batch in flight's outputs into OUT (waiting for its kernels): a batch's
+ * [jobs][dim] floats, a layer's as cuda_moe_layer_start says. Returns 0, or -1 when the GPU path
+ * has ended (the caller computes the jobs). */
 static int cuda_moe_finish(int dev, void *out)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -10239,9 +10115,9 @@ static int cuda_moe_finish(int dev, void *out)
  * device are one allocation laid out as coli's checkpoints, its KV caches another laid out as
  * the CPU's (§8 keeps which copy is current). */
 
-/* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers
- * read, the state addresses first; room for the ids; the chained layers' blocks: §8's
- * model_chain_head_of) uploaded. Returns its address, or 0 after cuda_fail. */
+/* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers read,
+ * state addresses first; room for the ids; the chained layers' blocks: §8's model_chain_head_of)
+ * uploaded. Its address, or 0 after cuda_fail. */
 static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -10268,10 +10144,10 @@ static int cuda_read_back(int dev, cuda_ptr at, void *out, size_t bytes)
     return 0;
 }
 
-/* The first layer's start in a chain on device DEV, from the embedded rows X [T][dim] and its
- * input norm NORM (both in the chain buffer): the norm and its N mixer projections W[j]
- * (resident at W_PTR[j]: cuda_project) into the layer scratch, kept there for the layer's
- * mixer as a layer before it would have. Returns 0, or -1 after cuda_fail. */
+/* The first layer's start in a chain on device DEV, from the embedded rows X [T][dim] and input
+ * norm NORM (both in the chain buffer): the norm and its N mixer projections W[j] (resident at
+ * W_PTR[j]: cuda_project) into the layer scratch, kept for the layer's mixer as a layer before
+ * would have. Returns 0, or -1 after cuda_fail. */
 static int cuda_chain_first(int dev, cuda_ptr x, cuda_ptr norm, const struct ops_matrix *w, const cuda_ptr *w_ptr, int n, int dim, float eps,
                             int T)
 {
@@ -10306,9 +10182,9 @@ static int cuda_chain_first(int dev, cuda_ptr x, cuda_ptr norm, const struct ops
     return 0;
 }
 
-/* A mixer's constants on device DEV (struct cuda_deltanet's TAPS..NORM, or cuda_attention's
- * norms: N parts, one allocation listed under the first), made resident there on first use.
- * The address, or 0 where they do not fit (they stay the CPU's: not a failure). */
+/* A mixer's constants on device DEV (struct cuda_deltanet's TAPS..NORM, or cuda_attention's norms:
+ * N parts, one allocation listed under the first), made resident there on first use. The address,
+ * or 0 where they do not fit (they stay the CPU's: no failure). */
 static cuda_ptr cuda_floats_resident(int dev, const float *const *src, const size_t *bytes, int n)
 {
     const struct cuda_resident *r = cuda_resident_of((const uint8_t *)src[0]);
@@ -10316,8 +10192,8 @@ static cuda_ptr cuda_floats_resident(int dev, const float *const *src, const siz
     return cuda_upload(dev, (const uint8_t *const *)src, bytes, n, 1);
 }
 
-/* Room for a sequence's recurrent states or KV caches on device DEV (BYTES, charged to its
- * budget): its address, or 0 where it does not fit. */
+/* Room on device DEV for a sequence's recurrent states or KV caches (BYTES, charged to its budget):
+ * its address, or 0 if it does not fit. */
 static cuda_ptr cuda_state_alloc(int dev, size_t bytes)
 {
     cuda_ptr p = 0;
@@ -10332,8 +10208,7 @@ static void cuda_state_free(int dev, cuda_ptr p, size_t bytes)
     cuda.dev[dev].states -= (int64_t)bytes;
 }
 
-/* Copies BYTES between HOST and P on device DEV (UP: to the device). Returns 0, or -1 after
- * cuda_fail. */
+/* Copies BYTES between HOST and P on device DEV (UP: to it). Returns 0, or -1 after cuda_fail. */
 static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int up)
 {
     cuda_result r;
@@ -10346,12 +10221,11 @@ static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int u
     return 0;
 }
 
-/* The probe of device DEV for routed experts: a batch of N_JOBS jobs (at most
- * CUDA_PROBE_JOBS) over expert W of shape SH on one column, as decode runs one
- * (cuda_moe_start, then cuda_moe_finish), CUDA_PROBE_REPS times after one to warm up, timed by
- * the device's events. W is uploaded for it and freed after. Returns the seconds per batch, or
- * -1 when the device cannot say (no events, no kernels or room for it; a failed call ends the
- * GPU path as anywhere else). */
+/* The probe of device DEV for routed experts: a batch of N_JOBS jobs (at most CUDA_PROBE_JOBS) over
+ * expert W of shape SH on one column, as decode runs one (cuda_moe_start, then cuda_moe_finish),
+ * CUDA_PROBE_REPS times after a warm-up, timed by the device's events. W is uploaded for it and
+ * freed after. Returns the seconds per batch, or -1 when the device cannot say (no events, no
+ * kernels or room; a failed call ends the GPU path as anywhere). */
 #define CUDA_PROBE_JOBS 16
 static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], int n_jobs)
 {
@@ -12294,30 +12168,29 @@ static void place_retier(struct expert_store *s, int T)
 }
 
 /* ==== §8 model ==== */
-/* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the
- *   mapping, the run state (KV cache, DeltaNet conv and recurrent state, and which copy of the
- *   latter is current where §5's chains keep it on a device), the forward pass.
- * Promises: model_load refuses an unknown architecture, a missing tensor or a wrong shape
- *   with one line naming it. model_forward computes the same bits for a token whether it
- *   arrives alone or in a batch, on any number of threads and any kernel level: every
- *   product goes through ops_matmat (bit-identical per column to ops_matvec), sums run in a
- *   fixed order, and parallel loops split independent rows or heads only.
- * May call: §1–§4, §5 (what runs on devices), §6 experts (routed experts come from its store,
- *   in the mapping or cached).
- * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts
- *   per layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights
- *   read once per batch. The architecture is qwen35-arch.md; section numbers cite it. */
+/* Owns: the hyper-parameters (from GGUF metadata only), the binding of weights into the mapping,
+ *   the run state (KV cache, DeltaNet conv and recurrent state, and which copy of the latter is
+ *   current where §5's chains keep it on a device), the forward pass.
+ * Promises: model_load refuses an unknown architecture, a missing tensor or a wrong shape with one
+ *   line naming it. model_forward computes the same bits for a token alone or in a batch, on any
+ *   number of threads and any kernel level: every product goes through ops_matmat (bit-identical
+ *   per column to ops_matvec), sums run in a fixed order, and parallel loops split independent rows
+ *   or heads only.
+ * May call: §1–§4, §5 (what runs on devices), §6 experts (routed experts come from its store, in
+ *   the mapping or cached).
+ * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts per
+ *   layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights read once per
+ *   batch. The architecture is qwen35-arch.md; section numbers cite it. */
 
 enum model_arch { MODEL_ARCH_QWEN35MOE, MODEL_ARCH_QWEN35, MODEL_ARCH_QWEN3NEXT };
 static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next"};
 
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
-/* Tokens per forward call. A prompt batch reads every routed expert it routes to once, and
- * with 8 of 256 experts a token nearly all of them (18 GB on the 35B-A3B). 512 gives an
- * expert 16 tokens on average, where the tiles run faster than at 8; the trunk's products
- * take their columns 256 at a time (OPS_COLUMN_BLOCK) to keep the acts in the L2. Scratch
- * and figures: README, Benchmarks. */
+/* Tokens per forward call. A prompt batch reads each routed expert it routes to once; at 8 of 256
+ * experts a token, nearly all (18 GB on the 35B-A3B). 512 gives an expert 16 tokens on average,
+ * where tiles beat 8; the trunk's products take columns 256 at a time (OPS_COLUMN_BLOCK) to keep
+ * the acts in L2. Scratch and figures: README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
@@ -12381,8 +12254,8 @@ struct model_layer_state {
                                * first so many; model_kv_to_host) */
 };
 
-/* One sequence (a conversation): what the forward pass remembers of its tokens. Many may
- * share one model; each holds n_ctx tokens of context. */
+/* One sequence (a conversation): what the forward pass remembers of its tokens. Many may share a
+ * model; each holds n_ctx tokens of context. */
 struct model_seq {
     struct model_layer_state *state; /* [n_layers] */
     int pos;                         /* tokens already in the state */
@@ -12391,10 +12264,10 @@ struct model_seq {
     cuda_ptr dev_kv[CUDA_MAX_DEVICES];    /* every attention layer's KV cache there, as the CPU's */
 };
 
-/* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of the chain its
- * rest is in (-1: none); MIXER, its mixer runs there too; SPLIT, some of its routed experts are
- * the CPU's (its routing came down in the middle: model_layer_rest); BLOCK and IDS, its
- * addresses in that device's chain buffer (BLOCK_OFF before it is uploaded). */
+/* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of its rest's chain
+ * (-1: none); MIXER, its mixer runs there too; SPLIT, some routed experts are the CPU's (its
+ * routing came down midway: model_layer_rest); BLOCK and IDS, its addresses in that device's chain
+ * buffer (BLOCK_OFF before upload). */
 struct model_chain {
     int dev, mixer, split;
     size_t block_off;
@@ -12447,8 +12320,7 @@ struct model_scratch {
     float *ex_y;             /* [B * n_expert_used][dim] the gathered tokens' expert outputs */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
     const float **ex_src;    /* [B * n_expert_used] where it is: its ex_out row, or the CPU's ex_y row */
-    /* routed experts on devices (§5), and the shared expert where it joins them: the jobs of a
-     * layer, grouped by device */
+    /* routed experts on devices (§5) plus a joining shared expert: a layer's jobs, by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
     struct cuda_expert *ex_table; /* [n_expert] where they are, when a device runs the whole layer */
     struct cuda_moe_job *dev_jobs; /* [B * (n_expert_used + 1)] */
@@ -12472,10 +12344,9 @@ struct model_scratch {
     int chain_first;            /* the first layer of the chain under way (its ids not yet down), or -1 */
 };
 
-/* Where the forward passes' time goes, for bench: seconds per phase, prompt steps and decode
- * steps apart (engine_step says which), summed since the model was loaded. model_phase_mark
- * charges the time since the previous mark to a phase (~20 ns a mark, ~10 marks a layer);
- * sampling is the engine's, after the pass. */
+/* Where the forward passes' time goes, for bench: seconds per phase, prompt and decode steps apart
+ * (engine_step says which), summed since model load. model_phase_mark charges the time since the
+ * last mark to a phase (~20 ns a mark, ~10 a layer); sampling is the engine's, after the pass. */
 enum model_phase { MODEL_PHASE_PRODUCTS, MODEL_PHASE_EXPERTS, MODEL_PHASE_DELTANET, MODEL_PHASE_ATTENTION,
                    MODEL_PHASE_ROUTING, MODEL_PHASE_OTHER, MODEL_PHASE_SAMPLING, MODEL_PHASE_COUNT };
 static const char *const model_phase_names[MODEL_PHASE_COUNT] = {"products", "experts", "deltanet", "attention",
@@ -12581,7 +12452,7 @@ static void model_check_format(const struct gguf_file *g, const struct gguf_tens
         gguf_types[t->type].name, MODEL_FORMAT_ADVICE);
 }
 
-/* The tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
+/* Tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
 static const struct gguf_tensor *model_tensor_get(const struct gguf_file *g, const char *name, int n_dims, const int64_t *shape)
 {
     const struct gguf_tensor *t = gguf_tensor_find(g, name);
@@ -12729,18 +12600,16 @@ static size_t model_recurrent_floats(const struct model_config *c)
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
 }
 
-/* Bytes of one cached row (a KV head's head_dim values at one position) in the cache's format. */
+/* Bytes of a cached row (a KV head's head_dim values at a position) in the cache's format. */
 static size_t model_kv_row_bytes(const struct model *m) { return ops_kv_row_bytes((size_t)m->cfg.head_dim, m->kv); }
 
-/* N positions of the KV cache rounded up to whole groups of OPS_KV_GROUP rows (Q8_0 keys are
- * stored a group at a time). */
+/* N KV positions rounded up to whole OPS_KV_GROUP groups (Q8_0 keys are stored a group at once). */
 static int64_t model_kv_whole_groups(int64_t n) { return (n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP; }
 
 /* Rows a KV head's cache holds: n_ctx in whole groups. */
 static int64_t model_kv_rows(const struct model *m) { return model_kv_whole_groups(m->n_ctx); }
 
-/* Dies unless the model's heads suit the KV cache's format (Q8_0: whole blocks, at most
- * OPS_KV_MAX_HD). */
+/* Dies unless the model's heads suit the KV cache format (Q8_0: whole blocks, <= OPS_KV_MAX_HD). */
 static void model_check_kv(const struct model *m)
 {
     const int hd = m->cfg.head_dim;
@@ -12759,7 +12628,7 @@ static int64_t model_kv_bytes_per_token(const struct model *m)
     return n;
 }
 
-/* Bytes of a sequence's recurrent state: every DeltaNet layer's (what a checkpoint copies). */
+/* Bytes of a sequence's recurrent state: all DeltaNet layers' (what a checkpoint copies). */
 static int64_t model_recurrent_bytes(const struct model *m)
 {
     int64_t state = 0;
@@ -12774,8 +12643,8 @@ static int64_t model_seq_bytes(const struct model *m)
     return model_kv_bytes_per_token(m) * m->n_ctx + model_recurrent_bytes(m);
 }
 
-/* [a][b] floats of scratch; TOUCHED: faulted in now (plat_prefault), for the buffers a batch
- * writes from its first token on, not those sized for a whole context or every run at once. */
+/* [a][b] floats of scratch; TOUCHED: faulted in now (plat_prefault), for buffers a batch writes
+ * from its first token on, not those sized for a whole context or every run at once. */
 static float *model_buf(int64_t a, int64_t b, int touched)
 {
     const size_t n = plat_mul_size(plat_mul_size((size_t)a, (size_t)b, "scratch"), sizeof(float), "scratch");
@@ -12784,12 +12653,11 @@ static float *model_buf(int64_t a, int64_t b, int touched)
     return p;
 }
 
-/* The rows of dim floats dev_out holds: a batch's device jobs' outputs, and what the rest of a
- * layer on a device brings back (model_rest_device checks that it fits). */
+/* The rows of dim floats dev_out holds: a batch's device jobs' outputs, and what a layer's rest on
+ * a device brings back (model_rest_device checks it fits). */
 static size_t model_dev_out_rows(const struct model_config *c) { return (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1); }
 
-/* Floats of a head's scratch in s->scores: its scores over the whole context, then the output
- * of the split at hand. */
+/* Floats of a head's s->scores scratch: scores over the whole context, then the split's output. */
 static size_t model_scores_floats(const struct model *m) { return (size_t)m->n_ctx + (size_t)m->cfg.head_dim; }
 
 static void model_alloc_scratch(struct model *m)
@@ -12866,14 +12734,13 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
 }
 
 /* ---- a sequence's state on devices ----
- * Where a chain (§5) runs a layer's mixer on a device, the DeltaNet state or the KV cache of
- * each of its sequences lives there between passes; the CPU's copy is brought up to date only
- * where the CPU needs it: its own pass over that layer, a checkpoint, a conversation parked. A
- * device that fails with the only current copy loses it: the sequence is then fed its tokens
- * again (model_seq_lost, the engine's replay). */
+ * Where a chain (§5) runs a layer's mixer on a device, each of its sequences' DeltaNet state or KV
+ * cache lives there between passes; the CPU's copy is updated only where the CPU needs it: its own
+ * pass over that layer, a checkpoint, a parked conversation. A device failing with the only current
+ * copy loses it: the sequence is fed its tokens again (model_seq_lost, the engine's replay). */
 
-/* Layer IL's state's place in a sequence's state on a device, in floats: DeltaNet layers in
- * order, model_recurrent_floats apiece, as a checkpoint lays them. */
+/* Layer IL's state's place in a sequence's state on a device, in floats: DeltaNet layers in order,
+ * model_recurrent_floats each, as a checkpoint. */
 static uint64_t model_state_off(const struct model *m, int il)
 {
     uint64_t n = 0;
@@ -12891,8 +12758,8 @@ static int model_state_copy(const struct model *m, struct model_seq *q, int il, 
            cuda_state_copy(dev, p + conv * sizeof(float), st->ssm_state, (per - conv) * sizeof(float), up) ? -1 : 0;
 }
 
-/* Makes the CPU's copy of layer IL's state of Q current. 0, or -1 where the device that held
- * the current one failed. */
+/* Makes the CPU's copy of layer IL's state of Q current: 0, or -1 if the device holding it
+ * failed. */
 static int model_state_to_host(const struct model *m, struct model_seq *q, int il)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12913,8 +12780,7 @@ static int model_state_to_device(const struct model *m, struct model_seq *q, int
     return 0;
 }
 
-/* Bytes of a sequence's KV caches on a device (every attention layer's, as the CPU's), and
- * layer IL's place in them. */
+/* Bytes of a sequence's KV caches on a device (all attention layers', as the CPU's); IL's place. */
 static size_t model_kv_dev_bytes(const struct model *m) { return (size_t)model_kv_bytes_per_token(m) * (size_t)model_kv_rows(m); }
 static uint64_t model_kv_off(const struct model *m, int il)
 {
@@ -12923,8 +12789,8 @@ static uint64_t model_kv_off(const struct model *m, int il)
     return n * 2 * (uint64_t)m->cfg.n_kv_head * (uint64_t)model_kv_rows(m) * model_kv_row_bytes(m);
 }
 
-/* Copies KV rows [R0, R1) of attention layer IL of Q between the CPU and device DEV (UP: there),
- * a run a head, keys and values. */
+/* Copies KV rows [R0, R1) of attention layer IL of Q between CPU and device DEV (UP: there), a run
+ * a head, K and V. */
 static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il, int dev, int r0, int r1, int up)
 {
     const size_t row = model_kv_row_bytes(m), head = (size_t)model_kv_rows(m) * row, n_kv = (size_t)m->cfg.n_kv_head;
@@ -12943,8 +12809,8 @@ static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il
     return 0;
 }
 
-/* Makes the CPU's KV rows of attention layer IL of Q current up to row POS (those a device
- * holds newer come down). 0, or -1 where that device failed. */
+/* Makes the CPU's KV rows of attention layer IL of Q current up to row POS (rows a device holds
+ * newer come down). 0, or -1 if that device failed. */
 static int model_kv_to_host(const struct model *m, struct model_seq *q, int il, int pos)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12967,8 +12833,8 @@ static int model_kv_to_device(const struct model *m, struct model_seq *q, int il
     return 0;
 }
 
-/* Makes the CPU's copy of everything in Q current (a conversation parked in RAM). 0, or -1
- * where a device that held some of it failed. */
+/* Makes the CPU's copy of everything in Q current (a conversation parked in RAM). 0, or -1 where a
+ * device holding some of it failed. */
 static int model_seq_to_host(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++)
@@ -12976,8 +12842,8 @@ static int model_seq_to_host(const struct model *m, struct model_seq *q)
     return 0;
 }
 
-/* Q's CPU copy was just written (reset, or a checkpoint restored, Q's position set): the
- * devices' DeltaNet states are outdated, and every KV row from the position on. */
+/* Q's CPU copy was just written (reset, a checkpoint restored, Q's position set): the devices'
+ * DeltaNet states are outdated, and every KV row from the position on. */
 static void model_states_written(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++) {
@@ -12997,7 +12863,7 @@ static int model_seq_lost(const struct model *m, const struct model_seq *q)
     return 0;
 }
 
-/* Forgets the conversation: position 0, zero state (the KV cache beyond pos is never read). */
+/* Forgets the conversation: position 0, zero state (the KV cache past pos is never read). */
 static void model_seq_reset(const struct model *m, struct model_seq *q)
 {
     const struct model_config *c = &m->cfg;
@@ -13028,8 +12894,8 @@ static void model_seq_free(const struct model *m, struct model_seq *q)
     q->state = NULL;
 }
 
-/* The message for a fault on the mapping: the file shrank or the disk failed under it. A
- * signal handler may only write(2), so the line is made when the model is loaded. */
+/* The message for a fault on the mapping: the file shrank or the disk failed under it. A signal
+ * handler may only write(2), so the line is made at model load. */
 static char model_sigbus_line[1100];
 
 static void model_on_sigbus(int sig)
@@ -13051,9 +12917,9 @@ static int model_part_of(const struct model *m, const uint8_t *p, off_t *offset)
     return -1;
 }
 
-/* Identifies the model a heat file belongs to: the expert geometry and where the experts lie,
- * and the first 4 KiB of every router (trunk bytes, read on every token anyway). Two files
- * with the same routers route alike, so their heat is interchangeable. */
+/* Identifies a heat file's model: the expert geometry and where the experts lie, and the first 4
+ * KiB of every router (trunk bytes, read every token anyway). Two files with the same routers route
+ * alike, so their heat is interchangeable. */
 static uint64_t model_fingerprint(const struct model *m)
 {
     const struct model_config *c = &m->cfg;
@@ -13085,8 +12951,7 @@ static uint64_t model_expert_bytes(const struct model *m)
     return n;
 }
 
-/* (Re)opens the store of routed experts with CFG (a dense model has none); a cache is not
- * started until expert_start. */
+/* (Re)opens the expert store with CFG (a dense model has none); no cache until expert_start. */
 static void model_store_experts(struct model *m, const struct expert_config *cfg)
 {
     const struct model_config *c = &m->cfg;
@@ -13102,8 +12967,8 @@ static void model_store_experts(struct model *m, const struct expert_config *cfg
     free(t);
 }
 
-/* Every dense trunk matrix the model has, with its placement component and layer, in layer
- * order; an allocated list ended by an item with m NULL. */
+/* Every dense trunk matrix of the model, with its placement component and layer, in layer order: an
+ * allocated list ended by an item with m NULL. */
 static struct place_item *model_trunk_items(struct model *m)
 {
     struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 2) * sizeof *it);
@@ -13125,10 +12990,9 @@ static struct place_item *model_trunk_items(struct model *m)
     return it;
 }
 
-/* Bytes a decoded token reads: every dense trunk matrix (*TRUNK of them); in each MoE layer,
- * n_expert_used routed experts of the layer's size (*EXPERTS; the embedding's one row left out);
- * and the sequence's state (*STATE): every DeltaNet layer's, and the KV rows of CTX positions.
- * The state is written back as well; that traffic is not counted. */
+/* Bytes a decoded token reads: every dense trunk matrix (*TRUNK); per MoE layer, n_expert_used
+ * routed experts of the layer's size (*EXPERTS; the embedding's one row left out); the sequence's
+ * state (*STATE): every DeltaNet layer's and CTX positions' KV rows (write-back uncounted). */
 static double model_decode_bytes(struct model *m, double ctx, double *trunk, double *experts, double *state)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13140,12 +13004,12 @@ static double model_decode_bytes(struct model *m, double ctx, double *trunk, dou
     return *trunk + *experts + *state;
 }
 
-/* Copies the dense trunk matrices that stay on the CPU (none resident on a device) out of the
- * mapping into one anonymous arena and computes from there; the process lets go of the file's
- * pages (the page cache keeps them for the next start, and gives them up first when memory is
- * short). Why: anonymous memory streams faster than the page cache (README, Models larger than
- * memory). The routed experts are §6's (expert_own copies them where memory allows:
- * model_copies). A matrix with an interleaved form (quant_interleave_ok) is copied so. */
+/* Copies the dense trunk matrices staying on the CPU (on no device) from the mapping into one
+ * anonymous arena to compute from; the process drops the file's pages (the page cache keeps them
+ * for the next start, dropping them first when memory is short). Why: anonymous memory streams
+ * faster than the page cache (README, Models larger than memory). The routed experts are §6's
+ * (expert_own copies them where memory allows: model_copies). A matrix with an interleaved form
+ * (quant_interleave_ok) is copied in it. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13183,10 +13047,9 @@ static void model_own_trunk(struct model *m)
 /* The RAM the routed experts may take, and how it was reckoned. */
 struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; };
 
-/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what
- * it places), the KV cache at full context and the recurrent state of N_SEQS sequences,
- * RESERVE bytes (the server's prompt cache), less a margin of 1/16 plus 256 MiB (scratch,
- * thread stacks, the allocator). */
+/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what it
+ * places), the KV cache at full context and N_SEQS sequences' recurrent state, RESERVE bytes (the
+ * server's prompt cache), less 1/16 plus 256 MiB (scratch, thread stacks, the allocator). */
 static struct model_budget model_expert_budget(const struct model *m, int n_seqs, int64_t reserve, int64_t ram)
 {
     uint64_t trunk = m->file.tensor_bytes - model_expert_bytes(m);
@@ -13198,12 +13061,11 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
     return b;
 }
 
-/* The context to use: the request, else the model's length capped so that the KV cache
- * takes at most half of the memory still available, or an eighth when the weights and that
- * KV cache do not fit together (the rest is the expert cache's, §6); but where the weights
- * fit with room for MODEL_MIN_CTX tokens beside them, no more than that room, so that every
- * routed expert stays in memory rather than a context mostly unused pushing some of them to
- * the disk (README: the 35B-A3B geometry on a 24 GB machine). */
+/* The context to use: the request, else the model's length capped so the KV cache takes at most
+ * half the memory still available, or an eighth when the weights and that cache do not fit together
+ * (the rest is the expert cache's, §6); but where the weights fit with room for MODEL_MIN_CTX
+ * tokens beside them, no more than that room, so every routed expert stays in memory rather than a
+ * mostly unused context pushing some to disk (README: the 35B-A3B geometry on a 24 GB machine). */
 #define MODEL_MIN_CTX 4096
 
 static int model_choose_ctx(const struct model *m, int request)
@@ -13234,9 +13096,8 @@ static void model_conv_taps(struct model *m)
     }
 }
 
-/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens
- * (0: choose) with the KV cache in format KV. Routed experts are read in place from the
- * mapping until model_place_weights. */
+/* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens (0:
+ * choose), its KV cache in format KV. Routed experts are read in place till model_place_weights. */
 static void model_load(struct model *m, const char *path, int n_ctx, enum ops_kv kv)
 {
     memset(m, 0, sizeof *m);
@@ -13275,7 +13136,7 @@ static void model_free(struct model *m)
     gguf_close(&m->file);
 }
 
-/* cos then sin of pos * base^(-2j/rot) for j < rot/2 (§4.3; mRoPE reduces to this for text, §4.4). */
+/* cos then sin of pos * base^(-2j/rot), j < rot/2 (§4.3; mRoPE reduces to this for text, §4.4). */
 static void model_rope_table(const struct model_config *c, int pos, float *cos_sin)
 {
     const int half = c->rope_dims / 2;
@@ -13310,11 +13171,11 @@ static const uint8_t *model_kv_head(const struct model *m, const struct model_la
     return (const uint8_t *)(keys ? st->k_cache : st->v_cache) + (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
 }
 
-/* Attention where a batch has fewer head groups than threads (decode, mostly): each split of
- * each group of SHARE heads of each token a task (ops_attention_scores, ops_attention_values:
- * the group's heads read its rows once), their records in s->splits, then each head's splits
- * merged in order and gated, a head a task: ops_attention's bits. 0 (nothing done) where no
- * context spans two splits, or the records would pass MODEL_SPREAD_BYTES (a long prompt). */
+/* Attention where a batch has fewer head groups than threads (mostly decode): a task per split of
+ * each group of SHARE heads of each token (ops_attention_scores, ops_attention_values: the group's
+ * heads read its rows once), records in s->splits, then each head's splits merged in order and
+ * gated, a head a task: ops_attention's bits. 0 (nothing done) where no context spans two splits,
+ * or the records would pass MODEL_SPREAD_BYTES (a long prompt). */
 #define MODEL_SPREAD_BYTES ((size_t)64 << 20)
 
 static int model_attention_spread(struct model *m, int il, int T, int share, float scale)
@@ -13369,8 +13230,8 @@ static int model_attention_spread(struct model *m, int il, int T, int share, flo
     return 1;
 }
 
-/* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its
- * gate, k, v; DeltaNet: qkv, z, and beta and alpha, fused in qwen3next); returns how many. */
+/* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its gate, k,
+ * v; DeltaNet: qkv, z, beta and alpha, fused in qwen3next); returns how many. */
 static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs)
 {
     const struct model_layer *l = &m->layers[il];
@@ -13392,9 +13253,9 @@ static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs
     return 4;
 }
 
-/* Gated attention (§4) for the T tokens of a batch, each at its position in its sequence's
- * KV cache (tok_seq, tok_pos), from its projections (qg, k, v: model_mixer_jobs); returns the
- * rows its output projection takes (attn). */
+/* Gated attention (§4) for a batch's T tokens, each at its place in its sequence's KV cache
+ * (tok_seq, tok_pos), from its projections (qg, k, v: model_mixer_jobs); returns the output
+ * projection's rows (attn). */
 static const float *model_attention(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13403,8 +13264,8 @@ static const float *model_attention(struct model *m, int il, int T)
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
 
-    /* per-head q/k RMSNorm, then partial RoPE; K and V go to the cache (a token a task: its
-     * own rows, and its own position in its sequence's cache) */
+    /* per-head q/k RMSNorm, then partial RoPE; K and V to the cache (a token a task: its own rows,
+     * its own position in its sequence's cache) */
     #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
         float *cs = s->rope + (size_t)t * c->rope_dims;
@@ -13424,12 +13285,12 @@ static const float *model_attention(struct model *m, int il, int T)
         }
     }
 
-    /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output
-     * gate. A task is a run of SHARE heads of one group over every token of the batch: they
-     * read each cached row once between them. Where there are fewer such tasks than threads,
-     * each split of a group is a task of its own (model_attention_spread: decode, or a batch
-     * whose records stay small); else, or where no context spans two splits, SHARE halves while
-     * there are fewer tasks than threads. The bits depend on neither. */
+    /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output gate.
+     * A task: SHARE heads of one group over all the batch's tokens, reading each cached row once
+     * between them. With fewer tasks than threads, each split of a group is a task
+     * (model_attention_spread: decode, or a batch whose records stay small); else, or where no
+     * context spans two splits, SHARE halves while tasks are fewer than threads. Bits depend on
+     * neither. */
     int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
     if (nh / share < plat_threads() && model_attention_spread(m, il, T, share, scale)) {
         model_phase_mark(m, MODEL_PHASE_ATTENTION);
@@ -13457,10 +13318,10 @@ static const float *model_attention(struct model *m, int il, int T)
 }
 
 /* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
- * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state
- * keeps the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs
- * across channels in vector lanes (omp simd: gcc -O2 left these loops scalar), as wide as the
- * level's function it is inlined into allows, and each channel's sum keeps its order. */
+ * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state keeps
+ * the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs across
+ * channels in vector lanes (omp simd: gcc -O2 left them scalar), as wide as the level's function it
+ * is inlined into allows, each channel's sum keeping its order. */
 #define MODEL_CONV_BLOCK 256
 
 static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
@@ -13505,10 +13366,10 @@ static void model_conv_step(const struct model_config *c, const float *taps, flo
     else model_conv_lanes(taps + c0, state + c0, x + c0, n, K, w);
 }
 
-/* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for the T tokens of a batch, in
- * order (a sequence's tokens follow one another through its state), each token's channels
- * then through the SiLU, the L2 norm of each q and k head among them, and q's scale. C0..C1
- * holds whole heads, so a task needs no other's channels. */
+/* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for a batch's T tokens in order (a
+ * sequence's tokens follow one another through its state), each token's channels then through SiLU,
+ * the L2 norm of each q and k head among them, and q's scale. C0..C1 holds whole heads: a task
+ * needs no other's channels. */
 static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t c1)
 {
     const struct model_config *c = &m->cfg;
@@ -13541,9 +13402,9 @@ static void model_split_ba(struct model *m, int T)
             }
 }
 
-/* Gated DeltaNet (§5) for the T tokens of a batch, one after another through their sequences'
- * recurrent states, from its projections (mixed, z, beta and alpha or ba: model_mixer_jobs);
- * returns the rows its output projection takes (core). */
+/* Gated DeltaNet (§5) for a batch's T tokens, one by one through their sequences' recurrent states,
+ * from its projections (mixed, z, beta and alpha or ba: model_mixer_jobs); returns the output
+ * projection's rows (core). */
 static const float *model_gated_deltanet(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13554,14 +13415,14 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
 
     if (c->arch == MODEL_ARCH_QWEN3NEXT) model_split_ba(m, T);
 
-    /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so
-     * that each thread has q/k heads (normed) and v channels (not). */
+    /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so each
+     * thread has q/k heads (normed) and v channels (not). */
     const int64_t task = c->ssm_dk * (MODEL_CONV_BLOCK > c->ssm_dk ? MODEL_CONV_BLOCK / c->ssm_dk : 1);
     #pragma omp parallel for schedule(static, 1)
     for (int64_t c0 = 0; c0 < conv_dim; c0 += task) model_conv_task(m, il, T, c0, conv_dim - c0 < task ? conv_dim : c0 + task);
     /* Head by head, each over the batch's tokens in order: a head's state (dk x dv floats, 64 KiB
-     * on the 35B) stays in this thread's cache for the whole batch, and a batch pays one
-     * parallel region instead of one a token. Each (token, head) does what it did alone. */
+     * on the 35B) stays in this thread's cache for the whole batch, which pays one parallel region,
+     * not one a token. Each (token, head) does what it did alone. */
     #pragma omp parallel for schedule(static)
     for (int h = 0; h < nv; h++) {
         const int g = c->vhead_tiled ? h % nk : h / r;
@@ -13603,8 +13464,8 @@ static void model_swiglu(struct model *m, const struct ops_matrix *gate, const s
     ops_matmat(down, s->ex_g, out, n);
 }
 
-/* Routing (§6) from the router logits in s->router: softmax over all experts, the
- * n_expert_used best (ties: lower id first), weights renormalised over the chosen ones. */
+/* Routing (§6) from the router logits in s->router: softmax over all experts, the n_expert_used
+ * best (ties: lower id first), weights renormalised over those. */
 static void model_select_experts(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13653,8 +13514,8 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on;
- * returns how many. model_gather_rows then copies their tokens. */
+/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on; returns how
+ * many. model_gather_rows copies their tokens. */
 static int model_gather_tokens(struct model *m, int e, int T, int first)
 {
     struct model_scratch *s = &m->s;
@@ -13664,8 +13525,8 @@ static int model_gather_tokens(struct model *m, int e, int T, int first)
     return rows - first;
 }
 
-/* Rows [first, first + n) of ex_in: the tokens of those assignments (slot_of), copied in
- * parallel (a prompt batch's experts gather 4096 rows of 8 KiB on the 35B). */
+/* Rows [first, first + n) of ex_in: those assignments' tokens (slot_of), copied in parallel (a
+ * prompt batch's experts gather 4096 rows of 8 KiB on the 35B). */
 static void model_gather_rows(struct model *m, int first, int n)
 {
     struct model_scratch *s = &m->s;
@@ -13675,7 +13536,7 @@ static void model_gather_rows(struct model *m, int first, int n)
     for (int r = first; r < first + n; r++) memcpy(s->ex_in + r * dim, s->xn + (size_t)(s->slot_of[r] / used) * dim, dim * sizeof(float));
 }
 
-/* Rows [0, n) of SRC (one per assignment listed in slot_of) into ex_out at their assignments. */
+/* Rows [0, n) of SRC (one per assignment in slot_of) into ex_out at their assignments. */
 static void model_scatter_rows(struct model *m, const float *src, int n)
 {
     struct model_scratch *s = &m->s;
@@ -13685,11 +13546,11 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
 }
 
 /* The routed experts the CPU computes for T tokens when the store hands them out in place (a
- * pointer stays valid after the next expert_next): each expert's tokens are gathered into
- * ex_in, then up to OPS_MAX_JOBS / 2 experts at a time run as two batches of products, gates
- * and ups, then downs, so that a layer pays a few parallel regions rather than two per expert.
- * Each output is bit-identical to the expert's own ops_matmat; it stays in ex_y, its row there
- * in ex_src[assignment] (not copied: README), or with TO_EX_OUT is copied to ex_out[assignment]. */
+ * pointer stays valid after the next expert_next): each expert's tokens are gathered into ex_in,
+ * then up to OPS_MAX_JOBS / 2 experts at a time run as two product batches, gates and ups, then
+ * downs: a few parallel regions a layer, not two per expert. Each output is bit-identical to the
+ * expert's own ops_matmat; it stays in ex_y, its row there in ex_src[assignment] (not copied:
+ * README), or with TO_EX_OUT is copied to ex_out[assignment]. */
 static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 {
     const struct model_config *c = &m->cfg;
@@ -13723,11 +13584,10 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
     }
 }
 
-/* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over
- * the tokens that chose it, its output landing where ex_src[t * used + k] says (ex_out's row
- * unless model_routed_experts_mapped keeps it; always there with TO_EX_OUT). The store hands
- * the experts out as their bytes arrive; each output has its own place, so that order does not
- * change the sums. */
+/* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over the
+ * tokens that chose it, its output landing where ex_src[t * used + k] says (ex_out's row unless
+ * model_routed_experts_mapped keeps it; always there with TO_EX_OUT). The store hands experts out
+ * as their bytes arrive; each output has its own place, so the order changes no sum. */
 static void model_routed_experts(struct model *m, int T, int to_ex_out)
 {
     struct model_scratch *s = &m->s;
@@ -13745,8 +13605,8 @@ static void model_routed_experts(struct model *m, int T, int to_ex_out)
     }
 }
 
-/* Layer IL's shared expert on device DEV: its three matrices' addresses there into *E and its
- * shape into *SH. 1, or 0 where one of them is not there (or gate and up differ in type). */
+/* Layer IL's shared expert on device DEV: its three matrices' addresses there into *E, its shape
+ * into *SH. 1, or 0 where one is not there (or gate and up differ in type). */
 static int model_shexp_on(const struct model *m, int il, int dev, struct cuda_expert *e, struct cuda_moe_shape *sh)
 {
     const struct model_layer *l = &m->layers[il];
@@ -13758,11 +13618,10 @@ static int model_shexp_on(const struct model *m, int il, int dev, struct cuda_ex
     return 1;
 }
 
-/* The device whose expert batch also runs layer IL's shared expert, with its three matrices
- * there in *E: the one holding them, where they have the routed experts' shape (the batch's
- * activations and kernels then serve it too); -1 where none does, and the shared expert runs as
- * products. In the batch it costs no download and no launch of its own: 5 driver calls a layer
- * fewer, one wait fewer. */
+/* The device whose expert batch also runs layer IL's shared expert, its three matrices there in *E:
+ * the one holding them, where they have the routed experts' shape (the batch's activations and
+ * kernels then serve it too); -1 where none does, and the shared expert runs as products. In the
+ * batch it costs no download or launch of its own: 5 driver calls and one wait fewer a layer. */
 static int model_shexp_device(const struct model *m, int il, struct cuda_expert *e)
 {
     struct cuda_moe_shape sh, shs;
@@ -13772,9 +13631,9 @@ static int model_shexp_device(const struct model *m, int il, struct cuda_expert 
     return g->dev;
 }
 
-/* Queues on each device the jobs (token, expert) of layer IL whose expert is resident there
- * (the store listed them in on_device), and on device SHD (-1: none) each token's shared
- * expert SH: they run while the CPU computes the other experts. */
+/* Queues on each device layer IL's jobs (token, expert) whose expert is resident there (the store
+ * listed them in on_device), and on device SHD (-1: none) each token's shared expert SH, to run
+ * while the CPU computes the other experts. */
 static void model_experts_device_start(struct model *m, int il, int T, int shd, struct cuda_expert sh_e)
 {
     const struct model_config *c = &m->cfg;
@@ -13814,9 +13673,8 @@ static float *model_device_job_out(struct model_scratch *s, int j, size_t dim)
     return slot >= 0 ? s->ex_out + (size_t)slot * dim : s->sh_out + (size_t)(-1 - slot) * dim;
 }
 
-/* Collects the device jobs of layer IL into ex_out and sh_out; a device that failed (the GPU
- * path has ended, §5 said why) has its jobs computed here on the CPU from the mapping, the same
- * bits. */
+/* Collects layer IL's device jobs into ex_out and sh_out; a failed device's jobs (the GPU path has
+ * ended, §5 said why) are computed here on the CPU from the mapping, the same bits. */
 static void model_experts_device_finish(struct model *m, int il)
 {
     const struct model_config *c = &m->cfg;
@@ -13845,21 +13703,20 @@ static void model_experts_device_finish(struct model *m, int il)
     }
 }
 
-/* Whether trunk matrix W is on a device that has this layer's expert batch queued: a product there
- * would wait for the batch (its upload is on the same stream), and the CPU with it. */
+/* Whether trunk matrix W is on a device with this layer's expert batch queued: a product there
+ * would wait for the batch (its upload shares the stream), and the CPU with it. */
 static int model_behind_device_batch(const struct model *m, const struct ops_matrix *w)
 {
     const struct cuda_resident *r = cuda.ready ? cuda_resident_of(w->data) : NULL;
     return r && m->s.dev_count[r->dev] > 0 && !m->s.dev_failed[r->dev];
 }
 
-/* The device that runs the rest of layer IL after its mixer (cuda_moe_layer_start) for T
- * tokens, with *L filled: the one that holds the output projection WO, the layer's router and
- * its shared expert's gate logit (of the router's type), its shared expert (model_shexp_on),
- * and those of its routed experts that any device holds (the CPU computes the others: a split
- * layer); -1 where none does. What follows, the norm NEXT_NORM and the products
- * NEXT[0..n_next) over it (the next layer's mixer projections, or the output head), goes with it
- * where those matrices are there too. */
+/* The device running the rest of layer IL after its mixer (cuda_moe_layer_start) for T tokens, with
+ * *L filled: the one holding the output projection WO, the layer's router and its shared expert's
+ * gate logit (of the router's type), its shared expert (model_shexp_on), and its routed experts any
+ * device holds (the CPU computes the others: a split layer); -1 where none does. What follows, the
+ * norm NEXT_NORM and the products NEXT[0..n_next) over it (the next layer's mixer projections, or
+ * the output head), goes with it where those matrices are there too. */
 static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const float *next_norm, const struct ops_job *next,
                              int n_next, struct cuda_moe_layer *L)
 {
@@ -13904,9 +13761,8 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
-/* The end of the chain that ends with layer LAST on device DEV: its layers' ids down, and the
- * store told of each layer's experts in order, as each layer would have. 0, or -1 after a
- * failure (the GPU path has ended). */
+/* End of the chain ending with layer LAST on device DEV: its layers' ids down, the store told each
+ * layer's experts in order, as the layers would. 0, or -1 on failure (GPU path ended). */
 static int model_chain_end(struct model *m, int last, int T, int dev)
 {
     struct model_scratch *s = &m->s;
@@ -14010,12 +13866,11 @@ static QUANT_AVX2 void model_moe_sum_avx2(float *o, const float *const *e, const
     model_moe_sum_lanes(o, e, w, used, dim, sh, g);
 }
 
-/* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the
- * order of the chosen experts, best first. The experts resident on a device are queued there
- * first, with the shared expert where it can join them (model_shexp_device). Otherwise the
- * shared expert's down product runs while they run and while the store reads the routed experts
- * that are not in memory, unless it would wait for them on their device: then after the CPU's
- * experts. A dense SwiGLU for qwen35. */
+/* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the chosen
+ * experts' order, best first. Experts resident on a device are queued there first, with the shared
+ * expert where it can join them (model_shexp_device). Otherwise the shared expert's down product
+ * runs while they do and while the store reads the routed experts not in memory, unless it would
+ * wait for them on their device: then after the CPU's experts. A dense SwiGLU for qwen35. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -14074,8 +13929,8 @@ static void model_prefetch(struct model *m, int il, int T)
     expert_prefetch(m->experts, il, s->top, T * c->n_expert_used);
 }
 
-/* For each of T tokens: x += out where ADD, then xn = rmsnorm(x) * NORM where NORM is given.
- * A token a task when a prompt batch has enough of them to pay the parallel region. */
+/* For each of T tokens: x += out where ADD, then xn = rmsnorm(x) * NORM where NORM is given. A
+ * token a task when a prompt batch has enough to pay the parallel region. */
 static void model_residual_norm(struct model *m, int T, int add, const float *norm)
 {
     struct model_scratch *s = &m->s;
@@ -14089,8 +13944,7 @@ static void model_residual_norm(struct model *m, int T, int add, const float *no
     }
 }
 
-/* Layer IL's input norm and mixer projections for T tokens, the products where their
- * matrices are. */
+/* Layer IL's input norm and mixer projections for T tokens, products where their matrices are. */
 static void model_project(struct model *m, int il, int T)
 {
     struct ops_job jobs[CUDA_NEXT_MAX];
@@ -14100,9 +13954,9 @@ static void model_project(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
-/* The device that runs the rest of layer IL for T tokens (model_rest_device), with *L and
- * NEXT filled: what follows it is the next layer's mixer projections, or after the last layer,
- * where HEAD (each token is its run's last), the final norm and the output head into logits. */
+/* The device running the rest of layer IL for T tokens (model_rest_device), with *L and NEXT
+ * filled: what follows is the next layer's mixer projections, or after the last layer, where HEAD
+ * (each token its run's last), the final norm and output head into logits. */
 static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_job *next, struct cuda_moe_layer *L)
 {
     const struct model_layer *l = &m->layers[il];
@@ -14113,13 +13967,12 @@ static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_
     return model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, L);
 }
 
-/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: the mixer runs
- * on the device, model_chain_plan): the output projection, the residual and the post-norm, the
- * FFN and its residual. All of it on one device where one holds it all (model_rest_device),
- * with what follows it where its matrices are there too (model_rest_plan); else step by step.
- * Returns 1 where what follows was made (kept on the device where the next layer's mixer runs
- * there), 0 where not, or -1 with m->error where an expert could not be read or a chain's
- * device failed (m->lost). */
+/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: the mixer runs on
+ * the device, model_chain_plan): the output projection, residual and post-norm, the FFN and its
+ * residual. All on one device where one holds it all (model_rest_device), with what follows where
+ * its matrices are there too (model_rest_plan); else step by step. Returns 1 where what follows was
+ * made (kept on the device where the next layer's mixer runs there), 0 where not, or -1 with
+ * m->error where an expert could not be read or a chain's device failed (m->lost). */
 static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
 {
     const struct model_layer *l = &m->layers[il];
@@ -14159,8 +14012,8 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
 
 /* ---- chains: a pass's mixers on the device after the layer before (§5) ---- */
 
-/* Layer IL's DeltaNet constants on device DEV (resident from here on) into s->dn[il]. 1, or 0
- * where the device lacks the kernels or the room. */
+/* Layer IL's DeltaNet constants on device DEV (resident from here on) into s->dn[il]. 1, or 0 where
+ * the device lacks the kernels or room. */
 static int model_deltanet_on(struct model *m, int il, int dev)
 {
     const struct model_config *c = &m->cfg;
@@ -14181,9 +14034,9 @@ static int model_deltanet_on(struct model *m, int il, int dev)
     return 1;
 }
 
-/* Layer IL's attention constants on device DEV into s->attn_dev[il] (its chain addresses come
- * with the upload). 1, or 0 where the device lacks the kernels or the room, or the heads' shape
- * is not the kernels' (whole warps, at most 512). */
+/* Layer IL's attention constants on device DEV into s->attn_dev[il] (its chain addresses come with
+ * the upload). 1, or 0 where the device lacks the kernels or room, or the heads' shape is not the
+ * kernels' (whole warps, at most 512). */
 static int model_attention_on(struct model *m, int il, int dev)
 {
     const struct model_config *c = &m->cfg;
@@ -14201,10 +14054,10 @@ static int model_attention_on(struct model *m, int il, int dev)
     return 1;
 }
 
-/* A chain buffer for T tokens: its head (the tokens' DeltaNet state addresses, KV cache
- * addresses, positions and RoPE rows, and where layer 0 is chained its embedded rows and input
- * norm, at these offsets), then the ids of every layer (layer il's at il T used ints from the
- * ids' start), then the chained layers' blocks. */
+/* A chain buffer for T tokens: its head (the tokens' DeltaNet state addresses, KV cache addresses,
+ * positions and RoPE rows, and where layer 0 is chained its embedded rows and input norm, at these
+ * offsets), every layer's ids (il's il T used ints from their start), the chained layers'
+ * blocks. */
 struct model_chain_head { size_t kv, pos, rope, x, norm, ids, blocks; };
 
 static struct model_chain_head model_chain_head_of(const struct model *m, int T)
@@ -14220,8 +14073,8 @@ static struct model_chain_head model_chain_head_of(const struct model *m, int T)
     return h;
 }
 
-/* Room on device DEV for what layer IL keeps of each of the runs' sequences (its DeltaNet state,
- * or its KV cache), from their first pass there on. 1, or 0 where it does not fit. */
+/* Room on device DEV for what layer IL keeps of each run's sequence (its DeltaNet state or KV
+ * cache), from its first pass there on. 1, or 0 if it does not fit. */
 static int model_chain_room(const struct model *m, const struct model_run *runs, int n_runs, int il, int dev)
 {
     const int attention = m->layers[il].kind == MODEL_LAYER_ATTENTION;
@@ -14233,8 +14086,8 @@ static int model_chain_room(const struct model *m, const struct model_run *runs,
     return 1;
 }
 
-/* Layer 0's mixer projections for T tokens into JOBS and their device addresses into PTR where
- * device DEV holds them all and can run them (cuda_project); how many, or 0. */
+/* Layer 0's mixer projections for T tokens into JOBS, their device addresses into PTR, where device
+ * DEV holds them all and can run them (cuda_project); how many, or 0. */
 static int model_first_projections(struct model *m, int T, int dev, struct ops_job *jobs, cuda_ptr *ptr)
 {
     const struct cuda_device *d = &cuda.dev[dev];
@@ -14249,9 +14102,8 @@ static int model_first_projections(struct model *m, int T, int dev, struct ops_j
 }
 
 /* Chains layer IL for this pass's T tokens (of N_RUNS runs) to device DEV, which makes its
- * projections and would run its rest L whole (DEV < 0: nothing does both), where its mixer can
- * run there too (its constants and every run's state fit): stages IL's block for
- * cuda_chain_begin. */
+ * projections and would run its rest L whole (DEV < 0: nothing does both), where its mixer can run
+ * there too (its constants and every run's state fit): stages IL's block for cuda_chain_begin. */
 static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il, int dev, const struct cuda_moe_layer *L)
 {
     struct model_scratch *s = &m->s;
@@ -14289,9 +14141,8 @@ static void model_chain_layers(struct model *m, const struct model_run *runs, in
     }
 }
 
-/* Uploads each device's staged chains (the head filled in first), sets the chained layers'
- * addresses there, and where layer 0 is chained starts it (cuda_chain_first). -1 where a device
- * failed. */
+/* Uploads each device's staged chains (head filled in first), sets the chained layers' addresses
+ * there, and where layer 0 is chained starts it (cuda_chain_first). -1 where a device failed. */
 static int model_chain_upload(struct model *m, int T)
 {
     struct model_scratch *s = &m->s;
@@ -14330,8 +14181,8 @@ static int model_chain_upload(struct model *m, int T)
     return 0;
 }
 
-/* Brings run R's state of layer IL where this pass computes it: on DEV (>= 0), else on the
- * CPU, and marks what the pass leaves where. 0, or -1 where a device holding it failed. */
+/* Brings run R's state of layer IL where this pass computes it: on DEV (>= 0), else the CPU,
+ * marking what the pass leaves where. 0, or -1 if a device holding it failed. */
 static int model_state_for_pass(struct model *m, const struct model_run *run, int il, int dev)
 {
     struct model_seq *q = run->seq;
@@ -14349,9 +14200,9 @@ static int model_state_for_pass(struct model *m, const struct model_run *run, in
     return 0;
 }
 
-/* This pass's chains (model_chain_layer, model_chain_upload), and every run's states made
- * current where the pass computes them: on a chain's device, else on the CPU. Returns 0, or -1
- * with m->error and m->lost where a device holding states failed. */
+/* This pass's chains (model_chain_layer, model_chain_upload), every run's states made current where
+ * the pass computes them: on a chain's device, else the CPU. Returns 0, or -1 with m->error and
+ * m->lost where a device holding states failed. */
 static int model_chain_plan(struct model *m, const struct model_run *runs, int n_runs, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -14372,9 +14223,8 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     return 0;
 }
 
-/* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, at most
- * MODEL_BATCH tokens in all, each within its sequence's context and the vocabulary. Otherwise
- * says why in m->error. */
+/* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, at most MODEL_BATCH
+ * tokens in all, each within its sequence's context and the vocabulary; else why in m->error. */
 static int model_runs_valid(struct model *m, const struct model_run *runs, int n_runs)
 {
     int total = 0;
@@ -14393,13 +14243,13 @@ static int model_runs_valid(struct model *m, const struct model_run *runs, int n
     return 1;
 }
 
-/* The token embeddings of the runs into x, and each token's sequence and position; returns T. */
+/* The runs' token embeddings into x, and each token's sequence and position; returns T. */
 static int model_embed_runs(struct model *m, const struct model_run *runs, int n_runs)
 {
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
-    /* a batch's rows asked for first: from a cold page cache each row is a disk read, one
-     * after another unless asked for together; a single token (decode) has none to overlap */
+    /* a batch's rows asked for first: from a cold page cache each row is a disk read, one after
+     * another unless asked for together; one token (decode) has none to overlap */
     const int batch = n_runs > 1 || (n_runs == 1 && runs[0].n > 1);
     for (int r = 0; batch && r < n_runs; r++)
         for (int t = 0; t < runs[r].n; t++) plat_ask_pages(m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, row_bytes);
@@ -14413,12 +14263,11 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
     return T;
 }
 
-/* Runs a batch: the tokens of N_RUNS sequences (runs[r].n tokens appended to runs[r].seq)
- * through every layer together, so each weight is read once for all of them, and the logits
- * of each run's last token into runs[r].logits. A token's bits do not depend on its
- * neighbours in the batch (see the section's promise). Returns 0, or -1 with m->error saying
- * why: runs that do not fit (nothing computed), or an expert that could not be read (the
- * runs' sequences are then left half-advanced: the caller resets them). */
+/* Runs a batch: the tokens of N_RUNS sequences (runs[r].n tokens appended to runs[r].seq) through
+ * every layer together, so each weight is read once for all, each run's last token's logits into
+ * runs[r].logits. A token's bits do not depend on its batch neighbours (the section's promise).
+ * Returns 0, or -1 with m->error saying why: runs that do not fit (nothing computed), or an
+ * unreadable expert (the runs' sequences left half-advanced: the caller resets them). */
 static int model_forward_runs(struct model *m, struct model_run *runs, int n_runs)
 {
     const struct model_config *c = &m->cfg;
@@ -14468,9 +14317,9 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     return 0;
 }
 
-/* Seconds of a token's output head (the final norm and the lm_head product, as
- * model_forward_runs ends it) on the hidden state the last pass left: the median of 5. What a
- * token costs besides its layers (bench --synthetic scales the layers only). */
+/* Seconds of a token's output head (the final norm and lm_head product, as model_forward_runs ends
+ * it) on the hidden state the last pass left: the median of 5. What a token costs besides its
+ * layers (bench --synthetic scales the layers only). */
 static double model_head_seconds(struct model *m)
 {
     double t[5];
@@ -14487,16 +14336,16 @@ static double model_head_seconds(struct model *m)
     return t[2];
 }
 
-/* A copy of everything a forward pass changes besides the KV cache beyond pos: rewinding to
- * it undoes the tokens fed since (chat uses it when Ctrl-C cancels a prompt). */
+/* A copy of all a forward pass changes besides the KV cache beyond pos: rewinding to it undoes the
+ * tokens fed since (chat uses it when Ctrl-C cancels a prompt). */
 struct model_checkpoint {
     int pos;
     float *recurrent; /* every DeltaNet layer's conv state then ssm state, in layer order */
 };
 
-/* Saves (SAVE = 1) or restores (0) the state of Q; the checkpoint's buffer is allocated once. A
- * state lost with a failed device is saved as the empty sequence's (position 0, zero state),
- * which any prompt may start from. */
+/* Saves (SAVE = 1) or restores (0) Q's state, the checkpoint buffer allocated once. A state lost
+ * with a failed device saves as the empty sequence's (position 0, zero state), where any prompt may
+ * start. */
 static void model_checkpoint(const struct model *m, struct model_seq *q, struct model_checkpoint *cp, int save)
 {
     const struct model_config *c = &m->cfg;
@@ -14527,17 +14376,16 @@ static void model_checkpoint(const struct model *m, struct model_seq *q, struct 
     if (!save) model_states_written(m, q);
 }
 
-/* Bytes of the KV cache's first N positions as model_kv_copy copies them: whole groups of
- * OPS_KV_GROUP rows. */
+/* Bytes of the first N KV positions as model_kv_copy copies them: whole OPS_KV_GROUP groups. */
 static int64_t model_kv_bytes(const struct model *m, int n)
 {
     return model_kv_bytes_per_token(m) * model_kv_whole_groups(n);
 }
 
-/* Copies the KV cache of Q's first N positions into BUF (SAVE) or back from it: every attention
- * layer's K rows then V rows, each KV head's rows in turn, model_kv_bytes(m, N) bytes. What an
- * idle conversation parked in RAM keeps (§11); SAVE reads the CPU's copy (model_seq_to_host
- * makes it current). */
+/* Copies the KV cache of Q's first N positions into BUF (SAVE) or back: every attention layer's K
+ * rows then V rows, each KV head's rows in turn, model_kv_bytes(m, N) bytes, what an idle
+ * conversation parked in RAM keeps (§11); SAVE reads the CPU's copy (made current by
+ * model_seq_to_host). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
     size_t rows = (size_t)model_kv_whole_groups(n) * model_kv_row_bytes(m);
@@ -14554,22 +14402,20 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
     }
 }
 
-/* How many times memory must hold the routed experts for the store to copy them out of the
- * mapping (expert_own) rather than read them in place. The copy is faster, being interleaved
- * where its type has such a form (§3) and in pages of its own (README, Models larger than
- * memory). Where memory holds the copy beside the file's pages, the page cache keeps them for
- * the next start. A server copies where memory holds the experts once: the file's pages give
- * way and its next start reads the file again, which a process that serves for hours pays
- * back many times. */
+/* How many times memory must hold the routed experts for the store to copy them out of the mapping
+ * (expert_own) rather than read them in place. The copy is faster: interleaved where its type has
+ * such a form (§3), in pages of its own (README, Models larger than memory). Where memory holds the
+ * copy beside the file's pages, the page cache keeps them for the next start. A server copies where
+ * memory holds the experts once: the file's pages give way and its next start rereads the file,
+ * which hours of serving repay many times. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
- * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but
- * each takes memory from the expert cache), and, unless RAM (--ram) fixes the experts' budget,
- * no more than leave every routed expert in memory where one sequence would: each token reads
- * experts, and those left out come from the disk (the 35B-A3B geometry on a 24 GB machine: 4
- * sequences of 32k left a third out). It counts every expert in RAM: those a device takes
- * would leave room for more. */
+ * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but each
+ * takes memory from the expert cache), and unless RAM (--ram) fixes the experts' budget, no more
+ * than leave every routed expert in memory where one sequence would: each token reads experts,
+ * those left out from disk (the 35B-A3B geometry on a 24 GB machine: 4 sequences of 32k left a
+ * third out). It counts every expert in RAM; those a device takes would leave room for more. */
 static int model_choose_seqs(const struct model *m, int64_t ram)
 {
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
@@ -14581,12 +14427,11 @@ static int model_choose_seqs(const struct model *m, int64_t ram)
 }
 
 /* Opens the store of routed experts behind BUDGET bytes of RAM (HEAT: the heat file, NULL:
- * expert_heat_default, "": none kept), decides with §7 what lives in VRAM, the trunk and the experts priced
- * together (GROWS: the budget is what memory leaves, so the trunk placed leaves its RAM to the
- * experts), and gives the store the budget that leaves for what stays on the CPU. When it
- * holds every such expert they stay in the mapping, or are copied into the store's memory
- * where GROWS and the budget holds COPIES times them (model_copies). Room is kept on the
- * devices for N_SEQS sequences' states. Fills *R. */
+ * expert_heat_default, "": none kept), decides with §7 what lives in VRAM, pricing trunk and
+ * experts together (GROWS: the budget is what memory leaves, the placed trunk leaving its RAM to
+ * the experts), and gives the store the budget left for the CPU's share. If that holds every such
+ * expert they stay in the mapping, or go into the store's memory where GROWS and the budget holds
+ * COPIES times them (model_copies). Devices keep room for N_SEQS sequences' states. Fills *R. */
 static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, enum model_copies copies, const char *heat,
                         enum expert_io io, const char *place, struct place_result *r)
 {
