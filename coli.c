@@ -9873,7 +9873,7 @@ static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n
 {
     void *scan[] = {&logits, &n, &scratch}, *bound[] = {&scratch}, *rank[] = {&scratch, &out};
     cuda_result r;
-    if ((r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, (unsigned)T, 1, 32, bound)) ||
+    if ((r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, CUDA_TOP_SLICES / 32, (unsigned)T, 32, bound)) ||
         (r = cuda_launch(d->top_collect, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) ||
         (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)))
         return r;

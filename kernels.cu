@@ -1271,17 +1271,15 @@ extern "C" __global__ void logits_top_max(const float *__restrict__ logits, int 
     if (lane == 0 && blockIdx.x == 0) z->bound = -INFINITY, z->count = 0, z->finite = 1;
 }
 
-// Row t = blockIdx.x a warp: the maximum M that TOP_K - 1 maxima at most exceed and TOP_K at
-// least reach, the TOP_K-th largest, into its bound (-inf, as logits_top_max left it, where fewer
-// than TOP_K slices have one). Lane l counts for maxima l, l + 32, ...
+// Row t = blockIdx.y: the maximum that TOP_K - 1 maxima at most exceed and TOP_K at least reach,
+// the TOP_K-th largest, into its bound (-inf, as logits_top_max left it, where fewer than TOP_K
+// slices have one). A thread a maximum, each counting against all: grid (TOP_SLICES / 32, T).
 extern "C" __global__ void logits_top_bound(top_scratch *__restrict__ scratch) {
-    top_scratch *z = scratch + blockIdx.x;
-    for (int i = threadIdx.x & 31; i < TOP_SLICES; i += 32) {
-        const float m = z->maxima[i];
-        int above = 0, reach = 0;
-        for (int j = 0; j < TOP_SLICES; j++) above += z->maxima[j] > m, reach += z->maxima[j] >= m;
-        if (above < TOP_K && reach >= TOP_K && m > -INFINITY) z->bound = m;
-    }
+    top_scratch *z = scratch + blockIdx.y;
+    const float m = z->maxima[blockIdx.x * 32 + (threadIdx.x & 31)];
+    int above = 0, reach = 0;
+    for (int j = 0; j < TOP_SLICES; j++) above += z->maxima[j] > m, reach += z->maxima[j] >= m;
+    if (above < TOP_K && reach >= TOP_K && m > -INFINITY) z->bound = m;
 }
 
 // Slice s = blockIdx.x of row t = blockIdx.y, a warp: its logits that reach the row's bound

@@ -973,13 +973,13 @@ static int top_float_desc(const void *a, const void *b)
     return x > y ? -1 : x < y;
 }
 
-/* logits_top_bound(scratch): row t's bound the TOP_K-th of its maxima sorted from the largest,
+/* logits_top_bound(scratch): row y's bound the TOP_K-th of its maxima sorted from the largest,
  * where that is above -inf. */
 static void run_top_bound(int unused, void **p, struct grid g)
 {
     (void)unused;
     struct top_scratch *z = ARG(0, struct top_scratch *);
-    for (long t = 0; t < g.warps; t++) {
+    for (unsigned t = 0; t < g.y; t++) {
         float m[TOP_SLICES];
         memcpy(m, z[t].maxima, sizeof m);
         qsort(m, TOP_SLICES, sizeof *m, top_float_desc);
