@@ -1246,11 +1246,14 @@ struct top_scratch {
     top_entry list[TOP_LIST];
 };
 
-// Row t's elements of slice s (of TOP_SLICES): [*FROM, *END), a whole number of warp loads each.
-__device__ __forceinline__ void top_slice(int n, int s, int *from, int *end) {
+// Slice s = blockIdx.x of row t = blockIdx.y of LOGITS (N a row): its elements [*FROM, *END) of
+// the row it returns (a whole number of warp loads each, but the last), the row's state *Z.
+__device__ __forceinline__ const float *top_slice(const float *logits, int n, top_scratch *scratch, top_scratch **z, int *from, int *end) {
     const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
-    *from = s * span;
+    *from = blockIdx.x * span;
     *end = n < *from + span ? n : *from + span;
+    *z = scratch + blockIdx.y;
+    return logits + (uint64_t)blockIdx.y * n;
 }
 
 // Slice s = blockIdx.x of row t = blockIdx.y of LOGITS (N a row), a warp: its largest logit (-inf
@@ -1258,9 +1261,8 @@ __device__ __forceinline__ void top_slice(int n, int s, int *from, int *end) {
 extern "C" __global__ void logits_top_max(const float *__restrict__ logits, int n, top_scratch *__restrict__ scratch) {
     const int lane = threadIdx.x & 31;
     int from, end;
-    top_slice(n, blockIdx.x, &from, &end);
-    const float *x = logits + (uint64_t)blockIdx.y * n;
-    top_scratch *z = scratch + blockIdx.y;
+    top_scratch *z;
+    const float *x = top_slice(logits, n, scratch, &z, &from, &end);
     float max = -INFINITY;
     for (int i = from + lane; i < end; i += 32) max = x[i] > max ? x[i] : max;
     for (int s = 16; s > 0; s /= 2) {
@@ -1288,9 +1290,8 @@ extern "C" __global__ void logits_top_bound(top_scratch *__restrict__ scratch) {
 extern "C" __global__ void logits_top_collect(const float *__restrict__ logits, int n, top_scratch *__restrict__ scratch) {
     const int lane = threadIdx.x & 31;
     int from, end;
-    top_slice(n, blockIdx.x, &from, &end);
-    const float *x = logits + (uint64_t)blockIdx.y * n;
-    top_scratch *z = scratch + blockIdx.y;
+    top_scratch *z;
+    const float *x = top_slice(logits, n, scratch, &z, &from, &end);
     const float bound = z->bound;
     for (int i0 = from; i0 < end; i0 += 32) {
         const int i = i0 + lane;
