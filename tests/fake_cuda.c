@@ -148,6 +148,7 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 }
 API CUresult cuMemFree_v2(CUdeviceptr p)
 {
+    if (!p) return 1; /* CUDA_ERROR_INVALID_VALUE, as the driver answers */
     size_t *b = (size_t *)(uintptr_t)p - 2;
     avail[b[1]] += b[0];
     free(b);
