@@ -21,6 +21,8 @@
  *   fails; a query: an event's work failed, error 700; a graph: its instantiation, error 2; a
  *   graph's kernels count as launches) | module:CODE
  *   (read at every call, so a test process may change it between calls)
+ *   FAKE_CUDA_TOP_LIST=N: the output head's candidate list holds N (< 2048) entries in the twins,
+ *   so that a row whose best cannot all be listed comes up without thousands of equal logits
  * Built with -DFAKE_STUB it is a stub whose cuInit answers 34, like the toolkit's. Built with
  * -DFAKE_SIM and linked with tests/kernels_sim.cc, a launch runs kernels.cu's own source on the
  * host (lanes as fibers, shuffles answered warp-wide) instead of the twin.
