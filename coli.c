@@ -16647,9 +16647,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
                       "holds a corrupt weight block (a NaN or infinite scale)");
         return;
     }
-    if (best) {
+    if (best) { /* the five best are its first (engine_top5's order is sample_before's) */
         for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
-        for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id >= 0 ? e->cand[k].logit : 0.0f;
+        for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
         id = sample_next_best(&r->sample, e->cand, &sl->rng);
     } else {
         if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
