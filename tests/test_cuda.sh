@@ -105,6 +105,17 @@ for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.
         ok "$lib, $args: the CPU's tokens, $kept steps' logits left on the device"
     else bad "$lib, $args" "tokens differ or not $kept steps' logits kept: $(grep '^\[cuda\]' "$tmp/e" | tail -c 300)"; fi
 done
+# The chosen experts come down from the device for the heat (each layer's ids, after the chain's
+# last layer): the heat a run saves is the CPU's, byte for byte, through the twins and the sim.
+COLI_CUDA=0 HEAT_FILE="$tmp/heat-cpu" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 12 --ignore-eog >/dev/null 2>&1
+for lib in fake sim; do
+    if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "the heat through $B/$lib # SKIP not built"; continue; fi
+    rm -f "$tmp/heat-gpu"
+    LD_LIBRARY_PATH="$B/$lib" HEAT_FILE="$tmp/heat-gpu" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 12 --ignore-eog >/dev/null 2>"$tmp/e"
+    if [ -s "$tmp/heat-cpu" ] && cmp -s "$tmp/heat-cpu" "$tmp/heat-gpu" && grep -qE '^\[cuda\] [0-9]+ products and [1-9]' "$tmp/e"; then
+        ok "$lib: every layer's chosen experts come down right: the heat saved is the CPU's"
+    else bad "$lib: the heat" "differs from the CPU's: $(grep '^\[cuda\]' "$tmp/e" | tail -c 200)"; fi
+done
 # A row whose logits reaching the bound outnumber the list (thousands of equal logits; here a
 # list of 8 in the fake): its row comes down after all, the CPU's tokens.
 tokens "a list too short for a row's best: its logits come down instead, the CPU's tokens" "; 0 tokens' logits stayed there$" $m \
@@ -303,7 +314,7 @@ else bad "the rest of a layer on the device" "$passes passes; $(grep cuda "$tmp/
 # Each decode step there is one window of launches (its upload before, its downloads after): the
 # first step's made one by one, the second's too and then built into a CUDA graph, each later
 # one that graph in one call. So passes - 3 graph launches; four more steps cost 16 driver
-# calls (each: the upload, the graph, the logits and the ids down) where without graphs
+# calls (each: the upload, the graph, the best logits and the ids down) where without graphs
 # (COLI_CUDA_GRAPHS=0) they cost a call a launch; the same tokens each way.
 calls_of() { # calls_of STEPS ENV...: the driver calls of that run, its tokens in $tmp/calls-STEPS.json
     local n=$1; shift
