@@ -8571,6 +8571,7 @@ struct cuda_device {
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
     cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best candidates (cuda_top_launch) */
+    cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
     int64_t budget, used;                /* bytes for resident weights, and those taken */
@@ -8978,6 +8979,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "logits_top_", "bound", &d->top_bound);
     cuda_kernel(d, "logits_top_", "collect", &d->top_collect);
     cuda_kernel(d, "logits_top_", "rank", &d->top_rank);
+    cuda_kernel(d, "copy_", "words", &d->copy_words);
     d->usable = 1;
     return 0;
 }
@@ -9699,6 +9701,10 @@ struct cuda_moe_layer {
     /* NEXT[0] is the output head and only its rows' best candidates come down (cuda_top_launch),
      * the logits kept at d->kept_next[0] */
     int top;
+    /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS, in the chain
+     * buffer) come down after the layer's own outputs, in the same copy; 0: none */
+    cuda_ptr chain_ids;
+    size_t chain_bytes;
     /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (the shared expert's already
      * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS
      * (0: in the layer's scratch, as a split layer's routing download reads them).
@@ -9724,7 +9730,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
     if (L->gate_inp && !cuda_moe_shexp_in_batch(L) && (!cuda_moe_supported(dev, &L->shexp_sh) || L->shexp_sh.dim != L->sh.dim)) return 0;
     for (int j = 0; j < L->n_next; j++)
         if (!d->matvec[L->next[j].type] || !d->quantize[quant_act_kind(L->next[j].type)] || L->next[j].cols != L->sh.dim) return 0;
-    return d->moe_route && d->moe_combine && d->residual_norm && d->matvec[L->wo->type] && d->matvec[L->router->type] &&
+    return d->moe_route && d->moe_combine && d->residual_norm && d->copy_words && d->matvec[L->wo->type] && d->matvec[L->router->type] &&
            d->quantize[quant_act_kind(L->router->type)] && d->quantize[quant_act_kind(L->sh.up_type)] && cuda_moe_supported(dev, &L->sh) &&
            L->wo->rows == L->sh.dim && L->router->cols == L->sh.dim && L->n_expert <= CUDA_ROUTE_MAX_EXPERTS &&
            L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert && (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
@@ -9737,7 +9743,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * layer's routing: xn, ids), the output and the next projections (ids, out, next). */
 struct cuda_moe_layout {
     size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
-        top, end;
+        top, chain, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
@@ -9802,6 +9808,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
         o.end += (size_t)T * (size_t)L->next[j].rows * 4;
     }
     o.end += L->top ? (size_t)T * (CUDA_TOP_K + 1) * 8 : 0;
+    o.chain = o.end;
+    o.end += L->chain_bytes;
     return o;
 }
 
@@ -9993,8 +10001,12 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     cuda_ptr pcpu = b + o.cpu_y, psh = !L->gate_inp ? 0 : in_batch ? pexp + (size_t)T * L->used * L->sh.dim * 4 : cuda_moe_outputs(b + o.swork, &L->shexp_sh, T);
     int k = L->used, dim = L->sh.dim;
     void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &psh, &pj, &pcpu};
+    cuda_ptr chain = L->chain_ids, into = b + o.chain;
+    int words = (int)(L->chain_bytes / 4);
+    void *copy[] = {&chain, &into, &words};
     cuda_result r = cuda_launch(d->moe_combine, (unsigned)(dim + 127) / 128, (unsigned)T, 128, combine);
     if (!r && L->n_next) r = cuda_next_start(d, L, o, T);
+    if (!r && words) r = cuda_launch(d->copy_words, (unsigned)(words + 127) / 128, 1, 128, copy);
     d->kept_x = b + o.out;
     for (int j = 0; j < L->n_next; j++) d->kept_next[j] = b + o.next_out[j];
     d->moe_jobs = T * L->used + (L->gate_inp ? T : 0);
@@ -13745,7 +13757,8 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
     const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev); /* NEXT: the output head, of which only the best */
-    size_t floats = (size_t)T * (size_t)(c->dim + c->n_expert_used); /* what comes back must fit dev_out */
+    /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most every layer's) */
+    size_t floats = (size_t)T * ((size_t)c->dim + (size_t)c->n_expert_used * (size_t)(1 + c->n_layers));
     for (int j = 0; j < n_next; j++) {
         const struct cuda_resident *r = cuda_resident_of(next[j].w.data);
         if (!r || r->dev != dev) break;
@@ -13761,22 +13774,19 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
-/* End of the chain ending with layer LAST on device DEV: its layers' ids down, the store told each
- * layer's experts in order, as the layers would. 0, or -1 on failure (GPU path ended). */
-static int model_chain_end(struct model *m, int last, int T, int dev)
+/* End of the chain ending with layer LAST: its layers' ids, come down with LAST's outputs to
+ * IDS (L->chain_ids), the store told each layer's experts in order, as the layers would. */
+static void model_chain_end(struct model *m, int last, int T, const float *ids)
 {
     struct model_scratch *s = &m->s;
     const int first = s->chain_first;
     const size_t per = (size_t)T * (size_t)m->cfg.n_expert_used;
-    int *ids = (int *)s->dev_out; /* read out already: room for every layer's ids */
     s->chain_first = -1;
-    if (cuda_read_back(dev, s->chain[first].ids, ids, (size_t)(last - first + 1) * per * sizeof(int))) return -1;
     for (int il = first; il <= last; il++) {
         if (s->chain[il].split) continue; /* told at its routing */
         memcpy(s->top, ids + (size_t)(il - first) * per, per * sizeof(int));
         model_want_experts(m, il, T);
     }
-    return 0;
 }
 
 /* The output head's best candidates of T tokens as they came down (cuda_top_launch), from FROM
@@ -13830,8 +13840,8 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     memcpy(s->x, s->dev_out + ids, (size_t)T * dim * sizeof(float));
     for (int j = 0; j < L->n_next && !L->top; y += (size_t)T * (size_t)next[j].w.rows, j++)
         memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
-    if (s->chain_first >= 0) return model_chain_end(m, il, T, dev);
-    if (!L->split) model_want_experts(m, il, T);
+    if (s->chain_first >= 0) model_chain_end(m, il, T, y + (L->top ? (size_t)T * 2 * (MODEL_TOP + 1) : 0)); /* the ids after it all */
+    else if (!L->split) model_want_experts(m, il, T);
     return 0;
 }
 
@@ -13987,6 +13997,10 @@ static int model_layer_rest(struct model *m, int il, int T, const float *mix, in
         L.block = ch->block, L.ids = L.split ? 0 : ch->ids; /* a split layer's come down with its routing */
         m->s.chain[il].split = L.split;
         if (m->s.chain_first < 0) m->s.chain_first = il;
+        if (!L.keep) { /* its outputs come down, and the chain's ids with them */
+            L.chain_ids = m->s.chain[m->s.chain_first].ids;
+            L.chain_bytes = (size_t)(il - m->s.chain_first + 1) * (size_t)T * (size_t)m->cfg.n_expert_used * sizeof(int);
+        }
     }
     int done = dev >= 0 && dev == (ch->dev >= 0 ? ch->dev : dev) ? model_rest_on_device(m, il, T, dev, &L, mix, next) : -1;
     if (done == -2) return -1;

@@ -1220,6 +1220,13 @@ extern "C" __global__ void attn_merge(const float *__restrict__ qg, const int *_
     for (int m = 0; m < 16 && lane + 32 * m < hd; m++) y[lane + 32 * m] = __fmul_rn(sigmoid_canonical(gate[lane + 32 * m]), o[m]);
 }
 
+// N words from SRC to DST, a thread each; grid ceil(n / 128) of 128: a chain's chosen ids into
+// its last layer's download, so that a decode step comes back in one copy (coli.c cuda_moe_layer).
+extern "C" __global__ void copy_words(const unsigned *__restrict__ src, unsigned *__restrict__ dst, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+
 // ---- the output head's best candidates: what coli.c's sampler reads, instead of the logits ----
 // Greedy decoding and top-k sampling up to TOP_K (coli.c's sample_next) read only the TOP_K
 // best logits of a row, by coli.c's sample_before: the larger logit first, the lower id on a tie.

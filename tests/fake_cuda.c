@@ -933,6 +933,15 @@ static void run_attn_merge(int unused, void **p, struct grid g)
         }
 }
 
+/* copy_words(src, dst, n): the words the grid's threads cover. */
+static void run_copy_words(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const uint32_t *src = ARG(0, const uint32_t *);
+    uint32_t *dst = ARG(1, uint32_t *);
+    for (long i = 0; i < ARG(2, int) && i < g.threads; i++) dst[i] = src[i];
+}
+
 /* The output head's best candidates (logits_top_max, _bound, _collect, _rank): a row's state
  * between the four launches, laid out as kernels.cu's struct top_scratch. */
 enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048 };
@@ -1053,7 +1062,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"residual_norm", 0, run_residual_norm}, {"deltanet_conv", 0, run_deltanet_conv}, {"deltanet_rule", 0, run_deltanet_rule},
     {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_split", 0, run_attn_split},
     {"attn_merge", 0, run_attn_merge}, {"logits_top_max", 0, run_top_max}, {"logits_top_bound", 0, run_top_bound},
-    {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank},
+    {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank}, {"copy_words", 0, run_copy_words},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };
