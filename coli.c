@@ -9888,6 +9888,20 @@ static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n
     return CUDA_SUCCESS;
 }
 
+/* The logits that the last layer on device DEV kept there (L->top), BYTES into OUT, after it
+ * came back (nothing left to wait for): where a row's best were not all found. Returns 0, or -1
+ * after cuda_fail. */
+static int cuda_head_logits(int dev, float *out, size_t bytes)
+{
+    cuda_result r;
+    if (!cuda.ready) return -1;
+    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, cuda.dev[dev].kept_next[0], bytes))) {
+        cuda_fail("the logits on the device", r);
+        return -1;
+    }
+    return 0;
+}
+
 /* Whether device DEV has the kernels of cuda_top_launch. */
 static int cuda_top_ready(int dev)
 {
@@ -10123,7 +10137,7 @@ static int cuda_moe_finish(int dev, void *out)
  * DeltaNet over its sequences' recurrent states held in device memory; ATTN: attention over
  * their KV caches there), and its rest after it: nothing crosses the bus between them. A pass
  * uploads once, before its first layer, what its chained layers need (cuda_chain_begin); a
- * chain's ids come back after its last layer (cuda_read_back). A sequence's states on a
+ * chain's ids come back with its last layer's outputs (copy_words). A sequence's states on a
  * device are one allocation laid out as coli's checkpoints, its KV caches another laid out as
  * the CPU's (§8 keeps which copy is current). */
 
@@ -10140,20 +10154,6 @@ static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
         return 0;
     }
     return d->chain;
-}
-
-/* Downloads BYTES from AT on device DEV into OUT, after its last layer came back (nothing left
- * to wait for): a chain's ids from its buffer, or the logits a layer kept (L->top). Returns 0,
- * or -1 after cuda_fail. */
-static int cuda_read_back(int dev, cuda_ptr at, void *out, size_t bytes)
-{
-    cuda_result r;
-    if (!cuda.ready) return -1;
-    if ((r = cuda_use(dev)) || (r = cuda_dtoh(out, at, bytes))) {
-        cuda_fail("a read back from the device", r);
-        return -1;
-    }
-    return 0;
 }
 
 /* The first layer's start in a chain on device DEV, from the embedded rows X [T][dim] and input
@@ -13805,7 +13805,7 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
     }
     s->best_made = whole;
     cuda.tops += whole ? T : 0;
-    return whole ? 0 : cuda_read_back(dev, cuda.dev[dev].kept_next[0], s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
+    return whole ? 0 : cuda_head_logits(dev, s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
 }
 
 /* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
