@@ -8527,11 +8527,16 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
 #define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
 /* The output head's best candidates on the device (kernels.cu's logits_top_*): TOP_K, the
- * slices and the list of each row's scratch (struct top_scratch: CUDA_TOP_SCRATCH bytes). */
+ * slices and the list of each row's scratch (struct top_scratch: CUDA_TOP_SCRATCH bytes). The
+ * slices are also the whole-vocabulary draw's canonical order (§10 sample_vocab_sums). */
 #define CUDA_TOP_K 64
 #define CUDA_TOP_SLICES 256
 #define CUDA_TOP_LIST 2048
-#define CUDA_TOP_SCRATCH ((CUDA_TOP_SLICES + 3) * 4 + CUDA_TOP_LIST * 8)
+#define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_TOP_LIST * 8)
+
+/* A row's whole-vocabulary draw as kernels.cu's logits_draw_* read it: U (the draw in [0, 1) that
+ * §10's sample_uniform scales), TEMP; ON 0: the row is not drawn there. */
+struct cuda_top_draw { double u; float temp; int on; };
 
 /* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
  * WIDE for each 8 bytes wide (.u64; others .u32 or .f32), from its PTX .entry. */
@@ -8571,6 +8576,7 @@ struct cuda_device {
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
     cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best candidates (cuda_top_launch) */
+    cuda_handle draw_sums, draw_walk;    /* ... and a draw over the whole vocabulary */
     cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
@@ -8979,6 +8985,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "logits_top_", "bound", &d->top_bound);
     cuda_kernel(d, "logits_top_", "collect", &d->top_collect);
     cuda_kernel(d, "logits_top_", "rank", &d->top_rank);
+    cuda_kernel(d, "logits_draw_", "sums", &d->draw_sums);
+    cuda_kernel(d, "logits_draw_", "walk", &d->draw_walk);
     cuda_kernel(d, "copy_", "words", &d->copy_words);
     d->usable = 1;
     return 0;
@@ -9699,8 +9707,9 @@ struct cuda_moe_layer {
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
     /* NEXT[0] is the output head and only its rows' best candidates come down (cuda_top_launch),
-     * the logits kept at d->kept_next[0] */
+     * the logits kept at d->kept_next[0]; DRAW (T rows, or NULL): the rows drawn there too */
     int top;
+    const struct cuda_top_draw *draw;
     /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS, in the chain
      * buffer) come down after the layer's own outputs, in the same copy; 0: none */
     cuda_ptr chain_ids;
@@ -9742,7 +9751,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * then what comes back, ordered so each download is one span: the normed input, the ids (a split
  * layer's routing: xn, ids), the output and the next projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
+    size_t shared, table, draw, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
         top, chain, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
@@ -9770,7 +9779,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     const int apart = L->gate_inp && !cuda_moe_shexp_in_batch(L), n = T * L->used + (L->gate_inp && !apart ? T : 0);
     o.shared = (size_t)T * L->used * sizeof(struct cuda_moe_job);
     o.table = cuda_align((size_t)(T * L->used + (L->gate_inp ? T : 0)) * sizeof(struct cuda_moe_job));
-    o.x = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
+    o.draw = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
+    o.x = o.draw + (L->draw ? cuda_align((size_t)T * sizeof *L->draw) : 0);
     o.mix = o.x + cuda_align(rows);
     o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
     o.next_norm = o.norm + cuda_align((size_t)L->sh.dim * 4);
@@ -9815,13 +9825,13 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
 
 /* Device addresses of what a layer reads from its upload or, in a chain, its block and the layer
  * before (cuda_moe_layer): the jobs, the table, hidden state, two norms, where the ids go. */
-struct cuda_moe_inputs { cuda_ptr jobs, table, x, norm, next_norm, ids; };
+struct cuda_moe_inputs { cuda_ptr jobs, table, draw, x, norm, next_norm, ids; };
 
 static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o)
 {
     const cuda_ptr b = d->moe, k = L->block;
-    struct cuda_moe_inputs in = {b, b + o.table, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
-    if (k) in.jobs = k, in.table = k + o.table, in.norm = k + o.x, in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
+    struct cuda_moe_inputs in = {b, b + o.table, b + o.draw, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
+    if (k) in.jobs = k, in.table = k + o.table, in.draw = k + o.draw, in.norm = k + o.x, in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
     if (L->dn || L->attn) in.x = d->kept_x;
     return in;
 }
@@ -9832,6 +9842,7 @@ static void cuda_moe_fill(const struct cuda_moe_layer *L, struct cuda_moe_layout
 {
     for (int t = 0; L->gate_inp && t < T; t++) ((struct cuda_moe_job *)(base + o.shared))[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
     memcpy(base + o.table, L->table, (size_t)L->n_expert * sizeof *L->table);
+    if (L->draw) memcpy(base + o.draw, L->draw, (size_t)T * sizeof *L->draw);
     memcpy(base + norm, L->norm, (size_t)L->sh.dim * 4);
     if (L->n_next) memcpy(base + next_norm, L->next_norm, (size_t)L->sh.dim * 4);
 }
@@ -9874,16 +9885,19 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
 }
 
 /* The CUDA_TOP_K best of each of T rows of N logits at LOGITS by sample_before's order, each
- * row's then followed by {1 where the row is finite + 2 where its best were all found, 0}, into
- * OUT [T][CUDA_TOP_K + 1] (struct sample_candidate's layout), through SCRATCH [T]
- * [CUDA_TOP_SCRATCH] (kernels.cu's logits_top_*). 4 launches; the driver's result. */
-static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, int T)
+ * row's then followed by {1 where the row is finite + 2 where its best were all found, the id
+ * drawn}, into OUT [T][CUDA_TOP_K + 1] (struct sample_candidate's layout), through SCRATCH [T]
+ * [CUDA_TOP_SCRATCH] (kernels.cu's logits_top_*); the draw where DRAW (0: none) says (struct
+ * cuda_top_draw [T]: logits_draw_*). 4 launches, 6 with draws; the driver's result. */
+static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, int T)
 {
     void *scan[] = {&logits, &n, &scratch}, *bound[] = {&scratch}, *rank[] = {&scratch, &out};
+    void *sums[] = {&logits, &n, &draw, &scratch}, *walk[] = {&logits, &n, &draw, &scratch, &out};
     cuda_result r;
     if ((r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, CUDA_TOP_SLICES / 32, (unsigned)T, 32, bound)) ||
         (r = cuda_launch(d->top_collect, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) ||
-        (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)))
+        (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)) ||
+        (draw && ((r = cuda_launch(d->draw_sums, CUDA_TOP_SLICES, (unsigned)T, 32, sums)) || (r = cuda_launch(d->draw_walk, 1, (unsigned)T, 32, walk)))))
         return r;
     return CUDA_SUCCESS;
 }
@@ -9902,11 +9916,11 @@ static int cuda_head_logits(int dev, float *out, size_t bytes)
     return 0;
 }
 
-/* Whether device DEV has the kernels of cuda_top_launch. */
-static int cuda_top_ready(int dev)
+/* Whether device DEV has the kernels of cuda_top_launch, with its draws where DRAW. */
+static int cuda_top_ready(int dev, int draw)
 {
     const struct cuda_device *d = &cuda.dev[dev];
-    return d->top_max && d->top_bound && d->top_collect && d->top_rank;
+    return d->top_max && d->top_bound && d->top_collect && d->top_rank && (!draw || (d->draw_sums && d->draw_walk));
 }
 
 /* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
@@ -9918,7 +9932,8 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
     for (int j = 0; j < L->n_next; j++) act[j] = d->moe + o.next_act[j], out[j] = d->moe + o.next_out[j];
     cuda_result r = cuda_project(d, d->moe + o.out, cuda_moe_inputs_of(d, L, o).next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out,
                                  L->n_next, L->sh.dim, L->eps, T);
-    if (!r && L->top) r = cuda_top_launch(d, out[0], (int)L->next[0].rows, d->moe + o.top_scratch, d->moe + o.top, T);
+    if (!r && L->top)
+        r = cuda_top_launch(d, out[0], (int)L->next[0].rows, d->moe + o.top_scratch, d->moe + o.top, L->draw ? cuda_moe_inputs_of(d, L, o).draw : 0, T);
     return r;
 }
 
@@ -12288,17 +12303,19 @@ struct model_chain {
 
 /* The best logits of a run's last token, where the device found them (model_run.best):
  * MODEL_TOP of them in sample_before's order (id -1 past a vocabulary that short), laid out as
- * struct sample_candidate, and whether every logit of the row was finite. */
+ * struct sample_candidate, whether every logit of the row was finite, and the token drawn there
+ * where the run asked (model_run.draw; else -1). */
 #define MODEL_TOP CUDA_TOP_K
 struct model_top {
     struct { int id; float logit; } best[MODEL_TOP];
-    int finite;
+    int finite, drawn;
 };
 
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
  * token ([n_vocab], valid until the next forward). Where every run of a decode step says TOP
- * (its caller reads no logit but the MODEL_TOP best: sample_best_enough) and the device makes
- * the logits, BEST receives those instead and LOGITS is NULL: the row stays on the device. */
+ * (its caller reads no logit but the MODEL_TOP best, or the token DRAW draws: sample_on_device)
+ * and the device makes the logits, BEST receives those instead and LOGITS is NULL: the row stays
+ * on the device. */
 struct model_run {
     struct model_seq *seq;
     const int *tokens;
@@ -12306,6 +12323,7 @@ struct model_run {
     float *logits;
     int top;
     const struct model_top *best;
+    struct cuda_top_draw draw; /* on: a draw over the whole vocabulary (sample_vocab_walk) */
 };
 
 /* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
@@ -12348,6 +12366,8 @@ struct model_scratch {
     float *logits;           /* [MODEL_MAX_RUNS][n_vocab] for the last token of each run */
     struct model_top best[MODEL_MAX_RUNS]; /* or their best (model_run.best): where BEST_MADE */
     int head_top, best_made; /* head_top: every run of the pass reads only those */
+    struct cuda_top_draw draws[MODEL_MAX_RUNS]; /* each run's model_run.draw, where HEAD_TOP */
+    int draws_on;            /* ... some run's on */
     struct model_chain *chain;  /* [n_layers] this pass's chains */
     struct cuda_deltanet *dn;   /* [n_layers] the DeltaNet layers' constants on their chain's device */
     struct cuda_attention *attn_dev; /* [n_layers] the attention layers' */
@@ -13756,7 +13776,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .table = m->s.ex_table, .shexp = sh_e, .shexp_sh = sh_shape, .n_expert = c->n_expert,
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
-    const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev); /* NEXT: the output head, of which only the best */
+    const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev, m->s.draws_on); /* NEXT: the output head, of which only the best */
     /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most every layer's) */
     size_t floats = (size_t)T * ((size_t)c->dim + (size_t)c->n_expert_used * (size_t)(1 + c->n_layers));
     for (int j = 0; j < n_next; j++) {
@@ -13771,6 +13791,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     L->next_norm = L->n_next ? next_norm : NULL;
     if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
     L->top = top && L->n_next;
+    L->draw = L->top && m->s.draws_on ? m->s.draws : NULL;
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
@@ -13800,7 +13821,9 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
         int status;
         memcpy(s->best[t].best, from, sizeof s->best[t].best);
         memcpy(&status, from + 2 * MODEL_TOP, sizeof status);
+        memcpy(&s->best[t].drawn, from + 2 * MODEL_TOP + 1, sizeof s->best[t].drawn);
         s->best[t].finite = status & 1;
+        if (!s->draws[t].on) s->best[t].drawn = -1;
         whole &= status >> 1;
     }
     s->best_made = whole;
@@ -14290,8 +14313,12 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     m->profile.mark = plat_now();
     m->profile.idle_mark = ops_idle_seconds;
-    s->head_top = 1, s->best_made = 0;
-    for (int r = 0; r < n_runs; r++) s->head_top &= runs[r].n == 1 && runs[r].top;
+    s->head_top = 1, s->best_made = 0, s->draws_on = 0;
+    for (int r = 0; r < n_runs; r++) {
+        s->head_top &= runs[r].n == 1 && runs[r].top;
+        s->draws[r] = runs[r].draw;
+        s->draws_on |= runs[r].draw.on;
+    }
     int T = model_embed_runs(m, runs, n_runs);
     m->lost = 0;
     place_retier(m->experts, T); /* between tokens: nothing is in flight on a device */
@@ -16196,11 +16223,11 @@ static int sample_nucleus(const struct sample_params *p, const float *w, int n, 
     }
 }
 
+/* The draw in [0, 1) that the splitmix64 output X gives. */
+static double sample_unit(uint64_t x) { return (double)(x >> 11) * (1.0 / 9007199254740992.0); }
+
 /* A uniform draw in [0, TOTAL), from the caller's splitmix64 state. */
-static double sample_uniform(uint64_t *rng, double total)
-{
-    return (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * total;
-}
+static double sample_uniform(uint64_t *rng, double total) { return sample_unit(sample_next_u64(rng)) * total; }
 
 /* Whether top-p or min-p cut the candidates. */
 static int sample_nucleus_on(const struct sample_params *p) { return p->top_p < 1.0f || p->min_p > 0.0f; }
@@ -16232,25 +16259,83 @@ static int sample_top_k_draw(const struct sample_params *p, struct sample_candid
     return sample_draw(cand, k, total, rng);
 }
 
+/* The draw over the whole vocabulary (a temperature with neither top-k nor a nucleus), in its
+ * canonical order, which the device's logits_draw_* (kernels.cu) follow bit for bit, so that the
+ * row need not leave it: the N weights W in CUDA_TOP_SLICES slices of whole 32s (the last
+ * shorter, some empty), each slice's summed in id order in double into SUMS, the slices' sums
+ * in order the total (returned). One serial sum in id order would be a chain no device can
+ * follow. */
+static int sample_slice_span(int n) { return (n + 32 * CUDA_TOP_SLICES - 1) / (32 * CUDA_TOP_SLICES) * 32; }
+
+static double sample_vocab_sums(const float *w, int n, double *sums)
+{
+    const int span = sample_slice_span(n);
+    double total = 0.0;
+    for (int s = 0; s < CUDA_TOP_SLICES; s++) {
+        double sum = 0.0;
+        for (int i = s * span; i < n && i < (s + 1) * span; i++) sum += w[i];
+        total += sums[s] = sum;
+    }
+    return total;
+}
+
+/* The token a draw R in [0, total) picks: whole slices passed while R reaches their sum (R less
+ * it), then the tokens of the slice it stops in, one by one: the first whose weight R falls short
+ * of. Where rounding lets R pass them all, the last token of weight above 0 (never one of 0). */
+static int sample_vocab_walk(const float *w, int n, const double *sums, double r)
+{
+    const int span = sample_slice_span(n);
+    int s = 0, last = 0, positive = -1;
+    for (; s < CUDA_TOP_SLICES && !(r < sums[s]); s++) {
+        last = sums[s] > 0.0 ? s : last;
+        r -= sums[s];
+    }
+    if (s == CUDA_TOP_SLICES) s = last, r = INFINITY;
+    for (int i = s * span; i < n && i < (s + 1) * span; i++) {
+        positive = w[i] > 0.0f ? i : positive;
+        if (r < w[i]) return i;
+        r -= w[i];
+    }
+    return positive;
+}
+
+static int sample_penalised(const struct sample_params *p)
+{
+    return p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+}
+
 /* Whether sample_next reads no logit but the N_BEST best of N_VOCAB (sample_next_best): no
  * penalty, and greedy or top-k within them. */
 static int sample_best_enough(const struct sample_params *p, int n_best, int n_vocab)
 {
-    const int penalties = p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
-    return !penalties && (p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab));
+    return !sample_penalised(p) && (p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab));
+}
+
+/* Whether sample_next draws over the whole vocabulary of N_VOCAB (sample_vocab_walk) from the
+ * logits as they are: a temperature, no penalty, neither top-k nor a nucleus. */
+static int sample_vocab_draw_on(const struct sample_params *p, int n_vocab)
+{
+    return !sample_penalised(p) && p->temp > 0.0f && (p->top_k <= 0 || p->top_k >= n_vocab) && !sample_nucleus_on(p);
 }
 
 /* sample_next where sample_best_enough: from CAND, the best logits in order, as many as it
- * said (their logits become weights); the same token, and the same draws from RNG. */
-static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, uint64_t *rng)
+ * said (their logits become weights); the same token, and the same draws from RNG. Where
+ * sample_vocab_draw_on, the token DRAWN that the device drew with RNG's next draw (model_run's
+ * draw: sample_unit of it), that draw used up. */
+static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, int drawn, uint64_t *rng)
 {
+    if (p->temp > 0.0f && drawn >= 0) {
+        sample_next_u64(rng);
+        return drawn;
+    }
     return p->temp <= 0.0f ? cand[0].id : sample_top_k_draw(p, cand, p->top_k, cand[0].logit, rng);
 }
 
 /* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
  * caller's splitmix64 state, seeded from p->seed. CAND is scratch of n_vocab entries; LOGITS
  * are left changed. The draw walks the candidates best first (sample_before), or with neither
- * top-k nor a nucleus every token in id order, each weighted by ops_exp((logit - max) / temp). */
+ * top-k nor a nucleus the whole vocabulary (sample_vocab_walk), each weighted by
+ * ops_exp((logit - max) / temp). */
 static int sample_next(const struct sample_params *p, float *logits, int n_vocab, const int *history, int n_hist,
                        uint64_t *rng, struct sample_candidate *cand)
 {
@@ -16262,14 +16347,9 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
         return sample_top_k_draw(p, cand, p->top_k, max, rng);
     }
     ops_exp_shifted(logits, logits, n_vocab, max, p->temp); /* the weights, in place */
-    double total = 0.0;
-    for (int i = 0; i < n_vocab; i++) total += logits[i];
-    if (!sample_nucleus_on(p)) {
-        double r = sample_uniform(rng, total);
-        for (int i = 0; i < n_vocab; i++)
-            if ((r -= logits[i]) < 0) return i;
-        return n_vocab - 1;
-    }
+    double sums[CUDA_TOP_SLICES];
+    const double total = sample_vocab_sums(logits, n_vocab, sums);
+    if (!sample_nucleus_on(p)) return sample_vocab_walk(logits, n_vocab, sums, sample_uniform(rng, total));
     const int n = sample_nucleus(p, logits, n_vocab, total, cand);
     return sample_draw(cand, n, sample_total(cand, n), rng);
 }
@@ -16664,7 +16744,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     if (best) { /* the five best are its first (engine_top5's order is sample_before's) */
         for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
         for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
-        id = sample_next_best(&r->sample, e->cand, &sl->rng);
+        id = sample_next_best(&r->sample, e->cand, best->drawn, &sl->rng);
     } else {
         if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
         id = sample_next(&r->sample, run->logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
@@ -16681,10 +16761,17 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     else sl->next = id;
 }
 
-/* Whether slot SL's next token needs no logit but the MODEL_TOP best (sample_best_enough). */
-static int engine_best_enough(const struct engine *e, const struct engine_slot *sl)
+/* Slot SL's run of N tokens from TOKENS: its next token needs no logit but the MODEL_TOP best
+ * (sample_best_enough), or the token the device may draw over the whole vocabulary with the
+ * slot's next draw (sample_vocab_draw_on; the draw peeked, not used up: sample_next_best). */
+static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
-    return sample_best_enough(&sl->req.sample, MODEL_TOP, e->m->cfg.n_vocab);
+    const struct sample_params *p = &sl->req.sample;
+    const int draw = sample_vocab_draw_on(p, e->m->cfg.n_vocab);
+    uint64_t peek = sl->rng;
+    struct model_run run = {&sl->seq, tokens, n, NULL, draw || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0}};
+    if (draw) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, 1};
+    return run;
 }
 
 /* The runs of the next step: each decoding slot's token, then the prompts' next chunks while
@@ -16697,7 +16784,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
     for (int i = 0; i < e->n_slots && n < MODEL_MAX_RUNS; i++) {
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next < 0) continue;
-        runs[n] = (struct model_run){&sl->seq, &sl->next, 1, NULL, engine_best_enough(e, sl), NULL};
+        runs[n] = engine_run(e, sl, &sl->next, 1);
         owner[n++] = i;
         room--;
     }
@@ -16708,7 +16795,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
         for (int m = 1; m >= 0; m--) /* end the chunk at the next mark */
             if (sl->req.whole && sl->req.mark[m] > sl->fed && sl->fed + k > sl->req.mark[m]) k = sl->req.mark[m] - sl->fed;
-        runs[n] = (struct model_run){&sl->seq, sl->req.prompt + sl->fed, k, NULL, engine_best_enough(e, sl), NULL};
+        runs[n] = engine_run(e, sl, sl->req.prompt + sl->fed, k);
         owner[n++] = i;
         room -= k;
     }
@@ -16750,7 +16837,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
         if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
         model_seq_reset(e->m, &sl->seq);
         for (int at = 0; at < pos;) {
-            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL};
+            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL, {0, 0, 0}};
             if (sl->past.n < pos) snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known");
             if (sl->past.n < pos || model_forward_runs(e->m, &run, 1)) {
                 engine_forget(e, i);

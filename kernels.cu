@@ -1245,11 +1245,13 @@ extern "C" __global__ void copy_words(const unsigned *__restrict__ src, unsigned
 // An entry as coli.c's struct sample_candidate lays it out.
 struct top_entry { int id; float logit; };
 
-// A row's state between the launches: the slices' maxima, the bound, how many logits reach it,
-// whether every logit is finite, and the list. coli.c's CUDA_TOP_SCRATCH is its size.
+// A row's state between the launches: its slices' sums of weights (logits_draw_sums), the slices'
+// maxima, the bound, how many logits reach it, whether every logit is finite, and the list.
+// coli.c's CUDA_TOP_SCRATCH is its size.
 struct top_scratch {
+    double sums[TOP_SLICES];
     float maxima[TOP_SLICES], bound;
-    int count, finite;
+    int count, finite, unused;
     top_entry list[TOP_LIST];
 };
 
@@ -1331,4 +1333,80 @@ extern "C" __global__ void logits_top_rank(const top_scratch *__restrict__ scrat
     int rank = 0;
     for (int j = 0; j < count && rank < TOP_K; j++) rank += route_better(z->list[j].logit, z->list[j].id, e.logit, e.id);
     if (rank < TOP_K) o[rank] = e;
+}
+
+// ---- a draw over the whole vocabulary: a temperature without top-k ----
+// coli.c's sample_next draws such a token from every logit's weight e^((logit - max) / temp) in
+// its canonical order, which these two launches follow bit for bit (after logits_top_max, whose
+// maxima give the max): logits_draw_sums: each slice's weights summed in id order, in double;
+// logits_draw_walk: the slices' sums in order are the total, r = u * total, whole slices are
+// passed while r reaches their sum (r less it), then the weights of the slice it stops in one by
+// one: the first that r falls short of is the token (where rounding lets r pass them all, the
+// last token of weight above 0). The id goes in OUT[t][TOP_K].logit's bits.
+
+// A row's draw as coli.c uploads it: U in [0, 1), TEMP > 0; ON 0: the row is not drawn here.
+struct top_draw { double u; float temp; int on; };
+
+// Row Z's largest logit (a NaN never: the row is then not finite, and coli.c draws nothing).
+__device__ __forceinline__ float top_row_max(const top_scratch *z) {
+    float max = -INFINITY;
+    for (int s = 0; s < TOP_SLICES; s++) max = z->maxima[s] > max ? z->maxima[s] : max;
+    return max;
+}
+
+__device__ __forceinline__ float draw_weight(float logit, float max, float temp) {
+    return exp_canonical(__fdiv_rn(__fsub_rn(logit, max), temp));
+}
+
+// Slice s = blockIdx.x of row t = blockIdx.y, a warp: its weights' sum into SCRATCH[t].sums[s],
+// the lanes' weights added by every lane in id order (so each holds the sum).
+extern "C" __global__ void logits_draw_sums(const float *__restrict__ logits, int n, const top_draw *__restrict__ draw,
+                                            top_scratch *__restrict__ scratch) {
+    const int lane = threadIdx.x & 31;
+    int from, end;
+    top_scratch *z;
+    const float *x = top_slice(logits, n, scratch, &z, &from, &end);
+    const top_draw d = draw[blockIdx.y];
+    if (!d.on) return;
+    const float max = top_row_max(z);
+    double sum = 0.0;
+    for (int i0 = from; i0 < end; i0 += 32) {
+        const float w = i0 + lane < end ? draw_weight(x[i0 + lane], max, d.temp) : 0.0f;
+        for (int j = 0; j < 32 && i0 + j < end; j++) sum = __dadd_rn(sum, (double)__shfl_sync(0xffffffffu, w, j));
+    }
+    if (lane == 0) z->sums[blockIdx.x] = sum;
+}
+
+// Row t = blockIdx.y, a warp: the drawn id into OUT[t][TOP_K].logit (grid (1, T)).
+extern "C" __global__ void logits_draw_walk(const float *__restrict__ logits, int n, const top_draw *__restrict__ draw,
+                                            top_scratch *__restrict__ scratch, top_entry *__restrict__ out) {
+    const int lane = threadIdx.x & 31;
+    int from, end;
+    top_scratch *z;
+    const float *x = top_slice(logits, n, scratch, &z, &from, &end);
+    const top_draw d = draw[blockIdx.y];
+    if (!d.on) return;
+    double total = 0.0, r;
+    for (int s = 0; s < TOP_SLICES; s++) total = __dadd_rn(total, z->sums[s]);
+    r = __dmul_rn(d.u, total);
+    int s = 0, last = 0;
+    for (; s < TOP_SLICES && !(r < z->sums[s]); s++) {
+        last = z->sums[s] > 0.0 ? s : last;
+        r = __dsub_rn(r, z->sums[s]);
+    }
+    if (s == TOP_SLICES) s = last, r = INFINITY;
+    const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
+    from = s * span, end = n < from + span ? n : from + span;
+    const float max = top_row_max(z);
+    int id = -1, positive = -1;
+    for (int i0 = from; i0 < end && id < 0; i0 += 32) {
+        const float w = i0 + lane < end ? draw_weight(x[i0 + lane], max, d.temp) : 0.0f;
+        for (int j = 0; j < 32 && i0 + j < end && id < 0; j++) {
+            const double wj = (double)__shfl_sync(0xffffffffu, w, j);
+            positive = wj > 0.0 ? i0 + j : positive;
+            if (r < wj) id = i0 + j;
+            else r = __dsub_rn(r, wj);
+        }
+    }
+    if (lane == 0) out[(uint64_t)blockIdx.y * (TOP_K + 1) + TOP_K].logit = __int_as_float(id >= 0 ? id : positive);
 }

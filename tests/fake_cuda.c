@@ -947,8 +947,9 @@ static void run_copy_words(int unused, void **p, struct grid g)
 enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048 };
 struct top_entry { int id; float logit; };
 struct top_scratch {
+    double sums[TOP_SLICES];
     float maxima[TOP_SLICES], bound;
-    int count, finite;
+    int count, finite, unused;
     struct top_entry list[TOP_LIST];
 };
 
@@ -1047,6 +1048,75 @@ static void run_top_rank(int unused, void **p, struct grid g)
     }
 }
 
+/* The whole-vocabulary draw (logits_draw_sums, _walk): a row's as coli.c uploads it. */
+struct top_draw { double u; float temp; int on; };
+
+/* Row T's weights e^((logit - max) / temp) into W (the row's max from its scratch's maxima). */
+static void draw_weights(const float *logits, int n, const struct top_scratch *z, const struct top_draw *d, float *w)
+{
+    float max = -INFINITY;
+    for (int s = 0; s < TOP_SLICES; s++) max = z->maxima[s] > max ? z->maxima[s] : max;
+    for (int i = 0; i < n; i++) w[i] = exp_canonical((logits[i] - max) / d->temp);
+}
+
+/* logits_draw_sums(logits, n, draw, scratch): each drawn row's slices' weights summed in id order. */
+static void run_draw_sums(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *logits = ARG(0, const float *);
+    const int n = ARG(1, int);
+    const struct top_draw *draw = ARG(2, const struct top_draw *);
+    struct top_scratch *z = ARG(3, struct top_scratch *);
+    float *w = malloc((size_t)n * sizeof *w);
+    for (unsigned t = 0; w && t < g.y; t++) {
+        if (!draw[t].on) continue;
+        draw_weights(logits + (size_t)t * n, n, &z[t], &draw[t], w);
+        for (int s = 0, from, end; s < TOP_SLICES; s++) {
+            double sum = 0.0;
+            top_slice(n, s, &from, &end);
+            for (int i = from; i < end; i++) sum += w[i];
+            z[t].sums[s] = sum;
+        }
+    }
+    free(w);
+}
+
+/* logits_draw_walk(logits, n, draw, scratch, out): each drawn row's token, by kernels.cu's walk:
+ * r = u * total, past whole slices while r reaches their sums, then token by token; the last of
+ * weight above 0 where r passes them all. */
+static void run_draw_walk(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    const float *logits = ARG(0, const float *);
+    const int n = ARG(1, int);
+    const struct top_draw *draw = ARG(2, const struct top_draw *);
+    const struct top_scratch *z = ARG(3, const struct top_scratch *);
+    struct top_entry *out = ARG(4, struct top_entry *);
+    float *w = malloc((size_t)n * sizeof *w);
+    for (unsigned t = 0; w && t < g.y; t++) {
+        if (!draw[t].on) continue;
+        draw_weights(logits + (size_t)t * n, n, &z[t], &draw[t], w);
+        double total = 0.0;
+        for (int s = 0; s < TOP_SLICES; s++) total += z[t].sums[s];
+        double r = draw[t].u * total;
+        int s = 0, last = 0, from, end, id = -1;
+        for (; s < TOP_SLICES && r >= z[t].sums[s]; s++) {
+            if (z[t].sums[s] > 0.0) last = s;
+            r -= z[t].sums[s];
+        }
+        if (s == TOP_SLICES) s = last, r = INFINITY;
+        top_slice(n, s, &from, &end);
+        for (int i = from; i < end && id < 0; i++) {
+            if (r < w[i]) id = i;
+            r -= w[i];
+        }
+        for (int i = end - 1; id < 0 && i >= from; i--)
+            if (w[i] > 0.0f) id = i;
+        memcpy(&out[(size_t)t * (TOP_K + 1) + TOP_K].logit, &id, sizeof id);
+    }
+    free(w);
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -1063,6 +1133,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_split", 0, run_attn_split},
     {"attn_merge", 0, run_attn_merge}, {"logits_top_max", 0, run_top_max}, {"logits_top_bound", 0, run_top_bound},
     {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank}, {"copy_words", 0, run_copy_words},
+    {"logits_draw_sums", 0, run_draw_sums}, {"logits_draw_walk", 0, run_draw_walk},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

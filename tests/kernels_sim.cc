@@ -312,6 +312,9 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"logits_top_bound", [](void **p) { logits_top_bound(ARG(0, top_scratch *)); }},
     {"logits_top_collect", [](void **p) { logits_top_collect(ARG(0, const float *), ARG(1, int), ARG(2, top_scratch *)); }},
     {"logits_top_rank", [](void **p) { logits_top_rank(ARG(0, const top_scratch *), ARG(1, top_entry *)); }},
+    {"logits_draw_sums", [](void **p) { logits_draw_sums(ARG(0, const float *), ARG(1, int), ARG(2, const top_draw *), ARG(3, top_scratch *)); }},
+    {"logits_draw_walk", [](void **p) { logits_draw_walk(ARG(0, const float *), ARG(1, int), ARG(2, const top_draw *), ARG(3, top_scratch *),
+                                                         ARG(4, top_entry *)); }},
     {"deltanet_gate", [](void **p) { deltanet_gate(ARG(0, float *), ARG(1, const float *), ARG(2, const float *), ARG(3, int),
                                                    ARG(4, int), ARG(5, float)); }},
 };

@@ -662,7 +662,7 @@ static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
     cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
     cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got);
     long calls = cuda_calls;
-    int ran = logits && scratch && out && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, T) == CUDA_SUCCESS, same = ran;
+    int ran = logits && scratch && out && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, T) == CUDA_SUCCESS, same = ran;
     calls = cuda_calls - calls;
     for (int t = 0; same && t < T; t++) {
         const float *row = x + (size_t)t * n;
@@ -681,8 +681,52 @@ static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
     free(x), free(want);
 }
 
+/* cuda_top_launch's draws over the whole vocabulary, T rows of N logits of KIND on device DEV,
+ * SEEDS seeded draws a row at temperatures 0.6 and 1.3 in turn (row 1 of more not drawn there):
+ * each the token sample_next draws from the same row with the same state, its draw used up
+ * alike. Draws near 0 and near 1 (the walk's ends) come from the seeds' own spread. */
+static void check_draw(int dev, int n, int T, enum top_kind kind, int seeds)
+{
+    char name[200];
+    float *x = plat_alloc((size_t)n * T * sizeof *x), *row = plat_alloc((size_t)n * sizeof *row);
+    struct sample_candidate *cand = plat_alloc((size_t)n * sizeof *cand), got[CUDA_TOP_K + 1];
+    struct cuda_top_draw draw[4];
+    for (int i = 0; i < n * T; i++) x[i] = top_logit(kind, i % n) * (float)(1 + i / n);
+    cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
+    cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got), draws = device_copy(dev, NULL, sizeof draw);
+    int ran = logits && scratch && out && draws, same = ran, drawn = 0;
+    for (int seed = 0; same && seed < seeds; seed++) {
+        struct sample_params p = {seed % 2 ? 1.3f : 0.6f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+        uint64_t rng[4];
+        for (int t = 0; t < T; t++) {
+            rng[t] = 1000 * (uint64_t)seed + (uint64_t)t;
+            uint64_t peek = rng[t];
+            draw[t] = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p.temp, !(t == 1 && T > 2)};
+        }
+        same = !cuda_htod(draws, draw, sizeof draw) && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, draws, T) == CUDA_SUCCESS;
+        for (int t = 0; same && t < T; t++) {
+            same = cuda_dtoh(got, out + (size_t)t * sizeof got, sizeof got) == 0;
+            if (!draw[t].on || !same) continue;
+            int id;
+            uint64_t cpu = rng[t];
+            memcpy(&id, &got[CUDA_TOP_K].logit, 4);
+            memcpy(row, x + (size_t)t * n, (size_t)n * sizeof *row);
+            same = id >= 0 && sample_next(&p, row, n, NULL, 0, &cpu, cand) == sample_next_best(&p, got, id, &rng[t]) && cpu == rng[t];
+            drawn++;
+        }
+    }
+    snprintf(name, sizeof name, "whole-vocabulary draws on device %d: %d row%s of %d %s logits, %d seeded draws each as sample_next "
+             "draws them", dev, T, T > 1 ? "s" : "", n, kind == TOP_TIES ? "often equal" : "clustered", seeds);
+    check(same && drawn == seeds * (T > 2 ? T - 1 : T), name, "ran %d, %d drawn", ran, drawn);
+    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
+    free(x), free(row), free(cand);
+}
+
 static void test_top_device(int real)
 {
+    check_draw(0, 248320, 2, TOP_CLUSTER, 3);
+    check_draw(0, 2112, 3, TOP_TIES, 12);
+    check_draw(0, 50, 1, TOP_TIES, 8);
     check_top(0, 248320, 2, TOP_TIES, 1);    /* the 35B-A3B's vocabulary: its best are one value */
     check_top(!real, 248320, 1, TOP_CLUSTER, 1);
     check_top(0, 2112, 3, TOP_CLUSTER, 1);   /* the golden models' vocabulary (66 slices of 32), no cluster */
@@ -973,7 +1017,7 @@ static void bench_top(int dev)
     cuda_ptr logits = device_copy(dev, x, (size_t)n * 4), scratch = device_copy(dev, NULL, CUDA_TOP_SCRATCH), out = device_copy(dev, NULL, sizeof got);
     int fine = logits && scratch && out;
     const double t0 = plat_now();
-    for (int i = 0; i < reps && fine; i++) fine = !cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 1) && !cuda_dtoh(got, out, sizeof got);
+    for (int i = 0; i < reps && fine; i++) fine = !cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, 1) && !cuda_dtoh(got, out, sizeof got);
     const double t1 = plat_now();
     for (int i = 0; i < reps && fine; i++) fine = !cuda_dtoh(x, logits, (size_t)n * 4);
     const double t2 = plat_now();

@@ -91,10 +91,12 @@ for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-
     tokens "$m: kernels.cu's source run on the host, same tokens and logits" '^\[cuda\] [0-9]+ products and [1-9][0-9]* expert batches' $m LD_LIBRARY_PATH="$B/sim"
 done
 # A decode step brings down the output head's best 64 logits, not the row (the greedy runs above):
-# top-k sampling too, through the twins and kernels.cu's source; a repetition penalty reads
-# every logit, so its steps bring down the row.
+# top-k sampling too, through the twins and kernels.cu's source; a temperature alone draws there
+# over the whole vocabulary; a repetition penalty, or a nucleus without top-k, reads every logit,
+# so its steps bring down the row.
 m=q35moe-q8_0.gguf
 for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.3 --top-k 64 --min-p 0.02 --seed 3|7" \
+    "fake|--temp 0.8 --top-k 0 --seed 5|7" "sim|--temp 1.2 --top-k 0 --seed 9|7" "fake|--temp 0.8 --top-k 0 --top-p 0.9 --seed 5|0" \
     "fake|--temp 0.7 --top-k 20 --repeat-penalty 1.1 --seed 5|0"; do
     lib=${case%%|*} rest=${case#*|} kept=${case##*|}
     args=${rest%|*}
@@ -120,6 +122,12 @@ done
 # list of 8 in the fake): its row comes down after all, the CPU's tokens.
 tokens "a list too short for a row's best: its logits come down instead, the CPU's tokens" "; 0 tokens' logits stayed there$" $m \
     LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_TOP_LIST=8
+COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json --temp 0.8 --top-k 0 --seed 5 2>/dev/null | tail -n 1 | sed 's/"timings".*//' >"$tmp/cpu-sampled"
+LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_TOP_LIST=8 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --json --temp 0.8 --top-k 0 --seed 5 2>"$tmp/e" |
+    tail -n 1 | sed 's/"timings".*//' >"$tmp/j"
+if [ -s "$tmp/j" ] && cmp -s "$tmp/j" "$tmp/cpu-sampled" && grep -q "; 0 tokens' logits stayed there$" "$tmp/e"; then
+    ok "... and a whole-vocabulary draw's: the CPU draws from the row, the same tokens"
+else bad "a list too short, drawn" "tokens differ or logits kept: $(grep '^\[cuda\]' "$tmp/e" | tail -c 300)"; fi
 m=q35moe-q8_0.gguf
 tokens "2 fake devices: same tokens" '^\[place\] lmhead: .* cuda 0: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2
 tokens "--place lmhead=1: obeyed" '^\[place\] lmhead: .* cuda 1: 1' $m LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=2 COLI_PLACE=lmhead=1
@@ -437,9 +445,10 @@ serve_up() { # serve_up LOG SLOTS ENV...: coli serve with ENV on a free port; se
 }
 serve_down() { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
 # The three sample differently: the first with a penalty (every logit comes down while it
-# decodes), then greedy and top-k, which go on after it ends (only each step's best logits then).
+# decodes), then a temperature alone (as OpenAI clients send: drawn over the whole vocabulary)
+# and top-k, which go on after it ends (only each step's best logits and draws then).
 serve_text() { # serve_text LOG ENV...: three completions at once (slots decoding together) from a server started with ENV
-    local log=$1 i pids=() sampling=('"temperature":0,"frequency_penalty":0.5' '"temperature":0' '"temperature":0.9,"top_k":30,"seed":7'); shift
+    local log=$1 i pids=() sampling=('"temperature":0,"frequency_penalty":0.5' '"temperature":0.8,"seed":3' '"temperature":0.9,"top_k":30,"seed":7'); shift
     serve_up "$log" 3 "$@"
     if [ -n "$port" ]; then
         for i in 1 2 3; do

@@ -125,9 +125,33 @@ static void test_top(void)
     check(!bad, "top-k selection: the K first of a full sort (ties to the lower id), also for a rising row", "%d selections differ", bad);
 }
 
+/* A draw over the whole row of V weights C (in id order) by the documented slices: V < 32 x 256,
+ * so each is 32 tokens, summed in order, the sums in order the total; the draw passes whole
+ * slices while it reaches their sum, then the slice's tokens, the first its rest falls short of
+ * (the last of weight above 0 where it passes them all). */
+static int reference_slices(const struct sample_candidate *c, uint64_t *rng)
+{
+    double sums[256] = {0}, total = 0.0;
+    for (int i = 0; i < V; i++) sums[i / 32] += c[i].logit;
+    for (int s = 0; s < 256; s++) total += sums[s];
+    double r = (double)(sample_next_u64(rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    int s = 0, last = 0, positive = -1;
+    while (s < 256 && r >= sums[s]) {
+        if (sums[s] > 0) last = s;
+        r -= sums[s++];
+    }
+    if (s == 256) s = last, r = INFINITY;
+    for (int i = 32 * s; i < V && i < 32 * s + 32; i++) {
+        if (c[i].logit > 0) positive = i;
+        if (r < c[i].logit) return i;
+        r -= c[i].logit;
+    }
+    return positive;
+}
+
 /* The documented draw, rendered plainly: every candidate sorted (sample_by_logit_desc), the
  * top-k kept, weights ops_exp((logit - max) / temp), the nucleus cut, a draw over the kept ones
- * best first; with neither top-k nor a nucleus, over every token in id order. */
+ * best first; with neither top-k nor a nucleus, over every token by reference_slices. */
 static int reference_next(const struct sample_params *p, const float *logits, uint64_t *rng)
 {
     static struct sample_candidate c[V];
@@ -139,6 +163,7 @@ static int reference_next(const struct sample_params *p, const float *logits, ui
     int n = p->top_k > 0 && p->top_k < V ? p->top_k : V;
     double total = 0.0;
     for (int i = 0; i < n; i++) total += c[i].logit = ops_exp((c[i].logit - max) / p->temp);
+    if (!sorted) return reference_slices(c, rng);
     if (nucleus) {
         double mass = 0.0, kept = 0.0;
         int keep = 0;
