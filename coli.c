@@ -8533,10 +8533,13 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_TOP_SLICES 256
 #define CUDA_TOP_LIST 2048
 #define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_TOP_LIST * 8)
+#define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row that comes down: the best, {status, id drawn}, total */
 
 /* A row's whole-vocabulary draw as kernels.cu's logits_draw_* read it: U (the draw in [0, 1) that
- * §10's sample_uniform scales), TEMP; ON 0: the row is not drawn there. */
-struct cuda_top_draw { double u; float temp; int on; };
+ * §10's sample_uniform scales), TEMP, TOP_P, MIN_P; ON 0: nothing there, 1: drawn there, 2: a
+ * nucleus, its total and whether its cut falls among the best only (§10 draws from those). */
+enum { CUDA_DRAW_OFF, CUDA_DRAW_TOKEN, CUDA_DRAW_NUCLEUS };
+struct cuda_top_draw { double u; float temp, top_p, min_p; int on; };
 
 /* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
  * WIDE for each 8 bytes wide (.u64; others .u32 or .f32), from its PTX .entry. */
@@ -9817,7 +9820,7 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
         o.next_out[j] = o.end;
         o.end += (size_t)T * (size_t)L->next[j].rows * 4;
     }
-    o.end += L->top ? (size_t)T * (CUDA_TOP_K + 1) * 8 : 0;
+    o.end += L->top ? (size_t)T * CUDA_TOP_ROW * 8 : 0;
     o.chain = o.end;
     o.end += L->chain_bytes;
     return o;
@@ -9885,10 +9888,11 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
 }
 
 /* The CUDA_TOP_K best of each of T rows of N logits at LOGITS by sample_before's order, each
- * row's then followed by {1 where the row is finite + 2 where its best were all found, the id
- * drawn}, into OUT [T][CUDA_TOP_K + 1] (struct sample_candidate's layout), through SCRATCH [T]
- * [CUDA_TOP_SCRATCH] (kernels.cu's logits_top_*); the draw where DRAW (0: none) says (struct
- * cuda_top_draw [T]: logits_draw_*). 4 launches, 6 with draws; the driver's result. */
+ * row's then followed by {1 where the row is finite + 2 where its best were all found + 4 where
+ * its nucleus's cut falls among them, the id drawn} and its weights' total (a double), into OUT
+ * [T][CUDA_TOP_ROW] (struct sample_candidate's layout), through SCRATCH [T][CUDA_TOP_SCRATCH]
+ * (kernels.cu's logits_top_*); the draw where DRAW (0: none) says (struct cuda_top_draw [T]:
+ * logits_draw_*). 4 launches, 6 with draws; the driver's result. */
 static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, int T)
 {
     void *scan[] = {&logits, &n, &scratch}, *bound[] = {&scratch}, *rank[] = {&scratch, &out};
@@ -10059,7 +10063,7 @@ static void cuda_moe_kept(struct cuda_device *d)
  * and its three kernels), and for the next layer's start a norm, a quantisation a
  * type and a product a projection; cuda_moe_finish then downloads the chosen ids [T][used]
  * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows] (L->top:
- * the output head's best candidates instead, [T][CUDA_TOP_K + 1]: cuda_top_launch). A split
+ * the output head's best candidates instead, [T][CUDA_TOP_ROW]: cuda_top_launch). A split
  * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
  * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
  * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. In a chain
@@ -12303,12 +12307,13 @@ struct model_chain {
 
 /* The best logits of a run's last token, where the device found them (model_run.best):
  * MODEL_TOP of them in sample_before's order (id -1 past a vocabulary that short), laid out as
- * struct sample_candidate, whether every logit of the row was finite, and the token drawn there
- * where the run asked (model_run.draw; else -1). */
+ * struct sample_candidate, whether every logit of the row was finite; where the run asked
+ * (model_run.draw), the total of the row's weights and the token drawn there (else -1). */
 #define MODEL_TOP CUDA_TOP_K
 struct model_top {
     struct { int id; float logit; } best[MODEL_TOP];
     int finite, drawn;
+    double total;
 };
 
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
@@ -12323,7 +12328,7 @@ struct model_run {
     float *logits;
     int top;
     const struct model_top *best;
-    struct cuda_top_draw draw; /* on: a draw over the whole vocabulary (sample_vocab_walk) */
+    struct cuda_top_draw draw; /* a draw over the whole vocabulary (sample_vocab_walk) or its nucleus */
 };
 
 /* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
@@ -13784,7 +13789,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
         if (!r || r->dev != dev) break;
         L->next[j] = next[j].w;
         L->next_ptr[j] = r->ptr;
-        floats += (size_t)T * (top ? 2 * (MODEL_TOP + 1) : (size_t)next[j].w.rows);
+        floats += (size_t)T * (top ? 2 * CUDA_TOP_ROW : (size_t)next[j].w.rows);
         L->n_next = j + 1;
     }
     if (L->n_next < n_next || floats > model_dev_out_rows(c) * (size_t)c->dim) L->n_next = 0;
@@ -13817,14 +13822,16 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
 {
     struct model_scratch *s = &m->s;
     int whole = 1;
-    for (int t = 0; t < T; t++, from += 2 * (MODEL_TOP + 1)) {
+    for (int t = 0; t < T; t++, from += 2 * CUDA_TOP_ROW) {
         int status;
         memcpy(s->best[t].best, from, sizeof s->best[t].best);
         memcpy(&status, from + 2 * MODEL_TOP, sizeof status);
         memcpy(&s->best[t].drawn, from + 2 * MODEL_TOP + 1, sizeof s->best[t].drawn);
+        memcpy(&s->best[t].total, from + 2 * MODEL_TOP + 2, sizeof s->best[t].total);
         s->best[t].finite = status & 1;
-        if (!s->draws[t].on) s->best[t].drawn = -1;
-        whole &= status >> 1;
+        if (s->draws[t].on != CUDA_DRAW_TOKEN) s->best[t].drawn = -1;
+        whole &= status >> 1 & 1;
+        if (s->draws[t].on == CUDA_DRAW_NUCLEUS) whole &= status >> 2 & 1; /* else its row is needed */
     }
     s->best_made = whole;
     cuda.tops += whole ? T : 0;
@@ -13863,7 +13870,7 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     memcpy(s->x, s->dev_out + ids, (size_t)T * dim * sizeof(float));
     for (int j = 0; j < L->n_next && !L->top; y += (size_t)T * (size_t)next[j].w.rows, j++)
         memcpy(next[j].y, y, (size_t)T * (size_t)next[j].w.rows * sizeof(float));
-    if (s->chain_first >= 0) model_chain_end(m, il, T, y + (L->top ? (size_t)T * 2 * (MODEL_TOP + 1) : 0)); /* the ids after it all */
+    if (s->chain_first >= 0) model_chain_end(m, il, T, y + (L->top ? (size_t)T * 2 * CUDA_TOP_ROW : 0)); /* the ids after it all */
     else if (!L->split) model_want_experts(m, il, T);
     return 0;
 }
@@ -16311,24 +16318,37 @@ static int sample_best_enough(const struct sample_params *p, int n_best, int n_v
     return !sample_penalised(p) && (p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab));
 }
 
-/* Whether sample_next draws over the whole vocabulary of N_VOCAB (sample_vocab_walk) from the
- * logits as they are: a temperature, no penalty, neither top-k nor a nucleus. */
-static int sample_vocab_draw_on(const struct sample_params *p, int n_vocab)
+/* How sample_next samples the whole vocabulary of N_VOCAB from the logits as they are (a
+ * temperature, no penalty, no top-k), where the device can take part (model_run.draw):
+ * CUDA_DRAW_TOKEN, a draw (sample_vocab_walk); CUDA_DRAW_NUCLEUS, a nucleus (top-p, min-p)
+ * drawn from the best where its cut falls among them; else CUDA_DRAW_OFF. */
+static int sample_vocab_mode(const struct sample_params *p, int n_vocab)
 {
-    return !sample_penalised(p) && p->temp > 0.0f && (p->top_k <= 0 || p->top_k >= n_vocab) && !sample_nucleus_on(p);
+    if (sample_penalised(p) || p->temp <= 0.0f || (p->top_k > 0 && p->top_k < n_vocab)) return CUDA_DRAW_OFF;
+    return sample_nucleus_on(p) ? CUDA_DRAW_NUCLEUS : CUDA_DRAW_TOKEN;
 }
 
-/* sample_next where sample_best_enough: from CAND, the best logits in order, as many as it
- * said (their logits become weights); the same token, and the same draws from RNG. Where
- * sample_vocab_draw_on, the token DRAWN that the device drew with RNG's next draw (model_run's
- * draw: sample_unit of it), that draw used up. */
-static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, int drawn, uint64_t *rng)
+/* sample_next's token where the device made the logits of a row of N_VOCAB (struct model_top),
+ * from CAND, the best in order (MODEL_TOP, fewer where the vocabulary is): greedy; top-k within
+ * them (sample_best_enough; their logits become weights); the token DRAWN there with RNG's next
+ * draw, that draw used up (CUDA_DRAW_TOKEN); or a nucleus (CUDA_DRAW_NUCLEUS) cut among them,
+ * against the row's weights' TOTAL, in sample_nucleus's order: by weight, a lower id first among
+ * equal ones (distinct logits can round to one weight; the device sent the row instead where such
+ * a tie reaches the cut and the last of them). The same token and draws as sample_next. */
+static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, int n_vocab, int drawn, double total, uint64_t *rng)
 {
-    if (p->temp > 0.0f && drawn >= 0) {
+    if (p->temp <= 0.0f) return cand[0].id;
+    if (drawn >= 0) {
         sample_next_u64(rng);
         return drawn;
     }
-    return p->temp <= 0.0f ? cand[0].id : sample_top_k_draw(p, cand, p->top_k, cand[0].logit, rng);
+    if (p->top_k > 0 && p->top_k < n_vocab) return sample_top_k_draw(p, cand, p->top_k, cand[0].logit, rng);
+    const int n = n_vocab < MODEL_TOP ? n_vocab : MODEL_TOP;
+    const float max = cand[0].logit;
+    for (int i = 0; i < n; i++) cand[i].logit = ops_exp_shifted_one(cand[i].logit, max, p->temp);
+    qsort(cand, (size_t)n, sizeof *cand, sample_by_logit_desc);
+    const int keep = sample_nucleus_cut(p, cand, n, total);
+    return sample_draw(cand, keep, sample_total(cand, keep), rng);
 }
 
 /* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
@@ -16744,7 +16764,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     if (best) { /* the five best are its first (engine_top5's order is sample_before's) */
         for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
         for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
-        id = sample_next_best(&r->sample, e->cand, best->drawn, &sl->rng);
+        id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
     } else {
         if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
         id = sample_next(&r->sample, run->logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
@@ -16762,15 +16782,15 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
 }
 
 /* Slot SL's run of N tokens from TOKENS: its next token needs no logit but the MODEL_TOP best
- * (sample_best_enough), or the token the device may draw over the whole vocabulary with the
- * slot's next draw (sample_vocab_draw_on; the draw peeked, not used up: sample_next_best). */
+ * (sample_best_enough), or those and the device's draw over the whole vocabulary, or its total
+ * (sample_vocab_mode; the draw peeked, not used up: sample_next_best). */
 static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
     const struct sample_params *p = &sl->req.sample;
-    const int draw = sample_vocab_draw_on(p, e->m->cfg.n_vocab);
+    const int mode = sample_vocab_mode(p, e->m->cfg.n_vocab);
     uint64_t peek = sl->rng;
-    struct model_run run = {&sl->seq, tokens, n, NULL, draw || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0}};
-    if (draw) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, 1};
+    struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}};
+    if (mode) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, p->top_p, p->min_p, mode};
     return run;
 }
 
@@ -16837,7 +16857,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
         if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
         model_seq_reset(e->m, &sl->seq);
         for (int at = 0; at < pos;) {
-            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL, {0, 0, 0}};
+            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL, {0, 0, 0, 0, 0}};
             if (sl->past.n < pos) snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known");
             if (sl->past.n < pos || model_forward_runs(e->m, &run, 1)) {
                 engine_forget(e, i);

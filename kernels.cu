@@ -1241,6 +1241,7 @@ extern "C" __global__ void copy_words(const unsigned *__restrict__ src, unsigned
 #define TOP_K 64
 #define TOP_SLICES 256
 #define TOP_LIST 2048
+#define TOP_ROW (TOP_K + 2) // entries a row of OUT: the best, {status, the id drawn}, the total's 8 bytes
 
 // An entry as coli.c's struct sample_candidate lays it out.
 struct top_entry { int id; float logit; };
@@ -1316,14 +1317,14 @@ extern "C" __global__ void logits_top_collect(const float *__restrict__ logits, 
 }
 
 // Row t = blockIdx.y, list entries 32 blockIdx.x + lane: each one's rank (how many listed come
-// before it), the TOP_K first into OUT[t][rank]; then OUT[t][TOP_K].id = 1 where the row is
-// finite, + 2 where its list held every logit that reached the bound. Block 0 fills the ranks
-// past the list's end with id -1. Grid (TOP_LIST / 32, T).
+// before it), the TOP_K first into OUT[t][rank] (TOP_ROW entries a row); then OUT[t][TOP_K].id
+// = 1 where the row is finite, + 2 where its list held every logit that reached the bound. Block
+// 0 fills the ranks past the list's end with id -1. Grid (TOP_LIST / 32, T).
 extern "C" __global__ void logits_top_rank(const top_scratch *__restrict__ scratch, top_entry *__restrict__ out) {
     const int lane = threadIdx.x & 31, i = blockIdx.x * 32 + lane;
     const top_scratch *z = scratch + blockIdx.y;
     const int count = z->count < TOP_LIST ? z->count : TOP_LIST;
-    top_entry *o = out + (uint64_t)blockIdx.y * (TOP_K + 1);
+    top_entry *o = out + (uint64_t)blockIdx.y * TOP_ROW;
     if (blockIdx.x == 0) {
         for (int r = count + lane; r < TOP_K; r += 32) o[r] = top_entry{-1, 0.0f};
         if (lane == 0) o[TOP_K] = top_entry{z->finite + (z->count <= TOP_LIST ? 2 : 0), 0.0f};
@@ -1342,10 +1343,17 @@ extern "C" __global__ void logits_top_rank(const top_scratch *__restrict__ scrat
 // logits_draw_walk: the slices' sums in order are the total, r = u * total, whole slices are
 // passed while r reaches their sum (r less it), then the weights of the slice it stops in one by
 // one: the first that r falls short of is the token (where rounding lets r pass them all, the
-// last token of weight above 0). The id goes in OUT[t][TOP_K].logit's bits.
+// last token of weight above 0). The id goes in OUT[t][TOP_K].logit's bits, the total in
+// OUT[t][TOP_K + 1]. A row cut by top-p or min-p (a nucleus: ON 2) is drawn by coli.c from its
+// best, their weights and the total; whether its cut falls among them (so that the row need not
+// come down) is bit 4 of OUT[t][TOP_K].id, found as coli.c's sample_nucleus_cut finds it. coli.c
+// orders a nucleus by weight (the lower id first among equal ones), and distinct logits can round
+// to one weight: a cut that reaches the weight of the last of the best (others outside may share
+// it) does not count as among them.
 
-// A row's draw as coli.c uploads it: U in [0, 1), TEMP > 0; ON 0: the row is not drawn here.
-struct top_draw { double u; float temp; int on; };
+// A row's draw as coli.c uploads it: U in [0, 1), TEMP > 0, TOP_P, MIN_P; ON 0: nothing here, 1:
+// drawn here, 2: the total and the nucleus's cut only.
+struct top_draw { double u; float temp, top_p, min_p; int on; };
 
 // Row Z's largest logit (a NaN never: the row is then not finite, and coli.c draws nothing).
 __device__ __forceinline__ float top_row_max(const top_scratch *z) {
@@ -1356,6 +1364,21 @@ __device__ __forceinline__ float top_row_max(const top_scratch *z) {
 
 __device__ __forceinline__ float draw_weight(float logit, float max, float temp) {
     return exp_canonical(__fdiv_rn(__fsub_rn(logit, max), temp));
+}
+
+// Whether top-p and min-p cut a row's nucleus among its best BEST (as logits_top_rank left them),
+// as coli.c's sample_nucleus_cut counts them over their weights against the row's TOTAL, before
+// the weight of the last of them.
+__device__ __forceinline__ int nucleus_within(const top_entry *best, top_draw d, double total) {
+    const float max = best[0].logit, first = draw_weight(max, max, d.temp), last = draw_weight(best[TOP_K - 1].logit, max, d.temp);
+    double mass = 0.0;
+    for (int k = 0; k < TOP_K; k++) {
+        const float w = draw_weight(best[k].logit, max, d.temp);
+        if (w < __fmul_rn(d.min_p, first)) return k > 0 && draw_weight(best[k - 1].logit, max, d.temp) > last;
+        mass = __dadd_rn(mass, (double)w);
+        if (mass >= __dmul_rn((double)d.top_p, total)) return k + 1 < TOP_K && w > last;
+    }
+    return 0;
 }
 
 // Slice s = blockIdx.x of row t = blockIdx.y, a warp: its weights' sum into SCRATCH[t].sums[s],
@@ -1385,9 +1408,15 @@ extern "C" __global__ void logits_draw_walk(const float *__restrict__ logits, in
     top_scratch *z;
     const float *x = top_slice(logits, n, scratch, &z, &from, &end);
     const top_draw d = draw[blockIdx.y];
+    top_entry *o = out + (uint64_t)blockIdx.y * TOP_ROW;
     if (!d.on) return;
     double total = 0.0, r;
     for (int s = 0; s < TOP_SLICES; s++) total = __dadd_rn(total, z->sums[s]);
+    if (lane == 0) *(double *)(void *)(o + TOP_K + 1) = total;
+    if (d.on == 2) {
+        if (lane == 0 && (n <= TOP_K || nucleus_within(o, d, total))) o[TOP_K].id |= 4;
+        return;
+    }
     r = __dmul_rn(d.u, total);
     int s = 0, last = 0;
     for (; s < TOP_SLICES && !(r < z->sums[s]); s++) {
@@ -1408,5 +1437,5 @@ extern "C" __global__ void logits_draw_walk(const float *__restrict__ logits, in
             else r = __dsub_rn(r, wj);
         }
     }
-    if (lane == 0) out[(uint64_t)blockIdx.y * (TOP_K + 1) + TOP_K].logit = __int_as_float(id >= 0 ? id : positive);
+    if (lane == 0) o[TOP_K].logit = __int_as_float(id >= 0 ? id : positive);
 }

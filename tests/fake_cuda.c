@@ -944,7 +944,7 @@ static void run_copy_words(int unused, void **p, struct grid g)
 
 /* The output head's best candidates (logits_top_max, _bound, _collect, _rank): a row's state
  * between the four launches, laid out as kernels.cu's struct top_scratch. */
-enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048 };
+enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048, TOP_ROW = TOP_K + 2 };
 struct top_entry { int id; float logit; };
 struct top_scratch {
     double sums[TOP_SLICES];
@@ -1040,7 +1040,7 @@ static void run_top_rank(int unused, void **p, struct grid g)
     struct top_entry *out = ARG(1, struct top_entry *), list[TOP_LIST];
     for (unsigned t = 0; t < g.y; t++) {
         const int room = top_list(), count = z[t].count < room ? z[t].count : room;
-        struct top_entry *o = out + (size_t)t * (TOP_K + 1);
+        struct top_entry *o = out + (size_t)t * TOP_ROW;
         memcpy(list, z[t].list, (size_t)count * sizeof *list);
         qsort(list, (size_t)count, sizeof *list, top_entry_first);
         for (int r = 0; r < TOP_K; r++) o[r] = r < count ? list[r] : (struct top_entry){-1, 0.0f};
@@ -1048,8 +1048,9 @@ static void run_top_rank(int unused, void **p, struct grid g)
     }
 }
 
-/* The whole-vocabulary draw (logits_draw_sums, _walk): a row's as coli.c uploads it. */
-struct top_draw { double u; float temp; int on; };
+/* The whole-vocabulary draw (logits_draw_sums, _walk): a row's as coli.c uploads it (on 1: drawn
+ * here, 2: its total and its nucleus's cut only). */
+struct top_draw { double u; float temp, top_p, min_p; int on; };
 
 /* Row T's weights e^((logit - max) / temp) into W (the row's max from its scratch's maxima). */
 static void draw_weights(const float *logits, int n, const struct top_scratch *z, const struct top_draw *d, float *w)
@@ -1081,9 +1082,25 @@ static void run_draw_sums(int unused, void **p, struct grid g)
     free(w);
 }
 
-/* logits_draw_walk(logits, n, draw, scratch, out): each drawn row's token, by kernels.cu's walk:
- * r = u * total, past whole slices while r reaches their sums, then token by token; the last of
- * weight above 0 where r passes them all. */
+/* Whether the nucleus (top-p, min-p) of a row of N weights W with TOTAL is cut among its TOP_K
+ * best, BEST (by the rank's order), before the last one's weight (coli.c orders by weight, and
+ * tokens outside may share that): a plain rendering of coli.c's sample_nucleus_cut. */
+static int draw_nucleus_within(const struct top_entry *best, const float *w, int n, double total, const struct top_draw *d)
+{
+    double mass = 0.0;
+    int keep = TOP_K;
+    if (n <= TOP_K) return 1;
+    for (int k = 0; k < TOP_K && keep == TOP_K; k++) {
+        if (w[best[k].id] < d->min_p * w[best[0].id]) keep = k;
+        else if ((mass += w[best[k].id]) >= d->top_p * total) keep = k + 1;
+    }
+    return keep < TOP_K && w[best[keep - 1].id] > w[best[TOP_K - 1].id];
+}
+
+/* logits_draw_walk(logits, n, draw, scratch, out): each drawn row's total, and its token by
+ * kernels.cu's walk: r = u * total, past whole slices while r reaches their sums, then token by
+ * token; the last of weight above 0 where r passes them all. A nucleus row (on 2): whether its
+ * cut falls among its best, as status bit 4. */
 static void run_draw_walk(int unused, void **p, struct grid g)
 {
     (void)unused;
@@ -1098,6 +1115,12 @@ static void run_draw_walk(int unused, void **p, struct grid g)
         draw_weights(logits + (size_t)t * n, n, &z[t], &draw[t], w);
         double total = 0.0;
         for (int s = 0; s < TOP_SLICES; s++) total += z[t].sums[s];
+        struct top_entry *o = out + (size_t)t * TOP_ROW;
+        memcpy(&o[TOP_K + 1], &total, sizeof total);
+        if (draw[t].on == 2) {
+            o[TOP_K].id |= draw_nucleus_within(o, w, n, total, &draw[t]) ? 4 : 0;
+            continue;
+        }
         double r = draw[t].u * total;
         int s = 0, last = 0, from, end, id = -1;
         for (; s < TOP_SLICES && r >= z[t].sums[s]; s++) {
@@ -1112,7 +1135,7 @@ static void run_draw_walk(int unused, void **p, struct grid g)
         }
         for (int i = end - 1; id < 0 && i >= from; i--)
             if (w[i] > 0.0f) id = i;
-        memcpy(&out[(size_t)t * (TOP_K + 1) + TOP_K].logit, &id, sizeof id);
+        memcpy(&o[TOP_K].logit, &id, sizeof id);
     }
     free(w);
 }

@@ -656,7 +656,7 @@ static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
     char name[200];
     const int k = n < CUDA_TOP_K ? n : CUDA_TOP_K;
     float *x = plat_alloc((size_t)n * T * sizeof *x);
-    struct sample_candidate *want = plat_alloc((size_t)n * sizeof *want), got[CUDA_TOP_K + 1];
+    struct sample_candidate *want = plat_alloc((size_t)n * sizeof *want), got[CUDA_TOP_ROW];
     for (int i = 0; i < n * T; i++) x[i] = top_logit(kind, i % n);
     if (kind == TOP_NOT_FINITE) x[n / 3] = NAN, x[n - 1] = INFINITY;
     cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
@@ -682,48 +682,102 @@ static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
 }
 
 /* cuda_top_launch's draws over the whole vocabulary, T rows of N logits of KIND on device DEV,
- * SEEDS seeded draws a row at temperatures 0.6 and 1.3 in turn (row 1 of more not drawn there):
- * each the token sample_next draws from the same row with the same state, its draw used up
- * alike. Draws near 0 and near 1 (the walk's ends) come from the seeds' own spread. */
+ * SEEDS seeded draws a row at temperatures 0.6 and 1.3 in turn, a row's mode changing with the
+ * seed (row 1 of more not drawn there): drawn there, each the token sample_next draws from the
+ * same row with the same state, that draw used up alike; a nucleus (top-p 0.5 or 0.9, min-p 0 or
+ * 0.05), where the device says its cut falls among the best, the token sample_next_best draws
+ * from those and the total. Draws near 0 and near 1 (the walk's ends) come from the seeds' own
+ * spread. */
 static void check_draw(int dev, int n, int T, enum top_kind kind, int seeds)
 {
-    char name[200];
+    char name[240];
     float *x = plat_alloc((size_t)n * T * sizeof *x), *row = plat_alloc((size_t)n * sizeof *row);
-    struct sample_candidate *cand = plat_alloc((size_t)n * sizeof *cand), got[CUDA_TOP_K + 1];
+    struct sample_candidate *cand = plat_alloc((size_t)n * sizeof *cand), got[CUDA_TOP_ROW];
     struct cuda_top_draw draw[4];
     for (int i = 0; i < n * T; i++) x[i] = top_logit(kind, i % n) * (float)(1 + i / n);
     cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
     cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got), draws = device_copy(dev, NULL, sizeof draw);
-    int ran = logits && scratch && out && draws, same = ran, drawn = 0;
+    int ran = logits && scratch && out && draws, same = ran, drawn = 0, within = 0, outside = 0;
     for (int seed = 0; same && seed < seeds; seed++) {
-        struct sample_params p = {seed % 2 ? 1.3f : 0.6f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+        struct sample_params p[4];
         uint64_t rng[4];
         for (int t = 0; t < T; t++) {
+            const int mode = t == 1 && T > 2 ? CUDA_DRAW_OFF : (seed + t) % 3 == 2 ? CUDA_DRAW_NUCLEUS : CUDA_DRAW_TOKEN;
+            p[t] = (struct sample_params){seed % 2 ? 1.3f : 0.6f, 0, mode == CUDA_DRAW_NUCLEUS ? (seed % 4 < 2 ? 0.5f : 0.9f) : 1.0f,
+                                          mode == CUDA_DRAW_NUCLEUS && seed % 2 ? 0.05f : 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
             rng[t] = 1000 * (uint64_t)seed + (uint64_t)t;
             uint64_t peek = rng[t];
-            draw[t] = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p.temp, !(t == 1 && T > 2)};
+            draw[t] = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p[t].temp, p[t].top_p, p[t].min_p, mode};
         }
         same = !cuda_htod(draws, draw, sizeof draw) && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, draws, T) == CUDA_SUCCESS;
         for (int t = 0; same && t < T; t++) {
             same = cuda_dtoh(got, out + (size_t)t * sizeof got, sizeof got) == 0;
             if (!draw[t].on || !same) continue;
-            int id;
+            int id = -1;
+            double total;
             uint64_t cpu = rng[t];
-            memcpy(&id, &got[CUDA_TOP_K].logit, 4);
+            memcpy(&total, &got[CUDA_TOP_K + 1], sizeof total);
+            if (draw[t].on == CUDA_DRAW_TOKEN) memcpy(&id, &got[CUDA_TOP_K].logit, 4);
+            else if (!(got[CUDA_TOP_K].id & 4)) {
+                outside++;
+                continue;
+            }
             memcpy(row, x + (size_t)t * n, (size_t)n * sizeof *row);
-            same = id >= 0 && sample_next(&p, row, n, NULL, 0, &cpu, cand) == sample_next_best(&p, got, id, &rng[t]) && cpu == rng[t];
-            drawn++;
+            same = (id >= 0 || draw[t].on == CUDA_DRAW_NUCLEUS) &&
+                   sample_next(&p[t], row, n, NULL, 0, &cpu, cand) == sample_next_best(&p[t], got, n, id, total, &rng[t]) && cpu == rng[t];
+            drawn += draw[t].on == CUDA_DRAW_TOKEN;
+            within += draw[t].on == CUDA_DRAW_NUCLEUS;
         }
     }
-    snprintf(name, sizeof name, "whole-vocabulary draws on device %d: %d row%s of %d %s logits, %d seeded draws each as sample_next "
-             "draws them", dev, T, T > 1 ? "s" : "", n, kind == TOP_TIES ? "often equal" : "clustered", seeds);
-    check(same && drawn == seeds * (T > 2 ? T - 1 : T), name, "ran %d, %d drawn", ran, drawn);
+    snprintf(name, sizeof name, "whole-vocabulary draws on device %d: %d row%s of %d %s logits, %d seeded draws each: %d drawn there and "
+             "%d nuclei from the best as sample_next draws them (%d nuclei need the row)", dev, T, T > 1 ? "s" : "", n,
+             kind == TOP_TIES ? "often equal" : "clustered", seeds, drawn, within, outside);
+    check(same && drawn + within + outside == seeds * (T > 2 ? T - 1 : T) && drawn > 0 && (within > 0 || n > 100000), name, "ran %d", ran);
     cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
     free(x), free(row), free(cand);
 }
 
+/* A nucleus whose best share one weight with tokens beyond them: on a row of 2112, the best logit
+ * 100, 50 more near 99.5, then 20 whose logits differ by an ulp of 1.0 (the larger the id, the
+ * larger), all one weight once 100 is taken off, the rest -1000; temperature 50. A cut at top-p
+ * 0.5 falls before them: among the best, and drawn from them as sample_next draws (8 seeds). A cut
+ * at 0.96 falls among the 13 of them that make the best, which sample_next orders by id with the
+ * 7 others first: the row must come down. */
+static void check_nucleus_tie(int dev)
+{
+    enum { N = 2112 };
+    static float x[N], row[N];
+    static struct sample_candidate cand[N], got[CUDA_TOP_ROW];
+    float v = 1.0f;
+    for (int i = 0; i < N; i++) x[i] = -1000.0f;
+    x[7] = 100.0f;
+    for (int i = 0; i < 50; i++) x[100 + i] = 99.5f - 0.01f * (float)i;
+    for (int i = 0; i < 20; i++, v = nextafterf(v, 2.0f)) x[200 + i] = v;
+    cuda_ptr logits = device_copy(dev, x, sizeof x), scratch = device_copy(dev, NULL, CUDA_TOP_SCRATCH);
+    cuda_ptr out = device_copy(dev, NULL, sizeof got), draws = device_copy(dev, NULL, sizeof(struct cuda_top_draw));
+    int same = logits && scratch && out && draws, within[2] = {0, 0};
+    for (int c = 0; same && c < 16; c++) {
+        const float top_p = c < 8 ? 0.5f : 0.96f;
+        const struct sample_params p = {50.0f, 0, top_p, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+        uint64_t rng = (uint64_t)c, cpu = rng, peek = rng;
+        const struct cuda_top_draw d = {sample_unit(sample_next_u64(&peek)), p.temp, p.top_p, p.min_p, CUDA_DRAW_NUCLEUS};
+        double total;
+        same = !cuda_htod(draws, &d, sizeof d) && cuda_top_launch(&cuda.dev[dev], logits, N, scratch, out, draws, 1) == CUDA_SUCCESS &&
+               !cuda_dtoh(got, out, sizeof got);
+        memcpy(&total, &got[CUDA_TOP_K + 1], sizeof total);
+        memcpy(row, x, sizeof x);
+        if (same && got[CUDA_TOP_K].id & 4)
+            same = sample_next(&p, row, N, NULL, 0, &cpu, cand) == sample_next_best(&p, got, N, -1, total, &rng) && cpu == rng;
+        within[c >= 8] += same && got[CUDA_TOP_K].id & 4;
+    }
+    check(same && within[0] == 8 && within[1] == 0, "a nucleus whose best share one weight with tokens beyond them: drawn from the best "
+          "where cut before them, the row needed where cut among them", "%d and %d of 8 within", within[0], within[1]);
+    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
+}
+
 static void test_top_device(int real)
 {
+    check_nucleus_tie(0);
     check_draw(0, 248320, 2, TOP_CLUSTER, 3);
     check_draw(0, 2112, 3, TOP_TIES, 12);
     check_draw(0, 50, 1, TOP_TIES, 8);
@@ -1013,7 +1067,7 @@ static void bench_top(int dev)
 {
     const int n = 248320, reps = 200;
     float *x = random_x(1, n);
-    struct sample_candidate got[CUDA_TOP_K + 1];
+    struct sample_candidate got[CUDA_TOP_ROW];
     cuda_ptr logits = device_copy(dev, x, (size_t)n * 4), scratch = device_copy(dev, NULL, CUDA_TOP_SCRATCH), out = device_copy(dev, NULL, sizeof got);
     int fine = logits && scratch && out;
     const double t0 = plat_now();

@@ -92,11 +92,14 @@ for m in q35moe-q8_0.gguf q35moe-k.gguf q35moe-q4_0.gguf q35moe-f16.gguf q3next-
 done
 # A decode step brings down the output head's best 64 logits, not the row (the greedy runs above):
 # top-k sampling too, through the twins and kernels.cu's source; a temperature alone draws there
-# over the whole vocabulary; a repetition penalty, or a nucleus without top-k, reads every logit,
-# so its steps bring down the row.
+# over the whole vocabulary; a nucleus without top-k is drawn from the best where its cut falls
+# among them (a low temperature here), else its row comes down (these random models' rows are
+# flat: at 0.8 it spans hundreds); a repetition penalty reads every logit, so its steps bring
+# down the row.
 m=q35moe-q8_0.gguf
 for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.3 --top-k 64 --min-p 0.02 --seed 3|7" \
-    "fake|--temp 0.8 --top-k 0 --seed 5|7" "sim|--temp 1.2 --top-k 0 --seed 9|7" "fake|--temp 0.8 --top-k 0 --top-p 0.9 --seed 5|0" \
+    "fake|--temp 0.8 --top-k 0 --seed 5|7" "sim|--temp 1.2 --top-k 0 --seed 9|7" "fake|--temp 0.05 --top-k 0 --top-p 0.5 --seed 2|7" \
+    "sim|--temp 0.05 --top-k 0 --top-p 0.5 --seed 2|7" "fake|--temp 0.8 --top-k 0 --top-p 0.9 --seed 5|0" \
     "fake|--temp 0.7 --top-k 20 --repeat-penalty 1.1 --seed 5|0"; do
     lib=${case%%|*} rest=${case#*|} kept=${case##*|}
     args=${rest%|*}
