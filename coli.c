@@ -8532,7 +8532,8 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_TOP_K 64
 #define CUDA_TOP_SLICES 256
 #define CUDA_TOP_LIST 2048
-#define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_TOP_LIST * 8)
+#define CUDA_PENALTY_MAX 256 /* distinct recent tokens a row's penalties on the device take */
+#define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_PENALTY_MAX * 4 + CUDA_TOP_LIST * 8)
 #define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row that comes down: the best, {status, id drawn}, total */
 
 /* A row's whole-vocabulary draw as kernels.cu's logits_draw_* read it: U (the draw in [0, 1) that
@@ -8540,6 +8541,10 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
  * nucleus, its total and whether its cut falls among the best only (§10 draws from those). */
 enum { CUDA_DRAW_OFF, CUDA_DRAW_TOKEN, CUDA_DRAW_NUCLEUS };
 struct cuda_top_draw { double u; float temp, top_p, min_p; int on; };
+
+/* A row's penalties as kernels.cu's logits_penalise reads them: the three (§10 sample_penalty),
+ * and N distinct recent tokens with how often each came (N 0: none). */
+struct cuda_top_penalty { float repeat, presence, frequency; int n; struct { int id, count; } seen[CUDA_PENALTY_MAX]; };
 
 /* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
  * WIDE for each 8 bytes wide (.u64; others .u32 or .f32), from its PTX .entry. */
@@ -8580,6 +8585,7 @@ struct cuda_device {
     cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
     cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best candidates (cuda_top_launch) */
     cuda_handle draw_sums, draw_walk;    /* ... and a draw over the whole vocabulary */
+    cuda_handle penalise, unpenalise;    /* ... and penalties before them */
     cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
@@ -8990,6 +8996,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "logits_top_", "rank", &d->top_rank);
     cuda_kernel(d, "logits_draw_", "sums", &d->draw_sums);
     cuda_kernel(d, "logits_draw_", "walk", &d->draw_walk);
+    cuda_kernel(d, "logits_", "penalise", &d->penalise);
+    cuda_kernel(d, "logits_", "unpenalise", &d->unpenalise);
     cuda_kernel(d, "copy_", "words", &d->copy_words);
     d->usable = 1;
     return 0;
@@ -9710,9 +9718,11 @@ struct cuda_moe_layer {
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
     /* NEXT[0] is the output head and only its rows' best candidates come down (cuda_top_launch),
-     * the logits kept at d->kept_next[0]; DRAW (T rows, or NULL): the rows drawn there too */
+     * the logits kept at d->kept_next[0]; DRAW, PEN (T rows, or NULL): the rows drawn there too,
+     * penalised first */
     int top;
     const struct cuda_top_draw *draw;
+    const struct cuda_top_penalty *pen;
     /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS, in the chain
      * buffer) come down after the layer's own outputs, in the same copy; 0: none */
     cuda_ptr chain_ids;
@@ -9754,7 +9764,7 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
  * then what comes back, ordered so each download is one span: the normed input, the ids (a split
  * layer's routing: xn, ids), the output and the next projections (ids, out, next). */
 struct cuda_moe_layout {
-    size_t shared, table, draw, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
+    size_t shared, table, draw, pen, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
         top, chain, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
@@ -9783,7 +9793,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     o.shared = (size_t)T * L->used * sizeof(struct cuda_moe_job);
     o.table = cuda_align((size_t)(T * L->used + (L->gate_inp ? T : 0)) * sizeof(struct cuda_moe_job));
     o.draw = o.table + cuda_align((size_t)L->n_expert * sizeof *L->table);
-    o.x = o.draw + (L->draw ? cuda_align((size_t)T * sizeof *L->draw) : 0);
+    o.pen = o.draw + (L->draw ? cuda_align((size_t)T * sizeof *L->draw) : 0);
+    o.x = o.pen + (L->pen ? cuda_align((size_t)T * sizeof *L->pen) : 0);
     o.mix = o.x + cuda_align(rows);
     o.norm = o.mix + cuda_align(stride_mix * (size_t)T);
     o.next_norm = o.norm + cuda_align((size_t)L->sh.dim * 4);
@@ -9828,13 +9839,14 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
 
 /* Device addresses of what a layer reads from its upload or, in a chain, its block and the layer
  * before (cuda_moe_layer): the jobs, the table, hidden state, two norms, where the ids go. */
-struct cuda_moe_inputs { cuda_ptr jobs, table, draw, x, norm, next_norm, ids; };
+struct cuda_moe_inputs { cuda_ptr jobs, table, draw, pen, x, norm, next_norm, ids; };
 
 static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o)
 {
     const cuda_ptr b = d->moe, k = L->block;
-    struct cuda_moe_inputs in = {b, b + o.table, b + o.draw, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
-    if (k) in.jobs = k, in.table = k + o.table, in.draw = k + o.draw, in.norm = k + o.x, in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
+    struct cuda_moe_inputs in = {b, b + o.table, b + o.draw, b + o.pen, b + o.x, b + o.norm, b + o.next_norm, L->ids ? L->ids : b + o.ids};
+    if (k) in.jobs = k, in.table = k + o.table, in.draw = k + o.draw, in.pen = k + o.pen, in.norm = k + o.x;
+    if (k) in.next_norm = k + o.x + cuda_align((size_t)L->sh.dim * 4);
     if (L->dn || L->attn) in.x = d->kept_x;
     return in;
 }
@@ -9846,6 +9858,7 @@ static void cuda_moe_fill(const struct cuda_moe_layer *L, struct cuda_moe_layout
     for (int t = 0; L->gate_inp && t < T; t++) ((struct cuda_moe_job *)(base + o.shared))[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
     memcpy(base + o.table, L->table, (size_t)L->n_expert * sizeof *L->table);
     if (L->draw) memcpy(base + o.draw, L->draw, (size_t)T * sizeof *L->draw);
+    if (L->pen) memcpy(base + o.pen, L->pen, (size_t)T * sizeof *L->pen);
     memcpy(base + norm, L->norm, (size_t)L->sh.dim * 4);
     if (L->n_next) memcpy(base + next_norm, L->next_norm, (size_t)L->sh.dim * 4);
 }
@@ -9892,16 +9905,21 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
  * its nucleus's cut falls among them, the id drawn} and its weights' total (a double), into OUT
  * [T][CUDA_TOP_ROW] (struct sample_candidate's layout), through SCRATCH [T][CUDA_TOP_SCRATCH]
  * (kernels.cu's logits_top_*); the draw where DRAW (0: none) says (struct cuda_top_draw [T]:
- * logits_draw_*). 4 launches, 6 with draws; the driver's result. */
-static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, int T)
+ * logits_draw_*); all of it over the logits penalised where PEN (0: none; struct
+ * cuda_top_penalty [T]) says, restored after. 4 launches, 6 with draws, 2 more with penalties;
+ * the driver's result. */
+static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, cuda_ptr pen,
+                                   int T)
 {
     void *scan[] = {&logits, &n, &scratch}, *bound[] = {&scratch}, *rank[] = {&scratch, &out};
-    void *sums[] = {&logits, &n, &draw, &scratch}, *walk[] = {&logits, &n, &draw, &scratch, &out};
+    void *sums[] = {&logits, &n, &draw, &scratch}, *walk[] = {&logits, &n, &draw, &scratch, &out}, *penalty[] = {&logits, &n, &pen, &scratch};
     cuda_result r;
-    if ((r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, CUDA_TOP_SLICES / 32, (unsigned)T, 32, bound)) ||
+    if ((pen && (r = cuda_launch(d->penalise, 1, (unsigned)T, 32, penalty))) ||
+        (r = cuda_launch(d->top_max, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) || (r = cuda_launch(d->top_bound, CUDA_TOP_SLICES / 32, (unsigned)T, 32, bound)) ||
         (r = cuda_launch(d->top_collect, CUDA_TOP_SLICES, (unsigned)T, 32, scan)) ||
         (r = cuda_launch(d->top_rank, CUDA_TOP_LIST / 32, (unsigned)T, 32, rank)) ||
-        (draw && ((r = cuda_launch(d->draw_sums, CUDA_TOP_SLICES, (unsigned)T, 32, sums)) || (r = cuda_launch(d->draw_walk, 1, (unsigned)T, 32, walk)))))
+        (draw && ((r = cuda_launch(d->draw_sums, CUDA_TOP_SLICES, (unsigned)T, 32, sums)) || (r = cuda_launch(d->draw_walk, 1, (unsigned)T, 32, walk)))) ||
+        (pen && (r = cuda_launch(d->unpenalise, 1, (unsigned)T, 32, penalty))))
         return r;
     return CUDA_SUCCESS;
 }
@@ -9920,11 +9938,13 @@ static int cuda_head_logits(int dev, float *out, size_t bytes)
     return 0;
 }
 
-/* Whether device DEV has the kernels of cuda_top_launch, with its draws where DRAW. */
-static int cuda_top_ready(int dev, int draw)
+/* Whether device DEV has the kernels of cuda_top_launch, with its draws where DRAW and penalties
+ * where PEN. */
+static int cuda_top_ready(int dev, int draw, int pen)
 {
     const struct cuda_device *d = &cuda.dev[dev];
-    return d->top_max && d->top_bound && d->top_collect && d->top_rank && (!draw || (d->draw_sums && d->draw_walk));
+    return d->top_max && d->top_bound && d->top_collect && d->top_rank && (!draw || (d->draw_sums && d->draw_walk)) &&
+           (!pen || (d->penalise && d->unpenalise));
 }
 
 /* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
@@ -9933,11 +9953,11 @@ static int cuda_top_ready(int dev, int draw)
 static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     cuda_ptr act[CUDA_NEXT_MAX], out[CUDA_NEXT_MAX];
+    const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
     for (int j = 0; j < L->n_next; j++) act[j] = d->moe + o.next_act[j], out[j] = d->moe + o.next_out[j];
-    cuda_result r = cuda_project(d, d->moe + o.out, cuda_moe_inputs_of(d, L, o).next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out,
-                                 L->n_next, L->sh.dim, L->eps, T);
+    cuda_result r = cuda_project(d, d->moe + o.out, in.next_norm, d->moe + o.xn, L->next, L->next_ptr, act, out, L->n_next, L->sh.dim, L->eps, T);
     if (!r && L->top)
-        r = cuda_top_launch(d, out[0], (int)L->next[0].rows, d->moe + o.top_scratch, d->moe + o.top, L->draw ? cuda_moe_inputs_of(d, L, o).draw : 0, T);
+        r = cuda_top_launch(d, out[0], (int)L->next[0].rows, d->moe + o.top_scratch, d->moe + o.top, L->draw ? in.draw : 0, L->pen ? in.pen : 0, T);
     return r;
 }
 
@@ -12318,9 +12338,10 @@ struct model_top {
 
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
  * token ([n_vocab], valid until the next forward). Where every run of a decode step says TOP
- * (its caller reads no logit but the MODEL_TOP best, or the token DRAW draws: sample_on_device)
- * and the device makes the logits, BEST receives those instead and LOGITS is NULL: the row stays
- * on the device. */
+ * (its caller reads no logit but the MODEL_TOP best, with the token DRAW draws or its nucleus's
+ * total: sample_best_enough, sample_vocab_mode; all after PEN's penalties, where not NULL) and
+ * the device makes the logits, BEST receives those instead and LOGITS is NULL: the row stays on
+ * the device. */
 struct model_run {
     struct model_seq *seq;
     const int *tokens;
@@ -12329,6 +12350,7 @@ struct model_run {
     int top;
     const struct model_top *best;
     struct cuda_top_draw draw; /* a draw over the whole vocabulary (sample_vocab_walk) or its nucleus */
+    const struct cuda_top_penalty *pen;
 };
 
 /* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
@@ -12372,7 +12394,8 @@ struct model_scratch {
     struct model_top best[MODEL_MAX_RUNS]; /* or their best (model_run.best): where BEST_MADE */
     int head_top, best_made; /* head_top: every run of the pass reads only those */
     struct cuda_top_draw draws[MODEL_MAX_RUNS]; /* each run's model_run.draw, where HEAD_TOP */
-    int draws_on;            /* ... some run's on */
+    struct cuda_top_penalty pens[MODEL_MAX_RUNS]; /* ... its penalties (n 0: none) */
+    int draws_on, pens_on;   /* ... some run's on, some run's penalised */
     struct model_chain *chain;  /* [n_layers] this pass's chains */
     struct cuda_deltanet *dn;   /* [n_layers] the DeltaNet layers' constants on their chain's device */
     struct cuda_attention *attn_dev; /* [n_layers] the attention layers' */
@@ -13781,7 +13804,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .table = m->s.ex_table, .shexp = sh_e, .shexp_sh = sh_shape, .n_expert = c->n_expert,
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
-    const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev, m->s.draws_on); /* NEXT: the output head, of which only the best */
+    const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev, m->s.draws_on, m->s.pens_on); /* NEXT: the output head, of which only the best */
     /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most every layer's) */
     size_t floats = (size_t)T * ((size_t)c->dim + (size_t)c->n_expert_used * (size_t)(1 + c->n_layers));
     for (int j = 0; j < n_next; j++) {
@@ -13797,6 +13820,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     if (!cuda_moe_layer_supported(dev, L, T)) L->n_next = 0; /* without the next layer's part, then */
     L->top = top && L->n_next;
     L->draw = L->top && m->s.draws_on ? m->s.draws : NULL;
+    L->pen = L->top && m->s.pens_on ? m->s.pens : NULL;
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
@@ -14320,11 +14344,13 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (!model_runs_valid(m, runs, n_runs)) return -1;
     m->profile.mark = plat_now();
     m->profile.idle_mark = ops_idle_seconds;
-    s->head_top = 1, s->best_made = 0, s->draws_on = 0;
+    s->head_top = 1, s->best_made = 0, s->draws_on = 0, s->pens_on = 0;
     for (int r = 0; r < n_runs; r++) {
         s->head_top &= runs[r].n == 1 && runs[r].top;
         s->draws[r] = runs[r].draw;
         s->draws_on |= runs[r].draw.on;
+        s->pens[r].n = 0;
+        if (runs[r].pen) s->pens[r] = *runs[r].pen, s->pens_on = 1;
     }
     int T = model_embed_runs(m, runs, n_runs);
     m->lost = 0;
@@ -16144,21 +16170,55 @@ static int sample_by_logit_desc(const void *a, const void *b)
     return sample_before(a, b) ? -1 : sample_before(b, a);
 }
 
-/* Penalises tokens seen in the last repeat_last_n of HISTORY: the CTRL rule (divide a positive
- * logit by repeat_penalty, multiply a negative one), then the presence and frequency penalties. */
+static int sample_penalised(const struct sample_params *p)
+{
+    return p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+}
+
+/* A logit L of a token seen COUNT times among the recent ones, penalised: the CTRL rule (divide a
+ * positive logit by repeat_penalty, multiply a negative one), then the presence and frequency
+ * penalties (as the OpenAI API defines them). kernels.cu's logits_penalise does the same. */
+static float sample_penalty(const struct sample_params *p, float l, int count)
+{
+    l = l > 0 ? l / p->repeat_penalty : l * p->repeat_penalty;
+    return l - (p->presence_penalty + p->frequency_penalty * (float)count);
+}
+
+/* Whether HISTORY[I] is the first of its token from FROM on, and then how often it comes up to
+ * N_HIST (*COUNT). */
+static int sample_seen_first(const int *history, int from, int n_hist, int i, int *count)
+{
+    for (int j = from; j < i; j++)
+        if (history[j] == history[i]) return 0;
+    *count = 1;
+    for (int j = i + 1; j < n_hist; j++) *count += history[j] == history[i];
+    return 1;
+}
+
+static int sample_penalty_from(const struct sample_params *p, int n_hist) { return n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0; }
+
+/* Penalises tokens seen in the last repeat_last_n of HISTORY (sample_penalty), each once. */
 static void sample_apply_penalty(const struct sample_params *p, float *logits, const int *history, int n_hist)
 {
-    if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f) return;
-    int from = n_hist > p->repeat_last_n ? n_hist - p->repeat_last_n : 0;
-    for (int i = from; i < n_hist; i++) {
-        float *l = &logits[history[i]];
-        int seen = 0, count = 1;
-        for (int j = from; j < i; j++) seen |= history[j] == history[i];
-        if (seen) continue;
-        for (int j = i + 1; j < n_hist; j++) count += history[j] == history[i];
-        *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
-        *l -= p->presence_penalty + p->frequency_penalty * (float)count; /* as the OpenAI API defines them */
+    const int from = sample_penalty_from(p, n_hist);
+    if (!sample_penalised(p)) return;
+    for (int i = from, count; i < n_hist; i++)
+        if (sample_seen_first(history, from, n_hist, i, &count)) logits[history[i]] = sample_penalty(p, logits[history[i]], count);
+}
+
+/* sample_apply_penalty's tokens and counts for the device (logits_penalise) into *OUT; 0 where
+ * they are more than it takes. */
+static int sample_penalties(const struct sample_params *p, const int *history, int n_hist, struct cuda_top_penalty *out)
+{
+    const int from = sample_penalty_from(p, n_hist);
+    *out = (struct cuda_top_penalty){p->repeat_penalty, p->presence_penalty, p->frequency_penalty, 0, {{0, 0}}};
+    for (int i = from, count; i < n_hist; i++) {
+        if (!sample_seen_first(history, from, n_hist, i, &count)) continue;
+        if (out->n == CUDA_PENALTY_MAX) return 0;
+        out->seen[out->n].id = history[i];
+        out->seen[out->n++].count = count;
     }
+    return 1;
 }
 
 /* Moves the K first of cand[0..n) (sample_before) to cand[0..K), in no particular order, by
@@ -16306,25 +16366,20 @@ static int sample_vocab_walk(const float *w, int n, const double *sums, double r
     return positive;
 }
 
-static int sample_penalised(const struct sample_params *p)
-{
-    return p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
-}
-
-/* Whether sample_next reads no logit but the N_BEST best of N_VOCAB (sample_next_best): no
- * penalty, and greedy or top-k within them. */
+/* Whether sample_next reads no logit but the N_BEST best of N_VOCAB (sample_next_best) once the
+ * penalties are applied: greedy, or top-k within them. */
 static int sample_best_enough(const struct sample_params *p, int n_best, int n_vocab)
 {
-    return !sample_penalised(p) && (p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab));
+    return p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab);
 }
 
-/* How sample_next samples the whole vocabulary of N_VOCAB from the logits as they are (a
- * temperature, no penalty, no top-k), where the device can take part (model_run.draw):
- * CUDA_DRAW_TOKEN, a draw (sample_vocab_walk); CUDA_DRAW_NUCLEUS, a nucleus (top-p, min-p)
- * drawn from the best where its cut falls among them; else CUDA_DRAW_OFF. */
+/* How sample_next samples the whole vocabulary of N_VOCAB (a temperature, no top-k), where the
+ * device can take part (model_run.draw): CUDA_DRAW_TOKEN, a draw (sample_vocab_walk);
+ * CUDA_DRAW_NUCLEUS, a nucleus (top-p, min-p) drawn from the best where its cut falls among
+ * them; else CUDA_DRAW_OFF. */
 static int sample_vocab_mode(const struct sample_params *p, int n_vocab)
 {
-    if (sample_penalised(p) || p->temp <= 0.0f || (p->top_k > 0 && p->top_k < n_vocab)) return CUDA_DRAW_OFF;
+    if (p->temp <= 0.0f || (p->top_k > 0 && p->top_k < n_vocab)) return CUDA_DRAW_OFF;
     return sample_nucleus_on(p) ? CUDA_DRAW_NUCLEUS : CUDA_DRAW_TOKEN;
 }
 
@@ -16465,6 +16520,7 @@ struct engine_slot {
     int fed;                 /* prompt tokens fed so far */
     int next;                /* the sampled token to feed in the next step, or -1 */
     int *history;            /* [n_prompt + n_max] the prompt then the tokens generated (repetition penalty) */
+    struct cuda_top_penalty pen; /* the penalties of its next token, for the device (engine_run) */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -16783,13 +16839,18 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
 
 /* Slot SL's run of N tokens from TOKENS: its next token needs no logit but the MODEL_TOP best
  * (sample_best_enough), or those and the device's draw over the whole vocabulary, or its total
- * (sample_vocab_mode; the draw peeked, not used up: sample_next_best). */
+ * (sample_vocab_mode; the draw peeked, not used up: sample_next_best); all after its penalties,
+ * which the device applies where they are few enough and the request reports no logits (its
+ * top logits are the row's as the model made it). */
 static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
     const struct sample_params *p = &sl->req.sample;
-    const int mode = sample_vocab_mode(p, e->m->cfg.n_vocab);
+    const int mode = sample_vocab_mode(p, e->m->cfg.n_vocab), pen = sample_penalised(p);
+    const int n_hist = sl->req.n_prompt + (sl->gen ? sl->gen->n_tokens : 0);
     uint64_t peek = sl->rng;
-    struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}};
+    struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}, NULL};
+    if (pen) run.top &= !sl->req.want_top && sample_penalties(p, sl->history, n_hist, &sl->pen);
+    if (pen && run.top) run.pen = &sl->pen;
     if (mode) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, p->top_p, p->min_p, mode};
     return run;
 }
@@ -16857,7 +16918,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
         if (!in_batch && !model_seq_lost(e->m, &sl->seq)) continue;
         model_seq_reset(e->m, &sl->seq);
         for (int at = 0; at < pos;) {
-            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+            struct model_run run = {&sl->seq, sl->past.tokens + at, pos - at < MODEL_BATCH ? pos - at : MODEL_BATCH, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
             if (sl->past.n < pos) snprintf(e->m->error, sizeof e->m->error, "a conversation's tokens are not all known");
             if (sl->past.n < pos || model_forward_runs(e->m, &run, 1)) {
                 engine_forget(e, i);

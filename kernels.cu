@@ -1246,13 +1246,16 @@ extern "C" __global__ void copy_words(const unsigned *__restrict__ src, unsigned
 // An entry as coli.c's struct sample_candidate lays it out.
 struct top_entry { int id; float logit; };
 
+#define PENALTY_MAX 256
+
 // A row's state between the launches: its slices' sums of weights (logits_draw_sums), the slices'
-// maxima, the bound, how many logits reach it, whether every logit is finite, and the list.
-// coli.c's CUDA_TOP_SCRATCH is its size.
+// maxima, the bound, how many logits reach it, whether every logit is finite, the logits that
+// logits_penalise changed as they were, and the list. coli.c's CUDA_TOP_SCRATCH is its size.
 struct top_scratch {
     double sums[TOP_SLICES];
     float maxima[TOP_SLICES], bound;
     int count, finite, unused;
+    float kept[PENALTY_MAX];
     top_entry list[TOP_LIST];
 };
 
@@ -1438,4 +1441,39 @@ extern "C" __global__ void logits_draw_walk(const float *__restrict__ logits, in
         }
     }
     if (lane == 0) o[TOP_K].logit = __int_as_float(id >= 0 ? id : positive);
+}
+
+// ---- penalties: the recent tokens' logits changed before the rest, and changed back after ----
+// coli.c's sample_penalty on each distinct recent token of a row (at most PENALTY_MAX, listed by
+// coli.c with how often each came): a positive logit divided by the repetition penalty, another
+// multiplied, then the presence penalty and the frequency penalty times the count taken off. The
+// best, draws and nuclei then see the row as coli.c's sampler does; logits_unpenalise restores
+// it, so that a row that comes down after all is the model's, as coli.c expects.
+struct top_penalty { float repeat, presence, frequency; int n; struct { int id, count; } seen[PENALTY_MAX]; };
+
+// Row t = blockIdx.y of LOGITS (N a row), a warp: its listed logits penalised, each as it was
+// into SCRATCH[t].kept. Grid (1, T).
+extern "C" __global__ void logits_penalise(float *__restrict__ logits, int n, const top_penalty *__restrict__ pen,
+                                           top_scratch *__restrict__ scratch) {
+    const top_penalty *q = pen + blockIdx.y;
+    float *x = logits + (uint64_t)blockIdx.y * n;
+    for (int k = threadIdx.x & 31; k < q->n && k < PENALTY_MAX; k += 32) {
+        const int id = q->seen[k].id;
+        if (id < 0 || id >= n) continue;
+        float l = x[id];
+        scratch[blockIdx.y].kept[k] = l;
+        l = l > 0.0f ? __fdiv_rn(l, q->repeat) : __fmul_rn(l, q->repeat);
+        x[id] = __fsub_rn(l, __fadd_rn(q->presence, __fmul_rn(q->frequency, (float)q->seen[k].count)));
+    }
+}
+
+// Row t = blockIdx.y, a warp: its listed logits back as logits_penalise found them. Grid (1, T).
+extern "C" __global__ void logits_unpenalise(float *__restrict__ logits, int n, const top_penalty *__restrict__ pen,
+                                             const top_scratch *__restrict__ scratch) {
+    const top_penalty *q = pen + blockIdx.y;
+    float *x = logits + (uint64_t)blockIdx.y * n;
+    for (int k = threadIdx.x & 31; k < q->n && k < PENALTY_MAX; k += 32) {
+        const int id = q->seen[k].id;
+        if (id >= 0 && id < n) x[id] = scratch[blockIdx.y].kept[k];
+    }
 }

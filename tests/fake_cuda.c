@@ -946,10 +946,12 @@ static void run_copy_words(int unused, void **p, struct grid g)
  * between the four launches, laid out as kernels.cu's struct top_scratch. */
 enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048, TOP_ROW = TOP_K + 2 };
 struct top_entry { int id; float logit; };
+enum { PENALTY_MAX = 256 };
 struct top_scratch {
     double sums[TOP_SLICES];
     float maxima[TOP_SLICES], bound;
     int count, finite, unused;
+    float kept[PENALTY_MAX];
     struct top_entry list[TOP_LIST];
 };
 
@@ -1140,6 +1142,42 @@ static void run_draw_walk(int unused, void **p, struct grid g)
     free(w);
 }
 
+/* The penalties (logits_penalise, _unpenalise): a row's as coli.c uploads it. */
+struct top_penalty { float repeat, presence, frequency; int n; struct { int id, count; } seen[PENALTY_MAX]; };
+
+/* logits_penalise(logits, n, pen, scratch): each row's listed logits kept, then penalised: the
+ * CTRL rule, then presence + frequency x count taken off. */
+static void run_penalise(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    float *logits = ARG(0, float *);
+    const int n = ARG(1, int);
+    const struct top_penalty *pen = ARG(2, const struct top_penalty *);
+    struct top_scratch *z = ARG(3, struct top_scratch *);
+    for (unsigned t = 0; t < g.y; t++)
+        for (int k = 0; k < pen[t].n && k < PENALTY_MAX; k++) {
+            const int id = pen[t].seen[k].id;
+            if (id < 0 || id >= n) continue;
+            float *l = &logits[(size_t)t * n + id];
+            z[t].kept[k] = *l;
+            *l = *l > 0 ? *l / pen[t].repeat : *l * pen[t].repeat;
+            *l -= pen[t].presence + pen[t].frequency * (float)pen[t].seen[k].count;
+        }
+}
+
+/* logits_unpenalise(logits, n, pen, scratch): each row's listed logits back as kept. */
+static void run_unpenalise(int unused, void **p, struct grid g)
+{
+    (void)unused;
+    float *logits = ARG(0, float *);
+    const int n = ARG(1, int);
+    const struct top_penalty *pen = ARG(2, const struct top_penalty *);
+    const struct top_scratch *z = ARG(3, const struct top_scratch *);
+    for (unsigned t = 0; t < g.y; t++)
+        for (int k = 0; k < pen[t].n && k < PENALTY_MAX; k++)
+            if (pen[t].seen[k].id >= 0 && pen[t].seen[k].id < n) logits[(size_t)t * n + pen[t].seen[k].id] = z[t].kept[k];
+}
+
 /* ---- modules ---- */
 
 /* Every kernel of kernels.ptx; ARG is the GGUF type of the weights, or the quantiser's kind. */
@@ -1157,6 +1195,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"attn_merge", 0, run_attn_merge}, {"logits_top_max", 0, run_top_max}, {"logits_top_bound", 0, run_top_bound},
     {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank}, {"copy_words", 0, run_copy_words},
     {"logits_draw_sums", 0, run_draw_sums}, {"logits_draw_walk", 0, run_draw_walk},
+    {"logits_penalise", 0, run_penalise}, {"logits_unpenalise", 0, run_unpenalise},
 };
 #define N_KERNELS (int)(sizeof kernels / sizeof kernels[0])
 struct module { int has[N_KERNELS]; };

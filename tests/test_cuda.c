@@ -662,7 +662,7 @@ static void check_top(int dev, int n, int T, enum top_kind kind, int whole)
     cuda_ptr logits = device_copy(dev, x, (size_t)n * T * 4), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
     cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got);
     long calls = cuda_calls;
-    int ran = logits && scratch && out && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, T) == CUDA_SUCCESS, same = ran;
+    int ran = logits && scratch && out && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, 0, T) == CUDA_SUCCESS, same = ran;
     calls = cuda_calls - calls;
     for (int t = 0; same && t < T; t++) {
         const float *row = x + (size_t)t * n;
@@ -709,7 +709,7 @@ static void check_draw(int dev, int n, int T, enum top_kind kind, int seeds)
             uint64_t peek = rng[t];
             draw[t] = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p[t].temp, p[t].top_p, p[t].min_p, mode};
         }
-        same = !cuda_htod(draws, draw, sizeof draw) && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, draws, T) == CUDA_SUCCESS;
+        same = !cuda_htod(draws, draw, sizeof draw) && cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, draws, 0, T) == CUDA_SUCCESS;
         for (int t = 0; same && t < T; t++) {
             same = cuda_dtoh(got, out + (size_t)t * sizeof got, sizeof got) == 0;
             if (!draw[t].on || !same) continue;
@@ -762,7 +762,7 @@ static void check_nucleus_tie(int dev)
         uint64_t rng = (uint64_t)c, cpu = rng, peek = rng;
         const struct cuda_top_draw d = {sample_unit(sample_next_u64(&peek)), p.temp, p.top_p, p.min_p, CUDA_DRAW_NUCLEUS};
         double total;
-        same = !cuda_htod(draws, &d, sizeof d) && cuda_top_launch(&cuda.dev[dev], logits, N, scratch, out, draws, 1) == CUDA_SUCCESS &&
+        same = !cuda_htod(draws, &d, sizeof d) && cuda_top_launch(&cuda.dev[dev], logits, N, scratch, out, draws, 0, 1) == CUDA_SUCCESS &&
                !cuda_dtoh(got, out, sizeof got);
         memcpy(&total, &got[CUDA_TOP_K + 1], sizeof total);
         memcpy(row, x, sizeof x);
@@ -775,8 +775,64 @@ static void check_nucleus_tie(int dev)
     cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
 }
 
+/* Penalties on the device: 3 rows of 2112 logits, each with its own history of 300 recent tokens
+ * (repeats among them; the last 64 to 256 count; row 1's among its 150 best) and penalties (the
+ * CTRL rule at 1.3, presence and frequency, none), and
+ * each sampled greedily, by top-k 20, drawn at a temperature and by a nucleus in turn (8 rounds):
+ * the token sample_next gives with that history, and the logits as they were after. */
+static void check_penalty(int dev)
+{
+    enum { N = 2112, T = 3, H = 300 };
+    static float x[N * T], row[N], back[N * T];
+    static struct sample_candidate cand[N], got[CUDA_TOP_ROW];
+    static struct cuda_top_penalty pen[T];
+    static int history[T][H];
+    struct cuda_top_draw draw[T];
+    for (int i = 0; i < N * T; i++) x[i] = top_logit(TOP_TIES, i % N);
+    sample_top(x + N, N, 150, cand); /* row 1's history: among its best */
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) history[t][i] = t == 1 ? cand[rng_next() % 150].id : (int)(rng_next() % N);
+    cuda_ptr logits = device_copy(dev, x, sizeof x), scratch = device_copy(dev, NULL, (size_t)T * CUDA_TOP_SCRATCH);
+    cuda_ptr out = device_copy(dev, NULL, (size_t)T * sizeof got), draws = device_copy(dev, NULL, sizeof draw), pens = device_copy(dev, NULL, sizeof pen);
+    int same = logits && scratch && out && draws && pens, checked = 0, listed = 1;
+    for (int round = 0; same && round < 8; round++) {
+        struct sample_params p[T];
+        uint64_t rng[T];
+        for (int t = 0; t < T; t++) {
+            const int way = (round + t) % 4; /* greedy, top-k, drawn, nucleus */
+            p[t] = (struct sample_params){way ? 0.8f : 0.0f, way == 1 ? 20 : 0, way == 3 ? 0.3f : 1.0f, 0.0f, t == 0 ? 1.3f : 1.0f,
+                                          64 * (round % 4 + 1), 0, t == 1 ? 0.5f : 0.0f, t == 1 ? 0.3f : 0.0f};
+            listed &= sample_penalties(&p[t], history[t], H, &pen[t]);
+            if (!sample_penalised(&p[t])) pen[t].n = 0; /* as the engine sends a row without */
+            rng[t] = (uint64_t)(100 * round + t);
+            uint64_t peek = rng[t];
+            draw[t] = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p[t].temp, p[t].top_p, p[t].min_p, sample_vocab_mode(&p[t], N)};
+        }
+        same = listed && !cuda_htod(draws, draw, sizeof draw) && !cuda_htod(pens, pen, sizeof pen) &&
+               cuda_top_launch(&cuda.dev[dev], logits, N, scratch, out, draws, pens, T) == CUDA_SUCCESS && !cuda_dtoh(back, logits, sizeof back) &&
+               !memcmp(back, x, sizeof x);
+        for (int t = 0; same && t < T; t++) {
+            int id;
+            double total;
+            uint64_t cpu = rng[t];
+            same = !cuda_dtoh(got, out + (size_t)t * sizeof got, sizeof got);
+            memcpy(&id, &got[CUDA_TOP_K].logit, 4);
+            memcpy(&total, &got[CUDA_TOP_K + 1], sizeof total);
+            if (draw[t].on != CUDA_DRAW_TOKEN) id = -1;
+            if (!same || (draw[t].on == CUDA_DRAW_NUCLEUS && !(got[CUDA_TOP_K].id & 4))) continue;
+            memcpy(row, x + (size_t)t * N, sizeof row);
+            same = sample_next(&p[t], row, N, history[t], H, &cpu, cand) == sample_next_best(&p[t], got, N, id, total, &rng[t]) && cpu == rng[t];
+            checked++;
+        }
+    }
+    check(same && checked >= 20, "penalties on the device: greedy, top-k, drawn and nucleus tokens as sample_next gives them after the same "
+          "history's penalties, and the logits as they were after", "%d checked, %s", checked, listed ? "listed" : "a list too long");
+    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws), cuda_mem_free(pens);
+}
+
 static void test_top_device(int real)
 {
+    check_penalty(0);
     check_nucleus_tie(0);
     check_draw(0, 248320, 2, TOP_CLUSTER, 3);
     check_draw(0, 2112, 3, TOP_TIES, 12);
@@ -1068,17 +1124,22 @@ static void bench_top(int dev)
     const int n = 248320, reps = 200;
     float *x = random_x(1, n);
     struct sample_candidate got[CUDA_TOP_ROW];
+    const struct cuda_top_draw draw = {0.5, 0.8f, 1.0f, 0.0f, CUDA_DRAW_TOKEN};
     cuda_ptr logits = device_copy(dev, x, (size_t)n * 4), scratch = device_copy(dev, NULL, CUDA_TOP_SCRATCH), out = device_copy(dev, NULL, sizeof got);
-    int fine = logits && scratch && out;
-    const double t0 = plat_now();
-    for (int i = 0; i < reps && fine; i++) fine = !cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, 1) && !cuda_dtoh(got, out, sizeof got);
-    const double t1 = plat_now();
+    cuda_ptr draws = device_copy(dev, &draw, sizeof draw);
+    int fine = logits && scratch && out && draws;
+    double t[4] = {plat_now()};
+    for (int i = 0; i < reps && fine; i++) fine = !cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, 0, 0, 1) && !cuda_dtoh(got, out, sizeof got);
+    t[1] = plat_now();
+    for (int i = 0; i < reps && fine; i++) fine = !cuda_top_launch(&cuda.dev[dev], logits, n, scratch, out, draws, 0, 1) && !cuda_dtoh(got, out, sizeof got);
+    t[2] = plat_now();
     for (int i = 0; i < reps && fine; i++) fine = !cuda_dtoh(x, logits, (size_t)n * 4);
-    const double t2 = plat_now();
-    if (fine) printf("# device %d: the best %d of %d logits %.1f us a row (4 launches, %zu bytes down); the row down %.1f us\n", dev, CUDA_TOP_K, n,
-                     (t1 - t0) / reps * 1e6, sizeof got, (t2 - t1) / reps * 1e6);
+    t[3] = plat_now();
+    if (fine) printf("# device %d: the best %d of %d logits %.1f us a row (4 launches, %zu bytes down), with a draw over them all %.1f us (6); "
+                     "the row down %.1f us\n", dev, CUDA_TOP_K, n, (t[1] - t[0]) / reps * 1e6, sizeof got, (t[2] - t[1]) / reps * 1e6,
+                     (t[3] - t[2]) / reps * 1e6);
     else printf("# device %d: the output head's best not timed: a driver call failed\n", dev);
-    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out);
+    cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
     free(x);
 }
 

@@ -94,8 +94,8 @@ done
 # top-k sampling too, through the twins and kernels.cu's source; a temperature alone draws there
 # over the whole vocabulary; a nucleus without top-k is drawn from the best where its cut falls
 # among them (a low temperature here), else its row comes down (these random models' rows are
-# flat: at 0.8 it spans hundreds); a repetition penalty reads every logit, so its steps bring
-# down the row.
+# flat: at 0.8 it spans hundreds); with a repetition penalty and the top logits reported
+# (--json), the row comes down (those are the model's, before the penalty).
 m=q35moe-q8_0.gguf
 for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.3 --top-k 64 --min-p 0.02 --seed 3|7" \
     "fake|--temp 0.8 --top-k 0 --seed 5|7" "sim|--temp 1.2 --top-k 0 --seed 9|7" "fake|--temp 0.05 --top-k 0 --top-p 0.5 --seed 2|7" \
@@ -109,6 +109,19 @@ for case in "fake|--temp 0.9 --top-k 40 --top-p 0.95 --seed 11|7" "sim|--temp 1.
     if [ -s "$tmp/j" ] && cmp -s "$tmp/j" "$tmp/cpu-sampled" && grep -q "; $kept tokens' logits stayed there$" "$tmp/e"; then
         ok "$lib, $args: the CPU's tokens, $kept steps' logits left on the device"
     else bad "$lib, $args" "tokens differ or not $kept steps' logits kept: $(grep '^\[cuda\]' "$tmp/e" | tail -c 300)"; fi
+done
+# A penalty without the top logits reported: the device penalises the recent tokens' logits, then
+# finds the best or draws (a penalty below 1 here, which promotes them: the text changes).
+COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog --temp 0 >"$tmp/plain" 2>/dev/null
+for case in "fake|--temp 0 --repeat-penalty 0.2" "sim|--temp 0 --repeat-penalty 0.2" "fake|--temp 0.9 --top-k 0 --repeat-penalty 0.5 --seed 3" \
+    "sim|--temp 0.9 --top-k 20 --repeat-penalty 0.5 --seed 3"; do
+    lib=${case%%|*} args=${case#*|}
+    if [ ! -f "$B/$lib/libcuda.so.1" ]; then ok "penalised ($args) through $B/$lib # SKIP not built"; continue; fi
+    COLI_CUDA=0 "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog $args >"$tmp/cpu-pen" 2>/dev/null
+    LD_LIBRARY_PATH="$B/$lib" "$COLI" run -m "$GOLDEN/$m" -p "$P" -n 8 --ignore-eog $args >"$tmp/gpu-pen" 2>"$tmp/e"
+    if [ -s "$tmp/cpu-pen" ] && cmp -s "$tmp/cpu-pen" "$tmp/gpu-pen" && ! cmp -s "$tmp/cpu-pen" "$tmp/plain" && grep -q "; 7 tokens' logits stayed there$" "$tmp/e"; then
+        ok "$lib, $args: penalised on the device, the CPU's text (not the unpenalised one), 7 steps' logits left there"
+    else bad "$lib, $args" "text differs, or is the unpenalised one, or logits came down: $(grep '^\[cuda\]' "$tmp/e" | tail -c 200)"; fi
 done
 # The chosen experts come down from the device for the heat (each layer's ids, after the chain's
 # last layer): the heat a run saves is the CPU's, byte for byte, through the twins and the sim.
@@ -447,9 +460,9 @@ serve_up() { # serve_up LOG SLOTS ENV...: coli serve with ENV on a free port; se
     done
 }
 serve_down() { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
-# The three sample differently: the first with a penalty (every logit comes down while it
-# decodes), then a temperature alone (as OpenAI clients send: drawn over the whole vocabulary)
-# and top-k, which go on after it ends (only each step's best logits and draws then).
+# The three sample differently, each with its row kept on the device: greedy with a frequency
+# penalty (applied there), a temperature alone (as OpenAI clients send: drawn over the whole
+# vocabulary) and top-k.
 serve_text() { # serve_text LOG ENV...: three completions at once (slots decoding together) from a server started with ENV
     local log=$1 i pids=() sampling=('"temperature":0,"frequency_penalty":0.5' '"temperature":0.8,"seed":3' '"temperature":0.9,"top_k":30,"seed":7'); shift
     serve_up "$log" 3 "$@"

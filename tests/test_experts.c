@@ -18,7 +18,7 @@
 /* T tokens of sequence Q through the model; the logits of the last. */
 static float *forward_tokens(struct model *m, struct model_seq *q, const int *tokens, int T)
 {
-    struct model_run run = {q, tokens, T, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    struct model_run run = {q, tokens, T, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     if (model_forward_runs(m, &run, 1)) die("%s", m->error);
     return run.logits;
 }
@@ -314,7 +314,7 @@ static void test_read_recovers(const char *dir)
     model_seq_init(&m, &q);
     int failed = 0;
     for (int i = 0; i < 8 && !failed; i++) { /* the cache holds 4 experts: some read must come */
-        struct model_run run = {&q, prompt, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+        struct model_run run = {&q, prompt, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
         failed = model_forward_runs(&m, &run, 1) != 0;
         model_seq_reset(&m, &q);
     }

@@ -15,7 +15,7 @@
 /* T tokens of sequence Q through the model; the logits of the last. */
 static float *forward(struct model *m, struct model_seq *q, const int *tokens, int T)
 {
-    struct model_run run = {q, tokens, T, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    struct model_run run = {q, tokens, T, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     if (model_forward_runs(m, &run, 1)) die("forward: %s", m->error);
     return run.logits;
 }

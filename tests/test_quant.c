@@ -484,7 +484,7 @@ static double iq3s_first_row_error(const char *dir) {
     }
     struct model_seq q;
     model_seq_init(&m, &q);
-    struct model_run run = {&q, prompt, n_prompt, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    struct model_run run = {&q, prompt, n_prompt, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     if (model_forward_runs(&m, &run, 1)) die("forward: %s", m.error);
     double worst = 0;
     for (int v = 0; v < m.cfg.n_vocab; v++) worst = fmax(worst, fabs(run.logits[v] - want[v]));

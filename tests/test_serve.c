@@ -24,25 +24,25 @@ static void test_batch_identity(const char *dir, const char *name)
     model_seq_init(&m, &qa);
     model_seq_init(&m, &qb);
     float *alone_a = plat_alloc((size_t)V * sizeof(float)), *alone_b = plat_alloc((size_t)V * sizeof(float));
-    struct model_run ra = {&qa, a, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}}, rb = {&qb, b, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    struct model_run ra = {&qa, a, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL}, rb = {&qb, b, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     int ok = !model_forward_runs(&m, &ra, 1);
-    ra = (struct model_run){&qa, a + 5, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    ra = (struct model_run){&qa, a + 5, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     ok = ok && !model_forward_runs(&m, &ra, 1);
     if (ok) memcpy(alone_a, ra.logits, (size_t)V * sizeof(float));
     ok = ok && !model_forward_runs(&m, &rb, 1);
     if (ok) memcpy(alone_b, rb.logits, (size_t)V * sizeof(float));
     model_seq_reset(&m, &qa);
     model_seq_reset(&m, &qb);
-    ra = (struct model_run){&qa, a, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    ra = (struct model_run){&qa, a, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     ok = ok && !model_forward_runs(&m, &ra, 1);
-    struct model_run both[2] = {{&qa, a + 5, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}}, {&qb, b, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}}};
+    struct model_run both[2] = {{&qa, a + 5, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL}, {&qb, b, 3, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL}};
     ok = ok && !model_forward_runs(&m, both, 2);
     snprintf(label, sizeof label, "%s: two sequences in one batch get the logits each gets alone", name);
     check(ok && !memcmp(both[0].logits, alone_a, (size_t)V * sizeof(float)) && !memcmp(both[1].logits, alone_b, (size_t)V * sizeof(float)) &&
               qa.pos == 6 && qb.pos == 3,
           label, "ok %d, positions %d %d", ok, qa.pos, qb.pos);
-    struct model_run twice[2] = {{&qa, a, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}}, {&qa, a, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}}},
-                     bad = {&qb, (const int[]){V}, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}};
+    struct model_run twice[2] = {{&qa, a, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL}, {&qa, a, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL}},
+                     bad = {&qb, (const int[]){V}, 1, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     snprintf(label, sizeof label, "%s: a sequence twice in a batch, or a token outside the vocabulary, is refused", name);
     check(model_forward_runs(&m, twice, 2) && model_forward_runs(&m, &bad, 1) && strstr(m.error, "outside the vocabulary") && qa.pos == 6,
           label, "'%s'", m.error);
