@@ -10308,40 +10308,32 @@ static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const
 }
 
 /* ==== §6 experts ==== */
-/* Owns: the routed experts of every layer as units (expert e of layer l: its slices of the
- *   merged ffn_{gate,up,down}_exps tensors), the RAM cache that holds a byte budget of them,
- *   the reader threads that fill it with pread, heat (how often each expert is routed,
- *   decayed) and its file, and the hit / read / prefetch statistics.
- * Promises: the matrices handed out hold exactly the file's bytes, so products over them are
- *   the products over the mapping, bit for bit. A failed or short read is never handed
- *   out: the layer gets nothing more from expert_next, and expert_recover reports the read's
- *   `FILE: ...` message and leaves the store as if it had never been asked. Only the main thread
- *   calls expert_* (reader threads touch only the slot they load and the store's queue,
- *   under its mutex). The store never touches the mapping's expert bytes when it caches,
- *   so the page cache does not hold a second copy (O_DIRECT; see EXPERT_IO_*). In mapped
- *   mode (budget < 0: everything fits) there is no cache: experts are handed out in place,
- *   from the mapping or, when memory holds the file's pages beside them (cfg.own), from the
- *   store's own copy (expert_own); only heat and statistics are kept.
+/* Owns: routed experts as units (expert e of layer l: its slices of the merged ffn_{gate,up,down}_exps tensors), the RAM
+ *   cache holding a byte budget of them, its pread reader threads, heat (decayed routing counts) and its file, statistics.
+ * Promises: matrices handed out hold exactly the file's bytes: products equal the mapping's bit for bit. A failed or
+ *   short read is never handed out: expert_next stops, and expert_recover reports its `FILE: ...` message, leaving the
+ *   store as if never asked. Only the main thread calls expert_* (readers touch only their slot and the queue, under
+ *   its mutex). Caching never touches the mapping's expert bytes: the page cache holds no second copy (O_DIRECT; see
+ *   EXPERT_IO_*). Mapped mode (budget < 0: all fits): no cache, experts handed out in place or from expert_own's copy
+ *   (cfg.own); only heat and statistics kept.
  * May call: §1–§4, §5 (struct cuda_expert; whether the GPU path is still up), pthreads.
- * Workload: per decoded token, n_layers lookups of n_expert_used experts (320 on the
- *   35B-A3B, 1.77 MB each at Q4_0); a prompt batch of 64 tokens wants ~220 of 256 per layer.
- *   A miss is three preads of one expert's slices, done by EXPERT_READERS threads. */
+ * Workload: per decoded token, n_layers lookups of n_expert_used experts (320 on the 35B-A3B, 1.77 MB each at Q4_0); a
+ *   64-token prompt batch wants ~220 of 256 per layer. A miss: three preads (EXPERT_READERS threads). */
 
 #define EXPERT_READERS 4          /* reads in flight (README: their rate) */
 #define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
 #define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
 #define EXPERT_HEAT_VERSION 1
 #define EXPERT_HEAT_HALF_LIFE 4096 /* tokens: heat halves over about a long conversation */
-#define EXPERT_REPIN_TOKENS 64    /* tokens between re-choosing the pinned (hottest) experts */
+#define EXPERT_REPIN_TOKENS 64    /* tokens between re-choosing the pinned (hottest) */
 
-/* One merged tensor of a layer: expert e is `m` with its data moved by e * stride bytes
- * (in the mapping). */
+/* A layer's merged tensor: expert e is `m` with its data moved by e * stride bytes (in the mapping). */
 struct expert_tensor {
     struct ops_matrix m;
     size_t stride;
 };
 
-/* Where expert 0 of one merged tensor lies in the files, and one expert's bytes. */
+/* Where expert 0 of a merged tensor lies in the files, and one expert's bytes. */
 struct expert_source {
     struct expert_tensor t;
     int part;
@@ -10361,11 +10353,11 @@ struct expert_config {
     int own;                 /* mapped mode: copy the experts into the store's memory (expert_own) */
 };
 
-/* One cache entry: the three slices of one expert, each at part_cap[j] from buf. */
+/* A cache entry: one expert's three slices, each at part_cap[j] from buf. */
 struct expert_slot {
     int32_t key;      /* layer * n_expert + expert; -1 when free */
     int state;        /* enum expert_state */
-    int refs;         /* holders on the main thread; > 0: not evictable */
+    int refs;         /* main-thread holders; > 0: not evictable */
     int pinned;       /* one of the hottest: never evicted */
     int prev, next;   /* LRU list (evictable slots only) or free list; -1 ends */
     uint8_t *buf;     /* [slot_bytes] */
@@ -10375,13 +10367,13 @@ struct expert_stats {
     uint64_t lookups[2], hits[2], inflight[2]; /* [phase]: wanted; in memory; being read */
     uint64_t vram[2];                          /* [phase]: wanted and resident on a device */
     uint64_t predicted[2], predicted_used[2];  /* [phase]: prefetch guesses, guesses routed */
-    uint64_t routed_seen[2];                   /* [phase]: routed experts where a guess was made */
+    uint64_t routed_seen[2];                   /* [phase]: routed experts that had a guess */
     uint64_t bytes_read, reads, prefetches, warm_reads;
     double busy_s;   /* wall time with at least one read in flight */
     double wait_s[2]; /* [phase]: main thread blocked on reads */
-    uint64_t swaps, swap_bytes; /* re-tiering (§7 place_retier): experts brought into VRAM, their bytes */
+    uint64_t swaps, swap_bytes; /* re-tiering (§7 place_retier): experts brought into VRAM, bytes */
     double window_vram;         /* the share of routed experts VRAM served over the last re-tiering window */
-    int windows;                /* re-tiering windows ended (none: window_vram is not set) */
+    int windows;                /* re-tiering windows ended (none: window_vram unset) */
 };
 
 struct expert_store {
@@ -10415,36 +10407,36 @@ struct expert_store {
     int decay_tokens, repin_tokens;       /* since the last decay / re-pin */
     /* the layer being computed */
     int layer, n_want, n_done, held;      /* held: the slot handed out, or -1 */
-    int *want, *want_slot;                /* [n_expert] ids routed in this layer; slot held or -1 */
+    int *want, *want_slot;                /* [n_expert] this layer's routed ids; slot held or -1 */
     uint8_t *guess;                       /* [n_expert] prefetch guesses for guess_layer */
-    void *own;                            /* mapped mode: the experts' own copy (expert_own), or NULL */
+    void *own;                            /* mapped mode: the own copy (expert_own), or NULL */
     size_t own_bytes;
-    uint8_t *hole;                        /* [n_layers * n_expert] 1: left out of own (in VRAM then); or NULL */
+    uint8_t *hole;                        /* [n_layers * n_expert] 1: left out of own (in VRAM); or NULL */
     int guess_layer;
     /* the VRAM tier (§7 place_model fills it, place_retier changes it; NULL: none) */
     struct expert_vram { int dev; struct cuda_expert e; } *vram; /* [n_layers * n_expert], dev -1: not resident */
-    int32_t swap_key[CUDA_MAX_DEVICES];   /* the expert each device is uploading in the background; -1 none */
+    int32_t swap_key[CUDA_MAX_DEVICES];   /* each device's background upload's expert; -1 none */
     struct cuda_expert swap_e[CUDA_MAX_DEVICES];
     int retier_tokens;                    /* since the re-tiering window began */
-    uint64_t window_lookups, window_vram; /* the lookups and VRAM uses when the window began */
-    int *on_device, n_on_device;          /* [n_expert] wanted ids of the layer being computed that are resident */
+    uint64_t window_lookups, window_vram; /* lookups and VRAM uses at the window's start */
+    int *on_device, n_on_device;          /* [n_expert] the computed layer's wanted ids that are resident */
     struct expert_stats stats;
-    /* mapped in place: the thread that maps the experts' pages ahead (expert_map_ahead) */
+    /* mapped in place: the thread mapping the experts' pages ahead (expert_map_ahead) */
     pthread_t mapper;
     int mapper_on, mapper_stop;           /* mapper_stop: atomic */
     struct expert_range { uintptr_t lo, hi; } *map_ranges; /* [n_map_ranges] page-aligned */
     int n_map_ranges;
-    size_t map_ahead_bytes;               /* mapped; with map_ahead_s, valid once the thread is joined */
+    size_t map_ahead_bytes;               /* mapped; with map_ahead_s, valid once joined */
     double map_ahead_s;
 };
 
 
 static size_t expert_round_up(size_t n) { return (n + EXPERT_ALIGN - 1) & ~(size_t)(EXPERT_ALIGN - 1); }
 
-/* Whether expert KEY runs on a device: resident there, and the GPU path still up. */
+/* Whether expert KEY runs on a device: resident there, the GPU path still up. */
 static int expert_in_vram(const struct expert_store *s, int32_t key) { return s->vram && cuda.ready && s->vram[key].dev >= 0; }
 
-/* Expert E of a merged tensor, read in place from the mapping. */
+/* Expert E of a merged tensor, in place in the mapping. */
 static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
 {
     struct ops_matrix m = t->m;
@@ -10452,16 +10444,15 @@ static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
     return m;
 }
 
-/* Where expert E of layer L's matrix J is in the file's mapping. */
+/* Where expert E of layer L's matrix J is in the mapping. */
 static const uint8_t *expert_file_slice(const struct expert_store *s, int l, int j, int e)
 {
     const struct expert_source *src = &s->src[l][j];
     return s->file->parts[src->part].data + src->offset + (size_t)e * src->t.stride;
 }
 
-/* Mapped mode with an own copy: expert KEY's place there filled from the file if expert_own
- * left it out, before the CPU reads it. Main thread only. Only a device leaves holes, and with
- * one the copy is never interleaved. */
+/* Mapped mode with an own copy: fills expert KEY's hole (left by expert_own) from the file before the CPU reads it.
+ * Main thread only. Only a device leaves holes, and then the copy is never interleaved. */
 static void expert_fill_hole(struct expert_store *s, int32_t key)
 {
     if (!s->hole || !s->hole[key]) return;
@@ -10496,8 +10487,8 @@ static void expert_lru_append(struct expert_store *s, int i)
 
 static int expert_listed(const struct expert_store *s, int i) { return s->slots[i].prev >= 0 || s->lru_head == i; }
 
-/* The LRU list holds exactly the slots that may be evicted: read, unheld, not pinned. Call
- * after any change to a slot's state, refs or pinned (under mu). */
+/* The LRU list holds exactly the evictable slots: read, unheld, unpinned. Call after changing a slot's state, refs or
+ * pinned (under mu). */
 static void expert_relist(struct expert_store *s, int i)
 {
     const struct expert_slot *x = &s->slots[i];
@@ -10507,8 +10498,8 @@ static void expert_relist(struct expert_store *s, int i)
     else expert_lru_unlink(s, i);
 }
 
-/* A slot to read into: a free one, else the least recently used evictable one, forgotten.
- * -1 when every slot is pinned, held or being read. Under mu. */
+/* A slot to read into: a free one, else the least recently used evictable one, forgotten. -1 when every slot is pinned,
+ * held or being read. Under mu. */
 static int expert_victim(struct expert_store *s)
 {
     int i = s->free_head;
@@ -10537,8 +10528,7 @@ static void expert_claim(struct expert_store *s, int i, int32_t key, int refs)
     s->slot_of[key] = i;
 }
 
-/* Queues a read of KEY for the readers; returns its slot, or -1 when no slot can be had
- * without waiting. Under mu. */
+/* Queues a read of KEY; returns its slot, or -1 when no slot can be had without waiting. Under mu. */
 static int expert_start_read(struct expert_store *s, int32_t key, int refs)
 {
     int i = expert_victim(s);
@@ -10550,7 +10540,7 @@ static int expert_start_read(struct expert_store *s, int32_t key, int refs)
     return i;
 }
 
-/* Where slice J (gate, up, down) of the expert in slot I starts. */
+/* Where slice J (gate, up, down) of slot I's expert starts. */
 static uint8_t *expert_slice(const struct expert_store *s, int i, int j)
 {
     size_t at = 0;
@@ -10558,10 +10548,8 @@ static uint8_t *expert_slice(const struct expert_store *s, int i, int j)
     return s->slots[i].buf + at;
 }
 
-/* Reads the three slices of KEY into slot I: whole disk blocks around each slice (O_DIRECT
- * needs them), the slice landing at its offset within its first block. Returns 0, or -1
- * with MSG saying why. Runs on a reader thread without the lock: the slot is LOADING, so
- * nobody else touches its buffer. */
+/* Reads KEY's three slices into slot I, each as the whole disk blocks around it (O_DIRECT), at its offset in the
+ * first. 0, or -1 with MSG saying why. Reader thread, unlocked: the slot is LOADING, so no one else touches it. */
 static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, size_t n)
 {
     int layer = key / s->n_expert, e = key % s->n_expert;
@@ -10587,8 +10575,7 @@ static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, si
     return 0;
 }
 
-/* Frees slot I, whose read failed and which nobody holds: the expert is read again when next
- * routed. Under mu. */
+/* Frees slot I, failed and unheld: the expert is read again when next routed. Under mu. */
 static void expert_free_failed(struct expert_store *s, int i)
 {
     struct expert_slot *x = &s->slots[i];
@@ -10597,10 +10584,8 @@ static void expert_free_failed(struct expert_store *s, int i)
     s->free_head = i;
 }
 
-/* The next slot a reader should fill: a queued read, else the next expert of the warm list
- * while free slots last (warming never evicts) and fewer than half the readers are busy, so
- * that a routed expert's read never queues behind more than two warming reads. -1: nothing
- * to do. Under mu. */
+/* A reader's next slot: a queued read, else the warm list's next expert while free slots last (warming never evicts)
+ * and under half the readers are busy, so a routed read never queues behind over two warming ones. -1: none. Under mu. */
 static int expert_next_job(struct expert_store *s)
 {
     if (s->q_len > 0) {
@@ -10635,8 +10620,8 @@ static void *expert_reader(void *arg)
         int bad = expert_read(s, i, key, msg, sizeof msg);
         pthread_mutex_lock(&s->mu);
         if (--s->in_flight == 0) s->stats.busy_s += plat_now() - s->busy_since;
-        /* A failed read fails the forward pass only if it holds the slot; one nobody holds (a
-         * warming read, or one whose pass has failed already and let go) must not fail the next. */
+        /* A failed read fails the pass only if it holds the slot; an unheld one (warming, or its pass
+         * already failed and let go) must not fail the next. */
         if (bad && s->slots[i].refs == 0) expert_free_failed(s, i);
         else if (bad) {
             if (!s->error[0]) memcpy(s->error, msg, sizeof msg);
@@ -10654,10 +10639,8 @@ static void *expert_reader(void *arg)
     return NULL;
 }
 
-/* Keeps the page cache free of expert bytes: drops what is cached of them (left by an earlier
- * run, or read around a fault on a neighbouring trunk tensor: the disk reads ahead 8 MiB
- * here), and at open (MAP) tells the kernel not to read ahead around them in the mapping,
- * which the store never touches. */
+/* Keeps expert bytes out of the page cache: drops them (left by an earlier run, or read ahead, 8 MiB here, around a
+ * fault on a neighbouring trunk tensor); at open (MAP) disables read-ahead around them. */
 static void expert_forget_mapping(struct expert_store *s, int map)
 {
     long page = sysconf(_SC_PAGESIZE);
@@ -10672,14 +10655,11 @@ static void expert_forget_mapping(struct expert_store *s, int map)
         }
 }
 
-/* Whether a read has failed since the last expert_recover: the layer being computed cannot
- * be finished, so expert_next hands nothing more out. Under mu. */
+/* Whether a read failed since the last expert_recover: the layer cannot finish; expert_next hands nothing out. Under mu. */
 static int expert_failed(const struct expert_store *s) { return s->error[0] != 0; }
 
-/* After a layer: 0 when every read went well. Else 1, with the first failed read's message in
- * MSG: the layer's holds are let go and the failed slots freed, so that the store serves the
- * next forward pass as if the failed reads had never been asked for (they are tried again
- * when next routed). Main thread. */
+/* After a layer: 0 if all reads went well. Else 1, the first failure's message in MSG: the layer's holds are let go,
+ * failed slots freed, so the next pass runs as if those reads were never asked (retried when next routed). Main thread. */
 static int expert_recover(struct expert_store *s, char *msg, size_t n)
 {
     if (s->mapped) return 0;
@@ -10706,7 +10686,7 @@ struct expert_rank {
     int32_t key;
 };
 
-/* Hottest first; the lower key first on ties, so the order is reproducible. */
+/* Hottest first; lower key first on ties, for a reproducible order. */
 static int expert_rank_cmp(const void *a, const void *b)
 {
     const struct expert_rank *x = a, *y = b;
@@ -10714,8 +10694,8 @@ static int expert_rank_cmp(const void *a, const void *b)
     return (x->key > y->key) - (x->key < y->key);
 }
 
-/* Every expert with heat > 0 that the CPU computes (not in VRAM), hottest first, into OUT
- * [n_layers * n_expert]; returns how many. Pinning and warming go by it. */
+/* Experts with heat > 0 the CPU computes (not in VRAM), hottest first, into OUT [n_layers * n_expert]; returns how
+ * many. Pinning and warming use it. */
 static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
 {
     int n = s->n_layers * s->n_expert, k = 0;
@@ -10728,8 +10708,8 @@ static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
     return k;
 }
 
-/* Pins the n_pin hottest experts (LFU for half the cache: with a skewed routing the hottest
- * pay most; the other half is LRU, for experts that recur over nearby tokens). Under mu. */
+/* Pins the n_pin hottest (LFU for half the cache: with skewed routing the hottest pay most; LRU for the rest, for
+ * experts recurring over nearby tokens). Under mu. */
 static void expert_repin(struct expert_store *s)
 {
     size_t n = (size_t)s->n_layers * (size_t)s->n_expert;
@@ -10746,9 +10726,8 @@ static void expert_repin(struct expert_store *s)
     }
 }
 
-/* Counts T more tokens: decays heat (half-life EXPERT_HEAT_HALF_LIFE tokens, applied every
- * 256 tokens, which costs one pass over n_layers * n_expert floats) and re-pins now and then.
- * Returns whether it re-pinned. */
+/* Counts T more tokens: decays heat (half-life EXPERT_HEAT_HALF_LIFE, applied every 256 tokens: a pass over
+ * n_layers * n_expert floats), re-pins now and then; returns whether it did. */
 static int expert_heat_tick(struct expert_store *s, int T)
 {
     s->heat_tokens += T;
@@ -10766,9 +10745,8 @@ static int expert_heat_tick(struct expert_store *s, int T)
     return 1;
 }
 
-/* The heat file: "COLIHEAT", u32 version, u32 n_layers, u32 n_expert, u32 0, u64 model
- * fingerprint, f64 tokens, f32 heat[n_layers][n_expert], u64 FNV-1a of all bytes before it.
- * Little-endian (coli is x86-64 only). */
+/* Heat file: "COLIHEAT", u32 version, u32 n_layers, u32 n_expert, u32 0, u64 model fingerprint, f64 tokens,
+ * f32 heat[n_layers][n_expert], u64 FNV-1a of all prior bytes. Little-endian (coli is x86-64 only). */
 #define EXPERT_HEAT_HEADER 40
 
 static uint64_t expert_fnv(const uint8_t *p, size_t n)
@@ -10778,7 +10756,7 @@ static uint64_t expert_fnv(const uint8_t *p, size_t n)
     return h;
 }
 
-/* Why the heat file image BUF [n] cannot be used, or NULL when it can. */
+/* Why heat file image BUF [n] is unusable, or NULL. */
 static const char *expert_heat_check(const struct expert_store *s, const uint8_t *buf, size_t n)
 {
     size_t cells = (size_t)s->n_layers * (size_t)s->n_expert;
@@ -10801,8 +10779,7 @@ static const char *expert_heat_check(const struct expert_store *s, const uint8_t
     return NULL;
 }
 
-/* Loads heat from cfg.heat_path when that file exists; a bad one is ignored with one line.
- * Returns whether heat was loaded. */
+/* Loads heat from cfg.heat_path if present; a bad file: one line, ignored. Returns whether heat was loaded. */
 static int expert_heat_load(struct expert_store *s)
 {
     const char *path = s->cfg.heat_path;
@@ -10818,9 +10795,8 @@ static int expert_heat_load(struct expert_store *s)
     return why == NULL;
 }
 
-/* Writes the heat to cfg.heat_path (through a temporary file and rename, so a reader never
- * sees half a file), creating its directory if missing. A failure is one line, not fatal:
- * heat changes speed only. */
+/* Writes heat to cfg.heat_path (temporary file and rename: no reader sees half a file), creating its directory. A
+ * failure is a line, not fatal: heat changes speed only. */
 static void expert_heat_save(const struct expert_store *s)
 {
     const char *path = s->cfg.heat_path;
@@ -10854,10 +10830,9 @@ static void expert_heat_save(const struct expert_store *s)
     free(buf);
 }
 
-/* The heat file to use when neither --heat nor HEAT_FILE names one: MODEL.heat beside the
- * model if it exists (shipped with it), else $XDG_CACHE_HOME/coli or ~/.cache/coli, named
- * after the model and its fingerprint (model directories are often read-only or shared).
- * Returns an allocated path. */
+/* The heat file if neither --heat nor HEAT_FILE names one: MODEL.heat if shipped beside the model, else
+ * $XDG_CACHE_HOME/coli or ~/.cache/coli, named by model and fingerprint (model directories are often read-only or
+ * shared). Allocated. */
 static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
 {
     size_t n = strlen(model_path) + 512;
@@ -10871,7 +10846,7 @@ static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
     return path;
 }
 
-/* A consistent copy of the statistics (the readers update them), busy time up to now. */
+/* A consistent copy of the statistics (readers update them), busy time up to now. */
 static struct expert_stats expert_stats_get(struct expert_store *s)
 {
     if (s->mapped) return s->stats;
@@ -10882,9 +10857,8 @@ static struct expert_stats expert_stats_get(struct expert_store *s)
     return st;
 }
 
-/* Tells the store whether prompt tokens or decoded tokens follow (for the statistics). The
- * first decoded token ends warming: from then on the disk serves the decode's own misses and
- * prefetches, and on two cores every reader wake-up stalls the OpenMP team. */
+/* Whether prompt or decoded tokens follow (statistics). The first decoded token ends warming: the disk then serves
+ * the decode's own misses and prefetches, and on two cores each reader wake-up stalls the OpenMP team. */
 static void expert_phase(struct expert_store *s, enum expert_phase phase)
 {
     s->phase = phase;
@@ -10894,9 +10868,8 @@ static void expert_phase(struct expert_store *s, enum expert_phase phase)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Remembers the guess for LAYER (GUESS[0..n), repeats allowed) and starts reading those not
- * in memory, at most half the unpinned slots so a wrong guess cannot flush the cache;
- * guessed experts already in memory become most recently used. */
+/* Remembers LAYER's guess (GUESS[0..n), repeats allowed), starting reads of those not in memory, at most half the
+ * unpinned slots so a wrong guess cannot flush the cache; guessed ones in memory become most recently used. */
 static void expert_prefetch(struct expert_store *s, int layer, const int *guess, int n)
 {
     int ph = s->phase, issued = 0;
@@ -10923,8 +10896,8 @@ static void expert_prefetch(struct expert_store *s, int layer, const int *guess,
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Starts reads for wanted experts that have no slot yet, in order, while slots can be had
- * without waiting; each read is held for the layer. Under mu. */
+/* Starts reads for slotless wanted experts in order while slots come without waiting, each held for the layer. Under
+ * mu. */
 static void expert_fill(struct expert_store *s, int from)
 {
     for (int k = from; k < s->n_want; k++) {
@@ -10938,11 +10911,9 @@ static void expert_fill(struct expert_store *s, int from)
     }
 }
 
-/* Begins the routed experts of LAYER for T tokens: WANT[0..n) distinct ids, COUNT[e] tokens
- * routed to expert e. Counts heat and hits; the ones resident on a device are listed in
- * on_device for the caller to run there; of the others, holds those already in memory and
- * starts reading the rest, so that they arrive while the caller runs the shared expert and
- * the experts in memory. expert_next hands them out. */
+/* Begins LAYER's routed experts for T tokens: WANT[0..n) distinct ids, COUNT[e] tokens to expert e. Counts heat and
+ * hits; lists device-resident ones in on_device for the caller; holds the rest in memory and starts reading the others,
+ * to arrive while the caller runs the shared expert and those in memory. expert_next hands them out. */
 static void expert_begin(struct expert_store *s, int layer, const int *want, const int *count, int n, int T)
 {
     int ph = s->phase;
@@ -10968,7 +10939,7 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
         return;
     }
     pthread_mutex_lock(&s->mu);
-    if (expert_failed(s)) { /* the forward pass fails after this layer (expert_recover) */
+    if (expert_failed(s)) { /* the pass fails after this layer (expert_recover) */
         s->n_done = s->n_want;
         pthread_mutex_unlock(&s->mu);
         return;
@@ -10988,11 +10959,9 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
     if (repinned) expert_forget_mapping(s, 0); /* the first pass over the trunk has read around */
 }
 
-/* The next wanted expert whose bytes are in memory: its id, with its gate, up and down
- * matrices in W; -1 when the layer is done. Releases the expert handed out before. Prefers
- * one already read, else waits for a read under way, else for a slot to read into. The
- * order does not change results: each expert's output has its own place, summed later in
- * routing order. */
+/* The next wanted expert in memory: its id, gate, up and down matrices in W; -1 when the layer is done. Releases the
+ * previous one. Prefers one read, else waits for a read, else a slot. Order does not change results: each expert's
+ * output has its own place, summed in routing order. */
 static int expert_next(struct expert_store *s, struct ops_matrix w[3])
 {
     if (s->mapped) {
@@ -11019,7 +10988,7 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
     for (int j = s->n_done; j < s->n_want && k < 0; j++)
         if (s->want_slot[j] >= 0) k = j;
     double t0 = plat_now();
-    if (k < 0) /* nothing held: a slot frees up when a read under way ends */
+    if (k < 0) /* nothing held: a slot frees when a read under way ends */
         for (k = s->n_done; !expert_failed(s) && (expert_fill(s, k), s->want_slot[k] < 0);) pthread_cond_wait(&s->done, &s->mu);
     int i = s->want_slot[k], e = s->want[k];
     while (!expert_failed(s) && i >= 0 && s->slots[i].state != EXPERT_READY) pthread_cond_wait(&s->done, &s->mu);
@@ -11041,9 +11010,8 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
     return e;
 }
 
-/* Opens the part files for reading experts: with O_DIRECT unless cfg.io says buffered or the
- * file system refuses it (tmpfs), then buffered reads dropped from the page cache after use.
- * Reopening /proc/self/fd/N reaches every part of a split set by its open descriptor. */
+/* Opens the part files for expert reads: O_DIRECT unless cfg.io says buffered or the file system refuses (tmpfs), else
+ * buffered reads dropped from the page cache after use. /proc/self/fd/N reaches each part of a split set. */
 static void expert_open_files(struct expert_store *s)
 {
     char path[64];
@@ -11064,9 +11032,8 @@ static void expert_open_files(struct expert_store *s)
     }
 }
 
-/* Slot layout and count: each slice gets its largest size over the layers in whole disk
- * blocks plus one (a slice need not start on a block); the budget buys n_slots of those,
- * at least EXPERT_MIN_SLOTS, at most every expert. Half of them may be pinned. */
+/* Slot layout: each slice gets its largest size over the layers in whole disk blocks, plus one (a slice need not start
+ * on a block); the budget buys n_slots, from EXPERT_MIN_SLOTS to every expert. Half may be pinned. */
 static void expert_size_slots(struct expert_store *s)
 {
     for (int l = 0; l < s->n_layers; l++)
@@ -11080,9 +11047,8 @@ static void expert_size_slots(struct expert_store *s)
     s->n_pin = s->n_slots / 2;
 }
 
-/* Allocates the cache (the arena is reserved, and each slot's pages become resident only
- * when first read into), opens the files, loads the heat and pins and queues the hottest
- * experts, and starts the readers. */
+/* Allocates the cache (arena reserved; a slot's pages resident on first read), opens the files, loads heat, pins and
+ * queues the hottest, starts the readers. */
 static void expert_start_cache(struct expert_store *s)
 {
     int cells = s->n_layers * s->n_expert;
@@ -11090,9 +11056,8 @@ static void expert_start_cache(struct expert_store *s)
     size_t arena = plat_mul_size((size_t)s->n_slots, s->slot_bytes, "expert cache");
     void *p = mmap(NULL, arena, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) die("cannot reserve %zu bytes for the expert cache: %s", arena, strerror(errno));
-    /* huge pages: a slot's first read faults its pages in, and near a memory cgroup's limit
-     * each 4 KiB fault reclaimed on its own (the 35B-A3B in 8-12 GiB: prompt 1.6-5x, decode
-     * 1.2-1.7x slower: README) */
+    /* huge pages: a slot's first read faults its pages in, and near a memory cgroup's limit each 4 KiB
+     * fault reclaims alone (35B-A3B in 8-12 GiB: prompt 1.6-5x, decode 1.2-1.7x slower: README) */
     madvise(p, arena, MADV_HUGEPAGE);
     s->arena = p;
     s->slots = plat_zalloc((size_t)s->n_slots, sizeof *s->slots);
@@ -11120,9 +11085,8 @@ static void expert_start_cache(struct expert_store *s)
     pthread_attr_destroy(&attr);
 }
 
-/* The store for N_LAYERS layers of N_EXPERT experts whose slices are T[layer][gate, up,
- * down], in file G (which must outlive the store). Loads heat from cfg->heat_path if that
- * file exists (a bad one is ignored with a line). Budget < 0: mapped mode. */
+/* The store for N_LAYERS layers of N_EXPERT experts, slices T[layer][gate, up, down], in file G (must outlive it).
+ * Loads heat from cfg->heat_path if present (a bad file: a line, ignored). Budget < 0: mapped mode. */
 static struct expert_store *expert_open(const struct gguf_file *g, const struct expert_tensor (*t)[3], int n_layers, int n_expert,
                                         const struct expert_config *cfg)
 {
@@ -11158,14 +11122,13 @@ static struct expert_store *expert_open(const struct gguf_file *g, const struct 
     return s;
 }
 
-/* The share of routed experts VRAM served over the last re-tiering window, or so far when none
- * has ended. */
+/* The share of routed experts VRAM served over the last re-tiering window, or so far if none ended. */
 static double expert_window_share(const struct expert_stats *st)
 {
     return st->windows ? st->window_vram : plat_ratio((double)(st->vram[0] + st->vram[1]), (double)(st->lookups[0] + st->lookups[1]));
 }
 
-/* Ends a re-tiering window: the share of routed experts VRAM served since the last one. */
+/* Ends a re-tiering window: the share of routed experts VRAM served since the last. */
 static void expert_window_end(struct expert_store *s)
 {
     uint64_t lookups = s->stats.lookups[0] + s->stats.lookups[1], vram = s->stats.vram[0] + s->stats.vram[1];
@@ -11175,7 +11138,7 @@ static void expert_window_end(struct expert_store *s)
     s->window_vram = vram;
 }
 
-/* Whether every expert of layer L is resident on a device. */
+/* Whether all of layer L's experts are device-resident. */
 static int expert_layer_in_vram(const struct expert_store *s, int l)
 {
     for (int e = 0; e < s->n_expert; e++)
@@ -11194,17 +11157,11 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
     plat_progress_add((size_t)run * t->stride);
 }
 
-/* Mapped mode: copies the merged expert tensors into one anonymous arena and hands experts
- * out there; the process lets go of the file's pages, which the page cache keeps (the caller
- * asks for this only when memory holds both). A layer whose experts are all in VRAM stays in
- * the mapping (read only if the GPU path ends); in a layer partly in VRAM only the others are
- * copied: the resident ones' places in the arena stay untouched pages (no memory: huge pages
- * are turned off there), filled from the file by expert_fill_hole when the CPU first needs one
- * (re-tiering moved it off the device, or the GPU path ended). Why: experts stream faster
- * from anonymous memory than in place from the page cache (README).
- * Without the memory for it the experts stay in place. Where no device takes part (S->vram
- * unset: nothing will upload from this copy), the types with an interleaved form (§3) are
- * interleaved in it. */
+/* Mapped mode: copies the merged expert tensors into one anonymous arena, handing experts out there (they stream faster
+ * from it than from the page cache: README); the file's pages go back to the page cache (asked only when memory holds
+ * both, else experts stay in place). A layer all in VRAM stays mapped (read only if the GPU path ends); in one partly
+ * in VRAM, resident experts' places stay untouched pages (no huge pages there: no memory), filled by expert_fill_hole on
+ * the CPU's first need. With no device (S->vram unset: no uploads from here), interleavable types (§3) are interleaved. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
@@ -11244,8 +11201,8 @@ static void expert_own(struct expert_store *s)
     s->own_bytes = total;
 }
 
-/* Before expert_start: the cache's budget becomes BUDGET bytes (< 0: mapped mode), with OWN as
- * expert_config's (§7 has decided what lives in VRAM, which the budget no longer counts). */
+/* Before expert_start: the cache's budget becomes BUDGET (< 0: mapped mode), OWN as in expert_config (§7 put in VRAM
+ * what the budget no longer counts). */
 static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 {
     s->cfg.budget = budget;
@@ -11256,24 +11213,19 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14; musl's headers may predate it */
 #endif
-/* bytes a populate call covers: a stop waits for one (~2 ms), as does a thread that wants the
- * address space while it holds it */
+/* bytes a populate call covers: a stop waits for one (~2 ms), as does a thread wanting the address space meanwhile */
 #define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20)
 
-/* Mapped mode, in place: maps the experts' pages ahead of the forward passes, so that these do not
- * pay for it the first time they read an expert. Per chunk: MADV_POPULATE_READ fills the page
- * tables (reading from the disk what the page cache lacks), then one read a page warms what lies
- * below them (a VM's own tables: README). A range the kernel refuses (a file cut short) ends it:
- * the forward pass then says what is wrong. A kernel without MADV_POPULATE_READ (before 5.14) gets
- * the reads alone; there a file cut short ends the process with model_on_sigbus's one line, as a
- * forward pass reading it would. The thread runs only on idle cores (SCHED_IDLE): while a server
- * waits, or bench waits for it; a prompt that starts at once still maps what it reads itself, as
- * before. */
+/* Mapped mode, in place: maps the experts' pages ahead so passes do not pay on first read. Per chunk,
+ * MADV_POPULATE_READ fills page tables (reading what the page cache lacks), then a read a page warms what lies below
+ * (a VM's tables: README). A range the kernel refuses (file cut short) ends it; the pass then says what is wrong.
+ * Before Linux 5.14 only the reads run; a short file ends the process via model_on_sigbus, as a pass would. Idle cores
+ * only (SCHED_IDLE), while a server or bench waits; a prompt starting at once maps what it reads. */
 static void *expert_map_ahead(void *arg)
 {
     struct expert_store *s = arg;
     const double t0 = plat_now();
-    /* only when a core is idle: the forward passes' threads come first (if refused: as any thread) */
+    /* only on an idle core: the forward passes' threads come first (if refused: as any thread) */
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &(struct sched_param){0});
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     size_t bytes = 0;
@@ -11291,8 +11243,8 @@ static void *expert_map_ahead(void *arg)
     return NULL;
 }
 
-/* Starts expert_map_ahead over the experts the CPU computes: runs of them, as expert_own copies
- * (one in VRAM is read again only if the GPU path ends). */
+/* Starts expert_map_ahead over runs of CPU experts, as expert_own copies (VRAM ones are read again only if the GPU
+ * path ends). */
 static void expert_map_ahead_start(struct expert_store *s)
 {
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -11311,7 +11263,7 @@ static void expert_map_ahead_start(struct expert_store *s)
     s->mapper_on = pthread_create(&s->mapper, NULL, expert_map_ahead, s) == 0;
 }
 
-/* Waits for expert_map_ahead to end (at once with STOP: after the call in progress). */
+/* Waits for expert_map_ahead to end (with STOP: after the call in progress). */
 static void expert_map_ahead_join(struct expert_store *s, int stop)
 {
     if (!s->mapper_on) return;
@@ -11320,8 +11272,8 @@ static void expert_map_ahead_join(struct expert_store *s, int stop)
     s->mapper_on = 0;
 }
 
-/* Starts the cache, or copies the experts in mapped mode when asked, else maps their pages
- * ahead (after §7 has placed experts in VRAM, which all of these then leave out). */
+/* Starts the cache, else copies the experts (mapped mode, when asked), else maps them ahead; all leave out what §7
+ * placed in VRAM. */
 static void expert_start(struct expert_store *s)
 {
     if (!s->mapped) expert_start_cache(s);
@@ -11329,7 +11281,7 @@ static void expert_start(struct expert_store *s)
     else expert_map_ahead_start(s);
 }
 
-/* Stops the readers (each finishes the read it is in) and frees everything; NULL is fine. */
+/* Stops the readers (each finishes its read) and frees everything; NULL is fine. */
 static void expert_close(struct expert_store *s)
 {
     if (!s) return;
@@ -11356,56 +11308,43 @@ static void expert_close(struct expert_store *s)
 }
 
 /* ==== §7 place ==== */
-/* Owns: which weights live in VRAM (design.md §5), priced in bytes of host memory-bus traffic
- *   saved per token per byte of VRAM. A dense trunk matrix is read every token: its bytes. A
- *   routed expert is read with the probability p_e that a token routes to it (its share of the
- *   heat, or top_k / n_expert without): p_e times its bytes, twice that when the RAM cache would
- *   not hold it (an O_DIRECT read writes the bytes the product then reads; a buffered one four
- *   times). The host counts too: a trunk matrix in VRAM leaves its RAM to the expert cache when
- *   memory sets the cache's budget, and an expert leaving the cache frees its slot for the first
- *   one that missed (place_decide has the formulas). So with RAM to spare the trunk goes first
- *   (value 1 against p_e < 1); with a fixed cache an expert routed on more than about every
- *   other token keeps its place. The trunk, component by component in a fixed order (lmhead,
- *   attnproj, dnproj, dnout, shexp, router, ffn), and the experts, hottest first, are merged by
- *   value; each goes to the selected device with the most room left that has a kernel for it,
- *   within that device's budget (--vram, or free VRAM less a reserve), before the expert store's
- *   cache starts (it holds only what the CPU computes). --place / COLI_PLACE may name a device
- *   (or cpu) per component or split its layers (dnproj=0:20+1:20). A probe times a trunk product
- *   on each device and the CPU first (a device slower than the CPU gets no trunk; two devices or
- *   more: whole placements priced per token, place_choose_split). place_retier swaps experts
- *   between VRAM and the CPU as the heat moves. coli plan is the same decisions as a dry run
- *   (place_dry_run): it cannot disagree with a run.
- * Promises: placement changes speed only: a resident matrix or expert computes the same bits
- *   (§5). One [place] line per component says where it went and with what numbers, and one
- *   the prices that decided between trunk and experts. A bad --place / COLI_PLACE, or one
- *   naming a device that is not there or not selected, is a usage error.
+/* Owns: which weights live in VRAM (design.md §5), priced in host memory-bus bytes saved per token per byte of VRAM: a
+ *   trunk matrix saves its bytes (read every token), a routed expert p_e times its bytes (p_e: heat share, or top_k /
+ *   n_expert), twice that if the RAM cache would not hold it (an O_DIRECT read writes the bytes the product then reads;
+ *   buffered: four times); VRAM also frees host RAM for the expert cache (formulas: place_decide). So with RAM to spare
+ *   the trunk goes first (1 against p_e < 1); with a fixed cache an expert routed on over about every other token keeps
+ *   its place. Trunk components in a fixed order (lmhead, attnproj, dnproj, dnout, shexp, router, ffn) and experts,
+ *   hottest first, merge by value, each to the selected device with its kernel and most room in budget (--vram, or free
+ *   VRAM less a reserve), before the expert cache starts (it holds only CPU experts). --place / COLI_PLACE may name a
+ *   device (or cpu) per component or split its layers (dnproj=0:20+1:20). Probe, split, re-tiering: see their
+ *   subsections; coli plan dry-runs this code (place_dry_run), so cannot disagree with a run.
+ * Promises: placement changes speed only: resident matrices and experts compute the same bits (§5). A [place] line per
+ *   component says where it went with what numbers, one the prices deciding trunk against experts. A bad --place /
+ *   COLI_PLACE, or one naming a device absent or not selected, is a usage error.
  * May call: §1, §4 (struct ops_matrix), §5 (devices, uploads), §6 (the store's experts, heat).
  * Workload: once per model load; place_retier once per forward pass (a pass over the heat). */
 
 enum place_component { PLACE_LMHEAD, PLACE_ATTNPROJ, PLACE_DNPROJ, PLACE_DNOUT, PLACE_SHEXP, PLACE_ROUTER, PLACE_FFN, PLACE_EXPERTS, PLACE_COUNT };
 static const char *const place_names[PLACE_COUNT] = {"lmhead", "attnproj", "dnproj", "dnout", "shexp", "router", "ffn", "experts"};
 
-/* One movable matrix of the trunk, and its layer (-1: none, as lm_head). */
+/* A movable trunk matrix, and its layer (-1: none, as lm_head). */
 struct place_item { enum place_component comp; struct ops_matrix *m; int layer; };
 
 enum { PLACE_ANY = -1, PLACE_CPU = -2 }; /* a rule's device: the one with the most room; none */
 #define PLACE_MAX_SEGMENTS 64
 
-/* Where one component goes: SEG[0..n) in layer order, each COUNT of the layers that have the
- * component to DEV (a device or PLACE_ANY); the layers after the last segment stay on the
- * CPU, so n = 0 keeps them all there. */
+/* Where a component goes: SEG[0..n) in layer order, each sending COUNT of its layers to DEV (a device or PLACE_ANY);
+ * later layers stay on the CPU (n = 0: all). */
 struct place_rule {
     int n;
     struct place_segment { int dev, count; } seg[PLACE_MAX_SEGMENTS];
 };
 
-/* coli plan: placement decides and charges the budgets as for a run, but allocates and copies
- * nothing (the probe's one matrix excepted, for a moment); its [place] and [probe] lines go
- * to stdout unless plan writes JSON there. */
+/* coli plan: placement decides and charges budgets as a run does but allocates and copies nothing (bar the probe's
+ * matrix, briefly); [place] and [probe] lines go to stdout unless plan writes JSON there. */
 static int place_dry_run, place_say_stdout;
 
-/* The number at *P, digits only (no sign or space), *P moved past it; -1 when there is none
- * or it exceeds 10^7. */
+/* The number at *P (digits only: no sign or space), *P moved past it; -1 if none or above 10^7. */
 static long place_number(const char **p)
 {
     const char *start = *p;
@@ -11415,9 +11354,8 @@ static long place_number(const char **p)
     return *p == start ? -1 : v;
 }
 
-/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS... (a DEVICE is a number or
- * cpu), into *R. Returns 0, or -1 when they are anything else (a split with a segment that
- * has no count, say). */
+/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS... (DEVICE: a number or cpu), into *R; -1 for
+ * anything else (say, a segment without a count). */
 static int place_parse_rule(const char *v, size_t n, struct place_rule *r)
 {
     const char *p = v, *end = v + n;
@@ -11439,9 +11377,8 @@ static int place_parse_rule(const char *v, size_t n, struct place_rule *r)
     return -1;
 }
 
-/* Parses SPEC (auto | off | COMPONENT=RULE,...) into RULE[comp]. auto: everything to any
- * device; off: the experts only (the trunk stays); a list: what it names, as written, and the
- * components it leaves out stay on the CPU. */
+/* Parses SPEC (auto | off | COMPONENT=RULE,...) into RULE[comp]. auto: all to any device; off: only the experts; a
+ * list: what it names, as written, the rest on the CPU. */
 static void place_parse(const char *spec, struct place_rule rule[PLACE_COUNT])
 {
     int any = !spec || !strcmp(spec, "auto"), off = spec && !strcmp(spec, "off");
@@ -11461,8 +11398,7 @@ static void place_parse(const char *spec, struct place_rule rule[PLACE_COUNT])
     }
 }
 
-/* The device rule R gives the ORDINAL-th layer (from 0) that has its component: a device,
- * PLACE_ANY or PLACE_CPU. */
+/* Rule R's device for the ORDINAL-th layer (from 0) with its component: a device, PLACE_ANY or PLACE_CPU. */
 static int place_rule_device(const struct place_rule *r, int ordinal)
 {
     for (int i = 0; i < r->n; i++) {
@@ -11472,8 +11408,7 @@ static int place_rule_device(const struct place_rule *r, int ordinal)
     return PLACE_CPU;
 }
 
-/* In a dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would.
- * Returns 0, or -1 (nothing charged) when they do not fit. */
+/* Dry run: charges N parts of BYTES[i] to device DEV's budget as cuda_upload would; -1 (nothing charged) if too big. */
 static int place_charge(int dev, const size_t *bytes, int n)
 {
     size_t total = cuda_span(bytes, n);
@@ -11482,8 +11417,7 @@ static int place_charge(int dev, const size_t *bytes, int n)
     return 0;
 }
 
-/* Makes W resident on device DEV (a dry run only charges it), and lets go of its pages in the
- * mapping. Returns 0, or -1 as cuda_make_resident: it stays on the CPU. */
+/* Makes W resident on device DEV (dry run: charges it), letting go of its mapped pages; -1 as cuda_make_resident. */
 static int place_matrix(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
@@ -11493,8 +11427,8 @@ static int place_matrix(const struct ops_matrix *w, int dev)
     return 0;
 }
 
-/* Copies expert W (gate, up, down) to device DEV into *E (a dry run only charges it), and lets
- * go of its pages in the mapping. Returns 0, or -1 as cuda_expert_upload. */
+/* Copies expert W (gate, up, down) to device DEV into *E (dry run: charges it), letting go of its mapped pages; -1 as
+ * cuda_expert_upload. */
 static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
 {
     size_t bytes[3];
@@ -11505,15 +11439,15 @@ static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_exper
     return 0;
 }
 
-/* Prints LINE: logged on stderr by a run, on stdout by coli plan. */
+/* Prints LINE: a run logs it on stderr, coli plan on stdout. */
 static void place_say(const char *line)
 {
     if (place_say_stdout) puts(line);
     else plat_log("%s", line);
 }
 
-/* The device shape of layer L's experts in S, or 0 when no kernel set fits them (gate and up
- * must share a type: the device reads one activation for both). */
+/* Layer L's expert shape on the device, or 0 if no kernel set fits (gate and up must share a type: one activation
+ * read for both). */
 static int place_expert_shape(const struct expert_store *s, int l, struct cuda_moe_shape *sh)
 {
     const struct ops_matrix *g = &s->src[l][0].t.m, *u = &s->src[l][1].t.m, *d = &s->src[l][2].t.m;
@@ -11521,8 +11455,7 @@ static int place_expert_shape(const struct expert_store *s, int l, struct cuda_m
     return g->type == u->type && g->row_bytes == u->row_bytes && g->rows == u->rows && d->cols == g->rows && u->cols == d->rows;
 }
 
-/* Every expert of S (keys layer * n_expert + e), hottest first, then the cold ones in layer
- * order. Returns an allocated [n_layers * n_expert]. */
+/* S's experts (keys layer * n_expert + e), hottest first, then the cold in layer order; allocated [n_layers * n_expert]. */
 static int32_t *place_expert_order(const struct expert_store *s)
 {
     int cells = s->n_layers * s->n_expert;
@@ -11539,50 +11472,48 @@ static int32_t *place_expert_order(const struct expert_store *s)
 /* Why an offer stayed on the CPU, or that it did not. */
 enum place_why { PLACE_PLACED, PLACE_BY_RULE, PLACE_NO_ROOM, PLACE_NO_KERNEL };
 
-/* One thing that may live in VRAM: a trunk matrix or a routed expert. The decision is a
- * function of these numbers alone (place_decide), so it is tested without a device. */
+/* A VRAM candidate: trunk matrix or routed expert. place_decide sees only these numbers: testable without a device. */
 struct place_offer {
     enum place_component comp;
     int ordinal;       /* the layer its component's rule counts (an expert's: its layer) */
     size_t bytes;      /* the VRAM it takes, as cuda_upload charges it */
-    size_t cpu_bytes;  /* what the CPU reads from memory each time it computes it instead */
-    double p;          /* the probability that a token reads it: 1 for the trunk */
-    uint32_t devices;  /* the devices with a kernel for it: bit d for device d */
+    size_t cpu_bytes;  /* what the CPU reads from memory per computation instead */
+    double p;          /* probability that a token reads it: 1 for the trunk */
+    uint32_t devices;  /* devices with a kernel for it: bit d for device d */
     int home;          /* decided: a device, or PLACE_CPU */
     int why;           /* enum place_why */
-    double value;      /* bytes saved per token per byte of VRAM, as priced when it was decided */
+    double value;      /* bytes saved per token per byte of VRAM, as priced when decided */
     int ref;           /* what it stands for: place_model's trunk item, or the expert's key */
 };
 
-/* What the host does with the routed experts that stay on the CPU: the RAM cache holds the
- * hottest of them (LRU with the hottest pinned comes close to that), the rest are read from
- * the file when a token routes to them. */
+/* The host's side for CPU experts: the RAM cache holds the hottest (LRU with the hottest pinned comes close), the rest
+ * are read from the file when routed to. */
 struct place_host {
-    int64_t cache_bytes; /* the cache's budget; < 0: every expert stays in memory, none is read */
+    int64_t cache_bytes; /* the cache's budget; < 0: all experts stay in memory, none read */
     size_t slot_bytes;   /* one cached expert */
-    int cache_grows;     /* the budget is what memory leaves, so a trunk byte in VRAM is a cache byte */
-    double miss_extra;   /* bus bytes a read from the file adds per byte the product reads */
+    int cache_grows;     /* the budget is what memory leaves: a trunk byte in VRAM is a cache byte */
+    double miss_extra;   /* bus bytes a file read adds per byte the product reads */
 };
 
 struct place_rooms { int n; int64_t room[CUDA_MAX_DEVICES]; }; /* bytes each device has left; < 0 none */
 
-/* The experts the cache holds once FREED bytes of trunk have left the host (INT64_MAX: all). */
+/* The experts the cache holds once FREED trunk bytes have left the host (INT64_MAX: all). */
 static int64_t place_slots(const struct place_host *h, double freed)
 {
     if (h->cache_bytes < 0) return INT64_MAX;
     return (int64_t)(((double)h->cache_bytes + (h->cache_grows ? freed : 0)) / (double)h->slot_bytes);
 }
 
-/* The expert of heat rank R (0: the hottest) among those on the CPU, when SKIPPED[N_SKIPPED]
- * were kept there and FROM..END are undecided (they stay, for now): its offer, or -1. */
+/* The offer of heat rank R (0: hottest) among CPU experts, SKIPPED[N_SKIPPED] kept there, FROM..END undecided
+ * (staying for now); or -1. */
 static int place_cpu_rank(const int *skipped, int n_skipped, int from, int end, int64_t r)
 {
     if (r < n_skipped) return skipped[r];
     return r - n_skipped < end - from ? from + (int)(r - n_skipped) : -1;
 }
 
-/* Sends O where RULE allows: to the device with a kernel for it and the most room that fits
- * it (charged to ROOMS), or to the CPU with the reason. */
+/* Sends O where RULE allows: the device with its kernel and most room that fits (charged to ROOMS), else the CPU with
+ * the reason. */
 static void place_home(struct place_offer *o, const struct place_rule rule[PLACE_COUNT], struct place_rooms *rooms)
 {
     int want = place_rule_device(&rule[o->comp], o->ordinal), best = -1;
@@ -11594,14 +11525,12 @@ static void place_home(struct place_offer *o, const struct place_rule rule[PLACE
     if (best >= 0) rooms->room[best] -= (int64_t)o->bytes;
 }
 
-/* Decides O[N]: the trunk O[0..N_TRUNK) in its order, the experts O[N_TRUNK..N) hottest
- * first. Each step takes whichever head of the two lists saves more bus bytes per token per
- * byte of VRAM (ties: the trunk), priced in the state the earlier steps left, and sends it
- * home (place_home). The prices, for the first expert the RAM cache would not hold (m):
- *   trunk matrix: cpu_bytes (read every token), plus, when the cache grows by the RAM it
- *     frees, cpu_bytes / slot_bytes more hits at m's saving;
- *   expert: p * cpu_bytes, plus a miss's extra traffic: its own when it is a miss, else m's,
- *     whose slot it frees;
+/* Decides O[N]: trunk O[0..N_TRUNK) in order, experts O[N_TRUNK..N) hottest first. Each step takes the list head
+ * saving more bus bytes per token per byte of VRAM (ties: trunk), priced in the state so far, and sends it home
+ * (place_home). With m the first expert the RAM cache would not hold:
+ *   trunk matrix: cpu_bytes (read every token), plus, if the cache grows by the RAM it frees, cpu_bytes / slot_bytes
+ *     more hits at m's saving;
+ *   expert: p * cpu_bytes, plus a miss's extra traffic: its own if a miss, else m's, whose slot it frees;
  * each over its VRAM bytes; a miss's extra traffic is miss_extra * p * cpu_bytes. */
 static void place_decide(struct place_offer *o, int n_trunk, int n, const struct place_rule rule[PLACE_COUNT],
                          const struct place_host *h, struct place_rooms *rooms)
@@ -11635,7 +11564,7 @@ static uint32_t place_matrix_devices(const struct ops_matrix *w)
     return mask;
 }
 
-/* The devices with kernels for layer L's experts in S. */
+/* The devices with kernels for S's layer L experts. */
 static uint32_t place_expert_devices(const struct expert_store *s, int l)
 {
     struct cuda_moe_shape sh;
@@ -11645,8 +11574,7 @@ static uint32_t place_expert_devices(const struct expert_store *s, int l)
     return mask;
 }
 
-/* The offers of ITEMS[N] into O, component by component in place_names' order, each in layer
- * order (ref: the item). Returns their count. */
+/* ITEMS[N]'s offers into O, by component in place_names' order, each in layer order (ref: the item); their count. */
 static int place_trunk_offers(const struct place_item *items, int n, struct place_offer *o)
 {
     int k = 0;
@@ -11661,8 +11589,7 @@ static int place_trunk_offers(const struct place_item *items, int n, struct plac
     return k;
 }
 
-/* Expert KEY's matrices in S (gate, up, down) into W, their bytes into *CPU_BYTES (NULL: not
- * wanted); returns the VRAM they take. */
+/* Expert KEY's matrices (gate, up, down) into W, bytes into *CPU_BYTES (NULL: unwanted); returns their VRAM. */
 static size_t place_expert_parts(const struct expert_store *s, int32_t key, struct ops_matrix w[3], size_t *cpu_bytes)
 {
     size_t part[3];
@@ -11674,9 +11601,8 @@ static size_t place_expert_parts(const struct expert_store *s, int32_t key, stru
     return cuda_span(part, 3);
 }
 
-/* The offers of S's experts into O, hottest first (ref: the key), each read with the
- * probability p_e that a token routes to it: its share of the heat over the n_layers layers
- * a token passes, times TOP_K; TOP_K / n_expert without heat. Returns their count. */
+/* S's expert offers into O, hottest first (ref: key), each read with p_e = its heat share over the n_layers layers a
+ * token passes, times TOP_K (TOP_K / n_expert without heat); their count. */
 static int place_expert_offers(const struct expert_store *s, int top_k, struct place_offer *o)
 {
     int cells = s->n_layers * s->n_expert;
@@ -11697,8 +11623,8 @@ static int place_expert_offers(const struct expert_store *s, int top_k, struct p
     return cells;
 }
 
-/* Uploads (a dry run charges) what place_decide sent to a device among O[N] (the trunk first,
- * N_TRUNK of ITEMS; then S's experts); what fails to upload stays on the CPU, for want of room. */
+/* Uploads (dry run: charges) what place_decide sent to a device among O[N] (trunk first, N_TRUNK of ITEMS; then S's
+ * experts); failed uploads stay on the CPU, for want of room. */
 static void place_apply(struct place_offer *o, int n_trunk, int n, const struct place_item *items, struct expert_store *s)
 {
     for (int i = 0; i < n; i++) {
@@ -11718,8 +11644,8 @@ static void place_apply(struct place_offer *o, int n_trunk, int n, const struct 
     }
 }
 
-/* Appends to LINE (LEN of CAP bytes used) what went to each device, COUNT[d], and the budget it
- * has left; then what stays on the CPU, CPU_TEXT (their count and size), and why, WHY[]. */
+/* Appends to LINE (LEN of CAP used) each device's COUNT[d] and budget left, then the CPU's CPU_TEXT (count, size)
+ * and why, WHY[]. */
 static void place_line_end(char *line, size_t cap, int len, const int *count, const int why[4], const char *cpu_text)
 {
     static const char *const reason[4] = {"", "--place", "no room in the budget", "no kernel for the type"};
@@ -11736,9 +11662,8 @@ static void place_line_end(char *line, size_t cap, int len, const int *count, co
     place_say(line);
 }
 
-/* Where one component's offers went, for its [place] line and plan --json: their count and
- * host bytes; those placed, per device, with their VRAM; why the others stayed; the values
- * (lo..hi over all of them; first and last of those placed, in the order decided). */
+/* Where a component's offers went, for [place] and plan --json: count, host bytes; per device those placed, VRAM; why
+ * the rest stayed; values (lo..hi of all; first and last placed, in decided order). */
 struct place_summary {
     int total, placed, on[CUDA_MAX_DEVICES], why[4];
     double bytes, placed_bytes, vram_bytes, lo, hi, first, last;
@@ -11765,7 +11690,7 @@ static struct place_summary place_summarize(const struct place_offer *o, int n, 
     return m;
 }
 
-/* One [place] line for trunk component C (summary M): where its matrices went, at what value. */
+/* Trunk component C's [place] line (summary M): where its matrices went, at what value. */
 static void place_say_component(const struct place_summary *m, enum place_component c)
 {
     char line[512], value[32], cpu_text[64];
@@ -11777,8 +11702,7 @@ static void place_say_component(const struct place_summary *m, enum place_compon
     place_line_end(line, sizeof line, len, m->on, m->why, cpu_text);
 }
 
-/* The [place] line of the experts (summary M): how many went where, their VRAM, and the values
- * of the first (hottest) and the last placed. */
+/* The experts' [place] line (summary M): how many went where, their VRAM, the first (hottest) and last placed values. */
 static void place_say_experts(const struct place_summary *m)
 {
     char line[512], cpu_text[16];
@@ -11788,8 +11712,8 @@ static void place_say_experts(const struct place_summary *m)
     place_line_end(line, sizeof line, len, m->on, m->why, cpu_text);
 }
 
-/* The [place] line of the prices that decided between the trunk O[0..N_TRUNK) and the experts
- * O[N_TRUNK..N): the host's terms (H), the last expert placed and the first kept on the CPU. */
+/* The [place] line of prices between trunk O[0..N_TRUNK) and experts O[N_TRUNK..N): host terms (H), the last expert
+ * placed and the first kept on the CPU. */
 static void place_say_prices(const struct place_offer *o, int n_trunk, int n, const struct place_host *h)
 {
     int last = -1, kept = -1;
@@ -11809,8 +11733,8 @@ static void place_say_prices(const struct place_offer *o, int n_trunk, int n, co
     place_say(line);
 }
 
-/* A --place list naming a device that is not there, or not selected (--gpu), is a usage error.
- * Without a driver nothing is checked: everything stays on the CPU, as `cuda: none` says. */
+/* A --place list naming a device absent or not selected (--gpu) is a usage error. With no driver nothing is checked:
+ * all stays on the CPU (`cuda: none`). */
 static void place_check_devices(const char *spec, const struct place_rule rule[PLACE_COUNT])
 {
     for (int c = 0; c < PLACE_COUNT && cuda.n_devices > 0; c++)
@@ -11822,26 +11746,23 @@ static void place_check_devices(const char *spec, const struct place_rule rule[P
 }
 
 /* ---- the probe ----
- * Before the trunk is placed (auto only: a list is obeyed as written), one representative trunk
- * product is timed on each device (cuda_probe_product: the kernel by the device's events, the
- * round trip of input and output by the host's clock) and on the CPU. A device whose product,
- * round trip included, is slower than the CPU's gets no trunk; its room goes to the experts. */
+ * Before the trunk is placed (auto only: a list is obeyed as written), a typical trunk product is timed on each device
+ * (cuda_probe_product: kernel by device events, round trip by host clock) and the CPU. A device slower than the CPU,
+ * round trip included, gets no trunk; its room goes to experts. */
 
-static int place_no_probe; /* --no-probe: every device is taken to be faster than the CPU, as said */
+static int place_no_probe; /* --no-probe: every device is taken as faster than the CPU */
 
-/* The probe's figures for one device, in seconds per product: its kernel and round trip, and
- * the CPU's product. */
+/* A device's probe figures, seconds per product: its kernel and round trip, and the CPU's product. */
 struct place_probe { double kernel, round_trip, cpu; };
 
-/* What the probe found, for the expected time per token: GB/s of the CPU's product and of each
- * device's kernel (0: not probed), and each device's round trip in seconds. (The expert batch
- * it times includes its copies, which the time model counts as round trips: it only decides
- * whether the experts may go to a device.) */
+/* The probe's result, for expected time per token: GB/s of the CPU's product and each device's kernel (0: not probed),
+ * each device's round trip in seconds. (The timed expert batch includes its copies, counted as round trips: it only
+ * decides whether experts may go to a device.) */
 struct place_speed { double cpu_gbps, gbps[CUDA_MAX_DEVICES], round_trip[CUDA_MAX_DEVICES]; };
 
 static int place_probe_slower(const struct place_probe *p) { return p->kernel + p->round_trip > p->cpu; }
 
-/* Takes device DEV out of the trunk offers O[N_TRUNK]. */
+/* Takes device DEV out of trunk offers O[N_TRUNK]. */
 static void place_withdraw_trunk(struct place_offer *o, int n_trunk, int dev)
 {
     for (int i = 0; i < n_trunk; i++) o[i].devices &= ~(1u << dev);
@@ -11849,8 +11770,8 @@ static void place_withdraw_trunk(struct place_offer *o, int n_trunk, int dev)
 
 #define PLACE_PROBE_BYTES ((size_t)64 << 20)
 
-/* The matrix the probe times: the largest of ITEMS[N] up to PLACE_PROBE_BYTES (on the big
- * models a DeltaNet or attention projection, the kind the trunk has most of), or NULL. */
+/* The probe's matrix: ITEMS[N]'s largest up to PLACE_PROBE_BYTES (on big models a DeltaNet or attention projection,
+ * the trunk's commonest kind), or NULL. */
 static const struct ops_matrix *place_probe_matrix(const struct place_item *items, int n)
 {
     const struct ops_matrix *best = NULL;
@@ -11861,7 +11782,7 @@ static const struct ops_matrix *place_probe_matrix(const struct place_item *item
     return best;
 }
 
-/* The CPU's time for one product over W: the best of CUDA_PROBE_REPS after one to warm up. */
+/* The CPU's time for one product over W: best of CUDA_PROBE_REPS after one warm-up. */
 static double place_cpu_product(const struct ops_matrix *w)
 {
     float *x = plat_zalloc((size_t)w->cols, sizeof *x), *y = plat_alloc((size_t)w->rows * sizeof *y);
@@ -11877,8 +11798,7 @@ static double place_cpu_product(const struct ops_matrix *w)
     return t;
 }
 
-/* The CPU's time for a batch of N_JOBS jobs over expert W (gate, up, down): the best of
- * CUDA_PROBE_REPS after one to warm up. */
+/* The CPU's time for N_JOBS jobs over expert W (gate, up, down): best of CUDA_PROBE_REPS after one warm-up. */
 static double place_cpu_experts(const struct ops_matrix w[3], int n_jobs)
 {
     float *x = plat_zalloc((size_t)w[0].cols, sizeof *x), *g = plat_alloc((size_t)w[0].rows * sizeof *g);
@@ -11901,9 +11821,8 @@ static double place_cpu_experts(const struct ops_matrix w[3], int n_jobs)
     return best;
 }
 
-/* The experts' probe on device D: a batch of TOP_K jobs over expert W (shape SH, BYTES on the
- * CPU) there against CPU_S on the CPU; a [probe] line, and the experts among O[N_TRUNK..N)
- * withdrawn from D when it is slower. */
+/* Device D's expert probe: TOP_K jobs over expert W (shape SH, BYTES on the CPU) against CPU_S; a [probe] line;
+ * O[N_TRUNK..N)'s experts withdrawn from D if slower. */
 static void place_probe_experts(int d, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], size_t bytes, int top_k, double cpu_s,
                                 struct place_offer *o, int n_trunk, int n)
 {
@@ -11922,10 +11841,8 @@ static void place_probe_experts(int d, const struct cuda_moe_shape *sh, const st
     for (int i = n_trunk; i < n && t > cpu_s; i++) o[i].devices &= ~(1u << d);
 }
 
-/* Probes each usable device with the largest probe matrix of ITEMS[N_ITEMS], and with a batch
- * of TOP_K experts of S (NULL: none) as decode runs it (a [probe] line each, the figures into
- * *SP), and withdraws from the offers O[N] (the trunk O[0..N_TRUNK)) the devices slower than
- * the CPU for them. */
+/* Probes each usable device with ITEMS[N_ITEMS]'s largest probe matrix and a decode's batch of TOP_K experts of S
+ * (NULL: none), a [probe] line each, figures into *SP; withdraws from O[N] (trunk O[0..N_TRUNK)) devices slower than the CPU. */
 static void place_probe_devices(const struct place_item *items, int n_items, const struct expert_store *s, int top_k, struct place_offer *o,
                                 int n_trunk, int n, struct place_speed *sp)
 {
@@ -11977,13 +11894,13 @@ struct place_result {
     double expert_cpu_bytes;               /* the experts' host bytes now in VRAM */
     int64_t trunk_vram[CUDA_MAX_DEVICES];  /* each device's VRAM the trunk takes */
     struct place_summary comp[PLACE_COUNT];
-    double cpu_per_token, file_per_token;  /* expected bytes per token: on the host bus; of them read from the file */
+    double cpu_per_token, file_per_token;  /* expected bytes per token: on the host bus; of them from the file */
     double dev_per_token[CUDA_MAX_DEVICES];
     struct place_speed speed;              /* the probe's figures; zeros: not probed */
 };
 
-/* A --place list that does not fit says what: a line for each component with offers among O[N]
- * that the list sent to a device with no room for them, and the room the devices have left. */
+/* A --place list that does not fit says what: per component, offers in O[N] sent to a device without room; the
+ * devices' room left. */
 static void place_say_misfits(const struct place_offer *o, int n, const char *spec)
 {
     for (int c = 0; c < PLACE_COUNT && spec && strcmp(spec, "auto") && strcmp(spec, "off"); c++) {
@@ -12007,9 +11924,8 @@ static void place_say_misfits(const struct place_offer *o, int n, const char *sp
     }
 }
 
-/* The bytes each bus is expected to read per token once O[N] are placed: a trunk matrix all of
- * it, an expert p times it; a CPU expert beyond what the RAM cache holds (the hottest, once the
- * trunk in VRAM has left FREED bytes to it) is read from the file too, as place_decide prices. */
+/* Bytes each bus should read per token with O[N] placed: a trunk matrix all, an expert p times; a CPU expert beyond
+ * the RAM cache (the hottest, plus FREED trunk bytes) also from the file, as place_decide prices. */
 static void place_expect(const struct place_offer *o, int n_trunk, int n, const struct place_host *h, double freed,
                          struct place_result *r)
 {
@@ -12025,17 +11941,15 @@ static void place_expect(const struct place_offer *o, int n_trunk, int n, const 
     }
 }
 
-/* The seconds per token device D's bus takes for what R puts there, at the speeds SP (0: not
- * probed). */
+/* Seconds per token of device D's bus for what R puts there, at speeds SP (0: not probed). */
 static double place_device_seconds(const struct place_result *r, const struct place_speed *sp, int d)
 {
     return sp->gbps[d] > 0 ? r->dev_per_token[d] / (sp->gbps[d] * 1e9) : 0;
 }
 
-/* The expected seconds per token of the decisions in O[N] (the trunk O[0..N_TRUNK)) at the
- * probe's speeds SP: each bus's bytes (place_expect) over its speed, plus a device's round
- * trip for each call a token makes to it: one per trunk component and layer it holds, one
- * expert batch per layer (reads from the file not timed). Experts run at the trunk's speed. */
+/* Expected seconds per token of O[N] (trunk O[0..N_TRUNK)) at probed speeds SP: each bus's bytes (place_expect) over
+ * its speed, plus a round trip per device call: one per trunk component and layer held, one expert batch per layer
+ * (file reads untimed). Experts run at the trunk's speed. */
 static double place_expected_seconds(const struct place_offer *o, int n_trunk, int n, const struct place_host *h, const struct place_speed *sp)
 {
     struct place_result r = {0};
@@ -12057,14 +11971,12 @@ static double place_expected_seconds(const struct place_offer *o, int n_trunk, i
     return seconds;
 }
 
-#define PLACE_SPLIT_GAIN 0.05 /* a split must save this share of mixed's time per token to be chosen */
+#define PLACE_SPLIT_GAIN 0.05 /* share of mixed's time per token a split must save to be chosen */
 
-/* With two or more probed devices: the trunk on device t (one the probe left it) and the
- * experts on device e, for each pair (t = e: all on one), against mixed by room, each decided
- * on a copy of O[N] (the trunk O[0..N_TRUNK)) with RULE, H and ROOMS and priced by place_expected_seconds at SP. The fastest
- * wins if it beats mixed by PLACE_SPLIT_GAIN (else mixed); O's device masks are narrowed to it.
- * One [probe] line with each candidate's time (measured figures, so not a [place] line: those
- * say the decisions, which plan and run share). */
+/* With two or more probed devices: trunk on device t (one the probe left it), experts on e, per pair (t = e: all on
+ * one), against mixed by room; each decided on a copy of O[N] (trunk O[0..N_TRUNK)) with RULE, H, ROOMS, priced by
+ * place_expected_seconds at SP. The fastest wins if it beats mixed by PLACE_SPLIT_GAIN; O's device masks narrow to it.
+ * One [probe] line of candidate times (measured, so not [place], which says decisions plan and run share). */
 static void place_choose_split(struct place_offer *o, int n_trunk, int n, const struct place_rule rule[PLACE_COUNT],
                                const struct place_host *h, const struct place_rooms *rooms, const struct place_speed *sp)
 {
@@ -12104,10 +12016,9 @@ static void place_choose_split(struct place_offer *o, int n_trunk, int n, const 
     for (int i = 0; i < n && best_t >= 0; i++) o[i].devices &= 1u << (i < n_trunk ? best_t : best_e);
 }
 
-/* Prices and places the trunk ITEMS[N_ITEMS] and S's routed experts (S NULL: a dense model),
- * TOP_K of each layer's routed per token, as SPEC allows, with the host's terms H for what
- * stays; uploads (a dry run charges) what was decided, and says it: a [place] line per trunk
- * component, one for the experts, one of the prices. Fills *R. */
+/* Prices and places trunk ITEMS[N_ITEMS] and S's routed experts (S NULL: dense), TOP_K per layer per token, as SPEC
+ * allows, host terms H for what stays; uploads (dry run: charges) and logs [place] per trunk component, one for experts,
+ * one of prices. Fills *R. */
 static void place_model(const struct place_item *items, int n_items, struct expert_store *s, int top_k, const char *spec,
                         const struct place_host *h, struct place_result *r)
 {
@@ -12128,7 +12039,7 @@ static void place_model(const struct place_item *items, int n_items, struct expe
         s->vram = plat_alloc((size_t)cells * sizeof *s->vram);
         for (int i = 0; i < cells; i++) s->vram[i].dev = -1;
     }
-    place_decide(o, n_trunk, n, rule, h, &rooms); /* without a device (or after a failed probe): all on the CPU */
+    place_decide(o, n_trunk, n, rule, h, &rooms); /* no device (or a failed probe): all on the CPU */
     if (cuda.ready) place_apply(o, n_trunk, n, items, s);
     for (int c = 0; c < PLACE_COUNT; c++) r->comp[c] = place_summarize(o, n, (enum place_component)c);
     if (cuda.ready) {
@@ -12150,21 +12061,17 @@ static void place_model(const struct place_item *items, int n_items, struct expe
 }
 
 /* ---- re-tiering while running ----
- * The heat keeps counting as tokens go, so the experts placed at start (by a heat file from
- * other prompts, or none) drift from the ones this conversation routes to. At each token
- * boundary place_retier switches over the uploads that have arrived and, on each device with
- * no upload under way, swaps its coldest resident expert for the hottest one on the CPU it can
- * run and hold, when that one is clearly hotter: the cold one computes on the CPU from then
- * on, the hot one on the device from when its upload (in the background,
- * cuda_expert_upload_start) has arrived. One upload in flight per device paces it (a few
- * experts a second a card, far below what PCIe carries), and a check is one pass over the
- * heat (10240 floats on the 35B-A3B). Tokens do not change: both sides
- * compute the same bits. */
+ * Heat keeps counting, so experts placed at start (by a heat file from other prompts, or none) drift from those this
+ * conversation routes to. At each token boundary place_retier switches over arrived uploads and, per device with no
+ * upload under way, swaps its coldest resident for a clearly hotter CPU expert it can run and hold: the cold one
+ * computes on the CPU at once, the hot one on the device when its background upload (cuda_expert_upload_start) lands.
+ * One upload in flight per device paces it (a few experts a second per card, far below PCIe); a check is a pass over
+ * the heat (10240 floats on the 35B-A3B). Tokens do not change: both sides compute the same bits. */
 
-#define PLACE_RETIER_WINDOW 64 /* tokens: the window of the VRAM statistics, the store's repin period */
+#define PLACE_RETIER_WINDOW 64 /* tokens: the VRAM statistics' window, the store's repin period */
 #define PLACE_RETIER_GAIN 1.5  /* hysteresis: the expert brought in is routed 1.5x as often as the one it evicts */
 
-/* Whether expert KEY of S is being uploaded to some device. */
+/* Whether expert KEY of S is uploading to some device. */
 static int place_uploading(const struct expert_store *s, int32_t key)
 {
     for (int d = 0; d < cuda.n_devices; d++)
@@ -12172,9 +12079,8 @@ static int place_uploading(const struct expert_store *s, int32_t key)
     return 0;
 }
 
-/* On device D: the coldest resident expert of S against the hottest on the CPU that D has
- * kernels and room for once the cold one is gone; swaps them when the hot one has been routed
- * and its heat is PLACE_RETIER_GAIN times the cold one's. */
+/* Device D: its coldest resident expert of S against the hottest CPU one D has kernels and room for once the cold
+ * leaves; swaps if the hot one was routed and has PLACE_RETIER_GAIN times its heat. */
 static void place_retier_device(struct expert_store *s, int d)
 {
     int cells = s->n_layers * s->n_expert, cold = -1, hot = -1;
@@ -16430,57 +16336,49 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 }
 
 /* ==== §11 engine ==== */
-/* Owns: generation. Slots, each a sequence (§8) with the request it is serving: its prompt is
- *   fed, then tokens are sampled and fed one per step until a stop; one step runs the tokens of
- *   every busy slot through the model as one batch. What a generation produced (engine_gen).
- *   The prompt cache: what each slot's sequence holds (its tokens, checkpoints of its DeltaNet
- *   state) and conversations parked in RAM, within a budget; a request goes where most of its
- *   prompt is already computed.
- * Promises: nothing here prints, reads a process-wide flag or dies: a forward pass that fails
- *   ends the generations of its batch with ENGINE_STOP_ERROR and the reason, and resets their
- *   sequences; the other slots go on. A slot's tokens do not depend on the slots beside it in
- *   a batch (§8's promise), so greedy output is the same alone or in parallel; nor on what was
- *   reused: resuming from a checkpoint or a parked conversation gives the logits of the whole
- *   prompt computed from nothing, bit for bit. Runs on one thread (the one that loaded the
- *   model); a sink is called there.
+/* Owns: generation. Slots, each a sequence (§8) with its request: the prompt is fed, then tokens sampled and fed one per
+ *   step until a stop; a step runs all busy slots' tokens as one batch. Results (engine_gen). The prompt cache: each
+ *   slot's past (tokens, DeltaNet checkpoints) and conversations parked in RAM, within a budget; a request goes where
+ *   most of its prompt is computed.
+ * Promises: nothing here prints, reads a process-wide flag or dies: a failed pass ends its batch's generations with
+ *   ENGINE_STOP_ERROR and the reason, resetting their sequences; other slots go on. A slot's tokens depend neither on
+ *   batch neighbours (§8): greedy output is the same alone or in parallel; nor on reuse: resuming from a checkpoint or
+ *   parked conversation gives the from-scratch logits bit for bit. One thread (which loaded the model) runs it and sinks.
  * May call: §1–§10.
- * Workload: one engine_step per generated token of the busy slots: their decode tokens first,
- *   then prompt chunks, MODEL_BATCH tokens at most (ENGINE_STEP_BESIDE_DECODE in all where some
- *   slot decodes); sampling is one pass over n_vocab per
- *   token. Admitting a request compares its prompt with each idle slot's and parked
- *   conversation's tokens; parking copies a conversation's KV rows (40 KiB a token on the
- *   35B-A3B) and its state. */
+ * Workload: an engine_step per generated token: decode tokens first, then prompt chunks, MODEL_BATCH tokens at most
+ *   (ENGINE_STEP_BESIDE_DECODE if a slot decodes); sampling: a pass over n_vocab per token. Admission compares the
+ *   prompt with each idle slot's and parked conversation's tokens; parking copies KV rows (40 KiB/token on the 35B-A3B)
+ *   and state. */
 
 enum engine_stop { ENGINE_RUNNING, ENGINE_STOP_EOG, ENGINE_STOP_LENGTH, ENGINE_STOP_CONTEXT, ENGINE_STOP_CANCEL, ENGINE_STOP_SINK, ENGINE_STOP_ERROR };
 static const char *const engine_stop_names[] = {"running", "eog", "length", "context", "interrupt", "stop", "error"};
 
-/* What a caller asks of a slot. The arrays must outlive the generation. */
+/* What a caller asks of a slot; the arrays must outlive the generation. */
 struct engine_request {
     const int *prompt;       /* [n_prompt]: fed after what the slot's sequence holds, or (WHOLE) all of it */
     int n_prompt;
     int whole;               /* the prompt is the sequence from position 0: what the slot holds of it is reused */
-    int reuse;               /* WHOLE: may reuse (0: computed from nothing, for comparison) */
-    int mark[2];             /* WHOLE: prompt positions to keep checkpoints at, ascending (0: none); the
-                              * server marks where the first turn after the system turn opens (a
-                              * prefix other conversations share) and where the answer's turn opens
-                              * (the next turn of this one departs there) */
+    int reuse;               /* WHOLE: may reuse (0: computed from nothing, to compare) */
+    int mark[2];             /* WHOLE: checkpoint positions, ascending (0: none): the server marks where the turn
+                              * after the system turn opens (a shared prefix) and the answer's turn (where
+                              * this one's next turn departs) */
     int n_max;               /* tokens to generate at most */
     struct sample_params sample;
-    int ignore_eog, want_top; /* want_top: record the five best logits of every position */
-    /* Called on the engine's thread with each generated token and its text (the bytes of the
-     * token, maybe part of a UTF-8 character); nonzero stops the generation (ENGINE_STOP_SINK). */
+    int ignore_eog, want_top; /* want_top: record each position's five best logits */
+    /* Called on the engine's thread with each generated token and its bytes (maybe part of a UTF-8 character);
+     * nonzero stops the generation (ENGINE_STOP_SINK). */
     int (*sink)(void *ctx, int id, const char *piece, size_t len);
     void *sink_ctx;
     const volatile sig_atomic_t *cancel; /* nonzero: stop at the next token; NULL: never */
-    struct model_checkpoint *rewind; /* with cancel while the prompt is fed: the sequence is rewound */
+    struct model_checkpoint *rewind; /* with cancel while the prompt is fed: the sequence rewinds */
 };
 
-/* What one generation produced; arrays grow with the tokens. */
+/* What a generation produced; arrays grow with the tokens. */
 struct engine_gen {
     int *tokens;
     int n_tokens, n_prompt;
-    int n_cached;        /* prompt tokens the slot already held: reused, not computed */
-    float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position that chose each token */
+    int n_cached;        /* prompt tokens the slot held: reused, not computed */
+    float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position choosing each token */
     char *text;
     size_t text_len, text_cap;
     double prompt_s, decode_s;
@@ -16489,27 +16387,24 @@ struct engine_gen {
 };
 
 #define ENGINE_MAX_CHECKPOINTS 4 /* DeltaNet states kept per sequence */
-#define ENGINE_STEP_BESIDE_DECODE 64 /* tokens of a step that has decoding slots (engine_plan_step) */
+#define ENGINE_STEP_BESIDE_DECODE 64 /* tokens of a step with decoding slots (engine_plan_step) */
 
-/* A sequence's past, matched against the next prompt: the tokens its state holds, and copies
- * of the DeltaNet state at some of their positions. The KV cache is good for any prefix of the
- * tokens, a recurrent state only where it was taken: a prompt that departs from the tokens at
- * position p resumes from the deepest copy at or before p, never a later one. */
+/* A sequence's past, matched against the next prompt: its state's tokens, and DeltaNet state copies at some positions.
+ * KV serves any prefix, a recurrent state only where taken: a prompt departing at p resumes from the deepest copy <= p. */
 struct engine_past {
     int *tokens;             /* [n_ctx]: tokens[0..n) are in the state */
     int n;
     struct model_checkpoint cp[ENGINE_MAX_CHECKPOINTS]; /* positions ascending, <= n */
     int n_cp;
-    double used;             /* when it last served: the least recently used is parked or evicted first */
+    double used;             /* when it last served: least recently used is parked or evicted first */
 };
 
-/* A conversation parked in RAM while its slot serves another: its past, its state at past.n,
- * and its KV cache of past.n positions. */
+/* A conversation parked in RAM while its slot serves another: its past, state at past.n, KV cache of past.n positions. */
 struct engine_parked {
     struct engine_past past;
     struct model_checkpoint live;
     float *kv;
-    int64_t bytes;           /* what parking added: the KV copy, the live state, the tokens */
+    int64_t bytes;           /* what parking added: KV copy, live state, tokens */
 };
 
 struct engine_slot {
@@ -16518,9 +16413,9 @@ struct engine_slot {
     struct engine_request req;
     struct engine_gen *gen;  /* NULL: the slot is idle */
     int fed;                 /* prompt tokens fed so far */
-    int next;                /* the sampled token to feed in the next step, or -1 */
-    int *history;            /* [n_prompt + n_max] the prompt then the tokens generated (repetition penalty) */
-    struct cuda_top_penalty pen; /* the penalties of its next token, for the device (engine_run) */
+    int next;                /* the sampled token to feed next step, or -1 */
+    int *history;            /* [n_prompt + n_max] the prompt then the generated tokens (repetition penalty) */
+    struct cuda_top_penalty pen; /* its next token's penalties, for the device (engine_run) */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -16532,15 +16427,14 @@ struct engine {
     int n_slots;
     struct engine_parked *parked;
     int n_parked;
-    int64_t cache_budget;      /* bytes for checkpoints and parked conversations (the prompt cache) */
+    int64_t cache_budget;      /* bytes for checkpoints and parked conversations (prompt cache) */
     int64_t cache_bytes;       /* in use */
     int64_t checkpoint_bytes;  /* one checkpoint's */
     struct sample_candidate *cand; /* [n_vocab] sampling scratch */
     char *piece;               /* [tok->max_piece + 1] */
 };
 
-/* N_SLOTS sequences; CACHE_BUDGET bytes for the prompt cache (0: checkpoints are not kept and
- * idle conversations not parked). */
+/* N_SLOTS sequences; CACHE_BUDGET bytes for the prompt cache (0: no checkpoints, no parking). */
 static void engine_init(struct engine *e, struct model *m, const struct tok *tok, int n_slots, int64_t cache_budget)
 {
     memset(e, 0, sizeof *e);
@@ -16631,10 +16525,9 @@ static int engine_cancelled(const struct engine_slot *sl) { return sl->req.cance
 
 /* ---- the prompt cache: checkpoints, and idle conversations parked in RAM ---- */
 
-/* How many of PROMPT's N tokens past P can give without computing them: the state itself
- * when all of P's tokens begin the prompt, else the deepest checkpoint within the common
- * prefix. One prompt token is always left to compute (its logits choose the first answer
- * token). *CP: -1 the state as it is, -2 none (from nothing), else the checkpoint's index. */
+/* How many of PROMPT's N tokens past P need no computing: the state itself if all P's tokens begin the prompt, else
+ * the deepest checkpoint in the common prefix. One is always computed (its logits pick the first answer token). *CP: -1
+ * the state as is, -2 none, else the checkpoint's index. */
 static int engine_reuse(const struct engine_past *p, const int *prompt, int n, int *cp)
 {
     int common = 0;
@@ -16648,7 +16541,7 @@ static int engine_reuse(const struct engine_past *p, const int *prompt, int n, i
     return 0;
 }
 
-/* Checkpoints of P past position POS go (their state is another prompt's). */
+/* Drops P's checkpoints past position POS (their state is another prompt's). */
 static void engine_past_cut(struct engine *e, struct engine_past *p, int pos)
 {
     while (p->n_cp && p->cp[p->n_cp - 1].pos > pos) {
@@ -16659,7 +16552,7 @@ static void engine_past_cut(struct engine *e, struct engine_past *p, int pos)
     if (p->n > pos) p->n = pos;
 }
 
-/* Evicts the least recently used parked conversation; 0 when there is none. */
+/* Evicts the least recently used parked conversation; 0 if none. */
 static int engine_evict(struct engine *e)
 {
     if (!e->n_parked) return 0;
@@ -16673,16 +16566,15 @@ static int engine_evict(struct engine *e)
     return 1;
 }
 
-/* Whether BYTES more fit the cache budget, parked conversations evicted to make room. */
+/* Whether BYTES more fit the cache budget, evicting parked conversations for room. */
 static int engine_cache_room(struct engine *e, int64_t bytes)
 {
     while (e->cache_bytes + bytes > e->cache_budget && engine_evict(e)) {}
     return e->cache_bytes + bytes <= e->cache_budget;
 }
 
-/* Keeps slot SL's DeltaNet state at its position: a new checkpoint, or, when the slot has
- * ENGINE_MAX_CHECKPOINTS, the buffer of the second shallowest (the shallowest is kept: it is
- * where prefixes that conversations share end, a system prompt and its tools). */
+/* Keeps slot SL's DeltaNet state at its position: a new checkpoint or, at ENGINE_MAX_CHECKPOINTS, the second
+ * shallowest's buffer (the shallowest, kept, ends the prefix conversations share: a system prompt and tools). */
 static void engine_checkpoint(struct engine *e, struct engine_slot *sl)
 {
     struct engine_past *p = &sl->past;
@@ -16707,9 +16599,8 @@ static void engine_forget(struct engine *e, int i)
     model_seq_reset(e->m, &sl->seq);
 }
 
-/* Copies idle slot I's conversation into RAM, if the budget holds it. The slot is left empty,
- * or (KEEP > 0) keeps its tokens and its checkpoints up to position KEEP: another conversation
- * that shares that much of it is about to start there. */
+/* Parks idle slot I's conversation in RAM if the budget holds it. The slot is left empty, or (KEEP > 0) keeps tokens
+ * and checkpoints up to KEEP: a conversation sharing that much starts there next. */
 static void engine_park(struct engine *e, int i, int keep)
 {
     struct engine_slot *sl = &e->slots[i];
@@ -16740,7 +16631,7 @@ static void engine_park(struct engine *e, int i, int keep)
     if (!keep) model_seq_reset(e->m, &sl->seq);
 }
 
-/* Puts parked conversation Z (taken out of the list) back into empty slot I. */
+/* Puts parked conversation Z (out of the list) back into empty slot I. */
 static void engine_unpark(struct engine *e, struct engine_parked *z, int i)
 {
     struct engine_slot *sl = &e->slots[i];
@@ -16755,7 +16646,7 @@ static void engine_unpark(struct engine *e, struct engine_parked *z, int i)
     engine_parked_free(z);
 }
 
-/* Ends slot SL's generation with STOP; an error leaves its sequence reset (half-fed). */
+/* Ends slot SL's generation with STOP; an error resets its (half-fed) sequence. */
 static void engine_finish(struct engine *e, struct engine_slot *sl, enum engine_stop stop, const char *why)
 {
     double now = plat_now();
@@ -16771,9 +16662,8 @@ static void engine_finish(struct engine *e, struct engine_slot *sl, enum engine_
     sl->next = -1;
 }
 
-/* Starts REQ on slot I (idle), its results going to G. A WHOLE prompt resumes from what the
- * slot holds of it (engine_reuse). A prompt that does not fit the sequence's context ends at
- * once with ENGINE_STOP_CONTEXT and nothing generated. */
+/* Starts REQ on idle slot I, results into G. A WHOLE prompt resumes from what the slot holds (engine_reuse); one too
+ * long for the context ends at once, ENGINE_STOP_CONTEXT, nothing generated. */
 static void engine_start(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
 {
     struct engine_slot *sl = &e->slots[i];
@@ -16802,9 +16692,8 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     else if (req->rewind) model_checkpoint(e->m, &sl->seq, req->rewind, 1);
 }
 
-/* Samples slot SL's next token from RUN's logits (or their best, where the device sent only
- * those), hands it to the sink, and decides whether the generation goes on (the token is then
- * fed in the next step) or stops. */
+/* Samples slot SL's next token from RUN's logits (or their best, if the device sent only those), hands it to the sink,
+ * and decides to go on (feeding it next step) or stop. */
 static void engine_sample(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     struct engine_gen *g = sl->gen;
@@ -16826,7 +16715,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
         id = sample_next(&r->sample, run->logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
     }
     sl->history[n_hist] = id;
-    /* an embedding row beyond the vocabulary (padding) has no text */
+    /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
@@ -16837,11 +16726,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     else sl->next = id;
 }
 
-/* Slot SL's run of N tokens from TOKENS: its next token needs no logit but the MODEL_TOP best
- * (sample_best_enough), or those and the device's draw over the whole vocabulary, or its total
- * (sample_vocab_mode; the draw peeked, not used up: sample_next_best); all after its penalties,
- * which the device applies where they are few enough and the request reports no logits (its
- * top logits are the row's as the model made it). */
+/* Slot SL's run of N TOKENS: its next token needs only the MODEL_TOP best (sample_best_enough), or those and the
+ * device's vocabulary draw, or its total (sample_vocab_mode; draw peeked, not used: sample_next_best); all after
+ * penalties, applied by the device when few and no logits reported (top logits are the raw row). */
 static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
     const struct sample_params *p = &sl->req.sample;
@@ -16855,10 +16742,9 @@ static struct model_run engine_run(const struct engine *e, struct engine_slot *s
     return run;
 }
 
-/* The runs of the next step: each decoding slot's token, then the prompts' next chunks while
- * MODEL_BATCH tokens last, or ENGINE_STEP_BESIDE_DECODE where some slot decodes: its next
- * token waits for the whole step, and a step of MODEL_BATCH prompt tokens takes seconds on a
- * large model. OWNER[r] is run r's slot. Returns the number of runs. */
+/* The next step's runs: each decoding slot's token, then prompt chunks while MODEL_BATCH tokens last, or
+ * ENGINE_STEP_BESIDE_DECODE if a slot decodes (it waits for the whole step; MODEL_BATCH prompt tokens take seconds on a
+ * large model). OWNER[r]: run r's slot. Returns the run count. */
 static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner)
 {
     int n = 0, room = MODEL_BATCH;
@@ -16883,8 +16769,8 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
     return n;
 }
 
-/* Slot SL after a prompt chunk: cancelled (rewound to its checkpoint if it has one), still
- * reading its prompt, or done with it and sampling its first token. */
+/* Slot SL after a prompt chunk: cancelled (rewound to its checkpoint if any), still on its prompt, or done, sampling
+ * its first token. */
 static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     sl->fed += run->n;
@@ -16904,10 +16790,8 @@ static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, const st
     else engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
 }
 
-/* Rebuilds on the CPU the states a failed device held (model_seq_lost), and those of the slots
- * of a pass that failed with it (OWNER[0..n), their states half advanced: m->lost): each such
- * slot is reset and fed its tokens again, the same bits as before. Returns 0, or -1 with
- * m->error (the slot that failed is forgotten). */
+/* Rebuilds on the CPU the states a failed device held (model_seq_lost) and those of slots in a pass failing with it
+ * (OWNER[0..n), half advanced: m->lost): each reset and refed, the same bits. 0, or -1 with m->error (slot forgotten). */
 static int engine_replay(struct engine *e, const int *owner, int n)
 {
     int fed = 0, rebuilt = 0;
@@ -16933,8 +16817,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
     return 0;
 }
 
-/* One forward batch over the busy slots, then each one's next token. Returns how many slots
- * are still busy. */
+/* One forward batch over the busy slots, then each one's next token; returns how many stay busy. */
 static int engine_step(struct engine *e)
 {
     struct model_run runs[MODEL_MAX_RUNS];
@@ -16964,24 +16847,21 @@ static int engine_step(struct engine *e)
     return busy;
 }
 
-/* Runs REQ on slot I to its end (run, chat and bench: one conversation at a time). The last
- * sampled token is not fed: the slot's sequence ends before it. */
+/* Runs REQ on slot I to its end (run, chat, bench: one conversation at a time); the last sampled token is not fed. */
 static void engine_generate(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
 {
     engine_start(e, i, req, g);
     while (e->slots[i].gen) engine_step(e);
 }
 
-/* Starts REQ (WHOLE) on the idle slot that can reuse the most of its prompt: a slot's own
- * past, or a parked conversation brought back into the least recently used slot (whose own
- * is parked in turn). A prompt nothing holds goes to an empty slot, else the least recently
- * used one, whose conversation is parked. A prompt that shares only the start of a slot's
- * conversation (departing before its latest checkpoint: another conversation with the same
- * system prompt) parks a copy of it first. Returns the slot, or -1 when none is idle. */
+/* Starts REQ (WHOLE) on the idle slot reusing most of its prompt: its own past, or a parked conversation brought into
+ * the least recently used slot (its own parked). A prompt nothing holds goes to an empty slot, else the least recently
+ * used (parked). One sharing only a conversation's start (departing before its latest checkpoint: same system prompt)
+ * parks a copy first. Returns the slot, or -1 if none is idle. */
 static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
 {
     int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
-    if (!cuda.ready) engine_replay(e, NULL, 0); /* nothing below may read a state the device took with it */
+    if (!cuda.ready) engine_replay(e, NULL, 0); /* nothing below may read a state the device took */
     for (int i = 0; i < e->n_slots; i++) {
         struct engine_slot *sl = &e->slots[i];
         if (sl->gen) continue;
@@ -16997,7 +16877,7 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
     }
     if (parked >= 0) {
         struct engine_parked z = e->parked[parked];
-        e->parked[parked] = e->parked[--e->n_parked]; /* out of the list, so that parking the victim cannot evict it */
+        e->parked[parked] = e->parked[--e->n_parked]; /* out of the list, so parking the victim cannot evict it */
         engine_park(e, victim, 0);
         engine_unpark(e, &z, victim);
         best = victim;
@@ -17013,38 +16893,33 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 }
 
 /* ==== §12 serve ==== */
-/* Owns: `coli serve`, the OpenAI-compatible HTTP server: the listening socket and a thread per
- *   connection, HTTP/1.1 requests read under limits, the JSON answers, the queue of generation
- *   jobs between the connections and the engine, streaming (server-sent events), stop strings,
- *   an answer split into reasoning_content, content and tool_calls, the API key, /health,
- *   /metrics and /apply-template.
- * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error and the
- *   server lives on. Connection threads never touch model state: they parse, tokenize (the
- *   vocabulary is read-only), queue a job and send what the engine's sink hands them; only
- *   the engine thread (serve_run, the one that loaded the model) runs the engine. A job is its
- *   connection's, but shared under its own mutex while queued or running; the engine lets go
- *   of it by setting done.
+/* Owns: `coli serve`, the OpenAI-compatible HTTP server: listening socket, a thread per connection, HTTP/1.1 read under
+ *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
+ *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template.
+ * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error. Connection threads never touch
+ *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
+ *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
+ *   mutex while queued or running; the engine lets go by setting done.
  * May call: §1–§11, POSIX sockets, pthreads.
- * Workload: per generated token one sink call (a lock, a copy, a signal) and one write per
- *   streaming client. Why no library: Debian has no HTTP parser that builds from source into a
- *   static musl binary (llhttp is generated code inside node's tree; libmicrohttpd brings its
- *   own threads, polling and TLS), and a strict JSON reader with our limits is shorter than the
- *   glue to cJSON. */
+ * Workload: per generated token a sink call (lock, copy, signal), a write per streaming client. No library: Debian has
+ *   no HTTP parser building from source into a static musl binary (llhttp is generated code in node's tree;
+ *   libmicrohttpd brings its own threads, polling and TLS), and a strict JSON reader with our limits is shorter than
+ *   cJSON glue. */
 
 #define SERVE_MAX_HEAD (16 << 10)    /* request line and headers; more is 431 */
 #define SERVE_MAX_HEADERS 100
 #define SERVE_MAX_BODY (8 << 20)     /* a request body; more is 413 */
-#define SERVE_HEAD_TIMEOUT 10.0      /* seconds for a request's head once its first byte came */
-#define SERVE_IDLE_TIMEOUT 30.0      /* seconds a kept-alive connection may wait for its next request */
+#define SERVE_HEAD_TIMEOUT 10.0      /* seconds for a request's head after its first byte */
+#define SERVE_IDLE_TIMEOUT 30.0      /* seconds a kept-alive connection may wait for a request */
 #define SERVE_BODY_TIMEOUT 30.0
-#define SERVE_MAX_CONNS 256          /* connections at once; more are answered 503 and closed */
-#define SERVE_MAX_STOP 4             /* stop strings per request, as the OpenAI API allows */
+#define SERVE_MAX_CONNS 256          /* connections at once; more get 503 and are closed */
+#define SERVE_MAX_STOP 4             /* stop strings per request, as OpenAI's API allows */
 #define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
-#define SERVE_DEFAULT_CACHE (8LL << 30) /* the prompt cache: an eighth of free memory, this at most, unless --cache-ram says */
+#define SERVE_DEFAULT_CACHE (8LL << 30) /* the prompt cache: an eighth of free memory, at most this, unless --cache-ram says */
 
 /* ---- HTTP/1.1 ---- */
 
-/* One client connection; BUF holds what was read and not yet used (a pipelined request). */
+/* A client connection; BUF holds what was read and not yet used (a pipelined request). */
 struct serve_conn {
     struct serve *srv;
     int fd, served;            /* requests answered on it */
@@ -17091,8 +16966,7 @@ static const char *serve_status_text(int status)
     }
 }
 
-/* Writes all of P; waits at most SERVE_BODY_TIMEOUT for a client that does not read. Returns 0,
- * or -1 when the client is gone or stuck. */
+/* Writes all of P, waiting at most SERVE_BODY_TIMEOUT for a client not reading. 0, or -1: client gone or stuck. */
 static int serve_write(int fd, const char *p, size_t n)
 {
     while (n > 0) {
@@ -17110,8 +16984,8 @@ static int serve_write(int fd, const char *p, size_t n)
     return 0;
 }
 
-/* Reads more into C's buffer until DEADLINE (plat_now time). Returns the bytes read, 0 when the
- * client closed, -1 on a timeout, an error or a full buffer. */
+/* Reads more into C's buffer until DEADLINE (plat_now): bytes read, 0 if the client closed, -1 on timeout, error, full
+ * buffer. */
 static ssize_t serve_fill(struct serve_conn *c, double deadline)
 {
     if (c->len >= SERVE_MAX_HEAD) return -1;
@@ -17139,7 +17013,7 @@ static void serve_consume(struct serve_conn *c, size_t n)
 
 static int serve_token_char(int c) { return c > 0x20 && c < 0x7f && !strchr("()<>@,;:\\\"/[]?={}", c); }
 
-/* Whether the comma-separated header value V holds TOKEN (case-insensitive). */
+/* Whether comma-separated header value V holds TOKEN (case-insensitive). */
 static int serve_has_token(const char *v, const char *token)
 {
     size_t n = strlen(token);
@@ -17155,7 +17029,7 @@ static int serve_has_token(const char *v, const char *token)
     return 0;
 }
 
-/* One header line NAME: VALUE into R; -1 with E set when it is malformed. */
+/* Header line NAME: VALUE into R; -1 with E set if malformed. */
 static int serve_header(struct serve_request *r, char *line, struct serve_error *e)
 {
     char *colon = strchr(line, ':'), *v;
@@ -17187,8 +17061,7 @@ static int serve_header(struct serve_request *r, char *line, struct serve_error 
     return 0;
 }
 
-/* The request line and headers in HEAD (NUL-terminated, CRLF line ends, without the blank
- * line) into R. Returns 0, or -1 with E set (status 400 unless said). */
+/* HEAD's request line and headers (NUL-terminated, CRLF ends, no blank line) into R; -1 with E set (400 unless said). */
 static int serve_parse_head(char *head, struct serve_request *r, struct serve_error *e)
 {
     char *line = head, *eol = strstr(line, "\r\n"), version[16];
@@ -17217,8 +17090,7 @@ static int serve_parse_head(char *head, struct serve_request *r, struct serve_er
     return 0;
 }
 
-/* Takes one CRLF-ended line off C's buffer into LINE (at most CAP-1 bytes), reading more until
- * DEADLINE; -1 if it does not come whole. */
+/* Takes a CRLF-ended line off C's buffer into LINE (at most CAP-1 bytes), reading until DEADLINE; -1 if not whole. */
 static int serve_take_line(struct serve_conn *c, char *line, size_t cap, double deadline)
 {
     for (;;) {
@@ -17288,8 +17160,8 @@ static int serve_read_body(struct serve_conn *c, struct serve_request *r, struct
     return 0;
 }
 
-/* Reads the next request on C into R. Returns 1 for a request, 0 when the client closed or
- * stayed idle (nothing to answer), -1 with E set for a request to refuse (then close). */
+/* Reads C's next request into R: 1 a request, 0 the client closed or idled (nothing to answer), -1 with E set: refuse,
+ * close. */
 static int serve_read_request(struct serve_conn *c, struct serve_request *r, struct serve_error *e)
 {
     memset(r, 0, sizeof *r);
@@ -17304,8 +17176,8 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
         if (got < 0 && c->len) return e->status = 408, snprintf(e->message, sizeof e->message, "the request head did not come in time"), -1;
         if (got == 0 && c->len) return snprintf(e->message, sizeof e->message, "the request ended in its head"), -1;
         if (got <= 0) return 0;
-        /* a bare LF in the head so far (not in a body behind it): else a head ended by bare LFs
-         * would wait out its deadline */
+        /* a bare LF in the head so far (not a body behind it): else a head ended by bare LFs waits out
+         * its deadline */
         const char *head_end = memmem(c->buf, c->len, "\r\n\r\n", 4);
         size_t stop = head_end ? (size_t)(head_end - c->buf) + 4 : c->len;
         for (size_t i = c->len - (size_t)got; i < stop; i++)
@@ -17323,7 +17195,7 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
     return 1;
 }
 
-/* Sends a whole answer: status, headers (EXTRA: more header lines, each ending in CRLF), body. */
+/* Sends a whole answer: status, headers (EXTRA: more lines, each CRLF-ended), body. */
 static int serve_respond(struct serve_conn *c, int status, const char *type, const char *body, size_t n, const char *extra, int keep_alive)
 {
     char head[1024];
@@ -17355,7 +17227,7 @@ static char *serve_error_json(const struct serve_error *e, size_t *n)
 /* Counters for /metrics and the log, under serve.stats_mu. */
 #define SERVE_STATUS_KINDS 16
 struct serve_stats {
-    int status[SERVE_STATUS_KINDS];          /* the status codes answered so far, first come first */
+    int status[SERVE_STATUS_KINDS];          /* status codes answered so far, first come first */
     uint64_t by_status[SERVE_STATUS_KINDS];  /* how often each */
     uint64_t prompt_tokens, cached_tokens, generated_tokens, requests_done;
     double prompt_s, decode_s; /* summed over the generations */
@@ -17371,7 +17243,7 @@ struct serve {
     const struct tok *tok;
     int ready, n_slots, queue_max, default_max;
     struct sample_params sample; /* the command line's sampling: a request's defaults */
-    int think;                 /* the chat template's thinking block unless a request says */
+    int think;                 /* the template's thinking block unless a request says */
     pthread_mutex_t mu;        /* the queue, the connection list */
     pthread_cond_t cv;         /* the engine waits on it for jobs */
     struct serve_job *queue_head, *queue_tail;
@@ -17390,24 +17262,23 @@ struct serve_tool_call {
 
 enum serve_part { SERVE_PART_REASONING, SERVE_PART_CONTENT, SERVE_PART_CALL };
 
-/* A chat answer split into its fields as it comes: the text of the think block, the content,
- * and the <tool_call> blocks that parse. Only the connection thread touches it. */
+/* A chat answer split into fields as it comes: think text, content, parsed <tool_call> blocks. Connection thread only. */
 struct serve_answer {
     enum serve_part part;      /* where the text that comes next belongs */
-    struct tok_buf pending;    /* text not placed yet: maybe the start of a tag, or trailing space */
+    struct tok_buf pending;    /* text not placed yet: maybe a tag's start, or trailing space */
     struct tok_buf field[2];   /* [SERVE_PART_REASONING], [SERVE_PART_CONTENT] */
     struct serve_tool_call *calls;
     int n_calls;
 };
 
-/* One generation request between its connection thread and the engine. */
+/* A generation request between its connection thread and the engine. */
 struct serve_job {
     struct serve_job *next;    /* in the queue */
     int chat;                  /* /v1/chat/completions (else /v1/completions) */
     int stream, include_usage;
     int think;                 /* chat: the answer opens inside a think block */
     struct json *body;         /* the request, parsed */
-    const struct json *tools;  /* chat: the body's tools, NULL when none (no tool calls are parsed) */
+    const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
     int *prompt;               /* [n_prompt] */
     struct engine_request req;
@@ -17415,12 +17286,12 @@ struct serve_job {
     int n_stop;
     size_t longest_stop;       /* bytes of the longest stop string */
     struct tok_utf8_stream utf8;
-    volatile sig_atomic_t cancel; /* the client went away: set by the connection thread */
+    volatile sig_atomic_t cancel; /* client went away: set by the connection thread */
     /* shared with the engine's sink, under mu */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    char *text;                /* [len] the answer so far in whole characters, cut before a stop string */
-    size_t len, cap, released; /* text[0..released) can no longer turn into a stop string */
+    char *text;                /* [len] the answer so far, whole characters, cut before a stop string */
+    size_t len, cap, released; /* text[0..released) can no longer become a stop string */
     int done;                  /* the engine has let go; gen is final */
     struct engine_gen gen;
 };
@@ -17448,7 +17319,7 @@ static void serve_count(struct serve *srv, int status)
     pthread_mutex_unlock(&srv->stats_mu);
 }
 
-/* Sends E as the answer, counts it and logs it; the connection closes after a refused request. */
+/* Sends E as the answer, counts and logs it; the connection closes after a refused request. */
 static void serve_fail(struct serve_conn *c, const struct serve_error *e, int keep_alive)
 {
     size_t n;
@@ -17486,7 +17357,7 @@ static void serve_job_free(struct serve_job *j)
     free(j);
 }
 
-/* Where the first stop string starts in J's text at or after FROM, or -1. */
+/* Where the first stop string starts in J's text from FROM on, or -1. */
 static long serve_find_stop(const struct serve_job *j, size_t from)
 {
     long best = -1;
@@ -17497,7 +17368,7 @@ static long serve_find_stop(const struct serve_job *j, size_t from)
     return best;
 }
 
-/* How many bytes at the end of J's text could be the start of a stop string. */
+/* How many bytes ending J's text could start a stop string. */
 static size_t serve_stop_holdback(const struct serve_job *j)
 {
     size_t hold = 0;
@@ -17509,7 +17380,7 @@ static size_t serve_stop_holdback(const struct serve_job *j)
     return hold;
 }
 
-/* Appends whole characters to J's text and finds stop strings in what came; 1 on a stop. Under mu. */
+/* Appends whole characters to J's text and finds stop strings in them; 1 on a stop. Under mu. */
 static int serve_job_append(struct serve_job *j, const char *s, size_t n)
 {
     size_t from = j->len;
@@ -17522,8 +17393,8 @@ static int serve_job_append(struct serve_job *j, const char *s, size_t n)
     return at >= 0;
 }
 
-/* The engine's sink for a job (engine thread): the piece of token ID joins the answer; the
- * end-of-generation token's text does not. Nonzero stops: a stop string came. */
+/* A job's engine sink (engine thread): token ID's piece joins the answer, bar the end-of-generation token's.
+ * Nonzero: a stop string came. */
 static int serve_sink(void *ctx, int id, const char *piece, size_t len)
 {
     struct serve_job *j = ctx;
@@ -17542,8 +17413,8 @@ static int serve_sink(void *ctx, int id, const char *piece, size_t len)
     return stop;
 }
 
-/* The engine has finished J: what the UTF-8 stream held back joins the text unless a stop
- * string ended it, everything left is released, and the connection is woken. */
+/* J finished: what the UTF-8 stream held back joins the text unless a stop string ended it; the rest is released,
+ * the connection woken. */
 static void serve_job_done(struct serve *srv, struct serve_job *j)
 {
     char tail[8];
@@ -17561,13 +17432,12 @@ static void serve_job_done(struct serve *srv, struct serve_job *j)
         serve_job_append(j, tail, n);
         j->released = j->len;
     }
-    j->done = 1; /* from here on the job is its connection's, which may free it at once */
+    j->done = 1; /* now the job is its connection's, which may free it at once */
     pthread_cond_signal(&j->cv);
     pthread_mutex_unlock(&j->mu);
 }
 
-/* Whether the model is loaded (set once, under mu, after the engine and tokenizer it
- * publishes): until then nothing may touch them. */
+/* Whether the model is loaded (set once under mu, after the engine and tokenizer it publishes; untouchable until). */
 static int serve_ready(struct serve *srv)
 {
     pthread_mutex_lock(&srv->mu);
@@ -17576,7 +17446,7 @@ static int serve_ready(struct serve *srv)
     return ready;
 }
 
-/* E: the 503 of a request that came while the model loads. */
+/* E: the 503 for a request during model load. */
 static void serve_loading(struct serve_error *e)
 {
     *e = (struct serve_error){503, "server_error", "loading", "", "the model is still loading"};
@@ -17616,9 +17486,8 @@ static struct serve_job *serve_dequeue(struct serve *srv)
     return j;
 }
 
-/* Gives queued jobs to idle slots, each to the one that holds the most of its prompt
- * (engine_admit); JOBS[i] is slot i's job. Waits for work while there is none. Returns 0 when
- * stopping. */
+/* Gives queued jobs to idle slots, each to the one holding most of its prompt (engine_admit); JOBS[i]: slot i's job.
+ * Waits for work; 0 when stopping. */
 static int serve_admit(struct serve *srv, struct serve_job **jobs)
 {
     struct engine *e = srv->engine;
@@ -17640,7 +17509,7 @@ static int serve_admit(struct serve *srv, struct serve_job **jobs)
     for (int k = 0; k < n; k++) {
         int i = engine_admit(e, &admitted[k]->req, &admitted[k]->gen);
         if (e->slots[i].gen) jobs[i] = admitted[k];
-        else serve_job_done(srv, admitted[k]); /* ended at once (too long for the context): its slot is idle again */
+        else serve_job_done(srv, admitted[k]); /* ended at once (too long for the context): slot idle again */
     }
     return !serve_stopping;
 }
@@ -17665,8 +17534,8 @@ static void serve_collect(struct serve *srv, struct serve_job **jobs)
     pthread_mutex_unlock(&srv->stats_mu);
 }
 
-/* The engine thread: steps every busy slot together until a signal says stop; then the running
- * generations are cancelled (each ends at its next token) and the queued ones refused. */
+/* The engine thread: steps all busy slots until a signal says stop; then running generations are cancelled (each at
+ * its next token), queued ones refused. */
 static void serve_run(struct serve *srv)
 {
     struct engine *e = srv->engine;
@@ -17710,8 +17579,7 @@ static int serve_bad(struct serve_error *e, const char *param, const char *fmt, 
     return -1;
 }
 
-/* The number NAME of BODY into *OUT when present: within [LO, HI], and whole if WHOLE. Returns
- * 0 (absent or set), -1 with E set. */
+/* BODY's number NAME into *OUT if present: within [LO, HI], whole if WHOLE. 0 (absent or set), -1 with E set. */
 static int serve_number(const struct json *body, const char *name, double lo, double hi, int whole, double *out, struct serve_error *e)
 {
     const struct json *v = json_get(body, name);
@@ -17732,7 +17600,7 @@ static int serve_bool(const struct json *body, const char *name, int *out, struc
     return 0;
 }
 
-/* The sampling fields of BODY over the server's defaults. */
+/* BODY's sampling fields over the server's defaults. */
 static int serve_sampling(const struct json *body, struct sample_params *p, struct serve_error *e)
 {
     double temp = p->temp, top_p = p->top_p, top_k = p->top_k, min_p = p->min_p, seed = (double)(p->seed & 0xFFFFFFFFFFFFF);
@@ -17764,10 +17632,9 @@ static int serve_stops(const struct json *body, struct serve_job *j, struct serv
     return 0;
 }
 
-/* The chat prompt of BODY's messages and tools, rendered by the model's template: a malloc'd
- * string (*LEN bytes). J (if any) learns whether the answer opens inside a think block. SHOW:
- * for /apply-template, which also renders image and video parts (the engine reads text only)
- * and takes add_generation_prompt. */
+/* BODY's messages and tools rendered by the model's template: malloc'd, *LEN bytes. J (if any) learns whether the
+ * answer opens in a think block. SHOW: for /apply-template, also rendering image and video parts (the engine reads
+ * text only), taking add_generation_prompt. */
 static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int show, size_t *len, struct serve_error *e)
 {
     const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *kw = json_get(body, "chat_template_kwargs");
@@ -17799,7 +17666,7 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     return text;
 }
 
-/* The prompt of a completion: a string, or a list of token ids. Into J. */
+/* A completion's prompt: a string or a list of token ids, into J. */
 static int serve_completion_prompt(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
     const struct json *p = json_get(body, "prompt");
@@ -17819,8 +17686,7 @@ static int serve_completion_prompt(struct serve *srv, const struct json *body, s
     return 0;
 }
 
-/* The generation settings of BODY into J: max tokens within the context left after the prompt,
- * sampling, stops, streaming. */
+/* BODY's generation settings into J: max tokens within the context the prompt leaves, sampling, stops, streaming. */
 static int serve_settings(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
     int n_ctx = srv->engine->m->n_ctx;
@@ -17844,10 +17710,9 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     return 0;
 }
 
-/* Where J's prompt is to keep checkpoints (engine_request.mark): where the turn after the
- * first opens (the system prompt and the tools end there, which other conversations share)
- * and where the answer's turn opens, at the last <|im_start|>: the next turn re-renders this
- * answer without its thinking, so it departs from this prompt there. */
+/* J's checkpoint marks (engine_request.mark): where the second turn opens (the system prompt and tools, shared with
+ * other conversations, end there) and the answer's turn, at the last <|im_start|> (the next turn re-renders this answer
+ * without thinking, departing there). */
 static void serve_marks(const struct tok *t, struct serve_job *j)
 {
     int im_start = tok_find(t, "<|im_start|>"), n = j->req.n_prompt;
@@ -17857,7 +17722,7 @@ static void serve_marks(const struct tok *t, struct serve_job *j)
         if (j->prompt[i] == im_start) j->req.mark[1] = i;
 }
 
-/* A job for BODY (a chat or a completion); NULL with E set when the request is bad. */
+/* A job for BODY (chat or completion); NULL with E set for a bad request. */
 static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
 {
     const char *why = NULL;
@@ -17904,8 +17769,8 @@ static unsigned long long serve_next_id(void)
 
 static int serve_is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-/* Whether KEY's schema in tool NAME of TOOLS (a list of {"type":"function","function":{...}})
- * allows a value of kind KIND: its "type" names it (or lists it), or it says no type. */
+/* Whether KEY's schema in tool NAME of TOOLS ([{"type":"function","function":{...}}]) allows kind KIND: its "type"
+ * names or lists it, or is absent. */
 static int serve_schema_allows(const struct json *tools, const char *name, const char *key, enum json_kind kind, int integer)
 {
     static const char *const names[] = {"null", "boolean", "number", "string", "array", "object"};
@@ -17921,9 +17786,8 @@ static int serve_schema_allows(const struct json *tools, const char *name, const
     return 0;
 }
 
-/* A parameter's text V[0..n) as the JSON value its schema asks for: a number, boolean, null,
- * object or list where the text is one and the schema allows it (Python's True and False, which
- * Qwen3.5's template writes, count as booleans), else a string. Appended to B. */
+/* Parameter text V[0..n) as the JSON value its schema asks: a number, boolean, null, object or list if the text is one
+ * and the schema allows (Python's True/False, as Qwen3.5's template writes, are booleans), else a string; into B. */
 static void serve_typed_value(struct tok_buf *b, const struct json *tools, const char *name, const char *key, const char *v, size_t n)
 {
     const char *why;
@@ -17937,7 +17801,7 @@ static void serve_typed_value(struct tok_buf *b, const struct json *tools, const
     json_free(parsed);
 }
 
-/* Skips space at *P (before END), then LIT; 0 if LIT is not there. */
+/* Skips space at *P (before END), then LIT; 0 if no LIT. */
 static int serve_expect(const char **p, const char *end, const char *lit)
 {
     while (*p < end && serve_is_space(**p)) (*p)++;
@@ -17960,9 +17824,9 @@ static char *serve_tag_name(const char **p, const char *end)
     return name;
 }
 
-/* The block B[0..n) as the template teaches the model to write a call:
+/* Block B[0..n) in the call form the template teaches,
  *   <tool_call> <function=NAME> (<parameter=KEY>\nVALUE\n</parameter>)* </function> </tool_call>
- * appended to A's calls with its arguments typed by the tools' schemas; 0 if it is not that. */
+ * appended to A's calls, arguments typed by the schemas; 0 if not. */
 static int serve_parse_call(struct serve_answer *a, const struct json *tools, const char *b, size_t n)
 {
     const char *p = b, *end = b + n;
@@ -18000,9 +17864,8 @@ static int serve_parse_call(struct serve_answer *a, const struct json *tools, co
     return 1;
 }
 
-/* Moves S[0..n) into field PART, without the field's leading space and, unless the field's
- * text ENDS here, without its trailing space (which waits for what follows). Returns the bytes
- * taken from S. */
+/* Moves S[0..n) into field PART, minus its leading space and, unless its text ENDS here, trailing space (kept for
+ * what follows). Returns bytes taken. */
 static size_t serve_answer_place(struct serve_answer *a, enum serve_part part, const char *s, size_t n, int ends)
 {
     struct tok_buf *f = &a->field[part];
@@ -18013,7 +17876,7 @@ static size_t serve_answer_place(struct serve_answer *a, enum serve_part part, c
     return ends ? n : to;
 }
 
-/* The longest end of S[0..n) that begins TAG: text that may still turn into it. */
+/* The longest end of S[0..n) that begins TAG: may still become it. */
 static size_t serve_tag_holdback(const char *s, size_t n, const char *tag)
 {
     size_t len = strlen(tag);
@@ -18022,9 +17885,8 @@ static size_t serve_tag_holdback(const char *s, size_t n, const char *tag)
     return 0;
 }
 
-/* Feeds released answer text S[0..n) (whole characters) to A; FINAL: nothing more comes.
- * Thinking ends at </think>; with tools, a <tool_call> block becomes a call, or text if it
- * does not parse. */
+/* Feeds released text S[0..n) (whole characters) to A; FINAL: no more. Thinking ends at </think>; with tools a
+ * <tool_call> block becomes a call, or text if unparsable. */
 static void serve_answer_feed(struct serve_answer *a, const struct json *tools, const char *s, size_t n, int final)
 {
     tok_buf_put(&a->pending, s, n);
@@ -18062,7 +17924,7 @@ static const char *serve_finish_reason(const struct serve_job *j)
     return j->gen.stop == ENGINE_STOP_LENGTH || j->gen.stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
 }
 
-/* usage (cached_tokens: the prompt tokens reused, not computed), and the server's own times. */
+/* usage (cached_tokens: prompt tokens reused, not computed), and the server's own times. */
 static void serve_usage(FILE *f, const struct serve_job *j)
 {
     fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}},",
@@ -18070,7 +17932,7 @@ static void serve_usage(FILE *f, const struct serve_job *j)
     fprintf(f, "\"timings\":{\"prompt_ms\":%.3f,\"decode_ms\":%.3f}", j->gen.prompt_s * 1e3, j->gen.decode_s * 1e3);
 }
 
-/* The head of a chat or completion object (or chunk): id, object, created, model. */
+/* A chat or completion object's (or chunk's) head: id, object, created, model. */
 static void serve_object_head(FILE *f, struct serve *srv, const struct serve_job *j, unsigned long long id, time_t created)
 {
     const char *object = j->chat ? (j->stream ? "chat.completion.chunk" : "chat.completion") : "text_completion";
@@ -18078,7 +17940,7 @@ static void serve_object_head(FILE *f, struct serve *srv, const struct serve_job
     json_write_string(f, srv->model_id, strlen(srv->model_id));
 }
 
-/* Call K of J's answer as OpenAI writes a tool call (with its INDEX in a stream delta). */
+/* Call K of J's answer as OpenAI writes a tool call (INDEX in a stream delta). */
 static void serve_write_call(FILE *f, const struct serve_job *j, unsigned long long id, int k, int index)
 {
     const struct serve_tool_call *call = &j->answer.calls[k];
@@ -18091,8 +17953,7 @@ static void serve_write_call(FILE *f, const struct serve_job *j, unsigned long l
     fputs("}}", f);
 }
 
-/* A chat answer's message: content (null when there are only calls), reasoning_content when
- * the model thought, tool_calls when it called. */
+/* A chat message: content (null with only calls), reasoning_content if it thought, tool_calls if it called. */
 static void serve_write_message(FILE *f, const struct serve_job *j, unsigned long long id)
 {
     const struct serve_answer *a = &j->answer;
@@ -18111,7 +17972,7 @@ static void serve_write_message(FILE *f, const struct serve_job *j, unsigned lon
     fputs(a->n_calls ? "]}" : "}", f);
 }
 
-/* The whole answer of a finished job that did not stream. */
+/* A finished, unstreamed job's whole answer. */
 static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n)
 {
     char *out = NULL;
@@ -18133,10 +17994,8 @@ static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n
     return out;
 }
 
-/* The error of a generation that failed (a model file that became unreadable, say: 500) or was
- * cancelled because the server is stopping (503). */
-/* Whether J was cancelled for a client that went (serve_job_wait saw it shut its side), not by
- * a shutdown. */
+/* The error of a failed generation (say, model file unreadable: 500) or one cancelled by shutdown (503). */
+/* Whether J was cancelled for a client that left (serve_job_wait saw it shut its side), not by shutdown. */
 static int serve_client_left(const struct serve_job *j) { return j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping; }
 
 static struct serve_error serve_gen_error(const struct serve_job *j)
@@ -18154,7 +18013,7 @@ static struct serve_error serve_gen_error(const struct serve_job *j)
     return e;
 }
 
-/* One server-sent event as one chunk of a chunked body. */
+/* A server-sent event as one chunk of a chunked body. */
 static int serve_event(int fd, const char *data, size_t n)
 {
     char head[32];
@@ -18162,8 +18021,8 @@ static int serve_event(int fd, const char *data, size_t n)
     return serve_write(fd, head, (size_t)h) || serve_write(fd, data, n) || serve_write(fd, "\n\n\r\n", 4) ? -1 : 0;
 }
 
-/* A streamed chunk: CHOICE (the members of the choice after its index: a delta, or a
- * completion's text) with FINISH (NULL: null), or the usage (CHOICE NULL). */
+/* A stream chunk: CHOICE (the choice's members after index: a delta, or completion text) with FINISH (NULL: null), or
+ * usage (CHOICE NULL). */
 static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *choice, const char *finish)
 {
     char *out = NULL;
@@ -18185,7 +18044,7 @@ static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned
     return r;
 }
 
-/* A chunk of new text: a chat delta of FIELD, or a completion's text. */
+/* New text: a chat delta of FIELD, or a completion's text. */
 static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *field,
                             const char *text, size_t n)
 {
@@ -18202,7 +18061,7 @@ static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, uns
     return r;
 }
 
-/* What a chat stream has sent of each field of the answer. */
+/* What a chat stream has sent of each answer field. */
 struct serve_sent { size_t field[2]; int calls; };
 
 /* Sends what the answer's fields gained since SENT: thinking, content, then whole calls. */
@@ -18230,15 +18089,15 @@ static int serve_send_answer(struct serve_conn *c, struct serve_job *j, unsigned
     return gone;
 }
 
-/* Whether the client of FD has gone: it hung up (a pipelined request waiting is not that). */
+/* Whether FD's client hung up (a pipelined request waiting is not that). */
 static int serve_client_gone(int fd)
 {
     struct pollfd pf = {fd, POLLRDHUP, 0};
     return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
-/* Waits until J has text past SENT or is done, cancelling it if the client goes; returns the
- * bytes released, copied into *PIECE (malloc'd, or NULL). */
+/* Waits until J has text past SENT or is done, cancelling it if the client goes; returns bytes released, copied into
+ * *PIECE (malloc'd or NULL). */
 static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t sent, char **piece)
 {
     *piece = NULL;
@@ -18246,7 +18105,7 @@ static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t s
     while (!j->done && j->released <= sent) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 200 * 1000000L; /* how soon a client that left is noticed while the prompt runs */
+        ts.tv_nsec += 200 * 1000000L; /* how soon a departed client is noticed while the prompt runs */
         if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
         if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT && serve_client_gone(c->fd)) j->cancel = 1;
     }
@@ -18259,7 +18118,7 @@ static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t s
     return n;
 }
 
-/* Streams J's answer as it comes. Returns -1 when the client went away. */
+/* Streams J's answer as it comes; -1 when the client went away. */
 static int serve_stream(struct serve_conn *c, struct serve_job *j)
 {
     static const char head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
@@ -18283,8 +18142,8 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         if (gone) j->cancel = 1;
     }
     if (gone) return -1;
-    /* cancelled for a client that shut its side (it may still read, as a half-closed one
-     * does): the stream still ends well-formed, with the error event, then the connection */
+    /* cancelled for a client that shut its side (a half-closed one may still read): the stream ends
+     * well-formed, error event, then the connection */
     const int left = serve_client_left(j);
     if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
         struct serve_error e = serve_gen_error(j);
@@ -18299,8 +18158,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) || left ? -1 : 0;
 }
 
-/* A generation endpoint: the request becomes a job, queued, then answered whole or streamed.
- * Returns -1 when the connection is to close. */
+/* A generation endpoint: request to queued job, answered whole or streamed. -1: close the connection. */
 static int serve_generate(struct serve_conn *c, const struct serve_request *r, int chat)
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
@@ -18405,8 +18263,8 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
     return rc || !r->keep_alive ? -1 : 0;
 }
 
-/* POST /apply-template: the prompt a chat request's messages render to, as {"prompt": TEXT}
- * (llama.cpp's endpoint of that name), so that a client can see what the model is given. */
+/* POST /apply-template: a chat request's rendered messages, as {"prompt": TEXT} (llama.cpp's endpoint), so a client
+ * sees what the model is given. */
 static int serve_apply_template(struct serve_conn *c, const struct serve_request *r)
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
@@ -18437,7 +18295,7 @@ static int serve_apply_template(struct serve_conn *c, const struct serve_request
     return rc || !r->keep_alive ? -1 : 0;
 }
 
-/* Whether R carries the server's key (always, when there is none). */
+/* Whether R carries the server's key (always, if none). */
 static int serve_authorized(const struct serve *srv, const struct serve_request *r)
 {
     if (!srv->api_key) return 1;
@@ -18449,7 +18307,7 @@ static int serve_authorized(const struct serve *srv, const struct serve_request 
     return !diff;
 }
 
-/* Answers one request; -1 when the connection is to close. */
+/* Answers one request; -1: close the connection. */
 static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
     static const struct { const char *path, *method; } routes[] = {
@@ -18477,7 +18335,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
     return rc || !r->keep_alive ? -1 : 0;
 }
 
-/* Lists FD among the open connections (so that stopping can shut them) or takes it off. */
+/* Lists FD among the open connections (so stopping can shut them) or takes it off. */
 static void serve_track(struct serve *srv, int fd, int add)
 {
     pthread_mutex_lock(&srv->mu);
@@ -18490,9 +18348,8 @@ static void serve_track(struct serve *srv, int fd, int add)
     pthread_mutex_unlock(&srv->mu);
 }
 
-/* Before closing on a refused request: stop sending, then read (for a second at most) what the
- * client still sends, so that the kernel does not answer its unread bytes with a reset that
- * could destroy the error answer before the client reads it. */
+/* Before closing on a refused request: stop sending, read (a second at most) what the client still sends, lest the
+ * kernel answer unread bytes with a reset destroying the error answer before the client reads it. */
 static void serve_linger(int fd)
 {
     char sink[4096];
@@ -18503,8 +18360,7 @@ static void serve_linger(int fd)
     }
 }
 
-/* A connection's thread: requests one after another until the client closes, stays idle, or a
- * request is refused. */
+/* A connection's thread: requests in turn until the client closes, idles, or a request is refused. */
 static void *serve_conn_main(void *arg)
 {
     struct serve_conn *c = arg;
@@ -18523,7 +18379,7 @@ static void *serve_conn_main(void *arg)
     return NULL;
 }
 
-/* The acceptor's thread: a thread per connection, SERVE_MAX_CONNS at most (503 beyond). */
+/* The acceptor thread: a thread per connection, SERVE_MAX_CONNS at most (503 beyond). */
 static void *serve_accept_main(void *arg)
 {
     struct serve *srv = arg;
@@ -18561,8 +18417,7 @@ static void *serve_accept_main(void *arg)
     return NULL;
 }
 
-/* Binds HOST:PORT (PORT 0: any free one) and listens; dies when it cannot (start-up). Returns the
- * port bound. */
+/* Binds HOST:PORT (PORT 0: any free) and listens, dying if it cannot (start-up); returns the port. */
 static int serve_listen(struct serve *srv, const char *host, int port)
 {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV}, *ai = NULL;
@@ -18582,14 +18437,14 @@ static int serve_listen(struct serve *srv, const char *host, int port)
     return ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port : ((struct sockaddr_in *)&sa)->sin_port);
 }
 
-/* Whether HOST is a loopback address (then nothing outside this machine can reach the server). */
+/* Whether HOST is loopback (then nothing outside this machine can reach the server). */
 static int serve_is_loopback(const char *host)
 {
     return !strcmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1");
 }
 
-/* Starts answering on HOST:PORT before the model loads (/health says 503 until serve_ready):
- * signals, the acceptor thread. Logs the address. */
+/* Starts answering on HOST:PORT before the model loads (/health: 503 until serve_ready): signals, acceptor thread;
+ * logs the address. */
 static void serve_start(struct serve *srv, const char *host, int port, pthread_t *acceptor)
 {
     srv->started = (double)time(NULL);
@@ -18603,15 +18458,14 @@ static void serve_start(struct serve *srv, const char *host, int port, pthread_t
     struct sigaction sa = {.sa_handler = serve_on_signal}, ign = {.sa_handler = SIG_IGN};
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGPIPE, &ign, NULL); /* a client that left is an error from send, not a signal */
+    sigaction(SIGPIPE, &ign, NULL); /* a departed client is an error from send, not a signal */
     const char *bracket = strchr(host, ':') ? "[" : "", *close_bracket = strchr(host, ':') ? "]" : "";
     plat_log("[serve] listening on http://%s%s%s:%d (loading the model)", bracket, host, close_bracket, bound);
     if (!serve_is_loopback(host)) plat_log("[serve] %s is not a loopback address: other machines can reach this server%s", host, srv->api_key ? "" : " (no --api-key)");
     if (pthread_create(acceptor, NULL, serve_accept_main, srv)) die("serve: cannot start the acceptor thread");
 }
 
-/* Stops: no more connections; the open ones are shut (each thread ends at its next read or
- * write) and waited for, two seconds at most. */
+/* Stops: no new connections; open ones are shut (threads end at their next read or write) and awaited, 2 s at most. */
 static void serve_stop(struct serve *srv, pthread_t acceptor)
 {
     serve_stopping = 1;
@@ -18636,12 +18490,10 @@ static void serve_stop(struct serve *srv, pthread_t acceptor)
 }
 
 /* ==== §13 frontends ==== */
-/* Owns: the commands a user runs (run, chat, plan, bench, info, tokenize): loading a
- *   session, the generation loop, streaming text, statistics, the --json record; the
- *   synthetic models plan, bench and info run on (a geometry's GGUF written in memory).
- * Promises: stdout carries only generated text (and the one --json line); everything else
- *   goes to stderr. A full context is a message, never a crash. Ctrl-C in chat stops the
- *   answer and keeps the session.
+/* Owns: user commands (run, chat, plan, bench, info, tokenize): session loading, the generation loop, streamed text,
+ *   statistics, the --json record; synthetic models for plan, bench and info (a geometry's GGUF in memory).
+ * Promises: stdout carries only generated text (and the one --json line); all else goes to stderr. A full context is a
+ *   message, never a crash. Ctrl-C in chat stops the answer, keeping the session.
  * May call: §1–§10.
  * Workload: the generation loop calls model_forward once per token; the rest is start-up. */
 
@@ -18651,8 +18503,8 @@ struct cmd_options {
     int n_predict, n_bench_prompt, n_ctx, threads;
     enum ops_kv kv;          /* --kv */
     int chat, json, think, hide_think, ignore_eog, kernels;
-    int seed_given;          /* --seed: bench draws its random prompt from it (else from 42) */
-    int verbose;             /* -v: also what is only worth saying when something is wrong */
+    int seed_given;          /* --seed: bench's random prompt (else 42) */
+    int verbose;             /* -v: also what matters only when something is wrong */
     struct sample_params sample;
     /* resources (design.md §3); -1 / NULL: not given */
     int64_t ram_bytes;       /* --ram: the expert cache's budget */
@@ -18663,8 +18515,8 @@ struct cmd_options {
     enum expert_io expert_io; /* COLI_EXPERT_IO=direct|buffered: how the expert store reads */
     /* serve */
     const char *host, *api_key; /* --host (default 127.0.0.1); --api-key or COLI_API_KEY */
-    int port, parallel, queue;  /* --port 8080; --parallel N slots (0: chosen from memory); --queue N */
-    int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: chosen from memory) */
+    int port, parallel, queue;  /* --port 8080; --parallel N slots (0: from memory); --queue N */
+    int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: from memory) */
 };
 
 struct cmd_session {
@@ -18682,12 +18534,10 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
-/* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory,
- * SERVE_DEFAULT_CACHE at most, but never so much that the routed experts, which would fit in
- * memory without it, no longer do: it then takes what they leave. Every token reads experts,
- * and those left out are read from the disk; a prompt cache spares recomputing a prefix now
- * and then (README, Serve). It counts every expert in RAM: those a device takes would leave
- * more. RAM: --ram (given: the experts' budget is the user's). */
+/* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory, at most SERVE_DEFAULT_CACHE,
+ * never squeezing out routed experts that would fit without it (it takes what they leave): every token reads experts,
+ * the rest from disk; a prompt cache spares an occasional prefix (README, Serve). It counts all experts in RAM (device
+ * ones would leave more). RAM: --ram (given: the experts' budget is the user's). */
 static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
 {
     const int64_t avail = plat_mem_available(), eighth = avail > 0 ? avail / 8 : 0;
@@ -18695,16 +18545,15 @@ static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
     if (ram >= 0 || !m->cfg.n_expert) return cache;
     const int64_t fit = model_expert_budget(m, n_slots, 0, -1).budget - (int64_t)model_expert_bytes(m);
     if (fit < 0 || fit >= cache) return cache;
-    const int64_t slack = 128 << 20, room = fit > slack ? fit - slack : 0; /* free memory moves a little before the placement reads it */
+    const int64_t slack = 128 << 20, room = fit > slack ? fit - slack : 0; /* free memory moves a little before placement reads it */
     plat_log("[serve] prompt cache: %.2f GiB, what memory leaves once the routed experts fit (%.2f GiB would have left them out)",
              room / 1073741824.0, cache / 1073741824.0);
     return room;
 }
 
-/* Loads O's model for N_SLOTS conversations at once (the engine's slots; 0: as many as memory
- * holds, model_choose_seqs), with CACHE bytes kept for the prompt cache (§11; the server's: < 0
- * its default, cmd_prompt_cache; 0 elsewhere) and the experts copied where memory holds them
- * COPIES times (model_copies). */
+/* Loads O's model for N_SLOTS conversations (engine slots; 0: as many as memory holds, model_choose_seqs), CACHE
+ * bytes of prompt cache (§11; server: < 0 its default, cmd_prompt_cache; else 0), experts copied COPIES times where
+ * memory holds them (model_copies). */
 static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_slots, int64_t cache, enum model_copies copies)
 {
     double t0 = plat_now();
@@ -18722,18 +18571,18 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
                  n_slots == 1 ? "" : "s", model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
     }
     if (cache < 0) cache = cmd_prompt_cache(&s->model, n_slots, o->ram_bytes);
-    /* the experts' budget counts the trunk's copy still to come (measured after it, the copy
-     * and the file's pages it has just read would both be taken for used memory) */
+    /* the experts' budget counts the trunk copy to come (measured after, the copy and the file pages
+     * just read would both look used) */
     model_place_weights(&s->model, n_slots, cache, o->ram_bytes, copies, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
-    /* said last: the copies of the trunk and the experts above are most of the time */
+    /* said last: the trunk and expert copies above are most of the time */
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens%s; %d threads, %s kernels; loaded in %.2f s",
              o->synthetic ? o->synthetic : o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, s->model.kv == OPS_KV_F16 ? " (KV cache fp16)" : s->model.kv == OPS_KV_Q8_0 ? " (KV cache q8_0)" : "", plat_threads(), quant_level_name(), plat_now() - t0);
 }
 
-/* Saves the heat (the next run starts warm) and frees the session. */
+/* Saves the heat (the next run starts warm), frees the session. */
 static void cmd_close(struct cmd_session *s)
 {
     if (s->model.experts) expert_heat_save(s->model.experts);
@@ -18743,15 +18592,14 @@ static void cmd_close(struct cmd_session *s)
     model_free(&s->model);
 }
 
-/* How generated pieces reach the terminal: whole UTF-8 characters only; the thinking
- * block dimmed (on a terminal) or hidden. */
+/* Generated pieces to the terminal: whole UTF-8 characters only; thinking dimmed (on a terminal) or hidden. */
 struct cmd_printer {
     const struct cmd_session *s;
     struct tok_utf8_stream utf8;
     int in_think, hide_think, dim;
 };
 
-/* An engine sink: prints the piece of token ID; never stops the generation. */
+/* An engine sink: prints token ID's piece; never stops the generation. */
 static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
 {
     struct cmd_printer *p = ctx;
@@ -18778,8 +18626,8 @@ static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
     return 0;
 }
 
-/* The engine request of a one-conversation command: O's sampling and flags, PROMPT, N_MAX
- * tokens, Ctrl-C (cmd_interrupt) cancelling, PRINTER (or NULL) printing. */
+/* A one-conversation command's engine request: O's sampling and flags, PROMPT, N_MAX tokens, Ctrl-C (cmd_interrupt)
+ * cancels, PRINTER (or NULL) prints. */
 static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
                                          struct cmd_printer *printer)
 {
@@ -18788,16 +18636,15 @@ static struct engine_request cmd_request(const struct cmd_options *o, const int 
     return r;
 }
 
-/* Peak resident set of this process in bytes (VmHWM); -1 if unknown. */
+/* This process's peak resident set in bytes (VmHWM); -1 if unknown. */
 static int64_t cmd_peak_rss(void)
 {
     int64_t kib = plat_read_number("/proc/self/status", "VmHWM");
     return kib < 0 ? -1 : kib * 1024;
 }
 
-/* The expert store's figures since the session opened: hit rates (an expert already in
- * memory when its layer routed to it), reads, the disk's throughput while reading, how
- * many routed experts the prefetch guessed, time the forward pass waited for reads. */
+/* The expert store's figures since the session opened: hit rates (in memory when routed to), reads, disk throughput
+ * while reading, routed experts prefetch guessed, time passes waited on reads. */
 static void cmd_print_expert_stats(struct expert_store *x)
 {
     struct expert_stats st = expert_stats_get(x);
@@ -18827,7 +18674,7 @@ static void cmd_print_stats(const struct cmd_session *s, const struct engine_gen
     if (s->model.experts) cmd_print_expert_stats(s->model.experts);
 }
 
-/* The "experts" object of --json: the figures of cmd_print_expert_stats. */
+/* --json's "experts" object: cmd_print_expert_stats's figures. */
 static void cmd_json_experts(FILE *f, struct expert_store *x)
 {
     struct expert_stats st = expert_stats_get(x);
@@ -18932,8 +18779,8 @@ static int cmd_tokenize(const struct cmd_options *o)
     return 0;
 }
 
-/* The tokens of one chat turn: whatever the previous answer left unfed, then the user's
- * turn and the generation prompt (the system turn first in a new conversation). */
+/* A chat turn's tokens: what the last answer left unfed, the user's turn, the generation prompt (the system turn first
+ * if new). */
 static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options *o, const char *line, const int *pending,
                                 int n_pending, int **ids_out)
 {
@@ -18953,7 +18800,7 @@ static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options 
     return n_pending + n_body;
 }
 
-/* Reads one line from stdin without its newline; NULL at end of input or on Ctrl-C. */
+/* Reads a stdin line without its newline; NULL at end of input or on Ctrl-C. */
 static char *cmd_read_line(char **buf, size_t *cap)
 {
     ssize_t n = getline(buf, cap, stdin);
@@ -18962,7 +18809,7 @@ static char *cmd_read_line(char **buf, size_t *cap)
     return *buf;
 }
 
-/* The part of the model tensor NAME belongs to, for coli info. */
+/* The model part tensor NAME belongs to, for coli info. */
 static const char *cmd_tensor_group(const char *name)
 {
     if (strstr(name, "norm")) return "norms";
@@ -18977,7 +18824,7 @@ static const char *cmd_tensor_group(const char *name)
     return "other";
 }
 
-/* coli info's lines per tensor group: each type in it, with its tensors and MiB. */
+/* coli info's lines per tensor group: each type, its tensors and MiB. */
 static void cmd_info_groups(const struct gguf_file *g)
 {
     static const char *const groups[] = {"embedding", "attention", "deltanet", "router", "routed experts",
@@ -18999,8 +18846,8 @@ static void cmd_info_groups(const struct gguf_file *g)
     }
 }
 
-/* coli chat: an interactive conversation. The state carries over between turns, so each
- * turn only feeds its new tokens. Answers keep their thinking in the context. */
+/* coli chat: an interactive conversation; the state carries over, each turn feeding only new tokens. Answers keep
+ * their thinking in context. */
 static int cmd_chat(const struct cmd_options *o)
 {
     struct cmd_session s;
@@ -19045,7 +18892,7 @@ static int cmd_chat(const struct cmd_options *o)
         char tail[16];
         fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
         fputs(tty ? "\033[0m\n" : "\n", stdout);
-        if (g.n_tokens == 0) { /* cancelled while the prompt was read: the model was rewound */
+        if (g.n_tokens == 0) { /* cancelled while reading the prompt: the model was rewound */
             fprintf(stderr, "(cancelled; the message was not sent)\n");
             engine_gen_free(&g);
             free(ids);
@@ -19054,7 +18901,7 @@ static int cmd_chat(const struct cmd_options *o)
         if (g.stop == ENGINE_STOP_CANCEL) fprintf(stderr, "(stopped)\n");
         if (g.stop == ENGINE_STOP_CONTEXT) fprintf(stderr, "(the context is full; /reset to start a new conversation)\n");
         cmd_print_stats(&s, &g);
-        /* the last sampled token was never fed; close the turn the way the template does */
+        /* the last sampled token was never fed; close the turn as the template does */
         n_pending = 0;
         if (g.tokens[g.n_tokens - 1] != im_end) pending[n_pending++] = g.tokens[g.n_tokens - 1];
         pending[n_pending++] = im_end;
@@ -19069,12 +18916,10 @@ static int cmd_chat(const struct cmd_options *o)
 }
 
 /* ---- synthetic models: `--synthetic NAME[:QUANT[:LAYERS]]` for plan, bench and info ----
- * A model nobody has downloaded yet: the head of its GGUF file (metadata, a vocabulary of the
- * 256 byte tokens and fillers, every tensor of the geometry as the converter names and shapes it,
- * qwen35-arch.md §9) is written by gguf_image_* into a memory file (§1), which gguf_open and
- * model_bind then read as any other file. plan and info leave the data section a hole (no
- * memory); bench fills it with random valid blocks (quant_sanitize_random), on which the
- * kernels take the time they take on real weights. */
+ * An undownloaded model: its GGUF head (metadata, a vocabulary of 256 byte tokens and fillers, every tensor named and
+ * shaped as the converter does, qwen35-arch.md §9) is written by gguf_image_* into a memory file (§1), which gguf_open
+ * and model_bind read as any file. plan and info leave the data a hole (no memory); bench fills it with random valid
+ * blocks (quant_sanitize_random), where kernels take real weights' time. */
 
 struct cmd_geometry {
     const char *name, *about;
@@ -19090,11 +18935,9 @@ static const struct cmd_geometry cmd_geometries[] = {
     {"tiny", "a 4-layer model of that shape", MODEL_ARCH_QWEN35MOE, 4, 64, 2112, 4096, 4, 2, 32, 8, 4, 2, 4, 16, 4, 8, 2, 32, 32},
 };
 
-/* QUANT: q4_k_m, the mix llama.cpp's Q4_K_M gives these tensors (Q4_K; Q6_K for the output head
- * and, on the layers that get more bits, attn_v and the down projections; Q5_K for attn_qkv),
- * or a type name: the routed experts in it and every other matrix in Q8_0 (the mix of this
- * project's benchmark files, tests/gen_model.c). Norms, routers and the DeltaNet's conv, a and
- * dt stay F32, as in every published file. */
+/* QUANT: q4_k_m, llama.cpp's Q4_K_M mix (Q4_K; Q6_K for the output head and, on layers given more bits, attn_v and
+ * down projections; Q5_K for attn_qkv), or a type name for routed experts, other matrices Q8_0 (the benchmark mix,
+ * tests/gen_model.c). Norms, routers, DeltaNet conv, a, dt: F32, as in all published files. */
 struct cmd_synthetic {
     const struct cmd_geometry *g;
     int n_layers;               /* of the model described (NAME's, or LAYERS) */
@@ -19103,8 +18946,7 @@ struct cmd_synthetic {
     const char *spec;
 };
 
-/* One tensor of a synthetic model: shape outermost first; E the magnitude of its float fields
- * (quant_sanitize_random). */
+/* One tensor of a synthetic model: shape outermost first; E the magnitude of its float fields (quant_sanitize_random). */
 struct cmd_synthetic_tensor {
     char name[64];
     int type, n_dims, e, negative;
@@ -19138,7 +18980,7 @@ static void cmd_synthetic_parse(const char *spec, struct cmd_synthetic *sy)
     sy->experts_type = found < 0 ? GGUF_TYPE_Q8_0 : (enum gguf_type)found;
 }
 
-/* The type of matrix WHAT of layer IL (-1: none) under SY's mix. */
+/* Matrix WHAT of layer IL (-1: none)'s type under SY's mix. */
 static int cmd_synthetic_type(const struct cmd_synthetic *sy, const char *what, int il)
 {
     int n = sy->n_layers, more_bits = il >= 0 && (il < n / 8 || il >= 7 * n / 8 || (il - n / 8) % 3 == 2);
@@ -19172,7 +19014,7 @@ static void cmd_synthetic_add(struct cmd_synthetic_plan *p, const struct cmd_syn
                   (long long)t->shape[n_dims - 1], ti->name, ti->block_elems);
 }
 
-/* Every tensor of the first L layers in file order (the embedding, the layers, the head). */
+/* Every tensor of the first L layers in file order (embedding, layers, head). */
 static struct cmd_synthetic_plan cmd_synthetic_tensors(const struct cmd_synthetic *sy, int layers)
 {
     const struct cmd_geometry *g = sy->g;
@@ -19219,8 +19061,8 @@ static struct cmd_synthetic_plan cmd_synthetic_tensors(const struct cmd_syntheti
     return p;
 }
 
-/* The metadata of a model of SY's geometry with L layers, and its vocabulary: the 256 byte
- * symbols, then <|endoftext|> (eos) and unused fillers up to the embedding's rows. */
+/* Metadata of SY's geometry with L layers and its vocabulary: 256 byte symbols, <|endoftext|> (eos), then unused
+ * fillers up to the embedding's rows. */
 static void cmd_synthetic_keys(struct gguf_image *im, const struct cmd_synthetic *sy, int layers)
 {
     const struct cmd_geometry *g = sy->g;
@@ -19260,9 +19102,8 @@ static void cmd_synthetic_keys(struct gguf_image *im, const struct cmd_synthetic
     gguf_image_key_u32(im, "tokenizer.ggml.eos_token_id", 256);
 }
 
-/* A memory file holding SY's model with its first L layers (see the subsection's head): with
- * FILL, random weights in its data section. Writes the file's name to PATH; returns its
- * descriptor (closed by the caller when the model is). Dies when memory refuses it. */
+/* A memory file of SY's model, first L layers (see the subsection's head); FILL: random weights in the data. Its name
+ * into PATH; returns its descriptor (closed with the model). Dies if memory refuses. */
 static int cmd_synthetic_file(const struct cmd_synthetic *sy, int layers, int fill, char *path, size_t path_n)
 {
     struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
@@ -19294,8 +19135,8 @@ static int cmd_synthetic_file(const struct cmd_synthetic *sy, int layers, int fi
     return fd;
 }
 
-/* Bytes of SY's model with L layers: all of them, and the trunk's (what is read every token and
- * copied out of the file: all but the routed experts and the embedding). */
+/* Bytes of SY's model with L layers: all, and the trunk's (read every token, copied out: all but routed experts and
+ * the embedding). */
 static void cmd_synthetic_bytes(const struct cmd_synthetic *sy, int layers, uint64_t *all, uint64_t *trunk)
 {
     struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
@@ -19363,7 +19204,7 @@ static void cmd_info_model(const char *path, const char *name)
     gguf_close(&g);
 }
 
-/* coli info: the machine, and the model when -m or --synthetic is given. */
+/* coli info: the machine, and the model if -m or --synthetic is given. */
 static int cmd_info(const struct cmd_options *o)
 {
     cmd_info_machine();
@@ -19379,9 +19220,8 @@ static int cmd_info(const struct cmd_options *o)
     return 0;
 }
 
-/* What bench --synthetic ran: SY's model on LAYERS of its layers (the most whole blocks that
- * fit), BYTES of random weights of the ALL its whole model would take (TRUNK of them read every
- * token), and the output head's time. */
+/* What bench --synthetic ran: SY's model on LAYERS layers (most whole blocks that fit), BYTES of random weights of the
+ * whole model's ALL (TRUNK read every token), the output head's time. */
 struct cmd_bench_synthetic {
     struct cmd_synthetic sy;
     int layers, fd, fits;
@@ -19390,10 +19230,8 @@ struct cmd_bench_synthetic {
     char path[64];
 };
 
-/* Chooses the layers bench --synthetic runs: all of them, or the most whole blocks
- * (full_attention_interval layers, so the DeltaNet/attention mix stays the model's) whose
- * weights and trunk copy take at most RAM bytes (< 0: three quarters of the memory available),
- * and writes them into a memory file. */
+/* Chooses bench --synthetic's layers: all, or the most whole blocks (full_attention_interval layers, keeping the
+ * DeltaNet/attention mix) whose weights and trunk copy fit RAM bytes (< 0: 3/4 of available memory), into a memory file. */
 static void cmd_bench_synthetic_open(struct cmd_bench_synthetic *b, const char *spec, int64_t ram)
 {
     int64_t avail = plat_mem_available(), room = ram >= 0 ? ram : avail / 4 * 3;
@@ -19416,8 +19254,7 @@ static void cmd_bench_synthetic_open(struct cmd_bench_synthetic *b, const char *
     b->fd = cmd_synthetic_file(&b->sy, b->layers, 1, b->path, sizeof b->path);
 }
 
-/* Seconds of prompt (or of a decoded token) measured on b->layers, scaled to the whole model:
- * the layers' share by all / measured layers, the output head once. */
+/* Seconds of prompt (or a decoded token) on b->layers, scaled to the model: layers by all / measured, head once. */
 static double cmd_bench_scaled(const struct cmd_bench_synthetic *b, double seconds)
 {
     if (b->layers == b->sy.n_layers || seconds <= b->head_s) return seconds;
@@ -19436,9 +19273,8 @@ static void cmd_bench_say_synthetic(const struct cmd_bench_synthetic *b)
                "than this (coli plan --synthetic %s gives the traffic)\n", b->sy.spec);
 }
 
-/* bench's profile of WHAT (prompt or decode: N tokens): the time a token, each phase's share,
- * and the threads' idle at the products' barriers (IDLE); with JSON WHAT_ms_per_token (ms a
- * token per phase) and WHAT_idle_ms_per_token. */
+/* bench's profile of WHAT (prompt or decode, N tokens): time a token, phase shares, threads' idle at product barriers
+ * (IDLE); JSON: WHAT_ms_per_token (per phase), WHAT_idle_ms_per_token. */
 static void cmd_bench_say_phases(const char *what, const double *ph, const double *idle, int n, int json)
 {
     double total = 0, idled = 0;
@@ -19456,11 +19292,9 @@ static void cmd_bench_say_phases(const char *what, const double *ph, const doubl
            100 * plat_ratio(idle[MODEL_PHASE_PRODUCTS], total), 100 * plat_ratio(idle[MODEL_PHASE_EXPERTS], total));
 }
 
-/* bench's decode profile: the share of each phase of the model's decode steps (N_FWD tokens
- * after N_PROMPT, measured on the layers that ran), and the roofline: the bytes a token reads
- * (the KV rows at the steps' mean context) against the read bandwidth measured now, the decode
- * rate that allows, and the rate measured (TG_M). With a device open the host's bus is not the
- * whole story: no roofline then. */
+/* bench's decode profile: phase shares of decode steps (N_FWD tokens after N_PROMPT, layers run), and the roofline:
+ * bytes a token reads (KV rows at mean context) against read bandwidth measured now, the decode rate that allows, the
+ * rate measured (TG_M). With a device open the host bus is not the whole story: no roofline. */
 static void cmd_bench_say_profile(struct model *m, int n_prompt, int n_fwd, double tg_m, int json)
 {
     const double *ph = m->profile.seconds[1];
@@ -19487,8 +19321,7 @@ static void cmd_bench_say_profile(struct model *m, int n_prompt, int n_fwd, doub
            "tok/s; measured %.2f tok/s = %.0f%%\n", bytes / 1048576.0, state / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
 }
 
-/* Before bench measures: the experts mapped (§6 expert_map_ahead), as in a run that has been up
- * a while, and how long that took, on stderr. */
+/* Before bench measures: the experts mapped (§6 expert_map_ahead), as in a long-running run; time taken on stderr. */
 static void cmd_bench_map_ahead(struct expert_store *s)
 {
     if (!s || !s->mapper_on) return;
@@ -19497,9 +19330,8 @@ static void cmd_bench_map_ahead(struct expert_store *s)
              s->map_ahead_bytes / 1073741824.0, s->map_ahead_s);
 }
 
-/* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more
- * (greedy, end-of-generation ignored), or the kernel table with --kernels. With --synthetic,
- * on the random weights of a geometry (cmd_bench_synthetic_open), on the CPU. */
+/* coli bench: prompt and decode speed on N_BENCH_PROMPT random tokens then n_predict more (greedy, end-of-generation
+ * ignored), or --kernels' table. --synthetic: a geometry's random weights (cmd_bench_synthetic_open), CPU only. */
 static int cmd_bench(const struct cmd_options *o)
 {
     if (o->kernels) {
@@ -19518,7 +19350,7 @@ static int cmd_bench(const struct cmd_options *o)
         cmd_bench_synthetic_open(&sb, o->synthetic, o->ram_bytes);
         bo.model = sb.path;
         bo.heat_path = ""; /* random routing: nothing worth keeping */
-        bo.ram_bytes = (int64_t)1 << 60; /* the experts stay in the memory file, as a model in the page cache */
+        bo.ram_bytes = (int64_t)1 << 60; /* the experts stay in the memory file, like a model in the page cache */
     }
     cmd_open(&s, &bo, 1, 0, MODEL_COPY_BESIDE_FILE_PAGES);
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
@@ -19573,7 +19405,7 @@ static int cmd_bench(const struct cmd_options *o)
     return 0;
 }
 
-/* The name /v1/models gives the model: its file's name without the directory and ".gguf". */
+/* The model's name in /v1/models: its file name without directory and ".gguf". */
 static char *cmd_model_id(const char *path)
 {
     const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
@@ -19583,8 +19415,7 @@ static char *cmd_model_id(const char *path)
     return id;
 }
 
-/* coli serve: the OpenAI-compatible server (§12) on O's model until SIGINT or SIGTERM; it
- * listens before the model loads (/health answers 503 until then). */
+/* coli serve: the server (§12) on O's model until SIGINT or SIGTERM; listens before loading (/health: 503 till then). */
 static int cmd_serve(const struct cmd_options *o)
 {
     struct serve srv;
@@ -19623,8 +19454,7 @@ static int cmd_serve(const struct cmd_options *o)
     return 0;
 }
 
-/* coli plan's device lines: each device's budget and what the trunk (the first TRUNK[d] bytes
- * charged) and the experts take of it; or why there is no device. */
+/* coli plan's device lines: budget, what the trunk (first TRUNK[d] bytes charged) and experts take; or why none. */
 static void cmd_plan_devices(const int64_t *trunk)
 {
     if (!cuda.ready) {
@@ -19640,8 +19470,7 @@ static void cmd_plan_devices(const int64_t *trunk)
     }
 }
 
-/* coli plan's CPU lines: the trunk less the TRUNK_VRAM bytes placed, the embedding, the experts
- * less EXPERTS_VRAM, the KV cache, and the memory there is. */
+/* coli plan's CPU lines: trunk less TRUNK_VRAM placed, embedding, experts less EXPERTS_VRAM, KV cache, memory. */
 static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, double trunk_vram, double experts_vram)
 {
     const struct model_config *c = &m->cfg;
@@ -19665,10 +19494,9 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     printf("memory available: %.1f MiB\n", plat_mem_available() / 1048576.0);
 }
 
-/* coli plan's expectation: the bytes each bus reads per token as placed (R) against the host's
- * read bandwidth measured here and each device's probed kernel speed, so a decode rate bounded
- * by memory traffic alone: the buses' times added (a layer's trunk products and its experts
- * wait on each other), reads from the file not timed. */
+/* coli plan's expectation: bytes each bus reads per token as placed (R) against host read bandwidth measured here and
+ * each device's probed kernel speed: a decode rate bound by memory traffic alone, the buses' times added (a layer's
+ * trunk products and experts wait on each other), file reads untimed. */
 struct cmd_plan_expectation { double host_gbps, seconds, dev_seconds[CUDA_MAX_DEVICES]; int unprobed; };
 
 static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
@@ -19701,8 +19529,8 @@ static void cmd_plan_say_expect(const struct place_result *r, const struct cmd_p
            x->unprobed ? "; the devices not probed not counted" : "");
 }
 
-/* coli plan --json: the same as one object on stdout: devices, components (bytes, values,
- * where they went), the CPU's side with the expert cache, and the expectation. */
+/* coli plan --json: all that as one stdout object: devices, components (bytes, values, where), the CPU side with the
+ * expert cache, the expectation. */
 static void cmd_plan_json(const struct model *m, const char *name, const struct place_result *r, const struct cmd_plan_expectation *x)
 {
     const struct model_config *c = &m->cfg;
@@ -19740,9 +19568,8 @@ static void cmd_plan_json(const struct model *m, const char *name, const struct 
            x->seconds > 0 ? 1 / x->seconds : 0.0, x->unprobed, c->n_layers);
 }
 
-/* coli plan: where each part of the model would live, decided by the code a run uses (§7 as a
- * dry run: budgets charged, nothing allocated or copied, no weight read) and printed on stdout:
- * the [place] lines a run logs, a line per device, then what stays on the CPU. */
+/* coli plan: where each part of the model would live, decided by a run's code (§7 dry: budgets charged, nothing
+ * allocated or copied, no weight read), on stdout: a run's [place] lines, a line per device, what stays on the CPU. */
 static int cmd_plan(const struct cmd_options *o)
 {
     struct model m;

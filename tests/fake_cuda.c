@@ -1096,7 +1096,7 @@ static int draw_nucleus_within(const struct top_entry *best, const float *w, int
         if (w[best[k].id] < d->min_p * w[best[0].id]) keep = k;
         else if ((mass += w[best[k].id]) >= d->top_p * total) keep = k + 1;
     }
-    return keep < TOP_K && w[best[keep - 1].id] > w[best[TOP_K - 1].id];
+    return keep > 0 && keep < TOP_K && w[best[keep - 1].id] > w[best[TOP_K - 1].id];
 }
 
 /* logits_draw_walk(logits, n, draw, scratch, out): each drawn row's total, and its token by
