@@ -11316,8 +11316,10 @@ static void expert_close(struct expert_store *s)
  *   its place. Trunk components in a fixed order (lmhead, attnproj, dnproj, dnout, shexp, router, ffn) and experts,
  *   hottest first, merge by value, each to the selected device with its kernel and most room in budget (--vram, or free
  *   VRAM less a reserve), before the expert cache starts (it holds only CPU experts). --place / COLI_PLACE may name a
- *   device (or cpu) per component or split its layers (dnproj=0:20+1:20). Probe, split, re-tiering: see their
- *   subsections; coli plan dry-runs this code (place_dry_run), so cannot disagree with a run.
+ *   device (or cpu) per component or split its layers (dnproj=0:20+1:20). A probe times a trunk product on each device
+ *   and the CPU first (a device slower than the CPU gets no trunk); two devices or more: whole placements priced per
+ *   token (place_choose_split); place_retier swaps experts between VRAM and the CPU as the heat moves. coli plan
+ *   dry-runs this code (place_dry_run), so cannot disagree with a run.
  * Promises: placement changes speed only: resident matrices and experts compute the same bits (§5). A [place] line per
  *   component says where it went with what numbers, one the prices deciding trunk against experts. A bad --place /
  *   COLI_PLACE, or one naming a device absent or not selected, is a usage error.
