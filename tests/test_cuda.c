@@ -772,6 +772,23 @@ static void check_nucleus_tie(int dev)
     }
     check(same && within[0] == 8 && within[1] == 0, "a nucleus whose best share one weight with tokens beyond them: drawn from the best "
           "where cut before them, the row needed where cut among them", "%d and %d of 8 within", within[0], within[1]);
+    /* why: a seed whose draw (top-p 0.96) lands among the tied tokens; drawn from the best
+     * (the last launch's), it would have given another token */
+    const struct sample_params p = {50.0f, 0, 0.96f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+    int seed = 0, cpu_id = -1, best_id = -1;
+    for (; same && seed < 4000 && !(cpu_id >= 200 && cpu_id < 220); seed++) {
+        uint64_t rng = (uint64_t)seed;
+        memcpy(row, x, sizeof x);
+        cpu_id = sample_next(&p, row, N, NULL, 0, &rng, cand);
+    }
+    if (cpu_id >= 200 && cpu_id < 220) {
+        uint64_t rng = (uint64_t)(seed - 1);
+        double total;
+        memcpy(&total, &got[CUDA_TOP_K + 1], sizeof total);
+        best_id = sample_next_best(&p, got, N, -1, total, &rng);
+    }
+    check(same && best_id >= 0 && best_id != cpu_id, "... and there the best alone would draw another token than the row (a tie of weights "
+          "among them is ordered by id with the tokens beyond them)", "seed %d: row %d, best %d", seed - 1, cpu_id, best_id);
     cuda_mem_free(logits), cuda_mem_free(scratch), cuda_mem_free(out), cuda_mem_free(draws);
 }
 
