@@ -16730,7 +16730,8 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
 
 /* Slot SL's run of N TOKENS: its next token needs only the MODEL_TOP best (sample_best_enough), or those and the
  * device's vocabulary draw, or its total (sample_vocab_mode; draw peeked, not used: sample_next_best); all after
- * penalties, applied by the device when few and no logits reported (top logits are the raw row). */
+ * penalties, applied by the device when few and no logits reported (top logits are the raw row), and listed only
+ * where it could take them: a one-token run (the model keeps only those rows there) with the GPU path up. */
 static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
     const struct sample_params *p = &sl->req.sample;
@@ -16738,7 +16739,7 @@ static struct model_run engine_run(const struct engine *e, struct engine_slot *s
     const int n_hist = sl->req.n_prompt + (sl->gen ? sl->gen->n_tokens : 0);
     uint64_t peek = sl->rng;
     struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}, NULL};
-    if (pen) run.top &= !sl->req.want_top && sample_penalties(p, sl->history, n_hist, &sl->pen);
+    if (pen) run.top &= n == 1 && cuda.ready && !sl->req.want_top && sample_penalties(p, sl->history, n_hist, &sl->pen);
     if (pen && run.top) run.pen = &sl->pen;
     if (mode) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, p->top_p, p->min_p, mode};
     return run;

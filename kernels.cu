@@ -1259,12 +1259,18 @@ struct top_scratch {
     top_entry list[TOP_LIST];
 };
 
-// Slice s = blockIdx.x of row t = blockIdx.y of LOGITS (N a row): its elements [*FROM, *END) of
-// the row it returns (a whole number of warp loads each, but the last), the row's state *Z.
-__device__ __forceinline__ const float *top_slice(const float *logits, int n, top_scratch *scratch, top_scratch **z, int *from, int *end) {
+// Slice S of a row of N: its elements [*FROM, *END) (a whole number of warp loads each, but the
+// last; coli.c's sample_slice_span).
+__device__ __forceinline__ void slice_bounds(int n, int s, int *from, int *end) {
     const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
-    *from = blockIdx.x * span;
+    *from = s * span;
     *end = n < *from + span ? n : *from + span;
+}
+
+// Slice s = blockIdx.x of row t = blockIdx.y of LOGITS (N a row): its bounds (slice_bounds) in the
+// row it returns, the row's state *Z.
+__device__ __forceinline__ const float *top_slice(const float *logits, int n, top_scratch *scratch, top_scratch **z, int *from, int *end) {
+    slice_bounds(n, blockIdx.x, from, end);
     *z = scratch + blockIdx.y;
     return logits + (uint64_t)blockIdx.y * n;
 }
@@ -1427,8 +1433,7 @@ extern "C" __global__ void logits_draw_walk(const float *__restrict__ logits, in
         r = __dsub_rn(r, z->sums[s]);
     }
     if (s == TOP_SLICES) s = last, r = INFINITY;
-    const int span = (n + 32 * TOP_SLICES - 1) / (32 * TOP_SLICES) * 32;
-    from = s * span, end = n < from + span ? n : from + span;
+    slice_bounds(n, s, &from, &end);
     const float max = top_row_max(z);
     int id = -1, positive = -1;
     for (int i0 = from; i0 < end && id < 0; i0 += 32) {
