@@ -10351,6 +10351,7 @@ struct expert_config {
     uint64_t fingerprint;    /* identifies the model a heat file belongs to */
     enum expert_io io;
     int own;                 /* mapped mode: copy the experts into the store's memory (expert_own) */
+    int own_once;            /* mapped mode in place, where memory would hold a copy once (not asked: model_copies) */
 };
 
 /* A cache entry: one expert's three slices, each at part_cap[j] from buf. */
@@ -11201,12 +11202,13 @@ static void expert_own(struct expert_store *s)
     s->own_bytes = total;
 }
 
-/* Before expert_start: the cache's budget becomes BUDGET (< 0: mapped mode), OWN as in expert_config (§7 put in VRAM
- * what the budget no longer counts). */
-static void expert_set_budget(struct expert_store *s, int64_t budget, int own)
+/* Before expert_start: the cache's budget becomes BUDGET (< 0: mapped mode), OWN and OWN_ONCE as in expert_config (§7
+ * put in VRAM what the budget no longer counts). */
+static void expert_set_budget(struct expert_store *s, int64_t budget, int own, int own_once)
 {
     s->cfg.budget = budget;
     s->cfg.own = own;
+    s->cfg.own_once = !own && own_once;
     s->mapped = budget < 0;
 }
 
@@ -13077,7 +13079,7 @@ static void model_load(struct model *m, const char *path, int n_ctx, enum ops_kv
     model_conv_taps(m);
     m->n_ctx = model_choose_ctx(m, n_ctx);
     model_alloc_scratch(m);
-    struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT, 0};
+    struct expert_config mapped = {-1, NULL, 0, EXPERT_IO_DIRECT, 0, 0};
     model_store_experts(m, &mapped); /* mapped: nothing to start */
     snprintf(model_sigbus_line, sizeof model_sigbus_line,
              "coli: %.1000s: the model file became unreadable while running (truncated, or an I/O error)\n", path);
@@ -14433,7 +14435,7 @@ static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, 
             free(heat_path);
             heat_path = NULL;
         }
-        struct expert_config cfg = {budget >= experts ? -1 : budget, heat_path, fp, io, 0};
+        struct expert_config cfg = {budget >= experts ? -1 : budget, heat_path, fp, io, 0, 0};
         model_store_experts(m, &cfg);
         free(heat_path);
         if (!m->experts->mapped) {
@@ -14452,7 +14454,7 @@ static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, 
     free(it);
     if (!c->n_expert) return;
     int64_t left = budget + (grows ? (int64_t)r->trunk_cpu_bytes : 0), cpu = experts - (int64_t)r->expert_cpu_bytes;
-    expert_set_budget(m->experts, left >= cpu ? -1 : left, grows && left >= (int64_t)copies * experts);
+    expert_set_budget(m->experts, left >= cpu ? -1 : left, grows && left >= (int64_t)copies * experts, grows && left >= experts);
 }
 
 /* Places the weights (model_place) with the experts behind a RAM budget (model_expert_budget:
@@ -14476,10 +14478,11 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     const char *heat_path = s->cfg.heat_path ? s->cfg.heat_path : "none";
     const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     char how[160] = "read in place from the mapping";
+    if (s->cfg.own_once) snprintf(how, sizeof how, "read in place from the mapping (memory holds a copy once: --copy-experts, faster decode)");
     if (s->own)
         snprintf(how, sizeof how, "copied there%s (%s)",
                  memchr(s->hole, 1, (size_t)c->n_layers * c->n_expert) ? " but for those in VRAM" : "",
-                 copies == MODEL_COPY_OVER_FILE_PAGES ? "a server copies them where memory holds them once"
+                 copies == MODEL_COPY_OVER_FILE_PAGES ? "where memory holds them once, as a server or --copy-experts asks"
                                                       : "memory holds the file's pages too");
     if (s->mapped)
         plat_log("[experts] all %d routed experts (%.2f GiB) fit in memory: %s; heat %s (%s)", c->n_layers * c->n_expert,
@@ -18511,6 +18514,7 @@ struct cmd_options {
     struct sample_params sample;
     /* resources (design.md §3); -1 / NULL: not given */
     int64_t ram_bytes;       /* --ram: the expert cache's budget */
+    int copy_experts;        /* --copy-experts: copied where memory holds them once, as a server does (model_copies) */
     const char *heat_path;   /* --heat or HEAT_FILE */
     const char *gpu_list;    /* --gpu LIST|off, or COLI_GPUS */
     int64_t vram_bytes;      /* --vram per device, or CUDA_EXPERT_GB */
@@ -18552,6 +18556,13 @@ static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
     plat_log("[serve] prompt cache: %.2f GiB, what memory leaves once the routed experts fit (%.2f GiB would have left them out)",
              room / 1073741824.0, cache / 1073741824.0);
     return room;
+}
+
+/* How many times memory must hold the routed experts for O's command (not a server) to copy them: once with
+ * --copy-experts, as a server's rule, else twice (model_copies). */
+static enum model_copies cmd_copies(const struct cmd_options *o)
+{
+    return o->copy_experts ? MODEL_COPY_OVER_FILE_PAGES : MODEL_COPY_BESIDE_FILE_PAGES;
 }
 
 /* Loads O's model for N_SLOTS conversations (engine slots; 0: as many as memory holds, model_choose_seqs), CACHE
@@ -18735,7 +18746,7 @@ static int cmd_run(const struct cmd_options *o)
 {
     struct cmd_session s;
     if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
-    cmd_open(&s, o, 1, 0, MODEL_COPY_BESIDE_FILE_PAGES);
+    cmd_open(&s, o, 1, 0, cmd_copies(o));
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* Ctrl-C ends the generation; the heat is still saved */
     char *text = NULL;
@@ -18854,7 +18865,7 @@ static void cmd_info_groups(const struct gguf_file *g)
 static int cmd_chat(const struct cmd_options *o)
 {
     struct cmd_session s;
-    cmd_open(&s, o, 1, 0, MODEL_COPY_BESIDE_FILE_PAGES);
+    cmd_open(&s, o, 1, 0, cmd_copies(o));
     struct model_seq *seq = &s.engine.slots[0].seq;
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: Ctrl-C at the prompt ends the read */
@@ -19355,7 +19366,7 @@ static int cmd_bench(const struct cmd_options *o)
         bo.heat_path = ""; /* random routing: nothing worth keeping */
         bo.ram_bytes = (int64_t)1 << 60; /* the experts stay in the memory file, like a model in the page cache */
     }
-    cmd_open(&s, &bo, 1, 0, MODEL_COPY_BESIDE_FILE_PAGES);
+    cmd_open(&s, &bo, 1, 0, cmd_copies(o));
     int *ids = plat_alloc((size_t)o->n_bench_prompt * sizeof *ids);
     uint64_t rng = o->seed_given ? o->sample.seed : 42;
     for (int i = 0; i < o->n_bench_prompt; i++) ids[i] = (int)(sample_next_u64(&rng) % (uint64_t)s.tok.n_vocab);
@@ -19595,7 +19606,7 @@ static int cmd_plan(const struct cmd_options *o)
     place_say_stdout = !o->json;
     struct model_budget b = model_expert_budget(&m, 1, 0, o->ram_bytes);
     struct place_result r;
-    model_place(&m, 1, b.budget, o->ram_bytes < 0, MODEL_COPY_BESIDE_FILE_PAGES, o->synthetic && !o->heat_path ? "" : o->heat_path,
+    model_place(&m, 1, b.budget, o->ram_bytes < 0, cmd_copies(o), o->synthetic && !o->heat_path ? "" : o->heat_path,
                 o->expert_io, o->place, &r);
     if (m.experts && !m.experts->mapped) expert_size_slots(m.experts);
     struct cmd_plan_expectation x = cmd_plan_expect(&r);
@@ -19643,6 +19654,9 @@ static const char arg_usage[] =
     "           --kv f32|f16|q8_0 (the KV cache's format; f16 takes half the memory and reads, q8_0 about\n"
     "           a quarter, default f32)\n"
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
+    "           --copy-experts (copy the routed experts into coli's memory where it holds them once, as\n"
+    "           serve does: faster decode, a slower start; the file's pages give way; default: only where\n"
+    "           memory holds them twice)\n"
     "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli;\n"
     "           '' or /dev/null: none kept)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"
@@ -19820,6 +19834,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--cache-ram") && serve) o->cache_ram = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--api-key") && serve) o->api_key = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
+        else if (!strcmp(a, "--copy-experts")) o->copy_experts = 1;
         else if (!strcmp(a, "--heat")) o->heat_path = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--gpu")) o->gpu_list = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--vram")) o->vram_bytes = arg_size(argc, argv, &i);

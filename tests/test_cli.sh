@@ -215,6 +215,12 @@ PY
     else
         bad "experts copied vs in place" "outputs differ or not both modes; $(grep experts "$tmp/t1_err" "$tmp/inplace_err" | head -c 300)"
     fi
+    "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 --copy-experts 2>"$tmp/copy_err" | tail -n 1 >"$tmp/t6"
+    if [ -s "$tmp/t6" ] && [ "$(strip "$tmp/t1")" = "$(strip "$tmp/t6")" ] && grep -q 'fit in memory: copied there' "$tmp/copy_err"; then
+        ok "run --copy-experts: copied, the same tokens and logits"
+    else
+        bad "run --copy-experts" "outputs differ or not copied; $(grep experts "$tmp/copy_err" | head -c 300)"
+    fi
     printf 'COLIHEAT-but-not-really' >"$tmp/bad.heat"
     rc=0
     HEAT_FILE="$tmp/bad.heat" "$COLI" run -m "$M" -p "$P" -n 2 --ram 1 >/dev/null 2>"$tmp/heat_err" || rc=$?

@@ -46,7 +46,7 @@ static uint64_t greedy_run_hash(struct model *m, const int *prompt, int n_prompt
 
 static void store_with(struct model *m, int64_t budget, const char *heat_path)
 {
-    struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT, 0};
+    struct expert_config cfg = {budget, heat_path, model_fingerprint(m), EXPERT_IO_DIRECT, 0, 0};
     model_store_experts(m, &cfg);
     expert_start(m->experts);
 }
@@ -69,7 +69,7 @@ static int load_prompts(const struct mj *root, int max, int **prompts, int *lens
  * has that form, as no device takes part here): the same hashes WANT as the mapping. */
 static void test_own_copy(struct model *m, const char *model_file, int **prompts, const int *lens, int n, const uint64_t *want)
 {
-    struct expert_config cfg = {-1, NULL, model_fingerprint(m), EXPERT_IO_DIRECT, 1};
+    struct expert_config cfg = {-1, NULL, model_fingerprint(m), EXPERT_IO_DIRECT, 1, 0};
     model_store_experts(m, &cfg);
     expert_start(m->experts);
     int same = 1, interleaved = 0;
@@ -97,11 +97,13 @@ static void test_copy_rule(struct model *m, const char *model_file)
             model_place(m, 1, (int64_t)(times[t] * (double)experts), 1, (enum model_copies)c, "", EXPERT_IO_DIRECT, "auto", &r);
             expert_start(m->experts);
             const int mapped = t > 0, own = t == 2 || (t == 1 && c == MODEL_COPY_OVER_FILE_PAGES);
-            if ((m->experts->mapped != mapped || (m->experts->own != NULL) != own) && !bad++)
-                snprintf(why, sizeof why, "budget %.1fx, copies %d: %s, %s", times[t], c, m->experts->mapped ? "mapped" : "cached",
-                         m->experts->own ? "copied" : "not copied");
+            const int once = t == 1 && c == MODEL_COPY_BESIDE_FILE_PAGES; /* in place, a copy would fit once: said */
+            if ((m->experts->mapped != mapped || (m->experts->own != NULL) != own || m->experts->cfg.own_once != once) && !bad++)
+                snprintf(why, sizeof why, "budget %.1fx, copies %d: %s, %s%s", times[t], c, m->experts->mapped ? "mapped" : "cached",
+                         m->experts->own ? "copied" : "not copied", m->experts->cfg.own_once ? ", a copy said to fit once" : "");
         }
-    snprintf(name, sizeof name, "%s: the experts copied for a server where the budget holds them once, for all where it holds them twice",
+    snprintf(name, sizeof name, "%s: experts copied where the budget holds them once (server, --copy-experts) or twice (all); else in place, "
+             "a copy that would fit once said",
              model_file);
     check(!bad, name, "%s", why);
 }

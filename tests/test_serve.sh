@@ -248,7 +248,7 @@ pid=$spid
 port=$sport
 base=http://127.0.0.1:$port
 ok "serve starts on --port 0 (port $port), /health 200"
-if grep -q 'fit in memory: copied there (a server copies them where memory holds them once)' "$tmp/serve.err"; then
+if grep -q 'fit in memory: copied there (where memory holds them once, as a server or --copy-experts asks)' "$tmp/serve.err"; then
     ok "serve copies the experts into its memory by the server's rule (where memory holds them once)"
 else bad "serve's experts" "$(grep '^\[experts\]' "$tmp/serve.err" | head -c 300)"; fi
 
