@@ -1362,6 +1362,34 @@ static void test_avx2_tiles(void) {
  * vectors then off the 64-byte grid), 16 and 48 rows, 1..5, 9, 17 and 34 columns (every
  * remainder of the kernels' passes of 4; 34, on rows that keep operands for the later passes),
  * 1 and 2 threads, with the special weight and activation modes. */
+/* At LEVEL (an AVX-512 one), quant_interleave's transposes write the bytes of its reference, the
+ * dword-by-dword copy, for each of the N TYPES it takes there: 48 rows of 1 and 3 super-blocks. */
+static void test_interleave_bytes(const enum gguf_type *types, int n, int level) {
+    if (level < QUANT_LEVEL_AVX512) {
+        printf("ok - interleave by transposes == dword by dword # SKIP no AVX-512 on this CPU\n");
+        n_pass++;
+        return;
+    }
+    quant_set_level(level);
+    int bad = 0;
+    char why[160] = "";
+    for (int ti = 0; ti < n && !bad; ti++)
+        for (int units = 1; units <= 3 && quant_interleave_ok(types[ti], QUANT_TILE_ROWS) && !bad; units += 2) {
+            const size_t rb = (size_t)units * gguf_type_get(types[ti])->block_bytes, bytes = rb * 48;
+            uint8_t *src = plat_alloc_aligned(bytes), *fast = plat_alloc_aligned(bytes), *ref = plat_alloc_aligned(bytes);
+            uint64_t rng = 0x1234 + (uint64_t)ti;
+            for (size_t i = 0; i < bytes; i++) src[i] = (uint8_t)(sample_next_u64(&rng) >> 56);
+            memset(fast, 0xa5, bytes);
+            memset(ref, 0x5a, bytes);
+            quant_interleave(types[ti], fast, src, rb, 48);
+            quant_interleave_groups_scalar(types[ti], ref, src, rb, 0, 3);
+            if (memcmp(fast, ref, bytes))
+                snprintf(why, sizeof why, "%s, %d super-blocks a row", gguf_type_get(types[ti])->name, units), bad = 1;
+            free(src), free(fast), free(ref);
+        }
+    check(!bad, "interleave by transposes (quant_interleave at avx512) == dword by dword, every interleaved type", "%s", why);
+}
+
 static void test_interleaved(void) {
     quant_set_level(max_level);
     if (!quant_interleave_ok(GGUF_TYPE_Q4_K, QUANT_TILE_ROWS)) {
@@ -1388,6 +1416,7 @@ static void test_interleaved(void) {
     }
     static const enum gguf_type types[] = { GGUF_TYPE_Q4_K, GGUF_TYPE_Q5_K, GGUF_TYPE_Q6_K, GGUF_TYPE_Q2_K, GGUF_TYPE_Q3_K, GGUF_TYPE_IQ4_XS,
                                             GGUF_TYPE_IQ3_XXS, GGUF_TYPE_IQ3_S };
+    test_interleave_bytes(types, (int)(sizeof types / sizeof *types), max_level);
     static const int units[] = { 1, 8, 33 }, row_counts[] = { 16, 48 }, columns[] = { 1, 2, 3, 4, 5, 9, 17, 34 };
     static const struct { enum wmode w; enum xmode x; } modes[] = {
         { W_RANDOM, X_RANDOM }, { W_NEGZERO, X_NEGZERO }, { W_MAX, X_BIG }, { W_DENORM_SCALE, X_DENORM },
