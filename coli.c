@@ -19519,7 +19519,12 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     if (c->n_expert)
         printf("cpu: routed experts: %.1f MiB, about %.1f MiB read per token\n", cpu_experts / 1048576.0,
                cpu_experts * c->n_expert_used / c->n_expert / 1048576.0);
-    if (m->experts && m->experts->mapped) printf("cpu: expert store: every routed expert on the CPU stays in memory\n");
+    const struct expert_config *e = m->experts ? &m->experts->cfg : NULL;
+    if (m->experts && m->experts->mapped)
+        printf("cpu: expert store: every routed expert on the CPU stays in memory, %s\n",
+               e->own        ? "copied into coli's own memory (interleaved where its type has that form)"
+               : e->own_once ? "read in place from the file's pages (memory holds a copy once: --copy-experts, faster decode)"
+                             : "read in place from the file's pages");
     else if (m->experts) {
         printf("cpu: expert RAM cache: %.2f GiB%s, %d of %d experts, the rest read from the file\n",
                (double)m->experts->n_slots * m->experts->slot_bytes / 1073741824.0, o->ram_bytes < 0 ? "" : " (--ram)",
@@ -19595,7 +19600,7 @@ static void cmd_plan_json(const struct model *m, const char *name, const struct 
     }
     printf("],\"cpu\":{\"trunk_bytes\":%.0f,\"expert_bytes\":%.0f,\"expert_cache\":", (double)trunk - r->trunk_cpu_bytes,
            (double)experts - r->expert_cpu_bytes);
-    if (!s || s->mapped) printf("{\"mode\":\"mapped\"}");
+    if (!s || s->mapped) printf("{\"mode\":\"mapped\",\"copied\":%s}", s && s->cfg.own ? "true" : "false");
     else printf("{\"mode\":\"cached\",\"slots\":%d,\"bytes\":%lld}", s->n_slots, (long long)s->n_slots * (long long)s->slot_bytes);
     printf(",\"kv_bytes_per_token\":%lld},\"expected\":{\"cpu_bytes_per_token\":%.0f,\"file_bytes_per_token\":%.0f,\"host_gb_s\":%.3f,"
            "\"seconds_per_token\":%.9f,\"tok_s\":%.3f,\"devices_not_probed\":%d},\"layers\":%d}\n",
