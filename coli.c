@@ -7881,12 +7881,10 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  *   Driver calls are serialised under one lock, async signals blocked and, in the musl build, the
  *   thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
- * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch over one input: one upload, a
- *   launch a product, one download; a layer's routed experts: one upload, 3 launches, one download;
- *   a layer one device holds whole (cuda_moe_layer_start): one upload, 11 launches, one download,
- *   plus a split one's routing down and the CPU's outputs up. Chains and graphs (below) take most
- *   of these out. Calls and waits a token, measured, and a wrapped call's cost: README, NVIDIA
- *   GPUs, "Driver calls". */
+ * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch, a layer's routed experts, a
+ *   layer held whole (cuda_moe_layer_start): one upload, a launch a product / 3 / 11, one download
+ *   (a split layer: also its routing down, the CPU's outputs up); chains and graphs take most out
+ *   (figures: README, NVIDIA GPUs, "Driver calls"). */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -10372,7 +10370,7 @@ struct expert_config {
     uint64_t fingerprint;    /* identifies the model a heat file belongs to */
     enum expert_io io;
     int own;                 /* mapped mode: copy the experts into the store's memory (expert_own) */
-    int own_once;            /* mapped mode in place, where memory would hold a copy once (not asked: model_copies) */
+    int own_once;            /* in place, where a copy would fit once (model_copies) */
 };
 
 /* A cache entry: one expert's three slices, each at part_cap[j] from buf. */
@@ -11221,6 +11219,13 @@ static void expert_own(struct expert_store *s)
     plat_progress_end();
     s->own = arena;
     s->own_bytes = total;
+}
+
+/* Mapped mode: where the experts are read, as the [experts] and plan lines say it. */
+static const char *expert_in_place(const struct expert_store *s)
+{
+    return s->cfg.own_once ? "read in place from the mapping (memory holds a copy once: --copy-experts, faster decode)"
+                           : "read in place from the mapping";
 }
 
 /* Before expert_start: the cache's budget becomes BUDGET (< 0: mapped mode), OWN and OWN_ONCE as in expert_config (§7
@@ -14408,11 +14413,10 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
 }
 
 /* How many times memory must hold the routed experts for the store to copy them out of the mapping
- * (expert_own) rather than read them in place. The copy is faster: interleaved where its type has
- * such a form (§3), in pages of its own (README, Models larger than memory). Where memory holds the
- * copy beside the file's pages, the page cache keeps them for the next start. A server copies where
- * memory holds the experts once: the file's pages give way and its next start rereads the file,
- * which hours of serving repay many times. */
+ * (expert_own), faster than in place (interleaved where the type has that form, pages of its own:
+ * README). Beside the file's pages (twice), the page cache keeps them for the next start; a server
+ * (or --copy-experts) copies where memory holds them once: the file's pages give way, and hours of
+ * serving repay the next start's reread. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
 
 /* How many sequences to hold at once when not told: as many as a quarter of the memory still
@@ -14498,8 +14502,8 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
         madvise((void *)lo, hi - lo, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
     const char *heat_path = s->cfg.heat_path ? s->cfg.heat_path : "none";
     const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
-    char how[160] = "read in place from the mapping";
-    if (s->cfg.own_once) snprintf(how, sizeof how, "read in place from the mapping (memory holds a copy once: --copy-experts, faster decode)");
+    char how[160];
+    snprintf(how, sizeof how, "%s", expert_in_place(s));
     if (s->own)
         snprintf(how, sizeof how, "copied there%s (%s)",
                  memchr(s->hole, 1, (size_t)c->n_layers * c->n_expert) ? " but for those in VRAM" : "",
@@ -16928,10 +16932,9 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
  *   mutex while queued or running; the engine lets go by setting done.
  * May call: §1–§11, POSIX sockets, pthreads.
- * Workload: per generated token a sink call (lock, copy, signal), a write per streaming client. No library: Debian has
- *   no HTTP parser building from source into a static musl binary (llhttp is generated code in node's tree;
- *   libmicrohttpd brings its own threads, polling and TLS), and a strict JSON reader with our limits is shorter than
- *   cJSON glue. */
+ * Workload: per generated token a sink call (lock, copy, signal), a write per streaming client. No library: none
+ *   builds from Debian's sources into a static musl binary as simply (llhttp: generated code in node's tree;
+ *   libmicrohttpd: its own threads, polling and TLS), and a strict JSON reader with our limits is shorter than cJSON glue. */
 
 #define SERVE_MAX_HEAD (16 << 10)    /* request line and headers; more is 431 */
 #define SERVE_MAX_HEADERS 100
@@ -18535,7 +18538,7 @@ struct cmd_options {
     struct sample_params sample;
     /* resources (design.md §3); -1 / NULL: not given */
     int64_t ram_bytes;       /* --ram: the expert cache's budget */
-    int copy_experts;        /* --copy-experts: copied where memory holds them once, as a server does (model_copies) */
+    int copy_experts;        /* --copy-experts: copied where memory holds them once (model_copies) */
     const char *heat_path;   /* --heat or HEAT_FILE */
     const char *gpu_list;    /* --gpu LIST|off, or COLI_GPUS */
     int64_t vram_bytes;      /* --vram per device, or CUDA_EXPERT_GB */
@@ -18563,8 +18566,8 @@ static void cmd_on_sigint(int sig)
 }
 
 /* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory, at most SERVE_DEFAULT_CACHE,
- * never squeezing out routed experts that would fit without it (it takes what they leave): every token reads experts,
- * the rest from disk; a prompt cache spares an occasional prefix (README, Serve). It counts all experts in RAM (device
+ * never squeezing out routed experts that would fit without it (every token reads experts; a prompt cache spares an
+ * occasional prefix: README, Serve). It counts all experts in RAM (device
  * ones would leave more). RAM: --ram (given: the experts' budget is the user's). */
 static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
 {
@@ -18579,8 +18582,7 @@ static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
     return room;
 }
 
-/* How many times memory must hold the routed experts for O's command (not a server) to copy them: once with
- * --copy-experts, as a server's rule, else twice (model_copies). */
+/* O's command's model_copies (not a server's): once with --copy-experts, else twice. */
 static enum model_copies cmd_copies(const struct cmd_options *o)
 {
     return o->copy_experts ? MODEL_COPY_OVER_FILE_PAGES : MODEL_COPY_BESIDE_FILE_PAGES;
@@ -19519,12 +19521,9 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     if (c->n_expert)
         printf("cpu: routed experts: %.1f MiB, about %.1f MiB read per token\n", cpu_experts / 1048576.0,
                cpu_experts * c->n_expert_used / c->n_expert / 1048576.0);
-    const struct expert_config *e = m->experts ? &m->experts->cfg : NULL;
     if (m->experts && m->experts->mapped)
         printf("cpu: expert store: every routed expert on the CPU stays in memory, %s\n",
-               e->own        ? "copied into coli's own memory (interleaved where its type has that form)"
-               : e->own_once ? "read in place from the file's pages (memory holds a copy once: --copy-experts, faster decode)"
-                             : "read in place from the file's pages");
+               m->experts->cfg.own ? "copied into coli's own memory (interleaved where the type allows)" : expert_in_place(m->experts));
     else if (m->experts) {
         printf("cpu: expert RAM cache: %.2f GiB%s, %d of %d experts, the rest read from the file\n",
                (double)m->experts->n_slots * m->experts->slot_bytes / 1073741824.0, o->ram_bytes < 0 ? "" : " (--ram)",
@@ -19681,8 +19680,7 @@ static const char arg_usage[] =
     "           a quarter, default f32)\n"
     "           --ram SIZE (expert cache, e.g. 8G; default: what memory leaves after the trunk)\n"
     "           --copy-experts (copy the routed experts into coli's memory where it holds them once, as\n"
-    "           serve does: faster decode, a slower start; the file's pages give way; default: only where\n"
-    "           memory holds them twice)\n"
+    "           serve does, not only twice: faster decode, a slower start)\n"
     "           --heat FILE (expert heat: read at start, saved at exit; default in ~/.cache/coli;\n"
     "           '' or /dev/null: none kept)\n"
     "           --gpu LIST|off (devices in PCI bus order, e.g. 0,1)  --vram SIZE (per device)\n"

@@ -175,7 +175,7 @@ PY
     then ok "plan --synthetic tiny:q8_0 --json: the golden q35moe-q8_0's components, CPU side and bytes per token"
     else bad "plan --synthetic vs the golden file" "$(head -c 300 "$tmp/plan_syn")"; fi
     expect "plan: experts copied where memory holds them twice" 0 "stays in memory, copied into coli's own memory" -- env COLI_CUDA=0 "$COLI" plan -m "$M"
-    expect "plan --ram: experts read in place (never copied)" 0 "stays in memory, read in place from the file's pages$" -- env COLI_CUDA=0 "$COLI" plan -m "$M" --ram 1G
+    expect "plan --ram: experts read in place (never copied)" 0 "stays in memory, read in place from the mapping$" -- env COLI_CUDA=0 "$COLI" plan -m "$M" --ram 1G
     expect "plan --json: the copy said" 0 '"expert_cache":\{"mode":"mapped","copied":true\}' -- env COLI_CUDA=0 "$COLI" plan -m "$M" --json
     expect "vocabulary-only file cannot run" 1 "missing tensor 'token_embd.weight'" -- "$COLI" run -m "$GOLDEN/tokenizer-qwen3.gguf" -p hi
     expect "prompt longer than the context" 1 'context holds 8' -- "$COLI" run -m "$M" -c 8 -p "The capital of France is Paris, and"
