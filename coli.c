@@ -16932,9 +16932,9 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
  *   mutex while queued or running; the engine lets go by setting done.
  * May call: §1–§11, POSIX sockets, pthreads.
- * Workload: per generated token a sink call (lock, copy, signal), a write per streaming client. No library: none
- *   builds from Debian's sources into a static musl binary as simply (llhttp: generated code in node's tree;
- *   libmicrohttpd: its own threads, polling and TLS), and a strict JSON reader with our limits is shorter than cJSON glue. */
+ * Workload: per generated token a sink call (lock, copy, signal), a write per streaming client. No library: Debian has
+ *   no HTTP parser that builds into a static musl binary (llhttp: generated code in node's tree; libmicrohttpd: its own
+ *   threads, polling and TLS), and a strict JSON reader with our limits is shorter than cJSON glue. */
 
 #define SERVE_MAX_HEAD (16 << 10)    /* request line and headers; more is 431 */
 #define SERVE_MAX_HEADERS 100
