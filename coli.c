@@ -18567,8 +18567,8 @@ static void cmd_on_sigint(int sig)
 
 /* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory, at most SERVE_DEFAULT_CACHE,
  * never squeezing out routed experts that would fit without it (every token reads experts; a prompt cache spares an
- * occasional prefix: README, Serve). It counts all experts in RAM (device
- * ones would leave more). RAM: --ram (given: the experts' budget is the user's). */
+ * occasional prefix: README, Serve). It counts all experts in RAM (device ones would leave more). RAM: --ram (given:
+ * the experts' budget is the user's). */
 static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
 {
     const int64_t avail = plat_mem_available(), eighth = avail > 0 ? avail / 8 : 0;
