@@ -3634,6 +3634,13 @@ QUANT_AVX512_INLINE __mmask64 quant_bitalg_shuffle(__m512i ctrl, __m512i data) {
     return r;
 }
 
+/* The 64-bit mask at P. */
+QUANT_AVX512_INLINE __mmask64 quant_mask_at(const uint8_t *p) {
+    uint64_t m;
+    memcpy(&m, p, 8);
+    return _cvtu64_mask64(m);
+}
+
 /* The 4 coordinate planes C of 64 IQ3 points by VBMI: index bytes IDX (bit 8 in BIT8 for IQ3_S's
  * 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs),
  * 128 entries a permute; VALUES turns the planes' nibbles into levels (vpshufb: their bit 3 is
@@ -5220,6 +5227,28 @@ static int quant_interleaved_offset(enum gguf_type t, int k) {
     return 4 * (k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0);
 }
 
+/* An IQ3_S unit's high index bits (vectors 16-17) and signs (18-25) placed as stored, rewritten as
+ * the byte masks quant_interleaved_iq3_unit takes: at byte 64 * 16 + 8 (2 ib + h) the 9th bits of
+ * half h of 32-block ib (mask bit 4r + k: row r's point 8 ib + 4h + k), at 64 (18 + ib) + 8 (4h + j)
+ * its signs of plane j (bit 4r + k: row r's element 32 ib + 16h + 4k + j). The same bits, in the
+ * order the kernel's bit shuffles made them (README). */
+static void quant_iq3s_masks_scalar(uint8_t *v) {
+    uint8_t out[10 * 64];
+    for (int ib = 0; ib < 8; ib++)
+        for (int h = 0; h < 2; h++) {
+            uint64_t qh = 0, sign[4] = {0};
+            for (int r = 0; r < QUANT_TILE_ROWS; r++)
+                for (int k = 0; k < 4; k++) {
+                    const uint32_t high = (uint32_t)quant_rd32(v + 64 * (16 + ib / 4) + 4 * r), signs = (uint32_t)quant_rd32(v + 64 * (18 + ib) + 4 * r);
+                    qh |= (uint64_t)(high >> (8 * (ib % 4) + 4 * h + k) & 1) << (4 * r + k);
+                    for (int j = 0; j < 4; j++) sign[j] |= (uint64_t)(signs >> (16 * h + 4 * k + j) & 1) << (4 * r + k);
+                }
+            memcpy(out + 8 * (2 * ib + h), &qh, 8);
+            memcpy(out + 128 + 64 * ib + 32 * h, sign, 32);
+        }
+    memcpy(v + 64 * 16, out, sizeof out);
+}
+
 /* DST = rows of type T (RB bytes each) at SRC interleaved: per 16 rows and super-block,
  * one vector of 16 dwords (lane r from row r) per whole dword of the block, in
  * quant_interleaved_offset's order. A block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d
@@ -5243,6 +5272,7 @@ static void quant_interleave_groups_scalar(enum gguf_type t, uint8_t *dst, const
                 for (int r = 0; r < QUANT_TILE_ROWS; r++) memcpy(v + 64 * k + 4 * r, b + (size_t)r * rb + from[k], 4);
             uint8_t *tail = dst + (size_t)g * QUANT_TILE_ROWS * rb + (size_t)u * QUANT_TILE_ROWS * rest;
             for (int r = 0; r < QUANT_TILE_ROWS && rest; r++) memcpy(tail + rest * r, b + (size_t)r * rb + rest_at, (size_t)rest);
+            if (t == GGUF_TYPE_IQ3_S) quant_iq3s_masks_scalar(v);
         }
 }
 
@@ -5508,7 +5538,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
             signs = quant_avx512_iq3xxs_signs_vbmi(aux);
             ls = _mm512_srli_epi32(aux, 28);
         } else {
-            signs = _mm512_loadu_si512(t + 64 * (18 + ib));
+            signs = _mm512_setzero_si512(); /* IQ3_S's sign masks are stored made (quant_iq3s_masks_scalar) */
             ls = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 4 * ib), _mm512_set1_epi32(15));
         }
         __m512i s[QUANT_TILE_NC];
@@ -5517,19 +5547,17 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
             s[c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib)));
         QUANT_UNROLL(2)
         for (int h = 0; h < 2; h++) {
-            __mmask64 bit8 = 0; /* the bit shuffles' byte 4r + k reads bit 32 (r % 2) + ... of qword r / 2: lane r's */
-            if (!xxs)
-                bit8 = quant_bitalg_shuffle(_mm512_set1_epi64(0x2322212003020100LL + 0x0101010101010101LL * (8 * (ib % 4) + 4 * h)),
-                                            _mm512_loadu_si512(t + 64 * (16 + ib / 4)));
+            const __mmask64 bit8 = xxs ? 0 : quant_mask_at(t + 64 * 16 + 8 * (2 * ib + h));
             __m512i plane[4] = {0};
             if (mode != QUANT_KEPT_LOAD)
                 quant_avx512_iq3_vbmi_lookup(_mm512_loadu_si512(t + 64 * (2 * ib + h)), bit8, xxs ? quant_iq3xxs_pairs[0] : quant_iq3s_pairs[0],
                                              xxs ? 4 : 8, values, plane);
             QUANT_UNROLL(4)
             for (int j = 0; j < 4; j++) {
+                /* the bit shuffle's byte 4r + k reads bit 32 (r % 2) + ... of qword r / 2: lane r's */
                 const __m512i sign_bits = _mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j));
-                const __m512i w = QUANT_KEPT(kept, mode, 64 * u + 8 * ib + 4 * h + j,
-                                             _mm512_mask_sub_epi8(plane[j], quant_bitalg_shuffle(sign_bits, signs), _mm512_setzero_si512(), plane[j]));
+                const __mmask64 neg = xxs ? quant_bitalg_shuffle(sign_bits, signs) : quant_mask_at(t + 64 * (18 + ib) + 8 * (4 * h + j));
+                const __m512i w = QUANT_KEPT(kept, mode, 64 * u + 8 * ib + 4 * h + j, _mm512_mask_sub_epi8(plane[j], neg, _mm512_setzero_si512(), plane[j]));
                 QUANT_UNROLL(4)
                 for (int c = 0; c < NC; c++) s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(quant_rd32(x[c] + 64 * j + 8 * ib + 4 * h)));
             }
@@ -5938,6 +5966,24 @@ static void quant_tile_plans_init(void) {
     }
 }
 
+/* quant_iq3s_masks_scalar by BITALG's bit shuffles, as the kernel made them. */
+QUANT_AVX512_INLINE void quant_iq3s_masks_avx512(uint8_t *v) {
+    __m512i high[2], signs[8];
+    QUANT_UNROLL(2)
+    for (int i = 0; i < 2; i++) high[i] = _mm512_loadu_si512(v + 64 * (16 + i));
+    QUANT_UNROLL(8)
+    for (int ib = 0; ib < 8; ib++) signs[ib] = _mm512_loadu_si512(v + 64 * (18 + ib));
+    for (int ib = 0; ib < 8; ib++)
+        for (int h = 0; h < 2; h++) {
+            const __m512i bit8 = _mm512_set1_epi64(0x2322212003020100LL + 0x0101010101010101LL * (8 * (ib % 4) + 4 * h));
+            _store_mask64((__mmask64 *)(v + 64 * 16 + 8 * (2 * ib + h)), quant_bitalg_shuffle(bit8, high[ib / 4]));
+            for (int j = 0; j < 4; j++) {
+                const __m512i sign_bits = _mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j));
+                _store_mask64((__mmask64 *)(v + 64 * (18 + ib) + 8 * (4 * h + j)), quant_bitalg_shuffle(sign_bits, signs[ib]));
+            }
+        }
+}
+
 /* The 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
  * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block, Q3_K
  * and IQ3_S 3, IQ4_XS 2), asking for part u of the next 16 rows with super-block u. */
@@ -5966,6 +6012,7 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
         }
         if (bb % 4) /* the 16 rows' d: IQ3's first, Q3_K's last, from the dword that ends with it */
             _mm256_storeu_si256((__m256i *)(dst + 32 * u), _mm512_cvtepi32_epi16(iq3 ? head[0] : _mm512_srli_epi32(_mm512_i32gather_epi32(rows, b + bb - 4, 1), 16)));
+        if (t == GGUF_TYPE_IQ3_S) quant_iq3s_masks_avx512(v);
     }
 }
 
