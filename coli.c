@@ -6298,30 +6298,29 @@ struct ops_job {
 #define OPS_MAX_JOBS 64
 #define OPS_PARALLEL_ELEMS 65536 /* elements of per-element work (acts to prepare, ~1 ns each; SwiGLU) from which two threads pay */
 
-/* Set by §5 cuda when matrices are resident on a device: it runs there the jobs whose matrices are,
- * over their prepared columns at ACT + OFF[j] (ops_act_stride apart), marking them in DONE; the CPU
- * computes the rest. §4's one way to a device. */
+/* Set by §5 cuda when matrices are on a device: runs the jobs whose matrices are there, over their
+ * prepared columns at ACT + OFF[j] (ops_act_stride apart), marking them in DONE; the CPU does the
+ * rest. §4's one way to a device. */
 static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done);
 
-/* Grow-only scratch: the prepared activations, and the threads' quant_tile tiles (on the heap: 16
- * rows of 4096 columns take 90 KiB, most of a musl thread's stack). */
+/* Grow-only scratch: the prepared acts and the threads' quant_tile tiles (on the heap: 16 rows of
+ * 4096 columns, 90 KiB, are most of a musl thread's stack). */
 struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
 
-/* Seconds the threads stood idle at the ends of ops_matmat_block's loops (the loop's end less
- * each thread's last chunk, their mean), summed: bench's barriers. */
+/* Seconds threads idled at the ends of ops_matmat_block's loops (loop end less each thread's last
+ * chunk, their mean), summed: bench's barriers. */
 static double ops_idle_seconds;
 
-/* Unused bytes between two threads' quant_tile scratch: back to back, each thread's writes to its
- * own (50 KiB for 16 rows of 2048 Q4_K, every tile) slowed the other's (README, Prompts: the
- * gap). */
+/* Unused bytes between threads' quant_tile scratch: back to back, a thread's writes to its own (50
+ * KiB a tile of 16 rows of 2048 Q4_K) slowed the other's (README, Prompts: the gap). */
 #define OPS_TILE_GAP (128 << 10)
 
-/* A prepared act column's bytes (COLS for TYPE or W weights), rounded up to 64-byte alignment. */
+/* A prepared act column's bytes (COLS for TYPE or W weights), rounded up to 64 bytes. */
 static size_t ops_act_stride_of(enum gguf_type type, int64_t cols) { return (quant_act_bytes(type, cols) + 63) & ~(size_t)63; }
 static size_t ops_act_stride(const struct ops_matrix *w) { return ops_act_stride_of(w->type, w->cols); }
 
-/* Returns S, grown to at least n bytes (contents not kept). Not thread-safe. */
+/* Returns S, grown to >= n bytes (contents lost). Not thread-safe. */
 static void *ops_scratch(struct ops_scratch *s, size_t n) {
     if (n > s->cap) {
         free(s->buf);
@@ -6338,8 +6337,8 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* The acts of the jobs owning one (OWN), column by column, in parallel once a prompt's batch has
- * enough to pay a parallel region (each column is prepared alone: the same bits). */
+/* The acts of the jobs owning one (OWN), column by column, in parallel once a prompt's batch pays a
+ * parallel region (each column prepared alone: same bits). */
 static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8_t *own, uint8_t *act, const size_t *off,
                              const size_t *stride) {
     int64_t first_col[OPS_MAX_JOBS + 1] = {0}, elems = 0;
@@ -6359,8 +6358,8 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
 
 /* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
  * quant_pairs where it serves (K rows of 2 super-blocks), else quant_dotn a block of columns at a
- * time, whose activations stay in L1 while every row of the chunk uses them, rows coming again from
- * L2 (row by row, each row read every column's activations from L2 or beyond: README). */
+ * time, their acts in L1 while each row of the chunk uses them, the rows again from L2 (row by row,
+ * each row read all acts from L2 or beyond: README). */
 static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n,
                           float *y) {
     if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
@@ -6376,9 +6375,9 @@ static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, 
                        n - c0 < block ? n - c0 : block, w->cols, y + (size_t)c0 * w->rows + r, (size_t)w->rows);
 }
 
-/* Which jobs' CPU kernels read their act in lanes (quant_act_in_lanes; not tiles, not interleaved):
- * LANES_OF[j] is the job whose lane copy job j reads (the first with the same act), or -1; each
- * such first job's copy gets LANES_OFF[j] in the act scratch, from *END on. */
+/* Jobs whose CPU kernels read their act in lanes (quant_act_in_lanes; not tiles, not interleaved):
+ * LANES_OF[j], the job whose lane copy job j reads (the first with that act), or -1; such a first
+ * job's copy at LANES_OFF[j] in the act scratch, from *END on. */
 static void ops_plan_lanes(const struct ops_job *jobs, int n_jobs, const size_t *off, const size_t *stride, int *lanes_of,
                            size_t *lanes_off, size_t *end) {
     for (int j = 0; j < n_jobs; j++) {
@@ -6395,7 +6394,7 @@ static void ops_plan_lanes(const struct ops_job *jobs, int n_jobs, const size_t 
     }
 }
 
-/* The copies in lanes that ops_plan_lanes planned, from the prepared acts. */
+/* The lane copies ops_plan_lanes planned, from the prepared acts. */
 static void ops_acts_to_lanes(const struct ops_job *jobs, int n_jobs, const int *lanes_of, uint8_t *act, const size_t *off,
                               const size_t *lanes_off, const size_t *stride) {
     for (int j = 0; j < n_jobs; j++)
@@ -6405,11 +6404,10 @@ static void ops_acts_to_lanes(const struct ops_job *jobs, int n_jobs, const int 
         }
 }
 
-/* The order the parallel loop takes the jobs' chunks of OPS_ROW_CHUNK rows in: jobs by a chunk's
- * work (bytes times columns), least first, ORDER[k] the k-th, its chunks from FIRST_CHUNK[k] on.
- * Guided scheduling hands out the first chunks in long runs and the last a few at a time, so the
- * heaviest (an F32 router's 16 rows are 128 KiB, a Q4_K matrix's 18 KiB) even out between threads
- * at the end rather than all going into one thread's first run. */
+/* The parallel loop's order of jobs' OPS_ROW_CHUNK-row chunks: jobs by a chunk's work (bytes x
+ * columns), least first, ORDER[k] the k-th, its chunks from FIRST_CHUNK[k]. Guided scheduling gives
+ * the first chunks in long runs, the last a few at a time, so the heaviest (16 rows: 128 KiB of an
+ * F32 router, 18 KiB of Q4_K) even out at the end, not in one thread's first run. */
 static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_t *done, int *order, int64_t *first_chunk) {
     for (int j = 0; j < n_jobs; j++) { /* insertion sort, stable */
         int k = j;
@@ -6424,12 +6422,11 @@ static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_
     }
 }
 
-/* Every job's product (job j: y[n][rows] = W·x[n][cols]) in one parallel loop over all their rows,
- * so several small products pay one parallel region and barrier, and each thread has rows of every
- * matrix in flight. Jobs with the same x, n, type and width share a prepared activation (on a
- * device, an upload). Job j's y is bit-identical whatever the batch, thread count or device.
- * Caller: quant_init done; at most OPS_MAX_JOBS jobs; no y overlaps an x; one caller at a time; at
- * most OPS_COLUMN_BLOCK columns a job (ops_matmat_jobs). */
+/* Jobs' products (y[n][rows] = W·x[n][cols]) in one parallel loop over their rows: one parallel
+ * region and barrier for all, each thread with rows of every matrix in flight. Jobs with the same
+ * x, n, type and width share a prepared act (on a device, an upload). Each y is bit-identical
+ * whatever the batch, thread count or device. Caller: quant_init done; at most OPS_MAX_JOBS jobs,
+ * OPS_COLUMN_BLOCK columns each (ops_matmat_jobs); no y overlaps an x; one caller at a time. */
 static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
     int64_t first_chunk[OPS_MAX_JOBS + 1];
@@ -6497,14 +6494,13 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     for (int t = 0; t < team; t++) ops_idle_seconds += (done_at - finish[t]) / team;
 }
 
-/* Columns of a product ops_matmat_block takes at once. A row chunk meets all a job's columns, whose
- * prepared acts (2.1 KiB a column of 2048 in Q8_K) stay in L2 meanwhile (a block of 512 was slower:
- * README). Weights are read once a block: for 512, ~1 MiB more trunk a token. */
+/* Columns ops_matmat_block takes at once: a row chunk meets all a job's columns, their prepared
+ * acts (2.1 KiB a column of 2048 in Q8_K) staying in L2 (a block of 512 was slower: README).
+ * Weights are read once a block: at 512, ~1 MiB more trunk a token. */
 #define OPS_COLUMN_BLOCK 256
 
 /* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, in turn (each
- * column's output computed alone: same bits). Caller: as ops_matmat_block, without its column
- * limit. */
+ * column computed alone: same bits). Caller: as ops_matmat_block, without its column limit. */
 static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     int most = 0;
@@ -6583,8 +6579,7 @@ static double ops_bench_bandwidth(const uint8_t *buf, size_t n) {
     return best;
 }
 
-/* GB/s of weight bytes for y = W·x on a rows x cols matrix of type t at w (filled): best of runs
- * over >= 0.2 s (3 at least). */
+/* Weight GB/s of y = W·x, W rows x cols of type t at w (filled): best of >= 3 runs over >= 0.2 s. */
 static double ops_bench_gemv(enum gguf_type t, uint8_t *w, int64_t rows, int64_t cols, int interleave, float *x, float *y) {
     const struct gguf_type_info *ti = gguf_type_get(t);
     size_t rb = (size_t)(cols / ti->block_elems) * (size_t)ti->block_bytes;
@@ -6621,7 +6616,7 @@ static size_t ops_bench_llc(void) {
     return kib * 1024;
 }
 
-/* The host's read bandwidth in GB/s, measured now on 4x the last-level cache (256 MiB to 1 GiB). */
+/* Host read bandwidth in GB/s, measured now over 4x the last-level cache (256 MiB to 1 GiB). */
 static double ops_bench_host_gbps(void)
 {
     size_t n = 4 * ops_bench_llc();
@@ -6633,7 +6628,7 @@ static double ops_bench_host_gbps(void)
     return gbps;
 }
 
-/* One row of ops_bench_kernels: type T (INTERLEAVE: interleaved) at each shape, over BUF (BIG bytes). */
+/* One row of ops_bench_kernels: type T (INTERLEAVE: interleaved) per shape, over BUF (BIG bytes). */
 static void ops_bench_kernels_row(enum gguf_type t, int interleave, uint8_t *buf, size_t big, float *x, float *y) {
     const struct gguf_type_info *ti = gguf_type_get(t);
     const size_t block_row = (size_t)(512 / ti->block_elems) * (size_t)ti->block_bytes; /* 512 columns */
@@ -6647,8 +6642,8 @@ static void ops_bench_kernels_row(enum gguf_type t, int interleave, uint8_t *buf
            200 * g4 / (bw0 + bw1), g5, 200 * g5 / (bw1 + bw2));
 }
 
-/* Prints GEMV throughput (GB/s of weight bytes) per format and shape, the large matrix's against
- * the read bandwidth measured beside it, at the current thread count. Caller: quant_init done. */
+/* Prints GEMV GB/s of weight bytes per format and shape at the current thread count, the large
+ * matrix's against read bandwidth measured beside it. Caller: quant_init done. */
 static void ops_bench_kernels(void) {
     size_t big = 4 * ops_bench_llc();
     big = big < ((size_t)1 << 30) ? (size_t)1 << 30 : big > ((size_t)3 << 29) ? (size_t)3 << 29 : big;
@@ -6676,10 +6671,9 @@ static void ops_bench_kernels(void) {
 /* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
  * without changing results (-ffp-contract=off, no -ffast-math). */
 
-/* Sum in double of N values, the same bits at every SIMD level and on the GPU: value i goes into
- * partial i % OPS_SUM_PARTS, partials meeting by the butterfly p[j] + p[j + s], s = 8, 4, 2, 1. A
- * serial sum (the reference's order) adds once every 4 cycles (README), a chain no GPU warp can
- * follow. */
+/* Sum in double of N values, the same bits at every SIMD level and on the GPU: value i into partial
+ * i % OPS_SUM_PARTS, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1. A serial sum (the
+ * reference's order) adds once every 4 cycles (README), a chain no GPU warp can follow. */
 #define OPS_SUM_PARTS 16
 
 static double ops_parts_sum(double *part)
@@ -6689,7 +6683,7 @@ static double ops_parts_sum(double *part)
     return part[0];
 }
 
-/* Partials of x[i]^2 over whole groups of 16 (squares exact in double); returns how many done. */
+/* Partials of x[i]^2 over whole groups of 16 (squares exact in double); how many done. */
 static QUANT_AVX512 int ops_squares_avx512(const float *x, int n, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
@@ -6729,7 +6723,7 @@ static double ops_sum_squares(const float *x, int n)
     return ops_parts_sum(part);
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * w over N values (w NULL: no weight); in place is fine. */
+/* y = x / sqrt(mean(x^2) + eps) * w over N values (w NULL: no weight); may be in place. */
 static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float eps)
 {
     double ss = ops_sum_squares(x, n); /* in double, the scale formed in float, as ggml */
@@ -6738,7 +6732,7 @@ static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float e
     for (int i = 0; i < n; i++) y[i] = w ? x[i] * scale * w[i] : x[i] * scale;
 }
 
-/* x /= max(||x||, eps): the L2 normalisation of DeltaNet queries and keys (ggml's rule). */
+/* x /= max(||x||, eps): L2 normalisation of DeltaNet queries and keys (ggml's rule). */
 static void ops_l2norm(float *x, int n, float eps)
 {
     float norm = sqrtf((float)ops_sum_squares(x, n));
@@ -6746,10 +6740,10 @@ static void ops_l2norm(float *x, int n, float eps)
     for (int i = 0; i < n; i++) x[i] *= scale;
 }
 
-/* e^x with the same bits on every CPU and the GPU (kernels.cu's exp_canonical, op for op): x = n
- * ln2 + r, |r| <= ln2/2, e^r by Taylor series to r^10 in double (relative error < 1e-12), times
- * 2^n, rounded once to float. libm's expf differs between libcs and from CUDA's; this one differed
- * from the correctly rounded e^x in 9 of 3.2e8 floats (every 7th in [-104, 89]). */
+/* e^x, the same bits on every CPU and the GPU (kernels.cu's exp_canonical, op for op): x = n ln2 +
+ * r, |r| <= ln2/2, e^r by Taylor series to r^10 in double (relative error < 1e-12), times 2^n,
+ * rounded once to float. libm's expf differs between libcs and from CUDA's; this misses the
+ * correctly rounded e^x in 9 of 3.2e8 floats (every 7th in [-104, 89]). */
 static const double ops_exp_taylor[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
                                            1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0}; /* 1/9! .. 1/0!, for Horner */
 
@@ -6768,14 +6762,13 @@ static float ops_exp(float x)
     return (float)(p * scale);
 }
 
-/* The activations the GPU computes too (the experts' SwiGLU), hence ops_exp. */
+/* Activations the GPU computes too (experts' SwiGLU), hence ops_exp. */
 static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
 static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 
-/* ops_exp of 4 floats widened to double lanes, step for step (the shift trick's integer read from
- * the sum's bits: bits(shift + n) = bits(shift) + n), before its special cases; N (1..4; constant
- * where inlined) vectors in lockstep, each step for all before the next: N independent chains fill
- * the pipes. */
+/* ops_exp's steps bar its special cases, on 4 floats in double lanes (the shift trick's integer
+ * read from the sum's bits: bits(shift + n) = bits(shift) + n); N (1..4; constant where inlined)
+ * vectors in lockstep, each step for all before the next: N independent chains fill the pipes. */
 QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
     const __m256d shift = _mm256_set1_pd(6755399441055744.0);
     __m256d t[4], r[4], p[4];
@@ -6883,9 +6876,9 @@ QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x, __m512 num) {
     return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-/* out[i] = f(x[i]) * u[i] for N values (U NULL: f alone), f ops_silu or (SIGMOID) ops_sigmoid,
- * their bits at every level: the SIMD levels run ops_exp's double steps in vector lanes (a
- * scalar ops_exp is slow: README). OUT may be X or U. */
+/* out[i] = f(x[i]) * u[i] over N (U NULL: f alone), f ops_silu or (SIGMOID) ops_sigmoid, its bits
+ * at every level: SIMD runs ops_exp's double steps in lanes (scalar ops_exp is slow: README). OUT
+ * may be X or U. */
 static float ops_gate_one(float x, const float *u, int64_t i, int sigmoid)
 {
     const float f = sigmoid ? ops_sigmoid(x) : ops_silu(x);
@@ -6947,18 +6940,16 @@ static void ops_exp_shifted(float *out, const float *x, int64_t n, float sub, fl
 static void ops_swiglu(float *g, const float *u, int64_t n) { ops_gate(g, g, u, n, 0); }
 
 /* ops_swiglu over ROWS rows of WIDTH, a row a task where there are enough (a prompt batch's routed
- * experts: 2048 rows of 512 a layer on the 35B). Elements are computed alone: the split changes no
- * bit. */
+ * experts: 2048 rows of 512 a layer on the 35B). Elements computed alone: the split changes no bit. */
 static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t width) {
     #pragma omp parallel for schedule(static) if (rows * width >= OPS_PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) ops_swiglu(g + r * width, u ? u + r * width : NULL, width);
 }
 
-/* ---- the logarithm, exponential and sine/cosine the forward pass uses, in double ----
- * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own), and
- * the device has its own; these use only IEEE additions, multiplications and divisions, so every
- * build and a device twin get the same bits. Each is accurate to a few units of 1e-16, so the
- * floats rounded from them are libm's but for a rare last bit. */
+/* ---- log, exp and sin/cos for the forward pass, in double ----
+ * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own), the
+ * device's too; these use only IEEE +, *, /: the same bits in every build and a device twin. Each
+ * is within a few 1e-16: floats rounded from them are libm's but for a rare last bit. */
 static const double ops_ln2_hi = 6.93147180369123816490e-01, ops_ln2_lo = 1.90821492927058770002e-10; /* hi: 32 bits */
 
 /* Exponent K and mantissa M in [sqrt(1/2), sqrt(2)) of a positive normal X = M 2^K. */
@@ -7009,9 +7000,8 @@ static double ops_exp_double(double x)
 }
 
 /* sin, cos of x in [0, 2^20 pi/2): x = k pi/2 + r, pi/2 in two parts (fdlibm's pio2_1, its product
- * with k exact below that bound, and the rest), then r's Taylor series (|r| <= pi/4) to r^17 and
- * r^16 (next terms < 1e-17), and quadrant k mod 4. RoPE angles reach pos x 1: 2^18 at a 262k
- * context. */
+ * with k exact below that bound, and the rest), r's Taylor series (|r| <= pi/4) to r^17 and r^16
+ * (next terms < 1e-17), quadrant k mod 4. RoPE angles reach pos x 1: 2^18 at 262k context. */
 static void ops_sincos(double x, double *sine, double *cosine)
 {
     const double pio2_1 = 1.57079632673412561417e+00, pio2_1t = 6.07710050650619224932e-11;
@@ -7029,18 +7019,17 @@ static void ops_sincos(double x, double *sine, double *cosine)
     }
 }
 
-/* log(1 + e^x), switching to x above 20 as the reference does; e^x rounded to float first, as
- * the reference's log1pf(expf(x)). */
+/* log(1 + e^x), x itself above 20 as in the reference; e^x rounded to float first, as the
+ * reference's log1pf(expf(x)). */
 static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops_exp(x)); }
 
-/* In-place softmax over N values, the same bits at every level: the maximum (x[i] > max picks x[i],
- * so a NaN counts only as x[0] and order does not matter), e^(x - max) by ops_exp, their sum in
- * double in ops_parts_sum's order, then one scale. Returns the maximum, and the sum in *SUM if SUM
- * is not NULL (attention's splits merge by them). Attention at 8k of context takes 8192 of them per
- * head and token (README: libm's expf). */
+/* In-place softmax of N values, same bits at every level: the maximum (x[i] > max picks x[i]: a NaN
+ * counts only as x[0]; any order), e^(x - max) by ops_exp, their sum in double in ops_parts_sum's
+ * order, one scale. Returns the maximum; the sum into *SUM unless NULL (attention's splits merge by
+ * them). Attention at 8k context: 8192 of them a head and token (README: libm's expf). */
 
 /* The SIMD levels: the maximum of all N and the whole vectors' partials (ops_softmax does the
- * tail); returns how many are done. */
+ * tail); returns how many done. */
 static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
@@ -7118,25 +7107,23 @@ static float ops_softmax(float *x, int n, double *sum)
 }
 
 /* ---- attention over the KV cache ----
- * A GQA group's heads read the same cached rows, at long context a token's memory traffic, so both
- * passes take NQ heads at once and read each row once. A cache holds a KV head's rows STRIDE
- * elements apart in an enum ops_kv format (--kv): fp32, fp16, or Q8_0 (8.5 bits a value). Each SIMD
- * body is inlined once per format, a constant in its loops.
- * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly as the
- * kernels load it): each dot over HD elements in one canonical order at every level: element i into
- * partial i % 16, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1 (a serial sum left the vector
- * units idle). The SIMD versions keep each head's 16 partials in registers (independent chains
- * across heads).
- * Q8_0 keys: integer products against the quantised query (ops_scores_q8_0, below).
- * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p, element by element (the same
- * operation at any width: fmaf, or every AVX2 CPU's FMA), rows in chunks of OPS_ATTN_CHUNK that
- * every tile of accumulators passes over before the next. Fused, so a Q8_0 value's widening runs
- * beside the products (with a multiply and an add, the FP pipes also took the conversions: README).
- * Q8_0 values widen exactly (d * q has at most 18 significant bits): the sums are those of fp32
- * rows holding them.
- * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each with its scores, own softmax and
- * values, merged in split order (ops_attn_merge), because a GPU computes a long context's splits
- * side by side (a warp a split, not a head) and gives the CPU's bits only in the same order. */
+ * A GQA group's heads read the same cached rows (at long context, a token's memory traffic): both
+ * passes take NQ heads at once, reading each row once. A cache holds a KV head's rows STRIDE
+ * elements apart in an enum ops_kv format (--kv): fp32, fp16 or Q8_0 (8.5 bits a value); each SIMD
+ * body is inlined per format, a constant in its loops.
+ * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly, as the
+ * kernels do): each dot over HD elements in one canonical order at every level, element i into
+ * partial i % 16, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1 (a serial sum idled the vector
+ * units); SIMD keeps each head's 16 partials in registers (independent chains). Q8_0 keys: integer
+ * products with the quantised query (ops_scores_q8_0).
+ * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p per element (fmaf, or every AVX2
+ * CPU's FMA: the same at any width), rows in chunks of OPS_ATTN_CHUNK every tile of accumulators
+ * passes over before the next. Fused, so Q8_0 values' widening runs beside the products (unfused,
+ * the FP pipes also took the conversions: README); exact (d * q has at most 18 significant bits):
+ * the sums of fp32 rows holding them.
+ * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each with its scores, softmax and values,
+ * merged in order (ops_attn_merge): a GPU runs a long context's splits side by side (a warp a
+ * split, not a head) and matches the CPU's bits only in that order. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 32 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
@@ -7144,8 +7131,8 @@ static float ops_softmax(float *x, int n, double *sum)
 #define OPS_ATTN_SPLIT 256 /* cached rows a split: a softmax of its own, merged in order (ops_attn_merge) */
 
 /* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale and 32
- * int8), quantised as quant_act_q8 does an activation; Q8_0 keys are instead stored OPS_KV_GROUP
- * positions to a group (ops_scores_q8_0), in the same bytes. */
+ * int8), quantised as quant_act_q8 does an act; Q8_0 keys are stored OPS_KV_GROUP positions to a
+ * group (ops_scores_q8_0), in the same bytes. */
 enum ops_kv { OPS_KV_F32, OPS_KV_F16, OPS_KV_Q8_0 };
 #define OPS_KV_GROUP 16   /* Q8_0 key positions a group, one vector lane each */
 #define OPS_KV_MAX_HD 512 /* the longest Q8_0 row: ops_scores_q8_0 quantises queries on the stack */
@@ -7185,9 +7172,9 @@ static float ops_score_finish(float *part, const float *q, const void *k, int fr
     return part[0] * scale;
 }
 
-/* The butterfly's last three steps in registers: S holds part[j] + part[j + 8] for j < 8 (the first
- * step); then + 4, + 2, + 1 by lane, ops_score_finish's adds. A store and 15 scalar adds per score
- * cost as much as the score's products. */
+/* The butterfly's last 3 steps in registers: S = part[j] + part[j + 8], j < 8 (step 1), then the
+ * adds of 4, 2, 1 lanes apart (ops_score_finish's): a store and 15 scalar adds cost the products
+ * again. */
 QUANT_AVX2_INLINE float ops_butterfly8_avx2(__m256 s) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -7204,7 +7191,7 @@ QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, enum ops_kv kv) {
     return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* 16 elements of a cached row from I on (I % 16 == 0 for Q8_0), as floats. */
+/* 16 elements of a cached row from I (I % 16 == 0 for Q8_0), as floats. */
 QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv) {
     if (kv == OPS_KV_F32) return _mm512_loadu_ps((const float *)row + i);
     if (kv == OPS_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
@@ -7213,10 +7200,9 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
     return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(quant_rd16(b))));
 }
 
-/* Asks for the cache lines of elements I0..I1 (with their Q8_0 scales) of row P + OPS_ATTN_AHEAD: a
- * float key's whole row, or a value tile's part, so the values' requests spread over the pass, not
- * all with its first tile (README). Always inlined: gcc deems a function of prefetches alone
- * without effect and drops its calls. */
+/* Asks for the cache lines of elements I0..I1 (with Q8_0 scales) of row P + OPS_ATTN_AHEAD: a float
+ * key's whole row, or a value tile's part, spreading the values' requests over the pass (README).
+ * Always inlined: gcc drops calls of a function of prefetches alone, deeming it without effect. */
 QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
     const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv), *first, *last;
@@ -7242,7 +7228,7 @@ static void ops_scores_scalar(const float *const *q, int nq, const void *k, size
         }
 }
 
-/* The scores of HEADS (1..4; constant where inlined, so the 8 accumulators stay in registers) heads
+/* The scores of HEADS (1..4; constant where inlined: the 8 accumulators stay in registers) heads
  * from J0 against key row KR, into out[.][p]. */
 QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const void *kr, int p, int hd,
                                              float scale, float *const *out, enum ops_kv kv)
@@ -7332,14 +7318,14 @@ static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const 
 }
 
 /* ---- Q8_0 keys ----
- * Scores against Q8_0 keys: integer products. The query is quantised as a Q8 act (quant_act_q8: per
- * 32 elements fp16-rounded scale dq, quants' sum). A group of OPS_KV_GROUP key positions holds its
- * quants with positions in lanes, [STRIDE/4][16][4] bytes (dword r of vector m: position r's
- * elements 4m..4m+3 plus 128, vpdpbusd's unsigned operand), then its scales, [STRIDE/32][16] fp16:
- * the bytes of 16 rows. A score: acc = 0, then over blocks b in order acc = acc + (dk_b * dq_b) *
- * (float)isum_b, isum_b = Σ k q exact, then acc * SCALE: a position's operations a lane: every
- * level gives the scalar bits. One vpdpbusd adds 4 products of 16 positions, where float keys take
- * a multiply and add for 16; the quants a quarter of fp32's bytes. */
+ * Integer products. The query is quantised as a Q8 act (quant_act_q8: per 32 elements an
+ * fp16-rounded scale dq, the quants' sum). A group of OPS_KV_GROUP key positions holds its quants,
+ * positions in lanes, as [STRIDE/4][16][4] bytes (dword r of vector m: position r's elements
+ * 4m..4m+3 plus 128, vpdpbusd's unsigned operand), then its scales as [STRIDE/32][16] fp16: 16
+ * rows' bytes. A score: acc = 0; over blocks b in order acc = acc + (dk_b * dq_b) * (float)isum_b,
+ * isum_b = Σ k q exact; then acc * SCALE: a position's operations in a lane, the scalar bits at
+ * every level. One vpdpbusd adds 4 products of 16 positions (float keys: a multiply and add for
+ * 16), from a quarter of fp32's bytes. */
 
 /* Where a Q8_0 key group of STRIDE-element rows keeps position R's element I, block B's scale. */
 static inline size_t ops_kq8_quant(int i, int r) { return (size_t)(i / 4) * 4 * OPS_KV_GROUP + 4 * (size_t)r + (size_t)(i % 4); }
@@ -7389,9 +7375,9 @@ static float ops_score_q8_0(const uint8_t *g, size_t stride, int r, const struct
     return acc * scale;
 }
 
-/* The 16 positions of a group in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes into
- * saturating 16-bit pairs, so the key is signed again (k - 128, by the top bit) and the product
- * taken as |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
+/* A group's 16 positions in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes into
+ * saturating 16-bit pairs: the key made signed (k - 128, by the top bit), the product is taken as
+ * |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
 QUANT_AVX2_INLINE void ops_scores_q8_0_half_avx2(const uint8_t *g, size_t stride, int half, const struct quant_q8_view *a, int hd,
                                                  float scale, float *out)
 {
@@ -7467,8 +7453,8 @@ static QUANT_AVX512 void ops_scores_q8_0_avx512(const struct quant_q8_view *a, i
     else ops_scores_q8_0_rows_avx512(a, nq, k, stride, n, hd, scale, out);
 }
 
-/* NQ heads' queries Q quantised as activations into ACT (a head each), their views into A, for the
- * integer scores against Q8_0 keys; once a token, not once a split (README). */
+/* NQ heads' queries Q quantised as acts into ACT (a head each), views into A, for integer scores
+ * against Q8_0 keys; once a token, not a split (README). */
 #define OPS_KV_Q8_ACT (OPS_KV_MAX_HD + OPS_KV_MAX_HD / QUANT_QK * 12)
 static void ops_queries_q8_0(const float *const *q, int nq, int hd, uint8_t (*act)[OPS_KV_Q8_ACT], struct quant_q8_view *a)
 {
@@ -7478,7 +7464,7 @@ static void ops_queries_q8_0(const float *const *q, int nq, int hd, uint8_t (*ac
     }
 }
 
-/* The scores of NQ quantised queries A against N Q8_0 key rows K (ops_scores_q8_0). */
+/* NQ quantised queries A's scores against N Q8_0 key rows K (ops_scores_q8_0). */
 static void ops_scores_q8_0_of(const struct quant_q8_view *a, int nq, const uint8_t *k, size_t stride, int n, int hd, float scale,
                                float *const *out)
 {
@@ -7501,7 +7487,7 @@ static void ops_scores_q8_0(const float *const *q, int nq, const uint8_t *k, siz
     ops_scores_q8_0_of(a, nq, k, stride, n, hd, scale, out);
 }
 
-/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K in format KV, STRIDE apart. */
+/* NQ (1..OPS_ATTN_HEADS) heads' scores against the same key rows K, format KV, STRIDE apart. */
 static void ops_scores(const float *const *q, int nq, const void *k, size_t stride, int n, int hd, float scale,
                        float *const *out, enum ops_kv kv)
 {
@@ -7519,8 +7505,8 @@ static void ops_attend_scalar(const float *const *w, int nq, const void *v, size
 }
 
 /* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, accumulators
- * in registers (o in memory: a load and store a row). WT holds the rows' weights head by head, row
- * p's at wt[HEADS * (p - p0)]: one base pointer. 32 dims are a Q8_0 block: a scale a row. */
+ * in registers, o in memory (a load and store a row). WT: rows' weights head by head, row p's at
+ * wt[HEADS * (p - p0)] (one base pointer). 32 dims: a Q8_0 block, one scale a row. */
 QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, const void *v, size_t stride, int p0, int p1,
                                                 int i0, float *const *o, enum ops_kv kv)
 {
@@ -7556,7 +7542,7 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, cons
         for (int r = 0; r < 2; r++) _mm512_storeu_ps(o[j] + i0 + 16 * r, acc[j][r]);
 }
 
-/* The tiles over every chunk of rows, HEADS (4 or 8) heads and dims of a multiple of 32. */
+/* The tiles over every chunk of rows, HEADS (4 or 8) heads, dims a multiple of 32. */
 QUANT_AVX512_INLINE void ops_attend_tiles_avx512(const float *const *w, int heads, const void *v, size_t stride, int n, int hd,
                                                  float *const *o, enum ops_kv kv)
 {
@@ -7652,8 +7638,7 @@ static QUANT_AVX2 void ops_attend_avx2(const float *const *w, int nq, const void
     else ops_attend_rows_avx2(w, nq, v, stride, n, hd, o, OPS_KV_F32);
 }
 
-/* o_j += Σ_p w_j[p] * v_p for NQ heads (1..OPS_ATTN_HEADS) over the same value rows V (format KV,
- * STRIDE apart). */
+/* o_j += Σ_p w_j[p] v_p, NQ (1..OPS_ATTN_HEADS) heads over shared rows V (format KV, STRIDE apart). */
 static void ops_attend(const float *const *w, int nq, const void *v, size_t stride, int n, int hd, float *const *o, enum ops_kv kv)
 {
     if (quant_level >= QUANT_LEVEL_AVX512) ops_attend_avx512(w, nq, v, stride, n, hd, o, kv);
@@ -7661,8 +7646,8 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
     else ops_attend_scalar(w, nq, v, stride, n, hd, o, kv);
 }
 
-/* o[i] = fma(wc, oc[i], wo * o[i]) for N values, the same bits at every level (fmaf is a
- * library call where the compiler may not assume FMA: README). The SIMD levels return how many they did. */
+/* o[i] = fma(wc, oc[i], wo * o[i]) for N values, the same bits at every level (fmaf is a library
+ * call where the compiler may not assume FMA: README). SIMD levels return how many done. */
 static QUANT_AVX512 int ops_blend_avx512(float *o, const float *oc, float wo, float wc, int n)
 {
     int i = 0;
@@ -7686,12 +7671,11 @@ static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
     for (; i < n; i++) o[i] = fmaf(wc, oc[i], wo * o[i]);
 }
 
-/* Folds a split's outputs OC (HD floats a head of NQ: its rows' values weighed by their own
- * softmax), its largest scores MAX_C and sums SUM_C of e^(s - MAX_C), into O, the earlier splits
- * merged, with largest scores MAX and sums SUM: per head, each side's share of the new sum (its sum
- * times e^(its max - new max), in double) as a float weight, then o = fma(wc, oc, wo * o) element
- * by element. The first split is O as is, so a one-split context gives the bits of one softmax over
- * all its rows. The 2 NQ exponentials go in one call (ops_exp_shifted). */
+/* Folds a split's outputs OC (HD floats a head of NQ: its rows' values weighed by its softmax),
+ * largest scores MAX_C and sums SUM_C of e^(s - MAX_C) into O, MAX and SUM (the earlier splits
+ * merged): per head, each side's share of the new sum (its sum times e^(its max - new max), in
+ * double) as a float weight, then o = fma(wc, oc, wo * o) per element. The first split is O as is:
+ * one split gives one softmax's bits. The 2 NQ exponentials go in one call (ops_exp_shifted). */
 static void ops_attn_merge(float *const *o, float *max, double *sum, float *const *oc, const float *max_c, const double *sum_c, int nq,
                            int hd)
 {
@@ -7709,9 +7693,9 @@ static void ops_attn_merge(float *const *o, float *max, double *sum, float *cons
     }
 }
 
-/* Split P0.. (ROWS rows) of NQ heads' attention over one KV head's VALUES (rows of HD elements in
- * format KV) from its scores W (ROWS floats a head): their softmax (max and sum into MAX and SUM, a
- * head each), then the values into OC (HD floats a head). */
+/* Split P0.. (ROWS rows) of NQ heads' attention over one KV head's VALUES (rows of HD elements,
+ * format KV) from scores W (ROWS floats a head): softmax (max and sum into MAX and SUM, a head
+ * each), then values into OC (HD floats a head). */
 static void ops_attention_values(float *const *w, int nq, const uint8_t *values, int p0, int rows, int hd, float *const *oc, float *max,
                                  double *sum, enum ops_kv kv)
 {
@@ -7722,8 +7706,8 @@ static void ops_attention_values(float *const *w, int nq, const uint8_t *values,
     ops_attend((const float *const *)w, nq, values + (size_t)p0 * ops_kv_row_bytes((size_t)hd, kv), (size_t)hd, rows, hd, oc, kv);
 }
 
-/* The scores times SCALE of NQ heads' queries (Q; QA: them quantised, for a Q8_0 cache) against N
- * key rows KEYS into W (N floats a head). */
+/* NQ heads' queries Q (QA: quantised, for a Q8_0 cache) against N key rows KEYS, scores times SCALE
+ * into W (N floats a head). */
 static void ops_attention_scores(const float *const *q, const struct quant_q8_view *qa, int nq, const uint8_t *keys, int n, int hd,
                                  float scale, float *const *w, enum ops_kv kv)
 {
@@ -7732,10 +7716,10 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
 }
 
 /* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O) over the first N rows of one KV
- * head's KEYS and VALUES (rows of HD elements in format KV): all N rows' scores, then split by
- * split their softmax and values (ops_attention_values), each merged into O in order
- * (ops_attn_merge). SC: scratch of N + HD floats a head (the scores, then a split's output). Scores
- * go in one pass, not split by split: same bits, key rows streaming unbroken (README). */
+ * head's KEYS and VALUES (rows of HD elements, format KV): all N scores, then per split its softmax
+ * and values (ops_attention_values), merged into O in order (ops_attn_merge). SC: scratch of N + HD
+ * floats a head (scores, then a split's output). Scores in one pass, not per split: same bits, key
+ * rows streamed unbroken (README). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
@@ -7754,15 +7738,14 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
 }
 
 /* ---- the gated delta rule ----
- * One token for one v-head (architecture §5.3): for each state row j, decay it, predict v_j from k,
- * write the scaled error back, read o_j with q; each dot a serial sum over the dk elements. S is
- * stored i-major ([dk][dv]: element (j, i) at i * dv + j), so a vector holds the same element of 16
- * rows and the SIMD levels run 16 rows' serial sums side by side: the scalar rows' operations in
- * order: the same bits.
- * A batch's tokens of a sequence go through one call: token t's second pass (write, read with q)
- * and token t + 1's first (decay, predict) are one pass over the state, each element's operations
- * and each row's sums as token by token, so a prompt reads and writes the state once a token, not
- * twice (README, Prompts). */
+ * One token for one v-head (architecture §5.3): per state row j, decay it, predict v_j from k,
+ * write the scaled error back, read o_j with q; each dot a serial sum over dk elements. S is
+ * i-major ([dk][dv]: element (j, i) at i * dv + j): a vector holds one element of 16 rows; SIMD
+ * levels run 16 rows' serial sums side by side in scalar order: the same bits.
+ * One call takes a batch's tokens of a sequence: a token's second pass (write, read with q) and the
+ * next's first (decay, predict) are one pass over the state, each element's operations and row's
+ * sums as token by token: a prompt reads and writes the state once a token, not twice (README,
+ * Prompts). */
 
 /* A sequence's N tokens for one head: token t's q, k and v at Q, K, V + t * STRIDE, its beta and
  * decay, output at OUT + t * OUT_STRIDE. */
@@ -7774,14 +7757,14 @@ struct ops_delta_tokens {
 };
 
 /* Asks for the lines of the N floats at P. Always inlined: gcc drops calls of a function of
- * prefetches alone (README, as for ops_kv_prefetch). */
+ * prefetches alone (README, as ops_kv_prefetch). */
 QUANT_SHARED_INLINE void ops_prefetch_floats(const float *p, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
 }
 
-/* Asks for token U's q, k (DK each), v and out (J0..J0 + W): rows a conv row apart, which no
- * hardware prefetcher follows (README: the rule in the model). */
+/* Asks for token U's q, k (DK each), v and out (J0..J0 + W): rows a conv row apart, beyond hardware
+ * prefetchers (README: the rule in the model). */
 QUANT_SHARED_INLINE void ops_delta_prefetch(const struct ops_delta_tokens *a, int u, int dk, int j0, int w)
 {
     ops_prefetch_floats(a->q + u * a->stride, dk);
@@ -7821,8 +7804,8 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
 
 #define OPS_DELTA_AHEAD 2 /* tokens ahead the rule, the conv and the gated norms ask for rows */
 
-/* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined),
- * in GCC's vector types (a float operand is broadcast): the scalar rows' operations in order. */
+/* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined), in
+ * GCC's vector types (float operands broadcast): the scalar rows' operations in order. */
 #define OPS_DELTA_ROWS(name, attr, vec, W) \
     attr void name(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a) \
     { \
@@ -12221,10 +12204,10 @@ static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next
 
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
-/* Tokens per forward call. A prompt batch reads each routed expert it routes to once; at 8 of 256
+/* Tokens per forward call. A prompt batch reads each routed expert it routes to once: at 8 of 256
  * experts a token, nearly all (18 GB on the 35B-A3B). 512 gives an expert 16 tokens on average,
- * where tiles beat 8; the trunk's products take columns 256 at a time (OPS_COLUMN_BLOCK) to keep
- * the acts in L2. Scratch and figures: README, Benchmarks. */
+ * where tiles beat 8; trunk products take 256 columns at a time (OPS_COLUMN_BLOCK), acts kept in
+ * L2. Scratch, figures: README, Benchmarks. */
 #define MODEL_BATCH 512
 #define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
 #define MODEL_MAX_DIM (1 << 20)
@@ -12259,8 +12242,7 @@ struct model_layer {
     struct ops_matrix wbeta, walpha; /* [nv][dim] (qwen35*) */
     struct ops_matrix wba;     /* [2*nv][dim] (qwen3next): per k-head group [b.. | a..] */
     const float *conv;         /* [conv_dim][conv_kernel] */
-    float *conv_taps;          /* the same [conv_kernel][conv_dim], made at load (model_conv_taps): the
-                                * conv runs across channels */
+    float *conv_taps;          /* conv transposed, [conv_kernel][conv_dim], at load (model_conv_taps): the conv runs across channels */
     const float *dt_bias, *ssm_a; /* [nv]; ssm_a = -exp(A_log) */
     const float *ssm_norm;     /* [dv] shared by all heads, or [nv*dv] */
     int ssm_norm_per_head;
@@ -12276,42 +12258,39 @@ struct model_layer {
 };
 
 struct model_layer_state {
-    void *k_cache, *v_cache;  /* [n_kv_head][model_kv_rows][head_dim] in format m->kv, K after
-                               * norm and RoPE: a KV head's rows are one run of memory (its GQA
-                               * group reads only them: README) */
+    void *k_cache, *v_cache;  /* [n_kv_head][model_kv_rows][head_dim] in format m->kv, K after norm and RoPE: a KV
+                               * head's rows are one run of memory (its GQA group reads only them: README) */
     float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
     float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
-    int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's
-                               * dev_state), 0: none */
+    int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's dev_state), 0: none */
     int host_stale;           /* only that copy is: the CPU's is older (model_state_to_host) */
-    int host_rows, dev_rows;  /* attention: the KV rows current on the CPU and on that device (the
-                               * first so many; model_kv_to_host) */
+    int host_rows, dev_rows;  /* attention: KV rows current on the CPU and on that device (the first so many; model_kv_to_host) */
 };
 
 /* One sequence (a conversation): what the forward pass remembers of its tokens. Many may share a
- * model; each holds n_ctx tokens of context. */
+ * model; each holds n_ctx tokens. */
 struct model_seq {
     struct model_layer_state *state; /* [n_layers] */
     int pos;                         /* tokens already in the state */
-    cuda_ptr dev_state[CUDA_MAX_DEVICES]; /* every DeltaNet layer's state on a device where a chain ran
-                                           * it (§5), laid out as a checkpoint's; 0: none */
+    cuda_ptr dev_state[CUDA_MAX_DEVICES]; /* all DeltaNet layers' state on a device where a chain ran it (§5),
+                                           * as a checkpoint's; 0: none */
     cuda_ptr dev_kv[CUDA_MAX_DEVICES];    /* every attention layer's KV cache there, as the CPU's */
 };
 
-/* Layer IL's part in this pass's chains (model_chain_plan): DEV, the device of its rest's chain
- * (-1: none); MIXER, its mixer runs there too; SPLIT, some routed experts are the CPU's (its
- * routing came down midway: model_layer_rest); BLOCK and IDS, its addresses in that device's chain
- * buffer (BLOCK_OFF before upload). */
+/* Layer IL's part in the pass's chains (model_chain_plan): DEV, its rest's chain's device (-1:
+ * none); MIXER, its mixer runs there too; SPLIT, some routed experts on the CPU (its routing comes
+ * down midway: model_layer_rest); BLOCK, IDS: its addresses in that chain buffer (BLOCK_OFF till
+ * upload). */
 struct model_chain {
     int dev, mixer, split;
     size_t block_off;
     cuda_ptr block, ids;
 };
 
-/* The best logits of a run's last token, where the device found them (model_run.best):
- * MODEL_TOP of them in sample_before's order (id -1 past a vocabulary that short), laid out as
- * struct sample_candidate, whether every logit of the row was finite; where the run asked
- * (model_run.draw), the total of the row's weights and the token drawn there (else -1). */
+/* A run's last token's best logits, found on the device (model_run.best): MODEL_TOP in
+ * sample_before's order (id -1 past a vocabulary that short), as struct sample_candidate; whether
+ * the row's every logit was finite; where the run asked (model_run.draw), the row's weights' total
+ * and the token drawn there (else -1). */
 #define MODEL_TOP CUDA_TOP_K
 struct model_top {
     struct { int id; float logit; } best[MODEL_TOP];
@@ -12319,12 +12298,11 @@ struct model_top {
     double total;
 };
 
-/* A run of a forward batch: N tokens appended to SEQ; LOGITS receives those of its last
- * token ([n_vocab], valid until the next forward). Where every run of a decode step says TOP
- * (its caller reads no logit but the MODEL_TOP best, with the token DRAW draws or its nucleus's
- * total: sample_best_enough, sample_vocab_mode; all after PEN's penalties, where not NULL) and
- * the device makes the logits, BEST receives those instead and LOGITS is NULL: the row stays on
- * the device. */
+/* A run of a forward batch: N tokens appended to SEQ; LOGITS gets its last token's ([n_vocab],
+ * valid until the next forward). Where every run of a decode step says TOP (its caller reads only
+ * the MODEL_TOP best, the token DRAW draws or its nucleus's total: sample_best_enough,
+ * sample_vocab_mode; after PEN's penalties unless NULL) and the device makes the logits, BEST gets
+ * those and LOGITS is NULL: the row stays on the device. */
 struct model_run {
     struct model_seq *seq;
     const int *tokens;
@@ -12336,7 +12314,7 @@ struct model_run {
     const struct cuda_top_penalty *pen;
 };
 
-/* Scratch for one batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
+/* Scratch for a batch of up to MODEL_BATCH tokens; shapes use B = MODEL_BATCH. */
 struct model_scratch {
     float *x, *xn, *out;     /* [B][dim] residual stream, normed input, block output */
     float *qg;               /* [B][n_head * 2 * head_dim] */
@@ -12387,9 +12365,9 @@ struct model_scratch {
     int chain_first;            /* the first layer of the chain under way (its ids not yet down), or -1 */
 };
 
-/* Where the forward passes' time goes, for bench: seconds per phase, prompt and decode steps apart
- * (engine_step says which), summed since model load. model_phase_mark charges the time since the
- * last mark to a phase (~20 ns a mark, ~10 a layer); sampling is the engine's, after the pass. */
+/* Where forward passes' time goes, for bench: seconds per phase, prompt and decode steps apart
+ * (engine_step says which), summed since load. model_phase_mark charges the time since the last
+ * mark to a phase (~20 ns a mark, ~10 a layer); sampling is the engine's, after the pass. */
 enum model_phase { MODEL_PHASE_PRODUCTS, MODEL_PHASE_EXPERTS, MODEL_PHASE_DELTANET, MODEL_PHASE_ATTENTION,
                    MODEL_PHASE_ROUTING, MODEL_PHASE_OTHER, MODEL_PHASE_SAMPLING, MODEL_PHASE_COUNT };
 static const char *const model_phase_names[MODEL_PHASE_COUNT] = {"products", "experts", "deltanet", "attention",
@@ -12409,12 +12387,11 @@ struct model {
     const float *out_norm;            /* [dim] */
     struct ops_matrix lm_head;        /* [n_vocab][dim] */
     int n_ctx;                        /* tokens of context each sequence holds */
-    enum ops_kv kv;                   /* --kv: the KV cache's format (default f32, as the reference's
-                                       * goldens; f16 half the bytes, q8_0 about a quarter) */
+    enum ops_kv kv;                   /* --kv: KV cache format (default f32, as the reference's goldens; f16 half the
+                                       * bytes, q8_0 about a quarter) */
     struct model_scratch s;
     char error[640];                  /* why the last forward failed */
-    int lost;                         /* ... because a device failed with sequences' states on it: the
-                                       * caller feeds them again (model_seq_lost) */
+    int lost;                         /* ... a device failed with sequences' states: the caller refeeds them (model_seq_lost) */
     struct expert_store *experts;     /* routed experts (NULL for a dense model) */
     void *trunk;                      /* the trunk matrices' own copy (model_own_trunk), or NULL */
     size_t trunk_bytes;
@@ -12487,7 +12464,7 @@ static void model_read_config(struct model_config *c, const struct gguf_file *g)
 #define MODEL_FORMAT_ADVICE "the smallest formats coli reads are Q2_K, IQ3_XXS, IQ3_S and Q3_K_M (then " \
     "IQ4_XS, Q4_K_M): download the model in one of those"
 
-/* Dies, naming the format and what to download, on a tensor whose block format §3 lacks. */
+/* Dies on a tensor whose block format §3 lacks, naming the format and what to download. */
 static void model_check_format(const struct gguf_file *g, const struct gguf_tensor *t)
 {
     if (gguf_types[t->type].computes) return;
@@ -12495,13 +12472,13 @@ static void model_check_format(const struct gguf_file *g, const struct gguf_tens
         gguf_types[t->type].name, MODEL_FORMAT_ADVICE);
 }
 
-/* Tensor NAME, which must have exactly the given shape (outermost first); dies otherwise. */
+/* Tensor NAME of exactly the given shape (outermost first); dies otherwise. */
 static const struct gguf_tensor *model_tensor_get(const struct gguf_file *g, const char *name, int n_dims, const int64_t *shape)
 {
     const struct gguf_tensor *t = gguf_tensor_find(g, name);
     if (!t) die("%s: missing tensor '%s'", g->path, name);
     model_check_format(g, t);
-    /* an outer 1 is the same as no dimension: [1][dim] may be stored as [dim] */
+    /* an outer 1 equals no dimension: [1][dim] may be stored as [dim] */
     int td = t->n_dims;
     const int64_t *ts = t->shape;
     while (td > 1 && ts[0] == 1) { ts++; td--; }
@@ -12604,7 +12581,7 @@ static void model_bind_ffn(struct model_layer *l, const struct gguf_file *g, con
     l->shexp_down = model_matrix(g, model_name(nm, i, "ffn_down_shexp.weight"), c->dim, c->shexp_ff);
 }
 
-/* Binds every weight of the trunk; the file stays open (and mapped) in m->file. */
+/* Binds every trunk weight; the file stays open (and mapped) in m->file. */
 static void model_bind(struct model *m)
 {
     const struct gguf_file *g = &m->file;
@@ -12637,16 +12614,16 @@ static int64_t model_conv_dim(const struct model_config *c)
     return 2 * (int64_t)c->ssm_nk * c->ssm_dk + (int64_t)c->ssm_nv * c->ssm_dv;
 }
 
-/* Floats of one DeltaNet layer's recurrent state: its conv state, then its ssm state. */
+/* Floats of one DeltaNet layer's recurrent state: conv state, then ssm state. */
 static size_t model_recurrent_floats(const struct model_config *c)
 {
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
 }
 
-/* Bytes of a cached row (a KV head's head_dim values at a position) in the cache's format. */
+/* Bytes of a cached row (a KV head's head_dim values at a position) in cache format. */
 static size_t model_kv_row_bytes(const struct model *m) { return ops_kv_row_bytes((size_t)m->cfg.head_dim, m->kv); }
 
-/* N KV positions rounded up to whole OPS_KV_GROUP groups (Q8_0 keys are stored a group at once). */
+/* N KV positions rounded up to whole OPS_KV_GROUP groups (Q8_0 keys are stored by group). */
 static int64_t model_kv_whole_groups(int64_t n) { return (n + OPS_KV_GROUP - 1) / OPS_KV_GROUP * OPS_KV_GROUP; }
 
 /* Rows a KV head's cache holds: n_ctx in whole groups. */
@@ -12661,7 +12638,7 @@ static void model_check_kv(const struct model *m)
             QUANT_QK, OPS_KV_MAX_HD);
 }
 
-/* Bytes of KV cache one token of context takes (every attention layer). */
+/* Bytes of KV cache a token of context takes (every attention layer). */
 static int64_t model_kv_bytes_per_token(const struct model *m)
 {
     int64_t n = 0;
@@ -12680,14 +12657,14 @@ static int64_t model_recurrent_bytes(const struct model *m)
     return state;
 }
 
-/* Bytes one sequence takes at full context: its KV cache and its recurrent state. */
+/* Bytes one sequence takes at full context: KV cache and recurrent state. */
 static int64_t model_seq_bytes(const struct model *m)
 {
     return model_kv_bytes_per_token(m) * m->n_ctx + model_recurrent_bytes(m);
 }
 
 /* [a][b] floats of scratch; TOUCHED: faulted in now (plat_prefault), for buffers a batch writes
- * from its first token on, not those sized for a whole context or every run at once. */
+ * from its first token, not those sized for a whole context or every run. */
 static float *model_buf(int64_t a, int64_t b, int touched)
 {
     const size_t n = plat_mul_size(plat_mul_size((size_t)a, (size_t)b, "scratch"), sizeof(float), "scratch");
@@ -12696,11 +12673,11 @@ static float *model_buf(int64_t a, int64_t b, int touched)
     return p;
 }
 
-/* The rows of dim floats dev_out holds: a batch's device jobs' outputs, and what a layer's rest on
- * a device brings back (model_rest_device checks it fits). */
+/* Rows of dim floats in dev_out: a batch's device jobs' outputs, and what a layer's rest on a
+ * device brings back (model_rest_device checks it fits). */
 static size_t model_dev_out_rows(const struct model_config *c) { return (size_t)MODEL_BATCH * (size_t)(c->n_expert_used + 1); }
 
-/* Floats of a head's s->scores scratch: scores over the whole context, then the split's output. */
+/* Floats of a head's s->scores scratch: whole-context scores, then a split's output. */
 static size_t model_scores_floats(const struct model *m) { return (size_t)m->n_ctx + (size_t)m->cfg.head_dim; }
 
 static void model_alloc_scratch(struct model *m)
@@ -12777,12 +12754,12 @@ static void model_seq_init(const struct model *m, struct model_seq *q)
 }
 
 /* ---- a sequence's state on devices ----
- * Where a chain (§5) runs a layer's mixer on a device, each of its sequences' DeltaNet state or KV
- * cache lives there between passes; the CPU's copy is updated only where the CPU needs it: its own
- * pass over that layer, a checkpoint, a parked conversation. A device failing with the only current
- * copy loses it: the sequence is fed its tokens again (model_seq_lost, the engine's replay). */
+ * Where a chain (§5) runs a layer's mixer on a device, its sequences' DeltaNet state or KV cache
+ * lives there between passes; the CPU's copy is updated only when needed: the CPU's own pass over
+ * that layer, a checkpoint, a parked conversation. A device failing with the only current copy
+ * loses it: the sequence is refed (model_seq_lost, the engine's replay). */
 
-/* Layer IL's state's place in a sequence's state on a device, in floats: DeltaNet layers in order,
+/* Layer IL's place in a sequence's state on a device, in floats: DeltaNet layers in order,
  * model_recurrent_floats each, as a checkpoint. */
 static uint64_t model_state_off(const struct model *m, int il)
 {
@@ -12801,8 +12778,7 @@ static int model_state_copy(const struct model *m, struct model_seq *q, int il, 
            cuda_state_copy(dev, p + conv * sizeof(float), st->ssm_state, (per - conv) * sizeof(float), up) ? -1 : 0;
 }
 
-/* Makes the CPU's copy of layer IL's state of Q current: 0, or -1 if the device holding it
- * failed. */
+/* Makes the CPU's copy of layer IL's state of Q current: 0, or -1 if the device holding it failed. */
 static int model_state_to_host(const struct model *m, struct model_seq *q, int il)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12812,8 +12788,8 @@ static int model_state_to_host(const struct model *m, struct model_seq *q, int i
     return 0;
 }
 
-/* Makes device DEV's copy of layer IL's state of Q (its room there taken) current; the CPU's is
- * then stale, as the device is about to compute it. 0, or -1 where a device failed. */
+/* Makes device DEV's copy of layer IL's state of Q (its room there taken) current; the CPU's goes
+ * stale, the device about to compute it. 0, or -1 where a device failed. */
 static int model_state_to_device(const struct model *m, struct model_seq *q, int il, int dev)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12840,8 +12816,8 @@ static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il
     const cuda_ptr base = q->dev_kv[dev] + model_kv_off(m, il);
     uint8_t *cache[2] = {q->state[il].k_cache, q->state[il].v_cache};
     for (size_t c = 0; c < 2 && r1 > r0; c++) {
-        /* Q8_0 keys: whole groups, whose bytes mix their rows (ops_kv_store); the rows of a group
-         * below R0 are the same on both sides, those from R1 on not yet read by either */
+        /* Q8_0 keys: whole groups, whose bytes mix their rows (ops_kv_store); a group's rows below R0
+         * are the same on both sides, those from R1 on not yet read by either */
         const int grouped = c == 0 && m->kv == OPS_KV_Q8_0;
         const size_t a = grouped ? (size_t)(r0 / OPS_KV_GROUP * OPS_KV_GROUP) : (size_t)r0;
         const size_t b = grouped ? (size_t)model_kv_whole_groups(r1) : (size_t)r1;
@@ -12852,8 +12828,8 @@ static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il
     return 0;
 }
 
-/* Makes the CPU's KV rows of attention layer IL of Q current up to row POS (rows a device holds
- * newer come down). 0, or -1 if that device failed. */
+/* Makes the CPU's KV rows of attention layer IL of Q current up to row POS (rows newer on a device
+ * come down). 0, or -1 if that device failed. */
 static int model_kv_to_host(const struct model *m, struct model_seq *q, int il, int pos)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12876,8 +12852,7 @@ static int model_kv_to_device(const struct model *m, struct model_seq *q, int il
     return 0;
 }
 
-/* Makes the CPU's copy of everything in Q current (a conversation parked in RAM). 0, or -1 where a
- * device holding some of it failed. */
+/* Makes all of Q's CPU copy current (to park it in RAM); 0, or -1 if a device holding some failed. */
 static int model_seq_to_host(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++)
@@ -12885,8 +12860,8 @@ static int model_seq_to_host(const struct model *m, struct model_seq *q)
     return 0;
 }
 
-/* Q's CPU copy was just written (reset, a checkpoint restored, Q's position set): the devices'
- * DeltaNet states are outdated, and every KV row from the position on. */
+/* Q's CPU copy was just written (reset, checkpoint restored, position set): the devices' DeltaNet
+ * states are outdated, and every KV row from the position on. */
 static void model_states_written(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++) {
@@ -12897,7 +12872,7 @@ static void model_states_written(const struct model *m, struct model_seq *q)
     }
 }
 
-/* Whether Q's state was lost with a device that failed (only its copy was current). */
+/* Whether Q's state was lost with a failed device (only its copy was current). */
 static int model_seq_lost(const struct model *m, const struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers && !cuda.ready; i++)
@@ -12906,7 +12881,7 @@ static int model_seq_lost(const struct model *m, const struct model_seq *q)
     return 0;
 }
 
-/* Forgets the conversation: position 0, zero state (the KV cache past pos is never read). */
+/* Forgets the conversation: position 0, zero state (KV cache past pos is never read). */
 static void model_seq_reset(const struct model *m, struct model_seq *q)
 {
     const struct model_config *c = &m->cfg;
@@ -12938,7 +12913,7 @@ static void model_seq_free(const struct model *m, struct model_seq *q)
 }
 
 /* The message for a fault on the mapping: the file shrank or the disk failed under it. A signal
- * handler may only write(2), so the line is made at model load. */
+ * handler may only write(2): the line is made at load. */
 static char model_sigbus_line[1100];
 
 static void model_on_sigbus(int sig)
@@ -12961,8 +12936,8 @@ static int model_part_of(const struct model *m, const uint8_t *p, off_t *offset)
 }
 
 /* Identifies a heat file's model: the expert geometry and where the experts lie, and the first 4
- * KiB of every router (trunk bytes, read every token anyway). Two files with the same routers route
- * alike, so their heat is interchangeable. */
+ * KiB of every router (trunk bytes, read every token anyway). Files with the same routers route
+ * alike: their heat is interchangeable. */
 static uint64_t model_fingerprint(const struct model *m)
 {
     const struct model_config *c = &m->cfg;
@@ -13010,8 +12985,8 @@ static void model_store_experts(struct model *m, const struct expert_config *cfg
     free(t);
 }
 
-/* Every dense trunk matrix of the model, with its placement component and layer, in layer order: an
- * allocated list ended by an item with m NULL. */
+/* Every dense trunk matrix, with its placement component and layer, in layer order: an allocated
+ * list ended by an item with m NULL. */
 static struct place_item *model_trunk_items(struct model *m)
 {
     struct place_item *it = plat_alloc((size_t)(m->cfg.n_layers * 18 + 2) * sizeof *it);
@@ -13033,9 +13008,9 @@ static struct place_item *model_trunk_items(struct model *m)
     return it;
 }
 
-/* Bytes a decoded token reads: every dense trunk matrix (*TRUNK); per MoE layer, n_expert_used
- * routed experts of the layer's size (*EXPERTS; the embedding's one row left out); the sequence's
- * state (*STATE): every DeltaNet layer's and CTX positions' KV rows (write-back uncounted). */
+/* Bytes a decoded token reads: each dense trunk matrix (*TRUNK); per MoE layer, n_expert_used
+ * routed experts of its size (*EXPERTS; the embedding's one row left out); the state (*STATE):
+ * every DeltaNet layer's, and CTX positions' KV rows (write-back uncounted). */
 static double model_decode_bytes(struct model *m, double ctx, double *trunk, double *experts, double *state)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13047,12 +13022,11 @@ static double model_decode_bytes(struct model *m, double ctx, double *trunk, dou
     return *trunk + *experts + *state;
 }
 
-/* Copies the dense trunk matrices staying on the CPU (on no device) from the mapping into one
- * anonymous arena to compute from; the process drops the file's pages (the page cache keeps them
- * for the next start, dropping them first when memory is short). Why: anonymous memory streams
- * faster than the page cache (README, Models larger than memory). The routed experts are §6's
- * (expert_own copies them where memory allows: model_copies). A matrix with an interleaved form
- * (quant_interleave_ok) is copied in it. */
+/* Copies the dense trunk matrices staying on the CPU from the mapping into one anonymous arena to
+ * compute from, and drops the file's pages (the page cache keeps them for the next start, dropping
+ * them first when memory is short): anonymous memory streams faster than the page cache (README,
+ * Models larger than memory). Routed experts are §6's (expert_own copies them where memory allows:
+ * model_copies). Matrices with an interleaved form (quant_interleave_ok) are copied in it. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13087,12 +13061,12 @@ static void model_own_trunk(struct model *m)
     free(it);
 }
 
-/* The RAM the routed experts may take, and how it was reckoned. */
+/* RAM the routed experts may take, and how it was reckoned. */
 struct model_budget { int64_t budget, avail, trunk, kv, state, reserve, margin; };
 
-/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 gives back what it
- * places), the KV cache at full context and N_SEQS sequences' recurrent state, RESERVE bytes (the
- * server's prompt cache), less 1/16 plus 256 MiB (scratch, thread stacks, the allocator). */
+/* RAM bytes, or (RAM < 0) what memory leaves after the trunk (all of it: §7 returns what it
+ * places), the full-context KV cache, N_SEQS sequences' recurrent state and RESERVE bytes (the
+ * server's prompt cache), less 1/16 and 256 MiB (scratch, thread stacks, allocator). */
 static struct model_budget model_expert_budget(const struct model *m, int n_seqs, int64_t reserve, int64_t ram)
 {
     uint64_t trunk = m->file.tensor_bytes - model_expert_bytes(m);
@@ -13104,11 +13078,11 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
     return b;
 }
 
-/* The context to use: the request, else the model's length capped so the KV cache takes at most
- * half the memory still available, or an eighth when the weights and that cache do not fit together
- * (the rest is the expert cache's, §6); but where the weights fit with room for MODEL_MIN_CTX
- * tokens beside them, no more than that room, so every routed expert stays in memory rather than a
- * mostly unused context pushing some to disk (README: the 35B-A3B geometry on a 24 GB machine). */
+/* The context: the request, else the model's length capped so the KV cache takes at most half the
+ * memory available, or an eighth when weights and that cache do not fit together (the rest is the
+ * expert cache's, §6); but where the weights fit with room for MODEL_MIN_CTX tokens, at most that
+ * room: every routed expert stays in memory rather than a mostly unused context pushing some to
+ * disk (README: the 35B-A3B on a 24 GB machine). */
 #define MODEL_MIN_CTX 4096
 
 static int model_choose_ctx(const struct model *m, int request)
@@ -13140,7 +13114,7 @@ static void model_conv_taps(struct model *m)
 }
 
 /* Opens PATH, reads the configuration, binds the weights, allocates state for N_CTX tokens (0:
- * choose), its KV cache in format KV. Routed experts are read in place till model_place_weights. */
+ * choose), its KV cache in format KV. Experts are read in place till model_place_weights. */
 static void model_load(struct model *m, const char *path, int n_ctx, enum ops_kv kv)
 {
     memset(m, 0, sizeof *m);
@@ -13201,7 +13175,7 @@ static void model_phase_mark(struct model *m, enum model_phase phase)
     m->profile.idle_mark = ops_idle_seconds;
 }
 
-/* Row POS of KV head H in CACHE (KEYS: the key cache): the floats at SRC in format m->kv. */
+/* Row POS of KV head H in CACHE (KEYS: key cache): the floats at SRC in format m->kv. */
 static void model_kv_store(const struct model *m, void *cache, int h, int pos, const float *src, int keys)
 {
     const size_t hd = (size_t)m->cfg.head_dim;
@@ -13215,10 +13189,10 @@ static const uint8_t *model_kv_head(const struct model *m, const struct model_la
 }
 
 /* Attention where a batch has fewer head groups than threads (mostly decode): a task per split of
- * each group of SHARE heads of each token (ops_attention_scores, ops_attention_values: the group's
- * heads read its rows once), records in s->splits, then each head's splits merged in order and
- * gated, a head a task: ops_attention's bits. 0 (nothing done) where no context spans two splits,
- * or the records would pass MODEL_SPREAD_BYTES (a long prompt). */
+ * each group of SHARE heads of each token (ops_attention_scores, ops_attention_values: a group's
+ * heads read its rows once), records in s->splits; then a task per head merges its splits in order
+ * and gates: ops_attention's bits. 0 (nothing done) if no context spans two splits or records would
+ * pass MODEL_SPREAD_BYTES (a long prompt). */
 #define MODEL_SPREAD_BYTES ((size_t)64 << 20)
 
 static int model_attention_spread(struct model *m, int il, int T, int share, float scale)
@@ -13273,8 +13247,8 @@ static int model_attention_spread(struct model *m, int il, int T, int share, flo
     return 1;
 }
 
-/* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with its gate, k,
- * v; DeltaNet: qkv, z, beta and alpha, fused in qwen3next); returns how many. */
+/* Layer IL's mixer input projections over xn for T tokens into JOBS (attention: q with gate, k, v;
+ * DeltaNet: qkv, z, beta and alpha, fused in qwen3next); how many. */
 static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs)
 {
     const struct model_layer *l = &m->layers[il];
@@ -13297,7 +13271,7 @@ static int model_mixer_jobs(struct model *m, int il, int T, struct ops_job *jobs
 }
 
 /* Gated attention (§4) for a batch's T tokens, each at its place in its sequence's KV cache
- * (tok_seq, tok_pos), from its projections (qg, k, v: model_mixer_jobs); returns the output
+ * (tok_seq, tok_pos), from projections (qg, k, v: model_mixer_jobs); returns the output
  * projection's rows (attn). */
 static const float *model_attention(struct model *m, int il, int T)
 {
@@ -13307,8 +13281,8 @@ static const float *model_attention(struct model *m, int il, int T)
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
 
-    /* per-head q/k RMSNorm, then partial RoPE; K and V to the cache (a token a task: its own rows,
-     * its own position in its sequence's cache) */
+    /* per-head q/k RMSNorm, then partial RoPE; K and V to the cache (a token a task: its own rows
+     * and position in its sequence's cache) */
     #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
         float *cs = s->rope + (size_t)t * c->rope_dims;
@@ -13329,11 +13303,10 @@ static const float *model_attention(struct model *m, int il, int T)
     }
 
     /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output gate.
-     * A task: SHARE heads of one group over all the batch's tokens, reading each cached row once
-     * between them. With fewer tasks than threads, each split of a group is a task
-     * (model_attention_spread: decode, or a batch whose records stay small); else, or where no
-     * context spans two splits, SHARE halves while tasks are fewer than threads. Bits depend on
-     * neither. */
+     * A task: SHARE heads of a group over the batch's tokens, reading each cached row once between
+     * them. With fewer tasks than threads, a task per split of a group (model_attention_spread:
+     * decode, or a batch with small records); else, or if no context spans two splits, SHARE halves
+     * while tasks are fewer than threads. Bits change with neither. */
     int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
     if (nh / share < plat_threads() && model_attention_spread(m, il, T, share, scale)) {
         model_phase_mark(m, MODEL_PHASE_ATTENTION);
@@ -13360,11 +13333,10 @@ static const float *model_attention(struct model *m, int il, int T)
     return s->attn;
 }
 
-/* Depthwise causal conv over channels C0..C1 (at most MODEL_CONV_BLOCK) of one token, in place
- * (§5.3): each channel's sum from 0 over its taps, oldest first, then its input. The state keeps
- * the last conv_kernel-1 raw inputs; state and taps are tap-major, so each loop runs across
- * channels in vector lanes (omp simd: gcc -O2 left them scalar), as wide as the level's function it
- * is inlined into allows, each channel's sum keeping its order. */
+/* Depthwise causal conv over channels C0..C1 (<= MODEL_CONV_BLOCK) of one token, in place (§5.3):
+ * each channel's sum from 0 over its taps, oldest first, then its input. The state: the last
+ * conv_kernel-1 raw inputs; state and taps are tap-major: each loop runs across channels in vector
+ * lanes (omp simd: gcc -O2 left them scalar), as wide as the level allows, each sum in order. */
 #define MODEL_CONV_BLOCK 256
 
 static inline __attribute__((always_inline)) void model_conv_lanes(const float *taps, float *state, float *x, int64_t n, int K, int w)
@@ -13410,9 +13382,8 @@ static void model_conv_step(const struct model_config *c, const float *taps, flo
 }
 
 /* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for a batch's T tokens in order (a
- * sequence's tokens follow one another through its state), each token's channels then through SiLU,
- * the L2 norm of each q and k head among them, and q's scale. C0..C1 holds whole heads: a task
- * needs no other's channels. */
+ * sequence's tokens follow one another through its state), then SiLU, the L2 norm of each q and k
+ * head among them, and q's scale. C0..C1 holds whole heads: a task needs no other's channels. */
 static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t c1)
 {
     const struct model_config *c = &m->cfg;
@@ -13430,8 +13401,8 @@ static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t 
     }
 }
 
-/* qwen3next's fused beta and alpha logits (ba), stored per k-head group as [b x r | a x r]
- * (§5.2), into beta and alpha per v-head in natural order (qwen35* projects them apart). */
+/* qwen3next's fused beta and alpha logits (ba), per k-head group [b x r | a x r] (§5.2), into beta
+ * and alpha per v-head in natural order (qwen35* projects them apart). */
 static void model_split_ba(struct model *m, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13446,7 +13417,7 @@ static void model_split_ba(struct model *m, int T)
 }
 
 /* Gated DeltaNet (§5) for a batch's T tokens, one by one through their sequences' recurrent states,
- * from its projections (mixed, z, beta and alpha or ba: model_mixer_jobs); returns the output
+ * from projections (mixed, z, beta and alpha or ba: model_mixer_jobs); returns the output
  * projection's rows (core). */
 static const float *model_gated_deltanet(struct model *m, int il, int T)
 {
@@ -13458,14 +13429,14 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
 
     if (c->arch == MODEL_ARCH_QWEN3NEXT) model_split_ba(m, T);
 
-    /* The conv, SiLU, norms and scale in tasks of whole heads across threads, round robin so each
-     * thread has q/k heads (normed) and v channels (not). */
+    /* The conv, SiLU, norms and scale in tasks of whole heads, round robin so each thread has q/k
+     * heads (normed) and v channels (not). */
     const int64_t task = c->ssm_dk * (MODEL_CONV_BLOCK > c->ssm_dk ? MODEL_CONV_BLOCK / c->ssm_dk : 1);
     #pragma omp parallel for schedule(static, 1)
     for (int64_t c0 = 0; c0 < conv_dim; c0 += task) model_conv_task(m, il, T, c0, conv_dim - c0 < task ? conv_dim : c0 + task);
     /* Head by head, each over the batch's tokens in order: a head's state (dk x dv floats, 64 KiB
-     * on the 35B) stays in this thread's cache for the whole batch, which pays one parallel region,
-     * not one a token. Each (token, head) does what it did alone. */
+     * on the 35B) stays in this thread's cache all batch, one parallel region, not one a token.
+     * Each (token, head) does what it did alone. */
     #pragma omp parallel for schedule(static)
     for (int h = 0; h < nv; h++) {
         const int g = c->vhead_tiled ? h % nk : h / r;
@@ -13543,8 +13514,8 @@ static void model_route(struct model *m, const struct model_layer *l, int T)
     model_select_experts(m, T);
 }
 
-/* Tells the store which experts layer IL routed its T tokens to (s->top), so that it reads
- * the missing ones while the shared expert runs. */
+/* Tells the store which experts layer IL routed its T tokens to (s->top), so it reads the missing
+ * ones while the shared expert runs. */
 static void model_want_experts(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13558,7 +13529,7 @@ static void model_want_experts(struct model *m, int il, int T)
 }
 
 /* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on; returns how
- * many. model_gather_rows copies their tokens. */
+ * many. model_gather_rows copies the tokens. */
 static int model_gather_tokens(struct model *m, int e, int T, int first)
 {
     struct model_scratch *s = &m->s;
@@ -13588,12 +13559,12 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
     for (int r = 0; r < n; r++) memcpy(s->ex_out + (size_t)s->slot_of[r] * dim, src + r * dim, dim * sizeof(float));
 }
 
-/* The routed experts the CPU computes for T tokens when the store hands them out in place (a
- * pointer stays valid after the next expert_next): each expert's tokens are gathered into ex_in,
- * then up to OPS_MAX_JOBS / 2 experts at a time run as two product batches, gates and ups, then
- * downs: a few parallel regions a layer, not two per expert. Each output is bit-identical to the
- * expert's own ops_matmat; it stays in ex_y, its row there in ex_src[assignment] (not copied:
- * README), or with TO_EX_OUT is copied to ex_out[assignment]. */
+/* Routed experts on the CPU for T tokens when the store hands them out in place (a pointer stays
+ * valid after the next expert_next): each expert's tokens gathered into ex_in, then up to
+ * OPS_MAX_JOBS / 2 experts at a time as two product batches (gates and ups, then downs): a few
+ * parallel regions a layer, not two per expert. Each output, bit-identical to the expert's own
+ * ops_matmat, stays in ex_y (row in ex_src[assignment]; not copied: README) or with TO_EX_OUT goes
+ * to ex_out[assignment]. */
 static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 {
     const struct model_config *c = &m->cfg;
@@ -13605,8 +13576,8 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
     for (int e = 0; e >= 0;) {
         if ((e = expert_next(m->experts, w)) >= 0) {
             int first = rows, count = model_gather_tokens(m, e, T, first);
-            /* an expert of one token reads that token's row in place: experts of the same token
-             * then share one prepared activation (decode: one for the layer's gates and ups, not 8) */
+            /* an expert of one token reads its row in place: experts of the same token then share
+             * one prepared act (decode: one for the layer's gates and ups, not 8) */
             const float *x = count == 1 ? s->xn + (size_t)(s->slot_of[first] / c->n_expert_used) * dim : s->ex_in + first * dim;
             float *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
             up[2 * n] = (struct ops_job){w[0], x, g, count};
@@ -13628,9 +13599,9 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 }
 
 /* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over the
- * tokens that chose it, its output landing where ex_src[t * used + k] says (ex_out's row unless
- * model_routed_experts_mapped keeps it; always there with TO_EX_OUT). The store hands experts out
- * as their bytes arrive; each output has its own place, so the order changes no sum. */
+ * tokens that chose it, its output where ex_src[t * used + k] says (ex_out's row unless
+ * model_routed_experts_mapped keeps it; always there with TO_EX_OUT). Experts come as their bytes
+ * arrive; each output has its own place, so the order changes no sum. */
 static void model_routed_experts(struct model *m, int T, int to_ex_out)
 {
     struct model_scratch *s = &m->s;
@@ -13661,10 +13632,10 @@ static int model_shexp_on(const struct model *m, int il, int dev, struct cuda_ex
     return 1;
 }
 
-/* The device whose expert batch also runs layer IL's shared expert, its three matrices there in *E:
- * the one holding them, where they have the routed experts' shape (the batch's activations and
- * kernels then serve it too); -1 where none does, and the shared expert runs as products. In the
- * batch it costs no download or launch of its own: 5 driver calls and one wait fewer a layer. */
+/* The device whose expert batch also runs layer IL's shared expert (its three matrices there in
+ * *E): the one holding them, where they have the routed experts' shape (so the batch's acts and
+ * kernels serve it); -1 where none does: it runs as products. In the batch it costs no download or
+ * launch of its own: 5 driver calls and one wait fewer a layer. */
 static int model_shexp_device(const struct model *m, int il, struct cuda_expert *e)
 {
     struct cuda_moe_shape sh, shs;
@@ -13674,9 +13645,8 @@ static int model_shexp_device(const struct model *m, int il, struct cuda_expert 
     return g->dev;
 }
 
-/* Queues on each device layer IL's jobs (token, expert) whose expert is resident there (the store
- * listed them in on_device), and on device SHD (-1: none) each token's shared expert SH, to run
- * while the CPU computes the other experts. */
+/* Queues layer IL's jobs (token, expert) on the device holding each expert (the store's on_device),
+ * and on device SHD (-1: none) each token's shared expert SH, to run while the CPU does the rest. */
 static void model_experts_device_start(struct model *m, int il, int T, int shd, struct cuda_expert sh_e)
 {
     const struct model_config *c = &m->cfg;
@@ -13709,15 +13679,15 @@ static void model_experts_device_start(struct model *m, int il, int T, int shd, 
     }
 }
 
-/* Where job J's output goes: its assignment's ex_out row, or its token's sh_out row. */
+/* Where job J's output goes: its assignment's ex_out row or its token's sh_out row. */
 static float *model_device_job_out(struct model_scratch *s, int j, size_t dim)
 {
     int slot = s->dev_slot[j];
     return slot >= 0 ? s->ex_out + (size_t)slot * dim : s->sh_out + (size_t)(-1 - slot) * dim;
 }
 
-/* Collects layer IL's device jobs into ex_out and sh_out; a failed device's jobs (the GPU path has
- * ended, §5 said why) are computed here on the CPU from the mapping, the same bits. */
+/* Collects layer IL's device jobs into ex_out and sh_out; a failed device's jobs (GPU path ended,
+ * §5 said why) are computed on the CPU from the mapping, same bits. */
 static void model_experts_device_finish(struct model *m, int il)
 {
     const struct model_config *c = &m->cfg;
@@ -13747,19 +13717,19 @@ static void model_experts_device_finish(struct model *m, int il)
 }
 
 /* Whether trunk matrix W is on a device with this layer's expert batch queued: a product there
- * would wait for the batch (its upload shares the stream), and the CPU with it. */
+ * would wait for the batch (its upload shares the stream), the CPU with it. */
 static int model_behind_device_batch(const struct model *m, const struct ops_matrix *w)
 {
     const struct cuda_resident *r = cuda.ready ? cuda_resident_of(w->data) : NULL;
     return r && m->s.dev_count[r->dev] > 0 && !m->s.dev_failed[r->dev];
 }
 
-/* The device running the rest of layer IL after its mixer (cuda_moe_layer_start) for T tokens, with
- * *L filled: the one holding the output projection WO, the layer's router and its shared expert's
- * gate logit (of the router's type), its shared expert (model_shexp_on), and its routed experts any
- * device holds (the CPU computes the others: a split layer); -1 where none does. What follows, the
- * norm NEXT_NORM and the products NEXT[0..n_next) over it (the next layer's mixer projections, or
- * the output head), goes with it where those matrices are there too. */
+/* The device to run layer IL's rest after its mixer (cuda_moe_layer_start) for T tokens, *L filled:
+ * the one holding output projection WO, router and shared expert's gate logit (of the router's
+ * type), shared expert (model_shexp_on), and the routed experts any device holds (the CPU computes
+ * the others: a split layer); -1 if none. What follows (the norm NEXT_NORM and products
+ * NEXT[0..n_next) over it: the next layer's mixer projections, or the output head) goes along where
+ * those matrices are there too. */
 static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const float *next_norm, const struct ops_job *next,
                              int n_next, struct cuda_moe_layer *L)
 {
@@ -13788,7 +13758,7 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
     const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev, m->s.draws_on, m->s.pens_on); /* NEXT: the output head, of which only the best */
-    /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most every layer's) */
+    /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most all layers') */
     size_t floats = (size_t)T * ((size_t)c->dim + (size_t)c->n_expert_used * (size_t)(1 + c->n_layers));
     for (int j = 0; j < n_next; j++) {
         const struct cuda_resident *r = cuda_resident_of(next[j].w.data);
@@ -13807,8 +13777,8 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
     return cuda_moe_layer_supported(dev, L, T) ? dev : -1;
 }
 
-/* End of the chain ending with layer LAST: its layers' ids, come down with LAST's outputs to
- * IDS (L->chain_ids), the store told each layer's experts in order, as the layers would. */
+/* End of the chain ending with layer LAST: its layers' ids, down with LAST's outputs to IDS
+ * (L->chain_ids), the store told each layer's experts in order, as the layers would. */
 static void model_chain_end(struct model *m, int last, int T, const float *ids)
 {
     struct model_scratch *s = &m->s;
@@ -13822,9 +13792,9 @@ static void model_chain_end(struct model *m, int last, int T, const float *ids)
     }
 }
 
-/* The output head's best candidates of T tokens as they came down (cuda_top_launch), from FROM
- * into s->best; where a row's were not all found (thousands of equal logits), every row's
- * logits come down into s->logits instead. Returns 0, or -1 where the device failed. */
+/* The output head's best candidates of T tokens as they came down (cuda_top_launch), from FROM into
+ * s->best; where a row's were not all found (thousands of equal logits), all rows' logits come down
+ * into s->logits instead. 0, or -1 where the device failed. */
 static int model_best_read(struct model *m, int dev, const float *from, int T)
 {
     struct model_scratch *s = &m->s;
@@ -13845,12 +13815,11 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
     return whole ? 0 : cuda_head_logits(dev, s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
 }
 
-/* The rest of layer IL for T tokens on device DEV (model_rest_device) from the mixer's rows
- * MIX: the new hidden state into x, the chosen experts into top (for the store's heat and
- * statistics, as the CPU's routing would tell it), the next layer's projections (L->n_next of
- * NEXT) into their outputs. A split layer's CPU experts run here while the device runs its
- * own. Returns 0; -1 where the device failed (the GPU path has ended, x is as it was: the
- * caller computes the layer); -2 where the store could not read an expert (m->error). */
+/* Layer IL's rest for T tokens on device DEV (model_rest_device) from the mixer's rows MIX: the new
+ * hidden state into x, the chosen experts into top (for the store's heat and statistics, as CPU
+ * routing would), the next layer's projections (L->n_next of NEXT) into their outputs; a split
+ * layer's CPU experts run here meanwhile. 0; -1 where the device failed (GPU path ended, x as it
+ * was: the caller computes the layer); -2 where the store could not read an expert (m->error). */
 static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix,
                                 const struct ops_job *next)
 {
@@ -13882,8 +13851,8 @@ static int model_rest_on_device(struct model *m, int il, int T, int dev, const s
     return 0;
 }
 
-/* A token's MoE output O: its USED experts' outputs E[k] weighed by W[k] in turn, then the shared
- * expert's SH gated by G (SH NULL: none), in vector lanes as model_conv_lanes. */
+/* A token's MoE output O: its USED experts' outputs E[k] weighed by W[k] in turn, then shared
+ * expert SH gated by G (SH NULL: none), in vector lanes as model_conv_lanes. */
 static inline __attribute__((always_inline)) void model_moe_sum_lanes(float *o, const float *const *e, const float *w, int used, int dim,
                                                                       const float *sh, float g)
 {
@@ -13914,10 +13883,10 @@ static QUANT_AVX2 void model_moe_sum_avx2(float *o, const float *const *e, const
 }
 
 /* Mixture of experts (§6): out = sum_k w_k E_k(xn) + sigmoid(g . xn) S(xn), summed in the chosen
- * experts' order, best first. Experts resident on a device are queued there first, with the shared
- * expert where it can join them (model_shexp_device). Otherwise the shared expert's down product
- * runs while they do and while the store reads the routed experts not in memory, unless it would
- * wait for them on their device: then after the CPU's experts. A dense SwiGLU for qwen35. */
+ * experts' order, best first. Experts on a device are queued there first, the shared expert joining
+ * where it can (model_shexp_device); else its down product runs meanwhile, while the store reads
+ * routed experts not in memory, unless it would wait for them on their device: then after the CPU's
+ * experts. qwen35: a dense SwiGLU. */
 static void model_ffn(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13963,9 +13932,9 @@ static void model_ffn(struct model *m, int il, int T)
     }
 }
 
-/* Guesses layer IL's routed experts before its attention runs, by applying its router to the
- * hidden state as it enters the layer (one block changes the residual little), so the store
- * reads them while the attention runs. Uses xn, router and top, which the layer overwrites. */
+/* Guesses layer IL's routed experts before its attention, applying its router to the hidden state
+ * entering the layer (one block changes the residual little), so the store reads them during the
+ * attention. Uses xn, router and top, which the layer overwrites. */
 static void model_prefetch(struct model *m, int il, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -13977,7 +13946,7 @@ static void model_prefetch(struct model *m, int il, int T)
 }
 
 /* For each of T tokens: x += out where ADD, then xn = rmsnorm(x) * NORM where NORM is given. A
- * token a task when a prompt batch has enough to pay the parallel region. */
+ * token a task when a prompt batch pays the parallel region. */
 static void model_residual_norm(struct model *m, int T, int add, const float *norm)
 {
     struct model_scratch *s = &m->s;
@@ -14001,9 +13970,9 @@ static void model_project(struct model *m, int il, int T)
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
 }
 
-/* The device running the rest of layer IL for T tokens (model_rest_device), with *L and NEXT
- * filled: what follows is the next layer's mixer projections, or after the last layer, where HEAD
- * (each token its run's last), the final norm and output head into logits. */
+/* The device running layer IL's rest for T tokens (model_rest_device), *L and NEXT filled: what
+ * follows is the next layer's mixer projections, or after the last layer, where HEAD (each token
+ * its run's last), the final norm and output head into logits. */
 static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_job *next, struct cuda_moe_layer *L)
 {
     const struct model_layer *l = &m->layers[il];
@@ -14014,12 +13983,12 @@ static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_
     return model_rest_device(m, il, T, wo, last ? m->out_norm : m->layers[il + 1].attn_norm, next, n_next, L);
 }
 
-/* The rest of layer IL for T tokens after its mixer left its rows in MIX (NULL: the mixer runs on
- * the device, model_chain_plan): the output projection, residual and post-norm, the FFN and its
- * residual. All on one device where one holds it all (model_rest_device), with what follows where
- * its matrices are there too (model_rest_plan); else step by step. Returns 1 where what follows was
- * made (kept on the device where the next layer's mixer runs there), 0 where not, or -1 with
- * m->error where an expert could not be read or a chain's device failed (m->lost). */
+/* Layer IL's rest for T tokens after its mixer's rows in MIX (NULL: the mixer runs on the device,
+ * model_chain_plan): output projection, residual, post-norm, FFN, residual. All on one device where
+ * one holds it all (model_rest_device), plus what follows where its matrices are there too
+ * (model_rest_plan); else step by step. 1 where what follows was made (kept on the device if the
+ * next layer's mixer runs there), 0 if not, -1 with m->error where an expert could not be read or a
+ * chain's device failed (m->lost). */
 static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
 {
     const struct model_layer *l = &m->layers[il];
@@ -14085,9 +14054,9 @@ static int model_deltanet_on(struct model *m, int il, int dev)
     return 1;
 }
 
-/* Layer IL's attention constants on device DEV into s->attn_dev[il] (its chain addresses come with
- * the upload). 1, or 0 where the device lacks the kernels or room, or the heads' shape is not the
- * kernels' (whole warps, at most 512). */
+/* Layer IL's attention constants on device DEV into s->attn_dev[il] (chain addresses come on
+ * upload). 1, or 0 if the device lacks kernels or room, or the heads' shape is not the kernels'
+ * (whole warps, <= 512). */
 static int model_attention_on(struct model *m, int il, int dev)
 {
     const struct model_config *c = &m->cfg;
@@ -14105,10 +14074,9 @@ static int model_attention_on(struct model *m, int il, int dev)
     return 1;
 }
 
-/* A chain buffer for T tokens: its head (the tokens' DeltaNet state addresses, KV cache addresses,
- * positions and RoPE rows, and where layer 0 is chained its embedded rows and input norm, at these
- * offsets), every layer's ids (il's il T used ints from their start), the chained layers'
- * blocks. */
+/* A chain buffer for T tokens: its head (the tokens' DeltaNet state and KV cache addresses,
+ * positions, RoPE rows and, where layer 0 is chained, its embedded rows and input norm, at these
+ * offsets), every layer's ids (il's il T used ints from their start), the chained layers' blocks. */
 struct model_chain_head { size_t kv, pos, rope, x, norm, ids, blocks; };
 
 static struct model_chain_head model_chain_head_of(const struct model *m, int T)
@@ -14153,8 +14121,8 @@ static int model_first_projections(struct model *m, int T, int dev, struct ops_j
 }
 
 /* Chains layer IL for this pass's T tokens (of N_RUNS runs) to device DEV, which makes its
- * projections and would run its rest L whole (DEV < 0: nothing does both), where its mixer can run
- * there too (its constants and every run's state fit): stages IL's block for cuda_chain_begin. */
+ * projections and would run its rest L whole (DEV < 0: none does both), if its mixer can run there
+ * too (its constants and every run's state fit): stages IL's block for cuda_chain_begin. */
 static void model_chain_layer(struct model *m, const struct model_run *runs, int n_runs, int T, int il, int dev, const struct cuda_moe_layer *L)
 {
     struct model_scratch *s = &m->s;
@@ -14174,9 +14142,9 @@ static void model_chain_layer(struct model *m, const struct model_run *runs, int
     *used += bytes;
 }
 
-/* Each layer's chain for this pass (model_chain_layer), each layer's rest planned once: layer
- * il's projections are made where the layer before's rest runs whole and makes them all, layer
- * 0's where its rest's device holds them (from the embedded rows). */
+/* Each layer's chain for this pass (model_chain_layer), each rest planned once: layer il's
+ * projections are made where the layer before's rest runs whole and makes them all, layer 0's where
+ * its rest's device holds them (from the embedded rows). */
 static void model_chain_layers(struct model *m, const struct model_run *runs, int n_runs, int T)
 {
     struct ops_job next[CUDA_NEXT_MAX];
@@ -14193,7 +14161,7 @@ static void model_chain_layers(struct model *m, const struct model_run *runs, in
 }
 
 /* Uploads each device's staged chains (head filled in first), sets the chained layers' addresses
- * there, and where layer 0 is chained starts it (cuda_chain_first). -1 where a device failed. */
+ * there, and where layer 0 is chained starts it (cuda_chain_first); -1 if a device failed. */
 static int model_chain_upload(struct model *m, int T)
 {
     struct model_scratch *s = &m->s;
@@ -14252,8 +14220,8 @@ static int model_state_for_pass(struct model *m, const struct model_run *run, in
 }
 
 /* This pass's chains (model_chain_layer, model_chain_upload), every run's states made current where
- * the pass computes them: on a chain's device, else the CPU. Returns 0, or -1 with m->error and
- * m->lost where a device holding states failed. */
+ * the pass computes them: a chain's device, else the CPU. 0, or -1 with m->error and m->lost where
+ * a device holding states failed. */
 static int model_chain_plan(struct model *m, const struct model_run *runs, int n_runs, int T)
 {
     const struct model_config *c = &m->cfg;
@@ -14274,8 +14242,8 @@ static int model_chain_plan(struct model *m, const struct model_run *runs, int n
     return 0;
 }
 
-/* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, at most MODEL_BATCH
- * tokens in all, each within its sequence's context and the vocabulary; else why in m->error. */
+/* Whether the runs fit a batch: 1..MODEL_MAX_RUNS runs of distinct sequences, <= MODEL_BATCH tokens
+ * in all, each within its sequence's context and the vocabulary; else why in m->error. */
 static int model_runs_valid(struct model *m, const struct model_run *runs, int n_runs)
 {
     int total = 0;
@@ -14294,13 +14262,13 @@ static int model_runs_valid(struct model *m, const struct model_run *runs, int n
     return 1;
 }
 
-/* The runs' token embeddings into x, and each token's sequence and position; returns T. */
+/* The runs' token embeddings into x, each token's sequence and position; returns T. */
 static int model_embed_runs(struct model *m, const struct model_run *runs, int n_runs)
 {
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
-    /* a batch's rows asked for first: from a cold page cache each row is a disk read, one after
-     * another unless asked for together; one token (decode) has none to overlap */
+    /* a batch's rows asked for first: from a cold page cache each row is a disk read, serial unless
+     * asked for together; one token (decode) has none to overlap */
     const int batch = n_runs > 1 || (n_runs == 1 && runs[0].n > 1);
     for (int r = 0; batch && r < n_runs; r++)
         for (int t = 0; t < runs[r].n; t++) plat_ask_pages(m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, row_bytes);
@@ -14314,11 +14282,11 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
     return T;
 }
 
-/* Runs a batch: the tokens of N_RUNS sequences (runs[r].n tokens appended to runs[r].seq) through
- * every layer together, so each weight is read once for all, each run's last token's logits into
- * runs[r].logits. A token's bits do not depend on its batch neighbours (the section's promise).
- * Returns 0, or -1 with m->error saying why: runs that do not fit (nothing computed), or an
- * unreadable expert (the runs' sequences left half-advanced: the caller resets them). */
+/* Runs a batch: N_RUNS sequences' tokens (runs[r].n appended to runs[r].seq) through every layer
+ * together, each weight read once for all; each run's last token's logits into runs[r].logits. A
+ * token's bits are independent of its batch neighbours (the section's promise). 0, or -1 with the
+ * reason in m->error: runs that do not fit (nothing computed), or an unreadable expert (the runs'
+ * sequences left half-advanced: the caller resets them). */
 static int model_forward_runs(struct model *m, struct model_run *runs, int n_runs)
 {
     const struct model_config *c = &m->cfg;
@@ -14361,9 +14329,8 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     model_phase_mark(m, MODEL_PHASE_OTHER);
     if (!projected) ops_matmat(&m->lm_head, s->xn, s->logits, n_runs); /* else the last layer's rest made the logits */
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
-    /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the
-     * logits as zeros through the lm_head's activation quantisation, which skips NaN: keep
-     * it visible as NaN logits. */
+    /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the logits as
+     * zeros through the lm_head's act quantisation, which skips NaN: keep it visible as NaN logits. */
     for (int r = 0; r < n_runs; r++)
         for (int i = 0; i < c->dim; i++)
             if (!isfinite(s->xn[(size_t)r * dim + i])) {
@@ -14374,9 +14341,9 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     return 0;
 }
 
-/* Seconds of a token's output head (the final norm and lm_head product, as model_forward_runs ends
- * it) on the hidden state the last pass left: the median of 5. What a token costs besides its
- * layers (bench --synthetic scales the layers only). */
+/* Seconds of a token's output head (final norm and lm_head product, as model_forward_runs ends it)
+ * on the hidden state the last pass left: median of 5. A token's cost besides its layers (bench
+ * --synthetic scales the layers only). */
 static double model_head_seconds(struct model *m)
 {
     double t[5];
@@ -14394,14 +14361,14 @@ static double model_head_seconds(struct model *m)
 }
 
 /* A copy of all a forward pass changes besides the KV cache beyond pos: rewinding to it undoes the
- * tokens fed since (chat uses it when Ctrl-C cancels a prompt). */
+ * tokens fed since (chat: Ctrl-C cancelling a prompt). */
 struct model_checkpoint {
     int pos;
     float *recurrent; /* every DeltaNet layer's conv state then ssm state, in layer order */
 };
 
 /* Saves (SAVE = 1) or restores (0) Q's state, the checkpoint buffer allocated once. A state lost
- * with a failed device saves as the empty sequence's (position 0, zero state), where any prompt may
+ * with its device saves as the empty sequence's (position 0, zero state), where any prompt may
  * start. */
 static void model_checkpoint(const struct model *m, struct model_seq *q, struct model_checkpoint *cp, int save)
 {
@@ -14439,10 +14406,9 @@ static int64_t model_kv_bytes(const struct model *m, int n)
     return model_kv_bytes_per_token(m) * model_kv_whole_groups(n);
 }
 
-/* Copies the KV cache of Q's first N positions into BUF (SAVE) or back: every attention layer's K
- * rows then V rows, each KV head's rows in turn, model_kv_bytes(m, N) bytes, what an idle
- * conversation parked in RAM keeps (§11); SAVE reads the CPU's copy (made current by
- * model_seq_to_host). */
+/* Copies the KV cache of Q's first N positions into BUF (SAVE) or back: each attention layer's K
+ * rows then V rows, KV head by KV head, model_kv_bytes(m, N) bytes, what a conversation parked in
+ * RAM keeps (§11); SAVE reads the CPU's copy (made current by model_seq_to_host). */
 static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf, int n, int save)
 {
     size_t rows = (size_t)model_kv_whole_groups(n) * model_kv_row_bytes(m);
@@ -14460,18 +14426,18 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
 }
 
 /* How many times memory must hold the routed experts for the store to copy them out of the mapping
- * (expert_own), faster than in place (interleaved where the type has that form, pages of its own:
- * README). Beside the file's pages (twice), the page cache keeps them for the next start; a server
- * (or --copy-experts) copies where memory holds them once: the file's pages give way, and hours of
- * serving repay the next start's reread. */
+ * (expert_own), faster than in place (interleaved where the type has that form, own pages: README).
+ * The page cache keeps the file's pages beside them (twice) for the next start; a server (or
+ * --copy-experts) copies where memory holds them once: the file's pages give way, hours of serving
+ * repaying the next start's reread. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
 
-/* How many sequences to hold at once when not told: as many as a quarter of the memory still
- * available holds at full context, 1 to 4 (more slots batch more tokens per weight read, but each
- * takes memory from the expert cache), and unless RAM (--ram) fixes the experts' budget, no more
- * than leave every routed expert in memory where one sequence would: each token reads experts,
- * those left out from disk (the 35B-A3B geometry on a 24 GB machine: 4 sequences of 32k left a
- * third out). It counts every expert in RAM; those a device takes would leave room for more. */
+/* How many sequences to hold when not told: as many as a quarter of available memory holds at full
+ * context, 1 to 4 (more slots batch more tokens per weight read but take memory from the expert
+ * cache); and, unless RAM (--ram) fixes the experts' budget, no more than keep every routed expert
+ * in memory where one sequence does: each token reads experts, those left out from disk (35B-A3B on
+ * a 24 GB machine: 4 sequences of 32k left a third out). Counts every expert in RAM; those a device
+ * takes would leave room for more. */
 static int model_choose_seqs(const struct model *m, int64_t ram)
 {
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
@@ -14482,11 +14448,11 @@ static int model_choose_seqs(const struct model *m, int64_t ram)
     return (int)n;
 }
 
-/* Opens the store of routed experts behind BUDGET bytes of RAM (HEAT: the heat file, NULL:
- * expert_heat_default, "": none kept), decides with §7 what lives in VRAM, pricing trunk and
- * experts together (GROWS: the budget is what memory leaves, the placed trunk leaving its RAM to
- * the experts), and gives the store the budget left for the CPU's share. If that holds every such
- * expert they stay in the mapping, or go into the store's memory where GROWS and the budget holds
+/* Opens the routed experts' store behind BUDGET bytes of RAM (HEAT: heat file; NULL:
+ * expert_heat_default; "": none kept), decides with §7 what lives in VRAM, pricing trunk and
+ * experts together (GROWS: the budget is what memory leaves, the placed trunk's RAM going to the
+ * experts), and gives the store what is left for the CPU's share. If that holds them all the
+ * experts stay in the mapping, or move into the store's memory where GROWS and the budget holds
  * COPIES times them (model_copies). Devices keep room for N_SEQS sequences' states. Fills *R. */
 static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, enum model_copies copies, const char *heat,
                         enum expert_io io, const char *place, struct place_result *r)
@@ -14529,9 +14495,9 @@ static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, 
     expert_set_budget(m->experts, left >= cpu ? -1 : left, grows && left >= (int64_t)copies * experts, grows && left >= experts);
 }
 
-/* Places the weights (model_place) with the experts behind a RAM budget (model_expert_budget:
- * for N_SEQS sequences, RESERVE bytes kept, RAM bytes given or < 0), HEAT the heat file,
- * starts the store, and says what it chose in one line. */
+/* Places the weights (model_place), experts behind a RAM budget (model_expert_budget: for N_SEQS
+ * sequences, RESERVE bytes kept, RAM bytes given or < 0), HEAT the heat file; starts the store and
+ * says what it chose in one line. */
 static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, int64_t ram, enum model_copies copies, const char *heat,
                                 enum expert_io io, const char *place)
 {
@@ -16031,7 +15997,7 @@ struct sample_candidate {
     float logit;
 };
 
-/* splitmix64: small, fast, and the same stream on every platform. */
+/* splitmix64: small, fast, the same stream on every platform. */
 static uint64_t sample_next_u64(uint64_t *state)
 {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
@@ -16040,9 +16006,8 @@ static uint64_t sample_next_u64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
-/* The first index of the largest logit. A NaN never wins, but for one at 0: nothing is greater
- * than the value the loop starts from. The best value is held in a variable, not read through
- * logits[best] (README, Sampling). */
+/* The first index of the largest logit. A NaN never wins, except one at 0: nothing beats the start
+ * value. The best is held in a variable, not read via logits[best] (README, Sampling). */
 static int sample_argmax_scalar(const float *logits, int from, int n, int best)
 {
     float top = logits[best];
@@ -16051,8 +16016,8 @@ static int sample_argmax_scalar(const float *logits, int from, int n, int best)
     return best;
 }
 
-/* The index of the best of LANES lane values (value LANES[l] first seen at WHERE[l]): the
- * largest value, the lowest index among equals (all -inf: index 0). */
+/* The index of the best of LANES lane values (value LANES[l] first seen at WHERE[l]): the largest,
+ * the lowest index among equals (all -inf: index 0). */
 static int sample_best_lane(const float *value, const int32_t *where, int lanes)
 {
     int first = 0;
@@ -16061,9 +16026,9 @@ static int sample_best_lane(const float *value, const int32_t *where, int lanes)
     return where[first];
 }
 
-/* 16 lanes, lane l the first best of logits l, l + 16, ...: from -inf up by "greater", so a
- * NaN never enters (the caller keeps a NaN at 0 for the scalar loop); then the best lane
- * (sample_best_lane), and the tail. */
+/* 16 lanes, lane l the first best of logits l, l + 16, ...: from -inf up by "greater", so no NaN
+ * enters (the caller keeps one at 0 for the scalar loop); then the best lane (sample_best_lane),
+ * the tail. */
 __attribute__((target("avx512f"))) static int sample_argmax_avx512(const float *logits, int n)
 {
     const int body = n / 16 * 16;
@@ -16141,8 +16106,8 @@ static int sample_all_finite(const float *logits, int n)
     return 1;
 }
 
-/* Whether candidate A comes before B: the larger logit (or weight) first, the lower id on a tie.
- * A strict total order, so the K best are one set, in one order, however they are found. */
+/* Whether candidate A comes before B: the larger logit (or weight) first, the lower id on a tie. A
+ * strict total order: the K best are one set in one order, however found. */
 static int sample_before(const struct sample_candidate *a, const struct sample_candidate *b)
 {
     return a->logit > b->logit || (a->logit == b->logit && a->id < b->id);
@@ -16158,17 +16123,16 @@ static int sample_penalised(const struct sample_params *p)
     return p->repeat_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
 }
 
-/* A logit L of a token seen COUNT times among the recent ones, penalised: the CTRL rule (divide a
- * positive logit by repeat_penalty, multiply a negative one), then the presence and frequency
- * penalties (as the OpenAI API defines them). kernels.cu's logits_penalise does the same. */
+/* Logit L of a token seen COUNT times recently, penalised: the CTRL rule (a positive logit divided
+ * by repeat_penalty, a negative one multiplied), then the OpenAI API's presence and frequency
+ * penalties. As kernels.cu's logits_penalise. */
 static float sample_penalty(const struct sample_params *p, float l, int count)
 {
     l = l > 0 ? l / p->repeat_penalty : l * p->repeat_penalty;
     return l - (p->presence_penalty + p->frequency_penalty * (float)count);
 }
 
-/* Whether HISTORY[I] is the first of its token from FROM on, and then how often it comes up to
- * N_HIST (*COUNT). */
+/* Whether HISTORY[I] is its token's first from FROM on; then its count up to N_HIST (*COUNT). */
 static int sample_seen_first(const int *history, int from, int n_hist, int i, int *count)
 {
     for (int j = from; j < i; j++)
@@ -16189,8 +16153,7 @@ static void sample_apply_penalty(const struct sample_params *p, float *logits, c
         if (sample_seen_first(history, from, n_hist, i, &count)) logits[history[i]] = sample_penalty(p, logits[history[i]], count);
 }
 
-/* sample_apply_penalty's tokens and counts for the device (logits_penalise) into *OUT; 0 where
- * they are more than it takes. */
+/* sample_apply_penalty's tokens and counts into *OUT for logits_penalise (device); 0 if too many. */
 static int sample_penalties(const struct sample_params *p, const int *history, int n_hist, struct cuda_top_penalty *out)
 {
     const int from = sample_penalty_from(p, n_hist);
@@ -16204,8 +16167,7 @@ static int sample_penalties(const struct sample_params *p, const int *history, i
     return 1;
 }
 
-/* Moves the K first of cand[0..n) (sample_before) to cand[0..K), in no particular order, by
- * quickselect; expected O(n). */
+/* Quickselect, expected O(n): cand[0..n)'s K first (sample_before) into cand[0..K), unordered. */
 static void sample_select(struct sample_candidate *cand, int n, int k)
 {
     int lo = 0, hi = n - 1;
@@ -16227,10 +16189,10 @@ static void sample_select(struct sample_candidate *cand, int n, int k)
     }
 }
 
-/* The K (1..n) first of the candidates (i, W[i]), i < N, into cand[0..K) in order. One pass
- * compares each value with the K-th so far and inserts the few that beat it (a later id loses a
- * tie; README: against a quickselect). Large K, or values that keep beating it (a rising
- * row), take the quickselect and a sort instead: the same candidates in the same order. */
+/* The K (1..n) first of the candidates (i, W[i]), i < N, into cand[0..K) in order: one pass
+ * compares each value with the K-th so far, inserting the few that beat it (a later id loses a tie;
+ * README: against a quickselect). Large K, or values that keep beating it (a rising row), go to
+ * quickselect and sort instead: same candidates, same order. */
 static void sample_top(const float *w, int n, int k, struct sample_candidate *cand)
 {
     const int scan = k <= 256;
@@ -16248,8 +16210,8 @@ static void sample_top(const float *w, int n, int k, struct sample_candidate *ca
     qsort(cand, (size_t)k, sizeof *cand, sample_by_logit_desc);
 }
 
-/* How many of cand[0..n) (weights, best first) top-p and min-p keep; N where the cut is not
- * among them. TOTAL is the sum of every weight. */
+/* How many of cand[0..n) (weights, best first) top-p and min-p keep; N where the cut is not among
+ * them. TOTAL: the sum of every weight. */
 static int sample_nucleus_cut(const struct sample_params *p, const struct sample_candidate *cand, int n, double total)
 {
     double mass = 0.0;
@@ -16261,9 +16223,9 @@ static int sample_nucleus_cut(const struct sample_params *p, const struct sample
     return n;
 }
 
-/* The candidates top-p and min-p keep of the N weights W (TOTAL their sum), best first into
- * CAND; returns how many. Orders only a prefix that grows until the cut is inside it: the cut
- * is usually among the first few dozen of 248k tokens. */
+/* The candidates top-p and min-p keep of the N weights W (TOTAL their sum), best first into CAND;
+ * returns how many. Orders only a prefix grown until the cut is inside it: the cut is usually among
+ * the first few dozen of 248k tokens. */
 static int sample_nucleus(const struct sample_params *p, const float *w, int n, double total, struct sample_candidate *cand)
 {
     for (int size = n < 64 ? n : 64;; size = size * 4 < n ? size * 4 : n) {
@@ -16290,7 +16252,7 @@ static double sample_total(const struct sample_candidate *cand, int n)
     return total;
 }
 
-/* A draw from the first N candidates by their weights (TOTAL their sum), best first. */
+/* A draw from the first N candidates by weight (TOTAL their sum), best first. */
 static int sample_draw(const struct sample_candidate *cand, int n, double total, uint64_t *rng)
 {
     double r = sample_uniform(rng, total);
@@ -16309,12 +16271,11 @@ static int sample_top_k_draw(const struct sample_params *p, struct sample_candid
     return sample_draw(cand, k, total, rng);
 }
 
-/* The draw over the whole vocabulary (a temperature with neither top-k nor a nucleus), in its
- * canonical order, which the device's logits_draw_* (kernels.cu) follow bit for bit, so that the
- * row need not leave it: the N weights W in CUDA_TOP_SLICES slices of whole 32s (the last
- * shorter, some empty), each slice's summed in id order in double into SUMS, the slices' sums
- * in order the total (returned). One serial sum in id order would be a chain no device can
- * follow. */
+/* The draw over the whole vocabulary (a temperature, no top-k or nucleus) in its canonical order,
+ * which the device's logits_draw_* (kernels.cu) follow bit for bit, so the row can stay there: the
+ * N weights W in CUDA_TOP_SLICES slices of whole 32s (the last shorter, some empty), each summed in
+ * id order in double into SUMS; their sums in order make the total (returned). One serial sum in id
+ * order would be a chain no device can follow. */
 static int sample_slice_span(int n) { return (n + 32 * CUDA_TOP_SLICES - 1) / (32 * CUDA_TOP_SLICES) * 32; }
 
 static double sample_vocab_sums(const float *w, int n, double *sums)
@@ -16329,9 +16290,9 @@ static double sample_vocab_sums(const float *w, int n, double *sums)
     return total;
 }
 
-/* The token a draw R in [0, total) picks: whole slices passed while R reaches their sum (R less
- * it), then the tokens of the slice it stops in, one by one: the first whose weight R falls short
- * of. Where rounding lets R pass them all, the last token of weight above 0 (never one of 0). */
+/* The token draw R in [0, total) picks: whole slices skipped while R reaches their sum (R less it),
+ * then in the slice it stops in, the first token whose weight R falls short of. Where rounding lets
+ * R pass all, the last token of weight above 0 (never one of 0). */
 static int sample_vocab_walk(const float *w, int n, const double *sums, double r)
 {
     const int span = sample_slice_span(n);
@@ -16349,30 +16310,29 @@ static int sample_vocab_walk(const float *w, int n, const double *sums, double r
     return positive;
 }
 
-/* Whether sample_next reads no logit but the N_BEST best of N_VOCAB (sample_next_best) once the
+/* Whether sample_next reads only the N_BEST best of N_VOCAB logits (sample_next_best) once the
  * penalties are applied: greedy, or top-k within them. */
 static int sample_best_enough(const struct sample_params *p, int n_best, int n_vocab)
 {
     return p->temp <= 0.0f || (p->top_k > 0 && p->top_k <= n_best && p->top_k < n_vocab);
 }
 
-/* How sample_next samples the whole vocabulary of N_VOCAB (a temperature, no top-k), where the
- * device can take part (model_run.draw): CUDA_DRAW_TOKEN, a draw (sample_vocab_walk);
- * CUDA_DRAW_NUCLEUS, a nucleus (top-p, min-p) drawn from the best where its cut falls among
- * them; else CUDA_DRAW_OFF. */
+/* How sample_next samples the whole vocabulary of N_VOCAB (temperature, no top-k) where the device
+ * can take part (model_run.draw): CUDA_DRAW_TOKEN, a draw (sample_vocab_walk); CUDA_DRAW_NUCLEUS, a
+ * nucleus (top-p, min-p) drawn from the best where its cut falls among them; else CUDA_DRAW_OFF. */
 static int sample_vocab_mode(const struct sample_params *p, int n_vocab)
 {
     if (p->temp <= 0.0f || (p->top_k > 0 && p->top_k < n_vocab)) return CUDA_DRAW_OFF;
     return sample_nucleus_on(p) ? CUDA_DRAW_NUCLEUS : CUDA_DRAW_TOKEN;
 }
 
-/* sample_next's token where the device made the logits of a row of N_VOCAB (struct model_top),
- * from CAND, the best in order (MODEL_TOP, fewer where the vocabulary is): greedy; top-k within
- * them (sample_best_enough; their logits become weights); the token DRAWN there with RNG's next
- * draw, that draw used up (CUDA_DRAW_TOKEN); or a nucleus (CUDA_DRAW_NUCLEUS) cut among them,
- * against the row's weights' TOTAL, in sample_nucleus's order: by weight, a lower id first among
- * equal ones (distinct logits can round to one weight; the device sent the row instead where such
- * a tie reaches the cut and the last of them). The same token and draws as sample_next. */
+/* sample_next's token where the device made a row's logits (N_VOCAB; struct model_top), from CAND,
+ * the best in order (MODEL_TOP, fewer if the vocabulary is): greedy; top-k within them
+ * (sample_best_enough; logits become weights); the token DRAWN there with RNG's next draw, used up
+ * (CUDA_DRAW_TOKEN); or a nucleus (CUDA_DRAW_NUCLEUS) cut among them against the row's weight
+ * TOTAL, in sample_nucleus's order: by weight, lower id first among equals (distinct logits can
+ * round to one weight; where such a tie reaches the cut and the last of them, the device sent the
+ * row instead). Same token and draws as sample_next. */
 static int sample_next_best(const struct sample_params *p, struct sample_candidate *cand, int n_vocab, int drawn, double total, uint64_t *rng)
 {
     if (p->temp <= 0.0f) return cand[0].id;
@@ -16389,11 +16349,10 @@ static int sample_next_best(const struct sample_params *p, struct sample_candida
     return sample_draw(cand, keep, sample_total(cand, keep), rng);
 }
 
-/* The next token. HISTORY (the tokens so far) feeds the repetition penalty; RNG is the
- * caller's splitmix64 state, seeded from p->seed. CAND is scratch of n_vocab entries; LOGITS
- * are left changed. The draw walks the candidates best first (sample_before), or with neither
- * top-k nor a nucleus the whole vocabulary (sample_vocab_walk), each weighted by
- * ops_exp((logit - max) / temp). */
+/* The next token. HISTORY (tokens so far) feeds the repetition penalty; RNG: the caller's
+ * splitmix64 state, seeded from p->seed; CAND: scratch of n_vocab entries; LOGITS are changed. The
+ * draw walks the candidates best first (sample_before), or with neither top-k nor nucleus the whole
+ * vocabulary (sample_vocab_walk), each weighted by ops_exp((logit - max) / temp). */
 static int sample_next(const struct sample_params *p, float *logits, int n_vocab, const int *history, int n_hist,
                        uint64_t *rng, struct sample_candidate *cand)
 {
@@ -16436,9 +16395,8 @@ struct engine_request {
     int n_prompt;
     int whole;               /* the prompt is the sequence from position 0: what the slot holds of it is reused */
     int reuse;               /* WHOLE: may reuse (0: computed from nothing, to compare) */
-    int mark[2];             /* WHOLE: checkpoint positions, ascending (0: none): the server marks where the turn
-                              * after the system turn opens (a shared prefix) and the answer's turn (where
-                              * this one's next turn departs) */
+    int mark[2];             /* WHOLE: checkpoint positions, ascending (0: none): the server marks where the turn after
+                              * the system turn opens (a shared prefix) and the answer's (where the next turn departs) */
     int n_max;               /* tokens to generate at most */
     struct sample_params sample;
     int ignore_eog, want_top; /* want_top: record each position's five best logits */
@@ -16476,7 +16434,7 @@ struct engine_past {
     double used;             /* when it last served: least recently used is parked or evicted first */
 };
 
-/* A conversation parked in RAM while its slot serves another: its past, state at past.n, KV cache of past.n positions. */
+/* A conversation parked in RAM while its slot serves another: its past, state at past.n, KV of past.n positions. */
 struct engine_parked {
     struct engine_past past;
     struct model_checkpoint live;
@@ -16511,7 +16469,7 @@ struct engine {
     char *piece;               /* [tok->max_piece + 1] */
 };
 
-/* N_SLOTS sequences; CACHE_BUDGET bytes for the prompt cache (0: no checkpoints, no parking). */
+/* N_SLOTS sequences; CACHE_BUDGET bytes of prompt cache (0: no checkpoints, no parking). */
 static void engine_init(struct engine *e, struct model *m, const struct tok *tok, int n_slots, int64_t cache_budget)
 {
     memset(e, 0, sizeof *e);
@@ -16602,9 +16560,9 @@ static int engine_cancelled(const struct engine_slot *sl) { return sl->req.cance
 
 /* ---- the prompt cache: checkpoints, and idle conversations parked in RAM ---- */
 
-/* How many of PROMPT's N tokens past P need no computing: the state itself if all P's tokens begin the prompt, else
- * the deepest checkpoint in the common prefix. One is always computed (its logits pick the first answer token). *CP: -1
- * the state as is, -2 none, else the checkpoint's index. */
+/* How many of PROMPT's N tokens past P need no computing: the state itself if all P's tokens begin the prompt, else the
+ * deepest checkpoint in the common prefix. One is always computed (its logits pick the first answer token). *CP: -1 the
+ * state, -2 none, else the checkpoint's index. */
 static int engine_reuse(const struct engine_past *p, const int *prompt, int n, int *cp)
 {
     int common = 0;
@@ -16643,7 +16601,7 @@ static int engine_evict(struct engine *e)
     return 1;
 }
 
-/* Whether BYTES more fit the cache budget, evicting parked conversations for room. */
+/* Whether BYTES more fit the cache budget, evicting parked conversations. */
 static int engine_cache_room(struct engine *e, int64_t bytes)
 {
     while (e->cache_bytes + bytes > e->cache_budget && engine_evict(e)) {}
@@ -16651,7 +16609,7 @@ static int engine_cache_room(struct engine *e, int64_t bytes)
 }
 
 /* Keeps slot SL's DeltaNet state at its position: a new checkpoint or, at ENGINE_MAX_CHECKPOINTS, the second
- * shallowest's buffer (the shallowest, kept, ends the prefix conversations share: a system prompt and tools). */
+ * shallowest's buffer (the shallowest, kept, ends the prefix conversations share: system prompt and tools). */
 static void engine_checkpoint(struct engine *e, struct engine_slot *sl)
 {
     struct engine_past *p = &sl->past;
@@ -16770,7 +16728,7 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
 }
 
 /* Samples slot SL's next token from RUN's logits (or their best, if the device sent only those), hands it to the sink,
- * and decides to go on (feeding it next step) or stop. */
+ * and goes on (feeding it next step) or stops. */
 static void engine_sample(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     struct engine_gen *g = sl->gen;
@@ -16804,9 +16762,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
 }
 
 /* Slot SL's run of N TOKENS: its next token needs only the MODEL_TOP best (sample_best_enough), or those and the
- * device's vocabulary draw, or its total (sample_vocab_mode; draw peeked, not used: sample_next_best); all after
- * penalties, applied by the device when few and no logits reported (top logits are the raw row), and listed only
- * where it could take them: a one-token run (the model keeps only those rows there) with the GPU path up. */
+ * device's vocabulary draw or its total (sample_vocab_mode; draw peeked, not used: sample_next_best); all after
+ * penalties, applied by the device when few and no logits reported (top logits: the raw row), listed only where it
+ * could take them: a one-token run (the model keeps only those rows there), GPU path up. */
 static struct model_run engine_run(const struct engine *e, struct engine_slot *sl, const int *tokens, int n)
 {
     const struct sample_params *p = &sl->req.sample;
@@ -16869,7 +16827,7 @@ static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, const st
 }
 
 /* Rebuilds on the CPU the states a failed device held (model_seq_lost) and those of slots in a pass failing with it
- * (OWNER[0..n), half advanced: m->lost): each reset and refed, the same bits. 0, or -1 with m->error (slot forgotten). */
+ * (OWNER[0..n), half advanced: m->lost): each reset and refed, same bits. 0, or -1 with m->error (slot forgotten). */
 static int engine_replay(struct engine *e, const int *owner, int n)
 {
     int fed = 0, rebuilt = 0;
@@ -16895,7 +16853,7 @@ static int engine_replay(struct engine *e, const int *owner, int n)
     return 0;
 }
 
-/* One forward batch over the busy slots, then each one's next token; returns how many stay busy. */
+/* One forward batch over the busy slots, then each one's next token; how many stay busy. */
 static int engine_step(struct engine *e)
 {
     struct model_run runs[MODEL_MAX_RUNS];
@@ -16933,9 +16891,9 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 }
 
 /* Starts REQ (WHOLE) on the idle slot reusing most of its prompt: its own past, or a parked conversation brought into
- * the least recently used slot (its own parked). A prompt nothing holds goes to an empty slot, else the least recently
+ * the least recently used slot (parking its own). A prompt nothing holds goes to an empty slot, else the least recently
  * used (parked). One sharing only a conversation's start (departing before its latest checkpoint: same system prompt)
- * parks a copy first. Returns the slot, or -1 if none is idle. */
+ * parks a copy first. The slot, or -1 if none is idle. */
 static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
 {
     int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
