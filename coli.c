@@ -5239,7 +5239,8 @@ static void quant_iq3s_masks_scalar(uint8_t *v) {
             uint64_t qh = 0, sign[4] = {0};
             for (int r = 0; r < QUANT_TILE_ROWS; r++)
                 for (int k = 0; k < 4; k++) {
-                    const uint32_t high = (uint32_t)quant_rd32(v + 64 * (16 + ib / 4) + 4 * r), signs = (uint32_t)quant_rd32(v + 64 * (18 + ib) + 4 * r);
+                    const uint32_t high = (uint32_t)quant_rd32(v + 64 * (16 + ib / 4) + 4 * r);
+                    const uint32_t signs = (uint32_t)quant_rd32(v + 64 * (18 + ib) + 4 * r);
                     qh |= (uint64_t)(high >> (8 * (ib % 4) + 4 * h + k) & 1) << (4 * r + k);
                     for (int j = 0; j < 4; j++) sign[j] |= (uint64_t)(signs >> (16 * h + 4 * k + j) & 1) << (4 * r + k);
                 }
@@ -5255,7 +5256,8 @@ static void quant_iq3s_masks_scalar(uint8_t *v) {
  * last; IQ3_XXS: 98, IQ3_S: 110, d first) leaves 2 bytes a row, the 16 rows' first in the group, 32
  * bytes a super-block, so a pass reads them in its stream and every vector stays 64-byte aligned
  * (rows of an even number of super-blocks: every Qwen3.5/3.6 matrix). 16 rows keep their 16 RB
- * bytes. Caller: quant_interleave_ok. The layout's reference, for groups G0..G1 - 1 of 16 rows,
+ * bytes; IQ3_S's high bits and signs then become masks (quant_iq3s_masks_scalar). Caller:
+ * quant_interleave_ok. The layout's reference, for groups G0..G1 - 1 of 16 rows,
  * dword by dword. */
 static void quant_interleave_groups_scalar(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t g0, int64_t g1) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
@@ -5511,13 +5513,13 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 
 /* Super-block U of 16 interleaved IQ3_XXS or IQ3_S rows at T (their 16 d at D) against NC columns,
  * by VBMI. Lane r of grid-index vector 2 ib + h holds points 4h.. of row r's 32-block ib (IQ3_S:
- * point 4h + k's bit 8 is bit 8 (ib % 4) + 4h + k of high-bit dword ib / 4); their lookup gives 4
- * coordinate planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k +
- * j): one vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a
- * super-block at a time). BITALG's bit shuffle turns each row's 32 sign bits of the block (IQ3_XXS:
- * from its word of 7-bit fields; IQ3_S: as stored; bit e for element e) into a byte mask a plane;
- * vpdpbusd's unsigned operand is 128 + the signed value, the 128 coming off as 128 times the
- * block's act sum. Each block's sum by its 2 s + 1, then quant_dot_k_unit's float step. */
+ * their bit 8 in a stored byte mask, quant_iq3s_masks_scalar); their lookup gives 4 coordinate
+ * planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k + j): one
+ * vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a super-block at
+ * a time). Each plane's sign mask: IQ3_S's stored, IQ3_XXS's by BITALG's bit shuffle from the
+ * row's 32 sign bits (from its word of 7-bit fields; bit e for element e); vpdpbusd's unsigned
+ * operand is 128 + the signed value, the 128 coming off as 128 times the block's act sum. Each
+ * block's sum by its 2 s + 1, then quant_dot_k_unit's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC, int mode, __m512i *kept) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
@@ -5538,7 +5540,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
             signs = quant_avx512_iq3xxs_signs_vbmi(aux);
             ls = _mm512_srli_epi32(aux, 28);
         } else {
-            signs = _mm512_setzero_si512(); /* IQ3_S's sign masks are stored made (quant_iq3s_masks_scalar) */
+            signs = _mm512_setzero_si512(); /* unread: IQ3_S's masks are stored */
             ls = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(t + 64 * 26), 4 * ib), _mm512_set1_epi32(15));
         }
         __m512i s[QUANT_TILE_NC];
