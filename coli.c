@@ -1132,28 +1132,27 @@ static size_t gguf_image_end(struct gguf_image *im)
 }
 
 /* ==== §3 quant ==== */
-/* Owns: the weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
- *   Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and their tables, fp16/bf16 conversion,
- *   activation quantisation and the row·vector dot kernels with their per-CPU dispatch table
- *   (scalar, AVX2, AVX-512 with VNNI, for every format).
- * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot follows the
+/* Owns: weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+ *   Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and tables, fp16/bf16 conversion, activation
+ *   quantisation, row·vector dot kernels and their per-CPU dispatch table (scalar, AVX2, AVX-512
+ *   with VNNI; every format).
+ * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot keeps the
  *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level gives
- *   the scalar reference's bits for the same inputs; integer parts are exact. quant_dotn (one row,
- *   many columns), quant_dotr (many rows, one column), quant_pairs (rows of 2 K super-blocks, many
- *   columns), quant_dotn_rows (many rows, many columns, a level ordering the acts once for them),
- *   quant_tile (16 rows, many columns) and quant_act_prepare give the same bits at every level;
- *   quant_dotn and quant_dotr also over an act in lanes (quant_act_to_lanes).
+ *   the scalar reference's bits; integer parts are exact. quant_dotn (one row, many columns),
+ *   quant_dotr (many rows, one column), quant_pairs (rows of 2 K super-blocks, many columns),
+ *   quant_dotn_rows (many rows and columns, acts ordered once), quant_tile (16 rows, many columns)
+ *   and quant_act_prepare give the same bits at every level; quant_dotn, quant_dotr also over an
+ *   act in lanes (quant_act_to_lanes).
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
- * Workload: decode bound to memory bandwidth; one activation prepare per vector, then one
- *   quant_dotn per weight row (quant_dotr per chunk of rows for a single column), called
- *   concurrently from OpenMP threads (the kernels are pure; only quant_init/quant_set_level write
- *   globals, before any parallel region). Speeds per format and CPU: README, Weight formats
- *   ("Kernel speeds"). */
+ * Workload: decode, bound to memory bandwidth: an act prepare per vector, then a quant_dotn per
+ *   weight row (quant_dotr per chunk of rows for one column), from concurrent OpenMP threads
+ *   (kernels are pure; only quant_init/quant_set_level write globals, before any parallel region).
+ *   Speeds: README, Weight formats ("Kernel speeds"). */
 
-/* avx512vbmi: the AVX-512 kernels with the IQ3 lookups by VBMI byte permutes
- * (quant_avx512_iq3_vbmi_points), signs split by BITALG's bit shuffle, and Q3_K's and Q5_K's high
- * bits placed by GFNI (quant_gfni_affine); it needs all three (every VBMI CPU but Cannon Lake has
- * the other two). The same bits; its own level so both are tested. */
+/* avx512vbmi: AVX-512 kernels with IQ3 lookups by VBMI byte permutes
+ * (quant_avx512_iq3_vbmi_points), signs split by BITALG's bit shuffle, Q3_K, Q5_K high bits placed
+ * by GFNI (quant_gfni_affine); needs all three (every VBMI CPU but Cannon Lake has the other two).
+ * Same bits; a level of its own so both get tested. */
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_AVX512VBMI, QUANT_LEVEL_COUNT };
 
 #define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
@@ -1172,12 +1171,12 @@ typedef void (*quant_dotr_fn)(const uint8_t *wrows, size_t row_bytes, int nrows,
 static quant_dot_fn quant_dot_table[GGUF_TYPE_COUNT];
 static quant_dotn_fn quant_dotn_table[GGUF_TYPE_COUNT];
 static quant_dotr_fn quant_dotr_table[GGUF_TYPE_COUNT];
-/* y[c*ys + r] = dot of row wrows + r*row_bytes with act acts + c*stride, for r < nrows, c < nc;
- * rows of 2 K super-blocks (512 columns) only. */
+/* y[c*ys + r] = dot of row wrows + r*row_bytes with act acts + c*stride, r < nrows, c < nc; rows of
+ * 2 K super-blocks (512 columns) only. */
 typedef void (*quant_pairs_fn)(const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                                int nc, float *y, size_t ys);
 static quant_pairs_fn quant_pairs_table[GGUF_TYPE_COUNT];
-/* The kernels for an act in lanes (quant_act_to_lanes), where this level has them. */
+/* Kernels for an act in lanes (quant_act_to_lanes), where this level has them. */
 static quant_dotn_fn quant_dotn_lanes_table[GGUF_TYPE_COUNT];
 static quant_dotr_fn quant_dotr_lanes_table[GGUF_TYPE_COUNT];
 static int quant_level;
@@ -1188,7 +1187,7 @@ static uint32_t quant_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); retu
 static uint16_t quant_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static int32_t quant_rd32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-/* Exact: every fp16 value (incl. subnormals, inf, nan) is representable in f32. */
+/* Exact: every fp16 value (subnormals, inf, nan too) is an f32. */
 static float quant_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     if (exp == 0x1f) return quant_bits_to_f32(sign | 0x7f800000 | man << 13);
@@ -1200,7 +1199,7 @@ static float quant_f16_to_f32(uint16_t h) {
     return quant_bits_to_f32(sign | (exp + 112) << 23 | man << 13);
 }
 
-/* Round-to-nearest-even of the low `shift` bits of v away; shift in 1..31. */
+/* Rounds the low `shift` bits of v away, nearest-even; shift in 1..31. */
 static uint32_t quant_round_shift(uint32_t v, int shift) {
     uint32_t r = v >> shift, rem = v & ((1u << shift) - 1), half = 1u << (shift - 1);
     return r + (rem > half || (rem == half && (r & 1)));
@@ -1217,7 +1216,7 @@ static uint16_t quant_f32_to_f16(float f) {
         if (e < 102) return (uint16_t)sign;                 /* < 2^-25: rounds to zero */
         return (uint16_t)(sign | quant_round_shift((x & 0x7fffff) | 0x800000, 126 - e));
     }
-    /* rebias the exponent (127 -> 15); a carry out of the mantissa bumps the exponent */
+    /* rebias the exponent (127 -> 15); a mantissa carry bumps the exponent */
     return (uint16_t)(sign | quant_round_shift(x - 0x38000000, 13));
 }
 
@@ -1230,7 +1229,7 @@ static uint16_t quant_f32_to_bf16(float f) {
     return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
 }
 
-/* ggml's nearest_int: round half to even for |v| < 2^22, independent of the FPU mode. */
+/* ggml's nearest_int: round half to even for |v| < 2^22, whatever the FPU mode. */
 static int quant_nearest_int(float v) {
     float t = v + 12582912.0f;
     return (int)(quant_f32_to_bits(t) & 0x007fffff) - 0x00400000;
@@ -1238,7 +1237,7 @@ static int quant_nearest_int(float v) {
 
 /* ---- dequantisation (ggml's operation order, kept literally) ---- */
 
-/* Legacy 32-blocks. The int->float conversion then one multiply (and add) matches ggml. */
+/* Legacy 32-blocks: int->float then one multiply (and add), as ggml. */
 static void quant_dequant_legacy(enum gguf_type t, const uint8_t *b, float *y) {
     float d = quant_f16_to_f32(quant_rd16(b));
     if (t == GGUF_TYPE_Q8_0) {
@@ -1275,7 +1274,7 @@ static void quant_k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* All 8 scales (byte j of *sc) and mins (*m) of quant_k4_scale_min at once, by word operations. */
+/* All 8 scales (byte j of *sc) and mins (*m) of quant_k4_scale_min at once, by word ops. */
 static inline void quant_k4_unpack(const uint8_t *q, uint64_t *sc, uint64_t *m) {
     uint32_t u[3];
     memcpy(u, q, 12);
@@ -1325,16 +1324,16 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
     }
 }
 
-/* Plain integer helpers the SIMD kernels also call: always inlined, so they compile with the
- * caller's instruction set (a call from AVX to SSE code pays for the switch). */
+/* Integer helpers the SIMD kernels also call, always inlined to compile with the caller's
+ * instruction set (an AVX to SSE call pays for the switch). */
 #define QUANT_SHARED_INLINE static inline __attribute__((always_inline))
 
-/* The K-like formats whose super-block result takes off a min term (dmin * Σ m * bsum). */
+/* K-like formats whose super-block result subtracts a min term (dmin * Σ m * bsum). */
 QUANT_SHARED_INLINE int quant_k_has_min(enum gguf_type t) {
     return t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q2_K;
 }
 
-/* Byte offset of a K-like super-block's fp16 d (its dmin, where it has one, follows). */
+/* Byte offset of a K-like super-block's fp16 d (followed by its dmin, if any). */
 QUANT_SHARED_INLINE int quant_k_d_offset(enum gguf_type t) {
     return t == GGUF_TYPE_Q6_K ? 208 : t == GGUF_TYPE_Q2_K ? 80 : t == GGUF_TYPE_Q3_K ? 108 : 0;
 }
@@ -1348,14 +1347,14 @@ QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
     a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
     a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
-    /* each byte less 32, four at a time: the high bit set first keeps borrows inside a byte */
+    /* each byte less 32, four at once: setting the high bit first keeps borrows in a byte */
     for (int i = 0; i < 4; i++) a[i] = ((a[i] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
     memcpy(sc, a, 16);
 }
 
 /* A Q2_K (0..3) or Q3_K (-4..3) super-block's integer quants in element order. Both keep 2 bits a
  * weight in 32-byte halves (shifts 0, 2, 4, 6: 4 x 32 weights); Q3_K's third bit, bit (half * 4 +
- * shift / 2) of hmask byte l, subtracts 4 where clear. */
+ * shift / 2) of hmask byte l, clear: less 4. */
 static void quant_q23k_quants(enum gguf_type t, const uint8_t *b, int8_t *q) {
     const int three = t == GGUF_TYPE_Q3_K;
     const uint8_t *qs = b + (three ? 32 : 16);
@@ -1392,14 +1391,14 @@ static void quant_dequant_q3k(const uint8_t *b, float *y) {
     }
 }
 
-/* The non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its
- * dequantisation of the golden files (value / d; tests/test_quant.c derives it again). MXFP4: OCP
- * E2M1 values doubled (code = sign | exponent(2) | mantissa(1)), the block's E8M0 scale halved to
- * match (quant_e8m0_half); by quant_tables_init. */
+/* Non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its dequantisation of
+ * the golden files (value / d; tests/test_quant.c rederives it). MXFP4: OCP E2M1 values doubled
+ * (code = sign | exponent(2) | mantissa(1)), the E8M0 scale halved to match (quant_e8m0_half), by
+ * quant_tables_init. */
 static const int8_t quant_iq4nl_values[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
                                                  1, 13, 25, 38, 53, 69, 89, 113 };
 static int8_t quant_mxfp4_values[16];
-static int8_t quant_mxfp4_offset_values[16]; /* the same + 12, 0..24: unsigned operands for maddubs (AVX2) */
+static int8_t quant_mxfp4_offset_values[16]; /* + 12, 0..24: unsigned maddubs operands (AVX2) */
 
 /* 2^(e-128): an E8M0 scale times a half, as ggml's E8M0_TO_FP32_HALF (e = 0, 1: subnormal). */
 QUANT_SHARED_INLINE float quant_e8m0_half(uint8_t e) {
@@ -1418,13 +1417,12 @@ static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
     }
 }
 
-/* IQ3_XXS: each 4 weights are one of 256 points (a byte index) of the 4-D lattice
- * {4,12,..,52,62}^4, with 8 signs per 8 weights from 7 stored bits (the eighth makes the count of
- * minus signs even). The points are format data: quant_iq3xxs_keys lists them, sorted, as 3-bit
- * level indices (coordinate j's in bits 3j..3j+2). coli derives that list from the golden files
- * (tests/test_quant.c test_iq3xxs_lattice: pinned where the reference's dequantisation shows a
- * point, elsewhere the sorted list best explaining the quantizer's choices on the same weights) and
- * checks it gives this table. */
+/* IQ3_XXS: each 4 weights are one of 256 points (byte index) of the lattice {4,12,..,52,62}^4; 8
+ * signs per 8 weights from 7 stored bits (the eighth makes the minus count even). quant_iq3xxs_keys
+ * lists the points, sorted, as 3-bit level indices (coordinate j's in bits 3j..3j+2), derived from
+ * the golden files by tests/test_quant.c test_iq3xxs_lattice (pinned where the reference's
+ * dequantisation shows a point, elsewhere the sorted list best explaining the quantizer's choices
+ * on the same weights), which checks it gives this table. */
 static const uint8_t quant_iq3_levels[8] = { 4, 12, 20, 28, 36, 44, 52, 62 };
 static const uint16_t quant_iq3xxs_keys[256] = {
     0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
@@ -1446,12 +1444,12 @@ static const uint16_t quant_iq3xxs_keys[256] = {
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
 
-/* IQ3_S: each 4 weights are one of 512 points of {1,3,..,15}^4 (a 9-bit index: a qs byte and a qh
- * bit), with a stored sign bit per weight. quant_iq3s_keys lists the points, sorted, as 3-bit level
- * indices ((v-1)/2 of coordinate j in bits 3j..3j+2), derived from the golden files: 235 points
- * shown by the reference's dequantisation, the rest from a likelihood of the quantizer's choices on
- * the same weights. tests/test_quant.c (test_iq3s_grid) derives it again by least squares, agreeing
- * but for 7 entries, where the reference's logits choose this table's points. */
+/* IQ3_S: each 4 weights are one of 512 points of {1,3,..,15}^4 (9-bit index: a qs byte and a qh
+ * bit), a stored sign bit per weight. quant_iq3s_keys lists the points, sorted, as 3-bit level
+ * indices ((v-1)/2 of coordinate j in bits 3j..3j+2), from the golden files: 235 points the
+ * reference's dequantisation shows, the rest by likelihood of the quantizer's choices.
+ * tests/test_quant.c (test_iq3s_grid) rederives it by least squares, agreeing but for 7 entries,
+ * where the reference's logits pick this table's points. */
 static const uint16_t quant_iq3s_keys[512] = {
     0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
     37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
@@ -1487,15 +1485,16 @@ static const uint16_t quant_iq3s_keys[512] = {
     3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
 };
 static uint32_t quant_iq3s_grid[512];    /* byte j = coordinate j (quant_tables_init) */
-/* Plane h of the tables the VBMI lookups permute (quant_tables_init): each point's level indices of
- * coordinates 2h (low nibble) and 2h + 1 (high). */
+/* Plane h of the tables VBMI lookups permute (quant_tables_init): each point's level indices of
+ * coordinates 2h (low nibble), 2h + 1 (high). */
 static uint8_t quant_iq3xxs_pairs[2][256] __attribute__((aligned(64)));
 static uint8_t quant_iq3s_pairs[2][512] __attribute__((aligned(64)));
-static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored sign bits: byte j is -1 or +1, weight j's sign */
+static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored bits: byte j = ±1, weight j's sign */
 static uint8_t quant_iq_sign_table[128] __attribute__((aligned(64))); /* quant_iq_signs of each */
 
-/* Sign byte for 7 stored bits: bit 7 set when they hold an odd count (ggml's ksigns). Parity folded
- * by hand: __builtin_popcount is a library call without -mpopcnt. */
+/* Sign byte for 7 stored bits: bit 7 set for an odd count (ggml's ksigns). Parity by hand:
+ * __builtin_popcount is a library call without
+ * -mpopcnt. */
 QUANT_SHARED_INLINE uint8_t quant_iq_signs(uint32_t bits7) {
     uint32_t p = bits7 ^ bits7 >> 4;
     p ^= p >> 2;
@@ -1515,10 +1514,10 @@ QUANT_SHARED_INLINE int quant_iq4xs_scale(const uint8_t *b, int ib) {
     return (((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((quant_rd16(b + 2) >> 2 * ib) & 3) << 4)) - 32;
 }
 
-/* Byte of pair H of the planes above for a key of quant_iq3xxs_keys / quant_iq3s_keys. */
+/* Byte of pair H of the planes above for a quant_iq3xxs_keys / quant_iq3s_keys key. */
 static int quant_iq3_pair(uint16_t key, int h) { return (key >> 6 * h & 7) | (key >> (6 * h + 3) & 7) << 4; }
 
-/* Fills the generated tables; called by quant_set_level, so before any dot or dequant. */
+/* Fills the generated tables; run by quant_set_level, so before any dot or dequant. */
 static void quant_tables_init(void) {
     for (int c = 0; c < 16; c++) {
         const int e = (c >> 1) & 3, m = c & 1, v = e ? (2 + m) << (e - 1) : m;
@@ -1554,15 +1553,14 @@ QUANT_SHARED_INLINE int quant_iq3s_index(const uint8_t *b, int ib, int k) {
     return b[2 + 8 * ib + k] | (b[QUANT_IQ3S_QH + ib] >> k & 1) << 8;
 }
 
-/* The 4-bit scale s of 32-block IB of an IQ3_S super-block (its weight is d*(1+2s)). */
+/* 4-bit scale s of 32-block IB of an IQ3_S super-block (weight d*(1+2s)). */
 QUANT_SHARED_INLINE int quant_iq3s_scale(const uint8_t *b, int ib) {
     return b[QUANT_IQ3S_SCALES + ib / 2] >> 4 * (ib % 2) & 15;
 }
 
 /* An IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign) super-block's signed values in
- * element order and its 32-blocks' 8 integer scales: IQ4_XS's 6-bit ones less 32; IQ3_XXS's s in
- * d*(0.5+s)*0.5 (its word also holds 4 x 7 sign bits); IQ3_S's s in d*(1+2s), a stored sign bit a
- * weight. */
+ * element order and its 8 32-block integer scales: IQ4_XS's 6-bit ones less 32; IQ3_XXS's s in
+ * d*(0.5+s)*0.5 (its word also holds 4 x 7 sign bits); IQ3_S's s in d*(1+2s), a sign bit a weight. */
 static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *sc) {
     for (int ib = 0; ib < 8; ib++, v += 32) {
         if (t == GGUF_TYPE_IQ3_S) {
@@ -1593,8 +1591,8 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
     }
 }
 
-/* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v; IQ3_S: y = (d*(1+2s)) * v, as ggml
- * (whose sign comes last: the same number). */
+/* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v; IQ3_S: y = (d*(1+2s)) * v, as ggml (its
+ * sign comes last: same number). */
 static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b));
     int8_t v[QUANT_QK_K];
@@ -1607,8 +1605,8 @@ static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
     }
 }
 
-/* Writes n floats of a GGUF row of `type` to dst. Caller: type supported, n a multiple of the
- * block size, src holds the row's n/block_elems blocks. Bit-exact with ggml. */
+/* Writes n floats of a GGUF row of `type` to dst, bit-exact with ggml. Caller: type supported, n a
+ * multiple of the block, src holds the row's n/block_elems blocks. */
 static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n) {
     const uint8_t *s = src;
     const struct gguf_type_info *ti = gguf_type_get(type);
@@ -1633,7 +1631,7 @@ static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, 
     }
 }
 
-/* Byte offsets of the fp16 fields (scale d, and dmin or m) in a block of TYPE; -1: none. */
+/* Byte offsets of the fp16 fields (d, and dmin or m) in a TYPE block; -1: none. */
 static void quant_fp16_fields(enum gguf_type t, int at[2])
 {
     at[0] = 0;
@@ -1643,9 +1641,9 @@ static void quant_fp16_fields(enum gguf_type t, int at[2])
     if (t == GGUF_TYPE_Q6_K) at[0] = 208;
 }
 
-/* Rewrites the float fields of BYTES bytes of random TYPE blocks (whole) to finite normals of
- * magnitude in [2^E, 2^(E+1)), random sign kept: F32/F16/BF16 elements, fp16 scales, MXFP4's E8M0
- * exponent (2^E). Random bits give NaN, infinities, denormals (slow: unlike real weights). */
+/* Sets the float fields of BYTES bytes of random TYPE blocks (whole) to finite normals of magnitude
+ * in [2^E, 2^(E+1)), sign kept: F32/F16/BF16 elements, fp16 scales, MXFP4's E8M0 exponent (2^E).
+ * Random bits give NaN, infinities, denormals (slow, unlike real weights). */
 static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, int e)
 {
     const size_t bb = (size_t)gguf_type_get(t)->block_bytes, nb = bytes / bb;
@@ -1671,13 +1669,11 @@ static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, in
     }
 }
 
-/* ---- activations ----
- * Layouts (act is 64-byte aligned; n is a multiple of the block, so every part stays aligned):
- *   F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16).
- *   legacy weights (Q8 act, shared by Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float
- *     (fp16-rounded scale) | s[n/32] int32 (sum of the block's qs) | sd[n/32] float (Q8_1's
- *     s = fp16(d * sum), rounded as the reference stores it: Q4_1/Q5_1 multiply their min by
- *     it, and the rounding shows in the logits).
+/* ---- activations ---- Layouts (act 64-byte aligned; n a multiple of the block, so every part
+ *   stays aligned): F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16). legacy
+ *   weights (Q8 act, for Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float (fp16-rounded scale) |
+ *   s[n/32] int32 (block sum of qs) | sd[n/32] float (Q8_1's s = fp16(d * sum), rounded as the
+ *   reference stores it: Q4_1/Q5_1 multiply their min by it, and the rounding shows in the logits).
  *   K weights (Q8_K act): qs[n] int8 | d[n/256] float | bsums[n/16] int16. */
 struct quant_q8_view { const int8_t *qs; const float *d; const int32_t *s; const float *sd; };
 struct quant_q8k_view { const int8_t *qs; const float *d; const int16_t *bsums; };
@@ -1711,7 +1707,7 @@ static struct quant_q8k_view quant_q8k_view(const void *act, int64_t n) {
                                     (const int16_t *)(a + n + 4 * (n / QUANT_QK_K)) };
 }
 
-/* Bytes of the prepared activation for n elements against weights of wtype. */
+/* Bytes of the prepared act of n elements for wtype weights. */
 static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
     switch (quant_act_kind(wtype)) {
     case QUANT_ACT_FLOAT: return (size_t)n * 4;
@@ -1720,12 +1716,12 @@ static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
     }
 }
 
-/* Q8 blocks: d = amax/127, q = nearest-even(x * (127/amax)), stored scale fp16(d), as the x86
- * reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run too). 127/amax is not
- * always 1/d to the last bit (ggml's portable code and NEON path use 1/d), so some q land on the
- * other side of a .5, and each can tip a router near-tie (issue 14's Q8_0 drift; pinned by
- * test_quant's "Q8 act: the reference's 127/amax"). A block whose fp16(d) is zero contributes
- * exactly zero, so its q are set to 0, not computed with an overflowing 127/amax. */
+/* Q8 blocks as the x86 reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run):
+ * d = amax/127, q = nearest-even(x * (127/amax)), scale stored as fp16(d). 127/amax can miss 1/d
+ * (used by ggml's portable and NEON code) in the last bit, putting some q across a .5, each able to
+ * tip a router near-tie (issue 14's Q8_0 drift; test_quant's "Q8 act: the reference's 127/amax"). A
+ * block with zero fp16(d) contributes exactly zero: its q are 0, not computed from an overflowing
+ * 127/amax. */
 static void quant_act_q8(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1799,16 +1795,16 @@ static void quant_float_units(enum gguf_type t, const uint8_t *w, const float *x
     }
 }
 
-/* The float combine of one legacy block; shared by every level so the bits agree:
- *   no min: r = (dw*dx) * (float)isum;  with min: r + mw * sd (sd = fp16(d_x * sum q_x), as Q8_1 stores it). */
+/* A legacy block's float combine, shared by every level so bits agree: r = (dw*dx) * (float)isum,
+ * plus mw * sd with a min (sd = fp16(d_x * sum q_x), as Q8_1 stores it). */
 static inline float quant_legacy_combine(float dw, float mw, float dx, int32_t isum,
                                          float sd, int has_min) {
     float r = (dw * dx) * (float)isum;
     return has_min ? r + mw * sd : r;
 }
 
-/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32], weight quants as ggml
- * defines them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
+/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32], quants as ggml defines
+ * them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
 static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_q8_view a,
                                int64_t b0, int64_t b1, float *p) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -1826,7 +1822,7 @@ static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_
         } else if (t == GGUF_TYPE_Q8_0) {
             for (int j = 0; j < QUANT_QK; j++) isum += (int8_t)blk[2 + j] * qx[j];
         } else {
-            /* dequantise with unit scale and zero min to get the exact integer quants */
+            /* dequantise with unit scale, zero min: the exact integer quants */
             uint8_t tmp[24];
             memcpy(tmp, blk, (size_t)bb);
             tmp[0] = 0x00; tmp[1] = 0x3c;                    /* d = 1.0 */
@@ -1839,8 +1835,8 @@ static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_
     }
 }
 
-/* Q4_K/Q5_K: exact integer parts of one super-block given decoded 6-bit scales:
- * returns Σ_j sc_j * Σ_{32 in j} q*x (q unsigned 0..15 / 0..31). */
+/* Q4_K/Q5_K super-block's exact integer part, given decoded 6-bit scales: Σ_j sc_j * Σ_{32 in j}
+ * q*x (q unsigned 0..15 / 0..31). */
 static int32_t quant_q45k_isum_scalar(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
     const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
     int32_t sumi = 0;
@@ -1877,8 +1873,8 @@ static int32_t quant_q6k_isum_scalar(const uint8_t *b, const int8_t *qx) {
     return sumi;
 }
 
-/* Σ_g scale_g * Σ_{16 in g} q*x over a Q2_K (scale: the low nibble; *summ = Σ_g min_g * bsum_g) or
- * Q3_K super-block's 16-weight groups, exact. */
+/* Σ_g scale_g * Σ_{16 in g} q*x over a Q2_K (scale: low nibble; *summ = Σ_g min_g * bsum_g) or Q3_K
+ * super-block's 16-weight groups, exact. */
 static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx,
                                       const int16_t *bs, int32_t *summ) {
     int8_t q[QUANT_QK_K], sc[16];
@@ -1896,8 +1892,8 @@ static int32_t quant_q23k_isum_scalar(enum gguf_type t, const uint8_t *b, const 
     return sumi;
 }
 
-/* Σ_ib s_ib * Σ_{32 in ib} v*x of an IQ4_XS (s as stored, less 32), IQ3_XXS (s = 2*scale+1,
- * i.e. d*(0.5+scale)*0.5 = (d/4)*s) or IQ3_S (s = 2*scale+1) super-block, exact. */
+/* Σ_ib s_ib * Σ_{32 in ib} v*x of an IQ4_XS (s as stored, less 32), IQ3_XXS (s = 2*scale+1:
+ * d*(0.5+scale)*0.5 = (d/4)*s) or IQ3_S (s = 2*scale+1) super-block, exact. */
 static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const int8_t *qx) {
     int8_t v[QUANT_QK_K];
     int sc[8];
@@ -1911,10 +1907,9 @@ static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const in
     return sumi;
 }
 
-/* One super-block's result for the K-like formats besides Q4_K/Q5_K/Q6_K:
- *   Q2_K:    (d*dx)*(float)isum - (dmin*dx)*(float)summ
- *   Q3_K, IQ4_XS, IQ3_S: (d*dx)*(float)isum
- *   IQ3_XXS: ((d*dx)*(float)isum) * 0.25 (the reference's final quarter, exact) */
+/* A super-block's result for K-like formats but Q4_K/Q5_K/Q6_K: Q2_K: (d*dx)*(float)isum -
+ * (dmin*dx)*(float)summ; Q3_K, IQ4_XS, IQ3_S: (d*dx)*(float)isum; IQ3_XXS: ((d*dx)*(float)isum) *
+ * 0.25 (the reference's final quarter, exact). */
 static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bs,
                               float dx) {
     int32_t summ = 0;
@@ -1933,9 +1928,9 @@ static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *
     }
 }
 
-/* Dot of a K-quant row with a Q8_K act in canonical order; every level keeps this float combine:
- *   Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j
- *   Q6_K:      r = (d*dx)*(float)Σ sc_j*isum_j */
+/* K-quant row dot with a Q8_K act, canonical order; every level keeps this float combine:
+ * Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j; Q6_K: r =
+ * (d*dx)*(float)Σ sc_j*isum_j. */
 static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -1998,13 +1993,13 @@ QUANT_SCALAR_WRAP(quant_dot_iq3_s_scalar, quant_dot_k(GGUF_TYPE_IQ3_S, w, act, n
 QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4_NL, w, act, n))
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
-/* SIMD kernels' software prefetch distance, weight bytes: far enough for a line to arrive before
- * use, growing with memory latency times a core's weight rate (README: prefetch distance). */
+/* SIMD kernels' software prefetch distance (weight bytes): far enough for a line to arrive in time;
+ * grows with memory latency times a core's weight rate (README: prefetch distance). */
 #define QUANT_PREFETCH 4096
 
-/* A K group's 8 super-blocks unrolled keep their integer parts in registers (fewer instructions:
- * README) for ~15 s more compile time. COLI_ROLLED leaves the loops rolled (same results), for test
- * builds that check neither the kernels' speed nor the shipped code's bits (build.sh). */
+/* Unrolled, a K group's 8 super-blocks keep integer parts in registers (fewer instructions: README)
+ * for ~15 s more compile time. COLI_ROLLED keeps loops rolled (same results) for test builds
+ * checking neither kernel speed nor the shipped code's bits (build.sh). */
 #define QUANT_PRAGMA(x) _Pragma(#x)
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
@@ -2018,7 +2013,7 @@ QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP
 #define QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QUANT_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
-/* Canonical butterfly on 4 accumulators holding partials 0-7, 8-15, 16-23, 24-31. */
+/* Canonical butterfly on 4 accumulators of partials 0-7, 8-15, 16-23, 24-31. */
 QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     a0 = _mm256_add_ps(a0, a2);                                   /* s = 16 */
     a1 = _mm256_add_ps(a1, a3);
@@ -2029,15 +2024,15 @@ QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m25
     return _mm_cvtss_f32(v);
 }
 
-/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators so the next
- * group's comes first: after G groups acc[i] holds partials 8*((G+i)%4) on. Rotating keeps them in
- * registers; acc[g % 4] would put them in memory. */
+/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators to put the next
+ * group's first: after G groups acc[i] holds partials 8*((G+i)%4) on. Rotating stays in registers;
+ * acc[g % 4] would spill. */
 QUANT_AVX2_INLINE void quant_avx2_acc_add(__m256 *acc, __m256 r) {
     const __m256 a = _mm256_add_ps(acc[0], r);
     acc[0] = acc[1]; acc[1] = acc[2]; acc[2] = acc[3]; acc[3] = a;
 }
 
-/* quant_avx2_reduce of the accumulators of quant_avx2_acc_add after G groups. */
+/* quant_avx2_reduce of quant_avx2_acc_add's accumulators after G groups. */
 QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t groups) {
     switch (groups % 4) {
     case 1: return quant_avx2_reduce(acc[3], acc[0], acc[1], acc[2]);
@@ -2047,8 +2042,8 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
     }
 }
 
-/* A's and C's low 128-bit lanes side by side plus their high lanes side by side, the horizontal
- * sums' last step: an extract and an insert, not vperm2i128 (Zen 1: README). */
+/* A's and C's low 128-bit lanes side by side plus their high lanes likewise (the horizontal sums'
+ * last step): an extract and an insert, not vperm2i128 (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     const __m256i lo = _mm256_inserti128_si256(a, _mm256_castsi256_si128(c), 1);
     const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_extracti128_si256(a, 1)),
@@ -2056,7 +2051,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     return _mm256_add_epi32(lo, hi);
 }
 
-/* V's 128-bit lane L in both lanes (an extract and an insert: see quant_avx2_add_lanes). */
+/* V's 128-bit lane L in both lanes (extract and insert, as quant_avx2_add_lanes). */
 QUANT_AVX2_INLINE __m256i quant_avx2_lane_twice(__m256i v, int l) {
     const __m128i h = l ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
     return _mm256_inserti128_si256(_mm256_castsi128_si256(h), h, 1);
@@ -2071,7 +2066,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum8(const __m256i *s) {
     return quant_avx2_add_lanes(a, c);
 }
 
-/* quant_avx2_hsum8 where only s[0..count) may be nonzero (the other lanes come out 0). */
+/* quant_avx2_hsum8 where only s[0..count) may be nonzero (other lanes give 0). */
 QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
     if (count > 4) return quant_avx2_hsum8(s);
     const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -2084,11 +2079,11 @@ QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
 }
 
-/* Columns per pass of the AVX2 multi-column kernels: every column shares a group's 8 decoded weight
- * blocks; each column's 8 block products and 4 accumulators come in turn. */
+/* Columns per pass of the AVX2 multi-column kernels: all share a group's 8 decoded weight blocks;
+ * each column's 8 block products, 4 accumulators come in turn. */
 #define QUANT_AVX2_NCOL 4
 
-/* The 16 bytes at P in the low 128-bit lane, those at Q in the high one. */
+/* The 16 bytes at P in the low 128-bit lane, at Q in the high. */
 QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
                                    _mm_loadu_si128((const __m128i *)q), 1);
@@ -2096,11 +2091,11 @@ QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
 
 /* A legacy group's 8 blocks go as 4 pairs, block j beside j + 4 (j < 4): elements 0-15 in one
  * vector (LO: block j's in the low 128-bit lane, j + 4's in the high), 16-31 in another (HI). A
- * pair's two products add within each lane, and quant_avx2_legacy_sums' horizontal sums leave block
- * k's total in lane k: half the horizontal adds of summing 8 whole blocks, none crossing lanes. */
+ * pair's two products add in-lane, and quant_avx2_legacy_sums' horizontal sums leave block k's
+ * total in lane k: half the horizontal adds of summing 8 whole blocks, none across lanes. */
 
-/* The weight operands of the block pair at BJ and BJ4 (quant_avx2_legacy_sums' layout): signed
- * values (Q8_0, IQ4_NL), else unsigned quants (MXFP4: values + 12). */
+/* Weight operands of the block pair at BJ, BJ4 (that layout): signed values (Q8_0, IQ4_NL), else
+ * unsigned quants (MXFP4: values + 12). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj, const uint8_t *bj4, __m256i *lo,
                                             __m256i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -2120,7 +2115,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj,
         *lo = _mm256_shuffle_epi8(table, *lo);
         *hi = _mm256_shuffle_epi8(table, *hi);
     }
-    if (five) { /* bit 4 of element i is bit i of qh: bytes 0-1 of it for LO, 2-3 for HI */
+    if (five) { /* element i's bit 4 is qh bit i: bytes 0-1 for LO, 2-3 for HI */
         uint32_t hj, hj4;
         memcpy(&hj, bj + 2 + 2 * has_min, 4);
         memcpy(&hj4, bj4 + 2 + 2 * has_min, 4);
@@ -2135,9 +2130,9 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj,
     }
 }
 
-/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ and XJ4, by lane: 16 int16 (each <=
- * 2 * 2 * 31 * 127 = 15748), or 8 int32 for the signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
- * quants and MXFP4's values are still offset (the caller subtracts 8/16/12 * Σq_x). */
+/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ, XJ4, by lane: 16 int16 (each <= 2
+ * * 2 * 31 * 127 = 15748), or 8 int32 for signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
+ * quants and MXFP4's values are still offset (caller subtracts 8/16/12 * Σq_x). */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, __m256i hi, const int8_t *xj,
                                                  const int8_t *xj4) {
     const __m256i xl = quant_avx2_halves(xj, xj4), xh = quant_avx2_halves(xj + 16, xj4 + 16);
@@ -2159,7 +2154,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_legacy_sums(enum gguf_type t, const __m256i
     return _mm256_hadd_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
 }
 
-/* fp16 fields at byte offset `off` of 8 consecutive blocks of `bb` bytes, as floats. */
+/* fp16 fields at byte `off` of 8 consecutive `bb`-byte blocks, as floats. */
 QUANT_AVX2_INLINE __m256 quant_avx2_scales8(const uint8_t *b, int bb, int off) {
     __m128i h = _mm_set_epi16((short)quant_rd16(b + 7 * bb + off), (short)quant_rd16(b + 6 * bb + off),
                               (short)quant_rd16(b + 5 * bb + off), (short)quant_rd16(b + 4 * bb + off),
@@ -2168,7 +2163,7 @@ QUANT_AVX2_INLINE __m256 quant_avx2_scales8(const uint8_t *b, int bb, int off) {
     return _mm256_cvtph_ps(h);
 }
 
-/* quant_e8m0_half of the first byte of 8 consecutive blocks of `bb` bytes. */
+/* quant_e8m0_half of the first byte of 8 consecutive `bb`-byte blocks. */
 QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
     const __m256i e = _mm256_set_epi32(b[7 * bb], b[6 * bb], b[5 * bb], b[4 * bb], b[3 * bb], b[2 * bb], b[bb], b[0]);
     const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
@@ -2177,9 +2172,9 @@ QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
-/* Legacy dot of one row with NC columns (acts STRIDE apart, results y[c*ys]): each 8-block group
- * gives a vector of unit results per column, added to its accumulator g % 4 (partials b % 32); a <
- * 8-block tail takes the scalar units. Columns take single-column steps: matvec's bits. */
+/* Legacy dot of a row with NC columns (acts STRIDE apart, results y[c*ys]): each 8-block group
+ * gives a vector of unit results per column, added to accumulator g % 4 (partials b % 32); a <
+ * 8-block tail takes scalar units. Each column takes single-column steps: matvec's bits. */
 QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                          int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2196,7 +2191,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, con
     for (int64_t b = 0; b < nb8; b += 8) {
         const uint8_t *wb = w + b * bb;
         for (int q = 0; q < 8 * bb; q += 64) _mm_prefetch((const char *)wb + QUANT_PREFETCH + q, _MM_HINT_T0);
-        __m256i lo[4], hi[4]; /* one column decodes as it goes (8 held registers: slower) */
+        __m256i lo[4], hi[4]; /* one column decodes as it goes (holding 8 registers: slower) */
         QUANT_UNROLL(4)
         for (int j = 0; j < 4 && NC > 1; j++) quant_avx2_legacy_w2(t, wb + j * bb, wb + (j + 4) * bb, &lo[j], &hi[j]);
         const __m256 dw = t == GGUF_TYPE_MXFP4 ? quant_avx2_e8m0_half8(wb, bb) : quant_avx2_scales8(wb, bb, 0);
@@ -2271,18 +2266,18 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
     }
 }
 
-/* K formats' scales multiply their int16 products (maddubs) by vpmaddwd, which Zen 1 runs on one
- * pipe (README), like the products. So 2 or 4 steps' products (32 weights each) first fold into one
- * vector of sums (adds, unpacks: other pipes), a step a qword or dword of each 128-bit lane, and
- * one multiply applies their scales (README). Up to 4 products' sums stay in int16 for quants up to
- * 5 bits (4 * 2 * 31 * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
+/* K scales multiply their int16 products (maddubs) by vpmaddwd, which Zen 1 runs on one pipe
+ * (README), as it does the products. So 2 or 4 steps' products (32 weights each) first fold into
+ * one vector (adds, unpacks: other pipes), a step a qword or dword of each 128-bit lane, and one
+ * multiply applies their scales. Sums of up to 4 stay int16 for quants of up to 5 bits (4 * 2 * 31
+ * * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
     return _mm256_add_epi16(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
 }
 
-/* Steps A and B -> dwords 0 and 2 of each lane from A, 1 and 3 from B: fold4's first step. */
+/* Steps A and B -> dwords 0, 2 of each lane from A, 1, 3 from B: fold4's first step. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold32(__m256i a, __m256i b) {
     return _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
 }
@@ -2292,21 +2287,21 @@ QUANT_AVX2_INLINE __m256i quant_avx2_fold4(const __m256i *p) {
     return quant_avx2_fold2(quant_avx2_fold32(p[0], p[1]), quant_avx2_fold32(p[2], p[3]));
 }
 
-/* A vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i, 2i +
- * 1). Closed form, so constant indices fold to a constant. */
+/* vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i, 2i + 1).
+ * Closed form: constant indices fold to a constant. */
 QUANT_AVX2_INLINE uint64_t quant_avx2_words(int i0, int i1, int i2, int i3) {
     return (uint64_t)(0x0202u * (unsigned)i0 + 0x0100u) | (uint64_t)(0x0202u * (unsigned)i1 + 0x0100u) << 16 |
            (uint64_t)(0x0202u * (unsigned)i2 + 0x0100u) << 32 | (uint64_t)(0x0202u * (unsigned)i3 + 0x0100u) << 48;
 }
 
-/* H's int16 scales by quant_avx2_words controls: low lane's qwords by L0, L1; high's by H0, H1. */
+/* H's int16 scales by quant_avx2_words controls: low lane's qwords by L0, L1, high's by H0, H1. */
 QUANT_AVX2_INLINE __m256i quant_avx2_pick(__m256i h, uint64_t l0, uint64_t l1, uint64_t h0, uint64_t h1) {
     return _mm256_shuffle_epi8(h, _mm256_set_epi64x((long long)h1, (long long)h0, (long long)l1, (long long)l0));
 }
 
-/* The scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: the 8 scales in both
- * lanes) or of Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's 16-weight halves'
- * 2i and 2i + 1 in the low and high lane). */
+/* Scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: the 8 scales in both lanes)
+ * or Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's 16-weight halves' 2i, 2i +
+ * 1 in the low, high lane). */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, int f) {
     if (t != GGUF_TYPE_Q6_K) {
         const uint64_t a = quant_avx2_words(f, f, f + 1, f + 1), b = quant_avx2_words(f + 2, f + 2, f + 3, f + 3);
@@ -2318,17 +2313,17 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, in
                            quant_avx2_words(k + 3, k + 3, k + 3, k + 3));
 }
 
-/* Each byte of V shifted so its bit FROM lands on bit TO, masked by MASK: Q5_K's high bit (to bit
- * 4), Q6_K's two (to bits 4-5), Q3_K's one (to bit 2) placed by one 16-bit shift, where shift,
- * mask, shift took two. Exact per byte while bits kept come from their own byte (Zen 1: README). */
+/* Each byte of V shifted so bit FROM lands on bit TO, masked by MASK: Q5_K's high bit (to bit 4),
+ * Q6_K's two (to bits 4-5), Q3_K's one (to bit 2) placed by one 16-bit shift, not shift, mask,
+ * shift. Exact per byte while kept bits come from their own byte (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
     const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
 /* Bits 2K, 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts on one
- * pipe (README), so the steps moving bits up are byte lookups (H's low nibble -> its bits 2K, 2K +
- * 1 at bits 4-5); step 2's are already in place. */
+ * pipe (README), so steps moving bits up are byte lookups (H's low nibble -> its bits 2K, 2K + 1 at
+ * bits 4-5); step 2's are in place. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
     if (k == 3) return quant_avx2_bits_to(h, 6, 4, 0x30);
@@ -2338,8 +2333,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     return _mm256_shuffle_epi8(table, _mm256_and_si256(h, _mm256_set1_epi8(0x0f)));
 }
 
-/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): scales applied
- * by madd on folds of 4 steps' int16 products (quant_avx2_fold4; Q4_K, Q5_K lay scales alike). */
+/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): madd applies
+ * scales to folds of 4 steps' int16 products (quant_avx2_fold4; Q4_K, Q5_K lay scales alike). */
 QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2367,7 +2362,7 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
 }
 
 /* Q6_K integer part less offset, 8 lanes summing to Σ_j sc_j * Σ q*x, q unsigned (0..63); SC: the
- * 16 scales as int16. */
+ * 16 scales, int16. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i acc = _mm256_setzero_si256();
@@ -2392,10 +2387,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
     return acc;
 }
 
-/* Q2_K / Q3_K integer parts with unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, the hmask
- * bit as third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16 in g} q'*x;
- * SC holds the 16 scales as int16. Each half's quants are decoded once for all columns;
- * quant_avx2_q23k_finish takes off Q3_K's offset, gives Q2_K's min term. */
+/* Q2_K / Q3_K integer parts by unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, hmask bit as
+ * third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16 in g} q'*x; SC: 16
+ * int16 scales. Each half's quants decode once for all columns; quant_avx2_q23k_finish takes off
+ * Q3_K's offset, gives Q2_K's min term. */
 QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b, const int8_t *const *qx, int NC,
                                              __m256i sc, __m256i *acc) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -2409,12 +2404,12 @@ QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b,
         __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * n)), q[4];
         #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            /* step (n, k) takes bits 2k of the quants and bit 4n + k of hmask */
+            /* step (n, k): quant bits 2k, hmask bit 4n + k */
             q[k] = _mm256_and_si256(q2, m3);
             q2 = _mm256_srli_epi16(q2, 2);
             if (three) q[k] = _mm256_or_si256(q[k], quant_avx2_bits_to(hbits, 4 * n + k, 2, 0x04));
         }
-        /* step k's 16-weight halves have scales 2k (low lane) and 2k + 1 (high) of half n */
+        /* step k's 16-weight halves: half n's scales 2k (low lane), 2k + 1 (high) */
         const __m256i sc_n = quant_avx2_pick(half[n], quant_avx2_words(0, 0, 2, 2), quant_avx2_words(4, 4, 6, 6),
                                              quant_avx2_words(1, 1, 3, 3), quant_avx2_words(5, 5, 7, 7));
         QUANT_UNROLL(4)
@@ -2430,7 +2425,7 @@ QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b,
 
 /* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
  * (scales 0-7 low, 8-15 high), bytes 8-11 all 16's top 2 bits. The 16-byte load starts 4 bytes
- * early, inside the block, so it ends inside it too. */
+ * early to stay inside the block. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
     const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
     const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
@@ -2440,7 +2435,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32)));
 }
 
-/* The 16 scales of a Q2_K / Q3_K super-block as int16 (*SC), and Q2_K's 16 mins (*MINS). */
+/* A Q2_K / Q3_K super-block's 16 scales as int16 (*SC), and Q2_K's 16 mins (*MINS). */
 QUANT_AVX2_INLINE void quant_avx2_q23k_scales(enum gguf_type t, const uint8_t *b, __m256i *sc, __m256i *mins) {
     if (t == GGUF_TYPE_Q3_K) {
         *sc = quant_avx2_q3k_scales(b + 96);
@@ -2475,11 +2470,10 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
     return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
 }
 
-/* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's:
- * 32-blocks of the table's signed values times the block's integer scale. One 32-byte load holds
- * blocks k and k + 1 in its lanes, low nibbles weights 0-15, high ones 16-31, decoded once for all
- * columns, so each column's x comes in those halves (README). Values reach 127, so each product
- * takes its own scale multiply. */
+/* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's. A
+ * 32-byte load holds blocks k, k + 1 in its lanes, low nibbles weights 0-15, high 16-31, decoded
+ * once for all columns, each column's x coming in those halves (README). Values reach 127, so each
+ * product takes its own scale multiply. */
 QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2503,7 +2497,7 @@ QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *co
     }
 }
 
-/* An IQ3_XXS 32-block's 8 grid points from its 8 index bytes Q (one load, split in integer
+/* An IQ3_XXS 32-block's 8 grid points from its 8 index bytes Q (one load split in integer
  * registers: 8 byte loads took the load ports the grid needs). */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3xxs_points(uint64_t q) {
     const uint32_t *g = quant_iq3xxs_grid;
@@ -2512,14 +2506,14 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3xxs_points(uint64_t q) {
 }
 
 /* IQ3_XXS integer parts for NC columns at QX[c] (ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's);
- * each 32-block's points and signs are decoded once for all columns. Points are at most 62, so two
- * 32-blocks' products add in int16 (2 * 2 * 62 * 127 = 31496) and one multiply applies both scales
- * (2 s + 1, from the top 4 bits of each block's word), laid out as by quant_avx2_fold2. */
+ * each 32-block's points and signs decode once for all columns. Points are <= 62, so two 32-blocks'
+ * products add in int16 (2 * 2 * 62 * 127 = 31496) and one multiply applies both scales (2 s + 1,
+ * from the top 4 bits of each block's word), laid out as quant_avx2_fold2's. */
 QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i words = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
     const __m256i half[2] = { quant_avx2_lane_twice(sc, 0), quant_avx2_lane_twice(sc, 1) };
-    __m256i first[QUANT_AVX2_NCOL]; /* each column's product of the even block, until its odd one */
+    __m256i first[QUANT_AVX2_NCOL]; /* each column's even-block product, until the odd one */
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
     #pragma GCC unroll 8
@@ -2549,9 +2543,9 @@ QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *c
     }
 }
 
-/* The grid points of IQ3_S 32-block IB: its 8 qs bytes with bit j of its qh byte as index j's bit
- * 8. One multiply moves the qh bits into two words of four 16-bit indices (even and odd j): bit 2k
- * lands at 16k + 8, the cross terms at other bits (2a + 8 + 14b, all apart), so nothing carries. */
+/* IQ3_S 32-block IB's grid points: index j is qs byte j, bit j of the qh byte as bit 8. One
+ * multiply moves the qh bits into two words of four 16-bit indices (even, odd j): bit 2k lands at
+ * 16k + 8, cross terms at other bits (2a + 8 + 14b, all apart): no carries. */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
     const uint64_t spread = (1ull << 8) + (1ull << 22) + (1ull << 36) + (1ull << 50), at8 = 0x0100010001000100ull;
     const uint64_t byte16 = 0x00ff00ff00ff00ffull, h = b[QUANT_IQ3S_QH + ib];
@@ -2565,9 +2559,9 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
                             (int)g[odd & 0xffff], (int)g[even & 0xffff]);
 }
 
-/* quant_iq3xxs_isums_avx2 for IQ3_S: points are at most 15, so four 32-blocks' products add in
- * int16 (4 * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as by
- * quant_avx2_fold4 (its first step taken as each pair of products comes, so a column holds two
+/* quant_iq3xxs_isums_avx2 for IQ3_S: points are <= 15, so four 32-blocks' products add in int16 (4
+ * * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as
+ * quant_avx2_fold4's (its first step taken as each pair of products comes: a column holds two
  * vectors, not four). */
 QUANT_AVX2_INLINE void quant_iq3s_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     uint32_t packed;
@@ -2575,7 +2569,7 @@ QUANT_AVX2_INLINE void quant_iq3s_isums_avx2(const uint8_t *b, const int8_t *con
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed), shifts), _mm256_set1_epi32(15));
     const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1)); /* block k's in dword k */
-    __m256i even[QUANT_AVX2_NCOL], pair[QUANT_AVX2_NCOL]; /* a column's last even product; its first pair's fold */
+    __m256i even[QUANT_AVX2_NCOL], pair[QUANT_AVX2_NCOL]; /* last even product; first pair's fold */
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_si256();
     #pragma GCC unroll 8
@@ -2608,9 +2602,9 @@ QUANT_AVX2_INLINE void quant_avx2_iq_isums(enum gguf_type t, const uint8_t *b, c
     else quant_iq3s_isums_avx2(b, qx, NC, acc);
 }
 
-/* One K-like super-block's integer parts, 8 lanes each: *isum's lanes sum to the isum of
- * quant_dot_k's float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's
- * offset of 32 and Q3_K's of 4 come off here, as that many times Σ sc_g * bsum_g. */
+/* A K-like super-block's integer parts, 8 lanes each: *isum's sum to the isum of quant_dot_k's
+ * float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's offset of 32 and Q3_K's
+ * of 4 come off here, as that many times Σ sc_g * bsum_g. */
 QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bsums,
                                          __m256i *isum, __m256i *summ) {
     const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
@@ -2643,12 +2637,12 @@ QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, in
     quant_avx2_k_ints(t, wb + k * bb, a.qs + (u + k) * QUANT_QK_K, a.bsums + (u + k) * 16, &is[k], &sm[k]);
 }
 
-/* All ones in the first COUNT (0..8) of 8 lanes, from quant_avx2_lane_ones + 8 - COUNT. */
+/* Ones in the first COUNT (0..8) of 8 lanes, from quant_avx2_lane_ones + 8 - COUNT. */
 static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 
-/* The fp16 fields at byte OFF of a group's blocks as floats: lane l = block l % 2^SHIFT of row l >>
- * SHIFT (rows RB bytes apart from B, blocks BB); lanes past NR rows or PER blocks of a row +0; only
- * the group's blocks are read. Inlined with a constant shape, the tests fold away. */
+/* fp16 fields at byte OFF of a group's blocks as floats: lane l = block l % 2^SHIFT of row l >>
+ * SHIFT (rows RB bytes apart from B, blocks BB); lanes past NR rows or PER blocks a row +0; reads
+ * only the group's blocks. Inlined with a constant shape, the tests fold away. */
 QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, int bb, int shift, int nr,
                                                  int per, int off) {
     uint64_t lo = 0, hi = 0;
@@ -2662,11 +2656,11 @@ QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, in
     return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
 
-/* K-quant row dot: groups of 8 super-blocks (the last may be short) give one vector of unit
- * results, lane k = unit u + k, added to accumulator (u/8) % 4 (partials u % 32), each lane taking
- * quant_dot_k's float steps. A short group's empty lanes hold +0 (d, dx and integer parts zero),
- * and a partial plus +0 is the partial: the scalar bits either way. No scalar helper is called (an
- * SSE call from AVX code pays transitions: README). */
+/* K-quant row dot: each group of 8 super-blocks (the last may be short) gives a vector of unit
+ * results (lane k: unit u + k, by quant_dot_k's float steps) added to accumulator (u/8) % 4
+ * (partials u % 32). A short group's empty lanes are +0 (d, dx, integer parts zero), leaving
+ * partials as they are: the scalar bits. No scalar helper is called (SSE calls from AVX code pay
+ * transitions: README). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2684,7 +2678,7 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
             QUANT_GROUP_UNROLL
             for (int k = 0; k < 8; k++) quant_avx2_k_slot(t, wb, bb, a, u, k, count, is, sm);
         }
-        /* dx of the group's units; past them the load reads the act's bsums, which follow d */
+        /* dx of the group's units; past them the load reads the bsums that follow d */
         const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
         const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
         __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is, count)));
@@ -2700,7 +2694,7 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
 }
 
 /* Step I (0..7: weights 32 I..32 I+31) of Q4_K, Q5_K or Q6_K super-block B: its unsigned quants.
- * Inlined with a constant I, its repeated loads fold. */
+ * Inlined with a constant I, repeated loads fold. */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (t == GGUF_TYPE_Q6_K) {
@@ -2735,8 +2729,8 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t
     }
 }
 
-/* quant_avx2_k_ints of super-block B (unit U) for NC columns A into is[c][k] and sm[c][k], each
- * step decoded once for all: per column the same integers (in other lanes: exact sums). */
+/* quant_avx2_k_ints of super-block B (unit U) for NC columns A into is[c][k], sm[c][k], each step
+ * decoded once for all: per column the same integers (in other lanes: exact sums). */
 QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
                                               int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
     if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
@@ -2792,14 +2786,14 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b
     }
 }
 
-/* The float steps of one group of COUNT (1..8) super-blocks at unit U for NC columns (both
- * levels' multi-column K kernels): each column's integer parts IS and SM to unit results, lane
- * k = unit u + k (+0 past COUNT), added to its accumulators ACC as quant_avx2_k adds them. */
+/* Float steps of a group of COUNT (1..8) super-blocks at unit U for NC columns (both levels'
+ * multi-column K kernels): each column's integer parts IS, SM to unit results, lane k = unit u + k
+ * (+0 past COUNT), added to accumulators ACC as quant_avx2_k does. */
 QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *wb, int bb, int count,
                                                const struct quant_q8k_view *a, int64_t u, __m256i (*is)[8],
                                                __m256i (*sm)[8], __m256 (*acc)[4], int NC) {
     const int has_min = quant_k_has_min(t), doff = quant_k_d_offset(t);
-    /* dx of the group's units; past them the load reads the act's bsums, which follow d */
+    /* dx as in quant_avx2_k: past the units, bsums */
     const __m256 lanes = _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count));
     const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
     const __m256 dmin = !has_min ? d : count == 8 ? quant_avx2_scales8(wb, bb, doff + 2) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff + 2);
@@ -2814,7 +2808,7 @@ QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *
 }
 
 /* K or IQ (IQ4_XS, IQ3_XXS, IQ3_S) dot of one row with NC (2..QUANT_AVX2_NCOL) columns:
- * quant_avx2_k's steps for every column, each super-block step decoded once for all. */
+ * quant_avx2_k's steps for each column, each super-block step decoded once for all. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2852,8 +2846,8 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr
     if (i < nr) quant_avx2_k_ints(t, wr + (size_t)i * rb + (size_t)k * bb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &sm[l]);
 }
 
-/* The float steps of a quant_avx2_pairs_group group (both levels): integer parts IS and SM of NR
- * rows' 2 super-blocks each, in lanes 2 * row + unit, to the row results in Y. */
+/* Float steps of a quant_avx2_pairs_group group (both levels): integer parts IS, SM of NR rows' 2
+ * super-blocks each, in lanes 2 * row + unit, to row results in Y. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *wr, size_t rb, int nr, __m256 dx,
                                                const __m256i *is, const __m256i *sm, float *y) {
     const int bb = gguf_type_get(t)->block_bytes, doff = quant_k_d_offset(t);
@@ -2862,8 +2856,8 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *
         v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(quant_avx2_group_scales(wr, rb, bb, 1, nr, 2, doff + 2), dx),
                                            _mm256_cvtepi32_ps(quant_avx2_hsum8(sm))));
     if (t == GGUF_TYPE_IQ3_XXS) v = _mm256_mul_ps(v, _mm256_set1_ps(0.25f));
-    v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* the partials p[0], p[1] of each row */
-    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));      /* the butterfly's last step, p[0] + p[1] */
+    v = _mm256_add_ps(_mm256_setzero_ps(), v);       /* each row's p[0], p[1] */
+    v = _mm256_add_ps(v, _mm256_movehdup_ps(v));      /* butterfly's last step, p[0] + p[1] */
     float out[8];
     _mm256_storeu_ps(out, v);
     for (int i = 0; i < nr; i++) y[i] = out[2 * i];
@@ -2886,10 +2880,10 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *w
 
 /* K-quant rows of 2 super-blocks (512 columns: the 35B-A3B's and qwen3next's experts' down
  * products), 4 rows to a group of 8 lanes, sharing the horizontal sums, float steps and reduction
- * that quant_avx2_k makes a 2-super-block row pay alone. Each lane takes quant_dot_k's float steps;
- * 0 + r is the partial (the single-row kernel's first add), and p[0] + p[1] the whole canonical
- * butterfly: the other 30 partials are +0, and adding +0 to a partial that is never -0 changes
- * nothing. Other rows go one by one through quant_avx2_k. */
+ * quant_avx2_k makes a 2-super-block row pay alone. Each lane takes quant_dot_k's float steps; 0 +
+ * r is the partial (the single-row kernel's first add), p[0] + p[1] the whole canonical butterfly:
+ * the other 30 partials are +0, which changes no partial (never -0). Other rows go one by one
+ * through quant_avx2_k. */
 QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nrows,
                                          const void *act, int64_t n, float *y) {
     if (n != 2 * QUANT_QK_K) {
@@ -2916,7 +2910,7 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 
 /* One row with nc columns in passes of NCOL (4), each pass size a constant so column loops unroll,
  * accumulators in registers (3 leftover columns go as 2 + 1: a kernel copy fewer to compile);
- * KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC columns (the AVX-512 kernels alike). */
+ * KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC columns (AVX-512 kernels too). */
 #define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol) \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
                             float *y, size_t ys) { \
@@ -2927,8 +2921,8 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
     }
 
 /* COLI_ROLLED builds pass the pass size at run time, and the single-column dot is the multi-column
- * kernel's one-column call: one copy of each kernel, not four (the same bits; test_quant's
- * sanitizer build takes ~19 s, fixed sizes at both levels ~29). */
+ * kernel's one-column call: one copy of each kernel, not four (same bits; test_quant's sanitizer
+ * build ~19 s, fixed sizes at both levels ~29). */
 #ifdef COLI_ROLLED
 #define QUANT_COLUMNS(name, target, kernel, type, ncol) \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
@@ -2971,7 +2965,7 @@ QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
 
-/* NC columns of a K or IQ row: quant_avx2_k_cols, one column through quant_avx2_k (its steps,
+/* NC columns of a K or IQ row: quant_avx2_k_cols; one column through quant_avx2_k (its steps,
  * nothing held between decode and use). */
 QUANT_AVX2_INLINE void quant_avx2_k_n(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                       float *y, size_t ys, int NC) {
@@ -3000,21 +2994,20 @@ QUANT_AVX2_ROWS(quant_dotr_iq4_xs_avx2, GGUF_TYPE_IQ4_XS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 
-/* ---- AVX-512 kernels (VNNI): same units, same float steps ----
- * The block formats also come in multi-column form (quant_dotn): each weight block is decoded
- * once for up to QUANT_NCOL act columns, each through exactly the single-column steps, so
- * matmat gives matvec's bits. Only AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the
- * IQ3_XXS lattice lookup and the MXFP4 unpack, but Cascade Lake and Cooper Lake (VNNI without
- * VBMI) lack them. */
+/* ---- AVX-512 kernels (VNNI): same units, same float steps ---- Block formats also come
+ *   multi-column (quant_dotn): each weight block decodes once for up to QUANT_NCOL act columns,
+ *   each through exactly the single-column steps: matmat gives matvec's bits. Only
+ *   AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the IQ3_XXS lookup and MXFP4 unpack, but
+ *   Cascade Lake and Cooper Lake (VNNI without VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* Columns per pass of the multi-column kernels: the legacy kernel then holds 4 x 4 integer and 4 x
- * 2 float accumulators, filling the 32 zmm registers with the decoded weights. */
+/* Columns per pass of the multi-column kernels: the legacy kernel's 4 x 4 integer and 4 x 2 float
+ * accumulators and decoded weights then fill the 32 zmm registers. */
 #define QUANT_NCOL 4
 
-/* Canonical butterfly on two accumulators holding partials 0-15 and 16-31. */
+/* Canonical butterfly on two accumulators of partials 0-15 and 16-31. */
 QUANT_AVX512_INLINE float quant_avx512_reduce(__m512 a0, __m512 a1) {
     a0 = _mm512_add_ps(a0, a1);                                                   /* s = 16 */
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a0),
@@ -3033,7 +3026,7 @@ QUANT_AVX512_INLINE __m512 quant_avx512_load_w16(enum gguf_type t, const uint8_t
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Float row dot with NC columns: accumulators hold partials 0-15 and 16-31. */
+/* Float row dot with NC columns: accumulators of partials 0-15 and 16-31. */
 QUANT_AVX512_INLINE void quant_avx512_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts,
                                             size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
@@ -3072,8 +3065,8 @@ QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
 
 /* Word permutes, not a gather, for the fields of 16 Q4_1, Q5_0, Q5_1 or Q8_0 blocks, through
  * 128-byte windows at 0, 128, ... (the last ends with the group: no load leaves it). F = 0: block
- * k's d in word k, Q4_1's and Q5_1's min in word 16 + k; F = 1: Q5_0's and Q5_1's block k qh in
- * dword k. Made once, at quant_set_level. */
+ * k's d in word k, Q4_1's, Q5_1's min in word 16 + k; F = 1: Q5_0's, Q5_1's block k qh in dword k.
+ * Made once, at quant_set_level. */
 static struct quant_group_words { int16_t idx[32]; uint32_t from[5 /* Q8_0's 544 bytes */]; int windows; } quant_group_words[GGUF_TYPE_COUNT][2];
 
 QUANT_SHARED_INLINE int quant_group_window_at(int bb, int w) { return 128 * w < 16 * bb - 128 ? 128 * w : 16 * bb - 128; }
@@ -3112,9 +3105,9 @@ QUANT_AVX512_INLINE __m512i quant_avx512_group_words(enum gguf_type t, int f, co
     return r;
 }
 
-/* The scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4 (E8M0,
- * byte 17k) by two word permutes of two loads each, blocks 0-7 from the first bytes, 8-15 from byte
- * 144 (MXFP4 136) on, not a gather (slow: ~13 cycles). */
+/* Scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4 (E8M0, byte
+ * 17k) by two word permutes of two loads each (blocks 0-7 from the start, 8-15 from byte 144, MXFP4
+ * 136), not a gather (~13 cycles). */
 QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t *b) {
     const int mx = t == GGUF_TYPE_MXFP4, second = mx ? 136 : 144;
     int16_t w[32], shift[32];
@@ -3132,8 +3125,8 @@ QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t
 }
 
 /* The 4 legacy blocks' unsigned quants at b (QUAD of a group with qh dwords QHS, for Q5_0/Q5_1), a
- * 128-bit lane a block: elements 0-15 in *lo, 16-31 in *hi. Q8_0 and the table formats (IQ4_NL,
- * MXFP4) are offset by 128 (the caller subtracts 128 * Σx, as 8 or 16 for Q4_0/Q5_0), so vpdpbusd
+ * block a 128-bit lane: elements 0-15 in *lo, 16-31 in *hi. Q8_0 and the table formats (IQ4_NL,
+ * MXFP4) are offset by 128 (caller subtracts 128 * Σx, as 8 or 16 for Q4_0/Q5_0): vpdpbusd
  * (unsigned x signed) serves all. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb, __m512i qhs, int quad,
                                                   __m512i *lo, __m512i *hi) {
@@ -3150,7 +3143,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     const int has_min = t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1;
     const int five = t == GGUF_TYPE_Q5_0 || t == GGUF_TYPE_Q5_1;
     const int qo = t == GGUF_TYPE_MXFP4 ? 1 : 2 + 2 * has_min + 4 * five;
-    /* four loads and three inserts (README: faster than one word permute of two wide loads) */
+    /* four loads, three inserts: faster than a word permute of two wide loads (README) */
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + qo)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + bb + qo)), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * bb + qo)), 2);
@@ -3165,9 +3158,9 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
         h = _mm512_shuffle_epi8(tab, h);
     }
     if (five) {
-        /* bit j of a block's qh is element j's fifth bit (0-15 to lo, 16-31 to hi). Each block's
-         * lane holds its qh four times (a dword permute of QHS); a byte shuffle gives byte i the qh
-         * byte holding element i's bit, a test picks it. */
+        /* qh bit j is element j's fifth bit (0-15 to lo, 16-31 to hi). A dword permute of QHS puts
+         * a block's qh four times in its lane; a byte shuffle gives byte i the qh byte with element
+         * i's bit; a test picks it. */
         const __m512i q = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                                                     _mm512_set1_epi32(4 * quad)), qhs);
         const __m512i bit = _mm512_broadcast_i32x4(_mm_set1_epi64x(0x8040201008040201));
@@ -3181,7 +3174,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
 }
 
 /* Lane u = sum of block u's 4 int32, q[j] holding blocks 4j..4j+3 in its 128-bit lanes (two unpack
- * rounds leave block 4j+k in lane 4k+j; the permute undoes that). */
+ * rounds leave block 4j+k in lane 4k+j; the permute undoes it). */
 QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(q[0], q[1]), _mm512_unpackhi_epi32(q[0], q[1]));
     __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(q[2], q[3]), _mm512_unpackhi_epi32(q[2], q[3]));
@@ -3189,8 +3182,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
 }
 
-/* 16 blocks' 512 act quants at QX in legacy_quad's lane order: xl[k] and xh[k] pair with quad k's
- * lo and hi. IN_LANES: QX is already so (quant_act_to_lanes). */
+/* 16 blocks' 512 act quants at QX in legacy_quad's lane order: xl[k], xh[k] pair with quad k's lo,
+ * hi. IN_LANES: QX is already so (quant_act_to_lanes). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes, __m512i *xl, __m512i *xh) {
     QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
@@ -3200,10 +3193,10 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes
     }
 }
 
-/* An act for this level's legacy kernels with each whole group of 16 blocks' quants in legacy_acts'
+/* An act for this level's legacy kernels, each whole group of 16 blocks' quants in legacy_acts'
  * lane order (every 128 bytes: 4 blocks' first halves, then their second), the rest unchanged:
- * kernels load them as they are, where each row and column took two lane shuffles per 128. The
- * integer sums pair the same bytes: the same bits. */
+ * kernels load them as they are, saving each row and column two lane shuffles per 128. Integer sums
+ * pair the same bytes: same bits. */
 static QUANT_AVX512 void quant_act_to_lanes_avx512(enum gguf_type t, const void *act, int64_t n, void *out) {
     const int8_t *qx = act;
     int8_t *o = out;
@@ -3228,8 +3221,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __
     return quant_avx512_quad_sums(q);
 }
 
-/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), block
- * scales in *dw, mins in *mw (Q4_1, Q5_1; else zero). */
+/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), scales in
+ * *dw, mins in *mw (Q4_1, Q5_1; else zero). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8_t *wb, __m512i *wl, __m512i *wh, __m512 *dw,
                                                    __m512 *mw) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3249,14 +3242,14 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8
 }
 
 /* How far T's quants sit above the signed ones, as a shift (0: none): the caller takes off Σx <<
- * shift (Q4_0 8, Q5_0 16, the formats offset by 128 in legacy_quad 128). */
+ * shift (Q4_0 8, Q5_0 16, legacy_quad's offset ones 128). */
 QUANT_AVX512_INLINE int quant_avx512_legacy_shift(enum gguf_type t) {
     const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
     return t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
 }
 
-/* quant_legacy_combine for 16 blocks of one column: ISUM less the quants' offset OFF (Σx << shift),
- * then (dw * dx) * isum, plus mw * sd with a min. */
+/* quant_legacy_combine for 16 blocks of a column: ISUM less offset OFF (Σx << shift), then (dw *
+ * dx) * isum, plus mw * sd with a min. */
 QUANT_AVX512_INLINE __m512 quant_avx512_legacy_unit(enum gguf_type t, __m512i isum, __m512i off, __m512 dw, __m512 dx, __m512 mw,
                                                     __m512 sd) {
     if (quant_avx512_legacy_shift(t)) isum = _mm512_sub_epi32(isum, off);
@@ -3264,13 +3257,13 @@ QUANT_AVX512_INLINE __m512 quant_avx512_legacy_unit(enum gguf_type t, __m512i is
     return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_add_ps(r, _mm512_mul_ps(mw, sd)) : r;
 }
 
-/* The offset legacy_unit takes off for blocks B..B+15 of act A. */
+/* Offset legacy_unit takes off for blocks B..B+15 of act A. */
 QUANT_AVX512_INLINE __m512i quant_avx512_legacy_off(enum gguf_type t, const struct quant_q8_view *a, int64_t b) {
     const int sh = quant_avx512_legacy_shift(t);
     return sh ? _mm512_slli_epi32(_mm512_loadu_si512(a->s + b), sh) : _mm512_setzero_si512();
 }
 
-/* The mins' act sums of blocks B..B+15 (Q4_1, Q5_1), else zero. */
+/* Mins' act sums of blocks B..B+15 (Q4_1, Q5_1), else zero. */
 QUANT_AVX512_INLINE __m512 quant_avx512_legacy_sd(enum gguf_type t, const struct quant_q8_view *a, int64_t b) {
     return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_loadu_ps(a->sd + b) : _mm512_setzero_ps();
 }
@@ -3298,8 +3291,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_dot(enum gguf_type t, int in_lanes,
             quant_avx512_legacy_acts(a[c].qs + b * QUANT_QK, in_lanes, xl, xh);
             const __m512 r = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), quant_avx512_legacy_off(t, &a[c], b),
                                                       dw, _mm512_loadu_ps(a[c].d + b), mw, quant_avx512_legacy_sd(t, &a[c], b));
-            /* into acc[0], then swapped (in registers, where acc[(b / 16) % 2] is memory):
-             * after an odd count of groups acc[1] holds partials 0-15 */
+            /* into acc[0], then swapped (registers; acc[(b / 16) % 2] would be memory): after an
+             * odd group count acc[1] holds partials 0-15 */
             const __m512 sum = _mm512_add_ps(acc[c][0], r);
             acc[c][0] = acc[c][1];
             acc[c][1] = sum;
@@ -3328,8 +3321,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_in_lanes(enum gguf_type t, const ui
     quant_avx512_legacy_dot(t, 1, w, acts, stride, n, y, ys, NC);
 }
 
-/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, the rows
- * side by side in one vector, not one a vector. */
+/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, rows side
+ * by side in a vector. */
 QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
     const __m512 z = _mm512_setzero_ps(), a0 = _mm512_add_ps(v[0], z), a1 = _mm512_add_ps(v[1], z);
     const __m512 a2 = _mm512_add_ps(v[2], z), a3 = _mm512_add_ps(v[3], z);
@@ -3344,9 +3337,9 @@ QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
 }
 
 /* Legacy rows kernel: rows of 16 blocks (the 35B-A3B's expert and shared-expert down products) 4 at
- * a time, the act's lanes ordered once for all, their 4 butterflies in one (quant_avx512_reduce4; a
- * dot per row paid both every row). Other lengths go a row at a time through DOT. IN_LANES: the act
- * is from quant_act_to_lanes, DOT a kernel for such acts. */
+ * a time, the act's lanes ordered once for all, 4 butterflies in one (quant_avx512_reduce4; a dot
+ * per row paid both each row). Other lengths go a row at a time through DOT. IN_LANES: act from
+ * quant_act_to_lanes, DOT a kernel for such acts. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes, quant_dot_fn dot, const uint8_t *w, size_t rb,
                                                   int nrows, const void *act, int64_t n, float *y) {
     if (n != 16 * QUANT_QK) {
@@ -3369,7 +3362,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
             quant_avx512_legacy_group(t, w + (size_t)(r + i) * rb, wl, wh, &dw, &mw);
             v[i] = quant_avx512_legacy_unit(t, quant_avx512_legacy_isum(wl, wh, xl, xh), off, dw, dx, mw, sd);
         }
-        /* unrolled, stored under a mask, not through a copy on the stack (README) */
+        /* unrolled, masked store, no stack copy (README) */
         _mm_mask_storeu_ps(y + r, (__mmask8)(nrows - r >= 4 ? 0xf : (1 << (nrows - r)) - 1), quant_avx512_reduce4(v));
     }
 }
@@ -3378,14 +3371,14 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
  * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: magnitudes, bit i of neg[k] set where element 64k+i is
  * negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's 16 bsums
  * (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales, for the offset of 32
- * or 4; unused by the IQ formats in element order). An act in the decode's order
- * (QUANT_DECODE_REORDERED) changes which elements a register holds; an IQ3 decode in coordinate
- * planes keeps scales as dwords in sc[0] (quant_avx512_iq3_planes_dot), an IQ4_XS one in nibble
- * order values plus 128, block scales as dwords in sc[0..1] and as words in m for the 128 offset
+ * or 4; unused by IQ formats in element order). An act in decode order (QUANT_DECODE_REORDERED)
+ * changes which elements a register holds; an IQ3 decode in coordinate planes keeps scales as
+ * dwords in sc[0] (quant_avx512_iq3_planes_dot), an IQ4_XS one in nibble order values + 128, block
+ * scales as dwords in sc[0..1] and as words in m for the 128 offset
  * (quant_avx512_iq4xs_nibbles_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
-/* Word index vector: word i takes entry base + i / per of the source. */
+/* Word index vector: word i = base + i / per. */
 QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(base + i / per);
@@ -3393,24 +3386,24 @@ QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
 }
 
 /* quant_k4_unpack's 8 scales (result bytes 0-7) and 8 mins (bytes 8-15) in vector form; the 16-byte
- * load reads 4 quant bytes past the 12 packed ones, masked off. */
+ * load's 4 quant bytes past the 12 packed ones are masked off. */
 QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
     const __m128i v = _mm_loadu_si128((const __m128i *)packed);
-    /* u0 u2 u1 u2>>4: the low 6 bits of scales 0-3, the low 4 of scales 4-7, then the mins' */
+    /* u0 u2 u1 u2>>4: low 6 bits of scales 0-3, low 4 of scales 4-7, then the mins' */
     const __m128i x = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
     const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(2, 2, 0, 0)), 2),
                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     return _mm_or_si128(_mm_and_si128(x, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)), top);
 }
 
-/* VGF2P8AFFINEQB (GFNI): bit i of a result byte is the parity of DATA's byte & byte 7 - i of MATRIX's qword. */
+/* VGF2P8AFFINEQB (GFNI): result bit i = parity of DATA's byte & byte 7 - i of MATRIX's qword. */
 QUANT_AVX512_INLINE __m512i quant_gfni_affine(__m512i data, __m512i matrix) {
     __m512i r;
     __asm__("vgf2p8affineqb $0, %2, %1, %0" : "=v"(r) : "v"(data), "v"(matrix));
     return r;
 }
 
-/* The matrix moving bit S0 of each byte (S1 in the high 256 bits) to bit I, the rest 0. */
+/* Matrix moving bit S0 of each byte (S1 in the high 256 bits) to bit I, the rest 0. */
 QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
     return _mm512_inserti64x4(_mm512_set1_epi64((long long)((uint64_t)(1u << s0) << (56 - 8 * i))),
                               _mm256_set1_epi64x((long long)((uint64_t)(1u << s1) << (56 - 8 * i))), 1);
@@ -3419,10 +3412,10 @@ QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
 #define QUANT_TERNLOG_AND_OR 0xEC /* vpternlogd's table for (A & C) | B */
 
 /* Q4_K/Q5_K super-block. quant_avx512_k4_fields' scales and mins become words by vpshufb (index
- * byte i, then 0x80: a zero high byte), beating scalar quant_k4_unpack and word permutes. A 64-byte
- * load's low nibbles are sub-blocks 4h and 4h + 2, high ones 4h + 1 and 4h + 3: NIBBLES (the act's
- * 32-blocks so ordered, quant_avx512_nibble_order) keeps them, else two lane shuffles restore
- * order. GFNI with NIBBLES: fifth bits to bit 4, or-ed in with the mask in one op. */
+ * byte i, then 0x80: zero high byte), beating scalar quant_k4_unpack and word permutes. A 64-byte
+ * load's low nibbles are sub-blocks 4h, 4h + 2, high ones 4h + 1, 4h + 3: NIBBLES (act 32-blocks so
+ * ordered, quant_avx512_nibble_order) keeps them, else two lane shuffles restore order. GFNI with
+ * NIBBLES: fifth bits to bit 4, or-ed in with the mask in one op. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, int gfni, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
@@ -3431,12 +3424,11 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
     k->m = _mm256_shuffle_epi8(_mm512_castsi512_si256(fields), mins);
     const uint8_t *ql = b + 16 + 32 * five;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    /* bit s of qh[l] is the fifth bit of element l of sub-block s */
+    /* bit s of qh[l]: fifth bit of element l of sub-block s */
     const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
     const int fused = five && nibbles && gfni;
     QUANT_UNROLL(4)
     for (int h = 0; h < 2; h++) {
-        /* 64 bytes: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3 */
         __m512i l = _mm512_loadu_si512(ql + 64 * h);
         if (fused) {
             k->q[2 * h] = _mm512_ternarylogic_epi32(l, quant_gfni_affine(qh, quant_gfni_move(4 * h, 4 * h + 2, 4)), m4, QUANT_TERNLOG_AND_OR);
@@ -3475,7 +3467,7 @@ QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
 QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_avx512_kblock *k) {
     __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    /* per 256-bit half: two high bits of qh at bits 0/2 (low nibbles), 4/6 (high nibbles) -> 4 */
+    /* per 256-bit half: qh's two high bits at bits 0/2 (low nibbles), 4/6 (high) -> 4 */
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     QUANT_UNROLL(4)
@@ -3490,9 +3482,9 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     k->m = sc;
 }
 
-/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: the hmask bit as third bit) super-block. q[j] holds
- * half j / 2's 32 quant bytes (elements 128 (j / 2) on) shifted by 4 (j % 2) in its low 256 bits,
- * by 2 more in its high: quant_q23k_quants' element order. */
+/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: hmask bit as third bit) super-block. q[j]: half j /
+ * 2's 32 quant bytes (elements 128 (j / 2) on) shifted by 4 (j % 2) in its low 256 bits, by 2 more
+ * in its high: quant_q23k_quants' element order. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
     const int three = t == GGUF_TYPE_Q3_K;
     __m256i sc;
@@ -3511,7 +3503,7 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_
         const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)s), _mm256_set1_epi16((short)(s + 2)), 1);
         k->q[j] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(3));
         if (three) {
-            /* element l of step (h, k) has its third bit at bit 4h + k of hmask byte l */
+            /* element l of step (h, k): third bit at hmask byte l, bit 4h + k */
             const int bit = 4 * h + s / 2;
             const __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << bit)), _mm256_set1_epi8((char)(2 << bit)), 1);
             k->q[j] = _mm512_mask_add_epi8(k->q[j], _mm512_test_epi8_mask(hmask, sel), k->q[j], _mm512_set1_epi8(4));
@@ -3528,12 +3520,12 @@ QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
 }
 
-/* IQ4_XS super-block: the 6-bit scales less 32 (quant_iq4xs_scale) and the IQ4_NL table's values. A
- * block's 16 bytes hold elements 0-15 in the low nibbles, 16-31 in the high: a 64-byte load's low
- * nibbles are 4 blocks' first halves, its high ones their second. NIBBLES (the act so ordered,
- * quant_avx512_nibble_order) keeps them so, as values plus 128 (quant_avx512_iq4xs_nibbles_dot),
- * sc[h] each lane's block scale as dwords, m each 16-group's as words; else magnitudes and signs
- * (codes 0-7 are the negative values), one permute per 2 blocks putting both in element order. */
+/* IQ4_XS super-block: 6-bit scales less 32 (quant_iq4xs_scale), IQ4_NL table values. A block's 16
+ * bytes hold elements 0-15 in the low nibbles, 16-31 in the high: a 64-byte load's low nibbles are
+ * 4 blocks' first halves, its high ones their second. NIBBLES (act so ordered,
+ * quant_avx512_nibble_order) keeps them so, as values + 128 (quant_avx512_iq4xs_nibbles_dot), sc[h]
+ * each lane's block scale as dwords, m each 16-group's as words; else magnitudes and signs (codes
+ * 0-7 are the negative values), one permute per 2 blocks putting both in element order. */
 QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
@@ -3567,8 +3559,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
     k->m = _mm512_castsi512_si256(_mm512_permutexvar_epi16(quant_avx512_widx(0, 2), _mm512_castsi128_si512(_mm256_cvtepi32_epi16(s8))));
 }
 
-/* The IQ3_XXS lattice points of the 32 index bytes at Q (elements 0-63 in *lo, 64-127 in *hi) from
- * registers, not memory (a gather of 16 table words is slow): each index's key (quant_iq3xxs_keys,
+/* IQ3_XXS lattice points of the 32 index bytes at Q (elements 0-63 in *lo, 64-127 in *hi) from
+ * registers, not memory (gathering 16 table words is slow): each index's key (quant_iq3xxs_keys,
  * 256 words in KEYS[8]: four two-register permutes, picked by the index's top 2 bits) gives
  * coordinates 0-1's levels (key bits 0-5) and 2-3's (bits 6-11) from the 64 level pairs in
  * PAIRS[2]; two more permutes interleave them. */
@@ -3590,7 +3582,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m5
     *hi = _mm512_permutex2var_epi16(l01, _mm512_mask_add_epi16(quant_avx512_widx(16, 2), 0xaaaaaaaa, quant_avx512_widx(16, 2), second), l23);
 }
 
-/* Word c of the two registers: coordinates c % 8's level (low byte) and c / 8's (high). */
+/* Word c of the two registers: coordinate c % 8's level (low byte), c / 8's (high). */
 QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     const __m512i levels = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)quant_iq3_levels)));
     QUANT_UNROLL(2)
@@ -3602,32 +3594,32 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     }
 }
 
-/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: their decodes look points
- * and signs up by VBMI byte permutes and split sign bits by BITALG's bit shuffle. Those four
+/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: decodes look points and
+ * signs up by VBMI byte permutes and split sign bits by BITALG's bit shuffle. Those four
  * instructions are asm: GCC inlines a function only into one whose target includes the callee's, so
- * VBMI kernels could not use the AVX-512 ones. */
+ * VBMI kernels could not use AVX-512 ones. */
 
-/* VPERMB: byte i of the result is TABLE[IDX[i] & 63]. */
+/* VPERMB: result byte i = TABLE[IDX[i] & 63]. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_permute(__m512i idx, __m512i table) {
     __m512i r;
     __asm__("vpermb %2, %1, %0" : "=v"(r) : "v"(idx), "v"(table));
     return r;
 }
 
-/* VPERMI2B: byte i of the result is byte IDX[i] & 127 of the 128 of LO then HI. */
+/* VPERMI2B: result byte i = byte IDX[i] & 127 of the 128 of LO, HI. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_permute2(__m512i lo, __m512i idx, __m512i hi) {
     __asm__("vpermi2b %2, %1, %0" : "+v"(idx) : "v"(lo), "vm"(hi));
     return idx;
 }
 
-/* VPMULTISHIFTQB: byte i of the result is the 8 bits of qword i / 8 of DATA from bit CTRL[i] & 63 on. */
+/* VPMULTISHIFTQB: result byte i = 8 bits of DATA's qword i / 8 from bit CTRL[i] & 63 on. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_multishift(__m512i ctrl, __m512i data) {
     __m512i r;
     __asm__("vpmultishiftqb %2, %1, %0" : "=v"(r) : "v"(ctrl), "v"(data));
     return r;
 }
 
-/* VPSHUFBITQMB (BITALG): bit i of the result is bit CTRL[i] & 63 of qword i / 8 of DATA. */
+/* VPSHUFBITQMB (BITALG): result bit i = bit CTRL[i] & 63 of DATA's qword i / 8. */
 QUANT_AVX512_INLINE __mmask64 quant_bitalg_shuffle(__m512i ctrl, __m512i data) {
     __mmask64 r;
     __asm__("vpshufbitqmb %2, %1, %0" : "=k"(r) : "v"(data), "v"(ctrl));
@@ -3643,9 +3635,8 @@ QUANT_AVX512_INLINE __mmask64 quant_mask_at(const uint8_t *p) {
 
 /* The 4 coordinate planes C of 64 IQ3 points by VBMI: index bytes IDX (bit 8 in BIT8 for IQ3_S's
  * 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs),
- * 128 entries a permute; VALUES turns the planes' nibbles into levels (vpshufb: their bit 3 is
- * clear, so a nibble shifted in from the next byte never sets bit 7). Plane j's byte i: point i's
- * coordinate j. */
+ * 128 entries a permute; VALUES turns nibbles into levels (vpshufb: their bit 3 is clear, so a
+ * nibble shifted in from the next byte never sets bit 7). Plane j's byte i: point i's coordinate j. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit8, const uint8_t *planes, int np, __m128i values, __m512i *c) {
     const __m512i vt = _mm512_broadcast_i32x4(values);
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
@@ -3666,9 +3657,9 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit
 
 /* An IQ3 super-block's 64 points into k->q by quant_avx512_iq3_vbmi_lookup of the index bytes at QS
  * (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane j is element 4i +
- * j. IN_PLANES keeps them so (for an act in that order, quant_avx512_plane_order); else coordinates
- * are interleaved lane by lane, the indices permuted first so the interleave lands in element
- * order: position 16L + 4j + i takes point 16j + 4L + i. */
+ * j. IN_PLANES keeps them so (act in that order, quant_avx512_plane_order); else coordinates
+ * interleave lane by lane, indices first permuted to land them in element order: position 16L + 4j
+ * + i takes point 16j + 4L + i. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
                                                       __m128i values, int in_planes, struct quant_avx512_kblock *k) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
@@ -3699,13 +3690,13 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const u
 }
 
 /* quant_iq_signs' sign bytes for an IQ3_XXS super-block's 8 words of signs and scales
- * (quant_iq_values): 7 bits each spread to a byte, parity added as bit 7. */
+ * (quant_iq_values): 7 bits each spread to a byte, parity as bit 7. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     __m256i f = _mm256_and_si256(aux, _mm256_set1_epi32(0x7f));
     f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7f00)));
     f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 2), _mm256_set1_epi32(0x7f0000)));
     f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7f000000)));
-    /* bit 8i of p: the parity of byte i of f (the shifts bring in only bits of that byte) */
+    /* bit 8i of p: parity of f's byte i (the shifts bring in only its bits) */
     __m256i p = _mm256_xor_si256(f, _mm256_srli_epi32(f, 4));
     p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
     p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
@@ -3713,9 +3704,9 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
 }
 
 /* Sign masks and scales of an IQ3 super-block decoded in coordinate planes, from its 256 sign bits
- * S (element order) and its 32-blocks' scales S8: bit i of k->neg[j] is element 4i + j's sign
- * (dword q of S widened to qword q holds elements 32q..32q+31, so point i's are in qword i / 8, at
- * 4 (i % 8) + j); dword l of k->sc[0] is the scale of points 4l..4l+3, block l / 2. */
+ * S (element order) and 32-block scales S8: bit i of k->neg[j] is element 4i + j's sign (S's dword
+ * q widened to qword q holds elements 32q..32q+31, so point i's are in qword i / 8, at 4 (i % 8) +
+ * j); dword l of k->sc[0] scales points 4l..4l+3, block l / 2. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
     const __m512i w = _mm512_cvtepu32_epi64(s);
     QUANT_UNROLL(4)
@@ -3733,7 +3724,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
 }
 
 /* IQ3_XXS super-block: lattice points (quant_avx512_iq3xxs_points, or VBMI's, in planes where
- * IN_PLANES says); an element's sign bit from its sign byte; quant_iq_isum_scalar's scales 2s +
+ * IN_PLANES says); each element's sign bit from its sign byte; quant_iq_isum_scalar's scales 2s +
  * 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
@@ -3761,11 +3752,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
     quant_avx512_iq_scales(scales, k);
 }
 
-/* IQ3_S super-block: grid points by VBMI byte permutes (VBMI: quant_avx512_iq3_vbmi_points, in
- * coordinate planes where IN_PLANES says), else 16 a register by one gather from quant_iq3s_grid
- * (512 words: too many to keep in registers like IQ3_XXS's keys), indexed by the qs bytes with the
- * qh bits as bit 8 (group m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per
- * element, in order, as the 64-bit masks; the scales 2 s + 1. */
+/* IQ3_S super-block: grid points by VBMI byte permutes (quant_avx512_iq3_vbmi_points, in coordinate
+ * planes where IN_PLANES says), else 16 a register by a gather from quant_iq3s_grid (512 words: too
+ * many to keep in registers like IQ3_XXS's keys), indexed by the qs bytes, qh bits as bit 8 (group
+ * m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per element, in order, as the
+ * 64-bit masks; scales 2 s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t packed;
@@ -3798,7 +3789,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, in
     quant_avx512_iq_scales(scales, k);
 }
 
-/* How a K super-block decodes: VBMI: IQ3 by VBMI lookups; REORDERED (act in decode order:
+/* How a K super-block decodes: VBMI: IQ3 by VBMI lookups; REORDERED (act in decode order,
  * quant_avx512_reorder_act): Q4_K, Q5_K, IQ4_XS in nibble order, IQ3 at VBMI in planes. */
 enum { QUANT_DECODE_VBMI = 1, QUANT_DECODE_REORDERED = 2 };
 
@@ -3807,7 +3798,7 @@ QUANT_AVX512_INLINE int quant_avx512_in_planes(enum gguf_type t, int how) {
     return (how & QUANT_DECODE_REORDERED) && (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S);
 }
 
-/* Super-block B of the K-like type T decoded for quant_avx512_kdot as HOW says. */
+/* Super-block B of K-like type T decoded for quant_avx512_kdot as HOW says. */
 QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const uint8_t *b, struct quant_avx512_kblock *k) {
     const int vbmi = (how & QUANT_DECODE_VBMI) != 0;
     switch (t) {
@@ -3833,9 +3824,9 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
     return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
 }
 
-/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: values plus 128 as
+/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: values + 128 as
  * vpdpbusd's unsigned operand, so lane L of registers 2h, 2h + 1 holds only block 4h + L's products
- * and one multiply applies its scale; less 128 times each block's scale times its act sum (its two
+ * and one multiply applies its scale; less 128 times each block's scale times its act sum (two
  * 16-sums). An instruction a register fewer than signs and vpmaddubsw, no sign masks (README). */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
     __m512i acc = _mm512_setzero_si512();
@@ -3850,7 +3841,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_av
 }
 
 /* quant_avx2_k_ints for one column of a super-block decoded as HOW says, 8 lanes each (*is, *ms).
- * The IQ formats' signs apply to x: |x| <= 127, so a pair of products fits int16. */
+ * IQ signs apply to x: |x| <= 127, so a pair of products fits int16. */
 QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const struct quant_avx512_kblock *k, const int8_t *qx,
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
@@ -3877,8 +3868,8 @@ QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const stru
     else *is = _mm256_sub_epi32(*is, _mm256_slli_epi32(m, t == GGUF_TYPE_Q6_K ? 5 : 2));
 }
 
-/* Slot I of unit U's group: super-block U + I decoded (prefetching ahead) and its integer parts for
- * every column, or zeros from COUNT on. */
+/* Slot I of unit U's group: super-block U + I decoded (prefetching ahead), its integer parts for
+ * every column; zeros from COUNT on. */
 QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const uint8_t *wb, int bb, const struct quant_q8k_view *a,
                                              int64_t u, int i, int count, __m256i (*is)[8], __m256i (*ms)[8], int NC) {
     if (i >= count) {
@@ -3916,7 +3907,7 @@ QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int how, const ui
         if (NC == 1) {
             QUANT_GROUP_UNROLL
             for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, how, wb, bb, a, u, i, count, is, ms, NC);
-        } else { /* several columns' parts live in memory anyway: unrolled, no faster */
+        } else { /* several columns' parts live in memory: unrolling gains nothing */
             for (int i = 0; i < 8; i++) quant_avx512_k_slot(t, how, wb, bb, a, u, i, count, is, ms, NC);
         }
         quant_avx2_group_finish(t, wb, bb, count, a, u, is, ms, acc, NC);
@@ -3935,7 +3926,7 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_k(enum gguf_type t, const uint8_t *w, 
     quant_avx512_k_loop(t, QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
-/* For an act in the decode's order (quant_avx512_reorder_act), at each AVX-512 level. */
+/* For an act in decode order (quant_avx512_reorder_act), at each AVX-512 level. */
 QUANT_AVX512_INLINE void quant_avx512_reordered_k(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                                   int64_t n, float *y, size_t ys, int NC) {
     quant_avx512_k_loop(t, QUANT_DECODE_REORDERED, w, acts, stride, n, y, ys, NC);
@@ -3958,7 +3949,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in lanes 2
- * * row + unit, the same float steps, row results to Y. The lane loop is unrolled (faster; the
+ * * row + unit, same float steps, row results to Y. The lane loop is unrolled (faster; the
  * several-column group stays rolled: README). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
@@ -3970,13 +3961,13 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
-/* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
- * One column against these rows is arithmetic-bound; a super-block at a time (quant_avx512_k_loop),
- * each leaves 16 lanes of integer parts to sum before its float step. Here a register's low half
- * holds 32 quants of super-block u, its high the same 32 of u + 1, against an act so ordered once
- * for the rows (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8
- * super-blocks reach their sums in one tree of unpacks, one shift serving a whole register. Exact
- * sums, quant_dot_k's float steps: the same bits (README: Q5_K and IQ4_XS were slower so). */
+/* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ---- One column against these rows is
+ *   arithmetic-bound; a super-block at a time (quant_avx512_k_loop) leaves 16 lanes of integer
+ *   parts to sum before its float step. Here a register's low half holds 32 quants of super-block
+ *   u, its high the same 32 of u + 1, against an act so ordered once for the rows
+ *   (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8 super-blocks reach
+ *   their sums in one tree of unpacks, one shift serving a whole register. Exact sums,
+ *   quant_dot_k's float steps: same bits (README: Q5_K and IQ4_XS were slower so). */
 
 /* The Q8_K values of N elements at A (whole super-block pairs) in pair order at BUF: 32 values of
  * super-block 2p, then the same 32 of 2p + 1, and so on. */
@@ -3990,9 +3981,9 @@ QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, ui
 
 /* Integer parts of the Q2_K or Q3_K super-blocks at B and B + BB against their act X (pair order)
  * and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum (Q3_K:
- * quants as q + 4, the 4 taken off as 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step j = 4h + k
- * reads bits 2k of half h's bytes: each super-block's groups 2j and 2j + 1, their scales from a
- * lane each (one word permute) by one byte shuffle. GFNI: Q3_K's as Q5_K's. */
+ * quants as q + 4, less 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step j = 4h + k reads bits 2k of
+ * half h's bytes: each super-block's groups 2j, 2j + 1, scaled from a lane each (one word permute)
+ * by a byte shuffle. GFNI: Q3_K's as Q5_K's. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
                                                 __m512i *is, __m512i *ms) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -4025,7 +4016,7 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, cons
             const int j = 4 * h + k;
             const __m512i low = _mm512_srli_epi16(v, 2 * k), two_bits = _mm512_set1_epi8(3);
             __m512i q = _mm512_and_si512(low, two_bits);
-            /* element l of step j has its third bit at bit j of hmask byte l */
+            /* element l of step j: third bit at hmask byte l, bit j */
             if (three && gfni) q = _mm512_ternarylogic_epi32(low, quant_gfni_affine(hmask, quant_gfni_move(j, j, 2)), two_bits, QUANT_TERNLOG_AND_OR);
             else if (three) q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hmask, _mm512_set1_epi8((char)(1 << j))), q, _mm512_set1_epi8(4));
             const __m512i s = _mm512_shuffle_epi8(by_lane, _mm512_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
@@ -4068,16 +4059,16 @@ QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const i
     *is = _mm512_add_epi32(acc[0], acc[1]);
 }
 
-/* Lane L of the result holds lane L's sums (4 dwords) of V[0], V[1], V[2], V[3] in turn. */
+/* Result lane L: lane L's sums (4 dwords) of V[0], V[1], V[2], V[3] in turn. */
 QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
     const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-/* The fields at byte OFF of a group's super-blocks in pair-sum order (pair p's at WB + p * PS and
- * BB after; each pair's first, then second: 0, 2, 4, 6, 1, 3, 5, 7 of a row), 0 from COUNT on; 32
- * bits each (d and dmin) or 16 (Q3_K's d, low half). */
+/* Fields at byte OFF of a group's super-blocks in pair-sum order (pair p's at WB + p * PS and BB
+ * after; each pair's first, then second: a row's 0, 2, 4, 6, 1, 3, 5, 7), 0 from COUNT on; 32 bits
+ * each (d and dmin) or 16 (Q3_K's d, low half). */
 #define QUANT_PAIR_FIELD(i, rd) ((i) < count ? (int)rd(wb + (i) / 2 * ps + (i) % 2 * bb + off) : 0)
 QUANT_AVX512_INLINE __m128i quant_avx512_pair_fields4(const uint8_t *wb, size_t ps, int bb, int off, int count, int first) {
     __m128i v = _mm_cvtsi32_si128(QUANT_PAIR_FIELD(first, quant_rd32));
@@ -4104,7 +4095,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t p
 
 /* Results of up to 4 super-block pairs in quant_avx512_pair_fields' order (WB, PS, BB, COUNT as
  * there; +0 from COUNT on): pair p against act X + p * XS with bsums BS + p * BSS (pair order), DX
- * the act's scales in the results' order. */
+ * the act's scales in result order. */
 QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
                                                      const int16_t *bs, size_t bss, __m256 dx, int count) {
     __m512i is[4], ms[4];
@@ -4119,14 +4110,14 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni,
         if (t == GGUF_TYPE_Q4_K) quant_avx512_q4k_pair(b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
         else quant_avx512_q23k_pair(t, gfni, b, bb, x + p * xs, bs + p * bss, &is[p], &ms[p]);
     }
-    if (t == GGUF_TYPE_Q3_K) { /* the lanes' halves added: first super-blocks in lane 0, second ones in lane 2 */
+    if (t == GGUF_TYPE_Q3_K) { /* lanes' halves added: first super-blocks in lane 0, second in lane 2 */
         const __m512i s = quant_avx512_lane_sums(is);
         const __m512i w = _mm512_add_epi32(s, _mm512_shuffle_i64x2(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
         const __m256i isum = _mm512_castsi512_si256(_mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(2, 0, 2, 0)));
         const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(quant_avx512_pair_fields(wb, ps, bb, quant_k_d_offset(t), 0, count)));
         return _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum));
     }
-    /* isums in the low half, the min terms in the high one */
+    /* isums in the low half, min terms in the high */
     const __m512i si = quant_avx512_lane_sums(is), sm = quant_avx512_lane_sums(ms);
     const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(si, sm, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
@@ -4137,8 +4128,8 @@ QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni,
 }
 
 /* quant_dot_k of a Q2_K, Q3_K or Q4_K row of N elements (whole super-block pairs) against act A in
- * pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in the group's
- * order, back in element order at the end. */
+ * pair order: groups of 8 super-blocks to rotating partials (quant_avx2_acc_add) in group order,
+ * back to element order at the end. */
 QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, int gfni, const uint8_t *w, const struct quant_q8k_view *a, int64_t n) {
     const int bb = gguf_type_get(t)->block_bytes;
     const int64_t nu = n / QUANT_QK_K;
@@ -4176,9 +4167,9 @@ QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, int gfni, co
 #define QUANT_REORDER_MAX 8192
 
 /* 128 values at A in the order of a 64-byte load's low and high quant nibbles: Q4_K / Q5_K
- * 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3, then their last 16. */
+ * 32-blocks 0, 2, 1, 3; IQ4_XS the first 16 values of blocks 0-3, then the last 16. */
 QUANT_AVX512_INLINE void quant_avx512_nibble_order(enum gguf_type t, const uint8_t *a, uint8_t *buf) {
-    /* the 16-byte pieces of the 128, as qwords of the two 64-byte halves */
+    /* 16-byte pieces, as qwords of the two 64-byte halves */
     const __m512i first = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0) : _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
     const __m512i second = t == GGUF_TYPE_IQ4_XS ? _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2) : _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
     const __m512i lo = _mm512_loadu_si512(a), hi = _mm512_loadu_si512(a + 64);
@@ -4186,8 +4177,8 @@ QUANT_AVX512_INLINE void quant_avx512_nibble_order(enum gguf_type t, const uint8
     _mm512_store_si512(buf + 64, _mm512_permutex2var_epi64(lo, second, hi));
 }
 
-/* A's 256 values in the IQ3 decode's 4 coordinate planes: byte i of plane j is element 4i + j. A
- * byte permute sorts each 64 by j, a 4x4 transpose of 16-byte pieces gathers each j. */
+/* A's 256 values in the IQ3 decode's 4 coordinate planes (plane j's byte i: element 4i + j): a byte
+ * permute sorts each 64 by j, a 4x4 transpose of 16-byte pieces gathers each j. */
 QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf) {
     static const uint8_t by_coordinate[64] __attribute__((aligned(64))) = {
         0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
@@ -4204,9 +4195,9 @@ QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf
     _mm512_store_si512(buf + 192, _mm512_shuffle_i64x2(t23, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* A copy at BUF of the Q8_K act of N elements for type T's weights, in the order the decode finds
- * the quants (QUANT_DECODE_REORDERED) so it needs no lane shuffles: quant_avx512_nibble_order, or
- * the IQ3 formats' quant_avx512_plane_order. Integer sums are exact in any order: same bits. */
+/* A copy at BUF of the Q8_K act of N elements for T weights, in the order the decode finds the
+ * quants (QUANT_DECODE_REORDERED), so no lane shuffles: quant_avx512_nibble_order, or the IQ3
+ * formats' quant_avx512_plane_order. Integer sums are exact in any order: same bits. */
 QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     const uint8_t *a = act;
     if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
@@ -4217,7 +4208,7 @@ QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const
     return buf;
 }
 
-/* A copy at BUF of the Q8_K act of N elements with its values in pair order. */
+/* A copy at BUF of the Q8_K act of N elements, values in pair order. */
 QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     quant_avx512_pair_order(act, n, buf);
     memcpy(buf + n, (const uint8_t *)act + n, quant_act_bytes(t, n) - (size_t)n);
@@ -4225,11 +4216,10 @@ QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const vo
 }
 
 /* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, others one by
- * one through DOT (type T's single-column kernel, VBMI or not as these). Rows of up to
- * QUANT_REORDER_MAX elements read the act reordered once for all NROWS rows: Q2_K, Q3_K, Q4_K of
- * whole super-block pairs in pair order (one-pair rows 4 at a time); other Q4_K, Q5_K, IQ4_XS rows
- * and at VBMI the IQ3 formats in the decode's order (DOT_REORDERED: their single-column kernel for
- * it). */
+ * one through DOT (T's single-column kernel, VBMI or not as these). Rows of up to QUANT_REORDER_MAX
+ * elements read the act reordered once for all NROWS rows: Q2_K, Q3_K, Q4_K of whole super-block
+ * pairs in pair order (one-pair rows 4 at a time); other Q4_K, Q5_K, IQ4_XS rows, and IQ3 at VBMI,
+ * in decode order (DOT_REORDERED: their single-column kernel for it). */
 QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
                                              size_t rb, int nrows, const void *act, int64_t n, float *y) {
     _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
@@ -4288,12 +4278,12 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
 }
 
 /* quant_pairs at this level: 4 rows by QUANT_NCOL columns at a time. One finish (float steps and
- * butterfly, in vector lanes) serves 4 rows: quant_dotn's per-row finish is as long as a row's two
- * super-blocks of work. IQ4_XS's columns go first into nibble order, BLOCK at a time, for
- * quant_avx512_iq4xs_nibbles_dot (README); Q4_K and Q5_K gained nothing so. */
+ * butterfly in vector lanes) serves 4 rows: quant_dotn's per-row finish costs as much as a row's
+ * two super-blocks. IQ4_XS columns first go into nibble order, BLOCK at a time, for
+ * quant_avx512_iq4xs_nibbles_dot (README); Q4_K, Q5_K gained nothing so. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
-    enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns put in order at a time; a copy's bytes (quant_act_bytes: 584) */
+    enum { BLOCK = 16, ACT = 2 * QUANT_QK_K + 128 }; /* columns ordered at a time; a copy's bytes (quant_act_bytes: 584) */
     _Alignas(64) uint8_t ordered[BLOCK][ACT];
     const int reorder = t == GGUF_TYPE_IQ4_XS;
     for (int c1 = 0; c1 < nc; c1 += BLOCK) {
@@ -4309,7 +4299,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t
                 const int nr = nrows - r < 4 ? nrows - r : 4;
                 const uint8_t *wr = w + (size_t)r * rb, *ac = ab + (size_t)c0 * st;
                 float *yc = y + (size_t)(c1 + c0) * ys + r;
-                switch (m - c0 < QUANT_NCOL ? m - c0 : QUANT_NCOL) { /* the column count constant in each body */
+                switch (m - c0 < QUANT_NCOL ? m - c0 : QUANT_NCOL) { /* column count constant in each body */
                 case 1: quant_avx512_pairs_cols_group(t, how, wr, rb, ac, st, nr, 1, yc, ys); break;
                 case 2: quant_avx512_pairs_cols_group(t, how, wr, rb, ac, st, nr, 2, yc, ys); break;
                 case 3: quant_avx512_pairs_cols_group(t, how, wr, rb, ac, st, nr, 3, yc, ys); break;
@@ -4335,7 +4325,7 @@ static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *ac
     const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
     for (int64_t b = 0; b < n / QUANT_QK; b++) {
         __m512 x0 = _mm512_loadu_ps(x + b * QUANT_QK), x1 = _mm512_loadu_ps(x + b * QUANT_QK + 16);
-        /* max(v, acc) returns acc when v is NaN, as fmaxf skips it */
+        /* max(v, acc) gives acc for NaN v, as fmaxf skips it */
         __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
         const float amax = _mm512_reduce_max_ps(m);
         const float d = amax / 127.0f, d16 = quant_avx512_f16_round(d);
@@ -4352,7 +4342,7 @@ static QUANT_AVX512 void quant_act_q8_avx512(const float *x, int64_t n, void *ac
 }
 
 /* Q8_K activation (see quant_act_q8k): the signed max is the first element of largest magnitude,
- * found by comparing with the max. */
+ * found by compare with the max. */
 static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -4387,7 +4377,7 @@ static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *a
 }
 
 /* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (quant_f32_to_bf16's integer
- * steps), 16 at a time; the tail by the scalar conversions. */
+ * steps), 16 at a time; the tail scalar. */
 static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const float *x, int64_t n, float *f) {
     const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     int64_t i = 0;
@@ -4432,7 +4422,7 @@ QUANT_AVX512_WRAP(quant_dot_iq3_s_avx512vbmi, quant_avx512vbmi_k, GGUF_TYPE_IQ3_
 QUANT_AVX512_WRAP(quant_dot_iq4_nl_avx512, quant_avx512_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX512_WRAP(quant_dot_mxfp4_avx512, quant_avx512_legacy, GGUF_TYPE_MXFP4)
 
-/* The single-column kernels for an act in the decode's order (quant_avx512_reorder_act). */
+/* Single-column kernels for an act in decode order (quant_avx512_reorder_act). */
 QUANT_COLUMN(quant_dot_q4_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q4_K)
 QUANT_COLUMN(quant_dot_q5_k_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_Q5_K)
 QUANT_COLUMN(quant_dot_iq4_xs_avx512_reordered, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS)
@@ -4441,7 +4431,7 @@ QUANT_COLUMN(quant_dot_iq3_xxs_avx512vbmi_reordered, QUANT_AVX512, quant_avx512v
 QUANT_COLUMN(quant_dot_iq3_s_avx512vbmi_reordered, QUANT_AVX512, quant_avx512vbmi_reordered_k, GGUF_TYPE_IQ3_S)
 QUANT_COLUMNS(quant_dot_iq4_xs_avx512_reorderedn, QUANT_AVX512, quant_avx512_reordered_k, GGUF_TYPE_IQ4_XS, QUANT_NCOL)
 
-/* quant_dotn of NROWS IQ4_XS rows of N (up to QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
+/* quant_dotn of NROWS IQ4_XS rows of N (<= QUANT_REORDER_MAX) elements: QUANT_NCOL columns at a
  * time put in nibble order once for all rows, for quant_avx512_iq4xs_nibbles_dot (README). */
 static QUANT_AVX512 void quant_dotn_rows_iq4_xs_avx512(const uint8_t *w, size_t rb, int nrows, const uint8_t *acts, size_t stride, int nc,
                                                        int64_t n, float *y, size_t ys) {
@@ -4471,7 +4461,7 @@ QUANT_AVX512_ROWS(quant_dotr_q3_k_avx512vbmi, GGUF_TYPE_Q3_K, 1, quant_dot_q3_k_
 QUANT_AVX512_ROWS(quant_dotr_iq3_xxs_avx512vbmi, GGUF_TYPE_IQ3_XXS, 1, quant_dot_iq3_xxs_avx512vbmi, quant_dot_iq3_xxs_avx512vbmi_reordered)
 QUANT_AVX512_ROWS(quant_dotr_iq3_s_avx512vbmi, GGUF_TYPE_IQ3_S, 1, quant_dot_iq3_s_avx512vbmi, quant_dot_iq3_s_avx512vbmi_reordered)
 
-/* Each legacy format's rows kernel and kernels for an act in lanes (quant_act_to_lanes). */
+/* Each legacy format's rows kernel, and kernels for an act in lanes (quant_act_to_lanes). */
 #define QUANT_AVX512_LEGACY_ROWS(name, type) \
     QUANT_COLUMNS(quant_dot_##name##_avx512_lanesn, QUANT_AVX512, quant_avx512_legacy_in_lanes, type, QUANT_NCOL) \
     QUANT_SINGLE_COLUMN(quant_dot_##name##_avx512_lanes, QUANT_AVX512, quant_avx512_legacy_in_lanes, type) \
@@ -4501,18 +4491,18 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
- * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
- * columns, then reduces each super-block's 16 integer lanes to a sum per column. A tile unpacks 16
- * rows once for all columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one
- * vpdpbusd adds 4 products for each of 16 rows, with no lane sum, and quant_dot_k's float step and
- * partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at once: the same bits. Q8_0 and
- * Q4_0 tiles do so per 32-element block (quant_legacy_units' float step). Few columns pay for the
- * unpack (rows into lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows
- * interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
-#define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, the rows of a work item */
+/* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ---- A prompt's product runs every row
+ *   against many columns. quant_dotn decodes a row once for 4 columns, then reduces each
+ *   super-block's 16 integer lanes to a sum per column. A tile unpacks 16 rows once for all
+ *   columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one vpdpbusd adds 4
+ *   products for each of 16 rows, no lane sum, and quant_dot_k's float step and partials (u % 32,
+ *   then the 16,8,4,2,1 butterfly) run on 16 rows at once: same bits. Q8_0 and Q4_0 tiles do so per
+ *   32-element block (quant_legacy_units' float step). Few columns pay for the unpack (rows into
+ *   lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved
+ *   (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
+#define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, a work item's rows */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
-/* The columns from which the AVX-512 tiles beat quant_dotn and quant_pairs (README). */
+/* Columns from which the AVX-512 tiles beat quant_dotn and quant_pairs (README). */
 #define QUANT_TILE_MIN_NC_K 3         /* Q4_K, Q5_K */
 #define QUANT_TILE_MIN_NC_K_PAIRS 2   /* their rows of 2 super-blocks */
 #define QUANT_TILE_MIN_NC_INTERLEAVED 4 /* Q2_K, Q3_K, IQ4_XS, IQ3 (VBMI) */
@@ -4522,13 +4512,12 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
 /* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] row r's elements
- * 4k..4k+3 as vpdpbusd's unsigned bytes, plus 128 (Q8_0; IQ4_NL's and MXFP4's table values) or as
- * stored, 0..15 (Q4_0: less 8), the offset off as that many times the act block's sum; d the
- * scales. */
+ * 4k..4k+3 as vpdpbusd's unsigned bytes, + 128 (Q8_0; IQ4_NL's, MXFP4's table values) or as stored,
+ * 0..15 (Q4_0: less 8), the offset taken off as that many times the act block's sum; d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
-/* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than its 16 rows
- * interleaved take (AVX-512: quant_tile_interleaved). */
+/* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than 16 interleaved
+ * rows take (AVX-512: quant_tile_interleaved). */
 #define QUANT_K_TILE_BYTES 5248
 
 /* Whether the AVX-512 legacy tile takes rows of T. */
@@ -4543,7 +4532,7 @@ static size_t quant_tile_bytes(enum gguf_type t, int64_t n) {
     return rows + (size_t)QUANT_TILE_NC * QUANT_NPART * 16 * sizeof(float);
 }
 
-/* The lane offsets of 16 rows RB bytes apart, for gathers across them. */
+/* Lane offsets of 16 rows RB bytes apart, for gathers across them. */
 QUANT_AVX512_INLINE __m512i quant_tile_rows(size_t rb) {
     return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)rb));
 }
@@ -4553,14 +4542,14 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
     return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32((1 << bits) - 1));
 }
 
-/* Lane r of out[m] = dword m (< 8) of the 32 bytes at P + r * RB, for 16 rows: an 8x8 dword
- * transpose in each 256-bit half (rows r and r + 4 share a register), then a lane shuffle an
- * output: 40 operations, not 8 gathers. */
+/* Lane r of out[m] = dword m (< 8) of the 32 bytes at P + r * RB, 16 rows: an 8x8 dword transpose
+ * in each 256-bit half (rows r, r + 4 share a register), then a lane shuffle an output: 40
+ * operations, not 8 gathers. */
 QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m512i *out) {
     __m512i z[8], t[8], u[8];
     QUANT_UNROLL(8)
     for (int i = 0; i < 8; i++) {
-        const size_t r = i < 4 ? (size_t)i : (size_t)i + 4; /* rows 0-3 and 8-11, each beside the row 4 on */
+        const size_t r = i < 4 ? (size_t)i : (size_t)i + 4; /* rows 0-3 and 8-11, each beside row r + 4 */
         z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + r * rb))),
                                   _mm256_loadu_si256((const __m256i *)(p + (r + 4) * rb)), 1);
     }
@@ -4570,7 +4559,7 @@ QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m51
         t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
     }
     QUANT_UNROLL(2)
-    for (int g = 0; g < 8; g += 4) { /* u[g + k]: dword k of 4 rows in lanes 0 and 2, dword k + 4 in lanes 1 and 3 */
+    for (int g = 0; g < 8; g += 4) { /* u[g + k]: dword k of 4 rows in lanes 0, 2, dword k + 4 in lanes 1, 3 */
         u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
         u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
         u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
@@ -4584,7 +4573,7 @@ QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m51
 }
 
 /* quant_tile_transpose for 16 bytes a row (dwords m < 4): rows r, r + 4, r + 8, r + 12 in a
- * register, then a 4x4 dword transpose in each 128-bit lane. */
+ * register, then 4x4 dword transposes in 128-bit lanes. */
 QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m512i *out) {
     __m512i z[4], t[4];
     QUANT_UNROLL(4)
@@ -4621,14 +4610,14 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
 }
 
 /* Partial PP (slot u % 32 of its column) plus R for unit U: a slot's first unit (u < 32) is added
- * to +0 without reading the slot, so no pass clears its partials first (memsets cost time: README);
- * 0 + r turns -0 into +0 as before. */
+ * to +0 without reading the slot, so no pass clears partials first (memsets cost time: README); 0 +
+ * r turns -0 into +0 as before. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
-/* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (with a broadcast
- * load each, loads bounded the tiles: README). A switch: the shuffle needs a constant. */
+/* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (a broadcast load
+ * each bounded the tiles: README). A switch, as the shuffle needs a constant. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
@@ -4640,7 +4629,7 @@ QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
 }
 
 /* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and NC columns'
- * integer parts: each column's unit result added to its partial P[c][u % 32]. */
+ * integer parts: each column's unit result added to P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct quant_q8k_view *a, int64_t u, const __m512i *isum,
                                            const __m512i *msum, float (*p)[QUANT_NPART][16], int NC) {
     QUANT_UNROLL(4)
@@ -4653,9 +4642,9 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
 }
 
 /* The first CC columns' partials P (USED reached, the rest +0) summed by quant_reduce32's butterfly
- * into y[c * ys + r], leaving out adds of partials from USED on (+0): a partial (0 + r, then sums
- * of such) is never -0, so adding +0 changes no bit. Not inlined: that upset the surrounding
- * kernels' register allocation (README). */
+ * into y[c * ys + r], skipping adds of partials from USED on: a partial (0 + r, then sums of such)
+ * is never -0, so adding +0 changes no bit. Not inlined: that upset the callers' register
+ * allocation (README). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
@@ -4678,7 +4667,7 @@ static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[
 
 /* Part PART of PARTS of the 16 rows after the 16 at W (RB bytes apart: one run of bytes) into L1
  * while these compute: a thread's chunks are mostly consecutive. A tile asks for a part with each
- * unit it starts (its first pass, or its unpack), spreading the requests over its work (README). */
+ * unit it starts (first pass, or unpack), spreading requests over its work (README). */
 QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, int64_t part, int64_t parts) {
     const size_t bytes = QUANT_TILE_ROWS * rb, lines = (bytes + 63) / 64;
     const uint8_t *next = w + bytes;
@@ -4688,12 +4677,12 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
  * dword k of the block's quants gathered across rows (4-bit formats: dword m of their 16 bytes
- * holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high; IQ4_NL's and MXFP4's looked
- * up, plus 128), d from the block's first dword (fp16 in the low half, or MXFP4's E8M0 byte, as
+ * holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high; IQ4_NL, MXFP4 looked up, +
+ * 128); d from the block's first dword (fp16 in the low half, or MXFP4's E8M0 byte, as
  * quant_avx512_scales16 takes them). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
-    const int mx = type == GGUF_TYPE_MXFP4, qo = mx ? 1 : 2; /* the quants after MXFP4's 1-byte scale, the others' fp16 d */
+    const int mx = type == GGUF_TYPE_MXFP4, qo = mx ? 1 : 2; /* quants follow MXFP4's 1-byte scale, others' fp16 d */
     const uint8_t *blk = w + (size_t)b * gguf_type_get(type)->block_bytes;
     if (type != GGUF_TYPE_Q8_0) {
         const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -4704,7 +4693,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
         QUANT_UNROLL(4)
         for (int m = 0; m < 4; m++) {
             __m512i lo = _mm512_and_si512(v[m], m4), hi = _mm512_and_si512(_mm512_srli_epi32(v[m], 4), m4);
-            if (type != GGUF_TYPE_Q4_0) { /* the table's values plus 128 */
+            if (type != GGUF_TYPE_Q4_0) { /* table values + 128 */
                 lo = _mm512_shuffle_epi8(tab, lo);
                 hi = _mm512_shuffle_epi8(tab, hi);
             }
@@ -4723,8 +4712,8 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
 
 /* Block B of a legacy tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
  * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or 8)
- * times the act block's sum (every addend an integer well inside int32: exact), in two parts (even
- * and odd steps): 8 vpdpbusd chains in flight, not 4 (README). */
+ * times the act block's sum (all integers well inside int32: exact), in two parts (even, odd
+ * steps): 8 vpdpbusd chains in flight, not 4 (README). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
                                                 float (*p)[QUANT_NPART][16]) {
     __m512i s[2][QUANT_TILE_NC];
@@ -4745,7 +4734,7 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *
     }
 }
 
-/* The tile of Q8_0, Q4_0, IQ4_NL or MXFP4 rows: the same bits as quant_legacy_units. */
+/* Tile of Q8_0, Q4_0, IQ4_NL or MXFP4 rows: quant_legacy_units' bits. */
 static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, enum gguf_type type, const uint8_t *acts, size_t stride,
                                                  int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
@@ -4765,30 +4754,31 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
     }
 }
 
-/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
- * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row r's elements 4k..4k+3), 8
- * rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's
- * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants up to 31, 4 at a time),
- * then one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn
- * (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16; Q4_0's 8 steps add in
- * int16, widened by one vpmaddwd by ones. With AVX-VNNI a step goes to int32 by one vpdpbusd
- * (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there have Q8_0, IQ4_NL and
- * MXFP4 (bytes plus 128, too wide for vpmaddubsw's int16 pairs) a tile. Figures: README. */
+/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows
+ *   by a batch of columns ---- The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row
+ *   r's elements 4k..4k+3), 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16
+ *   pair sums; a sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants
+ *   up to 31, 4 at a time), then one vpmaddwd applies the 8 rows' scales: fewer multiplies and
+ *   shuffles than quant_dotn (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16;
+ *   Q4_0's 8 steps add in int16, widened by a vpmaddwd by ones. With AVX-VNNI a step goes to int32
+ *   by one vpdpbusd (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there do Q8_0,
+ *   IQ4_NL, MXFP4 (bytes + 128, too wide for vpmaddubsw's int16 pairs) have a tile. Figures:
+ *   README. */
 
-/* The columns from which the AVX2 tiles pay, against quant_dotn (README, the AVX2 tiles). */
+/* Columns from which the AVX2 tiles beat quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
 /* VEX vpdpbusd (AVX-VNNI): ACC plus, in each dword, the 4 products of U's unsigned bytes with S's
- * signed ones. Inline assembly, so one kernel body compiled for plain AVX2 serves both kinds of CPU
- * behind a constant flag: the intrinsic would need the avxvnni target on every function it is
- * inlined into, which then may not run on an AVX2 CPU lacking it. Only where plat_cpu.avxvnni. */
+ * signed ones. Inline asm, so one kernel body built for plain AVX2 serves both CPU kinds behind a
+ * constant flag: the intrinsic needs the avxvnni target on every function it inlines into, which
+ * then may not run on AVX2 CPUs lacking it. Only where plat_cpu.avxvnni. */
 QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
     return acc;
 }
 
-/* One super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] row r's elements 4k..4k+3
+/* A super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] row r's elements 4k..4k+3
  * (low 8 rows in bytes 0-31, high in 32-63); sc[j], mn[j] sub-block j's scale and min as int16 pair
  * (v, v) in dword r, for vpmaddwd against its products' int16 pair sums and the act's pair of
  * 16-element sums; d, dmin as floats. */
@@ -4815,14 +4805,14 @@ QUANT_AVX2_INLINE void quant_avx2_tile_transpose(const uint8_t *p, size_t rb, __
     quant_avx2_tile_transpose4(p + 16, rb, out + 4);
 }
 
-/* The 16 fp16 values at H (a tile's rows' d) as floats at OUT. */
+/* The 16 fp16 at H (a tile's rows' d) as floats at OUT. */
 QUANT_AVX2_INLINE void quant_avx2_tile_floats(const uint16_t *h, float *out) {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
     _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 }
 
 /* Super-block U of the 16 rows at W (RB bytes apart) of a Q4_K or (FIVE) Q5_K matrix into T: quants
- * by transposes, 8 rows at a time; scales, mins and d, dmin row by row. */
+ * by transposes, 8 rows at a time; scales, mins, d, dmin row by row. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, int five, struct quant_avx2_k_tile *t) {
     const uint8_t *b = w + (size_t)u * (five ? 176 : 144);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -4868,7 +4858,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_partial_add(float *pp, int64_t u, __m256 
 }
 
 /* quant_tile_k_step for rows 8 HALF.. of 16 in lanes (scales D, DMIN): each column's (d * dx) *
- * isum - (dmin * dx) * msum added to its partial P[c][u % 32]. */
+ * isum - (dmin * dx) * msum added to P[c][u % 32]. */
 QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const struct quant_q8k_view *a, int64_t u, const __m256i *isum,
                                                const __m256i *msum, int half, float (*p)[QUANT_NPART][16], int NC) {
     QUANT_UNROLL(4)
@@ -4881,9 +4871,9 @@ QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const stru
 }
 
 /* Super-block U of a tile's rows 8 HALF.. against 4 columns: each column's unit result
- * (quant_dot_k's float step) added to its partial P[c][u % 32] in those rows' lanes; PER steps' (8
- * or 4) products add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in int32
- * by quant_avx2_dpbusd, then a vpmulld by its scale: the same integers. */
+ * (quant_dot_k's float step) added to its partial P[c][u % 32] in those rows' lanes; PER (8 or 4)
+ * steps' products add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in
+ * int32 by quant_avx2_dpbusd, then a vpmulld by its scale: same integers. */
 QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, int vnni, const struct quant_q8k_view *a,
                                             int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
@@ -4908,7 +4898,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
                 }
             }
             QUANT_UNROLL(4)
-            for (int c = 0; c < QUANT_TILE_NC; c++) /* the scale from its pair (v, v) */
+            for (int c = 0; c < QUANT_TILE_NC; c++) /* scale from its pair (v, v) */
                 isum[c] = _mm256_add_epi32(isum[c], vnni ? _mm256_mullo_epi32(s[c], _mm256_srai_epi32(sc, 16))
                                                          : _mm256_madd_epi16(s[c], sc));
         }
@@ -4921,7 +4911,7 @@ QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, i
     quant_avx2_k_float_step(d, dmin, a, u, isum, msum, half, p, QUANT_TILE_NC);
 }
 
-/* quant_tile_finish at AVX2 (the same partials, butterfly and outputs). */
+/* quant_tile_finish at AVX2 (same partials, butterfly, outputs). */
 static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         for (int s = QUANT_NPART / 2; s > 0; s /= 2)
@@ -4933,7 +4923,7 @@ static QUANT_AVX2 __attribute__((noinline)) void quant_tile_finish_avx2(float (*
     }
 }
 
-/* One Q6_K super-block of 16 rows unpacked for the AVX2 tile: dword r of q[k] row r's elements
+/* A Q6_K super-block of 16 rows unpacked for the AVX2 tile: dword r of q[k] row r's elements
  * 4k..4k+3, signed (q - 32: |q| <= 32, so 4 steps' products add in int16: 4 * 2 * 32 * 127 =
  * 32512), sc[g] 16-group g's scale as int16 pair (v, v) in dword r, d as floats. */
 struct quant_avx2_q6k_tile { int8_t q[64][64]; int16_t sc[16][32]; float d[16]; };
@@ -4941,7 +4931,7 @@ _Static_assert(sizeof(struct quant_avx2_q6k_tile) <= QUANT_K_TILE_BYTES, "quant_
 
 /* Super-block U of the 16 Q6_K rows at W (RB bytes apart) into T. Element 128n + 32i + l (l < 32)
  * is step 32n + 8i + l / 4: low 4 bits nibble i / 2 of ql byte 64n + 32 (i % 2) + l, high 2 bits
- * 2i, 2i + 1 of qh byte 32n + l; 32-byte runs rows-in-lanes by quant_avx2_tile_transpose. */
+ * 2i, 2i + 1 of qh byte 32n + l; 32-byte runs to rows-in-lanes by quant_avx2_tile_transpose. */
 QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, int64_t u, struct quant_avx2_q6k_tile *t) {
     const uint8_t *b = w + (size_t)u * 210;
     const __m256i m4 = _mm256_set1_epi8(0x0f), offset = _mm256_set1_epi8(32);
@@ -4977,7 +4967,7 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unpack(const uint8_t *w, size_t rb, i
 
 /* Super-block U of a Q6_K tile's rows 8 HALF.. against 4 columns: (d * dx) * isum to each column's
  * partial P[c][u % 32] in their lanes. A step multiplies |q| by x with q's sign; a group's 4 steps
- * add in int16 before scaling (fewer multiplies than the column kernel's: README). */
+ * add in int16 before scaling (fewer multiplies than the column kernel: README). */
 QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile *t, int half, const struct quant_q8k_view *a,
                                                 int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC];
@@ -5009,8 +4999,8 @@ QUANT_AVX2_INLINE void quant_avx2_q6k_tile_unit(const struct quant_avx2_q6k_tile
     }
 }
 
-/* AVX2 tile of Q4_K, Q5_K or Q6_K rows (T constant if inlined, so the steps a scale multiply takes,
- * 8 or 4, unroll): quant_dot_k's bits. Each super-block: QUANT_K_TILE_BYTES of SCRATCH. */
+/* AVX2 tile of Q4_K, Q5_K or Q6_K rows (T constant if inlined, so the 8 or 4 steps a scale multiply
+ * takes unroll): quant_dot_k's bits. QUANT_K_TILE_BYTES of SCRATCH a super-block. */
 QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
                                          int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5024,7 +5014,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_tile(enum gguf_type t, int vnni, const uint8
     }
     for (int c0 = 0; c0 < nc; c0 += QUANT_TILE_NC) {
         const int cc = nc - c0 < QUANT_TILE_NC ? nc - c0 : QUANT_TILE_NC;
-        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, not stored */
+        struct quant_q8k_view a[QUANT_TILE_NC]; /* a short pass repeats its first column, unstored */
         for (int c = 0; c < QUANT_TILE_NC; c++) a[c] = quant_q8k_view(acts + (size_t)(c0 + (c < cc ? c : 0)) * stride, n);
         for (int64_t u = 0; u < nu; u++) {
             if (c0 == 0) quant_tile_prefetch_part(w, rb, u, nu);
@@ -5065,7 +5055,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
                 _mm256_storeu_si256((__m256i *)(t->q[m] + 32 * half), _mm256_xor_si256(v[m], _mm256_set1_epi8((char)0x80)));
             } else if (m < 4) {
                 __m256i lo = _mm256_and_si256(v[m], m4), hi = _mm256_and_si256(_mm256_srli_epi16(v[m], 4), m4);
-                if (type != GGUF_TYPE_Q4_0) { /* the table's values plus 128 */
+                if (type != GGUF_TYPE_Q4_0) {
                     lo = _mm256_shuffle_epi8(tab, lo);
                     hi = _mm256_shuffle_epi8(tab, hi);
                 }
@@ -5085,9 +5075,9 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
 
 /* Block B of a legacy tile's rows 8 HALF.. against 4 columns, as quant_legacy_tile_unit in those
  * rows' lanes; OFFSET (Q4_0 8, others 128) comes off as that many times the act block's sum. Q4_0's
- * 8 steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), widened by one
- * vpmaddwd; VNNI: each step one quant_avx2_dpbusd into int32 (the only way for the other formats'
- * bytes, up to 255, whose pairs would overflow int16). */
+ * 8 steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), widened by a vpmaddwd;
+ * VNNI: each step a quant_avx2_dpbusd into int32 (the only way for the others' bytes, up to 255,
+ * whose pairs overflow int16). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_tile *t, int half, int vnni, int offset,
                                                    const struct quant_q8_view *a, int64_t b, float (*p)[QUANT_NPART][16]) {
     __m256i s[QUANT_TILE_NC];
@@ -5112,7 +5102,7 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_til
     }
 }
 
-/* quant_tile_legacy_avx512 at AVX2 for Q4_0 or, with VNNI, Q8_0, IQ4_NL and MXFP4 rows: the same bits. */
+/* quant_tile_legacy_avx512 at AVX2 for Q4_0 or, with VNNI, Q8_0, IQ4_NL, MXFP4 rows: same bits. */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile(enum gguf_type type, int vnni, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride,
                                               int nc, int64_t n, float *y, size_t ys, void *scratch) {
     const int64_t nb = n / QUANT_QK;
@@ -5142,44 +5132,45 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
     quant_avx2_legacy_tile(type, 1, w, rb, acts, stride, nc, n, y, ys, scratch);
 }
 
-/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
- * A tile turns 16 rows into lanes on every call, which one column (decode) cannot repay; there
- * quant_dotr's instructions go mostly to unpacking scales and lane sums (README). So a matrix the
- * CPU owns (§8 model_own_trunk) is repacked in the same bytes (quant_interleave): per 16 rows and
- * super-block, a vector of 16 dwords per dword of the block, lane r from row r; one 64-byte load
- * masked to its low or high nibbles (with the format's high bits, or looked up) is vpdpbusd's
- * operand for 16 rows, and the tile's integer and float steps run on it: quant_dot_k's bits (faster
- * at one column and at 16: README). */
+/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with
+ *   AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ---- A tile turns 16 rows into lanes on
+ *   every call, which one column (decode) cannot repay; there quant_dotr's instructions go mostly
+ *   to unpacking scales and lane sums (README). So a matrix the CPU owns (§8 model_own_trunk) is
+ *   repacked in the same bytes (quant_interleave): per 16 rows and super-block, a vector of 16
+ *   dwords per dword of the block, lane r from row r; one 64-byte load masked to its low or high
+ *   nibbles (with the format's high bits, or looked up) is vpdpbusd's operand for 16 rows, and the
+ *   tile's integer and float steps run on it: quant_dot_k's bits (faster at one column and at 16:
+ *   README). */
 
-/* Prefetch distance: twice QUANT_PREFETCH, as the kernel consumes bytes twice as fast. */
+/* Prefetch distance: twice QUANT_PREFETCH, the kernel eating bytes twice as fast. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
 /* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a row
- * they serve (24 KiB on the stack: rows of up to 4096 elements). */
+ * they serve (24 KiB of stack: rows up to 4096). */
 #define QUANT_FIELDS 24
 #define QUANT_FIELDS_MAX_NU 16
 
 /* A group's vpdpbusd operands kept for its later passes (64 vectors a super-block): the first pass
- * stores them as it decodes, the others load them. It pays from QUANT_KEPT_MIN_NC columns where
+ * stores them as it decodes, the others load them. Pays from QUANT_KEPT_MIN_NC columns where
  * decoding costs more than loading (fifth and sixth bits, lookups, signs; not Q4_K's or Q2_K's mask
  * and shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
 #define QUANT_KEPT_MIN_NC 32
 #define QUANT_KEPT_BYTES ((size_t)QUANT_FIELDS_MAX_NU * 64 * 64)
 enum quant_kept { QUANT_KEPT_NONE, QUANT_KEPT_STORE, QUANT_KEPT_LOAD };
-/* Operand I of KEPT as MODE says, DECODE evaluated only where it is not loaded. */
+/* Operand I of KEPT as MODE says, DECODE evaluated only where not loaded. */
 #define QUANT_KEPT(kept, mode, i, decode) \
     ((mode) == QUANT_KEPT_LOAD ? (kept)[i] : (mode) == QUANT_KEPT_STORE ? ((kept)[i] = (decode)) : (decode))
 
-/* Whether T is an IQ3 format, whose interleaved blocks keep their d first (then 24 or 27 whole dwords). */
+/* Whether T is IQ3: its interleaved blocks keep d first (then 24 or 27 whole dwords). */
 static int quant_interleaved_iq3(enum gguf_type t) { return t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S; }
 
-/* Whether a group of NC columns over rows of NU super-blocks of T keeps its operands. */
+/* Whether a group of NC columns over rows of NU T super-blocks keeps its operands. */
 static int quant_kept_pays(enum gguf_type t, int nc, int64_t nu) {
     const int decode_pays = t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || quant_interleaved_iq3(t);
     return nc >= QUANT_KEPT_MIN_NC && nu <= QUANT_FIELDS_MAX_NU && decode_pays;
 }
 
-/* Bytes B of a super-block of interleaved type T, as literals a pass inlined for a constant T folds
+/* Bytes B of an interleaved type-T super-block, as literals a pass inlined for a constant T folds
  * (quant_interleaved_pass says why). An interleaved unit is 16 rows' whole dwords, 16 (B & ~3)
  * bytes; a block of not whole dwords (B % 4: Q3_K, Q6_K, IQ3) has its 2 bytes a row of d before all
  * the group's units, 32 a unit (quant_interleave). */
@@ -5195,17 +5186,17 @@ QUANT_SHARED_INLINE int quant_interleaved_block_bytes(enum gguf_type t) {
     }
 }
 
-/* Whether the AVX2 level has a kernel for interleaved rows of T (quant_interleaved_avx2: Q4_K,
- * Q2_K, Q3_K, Q6_K, IQ4_XS, on a CPU with AVX-VNNI; figures: README). Q5_K's was bit-exact too, but
- * its fifth bits cost what the layout saved. */
+/* Whether AVX2 has a kernel for interleaved T rows (quant_interleaved_avx2: Q4_K, Q2_K, Q3_K, Q6_K,
+ * IQ4_XS, with AVX-VNNI; figures: README). Q5_K's was bit-exact too, but its fifth bits cost what
+ * the layout saved. */
 static int quant_interleaved_avx2_ok(enum gguf_type t) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_IQ4_XS;
     return plat_cpu.avxvnni && format;
 }
 
-/* Whether a matrix of ROWS rows of type T has an interleaved form at this level. Q6_K's rows
- * already read at the bandwidth; its interleaved form, kept for a prompt's products, makes those
- * faster (one column no faster: README). */
+/* Whether a matrix of ROWS type-T rows has an interleaved form at this level. Q6_K's rows already
+ * read at the bandwidth; its interleaved form, kept for a prompt's products, makes those faster
+ * (one column no faster: README). */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
@@ -5215,7 +5206,7 @@ static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
 
 /* Byte of each row's block whose dword vector K of an interleaved type-T super-block holds. Q4_K,
  * Q5_K: the 32 of nibbles first (32-byte run k / 8, its dword k % 8), then Q5_K's 8 of fifth bits,
- * the 3 of scales and mins, last dword 0 (d and dmin). IQ3: theirs from byte 2 on, d left over
+ * the 3 of scales and mins, last dword 0 (d, dmin). IQ3: theirs from byte 2 on, d left over
  * (IQ3_XXS: 16 of grid indices, 8 of signs and scales; IQ3_S: 16 of indices, 2 of their high bits,
  * 8 of signs, 1 of scales). Others as stored (Q2_K: 4 of scales and mins, 16 of quants, d and dmin;
  * Q3_K: 8 of hmask, 16 of quants, 3 of scales, d left over; Q6_K: 32 of ql, 16 of qh, 4 of scales,
@@ -5227,11 +5218,11 @@ static int quant_interleaved_offset(enum gguf_type t, int k) {
     return 4 * (k < 32 ? nibbles + k : k < 32 + 8 * five ? 4 + (k - 32) : k < 35 + 8 * five ? 1 + (k - 32 - 8 * five) : 0);
 }
 
-/* An IQ3_S unit's high index bits (vectors 16-17) and signs (18-25) placed as stored, rewritten as
+/* An IQ3_S unit's high index bits (vectors 16-17) and signs (18-25), placed as stored, rewritten as
  * the byte masks quant_interleaved_iq3_unit takes: at byte 64 * 16 + 8 (2 ib + h) the 9th bits of
- * half h of 32-block ib (mask bit 4r + k: row r's point 8 ib + 4h + k), at 64 (18 + ib) + 8 (4h + j)
- * its signs of plane j (bit 4r + k: row r's element 32 ib + 16h + 4k + j). The same bits, in the
- * order the kernel's bit shuffles made them (README). */
+ * half h of 32-block ib (mask bit 4r + k: row r's point 8 ib + 4h + k), at 64 (18 + ib) + 8 (4h +
+ * j) its plane j signs (bit 4r + k: row r's element 32 ib + 16h + 4k + j). The bits the kernel's
+ * bit shuffles made, in their order (README). */
 static void quant_iq3s_masks_scalar(uint8_t *v) {
     uint8_t out[10 * 64];
     for (int ib = 0; ib < 8; ib++)
@@ -5250,20 +5241,19 @@ static void quant_iq3s_masks_scalar(uint8_t *v) {
     memcpy(v + 64 * 16, out, sizeof out);
 }
 
-/* DST = rows of type T (RB bytes each) at SRC interleaved: per 16 rows and super-block,
- * one vector of 16 dwords (lane r from row r) per whole dword of the block, in
- * quant_interleaved_offset's order. A block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d
- * last; IQ3_XXS: 98, IQ3_S: 110, d first) leaves 2 bytes a row, the 16 rows' first in the group, 32
- * bytes a super-block, so a pass reads them in its stream and every vector stays 64-byte aligned
- * (rows of an even number of super-blocks: every Qwen3.5/3.6 matrix). 16 rows keep their 16 RB
- * bytes; IQ3_S's high bits and signs then become masks (quant_iq3s_masks_scalar). Caller:
- * quant_interleave_ok. The layout's reference, for groups G0..G1 - 1 of 16 rows,
- * dword by dword. */
+/* DST = type-T rows (RB bytes each) at SRC interleaved: per 16 rows and super-block, one vector of
+ * 16 dwords (lane r from row r) per whole dword of the block, in quant_interleaved_offset's order.
+ * A block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d last; IQ3_XXS: 98, IQ3_S: 110, d
+ * first) leaves 2 bytes a row, the 16 rows' first in the group, 32 bytes a super-block, so a pass
+ * reads them in its stream and every vector stays 64-byte aligned (rows of an even number of
+ * super-blocks: every Qwen3.5/3.6 matrix). 16 rows keep their 16 RB bytes; IQ3_S's high bits and
+ * signs then become masks (quant_iq3s_masks_scalar). Caller: quant_interleave_ok. The layout's
+ * reference, for groups G0..G1 - 1 of 16 rows, dword by dword. */
 static void quant_interleave_groups_scalar(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t g0, int64_t g1) {
     const int bb = gguf_type_get(t)->block_bytes, dwords = bb / 4, rest = bb % 4;
     const int64_t nu = (int64_t)rb / bb;
     const size_t unit = (size_t)64 * dwords; /* a super-block's vectors */
-    int from[64]; /* byte offsets in a block, vector by vector: a table, not a call a dword (twice as fast) */
+    int from[64]; /* block byte offsets by vector: a table, not a call a dword (2x faster) */
     for (int k = 0; k < dwords; k++) from[k] = quant_interleaved_offset(t, k);
     const int rest_at = quant_interleaved_iq3(t) ? 0 : 4 * dwords;
     for (int64_t g = g0; g < g1; g++)
@@ -5280,8 +5270,8 @@ static void quant_interleave_groups_scalar(enum gguf_type t, uint8_t *dst, const
 
 static void quant_interleave_groups_avx512(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t g0, int64_t g1);
 
-/* quant_interleave_groups_scalar's bytes on the calling thread: at the AVX-512 levels by the tiles'
- * transposes (quant_interleave_tile), ~4x faster (README). */
+/* quant_interleave_groups_scalar's bytes on the calling thread: at AVX-512 by the tiles' transposes
+ * (quant_interleave_tile), ~4x faster (README). */
 static void quant_interleave_groups(enum gguf_type t, uint8_t *dst, const uint8_t *src, size_t rb, int64_t g0, int64_t g1) {
     if (quant_level >= QUANT_LEVEL_AVX512) quant_interleave_groups_avx512(t, dst, src, rb, g0, g1);
     else quant_interleave_groups_scalar(t, dst, src, rb, g0, g1);
@@ -5293,17 +5283,17 @@ static void quant_interleave(enum gguf_type t, uint8_t *dst, const uint8_t *src,
     for (int64_t g = 0; g < rows / QUANT_TILE_ROWS; g++) quant_interleave_groups(t, dst, src, rb, g, g + 1);
 }
 
-/* Bit BIT of each byte of V moved to bit 4 (other bits left for the caller to mask). */
+/* Bit BIT of each byte of V moved to bit 4 (caller masks the rest). */
 QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
     return bit <= 4 ? _mm512_slli_epi32(v, 4 - bit) : _mm512_srli_epi32(v, bit - 4);
 }
 
 /* Super-block U of 16 interleaved Q4_K (FIVE: Q5_K) rows at T against NC columns, as
  * quant_tile_unit: each row's 32-byte run h is sub-block 2h in its low nibbles, 2h + 1 in its high,
- * their Q5_K fifth bits bits 2h and 2h + 1 of its qh bytes. */
+ * their Q5_K fifth bits bits 2h, 2h + 1 of its qh bytes. */
 QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
                                                 float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode, __m512i *kept) {
-    const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales and mins, then d and dmin */
+    const uint8_t *sm = t + 64 * (32 + 8 * five); /* scales, mins, then d, dmin */
     const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(sm), u1 = _mm512_loadu_si512(sm + 64);
     const __m512i u2 = _mm512_loadu_si512(sm + 128);
     __m512i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
@@ -5323,7 +5313,7 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
             } else {
                 const __m512i v = _mm512_loadu_si512(t + 64 * (8 * h + m));
                 lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                if (five) { /* lo | (qh's bit 2h at bit 4 & 0x10), hi the same with bit 2h + 1 */
+                if (five) { /* lo | (qh's bit 2h at bit 4 & 0x10), hi likewise with bit 2h + 1 */
                     const __m512i qh = _mm512_loadu_si512(t + 64 * (32 + m));
                     lo = _mm512_ternarylogic_epi32(lo, quant_bit_to_4(qh, 2 * h), _mm512_set1_epi8(0x10), 0xf8);
                     hi = _mm512_ternarylogic_epi32(hi, quant_bit_to_4(qh, 2 * h + 1), _mm512_set1_epi8(0x10), 0xf8);
@@ -5372,10 +5362,10 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, 
     return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8);
 }
 
-/* Scales G and G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as int16 pair (G's, G
- * + 1's) in each 32-bit lane. Both first make int8 scales 4G' .. 4G' + 3 (G' = G / 4) in a lane's
- * bytes: Q6_K's are stored so; Q3_K's unpacked as by quant_q3k_scales, a nibble of scale dword 0 or
- * 1 and 2 bits of dword 2, less 32, 4 at a time (a lane at a time was slower: README). */
+/* Scales G, G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as int16 pair (G's, G +
+ * 1's) in each 32-bit lane. Both first make int8 scales 4G' .. 4G' + 3 (G' = G / 4) in a lane's
+ * bytes: Q6_K's are stored so; Q3_K's unpacked as by quant_q3k_scales (a nibble of scale dword 0 or
+ * 1 and 2 bits of dword 2, less 32) 4 at a time (a lane at a time was slower: README). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int g) {
     const int k = g / 4;
     __m512i v;
@@ -5386,15 +5376,15 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, con
         const __m512i high = k < 2 ? _mm512_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm512_srli_epi16(top, 2); /* bits 2k to 4 */
         v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), 0xf8), _mm512_set1_epi8(32));
     }
-    const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), odd = _mm512_srai_epi16(v, 8); /* bytes 0, 2 and 1, 3 as int16 */
+    const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), odd = _mm512_srai_epi16(v, 8); /* bytes 0, 2 / 1, 3 as int16 */
     return g % 4 ? _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(even, 16), odd)
                  : _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(odd, 16));
 }
 
-/* Groups G and G + 1 (G even) of an interleaved super-block at T: *SA, *SB their scales in 32-bit
+/* Groups G, G + 1 (G even) of an interleaved super-block at T: *SA, *SB their scales in 32-bit
  * lanes, *PAIR the int16 pair for a vpdpwssd against the act's two 16-sums: Q2_K's mins (scale and
- * min the nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), Q3_K's and Q6_K's scales (their
- * offset, 4 or 32 times those sums). */
+ * min: nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), Q3_K's and Q6_K's scales (offset: 4 or 32
+ * times those sums). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, const uint8_t *t, int g, __m512i *sa, __m512i *sb, __m512i *pair) {
     if (type == GGUF_TYPE_Q2_K) {
         const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
@@ -5414,9 +5404,9 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
  * h: Q2_K in bits 2j of quant byte 32h + l; Q3_K too, bit 4h + j of hmask byte l its third (clear:
  * less 4); Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, high nibble for j >= 2), bits 2j of
  * qh byte 32h + l its fifth and sixth (less 32). So dword m of those runs, shifted, masked and
- * or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4 (Q3_K, Q6_K: plus 4 or 32). Each
- * group's products by its scale; a vpdpwssd of the act's sums with Q2_K's mins, or the scales for
- * the 4 or 32 to come off; then the float step of quant_dot_k_unit (Q2_K, Q3_K) or quant_dot_k. */
+ * or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4 (Q3_K, Q6_K: + 4 or 32). Each
+ * group's products by its scale; a vpdpwssd of the act's sums with Q2_K's mins, or with the scales
+ * to take off the 4 or 32; then quant_dot_k_unit's (Q2_K, Q3_K) or quant_dot_k's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                       int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode,
                                                       __m512i *kept) {
@@ -5466,7 +5456,7 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const
 
 /* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: dword m (m < 4) of 32-block
  * ib holds the codes of elements 4m.. in its low nibbles, 16 + 4m.. in its high; a byte shuffle
- * gives their IQ4_NL values plus 128 (vpdpbusd's unsigned operand), less 128 times the block's act
+ * gives their IQ4_NL values + 128 (vpdpbusd's unsigned operand), less 128 times the block's act
  * sum. Each block's sum by its scale (less 32), then quant_dot_k_unit's (d * dx) * isum. */
 QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
                                                       float (*p)[QUANT_NPART][16], int NC) {
@@ -5479,7 +5469,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
     for (int ib = 0; ib < 8; ib++) {
         __m512i s[2][QUANT_TILE_NC];
         QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) { /* less 128 times the block's act sum (its two 16-sums) */
+        for (int c = 0; c < NC; c++) { /* less 128 x the block's act sum (its two 16-sums) */
             const __m512i sums = _mm512_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib));
             s[0][c] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(-128), sums);
             s[1][c] = _mm512_setzero_si512();
@@ -5496,7 +5486,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
                 s[1][c] = _mm512_dpbusd_epi32(s[1][c], hi, _mm512_set1_epi32(quant_rd32(x + 16)));
             }
         }
-        /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high bits from dword 0's top half */
+        /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high from dword 0's top half */
         const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u1, 4 * ib), _mm512_set1_epi32(0xf));
         const __m512i high = _mm512_and_si512(_mm512_srli_epi32(u0, 16 + 2 * ib), _mm512_set1_epi32(3));
         const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
@@ -5515,15 +5505,15 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
  * by VBMI. Lane r of grid-index vector 2 ib + h holds points 4h.. of row r's 32-block ib (IQ3_S:
  * their bit 8 in a stored byte mask, quant_iq3s_masks_scalar); their lookup gives 4 coordinate
  * planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k + j): one
- * vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a super-block at
- * a time). Each plane's sign mask: IQ3_S's stored, IQ3_XXS's by BITALG's bit shuffle from the
- * row's 32 sign bits (from its word of 7-bit fields; bit e for element e); vpdpbusd's unsigned
- * operand is 128 + the signed value, the 128 coming off as 128 times the block's act sum. Each
- * block's sum by its 2 s + 1, then quant_dot_k_unit's float step. */
+ * vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a super-block at a
+ * time). Each plane's sign mask: IQ3_S's stored, IQ3_XXS's by BITALG's bit shuffle from the row's
+ * 32 sign bits (from its word of 7-bit fields; bit e for element e); vpdpbusd's unsigned operand is
+ * 128 + the signed value, the 128 taken off as 128 times the block's act sum. Each block's sum by
+ * its 2 s + 1, then quant_dot_k_unit's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC, int mode, __m512i *kept) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
-    const __m128i flip = _mm_set1_epi8((char)0x80); /* levels plus 128: their sign is 0 - that, mod 256 */
+    const __m128i flip = _mm_set1_epi8((char)0x80); /* levels + 128: negated as 0 - that, mod 256 */
     const __m128i values = _mm_or_si128(flip, xxs ? _mm_loadl_epi64((const __m128i *)quant_iq3_levels)
                                                   : _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0));
     _Alignas(64) int8_t x[QUANT_TILE_NC][QUANT_QK_K];
@@ -5534,7 +5524,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
         isum[c] = _mm512_setzero_si512();
     }
     for (int ib = 0; ib < 8; ib++) {
-        __m512i signs, ls; /* a lane's 32 sign bits of the block, and its 4-bit scale */
+        __m512i signs, ls; /* a lane's 32 sign bits of the block; its 4-bit scale */
         if (xxs) {
             const __m512i aux = _mm512_loadu_si512(t + 64 * (16 + ib));
             signs = quant_avx512_iq3xxs_signs_vbmi(aux);
@@ -5556,7 +5546,7 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
                                              xxs ? 4 : 8, values, plane);
             QUANT_UNROLL(4)
             for (int j = 0; j < 4; j++) {
-                /* the bit shuffle's byte 4r + k reads bit 32 (r % 2) + ... of qword r / 2: lane r's */
+                /* bit shuffle's byte 4r + k reads bit 32 (r % 2) + ... of qword r / 2: lane r's */
                 const __m512i sign_bits = _mm512_set1_epi64(0x2c2824200c080400LL + 0x0101010101010101LL * (16 * h + j));
                 const __mmask64 neg = xxs ? quant_bitalg_shuffle(sign_bits, signs) : quant_mask_at(t + 64 * (18 + ib) + 8 * (4 * h + j));
                 const __m512i w = QUANT_KEPT(kept, mode, 64 * u + 8 * ib + 4 * h + j, _mm512_mask_sub_epi8(plane[j], neg, _mm512_setzero_si512(), plane[j]));
@@ -5577,9 +5567,9 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
     }
 }
 
-/* Every super-block of 16 interleaved rows of type T at W against NC columns into their partials P;
+/* Every super-block of 16 interleaved type-T rows at W against NC columns into their partials P;
  * PREFETCH: ahead of the reads. T and NC are constants where inlined, so each unit's body folds
- * them (the super-block's size read at run time halved Q4_K/i's rate). The prefetch stays a loop:
+ * them (the super-block size read at run time halved Q4_K/i's rate). The prefetch stays a loop:
  * unrolled, its burst of requests slowed memory reads (README). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
@@ -5599,9 +5589,9 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     }
 }
 
-/* The scale fields of the NU super-blocks of 16 interleaved rows of K type T at W, QUANT_FIELDS
- * vectors each, unpacked once for all a prompt's passes: Q4_K, Q5_K quant_tile_k4_field's 8 scales
- * then 8 mins, the others each group pair's scales and pair of quant_interleaved_q236k_groups. */
+/* Scale fields of the NU super-blocks of 16 interleaved rows of K type T at W, QUANT_FIELDS vectors
+ * each, unpacked once for all a prompt's passes: Q4_K, Q5_K quant_tile_k4_field's 8 scales then 8
+ * mins, others each group pair's scales and pair of quant_interleaved_q236k_groups. */
 QUANT_AVX512_INLINE void quant_interleaved_fields(enum gguf_type t, const uint8_t *w, int64_t nu, __m512i *fields) {
     const int bb = quant_interleaved_block_bytes(t), k45 = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K;
     const uint8_t *v = w + (bb % 4 ? (size_t)nu * 32 : 0);
@@ -5636,7 +5626,7 @@ QUANT_AVX512_INLINE void quant_interleaved_columns(enum gguf_type t, const uint8
 }
 
 /* AVX2-level interleaved kernels need AVX-VNNI (VPDPBUSD on ymm). With AVX2's maddubs, add, madd a
- * step, interleaved rows were no faster than plain (README): steps cost alike in both. */
+ * step, interleaved rows were no faster than plain (README): steps cost alike. */
 #define QUANT_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QUANT_AVX2_VNNI_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
 
@@ -5658,7 +5648,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_k4_field(__m256i u0, __m256i u1, __m256i 
     *mn = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
 }
 
-/* The fp16 pairs of dword vector DD (low halves, high halves) of 8 rows as floats. */
+/* The fp16 pairs of dword vector DD (low, high halves) of 8 rows as floats. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 *hi) {
     const __m256i l = _mm256_and_si256(dd, _mm256_set1_epi32(0xffff)), h = _mm256_srli_epi32(dd, 16);
     *lo = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
@@ -5666,11 +5656,11 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 
 }
 
 /* quant_interleaved_unit for Q4_K at 8 lanes: super-block U of rows 8 HALF.. of the 16 at G (bytes
- * 32 HALF.. of each vector) against NC columns, run h's sub-blocks 2h and 2h + 1 from one load; the
- * same integers and float step. */
+ * 32 HALF.. of each vector) against NC columns, run h's sub-blocks 2h, 2h + 1 from one load; same
+ * integers and float step. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, int half, const struct quant_q8k_view *a, int64_t u,
                                                         float (*p)[QUANT_NPART][16], int NC) {
-    const uint8_t *sm = g + 64 * 32 + 32 * half; /* scales and mins, then d and dmin */
+    const uint8_t *sm = g + 64 * 32 + 32 * half;
     const __m256i m4 = _mm256_set1_epi8(0x0f), u0 = _mm256_loadu_si256((const __m256i *)sm);
     const __m256i u1 = _mm256_loadu_si256((const __m256i *)(sm + 64)), u2 = _mm256_loadu_si256((const __m256i *)(sm + 128));
     __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
@@ -5716,7 +5706,7 @@ QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_typ
         return _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
     }
     if (type == GGUF_TYPE_Q3_K) {
-        const int bit = 4 * h + j; /* of hmask, to bit 2 */
+        const int bit = 4 * h + j;
         const __m256i q = _mm256_loadu_si256((const __m256i *)(th + 64 * (8 + 8 * h + m)));
         const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
         const __m256i hm = _mm256_loadu_si256((const __m256i *)(th + 64 * m));
@@ -5726,11 +5716,11 @@ QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q236k_quants(enum gguf_typ
     const __m256i v = _mm256_loadu_si256((const __m256i *)(th + 64 * (16 * h + 8 * (j % 2) + m)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(th + 64 * (32 + 8 * h + m)));
     const __m256i low = _mm256_and_si256(j < 2 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
-    const __m256i high = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : j == 2 ? qh : _mm256_srli_epi16(qh, 2); /* bits 2j to 4 */
+    const __m256i high = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : j == 2 ? qh : _mm256_srli_epi16(qh, 2);
     return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
 }
 
-/* quant_interleaved_q36k_pair at 8 lanes (rows 8 HALF..): the same int16 pairs in 32-bit lanes. */
+/* quant_interleaved_q36k_pair at 8 lanes (rows 8 HALF..): same int16 pairs in 32-bit lanes. */
 QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int half, int g) {
     const uint8_t *th = t + 32 * half;
     const int k = g / 4;
@@ -5740,10 +5730,10 @@ QUANT_AVX2_VNNI_INLINE __m256i quant_avx2_interleaved_q36k_pair(enum gguf_type t
         const __m256i nib = _mm256_loadu_si256((const __m256i *)(th + 64 * (24 + k % 2)));
         const __m256i top = _mm256_loadu_si256((const __m256i *)(th + 64 * 26));
         const __m256i low = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(nib, 4) : nib, _mm256_set1_epi8(0x0f));
-        const __m256i high = k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm256_srli_epi16(top, 2); /* bits 2k to 4 */
+        const __m256i high = k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : k == 2 ? top : _mm256_srli_epi16(top, 2);
         v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
     }
-    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), odd = _mm256_srai_epi16(v, 8); /* bytes 0, 2 and 1, 3 as int16 */
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), odd = _mm256_srai_epi16(v, 8);
     return g % 4 ? _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA) : _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA);
 }
 
@@ -5765,16 +5755,16 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_groups(enum gguf_type t
 }
 
 /* quant_interleaved_q236k_unit at 8 lanes (rows 8 HALF..), each group's products scaled after its 4
- * steps (one set of sums a column, not two: 16 registers). The same integers and float steps. */
+ * steps (one set of sums a column, not two: 16 registers). Same integers, float steps. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, int half,
                                                               const struct quant_q8k_view *a, int64_t u, float (*p)[QUANT_NPART][16], int NC) {
-    __m256i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC]; /* sums: Q2_K's min term, the others' offset */
+    __m256i isum[QUANT_TILE_NC], sums[QUANT_TILE_NC];
     QUANT_UNROLL(4)
     for (int c = 0; c < NC; c++) isum[c] = sums[c] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++)
         QUANT_UNROLL(4)
         for (int j = 0; j < 4; j++) {
-            const int g = 8 * h + 2 * j; /* groups g and g + 1 */
+            const int g = 8 * h + 2 * j;
             __m256i sc[2], pair;
             quant_avx2_interleaved_q236k_groups(type, t, half, g, &sc[0], &sc[1], &pair);
             QUANT_UNROLL(2)
@@ -5827,7 +5817,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
     for (int ib = 0; ib < 8; ib++) {
         __m256i s[QUANT_TILE_NC];
         QUANT_UNROLL(4)
-        for (int c = 0; c < NC; c++) { /* less 128 times the block's act sum (its two 16-sums) */
+        for (int c = 0; c < NC; c++) {
             const __m256i sums = _mm256_set1_epi32(quant_rd32(a[c].bsums + u * 16 + 2 * ib));
             s[c] = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi16(-128), sums);
         }
@@ -5843,7 +5833,6 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
                                                _mm256_set1_epi32(quant_rd32(x + 16)));
             }
         }
-        /* quant_iq4xs_scale: 4 low bits from the scales' dword, 2 high bits from dword 0's top half */
         const __m256i low = _mm256_and_si256(_mm256_srli_epi32(u1, 4 * ib), _mm256_set1_epi32(0xf));
         const __m256i high = _mm256_and_si256(_mm256_srli_epi32(u0, 16 + 2 * ib), _mm256_set1_epi32(3));
         const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
@@ -5859,7 +5848,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
     }
 }
 
-/* Every super-block of 16 interleaved rows of type T (quant_interleaved_avx2_ok's; constant where
+/* Every super-block of 16 interleaved type-T rows (quant_interleaved_avx2_ok's; constant where
  * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead of
  * the reads. The halves read the same act bytes; without the barrier between them gcc kept a
  * super-block's broadcasts live across both and spilled them. */
@@ -5898,8 +5887,8 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_columns(enum gguf_type t, con
     }
 }
 
-/* quant_interleaved at the AVX2 level with AVX-VNNI (quant_interleaved_avx2_ok): columns 4 at a
- * time, the last few one by one; the first pass prefetches. */
+/* quant_interleaved at AVX2 with AVX-VNNI (quant_interleaved_avx2_ok): columns 4 at a time, the
+ * last few one by one; the first pass prefetches. */
 static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
                                                   int64_t n, float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5987,8 +5976,8 @@ QUANT_AVX512_INLINE void quant_iq3s_masks_avx512(uint8_t *v) {
 }
 
 /* The 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
- * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block, Q3_K
- * and IQ3_S 3, IQ4_XS 2), asking for part u of the next 16 rows with super-block u. */
+ * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block, Q3_K,
+ * IQ3_S 3, IQ4_XS 2), asking for part u of the next 16 rows with super-block u. */
 QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
     const int bb = gguf_type_get(t)->block_bytes, iq3 = quant_interleaved_iq3(t);
     const __m512i rows = quant_tile_rows(rb);
@@ -6012,7 +6001,7 @@ QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *
             } else
                 _mm512_storeu_si512(v + 64 * k, from[k] < 16 && from[k] % 4 == 0 ? head[from[k] / 4] : _mm512_i32gather_epi32(rows, b + from[k], 1));
         }
-        if (bb % 4) /* the 16 rows' d: IQ3's first, Q3_K's last, from the dword that ends with it */
+        if (bb % 4) /* the 16 rows' d: IQ3's first, Q3_K's last, from the dword ending with it */
             _mm256_storeu_si256((__m256i *)(dst + 32 * u), _mm512_cvtepi32_epi16(iq3 ? head[0] : _mm512_srli_epi32(_mm512_i32gather_epi32(rows, b + bb - 4, 1), 16)));
         if (t == GGUF_TYPE_IQ3_S) quant_iq3s_masks_avx512(v);
     }
@@ -6024,8 +6013,8 @@ static QUANT_AVX512 void quant_interleave_groups_avx512(enum gguf_type t, uint8_
     for (int64_t g = g0; g < g1; g++) quant_interleave_tile(t, src + (size_t)g * group, rb, nu, dst + (size_t)g * group);
 }
 
-/* The tile of 16 rows read in place of a type quant_interleave_ok takes (quant_tile's contract):
- * interleaved into SCRATCH like coli's own copies, then quant_interleaved's passes: the same bits,
+/* Tile of 16 rows read in place of a type quant_interleave_ok takes (quant_tile's contract):
+ * interleaved into SCRATCH like coli's own copies, then quant_interleaved's passes: same bits,
  * faster than the former Q4_K and Q6_K tiles (README) and quant_dotn. */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
@@ -6035,10 +6024,10 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 
 /* ---- dispatch ---- */
 
-/* Kernels per level; NULL means "use the level below" (dotn: below that, one dot per column). A
- * rows kernel (fnr) serves only where its own level's dot does (matching its speed); else a level
- * runs a dot per row. avx512vbmi has its own IQ3 kernels, and rows kernels for Q3_K and Q5_K (GFNI)
- * whose dot repeats avx512's, as a rows kernel serves only beside its level's dot. */
+/* Kernels per level; NULL: "use the level below" (dotn: below that, a dot per column). A rows
+ * kernel (fnr) serves only where its own level's dot does (matching its speed); else a level runs a
+ * dot per row. Hence avx512vbmi has, beside its own IQ3 kernels, rows kernels for Q3_K and Q5_K
+ * (GFNI) whose dot repeats avx512's. */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
@@ -6101,11 +6090,11 @@ static int quant_level_max(void) {
     return c->avx512vbmi && c->avx512bitalg && c->gfni ? QUANT_LEVEL_AVX512VBMI : QUANT_LEVEL_AVX512;
 }
 
-/* y[c * ys + r] = quant_dot of row r of the 16 interleaved rows of type T at W (a group of
- * quant_interleave's) with column c, for c < NC, bit for bit at any level: the AVX2 kernel at the
- * AVX2 level where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the
- * CPU has its level's kernel), else the AVX-512 one, keeping the operands in KEPT
- * (QUANT_KEPT_BYTES, 64-byte aligned; or NULL) where quant_kept_pays. */
+/* y[c * ys + r] = quant_dot of row r of the 16 interleaved type-T rows at W (a group of
+ * quant_interleave's) with column c, for c < NC, bit for bit at any level: by the AVX2 kernel at
+ * AVX2 where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the CPU
+ * has its level's kernel), else by the AVX-512 one, operands kept in KEPT (QUANT_KEPT_BYTES,
+ * 64-byte aligned; or NULL) where quant_kept_pays. */
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
                               size_t ys, void *kept) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
@@ -6144,8 +6133,8 @@ static void quant_set_level(int level) {
 
 static const char *quant_level_name(void) { return quant_level_names[quant_level]; }
 
-/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces
- * (dies on an unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
+/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces (dies
+ * on an unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
 static void quant_init(void) {
     int level = quant_level_max();
     const char *env = getenv("COLI_CPU");
@@ -6162,7 +6151,7 @@ static void quant_init(void) {
 }
 
 /* Quantises/rounds x[n] into act (quant_act_bytes(wtype, n) bytes, 64-byte aligned) as wtype's dot
- * kernels expect. Caller: n a multiple of wtype's block size. */
+ * kernels expect. Caller: n a multiple of wtype's block. */
 static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, void *act) {
     float *f = act;
     const int simd = quant_level >= QUANT_LEVEL_AVX512;
@@ -6181,20 +6170,20 @@ static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, v
         memcpy(f, x, (size_t)n * 4);
 }
 
-/* Dot of one weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n),
- * in canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
+/* Dot of a weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n), in
+ * canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
 static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, int64_t n) {
     return quant_dot_table[wtype](wrow, act, n);
 }
 
 /* Whether this level's kernels take WTYPE's act of N elements in lanes (quant_act_to_lanes): legacy
- * formats at the AVX-512 levels, rows of 16+ blocks. */
+ * formats at AVX-512, rows of 16+ blocks. */
 static int quant_act_in_lanes(enum gguf_type wtype, int64_t n) {
     return quant_dotr_lanes_table[wtype] != NULL && n >= 16 * QUANT_QK;
 }
 
 /* OUT (quant_act_bytes(wtype, n), 64-byte aligned) = quant_act_prepare's act in lanes. Caller:
- * quant_act_in_lanes(wtype, n). */
+ * quant_act_in_lanes. */
 static void quant_act_to_lanes(enum gguf_type wtype, const void *act, int64_t n, void *out) {
     quant_act_to_lanes_avx512(wtype, act, n, out);
 }
@@ -6229,7 +6218,7 @@ static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
 }
 
 /* As quant_pairs, for WTYPE rows of N elements whose acts this level reorders once for all rows:
- * IQ4_XS at AVX-512, up to QUANT_REORDER_MAX elements. */
+ * IQ4_XS at AVX-512, N <= QUANT_REORDER_MAX. */
 static int quant_dotn_rows(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                            int nc, int64_t n, float *y, size_t ys) {
     if (wtype != GGUF_TYPE_IQ4_XS || quant_level < QUANT_LEVEL_AVX512 || n > QUANT_REORDER_MAX) return 0;
@@ -6242,7 +6231,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
     if (quant_level == QUANT_LEVEL_AVX2) {
         const int k = k45 || wtype == GGUF_TYPE_Q6_K;
-        const int legacy = wtype == GGUF_TYPE_Q4_0 || (quant_tile_legacy(wtype) && plat_cpu.avxvnni); /* the others' bytes: VNNI only */
+        const int legacy = wtype == GGUF_TYPE_Q4_0 || (quant_tile_legacy(wtype) && plat_cpu.avxvnni); /* others' bytes: VNNI only */
         return (k || legacy) && nc >= (k && n > 2 * QUANT_QK_K ? QUANT_AVX2_TILE_MIN_NC_LONG_K : QUANT_AVX2_TILE_MIN_NC);
     }
     if (quant_level < QUANT_LEVEL_AVX512) return 0;
@@ -6254,7 +6243,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
 }
 
 /* y[c * ys + r] = quant_dot of row r of the QUANT_TILE_ROWS rows at WROWS with column c, c < NC,
- * bit for bit; SCRATCH: quant_tile_bytes(wtype, n), one per thread. Caller: quant_tile_ok. */
+ * bit for bit; SCRATCH: quant_tile_bytes(wtype, n), one a thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
     const int vnni = plat_cpu.avxvnni; /* the AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
@@ -7899,19 +7888,18 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 }
 
 /* ==== §5 cuda ==== */
-/* Owns: the system's CUDA driver, reached from this static binary at run time: the foreign dlopen
- *   (glibc's ld.so and the embedded glibc helper mapped into this process; in a glibc build, as the
- *   tests use, the native dlopen), the typed driver wrappers, the device list in PCI bus order,
- *   per-device contexts and the module JIT-compiled from the embedded kernels.ptx, device memory
- *   for resident trunk matrices and routed experts, the GEMV launches of the product batches §4
- *   offloads (ops_offload), the routed experts' batches, the layers and chains §8 runs there, and
- *   the CUDA graphs replaying a repeated window of launches.
- * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the CPU;
- *   results never change: a device GEMV computes the CPU's canonical order bit for bit, and a
- *   failed launch is recomputed on the CPU. Device i is the i-th card in PCI bus order in every
- *   flag and line. No driver call is made unless cuda_start ran (COLI_CUDA=0 / --gpu off: never).
- *   Driver calls are serialised under one lock, async signals blocked and, in the musl build, the
- *   thread pointer switched to glibc's (portable-notes.md §5.1-5.3).
+/* Owns: the system's CUDA driver, loaded at run time by this static binary: the foreign dlopen
+ *   (glibc's ld.so and the embedded glibc helper mapped in; a glibc build, as the tests use, has the
+ *   native one), typed driver wrappers, devices in PCI bus order with their contexts and the module
+ *   JIT-compiled from the embedded kernels.ptx, device memory for resident trunk matrices and routed
+ *   experts, GEMV launches of §4's offloaded product batches (ops_offload), routed experts' batches,
+ *   the layers and chains §8 runs there, CUDA graphs replaying a repeated launch window.
+ * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the CPU.
+ *   Results never change: a device GEMV computes the CPU's canonical order bit for bit; a failed
+ *   launch is recomputed on the CPU. Device i is the i-th card in PCI bus order in every flag and
+ *   line. No driver call unless cuda_start ran (COLI_CUDA=0 / --gpu off: never). Driver calls are
+ *   serialised under one lock, async signals blocked, in the musl build on glibc's thread pointer
+ *   (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch, a layer's routed experts, a
  *   layer held whole (cuda_moe_layer_start): one upload, a launch a product / 3 / 11, one download
@@ -7927,7 +7915,7 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 #include <sys/auxv.h>
 #endif
 
-/* The driver API's types and the few constants coli uses (values from cuda.h, stable ABI). */
+/* Driver API types and constants coli uses (cuda.h's values, a stable ABI). */
 typedef int cuda_result;
 typedef int cuda_device_id;
 typedef unsigned long long cuda_ptr; /* CUdeviceptr: 64-bit since the _v2 API */
@@ -7944,16 +7932,16 @@ enum {
 };
 enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
 
-/* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS as the unversioned cuGraphAddKernelNode takes it
- * (the _v1 layout; cuda.h's _v2 adds two fields after). */
+/* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS, the _v1 layout the unversioned
+ * cuGraphAddKernelNode takes (cuda.h's _v2 adds two fields). */
 struct cuda_kernel_node {
     cuda_handle fn;
     unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
     void **params, **extra;
 };
 
-/* Driver entry points, by their versioned names (notes §5.10: plain cuMemAlloc is CUDA 3's
- * 32-bit-pointer ABI). X(field, symbol, required). */
+/* Driver entry points by versioned name (notes §5.10: plain cuMemAlloc is CUDA 3's 32-bit-pointer
+ * ABI). X(field, symbol, required). */
 #define CUDA_API(X) \
     X(init, "cuInit", 1) X(driver_version, "cuDriverGetVersion", 1) X(get_error_string, "cuGetErrorString", 0) \
     X(device_count, "cuDeviceGetCount", 1) X(device_get, "cuDeviceGet", 1) X(device_name, "cuDeviceGetName", 1) \
@@ -8014,7 +8002,7 @@ struct cuda_api {
 };
 static struct cuda_api cuda_api;
 
-/* glibc's dl* functions: from the foreign loader (musl build) or the native ones. */
+/* glibc's dl* functions: the foreign loader's (musl build) or native. */
 struct cuda_dl {
     void *(*open)(const char *file, int mode);
     void *(*sym)(void *handle, const char *name);
@@ -8024,9 +8012,8 @@ struct cuda_dl {
 static struct cuda_dl cuda_dl;
 
 /* ---- the call wrapper: lock, async signals blocked, glibc's thread pointer ----
- * All musl threads share the one glibc TCB ld.so set up (notes §5.2), so calls are serialised;
- * signals are blocked so no musl handler runs on glibc's TCB (§5.3); driver threads inherit the
- * mask. */
+ * All musl threads share the one glibc TCB ld.so set up (notes §5.2): calls are serialised, signals
+ * blocked so no musl handler runs on it (§5.3); driver threads inherit the mask. */
 
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 static sigset_t cuda_saved_mask;
@@ -8053,7 +8040,7 @@ static inline void cuda_tp_set(uintptr_t tp)
     }
 }
 
-static long cuda_calls; /* wrapped driver calls made (coli's only way to the driver) */
+static long cuda_calls; /* wrapped driver calls (coli's only way to the driver) */
 
 static void cuda_enter(void)
 {
@@ -8077,11 +8064,10 @@ static void cuda_leave(void)
     pthread_mutex_unlock(&cuda_lock);
 }
 
-/* Typed wrappers: callers evaluate arguments before the switch, so nothing in them touches musl's
- * TLS while %fs is glibc's. CUDA_WRAP's first make the window's held-back launches
- * (cuda_window_end, "graphs" below): a copy, free, context switch or wait follows earlier-queued
- * launches. CUDA_WRAP_NOW's: the launches and graphs, and calls touching no memory launches may
- * use. */
+/* Typed wrappers. Arguments are evaluated before the switch: none touches musl's TLS while %fs is
+ * glibc's. CUDA_WRAP first makes the window's held-back launches (cuda_window_end, "graphs" below),
+ * which copies, frees, context switches and waits must follow. CUDA_WRAP_NOW: launches, graphs,
+ * calls touching no memory a launch may use. */
 static cuda_result cuda_window_end(void);
 #define CUDA_WRAP_NOW(name, params, args) \
     static cuda_result cuda_##name params { cuda_enter(); cuda_result r_ = cuda_api.name args; cuda_leave(); return r_; }
@@ -8163,7 +8149,7 @@ static const char *cuda_error_name(cuda_result r, char *buf, size_t cap)
 /* ---- foreign dlopen (musl build; portable-notes.md "How foreign dlopen works") ---- */
 #ifndef __GLIBC__
 
-/* The glibc helper built by build.sh; absent when coli.c is compiled without build.sh. */
+/* The glibc helper built by build.sh; absent when coli.c is built without it. */
 #if __has_include("build/coli_helper")
 __asm__(".section .rodata\n.balign 64\ncuda_helper_elf:\n.incbin \"build/coli_helper\"\ncuda_helper_end:\n.previous");
 extern const uint8_t cuda_helper_elf[], cuda_helper_end[]; /* local asm labels of this file */
@@ -8184,8 +8170,8 @@ static int cuda_elf_check(const uint8_t *img, size_t n)
            eh->e_phnum <= (n - eh->e_phoff) / sizeof(Elf64_Phdr);
 }
 
-/* Maps one PT_LOAD at BIAS: from FD when given (ld.so: as the kernel does), else an anonymous copy
- * of IMG (the helper without memfd). Zeroes the bss. Returns 0 or -1. */
+/* Maps one PT_LOAD at BIAS, from FD if given (ld.so: as the kernel does), else as an anonymous copy
+ * of IMG (the helper without memfd); zeroes the bss. 0 or -1. */
 static int cuda_elf_segment(const Elf64_Phdr *p, uintptr_t bias, int fd, const uint8_t *img, size_t n)
 {
     const uintptr_t pg = 4096, start = (bias + p->p_vaddr) & ~(pg - 1);
@@ -8206,7 +8192,7 @@ static int cuda_elf_segment(const Elf64_Phdr *p, uintptr_t bias, int fd, const u
     return mprotect((void *)start, end - start, prot);
 }
 
-/* Maps the whole ELF image IMG[N] (FD: its file, or -1). Returns 0 or -1. */
+/* Maps ELF image IMG[N] (FD: its file, or -1). 0 or -1. */
 static int cuda_elf_map(const uint8_t *img, size_t n, int fd, struct cuda_elf *e)
 {
     const Elf64_Ehdr *eh = (const Elf64_Ehdr *)img;
@@ -8246,8 +8232,8 @@ static uint8_t *cuda_read_file(const char *path, size_t *n)
     return buf;
 }
 
-/* glibc's loader, not an impostor: an x86-64 ET_DYN without PT_INTERP whose bytes name
- * GLIBC_2.2.5 and GLIBC_PRIVATE (rejects musl's ld posing as ld-linux, NixOS's stub-ld). */
+/* glibc's loader, not an impostor: an x86-64 ET_DYN without PT_INTERP naming GLIBC_2.2.5 and
+ * GLIBC_PRIVATE (rejects musl's ld posing as ld-linux, NixOS's stub-ld). */
 static int cuda_is_glibc_loader(const uint8_t *img, size_t n)
 {
     if (!cuda_elf_check(img, n)) return 0;
@@ -8258,7 +8244,7 @@ static int cuda_is_glibc_loader(const uint8_t *img, size_t n)
     return memmem(img, n, "GLIBC_2.2.5", 11) && memmem(img, n, "GLIBC_PRIVATE", 13);
 }
 
-/* The PT_INTERP named by the executable PATH, into OUT ("" if none). */
+/* Executable PATH's PT_INTERP into OUT ("" if none). */
 static void cuda_interp_of(const char *path, char *out, size_t cap)
 {
     size_t n;
@@ -8299,9 +8285,9 @@ static uint8_t *cuda_find_loader(char *path, size_t cap, size_t *n)
 static jmp_buf cuda_ld_home;
 static void *cuda_ld_fns[4];
 
-/* Called by the helper once ld.so has set glibc up. Touches no musl TLS (%fs is glibc's): stores
- * the four dl* pointers and glibc's thread pointer, and returns by musl's longjmp, which, unlike
- * glibc's, demangles no pointers through the TCB. */
+/* Called by the helper once ld.so set glibc up. Touches no musl TLS (%fs is glibc's): stores the
+ * four dl* pointers and glibc's thread pointer, returns by musl's longjmp (glibc's would demangle
+ * pointers through the TCB). */
 __attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback(void *const fns[4])
 {
     for (int i = 0; i < 4; i++) cuda_ld_fns[i] = fns[i];
@@ -8309,7 +8295,7 @@ __attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback
     longjmp(cuda_ld_home, 1);
 }
 
-/* Copies S onto the string area growing down from *TOP; returns the copy. */
+/* Copies S onto the string area growing down from *TOP: the copy. */
 static char *cuda_stack_str(char **top, const char *s)
 {
     size_t n = strlen(s) + 1;
@@ -8318,10 +8304,10 @@ static char *cuda_stack_str(char **top, const char *s)
     return *top;
 }
 
-/* A fresh initial process stack for ld.so (notes step 5), 1 MiB, never freed: glibc keeps pointers
- * to argv, environ and auxv. argv = {"coli-helper", hex(callback)}; environ less
- * LD_PRELOAD/LD_AUDIT; auxv from getauxval, the helper as program, ld.so as AT_BASE. Returns the
- * stack pointer (16-byte aligned, at argc), or 0. */
+/* A fresh initial process stack for ld.so (notes step 5), 1 MiB, never freed (glibc keeps pointers
+ * to argv, environ, auxv): argv {"coli-helper", hex(callback)}; environ less LD_PRELOAD/LD_AUDIT;
+ * auxv from getauxval, the helper as program, ld.so as AT_BASE. The stack pointer (16-byte aligned,
+ * at argc), or 0. */
 static uintptr_t cuda_ld_stack(const struct cuda_elf *helper, const struct cuda_elf *ld)
 {
     extern char **environ;
@@ -8361,7 +8347,7 @@ static uintptr_t cuda_ld_stack(const struct cuda_elf *helper, const struct cuda_
 }
 
 /* A PROT_NONE page at the program break (notes §5.4): glibc and musl cache the break; one shrinking
- * it under the other always crashed. The fence fails later brk growth: both use mmap. */
+ * it under the other always crashed. The fence fails later brk growth, so both use mmap. */
 static void cuda_brk_fence(void)
 {
     uintptr_t cur = (uintptr_t)syscall(SYS_brk, 0), page = (cur + 4095) & ~(uintptr_t)4095;
@@ -8390,9 +8376,9 @@ static int cuda_map_helper(struct cuda_elf *e)
 #endif
 }
 
-/* Maps the helper and LD (image IMG[N] of file LD_PATH), jumps to ld.so's entry on a fresh stack
- * with all signals blocked, and returns through cuda_ld_callback. Returns 0 with cuda_dl filled and
- * musl's state restored, or -1 with WHY set. */
+/* Maps the helper and LD (image IMG[N] of file LD_PATH), jumps to ld.so's entry on a fresh stack,
+ * all signals blocked, and returns via cuda_ld_callback: 0 with cuda_dl filled and musl's state
+ * restored, or -1 with WHY. */
 static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *why, size_t cap)
 {
     extern volatile int __thread_list_lock __attribute__((weak));
@@ -8425,8 +8411,8 @@ static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *
 }
 
 /* The loader start-up (notes steps 1-6): finds glibc's ld.so, fences brk, rehearses in a child
- * (ld.so _exit(127)s on a missing libc.so.6, which would kill coli), then does it for real. Main
- * thread only, before any other thread exists. Returns 0, or -1 with WHY. */
+ * (ld.so _exit(127)s on a missing libc.so.6, killing coli), then runs it for real. Main thread
+ * only, before any other thread. 0, or -1 with WHY. */
 static int cuda_dl_start(char *why, size_t cap)
 {
     char ld_path[PATH_MAX];
@@ -8454,7 +8440,7 @@ static int cuda_dl_start(char *why, size_t cap)
 
 #ifdef __GLIBC__
 #include <dlfcn.h>
-/* A glibc build (the tests, built with plain gcc and under ASan) has dlopen itself. */
+/* A glibc build (the tests: plain gcc, ASan) has dlopen itself. */
 static int cuda_dl_start(char *why, size_t cap)
 {
     (void)why; (void)cap;
@@ -8479,7 +8465,7 @@ static void *cuda_dlsym(void *h, const char *name)
     return p;
 }
 
-/* dlerror's text, copied while the lock is held (it lives in glibc's per-thread buffer). */
+/* dlerror's text, copied under the lock (it lives in glibc's per-thread buffer). */
 static void cuda_dlerror(char *buf, size_t cap)
 {
     cuda_enter();
@@ -8490,8 +8476,8 @@ static void cuda_dlerror(char *buf, size_t cap)
     cuda_leave();
 }
 
-/* Signals 32-34 are musl's own (timers, cancellation, setxid). glibc < 2.34's libpthread, a libcuda
- * dependency, installs handlers for 32 and 33 process-wide, after which musl's pthread_cancel
+/* Signals 32-34 are musl's (timers, cancellation, setxid). glibc < 2.34's libpthread, a libcuda
+ * dependency, installs process-wide handlers for 32 and 33, after which musl's pthread_cancel
  * crashed (notes §5.3). Raw rt_sigaction: musl's sigaction refuses them. */
 struct cuda_ksigaction { void *handler; unsigned long flags; void *restorer; uint64_t mask; };
 
@@ -8503,15 +8489,15 @@ static void cuda_musl_signals(struct cuda_ksigaction saved[3], int restore)
     }
 }
 
-/* Where libcuda.so.1 lives (notes §6), after COLI_LIBCUDA: glibc's own search first. The
- * forward-compatibility driver and the toolkit's stub are deliberately not searched. */
+/* Where libcuda.so.1 lives (notes §6), after COLI_LIBCUDA: glibc's own search first. Deliberately
+ * not searched: the forward-compatibility driver, the toolkit's stub. */
 static const char *const cuda_lib_paths[] = {
     "libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1",
     "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1",
     "/run/opengl-driver/lib/libcuda.so.1", "/usr/lib/libcuda.so.1",
 };
 
-/* Resolves every entry point of LIB into cuda_api; returns the first required one missing. */
+/* Resolves LIB's entry points into cuda_api; returns the first required one missing. */
 static const char *cuda_resolve(void *lib)
 {
 #define CUDA_RESOLVE(field, sym, required) \
@@ -8522,8 +8508,8 @@ static const char *cuda_resolve(void *lib)
     return NULL;
 }
 
-/* Opens the driver library PATH and runs cuInit. Returns 0; 1 to keep searching (not there,
- * or the stub: error 34); -1 to stop. WHY says what happened. */
+/* Opens driver library PATH and runs cuInit: 0; 1 to keep searching (absent, or the stub: error
+ * 34); -1 to stop. WHY says what happened. */
 static int cuda_try_driver(const char *path, char *why, size_t cap)
 {
     char err[256], name[96];
@@ -8569,44 +8555,43 @@ static int cuda_load_driver(char *why, size_t cap)
 
 /* ---- devices ---- */
 
-/* The GPU kernels: PTX text assembled into the binary at build time, NUL-terminated as
- * cuModuleLoadDataEx reads PTX as a C string. */
+/* The kernels: PTX built into the binary, NUL-terminated (cuModuleLoadDataEx reads PTX as a C string). */
 __asm__(".section .rodata\n.balign 64\ncuda_ptx:\n.incbin \"kernels.ptx\"\n.byte 0\n.previous");
 extern const char cuda_ptx[]; /* a local asm label of this file */
 
 #define CUDA_MAX_DEVICES 16
 #define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
 #define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
-/* The output head's best candidates on the device (kernels.cu's logits_top_*): TOP_K, the
- * slices and the list of each row's scratch (struct top_scratch: CUDA_TOP_SCRATCH bytes). The
- * slices are also the whole-vocabulary draw's canonical order (§10 sample_vocab_sums). */
+/* The output head's best candidates on the device (kernels.cu's logits_top_*): TOP_K; a row's
+ * scratch's slices and list (struct top_scratch, CUDA_TOP_SCRATCH bytes), the slices also the
+ * whole-vocabulary draw's canonical order (§10 sample_vocab_sums). */
 #define CUDA_TOP_K 64
 #define CUDA_TOP_SLICES 256
 #define CUDA_TOP_LIST 2048
 #define CUDA_PENALTY_MAX 256 /* distinct recent tokens a row's penalties on the device take */
 #define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_PENALTY_MAX * 4 + CUDA_TOP_LIST * 8)
-#define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row that comes down: the best, {status, id drawn}, total */
+#define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row coming down: the best, {status, id drawn}, total */
 
-/* A row's whole-vocabulary draw as kernels.cu's logits_draw_* read it: U (the draw in [0, 1) that
- * §10's sample_uniform scales), TEMP, TOP_P, MIN_P; ON 0: nothing there, 1: drawn there, 2: a
- * nucleus, its total and whether its cut falls among the best only (§10 draws from those). */
+/* A row's whole-vocabulary draw (kernels.cu's logits_draw_*): U in [0, 1) (§10's sample_uniform
+ * scales it), TEMP, TOP_P, MIN_P; ON 0: not there, 1: drawn there, 2: only the nucleus's total and
+ * whether its cut falls among the best (§10 draws from those). */
 enum { CUDA_DRAW_OFF, CUDA_DRAW_TOKEN, CUDA_DRAW_NUCLEUS };
 struct cuda_top_draw { double u; float temp, top_p, min_p; int on; };
 
-/* A row's penalties as kernels.cu's logits_penalise reads them: the three (§10 sample_penalty),
- * and N distinct recent tokens with how often each came (N 0: none). */
+/* A row's penalties for kernels.cu's logits_penalise: the three (§10 sample_penalty), and N
+ * distinct recent tokens with their counts (N 0: none). */
 struct cuda_top_penalty { float repeat, presence, frequency; int n; struct { int id, count; } seen[CUDA_PENALTY_MAX]; };
 
-/* The window and its graphs ("graphs" below). A kernel's parameters: FN's count N, and a bit of
- * WIDE for each 8 bytes wide (.u64; others .u32 or .f32), from its PTX .entry. */
+/* The window and its graphs ("graphs" below). A kernel's parameters from its PTX .entry: FN's count
+ * N; WIDE, a bit each 8 bytes wide (.u64; others .u32 or .f32). */
 #define CUDA_PARAMS_MAX 16
 struct cuda_signature { cuda_handle fn; int n; uint32_t wide; };
 #define CUDA_SIGNATURES 256 /* a device's table of them by handle: over twice kernels.ptx's entries */
 
-/* A launch: kernel (SIG.fn), grid, block, parameter values in 8-byte slots of SLOTS from AT on. */
+/* A launch: kernel (SIG.fn), grid, block, parameter values in 8-byte slots of SLOTS from AT. */
 struct cuda_launch_record { struct cuda_signature sig; unsigned gx, gy, bx; size_t at; };
 
-/* A list of launches (the window, a graph's): HASH covers each one's kernel, grid, values. */
+/* Launches (the window, a graph's): HASH covers each one's kernel, grid, values. */
 struct cuda_launches {
     struct cuda_launch_record *rec;
     uint64_t *slots;
@@ -8615,8 +8600,8 @@ struct cuda_launches {
     uint64_t hash;
 };
 
-/* A window seen on a device: its HASH and N launches; EXEC once a graph, its launches then in LIST;
- * LAST: when last seen (cuda.clock). */
+/* A window seen on a device: HASH, N launches; EXEC once a graph, its launches then in LIST; LAST
+ * seen (cuda.clock). */
 struct cuda_graph { uint64_t hash; int n; cuda_handle exec; struct cuda_launches list; long last; };
 #define CUDA_GRAPHS 256     /* windows a device remembers: a token of a split model makes ~3 a layer */
 #define CUDA_GRAPH_MIN 3    /* launches a window needs to become a graph */
@@ -8628,7 +8613,7 @@ struct cuda_device {
     size_t vram_total, vram_free;
     int selected, usable;
     cuda_handle ctx, module;
-    cuda_handle matvec[GGUF_TYPE_COUNT]; /* the kernel matvec_<type>, NULL where none */
+    cuda_handle matvec[GGUF_TYPE_COUNT]; /* matvec_<type>, NULL where none */
     cuda_handle moe_gate_up[GGUF_TYPE_COUNT], moe_down[GGUF_TYPE_COUNT];
     cuda_handle quantize[3];             /* by enum quant_act_kind */
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
@@ -8638,74 +8623,71 @@ struct cuda_device {
     cuda_handle draw_sums, draw_walk;    /* ... and a draw over the whole vocabulary */
     cuda_handle penalise, unpenalise;    /* ... and penalties before them */
     cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
-    struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters, by handle */
+    struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
-    int64_t budget, used;                /* bytes for resident weights, and those taken */
+    int64_t budget, used;                /* bytes for resident weights; those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
     cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
     size_t moe_cap, moe_out, moe_bytes;  /* its size; where the batch in flight left its outputs, their bytes */
     int moe_jobs;                        /* the batch in flight: its jobs; 0 none */
-    cuda_ptr moe_prev;                   /* the layer scratch before: a chain's kept layer's outputs */
+    cuda_ptr moe_prev;                   /* the previous layer scratch: a chain's kept layer's outputs */
     size_t moe_prev_cap;
-    cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left the hidden state and the next projections */
-    cuda_ptr chain;                      /* a pass's chains: the tokens' state addresses, the ids, the layers' blocks */
+    cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left the hidden state and next projections */
+    cuda_ptr chain;                      /* a pass's chains: tokens' state addresses, ids, layers' blocks */
     size_t chain_cap;
-    int64_t states;                      /* bytes of sequences' states and KV caches held here (cuda_state_alloc) */
+    int64_t states;                      /* bytes of sequences' states and KV caches here (cuda_state_alloc) */
     cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
     int copying;                         /* an upload is under way */
 };
 
-/* An allocation holding weights on a device. A trunk matrix's HOST is its weights in the mapping,
- * its products running there; an expert's has HOST NULL (§6 keeps where it is). */
+/* Weights allocated on a device. HOST: a trunk matrix's weights in the mapping (its products run
+ * there); NULL: an expert's (§6 keeps where it is). */
 struct cuda_resident { const uint8_t *host; int dev; cuda_ptr ptr; size_t bytes; };
 
 static struct {
     int started, ready;        /* cuda_start ran; some device can compute */
-    char why[512];             /* why there is no GPU path (when !ready) */
+    char why[512];             /* why no GPU path (when !ready) */
     int driver_version, n_devices, current;
     struct cuda_device dev[CUDA_MAX_DEVICES]; /* PCI bus order */
     struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
     int n_res, cap_res, n_experts, cap_experts;
     double call_us;            /* measured cost of one wrapped driver call */
-    long waits;                /* driver calls that wait for the device (the downloads); cuda_calls
-                                * counts them all */
+    long waits;                /* driver calls waiting for the device (downloads); cuda_calls counts all */
     struct cuda_launches window; /* the launches since the last other call (graphs) */
     int made, following;       /* the window's first MADE launches are made; the rest are held,
-                                * following the graphs of FOLLOW, whose launches they are so far */
+                                * following FOLLOW's graphs, whose launches they are so far */
     uint64_t follow[CUDA_GRAPHS / 64];
-    int graphs;                /* windows that repeat become graphs: the driver has them, and
-                                * COLI_CUDA_GRAPHS is not 0 */
+    int graphs;                /* repeating windows become graphs: the driver has them, COLI_CUDA_GRAPHS not 0 */
     long clock, graph_runs;    /* windows ended; those run as one graph */
     long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
     long tops;                 /* tokens whose logits stayed there, their best sent instead (§8 counts) */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
-    int stage_pinned;          /* the driver allocated it (cuda_stage) */
+    int stage_pinned;          /* pinned by the driver (cuda_stage) */
 } cuda;
 
 /* ---- graphs: a token's launches in one call ----
- * Every launch is recorded with its parameters' values in the window (the launches since the last
+ * Each launch is recorded, with its parameters' values, in the window (launches since the last
  * other driver call). A window of CUDA_GRAPH_MIN or more launches repeating one seen on the device
- * (the same kernels, grids and values: every address a kernel reads or writes) is built into a CUDA
- * graph, a node a launch, each after the one before. Then a window following a graph's launches
- * holds them back, and at its end (the next other driver call, or cuda_window_end where the CPU
- * works meanwhile) the graph runs in one call; a launch departing from it is made, with those held,
- * one by one as before. Which kernels run, in which order, over which bytes, and so the results,
- * are the same either way: only the driver calls change. A decoded token with all layers chained on
- * one device is one window (its upload before, its download after): from the third such token, one
- * graph launch instead of ~870.
+ * (same kernels, grids, values: every address read or written) becomes a CUDA graph, a node a
+ * launch, each after the last. A later window following a graph's launches holds them back and at
+ * its end (the next other driver call, or cuda_window_end while the CPU works) runs the graph in
+ * one call; a launch departing from it is made, with those held, one by one. Kernels, order, bytes,
+ * results: the same; only driver calls change. A decoded token with all layers chained on one
+ * device is one window (upload before, download after): from the third such token, one graph
+ * launch, not ~870.
  * Why recorded launches, not stream capture: a window is known to repeat only once it has run, and
- * capture needs a stream of its own where every coli copy and launch uses the legacy one, whose
- * order makes a download wait for the kernels before it.
- * Why compare every value: positions, lengths, expert ids and states' addresses live in device
- * memory, so a decode step's launches repeat exactly; whatever changes (a grown scratch, another
- * token count) is a window of its own, never a stale graph. */
+ * capture needs its own stream; coli's copies and launches all use the legacy one, whose order
+ * makes a download wait for the kernels before it.
+ * Why compare every value: positions, lengths, expert ids, states' addresses live in device memory,
+ * so a decode step's launches repeat exactly; a change (grown scratch, other token count) is a
+ * window of its own, never a stale graph. */
 
 /* *SIG = kernel NAME's parameters, from its `.entry NAME(` in the embedded PTX (a line `.param .u64
- * NAME_param_0,` each). 0, or -1 where there is no such entry or a parameter of another kind. */
+ * NAME_param_0,` each). 0, or -1: no such entry, or a parameter of another kind. */
 static int cuda_signature_read(const char *name, struct cuda_signature *sig)
 {
     char head[80];
@@ -8729,7 +8711,7 @@ static int cuda_signature_read(const char *name, struct cuda_signature *sig)
     }
 }
 
-/* Device D's slot for kernel FN's signature: its own, or the empty one where it would go. */
+/* Device D's slot for kernel FN's signature: its own, or the empty one it would take. */
 static struct cuda_signature *cuda_signature_of(struct cuda_device *d, cuda_handle fn)
 {
     size_t i = (size_t)((uintptr_t)fn >> 4) % CUDA_SIGNATURES;
@@ -8753,7 +8735,7 @@ static void cuda_launches_free(struct cuda_launches *l)
     *l = (struct cuda_launches){0};
 }
 
-/* Appends the launch of SIG's kernel over GX x GY blocks of BX threads with PARAMS to W. */
+/* Appends to W the launch of SIG's kernel over GX x GY blocks of BX threads with PARAMS. */
 static void cuda_record(struct cuda_launches *w, const struct cuda_signature *sig, unsigned gx, unsigned gy, unsigned bx, void **params)
 {
     if (w->n == w->cap) {
@@ -8788,7 +8770,7 @@ static void cuda_record_params(const struct cuda_launches *l, int i, void **para
     for (int k = 0; k < l->rec[i].sig.n; k++) params[k] = &l->slots[l->rec[i].at + (size_t)k];
 }
 
-/* Makes the window's launches not made yet, one by one. The driver's result. */
+/* Makes the window's launches not yet made, one by one. The driver's result. */
 static cuda_result cuda_window_make(void)
 {
     cuda_result r = CUDA_SUCCESS;
@@ -8802,8 +8784,8 @@ static cuda_result cuda_window_make(void)
     return r;
 }
 
-/* Narrows the graphs of device D the window follows to those whose launch I is its own (at I 0,
- * from all: windows of different layers may begin alike). Returns whether any is left. */
+/* Narrows the graphs of device D the window follows to those whose launch I matches its own (at I
+ * 0, from all: different layers' windows may begin alike). Whether any is left. */
 static int cuda_window_follow(const struct cuda_device *d, int i)
 {
     int left = 0;
@@ -8820,7 +8802,7 @@ static int cuda_window_follow(const struct cuda_device *d, int i)
     return left;
 }
 
-/* The graph of device D the window has followed to its end: -1 none. */
+/* The graph of device D the window followed to its end; -1 none. */
 static int cuda_window_graph(const struct cuda_device *d)
 {
     for (int w = 0; cuda.following && w < CUDA_GRAPHS / 64; w++)
@@ -8829,9 +8811,9 @@ static int cuda_window_graph(const struct cuda_device *d)
     return -1;
 }
 
-/* Launches FN over a grid of GX x GY blocks of BX threads with PARAMS on the current device:
- * recorded in the window, held while the window follows a graph, else made now (with any held
- * before). The driver's result (a held launch's: at the window's end). */
+/* Launches FN on the current device, GX x GY blocks of BX threads, with PARAMS, as the window
+ * allows (made now, or held while it follows a graph). The driver's result (a held launch's: at the
+ * window's end). */
 static cuda_result cuda_launch(cuda_handle fn, unsigned gx, unsigned gy, unsigned bx, void **params)
 {
     if (!cuda.graphs) return cuda_launch_now(fn, gx, gy, bx, params); /* nothing to learn: no record */
@@ -8865,9 +8847,9 @@ static cuda_result cuda_graph_build(struct cuda_graph *g)
     return r;
 }
 
-/* After the window's launches were made one by one on device D: where it repeats a window seen
- * there it becomes a graph (its launches kept), else it replaces the window seen longest ago. A
- * graph that cannot be built ends graphs, in one line. */
+/* After the window's launches were made one by one on device D: repeating a window seen there it
+ * becomes a graph (launches kept), else it replaces the window seen longest ago. A graph that
+ * cannot be built ends graphs, with one line. */
 static void cuda_window_learn(struct cuda_device *d)
 {
     struct cuda_launches *w = &cuda.window;
@@ -8897,8 +8879,8 @@ static void cuda_window_learn(struct cuda_device *d)
     *g = (struct cuda_graph){w->hash, w->n, NULL, g->list, cuda.clock};
 }
 
-/* Ends the window: one that followed a graph to its end runs as that graph; else its launches not
- * yet made are made and the window is learnt. The driver's result. */
+/* Ends the window: run as the graph it followed to its end, else its launches not yet made are made
+ * and it is learnt. The driver's result. */
 static cuda_result cuda_window_end(void)
 {
     if (!cuda.window.n) return CUDA_SUCCESS;
@@ -8917,7 +8899,7 @@ static cuda_result cuda_window_end(void)
     return r;
 }
 
-/* Whether graphs are built (driver has them, COLI_CUDA_GRAPHS not 0); a line if it lacks them. */
+/* Whether graphs are built (the driver has them, COLI_CUDA_GRAPHS not 0); a line if it lacks them. */
 static int cuda_graphs_on(void)
 {
     const char *env = getenv("COLI_CUDA_GRAPHS");
@@ -8929,8 +8911,7 @@ static int cuda_graphs_on(void)
     return 0;
 }
 
-/* Frees device D's graphs: the driver's too where its context is current (IN_CONTEXT; else they
- * go with the context). */
+/* Frees device D's graphs, the driver's too if its context is current (IN_CONTEXT; else they go with it). */
 static void cuda_graphs_free(struct cuda_device *d, int in_context)
 {
     if (in_context) cuda_window_end(); /* what the window holds may follow them */
@@ -8950,8 +8931,8 @@ static int cuda_pci_order(const void *a, const void *b)
     return (x->pci_dev > y->pci_dev) - (x->pci_dev < y->pci_dev);
 }
 
-/* Fills cuda.dev in PCI bus order, so --gpu 1 names the same card whatever CUDA_DEVICE_ORDER the
- * driver uses. Returns the count; 0 with WHY when there is none. */
+/* Fills cuda.dev in PCI bus order, so --gpu 1 names the same card whatever the driver's
+ * CUDA_DEVICE_ORDER. The count; 0 with WHY if none. */
 static int cuda_enumerate(char *why, size_t cap)
 {
     int n = 0;
@@ -8976,7 +8957,7 @@ static int cuda_enumerate(char *why, size_t cap)
     return n;
 }
 
-/* Makes device I current (one driver call when it changes). */
+/* Makes device I current (a driver call only when it changes). */
 static int cuda_use(int i)
 {
     if (cuda.current == i) return 0;
@@ -8985,7 +8966,7 @@ static int cuda_use(int i)
     return 0;
 }
 
-/* The first line of the JIT log LOG, for a one-line message. */
+/* The JIT log LOG's first line, for a one-line message. */
 static const char *cuda_first_line(char *log)
 {
     char *nl = strchr(log, '\n');
@@ -8993,7 +8974,7 @@ static const char *cuda_first_line(char *log)
     return log[0] ? log : "no log";
 }
 
-/* *FN = the kernel PREFIX + TYPE (lower case) of D's module, with its signature; NULL if none. */
+/* *FN = kernel PREFIX + TYPE (lower case) of D's module, its signature recorded; NULL if none. */
 static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *type, cuda_handle *fn)
 {
     char name[64];
@@ -9008,8 +8989,8 @@ static void cuda_kernel(struct cuda_device *d, const char *prefix, const char *t
     *cuda_signature_of(d, *fn) = sig;
 }
 
-/* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX and
- * finds the kernels. 0, or -1 with WHY. */
+/* Retains device I's primary context, reads its free memory, JIT-compiles the embedded PTX, finds
+ * the kernels. 0, or -1 with WHY. */
 static int cuda_open_device(int i, char *why, size_t cap)
 {
     struct cuda_device *d = &cuda.dev[i];
@@ -9054,8 +9035,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     return 0;
 }
 
-/* Marks devices LIST picks ("all", or PCI indices like "0,2"): 0, or -1 with WHY naming a bad
- * one. */
+/* Marks the devices LIST picks ("all", or PCI indices like "0,2"): 0, or -1 with WHY naming a bad one. */
 static int cuda_select(const char *list, char *why, size_t cap)
 {
     if (!list || !strcmp(list, "all") || !*list) {
@@ -9074,7 +9054,7 @@ static int cuda_select(const char *list, char *why, size_t cap)
     return 0;
 }
 
-/* Time of one wrapped call (cuDriverGetVersion: the driver does almost nothing), in µs. */
+/* µs of one wrapped call (cuDriverGetVersion: the driver does almost nothing). */
 static double cuda_measure_call(void)
 {
     int v, n = 2000;
@@ -9087,9 +9067,8 @@ static void cuda_stop(void);
 
 /* Starts the GPU path: loader, driver, devices (LIST as --gpu), contexts, kernels. VRAM_BYTES (-1:
  * free memory less a reserve) caps each device's resident-weight budget. Main thread, before any
- * other (notes §7.2). Each failure is one [cuda] line; cuda.ready: whether a device can compute. */
-/* VERBOSE: also say there is no driver at all (no news on a machine without an NVIDIA card; info
- * and plan say it in their own lines). */
+ * other (notes §7.2). cuda.ready: a device can compute. */
+/* VERBOSE: also report a missing driver (no news without an NVIDIA card; info and plan say it themselves). */
 static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 {
     char why[512] = "";
@@ -9118,7 +9097,7 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
             snprintf(cuda.why, sizeof cuda.why, "%s", why);
             continue;
         }
-        /* keep room for the context, the JIT's code and the launch scratch */
+        /* room for the context, the JIT's code, the launch scratch */
         int64_t reserve = (int64_t)d->vram_total / 16 > (256 << 20) ? (int64_t)d->vram_total / 16 : (256 << 20);
         d->budget = (int64_t)d->vram_free > reserve ? (int64_t)d->vram_free - reserve : 0;
         if (vram_bytes >= 0 && vram_bytes < d->budget) d->budget = vram_bytes;
@@ -9128,8 +9107,8 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
     cuda_calls = 0; /* from here, the work's */
 }
 
-/* Frees every resident matrix: residency is keyed by the weights' host address, so it must end
- * before that memory is unmapped or reused. */
+/* Frees every resident matrix: residency is keyed by the weights' host address, so must end before
+ * that memory is unmapped or reused. */
 static void cuda_release_all(void)
 {
     if (cuda.products || cuda.batches)
@@ -9149,7 +9128,7 @@ static void cuda_release_all(void)
     ops_offload = NULL;
 }
 
-/* Frees the host staging buffer (cuda_stage), pinned or not. */
+/* Frees the host staging buffer (cuda_stage). */
 static void cuda_stage_free(void)
 {
     if (cuda.stage_pinned) cuda_host_free(cuda.stage);
@@ -9159,8 +9138,7 @@ static void cuda_stage_free(void)
     cuda.stage_pinned = 0;
 }
 
-/* Gives the contexts back: glibc's and libcuda's destructors never run in this process (notes
- * §5.5). */
+/* Gives the contexts back: glibc's and libcuda's destructors never run in this process (notes §5.5). */
 static void cuda_stop(void)
 {
     cuda_release_all();
@@ -9196,7 +9174,7 @@ static void cuda_stop(void)
     cuda.ready = 0;
 }
 
-/* What to do about WHY, why the GPU path does not run (cuda.why): coli info's doctor. */
+/* What to do about WHY the GPU path does not run (cuda.why): coli info's doctor. */
 static const char *cuda_advice(const char *why)
 {
     static const char jit[] = "the driver cannot JIT-compile coli's PTX (ISA 6.0, sm_52 and up): update the NVIDIA driver";
@@ -9241,8 +9219,8 @@ static void cuda_print_info(void)
 
 /* ---- resident weights and offloaded GEMVs ---- */
 
-/* Ends the GPU path after a run-time failure (a launch, a copy): one line, then everything runs on
- * the CPU, which recomputes the failed product, so no result changes. */
+/* Ends the GPU path after a run-time failure (a launch, a copy), in one line; the CPU then runs
+ * everything, recomputing the failed product. */
 static void cuda_fail(const char *what, cuda_result r)
 {
     char e[160];
@@ -9253,7 +9231,7 @@ static void cuda_fail(const char *what, cuda_result r)
     snprintf(cuda.why, sizeof cuda.why, "%s failed", what);
 }
 
-/* Grows device scratch *P (capacity *CAP) to N bytes. Returns the driver's result. */
+/* Grows device scratch *P (capacity *CAP) to N bytes. The driver's result. */
 static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
 {
     if (n <= *cap) return CUDA_SUCCESS;
@@ -9265,9 +9243,9 @@ static cuda_result cuda_scratch(cuda_ptr *p, size_t *cap, size_t n)
     return r;
 }
 
-/* Grows the host staging buffer to N bytes: pinned (page-locked) where the driver gives it, so a
- * product batch's outputs and an expert batch's upload cross the bus by DMA straight from it, not
- * via the driver's pinned bounce buffer and a second copy; else plain memory, the same results. */
+/* Grows the host staging buffer to N bytes, pinned where the driver allows: a product batch's
+ * outputs and an expert batch's upload then cross the bus by DMA, not via the driver's pinned
+ * bounce buffer and a second copy. Else plain memory, same results. */
 static uint8_t *cuda_stage(size_t n)
 {
     if (n <= cuda.stage_cap) return cuda.stage;
@@ -9279,8 +9257,8 @@ static uint8_t *cuda_stage(size_t n)
     return cuda.stage;
 }
 
-/* The device copy of the trunk matrix with weights at HOST, or NULL: a binary search of the list
- * (address order, cuda_list), asked ~10 times a layer a token. */
+/* The device copy of the trunk matrix with weights at HOST, or NULL: binary search of the
+ * address-ordered list (cuda_list), asked ~10 times a layer a token. */
 static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
 {
     int lo = 0, hi = cuda.n_res;
@@ -9292,10 +9270,10 @@ static const struct cuda_resident *cuda_resident_of(const uint8_t *host)
     return lo < cuda.n_res && cuda.res[lo].host == host ? &cuda.res[lo] : NULL;
 }
 
-/* Device DEV's share of a batch of §4 jobs: those in MINE[0..n), weights at RES[j] on the device,
- * over the activations at ACT + OFF[j]. One upload of the span of activations they read, a launch
- * of matvec_<type> a job (a warp a row, lane = unit % 32, shfl butterfly: the canonical order), one
- * download of all outputs: 2 + n driver calls. 0, or -1 after cuda_fail. */
+/* Device DEV's share of a batch of §4 jobs: MINE[0..n), weights at RES[j] there, activations at ACT
+ * + OFF[j]. One upload of the activations' span, a matvec_<type> launch a job (a warp a row, lane =
+ * unit % 32, shfl butterfly: the canonical order), one download: 2 + n driver calls. 0, or -1 after
+ * cuda_fail. */
 static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_resident *const *res, const int *mine, int n,
                         const uint8_t *act, const size_t *off)
 {
@@ -9340,8 +9318,8 @@ static int cuda_jobs_on(int dev, const struct ops_job *jobs, const struct cuda_r
     return 0;
 }
 
-/* ops_offload: runs each job whose matrix is resident on its device (cuda_jobs_on), marking it in
- * DONE; a failure leaves the rest to the CPU, with the same bits. */
+/* ops_offload: runs each job whose matrix is resident on a device there (cuda_jobs_on), marking it
+ * in DONE; after a failure the CPU computes the rest. */
 static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done)
 {
     const struct cuda_resident *res[OPS_MAX_JOBS];
@@ -9358,7 +9336,7 @@ static void cuda_jobs(const struct ops_job *jobs, int n, const uint8_t *act, con
 
 static size_t cuda_align(size_t n) { return (n + 255) & ~(size_t)255; }
 
-/* The device bytes of N parts of BYTES[i], each at a 256-byte boundary. */
+/* Device bytes of N parts of BYTES[i], each at a 256-byte boundary. */
 static size_t cuda_span(const size_t *bytes, int n)
 {
     size_t total = 0;
@@ -9373,7 +9351,7 @@ static int cuda_fits(int dev, size_t total)
     return cuda.ready && d->usable && d->used + d->states + (int64_t)total <= d->budget;
 }
 
-/* Lists TOTAL bytes at P on device DEV as resident (HOST: the trunk matrix they hold, NULL: an
+/* Lists TOTAL bytes at P on device DEV as resident (HOST: the trunk matrix they hold; NULL: an
  * expert's), charging its budget. */
 static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
 {
@@ -9383,7 +9361,7 @@ static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
         *cap = *cap ? 2 * *cap : 64;
         *list = plat_realloc(*list, (size_t)*cap * sizeof **list);
     }
-    int at = *count; /* the trunk's list in address order: cuda_resident_of searches it by halves */
+    int at = *count; /* the trunk's list in address order: cuda_resident_of halves it */
     while (host && at > 0 && (uintptr_t)(*list)[at - 1].host > (uintptr_t)host) at--;
     memmove(&(*list)[at + 1], &(*list)[at], (size_t)(*count - at) * sizeof **list);
     (*list)[at] = (struct cuda_resident){host, dev, p, total};
@@ -9391,10 +9369,10 @@ static void cuda_list(int dev, const uint8_t *host, cuda_ptr p, size_t total)
     cuda.dev[dev].used += (int64_t)total;
 }
 
-/* Copies N parts (SRC[i], BYTES[i]) into a new allocation on device DEV, each at a 256-byte
- * boundary, charged to its budget, and lists it: MATVEC, as trunk matrix SRC[0] whose products run
- * there; else as an expert's (§6 keeps where it is). The device address, or 0 (nothing changed) if
- * the budget or device memory is short: not a GPU failure; the weights stay on the CPU. */
+/* Uploads N parts (SRC[i], BYTES[i]) into one new allocation on device DEV, 256-byte aligned,
+ * charged and listed: as trunk matrix SRC[0] if MATVEC (its products run there), else as an
+ * expert's (§6 keeps where it is). The address, or 0 (nothing changed) if budget or device memory
+ * is short: no GPU failure; the weights stay on the CPU. */
 static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *bytes, int n, int matvec)
 {
     size_t total = cuda_span(bytes, n);
@@ -9409,8 +9387,7 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
     return p;
 }
 
-/* Copies W's weights to device DEV, its GEMVs to run there: 0, or -1 (nothing changed) as
- * cuda_upload. */
+/* Copies W's weights to device DEV, its GEMVs to run there: 0, or -1 (nothing changed) as cuda_upload. */
 static int cuda_make_resident(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
@@ -9419,12 +9396,12 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
     return 0;
 }
 
-/* The probe (§7 asks it before placing the trunk): W's product on device DEV, one column, as
+/* The probe (§7 asks it before placing the trunk): W's one-column product on device DEV,
  * CUDA_PROBE_REPS launches, and its input's and output's round trip (CUDA_PROBE_REPS copies each
- * way), both timed by the device's events, not the host's clock: a thread descheduled once must not
- * decide a placement. W's weights are copied there for it and freed after. Fills *KERNEL and
- * *ROUND_TRIP (seconds per product). Returns 0, or -1 when the device cannot say: a driver without
- * events, or no memory for the copy (nothing changes); a failed launch ends the GPU path. */
+ * way), timed by device events, not the host clock: a thread descheduled once must not decide a
+ * placement. W's weights are copied there for it, freed after. Fills *KERNEL and *ROUND_TRIP
+ * (seconds per product). 0, or -1 if the device cannot say (no events, or no memory for the copy:
+ * nothing changes); a failed launch ends the GPU path. */
 #define CUDA_PROBE_REPS 8
 static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kernel, double *round_trip)
 {
@@ -9475,8 +9452,8 @@ static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kerne
 
 /* ---- bench --kernels on a device ---- */
 
-/* GB/s of weights of a random ROWS x COLS TYPE matrix's product on device DEV, timed as the probe
- * times one; 0 where it cannot run. */
+/* Weights' GB/s of a random ROWS x COLS TYPE matrix's product on device DEV, timed as the probe
+ * does; 0 if it cannot run. */
 static double cuda_bench_gemv(int dev, enum gguf_type type, int64_t rows, int64_t cols)
 {
     struct ops_matrix m = {type, NULL, rows, cols, gguf_row_bytes(type, cols), 0};
@@ -9491,8 +9468,8 @@ static double cuda_bench_gemv(int dev, enum gguf_type type, int64_t rows, int64_
     return r || kernel <= 0 ? 0 : (double)n / kernel / 1e9;
 }
 
-/* Device DEV's memory bandwidth in GB/s: a device-to-device copy of 256 MiB, bytes read and written
- * over its time (events around 4 copies); 0 where the driver has no such copy. */
+/* Device DEV's memory bandwidth, GB/s: bytes read and written by 4 device-to-device copies of 256
+ * MiB (events around them) over their time; 0 if the driver lacks such copies. */
 static double cuda_bench_bandwidth(int dev)
 {
     const size_t n = (size_t)256 << 20;
@@ -9517,9 +9494,8 @@ static double cuda_bench_bandwidth(int dev)
     return r || ms <= 0 ? 0 : 4 * 2.0 * (double)n / (ms / 1e3) / 1e9;
 }
 
-/* bench --kernels' table for device DEV: every format's GEMV at the CPU table's shapes but the
- * largest, 16384 x 4096 (past a card's L2 from 4-bit formats up), against the card's copy
- * bandwidth. */
+/* bench --kernels' table for device DEV: each format's GEMV at the CPU table's shapes but the
+ * largest, 16384 x 4096 (past a card's L2 from 4-bit formats up), against its copy bandwidth. */
 static void cuda_bench_kernels(int dev)
 {
     double bw = cuda_bench_bandwidth(dev);
@@ -9537,18 +9513,18 @@ static void cuda_bench_kernels(int dev)
 
 /* ---- routed experts on the device ----
  * An expert in VRAM is its three matrices in one allocation. A batch lists jobs, one per (expert,
- * token): cuda_moe_start uploads the jobs and the tokens' activations (prepared by the CPU for the
+ * token): cuda_moe_start uploads them and the tokens' activations (prepared by the CPU for the
  * gate/up type, as for its own) in one copy and queues three kernels: gate and up with silu(g) * u,
- * its quantisation for the down type, and down. Launches return at once: the CPU computes its own
- * experts meanwhile; cuda_moe_finish downloads the outputs, a [dim] row per job, which the caller
- * sums with the routing weights in its fixed order. 5 driver calls a device a layer. */
+ * its quantisation for the down type, down. Launches return at once, the CPU computing its own
+ * experts meanwhile; cuda_moe_finish downloads a [dim] row per job, summed by the caller with the
+ * routing weights in its fixed order. 5 driver calls a device a layer. */
 
-/* A routed expert resident on a device: where its gate, up and down matrices start, laid out as
- * kernels.cu's struct moe_job, whose column field says which activation a job reads. */
+/* A resident routed expert's gate, up and down matrices, laid out as kernels.cu's struct moe_job,
+ * whose column field picks a job's activation. */
 struct cuda_expert { cuda_ptr gate, up, down; };
 struct cuda_moe_job { struct cuda_expert e; uint32_t column, pad; };
 
-/* One layer's expert shapes: gate and up share a type (their activations are one upload). */
+/* A layer's expert shapes: gate and up share a type (one activation upload). */
 struct cuda_moe_shape { enum gguf_type up_type, down_type; size_t up_row_bytes, down_row_bytes; int dim, ff; };
 
 static int cuda_moe_shape_same(const struct cuda_moe_shape *a, const struct cuda_moe_shape *b)
@@ -9576,8 +9552,8 @@ static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda
     return 0;
 }
 /* ---- re-tiering: an expert's upload in the background ----
- * One upload at a time per device, on its own stream (non-blocking: null-stream kernels do not wait
- * for it) from pinned staging, so no token waits. §7 asks cuda_expert_upload_ready at token
+ * One upload at a time a device, from pinned staging on its own non-blocking stream (null-stream
+ * kernels do not wait for it): no token waits. §7 polls cuda_expert_upload_ready at token
  * boundaries and switches the expert over once there. */
 
 /* Whether this driver can upload in the background. */
@@ -9587,9 +9563,9 @@ static int cuda_async_ok(void)
            cuda_api.event_create && cuda_api.event_record;
 }
 
-/* Starts copying expert W (gate, up, down) to device DEV in the background: its VRAM is allocated
- * and charged now, *E saying where it will be. Returns 0, or -1 with nothing changed: no room, a
- * driver without background copies, an upload under way there. */
+/* Starts copying expert W (gate, up, down) to device DEV in the background, its VRAM allocated and
+ * charged now at *E. 0, or -1 with nothing changed: no room, no background copies, an upload under
+ * way there. */
 static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struct cuda_expert *e)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -9639,8 +9615,8 @@ static int cuda_expert_upload_ready(int dev)
     return 1;
 }
 
-/* Frees expert E's VRAM on device DEV (no upload under way there: nothing waits) and takes it off
- * the budget: the expert computes on the CPU from now on. */
+/* Frees expert E's VRAM on device DEV (no upload under way there: nothing waits) and its budget;
+ * the CPU computes it from now on. */
 static void cuda_expert_free(int dev, const struct cuda_expert *e)
 {
     for (int k = 0; k < cuda.n_experts; k++) {
@@ -9653,22 +9629,21 @@ static void cuda_expert_free(int dev, const struct cuda_expert *e)
     }
 }
 
-/* Device bytes of a batch of N jobs of shape SH: the hidden rows, their quantised form (rows
- * HQ_STRIDE bytes apart), the outputs. */
+/* Device bytes of N jobs of shape SH: hidden rows, their quantised form (HQ_STRIDE bytes a row), outputs. */
 static size_t cuda_moe_hq_stride(const struct cuda_moe_shape *sh) { return (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63; }
 static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
 {
     return cuda_align((size_t)n * (size_t)sh->ff * 4) + cuda_align((size_t)n * cuda_moe_hq_stride(sh)) + (size_t)n * (size_t)sh->dim * 4;
 }
 
-/* Where the outputs [n][dim] of a batch with work bytes at WORK are: their last part. */
+/* The outputs [n][dim] of a batch whose work bytes are at WORK: their last part. */
 static cuda_ptr cuda_moe_outputs(cuda_ptr work, const struct cuda_moe_shape *sh, int n)
 {
     return work + cuda_moe_work_bytes(sh, n) - (size_t)n * (size_t)sh->dim * 4;
 }
 
-/* Launches on the current device the preparation of ROWS rows of N floats at PX (N apart) for TYPE
- * weights into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
+/* Launches on the current device ROWS rows of N floats at PX (N apart) prepared for TYPE weights
+ * into PACT, STRIDE bytes a row: quant_act_prepare's bits. */
 static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type type, cuda_ptr px, cuda_ptr pact, size_t stride, int n, int rows)
 {
     enum quant_act_kind kind = quant_act_kind(type);
@@ -9679,9 +9654,9 @@ static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type ty
     return cuda_launch(d->quantize[kind], (unsigned)(n + (int)per_block - 1) / per_block, (unsigned)rows, 32 * CUDA_WARPS, params);
 }
 
-/* Launches on the current device the N jobs at PJ (experts of shape SH) over the activation columns
- * at PA, STRIDE bytes apart: gate and up, the hidden rows' quantisation, down, outputs at PW +
- * cuda_moe_work_bytes' last part. 3 launches; the driver's result. */
+/* Launches the N jobs at PJ (experts of shape SH) on the current device over activation columns at
+ * PA, STRIDE bytes apart: the three kernels (above), outputs in PW's last part
+ * (cuda_moe_work_bytes). 3 launches; the driver's result. */
 static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_shape *sh, cuda_ptr pj, cuda_ptr pa, size_t stride, int n,
                                    cuda_ptr pw)
 {
@@ -9696,9 +9671,9 @@ static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
-/* Queues a batch on device DEV: N jobs (experts of shape SH) over the N_COLS activation columns
- * ACTS, STRIDE bytes apart, prepared for SH->up_type. Returns 0, or -1 after cuda_fail or once the
- * GPU path has ended (the CPU computes the jobs). */
+/* Queues on device DEV N jobs (experts of shape SH) over N_COLS activation columns ACTS, STRIDE
+ * bytes apart, prepared for SH->up_type. 0, or -1 after cuda_fail or once the GPU path ended (the
+ * CPU computes the jobs). */
 static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct cuda_moe_job *jobs, int n,
                           const uint8_t *acts, size_t stride, int n_cols)
 {
@@ -9724,10 +9699,10 @@ static int cuda_moe_start(int dev, const struct cuda_moe_shape *sh, const struct
     return 0;
 }
 
-/* A DeltaNet mixer on a device (cuda_deltanet_launch): its constants there (one allocation: the
- * conv's taps [K][conv_dim], dt_bias [nv], a [nv], the gated norm's weights), its shape, and its
- * state's place in a sequence's (STATE_OFF floats in, its conv state's CONV_FLOATS first;
- * cuda_state_alloc). BA: beta and alpha come fused (Qwen3-Next). */
+/* A DeltaNet mixer on a device (cuda_deltanet_launch): its constants (one allocation: conv taps
+ * [K][conv_dim], dt_bias [nv], a [nv], gated norm weights), shape, and state's place in a
+ * sequence's (STATE_OFF floats in, conv state's CONV_FLOATS first; cuda_state_alloc). BA: beta and
+ * alpha fused (Qwen3-Next). */
 struct cuda_deltanet {
     cuda_ptr taps, dt_bias, ssm_a, norm;
     int conv_dim, K, nk, nv, dk, dv, tiled, ba, norm_per_head;
@@ -9735,24 +9710,22 @@ struct cuda_deltanet {
     uint64_t state_off, conv_floats;
 };
 
-/* An attention mixer on a device (cuda_attention_launch): its q and k norms there, its shape, and
- * in a pass's chain buffer the tokens' KV cache addresses (KV), positions (POS) and RoPE rows
- * (ROPE: rot/2 cosines then sines); the layer's place in a sequence's caches there (LAYER_OFF
- * bytes: cuda_state_alloc), ROWS rows a head, in FORMAT (f32, f16 or Q8_0, as the CPU's). */
+/* An attention mixer on a device (cuda_attention_launch): q and k norms, shape; in a pass's chain
+ * buffer the tokens' KV cache addresses (KV), positions (POS), RoPE rows (ROPE: rot/2 cosines then
+ * sines); the layer's place in a sequence's caches (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a
+ * head, in FORMAT (f32, f16 or Q8_0, as the CPU's). */
 struct cuda_attention {
     cuda_ptr q_norm, k_norm, kv, pos, rope;
-    int n_head, n_kv, hd, rot, format, splits; /* format: the cache's enum ops_kv; splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
+    int n_head, n_kv, hd, rot, format, splits; /* format: enum ops_kv; splits: of OPS_ATTN_SPLIT rows, for the batch's longest context */
     float eps, scale;
     uint64_t layer_off, rows;
 };
 
-/* The rest of a layer from its mixer's output on, on one device: output projection WO, residual and
- * post-norm NORM (residual_norm), over that the router and the shared expert's gate logit, the
- * routing (moe_route: model_select_experts' bits), the routed experts through TABLE (n_expert
- * entries) and shared expert SHEXP (shape SHEXP_SH: in the routed experts' batch where that is
- * theirs, SH, else a batch of its own), and their sum added to the hidden state (moe_combine):
- * model_forward_runs' steps, the same bits. WO, router and gate logit matrices are resident
- * there. */
+/* A layer's rest from its mixer's output on one device, model_forward_runs' steps, same bits:
+ * output projection WO, residual and post-norm NORM (residual_norm), router and shared expert's
+ * gate logit, routing (moe_route: model_select_experts' bits), routed experts via TABLE (n_expert
+ * entries) and shared expert SHEXP (in their batch if SHEXP_SH is their SH, else its own), their
+ * sum added to the hidden state (moe_combine). WO, router, gate logit matrices resident there. */
 struct cuda_moe_layer {
     struct cuda_moe_shape sh, shexp_sh;
     const struct ops_matrix *wo, *router, *gate_inp; /* gate_inp NULL: no shared expert */
@@ -9762,27 +9735,26 @@ struct cuda_moe_layer {
     const struct cuda_expert *table; /* an entry of zeros: the CPU computes that expert */
     struct cuda_expert shexp;
     int n_expert, used, split;       /* split: the table has such entries */
-    /* the next layer's start, where its matrices are there too (n_next > 0): its input norm
-     * NEXT_NORM over the new hidden state, then its mixer's input projections NEXT[j] */
+    /* the next layer's start if its matrices are here too (n_next > 0): norm NEXT_NORM over the new
+     * hidden state, then its mixer's input projections NEXT[j] */
     const float *next_norm;
     int n_next;
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
-    /* NEXT[0] is the output head and only its rows' best candidates come down (cuda_top_launch),
-     * the logits kept at d->kept_next[0]; DRAW, PEN (T rows, or NULL): the rows drawn there too,
-     * penalised first */
+    /* NEXT[0] is the output head; only its rows' best candidates come down (cuda_top_launch),
+     * logits kept at d->kept_next[0]; DRAW, PEN (T rows, or NULL): rows drawn there too, penalised
+     * first */
     int top;
     const struct cuda_top_draw *draw;
     const struct cuda_top_penalty *pen;
-    /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS, in the chain
-     * buffer) come down after the layer's own outputs, in the same copy; 0: none */
+    /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS in the chain buffer)
+     * come down after the layer's outputs, in one copy; 0: none */
     cuda_ptr chain_ids;
     size_t chain_bytes;
-    /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (the shared expert's already
-     * there), table and norms, uploaded with the pass's first; moe_route leaves the ids at IDS
-     * (0: in the layer's scratch, as a split layer's routing download reads them).
-     * KEEP: the outputs stay on the device for the next layer (nothing comes back); DN: this
-     * layer's mixer, a DeltaNet run there over what the layer before kept */
+    /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (shared expert's filled in),
+     * table, norms, uploaded with the pass's first; moe_route writes ids to IDS (0: the layer's
+     * scratch, where a split layer's routing download reads them). KEEP: outputs stay for the next
+     * layer (nothing comes back); DN: this layer's mixer, a DeltaNet (cuda_moe_layer_start) */
     cuda_ptr block, ids;
     int keep;
     const struct cuda_deltanet *dn;
@@ -9809,20 +9781,20 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
            L->used <= CUDA_ROUTE_MAX_USED && L->used <= L->n_expert && (int64_t)T * (L->used + 1) <= 65535; /* a grid's height */
 }
 
-/* Where a layer's batch keeps what, in bytes from the start of the device's batch scratch: the jobs
- * (routed, then shared); what goes up (from the shared jobs to the norms' end); what the kernels
- * make (the next projections' activations, one a type); the CPU's experts' outputs (a split layer);
- * then what comes back, ordered so each download is one span: the normed input, the ids (a split
- * layer's routing: xn, ids), the output and the next projections (ids, out, next). */
+/* A layer's batch scratch, offsets in bytes: jobs (routed, then shared); what goes up (shared jobs
+ * to the norms' end); what kernels make (next projections' activations, one a type); the CPU's
+ * experts' outputs (split layer); then what comes back, ordered so each download is one span:
+ * normed input, ids (a split layer's routing: xn, ids), output, next projections (ids, out,
+ * next). */
 struct cuda_moe_layout {
     size_t shared, table, draw, pen, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
         top, chain, end;
     size_t next_act[CUDA_NEXT_MAX], next_out[CUDA_NEXT_MAX];
 };
 
-/* Bytes of a token's split records (attn_split: HD + 4 floats a split of a head), and how many of a
- * batch of T one pair of attention launches takes: as many as fit cuda_attention_parts bytes, at
- * least one (a long-context prompt goes in groups; a decode step in one). */
+/* Bytes of a token's split records (attn_split: HD + 4 floats a split of a head), and how many
+ * tokens of T one pair of attention launches takes: as many as fit cuda_attention_parts bytes, at
+ * least one (a long-context prompt goes in groups, a decode step in one). */
 static size_t cuda_attention_parts = (size_t)64 << 20; /* test_cuda lowers it, to see groups */
 
 static size_t cuda_attention_token_parts(const struct cuda_attention *a)
@@ -9888,8 +9860,8 @@ static struct cuda_moe_layout cuda_moe_layout_of(const struct cuda_moe_layer *L,
     return o;
 }
 
-/* Device addresses of what a layer reads from its upload or, in a chain, its block and the layer
- * before (cuda_moe_layer): the jobs, the table, hidden state, two norms, where the ids go. */
+/* Device addresses a layer reads from its upload or, in a chain, its block and the layer before
+ * (cuda_moe_layer): jobs, table, hidden state, two norms, where the ids go. */
 struct cuda_moe_inputs { cuda_ptr jobs, table, draw, pen, x, norm, next_norm, ids; };
 
 static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o)
@@ -9902,8 +9874,8 @@ static struct cuda_moe_inputs cuda_moe_inputs_of(const struct cuda_device *d, co
     return in;
 }
 
-/* Writes layer L's shared expert's jobs and table at BASE as the batch scratch lays them out (jobs
- * from 0, table at o.table), its norms at BASE + NORM and BASE + NEXT_NORM. */
+/* Writes layer L's shared expert's jobs and table at BASE in the batch scratch's layout (jobs from
+ * 0, table at o.table), its norms at BASE + NORM and BASE + NEXT_NORM. */
 static void cuda_moe_fill(const struct cuda_moe_layer *L, struct cuda_moe_layout o, uint8_t *base, size_t norm, size_t next_norm, int T)
 {
     for (int t = 0; L->gate_inp && t < T; t++) ((struct cuda_moe_job *)(base + o.shared))[t] = (struct cuda_moe_job){L->shexp, (uint32_t)t, 0};
@@ -9920,17 +9892,17 @@ static size_t cuda_chain_block_bytes(const struct cuda_moe_layer *L, int T)
     return cuda_moe_layout_of(L, 0, T).x + 2 * cuda_align((size_t)L->sh.dim * 4);
 }
 
-/* Layer L's block for T tokens at DST (cuda_chain_block_bytes): what its upload would carry but the
- * hidden state and mixer's rows, laid out as cuda_moe_inputs_of reads it. */
+/* Layer L's block for T tokens at DST (cuda_chain_block_bytes): its upload less the hidden state
+ * and mixer's rows, as cuda_moe_inputs_of reads it. */
 static void cuda_chain_block_fill(const struct cuda_moe_layer *L, int T, uint8_t *dst)
 {
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, 0, T);
     cuda_moe_fill(L, o, dst, o.x, o.x + cuda_align((size_t)L->sh.dim * 4), T);
 }
 
-/* A layer's start on device D: norm NORM over T hidden rows X into XN (residual_norm), then over
- * that its N mixer projections W[j] (resident at W_PTR[j]): activations a type (at ACT[j], shared
- * by a type's projections), products into OUT[j]. Counts its calls; the driver's result. */
+/* A layer's start on device D: norm NORM over T hidden rows X into XN (residual_norm), then its N
+ * mixer projections W[j] (resident at W_PTR[j]): activations a type (at ACT[j], shared by a type's
+ * projections), products into OUT[j]. Counts its calls; the driver's result. */
 static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm, cuda_ptr xn, const struct ops_matrix *w, const cuda_ptr *w_ptr,
                                 const cuda_ptr *act, const cuda_ptr *out, int n, int dim, float eps, int T)
 {
@@ -9951,13 +9923,12 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
     return r;
 }
 
-/* The CUDA_TOP_K best of each of T rows of N logits at LOGITS by sample_before's order, each
- * row's then followed by {1 where the row is finite + 2 where its best were all found + 4 where
- * its nucleus's cut falls among them, the id drawn} and its weights' total (a double), into OUT
- * [T][CUDA_TOP_ROW] (struct sample_candidate's layout), through SCRATCH [T][CUDA_TOP_SCRATCH]
- * (kernels.cu's logits_top_*); the draw where DRAW (0: none) says (struct cuda_top_draw [T]:
- * logits_draw_*); all of it over the logits penalised where PEN (0: none; struct
- * cuda_top_penalty [T]) says, restored after. 4 launches, 6 with draws, 2 more with penalties;
+/* Into OUT [T][CUDA_TOP_ROW] (struct sample_candidate's layout) via SCRATCH [T][CUDA_TOP_SCRATCH]
+ * (kernels.cu's logits_top_*): for each of T rows of N logits at LOGITS, its CUDA_TOP_K best in
+ * sample_before's order, then {1 if finite + 2 if its best were all found + 4 if its nucleus's cut
+ * falls among them, the id drawn} and its weights' total (a double); draws as DRAW says (0: none;
+ * struct cuda_top_draw [T]: logits_draw_*); all over the logits penalised as PEN says (0: none;
+ * struct cuda_top_penalty [T]), restored after. 4 launches, 6 with draws, 2 more with penalties;
  * the driver's result. */
 static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, cuda_ptr pen,
                                    int T)
@@ -9975,9 +9946,8 @@ static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n
     return CUDA_SUCCESS;
 }
 
-/* The logits that the last layer on device DEV kept there (L->top), BYTES into OUT, after it
- * came back (nothing left to wait for): where a row's best were not all found. Returns 0, or -1
- * after cuda_fail. */
+/* BYTES of the logits the last layer on device DEV kept there (L->top) into OUT, once it came back
+ * (nothing to wait for): for rows whose best were not all found. 0, or -1 after cuda_fail. */
 static int cuda_head_logits(int dev, float *out, size_t bytes)
 {
     cuda_result r;
@@ -9989,8 +9959,7 @@ static int cuda_head_logits(int dev, float *out, size_t bytes)
     return 0;
 }
 
-/* Whether device DEV has the kernels of cuda_top_launch, with its draws where DRAW and penalties
- * where PEN. */
+/* Whether device DEV has cuda_top_launch's kernels, with draws if DRAW, penalties if PEN. */
 static int cuda_top_ready(int dev, int draw, int pen)
 {
     const struct cuda_device *d = &cuda.dev[dev];
@@ -9998,9 +9967,9 @@ static int cuda_top_ready(int dev, int draw, int pen)
            (!pen || (d->penalise && d->unpenalise));
 }
 
-/* Launches the next layer's start after the rest of layer L (cuda_moe_layer_start): its norm
- * over the new hidden state, and its projections (cuda_project); the output head's best
- * candidates where L->top. Returns the driver's result. */
+/* Launches the next layer's start after layer L's rest (cuda_moe_layer_start): norm over the new
+ * hidden state, projections (cuda_project), and the output head's best candidates if L->top. The
+ * driver's result. */
 static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
     cuda_ptr act[CUDA_NEXT_MAX], out[CUDA_NEXT_MAX];
@@ -10012,10 +9981,10 @@ static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_
     return r;
 }
 
-/* Layer L's DeltaNet mixer on device D over projections the layer before kept there (qkv, z, beta
- * and alpha or ba): conv, SiLU, norms, scale (deltanet_conv), gated delta rule on each token's
- * state (deltanet_rule: state addresses lead the pass's chain buffer), gated norm (deltanet_gate),
- * rows prepared for the output projection at o.mix. 4 launches; the driver's result. */
+/* Layer L's DeltaNet mixer on device D over projections the layer before kept (qkv, z, beta and
+ * alpha or ba): conv, SiLU, norms, scale (deltanet_conv); gated delta rule on each token's state
+ * (deltanet_rule; state addresses lead the pass's chain buffer); gated norm (deltanet_gate); rows
+ * prepared for the output projection at o.mix. 4 launches; the driver's result. */
 static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                         int T)
 {
@@ -10038,11 +10007,11 @@ static cuda_result cuda_deltanet_launch(struct cuda_device *d, const struct cuda
     return CUDA_SUCCESS;
 }
 
-/* Layer L's attention mixer on device D over the projections the layer before kept there (q with
- * its gate, k, v): q and k norms and RoPE, the new K and V rows into each token's cache
- * (attn_prep), each split's scores, softmax and values (attn_split), their merge and gate
- * (attn_merge), a pair a group of tokens (cuda_attention_group), then the rows prepared for the
- * output projection at o.mix. 4 launches where the batch is one group; the driver's result. */
+/* Layer L's attention mixer on device D over projections the layer before kept (q with its gate, k,
+ * v): q and k norms, RoPE, new K and V rows into each token's cache (attn_prep); each split's
+ * scores, softmax, values (attn_split), their merge and gate (attn_merge), a pair a group of tokens
+ * (cuda_attention_group); rows prepared for the output projection at o.mix. 4 launches for one
+ * group; the driver's result. */
 static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
                                          int T)
 {
@@ -10127,20 +10096,19 @@ static void cuda_moe_kept(struct cuda_device *d)
     d->moe_jobs = 0;
 }
 
-/* Queues the rest of layer L on device DEV for T tokens: X [T][dim] the hidden state before
- * the layer's first residual, MIX the mixer's output rows prepared for L->wo (STRIDE_MIX bytes
- * apart). One upload (the shared expert's jobs, the table, X, MIX, the norms), 10 launches, 1
- * for the shared expert's gate logit (4 more where it has a batch of its own: its activations
- * and its three kernels), and for the next layer's start a norm, a quantisation a
- * type and a product a projection; cuda_moe_finish then downloads the chosen ids [T][used]
- * (int32), the new hidden state [T][dim] and each next projection's outputs [T][rows] (L->top:
- * the output head's best candidates instead, [T][CUDA_TOP_ROW]: cuda_top_launch). A split
- * layer (some experts are the CPU's: no matrices in the table) first downloads its routing into
- * ROUTING (the normed input [T][dim], the ids [T][used]) and queues the device's experts: the
- * CPU computes its own, and cuda_moe_layer_resume takes their outputs for the end. In a chain
- * (L->dn or L->attn) nothing goes up: the mixer runs first from what the layer before kept
- * (X and MIX unread), and a layer that keeps (L->keep) is not downloaded (a split one's routing
- * comes down all the same, its resume keeps). Returns 0, or -1 after cuda_fail. */
+/* Queues the rest of layer L on device DEV for T tokens: X [T][dim], the hidden state before the
+ * layer's first residual; MIX, the mixer's output rows prepared for L->wo, STRIDE_MIX bytes apart.
+ * One upload (shared expert's jobs, table, X, MIX, norms); 10 launches, 1 for the shared expert's
+ * gate logit (4 more if it has its own batch: its activations, three kernels), and for the next
+ * layer's start a norm, a quantisation a type, a product a projection. cuda_moe_finish then
+ * downloads the chosen ids [T][used] (int32), the new hidden state [T][dim] and each next
+ * projection's outputs [T][rows] (L->top: the output head's best candidates instead,
+ * [T][CUDA_TOP_ROW]). A split layer (L->split) first downloads its routing to ROUTING (normed input
+ * [T][dim], ids [T][used]) and queues the device's experts; the CPU computes its own, and
+ * cuda_moe_layer_resume takes their outputs for the end. In a chain (L->dn or L->attn) nothing goes
+ * up: the mixer runs first on what the layer before kept (X, MIX unread), and a layer that keeps
+ * (L->keep) is not downloaded (a split one's routing still is; its resume keeps). 0, or -1 after
+ * cuda_fail. */
 static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T,
                                 void *routing)
 {
@@ -10149,7 +10117,7 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     const int shared = L->gate_inp != NULL, apart = shared && !cuda_moe_shexp_in_batch(L), n = T * L->used + (shared && !apart ? T : 0);
     const int dim = L->sh.dim;
     const int mixer = L->dn || L->attn; /* the mixer runs here, from what the layer before kept */
-    if (mixer) { /* the layer before left its outputs in this scratch: the other one is this layer's */
+    if (mixer) { /* the layer before's outputs are in this scratch: this layer takes the other */
         const cuda_ptr kept = d->moe;
         const size_t cap = d->moe_cap;
         d->moe = d->moe_prev, d->moe_cap = d->moe_prev_cap, d->moe_prev = kept, d->moe_prev_cap = cap;
@@ -10201,9 +10169,9 @@ static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t
     return 0;
 }
 
-/* Downloads device DEV's batch in flight's outputs into OUT (waiting for its kernels): a batch's
- * [jobs][dim] floats, a layer's as cuda_moe_layer_start says. Returns 0, or -1 when the GPU path
- * has ended (the caller computes the jobs). */
+/* Downloads the outputs of device DEV's batch in flight into OUT, waiting for its kernels: a
+ * batch's [jobs][dim] floats, a layer's as cuda_moe_layer_start says. 0, or -1 once the GPU path
+ * ended (the caller computes the jobs). */
 static int cuda_moe_finish(int dev, void *out)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -10222,18 +10190,17 @@ static int cuda_moe_finish(int dev, void *out)
 }
 
 /* ---- chains: mixers run where the layer before left their inputs ----
- * A layer whose projections the layer before made on the same device (its rest kept there,
- * KEEP; layer 0's: cuda_chain_first, from the embedded rows) runs its mixer there too (DN: a
- * DeltaNet over its sequences' recurrent states held in device memory; ATTN: attention over
- * their KV caches there), and its rest after it: nothing crosses the bus between them. A pass
- * uploads once, before its first layer, what its chained layers need (cuda_chain_begin); a
- * chain's ids come back with its last layer's outputs (copy_words). A sequence's states on a
- * device are one allocation laid out as coli's checkpoints, its KV caches another laid out as
- * the CPU's (§8 keeps which copy is current). */
+ * A layer whose projections the layer before made on the same device (kept there: KEEP; layer 0's:
+ * cuda_chain_first, from the embedded rows) runs its mixer there too (DN: a DeltaNet over its
+ * sequences' recurrent states in device memory; ATTN: attention over their KV caches there), then
+ * its rest: nothing crosses the bus between. A pass uploads what its chained layers need once,
+ * before the first (cuda_chain_begin); a chain's ids come back with its last layer's outputs
+ * (copy_words). A sequence's states on a device are one allocation laid out as coli's checkpoints,
+ * its KV caches another laid out as the CPU's (§8 tracks which copy is current). */
 
-/* Device DEV's chain buffer for a pass: BYTES of STAGE (a head of what each token's mixers read,
- * state addresses first; room for the ids; the chained layers' blocks: §8's model_chain_head_of)
- * uploaded. Its address, or 0 after cuda_fail. */
+/* Uploads device DEV's chain buffer for a pass, BYTES of STAGE: a head of what each token's mixers
+ * read (state addresses first), room for ids, the chained layers' blocks (§8's
+ * model_chain_head_of). Its address, or 0 after cuda_fail. */
 static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
 {
     struct cuda_device *d = &cuda.dev[dev];
@@ -10246,10 +10213,10 @@ static cuda_ptr cuda_chain_begin(int dev, const uint8_t *stage, size_t bytes)
     return d->chain;
 }
 
-/* The first layer's start in a chain on device DEV, from the embedded rows X [T][dim] and input
- * norm NORM (both in the chain buffer): the norm and its N mixer projections W[j] (resident at
- * W_PTR[j]: cuda_project) into the layer scratch, kept for the layer's mixer as a layer before
- * would have. Returns 0, or -1 after cuda_fail. */
+/* A chain's first layer's start on device DEV from embedded rows X [T][dim] and input norm NORM
+ * (both in the chain buffer): the norm and N mixer projections W[j] (resident at W_PTR[j]:
+ * cuda_project) into the layer scratch, kept for the mixer as a layer before would. 0, or -1 after
+ * cuda_fail. */
 static int cuda_chain_first(int dev, cuda_ptr x, cuda_ptr norm, const struct ops_matrix *w, const cuda_ptr *w_ptr, int n, int dim, float eps,
                             int T)
 {
@@ -10284,9 +10251,9 @@ static int cuda_chain_first(int dev, cuda_ptr x, cuda_ptr norm, const struct ops
     return 0;
 }
 
-/* A mixer's constants on device DEV (struct cuda_deltanet's TAPS..NORM, or cuda_attention's norms:
- * N parts, one allocation listed under the first), made resident there on first use. The address,
- * or 0 where they do not fit (they stay the CPU's: no failure). */
+/* A mixer's constants (struct cuda_deltanet's TAPS..NORM, or cuda_attention's norms: N parts, one
+ * allocation listed under the first) made resident on device DEV on first use. The address, or 0 if
+ * they do not fit (they stay the CPU's: no failure). */
 static cuda_ptr cuda_floats_resident(int dev, const float *const *src, const size_t *bytes, int n)
 {
     const struct cuda_resident *r = cuda_resident_of((const uint8_t *)src[0]);
@@ -10310,7 +10277,7 @@ static void cuda_state_free(int dev, cuda_ptr p, size_t bytes)
     cuda.dev[dev].states -= (int64_t)bytes;
 }
 
-/* Copies BYTES between HOST and P on device DEV (UP: to it). Returns 0, or -1 after cuda_fail. */
+/* Copies BYTES between HOST and P on device DEV (UP: to it). 0, or -1 after cuda_fail. */
 static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int up)
 {
     cuda_result r;
@@ -10323,11 +10290,11 @@ static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int u
     return 0;
 }
 
-/* The probe of device DEV for routed experts: a batch of N_JOBS jobs (at most CUDA_PROBE_JOBS) over
- * expert W of shape SH on one column, as decode runs one (cuda_moe_start, then cuda_moe_finish),
- * CUDA_PROBE_REPS times after a warm-up, timed by the device's events. W is uploaded for it and
- * freed after. Returns the seconds per batch, or -1 when the device cannot say (no events, no
- * kernels or room; a failed call ends the GPU path as anywhere). */
+/* Probes device DEV for routed experts: a batch of N_JOBS jobs (at most CUDA_PROBE_JOBS) over
+ * expert W of shape SH on one column, as decode runs one (cuda_moe_start, cuda_moe_finish),
+ * CUDA_PROBE_REPS times after a warm-up, timed by device events; W is uploaded for it, freed after.
+ * Seconds per batch, or -1 if the device cannot say (no events, kernels or room; a failed call ends
+ * the GPU path as anywhere). */
 #define CUDA_PROBE_JOBS 16
 static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], int n_jobs)
 {
