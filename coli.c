@@ -1493,8 +1493,7 @@ static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored bits: byte j = ±1, wei
 static uint8_t quant_iq_sign_table[128] __attribute__((aligned(64))); /* quant_iq_signs of each */
 
 /* Sign byte for 7 stored bits: bit 7 set for an odd count (ggml's ksigns). Parity by hand:
- * __builtin_popcount is a library call without
- * -mpopcnt. */
+ * __builtin_popcount is a library call without -mpopcnt. */
 QUANT_SHARED_INLINE uint8_t quant_iq_signs(uint32_t bits7) {
     uint32_t p = bits7 ^ bits7 >> 4;
     p ^= p >> 2;
@@ -1669,11 +1668,13 @@ static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, in
     }
 }
 
-/* ---- activations ---- Layouts (act 64-byte aligned; n a multiple of the block, so every part
- *   stays aligned): F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16). legacy
- *   weights (Q8 act, for Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float (fp16-rounded scale) |
- *   s[n/32] int32 (block sum of qs) | sd[n/32] float (Q8_1's s = fp16(d * sum), rounded as the
- *   reference stores it: Q4_1/Q5_1 multiply their min by it, and the rounding shows in the logits).
+/* ---- activations ----
+ * Layouts (act 64-byte aligned; n a multiple of the block, so every part stays aligned):
+ *   F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16).
+ *   legacy weights (Q8 act, for Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float (fp16-rounded
+ *     scale) | s[n/32] int32 (block sum of qs) | sd[n/32] float (Q8_1's s = fp16(d * sum), rounded
+ *     as the reference stores it: Q4_1/Q5_1 multiply their min by it, and the rounding shows in the
+ *     logits).
  *   K weights (Q8_K act): qs[n] int8 | d[n/256] float | bsums[n/16] int16. */
 struct quant_q8_view { const int8_t *qs; const float *d; const int32_t *s; const float *sd; };
 struct quant_q8k_view { const int8_t *qs; const float *d; const int16_t *bsums; };
@@ -2130,8 +2131,8 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj,
     }
 }
 
-/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ, XJ4, by lane: 16 int16 (each <= 2
- * * 2 * 31 * 127 = 15748), or 8 int32 for signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
+/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ, XJ4, by lane: 16 int16 (each <=
+ * 2 * 2 * 31 * 127 = 15748), or 8 int32 for signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
  * quants and MXFP4's values are still offset (caller subtracts 8/16/12 * Σq_x). */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, __m256i hi, const int8_t *xj,
                                                  const int8_t *xj4) {
@@ -2269,8 +2270,8 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
 /* K scales multiply their int16 products (maddubs) by vpmaddwd, which Zen 1 runs on one pipe
  * (README), as it does the products. So 2 or 4 steps' products (32 weights each) first fold into
  * one vector (adds, unpacks: other pipes), a step a qword or dword of each 128-bit lane, and one
- * multiply applies their scales. Sums of up to 4 stay int16 for quants of up to 5 bits (4 * 2 * 31
- * * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
+ * multiply applies their scales. Sums of up to 4 stay int16 for quants of up to 5 bits (4 * 2 *
+ * 31 * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
@@ -2559,8 +2560,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
                             (int)g[odd & 0xffff], (int)g[even & 0xffff]);
 }
 
-/* quant_iq3xxs_isums_avx2 for IQ3_S: points are <= 15, so four 32-blocks' products add in int16 (4
- * * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as
+/* quant_iq3xxs_isums_avx2 for IQ3_S: points are <= 15, so four 32-blocks' products add in int16
+ * (4 * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as
  * quant_avx2_fold4's (its first step taken as each pair of products comes: a column holds two
  * vectors, not four). */
 QUANT_AVX2_INLINE void quant_iq3s_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
@@ -2994,11 +2995,11 @@ QUANT_AVX2_ROWS(quant_dotr_iq4_xs_avx2, GGUF_TYPE_IQ4_XS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 
-/* ---- AVX-512 kernels (VNNI): same units, same float steps ---- Block formats also come
- *   multi-column (quant_dotn): each weight block decodes once for up to QUANT_NCOL act columns,
- *   each through exactly the single-column steps: matmat gives matvec's bits. Only
- *   AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the IQ3_XXS lookup and MXFP4 unpack, but
- *   Cascade Lake and Cooper Lake (VNNI without VBMI) lack them. */
+/* ---- AVX-512 kernels (VNNI): same units, same float steps ----
+ * Block formats also come multi-column (quant_dotn): each weight block decodes once for up to
+ * QUANT_NCOL act columns, each through exactly the single-column steps: matmat gives matvec's bits.
+ * Only AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the IQ3_XXS lookup and MXFP4 unpack,
+ * but Cascade Lake and Cooper Lake (VNNI without VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -3221,8 +3222,8 @@ QUANT_AVX512_INLINE __m512i quant_avx512_legacy_isum(const __m512i *wl, const __
     return quant_avx512_quad_sums(q);
 }
 
-/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), scales in
- * *dw, mins in *mw (Q4_1, Q5_1; else zero). */
+/* The 16 legacy blocks at WB decoded: unsigned quants in wl/wh (quad k: blocks 4k..4k+3), scales
+ * in *dw, mins in *mw (Q4_1, Q5_1; else zero). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8_t *wb, __m512i *wl, __m512i *wh, __m512 *dw,
                                                    __m512 *mw) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3658,8 +3659,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit
 /* An IQ3 super-block's 64 points into k->q by quant_avx512_iq3_vbmi_lookup of the index bytes at QS
  * (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane j is element 4i +
  * j. IN_PLANES keeps them so (act in that order, quant_avx512_plane_order); else coordinates
- * interleave lane by lane, indices first permuted to land them in element order: position 16L + 4j
- * + i takes point 16j + 4L + i. */
+ * interleave lane by lane, indices first permuted to land them in element order: position 16L +
+ * 4j + i takes point 16j + 4L + i. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
                                                       __m128i values, int in_planes, struct quant_avx512_kblock *k) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
@@ -3948,8 +3949,8 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
     quant_avx512_kdot(t, how, &kb, a.qs + k * QUANT_QK_K, a.bsums + k * 16, &is[l], &ms[l]);
 }
 
-/* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in lanes 2
- * * row + unit, same float steps, row results to Y. The lane loop is unrolled (faster; the
+/* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in lanes
+ * 2 * row + unit, same float steps, row results to Y. The lane loop is unrolled (faster; the
  * several-column group stays rolled: README). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
@@ -3961,13 +3962,13 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
     quant_avx2_pairs_finish(t, wr, rb, nr, dx, is, ms, y);
 }
 
-/* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ---- One column against these rows is
- *   arithmetic-bound; a super-block at a time (quant_avx512_k_loop) leaves 16 lanes of integer
- *   parts to sum before its float step. Here a register's low half holds 32 quants of super-block
- *   u, its high the same 32 of u + 1, against an act so ordered once for the rows
- *   (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8 super-blocks reach
- *   their sums in one tree of unpacks, one shift serving a whole register. Exact sums,
- *   quant_dot_k's float steps: same bits (README: Q5_K and IQ4_XS were slower so). */
+/* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
+ * One column against these rows is arithmetic-bound; a super-block at a time (quant_avx512_k_loop)
+ * leaves 16 lanes of integer parts to sum before its float step. Here a register's low half holds
+ * 32 quants of super-block u, its high the same 32 of u + 1, against an act so ordered once for the
+ * rows (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8 super-blocks
+ * reach their sums in one tree of unpacks, one shift serving a whole register. Exact sums,
+ * quant_dot_k's float steps: same bits (README: Q5_K and IQ4_XS were slower so). */
 
 /* The Q8_K values of N elements at A (whole super-block pairs) in pair order at BUF: 32 values of
  * super-block 2p, then the same 32 of 2p + 1, and so on. */
@@ -4491,15 +4492,15 @@ QUANT_AVX512_PAIRS(quant_pairs_q2_k_avx512, GGUF_TYPE_Q2_K)
 QUANT_AVX512_PAIRS(quant_pairs_q3_k_avx512, GGUF_TYPE_Q3_K)
 QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 
-/* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ---- A prompt's product runs every row
- *   against many columns. quant_dotn decodes a row once for 4 columns, then reduces each
- *   super-block's 16 integer lanes to a sum per column. A tile unpacks 16 rows once for all
- *   columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one vpdpbusd adds 4
- *   products for each of 16 rows, no lane sum, and quant_dot_k's float step and partials (u % 32,
- *   then the 16,8,4,2,1 butterfly) run on 16 rows at once: same bits. Q8_0 and Q4_0 tiles do so per
- *   32-element block (quant_legacy_units' float step). Few columns pay for the unpack (rows into
- *   lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows interleaved
- *   (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
+/* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
+ * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
+ * columns, then reduces each super-block's 16 integer lanes to a sum per column. A tile unpacks 16
+ * rows once for all columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one
+ * vpdpbusd adds 4 products for each of 16 rows, no lane sum, and quant_dot_k's float step and
+ * partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at once: same bits. Q8_0 and Q4_0
+ * tiles do so per 32-element block (quant_legacy_units' float step). Few columns pay for the unpack
+ * (rows into lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows
+ * interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, a work item's rows */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* Columns from which the AVX-512 tiles beat quant_dotn and quant_pairs (README). */
@@ -4754,16 +4755,15 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
     }
 }
 
-/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows
- *   by a batch of columns ---- The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row
- *   r's elements 4k..4k+3), 8 rows to a vector. Without VNNI a vpmaddubsw gives each row two int16
- *   pair sums; a sub-block's steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants
- *   up to 31, 4 at a time), then one vpmaddwd applies the 8 rows' scales: fewer multiplies and
- *   shuffles than quant_dotn (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16;
- *   Q4_0's 8 steps add in int16, widened by a vpmaddwd by ones. With AVX-VNNI a step goes to int32
- *   by one vpdpbusd (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there do Q8_0,
- *   IQ4_NL, MXFP4 (bytes + 128, too wide for vpmaddubsw's int16 pairs) have a tile. Figures:
- *   README. */
+/* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
+ * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row r's elements 4k..4k+3), 8
+ * rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's
+ * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants up to 31, 4 at a time),
+ * then one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn
+ * (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16; Q4_0's 8 steps add in
+ * int16, widened by a vpmaddwd by ones. With AVX-VNNI a step goes to int32 by one vpdpbusd
+ * (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there do Q8_0, IQ4_NL, MXFP4
+ * (bytes + 128, too wide for vpmaddubsw's int16 pairs) have a tile. Figures: README. */
 
 /* Columns from which the AVX2 tiles beat quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
@@ -5132,15 +5132,14 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
     quant_avx2_legacy_tile(type, 1, w, rb, acts, stride, nc, n, y, ys, scratch);
 }
 
-/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with
- *   AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ---- A tile turns 16 rows into lanes on
- *   every call, which one column (decode) cannot repay; there quant_dotr's instructions go mostly
- *   to unpacking scales and lane sums (README). So a matrix the CPU owns (§8 model_own_trunk) is
- *   repacked in the same bytes (quant_interleave): per 16 rows and super-block, a vector of 16
- *   dwords per dword of the block, lane r from row r; one 64-byte load masked to its low or high
- *   nibbles (with the format's high bits, or looked up) is vpdpbusd's operand for 16 rows, and the
- *   tile's integer and float steps run on it: quant_dot_k's bits (faster at one column and at 16:
- *   README). */
+/* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
+ * A tile turns 16 rows into lanes on every call, which one column (decode) cannot repay; there
+ * quant_dotr's instructions go mostly to unpacking scales and lane sums (README). So a matrix the
+ * CPU owns (§8 model_own_trunk) is repacked in the same bytes (quant_interleave): per 16 rows and
+ * super-block, a vector of 16 dwords per dword of the block, lane r from row r; one 64-byte load
+ * masked to its low or high nibbles (with the format's high bits, or looked up) is vpdpbusd's
+ * operand for 16 rows, and the tile's integer and float steps run on it: quant_dot_k's bits (faster
+ * at one column and at 16: README). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, the kernel eating bytes twice as fast. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
@@ -5345,8 +5344,8 @@ QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, cons
 }
 
 /* Vector M of run (H, J) of an interleaved Q2_K, Q3_K or Q6_K super-block at T
- * (quant_interleaved_q236k_unit's terms): vpdpbusd's unsigned operand for each row's elements 128h
- * + 32j + 4m.., q (Q2_K), q + 4 (Q3_K) or q + 32 (Q6_K). */
+ * (quant_interleaved_q236k_unit's terms): vpdpbusd's unsigned operand for each row's elements
+ * 128h + 32j + 4m.., q (Q2_K), q + 4 (Q3_K) or q + 32 (Q6_K). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, const uint8_t *t, int h, int j, int m) {
     if (type == GGUF_TYPE_Q2_K) return _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(t + 64 * (4 + 8 * h + m)), 2 * j), _mm512_set1_epi8(3));
     if (type == GGUF_TYPE_Q3_K) {
