@@ -7902,7 +7902,8 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch, a layer's routed experts, a
  *   layer held whole (cuda_moe_layer_start): one upload, a launch a product / 3 / 11, one download
- *   (a split layer: also its routing down, the CPU's outputs up); chains and graphs take most out
+ *   (a split layer: also its routing down, the CPU's outputs up, through mapped memory for a few
+ *   tokens); chains and graphs take most out
  *   (figures: README, NVIDIA GPUs, "Driver calls"). */
 
 #include <pthread.h>
@@ -7924,11 +7925,13 @@ enum {
     CUDA_SUCCESS = 0, CUDA_ERROR_OUT_OF_MEMORY = 2, CUDA_ERROR_STUB_LIBRARY = 34, CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_NO_DEVICE = 100, CUDA_ERROR_INVALID_PTX = 218, CUDA_ERROR_JIT_COMPILER_NOT_FOUND = 221,
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222, CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_SIGNAL_LOST = -1, /* coli's: the stream ended without the signal it waits for (cuda_mapped_wait) */
 };
 enum {
     CUDA_ATTR_SM_COUNT = 16, CUDA_ATTR_PCI_BUS = 33, CUDA_ATTR_PCI_DEVICE = 34,
     CUDA_ATTR_PCI_DOMAIN = 50, CUDA_ATTR_CC_MAJOR = 75, CUDA_ATTR_CC_MINOR = 76,
 };
+enum { CUDA_HOST_PORTABLE = 1, CUDA_HOST_MAPPED = 2 }; /* cuMemHostAlloc: pinned for every context; mapped for the device */
 enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
 
 /* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS, the _v1 layout the unversioned
@@ -7954,6 +7957,7 @@ struct cuda_kernel_node {
     X(event_elapsed, "cuEventElapsedTime", 0) X(event_destroy, "cuEventDestroy_v2", 0) X(event_query, "cuEventQuery", 0) \
     X(stream_create, "cuStreamCreate", 0) X(htod_async, "cuMemcpyHtoDAsync_v2", 0) \
     X(host_alloc, "cuMemHostAlloc", 0) X(host_free, "cuMemFreeHost", 0) X(dtod, "cuMemcpyDtoD_v2", 0) \
+    X(host_device_ptr, "cuMemHostGetDevicePointer_v2", 0) X(stream_query, "cuStreamQuery", 0) \
     X(graph_create, "cuGraphCreate", 0) X(graph_add_kernel, "cuGraphAddKernelNode", 0) \
     X(graph_instantiate, "cuGraphInstantiateWithFlags", 0) X(graph_launch, "cuGraphLaunch", 0) \
     X(graph_destroy, "cuGraphDestroy", 0) X(graph_exec_destroy, "cuGraphExecDestroy", 0)
@@ -7991,6 +7995,8 @@ struct cuda_api {
     cuda_result (*host_alloc)(void **p, size_t n, unsigned flags);
     cuda_result (*host_free)(void *p);
     cuda_result (*dtod)(cuda_ptr dst, cuda_ptr src, size_t n);
+    cuda_result (*host_device_ptr)(cuda_ptr *dp, void *p, unsigned flags);
+    cuda_result (*stream_query)(cuda_handle st);
     cuda_result (*graph_create)(cuda_handle *graph, unsigned flags);
     cuda_result (*graph_add_kernel)(cuda_handle *node, cuda_handle graph, const cuda_handle *deps, size_t n_deps,
                                     const struct cuda_kernel_node *params);
@@ -8114,7 +8120,9 @@ CUDA_WRAP(event_destroy, (cuda_handle e), (e))
 CUDA_WRAP_NOW(event_query, (cuda_handle e), (e)) /* a background copy's: to memory no launch reads yet */
 CUDA_WRAP(stream_create, (cuda_handle *st), (st, 1)) /* CU_STREAM_NON_BLOCKING: no wait on the null stream's kernels */
 CUDA_WRAP(htod_async, (cuda_ptr d, const void *src, size_t n, cuda_handle st), (d, src, n, st))
-CUDA_WRAP(host_alloc, (void **p, size_t n), (p, n, 1)) /* CU_MEMHOSTALLOC_PORTABLE: pinned for every context */
+CUDA_WRAP(host_alloc, (void **p, size_t n, unsigned flags), (p, n, flags))
+CUDA_WRAP(host_device_ptr, (cuda_ptr *dp, void *p), (dp, p, 0))
+CUDA_WRAP(stream_query, (void), (NULL))
 CUDA_WRAP(host_free, (void *p), (p))
 CUDA_WRAP_NOW(graph_create, (cuda_handle *g), (g, 0))
 CUDA_WRAP_NOW(graph_add_kernel, (cuda_handle *node, cuda_handle g, const cuda_handle *after, const struct cuda_kernel_node *k),
@@ -8134,7 +8142,8 @@ static const char *cuda_error_name(cuda_result r, char *buf, size_t cap)
                     : r == CUDA_ERROR_NO_DEVICE ? "no CUDA device"
                     : r == CUDA_ERROR_JIT_COMPILER_NOT_FOUND ? "no PTX JIT compiler (libnvidia-ptxjitcompiler.so.1; in a container set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
                     : r == CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? "the driver is too old for this PTX"
-                    : r == CUDA_ERROR_OUT_OF_MEMORY ? "out of device memory" : NULL;
+                    : r == CUDA_ERROR_OUT_OF_MEMORY ? "out of device memory"
+                    : r == CUDA_SIGNAL_LOST ? "the device finished without the signal awaited" : NULL;
     const char *s = NULL;
     if (!why && cuda_api.get_error_string) {
         cuda_enter();
@@ -8622,6 +8631,7 @@ struct cuda_device {
     cuda_handle draw_sums, draw_walk;    /* ... and a draw over the whole vocabulary */
     cuda_handle penalise, unpenalise;    /* ... and penalties before them */
     cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
+    cuda_handle publish_words;           /* a split layer's routing into mapped memory (cuda_moe_layer_start) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters by handle */
     struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
     int64_t budget, used;                /* bytes for resident weights; those taken */
@@ -8640,6 +8650,10 @@ struct cuda_device {
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
     int copying;                         /* an upload is under way */
+    uint8_t *mapped;                     /* pinned host memory the device reads and writes (cuda_mapped_grow); NULL none */
+    cuda_ptr mapped_ptr;                 /* its device address */
+    size_t mapped_cap;                   /* its bytes, the count's 64 first; SIZE_MAX: the driver cannot map */
+    unsigned published;                  /* publish_words's count there, as last seen */
 };
 
 /* Weights allocated on a device. HOST: a trunk matrix's weights in the mapping (its products run
@@ -8654,7 +8668,7 @@ static struct {
     struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
     int n_res, cap_res, n_experts, cap_experts;
     double call_us;            /* measured cost of one wrapped driver call */
-    long waits;                /* driver calls waiting for the device (downloads); cuda_calls counts all */
+    long waits;                /* waits for the device (downloads, mapped memory's polls); cuda_calls counts the calls */
     struct cuda_launches window; /* the launches since the last other call (graphs) */
     int made, following;       /* the window's first MADE launches are made; the rest are held,
                                 * following FOLLOW's graphs, whose launches they are so far */
@@ -9030,6 +9044,7 @@ static int cuda_open_device(int i, char *why, size_t cap)
     cuda_kernel(d, "logits_", "penalise", &d->penalise);
     cuda_kernel(d, "logits_", "unpenalise", &d->unpenalise);
     cuda_kernel(d, "copy_", "words", &d->copy_words);
+    cuda_kernel(d, "publish_", "words", &d->publish_words);
     d->usable = 1;
     return 0;
 }
@@ -9143,8 +9158,9 @@ static void cuda_stop(void)
     cuda_release_all();
     for (int i = 0; i < cuda.n_devices; i++) {
         if (cuda.dev[i].copy_stage && cuda_use(i) == 0) cuda_host_free(cuda.dev[i].copy_stage);
-        cuda.dev[i].copy_stage = NULL;
-        cuda.dev[i].copy_cap = 0;
+        if (cuda.dev[i].mapped && cuda_use(i) == 0) cuda_host_free(cuda.dev[i].mapped);
+        cuda.dev[i].copy_stage = cuda.dev[i].mapped = NULL;
+        cuda.dev[i].copy_cap = cuda.dev[i].mapped_cap = 0;
     }
     free(cuda.res);
     free(cuda.experts);
@@ -9250,7 +9266,7 @@ static uint8_t *cuda_stage(size_t n)
     if (n <= cuda.stage_cap) return cuda.stage;
     void *p = NULL;
     cuda_stage_free();
-    cuda.stage_pinned = cuda_api.host_alloc && cuda_api.host_free && cuda_host_alloc(&p, n) == CUDA_SUCCESS;
+    cuda.stage_pinned = cuda_api.host_alloc && cuda_api.host_free && cuda_host_alloc(&p, n, CUDA_HOST_PORTABLE) == CUDA_SUCCESS;
     cuda.stage = cuda.stage_pinned ? p : plat_alloc(n);
     cuda.stage_cap = n;
     return cuda.stage;
@@ -9579,7 +9595,7 @@ static int cuda_expert_upload_start(int dev, const struct ops_matrix w[3], struc
         if (d->copy_stage) cuda_host_free(d->copy_stage);
         d->copy_stage = NULL;
         d->copy_cap = 0;
-        if (cuda_host_alloc(&stage, total)) return -1;
+        if (cuda_host_alloc(&stage, total, CUDA_HOST_PORTABLE)) return -1;
         d->copy_stage = stage;
         d->copy_cap = total;
     }
@@ -10033,6 +10049,81 @@ static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cud
     return r ? r : cuda_quantize_launch(d, L->wo->type, out, d->moe + o.mix, stride_mix, nh * hd, T);
 }
 
+/* ---- a split layer's routing and the CPU's outputs in mapped memory ----
+ * Host memory pinned and mapped for the device: its kernels write and read it over the bus. A
+ * split layer of a few tokens (decode) hands the CPU its routing there (publish_words, then a
+ * count the CPU polls) and reads the CPU's experts' outputs from there: its launches, from the sum
+ * of one layer to the device's experts of the next, are one window, a graph, and the layer costs
+ * one driver call instead of four (two copies, two windows). Larger batches copy: one warp
+ * publishes, and the pinned memory would grow with the prompt. */
+#define CUDA_MAPPED_TOKENS 64
+
+/* Grows device D's mapped memory to N bytes, its count zeroed; where the driver cannot map host
+ * memory, not again (mapped_cap SIZE_MAX): split layers copy. Only when the device is done with it:
+ * a pass's first split layer (each pass ends waiting for its outputs). */
+static void cuda_mapped_grow(struct cuda_device *d, size_t n)
+{
+    void *p = NULL;
+    if (d->mapped_cap >= n) return;
+    if (d->mapped) cuda_host_free(d->mapped);
+    d->mapped = NULL;
+    d->mapped_cap = SIZE_MAX;
+    if (!d->publish_words || !cuda_api.host_device_ptr || !cuda_api.stream_query || !cuda_api.host_alloc || !cuda_api.host_free ||
+        cuda_host_alloc(&p, n, CUDA_HOST_PORTABLE | CUDA_HOST_MAPPED))
+        return;
+    if (cuda_host_device_ptr(&d->mapped_ptr, p)) {
+        cuda_host_free(p);
+        return;
+    }
+    memset(p, 0, 64);
+    d->mapped = p;
+    d->mapped_cap = n;
+    d->published = 0;
+}
+
+/* Waits for device D's next publish_words (its count at d->mapped one more) by polling it; the
+ * driver is asked whether the stream still works only after 1 ms and every 1 ms on. The driver's
+ * result; CUDA_SIGNAL_LOST where the stream finished without it. */
+static cuda_result cuda_mapped_wait(struct cuda_device *d)
+{
+    const unsigned want = ++d->published, *count = (const unsigned *)d->mapped;
+    double ask = plat_now() + 1e-3;
+    while (__atomic_load_n(count, __ATOMIC_ACQUIRE) != want) {
+        __builtin_ia32_pause();
+        if (plat_now() < ask) continue;
+        const cuda_result r = cuda_stream_query();
+        if (__atomic_load_n(count, __ATOMIC_ACQUIRE) == want) break;
+        if (r != CUDA_ERROR_NOT_READY) return r ? r : CUDA_SIGNAL_LOST;
+        ask = plat_now() + 1e-3;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Split layer L's place in mapped memory (layout O): its routing after the count's 64 bytes, then
+ * the CPU's outputs at cuda_moe_mapped_cpu_y; all its bytes. */
+static size_t cuda_moe_mapped_cpu_y(struct cuda_moe_layout o) { return 64 + cuda_align(o.out - o.xn); }
+
+static size_t cuda_moe_mapped_bytes(const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+{
+    return cuda_moe_mapped_cpu_y(o) + (size_t)T * (size_t)L->used * (size_t)L->sh.dim * 4;
+}
+
+/* Whether layer L of T tokens (layout O) is split and goes through device D's mapped memory. */
+static int cuda_moe_mapped(const struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
+{
+    return L->split && T <= CUDA_MAPPED_TOKENS && d->mapped && d->mapped_cap >= cuda_moe_mapped_bytes(L, o, T);
+}
+
+/* Launches split layer L's routing (layout O: normed input and ids) into device D's mapped memory,
+ * and its count. The driver's result. */
+static cuda_result cuda_moe_publish(struct cuda_device *d, struct cuda_moe_layout o)
+{
+    cuda_ptr src = d->moe + o.xn, dst = d->mapped_ptr + 64, count = d->mapped_ptr;
+    int words = (int)((o.out - o.xn) / 4);
+    void *params[] = {&src, &dst, &words, &count};
+    return cuda_launch(d->publish_words, 1, 1, 32, params);
+}
+
 /* The layer's front on device D (uploaded): output projection, residual and norm, activations,
  * router and gate logit, routing. 6 to 8 launches; the driver's result. */
 static cuda_result cuda_moe_layer_front(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, size_t stride_mix,
@@ -10070,7 +10161,8 @@ static cuda_result cuda_moe_layer_end(struct cuda_device *d, const struct cuda_m
     const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
     const int in_batch = cuda_moe_shexp_in_batch(L), n = T * L->used + (in_batch ? T : 0);
     cuda_ptr pexp = cuda_moe_outputs(b + o.work, &L->sh, n), pw = b + o.w, pg = b + o.gate, px = in.x, pout = b + o.out, pj = in.jobs;
-    cuda_ptr pcpu = b + o.cpu_y, psh = !L->gate_inp ? 0 : in_batch ? pexp + (size_t)T * L->used * L->sh.dim * 4 : cuda_moe_outputs(b + o.swork, &L->shexp_sh, T);
+    cuda_ptr pcpu = cuda_moe_mapped(d, L, o, T) ? d->mapped_ptr + cuda_moe_mapped_cpu_y(o) : b + o.cpu_y;
+    cuda_ptr psh = !L->gate_inp ? 0 : in_batch ? pexp + (size_t)T * L->used * L->sh.dim * 4 : cuda_moe_outputs(b + o.swork, &L->shexp_sh, T);
     int k = L->used, dim = L->sh.dim;
     void *combine[] = {&pexp, &pw, &pg, &px, &pout, &k, &dim, &psh, &pj, &pcpu};
     cuda_ptr chain = L->chain_ids, into = b + o.chain;
@@ -10102,9 +10194,11 @@ static void cuda_moe_kept(struct cuda_device *d)
  * layer's start a norm, a quantisation a type, a product a projection. cuda_moe_finish then
  * downloads the chosen ids [T][used] (int32), the new hidden state [T][dim] and each next
  * projection's outputs [T][rows] (L->top: the output head's best candidates instead,
- * [T][CUDA_TOP_ROW]). A split layer (L->split) first downloads its routing to ROUTING (normed input
- * [T][dim], ids [T][used]) and queues the device's experts; the CPU computes its own, and
- * cuda_moe_layer_resume takes their outputs for the end. In a chain (L->dn or L->attn) nothing goes
+ * [T][CUDA_TOP_ROW]). A split layer (L->split) hands back its routing into ROUTING (normed input
+ * [T][dim], ids [T][used]) and queues the device's experts: of up to CUDA_MAPPED_TOKENS tokens
+ * through mapped memory (publish_words before the experts, one window; then a poll), else by a
+ * download before them; the CPU computes its own, and cuda_moe_layer_resume takes their outputs
+ * for the end. In a chain (L->dn or L->attn) nothing goes
  * up: the mixer runs first on what the layer before kept (X, MIX unread), and a layer that keeps
  * (L->keep) is not downloaded (a split one's routing still is; its resume keeps). 0, or -1 after
  * cuda_fail. */
@@ -10128,6 +10222,8 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
         return -1;
     }
     const struct cuda_moe_inputs in = cuda_moe_inputs_of(d, L, o);
+    if (L->split && T <= CUDA_MAPPED_TOKENS) cuda_mapped_grow(d, cuda_moe_mapped_bytes(L, o, T));
+    const int mapped = cuda_moe_mapped(d, L, o, T);
     if (!mixer) {
         uint8_t *stage = cuda_stage(o.y);
         cuda_moe_fill(L, o, stage, o.norm, o.next_norm, T);
@@ -10137,28 +10233,35 @@ static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const f
     if ((L->dn ? (r = cuda_deltanet_launch(d, L, o, stride_mix, T))
                : L->attn ? (r = cuda_attention_launch(d, L, o, stride_mix, T))
                          : (r = cuda_htod(d->moe + o.shared, cuda.stage + o.shared, o.y - o.shared))) ||
-        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) || (L->split && (r = cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
+        (r = cuda_moe_layer_front(d, L, o, stride_mix, T)) ||
+        (L->split && (r = mapped ? cuda_moe_publish(d, o) : cuda_dtoh(routing, d->moe + o.xn, o.out - o.xn))) ||
         (r = cuda_moe_launch(d, &L->sh, in.jobs, d->moe + o.au, ops_act_stride_of(L->sh.up_type, dim), n, d->moe + o.work)) ||
         (apart && (r = cuda_moe_launch(d, &L->shexp_sh, in.jobs + o.shared, d->moe + o.as, ops_act_stride_of(L->shexp_sh.up_type, dim), T,
                                        d->moe + o.swork))) ||
-        (!L->split && (r = cuda_moe_layer_end(d, L, o, T))) || ((L->split || !L->keep) && (r = cuda_window_end()))) {
+        (!L->split && (r = cuda_moe_layer_end(d, L, o, T))) || ((L->split || !L->keep) && (r = cuda_window_end())) ||
+        (mapped && (r = cuda_mapped_wait(d)))) {
         cuda_fail("a layer on the device", r);
         return -1;
     }
+    if (mapped) memcpy(routing, d->mapped + 64, o.out - o.xn);
     cuda.waits += L->split;
     if (L->keep && !L->split) cuda_moe_kept(d);
     return 0;
 }
 
 /* A split layer's end (cuda_moe_layer_start): the CPU's CPU_JOBS experts' outputs in CPU_Y [T *
- * used][dim] (device rows unread) up, then sum, next layer's start. 0, or -1 after cuda_fail. */
+ * used][dim] (device rows unread) up (or into mapped memory), then sum, next layer's start. 0, or
+ * -1 after cuda_fail. */
 static int cuda_moe_layer_resume(int dev, const struct cuda_moe_layer *L, size_t stride_mix, const float *cpu_y, int cpu_jobs, int T)
 {
     struct cuda_device *d = &cuda.dev[dev];
     if (!cuda.ready) return -1;
     const struct cuda_moe_layout o = cuda_moe_layout_of(L, stride_mix, T);
+    const size_t bytes = (size_t)T * L->used * L->sh.dim * 4;
+    const int mapped = cuda_moe_mapped(d, L, o, T);
     cuda_result r;
-    if ((r = cuda_use(dev)) || (r = cuda_htod(d->moe + o.cpu_y, cpu_y, (size_t)T * L->used * L->sh.dim * 4)) || (r = cuda_moe_layer_end(d, L, o, T)) ||
+    if (mapped) memcpy(d->mapped + cuda_moe_mapped_cpu_y(o), cpu_y, bytes); /* the device read the last ones before it published */
+    if ((r = cuda_use(dev)) || (!mapped && (r = cuda_htod(d->moe + o.cpu_y, cpu_y, bytes))) || (r = cuda_moe_layer_end(d, L, o, T)) ||
         (!L->keep && (r = cuda_window_end()))) {
         cuda_fail("a layer on the device", r);
         return -1;

@@ -169,6 +169,11 @@ __device__ __forceinline__ int imad(int a, int b, int acc) {
     asm("mad.lo.s32 %0, %1, %2, %0;" : "+r"(acc) : "r"(a), "r"(b));
     return acc;
 }
+
+// The thread's writes before it seen before those after it, by every observer, the host too:
+// membar.sys, which every ISA has (nvcc's __threadfence_system for sm_70+ is fence.sc.sys, which
+// the sm_52 target this file is lowered to lacks).
+__device__ __forceinline__ void fence_system() { asm volatile("membar.sys;" ::: "memory"); }
 #endif
 
 __device__ __forceinline__ float bf16(const uint8_t *p) {
@@ -1225,6 +1230,20 @@ extern "C" __global__ void attn_merge(const float *__restrict__ qg, const int *_
 extern "C" __global__ void copy_words(const unsigned *__restrict__ src, unsigned *__restrict__ dst, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
+}
+
+// A split layer's routing to the CPU (coli.c cuda_moe_layer_start) without a copy call: N words
+// from SRC into DST, in host memory mapped for the device, then *COUNT there one more. The CPU
+// polls COUNT; a value seen there means the words are there too (each lane's fence, the warp's
+// barrier, lane 0's fence: the classic signal). One warp.
+extern "C" __global__ void publish_words(const unsigned *__restrict__ src, unsigned *dst, int n, volatile unsigned *count) {
+    for (int i = threadIdx.x; i < n; i += 32) dst[i] = src[i];
+    fence_system();
+    __syncwarp();
+    if (threadIdx.x == 0) {
+        fence_system();
+        *count = *count + 1;
+    }
 }
 
 // ---- the output head's best candidates: what coli.c's sampler reads, instead of the logits ----

@@ -18,8 +18,9 @@
  *   These and the first two take a list, one value a device: FAKE_CUDA_VRAM_MB=8192,4096. Lists are
  *   in PCI bus order, as coli numbers the devices (the names are in the driver's order).
  *   FAKE_CUDA_FAIL=alloc:K | launch:K | query:K | graph:K (the K-th call and every later one
- *   fails; a query: an event's work failed, error 700; a graph: its instantiation, error 2; a
- *   graph's kernels count as launches) | module:CODE
+ *   fails; a query: an event's or the stream's work failed, error 700; a graph: its
+ *   instantiation, error 2; a graph's kernels count as launches) | publish:K (the K-th
+ *   publish_words and later ones lose their signal) | module:CODE
  *   (read at every call, so a test process may change it between calls)
  *   FAKE_CUDA_TOP_LIST=N: the output head's candidate list holds N (< 2048) entries in the twins,
  *   so that a row whose best cannot all be listed comes up without thousands of equal logits
@@ -38,7 +39,8 @@ typedef unsigned long long CUdeviceptr;
 #define API __attribute__((visibility("default")))
 
 #define MAX_DEV 8
-static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, fail_graph, n_alloc, n_launch, n_query, n_graph;
+static int n_dev = -1, fail_alloc, fail_launch, fail_module, fail_query, fail_graph, fail_publish, n_alloc, n_launch, n_query, n_graph,
+    n_publish;
 /* The current context is a thread's, as in the driver: a thread that set none (-1) gets
  * CUDA_ERROR_INVALID_CONTEXT from every call that needs one, so that coli calling from a thread
  * other than the one that made the context current fails here as it would on a card. */
@@ -72,6 +74,7 @@ static void read_failures(void)
     fail_module = f && !strncmp(f, "module:", 7) ? atoi(f + 7) : 0;
     fail_query = f && !strncmp(f, "query:", 6) ? atoi(f + 6) : 0;
     fail_graph = f && !strncmp(f, "graph:", 6) ? atoi(f + 6) : 0;
+    fail_publish = f && !strncmp(f, "publish:", 8) ? atoi(f + 8) : 0;
 }
 
 API CUresult cuInit(unsigned flags)
@@ -942,6 +945,18 @@ static void run_copy_words(int unused, void **p, struct grid g)
     for (long i = 0; i < ARG(2, int) && i < g.threads; i++) dst[i] = src[i];
 }
 
+/* publish_words(src, dst, n, count): n words into host memory, then *count one more; from the
+ * FAKE_CUDA_FAIL=publish:K-th launch on, the words without the count (a signal lost: coli must
+ * not wait for it forever). */
+static void run_publish_words(int unused, void **p, struct grid g)
+{
+    (void)unused, (void)g;
+    const uint32_t *src = ARG(0, const uint32_t *);
+    uint32_t *dst = ARG(1, uint32_t *), *count = ARG(3, uint32_t *);
+    memcpy(dst, src, (size_t)ARG(2, int) * 4);
+    if (!fail_publish || ++n_publish < fail_publish) ++*count;
+}
+
 /* The output head's best candidates (logits_top_max, _bound, _collect, _rank): a row's state
  * between the four launches, laid out as kernels.cu's struct top_scratch. */
 enum { TOP_K = 64, TOP_SLICES = 256, TOP_LIST = 2048, TOP_ROW = TOP_K + 2 };
@@ -1194,6 +1209,7 @@ static const struct { const char *name; int arg; launch_fn run; } kernels[] = {
     {"deltanet_gate", 0, run_deltanet_gate}, {"attn_prep", 0, run_attn_prep}, {"attn_split", 0, run_attn_split},
     {"attn_merge", 0, run_attn_merge}, {"logits_top_max", 0, run_top_max}, {"logits_top_bound", 0, run_top_bound},
     {"logits_top_collect", 0, run_top_collect}, {"logits_top_rank", 0, run_top_rank}, {"copy_words", 0, run_copy_words},
+    {"publish_words", 0, run_publish_words},
     {"logits_draw_sums", 0, run_draw_sums}, {"logits_draw_walk", 0, run_draw_walk},
     {"logits_penalise", 0, run_penalise}, {"logits_unpenalise", 0, run_unpenalise},
 };
@@ -1311,6 +1327,17 @@ API CUresult cuStreamCreate(void **st, unsigned flags) { NEED_CONTEXT(); static 
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
 API CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { NEED_CONTEXT(); (void)flags; *p = malloc(n); return *p ? 0 : 2; }
 API CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+/* Mapped host memory: the device's address of it is the host's, as with unified addressing. */
+API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dp, void *p, unsigned flags) { NEED_CONTEXT(); (void)flags; *dp = (CUdeviceptr)(uintptr_t)p; return 0; }
+/* Launches have run when they return: the stream is idle (0), or its work failed (700) as an
+ * event's query says (FAKE_CUDA_FAIL=query:K). */
+API CUresult cuStreamQuery(void *st)
+{
+    (void)st;
+    NEED_CONTEXT();
+    read_failures();
+    return fail_query && ++n_query >= fail_query ? 700 : 0;
+}
 API CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
 API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 {

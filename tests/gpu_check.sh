@@ -76,6 +76,17 @@ if [ -f "$f" ]; then
         bad "re-tiering" "$(grep -E 'cuda|re-tier' "$log/err" | tail -n 3)"
     fi
 fi
+# Split layers: the trunk and the shared expert on the card, the routed experts on the CPU; the
+# routing and the CPU's outputs cross in mapped memory (publish_words, the host polling its count).
+if [ -f "$f" ]; then
+    timeout 60 ./coli run -m "$f" -p "$P" -n 32 --ignore-eog --json --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0 \
+        2>"$log/err" | tail -n 1 | sed 's/"timings".*//' >"$log/gpu"
+    if [ -s "$log/cpu" ] && cmp -s "$log/cpu" "$log/gpu" && ! grep -q 'running on the CPU from here' "$log/err"; then
+        ok "split layers through mapped memory, same tokens ($(grep -o '[0-9]* driver calls, [0-9]* waits' "$log/err"))"
+    else
+        bad "split layers" "$(grep -E 'cuda' "$log/err" | tail -n 3)"
+    fi
+fi
 # bench --kernels' table for the card: every format's GEMV in GB/s against its copy bandwidth.
 timeout 150 ./coli bench --kernels >"$log/kt" 2>&1
 sed -n '/^cuda [0-9]*: /,$p' "$log/kt"

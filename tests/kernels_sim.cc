@@ -175,6 +175,8 @@ static inline unsigned short f16_bits(float x)
     return u;
 }
 static inline int imad(int a, int b, int acc) { return (int)((unsigned)acc + (unsigned)a * (unsigned)b); }
+/* Lanes run one at a time, each write seen at once: nothing to order. */
+static inline void fence_system() {}
 
 #define KERNELS_ON_HOST
 #include "../kernels.cu"
@@ -308,6 +310,7 @@ static const struct { const char *name; void (*run)(void **); } sim_entries[] = 
     {"attn_merge", [](void **p) { attn_merge(ARG(0, const float *), ARG(1, const int *), ARG(2, int), ARG(3, int), ARG(4, int),
                                              ARG(5, int), ARG(6, const float *), ARG(7, float *)); }},
     {"copy_words", [](void **p) { copy_words(ARG(0, const unsigned *), ARG(1, unsigned *), ARG(2, int)); }},
+    {"publish_words", [](void **p) { publish_words(ARG(0, const unsigned *), ARG(1, unsigned *), ARG(2, int), ARG(3, unsigned *)); }},
     {"logits_top_max", [](void **p) { logits_top_max(ARG(0, const float *), ARG(1, int), ARG(2, top_scratch *)); }},
     {"logits_top_bound", [](void **p) { logits_top_bound(ARG(0, top_scratch *)); }},
     {"logits_top_collect", [](void **p) { logits_top_collect(ARG(0, const float *), ARG(1, int), ARG(2, top_scratch *)); }},

@@ -320,6 +320,8 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     for (int t = 0; t < T; t++) quant_act_prepare(wo.type, mix + (size_t)t * mixc, mixc, act + (size_t)t * stride);
     const struct cuda_moe_layout lo = cuda_moe_layout_of(&L, stride, T);
     int ran = placed && cuda_use(dev) == 0 && cuda_scratch(&cuda.dev[dev].moe, &cuda.dev[dev].moe_cap, lo.end) == 0 && cuda_stage(lo.y);
+    if (ran && split && T <= CUDA_MAPPED_TOKENS) cuda_mapped_grow(&cuda.dev[dev], cuda_moe_mapped_bytes(&L, lo, T));
+    const int mapped = cuda_moe_mapped(&cuda.dev[dev], &L, lo, T);
     long calls = 0, graph_runs = cuda.graph_runs;
     for (int run = 0; run < (graph ? 3 : 1); run++) { /* a graph: built the second time, run the third */
         calls = cuda_calls;
@@ -334,15 +336,16 @@ static void check_moe_layer(enum gguf_type up_type, enum gguf_type down_type, in
     while (split && bad_xn < T * dim && !memcmp(&xn[bad_xn], &routing[bad_xn], 4)) bad_xn++;
     if (split && bad_xn == T * dim && memcmp(top, routing + (size_t)T * dim, (size_t)T * used * 4)) bad_xn = 0; /* the routing's ids */
     char name[260];
-    /* a split layer: the routing down, the CPU's outputs up; a shared expert apart: its activations and 3 kernels */
-    const int want_calls = graph ? 3 : 12 + (shared > 0) + 2 * split + 4 * (shared == 2); /* a graph: the upload, the graph, the download */
-    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s%s: the CPU's ids and bits in %d driver calls",
+    /* a split layer: the routing down and the CPU's outputs up, by copies, or by publish_words's launch through mapped memory (a
+     * graph: the layer's end its own window); a shared expert apart: its activations and 3 kernels */
+    const int want_calls = graph ? 3 + split : 12 + (shared > 0) + (mapped ? 1 : 2 * split) + 4 * (shared == 2); /* a graph: the upload, the graph, the download */
+    snprintf(name, sizeof name, "the rest of a layer on device %d, %s/%s, %d of %d experts, %d tokens%s%s%s%s%s%s: the CPU's ids and bits in %d driver calls",
              dev, gguf_types[up_type].name, gguf_types[down_type].name, used, n_expert, T,
              shared == 2 ? ", a Q8_0 shared expert apart" : shared ? ", shared expert" : "",
              ties ? ", tied probabilities" : "", nan_row ? ", NaN logits" : "", split ? ", every third expert the CPU's" : "",
-             graph ? ", its third time as one CUDA graph" : "", want_calls);
+             mapped ? " through mapped memory" : "", graph ? ", its third time as one CUDA graph" : "", want_calls);
     /* with NaN logits the outputs are NaN: the ids say what was chosen */
-    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && calls == want_calls &&
+    check(ran && bad_id == T * used && (nan_row || bad == T * dim) && (!split || bad_xn == T * dim) && calls == want_calls && mapped == (split && T <= CUDA_MAPPED_TOKENS) &&
               cuda.graph_runs - graph_runs == graph, name, "ran %d, calls %ld, graph launches %ld, id %d: cpu %d gpu %d, out[%d] cpu %a gpu %a, routing %d",
           ran, calls, cuda.graph_runs - graph_runs, bad_id,
           top[bad_id < T * used ? bad_id : 0], ((int *)gpu)[bad_id < T * used ? bad_id : 0], bad, cpu[bad < T * dim ? bad : 0],
@@ -367,6 +370,8 @@ static void test_moe_layer(int real)
     check_moe_layer(GGUF_TYPE_Q4_0, GGUF_TYPE_Q4_0, 128, 128, 16, 4, 2, 2, 0, 0, 1, !real, 0);
     check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 1, 0, 0, 0, !real, 1);
     check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 128, 64, 9, 4, 3, 2, 0, 0, 0, 0, 1);
+    check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 256, 256, 40, 8, 2, 1, 0, 0, 1, !real, 1);
+    check_moe_layer(GGUF_TYPE_Q8_0, GGUF_TYPE_Q8_0, 64, 64, 9, 4, CUDA_MAPPED_TOKENS + 1, 1, 0, 0, 1, 0, 0); /* split by copies */
     if (real) check_moe_layer(GGUF_TYPE_Q4_K, GGUF_TYPE_Q6_K, 2048, 512, 256, 8, 4, 1, 0, 0, 1, 0, 0); /* the 35B-A3B's shapes, split */
 }
 

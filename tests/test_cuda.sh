@@ -359,24 +359,35 @@ else bad "a decode step as one CUDA graph" "graph launches: $(grep cuda "$tmp/sh
 # routing, then the logits; the prompt's pass one more, its head), the device's FFNs the shared
 # expert's alone, the same tokens. With the DeltaNet projections on the CPU their layers cannot
 # chain: two waits each (the routing, then the layer's outputs), one for the attention layer
-# after them: 7 a decode step.
-split_run() { # split_run NAME PLACE: the run's tokens and [cuda] lines in $tmp/NAME.json and .err
-    $FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n 8 --ignore-eog --json --place "$2" 2>"$tmp/$1.err" |
+# after them: 7 a decode step. The routing and the CPU's outputs cross in mapped memory (a
+# decode step's few tokens): from the third step on, the step's upload, a graph for each layer's
+# launches from the sum before it to its own routing and experts, one for the last sum to the
+# best logits, and the download, 4 + 3 driver calls a step (19 when they were copies).
+split_run() { # split_run NAME PLACE [N]: the run's tokens and [cuda] lines in $tmp/NAME.json and .err
+    $FAKE FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$P" -n "${3:-8}" --ignore-eog --json --place "$2" 2>"$tmp/$1.err" |
         tail -n 1 | sed 's/"timings".*//' >"$tmp/$1.json"
 }
-split_run split lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
+split=lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
+split_run split $split
+split_run split-12 $split 12
 split_run split-unchained lmhead=0,attnproj=0,dnout=0,router=0,shexp=0
+split_calls=$(($(cuda_count "$tmp/split-12.err" 'driver calls') - $(cuda_count "$tmp/split.err" 'driver calls')))
 if cmp -s "$tmp/split.json" "$tmp/shexp-cpu.json" && [ "$(cuda_count "$tmp/split.err" waits)" = "$((5 * passes + 1))" ] &&
     [ "$(ffns "$tmp/split.err")" = "$((4 * forwarded))" ] && cmp -s "$tmp/split-unchained.json" "$tmp/shexp-cpu.json" &&
-    [ "$(cuda_count "$tmp/split-unchained.err" waits)" = "$((7 * passes + 1))" ]; then
-    ok "split layers (the routed experts on the CPU) chained: the same tokens, 5 waits a decode step (7 unchained), the shared expert's FFNs alone on the device"
-else bad "split layers" "$passes passes, $forwarded tokens; $(grep cuda "$tmp/split.err" | tail -n 1); unchained $(grep cuda "$tmp/split-unchained.err" | tail -n 1)"; fi
+    [ "$(cuda_count "$tmp/split-unchained.err" waits)" = "$((7 * passes + 1))" ] && [ "$split_calls" = 28 ]; then
+    ok "split layers (the routed experts on the CPU) chained: the same tokens, 5 waits and 7 driver calls a decode step (7 waits unchained), the shared expert's FFNs alone on the device"
+else bad "split layers" "$passes passes, $forwarded tokens, $split_calls calls in 4 steps; $(grep cuda "$tmp/split.err" | tail -n 1); unchained $(grep cuda "$tmp/split-unchained.err" | tail -n 1)"; fi
 # ... and a launch failing there (after layer 0's start, 1-6, and its DeltaNet, 7-10, as in the
-# chain below): 17 the routing, 18 the device's experts after the routing went to the CPU, 21
-# the sum after the CPU's experts came up. The CPU's tokens each time.
-for k in 17 18 21; do
+# chain below): 17 the routing, 18 its publishing into mapped memory, 19 the device's experts
+# queued behind it, 22 the sum after the CPU's experts came up. The CPU's tokens each time. And
+# a signal lost (the device's stream ends without publish_words's count: the CPU stops waiting).
+for k in 17 18 19 22; do
     tokens "a split layer's launch $k fails: the CPU's tokens" '^\[cuda\] a layer on the device: unspecified launch failure' \
-        q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place lmhead=0,attnproj=0,dnproj=0,dnout=0,router=0,shexp=0
+        q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:$k -- --place $split
+done
+for k in 1 6; do
+    tokens "a split layer's signal $k is lost: the CPU's tokens" '^\[cuda\] a layer on the device: the device finished without the signal awaited \(error -1\); running on the CPU from here$' \
+        q35moe-q8_0.gguf LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=publish:$k -- --place $split
 done
 # A launch that fails in a chain. Launches 1-6 of that placement are layer 0's start, made with
 # the pass's upload (its norm, activations and projections): nothing is on the device yet but
