@@ -442,6 +442,13 @@ long_run fake q8_0 LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1
 if cmp -s "$tmp/long-fake.json" "$tmp/long-cpu.json"; then
     ok "Q8_0 KV rows between host and device mid-group (a prompt of 225 tokens): the CPU's tokens and logits"
 else bad "Q8_0 KV rows between host and device mid-group" "$(grep cuda "$tmp/long.err" | tail -n 1)"; fi
+# Split layers after that prompt: its pass copies the routing and the CPU's outputs (more than
+# CUDA_MAPPED_TOKENS, 64), the decode steps cross in mapped memory. The CPU's tokens and logits.
+env LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 "$COLI" run -m "$GOLDEN/q35moe-q8_0.gguf" -p "$LP" -n 8 -c 1024 --kv q8_0 --ignore-eog --json \
+    --place "$split" 2>"$tmp/long.err" | tail -n 1 | sed 's/"timings".*//' >"$tmp/long-split.json"
+if cmp -s "$tmp/long-split.json" "$tmp/long-cpu.json" && ! grep -q 'running on the CPU from here' "$tmp/long.err"; then
+    ok "split layers after a prompt of 225 tokens (its routing by copies, the decode steps' through mapped memory): the CPU's tokens and logits"
+else bad "split layers after a long prompt" "$(grep cuda "$tmp/long.err" | tail -n 1)"; fi
 # bench says the same a decode step: of 11 steps of a small model all on the device, the first
 # two made launch by launch and 9 as one graph each, one wait each.
 $FAKE FAKE_CUDA_DEVICES=1 "$COLI" bench --synthetic tiny:q8_0 --gpu 0 -p 1 -n 12 --json >"$tmp/bench.json" 2>/dev/null
@@ -494,6 +501,13 @@ if [ "$(wc -l <"$tmp/serve-cpu.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp
     ! grep -q 'running on the CPU from here' "$tmp/serve-gpu" && grep -qE "; [1-9][0-9]* tokens' logits stayed there$" "$tmp/serve-gpu"; then
     ok "serve on the fake device (a context per thread), three requests at once: they run there, the CPU's texts ($(tr '\n' ' ' <"$tmp/serve-gpu.txt")), $(grep -oE "[0-9]+ tokens' logits stayed there" "$tmp/serve-gpu")"
 else bad "serve on the fake device" "cpu $(head -c 200 "$tmp/serve-cpu.txt"), gpu $(head -c 200 "$tmp/serve-gpu.txt"); $(grep -E 'cuda' "$tmp/serve-gpu" | tail -n 2)"; fi
+# ... and with the routed experts on the CPU (split layers): the routing and the CPU's outputs
+# cross in mapped memory, sized anew as the batch grows from one token to three.
+serve_text "$tmp/serve-split" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 COLI_PLACE=$split >"$tmp/serve-split.txt"
+if [ "$(wc -l <"$tmp/serve-split.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tmp/serve-split.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/serve-split" &&
+    ! grep -q 'running on the CPU from here' "$tmp/serve-split"; then
+    ok "serve on the fake device, split layers through mapped memory, three requests at once: the CPU's texts"
+else bad "serve, split layers" "gpu $(head -c 200 "$tmp/serve-split.txt"); $(grep -E 'cuda' "$tmp/serve-split" | tail -n 2)"; fi
 # ... and a launch failing while the three decode together, their DeltaNet states on the device:
 # each conversation is fed its tokens again on the CPU, and every text is still the CPU's.
 serve_text "$tmp/serve-fail" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 FAKE_CUDA_FAIL=launch:400 >"$tmp/serve-fail.txt"
