@@ -243,7 +243,8 @@ static void test_experts(int quick, int real)
  * the router row of expert 0 (equal probabilities: the lower id first); NAN_ROW puts a NaN in
  * one router row (every probability NaN: the first USED ids, as the CPU's scan takes them).
  * SPLIT leaves every third expert off the device: the layer hands back its routing, the CPU's
- * outputs for those go up (cuda_moe_layer_resume), and the sum is the same. SHARED 2: the
+ * outputs for those go up (cuda_moe_layer_resume; both through mapped memory up to
+ * CUDA_MAPPED_TOKENS tokens, else by copies), and the sum is the same. SHARED 2: the
  * shared expert in Q8_0 with half the hidden size, a batch of its own. GRAPH: the layer three
  * times, the last one's launches as the CUDA graph the second built (the same bits). The calls
  * are counted with the room the layer needs already there. */
