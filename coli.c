@@ -16460,6 +16460,18 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 enum engine_stop { ENGINE_RUNNING, ENGINE_STOP_EOG, ENGINE_STOP_LENGTH, ENGINE_STOP_CONTEXT, ENGINE_STOP_CANCEL, ENGINE_STOP_SINK, ENGINE_STOP_ERROR };
 static const char *const engine_stop_names[] = {"running", "eog", "length", "context", "interrupt", "stop", "error"};
 
+#define ENGINE_MAX_LOGPROBS 20 /* alternatives a token's log-probability lists at most, as OpenAI's API allows */
+
+struct engine_bias { int id; float bias; };
+struct engine_logprob { int id; float logprob; };
+
+/* A token's log-probability and its likeliest alternatives', under the model's own distribution: the raw logits at
+ * temperature 1, before bias and penalties (what the model says, whatever the sampler then did). */
+struct engine_logprobs {
+    struct engine_logprob token, top[ENGINE_MAX_LOGPROBS];
+    int n_top;
+};
+
 /* What a caller asks of a slot; the arrays must outlive the generation. */
 struct engine_request {
     const int *prompt;       /* [n_prompt]: fed after what the slot's sequence holds, or (WHOLE) all of it */
@@ -16477,6 +16489,9 @@ struct engine_request {
     void *sink_ctx;
     const volatile sig_atomic_t *cancel; /* nonzero: stop at the next token; NULL: never */
     struct model_checkpoint *rewind; /* with cancel while the prompt is fed: the sequence rewinds */
+    int logprobs, top_logprobs; /* record each token's log-probability and its TOP_LOGPROBS likeliest (gen.logprobs) */
+    const struct engine_bias *bias; /* [n_bias] added to the logits before sampling (not to the log-probabilities) */
+    int n_bias;
 };
 
 /* What a generation produced; arrays grow with the tokens. */
@@ -16490,6 +16505,7 @@ struct engine_gen {
     double prompt_s, decode_s;
     enum engine_stop stop;
     char error[640];     /* ENGINE_STOP_ERROR: why */
+    struct engine_logprobs logprobs; /* request.logprobs: the last token's, for the sink */
 };
 
 #define ENGINE_MAX_CHECKPOINTS 4 /* DeltaNet states kept per sequence */
@@ -16537,6 +16553,7 @@ struct engine {
     int64_t cache_bytes;       /* in use */
     int64_t checkpoint_bytes;  /* one checkpoint's */
     struct sample_candidate *cand; /* [n_vocab] sampling scratch */
+    float *row;                /* [n_vocab] a logits row's copy: sampled with bias, or weights for log-probabilities */
     char *piece;               /* [tok->max_piece + 1] */
 };
 
@@ -16555,6 +16572,7 @@ static void engine_init(struct engine *e, struct model *m, const struct tok *tok
         e->slots[i].past.tokens = plat_alloc((size_t)m->n_ctx * sizeof(int));
     }
     e->cand = plat_alloc((size_t)(m->cfg.n_vocab > MODEL_TOP ? m->cfg.n_vocab : MODEL_TOP) * sizeof *e->cand); /* or the best */
+    e->row = plat_alloc((size_t)m->cfg.n_vocab * sizeof *e->row);
     e->piece = plat_alloc((size_t)tok->max_piece + 1);
 }
 
@@ -16583,6 +16601,7 @@ static void engine_free(struct engine *e)
     free(e->parked);
     free(e->slots);
     free(e->cand);
+    free(e->row);
     free(e->piece);
 }
 
@@ -16609,6 +16628,33 @@ static void engine_top5(const float *logits, int n, float out[5][2])
         out[k][0] = (float)ids[k];
         out[k][1] = ids[k] >= 0 ? logits[ids[k]] : 0.0f;
     }
+}
+
+/* Whether R needs its logits row on the host: log-probabilities, or a bias (the device's best would not be the sampler's). */
+static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias; }
+
+/* R's bias over a copy of LOGITS (kept raw for the log-probabilities). */
+static float *engine_biased(struct engine *e, const struct engine_request *r, const float *logits)
+{
+    memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
+    for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
+    return e->row;
+}
+
+/* Token ID's log-probability and the N_TOP likeliest (sample_before's order) under LOGITS at temperature 1, into *OUT:
+ * logit - max - log(sum of ops_exp(logit - max)), the sum in sample_vocab_sums's order, the same at every SIMD level. */
+static void engine_logprobs(struct engine *e, const float *logits, int id, int n_top, struct engine_logprobs *out)
+{
+    const int n = e->m->cfg.n_vocab;
+    const float max = logits[sample_argmax(logits, n)];
+    double sums[CUDA_TOP_SLICES];
+    ops_exp_shifted(e->row, logits, n, max, 1.0f);
+    const double log_total = log(sample_vocab_sums(e->row, n, sums));
+    out->n_top = n_top < n ? n_top : n;
+    if (out->n_top) sample_top(logits, n, out->n_top, e->cand);
+    for (int k = 0; k < out->n_top; k++)
+        out->top[k] = (struct engine_logprob){e->cand[k].id, (float)((double)e->cand[k].logit - max - log_total)};
+    out->token = (struct engine_logprob){id, (float)((double)logits[id] - max - log_total)};
 }
 
 static void engine_gen_append(struct engine_gen *g, int id, float top[5][2], const char *piece, size_t len)
@@ -16817,8 +16863,10 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
         for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
         id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
     } else {
+        float *logits = engine_wants_row(r) ? engine_biased(e, r, run->logits) : run->logits;
         if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
-        id = sample_next(&r->sample, run->logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
+        id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
+        if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs);
     }
     sl->history[n_hist] = id;
     /* an embedding row past the vocabulary (padding) has no text */
@@ -16843,6 +16891,7 @@ static struct model_run engine_run(const struct engine *e, struct engine_slot *s
     const int n_hist = sl->req.n_prompt + (sl->gen ? sl->gen->n_tokens : 0);
     uint64_t peek = sl->rng;
     struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}, NULL};
+    run.top &= !engine_wants_row(&sl->req);
     if (pen) run.top &= n == 1 && cuda.ready && !sl->req.want_top && sample_penalties(p, sl->history, n_hist, &sl->pen);
     if (pen && run.top) run.pen = &sl->pen;
     if (mode) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, p->top_p, p->min_p, mode};
@@ -17020,6 +17069,7 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 #define SERVE_BODY_TIMEOUT 30.0
 #define SERVE_MAX_CONNS 256          /* connections at once; more get 503 and are closed */
 #define SERVE_MAX_STOP 4             /* stop strings per request, as OpenAI's API allows */
+#define SERVE_MAX_BIAS 1024          /* logit_bias entries per request */
 #define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
 #define SERVE_DEFAULT_CACHE (8LL << 30) /* the prompt cache: an eighth of free memory, at most this, unless --cache-ram says */
 
@@ -17380,6 +17430,7 @@ struct serve_answer {
 /* A generation request between its connection thread and the engine. */
 struct serve_job {
     struct serve_job *next;    /* in the queue */
+    const struct tok *tok;
     int chat;                  /* /v1/chat/completions (else /v1/completions) */
     int stream, include_usage;
     int think;                 /* chat: the answer opens inside a think block */
@@ -17388,6 +17439,7 @@ struct serve_job {
     struct serve_answer answer;
     int *prompt;               /* [n_prompt] */
     struct engine_request req;
+    struct engine_bias *bias;  /* [req.n_bias] */
     char *stop[SERVE_MAX_STOP];
     int n_stop;
     size_t longest_stop;       /* bytes of the longest stop string */
@@ -17398,6 +17450,8 @@ struct serve_job {
     pthread_cond_t cv;
     char *text;                /* [len] the answer so far, whole characters, cut before a stop string */
     size_t len, cap, released; /* text[0..released) can no longer become a stop string */
+    struct engine_logprobs *lp; /* [n_lp] req.logprobs: each generated token's (tok: bar one that ends the turn) */
+    size_t n_lp, lp_cap;
     int done;                  /* the engine has let go; gen is final */
     struct engine_gen gen;
 };
@@ -17455,8 +17509,10 @@ static void serve_job_free(struct serve_job *j)
     serve_answer_free(&j->answer);
     json_free(j->body);
     free(j->prompt);
+    free(j->bias);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
+    free(j->lp);
     engine_gen_free(&j->gen);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
@@ -17506,8 +17562,11 @@ static int serve_sink(void *ctx, int id, const char *piece, size_t len)
     struct serve_job *j = ctx;
     char out[512];
     int stop = 0;
-    (void)id;
     pthread_mutex_lock(&j->mu);
+    if (j->req.logprobs && !tok_is_eog(j->tok, id)) { /* the token that ends the turn is not the answer's */
+        j->lp = tok_grow(j->lp, &j->lp_cap, j->n_lp + 1, sizeof *j->lp);
+        j->lp[j->n_lp++] = j->gen.logprobs;
+    }
     while (len > 0 && !stop) {
         size_t take = len < 256 ? len : 256;
         stop = serve_job_append(j, out, tok_stream_push(&j->utf8, piece, take, out, sizeof out));
@@ -17783,6 +17842,8 @@ static int serve_completion_prompt(struct serve *srv, const struct json *body, s
         return 0;
     }
     if (p->kind != JSON_ARRAY) return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids");
+    if (p->child && p->child->kind != JSON_NUMBER)
+        return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids: one prompt a request (several prompts, several requests)");
     for (const struct json *t = p->child; t; t = t->next) {
         if (t->kind != JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= srv->engine->m->cfg.n_vocab)
             return serve_bad(e, "prompt", "'prompt' token ids must be whole numbers in [0, %d)", srv->engine->m->cfg.n_vocab);
@@ -17790,6 +17851,49 @@ static int serve_completion_prompt(struct serve *srv, const struct json *body, s
         j->prompt[j->req.n_prompt++] = (int)t->number;
     }
     return 0;
+}
+
+/* logit_bias: {"token id": a number in [-100, 100]}, into J. */
+static int serve_logit_bias(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
+{
+    const struct json *v = json_get(body, "logit_bias");
+    if (!v || v->kind == JSON_NULL) return 0;
+    if (v->kind != JSON_OBJECT) return serve_bad(e, "logit_bias", "'logit_bias' must be an object of token ids to numbers");
+    for (const struct json *b = v->child; b; b = b->next) {
+        char *end;
+        long id = strtol(b->name, &end, 10);
+        if (!*b->name || *end || id < 0 || id >= srv->engine->m->cfg.n_vocab)
+            return serve_bad(e, "logit_bias", "'logit_bias' keys must be token ids in [0, %d)", srv->engine->m->cfg.n_vocab);
+        if (b->kind != JSON_NUMBER || !(b->number >= -100 && b->number <= 100))
+            return serve_bad(e, "logit_bias", "'logit_bias' values must be numbers in [-100, 100]");
+        if (j->req.n_bias == SERVE_MAX_BIAS) return serve_bad(e, "logit_bias", "at most %d 'logit_bias' entries", SERVE_MAX_BIAS);
+        j->bias = plat_realloc(j->bias, (size_t)(j->req.n_bias + 1) * sizeof *j->bias);
+        j->bias[j->req.n_bias++] = (struct engine_bias){(int)id, (float)b->number};
+    }
+    j->req.bias = j->bias;
+    return 0;
+}
+
+/* logprobs (a chat's true with top_logprobs alternatives; a completion's count of alternatives) and logit_bias into J;
+ * a completion's echo, best_of and suffix refused rather than ignored. */
+static int serve_logprobs(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
+{
+    double top = 0, best_of = 1;
+    const struct json *lp = json_get(body, "logprobs"), *suffix = json_get(body, "suffix");
+    int echo = 0;
+    if (j->chat) {
+        if (serve_bool(body, "logprobs", &j->req.logprobs, e) || serve_number(body, "top_logprobs", 0, ENGINE_MAX_LOGPROBS, 1, &top, e)) return -1;
+        if (top > 0 && !j->req.logprobs) return serve_bad(e, "top_logprobs", "'top_logprobs' needs \"logprobs\": true");
+    } else {
+        if (serve_number(body, "logprobs", 0, ENGINE_MAX_LOGPROBS, 1, &top, e) || serve_bool(body, "echo", &echo, e) ||
+            serve_number(body, "best_of", 1, 1, 1, &best_of, e))
+            return -1;
+        j->req.logprobs = lp && lp->kind != JSON_NULL;
+        if (echo) return serve_bad(e, "echo", "'echo' is not supported: the answer holds the generated text only");
+        if (suffix && suffix->kind != JSON_NULL) return serve_bad(e, "suffix", "'suffix' (fill in the middle) is not supported");
+    }
+    j->req.top_logprobs = (int)top;
+    return serve_logit_bias(srv, body, j, e);
 }
 
 /* BODY's generation settings into J: max tokens within the context the prompt leaves, sampling, stops, streaming. */
@@ -17800,7 +17904,7 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     const struct json *opts = json_get(body, "stream_options");
     if (serve_number(body, "max_tokens", 1, 1e9, 1, &max, e) || serve_number(body, "max_completion_tokens", 1, 1e9, 1, &max, e) ||
         serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_sampling(body, &j->req.sample, e) ||
-        serve_stops(body, j, e))
+        serve_stops(body, j, e) || serve_logprobs(srv, body, j, e))
         return -1;
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
@@ -17838,6 +17942,7 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
     j->chat = chat;
+    j->tok = srv->tok;
     j->req.reuse = 1;
     j->req.sample = srv->sample;
     j->req.sample.seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)j;
@@ -18078,6 +18183,72 @@ static void serve_write_message(FILE *f, const struct serve_job *j, unsigned lon
     fputs(a->n_calls ? "]}" : "}", f);
 }
 
+/* Token ID's text into BUF (tok->max_piece + 1 bytes): its bytes, a padding row's none. */
+static size_t serve_token_text(const struct tok *t, int id, char *buf) { return id < t->n_vocab ? tok_decode(t, id, buf, t->max_piece + 1) : 0; }
+
+/* A chat's token and LOGPROB, its object left open: "token" (its text, invalid UTF-8 as U+FFFD), "logprob", "bytes". */
+static void serve_write_token(FILE *f, const struct tok *t, const struct engine_logprob *lp, char *buf)
+{
+    size_t n = serve_token_text(t, lp->id, buf);
+    fputs("{\"token\":", f);
+    json_write_string(f, buf, n);
+    fprintf(f, ",\"logprob\":%.9g,\"bytes\":[", lp->logprob);
+    for (size_t i = 0; i < n; i++) fprintf(f, i ? ",%u" : "%u", (unsigned char)buf[i]);
+    fputc(']', f);
+}
+
+/* A completion's top_logprobs of one token: text to logprob, the alternatives, then the token unless among them. */
+static void serve_write_legacy_top(FILE *f, const struct tok *t, const struct engine_logprobs *lp, char *buf)
+{
+    int listed = 0;
+    fputc('{', f);
+    for (int k = 0; k <= lp->n_top && !(k == lp->n_top && listed); k++) {
+        const struct engine_logprob *a = k < lp->n_top ? &lp->top[k] : &lp->token;
+        listed |= a->id == lp->token.id;
+        if (k) fputc(',', f);
+        json_write_string(f, buf, serve_token_text(t, a->id, buf));
+        fprintf(f, ":%.9g", a->logprob);
+    }
+    fputc('}', f);
+}
+
+/* ,"logprobs":... of J's tokens [FROM, TO): a chat's {"content": [...]}, or a completion's legacy shape (tokens,
+ * token_logprobs, top_logprobs, text_offset: characters into the answer). */
+static void serve_write_logprobs(FILE *f, const struct tok *t, const struct serve_job *j, size_t from, size_t to)
+{
+    char *buf = plat_alloc((size_t)t->max_piece + 1);
+    const struct engine_logprobs *lp = j->lp;
+    fputs(j->chat ? ",\"logprobs\":{\"content\":[" : ",\"logprobs\":{\"tokens\":[", f);
+    for (size_t i = from; i < to; i++) {
+        fputs(i > from ? "," : "", f);
+        if (!j->chat) json_write_string(f, buf, serve_token_text(t, lp[i].token.id, buf));
+        if (!j->chat) continue;
+        serve_write_token(f, t, &lp[i].token, buf);
+        fputs(",\"top_logprobs\":[", f);
+        for (int k = 0; k < lp[i].n_top; k++) {
+            fputs(k ? "," : "", f);
+            serve_write_token(f, t, &lp[i].top[k], buf);
+            fputc('}', f);
+        }
+        fputs("]}", f);
+    }
+    if (!j->chat) {
+        long offset = 0;
+        fputs("],\"token_logprobs\":[", f);
+        for (size_t i = from; i < to; i++) fprintf(f, i > from ? ",%.9g" : "%.9g", lp[i].token.logprob);
+        fputs("],\"top_logprobs\":[", f);
+        for (size_t i = from; i < to; i++) fputs(i > from ? "," : "", f), serve_write_legacy_top(f, t, &lp[i], buf);
+        fputs("],\"text_offset\":[", f);
+        for (size_t i = 0; i < to; i++) {
+            if (i >= from) fprintf(f, i > from ? ",%ld" : "%ld", offset);
+            size_t n = serve_token_text(t, lp[i].token.id, buf);
+            for (size_t b = 0; b < n; b++) offset += ((unsigned char)buf[b] & 0xC0) != 0x80; /* a character's first byte */
+        }
+    }
+    fputs("]}", f);
+    free(buf);
+}
+
 /* A finished, unstreamed job's whole answer. */
 static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n)
 {
@@ -18093,6 +18264,7 @@ static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n
         fputs("\"text\":", f);
         json_write_string(f, j->text ? j->text : "", j->len);
     }
+    if (j->req.logprobs) serve_write_logprobs(f, srv->tok, j, 0, j->n_lp);
     fprintf(f, ",\"finish_reason\":\"%s\"}],", serve_finish_reason(j));
     serve_usage(f, j);
     fputs("}", f);
@@ -18127,9 +18299,10 @@ static int serve_event(int fd, const char *data, size_t n)
     return serve_write(fd, head, (size_t)h) || serve_write(fd, data, n) || serve_write(fd, "\n\n\r\n", 4) ? -1 : 0;
 }
 
-/* A stream chunk: CHOICE (the choice's members after index: a delta, or completion text) with FINISH (NULL: null), or
- * usage (CHOICE NULL). */
-static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *choice, const char *finish)
+/* A stream chunk: CHOICE (the choice's members after index: a delta, or completion text) with FINISH (NULL: null) and
+ * *LOGPROBS (then used up: NULL), or usage (CHOICE NULL). */
+static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *choice, const char *finish,
+                       const char **logprobs)
 {
     char *out = NULL;
     size_t len;
@@ -18139,7 +18312,8 @@ static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned
         fputs(",\"choices\":[],", f);
         serve_usage(f, j);
     } else {
-        fprintf(f, ",\"choices\":[{\"index\":0,%s,\"finish_reason\":", choice);
+        fprintf(f, ",\"choices\":[{\"index\":0,%s%s,\"finish_reason\":", choice, logprobs && *logprobs ? *logprobs : "");
+        if (logprobs) *logprobs = NULL;
         if (finish) fprintf(f, "\"%s\"}]", finish);
         else fputs("null}]", f);
     }
@@ -18150,9 +18324,9 @@ static int serve_chunk(struct serve_conn *c, const struct serve_job *j, unsigned
     return r;
 }
 
-/* New text: a chat delta of FIELD, or a completion's text. */
+/* New text: a chat delta of FIELD, or a completion's text (with *LOGPROBS: serve_chunk). */
 static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, unsigned long long id, time_t created, const char *field,
-                            const char *text, size_t n)
+                            const char *text, size_t n, const char **logprobs)
 {
     char *choice = NULL;
     size_t len;
@@ -18162,7 +18336,7 @@ static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, uns
     json_write_string(f, text, n);
     if (j->chat) fputc('}', f);
     fclose(f);
-    int r = serve_chunk(c, j, id, created, choice, NULL);
+    int r = serve_chunk(c, j, id, created, choice, NULL, logprobs);
     free(choice);
     return r;
 }
@@ -18170,15 +18344,16 @@ static int serve_text_chunk(struct serve_conn *c, const struct serve_job *j, uns
 /* What a chat stream has sent of each answer field. */
 struct serve_sent { size_t field[2]; int calls; };
 
-/* Sends what the answer's fields gained since SENT: thinking, content, then whole calls. */
-static int serve_send_answer(struct serve_conn *c, struct serve_job *j, unsigned long long id, time_t created, struct serve_sent *sent)
+/* Sends what the answer's fields gained since SENT: thinking, content, then whole calls (the first with *LOGPROBS). */
+static int serve_send_answer(struct serve_conn *c, struct serve_job *j, unsigned long long id, time_t created, struct serve_sent *sent,
+                             const char **logprobs)
 {
     static const char *const names[2] = {"reasoning_content", "content"};
     const struct serve_answer *a = &j->answer;
     int gone = 0;
     for (int k = 0; k < 2 && !gone; k++)
         if (a->field[k].n > sent->field[k]) {
-            gone = serve_text_chunk(c, j, id, created, names[k], a->field[k].p + sent->field[k], a->field[k].n - sent->field[k]);
+            gone = serve_text_chunk(c, j, id, created, names[k], a->field[k].p + sent->field[k], a->field[k].n - sent->field[k], logprobs);
             sent->field[k] = a->field[k].n;
         }
     for (; sent->calls < a->n_calls && !gone; sent->calls++) {
@@ -18189,7 +18364,7 @@ static int serve_send_answer(struct serve_conn *c, struct serve_job *j, unsigned
         serve_write_call(f, j, id, sent->calls, 1);
         fputs("]}", f);
         fclose(f);
-        gone = serve_chunk(c, j, id, created, choice, NULL);
+        gone = serve_chunk(c, j, id, created, choice, NULL, logprobs);
         free(choice);
     }
     return gone;
@@ -18224,7 +18399,23 @@ static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t s
     return n;
 }
 
-/* Streams J's answer as it comes; -1 when the client went away. */
+/* ,"logprobs":... of J's tokens from FROM to those the sink has added by now (*TO), or NULL if none. */
+static char *serve_new_logprobs(struct serve *srv, struct serve_job *j, size_t from, size_t *to)
+{
+    char *out = NULL;
+    size_t len;
+    pthread_mutex_lock(&j->mu);
+    *to = j->n_lp;
+    if (*to > from) {
+        FILE *f = open_memstream(&out, &len);
+        serve_write_logprobs(f, srv->tok, j, from, *to);
+        fclose(f);
+    }
+    pthread_mutex_unlock(&j->mu);
+    return out;
+}
+
+/* Streams J's answer as it comes, each token's logprobs (if asked) with the next chunk; -1 when the client went away. */
 static int serve_stream(struct serve_conn *c, struct serve_job *j)
 {
     static const char head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
@@ -18232,9 +18423,11 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     unsigned long long id = serve_next_id();
     time_t created = time(NULL);
     int gone = serve_write(c->fd, head, sizeof head - 1) ||
-               (j->chat && serve_chunk(c, j, id, created, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}", NULL));
-    size_t released = 0;
+               (j->chat && serve_chunk(c, j, id, created, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}", NULL, NULL));
+    size_t released = 0, lp_from = 0, lp_to;
     struct serve_sent sent = {{0, 0}, 0};
+    char *lp = NULL;
+    const char *lp_left = NULL; /* logprobs no chunk took yet: the next one's */
     for (int done = 0; !done;) {
         char *piece;
         size_t n = serve_job_wait(c, j, released, &piece);
@@ -18242,12 +18435,15 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         pthread_mutex_lock(&j->mu);
         done = j->done && j->released <= released;
         pthread_mutex_unlock(&j->mu);
+        free(lp);
+        lp_left = lp = serve_new_logprobs(c->srv, j, lp_from, &lp_to);
         if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
-        if (!gone) gone = j->chat ? serve_send_answer(c, j, id, created, &sent) : n && serve_text_chunk(c, j, id, created, NULL, piece, n);
+        if (!gone) gone = j->chat ? serve_send_answer(c, j, id, created, &sent, &lp_left) : n && serve_text_chunk(c, j, id, created, NULL, piece, n, &lp_left);
+        if (!lp_left) lp_from = lp_to;
         free(piece);
         if (gone) j->cancel = 1;
     }
-    if (gone) return -1;
+    if (gone) return free(lp), -1;
     /* cancelled for a client that shut its side (a half-closed one may still read): the stream ends
      * well-formed, error event, then the connection */
     const int left = serve_client_left(j);
@@ -18258,9 +18454,10 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
         gone = serve_event(c->fd, body, n);
         free(body);
     } else {
-        gone = serve_chunk(c, j, id, created, j->chat ? "\"delta\":{}" : "\"text\":\"\"", serve_finish_reason(j)) ||
-               (j->include_usage && serve_chunk(c, j, id, created, NULL, NULL));
+        gone = serve_chunk(c, j, id, created, j->chat ? "\"delta\":{}" : "\"text\":\"\"", serve_finish_reason(j), &lp_left) ||
+               (j->include_usage && serve_chunk(c, j, id, created, NULL, NULL, NULL));
     }
+    free(lp);
     return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) || left ? -1 : 0;
 }
 
@@ -18744,7 +18941,8 @@ static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
 static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
                                          struct cmd_printer *printer)
 {
-    struct engine_request r = {prompt, n_prompt, 0, 0, {0, 0}, n_max, o->sample, o->ignore_eog, o->json, NULL, printer, &cmd_interrupt, NULL};
+    struct engine_request r = {.prompt = prompt, .n_prompt = n_prompt, .n_max = n_max, .sample = o->sample, .ignore_eog = o->ignore_eog,
+                               .want_top = o->json, .sink_ctx = printer, .cancel = &cmd_interrupt};
     if (printer) r.sink = cmd_print_piece;
     return r;
 }

@@ -113,6 +113,16 @@ await check('completions.create stream: the same text', async () => {
     return text === want.raw_text ? null : `text ${show(text)}, want ${show(want.raw_text)}`;
 });
 
+await check('chat.completions.create with logprobs, top_logprobs 2, logit_bias: a token each, the text unchanged', async () => {
+    const r = await client.chat.completions.create({ ...chatReq, logprobs: true, top_logprobs: 2, logit_bias: { '0': 0 } });
+    const c = r.choices?.[0];
+    const lp = c?.logprobs?.content;
+    if (c?.message?.content !== want.chat_text) return `content ${show(c?.message?.content)}, want ${show(want.chat_text)}`;
+    if (!Array.isArray(lp) || lp.length !== r.usage.completion_tokens - (c.finish_reason === 'stop' ? 1 : 0)) return `logprobs ${show(c?.logprobs)}`;
+    const badEntry = lp.find((t) => typeof t.logprob !== 'number' || t.top_logprobs?.length !== 2 || t.top_logprobs[0].logprob !== t.logprob);
+    return badEntry ? `entry ${show(badEntry)}` : null;
+});
+
 await check('a bad parameter: APIError (BadRequestError) with status 400, param max_tokens', async () => {
     try {
         await client.chat.completions.create({ ...chatReq, max_tokens: 'x' });

@@ -66,7 +66,7 @@ static void test_engine_slots(const char *dir, const char *name)
     engine_init(&e, &m, &t, 2, 0);
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     const int pa[4] = {100, 200, 300, 400}, pb[140] = {5};
-    struct engine_request ra = {pa, 4, 0, 0, {0, 0}, 12, greedy, 1, 0, NULL, NULL, NULL, NULL}, rb = {pb, 70, 0, 0, {0, 0}, 9, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request ra = {.prompt = pa, .n_prompt = 4, .n_max = 12, .sample = greedy, .ignore_eog = 1}, rb = {.prompt = pb, .n_prompt = 70, .n_max = 9, .sample = greedy, .ignore_eog = 1};
     struct engine_gen ga, gb, ta, tb;
     engine_generate(&e, 0, &ra, &ga);
     engine_generate(&e, 1, &rb, &gb);
@@ -84,7 +84,7 @@ static void test_engine_slots(const char *dir, const char *name)
           label, "tokens %d %d %d %d, %d steps", ga.n_tokens, gb.n_tokens, ta.n_tokens, tb.n_tokens, steps);
     snprintf(label, sizeof label, "%s: a prompt beside a decoding slot goes in chunks of the step beside decode", name);
     check(first_chunk == ENGINE_STEP_BESIDE_DECODE - 1, label, "first chunk %d tokens", first_chunk);
-    struct engine_request too_long = {pb, 129, 0, 0, {0, 0}, 1, greedy, 1, 0, NULL, NULL, NULL, NULL};
+    struct engine_request too_long = {.prompt = pb, .n_prompt = 129, .n_max = 1, .sample = greedy, .ignore_eog = 1};
     struct engine_gen gl;
     engine_forget(&e, 0);
     engine_generate(&e, 0, &too_long, &gl);
@@ -103,7 +103,8 @@ static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64
  * tokens, with the top logits of every position. */
 static struct engine_request whole_request(const int *prompt, int n, int shared, int answer, int n_max)
 {
-    return (struct engine_request){prompt, n, 1, 1, {shared, answer}, n_max, greedy_params, 1, 1, NULL, NULL, NULL, NULL};
+    return (struct engine_request){.prompt = prompt, .n_prompt = n, .whole = 1, .reuse = 1, .mark = {shared, answer}, .n_max = n_max,
+                                  .sample = greedy_params, .ignore_eog = 1, .want_top = 1};
 }
 
 /* Whether G and FRESH (the same prompt from nothing) generated the same tokens with the same

@@ -105,7 +105,18 @@ def sse(p):
     s['last_delta'] = cc[-1]['choices'][0].get('delta') if cc else None
     s['usage'] = [c.get('usage') for c in ch if c.get('choices') == [] and c.get('usage')]
     s['usage_last'] = bool(ch) and ch[-1].get('choices') == [] and bool(ch[-1].get('usage'))
+    lps = [c['choices'][0]['logprobs'] for c in cc if c['choices'][0].get('logprobs')]
+    s['logprobs'] = [t for lp in lps for t in lp.get('content', [])]  # a chat's token entries, in order
+    s['legacy'] = {k: [x for lp in lps for x in lp.get(k, [])] for k in ('tokens', 'token_logprobs', 'top_logprobs', 'text_offset')}
     return s
+def log_softmax(path):  # a raw little-endian float32 logits row's log-probabilities, in double
+    import math, struct
+    with open(path, 'rb') as f:
+        raw = f.read()
+    x = struct.unpack('<%df' % (len(raw) // 4), raw)
+    m = max(x)
+    lse = m + math.log(sum(math.exp(v - m) for v in x))
+    return [v - lse for v in x]
 def greedy(p):  # the text of `coli run --json`, without the end-of-generation token's text
     r = load(p)
     t = r['text']
@@ -429,6 +440,58 @@ post sample2 /v1/chat/completions "$(printf '{"messages":[{"role":"system","cont
 if [ "$code" = 200 ] && [ "$(q json "$tmp/sample2.body" "d['choices'][0]['message']['content']")" = "$(q json "$tmp/sample.body" "d['choices'][0]['message']['content']")" ]; then
     ok "the same seed gives the same sampled text"
 else bad "same seed" "$code $(q json "$tmp/sample2.body" "d['choices'][0]['message']['content']") vs $(q json "$tmp/sample.body" "d['choices'][0]['message']['content']")"; fi
+
+# --- logprobs (the model's own distribution: raw logits at temperature 1) and logit_bias
+# against the reference's logit row of the golden case's first generated position (log-softmax
+# by python3): a log-probability is off by at most twice a logit's tolerance
+export GOLDEN
+gj=$GOLDEN/$MODEL_ID.json
+ids=$(q json "$gj" "d['cases'][0]['prompt_tokens']")
+tol=$(q json "$gj" "2 * d['tolerance']['logit_abs']")
+post lpRef /v1/completions "{\"prompt\":$ids,\"max_tokens\":1,\"temperature\":0,\"logprobs\":5}"
+lsm="sorted(log_softmax(E['GOLDEN'] + '/' + load(E['GOLDEN'] + '/$MODEL_ID.json')['cases'][0]['logits_file']), reverse=True)"
+if [ "$code" = 200 ] && qt "$tmp/lpRef.body" "(lambda lp, ref: len(lp['top_logprobs'][0]) == 5 and all(abs(a - b) <= $tol for a, b in zip(sorted(lp['top_logprobs'][0].values(), reverse=True), ref)) and abs(lp['token_logprobs'][0] - ref[0]) <= $tol)(d['choices'][0]['logprobs'], $lsm)"; then
+    ok "completion logprobs 5: the token's and the 5 best log-probabilities = the reference's log-softmax within $tol"
+else bad "logprobs vs the reference" "$code $(q json "$tmp/lpRef.body" "d['choices'][0].get('logprobs')" | head -c 300)"; fi
+post lpA /v1/chat/completions "$(chat_body "$A" 16 '"logprobs":true,"top_logprobs":3')"
+if [ "$code" = 200 ] && [ "$(q json "$tmp/lpA.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ] &&
+    qt "$tmp/lpA.body" "(lambda c: len(c) == d['usage']['completion_tokens'] - (d['choices'][0]['finish_reason'] == 'stop') and re.sub('\ufffd+', '?', bytes(b for t in c for b in t['bytes']).decode('utf-8', 'replace').strip()) == re.sub('\ufffd+', '?', d['choices'][0]['message']['content']) and all(len(t['top_logprobs']) == 3 and t['top_logprobs'][0]['token'] == t['token'] and t['top_logprobs'][0]['logprob'] == t['logprob'] and t['logprob'] <= 0 and sorted([a['logprob'] for a in t['top_logprobs']], reverse=True) == [a['logprob'] for a in t['top_logprobs']] for t in c))(d['choices'][0]['logprobs']['content'])"; then
+    ok "chat logprobs: the greedy text unchanged, a token each (their bytes make the content), each the best of its 3"
+else bad "chat logprobs" "$code $(errbody lpA)"; fi
+post lpAs /v1/chat/completions "$(chat_body "$A" 16 '"logprobs":true,"top_logprobs":3,"stream":true')" -N
+q sse "$tmp/lpAs.body" 'd' >"$tmp/lpAs.sum" || echo '{}' >"$tmp/lpAs.sum"
+if [ "$code" = 200 ] && qt "$tmp/lpAs.sum" "d['logprobs'] == load('$tmp/lpA.body')['choices'][0]['logprobs']['content'] and d['content'] == load('$tmp/lpA.body')['choices'][0]['message']['content']"; then
+    ok "stream chat logprobs: the chunks' entries = the whole answer's"
+else bad "stream chat logprobs" "$code $(q json "$tmp/lpAs.sum" "[len(d['logprobs']), d['problems'][:2]]")"; fi
+post lpR /v1/completions "$(comp_body "$R" 16 '"logprobs":2')"
+post lpRs /v1/completions "$(comp_body "$R" 16 '"logprobs":2,"stream":true')" -N
+q sse "$tmp/lpRs.body" 'd' >"$tmp/lpRs.sum" || echo '{}' >"$tmp/lpRs.sum"
+if qt "$tmp/lpR.body" "(lambda lp: len(lp['tokens']) == 16 and ''.join(lp['tokens']) == d['choices'][0]['text'] == load('$tmp/refR16.json')['text'] and lp['text_offset'] == [sum(len(t) for t in lp['tokens'][:i]) for i in range(16)] and all(len(t) == 2 and max(t.values()) == v for t, v in zip(lp['top_logprobs'], lp['token_logprobs'])))(d['choices'][0]['logprobs'])" &&
+    qt "$tmp/lpRs.sum" "d['legacy'] == load('$tmp/lpR.body')['choices'][0]['logprobs']"; then
+    ok "completion logprobs 2: tokens make the text, offsets, the best of 2 each; streamed the same"
+else bad "completion logprobs" "$(q json "$tmp/lpR.body" "d['choices'][0].get('logprobs')" | head -c 300) stream: $(q json "$tmp/lpRs.sum" "d['legacy']" | head -c 200)"; fi
+# a bias of -100 on the greedy first token: the runner-up comes, with its raw log-probability
+t0=$(q json "$tmp/refR16.json" "d['tokens'][0]")
+post lpBias /v1/completions "$(comp_body "$R" 1 "\"logprobs\":2,\"logit_bias\":{\"$t0\":-100}")"
+if [ "$code" = 200 ] && qt "$tmp/lpBias.body" "(lambda lp, base: lp['tokens'][0] != base['tokens'][0] and {lp['tokens'][0]: lp['token_logprobs'][0]}.items() <= base['top_logprobs'][0].items())(d['choices'][0]['logprobs'], load('$tmp/lpR.body')['choices'][0]['logprobs'])"; then
+    ok "logit_bias -100 on the greedy token: the runner-up, its log-probability unbiased"
+else bad "logit_bias -100" "$code $(errbody lpBias)"; fi
+post lpBias2 /v1/completions "$(comp_body "$R" 4 '"logprobs":0,"logit_bias":{"1000":100}')"
+if [ "$code" = 200 ] && qt "$tmp/lpBias2.body" "(lambda lp: len(set(lp['tokens'])) == 1 and len(lp['tokens']) == 4 and all(v < -1 for v in lp['token_logprobs']))(d['choices'][0]['logprobs'])"; then
+    ok "logit_bias +100 on one token: it every time, its log-probability the model's"
+else bad "logit_bias +100" "$code $(errbody lpBias2)"; fi
+for e in 'top_logprobs:"top_logprobs":21' 'top_logprobs:"top_logprobs":2' 'logit_bias:"logit_bias":{"x":1}' 'logit_bias:"logit_bias":{"5":101}' 'logit_bias:"logit_bias":[1]'; do
+    post e_lp /v1/chat/completions "$(chat_body "$A" 4 "${e#*:}")"
+    if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == '${e%%:*}'"; then ok "${e#*:}: 400, error.param ${e%%:*}"; else bad "${e#*:}" "$code $(errbody e_lp)"; fi
+done
+for e in 'echo:"echo":true' 'best_of:"best_of":2' 'suffix:"suffix":"x"' 'logprobs:"logprobs":21'; do
+    post e_lp /v1/completions "$(comp_body "$R" 4 "${e#*:}")"
+    if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == '${e%%:*}'"; then ok "completion ${e#*:}: 400, error.param ${e%%:*}"; else bad "completion ${e#*:}" "$code $(errbody e_lp)"; fi
+done
+post e_lp /v1/completions '{"prompt":["a","b"],"max_tokens":4}'
+if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'prompt' and 'one prompt a request' in d['error']['message']"; then
+    ok "completion of two prompts: 400, one prompt a request"
+else bad "completion of two prompts" "$code $(errbody e_lp)"; fi
 
 # --- errors
 post e_json /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}'
