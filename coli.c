@@ -17814,6 +17814,10 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     }
     if (show && serve_bool(body, "add_generation_prompt", &f.add_generation_prompt, e)) return NULL;
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
+    const struct json *choice = json_get(body, "tool_choice");
+    if (choice && choice->kind != JSON_NULL && !tok_json_is(choice, "auto") && !tok_json_is(choice, "none"))
+        return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\" or \"none\": coli does not force a call yet"), NULL;
+    if (tok_json_is(choice, "none")) tools = NULL; /* the model is not told of them, so it answers in text */
     if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
     if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
     struct tok_chat_rendered out;

@@ -97,6 +97,76 @@ static void test_engine_slots(const char *dir, const char *name)
     model_free(&m);
 }
 
+/* A sink keeping each token's log-probabilities (engine_gen.logprobs holds the last one's). */
+struct logprob_log { const struct engine_gen *g; struct engine_logprobs lp[16]; int n; };
+static int logprob_sink(void *ctx, int id, const char *piece, size_t len)
+{
+    struct logprob_log *log = ctx;
+    (void)id, (void)piece, (void)len;
+    if (log->n < 16) log->lp[log->n++] = log->g->logprobs;
+    return 0;
+}
+
+/* Log-probabilities against a log-softmax in double (libm's exp and log) of the logits the model
+ * gives the same prompt alone; a bias moves the token, not the log-probabilities; the tokens are
+ * those of a request without either. */
+static void test_engine_logprobs(const char *dir, const char *name)
+{
+    char path[1024], label[300];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct model m;
+    struct tok t;
+    struct engine e;
+    model_load(&m, path, 64, 0);
+    tok_load(&t, &m.file);
+    engine_init(&e, &m, &t, 1, 0);
+    const int V = m.cfg.n_vocab, prompt[5] = {785, 272, 391, 275, 278};
+    static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+    struct model_seq q;
+    model_seq_init(&m, &q);
+    struct model_run run = {&q, prompt, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
+    double *ref = plat_alloc((size_t)V * sizeof *ref), max = -INFINITY, sum = 0;
+    int ok = !model_forward_runs(&m, &run, 1), best[5] = {-1, -1, -1, -1, -1};
+    for (int i = 0; ok && i < V; i++) max = run.logits[i] > max ? run.logits[i] : max;
+    for (int i = 0; ok && i < V; i++) sum += exp(run.logits[i] - max);
+    for (int i = 0; ok && i < V; i++) ref[i] = run.logits[i] - max - log(sum);
+    for (int k = 0; ok && k < 5; k++) /* the five best, lower id first among equals */
+        for (int i = 0; i < V; i++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= best[j] == i;
+            if (!taken && (best[k] < 0 || ref[i] > ref[best[k]])) best[k] = i;
+        }
+    struct engine_gen plain, with, biased;
+    struct logprob_log log = {&with, {{{0, 0}, {{0, 0}}, 0}}, 0}, log_biased = {&biased, {{{0, 0}, {{0, 0}}, 0}}, 0};
+    struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = 8, .sample = greedy, .ignore_eog = 1};
+    engine_generate(&e, 0, &r, &plain);
+    engine_forget(&e, 0);
+    r.logprobs = 1, r.top_logprobs = 5, r.sink = logprob_sink, r.sink_ctx = &log;
+    engine_generate(&e, 0, &r, &with);
+    engine_forget(&e, 0);
+    const struct engine_bias ban = {best[0], -100.0f};
+    r.n_max = 1, r.bias = &ban, r.n_bias = 1, r.sink_ctx = &log_biased;
+    engine_generate(&e, 0, &r, &biased);
+    double worst = 0;
+    for (int k = 0; ok && k < 5; k++) worst = fmax(worst, fabs(log.lp[0].top[k].logprob - ref[best[k]]) + (log.lp[0].top[k].id != best[k]));
+    snprintf(label, sizeof label, "%s: logprobs = a double log-softmax of the logits (token and 5 best, in order)", name);
+    check(ok && log.n == 8 && log.lp[0].n_top == 5 && log.lp[0].token.id == best[0] && fabs(log.lp[0].token.logprob - ref[best[0]]) < 1e-5 && worst < 1e-5, label,
+          "%d tokens, token %d (want %d), worst %g", log.n, log.lp[0].token.id, best[0], worst);
+    snprintf(label, sizeof label, "%s: asking for logprobs leaves the tokens as they were", name);
+    check(plain.n_tokens == 8 && with.n_tokens == 8 && !memcmp(plain.tokens, with.tokens, 8 * sizeof(int)), label, "%d %d tokens", plain.n_tokens, with.n_tokens);
+    snprintf(label, sizeof label, "%s: a bias of -100 on the best token gives the runner-up, its log-probability unbiased", name);
+    check(biased.n_tokens == 1 && biased.tokens[0] == best[1] && log_biased.n == 1 && fabs(log_biased.lp[0].token.logprob - ref[best[1]]) < 1e-5, label,
+          "token %d (want %d)", biased.n_tokens ? biased.tokens[0] : -1, best[1]);
+    engine_gen_free(&plain);
+    engine_gen_free(&with);
+    engine_gen_free(&biased);
+    free(ref);
+    model_seq_free(&m, &q);
+    engine_free(&e);
+    tok_free(&t);
+    model_free(&m);
+}
+
 static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
 
 /* A greedy WHOLE request of PROMPT[0..n) (checkpoints at the marks SHARED and ANSWER) for N_MAX
@@ -405,6 +475,7 @@ int main(int argc, char **argv)
     test_batch_identity(dir, "q35moe-q8_0.gguf");
     test_batch_identity(dir, "q3next-q8_0.gguf");
     test_engine_slots(dir, "q35moe-q8_0.gguf");
+    test_engine_logprobs(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */

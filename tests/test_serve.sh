@@ -488,6 +488,16 @@ for e in 'echo:"echo":true' 'best_of:"best_of":2' 'suffix:"suffix":"x"' 'logprob
     post e_lp /v1/completions "$(comp_body "$R" 4 "${e#*:}")"
     if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == '${e%%:*}'"; then ok "completion ${e#*:}: 400, error.param ${e%%:*}"; else bad "completion ${e#*:}" "$code $(errbody e_lp)"; fi
 done
+# tool_choice: "none" renders no tools (the model answers in text), a forced call is refused
+tools='"tools":[{"type":"function","function":{"name":"get_time","description":"The time","parameters":{"type":"object","properties":{}}}}]'
+post tcTools /apply-template "$(chat_body "$A" 4 "$tools")"
+post tcNone /apply-template "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"none\"")"
+post tcPlain /apply-template "$(chat_body "$A" 4)"
+if [ "$code" = 200 ] && qt "$tmp/tcNone.body" "d['prompt'] == load('$tmp/tcPlain.body')['prompt'] != load('$tmp/tcTools.body')['prompt'] and 'get_time' in load('$tmp/tcTools.body')['prompt']"; then
+    ok "tool_choice none: the prompt without the tools"
+else bad "tool_choice none" "$code $(errbody tcNone)"; fi
+post e_lp /v1/chat/completions "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"required\"")"
+if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'tool_choice'"; then ok "tool_choice required: 400, error.param tool_choice"; else bad "tool_choice required" "$code $(errbody e_lp)"; fi
 post e_lp /v1/completions '{"prompt":["a","b"],"max_tokens":4}'
 if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'prompt' and 'one prompt a request' in d['error']['message']"; then
     ok "completion of two prompts: 400, one prompt a request"
