@@ -66,17 +66,15 @@
 #define COLI_VERSION "0.1.0"
 
 /* ==== §1 platform ==== */
-/* Owns: the process's error path (die), allocation that cannot fail silently, whole-file
- *   mapping and copies of weights out of it, monotonic time, the memory figures
- *   (cgroup-aware), the CPU's features, and the glue that lets Debian's glibc-built libgomp.a
- *   link into a static musl binary.
- * Promises: die() never returns and prints exactly one line. plat_alloc* never return NULL.
- *   plat_cpu is filled by plat_cpu_detect() before anything reads it.
+/* Owns: the process's error path (die), allocation that cannot fail silently, whole-file mapping and weight
+ *   copies out of it, monotonic time, memory figures (cgroup-aware), CPU features, and the glue letting Debian's
+ *   glibc-built libgomp.a link into a static musl binary.
+ * Promises: die() never returns and prints exactly one line; plat_alloc* never return NULL; plat_cpu_detect()
+ *   fills plat_cpu before anything reads it.
  * May call: libc; OpenMP (plat_copy_weights, plat_prefault_parallel).
- * Workload: start-up and error paths; nothing here is on the per-token path. */
+ * Workload: start-up and error paths; nothing per token. */
 
-/* Prints `coli: MESSAGE` as one line: control characters that came from a file (a tensor
- * name with a newline, say) are written as \xNN so the error stays one line. */
+/* Prints `coli: MESSAGE` as one line: control characters from a file (a tensor name's newline, say) become \xNN. */
 static void plat_vreport(const char *fmt, va_list ap)
 {
     char msg[1024];
@@ -111,7 +109,7 @@ static void die_usage(const char *fmt, ...)
     exit(2);
 }
 
-/* Informational lines on stderr (stdout carries only generated text and --json). */
+/* Info lines to stderr (stdout carries only generated text and --json). */
 static int plat_quiet;
 static void plat_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void plat_log(const char *fmt, ...)
@@ -168,7 +166,7 @@ static size_t plat_mul_size(size_t a, size_t b, const char *what)
     return a * b;
 }
 
-/* A / B, or 0 when B is not positive (a rate before anything was timed). */
+/* A / B, or 0 when B <= 0 (a rate before anything was timed). */
 static double plat_ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
 
 static double plat_now(void)
@@ -185,8 +183,8 @@ struct plat_map {
     int fd;
 };
 
-/* Maps PATH read-only; returns 0, or -1 with errno set (the caller words the error): EISDIR
- * for a directory, EINVAL for another file that is not a regular one (a FIFO, a device). */
+/* Maps PATH read-only: 0, or -1 with errno set for the caller to word: EISDIR for a directory, EINVAL for another
+ * non-regular file (a FIFO, a device). */
 static int plat_map_file(const char *path, struct plat_map *m)
 {
     struct stat st;
@@ -215,9 +213,8 @@ static int plat_map_file(const char *path, struct plat_map *m)
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14; musl's headers may predate it */
 #endif
 
-/* Faults in the pages of [P, P + N) now, writable, keeping their contents: memory allocated at
- * load that every forward pass writes (the recurrent state, the batch's scratch) would else
- * fault page by page in the first prompt (slow on this project's VMs: README). */
+/* Faults in [P, P + N) now, writable, contents kept: memory allocated at load that every forward pass writes
+ * (recurrent state, batch scratch) would else fault page by page in the first prompt (slow on our VMs: README). */
 static void plat_prefault(void *p, size_t n)
 {
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = ((uintptr_t)p + page - 1) & ~(page - 1);
@@ -226,9 +223,9 @@ static void plat_prefault(void *p, size_t n)
     for (volatile char *c = p; c < (char *)p + n; c += page) *c = *c; /* before 5.14: a write a page */
 }
 
-/* plat_prefault over the N bytes at P by every thread, 4 MiB at a time. The kernel zeroes a
- * page as it maps it, and a copy that faults its destination as it goes pays that on whichever
- * thread touches a 2 MiB huge page first while the others wait for it (README). */
+/* plat_prefault of the N bytes at P by all threads, 4 MiB at a time. The kernel zeroes a page as it maps it; a copy
+ * faulting its destination as it goes pays that on whichever thread first touches a 2 MiB huge page while the others
+ * wait (README). */
 static void plat_prefault_parallel(void *p, size_t n)
 {
     const size_t piece = (size_t)4 << 20;
@@ -236,9 +233,8 @@ static void plat_prefault_parallel(void *p, size_t n)
     for (size_t off = 0; off < n; off += piece) plat_prefault((char *)p + off, n - off < piece ? n - off : piece);
 }
 
-/* N bytes of anonymous memory for weights copied out of a file mapping, with transparent huge
- * pages asked for (fewer TLB misses where the system has them on); NULL when N is 0 or there is
- * no memory for it (the caller then keeps computing in place). Free with munmap. */
+/* N bytes of anonymous memory for weights copied out of a file mapping, asking for transparent huge pages (fewer TLB
+ * misses where enabled); NULL when N is 0 or memory is short (the caller then computes in place). Free with munmap. */
 static void *plat_weight_arena(size_t n)
 {
     void *p = n ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : MAP_FAILED;
@@ -247,9 +243,8 @@ static void *plat_weight_arena(size_t n)
     return p;
 }
 
-/* A file of SIZE bytes that lives in memory only (memfd: sparse, a page exists once written),
- * with a name every open(2) accepts written to PATH: /proc/self/fd/N. Returns the descriptor,
- * or -1 with errno set. */
+/* A memory-only file of SIZE bytes (memfd: sparse, a page exists once written); a name any open(2) accepts,
+ * /proc/self/fd/N, goes to PATH. Returns the descriptor, or -1 with errno set. */
 static int plat_memory_file(const char *name, uint64_t size, char *path, size_t path_n)
 {
     int fd = memfd_create(name, MFD_CLOEXEC);
@@ -264,9 +259,8 @@ static int plat_memory_file(const char *name, uint64_t size, char *path, size_t 
     return fd;
 }
 
-/* One line of progress on a terminal for a long step of loading, "[coli] WHAT: 1.20 of 3.40
- * GiB, 2.1 GB/s, 1 s left", redrawn at most four times a second and wiped at the end, so that
- * the log after it reads as before. Silent when stderr is not a terminal, or with --quiet. */
+/* A terminal progress line for a long loading step, "[coli] WHAT: 1.20 of 3.40 GiB, 2.1 GB/s, 1 s left", redrawn
+ * at most 4 times a second, wiped at the end so the log after reads as before; silent with --quiet or stderr no tty. */
 static int plat_quiet;
 static struct { const char *what; uint64_t total, done; double t0, shown; int on; } plat_progress;
 
@@ -296,9 +290,8 @@ static void plat_progress_end(void)
     plat_progress.on = 0;
 }
 
-/* memcpy of weights out of a file mapping into plat_weight_arena memory, in 2 MiB pieces over
- * the threads: the page faults on both sides (reading the file's pages, zeroing new ones) are
- * most of the cost, and they run in parallel. 64 MiB at a time, for the progress line. */
+/* memcpy of weights from a file mapping into plat_weight_arena memory in 2 MiB pieces over the threads: page faults
+ * on both sides (file pages read, new ones zeroed), most of the cost, run in parallel; progress every 64 MiB. */
 static void plat_copy_weights(uint8_t *dst, const uint8_t *src, size_t n)
 {
     const size_t piece = (size_t)2 << 20, segment = (size_t)64 << 20;
@@ -310,9 +303,8 @@ static void plat_copy_weights(uint8_t *dst, const uint8_t *src, size_t n)
     }
 }
 
-/* Drops this process's pages of the LEN bytes at P in a file mapping (after they were copied
- * elsewhere), so they no longer count as ours; the page cache keeps them, for the next start,
- * until memory is wanted. Pages shared with bytes around are kept. */
+/* Drops our pages of the LEN bytes at P in a file mapping (once copied elsewhere) so they stop counting as ours; the
+ * page cache keeps them for the next start until memory is wanted. Pages shared with bytes around stay. */
 static void plat_unmap_range(const uint8_t *p, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -320,11 +312,10 @@ static void plat_unmap_range(const uint8_t *p, size_t len)
     if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
 }
 
-/* Asks the kernel to start reading the pages that hold the LEN bytes at P in a file mapping,
- * without waiting for them: reads asked for together overlap, where touching the pages one
- * after another waits for each in turn. For scattered small reads only: pages read so come
- * into the page cache in small folios, where the mapping's own faults make 2 MiB ones, and
- * experts read in place from small folios ran slower (README). */
+/* Has the kernel start reading the pages holding the LEN bytes at P in a file mapping, without waiting: reads asked
+ * together overlap, where touching pages in turn waits for each. For scattered small reads only: such pages enter the
+ * page cache in small folios (the mapping's own faults make 2 MiB ones); experts read in place from those ran slower
+ * (README). */
 static void plat_ask_pages(const uint8_t *p, size_t len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -357,8 +348,8 @@ static int64_t plat_read_number(const char *path, const char *key)
     return strtoll(p, NULL, 10);
 }
 
-/* The v1 memory cgroup directory of this process ("/sys/fs/cgroup/memory/a/b"), from
- * /proc/self/cgroup; the mount's root when it cannot be found (a namespaced container). */
+/* This process's v1 memory cgroup directory ("/sys/fs/cgroup/memory/a/b") from /proc/self/cgroup; the mount's
+ * root if not found (a namespaced container). */
 static void plat_memcg_dir(char *dir, size_t n)
 {
     char line[512];
@@ -376,11 +367,9 @@ static void plat_memcg_dir(char *dir, size_t n)
     fclose(f);
 }
 
-/* Bytes this process may still use: MemAvailable, lowered by a cgroup (v2 or v1) limit
- * minus that cgroup's current usage. Containers report the host's MemAvailable, so the
- * cgroup figure is the one that decides whether we get killed. v1: the limit is the
- * hierarchical one (a parent's limit binds too), and inactive file pages count as free
- * (the kernel reclaims them before it kills). */
+/* Bytes this process may still use: MemAvailable, capped by a cgroup (v2 or v1) limit minus its usage (containers
+ * report the host's MemAvailable; the cgroup figure decides whether we get killed). v1: the limit is the hierarchical
+ * one (a parent's binds too), and inactive file pages count as free (reclaimed before any kill). */
 static int64_t plat_mem_available(void)
 {
     char dir[400], path[512];
@@ -422,8 +411,8 @@ static void plat_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
     __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
 }
 
-/* Fills plat_cpu. A feature counts only when the OS also saves its registers (XGETBV):
- * a hypervisor may expose AVX-512 in CPUID while not enabling the zmm state. */
+/* Fills plat_cpu. A feature counts only if the OS saves its registers (XGETBV): a hypervisor may expose AVX-512 in
+ * CPUID without enabling the zmm state. */
 static void plat_cpu_detect(void)
 {
     unsigned r[4], max_leaf;
@@ -468,9 +457,8 @@ static void plat_cpu_detect(void)
     }
 }
 
-/* Debian's libgomp.a is built against glibc and needs two symbols musl lacks. They are
- * defined here, outside the static-everything rule because the linker must see them.
- * Binding threads is not supported through this path (libgomp ignores ENOSYS). */
+/* Debian's libgomp.a, built against glibc, needs two symbols musl lacks: defined here, outside the static-everything
+ * rule, as the linker must see them. No thread binding this way (libgomp ignores ENOSYS). */
 #ifndef __GLIBC__
 long __sysconf(int name);
 long __sysconf(int name) { return sysconf(name); }
@@ -482,8 +470,8 @@ int pthread_attr_setaffinity_np(pthread_attr_t *attr, size_t size, const void *s
 }
 #endif
 
-/* musl gives new threads 128 KiB of stack; OpenMP workers get 8 MiB unless the user chose.
- * Priority 101 runs this before libgomp's own constructor reads OMP_STACKSIZE. */
+/* musl gives new threads 128 KiB of stack; OpenMP workers get 8 MiB unless the user chose. Priority 101 runs this
+ * before libgomp's constructor reads OMP_STACKSIZE. */
 __attribute__((constructor(101))) static void plat_default_thread_stack(void)
 {
     setenv("OMP_STACKSIZE", "8M", 0);
@@ -538,15 +526,15 @@ static void plat_sha256(const void *data, size_t n, uint8_t out[32])
 }
 
 /* ==== §2 gguf ==== */
-/* Owns: reading GGUF v2/v3 files (and split sets NAME-0000k-of-0000N.gguf): the header, every
- *   metadata value, the tensor infos, the memory mapping of tensor data.
- * Promises: gguf_open() validates everything before anything is used: counts, string and
- *   array lengths, tensor rank and dimensions (products overflow-checked), type ids, block
- *   divisibility, alignment, that each tensor lies inside its file, no overlaps, no duplicate
- *   names. A bad file dies with `coli: FILE: what is wrong (where)`. Tensor shapes are
- *   converted once, here, from GGUF's innermost-first order to outermost-first `shape[]`.
+/* Owns: reading GGUF v2/v3 files and split sets (NAME-0000k-of-0000N.gguf): header, metadata
+ *   values, tensor infos, the memory mapping of tensor data.
+ * Promises: gguf_open() validates all before use: counts, string and array lengths, tensor rank
+ *   and dimensions (products overflow-checked), type ids, block divisibility, alignment, each
+ *   tensor inside its file, no overlaps, no duplicate names. A bad file dies with
+ *   `coli: FILE: what is wrong (where)`. Shapes are converted once, here, from GGUF's
+ *   innermost-first order to outermost-first `shape[]`.
  * May call: §1.
- * Workload: start-up; lookups by name are a binary search over the sorted tensor list. */
+ * Workload: start-up; name lookups binary-search the sorted tensor list. */
 
 enum gguf_type {
     GGUF_TYPE_F32 = 0, GGUF_TYPE_F16 = 1, GGUF_TYPE_Q4_0 = 2, GGUF_TYPE_Q4_1 = 3,
@@ -571,11 +559,11 @@ struct gguf_type_info {
     const char *name;
     int block_elems; /* elements per block */
     int block_bytes; /* bytes per block */
-    int computes;    /* coli has kernels for it (§3); the others are only described */
+    int computes;    /* coli has kernels for it (§3); others are only described */
 };
 
-/* Every block layout of the GGUF spec, so that any file's tensors can be placed and described;
- * ids that are not in the spec (4, 5, 31-33, 36-38: formats removed from it) are refused. */
+/* Every block layout of the GGUF spec, so any file's tensors can be placed and described; ids
+ * not in it (4, 5, 31-33, 36-38: removed formats) are refused. */
 static const struct gguf_type_info gguf_types[GGUF_TYPE_COUNT] = {
     [GGUF_TYPE_F32] = {"F32", 1, 4, 1},          [GGUF_TYPE_F16] = {"F16", 1, 2, 1},
     [GGUF_TYPE_BF16] = {"BF16", 1, 2, 1},        [GGUF_TYPE_Q8_0] = {"Q8_0", 32, 34, 1},
@@ -595,14 +583,14 @@ static const struct gguf_type_info gguf_types[GGUF_TYPE_COUNT] = {
     [GGUF_TYPE_I64] = {"I64", 1, 8, 0},          [GGUF_TYPE_F64] = {"F64", 1, 8, 0},
 };
 
-/* NULL for a type id that is not in the GGUF spec. */
+/* NULL for a type id not in the GGUF spec. */
 static const struct gguf_type_info *gguf_type_get(int type)
 {
     if (type < 0 || type >= GGUF_TYPE_COUNT || !gguf_types[type].name) return NULL;
     return &gguf_types[type];
 }
 
-/* Bytes of a row of N elements of TYPE; the caller has checked N % block_elems == 0. */
+/* Bytes of a row of N elements of TYPE; caller checked N % block_elems == 0. */
 static size_t gguf_row_bytes(int type, int64_t n)
 {
     const struct gguf_type_info *ti = gguf_type_get(type);
@@ -610,13 +598,13 @@ static size_t gguf_row_bytes(int type, int64_t n)
 }
 
 struct gguf_kv {
-    const char *key; /* points into the mapping; not NUL-terminated */
+    const char *key; /* into the mapping; not NUL-terminated */
     size_t key_len;
     uint32_t type;      /* enum gguf_value_type */
     uint32_t elem_type; /* for arrays */
     uint64_t count;     /* array length; 1 for scalars */
-    const uint8_t *data;      /* the value (for arrays: the first element) */
-    const uint64_t *str_offs; /* string arrays: offset of element i from data (validated) */
+    const uint8_t *data;      /* the value (arrays: first element) */
+    const uint64_t *str_offs; /* string arrays: element i's offset from data (validated) */
     int part;
 };
 
@@ -626,7 +614,7 @@ struct gguf_tensor {
     int n_dims;
     int64_t shape[4]; /* outermost first: a matrix is [rows][cols], experts [n][rows][cols] */
     int64_t n_elems;
-    uint64_t offset; /* from the start of its part's data section */
+    uint64_t offset; /* from its part's data section start */
     uint64_t bytes;
     const uint8_t *data;
     int part;
@@ -684,7 +672,7 @@ static uint64_t gguf_u64(struct gguf_reader *r, const char *where)
     return v;
 }
 
-/* A string: u64 length then bytes. The length is checked against the bytes left. */
+/* A string: u64 length (checked against the bytes left), then bytes. */
 static const char *gguf_string(struct gguf_reader *r, size_t *len, const char *where)
 {
     uint64_t n = gguf_u64(r, where);
@@ -695,7 +683,7 @@ static const char *gguf_string(struct gguf_reader *r, size_t *len, const char *w
 
 static const uint8_t gguf_value_sizes[GGUF_VALUE_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
 
-/* Reads the value of KV (its type already set) and validates its extent. */
+/* Reads KV's value (type already set), validating its extent. */
 static void gguf_read_value(struct gguf_reader *r, struct gguf_kv *kv)
 {
     kv->count = 1;
@@ -720,7 +708,7 @@ static void gguf_read_value(struct gguf_reader *r, struct gguf_kv *kv)
         r->pos += (size_t)(kv->count * es);
         return;
     }
-    /* Each string takes at least its 8-byte length: bounds the count before allocating. */
+    /* Each string takes >= 8 bytes (its length): bounds count before allocating. */
     if (kv->count > (r->size - r->pos) / 8) gguf_fail(r, "array length runs past the end of the file", "string array");
     uint64_t *offs = plat_alloc(plat_mul_size((size_t)kv->count, sizeof *offs, r->path));
     for (uint64_t i = 0; i < kv->count; i++) {
@@ -741,7 +729,7 @@ static int gguf_kv_compare(const void *a, const void *b)
 
 static int64_t gguf_scalar_int(const struct gguf_file *g, const char *key, uint32_t type, const uint8_t *p);
 
-/* Part PART of a split set must say so: split.no = PART and split.count as the first part. */
+/* Part PART of a split set needs split.no = PART and the first part's split.count. */
 static void gguf_check_split_part(struct gguf_file *g, struct gguf_reader *r, const struct gguf_kv *kvs, uint64_t n, int part)
 {
     int64_t no = -1, count = -1;
@@ -754,12 +742,11 @@ static void gguf_check_split_part(struct gguf_file *g, struct gguf_reader *r, co
             (long long)no, (long long)count);
 }
 
-/* Reads N key-value pairs. Only the first part's metadata describes the model; the other
- * parts' pairs are validated, checked to belong to the set, and dropped. Keys are sorted for
- * lookup. */
+/* Reads N key-value pairs, sorted by key for lookup. Only the first part's describe the model;
+ * other parts' are validated, checked to belong to the set, and dropped. */
 static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n, int part)
 {
-    /* a key-value pair takes at least 8 (key length) + 4 (type) + 1 bytes */
+    /* a pair takes >= 8 (key length) + 4 (type) + 1 bytes */
     if (n > (r->size - r->pos) / 13) gguf_fail(r, "metadata count is larger than the file allows", "header");
     struct gguf_kv *kvs = plat_zalloc((size_t)n, sizeof *kvs);
     for (uint64_t i = 0; i < n; i++) {
@@ -782,7 +769,7 @@ static void gguf_read_kvs(struct gguf_file *g, struct gguf_reader *r, uint64_t n
     g->n_kvs = (int64_t)n;
 }
 
-/* Reads one tensor info and checks what can be checked before the data section is known. */
+/* Reads one tensor info; checks what it can before the data section is known. */
 static void gguf_read_tensor_info(struct gguf_reader *r, struct gguf_tensor *t, int part)
 {
     size_t len;
@@ -800,7 +787,7 @@ static void gguf_read_tensor_info(struct gguf_reader *r, struct gguf_tensor *t, 
         uint64_t ne = gguf_u64(r, "tensor dimension");
         if (ne == 0 || ne > (uint64_t)INT64_MAX / (uint64_t)t->n_elems)
             die("%s: tensor '%s' has a bad dimension %llu", r->path, t->name, (unsigned long long)ne);
-        t->shape[n_dims - 1 - d] = (int64_t)ne; /* GGUF lists the innermost dimension first */
+        t->shape[n_dims - 1 - d] = (int64_t)ne; /* GGUF lists innermost first */
         t->n_elems *= (int64_t)ne;
     }
     t->type = (int)gguf_u32(r, "tensor type");
@@ -816,7 +803,7 @@ static void gguf_read_tensor_info(struct gguf_reader *r, struct gguf_tensor *t, 
     t->offset = gguf_u64(r, "tensor offset");
 }
 
-/* Places the tensors of one part inside its data section: aligned, inside the file. */
+/* Places one part's tensors in its data section: aligned, inside the file. */
 static void gguf_place_tensors(struct gguf_file *g, struct gguf_reader *r, int64_t first, int64_t count)
 {
     size_t data_start = (r->pos + g->alignment - 1) / g->alignment * g->alignment;
@@ -848,7 +835,7 @@ static int gguf_tensor_by_place(const void *a, const void *b)
     return (x->offset > y->offset) - (x->offset < y->offset);
 }
 
-/* No two tensors may share bytes, and no name may appear twice. */
+/* No two tensors may share bytes or a name. */
 static void gguf_check_tensor_set(struct gguf_file *g)
 {
     struct gguf_tensor *t = g->tensors;
@@ -881,7 +868,7 @@ static void gguf_wrong_type(const struct gguf_file *g, const char *key, const ch
     die("%s: metadata '%s' is not %s", g->path, key, want);
 }
 
-/* A string value (not NUL-terminated; *len bytes), or NULL when absent. */
+/* A string value (*len bytes, not NUL-terminated), or NULL if absent. */
 static const char *gguf_get_string(const struct gguf_file *g, const char *key, size_t *len)
 {
     const struct gguf_kv *kv = gguf_kv_find(g, key);
@@ -893,7 +880,7 @@ static const char *gguf_get_string(const struct gguf_file *g, const char *key, s
     return (const char *)kv->data + 8;
 }
 
-/* A scalar read as int64 from any integer or bool type; values past int64 are refused. */
+/* Any integer or bool scalar as int64; values past int64 are refused. */
 static int64_t gguf_scalar_int(const struct gguf_file *g, const char *key, uint32_t type, const uint8_t *p)
 {
     switch (type) {
@@ -929,7 +916,7 @@ static double gguf_get_float(const struct gguf_file *g, const char *key, double 
     return (double)gguf_scalar_int(g, key, kv->type, kv->data);
 }
 
-/* Element count of an array of ELEM_TYPE (0 when absent); *data points at its payload. */
+/* Element count of an ELEM_TYPE array (0 if absent); *data points at its payload. */
 static size_t gguf_get_array(const struct gguf_file *g, const char *key, int elem_type, const void **data)
 {
     const struct gguf_kv *kv = gguf_kv_find(g, key);
@@ -940,7 +927,7 @@ static size_t gguf_get_array(const struct gguf_file *g, const char *key, int ele
     return (size_t)kv->count;
 }
 
-/* Element I of a string array (the caller checked I against gguf_get_array's count). */
+/* Element I of a string array (caller checked I against gguf_get_array's count). */
 static const char *gguf_array_string(const struct gguf_file *g, const char *key, size_t i, size_t *len)
 {
     const struct gguf_kv *kv = gguf_kv_find(g, key);
@@ -953,7 +940,7 @@ static const char *gguf_array_string(const struct gguf_file *g, const char *key,
     return (const char *)p + 8;
 }
 
-/* Reads the header, metadata and tensor infos of one part (already mapped into parts[part]). */
+/* Reads one part's header, metadata and tensor infos (already mapped into parts[part]). */
 static void gguf_read_part(struct gguf_file *g, int part, const char *path)
 {
     struct gguf_reader r = {path, g->parts[part].data, g->parts[part].size, 0};
@@ -964,7 +951,7 @@ static void gguf_read_part(struct gguf_file *g, int part, const char *path)
     if (part == 0) g->version = version;
     uint64_t n_tensors = gguf_u64(&r, "tensor count");
     uint64_t n_kvs = gguf_u64(&r, "metadata count");
-    /* a tensor info takes at least 8 + 1 (name) + 4 + 8 + 4 + 8 bytes */
+    /* a tensor info takes >= 8 + 1 (name) + 4 + 8 + 4 + 8 bytes */
     if (n_tensors > (r.size - r.pos) / 33) gguf_fail(&r, "tensor count is larger than the file allows", "header");
     gguf_read_kvs(g, &r, n_kvs, part);
     if (part == 0) {
@@ -989,7 +976,7 @@ static void gguf_map_part(struct gguf_file *g, int part, const char *path)
     g->n_parts = part + 1;
 }
 
-/* Opens PATH; for a split set, PATH is the first part and the others are found beside it. */
+/* Opens PATH; for a split set, PATH is the first part and the others lie beside it. */
 static void gguf_open(struct gguf_file *g, const char *path)
 {
     memset(g, 0, sizeof *g);
@@ -1033,9 +1020,9 @@ static const struct gguf_tensor *gguf_tensor_find(const struct gguf_file *g, con
     return bsearch(&probe, g->tensors, (size_t)g->n_tensors, sizeof *g->tensors, gguf_tensor_by_name);
 }
 
-/* ---- writing: the head of a GGUF v3 file (header, metadata, tensor infos) built in memory ----
- * Keys first, then tensors, then gguf_image_end; the data section that follows is the caller's:
- * tensor i's bytes go at data_offset + its offset. The default alignment (32) is used. */
+/* ---- writing: a GGUF v3 file's head (header, metadata, tensor infos) built in memory ----
+ * Keys, then tensors, then gguf_image_end; the data section after it is the caller's: tensor
+ * i's bytes go at data_offset + its offset. Alignment is the default 32. */
 struct gguf_image {
     uint8_t *p;
     size_t n, cap;
@@ -1058,7 +1045,7 @@ static void gguf_image_string(struct gguf_image *im, const char *s)
     gguf_image_put(im, s, strlen(s));
 }
 
-/* The magic, version 3, and room for the two counts gguf_image_end writes. */
+/* Magic, version 3, and room for the two counts gguf_image_end writes. */
 static void gguf_image_begin(struct gguf_image *im)
 {
     memset(im, 0, sizeof *im);
@@ -1068,7 +1055,7 @@ static void gguf_image_begin(struct gguf_image *im)
     gguf_image_u64(im, 0);
 }
 
-/* A key of TYPE; the caller puts its value (an array's: elem type, count, elements) next. */
+/* A key of TYPE; the caller puts its value (array: elem type, count, elements) next. */
 static void gguf_image_key(struct gguf_image *im, const char *key, uint32_t type)
 {
     gguf_image_string(im, key);
@@ -1094,7 +1081,7 @@ static void gguf_image_key_string(struct gguf_image *im, const char *key, const 
     gguf_image_string(im, v);
 }
 
-/* An array key of COUNT elements of ELEM_TYPE, which the caller puts next. */
+/* An array key of COUNT ELEM_TYPE elements, which the caller puts next. */
 static void gguf_image_key_array(struct gguf_image *im, const char *key, uint32_t elem_type, uint64_t count)
 {
     gguf_image_key(im, key, GGUF_VALUE_ARRAY);
@@ -1102,8 +1089,8 @@ static void gguf_image_key_array(struct gguf_image *im, const char *key, uint32_
     gguf_image_u64(im, count);
 }
 
-/* A tensor of TYPE and SHAPE (outermost first, as gguf_tensor.shape); returns its offset in the
- * data section. The caller has checked the rows against TYPE's block. */
+/* A tensor of TYPE and SHAPE (outermost first, as gguf_tensor.shape); returns its data-section
+ * offset. The caller checked the rows against TYPE's block. */
 static uint64_t gguf_image_tensor(struct gguf_image *im, const char *name, int type, int n_dims, const int64_t *shape)
 {
     uint64_t elems = 1, at = im->data_bytes;
@@ -1121,7 +1108,7 @@ static uint64_t gguf_image_tensor(struct gguf_image *im, const char *name, int t
     return at;
 }
 
-/* Writes the counts and pads the head to the alignment; returns where the data section starts. */
+/* Writes the counts, pads the head to the alignment; returns the data section's start. */
 static size_t gguf_image_end(struct gguf_image *im)
 {
     memcpy(im->p + 8, &im->n_tensors, 8);
@@ -1132,27 +1119,27 @@ static size_t gguf_image_end(struct gguf_image *im)
 }
 
 /* ==== §3 quant ==== */
-/* Owns: weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
- *   Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and tables, fp16/bf16 conversion, activation
+/* Owns: weight block formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+ *   Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, MXFP4) and tables, fp16/bf16 conversion, act
  *   quantisation, row·vector dot kernels and their per-CPU dispatch table (scalar, AVX2, AVX-512
  *   with VNNI; every format).
  * Promises: quant_dequant_row is bit-exact with ggml's dequantize_row_*. quant_dot keeps the
- *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1), so every level gives
- *   the scalar reference's bits; integer parts are exact. quant_dotn (one row, many columns),
- *   quant_dotr (many rows, one column), quant_pairs (rows of 2 K super-blocks, many columns),
- *   quant_dotn_rows (many rows and columns, acts ordered once), quant_tile (16 rows, many columns)
- *   and quant_act_prepare give the same bits at every level; quant_dotn, quant_dotr also over an
- *   act in lanes (quant_act_to_lanes).
+ *   canonical order (unit u -> partial p[u % 32], then butterfly 16,8,4,2,1): every level gives the
+ *   scalar reference's bits; integer parts are exact. quant_dotn (a row, many columns), quant_dotr
+ *   (many rows, a column), quant_pairs (rows of 2 K super-blocks, many columns), quant_dotn_rows
+ *   (many rows and columns, acts ordered once), quant_tile (16 rows, many columns) and
+ *   quant_act_prepare give the same bits at every level; quant_dotn, quant_dotr also over an act in
+ *   lanes (quant_act_to_lanes).
  * May call: die, plat_alloc*, plat_cpu, gguf_type_get, getenv.
- * Workload: decode, bound to memory bandwidth: an act prepare per vector, then a quant_dotn per
- *   weight row (quant_dotr per chunk of rows for one column), from concurrent OpenMP threads
- *   (kernels are pure; only quant_init/quant_set_level write globals, before any parallel region).
- *   Speeds: README, Weight formats ("Kernel speeds"). */
+ * Workload: decode, memory-bound: an act prepare per vector, then a quant_dotn per weight row
+ *   (quant_dotr per chunk of rows for one column), from concurrent OpenMP threads (kernels are
+ *   pure; only quant_init/quant_set_level write globals, before any parallel region). Speeds:
+ *   README, Weight formats ("Kernel speeds"). */
 
 /* avx512vbmi: AVX-512 kernels with IQ3 lookups by VBMI byte permutes
  * (quant_avx512_iq3_vbmi_points), signs split by BITALG's bit shuffle, Q3_K, Q5_K high bits placed
- * by GFNI (quant_gfni_affine); needs all three (every VBMI CPU but Cannon Lake has the other two).
- * Same bits; a level of its own so both get tested. */
+ * by GFNI (quant_gfni_affine); needs all three (all VBMI CPUs but Cannon Lake have the other two).
+ * Same bits; own level so both get tested. */
 enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUANT_LEVEL_AVX512VBMI, QUANT_LEVEL_COUNT };
 
 #define QUANT_NPART 32   /* partial sums of the canonical order (= a GPU warp) */
@@ -1160,11 +1147,11 @@ enum quant_level { QUANT_LEVEL_SCALAR, QUANT_LEVEL_AVX2, QUANT_LEVEL_AVX512, QUA
 #define QUANT_QK_K 256   /* elements per K super-block */
 
 typedef float (*quant_dot_fn)(const void *wrow, const void *act, int64_t n);
-/* y[c*ys] = dot of wrow with the act at acts + c*stride, for c < nc. */
+/* y[c*ys] = dot of wrow with the act at acts + c*stride, c < nc. */
 typedef void (*quant_dotn_fn)(const void *wrow, const uint8_t *acts, size_t stride, int nc,
                               int64_t n, float *y, size_t ys);
 
-/* y[r] = dot of the row at wrows + r*row_bytes with act, for r < nrows. */
+/* y[r] = dot of row wrows + r*row_bytes with act, r < nrows. */
 typedef void (*quant_dotr_fn)(const uint8_t *wrows, size_t row_bytes, int nrows, const void *act,
                               int64_t n, float *y);
 
@@ -1216,7 +1203,7 @@ static uint16_t quant_f32_to_f16(float f) {
         if (e < 102) return (uint16_t)sign;                 /* < 2^-25: rounds to zero */
         return (uint16_t)(sign | quant_round_shift((x & 0x7fffff) | 0x800000, 126 - e));
     }
-    /* rebias the exponent (127 -> 15); a mantissa carry bumps the exponent */
+    /* exponent rebiased (127 -> 15); a mantissa carry bumps it */
     return (uint16_t)(sign | quant_round_shift(x - 0x38000000, 13));
 }
 
@@ -1324,8 +1311,8 @@ static void quant_dequant_q6k(const uint8_t *b, float *y) {
     }
 }
 
-/* Integer helpers the SIMD kernels also call, always inlined to compile with the caller's
- * instruction set (an AVX to SSE call pays for the switch). */
+/* Integer helpers SIMD kernels also call, always inlined to compile for the caller's instruction
+ * set (an AVX to SSE call pays a switch). */
 #define QUANT_SHARED_INLINE static inline __attribute__((always_inline))
 
 /* K-like formats whose super-block result subtracts a min term (dmin * Σ m * bsum). */
@@ -1347,14 +1334,14 @@ QUANT_SHARED_INLINE void quant_q3k_scales(const uint8_t *p, int8_t *sc) {
     a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
     a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
     a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
-    /* each byte less 32, four at once: setting the high bit first keeps borrows in a byte */
+    /* each byte less 32, four at once: the high bit set first keeps borrows in a byte */
     for (int i = 0; i < 4; i++) a[i] = ((a[i] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
     memcpy(sc, a, 16);
 }
 
-/* A Q2_K (0..3) or Q3_K (-4..3) super-block's integer quants in element order. Both keep 2 bits a
- * weight in 32-byte halves (shifts 0, 2, 4, 6: 4 x 32 weights); Q3_K's third bit, bit (half * 4 +
- * shift / 2) of hmask byte l, clear: less 4. */
+/* Q2_K (0..3) or Q3_K (-4..3) super-block's integer quants in element order: 2 bits a weight in
+ * 32-byte halves (shifts 0, 2, 4, 6: 4 x 32 weights); Q3_K's third bit (bit half * 4 + shift / 2 of
+ * hmask byte l) clear: less 4. */
 static void quant_q23k_quants(enum gguf_type t, const uint8_t *b, int8_t *q) {
     const int three = t == GGUF_TYPE_Q3_K;
     const uint8_t *qs = b + (three ? 32 : 16);
@@ -1392,9 +1379,9 @@ static void quant_dequant_q3k(const uint8_t *b, float *y) {
 }
 
 /* Non-linear 4-bit grids. IQ4_NL/IQ4_XS: the reference's int8 table, read off its dequantisation of
- * the golden files (value / d; tests/test_quant.c rederives it). MXFP4: OCP E2M1 values doubled
- * (code = sign | exponent(2) | mantissa(1)), the E8M0 scale halved to match (quant_e8m0_half), by
- * quant_tables_init. */
+ * the golden files (value / d; tests/test_quant.c rederives it). MXFP4 (quant_tables_init): OCP
+ * E2M1 values doubled (code = sign | exponent(2) | mantissa(1)), E8M0 scale halved to match
+ * (quant_e8m0_half). */
 static const int8_t quant_iq4nl_values[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
                                                  1, 13, 25, 38, 53, 69, 89, 113 };
 static int8_t quant_mxfp4_values[16];
@@ -1418,11 +1405,11 @@ static void quant_dequant_nl(enum gguf_type t, const uint8_t *b, float *y) {
 }
 
 /* IQ3_XXS: each 4 weights are one of 256 points (byte index) of the lattice {4,12,..,52,62}^4; 8
- * signs per 8 weights from 7 stored bits (the eighth makes the minus count even). quant_iq3xxs_keys
- * lists the points, sorted, as 3-bit level indices (coordinate j's in bits 3j..3j+2), derived from
- * the golden files by tests/test_quant.c test_iq3xxs_lattice (pinned where the reference's
- * dequantisation shows a point, elsewhere the sorted list best explaining the quantizer's choices
- * on the same weights), which checks it gives this table. */
+ * weights' signs from 7 stored bits (the eighth makes the minus count even). quant_iq3xxs_keys: the
+ * points, sorted, as 3-bit level indices (coordinate j's in bits 3j..3j+2), from the golden files
+ * by tests/test_quant.c test_iq3xxs_lattice, which checks it gives this table (pinned where the
+ * reference's dequantisation shows a point, elsewhere the sorted list best explaining the
+ * quantizer's choices on those weights). */
 static const uint8_t quant_iq3_levels[8] = { 4, 12, 20, 28, 36, 44, 52, 62 };
 static const uint16_t quant_iq3xxs_keys[256] = {
     0, 2, 4, 9, 11, 15, 16, 18, 25, 34, 59, 61, 65, 67, 72, 74,
@@ -1444,12 +1431,12 @@ static const uint16_t quant_iq3xxs_keys[256] = {
 };
 static uint32_t quant_iq3xxs_grid[256];  /* byte j = coordinate j (quant_tables_init) */
 
-/* IQ3_S: each 4 weights are one of 512 points of {1,3,..,15}^4 (9-bit index: a qs byte and a qh
- * bit), a stored sign bit per weight. quant_iq3s_keys lists the points, sorted, as 3-bit level
- * indices ((v-1)/2 of coordinate j in bits 3j..3j+2), from the golden files: 235 points the
- * reference's dequantisation shows, the rest by likelihood of the quantizer's choices.
- * tests/test_quant.c (test_iq3s_grid) rederives it by least squares, agreeing but for 7 entries,
- * where the reference's logits pick this table's points. */
+/* IQ3_S: each 4 weights are one of 512 points of {1,3,..,15}^4 (9-bit index: qs byte, qh bit), a
+ * stored sign bit a weight. quant_iq3s_keys: the points, sorted, as 3-bit level indices ((v-1)/2 of
+ * coordinate j in bits 3j..3j+2), from the golden files: 235 points the reference's dequantisation
+ * shows, the rest by likelihood of the quantizer's choices. tests/test_quant.c (test_iq3s_grid)
+ * rederives it by least squares, agreeing but for 7 entries, where the reference's logits pick
+ * ours. */
 static const uint16_t quant_iq3s_keys[512] = {
     0, 1, 2, 5, 7, 8, 9, 10, 12, 14, 16, 17, 21, 27, 32, 34,
     37, 39, 41, 43, 48, 50, 57, 60, 63, 64, 65, 66, 68, 72, 73, 77,
@@ -1485,15 +1472,15 @@ static const uint16_t quant_iq3s_keys[512] = {
     3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
 };
 static uint32_t quant_iq3s_grid[512];    /* byte j = coordinate j (quant_tables_init) */
-/* Plane h of the tables VBMI lookups permute (quant_tables_init): each point's level indices of
+/* Plane h of the tables VBMI lookups permute (quant_tables_init): a point's level indices of
  * coordinates 2h (low nibble), 2h + 1 (high). */
 static uint8_t quant_iq3xxs_pairs[2][256] __attribute__((aligned(64)));
 static uint8_t quant_iq3s_pairs[2][512] __attribute__((aligned(64)));
 static uint64_t quant_iq_sign_bytes[128]; /* by 7 stored bits: byte j = ±1, weight j's sign */
 static uint8_t quant_iq_sign_table[128] __attribute__((aligned(64))); /* quant_iq_signs of each */
 
-/* Sign byte for 7 stored bits: bit 7 set for an odd count (ggml's ksigns). Parity by hand:
- * __builtin_popcount is a library call without -mpopcnt. */
+/* Sign byte for 7 stored bits: bit 7 set for an odd count (ggml's ksigns). Parity by hand: sans
+ * -mpopcnt __builtin_popcount is a library call. */
 QUANT_SHARED_INLINE uint8_t quant_iq_signs(uint32_t bits7) {
     uint32_t p = bits7 ^ bits7 >> 4;
     p ^= p >> 2;
@@ -1516,7 +1503,7 @@ QUANT_SHARED_INLINE int quant_iq4xs_scale(const uint8_t *b, int ib) {
 /* Byte of pair H of the planes above for a quant_iq3xxs_keys / quant_iq3s_keys key. */
 static int quant_iq3_pair(uint16_t key, int h) { return (key >> 6 * h & 7) | (key >> (6 * h + 3) & 7) << 4; }
 
-/* Fills the generated tables; run by quant_set_level, so before any dot or dequant. */
+/* Fills the generated tables; quant_set_level runs it, before any dot or dequant. */
 static void quant_tables_init(void) {
     for (int c = 0; c < 16; c++) {
         const int e = (c >> 1) & 3, m = c & 1, v = e ? (2 + m) << (e - 1) : m;
@@ -1544,7 +1531,7 @@ static void quant_tables_init(void) {
 }
 
 /* IQ3_S super-block: d fp16 | qs[64] | qh[8] | signs[32] | scales[4]. Grid index of group K
- * (weights 4K..4K+3) of 32-block IB: its qs byte, bit K of the block's qh byte as bit 8. */
+ * (weights 4K..4K+3) of 32-block IB: qs byte, bit K of the block's qh byte as bit 8. */
 #define QUANT_IQ3S_QH 66
 #define QUANT_IQ3S_SIGNS 74
 #define QUANT_IQ3S_SCALES 106
@@ -1557,8 +1544,8 @@ QUANT_SHARED_INLINE int quant_iq3s_scale(const uint8_t *b, int ib) {
     return b[QUANT_IQ3S_SCALES + ib / 2] >> 4 * (ib % 2) & 15;
 }
 
-/* An IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign) super-block's signed values in
- * element order and its 8 32-block integer scales: IQ4_XS's 6-bit ones less 32; IQ3_XXS's s in
+/* IQ4_XS (IQ4_NL table), IQ3_XXS or IQ3_S (grid point times sign) super-block's signed values in
+ * element order and 8 32-block integer scales: IQ4_XS's 6-bit ones less 32; IQ3_XXS's s in
  * d*(0.5+s)*0.5 (its word also holds 4 x 7 sign bits); IQ3_S's s in d*(1+2s), a sign bit a weight. */
 static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *sc) {
     for (int ib = 0; ib < 8; ib++, v += 32) {
@@ -1591,7 +1578,7 @@ static void quant_iq_values(enum gguf_type t, const uint8_t *b, int8_t *v, int *
 }
 
 /* IQ4_XS: y = (d*s) * v; IQ3_XXS: y = (d*(0.5+s)*0.5) * v; IQ3_S: y = (d*(1+2s)) * v, as ggml (its
- * sign comes last: same number). */
+ * sign last: same number). */
 static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
     const float d = quant_f16_to_f32(quant_rd16(b));
     int8_t v[QUANT_QK_K];
@@ -1605,7 +1592,7 @@ static void quant_dequant_iq(enum gguf_type t, const uint8_t *b, float *y) {
 }
 
 /* Writes n floats of a GGUF row of `type` to dst, bit-exact with ggml. Caller: type supported, n a
- * multiple of the block, src holds the row's n/block_elems blocks. */
+ * multiple of the block, src the row's n/block_elems blocks. */
 static void quant_dequant_row(enum gguf_type type, const void *src, float *dst, int64_t n) {
     const uint8_t *s = src;
     const struct gguf_type_info *ti = gguf_type_get(type);
@@ -1640,8 +1627,8 @@ static void quant_fp16_fields(enum gguf_type t, int at[2])
     if (t == GGUF_TYPE_Q6_K) at[0] = 208;
 }
 
-/* Sets the float fields of BYTES bytes of random TYPE blocks (whole) to finite normals of magnitude
- * in [2^E, 2^(E+1)), sign kept: F32/F16/BF16 elements, fp16 scales, MXFP4's E8M0 exponent (2^E).
+/* Sets float fields of BYTES bytes of random whole TYPE blocks to finite normals, magnitude in
+ * [2^E, 2^(E+1)), sign kept: F32/F16/BF16 elements, fp16 scales, MXFP4's E8M0 exponent (2^E).
  * Random bits give NaN, infinities, denormals (slow, unlike real weights). */
 static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, int e)
 {
@@ -1670,11 +1657,10 @@ static void quant_sanitize_random(enum gguf_type t, uint8_t *w, size_t bytes, in
 
 /* ---- activations ----
  * Layouts (act 64-byte aligned; n a multiple of the block, so every part stays aligned):
- *   F32/F16/BF16 weights: n floats (x, rounded to the weights' f16/bf16).
+ *   F32/F16/BF16 weights: n floats (x rounded to the weights' f16/bf16).
  *   legacy weights (Q8 act, for Q8_0 and Q8_1 users): qs[n] int8 | d[n/32] float (fp16-rounded
  *     scale) | s[n/32] int32 (block sum of qs) | sd[n/32] float (Q8_1's s = fp16(d * sum), rounded
- *     as the reference stores it: Q4_1/Q5_1 multiply their min by it, and the rounding shows in the
- *     logits).
+ *     as the reference stores it: Q4_1/Q5_1 multiply their min by it; rounding shows in logits).
  *   K weights (Q8_K act): qs[n] int8 | d[n/256] float | bsums[n/16] int16. */
 struct quant_q8_view { const int8_t *qs; const float *d; const int32_t *s; const float *sd; };
 struct quant_q8k_view { const int8_t *qs; const float *d; const int16_t *bsums; };
@@ -1717,12 +1703,11 @@ static size_t quant_act_bytes(enum gguf_type wtype, int64_t n) {
     }
 }
 
-/* Q8 blocks as the x86 reference's quantize_row_q8_0 (its AVX2 code, which its AVX-512 builds run):
- * d = amax/127, q = nearest-even(x * (127/amax)), scale stored as fp16(d). 127/amax can miss 1/d
- * (used by ggml's portable and NEON code) in the last bit, putting some q across a .5, each able to
- * tip a router near-tie (issue 14's Q8_0 drift; test_quant's "Q8 act: the reference's 127/amax"). A
- * block with zero fp16(d) contributes exactly zero: its q are 0, not computed from an overflowing
- * 127/amax. */
+/* Q8 blocks as the x86 reference's quantize_row_q8_0 (its AVX2 code, run by its AVX-512 builds):
+ * d = amax/127, q = nearest-even(x * (127/amax)), d stored as fp16. 127/amax can miss 1/d (ggml's
+ * portable and NEON code) in the last bit, putting some q across a .5, each able to tip a router
+ * near-tie (issue 14's Q8_0 drift; test_quant's "Q8 act: the reference's 127/amax"). Zero fp16(d):
+ * q = 0 (not from an overflowing 127/amax), the block exactly zero. */
 static void quant_act_q8(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1748,7 +1733,7 @@ static void quant_act_q8(const float *x, int64_t n, void *act) {
 }
 
 /* Q8_K blocks (ggml quantize_row_q8_K_ref): scale from the signed value of largest magnitude.
- * Blocks so tiny -127/max overflows (|max| < ~3.7e-37) are stored as zero (d = 0). */
+ * Blocks so tiny -127/max overflows (|max| < ~3.7e-37) stored as zero (d = 0). */
 static void quant_act_q8k(const float *x, int64_t n, void *act) {
     uint8_t *a = act;
     int8_t *qs = (int8_t *)a;
@@ -1796,7 +1781,7 @@ static void quant_float_units(enum gguf_type t, const uint8_t *w, const float *x
     }
 }
 
-/* A legacy block's float combine, shared by every level so bits agree: r = (dw*dx) * (float)isum,
+/* A legacy block's float combine, shared by all levels so bits agree: r = (dw*dx) * (float)isum,
  * plus mw * sd with a min (sd = fp16(d_x * sum q_x), as Q8_1 stores it). */
 static inline float quant_legacy_combine(float dw, float mw, float dx, int32_t isum,
                                          float sd, int has_min) {
@@ -1804,8 +1789,8 @@ static inline float quant_legacy_combine(float dw, float mw, float dx, int32_t i
     return has_min ? r + mw * sd : r;
 }
 
-/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32], quants as ggml defines
- * them (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
+/* Adds legacy blocks [b0, b1) of a weight row times a Q8 act into p[b % 32], quants as in ggml
+ * (Q4_0 q-8, Q5_0 q-16, Q4_1/Q5_1 unsigned q plus min). */
 static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_q8_view a,
                                int64_t b0, int64_t b1, float *p) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -1823,7 +1808,7 @@ static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_
         } else if (t == GGUF_TYPE_Q8_0) {
             for (int j = 0; j < QUANT_QK; j++) isum += (int8_t)blk[2 + j] * qx[j];
         } else {
-            /* dequantise with unit scale, zero min: the exact integer quants */
+            /* dequantised with unit scale, zero min: exact integer quants */
             uint8_t tmp[24];
             memcpy(tmp, blk, (size_t)bb);
             tmp[0] = 0x00; tmp[1] = 0x3c;                    /* d = 1.0 */
@@ -1836,8 +1821,8 @@ static void quant_legacy_units(enum gguf_type t, const uint8_t *w, struct quant_
     }
 }
 
-/* Q4_K/Q5_K super-block's exact integer part, given decoded 6-bit scales: Σ_j sc_j * Σ_{32 in j}
- * q*x (q unsigned 0..15 / 0..31). */
+/* Q4_K/Q5_K super-block's exact integer part from decoded 6-bit scales: Σ_j sc_j * Σ_{32 in j} q*x
+ * (q unsigned 0..15 / 0..31). */
 static int32_t quant_q45k_isum_scalar(const uint8_t *b, const int8_t *qx, const int *sc, int five) {
     const uint8_t *qh = b + 16, *ql = b + 16 + (five ? 32 : 0);
     int32_t sumi = 0;
@@ -1908,9 +1893,9 @@ static int32_t quant_iq_isum_scalar(enum gguf_type t, const uint8_t *b, const in
     return sumi;
 }
 
-/* A super-block's result for K-like formats but Q4_K/Q5_K/Q6_K: Q2_K: (d*dx)*(float)isum -
+/* Super-block result of K-like formats but Q4_K/Q5_K/Q6_K: Q2_K: (d*dx)*(float)isum -
  * (dmin*dx)*(float)summ; Q3_K, IQ4_XS, IQ3_S: (d*dx)*(float)isum; IQ3_XXS: ((d*dx)*(float)isum) *
- * 0.25 (the reference's final quarter, exact). */
+ * 0.25 (the reference's last quarter, exact). */
 static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bs,
                               float dx) {
     int32_t summ = 0;
@@ -1929,9 +1914,9 @@ static float quant_dot_k_unit(enum gguf_type t, const uint8_t *b, const int8_t *
     }
 }
 
-/* K-quant row dot with a Q8_K act, canonical order; every level keeps this float combine:
- * Q4_K/Q5_K: r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j; Q6_K: r =
- * (d*dx)*(float)Σ sc_j*isum_j. */
+/* K-quant row dot with a Q8_K act, canonical order; all levels keep this float combine: Q4_K/Q5_K:
+ * r = (d*dx)*(float)Σ sc_j*isum_j - (dmin*dx)*(float)Σ m_j*bsum_j; Q6_K: r = (d*dx)*(float)Σ
+ * sc_j*isum_j. */
 static float quant_dot_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -1995,12 +1980,12 @@ QUANT_SCALAR_WRAP(quant_dot_iq4_nl_scalar, quant_dot_legacy_scalar(GGUF_TYPE_IQ4
 QUANT_SCALAR_WRAP(quant_dot_mxfp4_scalar, quant_dot_legacy_scalar(GGUF_TYPE_MXFP4, w, act, n))
 
 /* SIMD kernels' software prefetch distance (weight bytes): far enough for a line to arrive in time;
- * grows with memory latency times a core's weight rate (README: prefetch distance). */
+ * grows with memory latency x a core's weight rate (README: prefetch distance). */
 #define QUANT_PREFETCH 4096
 
 /* Unrolled, a K group's 8 super-blocks keep integer parts in registers (fewer instructions: README)
  * for ~15 s more compile time. COLI_ROLLED keeps loops rolled (same results) for test builds
- * checking neither kernel speed nor the shipped code's bits (build.sh). */
+ * checking neither kernel speed nor shipped bits (build.sh). */
 #define QUANT_PRAGMA(x) _Pragma(#x)
 #ifdef COLI_ROLLED
 #define QUANT_GROUP_UNROLL
@@ -2025,9 +2010,9 @@ QUANT_AVX2_INLINE float quant_avx2_reduce(__m256 a0, __m256 a1, __m256 a2, __m25
     return _mm_cvtss_f32(v);
 }
 
-/* Adds R, a group's 8 unit results, to acc[0], then rotates the four accumulators to put the next
- * group's first: after G groups acc[i] holds partials 8*((G+i)%4) on. Rotating stays in registers;
- * acc[g % 4] would spill. */
+/* Adds R (a group's 8 unit results) to acc[0], then rotates the 4 accumulators, the next group's
+ * first: after G groups acc[i] holds partials 8*((G+i)%4) on. Rotating stays in registers; acc[g %
+ * 4] would spill. */
 QUANT_AVX2_INLINE void quant_avx2_acc_add(__m256 *acc, __m256 r) {
     const __m256 a = _mm256_add_ps(acc[0], r);
     acc[0] = acc[1]; acc[1] = acc[2]; acc[2] = acc[3]; acc[3] = a;
@@ -2043,8 +2028,8 @@ QUANT_AVX2_INLINE float quant_avx2_reduce_rotated(const __m256 *acc, int64_t gro
     }
 }
 
-/* A's and C's low 128-bit lanes side by side plus their high lanes likewise (the horizontal sums'
- * last step): an extract and an insert, not vperm2i128 (Zen 1: README). */
+/* A's and C's low 128-bit lanes side by side, then their high ones (the horizontal sums' last
+ * step): an extract and an insert, not vperm2i128 (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_add_lanes(__m256i a, __m256i c) {
     const __m256i lo = _mm256_inserti128_si256(a, _mm256_castsi256_si128(c), 1);
     const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_extracti128_si256(a, 1)),
@@ -2075,13 +2060,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_hsum_upto8(const __m256i *s, int count) {
 }
 
 /* 16 int16 pair sums of v*x for signed bytes, |x| <= 127 (v = -128 works: sign(v, v) reads 128
- * unsigned): no pair saturates. */
+ * unsigned): none saturates. */
 QUANT_AVX2_INLINE __m256i quant_avx2_signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
 }
 
-/* Columns per pass of the AVX2 multi-column kernels: all share a group's 8 decoded weight blocks;
- * each column's 8 block products, 4 accumulators come in turn. */
+/* Columns per pass of AVX2 multi-column kernels: all share a group's 8 decoded weight blocks; each
+ * column's 8 block products, 4 accumulators come in turn. */
 #define QUANT_AVX2_NCOL 4
 
 /* The 16 bytes at P in the low 128-bit lane, at Q in the high. */
@@ -2090,13 +2075,13 @@ QUANT_AVX2_INLINE __m256i quant_avx2_halves(const void *p, const void *q) {
                                    _mm_loadu_si128((const __m128i *)q), 1);
 }
 
-/* A legacy group's 8 blocks go as 4 pairs, block j beside j + 4 (j < 4): elements 0-15 in one
- * vector (LO: block j's in the low 128-bit lane, j + 4's in the high), 16-31 in another (HI). A
- * pair's two products add in-lane, and quant_avx2_legacy_sums' horizontal sums leave block k's
- * total in lane k: half the horizontal adds of summing 8 whole blocks, none across lanes. */
+/* A legacy group's 8 blocks go as 4 pairs, block j beside j + 4 (j < 4): elements 0-15 in vector LO
+ * (block j's in the low 128-bit lane, j + 4's high), 16-31 in HI. A pair's products add in-lane;
+ * quant_avx2_legacy_sums' horizontal sums leave block k's total in lane k: half the horizontal adds
+ * of 8 whole blocks, none across lanes. */
 
-/* Weight operands of the block pair at BJ, BJ4 (that layout): signed values (Q8_0, IQ4_NL), else
- * unsigned quants (MXFP4: values + 12). */
+/* Weight operands of block pair BJ, BJ4 (that layout): signed values (Q8_0, IQ4_NL), else unsigned
+ * quants (MXFP4: values + 12). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj, const uint8_t *bj4, __m256i *lo,
                                             __m256i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -2131,9 +2116,9 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_w2(enum gguf_type t, const uint8_t *bj,
     }
 }
 
-/* Σ q_w*q_x of the pair (LO, HI) against the act's blocks at XJ, XJ4, by lane: 16 int16 (each <=
- * 2 * 2 * 31 * 127 = 15748), or 8 int32 for signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0
- * quants and MXFP4's values are still offset (caller subtracts 8/16/12 * Σq_x). */
+/* Σ q_w*q_x of pair (LO, HI) against the act's blocks at XJ, XJ4, by lane: 16 int16 (each <= 2 *
+ * 2 * 31 * 127 = 15748), or 8 int32 for signed types (pairs reach 2 * 128 * 127). Q4_0/Q5_0 quants,
+ * MXFP4's values stay offset (caller subtracts 8/16/12 * Σq_x). */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, __m256i hi, const int8_t *xj,
                                                  const int8_t *xj4) {
     const __m256i xl = quant_avx2_halves(xj, xj4), xh = quant_avx2_halves(xj + 16, xj4 + 16);
@@ -2145,7 +2130,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_legacy_pair(enum gguf_type t, __m256i lo, _
 }
 
 /* Lane k = block k's sum, from the pairs' P[j] (quant_avx2_legacy_pair). Sums stay 16-bit while
- * they cannot wrap: 4 of 4-bit quants' P (4 * 2 * 2 * 15 * 127 = 30480), 2 of 5-bit or MXFP4's. */
+ * they can't wrap: 4 of 4-bit quants' P (4 * 2 * 2 * 15 * 127 = 30480), 2 of 5-bit or MXFP4's. */
 QUANT_AVX2_INLINE __m256i quant_avx2_legacy_sums(enum gguf_type t, const __m256i *p) {
     if (t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL)
         return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -2173,9 +2158,9 @@ QUANT_AVX2_INLINE __m256 quant_avx2_e8m0_half8(const uint8_t *b, int bb) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
-/* Legacy dot of a row with NC columns (acts STRIDE apart, results y[c*ys]): each 8-block group
- * gives a vector of unit results per column, added to accumulator g % 4 (partials b % 32); a <
- * 8-block tail takes scalar units. Each column takes single-column steps: matvec's bits. */
+/* Legacy dot of a row with NC columns (acts STRIDE apart, results y[c*ys]): an 8-block group gives
+ * a vector of unit results per column, added to accumulator g % 4 (partials b % 32); a < 8-block
+ * tail takes scalar units. Columns take single-column steps: matvec's bits. */
 QUANT_AVX2_INLINE void quant_avx2_legacy(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                          int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2232,8 +2217,8 @@ QUANT_AVX2_INLINE __m256 quant_avx2_load_w8(enum gguf_type t, const uint8_t *w) 
 }
 
 /* Float row dot with NC (1 or 2) columns at ACTS, STRIDE apart: element i -> partial i % 32 (its
- * column's accumulator (i/8) % 4, lane i % 8). Weight vectors convert once for both columns; two
- * columns' 8 accumulators and 4 weight vectors fit 16 registers; four spill (README). */
+ * column's accumulator (i/8) % 4, lane i % 8). Weight vectors convert once for both columns; 2
+ * columns' 8 accumulators and 4 weight vectors fit 16 registers; 4 spill (README). */
 QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride,
                                         int64_t n, float *y, size_t ys, int NC) {
     const int es = t == GGUF_TYPE_F32 ? 4 : 2;
@@ -2267,11 +2252,11 @@ QUANT_AVX2_INLINE void quant_avx2_float(enum gguf_type t, const uint8_t *w, cons
     }
 }
 
-/* K scales multiply their int16 products (maddubs) by vpmaddwd, which Zen 1 runs on one pipe
- * (README), as it does the products. So 2 or 4 steps' products (32 weights each) first fold into
- * one vector (adds, unpacks: other pipes), a step a qword or dword of each 128-bit lane, and one
- * multiply applies their scales. Sums of up to 4 stay int16 for quants of up to 5 bits (4 * 2 *
- * 31 * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 = 32004) fold by 2. */
+/* K scales multiply int16 products (maddubs) by vpmaddwd, on one Zen 1 pipe (README) like the
+ * products. So 2 or 4 steps' products (32 weights each) fold into one vector first (adds, unpacks:
+ * other pipes), a step a qword or dword a 128-bit lane, and one multiply applies their scales. Sums
+ * of 4 stay int16 for quants of <= 5 bits (4 * 2 * 31 * 127 = 31496); Q6_K's (2 * 2 * 63 * 127 =
+ * 32004) fold by 2. */
 
 /* Steps A and B (16 int16 each) -> qword 0 of each lane from A, qword 1 from B. */
 QUANT_AVX2_INLINE __m256i quant_avx2_fold2(__m256i a, __m256i b) {
@@ -2288,7 +2273,7 @@ QUANT_AVX2_INLINE __m256i quant_avx2_fold4(const __m256i *p) {
     return quant_avx2_fold2(quant_avx2_fold32(p[0], p[1]), quant_avx2_fold32(p[2], p[3]));
 }
 
-/* vpshufb control for one qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i, 2i + 1).
+/* vpshufb control for a qword: int16 j <- int16 I_j of the same 128-bit lane (bytes 2i, 2i + 1).
  * Closed form: constant indices fold to a constant. */
 QUANT_AVX2_INLINE uint64_t quant_avx2_words(int i0, int i1, int i2, int i3) {
     return (uint64_t)(0x0202u * (unsigned)i0 + 0x0100u) | (uint64_t)(0x0202u * (unsigned)i1 + 0x0100u) << 16 |
@@ -2300,9 +2285,9 @@ QUANT_AVX2_INLINE __m256i quant_avx2_pick(__m256i h, uint64_t l0, uint64_t l1, u
     return _mm256_shuffle_epi8(h, _mm256_set_epi64x((long long)h1, (long long)h0, (long long)l1, (long long)l0));
 }
 
-/* Scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: the 8 scales in both lanes)
- * or Q6_K steps F, F+1 (quant_avx2_fold2; SC16: the 16 scales, step i's 16-weight halves' 2i, 2i +
- * 1 in the low, high lane). */
+/* Scales of a fold of Q4_K/Q5_K steps F..F+3 (quant_avx2_fold4; SC16: 8 scales in both lanes) or
+ * Q6_K steps F, F+1 (quant_avx2_fold2; SC16: 16 scales, step i's 16-weight halves' 2i, 2i + 1 in
+ * low, high lane). */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, int f) {
     if (t != GGUF_TYPE_Q6_K) {
         const uint64_t a = quant_avx2_words(f, f, f + 1, f + 1), b = quant_avx2_words(f + 2, f + 2, f + 3, f + 3);
@@ -2315,16 +2300,16 @@ QUANT_AVX2_INLINE __m256i quant_avx2_k_scales(enum gguf_type t, __m256i sc16, in
 }
 
 /* Each byte of V shifted so bit FROM lands on bit TO, masked by MASK: Q5_K's high bit (to bit 4),
- * Q6_K's two (to bits 4-5), Q3_K's one (to bit 2) placed by one 16-bit shift, not shift, mask,
- * shift. Exact per byte while kept bits come from their own byte (Zen 1: README). */
+ * Q6_K's two (to 4-5), Q3_K's one (to 2) placed by one 16-bit shift, not shift, mask, shift. Exact
+ * per byte while kept bits come from their own byte (Zen 1: README). */
 QUANT_AVX2_INLINE __m256i quant_avx2_bits_to(__m256i v, int from, int to, int mask) {
     const __m256i shifted = from < to ? _mm256_slli_epi16(v, to - from) : from == to ? v : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(shifted, _mm256_set1_epi8((char)mask));
 }
 
 /* Bits 2K, 2K + 1 of each byte of H (Q6_K's high bits of step K) at bits 4-5. Zen 1 shifts on one
- * pipe (README), so steps moving bits up are byte lookups (H's low nibble -> its bits 2K, 2K + 1 at
- * bits 4-5); step 2's are in place. */
+ * pipe (README): steps moving bits up are byte lookups (H's low nibble -> its bits 2K, 2K + 1 at
+ * 4-5); step 2's are in place. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     if (k == 2) return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
     if (k == 3) return quant_avx2_bits_to(h, 6, 4, 0x30);
@@ -2334,8 +2319,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_q6k_high(__m256i h, int k) {
     return _mm256_shuffle_epi8(table, _mm256_and_si256(h, _mm256_set1_epi8(0x0f)));
 }
 
-/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): madd applies
- * scales to folds of 4 steps' int16 products (quant_avx2_fold4; Q4_K, Q5_K lay scales alike). */
+/* Q4_K/Q5_K integer part, 8 lanes summing to Σ_j sc_j * Σ q*x (sc_j = byte j of sc): madd scales
+ * folds of 4 steps' int16 products (quant_avx2_fold4; Q4_K, Q5_K lay scales alike). */
 QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *qx, uint64_t sc, int five) {
     const uint8_t *ql = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2363,7 +2348,7 @@ QUANT_AVX2_INLINE __m256i quant_q45k_isum_avx2(const uint8_t *b, const int8_t *q
 }
 
 /* Q6_K integer part less offset, 8 lanes summing to Σ_j sc_j * Σ q*x, q unsigned (0..63); SC: the
- * 16 scales, int16. */
+ * 16 int16 scales. */
 QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx, __m256i sc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i acc = _mm256_setzero_si256();
@@ -2388,10 +2373,10 @@ QUANT_AVX2_INLINE __m256i quant_q6k_isum_avx2(const uint8_t *b, const int8_t *qx
     return acc;
 }
 
-/* Q2_K / Q3_K integer parts by unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, hmask bit as
- * third bit) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16 in g} q'*x; SC: 16
- * int16 scales. Each half's quants decode once for all columns; quant_avx2_q23k_finish takes off
- * Q3_K's offset, gives Q2_K's min term. */
+/* Q2_K / Q3_K integer parts by unsigned quants q' (Q2_K: q, 0..3; Q3_K: q + 4, 0..7, hmask bit
+ * third) for NC columns at QX[c]: ACC[c]'s 8 lanes sum to Σ_g sc_g * Σ_{16 in g} q'*x; SC: 16 int16
+ * scales. A half's quants decode once for all columns; quant_avx2_q23k_finish takes off Q3_K's
+ * offset, gives Q2_K's min term. */
 QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b, const int8_t *const *qx, int NC,
                                              __m256i sc, __m256i *acc) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -2426,7 +2411,7 @@ QUANT_AVX2_INLINE void quant_q23k_isums_avx2(enum gguf_type t, const uint8_t *b,
 
 /* quant_q3k_scales in SIMD, as 16 int16: of the 12 bytes at P, bytes 0-7 hold the low nibbles
  * (scales 0-7 low, 8-15 high), bytes 8-11 all 16's top 2 bits. The 16-byte load starts 4 bytes
- * early to stay inside the block. */
+ * early to stay in the block. */
 QUANT_AVX2_INLINE __m256i quant_avx2_q3k_scales(const uint8_t *p) {
     const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 4)), 4);
     const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x44), _mm_set_epi32(4, 4, 0, 0)),
@@ -2449,7 +2434,7 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_scales(enum gguf_type t, const uint8_t *b
 }
 
 /* A column's Q2_K / Q3_K integer parts from its quant_q23k_isums_avx2 sum and 16 bsums BS: Q3_K's
- * offset of 4 comes off as 4 * Σ sc_g * bsum_g; Q2_K's min term is Σ min_g * bsum_g. */
+ * offset 4 comes off as 4 * Σ sc_g * bsum_g; Q2_K's min term: Σ min_g * bsum_g. */
 QUANT_AVX2_INLINE void quant_avx2_q23k_finish(enum gguf_type t, __m256i isum, __m256i bs, __m256i sc, __m256i mins,
                                               __m256i *is, __m256i *sm) {
     if (t == GGUF_TYPE_Q3_K) {
@@ -2473,8 +2458,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_signs(const uint8_t *s) {
 
 /* IQ4_XS integer parts for NC columns at QX[c]: ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's. A
  * 32-byte load holds blocks k, k + 1 in its lanes, low nibbles weights 0-15, high 16-31, decoded
- * once for all columns, each column's x coming in those halves (README). Values reach 127, so each
- * product takes its own scale multiply. */
+ * once for all columns, x taken in those halves (README). Values reach 127: each product takes its
+ * own scale multiply. */
 QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -2498,18 +2483,18 @@ QUANT_AVX2_INLINE void quant_iq4xs_isums_avx2(const uint8_t *b, const int8_t *co
     }
 }
 
-/* An IQ3_XXS 32-block's 8 grid points from its 8 index bytes Q (one load split in integer
- * registers: 8 byte loads took the load ports the grid needs). */
+/* An IQ3_XXS 32-block's 8 grid points from its 8 index bytes Q (a load split in integer registers:
+ * 8 byte loads took the load ports the grid needs). */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3xxs_points(uint64_t q) {
     const uint32_t *g = quant_iq3xxs_grid;
     return _mm256_set_epi32((int)g[q >> 56], (int)g[q >> 48 & 255], (int)g[q >> 40 & 255], (int)g[q >> 32 & 255],
                             (int)g[q >> 24 & 255], (int)g[q >> 16 & 255], (int)g[q >> 8 & 255], (int)g[q & 255]);
 }
 
-/* IQ3_XXS integer parts for NC columns at QX[c] (ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's);
- * each 32-block's points and signs decode once for all columns. Points are <= 62, so two 32-blocks'
- * products add in int16 (2 * 2 * 62 * 127 = 31496) and one multiply applies both scales (2 s + 1,
- * from the top 4 bits of each block's word), laid out as quant_avx2_fold2's. */
+/* IQ3_XXS integer parts for NC columns at QX[c] (ACC[c]'s 8 lanes sum to quant_iq_isum_scalar's); a
+ * 32-block's points and signs decode once for all columns. Points <= 62: two 32-blocks' products
+ * add in int16 (2 * 2 * 62 * 127 = 31496), one multiply applying both scales (2 s + 1, top 4 bits
+ * of each block's word), laid out as by quant_avx2_fold2. */
 QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     const __m256i words = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m256i sc = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
@@ -2545,8 +2530,8 @@ QUANT_AVX2_INLINE void quant_iq3xxs_isums_avx2(const uint8_t *b, const int8_t *c
 }
 
 /* IQ3_S 32-block IB's grid points: index j is qs byte j, bit j of the qh byte as bit 8. One
- * multiply moves the qh bits into two words of four 16-bit indices (even, odd j): bit 2k lands at
- * 16k + 8, cross terms at other bits (2a + 8 + 14b, all apart): no carries. */
+ * multiply moves qh bits into two words of four 16-bit indices (even, odd j): bit 2k lands at 16k +
+ * 8, cross terms elsewhere (2a + 8 + 14b, all apart): no carries. */
 QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
     const uint64_t spread = (1ull << 8) + (1ull << 22) + (1ull << 36) + (1ull << 50), at8 = 0x0100010001000100ull;
     const uint64_t byte16 = 0x00ff00ff00ff00ffull, h = b[QUANT_IQ3S_QH + ib];
@@ -2560,10 +2545,10 @@ QUANT_AVX2_INLINE __m256i quant_avx2_iq3s_grid8(const uint8_t *b, int ib) {
                             (int)g[odd & 0xffff], (int)g[even & 0xffff]);
 }
 
-/* quant_iq3xxs_isums_avx2 for IQ3_S: points are <= 15, so four 32-blocks' products add in int16
- * (4 * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as
- * quant_avx2_fold4's (its first step taken as each pair of products comes: a column holds two
- * vectors, not four). */
+/* quant_iq3xxs_isums_avx2 for IQ3_S: points <= 15, so four 32-blocks' products add in int16 (4 *
+ * 2 * 15 * 127 = 15240) and one multiply applies their scales (2 s + 1), laid out as by
+ * quant_avx2_fold4 (its first step taken as each pair of products comes: a column holds 2 vectors,
+ * not 4). */
 QUANT_AVX2_INLINE void quant_iq3s_isums_avx2(const uint8_t *b, const int8_t *const *qx, int NC, __m256i *acc) {
     uint32_t packed;
     memcpy(&packed, b + QUANT_IQ3S_SCALES, 4);
@@ -2603,9 +2588,9 @@ QUANT_AVX2_INLINE void quant_avx2_iq_isums(enum gguf_type t, const uint8_t *b, c
     else quant_iq3s_isums_avx2(b, qx, NC, acc);
 }
 
-/* A K-like super-block's integer parts, 8 lanes each: *isum's sum to the isum of quant_dot_k's
- * float step, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's offset of 32 and Q3_K's
- * of 4 come off here, as that many times Σ sc_g * bsum_g. */
+/* A K-like super-block's integer parts, 8 lanes each: *isum's sum to quant_dot_k's float step's
+ * isum, *summ's to its min term (Q4_K, Q5_K, Q2_K; else zero). Q6_K's offset 32 and Q3_K's 4 come
+ * off here, as that many times Σ sc_g * bsum_g. */
 QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, const int8_t *qx, const int16_t *bsums,
                                          __m256i *isum, __m256i *summ) {
     const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
@@ -2629,7 +2614,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints(enum gguf_type t, const uint8_t *b, con
     }
 }
 
-/* Slot K of unit U's group: super-block U + K's integer parts (prefetching), 0 from COUNT on. */
+/* Slot K of unit U's group: super-block U + K's integer parts (prefetching); 0 from COUNT on. */
 QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, int bb, struct quant_q8k_view a,
                                          int64_t u, int k, int count, __m256i *is, __m256i *sm) {
     is[k] = sm[k] = _mm256_setzero_si256();
@@ -2642,8 +2627,8 @@ QUANT_AVX2_INLINE void quant_avx2_k_slot(enum gguf_type t, const uint8_t *wb, in
 static const int32_t quant_avx2_lane_ones[16] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 
 /* fp16 fields at byte OFF of a group's blocks as floats: lane l = block l % 2^SHIFT of row l >>
- * SHIFT (rows RB bytes apart from B, blocks BB); lanes past NR rows or PER blocks a row +0; reads
- * only the group's blocks. Inlined with a constant shape, the tests fold away. */
+ * SHIFT (rows RB bytes apart from B, blocks BB); +0 past NR rows or PER blocks a row; reads only
+ * the group's blocks. Inlined with a constant shape, the tests fold away. */
 QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, int bb, int shift, int nr,
                                                  int per, int off) {
     uint64_t lo = 0, hi = 0;
@@ -2658,10 +2643,9 @@ QUANT_AVX2_INLINE __m256 quant_avx2_group_scales(const uint8_t *b, size_t rb, in
 }
 
 /* K-quant row dot: each group of 8 super-blocks (the last may be short) gives a vector of unit
- * results (lane k: unit u + k, by quant_dot_k's float steps) added to accumulator (u/8) % 4
- * (partials u % 32). A short group's empty lanes are +0 (d, dx, integer parts zero), leaving
- * partials as they are: the scalar bits. No scalar helper is called (SSE calls from AVX code pay
- * transitions: README). */
+ * results (lane k: unit u + k, quant_dot_k's float steps) added to accumulator (u/8) % 4 (partials
+ * u % 32). A short group's empty lanes are +0 (d, dx, integer parts zero), leaving partials
+ * unchanged: scalar bits. No scalar helper calls (SSE calls from AVX code pay transitions: README). */
 QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const void *act, int64_t n) {
     struct quant_q8k_view a = quant_q8k_view(act, n);
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2679,7 +2663,7 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
             QUANT_GROUP_UNROLL
             for (int k = 0; k < 8; k++) quant_avx2_k_slot(t, wb, bb, a, u, k, count, is, sm);
         }
-        /* dx of the group's units; past them the load reads the bsums that follow d */
+        /* dx of the group's units; past them the load reads the bsums after d */
         const __m256 dx = _mm256_and_ps(_mm256_loadu_ps(a.d + u), _mm256_loadu_ps((const float *)(quant_avx2_lane_ones + 8 - count)));
         const __m256 d = count == 8 ? quant_avx2_scales8(wb, bb, doff) : quant_avx2_group_scales(wb, 0, bb, 3, 1, count, doff);
         __m256 r = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(quant_avx2_hsum_upto8(is, count)));
@@ -2694,8 +2678,8 @@ QUANT_AVX2_INLINE float quant_avx2_k(enum gguf_type t, const uint8_t *w, const v
     return quant_avx2_reduce_rotated(acc, (nu + 7) / 8);
 }
 
-/* Step I (0..7: weights 32 I..32 I+31) of Q4_K, Q5_K or Q6_K super-block B: its unsigned quants.
- * Inlined with a constant I, repeated loads fold. */
+/* Step I (0..7: weights 32 I..32 I+31) of Q4_K, Q5_K or Q6_K super-block B: its unsigned quants. A
+ * constant I inlined folds repeated loads. */
 QUANT_AVX2_INLINE __m256i quant_avx2_k_step(enum gguf_type t, const uint8_t *b, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (t == GGUF_TYPE_Q6_K) {
@@ -2730,8 +2714,8 @@ QUANT_AVX2_INLINE void quant_avx2_q23k_ints_cols(enum gguf_type t, const uint8_t
     }
 }
 
-/* quant_avx2_k_ints of super-block B (unit U) for NC columns A into is[c][k], sm[c][k], each step
- * decoded once for all: per column the same integers (in other lanes: exact sums). */
+/* quant_avx2_k_ints of super-block B (unit U) for NC columns A into is[c][k], sm[c][k], a step
+ * decoded once for all: per column the same integers (other lanes: exact sums). */
 QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b, const struct quant_q8k_view *a, int64_t u,
                                               int k, __m256i (*is)[8], __m256i (*sm)[8], int NC) {
     if (t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K) {
@@ -2788,8 +2772,8 @@ QUANT_AVX2_INLINE void quant_avx2_k_ints_cols(enum gguf_type t, const uint8_t *b
 }
 
 /* Float steps of a group of COUNT (1..8) super-blocks at unit U for NC columns (both levels'
- * multi-column K kernels): each column's integer parts IS, SM to unit results, lane k = unit u + k
- * (+0 past COUNT), added to accumulators ACC as quant_avx2_k does. */
+ * multi-column K kernels): a column's integer parts IS, SM to unit results, lane k = unit u + k (+0
+ * past COUNT), added to accumulators ACC as in quant_avx2_k. */
 QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *wb, int bb, int count,
                                                const struct quant_q8k_view *a, int64_t u, __m256i (*is)[8],
                                                __m256i (*sm)[8], __m256 (*acc)[4], int NC) {
@@ -2808,8 +2792,8 @@ QUANT_AVX2_INLINE void quant_avx2_group_finish(enum gguf_type t, const uint8_t *
     }
 }
 
-/* K or IQ (IQ4_XS, IQ3_XXS, IQ3_S) dot of one row with NC (2..QUANT_AVX2_NCOL) columns:
- * quant_avx2_k's steps for each column, each super-block step decoded once for all. */
+/* K or IQ (IQ4_XS, IQ3_XXS, IQ3_S) dot of a row with NC (2..QUANT_AVX2_NCOL) columns:
+ * quant_avx2_k's steps per column, a super-block step decoded once for all. */
 QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                          float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -2839,7 +2823,7 @@ QUANT_AVX2_INLINE void quant_avx2_k_cols(enum gguf_type t, const uint8_t *w, con
     for (int c = 0; c < NC; c++) y[c * ys] = quant_avx2_reduce_rotated(acc[c], (nu + 7) / 8);
 }
 
-/* Lane L of a quant_avx2_k_rows group: super-block L % 2 of row L / 2, or zero past NR rows. */
+/* Lane L of a quant_avx2_k_rows group: super-block L % 2 of row L / 2; zero past NR rows. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr, size_t rb, int bb, struct quant_q8k_view a,
                                              int nr, int l, __m256i *is, __m256i *sm) {
     const int i = l / 2, k = l % 2;
@@ -2848,7 +2832,7 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_lane(enum gguf_type t, const uint8_t *wr
 }
 
 /* Float steps of a quant_avx2_pairs_group group (both levels): integer parts IS, SM of NR rows' 2
- * super-blocks each, in lanes 2 * row + unit, to row results in Y. */
+ * super-blocks, in lanes 2 * row + unit, to row results in Y. */
 QUANT_AVX2_INLINE void quant_avx2_pairs_finish(enum gguf_type t, const uint8_t *wr, size_t rb, int nr, __m256 dx,
                                                const __m256i *is, const __m256i *sm, float *y) {
     const int bb = gguf_type_get(t)->block_bytes, doff = quant_k_d_offset(t);
@@ -2881,10 +2865,9 @@ QUANT_AVX2_INLINE void quant_avx2_pairs_group(enum gguf_type t, const uint8_t *w
 
 /* K-quant rows of 2 super-blocks (512 columns: the 35B-A3B's and qwen3next's experts' down
  * products), 4 rows to a group of 8 lanes, sharing the horizontal sums, float steps and reduction
- * quant_avx2_k makes a 2-super-block row pay alone. Each lane takes quant_dot_k's float steps; 0 +
- * r is the partial (the single-row kernel's first add), p[0] + p[1] the whole canonical butterfly:
- * the other 30 partials are +0, which changes no partial (never -0). Other rows go one by one
- * through quant_avx2_k. */
+ * quant_avx2_k makes a 2-super-block row pay alone. Lanes take quant_dot_k's float steps; 0 + r is
+ * the partial (the single-row kernel's first add), p[0] + p[1] the whole canonical butterfly: the
+ * other 30 partials are +0, changing none (never -0). Other rows go singly via quant_avx2_k. */
 QUANT_AVX2_INLINE void quant_avx2_k_rows(enum gguf_type t, const uint8_t *w, size_t rb, int nrows,
                                          const void *act, int64_t n, float *y) {
     if (n != 2 * QUANT_QK_K) {
@@ -2909,8 +2892,8 @@ QUANT_AVX2_WRAP(quant_dot_iq4_xs_avx2, quant_avx2_k(GGUF_TYPE_IQ4_XS, w, act, n)
 QUANT_AVX2_WRAP(quant_dot_iq3_xxs_avx2, quant_avx2_k(GGUF_TYPE_IQ3_XXS, w, act, n))
 QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
 
-/* One row with nc columns in passes of NCOL (4), each pass size a constant so column loops unroll,
- * accumulators in registers (3 leftover columns go as 2 + 1: a kernel copy fewer to compile);
+/* One row with nc columns in passes of NCOL (4), each pass size constant so column loops unroll,
+ * accumulators in registers (3 leftover columns go as 2 + 1: one kernel copy fewer to compile);
  * KERNEL(type, w, acts, stride, n, y, ys, NC) computes NC columns (AVX-512 kernels too). */
 #define QUANT_COLUMNS_FIXED(name, target, kernel, type, ncol) \
     static target void name(const void *w, const uint8_t *acts, size_t stride, int nc, int64_t n, \
@@ -2921,7 +2904,7 @@ QUANT_AVX2_WRAP(quant_dot_iq3_s_avx2, quant_avx2_k(GGUF_TYPE_IQ3_S, w, act, n))
         if (nc & 1) kernel(type, w, acts + (size_t)(nc - 1) * stride, stride, n, y + (size_t)(nc - 1) * ys, ys, 1); \
     }
 
-/* COLI_ROLLED builds pass the pass size at run time, and the single-column dot is the multi-column
+/* COLI_ROLLED builds pass the pass size at run time, the single-column dot being the multi-column
  * kernel's one-column call: one copy of each kernel, not four (same bits; test_quant's sanitizer
  * build ~19 s, fixed sizes at both levels ~29). */
 #ifdef COLI_ROLLED
@@ -2966,8 +2949,8 @@ QUANT_AVX2_COLUMNS(quant_dot_q5_1_avx2, quant_avx2_legacy, GGUF_TYPE_Q5_1)
 QUANT_AVX2_COLUMNS(quant_dot_iq4_nl_avx2, quant_avx2_legacy, GGUF_TYPE_IQ4_NL)
 QUANT_AVX2_COLUMNS(quant_dot_mxfp4_avx2, quant_avx2_legacy, GGUF_TYPE_MXFP4)
 
-/* NC columns of a K or IQ row: quant_avx2_k_cols; one column through quant_avx2_k (its steps,
- * nothing held between decode and use). */
+/* NC columns of a K or IQ row: quant_avx2_k_cols; one column: quant_avx2_k (its steps, nothing held
+ * between decode and use). */
 QUANT_AVX2_INLINE void quant_avx2_k_n(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int64_t n,
                                       float *y, size_t ys, int NC) {
     if (NC == 1) *y = quant_avx2_k(t, w, acts, n);
@@ -2996,15 +2979,15 @@ QUANT_AVX2_ROWS(quant_dotr_iq3_xxs_avx2, GGUF_TYPE_IQ3_XXS)
 QUANT_AVX2_ROWS(quant_dotr_iq3_s_avx2, GGUF_TYPE_IQ3_S)
 
 /* ---- AVX-512 kernels (VNNI): same units, same float steps ----
- * Block formats also come multi-column (quant_dotn): each weight block decodes once for up to
- * QUANT_NCOL act columns, each through exactly the single-column steps: matmat gives matvec's bits.
- * Only AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the IQ3_XXS lookup and MXFP4 unpack,
- * but Cascade Lake and Cooper Lake (VNNI without VBMI) lack them. */
+ * Block formats also come multi-column (quant_dotn): a weight block decodes once for up to
+ * QUANT_NCOL act columns, each by exactly the single-column steps: matmat gives matvec's bits. Only
+ * AVX512F/BW/VL/VNNI: VBMI's byte permutes would shorten the IQ3_XXS lookup and MXFP4 unpack, but
+ * Cascade Lake and Cooper Lake (VNNI, no VBMI) lack them. */
 #define QUANT_AVX512_INLINE static inline __attribute__((always_inline, \
     target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* Columns per pass of the multi-column kernels: the legacy kernel's 4 x 4 integer and 4 x 2 float
+/* Columns per pass of multi-column kernels: the legacy kernel's 4 x 4 integer and 4 x 2 float
  * accumulators and decoded weights then fill the 32 zmm registers. */
 #define QUANT_NCOL 4
 
@@ -3064,10 +3047,10 @@ QUANT_AVX512_INLINE __m512 quant_avx512_e8m0_half(__m512i g) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, small, subnormal));
 }
 
-/* Word permutes, not a gather, for the fields of 16 Q4_1, Q5_0, Q5_1 or Q8_0 blocks, through
- * 128-byte windows at 0, 128, ... (the last ends with the group: no load leaves it). F = 0: block
- * k's d in word k, Q4_1's, Q5_1's min in word 16 + k; F = 1: Q5_0's, Q5_1's block k qh in dword k.
- * Made once, at quant_set_level. */
+/* Word permutes, not a gather, for the fields of 16 Q4_1, Q5_0, Q5_1 or Q8_0 blocks, via 128-byte
+ * windows at 0, 128, ... (the last ends with the group: no load leaves it). F = 0: block k's d in
+ * word k, Q4_1/Q5_1 min in word 16 + k; F = 1: Q5_0/Q5_1 block k's qh in dword k. Made once, at
+ * quant_set_level. */
 static struct quant_group_words { int16_t idx[32]; uint32_t from[5 /* Q8_0's 544 bytes */]; int windows; } quant_group_words[GGUF_TYPE_COUNT][2];
 
 QUANT_SHARED_INLINE int quant_group_window_at(int bb, int w) { return 128 * w < 16 * bb - 128 ? 128 * w : 16 * bb - 128; }
@@ -3107,7 +3090,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_group_words(enum gguf_type t, int f, co
 }
 
 /* Scales of the 16 blocks at B of Q4_0 or IQ4_NL (fp16, word 9k of the group) or MXFP4 (E8M0, byte
- * 17k) by two word permutes of two loads each (blocks 0-7 from the start, 8-15 from byte 144, MXFP4
+ * 17k): two word permutes of two loads each (blocks 0-7 from the start, 8-15 from byte 144, MXFP4
  * 136), not a gather (~13 cycles). */
 QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t *b) {
     const int mx = t == GGUF_TYPE_MXFP4, second = mx ? 136 : 144;
@@ -3125,10 +3108,10 @@ QUANT_AVX512_INLINE __m512 quant_avx512_scales16(enum gguf_type t, const uint8_t
     return quant_avx512_e8m0_half(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(e)));
 }
 
-/* The 4 legacy blocks' unsigned quants at b (QUAD of a group with qh dwords QHS, for Q5_0/Q5_1), a
- * block a 128-bit lane: elements 0-15 in *lo, 16-31 in *hi. Q8_0 and the table formats (IQ4_NL,
- * MXFP4) are offset by 128 (caller subtracts 128 * Σx, as 8 or 16 for Q4_0/Q5_0): vpdpbusd
- * (unsigned x signed) serves all. */
+/* 4 legacy blocks' unsigned quants at b (QUAD of a group with qh dwords QHS, for Q5_0/Q5_1), a
+ * block a 128-bit lane: elements 0-15 in *lo, 16-31 in *hi. Q8_0 and table formats IQ4_NL, MXFP4
+ * offset by 128 (caller subtracts 128 * Σx, as 8 or 16 for Q4_0/Q5_0): vpdpbusd (unsigned x signed)
+ * serves all. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_t *b, int bb, __m512i qhs, int quad,
                                                   __m512i *lo, __m512i *hi) {
     if (t == GGUF_TYPE_Q8_0) {
@@ -3160,7 +3143,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     }
     if (five) {
         /* qh bit j is element j's fifth bit (0-15 to lo, 16-31 to hi). A dword permute of QHS puts
-         * a block's qh four times in its lane; a byte shuffle gives byte i the qh byte with element
+         * a block's qh 4 times in its lane; a byte shuffle gives byte i the qh byte with element
          * i's bit; a test picks it. */
         const __m512i q = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                                                     _mm512_set1_epi32(4 * quad)), qhs);
@@ -3174,7 +3157,7 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_quad(enum gguf_type t, const uint8_
     *hi = h;
 }
 
-/* Lane u = sum of block u's 4 int32, q[j] holding blocks 4j..4j+3 in its 128-bit lanes (two unpack
+/* Lane u = sum of block u's 4 int32; q[j] holds blocks 4j..4j+3 in its 128-bit lanes (two unpack
  * rounds leave block 4j+k in lane 4k+j; the permute undoes it). */
 QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
     __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(q[0], q[1]), _mm512_unpackhi_epi32(q[0], q[1]));
@@ -3184,7 +3167,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_quad_sums(const __m512i *q) {
 }
 
 /* 16 blocks' 512 act quants at QX in legacy_quad's lane order: xl[k], xh[k] pair with quad k's lo,
- * hi. IN_LANES: QX is already so (quant_act_to_lanes). */
+ * hi. IN_LANES: QX already so (quant_act_to_lanes). */
 QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes, __m512i *xl, __m512i *xh) {
     QUANT_UNROLL(4)
     for (int k = 0; k < 4; k++) {
@@ -3194,10 +3177,10 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_acts(const int8_t *qx, int in_lanes
     }
 }
 
-/* An act for this level's legacy kernels, each whole group of 16 blocks' quants in legacy_acts'
- * lane order (every 128 bytes: 4 blocks' first halves, then their second), the rest unchanged:
- * kernels load them as they are, saving each row and column two lane shuffles per 128. Integer sums
- * pair the same bytes: same bits. */
+/* An act for this level's legacy kernels: each whole group of 16 blocks' quants in legacy_acts'
+ * lane order (every 128 bytes: 4 blocks' first halves, then second), the rest unchanged; kernels
+ * load it as is, saving each row and column two lane shuffles per 128. Integer sums pair the same
+ * bytes: same bits. */
 static QUANT_AVX512 void quant_act_to_lanes_avx512(enum gguf_type t, const void *act, int64_t n, void *out) {
     const int8_t *qx = act;
     int8_t *o = out;
@@ -3242,8 +3225,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_group(enum gguf_type t, const uint8
     }
 }
 
-/* How far T's quants sit above the signed ones, as a shift (0: none): the caller takes off Σx <<
- * shift (Q4_0 8, Q5_0 16, legacy_quad's offset ones 128). */
+/* How far T's quants sit above signed ones, as a shift (0: none): caller takes off Σx << shift
+ * (Q4_0 8, Q5_0 16, legacy_quad's offset ones 128). */
 QUANT_AVX512_INLINE int quant_avx512_legacy_shift(enum gguf_type t) {
     const int offset128 = t == GGUF_TYPE_Q8_0 || t == GGUF_TYPE_IQ4_NL || t == GGUF_TYPE_MXFP4;
     return t == GGUF_TYPE_Q4_0 ? 3 : t == GGUF_TYPE_Q5_0 ? 4 : offset128 ? 7 : 0;
@@ -3269,8 +3252,8 @@ QUANT_AVX512_INLINE __m512 quant_avx512_legacy_sd(enum gguf_type t, const struct
     return t == GGUF_TYPE_Q4_1 || t == GGUF_TYPE_Q5_1 ? _mm512_loadu_ps(a->sd + b) : _mm512_setzero_ps();
 }
 
-/* quant_avx2_legacy at this level, 16 blocks a group: a vector of unit results into accumulator g %
- * 2 (partials b % 32); tails: scalar units. */
+/* quant_avx2_legacy at this level, 16 blocks a group: unit results vector into accumulator g % 2
+ * (partials b % 32); scalar units for tails. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_dot(enum gguf_type t, int in_lanes, const uint8_t *w, const uint8_t *acts,
                                                  size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3322,8 +3305,8 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_in_lanes(enum gguf_type t, const ui
     quant_avx512_legacy_dot(t, 1, w, acts, stride, n, y, ys, NC);
 }
 
-/* quant_avx512_reduce(v[i], 0) for 4 rows at once, row i's sum in lane i: the same adds, rows side
- * by side in a vector. */
+/* quant_avx512_reduce(v[i], 0) of 4 rows at once, row i's sum in lane i: the same adds, rows side
+ * by side. */
 QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
     const __m512 z = _mm512_setzero_ps(), a0 = _mm512_add_ps(v[0], z), a1 = _mm512_add_ps(v[1], z);
     const __m512 a2 = _mm512_add_ps(v[2], z), a3 = _mm512_add_ps(v[3], z);
@@ -3338,8 +3321,8 @@ QUANT_AVX512_INLINE __m128 quant_avx512_reduce4(const __m512 *v) {
 }
 
 /* Legacy rows kernel: rows of 16 blocks (the 35B-A3B's expert and shared-expert down products) 4 at
- * a time, the act's lanes ordered once for all, 4 butterflies in one (quant_avx512_reduce4; a dot
- * per row paid both each row). Other lengths go a row at a time through DOT. IN_LANES: act from
+ * a time, act lanes ordered once for all, 4 butterflies in one (quant_avx512_reduce4; a dot per row
+ * paid both per row). Other lengths go a row at a time via DOT. IN_LANES: act from
  * quant_act_to_lanes, DOT a kernel for such acts. */
 QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes, quant_dot_fn dot, const uint8_t *w, size_t rb,
                                                   int nrows, const void *act, int64_t n, float *y) {
@@ -3368,14 +3351,13 @@ QUANT_AVX512_INLINE void quant_avx512_legacy_rows(enum gguf_type t, int in_lanes
     }
 }
 
-/* A K-like super-block decoded for the column loop: q[k] the unsigned quants of elements
- * 64k..64k+63 (IQ4_XS, IQ3_XXS, IQ3_S: magnitudes, bit i of neg[k] set where element 64k+i is
- * negative), sc[k] the int16 scale of each vpmaddubsw pair of q[k]; m multiplies the act's 16 bsums
- * (Q4_K/Q5_K: each 32-min twice; Q2_K: the 16 mins; Q6_K, Q3_K: the 16 scales, for the offset of 32
- * or 4; unused by IQ formats in element order). An act in decode order (QUANT_DECODE_REORDERED)
- * changes which elements a register holds; an IQ3 decode in coordinate planes keeps scales as
- * dwords in sc[0] (quant_avx512_iq3_planes_dot), an IQ4_XS one in nibble order values + 128, block
- * scales as dwords in sc[0..1] and as words in m for the 128 offset
+/* K-like super-block decoded for the column loop: q[k] unsigned quants of elements 64k..64k+63
+ * (IQ4_XS, IQ3_XXS, IQ3_S: magnitudes; bit i of neg[k]: element 64k+i negative), sc[k] int16 scale
+ * of each vpmaddubsw pair of q[k]; m multiplies the act's 16 bsums (Q4_K/Q5_K: each 32-min twice;
+ * Q2_K: 16 mins; Q6_K, Q3_K: 16 scales, for offset 32 or 4; IQ in element order: unused). An act in
+ * decode order (QUANT_DECODE_REORDERED) changes which elements a register holds; IQ3 in coordinate
+ * planes keeps scales as dwords in sc[0] (quant_avx512_iq3_planes_dot); IQ4_XS in nibble order:
+ * values + 128, block scales as dwords in sc[0..1], words in m for the 128 offset
  * (quant_avx512_iq4xs_nibbles_dot). */
 struct quant_avx512_kblock { __m512i q[4], sc[4]; __m256i m; __mmask64 neg[4]; };
 
@@ -3387,7 +3369,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_widx(int base, int per) {
 }
 
 /* quant_k4_unpack's 8 scales (result bytes 0-7) and 8 mins (bytes 8-15) in vector form; the 16-byte
- * load's 4 quant bytes past the 12 packed ones are masked off. */
+ * load's 4 quant bytes past the 12 packed masked off. */
 QUANT_AVX512_INLINE __m128i quant_avx512_k4_fields(const uint8_t *packed) {
     const __m128i v = _mm_loadu_si128((const __m128i *)packed);
     /* u0 u2 u1 u2>>4: low 6 bits of scales 0-3, low 4 of scales 4-7, then the mins' */
@@ -3412,11 +3394,11 @@ QUANT_AVX512_INLINE __m512i quant_gfni_move(int s0, int s1, int i) {
 
 #define QUANT_TERNLOG_AND_OR 0xEC /* vpternlogd's table for (A & C) | B */
 
-/* Q4_K/Q5_K super-block. quant_avx512_k4_fields' scales and mins become words by vpshufb (index
- * byte i, then 0x80: zero high byte), beating scalar quant_k4_unpack and word permutes. A 64-byte
- * load's low nibbles are sub-blocks 4h, 4h + 2, high ones 4h + 1, 4h + 3: NIBBLES (act 32-blocks so
- * ordered, quant_avx512_nibble_order) keeps them, else two lane shuffles restore order. GFNI with
- * NIBBLES: fifth bits to bit 4, or-ed in with the mask in one op. */
+/* Q4_K/Q5_K super-block. vpshufb makes quant_avx512_k4_fields' scales and mins words (index byte i,
+ * then 0x80: zero high byte), beating scalar quant_k4_unpack and word permutes. A 64-byte load's
+ * low nibbles are sub-blocks 4h, 4h + 2, high ones 4h + 1, 4h + 3: NIBBLES (act 32-blocks so
+ * ordered, quant_avx512_nibble_order) keeps that, else two lane shuffles restore order. GFNI with
+ * NIBBLES: fifth bits to bit 4 and or-ed in with the mask, one op. */
 QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, int nibbles, int gfni, struct quant_avx512_kblock *k) {
     const __m512i fields = _mm512_broadcast_i32x4(quant_avx512_k4_fields(b + 4));
     /* each min twice (two bsums per 32-block) */
@@ -3456,7 +3438,7 @@ QUANT_AVX512_INLINE void quant_avx512_q45k_decode(const uint8_t *b, int five, in
 
 /* A super-block's 16 group scales (SC, int16) as word multipliers of its 4 registers of 64 values:
  * lane L of register j is group 4j + L. A word permute puts groups L, 4 + L, 8 + L, 12 + L in lane
- * L, then an in-lane byte shuffle makes each register (beats a word permute each: README). */
+ * L, then an in-lane byte shuffle per register (beats a word permute each: README). */
 QUANT_AVX512_INLINE void quant_avx512_group_scales(__m256i sc, __m512i out[4]) {
     int16_t ix[32];
     for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i % 8 < 4 ? 4 * (i % 8) + i / 8 : 0);
@@ -3483,9 +3465,9 @@ QUANT_AVX512_INLINE void quant_avx512_q6k_decode(const uint8_t *b, struct quant_
     k->m = sc;
 }
 
-/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: hmask bit as third bit) super-block. q[j]: half j /
- * 2's 32 quant bytes (elements 128 (j / 2) on) shifted by 4 (j % 2) in its low 256 bits, by 2 more
- * in its high: quant_q23k_quants' element order. */
+/* Q2_K (quants 0..3) or Q3_K (quants + 4, 0..7: hmask bit third) super-block. q[j]: half j / 2's 32
+ * quant bytes (elements 128 (j / 2) on) shifted by 4 (j % 2) in its low 256 bits, 2 more in its
+ * high: quant_q23k_quants' element order. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_decode(enum gguf_type t, const uint8_t *b, struct quant_avx512_kblock *k) {
     const int three = t == GGUF_TYPE_Q3_K;
     __m256i sc;
@@ -3521,12 +3503,12 @@ QUANT_AVX512_INLINE void quant_avx512_iq_scales(__m256i s8, struct quant_avx512_
     for (int j = 0; j < 4; j++) k->sc[j] = _mm512_permutexvar_epi16(quant_avx512_widx(2 * j, 16), s16);
 }
 
-/* IQ4_XS super-block: 6-bit scales less 32 (quant_iq4xs_scale), IQ4_NL table values. A block's 16
- * bytes hold elements 0-15 in the low nibbles, 16-31 in the high: a 64-byte load's low nibbles are
- * 4 blocks' first halves, its high ones their second. NIBBLES (act so ordered,
- * quant_avx512_nibble_order) keeps them so, as values + 128 (quant_avx512_iq4xs_nibbles_dot), sc[h]
- * each lane's block scale as dwords, m each 16-group's as words; else magnitudes and signs (codes
- * 0-7 are the negative values), one permute per 2 blocks putting both in element order. */
+/* IQ4_XS super-block: 6-bit scales less 32 (quant_iq4xs_scale), IQ4_NL values. A block's 16 bytes:
+ * elements 0-15 in low nibbles, 16-31 in high; so a 64-byte load's low nibbles are 4 blocks' first
+ * halves, high ones their second. NIBBLES (act so ordered, quant_avx512_nibble_order) keeps that,
+ * as values + 128 (quant_avx512_iq4xs_nibbles_dot), sc[h] each lane's block scale as dwords, m each
+ * 16-group's as words; else magnitudes and signs (codes 0-7 negative), a permute per 2 blocks
+ * putting both in element order. */
 QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles, struct quant_avx512_kblock *k) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), b3 = _mm512_set1_epi8(0x08);
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_iq4nl_values));
@@ -3561,10 +3543,10 @@ QUANT_AVX512_INLINE void quant_avx512_iq4xs_decode(const uint8_t *b, int nibbles
 }
 
 /* IQ3_XXS lattice points of the 32 index bytes at Q (elements 0-63 in *lo, 64-127 in *hi) from
- * registers, not memory (gathering 16 table words is slow): each index's key (quant_iq3xxs_keys,
- * 256 words in KEYS[8]: four two-register permutes, picked by the index's top 2 bits) gives
- * coordinates 0-1's levels (key bits 0-5) and 2-3's (bits 6-11) from the 64 level pairs in
- * PAIRS[2]; two more permutes interleave them. */
+ * registers, not memory (gathering 16 table words is slow): an index's key (quant_iq3xxs_keys, 256
+ * words in KEYS[8]: four two-register permutes, picked by its top 2 bits) gives the levels of
+ * coordinates 0-1 (key bits 0-5) and 2-3 (bits 6-11) from the 64 level pairs in PAIRS[2]; two
+ * permutes interleave them. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_points(const uint8_t *q, const __m512i *keys, const __m512i *pairs,
                                                     __m512i *lo, __m512i *hi) {
     const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
@@ -3595,10 +3577,10 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_pairs(__m512i *pairs) {
     }
 }
 
-/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: decodes look points and
- * signs up by VBMI byte permutes and split sign bits by BITALG's bit shuffle. Those four
- * instructions are asm: GCC inlines a function only into one whose target includes the callee's, so
- * VBMI kernels could not use AVX-512 ones. */
+/* The avx512vbmi level's IQ3 kernels are the AVX-512 ones with VBMI set: decodes look up points and
+ * signs by VBMI byte permutes, split sign bits by BITALG's bit shuffle. Those four instructions are
+ * asm: GCC inlines a function only into one whose target includes the callee's, so VBMI kernels
+ * could not use AVX-512 ones. */
 
 /* VPERMB: result byte i = TABLE[IDX[i] & 63]. */
 QUANT_AVX512_INLINE __m512i quant_vbmi_permute(__m512i idx, __m512i table) {
@@ -3636,8 +3618,8 @@ QUANT_AVX512_INLINE __mmask64 quant_mask_at(const uint8_t *p) {
 
 /* The 4 coordinate planes C of 64 IQ3 points by VBMI: index bytes IDX (bit 8 in BIT8 for IQ3_S's
  * 512 points) look up both pair planes (NP registers each: quant_iq3xxs_pairs or quant_iq3s_pairs),
- * 128 entries a permute; VALUES turns nibbles into levels (vpshufb: their bit 3 is clear, so a
- * nibble shifted in from the next byte never sets bit 7). Plane j's byte i: point i's coordinate j. */
+ * 128 entries a permute; VALUES maps nibbles to levels (vpshufb: their bit 3 is clear, so a nibble
+ * shifted in from the next byte never sets bit 7). Plane j's byte i: point i's coordinate j. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit8, const uint8_t *planes, int np, __m128i values, __m512i *c) {
     const __m512i vt = _mm512_broadcast_i32x4(values);
     const __mmask64 bit7 = _mm512_movepi8_mask(idx);
@@ -3656,11 +3638,11 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_lookup(__m512i idx, __mmask64 bit
     }
 }
 
-/* An IQ3 super-block's 64 points into k->q by quant_avx512_iq3_vbmi_lookup of the index bytes at QS
- * (bit 8 from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane j is element 4i +
- * j. IN_PLANES keeps them so (act in that order, quant_avx512_plane_order); else coordinates
- * interleave lane by lane, indices first permuted to land them in element order: position 16L +
- * 4j + i takes point 16j + 4L + i. */
+/* An IQ3 super-block's 64 points into k->q by quant_avx512_iq3_vbmi_lookup of index bytes QS (bit 8
+ * from the 64 bits at QH for IQ3_S; QH NULL for IQ3_XXS): byte i of plane j is element 4i + j.
+ * IN_PLANES keeps that (act so ordered, quant_avx512_plane_order); else coordinates interleave lane
+ * by lane, indices permuted first to land in element order: position 16L + 4j + i takes point 16j +
+ * 4L + i. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const uint8_t *qh, const uint8_t *planes, int np,
                                                       __m128i values, int in_planes, struct quant_avx512_kblock *k) {
     static const uint8_t order[64] __attribute__((aligned(64))) = {
@@ -3690,8 +3672,8 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_vbmi_points(const uint8_t *qs, const u
     k->q[3] = _mm512_unpackhi_epi16(w_hi, u_hi);
 }
 
-/* quant_iq_signs' sign bytes for an IQ3_XXS super-block's 8 words of signs and scales
- * (quant_iq_values): 7 bits each spread to a byte, parity as bit 7. */
+/* quant_iq_signs' sign bytes for an IQ3_XXS super-block's 8 sign-and-scale words (quant_iq_values):
+ * 7 bits each spread to a byte, parity as bit 7. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     __m256i f = _mm256_and_si256(aux, _mm256_set1_epi32(0x7f));
     f = _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7f00)));
@@ -3704,10 +3686,10 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3xxs_signs(__m256i aux) {
     return _mm256_or_si256(f, _mm256_and_si256(_mm256_slli_epi32(p, 7), _mm256_set1_epi32((int)0x80808080u)));
 }
 
-/* Sign masks and scales of an IQ3 super-block decoded in coordinate planes, from its 256 sign bits
- * S (element order) and 32-block scales S8: bit i of k->neg[j] is element 4i + j's sign (S's dword
- * q widened to qword q holds elements 32q..32q+31, so point i's are in qword i / 8, at 4 (i % 8) +
- * j); dword l of k->sc[0] scales points 4l..4l+3, block l / 2. */
+/* Sign masks and scales of an IQ3 super-block in coordinate planes, from its 256 sign bits S
+ * (element order) and 32-block scales S8: bit i of k->neg[j] is element 4i + j's sign (S's dword q
+ * widened to qword q holds elements 32q..32q+31: point i's in qword i / 8, at 4 (i % 8) + j); dword
+ * l of k->sc[0] scales points 4l..4l+3, block l / 2. */
 QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i s8, struct quant_avx512_kblock *k) {
     const __m512i w = _mm512_cvtepu32_epi64(s);
     QUANT_UNROLL(4)
@@ -3716,7 +3698,7 @@ QUANT_AVX512_INLINE void quant_avx512_iq3_plane_signs_scales(__m256i s, __m256i 
 }
 
 /* quant_avx512_iq3xxs_signs by VBMI for AUX's 16 words: VPMULTISHIFTQB takes the 8 bits at each
- * field's offset (0, 7, 14, 21 a word), whose 7 low bits index quant_iq_sign_table (VPERMI2B
+ * field's offset (0, 7, 14, 21 a word), their 7 low bits indexing quant_iq_sign_table (VPERMI2B
  * ignores bit 7): faster than shifts and parity. */
 QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
     const __m512i f = quant_vbmi_multishift(_mm512_set1_epi64(0x352e2720150e0700), aux);
@@ -3725,8 +3707,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_iq3xxs_signs_vbmi(__m512i aux) {
 }
 
 /* IQ3_XXS super-block: lattice points (quant_avx512_iq3xxs_points, or VBMI's, in planes where
- * IN_PLANES says); each element's sign bit from its sign byte; quant_iq_isum_scalar's scales 2s +
- * 1. */
+ * IN_PLANES says); an element's sign bit from its sign byte; quant_iq_isum_scalar's scales 2s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m256i aux = _mm256_loadu_si256((const __m256i *)(b + 66));
     const __m256i scales = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
@@ -3754,10 +3735,9 @@ QUANT_AVX512_INLINE void quant_avx512_iq3xxs_decode(const uint8_t *b, int vbmi, 
 }
 
 /* IQ3_S super-block: grid points by VBMI byte permutes (quant_avx512_iq3_vbmi_points, in coordinate
- * planes where IN_PLANES says), else 16 a register by a gather from quant_iq3s_grid (512 words: too
- * many to keep in registers like IQ3_XXS's keys), indexed by the qs bytes, qh bits as bit 8 (group
- * m of a pair of 32-blocks: bit m of their two qh bytes); a sign bit per element, in order, as the
- * 64-bit masks; scales 2 s + 1. */
+ * planes if IN_PLANES), else 16 a register gathered from quant_iq3s_grid (512 words: too many for
+ * registers, unlike IQ3_XXS's keys) by qs bytes, qh bits as bit 8 (group m of a 32-block pair: bit
+ * m of their two qh bytes); a sign bit per element, in order, as 64-bit masks; scales 2 s + 1. */
 QUANT_AVX512_INLINE void quant_avx512_iq3s_decode(const uint8_t *b, int vbmi, int in_planes, struct quant_avx512_kblock *k) {
     const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t packed;
@@ -3812,8 +3792,8 @@ QUANT_AVX512_INLINE void quant_avx512_kdecode(enum gguf_type t, int how, const u
     }
 }
 
-/* quant_avx512_kdot of an IQ3 super-block decoded in coordinate planes: dword l of the 4 planes'
- * products is points 4l..4l+3, all of one 32-block: one multiply by its scale. */
+/* quant_avx512_kdot of an IQ3 super-block in coordinate planes: dword l of the 4 planes' products
+ * is points 4l..4l+3, all one 32-block's: one multiply by its scale. */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx512_kblock *k, const int8_t *qx) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(4)
@@ -3825,10 +3805,10 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq3_planes_dot(const struct quant_avx51
     return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
 }
 
-/* quant_avx512_kdot of an IQ4_XS super-block decoded in the act's nibble order: values + 128 as
- * vpdpbusd's unsigned operand, so lane L of registers 2h, 2h + 1 holds only block 4h + L's products
- * and one multiply applies its scale; less 128 times each block's scale times its act sum (two
- * 16-sums). An instruction a register fewer than signs and vpmaddubsw, no sign masks (README). */
+/* quant_avx512_kdot of an IQ4_XS super-block in the act's nibble order: values + 128 as vpdpbusd's
+ * unsigned operand, so lane L of registers 2h, 2h + 1 holds only block 4h + L's products, one
+ * multiply applying its scale; less 128 x block scale x its act sum (two 16-sums). One instruction
+ * a register fewer than signs and vpmaddubsw, no sign masks (README). */
 QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_avx512_kblock *k, const int8_t *qx, const int16_t *bs) {
     __m512i acc = _mm512_setzero_si512();
     QUANT_UNROLL(2)
@@ -3842,7 +3822,7 @@ QUANT_AVX512_INLINE __m256i quant_avx512_iq4xs_nibbles_dot(const struct quant_av
 }
 
 /* quant_avx2_k_ints for one column of a super-block decoded as HOW says, 8 lanes each (*is, *ms).
- * IQ signs apply to x: |x| <= 127, so a pair of products fits int16. */
+ * IQ signs go on x: |x| <= 127, so a product pair fits int16. */
 QUANT_AVX512_INLINE void quant_avx512_kdot(enum gguf_type t, int how, const struct quant_avx512_kblock *k, const int8_t *qx,
                                            const int16_t *bs, __m256i *is, __m256i *ms) {
     const int iq = t == GGUF_TYPE_IQ4_XS || t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S;
@@ -3887,9 +3867,8 @@ QUANT_AVX512_INLINE void quant_avx512_k_slot(enum gguf_type t, int how, const ui
         quant_avx512_kdot(t, how, &k, a[c].qs + (u + i) * QUANT_QK_K, a[c].bsums + (u + i) * 16, &is[c][i], &ms[c][i]);
 }
 
-/* quant_avx2_k_cols at this level: quant_avx2_k's order and float steps for each column (a short
- * group's empty lanes +0), each super-block decoded once for all columns as HOW says
- * (quant_avx512_kdecode). */
+/* quant_avx2_k_cols at this level: quant_avx2_k's order and float steps per column (a short group's
+ * empty lanes +0), a super-block decoded once for all columns as HOW says (quant_avx512_kdecode). */
 QUANT_AVX512_INLINE void quant_avx512_k_loop(enum gguf_type t, int how, const uint8_t *w, const uint8_t *acts,
                                              size_t stride, int64_t n, float *y, size_t ys, int NC) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -3938,7 +3917,7 @@ QUANT_AVX512_INLINE void quant_avx512vbmi_reordered_k(enum gguf_type t, const ui
     quant_avx512_k_loop(t, QUANT_DECODE_REORDERED | QUANT_DECODE_VBMI, w, acts, stride, n, y, ys, NC);
 }
 
-/* Lane L of a quant_avx512_k_rows group: super-block L % 2 of row L / 2, or zero past NR rows. */
+/* Lane L of a quant_avx512_k_rows group: super-block L % 2 of row L / 2; zero past NR rows. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, const uint8_t *wr, size_t rb, int bb,
                                                  struct quant_q8k_view a, int nr, int l, __m256i *is, __m256i *ms) {
     const int i = l / 2, k = l % 2;
@@ -3950,7 +3929,7 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_lane(enum gguf_type t, int how, cons
 }
 
 /* quant_avx2_pairs_group on the AVX-512 decode: NR (1..4) rows of 2 super-blocks from WR in lanes
- * 2 * row + unit, same float steps, row results to Y. The lane loop is unrolled (faster; the
+ * 2 * row + unit, same float steps, row results to Y. Lane loop unrolled (faster; the
  * several-column group stays rolled: README). */
 QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, struct quant_q8k_view a,
                                                   __m256 dx, int nr, float *y) {
@@ -3964,14 +3943,14 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_group(enum gguf_type t, int how, con
 
 /* ---- Q2_K, Q3_K and Q4_K rows two super-blocks at a time ----
  * One column against these rows is arithmetic-bound; a super-block at a time (quant_avx512_k_loop)
- * leaves 16 lanes of integer parts to sum before its float step. Here a register's low half holds
- * 32 quants of super-block u, its high the same 32 of u + 1, against an act so ordered once for the
- * rows (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8 super-blocks
- * reach their sums in one tree of unpacks, one shift serving a whole register. Exact sums,
- * quant_dot_k's float steps: same bits (README: Q5_K and IQ4_XS were slower so). */
+ * leaves 16 lanes of integer parts to sum before its float step. Here a register holds 32 quants of
+ * super-block u in its low half, the same 32 of u + 1 in its high, against an act so ordered once
+ * for the rows (quant_avx512_pair_act): a pair's parts come out 8 lanes each, a group's 8
+ * super-blocks summed by one tree of unpacks, a shift serving a register. Exact sums, quant_dot_k's
+ * float steps: same bits (README: Q5_K, IQ4_XS were slower so). */
 
-/* The Q8_K values of N elements at A (whole super-block pairs) in pair order at BUF: 32 values of
- * super-block 2p, then the same 32 of 2p + 1, and so on. */
+/* Q8_K values of N elements at A (whole super-block pairs) in pair order at BUF: 32 values of
+ * super-block 2p, then those 32 of 2p + 1, and so on. */
 QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, uint8_t *buf) {
     for (int64_t i = 0; i < n; i += 2 * QUANT_QK_K)
         for (int c = 0; c < 8; c++) {
@@ -3980,11 +3959,11 @@ QUANT_AVX512_INLINE void quant_avx512_pair_order(const uint8_t *a, int64_t n, ui
         }
 }
 
-/* Integer parts of the Q2_K or Q3_K super-blocks at B and B + BB against their act X (pair order)
- * and bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum (Q3_K:
- * quants as q + 4, less 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step j = 4h + k reads bits 2k of
- * half h's bytes: each super-block's groups 2j, 2j + 1, scaled from a lane each (one word permute)
- * by a byte shuffle. GFNI: Q3_K's as Q5_K's. */
+/* Integer parts of Q2_K or Q3_K super-blocks B and B + BB against their act X (pair order) and
+ * bsums BS, 8 lanes each (the first's in lanes 0-7): *IS sums to quant_dot_k's isum (Q3_K: quants
+ * as q + 4, less 4 Σ sc_g bsum_g), *MS to Q2_K's min term. Step j = 4h + k reads bits 2k of half
+ * h's bytes: each super-block's groups 2j, 2j + 1, scaled from a lane each (a word permute) by a
+ * byte shuffle. GFNI: Q3_K's as Q5_K's. */
 QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, const uint8_t *b, int bb, const int8_t *x, const int16_t *bs,
                                                 __m512i *is, __m512i *ms) {
     const int three = t == GGUF_TYPE_Q3_K;
@@ -4033,7 +4012,7 @@ QUANT_AVX512_INLINE void quant_avx512_q23k_pair(enum gguf_type t, int gfni, cons
 }
 
 /* quant_avx512_q23k_pair for Q4_K: register 2c + i holds 32-block 2c + i of both super-blocks
- * (quant chunk c's low nibbles for i = 0, high for 1); scales and mins are quant_avx512_k4_fields',
+ * (quant chunk c's low nibbles for i = 0, high for 1); scales, mins are quant_avx512_k4_fields',
  * the first super-block's in lanes 0-1, the second's in 2-3, taken out by byte shuffles. */
 QUANT_AVX512_INLINE void quant_avx512_q4k_pair(const uint8_t *b, int bb, const int8_t *x, const int16_t *bs, __m512i *is, __m512i *ms) {
     static const uint16_t mins[32] __attribute__((aligned(64))) = { /* lane L: mins 4 (L % 2).. (bytes 8..), each twice (two bsums) */
@@ -4069,7 +4048,7 @@ QUANT_AVX512_INLINE __m512i quant_avx512_lane_sums(const __m512i *v) {
 
 /* Fields at byte OFF of a group's super-blocks in pair-sum order (pair p's at WB + p * PS and BB
  * after; each pair's first, then second: a row's 0, 2, 4, 6, 1, 3, 5, 7), 0 from COUNT on; 32 bits
- * each (d and dmin) or 16 (Q3_K's d, low half). */
+ * (d and dmin) or 16 (Q3_K's d, low half). */
 #define QUANT_PAIR_FIELD(i, rd) ((i) < count ? (int)rd(wb + (i) / 2 * ps + (i) % 2 * bb + off) : 0)
 QUANT_AVX512_INLINE __m128i quant_avx512_pair_fields4(const uint8_t *wb, size_t ps, int bb, int off, int count, int first) {
     __m128i v = _mm_cvtsi32_si128(QUANT_PAIR_FIELD(first, quant_rd32));
@@ -4095,8 +4074,8 @@ QUANT_AVX512_INLINE __m256i quant_avx512_pair_fields(const uint8_t *wb, size_t p
 #undef QUANT_PAIR_FIELD
 
 /* Results of up to 4 super-block pairs in quant_avx512_pair_fields' order (WB, PS, BB, COUNT as
- * there; +0 from COUNT on): pair p against act X + p * XS with bsums BS + p * BSS (pair order), DX
- * the act's scales in result order. */
+ * there; +0 from COUNT on): pair p against act X + p * XS, bsums BS + p * BSS (pair order), DX the
+ * act's scales in result order. */
 QUANT_AVX512_INLINE __m256 quant_avx512_pair_results(enum gguf_type t, int gfni, const uint8_t *wb, size_t ps, int bb, const int8_t *x, size_t xs,
                                                      const int16_t *bs, size_t bss, __m256 dx, int count) {
     __m512i is[4], ms[4];
@@ -4153,8 +4132,8 @@ QUANT_AVX512_INLINE float quant_avx512_k_paired(enum gguf_type t, int gfni, cons
 }
 
 /* quant_avx2_pairs_group's rows of 2 super-blocks as pairs: NR (1..4) rows at W, RB bytes apart,
- * against act A (one pair, pair order); each row's result (partials 0 and 1 from +0, then their
- * sum, as the canonical order adds them) to Y. */
+ * against act A (a pair, pair order); a row's result (partials 0, 1 from +0, then their sum, as the
+ * canonical order adds them) to Y. */
 QUANT_AVX512_INLINE void quant_avx512_k_pair_rows(enum gguf_type t, int gfni, const uint8_t *w, size_t rb, int nr, const struct quant_q8k_view *a,
                                                   float *y) {
     const __m256 dx = _mm256_setr_ps(a->d[0], a->d[0], a->d[0], a->d[0], a->d[1], a->d[1], a->d[1], a->d[1]);
@@ -4196,9 +4175,9 @@ QUANT_AVX512_INLINE void quant_avx512_plane_order(const uint8_t *a, uint8_t *buf
     _mm512_store_si512(buf + 192, _mm512_shuffle_i64x2(t23, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* A copy at BUF of the Q8_K act of N elements for T weights, in the order the decode finds the
- * quants (QUANT_DECODE_REORDERED), so no lane shuffles: quant_avx512_nibble_order, or the IQ3
- * formats' quant_avx512_plane_order. Integer sums are exact in any order: same bits. */
+/* Copy at BUF of the Q8_K act of N elements for T weights, in the order the decode finds quants
+ * (QUANT_DECODE_REORDERED), so no lane shuffles: quant_avx512_nibble_order, or the IQ3 formats'
+ * quant_avx512_plane_order. Integer sums are exact in any order: same bits. */
 QUANT_AVX512_INLINE const void *quant_avx512_reorder_act(enum gguf_type t, const void *act, int64_t n, uint8_t *buf) {
     const uint8_t *a = act;
     if (t == GGUF_TYPE_IQ3_XXS || t == GGUF_TYPE_IQ3_S)
@@ -4216,11 +4195,11 @@ QUANT_AVX512_INLINE const void *quant_avx512_pair_act(enum gguf_type t, const vo
     return buf;
 }
 
-/* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, others one by
- * one through DOT (T's single-column kernel, VBMI or not as these). Rows of up to QUANT_REORDER_MAX
- * elements read the act reordered once for all NROWS rows: Q2_K, Q3_K, Q4_K of whole super-block
- * pairs in pair order (one-pair rows 4 at a time); other Q4_K, Q5_K, IQ4_XS rows, and IQ3 at VBMI,
- * in decode order (DOT_REORDERED: their single-column kernel for it). */
+/* quant_avx2_k_rows at this level: rows of 2 super-blocks 4 to a group of 8 lanes, others singly
+ * via DOT (T's single-column kernel, VBMI or not as these). Rows of <= QUANT_REORDER_MAX elements
+ * read the act reordered once for all NROWS rows: Q2_K, Q3_K, Q4_K of whole super-block pairs in
+ * pair order (one-pair rows 4 at a time); other Q4_K, Q5_K, IQ4_XS rows, and IQ3 at VBMI, in decode
+ * order (DOT_REORDERED: their single-column kernel for that). */
 QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_dot_fn dot, quant_dot_fn dot_reordered, const uint8_t *w,
                                              size_t rb, int nrows, const void *act, int64_t n, float *y) {
     _Alignas(64) uint8_t reordered[QUANT_REORDER_MAX + QUANT_REORDER_MAX / 64 + QUANT_REORDER_MAX / 8];
@@ -4249,8 +4228,8 @@ QUANT_AVX512_INLINE void quant_avx512_k_rows(enum gguf_type t, int vbmi, quant_d
     if (r < nrows) quant_avx512_pairs_group(t, how, w + (size_t)r * rb, rb, a, dx, nrows - r, y + r);
 }
 
-/* quant_avx512_pairs_group for NC (1..QUANT_NCOL) columns, acts STRIDE apart: each lane's
- * super-block decoded once for all, column c's row results to Y + c * YS. */
+/* quant_avx512_pairs_group for NC (1..QUANT_NCOL) columns, acts STRIDE apart: a lane's super-block
+ * decoded once for all, column c's row results to Y + c * YS. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how, const uint8_t *wr, size_t rb, const uint8_t *acts,
                                                        size_t stride, int nr, int NC, float *y, size_t ys) {
     const int bb = gguf_type_get(t)->block_bytes;
@@ -4278,9 +4257,9 @@ QUANT_AVX512_INLINE void quant_avx512_pairs_cols_group(enum gguf_type t, int how
     }
 }
 
-/* quant_pairs at this level: 4 rows by QUANT_NCOL columns at a time. One finish (float steps and
+/* quant_pairs at this level: 4 rows by QUANT_NCOL columns at a time. One finish (float steps,
  * butterfly in vector lanes) serves 4 rows: quant_dotn's per-row finish costs as much as a row's
- * two super-blocks. IQ4_XS columns first go into nibble order, BLOCK at a time, for
+ * two super-blocks. IQ4_XS columns first go to nibble order, BLOCK at a time, for
  * quant_avx512_iq4xs_nibbles_dot (README); Q4_K, Q5_K gained nothing so. */
 QUANT_AVX512_INLINE void quant_avx512_pairs_cols(enum gguf_type t, const uint8_t *w, size_t rb, int nrows, const uint8_t *acts,
                                                  size_t stride, int nc, float *y, size_t ys) {
@@ -4378,7 +4357,7 @@ static QUANT_AVX512 void quant_act_q8k_avx512(const float *x, int64_t n, void *a
 }
 
 /* x rounded to fp16 (F16C, nearest-even as quant_f32_to_f16) or bf16 (quant_f32_to_bf16's integer
- * steps), 16 at a time; the tail scalar. */
+ * steps), 16 at a time; tail scalar. */
 static QUANT_AVX512 void quant_act_round_avx512(enum gguf_type wtype, const float *x, int64_t n, float *f) {
     const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     int64_t i = 0;
@@ -4495,12 +4474,12 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 /* ---- Tiles: 16 rows by a batch of columns (AVX-512 VNNI) ----
  * A prompt's product runs every row against many columns. quant_dotn decodes a row once for 4
  * columns, then reduces each super-block's 16 integer lanes to a sum per column. A tile unpacks 16
- * rows once for all columns, rows in lanes (dword r of q[k] holds row r's elements 4k..4k+3): one
- * vpdpbusd adds 4 products for each of 16 rows, no lane sum, and quant_dot_k's float step and
- * partials (u % 32, then the 16,8,4,2,1 butterfly) run on 16 rows at once: same bits. Q8_0 and Q4_0
- * tiles do so per 32-element block (quant_legacy_units' float step). Few columns pay for the unpack
- * (rows into lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS and IQ3 tiles are 16 rows
- * interleaved (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
+ * rows once for all columns, rows in lanes (dword r of q[k]: row r's elements 4k..4k+3): a vpdpbusd
+ * adds 4 products for each of 16 rows, no lane sum; quant_dot_k's float step and partials (u % 32,
+ * then the 16,8,4,2,1 butterfly) run on 16 rows at once: same bits. Q8_0, Q4_0 tiles do so per
+ * 32-element block (quant_legacy_units' float step). Few columns pay for the unpack (rows into
+ * lanes, by transposes). Q4_K, Q5_K, Q2_K, Q3_K, IQ4_XS, IQ3 tiles are 16 rows interleaved
+ * (quant_tile_interleaved). Figures: README ("The tiles' figures"). */
 #define QUANT_TILE_ROWS 16    /* = OPS_ROW_CHUNK, a work item's rows */
 #define QUANT_TILE_NC 4       /* columns a pass: each weight vector loaded once for them */
 /* Columns from which the AVX-512 tiles beat quant_dotn and quant_pairs (README). */
@@ -4512,13 +4491,13 @@ QUANT_AVX512_PAIRS(quant_pairs_iq4_xs_avx512, GGUF_TYPE_IQ4_XS)
 #define QUANT_TILE_MIN_NC_LEGACY 16   /* Q8_0, Q4_0, IQ4_NL, MXFP4 */
 #define QUANT_TILE_MIN_NC_LEGACY_SHORT 12 /* their rows of up to 512 */
 
-/* One Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] row r's elements
- * 4k..4k+3 as vpdpbusd's unsigned bytes, + 128 (Q8_0; IQ4_NL's, MXFP4's table values) or as stored,
- * 0..15 (Q4_0: less 8), the offset taken off as that many times the act block's sum; d the scales. */
+/* A Q8_0, Q4_0, IQ4_NL or MXFP4 block of 16 rows unpacked: q[k][4r..4r+3] row r's elements 4k..4k+3
+ * as vpdpbusd's unsigned bytes, + 128 (Q8_0; IQ4_NL's, MXFP4's table values) or as stored, 0..15
+ * (Q4_0: less 8), the offset taken off as that many times the act block's sum; d the scales. */
 struct quant_legacy_tile { uint8_t q[8][64]; float d[16]; };
 
 /* A K super-block's bytes in a tile's scratch: quant_avx2_k_tile's (AVX2), more than 16 interleaved
- * rows take (AVX-512: quant_tile_interleaved). */
+ * rows' (AVX-512: quant_tile_interleaved). */
 #define QUANT_K_TILE_BYTES 5248
 
 /* Whether the AVX-512 legacy tile takes rows of T. */
@@ -4544,8 +4523,8 @@ QUANT_AVX512_INLINE __m512i quant_tile_field(__m512i v, int byte, int bits) {
 }
 
 /* Lane r of out[m] = dword m (< 8) of the 32 bytes at P + r * RB, 16 rows: an 8x8 dword transpose
- * in each 256-bit half (rows r, r + 4 share a register), then a lane shuffle an output: 40
- * operations, not 8 gathers. */
+ * per 256-bit half (rows r, r + 4 share a register), then a lane shuffle an output: 40 operations,
+ * not 8 gathers. */
 QUANT_AVX512_INLINE void quant_tile_transpose(const uint8_t *p, size_t rb, __m512i *out) {
     __m512i z[8], t[8], u[8];
     QUANT_UNROLL(8)
@@ -4596,7 +4575,7 @@ QUANT_AVX512_INLINE void quant_tile_transpose4(const uint8_t *p, size_t rb, __m5
 
 /* quant_k4_scale_min of sub-block J for 16 rows in lanes, from U0-U2 (dwords 1-3, bytes 4-15, of
  * each row's super-block): *SC the scale, *MN the min as int16 pair (m, m), for vpdpwssd against
- * the act's two 16-element sums making sub-block J's. */
+ * the act's two 16-element sums making J's. */
 QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2, int j, __m512i *sc, __m512i *mn) {
     const __m512i six = _mm512_set1_epi32(63), bs = quant_tile_field(u0, j % 4, 8), bm = quant_tile_field(u1, j % 4, 8);
     __m512i m;
@@ -4610,15 +4589,15 @@ QUANT_AVX512_INLINE void quant_tile_k4_field(__m512i u0, __m512i u1, __m512i u2,
     *mn = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
 }
 
-/* Partial PP (slot u % 32 of its column) plus R for unit U: a slot's first unit (u < 32) is added
- * to +0 without reading the slot, so no pass clears partials first (memsets cost time: README); 0 +
- * r turns -0 into +0 as before. */
+/* Partial PP (slot u % 32 of its column) plus R for unit U: a slot's first unit (u < 32) adds to +0
+ * without reading the slot, so no pass clears partials first (memsets cost time: README); 0 + r
+ * turns -0 into +0 as before. */
 QUANT_AVX512_INLINE void quant_tile_partial_add(float *pp, int64_t u, __m512 r) {
     _mm512_storeu_ps(pp, _mm512_add_ps(u < QUANT_NPART ? _mm512_setzero_ps() : _mm512_loadu_ps(pp), r));
 }
 
 /* Dword K (0..3) of the 16 bytes at X in every lane: one load for four dwords (a broadcast load
- * each bounded the tiles: README). A switch, as the shuffle needs a constant. */
+ * each bounded the tiles: README). A switch: the shuffle needs a constant. */
 QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
     switch (k) {
@@ -4630,7 +4609,7 @@ QUANT_AVX512_INLINE __m512i quant_tile_act_dword(const int8_t *x, int k) {
 }
 
 /* quant_dot_k's float step for super-block U of 16 rows in lanes (scales D, DMIN) and NC columns'
- * integer parts: each column's unit result added to P[c][u % 32]. */
+ * integer parts: a column's unit result added to P[c][u % 32]. */
 QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct quant_q8k_view *a, int64_t u, const __m512i *isum,
                                            const __m512i *msum, float (*p)[QUANT_NPART][16], int NC) {
     QUANT_UNROLL(4)
@@ -4644,8 +4623,8 @@ QUANT_AVX512_INLINE void quant_tile_k_step(__m512 d, __m512 dmin, const struct q
 
 /* The first CC columns' partials P (USED reached, the rest +0) summed by quant_reduce32's butterfly
  * into y[c * ys + r], skipping adds of partials from USED on: a partial (0 + r, then sums of such)
- * is never -0, so adding +0 changes no bit. Not inlined: that upset the callers' register
- * allocation (README). */
+ * is never -0, so adding +0 changes no bit. Not inlined: that upset callers' register allocation
+ * (README). */
 static QUANT_AVX512 __attribute__((noinline)) void quant_tile_finish(float (*p)[QUANT_NPART][16], int used, int cc, float *y, size_t ys) {
     for (int c = 0; c < cc; c++) {
         if (used <= 8) { /* rows of up to 8 units: in registers, +0 from USED on */
@@ -4678,8 +4657,8 @@ QUANT_SHARED_INLINE void quant_tile_prefetch_part(const uint8_t *w, size_t rb, i
 
 /* Block B of the 16 rows at W (RB bytes apart) of a Q8_0, Q4_0, IQ4_NL or MXFP4 matrix into T:
  * dword k of the block's quants gathered across rows (4-bit formats: dword m of their 16 bytes
- * holds elements 4m..4m+3 in the low nibbles, 16 + 4m.. in the high; IQ4_NL, MXFP4 looked up, +
- * 128); d from the block's first dword (fp16 in the low half, or MXFP4's E8M0 byte, as
+ * holds elements 4m..4m+3 in low nibbles, 16 + 4m.. in high; IQ4_NL, MXFP4 looked up, + 128); d
+ * from the block's first dword (fp16 in the low half, or MXFP4's E8M0 byte, as
  * quant_avx512_scales16 takes them). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, enum gguf_type type, int64_t b, struct quant_legacy_tile *t) {
     const __m512i rows = quant_tile_rows(rb);
@@ -4712,9 +4691,9 @@ QUANT_AVX512_INLINE void quant_legacy_tile_unpack(const uint8_t *w, size_t rb, e
 }
 
 /* Block B of a legacy tile against 4 columns: quant_legacy_units' unit, (dw * dx) * isum, for 16
- * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or 8)
- * times the act block's sum (all integers well inside int32: exact), in two parts (even, odd
- * steps): 8 vpdpbusd chains in flight, not 4 (README). */
+ * rows, added to each column's partial P[c][b % 32]. The integer sum starts at -OFFSET (128 or 8) x
+ * the act block's sum (integers well inside int32: exact), in two parts (even, odd steps): 8
+ * vpdpbusd chains in flight, not 4 (README). */
 QUANT_AVX512_INLINE void quant_legacy_tile_unit(const struct quant_legacy_tile *t, const struct quant_q8_view *a, int64_t b, int offset,
                                                 float (*p)[QUANT_NPART][16]) {
     __m512i s[2][QUANT_TILE_NC];
@@ -4757,19 +4736,19 @@ static QUANT_AVX512 void quant_tile_legacy_avx512(const uint8_t *w, size_t rb, e
 
 /* ---- Q4_K, Q5_K, Q6_K and Q4_0 tiles at AVX2 (and Q8_0, IQ4_NL, MXFP4 with AVX-VNNI): 16 rows by a batch of columns ----
  * The AVX-512 tile's layout (rows in lanes: dword r of q[k] holds row r's elements 4k..4k+3), 8
- * rows to a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's
- * steps add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants up to 31, 4 at a time),
- * then one vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn
- * (README). Q6_K's quants go in signed (q - 32) so 4 steps add in int16; Q4_0's 8 steps add in
- * int16, widened by a vpmaddwd by ones. With AVX-VNNI a step goes to int32 by one vpdpbusd
- * (quant_avx2_dpbusd), a K sub-block's sum scaled by vpmulld; only there do Q8_0, IQ4_NL, MXFP4
- * (bytes + 128, too wide for vpmaddubsw's int16 pairs) have a tile. Figures: README. */
+ * rows a vector. Without VNNI a vpmaddubsw gives each row two int16 pair sums; a sub-block's steps
+ * add in int16 (Q4_K all 8: 8 * 2 * 15 * 127 = 30480; Q5_K, quants up to 31, 4 at a time), then a
+ * vpmaddwd applies the 8 rows' scales: fewer multiplies and shuffles than quant_dotn (README).
+ * Q6_K's quants go in signed (q - 32) so 4 steps add in int16; Q4_0's 8 steps add in int16, widened
+ * by a vpmaddwd by ones. AVX-VNNI: a step to int32 by one vpdpbusd (quant_avx2_dpbusd), a K
+ * sub-block's sum scaled by vpmulld; only there do Q8_0, IQ4_NL, MXFP4 (bytes + 128, too wide for
+ * vpmaddubsw's int16 pairs) have a tile. Figures: README. */
 
 /* Columns from which the AVX2 tiles beat quant_dotn (README, the AVX2 tiles). */
 #define QUANT_AVX2_TILE_MIN_NC 4
 #define QUANT_AVX2_TILE_MIN_NC_LONG_K 12
 
-/* VEX vpdpbusd (AVX-VNNI): ACC plus, in each dword, the 4 products of U's unsigned bytes with S's
+/* VEX vpdpbusd (AVX-VNNI): ACC plus, per dword, the 4 products of U's unsigned bytes with S's
  * signed ones. Inline asm, so one kernel body built for plain AVX2 serves both CPU kinds behind a
  * constant flag: the intrinsic needs the avxvnni target on every function it inlines into, which
  * then may not run on AVX2 CPUs lacking it. Only where plat_cpu.avxvnni. */
@@ -4780,8 +4759,8 @@ QUANT_AVX2_INLINE __m256i quant_avx2_dpbusd(__m256i acc, __m256i u, __m256i s) {
 
 /* A super-block of 16 rows unpacked for the AVX2 tile: q[k][4r..4r+3] row r's elements 4k..4k+3
  * (low 8 rows in bytes 0-31, high in 32-63); sc[j], mn[j] sub-block j's scale and min as int16 pair
- * (v, v) in dword r, for vpmaddwd against its products' int16 pair sums and the act's pair of
- * 16-element sums; d, dmin as floats. */
+ * (v, v) in dword r, for vpmaddwd against its products' int16 pair sums and the act's 16-element
+ * sum pair; d, dmin as floats. */
 struct quant_avx2_k_tile { uint8_t q[64][64]; int16_t sc[8][32], mn[8][32]; float d[16], dmin[16]; };
 _Static_assert(sizeof(struct quant_avx2_k_tile) == QUANT_K_TILE_BYTES, "quant_tile_bytes counts either K tile");
 
@@ -4870,10 +4849,10 @@ QUANT_AVX2_INLINE void quant_avx2_k_float_step(__m256 d, __m256 dmin, const stru
     }
 }
 
-/* Super-block U of a tile's rows 8 HALF.. against 4 columns: each column's unit result
- * (quant_dot_k's float step) added to its partial P[c][u % 32] in those rows' lanes; PER (8 or 4)
- * steps' products add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in
- * int32 by quant_avx2_dpbusd, then a vpmulld by its scale: same integers. */
+/* Super-block U of a tile's rows 8 HALF.. against 4 columns: a column's unit result (quant_dot_k's
+ * float step) added to its partial P[c][u % 32] in those rows' lanes; PER (8 or 4) steps' products
+ * add in int16 before their scale multiply. VNNI: a sub-block's 8 steps add in int32 by
+ * quant_avx2_dpbusd, then vpmulld by its scale: same integers. */
 QUANT_AVX2_INLINE void quant_avx2_tile_unit(const struct quant_avx2_k_tile *t, int half, int per, int vnni, const struct quant_q8k_view *a,
                                             int64_t u, float (*p)[QUANT_NPART][16]) {
     __m256i isum[QUANT_TILE_NC], msum[QUANT_TILE_NC];
@@ -5076,8 +5055,8 @@ QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unpack(const uint8_t *w, size_t rb
 /* Block B of a legacy tile's rows 8 HALF.. against 4 columns, as quant_legacy_tile_unit in those
  * rows' lanes; OFFSET (Q4_0 8, others 128) comes off as that many times the act block's sum. Q4_0's
  * 8 steps (quants 0..15 as stored) add in int16 (8 * 2 * 15 * 127 = 30480), widened by a vpmaddwd;
- * VNNI: each step a quant_avx2_dpbusd into int32 (the only way for the others' bytes, up to 255,
- * whose pairs overflow int16). */
+ * VNNI: a quant_avx2_dpbusd a step into int32 (the only way for the others' bytes, up to 255, whose
+ * pairs overflow int16). */
 QUANT_AVX2_INLINE void quant_avx2_legacy_tile_unit(const struct quant_legacy_tile *t, int half, int vnni, int offset,
                                                    const struct quant_q8_view *a, int64_t b, float (*p)[QUANT_NPART][16]) {
     __m256i s[QUANT_TILE_NC];
@@ -5133,26 +5112,26 @@ static QUANT_AVX2 void quant_tile_legacy_avx2_vnni(const uint8_t *w, size_t rb, 
 }
 
 /* ---- Interleaved K-like rows (Q4_K to Q6_K, Q2_K, Q3_K, IQ4_XS; IQ3 with VBMI; AVX2 with AVX-VNNI: all but Q5_K, IQ3): 16 rows side by side ----
- * A tile turns 16 rows into lanes on every call, which one column (decode) cannot repay; there
+ * A tile turns 16 rows into lanes every call, which one column (decode) cannot repay; there
  * quant_dotr's instructions go mostly to unpacking scales and lane sums (README). So a matrix the
- * CPU owns (§8 model_own_trunk) is repacked in the same bytes (quant_interleave): per 16 rows and
- * super-block, a vector of 16 dwords per dword of the block, lane r from row r; one 64-byte load
+ * CPU owns (§8 model_own_trunk) is repacked in its bytes (quant_interleave): per 16 rows and
+ * super-block, a vector of 16 dwords per dword of the block, lane r from row r; a 64-byte load
  * masked to its low or high nibbles (with the format's high bits, or looked up) is vpdpbusd's
  * operand for 16 rows, and the tile's integer and float steps run on it: quant_dot_k's bits (faster
- * at one column and at 16: README). */
+ * at 1 column and at 16: README). */
 
 /* Prefetch distance: twice QUANT_PREFETCH, the kernel eating bytes twice as fast. */
 #define QUANT_INTERLEAVED_PREFETCH 8192
 
 /* Scale fields unpacked a super-block (quant_interleaved_fields), and the most super-blocks a row
- * they serve (24 KiB of stack: rows up to 4096). */
+ * they serve (24 KiB of stack: rows to 4096). */
 #define QUANT_FIELDS 24
 #define QUANT_FIELDS_MAX_NU 16
 
 /* A group's vpdpbusd operands kept for its later passes (64 vectors a super-block): the first pass
- * stores them as it decodes, the others load them. Pays from QUANT_KEPT_MIN_NC columns where
- * decoding costs more than loading (fifth and sixth bits, lookups, signs; not Q4_K's or Q2_K's mask
- * and shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
+ * stores them as it decodes, the rest load them. Pays from QUANT_KEPT_MIN_NC columns where decoding
+ * costs more than loading (fifth and sixth bits, lookups, signs; not Q4_K's or Q2_K's mask and
+ * shift, nor IQ4_XS's lookups, whose loads spilled registers): README. */
 #define QUANT_KEPT_MIN_NC 32
 #define QUANT_KEPT_BYTES ((size_t)QUANT_FIELDS_MAX_NU * 64 * 64)
 enum quant_kept { QUANT_KEPT_NONE, QUANT_KEPT_STORE, QUANT_KEPT_LOAD };
@@ -5194,8 +5173,8 @@ static int quant_interleaved_avx2_ok(enum gguf_type t) {
 }
 
 /* Whether a matrix of ROWS type-T rows has an interleaved form at this level. Q6_K's rows already
- * read at the bandwidth; its interleaved form, kept for a prompt's products, makes those faster
- * (one column no faster: README). */
+ * read at bandwidth; its interleaved form, kept for a prompt's products, speeds those (one column
+ * no faster: README). */
 static int quant_interleave_ok(enum gguf_type t, int64_t rows) {
     const int format = t == GGUF_TYPE_Q4_K || t == GGUF_TYPE_Q5_K || t == GGUF_TYPE_Q6_K || t == GGUF_TYPE_Q2_K || t == GGUF_TYPE_Q3_K ||
                        t == GGUF_TYPE_IQ4_XS || (quant_interleaved_iq3(t) && quant_level >= QUANT_LEVEL_AVX512VBMI); /* IQ3: VBMI lookups */
@@ -5221,7 +5200,7 @@ static int quant_interleaved_offset(enum gguf_type t, int k) {
  * the byte masks quant_interleaved_iq3_unit takes: at byte 64 * 16 + 8 (2 ib + h) the 9th bits of
  * half h of 32-block ib (mask bit 4r + k: row r's point 8 ib + 4h + k), at 64 (18 + ib) + 8 (4h +
  * j) its plane j signs (bit 4r + k: row r's element 32 ib + 16h + 4k + j). The bits the kernel's
- * bit shuffles made, in their order (README). */
+ * bit shuffles made, in order (README). */
 static void quant_iq3s_masks_scalar(uint8_t *v) {
     uint8_t out[10 * 64];
     for (int ib = 0; ib < 8; ib++)
@@ -5240,11 +5219,11 @@ static void quant_iq3s_masks_scalar(uint8_t *v) {
     memcpy(v + 64 * 16, out, sizeof out);
 }
 
-/* DST = type-T rows (RB bytes each) at SRC interleaved: per 16 rows and super-block, one vector of
- * 16 dwords (lane r from row r) per whole dword of the block, in quant_interleaved_offset's order.
- * A block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d last; IQ3_XXS: 98, IQ3_S: 110, d
- * first) leaves 2 bytes a row, the 16 rows' first in the group, 32 bytes a super-block, so a pass
- * reads them in its stream and every vector stays 64-byte aligned (rows of an even number of
+/* DST = type-T rows (RB bytes each) at SRC interleaved: per 16 rows and super-block, a vector of 16
+ * dwords (lane r from row r) per whole dword of the block, in quant_interleaved_offset's order. A
+ * block of not whole dwords (Q3_K: 110 bytes, Q6_K: 210, d last; IQ3_XXS: 98, IQ3_S: 110, d first)
+ * leaves 2 bytes a row, the 16 rows' first in the group, 32 bytes a super-block, so a pass reads
+ * them in its stream and every vector stays 64-byte aligned (rows of an even number of
  * super-blocks: every Qwen3.5/3.6 matrix). 16 rows keep their 16 RB bytes; IQ3_S's high bits and
  * signs then become masks (quant_iq3s_masks_scalar). Caller: quant_interleave_ok. The layout's
  * reference, for groups G0..G1 - 1 of 16 rows, dword by dword. */
@@ -5288,7 +5267,7 @@ QUANT_AVX512_INLINE __m512i quant_bit_to_4(__m512i v, int bit) {
 }
 
 /* Super-block U of 16 interleaved Q4_K (FIVE: Q5_K) rows at T against NC columns, as
- * quant_tile_unit: each row's 32-byte run h is sub-block 2h in its low nibbles, 2h + 1 in its high,
+ * quant_tile_unit: a row's 32-byte run h is sub-block 2h in its low nibbles, 2h + 1 in its high,
  * their Q5_K fifth bits bits 2h, 2h + 1 of its qh bytes. */
 QUANT_AVX512_INLINE void quant_interleaved_unit(const uint8_t *t, int five, const struct quant_q8k_view *a, int64_t u,
                                                 float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode, __m512i *kept) {
@@ -5362,9 +5341,9 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q236k_quants(enum gguf_type type, 
 }
 
 /* Scales G, G + 1 (G even) of an interleaved Q3_K or Q6_K super-block at T as int16 pair (G's, G +
- * 1's) in each 32-bit lane. Both first make int8 scales 4G' .. 4G' + 3 (G' = G / 4) in a lane's
- * bytes: Q6_K's are stored so; Q3_K's unpacked as by quant_q3k_scales (a nibble of scale dword 0 or
- * 1 and 2 bits of dword 2, less 32) 4 at a time (a lane at a time was slower: README). */
+ * 1's) per 32-bit lane. Both first make int8 scales 4G' .. 4G' + 3 (G' = G / 4) in a lane's bytes:
+ * Q6_K's are stored so; Q3_K's unpacked as by quant_q3k_scales (a nibble of scale dword 0 or 1 and
+ * 2 bits of dword 2, less 32) 4 at a time (a lane at a time was slower: README). */
 QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, const uint8_t *t, int g) {
     const int k = g / 4;
     __m512i v;
@@ -5382,8 +5361,8 @@ QUANT_AVX512_INLINE __m512i quant_interleaved_q36k_pair(enum gguf_type type, con
 
 /* Groups G, G + 1 (G even) of an interleaved super-block at T: *SA, *SB their scales in 32-bit
  * lanes, *PAIR the int16 pair for a vpdpwssd against the act's two 16-sums: Q2_K's mins (scale and
- * min: nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), Q3_K's and Q6_K's scales (offset: 4 or 32
- * times those sums). */
+ * min: nibbles of bytes G % 4, G % 4 + 1 of dword G / 4), Q3_K's, Q6_K's scales (offset: 4 or 32 x
+ * those sums). */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, const uint8_t *t, int g, __m512i *sa, __m512i *sb, __m512i *pair) {
     if (type == GGUF_TYPE_Q2_K) {
         const __m512i sm = _mm512_loadu_si512(t + 64 * (g / 4));
@@ -5403,9 +5382,9 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_groups(enum gguf_type type, con
  * h: Q2_K in bits 2j of quant byte 32h + l; Q3_K too, bit 4h + j of hmask byte l its third (clear:
  * less 4); Q6_K in a nibble of ql byte 64h + l (+ 32 for odd j, high nibble for j >= 2), bits 2j of
  * qh byte 32h + l its fifth and sixth (less 32). So dword m of those runs, shifted, masked and
- * or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4 (Q3_K, Q6_K: + 4 or 32). Each
- * group's products by its scale; a vpdpwssd of the act's sums with Q2_K's mins, or with the scales
- * to take off the 4 or 32; then quant_dot_k_unit's (Q2_K, Q3_K) or quant_dot_k's float step. */
+ * or-ed, is elements 128h + 32j + 4m.. of group 8h + 2j + m / 4 (Q3_K, Q6_K: + 4 or 32). A group's
+ * products by its scale; a vpdpwssd of the act's sums with Q2_K's mins, or with the scales to take
+ * off the 4 or 32; then quant_dot_k_unit's (Q2_K, Q3_K) or quant_dot_k's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                       int64_t u, float (*p)[QUANT_NPART][16], int NC, const __m512i *f, int mode,
                                                       __m512i *kept) {
@@ -5455,8 +5434,8 @@ QUANT_AVX512_INLINE void quant_interleaved_q236k_unit(enum gguf_type type, const
 
 /* Super-block U of 16 interleaved IQ4_XS rows at T against NC columns: dword m (m < 4) of 32-block
  * ib holds the codes of elements 4m.. in its low nibbles, 16 + 4m.. in its high; a byte shuffle
- * gives their IQ4_NL values + 128 (vpdpbusd's unsigned operand), less 128 times the block's act
- * sum. Each block's sum by its scale (less 32), then quant_dot_k_unit's (d * dx) * isum. */
+ * gives their IQ4_NL values + 128 (vpdpbusd's unsigned operand), less 128 x the block's act sum. A
+ * block's sum by its scale (less 32), then quant_dot_k_unit's (d * dx) * isum. */
 QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const struct quant_q8k_view *a, int64_t u,
                                                       float (*p)[QUANT_NPART][16], int NC) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), u0 = _mm512_loadu_si512(t), u1 = _mm512_loadu_si512(t + 64);
@@ -5503,12 +5482,12 @@ QUANT_AVX512_INLINE void quant_interleaved_iq4xs_unit(const uint8_t *t, const st
 /* Super-block U of 16 interleaved IQ3_XXS or IQ3_S rows at T (their 16 d at D) against NC columns,
  * by VBMI. Lane r of grid-index vector 2 ib + h holds points 4h.. of row r's 32-block ib (IQ3_S:
  * their bit 8 in a stored byte mask, quant_iq3s_masks_scalar); their lookup gives 4 coordinate
- * planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k + j): one
+ * planes, byte 4r + k of plane j point k's coordinate j (the block's element 16h + 4k + j): a
  * vpdpbusd a plane against the act in the same planes (quant_avx512_plane_order, a super-block at a
- * time). Each plane's sign mask: IQ3_S's stored, IQ3_XXS's by BITALG's bit shuffle from the row's
- * 32 sign bits (from its word of 7-bit fields; bit e for element e); vpdpbusd's unsigned operand is
- * 128 + the signed value, the 128 taken off as 128 times the block's act sum. Each block's sum by
- * its 2 s + 1, then quant_dot_k_unit's float step. */
+ * time). A plane's sign mask: IQ3_S's stored, IQ3_XXS's by BITALG's bit shuffle from the row's 32
+ * sign bits (from its word of 7-bit fields; bit e for element e); vpdpbusd's unsigned operand is
+ * 128 + the signed value, the 128 taken off as 128 x the block's act sum. A block's sum by its 2
+ * s + 1, then quant_dot_k_unit's float step. */
 QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, const struct quant_q8k_view *a,
                                                     int64_t u, float (*p)[QUANT_NPART][16], int NC, int mode, __m512i *kept) {
     const int xxs = type == GGUF_TYPE_IQ3_XXS;
@@ -5753,7 +5732,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_groups(enum gguf_type t
     *sb = _mm256_srai_epi32(*pair, 16);
 }
 
-/* quant_interleaved_q236k_unit at 8 lanes (rows 8 HALF..), each group's products scaled after its 4
+/* quant_interleaved_q236k_unit at 8 lanes (rows 8 HALF..), a group's products scaled after its 4
  * steps (one set of sums a column, not two: 16 registers). Same integers, float steps. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q236k_unit(enum gguf_type type, const uint8_t *t, const uint8_t *d, int half,
                                                               const struct quant_q8k_view *a, int64_t u, float (*p)[QUANT_NPART][16], int NC) {
@@ -5903,7 +5882,7 @@ static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8
     }
 }
 
-/* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few one by one. The first pass
+/* quant_interleaved by AVX-512 VNNI: columns 4 at a time, the last few singly. The first pass
  * prefetches; later ones find the group (18 KiB for 2048 Q4_K columns) in L1 or L2, or its operands
  * in KEPT (QUANT_KEPT_BYTES, or NULL) where quant_kept_pays. */
 QUANT_AVX512_INLINE void quant_interleaved_group(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
@@ -6025,8 +6004,8 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 
 /* Kernels per level; NULL: "use the level below" (dotn: below that, a dot per column). A rows
  * kernel (fnr) serves only where its own level's dot does (matching its speed); else a level runs a
- * dot per row. Hence avx512vbmi has, beside its own IQ3 kernels, rows kernels for Q3_K and Q5_K
- * (GFNI) whose dot repeats avx512's. */
+ * dot per row. So avx512vbmi has, beside its own IQ3 kernels, rows kernels for Q3_K and Q5_K (GFNI)
+ * whose dot repeats avx512's. */
 static const struct {
     enum gguf_type type;
     quant_dot_fn fn[QUANT_LEVEL_COUNT];
@@ -6090,10 +6069,10 @@ static int quant_level_max(void) {
 }
 
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved type-T rows at W (a group of
- * quant_interleave's) with column c, for c < NC, bit for bit at any level: by the AVX2 kernel at
- * AVX2 where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the CPU
- * has its level's kernel), else by the AVX-512 one, operands kept in KEPT (QUANT_KEPT_BYTES,
- * 64-byte aligned; or NULL) where quant_kept_pays. */
+ * quant_interleave's) with column c, c < NC, bit for bit at any level: by the AVX2 kernel at AVX2
+ * where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the CPU has its
+ * level's kernel), else the AVX-512 one, operands kept in KEPT (QUANT_KEPT_BYTES, 64-byte aligned;
+ * or NULL) where quant_kept_pays. */
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
                               size_t ys, void *kept) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
@@ -6169,7 +6148,7 @@ static void quant_act_prepare(enum gguf_type wtype, const float *x, int64_t n, v
         memcpy(f, x, (size_t)n * 4);
 }
 
-/* Dot of a weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n), in
+/* Dot of a weight row (GGUF blocks of wtype) with an act from quant_act_prepare(wtype, ., n),
  * canonical order. Caller: quant_init done, wtype supported, n a multiple of its block. */
 static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, int64_t n) {
     return quant_dot_table[wtype](wrow, act, n);
@@ -6206,9 +6185,9 @@ static void quant_dotr(enum gguf_type wtype, int in_lanes, const uint8_t *wrows,
     for (int r = 0; r < nrows; r++) y[r] = quant_dot(wtype, wrows + (size_t)r * row_bytes, act, n);
 }
 
-/* y[c*ys + r] = quant_dot of row r of the NROWS at WROWS with column c, for c < NC, bit for bit,
- * where this level has a kernel for WTYPE rows of N elements (K rows of 2 super-blocks: the
- * experts' down products); else returns 0. Caller: as quant_dotn. */
+/* y[c*ys + r] = quant_dot of row r of the NROWS at WROWS with column c, c < NC, bit for bit, where
+ * this level has a kernel for WTYPE rows of N elements (K rows of 2 super-blocks: the experts' down
+ * products); else returns 0. Caller: as quant_dotn. */
 static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                        int nc, int64_t n, float *y, size_t ys) {
     if (n != 2 * QUANT_QK_K || !quant_pairs_table[wtype]) return 0;
@@ -7888,23 +7867,22 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 
 /* ==== §5 cuda ==== */
 /* Owns: the system's CUDA driver, loaded at run time by this static binary: the foreign dlopen
- *   (glibc's ld.so and the embedded glibc helper mapped in; a glibc build, as the tests use, has the
- *   native one), typed driver wrappers, devices in PCI bus order with their contexts and the module
- *   JIT-compiled from the embedded kernels.ptx, device memory for resident trunk matrices and routed
- *   experts, GEMV launches of §4's offloaded product batches (ops_offload), routed experts' batches,
- *   the layers and chains §8 runs there, CUDA graphs replaying a repeated launch window.
+ *   (glibc's ld.so and the embedded glibc helper mapped in; a glibc build, as in the tests, has its
+ *   own), typed driver wrappers, devices in PCI bus order with contexts and the module JIT-compiled
+ *   from the embedded kernels.ptx, device memory for resident trunk matrices and routed experts,
+ *   GEMVs of §4's offloaded product batches (ops_offload), routed experts' batches, the layers and
+ *   chains §8 runs there, CUDA graphs replaying a repeated launch window.
  * Promises: every failure prints one `[cuda] ...` line with its reason and leaves coli on the CPU.
  *   Results never change: a device GEMV computes the CPU's canonical order bit for bit; a failed
  *   launch is recomputed on the CPU. Device i is the i-th card in PCI bus order in every flag and
- *   line. No driver call unless cuda_start ran (COLI_CUDA=0 / --gpu off: never). Driver calls are
- *   serialised under one lock, async signals blocked, in the musl build on glibc's thread pointer
+ *   line. No driver call unless cuda_start ran (COLI_CUDA=0 / --gpu off: never). Driver calls run
+ *   under one lock, async signals blocked, in the musl build on glibc's thread pointer
  *   (portable-notes.md §5.1-5.3).
  * May call: §1, §3 (activation layout), §4 (struct ops_matrix, the ops_offload hook).
  * Workload: start-up (loader, cuInit, JIT: ~0.1-1 s). A product batch, a layer's routed experts, a
  *   layer held whole (cuda_moe_layer_start): one upload, a launch a product / 3 / 11, one download
- *   (a split layer: also its routing down, the CPU's outputs up, through mapped memory for a few
- *   tokens); chains and graphs take most out
- *   (figures: README, NVIDIA GPUs, "Driver calls"). */
+ *   (a split layer: also its routing down, the CPU's outputs up, via mapped memory for a few tokens);
+ *   chains and graphs take most out (figures: README, NVIDIA GPUs, "Driver calls"). */
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -7915,7 +7893,7 @@ static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 #include <sys/auxv.h>
 #endif
 
-/* Driver API types and constants coli uses (cuda.h's values, a stable ABI). */
+/* Driver API types and constants coli uses (cuda.h's values: a stable ABI). */
 typedef int cuda_result;
 typedef int cuda_device_id;
 typedef unsigned long long cuda_ptr; /* CUdeviceptr: 64-bit since the _v2 API */
@@ -7934,8 +7912,8 @@ enum {
 enum { CUDA_HOST_PORTABLE = 1, CUDA_HOST_MAPPED = 2 }; /* cuMemHostAlloc: pinned for every context; mapped for the device */
 enum { CUDA_JIT_INFO_LOG = 3, CUDA_JIT_INFO_LOG_SIZE = 4, CUDA_JIT_ERROR_LOG = 5, CUDA_JIT_ERROR_LOG_SIZE = 6 };
 
-/* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS, the _v1 layout the unversioned
- * cuGraphAddKernelNode takes (cuda.h's _v2 adds two fields). */
+/* A graph's kernel node: CUDA_KERNEL_NODE_PARAMS in the _v1 layout unversioned cuGraphAddKernelNode
+ * takes (cuda.h's _v2 adds two fields). */
 struct cuda_kernel_node {
     cuda_handle fn;
     unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
@@ -8007,7 +7985,7 @@ struct cuda_api {
 };
 static struct cuda_api cuda_api;
 
-/* glibc's dl* functions: the foreign loader's (musl build) or native. */
+/* glibc's dl* functions: the foreign loader's (musl build) or its own. */
 struct cuda_dl {
     void *(*open)(const char *file, int mode);
     void *(*sym)(void *handle, const char *name);
@@ -8017,7 +7995,7 @@ struct cuda_dl {
 static struct cuda_dl cuda_dl;
 
 /* ---- the call wrapper: lock, async signals blocked, glibc's thread pointer ----
- * All musl threads share the one glibc TCB ld.so set up (notes §5.2): calls are serialised, signals
+ * All musl threads share the glibc TCB ld.so set up (notes §5.2): calls are serialised, signals
  * blocked so no musl handler runs on it (§5.3); driver threads inherit the mask. */
 
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -8045,7 +8023,7 @@ static inline void cuda_tp_set(uintptr_t tp)
     }
 }
 
-static long cuda_calls; /* wrapped driver calls (coli's only way to the driver) */
+static long cuda_calls; /* wrapped driver calls (coli's only way to it) */
 
 static void cuda_enter(void)
 {
@@ -8071,8 +8049,8 @@ static void cuda_leave(void)
 
 /* Typed wrappers. Arguments are evaluated before the switch: none touches musl's TLS while %fs is
  * glibc's. CUDA_WRAP first makes the window's held-back launches (cuda_window_end, "graphs" below),
- * which copies, frees, context switches and waits must follow. CUDA_WRAP_NOW: launches, graphs,
- * calls touching no memory a launch may use. */
+ * which copies, frees, context switches, waits must follow. CUDA_WRAP_NOW: launches, graphs, calls
+ * touching no memory a launch may use. */
 static cuda_result cuda_window_end(void);
 #define CUDA_WRAP_NOW(name, params, args) \
     static cuda_result cuda_##name params { cuda_enter(); cuda_result r_ = cuda_api.name args; cuda_leave(); return r_; }
@@ -8157,7 +8135,7 @@ static const char *cuda_error_name(cuda_result r, char *buf, size_t cap)
 /* ---- foreign dlopen (musl build; portable-notes.md "How foreign dlopen works") ---- */
 #ifndef __GLIBC__
 
-/* The glibc helper built by build.sh; absent when coli.c is built without it. */
+/* The glibc helper built by build.sh; absent from builds without it. */
 #if __has_include("build/coli_helper")
 __asm__(".section .rodata\n.balign 64\ncuda_helper_elf:\n.incbin \"build/coli_helper\"\ncuda_helper_end:\n.previous");
 extern const uint8_t cuda_helper_elf[], cuda_helper_end[]; /* local asm labels of this file */
@@ -8224,7 +8202,7 @@ static int cuda_elf_map(const uint8_t *img, size_t n, int fd, struct cuda_elf *e
     return 0;
 }
 
-/* Reads a whole small file; NULL if unreadable or larger than 64 MiB. */
+/* Reads a whole small file; NULL if unreadable or over 64 MiB. */
 static uint8_t *cuda_read_file(const char *path, size_t *n)
 {
     struct plat_map m;
@@ -8282,7 +8260,7 @@ static uint8_t *cuda_find_loader(char *path, size_t cap, size_t *n)
         if (i == 0) snprintf(path, cap, "%s", env ? env : "");
         else if (i == 1 || i == 2) cuda_interp_of(i == 1 ? "/usr/bin/env" : "/bin/sh", path, cap);
         else snprintf(path, cap, "%s", fixed[i - 3]);
-        if (env && i > 0) break; /* an explicit loader is the only one tried */
+        if (env && i > 0) break; /* an explicit loader is tried alone */
         uint8_t *img = path[0] ? cuda_read_file(path, n) : NULL;
         if (img && cuda_is_glibc_loader(img, *n)) return img;
         free(img);
@@ -8294,8 +8272,8 @@ static jmp_buf cuda_ld_home;
 static void *cuda_ld_fns[4];
 
 /* Called by the helper once ld.so set glibc up. Touches no musl TLS (%fs is glibc's): stores the
- * four dl* pointers and glibc's thread pointer, returns by musl's longjmp (glibc's would demangle
- * pointers through the TCB). */
+ * four dl* pointers and glibc's thread pointer, returns by musl's longjmp (glibc's demangles
+ * pointers via the TCB). */
 __attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback(void *const fns[4])
 {
     for (int i = 0; i < 4; i++) cuda_ld_fns[i] = fns[i];
@@ -8303,7 +8281,7 @@ __attribute__((noreturn, no_stack_protector, used)) static void cuda_ld_callback
     longjmp(cuda_ld_home, 1);
 }
 
-/* Copies S onto the string area growing down from *TOP: the copy. */
+/* Copies S onto the string area growing down from *TOP; returns the copy. */
 static char *cuda_stack_str(char **top, const char *s)
 {
     size_t n = strlen(s) + 1;
@@ -8407,7 +8385,7 @@ static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *
         __asm__ volatile("mov %0, %%rsp\n\txor %%edx, %%edx\n\tjmp *%1" : : "r"(sp), "r"(ld.entry) : "rdx", "memory");
         __builtin_unreachable();
     }
-    cuda_tp_set(cuda_musl_tp); /* first: nothing may touch TLS before this */
+    cuda_tp_set(cuda_musl_tp); /* first: nothing may touch TLS before it */
     pthread_sigmask(SIG_SETMASK, &saved, NULL);
     /* ld.so pointed the kernel's clear-on-exit tid at glibc's TCB; musl expects its lock */
     if (&__thread_list_lock) syscall(SYS_set_tid_address, &__thread_list_lock);
@@ -8419,8 +8397,8 @@ static int cuda_ld_run(const char *ld_path, const uint8_t *img, size_t n, char *
 }
 
 /* The loader start-up (notes steps 1-6): finds glibc's ld.so, fences brk, rehearses in a child
- * (ld.so _exit(127)s on a missing libc.so.6, killing coli), then runs it for real. Main thread
- * only, before any other thread. 0, or -1 with WHY. */
+ * (ld.so _exit(127)s on a missing libc.so.6, killing coli), then runs it for real. Main thread,
+ * before any other. 0, or -1 with WHY. */
 static int cuda_dl_start(char *why, size_t cap)
 {
     char ld_path[PATH_MAX];
@@ -8473,7 +8451,7 @@ static void *cuda_dlsym(void *h, const char *name)
     return p;
 }
 
-/* dlerror's text, copied under the lock (it lives in glibc's per-thread buffer). */
+/* dlerror's text, copied under the lock (it is in glibc's per-thread buffer). */
 static void cuda_dlerror(char *buf, size_t cap)
 {
     cuda_enter();
@@ -8497,15 +8475,15 @@ static void cuda_musl_signals(struct cuda_ksigaction saved[3], int restore)
     }
 }
 
-/* Where libcuda.so.1 lives (notes §6), after COLI_LIBCUDA: glibc's own search first. Deliberately
- * not searched: the forward-compatibility driver, the toolkit's stub. */
+/* Where libcuda.so.1 lives (notes §6), after COLI_LIBCUDA: glibc's own search first. Not searched,
+ * on purpose: the forward-compatibility driver, the toolkit's stub. */
 static const char *const cuda_lib_paths[] = {
     "libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1",
     "/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1",
     "/run/opengl-driver/lib/libcuda.so.1", "/usr/lib/libcuda.so.1",
 };
 
-/* Resolves LIB's entry points into cuda_api; returns the first required one missing. */
+/* Resolves LIB's entry points into cuda_api; the first required one missing, or NULL. */
 static const char *cuda_resolve(void *lib)
 {
 #define CUDA_RESOLVE(field, sym, required) \
@@ -8516,8 +8494,8 @@ static const char *cuda_resolve(void *lib)
     return NULL;
 }
 
-/* Opens driver library PATH and runs cuInit: 0; 1 to keep searching (absent, or the stub: error
- * 34); -1 to stop. WHY says what happened. */
+/* Opens driver library PATH and runs cuInit: 0; 1 to search on (absent, or the stub: error 34); -1
+ * to stop. WHY says what happened. */
 static int cuda_try_driver(const char *path, char *why, size_t cap)
 {
     char err[256], name[96];
@@ -8563,12 +8541,12 @@ static int cuda_load_driver(char *why, size_t cap)
 
 /* ---- devices ---- */
 
-/* The kernels: PTX built into the binary, NUL-terminated (cuModuleLoadDataEx reads PTX as a C string). */
+/* The kernels: PTX in the binary, NUL-terminated (cuModuleLoadDataEx reads a C string). */
 __asm__(".section .rodata\n.balign 64\ncuda_ptx:\n.incbin \"kernels.ptx\"\n.byte 0\n.previous");
 extern const char cuda_ptx[]; /* a local asm label of this file */
 
 #define CUDA_MAX_DEVICES 16
-#define CUDA_WARPS 4 /* warps (rows) per block of a GEMV launch */
+#define CUDA_WARPS 4 /* warps (rows) a block of a GEMV launch */
 #define CUDA_NEXT_MAX 4 /* a mixer's input projections: q, k, v; or qkv, z, beta, alpha */
 /* The output head's best candidates on the device (kernels.cu's logits_top_*): TOP_K; a row's
  * scratch's slices and list (struct top_scratch, CUDA_TOP_SCRATCH bytes), the slices also the
@@ -8576,9 +8554,9 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 #define CUDA_TOP_K 64
 #define CUDA_TOP_SLICES 256
 #define CUDA_TOP_LIST 2048
-#define CUDA_PENALTY_MAX 256 /* distinct recent tokens a row's penalties on the device take */
+#define CUDA_PENALTY_MAX 256 /* distinct recent tokens of a row's penalties on the device */
 #define CUDA_TOP_SCRATCH (CUDA_TOP_SLICES * 8 + (CUDA_TOP_SLICES + 4) * 4 + CUDA_PENALTY_MAX * 4 + CUDA_TOP_LIST * 8)
-#define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row coming down: the best, {status, id drawn}, total */
+#define CUDA_TOP_ROW (CUDA_TOP_K + 2) /* 8-byte entries of a row coming down: best, {status, id drawn}, total */
 
 /* A row's whole-vocabulary draw (kernels.cu's logits_draw_*): U in [0, 1) (§10's sample_uniform
  * scales it), TEMP, TOP_P, MIN_P; ON 0: not there, 1: drawn there, 2: only the nucleus's total and
@@ -8586,12 +8564,12 @@ extern const char cuda_ptx[]; /* a local asm label of this file */
 enum { CUDA_DRAW_OFF, CUDA_DRAW_TOKEN, CUDA_DRAW_NUCLEUS };
 struct cuda_top_draw { double u; float temp, top_p, min_p; int on; };
 
-/* A row's penalties for kernels.cu's logits_penalise: the three (§10 sample_penalty), and N
- * distinct recent tokens with their counts (N 0: none). */
+/* A row's penalties for kernels.cu's logits_penalise: the three (§10 sample_penalty), N distinct
+ * recent tokens with their counts (N 0: none). */
 struct cuda_top_penalty { float repeat, presence, frequency; int n; struct { int id, count; } seen[CUDA_PENALTY_MAX]; };
 
 /* The window and its graphs ("graphs" below). A kernel's parameters from its PTX .entry: FN's count
- * N; WIDE, a bit each 8 bytes wide (.u64; others .u32 or .f32). */
+ * N; WIDE, a bit each 8 bytes wide (.u64; else .u32 or .f32). */
 #define CUDA_PARAMS_MAX 16
 struct cuda_signature { cuda_handle fn; int n; uint32_t wide; };
 #define CUDA_SIGNATURES 256 /* a device's table of them by handle: over twice kernels.ptx's entries */
@@ -8627,30 +8605,30 @@ struct cuda_device {
     cuda_handle moe_route, moe_combine, residual_norm; /* the rest of a layer (cuda_moe_layer_start) */
     cuda_handle deltanet_conv, deltanet_rule, deltanet_gate; /* a DeltaNet mixer there (cuda_deltanet_launch) */
     cuda_handle attn_prep, attn_split, attn_merge; /* an attention mixer there (cuda_attention_launch) */
-    cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best candidates (cuda_top_launch) */
+    cuda_handle top_max, top_bound, top_collect, top_rank; /* the output head's best (cuda_top_launch) */
     cuda_handle draw_sums, draw_walk;    /* ... and a draw over the whole vocabulary */
     cuda_handle penalise, unpenalise;    /* ... and penalties before them */
     cuda_handle copy_words;              /* a chain's ids into its last layer's download (cuda_moe_layer_end) */
     cuda_handle publish_words;           /* a split layer's routing into mapped memory (cuda_moe_layer_start) */
     struct cuda_signature sig[CUDA_SIGNATURES]; /* its kernels' parameters by handle */
-    struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some built into graphs */
+    struct cuda_graph *graphs;           /* CUDA_GRAPHS windows seen, some made graphs */
     int64_t budget, used;                /* bytes for resident weights; those taken */
     cuda_ptr act, y;                     /* launch scratch: prepared activations, outputs */
     size_t act_cap, y_cap;
     cuda_ptr moe;                        /* expert batch scratch (cuda_moe_start) */
-    size_t moe_cap, moe_out, moe_bytes;  /* its size; where the batch in flight left its outputs, their bytes */
+    size_t moe_cap, moe_out, moe_bytes;  /* its size; where the batch in flight left outputs, their bytes */
     int moe_jobs;                        /* the batch in flight: its jobs; 0 none */
-    cuda_ptr moe_prev;                   /* the previous layer scratch: a chain's kept layer's outputs */
+    cuda_ptr moe_prev;                   /* previous layer scratch: a chain's kept layer's outputs */
     size_t moe_prev_cap;
-    cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left the hidden state and next projections */
+    cuda_ptr kept_x, kept_next[CUDA_NEXT_MAX]; /* where the kept layer left hidden state, next projections */
     cuda_ptr chain;                      /* a pass's chains: tokens' state addresses, ids, layers' blocks */
     size_t chain_cap;
     int64_t states;                      /* bytes of sequences' states and KV caches here (cuda_state_alloc) */
     cuda_handle copy_stream, copy_done;  /* background uploads (cuda_expert_upload_start) */
     uint8_t *copy_stage;                 /* their pinned staging */
     size_t copy_cap;
-    int copying;                         /* an upload is under way */
-    uint8_t *mapped;                     /* pinned host memory the device reads and writes (cuda_mapped_grow); NULL none */
+    int copying;                         /* an upload under way */
+    uint8_t *mapped;                     /* pinned host memory the device reads, writes (cuda_mapped_grow); NULL none */
     cuda_ptr mapped_ptr;                 /* its device address */
     size_t mapped_cap;                   /* its bytes, the count's 64 first; SIZE_MAX: the driver cannot map */
     unsigned published;                  /* publish_words's count there, as last seen */
@@ -8667,37 +8645,36 @@ static struct {
     struct cuda_device dev[CUDA_MAX_DEVICES]; /* PCI bus order */
     struct cuda_resident *res, *experts; /* trunk matrices (searched per product); experts */
     int n_res, cap_res, n_experts, cap_experts;
-    double call_us;            /* measured cost of one wrapped driver call */
-    long waits;                /* waits for the device (downloads, mapped memory's polls); cuda_calls counts the calls */
-    struct cuda_launches window; /* the launches since the last other call (graphs) */
+    double call_us;            /* measured cost of a wrapped driver call */
+    long waits;                /* waits for the device (downloads, mapped memory's polls); cuda_calls counts calls */
+    struct cuda_launches window; /* launches since the last other call (graphs) */
     int made, following;       /* the window's first MADE launches are made; the rest are held,
                                 * following FOLLOW's graphs, whose launches they are so far */
     uint64_t follow[CUDA_GRAPHS / 64];
     int graphs;                /* repeating windows become graphs: the driver has them, COLI_CUDA_GRAPHS not 0 */
     long clock, graph_runs;    /* windows ended; those run as one graph */
-    long products, batches, jobs; /* trunk GEMVs and expert batches run on devices, the batches' jobs */
-    long tops;                 /* tokens whose logits stayed there, their best sent instead (§8 counts) */
+    long products, batches, jobs; /* trunk GEMVs, expert batches run on devices, the batches' jobs */
+    long tops;                 /* tokens whose logits stayed there, only their best sent (§8 counts) */
     uint8_t *stage;            /* host staging: an expert batch's upload, a product batch's download */
     size_t stage_cap;
     int stage_pinned;          /* pinned by the driver (cuda_stage) */
 } cuda;
 
 /* ---- graphs: a token's launches in one call ----
- * Each launch is recorded, with its parameters' values, in the window (launches since the last
- * other driver call). A window of CUDA_GRAPH_MIN or more launches repeating one seen on the device
- * (same kernels, grids, values: every address read or written) becomes a CUDA graph, a node a
- * launch, each after the last. A later window following a graph's launches holds them back and at
- * its end (the next other driver call, or cuda_window_end while the CPU works) runs the graph in
- * one call; a launch departing from it is made, with those held, one by one. Kernels, order, bytes,
- * results: the same; only driver calls change. A decoded token with all layers chained on one
- * device is one window (upload before, download after): from the third such token, one graph
- * launch, not ~870.
- * Why recorded launches, not stream capture: a window is known to repeat only once it has run, and
- * capture needs its own stream; coli's copies and launches all use the legacy one, whose order
- * makes a download wait for the kernels before it.
+ * The window records each launch since the last other driver call, with its parameters' values. A
+ * window of CUDA_GRAPH_MIN+ launches repeating one seen on the device (same kernels, grids, values:
+ * every address read or written) becomes a CUDA graph, a node a launch, each after the last. A
+ * later window following a graph's launches holds them back and at its end (the next other driver
+ * call, or cuda_window_end while the CPU works) runs the graph in one call; a launch departing from
+ * it is made, with those held, one by one. Kernels, order, bytes, results stay; only driver calls
+ * change. A decoded token with all layers chained on one device is one window (upload before,
+ * download after): from the third such token, one graph launch, not ~870.
+ * Why not stream capture: a window is known to repeat only once run, and capture needs its own
+ * stream; coli's copies and launches all use the legacy one, whose order makes a download wait for
+ * prior kernels.
  * Why compare every value: positions, lengths, expert ids, states' addresses live in device memory,
- * so a decode step's launches repeat exactly; a change (grown scratch, other token count) is a
- * window of its own, never a stale graph. */
+ * so a decode step's launches repeat exactly; a change (grown scratch, other token count) is a new
+ * window, never a stale graph. */
 
 /* *SIG = kernel NAME's parameters, from its `.entry NAME(` in the embedded PTX (a line `.param .u64
  * NAME_param_0,` each). 0, or -1: no such entry, or a parameter of another kind. */
@@ -8769,7 +8746,7 @@ static void cuda_record(struct cuda_launches *w, const struct cuda_signature *si
     for (int i = 0; i < 4 + sig->n; i++) w->hash = (w->hash ^ (i < 4 ? head[i] : v[i - 4])) * 1099511628211ull; /* FNV-1a, a word a step */
 }
 
-/* Launch I of A and launch J of B: the same kernel, grid and values. */
+/* Launch I of A and launch J of B: same kernel, grid, values. */
 static int cuda_record_same(const struct cuda_launches *a, int i, const struct cuda_launches *b, int j)
 {
     const struct cuda_launch_record *x = &a->rec[i], *y = &b->rec[j];
@@ -8875,7 +8852,7 @@ static void cuda_window_learn(struct cuda_device *d)
             if (g->exec) return;
             const struct cuda_launches spare = g->list;
             g->list = *w;
-            *w = spare; /* the window's buffers to be, emptied by cuda_window_reset */
+            *w = spare; /* the window's buffers to be (cuda_window_reset empties them) */
             char e[160];
             cuda_result r = cuda_graph_build(g);
             if (r) {
@@ -8912,7 +8889,8 @@ static cuda_result cuda_window_end(void)
     return r;
 }
 
-/* Whether graphs are built (the driver has them, COLI_CUDA_GRAPHS not 0); a line if it lacks them. */
+/* Whether graphs are built (the driver has them, COLI_CUDA_GRAPHS not 0); a line if it lacks
+ * them. */
 static int cuda_graphs_on(void)
 {
     const char *env = getenv("COLI_CUDA_GRAPHS");
@@ -8924,10 +8902,11 @@ static int cuda_graphs_on(void)
     return 0;
 }
 
-/* Frees device D's graphs, the driver's too if its context is current (IN_CONTEXT; else they go with it). */
+/* Frees device D's graphs, the driver's too if its context is current (IN_CONTEXT; else they go
+ * with it). */
 static void cuda_graphs_free(struct cuda_device *d, int in_context)
 {
-    if (in_context) cuda_window_end(); /* what the window holds may follow them */
+    if (in_context) cuda_window_end(); /* the window's held launches may follow them */
     for (int k = 0; d->graphs && k < CUDA_GRAPHS; k++) {
         if (d->graphs[k].exec && in_context) cuda_graph_exec_destroy(d->graphs[k].exec);
         cuda_launches_free(&d->graphs[k].list);
@@ -8970,7 +8949,7 @@ static int cuda_enumerate(char *why, size_t cap)
     return n;
 }
 
-/* Makes device I current (a driver call only when it changes). */
+/* Makes device I current (a driver call only if it changes). */
 static int cuda_use(int i)
 {
     if (cuda.current == i) return 0;
@@ -9049,7 +9028,8 @@ static int cuda_open_device(int i, char *why, size_t cap)
     return 0;
 }
 
-/* Marks the devices LIST picks ("all", or PCI indices like "0,2"): 0, or -1 with WHY naming a bad one. */
+/* Marks the devices LIST picks ("all", or PCI indices like "0,2"): 0, or -1 with WHY naming a bad
+ * one. */
 static int cuda_select(const char *list, char *why, size_t cap)
 {
     if (!list || !strcmp(list, "all") || !*list) {
@@ -9068,7 +9048,7 @@ static int cuda_select(const char *list, char *why, size_t cap)
     return 0;
 }
 
-/* µs of one wrapped call (cuDriverGetVersion: the driver does almost nothing). */
+/* µs of a wrapped call (cuDriverGetVersion: the driver does almost nothing). */
 static double cuda_measure_call(void)
 {
     int v, n = 2000;
@@ -9082,7 +9062,7 @@ static void cuda_stop(void);
 /* Starts the GPU path: loader, driver, devices (LIST as --gpu), contexts, kernels. VRAM_BYTES (-1:
  * free memory less a reserve) caps each device's resident-weight budget. Main thread, before any
  * other (notes §7.2). cuda.ready: a device can compute. */
-/* VERBOSE: also report a missing driver (no news without an NVIDIA card; info and plan say it themselves). */
+/* VERBOSE: also report a missing driver (no news without an NVIDIA card; info and plan say it). */
 static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
 {
     char why[512] = "";
@@ -9111,7 +9091,7 @@ static void cuda_start(const char *list, int64_t vram_bytes, int verbose)
             snprintf(cuda.why, sizeof cuda.why, "%s", why);
             continue;
         }
-        /* room for the context, the JIT's code, the launch scratch */
+        /* room for the context, the JIT's code, launch scratch */
         int64_t reserve = (int64_t)d->vram_total / 16 > (256 << 20) ? (int64_t)d->vram_total / 16 : (256 << 20);
         d->budget = (int64_t)d->vram_free > reserve ? (int64_t)d->vram_free - reserve : 0;
         if (vram_bytes >= 0 && vram_bytes < d->budget) d->budget = vram_bytes;
@@ -9152,7 +9132,8 @@ static void cuda_stage_free(void)
     cuda.stage_pinned = 0;
 }
 
-/* Gives the contexts back: glibc's and libcuda's destructors never run in this process (notes §5.5). */
+/* Gives the contexts back: glibc's and libcuda's destructors never run in this process (notes
+ * §5.5). */
 static void cuda_stop(void)
 {
     cuda_release_all();
@@ -9235,7 +9216,7 @@ static void cuda_print_info(void)
 /* ---- resident weights and offloaded GEMVs ---- */
 
 /* Ends the GPU path after a run-time failure (a launch, a copy), in one line; the CPU then runs
- * everything, recomputing the failed product. */
+ * all, recomputing the failed product. */
 static void cuda_fail(const char *what, cuda_result r)
 {
     char e[160];
@@ -9402,7 +9383,7 @@ static cuda_ptr cuda_upload(int dev, const uint8_t *const *src, const size_t *by
     return p;
 }
 
-/* Copies W's weights to device DEV, its GEMVs to run there: 0, or -1 (nothing changed) as cuda_upload. */
+/* Copies W's weights to device DEV for its GEMVs: 0, or -1 (nothing changed) as cuda_upload. */
 static int cuda_make_resident(const struct ops_matrix *w, int dev)
 {
     size_t bytes = (size_t)w->rows * w->row_bytes;
@@ -9411,11 +9392,11 @@ static int cuda_make_resident(const struct ops_matrix *w, int dev)
     return 0;
 }
 
-/* The probe (§7 asks it before placing the trunk): W's one-column product on device DEV,
+/* The probe (§7 asks before placing the trunk): W's one-column product on device DEV,
  * CUDA_PROBE_REPS launches, and its input's and output's round trip (CUDA_PROBE_REPS copies each
- * way), timed by device events, not the host clock: a thread descheduled once must not decide a
+ * way), timed by device events, not the host clock: one descheduled thread must not decide a
  * placement. W's weights are copied there for it, freed after. Fills *KERNEL and *ROUND_TRIP
- * (seconds per product). 0, or -1 if the device cannot say (no events, or no memory for the copy:
+ * (seconds a product). 0, or -1 if the device cannot say (no events, or no memory for the copy:
  * nothing changes); a failed launch ends the GPU path. */
 #define CUDA_PROBE_REPS 8
 static int cuda_probe_product(int dev, const struct ops_matrix *w, double *kernel, double *round_trip)
@@ -9527,11 +9508,11 @@ static void cuda_bench_kernels(int dev)
 }
 
 /* ---- routed experts on the device ----
- * An expert in VRAM is its three matrices in one allocation. A batch lists jobs, one per (expert,
+ * An expert in VRAM: its three matrices in one allocation. A batch lists jobs, one per (expert,
  * token): cuda_moe_start uploads them and the tokens' activations (prepared by the CPU for the
  * gate/up type, as for its own) in one copy and queues three kernels: gate and up with silu(g) * u,
  * its quantisation for the down type, down. Launches return at once, the CPU computing its own
- * experts meanwhile; cuda_moe_finish downloads a [dim] row per job, summed by the caller with the
+ * experts meanwhile; cuda_moe_finish downloads a [dim] row a job, which the caller sums with the
  * routing weights in its fixed order. 5 driver calls a device a layer. */
 
 /* A resident routed expert's gate, up and down matrices, laid out as kernels.cu's struct moe_job,
@@ -9569,7 +9550,7 @@ static int cuda_expert_upload(int dev, const struct ops_matrix w[3], struct cuda
 /* ---- re-tiering: an expert's upload in the background ----
  * One upload at a time a device, from pinned staging on its own non-blocking stream (null-stream
  * kernels do not wait for it): no token waits. §7 polls cuda_expert_upload_ready at token
- * boundaries and switches the expert over once there. */
+ * boundaries, switching the expert over once there. */
 
 /* Whether this driver can upload in the background. */
 static int cuda_async_ok(void)
@@ -9644,7 +9625,8 @@ static void cuda_expert_free(int dev, const struct cuda_expert *e)
     }
 }
 
-/* Device bytes of N jobs of shape SH: hidden rows, their quantised form (HQ_STRIDE bytes a row), outputs. */
+/* Device bytes of N jobs of shape SH: hidden rows, their quantised form (HQ_STRIDE bytes a row),
+ * outputs. */
 static size_t cuda_moe_hq_stride(const struct cuda_moe_shape *sh) { return (quant_act_bytes(sh->down_type, sh->ff) + 63) & ~(size_t)63; }
 static size_t cuda_moe_work_bytes(const struct cuda_moe_shape *sh, int n)
 {
@@ -9671,7 +9653,7 @@ static cuda_result cuda_quantize_launch(struct cuda_device *d, enum gguf_type ty
 
 /* Launches the N jobs at PJ (experts of shape SH) on the current device over activation columns at
  * PA, STRIDE bytes apart: the three kernels (above), outputs in PW's last part
- * (cuda_moe_work_bytes). 3 launches; the driver's result. */
+ * (cuda_moe_work_bytes). The driver's result. */
 static cuda_result cuda_moe_launch(struct cuda_device *d, const struct cuda_moe_shape *sh, cuda_ptr pj, cuda_ptr pa, size_t stride, int n,
                                    cuda_ptr pw)
 {
@@ -9726,7 +9708,7 @@ struct cuda_deltanet {
 };
 
 /* An attention mixer on a device (cuda_attention_launch): q and k norms, shape; in a pass's chain
- * buffer the tokens' KV cache addresses (KV), positions (POS), RoPE rows (ROPE: rot/2 cosines then
+ * buffer the tokens' KV cache addresses (KV), positions (POS), RoPE rows (ROPE: rot/2 cosines, then
  * sines); the layer's place in a sequence's caches (LAYER_OFF bytes: cuda_state_alloc), ROWS rows a
  * head, in FORMAT (f32, f16 or Q8_0, as the CPU's). */
 struct cuda_attention {
@@ -9740,7 +9722,8 @@ struct cuda_attention {
  * output projection WO, residual and post-norm NORM (residual_norm), router and shared expert's
  * gate logit, routing (moe_route: model_select_experts' bits), routed experts via TABLE (n_expert
  * entries) and shared expert SHEXP (in their batch if SHEXP_SH is their SH, else its own), their
- * sum added to the hidden state (moe_combine). WO, router, gate logit matrices resident there. */
+ * sum added to the hidden state (moe_combine). WO, router, gate logit matrices are resident
+ * there. */
 struct cuda_moe_layer {
     struct cuda_moe_shape sh, shexp_sh;
     const struct ops_matrix *wo, *router, *gate_inp; /* gate_inp NULL: no shared expert */
@@ -9757,19 +9740,18 @@ struct cuda_moe_layer {
     struct ops_matrix next[CUDA_NEXT_MAX];
     cuda_ptr next_ptr[CUDA_NEXT_MAX];
     /* NEXT[0] is the output head; only its rows' best candidates come down (cuda_top_launch),
-     * logits kept at d->kept_next[0]; DRAW, PEN (T rows, or NULL): rows drawn there too, penalised
-     * first */
+     * logits kept at d->kept_next[0]; DRAW, PEN (T rows, or NULL): rows drawn there too, penalised first */
     int top;
     const struct cuda_top_draw *draw;
     const struct cuda_top_penalty *pen;
-    /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS in the chain buffer)
-     * come down after the layer's outputs, in one copy; 0: none */
+    /* the chain this layer ends: its layers' ids (CHAIN_BYTES at CHAIN_IDS in the chain buffer) come
+     * down after the layer's outputs, in one copy; 0: none */
     cuda_ptr chain_ids;
     size_t chain_bytes;
     /* in a chain (cuda_chain_begin): BLOCK holds the layer's jobs (shared expert's filled in),
      * table, norms, uploaded with the pass's first; moe_route writes ids to IDS (0: the layer's
      * scratch, where a split layer's routing download reads them). KEEP: outputs stay for the next
-     * layer (nothing comes back); DN: this layer's mixer, a DeltaNet (cuda_moe_layer_start) */
+     * layer (none come back); DN: this layer's mixer, a DeltaNet (cuda_moe_layer_start) */
     cuda_ptr block, ids;
     int keep;
     const struct cuda_deltanet *dn;
@@ -9798,9 +9780,8 @@ static int cuda_moe_layer_supported(int dev, const struct cuda_moe_layer *L, int
 
 /* A layer's batch scratch, offsets in bytes: jobs (routed, then shared); what goes up (shared jobs
  * to the norms' end); what kernels make (next projections' activations, one a type); the CPU's
- * experts' outputs (split layer); then what comes back, ordered so each download is one span:
- * normed input, ids (a split layer's routing: xn, ids), output, next projections (ids, out,
- * next). */
+ * experts' outputs (split layer); then what comes back, each download one span: normed input, ids
+ * (a split layer's routing: xn, ids), output, next projections (ids, out, next). */
 struct cuda_moe_layout {
     size_t shared, table, draw, pen, x, mix, norm, next_norm, y, ar, au, as, logits, gate, w, work, swork, core, parts, top_scratch, cpu_y, xn, ids, out,
         top, chain, end;
@@ -9941,10 +9922,10 @@ static cuda_result cuda_project(struct cuda_device *d, cuda_ptr x, cuda_ptr norm
 /* Into OUT [T][CUDA_TOP_ROW] (struct sample_candidate's layout) via SCRATCH [T][CUDA_TOP_SCRATCH]
  * (kernels.cu's logits_top_*): for each of T rows of N logits at LOGITS, its CUDA_TOP_K best in
  * sample_before's order, then {1 if finite + 2 if its best were all found + 4 if its nucleus's cut
- * falls among them, the id drawn} and its weights' total (a double); draws as DRAW says (0: none;
- * struct cuda_top_draw [T]: logits_draw_*); all over the logits penalised as PEN says (0: none;
- * struct cuda_top_penalty [T]), restored after. 4 launches, 6 with draws, 2 more with penalties;
- * the driver's result. */
+ * falls among them, id drawn} and its weights' total (a double); draws as DRAW says (0: none;
+ * struct cuda_top_draw [T]: logits_draw_*); all on logits penalised as PEN says (0: none; struct
+ * cuda_top_penalty [T]), restored after. 4 launches, +2 with draws, +2 with penalties; the driver's
+ * result. */
 static cuda_result cuda_top_launch(struct cuda_device *d, cuda_ptr logits, int n, cuda_ptr scratch, cuda_ptr out, cuda_ptr draw, cuda_ptr pen,
                                    int T)
 {
@@ -9983,7 +9964,7 @@ static int cuda_top_ready(int dev, int draw, int pen)
 }
 
 /* Launches the next layer's start after layer L's rest (cuda_moe_layer_start): norm over the new
- * hidden state, projections (cuda_project), and the output head's best candidates if L->top. The
+ * hidden state, projections (cuda_project), the output head's best candidates if L->top. The
  * driver's result. */
 static cuda_result cuda_next_start(struct cuda_device *d, const struct cuda_moe_layer *L, struct cuda_moe_layout o, int T)
 {
@@ -10050,17 +10031,17 @@ static cuda_result cuda_attention_launch(struct cuda_device *d, const struct cud
 }
 
 /* ---- a split layer's routing and the CPU's outputs in mapped memory ----
- * Host memory pinned and mapped for the device: its kernels write and read it over the bus. A
- * split layer of a few tokens (decode) hands the CPU its routing there (publish_words, then a
- * count the CPU polls) and reads the CPU's experts' outputs from there: its launches, from the sum
- * of one layer to the device's experts of the next, are one window, a graph, and the layer costs
- * one driver call instead of four (two copies, two windows). Larger batches copy: one warp
- * publishes, and the pinned memory would grow with the prompt. */
+ * Host memory pinned and mapped: device kernels read and write it over the bus. A split layer of
+ * few tokens (decode) hands the CPU its routing there (publish_words, then a count the CPU polls)
+ * and reads the CPU's experts' outputs there: its launches, from one layer's sum to the next's
+ * device experts, are one window, a graph; the layer costs one driver call, not four (two copies,
+ * two windows). Larger batches copy: one warp publishes, and pinned memory would grow with the
+ * prompt. */
 #define CUDA_MAPPED_TOKENS 64
 
 /* Grows device D's mapped memory to N bytes, its count zeroed; where the driver cannot map host
- * memory, not again (mapped_cap SIZE_MAX): split layers copy. Only when the device is done with it:
- * a pass's first split layer (each pass ends waiting for its outputs). */
+ * memory, never again (mapped_cap SIZE_MAX): split layers copy. Only when the device is done with
+ * it: a pass's first split layer (each pass ends waiting for its outputs). */
 static void cuda_mapped_grow(struct cuda_device *d, size_t n)
 {
     void *p = NULL;
@@ -10081,9 +10062,9 @@ static void cuda_mapped_grow(struct cuda_device *d, size_t n)
     d->published = 0;
 }
 
-/* Waits for device D's next publish_words (its count at d->mapped one more) by polling it; the
- * driver is asked whether the stream still works only after 1 ms and every 1 ms on. The driver's
- * result; CUDA_SIGNAL_LOST where the stream finished without it. */
+/* Waits for device D's next publish_words (its count at d->mapped one more) by polling; asks the
+ * driver whether the stream still works only after 1 ms, and every 1 ms on. The driver's result;
+ * CUDA_SIGNAL_LOST where the stream finished without it. */
 static cuda_result cuda_mapped_wait(struct cuda_device *d)
 {
     const unsigned want = ++d->published, *count = (const unsigned *)d->mapped;
@@ -10187,21 +10168,19 @@ static void cuda_moe_kept(struct cuda_device *d)
     d->moe_jobs = 0;
 }
 
-/* Queues the rest of layer L on device DEV for T tokens: X [T][dim], the hidden state before the
+/* Queues the rest of layer L on device DEV for T tokens: X [T][dim], hidden state before the
  * layer's first residual; MIX, the mixer's output rows prepared for L->wo, STRIDE_MIX bytes apart.
- * One upload (shared expert's jobs, table, X, MIX, norms); 10 launches, 1 for the shared expert's
- * gate logit (4 more if it has its own batch: its activations, three kernels), and for the next
- * layer's start a norm, a quantisation a type, a product a projection. cuda_moe_finish then
- * downloads the chosen ids [T][used] (int32), the new hidden state [T][dim] and each next
- * projection's outputs [T][rows] (L->top: the output head's best candidates instead,
- * [T][CUDA_TOP_ROW]). A split layer (L->split) hands back its routing into ROUTING (normed input
- * [T][dim], ids [T][used]) and queues the device's experts: of up to CUDA_MAPPED_TOKENS tokens
- * through mapped memory (publish_words before the experts, one window; then a poll), else by a
- * download before them; the CPU computes its own, and cuda_moe_layer_resume takes their outputs
- * for the end. In a chain (L->dn or L->attn) nothing goes
- * up: the mixer runs first on what the layer before kept (X, MIX unread), and a layer that keeps
- * (L->keep) is not downloaded (a split one's routing still is; its resume keeps). 0, or -1 after
- * cuda_fail. */
+ * One upload (shared expert's jobs, table, X, MIX, norms); 10 launches, +1 for the shared expert's
+ * gate logit (+4 if it has its own batch: activations, three kernels), and for the next layer's
+ * start a norm, a quantisation a type, a product a projection. cuda_moe_finish then downloads ids
+ * [T][used] (int32), new hidden state [T][dim], each next projection's outputs [T][rows] (L->top:
+ * the output head's best candidates instead, [T][CUDA_TOP_ROW]). A split layer (L->split) hands its
+ * routing back in ROUTING (normed input [T][dim], ids [T][used]) and queues the device's experts:
+ * for up to CUDA_MAPPED_TOKENS tokens via mapped memory (publish_words before the experts, one
+ * window; then a poll), else by a download first; the CPU computes its own, cuda_moe_layer_resume
+ * takes their outputs for the end. In a chain (L->dn or L->attn) nothing goes up: the mixer runs
+ * first on what the layer before kept (X, MIX unread); a keeping layer (L->keep) is not downloaded
+ * (a split one's routing is; its resume keeps). 0, or -1 after cuda_fail. */
 static int cuda_moe_layer_start(int dev, const struct cuda_moe_layer *L, const float *x, const uint8_t *mix, size_t stride_mix, int T,
                                 void *routing)
 {
@@ -10293,7 +10272,7 @@ static int cuda_moe_finish(int dev, void *out)
 
 /* ---- chains: mixers run where the layer before left their inputs ----
  * A layer whose projections the layer before made on the same device (kept there: KEEP; layer 0's:
- * cuda_chain_first, from the embedded rows) runs its mixer there too (DN: a DeltaNet over its
+ * cuda_chain_first, from embedded rows) runs its mixer there too (DN: a DeltaNet over its
  * sequences' recurrent states in device memory; ATTN: attention over their KV caches there), then
  * its rest: nothing crosses the bus between. A pass uploads what its chained layers need once,
  * before the first (cuda_chain_begin); a chain's ids come back with its last layer's outputs
@@ -10395,7 +10374,7 @@ static int cuda_state_copy(int dev, cuda_ptr p, float *host, size_t bytes, int u
 /* Probes device DEV for routed experts: a batch of N_JOBS jobs (at most CUDA_PROBE_JOBS) over
  * expert W of shape SH on one column, as decode runs one (cuda_moe_start, cuda_moe_finish),
  * CUDA_PROBE_REPS times after a warm-up, timed by device events; W is uploaded for it, freed after.
- * Seconds per batch, or -1 if the device cannot say (no events, kernels or room; a failed call ends
+ * Seconds a batch, or -1 if the device cannot say (no events, kernels or room; a failed call ends
  * the GPU path as anywhere). */
 #define CUDA_PROBE_JOBS 16
 static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const struct ops_matrix w[3], int n_jobs)
@@ -10428,32 +10407,32 @@ static double cuda_probe_experts(int dev, const struct cuda_moe_shape *sh, const
 }
 
 /* ==== §6 experts ==== */
-/* Owns: routed experts as units (expert e of layer l: its slices of the merged ffn_{gate,up,down}_exps tensors), the RAM
- *   cache holding a byte budget of them, its pread reader threads, heat (decayed routing counts) and its file, statistics.
- * Promises: matrices handed out hold exactly the file's bytes: products equal the mapping's bit for bit. A failed or
- *   short read is never handed out: expert_next stops, and expert_recover reports its `FILE: ...` message, leaving the
+/* Owns: routed experts as units (expert e of layer l: its slices of the merged ffn_{gate,up,down}_exps), a RAM cache of
+ *   a byte budget of them, its pread reader threads, heat (decayed routing counts) and its file, statistics.
+ * Promises: handed-out matrices hold exactly the file's bytes (products equal the mapping's bit for bit). A failed or
+ *   short read is never handed out: expert_next stops, expert_recover reports its `FILE: ...` message, leaving the
  *   store as if never asked. Only the main thread calls expert_* (readers touch only their slot and the queue, under
- *   its mutex). Caching never touches the mapping's expert bytes: the page cache holds no second copy (O_DIRECT; see
+ *   its mutex). Caching leaves the mapping's expert bytes alone: no second copy in the page cache (O_DIRECT;
  *   EXPERT_IO_*). Mapped mode (budget < 0: all fits): no cache, experts handed out in place or from expert_own's copy
- *   (cfg.own); only heat and statistics kept.
+ *   (cfg.own); heat and statistics only.
  * May call: §1–§4, §5 (struct cuda_expert; whether the GPU path is still up), pthreads.
- * Workload: per decoded token, n_layers lookups of n_expert_used experts (320 on the 35B-A3B, 1.77 MB each at Q4_0); a
+ * Workload: per decoded token n_layers lookups of n_expert_used experts (320 on the 35B-A3B, 1.77 MB each at Q4_0); a
  *   64-token prompt batch wants ~220 of 256 per layer. A miss: three preads (EXPERT_READERS threads). */
 
 #define EXPERT_READERS 4          /* reads in flight (README: their rate) */
-#define EXPERT_ALIGN 4096         /* O_DIRECT needs offsets, lengths and buffers in disk blocks */
+#define EXPERT_ALIGN 4096         /* O_DIRECT: offsets, lengths, buffers in disk blocks */
 #define EXPERT_MIN_SLOTS 4        /* one computing, one loading, two pinned at most */
 #define EXPERT_HEAT_VERSION 1
-#define EXPERT_HEAT_HALF_LIFE 4096 /* tokens: heat halves over about a long conversation */
-#define EXPERT_REPIN_TOKENS 64    /* tokens between re-choosing the pinned (hottest) */
+#define EXPERT_HEAT_HALF_LIFE 4096 /* tokens: about a long conversation */
+#define EXPERT_REPIN_TOKENS 64    /* tokens between re-pinning the hottest */
 
-/* A layer's merged tensor: expert e is `m` with its data moved by e * stride bytes (in the mapping). */
+/* A layer's merged tensor: expert e is `m`, data moved e * stride bytes (in the mapping). */
 struct expert_tensor {
     struct ops_matrix m;
     size_t stride;
 };
 
-/* Where expert 0 of a merged tensor lies in the files, and one expert's bytes. */
+/* Where a merged tensor's expert 0 lies in the files; one expert's bytes. */
 struct expert_source {
     struct expert_tensor t;
     int part;
@@ -10468,19 +10447,19 @@ enum expert_state { EXPERT_FREE, EXPERT_LOADING, EXPERT_READY, EXPERT_FAILED };
 struct expert_config {
     int64_t budget;          /* bytes of cache; < 0: mapped mode (no cache) */
     const char *heat_path;   /* read at open, written by expert_heat_save; NULL: none */
-    uint64_t fingerprint;    /* identifies the model a heat file belongs to */
+    uint64_t fingerprint;    /* the model a heat file belongs to */
     enum expert_io io;
-    int own;                 /* mapped mode: copy the experts into the store's memory (expert_own) */
+    int own;                 /* mapped mode: copy experts into the store's memory (expert_own) */
     int own_once;            /* in place, where a copy would fit once (model_copies) */
 };
 
 /* A cache entry: one expert's three slices, each at part_cap[j] from buf. */
 struct expert_slot {
-    int32_t key;      /* layer * n_expert + expert; -1 when free */
+    int32_t key;      /* layer * n_expert + expert; -1: free */
     int state;        /* enum expert_state */
     int refs;         /* main-thread holders; > 0: not evictable */
     int pinned;       /* one of the hottest: never evicted */
-    int prev, next;   /* LRU list (evictable slots only) or free list; -1 ends */
+    int prev, next;   /* LRU (evictable slots only) or free list; -1 ends */
     uint8_t *buf;     /* [slot_bytes] */
 };
 
@@ -10490,10 +10469,10 @@ struct expert_stats {
     uint64_t predicted[2], predicted_used[2];  /* [phase]: prefetch guesses, guesses routed */
     uint64_t routed_seen[2];                   /* [phase]: routed experts that had a guess */
     uint64_t bytes_read, reads, prefetches, warm_reads;
-    double busy_s;   /* wall time with at least one read in flight */
+    double busy_s;   /* wall time with a read in flight */
     double wait_s[2]; /* [phase]: main thread blocked on reads */
     uint64_t swaps, swap_bytes; /* re-tiering (§7 place_retier): experts brought into VRAM, bytes */
-    double window_vram;         /* the share of routed experts VRAM served over the last re-tiering window */
+    double window_vram;         /* share of routed experts VRAM served, last re-tiering window */
     int windows;                /* re-tiering windows ended (none: window_vram unset) */
 };
 
@@ -10520,11 +10499,11 @@ struct expert_store {
     int *queue, q_head, q_len;            /* ring of slots to read, [n_slots] */
     int32_t *warm;                        /* keys to read while idle, hottest first */
     int n_warm, warm_next;
-    char error[600];                      /* first failed read; empty while none */
+    char error[600];                      /* first failed read; empty: none */
     /* heat */
     float *heat;                          /* [n_layers * n_expert] routed tokens, decayed */
-    double heat_tokens;                   /* tokens counted, decayed the same way */
-    int heat_loaded;                      /* the heat file was read and fits this model */
+    double heat_tokens;                   /* tokens counted, decayed alike */
+    int heat_loaded;                      /* heat file read and fits this model */
     int decay_tokens, repin_tokens;       /* since the last decay / re-pin */
     /* the layer being computed */
     int layer, n_want, n_done, held;      /* held: the slot handed out, or -1 */
@@ -10540,9 +10519,9 @@ struct expert_store {
     struct cuda_expert swap_e[CUDA_MAX_DEVICES];
     int retier_tokens;                    /* since the re-tiering window began */
     uint64_t window_lookups, window_vram; /* lookups and VRAM uses at the window's start */
-    int *on_device, n_on_device;          /* [n_expert] the computed layer's wanted ids that are resident */
+    int *on_device, n_on_device;          /* [n_expert] the computed layer's resident wanted ids */
     struct expert_stats stats;
-    /* mapped in place: the thread mapping the experts' pages ahead (expert_map_ahead) */
+    /* mapped in place: the thread mapping expert pages ahead (expert_map_ahead) */
     pthread_t mapper;
     int mapper_on, mapper_stop;           /* mapper_stop: atomic */
     struct expert_range { uintptr_t lo, hi; } *map_ranges; /* [n_map_ranges] page-aligned */
@@ -10554,7 +10533,7 @@ struct expert_store {
 
 static size_t expert_round_up(size_t n) { return (n + EXPERT_ALIGN - 1) & ~(size_t)(EXPERT_ALIGN - 1); }
 
-/* Whether expert KEY runs on a device: resident there, the GPU path still up. */
+/* Whether expert KEY runs on a device: resident, the GPU path up. */
 static int expert_in_vram(const struct expert_store *s, int32_t key) { return s->vram && cuda.ready && s->vram[key].dev >= 0; }
 
 /* Expert E of a merged tensor, in place in the mapping. */
@@ -10565,15 +10544,15 @@ static struct ops_matrix expert_mapped(const struct expert_tensor *t, int e)
     return m;
 }
 
-/* Where expert E of layer L's matrix J is in the mapping. */
+/* Expert E of layer L's matrix J in the mapping. */
 static const uint8_t *expert_file_slice(const struct expert_store *s, int l, int j, int e)
 {
     const struct expert_source *src = &s->src[l][j];
     return s->file->parts[src->part].data + src->offset + (size_t)e * src->t.stride;
 }
 
-/* Mapped mode with an own copy: fills expert KEY's hole (left by expert_own) from the file before the CPU reads it.
- * Main thread only. Only a device leaves holes, and then the copy is never interleaved. */
+/* Mapped mode, own copy: fills expert KEY's hole (left by expert_own) from the file before the CPU reads it. Main
+ * thread. Holes come only with a device, and then the copy is not interleaved. */
 static void expert_fill_hole(struct expert_store *s, int32_t key)
 {
     if (!s->hole || !s->hole[key]) return;
@@ -10608,8 +10587,8 @@ static void expert_lru_append(struct expert_store *s, int i)
 
 static int expert_listed(const struct expert_store *s, int i) { return s->slots[i].prev >= 0 || s->lru_head == i; }
 
-/* The LRU list holds exactly the evictable slots: read, unheld, unpinned. Call after changing a slot's state, refs or
- * pinned (under mu). */
+/* Keeps the LRU list exactly the evictable slots (read, unheld, unpinned); call under mu after a slot's state, refs or
+ * pinned change. */
 static void expert_relist(struct expert_store *s, int i)
 {
     const struct expert_slot *x = &s->slots[i];
@@ -10619,8 +10598,8 @@ static void expert_relist(struct expert_store *s, int i)
     else expert_lru_unlink(s, i);
 }
 
-/* A slot to read into: a free one, else the least recently used evictable one, forgotten. -1 when every slot is pinned,
- * held or being read. Under mu. */
+/* A slot to read into: a free one, else the LRU evictable one, forgotten; -1 if all are pinned, held or being read.
+ * Under mu. */
 static int expert_victim(struct expert_store *s)
 {
     int i = s->free_head;
@@ -10649,7 +10628,7 @@ static void expert_claim(struct expert_store *s, int i, int32_t key, int refs)
     s->slot_of[key] = i;
 }
 
-/* Queues a read of KEY; returns its slot, or -1 when no slot can be had without waiting. Under mu. */
+/* Queues a read of KEY: its slot, or -1 if none comes without waiting. Under mu. */
 static int expert_start_read(struct expert_store *s, int32_t key, int refs)
 {
     int i = expert_victim(s);
@@ -10669,8 +10648,8 @@ static uint8_t *expert_slice(const struct expert_store *s, int i, int j)
     return s->slots[i].buf + at;
 }
 
-/* Reads KEY's three slices into slot I, each as the whole disk blocks around it (O_DIRECT), at its offset in the
- * first. 0, or -1 with MSG saying why. Reader thread, unlocked: the slot is LOADING, so no one else touches it. */
+/* Reads KEY's three slices into slot I, each as the whole disk blocks around it (O_DIRECT) at its offset in the first:
+ * 0, or -1 with MSG saying why. Reader thread, unlocked: no one else touches a LOADING slot. */
 static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, size_t n)
 {
     int layer = key / s->n_expert, e = key % s->n_expert;
@@ -10696,7 +10675,7 @@ static int expert_read(struct expert_store *s, int i, int32_t key, char *msg, si
     return 0;
 }
 
-/* Frees slot I, failed and unheld: the expert is read again when next routed. Under mu. */
+/* Frees failed, unheld slot I: the expert is read again when next routed. Under mu. */
 static void expert_free_failed(struct expert_store *s, int i)
 {
     struct expert_slot *x = &s->slots[i];
@@ -10705,8 +10684,8 @@ static void expert_free_failed(struct expert_store *s, int i)
     s->free_head = i;
 }
 
-/* A reader's next slot: a queued read, else the warm list's next expert while free slots last (warming never evicts)
- * and under half the readers are busy, so a routed read never queues behind over two warming ones. -1: none. Under mu. */
+/* A reader's next slot, or -1: a queued read, else the warm list's next expert while free slots last (warming never
+ * evicts) and under half the readers are busy (a routed read queues behind at most two warming ones). Under mu. */
 static int expert_next_job(struct expert_store *s)
 {
     if (s->q_len > 0) {
@@ -10741,8 +10720,8 @@ static void *expert_reader(void *arg)
         int bad = expert_read(s, i, key, msg, sizeof msg);
         pthread_mutex_lock(&s->mu);
         if (--s->in_flight == 0) s->stats.busy_s += plat_now() - s->busy_since;
-        /* A failed read fails the pass only if it holds the slot; an unheld one (warming, or its pass
-         * already failed and let go) must not fail the next. */
+        /* A failed read fails the pass only if held; unheld (warming, or its pass failed and let go) it must not fail
+         * the next. */
         if (bad && s->slots[i].refs == 0) expert_free_failed(s, i);
         else if (bad) {
             if (!s->error[0]) memcpy(s->error, msg, sizeof msg);
@@ -10760,8 +10739,8 @@ static void *expert_reader(void *arg)
     return NULL;
 }
 
-/* Keeps expert bytes out of the page cache: drops them (left by an earlier run, or read ahead, 8 MiB here, around a
- * fault on a neighbouring trunk tensor); at open (MAP) disables read-ahead around them. */
+/* Keeps expert bytes out of the page cache: drops them (from an earlier run, or read ahead, 8 MiB here, around a fault
+ * on a neighbouring trunk tensor); at open (MAP) disables read-ahead there. */
 static void expert_forget_mapping(struct expert_store *s, int map)
 {
     long page = sysconf(_SC_PAGESIZE);
@@ -10807,7 +10786,7 @@ struct expert_rank {
     int32_t key;
 };
 
-/* Hottest first; lower key first on ties, for a reproducible order. */
+/* Hottest first, then lower key (reproducible). */
 static int expert_rank_cmp(const void *a, const void *b)
 {
     const struct expert_rank *x = a, *y = b;
@@ -10815,8 +10794,8 @@ static int expert_rank_cmp(const void *a, const void *b)
     return (x->key > y->key) - (x->key < y->key);
 }
 
-/* Experts with heat > 0 the CPU computes (not in VRAM), hottest first, into OUT [n_layers * n_expert]; returns how
- * many. Pinning and warming use it. */
+/* The experts with heat > 0 the CPU computes (not in VRAM), hottest first, into OUT [n_layers * n_expert]; their count.
+ * For pinning and warming. */
 static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
 {
     int n = s->n_layers * s->n_expert, k = 0;
@@ -10829,8 +10808,8 @@ static int expert_rank_by_heat(const struct expert_store *s, int32_t *out)
     return k;
 }
 
-/* Pins the n_pin hottest (LFU for half the cache: with skewed routing the hottest pay most; LRU for the rest, for
- * experts recurring over nearby tokens). Under mu. */
+/* Pins the n_pin hottest: LFU for half the cache (with skewed routing the hottest pay most), LRU for the rest (experts
+ * recurring over nearby tokens). Under mu. */
 static void expert_repin(struct expert_store *s)
 {
     size_t n = (size_t)s->n_layers * (size_t)s->n_expert;
@@ -10848,7 +10827,7 @@ static void expert_repin(struct expert_store *s)
 }
 
 /* Counts T more tokens: decays heat (half-life EXPERT_HEAT_HALF_LIFE, applied every 256 tokens: a pass over
- * n_layers * n_expert floats), re-pins now and then; returns whether it did. */
+ * n_layers * n_expert floats), now and then re-pins; whether it did. */
 static int expert_heat_tick(struct expert_store *s, int T)
 {
     s->heat_tokens += T;
@@ -10900,7 +10879,7 @@ static const char *expert_heat_check(const struct expert_store *s, const uint8_t
     return NULL;
 }
 
-/* Loads heat from cfg.heat_path if present; a bad file: one line, ignored. Returns whether heat was loaded. */
+/* Loads heat from cfg.heat_path if present (a bad file: a line, ignored); whether it did. */
 static int expert_heat_load(struct expert_store *s)
 {
     const char *path = s->cfg.heat_path;
@@ -10933,7 +10912,7 @@ static void expert_heat_save(const struct expert_store *s)
     uint64_t sum = expert_fnv(buf, n - 8);
     memcpy(buf + n - 8, &sum, 8);
     char *tmp = plat_alloc(strlen(path) + 32), *dir = plat_strdup(path);
-    for (char *p = strchr(dir + 1, '/'); p; p = strchr(p + 1, '/')) { /* mkdir -p of the directory */
+    for (char *p = strchr(dir + 1, '/'); p; p = strchr(p + 1, '/')) { /* mkdir -p */
         *p = 0;
         mkdir(dir, 0755);
         *p = '/';
@@ -10951,9 +10930,9 @@ static void expert_heat_save(const struct expert_store *s)
     free(buf);
 }
 
-/* The heat file if neither --heat nor HEAT_FILE names one: MODEL.heat if shipped beside the model, else
- * $XDG_CACHE_HOME/coli or ~/.cache/coli, named by model and fingerprint (model directories are often read-only or
- * shared). Allocated. */
+/* The heat file when neither --heat nor HEAT_FILE names one: MODEL.heat beside the model if there, else in
+ * $XDG_CACHE_HOME/coli or ~/.cache/coli by model and fingerprint (model directories are often read-only or shared).
+ * Allocated. */
 static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
 {
     size_t n = strlen(model_path) + 512;
@@ -10967,7 +10946,7 @@ static char *expert_heat_default(const char *model_path, uint64_t fingerprint)
     return path;
 }
 
-/* A consistent copy of the statistics (readers update them), busy time up to now. */
+/* A consistent copy of the statistics (readers update them), busy time to now. */
 static struct expert_stats expert_stats_get(struct expert_store *s)
 {
     if (s->mapped) return s->stats;
@@ -10978,8 +10957,8 @@ static struct expert_stats expert_stats_get(struct expert_store *s)
     return st;
 }
 
-/* Whether prompt or decoded tokens follow (statistics). The first decoded token ends warming: the disk then serves
- * the decode's own misses and prefetches, and on two cores each reader wake-up stalls the OpenMP team. */
+/* Prompt or decoded tokens follow (statistics). The first decoded token ends warming: the disk then serves the decode's
+ * own misses and prefetches, and on two cores each reader wake-up stalls the OpenMP team. */
 static void expert_phase(struct expert_store *s, enum expert_phase phase)
 {
     s->phase = phase;
@@ -10989,8 +10968,8 @@ static void expert_phase(struct expert_store *s, enum expert_phase phase)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Remembers LAYER's guess (GUESS[0..n), repeats allowed), starting reads of those not in memory, at most half the
- * unpinned slots so a wrong guess cannot flush the cache; guessed ones in memory become most recently used. */
+/* Remembers LAYER's guess (GUESS[0..n), repeats allowed); reads those not in memory into at most half the unpinned
+ * slots (a wrong guess cannot flush the cache); guessed ones in memory become most recently used. */
 static void expert_prefetch(struct expert_store *s, int layer, const int *guess, int n)
 {
     int ph = s->phase, issued = 0;
@@ -11033,8 +11012,8 @@ static void expert_fill(struct expert_store *s, int from)
 }
 
 /* Begins LAYER's routed experts for T tokens: WANT[0..n) distinct ids, COUNT[e] tokens to expert e. Counts heat and
- * hits; lists device-resident ones in on_device for the caller; holds the rest in memory and starts reading the others,
- * to arrive while the caller runs the shared expert and those in memory. expert_next hands them out. */
+ * hits; lists device-resident ones in on_device for the caller; holds the rest, reading those not in memory while the
+ * caller runs the shared expert and those in memory, for expert_next to hand out. */
 static void expert_begin(struct expert_store *s, int layer, const int *want, const int *count, int n, int T)
 {
     int ph = s->phase;
@@ -11080,9 +11059,9 @@ static void expert_begin(struct expert_store *s, int layer, const int *want, con
     if (repinned) expert_forget_mapping(s, 0); /* the first pass over the trunk has read around */
 }
 
-/* The next wanted expert in memory: its id, gate, up and down matrices in W; -1 when the layer is done. Releases the
- * previous one. Prefers one read, else waits for a read, else a slot. Order does not change results: each expert's
- * output has its own place, summed in routing order. */
+/* The next wanted expert in memory (the previous released): its id, gate, up and down matrices in W; -1 once the layer
+ * is done. Prefers one read, else waits for a read, else a slot. Order does not change results: each expert's output
+ * has its own place, summed in routing order. */
 static int expert_next(struct expert_store *s, struct ops_matrix w[3])
 {
     if (s->mapped) {
@@ -11131,8 +11110,8 @@ static int expert_next(struct expert_store *s, struct ops_matrix w[3])
     return e;
 }
 
-/* Opens the part files for expert reads: O_DIRECT unless cfg.io says buffered or the file system refuses (tmpfs), else
- * buffered reads dropped from the page cache after use. /proc/self/fd/N reaches each part of a split set. */
+/* Opens the part files for expert reads: O_DIRECT unless cfg.io says buffered or the file system refuses (tmpfs), then
+ * buffered, dropped from the page cache after use. /proc/self/fd/N reaches each part of a split set. */
 static void expert_open_files(struct expert_store *s)
 {
     char path[64];
@@ -11153,8 +11132,8 @@ static void expert_open_files(struct expert_store *s)
     }
 }
 
-/* Slot layout: each slice gets its largest size over the layers in whole disk blocks, plus one (a slice need not start
- * on a block); the budget buys n_slots, from EXPERT_MIN_SLOTS to every expert. Half may be pinned. */
+/* Slot layout: each slice's largest size over the layers, in whole disk blocks plus one (a slice need not start on a
+ * block); the budget buys n_slots, from EXPERT_MIN_SLOTS to every expert, half of them pinnable. */
 static void expert_size_slots(struct expert_store *s)
 {
     for (int l = 0; l < s->n_layers; l++)
@@ -11207,7 +11186,7 @@ static void expert_start_cache(struct expert_store *s)
 }
 
 /* The store for N_LAYERS layers of N_EXPERT experts, slices T[layer][gate, up, down], in file G (must outlive it).
- * Loads heat from cfg->heat_path if present (a bad file: a line, ignored). Budget < 0: mapped mode. */
+ * Loads heat (expert_heat_load). Budget < 0: mapped mode. */
 static struct expert_store *expert_open(const struct gguf_file *g, const struct expert_tensor (*t)[3], int n_layers, int n_expert,
                                         const struct expert_config *cfg)
 {
@@ -11243,13 +11222,13 @@ static struct expert_store *expert_open(const struct gguf_file *g, const struct 
     return s;
 }
 
-/* The share of routed experts VRAM served over the last re-tiering window, or so far if none ended. */
+/* stats.window_vram, or the share so far if no window ended. */
 static double expert_window_share(const struct expert_stats *st)
 {
     return st->windows ? st->window_vram : plat_ratio((double)(st->vram[0] + st->vram[1]), (double)(st->lookups[0] + st->lookups[1]));
 }
 
-/* Ends a re-tiering window: the share of routed experts VRAM served since the last. */
+/* Ends a re-tiering window, setting stats.window_vram. */
 static void expert_window_end(struct expert_store *s)
 {
     uint64_t lookups = s->stats.lookups[0] + s->stats.lookups[1], vram = s->stats.vram[0] + s->stats.vram[1];
@@ -11278,11 +11257,11 @@ static void expert_copy(const struct expert_tensor *t, int interleave, uint8_t *
     plat_progress_add((size_t)run * t->stride);
 }
 
-/* Mapped mode: copies the merged expert tensors into one anonymous arena, handing experts out there (they stream faster
- * from it than from the page cache: README); the file's pages go back to the page cache (asked only when memory holds
- * both, else experts stay in place). A layer all in VRAM stays mapped (read only if the GPU path ends); in one partly
- * in VRAM, resident experts' places stay untouched pages (no huge pages there: no memory), filled by expert_fill_hole on
- * the CPU's first need. With no device (S->vram unset: no uploads from here), interleavable types (§3) are interleaved. */
+/* Mapped mode: copies the merged expert tensors into one anonymous arena to hand experts out from (faster streaming
+ * than the page cache: README), returning the file's pages to the page cache (asked only when memory holds both; else
+ * experts stay in place). A layer all in VRAM stays mapped (read only if the GPU path ends); in a partly resident one,
+ * resident experts' places stay untouched pages (no huge pages: no memory) that expert_fill_hole fills on the CPU's
+ * first need. No device (S->vram unset: no uploads from here): interleavable types (§3) interleaved. */
 static void expert_own(struct expert_store *s)
 {
     size_t total = 0;
@@ -11322,15 +11301,15 @@ static void expert_own(struct expert_store *s)
     s->own_bytes = total;
 }
 
-/* Mapped mode: where the experts are read, as the [experts] and plan lines say it. */
+/* Mapped mode: where experts are read, as the [experts] and plan lines say. */
 static const char *expert_in_place(const struct expert_store *s)
 {
     return s->cfg.own_once ? "read in place from the mapping (memory holds a copy once: --copy-experts, faster decode)"
                            : "read in place from the mapping";
 }
 
-/* Before expert_start: the cache's budget becomes BUDGET (< 0: mapped mode), OWN and OWN_ONCE as in expert_config (§7
- * put in VRAM what the budget no longer counts). */
+/* Before expert_start: sets the cache's budget BUDGET (< 0: mapped mode), OWN and OWN_ONCE as in expert_config (§7 put
+ * in VRAM what the budget no longer counts). */
 static void expert_set_budget(struct expert_store *s, int64_t budget, int own, int own_once)
 {
     s->cfg.budget = budget;
@@ -11345,16 +11324,16 @@ static void expert_set_budget(struct expert_store *s, int64_t budget, int own, i
 /* bytes a populate call covers: a stop waits for one (~2 ms), as does a thread wanting the address space meanwhile */
 #define EXPERT_MAP_CHUNK ((uintptr_t)4 << 20)
 
-/* Mapped mode, in place: maps the experts' pages ahead so passes do not pay on first read. Per chunk,
- * MADV_POPULATE_READ fills page tables (reading what the page cache lacks), then a read a page warms what lies below
- * (a VM's tables: README). A range the kernel refuses (file cut short) ends it; the pass then says what is wrong.
- * Before Linux 5.14 only the reads run; a short file ends the process via model_on_sigbus, as a pass would. Idle cores
- * only (SCHED_IDLE), while a server or bench waits; a prompt starting at once maps what it reads. */
+/* Mapped mode, in place: maps the experts' pages ahead so passes do not pay on first read. Per chunk MADV_POPULATE_READ
+ * fills page tables (reading what the page cache lacks), then a read per page warms what lies below (a VM's tables:
+ * README). A range the kernel refuses (file cut short) ends it; the pass then says what is wrong. Before Linux 5.14
+ * only the reads run; a short file ends the process via model_on_sigbus, as a pass would. Idle cores only (SCHED_IDLE:
+ * the forward passes' threads first), while a server or bench waits; a prompt starting at once maps what it reads. */
 static void *expert_map_ahead(void *arg)
 {
     struct expert_store *s = arg;
     const double t0 = plat_now();
-    /* only on an idle core: the forward passes' threads come first (if refused: as any thread) */
+    /* if refused: as any thread */
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &(struct sched_param){0});
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     size_t bytes = 0;
@@ -11410,7 +11389,7 @@ static void expert_start(struct expert_store *s)
     else expert_map_ahead_start(s);
 }
 
-/* Stops the readers (each finishes its read) and frees everything; NULL is fine. */
+/* Stops the readers (each finishes its read), frees everything; NULL is fine. */
 static void expert_close(struct expert_store *s)
 {
     if (!s) return;
@@ -11437,21 +11416,20 @@ static void expert_close(struct expert_store *s)
 }
 
 /* ==== §7 place ==== */
-/* Owns: which weights live in VRAM (design.md §5), priced in host memory-bus bytes saved per token per byte of VRAM: a
- *   trunk matrix saves its bytes (read every token), a routed expert p_e times its bytes (p_e: heat share, or top_k /
- *   n_expert), twice that if the RAM cache would not hold it (an O_DIRECT read writes the bytes the product then reads;
- *   buffered: four times); VRAM also frees host RAM for the expert cache (formulas: place_decide). So with RAM to spare
- *   the trunk goes first (1 against p_e < 1); with a fixed cache an expert routed on over about every other token keeps
- *   its place. Trunk components in a fixed order (lmhead, attnproj, dnproj, dnout, shexp, router, ffn) and experts,
- *   hottest first, merge by value, each to the selected device with its kernel and most room in budget (--vram, or free
- *   VRAM less a reserve), before the expert cache starts (it holds only CPU experts). --place / COLI_PLACE may name a
- *   device (or cpu) per component or split its layers (dnproj=0:20+1:20). A probe times a trunk product on each device
- *   and the CPU first (a device slower than the CPU gets no trunk); two devices or more: whole placements priced per
- *   token (place_choose_split); place_retier swaps experts between VRAM and the CPU as the heat moves. coli plan
- *   dry-runs this code (place_dry_run), so cannot disagree with a run.
- * Promises: placement changes speed only: resident matrices and experts compute the same bits (§5). A [place] line per
- *   component says where it went with what numbers, one the prices deciding trunk against experts. A bad --place /
- *   COLI_PLACE, or one naming a device absent or not selected, is a usage error.
+/* Owns: VRAM placement of weights (design.md §5), valued in host memory-bus bytes saved per token per VRAM byte: a
+ *   trunk matrix saves its bytes (read every token); a routed expert p_e times its bytes (p_e: heat share, else
+ *   top_k / n_expert), doubled if beyond the RAM cache (an O_DIRECT read writes what the product then reads; buffered:
+ *   four times); VRAM also frees host RAM for the expert cache (formulas: place_decide). So spare RAM puts the trunk
+ *   first (1 against p_e < 1); with a fixed cache an expert routed on over about every other token stays. Trunk
+ *   components (place_names' order) and experts (hottest first) merge by value, each to the selected device with its
+ *   kernel and most budget room (--vram, or free VRAM less a reserve), before the expert cache starts (it holds only
+ *   CPU experts). --place / COLI_PLACE may name a device (or cpu) per component or split its layers (dnproj=0:20+1:20).
+ *   A probe first times a trunk product on each device and the CPU (a slower device gets no trunk); with two or more
+ *   devices whole placements are priced per token (place_choose_split). place_retier swaps experts between VRAM and CPU
+ *   as heat moves. coli plan dry-runs this code (place_dry_run): it cannot disagree with a run.
+ * Promises: placement changes only speed: resident matrices and experts compute the same bits (§5). A [place] line per
+ *   component says where it went with what numbers; one, the prices deciding trunk against experts. A bad --place /
+ *   COLI_PLACE, or one naming an absent or unselected device, is a usage error.
  * May call: §1, §4 (struct ops_matrix), §5 (devices, uploads), §6 (the store's experts, heat).
  * Workload: once per model load; place_retier once per forward pass (a pass over the heat). */
 
@@ -11465,7 +11443,7 @@ enum { PLACE_ANY = -1, PLACE_CPU = -2 }; /* a rule's device: the one with the mo
 #define PLACE_MAX_SEGMENTS 64
 
 /* Where a component goes: SEG[0..n) in layer order, each sending COUNT of its layers to DEV (a device or PLACE_ANY);
- * later layers stay on the CPU (n = 0: all). */
+ * later layers on the CPU (n = 0: all). */
 struct place_rule {
     int n;
     struct place_segment { int dev, count; } seg[PLACE_MAX_SEGMENTS];
@@ -11485,8 +11463,8 @@ static long place_number(const char **p)
     return *p == start ? -1 : v;
 }
 
-/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS... (DEVICE: a number or cpu), into *R; -1 for
- * anything else (say, a segment without a count). */
+/* Parses the N bytes at V, DEVICE or DEVICE:LAYERS+DEVICE:LAYERS... (DEVICE: a number or cpu), into *R; else -1 (say, a
+ * segment without a count). */
 static int place_parse_rule(const char *v, size_t n, struct place_rule *r)
 {
     const char *p = v, *end = v + n;
@@ -11529,7 +11507,7 @@ static void place_parse(const char *spec, struct place_rule rule[PLACE_COUNT])
     }
 }
 
-/* Rule R's device for the ORDINAL-th layer (from 0) with its component: a device, PLACE_ANY or PLACE_CPU. */
+/* Rule R's device (a device, PLACE_ANY or PLACE_CPU) for its component's ORDINAL-th layer (from 0). */
 static int place_rule_device(const struct place_rule *r, int ordinal)
 {
     for (int i = 0; i < r->n; i++) {
@@ -11570,15 +11548,15 @@ static int place_expert(int dev, const struct ops_matrix w[3], struct cuda_exper
     return 0;
 }
 
-/* Prints LINE: a run logs it on stderr, coli plan on stdout. */
+/* LINE on stderr (a run's log) or stdout (coli plan). */
 static void place_say(const char *line)
 {
     if (place_say_stdout) puts(line);
     else plat_log("%s", line);
 }
 
-/* Layer L's expert shape on the device, or 0 if no kernel set fits (gate and up must share a type: one activation
- * read for both). */
+/* Layer L's expert shape on the device, or 0 if no kernel set fits (gate and up share a type: one activation read for
+ * both). */
 static int place_expert_shape(const struct expert_store *s, int l, struct cuda_moe_shape *sh)
 {
     const struct ops_matrix *g = &s->src[l][0].t.m, *u = &s->src[l][1].t.m, *d = &s->src[l][2].t.m;
@@ -11607,18 +11585,18 @@ enum place_why { PLACE_PLACED, PLACE_BY_RULE, PLACE_NO_ROOM, PLACE_NO_KERNEL };
 struct place_offer {
     enum place_component comp;
     int ordinal;       /* the layer its component's rule counts (an expert's: its layer) */
-    size_t bytes;      /* the VRAM it takes, as cuda_upload charges it */
+    size_t bytes;      /* VRAM it takes, as cuda_upload charges it */
     size_t cpu_bytes;  /* what the CPU reads from memory per computation instead */
-    double p;          /* probability that a token reads it: 1 for the trunk */
-    uint32_t devices;  /* devices with a kernel for it: bit d for device d */
+    double p;          /* probability a token reads it: 1 for the trunk */
+    uint32_t devices;  /* bit d: device d has a kernel for it */
     int home;          /* decided: a device, or PLACE_CPU */
     int why;           /* enum place_why */
-    double value;      /* bytes saved per token per byte of VRAM, as priced when decided */
+    double value;      /* bytes saved per token per VRAM byte, as priced when decided */
     int ref;           /* what it stands for: place_model's trunk item, or the expert's key */
 };
 
 /* The host's side for CPU experts: the RAM cache holds the hottest (LRU with the hottest pinned comes close), the rest
- * are read from the file when routed to. */
+ * are read from the file when routed. */
 struct place_host {
     int64_t cache_bytes; /* the cache's budget; < 0: all experts stay in memory, none read */
     size_t slot_bytes;   /* one cached expert */
@@ -11656,13 +11634,13 @@ static void place_home(struct place_offer *o, const struct place_rule rule[PLACE
     if (best >= 0) rooms->room[best] -= (int64_t)o->bytes;
 }
 
-/* Decides O[N]: trunk O[0..N_TRUNK) in order, experts O[N_TRUNK..N) hottest first. Each step takes the list head
- * saving more bus bytes per token per byte of VRAM (ties: trunk), priced in the state so far, and sends it home
- * (place_home). With m the first expert the RAM cache would not hold:
+/* Decides O[N]: trunk O[0..N_TRUNK) in order, experts O[N_TRUNK..N) hottest first. Each step sends home (place_home)
+ * the list head saving more bus bytes per token per VRAM byte (ties: trunk), priced in the state so far. With m the
+ * first expert the RAM cache would not hold, each over its VRAM bytes:
  *   trunk matrix: cpu_bytes (read every token), plus, if the cache grows by the RAM it frees, cpu_bytes / slot_bytes
  *     more hits at m's saving;
- *   expert: p * cpu_bytes, plus a miss's extra traffic: its own if a miss, else m's, whose slot it frees;
- * each over its VRAM bytes; a miss's extra traffic is miss_extra * p * cpu_bytes. */
+ *   expert: p * cpu_bytes, plus a miss's extra traffic (miss_extra * p * cpu_bytes): its own if a miss, else m's,
+ *     whose slot it frees. */
 static void place_decide(struct place_offer *o, int n_trunk, int n, const struct place_rule rule[PLACE_COUNT],
                          const struct place_host *h, struct place_rooms *rooms)
 {
@@ -11755,7 +11733,7 @@ static int place_expert_offers(const struct expert_store *s, int top_k, struct p
 }
 
 /* Uploads (dry run: charges) what place_decide sent to a device among O[N] (trunk first, N_TRUNK of ITEMS; then S's
- * experts); failed uploads stay on the CPU, for want of room. */
+ * experts); a failed upload stays on the CPU (no room). */
 static void place_apply(struct place_offer *o, int n_trunk, int n, const struct place_item *items, struct expert_store *s)
 {
     for (int i = 0; i < n; i++) {
@@ -11972,8 +11950,8 @@ static void place_probe_experts(int d, const struct cuda_moe_shape *sh, const st
     for (int i = n_trunk; i < n && t > cpu_s; i++) o[i].devices &= ~(1u << d);
 }
 
-/* Probes each usable device with ITEMS[N_ITEMS]'s largest probe matrix and a decode's batch of TOP_K experts of S
- * (NULL: none), a [probe] line each, figures into *SP; withdraws from O[N] (trunk O[0..N_TRUNK)) devices slower than the CPU. */
+/* Probes each usable device with ITEMS[N_ITEMS]'s probe matrix and a decode's batch of TOP_K experts of S (NULL: none):
+ * a [probe] line each, figures into *SP; devices slower than the CPU withdrawn from O[N] (trunk O[0..N_TRUNK)). */
 static void place_probe_devices(const struct place_item *items, int n_items, const struct expert_store *s, int top_k, struct place_offer *o,
                                 int n_trunk, int n, struct place_speed *sp)
 {
@@ -12193,11 +12171,11 @@ static void place_model(const struct place_item *items, int n_items, struct expe
 
 /* ---- re-tiering while running ----
  * Heat keeps counting, so experts placed at start (by a heat file from other prompts, or none) drift from those this
- * conversation routes to. At each token boundary place_retier switches over arrived uploads and, per device with no
- * upload under way, swaps its coldest resident for a clearly hotter CPU expert it can run and hold: the cold one
- * computes on the CPU at once, the hot one on the device when its background upload (cuda_expert_upload_start) lands.
- * One upload in flight per device paces it (a few experts a second per card, far below PCIe); a check is a pass over
- * the heat (10240 floats on the 35B-A3B). Tokens do not change: both sides compute the same bits. */
+ * conversation routes to. At each token boundary place_retier switches over landed uploads and, per device with none
+ * under way, swaps its coldest resident for a clearly hotter CPU expert it can run and hold: the cold one computes on
+ * the CPU at once, the hot one on the device once its background upload (cuda_expert_upload_start) lands. One upload
+ * in flight per device paces it (a few experts a second per card, far below PCIe); a check is a pass over the heat
+ * (10240 floats on the 35B-A3B). Both sides compute the same bits: tokens do not change. */
 
 #define PLACE_RETIER_WINDOW 64 /* tokens: the VRAM statistics' window, the store's repin period */
 #define PLACE_RETIER_GAIN 1.5  /* hysteresis: the expert brought in is routed 1.5x as often as the one it evicts */
@@ -12261,31 +12239,30 @@ static void place_retier(struct expert_store *s, int T)
  *   current where §5's chains keep it on a device), the forward pass.
  * Promises: model_load refuses an unknown architecture, a missing tensor or a wrong shape with one
  *   line naming it. model_forward computes the same bits for a token alone or in a batch, on any
- *   number of threads and any kernel level: every product goes through ops_matmat (bit-identical
- *   per column to ops_matvec), sums run in a fixed order, and parallel loops split independent rows
- *   or heads only.
+ *   thread count and kernel level: every product goes through ops_matmat (bit-identical per column
+ *   to ops_matvec), sums run in a fixed order, parallel loops split independent rows or heads only.
  * May call: §1–§4, §5 (what runs on devices), §6 experts (routed experts come from its store, in
  *   the mapping or cached).
- * Workload: per decoded token the whole dense trunk is read once plus n_expert_used experts per
- *   layer; prompts run in batches of MODEL_BATCH tokens, each routed expert's weights read once per
- *   batch. The architecture is qwen35-arch.md; section numbers cite it. */
+ * Workload: a decoded token reads the whole dense trunk once plus n_expert_used experts a layer;
+ *   prompts run in batches of MODEL_BATCH tokens, each routed expert's weights read once a batch.
+ *   The architecture is qwen35-arch.md; section numbers cite it. */
 
 enum model_arch { MODEL_ARCH_QWEN35MOE, MODEL_ARCH_QWEN35, MODEL_ARCH_QWEN3NEXT };
 static const char *const model_arch_names[] = {"qwen35moe", "qwen35", "qwen3next"};
 
 enum model_layer_kind { MODEL_LAYER_DELTANET, MODEL_LAYER_ATTENTION };
 
-/* Tokens per forward call. A prompt batch reads each routed expert it routes to once: at 8 of 256
- * experts a token, nearly all (18 GB on the 35B-A3B). 512 gives an expert 16 tokens on average,
- * where tiles beat 8; trunk products take 256 columns at a time (OPS_COLUMN_BLOCK), acts kept in
- * L2. Scratch, figures: README, Benchmarks. */
+/* Tokens a forward call. A prompt batch reads each expert it routes to once: at 8 of 256 a token,
+ * nearly all (18 GB on the 35B-A3B). 512 gives an expert 16 tokens on average, where tiles beat 8;
+ * trunk products take 256 columns at a time (OPS_COLUMN_BLOCK), acts kept in L2. Scratch, figures:
+ * README, Benchmarks. */
 #define MODEL_BATCH 512
-#define MODEL_MAX_RUNS 16 /* sequences per forward call (the logits scratch is one row each) */
+#define MODEL_MAX_RUNS 16 /* sequences a forward call (the logits scratch is a row each) */
 #define MODEL_MAX_DIM (1 << 20)
 
 struct model_config {
     enum model_arch arch;
-    int n_layers; /* trunk layers: block_count minus an MTP block (§7), which is skipped */
+    int n_layers; /* trunk layers: block_count less an MTP block (§7), which is skipped */
     int dim, n_vocab, ctx_train;
     float eps;
     /* gated attention (§4) */
@@ -12303,7 +12280,7 @@ struct model_layer {
     enum model_layer_kind kind;
     const float *attn_norm, *post_norm; /* [dim] each, the +1 already folded in (§9.4) */
     /* attention */
-    struct ops_matrix wq;      /* [n_head * 2 * head_dim][dim]: per head query then gate rows */
+    struct ops_matrix wq;      /* [n_head * 2 * head_dim][dim]: a head's query then gate rows */
     struct ops_matrix wk, wv;  /* [n_kv_head * head_dim][dim] */
     struct ops_matrix wo;      /* [dim][n_head * head_dim] */
     const float *q_norm, *k_norm; /* [head_dim] */
@@ -12332,10 +12309,10 @@ struct model_layer_state {
     void *k_cache, *v_cache;  /* [n_kv_head][model_kv_rows][head_dim] in format m->kv, K after norm and RoPE: a KV
                                * head's rows are one run of memory (its GQA group reads only them: README) */
     float *conv_state;        /* [conv_kernel - 1][conv_dim] raw inputs, oldest first */
-    float *ssm_state;         /* [nv][dk][dv]: per head S i-major (ops_delta_rule), 16 rows to a vector */
+    float *ssm_state;         /* [nv][dk][dv]: a head's S i-major (ops_delta_rule), 16 rows a vector */
     int on_dev;               /* 1 + the device whose copy of the DeltaNet state is current (model_seq's dev_state), 0: none */
     int host_stale;           /* only that copy is: the CPU's is older (model_state_to_host) */
-    int host_rows, dev_rows;  /* attention: KV rows current on the CPU and on that device (the first so many; model_kv_to_host) */
+    int host_rows, dev_rows;  /* attention: KV rows current on the CPU, on that device (the first so many; model_kv_to_host) */
 };
 
 /* One sequence (a conversation): what the forward pass remembers of its tokens. Many may share a
@@ -12349,8 +12326,8 @@ struct model_seq {
 };
 
 /* Layer IL's part in the pass's chains (model_chain_plan): DEV, its rest's chain's device (-1:
- * none); MIXER, its mixer runs there too; SPLIT, some routed experts on the CPU (its routing comes
- * down midway: model_layer_rest); BLOCK, IDS: its addresses in that chain buffer (BLOCK_OFF till
+ * none); MIXER, its mixer runs there too; SPLIT, some routed experts on the CPU (routing comes down
+ * midway: model_layer_rest); BLOCK, IDS: its addresses in that chain buffer (BLOCK_OFF till
  * upload). */
 struct model_chain {
     int dev, mixer, split;
@@ -12360,7 +12337,7 @@ struct model_chain {
 
 /* A run's last token's best logits, found on the device (model_run.best): MODEL_TOP in
  * sample_before's order (id -1 past a vocabulary that short), as struct sample_candidate; whether
- * the row's every logit was finite; where the run asked (model_run.draw), the row's weights' total
+ * all the row's logits were finite; where the run asked (model_run.draw), the row's weights' total
  * and the token drawn there (else -1). */
 #define MODEL_TOP CUDA_TOP_K
 struct model_top {
@@ -12370,10 +12347,10 @@ struct model_top {
 };
 
 /* A run of a forward batch: N tokens appended to SEQ; LOGITS gets its last token's ([n_vocab],
- * valid until the next forward). Where every run of a decode step says TOP (its caller reads only
+ * valid till the next forward). Where every run of a decode step says TOP (its caller reads only
  * the MODEL_TOP best, the token DRAW draws or its nucleus's total: sample_best_enough,
  * sample_vocab_mode; after PEN's penalties unless NULL) and the device makes the logits, BEST gets
- * those and LOGITS is NULL: the row stays on the device. */
+ * those, LOGITS is NULL: the row stays there. */
 struct model_run {
     struct model_seq *seq;
     const int *tokens;
@@ -12408,16 +12385,16 @@ struct model_scratch {
     float *ex_g, *ex_u;      /* [B * n_expert_used][max(expert_ff, shexp_ff, ff)] */
     float *ex_y;             /* [B * n_expert_used][dim] the gathered tokens' expert outputs */
     float *ex_out;           /* [B * n_expert_used][dim] each assignment's expert output */
-    const float **ex_src;    /* [B * n_expert_used] where it is: its ex_out row, or the CPU's ex_y row */
-    /* routed experts on devices (§5) plus a joining shared expert: a layer's jobs, by device */
+    const float **ex_src;    /* [B * n_expert_used] where it is: its ex_out row or the CPU's ex_y row */
+    /* routed experts on devices (§5) and a joining shared expert: a layer's jobs, by device */
     int *ex_dev;             /* [n_expert] the device an expert of this layer runs on, or -1 */
-    struct cuda_expert *ex_table; /* [n_expert] where they are, when a device runs the whole layer */
+    struct cuda_expert *ex_table; /* [n_expert] where they are when a device runs the whole layer */
     struct cuda_moe_job *dev_jobs; /* [B * (n_expert_used + 1)] */
     int *dev_slot;           /* [B * (n_expert_used + 1)] each job's assignment (ex_out row), or -1 - t:
                               * token t's shared expert (sh_out row) */
     float *dev_out;          /* [B * (n_expert_used + 1)][dim] the jobs' outputs as downloaded */
     int dev_first[CUDA_MAX_DEVICES], dev_count[CUDA_MAX_DEVICES], dev_failed[CUDA_MAX_DEVICES];
-    float *sh_h;             /* [B][shexp_ff] silu(gate x) * up x of the shared expert, apart from ex_g */
+    float *sh_h;             /* [B][shexp_ff] the shared expert's silu(gate x) * up x, apart from ex_g */
     float *sh_out;           /* [B][dim] */
     float *sh_gate;          /* [B] */
     struct model_seq **tok_seq; /* [B] the sequence each token of the batch belongs to */
@@ -12433,10 +12410,10 @@ struct model_scratch {
     struct cuda_attention *attn_dev; /* [n_layers] the attention layers' */
     uint8_t *chain_stage[CUDA_MAX_DEVICES]; /* what cuda_chain_begin uploads there, of chain_bytes */
     size_t chain_bytes[CUDA_MAX_DEVICES], chain_cap[CUDA_MAX_DEVICES];
-    int chain_first;            /* the first layer of the chain under way (its ids not yet down), or -1 */
+    int chain_first;            /* the first layer of the chain under way (ids not yet down), or -1 */
 };
 
-/* Where forward passes' time goes, for bench: seconds per phase, prompt and decode steps apart
+/* Where forward passes' time goes, for bench: seconds a phase, prompt and decode steps apart
  * (engine_step says which), summed since load. model_phase_mark charges the time since the last
  * mark to a phase (~20 ns a mark, ~10 a layer); sampling is the engine's, after the pass. */
 enum model_phase { MODEL_PHASE_PRODUCTS, MODEL_PHASE_EXPERTS, MODEL_PHASE_DELTANET, MODEL_PHASE_ATTENTION,
@@ -12685,7 +12662,7 @@ static int64_t model_conv_dim(const struct model_config *c)
     return 2 * (int64_t)c->ssm_nk * c->ssm_dk + (int64_t)c->ssm_nv * c->ssm_dv;
 }
 
-/* Floats of one DeltaNet layer's recurrent state: conv state, then ssm state. */
+/* Floats of a DeltaNet layer's recurrent state: conv state, then ssm state. */
 static size_t model_recurrent_floats(const struct model_config *c)
 {
     return (size_t)model_conv_dim(c) * (size_t)(c->conv_kernel - 1) + (size_t)c->ssm_nv * c->ssm_dv * c->ssm_dk;
@@ -12709,7 +12686,7 @@ static void model_check_kv(const struct model *m)
             QUANT_QK, OPS_KV_MAX_HD);
 }
 
-/* Bytes of KV cache a token of context takes (every attention layer). */
+/* KV cache bytes a token of context takes (every attention layer). */
 static int64_t model_kv_bytes_per_token(const struct model *m)
 {
     int64_t n = 0;
@@ -12728,7 +12705,7 @@ static int64_t model_recurrent_bytes(const struct model *m)
     return state;
 }
 
-/* Bytes one sequence takes at full context: KV cache and recurrent state. */
+/* Bytes a sequence takes at full context: KV cache and recurrent state. */
 static int64_t model_seq_bytes(const struct model *m)
 {
     return model_kv_bytes_per_token(m) * m->n_ctx + model_recurrent_bytes(m);
@@ -12849,7 +12826,8 @@ static int model_state_copy(const struct model *m, struct model_seq *q, int il, 
            cuda_state_copy(dev, p + conv * sizeof(float), st->ssm_state, (per - conv) * sizeof(float), up) ? -1 : 0;
 }
 
-/* Makes the CPU's copy of layer IL's state of Q current: 0, or -1 if the device holding it failed. */
+/* Makes the CPU's copy of layer IL's state of Q current: 0, or -1 if the device holding it
+ * failed. */
 static int model_state_to_host(const struct model *m, struct model_seq *q, int il)
 {
     struct model_layer_state *st = &q->state[il];
@@ -12888,7 +12866,7 @@ static int model_kv_copy_rows(const struct model *m, struct model_seq *q, int il
     uint8_t *cache[2] = {q->state[il].k_cache, q->state[il].v_cache};
     for (size_t c = 0; c < 2 && r1 > r0; c++) {
         /* Q8_0 keys: whole groups, whose bytes mix their rows (ops_kv_store); a group's rows below R0
-         * are the same on both sides, those from R1 on not yet read by either */
+         * match on both sides, those from R1 on are read by neither yet */
         const int grouped = c == 0 && m->kv == OPS_KV_Q8_0;
         const size_t a = grouped ? (size_t)(r0 / OPS_KV_GROUP * OPS_KV_GROUP) : (size_t)r0;
         const size_t b = grouped ? (size_t)model_kv_whole_groups(r1) : (size_t)r1;
@@ -12923,7 +12901,8 @@ static int model_kv_to_device(const struct model *m, struct model_seq *q, int il
     return 0;
 }
 
-/* Makes all of Q's CPU copy current (to park it in RAM); 0, or -1 if a device holding some failed. */
+/* Makes all of Q's CPU copy current (to park it in RAM); 0, or -1 if a device holding some
+ * failed. */
 static int model_seq_to_host(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++)
@@ -12932,7 +12911,7 @@ static int model_seq_to_host(const struct model *m, struct model_seq *q)
 }
 
 /* Q's CPU copy was just written (reset, checkpoint restored, position set): the devices' DeltaNet
- * states are outdated, and every KV row from the position on. */
+ * states are stale, and every KV row from the position on. */
 static void model_states_written(const struct model *m, struct model_seq *q)
 {
     for (int i = 0; i < m->cfg.n_layers; i++) {
@@ -12995,7 +12974,7 @@ static void model_on_sigbus(int sig)
     _exit(1);
 }
 
-/* The part of M's file that holds P (and P's offset in it), or -1. */
+/* The part of M's file holding P (and P's offset in it), or -1. */
 static int model_part_of(const struct model *m, const uint8_t *p, off_t *offset)
 {
     for (int i = 0; i < m->file.n_parts; i++)
@@ -13079,9 +13058,9 @@ static struct place_item *model_trunk_items(struct model *m)
     return it;
 }
 
-/* Bytes a decoded token reads: each dense trunk matrix (*TRUNK); per MoE layer, n_expert_used
- * routed experts of its size (*EXPERTS; the embedding's one row left out); the state (*STATE):
- * every DeltaNet layer's, and CTX positions' KV rows (write-back uncounted). */
+/* Bytes a decoded token reads: each dense trunk matrix (*TRUNK); a MoE layer's n_expert_used routed
+ * experts of its size (*EXPERTS; the embedding's one row left out); the state (*STATE): every
+ * DeltaNet layer's, and CTX positions' KV rows (write-back uncounted). */
 static double model_decode_bytes(struct model *m, double ctx, double *trunk, double *experts, double *state)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13093,11 +13072,11 @@ static double model_decode_bytes(struct model *m, double ctx, double *trunk, dou
     return *trunk + *experts + *state;
 }
 
-/* Copies the dense trunk matrices staying on the CPU from the mapping into one anonymous arena to
- * compute from, and drops the file's pages (the page cache keeps them for the next start, dropping
- * them first when memory is short): anonymous memory streams faster than the page cache (README,
- * Models larger than memory). Routed experts are §6's (expert_own copies them where memory allows:
- * model_copies). Matrices with an interleaved form (quant_interleave_ok) are copied in it. */
+/* Copies the dense trunk matrices staying on the CPU from the mapping into one anonymous arena and
+ * drops the file's pages (the page cache keeps them for the next start, dropping them first when
+ * memory is short): anonymous memory streams faster than the page cache (README, Models larger than
+ * memory). Routed experts are §6's (expert_own copies them where memory allows: model_copies).
+ * Matrices with an interleaved form (quant_interleave_ok) are copied in it. */
 static void model_own_trunk(struct model *m)
 {
     struct place_item *it = model_trunk_items(m);
@@ -13150,10 +13129,10 @@ static struct model_budget model_expert_budget(const struct model *m, int n_seqs
 }
 
 /* The context: the request, else the model's length capped so the KV cache takes at most half the
- * memory available, or an eighth when weights and that cache do not fit together (the rest is the
- * expert cache's, §6); but where the weights fit with room for MODEL_MIN_CTX tokens, at most that
- * room: every routed expert stays in memory rather than a mostly unused context pushing some to
- * disk (README: the 35B-A3B on a 24 GB machine). */
+ * available memory, or an eighth when weights and cache do not fit together (the rest is the expert
+ * cache's, §6); but where the weights fit with room for MODEL_MIN_CTX tokens, at most that room:
+ * every routed expert stays in memory rather than a mostly unused context pushing some to disk
+ * (README: the 35B-A3B on a 24 GB machine). */
 #define MODEL_MIN_CTX 4096
 
 static int model_choose_ctx(const struct model *m, int request)
@@ -13259,9 +13238,9 @@ static const uint8_t *model_kv_head(const struct model *m, const struct model_la
     return (const uint8_t *)(keys ? st->k_cache : st->v_cache) + (size_t)kvh * (size_t)model_kv_rows(m) * model_kv_row_bytes(m);
 }
 
-/* Attention where a batch has fewer head groups than threads (mostly decode): a task per split of
+/* Attention where a batch has fewer head groups than threads (mostly decode): a task a split of
  * each group of SHARE heads of each token (ops_attention_scores, ops_attention_values: a group's
- * heads read its rows once), records in s->splits; then a task per head merges its splits in order
+ * heads read its rows once), records in s->splits; then a task a head merges its splits in order
  * and gates: ops_attention's bits. 0 (nothing done) if no context spans two splits or records would
  * pass MODEL_SPREAD_BYTES (a long prompt). */
 #define MODEL_SPREAD_BYTES ((size_t)64 << 20)
@@ -13352,8 +13331,8 @@ static const float *model_attention(struct model *m, int il, int T)
     int hd = c->head_dim, nh = c->n_head, kvw = c->n_kv_head * hd, group = nh / c->n_kv_head;
     float scale = 1.0f / sqrtf((float)hd);
 
-    /* per-head q/k RMSNorm, then partial RoPE; K and V to the cache (a token a task: its own rows
-     * and position in its sequence's cache) */
+    /* per-head q/k RMSNorm, then partial RoPE; K and V to the cache (a token a task: its own rows and
+     * position in its sequence's cache) */
     #pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
         float *cs = s->rope + (size_t)t * c->rope_dims;
@@ -13374,10 +13353,10 @@ static const float *model_attention(struct model *m, int il, int T)
     }
 
     /* causal softmax attention (GQA: head h reads KV head h / group), then the sigmoid output gate.
-     * A task: SHARE heads of a group over the batch's tokens, reading each cached row once between
-     * them. With fewer tasks than threads, a task per split of a group (model_attention_spread:
-     * decode, or a batch with small records); else, or if no context spans two splits, SHARE halves
-     * while tasks are fewer than threads. Bits change with neither. */
+     * A task: SHARE heads of a group over the batch's tokens, reading each cached row once for all.
+     * With fewer tasks than threads, a task a split of a group (model_attention_spread: decode, or a
+     * batch with small records); else, or if no context spans two splits, SHARE halves while tasks
+     * are fewer than threads. Neither changes bits. */
     int share = group < OPS_ATTN_HEADS ? group : OPS_ATTN_HEADS;
     if (nh / share < plat_threads() && model_attention_spread(m, il, T, share, scale)) {
         model_phase_mark(m, MODEL_PHASE_ATTENTION);
@@ -13405,7 +13384,7 @@ static const float *model_attention(struct model *m, int il, int T)
 }
 
 /* Depthwise causal conv over channels C0..C1 (<= MODEL_CONV_BLOCK) of one token, in place (§5.3):
- * each channel's sum from 0 over its taps, oldest first, then its input. The state: the last
+ * each channel's sum from 0 over its taps, oldest first, then its input. State: the last
  * conv_kernel-1 raw inputs; state and taps are tap-major: each loop runs across channels in vector
  * lanes (omp simd: gcc -O2 left them scalar), as wide as the level allows, each sum in order. */
 #define MODEL_CONV_BLOCK 256
@@ -13453,8 +13432,8 @@ static void model_conv_step(const struct model_config *c, const float *taps, flo
 }
 
 /* Channels C0..C1 of DeltaNet layer IL's conv input (mixed) for a batch's T tokens in order (a
- * sequence's tokens follow one another through its state), then SiLU, the L2 norm of each q and k
- * head among them, and q's scale. C0..C1 holds whole heads: a task needs no other's channels. */
+ * sequence's tokens pass through its state one after another), then SiLU, the L2 norm of each q and
+ * k head among them, and q's scale. C0..C1 holds whole heads: a task needs no other's channels. */
 static void model_conv_task(struct model *m, int il, int T, int64_t c0, int64_t c1)
 {
     const struct model_config *c = &m->cfg;
@@ -13500,14 +13479,14 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
 
     if (c->arch == MODEL_ARCH_QWEN3NEXT) model_split_ba(m, T);
 
-    /* The conv, SiLU, norms and scale in tasks of whole heads, round robin so each thread has q/k
-     * heads (normed) and v channels (not). */
+    /* The conv, SiLU, norms and scale in tasks of whole heads, round robin: each thread gets q/k heads
+     * (normed) and v channels (not). */
     const int64_t task = c->ssm_dk * (MODEL_CONV_BLOCK > c->ssm_dk ? MODEL_CONV_BLOCK / c->ssm_dk : 1);
     #pragma omp parallel for schedule(static, 1)
     for (int64_t c0 = 0; c0 < conv_dim; c0 += task) model_conv_task(m, il, T, c0, conv_dim - c0 < task ? conv_dim : c0 + task);
-    /* Head by head, each over the batch's tokens in order: a head's state (dk x dv floats, 64 KiB
-     * on the 35B) stays in this thread's cache all batch, one parallel region, not one a token.
-     * Each (token, head) does what it did alone. */
+    /* Head by head, each over the batch's tokens in order: a head's state (dk x dv floats, 64 KiB on
+     * the 35B) stays in this thread's cache all batch, one parallel region, not one a token. Each
+     * (token, head) does what it did alone. */
     #pragma omp parallel for schedule(static)
     for (int h = 0; h < nv; h++) {
         const int g = c->vhead_tiled ? h % nk : h / r;
@@ -13537,8 +13516,8 @@ static const float *model_gated_deltanet(struct model *m, int il, int T)
     return s->core;
 }
 
-/* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate],
- * out [n][rows of down]; uses ex_g and ex_u. */
+/* SwiGLU feed-forward over N rows: down(silu(gate x) * up x). in [n][cols of gate], out [n][rows of
+ * down]; uses ex_g and ex_u. */
 static void model_swiglu(struct model *m, const struct ops_matrix *gate, const struct ops_matrix *up,
                          const struct ops_matrix *down, const float *in, float *out, int n)
 {
@@ -13599,8 +13578,8 @@ static void model_want_experts(struct model *m, int il, int T)
     expert_begin(m->experts, il, s->want, s->want_count, n_want, T);
 }
 
-/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on; returns how
- * many. model_gather_rows copies the tokens. */
+/* Lists the assignments (of T tokens) routed to expert E in slot_of from row FIRST on; how many.
+ * model_gather_rows copies the tokens. */
 static int model_gather_tokens(struct model *m, int e, int T, int first)
 {
     struct model_scratch *s = &m->s;
@@ -13621,7 +13600,7 @@ static void model_gather_rows(struct model *m, int first, int n)
     for (int r = first; r < first + n; r++) memcpy(s->ex_in + r * dim, s->xn + (size_t)(s->slot_of[r] / used) * dim, dim * sizeof(float));
 }
 
-/* Rows [0, n) of SRC (one per assignment in slot_of) into ex_out at their assignments. */
+/* Rows [0, n) of SRC (one an assignment in slot_of) into ex_out at their assignments. */
 static void model_scatter_rows(struct model *m, const float *src, int n)
 {
     struct model_scratch *s = &m->s;
@@ -13633,7 +13612,7 @@ static void model_scatter_rows(struct model *m, const float *src, int n)
 /* Routed experts on the CPU for T tokens when the store hands them out in place (a pointer stays
  * valid after the next expert_next): each expert's tokens gathered into ex_in, then up to
  * OPS_MAX_JOBS / 2 experts at a time as two product batches (gates and ups, then downs): a few
- * parallel regions a layer, not two per expert. Each output, bit-identical to the expert's own
+ * parallel regions a layer, not two an expert. Each output, bit-identical to the expert's own
  * ops_matmat, stays in ex_y (row in ex_src[assignment]; not copied: README) or with TO_EX_OUT goes
  * to ex_out[assignment]. */
 static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
@@ -13647,8 +13626,8 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
     for (int e = 0; e >= 0;) {
         if ((e = expert_next(m->experts, w)) >= 0) {
             int first = rows, count = model_gather_tokens(m, e, T, first);
-            /* an expert of one token reads its row in place: experts of the same token then share
-             * one prepared act (decode: one for the layer's gates and ups, not 8) */
+            /* an expert of one token reads its row in place: the same token's experts share one
+             * prepared act (decode: one for the layer's gates and ups, not 8) */
             const float *x = count == 1 ? s->xn + (size_t)(s->slot_of[first] / c->n_expert_used) * dim : s->ex_in + first * dim;
             float *g = s->ex_g + (size_t)first * ff, *u = s->ex_u + (size_t)first * ff;
             up[2 * n] = (struct ops_job){w[0], x, g, count};
@@ -13670,7 +13649,7 @@ static void model_routed_experts_mapped(struct model *m, int T, int to_ex_out)
 }
 
 /* Routed experts for T tokens on the CPU (those expert_next hands out): each runs once over the
- * tokens that chose it, its output where ex_src[t * used + k] says (ex_out's row unless
+ * tokens that chose it, output where ex_src[t * used + k] says (ex_out's row unless
  * model_routed_experts_mapped keeps it; always there with TO_EX_OUT). Experts come as their bytes
  * arrive; each output has its own place, so the order changes no sum. */
 static void model_routed_experts(struct model *m, int T, int to_ex_out)
@@ -13704,8 +13683,8 @@ static int model_shexp_on(const struct model *m, int il, int dev, struct cuda_ex
 }
 
 /* The device whose expert batch also runs layer IL's shared expert (its three matrices there in
- * *E): the one holding them, where they have the routed experts' shape (so the batch's acts and
- * kernels serve it); -1 where none does: it runs as products. In the batch it costs no download or
+ * *E): the one holding them, if they have the routed experts' shape (so the batch's acts and
+ * kernels serve it); -1 if none does: it runs as products. In the batch it costs no download or
  * launch of its own: 5 driver calls and one wait fewer a layer. */
 static int model_shexp_device(const struct model *m, int il, struct cuda_expert *e)
 {
@@ -13717,7 +13696,8 @@ static int model_shexp_device(const struct model *m, int il, struct cuda_expert 
 }
 
 /* Queues layer IL's jobs (token, expert) on the device holding each expert (the store's on_device),
- * and on device SHD (-1: none) each token's shared expert SH, to run while the CPU does the rest. */
+ * and on device SHD (-1: none) each token's shared expert SH, to run while the CPU does the
+ * rest. */
 static void model_experts_device_start(struct model *m, int il, int T, int shd, struct cuda_expert sh_e)
 {
     const struct model_config *c = &m->cfg;
@@ -13788,7 +13768,7 @@ static void model_experts_device_finish(struct model *m, int il)
 }
 
 /* Whether trunk matrix W is on a device with this layer's expert batch queued: a product there
- * would wait for the batch (its upload shares the stream), the CPU with it. */
+ * would wait for the batch (its upload shares the stream), and the CPU with it. */
 static int model_behind_device_batch(const struct model *m, const struct ops_matrix *w)
 {
     const struct cuda_resident *r = cuda.ready ? cuda_resident_of(w->data) : NULL;
@@ -13798,9 +13778,9 @@ static int model_behind_device_batch(const struct model *m, const struct ops_mat
 /* The device to run layer IL's rest after its mixer (cuda_moe_layer_start) for T tokens, *L filled:
  * the one holding output projection WO, router and shared expert's gate logit (of the router's
  * type), shared expert (model_shexp_on), and the routed experts any device holds (the CPU computes
- * the others: a split layer); -1 if none. What follows (the norm NEXT_NORM and products
- * NEXT[0..n_next) over it: the next layer's mixer projections, or the output head) goes along where
- * those matrices are there too. */
+ * the others: a split layer); -1 if none. What follows (norm NEXT_NORM and products NEXT[0..n_next)
+ * over it: the next layer's mixer projections, or the output head) goes along if those matrices are
+ * there. */
 static int model_rest_device(struct model *m, int il, int T, const struct ops_matrix *wo, const float *next_norm, const struct ops_job *next,
                              int n_next, struct cuda_moe_layer *L)
 {
@@ -13829,7 +13809,8 @@ static int model_rest_device(struct model *m, int il, int T, const struct ops_ma
                                  .used = c->n_expert_used, .split = split};
     place_expert_shape(x, il, &L->sh);
     const int top = il + 1 == c->n_layers && m->s.head_top && cuda_top_ready(dev, m->s.draws_on, m->s.pens_on); /* NEXT: the output head, of which only the best */
-    /* what comes back must fit dev_out: the ids, the hidden state, a chain's ids (at most all layers') */
+    /* what comes back must fit dev_out: the ids, hidden state, a chain's ids (at most all
+     * layers') */
     size_t floats = (size_t)T * ((size_t)c->dim + (size_t)c->n_expert_used * (size_t)(1 + c->n_layers));
     for (int j = 0; j < n_next; j++) {
         const struct cuda_resident *r = cuda_resident_of(next[j].w.data);
@@ -13886,11 +13867,11 @@ static int model_best_read(struct model *m, int dev, const float *from, int T)
     return whole ? 0 : cuda_head_logits(dev, s->logits, (size_t)T * (size_t)m->cfg.n_vocab * sizeof(float));
 }
 
-/* Layer IL's rest for T tokens on device DEV (model_rest_device) from the mixer's rows MIX: the new
- * hidden state into x, the chosen experts into top (for the store's heat and statistics, as CPU
- * routing would), the next layer's projections (L->n_next of NEXT) into their outputs; a split
- * layer's CPU experts run here meanwhile. 0; -1 where the device failed (GPU path ended, x as it
- * was: the caller computes the layer); -2 where the store could not read an expert (m->error). */
+/* Layer IL's rest for T tokens on device DEV (model_rest_device) from the mixer's rows MIX: new
+ * hidden state into x, chosen experts into top (for the store's heat and statistics, as CPU routing
+ * would), the next layer's projections (L->n_next of NEXT) into their outputs; a split layer's CPU
+ * experts run here meanwhile. 0; -1 if the device failed (GPU path ended, x as it was: the caller
+ * computes the layer); -2 if the store could not read an expert (m->error). */
 static int model_rest_on_device(struct model *m, int il, int T, int dev, const struct cuda_moe_layer *L, const float *mix,
                                 const struct ops_job *next)
 {
@@ -13968,8 +13949,8 @@ static void model_ffn(struct model *m, int il, int T)
         model_phase_mark(m, MODEL_PHASE_PRODUCTS);
         return;
     }
-    /* every product of xn at once: the router, the shared expert's gate logit, gate and up
-     * (unless the shared expert runs in a device's expert batch) */
+    /* every product of xn at once: router, shared expert's gate logit, gate and up (unless the
+     * shared expert runs in a device's expert batch) */
     struct cuda_expert sh_e = {0, 0, 0};
     int shd = model_shexp_device(m, il, &sh_e), shexp_apart = c->shexp_ff && shd < 0;
     const struct ops_job first[] = {{l->router, s->xn, s->router, T}, {l->shexp_gate_inp, s->xn, s->sh_gate, T},
@@ -14017,7 +13998,7 @@ static void model_prefetch(struct model *m, int il, int T)
 }
 
 /* For each of T tokens: x += out where ADD, then xn = rmsnorm(x) * NORM where NORM is given. A
- * token a task when a prompt batch pays the parallel region. */
+ * token a task when a prompt batch pays for the parallel region. */
 static void model_residual_norm(struct model *m, int T, int add, const float *norm)
 {
     struct model_scratch *s = &m->s;
@@ -14056,10 +14037,10 @@ static int model_rest_plan(struct model *m, int il, int T, int head, struct ops_
 
 /* Layer IL's rest for T tokens after its mixer's rows in MIX (NULL: the mixer runs on the device,
  * model_chain_plan): output projection, residual, post-norm, FFN, residual. All on one device where
- * one holds it all (model_rest_device), plus what follows where its matrices are there too
- * (model_rest_plan); else step by step. 1 where what follows was made (kept on the device if the
- * next layer's mixer runs there), 0 if not, -1 with m->error where an expert could not be read or a
- * chain's device failed (m->lost). */
+ * one holds it all (model_rest_device), with what follows if its matrices are there
+ * (model_rest_plan); else step by step. 1 if what follows was made (kept on the device if the next
+ * layer's mixer runs there), 0 if not, -1 with m->error if an expert could not be read or a chain's
+ * device failed (m->lost). */
 static int model_layer_rest(struct model *m, int il, int T, const float *mix, int head)
 {
     const struct model_layer *l = &m->layers[il];
@@ -14147,7 +14128,8 @@ static int model_attention_on(struct model *m, int il, int dev)
 
 /* A chain buffer for T tokens: its head (the tokens' DeltaNet state and KV cache addresses,
  * positions, RoPE rows and, where layer 0 is chained, its embedded rows and input norm, at these
- * offsets), every layer's ids (il's il T used ints from their start), the chained layers' blocks. */
+ * offsets), every layer's ids (il's il T used ints from their start), the chained layers'
+ * blocks. */
 struct model_chain_head { size_t kv, pos, rope, x, norm, ids, blocks; };
 
 static struct model_chain_head model_chain_head_of(const struct model *m, int T)
@@ -14339,7 +14321,7 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
     struct model_scratch *s = &m->s;
     size_t dim = (size_t)m->cfg.dim, row_bytes = gguf_row_bytes(m->embed->type, m->cfg.dim);
     /* a batch's rows asked for first: from a cold page cache each row is a disk read, serial unless
-     * asked for together; one token (decode) has none to overlap */
+     * asked together; one token (decode) has none to overlap */
     const int batch = n_runs > 1 || (n_runs == 1 && runs[0].n > 1);
     for (int r = 0; batch && r < n_runs; r++)
         for (int t = 0; t < runs[r].n; t++) plat_ask_pages(m->embed->data + (size_t)runs[r].tokens[t] * row_bytes, row_bytes);
@@ -14355,9 +14337,9 @@ static int model_embed_runs(struct model *m, const struct model_run *runs, int n
 
 /* Runs a batch: N_RUNS sequences' tokens (runs[r].n appended to runs[r].seq) through every layer
  * together, each weight read once for all; each run's last token's logits into runs[r].logits. A
- * token's bits are independent of its batch neighbours (the section's promise). 0, or -1 with the
- * reason in m->error: runs that do not fit (nothing computed), or an unreadable expert (the runs'
- * sequences left half-advanced: the caller resets them). */
+ * token's bits do not depend on its batch neighbours (the section's promise). 0, or -1 with why in
+ * m->error: runs that do not fit (nothing computed), or an unreadable expert (the runs' sequences
+ * left half-advanced: the caller resets them). */
 static int model_forward_runs(struct model *m, struct model_run *runs, int n_runs)
 {
     const struct model_config *c = &m->cfg;
@@ -14401,7 +14383,7 @@ static int model_forward_runs(struct model *m, struct model_run *runs, int n_run
     if (!projected) ops_matmat(&m->lm_head, s->xn, s->logits, n_runs); /* else the last layer's rest made the logits */
     model_phase_mark(m, MODEL_PHASE_PRODUCTS);
     /* A NaN or infinity in the hidden state (a corrupt scale in the file) would reach the logits as
-     * zeros through the lm_head's act quantisation, which skips NaN: keep it visible as NaN logits. */
+     * zeros via the lm_head's act quantisation, which skips NaN: keep it visible as NaN logits. */
     for (int r = 0; r < n_runs; r++)
         for (int i = 0; i < c->dim; i++)
             if (!isfinite(s->xn[(size_t)r * dim + i])) {
@@ -14503,12 +14485,12 @@ static void model_kv_copy(const struct model *m, struct model_seq *q, void *buf,
  * repaying the next start's reread. */
 enum model_copies { MODEL_COPY_OVER_FILE_PAGES = 1, MODEL_COPY_BESIDE_FILE_PAGES = 2 };
 
-/* How many sequences to hold when not told: as many as a quarter of available memory holds at full
- * context, 1 to 4 (more slots batch more tokens per weight read but take memory from the expert
- * cache); and, unless RAM (--ram) fixes the experts' budget, no more than keep every routed expert
- * in memory where one sequence does: each token reads experts, those left out from disk (35B-A3B on
- * a 24 GB machine: 4 sequences of 32k left a third out). Counts every expert in RAM; those a device
- * takes would leave room for more. */
+/* Sequences to hold when not told: as many as a quarter of available memory holds at full context,
+ * 1 to 4 (more slots batch more tokens a weight read but take memory from the expert cache); unless
+ * RAM (--ram) fixes the experts' budget, no more than keep every routed expert in memory where one
+ * sequence does: each token reads experts, those left out from disk (35B-A3B, 24 GB machine: 4
+ * sequences of 32k left a third out). Counts all experts in RAM; those a device takes would leave
+ * room for more. */
 static int model_choose_seqs(const struct model *m, int64_t ram)
 {
     int64_t avail = plat_mem_available(), per = model_seq_bytes(m), n = per > 0 && avail > 0 ? avail / 4 / per : 1;
@@ -14520,11 +14502,11 @@ static int model_choose_seqs(const struct model *m, int64_t ram)
 }
 
 /* Opens the routed experts' store behind BUDGET bytes of RAM (HEAT: heat file; NULL:
- * expert_heat_default; "": none kept), decides with §7 what lives in VRAM, pricing trunk and
- * experts together (GROWS: the budget is what memory leaves, the placed trunk's RAM going to the
- * experts), and gives the store what is left for the CPU's share. If that holds them all the
- * experts stay in the mapping, or move into the store's memory where GROWS and the budget holds
- * COPIES times them (model_copies). Devices keep room for N_SEQS sequences' states. Fills *R. */
+ * expert_heat_default; "": none kept); decides with §7 what lives in VRAM, pricing trunk and
+ * experts together (GROWS: the budget is what memory leaves, the placed trunk's RAM going to
+ * experts); gives the store the rest, the CPU's share. If that holds them all, experts stay in the
+ * mapping, or move to the store's memory where GROWS and the budget holds COPIES times them
+ * (model_copies). Devices keep room for N_SEQS sequences' states. Fills *R. */
 static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, enum model_copies copies, const char *heat,
                         enum expert_io io, const char *place, struct place_result *r)
 {
@@ -14553,8 +14535,8 @@ static void model_place(struct model *m, int n_seqs, int64_t budget, int grows, 
             h.slot_bytes = m->experts->slot_bytes;
         }
     }
-    /* the N_SEQS sequences' DeltaNet states where chains run them (§5) take room beside the
-     * weights: kept free on each device whose budget it leaves three quarters of */
+    /* the N_SEQS sequences' DeltaNet states where chains run them (§5) take room beside the weights:
+     * kept free on each device whose budget it leaves three quarters of */
     const int64_t states = (int64_t)n_seqs * model_recurrent_bytes(m);
     int64_t kept[CUDA_MAX_DEVICES] = {0};
     for (int d = 0; cuda.ready && d < cuda.n_devices; d++) cuda.dev[d].budget -= kept[d] = 4 * states <= cuda.dev[d].budget ? states : 0;
@@ -14583,7 +14565,7 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
     uintptr_t lo = ((uintptr_t)m->embed->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
     uintptr_t hi = ((uintptr_t)m->embed->data + m->embed->bytes) & ~(uintptr_t)(page - 1);
     if (!s->mapped && m->lm_head.data != m->embed->data && hi > lo)
-        madvise((void *)lo, hi - lo, MADV_RANDOM); /* a row per token: reading 8 MiB around each is waste */
+        madvise((void *)lo, hi - lo, MADV_RANDOM); /* a row a token: reading 8 MiB around each is waste */
     const char *heat_path = s->cfg.heat_path ? s->cfg.heat_path : "none";
     const char *heat_state = !s->cfg.heat_path ? "not kept" : s->heat_loaded ? "loaded" : access(heat_path, F_OK) ? "none yet" : "ignored";
     char how[160];
@@ -14608,38 +14590,37 @@ static void model_place_weights(struct model *m, int n_seqs, int64_t reserve, in
 }
 
 /* ==== §9 tokenizer ==== */
-/* Owns: the vocabulary (struct tok): token texts and types, the text->id and merge hash tables,
- *   the special-token list, the end-of-generation set; byte-level BPE encoding with the Qwen
- *   pre-tokenizers (qwen2, qwen35) as hand-written matchers; decoding; UTF-8-safe streaming of
- *   decoded pieces; JSON values (read strictly, written as Python's json.dumps writes them); the
- *   chat templates of Qwen3.5 and Qwen3.6, rendered from JSON messages and tools.
- * Promises: token ids equal llama.cpp's (b9793) for these tokenizers: no BOS, special-token texts
- *   parsed when asked, no Unicode normalisation; every byte string encodes (invalid UTF-8 too) and
- *   decodes back to the same bytes.  All strings are (pointer, length): NULs are ordinary bytes.
- *   A chat renders byte for byte as the model's Jinja template does (the golden cases of
- *   template-qwen35.json and -qwen36.json), refusals included; nothing here dies on a message.
- * May call: die, plat_alloc, plat_realloc, plat_sha256; the GGUF accessors of §2 (gguf_get_string,
- *   gguf_get_int, gguf_get_array, gguf_array_string); the range tables of vendor/unicode_tables.h.
- * Workload: tok_load once per model (152k tokens and 151k merges: one pass each into open-address
- *   hash tables, ~50 ms); tok_encode once per prompt, linear in the text apart from BPE, which is
- *   O(w log w) per pre-token word of w bytes (a heap of ranked pairs), so a 100 kB word is fine;
- *   tok_decode / tok_stream_push once per generated token, O(token length).
- */
+/* Owns: the vocabulary (struct tok: token texts and types, text->id and merge hash tables, the
+ *   special tokens, the end-of-generation set); byte-level BPE with hand-written Qwen
+ *   pre-tokenizers (qwen2, qwen35); decoding; UTF-8-safe streaming of decoded pieces; JSON values
+ *   (read strictly, written as Python's json.dumps); the Qwen3.5/3.6 chat templates, rendered
+ *   from JSON messages and tools.
+ * Promises: ids equal llama.cpp's (b9793) for these tokenizers: no BOS, special-token texts parsed
+ *   when asked, no Unicode normalisation; any bytes (invalid UTF-8 too) encode and decode back to
+ *   themselves. Strings are (pointer, length): NULs are ordinary bytes. A chat renders byte for
+ *   byte as the model's Jinja template (golden cases of template-qwen35.json, -qwen36.json),
+ *   refusals included; nothing here dies on a message.
+ * May call: die, plat_alloc, plat_realloc, plat_sha256; §2's gguf_get_string, gguf_get_int,
+ *   gguf_get_array, gguf_array_string; vendor/unicode_tables.h's range tables.
+ * Workload: tok_load once per model (152k tokens, 151k merges: one pass each into open-address
+ *   tables, ~50 ms); tok_encode once per prompt, linear but for BPE: O(w log w) per pre-token word
+ *   of w bytes (a heap of ranked pairs), so a 100 kB word is fine; tok_decode / tok_stream_push
+ *   once per generated token, O(token length). */
 
-/* Token types as stored in tokenizer.ggml.token_type. */
+/* Token types of tokenizer.ggml.token_type. */
 enum tok_type {
     TOK_T_UNDEFINED = 0, TOK_T_NORMAL = 1, TOK_T_UNKNOWN = 2, TOK_T_CONTROL = 3,
     TOK_T_USER_DEFINED = 4, TOK_T_UNUSED = 5, TOK_T_BYTE = 6
 };
 
-/* Pre-tokenizer regexes; they differ only in whether combining marks (\p{M}) join words. */
+/* Pre-tokenizer regexes: they differ only in whether combining marks (\p{M}) join words. */
 enum tok_pre { TOK_PRE_QWEN2, TOK_PRE_QWEN35 };
 
 #define TOK_MAX_EOG 16
 
-/* The chat templates coli renders itself, found by the sha256 of the file's
- * tokenizer.chat_template. Qwen3.6 is Qwen3.5 with two lines changed: preserve_thinking, and
- * scalar tool arguments written as JSON rather than with Python's str(). */
+/* Chat templates coli renders itself, known by tokenizer.chat_template's sha256. Qwen3.6 is
+ * Qwen3.5 with two lines changed: preserve_thinking, and scalar tool arguments as JSON, not
+ * Python's str(). */
 enum tok_template { TOK_TEMPLATE_QWEN35, TOK_TEMPLATE_QWEN36 };
 static const char *const tok_template_names[] = {"Qwen3.5", "Qwen3.6"};
 
@@ -14648,9 +14629,8 @@ static const struct { const char *sha256; enum tok_template kind; } tok_template
     {"e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259", TOK_TEMPLATE_QWEN36},
 };
 
-/* Which renderer a file's template TEXT[0..n) gets (TEXT NULL: the file has none), and a line
- * saying so into SAY. Another template is rendered as Qwen3.6: every Qwen3.5/3.6 file coli
- * runs speaks its ChatML, tools and think blocks. */
+/* Renderer for a file's template TEXT[0..n) (NULL: none), with a line saying so into SAY. Any
+ * other gets Qwen3.6: every Qwen3.5/3.6 file coli runs speaks its ChatML, tools, think blocks. */
 static enum tok_template tok_template_detect(const char *text, size_t n, char *say, size_t say_len)
 {
     uint8_t digest[32];
@@ -14670,32 +14650,32 @@ static enum tok_template tok_template_detect(const char *text, size_t n, char *s
 
 struct tok {
     int n_vocab;
-    char *text;             /* all token texts back to back, in vocabulary form */
+    char *text;             /* token texts back to back, vocabulary form */
     uint32_t *text_off;     /* token i is text[text_off[i] .. text_off[i+1]) */
-    uint8_t *type;          /* enum tok_type of each token */
+    uint8_t *type;          /* enum tok_type per token */
     size_t max_piece;       /* longest decoded piece: tok_decode never needs more */
     int32_t *text_tab;      /* text -> id, open addressing, -1 = empty slot */
     uint32_t text_mask;     /* slots - 1 (a power of two) */
     uint64_t *merge_key;    /* (left id << 32 | right id) + 1 of each merge; 0 = empty slot */
     int32_t *merge_rank;    /* position in tokenizer.ggml.merges: lower merges first */
-    int32_t *merge_out;     /* the token the pair merges into */
+    int32_t *merge_out;     /* the pair's merged token */
     uint32_t merge_mask;
     int *special;           /* tokens matched verbatim in text before BPE, longest first */
     int n_special;
-    int byte_id[256];       /* token of each single byte */
+    int byte_id[256];       /* each byte's token */
     int16_t cp_byte[324];   /* inverse byte-level map: code point -> byte, -1 if none */
     int eos_id, eot_id, pad_id;  /* -1 when absent */
     int eog[TOK_MAX_EOG];   /* end-of-generation tokens */
     int n_eog;
     enum tok_pre pre;
-    enum tok_template chat_template; /* the renderer of chat messages (tok_chat_template_render) */
+    enum tok_template chat_template; /* renderer for tok_chat_template_render */
     char chat_template_about[200];   /* which one, and why: for the log */
 };
 
 /* ---- byte-level map and hashing ---- */
 
-/* GPT-2's byte->code point map: printable Latin-1 bytes stand for themselves, the other 68 bytes
- * take the code points 256, 257, ... in byte order, so every byte becomes a visible character. */
+/* GPT-2's byte->code point map: printable Latin-1 bytes map to themselves, the other 68 to
+ * 256, 257, ... in byte order: every byte becomes a visible character. */
 static uint32_t tok_byte_cp(int b)
 {
     int shift = 0;
@@ -14706,7 +14686,7 @@ static uint32_t tok_byte_cp(int b)
     return 256u + (uint32_t)shift;
 }
 
-/* Writes code point cp (< 0x110000) as UTF-8 into out; returns its length. */
+/* Writes cp (< 0x110000) as UTF-8 to out; returns its length. */
 static size_t tok_utf8_put(uint32_t cp, char *out)
 {
     if (cp < 0x80) { out[0] = (char)cp; return 1; }
@@ -14724,9 +14704,9 @@ static size_t tok_utf8_put(uint32_t cp, char *out)
     return 4;
 }
 
-/* Decodes one well-formed UTF-8 sequence at s (n > 0 bytes available) into *cp; returns its
- * length, or 0 if s[0] does not start one (stray continuation, overlong form, surrogate, above
- * U+10FFFF, truncated).  The encoder then treats that single byte as a unit of its own. */
+/* Decodes the well-formed UTF-8 sequence at s (n > 0 bytes left) into *cp; returns its length,
+ * or 0 if none (stray continuation, overlong, surrogate, above U+10FFFF, truncated): the encoder
+ * then makes that byte its own unit. */
 static size_t tok_utf8_get(const unsigned char *s, size_t n, uint32_t *cp)
 {
     unsigned c = s[0];
@@ -14750,9 +14730,8 @@ static size_t tok_utf8_get(const unsigned char *s, size_t n, uint32_t *cp)
     return len;
 }
 
-/* Converts vocabulary-form text (byte-level characters) to the raw bytes it stands for: writes
- * at most cap bytes to out and returns the full count (<= len), or -1 if some character is not
- * one of the 256 byte characters.  cap 0 only validates. */
+/* Vocabulary-form (byte-level) text to raw bytes: writes at most cap to out, returns the full
+ * count (<= len), or -1 if a character is none of the 256 byte characters. cap 0 only validates. */
 static long tok_unbyte(const struct tok *t, const char *s, size_t len, char *out, size_t cap)
 {
     size_t i = 0, o = 0;
@@ -14767,7 +14746,7 @@ static long tok_unbyte(const struct tok *t, const char *s, size_t len, char *out
     return (long)o;
 }
 
-/* FNV-1a: token texts are short, and this spreads them well enough for linear probing. */
+/* FNV-1a: token texts are short; it spreads them enough for linear probing. */
 static uint32_t tok_hash(const char *s, size_t len)
 {
     uint32_t h = 2166136261u;
@@ -14780,7 +14759,7 @@ static uint32_t tok_hash_pair(uint64_t key)
     return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32);
 }
 
-/* Smallest power of two >= 2n: keeps the tables at most half full. */
+/* Smallest power of two >= 2n: tables stay at most half full. */
 static uint32_t tok_table_size(size_t n)
 {
     uint32_t s = 16;
@@ -14788,7 +14767,7 @@ static uint32_t tok_table_size(size_t n)
     return s;
 }
 
-/* Id of the token whose vocabulary-form text is s[0..len), or -1. */
+/* Id of the token with vocabulary-form text s[0..len), or -1. */
 static int tok_lookup(const struct tok *t, const char *s, size_t len)
 {
     if (!len) return -1;
@@ -14800,14 +14779,14 @@ static int tok_lookup(const struct tok *t, const char *s, size_t len)
     }
 }
 
-/* Exact lookup by vocabulary-form text, NUL-terminated (e.g. "<think>", "<|im_start|>");
- * returns the id or -1.  Normal tokens are stored byte-level encoded (a space is "Ġ"). */
+/* Id of NUL-terminated vocabulary-form text (e.g. "<think>", "<|im_start|>"), or -1. Normal
+ * tokens are stored byte-level encoded (a space is "Ġ"). */
 static int tok_find(const struct tok *t, const char *text)
 {
     return tok_lookup(t, text, strlen(text));
 }
 
-/* Merge table lookup: the rank of merging tokens a,b (and *out the result), or -1. */
+/* Rank of merging tokens a,b (result in *out), or -1. */
 static int tok_merge_rank(const struct tok *t, int a, int b, int *out)
 {
     uint64_t key = ((uint64_t)(uint32_t)a << 32 | (uint32_t)b) + 1;
@@ -14819,7 +14798,7 @@ static int tok_merge_rank(const struct tok *t, int a, int b, int *out)
 
 /* ---- loading ---- */
 
-/* Reads tokenizer.ggml.model / .pre; dies on anything but byte-level BPE with a Qwen regex. */
+/* Reads tokenizer.ggml.model / .pre; dies unless byte-level BPE with a Qwen regex. */
 static void tok_load_kind(struct tok *t, const struct gguf_file *g)
 {
     size_t n;
@@ -14837,8 +14816,8 @@ static void tok_load_kind(struct tok *t, const struct gguf_file *g)
         die("unsupported pre-tokenizer %.*s", (int)n, s);
 }
 
-/* Reads token texts and types, checks that every normal token is byte-level text, and
- * builds the text -> id table (the last of duplicate texts wins, as in llama.cpp). */
+/* Reads token texts and types, checks normal tokens are byte-level text, builds the text -> id
+ * table (of duplicate texts the last wins, as in llama.cpp). */
 static void tok_load_vocab(struct tok *t, const struct gguf_file *g)
 {
     const void *data;
@@ -14877,7 +14856,7 @@ static void tok_load_vocab(struct tok *t, const struct gguf_file *g)
         len = t->text_off[i + 1] - t->text_off[i];
         if (t->type[i] == TOK_T_NORMAL && tok_unbyte(t, s, len, NULL, 0) < 0)
             die("tokenizer: token %zu (%.*s) is not byte-level text", i, (int)len, s);
-        if (!len) continue;     /* an empty text can never be matched */
+        if (!len) continue;     /* empty texts never match */
         uint32_t h = tok_hash(s, len) & t->text_mask;
         for (;; h = (h + 1) & t->text_mask) {
             int id = t->text_tab[h];
@@ -14890,8 +14869,8 @@ static void tok_load_vocab(struct tok *t, const struct gguf_file *g)
 }
 
 /* Reads tokenizer.ggml.merges ("left right" in vocabulary form, best first) into the pair table.
- * Dies if a merge names a token, or forms a text, that is not in the vocabulary: such a
- * vocabulary is inconsistent (Hugging Face refuses it too).  The first of duplicate pairs wins. */
+ * Dies if a merge names or forms a text not in the vocabulary (Hugging Face refuses that too).
+ * Of duplicate pairs the first wins. */
 static void tok_load_merges(struct tok *t, const struct gguf_file *g)
 {
     const void *data;
@@ -14906,7 +14885,7 @@ static void tok_load_merges(struct tok *t, const struct gguf_file *g)
     size_t joined_cap = 0;
     for (size_t i = 0; i < n; i++) {
         const char *s = gguf_array_string(g, "tokenizer.ggml.merges", i, &len);
-        /* Search from 1, as llama.cpp does, so that a left part may itself start with ' '. */
+        /* Search from 1, as llama.cpp does: a left part may start with ' '. */
         const char *sp = len > 1 ? memchr(s + 1, ' ', len - 1) : NULL;
         if (!sp) die("tokenizer: merge %zu (%.*s) has no separator", i, (int)len, s);
         size_t ll = (size_t)(sp - s), rl = len - ll - 1;
@@ -14927,8 +14906,8 @@ static void tok_load_merges(struct tok *t, const struct gguf_file *g)
     free(joined);
 }
 
-/* Sort key of a special token: longer texts first (so "<|im_start|>" is never cut by a shorter
- * token occurring inside it), equal lengths by id so the order is deterministic. */
+/* Special-token sort key: longer texts first (so no shorter token inside "<|im_start|>" cuts
+ * it), equal lengths by id, for a deterministic order. */
 static int tok_u64_cmp(const void *pa, const void *pb)
 {
     uint64_t a = *(const uint64_t *)pa, b = *(const uint64_t *)pb;
@@ -14943,7 +14922,7 @@ static int tok_load_id(const struct tok *t, const struct gguf_file *g, const cha
     return (int)id;
 }
 
-/* Adds id to the end-of-generation set unless absent (-1) or already there. */
+/* Adds id to the end-of-generation set unless -1 or already there. */
 static void tok_add_eog(struct tok *t, int id)
 {
     if (id < 0) return;
@@ -14952,9 +14931,9 @@ static void tok_add_eog(struct tok *t, int id)
     t->eog[t->n_eog++] = id;
 }
 
-/* Special tokens, eos/eot/pad and the end-of-generation set.  Special = CONTROL, USER_DEFINED and
- * UNKNOWN (llama.cpp's set; UNUSED "[PAD…]" tokens stay ordinary text).  The eog set follows
- * llama.cpp: eos plus every token whose text is one of the turn/document/FIM-separator ends. */
+/* Special tokens (CONTROL, USER_DEFINED, UNKNOWN: llama.cpp's set; UNUSED "[PAD…]" stay ordinary
+ * text), eos/eot/pad, and the eog set: as llama.cpp, eos plus each token whose text is a
+ * turn/document/FIM-separator end. */
 static void tok_load_specials(struct tok *t, const struct gguf_file *g)
 {
     static const char *const eog_texts[] = {
@@ -14983,9 +14962,8 @@ static void tok_load_specials(struct tok *t, const struct gguf_file *g)
         tok_add_eog(t, tok_find(t, eog_texts[i]));
 }
 
-/* Loads the tokenizer of a GGUF model.  Needs tokenizer.ggml.{model,pre,tokens,merges}; dies
- * with a message naming the problem if the tokenizer is not Qwen's byte-level BPE or is
- * inconsistent.  The struct owns copies of everything: g may be closed afterwards. */
+/* Loads a GGUF model's tokenizer (needs tokenizer.ggml.{model,pre,tokens,merges}); dies naming
+ * the problem unless it is consistent Qwen byte-level BPE. t owns copies: g may then be closed. */
 static void tok_load(struct tok *t, const struct gguf_file *g)
 {
     memset(t, 0, sizeof *t);
@@ -15005,7 +14983,7 @@ static void tok_load(struct tok *t, const struct gguf_file *g)
     t->chat_template = tok_template_detect(tpl, len, t->chat_template_about, sizeof t->chat_template_about);
 }
 
-/* Frees what tok_load allocated; t is zeroed and may be loaded again. */
+/* Frees what tok_load allocated; t is zeroed, reloadable. */
 static void tok_free(struct tok *t)
 {
     free(t->text);
@@ -15029,11 +15007,11 @@ static int tok_is_eog(const struct tok *t, int id)
 
 /* ---- encoding ---- */
 
-/* Pre-tokenizer character classes as bits; \r is both WS and NL, ' ' both WS and SP.  A byte
- * that is not valid UTF-8 has class 0, like punctuation: it joins the [^\s\p{L}\p{N}]+ runs. */
+/* Pre-tokenizer class bits; \r is WS and NL, ' ' WS and SP. An invalid UTF-8 byte has class 0,
+ * like punctuation: it joins [^\s\p{L}\p{N}]+ runs. */
 enum { TOK_C_L = 1, TOK_C_N = 2, TOK_C_M = 4, TOK_C_WS = 8, TOK_C_NL = 16, TOK_C_SP = 32 };
 
-/* Binary search of cp in a sorted table of inclusive ranges. */
+/* Binary search of cp in sorted inclusive ranges. */
 static int tok_in_ranges(const uint32_t (*r)[2], size_t n, uint32_t cp)
 {
     size_t lo = 0, hi = n;
@@ -15048,7 +15026,7 @@ static int tok_in_ranges(const uint32_t (*r)[2], size_t n, uint32_t cp)
 
 #define TOK_IN(table, cp) tok_in_ranges(table, sizeof table / sizeof table[0], cp)
 
-/* Class bits of code point cp: \p{L}, \p{N}, \p{M} from the general category, \s = White_Space. */
+/* Class bits of cp: \p{L}, \p{N}, \p{M} by general category, \s = White_Space. */
 static unsigned tok_cp_class(uint32_t cp)
 {
     if (cp < 0x80) {
@@ -15068,7 +15046,7 @@ struct tok_unit { size_t off; unsigned cls; };    /* a code point (or invalid by
 struct tok_sym { int32_t id, prev, next; };       /* a BPE symbol: id -1 once merged away */
 struct tok_pair { int32_t rank, left, id_left, id_right, out; };  /* a mergeable neighbour pair */
 
-/* Scratch of one tok_encode call, reused across its words, and the ids produced. */
+/* One tok_encode call's scratch, reused across words, and its output ids. */
 struct tok_work {
     struct tok_unit *unit; size_t unit_cap;
     struct tok_sym *sym; size_t sym_cap;
@@ -15076,7 +15054,7 @@ struct tok_work {
     int *ids; size_t n_ids, ids_cap;
 };
 
-/* Ensures p holds at least need elements of elem bytes (cap in *cap), doubling; returns p. */
+/* Grows p (cap in *cap) by doubling to >= need elements of elem bytes; returns p. */
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t elem)
 {
     size_t c = *cap ? *cap : 16;
@@ -15101,8 +15079,8 @@ static int tok_ascii_at(const struct tok_unit *u, size_t n, size_t i, const char
     return c < 0x80 ? c | 0x20 : 0;
 }
 
-/* (?i:'s|'t|'re|'ve|'m|'ll|'d) at unit i: the match length in units, or 0.  Case folding is
- * ASCII only (llama.cpp writes it '[sS]|...'; Unicode folding would also take U+017F). */
+/* (?i:'s|'t|'re|'ve|'m|'ll|'d) at unit i: match length in units, or 0. Case folding is ASCII
+ * only (llama.cpp writes '[sS]|...'; Unicode folding would also take U+017F). */
 static size_t tok_contraction(const struct tok_unit *u, size_t n, size_t i, const char *s)
 {
     int a, b;
@@ -15114,18 +15092,17 @@ static size_t tok_contraction(const struct tok_unit *u, size_t n, size_t i, cons
     return 0;
 }
 
-/* Length in units of the pre-token starting at unit i < n, by the Qwen regex (alternatives in
- * order, the first that matches wins):
+/* Units in the pre-token at unit i < n, by the Qwen regex (first matching alternative wins):
  *   (?i:'s|'t|'re|'ve|'m|'ll|'d) | [^\r\n\p{L}\p{N}]?B+ | \p{N} | ' '?[^\s B \p{N}]+[\r\n]*
  *   | \s*[\r\n]+ | \s+(?!\S) | \s+
- * where B is \p{L} (qwen2) or [\p{L}\p{M}] (qwen35): the body class passed in `body`.  Every
- * unit is in B, \p{N}, \s or the punctuation class, so the result is always >= 1. */
+ * B (`body`) is \p{L} (qwen2) or [\p{L}\p{M}] (qwen35). Each unit is in B, \p{N}, \s or
+ * punctuation, so the result is >= 1. */
 static size_t tok_pre_match(const struct tok_unit *u, size_t n, size_t i, const char *s, unsigned body)
 {
     unsigned c = u[i].cls, punct_not = TOK_C_WS | TOK_C_N | body;
     size_t j = tok_contraction(u, n, i, s), nl = 0, end;
     if (j) return j;
-    /* The optional prefix is taken only when a body run follows it (else backtrack without it). */
+    /* Take the optional prefix only if a body run follows (else backtrack without it). */
     j = i;
     if (!(c & (body | TOK_C_N | TOK_C_NL)) && i + 1 < n && (u[i + 1].cls & body)) j = i + 1;
     if (u[j].cls & body) {
@@ -15139,12 +15116,12 @@ static size_t tok_pre_match(const struct tok_unit *u, size_t n, size_t i, const 
         while (j < n && (u[j].cls & TOK_C_NL)) j++;
         return j - i;
     }
-    /* u[i] is whitespace.  \s*[\r\n]+ backtracks to end just after the run's last \r or \n. */
+    /* u[i] is whitespace. \s*[\r\n]+ backtracks to just after the run's last \r or \n. */
     for (end = i; end < n && (u[end].cls & TOK_C_WS); end++)
         if (u[end].cls & TOK_C_NL) nl = end + 1;
     if (nl) return nl - i;
-    /* \s+(?!\S): before a non-space, give back one space (it prefixes the next word); a single
-     * space there fails the lookahead and falls through to \s+. */
+    /* \s+(?!\S): before a non-space, give back one space (it prefixes the next word); a
+     * single space there fails the lookahead, falling to \s+. */
     if (end < n && end - i >= 2) return end - 1 - i;
     return end - i;
 }
@@ -15155,7 +15132,7 @@ static int tok_pair_less(const struct tok_pair *a, const struct tok_pair *b)
     return a->rank < b->rank || (a->rank == b->rank && a->left < b->left);
 }
 
-/* Pushes the neighbour pair (left, right) if the vocabulary merges it; -1 means no symbol. */
+/* Pushes neighbour pair (left, right) if the vocabulary merges it; -1: no symbol. */
 static void tok_heap_push(const struct tok *t, struct tok_work *w, int32_t left, int32_t right)
 {
     struct tok_pair p;
@@ -15172,7 +15149,7 @@ static void tok_heap_push(const struct tok *t, struct tok_work *w, int32_t left,
     w->heap[i] = p;
 }
 
-/* Removes and returns the best pair; the heap must not be empty. */
+/* Pops the best pair; the heap must not be empty. */
 static struct tok_pair tok_heap_pop(struct tok_work *w)
 {
     struct tok_pair top = w->heap[0], last = w->heap[--w->heap_n];
@@ -15187,9 +15164,9 @@ static struct tok_pair tok_heap_pop(struct tok_work *w)
     return top;
 }
 
-/* Byte-level BPE of one pre-token word s[0..len): one symbol per byte, then repeatedly merge the
- * neighbour pair of lowest rank (leftmost on ties).  A heap entry is stale once either symbol has
- * changed; it is then skipped.  O(len log len), so long words do not go quadratic. */
+/* Byte-level BPE of pre-token word s[0..len): a symbol per byte, then repeatedly merge the
+ * lowest-rank neighbour pair (leftmost on ties); heap entries whose symbols changed are stale,
+ * skipped. O(len log len): long words do not go quadratic. */
 static void tok_bpe_word(const struct tok *t, const char *s, size_t len, struct tok_work *w)
 {
     if (len > INT32_MAX) die("tokenizer: a %zu-byte word is too long", len);
@@ -15216,7 +15193,7 @@ static void tok_bpe_word(const struct tok *t, const char *s, size_t len, struct 
     for (int32_t i = len ? 0 : -1; i >= 0; i = w->sym[i].next) tok_emit(w, w->sym[i].id);
 }
 
-/* Pre-tokenizes s[0..len) (no special tokens in it) and BPE-encodes each word into w->ids. */
+/* Pre-tokenizes s[0..len) (no special tokens) and BPE-encodes each word into w->ids. */
 static void tok_encode_raw(const struct tok *t, const char *s, size_t len, struct tok_work *w)
 {
     unsigned body = t->pre == TOK_PRE_QWEN35 ? TOK_C_L | TOK_C_M : TOK_C_L;
@@ -15236,7 +15213,7 @@ static void tok_encode_raw(const struct tok *t, const char *s, size_t len, struc
     }
 }
 
-/* A piece of the input: a special token (id >= 0) or raw text for the pre-tokenizer (id -1). */
+/* An input piece: a special token (id >= 0) or raw text for the pre-tokenizer (id -1). */
 struct tok_frag { size_t off, len; int id; };
 
 /* First occurrence of nd[0..m) (m >= 1) in hay[0..n), or NULL. */
@@ -15258,11 +15235,10 @@ static void tok_frag_push(struct tok_frag **f, size_t *n, size_t *cap, size_t of
     (*f)[(*n)++] = (struct tok_frag){off, len, id};
 }
 
-/* Cuts special-token texts out of text, as llama.cpp does: each special token in turn, longest
- * first, is cut out of every raw fragment left, leftmost occurrence first; so special tokens are
- * never split.  CONTROL/UNKNOWN tokens only if parse_special; USER_DEFINED ones (<think>,
- * <tool_call>) always, as Hugging Face does for added non-special tokens.  Returns the number
- * of fragments, in text order, in malloc'd *out. */
+/* Cuts special tokens out of text as llama.cpp does: each, longest first, from every raw
+ * fragment left, leftmost first, so none is split. CONTROL/UNKNOWN only if parse_special;
+ * USER_DEFINED (<think>, <tool_call>) always, as Hugging Face does for added non-special tokens.
+ * Returns the fragment count; malloc'd *out holds them in text order. */
 static size_t tok_split_special(const struct tok *t, const char *text, size_t len, int parse_special,
                                 struct tok_frag **out)
 {
@@ -15287,19 +15263,18 @@ static size_t tok_split_special(const struct tok *t, const char *text, size_t le
             }
             if (off < end) tok_frag_push(&g, &n2, &cap2, off, end - off, -1);
         }
-        tmp = f; f = g; g = tmp;      /* the new list becomes current; the old one is reused */
+        tmp = f; f = g; g = tmp;      /* new list becomes current; old one is reused */
         n = n2;
-        n2 = cap; cap = cap2; cap2 = n2;  /* (n2 is free here: swap the capacities through it) */
+        n2 = cap; cap = cap2; cap2 = n2;  /* swap capacities via the free n2 */
     }
     free(g);
     *out = f;
     return n;
 }
 
-/* Encodes text[0..len) to token ids: special tokens (see tok_split_special), then the
- * pre-tokenizer and byte-level BPE on the rest.  No BOS is added.  Any bytes are accepted:
- * invalid UTF-8 is encoded byte by byte and decodes back to the same bytes.  Returns the
- * count; *ids_out is malloc'd (also when the count is 0) and the caller frees it. */
+/* Encodes text[0..len): special tokens (see tok_split_special), then pre-tokenizer and BPE on
+ * the rest; no BOS. Any bytes are accepted; invalid UTF-8 encodes byte by byte and round-trips.
+ * Returns the count; the caller frees *ids_out (malloc'd even for 0). */
 static int tok_encode(const struct tok *t, const char *text, size_t len, int parse_special, int **ids_out)
 {
     struct tok_work w;
@@ -15322,10 +15297,10 @@ static int tok_encode(const struct tok *t, const char *text, size_t len, int par
 
 /* ---- decoding ---- */
 
-/* Writes the bytes of token id to buf, at most cap of them (t->max_piece always suffices), and
- * returns the full count, like snprintf (buf may be NULL when cap is 0).  NORMAL tokens give their raw bytes (byte-level
- * decoded), CONTROL / USER_DEFINED / UNKNOWN tokens their text verbatim, UNUSED ("[PAD…]"),
- * BYTE and UNDEFINED tokens nothing, as in llama.cpp.  Dies on an id outside the vocabulary. */
+/* Writes at most cap bytes of token id to buf (t->max_piece suffices; buf may be NULL if cap
+ * is 0), returns the full count like snprintf. As in llama.cpp: NORMAL gives its byte-level decoded
+ * bytes, CONTROL/USER_DEFINED/UNKNOWN their text verbatim, UNUSED ("[PAD…]"), BYTE, UNDEFINED
+ * nothing. Dies on an id outside the vocabulary. */
 static size_t tok_decode(const struct tok *t, int id, char *buf, size_t cap)
 {
     const char *s;
@@ -15344,16 +15319,16 @@ static size_t tok_decode(const struct tok *t, int id, char *buf, size_t cap)
     }
 }
 
-/* Streaming UTF-8 guard for printing decoded tokens: a character split across tokens (an emoji
- * is often 2-4 byte tokens) is held back until complete.  Zero-initialise it, push every decoded
- * piece, and flush at the end.  Invalid sequences are passed through verbatim, never dropped. */
+/* UTF-8 guard for printing decoded tokens: holds back a character split across tokens (an
+ * emoji is often 2-4 byte tokens) until complete. Zero-initialise, push each piece, flush at the
+ * end. Invalid sequences pass through verbatim. */
 struct tok_utf8_stream {
     unsigned char pend[4];   /* the incomplete character so far */
     int n_pend, need;        /* bytes held, bytes the lead byte announced */
 };
 
-/* Appends bytes[0..n) and writes to out everything that is complete (at most n + 3 bytes; cap
- * must be at least that).  Returns the number of bytes written. */
+/* Appends bytes[0..n), writes what is complete to out (<= n + 3 bytes; cap must be >= that);
+ * returns the count written. */
 static size_t tok_stream_push(struct tok_utf8_stream *s, const char *bytes, size_t n, char *out, size_t cap)
 {
     size_t o = 0;
@@ -15368,7 +15343,7 @@ static size_t tok_stream_push(struct tok_utf8_stream *s, const char *bytes, size
             s->n_pend = 0;
             continue;
         }
-        /* Not a continuation: a held sequence is broken off; it goes out as it is. */
+        /* Not a continuation: a held sequence is broken off and goes out as is. */
         memcpy(out + o, s->pend, (size_t)s->n_pend);
         o += (size_t)s->n_pend;
         s->n_pend = 0;
@@ -15383,8 +15358,7 @@ static size_t tok_stream_push(struct tok_utf8_stream *s, const char *bytes, size
     return o;
 }
 
-/* Writes the held bytes of an unfinished character (at most 3) to out and resets the stream;
- * returns their count. */
+/* Writes the held bytes (at most 3) to out, resets; returns their count. */
 static size_t tok_stream_flush(struct tok_utf8_stream *s, char *out)
 {
     size_t n = (size_t)s->n_pend;
@@ -15393,9 +15367,9 @@ static size_t tok_stream_flush(struct tok_utf8_stream *s, char *out)
     return n;
 }
 
-/* ---- JSON values (RFC 8259, read strictly: no trailing commas, comments, NaN, lone
- * surrogates or invalid UTF-8). Chat messages and tools are JSON, for the server and the
- * template alike; objects keep their members in order and numbers their text. ---- */
+/* ---- JSON (RFC 8259, read strictly: no trailing commas, comments, NaN, lone surrogates or
+ * invalid UTF-8): chat messages and tools, for server and template. Objects keep member order,
+ * numbers their text. ---- */
 
 #define JSON_MAX_DEPTH 64
 
@@ -15418,12 +15392,11 @@ struct json {
     enum json_kind kind;
     int boolean;
     double number;
-    char *str;                 /* STRING: the decoded UTF-8, NUL-terminated (may hold NULs);
-                                * NUMBER: its text */
+    char *str;                 /* STRING: decoded UTF-8, NUL-terminated (may hold NULs); NUMBER: its text */
     size_t len;
-    char *name;                /* a member of an object: its name, NUL-terminated */
+    char *name;                /* object member: its name, NUL-terminated */
     struct json *child;  /* ARRAY, OBJECT: the first element or member */
-    struct json *next;   /* the next element or member of the parent */
+    struct json *next;   /* the parent's next element or member */
 };
 
 struct json_parser {
@@ -15444,8 +15417,8 @@ static void json_free(struct json *v)
     }
 }
 
-/* The length of the well-formed UTF-8 character at S (N bytes left): 1-4, or 0 if it is not
- * one (overlong forms, surrogates and code points past U+10FFFF are not). */
+/* Length (1-4) of the well-formed UTF-8 character at S (N bytes left), or 0 if none (overlong,
+ * surrogate, past U+10FFFF). */
 static int tok_utf8_len(const unsigned char *s, size_t n)
 {
     unsigned c = s[0];
@@ -15459,9 +15432,9 @@ static int tok_utf8_len(const unsigned char *s, size_t n)
     return len;
 }
 
-/* S as a JSON string, appended to B, as Python's json.dumps(ensure_ascii=False) writes it:
- * the short escapes, \u00XX for the other control characters, everything else raw. Invalid
- * UTF-8 (never in text the reader decoded) becomes U+FFFD, so the output stays valid JSON. */
+/* Appends S to B as a JSON string as Python's json.dumps(ensure_ascii=False) does: short
+ * escapes, \u00XX for other controls, the rest raw. Invalid UTF-8 (never in text the reader
+ * decoded) becomes U+FFFD, keeping the JSON valid. */
 static void json_put_string(struct tok_buf *b, const char *s, size_t n)
 {
     tok_buf_put(b, "\"", 1);
@@ -15499,7 +15472,7 @@ static void json_skip_space(struct json_parser *ps)
     while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' || *ps->p == '\r')) ps->p++;
 }
 
-/* Four hex digits after \u; -1 if they are not. */
+/* Four hex digits after \u, or -1. */
 static long json_hex4(struct json_parser *ps)
 {
     if (ps->end - ps->p < 4) return -1;
@@ -15513,7 +15486,7 @@ static long json_hex4(struct json_parser *ps)
     return v;
 }
 
-/* An escape after the backslash, appended to B as UTF-8; 0, or -1 when malformed. */
+/* Appends the escape after a backslash to B as UTF-8; 0, or -1 if malformed. */
 static int json_escape(struct json_parser *ps, struct tok_buf *b)
 {
     static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
@@ -15546,7 +15519,7 @@ static int json_escape(struct json_parser *ps, struct tok_buf *b)
     return 0;
 }
 
-/* A string at p (on its opening quote): the decoded bytes, or NULL on an error. */
+/* The string at p (on its opening quote): decoded bytes, or NULL on error. */
 static char *json_string(struct json_parser *ps, size_t *len)
 {
     struct tok_buf b = {NULL, 0, 0};
@@ -15574,7 +15547,7 @@ static char *json_string(struct json_parser *ps, size_t *len)
     return NULL;
 }
 
-/* A number by the JSON grammar, read with strtod; a number too large for a double is an error. */
+/* A number by the JSON grammar, read with strtod; too large for a double is an error. */
 static struct json *json_number(struct json_parser *ps, struct json *v)
 {
     const unsigned char *s = ps->p, *q = s;
@@ -15606,7 +15579,7 @@ static struct json *json_number(struct json_parser *ps, struct json *v)
 
 static struct json *json_value(struct json_parser *ps);
 
-/* The elements of an array or the members of an object (OBJECT), after the opening bracket. */
+/* An array's elements or (OBJECT) an object's members, after the opening bracket. */
 static struct json *json_items(struct json_parser *ps, struct json *v, int object)
 {
     struct json **tail = &v->child;
@@ -15676,7 +15649,7 @@ static struct json *json_parse(const char *text, size_t n, const char **error)
     return v;
 }
 
-/* The member NAME of object V, or NULL (also when V is not an object). */
+/* Member NAME of object V, or NULL (also if V is not an object). */
 static const struct json *json_get(const struct json *v, const char *name)
 {
     if (!v || v->kind != JSON_OBJECT) return NULL;
@@ -15689,15 +15662,15 @@ static const struct json *json_get(const struct json *v, const char *name)
 
 static void tok_buf_puts(struct tok_buf *b, const char *s) { tok_buf_put(b, s, strlen(s)); }
 
-/* Python's str.isspace() of code point CP: what Jinja's |trim strips (Unicode White_Space and
- * the four separators U+001C..U+001F; not U+200B). */
+/* Python's str.isspace(CP), what Jinja's |trim strips: White_Space and U+001C..U+001F, not
+ * U+200B. */
 static int tok_py_space(uint32_t cp)
 {
     return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
            (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
-/* The code point of the well-formed UTF-8 character at S, LEN its bytes. */
+/* Code point of the well-formed UTF-8 character S of LEN bytes. */
 static uint32_t tok_utf8_cp(const unsigned char *s, int len)
 {
     uint32_t cp = len == 1 ? s[0] : s[0] & (0x7F >> len);
@@ -15705,7 +15678,7 @@ static uint32_t tok_utf8_cp(const unsigned char *s, int len)
     return cp;
 }
 
-/* |trim: B[*from..*to) without its leading and trailing whitespace (B is valid UTF-8). */
+/* |trim: B[*from..*to) less leading/trailing whitespace (B is valid UTF-8). */
 static void tok_py_trim(const char *b, size_t *from, size_t *to)
 {
     const unsigned char *s = (const unsigned char *)b;
@@ -15737,8 +15710,8 @@ static int tok_render_fail(struct tok_render *r, const char *why)
     return -1;
 }
 
-/* V as Python's json.dumps(v, ensure_ascii=False) writes it (the template's |tojson):
- * ", " and ": " between items, numbers as sent, non-ASCII characters raw. */
+/* V as json.dumps(v, ensure_ascii=False) writes it (the template's |tojson): ", " and ": "
+ * between items, numbers as sent, non-ASCII raw. */
 static void tok_json_dump(struct tok_buf *b, const struct json *v)
 {
     if (v->kind == JSON_NULL) tok_buf_puts(b, "null");
@@ -15760,7 +15733,7 @@ static void tok_json_dump(struct tok_buf *b, const struct json *v)
     }
 }
 
-/* V as Jinja prints it (Python's str()) where V is a string or a scalar. */
+/* V (a string or scalar) as Jinja prints it (Python's str()). */
 static void tok_json_print(struct tok_buf *b, const struct json *v)
 {
     if (v->kind == JSON_STRING) tok_buf_put(b, v->str, v->len);
@@ -15769,7 +15742,7 @@ static void tok_json_print(struct tok_buf *b, const struct json *v)
     else tok_json_dump(b, v);
 }
 
-/* Jinja's `KEY in V`: a member of an object, a substring of a string, an element of a list. */
+/* Jinja's `KEY in V`: object member, substring, or list element. */
 static int tok_json_in(const struct json *v, const char *key)
 {
     if (v->kind == JSON_OBJECT) return json_get(v, key) != NULL;
@@ -15786,8 +15759,8 @@ static int tok_json_is(const struct json *v, const char *s)
 
 static int tok_role_is(const struct json *m, const char *role) { return tok_json_is(json_get(m, "role"), role); }
 
-/* render_content(): a message's CONTENT (NULL: absent) as text into B. A part's text that is
- * not a string or a scalar (Python would print its repr) is refused. */
+/* render_content(): message CONTENT (NULL: absent) as text into B. A part's text not a string
+ * or scalar (Python would print its repr) is refused. */
 static int tok_render_content(struct tok_render *r, const struct json *c, int is_system, struct tok_buf *b)
 {
     tok_buf_put(b, "", 0);
@@ -15825,7 +15798,7 @@ static int tok_render_trimmed(struct tok_render *r, const struct json *m, int is
     return 0;
 }
 
-/* The system turn: the tools block, when there are tools, then the system message's text. */
+/* The system turn: the tools block (if any tools), then the system message's text. */
 static int tok_render_system(struct tok_render *r, const struct json *first, const struct json *tools)
 {
     struct tok_buf c = {NULL, 0, 0};
@@ -15862,7 +15835,7 @@ static int tok_render_system(struct tok_render *r, const struct json *first, con
     return 0;
 }
 
-/* The index of the last user message that is a query (not a wrapped tool response), or -1. */
+/* Index of the last user message that is a query (not a wrapped tool response), or -1. */
 static int tok_render_last_query(struct tok_render *r, const struct json *const *msgs, int n)
 {
     struct tok_buf c = {NULL, 0, 0};
@@ -15879,8 +15852,8 @@ static int tok_render_last_query(struct tok_render *r, const struct json *const 
     return found;
 }
 
-/* One tool call of an assistant turn: <tool_call><function=NAME> and its parameters. Arguments
- * may be an object or, as OpenAI clients send them, a JSON string holding one. */
+/* An assistant turn's tool call: <tool_call><function=NAME>, its parameters. Arguments are an
+ * object or, as OpenAI clients send them, a JSON string holding one. */
 static int tok_render_tool_call(struct tok_render *r, const struct json *call, int first, int content_empty)
 {
     const struct json *f = json_get(call, "function") ? json_get(call, "function") : call, *name = json_get(f, "name");
@@ -15913,8 +15886,8 @@ static int tok_render_tool_call(struct tok_render *r, const struct json *call, i
     return 0;
 }
 
-/* An assistant turn whose trimmed content is C[from..n): its thinking split from the content
- * as the template does, shown when SHOW_THINK, then its tool calls. */
+/* An assistant turn with trimmed content C[from..n): its thinking split off as the template
+ * does, shown if SHOW_THINK, then its tool calls. */
 static int tok_render_assistant(struct tok_render *r, const struct json *m, struct tok_buf *c, size_t from, int show_think)
 {
     const char *content = c->p + from, *reasoning = "", *close = strstr(content, "</think>");
@@ -15961,7 +15934,7 @@ static void tok_render_tool(struct tok_render *r, const struct json *const *msgs
     if (i == n - 1 || !tok_role_is(msgs[i + 1], "tool")) tok_buf_puts(&r->out, "<|im_end|>\n");
 }
 
-/* How a conversation is rendered: the template's flags (-1: not passed). */
+/* The template's flags for a rendering (-1: not passed). */
 struct tok_chat_flags { int add_generation_prompt, enable_thinking, preserve_thinking; };
 
 /* The turns, in order, after the system turn. */
@@ -15988,15 +15961,15 @@ static int tok_render_turns(struct tok_render *r, const struct json *const *msgs
     return r->error ? -1 : 0;
 }
 
-/* What a rendering gave besides its text. */
+/* A rendering's results besides its text. */
 struct tok_chat_rendered {
-    size_t len;        /* bytes of the text (it may hold NULs from the messages) */
+    size_t len;        /* text bytes (may hold NULs from the messages) */
     const char *error; /* the template's refusal; NULL when rendered */
-    int n_media;       /* image and video parts rendered as their placeholders */
+    int n_media;       /* image and video parts rendered as placeholders */
 };
 
-/* Renders MESSAGES (a JSON list) and TOOLS (a list, or NULL) as template KIND does, byte for
- * byte. Returns the malloc'd prompt, or NULL when the template refuses (OUT->error says why). */
+/* Renders MESSAGES (JSON list) and TOOLS (list or NULL) byte for byte as template KIND does.
+ * Returns the malloc'd prompt, or NULL if the template refuses (OUT->error says why). */
 static char *tok_chat_template_render(enum tok_template kind, const struct json *messages, const struct json *tools,
                                       const struct tok_chat_flags *f, struct tok_chat_rendered *out)
 {
@@ -16023,8 +15996,8 @@ static char *tok_chat_template_render(enum tok_template kind, const struct json 
     return r.out.p;
 }
 
-/* The prompt of a conversation of plain text: SYSTEM (NULL: none), USER, then the generation
- * prompt, thinking or not: what `run --chat` and each turn of `chat` feed. */
+/* Prompt of a plain-text conversation: SYSTEM (NULL: none), USER, then the generation prompt,
+ * thinking or not: what `run --chat` and each `chat` turn feed. */
 static char *tok_chat_render_turn(const struct tok *t, const char *system, const char *user, int think)
 {
     struct json user_content = {.kind = JSON_STRING, .str = (char *)user, .len = strlen(user), .name = (char *)"content"};
@@ -16613,23 +16586,6 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* The five largest logits, best first (lowest id on ties). */
-static void engine_top5(const float *logits, int n, float out[5][2])
-{
-    int ids[5] = {-1, -1, -1, -1, -1};
-    for (int i = 0; i < n; i++) {
-        int k = 5;
-        while (k > 0 && (ids[k - 1] < 0 || logits[i] > logits[ids[k - 1]])) k--;
-        if (k == 5) continue;
-        memmove(ids + k + 1, ids + k, (size_t)(4 - k) * sizeof *ids);
-        ids[k] = i;
-    }
-    for (int k = 0; k < 5; k++) {
-        out[k][0] = (float)ids[k];
-        out[k][1] = ids[k] >= 0 ? logits[ids[k]] : 0.0f;
-    }
-}
-
 /* Whether R needs its logits row on the host: log-probabilities, or a bias (the device's best would not be the sampler's). */
 static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias; }
 
@@ -16852,19 +16808,20 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     const struct engine_request *r = &sl->req;
     const struct model_top *best = run->best;
     int n_vocab = e->m->cfg.n_vocab, n_hist = r->n_prompt + g->n_tokens, id;
-    float top[5][2] = {{-1, 0}};
+    float top[5][2] = {{-1, 0}, {-1, 0}, {-1, 0}, {-1, 0}, {-1, 0}};
     if (best ? !best->finite : !sample_all_finite(run->logits, n_vocab)) {
         engine_finish(e, sl, ENGINE_STOP_ERROR, "the logits are not finite (NaN or infinite): the model file "
                       "holds a corrupt weight block (a NaN or infinite scale)");
         return;
     }
-    if (best) { /* the five best are its first (engine_top5's order is sample_before's) */
+    const int n_top = r->want_top ? (n_vocab < 5 ? n_vocab : 5) : 0; /* the five best, in sample_before's order */
+    if (best)
         for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
-        for (int k = 0; k < 5 && r->want_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
-        id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
-    } else {
+    else if (n_top) sample_top(run->logits, n_vocab, n_top, e->cand); /* a pass over the vocabulary: only when asked */
+    for (int k = 0; k < n_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
+    if (best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
+    else {
         float *logits = engine_wants_row(r) ? engine_biased(e, r, run->logits) : run->logits;
-        if (r->want_top) engine_top5(run->logits, n_vocab, top); /* a pass over the vocabulary: only when asked */
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
         if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs);
     }
@@ -18798,11 +18755,11 @@ static void serve_stop(struct serve *srv, pthread_t acceptor)
 
 /* ==== §13 frontends ==== */
 /* Owns: user commands (run, chat, plan, bench, info, tokenize): session loading, the generation loop, streamed text,
- *   statistics, the --json record; synthetic models for plan, bench and info (a geometry's GGUF in memory).
- * Promises: stdout carries only generated text (and the one --json line); all else goes to stderr. A full context is a
+ *   statistics, the --json record; synthetic models (a geometry's GGUF in memory) for plan, bench, info.
+ * Promises: stdout carries only generated text (and the one --json line), all else stderr. A full context is a
  *   message, never a crash. Ctrl-C in chat stops the answer, keeping the session.
  * May call: §1–§10.
- * Workload: the generation loop calls model_forward once per token; the rest is start-up. */
+ * Workload: the generation loop: model_forward once a token; the rest is start-up. */
 
 struct cmd_options {
     const char *model, *prompt, *system;
@@ -18842,10 +18799,10 @@ static void cmd_on_sigint(int sig)
     cmd_interrupt = 1;
 }
 
-/* The server's default prompt cache for N_SLOTS conversations: an eighth of free memory, at most SERVE_DEFAULT_CACHE,
- * never squeezing out routed experts that would fit without it (every token reads experts; a prompt cache spares an
- * occasional prefix: README, Serve). It counts all experts in RAM (device ones would leave more). RAM: --ram (given:
- * the experts' budget is the user's). */
+/* The server's default prompt cache for N_SLOTS conversations: 1/8 of free memory, at most SERVE_DEFAULT_CACHE,
+ * never squeezing out routed experts that fit without it (every token reads experts; the cache spares an occasional
+ * prefix: README, Serve), counting all experts in RAM (device ones leave more). RAM: --ram (given: the experts'
+ * budget is the user's). */
 static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
 {
     const int64_t avail = plat_mem_available(), eighth = avail > 0 ? avail / 8 : 0;
@@ -18853,7 +18810,7 @@ static int64_t cmd_prompt_cache(const struct model *m, int n_slots, int64_t ram)
     if (ram >= 0 || !m->cfg.n_expert) return cache;
     const int64_t fit = model_expert_budget(m, n_slots, 0, -1).budget - (int64_t)model_expert_bytes(m);
     if (fit < 0 || fit >= cache) return cache;
-    const int64_t slack = 128 << 20, room = fit > slack ? fit - slack : 0; /* free memory moves a little before placement reads it */
+    const int64_t slack = 128 << 20, room = fit > slack ? fit - slack : 0; /* free memory drifts before placement reads it */
     plat_log("[serve] prompt cache: %.2f GiB, what memory leaves once the routed experts fit (%.2f GiB would have left them out)",
              room / 1073741824.0, cache / 1073741824.0);
     return room;
@@ -18885,12 +18842,11 @@ static void cmd_open(struct cmd_session *s, const struct cmd_options *o, int n_s
                  n_slots == 1 ? "" : "s", model_seq_bytes(&s->model) / 1048576.0, s->model.n_ctx);
     }
     if (cache < 0) cache = cmd_prompt_cache(&s->model, n_slots, o->ram_bytes);
-    /* the experts' budget counts the trunk copy to come (measured after, the copy and the file pages
-     * just read would both look used) */
+    /* the expert budget counts the trunk copy to come: measured after, copy and just-read file pages would look used */
     model_place_weights(&s->model, n_slots, cache, o->ram_bytes, copies, o->heat_path, o->expert_io, o->place);
     model_own_trunk(&s->model);
     engine_init(&s->engine, &s->model, &s->tok, n_slots, cache);
-    /* said last: the trunk and expert copies above are most of the time */
+    /* said last: the trunk and expert copies are most of the time */
     plat_log("[coli] %s: %s, %d layers, dim %d, %d experts (top %d), vocab %d; context %d of %d tokens%s; %d threads, %s kernels; loaded in %.2f s",
              o->synthetic ? o->synthetic : o->model, model_arch_names[c->arch], c->n_layers, c->dim, c->n_expert, c->n_expert_used, c->n_vocab,
              s->model.n_ctx, c->ctx_train, s->model.kv == OPS_KV_F16 ? " (KV cache fp16)" : s->model.kv == OPS_KV_Q8_0 ? " (KV cache q8_0)" : "", plat_threads(), quant_level_name(), plat_now() - t0);
@@ -18906,7 +18862,7 @@ static void cmd_close(struct cmd_session *s)
     model_free(&s->model);
 }
 
-/* Generated pieces to the terminal: whole UTF-8 characters only; thinking dimmed (on a terminal) or hidden. */
+/* Generated pieces to the terminal in whole UTF-8 characters; thinking dimmed (on a terminal) or hidden. */
 struct cmd_printer {
     const struct cmd_session *s;
     struct tok_utf8_stream utf8;
@@ -18940,8 +18896,8 @@ static int cmd_print_piece(void *ctx, int id, const char *piece, size_t len)
     return 0;
 }
 
-/* A one-conversation command's engine request: O's sampling and flags, PROMPT, N_MAX tokens, Ctrl-C (cmd_interrupt)
- * cancels, PRINTER (or NULL) prints. */
+/* A one-conversation engine request: O's sampling and flags, PROMPT, N_MAX tokens; Ctrl-C (cmd_interrupt) cancels,
+ * PRINTER (or NULL) prints. */
 static struct engine_request cmd_request(const struct cmd_options *o, const int *prompt, int n_prompt, int n_max,
                                          struct cmd_printer *printer)
 {
@@ -18951,7 +18907,7 @@ static struct engine_request cmd_request(const struct cmd_options *o, const int 
     return r;
 }
 
-/* This process's peak resident set in bytes (VmHWM); -1 if unknown. */
+/* Our peak resident set in bytes (VmHWM); -1 if unknown. */
 static int64_t cmd_peak_rss(void)
 {
     int64_t kib = plat_read_number("/proc/self/status", "VmHWM");
@@ -18959,7 +18915,7 @@ static int64_t cmd_peak_rss(void)
 }
 
 /* The expert store's figures since the session opened: hit rates (in memory when routed to), reads, disk throughput
- * while reading, routed experts prefetch guessed, time passes waited on reads. */
+ * while reading, the share of routed experts prefetch guessed, time waited on reads. */
 static void cmd_print_expert_stats(struct expert_store *x)
 {
     struct expert_stats st = expert_stats_get(x);
@@ -19077,7 +19033,7 @@ static int cmd_run(const struct cmd_options *o)
     return 0;
 }
 
-/* coli tokenize: one id per line. Needs only the vocabulary, so vocabulary-only files work. */
+/* coli tokenize: one id per line; needs only the vocabulary (vocabulary-only files work). */
 static int cmd_tokenize(const struct cmd_options *o)
 {
     struct gguf_file g;
@@ -19094,8 +19050,7 @@ static int cmd_tokenize(const struct cmd_options *o)
     return 0;
 }
 
-/* A chat turn's tokens: what the last answer left unfed, the user's turn, the generation prompt (the system turn first
- * if new). */
+/* A turn's tokens: the last answer's unfed ones, the user's turn, the generation prompt (system turn first if new). */
 static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options *o, const char *line, const int *pending,
                                 int n_pending, int **ids_out)
 {
@@ -19115,7 +19070,7 @@ static int cmd_chat_turn_tokens(struct cmd_session *s, const struct cmd_options 
     return n_pending + n_body;
 }
 
-/* Reads a stdin line without its newline; NULL at end of input or on Ctrl-C. */
+/* A stdin line without its newline; NULL at end of input or on Ctrl-C. */
 static char *cmd_read_line(char **buf, size_t *cap)
 {
     ssize_t n = getline(buf, cap, stdin);
@@ -19161,8 +19116,7 @@ static void cmd_info_groups(const struct gguf_file *g)
     }
 }
 
-/* coli chat: an interactive conversation; the state carries over, each turn feeding only new tokens. Answers keep
- * their thinking in context. */
+/* coli chat: interactive; state carries over (answers' thinking too), each turn feeding only new tokens. */
 static int cmd_chat(const struct cmd_options *o)
 {
     struct cmd_session s;
@@ -19231,10 +19185,10 @@ static int cmd_chat(const struct cmd_options *o)
 }
 
 /* ---- synthetic models: `--synthetic NAME[:QUANT[:LAYERS]]` for plan, bench and info ----
- * An undownloaded model: its GGUF head (metadata, a vocabulary of 256 byte tokens and fillers, every tensor named and
- * shaped as the converter does, qwen35-arch.md §9) is written by gguf_image_* into a memory file (§1), which gguf_open
- * and model_bind read as any file. plan and info leave the data a hole (no memory); bench fills it with random valid
- * blocks (quant_sanitize_random), where kernels take real weights' time. */
+ * An undownloaded model: gguf_image_* writes its GGUF head (metadata, a vocabulary of 256 byte tokens and fillers,
+ * every tensor named and shaped as the converter does, qwen35-arch.md §9) into a memory file (§1) that gguf_open and
+ * model_bind read as any file. plan and info leave the data a hole (no memory); bench fills it with random valid
+ * blocks (quant_sanitize_random) so kernels take real weights' time. */
 
 struct cmd_geometry {
     const char *name, *about;
@@ -19251,7 +19205,7 @@ static const struct cmd_geometry cmd_geometries[] = {
 };
 
 /* QUANT: q4_k_m, llama.cpp's Q4_K_M mix (Q4_K; Q6_K for the output head and, on layers given more bits, attn_v and
- * down projections; Q5_K for attn_qkv), or a type name for routed experts, other matrices Q8_0 (the benchmark mix,
+ * down projections; Q5_K for attn_qkv), or the routed experts' type, other matrices Q8_0 (the benchmark mix,
  * tests/gen_model.c). Norms, routers, DeltaNet conv, a, dt: F32, as in all published files. */
 struct cmd_synthetic {
     const struct cmd_geometry *g;
@@ -19261,7 +19215,7 @@ struct cmd_synthetic {
     const char *spec;
 };
 
-/* One tensor of a synthetic model: shape outermost first; E the magnitude of its float fields (quant_sanitize_random). */
+/* A synthetic model's tensor: shape outermost first; E the magnitude of its float fields (quant_sanitize_random). */
 struct cmd_synthetic_tensor {
     char name[64];
     int type, n_dims, e, negative;
@@ -19376,8 +19330,7 @@ static struct cmd_synthetic_plan cmd_synthetic_tensors(const struct cmd_syntheti
     return p;
 }
 
-/* Metadata of SY's geometry with L layers and its vocabulary: 256 byte symbols, <|endoftext|> (eos), then unused
- * fillers up to the embedding's rows. */
+/* SY's metadata with L layers, and vocabulary: 256 byte symbols, <|endoftext|> (eos), unused fillers up to n_vocab. */
 static void cmd_synthetic_keys(struct gguf_image *im, const struct cmd_synthetic *sy, int layers)
 {
     const struct cmd_geometry *g = sy->g;
@@ -19417,8 +19370,8 @@ static void cmd_synthetic_keys(struct gguf_image *im, const struct cmd_synthetic
     gguf_image_key_u32(im, "tokenizer.ggml.eos_token_id", 256);
 }
 
-/* A memory file of SY's model, first L layers (see the subsection's head); FILL: random weights in the data. Its name
- * into PATH; returns its descriptor (closed with the model). Dies if memory refuses. */
+/* A memory file of SY's model's first L layers (subsection head), random weights if FILL; its name to PATH. Returns
+ * its descriptor (closed with the model); dies if memory refuses. */
 static int cmd_synthetic_file(const struct cmd_synthetic *sy, int layers, int fill, char *path, size_t path_n)
 {
     struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
@@ -19451,7 +19404,7 @@ static int cmd_synthetic_file(const struct cmd_synthetic *sy, int layers, int fi
 }
 
 /* Bytes of SY's model with L layers: all, and the trunk's (read every token, copied out: all but routed experts and
- * the embedding). */
+ * embedding). */
 static void cmd_synthetic_bytes(const struct cmd_synthetic *sy, int layers, uint64_t *all, uint64_t *trunk)
 {
     struct cmd_synthetic_plan p = cmd_synthetic_tensors(sy, layers);
@@ -19519,7 +19472,7 @@ static void cmd_info_model(const char *path, const char *name)
     gguf_close(&g);
 }
 
-/* coli info: the machine, and the model if -m or --synthetic is given. */
+/* coli info: the machine, and the model of -m or --synthetic. */
 static int cmd_info(const struct cmd_options *o)
 {
     cmd_info_machine();
@@ -19535,8 +19488,8 @@ static int cmd_info(const struct cmd_options *o)
     return 0;
 }
 
-/* What bench --synthetic ran: SY's model on LAYERS layers (most whole blocks that fit), BYTES of random weights of the
- * whole model's ALL (TRUNK read every token), the output head's time. */
+/* What bench --synthetic ran: SY's model on LAYERS layers (most whole blocks that fit), BYTES of random weights of
+ * the whole model's ALL (TRUNK read every token), the output head's time. */
 struct cmd_bench_synthetic {
     struct cmd_synthetic sy;
     int layers, fd, fits;
@@ -19545,8 +19498,8 @@ struct cmd_bench_synthetic {
     char path[64];
 };
 
-/* Chooses bench --synthetic's layers: all, or the most whole blocks (full_attention_interval layers, keeping the
- * DeltaNet/attention mix) whose weights and trunk copy fit RAM bytes (< 0: 3/4 of available memory), into a memory file. */
+/* Chooses bench --synthetic's layers, in a memory file: all, or the most whole blocks (full_attention_interval layers,
+ * keeping the DeltaNet/attention mix) whose weights and trunk copy fit RAM bytes (< 0: 3/4 of available memory). */
 static void cmd_bench_synthetic_open(struct cmd_bench_synthetic *b, const char *spec, int64_t ram)
 {
     int64_t avail = plat_mem_available(), room = ram >= 0 ? ram : avail / 4 * 3;
@@ -19607,9 +19560,9 @@ static void cmd_bench_say_phases(const char *what, const double *ph, const doubl
            100 * plat_ratio(idle[MODEL_PHASE_PRODUCTS], total), 100 * plat_ratio(idle[MODEL_PHASE_EXPERTS], total));
 }
 
-/* bench's decode profile: phase shares of decode steps (N_FWD tokens after N_PROMPT, layers run), and the roofline:
- * bytes a token reads (KV rows at mean context) against read bandwidth measured now, the decode rate that allows, the
- * rate measured (TG_M). With a device open the host bus is not the whole story: no roofline. */
+/* bench's decode profile: phase shares of decode steps (N_FWD tokens after N_PROMPT, layers run) and the roofline:
+ * bytes a token reads (KV rows at mean context) over read bandwidth measured now, the rate that allows, the rate
+ * measured (TG_M). No roofline with a device open: the host bus is not the whole story. */
 static void cmd_bench_say_profile(struct model *m, int n_prompt, int n_fwd, double tg_m, int json)
 {
     const double *ph = m->profile.seconds[1];
@@ -19636,7 +19589,7 @@ static void cmd_bench_say_profile(struct model *m, int n_prompt, int n_fwd, doub
            "tok/s; measured %.2f tok/s = %.0f%%\n", bytes / 1048576.0, state / 1048576.0, gbps, roof, tg_m, 100 * tg_m / roof);
 }
 
-/* Before bench measures: the experts mapped (§6 expert_map_ahead), as in a long-running run; time taken on stderr. */
+/* Before bench measures: the experts mapped (§6 expert_map_ahead) as in a long run; time taken to stderr. */
 static void cmd_bench_map_ahead(struct expert_store *s)
 {
     if (!s || !s->mapper_on) return;
@@ -19730,7 +19683,7 @@ static char *cmd_model_id(const char *path)
     return id;
 }
 
-/* coli serve: the server (§12) on O's model until SIGINT or SIGTERM; listens before loading (/health: 503 till then). */
+/* coli serve: the server (§12) on O's model until SIGINT/SIGTERM; listens before loading (/health: 503 till then). */
 static int cmd_serve(const struct cmd_options *o)
 {
     struct serve srv;
@@ -19811,9 +19764,9 @@ static void cmd_plan_cpu(const struct model *m, const struct cmd_options *o, dou
     printf("memory available: %.1f MiB\n", plat_mem_available() / 1048576.0);
 }
 
-/* coli plan's expectation: bytes each bus reads per token as placed (R) against host read bandwidth measured here and
- * each device's probed kernel speed: a decode rate bound by memory traffic alone, the buses' times added (a layer's
- * trunk products and experts wait on each other), file reads untimed. */
+/* coli plan's expectation: bytes each bus reads a token as placed (R) over host read bandwidth measured here and each
+ * device's probed kernel speed: a decode rate bound by memory traffic alone, bus times added (a layer's trunk
+ * products and experts wait on each other), file reads untimed. */
 struct cmd_plan_expectation { double host_gbps, seconds, dev_seconds[CUDA_MAX_DEVICES]; int unprobed; };
 
 static struct cmd_plan_expectation cmd_plan_expect(const struct place_result *r)
@@ -19846,7 +19799,7 @@ static void cmd_plan_say_expect(const struct place_result *r, const struct cmd_p
            x->unprobed ? "; the devices not probed not counted" : "");
 }
 
-/* coli plan --json: all that as one stdout object: devices, components (bytes, values, where), the CPU side with the
+/* coli plan --json: all that as one stdout object: devices, components (bytes, values, where), the CPU side with
  * expert cache, the expectation. */
 static void cmd_plan_json(const struct model *m, const char *name, const struct place_result *r, const struct cmd_plan_expectation *x)
 {
@@ -19886,7 +19839,7 @@ static void cmd_plan_json(const struct model *m, const char *name, const struct 
 }
 
 /* coli plan: where each part of the model would live, decided by a run's code (§7 dry: budgets charged, nothing
- * allocated or copied, no weight read), on stdout: a run's [place] lines, a line per device, what stays on the CPU. */
+ * allocated or copied, no weight read), to stdout: a run's [place] lines, a line per device, what stays on the CPU. */
 static int cmd_plan(const struct cmd_options *o)
 {
     struct model m;
@@ -19927,9 +19880,9 @@ static int cmd_plan(const struct cmd_options *o)
 }
 
 /* ==== §14 main ==== */
-/* Owns: the command line (design.md §3: stable, scripts rely on it) and start-up order:
- *   CPU features, kernel table, threads, then the command.
- * Promises: a bad flag or value is a one-line usage error with exit status 2. */
+/* Owns: the command line (design.md §3: stable, scripts rely on it) and start-up order: CPU features, kernel table,
+ *   threads, then the command.
+ * Promises: a bad flag or value is a one-line usage error, exit status 2. */
 
 static const char arg_usage[] =
     "usage: coli COMMAND [options]\n"
@@ -20055,7 +20008,7 @@ static float arg_float(int argc, char **argv, int *i, double lo, double hi)
     return (float)x;
 }
 
-/* A size such as 512M, 12G, 1.5G or a plain number of bytes. */
+/* A size such as 512M, 12G, 1.5G or plain bytes. */
 static int64_t arg_size(int argc, char **argv, int *i)
 {
     const char *flag = argv[*i], *v = arg_value(argc, argv, i);
@@ -20092,7 +20045,7 @@ static int arg_help(const char *cmd)
     return 0;
 }
 
-/* Parses the options after the command word into O. Defaults depend on the command. */
+/* Parses the options after the command word into O; defaults depend on the command. */
 static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options *o)
 {
     int chat = !strcmp(cmd, "chat"), bench = !strcmp(cmd, "bench"), serve = !strcmp(cmd, "serve");
@@ -20155,11 +20108,10 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         struct cmd_synthetic sy;
         if (o->model) die_usage("%s: -m and --synthetic name two models; give one", cmd);
         cmd_synthetic_parse(o->synthetic, &sy);
-        /* its layers may be scaled, so what it measures is the CPU's unless --gpu names devices
-         * (a card's decode benchmark: gpu_check.sh) */
+        /* layers may be scaled: it measures the CPU unless --gpu names devices (a card's decode bench: gpu_check.sh) */
         if (bench && !o->gpu_list) o->gpu_list = "off";
     }
-    /* the environment's resource settings, where no flag gave them (flags win) */
+    /* resource settings from the environment where no flag gave them */
     if (!o->gpu_list) o->gpu_list = getenv("COLI_GPUS");
     if (!o->place) o->place = getenv("COLI_PLACE");
     const char *gb = getenv("CUDA_EXPERT_GB");
@@ -20201,7 +20153,7 @@ int main(int argc, char **argv)
         plat_cpu_detect();
         quant_init();
         if (o.threads) omp_set_num_threads(o.threads);
-        if (o.model) { /* a bad file is said before anything else, and before the driver's start and JIT */
+        if (o.model) { /* a bad file is reported first, before the driver's start and JIT */
             struct gguf_file g;
             gguf_open(&g, o.model);
             gguf_close(&g);
