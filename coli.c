@@ -5546,8 +5546,8 @@ QUANT_AVX512_INLINE void quant_interleaved_iq3_unit(enum gguf_type type, const u
 }
 
 /* Every super-block of 16 interleaved type-T rows at W against NC columns into their partials P;
- * PREFETCH: ahead of the reads. T and NC are constants where inlined, so each unit's body folds
- * them (the super-block size read at run time halved Q4_K/i's rate). The prefetch stays a loop:
+ * PREFETCH: ahead of the reads. T and NC constant where inlined, so each unit's body folds them
+ * (the super-block size read at run time halved Q4_K/i's rate). The prefetch stays a loop:
  * unrolled, its burst of requests slowed memory reads (README). */
 QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                 float (*p)[QUANT_NPART][16], int NC, int prefetch, const __m512i *fields, int mode,
@@ -5567,7 +5567,7 @@ QUANT_AVX512_INLINE void quant_interleaved_pass(enum gguf_type t, const uint8_t 
     }
 }
 
-/* Scale fields of the NU super-blocks of 16 interleaved rows of K type T at W, QUANT_FIELDS vectors
+/* Scale fields of NU super-blocks of 16 interleaved rows of K type T at W, QUANT_FIELDS vectors
  * each, unpacked once for all a prompt's passes: Q4_K, Q5_K quant_tile_k4_field's 8 scales then 8
  * mins, others each group pair's scales and pair of quant_interleaved_q236k_groups. */
 QUANT_AVX512_INLINE void quant_interleaved_fields(enum gguf_type t, const uint8_t *w, int64_t nu, __m512i *fields) {
@@ -5634,8 +5634,8 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_f16_pairs(__m256i dd, __m256 *lo, __m256 
 }
 
 /* quant_interleaved_unit for Q4_K at 8 lanes: super-block U of rows 8 HALF.. of the 16 at G (bytes
- * 32 HALF.. of each vector) against NC columns, run h's sub-blocks 2h, 2h + 1 from one load; same
- * integers and float step. */
+ * 32 HALF.. of each vector) against NC columns, run h's sub-blocks 2h, 2h + 1 from a load; same
+ * integers, float step. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_q4k_unit(const uint8_t *g, int half, const struct quant_q8k_view *a, int64_t u,
                                                         float (*p)[QUANT_NPART][16], int NC) {
     const uint8_t *sm = g + 64 * 32 + 32 * half;
@@ -5829,7 +5829,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_iq4xs_unit(const uint8_t *t, 
 /* Every super-block of 16 interleaved type-T rows (quant_interleaved_avx2_ok's; constant where
  * inlined) at W against NC columns into their partials P, both halves of each; PREFETCH: ahead of
  * the reads. The halves read the same act bytes; without the barrier between them gcc kept a
- * super-block's broadcasts live across both and spilled them. */
+ * super-block's broadcasts live across both, spilling them. */
 QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_pass(enum gguf_type t, const uint8_t *w, const struct quant_q8k_view *a, int64_t nu,
                                                         float (*p)[QUANT_NPART][16], int NC, int prefetch) {
     const int bb = quant_interleaved_block_bytes(t);
@@ -5866,7 +5866,7 @@ QUANT_AVX2_VNNI_INLINE void quant_avx2_interleaved_columns(enum gguf_type t, con
 }
 
 /* quant_interleaved at AVX2 with AVX-VNNI (quant_interleaved_avx2_ok): columns 4 at a time, the
- * last few one by one; the first pass prefetches. */
+ * last few singly; the first pass prefetches. */
 static QUANT_AVX2_VNNI void quant_interleaved_avx2(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc,
                                                   int64_t n, float *y, size_t ys) {
     const int64_t nu = n / QUANT_QK_K;
@@ -5916,7 +5916,7 @@ static QUANT_AVX512 void quant_interleaved_avx512(enum gguf_type t, const uint8_
 
 /* quant_interleave_tile's plan per interleaved type: FROM[k] the byte of vector k's dword, STEP[i]
  * the first vector of a transpose of 8 (+ 64) or 4 (+ 128) consecutive dwords of the block, else of
- * one (the first 16 bytes' transpose, or a gather). Made once, not once a tile (README). */
+ * one (the first 16 bytes' transpose, or a gather). Made once, not a tile (README). */
 static struct quant_tile_plan { int from[64], step[64], steps; } quant_tile_plans[GGUF_TYPE_COUNT];
 
 static void quant_tile_plans_init(void) {
@@ -5953,7 +5953,7 @@ QUANT_AVX512_INLINE void quant_iq3s_masks_avx512(uint8_t *v) {
         }
 }
 
-/* The 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
+/* 16 rows at W (RB bytes apart, NU super-blocks of T: quant_tile_plans) into DST in
  * quant_interleave's layout by transposes, not a copy a dword (gathers: Q2_K 1 a super-block, Q3_K,
  * IQ3_S 3, IQ4_XS 2), asking for part u of the next 16 rows with super-block u. */
 QUANT_AVX512_INLINE void quant_interleave_tile(enum gguf_type t, const uint8_t *w, size_t rb, int64_t nu, uint8_t *dst) {
@@ -5992,8 +5992,8 @@ static QUANT_AVX512 void quant_interleave_groups_avx512(enum gguf_type t, uint8_
 }
 
 /* Tile of 16 rows read in place of a type quant_interleave_ok takes (quant_tile's contract):
- * interleaved into SCRATCH like coli's own copies, then quant_interleaved's passes: same bits,
- * faster than the former Q4_K and Q6_K tiles (README) and quant_dotn. */
+ * interleaved into SCRATCH as coli's own copies, then quant_interleaved's passes: same bits, faster
+ * than the former Q4_K and Q6_K tiles (README) and quant_dotn. */
 static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t *w, size_t rb, const uint8_t *acts, size_t stride, int nc,
                                                 int64_t n, float *y, size_t ys, void *scratch) {
     quant_interleave_tile(t, w, rb, n / QUANT_QK_K, scratch);
@@ -6003,8 +6003,8 @@ static QUANT_AVX512 void quant_tile_interleaved(enum gguf_type t, const uint8_t 
 /* ---- dispatch ---- */
 
 /* Kernels per level; NULL: "use the level below" (dotn: below that, a dot per column). A rows
- * kernel (fnr) serves only where its own level's dot does (matching its speed); else a level runs a
- * dot per row. So avx512vbmi has, beside its own IQ3 kernels, rows kernels for Q3_K and Q5_K (GFNI)
+ * kernel (fnr) serves only where its level's dot does (matching its speed); else a level runs a dot
+ * per row. So avx512vbmi has, beside its own IQ3 kernels, rows kernels for Q3_K and Q5_K (GFNI)
  * whose dot repeats avx512's. */
 static const struct {
     enum gguf_type type;
@@ -6071,8 +6071,8 @@ static int quant_level_max(void) {
 /* y[c * ys + r] = quant_dot of row r of the 16 interleaved type-T rows at W (a group of
  * quant_interleave's) with column c, c < NC, bit for bit at any level: by the AVX2 kernel at AVX2
  * where it has one and on a CPU without AVX-512 (a matrix is interleaved only where the CPU has its
- * level's kernel), else the AVX-512 one, operands kept in KEPT (QUANT_KEPT_BYTES, 64-byte aligned;
- * or NULL) where quant_kept_pays. */
+ * level's kernel), else AVX-512's, operands kept in KEPT (QUANT_KEPT_BYTES, 64-byte aligned; or
+ * NULL) where quant_kept_pays. */
 static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t *acts, size_t stride, int nc, int64_t n, float *y,
                               size_t ys, void *kept) {
     if ((quant_level == QUANT_LEVEL_AVX2 && quant_interleaved_avx2_ok(t)) || quant_level_max() < QUANT_LEVEL_AVX512)
@@ -6080,7 +6080,8 @@ static void quant_interleaved(enum gguf_type t, const uint8_t *w, const uint8_t 
     else quant_interleaved_avx512(t, w, acts, stride, nc, n, y, ys, kept);
 }
 
-/* Fills the dot table for `level`. Caller: level <= quant_level_max(); no dot in flight. */
+/* Fills the dot tables for `level`. Caller: level <= quant_level_max(); no dot in flight. */
+
 static void quant_set_level(int level) {
     if (level < 0 || level > quant_level_max()) die("quant: level %d not supported by this CPU", level);
     quant_tables_init();
@@ -6111,8 +6112,8 @@ static void quant_set_level(int level) {
 
 static const char *quant_level_name(void) { return quant_level_names[quant_level]; }
 
-/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces (dies
- * on an unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
+/* Picks the best level for plat_cpu, or the one COLI_CPU=scalar|avx2|avx512|avx512vbmi forces
+ * (dies on an unknown value or a level this CPU lacks). Caller: plat_cpu filled. */
 static void quant_init(void) {
     int level = quant_level_max();
     const char *env = getenv("COLI_CPU");
@@ -6154,8 +6155,8 @@ static float quant_dot(enum gguf_type wtype, const void *wrow, const void *act, 
     return quant_dot_table[wtype](wrow, act, n);
 }
 
-/* Whether this level's kernels take WTYPE's act of N elements in lanes (quant_act_to_lanes): legacy
- * formats at AVX-512, rows of 16+ blocks. */
+/* Whether this level's kernels take WTYPE's act of N elements in lanes (quant_act_to_lanes):
+ * legacy formats at AVX-512, rows of 16+ blocks. */
 static int quant_act_in_lanes(enum gguf_type wtype, int64_t n) {
     return quant_dotr_lanes_table[wtype] != NULL && n >= 16 * QUANT_QK;
 }
@@ -6186,7 +6187,7 @@ static void quant_dotr(enum gguf_type wtype, int in_lanes, const uint8_t *wrows,
 }
 
 /* y[c*ys + r] = quant_dot of row r of the NROWS at WROWS with column c, c < NC, bit for bit, where
- * this level has a kernel for WTYPE rows of N elements (K rows of 2 super-blocks: the experts' down
+ * this level has a kernel for WTYPE rows of N elements (K rows of 2 super-blocks: experts' down
  * products); else returns 0. Caller: as quant_dotn. */
 static int quant_pairs(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, int nrows, const uint8_t *acts, size_t stride,
                        int nc, int64_t n, float *y, size_t ys) {
@@ -6204,7 +6205,7 @@ static int quant_dotn_rows(enum gguf_type wtype, const uint8_t *wrows, size_t ro
     return 1;
 }
 
-/* Whether quant_tile takes NC columns of rows of N elements of TYPE at this level. */
+/* Whether quant_tile takes NC columns of TYPE rows of N elements at this level. */
 static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
     const int k45 = wtype == GGUF_TYPE_Q4_K || wtype == GGUF_TYPE_Q5_K;
     if (quant_level == QUANT_LEVEL_AVX2) {
@@ -6224,7 +6225,7 @@ static int quant_tile_ok(enum gguf_type wtype, int nc, int64_t n) {
  * bit for bit; SCRATCH: quant_tile_bytes(wtype, n), one a thread. Caller: quant_tile_ok. */
 static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_bytes, const uint8_t *acts, size_t stride, int nc,
                        int64_t n, float *y, size_t ys, void *scratch) {
-    const int vnni = plat_cpu.avxvnni; /* the AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
+    const int vnni = plat_cpu.avxvnni; /* AVX2 tiles' steps by VEX vpdpbusd (quant_avx2_dpbusd) */
     if (quant_level == QUANT_LEVEL_AVX2 && quant_tile_legacy(wtype) && vnni)
         quant_tile_legacy_avx2_vnni(wrows, row_bytes, wtype, acts, stride, nc, n, y, ys, scratch);
     else if (quant_level == QUANT_LEVEL_AVX2 && wtype == GGUF_TYPE_Q4_0)
@@ -6250,7 +6251,7 @@ static void quant_tile(enum gguf_type wtype, const uint8_t *wrows, size_t row_by
  *   one static buffer. */
 
 /* A weight matrix: ROWS rows of ROW_BYTES at DATA, in GGUF's order or, if INTERLEAVED,
- * quant_interleave's (16 rows a group, the same bytes: made by §8 model_own_trunk). */
+ * quant_interleave's (16 rows a group, same bytes: made by §8 model_own_trunk). */
 struct ops_matrix { enum gguf_type type; const uint8_t *data; int64_t rows, cols; size_t row_bytes; int interleaved; };
 
 #define OPS_ROW_CHUNK 16 /* rows per OpenMP work item: keeps y writes off shared cache lines */
@@ -6272,8 +6273,8 @@ struct ops_job {
  * rest. §4's one way to a device. */
 static void (*ops_offload)(const struct ops_job *jobs, int n, const uint8_t *act, const size_t *off, uint8_t *done);
 
-/* Grow-only scratch: the prepared acts and the threads' quant_tile tiles (on the heap: 16 rows of
- * 4096 columns, 90 KiB, are most of a musl thread's stack). */
+/* Grow-only scratch: prepared acts and threads' quant_tile tiles (on the heap: 16 rows of 4096
+ * columns, 90 KiB, are most of a musl thread's stack). */
 struct ops_scratch { void *buf; size_t cap; };
 static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
 
@@ -6281,15 +6282,15 @@ static struct ops_scratch ops_act_buf, ops_tile_buf, ops_finish_buf;
  * chunk, their mean), summed: bench's barriers. */
 static double ops_idle_seconds;
 
-/* Unused bytes between threads' quant_tile scratch: back to back, a thread's writes to its own (50
- * KiB a tile of 16 rows of 2048 Q4_K) slowed the other's (README, Prompts: the gap). */
+/* Gap between threads' quant_tile scratch: back to back, a thread's writes to its own (50 KiB a
+ * tile of 16 rows of 2048 Q4_K) slowed the other's (README, Prompts: the gap). */
 #define OPS_TILE_GAP (128 << 10)
 
 /* A prepared act column's bytes (COLS for TYPE or W weights), rounded up to 64 bytes. */
 static size_t ops_act_stride_of(enum gguf_type type, int64_t cols) { return (quant_act_bytes(type, cols) + 63) & ~(size_t)63; }
 static size_t ops_act_stride(const struct ops_matrix *w) { return ops_act_stride_of(w->type, w->cols); }
 
-/* Returns S, grown to >= n bytes (contents lost). Not thread-safe. */
+/* S grown to >= n bytes (contents lost). Not thread-safe. */
 static void *ops_scratch(struct ops_scratch *s, size_t n) {
     if (n > s->cap) {
         free(s->buf);
@@ -6306,8 +6307,8 @@ static void ops_check_matrix(const struct ops_matrix *w) {
         die("matmul: %s row of %lld elements is not a whole number of blocks", ti->name, (long long)w->cols);
 }
 
-/* The acts of the jobs owning one (OWN), column by column, in parallel once a prompt's batch pays a
- * parallel region (each column prepared alone: same bits). */
+/* Acts of the jobs owning one (OWN), column by column, in parallel once a prompt's batch pays a
+ * parallel region (each column alone: same bits). */
 static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8_t *own, uint8_t *act, const size_t *off,
                              const size_t *stride) {
     int64_t first_col[OPS_MAX_JOBS + 1] = {0}, elems = 0;
@@ -6325,10 +6326,10 @@ static void ops_prepare_acts(const struct ops_job *jobs, int n_jobs, const uint8
     }
 }
 
-/* Rows [r0, r1) of W times the N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
+/* Rows [r0, r1) of W times N prepared columns at ACT (STRIDE apart) into Y ([n][rows]): by
  * quant_pairs where it serves (K rows of 2 super-blocks), else quant_dotn a block of columns at a
- * time, their acts in L1 while each row of the chunk uses them, the rows again from L2 (row by row,
- * each row read all acts from L2 or beyond: README). */
+ * time, acts in L1 while each row of the chunk uses them, rows again from L2 (row by row, each row
+ * read all acts from L2 or beyond: README). */
 static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, int64_t r1, const uint8_t *act, size_t stride, int n,
                           float *y) {
     if (quant_pairs(w->type, w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), act, stride, n, w->cols, y + r0,
@@ -6345,8 +6346,8 @@ static void ops_dotn_rows(const struct ops_matrix *w, int in_lanes, int64_t r0, 
 }
 
 /* Jobs whose CPU kernels read their act in lanes (quant_act_in_lanes; not tiles, not interleaved):
- * LANES_OF[j], the job whose lane copy job j reads (the first with that act), or -1; such a first
- * job's copy at LANES_OFF[j] in the act scratch, from *END on. */
+ * LANES_OF[j], the job whose lane copy j reads (the first with that act), or -1; such a first job's
+ * copy at LANES_OFF[j] in the act scratch, from *END on. */
 static void ops_plan_lanes(const struct ops_job *jobs, int n_jobs, const size_t *off, const size_t *stride, int *lanes_of,
                            size_t *lanes_off, size_t *end) {
     for (int j = 0; j < n_jobs; j++) {
@@ -6373,10 +6374,10 @@ static void ops_acts_to_lanes(const struct ops_job *jobs, int n_jobs, const int 
         }
 }
 
-/* The parallel loop's order of jobs' OPS_ROW_CHUNK-row chunks: jobs by a chunk's work (bytes x
- * columns), least first, ORDER[k] the k-th, its chunks from FIRST_CHUNK[k]. Guided scheduling gives
- * the first chunks in long runs, the last a few at a time, so the heaviest (16 rows: 128 KiB of an
- * F32 router, 18 KiB of Q4_K) even out at the end, not in one thread's first run. */
+/* The parallel loop's order of jobs' OPS_ROW_CHUNK-row chunks: by a chunk's work (bytes x columns),
+ * least first, ORDER[k] the k-th, its chunks from FIRST_CHUNK[k]. Guided scheduling gives the first
+ * chunks in long runs, the last a few at a time, so the heaviest (16 rows: 128 KiB of an F32
+ * router, 18 KiB of Q4_K) even out at the end, not in one thread's first run. */
 static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_t *done, int *order, int64_t *first_chunk) {
     for (int j = 0; j < n_jobs; j++) { /* insertion sort, stable */
         int k = j;
@@ -6392,9 +6393,9 @@ static void ops_chunk_order(const struct ops_job *jobs, int n_jobs, const uint8_
 }
 
 /* Jobs' products (y[n][rows] = W·x[n][cols]) in one parallel loop over their rows: one parallel
- * region and barrier for all, each thread with rows of every matrix in flight. Jobs with the same
- * x, n, type and width share a prepared act (on a device, an upload). Each y is bit-identical
- * whatever the batch, thread count or device. Caller: quant_init done; at most OPS_MAX_JOBS jobs,
+ * region and barrier for all, each thread with rows of every matrix in flight. Jobs of the same x,
+ * n, type and width share a prepared act (on a device, an upload). Each y bit-identical whatever
+ * the batch, thread count or device. Caller: quant_init done; <= OPS_MAX_JOBS jobs,
  * OPS_COLUMN_BLOCK columns each (ops_matmat_jobs); no y overlaps an x; one caller at a time. */
 static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     size_t off[OPS_MAX_JOBS + 1] = {0}, stride[OPS_MAX_JOBS] = {0}, end = 0;
@@ -6429,7 +6430,7 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
     uint8_t *tiles = tile_bytes ? ops_scratch(&ops_tile_buf, tile_stride * (size_t)plat_threads()) : NULL;
     ops_chunk_order(jobs, n_jobs, done, order, first_chunk);
     /* guided: long runs of rows per thread first (sequential streams for the prefetchers), then
-     * shrinking pieces that even out a thread that fell behind (README: static and dynamic) */
+     * shrinking pieces evening out a thread that fell behind (README: static and dynamic) */
     double *finish = ops_scratch(&ops_finish_buf, sizeof(double) * (size_t)plat_threads());
     int team = 1;
     #pragma omp parallel
@@ -6464,12 +6465,12 @@ static void ops_matmat_block(const struct ops_job *jobs, int n_jobs) {
 }
 
 /* Columns ops_matmat_block takes at once: a row chunk meets all a job's columns, their prepared
- * acts (2.1 KiB a column of 2048 in Q8_K) staying in L2 (a block of 512 was slower: README).
- * Weights are read once a block: at 512, ~1 MiB more trunk a token. */
+ * acts (2.1 KiB a column of 2048 in Q8_K) staying in L2 (512 was slower: README). Weights are read
+ * once a block: at 512, ~1 MiB more trunk a token. */
 #define OPS_COLUMN_BLOCK 256
 
-/* ops_matmat_block over blocks of at most OPS_COLUMN_BLOCK columns of every job, in turn (each
- * column computed alone: same bits). Caller: as ops_matmat_block, without its column limit. */
+/* ops_matmat_block over blocks of <= OPS_COLUMN_BLOCK columns of every job in turn (each column
+ * alone: same bits). Caller: as ops_matmat_block, without its column limit. */
 static void ops_matmat_jobs(const struct ops_job *jobs, int n_jobs) {
     if (n_jobs > OPS_MAX_JOBS) die("internal: %d products in one batch (at most %d)", n_jobs, OPS_MAX_JOBS);
     int most = 0;
@@ -6531,7 +6532,7 @@ static void ops_bench_fill(uint8_t *buf, size_t n, uint64_t seed) {
     }
 }
 
-/* Best-of-3 GB/s of a multi-threaded read of buf (n bytes, 64-aligned, multiple of 4 KiB). */
+/* Best-of-3 GB/s of a threaded read of buf (n bytes, 64-aligned, multiple of 4 KiB). */
 static double ops_bench_bandwidth(const uint8_t *buf, size_t n) {
     double best = 0;
     volatile uint64_t sink = 0;
@@ -6585,7 +6586,7 @@ static size_t ops_bench_llc(void) {
     return kib * 1024;
 }
 
-/* Host read bandwidth in GB/s, measured now over 4x the last-level cache (256 MiB to 1 GiB). */
+/* Host read bandwidth in GB/s, measured now over 4x the last-level cache (256 MiB-1 GiB). */
 static double ops_bench_host_gbps(void)
 {
     size_t n = 4 * ops_bench_llc();
@@ -6597,7 +6598,7 @@ static double ops_bench_host_gbps(void)
     return gbps;
 }
 
-/* One row of ops_bench_kernels: type T (INTERLEAVE: interleaved) per shape, over BUF (BIG bytes). */
+/* A row of ops_bench_kernels: type T (INTERLEAVE: interleaved) per shape, over BUF (BIG bytes). */
 static void ops_bench_kernels_row(enum gguf_type t, int interleave, uint8_t *buf, size_t big, float *x, float *y) {
     const struct gguf_type_info *ti = gguf_type_get(t);
     const size_t block_row = (size_t)(512 / ti->block_elems) * (size_t)ti->block_bytes; /* 512 columns */
@@ -6640,9 +6641,9 @@ static void ops_bench_kernels(void) {
 /* ops: elementwise. Plain loops in a fixed order; the compiler vectorises what it can
  * without changing results (-ffp-contract=off, no -ffast-math). */
 
-/* Sum in double of N values, the same bits at every SIMD level and on the GPU: value i into partial
+/* Sum in double of N values, same bits at every SIMD level and on the GPU: value i into partial
  * i % OPS_SUM_PARTS, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1. A serial sum (the
- * reference's order) adds once every 4 cycles (README), a chain no GPU warp can follow. */
+ * reference's order) adds once per 4 cycles (README), a chain no GPU warp can follow. */
 #define OPS_SUM_PARTS 16
 
 static double ops_parts_sum(double *part)
@@ -6692,7 +6693,7 @@ static double ops_sum_squares(const float *x, int n)
     return ops_parts_sum(part);
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * w over N values (w NULL: no weight); may be in place. */
+/* y = x / sqrt(mean(x^2) + eps) * w over N values (w NULL: none); may be in place. */
 static void ops_rmsnorm(float *y, const float *x, const float *w, int n, float eps)
 {
     double ss = ops_sum_squares(x, n); /* in double, the scale formed in float, as ggml */
@@ -6709,10 +6710,10 @@ static void ops_l2norm(float *x, int n, float eps)
     for (int i = 0; i < n; i++) x[i] *= scale;
 }
 
-/* e^x, the same bits on every CPU and the GPU (kernels.cu's exp_canonical, op for op): x = n ln2 +
- * r, |r| <= ln2/2, e^r by Taylor series to r^10 in double (relative error < 1e-12), times 2^n,
- * rounded once to float. libm's expf differs between libcs and from CUDA's; this misses the
- * correctly rounded e^x in 9 of 3.2e8 floats (every 7th in [-104, 89]). */
+/* e^x, same bits on every CPU and the GPU (kernels.cu's exp_canonical, op for op): x = n ln2 + r,
+ * |r| <= ln2/2, e^r by Taylor series to r^10 in double (relative error < 1e-12), times 2^n, rounded
+ * once to float. libm's expf differs between libcs and from CUDA's; this misses the correctly
+ * rounded e^x in 9 of 3.2e8 floats (every 7th in [-104, 89]). */
 static const double ops_exp_taylor[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0,
                                            1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0}; /* 1/9! .. 1/0!, for Horner */
 
@@ -6731,13 +6732,13 @@ static float ops_exp(float x)
     return (float)(p * scale);
 }
 
-/* Activations the GPU computes too (experts' SwiGLU), hence ops_exp. */
+/* Activations the GPU computes too (experts' SwiGLU): ops_exp. */
 static float ops_silu(float x) { return x / (1.0f + ops_exp(-x)); }
 static float ops_sigmoid(float x) { return 1.0f / (1.0f + ops_exp(-x)); }
 
 /* ops_exp's steps bar its special cases, on 4 floats in double lanes (the shift trick's integer
- * read from the sum's bits: bits(shift + n) = bits(shift) + n); N (1..4; constant where inlined)
- * vectors in lockstep, each step for all before the next: N independent chains fill the pipes. */
+ * from the sum's bits: bits(shift + n) = bits(shift) + n); N (1..4; constant where inlined) vectors
+ * in lockstep, each step for all before the next: N independent chains fill the pipes. */
 QUANT_AVX2_INLINE void ops_exp_cores_avx2(const __m128 *x, __m128 *e, int n) {
     const __m256d shift = _mm256_set1_pd(6755399441055744.0);
     __m256d t[4], r[4], p[4];
@@ -6848,6 +6849,7 @@ QUANT_AVX512_INLINE __m512 ops_silu16_avx512(__m512 x, __m512 num) {
 /* out[i] = f(x[i]) * u[i] over N (U NULL: f alone), f ops_silu or (SIGMOID) ops_sigmoid, its bits
  * at every level: SIMD runs ops_exp's double steps in lanes (scalar ops_exp is slow: README). OUT
  * may be X or U. */
+
 static float ops_gate_one(float x, const float *u, int64_t i, int sigmoid)
 {
     const float f = sigmoid ? ops_sigmoid(x) : ops_silu(x);
@@ -6879,11 +6881,11 @@ static void ops_gate(float *out, const float *x, const float *u, int64_t n, int 
         for (int64_t i = 0; i < n; i++) out[i] = ops_gate_one(x[i], u, i, sigmoid);
 }
 
-/* ops_exp((x - sub) / div): a sampling weight (§10), the same under every libc, unlike expf. */
+/* ops_exp((x - sub) / div): a sampling weight (§10), same under every libc, unlike expf. */
 static float ops_exp_shifted_one(float x, float sub, float div) { return ops_exp((x - sub) / div); }
 
-/* out[i] = ops_exp_shifted_one(x[i], sub, div) for N values (a whole vocabulary's weights), its
- * bits at every level. OUT may be X. */
+/* out[i] = ops_exp_shifted_one(x[i], sub, div) for N values (a vocabulary's weights), its bits at
+ * every level. OUT may be X. */
 static QUANT_AVX512 void ops_exp_shifted_avx512(float *out, const float *x, int64_t n, float sub, float div) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -6908,8 +6910,8 @@ static void ops_exp_shifted(float *out, const float *x, int64_t n, float sub, fl
 /* g[i] = silu(g[i]) * u[i] (U NULL: silu alone). */
 static void ops_swiglu(float *g, const float *u, int64_t n) { ops_gate(g, g, u, n, 0); }
 
-/* ops_swiglu over ROWS rows of WIDTH, a row a task where there are enough (a prompt batch's routed
- * experts: 2048 rows of 512 a layer on the 35B). Elements computed alone: the split changes no bit. */
+/* ops_swiglu over ROWS rows of WIDTH, a row a task where enough (a prompt batch's routed experts:
+ * 2048 rows of 512 a layer on the 35B). Elements alone: the split changes no bit. */
 static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t width) {
     #pragma omp parallel for schedule(static) if (rows * width >= OPS_PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) ops_swiglu(g + r * width, u ? u + r * width : NULL, width);
@@ -6917,8 +6919,8 @@ static void ops_swiglu_rows(float *g, const float *u, int64_t rows, int64_t widt
 
 /* ---- log, exp and sin/cos for the forward pass, in double ----
  * libm's differ between libcs in the last bit (musl's log1pf is FreeBSD's, glibc's its own), the
- * device's too; these use only IEEE +, *, /: the same bits in every build and a device twin. Each
- * is within a few 1e-16: floats rounded from them are libm's but for a rare last bit. */
+ * device's too; these use only IEEE +, *, /: same bits in every build and a device twin. Each is
+ * within a few 1e-16: floats rounded from them are libm's but for a rare last bit. */
 static const double ops_ln2_hi = 6.93147180369123816490e-01, ops_ln2_lo = 1.90821492927058770002e-10; /* hi: 32 bits */
 
 /* Exponent K and mantissa M in [sqrt(1/2), sqrt(2)) of a positive normal X = M 2^K. */
@@ -6945,8 +6947,8 @@ static double ops_ln(double z)
     return k * ops_ln2_hi + (2.0 * s * t + k * ops_ln2_lo);
 }
 
-/* ln(1 + y) for y >= 0 (NaN stays NaN). 1 + y holds a float's every bit only from 2^-29 up, so
- * below 2^-10 the series of ln(1 + y) itself, to y^6. */
+/* ln(1 + y), y >= 0 (NaN stays NaN). 1 + y holds a float's every bit only from 2^-29 up, so below
+ * 2^-10 the series of ln(1 + y) itself, to y^6. */
 static double ops_log1p(float y)
 {
     if (!(y >= 0.0)) return y;
@@ -6954,7 +6956,7 @@ static double ops_log1p(float y)
     return ops_ln(1.0 + y);
 }
 
-/* e^x in double for |x| < 700: x = n ln2 + r (ln2 in two parts: r exact to 1e-20), e^r by Taylor
+/* e^x in double, |x| < 700: x = n ln2 + r (ln2 in two parts: r exact to 1e-20), e^r by Taylor
  * series to r^14 (|r| <= 0.35: next term < 1e-17), times 2^n. */
 static double ops_exp_double(double x)
 {
@@ -6988,17 +6990,17 @@ static void ops_sincos(double x, double *sine, double *cosine)
     }
 }
 
-/* log(1 + e^x), x itself above 20 as in the reference; e^x rounded to float first, as the
- * reference's log1pf(expf(x)). */
+/* log(1 + e^x), x itself above 20 as the reference; e^x rounded to float first, as its
+ * log1pf(expf(x)). */
 static float ops_softplus(float x) { return x > 20.0f ? x : (float)ops_log1p(ops_exp(x)); }
 
-/* In-place softmax of N values, same bits at every level: the maximum (x[i] > max picks x[i]: a NaN
+/* In-place softmax of N values, same bits at every level: maximum (x[i] > max picks x[i]: a NaN
  * counts only as x[0]; any order), e^(x - max) by ops_exp, their sum in double in ops_parts_sum's
  * order, one scale. Returns the maximum; the sum into *SUM unless NULL (attention's splits merge by
- * them). Attention at 8k context: 8192 of them a head and token (README: libm's expf). */
+ * them). At 8k context: 8192 a head and token (README: libm's expf). */
 
-/* The SIMD levels: the maximum of all N and the whole vectors' partials (ops_softmax does the
- * tail); returns how many done. */
+/* SIMD levels: the maximum of all N and whole vectors' partials (ops_softmax does the tail);
+ * returns how many done. */
 static QUANT_AVX512 int ops_softmax_avx512(float *x, int n, float *max, double *part)
 {
     const int body = n / OPS_SUM_PARTS * OPS_SUM_PARTS;
@@ -7079,29 +7081,29 @@ static float ops_softmax(float *x, int n, double *sum)
  * A GQA group's heads read the same cached rows (at long context, a token's memory traffic): both
  * passes take NQ heads at once, reading each row once. A cache holds a KV head's rows STRIDE
  * elements apart in an enum ops_kv format (--kv): fp32, fp16 or Q8_0 (8.5 bits a value); each SIMD
- * body is inlined per format, a constant in its loops.
+ * body inlined per format, a constant in its loops.
  * Scores: out[j][p] = (q_j . k_p) * scale for N key rows. Float keys (fp16 widened exactly, as the
- * kernels do): each dot over HD elements in one canonical order at every level, element i into
+ * kernels): each dot over HD elements in one canonical order at every level, element i into
  * partial i % 16, then the butterfly p[j] + p[j + s], s = 8, 4, 2, 1 (a serial sum idled the vector
  * units); SIMD keeps each head's 16 partials in registers (independent chains). Q8_0 keys: integer
  * products with the quantised query (ops_scores_q8_0).
  * Values: o_j[i] = fma(w_j[p], v_p[i], o_j[i]) in increasing p per element (fmaf, or every AVX2
- * CPU's FMA: the same at any width), rows in chunks of OPS_ATTN_CHUNK every tile of accumulators
- * passes over before the next. Fused, so Q8_0 values' widening runs beside the products (unfused,
- * the FP pipes also took the conversions: README); exact (d * q has at most 18 significant bits):
- * the sums of fp32 rows holding them.
+ * CPU's FMA: same at any width), rows in chunks of OPS_ATTN_CHUNK every tile of accumulators passes
+ * over before the next. Fused, so Q8_0 values' widening runs beside the products (unfused, the FP
+ * pipes also took the conversions: README); exact (d * q has <= 18 significant bits): the sums of
+ * fp32 rows holding them.
  * Splits: a head's rows go in splits of OPS_ATTN_SPLIT, each with its scores, softmax and values,
  * merged in order (ops_attn_merge): a GPU runs a long context's splits side by side (a warp a
- * split, not a head) and matches the CPU's bits only in that order. */
+ * split, not a head), matching the CPU's bits only in that order. */
 #define OPS_SCORE_PARTS 16
 #define OPS_ATTN_HEADS 8 /* at most NQ; a GQA group of the 35B-A3B (16 heads on 2) */
 #define OPS_ATTN_AHEAD 32 /* cached rows prefetched ahead (a hint: past the cache's end it reads nothing) */
 #define OPS_ATTN_CHUNK 32 /* value rows a pass of tiles shares (8.5-32 KiB of rows of 256, read once from memory) */
 #define OPS_ATTN_SPLIT 256 /* cached rows a split: a softmax of its own, merged in order (ops_attn_merge) */
 
-/* The KV cache's formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale and 32
- * int8), quantised as quant_act_q8 does an act; Q8_0 keys are stored OPS_KV_GROUP positions to a
- * group (ops_scores_q8_0), in the same bytes. */
+/* KV cache formats. A Q8_0 row is a GGUF Q8_0 row (32-element blocks of an fp16 scale and 32 int8),
+ * quantised as quant_act_q8 does an act; Q8_0 keys stored OPS_KV_GROUP positions a group
+ * (ops_scores_q8_0), in the same bytes. */
 enum ops_kv { OPS_KV_F32, OPS_KV_F16, OPS_KV_Q8_0 };
 #define OPS_KV_GROUP 16   /* Q8_0 key positions a group, one vector lane each */
 #define OPS_KV_MAX_HD 512 /* the longest Q8_0 row: ops_scores_q8_0 quantises queries on the stack */
@@ -7141,17 +7143,16 @@ static float ops_score_finish(float *part, const float *q, const void *k, int fr
     return part[0] * scale;
 }
 
-/* The butterfly's last 3 steps in registers: S = part[j] + part[j + 8], j < 8 (step 1), then the
- * adds of 4, 2, 1 lanes apart (ops_score_finish's): a store and 15 scalar adds cost the products
- * again. */
+/* The butterfly's last 3 steps in registers: S = part[j] + part[j + 8], j < 8 (step 1), then adds
+ * 4, 2, 1 lanes apart (ops_score_finish's): a store and 15 scalar adds cost the products again. */
 QUANT_AVX2_INLINE float ops_butterfly8_avx2(__m256 s) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* 8 elements of a cached row from I (I % 8 == 0 for Q8_0) as floats: fp16 by F16C's exact widening,
- * Q8_0 as q * d (exact, as ops_kv_at). */
+/* 8 elements of a cached row from I (I % 8 == 0 for Q8_0) as floats: fp16 by F16C's exact
+ * widening, Q8_0 as q * d (exact, as ops_kv_at). */
 QUANT_AVX2_INLINE __m256 ops_kv_load8(const void *row, int i, enum ops_kv kv) {
     if (kv == OPS_KV_F32) return _mm256_loadu_ps((const float *)row + i);
     if (kv == OPS_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
@@ -7171,7 +7172,7 @@ QUANT_AVX512_INLINE __m512 ops_kv_load16(const void *row, int i, enum ops_kv kv)
 
 /* Asks for the cache lines of elements I0..I1 (with Q8_0 scales) of row P + OPS_ATTN_AHEAD: a float
  * key's whole row, or a value tile's part, spreading the values' requests over the pass (README).
- * Always inlined: gcc drops calls of a function of prefetches alone, deeming it without effect. */
+ * Always inlined: gcc drops calls of a function of prefetches alone as without effect. */
 QUANT_SHARED_INLINE void ops_kv_prefetch(const void *cache, size_t stride, int p, int i0, int i1, enum ops_kv kv)
 {
     const char *row = ops_kv_row(cache, stride, p + OPS_ATTN_AHEAD, kv), *first, *last;
@@ -7197,8 +7198,8 @@ static void ops_scores_scalar(const float *const *q, int nq, const void *k, size
         }
 }
 
-/* The scores of HEADS (1..4; constant where inlined: the 8 accumulators stay in registers) heads
- * from J0 against key row KR, into out[.][p]. */
+/* Scores of HEADS (1..4; constant where inlined: the 8 accumulators stay in registers) heads from
+ * J0 against key row KR, into out[.][p]. */
 QUANT_AVX2_INLINE void ops_scores_heads_avx2(const float *const *q, int j0, int heads, const void *kr, int p, int hd,
                                              float scale, float *const *out, enum ops_kv kv)
 {
@@ -7246,8 +7247,8 @@ static QUANT_AVX2 void ops_scores_avx2(const float *const *q, int nq, const void
     else ops_scores_rows_avx2(q, nq, k, stride, n, hd, scale, out, OPS_KV_F32);
 }
 
-/* ops_scores_avx512's body; inlined with NQ constant, the accumulators stay in registers (NQ
- * variable put them in memory, a load and a store per add: README). */
+/* ops_scores_avx512's body; inlined with NQ constant, accumulators stay in registers (NQ variable
+ * put them in memory, a load and store per add: README). */
 QUANT_AVX512_INLINE void ops_scores_heads_avx512(const float *const *q, int nq, const void *k, size_t stride, int n, int hd,
                                                  float scale, float *const *out, enum ops_kv kv)
 {
@@ -7287,14 +7288,14 @@ static QUANT_AVX512 void ops_scores_avx512(const float *const *q, int nq, const 
 }
 
 /* ---- Q8_0 keys ----
- * Integer products. The query is quantised as a Q8 act (quant_act_q8: per 32 elements an
- * fp16-rounded scale dq, the quants' sum). A group of OPS_KV_GROUP key positions holds its quants,
- * positions in lanes, as [STRIDE/4][16][4] bytes (dword r of vector m: position r's elements
- * 4m..4m+3 plus 128, vpdpbusd's unsigned operand), then its scales as [STRIDE/32][16] fp16: 16
- * rows' bytes. A score: acc = 0; over blocks b in order acc = acc + (dk_b * dq_b) * (float)isum_b,
- * isum_b = Σ k q exact; then acc * SCALE: a position's operations in a lane, the scalar bits at
- * every level. One vpdpbusd adds 4 products of 16 positions (float keys: a multiply and add for
- * 16), from a quarter of fp32's bytes. */
+ * Integer products. The query quantised as a Q8 act (quant_act_q8: per 32 elements an fp16-rounded
+ * scale dq, the quants' sum). A group of OPS_KV_GROUP key positions holds its quants, positions in
+ * lanes, as [STRIDE/4][16][4] bytes (dword r of vector m: position r's elements 4m..4m+3 plus 128,
+ * vpdpbusd's unsigned operand), then its scales as [STRIDE/32][16] fp16: 16 rows' bytes. A score:
+ * acc = 0; over blocks b in order acc = acc + (dk_b * dq_b) * (float)isum_b, isum_b = Σ k q exact;
+ * then acc * SCALE: a position's operations in a lane, the scalar bits at every level. One vpdpbusd
+ * adds 4 products of 16 positions (float keys: a multiply and add for 16), from a quarter of fp32's
+ * bytes. */
 
 /* Where a Q8_0 key group of STRIDE-element rows keeps position R's element I, block B's scale. */
 static inline size_t ops_kq8_quant(int i, int r) { return (size_t)(i / 4) * 4 * OPS_KV_GROUP + 4 * (size_t)r + (size_t)(i % 4); }
@@ -7303,8 +7304,8 @@ static inline size_t ops_kq8_scale(size_t stride, int b, int r)
     return OPS_KV_GROUP * stride + 2 * ((size_t)b * OPS_KV_GROUP + (size_t)r);
 }
 
-/* Writes the HD floats at X as row P of a cache of STRIDE-element rows in format KV: fp16-rounded
- * or Q8_0-quantised (KEYS: in key groups). */
+/* Writes HD floats at X as row P of a cache of STRIDE-element rows in format KV: fp16-rounded or
+ * Q8_0-quantised (KEYS: in key groups). */
 static void ops_kv_store(void *cache, size_t stride, int p, const float *x, int hd, enum ops_kv kv, int keys)
 {
     uint8_t *row = (uint8_t *)cache + (size_t)p * ops_kv_row_bytes(stride, kv);
@@ -7345,8 +7346,8 @@ static float ops_score_q8_0(const uint8_t *g, size_t stride, int r, const struct
 }
 
 /* A group's 16 positions in 8-lane halves. vpmaddubsw multiplies unsigned by signed bytes into
- * saturating 16-bit pairs: the key made signed (k - 128, by the top bit), the product is taken as
- * |q| * (k with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
+ * saturating 16-bit pairs: key made signed (k - 128, by the top bit), the product taken as |q| * (k
+ * with q's sign): |pair| <= 2 * 127 * 128, no saturation. */
 QUANT_AVX2_INLINE void ops_scores_q8_0_half_avx2(const uint8_t *g, size_t stride, int half, const struct quant_q8_view *a, int hd,
                                                  float scale, float *out)
 {
@@ -7381,8 +7382,8 @@ static QUANT_AVX2 void ops_scores_q8_0_avx2(const struct quant_q8_view *a, int n
     }
 }
 
-/* A group's scores for NQ heads (constant where inlined: the heads' accumulators and a block's
- * 8 key vectors stay in registers), positions P0..P0 + COUNT. */
+/* A group's scores for NQ heads (constant where inlined: heads' accumulators and a block's 8 key
+ * vectors stay in registers), positions P0..P0 + COUNT. */
 QUANT_AVX512_INLINE void ops_scores_q8_0_group_avx512(const uint8_t *g, size_t stride, const struct quant_q8_view *a, int nq,
                                                       int hd, float scale, float *const *out, int p0, int count)
 {
@@ -7476,6 +7477,7 @@ static void ops_attend_scalar(const float *const *w, int nq, const void *v, size
 /* Dims I0..I0 + 32 of HEADS heads (4 or 8; constant where inlined) over rows P0..P1, accumulators
  * in registers, o in memory (a load and store a row). WT: rows' weights head by head, row p's at
  * wt[HEADS * (p - p0)] (one base pointer). 32 dims: a Q8_0 block, one scale a row. */
+
 QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, const void *v, size_t stride, int p0, int p1,
                                                 int i0, float *const *o, enum ops_kv kv)
 {
@@ -7512,6 +7514,7 @@ QUANT_AVX512_INLINE void ops_attend_tile_avx512(const float *wt, int heads, cons
 }
 
 /* The tiles over every chunk of rows, HEADS (4 or 8) heads, dims a multiple of 32. */
+
 QUANT_AVX512_INLINE void ops_attend_tiles_avx512(const float *const *w, int heads, const void *v, size_t stride, int n, int hd,
                                                  float *const *o, enum ops_kv kv)
 {
@@ -7615,8 +7618,8 @@ static void ops_attend(const float *const *w, int nq, const void *v, size_t stri
     else ops_attend_scalar(w, nq, v, stride, n, hd, o, kv);
 }
 
-/* o[i] = fma(wc, oc[i], wo * o[i]) for N values, the same bits at every level (fmaf is a library
- * call where the compiler may not assume FMA: README). SIMD levels return how many done. */
+/* o[i] = fma(wc, oc[i], wo * o[i]) for N values, same bits at every level (fmaf is a library call
+ * where the compiler may not assume FMA: README). SIMD levels return how many done. */
 static QUANT_AVX512 int ops_blend_avx512(float *o, const float *oc, float wo, float wc, int n)
 {
     int i = 0;
@@ -7644,7 +7647,7 @@ static void ops_blend(float *o, const float *oc, float wo, float wc, int n)
  * largest scores MAX_C and sums SUM_C of e^(s - MAX_C) into O, MAX and SUM (the earlier splits
  * merged): per head, each side's share of the new sum (its sum times e^(its max - new max), in
  * double) as a float weight, then o = fma(wc, oc, wo * o) per element. The first split is O as is:
- * one split gives one softmax's bits. The 2 NQ exponentials go in one call (ops_exp_shifted). */
+ * one split gives one softmax's bits. The 2 NQ exponentials in one call (ops_exp_shifted). */
 static void ops_attn_merge(float *const *o, float *max, double *sum, float *const *oc, const float *max_c, const double *sum_c, int nq,
                            int hd)
 {
@@ -7663,8 +7666,8 @@ static void ops_attn_merge(float *const *o, float *max, double *sum, float *cons
 }
 
 /* Split P0.. (ROWS rows) of NQ heads' attention over one KV head's VALUES (rows of HD elements,
- * format KV) from scores W (ROWS floats a head): softmax (max and sum into MAX and SUM, a head
- * each), then values into OC (HD floats a head). */
+ * format KV) from scores W (ROWS floats a head): softmax (max, sum into MAX, SUM, a head each),
+ * then values into OC (HD floats a head). */
 static void ops_attention_values(float *const *w, int nq, const uint8_t *values, int p0, int rows, int hd, float *const *oc, float *max,
                                  double *sum, enum ops_kv kv)
 {
@@ -7686,9 +7689,9 @@ static void ops_attention_scores(const float *const *q, const struct quant_q8_vi
 
 /* Attention of NQ heads (1..OPS_ATTN_HEADS; queries Q, outputs O) over the first N rows of one KV
  * head's KEYS and VALUES (rows of HD elements, format KV): all N scores, then per split its softmax
- * and values (ops_attention_values), merged into O in order (ops_attn_merge). SC: scratch of N + HD
- * floats a head (scores, then a split's output). Scores in one pass, not per split: same bits, key
- * rows streamed unbroken (README). */
+ * and values (ops_attention_values), merged into O in order (ops_attn_merge). SC: N + HD floats a
+ * head (scores, then a split's output). Scores in one pass, not per split: same bits, key rows
+ * streamed unbroken (README). */
 static void ops_attention(const float *const *q, int nq, const uint8_t *keys, const uint8_t *values, int n, int hd, float scale,
                           float *const *sc, float *const *o, enum ops_kv kv)
 {
@@ -7710,8 +7713,8 @@ static void ops_attention(const float *const *q, int nq, const uint8_t *keys, co
  * One token for one v-head (architecture §5.3): per state row j, decay it, predict v_j from k,
  * write the scaled error back, read o_j with q; each dot a serial sum over dk elements. S is
  * i-major ([dk][dv]: element (j, i) at i * dv + j): a vector holds one element of 16 rows; SIMD
- * levels run 16 rows' serial sums side by side in scalar order: the same bits.
- * One call takes a batch's tokens of a sequence: a token's second pass (write, read with q) and the
+ * levels run 16 rows' serial sums side by side in scalar order: same bits.
+ * A call takes a batch's tokens of a sequence: a token's second pass (write, read with q) and the
  * next's first (decay, predict) are one pass over the state, each element's operations and row's
  * sums as token by token: a prompt reads and writes the state once a token, not twice (README,
  * Prompts). */
@@ -7774,7 +7777,7 @@ static void ops_delta_rows_scalar(float *S, int dk, int dv, int from, const stru
 #define OPS_DELTA_AHEAD 2 /* tokens ahead the rule, the conv and the gated norms ask for rows */
 
 /* Rows J0..J0 + W NB of the step, NB vectors of W rows side by side (NB constant where inlined), in
- * GCC's vector types (float operands broadcast): the scalar rows' operations in order. */
+ * GCC vector types (float operands broadcast): the scalar rows' operations in order. */
 #define OPS_DELTA_ROWS(name, attr, vec, W) \
     attr void name(float *S, int dk, int dv, int j0, int nb, const struct ops_delta_tokens *a) \
     { \
@@ -7852,7 +7855,7 @@ static void ops_delta_rule(float *S, int dk, int dv, const struct ops_delta_toke
     else ops_delta_rows_scalar(S, dk, dv, 0, a);
 }
 
-/* NeoX ("rotate half") RoPE on one head vector's first ROT dims: dim j pairs with j + ROT/2.
+/* NeoX ("rotate half") RoPE on a head vector's first ROT dims: dim j pairs with j + ROT/2.
  * cos_sin: [ROT/2] cosines then [ROT/2] sines for this position. */
 static void ops_rope_neox(float *x, int rot, const float *cos_sin)
 {
