@@ -646,6 +646,11 @@ static void gen_wrong_type(struct fcase *c, uint64_t *r)
         {"stream_options", "{\"include_usage\":\"y\"}", "400", 1}, {"repeat_penalty", "\"x\"", "400", 1},
         {"presence_penalty", "\"x\"", "400", 1}, {"frequency_penalty", "[]", "400", 1},
         {"unknown_field", "{\"deep\":[1,{\"x\":null}]}", GEN, 0}, {"n", "2", GEN " 400", 0}, {"logprobs", "true", GEN " 400", 0},
+        {"logprobs", "\"x\"", "400", 1}, {"logprobs", "21", "400", 1}, {"logprobs", "3", GEN " 400", 0},
+        {"top_logprobs", "\"x\"", GEN " 400", 0}, {"top_logprobs", "21", GEN " 400", 0}, {"logit_bias", "[1]", "400", 1},
+        {"logit_bias", "{\"x\":1}", "400", 1}, {"logit_bias", "{\"1\":1e9}", "400", 1}, {"logit_bias", "{\"99999999\":1}", "400", 1},
+        {"logit_bias", "{\"\":1}", "400", 1}, {"logit_bias", "{\"1\":-100,\"2\":100}", GEN, 0}, {"tool_choice", "\"required\"", GEN " 400", 0},
+        {"tool_choice", "5", GEN " 400", 0}, {"echo", "true", GEN " 400", 0}, {"best_of", "3", GEN " 400", 0}, {"suffix", "\"x\"", GEN " 400", 0},
     };
     unsigned k = rnd(r, sizeof ws / sizeof *ws);
     const char *f = ws[k].field;
