@@ -16418,6 +16418,123 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
     return sample_draw(cand, n, sample_total(cand, n), rng);
 }
 
+/* ---- JSON mode: the bytes that keep an answer a JSON object (RFC 8259) ---- */
+
+#define SAMPLE_JSON_DEPTH 64  /* containers open at once */
+#define SAMPLE_JSON_SPACES 32 /* whitespace bytes in a row: a model that only indents would never end */
+
+enum sample_json_state {
+    SJ_VALUE, SJ_KEY_OR_END, SJ_KEY, SJ_COLON, SJ_VALUE_OR_END, SJ_AFTER, SJ_STRING, SJ_ESCAPE, SJ_HEX,
+    SJ_MINUS, SJ_ZERO, SJ_INT, SJ_DOT, SJ_FRAC, SJ_EXP, SJ_EXP_SIGN, SJ_EXP_DIGITS, SJ_LITERAL, SJ_DONE
+};
+
+/* Where an answer stands in its JSON object; all zero is before it. */
+struct sample_json {
+    uint64_t objects;            /* bit d: the container at depth d is an object (else a list) */
+    uint8_t depth, state, key;   /* key: the open string is a member's name */
+    uint8_t need, spaces;        /* UTF-8 continuation bytes or hex digits left; whitespace bytes in a row */
+    const char *literal;         /* SJ_LITERAL: the rest of true, false or null */
+};
+
+/* S's value just ended: the container's next member or item, or the whole object. */
+static int sample_json_ended(struct sample_json *s)
+{
+    s->state = s->depth ? SJ_AFTER : SJ_DONE;
+    return 1;
+}
+
+/* A value starting with C (only an object at the top). */
+static int sample_json_value(struct sample_json *s, unsigned char c)
+{
+    if (c == '{' || (c == '[' && s->depth)) {
+        if (s->depth == SAMPLE_JSON_DEPTH) return 0;
+        s->objects = c == '{' ? s->objects | 1ull << s->depth : s->objects & ~(1ull << s->depth);
+        s->depth++;
+        s->state = c == '{' ? SJ_KEY_OR_END : SJ_VALUE_OR_END;
+        return 1;
+    }
+    if (!s->depth) return 0;
+    if (c == '"') s->state = SJ_STRING, s->key = 0;
+    else if (c == '-') s->state = SJ_MINUS;
+    else if (c >= '0' && c <= '9') s->state = c == '0' ? SJ_ZERO : SJ_INT;
+    else if (c == 't' || c == 'f' || c == 'n') s->state = SJ_LITERAL, s->literal = c == 't' ? "rue" : c == 'f' ? "alse" : "ull";
+    else return 0;
+    return 1;
+}
+
+/* The container's end C, if it is the open one's. */
+static int sample_json_close(struct sample_json *s, unsigned char c)
+{
+    if (c != ((s->objects >> (s->depth - 1) & 1) ? '}' : ']')) return 0;
+    s->depth--;
+    return sample_json_ended(s);
+}
+
+/* Byte C inside a string: UTF-8 (lead bytes checked, continuations counted), escapes, no control characters. */
+static int sample_json_string(struct sample_json *s, unsigned char c)
+{
+    if (s->need) return (c & 0xC0) == 0x80 ? (s->need--, 1) : 0;
+    if (c == '"') {
+        if (s->key) return s->state = SJ_COLON, 1;
+        return sample_json_ended(s);
+    }
+    if (c == '\\') return s->state = SJ_ESCAPE, 1;
+    if (c < 0x20 || (c >= 0x80 && c < 0xC2) || c > 0xF4) return 0;
+    s->need = c >= 0xF0 ? 3 : c >= 0xE0 ? 2 : c >= 0xC0 ? 1 : 0;
+    return 1;
+}
+
+/* Whether byte C may come next in S's object, advancing S (left as it was if not). */
+static int sample_json_step(struct sample_json *s, unsigned char c)
+{
+    const int digit = c >= '0' && c <= '9', space = c == ' ' || c == '\t' || c == '\n' || c == '\r';
+    if (s->state <= SJ_AFTER && space) return s->spaces < SAMPLE_JSON_SPACES ? (s->spaces++, 1) : 0;
+    s->spaces = 0;
+    switch (s->state) {
+    case SJ_VALUE: return sample_json_value(s, c);
+    case SJ_KEY_OR_END: if (c == '}') return sample_json_close(s, c); /* fall through */
+    case SJ_KEY: return c == '"' ? (s->state = SJ_STRING, s->key = 1, 1) : 0;
+    case SJ_COLON: return c == ':' ? (s->state = SJ_VALUE, 1) : 0;
+    case SJ_VALUE_OR_END: return c == ']' ? sample_json_close(s, c) : sample_json_value(s, c);
+    case SJ_AFTER:
+        if (c == ',') return s->state = (s->objects >> (s->depth - 1) & 1) ? SJ_KEY : SJ_VALUE, 1;
+        return sample_json_close(s, c);
+    case SJ_STRING: return sample_json_string(s, c);
+    case SJ_ESCAPE:
+        if (c == 'u') return s->state = SJ_HEX, s->need = 4, 1;
+        return c && strchr("\"\\/bfnrt", c) ? (s->state = SJ_STRING, 1) : 0;
+    case SJ_HEX:
+        if (!isxdigit(c)) return 0;
+        if (!--s->need) s->state = SJ_STRING;
+        return 1;
+    case SJ_LITERAL:
+        if (c != (unsigned char)*s->literal) return 0;
+        return *++s->literal ? 1 : sample_json_ended(s);
+    case SJ_MINUS: return digit ? (s->state = c == '0' ? SJ_ZERO : SJ_INT, 1) : 0;
+    case SJ_DOT: return digit ? (s->state = SJ_FRAC, 1) : 0;
+    case SJ_EXP: if (c == '+' || c == '-') return s->state = SJ_EXP_SIGN, 1; /* fall through */
+    case SJ_EXP_SIGN: return digit ? (s->state = SJ_EXP_DIGITS, 1) : 0;
+    case SJ_INT: case SJ_FRAC: case SJ_EXP_DIGITS:
+        if (digit) return 1; /* fall through */
+    case SJ_ZERO:
+        if (c == '.' && s->state <= SJ_INT) return s->state = SJ_DOT, 1;
+        if ((c == 'e' || c == 'E') && s->state != SJ_EXP_DIGITS) return s->state = SJ_EXP, 1;
+        s->state = SJ_AFTER; /* a number ends at the byte after it, which must then follow a value */
+        return sample_json_step(s, c);
+    default: return 0;
+    }
+}
+
+/* Whether bytes P[0..n) (n > 0) may come next in S's object; if so S advances over them. */
+static int sample_json_accepts(struct sample_json *s, const char *p, size_t n)
+{
+    struct sample_json t = *s;
+    for (size_t i = 0; i < n; i++)
+        if (!sample_json_step(&t, (unsigned char)p[i])) return 0;
+    *s = t;
+    return n > 0;
+}
+
 /* ==== §11 engine ==== */
 /* Owns: generation. Slots, each a sequence (§8) with its request: the prompt is fed, then tokens sampled and fed one per
  *   step until a stop; a step runs all busy slots' tokens as one batch. Results (engine_gen). The prompt cache: each
@@ -16468,6 +16585,8 @@ struct engine_request {
     int logprobs, top_logprobs; /* record each token's log-probability and its TOP_LOGPROBS likeliest (gen.logprobs) */
     const struct engine_bias *bias; /* [n_bias] added to the logits before sampling (not to the log-probabilities) */
     int n_bias;
+    int json;                /* the answer is a JSON object (sample_json), from the token after JSON_AFTER if not -1 */
+    int json_after;          /* e.g. a think block's end: until it, any token */
 };
 
 /* What a generation produced; arrays grow with the tokens. */
@@ -16514,6 +16633,8 @@ struct engine_slot {
     int next;                /* the sampled token to feed next step, or -1 */
     int *history;            /* [n_prompt + n_max] the prompt then the generated tokens (repetition penalty) */
     struct cuda_top_penalty pen; /* its next token's penalties, for the device (engine_run) */
+    struct sample_json json; /* req.json: where the answer stands */
+    int json_wait;           /* req.json: json_after not yet sampled */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -16531,6 +16652,8 @@ struct engine {
     struct sample_candidate *cand; /* [n_vocab] sampling scratch */
     float *row;                /* [n_vocab] a logits row's copy: sampled with bias, or weights for log-probabilities */
     char *piece;               /* [tok->max_piece + 1] */
+    char *bytes;               /* JSON mode: each ordinary token's bytes, token i at bytes[bytes_at[i] .. bytes_at[i + 1]) */
+    uint32_t *bytes_at;        /* [tok->n_vocab + 1]; NULL until a request asks */
 };
 
 /* N_SLOTS sequences; CACHE_BUDGET bytes of prompt cache (0: no checkpoints, no parking). */
@@ -16579,6 +16702,8 @@ static void engine_free(struct engine *e)
     free(e->cand);
     free(e->row);
     free(e->piece);
+    free(e->bytes);
+    free(e->bytes_at);
 }
 
 static void engine_gen_free(struct engine_gen *g)
@@ -16589,15 +16714,65 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Whether R needs its logits row on the host: log-probabilities, or a bias (the device's best would not be the sampler's). */
-static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias; }
+/* Whether R needs its logits row on the host: log-probabilities, a bias or JSON mode (the device's best would not be
+ * the sampler's). */
+static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias || r->json; }
 
-/* R's bias over a copy of LOGITS (kept raw for the log-probabilities). */
-static float *engine_biased(struct engine *e, const struct engine_request *r, const float *logits)
+/* The bytes of every ordinary (NORMAL) token, once: JSON mode tries each against the answer's state every step. */
+static void engine_token_bytes(struct engine *e)
 {
+    const struct tok *t = e->tok;
+    size_t n = 0, cap = 0;
+    e->bytes_at = plat_alloc(((size_t)t->n_vocab + 1) * sizeof *e->bytes_at);
+    for (int i = 0; i < t->n_vocab; i++) {
+        e->bytes_at[i] = (uint32_t)n;
+        e->bytes = tok_grow(e->bytes, &cap, n + t->max_piece + 1, 1);
+        if (t->type[i] == TOK_T_NORMAL) n += tok_decode(t, i, e->bytes + n, t->max_piece + 1);
+    }
+    e->bytes_at[t->n_vocab] = (uint32_t)n;
+}
+
+/* -inf for every token of LOGITS that SL's answer cannot take next in JSON mode: one not ordinary, or whose bytes break
+ * the object (struct sample_json; a first byte that cannot come is refused without a copy of the state). */
+static void engine_json_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+{
+    const int n = e->m->cfg.n_vocab < e->tok->n_vocab ? e->m->cfg.n_vocab : e->tok->n_vocab;
+    uint8_t first[256];
+    for (int c = 0; c < 256; c++) {
+        struct sample_json s = sl->json;
+        first[c] = (uint8_t)sample_json_step(&s, (unsigned char)c);
+    }
+    if (!e->bytes_at) engine_token_bytes(e);
+    for (int i = 0; i < n; i++) {
+        struct sample_json s = sl->json;
+        const char *p = e->bytes + e->bytes_at[i];
+        const size_t len = e->bytes_at[i + 1] - e->bytes_at[i];
+        if (!len || !first[(unsigned char)*p] || !sample_json_accepts(&s, p, len)) logits[i] = -INFINITY;
+    }
+    for (int i = n; i < e->m->cfg.n_vocab; i++) logits[i] = -INFINITY; /* padding rows: no text */
+}
+
+/* The row SL samples from: a copy of LOGITS (kept raw for the log-probabilities) with its request's bias, and in JSON
+ * mode its mask. */
+static float *engine_biased(struct engine *e, const struct engine_slot *sl, const float *logits)
+{
+    const struct engine_request *r = &sl->req;
     memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
     for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
+    if (r->json && !sl->json_wait) engine_json_mask(e, sl, e->row);
     return e->row;
+}
+
+/* SL's JSON state after token ID; 1 when the object is whole (the answer ends there). */
+static int engine_json_advance(struct engine *e, struct engine_slot *sl, int id)
+{
+    if (sl->json_wait) {
+        sl->json_wait = id != sl->req.json_after;
+        return 0;
+    }
+    if (id < e->tok->n_vocab && e->bytes_at)
+        sample_json_accepts(&sl->json, e->bytes + e->bytes_at[id], e->bytes_at[id + 1] - e->bytes_at[id]);
+    return sl->json.state == SJ_DONE;
 }
 
 /* Token ID's log-probability and the N_TOP likeliest (sample_before's order) under LOGITS at temperature 1, into *OUT:
@@ -16793,6 +16968,8 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->past.used = plat_now();
     sl->next = -1;
     sl->rng = req->sample.seed;
+    sl->json = (struct sample_json){0};
+    sl->json_wait = req->json && req->json_after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
     free(sl->history);
@@ -16824,7 +17001,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     for (int k = 0; k < n_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
     if (best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
     else {
-        float *logits = engine_wants_row(r) ? engine_biased(e, r, run->logits) : run->logits;
+        float *logits = engine_wants_row(r) ? engine_biased(e, sl, run->logits) : run->logits;
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
         if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs);
     }
@@ -16832,8 +17009,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
+    const int json_done = r->json && engine_json_advance(e, sl, id);
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
-    else if (tok_is_eog(e->tok, id) && !r->ignore_eog) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
+    else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || json_done) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
     else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
     else if (g->n_tokens >= r->n_max) engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
     else if (sl->seq.pos + 1 > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
@@ -17873,9 +18051,11 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     const struct json *format = json_get(body, "response_format");
-    if (format && format->kind != JSON_NULL && !tok_json_is(json_get(format, "type"), "text"))
-        return serve_bad(e, "response_format", "only {\"type\": \"text\"}: coli does not constrain sampling to JSON yet; drop "
-                         "response_format and ask for JSON in the messages");
+    j->req.json = tok_json_is(json_get(format, "type"), "json_object");
+    j->req.json_after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON after the thinking */
+    if (format && format->kind != JSON_NULL && !j->req.json && !tok_json_is(json_get(format, "type"), "text"))
+        return serve_bad(e, "response_format", "'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"}: coli "
+                         "does not follow a JSON schema yet (ask for json_object and give the schema in the messages)");
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);

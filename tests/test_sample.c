@@ -202,6 +202,87 @@ static void test_against_reference(void)
     check(!bad, "temperature draws: the documented procedure's tokens, top-k, top-p and min-p", "%d of 1200 tokens differ", bad);
 }
 
+/* Where DOC stops being the start of a JSON object in JSON mode (its byte count if never), and whether the object was
+ * whole exactly at its last byte (never before). */
+static int json_reject_at(const char *doc, size_t n, int *whole)
+{
+    struct sample_json s = {0};
+    *whole = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s.state == SJ_DONE || !sample_json_step(&s, (unsigned char)doc[i])) return (int)i;
+        *whole = s.state == SJ_DONE && i + 1 == n;
+    }
+    return (int)n;
+}
+
+/* Random nested JSON of depth at most D into B (valid by construction: RFC 8259's grammar). */
+static void json_random(char *b, size_t *n, int d, uint64_t *r)
+{
+    static const char *const atoms[] = {"0", "-12", "3.25", "1e9", "-0.5E-3", "true", "false", "null", "\"\"", "\"a\\n\\u00e9\\\"\"",
+                                        "\"\xc3\xa9\xe6\x97\xa5\xf0\x9f\x98\x80\""};
+    const int kind = d > 0 ? (int)(sample_next_u64(r) % 3) : 2, items = (int)(sample_next_u64(r) % 4);
+    if (kind == 2) {
+        const char *a = atoms[sample_next_u64(r) % (sizeof atoms / sizeof *atoms)];
+        memcpy(b + *n, a, strlen(a)), *n += strlen(a);
+        return;
+    }
+    b[(*n)++] = kind ? '{' : '[';
+    for (int i = 0; i < items; i++) {
+        if (i) b[(*n)++] = ',';
+        if (sample_next_u64(r) % 2) b[(*n)++] = '\n', b[(*n)++] = ' ';
+        if (kind) *n += (size_t)sprintf(b + *n, "\"k%d\" : ", i);
+        json_random(b, n, d - 1, r);
+    }
+    b[(*n)++] = kind ? '}' : ']';
+}
+
+/* JSON mode's automaton: RFC 8259 objects whole at their last byte; a broken one refused at the byte that breaks it. */
+static void test_json_mode(void)
+{
+    static const char *const valid[] = {
+        "{}", " \n{\"a\":1}", "{ \"k\" : [ 1 , 2 ] }", "{\"\xc3\xa9\":\"\xe6\x97\xa5\"}",
+        "{\"a\":[1,-2.5e+3,0,0.0,1E9,true,false,null,\"x\\n\\u00e9\\\"\\/\",{},[]],\"b\":{\"c\":[[]]}}",
+    };
+    /* the text, and the byte (counted from 0) where it stops being an object's start */
+    static const struct { const char *doc; int at; } broken[] = {
+        {"[1]", 0}, {"\"a\"", 0}, {"x{}", 0}, {"{\"a\":01}", 6}, {"{\"a\":1,}", 7}, {"{\"a\" 1}", 5}, {"{\"a\":tru}", 8},
+        {"{\"a\":\"\x01\"}", 6}, {"{\"a\":\"\\q\"}", 7}, {"{\"a\":\"\\u12G4\"}", 10}, {"{\"a\":[1,]}", 8},
+        {"{\"a\":1}}", 7}, {"{\"a\":-}", 6}, {"{\"a\":1.}", 7}, {"{\"a\":1e}", 7}, {"{'a':1}", 1},
+        {"{\"a\":\"\xff\"}", 6}, {"{\"a\":\"\xc3(\"}", 7}, {"{\"a\":.5}", 5}, {"{\"a\":+1}", 5}, {"{1:2}", 1},
+        {"{\"a\"::1}", 5}, {"{\"a\":[}", 6}, {"{,}", 1}, {"{\"a\":nul}", 8}, {"{} ", 2},
+    };
+    int whole;
+    for (size_t k = 0; k < sizeof valid / sizeof *valid; k++) {
+        size_t n = strlen(valid[k]);
+        int at = json_reject_at(valid[k], n, &whole);
+        check(at == (int)n && whole, "JSON mode: a valid object is taken, whole at its last byte", "'%s': refused at %d, whole %d", valid[k], at, whole);
+    }
+    for (size_t k = 0; k < sizeof broken / sizeof *broken; k++) {
+        int at = json_reject_at(broken[k].doc, strlen(broken[k].doc), &whole);
+        check(at == broken[k].at, "JSON mode: a broken object is refused where it breaks", "'%s': at %d, want %d", broken[k].doc, at, broken[k].at);
+    }
+    char deep[200], spaces[64];
+    memset(deep, '[', sizeof deep);
+    memcpy(deep, "{\"a\":", 5);
+    memset(spaces, ' ', sizeof spaces);
+    spaces[0] = '{';
+    check(json_reject_at(deep, sizeof deep, &whole) == 5 + SAMPLE_JSON_DEPTH - 1, "JSON mode: 64 containers open at most", "at %d", json_reject_at(deep, sizeof deep, &whole));
+    check(json_reject_at(spaces, sizeof spaces, &whole) == 1 + SAMPLE_JSON_SPACES, "JSON mode: 32 whitespace bytes in a row at most", "at %d",
+          json_reject_at(spaces, sizeof spaces, &whole));
+    uint64_t r = 5;
+    int taken = 0;
+    for (int k = 0; k < 500; k++) {
+        char b[1 << 16];
+        size_t n = 0;
+        b[n++] = '{';
+        n += (size_t)sprintf(b + n, "\"x\":");
+        json_random(b, &n, 5, &r);
+        b[n++] = '}';
+        taken += json_reject_at(b, n, &whole) == (int)n && whole;
+    }
+    check(taken == 500, "JSON mode: 500 random nested objects taken whole", "%d", taken);
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -218,6 +299,7 @@ int main(int argc, char **argv)
     test_draw_weights(logits);
     test_top();
     test_against_reference();
+    test_json_mode();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     int greedy_id = sample_next(&greedy, row, V, NULL, 0, &rng, cand);

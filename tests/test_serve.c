@@ -167,6 +167,64 @@ static void test_engine_logprobs(const char *dir, const char *name)
     model_free(&m);
 }
 
+/* Whether TOKENS[0..n) decode to the start of a JSON object (sample_json, from nothing); *WHOLE: it closed at the last. */
+static int json_prefix(const struct tok *t, const int *tokens, int n, int *whole)
+{
+    struct sample_json s = {0};
+    char buf[256];
+    for (int i = 0; i < n; i++) {
+        size_t len = tok_decode(t, tokens[i], buf, sizeof buf);
+        if (len > sizeof buf || !sample_json_accepts(&s, buf, len)) return 0;
+    }
+    *whole = s.state == SJ_DONE;
+    return 1;
+}
+
+/* JSON mode in the engine: from the first token, or after a given one (a think block's end) with the tokens before it
+ * untouched; the answer a JSON object's start, ending where the object closes. */
+static void test_engine_json(const char *dir, const char *name)
+{
+    char path[1024], label[300];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct model m;
+    struct tok t;
+    struct engine e;
+    model_load(&m, path, 128, 0);
+    tok_load(&t, &m.file);
+    engine_init(&e, &m, &t, 1, 0);
+    const int prompt[5] = {785, 272, 391, 275, 278};
+    const struct engine_bias closers[] = {{tok_find(&t, "\""), 4}, {tok_find(&t, "}"), 4}, {tok_find(&t, ":"), 3}, {tok_find(&t, "1"), 3}};
+    static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+    struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = 12, .sample = greedy, .ignore_eog = 1};
+    struct engine_gen plain, from_start, after, closed;
+    engine_generate(&e, 0, &r, &plain);
+    engine_forget(&e, 0);
+    r.json = 1, r.json_after = -1;
+    engine_generate(&e, 0, &r, &from_start);
+    engine_forget(&e, 0);
+    r.json_after = plain.tokens[3];
+    engine_generate(&e, 0, &r, &after);
+    engine_forget(&e, 0);
+    r.json_after = -1, r.n_max = 60, r.bias = closers, r.n_bias = 4;
+    engine_generate(&e, 0, &r, &closed);
+    int whole = 0, whole_after = 0, whole_closed = 0;
+    snprintf(label, sizeof label, "%s: JSON mode: 12 tokens, the start of an object", name);
+    check(from_start.n_tokens == 12 && json_prefix(&t, from_start.tokens, 12, &whole) && !whole && from_start.stop == ENGINE_STOP_LENGTH, label,
+          "%d tokens, whole %d, stop %d", from_start.n_tokens, whole, from_start.stop);
+    snprintf(label, sizeof label, "%s: JSON mode after a token: the tokens up to it unmasked, then an object's start", name);
+    check(after.n_tokens == 12 && !memcmp(after.tokens, plain.tokens, 4 * sizeof(int)) && json_prefix(&t, after.tokens + 4, 8, &whole_after) &&
+              memcmp(after.tokens + 4, plain.tokens + 4, 8 * sizeof(int)),
+          label, "%d tokens", after.n_tokens);
+    snprintf(label, sizeof label, "%s: JSON mode with closers favoured: the object closes, the answer ends there", name);
+    check(closed.n_tokens < 60 && json_prefix(&t, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
+          label, "%d tokens, whole %d, stop %d", closed.n_tokens, whole_closed, closed.stop);
+    struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
+    for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
+    engine_free(&e);
+    tok_free(&t);
+    model_free(&m);
+}
+
 static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
 
 /* A greedy WHOLE request of PROMPT[0..n) (checkpoints at the marks SHARED and ANSWER) for N_MAX
@@ -476,6 +534,7 @@ int main(int argc, char **argv)
     test_batch_identity(dir, "q3next-q8_0.gguf");
     test_engine_slots(dir, "q35moe-q8_0.gguf");
     test_engine_logprobs(dir, "q35moe-q8_0.gguf");
+    test_engine_json(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */

@@ -488,6 +488,22 @@ for e in 'echo:"echo":true' 'best_of:"best_of":2' 'suffix:"suffix":"x"' 'logprob
     post e_lp /v1/completions "$(comp_body "$R" 4 "${e#*:}")"
     if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == '${e%%:*}'"; then ok "completion ${e#*:}: 400, error.param ${e%%:*}"; else bad "completion ${e#*:}" "$code $(errbody e_lp)"; fi
 done
+# response_format json_object: sampled answers (closers favoured, so that they close) are JSON objects
+closers=$(printf '{"%s":4,"%s":4,"%s":3,"%s":3}' $(for t in '"' '}' ':' '1'; do "$COLI" tokenize -m "$M" -p "$t" 2>/dev/null; done))
+jbad=
+for seed in 1 2 3 4 5 6; do
+    post jsonR /v1/completions "$(comp_body "$R" 120 "\"temperature\":1,\"seed\":$seed,\"response_format\":{\"type\":\"json_object\"},\"logit_bias\":$closers")"
+    qt "$tmp/jsonR.body" "d['choices'][0]['finish_reason'] == 'stop' and isinstance(json.loads(d['choices'][0]['text']), dict)" || jbad="$jbad seed $seed: $(errbody jsonR)"
+done
+if [ -z "$jbad" ]; then ok "json_object completions, 6 seeds: each a JSON object (python's json.loads), ended where it closed"; else bad "json_object completions" "$jbad"; fi
+post jsonC /v1/chat/completions "$(chat_body "$A" 120 "\"response_format\":{\"type\":\"json_object\"},\"logit_bias\":$closers")"
+if [ "$code" = 200 ] && qt "$tmp/jsonC.body" "d['choices'][0]['finish_reason'] == 'stop' and isinstance(json.loads(d['choices'][0]['message']['content']), dict)"; then
+    ok "json_object chat: the content a JSON object"
+else bad "json_object chat" "$code $(errbody jsonC)"; fi
+post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}')"
+if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'response_format' and 'json_object' in d['error']['message']"; then
+    ok "response_format json_schema: 400 saying to ask for json_object"
+else bad "response_format json_schema" "$code $(errbody e_lp)"; fi
 # tool_choice: "none" renders no tools (the model answers in text), a forced call is refused
 tools='"tools":[{"type":"function","function":{"name":"get_time","description":"The time","parameters":{"type":"object","properties":{}}}}]'
 post tcTools /apply-template "$(chat_body "$A" 4 "$tools")"
