@@ -16654,6 +16654,8 @@ struct engine {
     char *piece;               /* [tok->max_piece + 1] */
     char *bytes;               /* JSON mode: each ordinary token's bytes, token i at bytes[bytes_at[i] .. bytes_at[i + 1]) */
     uint32_t *bytes_at;        /* [tok->n_vocab + 1]; NULL until a request asks */
+    uint8_t *plain;            /* [tok->n_vocab] the token's bytes leave a JSON string open as it was: whole characters
+                                * and escapes, no quote (most of a vocabulary; the mask takes them there untried) */
 };
 
 /* N_SLOTS sequences; CACHE_BUDGET bytes of prompt cache (0: no checkpoints, no parking). */
@@ -16704,6 +16706,7 @@ static void engine_free(struct engine *e)
     free(e->piece);
     free(e->bytes);
     free(e->bytes_at);
+    free(e->plain);
 }
 
 static void engine_gen_free(struct engine_gen *g)
@@ -16724,16 +16727,21 @@ static void engine_token_bytes(struct engine *e)
     const struct tok *t = e->tok;
     size_t n = 0, cap = 0;
     e->bytes_at = plat_alloc(((size_t)t->n_vocab + 1) * sizeof *e->bytes_at);
+    e->plain = plat_alloc((size_t)t->n_vocab);
     for (int i = 0; i < t->n_vocab; i++) {
         e->bytes_at[i] = (uint32_t)n;
         e->bytes = tok_grow(e->bytes, &cap, n + t->max_piece + 1, 1);
-        if (t->type[i] == TOK_T_NORMAL) n += tok_decode(t, i, e->bytes + n, t->max_piece + 1);
+        const size_t len = t->type[i] == TOK_T_NORMAL ? tok_decode(t, i, e->bytes + n, t->max_piece + 1) : 0;
+        struct sample_json in_string = {.state = SJ_STRING}; /* at the top: a quote would end it all (SJ_DONE) */
+        e->plain[i] = sample_json_accepts(&in_string, e->bytes + n, len) && in_string.state == SJ_STRING && !in_string.need;
+        n += len;
     }
     e->bytes_at[t->n_vocab] = (uint32_t)n;
 }
 
 /* -inf for every token of LOGITS that SL's answer cannot take next in JSON mode: one not ordinary, or whose bytes break
- * the object (struct sample_json; a first byte that cannot come is refused without a copy of the state). */
+ * the object (struct sample_json; a first byte that cannot come is refused without a copy of the state, a plain token
+ * in a string taken so). */
 static void engine_json_mask(struct engine *e, const struct engine_slot *sl, float *logits)
 {
     const int n = e->m->cfg.n_vocab < e->tok->n_vocab ? e->m->cfg.n_vocab : e->tok->n_vocab;
@@ -16743,7 +16751,9 @@ static void engine_json_mask(struct engine *e, const struct engine_slot *sl, flo
         first[c] = (uint8_t)sample_json_step(&s, (unsigned char)c);
     }
     if (!e->bytes_at) engine_token_bytes(e);
+    const int in_string = sl->json.state == SJ_STRING && !sl->json.need;
     for (int i = 0; i < n; i++) {
+        if (in_string && e->plain[i]) continue;
         struct sample_json s = sl->json;
         const char *p = e->bytes + e->bytes_at[i];
         const size_t len = e->bytes_at[i + 1] - e->bytes_at[i];

@@ -218,6 +218,24 @@ static void test_engine_json(const char *dir, const char *name)
     snprintf(label, sizeof label, "%s: JSON mode with closers favoured: the object closes, the answer ends there", name);
     check(closed.n_tokens < 60 && json_prefix(&t, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
           label, "%d tokens, whole %d, stop %d", closed.n_tokens, whole_closed, closed.stop);
+    static const char *const states[] = {"", " {", "{\"k", "{\"k\\", "{\"k\":-1", "{\"k\":[tr", "{\"k\":\"\xc3", "{\"k\":{}"};
+    float *row = plat_alloc((size_t)m.cfg.n_vocab * sizeof *row);
+    int differ = 0;
+    for (size_t k = 0; k < sizeof states / sizeof *states; k++) {
+        struct engine_slot sl = {0};
+        sample_json_accepts(&sl.json, states[k], strlen(states[k]));
+        memset(row, 0, (size_t)m.cfg.n_vocab * sizeof *row);
+        engine_json_mask(&e, &sl, row);
+        for (int i = 0; i < m.cfg.n_vocab; i++) { /* each token's bytes tried from the state */
+            char buf[256];
+            struct sample_json s = sl.json;
+            size_t len = i < t.n_vocab && t.type[i] == TOK_T_NORMAL ? tok_decode(&t, i, buf, sizeof buf) : 0;
+            differ += (row[i] == 0) != (len && sample_json_accepts(&s, buf, len));
+        }
+    }
+    snprintf(label, sizeof label, "%s: the JSON mask = every token's bytes tried, in 8 states (in and out of strings)", name);
+    check(!differ, label, "%d tokens differ", differ);
+    free(row);
     struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
     for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
     engine_free(&e);
