@@ -16741,8 +16741,8 @@ static void engine_token_bytes(struct engine *e)
 
 /* -inf for every token of LOGITS that SL's answer cannot take next in JSON mode: one not ordinary, or whose bytes break
  * the object (struct sample_json; a first byte that cannot come is refused without a copy of the state, a plain token
- * in a string taken so). */
-static void engine_json_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+ * in a string taken so). Returns how many are kept. */
+static int engine_json_mask(struct engine *e, const struct engine_slot *sl, float *logits)
 {
     const int n = e->m->cfg.n_vocab < e->tok->n_vocab ? e->m->cfg.n_vocab : e->tok->n_vocab;
     uint8_t first[256];
@@ -16752,25 +16752,26 @@ static void engine_json_mask(struct engine *e, const struct engine_slot *sl, flo
     }
     if (!e->bytes_at) engine_token_bytes(e);
     const int in_string = sl->json.state == SJ_STRING && !sl->json.need;
+    int kept = 0;
     for (int i = 0; i < n; i++) {
-        if (in_string && e->plain[i]) continue;
         struct sample_json s = sl->json;
         const char *p = e->bytes + e->bytes_at[i];
         const size_t len = e->bytes_at[i + 1] - e->bytes_at[i];
-        if (!len || !first[(unsigned char)*p] || !sample_json_accepts(&s, p, len)) logits[i] = -INFINITY;
+        if ((in_string && e->plain[i]) || (len && first[(unsigned char)*p] && sample_json_accepts(&s, p, len))) kept++;
+        else logits[i] = -INFINITY;
     }
     for (int i = n; i < e->m->cfg.n_vocab; i++) logits[i] = -INFINITY; /* padding rows: no text */
+    return kept;
 }
 
 /* The row SL samples from: a copy of LOGITS (kept raw for the log-probabilities) with its request's bias, and in JSON
- * mode its mask. */
+ * mode its mask; NULL if that masks every token (a vocabulary without some byte). */
 static float *engine_biased(struct engine *e, const struct engine_slot *sl, const float *logits)
 {
     const struct engine_request *r = &sl->req;
     memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
     for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
-    if (r->json && !sl->json_wait) engine_json_mask(e, sl, e->row);
-    return e->row;
+    return r->json && !sl->json_wait && !engine_json_mask(e, sl, e->row) ? NULL : e->row;
 }
 
 /* SL's JSON state after token ID; 1 when the object is whole (the answer ends there). */
@@ -17012,6 +17013,10 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     if (best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
     else {
         float *logits = engine_wants_row(r) ? engine_biased(e, sl, run->logits) : run->logits;
+        if (!logits) {
+            engine_finish(e, sl, ENGINE_STOP_ERROR, "JSON mode: no token of the vocabulary can continue the object");
+            return;
+        }
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
         if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs);
     }

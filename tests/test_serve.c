@@ -225,7 +225,7 @@ static void test_engine_json(const char *dir, const char *name)
         struct engine_slot sl = {0};
         sample_json_accepts(&sl.json, states[k], strlen(states[k]));
         memset(row, 0, (size_t)m.cfg.n_vocab * sizeof *row);
-        engine_json_mask(&e, &sl, row);
+        (void)engine_json_mask(&e, &sl, row);
         for (int i = 0; i < m.cfg.n_vocab; i++) { /* each token's bytes tried from the state */
             char buf[256];
             struct sample_json s = sl.json;
@@ -235,6 +235,9 @@ static void test_engine_json(const char *dir, const char *name)
     }
     snprintf(label, sizeof label, "%s: the JSON mask = every token's bytes tried, in 8 states (in and out of strings)", name);
     check(!differ, label, "%d tokens differ", differ);
+    struct engine_slot done = {.req = {.json = 1}, .json = {.state = SJ_DONE}};
+    snprintf(label, sizeof label, "%s: JSON mode where no token can come: no row to sample (the generation fails, said)", name);
+    check(!engine_biased(&e, &done, row), label, "a row");
     free(row);
     struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
     for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
