@@ -97,6 +97,25 @@ static void test_engine_slots(const char *dir, const char *name)
     model_free(&m);
 }
 
+/* A golden model, its vocabulary and an engine of one slot over it (the engine points at both: it must not move). */
+struct fixture { struct model m; struct tok t; struct engine e; };
+
+static void fixture_open(struct fixture *f, const char *dir, const char *name, int n_ctx)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    model_load(&f->m, path, n_ctx, 0);
+    tok_load(&f->t, &f->m.file);
+    engine_init(&f->e, &f->m, &f->t, 1, 0);
+}
+
+static void fixture_close(struct fixture *f)
+{
+    engine_free(&f->e);
+    tok_free(&f->t);
+    model_free(&f->m);
+}
+
 /* A sink keeping each token's log-probabilities (engine_gen.logprobs holds the last one's). */
 struct logprob_log { const struct engine_gen *g; struct engine_logprobs lp[16]; int n; };
 static int logprob_sink(void *ctx, int id, const char *piece, size_t len)
@@ -112,21 +131,16 @@ static int logprob_sink(void *ctx, int id, const char *piece, size_t len)
  * those of a request without either. */
 static void test_engine_logprobs(const char *dir, const char *name)
 {
-    char path[1024], label[300];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    struct model m;
-    struct tok t;
-    struct engine e;
-    model_load(&m, path, 64, 0);
-    tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 1, 0);
-    const int V = m.cfg.n_vocab, prompt[5] = {785, 272, 391, 275, 278};
+    char label[300];
+    struct fixture f;
+    fixture_open(&f, dir, name, 64);
+    const int V = f.m.cfg.n_vocab, prompt[5] = {785, 272, 391, 275, 278};
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     struct model_seq q;
-    model_seq_init(&m, &q);
+    model_seq_init(&f.m, &q);
     struct model_run run = {&q, prompt, 5, NULL, 0, NULL, {0, 0, 0, 0, 0}, NULL};
     double *ref = plat_alloc((size_t)V * sizeof *ref), max = -INFINITY, sum = 0;
-    int ok = !model_forward_runs(&m, &run, 1), best[5] = {-1, -1, -1, -1, -1};
+    int ok = !model_forward_runs(&f.m, &run, 1), best[5] = {-1, -1, -1, -1, -1};
     for (int i = 0; ok && i < V; i++) max = run.logits[i] > max ? run.logits[i] : max;
     for (int i = 0; ok && i < V; i++) sum += exp(run.logits[i] - max);
     for (int i = 0; ok && i < V; i++) ref[i] = run.logits[i] - max - log(sum);
@@ -139,14 +153,14 @@ static void test_engine_logprobs(const char *dir, const char *name)
     struct engine_gen plain, with, biased;
     struct logprob_log log = {&with, {{{0, 0}, {{0, 0}}, 0}}, 0}, log_biased = {&biased, {{{0, 0}, {{0, 0}}, 0}}, 0};
     struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = 8, .sample = greedy, .ignore_eog = 1};
-    engine_generate(&e, 0, &r, &plain);
-    engine_forget(&e, 0);
+    engine_generate(&f.e, 0, &r, &plain);
+    engine_forget(&f.e, 0);
     r.logprobs = 1, r.top_logprobs = 5, r.sink = logprob_sink, r.sink_ctx = &log;
-    engine_generate(&e, 0, &r, &with);
-    engine_forget(&e, 0);
+    engine_generate(&f.e, 0, &r, &with);
+    engine_forget(&f.e, 0);
     const struct engine_bias ban = {best[0], -100.0f};
     r.n_max = 1, r.bias = &ban, r.n_bias = 1, r.sink_ctx = &log_biased;
-    engine_generate(&e, 0, &r, &biased);
+    engine_generate(&f.e, 0, &r, &biased);
     double worst = 0;
     for (int k = 0; ok && k < 5; k++) worst = fmax(worst, fabs(log.lp[0].top[k].logprob - ref[best[k]]) + (log.lp[0].top[k].id != best[k]));
     snprintf(label, sizeof label, "%s: logprobs = a double log-softmax of the logits (token and 5 best, in order)", name);
@@ -161,10 +175,8 @@ static void test_engine_logprobs(const char *dir, const char *name)
     engine_gen_free(&with);
     engine_gen_free(&biased);
     free(ref);
-    model_seq_free(&m, &q);
-    engine_free(&e);
-    tok_free(&t);
-    model_free(&m);
+    model_seq_free(&f.m, &q);
+    fixture_close(&f);
 }
 
 /* Whether TOKENS[0..n) decode to the start of a JSON object (sample_json, from nothing); *WHOLE: it closed at the last. */
@@ -184,52 +196,47 @@ static int json_prefix(const struct tok *t, const int *tokens, int n, int *whole
  * untouched; the answer a JSON object's start, ending where the object closes. */
 static void test_engine_json(const char *dir, const char *name)
 {
-    char path[1024], label[300];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    struct model m;
-    struct tok t;
-    struct engine e;
-    model_load(&m, path, 128, 0);
-    tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 1, 0);
+    char label[300];
+    struct fixture f;
+    fixture_open(&f, dir, name, 128);
     const int prompt[5] = {785, 272, 391, 275, 278};
-    const struct engine_bias closers[] = {{tok_find(&t, "\""), 4}, {tok_find(&t, "}"), 4}, {tok_find(&t, ":"), 3}, {tok_find(&t, "1"), 3}};
+    const struct engine_bias closers[] = {{tok_find(&f.t, "\""), 4}, {tok_find(&f.t, "}"), 4}, {tok_find(&f.t, ":"), 3}, {tok_find(&f.t, "1"), 3}};
     static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = 12, .sample = greedy, .ignore_eog = 1};
     struct engine_gen plain, from_start, after, closed;
-    engine_generate(&e, 0, &r, &plain);
-    engine_forget(&e, 0);
+    engine_generate(&f.e, 0, &r, &plain);
+    engine_forget(&f.e, 0);
     r.json = 1, r.json_after = -1;
-    engine_generate(&e, 0, &r, &from_start);
-    engine_forget(&e, 0);
+    engine_generate(&f.e, 0, &r, &from_start);
+    engine_forget(&f.e, 0);
     r.json_after = plain.tokens[3];
-    engine_generate(&e, 0, &r, &after);
-    engine_forget(&e, 0);
+    engine_generate(&f.e, 0, &r, &after);
+    engine_forget(&f.e, 0);
     r.json_after = -1, r.n_max = 60, r.bias = closers, r.n_bias = 4;
-    engine_generate(&e, 0, &r, &closed);
+    engine_generate(&f.e, 0, &r, &closed);
     int whole = 0, whole_after = 0, whole_closed = 0;
     snprintf(label, sizeof label, "%s: JSON mode: 12 tokens, the start of an object", name);
-    check(from_start.n_tokens == 12 && json_prefix(&t, from_start.tokens, 12, &whole) && !whole && from_start.stop == ENGINE_STOP_LENGTH, label,
+    check(from_start.n_tokens == 12 && json_prefix(&f.t, from_start.tokens, 12, &whole) && !whole && from_start.stop == ENGINE_STOP_LENGTH, label,
           "%d tokens, whole %d, stop %d", from_start.n_tokens, whole, from_start.stop);
     snprintf(label, sizeof label, "%s: JSON mode after a token: the tokens up to it unmasked, then an object's start", name);
-    check(after.n_tokens == 12 && !memcmp(after.tokens, plain.tokens, 4 * sizeof(int)) && json_prefix(&t, after.tokens + 4, 8, &whole_after) &&
+    check(after.n_tokens == 12 && !memcmp(after.tokens, plain.tokens, 4 * sizeof(int)) && json_prefix(&f.t, after.tokens + 4, 8, &whole_after) &&
               memcmp(after.tokens + 4, plain.tokens + 4, 8 * sizeof(int)),
           label, "%d tokens", after.n_tokens);
     snprintf(label, sizeof label, "%s: JSON mode with closers favoured: the object closes, the answer ends there", name);
-    check(closed.n_tokens < 60 && json_prefix(&t, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
+    check(closed.n_tokens < 60 && json_prefix(&f.t, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
           label, "%d tokens, whole %d, stop %d", closed.n_tokens, whole_closed, closed.stop);
     static const char *const states[] = {"", " {", "{\"k", "{\"k\\", "{\"k\":-1", "{\"k\":[tr", "{\"k\":\"\xc3", "{\"k\":{}"};
-    float *row = plat_alloc((size_t)m.cfg.n_vocab * sizeof *row);
+    float *row = plat_alloc((size_t)f.m.cfg.n_vocab * sizeof *row);
     int differ = 0;
     for (size_t k = 0; k < sizeof states / sizeof *states; k++) {
         struct engine_slot sl = {0};
         sample_json_accepts(&sl.json, states[k], strlen(states[k]));
-        memset(row, 0, (size_t)m.cfg.n_vocab * sizeof *row);
-        (void)engine_json_mask(&e, &sl, row);
-        for (int i = 0; i < m.cfg.n_vocab; i++) { /* each token's bytes tried from the state */
+        memset(row, 0, (size_t)f.m.cfg.n_vocab * sizeof *row);
+        (void)engine_json_mask(&f.e, &sl, row);
+        for (int i = 0; i < f.m.cfg.n_vocab; i++) { /* each token's bytes tried from the state */
             char buf[256];
             struct sample_json s = sl.json;
-            size_t len = i < t.n_vocab && t.type[i] == TOK_T_NORMAL ? tok_decode(&t, i, buf, sizeof buf) : 0;
+            size_t len = i < f.t.n_vocab && f.t.type[i] == TOK_T_NORMAL ? tok_decode(&f.t, i, buf, sizeof buf) : 0;
             differ += (row[i] == 0) != (len && sample_json_accepts(&s, buf, len));
         }
     }
@@ -237,13 +244,11 @@ static void test_engine_json(const char *dir, const char *name)
     check(!differ, label, "%d tokens differ", differ);
     struct engine_slot done = {.req = {.json = 1}, .json = {.state = SJ_DONE}};
     snprintf(label, sizeof label, "%s: JSON mode where no token can come: no row to sample (the generation fails, said)", name);
-    check(!engine_biased(&e, &done, row), label, "a row");
+    check(!engine_biased(&f.e, &done, row), label, "a row");
     free(row);
     struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
     for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
-    engine_free(&e);
-    tok_free(&t);
-    model_free(&m);
+    fixture_close(&f);
 }
 
 static const struct sample_params greedy_params = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
