@@ -17969,7 +17969,7 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
     const struct json *choice = json_get(body, "tool_choice");
     if (choice && choice->kind != JSON_NULL && !tok_json_is(choice, "auto") && !tok_json_is(choice, "none"))
-        return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\" or \"none\": coli does not force a call yet"), NULL;
+        return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\" or \"none\": coli does not force a call yet (ask for it in the messages)"), NULL;
     if (tok_json_is(choice, "none")) tools = NULL; /* the model is not told of them, so it answers in text */
     if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
     if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
@@ -18046,7 +18046,7 @@ static int serve_logprobs(struct serve *srv, const struct json *body, struct ser
             serve_number(body, "best_of", 1, 1, 1, &best_of, e))
             return -1;
         j->req.logprobs = lp && lp->kind != JSON_NULL;
-        if (echo) return serve_bad(e, "echo", "'echo' is not supported: the answer holds the generated text only");
+        if (echo) return serve_bad(e, "echo", "'echo' is not supported: the answer holds the generated text only (prepend the prompt yourself)");
         if (suffix && suffix->kind != JSON_NULL) return serve_bad(e, "suffix", "'suffix' (fill in the middle) is not supported");
     }
     j->req.top_logprobs = (int)top;
