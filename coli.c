@@ -18068,6 +18068,7 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     const struct json *format = json_get(body, "response_format");
     j->req.json = tok_json_is(json_get(format, "type"), "json_object");
     j->req.json_after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON after the thinking */
+    if (j->req.json) j->tools = NULL; /* the answer is the object: no text in it is a call */
     if (format && format->kind != JSON_NULL && !j->req.json && !tok_json_is(json_get(format, "type"), "text"))
         return serve_bad(e, "response_format", "'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"}: coli "
                          "does not follow a JSON schema yet (ask for json_object and give the schema in the messages)");

@@ -500,12 +500,12 @@ post jsonC /v1/chat/completions "$(chat_body "$A" 120 "\"response_format\":{\"ty
 if [ "$code" = 200 ] && qt "$tmp/jsonC.body" "d['choices'][0]['finish_reason'] == 'stop' and isinstance(json.loads(d['choices'][0]['message']['content']), dict)"; then
     ok "json_object chat: the content a JSON object"
 else bad "json_object chat" "$code $(errbody jsonC)"; fi
+tools='"tools":[{"type":"function","function":{"name":"get_time","description":"The time","parameters":{"type":"object","properties":{}}}}]'
 post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}')"
 if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'response_format' and 'json_object' in d['error']['message']"; then
     ok "response_format json_schema: 400 saying to ask for json_object"
 else bad "response_format json_schema" "$code $(errbody e_lp)"; fi
 # tool_choice: "none" renders no tools (the model answers in text), a forced call is refused
-tools='"tools":[{"type":"function","function":{"name":"get_time","description":"The time","parameters":{"type":"object","properties":{}}}}]'
 post tcTools /apply-template "$(chat_body "$A" 4 "$tools")"
 post tcNone /apply-template "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"none\"")"
 post tcPlain /apply-template "$(chat_body "$A" 4)"
@@ -816,6 +816,14 @@ PY
     answered) ok "a half-closed client: answered before the server looked (a fast machine), the stream whole" ;;
     *) bad "a half-closed client's stream" "$(head -c 300 "$tmp/half.out")" ;;
     esac
+    # JSON mode with tools (a prompt the small server's context cannot hold): the object, no calls
+    main_base=$base
+    base=http://127.0.0.1:$sport
+    post jsonT /v1/chat/completions "$(chat_body "$A" 120 "$tools,\"chat_template_kwargs\":{\"enable_thinking\":false},\"response_format\":{\"type\":\"json_object\"},\"logit_bias\":$closers")"
+    if [ "$code" = 200 ] && qt "$tmp/jsonT.body" "d['choices'][0]['finish_reason'] == 'stop' and not d['choices'][0]['message'].get('tool_calls') and isinstance(json.loads(d['choices'][0]['message']['content']), dict)"; then
+        ok "json_object chat with tools: the content a JSON object, no tool calls"
+    else bad "json_object chat with tools" "$code $(errbody jsonT)"; fi
+    base=$main_base
     stop_server "$spid"
 else
     bad "serve on the deep golden model" "$(head -c 300 "$tmp/half.err")"
