@@ -16585,8 +16585,10 @@ struct engine_request {
     int logprobs, top_logprobs; /* record each token's log-probability and its TOP_LOGPROBS likeliest (gen.logprobs) */
     const struct engine_bias *bias; /* [n_bias] added to the logits before sampling (not to the log-probabilities) */
     int n_bias;
-    int json;                /* the answer is a JSON object (sample_json), from the token after JSON_AFTER if not -1 */
-    int json_after;          /* e.g. a think block's end: until it, any token */
+    int json;                /* the answer is a JSON object (sample_json) ... */
+    const char *prefix;      /* ... or starts with these PREFIX_LEN bytes (whitespace before them aside) ... */
+    size_t prefix_len;
+    int after;               /* ... from the token after this one if not -1 (a think block's end): until it, any token */
 };
 
 /* What a generation produced; arrays grow with the tokens. */
@@ -16634,7 +16636,8 @@ struct engine_slot {
     int *history;            /* [n_prompt + n_max] the prompt then the generated tokens (repetition penalty) */
     struct cuda_top_penalty pen; /* its next token's penalties, for the device (engine_run) */
     struct sample_json json; /* req.json: where the answer stands */
-    int json_wait;           /* req.json: json_after not yet sampled */
+    size_t prefix_at, prefix_blank; /* req.prefix: its bytes the answer holds; whitespace bytes before them */
+    int wait;                /* req.json or req.prefix: req.after not yet sampled */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -16717,9 +16720,9 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Whether R needs its logits row on the host: log-probabilities, a bias or JSON mode (the device's best would not be
- * the sampler's). */
-static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias || r->json; }
+/* Whether R needs its logits row on the host: log-probabilities, a bias, JSON mode or a prefix (the device's best
+ * would not be the sampler's). */
+static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias || r->json || r->prefix; }
 
 /* The bytes of every ordinary (NORMAL) token, once: JSON mode tries each against the answer's state every step. */
 static void engine_token_bytes(struct engine *e)
@@ -16764,26 +16767,57 @@ static int engine_json_mask(struct engine *e, const struct engine_slot *sl, floa
     return kept;
 }
 
+/* Whether TEXT[0..n) is whitespace that may come before SL's prefix: none of it matched yet, and with what came
+ * before, at most SAMPLE_JSON_SPACES bytes (a model that only indents would never start it). */
+static int engine_blank(const struct engine_slot *sl, const char *text, size_t n)
+{
+    size_t i = 0;
+    while (i < n && (text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r')) i++;
+    return !sl->prefix_at && n && i == n && sl->prefix_blank + n <= SAMPLE_JSON_SPACES;
+}
+
+/* -inf for every token of LOGITS whose text does not go on with SL's prefix (whitespace before it aside; a token
+ * longer than what is left of it starts with that rest); returns how many are kept. Every token is decoded (special
+ * ones too: "<tool_call>"), but only for the prefix's few tokens. */
+static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+{
+    const struct tok *t = e->tok;
+    const char *rest = sl->req.prefix + sl->prefix_at;
+    const size_t left = sl->req.prefix_len - sl->prefix_at;
+    int kept = 0;
+    for (int i = 0; i < e->m->cfg.n_vocab; i++) {
+        const size_t n = i < t->n_vocab && !tok_is_eog(t, i) ? tok_decode(t, i, e->piece, t->max_piece + 1) : 0;
+        if (n && (engine_blank(sl, e->piece, n) || !memcmp(e->piece, rest, n < left ? n : left))) kept++;
+        else logits[i] = -INFINITY;
+    }
+    return kept;
+}
+
 /* The row SL samples from: a copy of LOGITS (kept raw for the log-probabilities) with its request's bias, and in JSON
- * mode its mask; NULL if that masks every token (a vocabulary without some byte). */
+ * mode or before its prefix is whole, their mask; NULL if that masks every token (a vocabulary without some byte). */
 static float *engine_biased(struct engine *e, const struct engine_slot *sl, const float *logits)
 {
     const struct engine_request *r = &sl->req;
     memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
     for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
-    return r->json && !sl->json_wait && !engine_json_mask(e, sl, e->row) ? NULL : e->row;
+    if (sl->wait) return e->row;
+    if (r->json) return engine_json_mask(e, sl, e->row) ? e->row : NULL;
+    return sl->prefix_at < r->prefix_len && !engine_prefix_mask(e, sl, e->row) ? NULL : e->row;
 }
 
-/* SL's JSON state after token ID; 1 when the object is whole (the answer ends there). */
-static int engine_json_advance(struct engine *e, struct engine_slot *sl, int id)
+/* SL's constraint after token ID (TEXT, LEN bytes); 1 when a JSON object is whole (the answer ends there). */
+static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, int id, const char *text, size_t len)
 {
-    if (sl->json_wait) {
-        sl->json_wait = id != sl->req.json_after;
+    const struct engine_request *r = &sl->req;
+    if (sl->wait) {
+        sl->wait = id != r->after;
         return 0;
     }
-    if (id < e->tok->n_vocab && e->bytes_at)
+    if (r->json && id < e->tok->n_vocab && e->bytes_at)
         sample_json_accepts(&sl->json, e->bytes + e->bytes_at[id], e->bytes_at[id + 1] - e->bytes_at[id]);
-    return sl->json.state == SJ_DONE;
+    if (r->prefix && engine_blank(sl, text, len)) sl->prefix_blank += len;
+    else if (r->prefix) sl->prefix_at += len < r->prefix_len - sl->prefix_at ? len : r->prefix_len - sl->prefix_at;
+    return r->json && sl->json.state == SJ_DONE;
 }
 
 /* Token ID's log-probability and the N_TOP likeliest (sample_before's order) under LOGITS at temperature 1, into *OUT:
@@ -16980,7 +17014,8 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->next = -1;
     sl->rng = req->sample.seed;
     sl->json = (struct sample_json){0};
-    sl->json_wait = req->json && req->json_after >= 0;
+    sl->prefix_at = sl->prefix_blank = 0;
+    sl->wait = (req->json || req->prefix) && req->after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
     free(sl->history);
@@ -17014,7 +17049,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     else {
         float *logits = engine_wants_row(r) ? engine_biased(e, sl, run->logits) : run->logits;
         if (!logits) {
-            engine_finish(e, sl, ENGINE_STOP_ERROR, "JSON mode: no token of the vocabulary can continue the object");
+            engine_finish(e, sl, ENGINE_STOP_ERROR, "no token of the vocabulary can continue the JSON object or prefix asked for");
             return;
         }
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
@@ -17024,7 +17059,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
-    const int json_done = r->json && engine_json_advance(e, sl, id);
+    const int json_done = (r->json || r->prefix) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
     else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || json_done) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
     else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
@@ -17593,6 +17628,7 @@ struct serve_job {
     int *prompt;               /* [n_prompt] */
     struct engine_request req;
     struct engine_bias *bias;  /* [req.n_bias] */
+    char *prefix;              /* req.prefix: a forced call's opening */
     char *stop[SERVE_MAX_STOP];
     int n_stop;
     size_t longest_stop;       /* bytes of the longest stop string */
@@ -17663,6 +17699,7 @@ static void serve_job_free(struct serve_job *j)
     json_free(j->body);
     free(j->prompt);
     free(j->bias);
+    free(j->prefix);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
     free(j->lp);
@@ -17950,6 +17987,26 @@ static int serve_stops(const struct json *body, struct serve_job *j, struct serv
     return 0;
 }
 
+/* tool_choice: "auto", "none", "required" (some call) or {"type": "function", "function": {"name": NAME}} (*NAME
+ * set), these two only with TOOLS that hold the call. */
+static int serve_tool_choice(const struct json *choice, const struct json *tools, const struct json **name, struct serve_error *e)
+{
+    if (!choice || choice->kind == JSON_NULL || tok_json_is(choice, "auto") || tok_json_is(choice, "none")) return 0;
+    const int required = tok_json_is(choice, "required");
+    const struct json *n = json_get(json_get(choice, "function"), "name");
+    if (!required && !(tok_json_is(json_get(choice, "type"), "function") && n && n->kind == JSON_STRING && n->len && strlen(n->str) == n->len))
+        return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": "
+                         "{\"name\": NAME}}");
+    for (const struct json *t = tools && tools->kind == JSON_ARRAY ? tools->child : NULL; t; t = t->next) {
+        const struct json *tn = json_get(json_get(t, "function"), "name");
+        if (required || (tn && tn->kind == JSON_STRING && tn->len == n->len && !memcmp(tn->str, n->str, n->len))) {
+            *name = required ? NULL : n;
+            return 0;
+        }
+    }
+    return serve_bad(e, "tool_choice", required ? "'tool_choice' \"required\" needs 'tools'" : "'tool_choice' names a function 'tools' does not hold");
+}
+
 /* BODY's messages and tools rendered by the model's template: malloc'd, *LEN bytes. J (if any) learns whether the
  * answer opens in a think block. SHOW: for /apply-template, also rendering image and video parts (the engine reads
  * text only), taking add_generation_prompt. */
@@ -17967,9 +18024,8 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     }
     if (show && serve_bool(body, "add_generation_prompt", &f.add_generation_prompt, e)) return NULL;
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
-    const struct json *choice = json_get(body, "tool_choice");
-    if (choice && choice->kind != JSON_NULL && !tok_json_is(choice, "auto") && !tok_json_is(choice, "none"))
-        return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\" or \"none\": coli does not force a call yet (ask for it in the messages)"), NULL;
+    const struct json *choice = json_get(body, "tool_choice"), *name = NULL;
+    if (serve_tool_choice(choice, tools, &name, e)) return NULL;
     if (tok_json_is(choice, "none")) tools = NULL; /* the model is not told of them, so it answers in text */
     if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
     if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
@@ -17983,6 +18039,12 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     if (j) {
         j->think = f.enable_thinking != 0;
         j->tools = tools && tools->kind == JSON_ARRAY && tools->child ? tools : NULL;
+    }
+    if (j && (name || tok_json_is(choice, "required"))) { /* the answer opens a call (of NAME): the template's form */
+        j->prefix = plat_alloc(64 + (name ? name->len : 0));
+        j->req.prefix_len = (size_t)sprintf(j->prefix, "<tool_call>\n<function=%s", name ? name->str : "");
+        if (name) j->req.prefix_len += (size_t)sprintf(j->prefix + j->req.prefix_len, ">\n");
+        j->req.prefix = j->prefix;
     }
     *len = out.len;
     return text;
@@ -18067,8 +18129,10 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     const struct json *format = json_get(body, "response_format");
     j->req.json = tok_json_is(json_get(format, "type"), "json_object");
-    j->req.json_after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON after the thinking */
+    j->req.after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON or a forced call after the thinking */
     if (j->req.json) j->tools = NULL; /* the answer is the object: no text in it is a call */
+    if (j->req.json && j->req.prefix)
+        return serve_bad(e, "response_format", "'response_format' json_object and a forced tool call exclude each other: drop one");
     if (format && format->kind != JSON_NULL && !j->req.json && !tok_json_is(json_get(format, "type"), "text"))
         return serve_bad(e, "response_format", "'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"}: coli "
                          "does not follow a JSON schema yet (ask for json_object and give the schema in the messages)");

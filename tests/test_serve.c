@@ -193,7 +193,7 @@ static int json_prefix(const struct tok *t, const int *tokens, int n, int *whole
 }
 
 /* JSON mode in the engine: from the first token, or after a given one (a think block's end) with the tokens before it
- * untouched; the answer a JSON object's start, ending where the object closes. */
+ * untouched; the answer a JSON object's start, ending where the object closes. A forced prefix likewise. */
 static void test_engine_json(const char *dir, const char *name)
 {
     char label[300];
@@ -206,13 +206,13 @@ static void test_engine_json(const char *dir, const char *name)
     struct engine_gen plain, from_start, after, closed;
     engine_generate(&f.e, 0, &r, &plain);
     engine_forget(&f.e, 0);
-    r.json = 1, r.json_after = -1;
+    r.json = 1, r.after = -1;
     engine_generate(&f.e, 0, &r, &from_start);
     engine_forget(&f.e, 0);
-    r.json_after = plain.tokens[3];
+    r.after = plain.tokens[3];
     engine_generate(&f.e, 0, &r, &after);
     engine_forget(&f.e, 0);
-    r.json_after = -1, r.n_max = 60, r.bias = closers, r.n_bias = 4;
+    r.after = -1, r.n_max = 60, r.bias = closers, r.n_bias = 4;
     engine_generate(&f.e, 0, &r, &closed);
     int whole = 0, whole_after = 0, whole_closed = 0;
     snprintf(label, sizeof label, "%s: JSON mode: 12 tokens, the start of an object", name);
@@ -242,6 +242,21 @@ static void test_engine_json(const char *dir, const char *name)
     }
     snprintf(label, sizeof label, "%s: the JSON mask = every token's bytes tried, in 8 states (in and out of strings)", name);
     check(!differ, label, "%d tokens differ", differ);
+    /* a forced prefix (as a forced tool call's), after plain's third token: those three unmasked, then the prefix */
+    struct engine_gen forced;
+    const char *prefix = "<tool_call>\n<function=get_time>\n";
+    struct engine_request rp = {.prompt = prompt, .n_prompt = 5, .n_max = 40, .sample = greedy, .ignore_eog = 1, .prefix = prefix,
+                                .prefix_len = strlen(prefix), .after = plain.tokens[2]};
+    engine_forget(&f.e, 0);
+    engine_generate(&f.e, 0, &rp, &forced);
+    char text[512];
+    size_t at = 0;
+    for (int i = 3; i < forced.n_tokens; i++) at += tok_decode(&f.t, forced.tokens[i], text + at, sizeof text - at);
+    text[at < sizeof text ? at : sizeof text - 1] = 0;
+    snprintf(label, sizeof label, "%s: a forced prefix after a token: the tokens up to it unmasked, then the prefix", name);
+    check(forced.n_tokens == 40 && !memcmp(forced.tokens, plain.tokens, 3 * sizeof(int)) && !strncmp(text + strspn(text, " \t\r\n"), prefix, strlen(prefix)),
+          label, "%d tokens, then '%.60s'", forced.n_tokens, text);
+    engine_gen_free(&forced);
     struct engine_slot done = {.req = {.json = 1}, .json = {.state = SJ_DONE}};
     snprintf(label, sizeof label, "%s: JSON mode where no token can come: no row to sample (the generation fails, said)", name);
     check(!engine_biased(&f.e, &done, row), label, "a row");

@@ -505,15 +505,17 @@ post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"response_format":{"type":"j
 if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'response_format' and 'json_object' in d['error']['message']"; then
     ok "response_format json_schema: 400 saying to ask for json_object"
 else bad "response_format json_schema" "$code $(errbody e_lp)"; fi
-# tool_choice: "none" renders no tools (the model answers in text), a forced call is refused
+# tool_choice: "none" renders no tools (the model answers in text); a forced call with no tools, or an unknown value, refused
 post tcTools /apply-template "$(chat_body "$A" 4 "$tools")"
 post tcNone /apply-template "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"none\"")"
 post tcPlain /apply-template "$(chat_body "$A" 4)"
 if [ "$code" = 200 ] && qt "$tmp/tcNone.body" "d['prompt'] == load('$tmp/tcPlain.body')['prompt'] != load('$tmp/tcTools.body')['prompt'] and 'get_time' in load('$tmp/tcTools.body')['prompt']"; then
     ok "tool_choice none: the prompt without the tools"
 else bad "tool_choice none" "$code $(errbody tcNone)"; fi
-post e_lp /v1/chat/completions "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"required\"")"
-if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'tool_choice'"; then ok "tool_choice required: 400, error.param tool_choice"; else bad "tool_choice required" "$code $(errbody e_lp)"; fi
+post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"tool_choice":"required"')"
+if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'tool_choice' and 'needs' in d['error']['message']"; then ok "tool_choice required without tools: 400, error.param tool_choice"; else bad "tool_choice required without tools" "$code $(errbody e_lp)"; fi
+post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"tool_choice":"sometimes"')"
+if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'tool_choice'"; then ok "tool_choice sometimes: 400, error.param tool_choice"; else bad "tool_choice sometimes" "$code $(errbody e_lp)"; fi
 post e_lp /v1/completions '{"prompt":["a","b"],"max_tokens":4}'
 if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'prompt' and 'one prompt a request' in d['error']['message']"; then
     ok "completion of two prompts: 400, one prompt a request"
@@ -823,6 +825,17 @@ PY
     if [ "$code" = 200 ] && qt "$tmp/jsonT.body" "d['choices'][0]['finish_reason'] == 'stop' and not d['choices'][0]['message'].get('tool_calls') and isinstance(json.loads(d['choices'][0]['message']['content']), dict)"; then
         ok "json_object chat with tools: the content a JSON object, no tool calls"
     else bad "json_object chat with tools" "$code $(errbody jsonT)"; fi
+    # tool_choice forcing a call: the answer opens the template's call form (of that function)
+    for tc in '"required"|<tool_call>\n<function=' '{"type":"function","function":{"name":"get_time"}}|<tool_call>\n<function=get_time>\n'; do
+        post toolF /v1/chat/completions "$(chat_body "$A" 40 "$tools,\"chat_template_kwargs\":{\"enable_thinking\":false},\"tool_choice\":${tc%%|*}")"
+        if [ "$code" = 200 ] && qt "$tmp/toolF.body" "(d['choices'][0]['message'].get('content') or '').strip().startswith('${tc#*|}') or d['choices'][0]['message'].get('tool_calls', [{}])[0].get('function', {}).get('name') == 'get_time'"; then
+            ok "tool_choice ${tc%%|*}: the answer opens a call"
+        else bad "tool_choice ${tc%%|*}" "$code $(errbody toolF)"; fi
+    done
+    post e_tool /v1/chat/completions "$(chat_body "$A" 4 "$tools,\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"nope\"}}")"
+    if is_error e_tool 400 invalid_request_error && qt "$tmp/e_tool.body" "d['error']['param'] == 'tool_choice'"; then ok "tool_choice naming a function not in tools: 400"; else bad "tool_choice naming an unknown function" "$code $(errbody e_tool)"; fi
+    post e_tool /v1/chat/completions "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"}")"
+    if is_error e_tool 400 invalid_request_error && qt "$tmp/e_tool.body" "d['error']['param'] == 'response_format'"; then ok "tool_choice required with json_object: 400"; else bad "tool_choice required with json_object" "$code $(errbody e_tool)"; fi
     base=$main_base
     stop_server "$spid"
 else
