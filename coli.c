@@ -16720,9 +16720,13 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Whether R needs its logits row on the host: log-probabilities, a bias, JSON mode or a prefix (the device's best
- * would not be the sampler's). */
-static int engine_wants_row(const struct engine_request *r) { return r->logprobs || r->n_bias || r->json || r->prefix; }
+/* Whether SL's next token needs its logits row on the host: log-probabilities, a bias, JSON mode or a prefix not yet
+ * whole (the device's best would not be the sampler's; before the constraint starts or after the prefix it is). */
+static int engine_wants_row(const struct engine_slot *sl)
+{
+    const struct engine_request *r = &sl->req;
+    return r->logprobs || r->n_bias || (!sl->wait && (r->json || (r->prefix && sl->prefix_at < r->prefix_len)));
+}
 
 /* The bytes of every ordinary (NORMAL) token, once: JSON mode tries each against the answer's state every step. */
 static void engine_token_bytes(struct engine *e)
@@ -16795,7 +16799,7 @@ static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, fl
 
 /* The row SL samples from: a copy of LOGITS (kept raw for the log-probabilities) with its request's bias, and in JSON
  * mode or before its prefix is whole, their mask; NULL if that masks every token (a vocabulary without some byte). */
-static float *engine_biased(struct engine *e, const struct engine_slot *sl, const float *logits)
+static float *engine_sampling_row(struct engine *e, const struct engine_slot *sl, const float *logits)
 {
     const struct engine_request *r = &sl->req;
     memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
@@ -17047,7 +17051,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     for (int k = 0; k < n_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
     if (best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
     else {
-        float *logits = engine_wants_row(r) ? engine_biased(e, sl, run->logits) : run->logits;
+        float *logits = engine_wants_row(sl) ? engine_sampling_row(e, sl, run->logits) : run->logits;
         if (!logits) {
             engine_finish(e, sl, ENGINE_STOP_ERROR, "no token of the vocabulary can continue the JSON object or prefix asked for");
             return;
@@ -17079,7 +17083,7 @@ static struct model_run engine_run(const struct engine *e, struct engine_slot *s
     const int n_hist = sl->req.n_prompt + (sl->gen ? sl->gen->n_tokens : 0);
     uint64_t peek = sl->rng;
     struct model_run run = {&sl->seq, tokens, n, NULL, mode || sample_best_enough(p, MODEL_TOP, e->m->cfg.n_vocab), NULL, {0, 0, 0, 0, 0}, NULL};
-    run.top &= !engine_wants_row(&sl->req);
+    run.top &= !engine_wants_row(sl);
     if (pen) run.top &= n == 1 && cuda.ready && !sl->req.want_top && sample_penalties(p, sl->history, n_hist, &sl->pen);
     if (pen && run.top) run.pen = &sl->pen;
     if (mode) run.draw = (struct cuda_top_draw){sample_unit(sample_next_u64(&peek)), p->temp, p->top_p, p->min_p, mode};

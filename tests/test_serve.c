@@ -259,7 +259,7 @@ static void test_engine_json(const char *dir, const char *name)
     engine_gen_free(&forced);
     struct engine_slot done = {.req = {.json = 1}, .json = {.state = SJ_DONE}};
     snprintf(label, sizeof label, "%s: JSON mode where no token can come: no row to sample (the generation fails, said)", name);
-    check(!engine_biased(&f.e, &done, row), label, "a row");
+    check(!engine_sampling_row(&f.e, &done, row), label, "a row");
     free(row);
     struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
     for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
