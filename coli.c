@@ -16019,11 +16019,12 @@ static char *tok_chat_render_turn(const struct tok *t, const char *system, const
 
 /* ==== §10 sample ==== */
 /* Owns: turning a row of logits into the next token: greedy, or repetition penalty,
- *   temperature, top-k, top-p, min-p and a seeded draw.
+ *   temperature, top-k, top-p, min-p and a seeded draw. JSON mode's byte automaton (struct
+ *   sample_json: which bytes keep an answer a JSON object, or one a compiled JSON schema admits).
  * Promises: greedy (temp 0) is the argmax over all logits, the lowest id on ties, nothing
  *   masked. With the same seed and logits, the same token, at every SIMD level and under every
  *   libc (the draw's weights are ops_exp's). The logits row may be modified.
- * May call: §1, §4 (ops_exp_shifted_one, ops_exp_shifted).
+ * May call: §1, §4 (ops_exp_shifted_one, ops_exp_shifted), §9 (struct json, json_put_string).
  * Workload: once per generated token over n_vocab logits (248k for the 35B): the argmax, then
  *   the top-k in one pass against the K-th best so far (sample_top), or the weights of every
  *   logit in vector lanes; only the kept candidates are sorted. */
@@ -16418,23 +16419,70 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
     return sample_draw(cand, n, sample_total(cand, n), rng);
 }
 
-/* ---- JSON mode: the bytes that keep an answer a JSON object (RFC 8259) ---- */
+/* ---- JSON mode: the bytes that keep an answer a JSON object (RFC 8259), or one a JSON schema admits ---- */
 
 #define SAMPLE_JSON_DEPTH 64  /* containers open at once */
 #define SAMPLE_JSON_SPACES 32 /* whitespace bytes in a row: a model that only indents would never end */
 
 enum sample_json_state {
     SJ_VALUE, SJ_KEY_OR_END, SJ_KEY, SJ_COLON, SJ_VALUE_OR_END, SJ_AFTER, SJ_STRING, SJ_ESCAPE, SJ_HEX,
-    SJ_MINUS, SJ_ZERO, SJ_INT, SJ_DOT, SJ_FRAC, SJ_EXP, SJ_EXP_SIGN, SJ_EXP_DIGITS, SJ_LITERAL, SJ_DONE
+    SJ_MINUS, SJ_ZERO, SJ_INT, SJ_DOT, SJ_FRAC, SJ_EXP, SJ_EXP_SIGN, SJ_EXP_DIGITS, SJ_LITERAL, SJ_MATCH, SJ_DONE
 };
 
-/* Where an answer stands in its JSON object; all zero is before it. */
+/* A schema tells values apart by their first byte (an anyOf's branches too): the kinds. */
+enum sample_kind { SK_OBJECT, SK_ARRAY, SK_STRING, SK_NUMBER, SK_TRUE, SK_FALSE, SK_NULL, SK_KINDS };
+
+#define SAMPLE_SCHEMA_NODES 256    /* schemas in one (sub-schemas, $defs, anyOf branches) */
+#define SAMPLE_SCHEMA_MEMBERS 1024 /* properties and enum values, all of a schema's together */
+#define SAMPLE_SCHEMA_CHOICES 64   /* properties of one object, values of one enum: sample_json.cand's bits */
+#define SAMPLE_SCHEMA_NONE 0xFFFF
+
+/* One schema, compiled (sample_schema_compile). A value starting as kind K follows node next[K]: itself, an anyOf's
+ * branch, or none (refused). */
+struct sample_schema_node {
+    uint16_t next[SK_KINDS];
+    uint16_t members, n_members; /* an object's properties in the schema's order, or an enum's values: member[members..] */
+    uint16_t values;             /* an object without properties: its members' values (NONE: it has none) */
+    uint16_t items;              /* an array's */
+    uint16_t min_items, max_items;
+    uint8_t integer, literal;    /* a number without fraction or exponent; the value is one of the members' texts */
+    uint8_t ready;               /* next[] is known (an anyOf may take it over) */
+};
+
+struct sample_schema_member {
+    uint32_t at, len;            /* its JSON text in sample_schema.text: a property's quoted name, an enum's value */
+    uint16_t node;               /* a property's value */
+    uint8_t required;
+};
+
+/* What a response_format's json_schema admits. Properties come in the schema's order, an optional one may be left out;
+ * an object with properties holds no others (what it may hold beside them is never needed to be valid). */
+struct sample_schema {
+    struct sample_schema_node node[SAMPLE_SCHEMA_NODES];
+    struct sample_schema_member member[SAMPLE_SCHEMA_MEMBERS];
+    struct tok_buf text;
+    int n_node, n_member;
+    uint16_t root;
+};
+
+/* Where an answer stands in its JSON object; sample_json_start's is before it. */
 struct sample_json {
     uint64_t objects;            /* bit d: the container at depth d is an object (else a list) */
     uint8_t depth, state, key;   /* key: the open string is a member's name */
     uint8_t need, spaces;        /* UTF-8 continuation bytes or hex digits left; whitespace bytes in a row */
+    uint8_t integer;             /* the open number may have no fraction or exponent */
     const char *literal;         /* SJ_LITERAL: the rest of true, false or null */
+    const struct sample_schema *schema; /* NULL: any object (json_object) */
+    uint16_t node;               /* schema: the next value's (SJ_MATCH: the matched one's or, for a name, the object's) */
+    uint16_t pos;                /* SJ_MATCH: bytes of the members' texts matched */
+    uint64_t cand;               /* SJ_MATCH: the members whose texts go on with those bytes */
+    uint16_t frame[SAMPLE_JSON_DEPTH][2]; /* schema: each open container's node; an object's next property, a list's items */
 };
+
+static struct sample_json sample_json_start(const struct sample_schema *schema)
+{
+    return (struct sample_json){.schema = schema, .node = schema ? schema->root : 0};
+}
 
 /* S's value just ended: the container's next member or item, or the whole object. */
 static int sample_json_ended(struct sample_json *s)
@@ -16443,9 +16491,117 @@ static int sample_json_ended(struct sample_json *s)
     return 1;
 }
 
+static const struct sample_schema_node *sample_json_open(const struct sample_json *s)
+{
+    return &s->schema->node[s->frame[s->depth - 1][0]];
+}
+
+/* The properties that may come next in S's open object: from its next one to the first required, bits from its first. */
+static uint64_t sample_json_names(const struct sample_json *s)
+{
+    const struct sample_schema_node *o = sample_json_open(s);
+    uint64_t set = 0;
+    for (int k = s->frame[s->depth - 1][1]; k < o->n_members; k++) {
+        set |= 1ull << k;
+        if (s->schema->member[o->members + k].required) break;
+    }
+    return set;
+}
+
+/* Whether S's open container may take another member or item (MORE), or end here. */
+static int sample_json_room(const struct sample_json *s, int more)
+{
+    if (!s->schema) return 1;
+    const struct sample_schema_node *o = sample_json_open(s);
+    const int at = s->frame[s->depth - 1][1];
+    if (!(s->objects >> (s->depth - 1) & 1)) return more ? at < o->max_items : at >= o->min_items;
+    if (!o->n_members) return !more || o->values != SAMPLE_SCHEMA_NONE;
+    const uint64_t names = sample_json_names(s);
+    if (more) return names != 0;
+    return !names || !s->schema->member[o->members + 63 - __builtin_clzll(names)].required;
+}
+
+static int sample_json_step(struct sample_json *s, unsigned char c);
+
+/* Byte C against the members' texts S matches (an object's names, an enum's values): it ends one that no other goes
+ * on from, or one it cannot go on (a number: 1 of 1 and 12, ended by the byte after it, which then follows it). */
+static int sample_json_match(struct sample_json *s, unsigned char c)
+{
+    const struct sample_schema *sc = s->schema;
+    const struct sample_schema_member *m = &sc->member[sc->node[s->node].members];
+    uint64_t on = 0;
+    int whole = -1;
+    for (uint64_t left = s->cand; left; left &= left - 1) {
+        const int k = __builtin_ctzll(left);
+        if (m[k].len == s->pos) whole = k;
+        else if ((unsigned char)sc->text.p[m[k].at + s->pos] == c) on |= 1ull << k;
+    }
+    if (!on) return whole >= 0 && !s->key && sample_json_ended(s) && sample_json_step(s, c);
+    s->cand = on;
+    s->pos++;
+    const int k = __builtin_ctzll(on);
+    if ((on & (on - 1)) || m[k].len != s->pos) return 1;
+    if (!s->key) return sample_json_ended(s);
+    s->frame[s->depth - 1][1] = (uint16_t)(k + 1);
+    s->node = m[k].node;
+    s->key = 0;
+    s->state = SJ_COLON;
+    return 1;
+}
+
+/* A member's name opening (its quote) in S's object: free, or matched against the properties that may come. */
+static int sample_json_name(struct sample_json *s)
+{
+    const struct sample_schema_node *o = s->schema ? sample_json_open(s) : NULL;
+    s->key = 1;
+    if (!o || !o->n_members) {
+        if (o && (s->node = o->values) == SAMPLE_SCHEMA_NONE) return 0;
+        return s->state = SJ_STRING, 1;
+    }
+    s->node = s->frame[s->depth - 1][0];
+    s->cand = sample_json_names(s);
+    s->pos = 0;
+    s->state = SJ_MATCH;
+    return sample_json_match(s, '"');
+}
+
+static int sample_json_kind(unsigned char c)
+{
+    const char *first = "{[\"-tfn", *at = c ? strchr(first, c) : NULL;
+    return c >= '0' && c <= '9' ? SK_NUMBER : at ? (int)(at - first) : -1;
+}
+
+/* A value starting with C in a schema: the node its kind follows, a list's item counted; 0 if none. An enum's values
+ * are matched whole; other values are checked as any JSON, integers without fraction or exponent. */
+static int sample_json_typed(struct sample_json *s, unsigned char c)
+{
+    const int kind = sample_json_kind(c), in_list = s->depth && !(s->objects >> (s->depth - 1) & 1);
+    const uint16_t n = kind < 0 ? SAMPLE_SCHEMA_NONE : s->schema->node[s->node].next[kind];
+    if (n == SAMPLE_SCHEMA_NONE || (in_list && !sample_json_room(s, 1))) return 0;
+    const struct sample_schema_node *v = &s->schema->node[n];
+    if (in_list) s->frame[s->depth - 1][1]++;
+    s->node = n;
+    s->integer = v->integer;
+    if (v->literal) {
+        s->cand = v->n_members < 64 ? (1ull << v->n_members) - 1 : ~0ull;
+        s->pos = 0;
+        s->key = 0;
+        s->state = SJ_MATCH;
+        return sample_json_match(s, c);
+    }
+    if ((c == '{' || c == '[') && s->depth < SAMPLE_JSON_DEPTH) {
+        s->frame[s->depth][0] = n;
+        s->frame[s->depth][1] = 0;
+        s->node = v->items;
+    }
+    return -1;
+}
+
 /* A value starting with C (only an object at the top). */
 static int sample_json_value(struct sample_json *s, unsigned char c)
 {
+    const int typed = s->schema ? sample_json_typed(s, c) : -1;
+    if (typed >= 0) return typed;
     if (c == '{' || (c == '[' && s->depth)) {
         if (s->depth == SAMPLE_JSON_DEPTH) return 0;
         s->objects = c == '{' ? s->objects | 1ull << s->depth : s->objects & ~(1ull << s->depth);
@@ -16462,12 +16618,22 @@ static int sample_json_value(struct sample_json *s, unsigned char c)
     return 1;
 }
 
-/* The container's end C, if it is the open one's. */
+/* The container's end C, if it is the open one's (and its schema lets it end). */
 static int sample_json_close(struct sample_json *s, unsigned char c)
 {
-    if (c != ((s->objects >> (s->depth - 1) & 1) ? '}' : ']')) return 0;
+    if (c != ((s->objects >> (s->depth - 1) & 1) ? '}' : ']') || !sample_json_room(s, 0)) return 0;
     s->depth--;
     return sample_json_ended(s);
+}
+
+/* A comma in S's open container, if it may take more; a list's next item follows its items' node. */
+static int sample_json_comma(struct sample_json *s)
+{
+    if (!sample_json_room(s, 1)) return 0;
+    const int object = s->objects >> (s->depth - 1) & 1;
+    if (s->schema && !object) s->node = sample_json_open(s)->items;
+    s->state = object ? SJ_KEY : SJ_VALUE;
+    return 1;
 }
 
 /* Byte C inside a string: UTF-8 (lead bytes checked, continuations counted), escapes, no control characters. */
@@ -16475,7 +16641,7 @@ static int sample_json_string(struct sample_json *s, unsigned char c)
 {
     if (s->need) return (c & 0xC0) == 0x80 ? (s->need--, 1) : 0;
     if (c == '"') {
-        if (s->key) return s->state = SJ_COLON, 1;
+        if (s->key) return s->key = 0, s->state = SJ_COLON, 1;
         return sample_json_ended(s);
     }
     if (c == '\\') return s->state = SJ_ESCAPE, 1;
@@ -16484,7 +16650,7 @@ static int sample_json_string(struct sample_json *s, unsigned char c)
     return 1;
 }
 
-/* Whether byte C may come next in S's object, advancing S (left as it was if not). */
+/* Whether byte C may come next in S's object, advancing S (after a refusal S is spoilt: step a copy). */
 static int sample_json_step(struct sample_json *s, unsigned char c)
 {
     const int digit = c >= '0' && c <= '9', space = c == ' ' || c == '\t' || c == '\n' || c == '\r';
@@ -16493,13 +16659,12 @@ static int sample_json_step(struct sample_json *s, unsigned char c)
     switch (s->state) {
     case SJ_VALUE: return sample_json_value(s, c);
     case SJ_KEY_OR_END: if (c == '}') return sample_json_close(s, c); /* fall through */
-    case SJ_KEY: return c == '"' ? (s->state = SJ_STRING, s->key = 1, 1) : 0;
+    case SJ_KEY: return c == '"' ? sample_json_name(s) : 0;
     case SJ_COLON: return c == ':' ? (s->state = SJ_VALUE, 1) : 0;
     case SJ_VALUE_OR_END: return c == ']' ? sample_json_close(s, c) : sample_json_value(s, c);
-    case SJ_AFTER:
-        if (c == ',') return s->state = (s->objects >> (s->depth - 1) & 1) ? SJ_KEY : SJ_VALUE, 1;
-        return sample_json_close(s, c);
+    case SJ_AFTER: return c == ',' ? sample_json_comma(s) : sample_json_close(s, c);
     case SJ_STRING: return sample_json_string(s, c);
+    case SJ_MATCH: return sample_json_match(s, c);
     case SJ_ESCAPE:
         if (c == 'u') return s->state = SJ_HEX, s->need = 4, 1;
         return c && strchr("\"\\/bfnrt", c) ? (s->state = SJ_STRING, 1) : 0;
@@ -16517,8 +16682,8 @@ static int sample_json_step(struct sample_json *s, unsigned char c)
     case SJ_INT: case SJ_FRAC: case SJ_EXP_DIGITS:
         if (digit) return 1; /* fall through */
     case SJ_ZERO:
-        if (c == '.' && s->state <= SJ_INT) return s->state = SJ_DOT, 1;
-        if ((c == 'e' || c == 'E') && s->state != SJ_EXP_DIGITS) return s->state = SJ_EXP, 1;
+        if (c == '.' && s->state <= SJ_INT && !s->integer) return s->state = SJ_DOT, 1;
+        if ((c == 'e' || c == 'E') && s->state != SJ_EXP_DIGITS && !s->integer) return s->state = SJ_EXP, 1;
         s->state = SJ_AFTER; /* a number ends at the byte after it, which must then follow a value */
         return sample_json_step(s, c);
     default: return 0;
@@ -16533,6 +16698,275 @@ static int sample_json_accepts(struct sample_json *s, const char *p, size_t n)
         if (!sample_json_step(&t, (unsigned char)p[i])) return 0;
     *s = t;
     return n > 0;
+}
+
+/* ---- JSON schema: a response_format's json_schema compiled for the automaton above ---- */
+
+#define SAMPLE_SCHEMA_NESTING 32  /* schemas within schemas, $refs followed */
+#define SAMPLE_SCHEMA_ERROR 256   /* a refusal's bytes */
+#define SAMPLE_SCHEMA_TEXT 4096   /* one property name's or enum value's JSON text at most */
+
+/* A compile in progress: the node each schema object became (a $ref to it reuses it), and the first refusal. */
+struct sample_schema_build {
+    struct sample_schema *s;
+    const struct json *root;
+    const struct json *made_of[SAMPLE_SCHEMA_NODES];
+    int any;                     /* the node of any value, once made; -1 before */
+    char *error;
+};
+
+static int sample_schema_fail(struct sample_schema_build *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int sample_schema_fail(struct sample_schema_build *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (!b->error[0]) vsnprintf(b->error, SAMPLE_SCHEMA_ERROR, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static int sample_schema_new(struct sample_schema_build *b, const struct json *made_of)
+{
+    struct sample_schema *s = b->s;
+    if (s->n_node == SAMPLE_SCHEMA_NODES) return sample_schema_fail(b, "the schema has more than %d parts", SAMPLE_SCHEMA_NODES);
+    struct sample_schema_node *n = &s->node[s->n_node];
+    *n = (struct sample_schema_node){.values = SAMPLE_SCHEMA_NONE, .items = SAMPLE_SCHEMA_NONE, .max_items = 0xFFFF};
+    for (int k = 0; k < SK_KINDS; k++) n->next[k] = SAMPLE_SCHEMA_NONE;
+    b->made_of[s->n_node] = made_of;
+    return s->n_node++;
+}
+
+/* The node of any JSON value (true, {}, a schema without a type): objects of any members, lists of any items. */
+static int sample_schema_any(struct sample_schema_build *b)
+{
+    if (b->any >= 0) return b->any;
+    const int i = sample_schema_new(b, NULL);
+    if (i < 0) return -1;
+    struct sample_schema_node *n = &b->s->node[i];
+    for (int k = 0; k < SK_KINDS; k++) n->next[k] = (uint16_t)i;
+    n->values = n->items = (uint16_t)i;
+    n->ready = 1;
+    return b->any = i;
+}
+
+/* A member: NAME quoted (a property), or V's JSON text (an enum's value: a string quoted, a number as sent). */
+static int sample_schema_member(struct sample_schema_build *b, const struct json *v, const char *name)
+{
+    struct sample_schema *s = b->s;
+    if (s->n_member == SAMPLE_SCHEMA_MEMBERS) return sample_schema_fail(b, "the schema has more than %d properties and enum values", SAMPLE_SCHEMA_MEMBERS);
+    if (!name && (v->kind == JSON_ARRAY || v->kind == JSON_OBJECT))
+        return sample_schema_fail(b, "'enum' and 'const' values that are objects or lists are not followed: give their members' schemas");
+    struct sample_schema_member *m = &s->member[s->n_member];
+    *m = (struct sample_schema_member){.at = (uint32_t)s->text.n, .node = SAMPLE_SCHEMA_NONE};
+    if (name) json_put_string(&s->text, name, strlen(name));
+    else tok_json_dump(&s->text, v);
+    m->len = (uint32_t)(s->text.n - m->at);
+    if (m->len > SAMPLE_SCHEMA_TEXT) return sample_schema_fail(b, "a property name or enum value longer than %d bytes", SAMPLE_SCHEMA_TEXT);
+    return s->n_member++;
+}
+
+/* Whether V holds only keywords coli follows and annotations; ALONE: the constraints are a $ref or an anyOf. */
+static int sample_schema_words(struct sample_schema_build *b, const struct json *v, int alone)
+{
+    static const char *const words[] = {"type", "properties", "required", "additionalProperties", "items", "enum", "const",
+                                        "minItems", "maxItems", "nullable"};
+    static const char *const notes[] = {"$ref", "anyOf", "oneOf", "$defs", "definitions", "title", "description", "default",
+                                        "examples", "$schema", "$id", "$comment", "format", "deprecated", "readOnly", "writeOnly"};
+    for (const struct json *m = v->child; m; m = m->next) {
+        int note = 0, word = 0;
+        for (size_t k = 0; k < sizeof notes / sizeof *notes; k++) note |= !strcmp(m->name, notes[k]);
+        for (size_t k = 0; k < sizeof words / sizeof *words; k++) word |= !strcmp(m->name, words[k]);
+        if (word && alone) return sample_schema_fail(b, "'%s' beside '$ref' or 'anyOf' is not followed: move it into the schema referred to, or each branch", m->name);
+        if (!word && !note) return sample_schema_fail(b, "the JSON schema keyword '%s' is not followed by coli: drop it (or state it in the messages)", m->name);
+    }
+    return 0;
+}
+
+static int sample_schema_of(struct sample_schema_build *b, const struct json *v, int depth);
+
+/* '#', '#/$defs/NAME' or '#/definitions/NAME': that schema's node. */
+static int sample_schema_ref(struct sample_schema_build *b, const struct json *ref, int depth)
+{
+    const char *r = ref->kind == JSON_STRING ? ref->str : "";
+    const struct json *to = !strcmp(r, "#") ? b->root : NULL;
+    if (!strncmp(r, "#/$defs/", 8)) to = json_get(json_get(b->root, "$defs"), r + 8);
+    if (!strncmp(r, "#/definitions/", 14)) to = json_get(json_get(b->root, "definitions"), r + 14);
+    if (!to) return sample_schema_fail(b, "'$ref' \"%.64s\": coli follows '#', '#/$defs/NAME' and '#/definitions/NAME' in the same schema", r);
+    return sample_schema_of(b, to, depth + 1);
+}
+
+/* Node I as the anyOf (or oneOf) LIST: each kind to the branch a value of it starts; two branches alike are refused. */
+static int sample_schema_any_of(struct sample_schema_build *b, int i, const struct json *list, int depth)
+{
+    static const char *const kinds[] = {"an object", "a list", "a string", "a number", "true", "false", "null"};
+    struct sample_schema_node *n = &b->s->node[i];
+    if (list->kind != JSON_ARRAY || !list->child) return sample_schema_fail(b, "'anyOf' and 'oneOf' must be lists of schemas");
+    for (const struct json *branch = list->child; branch; branch = branch->next) {
+        const int to = sample_schema_of(b, branch, depth + 1);
+        if (to < 0) return -1;
+        if (!b->s->node[to].ready) return sample_schema_fail(b, "an 'anyOf' holds itself outside any object or list");
+        for (int k = 0; k < SK_KINDS; k++) {
+            const uint16_t next = b->s->node[to].next[k];
+            if (next != SAMPLE_SCHEMA_NONE && n->next[k] != SAMPLE_SCHEMA_NONE && n->next[k] != next)
+                return sample_schema_fail(b, "two 'anyOf' branches both admit %s: coli tells branches apart by their first byte", kinds[k]);
+            if (next != SAMPLE_SCHEMA_NONE) n->next[k] = next;
+        }
+    }
+    n->ready = 1;
+    return i;
+}
+
+/* V's "type" (a name, a list of names; none: what its keywords are about, else any) as bits of SK_* kinds; *INTEGER:
+ * "integer" without "number". */
+static int sample_schema_types(struct sample_schema_build *b, const struct json *v, int *integer)
+{
+    static const char *const names[] = {"object", "array", "string", "number", "integer", "boolean", "null"};
+    static const int kinds[] = {1 << SK_OBJECT, 1 << SK_ARRAY, 1 << SK_STRING, 1 << SK_NUMBER, 1 << SK_NUMBER, 1 << SK_TRUE | 1 << SK_FALSE, 1 << SK_NULL};
+    const struct json *type = json_get(v, "type"), *nullable = json_get(v, "nullable");
+    int mask = 0, number = 0, whole = 0;
+    for (const struct json *t = type && type->kind == JSON_ARRAY ? type->child : type; t; t = type->kind == JSON_ARRAY ? t->next : NULL) {
+        int k = 0;
+        while (k < 7 && !tok_json_is(t, names[k])) k++;
+        if (k == 7) return sample_schema_fail(b, "'type' must be object, array, string, number, integer, boolean, null or a list of them");
+        mask |= kinds[k], number |= k == 3, whole |= k == 4;
+    }
+    *integer = whole && !number;
+    if (!type && (json_get(v, "properties") || json_get(v, "required") || json_get(v, "additionalProperties"))) mask = 1 << SK_OBJECT;
+    else if (!type && (json_get(v, "items") || json_get(v, "minItems") || json_get(v, "maxItems"))) mask = 1 << SK_ARRAY;
+    else if (!type) mask = (1 << SK_KINDS) - 1;
+    if (nullable && nullable->kind == JSON_BOOL && nullable->boolean) mask |= 1 << SK_NULL;
+    return mask ? mask : sample_schema_fail(b, "'type' is an empty list");
+}
+
+/* Node I's object: its properties in order, the required ones marked; without properties, its members' values. */
+static int sample_schema_object(struct sample_schema_build *b, int i, const struct json *v, int depth)
+{
+    struct sample_schema *s = b->s;
+    const struct json *props = json_get(v, "properties"), *required = json_get(v, "required"), *extra = json_get(v, "additionalProperties");
+    if (props && props->kind != JSON_OBJECT) return sample_schema_fail(b, "'properties' must be an object");
+    if (required && required->kind != JSON_ARRAY) return sample_schema_fail(b, "'required' must be a list of names");
+    const struct json *first = props ? props->child : NULL;
+    s->node[i].members = (uint16_t)s->n_member;
+    for (const struct json *p = first; p; p = p->next) {
+        for (const struct json *q = first; q != p; q = q->next)
+            if (!strcmp(q->name, p->name)) return sample_schema_fail(b, "'properties' names \"%.64s\" twice", p->name);
+        if (++s->node[i].n_members > SAMPLE_SCHEMA_CHOICES) return sample_schema_fail(b, "an object of more than %d properties", SAMPLE_SCHEMA_CHOICES);
+        if (sample_schema_member(b, NULL, p->name) < 0) return -1;
+    }
+    for (const struct json *r = required ? required->child : NULL; r; r = r->next) {
+        int k = 0;
+        const struct json *p = first;
+        for (; p && !tok_json_is(r, p->name); p = p->next) k++;
+        if (!p) return sample_schema_fail(b, "'required' names \"%.64s\", which 'properties' lacks", r->kind == JSON_STRING ? r->str : "?");
+        s->member[s->node[i].members + k].required = 1;
+    }
+    int k = s->node[i].members;
+    for (const struct json *p = first; p; p = p->next) {
+        const int node = sample_schema_of(b, p, depth + 1);
+        if (node < 0) return -1;
+        s->member[k++].node = (uint16_t)node;
+    }
+    if (first || (extra && extra->kind == JSON_BOOL && !extra->boolean)) return 0;
+    const int values = extra && extra->kind != JSON_BOOL ? sample_schema_of(b, extra, depth + 1) : sample_schema_any(b);
+    s->node[i].values = (uint16_t)values;
+    return values < 0 ? -1 : 0;
+}
+
+/* NAME (a count of items) into *N if V has it; 0, or -1 if it is not a whole number up to 65535. */
+static int sample_schema_count(struct sample_schema_build *b, const struct json *v, const char *name, uint16_t *n)
+{
+    const struct json *c = json_get(v, name);
+    if (!c) return 0;
+    if (c->kind != JSON_NUMBER || c->number < 0 || c->number != floor(c->number)) return sample_schema_fail(b, "'%s' must be a whole number", name);
+    *n = c->number > 0xFFFF ? 0xFFFF : (uint16_t)c->number;
+    return 0;
+}
+
+/* Node I's list: its items' node, and how many at least and at most. */
+static int sample_schema_array(struct sample_schema_build *b, int i, const struct json *v, int depth)
+{
+    struct sample_schema_node *n = &b->s->node[i];
+    const struct json *items = json_get(v, "items");
+    if (sample_schema_count(b, v, "minItems", &n->min_items) || sample_schema_count(b, v, "maxItems", &n->max_items)) return -1;
+    if (n->min_items > n->max_items) return sample_schema_fail(b, "'minItems' is above 'maxItems'");
+    const int node = items ? sample_schema_of(b, items, depth + 1) : sample_schema_any(b);
+    n->items = (uint16_t)node;
+    return node < 0 ? -1 : 0;
+}
+
+/* Node I as V's enum (or const): its values of the kinds TYPES allows, matched whole. */
+static int sample_schema_enum(struct sample_schema_build *b, int i, const struct json *v, int types)
+{
+    struct sample_schema *s = b->s;
+    struct sample_schema_node *n = &s->node[i];
+    const struct json *list = json_get(v, "enum"), *one = json_get(v, "const");
+    if (list && (one || list->kind != JSON_ARRAY)) return sample_schema_fail(b, "'enum' must be a list (and not beside 'const')");
+    n->members = (uint16_t)s->n_member;
+    n->literal = 1;
+    for (const struct json *e = one ? one : list->child; e; e = one ? NULL : e->next) {
+        const int m = sample_schema_member(b, e, NULL);
+        if (m < 0) return -1;
+        const int kind = sample_json_kind((unsigned char)s->text.p[s->member[m].at]);
+        if (!(types >> kind & 1)) {
+            s->text.n = s->member[m].at, s->n_member--; /* a value the type excludes is never valid */
+            continue;
+        }
+        if (++n->n_members > SAMPLE_SCHEMA_CHOICES) return sample_schema_fail(b, "an 'enum' of more than %d values", SAMPLE_SCHEMA_CHOICES);
+        n->next[kind] = (uint16_t)i;
+    }
+    return n->n_members ? 0 : sample_schema_fail(b, "'enum' or 'const' has no value of the schema's 'type'");
+}
+
+/* V's node: made, or found made (a $ref back to a schema being made is how schemas recur); -1 with the refusal. */
+static int sample_schema_of(struct sample_schema_build *b, const struct json *v, int depth)
+{
+    if (depth > SAMPLE_SCHEMA_NESTING) return sample_schema_fail(b, "the schema nests (or refers on) deeper than %d", SAMPLE_SCHEMA_NESTING);
+    if (v->kind == JSON_BOOL && v->boolean) return sample_schema_any(b);
+    if (v->kind != JSON_OBJECT) return sample_schema_fail(b, "a schema must be an object or true");
+    for (int i = 0; i < b->s->n_node; i++)
+        if (b->made_of[i] == v) return i;
+    const struct json *ref = json_get(v, "$ref"), *any_of = json_get(v, "anyOf");
+    if (!any_of) any_of = json_get(v, "oneOf"); /* told apart by their first bytes, at most one branch admits a value */
+    if (sample_schema_words(b, v, ref || any_of)) return -1;
+    if (ref) return sample_schema_ref(b, ref, depth);
+    const int i = sample_schema_new(b, v);
+    if (i < 0) return -1;
+    if (any_of) return sample_schema_any_of(b, i, any_of, depth);
+    struct sample_schema_node *n = &b->s->node[i];
+    int integer = 0;
+    const int types = sample_schema_types(b, v, &integer);
+    if (types < 0) return -1;
+    if (json_get(v, "enum") || json_get(v, "const")) return sample_schema_enum(b, i, v, types) ? -1 : (n->ready = 1, i);
+    for (int k = 0; k < SK_KINDS; k++)
+        if (types >> k & 1) n->next[k] = (uint16_t)i;
+    n->integer = (uint8_t)integer;
+    n->ready = 1;
+    if ((types >> SK_OBJECT & 1) && sample_schema_object(b, i, v, depth) < 0) return -1;
+    return (types >> SK_ARRAY & 1) && sample_schema_array(b, i, v, depth) < 0 ? -1 : i;
+}
+
+static void sample_schema_free(struct sample_schema *s)
+{
+    if (s) free(s->text.p);
+    free(s);
+}
+
+/* SCHEMA compiled (free it with sample_schema_free); NULL with ERROR[SAMPLE_SCHEMA_ERROR] saying why. Its root must
+ * admit objects alone, as OpenAI's structured outputs ask. */
+static struct sample_schema *sample_schema_compile(const struct json *schema, char *error)
+{
+    struct sample_schema_build b = {.s = plat_zalloc(1, sizeof *b.s), .root = schema, .any = -1, .error = error};
+    error[0] = 0;
+    const int root = sample_schema_of(&b, schema, 0);
+    for (int k = 0; k < SK_KINDS && root >= 0; k++)
+        if ((k == SK_OBJECT) != (b.s->node[root].next[k] != SAMPLE_SCHEMA_NONE))
+            sample_schema_fail(&b, "the schema's root must be an object (\"type\": \"object\") and nothing else");
+    if (error[0]) {
+        sample_schema_free(b.s);
+        return NULL;
+    }
+    b.s->root = (uint16_t)root;
+    return b.s;
 }
 
 /* ==== §11 engine ==== */
@@ -16585,7 +17019,8 @@ struct engine_request {
     int logprobs, top_logprobs; /* record each token's log-probability and its TOP_LOGPROBS likeliest (gen.logprobs) */
     const struct engine_bias *bias; /* [n_bias] added to the logits before sampling (not to the log-probabilities) */
     int n_bias;
-    int json;                /* the answer is a JSON object (sample_json) ... */
+    int json;                /* the answer is a JSON object (sample_json), one SCHEMA admits if not NULL ... */
+    const struct sample_schema *schema;
     const char *prefix;      /* ... or starts with these PREFIX_LEN bytes (whitespace before them aside) ... */
     size_t prefix_len;
     int after;               /* ... from the token after this one if not -1 (a think block's end): until it, any token */
@@ -17017,7 +17452,7 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->past.used = plat_now();
     sl->next = -1;
     sl->rng = req->sample.seed;
-    sl->json = (struct sample_json){0};
+    sl->json = sample_json_start(req->schema);
     sl->prefix_at = sl->prefix_blank = 0;
     sl->wait = (req->json || req->prefix) && req->after >= 0;
     sl->t_start = plat_now();
@@ -17633,6 +18068,7 @@ struct serve_job {
     struct engine_request req;
     struct engine_bias *bias;  /* [req.n_bias] */
     char *prefix;              /* req.prefix: a forced call's opening */
+    struct sample_schema *schema; /* req.schema: response_format's json_schema, compiled */
     char *stop[SERVE_MAX_STOP];
     int n_stop;
     size_t longest_stop;       /* bytes of the longest stop string */
@@ -17704,6 +18140,7 @@ static void serve_job_free(struct serve_job *j)
     free(j->prompt);
     free(j->bias);
     free(j->prefix);
+    sample_schema_free(j->schema);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
     free(j->lp);
@@ -18119,6 +18556,26 @@ static int serve_logprobs(struct serve *srv, const struct json *body, struct ser
     return serve_logit_bias(srv, body, j, e);
 }
 
+/* FORMAT (response_format: text, json_object, or json_schema with its schema compiled) into J. */
+static int serve_response_format(const struct json *format, struct serve_job *j, struct serve_error *e)
+{
+    const struct json *type = json_get(format, "type"), *schema = json_get(json_get(format, "json_schema"), "schema");
+    j->req.json = tok_json_is(type, "json_object") || tok_json_is(type, "json_schema");
+    if (format && format->kind != JSON_NULL && !j->req.json && !tok_json_is(type, "text"))
+        return serve_bad(e, "response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}");
+    if (j->req.json && j->req.prefix)
+        return serve_bad(e, "response_format", "'response_format' %s and a forced tool call exclude each other: drop one", type->str);
+    if (tok_json_is(type, "json_schema")) {
+        char why[SAMPLE_SCHEMA_ERROR];
+        if (!schema) return serve_bad(e, "response_format", "'response_format' json_schema needs its schema: {\"json_schema\": {\"name\": ..., \"schema\": {...}}}");
+        if (!(j->schema = sample_schema_compile(schema, why))) return serve_bad(e, "response_format", "'response_format': %s", why);
+        j->req.schema = j->schema;
+    }
+    if (j->req.json) j->tools = NULL; /* the answer is the object: no text in it is a call */
+    return 0;
+}
+
 /* BODY's generation settings into J: max tokens within the context the prompt leaves, sampling, stops, streaming. */
 static int serve_settings(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
@@ -18131,15 +18588,8 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
         return -1;
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
-    const struct json *format = json_get(body, "response_format");
-    j->req.json = tok_json_is(json_get(format, "type"), "json_object");
+    if (serve_response_format(json_get(body, "response_format"), j, e)) return -1;
     j->req.after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON or a forced call after the thinking */
-    if (j->req.json) j->tools = NULL; /* the answer is the object: no text in it is a call */
-    if (j->req.json && j->req.prefix)
-        return serve_bad(e, "response_format", "'response_format' json_object and a forced tool call exclude each other: drop one");
-    if (format && format->kind != JSON_NULL && !j->req.json && !tok_json_is(json_get(format, "type"), "text"))
-        return serve_bad(e, "response_format", "'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"}: coli "
-                         "does not follow a JSON schema yet (ask for json_object and give the schema in the messages)");
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);

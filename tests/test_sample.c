@@ -3,6 +3,7 @@
 #define COLI_NO_MAIN
 #include "../coli.c"
 #include "check.h"
+#include "minijson.h"
 
 #define V 1000
 
@@ -283,6 +284,272 @@ static void test_json_mode(void)
     check(taken == 500, "JSON mode: 500 random nested objects taken whole", "%d", taken);
 }
 
+/* ---- JSON schema: the test's own validator and generator (JSON Schema's meaning, read with minijson) ---- */
+
+static const struct mj *schema_ref(const struct mj *root, const struct mj *ref)
+{
+    const char *r = mj_str(ref, NULL);
+    if (!strcmp(r, "#")) return root;
+    if (!strncmp(r, "#/$defs/", 8)) return mj_get(mj_get(root, "$defs"), r + 8);
+    return mj_get(mj_get(root, "definitions"), r + 14);
+}
+
+static int mj_same(const struct mj *a, const struct mj *b)
+{
+    return a->type == b->type && (a->type != MJ_STR || (a->len == b->len && !memcmp(a->str, b->str, a->len))) &&
+           ((a->type != MJ_NUM && a->type != MJ_BOOL) || a->num == b->num);
+}
+
+static int schema_type_is(const char *t, const struct mj *v)
+{
+    return (!strcmp(t, "object") && v->type == MJ_OBJ) || (!strcmp(t, "array") && v->type == MJ_ARR) || (!strcmp(t, "string") && v->type == MJ_STR) ||
+           (!strcmp(t, "number") && v->type == MJ_NUM) || (!strcmp(t, "integer") && v->type == MJ_NUM && v->num == floor(v->num)) ||
+           (!strcmp(t, "boolean") && v->type == MJ_BOOL) || (!strcmp(t, "null") && v->type == MJ_NULL);
+}
+
+/* Whether V is valid under schema SC (of ROOT), by JSON Schema's rules for the keywords coli follows. */
+static int schema_valid(const struct mj *root, const struct mj *sc, const struct mj *v)
+{
+    if (sc->type == MJ_BOOL) return sc->num != 0;
+    const struct mj *ref = mj_get(sc, "$ref"), *any = mj_get(sc, "anyOf"), *one = mj_get(sc, "oneOf"), *type = mj_get(sc, "type");
+    const struct mj *list = mj_get(sc, "enum"), *cnst = mj_get(sc, "const"), *props = mj_get(sc, "properties"), *req = mj_get(sc, "required");
+    const struct mj *extra = mj_get(sc, "additionalProperties"), *items = mj_get(sc, "items");
+    if (ref) return schema_valid(root, schema_ref(root, ref), v);
+    if (any || one) {
+        size_t valid = 0;
+        for (size_t i = 0; i < mj_len(any ? any : one); i++) valid += schema_valid(root, mj_at(any ? any : one, i), v);
+        return any ? valid > 0 : valid == 1;
+    }
+    int typed = !type || (type->type == MJ_STR && schema_type_is(type->str, v));
+    for (size_t i = 0; type && type->type == MJ_ARR && i < mj_len(type); i++) typed |= schema_type_is(mj_at(type, i)->str, v);
+    if (!typed || (cnst && !mj_same(cnst, v))) return 0;
+    int listed = !list;
+    for (size_t i = 0; list && i < mj_len(list); i++) listed |= mj_same(mj_at(list, i), v);
+    if (!listed) return 0;
+    for (size_t i = 0; v->type == MJ_OBJ && req && i < mj_len(req); i++)
+        if (!mj_get(v, mj_at(req, i)->str)) return 0;
+    for (size_t i = 0; v->type == MJ_OBJ && i < v->n; i++) {
+        const struct mj *p = props ? mj_get(props, v->kids[i].key) : NULL, *s = p ? p : extra;
+        if (s && !schema_valid(root, s, &v->kids[i])) return 0;
+    }
+    if (v->type == MJ_ARR && (v->n < (size_t)mj_num(mj_get(sc, "minItems"), 0) || v->n > (size_t)mj_num(mj_get(sc, "maxItems"), 1e9))) return 0;
+    for (size_t i = 0; v->type == MJ_ARR && items && i < v->n; i++)
+        if (!schema_valid(root, items, &v->kids[i])) return 0;
+    return 1;
+}
+
+static int coin(uint64_t *r, int n) { return (int)(sample_next_u64(r) % (uint64_t)n); }
+
+static void put(char *b, size_t *n, const char *s)
+{
+    memcpy(b + *n, s, strlen(s));
+    *n += strlen(s);
+}
+
+/* A random document valid under SC into B, as coli writes one: properties in the schema's order (optional ones
+ * sometimes), anyOf's branch at random, enum values as sent, whitespace here and there. */
+static void schema_generate(const struct mj *root, const struct mj *sc, char *b, size_t *n, int depth, uint64_t *r)
+{
+    static const char *const strings[] = {"\"\"", "\"abc\"", "\"a\\n\\u00e9\\\"\"", "\"\xc3\xa9\xe6\x97\xa5\""};
+    static const char *const numbers[] = {"0", "-1.5", "3e2", "42"}, *const integers[] = {"0", "-7", "12"};
+    const struct mj *ref = mj_get(sc, "$ref"), *any = mj_get(sc, "anyOf"), *type = mj_get(sc, "type"), *list = mj_get(sc, "enum");
+    if (ref) return schema_generate(root, schema_ref(root, ref), b, n, depth, r);
+    if (any) return schema_generate(root, mj_at(any, (size_t)coin(r, (int)mj_len(any))), b, n, depth, r);
+    if (list || mj_get(sc, "const")) {
+        const struct mj *v = list ? mj_at(list, (size_t)coin(r, (int)mj_len(list))) : mj_get(sc, "const");
+        if (v->type == MJ_STR) *n += (size_t)sprintf(b + *n, "\"%s\"", v->str);
+        else if (v->type == MJ_NUM) *n += (size_t)sprintf(b + *n, "%.17g", v->num);
+        else put(b, n, v->type == MJ_NULL ? "null" : v->num ? "true" : "false");
+        return;
+    }
+    if (!type) return json_random(b, n, depth < 3 ? 3 - depth : 0, r);
+    const char *t = type->type == MJ_STR ? type->str : mj_at(type, (size_t)coin(r, (int)mj_len(type)))->str;
+    const struct mj *props = mj_get(sc, "properties"), *extra = mj_get(sc, "additionalProperties"), *req = mj_get(sc, "required");
+    if (!strcmp(t, "object")) {
+        int first = 1;
+        put(b, n, coin(r, 2) ? "{" : "{ ");
+        for (size_t i = 0; i < (props ? props->n : (extra && extra->type == MJ_BOOL && !extra->num) ? 0 : (size_t)coin(r, 3)); i++) {
+            int required = 0;
+            for (size_t k = 0; props && req && k < mj_len(req); k++) required |= !strcmp(mj_at(req, k)->str, props->kids[i].key);
+            if (props && !required && (depth > 3 || coin(r, 2))) continue;
+            put(b, n, first ? "" : coin(r, 2) ? "," : ",\n  ");
+            *n += props ? (size_t)sprintf(b + *n, "\"%s\":", props->kids[i].key) : (size_t)sprintf(b + *n, "\"k%zu\" : ", i);
+            schema_generate(root, props ? &props->kids[i] : extra ? extra : &(struct mj){.type = MJ_BOOL, .num = 1}, b, n, depth + 1, r);
+            first = 0;
+        }
+        put(b, n, "}");
+    } else if (!strcmp(t, "array")) {
+        const int lo = (int)mj_num(mj_get(sc, "minItems"), 0), hi = (int)mj_num(mj_get(sc, "maxItems"), lo + 3);
+        const int count = lo + coin(r, (hi < lo + 3 ? hi : lo + 3) - lo + 1);
+        put(b, n, "[");
+        for (int i = 0; i < count; i++) {
+            put(b, n, i ? ", " : "");
+            schema_generate(root, mj_get(sc, "items"), b, n, depth + 1, r);
+        }
+        put(b, n, "]");
+    } else if (!strcmp(t, "string")) put(b, n, strings[coin(r, 4)]);
+    else if (!strcmp(t, "number")) put(b, n, numbers[coin(r, 4)]);
+    else if (!strcmp(t, "integer")) put(b, n, integers[coin(r, 3)]);
+    else if (!strcmp(t, "boolean")) put(b, n, coin(r, 2) ? "true" : "false");
+    else put(b, n, "null");
+}
+
+/* A random walk of the automaton under SC: at each byte one of the printable ones it takes (closers favoured past 40
+ * bytes); the document's length when it completes, 0 if not within CAP. *DEAD: a state that took no byte at all. */
+static size_t schema_walk(const struct sample_schema *sc, char *b, size_t cap, uint64_t *r, int *dead)
+{
+    struct sample_json s = sample_json_start(sc);
+    size_t n = 0;
+    while (s.state != SJ_DONE && n + 1 < cap) {
+        unsigned char ok[256], closers[8];
+        int k = 0, c_n = 0, any = 0;
+        for (int c = 0; c < 256; c++) {
+            struct sample_json t = s;
+            if (!sample_json_step(&t, (unsigned char)c)) continue;
+            any = 1;
+            if (c >= 0x20 && c < 0x7f && c != '\\') ok[k++] = (unsigned char)c;
+            if (c == '"' || c == '}' || c == ']') closers[c_n++] = (unsigned char)c;
+        }
+        *dead |= !any;
+        if (!k) return 0;
+        const unsigned char c = n > 40 && c_n && coin(r, 4) ? closers[coin(r, c_n)] : ok[coin(r, k)];
+        sample_json_step(&s, c);
+        b[n++] = (char)c;
+    }
+    return s.state == SJ_DONE ? n : 0;
+}
+
+/* Where DOC stops being the start of an object SC admits (its length if never); *WHOLE: complete at its last byte. */
+static int schema_reject_at(const struct sample_schema *sc, const char *doc, int *whole)
+{
+    struct sample_json s = sample_json_start(sc);
+    const int n = (int)strlen(doc);
+    *whole = 0;
+    for (int i = 0; i < n; i++) {
+        if (s.state == SJ_DONE || !sample_json_step(&s, (unsigned char)doc[i])) return i;
+        *whole = s.state == SJ_DONE && i + 1 == n;
+    }
+    return n;
+}
+
+static struct sample_schema *schema_from(const char *text, char *why)
+{
+    const char *err = NULL;
+    struct json *j = json_parse(text, strlen(text), &err);
+    struct sample_schema *s = j ? sample_schema_compile(j, why) : NULL;
+    if (!j) snprintf(why, SAMPLE_SCHEMA_ERROR, "not JSON: %s", err);
+    json_free(j);
+    return s;
+}
+
+static const char *const schema_person =
+    "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"age\":{\"type\":\"integer\"},"
+    "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":3},\"color\":{\"enum\":[\"red\",\"green\",\"blue\"]},"
+    "\"score\":{\"anyOf\":[{\"type\":\"number\"},{\"type\":\"null\"}]},\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"age\",\"color\"]}";
+static const char *const schema_tree =
+    "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},\"kids\":{\"type\":\"array\","
+    "\"items\":{\"$ref\":\"#/$defs/node\"},\"maxItems\":2}},\"required\":[\"v\"],\"additionalProperties\":false}},\"$ref\":\"#/$defs/node\"}";
+static const char *const schema_mixed =
+    "{\"type\":\"object\",\"properties\":{\"counts\":{\"type\":\"object\",\"additionalProperties\":{\"type\":\"integer\"}},"
+    "\"level\":{\"enum\":[1,12,-3,2.5,\"x\",true,null]},\"version\":{\"const\":\"v1\"},\"pair\":{\"type\":\"array\","
+    "\"items\":{\"type\":\"number\"},\"minItems\":2,\"maxItems\":2},\"empty\":{\"type\":\"object\",\"additionalProperties\":false},"
+    "\"any\":{},\"maybe\":{\"type\":[\"string\",\"null\"]}},\"required\":[\"counts\",\"level\",\"version\",\"pair\",\"empty\",\"any\",\"maybe\"]}";
+
+/* JSON mode under a schema: hand-made documents taken or refused where the schema breaks; the automaton's random
+ * walks valid by the test's validator, never stuck; the test's random valid documents taken whole. */
+static void test_json_schema(void)
+{
+    static const char *const texts[] = {schema_person, schema_tree, schema_mixed};
+    static const struct { int schema; const char *doc; int at; } cases[] = {
+        {0, "{\"name\":\"x\",\"age\":3,\"color\":\"red\"}", -1},
+        {0, "{ \"name\" : \"x\" , \"age\" : -3 , \"tags\" : [\"a\"] , \"color\" : \"blue\" , \"score\" : null , \"ok\" : true }", -1},
+        {0, "{\"age\":3}", 2},                           /* name is required first */
+        {0, "{\"name\":\"x\",\"age\":1.5}", 19},          /* an integer */
+        {0, "{\"name\":\"x\",\"age\":3}", 19},            /* color is required */
+        {0, "{\"name\":\"x\",\"age\":3,\"color\":\"r\"}", 30}, /* not one of the enum's */
+        {0, "{\"name\":\"x\",\"age\":3,\"color\":\"red\",\"tags\":[]}", 35}, /* the schema's order */
+        {0, "{\"name\":\"x\",\"age\":3,\"tags\":[\"a\",\"b\",\"c\",\"d\"]}", 39}, /* maxItems 3 */
+        {0, "{\"name\":\"x\",\"age\":3,\"color\":\"red\",\"score\":\"1\"}", 42}, /* anyOf: a number or null */
+        {0, "{\"name\":1}", 8},
+        {1, "{\"v\":1,\"kids\":[{\"v\":2},{\"v\":3,\"kids\":[]}]}", -1},
+        {1, "{\"v\":1,\"kids\":[{\"v\":2},{\"v\":3},{\"v\":4}]}", 30}, /* maxItems 2 */
+        {1, "{\"v\":1,\"w\":2}", 8},                      /* no other properties */
+        {2, "{\"counts\":{\"a\":1,\"b\":2},\"level\":12,\"version\":\"v1\",\"pair\":[1,2],\"empty\":{},\"any\":[{\"q\":null}],\"maybe\":null}", -1},
+        {2, "{\"counts\":{},\"level\":1,\"version\":\"v1\",\"pair\":[0.5,-1e3],\"empty\":{ },\"any\":\"s\",\"maybe\":\"m\"}", -1},
+        {2, "{\"counts\":{\"a\":1.5}", 16},
+        {2, "{\"counts\":{},\"level\":13", 22},              /* 1 and 12, not 13 */
+        {2, "{\"counts\":{},\"level\":2.50", 24},
+        {2, "{\"counts\":{},\"level\":1,\"version\":\"v2\"", 35},
+        {2, "{\"counts\":{},\"level\":1,\"version\":\"v1\",\"pair\":[1]", 47}, /* minItems 2 */
+        {2, "{\"counts\":{},\"level\":1,\"version\":\"v1\",\"pair\":[1,2,3]", 49},
+        {2, "{\"counts\":{},\"level\":1,\"version\":\"v1\",\"pair\":[1,2],\"empty\":{\"a\"", 60},
+    };
+    char why[SAMPLE_SCHEMA_ERROR], label[200];
+    struct sample_schema *sc[3];
+    for (int k = 0; k < 3; k++) {
+        sc[k] = schema_from(texts[k], why);
+        check(sc[k] != NULL, "JSON schema: compiled", "schema %d: %s", k, why);
+        if (!sc[k]) return;
+    }
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        int whole, at = schema_reject_at(sc[cases[k].schema], cases[k].doc, &whole);
+        const int want = cases[k].at < 0 ? (int)strlen(cases[k].doc) : cases[k].at;
+        check(at == want && (cases[k].at >= 0 || whole), "JSON schema: a document taken whole, or refused where it breaks the schema",
+              "'%s': at %d (want %d), whole %d", cases[k].doc, at, want, whole);
+    }
+    uint64_t r = 11;
+    for (int k = 0; k < 3; k++) {
+        const char *err = NULL;
+        struct mj *root = mj_parse(texts[k], strlen(texts[k]), &err, NULL);
+        int walked = 0, valid = 0, dead = 0, taken = 0;
+        char *b = plat_alloc(1 << 16);
+        for (int w = 0; w < 300; w++) {
+            size_t n = schema_walk(sc[k], b, 4096, &r, &dead);
+            struct mj *doc = n ? mj_parse(b, n, &err, NULL) : NULL;
+            walked += n > 0;
+            valid += doc && schema_valid(root, root, doc);
+            mj_free(doc);
+        }
+        for (int g = 0; g < 300; g++) {
+            size_t n = 0;
+            int whole;
+            schema_generate(root, root, b, &n, 0, &r);
+            b[n] = 0;
+            taken += schema_reject_at(sc[k], b, &whole) == (int)n && whole;
+        }
+        snprintf(label, sizeof label, "JSON schema %d: random walks of the automaton complete, valid by the test's validator, never stuck", k);
+        check(walked >= 270 && valid == walked && !dead, label, "%d of 300 complete, %d valid, stuck %d", walked, valid, dead);
+        snprintf(label, sizeof label, "JSON schema %d: 300 random valid documents taken whole", k);
+        check(taken == 300, label, "%d", taken);
+        free(b);
+        mj_free(root);
+        sample_schema_free(sc[k]);
+    }
+    static const struct { const char *schema, *says; } refused[] = {
+        {"{\"type\":\"string\"}", "root must be an object"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"pattern\":\"x\"}}}", "'pattern'"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"anyOf\":[{\"type\":\"string\"},{\"enum\":[\"x\"]}]}}}", "both admit a string"},
+        {"{\"type\":\"object\",\"required\":[\"b\"],\"properties\":{\"a\":{}}}", "\"b\", which 'properties' lacks"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#/components/x\"}}}", "'$ref' \"#/components/x\""},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"minItems\":3,\"maxItems\":2}}}", "'minItems' is above"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"text\"}}}", "'type' must be"},
+        {"{\"$defs\":{\"a\":{\"$ref\":\"#/$defs/a\"}},\"$ref\":\"#/$defs/a\"}", "deeper than"},
+        {"{\"$defs\":{\"a\":{\"anyOf\":[{\"$ref\":\"#/$defs/a\"},{\"type\":\"null\"}]}},\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#/$defs/a\"}}}",
+         "holds itself"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[[1]]}}}", "objects or lists"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"enum\":[1,2]}}}", "no value of the schema's 'type'"},
+    };
+    int said = 0;
+    for (size_t k = 0; k < sizeof refused / sizeof *refused; k++) {
+        struct sample_schema *s = schema_from(refused[k].schema, why);
+        said += !s && strstr(why, refused[k].says) != NULL;
+        if (s || !strstr(why, refused[k].says)) printf("# %s: %s\n", refused[k].schema, s ? "compiled" : why);
+        sample_schema_free(s);
+    }
+    check(said == (int)(sizeof refused / sizeof *refused), "JSON schema: what coli does not follow is refused, saying what", "%d of %zu", said,
+          sizeof refused / sizeof *refused);
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -300,6 +567,7 @@ int main(int argc, char **argv)
     test_top();
     test_against_reference();
     test_json_mode();
+    test_json_schema();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     int greedy_id = sample_next(&greedy, row, V, NULL, 0, &rng, cand);
