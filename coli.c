@@ -16423,6 +16423,7 @@ static int sample_next(const struct sample_params *p, float *logits, int n_vocab
 
 #define SAMPLE_JSON_DEPTH 64  /* containers open at once */
 #define SAMPLE_JSON_SPACES 32 /* whitespace bytes in a row: a model that only indents would never end */
+#define SAMPLE_JSON_DIGITS 16 /* digits of a number's integer part, fraction or exponent: nor one that only counts */
 
 enum sample_json_state {
     SJ_VALUE, SJ_KEY_OR_END, SJ_KEY, SJ_COLON, SJ_VALUE_OR_END, SJ_AFTER, SJ_STRING, SJ_ESCAPE, SJ_HEX,
@@ -16470,7 +16471,7 @@ struct sample_json {
     uint64_t objects;            /* bit d: the container at depth d is an object (else a list) */
     uint8_t depth, state, key;   /* key: the open string is a member's name */
     uint8_t need, spaces;        /* UTF-8 continuation bytes or hex digits left; whitespace bytes in a row */
-    uint8_t integer;             /* the open number may have no fraction or exponent */
+    uint8_t integer, digits;     /* the open number may have no fraction or exponent; digits of its part so far */
     const char *literal;         /* SJ_LITERAL: the rest of true, false or null */
     const struct sample_schema *schema; /* NULL: any object (json_object) */
     uint16_t node;               /* schema: the next value's (SJ_MATCH: the matched one's or, for a name, the object's) */
@@ -16612,7 +16613,7 @@ static int sample_json_value(struct sample_json *s, unsigned char c)
     if (!s->depth) return 0;
     if (c == '"') s->state = SJ_STRING, s->key = 0;
     else if (c == '-') s->state = SJ_MINUS;
-    else if (c >= '0' && c <= '9') s->state = c == '0' ? SJ_ZERO : SJ_INT;
+    else if (c >= '0' && c <= '9') s->state = c == '0' ? SJ_ZERO : SJ_INT, s->digits = 1;
     else if (c == 't' || c == 'f' || c == 'n') s->state = SJ_LITERAL, s->literal = c == 't' ? "rue" : c == 'f' ? "alse" : "ull";
     else return 0;
     return 1;
@@ -16675,12 +16676,12 @@ static int sample_json_step(struct sample_json *s, unsigned char c)
     case SJ_LITERAL:
         if (c != (unsigned char)*s->literal) return 0;
         return *++s->literal ? 1 : sample_json_ended(s);
-    case SJ_MINUS: return digit ? (s->state = c == '0' ? SJ_ZERO : SJ_INT, 1) : 0;
-    case SJ_DOT: return digit ? (s->state = SJ_FRAC, 1) : 0;
+    case SJ_MINUS: return digit ? (s->state = c == '0' ? SJ_ZERO : SJ_INT, s->digits = 1, 1) : 0;
+    case SJ_DOT: return digit ? (s->state = SJ_FRAC, s->digits = 1, 1) : 0;
     case SJ_EXP: if (c == '+' || c == '-') return s->state = SJ_EXP_SIGN, 1; /* fall through */
-    case SJ_EXP_SIGN: return digit ? (s->state = SJ_EXP_DIGITS, 1) : 0;
+    case SJ_EXP_SIGN: return digit ? (s->state = SJ_EXP_DIGITS, s->digits = 1, 1) : 0;
     case SJ_INT: case SJ_FRAC: case SJ_EXP_DIGITS:
-        if (digit) return 1; /* fall through */
+        if (digit) return s->digits < SAMPLE_JSON_DIGITS ? (s->digits++, 1) : 0; /* fall through */
     case SJ_ZERO:
         if (c == '.' && s->state <= SJ_INT && !s->integer) return s->state = SJ_DOT, 1;
         if ((c == 'e' || c == 'E') && s->state != SJ_EXP_DIGITS && !s->integer) return s->state = SJ_EXP, 1;

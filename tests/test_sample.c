@@ -262,6 +262,14 @@ static void test_json_mode(void)
         int at = json_reject_at(broken[k].doc, strlen(broken[k].doc), &whole);
         check(at == broken[k].at, "JSON mode: a broken object is refused where it breaks", "'%s': at %d, want %d", broken[k].doc, at, broken[k].at);
     }
+    static const struct { const char *doc; int at; } digits[] = {
+        {"{\"a\":1234567890123456,\"b\":-1.1234567890123456e1234567890123456}", -1}, {"{\"a\":12345678901234567}", 21},
+        {"{\"a\":0.12345678901234567}", 23}, {"{\"a\":1E+12345678901234567}", 24},
+    };
+    for (size_t k = 0; k < sizeof digits / sizeof *digits; k++) {
+        const int n = (int)strlen(digits[k].doc), at = json_reject_at(digits[k].doc, (size_t)n, &whole);
+        check(at == (digits[k].at < 0 ? n : digits[k].at), "JSON mode: 16 digits in a number's part at most", "'%s': at %d", digits[k].doc, at);
+    }
     char deep[200], spaces[64];
     memset(deep, '[', sizeof deep);
     memcpy(deep, "{\"a\":", 5);

@@ -179,10 +179,11 @@ static void test_engine_logprobs(const char *dir, const char *name)
     fixture_close(&f);
 }
 
-/* Whether TOKENS[0..n) decode to the start of a JSON object (sample_json, from nothing); *WHOLE: it closed at the last. */
-static int json_prefix(const struct tok *t, const int *tokens, int n, int *whole)
+/* Whether TOKENS[0..n) decode to the start of a JSON object (SCHEMA's if not NULL; sample_json, from nothing); *WHOLE:
+ * it closed at the last. */
+static int json_prefix(const struct tok *t, const struct sample_schema *schema, const int *tokens, int n, int *whole)
 {
-    struct sample_json s = {0};
+    struct sample_json s = sample_json_start(schema);
     char buf[256];
     for (int i = 0; i < n; i++) {
         size_t len = tok_decode(t, tokens[i], buf, sizeof buf);
@@ -190,6 +191,26 @@ static int json_prefix(const struct tok *t, const int *tokens, int n, int *whole
     }
     *whole = s.state == SJ_DONE;
     return 1;
+}
+
+/* How many tokens engine_json_mask keeps or masks otherwise than trying each token's bytes from each of STATES[0..n)
+ * (under SCHEMA if not NULL); ROW: n_vocab floats of scratch. */
+static int mask_differs(struct fixture *f, const struct sample_schema *schema, const char *const *states, int n, float *row)
+{
+    int differ = 0;
+    for (int k = 0; k < n; k++) {
+        struct engine_slot sl = {.json = sample_json_start(schema)};
+        sample_json_accepts(&sl.json, states[k], strlen(states[k]));
+        memset(row, 0, (size_t)f->m.cfg.n_vocab * sizeof *row);
+        (void)engine_json_mask(&f->e, &sl, row);
+        for (int i = 0; i < f->m.cfg.n_vocab; i++) {
+            char buf[256];
+            struct sample_json s = sl.json;
+            size_t len = i < f->t.n_vocab && f->t.type[i] == TOK_T_NORMAL ? tok_decode(&f->t, i, buf, sizeof buf) : 0;
+            differ += (row[i] == 0) != (len && sample_json_accepts(&s, buf, len));
+        }
+    }
+    return differ;
 }
 
 /* JSON mode in the engine: from the first token, or after a given one (a think block's end) with the tokens before it
@@ -216,32 +237,19 @@ static void test_engine_json(const char *dir, const char *name)
     engine_generate(&f.e, 0, &r, &closed);
     int whole = 0, whole_after = 0, whole_closed = 0;
     snprintf(label, sizeof label, "%s: JSON mode: 12 tokens, the start of an object", name);
-    check(from_start.n_tokens == 12 && json_prefix(&f.t, from_start.tokens, 12, &whole) && !whole && from_start.stop == ENGINE_STOP_LENGTH, label,
+    check(from_start.n_tokens == 12 && json_prefix(&f.t, NULL, from_start.tokens, 12, &whole) && !whole && from_start.stop == ENGINE_STOP_LENGTH, label,
           "%d tokens, whole %d, stop %d", from_start.n_tokens, whole, from_start.stop);
     snprintf(label, sizeof label, "%s: JSON mode after a token: the tokens up to it unmasked, then an object's start", name);
-    check(after.n_tokens == 12 && !memcmp(after.tokens, plain.tokens, 4 * sizeof(int)) && json_prefix(&f.t, after.tokens + 4, 8, &whole_after) &&
+    check(after.n_tokens == 12 && !memcmp(after.tokens, plain.tokens, 4 * sizeof(int)) && json_prefix(&f.t, NULL, after.tokens + 4, 8, &whole_after) &&
               memcmp(after.tokens + 4, plain.tokens + 4, 8 * sizeof(int)),
           label, "%d tokens", after.n_tokens);
     snprintf(label, sizeof label, "%s: JSON mode with closers favoured: the object closes, the answer ends there", name);
-    check(closed.n_tokens < 60 && json_prefix(&f.t, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
+    check(closed.n_tokens < 60 && json_prefix(&f.t, NULL, closed.tokens, closed.n_tokens, &whole_closed) && whole_closed && closed.stop == ENGINE_STOP_EOG,
           label, "%d tokens, whole %d, stop %d", closed.n_tokens, whole_closed, closed.stop);
     static const char *const states[] = {"", " {", "{\"k", "{\"k\\", "{\"k\":-1", "{\"k\":[tr", "{\"k\":\"\xc3", "{\"k\":{}"};
     float *row = plat_alloc((size_t)f.m.cfg.n_vocab * sizeof *row);
-    int differ = 0;
-    for (size_t k = 0; k < sizeof states / sizeof *states; k++) {
-        struct engine_slot sl = {0};
-        sample_json_accepts(&sl.json, states[k], strlen(states[k]));
-        memset(row, 0, (size_t)f.m.cfg.n_vocab * sizeof *row);
-        (void)engine_json_mask(&f.e, &sl, row);
-        for (int i = 0; i < f.m.cfg.n_vocab; i++) { /* each token's bytes tried from the state */
-            char buf[256];
-            struct sample_json s = sl.json;
-            size_t len = i < f.t.n_vocab && f.t.type[i] == TOK_T_NORMAL ? tok_decode(&f.t, i, buf, sizeof buf) : 0;
-            differ += (row[i] == 0) != (len && sample_json_accepts(&s, buf, len));
-        }
-    }
     snprintf(label, sizeof label, "%s: the JSON mask = every token's bytes tried, in 8 states (in and out of strings)", name);
-    check(!differ, label, "%d tokens differ", differ);
+    check(!mask_differs(&f, NULL, states, 8, row), label, "%d tokens differ", mask_differs(&f, NULL, states, 8, row));
     /* a forced prefix (as a forced tool call's), after plain's third token: those three unmasked, then the prefix */
     struct engine_gen forced;
     const char *prefix = "<tool_call>\n<function=get_time>\n";
@@ -263,6 +271,40 @@ static void test_engine_json(const char *dir, const char *name)
     free(row);
     struct engine_gen *gens[] = {&plain, &from_start, &after, &closed};
     for (int i = 0; i < 4; i++) engine_gen_free(gens[i]);
+    fixture_close(&f);
+}
+
+/* JSON mode under a schema in the engine: with closers favoured, an object the schema admits, the answer ending where
+ * it closes; the mask = every token's bytes tried, inside a name, an enum's value, a free string and an integer. */
+static void test_engine_schema(const char *dir, const char *name)
+{
+    static const char *const text = "{\"type\":\"object\",\"properties\":{\"ab\":{\"enum\":[\"x\",12,true]},\"abc\":{\"type\":\"string\"},"
+                                    "\"n\":{\"type\":\"integer\"}},\"required\":[\"n\"]}";
+    static const char *const states[] = {"", "{\"a", "{\"ab\":", "{\"ab\":1", "{\"abc\":\"q", "{\"n\":-"};
+    char label[300], why[SAMPLE_SCHEMA_ERROR];
+    struct fixture f;
+    fixture_open(&f, dir, name, 128);
+    const char *error;
+    struct json *j = json_parse(text, strlen(text), &error);
+    struct sample_schema *schema = sample_schema_compile(j, why);
+    const int prompt[5] = {785, 272, 391, 275, 278};
+    const struct engine_bias closers[] = {{tok_find(&f.t, "\""), 4}, {tok_find(&f.t, "}"), 4}, {tok_find(&f.t, ":"), 3}, {tok_find(&f.t, "1"), 3}};
+    static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+    struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = 80, .sample = greedy, .ignore_eog = 1, .json = 1, .schema = schema,
+                               .after = -1, .bias = closers, .n_bias = 4};
+    struct engine_gen g;
+    engine_generate(&f.e, 0, &r, &g);
+    int whole = 0;
+    snprintf(label, sizeof label, "%s: JSON mode under a schema: an object it admits, the answer ending where it closes", name);
+    check(g.n_tokens < 80 && json_prefix(&f.t, schema, g.tokens, g.n_tokens, &whole) && whole && g.stop == ENGINE_STOP_EOG, label,
+          "%d tokens, whole %d, stop %d: '%.80s'", g.n_tokens, whole, g.stop, g.text);
+    float *row = plat_alloc((size_t)f.m.cfg.n_vocab * sizeof *row);
+    snprintf(label, sizeof label, "%s: the JSON mask under a schema = every token's bytes tried, in 6 states", name);
+    check(!mask_differs(&f, schema, states, 6, row), label, "%d tokens differ", mask_differs(&f, schema, states, 6, row));
+    free(row);
+    engine_gen_free(&g);
+    sample_schema_free(schema);
+    json_free(j);
     fixture_close(&f);
 }
 
@@ -576,6 +618,7 @@ int main(int argc, char **argv)
     test_engine_slots(dir, "q35moe-q8_0.gguf");
     test_engine_logprobs(dir, "q35moe-q8_0.gguf");
     test_engine_json(dir, "q35moe-q8_0.gguf");
+    test_engine_schema(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */

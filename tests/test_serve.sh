@@ -133,6 +133,14 @@ def pick_stop(c, frm, n, cls):  # a substring of c from frm*len(c) on, whose fir
         if re.fullmatch(cls, s) and c.find(s) >= 2:
             return s
     raise ValueError('no stop string')
+def schema_valid(s, v):  # v under JSON schema s (the keywords of test_serve's), objects' keys in the schema's order
+    if 'enum' in s: return any(type(v) is type(e) and v == e for e in s['enum'])
+    t, props = s.get('type'), s.get('properties', {})
+    if t == 'integer': return type(v) is int
+    if t in ('string', 'boolean', 'array', 'object') and type(v) is not {'string': str, 'boolean': bool, 'array': list, 'object': dict}[t]: return False
+    if t == 'array': return len(v) <= s.get('maxItems', len(v)) and all(schema_valid(s['items'], x) for x in v)
+    if t == 'object': return set(s.get('required', [])) <= set(v) and list(v) == [k for k in props if k in v] and all(schema_valid(props[k], v[k]) for k in v)
+    return True
 mode, path, expr = sys.argv[1:4]
 try:
     d = sse(path) if mode.startswith('sse') else (load(path) if path != '-' else None)
@@ -501,10 +509,25 @@ if [ "$code" = 200 ] && qt "$tmp/jsonC.body" "d['choices'][0]['finish_reason'] =
     ok "json_object chat: the content a JSON object"
 else bad "json_object chat" "$code $(errbody jsonC)"; fi
 tools='"tools":[{"type":"function","function":{"name":"get_time","description":"The time","parameters":{"type":"object","properties":{}}}}]'
-post e_lp /v1/chat/completions "$(chat_body "$A" 4 '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}')"
-if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'response_format' and 'json_object' in d['error']['message']"; then
-    ok "response_format json_schema: 400 saying to ask for json_object"
-else bad "response_format json_schema" "$code $(errbody e_lp)"; fi
+# response_format json_schema: sampled answers valid under the schema by python's own check (types, enum, required,
+# no other keys, the schema's order, maxItems); what coli does not follow refused, naming it
+schema='{"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"},"c":{"enum":["red","blue"]},"t":{"type":"array","items":{"type":"boolean"},"maxItems":2}},"required":["n","c"],"additionalProperties":false}'
+printf '%s' "$schema" >"$tmp/schema.json"
+sclosers=$(printf '{"%s":3,"%s":3}' $(for t in '"' '}'; do "$COLI" tokenize -m "$M" -p "$t" 2>/dev/null; done))
+sbad=
+for seed in 1 2 3 4 5 6; do
+    post jsonS /v1/completions "$(comp_body "$R" 400 "\"temperature\":1,\"seed\":$seed,\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"strict\":true,\"schema\":$schema}},\"logit_bias\":$sclosers")"
+    qt "$tmp/jsonS.body" "d['choices'][0]['finish_reason'] == 'stop' and schema_valid(load('$tmp/schema.json'), json.loads(d['choices'][0]['text']))" ||
+        sbad="$sbad seed $seed: $(errbody jsonS)"
+done
+if [ -z "$sbad" ]; then ok "json_schema completions, 6 seeds: each valid under the schema (python's check), ended where it closed"; else bad "json_schema completions" "$sbad"; fi
+for e in 'minLength:{"type":"object","properties":{"a":{"type":"string","minLength":2}}}' 'root must be an object:{"type":"string"}' \
+         'both admit:{"type":"object","properties":{"a":{"anyOf":[{"type":"integer"},{"type":"number"}]}}}' 'needs its schema:'; do
+    post e_lp /v1/chat/completions "$(chat_body "$A" 4 "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\"${e#*:}}}" | sed 's/"x"{/"x","schema":{/')"
+    if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == 'response_format' and '${e%%:*}' in d['error']['message']"; then
+        ok "json_schema refused: 400 saying '${e%%:*}'"
+    else bad "json_schema refused (${e%%:*})" "$code $(errbody e_lp)"; fi
+done
 # tool_choice: "none" renders no tools (the model answers in text); a forced call with no tools, or an unknown value, refused
 post tcTools /apply-template "$(chat_body "$A" 4 "$tools")"
 post tcNone /apply-template "$(chat_body "$A" 4 "$tools,\"tool_choice\":\"none\"")"
