@@ -16691,14 +16691,29 @@ static int sample_json_step(struct sample_json *s, unsigned char c)
     }
 }
 
+/* FROM into TO but for the frames of containers not open: a step reads only those of open ones, and writes a frame
+ * before it opens it. A mask tries every token from a copy of the state: whole it would be 300 bytes. */
+static void sample_json_copy(struct sample_json *to, const struct sample_json *from)
+{
+    memcpy(to, from, offsetof(struct sample_json, frame) + from->depth * sizeof from->frame[0]);
+}
+
+/* Whether bytes P[0..n) (n > 0) may come next in S's object, S advancing over them (spoilt if not: step a copy). */
+static int sample_json_takes(struct sample_json *s, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!sample_json_step(s, (unsigned char)p[i])) return 0;
+    return n > 0;
+}
+
 /* Whether bytes P[0..n) (n > 0) may come next in S's object; if so S advances over them. */
 static int sample_json_accepts(struct sample_json *s, const char *p, size_t n)
 {
-    struct sample_json t = *s;
-    for (size_t i = 0; i < n; i++)
-        if (!sample_json_step(&t, (unsigned char)p[i])) return 0;
-    *s = t;
-    return n > 0;
+    struct sample_json t;
+    sample_json_copy(&t, s);
+    if (!sample_json_takes(&t, p, n)) return 0;
+    sample_json_copy(s, &t);
+    return 1;
 }
 
 /* ---- JSON schema: a response_format's json_schema compiled for the automaton above ---- */
@@ -17189,18 +17204,23 @@ static int engine_json_mask(struct engine *e, const struct engine_slot *sl, floa
 {
     const int n = e->m->cfg.n_vocab < e->tok->n_vocab ? e->m->cfg.n_vocab : e->tok->n_vocab;
     uint8_t first[256];
+    struct sample_json s;
     for (int c = 0; c < 256; c++) {
-        struct sample_json s = sl->json;
+        sample_json_copy(&s, &sl->json);
         first[c] = (uint8_t)sample_json_step(&s, (unsigned char)c);
     }
     if (!e->bytes_at) engine_token_bytes(e);
     const int in_string = sl->json.state == SJ_STRING && !sl->json.need;
     int kept = 0;
     for (int i = 0; i < n; i++) {
-        struct sample_json s = sl->json;
         const char *p = e->bytes + e->bytes_at[i];
         const size_t len = e->bytes_at[i + 1] - e->bytes_at[i];
-        if ((in_string && e->plain[i]) || (len && first[(unsigned char)*p] && sample_json_accepts(&s, p, len))) kept++;
+        int keep = in_string && e->plain[i];
+        if (!keep && len && first[(unsigned char)*p]) {
+            sample_json_copy(&s, &sl->json);
+            keep = sample_json_takes(&s, p, len);
+        }
+        if (keep) kept++;
         else logits[i] = -INFINITY;
     }
     for (int i = n; i < e->m->cfg.n_vocab; i++) logits[i] = -INFINITY; /* padding rows: no text */

@@ -652,7 +652,13 @@ static void gen_wrong_type(struct fcase *c, uint64_t *r)
         {"logit_bias", "{\"\":1}", "400", 1}, {"logit_bias", "{\"1\":-100,\"2\":100}", GEN, 0}, {"tool_choice", "\"required\"", GEN " 400", 0},
         {"tool_choice", "5", GEN " 400", 0}, {"echo", "true", GEN " 400", 0}, {"best_of", "3", GEN " 400", 0}, {"suffix", "\"x\"", GEN " 400", 0},
         {"response_format", "{\"type\":\"json_object\"}", GEN, 0}, {"response_format", "{\"type\":\"json_schema\"}", "400", 1},
-        {"response_format", "5", "400", 1},
+        {"response_format", "5", "400", 1}, {"response_format", "{\"type\":\"json_schema\",\"json_schema\":5}", "400", 1},
+        {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"a\",\"schema\":{\"type\":\"object\",\"properties\":"
+                            "{\"a\":{\"type\":\"integer\"},\"b\":{\"$ref\":\"#\"}},\"required\":[\"a\"]}}}", GEN, 0},
+        {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"$ref\":\"#\"}}}", "400", 1},
+        {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":[]}}", "400", 1},
+        {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[]}}}}}", "400", 1},
+        {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"anyOf\":5}}}}}", "400", 1},
     };
     unsigned k = rnd(r, sizeof ws / sizeof *ws);
     const char *f = ws[k].field;

@@ -123,6 +123,16 @@ await check('chat.completions.create with logprobs, top_logprobs 2, logit_bias: 
     return badEntry ? `entry ${show(badEntry)}` : null;
 });
 
+await check('response_format json_schema: the text an object the schema admits (at most 5 x 32 whitespace bytes: it closes)', async () => {
+    const schema = { type: 'object', properties: { c: { enum: ['red', 'blue'] } }, required: ['c'], additionalProperties: false };
+    const r = await client.completions.create({ model, prompt: want.raw_prompt, max_tokens: 300, temperature: 1, seed: 4,
+        response_format: { type: 'json_schema', json_schema: { name: 'color', strict: true, schema } } });
+    const c = r.choices?.[0];
+    let v;
+    try { v = JSON.parse(c?.text); } catch (e) { return `text ${show(c?.text)}: ${e.message}`; }
+    return c.finish_reason === 'stop' && ['red', 'blue'].includes(v.c) && Object.keys(v).join() === 'c' ? null : `${c.finish_reason}: ${show(c.text)}`;
+});
+
 await check('a bad parameter: APIError (BadRequestError) with status 400, param max_tokens', async () => {
     try {
         await client.chat.completions.create({ ...chatReq, max_tokens: 'x' });

@@ -515,7 +515,7 @@ if [ "$(wc -l <"$tmp/serve-fail.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tm
     grep -qE '^\[cuda\] the states of [1-3] conversations rebuilt on the CPU: [1-9][0-9]* tokens of context fed again$' "$tmp/serve-fail"; then
     ok "serve: a device failing mid-decode with three conversations' states on it: each fed again on the CPU, the CPU's texts"
 else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fail.txt"); $(grep -E 'cuda' "$tmp/serve-fail" | tail -n 2)"; fi
-# A request with logprobs and a logit_bias, or in JSON mode, takes the whole logits row from the
+# A request with logprobs and a logit_bias, or in JSON mode (a schema's too), takes the whole logits row from the
 # device (not its best): the CPU's tokens and log-probabilities, digit for digit. A JSON-mode chat
 # still thinking (its constraint waits for </think>) takes the device's best: the CPU's thinking.
 serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs, and one's JSON text, from a server started with ENV
@@ -525,6 +525,9 @@ serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs,
         -d '{"prompt":"The capital of France is","max_tokens":8,"temperature":0.7,"seed":5,"logprobs":3,"logit_bias":{"1000":5}}' | grep -o '"logprobs":.*"finish_reason"'
     [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
         -d '{"prompt":"The capital of France is","max_tokens":12,"temperature":0.9,"seed":5,"response_format":{"type":"json_object"}}' | grep -o '"text":"[^"]*'
+    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
+        -d '{"prompt":"The capital of France is","max_tokens":40,"temperature":0.9,"seed":5,"response_format":{"type":"json_schema","json_schema":{"name":"c","schema":{"type":"object","properties":{"c":{"enum":["red","blue"]}},"required":["c"]}}}}' |
+        grep -o '"text":.*"finish_reason":"[a-z]*"'
     [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
         -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":12,"temperature":0,"response_format":{"type":"json_object"},"chat_template_kwargs":{"enable_thinking":true}}' |
         grep -o '"reasoning_content":"[^"]*'
@@ -532,9 +535,9 @@ serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs,
 }
 serve_logprobs "$tmp/lp-cpu" COLI_CUDA=0 >"$tmp/lp-cpu.txt"
 serve_logprobs "$tmp/lp-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/lp-gpu.txt"
-if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
+if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{.*"finish_reason":"' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
     ! grep -q 'running on the CPU from here' "$tmp/lp-gpu"; then
-    ok "serve on the fake device, logprobs and logit_bias, JSON mode: the CPU's tokens and log-probabilities"
+    ok "serve on the fake device, logprobs and logit_bias, JSON mode, a JSON schema: the CPU's tokens and log-probabilities"
 else bad "serve, logprobs on the device" "cpu $(head -c 200 "$tmp/lp-cpu.txt"), gpu $(head -c 200 "$tmp/lp-gpu.txt"); $(grep -E 'cuda' "$tmp/lp-gpu" | tail -n 2)"; fi
 # One slot, three conversations one after another: the first is parked in RAM when the second
 # takes the slot (its DeltaNet states and KV rows come down from the device first), and the third

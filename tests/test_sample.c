@@ -547,6 +547,13 @@ static void test_json_schema(void)
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[[1]]}}}", "objects or lists"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"enum\":[1,2]}}}", "no value of the schema's 'type'"},
     };
+    char deep[2048] = "{\"type\":\"object\",\"properties\":{\"a\":";
+    for (int k = 0; k < 40; k++) strcat(deep, "{\"type\":\"array\",\"items\":");
+    strcat(deep, "{}");
+    for (int k = 0; k < 42; k++) strcat(deep, "}");
+    struct sample_schema *s = schema_from(deep, why);
+    check(!s && strstr(why, "deeper than 32"), "JSON schema: 40 schemas deep refused", "%s", s ? "compiled" : why);
+    sample_schema_free(s);
     int said = 0;
     for (size_t k = 0; k < sizeof refused / sizeof *refused; k++) {
         struct sample_schema *s = schema_from(refused[k].schema, why);
