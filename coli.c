@@ -19505,6 +19505,7 @@ struct cmd_options {
     int n_predict, n_bench_prompt, n_ctx, threads;
     enum ops_kv kv;          /* --kv */
     int chat, json, think, hide_think, ignore_eog, kernels;
+    const char *json_schema; /* run --json-schema: inline JSON, or @FILE */
     int seed_given;          /* --seed: bench's random prompt (else 42) */
     int verbose;             /* -v: also what matters only when something is wrong */
     struct sample_params sample;
@@ -19736,11 +19737,33 @@ static void cmd_print_json(struct cmd_session *s, const int *prompt, const struc
     printf(",\"n_ctx\":%d,\"threads\":%d,\"kernels\":\"%s\"}\n", s->model.n_ctx, plat_threads(), quant_level_name());
 }
 
+/* --json-schema's SCHEMA (inline JSON, or @FILE's), compiled; dies saying why if it is not one coli follows. */
+static struct sample_schema *cmd_json_schema(const char *schema)
+{
+    struct tok_buf file = {0};
+    char chunk[4096], why[SAMPLE_SCHEMA_ERROR];
+    const char *error = NULL;
+    if (schema[0] == '@') {
+        FILE *f = fopen(schema + 1, "rb");
+        if (!f) die("--json-schema: cannot open %s: %s", schema + 1, strerror(errno));
+        for (size_t got; (got = fread(chunk, 1, sizeof chunk, f)) > 0;) tok_buf_put(&file, chunk, got);
+        fclose(f);
+    }
+    struct json *j = json_parse(file.p ? file.p : schema, file.p ? file.n : strlen(schema), &error);
+    if (!j) die("--json-schema: not JSON: %s", error);
+    struct sample_schema *compiled = sample_schema_compile(j, why);
+    json_free(j);
+    free(file.p);
+    if (!compiled) die("--json-schema: %s", why);
+    return compiled;
+}
+
 /* coli run: one prompt (raw text, or the chat template with --chat), one answer. */
 static int cmd_run(const struct cmd_options *o)
 {
     struct cmd_session s;
     if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
+    struct sample_schema *schema = o->json_schema ? cmd_json_schema(o->json_schema) : NULL;
     cmd_open(&s, o, 1, 0, cmd_copies(o));
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
     sigaction(SIGINT, &sa, NULL); /* Ctrl-C ends the generation; the heat is still saved */
@@ -19752,6 +19775,8 @@ static int cmd_run(const struct cmd_options *o)
     if (n > s.model.n_ctx) die("the prompt has %d tokens but the context holds %d (-c to raise it)", n, s.model.n_ctx);
     struct cmd_printer printer = {.s = &s, .in_think = o->chat && o->think, .hide_think = o->hide_think};
     struct engine_request req = cmd_request(o, ids, n, o->n_predict, o->json ? NULL : &printer);
+    req.json = schema != NULL, req.schema = schema;
+    req.after = o->chat && o->think ? tok_find(&s.tok, "</think>") : -1;
     struct engine_gen g;
     engine_generate(&s.engine, 0, &req, &g);
     if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
@@ -19765,6 +19790,7 @@ static int cmd_run(const struct cmd_options *o)
     if (g.stop == ENGINE_STOP_CANCEL) plat_log("[coli] stopped: interrupted");
     cmd_print_stats(&s, &g);
     engine_gen_free(&g);
+    sample_schema_free(schema);
     free(ids);
     free(text);
     cmd_close(&s);
@@ -20663,8 +20689,11 @@ static const char arg_usage[] =
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
+            "         [--json-schema SCHEMA|@FILE]\n"
             "  Generates N tokens (default 128) after TEXT. TEXT is raw (special-token texts such as\n"
             "  <|im_start|> are parsed) unless --chat wraps it in the model's chat template.\n"
+            "  --json-schema makes the answer a JSON object the schema admits (after the thinking), ending\n"
+            "  where it closes: the keywords serve's response_format json_schema follows (README).\n"
             "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
             "  [id, logit] pairs at every generated position), stop, timings, experts. Default: greedy.\n"},
     {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
@@ -20815,6 +20844,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--system")) o->system = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--chat")) o->chat = 1;
         else if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--json-schema") && !strcmp(cmd, "run")) o->json_schema = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--no-think")) o->think = 0;
         else if (!strcmp(a, "--reasoning")) o->think = arg_on_off(argc, argv, &i);
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;

@@ -181,6 +181,19 @@ PY
     expect "prompt longer than the context" 1 'context holds 8' -- "$COLI" run -m "$M" -c 8 -p "The capital of France is Paris, and"
     expect "context fills during generation" 0 '"stop":"context"' -- "$COLI" run -m "$M" -c 12 -n 100 --json --ignore-eog -p "The capital of France is"
 
+    schema='{"type":"object","properties":{"c":{"enum":["red","blue"]},"n":{"type":"integer"}},"required":["c","n"]}'
+    printf '%s' "$schema" >"$tmp/schema.json"
+    sbad=
+    for seed in 1 2 3; do
+        "$COLI" run -m "$M" -p "The capital of France is" -n 400 --temp 1 --seed $seed --json-schema "@$tmp/schema.json" >"$tmp/js" 2>/dev/null &&
+            python3 -c 'import json, sys; v = json.load(open(sys.argv[1])); sys.exit(not (list(v) == ["c", "n"] and v["c"] in ("red", "blue") and type(v["n"]) is int))' "$tmp/js" ||
+            sbad="$sbad seed $seed: $(head -c 200 "$tmp/js" | tr '\n' ' ')"
+    done
+    if [ -z "$sbad" ]; then ok "run --json-schema @FILE: 3 sampled answers, each an object the schema admits (python)"; else bad "run --json-schema" "$sbad"; fi
+    expect "run --json-schema: a schema not followed" 1 "--json-schema: the JSON schema keyword 'pattern'" -- "$COLI" run -m "$M" -p hi --json-schema '{"type":"object","pattern":"x"}'
+    expect "run --json-schema: not JSON" 1 "--json-schema: not JSON" -- "$COLI" run -m "$M" -p hi --json-schema '{"type":'
+    expect "run --json-schema: a missing file" 1 "--json-schema: cannot open" -- "$COLI" run -m "$M" -p hi --json-schema @"$tmp/absent.json"
+
     P="The capital of France is Paris, and the capital of Japan is"
     "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 1 2>"$tmp/t1_err" | tail -n 1 >"$tmp/t1"
     "$COLI" run -m "$M" -p "$P" -n 32 --ignore-eog --json -t 2 2>/dev/null | tail -n 1 >"$tmp/t2"
