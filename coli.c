@@ -18082,6 +18082,7 @@ struct serve_job {
     int chat;                  /* /v1/chat/completions (else /v1/completions) */
     int stream, include_usage;
     int think;                 /* chat: the answer opens inside a think block */
+    int one_call;              /* parallel_tool_calls false: the answer ends after its first call */
     struct json *body;         /* the request, parsed */
     const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
@@ -18102,6 +18103,8 @@ struct serve_job {
     size_t len, cap, released; /* text[0..released) can no longer become a stop string */
     struct engine_logprobs *lp; /* [n_lp] req.logprobs: each generated token's (tok: bar one that ends the turn) */
     size_t n_lp, lp_cap;
+    size_t thought;            /* one_call: where the text's think block ended (0: not yet, or none opened) */
+    size_t call_end;           /* one_call: where the text was cut after its first call (0: not) */
     int done;                  /* the engine has let go; gen is final */
     struct engine_gen gen;
 };
@@ -18171,6 +18174,21 @@ static void serve_job_free(struct serve_job *j)
     free(j);
 }
 
+/* parallel_tool_calls false: the end of J's first call if the text from FROM on closes it (after the think block, if
+ * the answer opens in one), else 0. */
+static size_t serve_first_call_end(struct serve_job *j, size_t from)
+{
+    if (j->think && !j->thought) {
+        const size_t back = from > 7 ? from - 7 : 0; /* a tag may straddle two pieces */
+        const char *end = memmem(j->text + back, j->len - back, "</think>", 8);
+        if (!end) return 0;
+        j->thought = (size_t)(end + 8 - j->text);
+    }
+    const size_t at = from > 11 && from - 11 > j->thought ? from - 11 : j->thought;
+    const char *close = memmem(j->text + at, j->len - at, "</tool_call>", 12);
+    return close ? (size_t)(close + 12 - j->text) : 0;
+}
+
 /* Where the first stop string starts in J's text from FROM on, or -1. */
 static long serve_find_stop(const struct serve_job *j, size_t from)
 {
@@ -18202,6 +18220,7 @@ static int serve_job_append(struct serve_job *j, const char *s, size_t n)
     memcpy(j->text + j->len, s, n);
     j->len += n;
     long at = serve_find_stop(j, from + 1 > j->longest_stop ? from + 1 - j->longest_stop : 0);
+    if (at < 0 && j->one_call && j->tools && (j->call_end = serve_first_call_end(j, from))) at = (long)j->call_end;
     if (at >= 0) j->len = (size_t)at;
     j->released = j->len - (at >= 0 ? 0 : serve_stop_holdback(j));
     return at >= 0;
@@ -18487,7 +18506,8 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     if (show && serve_bool(body, "add_generation_prompt", &f.add_generation_prompt, e)) return NULL;
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
     const struct json *choice = json_get(body, "tool_choice"), *name = NULL;
-    if (serve_tool_choice(choice, tools, &name, e)) return NULL;
+    int parallel = 1;
+    if (serve_tool_choice(choice, tools, &name, e) || serve_bool(body, "parallel_tool_calls", &parallel, e)) return NULL;
     if (tok_json_is(choice, "none")) tools = NULL; /* the model is not told of them, so it answers in text */
     if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
     if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
@@ -18501,6 +18521,7 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     if (j) {
         j->think = f.enable_thinking != 0;
         j->tools = tools && tools->kind == JSON_ARRAY && tools->child ? tools : NULL;
+        j->one_call = !parallel;
     }
     if (j && (name || tok_json_is(choice, "required"))) { /* the answer opens a call (of NAME): the template's form */
         j->prefix = plat_alloc(64 + (name ? name->len : 0));
@@ -18830,7 +18851,7 @@ static void serve_answer_feed(struct serve_answer *a, const struct json *tools, 
 
 static const char *serve_finish_reason(const struct serve_job *j)
 {
-    if (j->answer.n_calls && j->gen.stop == ENGINE_STOP_EOG) return "tool_calls";
+    if (j->answer.n_calls && (j->gen.stop == ENGINE_STOP_EOG || j->call_end)) return "tool_calls";
     return j->gen.stop == ENGINE_STOP_LENGTH || j->gen.stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
 }
 

@@ -650,7 +650,8 @@ static void gen_wrong_type(struct fcase *c, uint64_t *r)
         {"top_logprobs", "\"x\"", GEN " 400", 0}, {"top_logprobs", "21", GEN " 400", 0}, {"logit_bias", "[1]", "400", 1},
         {"logit_bias", "{\"x\":1}", "400", 1}, {"logit_bias", "{\"1\":1e9}", "400", 1}, {"logit_bias", "{\"99999999\":1}", "400", 1},
         {"logit_bias", "{\"\":1}", "400", 1}, {"logit_bias", "{\"1\":-100,\"2\":100}", GEN, 0}, {"tool_choice", "\"required\"", GEN " 400", 0},
-        {"tool_choice", "5", GEN " 400", 0}, {"echo", "true", GEN " 400", 0}, {"best_of", "3", GEN " 400", 0}, {"suffix", "\"x\"", GEN " 400", 0},
+        {"tool_choice", "5", GEN " 400", 0}, {"parallel_tool_calls", "\"x\"", GEN " 400", 0}, {"parallel_tool_calls", "false", GEN, 0},
+        {"echo", "true", GEN " 400", 0}, {"best_of", "3", GEN " 400", 0}, {"suffix", "\"x\"", GEN " 400", 0},
         {"response_format", "{\"type\":\"json_object\"}", GEN, 0}, {"response_format", "{\"type\":\"json_schema\"}", "400", 1},
         {"response_format", "5", "400", 1}, {"response_format", "{\"type\":\"json_schema\",\"json_schema\":5}", "400", 1},
         {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"a\",\"schema\":{\"type\":\"object\",\"properties\":"

@@ -553,6 +553,33 @@ static void test_stop_strings(void)
     free(j.text);
 }
 
+/* parallel_tool_calls false: the answer cut after its first call's </tool_call> (a tag split between pieces found), not
+ * inside a think block the answer opens in; the text up to the cut parses as one call. */
+static void test_one_call(void)
+{
+    static const struct { int think; const char *pieces[4]; size_t end; } cases[] = {
+        {0, {"<tool_call>\n<function=f>\n</function>\n</tool", "_call>\n<tool_call>\n<function=g>", NULL}, 49},
+        {1, {"a </tool_call> b</thi", "nk>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call>\n", "<tool_call>", NULL}, 75},
+        {1, {"thinking <tool_call>\n<function=f>\n</function>\n</tool_call>", " on", NULL}, 0},
+    };
+    struct json tools = {.kind = JSON_ARRAY};
+    int right = 0;
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        struct serve_job j;
+        memset(&j, 0, sizeof j);
+        j.one_call = 1, j.tools = &tools, j.think = cases[k].think;
+        int stopped = 0;
+        for (int i = 0; cases[k].pieces[i] && !stopped; i++) stopped = serve_job_append(&j, cases[k].pieces[i], strlen(cases[k].pieces[i]));
+        struct serve_answer a = {.part = j.think ? SERVE_PART_REASONING : SERVE_PART_CONTENT};
+        serve_answer_feed(&a, &tools, j.text, j.len, 1);
+        right += cases[k].end ? stopped && j.len == cases[k].end && j.call_end == cases[k].end && a.n_calls == 1 && j.released == j.len
+                              : !stopped && !j.call_end && a.n_calls == 0;
+        serve_answer_free(&a);
+        free(j.text);
+    }
+    check(right == 3, "parallel_tool_calls false: the answer ends after its first call, not inside thinking", "%d of 3", right);
+}
+
 /* Requests routed while the model loads (ready 0: no tokenizer, no engine yet): each endpoint
  * that needs the model answers 503 with the code "loading", /health says "loading", and none
  * touches the tokenizer (a chat request read its template through NULL: a segfault). */
@@ -605,6 +632,7 @@ int main(int argc, char **argv)
     quant_init();
     test_json();
     test_stop_strings();
+    test_one_call();
     test_answer_fields();
     test_loading_answers();
     char probe[1024];
