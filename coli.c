@@ -18625,7 +18625,8 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     double max = -1, n = 1;
     const struct json *opts = json_get(body, "stream_options");
     if (serve_number(body, "max_tokens", 1, 1e9, 1, &max, e) || serve_number(body, "max_completion_tokens", 1, 1e9, 1, &max, e) ||
-        serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_sampling(body, &j->req.sample, e) ||
+        serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_bool(body, "ignore_eos", &j->req.ignore_eog, e) ||
+        serve_sampling(body, &j->req.sample, e) ||
         serve_stops(body, j, e) || serve_logprobs(srv, body, j, e))
         return -1;
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");

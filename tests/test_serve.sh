@@ -488,7 +488,14 @@ post lpBias2 /v1/completions "$(comp_body "$R" 4 '"logprobs":0,"logit_bias":{"10
 if [ "$code" = 200 ] && qt "$tmp/lpBias2.body" "(lambda lp: len(set(lp['tokens'])) == 1 and len(lp['tokens']) == 4 and all(v < -1 for v in lp['token_logprobs']))(d['choices'][0]['logprobs'])"; then
     ok "logit_bias +100 on one token: it every time, its log-probability the model's"
 else bad "logit_bias +100" "$code $(errbody lpBias2)"; fi
-for e in 'parallel_tool_calls:"parallel_tool_calls":"x"' 'top_logprobs:"top_logprobs":21' 'top_logprobs:"top_logprobs":2' 'logit_bias:"logit_bias":{"x":1}' 'logit_bias:"logit_bias":{"5":101}' 'logit_bias:"logit_bias":[1]'; do
+# ignore_eos: a greedy chat that ends at its end-of-generation token before 120 goes on to max_tokens
+post eogA /v1/chat/completions "$(chat_body Hi 120 '"chat_template_kwargs":{"enable_thinking":false}')"
+post eogB /v1/chat/completions "$(chat_body Hi 120 '"chat_template_kwargs":{"enable_thinking":false},"ignore_eos":true')"
+if qt "$tmp/eogA.body" "d['choices'][0]['finish_reason'] == 'stop' and d['usage']['completion_tokens'] < 120" &&
+    qt "$tmp/eogB.body" "d['choices'][0]['finish_reason'] == 'length' and d['usage']['completion_tokens'] == 120"; then
+    ok "ignore_eos: generation goes on through the end-of-generation token to max_tokens"
+else bad "ignore_eos" "$(errbody eogA) / $(errbody eogB)"; fi
+for e in 'ignore_eos:"ignore_eos":"y"' 'parallel_tool_calls:"parallel_tool_calls":"x"' 'top_logprobs:"top_logprobs":21' 'top_logprobs:"top_logprobs":2' 'logit_bias:"logit_bias":{"x":1}' 'logit_bias:"logit_bias":{"5":101}' 'logit_bias:"logit_bias":[1]'; do
     post e_lp /v1/chat/completions "$(chat_body "$A" 4 "${e#*:}")"
     if is_error e_lp 400 invalid_request_error && qt "$tmp/e_lp.body" "d['error']['param'] == '${e%%:*}'"; then ok "${e#*:}: 400, error.param ${e%%:*}"; else bad "${e#*:}" "$code $(errbody e_lp)"; fi
 done
