@@ -17699,7 +17699,7 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 /* ==== §12 serve ==== */
 /* Owns: `coli serve`, the OpenAI-compatible HTTP server: listening socket, a thread per connection, HTTP/1.1 read under
  *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
- *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template.
+ *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize.
  * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error. Connection threads never touch
  *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
@@ -19289,32 +19289,93 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
 
 /* POST /apply-template: a chat request's rendered messages, as {"prompt": TEXT} (llama.cpp's endpoint), so a client
  * sees what the model is given. */
-static int serve_apply_template(struct serve_conn *c, const struct serve_request *r)
+static char *serve_template_answer(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
 {
-    struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
-    const char *why = NULL;
-    struct json *body = json_parse(r->body, r->body_len, &why);
     size_t len = 0;
-    char *text = NULL;
-    if (!serve_ready(c->srv)) serve_loading(&e);
-    else if (!body) serve_bad(&e, NULL, "the body is not valid JSON: %s", why);
-    else if (body->kind != JSON_OBJECT) serve_bad(&e, NULL, "the body must be a JSON object");
-    else text = serve_chat_text(c->srv, body, NULL, 1, &len, &e);
-    json_free(body);
-    if (!text) {
-        serve_fail(c, &e, r->keep_alive);
-        return r->keep_alive ? 0 : -1;
-    }
-    char *out = NULL;
-    size_t n;
-    FILE *f = open_memstream(&out, &n);
+    char *text = serve_chat_text(srv, body, NULL, 1, &len, e), *out = NULL;
+    if (!text) return NULL;
+    FILE *f = open_memstream(&out, n);
     fputs("{\"prompt\":", f);
     json_write_string(f, text, len);
     fputs("}", f);
     fclose(f);
+    free(text);
+    return out;
+}
+
+/* POST /tokenize (llama.cpp's): {"content": TEXT, "parse_special": true, "with_pieces": false} -> {"tokens": [ID, ...]}, or
+ * with pieces [{"id": ID, "piece": TEXT}, ...] (a piece not whole UTF-8 shows U+FFFD). The Qwen vocabularies add no BOS,
+ * so add_special changes nothing. */
+static char *serve_tokenize(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    const struct json *content = json_get(body, "content");
+    int parse_special = 1, with_pieces = 0;
+    if (!content || content->kind != JSON_STRING) return serve_bad(e, "content", "'content' must be a string"), NULL;
+    if (serve_bool(body, "parse_special", &parse_special, e) || serve_bool(body, "with_pieces", &with_pieces, e)) return NULL;
+    int *ids = NULL, count = tok_encode(srv->tok, content->str, content->len, parse_special, &ids);
+    char *out = NULL, *piece = plat_alloc((size_t)srv->tok->max_piece + 1);
+    FILE *f = open_memstream(&out, n);
+    fputs("{\"tokens\":[", f);
+    for (int i = 0; i < count; i++) {
+        if (!with_pieces) {
+            fprintf(f, "%s%d", i ? "," : "", ids[i]);
+            continue;
+        }
+        fprintf(f, "%s{\"id\":%d,\"piece\":", i ? "," : "", ids[i]);
+        json_write_string(f, piece, tok_decode(srv->tok, ids[i], piece, (size_t)srv->tok->max_piece + 1));
+        fputc('}', f);
+    }
+    fputs("]}", f);
+    fclose(f);
+    free(piece);
+    free(ids);
+    return out;
+}
+
+/* POST /detokenize (llama.cpp's): {"tokens": [ID, ...]} -> {"content": TEXT} (bytes no character completes: U+FFFD). */
+static char *serve_detokenize(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    const struct json *tokens = json_get(body, "tokens");
+    const int n_vocab = srv->tok->n_vocab;
+    if (!tokens || tokens->kind != JSON_ARRAY) return serve_bad(e, "tokens", "'tokens' must be a list of token ids"), NULL;
+    for (const struct json *t = tokens->child; t; t = t->next)
+        if (t->kind != JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= n_vocab)
+            return serve_bad(e, "tokens", "'tokens' must be whole numbers in [0, %d)", n_vocab), NULL;
+    struct tok_buf text = {0};
+    char *out = NULL, *piece = plat_alloc((size_t)srv->tok->max_piece + 1);
+    for (const struct json *t = tokens->child; t; t = t->next)
+        tok_buf_put(&text, piece, tok_decode(srv->tok, (int)t->number, piece, (size_t)srv->tok->max_piece + 1));
+    FILE *f = open_memstream(&out, n);
+    fputs("{\"content\":", f);
+    json_write_string(f, text.p ? text.p : "", text.n);
+    fputs("}", f);
+    fclose(f);
+    free(piece);
+    free(text.p);
+    return out;
+}
+
+typedef char *serve_answer_fn(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e);
+
+/* A POST endpoint answered from the tokenizer or the template alone (no generation): ANSWER's JSON for R's body. */
+static int serve_utility(struct serve_conn *c, const struct serve_request *r, serve_answer_fn *answer)
+{
+    struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
+    const char *why = NULL;
+    struct json *body = json_parse(r->body, r->body_len, &why);
+    size_t n = 0;
+    char *out = NULL;
+    if (!serve_ready(c->srv)) serve_loading(&e);
+    else if (!body) serve_bad(&e, NULL, "the body is not valid JSON: %s", why);
+    else if (body->kind != JSON_OBJECT) serve_bad(&e, NULL, "the body must be a JSON object");
+    else out = answer(c->srv, body, &n, &e);
+    json_free(body);
+    if (!out) {
+        serve_fail(c, &e, r->keep_alive);
+        return r->keep_alive ? 0 : -1;
+    }
     int rc = serve_respond(c, 200, "application/json", out, n, NULL, r->keep_alive);
     free(out);
-    free(text);
     serve_count(c->srv, 200);
     return rc || !r->keep_alive ? -1 : 0;
 }
@@ -19336,7 +19397,8 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
     static const struct { const char *path, *method; } routes[] = {
         {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}, {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"},
-        {"/apply-template", "POST"}};
+        {"/apply-template", "POST"}, {"/tokenize", "POST"}, {"/detokenize", "POST"}};
+    static serve_answer_fn *const utilities[] = {serve_template_answer, serve_tokenize, serve_detokenize};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};
     int k = -1;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
@@ -19347,7 +19409,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
     } else if (k > 0 && !serve_authorized(c->srv, r)) {
         e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY)"};
-    } else return k < 3 ? serve_get(c, r) : k == 5 ? serve_apply_template(c, r) : serve_generate(c, r, k == 3);
+    } else return k < 3 ? serve_get(c, r) : k < 5 ? serve_generate(c, r, k == 3) : serve_utility(c, r, utilities[k - 5]);
     char allow[64];
     snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? routes[k].method : "GET");
     size_t n;
@@ -20725,8 +20787,8 @@ static const char *const arg_command_help[][2] = {
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
               "           [--cache-ram SIZE] [--no-think | --reasoning off]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
-              "  POST /apply-template (the prompt a chat request renders to), GET /v1/models, /health (503 while\n"
-              "  loading) and /metrics (Prometheus). --port 0 picks a free port\n"
+              "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
+              "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus). --port 0 picks a free port\n"
               "  (said on stderr). --parallel N conversations decode together as one batch (default: what a quarter\n"
               "  of free memory holds at full context, 1-4, fewer where more would leave routed experts out of\n"
               "  memory), each with -c tokens (default 32768); --queue N requests\n"

@@ -617,6 +617,28 @@ static void gen_bad_json(struct fcase *c, uint64_t *r)
 #undef MSG
 }
 
+/* /tokenize and /detokenize: bodies valid, odd and wrong (ids below 10: any model's vocabulary holds them). */
+static void gen_tokenizer(struct fcase *c, uint64_t *r)
+{
+    static const struct { const char *path, *body, *expect; } ts[] = {
+        {"/tokenize", "{\"content\":\"hi\"}", "200"}, {"/tokenize", "{\"content\":\"<|im_start|>a\",\"with_pieces\":true}", "200"},
+        {"/tokenize", "{\"content\":\"\xff\xfe\"}", "200 400"}, {"/tokenize", "{\"content\":\"\\u0000x\",\"parse_special\":false}", "200"},
+        {"/tokenize", "{\"content\":\"\"}", "200"}, {"/tokenize", "{\"content\":null}", "400"}, {"/tokenize", "{}", "400"},
+        {"/tokenize", "[\"hi\"]", "400"}, {"/detokenize", "{\"tokens\":[0,1,9]}", "200"}, {"/detokenize", "{\"tokens\":[]}", "200"},
+        {"/detokenize", "{\"tokens\":[-1]}", "400"}, {"/detokenize", "{\"tokens\":[1.5]}", "400"}, {"/detokenize", "{\"tokens\":[1e300]}", "400"},
+        {"/detokenize", "{\"tokens\":[\"a\"]}", "400"}, {"/detokenize", "{\"tokens\":{}}", "400"}, {"/detokenize", "{}", "400"},
+    };
+    unsigned n = sizeof ts / sizeof *ts, k = rnd(r, n + 2);
+    struct buf body = {0};
+    const char *path = k < n ? ts[k].path : k == n ? "/tokenize" : "/detokenize";
+    if (k < n) bputs(&body, ts[k].body), c->expect[0] = ts[k].expect, name(c, "%s %.40s", path, ts[k].body);
+    else if (k == n) bputs(&body, "{\"content\":\""), brep(&body, "lorem ipsum ", 5000), bputs(&body, "\"}"), name(c, "/tokenize 60 KB");
+    else bputs(&body, "{\"tokens\":["), brep(&body, "7,", 50000), bputs(&body, "7]}"), name(c, "/detokenize 50001 ids");
+    if (k >= n) c->expect[0] = "200";
+    post(&c->req, path, body.p, body.n, NULL);
+    free(body.p);
+}
+
 /* Valid JSON with a wrong type (or a bad value) in one field: 400 whose error.param names it. */
 static void gen_wrong_type(struct fcase *c, uint64_t *r)
 {
@@ -878,7 +900,7 @@ static const struct category {
     {"bad_json", gen_bad_json, 10},          {"wrong_type", gen_wrong_type, 12},      {"method", gen_method, 5},
     {"version", gen_version, 5},             {"h2_preface", gen_h2, 2},               {"pipeline", gen_pipeline, 5},
     {"random", gen_random, 4},               {"mutate", gen_mutate, 6},               {"valid", gen_valid, 6},
-    {"abort", gen_abort, 3},
+    {"abort", gen_abort, 3},                 {"tokenizer", gen_tokenizer, 3},
 };
 #define N_CATS (int)(sizeof cats / sizeof *cats)
 

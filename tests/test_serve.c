@@ -587,7 +587,8 @@ static void test_loading_answers(void)
 {
     static const struct { const char *method, *path, *want; } reqs[] = {
         {"POST", "/v1/chat/completions", "\"code\":\"loading\""}, {"POST", "/v1/completions", "\"code\":\"loading\""},
-        {"POST", "/apply-template", "\"code\":\"loading\""}, {"GET", "/health", "{\"status\":\"loading\"}"}};
+        {"POST", "/apply-template", "\"code\":\"loading\""}, {"POST", "/tokenize", "\"code\":\"loading\""},
+        {"POST", "/detokenize", "\"code\":\"loading\""}, {"GET", "/health", "{\"status\":\"loading\"}"}};
     const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"prompt\":\"hi\",\"max_tokens\":4}";
     struct serve srv;
     memset(&srv, 0, sizeof srv);

@@ -488,6 +488,25 @@ post lpBias2 /v1/completions "$(comp_body "$R" 4 '"logprobs":0,"logit_bias":{"10
 if [ "$code" = 200 ] && qt "$tmp/lpBias2.body" "(lambda lp: len(set(lp['tokens'])) == 1 and len(lp['tokens']) == 4 and all(v < -1 for v in lp['token_logprobs']))(d['choices'][0]['logprobs'])"; then
     ok "logit_bias +100 on one token: it every time, its log-probability the model's"
 else bad "logit_bias +100" "$code $(errbody lpBias2)"; fi
+# /tokenize: coli tokenize's ids; pieces that make the text (ASCII: a piece of part of a character shows U+FFFD);
+# /detokenize of the ids the text; bad bodies 400
+T="Hello <|im_start|> wörld"
+"$COLI" tokenize -m "$M" -p "$T" 2>/dev/null | tr '\n' ' ' >"$tmp/tokids"
+post tokA /tokenize "{\"content\":\"$T\"}"
+post tokP /tokenize "{\"content\":\"${T/ö/o}\",\"with_pieces\":true,\"parse_special\":false}"
+post detok /detokenize "{\"tokens\":$(q json "$tmp/tokA.body" "d['tokens']")}"
+if [ "$code" = 200 ] && qt "$tmp/tokA.body" "d['tokens'] == [int(x) for x in open('$tmp/tokids').read().split()] and len(d['tokens']) > 3" &&
+    qt "$tmp/tokP.body" "''.join(t['piece'] for t in d['tokens']) == '${T/ö/o}' and len(d['tokens']) > len(load('$tmp/tokA.body')['tokens'])" &&
+    qt "$tmp/detok.body" "d['content'] == '$T'"; then
+    ok "/tokenize: coli tokenize's ids (special-token text parsed, or not: more pieces); /detokenize: the text back"
+else bad "/tokenize, /detokenize" "$(errbody tokA) / $(errbody tokP) / $(errbody detok)"; fi
+for e in 'content:/tokenize:{"content":5}' 'with_pieces:/tokenize:{"content":"a","with_pieces":"y"}' 'tokens:/detokenize:{"tokens":[1,-1]}' \
+         'tokens:/detokenize:{"tokens":[1e9]}' 'tokens:/detokenize:{"tokens":"12"}'; do
+    p=${e#*:}
+    post e_tok "${p%%:*}" "${p#*:}"
+    if is_error e_tok 400 invalid_request_error && qt "$tmp/e_tok.body" "d['error']['param'] == '${e%%:*}'"; then ok "${p%%:*} ${p#*:}: 400, error.param ${e%%:*}"
+    else bad "${p%%:*} ${p#*:}" "$code $(errbody e_tok)"; fi
+done
 # ignore_eos: a greedy chat that ends at its end-of-generation token before 120 goes on to max_tokens
 post eogA /v1/chat/completions "$(chat_body Hi 120 '"chat_template_kwargs":{"enable_thinking":false}')"
 post eogB /v1/chat/completions "$(chat_body Hi 120 '"chat_template_kwargs":{"enable_thinking":false},"ignore_eos":true')"
