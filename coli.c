@@ -16769,7 +16769,8 @@ static int sample_schema_any(struct sample_schema_build *b)
 static int sample_schema_member(struct sample_schema_build *b, const struct json *v, const char *name)
 {
     struct sample_schema *s = b->s;
-    if (s->n_member == SAMPLE_SCHEMA_MEMBERS) return sample_schema_fail(b, "the schema has more than %d properties and enum values", SAMPLE_SCHEMA_MEMBERS);
+    if (s->n_member == SAMPLE_SCHEMA_MEMBERS)
+        return sample_schema_fail(b, "the schema has more than %d properties and enum values", SAMPLE_SCHEMA_MEMBERS);
     if (!name && (v->kind == JSON_ARRAY || v->kind == JSON_OBJECT))
         return sample_schema_fail(b, "'enum' and 'const' values that are objects or lists are not followed: give their members' schemas");
     struct sample_schema_member *m = &s->member[s->n_member];
@@ -16792,8 +16793,11 @@ static int sample_schema_words(struct sample_schema_build *b, const struct json 
         int note = 0, word = 0;
         for (size_t k = 0; k < sizeof notes / sizeof *notes; k++) note |= !strcmp(m->name, notes[k]);
         for (size_t k = 0; k < sizeof words / sizeof *words; k++) word |= !strcmp(m->name, words[k]);
-        if (word && alone) return sample_schema_fail(b, "'%s' beside '$ref' or 'anyOf' is not followed: move it into the schema referred to, or each branch", m->name);
-        if (!word && !note) return sample_schema_fail(b, "the JSON schema keyword '%s' is not followed by coli: drop it (or state it in the messages)", m->name);
+        if (word && alone)
+            return sample_schema_fail(b, "'%s' beside '$ref' or 'anyOf' is not followed: move it into the schema referred to, or each branch",
+                                      m->name);
+        if (!word && !note)
+            return sample_schema_fail(b, "the JSON schema keyword '%s' is not followed by coli: drop it (or state it in the messages)", m->name);
     }
     return 0;
 }
@@ -16837,7 +16841,8 @@ static int sample_schema_any_of(struct sample_schema_build *b, int i, const stru
 static int sample_schema_types(struct sample_schema_build *b, const struct json *v, int *integer)
 {
     static const char *const names[] = {"object", "array", "string", "number", "integer", "boolean", "null"};
-    static const int kinds[] = {1 << SK_OBJECT, 1 << SK_ARRAY, 1 << SK_STRING, 1 << SK_NUMBER, 1 << SK_NUMBER, 1 << SK_TRUE | 1 << SK_FALSE, 1 << SK_NULL};
+    static const int kinds[] = {1 << SK_OBJECT, 1 << SK_ARRAY, 1 << SK_STRING, 1 << SK_NUMBER, 1 << SK_NUMBER,
+                                1 << SK_TRUE | 1 << SK_FALSE, 1 << SK_NULL};
     const struct json *type = json_get(v, "type"), *nullable = json_get(v, "nullable");
     int mask = 0, number = 0, whole = 0;
     for (const struct json *t = type && type->kind == JSON_ARRAY ? type->child : type; t; t = type->kind == JSON_ARRAY ? t->next : NULL) {
@@ -16866,7 +16871,8 @@ static int sample_schema_object(struct sample_schema_build *b, int i, const stru
     for (const struct json *p = first; p; p = p->next) {
         for (const struct json *q = first; q != p; q = q->next)
             if (!strcmp(q->name, p->name)) return sample_schema_fail(b, "'properties' names \"%.64s\" twice", p->name);
-        if (++s->node[i].n_members > SAMPLE_SCHEMA_CHOICES) return sample_schema_fail(b, "an object of more than %d properties", SAMPLE_SCHEMA_CHOICES);
+        if (++s->node[i].n_members > SAMPLE_SCHEMA_CHOICES)
+            return sample_schema_fail(b, "an object of more than %d properties", SAMPLE_SCHEMA_CHOICES);
         if (sample_schema_member(b, NULL, p->name) < 0) return -1;
     }
     for (const struct json *r = required ? required->child : NULL; r; r = r->next) {
@@ -18610,7 +18616,8 @@ static int serve_response_format(const struct json *format, struct serve_job *j,
         return serve_bad(e, "response_format", "'response_format' %s and a forced tool call exclude each other: drop one", type->str);
     if (tok_json_is(type, "json_schema")) {
         char why[SAMPLE_SCHEMA_ERROR];
-        if (!schema) return serve_bad(e, "response_format", "'response_format' json_schema needs its schema: {\"json_schema\": {\"name\": ..., \"schema\": {...}}}");
+        if (!schema)
+            return serve_bad(e, "response_format", "'response_format' json_schema needs its schema: {\"json_schema\": {\"name\": ..., \"schema\": {...}}}");
         if (!(j->schema = sample_schema_compile(schema, why))) return serve_bad(e, "response_format", "'response_format': %s", why);
         j->req.schema = j->schema;
     }
@@ -18625,8 +18632,8 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     double max = -1, n = 1;
     const struct json *opts = json_get(body, "stream_options");
     if (serve_number(body, "max_tokens", 1, 1e9, 1, &max, e) || serve_number(body, "max_completion_tokens", 1, 1e9, 1, &max, e) ||
-        serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) || serve_bool(body, "ignore_eos", &j->req.ignore_eog, e) ||
-        serve_sampling(body, &j->req.sample, e) ||
+        serve_number(body, "n", 1, 1, 1, &n, e) || serve_bool(body, "stream", &j->stream, e) ||
+        serve_bool(body, "ignore_eos", &j->req.ignore_eog, e) || serve_sampling(body, &j->req.sample, e) ||
         serve_stops(body, j, e) || serve_logprobs(srv, body, j, e))
         return -1;
     if (opts && opts->kind != JSON_OBJECT && opts->kind != JSON_NULL) return serve_bad(e, "stream_options", "'stream_options' must be an object");
