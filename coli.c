@@ -17116,6 +17116,8 @@ struct engine {
     uint32_t *bytes_at;        /* [tok->n_vocab + 1]; NULL until a request asks */
     uint8_t *plain;            /* [tok->n_vocab] the token's bytes leave a JSON string open as it was: whole characters
                                 * and escapes, no quote (most of a vocabulary; the mask takes them there untried) */
+    uint8_t *spaces;           /* [tok->n_vocab] the spaces its bytes open with (at most 2): half a vocabulary's tokens
+                                * are " word", which the mask refuses by the byte after the space */
 };
 
 /* N_SLOTS sequences; CACHE_BUDGET bytes of prompt cache (0: no checkpoints, no parking). */
@@ -17167,6 +17169,7 @@ static void engine_free(struct engine *e)
     free(e->bytes);
     free(e->bytes_at);
     free(e->plain);
+    free(e->spaces);
 }
 
 static void engine_gen_free(struct engine_gen *g)
@@ -17192,29 +17195,43 @@ static void engine_token_bytes(struct engine *e)
     size_t n = 0, cap = 0;
     e->bytes_at = plat_alloc(((size_t)t->n_vocab + 1) * sizeof *e->bytes_at);
     e->plain = plat_alloc((size_t)t->n_vocab);
+    e->spaces = plat_alloc((size_t)t->n_vocab);
     for (int i = 0; i < t->n_vocab; i++) {
         e->bytes_at[i] = (uint32_t)n;
         e->bytes = tok_grow(e->bytes, &cap, n + t->max_piece + 1, 1);
         const size_t len = t->type[i] == TOK_T_NORMAL ? tok_decode(t, i, e->bytes + n, t->max_piece + 1) : 0;
         struct sample_json in_string = {.state = SJ_STRING}; /* at the top: a quote would end it all (SJ_DONE) */
         e->plain[i] = sample_json_accepts(&in_string, e->bytes + n, len) && in_string.state == SJ_STRING && !in_string.need;
+        e->spaces[i] = 0;
+        while (e->spaces[i] < len && e->spaces[i] < 2 && e->bytes[n + e->spaces[i]] == ' ') e->spaces[i]++;
         n += len;
     }
     e->bytes_at[t->n_vocab] = (uint32_t)n;
 }
 
+/* ROW[c]: whether K spaces then byte c may come next in STATE. */
+static void engine_json_row(const struct sample_json *state, int k, uint8_t *row)
+{
+    struct sample_json spaced, s;
+    sample_json_copy(&spaced, state);
+    int ok = 1;
+    for (int i = 0; i < k && ok; i++) ok = sample_json_step(&spaced, ' ');
+    for (int c = 0; c < 256; c++) {
+        if (ok) sample_json_copy(&s, &spaced);
+        row[c] = (uint8_t)(ok && sample_json_step(&s, (unsigned char)c));
+    }
+}
+
 /* -inf for every token of LOGITS that SL's answer cannot take next in JSON mode: one not ordinary, or whose bytes break
- * the object (struct sample_json; a first byte that cannot come is refused without a copy of the state, a plain token
- * in a string taken so). Returns how many are kept. */
+ * the object (struct sample_json; a token whose first byte, or byte after one space, cannot come is refused without a
+ * copy of the state, a plain token in a string taken so). Returns how many are kept. */
 static int engine_json_mask(struct engine *e, const struct engine_slot *sl, float *logits)
 {
     const int n = e->m->cfg.n_vocab < e->tok->n_vocab ? e->m->cfg.n_vocab : e->tok->n_vocab;
-    uint8_t first[256];
+    uint8_t first[2][256]; /* the byte after no space, or after one: " word" is half a vocabulary */
     struct sample_json s;
-    for (int c = 0; c < 256; c++) {
-        sample_json_copy(&s, &sl->json);
-        first[c] = (uint8_t)sample_json_step(&s, (unsigned char)c);
-    }
+    engine_json_row(&sl->json, 0, first[0]);
+    engine_json_row(&sl->json, 1, first[1]);
     if (!e->bytes_at) engine_token_bytes(e);
     const int in_string = sl->json.state == SJ_STRING && !sl->json.need;
     int kept = 0;
@@ -17222,9 +17239,12 @@ static int engine_json_mask(struct engine *e, const struct engine_slot *sl, floa
         const char *p = e->bytes + e->bytes_at[i];
         const size_t len = e->bytes_at[i + 1] - e->bytes_at[i];
         int keep = in_string && e->plain[i];
-        if (!keep && len && first[(unsigned char)*p]) {
-            sample_json_copy(&s, &sl->json);
-            keep = sample_json_takes(&s, p, len);
+        if (!keep && len) {
+            const int k = e->spaces[i];
+            if (k > 1 || (size_t)k == len || first[k][(unsigned char)p[k]]) {
+                sample_json_copy(&s, &sl->json);
+                keep = sample_json_takes(&s, p, len);
+            }
         }
         if (keep) kept++;
         else logits[i] = -INFINITY;
