@@ -16572,8 +16572,9 @@ static int sample_json_kind(unsigned char c)
     return c >= '0' && c <= '9' ? SK_NUMBER : at ? (int)(at - first) : -1;
 }
 
-/* A value starting with C in a schema: the node its kind follows, a list's item counted; 0 if none. An enum's values
- * are matched whole; other values are checked as any JSON, integers without fraction or exponent. */
+/* A value starting with C in a schema: the node its kind follows, a list's item counted. Returns 0 if no value may
+ * start so; 1 (C taken) for an enum's value, matched whole from here; -1 to go on as any JSON value does (a container's
+ * frame set, an integer's flag), sample_json_value's plain part. */
 static int sample_json_typed(struct sample_json *s, unsigned char c)
 {
     const int kind = sample_json_kind(c), in_list = s->depth && !(s->objects >> (s->depth - 1) & 1);
