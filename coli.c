@@ -18560,6 +18560,12 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     return text;
 }
 
+/* Whether T is a whole number in [0, N_VOCAB): a token id. */
+static int serve_is_token_id(const struct json *t, int n_vocab)
+{
+    return t->kind == JSON_NUMBER && t->number == floor(t->number) && t->number >= 0 && t->number < n_vocab;
+}
+
 /* A completion's prompt: a string or a list of token ids, into J. */
 static int serve_completion_prompt(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
@@ -18574,7 +18580,7 @@ static int serve_completion_prompt(struct serve *srv, const struct json *body, s
     if (p->child && p->child->kind != JSON_NUMBER)
         return serve_bad(e, "prompt", "'prompt' must be a string or a list of token ids: one prompt a request (several prompts, several requests)");
     for (const struct json *t = p->child; t; t = t->next) {
-        if (t->kind != JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= srv->engine->m->cfg.n_vocab)
+        if (!serve_is_token_id(t, srv->engine->m->cfg.n_vocab))
             return serve_bad(e, "prompt", "'prompt' token ids must be whole numbers in [0, %d)", srv->engine->m->cfg.n_vocab);
         j->prompt = plat_realloc(j->prompt, (size_t)(j->req.n_prompt + 1) * sizeof *j->prompt);
         j->prompt[j->req.n_prompt++] = (int)t->number;
@@ -19367,7 +19373,7 @@ static char *serve_detokenize(struct serve *srv, const struct json *body, size_t
     const int n_vocab = srv->tok->n_vocab;
     if (!tokens || tokens->kind != JSON_ARRAY) return serve_bad(e, "tokens", "'tokens' must be a list of token ids"), NULL;
     for (const struct json *t = tokens->child; t; t = t->next)
-        if (t->kind != JSON_NUMBER || t->number != floor(t->number) || t->number < 0 || t->number >= n_vocab)
+        if (!serve_is_token_id(t, n_vocab))
             return serve_bad(e, "tokens", "'tokens' must be whole numbers in [0, %d)", n_vocab), NULL;
     struct tok_buf text = {0};
     char *out = NULL, *piece = plat_alloc((size_t)srv->tok->max_piece + 1);
