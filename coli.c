@@ -17750,10 +17750,14 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 
 /* ---- HTTP/1.1 ---- */
 
+/* The API a request speaks: its answers' and errors' shape. */
+enum serve_api { SERVE_API_OPENAI, SERVE_API_ANTHROPIC };
+
 /* A client connection; BUF holds what was read and not yet used (a pipelined request). */
 struct serve_conn {
     struct serve *srv;
     int fd, served;            /* requests answered on it */
+    enum serve_api api;        /* the request being answered's (OpenAI's until its path is known) */
     char buf[SERVE_MAX_HEAD + 1];
     size_t len;
 };
@@ -17764,6 +17768,7 @@ struct serve_request {
     int keep_alive, expect_continue, chunked;
     long long content_length;  /* -1: none */
     char auth[512];            /* the Authorization header's value */
+    char x_api_key[512];       /* the X-Api-Key header's (Anthropic's clients send the key so) */
     char *body;                /* [body_len + 1], NUL-terminated */
     size_t body_len;
 };
@@ -17889,6 +17894,7 @@ static int serve_header(struct serve_request *r, char *line, struct serve_error 
         if (strcasecmp(v, "100-continue")) return e->status = 417, snprintf(e->message, sizeof e->message, "an Expect other than 100-continue"), -1;
         r->expect_continue = 1;
     } else if (!strcasecmp(line, "authorization")) snprintf(r->auth, sizeof r->auth, "%s", v);
+    else if (!strcasecmp(line, "x-api-key")) snprintf(r->x_api_key, sizeof r->x_api_key, "%s", v);
     return 0;
 }
 
@@ -18035,11 +18041,31 @@ static int serve_respond(struct serve_conn *c, int status, const char *type, con
     return serve_write(c->fd, head, (size_t)h) || serve_write(c->fd, body, n) ? -1 : 0;
 }
 
-/* The OpenAI error object for E. */
-static char *serve_error_json(const struct serve_error *e, size_t *n)
+/* Anthropic's error type for an answer of STATUS. */
+static const char *serve_anthropic_error(int status)
+{
+    switch (status) {
+    case 401: return "authentication_error";
+    case 404: return "not_found_error";
+    case 413: return "request_too_large";
+    case 503: return "overloaded_error";
+    default: return status >= 500 ? "api_error" : "invalid_request_error";
+    }
+}
+
+/* The error object for E in API's shape: OpenAI's {"error": {message, type, param, code}}, or Anthropic's {"type":
+ * "error", "error": {type, message}}. */
+static char *serve_error_json(const struct serve_error *e, enum serve_api api, size_t *n)
 {
     char *out = NULL;
     FILE *f = open_memstream(&out, n);
+    if (api == SERVE_API_ANTHROPIC) {
+        fprintf(f, "{\"type\":\"error\",\"error\":{\"type\":\"%s\",\"message\":", serve_anthropic_error(e->status));
+        json_write_string(f, e->message, strlen(e->message));
+        fputs("}}", f);
+        fclose(f);
+        return out;
+    }
     fputs("{\"error\":{\"message\":", f);
     json_write_string(f, e->message, strlen(e->message));
     fprintf(f, ",\"type\":\"%s\",\"param\":", e->type ? e->type : "invalid_request_error");
@@ -18110,6 +18136,7 @@ struct serve_job {
     int stream, include_usage;
     int think;                 /* chat: the answer opens inside a think block */
     int one_call;              /* parallel_tool_calls false: the answer ends after its first call */
+    int messages;              /* /v1/messages: a chat answered in Anthropic's shape */
     struct json *body;         /* the request, parsed */
     const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
@@ -18128,6 +18155,7 @@ struct serve_job {
     pthread_cond_t cv;
     char *text;                /* [len] the answer so far, whole characters, cut before a stop string */
     size_t len, cap, released; /* text[0..released) can no longer become a stop string */
+    int stop_hit;              /* 1 + the stop string that ended the text; 0: none did */
     struct engine_logprobs *lp; /* [n_lp] req.logprobs: each generated token's (tok: bar one that ends the turn) */
     size_t n_lp, lp_cap;
     size_t thought;            /* one_call: where the text's think block ended (0: not yet, or none opened) */
@@ -18163,7 +18191,7 @@ static void serve_count(struct serve *srv, int status)
 static void serve_fail(struct serve_conn *c, const struct serve_error *e, int keep_alive)
 {
     size_t n;
-    char *body = serve_error_json(e, &n);
+    char *body = serve_error_json(e, c->api, &n);
     const char *extra = e->status == 503 ? "Retry-After: 1\r\n" : NULL;
     serve_respond(c, e->status, "application/json", body, n, extra, keep_alive);
     free(body);
@@ -18216,13 +18244,13 @@ static size_t serve_first_call_end(struct serve_job *j, size_t from)
     return close ? (size_t)(close + 12 - j->text) : 0;
 }
 
-/* Where the first stop string starts in J's text from FROM on, or -1. */
-static long serve_find_stop(const struct serve_job *j, size_t from)
+/* Where the first stop string starts in J's text from FROM on, or -1; *WHICH: 1 + its index. */
+static long serve_find_stop(const struct serve_job *j, size_t from, int *which)
 {
     long best = -1;
     for (int i = 0; i < j->n_stop; i++) {
         const char *hit = memmem(j->text + from, j->len - from, j->stop[i], strlen(j->stop[i]));
-        if (hit && (best < 0 || hit - j->text < best)) best = hit - j->text;
+        if (hit && (best < 0 || hit - j->text < best)) best = hit - j->text, *which = i + 1;
     }
     return best;
 }
@@ -18246,7 +18274,7 @@ static int serve_job_append(struct serve_job *j, const char *s, size_t n)
     j->text = tok_grow(j->text, &j->cap, j->len + n + 1, 1);
     memcpy(j->text + j->len, s, n);
     j->len += n;
-    long at = serve_find_stop(j, from + 1 > j->longest_stop ? from + 1 - j->longest_stop : 0);
+    long at = serve_find_stop(j, from + 1 > j->longest_stop ? from + 1 - j->longest_stop : 0, &j->stop_hit);
     if (at < 0 && j->one_call && j->tools && (j->call_end = serve_first_call_end(j, from))) at = (long)j->call_end;
     if (at >= 0) j->len = (size_t)at;
     j->released = j->len - (at >= 0 ? 0 : serve_stop_holdback(j));
@@ -18687,12 +18715,22 @@ static void serve_marks(const struct tok *t, struct serve_job *j)
         if (j->prompt[i] == im_start) j->req.mark[1] = i;
 }
 
-/* A job for BODY (chat or completion); NULL with E set for a bad request. */
-static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
+/* A request body BODY_TEXT[0..n) parsed: a JSON object, or NULL with E set. */
+static struct json *serve_parse_body(const char *body_text, size_t n, struct serve_error *e)
 {
     const char *why = NULL;
     struct json *body = json_parse(body_text, n, &why);
     if (!body) return serve_bad(e, NULL, "the body is not valid JSON: %s", why), NULL;
+    if (body->kind == JSON_OBJECT) return body;
+    json_free(body);
+    return serve_bad(e, NULL, "the body must be a JSON object"), NULL;
+}
+
+/* A job for BODY (chat or completion); NULL with E set for a bad request. */
+static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *body_text, size_t n, struct serve_error *e)
+{
+    struct json *body = serve_parse_body(body_text, n, e);
+    if (!body) return NULL;
     struct serve_job *j = plat_zalloc(1, sizeof *j);
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
@@ -18702,15 +18740,15 @@ static struct serve_job *serve_job_new(struct serve *srv, int chat, const char *
     j->req.sample = srv->sample;
     j->req.sample.seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)j;
     j->body = body;
-    int bad = body->kind != JSON_OBJECT ? serve_bad(e, NULL, "the body must be a JSON object") : 0;
-    if (!bad && chat) {
+    int bad = 0;
+    if (chat) {
         size_t len;
         char *text = serve_chat_text(srv, body, j, 0, &len, e);
         if (text) j->req.n_prompt = tok_encode(srv->tok, text, len, 1, &j->prompt);
         bad = !text;
         free(text);
         j->answer.part = j->think ? SERVE_PART_REASONING : SERVE_PART_CONTENT;
-    } else if (!bad) bad = serve_completion_prompt(srv, body, j, e);
+    } else bad = serve_completion_prompt(srv, body, j, e);
     bad = bad || serve_settings(srv, body, j, e) || serve_bool(body, "cache_prompt", &j->req.reuse, e);
     if (bad) {
         serve_job_free(j);
@@ -19046,6 +19084,18 @@ static struct serve_error serve_gen_error(const struct serve_job *j)
     return e;
 }
 
+/* A streamed answer's head: server-sent events in a chunked body. */
+static const char serve_sse_head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                                     "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
+
+/* P[0..n) as one chunk of a chunked body. */
+static int serve_write_chunk(int fd, const char *p, size_t n)
+{
+    char head[24];
+    int h = snprintf(head, sizeof head, "%zx\r\n", n);
+    return serve_write(fd, head, (size_t)h) || serve_write(fd, p, n) || serve_write(fd, "\r\n", 2) ? -1 : 0;
+}
+
 /* A server-sent event as one chunk of a chunked body. */
 static int serve_event(int fd, const char *data, size_t n)
 {
@@ -19173,11 +19223,9 @@ static char *serve_new_logprobs(struct serve *srv, struct serve_job *j, size_t f
 /* Streams J's answer as it comes, each token's logprobs (if asked) with the next chunk; -1 when the client went away. */
 static int serve_stream(struct serve_conn *c, struct serve_job *j)
 {
-    static const char head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                               "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
     unsigned long long id = serve_next_id();
     time_t created = time(NULL);
-    int gone = serve_write(c->fd, head, sizeof head - 1) ||
+    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1) ||
                (j->chat && serve_chunk(c, j, id, created, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}", NULL, NULL));
     size_t released = 0, lp_from = 0, lp_to;
     struct serve_sent sent = {{0, 0}, 0};
@@ -19205,7 +19253,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
         struct serve_error e = serve_gen_error(j);
         size_t n;
-        char *body = serve_error_json(&e, &n);
+        char *body = serve_error_json(&e, SERVE_API_OPENAI, &n);
         gone = serve_event(c->fd, body, n);
         free(body);
     } else {
@@ -19216,20 +19264,498 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     return gone || serve_event(c->fd, "[DONE]", 6) || serve_write(c->fd, "0\r\n\r\n", 5) || left ? -1 : 0;
 }
 
+/* ---- the Anthropic Messages API ----
+ * POST /v1/messages and /v1/messages/count_tokens, for clients that speak Anthropic's API (Claude Code, the anthropic
+ * SDKs). A request becomes the chat request it means, as JSON text, and runs as any chat: `system` the system message,
+ * text and image blocks content parts, a user's tool_result blocks tool messages, an assistant's thinking blocks its
+ * reasoning_content and its tool_use blocks its tool_calls, tools' input_schema their parameters, tool_choice auto, any,
+ * tool and none "auto", "required", the function and "none", thinking enable_thinking, stop_sequences stop,
+ * output_format's schema response_format. The answer comes back as content blocks (thinking, text, tool_use) with
+ * Anthropic's stop_reason and usage, or streamed as its named events. */
+
+/* Opens a chat message of ROLE in O, after a comma unless it is the first (*COUNT counts them). */
+static void serve_msg_open(struct tok_buf *o, int *count, const char *role)
+{
+    tok_buf_puts(o, (*count)++ ? ",{\"role\":\"" : "{\"role\":\"");
+    tok_buf_puts(o, role);
+    tok_buf_puts(o, "\",\"content\":");
+}
+
+/* Block B's type, or "" (B no object, or no type). */
+static const char *serve_block_type(const struct json *b)
+{
+    const struct json *t = json_get(b, "type");
+    return t && t->kind == JSON_STRING ? t->str : "";
+}
+
+/* Whether block B becomes a content part as it is: text (read by the template) or image (refused by it). */
+static int serve_block_is_part(const struct json *b) { return !strcmp(serve_block_type(b), "text") || !strcmp(serve_block_type(b), "image"); }
+
+/* Tool_result block B of message I as a tool message: its content a string, or its text and image blocks as parts. */
+static int serve_msg_tool_result(struct tok_buf *o, int *count, const struct json *b, int i, struct serve_error *e)
+{
+    const struct json *c = json_get(b, "content"), *id = json_get(b, "tool_use_id");
+    for (const struct json *p = c && c->kind == JSON_ARRAY ? c->child : NULL; p; p = p->next)
+        if (!serve_block_is_part(p)) return serve_bad(e, "messages", "message %d: a tool_result's content holds text and image blocks only", i);
+    if (c && c->kind != JSON_STRING && c->kind != JSON_ARRAY && c->kind != JSON_NULL)
+        return serve_bad(e, "messages", "message %d: a tool_result's content must be a string or a list of blocks", i);
+    serve_msg_open(o, count, "tool");
+    if (c && c->kind != JSON_NULL) tok_json_dump(o, c);
+    else tok_buf_puts(o, "\"\"");
+    if (id && id->kind == JSON_STRING) {
+        tok_buf_puts(o, ",\"tool_call_id\":");
+        tok_json_dump(o, id);
+    }
+    tok_buf_puts(o, "}");
+    return 0;
+}
+
+/* User message I's content C as chat messages: a string as it is; blocks in their order, each tool_result a tool
+ * message, the text and image blocks between them one user message. */
+static int serve_msg_user(struct tok_buf *o, int *count, const struct json *c, int i, struct serve_error *e)
+{
+    if (c && c->kind == JSON_STRING) {
+        serve_msg_open(o, count, "user");
+        tok_json_dump(o, c);
+        tok_buf_puts(o, "}");
+        return 0;
+    }
+    if (!c || c->kind != JSON_ARRAY || !c->child) return serve_bad(e, "messages", "message %d: 'content' must be a string or a list of content blocks", i);
+    int parts = 0; /* in the user message open */
+    for (const struct json *b = c->child; b; b = b->next) {
+        if (!strcmp(serve_block_type(b), "tool_result")) {
+            if (parts) tok_buf_puts(o, "]}");
+            parts = 0;
+            if (serve_msg_tool_result(o, count, b, i, e)) return -1;
+            continue;
+        }
+        if (!serve_block_is_part(b))
+            return serve_bad(e, "messages", "message %d: content blocks of type '%s' are not supported (text, image, tool_result)", i, serve_block_type(b));
+        if (!parts++) {
+            serve_msg_open(o, count, "user");
+            tok_buf_puts(o, "[");
+        } else tok_buf_puts(o, ",");
+        tok_json_dump(o, b);
+    }
+    if (parts) tok_buf_puts(o, "]}");
+    return 0;
+}
+
+/* Tool_use block B as a chat tool call: {"id", "type": "function", "function": {"name", "arguments": its input}}. */
+static int serve_msg_tool_use(struct tok_buf *o, const struct json *b, int i, struct serve_error *e)
+{
+    const struct json *name = json_get(b, "name"), *input = json_get(b, "input"), *id = json_get(b, "id");
+    if (!name || name->kind != JSON_STRING || (input && input->kind != JSON_OBJECT))
+        return serve_bad(e, "messages", "message %d: a tool_use block needs a 'name' and an 'input' object", i);
+    tok_buf_puts(o, "{\"type\":\"function\"");
+    if (id && id->kind == JSON_STRING) tok_buf_puts(o, ",\"id\":"), tok_json_dump(o, id);
+    tok_buf_puts(o, ",\"function\":{\"name\":");
+    tok_json_dump(o, name);
+    tok_buf_puts(o, ",\"arguments\":");
+    if (input) tok_json_dump(o, input);
+    else tok_buf_puts(o, "{}");
+    tok_buf_puts(o, "}}");
+    return 0;
+}
+
+/* Assistant message I's content C as one chat message: its text blocks the content, its thinking blocks the
+ * reasoning_content, its tool_use blocks the tool_calls (redacted_thinking passed over: it has no text). */
+static int serve_msg_assistant(struct tok_buf *o, int *count, const struct json *c, int i, struct serve_error *e)
+{
+    serve_msg_open(o, count, "assistant");
+    if (!c || c->kind == JSON_STRING) {
+        if (c) tok_json_dump(o, c);
+        else tok_buf_puts(o, "\"\"");
+        tok_buf_puts(o, "}");
+        return 0;
+    }
+    if (c->kind != JSON_ARRAY) return serve_bad(e, "messages", "message %d: 'content' must be a string or a list of content blocks", i);
+    struct tok_buf thinking = {NULL, 0, 0};
+    int parts = 0, calls = 0;
+    tok_buf_puts(o, "[");
+    for (const struct json *b = c->child; b; b = b->next) {
+        const char *type = serve_block_type(b);
+        const struct json *t = json_get(b, "thinking");
+        if (!strcmp(type, "text")) tok_buf_puts(o, parts++ ? "," : ""), tok_json_dump(o, b);
+        else if (!strcmp(type, "thinking") && t && t->kind == JSON_STRING) tok_buf_put(&thinking, t->str, t->len);
+        else if (strcmp(type, "tool_use") && strcmp(type, "redacted_thinking")) {
+            free(thinking.p);
+            return serve_bad(e, "messages", "message %d: an assistant's content blocks of type '%s' are not supported (text, thinking, tool_use)", i, type);
+        }
+    }
+    tok_buf_puts(o, "]");
+    if (thinking.n) tok_buf_puts(o, ",\"reasoning_content\":"), json_put_string(o, thinking.p, thinking.n);
+    free(thinking.p);
+    for (const struct json *b = c->child; b; b = b->next) {
+        if (strcmp(serve_block_type(b), "tool_use")) continue;
+        tok_buf_puts(o, calls++ ? "," : ",\"tool_calls\":[");
+        if (serve_msg_tool_use(o, b, i, e)) return -1;
+    }
+    tok_buf_puts(o, calls ? "]}" : "}");
+    return 0;
+}
+
+/* The request's system prompt S (a string or text blocks) as a system message; none if empty. */
+static int serve_msg_system(struct tok_buf *o, int *count, const struct json *s, struct serve_error *e)
+{
+    int blocks = s->kind == JSON_ARRAY;
+    for (const struct json *b = blocks ? s->child : NULL; b; b = b->next) blocks &= !strcmp(serve_block_type(b), "text");
+    if (s->kind != JSON_STRING && !blocks) return serve_bad(e, "system", "'system' must be a string or a list of text blocks");
+    if (s->kind == JSON_STRING ? !s->len : !s->child) return 0;
+    serve_msg_open(o, count, "system");
+    tok_json_dump(o, s);
+    tok_buf_puts(o, "}");
+    return 0;
+}
+
+/* Tools [{name, description, input_schema}] as chat tools; Anthropic's server tools (no input_schema) refused. */
+static int serve_msg_tools(struct tok_buf *o, const struct json *tools, struct serve_error *e)
+{
+    if (!tools || tools->kind == JSON_NULL) return 0;
+    if (tools->kind != JSON_ARRAY) return serve_bad(e, "tools", "'tools' must be a list");
+    int i = 0;
+    tok_buf_puts(o, ",\"tools\":[");
+    for (const struct json *t = tools->child; t; t = t->next, i++) {
+        const struct json *name = json_get(t, "name"), *about = json_get(t, "description"), *schema = json_get(t, "input_schema");
+        if (!schema)
+            return serve_bad(e, "tools", "tool %d (type '%s') has no 'input_schema': Anthropic's server tools do not run here, only tools the "
+                             "client runs", i, serve_block_type(t));
+        if (!name || name->kind != JSON_STRING || !name->len) return serve_bad(e, "tools", "tool %d needs a 'name'", i);
+        tok_buf_puts(o, i ? ",{\"type\":\"function\",\"function\":{\"name\":" : "{\"type\":\"function\",\"function\":{\"name\":");
+        tok_json_dump(o, name);
+        if (about && about->kind == JSON_STRING) tok_buf_puts(o, ",\"description\":"), tok_json_dump(o, about);
+        tok_buf_puts(o, ",\"parameters\":");
+        tok_json_dump(o, schema);
+        tok_buf_puts(o, "}}");
+    }
+    tok_buf_puts(o, "]");
+    return 0;
+}
+
+/* tool_choice {"type": auto | any | tool (with "name") | none, "disable_parallel_tool_use"} as tool_choice and
+ * parallel_tool_calls. */
+static int serve_msg_tool_choice(struct tok_buf *o, const struct json *choice, struct serve_error *e)
+{
+    const struct json *type = json_get(choice, "type"), *name = json_get(choice, "name");
+    int serial = 0;
+    if (!choice || choice->kind == JSON_NULL) return 0;
+    if (serve_bool(choice, "disable_parallel_tool_use", &serial, e)) return -1;
+    if (tok_json_is(type, "auto") || tok_json_is(type, "none")) tok_buf_puts(o, ",\"tool_choice\":"), tok_json_dump(o, type);
+    else if (tok_json_is(type, "any")) tok_buf_puts(o, ",\"tool_choice\":\"required\"");
+    else if (tok_json_is(type, "tool") && name && name->kind == JSON_STRING) {
+        tok_buf_puts(o, ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":");
+        tok_json_dump(o, name);
+        tok_buf_puts(o, "}}");
+    } else return serve_bad(e, "tool_choice", "'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"tool\", \"name\": NAME} "
+                            "or {\"type\": \"none\"}");
+    if (serial) tok_buf_puts(o, ",\"parallel_tool_calls\":false");
+    return 0;
+}
+
+/* thinking {"type": enabled | adaptive | disabled} as the template's enable_thinking (budget_tokens not enforced),
+ * stop_sequences as stop, output_format (or output_config.format) json_schema as response_format. */
+static int serve_msg_options(struct tok_buf *o, const struct json *body, struct serve_error *e)
+{
+    const struct json *thinking = json_get(body, "thinking"), *stops = json_get(body, "stop_sequences");
+    const struct json *format = json_get(body, "output_format") ? json_get(body, "output_format") : json_get(json_get(body, "output_config"), "format");
+    if (thinking && thinking->kind != JSON_NULL) {
+        const struct json *type = json_get(thinking, "type");
+        const int on = tok_json_is(type, "enabled") || tok_json_is(type, "adaptive");
+        if (!on && !tok_json_is(type, "disabled"))
+            return serve_bad(e, "thinking", "'thinking' must be {\"type\": \"enabled\"}, {\"type\": \"adaptive\"} or {\"type\": \"disabled\"}");
+        tok_buf_puts(o, on ? ",\"chat_template_kwargs\":{\"enable_thinking\":true}" : ",\"chat_template_kwargs\":{\"enable_thinking\":false}");
+    }
+    if (stops && stops->kind != JSON_NULL) {
+        int n = 0;
+        for (const struct json *s = stops->kind == JSON_ARRAY ? stops->child : NULL; s; s = s->next, n++)
+            if (s->kind != JSON_STRING || !s->len) n = SERVE_MAX_STOP;
+        if (stops->kind != JSON_ARRAY || n > SERVE_MAX_STOP)
+            return serve_bad(e, "stop_sequences", "'stop_sequences' must be a list of at most %d non-empty strings", SERVE_MAX_STOP);
+        tok_buf_puts(o, ",\"stop\":");
+        tok_json_dump(o, stops);
+    }
+    if (format && format->kind != JSON_NULL) {
+        const struct json *schema = json_get(format, "schema");
+        if (!tok_json_is(json_get(format, "type"), "json_schema") || !schema)
+            return serve_bad(e, "output_format", "'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}");
+        tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":");
+        tok_json_dump(o, schema);
+        tok_buf_puts(o, "}}");
+    }
+    return 0;
+}
+
+/* Anthropic request BODY as the chat request it means, as JSON text (malloc'd); NULL with E set. Sampling fields with
+ * the same names pass as they are (coli's own too: min_p, seed, the penalties, ignore_eos, cache_prompt). */
+static char *serve_messages_request(const struct json *body, struct serve_error *e)
+{
+    static const char *const same[] = {"max_tokens", "temperature", "top_p", "top_k", "stream", "min_p", "seed",
+                                       "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "cache_prompt"};
+    const struct json *msgs = json_get(body, "messages"), *system = json_get(body, "system");
+    struct tok_buf o = {NULL, 0, 0};
+    int count = 0, i = 0, bad = 0;
+    tok_buf_puts(&o, "{\"messages\":[");
+    if (system && system->kind != JSON_NULL) bad = serve_msg_system(&o, &count, system, e);
+    if (!bad && (!msgs || msgs->kind != JSON_ARRAY)) bad = serve_bad(e, "messages", "'messages' must be a list of {\"role\", \"content\"}");
+    for (const struct json *m = msgs && !bad ? msgs->child : NULL; m && !bad; m = m->next, i++) {
+        const struct json *c = json_get(m, "content");
+        if (tok_role_is(m, "user")) bad = serve_msg_user(&o, &count, c, i, e);
+        else if (tok_role_is(m, "assistant")) bad = serve_msg_assistant(&o, &count, c, i, e);
+        else bad = serve_bad(e, "messages", "message %d: 'role' must be \"user\" or \"assistant\" (the system prompt is the request's 'system')", i);
+    }
+    tok_buf_puts(&o, "]");
+    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
+        const struct json *v = json_get(body, same[k]);
+        if (!v) continue;
+        tok_buf_puts(&o, ",");
+        json_put_string(&o, same[k], strlen(same[k]));
+        tok_buf_puts(&o, ":");
+        tok_json_dump(&o, v);
+    }
+    bad = bad || serve_msg_tools(&o, json_get(body, "tools"), e) || serve_msg_tool_choice(&o, json_get(body, "tool_choice"), e) ||
+          serve_msg_options(&o, body, e);
+    tok_buf_puts(&o, "}");
+    if (bad) free(o.p);
+    return bad ? NULL : o.p;
+}
+
+/* A job for an Anthropic request's body: the chat it means, answered in Anthropic's shape. */
+static struct serve_job *serve_messages_job(struct serve *srv, const char *body_text, size_t n, struct serve_error *e)
+{
+    struct json *body = serve_parse_body(body_text, n, e);
+    char *chat = body ? serve_messages_request(body, e) : NULL;
+    struct serve_job *j = chat ? serve_job_new(srv, 1, chat, strlen(chat), e) : NULL;
+    if (j) j->messages = 1;
+    json_free(body);
+    free(chat);
+    return j;
+}
+
+/* Anthropic's stop_reason for J. */
+static const char *serve_stop_reason(const struct serve_job *j)
+{
+    const char *finish = serve_finish_reason(j);
+    if (!strcmp(finish, "tool_calls")) return "tool_use";
+    if (!strcmp(finish, "length")) return "max_tokens";
+    return j->stop_hit ? "stop_sequence" : "end_turn";
+}
+
+/* "stop_reason", "stop_sequence" (the stop string that ended J, or null), then "usage": input_tokens those computed,
+ * cache_read_input_tokens those reused (their sum the prompt's, as Anthropic counts a cache). */
+static void serve_write_stop(FILE *f, const struct serve_job *j, const char *between)
+{
+    fprintf(f, "\"stop_reason\":\"%s\",\"stop_sequence\":", serve_stop_reason(j));
+    if (j->stop_hit) json_write_string(f, j->stop[j->stop_hit - 1], strlen(j->stop[j->stop_hit - 1]));
+    else fputs("null", f);
+    fprintf(f, "%s\"usage\":{\"input_tokens\":%d,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":%d,\"output_tokens\":%d}", between,
+            j->gen.n_prompt - j->gen.n_cached, j->gen.n_cached, j->gen.n_tokens);
+}
+
+/* A message's head up to its content list, opened: id, type, role, model. */
+static void serve_message_head(FILE *f, const struct serve *srv, unsigned long long id)
+{
+    fprintf(f, "{\"id\":\"msg_%llx\",\"type\":\"message\",\"role\":\"assistant\",\"model\":", id);
+    json_write_string(f, srv->model_id, strlen(srv->model_id));
+    fputs(",\"content\":[", f);
+}
+
+/* A thinking or text block (PART) holding S[0..n). */
+static void serve_write_block(FILE *f, enum serve_part part, const char *s, size_t n)
+{
+    fputs(part == SERVE_PART_REASONING ? "{\"type\":\"thinking\",\"thinking\":" : "{\"type\":\"text\",\"text\":", f);
+    json_write_string(f, s ? s : "", n);
+    fputs(part == SERVE_PART_REASONING ? ",\"signature\":\"\"}" : "}", f);
+}
+
+/* Call K of J's answer as a tool_use block; its input the arguments, or {} (a stream sends them as a delta). */
+static void serve_write_tool_use(FILE *f, const struct serve_job *j, unsigned long long id, int k, int input)
+{
+    const struct serve_tool_call *call = &j->answer.calls[k];
+    fprintf(f, "{\"type\":\"tool_use\",\"id\":\"toolu_%llx_%d\",\"name\":", id, k);
+    json_write_string(f, call->name, strlen(call->name));
+    fprintf(f, ",\"input\":%s}", input ? call->arguments : "{}");
+}
+
+/* A finished, unstreamed Anthropic job's message: its thinking, text and tool_use blocks (a text block at least). */
+static char *serve_message_json(struct serve *srv, struct serve_job *j, size_t *n)
+{
+    char *out = NULL;
+    unsigned long long id = serve_next_id();
+    const struct serve_answer *a = &j->answer;
+    int blocks = 0;
+    serve_answer_feed(&j->answer, j->tools, j->text ? j->text : "", j->len, 1);
+    FILE *f = open_memstream(&out, n);
+    serve_message_head(f, srv, id);
+    for (enum serve_part k = SERVE_PART_REASONING; k <= SERVE_PART_CONTENT; k++)
+        if (a->field[k].n || (k == SERVE_PART_CONTENT && !blocks && !a->n_calls)) {
+            fputs(blocks++ ? "," : "", f);
+            serve_write_block(f, k, a->field[k].p, a->field[k].n);
+        }
+    for (int k = 0; k < a->n_calls; k++) {
+        fputs(blocks++ ? "," : "", f);
+        serve_write_tool_use(f, j, id, k, 1);
+    }
+    fputs("],", f);
+    serve_write_stop(f, j, ",");
+    fputs("}", f);
+    fclose(f);
+    return out;
+}
+
+/* Where an Anthropic stream stands: the answer's fields and calls sent, the next block's index, the part of the block
+ * open (-1: none). */
+struct serve_blocks { struct serve_sent sent; int next, open; };
+
+/* Opens event NAME in F: its line and its data, {"type": NAME, left open for the event's members. */
+static void serve_event_open(FILE *f, const char *name) { fprintf(f, "event: %s\ndata: {\"type\":\"%s\"", name, name); }
+
+/* Closes B's open block, if any. */
+static void serve_block_stop(FILE *f, struct serve_blocks *b)
+{
+    if (b->open < 0) return;
+    serve_event_open(f, "content_block_stop");
+    fprintf(f, ",\"index\":%d}\n\n", b->next - 1);
+    b->open = -1;
+}
+
+/* Closes the open block and starts the next: a thinking or text block (PART), or call K's tool_use (SERVE_PART_CALL). */
+static void serve_block_start(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_blocks *b, int part, int k)
+{
+    serve_block_stop(f, b);
+    serve_event_open(f, "content_block_start");
+    fprintf(f, ",\"index\":%d,\"content_block\":", b->next++);
+    if (part == SERVE_PART_CALL) serve_write_tool_use(f, j, id, k, 0);
+    else serve_write_block(f, (enum serve_part)part, "", 0);
+    fputs("}\n\n", f);
+    b->open = part;
+}
+
+/* A content_block_delta of the open block: TEXT[0..n) as DELTA's member. */
+static void serve_block_delta(FILE *f, const struct serve_blocks *b, const char *delta, const char *text, size_t n)
+{
+    serve_event_open(f, "content_block_delta");
+    fprintf(f, ",\"index\":%d,\"delta\":{%s", b->next - 1, delta);
+    json_write_string(f, text, n);
+    fputs("}}\n\n", f);
+}
+
+/* Events for what J's answer gained since B: its thinking and text as deltas, each in a block of its kind, and each new
+ * call a tool_use block whose input comes as one delta. */
+static void serve_block_events(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_blocks *b)
+{
+    static const char *const deltas[2] = {"\"type\":\"thinking_delta\",\"thinking\":", "\"type\":\"text_delta\",\"text\":"};
+    const struct serve_answer *a = &j->answer;
+    for (int k = SERVE_PART_REASONING; k <= SERVE_PART_CONTENT; k++) {
+        if (a->field[k].n <= b->sent.field[k]) continue;
+        if (b->open != k) serve_block_start(f, j, id, b, k, 0);
+        serve_block_delta(f, b, deltas[k], a->field[k].p + b->sent.field[k], a->field[k].n - b->sent.field[k]);
+        b->sent.field[k] = a->field[k].n;
+    }
+    for (; b->sent.calls < a->n_calls; b->sent.calls++) {
+        const char *args = a->calls[b->sent.calls].arguments;
+        serve_block_start(f, j, id, b, SERVE_PART_CALL, b->sent.calls);
+        serve_block_delta(f, b, "\"type\":\"input_json_delta\",\"partial_json\":", args, strlen(args));
+        serve_block_stop(f, b);
+    }
+}
+
+/* A stream's end: the open block closed, message_delta (stop_reason, stop_sequence, usage) and message_stop; or an
+ * error event for a failed or cancelled generation. */
+static void serve_messages_end(FILE *f, const struct serve_job *j, struct serve_blocks *b)
+{
+    if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
+        struct serve_error e = serve_gen_error(j);
+        size_t n;
+        char *body = serve_error_json(&e, SERVE_API_ANTHROPIC, &n);
+        fputs("event: error\ndata: ", f);
+        fwrite(body, 1, n, f);
+        fputs("\n\n", f);
+        free(body);
+        return;
+    }
+    serve_block_stop(f, b);
+    serve_event_open(f, "message_delta");
+    fputs(",\"delta\":{", f);
+    serve_write_stop(f, j, "},");
+    fputs("}\n\n", f);
+    serve_event_open(f, "message_stop");
+    fputs("}\n\n", f);
+}
+
+/* Streams J's answer as Anthropic's events (message_start at once, then blocks as they come), each step's events one
+ * chunk; -1 when the client went away. */
+static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
+{
+    unsigned long long id = serve_next_id();
+    struct serve_blocks b = {{{0, 0}, 0}, 0, -1};
+    size_t released = 0, len;
+    char *events = NULL;
+    FILE *f = open_memstream(&events, &len);
+    serve_event_open(f, "message_start");
+    fputs(",\"message\":", f);
+    serve_message_head(f, c->srv, id);
+    fprintf(f, "],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":%d,\"output_tokens\":0}}}\n\n", j->req.n_prompt);
+    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
+    for (int done = 0;;) {
+        fclose(f);
+        if (!gone && len) gone = serve_write_chunk(c->fd, events, len);
+        free(events);
+        if (gone) j->cancel = 1;
+        if (done) break;
+        char *piece;
+        size_t n = serve_job_wait(c, j, released, &piece);
+        released += n;
+        pthread_mutex_lock(&j->mu);
+        done = j->done && j->released <= released;
+        pthread_mutex_unlock(&j->mu);
+        serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
+        free(piece);
+        f = open_memstream(&events, &len);
+        serve_block_events(f, j, id, &b);
+        if (done) serve_messages_end(f, j, &b);
+    }
+    return gone || serve_write(c->fd, "0\r\n\r\n", 5) || serve_client_left(j) ? -1 : 0;
+}
+
+/* POST /v1/messages/count_tokens: {"input_tokens": N}, the tokens of an Anthropic request's prompt. */
+static char *serve_count_tokens(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    char *chat = serve_messages_request(body, e), *text = NULL, *out = NULL;
+    const char *why;
+    struct json *req = chat ? json_parse(chat, strlen(chat), &why) : NULL;
+    size_t len;
+    if (req) text = serve_chat_text(srv, req, NULL, 0, &len, e);
+    if (text) {
+        int *ids = NULL, count = tok_encode(srv->tok, text, len, 1, &ids);
+        FILE *f = open_memstream(&out, n);
+        fprintf(f, "{\"input_tokens\":%d}", count);
+        fclose(f);
+        free(ids);
+    }
+    free(text);
+    json_free(req);
+    free(chat);
+    return out;
+}
+
+/* What an endpoint does: answers a GET, a POST from the tokenizer or template alone, or a generation's. */
+enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES };
+
 /* A generation endpoint: request to queued job, answered whole or streamed. -1: close the connection. */
-static int serve_generate(struct serve_conn *c, const struct serve_request *r, int chat)
+static int serve_generate(struct serve_conn *c, const struct serve_request *r, enum serve_endpoint endpoint)
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
     struct serve_job *j = NULL;
     if (!serve_ready(c->srv)) serve_loading(&e); /* the job's prompt needs the tokenizer */
-    else j = serve_job_new(c->srv, chat, r->body, r->body_len, &e);
+    else if (endpoint == SERVE_MESSAGES) j = serve_messages_job(c->srv, r->body, r->body_len, &e);
+    else j = serve_job_new(c->srv, endpoint == SERVE_CHAT, r->body, r->body_len, &e);
     if (!j || serve_submit(c->srv, j, &e)) {
         serve_fail(c, &e, r->keep_alive);
         if (j) serve_job_free(j);
         return r->keep_alive ? 0 : -1;
     }
     int status = 200, rc;
-    if (j->stream) rc = serve_stream(c, j);
+    if (j->stream) rc = j->messages ? serve_messages_stream(c, j) : serve_stream(c, j);
     else {
         char *piece;
         serve_job_wait(c, j, SIZE_MAX, &piece); /* releases nothing past SIZE_MAX: waits for the end */
@@ -19241,7 +19767,7 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, i
             rc = 0;
         } else {
             size_t n;
-            char *body = serve_answer_json(c->srv, j, &n);
+            char *body = j->messages ? serve_message_json(c->srv, j, &n) : serve_answer_json(c->srv, j, &n);
             rc = serve_respond(c, 200, "application/json", body, n, NULL, r->keep_alive);
             free(body);
         }
@@ -19395,14 +19921,11 @@ typedef char *serve_answer_fn(struct serve *srv, const struct json *body, size_t
 static int serve_utility(struct serve_conn *c, const struct serve_request *r, serve_answer_fn *answer)
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
-    const char *why = NULL;
-    struct json *body = json_parse(r->body, r->body_len, &why);
+    struct json *body = NULL;
     size_t n = 0;
     char *out = NULL;
     if (!serve_ready(c->srv)) serve_loading(&e);
-    else if (!body) serve_bad(&e, NULL, "the body is not valid JSON: %s", why);
-    else if (body->kind != JSON_OBJECT) serve_bad(&e, NULL, "the body must be a JSON object");
-    else out = answer(c->srv, body, &n, &e);
+    else if ((body = serve_parse_body(r->body, r->body_len, &e))) out = answer(c->srv, body, &n, &e);
     json_free(body);
     if (!out) {
         serve_fail(c, &e, r->keep_alive);
@@ -19414,12 +19937,12 @@ static int serve_utility(struct serve_conn *c, const struct serve_request *r, se
     return rc || !r->keep_alive ? -1 : 0;
 }
 
-/* Whether R carries the server's key (always, if none). */
+/* Whether R carries the server's key (always, if none): Authorization: Bearer KEY, or X-Api-Key: KEY. */
 static int serve_authorized(const struct serve *srv, const struct serve_request *r)
 {
     if (!srv->api_key) return 1;
-    if (strncasecmp(r->auth, "Bearer ", 7)) return 0;
-    const char *given = r->auth + 7;
+    if (strncasecmp(r->auth, "Bearer ", 7) && !r->x_api_key[0]) return 0;
+    const char *given = strncasecmp(r->auth, "Bearer ", 7) ? r->x_api_key : r->auth + 7;
     size_t a = strlen(given), b = strlen(srv->api_key);
     unsigned diff = a != b;
     for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(given[i] ^ srv->api_key[i]); /* time independent of where they differ */
@@ -19429,12 +19952,15 @@ static int serve_authorized(const struct serve *srv, const struct serve_request 
 /* Answers one request; -1: close the connection. */
 static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
-    static const struct { const char *path, *method; } routes[] = {
-        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}, {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"},
-        {"/apply-template", "POST"}, {"/tokenize", "POST"}, {"/detokenize", "POST"}};
-    static serve_answer_fn *const utilities[] = {serve_template_answer, serve_tokenize, serve_detokenize};
+    static const struct { const char *path, *method; enum serve_endpoint endpoint; serve_answer_fn *utility; } routes[] = {
+        {"/health", "GET", SERVE_GET, NULL}, {"/v1/models", "GET", SERVE_GET, NULL}, {"/metrics", "GET", SERVE_GET, NULL},
+        {"/v1/chat/completions", "POST", SERVE_CHAT, NULL}, {"/v1/completions", "POST", SERVE_COMPLETIONS, NULL},
+        {"/v1/messages", "POST", SERVE_MESSAGES, NULL}, {"/v1/messages/count_tokens", "POST", SERVE_UTILITY, serve_count_tokens},
+        {"/apply-template", "POST", SERVE_UTILITY, serve_template_answer}, {"/tokenize", "POST", SERVE_UTILITY, serve_tokenize},
+        {"/detokenize", "POST", SERVE_UTILITY, serve_detokenize}};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};
     int k = -1;
+    c->api = strncmp(r->path, "/v1/messages", 12) ? SERVE_API_OPENAI : SERVE_API_ANTHROPIC;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(r->path, routes[i].path)) k = i;
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
@@ -19442,12 +19968,13 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         e = (struct serve_error){405, "invalid_request_error", "method_not_allowed", "", ""};
         snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
     } else if (k > 0 && !serve_authorized(c->srv, r)) {
-        e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY)"};
-    } else return k < 3 ? serve_get(c, r) : k < 5 ? serve_generate(c, r, k == 3) : serve_utility(c, r, utilities[k - 5]);
+        e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY, or X-Api-Key: KEY)"};
+    } else if (routes[k].endpoint == SERVE_GET) return serve_get(c, r);
+    else return routes[k].utility ? serve_utility(c, r, routes[k].utility) : serve_generate(c, r, routes[k].endpoint);
     char allow[64];
     snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? routes[k].method : "GET");
     size_t n;
-    char *body = serve_error_json(&e, &n);
+    char *body = serve_error_json(&e, c->api, &n);
     int rc = serve_respond(c, e.status, "application/json", body, n, e.status == 405 ? allow : e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
                            r->keep_alive);
     free(body);
@@ -19489,6 +20016,7 @@ static void *serve_conn_main(void *arg)
     int got;
     while ((got = serve_read_request(c, &r, &e)) == 1 && !serve_route(c, &r) && !serve_stopping) free(r.body);
     if (got < 0) {
+        c->api = SERVE_API_OPENAI; /* a request not read whole: its path may be another's */
         serve_fail(c, &e, 0);
         serve_linger(c->fd);
     }

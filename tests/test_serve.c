@@ -581,6 +581,253 @@ static void test_one_call(void)
     check(right == 3, "parallel_tool_calls false: the answer ends after its first call, not inside thinking", "%d of 3", right);
 }
 
+/* The prompt of chat request TEXT rendered by KIND's template (malloc'd), or NULL with E set. */
+static char *render_chat(enum tok_template kind, const char *text, struct serve_error *e)
+{
+    struct tok t;
+    struct serve srv;
+    memset(&t, 0, sizeof t);
+    memset(&srv, 0, sizeof srv);
+    t.chat_template = kind;
+    srv.tok = &t;
+    srv.think = 1;
+    size_t len;
+    struct json *body = serve_parse_body(text, strlen(text), e);
+    char *out = body ? serve_chat_text(&srv, body, NULL, 1, &len, e) : NULL;
+    json_free(body);
+    return out;
+}
+
+/* Anthropic requests against the chat requests they mean, written by hand: each renders the same prompt, byte for
+ * byte, in both templates; the options map to their chat fields; what cannot be translated is refused by name. */
+static void test_messages_request(void)
+{
+    static const struct { const char *name, *anthropic, *chat; } pairs[] = {
+        {"system string", "{\"system\":\"Be brief.\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}",
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]}"},
+        {"text blocks", "{\"system\":[{\"type\":\"text\",\"text\":\"A\"},{\"type\":\"text\",\"text\":\"B\",\"cache_control\":{\"type\":\"ephemeral\"}}],"
+         "\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"one \"},{\"type\":\"text\",\"text\":\"two\"}]},"
+         "{\"role\":\"assistant\",\"content\":[{\"type\":\"text\",\"text\":\"three\"}]},{\"role\":\"user\",\"content\":\"four\"}],\"system_extra\":1}",
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"AB\"},{\"role\":\"user\",\"content\":\"one two\"},{\"role\":\"assistant\",\"content\":\"three\"},"
+         "{\"role\":\"user\",\"content\":\"four\"}]}"},
+        {"tools, thinking, a call and its result",
+         "{\"tools\":[{\"name\":\"get_weather\",\"description\":\"Weather\",\"input_schema\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}}}}],"
+         "\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Bern?\"},{\"role\":\"assistant\",\"content\":[{\"type\":\"thinking\",\"thinking\":"
+         "\"Need the tool.\",\"signature\":\"x\"},{\"type\":\"text\",\"text\":\"Checking.\"},{\"type\":\"tool_use\",\"id\":\"toolu_1\",\"name\":\"get_weather\","
+         "\"input\":{\"city\":\"Bern\",\"days\":2}}]},{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":\"toolu_1\",\"content\":"
+         "\"12 C\"},{\"type\":\"text\",\"text\":\"And tomorrow?\"}]}],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":1024}}",
+         "{\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather\",\"parameters\":{\"type\":\"object\","
+         "\"properties\":{\"city\":{\"type\":\"string\"}}}}}],\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Bern?\"},{\"role\":\"assistant\","
+         "\"content\":\"Checking.\",\"reasoning_content\":\"Need the tool.\",\"tool_calls\":[{\"id\":\"toolu_1\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Bern\",\"days\":2}}}]},{\"role\":\"tool\",\"tool_call_id\":\"toolu_1\",\"content\":\"12 C\"},"
+         "{\"role\":\"user\",\"content\":\"And tomorrow?\"}],\"chat_template_kwargs\":{\"enable_thinking\":true}}"},
+        {"two calls, results as blocks, thinking off",
+         "{\"tools\":[{\"name\":\"f\",\"input_schema\":{\"type\":\"object\"}}],\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\","
+         "\"content\":[{\"type\":\"tool_use\",\"id\":\"a\",\"name\":\"f\",\"input\":{}},{\"type\":\"redacted_thinking\",\"data\":\"zz\"},{\"type\":\"tool_use\","
+         "\"id\":\"b\",\"name\":\"f\",\"input\":{\"x\":[1,2]}}]},{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":\"a\",\"content\":"
+         "[{\"type\":\"text\",\"text\":\"r1\"}]},{\"type\":\"tool_result\",\"tool_use_id\":\"b\",\"content\":\"r2\",\"is_error\":true}]}],"
+         "\"thinking\":{\"type\":\"disabled\"}}",
+         "{\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}}}],\"messages\":[{\"role\":\"user\",\"content\":"
+         "\"q\"},{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{}}},"
+         "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{\"x\":[1,2]}}}]},{\"role\":\"tool\",\"content\":\"r1\"},{\"role\":\"tool\","
+         "\"content\":\"r2\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}"},
+    };
+    int same = 0, n = 0;
+    for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++)
+        for (enum tok_template kind = TOK_TEMPLATE_QWEN35; kind <= TOK_TEMPLATE_QWEN36; kind++, n++) {
+            struct serve_error e = {0};
+            struct json *body = serve_parse_body(pairs[i].anthropic, strlen(pairs[i].anthropic), &e);
+            char *chat = body ? serve_messages_request(body, &e) : NULL;
+            char *a = chat ? render_chat(kind, chat, &e) : NULL, *b = render_chat(kind, pairs[i].chat, &e);
+            same += a && b && !strcmp(a, b);
+            if (!(a && b && !strcmp(a, b))) printf("# %s (%s): %s\n#  vs %s\n", pairs[i].name, tok_template_names[kind], a ? a : e.message, b ? b : e.message);
+            json_free(body);
+            free(chat), free(a), free(b);
+        }
+    check(same == n, "messages: Anthropic requests render the prompts of the chat requests they mean", "%d of %d", same, n);
+}
+
+/* BODY (an Anthropic request) translated and parsed back, or NULL with E set. */
+static struct json *translate(const char *body_text, struct serve_error *e)
+{
+    const char *why;
+    struct json *body = serve_parse_body(body_text, strlen(body_text), e);
+    char *chat = body ? serve_messages_request(body, e) : NULL;
+    struct json *out = chat ? json_parse(chat, strlen(chat), &why) : NULL;
+    json_free(body);
+    free(chat);
+    return out;
+}
+
+static double number_at(const struct json *v) { return v && v->kind == JSON_NUMBER ? v->number : -1; }
+
+/* The options of Anthropic requests as their chat fields; what cannot be translated refused with words that name it. */
+static void test_messages_options(void)
+{
+    static const struct { const char *body, *words; } refused[] = {
+        {"{\"messages\":[{\"role\":\"system\",\"content\":\"x\"}]}", "'role' must be"},
+        {"{\"messages\":[],\"tools\":[{\"type\":\"web_search_20250305\",\"name\":\"web_search\"}]}", "server tools"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"document\",\"source\":{}}]}]}", "'document'"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"image\",\"source\":{}}]}]}", "assistant's content blocks of type 'image'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"content\":[{\"type\":\"document\"}]}]}]}", "tool_result"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"tool_use\",\"input\":{}}]}]}", "tool_use block"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[]}]}", "'content'"},
+        {"{\"messages\":{}}", "'messages' must be a list"},
+        {"{\"system\":5,\"messages\":[]}", "'system'"},
+        {"{\"messages\":[],\"thinking\":{\"type\":\"on\"}}", "'thinking'"},
+        {"{\"messages\":[],\"stop_sequences\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}", "'stop_sequences'"},
+        {"{\"messages\":[],\"stop_sequences\":[\"\"]}", "'stop_sequences'"},
+        {"{\"messages\":[],\"tool_choice\":{\"type\":\"x\"}}", "'tool_choice'"},
+        {"{\"messages\":[],\"output_format\":{\"type\":\"json_object\"}}", "'output_format'"},
+    };
+    struct serve_error e = {0};
+    struct json *a = translate("{\"messages\":[],\"tool_choice\":{\"type\":\"any\"},\"stop_sequences\":[\"a\",\"b\"],\"max_tokens\":7,"
+                               "\"temperature\":0.5,\"top_k\":3,\"metadata\":{\"user_id\":\"u\"}}", &e);
+    const struct json *stop = json_get(a, "stop");
+    check(a && tok_json_is(json_get(a, "tool_choice"), "required") && stop && tok_json_is(stop->child, "a") && tok_json_is(stop->child->next, "b") &&
+              number_at(json_get(a, "max_tokens")) == 7 && number_at(json_get(a, "temperature")) == 0.5 && number_at(json_get(a, "top_k")) == 3 &&
+              !json_get(a, "metadata"),
+          "messages: tool_choice any is \"required\", stop_sequences stop, sampling fields pass", "%s", a ? "" : e.message);
+    json_free(a);
+    a = translate("{\"messages\":[],\"tool_choice\":{\"type\":\"tool\",\"name\":\"f\",\"disable_parallel_tool_use\":true},"
+                  "\"output_format\":{\"type\":\"json_schema\",\"schema\":{\"type\":\"object\"}}}", &e);
+    const struct json *parallel = json_get(a, "parallel_tool_calls");
+    check(a && tok_json_is(json_get(json_get(json_get(a, "tool_choice"), "function"), "name"), "f") && parallel && parallel->kind == JSON_BOOL &&
+              !parallel->boolean && tok_json_is(json_get(json_get(json_get(json_get(a, "response_format"), "json_schema"), "schema"), "type"), "object"),
+          "messages: tool_choice tool names the function, disable_parallel_tool_use, output_format's schema", "%s", a ? "" : e.message);
+    json_free(a);
+    a = translate("{\"messages\":[],\"tool_choice\":{\"type\":\"none\"},\"output_config\":{\"format\":{\"type\":\"json_schema\",\"schema\":{}}}}", &e);
+    check(a && tok_json_is(json_get(a, "tool_choice"), "none") && json_get(json_get(json_get(a, "response_format"), "json_schema"), "schema"),
+          "messages: tool_choice none, output_config.format", "%s", a ? "" : e.message);
+    json_free(a);
+    int right = 0;
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        memset(&e, 0, sizeof e);
+        a = translate(refused[i].body, &e);
+        int ok = !a && e.status == 400 && strstr(e.message, refused[i].words);
+        if (!ok) printf("# %s: %s\n", refused[i].body, a ? "translated" : e.message);
+        right += ok;
+        json_free(a);
+    }
+    check(right == (int)(sizeof refused / sizeof *refused), "messages: what cannot be translated is a 400 naming it", "%d of %zu", right,
+          sizeof refused / sizeof *refused);
+}
+
+/* Element I of list V, or NULL. */
+static const struct json *nth(const struct json *v, int i)
+{
+    const struct json *c = v && v->kind == JSON_ARRAY ? v->child : NULL;
+    while (c && i-- > 0) c = c->next;
+    return c;
+}
+
+/* A thinking, text and tool_use answer in Anthropic's shape, whole and as a stream of events fed in pieces of 5 bytes:
+ * the stream's events (each named as its data's type) rebuild the whole answer's blocks; usage splits the prompt into
+ * computed and cached; stop_reason and stop_sequence follow the generation's end. */
+static void test_messages_answer(void)
+{
+    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
+    static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
+                               "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
+    struct serve srv;
+    struct serve_job j;
+    const char *why;
+    memset(&srv, 0, sizeof srv);
+    memset(&j, 0, sizeof j);
+    srv.model_id = "m";
+    j.body = json_parse(tools, strlen(tools), &why);
+    j.tools = j.body;
+    j.think = 1;
+    j.answer.part = SERVE_PART_REASONING;
+    j.text = plat_strdup(text);
+    j.len = strlen(text);
+    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 7;
+    size_t n;
+    char *out = serve_message_json(&srv, &j, &n);
+    struct json *m = json_parse(out, n, &why);
+    const struct json *content = json_get(m, "content"), *usage = json_get(m, "usage"), *input = json_get(nth(content, 2), "input");
+    check(m && tok_json_is(json_get(m, "type"), "message") && tok_json_is(json_get(m, "role"), "assistant") &&
+              tok_json_is(json_get(nth(content, 0), "thinking"), "Let me see.") && tok_json_is(json_get(nth(content, 1), "text"), "Checking.") &&
+              tok_json_is(json_get(nth(content, 2), "type"), "tool_use") && tok_json_is(json_get(nth(content, 2), "name"), "get_weather") &&
+              tok_json_is(json_get(input, "city"), "Bern") && number_at(json_get(input, "days")) == 2 && !nth(content, 3) &&
+              tok_json_is(json_get(m, "stop_reason"), "tool_use") && json_get(m, "stop_sequence")->kind == JSON_NULL &&
+              number_at(json_get(usage, "input_tokens")) == 6 && number_at(json_get(usage, "cache_read_input_tokens")) == 4 &&
+              number_at(json_get(usage, "output_tokens")) == 7,
+          "messages: an answer's thinking, text and tool_use blocks, stop_reason tool_use, usage", "%.600s", out);
+    /* the same text streamed */
+    serve_answer_free(&j.answer);
+    j.answer.part = SERVE_PART_REASONING;
+    struct serve_blocks b = {{{0, 0}, 0}, 0, -1};
+    char *events = NULL;
+    size_t len;
+    FILE *f = open_memstream(&events, &len);
+    for (size_t at = 0; at < j.len; at += 5) {
+        size_t piece = j.len - at < 5 ? j.len - at : 5;
+        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
+        serve_block_events(f, &j, 1, &b);
+    }
+    serve_messages_end(f, &j, &b);
+    fclose(f);
+    struct tok_buf block[4] = {{0}};
+    char kind[4][16] = {""};
+    int named = 1, order = 1, opened = 0, stopped = 0, ends = len > 16 && !strcmp(events + len - 16, "message_stop\"}\n\n");
+    const char *stop_reason = "";
+    for (char *ev = events, *end; ev && *ev; ev = end + 2) {
+        end = strstr(ev, "\n\n");
+        char *nl = strchr(ev, '\n');
+        if (!end || !nl || strncmp(ev, "event: ", 7) || strncmp(nl + 1, "data: ", 6)) { named = 0; break; }
+        *end = 0, *nl = 0;
+        struct json *d = json_parse(nl + 7, strlen(nl + 7), &why);
+        const char *type = json_get(d, "type") ? json_get(d, "type")->str : "";
+        int index = (int)number_at(json_get(d, "index"));
+        const struct json *delta = json_get(d, "delta");
+        named &= d && !strcmp(type, ev + 7);
+        if (!strcmp(type, "content_block_start")) {
+            order &= index == opened && index == stopped && index < 4;
+            if (index >= 0 && index < 4) snprintf(kind[index], sizeof kind[index], "%s", json_get(json_get(d, "content_block"), "type")->str);
+            opened++;
+        } else if (!strcmp(type, "content_block_delta") && index >= 0 && index < 4) {
+            order &= index == opened - 1 && index == stopped;
+            const struct json *piece = json_get(delta, "text") ? json_get(delta, "text") : json_get(delta, "thinking") ? json_get(delta, "thinking")
+                                                                                                                          : json_get(delta, "partial_json");
+            if (piece) tok_buf_put(&block[index], piece->str, piece->len);
+        } else if (!strcmp(type, "content_block_stop")) order &= index == stopped++ && index == opened - 1;
+        else if (!strcmp(type, "message_delta")) stop_reason = tok_json_is(json_get(delta, "stop_reason"), "tool_use") ? "tool_use" : "other";
+        json_free(d);
+    }
+    struct json *streamed_input = block[2].p ? json_parse(block[2].p, block[2].n, &why) : NULL;
+    check(named && order && opened == 3 && stopped == 3 && !strcmp(kind[0], "thinking") && !strcmp(kind[1], "text") && !strcmp(kind[2], "tool_use") &&
+              block[0].p && !strcmp(block[0].p, "Let me see.") && block[1].p && !strcmp(block[1].p, "Checking.") &&
+              tok_json_is(json_get(streamed_input, "city"), "Bern") && number_at(json_get(streamed_input, "days")) == 2 &&
+              !strcmp(stop_reason, "tool_use") && ends,
+          "messages: the stream's events rebuild the same blocks, in order, and end with message_stop", "named %d, order %d, %d opened, %d stopped, ends %d",
+          named, order, opened, stopped, ends);
+    for (int k = 0; k < 4; k++) free(block[k].p);
+    json_free(streamed_input);
+    free(events);
+    json_free(m);
+    free(out);
+    /* a stop string's end, and a length's */
+    serve_answer_free(&j.answer);
+    j.answer.part = SERVE_PART_CONTENT;
+    j.think = 0, j.tools = NULL;
+    j.stop[0] = "END", j.n_stop = 1, j.stop_hit = 1, j.gen.stop = ENGINE_STOP_SINK;
+    out = serve_message_json(&srv, &j, &n);
+    m = json_parse(out, n, &why);
+    int stop_seq = tok_json_is(json_get(m, "stop_reason"), "stop_sequence") && tok_json_is(json_get(m, "stop_sequence"), "END");
+    json_free(m), free(out);
+    serve_answer_free(&j.answer);
+    j.stop_hit = 0, j.gen.stop = ENGINE_STOP_LENGTH;
+    out = serve_message_json(&srv, &j, &n);
+    m = json_parse(out, n, &why);
+    check(stop_seq && tok_json_is(json_get(m, "stop_reason"), "max_tokens") && json_get(m, "stop_sequence")->kind == JSON_NULL,
+          "messages: stop_reason stop_sequence names the string; max_tokens at the length", "%.300s", out);
+    json_free(m), free(out);
+    serve_answer_free(&j.answer);
+    json_free(j.body);
+    free(j.text);
+}
+
 /* Requests routed while the model loads (ready 0: no tokenizer, no engine yet): each endpoint
  * that needs the model answers 503 with the code "loading", /health says "loading", and none
  * touches the tokenizer (a chat request read its template through NULL: a segfault). */
@@ -589,7 +836,9 @@ static void test_loading_answers(void)
     static const struct { const char *method, *path, *want; } reqs[] = {
         {"POST", "/v1/chat/completions", "\"code\":\"loading\""}, {"POST", "/v1/completions", "\"code\":\"loading\""},
         {"POST", "/apply-template", "\"code\":\"loading\""}, {"POST", "/tokenize", "\"code\":\"loading\""},
-        {"POST", "/detokenize", "\"code\":\"loading\""}, {"GET", "/health", "{\"status\":\"loading\"}"}};
+        {"POST", "/detokenize", "\"code\":\"loading\""}, {"GET", "/health", "{\"status\":\"loading\"}"},
+        {"POST", "/v1/messages", "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\""},
+        {"POST", "/v1/messages/count_tokens", "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\""}};
     const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"prompt\":\"hi\",\"max_tokens\":4}";
     struct serve srv;
     memset(&srv, 0, sizeof srv);
@@ -636,6 +885,9 @@ int main(int argc, char **argv)
     test_stop_strings();
     test_one_call();
     test_answer_fields();
+    test_messages_request();
+    test_messages_options();
+    test_messages_answer();
     test_loading_answers();
     char probe[1024];
     snprintf(probe, sizeof probe, "%s/q35moe-q8_0.gguf", dir);

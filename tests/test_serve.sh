@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # test_serve: `coli serve` end to end, over loopback only: the OpenAI-compatible endpoints, greedy
 # output identical to `coli run`, streaming, stop strings, parallel slots, errors and malformed
-# HTTP, the API key, SIGTERM, and the official `openai` npm client (tests/serve_openai.mjs).
+# HTTP, the API key, SIGTERM, the official `openai` npm client (tests/serve_openai.mjs), and the Anthropic Messages API
+# against the chat requests it means (tests/serve_anthropic.py) and through `@anthropic-ai/sdk` (tests/serve_anthropic.mjs).
 # usage: tests/test_serve.sh ./coli GOLDEN_DIR [--fuzz-bin PATH]
-# Needs curl and python3 (JSON); node + npm for the openai client (skipped without them, or when
-# the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds openai.
+# Needs curl and python3 (JSON); node + npm for the two clients (skipped without them, or when
+# the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds them.
 set -u
 COLI=${1:-./coli}
 GOLDEN=${2:-../shared/golden}
@@ -54,7 +55,7 @@ elif ! command -v npm >/dev/null; then
 else
     npm_prefix=$tmp/npm
     mkdir -p "$npm_prefix"
-    timeout 120 npm install --prefix "$npm_prefix" --no-audit --no-fund --loglevel=error openai@4 >"$tmp/npm.log" 2>&1 </dev/null &
+    timeout 120 npm install --prefix "$npm_prefix" --no-audit --no-fund --loglevel=error openai@4 @anthropic-ai/sdk@1 >"$tmp/npm.log" 2>&1 </dev/null &
     npm_pid=$!
 fi
 
@@ -735,7 +736,7 @@ if [ -n "$npm_pid" ]; then
     wait "$npm_pid" || rc=$?
     npm_pid=""
     if [ "$rc" != 0 ] || [ ! -d "$npm_prefix/node_modules/openai" ]; then
-        npm_skip="npm install openai@4 failed (exit $rc): $(tail -n 2 "$tmp/npm.log" | tr '\n' ' ' | head -c 200)"
+        npm_skip="npm install openai@4 @anthropic-ai/sdk@1 failed (exit $rc): $(tail -n 2 "$tmp/npm.log" | tr '\n' ' ' | head -c 200)"
     fi
 fi
 if [ -n "$npm_skip" ]; then
@@ -752,6 +753,35 @@ else
     pass=$((pass + np))
     fail=$((fail + nf))
     if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "openai client script" "exit $rc: $(tail -n 5 "$tmp/node.out" | tr '\n' ' ' | head -c 400)"; fi
+fi
+
+# --- the Anthropic Messages API: a server with room for a tools block in its context (-c 1024)
+if start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think; then
+    rc=0
+    timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json" >"$tmp/anth.out" 2>&1 || rc=$?
+    np=$(grep -c '^ok - ' "$tmp/anth.out")
+    nf=$(grep -c '^FAIL - ' "$tmp/anth.out")
+    grep -E '^(ok|FAIL) - ' "$tmp/anth.out"
+    pass=$((pass + np))
+    fail=$((fail + nf))
+    if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "serve_anthropic.py" "exit $rc: $(tail -n 5 "$tmp/anth.out" | tr '\n' ' ' | head -c 400)"; fi
+    if [ -n "$npm_skip" ]; then
+        ok "anthropic client # SKIP $npm_skip"
+    elif [ ! -d "$npm_prefix/node_modules/@anthropic-ai/sdk" ]; then
+        ok "anthropic client # SKIP $npm_prefix holds no @anthropic-ai/sdk"
+    elif [ -s "$tmp/anth_expect.json" ]; then
+        rc=0
+        timeout 60 node "$HERE/serve_anthropic.mjs" "$npm_prefix" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json" >"$tmp/anode.out" 2>&1 || rc=$?
+        np=$(grep -c '^ok - ' "$tmp/anode.out")
+        nf=$(grep -c '^FAIL - ' "$tmp/anode.out")
+        grep -E '^(ok|FAIL) - ' "$tmp/anode.out"
+        pass=$((pass + np))
+        fail=$((fail + nf))
+        if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "anthropic client script" "exit $rc: $(tail -n 5 "$tmp/anode.out" | tr '\n' ' ' | head -c 400)"; fi
+    fi
+    stop_server "$spid"
+else
+    bad "serve for the Anthropic API starts" "$(head -c 600 "$tmp/anth.err")"
 fi
 
 # --- the Qwen3.5 and Qwen3.6 templates, written into copies of the model: /apply-template
@@ -830,6 +860,15 @@ if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-thi
     if [ "$code" = 200 ] && [ "$(q json "$tmp/a_chat2.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then ok "--api-key: chat with the key, the greedy text"; else bad "--api-key chat with the key" "$code $(errbody a_chat2)"; fi
     http a_health GET /health
     if [ "$code" = 200 ]; then ok "--api-key: /health without a key, 200"; else bad "--api-key /health" "$code"; fi
+    abody="{\"model\":\"$MODEL_ID\",\"messages\":[{\"role\":\"user\",\"content\":\"$A\"}],\"max_tokens\":16,\"temperature\":0}"
+    post a_msg /v1/messages "$abody" -H 'X-Api-Key: wrong'
+    if [ "$code" = 401 ] && qt "$tmp/a_msg.body" "d == {'type': 'error', 'error': {'type': 'authentication_error', 'message': d['error']['message']}}"; then
+        ok "--api-key: /v1/messages with a wrong X-Api-Key, 401 in Anthropic's shape"
+    else bad "--api-key /v1/messages wrong key" "$code $(errbody a_msg)"; fi
+    post a_msg2 /v1/messages "$abody" -H 'X-Api-Key: sekrit'
+    if [ "$code" = 200 ] && [ "$(q json "$tmp/a_msg2.body" "d['content'][0]['text']")" = "$(cat "$tmp/refA16.jstr")" ]; then
+        ok "--api-key: /v1/messages with X-Api-Key, the greedy text of coli run --chat"
+    else bad "--api-key /v1/messages with the key" "$code $(errbody a_msg2)"; fi
     # SIGTERM while a long answer streams
     curl -sS -N --max-time 30 -o "$tmp/a_long.body" -H 'Authorization: Bearer sekrit' -H 'Content-Type: application/json' \
         --data-binary "$(chat_body "$A" 100 '"stream":true')" "$base/v1/chat/completions" 2>/dev/null &

@@ -1,0 +1,222 @@
+# serve_anthropic: the Anthropic Messages API of a running `coli serve` against its own chat completions
+# (tests/test_serve.sh). Each Anthropic request goes beside the chat request it means, written here by hand; both
+# greedy, so the two answers must agree: text, thinking, tool calls, how they stopped, token counts. Then a stream's
+# events, count_tokens, stop_sequences and errors. Prints `ok - ...` / `FAIL - ...` lines and writes EXPECT.json (the
+# first case's answer) for tests/serve_anthropic.mjs.
+# usage: python3 tests/serve_anthropic.py BASE_URL MODEL_ID EXPECT.json
+import json, sys, urllib.request, urllib.error
+
+base, model, expect_path = sys.argv[1:4]
+failed = 0
+
+
+def ok(name):
+    print('ok - messages: ' + name)
+
+
+def bad(name, why):
+    global failed
+    failed += 1
+    print('FAIL - messages: %s: %s' % (name, str(why).replace('\n', ' ')[:500]))
+
+
+def send(method, path, body=None, headers=None):
+    """(status, headers, text) of a request to the server."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data, {'Content-Type': 'application/json', **(headers or {})}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read().decode('utf-8', 'replace')
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode('utf-8', 'replace')
+
+
+def post(path, body):
+    status, _, text = send('POST', path, body)
+    return status, json.loads(text)
+
+
+def greedy(body, n=16):
+    return dict(body, model=model, max_tokens=n, temperature=0)
+
+
+SCHEMA = {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}
+TOOLS = [{'name': 'get_weather', 'description': 'The weather in a city', 'input_schema': SCHEMA}]
+CHAT_TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city', 'parameters': SCHEMA}}]
+CASES = [
+    ('a system prompt and a user message',
+     {'system': 'You are terse.', 'messages': [{'role': 'user', 'content': 'Hello'}]},
+     {'messages': [{'role': 'system', 'content': 'You are terse.'}, {'role': 'user', 'content': 'Hello'}]}),
+    ('thinking on, tools, a call and its result in the history',
+     {'system': [{'type': 'text', 'text': 'Use tools.'}], 'tools': TOOLS, 'thinking': {'type': 'enabled', 'budget_tokens': 512},
+      'messages': [{'role': 'user', 'content': 'Weather in Bern?'},
+                   {'role': 'assistant', 'content': [{'type': 'text', 'text': 'Checking.'},
+                                                     {'type': 'tool_use', 'id': 'toolu_1', 'name': 'get_weather', 'input': {'city': 'Bern'}}]},
+                   {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': 'toolu_1', 'content': '12 C, cloudy'},
+                                                {'type': 'text', 'text': 'And in Paris?'}]}]},
+     {'tools': CHAT_TOOLS, 'chat_template_kwargs': {'enable_thinking': True},
+      'messages': [{'role': 'system', 'content': 'Use tools.'}, {'role': 'user', 'content': 'Weather in Bern?'},
+                   {'role': 'assistant', 'content': 'Checking.',
+                    'tool_calls': [{'id': 'toolu_1', 'type': 'function', 'function': {'name': 'get_weather', 'arguments': '{"city": "Bern"}'}}]},
+                   {'role': 'tool', 'tool_call_id': 'toolu_1', 'content': '12 C, cloudy'}, {'role': 'user', 'content': 'And in Paris?'}]}),
+    ('a forced call (tool_choice tool)',
+     {'tools': TOOLS, 'tool_choice': {'type': 'tool', 'name': 'get_weather'}, 'messages': [{'role': 'user', 'content': 'Weather in Rome?'}]},
+     {'tools': CHAT_TOOLS, 'tool_choice': {'type': 'function', 'function': {'name': 'get_weather'}},
+      'messages': [{'role': 'user', 'content': 'Weather in Rome?'}]}),
+]
+STOP_REASON = {'stop': 'end_turn', 'length': 'max_tokens', 'tool_calls': 'tool_use'}
+
+
+def blocks_of(content):
+    """(thinking, text, [(name, input)]) of a message's content blocks."""
+    join = lambda kind, key: ''.join(b[key] for b in content if b['type'] == kind)
+    return join('thinking', 'thinking'), join('text', 'text'), [(b['name'], b['input']) for b in content if b['type'] == 'tool_use']
+
+
+def chat_fields(d):
+    m = d['choices'][0]['message']
+    calls = [(c['function']['name'], json.loads(c['function']['arguments'])) for c in m.get('tool_calls') or []]
+    return m.get('reasoning_content') or '', m.get('content') or '', calls
+
+
+def same_answer(name, msg, chat):
+    """None if Anthropic message MSG says what chat completion CHAT says, else why not."""
+    if msg.get('type') != 'message' or msg.get('role') != 'assistant' or not str(msg.get('id', '')).startswith('msg_'):
+        return 'not a message: %r' % msg
+    got, want = blocks_of(msg['content']), chat_fields(chat)
+    if list(got) != list(want):
+        return 'blocks %r, the chat answer %r' % (got, want)
+    if msg['stop_reason'] != STOP_REASON[chat['choices'][0]['finish_reason']]:
+        return 'stop_reason %r, finish_reason %r' % (msg['stop_reason'], chat['choices'][0]['finish_reason'])
+    u, cu = msg['usage'], chat['usage']
+    if u['input_tokens'] + u['cache_read_input_tokens'] != cu['prompt_tokens'] or u['output_tokens'] != cu['completion_tokens']:
+        return 'usage %r, the chat usage %r' % (u, cu)
+    return None
+
+
+def events_of(text):
+    """The (name, data) pairs of an event stream; raises on a malformed one."""
+    out = []
+    assert text.endswith('\n\n'), 'the stream does not end in a blank line'
+    for ev in text[:-2].split('\n\n'):
+        lines = ev.split('\n')
+        assert len(lines) == 2 and lines[0].startswith('event: ') and lines[1].startswith('data: '), 'not an event: %r' % ev[:100]
+        data = json.loads(lines[1][6:])
+        assert data['type'] == lines[0][7:], 'event %r holds %r' % (lines[0], data['type'])
+        out.append((lines[0][7:], data))
+    return out
+
+
+def rebuild(events):
+    """The message a stream of events builds, checking their order as the SDK's accumulator relies on it."""
+    assert events[0][0] == 'message_start' and events[-1][0] == 'message_stop', 'first %s, last %s' % (events[0][0], events[-1][0])
+    msg, open_index = events[0][1]['message'], None
+    for name, d in events[1:-1]:
+        if name == 'content_block_start':
+            assert open_index is None and d['index'] == len(msg['content']), 'block %d starts at %d' % (d['index'], len(msg['content']))
+            msg['content'].append(dict(d['content_block'], partial=''))
+            open_index = d['index']
+        elif name == 'content_block_delta':
+            assert d['index'] == open_index, 'a delta of block %d while %r is open' % (d['index'], open_index)
+            delta, block = d['delta'], msg['content'][d['index']]
+            key = {'text_delta': 'text', 'thinking_delta': 'thinking', 'input_json_delta': 'partial_json'}[delta['type']]
+            if key == 'partial_json':
+                block['partial'] += delta[key]
+            else:
+                block[key] += delta[key]
+        elif name == 'content_block_stop':
+            assert d['index'] == open_index, 'block %d stops while %r is open' % (d['index'], open_index)
+            block = msg['content'][open_index]
+            if block['type'] == 'tool_use':
+                block['input'] = json.loads(block['partial'])
+            open_index = None
+        elif name == 'message_delta':
+            assert open_index is None, 'message_delta with block %d open' % open_index
+            msg.update(d['delta'])
+            msg['usage'].update(d['usage'])
+        else:
+            raise AssertionError('unexpected event %s' % name)
+    return msg
+
+
+answers = []
+for name, anthropic, chat in CASES:
+    s1, msg = post('/v1/messages', greedy(anthropic))
+    s2, want = post('/v1/chat/completions', greedy(chat))
+    why = 'status %d %d: %r' % (s1, s2, msg) if (s1, s2) != (200, 200) else same_answer(name, msg, want)
+    if why:
+        bad(name, why)
+    else:
+        ok('%s: the answer of the chat request it means' % name)
+    answers.append((msg, want))
+forced = answers[2][0]
+if forced.get('content') and (forced['content'][0].get('type') == 'tool_use' or forced['content'][0].get('text', '').startswith('<tool_call>')):
+    ok('tool_choice tool: the answer opens the call (a tool_use block, or its text when the model wrote it badly)')
+else:
+    bad('tool_choice tool', forced)
+
+# streamed: the events rebuild the unstreamed message
+status, headers, text = send('POST', '/v1/messages', dict(greedy(CASES[1][1]), stream=True))
+try:
+    assert status == 200 and headers.get('Content-Type', '').startswith('text/event-stream'), 'status %d %s' % (status, headers.get('Content-Type'))
+    built, whole = rebuild(events_of(text)), answers[1][0]
+    for block in built['content']:
+        block.pop('partial')
+    assert blocks_of(built['content']) == blocks_of(whole['content']), 'streamed %r, whole %r' % (blocks_of(built['content']), blocks_of(whole['content']))
+    assert (built['stop_reason'], built['stop_sequence']) == (whole['stop_reason'], whole['stop_sequence']), 'stop %r' % built['stop_reason']
+    u, w = built['usage'], whole['usage']
+    assert u['output_tokens'] == w['output_tokens'] and u['input_tokens'] + u['cache_read_input_tokens'] == w['input_tokens'] + w['cache_read_input_tokens'], \
+        'usage %r, whole %r' % (u, w)
+    ok('stream: named events in order (message_start, blocks started, their deltas, stopped, message_delta, message_stop) rebuild the answer')
+except (AssertionError, ValueError, KeyError, IndexError) as e:
+    bad('stream', '%s: %s' % (type(e).__name__, e))
+
+# count_tokens: the prompt's tokens, as the chat request's usage counts them
+status, d = post('/v1/messages/count_tokens', dict(CASES[1][1], model=model))
+if status == 200 and d == {'input_tokens': answers[1][1]['usage']['prompt_tokens']}:
+    ok('count_tokens: {"input_tokens": N}, N the prompt tokens of the chat request it means')
+else:
+    bad('count_tokens', '%d %r, want %d' % (status, d, answers[1][1]['usage']['prompt_tokens']))
+
+# stop_sequences: the text cut before the first one, which is named
+text = blocks_of(answers[0][0]['content'])[1]
+stop = next((text[i:i + 3] for i in range(len(text) // 3, len(text) - 3) if text.find(text[i:i + 3]) >= 2 and text[i:i + 3].strip()), None)
+if stop is None:
+    bad('stop_sequences', 'no stop string to pick in %r' % text)
+else:
+    status, d = post('/v1/messages', greedy(dict(CASES[0][1], stop_sequences=['zzzz', stop])))
+    got = blocks_of(d.get('content', []))[1] if status == 200 else None
+    if got == text[:text.find(stop)].strip() and d['stop_reason'] == 'stop_sequence' and d['stop_sequence'] == stop:
+        ok('stop_sequences: cut before the first, stop_reason stop_sequence naming it')
+    else:
+        bad('stop_sequences', '%d %r for %r in %r' % (status, d, stop, text))
+
+# errors in Anthropic's shape
+def is_error(status, text, want_status, want_type, words):
+    try:
+        d = json.loads(text)
+        return status == want_status and d['type'] == 'error' and d['error']['type'] == want_type and words in d['error']['message']
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+for label, method, path, body, want_status, want_type, words in [
+        ('a body that is not JSON', 'POST', '/v1/messages', b'{"messages": [', 400, 'invalid_request_error', 'not valid JSON'),
+        ('a server tool', 'POST', '/v1/messages', greedy({'messages': [{'role': 'user', 'content': 'hi'}],
+                                                          'tools': [{'type': 'web_search_20250305', 'name': 'web_search'}]}),
+         400, 'invalid_request_error', 'server tools'),
+        ('a prompt longer than the context', 'POST', '/v1/messages', greedy({'messages': [{'role': 'user', 'content': 'word ' * 1500}]}),
+         400, 'invalid_request_error', 'context'),
+        ('GET /v1/messages', 'GET', '/v1/messages', None, 405, 'invalid_request_error', 'takes POST'),
+        ('an unknown path under /v1/messages', 'POST', '/v1/messages/batches', b'{}', 404, 'not_found_error', 'no endpoint')]:
+    status, _, text = send(method, path, body)
+    if is_error(status, text, want_status, want_type, words):
+        ok('%s: %d %s, in Anthropic\'s error shape' % (label, want_status, want_type))
+    else:
+        bad(label, '%d %s' % (status, text[:300]))
+
+first = answers[0][0]
+with open(expect_path, 'w') as f:
+    json.dump({'system': CASES[0][1]['system'], 'messages': CASES[0][1]['messages'], 'n': 16, 'text': blocks_of(first.get('content', []))[1],
+               'stop_reason': first.get('stop_reason'), 'prompt_tokens': answers[0][1]['usage']['prompt_tokens']}, f)
+sys.exit(1 if failed else 0)
