@@ -19,7 +19,7 @@
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens; JSON values (json_); the chat templates
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
  *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch; the prompt cache
- *   §12 serve      serve_   the OpenAI-compatible HTTP server: HTTP/1.1, the job queue, streaming, reasoning and tool calls
+ *   §12 serve      serve_   the OpenAI-compatible HTTP server (and Anthropic's Messages API): HTTP/1.1, the job queue, streaming, tool calls
  *   §13 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize; synthetic models (--synthetic)
  *   §14 main       arg_     argument parsing and dispatch
  *
@@ -17726,7 +17726,8 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 /* ==== §12 serve ==== */
 /* Owns: `coli serve`, the OpenAI-compatible HTTP server: listening socket, a thread per connection, HTTP/1.1 read under
  *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
- *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize.
+ *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize;
+ *   and Anthropic's Messages API (/v1/messages), translated into the chat request it means.
  * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error. Connection threads never touch
  *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
@@ -19370,20 +19371,22 @@ static int serve_msg_assistant(struct tok_buf *o, int *count, const struct json 
         return 0;
     }
     if (c->kind != JSON_ARRAY) return serve_bad(e, "messages", "message %d: 'content' must be a string or a list of content blocks", i);
-    struct tok_buf thinking = {NULL, 0, 0};
-    int parts = 0, calls = 0;
-    tok_buf_puts(o, "[");
     for (const struct json *b = c->child; b; b = b->next) {
         const char *type = serve_block_type(b);
         const struct json *t = json_get(b, "thinking");
-        if (!strcmp(type, "text")) tok_buf_puts(o, parts++ ? "," : ""), tok_json_dump(o, b);
-        else if (!strcmp(type, "thinking") && t && t->kind == JSON_STRING) tok_buf_put(&thinking, t->str, t->len);
-        else if (strcmp(type, "tool_use") && strcmp(type, "redacted_thinking")) {
-            free(thinking.p);
+        if (!strcmp(type, "thinking") && (!t || t->kind != JSON_STRING))
+            return serve_bad(e, "messages", "message %d: a thinking block needs its 'thinking' text", i);
+        if (strcmp(type, "text") && strcmp(type, "thinking") && strcmp(type, "tool_use") && strcmp(type, "redacted_thinking"))
             return serve_bad(e, "messages", "message %d: an assistant's content blocks of type '%s' are not supported (text, thinking, tool_use)", i, type);
-        }
     }
+    struct tok_buf thinking = {NULL, 0, 0};
+    int parts = 0, calls = 0;
+    tok_buf_puts(o, "[");
+    for (const struct json *b = c->child; b; b = b->next)
+        if (!strcmp(serve_block_type(b), "text")) tok_buf_puts(o, parts++ ? "," : ""), tok_json_dump(o, b);
     tok_buf_puts(o, "]");
+    for (const struct json *b = c->child; b; b = b->next)
+        if (!strcmp(serve_block_type(b), "thinking")) tok_buf_put(&thinking, json_get(b, "thinking")->str, json_get(b, "thinking")->len);
     if (thinking.n) tok_buf_puts(o, ",\"reasoning_content\":"), json_put_string(o, thinking.p, thinking.n);
     free(thinking.p);
     for (const struct json *b = c->child; b; b = b->next) {
@@ -19395,14 +19398,16 @@ static int serve_msg_assistant(struct tok_buf *o, int *count, const struct json 
     return 0;
 }
 
-/* The request's system prompt S (a string or text blocks) as a system message; none if empty. */
+/* System text S (a string or text blocks: the request's `system`, or a system message's content) as a message: a system
+ * message where it opens the chat, else a user turn in its place (the Qwen templates take a system message first only;
+ * Claude Code sends system reminders between turns). None if empty. */
 static int serve_msg_system(struct tok_buf *o, int *count, const struct json *s, struct serve_error *e)
 {
-    int blocks = s->kind == JSON_ARRAY;
+    int blocks = s && s->kind == JSON_ARRAY;
     for (const struct json *b = blocks ? s->child : NULL; b; b = b->next) blocks &= !strcmp(serve_block_type(b), "text");
-    if (s->kind != JSON_STRING && !blocks) return serve_bad(e, "system", "'system' must be a string or a list of text blocks");
+    if ((!s || s->kind != JSON_STRING) && !blocks) return serve_bad(e, "system", "'system' and system messages must be a string or a list of text blocks");
     if (s->kind == JSON_STRING ? !s->len : !s->child) return 0;
-    serve_msg_open(o, count, "system");
+    serve_msg_open(o, count, *count ? "user" : "system");
     tok_json_dump(o, s);
     tok_buf_puts(o, "}");
     return 0;
@@ -19501,7 +19506,8 @@ static char *serve_messages_request(const struct json *body, struct serve_error 
         const struct json *c = json_get(m, "content");
         if (tok_role_is(m, "user")) bad = serve_msg_user(&o, &count, c, i, e);
         else if (tok_role_is(m, "assistant")) bad = serve_msg_assistant(&o, &count, c, i, e);
-        else bad = serve_bad(e, "messages", "message %d: 'role' must be \"user\" or \"assistant\" (the system prompt is the request's 'system')", i);
+        else if (tok_role_is(m, "system")) bad = serve_msg_system(&o, &count, c, e);
+        else bad = serve_bad(e, "messages", "message %d: 'role' must be \"user\", \"assistant\" or \"system\"", i);
     }
     tok_buf_puts(&o, "]");
     for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
@@ -21350,12 +21356,13 @@ static const char *const arg_command_help[][2] = {
               "           [--cache-ram SIZE] [--no-think | --reasoning off]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
-              "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus). --port 0 picks a free port\n"
+              "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus); Anthropic's Messages API:\n"
+              "  POST /v1/messages and /v1/messages/count_tokens. --port 0 picks a free port\n"
               "  (said on stderr). --parallel N conversations decode together as one batch (default: what a quarter\n"
               "  of free memory holds at full context, 1-4, fewer where more would leave routed experts out of\n"
               "  memory), each with -c tokens (default 32768); --queue N requests\n"
               "  wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
-              "  'Authorization: Bearer KEY' everywhere but /health. -n N: max_tokens when a request has none\n"
+              "  'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') everywhere but /health. -n N: max_tokens when a request has none\n"
               "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
               "  A request reuses what a slot, or a conversation parked in RAM, holds of its prompt: the KV cache\n"
               "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"

@@ -291,6 +291,7 @@ struct fcase {
     unsigned sse;              /* bit k: response k, if 200, is an SSE stream ending data: [DONE] */
     const char *param;         /* a 400 must name one of these fields ("a|b") in error.param */
     const char *body_has;      /* a 200 to response 0 must contain this */
+    const char *error_has;     /* an error's body must contain this (its API's shape) */
     int want_allow;            /* a 405 must carry Allow */
     int want_close;            /* after the last response the server must close (HTTP/1.0) */
     char variant[64];          /* which variant, for the report */
@@ -334,14 +335,23 @@ static void name(struct fcase *c, const char *fmt, ...)
     va_end(ap);
 }
 
+/* An Anthropic request with a tool, a call, its result and thinking: for the messages cases and mutation. */
+#define ANTHROPIC_BODY                                                                                                        \
+    "{\"max_tokens\":2,\"tools\":[{\"name\":\"f\",\"input_schema\":{\"type\":\"object\"}}],\"tool_choice\":{\"type\":\"auto\"},"        \
+    "\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\",\"content\":[{\"type\":\"thinking\",\"thinking\":\"t\"," \
+    "\"signature\":\"\"},{\"type\":\"tool_use\",\"id\":\"a\",\"name\":\"f\",\"input\":{\"k\":[1,{}]}}]},{\"role\":\"user\",\"content\":"  \
+    "[{\"type\":\"tool_result\",\"tool_use_id\":\"a\",\"content\":[{\"type\":\"text\",\"text\":\"r\"}]},{\"type\":\"text\",\"text\":"     \
+    "\"go\"}]}],\"thinking\":{\"type\":\"adaptive\"}}"
+
 /* Any valid request, for truncation and mutation. */
 static void valid_request(struct buf *b, uint64_t *r)
 {
     struct buf body = {0};
-    switch (rnd(r, 4)) {
+    switch (rnd(r, 5)) {
     case 0: get(b, "/health", NULL); break;
     case 1: get(b, "/v1/models", "Connection: close\r\n"); break;
     case 2: chat_body(&body, r, (int)rnd(r, 2)), post(b, "/v1/chat/completions", body.p, body.n, NULL); break;
+    case 3: post(b, "/v1/messages", ANTHROPIC_BODY, strlen(ANTHROPIC_BODY), NULL); break;
     default: completion_body(&body, r, 0), post(b, "/v1/completions", body.p, body.n, NULL); break;
     }
     free(body.p);
@@ -639,6 +649,45 @@ static void gen_tokenizer(struct fcase *c, uint64_t *r)
     free(body.p);
 }
 
+/* Anthropic's /v1/messages and /v1/messages/count_tokens: bodies valid (every block kind), odd and wrong in each field.
+ * An error comes in Anthropic's shape; a 200 is a message (or its events), or a count (which reads no generation
+ * settings: a bad max_tokens or schema is counted all the same). */
+static void gen_messages(struct fcase *c, uint64_t *r)
+{
+#define U "{\"role\":\"user\",\"content\":\"x\"}"
+    static const struct { const char *body, *expect, *count; } ms[] = {
+        {"{\"max_tokens\":2,\"messages\":[" U "]}", GEN, NULL},
+        {"{\"max_tokens\":2,\"system\":[{\"type\":\"text\",\"text\":\"s\"}],\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\","
+         "\"text\":\"hi\",\"cache_control\":{\"type\":\"ephemeral\"}}]}]}", GEN, NULL},
+        {ANTHROPIC_BODY, GEN, NULL},
+        {"{\"max_tokens\":2,\"messages\":[{\"role\":\"system\",\"content\":\"\"}," U ",{\"role\":\"system\",\"content\":\"r\"}]}", GEN, NULL},
+        {"{\"max_tokens\":1,\"messages\":[" U "],\"output_format\":{\"type\":\"json_schema\",\"schema\":{\"type\":\"object\"}}}", GEN, NULL},
+        {"{\"max_tokens\":1,\"messages\":[" U "],\"tool_choice\":{\"type\":\"any\"}}", "400", NULL},
+        {"{\"max_tokens\":1,\"messages\":[" U "],\"output_format\":{\"type\":\"json_schema\",\"schema\":{\"type\":\"object\",\"pattern\":\"x\"}}}", "400", "200"},
+        {"{\"messages\":[" U "],\"max_tokens\":\"2\"}", "400", "200"}, {"{\"messages\":[" U "],\"stop_sequences\":\"x\"}", "400", NULL},
+        {"{\"messages\":[" U "],\"thinking\":\"on\"}", "400", NULL}, {"{\"messages\":[" U "],\"tool_choice\":\"auto\"}", "400", NULL},
+        {"{\"messages\":[" U "],\"tool_choice\":{\"type\":\"tool\"}}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":{}}", "400", NULL},
+        {"{\"messages\":[" U "],\"tools\":[{\"name\":5,\"input_schema\":{}}]}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":[null]}", "400", NULL},
+        {"{\"messages\":[" U "],\"system\":[{\"type\":\"image\"}]}", "400", NULL}, {"{\"messages\":[" U ",{\"role\":\"system\",\"content\":5}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"tool_use\",\"name\":\"f\",\"input\":[]}]}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"thinking\",\"thinking\":5}]}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"content\":[{\"type\":\"tool_result\"}]}]}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"content\":7}]}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":[null]}]}", "400", NULL}, {"{\"messages\":[{\"role\":\"user\",\"content\":{}}]}", "400", NULL},
+        {"{\"messages\":[{\"role\":\"user\"}]}", "400", NULL}, {"{\"messages\":[null]}", "400", NULL}, {"{\"messages\":null}", "400", NULL},
+        {"{\"messages\":[]}", GEN " 400", NULL}, {"[]", "400", NULL}, {"{\"messages\":[{\"role\":\"user\",\"content\":\"\\u0000\"}],\"max_tokens\":1}", GEN " 400", NULL},
+    };
+#undef U
+    unsigned n = sizeof ms / sizeof *ms, k = rnd(r, n);
+    int count = rnd(r, 4) == 0, valid = !strcmp(ms[k].expect, GEN);
+    const char *path = count ? "/v1/messages/count_tokens" : "/v1/messages";
+    c->expect[0] = count && ms[k].count ? ms[k].count : count && valid ? "200" : ms[k].expect;
+    c->body_has = count ? "{\"input_tokens\":" : "\"type\":\"message";
+    c->error_has = "{\"type\":\"error\",\"error\":{\"type\":\"";
+    name(c, "%s %.44s", count ? "count" : "create", ms[k].body);
+    post(&c->req, path, ms[k].body, strlen(ms[k].body), NULL);
+}
+
 /* Valid JSON with a wrong type (or a bad value) in one field: 400 whose error.param names it. */
 static void gen_wrong_type(struct fcase *c, uint64_t *r)
 {
@@ -900,7 +949,7 @@ static const struct category {
     {"bad_json", gen_bad_json, 10},          {"wrong_type", gen_wrong_type, 12},      {"method", gen_method, 5},
     {"version", gen_version, 5},             {"h2_preface", gen_h2, 2},               {"pipeline", gen_pipeline, 5},
     {"random", gen_random, 4},               {"mutate", gen_mutate, 6},               {"valid", gen_valid, 6},
-    {"abort", gen_abort, 3},                 {"tokenizer", gen_tokenizer, 3},
+    {"abort", gen_abort, 3},                 {"tokenizer", gen_tokenizer, 3},         {"messages", gen_messages, 4},
 };
 #define N_CATS (int)(sizeof cats / sizeof *cats)
 
@@ -954,6 +1003,8 @@ static const char *judge(const struct fcase *c, int k, const struct reply *rp, c
     int st = rp->status;
     size_t bn = rp->body_n < sizeof rp->body ? rp->body_n : sizeof rp->body - 1;
     if (st >= 400 && !c->head && !memmem(rp->body, bn, "\"error\"", 7)) return snprintf(why, cap, "%d without an error object", st), why;
+    if (st >= 400 && c->error_has && !memmem(rp->body, bn, c->error_has, strlen(c->error_has)))
+        return snprintf(why, cap, "%d without '%s' in the body", st, c->error_has), why;
     if (st == 400 && c->param) {
         char pat[160];
         int found = 0;

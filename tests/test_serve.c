@@ -631,6 +631,11 @@ static void test_messages_request(void)
          "\"q\"},{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{}}},"
          "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{\"x\":[1,2]}}}]},{\"role\":\"tool\",\"content\":\"r1\"},{\"role\":\"tool\","
          "\"content\":\"r2\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}"},
+        {"system messages: the first one opens the chat, a later one is a user turn in its place",
+         "{\"messages\":[{\"role\":\"system\",\"content\":[{\"type\":\"text\",\"text\":\"S\"}]},{\"role\":\"user\",\"content\":\"u1\"},"
+         "{\"role\":\"system\",\"content\":\"reminder\"},{\"role\":\"assistant\",\"content\":\"a1\"},{\"role\":\"user\",\"content\":\"u2\"}]}",
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"user\",\"content\":\"reminder\"},"
+         "{\"role\":\"assistant\",\"content\":\"a1\"},{\"role\":\"user\",\"content\":\"u2\"}]}"},
     };
     int same = 0, n = 0;
     for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++)
@@ -665,7 +670,8 @@ static double number_at(const struct json *v) { return v && v->kind == JSON_NUMB
 static void test_messages_options(void)
 {
     static const struct { const char *body, *words; } refused[] = {
-        {"{\"messages\":[{\"role\":\"system\",\"content\":\"x\"}]}", "'role' must be"},
+        {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "'role' must be"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"system\",\"content\":[{\"type\":\"image\"}]}]}", "system messages"},
         {"{\"messages\":[],\"tools\":[{\"type\":\"web_search_20250305\",\"name\":\"web_search\"}]}", "server tools"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"document\",\"source\":{}}]}]}", "'document'"},
         {"{\"messages\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"image\",\"source\":{}}]}]}", "assistant's content blocks of type 'image'"},
