@@ -18138,6 +18138,7 @@ struct serve_job {
     int think;                 /* chat: the answer opens inside a think block */
     int one_call;              /* parallel_tool_calls false: the answer ends after its first call */
     int messages;              /* /v1/messages: a chat answered in Anthropic's shape */
+    int continued;             /* continue_final_message: the answer goes on from the last message's content */
     struct json *body;         /* the request, parsed */
     const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
@@ -18546,20 +18547,27 @@ static int serve_tool_choice(const struct json *choice, const struct json *tools
 
 /* BODY's messages and tools rendered by the model's template: malloc'd, *LEN bytes. J (if any) learns whether the
  * answer opens in a think block. SHOW: for /apply-template, also rendering image and video parts (the engine reads
- * text only), taking add_generation_prompt. */
+ * text only), taking add_generation_prompt. continue_final_message (vLLM's name; Anthropic's prefill): the last
+ * message, an assistant's, rendered as in a history but left open, so the answer goes on from its content. */
 static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int show, size_t *len, struct serve_error *e)
 {
+    static const char turn_end[] = "<|im_end|>\n";
     const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *kw = json_get(body, "chat_template_kwargs");
+    const struct json *last = NULL;
     struct tok_chat_flags f = {1, srv->think ? -1 : 0, -1};
+    int i = 0, open = 0;
     if (!msgs) return serve_bad(e, "messages", "'messages' is required"), NULL;
     if (msgs->kind != JSON_ARRAY) return serve_bad(e, "messages", "'messages' must be a list"), NULL;
-    int i = 0;
-    for (const struct json *m = msgs->child; m; m = m->next, i++) {
+    for (const struct json *m = msgs->child; m; last = m, m = m->next, i++) {
         const struct json *c = json_get(m, "content");
         if (m->kind == JSON_OBJECT && !tok_role_is(m, "assistant") && (!c || c->kind == JSON_NULL))
             return serve_bad(e, "messages", "message %d needs 'content' (only an assistant's may be missing)", i), NULL;
     }
     if (show && serve_bool(body, "add_generation_prompt", &f.add_generation_prompt, e)) return NULL;
+    if (serve_bool(body, "continue_final_message", &open, e)) return NULL;
+    if (open && !tok_role_is(last, "assistant"))
+        return serve_bad(e, "continue_final_message", "'continue_final_message' needs an assistant's message last, to go on from"), NULL;
+    if (open) f.add_generation_prompt = 0;
     if (tools && tools->kind != JSON_ARRAY && tools->kind != JSON_NULL) return serve_bad(e, "tools", "'tools' must be a list"), NULL;
     const struct json *choice = json_get(body, "tool_choice"), *name = NULL;
     int parallel = 1;
@@ -18574,8 +18582,14 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
         free(text);
         return serve_bad(e, "messages", "image and video parts are not supported: coli runs the model on text only"), NULL;
     }
+    if (open && (out.len < sizeof turn_end - 1 || memcmp(text + out.len - (sizeof turn_end - 1), turn_end, sizeof turn_end - 1))) {
+        free(text);
+        return serve_bad(e, "continue_final_message", "the template does not end the last message with %s: it cannot be continued", "<|im_end|>"), NULL;
+    }
+    if (open) text[out.len -= sizeof turn_end - 1] = 0; /* the message left open: its think block closed, its content the answer's start */
     if (j) {
-        j->think = f.enable_thinking != 0;
+        j->think = f.enable_thinking != 0 && !open;
+        j->continued = open;
         j->tools = tools && tools->kind == JSON_ARRAY && tools->child ? tools : NULL;
         j->one_call = !parallel;
     }
@@ -18670,6 +18684,8 @@ static int serve_response_format(const struct json *format, struct serve_job *j,
                          "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}");
     if (j->req.json && j->req.prefix)
         return serve_bad(e, "response_format", "'response_format' %s and a forced tool call exclude each other: drop one", type->str);
+    if (j->req.json && j->continued) /* the object would start again after the message's own text */
+        return serve_bad(e, "response_format", "'response_format' %s and continue_final_message exclude each other: drop one", type->str);
     if (tok_json_is(type, "json_schema")) {
         char why[SAMPLE_SCHEMA_ERROR];
         if (!schema)
@@ -19205,6 +19221,18 @@ static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t s
     return n;
 }
 
+/* Waits for the text J releases past *RELEASED, copied into *PIECE (malloc'd or NULL), moving *RELEASED on; *DONE once
+ * the job is done and all of it taken. Returns the bytes taken. */
+static size_t serve_stream_take(struct serve_conn *c, struct serve_job *j, size_t *released, char **piece, int *done)
+{
+    size_t n = serve_job_wait(c, j, *released, piece);
+    *released += n;
+    pthread_mutex_lock(&j->mu);
+    *done = j->done && j->released <= *released;
+    pthread_mutex_unlock(&j->mu);
+    return n;
+}
+
 /* ,"logprobs":... of J's tokens from FROM to those the sink has added by now (*TO), or NULL if none. */
 static char *serve_new_logprobs(struct serve *srv, struct serve_job *j, size_t from, size_t *to)
 {
@@ -19234,11 +19262,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     const char *lp_left = NULL; /* logprobs no chunk took yet: the next one's */
     for (int done = 0; !done;) {
         char *piece;
-        size_t n = serve_job_wait(c, j, released, &piece);
-        released += n;
-        pthread_mutex_lock(&j->mu);
-        done = j->done && j->released <= released;
-        pthread_mutex_unlock(&j->mu);
+        size_t n = serve_stream_take(c, j, &released, &piece, &done);
         free(lp);
         lp_left = lp = serve_new_logprobs(c->srv, j, lp_from, &lp_to);
         if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
@@ -19498,7 +19522,7 @@ static char *serve_messages_request(const struct json *body, struct serve_error 
                                        "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "cache_prompt"};
     const struct json *msgs = json_get(body, "messages"), *system = json_get(body, "system");
     struct tok_buf o = {NULL, 0, 0};
-    int count = 0, i = 0, bad = 0;
+    int count = 0, i = 0, bad = 0, prefill = 0;
     tok_buf_puts(&o, "{\"messages\":[");
     if (system && system->kind != JSON_NULL) bad = serve_msg_system(&o, &count, system, e);
     if (!bad && (!msgs || msgs->kind != JSON_ARRAY)) bad = serve_bad(e, "messages", "'messages' must be a list of {\"role\", \"content\"}");
@@ -19508,8 +19532,9 @@ static char *serve_messages_request(const struct json *body, struct serve_error 
         else if (tok_role_is(m, "assistant")) bad = serve_msg_assistant(&o, &count, c, i, e);
         else if (tok_role_is(m, "system")) bad = serve_msg_system(&o, &count, c, e);
         else bad = serve_bad(e, "messages", "message %d: 'role' must be \"user\", \"assistant\" or \"system\"", i);
+        prefill = tok_role_is(m, "assistant"); /* the last message's: the answer goes on from it */
     }
-    tok_buf_puts(&o, "]");
+    tok_buf_puts(&o, prefill ? "],\"continue_final_message\":true" : "]");
     for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
         const struct json *v = json_get(body, same[k]);
         if (!v) continue;
@@ -19709,11 +19734,7 @@ static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
         if (gone) j->cancel = 1;
         if (done) break;
         char *piece;
-        size_t n = serve_job_wait(c, j, released, &piece);
-        released += n;
-        pthread_mutex_lock(&j->mu);
-        done = j->done && j->released <= released;
-        pthread_mutex_unlock(&j->mu);
+        size_t n = serve_stream_take(c, j, &released, &piece, &done);
         serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
         free(piece);
         f = open_memstream(&events, &len);

@@ -3,44 +3,20 @@
 // NPM_PREFIX holds node_modules/@anthropic-ai/sdk; EXPECT.json (from tests/serve_anthropic.py): {system, messages, n,
 // text, stop_reason, prompt_tokens}, the greedy answer the server gave that request. Prints `ok - ...` / `FAIL - ...`
 // lines; exit status 1 on a failure.
-import { createRequire } from 'node:module';
-import { readFileSync } from 'node:fs';
-import path from 'node:path';
+import { clientArgs, loadPackage, reporter } from './npm_client.mjs';
 
-const [prefix, baseURL, model, expectFile] = process.argv.slice(2);
-if (!prefix || !baseURL || !model || !expectFile) {
-    console.error('usage: node serve_anthropic.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json');
-    process.exit(2);
-}
-const want = JSON.parse(readFileSync(expectFile, 'utf8'));
-let failed = 0;
-const ok = (name) => console.log(`ok - anthropic client: ${name}`);
-const bad = (name, why) => {
-    console.log(`FAIL - anthropic client: ${name}: ${String(why).replace(/\s+/g, ' ').slice(0, 400)}`);
-    failed++;
-};
+const { prefix, baseURL, model, want } = clientArgs('serve_anthropic.mjs');
+const { bad, check, done } = reporter('anthropic client');
 const show = (v) => JSON.stringify(v);
-
-// check NAME async-fn: fn returns null when fine, else why not; a throw is a failure too
-async function check(name, fn) {
-    try {
-        const why = await fn();
-        if (why == null) ok(name);
-        else bad(name, why);
-    } catch (e) {
-        bad(name, `${e?.constructor?.name}: ${e?.message ?? e}`);
-    }
-}
 
 let Anthropic, version;
 try {
-    const require = createRequire(path.join(prefix, 'package.json'));
-    const m = require('@anthropic-ai/sdk');
-    Anthropic = m.default ?? m.Anthropic ?? m;
-    version = JSON.parse(readFileSync(path.join(prefix, 'node_modules', '@anthropic-ai', 'sdk', 'package.json'), 'utf8')).version;
+    const pkg = await loadPackage(prefix, '@anthropic-ai/sdk');
+    Anthropic = pkg.module.default ?? pkg.module.Anthropic ?? pkg.module;
+    version = pkg.version;
 } catch (e) {
     bad('import @anthropic-ai/sdk', e?.message ?? e);
-    process.exit(1);
+    done();
 }
 const client = new Anthropic({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 20000 });
 const req = { model, system: want.system, messages: want.messages, max_tokens: want.n, temperature: 0 };
@@ -83,4 +59,4 @@ await check('a bad request throws BadRequestError (400, invalid_request_error)',
     return 'no error';
 });
 
-process.exit(failed ? 1 : 0);
+done();

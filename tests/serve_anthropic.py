@@ -191,6 +191,31 @@ else:
     else:
         bad('stop_sequences', '%d %r for %r in %r' % (status, d, stop, text))
 
+# a prefill (the last message the assistant's): the answer goes on from it, as the raw completion of the conversation's
+# prompt (thinking off) followed by the prefill's text; a chat with continue_final_message the same
+status, d = post('/apply-template', {'messages': [{'role': 'user', 'content': 'Hello'}], 'chat_template_kwargs': {'enable_thinking': False}})
+prompt = d.get('prompt', '') + 'Sure, here'
+s1, msg = post('/v1/messages', greedy({'messages': [{'role': 'user', 'content': 'Hello'}, {'role': 'assistant', 'content': 'Sure, here'}]}))
+s2, comp = post('/v1/completions', greedy({'prompt': prompt}))
+s3, chat = post('/v1/chat/completions', greedy({'messages': [{'role': 'user', 'content': 'Hello'}, {'role': 'assistant', 'content': 'Sure, here'}],
+                                                'continue_final_message': True}))
+try:
+    want = comp['choices'][0]['text'].strip(' \t\r\n')
+    got = blocks_of(msg['content'])[1]
+    assert (status, s1, s2, s3) == (200,) * 4, 'status %r' % ((status, s1, s2, s3),)
+    assert got == want and chat['choices'][0]['message']['content'] == want, 'prefill %r, chat %r, completion %r' % (got, chat['choices'][0]['message'], want)
+    assert msg['usage']['input_tokens'] + msg['usage']['cache_read_input_tokens'] == comp['usage']['prompt_tokens'], 'usage %r, %r' % (msg['usage'], comp['usage'])
+    ok('a prefill: the answer goes on from the assistant\'s text (= the raw completion of the prompt and it; = continue_final_message)')
+except (AssertionError, KeyError, IndexError, TypeError) as e:
+    bad('prefill', '%s: %s' % (type(e).__name__, e))
+status, d = post('/v1/chat/completions', greedy({'messages': [{'role': 'user', 'content': 'Hello'}], 'continue_final_message': True}))
+s2, d2 = post('/v1/messages', greedy({'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': '{'}],
+                                      'output_format': {'type': 'json_schema', 'schema': {'type': 'object'}}}))
+if status == 400 and d['error']['param'] == 'continue_final_message' and s2 == 400 and 'continue_final_message' in d2['error']['message']:
+    ok('continue_final_message without an assistant\'s message last, or with a JSON format: 400')
+else:
+    bad('continue_final_message refusals', '%d %r; %d %r' % (status, d, s2, d2))
+
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):
     try:

@@ -2,58 +2,21 @@
 // usage: node tests/serve_openai.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json
 // NPM_PREFIX holds node_modules/openai; EXPECT.json: {chat_prompt, chat_text, raw_prompt, raw_text, n}
 // (the greedy texts of `coli run`). Prints `ok - ...` / `FAIL - ...` lines; exit status 1 on a failure.
-import { createRequire } from 'node:module';
-import { existsSync, readFileSync } from 'node:fs';
-import path from 'node:path';
-import { pathToFileURL } from 'node:url';
+import { clientArgs, loadPackage, reporter } from './npm_client.mjs';
 
-const [prefix, baseURL, model, expectFile] = process.argv.slice(2);
-if (!prefix || !baseURL || !model || !expectFile) {
-    console.error('usage: node serve_openai.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json');
-    process.exit(2);
-}
-const want = JSON.parse(readFileSync(expectFile, 'utf8'));
-let failed = 0;
-const ok = (name) => console.log(`ok - openai client: ${name}`);
-const bad = (name, why) => {
-    console.log(`FAIL - openai client: ${name}: ${String(why).replace(/\s+/g, ' ').slice(0, 400)}`);
-    failed++;
-};
+const { prefix, baseURL, model, want } = clientArgs('serve_openai.mjs');
+const { bad, check, done } = reporter('openai client');
 const show = (v) => JSON.stringify(v);
 
-// The package from the prefix: its ES module entry if it has one, else require().
-async function loadOpenAI() {
-    const dir = path.join(prefix, 'node_modules', 'openai');
-    const mjs = path.join(dir, 'index.mjs');
-    const m = existsSync(mjs) ? await import(pathToFileURL(mjs).href) : createRequire(path.join(prefix, 'package.json'))('openai');
-    return m.default ?? m.OpenAI ?? m;
-}
-
-// check NAME async-fn: fn returns null when fine, else why not; a throw is a failure too
-async function check(name, fn) {
-    try {
-        const why = await fn();
-        if (why == null) ok(name);
-        else bad(name, why);
-    } catch (e) {
-        bad(name, `${e?.constructor?.name}: ${e?.message ?? e}`);
-    }
-}
-
-let OpenAI;
+let OpenAI, version;
 try {
-    OpenAI = await loadOpenAI();
+    const pkg = await loadPackage(prefix, 'openai');
+    OpenAI = pkg.module.default ?? pkg.module.OpenAI ?? pkg.module;
+    version = pkg.version;
 } catch (e) {
     bad('import openai', e?.message ?? e);
-    process.exit(1);
+    done();
 }
-const version = (() => {
-    try {
-        return JSON.parse(readFileSync(path.join(prefix, 'node_modules', 'openai', 'package.json'), 'utf8')).version;
-    } catch {
-        return '?';
-    }
-})();
 const client = new OpenAI({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 20000 });
 const chatReq = { model, messages: [{ role: 'user', content: want.chat_prompt }], max_tokens: want.n, temperature: 0 };
 
@@ -146,4 +109,4 @@ await check('a bad parameter: APIError (BadRequestError) with status 400, param 
     return 'no error';
 });
 
-process.exit(failed ? 1 : 0);
+done();

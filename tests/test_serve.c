@@ -834,6 +834,45 @@ static void test_messages_answer(void)
     free(j.text);
 }
 
+/* continue_final_message (and an Anthropic request whose last message is the assistant's: a prefill): the prompt is the
+ * conversation before that message, its generation prompt with thinking off, and the message's content, open; in both
+ * templates. Without an assistant's message last it is a 400. */
+static void test_continue_final_message(void)
+{
+    static const char *const asks[] = {
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":\"Sure: {\\\"a\\\":\"}],\"continue_final_message\":true}",
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":\"Sure: {\\\"a\\\":\"}],\"continue_final_message\":true,"
+        "\"chat_template_kwargs\":{\"enable_thinking\":true}}"};
+    const char *before = "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}";
+    const char *prefill = "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":[{\"type\":\"text\",\"text\":\"Sure: {\\\"a\\\":\"}]}]}";
+    int same = 0, n = 0;
+    for (enum tok_template kind = TOK_TEMPLATE_QWEN35; kind <= TOK_TEMPLATE_QWEN36; kind++) {
+        struct serve_error e = {0};
+        char *want = render_chat(kind, before, &e);
+        struct tok_buf expect = {NULL, 0, 0};
+        tok_buf_puts(&expect, want ? want : "?");
+        tok_buf_puts(&expect, "Sure: {\"a\":");
+        struct json *translated = translate(prefill, &e);
+        struct tok_buf anthropic = {NULL, 0, 0};
+        if (translated) tok_json_dump(&anthropic, translated);
+        for (int k = 0; k < 3; k++, n++) {
+            char *got = render_chat(kind, k < 2 ? asks[k] : anthropic.p ? anthropic.p : "", &e);
+            same += got && !strcmp(got, expect.p);
+            if (!(got && !strcmp(got, expect.p))) printf("# %s, case %d: %s\n#  want %s\n", tok_template_names[kind], k, got ? got : e.message, expect.p);
+            free(got);
+        }
+        free(want), free(expect.p), free(anthropic.p);
+        json_free(translated);
+    }
+    check(same == n, "continue_final_message: the conversation before, its generation prompt (thinking off), the message's content open",
+          "%d of %d", same, n);
+    struct serve_error e = {0};
+    char *text = render_chat(TOK_TEMPLATE_QWEN36, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"continue_final_message\":true}", &e);
+    check(!text && e.status == 400 && !strcmp(e.param, "continue_final_message") && strstr(e.message, "assistant"),
+          "continue_final_message without an assistant's message last: 400 naming it", "%s", text ? text : e.message);
+    free(text);
+}
+
 /* Requests routed while the model loads (ready 0: no tokenizer, no engine yet): each endpoint
  * that needs the model answers 503 with the code "loading", /health says "loading", and none
  * touches the tokenizer (a chat request read its template through NULL: a segfault). */
@@ -894,6 +933,7 @@ int main(int argc, char **argv)
     test_messages_request();
     test_messages_options();
     test_messages_answer();
+    test_continue_final_message();
     test_loading_answers();
     char probe[1024];
     snprintf(probe, sizeof probe, "%s/q35moe-q8_0.gguf", dir);

@@ -219,6 +219,19 @@ header() { tr -d '\r' <"$tmp/$1.hdr" | grep -i "^$2:" | tail -n 1 | sed 's/^[^:]
 is_error() {
     [ "$code" = "$2" ] && qt "$tmp/$1.body" "set(d['error']) >= {'message','type','param','code'} and d['error']['type'] == '$3' and isinstance(d['error']['message'], str)"
 }
+# client LABEL OUT CMD...: runs a client script; its `ok - ` and `FAIL - ` lines (kept in OUT) join the counts, and a
+# script that prints no ok line, or fails without saying what, is a failure of LABEL
+client() {
+    local label=$1 out=$2 rc=0 np nf
+    shift 2
+    "$@" >"$out" 2>&1 || rc=$?
+    np=$(grep -c '^ok - ' "$out")
+    nf=$(grep -c '^FAIL - ' "$out")
+    grep -E '^(ok|FAIL) - ' "$out"
+    pass=$((pass + np))
+    fail=$((fail + nf))
+    if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "$label" "exit $rc: $(tail -n 5 "$out" | tr '\n' ' ' | head -c 400)"; fi
+}
 # raw NAME DATA: DATA sent as is over one connection; what came back until the server closed it
 # (at most 5 s) in $tmp/NAME.raw, and whether it closed (rawclosed=yes: EOF, or a reset when
 # unread request bytes were left) or was still open after 5 s (no)
@@ -745,39 +758,18 @@ elif ! command -v node >/dev/null; then
     ok "openai client # SKIP no node"
 else
     A="$A" R="$R" q json - "{'chat_prompt': E['A'], 'chat_text': content('$tmp/refA16.json'), 'raw_prompt': E['R'], 'raw_text': greedy('$tmp/refR16.json'), 'n': 16}" >"$tmp/expect.json"
-    rc=0
-    timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json" >"$tmp/node.out" 2>&1 || rc=$?
-    np=$(grep -c '^ok - ' "$tmp/node.out")
-    nf=$(grep -c '^FAIL - ' "$tmp/node.out")
-    grep -E '^(ok|FAIL) - ' "$tmp/node.out"
-    pass=$((pass + np))
-    fail=$((fail + nf))
-    if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "openai client script" "exit $rc: $(tail -n 5 "$tmp/node.out" | tr '\n' ' ' | head -c 400)"; fi
+    client "openai client script" "$tmp/node.out" timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json"
 fi
 
 # --- the Anthropic Messages API: a server with room for a tools block in its context (-c 1024)
 if start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think; then
-    rc=0
-    timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json" >"$tmp/anth.out" 2>&1 || rc=$?
-    np=$(grep -c '^ok - ' "$tmp/anth.out")
-    nf=$(grep -c '^FAIL - ' "$tmp/anth.out")
-    grep -E '^(ok|FAIL) - ' "$tmp/anth.out"
-    pass=$((pass + np))
-    fail=$((fail + nf))
-    if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "serve_anthropic.py" "exit $rc: $(tail -n 5 "$tmp/anth.out" | tr '\n' ' ' | head -c 400)"; fi
+    client "serve_anthropic.py" "$tmp/anth.out" timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     if [ -n "$npm_skip" ]; then
         ok "anthropic client # SKIP $npm_skip"
     elif [ ! -d "$npm_prefix/node_modules/@anthropic-ai/sdk" ]; then
         ok "anthropic client # SKIP $npm_prefix holds no @anthropic-ai/sdk"
     elif [ -s "$tmp/anth_expect.json" ]; then
-        rc=0
-        timeout 60 node "$HERE/serve_anthropic.mjs" "$npm_prefix" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json" >"$tmp/anode.out" 2>&1 || rc=$?
-        np=$(grep -c '^ok - ' "$tmp/anode.out")
-        nf=$(grep -c '^FAIL - ' "$tmp/anode.out")
-        grep -E '^(ok|FAIL) - ' "$tmp/anode.out"
-        pass=$((pass + np))
-        fail=$((fail + nf))
-        if [ "$np" = 0 ] || { [ "$rc" != 0 ] && [ "$nf" = 0 ]; }; then bad "anthropic client script" "exit $rc: $(tail -n 5 "$tmp/anode.out" | tr '\n' ' ' | head -c 400)"; fi
+        client "anthropic client script" "$tmp/anode.out" timeout 60 node "$HERE/serve_anthropic.mjs" "$npm_prefix" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     fi
     stop_server "$spid"
 else
