@@ -19859,11 +19859,22 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
         status = serve_ready(srv) ? 200 : 503;
         out = plat_strdup(status == 200 ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
         n = strlen(out);
-    } else if (!strcmp(r->path, "/v1/models")) {
+    } else if (!strcmp(r->path, "/v1/models")) { /* OpenAI's list and model object, with Anthropic's members beside them */
+        const time_t started = (time_t)srv->started;
+        const size_t id_len = strlen(srv->model_id);
+        char when[32];
+        struct tm tm;
+        strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&started, &tm));
         FILE *f = open_memstream(&out, &n);
         fputs("{\"object\":\"list\",\"data\":[{\"id\":", f);
-        json_write_string(f, srv->model_id, strlen(srv->model_id));
-        fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\"}]}", (long long)srv->started);
+        json_write_string(f, srv->model_id, id_len);
+        fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\",\"type\":\"model\",\"display_name\":", (long long)started);
+        json_write_string(f, srv->model_id, id_len);
+        fprintf(f, ",\"created_at\":\"%s\"}],\"has_more\":false,\"first_id\":", when);
+        json_write_string(f, srv->model_id, id_len);
+        fputs(",\"last_id\":", f);
+        json_write_string(f, srv->model_id, id_len);
+        fputs("}", f);
         fclose(f);
     } else out = serve_metrics(srv, &n);
     int metrics = !strcmp(r->path, "/metrics");

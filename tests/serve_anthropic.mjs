@@ -22,7 +22,14 @@ const client = new Anthropic({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 
 const req = { model, system: want.system, messages: want.messages, max_tokens: want.n, temperature: 0 };
 const textOf = (msg) => msg.content.filter((b) => b.type === 'text').map((b) => b.text).join('');
 
-await check(`messages.create: the greedy answer (@anthropic-ai/sdk ${version})`, async () => {
+await check(`models.list has ${model} (@anthropic-ai/sdk ${version})`, async () => {
+    const models = [];
+    for await (const m of client.models.list()) models.push(m);
+    const m = models.find((x) => x.id === model);
+    return m && m.type === 'model' && !Number.isNaN(Date.parse(m.created_at)) ? null : `models ${show(models)}`;
+});
+
+await check('messages.create: the greedy answer', async () => {
     const msg = await client.messages.create(req);
     if (msg.type !== 'message' || msg.role !== 'assistant') return `type ${show(msg.type)}, role ${show(msg.role)}`;
     if (textOf(msg) !== want.text) return `text ${show(textOf(msg))}, want ${show(want.text)}`;

@@ -301,8 +301,8 @@ slow_pid=$!
 http health GET /health
 if [ "$code" = 200 ] && qt "$tmp/health.body" "d['status'] == 'ok'"; then ok "GET /health: 200 {\"status\":\"ok\"}"; else bad "GET /health" "$code $(errbody health)"; fi
 http models GET /v1/models
-if [ "$code" = 200 ] && qt "$tmp/models.body" "d['object'] == 'list' and any(m['id'] == '$MODEL_ID' and m['object'] == 'model' and m['owned_by'] == 'coli' and isinstance(m['created'], int) for m in d['data'])"; then
-    ok "GET /v1/models lists $MODEL_ID"
+if [ "$code" = 200 ] && qt "$tmp/models.body" "d['object'] == 'list' and any(m['id'] == '$MODEL_ID' and m['object'] == 'model' and m['owned_by'] == 'coli' and isinstance(m['created'], int) and m['type'] == 'model' and m['display_name'] == m['id'] and __import__('datetime').datetime.fromisoformat(m['created_at'].replace('Z', '+00:00')).timestamp() == m['created'] for m in d['data']) and d['has_more'] is False and d['first_id'] == d['last_id'] == '$MODEL_ID'"; then
+    ok "GET /v1/models lists $MODEL_ID (OpenAI's members, and Anthropic's: type, display_name, created_at the same time)"
 else bad "GET /v1/models" "$code $(errbody models)"; fi
 http metrics GET /metrics
 if [ "$code" = 200 ] && header metrics content-type | grep -q '^text/plain' && grep -q '^coli_requests_total' "$tmp/metrics.body" &&
