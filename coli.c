@@ -17728,7 +17728,7 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
  *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
  *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize;
  *   and Anthropic's Messages API (/v1/messages), translated into the chat request it means.
- * Promises: after start-up nothing here dies: a bad request gets an OpenAI-shaped error. Connection threads never touch
+ * Promises: after start-up nothing here dies: a bad request gets an error in its API's shape. Connection threads never touch
  *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
  *   mutex while queued or running; the engine lets go by setting done.
@@ -19571,8 +19571,8 @@ static const char *serve_stop_reason(const struct serve_job *j)
     return j->stop_hit ? "stop_sequence" : "end_turn";
 }
 
-/* "stop_reason", "stop_sequence" (the stop string that ended J, or null), then "usage": input_tokens those computed,
- * cache_read_input_tokens those reused (their sum the prompt's, as Anthropic counts a cache). */
+/* "stop_reason", "stop_sequence" (the stop string that ended J, or null), BETWEEN, then "usage": input_tokens those
+ * computed, cache_read_input_tokens those reused (their sum the prompt's, as Anthropic counts a cache). */
 static void serve_write_stop(FILE *f, const struct serve_job *j, const char *between)
 {
     fprintf(f, "\"stop_reason\":\"%s\",\"stop_sequence\":", serve_stop_reason(j));
