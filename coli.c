@@ -16992,6 +16992,235 @@ static struct sample_schema *sample_schema_compile(const struct json *schema, ch
     return b.s;
 }
 
+/* ---- tool calls: the bytes that keep a forced call in the template's form, of a tool and parameters it has ----
+ * The Qwen3.5/3.6 call form, as their templates write it:
+ *   <tool_call>\n<function=NAME>\n(<parameter=KEY>\nVALUE\n</parameter>\n)*</function>\n</tool_call>
+ * compiled from a request's tools: NAME one of theirs, each KEY one of that tool's properties at most once, every
+ * required one before </function>, and a VALUE by its schema's type: an integer or number in JSON's form (at most
+ * SAMPLE_JSON_DIGITS digits a part), a boolean (true, false, or Python's True, False as the templates print them) or
+ * one of an enum's values (strings raw, as the parser reads them), else any text up to the first \n</parameter>\n.
+ * Most steps choose among literal texts ("NAME>\n" of each tool, the two ways a parameter list goes on, ...): a set of
+ * candidates (a 64-bit word) narrowed byte by byte, as JSON mode matches names. */
+
+#define SAMPLE_CALL_MAX 64 /* tools, a tool's properties, an enum's values: each a candidate set */
+
+enum sample_call_value { SCV_TEXT, SCV_INTEGER, SCV_NUMBER, SCV_CHOICE };
+
+struct sample_call_param {
+    char *key;                  /* "KEY>\n" */
+    enum sample_call_value kind;
+    char *values[SAMPLE_CALL_MAX]; /* SCV_CHOICE: "VALUE\n</parameter>\n" */
+    int n_values;
+};
+
+struct sample_call_fn {
+    char *name;                 /* "NAME>\n" */
+    struct sample_call_param params[SAMPLE_CALL_MAX];
+    int n_params;
+    uint64_t required;
+};
+
+struct sample_call_spec {
+    struct sample_call_fn *fns;
+    int n_fns;
+};
+
+/* Where a call stands: choosing among the texts of PHASE (CAND those still going on with the POS bytes matched), in a
+ * free value (TERM bytes of its end matched) or a number (NUM its part, DIGITS its digits), or done. */
+enum sample_call_phase { SCP_NAME, SCP_NEXT, SCP_KEY, SCP_CHOICE, SCP_TEXT, SCP_NUMBER, SCP_END, SCP_DONE };
+enum sample_call_num { SCN_START, SCN_MINUS, SCN_ZERO, SCN_INT, SCN_DOT, SCN_FRAC };
+
+struct sample_call {
+    const struct sample_call_spec *spec;
+    enum sample_call_phase phase;
+    enum sample_call_num num;
+    int fn, param, pos, term, digits;
+    uint64_t cand, used;
+};
+
+static const char sample_call_more[] = "<parameter=", sample_call_close[] = "</function>\n</tool_call>",
+                  sample_call_value_end[] = "\n</parameter>\n";
+
+static char *sample_call_text(const char *s, size_t n, const char *tail)
+{
+    char *t = plat_alloc(n + strlen(tail) + 1);
+    memcpy(t, s, n);
+    strcpy(t + n, tail);
+    return t;
+}
+
+static void sample_call_free(struct sample_call_spec *spec)
+{
+    for (int f = 0; spec && f < spec->n_fns; f++) {
+        free(spec->fns[f].name);
+        for (int p = 0; p < spec->fns[f].n_params; p++) {
+            free(spec->fns[f].params[p].key);
+            for (int v = 0; v < spec->fns[f].params[p].n_values; v++) free(spec->fns[f].params[p].values[v]);
+        }
+    }
+    if (spec) free(spec->fns);
+    free(spec);
+}
+
+/* Whether S[0..n) can be a name or key in the form: one line, no '<' or '>' (they would end the tag), not empty. */
+static int sample_call_tag_ok(const char *s, size_t n) { return n && n == strcspn(s, ">\n<"); }
+
+/* Property P's value kind from its schema: a single "type" integer, number or boolean, or an enum of strings and
+ * numbers; anything else is text. */
+static int sample_call_param(struct sample_call_param *p, const struct json *schema)
+{
+    const struct json *type = json_get(schema, "type"), *values = json_get(schema, "enum");
+    static const char *const bools[] = {"true", "false", "True", "False"};
+    p->kind = tok_json_is(type, "integer") ? SCV_INTEGER : tok_json_is(type, "number") ? SCV_NUMBER : SCV_TEXT;
+    if (tok_json_is(type, "boolean"))
+        for (int k = 0; k < 4; k++) p->values[p->n_values++] = sample_call_text(bools[k], strlen(bools[k]), sample_call_value_end);
+    for (const struct json *v = values && values->kind == JSON_ARRAY ? values->child : NULL; v; v = v->next) {
+        if ((v->kind != JSON_STRING && v->kind != JSON_NUMBER) || p->n_values == SAMPLE_CALL_MAX || strstr(v->str, "\n</parameter>")) return 0;
+        p->values[p->n_values++] = sample_call_text(v->str, v->len, sample_call_value_end);
+    }
+    if (p->n_values) p->kind = SCV_CHOICE;
+    return 1;
+}
+
+/* TOOLS ([{"type": "function", "function": {name, parameters}}], or the functions themselves) compiled; NULL where
+ * one does not fit (more than SAMPLE_CALL_MAX tools, properties or values, a name or key the form cannot hold, a
+ * value holding the form's end): then only the call's opening is held to. */
+static struct sample_call_spec *sample_call_compile(const struct json *tools)
+{
+    struct sample_call_spec *spec = plat_zalloc(1, sizeof *spec);
+    int ok = tools && tools->kind == JSON_ARRAY, n = 0;
+    for (const struct json *t = ok ? tools->child : NULL; t; t = t->next) n++;
+    spec->fns = plat_zalloc(n ? (size_t)n : 1, sizeof *spec->fns);
+    for (const struct json *t = ok ? tools->child : NULL; t && ok; t = t->next) {
+        const struct json *f = json_get(t, "function") ? json_get(t, "function") : t, *name = json_get(f, "name");
+        const struct json *params = json_get(f, "parameters"), *props = json_get(params, "properties"), *required = json_get(params, "required");
+        struct sample_call_fn *fn = &spec->fns[spec->n_fns];
+        ok = spec->n_fns < SAMPLE_CALL_MAX && name && name->kind == JSON_STRING && sample_call_tag_ok(name->str, name->len);
+        if (!ok) break;
+        spec->n_fns++;
+        fn->name = sample_call_text(name->str, name->len, ">\n");
+        for (const struct json *p = props && props->kind == JSON_OBJECT ? props->child : NULL; p && ok; p = p->next) {
+            const size_t key = strlen(p->name);
+            ok = fn->n_params < SAMPLE_CALL_MAX && sample_call_tag_ok(p->name, key) && sample_call_param(&fn->params[fn->n_params], p);
+            if (fn->n_params == SAMPLE_CALL_MAX) break;
+            fn->params[fn->n_params].key = sample_call_text(p->name, key, ">\n");
+            fn->n_params++;
+            for (const struct json *r = required && required->kind == JSON_ARRAY ? required->child : NULL; r; r = r->next)
+                if (tok_json_is(r, p->name)) fn->required |= 1ull << (fn->n_params - 1);
+        }
+    }
+    if (ok && spec->n_fns) return spec;
+    sample_call_free(spec);
+    return NULL;
+}
+
+/* Candidate K's text in C's phase. */
+static const char *sample_call_candidate(const struct sample_call *c, int k)
+{
+    const struct sample_call_fn *fn = &c->spec->fns[c->fn < 0 ? 0 : c->fn];
+    switch (c->phase) {
+    case SCP_NAME: return c->spec->fns[k].name;
+    case SCP_NEXT: return k ? sample_call_close : sample_call_more;
+    case SCP_KEY: return fn->params[k].key;
+    case SCP_CHOICE: return fn->params[c->param].values[k];
+    default: return sample_call_value_end; /* SCP_END */
+    }
+}
+
+/* C chooses in PHASE among CAND. */
+static void sample_call_choose(struct sample_call *c, enum sample_call_phase phase, uint64_t cand)
+{
+    c->phase = phase;
+    c->cand = cand;
+    c->pos = 0;
+}
+
+/* C after a parameter's value: another parameter (one not given yet), or the end once every required one came. */
+static void sample_call_next(struct sample_call *c)
+{
+    const struct sample_call_fn *fn = &c->spec->fns[c->fn];
+    const uint64_t all = fn->n_params == 64 ? ~0ull : (1ull << fn->n_params) - 1;
+    sample_call_choose(c, SCP_NEXT, ((all & ~c->used) ? 1u : 0u) | ((fn->required & ~c->used) ? 0u : 2u));
+}
+
+/* A call of SPEC after its opening "<tool_call>\n<function=", or after FN's name when the call is forced to it. */
+static struct sample_call sample_call_start(const struct sample_call_spec *spec, int fn)
+{
+    struct sample_call c = {.spec = spec, .fn = fn};
+    if (fn >= 0) sample_call_next(&c);
+    else sample_call_choose(&c, SCP_NAME, spec->n_fns == 64 ? ~0ull : (1ull << spec->n_fns) - 1);
+    return c;
+}
+
+/* C after candidate K's text came whole. */
+static void sample_call_chosen(struct sample_call *c, int k)
+{
+    const struct sample_call_fn *fn = &c->spec->fns[c->fn < 0 ? k : c->fn];
+    if (c->phase == SCP_NAME) c->fn = k, sample_call_next(c);
+    else if (c->phase == SCP_NEXT && k) c->phase = SCP_DONE;
+    else if (c->phase == SCP_NEXT) sample_call_choose(c, SCP_KEY, ~c->used & (fn->n_params == 64 ? ~0ull : (1ull << fn->n_params) - 1));
+    else if (c->phase == SCP_KEY) {
+        const struct sample_call_param *p = &fn->params[k];
+        c->param = k;
+        c->used |= 1ull << k;
+        if (p->kind == SCV_CHOICE) sample_call_choose(c, SCP_CHOICE, p->n_values == 64 ? ~0ull : (1ull << p->n_values) - 1);
+        else c->phase = p->kind == SCV_TEXT ? SCP_TEXT : SCP_NUMBER, c->term = 0, c->num = SCN_START, c->digits = 0;
+    } else sample_call_next(c); /* SCP_CHOICE, SCP_END: the value ended */
+}
+
+/* Byte B among C's candidates: those that go on with it stay; 0 if none does. */
+static int sample_call_match(struct sample_call *c, unsigned char b)
+{
+    uint64_t keep = 0;
+    for (uint64_t m = c->cand; m; m &= m - 1) {
+        const int k = __builtin_ctzll(m);
+        if ((unsigned char)sample_call_candidate(c, k)[c->pos] == b) keep |= 1ull << k;
+    }
+    if (!keep) return 0;
+    c->cand = keep;
+    c->pos++;
+    for (uint64_t m = keep; m; m &= m - 1) /* the texts end in a byte no other holds before its own end: one at most */
+        if (!sample_call_candidate(c, __builtin_ctzll(m))[c->pos]) {
+            sample_call_chosen(c, __builtin_ctzll(m));
+            break;
+        }
+    return 1;
+}
+
+/* Byte B of a number (JSON's integer, fraction for SCV_NUMBER, no exponent); its end is the value's. */
+static int sample_call_number(struct sample_call *c, unsigned char b)
+{
+    const int digit = b >= '0' && b <= '9', fraction = c->spec->fns[c->fn].params[c->param].kind == SCV_NUMBER;
+    const int ends = (c->num == SCN_ZERO || c->num == SCN_INT || c->num == SCN_FRAC) && b == '\n';
+    if (ends) return sample_call_choose(c, SCP_END, 1), c->pos = 1, 1; /* the '\n' that opens the value's end */
+    if (c->num == SCN_START && b == '-') return c->num = SCN_MINUS, 1;
+    if ((c->num == SCN_ZERO || c->num == SCN_INT) && b == '.' && fraction) return c->num = SCN_DOT, c->digits = 0, 1;
+    if (!digit || c->num == SCN_ZERO || c->digits == SAMPLE_JSON_DIGITS) return 0;
+    if (c->num == SCN_START || c->num == SCN_MINUS) c->num = b == '0' ? SCN_ZERO : SCN_INT;
+    else if (c->num == SCN_DOT) c->num = SCN_FRAC;
+    c->digits++;
+    return 1;
+}
+
+/* Whether byte B may come next in call C; C moves on if so. */
+static int sample_call_step(struct sample_call *c, unsigned char b)
+{
+    if (c->phase == SCP_DONE) return 0;
+    if (c->phase == SCP_NUMBER) return sample_call_number(c, b);
+    if (c->phase != SCP_TEXT) return sample_call_match(c, b);
+    c->term = b == (unsigned char)sample_call_value_end[c->term] ? c->term + 1 : b == '\n';
+    if (!sample_call_value_end[c->term]) sample_call_next(c);
+    return 1;
+}
+
+/* Whether C takes all of P[0..n); C moves on as far as it took. */
+static int sample_call_takes(struct sample_call *c, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!sample_call_step(c, (unsigned char)p[i])) return 0;
+    return 1;
+}
+
 /* ==== §11 engine ==== */
 /* Owns: generation. Slots, each a sequence (§8) with its request: the prompt is fed, then tokens sampled and fed one per
  *   step until a stop; a step runs all busy slots' tokens as one batch. Results (engine_gen). The prompt cache: each
@@ -17046,6 +17275,8 @@ struct engine_request {
     const struct sample_schema *schema;
     const char *prefix;      /* ... or starts with these PREFIX_LEN bytes (whitespace before them aside) ... */
     size_t prefix_len;
+    const struct sample_call_spec *call; /* ... then, if not NULL, goes on as a call of these tools (of CALL_FN's if >= 0) ... */
+    int call_fn;
     int after;               /* ... from the token after this one if not -1 (a think block's end): until it, any token */
 };
 
@@ -17095,6 +17326,7 @@ struct engine_slot {
     struct cuda_top_penalty pen; /* its next token's penalties, for the device (engine_run) */
     struct sample_json json; /* req.json: where the answer stands */
     size_t prefix_at, prefix_blank; /* req.prefix: its bytes the answer holds; whitespace bytes before them */
+    struct sample_call call;  /* req.call: where the call after the prefix stands */
     int wait;                /* req.json or req.prefix: req.after not yet sampled */
     uint64_t rng;
     double t_start, t_prompt;
@@ -17181,12 +17413,19 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Whether SL's next token needs its logits row on the host: log-probabilities, a bias, JSON mode or a prefix not yet
- * whole (the device's best would not be the sampler's; before the constraint starts or after the prefix it is). */
+/* Whether SL's constraint is still choosing: a prefix not yet whole, or the call after it not done. */
+static int engine_constrained(const struct engine_slot *sl)
+{
+    const struct engine_request *r = &sl->req;
+    return r->prefix && (sl->prefix_at < r->prefix_len || (r->call && sl->call.phase != SCP_DONE));
+}
+
+/* Whether SL's next token needs its logits row on the host: log-probabilities, a bias, JSON mode or a forced call still
+ * constrained (the device's best would not be the sampler's; before the constraint starts or after it, it is). */
 static int engine_wants_row(const struct engine_slot *sl)
 {
     const struct engine_request *r = &sl->req;
-    return r->logprobs || r->n_bias || (!sl->wait && (r->json || (r->prefix && sl->prefix_at < r->prefix_len)));
+    return r->logprobs || r->n_bias || (!sl->wait && (r->json || engine_constrained(sl)));
 }
 
 /* The bytes of every ordinary (NORMAL) token, once: JSON mode tries each against the answer's state every step. */
@@ -17263,18 +17502,48 @@ static int engine_blank(const struct engine_slot *sl, const char *text, size_t n
     return !sl->prefix_at && n && i == n && sl->prefix_blank + n <= SAMPLE_JSON_SPACES;
 }
 
-/* -inf for every token of LOGITS whose text does not go on with SL's prefix (whitespace before it aside; a token
- * longer than what is left of it starts with that rest); returns how many are kept. Every token is decoded (special
- * ones too: "<tool_call>"), but only for the prefix's few tokens. */
-static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+/* Token I's text, or NULL (no text, or one that ends the turn): an ordinary token's from the table, another's decoded
+ * into e->piece (special ones: "<tool_call>"). */
+static const char *engine_token_text(struct engine *e, int i, size_t *n)
 {
     const struct tok *t = e->tok;
+    if (!e->bytes_at) engine_token_bytes(e);
+    if (i >= t->n_vocab || tok_is_eog(t, i)) return NULL;
+    *n = e->bytes_at[i + 1] - e->bytes_at[i];
+    if (t->type[i] == TOK_T_NORMAL) return *n ? e->bytes + e->bytes_at[i] : NULL;
+    *n = tok_decode(t, i, e->piece, t->max_piece + 1);
+    return *n ? e->piece : NULL;
+}
+
+/* -inf for every token of LOGITS whose text does not go on with SL's prefix (whitespace before it aside; a token
+ * longer than what is left of it starts with that rest, and the call, if any, takes what follows); returns how many
+ * are kept. Every token is tried, but only for the prefix's few tokens. */
+static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+{
     const char *rest = sl->req.prefix + sl->prefix_at;
     const size_t left = sl->req.prefix_len - sl->prefix_at;
     int kept = 0;
     for (int i = 0; i < e->m->cfg.n_vocab; i++) {
-        const size_t n = i < t->n_vocab && !tok_is_eog(t, i) ? tok_decode(t, i, e->piece, t->max_piece + 1) : 0;
-        if (n && (engine_blank(sl, e->piece, n) || !memcmp(e->piece, rest, n < left ? n : left))) kept++;
+        size_t n = 0;
+        const char *p = engine_token_text(e, i, &n);
+        struct sample_call call = sl->call;
+        int keep = p && (engine_blank(sl, p, n) || !memcmp(p, rest, n < left ? n : left));
+        if (keep && !engine_blank(sl, p, n) && n > left && sl->req.call) keep = sample_call_takes(&call, p + left, n - left);
+        if (keep) kept++;
+        else logits[i] = -INFINITY;
+    }
+    return kept;
+}
+
+/* -inf for every token of LOGITS whose text SL's call (sample_call) cannot take next; returns how many are kept. */
+static int engine_call_mask(struct engine *e, const struct engine_slot *sl, float *logits)
+{
+    int kept = 0;
+    for (int i = 0; i < e->m->cfg.n_vocab; i++) {
+        size_t n = 0;
+        const char *p = engine_token_text(e, i, &n);
+        struct sample_call call = sl->call;
+        if (p && sample_call_takes(&call, p, n)) kept++;
         else logits[i] = -INFINITY;
     }
     return kept;
@@ -17289,10 +17558,11 @@ static float *engine_sampling_row(struct engine *e, const struct engine_slot *sl
     for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
     if (sl->wait) return e->row;
     if (r->json) return engine_json_mask(e, sl, e->row) ? e->row : NULL;
-    return sl->prefix_at < r->prefix_len && !engine_prefix_mask(e, sl, e->row) ? NULL : e->row;
+    if (sl->prefix_at < r->prefix_len) return engine_prefix_mask(e, sl, e->row) ? e->row : NULL;
+    return engine_constrained(sl) && !engine_call_mask(e, sl, e->row) ? NULL : e->row;
 }
 
-/* SL's constraint after token ID (TEXT, LEN bytes); 1 when a JSON object is whole (the answer ends there). */
+/* SL's constraint after token ID (TEXT, LEN bytes); 1 when a JSON object or a call is whole (the answer ends there). */
 static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, int id, const char *text, size_t len)
 {
     const struct engine_request *r = &sl->req;
@@ -17303,8 +17573,12 @@ static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, i
     if (r->json && id < e->tok->n_vocab && e->bytes_at)
         sample_json_accepts(&sl->json, e->bytes + e->bytes_at[id], e->bytes_at[id + 1] - e->bytes_at[id]);
     if (r->prefix && engine_blank(sl, text, len)) sl->prefix_blank += len;
-    else if (r->prefix) sl->prefix_at += len < r->prefix_len - sl->prefix_at ? len : r->prefix_len - sl->prefix_at;
-    return r->json && sl->json.state == SJ_DONE;
+    else if (r->prefix) {
+        const size_t take = len < r->prefix_len - sl->prefix_at ? len : r->prefix_len - sl->prefix_at;
+        sl->prefix_at += take;
+        if (r->call && len > take) sample_call_takes(&sl->call, text + take, len - take);
+    }
+    return (r->json && sl->json.state == SJ_DONE) || (r->call && sl->call.phase == SCP_DONE);
 }
 
 /* Token ID's log-probability and the N_TOP likeliest (sample_before's order) under LOGITS at temperature 1, into *OUT:
@@ -17502,6 +17776,7 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->rng = req->sample.seed;
     sl->json = sample_json_start(req->schema);
     sl->prefix_at = sl->prefix_blank = 0;
+    if (req->call) sl->call = sample_call_start(req->call, req->call_fn);
     sl->wait = (req->json || req->prefix) && req->after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
@@ -17536,7 +17811,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     else {
         float *logits = engine_wants_row(sl) ? engine_sampling_row(e, sl, run->logits) : run->logits;
         if (!logits) {
-            engine_finish(e, sl, ENGINE_STOP_ERROR, "no token of the vocabulary can continue the JSON object or prefix asked for");
+            engine_finish(e, sl, ENGINE_STOP_ERROR, "no token of the vocabulary can continue the JSON object or tool call asked for");
             return;
         }
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
@@ -17546,9 +17821,9 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
-    const int json_done = (r->json || r->prefix) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
+    const int whole = (r->json || r->prefix) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
-    else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || json_done) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
+    else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || whole) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
     else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
     else if (g->n_tokens >= r->n_max) engine_finish(e, sl, ENGINE_STOP_LENGTH, NULL);
     else if (sl->seq.pos + 1 > e->m->n_ctx) engine_finish(e, sl, ENGINE_STOP_CONTEXT, NULL);
@@ -18146,6 +18421,7 @@ struct serve_job {
     struct engine_request req;
     struct engine_bias *bias;  /* [req.n_bias] */
     char *prefix;              /* req.prefix: a forced call's opening */
+    struct sample_call_spec *call; /* req.call: the tools' names, keys and value types the rest of the call keeps to */
     struct sample_schema *schema; /* req.schema: response_format's json_schema, compiled */
     char *stop[SERVE_MAX_STOP];
     int n_stop;
@@ -18221,6 +18497,7 @@ static void serve_job_free(struct serve_job *j)
     free(j->prompt);
     free(j->bias);
     free(j->prefix);
+    sample_call_free(j->call);
     sample_schema_free(j->schema);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
@@ -18594,10 +18871,15 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
         j->one_call = !parallel;
     }
     if (j && (name || tok_json_is(choice, "required"))) { /* the answer opens a call (of NAME): the template's form */
+        int k = 0;
         j->prefix = plat_alloc(64 + (name ? name->len : 0));
         j->req.prefix_len = (size_t)sprintf(j->prefix, "<tool_call>\n<function=%s", name ? name->str : "");
         if (name) j->req.prefix_len += (size_t)sprintf(j->prefix + j->req.prefix_len, ">\n");
         j->req.prefix = j->prefix;
+        j->req.call = j->call = sample_call_compile(tools); /* NULL (tools it cannot hold): the opening alone */
+        j->req.call_fn = -1;
+        for (const struct json *t = name ? tools->child : NULL; t && j->req.call_fn < 0; t = t->next, k++)
+            if (tok_json_is(json_get(json_get(t, "function"), "name"), name->str)) j->req.call_fn = k;
     }
     *len = out.len;
     return text;
