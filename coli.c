@@ -16998,7 +16998,8 @@ static struct sample_schema *sample_schema_compile(const struct json *schema, ch
  * compiled from a request's tools: NAME one of theirs, each KEY one of that tool's properties at most once, every
  * required one before </function>, and a VALUE by its schema's type: an integer or number in JSON's form (at most
  * SAMPLE_JSON_DIGITS digits a part), a boolean (true, false, or Python's True, False as the templates print them) or
- * one of an enum's values (strings raw, as the parser reads them), else any text up to the first \n</parameter>\n.
+ * one of an enum's values (strings raw, as the parser reads them), else any text up to the first </parameter> (where
+ * the parser ends it), which must follow a newline.
  * Most steps choose among literal texts ("NAME>\n" of each tool, the two ways a parameter list goes on, ...): a set of
  * candidates (a 64-bit word) narrowed byte by byte, as JSON mode matches names. */
 
@@ -17026,7 +17027,8 @@ struct sample_call_spec {
 };
 
 /* Where a call stands: choosing among the texts of PHASE (CAND those still going on with the POS bytes matched), in a
- * free value (TERM bytes of its end matched) or a number (NUM its part, DIGITS its digits), or done. */
+ * free value (TERM bytes of "</parameter>" matched, NL whether a newline came before them, PREV_NL whether the last byte
+ * was one) or a number (NUM its part, DIGITS its digits), or done. */
 enum sample_call_phase { SCP_NAME, SCP_NEXT, SCP_KEY, SCP_CHOICE, SCP_TEXT, SCP_NUMBER, SCP_END, SCP_DONE };
 enum sample_call_num { SCN_START, SCN_MINUS, SCN_ZERO, SCN_INT, SCN_DOT, SCN_FRAC };
 
@@ -17034,7 +17036,7 @@ struct sample_call {
     const struct sample_call_spec *spec;
     enum sample_call_phase phase;
     enum sample_call_num num;
-    int fn, param, pos, term, digits;
+    int fn, param, pos, term, nl, prev_nl, digits;
     uint64_t cand, used;
 };
 
@@ -17075,7 +17077,7 @@ static int sample_call_param(struct sample_call_param *p, const struct json *sch
     if (tok_json_is(type, "boolean"))
         for (int k = 0; k < 4; k++) p->values[p->n_values++] = sample_call_text(bools[k], strlen(bools[k]), sample_call_value_end);
     for (const struct json *v = values && values->kind == JSON_ARRAY ? values->child : NULL; v; v = v->next) {
-        if ((v->kind != JSON_STRING && v->kind != JSON_NUMBER) || p->n_values == SAMPLE_CALL_MAX || strstr(v->str, "\n</parameter>")) return 0;
+        if ((v->kind != JSON_STRING && v->kind != JSON_NUMBER) || p->n_values == SAMPLE_CALL_MAX || strstr(v->str, "</parameter>")) return 0;
         p->values[p->n_values++] = sample_call_text(v->str, v->len, sample_call_value_end);
     }
     if (p->n_values) p->kind = SCV_CHOICE;
@@ -17164,7 +17166,7 @@ static void sample_call_chosen(struct sample_call *c, int k)
         c->param = k;
         c->used |= 1ull << k;
         if (p->kind == SCV_CHOICE) sample_call_choose(c, SCP_CHOICE, p->n_values == 64 ? ~0ull : (1ull << p->n_values) - 1);
-        else c->phase = p->kind == SCV_TEXT ? SCP_TEXT : SCP_NUMBER, c->term = 0, c->num = SCN_START, c->digits = 0;
+        else c->phase = p->kind == SCV_TEXT ? SCP_TEXT : SCP_NUMBER, c->term = 0, c->prev_nl = 1, c->num = SCN_START, c->digits = 0;
     } else sample_call_next(c); /* SCP_CHOICE, SCP_END: the value ended */
 }
 
@@ -17208,8 +17210,17 @@ static int sample_call_step(struct sample_call *c, unsigned char b)
     if (c->phase == SCP_DONE) return 0;
     if (c->phase == SCP_NUMBER) return sample_call_number(c, b);
     if (c->phase != SCP_TEXT) return sample_call_match(c, b);
-    c->term = b == (unsigned char)sample_call_value_end[c->term] ? c->term + 1 : b == '\n';
-    if (!sample_call_value_end[c->term]) sample_call_next(c);
+    const char *end = sample_call_value_end + 1; /* "</parameter>\n" */
+    if (b == (unsigned char)end[c->term]) {
+        if (!c->term) c->nl = c->prev_nl;
+        if (end[++c->term] == '\n') { /* "</parameter>" whole: the value ends here, so a newline must have come before */
+            if (!c->nl) return 0;
+            sample_call_choose(c, SCP_END, 1);
+            c->pos = (int)sizeof sample_call_value_end - 2; /* its last byte, the newline, to come */
+        }
+    } else if (b == '<') c->term = 1, c->nl = c->prev_nl;
+    else c->term = 0;
+    c->prev_nl = b == '\n';
     return 1;
 }
 

@@ -216,6 +216,41 @@ if status == 400 and d['error']['param'] == 'continue_final_message' and s2 == 4
 else:
     bad('continue_final_message refusals', '%d %r; %d %r' % (status, d, s2, d2))
 
+# a forced call of a tool whose parameters are all typed: the whole call is held to the form (sample_call), so even
+# these random weights give a call the parser reads, each value of its type; the same through both APIs, streamed too
+ALARM_SCHEMA = {'type': 'object', 'properties': {'hour': {'type': 'integer'}, 'loud': {'type': 'boolean'}, 'day': {'enum': ['mon', 'tue']}},
+                'required': ['hour', 'day']}
+ALARM = [{'name': 'set_alarm', 'description': 'Set an alarm', 'input_schema': ALARM_SCHEMA}]
+CHAT_ALARM = [{'type': 'function', 'function': {'name': 'set_alarm', 'description': 'Set an alarm', 'parameters': ALARM_SCHEMA}}]
+
+
+def alarm_ok(args):
+    return (isinstance(args, dict) and set(args) <= {'hour', 'loud', 'day'} and type(args.get('hour')) is int and args.get('day') in ('mon', 'tue')
+            and type(args.get('loud', True)) is bool)
+
+
+ask = [{'role': 'user', 'content': 'Wake me up'}]
+for label, choice, chat_choice in [('any', {'type': 'any'}, 'required'),
+                                   ('tool', {'type': 'tool', 'name': 'set_alarm'}, {'type': 'function', 'function': {'name': 'set_alarm'}})]:
+    s1, msg = post('/v1/messages', greedy({'tools': ALARM, 'tool_choice': choice, 'messages': ask}, 300))
+    s2, chat = post('/v1/chat/completions', greedy({'tools': CHAT_ALARM, 'tool_choice': chat_choice, 'messages': ask}, 300))
+    s3, headers, text = send('POST', '/v1/messages', dict(greedy({'tools': ALARM, 'tool_choice': choice, 'messages': ask}, 300), stream=True))
+    try:
+        assert (s1, s2, s3) == (200, 200, 200), 'status %r' % ((s1, s2, s3),)
+        calls = [b for b in msg['content'] if b['type'] == 'tool_use']
+        chat_calls = chat['choices'][0]['message'].get('tool_calls') or []
+        assert len(calls) == 1 and calls[0]['name'] == 'set_alarm' and alarm_ok(calls[0]['input']), 'message %r' % msg['content']
+        assert msg['stop_reason'] == 'tool_use' and chat['choices'][0]['finish_reason'] == 'tool_calls', 'stop %r' % msg['stop_reason']
+        assert [(c['function']['name'], json.loads(c['function']['arguments'])) for c in chat_calls] == [('set_alarm', calls[0]['input'])], \
+            'chat %r' % chat_calls
+        built = rebuild(events_of(text))
+        assert [(b['type'], b.get('name'), b.get('input')) for b in built['content']] == [('tool_use', 'set_alarm', calls[0]['input'])], \
+            'streamed %r' % built['content']
+        ok('tool_choice %s on a typed tool: a call the parser reads (%s), the same as chat\'s, streamed as a tool_use block' %
+           (label, json.dumps(calls[0]['input'], sort_keys=True)[:60]))
+    except (AssertionError, KeyError, IndexError, TypeError, ValueError) as e:
+        bad('tool_choice %s on a typed tool' % label, '%s: %s' % (type(e).__name__, e))
+
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):
     try:

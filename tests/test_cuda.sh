@@ -470,7 +470,7 @@ tokens "a CUDA graph that cannot be built: launches one by one, the CPU's tokens
 # the server's requests must run on the device, with no fallback line, and give the CPU's text.
 serve_up() { # serve_up LOG SLOTS ENV...: coli serve with ENV on a free port; sets pid, and port once it is ready (else empty)
     local log=$1 slots=$2 i; shift 2
-    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c 256 --parallel "$slots" 2>"$log" &
+    env "$@" HEAT_FILE="$tmp/serve.heat" "$COLI" serve -m "$GOLDEN/q35moe-q8_0.gguf" --port 0 -c "${SERVE_CTX:-256}" --parallel "$slots" 2>"$log" &
     pid=$! port=""
     for i in $(seq 100); do
         grep -q '^\[serve\] ready' "$log" && port=$(grep -o 'listening on http://127.0.0.1:[0-9]*' "$log" | grep -o '[0-9]*$') && break
@@ -515,9 +515,10 @@ if [ "$(wc -l <"$tmp/serve-fail.txt")" = 3 ] && cmp -s "$tmp/serve-cpu.txt" "$tm
     grep -qE '^\[cuda\] the states of [1-3] conversations rebuilt on the CPU: [1-9][0-9]* tokens of context fed again$' "$tmp/serve-fail"; then
     ok "serve: a device failing mid-decode with three conversations' states on it: each fed again on the CPU, the CPU's texts"
 else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fail.txt"); $(grep -E 'cuda' "$tmp/serve-fail" | tail -n 2)"; fi
-# A request with logprobs and a logit_bias, or in JSON mode (a schema's too), takes the whole logits row from the
-# device (not its best): the CPU's tokens and log-probabilities, digit for digit. A JSON-mode chat
-# still thinking (its constraint waits for </think>) takes the device's best: the CPU's thinking.
+# A request with logprobs and a logit_bias, or in JSON mode (a schema's too), or a forced tool call (held to the
+# template's form to its end), takes the whole logits row from the device (not its best): the CPU's tokens and
+# log-probabilities, digit for digit. A JSON-mode chat still thinking (its constraint waits for </think>) takes the
+# device's best: the CPU's thinking. (A context of 1024: the tools block does not fit 256.)
 serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs, and one's JSON text, from a server started with ENV
     local log=$1; shift
     serve_up "$log" 1 "$@"
@@ -531,13 +532,16 @@ serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs,
     [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
         -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":12,"temperature":0,"response_format":{"type":"json_object"},"chat_template_kwargs":{"enable_thinking":true}}' |
         grep -o '"reasoning_content":"[^"]*'
+    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
+        -d '{"messages":[{"role":"user","content":"Wake me"}],"max_tokens":300,"temperature":0.9,"seed":5,"tool_choice":"required","tools":[{"type":"function","function":{"name":"set_alarm","parameters":{"type":"object","properties":{"hour":{"type":"integer"},"loud":{"type":"boolean"},"day":{"enum":["mon","tue"]}},"required":["hour","day"]}}}],"chat_template_kwargs":{"enable_thinking":false}}' |
+        grep -o '"tool_calls":.*"finish_reason":"[a-z_]*"'
     serve_down
 }
-serve_logprobs "$tmp/lp-cpu" COLI_CUDA=0 >"$tmp/lp-cpu.txt"
-serve_logprobs "$tmp/lp-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/lp-gpu.txt"
-if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{.*"finish_reason":"' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
+SERVE_CTX=1024 serve_logprobs "$tmp/lp-cpu" COLI_CUDA=0 >"$tmp/lp-cpu.txt"
+SERVE_CTX=1024 serve_logprobs "$tmp/lp-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/lp-gpu.txt"
+if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{.*"finish_reason":"' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && grep -q '^"tool_calls":\[{.*"name":"set_alarm".*"finish_reason":"tool_calls"$' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
     ! grep -q 'running on the CPU from here' "$tmp/lp-gpu"; then
-    ok "serve on the fake device, logprobs and logit_bias, JSON mode, a JSON schema: the CPU's tokens and log-probabilities"
+    ok "serve on the fake device, logprobs and logit_bias, JSON mode, a JSON schema, a forced tool call: the CPU's tokens and log-probabilities"
 else bad "serve, logprobs on the device" "cpu $(head -c 200 "$tmp/lp-cpu.txt"), gpu $(head -c 200 "$tmp/lp-gpu.txt"); $(grep -E 'cuda' "$tmp/lp-gpu" | tail -n 2)"; fi
 # One slot, three conversations one after another: the first is parked in RAM when the second
 # takes the slot (its DeltaNet states and KV rows come down from the device first), and the third

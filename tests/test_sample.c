@@ -565,6 +565,122 @@ static void test_json_schema(void)
           sizeof refused / sizeof *refused);
 }
 
+/* The call form's tools for test_tool_call: every kind of value, two required, and a tool whose name begins the other's. */
+static const char call_tools[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"set_alarm\",\"parameters\":{\"type\":\"object\",\"properties\":{\"hour\":{\"type\":"
+    "\"integer\"},\"loud\":{\"type\":\"boolean\"},\"day\":{\"enum\":[\"mon\",\"tue\",7]},\"ratio\":{\"type\":\"number\"},\"note\":{\"type\":"
+    "\"string\"}},\"required\":[\"hour\",\"day\"]}}},{\"type\":\"function\",\"function\":{\"name\":\"set\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{}}}}]";
+
+/* Whether call text T (after "<tool_call>\n<function=") parses as the server parses calls (serve_parse_call), of a tool
+ * in TOOLS, each value of its schema's type (minijson reads the arguments) and the required keys there. */
+static int call_valid(const struct json *tools, const char *t, size_t n)
+{
+    static const char open[] = "<tool_call>\n<function=";
+    char *whole = plat_alloc(sizeof open + n);
+    memcpy(whole, open, sizeof open - 1);
+    memcpy(whole + sizeof open - 1, t, n);
+    struct serve_answer a = {0};
+    int ok = serve_parse_call(&a, tools, whole, sizeof open - 1 + n) && a.n_calls == 1;
+    const char *err;
+    size_t off;
+    struct mj *args = ok ? mj_parse(a.calls[0].arguments, strlen(a.calls[0].arguments), &err, &off) : NULL;
+    if (ok && !strcmp(a.calls[0].name, "set")) ok = args && mj_len(args) == 0;
+    else if (ok) {
+        const struct mj *hour = mj_get(args, "hour"), *loud = mj_get(args, "loud"), *day = mj_get(args, "day"), *ratio = mj_get(args, "ratio");
+        const struct mj *note = mj_get(args, "note");
+        ok = !strcmp(a.calls[0].name, "set_alarm") && hour && hour->type == MJ_NUM && hour->num == floor(hour->num) && day &&
+             ((day->type == MJ_STR && (!strcmp(day->str, "mon") || !strcmp(day->str, "tue"))) || (day->type == MJ_NUM && day->num == 7)) &&
+             (!loud || loud->type == MJ_BOOL) && (!ratio || ratio->type == MJ_NUM) && (!note || note->type == MJ_STR);
+    }
+    mj_free(args);
+    serve_answer_free(&a);
+    free(whole);
+    return ok;
+}
+
+/* A forced call's automaton (sample_call) under call_tools: calls taken whole, and ended there; others refused at the
+ * byte marked '|' (an unknown name or key, a key twice, </function> before a required key, an integer's fraction or
+ * leading zero or 17th digit, an exponent, a boolean or enum value not listed, a text value's </parameter> without the
+ * newline before it, anything after the call); random walks of it end as calls the server's parser reads, of a known
+ * tool, each value of its type, the required keys there; tools the form cannot hold are not compiled. */
+static void test_tool_call(void)
+{
+    static const char *const docs[] = {
+        "set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=day>\nmon\n</parameter>\n</function>\n</tool_call>",
+        "set>\n</function>\n</tool_call>",
+        "set_alarm>\n<parameter=day>\n7\n</parameter>\n<parameter=note>\na\n</param\n</parameter>\n<parameter=loud>\nFalse\n</parameter>\n"
+        "<parameter=ratio>\n-0.25\n</parameter>\n<parameter=hour>\n-0\n</parameter>\n</function>\n</tool_call>",
+        "set_alarm>\n<parameter=note>\n</parameter>\n<parameter=hour>\n1234567890123456\n</parameter>\n<parameter=day>\ntue\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "se|x>", "set_alarm>\n<parameter=h|x>", "set_alarm>\n<parameter=hour>\n1\n</parameter>\n<parameter=|hour>",
+        "set_alarm>\n<parameter=hour>\n1\n</parameter>\n<|/function>", "set_alarm>\n<parameter=hour>\n1|.5", "set_alarm>\n<parameter=hour>\n0|7",
+        "set_alarm>\n<parameter=hour>\n1234567890123456|7", "set_alarm>\n<parameter=ratio>\n1.5|e3", "set_alarm>\n<parameter=hour>\n-|\n",
+        "set_alarm>\n<parameter=loud>\n|yes", "set_alarm>\n<parameter=day>\n|wed", "set_alarm>\n<parameter=note>\nab</parameter|>",
+        "set>\n</function>\n</tool_call>|\n", "set>\n<|parameter=",
+    };
+    const char *why;
+    struct json *tools = json_parse(call_tools, strlen(call_tools), &why);
+    struct sample_call_spec *spec = sample_call_compile(tools);
+    int right = 0, n = (int)(sizeof docs / sizeof *docs);
+    for (int d = 0; spec && d < n; d++) {
+        const char *bar = strchr(docs[d], '|');
+        const size_t len = strlen(docs[d]), at = bar ? (size_t)(bar - docs[d]) : len;
+        struct sample_call c = sample_call_start(spec, -1);
+        size_t i = 0;
+        for (; i < len; i++)
+            if (docs[d][i] != '|' && !sample_call_step(&c, (unsigned char)docs[d][i])) break;
+        const int ok = bar ? i == at + 1 : i == len && c.phase == SCP_DONE && call_valid(tools, docs[d], len);
+        if (!ok) printf("# call %d: stopped at byte %zu of %zu (want %s %zu), phase %d\n", d, i, len, bar ? "refused at" : "whole", at, c.phase);
+        right += ok;
+    }
+    check(spec && right == n, "tool call: calls taken whole (and parsed, typed), others refused at the byte where they break", "%d of %d", right, n);
+    int done = 0, valid = 0, dead = 0;
+    uint64_t r = 77;
+    for (int w = 0; spec && w < 300; w++) {
+        char text[4096];
+        size_t len = 0;
+        struct sample_call c = sample_call_start(spec, w % 3 ? -1 : 0);
+        if (!(w % 3)) len = (size_t)sprintf(text, "set_alarm>\n"); /* a call forced to set_alarm starts after its name */
+        while (c.phase != SCP_DONE && len + 16 < sizeof text) {
+            unsigned char ok[128];
+            int k = 0;
+            for (int b = 0; b < 128; b++) {
+                struct sample_call t = c;
+                if ((b == '\n' || (b >= 0x20 && b < 0x7f)) && sample_call_step(&t, (unsigned char)b)) ok[k++] = (unsigned char)b;
+            }
+            dead += !k;
+            if (!k) break;
+            const char *end = c.phase == SCP_TEXT && coin(&r, 8) == 0 ? "\n</parameter>\n" : NULL; /* a text value ends now and then */
+            for (; end && *end; end++) sample_call_step(&c, (unsigned char)*end), text[len++] = *end;
+            if (end) continue;
+            const unsigned char b = ok[coin(&r, k)];
+            sample_call_step(&c, b);
+            text[len++] = (char)b;
+        }
+        done += c.phase == SCP_DONE;
+        valid += c.phase == SCP_DONE && call_valid(tools, text, len);
+    }
+    check(done >= 270 && valid == done && !dead, "tool call: random walks end as calls the parser reads, typed, the required keys there",
+          "%d of 300 ended, %d valid, %d dead states", done, valid, dead);
+    static const char *const refused[] = {
+        "[{\"type\":\"function\",\"function\":{\"name\":\"a>b\",\"parameters\":{}}}]",
+        "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"properties\":{\"x\\ny\":{}}}}}]",
+        "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"properties\":{\"x\":{\"enum\":[\"a</parameter>\"]}}}}}]",
+        "{\"name\":\"f\"}", "[]"};
+    int none = 0;
+    for (size_t k = 0; k < sizeof refused / sizeof *refused; k++) {
+        struct json *t = json_parse(refused[k], strlen(refused[k]), &why);
+        struct sample_call_spec *sp = sample_call_compile(t);
+        none += !sp;
+        sample_call_free(sp);
+        json_free(t);
+    }
+    check(none == 5, "tool call: a name with '>', a key with a newline, an enum value holding </parameter>, no tools: not compiled", "%d of 5", none);
+    sample_call_free(spec);
+    json_free(tools);
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -583,6 +699,7 @@ int main(int argc, char **argv)
     test_against_reference();
     test_json_mode();
     test_json_schema();
+    test_tool_call();
     struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 1, 0.0f, 0.0f};
     memcpy(row, logits, sizeof row);
     int greedy_id = sample_next(&greedy, row, V, NULL, 0, &rng, cand);
