@@ -17546,15 +17546,17 @@ static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, fl
     return kept;
 }
 
-/* -inf for every token of LOGITS whose text SL's call (sample_call) cannot take next; returns how many are kept. */
+/* -inf for every token of LOGITS whose text SL's call (sample_call) cannot take next; returns how many are kept. In a
+ * text value with no "</parameter>" begun, a token without '<' cannot end it: taken untried (most of a vocabulary). */
 static int engine_call_mask(struct engine *e, const struct engine_slot *sl, float *logits)
 {
+    const int free_text = sl->call.phase == SCP_TEXT && !sl->call.term;
     int kept = 0;
     for (int i = 0; i < e->m->cfg.n_vocab; i++) {
         size_t n = 0;
         const char *p = engine_token_text(e, i, &n);
         struct sample_call call = sl->call;
-        if (p && sample_call_takes(&call, p, n)) kept++;
+        if (p && ((free_text && !memchr(p, '<', n)) || sample_call_takes(&call, p, n))) kept++;
         else logits[i] = -INFINITY;
     }
     return kept;
