@@ -1,13 +1,13 @@
 // npm_client: what tests/serve_openai.mjs and tests/serve_anthropic.mjs share: their command line, the `ok - ` /
-// `FAIL - ` lines tests/test_serve.sh counts, a check that turns a throw into a failure, and a package loaded from
-// an npm prefix.
+// `FAIL - ` lines tests/test_serve.sh counts, a check that turns a throw into a failure, and the client class loaded
+// from an npm prefix (setup: all three).
 import { createRequire } from 'node:module';
 import { existsSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 
 // NPM_PREFIX BASE_URL MODEL_ID EXPECT.json from the command line, EXPECT.json read; a usage line and exit 2 if short.
-export function clientArgs(script) {
+function clientArgs(script) {
     const [prefix, baseURL, model, expectFile] = process.argv.slice(2);
     if (!prefix || !baseURL || !model || !expectFile) {
         console.error(`usage: node ${script} NPM_PREFIX BASE_URL MODEL_ID EXPECT.json`);
@@ -18,7 +18,7 @@ export function clientArgs(script) {
 
 // Lines labelled LABEL: ok(name), bad(name, why); check(name, fn) awaits fn, which returns null when fine, else why
 // not (a throw fails too); done() exits, 1 if anything failed.
-export function reporter(label) {
+function reporter(label) {
     let failed = 0;
     const ok = (name) => console.log(`ok - ${label}: ${name}`);
     const bad = (name, why) => {
@@ -38,7 +38,7 @@ export function reporter(label) {
 }
 
 // Package NAME from PREFIX's node_modules, its ES module entry if it has one, else require(): {module, version}.
-export async function loadPackage(prefix, name) {
+async function loadPackage(prefix, name) {
     const dir = path.join(prefix, 'node_modules', name);
     const mjs = path.join(dir, 'index.mjs');
     const module = existsSync(mjs) ? await import(pathToFileURL(mjs).href) : createRequire(path.join(prefix, 'package.json'))(name);
@@ -49,4 +49,17 @@ export async function loadPackage(prefix, name) {
         /* a package without its package.json still runs */
     }
     return { module, version };
+}
+
+// SCRIPT's command line, LABEL's reporter, and package NAME's client class (its export CLASS, or the default); a line
+// FAIL and exit 1 when it cannot be loaded: {baseURL, model, want, ok, bad, check, done, Client, version}.
+export async function setup(script, label, name, exportName) {
+    const args = clientArgs(script), report = reporter(label);
+    try {
+        const pkg = await loadPackage(args.prefix, name);
+        return { ...args, ...report, Client: pkg.module.default ?? pkg.module[exportName] ?? pkg.module, version: pkg.version };
+    } catch (e) {
+        report.bad(`import ${name}`, e?.message ?? e);
+        return report.done();
+    }
 }

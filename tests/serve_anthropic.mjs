@@ -3,21 +3,11 @@
 // NPM_PREFIX holds node_modules/@anthropic-ai/sdk; EXPECT.json (from tests/serve_anthropic.py): {system, messages, n,
 // text, stop_reason, prompt_tokens}, the greedy answer the server gave that request. Prints `ok - ...` / `FAIL - ...`
 // lines; exit status 1 on a failure.
-import { clientArgs, loadPackage, reporter } from './npm_client.mjs';
+import { setup } from './npm_client.mjs';
 
-const { prefix, baseURL, model, want } = clientArgs('serve_anthropic.mjs');
-const { bad, check, done } = reporter('anthropic client');
+const { baseURL, model, want, check, done, Client: Anthropic, version } =
+    await setup('serve_anthropic.mjs', 'anthropic client', '@anthropic-ai/sdk', 'Anthropic');
 const show = (v) => JSON.stringify(v);
-
-let Anthropic, version;
-try {
-    const pkg = await loadPackage(prefix, '@anthropic-ai/sdk');
-    Anthropic = pkg.module.default ?? pkg.module.Anthropic ?? pkg.module;
-    version = pkg.version;
-} catch (e) {
-    bad('import @anthropic-ai/sdk', e?.message ?? e);
-    done();
-}
 const client = new Anthropic({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 20000 });
 const req = { model, system: want.system, messages: want.messages, max_tokens: want.n, temperature: 0 };
 const textOf = (msg) => msg.content.filter((b) => b.type === 'text').map((b) => b.text).join('');

@@ -2,21 +2,11 @@
 // usage: node tests/serve_openai.mjs NPM_PREFIX BASE_URL MODEL_ID EXPECT.json
 // NPM_PREFIX holds node_modules/openai; EXPECT.json: {chat_prompt, chat_text, raw_prompt, raw_text, n}
 // (the greedy texts of `coli run`). Prints `ok - ...` / `FAIL - ...` lines; exit status 1 on a failure.
-import { clientArgs, loadPackage, reporter } from './npm_client.mjs';
+import { setup } from './npm_client.mjs';
 
-const { prefix, baseURL, model, want } = clientArgs('serve_openai.mjs');
-const { bad, check, done } = reporter('openai client');
+const { baseURL, model, want, check, done, Client: OpenAI, version } =
+    await setup('serve_openai.mjs', 'openai client', 'openai', 'OpenAI');
 const show = (v) => JSON.stringify(v);
-
-let OpenAI, version;
-try {
-    const pkg = await loadPackage(prefix, 'openai');
-    OpenAI = pkg.module.default ?? pkg.module.OpenAI ?? pkg.module;
-    version = pkg.version;
-} catch (e) {
-    bad('import openai', e?.message ?? e);
-    done();
-}
 const client = new OpenAI({ baseURL, apiKey: 'none', maxRetries: 0, timeout: 20000 });
 const chatReq = { model, messages: [{ role: 'user', content: want.chat_prompt }], max_tokens: want.n, temperature: 0 };
 
