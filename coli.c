@@ -17068,7 +17068,7 @@ static void sample_call_free(struct sample_call_spec *spec)
 static int sample_call_tag_ok(const char *s, size_t n) { return n && n == strcspn(s, ">\n<"); }
 
 /* Property P's value kind from its schema: a single "type" integer, number or boolean, or an enum of strings and
- * numbers; anything else is text. */
+ * numbers; anything else is text. 0 for an enum the form cannot hold (a NUL, </parameter>, too many values). */
 static int sample_call_param(struct sample_call_param *p, const struct json *schema)
 {
     const struct json *type = json_get(schema, "type"), *values = json_get(schema, "enum");
@@ -17077,7 +17077,9 @@ static int sample_call_param(struct sample_call_param *p, const struct json *sch
     if (tok_json_is(type, "boolean"))
         for (int k = 0; k < 4; k++) p->values[p->n_values++] = sample_call_text(bools[k], strlen(bools[k]), sample_call_value_end);
     for (const struct json *v = values && values->kind == JSON_ARRAY ? values->child : NULL; v; v = v->next) {
-        if ((v->kind != JSON_STRING && v->kind != JSON_NUMBER) || p->n_values == SAMPLE_CALL_MAX || strstr(v->str, "</parameter>")) return 0;
+        if ((v->kind != JSON_STRING && v->kind != JSON_NUMBER) || p->n_values == SAMPLE_CALL_MAX || strlen(v->str) != v->len ||
+            strstr(v->str, "</parameter>"))
+            return 0;
         p->values[p->n_values++] = sample_call_text(v->str, v->len, sample_call_value_end);
     }
     if (p->n_values) p->kind = SCV_CHOICE;
