@@ -17029,7 +17029,7 @@ struct sample_call_spec {
 /* Where a call stands: choosing among the texts of PHASE (CAND those still going on with the POS bytes matched), in a
  * free value (TERM bytes of "</parameter>" matched, NL whether a newline came before them, PREV_NL whether the last byte
  * was one) or a number (NUM its part, DIGITS its digits), or done. */
-enum sample_call_phase { SCP_NAME, SCP_NEXT, SCP_KEY, SCP_CHOICE, SCP_TEXT, SCP_NUMBER, SCP_END, SCP_DONE };
+enum sample_call_phase { SCP_OPEN, SCP_NAME, SCP_NEXT, SCP_KEY, SCP_CHOICE, SCP_TEXT, SCP_NUMBER, SCP_END, SCP_DONE };
 enum sample_call_num { SCN_START, SCN_MINUS, SCN_ZERO, SCN_INT, SCN_DOT, SCN_FRAC };
 
 struct sample_call {
@@ -17040,8 +17040,8 @@ struct sample_call {
     uint64_t cand, used;
 };
 
-static const char sample_call_more[] = "<parameter=", sample_call_close[] = "</function>\n</tool_call>",
-                  sample_call_value_end[] = "\n</parameter>\n";
+static const char sample_call_open[] = "\n<function=", sample_call_more[] = "<parameter=",
+                  sample_call_close[] = "</function>\n</tool_call>", sample_call_value_end[] = "\n</parameter>\n";
 
 static char *sample_call_text(const char *s, size_t n, const char *tail)
 {
@@ -17123,6 +17123,7 @@ static const char *sample_call_candidate(const struct sample_call *c, int k)
 {
     const struct sample_call_fn *fn = &c->spec->fns[c->fn < 0 ? 0 : c->fn];
     switch (c->phase) {
+    case SCP_OPEN: return sample_call_open;
     case SCP_NAME: return c->spec->fns[k].name;
     case SCP_NEXT: return k ? sample_call_close : sample_call_more;
     case SCP_KEY: return fn->params[k].key;
@@ -17147,11 +17148,13 @@ static void sample_call_next(struct sample_call *c)
     sample_call_choose(c, SCP_NEXT, ((all & ~c->used) ? 1u : 0u) | ((fn->required & ~c->used) ? 0u : 2u));
 }
 
-/* A call of SPEC after its opening "<tool_call>\n<function=", or after FN's name when the call is forced to it. */
+/* A call of SPEC after its opening "<tool_call>\n<function=" (FN -1), after FN's name when the call is forced to it,
+ * or after "<tool_call>" alone (FN -2: a call the model chose to open). */
 static struct sample_call sample_call_start(const struct sample_call_spec *spec, int fn)
 {
-    struct sample_call c = {.spec = spec, .fn = fn};
+    struct sample_call c = {.spec = spec, .fn = fn < 0 ? -1 : fn};
     if (fn >= 0) sample_call_next(&c);
+    else if (fn == -2) sample_call_choose(&c, SCP_OPEN, 1);
     else sample_call_choose(&c, SCP_NAME, spec->n_fns == 64 ? ~0ull : (1ull << spec->n_fns) - 1);
     return c;
 }
@@ -17160,7 +17163,8 @@ static struct sample_call sample_call_start(const struct sample_call_spec *spec,
 static void sample_call_chosen(struct sample_call *c, int k)
 {
     const struct sample_call_fn *fn = &c->spec->fns[c->fn < 0 ? k : c->fn];
-    if (c->phase == SCP_NAME) c->fn = k, sample_call_next(c);
+    if (c->phase == SCP_OPEN) sample_call_choose(c, SCP_NAME, c->spec->n_fns == 64 ? ~0ull : (1ull << c->spec->n_fns) - 1);
+    else if (c->phase == SCP_NAME) c->fn = k, sample_call_next(c);
     else if (c->phase == SCP_NEXT && k) c->phase = SCP_DONE;
     else if (c->phase == SCP_NEXT) sample_call_choose(c, SCP_KEY, ~c->used & (fn->n_params == 64 ? ~0ull : (1ull << fn->n_params) - 1));
     else if (c->phase == SCP_KEY) {
@@ -17288,8 +17292,9 @@ struct engine_request {
     const struct sample_schema *schema;
     const char *prefix;      /* ... or starts with these PREFIX_LEN bytes (whitespace before them aside) ... */
     size_t prefix_len;
-    const struct sample_call_spec *call; /* ... then, if not NULL, goes on as a call of these tools (of CALL_FN's if >= 0) ... */
+    const struct sample_call_spec *call; /* ... then, if not NULL, goes on as a call of these tools (of CALL_FN's if >= 0); */
     int call_fn;
+    int call_token;          /* with CALL but no PREFIX: each call the model opens with this token is held to the form */
     int after;               /* ... from the token after this one if not -1 (a think block's end): until it, any token */
 };
 
@@ -17339,7 +17344,8 @@ struct engine_slot {
     struct cuda_top_penalty pen; /* its next token's penalties, for the device (engine_run) */
     struct sample_json json; /* req.json: where the answer stands */
     size_t prefix_at, prefix_blank; /* req.prefix: its bytes the answer holds; whitespace bytes before them */
-    struct sample_call call;  /* req.call: where the call after the prefix stands */
+    struct sample_call call;  /* req.call: where the call after the prefix, or the one the model opened, stands */
+    int calling;             /* req.call without a prefix: inside a call the model opened */
     int wait;                /* req.json or req.prefix: req.after not yet sampled */
     uint64_t rng;
     double t_start, t_prompt;
@@ -17426,11 +17432,13 @@ static void engine_gen_free(struct engine_gen *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Whether SL's constraint is still choosing: a prefix not yet whole, or the call after it not done. */
+/* Whether SL's constraint is choosing: a prefix not yet whole or the call after it not done, or inside a call the model
+ * opened. */
 static int engine_constrained(const struct engine_slot *sl)
 {
     const struct engine_request *r = &sl->req;
-    return r->prefix && (sl->prefix_at < r->prefix_len || (r->call && sl->call.phase != SCP_DONE));
+    if (!r->prefix) return r->call && sl->calling;
+    return sl->prefix_at < r->prefix_len || (r->call && sl->call.phase != SCP_DONE);
 }
 
 /* Whether SL's next token needs its logits row on the host: log-probabilities, a bias, JSON mode or a forced call still
@@ -17577,7 +17585,8 @@ static float *engine_sampling_row(struct engine *e, const struct engine_slot *sl
     return engine_constrained(sl) && !engine_call_mask(e, sl, e->row) ? NULL : e->row;
 }
 
-/* SL's constraint after token ID (TEXT, LEN bytes); 1 when a JSON object or a call is whole (the answer ends there). */
+/* SL's constraint after token ID (TEXT, LEN bytes); 1 when a JSON object or a forced call is whole (the answer ends
+ * there). A call the model opens (req.call_token) is held to the form until it closes, then the answer is free again. */
 static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, int id, const char *text, size_t len)
 {
     const struct engine_request *r = &sl->req;
@@ -17592,8 +17601,9 @@ static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, i
         const size_t take = len < r->prefix_len - sl->prefix_at ? len : r->prefix_len - sl->prefix_at;
         sl->prefix_at += take;
         if (r->call && len > take) sample_call_takes(&sl->call, text + take, len - take);
-    }
-    return (r->json && sl->json.state == SJ_DONE) || (r->call && sl->call.phase == SCP_DONE);
+    } else if (r->call && sl->calling) sl->calling = sample_call_takes(&sl->call, text, len) && sl->call.phase != SCP_DONE;
+    else if (r->call && id == r->call_token) sl->calling = 1, sl->call = sample_call_start(r->call, -2);
+    return (r->json && sl->json.state == SJ_DONE) || (r->prefix && r->call && sl->call.phase == SCP_DONE);
 }
 
 /* Token ID's log-probability and the N_TOP likeliest (sample_before's order) under LOGITS at temperature 1, into *OUT:
@@ -17792,7 +17802,8 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->json = sample_json_start(req->schema);
     sl->prefix_at = sl->prefix_blank = 0;
     if (req->call) sl->call = sample_call_start(req->call, req->call_fn);
-    sl->wait = (req->json || req->prefix) && req->after >= 0;
+    sl->calling = 0;
+    sl->wait = (req->json || req->prefix || req->call) && req->after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
     free(sl->history);
@@ -17836,7 +17847,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
-    const int whole = (r->json || r->prefix) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
+    const int whole = (r->json || r->prefix || r->call) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
     else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || whole) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
     else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
@@ -18895,7 +18906,8 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
         j->req.call_fn = -1;
         for (const struct json *t = name ? tools->child : NULL; t && j->req.call_fn < 0; t = t->next, k++)
             if (tok_json_is(json_get(json_get(t, "function"), "name"), name->str)) j->req.call_fn = k;
-    }
+    } else if (j && j->tools && (j->req.call_token = tok_find(srv->tok, "<tool_call>")) >= 0)
+        j->req.call = j->call = sample_call_compile(tools); /* a call the model opens is held to the form too */
     *len = out.len;
     return text;
 }
@@ -18990,7 +19002,7 @@ static int serve_response_format(const struct json *format, struct serve_job *j,
         if (!(j->schema = sample_schema_compile(schema, why))) return serve_bad(e, "response_format", "'response_format': %s", why);
         j->req.schema = j->schema;
     }
-    if (j->req.json) j->tools = NULL; /* the answer is the object: no text in it is a call */
+    if (j->req.json) j->tools = NULL, j->req.call = NULL; /* the answer is the object: no text in it is a call */
     return 0;
 }
 
@@ -19812,11 +19824,11 @@ static int serve_msg_options(struct tok_buf *o, const struct json *body, struct 
 }
 
 /* Anthropic request BODY as the chat request it means, as JSON text (malloc'd); NULL with E set. Sampling fields with
- * the same names pass as they are (coli's own too: min_p, seed, the penalties, ignore_eos, cache_prompt). */
+ * the same names pass as they are (coli's own too: min_p, seed, the penalties, logit_bias, ignore_eos, cache_prompt). */
 static char *serve_messages_request(const struct json *body, struct serve_error *e)
 {
     static const char *const same[] = {"max_tokens", "temperature", "top_p", "top_k", "stream", "min_p", "seed",
-                                       "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "cache_prompt"};
+                                       "repeat_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "cache_prompt"};
     const struct json *msgs = json_get(body, "messages"), *system = json_get(body, "system");
     struct tok_buf o = {NULL, 0, 0};
     int count = 0, i = 0, bad = 0, prefill = 0;

@@ -251,6 +251,25 @@ for label, choice, chat_choice in [('any', {'type': 'any'}, 'required'),
     except (AssertionError, KeyError, IndexError, TypeError, ValueError) as e:
         bad('tool_choice %s on a typed tool' % label, '%s: %s' % (type(e).__name__, e))
 
+# a call the model chooses to open (tool_choice auto; a bias makes it open one whenever it may): each call it opens is
+# held to the form too, and the answer is free between them, so it goes on opening calls until max_tokens
+status, d = post('/tokenize', {'content': '<tool_call>'})
+bias = {str(d['tokens'][0]): 100} if status == 200 and len(d.get('tokens', [])) == 1 else None
+if bias is None:
+    bad('auto calls', 'the vocabulary has no <tool_call> token: %r' % d)
+else:
+    s1, msg = post('/v1/messages', dict(greedy({'tools': ALARM, 'messages': ask}, 400), logit_bias=bias))
+    s2, chat = post('/v1/chat/completions', dict(greedy({'tools': CHAT_ALARM, 'messages': ask}, 400), logit_bias=bias))
+    try:
+        assert (s1, s2) == (200, 200), 'status %r: %r %r' % ((s1, s2), msg, chat)
+        calls = [b['input'] for b in msg['content'] if b['type'] == 'tool_use']
+        chat_calls = [json.loads(c['function']['arguments']) for c in chat['choices'][0]['message'].get('tool_calls') or []]
+        assert len(calls) >= 2 and all(alarm_ok(a) for a in calls), 'calls %r' % msg['content']
+        assert calls == chat_calls, 'chat %r' % chat_calls
+        ok('tool_choice auto, the model pushed to open calls: each of its %d calls the parser reads, typed; the same as chat\'s' % len(calls))
+    except (AssertionError, KeyError, IndexError, TypeError, ValueError) as e:
+        bad('auto calls', '%s: %s' % (type(e).__name__, e))
+
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):
     try:
