@@ -17346,7 +17346,7 @@ struct engine_slot {
     size_t prefix_at, prefix_blank; /* req.prefix: its bytes the answer holds; whitespace bytes before them */
     struct sample_call call;  /* req.call: where the call after the prefix, or the one the model opened, stands */
     int calling;             /* req.call without a prefix: inside a call the model opened */
-    int wait;                /* req.json or req.prefix: req.after not yet sampled */
+    int wait;                /* req.json, req.prefix or req.call: req.after not yet sampled */
     uint64_t rng;
     double t_start, t_prompt;
 };
