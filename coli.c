@@ -19099,18 +19099,25 @@ static unsigned long long serve_next_id(void)
 
 static int serve_is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-/* Whether KEY's schema in tool NAME of TOOLS ([{"type":"function","function":{...}}]) allows kind KIND: its "type"
- * names or lists it, or is absent. */
-static int serve_schema_allows(const struct json *tools, const char *name, const char *key, enum json_kind kind, int integer)
+/* Whether KEY's schema in tool NAME of TOOLS ([{"type":"function","function":{...}}]) allows VALUE (no string): its
+ * "type" names or lists VALUE's kind, or is absent; an "enum" without a "type" allows only its own values ("12" among
+ * strings stays a string). */
+static int serve_schema_allows(const struct json *tools, const char *name, const char *key, const struct json *value)
 {
+    const enum json_kind kind = value->kind;
+    const int integer = kind == JSON_NUMBER && !strpbrk(value->str, ".eE");
     static const char *const names[] = {"null", "boolean", "number", "string", "array", "object"};
     const struct json *props = NULL;
     for (const struct json *t = tools ? tools->child : NULL; t && !props; t = t->next) {
         const struct json *f = json_get(t, "function") ? json_get(t, "function") : t;
         if (tok_json_is(json_get(f, "name"), name)) props = json_get(json_get(f, "parameters"), "properties");
     }
-    const struct json *type = json_get(json_get(props, key), "type");
-    if (!type) return 1;
+    const struct json *type = json_get(json_get(props, key), "type"), *values = json_get(json_get(props, key), "enum");
+    for (const struct json *v = !type && values && values->kind == JSON_ARRAY ? values->child : NULL; v; v = v->next)
+        if (v->kind == kind && (kind == JSON_NULL || (kind == JSON_BOOL && v->boolean == value->boolean) ||
+                                (kind == JSON_NUMBER && v->number == value->number)))
+            return 1;
+    if (!type) return !values || values->kind != JSON_ARRAY;
     for (const struct json *k = type->kind == JSON_ARRAY ? type->child : type; k; k = type->kind == JSON_ARRAY ? k->next : NULL)
         if (tok_json_is(k, names[kind]) || (kind == JSON_NUMBER && integer && tok_json_is(k, "integer"))) return 1;
     return 0;
@@ -19125,8 +19132,7 @@ static void serve_typed_value(struct tok_buf *b, const struct json *tools, const
     const struct json *value = NULL;
     if ((n == 4 && !memcmp(v, "True", 4)) || (n == 5 && !memcmp(v, "False", 5))) value = &py_bool;
     else value = parsed = json_parse(v, n, &why);
-    int integer = value && value->kind == JSON_NUMBER && !strpbrk(value->str, ".eE");
-    if (value && value->kind != JSON_STRING && serve_schema_allows(tools, name, key, value->kind, integer)) tok_json_dump(b, value);
+    if (value && value->kind != JSON_STRING && serve_schema_allows(tools, name, key, value)) tok_json_dump(b, value);
     else json_put_string(b, v, n);
     json_free(parsed);
 }

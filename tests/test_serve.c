@@ -470,6 +470,15 @@ static void test_answer_fields(void)
           "answer: two tool calls, their arguments typed by the schema (a string that looks like a number stays a string)", "%d calls: %s",
           j.answer.n_calls, j.answer.n_calls ? j.answer.calls[0].arguments : "");
     free_answer(&j);
+    static const char enum_tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"properties\":"
+                                     "{\"a\":{\"enum\":[\"12\",7]},\"b\":{\"enum\":[\"12\",7]},\"c\":{\"enum\":[\"true\"]}}}}}]";
+    const char *enums[] = {"<tool_call>\n<function=f>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\n7\n</parameter>\n<parameter=c>\ntrue\n"
+                           "</parameter>\n</function>\n</tool_call>", NULL};
+    parse_answer(&j, enums, enum_tools, 0);
+    check(j.answer.n_calls == 1 && !strcmp(j.answer.calls[0].arguments, "{\"a\": \"12\", \"b\": 7, \"c\": \"true\"}"),
+          "answer: a value of an enum without a type is typed only as one of its values (\"12\" among strings stays one)", "%s",
+          j.answer.n_calls ? j.answer.calls[0].arguments : "no call");
+    free_answer(&j);
     const char *broken[] = {"<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</function>\n</tool_call>", NULL};
     parse_answer(&j, broken, tools, 0);
     check(!j.answer.n_calls && field_is(&j, SERVE_PART_CONTENT, broken[0]), "answer: a call written badly comes back as text", "[%s]",
