@@ -17547,9 +17547,12 @@ static int engine_prefix_mask(struct engine *e, const struct engine_slot *sl, fl
     for (int i = 0; i < e->m->cfg.n_vocab; i++) {
         size_t n = 0;
         const char *p = engine_token_text(e, i, &n);
-        struct sample_call call = sl->call;
-        int keep = p && (engine_blank(sl, p, n) || !memcmp(p, rest, n < left ? n : left));
-        if (keep && !engine_blank(sl, p, n) && n > left && sl->req.call) keep = sample_call_takes(&call, p + left, n - left);
+        const int blank = p && engine_blank(sl, p, n);
+        int keep = blank || (p && !memcmp(p, rest, n < left ? n : left));
+        if (keep && !blank && n > left && sl->req.call) {
+            struct sample_call call = sl->call;
+            keep = sample_call_takes(&call, p + left, n - left);
+        }
         if (keep) kept++;
         else logits[i] = -INFINITY;
     }
