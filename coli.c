@@ -17259,6 +17259,15 @@ static const char *const engine_stop_names[] = {"running", "eog", "length", "con
 #define ENGINE_MAX_LOGPROBS 20 /* alternatives a token's log-probability lists at most, as OpenAI's API allows */
 
 struct engine_bias { int id; float bias; };
+
+/* A bound on the think block an answer opens in (engine_request.after its end): past BUDGET tokens of thought the rest
+ * is forced, each token fed as if sampled: CLOSE's (a message, e.g. "time to answer"), a newline unless the thoughts end
+ * in one (the template's form, "<think>\n" THOUGHTS "\n</think>"), then the end. */
+struct engine_think {
+    int budget;
+    const int *close;        /* [n_close] */
+    int n_close;
+};
 struct engine_logprob { int id; float logprob; };
 
 /* A token's log-probability and its likeliest alternatives', under the model's own distribution: the raw logits at
@@ -17296,6 +17305,7 @@ struct engine_request {
     int call_fn;
     int call_token;          /* with CALL but no PREFIX: each call the model opens with this token is held to the form */
     int after;               /* ... from the token after this one if not -1 (a think block's end): until it, any token */
+    const struct engine_think *think; /* with AFTER: the think block's bound; NULL: none */
 };
 
 /* What a generation produced; arrays grow with the tokens. */
@@ -17347,6 +17357,7 @@ struct engine_slot {
     struct sample_call call;  /* req.call: where the call after the prefix, or the one the model opened, stands */
     int calling;             /* req.call without a prefix: inside a call the model opened */
     int wait;                /* req.json, req.prefix or req.call: req.after not yet sampled */
+    int thinking;            /* req.after not yet sampled: the answer is in its think block */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -17370,6 +17381,7 @@ struct engine {
                                 * and escapes, no quote (most of a vocabulary; the mask takes them there untried) */
     uint8_t *spaces;           /* [tok->n_vocab] the spaces its bytes open with (at most 2): half a vocabulary's tokens
                                 * are " word", which the mask refuses by the byte after the space */
+    int newline;               /* the token of "\n" alone (a think block's close), or -1 */
 };
 
 /* N_SLOTS sequences; CACHE_BUDGET bytes of prompt cache (0: no checkpoints, no parking). */
@@ -17389,6 +17401,9 @@ static void engine_init(struct engine *e, struct model *m, const struct tok *tok
     e->cand = plat_alloc((size_t)(m->cfg.n_vocab > MODEL_TOP ? m->cfg.n_vocab : MODEL_TOP) * sizeof *e->cand); /* or the best */
     e->row = plat_alloc((size_t)m->cfg.n_vocab * sizeof *e->row);
     e->piece = plat_alloc((size_t)tok->max_piece + 1);
+    int *ids = NULL;
+    e->newline = tok_encode(tok, "\n", 1, 0, &ids) == 1 ? ids[0] : -1;
+    free(ids);
 }
 
 static void engine_past_free(struct engine_past *p)
@@ -17807,6 +17822,7 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     if (req->call) sl->call = sample_call_start(req->call, req->call_fn);
     sl->calling = 0;
     sl->wait = (req->json || req->prefix || req->call) && req->after >= 0;
+    sl->thinking = req->after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
     free(sl->history);
@@ -17817,8 +17833,20 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     else if (req->rewind) model_checkpoint(e->m, &sl->seq, req->rewind, 1);
 }
 
-/* Samples slot SL's next token from RUN's logits (or their best, if the device sent only those), hands it to the sink,
- * and goes on (feeding it next step) or stops. */
+/* The token SL must take next because its think block spent its budget (struct engine_think), or -1. */
+static int engine_think_forced(const struct engine *e, const struct engine_slot *sl)
+{
+    const struct engine_think *t = sl->req.think;
+    const struct engine_gen *g = sl->gen;
+    const int k = t && sl->thinking ? g->n_tokens - t->budget : -1; /* the close's tokens taken so far */
+    if (k < 0) return -1;
+    if (k < t->n_close) return t->close[k];
+    const int line_ended = g->text_len && g->text[g->text_len - 1] == '\n';
+    return line_ended || e->newline < 0 ? sl->req.after : e->newline;
+}
+
+/* Samples slot SL's next token from RUN's logits (or their best, if the device sent only those), unless its think
+ * block's bound forces one; hands it to the sink, and goes on (feeding it next step) or stops. */
 static void engine_sample(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     struct engine_gen *g = sl->gen;
@@ -17836,17 +17864,19 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
         for (int k = 0; k < MODEL_TOP; k++) e->cand[k] = (struct sample_candidate){best->best[k].id, best->best[k].logit};
     else if (n_top) sample_top(run->logits, n_vocab, n_top, e->cand); /* a pass over the vocabulary: only when asked */
     for (int k = 0; k < n_top; k++) top[k][0] = (float)e->cand[k].id, top[k][1] = e->cand[k].id < 0 ? 0.0f : e->cand[k].logit;
-    if (best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
-    else {
+    id = engine_think_forced(e, sl);
+    if (id < 0 && best) id = sample_next_best(&r->sample, e->cand, n_vocab, best->drawn, best->total, &sl->rng);
+    else if (id < 0) {
         float *logits = engine_wants_row(sl) ? engine_sampling_row(e, sl, run->logits) : run->logits;
         if (!logits) {
             engine_finish(e, sl, ENGINE_STOP_ERROR, "no token of the vocabulary can continue the JSON object or tool call asked for");
             return;
         }
         id = sample_next(&r->sample, logits, n_vocab, sl->history, n_hist, &sl->rng, e->cand);
-        if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs);
     }
+    if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs); /* logprobs: the raw row came */
     sl->history[n_hist] = id;
+    sl->thinking &= id != r->after;
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
@@ -18406,6 +18436,8 @@ struct serve {
     int ready, n_slots, queue_max, default_max;
     struct sample_params sample; /* the command line's sampling: a request's defaults */
     int think;                 /* the template's thinking block unless a request says */
+    int think_budget;          /* a chat answer's tokens of thought unless a request says (-1: no bound) */
+    const char *think_message; /* said in the thoughts when that budget is spent, unless a request says; NULL: none */
     pthread_mutex_t mu;        /* the queue, the connection list */
     pthread_cond_t cv;         /* the engine waits on it for jobs */
     struct serve_job *queue_head, *queue_tail;
@@ -18452,6 +18484,8 @@ struct serve_job {
     char *prefix;              /* req.prefix: a forced call's opening */
     struct sample_call_spec *call; /* req.call: the tools' names, keys and value types the rest of the call keeps to */
     struct sample_schema *schema; /* req.schema: response_format's json_schema, compiled */
+    struct engine_think think_bound; /* req.think: thinking_budget_tokens */
+    int *think_close;          /* think_bound.close: thinking_budget_message's tokens */
     char *stop[SERVE_MAX_STOP];
     int n_stop;
     size_t longest_stop;       /* bytes of the longest stop string */
@@ -18528,6 +18562,7 @@ static void serve_job_free(struct serve_job *j)
     free(j->prefix);
     sample_call_free(j->call);
     sample_schema_free(j->schema);
+    free(j->think_close);
     for (int i = 0; i < j->n_stop; i++) free(j->stop[i]);
     free(j->text);
     free(j->lp);
@@ -19009,6 +19044,28 @@ static int serve_response_format(const struct json *format, struct serve_job *j,
     return 0;
 }
 
+/* BODY's thinking_budget_tokens (llama.cpp's name; else the server's --reasoning-budget) and thinking_budget_message into
+ * J: a chat answer opening in a think block thinks that many tokens at most, then the message and the block's end are
+ * forced (struct engine_think). A raw prompt's think block is not followed: a budget there is refused. */
+static int serve_think_budget(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
+{
+    const struct json *asked = json_get(body, "thinking_budget_tokens"), *message = json_get(body, "thinking_budget_message");
+    double budget = srv->think_budget;
+    if (serve_number(body, "thinking_budget_tokens", -1, 1e9, 1, &budget, e)) return -1;
+    if (message && message->kind != JSON_STRING && message->kind != JSON_NULL)
+        return serve_bad(e, "thinking_budget_message", "'thinking_budget_message' must be a string");
+    if (!j->chat && asked && budget >= 0)
+        return serve_bad(e, "thinking_budget_tokens", "'thinking_budget_tokens' bounds a chat answer's think block; a raw prompt's is not "
+                         "followed: use /v1/chat/completions");
+    if (!j->think || budget < 0 || j->req.after < 0) return 0;
+    const char *text = message && message->kind == JSON_STRING ? message->str : srv->think_message;
+    const size_t len = message && message->kind == JSON_STRING ? message->len : text ? strlen(text) : 0;
+    j->think_bound = (struct engine_think){(int)budget, NULL, len ? tok_encode(srv->tok, text, len, 0, &j->think_close) : 0};
+    j->think_bound.close = j->think_close;
+    j->req.think = &j->think_bound;
+    return 0;
+}
+
 /* BODY's generation settings into J: max tokens within the context the prompt leaves, sampling, stops, streaming. */
 static int serve_settings(struct serve *srv, const struct json *body, struct serve_job *j, struct serve_error *e)
 {
@@ -19024,6 +19081,7 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     if (serve_bool(opts, "include_usage", &j->include_usage, e)) return -1;
     if (serve_response_format(json_get(body, "response_format"), j, e)) return -1;
     j->req.after = j->think ? tok_find(srv->tok, "</think>") : -1; /* JSON or a forced call after the thinking */
+    if (serve_think_budget(srv, body, j, e)) return -1;
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);
@@ -19799,8 +19857,8 @@ static int serve_msg_tool_choice(struct tok_buf *o, const struct json *choice, s
     return 0;
 }
 
-/* thinking {"type": enabled | adaptive | disabled} as the template's enable_thinking (budget_tokens not enforced),
- * stop_sequences as stop, output_format (or output_config.format) json_schema as response_format. */
+/* thinking {"type": enabled | adaptive | disabled} as the template's enable_thinking, an enabled one's budget_tokens as
+ * thinking_budget_tokens; stop_sequences as stop, output_format (or output_config.format) json_schema as response_format. */
 static int serve_msg_options(struct tok_buf *o, const struct json *body, struct serve_error *e)
 {
     const struct json *thinking = json_get(body, "thinking"), *stops = json_get(body, "stop_sequences");
@@ -19811,6 +19869,10 @@ static int serve_msg_options(struct tok_buf *o, const struct json *body, struct 
         if (!on && !tok_json_is(type, "disabled"))
             return serve_bad(e, "thinking", "'thinking' must be {\"type\": \"enabled\"}, {\"type\": \"adaptive\"} or {\"type\": \"disabled\"}");
         tok_buf_puts(o, on ? ",\"chat_template_kwargs\":{\"enable_thinking\":true}" : ",\"chat_template_kwargs\":{\"enable_thinking\":false}");
+        const struct json *budget = tok_json_is(type, "enabled") ? json_get(thinking, "budget_tokens") : NULL;
+        if (budget && (budget->kind != JSON_NUMBER || budget->number != floor(budget->number) || !(budget->number >= 0 && budget->number <= 1e9)))
+            return serve_bad(e, "thinking", "'thinking.budget_tokens' must be a whole number in [0, 1e9]");
+        if (budget) tok_buf_puts(o, ",\"thinking_budget_tokens\":"), tok_json_dump(o, budget);
     }
     if (stops && stops->kind != JSON_NULL) {
         int n = 0;
@@ -20507,6 +20569,8 @@ struct cmd_options {
     int n_predict, n_bench_prompt, n_ctx, threads;
     enum ops_kv kv;          /* --kv */
     int chat, json, think, hide_think, ignore_eog, kernels;
+    int think_budget;        /* --reasoning-budget: tokens of thought an answer may take (-1: no bound) */
+    const char *think_message; /* --reasoning-budget-message: said in the thoughts when the budget is spent */
     const char *json_schema; /* run --json-schema: inline JSON, or @FILE */
     int seed_given;          /* --seed: bench's random prompt (else 42) */
     int verbose;             /* -v: also what matters only when something is wrong */
@@ -20643,9 +20707,21 @@ static struct engine_request cmd_request(const struct cmd_options *o, const int 
                                          struct cmd_printer *printer)
 {
     struct engine_request r = {.prompt = prompt, .n_prompt = n_prompt, .n_max = n_max, .sample = o->sample, .ignore_eog = o->ignore_eog,
-                               .want_top = o->json, .sink_ctx = printer, .cancel = &cmd_interrupt};
+                               .want_top = o->json, .sink_ctx = printer, .cancel = &cmd_interrupt, .after = -1};
     if (printer) r.sink = cmd_print_piece;
     return r;
+}
+
+/* REQ's answer opens in a think block: waits, and O's --reasoning-budget bound, for S's </think>. BOUND holds the bound,
+ * *CLOSE its message's tokens (the caller frees them). */
+static void cmd_think(struct cmd_session *s, const struct cmd_options *o, struct engine_request *req, struct engine_think *bound, int **close)
+{
+    req->after = s->think_close;
+    if (o->think_budget < 0 || s->think_close < 0) return;
+    *bound = (struct engine_think){o->think_budget, NULL, 0};
+    if (o->think_message) bound->n_close = tok_encode(&s->tok, o->think_message, strlen(o->think_message), 0, close);
+    bound->close = *close;
+    req->think = bound;
 }
 
 /* Our peak resident set in bytes (VmHWM); -1 if unknown. */
@@ -20778,9 +20854,12 @@ static int cmd_run(const struct cmd_options *o)
     struct cmd_printer printer = {.s = &s, .in_think = o->chat && o->think, .hide_think = o->hide_think};
     struct engine_request req = cmd_request(o, ids, n, o->n_predict, o->json ? NULL : &printer);
     req.json = schema != NULL, req.schema = schema;
-    req.after = o->chat && o->think ? tok_find(&s.tok, "</think>") : -1;
+    struct engine_think bound;
+    int *close = NULL;
+    if (o->chat && o->think) cmd_think(&s, o, &req, &bound, &close);
     struct engine_gen g;
     engine_generate(&s.engine, 0, &req, &g);
+    free(close);
     if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
     if (o->json) cmd_print_json(&s, ids, &g);
     else {
@@ -20921,8 +21000,12 @@ static int cmd_chat(const struct cmd_options *o)
         if (printer.in_think && tty && !o->hide_think) fputs("\033[2m", stdout);
         struct engine_request req = cmd_request(o, ids, n, o->n_predict > 0 && o->n_predict < room ? o->n_predict : room, &printer);
         req.rewind = &checkpoint;
+        struct engine_think bound;
+        int *close = NULL;
+        if (o->think) cmd_think(&s, o, &req, &bound, &close);
         struct engine_gen g;
         engine_generate(&s.engine, 0, &req, &g);
+        free(close);
         if (g.stop == ENGINE_STOP_ERROR) die("%s", g.error);
         char tail[16];
         fwrite(tail, 1, tok_stream_flush(&printer.utf8, tail), stdout);
@@ -21466,6 +21549,8 @@ static int cmd_serve(const struct cmd_options *o)
     srv.default_max = o->n_predict;
     srv.sample = o->sample;
     srv.think = o->think;
+    srv.think_budget = o->think_budget;
+    srv.think_message = o->think_message;
     serve_start(&srv, o->host, o->port, &acceptor);
     cmd_open(&s, &so, o->parallel, o->cache_ram, MODEL_COPY_OVER_FILE_PAGES);
     plat_log("[serve] chat template: %s", s.tok.chat_template_about);
@@ -21654,11 +21739,11 @@ static const char arg_usage[] =
     "usage: coli COMMAND [options]\n"
     "\n"
     "commands:\n"
-    "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [sampling] [resources]\n"
-    "  chat      -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [sampling] [resources]\n"
+    "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [thinking] [sampling] [resources]\n"
+    "  chat      -m MODEL.gguf [--system TEXT] [--hide-think] [thinking] [sampling] [resources]\n"
     "  serve     -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
     "            [--cache-ram SIZE]\n"
-    "            [-n N] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
+    "            [-n N] [thinking] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
     "  plan      -m MODEL.gguf [--json] [resources]   where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
     "  info      [-m MODEL.gguf]                  machine, CPU features, model\n"
@@ -21670,6 +21755,9 @@ static const char arg_usage[] =
     "every command: -v/--verbose also says what is only news when something is wrong (no NVIDIA driver);\n"
     "           -q/--quiet: no progress line while a model loads (there is none when stderr is not a terminal)\n"
     "\n"
+    "thinking:  --no-think or --reasoning off (the think block closed empty)  --reasoning-budget N (think N\n"
+    "           tokens at most, then the close is forced; -1: no bound)  --reasoning-budget-message TEXT (said\n"
+    "           in the thoughts before that close)\n"
     "sampling:  --temp T (0 = greedy)  --top-k K  --top-p P  --min-p P  --repeat-penalty R\n"
     "           --repeat-last-n N  --seed S  --ignore-eog (do not stop at end-of-generation)\n"
     "resources: -t/--threads N  -c/--ctx N (default: the model's, capped by free memory)\n"
@@ -21691,19 +21779,19 @@ static const char arg_usage[] =
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
-            "         [--json-schema SCHEMA|@FILE]\n"
+            "         [--json-schema SCHEMA|@FILE] [--reasoning-budget N [--reasoning-budget-message TEXT]]\n"
             "  Generates N tokens (default 128) after TEXT. TEXT is raw (special-token texts such as\n"
             "  <|im_start|> are parsed) unless --chat wraps it in the model's chat template.\n"
             "  --json-schema makes the answer a JSON object the schema admits (after the thinking), ending\n"
             "  where it closes: the keywords serve's response_format json_schema follows (README).\n"
             "  --json prints one JSON object on stdout: prompt_tokens, tokens, text, top (the five best\n"
             "  [id, logit] pairs at every generated position), stop, timings, experts. Default: greedy.\n"},
-    {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N]\n"
+    {"chat", "coli chat -m MODEL.gguf [--system TEXT] [--no-think] [--hide-think] [-n N] [--reasoning-budget N]\n"
              "  An interactive conversation. Thinking is shown dimmed (--hide-think hides it, --no-think or\n"
              "  --reasoning off skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
-              "           [--cache-ram SIZE] [--no-think | --reasoning off]\n"
+              "           [--cache-ram SIZE] [--no-think | --reasoning off] [--reasoning-budget N]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
               "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus); Anthropic's Messages API:\n"
@@ -21719,7 +21807,8 @@ static const char *const arg_command_help[][2] = {
               "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most,\n"
               "  less where the routed experts would not fit in memory beside it; 0: a slot keeps only its last\n"
               "  state). A request's \"cache_prompt\": false computes it all. The experts are copied into\n"
-              "  coli's memory where it holds them once (faster decode, a slower start).\n"
+              "  coli's memory where it holds them once (faster decode, a slower start). --reasoning-budget N:\n"
+              "  a chat request's thinking_budget_tokens when it has none (-1: no bound).\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
     {"plan", "coli plan -m MODEL.gguf [-c N] [--ram SIZE] [--gpu LIST] [--vram SIZE] [--place SPEC] [--no-probe] [--json]\n"
              "  Where each part of the model would live, without loading weights: the [probe] and [place]\n"
@@ -21827,6 +21916,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     o->queue = 16;
     o->n_bench_prompt = 512;
     o->think = 1;
+    o->think_budget = -1;
     o->sample = (struct sample_params){chat ? 0.6f : 0.0f, chat ? 20 : 0, chat ? 0.95f : 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
     o->sample.seed = (uint64_t)time(NULL);
     o->ram_bytes = o->vram_bytes = o->cache_ram = -1;
@@ -21850,6 +21940,8 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--json-schema") && !strcmp(cmd, "run")) o->json_schema = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--no-think")) o->think = 0;
         else if (!strcmp(a, "--reasoning")) o->think = arg_on_off(argc, argv, &i);
+        else if (!strcmp(a, "--reasoning-budget")) o->think_budget = (int)arg_int(argc, argv, &i, -1, 1 << 30);
+        else if (!strcmp(a, "--reasoning-budget-message")) o->think_message = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
         else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;
         else if (!strcmp(a, "--kernels") && bench) o->kernels = 1;

@@ -1,7 +1,7 @@
 # serve_anthropic: the Anthropic Messages API of a running `coli serve` against its own chat completions
 # (tests/test_serve.sh). Each Anthropic request goes beside the chat request it means, written here by hand; both
 # greedy, so the two answers must agree: text, thinking, tool calls, how they stopped, token counts. Then a stream's
-# events, count_tokens, stop_sequences and errors. Prints `ok - ...` / `FAIL - ...` lines and writes EXPECT.json (the
+# events, count_tokens, stop_sequences, prefills, forced and chosen tool calls, thinking budgets and errors. Prints `ok - ...` / `FAIL - ...` lines and writes EXPECT.json (the
 # first case's answer) for tests/serve_anthropic.mjs.
 # usage: python3 tests/serve_anthropic.py BASE_URL MODEL_ID EXPECT.json
 import json, sys, urllib.request, urllib.error
@@ -269,6 +269,66 @@ else:
         ok('tool_choice auto, the model pushed to open calls: each of its %d calls the parser reads, typed; the same as chat\'s' % len(calls))
     except (AssertionError, KeyError, IndexError, TypeError, ValueError) as e:
         bad('auto calls', '%s: %s' % (type(e).__name__, e))
+
+# a thinking budget (thinking_budget_tokens, Anthropic's budget_tokens, the server's --reasoning-budget 40): the thoughts
+# are the unbounded answer's first N tokens (and a message if asked), then </think> is forced and the answer goes on to
+# max_tokens. (That the forced tokens are fed as sampled ones is test_serve.c's, by token ids: a raw prompt of this
+# text would be tokenized otherwise, "\n\n" one token where the close put two.)
+think = {'chat_template_kwargs': {'enable_thinking': True}}
+why = [{'role': 'user', 'content': 'Why is the sky blue?'}]
+status, d = post('/apply-template', dict(think, messages=why))
+opened = d.get('prompt', '')
+
+
+def thoughts(n):
+    """The raw text of the first N tokens the model thinks, unbounded."""
+    status, comp = post('/v1/completions', greedy({'prompt': opened}, n))
+    return comp['choices'][0]['text'] if status == 200 and comp['choices'][0]['finish_reason'] == 'length' and '</think>' not in comp['choices'][0]['text'] else None
+
+
+for label, fields, n, message in [('thinking_budget_tokens 5', {'thinking_budget_tokens': 5}, 5, ''),
+                                  ('thinking_budget_tokens 0', {'thinking_budget_tokens': 0}, 0, ''),
+                                  ('thinking_budget_tokens 3 with a message', {'thinking_budget_tokens': 3, 'thinking_budget_message': ' Time to answer.'}, 3,
+                                   ' Time to answer.'),
+                                  ('the server\'s --reasoning-budget 40', {}, 40, '')]:
+    before = thoughts(n) if n else ''
+    status, chat = post('/v1/chat/completions', greedy(dict(think, messages=why, **fields), n + 30))
+    try:
+        assert before is not None and opened.endswith('<think>\n'), 'the prompt %r, the unbounded thoughts %r' % (opened[-20:], before)
+        m = chat['choices'][0]['message']
+        assert status == 200 and m.get('reasoning_content', '') == (before + message).strip('\n'), 'reasoning %r, want %r' % (m, before + message)
+        assert m.get('content') and chat['usage']['completion_tokens'] > n + 1, \
+            'content %r, %r' % (m.get('content'), chat['usage'])
+        ok('%s: the unbounded thoughts cut there, </think> forced, the answer on after it' % label)
+    except (AssertionError, KeyError, IndexError, TypeError) as e:
+        bad(label, '%s: %s' % (type(e).__name__, e))
+status, unbounded = post('/v1/chat/completions', greedy(dict(think, messages=why, thinking_budget_tokens=-1), 50))
+unbounded = unbounded.get('choices', [{}])[0].get('message', {}).get('reasoning_content', '')
+if status == 200 and unbounded.startswith(thoughts(40).strip('\n')) and len(unbounded) > len(thoughts(40).strip('\n')):
+    ok('thinking_budget_tokens -1: no bound, even beside the server\'s --reasoning-budget')
+else:
+    bad('thinking_budget_tokens -1', '%d %r' % (status, unbounded))
+s1, msg = post('/v1/messages', greedy({'messages': why, 'thinking': {'type': 'enabled', 'budget_tokens': 4}}, 24))
+s2, chat = post('/v1/chat/completions', greedy(dict(think, messages=why, thinking_budget_tokens=4), 24))
+why_not = 'status %d %d' % (s1, s2) if (s1, s2) != (200, 200) else same_answer('budget_tokens', msg, chat)
+if why_not:
+    bad('budget_tokens', why_not)
+else:
+    ok('budget_tokens 4: the thinking block and text of the chat request with thinking_budget_tokens 4')
+for label, path, body, param in [('a budget on a raw prompt', '/v1/completions', greedy({'prompt': opened, 'thinking_budget_tokens': 4}), 'thinking_budget_tokens'),
+                                 ('a budget of -2', '/v1/chat/completions', greedy({'messages': why, 'thinking_budget_tokens': -2}), 'thinking_budget_tokens'),
+                                 ('a message that is not a string', '/v1/chat/completions', greedy({'messages': why, 'thinking_budget_message': 7}),
+                                  'thinking_budget_message')]:
+    status, d = post(path, body)
+    if status == 400 and d.get('error', {}).get('param') == param:
+        ok('%s: 400 naming %s' % (label, param))
+    else:
+        bad(label, '%d %r' % (status, d))
+status, d = post('/v1/messages', greedy({'messages': why, 'thinking': {'type': 'enabled', 'budget_tokens': 1.5}}))
+if status == 400 and 'budget_tokens' in d.get('error', {}).get('message', ''):
+    ok('budget_tokens 1.5: 400 naming it')
+else:
+    bad('budget_tokens 1.5', '%d %r' % (status, d))
 
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):

@@ -44,6 +44,7 @@ expect "unknown command" 2 "unknown command 'frobnicate'" -- "$COLI" frobnicate
 expect "unknown option" 2 "unknown option '--bogus'" -- "$COLI" run -m x.gguf -p hi --bogus
 expect "bad number" 2 "'-3' is not a whole number" -- "$COLI" run -m x.gguf -p hi -n -3
 expect "missing value" 2 "needs a value" -- "$COLI" run -m
+expect "a thinking budget below -1" 2 "--reasoning-budget: '-2' is not a whole number" -- "$COLI" run -m x.gguf -p hi --chat --reasoning-budget -2
 expect "help for an unknown command" 2 "no command 'nope'" -- "$COLI" help nope
 expect "missing model file" 1 "/nonexistent.gguf: cannot open" -- "$COLI" run -m /nonexistent.gguf -p hi
 expect "a device as the model file" 1 "/dev/null: cannot open: not a regular file" -- "$COLI" run -m /dev/null -p hi
@@ -215,6 +216,24 @@ PY
         ok "chat: two turns around /reset, then /exit"
     else
         bad "chat session" "rc $rc; $(head -c 400 "$tmp/chat_err")"
+    fi
+
+    # --reasoning-budget 3: the unbounded answer's first 3 tokens of thought, then "\n</think>" forced (the newline
+    # left out if the thoughts end in one), then the answer goes on
+    "$COLI" run -m "$M" --chat -p "Why is the sky blue?" -n 3 --json 2>/dev/null | tail -n 1 >"$tmp/think_free"
+    "$COLI" run -m "$M" --chat -p "Why is the sky blue?" -n 12 --json --reasoning-budget 3 2>/dev/null | tail -n 1 >"$tmp/think_cut"
+    end=$("$COLI" tokenize -m "$M" -p "</think>" 2>/dev/null)
+    newline=$("$COLI" tokenize -m "$M" -p "$(printf '\n.')" 2>/dev/null | head -n 1)
+    if python3 - "$tmp/think_free" "$tmp/think_cut" "$end" "$newline" <<'PY'; then
+import json, sys
+free, cut = (json.load(open(p)) for p in sys.argv[1:3])
+end, newline = int(sys.argv[3]), int(sys.argv[4])
+want = free['tokens'] + ([end] if free['text'].endswith('\n') else [newline, end])
+sys.exit(0 if len(free['tokens']) == 3 and end not in free['tokens'] and cut['tokens'][:len(want)] == want and len(cut['tokens']) == 12 else 1)
+PY
+        ok "run --chat --reasoning-budget 3: the first 3 tokens of thought, then the close forced, the answer on"
+    else
+        bad "run --reasoning-budget" "$(head -c 200 "$tmp/think_free"); $(head -c 200 "$tmp/think_cut")"
     fi
 
     # the expert store: a budget of a few experts changes nothing but speed; heat files

@@ -518,7 +518,8 @@ else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fai
 # A request with logprobs and a logit_bias, or in JSON mode (a schema's too), or a forced tool call (held to the
 # template's form to its end), takes the whole logits row from the device (not its best): the CPU's tokens and
 # log-probabilities, digit for digit. A JSON-mode chat still thinking (its constraint waits for </think>) takes the
-# device's best: the CPU's thinking. (A context of 1024: the tools block does not fit 256.)
+# device's best: the CPU's thinking; so does a sampled chat whose thinking budget forces its close (no draw is made
+# for the forced tokens, on either side). (A context of 1024: the tools block does not fit 256.)
 serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs, and one's JSON text, from a server started with ENV
     local log=$1; shift
     serve_up "$log" 1 "$@"
@@ -535,13 +536,16 @@ serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs,
     [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
         -d '{"messages":[{"role":"user","content":"Wake me"}],"max_tokens":300,"temperature":0.9,"seed":5,"tool_choice":"required","tools":[{"type":"function","function":{"name":"set_alarm","parameters":{"type":"object","properties":{"hour":{"type":"integer"},"loud":{"type":"boolean"},"day":{"enum":["mon","tue"]}},"required":["hour","day"]}}}],"chat_template_kwargs":{"enable_thinking":false}}' |
         grep -o '"tool_calls":.*"finish_reason":"[a-z_]*"'
+    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
+        -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":16,"temperature":0.9,"seed":5,"thinking_budget_tokens":4,"thinking_budget_message":" Done.","chat_template_kwargs":{"enable_thinking":true}}' |
+        grep -o '"content":.*"reasoning_content":"[^"]*'
     serve_down
 }
 SERVE_CTX=1024 serve_logprobs "$tmp/lp-cpu" COLI_CUDA=0 >"$tmp/lp-cpu.txt"
 SERVE_CTX=1024 serve_logprobs "$tmp/lp-gpu" LD_LIBRARY_PATH="$B/fake" FAKE_CUDA_DEVICES=1 >"$tmp/lp-gpu.txt"
-if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{.*"finish_reason":"' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && grep -q '^"tool_calls":\[{.*"name":"set_alarm".*"finish_reason":"tool_calls"$' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
+if grep -q '"token_logprobs":\[-' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{[^"]*}$' "$tmp/lp-cpu.txt" && grep -q '^"text":"[^"]*{.*"finish_reason":"' "$tmp/lp-cpu.txt" && grep -q '^"reasoning_content":"..' "$tmp/lp-cpu.txt" && grep -q '^"tool_calls":\[{.*"name":"set_alarm".*"finish_reason":"tool_calls"$' "$tmp/lp-cpu.txt" && grep -q '^"content":"..*"reasoning_content":"[^"]* Done\.$' "$tmp/lp-cpu.txt" && cmp -s "$tmp/lp-cpu.txt" "$tmp/lp-gpu.txt" && grep -qE '^\[cuda\] [1-9][0-9]* products' "$tmp/lp-gpu" &&
     ! grep -q 'running on the CPU from here' "$tmp/lp-gpu"; then
-    ok "serve on the fake device, logprobs and logit_bias, JSON mode, a JSON schema, a forced tool call: the CPU's tokens and log-probabilities"
+    ok "serve on the fake device, logprobs and logit_bias, JSON mode, a JSON schema, a forced tool call, a thinking budget: the CPU's tokens and log-probabilities"
 else bad "serve, logprobs on the device" "cpu $(head -c 200 "$tmp/lp-cpu.txt"), gpu $(head -c 200 "$tmp/lp-gpu.txt"); $(grep -E 'cuda' "$tmp/lp-gpu" | tail -n 2)"; fi
 # One slot, three conversations one after another: the first is parked in RAM when the second
 # takes the slot (its DeltaNet states and KV rows come down from the device first), and the third

@@ -274,6 +274,84 @@ static void test_engine_json(const char *dir, const char *name)
     fixture_close(&f);
 }
 
+/* The tokens a think block's bound (struct engine_think) forces after THOUGHT[0..n): CLOSE's, a newline unless the
+ * thoughts (CLOSE's text included) end in one, then END; into OUT, returning how many. */
+static int think_close_expected(const struct tok *t, const int *thought, int n, const int *close, int n_close, int newline, int end, int *out)
+{
+    char text[1024];
+    size_t len = 0;
+    int k = 0;
+    for (int i = 0; i < n; i++) len += tok_decode(t, thought[i], text + len, sizeof text - len);
+    for (int i = 0; i < n_close; i++) len += tok_decode(t, close[i], text + len, sizeof text - len), out[k++] = close[i];
+    if (!len || text[len - 1] != '\n') out[k++] = newline;
+    out[k++] = end;
+    return k;
+}
+
+/* A think block's bound in the engine: the answer's first BUDGET tokens are the unbounded answer's, then the close is
+ * forced (a message's tokens, a newline unless the thoughts end in one, </think>), each fed as if sampled: what follows
+ * is what the prompt with those tokens appended gives, computed afresh. A block the model closes within its budget,
+ * and an answer with no think block, are untouched. */
+static void test_engine_think_budget(const char *dir, const char *name)
+{
+    char label[300];
+    struct fixture f;
+    fixture_open(&f, dir, name, 128);
+    static const struct sample_params greedy = {0.0f, 0, 1.0f, 0.0f, 1.0f, 64, 0, 0.0f, 0.0f};
+    const int end = tok_find(&f.t, "</think>"), n_max = 24;
+    int prompt[64] = {785, 272, 391, 275, 278}, *told = NULL, *told_line = NULL;
+    const int n_told = tok_encode(&f.t, " Enough.", 8, 0, &told), n_told_line = tok_encode(&f.t, " Enough.\n", 9, 0, &told_line);
+    struct engine_request r = {.prompt = prompt, .n_prompt = 5, .n_max = n_max, .sample = greedy, .ignore_eog = 1, .after = end};
+    struct engine_gen plain, g;
+    engine_generate(&f.e, 0, &r, &plain);
+    int opened = end >= 0 && f.e.newline >= 0;
+    for (int i = 0; i < 8; i++) opened &= plain.tokens[i] != end;
+    snprintf(label, sizeof label, "%s: the vocabulary has </think> and a newline token; the unbounded answer's first 8 tokens stay in the block", name);
+    check(opened, label, "</think> %d, newline %d", end, f.e.newline);
+    const struct { int budget; const int *close; int n_close; } bounds[] = {{0, NULL, 0}, {1, NULL, 0}, {3, NULL, 0}, {5, NULL, 0},
+                                                                          {2, told, n_told}, {2, told_line, n_told_line}};
+    int right = 0, fed = 0;
+    for (size_t b = 0; opened && b < sizeof bounds / sizeof *bounds; b++) {
+        struct engine_think bound = {bounds[b].budget, bounds[b].close, bounds[b].n_close};
+        int forced[32], n_forced = think_close_expected(&f.t, plain.tokens, bound.budget, bound.close, bound.n_close, f.e.newline, end, forced);
+        r.think = &bound;
+        engine_forget(&f.e, 0);
+        engine_generate(&f.e, 0, &r, &g);
+        const int k = bound.budget + n_forced;
+        right += g.n_tokens == n_max && !memcmp(g.tokens, plain.tokens, (size_t)bound.budget * sizeof(int)) &&
+                 !memcmp(g.tokens + bound.budget, forced, (size_t)n_forced * sizeof(int));
+        struct engine_request after = {.prompt = prompt, .n_prompt = 5 + k, .n_max = n_max - k, .sample = greedy, .ignore_eog = 1, .after = -1};
+        struct engine_gen rest;
+        memcpy(prompt + 5, g.tokens, (size_t)k * sizeof(int));
+        engine_forget(&f.e, 0);
+        engine_generate(&f.e, 0, &after, &rest);
+        fed += rest.n_tokens == n_max - k && !memcmp(rest.tokens, g.tokens + k, (size_t)rest.n_tokens * sizeof(int));
+        engine_gen_free(&rest);
+        engine_gen_free(&g);
+    }
+    snprintf(label, sizeof label, "%s: budgets 0, 1, 3, 5 and 2 with a message (with and without its newline): the thoughts, then the close forced", name);
+    check(right == 6, label, "%d of 6", right);
+    snprintf(label, sizeof label, "%s: the forced tokens are fed as sampled ones: the rest = the prompt with them appended, computed afresh", name);
+    check(fed == 6, label, "%d of 6", fed);
+    struct engine_think bound = {3, NULL, 0};
+    r.think = &bound, r.after = plain.tokens[1]; /* the model "closes" its block at its second token, within the budget */
+    engine_forget(&f.e, 0);
+    engine_generate(&f.e, 0, &r, &g);
+    int same = g.n_tokens == n_max && !memcmp(g.tokens, plain.tokens, (size_t)n_max * sizeof(int));
+    engine_gen_free(&g);
+    r.after = -1; /* no think block: nothing to bound */
+    engine_forget(&f.e, 0);
+    engine_generate(&f.e, 0, &r, &g);
+    same += g.n_tokens == n_max && !memcmp(g.tokens, plain.tokens, (size_t)n_max * sizeof(int));
+    engine_gen_free(&g);
+    snprintf(label, sizeof label, "%s: a block closed within its budget, or no block at all: the unbounded answer", name);
+    check(same == 2, label, "%d of 2", same);
+    engine_gen_free(&plain);
+    free(told);
+    free(told_line);
+    fixture_close(&f);
+}
+
 /* JSON mode under a schema in the engine: with closers favoured, an object the schema admits, the answer ending where
  * it closes; the mask = every token's bytes tried, inside a name, an enum's value (one with a space), a free string and
  * an integer, after a space. */
@@ -956,6 +1034,7 @@ int main(int argc, char **argv)
     test_engine_logprobs(dir, "q35moe-q8_0.gguf");
     test_engine_json(dir, "q35moe-q8_0.gguf");
     test_engine_schema(dir, "q35moe-q8_0.gguf");
+    test_engine_think_budget(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */
