@@ -307,6 +307,7 @@ static void chat_body(struct buf *b, uint64_t *r, int stream)
 {
     bprintf(b, "{\"messages\":[{\"role\":\"user\",\"content\":\"%s\"}],\"max_tokens\":%u", words[rnd(r, 7)], 1 + rnd(r, 4));
     if (rnd(r, 2)) bprintf(b, ",\"temperature\":%.2f,\"seed\":%u", rnd(r, 100) / 50.0, rnd(r, 1000));
+    if (!rnd(r, 4)) bprintf(b, ",\"thinking_budget_tokens\":%u%s", rnd(r, 3), rnd(r, 2) ? ",\"thinking_budget_message\":\" ok\"" : "");
     if (stream) bputs(b, ",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
     bputs(b, "}");
 }
@@ -665,7 +666,9 @@ static void gen_messages(struct fcase *c, uint64_t *r)
         {"{\"max_tokens\":1,\"messages\":[" U "],\"tool_choice\":{\"type\":\"any\"}}", "400", NULL},
         {"{\"max_tokens\":1,\"messages\":[" U "],\"output_format\":{\"type\":\"json_schema\",\"schema\":{\"type\":\"object\",\"pattern\":\"x\"}}}", "400", "200"},
         {"{\"messages\":[" U "],\"max_tokens\":\"2\"}", "400", "200"}, {"{\"messages\":[" U "],\"stop_sequences\":\"x\"}", "400", NULL},
-        {"{\"messages\":[" U "],\"thinking\":\"on\"}", "400", NULL}, {"{\"messages\":[" U "],\"tool_choice\":\"auto\"}", "400", NULL},
+        {"{\"messages\":[" U "],\"thinking\":\"on\"}", "400", NULL},
+        {"{\"max_tokens\":3,\"messages\":[" U "],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":1}}", GEN, NULL},
+        {"{\"messages\":[" U "],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":-1}}", "400", NULL}, {"{\"messages\":[" U "],\"tool_choice\":\"auto\"}", "400", NULL},
         {"{\"messages\":[" U "],\"tool_choice\":{\"type\":\"tool\"}}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":{}}", "400", NULL},
         {"{\"messages\":[" U "],\"tools\":[{\"name\":5,\"input_schema\":{}}]}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":[null]}", "400", NULL},
         {"{\"messages\":[" U "],\"system\":[{\"type\":\"image\"}]}", "400", NULL}, {"{\"messages\":[" U ",{\"role\":\"system\",\"content\":5}]}", "400", NULL},
@@ -731,6 +734,9 @@ static void gen_wrong_type(struct fcase *c, uint64_t *r)
         {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":[]}}", "400", 1},
         {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[]}}}}}", "400", 1},
         {"response_format", "{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"anyOf\":5}}}}}", "400", 1},
+        {"thinking_budget_tokens", "\"2\"", "400", 1}, {"thinking_budget_tokens", "-2", "400", 0}, {"thinking_budget_tokens", "1.5", "400", 1},
+        {"thinking_budget_tokens", "0", GEN " 400", 0}, {"thinking_budget_tokens", "1e12", "400", 0}, {"thinking_budget_message", "7", "400", 1},
+        {"thinking_budget_message", "\"\\u0000<think>\"", GEN, 0},
     };
     unsigned k = rnd(r, sizeof ws / sizeof *ws);
     const char *f = ws[k].field;
