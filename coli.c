@@ -18475,6 +18475,7 @@ struct serve_job {
     int one_call;              /* parallel_tool_calls false: the answer ends after its first call */
     int messages;              /* /v1/messages: a chat answered in Anthropic's shape */
     int continued;             /* continue_final_message: the answer goes on from the last message's content */
+    int room_bound;            /* req.n_max is what the context leaves, less than asked: a stop there is the context's */
     struct json *body;         /* the request, parsed */
     const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
@@ -19085,8 +19086,9 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     if (j->req.n_prompt < 1) return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt is empty");
     if (j->req.n_prompt >= n_ctx)
         return serve_bad(e, j->chat ? "messages" : "prompt", "the prompt has %d tokens but the context holds %d (and one more to generate): shorten it, or start coli serve with a larger -c", j->req.n_prompt, n_ctx);
-    int room = n_ctx - j->req.n_prompt;
-    j->req.n_max = max > 0 ? (max < room ? (int)max : room) : srv->default_max > 0 && srv->default_max < room ? srv->default_max : room;
+    const double room = n_ctx - j->req.n_prompt, asked = max > 0 ? max : srv->default_max > 0 ? srv->default_max : HUGE_VAL;
+    j->req.n_max = (int)(asked < room ? asked : room);
+    j->room_bound = asked > room;
     return 0;
 }
 
@@ -19942,12 +19944,13 @@ static struct serve_job *serve_messages_job(struct serve *srv, const char *body_
     return j;
 }
 
-/* Anthropic's stop_reason for J. */
+/* Anthropic's stop_reason for J: a length stop is the context's where the context left less than max_tokens. */
 static const char *serve_stop_reason(const struct serve_job *j)
 {
     const char *finish = serve_finish_reason(j);
     if (!strcmp(finish, "tool_calls")) return "tool_use";
-    if (!strcmp(finish, "length")) return "max_tokens";
+    if (!strcmp(finish, "length"))
+        return j->room_bound || j->gen.stop == ENGINE_STOP_CONTEXT ? "model_context_window_exceeded" : "max_tokens";
     return j->stop_hit ? "stop_sequence" : "end_turn";
 }
 

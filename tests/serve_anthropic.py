@@ -330,6 +330,20 @@ if status == 400 and 'budget_tokens' in d.get('error', {}).get('message', ''):
 else:
     bad('budget_tokens 1.5', '%d %r' % (status, d))
 
+# an answer that fills the context before max_tokens (1024 here): stop_reason model_context_window_exceeded, where the
+# same request with room for its max_tokens stops with max_tokens
+s1, full = post('/v1/messages', dict(greedy({'messages': why}, 5000), ignore_eos=True))
+s2, short = post('/v1/messages', dict(greedy({'messages': why}, 8), ignore_eos=True))
+try:
+    u = full['usage']
+    assert (s1, s2) == (200, 200), 'status %r' % ((s1, s2),)
+    assert full['stop_reason'] == 'model_context_window_exceeded' and u['input_tokens'] + u['cache_read_input_tokens'] + u['output_tokens'] == 1024, \
+        'stop_reason %r, usage %r' % (full['stop_reason'], u)
+    assert short['stop_reason'] == 'max_tokens', 'max_tokens 8: stop_reason %r' % short['stop_reason']
+    ok('max_tokens beyond the context: stop_reason model_context_window_exceeded when it fills (max_tokens within it: max_tokens)')
+except (AssertionError, KeyError, TypeError) as e:
+    bad('context window exceeded', '%s: %s' % (type(e).__name__, e))
+
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):
     try:
