@@ -13011,6 +13011,24 @@ static uint64_t model_fingerprint(const struct model *m)
     return h;
 }
 
+/* Identifies the weights a sequence's state depends on, for a prompt cache kept in a file (serve --prompt-cache): every
+ * tensor's name, type, shape and first 4 KiB (a fine-tune of the same shapes differs there), and the KV cache's format
+ * (bytes a token). */
+static uint64_t model_identity(const struct model *m)
+{
+    const struct gguf_file *g = &m->file;
+    int64_t kv = model_kv_bytes_per_token(m);
+    uint64_t h = expert_fnv((const uint8_t *)&kv, sizeof kv);
+    for (int64_t i = 0; i < g->n_tensors; i++) {
+        const struct gguf_tensor *t = &g->tensors[i];
+        int64_t about[5] = {t->type, t->shape[0], t->shape[1], t->shape[2], t->shape[3]};
+        h = h * 31 + expert_fnv((const uint8_t *)t->name, strlen(t->name));
+        h = h * 31 + expert_fnv((const uint8_t *)about, sizeof about);
+        if (t->data) h = h * 31 + expert_fnv(t->data, t->bytes < 4096 ? (size_t)t->bytes : 4096);
+    }
+    return h;
+}
+
 /* Bytes of routed experts in the file. */
 static uint64_t model_expert_bytes(const struct model *m)
 {
@@ -18013,6 +18031,146 @@ static int engine_step(struct engine *e)
 }
 
 /* Runs REQ on slot I to its end (run, chat, bench: one conversation at a time); the last sampled token is not fed. */
+/* ---- the prompt cache in a file: conversations kept across restarts (serve --prompt-cache) ----
+ * "COLIPCCH", u32 version, u32 count, u64 model_identity; then each conversation, the most recently used first: i32 n,
+ * i32 n_cp, i32 tokens[n], n_cp times (i32 position, checkpoint_bytes of DeltaNet state), the state at n, then
+ * model_kv_bytes(n) of KV rows as model_kv_copy lays them out. Read back as parked conversations. */
+
+#define ENGINE_CACHE_MAGIC "COLIPCCH"
+#define ENGINE_CACHE_VERSION 1u
+
+/* One conversation's record into F; 0 if a write failed. */
+static int engine_cache_write_one(FILE *f, const struct engine *e, const struct engine_past *p, const float *live, const void *kv)
+{
+    const size_t state = (size_t)e->checkpoint_bytes, rows = (size_t)model_kv_bytes(e->m, p->n);
+    int32_t head[2] = {p->n, p->n_cp};
+    int ok = fwrite(head, sizeof head, 1, f) == 1 && fwrite(p->tokens, sizeof(int), (size_t)p->n, f) == (size_t)p->n;
+    for (int k = 0; ok && k < p->n_cp; k++) {
+        int32_t pos = p->cp[k].pos;
+        ok = fwrite(&pos, sizeof pos, 1, f) == 1 && fwrite(p->cp[k].recurrent, 1, state, f) == state;
+    }
+    return ok && fwrite(live, 1, state, f) == state && fwrite(kv, 1, rows, f) == rows;
+}
+
+/* Slot I's idle conversation into F (its state and KV rows copied out); 0 if it has none, 1 if written, -1 if a write
+ * failed. A state its device lost is left out. */
+static int engine_cache_write_slot(FILE *f, struct engine *e, int i)
+{
+    struct engine_slot *sl = &e->slots[i];
+    if (sl->gen || sl->past.n < 1 || sl->seq.pos != sl->past.n || model_seq_to_host(e->m, &sl->seq)) return 0;
+    struct model_checkpoint live = {0, NULL};
+    void *kv = malloc((size_t)model_kv_bytes(e->m, sl->past.n));
+    int wrote = 0;
+    model_checkpoint(e->m, &sl->seq, &live, 1);
+    if (kv && live.pos == sl->past.n) {
+        model_kv_copy(e->m, &sl->seq, kv, sl->past.n, 1);
+        wrote = engine_cache_write_one(f, e, &sl->past, live.recurrent, kv) ? 1 : -1;
+    }
+    free(live.recurrent);
+    free(kv);
+    return wrote;
+}
+
+/* Writes the conversations E holds, its slots' and those parked, to PATH (a temporary file, then renamed: no reader
+ * sees half of one), the most recently used first; how many, or -1 with WHY. */
+static int engine_cache_save(struct engine *e, const char *path, uint64_t identity, char *why, size_t why_len)
+{
+    const int n_all = e->n_slots + e->n_parked;
+    double *used = plat_alloc((size_t)n_all * sizeof *used);
+    for (int k = 0; k < n_all; k++) used[k] = k < e->n_slots ? e->slots[k].past.used : e->parked[k - e->n_slots].past.used;
+    char *tmp = plat_alloc(strlen(path) + 32);
+    sprintf(tmp, "%s.%ld.tmp", path, (long)getpid());
+    errno = 0;
+    FILE *f = fopen(tmp, "wbe");
+    uint32_t head[2] = {ENGINE_CACHE_VERSION, 0};
+    int ok = f && fwrite(ENGINE_CACHE_MAGIC, 8, 1, f) == 1 && fwrite(head, sizeof head, 1, f) == 1 && fwrite(&identity, 8, 1, f) == 1;
+    for (int left = n_all; ok && left > 0; left--) { /* the most recent not yet written */
+        int k = 0;
+        for (int c = 1; c < n_all; c++) k = used[c] > used[k] ? c : k;
+        used[k] = -HUGE_VAL;
+        const struct engine_parked *z = k >= e->n_slots ? &e->parked[k - e->n_slots] : NULL;
+        int wrote = z ? (engine_cache_write_one(f, e, &z->past, z->live.recurrent, z->kv) ? 1 : -1) : engine_cache_write_slot(f, e, k);
+        ok = wrote >= 0;
+        head[1] += wrote > 0;
+    }
+    ok = ok && !fseek(f, 8, SEEK_SET) && fwrite(head, sizeof head, 1, f) == 1;
+    ok = (f && fclose(f) == 0) && ok && rename(tmp, path) == 0;
+    if (!ok) snprintf(why, why_len, "%s", strerror(errno ? errno : EIO)), unlink(tmp);
+    free(tmp);
+    free(used);
+    return ok ? (int)head[1] : -1;
+}
+
+/* The next conversation of F into *Z (its bytes counted), if the cache budget holds it, else skipped (Z->past.n 0);
+ * 0, or -1 with WHY for a file that is damaged, truncated or not this engine's (positions, tokens, sizes). */
+static int engine_cache_read_one(FILE *f, struct engine *e, struct engine_parked *z, char *why, size_t why_len)
+{
+    const size_t state = (size_t)e->checkpoint_bytes;
+    int32_t head[2];
+    memset(z, 0, sizeof *z);
+    if (fread(head, sizeof head, 1, f) != 1) return snprintf(why, why_len, "the file ends early"), -1;
+    if (head[0] < 1 || head[0] > e->m->n_ctx || head[1] < 0 || head[1] > ENGINE_MAX_CHECKPOINTS)
+        return snprintf(why, why_len, "a conversation of %d tokens and %d checkpoints (the context holds %d)", head[0], head[1], e->m->n_ctx), -1;
+    const int n = head[0], n_cp = head[1];
+    const int64_t rows = model_kv_bytes(e->m, n), bytes = rows + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
+    if (e->cache_bytes + bytes + n_cp * e->checkpoint_bytes > e->cache_budget) { /* no room: skipped, never evicting */
+        if (!fseeko(f, (off_t)n * 4 + (off_t)n_cp * (off_t)(4 + state) + (off_t)state + (off_t)rows, SEEK_CUR)) return 0;
+        snprintf(why, why_len, "%s", strerror(errno));
+        return -1;
+    }
+    z->past = (struct engine_past){plat_alloc((size_t)n * sizeof(int)), n, {{0, NULL}}, n_cp, 0};
+    z->live = (struct model_checkpoint){n, plat_alloc(state ? state : 4)};
+    z->kv = malloc((size_t)rows);
+    z->bytes = bytes;
+    int ok = z->kv && fread(z->past.tokens, sizeof(int), (size_t)n, f) == (size_t)n;
+    for (int i = 0; ok && i < n; i++) ok = z->past.tokens[i] >= 0 && z->past.tokens[i] < e->m->cfg.n_vocab;
+    for (int k = 0; ok && k < n_cp; k++) {
+        int32_t pos;
+        z->past.cp[k].recurrent = plat_alloc(state ? state : 4);
+        ok = fread(&pos, sizeof pos, 1, f) == 1 && pos > (k ? z->past.cp[k - 1].pos : 0) && pos <= n && fread(z->past.cp[k].recurrent, 1, state, f) == state;
+        z->past.cp[k].pos = pos;
+    }
+    ok = ok && fread(z->live.recurrent, 1, state, f) == state && fread(z->kv, 1, (size_t)rows, f) == (size_t)rows;
+    if (!ok) {
+        snprintf(why, why_len, "a conversation is damaged or cut short (%s)", z->kv ? "a token outside the vocabulary, checkpoints out of order, or the file ends" : "out of memory");
+        engine_parked_free(z);
+        return -1;
+    }
+    return 0;
+}
+
+/* Reads the conversations PATH holds for the model of IDENTITY back as parked ones, the most recent first, as many as
+ * the cache budget holds (none evicted); how many, or -1 with WHY (no file, another model's or a damaged one: nothing
+ * kept from it). */
+static int engine_cache_load(struct engine *e, const char *path, uint64_t identity, char *why, size_t why_len)
+{
+    FILE *f = fopen(path, "rbe");
+    char magic[8];
+    uint32_t head[2];
+    uint64_t id;
+    if (!f) return snprintf(why, why_len, "%s", strerror(errno)), -1;
+    int ok = fread(magic, 8, 1, f) == 1 && !memcmp(magic, ENGINE_CACHE_MAGIC, 8) && fread(head, sizeof head, 1, f) == 1 && fread(&id, 8, 1, f) == 1;
+    if (!ok || head[0] != ENGINE_CACHE_VERSION) snprintf(why, why_len, "not a coli prompt cache (of this version)");
+    else if (id != identity) snprintf(why, why_len, "made for another model (or another --kv format)"), ok = 0;
+    const int first = e->n_parked;
+    const int64_t bytes_before = e->cache_bytes;
+    const double now = plat_now();
+    for (uint32_t c = 0; ok && c < head[1]; c++) {
+        struct engine_parked z;
+        ok = !engine_cache_read_one(f, e, &z, why, why_len);
+        if (!ok || !z.past.n) continue;
+        z.past.used = now - (double)c; /* most recent first: evicted last */
+        e->parked = plat_realloc(e->parked, (size_t)(e->n_parked + 1) * sizeof *e->parked);
+        e->parked[e->n_parked++] = z;
+        e->cache_bytes += z.bytes + z.past.n_cp * e->checkpoint_bytes;
+    }
+    fclose(f);
+    if (ok) return e->n_parked - first;
+    while (e->n_parked > first) engine_parked_free(&e->parked[--e->n_parked]);
+    e->cache_bytes = bytes_before;
+    return -1;
+}
+
 static void engine_generate(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
 {
     engine_start(e, i, req, g);
@@ -20590,6 +20748,7 @@ struct cmd_options {
     const char *host, *api_key; /* --host (default 127.0.0.1); --api-key or COLI_API_KEY */
     int port, parallel, queue;  /* --port 8080; --parallel N slots (0: from memory); --queue N */
     int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: from memory) */
+    const char *prompt_cache;   /* --prompt-cache FILE: the prompt cache's conversations kept there across restarts */
 };
 
 struct cmd_session {
@@ -21536,6 +21695,26 @@ static char *cmd_model_id(const char *path)
 }
 
 /* coli serve: the server (§12) on O's model until SIGINT/SIGTERM; listens before loading (/health: 503 till then). */
+/* serve --prompt-cache: the conversations FILE keeps for this model (IDENTITY) parked again, said in a line. */
+static void cmd_prompt_cache_load(struct engine *e, const char *path, uint64_t identity)
+{
+    char why[256];
+    int n = engine_cache_load(e, path, identity, why, sizeof why), tokens = 0;
+    for (int k = e->n_parked - (n > 0 ? n : 0); k < e->n_parked; k++) tokens += e->parked[k].past.n;
+    if (n >= 0) plat_log("[serve] prompt cache: %d conversation%s (%d tokens) read from %s", n, n == 1 ? "" : "s", tokens, path);
+    else if (access(path, F_OK)) plat_log("[serve] prompt cache: %s does not exist yet; written at exit", path);
+    else plat_log("[serve] prompt cache: %s not read: %s", path, why);
+}
+
+/* serve --prompt-cache at exit: the engine's conversations into FILE, said in a line. */
+static void cmd_prompt_cache_save(struct engine *e, const char *path, uint64_t identity)
+{
+    char why[256];
+    int n = engine_cache_save(e, path, identity, why, sizeof why);
+    if (n >= 0) plat_log("[serve] prompt cache: %d conversation%s saved to %s", n, n == 1 ? "" : "s", path);
+    else plat_log("[serve] prompt cache: cannot write %s: %s", path, why);
+}
+
 static int cmd_serve(const struct cmd_options *o)
 {
     struct serve srv;
@@ -21560,6 +21739,8 @@ static int cmd_serve(const struct cmd_options *o)
     plat_log("[serve] prompt cache (--cache-ram): %.2f GiB for checkpoints of the DeltaNet state (%.1f MiB each, %d per slot) "
              "and idle conversations parked in RAM", s.engine.cache_budget / 1073741824.0, s.engine.checkpoint_bytes / 1048576.0,
              ENGINE_MAX_CHECKPOINTS);
+    const uint64_t identity = o->prompt_cache ? model_identity(&s.model) : 0;
+    if (o->prompt_cache) cmd_prompt_cache_load(&s.engine, o->prompt_cache, identity);
     pthread_mutex_lock(&srv.mu);
     srv.engine = &s.engine;
     srv.tok = &s.tok;
@@ -21570,6 +21751,7 @@ static int cmd_serve(const struct cmd_options *o)
              srv.queue_max, srv.api_key ? ", API key required" : "");
     serve_run(&srv);
     serve_stop(&srv, acceptor);
+    if (o->prompt_cache) cmd_prompt_cache_save(&s.engine, o->prompt_cache, identity);
     cmd_close(&s);
     plat_log("[serve] stopped%s", s.model.experts ? "; expert heat saved" : "");
     free(id);
@@ -21745,7 +21927,7 @@ static const char arg_usage[] =
     "  run       -m MODEL.gguf -p TEXT [-n N] [--chat] [--json] [thinking] [sampling] [resources]\n"
     "  chat      -m MODEL.gguf [--system TEXT] [--hide-think] [thinking] [sampling] [resources]\n"
     "  serve     -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
-    "            [--cache-ram SIZE]\n"
+    "            [--cache-ram SIZE] [--prompt-cache FILE]\n"
     "            [-n N] [thinking] [sampling] [resources]   an OpenAI-compatible server (coli help serve)\n"
     "  plan      -m MODEL.gguf [--json] [resources]   where each part would live, without loading weights\n"
     "  bench     -m MODEL.gguf [-p 512] [-n 128] [--json] [resources]   |   bench --kernels\n"
@@ -21794,7 +21976,7 @@ static const char *const arg_command_help[][2] = {
              "  --reasoning off skips it). /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer.\n"
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
-              "           [--cache-ram SIZE] [--no-think | --reasoning off] [--reasoning-budget N]\n"
+              "           [--cache-ram SIZE] [--prompt-cache FILE] [--no-think | --reasoning off] [--reasoning-budget N]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
               "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus); Anthropic's Messages API:\n"
@@ -21809,7 +21991,8 @@ static const char *const arg_command_help[][2] = {
               "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"
               "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most,\n"
               "  less where the routed experts would not fit in memory beside it; 0: a slot keeps only its last\n"
-              "  state). A request's \"cache_prompt\": false computes it all. The experts are copied into\n"
+              "  state). --prompt-cache FILE keeps them across restarts: read back at start (this model's, as the\n"
+              "  budget holds), written at exit. A request's \"cache_prompt\": false computes it all. The experts are copied into\n"
               "  coli's memory where it holds them once (faster decode, a slower start). --reasoning-budget N:\n"
               "  a chat request's thinking_budget_tokens when it has none (-1: no bound).\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
@@ -21954,6 +22137,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--queue") && serve) o->queue = (int)arg_int(argc, argv, &i, 0, 1 << 20);
         else if (!strcmp(a, "--cache-ram") && serve) o->cache_ram = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--api-key") && serve) o->api_key = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--prompt-cache") && serve) o->prompt_cache = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--copy-experts")) o->copy_experts = 1;
         else if (!strcmp(a, "--heat")) o->heat_path = arg_value(argc, argv, &i);

@@ -501,6 +501,110 @@ static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
     model_free(&m);
 }
 
+/* Loads PATH into a fresh engine over M and T (BUDGET bytes of prompt cache): the count engine_cache_load gives, the
+ * engine left for the caller to free; WHY its reason. */
+static int cache_load_into(struct engine *e, struct model *m, struct tok *t, int64_t budget, const char *path, uint64_t identity, char *why)
+{
+    engine_init(e, m, t, 1, budget);
+    return engine_cache_load(e, path, identity, why, 256);
+}
+
+/* The prompt cache in a file (serve --prompt-cache): an engine's conversations, its slot's and one parked, written and
+ * read into another engine, come back for their next turns with the logits of those prompts from nothing (KV in format
+ * KV); the most recent first when the budget holds one; a file of another model, cut short at any of 40 places, or
+ * with a token outside the vocabulary, a count out of range or a checkpoint's position out of order, is refused whole,
+ * nothing kept. */
+static void test_prompt_cache_file(const char *dir, const char *file, enum ops_kv kv)
+{
+    char path[1024], label[512], name[128], cache[64], why[256];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    snprintf(name, sizeof name, "%s%s", file, kv == OPS_KV_Q8_0 ? " --kv q8_0" : "");
+    snprintf(cache, sizeof cache, "/tmp/test_serve_cache.%ld", (long)getpid());
+    struct model m;
+    struct tok t;
+    struct engine e, fresh, back;
+    model_load(&m, path, 256, kv);
+    tok_load(&t, &m.file);
+    engine_init(&e, &m, &t, 1, 64 << 20);
+    engine_init(&fresh, &m, &t, 1, 0);
+    const uint64_t identity = model_identity(&m);
+    int first[40], other[30], next_first[64], next_other[48];
+    for (int i = 0; i < 40; i++) first[i] = 100 + 7 * i;
+    for (int i = 0; i < 30; i++) other[i] = 1500 + i;
+    struct engine_gen g;
+    struct engine_request r1 = whole_request(first, 40, 10, 30, 6), r2 = whole_request(other, 30, 8, 20, 5);
+    engine_admit(&e, &r1, &g);
+    while (engine_step(&e)) {}
+    engine_gen_free(&g);
+    engine_admit(&e, &r2, &g); /* parks the first */
+    while (engine_step(&e)) {}
+    engine_gen_free(&g);
+    const int n_first = e.parked[0].past.n, n_other = e.slots[0].past.n;
+    memcpy(next_first, e.parked[0].past.tokens, (size_t)n_first * sizeof(int));
+    memcpy(next_other, e.slots[0].past.tokens, (size_t)n_other * sizeof(int));
+    next_first[n_first] = 61, next_other[n_other] = 62;
+    int saved = engine_cache_save(&e, cache, identity, why, sizeof why);
+    int loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+    snprintf(label, sizeof label, "%s: a slot's conversation and a parked one written to a file and read into another engine", name);
+    check(saved == 2 && loaded == 2 && back.n_parked == 2 && back.parked[0].past.n == n_other && back.parked[1].past.n == n_first &&
+              back.parked[1].past.n_cp == 2 && back.cache_bytes == e.cache_bytes + model_kv_bytes(&m, n_other) + e.checkpoint_bytes + n_other * (int64_t)sizeof(int),
+          label, "saved %d, loaded %d (%s), %d parked, bytes %lld against %lld", saved, loaded, loaded < 0 ? why : "", back.n_parked,
+          (long long)back.cache_bytes, (long long)e.cache_bytes);
+    snprintf(label, sizeof label, "%s: the parked one's next turn from the file: the logits from nothing", name);
+    int cached = run_against_fresh(&back, &fresh, whole_request(next_first, n_first + 1, 0, 0, 4), label);
+    snprintf(label, sizeof label, "%s: the slot's next turn from the file: the logits from nothing", name);
+    int cached_other = run_against_fresh(&back, &fresh, whole_request(next_other, n_other + 1, 0, 0, 4), label);
+    snprintf(label, sizeof label, "%s: ... each reusing all the tokens it held (%d and %d)", name, n_first, n_other);
+    check(cached == n_first && cached_other == n_other, label, "%d and %d", cached, cached_other);
+    engine_free(&back);
+    const int64_t one = e.parked[0].bytes + 2 * e.checkpoint_bytes; /* the first conversation's share, the larger */
+    loaded = cache_load_into(&back, &m, &t, one, cache, identity, why);
+    snprintf(label, sizeof label, "%s: a budget that holds one: the most recently used, none evicted", name);
+    check(loaded == 1 && back.n_parked == 1 && back.parked[0].past.n == n_other, label, "%d loaded (%s)", loaded, loaded < 0 ? why : "");
+    engine_free(&back);
+    loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity + 1, why);
+    snprintf(label, sizeof label, "%s: another model's file is refused, said", name);
+    check(loaded == -1 && back.n_parked == 0 && strstr(why, "another model"), label, "%d loaded: %s", loaded, why);
+    engine_free(&back);
+    FILE *f = fopen(cache, "rb");
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    unsigned char *bytes = plat_alloc((size_t)size);
+    fseek(f, 0, SEEK_SET);
+    int refused = fread(bytes, 1, (size_t)size, f) == (size_t)size, cuts = 0;
+    fclose(f);
+    for (int k = 0; refused && k < 40; k++) { /* cut short: at the header, in the first record's tokens, ..., the last byte */
+        const long at = k < 39 ? (long)((double)size * k / 39.0) : size - 1;
+        f = fopen(cache, "wb");
+        fwrite(bytes, 1, (size_t)at, f);
+        fclose(f);
+        loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+        refused = loaded == -1 && back.n_parked == 0 && back.cache_bytes == 0, cuts++;
+        engine_free(&back);
+    }
+    const struct { long at; int32_t value; } damage[] = {{32, 1 << 30}, {32, -1}, {24, 1 << 20}, {28, 9}, {32 + 4L * n_other, 0}};
+    for (size_t k = 0; refused && k < sizeof damage / sizeof *damage; k++) { /* tokens, counts, a checkpoint's position */
+        unsigned char *copy = plat_alloc((size_t)size);
+        memcpy(copy, bytes, (size_t)size);
+        memcpy(copy + damage[k].at, &damage[k].value, 4);
+        f = fopen(cache, "wb");
+        fwrite(copy, 1, (size_t)size, f);
+        fclose(f);
+        loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+        refused = loaded == -1 && back.n_parked == 0 && back.cache_bytes == 0;
+        engine_free(&back);
+        free(copy);
+    }
+    snprintf(label, sizeof label, "%s: a file cut short (40 places) or damaged (tokens, counts, a checkpoint's position): refused, nothing kept", name);
+    check(refused && cuts == 40, label, "%d cuts refused; the last: %d loaded, %s", cuts, loaded, why);
+    unlink(cache);
+    free(bytes);
+    engine_free(&e);
+    engine_free(&fresh);
+    tok_free(&t);
+    model_free(&m);
+}
+
 /* The fields of a chat answer fed in PIECES (NULL-terminated) to a parser for a request with
  * TOOLS (JSON text, or NULL), thinking at first when THINK. */
 static void parse_answer(struct serve_job *j, const char *const *pieces, const char *tools, int think)
@@ -1039,5 +1143,7 @@ int main(int argc, char **argv)
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_Q8_0); /* Q8_0: keys parked in whole groups */
+    test_prompt_cache_file(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
+    test_prompt_cache_file(dir, "q3next-q8_0.gguf", OPS_KV_Q8_0);
     return check_done();
 }

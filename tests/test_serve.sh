@@ -923,6 +923,32 @@ else
     bad "serve on the deep golden model" "$(head -c 300 "$tmp/half.err")"
 fi
 
+# --- --prompt-cache FILE: the conversations written at exit and read back at the next start, so a returning
+# conversation reuses its tokens there (the same answer); another model's file, or a damaged one, is said and left
+main_base=$base
+pc_body=$(chat_body "Tell me about the sky and why it looks blue at noon, in detail" 8)
+pc_start() { # pc_start LOG [SERVE_MODEL]: a server keeping its prompt cache in $tmp/pc.bin; sets base
+    SERVE_MODEL=${2:-$M} start_server "$1" --port 0 --parallel 1 -c 512 -t 1 --no-think --prompt-cache "$tmp/pc.bin" && base=http://127.0.0.1:$sport
+}
+if pc_start pc1 && post pc1 /v1/chat/completions "$pc_body" && stop_server "$spid" && pc_start pc2 && post pc2 /v1/chat/completions "$pc_body" &&
+    stop_server "$spid"; then
+    if grep -q '^\[serve\] prompt cache: .*pc.bin does not exist yet' "$tmp/pc1.err" && grep -q '^\[serve\] prompt cache: 1 conversation saved to' "$tmp/pc1.err" &&
+        grep -q '^\[serve\] prompt cache: 1 conversation ([0-9]* tokens) read from' "$tmp/pc2.err" &&
+        P="$tmp/pc1.body" qt "$tmp/pc2.body" "d['choices'][0]['message'] == json.load(open(E['P']))['choices'][0]['message'] and d['usage']['prompt_tokens_details']['cached_tokens'] > 0"; then
+        ok "--prompt-cache: written at exit, read at the next start; the conversation comes back: its tokens reused, the same answer"
+    else bad "--prompt-cache across a restart" "$(grep 'prompt cache' "$tmp/pc1.err" "$tmp/pc2.err" | tr '\n' ' '); $(errbody pc2)"; fi
+else bad "--prompt-cache servers" "$(tail -n 2 "$tmp/pc1.err" "$tmp/pc2.err" 2>/dev/null | tr '\n' ' ')"; fi
+head -c 100 "$tmp/pc.bin" >"$tmp/pc.cut" && cp "$tmp/pc.bin" "$tmp/pc.whole" && mv "$tmp/pc.cut" "$tmp/pc.bin"
+if pc_start pc3 && post pc3 /v1/chat/completions "$pc_body" && stop_server "$spid" && cp "$tmp/pc.whole" "$tmp/pc.bin" &&
+    pc_start pc4 "$GOLDEN/q3next-q8_0.gguf" && stop_server "$spid"; then
+    if grep -q '^\[serve\] prompt cache: .*pc.bin not read: a conversation is damaged or cut short' "$tmp/pc3.err" &&
+        grep -q '^\[serve\] prompt cache: .*pc.bin not read: made for another model' "$tmp/pc4.err" &&
+        P="$tmp/pc1.body" qt "$tmp/pc3.body" "d['choices'][0]['message'] == json.load(open(E['P']))['choices'][0]['message'] and d['usage']['prompt_tokens_details']['cached_tokens'] == 0"; then
+        ok "--prompt-cache: a file cut short, or another model's, is said and left; the server answers as without"
+    else bad "--prompt-cache refusals" "$(grep 'prompt cache' "$tmp/pc3.err" "$tmp/pc4.err" | tr '\n' ' '); $(errbody pc3)"; fi
+else bad "--prompt-cache servers with a damaged file" "$(tail -n 2 "$tmp/pc3.err" "$tmp/pc4.err" 2>/dev/null | tr '\n' ' ')"; fi
+base=$main_base
+
 # --- SIGTERM: exit 0, heat saved
 rm -f "$tmp/serve.heat"
 http health4 GET /health
