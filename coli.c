@@ -17260,7 +17260,8 @@ static int sample_call_takes(struct sample_call *c, const char *p, size_t n)
 /* Owns: generation. Slots, each a sequence (§8) with its request: the prompt is fed, then tokens sampled and fed one per
  *   step until a stop; a step runs all busy slots' tokens as one batch. Results (engine_gen). The prompt cache: each
  *   slot's past (tokens, DeltaNet checkpoints) and conversations parked in RAM, within a budget; a request goes where
- *   most of its prompt is computed.
+ *   most of its prompt is computed; those conversations written to a file and read back (serve --prompt-cache). A
+ *   think block's budget (forced close).
  * Promises: nothing here prints, reads a process-wide flag or dies: a failed pass ends its batch's generations with
  *   ENGINE_STOP_ERROR and the reason, resetting their sequences; other slots go on. A slot's tokens depend neither on
  *   batch neighbours (§8): greedy output is the same alone or in parallel; nor on reuse: resuming from a checkpoint or
@@ -17286,6 +17287,7 @@ struct engine_think {
     const int *close;        /* [n_close] */
     int n_close;
 };
+
 struct engine_logprob { int id; float logprob; };
 
 /* A token's log-probability and its likeliest alternatives', under the model's own distribution: the raw logits at
@@ -18030,7 +18032,6 @@ static int engine_step(struct engine *e)
     return busy;
 }
 
-/* Runs REQ on slot I to its end (run, chat, bench: one conversation at a time); the last sampled token is not fed. */
 /* ---- the prompt cache in a file: conversations kept across restarts (serve --prompt-cache) ----
  * "COLIPCCH", u32 version, u32 count, u64 model_identity; then each conversation, the most recently used first: i32 n,
  * i32 n_cp, i32 tokens[n], n_cp times (i32 position, checkpoint_bytes of DeltaNet state), the state at n, then
@@ -18171,6 +18172,7 @@ static int engine_cache_load(struct engine *e, const char *path, uint64_t identi
     return -1;
 }
 
+/* Runs REQ on slot I to its end (run, chat, bench: one conversation at a time); the last sampled token is not fed. */
 static void engine_generate(struct engine *e, int i, const struct engine_request *req, struct engine_gen *g)
 {
     engine_start(e, i, req, g);
