@@ -18034,23 +18034,51 @@ static int engine_step(struct engine *e)
 
 /* ---- the prompt cache in a file: conversations kept across restarts (serve --prompt-cache) ----
  * "COLIPCCH", u32 version, u32 count, u64 model_identity; then each conversation, the most recently used first: i32 n,
- * i32 n_cp, i32 tokens[n], n_cp times (i32 position, checkpoint_bytes of DeltaNet state), the state at n, then
- * model_kv_bytes(n) of KV rows as model_kv_copy lays them out. Read back as parked conversations. */
+ * i32 n_cp, i32 tokens[n], n_cp times (i32 position, checkpoint_bytes of DeltaNet state), the state at n,
+ * model_kv_bytes(n) of KV rows as model_kv_copy lays them out, and a u64 hash of the record (engine_cache_hash): a bit
+ * the disk changed in a state or a KV row would otherwise give wrong answers silently. Read back as parked
+ * conversations. */
 
 #define ENGINE_CACHE_MAGIC "COLIPCCH"
 #define ENGINE_CACHE_VERSION 1u
+
+/* H updated by P[0..n), a word at a time (FNV-1a's step on 8-byte words: gigabytes a second, one record's KV rows). */
+static uint64_t engine_cache_hash(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    size_t i = 0;
+    for (uint64_t w; i + 8 <= n; i += 8) memcpy(&w, b + i, 8), h = (h ^ w) * 1099511628211ull;
+    for (; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Writes P[0..n) to F, into hash *H; 0 if the write failed. */
+static int engine_cache_put(FILE *f, uint64_t *h, const void *p, size_t n)
+{
+    *h = engine_cache_hash(*h, p, n);
+    return fwrite(p, 1, n, f) == n;
+}
+
+/* Reads P[0..n) from F, into hash *H; 0 if the file ended. */
+static int engine_cache_get(FILE *f, uint64_t *h, void *p, size_t n)
+{
+    if (fread(p, 1, n, f) != n) return 0;
+    *h = engine_cache_hash(*h, p, n);
+    return 1;
+}
 
 /* One conversation's record into F; 0 if a write failed. */
 static int engine_cache_write_one(FILE *f, const struct engine *e, const struct engine_past *p, const float *live, const void *kv)
 {
     const size_t state = (size_t)e->checkpoint_bytes, rows = (size_t)model_kv_bytes(e->m, p->n);
     int32_t head[2] = {p->n, p->n_cp};
-    int ok = fwrite(head, sizeof head, 1, f) == 1 && fwrite(p->tokens, sizeof(int), (size_t)p->n, f) == (size_t)p->n;
+    uint64_t h = 14695981039346656037ull;
+    int ok = engine_cache_put(f, &h, head, sizeof head) && engine_cache_put(f, &h, p->tokens, (size_t)p->n * sizeof(int));
     for (int k = 0; ok && k < p->n_cp; k++) {
         int32_t pos = p->cp[k].pos;
-        ok = fwrite(&pos, sizeof pos, 1, f) == 1 && fwrite(p->cp[k].recurrent, 1, state, f) == state;
+        ok = engine_cache_put(f, &h, &pos, sizeof pos) && engine_cache_put(f, &h, p->cp[k].recurrent, state);
     }
-    return ok && fwrite(live, 1, state, f) == state && fwrite(kv, 1, rows, f) == rows;
+    return ok && engine_cache_put(f, &h, live, state) && engine_cache_put(f, &h, kv, rows) && fwrite(&h, sizeof h, 1, f) == 1;
 }
 
 /* Slot I's idle conversation into F (its state and KV rows copied out); 0 if it has none, 1 if written, -1 if a write
@@ -18108,14 +18136,15 @@ static int engine_cache_read_one(FILE *f, struct engine *e, struct engine_parked
 {
     const size_t state = (size_t)e->checkpoint_bytes;
     int32_t head[2];
+    uint64_t h = 14695981039346656037ull, sum;
     memset(z, 0, sizeof *z);
-    if (fread(head, sizeof head, 1, f) != 1) return snprintf(why, why_len, "the file ends early"), -1;
+    if (!engine_cache_get(f, &h, head, sizeof head)) return snprintf(why, why_len, "the file ends early"), -1;
     if (head[0] < 1 || head[0] > e->m->n_ctx || head[1] < 0 || head[1] > ENGINE_MAX_CHECKPOINTS)
         return snprintf(why, why_len, "a conversation of %d tokens and %d checkpoints (the context holds %d)", head[0], head[1], e->m->n_ctx), -1;
     const int n = head[0], n_cp = head[1];
     const int64_t rows = model_kv_bytes(e->m, n), bytes = rows + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
     if (e->cache_bytes + bytes + n_cp * e->checkpoint_bytes > e->cache_budget) { /* no room: skipped, never evicting */
-        if (!fseeko(f, (off_t)n * 4 + (off_t)n_cp * (off_t)(4 + state) + (off_t)state + (off_t)rows, SEEK_CUR)) return 0;
+        if (!fseeko(f, (off_t)n * 4 + (off_t)n_cp * (off_t)(4 + state) + (off_t)state + (off_t)rows + 8, SEEK_CUR)) return 0;
         snprintf(why, why_len, "%s", strerror(errno));
         return -1;
     }
@@ -18123,17 +18152,20 @@ static int engine_cache_read_one(FILE *f, struct engine *e, struct engine_parked
     z->live = (struct model_checkpoint){n, plat_alloc(state ? state : 4)};
     z->kv = malloc((size_t)rows);
     z->bytes = bytes;
-    int ok = z->kv && fread(z->past.tokens, sizeof(int), (size_t)n, f) == (size_t)n;
+    int ok = z->kv && engine_cache_get(f, &h, z->past.tokens, (size_t)n * sizeof(int));
     for (int i = 0; ok && i < n; i++) ok = z->past.tokens[i] >= 0 && z->past.tokens[i] < e->m->cfg.n_vocab;
     for (int k = 0; ok && k < n_cp; k++) {
         int32_t pos;
         z->past.cp[k].recurrent = plat_alloc(state ? state : 4);
-        ok = fread(&pos, sizeof pos, 1, f) == 1 && pos > (k ? z->past.cp[k - 1].pos : 0) && pos <= n && fread(z->past.cp[k].recurrent, 1, state, f) == state;
+        ok = engine_cache_get(f, &h, &pos, sizeof pos) && pos > (k ? z->past.cp[k - 1].pos : 0) && pos <= n &&
+             engine_cache_get(f, &h, z->past.cp[k].recurrent, state);
         z->past.cp[k].pos = pos;
     }
-    ok = ok && fread(z->live.recurrent, 1, state, f) == state && fread(z->kv, 1, (size_t)rows, f) == (size_t)rows;
+    ok = ok && engine_cache_get(f, &h, z->live.recurrent, state) && engine_cache_get(f, &h, z->kv, (size_t)rows) &&
+         fread(&sum, sizeof sum, 1, f) == 1 && sum == h;
     if (!ok) {
-        snprintf(why, why_len, "a conversation is damaged or cut short (%s)", z->kv ? "a token outside the vocabulary, checkpoints out of order, or the file ends" : "out of memory");
+        snprintf(why, why_len, "a conversation is damaged or cut short (%s)",
+                 z->kv ? "a token outside the vocabulary, checkpoints out of order, its bytes changed, or the file ends" : "out of memory");
         engine_parked_free(z);
         return -1;
     }

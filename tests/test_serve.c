@@ -512,8 +512,8 @@ static int cache_load_into(struct engine *e, struct model *m, struct tok *t, int
 /* The prompt cache in a file (serve --prompt-cache): an engine's conversations, its slot's and one parked, written and
  * read into another engine, come back for their next turns with the logits of those prompts from nothing (KV in format
  * KV); the most recent first when the budget holds one; a file of another model, cut short at any of 40 places, or
- * with a token outside the vocabulary, a count out of range or a checkpoint's position out of order, is refused whole,
- * nothing kept. */
+ * with a token outside the vocabulary, a count out of range, a checkpoint's position out of order or KV bytes changed
+ * (the record's hash), is refused whole, nothing kept. */
 static void test_prompt_cache_file(const char *dir, const char *file, enum ops_kv kv)
 {
     char path[1024], label[512], name[128], cache[64], why[256];
@@ -582,8 +582,8 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
         refused = loaded == -1 && back.n_parked == 0 && back.cache_bytes == 0, cuts++;
         engine_free(&back);
     }
-    const struct { long at; int32_t value; } damage[] = {{32, 1 << 30}, {32, -1}, {24, 1 << 20}, {28, 9}, {32 + 4L * n_other, 0}};
-    for (size_t k = 0; refused && k < sizeof damage / sizeof *damage; k++) { /* tokens, counts, a checkpoint's position */
+    const struct { long at; int32_t value; } damage[] = {{32, 1 << 30}, {32, -1}, {24, 1 << 20}, {28, 9}, {32 + 4L * n_other, 0}, {size - 16, 0x3c3c3c3c}};
+    for (size_t k = 0; refused && k < sizeof damage / sizeof *damage; k++) { /* tokens, counts, a checkpoint's position, KV bytes */
         unsigned char *copy = plat_alloc((size_t)size);
         memcpy(copy, bytes, (size_t)size);
         memcpy(copy + damage[k].at, &damage[k].value, 4);
@@ -595,7 +595,7 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
         engine_free(&back);
         free(copy);
     }
-    snprintf(label, sizeof label, "%s: a file cut short (40 places) or damaged (tokens, counts, a checkpoint's position): refused, nothing kept", name);
+    snprintf(label, sizeof label, "%s: a file cut short (40 places) or damaged (tokens, counts, a checkpoint's position, KV bytes): refused, nothing kept", name);
     check(refused && cuts == 40, label, "%d cuts refused; the last: %d loaded, %s", cuts, loaded, why);
     unlink(cache);
     free(bytes);
