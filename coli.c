@@ -21733,9 +21733,13 @@ static char *cmd_model_id(const char *path)
 static void cmd_prompt_cache_load(struct engine *e, const char *path, uint64_t identity)
 {
     char why[256];
+    const double t0 = plat_now();
+    const int64_t bytes_before = e->cache_bytes;
     int n = engine_cache_load(e, path, identity, why, sizeof why), tokens = 0;
     for (int k = e->n_parked - (n > 0 ? n : 0); k < e->n_parked; k++) tokens += e->parked[k].past.n;
-    if (n >= 0) plat_log("[serve] prompt cache: %d conversation%s (%d tokens) read from %s", n, n == 1 ? "" : "s", tokens, path);
+    if (n >= 0)
+        plat_log("[serve] prompt cache: %d conversation%s (%d tokens, %.0f MiB) read from %s in %.2f s", n, n == 1 ? "" : "s", tokens,
+                 (e->cache_bytes - bytes_before) / 1048576.0, path, plat_now() - t0);
     else if (access(path, F_OK)) plat_log("[serve] prompt cache: %s does not exist yet; written at exit", path);
     else plat_log("[serve] prompt cache: %s not read: %s", path, why);
 }
@@ -21744,8 +21748,9 @@ static void cmd_prompt_cache_load(struct engine *e, const char *path, uint64_t i
 static void cmd_prompt_cache_save(struct engine *e, const char *path, uint64_t identity)
 {
     char why[256];
+    const double t0 = plat_now();
     int n = engine_cache_save(e, path, identity, why, sizeof why);
-    if (n >= 0) plat_log("[serve] prompt cache: %d conversation%s saved to %s", n, n == 1 ? "" : "s", path);
+    if (n >= 0) plat_log("[serve] prompt cache: %d conversation%s saved to %s in %.2f s", n, n == 1 ? "" : "s", path, plat_now() - t0);
     else plat_log("[serve] prompt cache: cannot write %s: %s", path, why);
 }
 

@@ -933,7 +933,7 @@ pc_start() { # pc_start LOG [SERVE_MODEL]: a server keeping its prompt cache in 
 if pc_start pc1 && post pc1 /v1/chat/completions "$pc_body" && stop_server "$spid" && pc_start pc2 && post pc2 /v1/chat/completions "$pc_body" &&
     stop_server "$spid"; then
     if grep -q '^\[serve\] prompt cache: .*pc.bin does not exist yet' "$tmp/pc1.err" && grep -q '^\[serve\] prompt cache: 1 conversation saved to' "$tmp/pc1.err" &&
-        grep -q '^\[serve\] prompt cache: 1 conversation ([0-9]* tokens) read from' "$tmp/pc2.err" &&
+        grep -q '^\[serve\] prompt cache: 1 conversation ([0-9]* tokens, [0-9]* MiB) read from .* in [0-9.]* s$' "$tmp/pc2.err" &&
         P="$tmp/pc1.body" qt "$tmp/pc2.body" "d['choices'][0]['message'] == json.load(open(E['P']))['choices'][0]['message'] and d['usage']['prompt_tokens_details']['cached_tokens'] > 0"; then
         ok "--prompt-cache: written at exit, read at the next start; the conversation comes back: its tokens reused, the same answer"
     else bad "--prompt-cache across a restart" "$(grep 'prompt cache' "$tmp/pc1.err" "$tmp/pc2.err" | tr '\n' ' '); $(errbody pc2)"; fi
