@@ -21037,6 +21037,7 @@ static int cmd_run(const struct cmd_options *o)
 {
     struct cmd_session s;
     if (!o->prompt) die_usage("run needs a prompt (-p TEXT)");
+    if (!o->chat && o->think_budget >= 0) die_usage("--reasoning-budget bounds a chat's think block: add --chat");
     struct sample_schema *schema = o->json_schema ? cmd_json_schema(o->json_schema) : NULL;
     cmd_open(&s, o, 1, 0, cmd_copies(o));
     struct sigaction sa = {.sa_handler = cmd_on_sigint};
@@ -21728,7 +21729,6 @@ static char *cmd_model_id(const char *path)
     return id;
 }
 
-/* coli serve: the server (§12) on O's model until SIGINT/SIGTERM; listens before loading (/health: 503 till then). */
 /* serve --prompt-cache: the conversations FILE keeps for this model (IDENTITY) parked again, said in a line. */
 static void cmd_prompt_cache_load(struct engine *e, const char *path, uint64_t identity)
 {
@@ -21754,6 +21754,7 @@ static void cmd_prompt_cache_save(struct engine *e, const char *path, uint64_t i
     else plat_log("[serve] prompt cache: cannot write %s: %s", path, why);
 }
 
+/* coli serve: the server (§12) on O's model until SIGINT/SIGTERM; listens before loading (/health: 503 till then). */
 static int cmd_serve(const struct cmd_options *o)
 {
     struct serve srv;
@@ -22031,9 +22032,9 @@ static const char *const arg_command_help[][2] = {
               "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most,\n"
               "  less where the routed experts would not fit in memory beside it; 0: a slot keeps only its last\n"
               "  state). --prompt-cache FILE keeps them across restarts: read back at start (this model's, as the\n"
-              "  budget holds), written at exit. A request's \"cache_prompt\": false computes it all. The experts are copied into\n"
-              "  coli's memory where it holds them once (faster decode, a slower start). --reasoning-budget N:\n"
-              "  a chat request's thinking_budget_tokens when it has none (-1: no bound).\n"
+              "  budget holds), written at exit. A request's \"cache_prompt\": false computes it all. The experts\n"
+              "  are copied into coli's memory where it holds them once (faster decode, a slower start).\n"
+              "  --reasoning-budget N: a chat request's thinking_budget_tokens when it has none (-1: no bound).\n"
               "  SIGINT/SIGTERM: running generations are cancelled, the heat saved, exit 0.\n"},
     {"plan", "coli plan -m MODEL.gguf [-c N] [--ram SIZE] [--gpu LIST] [--vram SIZE] [--place SPEC] [--no-probe] [--json]\n"
              "  Where each part of the model would live, without loading weights: the [probe] and [place]\n"
@@ -22165,7 +22166,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--json-schema") && !strcmp(cmd, "run")) o->json_schema = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--no-think")) o->think = 0;
         else if (!strcmp(a, "--reasoning")) o->think = arg_on_off(argc, argv, &i);
-        else if (!strcmp(a, "--reasoning-budget")) o->think_budget = (int)arg_int(argc, argv, &i, -1, 1 << 30);
+        else if (!strcmp(a, "--reasoning-budget")) o->think_budget = (int)arg_int(argc, argv, &i, -1, 1000000000);
         else if (!strcmp(a, "--reasoning-budget-message")) o->think_message = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--hide-think")) o->hide_think = 1;
         else if (!strcmp(a, "--ignore-eog")) o->ignore_eog = 1;

@@ -218,6 +218,7 @@ PY
         bad "chat session" "rc $rc; $(head -c 400 "$tmp/chat_err")"
     fi
 
+    expect "a thinking budget without --chat" 2 "--reasoning-budget bounds a chat's think block: add --chat" -- "$COLI" run -m "$M" -p hi --reasoning-budget 3
     # --reasoning-budget 3: the unbounded answer's first 3 tokens of thought, then "\n</think>" forced (the newline
     # left out if the thoughts end in one), then the answer goes on
     "$COLI" run -m "$M" --chat -p "Why is the sky blue?" -n 3 --json 2>/dev/null | tail -n 1 >"$tmp/think_free"
