@@ -19995,15 +19995,28 @@ static int serve_msg_assistant(struct tok_buf *o, int *count, const struct json 
 /* System text S (a string or text blocks: the request's `system`, or a system message's content) as a message: a system
  * message where it opens the chat, else a user turn in its place (the Qwen templates take a system message first only;
  * Claude Code sends system reminders between turns). None if empty. */
+/* Whether text block B is Claude Code's "x-anthropic-billing-header: cc_version=...; cch=NONCE;": its nonce changes every
+ * request, so a prompt opening with it would share no prefix with the last one (nothing reused, all computed again);
+ * it says nothing to the model. */
+static int serve_msg_billing(const struct json *b)
+{
+    static const char tag[] = "x-anthropic-billing-header:";
+    const struct json *t = json_get(b, "text");
+    return t && t->kind == JSON_STRING && t->len >= sizeof tag - 1 && !memcmp(t->str, tag, sizeof tag - 1);
+}
+
 static int serve_msg_system(struct tok_buf *o, int *count, const struct json *s, struct serve_error *e)
 {
-    int blocks = s && s->kind == JSON_ARRAY;
-    for (const struct json *b = blocks ? s->child : NULL; b; b = b->next) blocks &= !strcmp(serve_block_type(b), "text");
+    int blocks = s && s->kind == JSON_ARRAY, kept = 0;
+    for (const struct json *b = blocks ? s->child : NULL; b; b = b->next) blocks &= !strcmp(serve_block_type(b), "text"), kept += !serve_msg_billing(b);
     if ((!s || s->kind != JSON_STRING) && !blocks) return serve_bad(e, "system", "'system' and system messages must be a string or a list of text blocks");
-    if (s->kind == JSON_STRING ? !s->len : !s->child) return 0;
+    if (s->kind == JSON_STRING ? !s->len : !kept) return 0;
     serve_msg_open(o, count, *count ? "user" : "system");
-    tok_json_dump(o, s);
-    tok_buf_puts(o, "}");
+    if (s->kind == JSON_STRING) tok_json_dump(o, s);
+    kept = 0;
+    for (const struct json *b = s->kind == JSON_ARRAY ? s->child : NULL; b; b = b->next) /* the text blocks, the billing one left out */
+        if (!serve_msg_billing(b)) tok_buf_puts(o, kept++ ? "," : "["), tok_json_dump(o, b);
+    tok_buf_puts(o, s->kind == JSON_ARRAY ? "]}" : "}");
     return 0;
 }
 

@@ -822,6 +822,11 @@ static void test_messages_request(void)
          "\"q\"},{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{}}},"
          "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{\"x\":[1,2]}}}]},{\"role\":\"tool\",\"content\":\"r1\"},{\"role\":\"tool\","
          "\"content\":\"r2\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}"},
+        {"Claude Code's billing block (its nonce changes every request) left out of the system prompt",
+         "{\"system\":[{\"type\":\"text\",\"text\":\"x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli; cch=3f9a2;\"},"
+         "{\"type\":\"text\",\"text\":\"You are terse.\"}],\"messages\":[{\"role\":\"system\",\"content\":[{\"type\":\"text\",\"text\":"
+         "\"x-anthropic-billing-header: cch=00000;\"}]},{\"role\":\"user\",\"content\":\"Hi\"}]}",
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"You are terse.\"},{\"role\":\"user\",\"content\":\"Hi\"}]}"},
         {"system messages: the first one opens the chat, a later one is a user turn in its place",
          "{\"messages\":[{\"role\":\"system\",\"content\":[{\"type\":\"text\",\"text\":\"S\"}]},{\"role\":\"user\",\"content\":\"u1\"},"
          "{\"role\":\"system\",\"content\":\"reminder\"},{\"role\":\"assistant\",\"content\":\"a1\"},{\"role\":\"user\",\"content\":\"u2\"}]}",
