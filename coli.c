@@ -18130,8 +18130,9 @@ static int engine_cache_save(struct engine *e, const char *path, uint64_t identi
     return ok ? (int)head[1] : -1;
 }
 
-/* The next conversation of F into *Z (its bytes counted), if the cache budget holds it, else skipped (Z->past.n 0);
- * 0, or -1 with WHY for a file that is damaged, truncated or not this engine's (positions, tokens, sizes). */
+/* The next conversation of F into *Z (its bytes counted), if the context and the cache budget hold it, else skipped
+ * (Z->past.n 0: one longer than -c, or beyond --cache-ram); 0, or -1 with WHY for a file that is damaged or cut short
+ * (counts, positions, tokens, the record's hash). */
 static int engine_cache_read_one(FILE *f, struct engine *e, struct engine_parked *z, char *why, size_t why_len)
 {
     const size_t state = (size_t)e->checkpoint_bytes;
@@ -18139,11 +18140,11 @@ static int engine_cache_read_one(FILE *f, struct engine *e, struct engine_parked
     uint64_t h = 14695981039346656037ull, sum;
     memset(z, 0, sizeof *z);
     if (!engine_cache_get(f, &h, head, sizeof head)) return snprintf(why, why_len, "the file ends early"), -1;
-    if (head[0] < 1 || head[0] > e->m->n_ctx || head[1] < 0 || head[1] > ENGINE_MAX_CHECKPOINTS)
-        return snprintf(why, why_len, "a conversation of %d tokens and %d checkpoints (the context holds %d)", head[0], head[1], e->m->n_ctx), -1;
+    if (head[0] < 1 || head[1] < 0 || head[1] > ENGINE_MAX_CHECKPOINTS)
+        return snprintf(why, why_len, "a conversation of %d tokens and %d checkpoints", head[0], head[1]), -1;
     const int n = head[0], n_cp = head[1];
     const int64_t rows = model_kv_bytes(e->m, n), bytes = rows + e->checkpoint_bytes + (int64_t)n * (int64_t)sizeof(int);
-    if (e->cache_bytes + bytes + n_cp * e->checkpoint_bytes > e->cache_budget) { /* no room: skipped, never evicting */
+    if (n > e->m->n_ctx || e->cache_bytes + bytes + n_cp * e->checkpoint_bytes > e->cache_budget) { /* skipped, never evicting */
         if (!fseeko(f, (off_t)n * 4 + (off_t)n_cp * (off_t)(4 + state) + (off_t)state + (off_t)rows + 8, SEEK_CUR)) return 0;
         snprintf(why, why_len, "%s", strerror(errno));
         return -1;

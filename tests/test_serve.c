@@ -566,6 +566,14 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
     snprintf(label, sizeof label, "%s: another model's file is refused, said", name);
     check(loaded == -1 && back.n_parked == 0 && strstr(why, "another model"), label, "%d loaded: %s", loaded, why);
     engine_free(&back);
+    struct model short_ctx; /* the same model with a context of 40: the conversation of 45 tokens left out, not the file */
+    model_load(&short_ctx, path, 40, kv);
+    loaded = cache_load_into(&back, &short_ctx, &t, 64 << 20, cache, model_identity(&short_ctx), why);
+    snprintf(label, sizeof label, "%s: a context shorter than a conversation: that one skipped, the other read", name);
+    check(model_identity(&short_ctx) == identity && loaded == 1 && back.parked[0].past.n == n_other, label, "%d loaded (%s)", loaded,
+          loaded < 0 ? why : "");
+    engine_free(&back);
+    model_free(&short_ctx);
     FILE *f = fopen(cache, "rb");
     fseek(f, 0, SEEK_END);
     const long size = ftell(f);
