@@ -668,6 +668,7 @@ static void gen_messages(struct fcase *c, uint64_t *r)
         {"{\"messages\":[" U "],\"max_tokens\":\"2\"}", "400", "200"}, {"{\"messages\":[" U "],\"stop_sequences\":\"x\"}", "400", NULL},
         {"{\"messages\":[" U "],\"thinking\":\"on\"}", "400", NULL},
         {"{\"max_tokens\":3,\"messages\":[" U "],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":1}}", GEN, NULL},
+        {"{\"max_tokens\":1,\"system\":[{\"type\":\"text\",\"text\":\"x-anthropic-billing-header: cch=1;\"}],\"messages\":[" U "]}", GEN, NULL},
         {"{\"messages\":[" U "],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":-1}}", "400", NULL}, {"{\"messages\":[" U "],\"tool_choice\":\"auto\"}", "400", NULL},
         {"{\"messages\":[" U "],\"tool_choice\":{\"type\":\"tool\"}}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":{}}", "400", NULL},
         {"{\"messages\":[" U "],\"tools\":[{\"name\":5,\"input_schema\":{}}]}", "400", NULL}, {"{\"messages\":[" U "],\"tools\":[null]}", "400", NULL},
