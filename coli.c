@@ -18631,6 +18631,8 @@ struct serve {
     int think;                 /* the template's thinking block unless a request says */
     int think_budget;          /* a chat answer's tokens of thought unless a request says (-1: no bound) */
     const char *think_message; /* said in the thoughts when that budget is spent, unless a request says; NULL: none */
+    double ping_s;             /* an Anthropic stream sends a ping event after this long without one (a long prompt): idle
+                                * watchdogs such as Claude Code's, which abort and resend, see bytes */
     pthread_mutex_t mu;        /* the queue, the connection list */
     pthread_cond_t cv;         /* the engine waits on it for jobs */
     struct serve_job *queue_head, *queue_tail;
@@ -19770,16 +19772,17 @@ static int serve_client_gone(int fd)
     return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
-/* Waits until J has text past SENT or is done, cancelling it if the client goes; returns bytes released, copied into
- * *PIECE (malloc'd or NULL). */
-static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t sent, char **piece)
+/* Waits until J has text past SENT or is done, PATIENCE seconds at most, cancelling it if the client goes; returns bytes
+ * released, copied into *PIECE (malloc'd or NULL). */
+static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t sent, char **piece, double patience)
 {
+    const double until = plat_now() + patience;
     *piece = NULL;
     pthread_mutex_lock(&j->mu);
-    while (!j->done && j->released <= sent) {
+    for (double now = plat_now(); !j->done && j->released <= sent && now < until; now = plat_now()) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 200 * 1000000L; /* how soon a departed client is noticed while the prompt runs */
+        ts.tv_nsec += (long)(fmin(0.2, until - now) * 1e9); /* 0.2 s: how soon a departed client is noticed while the prompt runs */
         if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
         if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT && serve_client_gone(c->fd)) j->cancel = 1;
     }
@@ -19792,11 +19795,11 @@ static size_t serve_job_wait(struct serve_conn *c, struct serve_job *j, size_t s
     return n;
 }
 
-/* Waits for the text J releases past *RELEASED, copied into *PIECE (malloc'd or NULL), moving *RELEASED on; *DONE once
- * the job is done and all of it taken. Returns the bytes taken. */
-static size_t serve_stream_take(struct serve_conn *c, struct serve_job *j, size_t *released, char **piece, int *done)
+/* Waits (PATIENCE seconds at most) for the text J releases past *RELEASED, copied into *PIECE (malloc'd or NULL), moving
+ * *RELEASED on; *DONE once the job is done and all of it taken. Returns the bytes taken. */
+static size_t serve_stream_take(struct serve_conn *c, struct serve_job *j, size_t *released, char **piece, int *done, double patience)
 {
-    size_t n = serve_job_wait(c, j, *released, piece);
+    size_t n = serve_job_wait(c, j, *released, piece, patience);
     *released += n;
     pthread_mutex_lock(&j->mu);
     *done = j->done && j->released <= *released;
@@ -19833,7 +19836,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     const char *lp_left = NULL; /* logprobs no chunk took yet: the next one's */
     for (int done = 0; !done;) {
         char *piece;
-        size_t n = serve_stream_take(c, j, &released, &piece, &done);
+        size_t n = serve_stream_take(c, j, &released, &piece, &done, HUGE_VAL);
         free(lp);
         lp_left = lp = serve_new_logprobs(c->srv, j, lp_from, &lp_to);
         if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
@@ -20302,8 +20305,8 @@ static void serve_messages_end(FILE *f, const struct serve_job *j, struct serve_
     fputs("}\n\n", f);
 }
 
-/* Streams J's answer as Anthropic's events (message_start at once, then blocks as they come), each step's events one
- * chunk; -1 when the client went away. */
+/* Streams J's answer as Anthropic's events (message_start at once, then blocks as they come, a ping after ping_s
+ * without one), each step's events one chunk; -1 when the client went away. */
 static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
 {
     unsigned long long id = serve_next_id();
@@ -20323,10 +20326,11 @@ static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
         if (gone) j->cancel = 1;
         if (done) break;
         char *piece;
-        size_t n = serve_stream_take(c, j, &released, &piece, &done);
+        size_t n = serve_stream_take(c, j, &released, &piece, &done, c->srv->ping_s);
         serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
         free(piece);
         f = open_memstream(&events, &len);
+        if (!n && !done) serve_event_open(f, "ping"), fputs("}\n\n", f); /* nothing for ping_s: the prompt is long */
         serve_block_events(f, j, id, &b);
         if (done) serve_messages_end(f, j, &b);
     }
@@ -20374,7 +20378,7 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
     if (j->stream) rc = j->messages ? serve_messages_stream(c, j) : serve_stream(c, j);
     else {
         char *piece;
-        serve_job_wait(c, j, SIZE_MAX, &piece); /* releases nothing past SIZE_MAX: waits for the end */
+        serve_job_wait(c, j, SIZE_MAX, &piece, HUGE_VAL); /* releases nothing past SIZE_MAX: waits for the end */
         if (serve_client_left(j)) rc = -1;
         else if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
             e = serve_gen_error(j);
@@ -20797,6 +20801,7 @@ struct cmd_options {
     int port, parallel, queue;  /* --port 8080; --parallel N slots (0: from memory); --queue N */
     int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: from memory) */
     const char *prompt_cache;   /* --prompt-cache FILE: the prompt cache's conversations kept there across restarts */
+    double ping_s;              /* COLI_PING_SECONDS: an Anthropic stream's quiet seconds before a ping event (default 15) */
 };
 
 struct cmd_session {
@@ -21787,6 +21792,7 @@ static int cmd_serve(const struct cmd_options *o)
     srv.think = o->think;
     srv.think_budget = o->think_budget;
     srv.think_message = o->think_message;
+    srv.ping_s = o->ping_s;
     serve_start(&srv, o->host, o->port, &acceptor);
     cmd_open(&s, &so, o->parallel, o->cache_ram, MODEL_COPY_OVER_FILE_PAGES);
     plat_log("[serve] chat template: %s", s.tok.chat_template_about);
@@ -22014,7 +22020,7 @@ static const char arg_usage[] =
     "environment: COLI_CPU=scalar|avx2|avx512|avx512vbmi forces a kernel level; COLI_CUDA=0 never\n"
     "           loads the driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB),\n"
     "           COLI_PLACE, HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts\n"
-    "           are read)\n";
+    "           are read); COLI_PING_SECONDS (serve: an Anthropic stream's quiet seconds before a ping, 15)\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"
@@ -22227,8 +22233,11 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
     }
     if (!o->heat_path) o->heat_path = getenv("HEAT_FILE");
     if (!o->api_key) o->api_key = getenv("COLI_API_KEY");
-    const char *io = getenv("COLI_EXPERT_IO");
+    const char *io = getenv("COLI_EXPERT_IO"), *ping = getenv("COLI_PING_SECONDS");
     if (io && strcmp(io, "direct") && strcmp(io, "buffered")) die_usage("COLI_EXPERT_IO='%s': use direct or buffered", io);
+    char *end = NULL;
+    o->ping_s = ping && *ping ? strtod(ping, &end) : 15.0;
+    if (end && (*end || !(o->ping_s >= 0.001 && o->ping_s <= 3600))) die_usage("COLI_PING_SECONDS='%s': a number of seconds in [0.001, 3600]", ping);
     o->expert_io = io && !strcmp(io, "buffered") ? EXPERT_IO_BUFFERED : EXPERT_IO_DIRECT;
 }
 

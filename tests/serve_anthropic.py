@@ -112,6 +112,8 @@ def rebuild(events):
     assert events[0][0] == 'message_start' and events[-1][0] == 'message_stop', 'first %s, last %s' % (events[0][0], events[-1][0])
     msg, open_index = events[0][1]['message'], None
     for name, d in events[1:-1]:
+        if name == 'ping':
+            continue
         if name == 'content_block_start':
             assert open_index is None and d['index'] == len(msg['content']), 'block %d starts at %d' % (d['index'], len(msg['content']))
             msg['content'].append(dict(d['content_block'], partial=''))
@@ -343,6 +345,25 @@ try:
     ok('max_tokens beyond the context: stop_reason model_context_window_exceeded when it fills (max_tokens within it: max_tokens)')
 except (AssertionError, KeyError, TypeError) as e:
     bad('context window exceeded', '%s: %s' % (type(e).__name__, e))
+
+# a long prompt streamed: ping events while it is computed (this server: COLI_PING_SECONDS=0.005), so a client's idle
+# watchdog sees bytes; the events still rebuild the unstreamed message
+long_ask = {'messages': [{'role': 'user', 'content': 'word ' * 480}], 'cache_prompt': False}  # 973 tokens, computed each time
+s1, whole = post('/v1/messages', greedy(long_ask, 4))
+s2, headers, text = send('POST', '/v1/messages', dict(greedy(long_ask, 4), stream=True))
+try:
+    assert (s1, s2) == (200, 200), 'status %r' % ((s1, s2),)
+    events = events_of(text)
+    pings = [i for i, (name, _) in enumerate(events) if name == 'ping']
+    built = rebuild(events)
+    for block in built['content']:
+        block.pop('partial')
+    assert pings and pings[0] == 1, 'pings at %r of %d events' % (pings, len(events))
+    assert blocks_of(built['content']) == blocks_of(whole['content']) and built['stop_reason'] == whole['stop_reason'], \
+        'streamed %r, whole %r' % (blocks_of(built['content']), blocks_of(whole['content']))
+    ok('a long prompt streamed: %d ping events while it was computed, then the same message' % len(pings))
+except (AssertionError, ValueError, KeyError, IndexError) as e:
+    bad('pings', '%s: %s' % (type(e).__name__, e))
 
 # errors in Anthropic's shape
 def is_error(status, text, want_status, want_type, words):

@@ -52,6 +52,7 @@ expect "a directory as the model file" 1 ": cannot open: Is a directory" -- "$CO
 expect "info without a model" 0 '^kernels: ' -- "$COLI" info
 expect "COLI_CPU=scalar" 0 '^kernels: scalar' -- env COLI_CPU=scalar "$COLI" info
 expect "COLI_CPU=bogus (a usage error)" 2 'COLI_CPU' -- env COLI_CPU=bogus "$COLI" info
+expect "COLI_PING_SECONDS=0 (a usage error)" 2 "COLI_PING_SECONDS='0': a number of seconds" -- env COLI_PING_SECONDS=0 "$COLI" serve -m x.gguf
 expect "--kv: an unknown format is a usage error" 2 "--kv: 'q8' is not a KV cache format \(f32, f16 or q8_0\)" -- "$COLI" run -m x.gguf -p hi --kv q8
 # the 35B-A3B's KV cache a token: 10 attention layers x K and V x 2 KV heads x 256 dims x 4 bytes = 40 KiB
 expect "plan: the 35B-A3B's f32 KV cache, 40 KiB a token" 0 '^cpu: KV cache: 40.0 KiB per token' -- env COLI_CUDA=0 "$COLI" plan --synthetic 35b-a3b -c 4096

@@ -761,9 +761,10 @@ else
     client "openai client script" "$tmp/node.out" timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json"
 fi
 
-# --- the Anthropic Messages API: a server with room for a tools block in its context (-c 1024), and a default thinking
-# budget that a thinking request without its own is held to
-if start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think --reasoning-budget 40; then
+# --- the Anthropic Messages API: a server with room for a tools block in its context (-c 1024), a default thinking
+# budget that a thinking request without its own is held to, and a ping every 5 ms a stream is quiet (every stream
+# below, and the SDK's, reads them)
+if COLI_PING_SECONDS=0.005 start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think --reasoning-budget 40; then
     client "serve_anthropic.py" "$tmp/anth.out" timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     if [ -n "$npm_skip" ]; then
         ok "anthropic client # SKIP $npm_skip"
