@@ -17376,8 +17376,7 @@ struct engine_slot {
     size_t prefix_at, prefix_blank; /* req.prefix: its bytes the answer holds; whitespace bytes before them */
     struct sample_call call;  /* req.call: where the call after the prefix, or the one the model opened, stands */
     int calling;             /* req.call without a prefix: inside a call the model opened */
-    int wait;                /* req.json, req.prefix or req.call: req.after not yet sampled */
-    int thinking;            /* req.after not yet sampled: the answer is in its think block */
+    int thinking;            /* req.after not yet sampled: the answer is in its think block (a constraint waits for it) */
     uint64_t rng;
     double t_start, t_prompt;
 };
@@ -17481,7 +17480,7 @@ static int engine_constrained(const struct engine_slot *sl)
 static int engine_wants_row(const struct engine_slot *sl)
 {
     const struct engine_request *r = &sl->req;
-    return r->logprobs || r->n_bias || (!sl->wait && (r->json || engine_constrained(sl)));
+    return r->logprobs || r->n_bias || (!sl->thinking && (r->json || engine_constrained(sl)));
 }
 
 /* The bytes of every ordinary (NORMAL) token, once: JSON mode tries each against the answer's state every step. */
@@ -17617,7 +17616,7 @@ static float *engine_sampling_row(struct engine *e, const struct engine_slot *sl
     const struct engine_request *r = &sl->req;
     memcpy(e->row, logits, (size_t)e->m->cfg.n_vocab * sizeof *e->row);
     for (int k = 0; k < r->n_bias; k++) e->row[r->bias[k].id] += r->bias[k].bias;
-    if (sl->wait) return e->row;
+    if (sl->thinking) return e->row;
     if (r->json) return engine_json_mask(e, sl, e->row) ? e->row : NULL;
     if (sl->prefix_at < r->prefix_len) return engine_prefix_mask(e, sl, e->row) ? e->row : NULL;
     return engine_constrained(sl) && !engine_call_mask(e, sl, e->row) ? NULL : e->row;
@@ -17628,10 +17627,7 @@ static float *engine_sampling_row(struct engine *e, const struct engine_slot *sl
 static int engine_constraint_advance(struct engine *e, struct engine_slot *sl, int id, const char *text, size_t len)
 {
     const struct engine_request *r = &sl->req;
-    if (sl->wait) {
-        sl->wait = id != r->after;
-        return 0;
-    }
+    if (sl->thinking) return 0; /* the constraint starts after the think block's end */
     if (r->json && id < e->tok->n_vocab && e->bytes_at)
         sample_json_accepts(&sl->json, e->bytes + e->bytes_at[id], e->bytes_at[id + 1] - e->bytes_at[id]);
     if (r->prefix && engine_blank(sl, text, len)) sl->prefix_blank += len;
@@ -17841,7 +17837,6 @@ static void engine_start(struct engine *e, int i, const struct engine_request *r
     sl->prefix_at = sl->prefix_blank = 0;
     if (req->call) sl->call = sample_call_start(req->call, req->call_fn);
     sl->calling = 0;
-    sl->wait = (req->json || req->prefix || req->call) && req->after >= 0;
     sl->thinking = req->after >= 0;
     sl->t_start = plat_now();
     sl->t_prompt = 0;
@@ -17896,11 +17891,11 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     }
     if (r->logprobs) engine_logprobs(e, run->logits, id, r->top_logprobs, &g->logprobs); /* logprobs: the raw row came */
     sl->history[n_hist] = id;
-    sl->thinking &= id != r->after;
     /* an embedding row past the vocabulary (padding) has no text */
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
     const int whole = (r->json || r->prefix || r->call) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
+    sl->thinking &= id != r->after;
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
     else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || whole) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
     else if (engine_cancelled(sl)) engine_finish(e, sl, ENGINE_STOP_CANCEL, NULL);
