@@ -520,25 +520,24 @@ else bad "serve, a device failing mid-decode" "gpu $(head -c 200 "$tmp/serve-fai
 # log-probabilities, digit for digit. A JSON-mode chat still thinking (its constraint waits for </think>) takes the
 # device's best: the CPU's thinking; so does a sampled chat whose thinking budget forces its close (no draw is made
 # for the forced tokens, on either side). (A context of 1024: the tools block does not fit 256.)
+ask() { # ask PATH BODY PATTERN: what of the answer the server on $port gives BODY at PATH matches PATTERN
+    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port$1" -d "$2" | grep -o "$3"
+}
 serve_logprobs() { # serve_logprobs LOG ENV...: a sampled completion's logprobs, and one's JSON text, from a server started with ENV
     local log=$1; shift
     serve_up "$log" 1 "$@"
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
-        -d '{"prompt":"The capital of France is","max_tokens":8,"temperature":0.7,"seed":5,"logprobs":3,"logit_bias":{"1000":5}}' | grep -o '"logprobs":.*"finish_reason"'
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
-        -d '{"prompt":"The capital of France is","max_tokens":12,"temperature":0.9,"seed":5,"response_format":{"type":"json_object"}}' | grep -o '"text":"[^"]*'
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/completions" \
-        -d '{"prompt":"The capital of France is","max_tokens":40,"temperature":0.9,"seed":5,"response_format":{"type":"json_schema","json_schema":{"name":"c","schema":{"type":"object","properties":{"c":{"enum":["red","blue"]}},"required":["c"]}}}}' |
-        grep -o '"text":.*"finish_reason":"[a-z]*"'
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
-        -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":12,"temperature":0,"response_format":{"type":"json_object"},"chat_template_kwargs":{"enable_thinking":true}}' |
-        grep -o '"reasoning_content":"[^"]*'
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
-        -d '{"messages":[{"role":"user","content":"Wake me"}],"max_tokens":300,"temperature":0.9,"seed":5,"tool_choice":"required","tools":[{"type":"function","function":{"name":"set_alarm","parameters":{"type":"object","properties":{"hour":{"type":"integer"},"loud":{"type":"boolean"},"day":{"enum":["mon","tue"]}},"required":["hour","day"]}}}],"chat_template_kwargs":{"enable_thinking":false}}' |
-        grep -o '"tool_calls":.*"finish_reason":"[a-z_]*"'
-    [ -n "$port" ] && curl -s -m 30 "http://127.0.0.1:$port/v1/chat/completions" \
-        -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":16,"temperature":0.9,"seed":5,"thinking_budget_tokens":4,"thinking_budget_message":" Done.","chat_template_kwargs":{"enable_thinking":true}}' |
-        grep -o '"content":.*"reasoning_content":"[^"]*'
+    ask /v1/completions '{"prompt":"The capital of France is","max_tokens":8,"temperature":0.7,"seed":5,"logprobs":3,"logit_bias":{"1000":5}}' \
+        '"logprobs":.*"finish_reason"'
+    ask /v1/completions '{"prompt":"The capital of France is","max_tokens":12,"temperature":0.9,"seed":5,"response_format":{"type":"json_object"}}' \
+        '"text":"[^"]*'
+    ask /v1/completions '{"prompt":"The capital of France is","max_tokens":40,"temperature":0.9,"seed":5,"response_format":{"type":"json_schema","json_schema":{"name":"c","schema":{"type":"object","properties":{"c":{"enum":["red","blue"]}},"required":["c"]}}}}' \
+        '"text":.*"finish_reason":"[a-z]*"'
+    ask /v1/chat/completions '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":12,"temperature":0,"response_format":{"type":"json_object"},"chat_template_kwargs":{"enable_thinking":true}}' \
+        '"reasoning_content":"[^"]*'
+    ask /v1/chat/completions '{"messages":[{"role":"user","content":"Wake me"}],"max_tokens":300,"temperature":0.9,"seed":5,"tool_choice":"required","tools":[{"type":"function","function":{"name":"set_alarm","parameters":{"type":"object","properties":{"hour":{"type":"integer"},"loud":{"type":"boolean"},"day":{"enum":["mon","tue"]}},"required":["hour","day"]}}}],"chat_template_kwargs":{"enable_thinking":false}}' \
+        '"tool_calls":.*"finish_reason":"[a-z_]*"'
+    ask /v1/chat/completions '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":16,"temperature":0.9,"seed":5,"thinking_budget_tokens":4,"thinking_budget_message":" Done.","chat_template_kwargs":{"enable_thinking":true}}' \
+        '"content":.*"reasoning_content":"[^"]*'
     serve_down
 }
 SERVE_CTX=1024 serve_logprobs "$tmp/lp-cpu" COLI_CUDA=0 >"$tmp/lp-cpu.txt"
