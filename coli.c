@@ -17333,6 +17333,7 @@ struct engine_gen {
     int *tokens;
     int n_tokens, n_prompt;
     int n_cached;        /* prompt tokens the slot held: reused, not computed */
+    int n_thought;       /* generated tokens in the think block the answer opened in (its end included) */
     float (*top)[5][2];  /* [n_tokens][5] (id, logit) of the position choosing each token */
     char *text;
     size_t text_len, text_cap;
@@ -17895,6 +17896,7 @@ static void engine_sample(struct engine *e, struct engine_slot *sl, const struct
     int len = id < e->tok->n_vocab ? tok_decode(e->tok, id, e->piece, e->tok->max_piece + 1) : 0;
     engine_gen_append(g, id, top, e->piece, (size_t)len);
     const int whole = (r->json || r->prefix || r->call) && engine_constraint_advance(e, sl, id, e->piece, (size_t)len);
+    g->n_thought += sl->thinking;
     sl->thinking &= id != r->after;
     if (r->sink && r->sink(r->sink_ctx, id, e->piece, (size_t)len)) engine_finish(e, sl, ENGINE_STOP_SINK, NULL);
     else if ((tok_is_eog(e->tok, id) && !r->ignore_eog) || whole) engine_finish(e, sl, ENGINE_STOP_EOG, NULL);
@@ -18663,10 +18665,10 @@ struct serve_job {
     int stream, include_usage;
     int think;                 /* chat: the answer opens inside a think block */
     int one_call;              /* parallel_tool_calls false: the answer ends after its first call */
-    int messages;              /* /v1/messages: a chat answered in Anthropic's shape */
     int continued;             /* continue_final_message: the answer goes on from the last message's content */
     int room_bound;            /* req.n_max is what the context leaves, less than asked: a stop there is the context's */
     struct json *body;         /* the request, parsed */
+    struct json *asked;        /* /v1/responses: the request as sent (the chat request it means is BODY) */
     const struct json *tools;  /* chat: the body's tools, NULL if none (no tool calls parsed) */
     struct serve_answer answer;
     int *prompt;               /* [n_prompt] */
@@ -18748,6 +18750,7 @@ static void serve_job_free(struct serve_job *j)
 {
     serve_answer_free(&j->answer);
     json_free(j->body);
+    json_free(j->asked);
     free(j->prompt);
     free(j->bias);
     free(j->prefix);
@@ -20142,7 +20145,6 @@ static struct serve_job *serve_messages_job(struct serve *srv, const char *body_
     struct json *body = serve_parse_body(body_text, n, e);
     char *chat = body ? serve_messages_request(body, e) : NULL;
     struct serve_job *j = chat ? serve_job_new(srv, 1, chat, strlen(chat), e) : NULL;
-    if (j) j->messages = 1;
     json_free(body);
     free(chat);
     return j;
@@ -20353,8 +20355,581 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
     return out;
 }
 
+/* ---- the OpenAI Responses API ----
+ * POST /v1/responses, for clients that speak OpenAI's newer API (Codex CLI, the Agents SDK, the SDKs' responses.create).
+ * As with Anthropic's, a request becomes the chat request it means: `instructions` and the developer and system messages
+ * that open the input one system message (later ones user turns in their place); then the input's items in their order,
+ * each run of reasoning, assistant message and function_call items one assistant message (reasoning_content, content,
+ * tool_calls), each function_call_output a tool message. Function tools, and those a namespace groups, are chat tools;
+ * tools only OpenAI's servers run (web_search, file_search, ...) are left out, so the model is not told of them.
+ * max_output_tokens is max_tokens, reasoning.effort "none" enable_thinking false, text.format response_format. Nothing
+ * is stored: previous_response_id and conversation are refused, and a client sends the whole conversation each time (the
+ * prompt cache reuses what was computed). The answer comes back as output items (reasoning, message, function_call)
+ * with a status and usage, or streamed as the response.* events. */
+
+/* The chat messages a Responses input becomes, as they are written: the system text gathered until another item comes,
+ * and the assistant message a run of items gathers. */
+struct serve_resp_chat {
+    struct tok_buf out;          /* the chat request's messages so far */
+    int count;                   /* messages written */
+    struct tok_buf system;       /* instructions and the opening developer and system texts, a blank line between */
+    int opened;                  /* another item came: the system message is written, later system texts are user turns */
+    struct tok_buf reasoning, content, calls; /* the assistant message gathered (calls: tool_calls' items, comma-joined) */
+    int stage;                   /* what it gathered last: 0 nothing, 1 reasoning, 2 content, 3 calls */
+};
+
+/* Writes the gathered assistant message, if any. */
+static void serve_resp_flush(struct serve_resp_chat *c)
+{
+    if (!c->stage) return;
+    serve_msg_open(&c->out, &c->count, "assistant");
+    json_put_string(&c->out, c->content.p ? c->content.p : "", c->content.n);
+    if (c->reasoning.n) tok_buf_puts(&c->out, ",\"reasoning_content\":"), json_put_string(&c->out, c->reasoning.p, c->reasoning.n);
+    if (c->calls.n) tok_buf_puts(&c->out, ",\"tool_calls\":["), tok_buf_put(&c->out, c->calls.p, c->calls.n), tok_buf_puts(&c->out, "]");
+    tok_buf_puts(&c->out, "}");
+    c->reasoning.n = c->content.n = c->calls.n = 0;
+    c->stage = 0;
+}
+
+/* Before an item other than an opening system text: the system message written (once), the assistant message gathered
+ * so far written unless the item (of STAGE 1-3; 0: not an assistant's) goes on gathering it. */
+static void serve_resp_next(struct serve_resp_chat *c, int stage)
+{
+    if (!c->opened && c->system.n) {
+        serve_msg_open(&c->out, &c->count, "system");
+        json_put_string(&c->out, c->system.p, c->system.n);
+        tok_buf_puts(&c->out, "}");
+    }
+    c->opened = 1;
+    if (!stage || stage < c->stage || (stage == c->stage && stage != 3)) serve_resp_flush(c);
+    if (stage) c->stage = stage;
+}
+
+/* Appends to B the text of content C of item I (a string, or parts whose text is in TEXT_KEY: input_text, output_text,
+ * reasoning_text, summary_text, refusal), SEP between parts; -1 with E set for a part with no text. */
+static int serve_resp_text(struct tok_buf *b, const struct json *c, const char *sep, int i, struct serve_error *e)
+{
+    if (c && c->kind == JSON_STRING) return tok_buf_put(b, c->str, c->len), 0;
+    if (!c || c->kind != JSON_ARRAY) return serve_bad(e, "input", "input item %d: 'content' must be a string or a list of parts", i);
+    for (const struct json *p = c->child; p; p = p->next) {
+        const struct json *t = json_get(p, tok_json_is(json_get(p, "type"), "refusal") ? "refusal" : "text");
+        if (!t || t->kind != JSON_STRING)
+            return serve_bad(e, "input", "input item %d: a part of type '%s' has no text here (only text parts: images and files need a "
+                             "model that sees them)", i, serve_block_type(p));
+        if (b->n && p != c->child) tok_buf_puts(b, sep);
+        tok_buf_put(b, t->str, t->len);
+    }
+    return 0;
+}
+
+/* A user message's content C (item I) as chat content: a string as it is, input_text parts text parts, input_image parts
+ * image parts (which the chat refuses, naming them). */
+static int serve_resp_user(struct serve_resp_chat *c, const struct json *content, int i, struct serve_error *e)
+{
+    serve_resp_next(c, 0);
+    serve_msg_open(&c->out, &c->count, "user");
+    if (content && content->kind == JSON_STRING) json_put_string(&c->out, content->str, content->len);
+    else if (!content || content->kind != JSON_ARRAY) return serve_bad(e, "input", "input item %d: 'content' must be a string or a list of parts", i);
+    else {
+        tok_buf_puts(&c->out, "[");
+        for (const struct json *p = content->child; p; p = p->next) {
+            const char *type = serve_block_type(p);
+            const struct json *t = json_get(p, "text");
+            if (p != content->child) tok_buf_puts(&c->out, ",");
+            if (!strcmp(type, "input_image")) tok_buf_puts(&c->out, "{\"type\":\"image\"}");
+            else if (!strcmp(type, "input_text") && t && t->kind == JSON_STRING)
+                tok_buf_puts(&c->out, "{\"type\":\"text\",\"text\":"), json_put_string(&c->out, t->str, t->len), tok_buf_puts(&c->out, "}");
+            else return serve_bad(e, "input", "input item %d: parts of type '%s' are not supported (input_text, input_image)", i, type);
+        }
+        tok_buf_puts(&c->out, "]");
+    }
+    tok_buf_puts(&c->out, "}");
+    return 0;
+}
+
+/* A message item M (item I; a type of "message" or none): by its role, the system text, a user message, or the
+ * assistant message's content. */
+static int serve_resp_message(struct serve_resp_chat *c, const struct json *m, int i, struct serve_error *e)
+{
+    const struct json *content = json_get(m, "content");
+    if (tok_role_is(m, "user")) return serve_resp_user(c, content, i, e);
+    if (tok_role_is(m, "assistant")) {
+        serve_resp_next(c, 2);
+        return serve_resp_text(&c->content, content, "", i, e);
+    }
+    if (!tok_role_is(m, "system") && !tok_role_is(m, "developer"))
+        return serve_bad(e, "input", "input item %d: 'role' must be \"user\", \"assistant\", \"system\" or \"developer\"", i);
+    if (c->opened) { /* the template takes a system message first only */
+        serve_resp_next(c, 0);
+        serve_msg_open(&c->out, &c->count, "user");
+        struct tok_buf text = {NULL, 0, 0};
+        int bad = serve_resp_text(&text, content, "", i, e);
+        json_put_string(&c->out, text.p ? text.p : "", text.n);
+        tok_buf_puts(&c->out, "}");
+        free(text.p);
+        return bad;
+    }
+    if (c->system.n) tok_buf_puts(&c->system, "\n\n");
+    return serve_resp_text(&c->system, content, "", i, e);
+}
+
+/* A function_call item F (item I) as one of the assistant message's tool_calls. */
+static int serve_resp_call(struct serve_resp_chat *c, const struct json *f, int i, struct serve_error *e)
+{
+    const struct json *name = json_get(f, "name"), *args = json_get(f, "arguments"), *id = json_get(f, "call_id");
+    if (!name || name->kind != JSON_STRING || !args || args->kind != JSON_STRING || !id || id->kind != JSON_STRING)
+        return serve_bad(e, "input", "input item %d: a function_call needs 'call_id', 'name' and 'arguments' strings", i);
+    serve_resp_next(c, 3);
+    tok_buf_puts(&c->calls, c->calls.n ? ",{\"id\":" : "{\"id\":");
+    tok_json_dump(&c->calls, id);
+    tok_buf_puts(&c->calls, ",\"type\":\"function\",\"function\":{\"name\":");
+    tok_json_dump(&c->calls, name);
+    tok_buf_puts(&c->calls, ",\"arguments\":");
+    tok_json_dump(&c->calls, args);
+    tok_buf_puts(&c->calls, "}}");
+    return 0;
+}
+
+/* A function_call_output item F (item I) as a tool message: its output a string, or the text of its parts. */
+static int serve_resp_call_output(struct serve_resp_chat *c, const struct json *f, int i, struct serve_error *e)
+{
+    const struct json *id = json_get(f, "call_id");
+    struct tok_buf text = {NULL, 0, 0};
+    if (!id || id->kind != JSON_STRING) return serve_bad(e, "input", "input item %d: a function_call_output needs its 'call_id'", i);
+    int bad = serve_resp_text(&text, json_get(f, "output"), "", i, e);
+    serve_resp_next(c, 0);
+    serve_msg_open(&c->out, &c->count, "tool");
+    json_put_string(&c->out, text.p ? text.p : "", text.n);
+    tok_buf_puts(&c->out, ",\"tool_call_id\":");
+    tok_json_dump(&c->out, id);
+    tok_buf_puts(&c->out, "}");
+    free(text.p);
+    return bad;
+}
+
+/* A reasoning item R (item I) as the assistant message's reasoning_content: its reasoning_text parts, else its summary
+ * (from a server that sends only that); one with neither (encrypted_content alone) adds nothing. */
+static int serve_resp_reasoning(struct serve_resp_chat *c, const struct json *r, int i, struct serve_error *e)
+{
+    const struct json *content = json_get(r, "content"), *summary = json_get(r, "summary");
+    int has_content = content && content->kind == JSON_ARRAY && content->child;
+    const struct json *from = has_content ? content : summary && summary->kind == JSON_ARRAY ? summary : NULL;
+    if (!from || !from->child) return 0;
+    serve_resp_next(c, 1);
+    if (c->reasoning.n) tok_buf_puts(&c->reasoning, "\n\n");
+    return serve_resp_text(&c->reasoning, from, "\n\n", i, e);
+}
+
+/* The input (a string: one user message; or a list of items) and INSTRUCTIONS as the chat's messages into C. */
+static int serve_resp_input(struct serve_resp_chat *c, const struct json *input, const struct json *instructions, struct serve_error *e)
+{
+    if (instructions && instructions->kind != JSON_NULL && instructions->kind != JSON_STRING)
+        return serve_bad(e, "instructions", "'instructions' must be a string");
+    if (instructions && instructions->kind == JSON_STRING) tok_buf_put(&c->system, instructions->str, instructions->len);
+    if (input && input->kind == JSON_STRING) return serve_resp_user(c, input, 0, e);
+    if (!input || input->kind != JSON_ARRAY) return serve_bad(e, "input", "'input' must be a string or a list of items");
+    int i = 0, bad = 0;
+    for (const struct json *it = input->child; it && !bad; it = it->next, i++) {
+        const char *type = serve_block_type(it);
+        if (!*type || !strcmp(type, "message")) bad = serve_resp_message(c, it, i, e);
+        else if (!strcmp(type, "function_call")) bad = serve_resp_call(c, it, i, e);
+        else if (!strcmp(type, "function_call_output")) bad = serve_resp_call_output(c, it, i, e);
+        else if (!strcmp(type, "reasoning")) bad = serve_resp_reasoning(c, it, i, e);
+        else bad = serve_bad(e, "input", "input item %d: items of type '%s' are not supported (message, function_call, function_call_output, "
+                             "reasoning)", i, type);
+    }
+    if (!bad) serve_resp_next(c, 0);
+    return bad;
+}
+
+/* Function tool T (its name, description and parameters at its top) as a chat tool, after a comma unless the first. */
+static int serve_resp_tool(struct tok_buf *o, int *n, const struct json *t, struct serve_error *e)
+{
+    const struct json *name = json_get(t, "name"), *about = json_get(t, "description"), *schema = json_get(t, "parameters");
+    if (!name || name->kind != JSON_STRING || !name->len) return serve_bad(e, "tools", "a function tool needs a 'name'");
+    tok_buf_puts(o, (*n)++ ? ",{\"type\":\"function\",\"function\":{\"name\":" : "{\"type\":\"function\",\"function\":{\"name\":");
+    tok_json_dump(o, name);
+    if (about && about->kind == JSON_STRING) tok_buf_puts(o, ",\"description\":"), tok_json_dump(o, about);
+    if (schema && schema->kind != JSON_NULL) tok_buf_puts(o, ",\"parameters\":"), tok_json_dump(o, schema);
+    tok_buf_puts(o, "}}");
+    return 0;
+}
+
+/* Tools as chat tools: function tools, and the function tools of each namespace (a call names its namespace in the
+ * answer); the rest (web_search, file_search, custom, ...) left out, as none of them runs here. */
+static int serve_resp_tools(struct tok_buf *o, const struct json *tools, struct serve_error *e)
+{
+    int n = 0, bad = 0;
+    if (!tools || tools->kind == JSON_NULL) return 0;
+    if (tools->kind != JSON_ARRAY) return serve_bad(e, "tools", "'tools' must be a list");
+    tok_buf_puts(o, ",\"tools\":[");
+    for (const struct json *t = tools->child; t && !bad; t = t->next) {
+        if (!strcmp(serve_block_type(t), "function")) bad = serve_resp_tool(o, &n, t, e);
+        const struct json *group = tok_json_is(json_get(t, "type"), "namespace") ? json_get(t, "tools") : NULL;
+        for (const struct json *f = group && group->kind == JSON_ARRAY ? group->child : NULL; f && !bad; f = f->next)
+            if (!strcmp(serve_block_type(f), "function")) bad = serve_resp_tool(o, &n, f, e);
+    }
+    tok_buf_puts(o, "]");
+    return bad;
+}
+
+/* tool_choice "auto" | "none" | "required" | {"type": "function", "name"} as the chat's. */
+static int serve_resp_tool_choice(struct tok_buf *o, const struct json *choice, struct serve_error *e)
+{
+    const struct json *name = json_get(choice, "name");
+    if (!choice || choice->kind == JSON_NULL) return 0;
+    if (tok_json_is(choice, "auto") || tok_json_is(choice, "none") || tok_json_is(choice, "required"))
+        tok_buf_puts(o, ",\"tool_choice\":"), tok_json_dump(o, choice);
+    else if (tok_json_is(json_get(choice, "type"), "function") && name && name->kind == JSON_STRING) {
+        tok_buf_puts(o, ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":");
+        tok_json_dump(o, name);
+        tok_buf_puts(o, "}}");
+    } else return serve_bad(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": NAME} "
+                            "(no hosted tools run here)");
+    return 0;
+}
+
+/* reasoning.effort ("none": no think block; any other, or none said: the server's choice) and text.format (json_object,
+ * json_schema) as the chat's enable_thinking and response_format. */
+static int serve_resp_options(struct tok_buf *o, const struct json *body, struct serve_error *e)
+{
+    static const char *const efforts[] = {"none", "minimal", "low", "medium", "high", "xhigh"};
+    const struct json *effort = json_get(json_get(body, "reasoning"), "effort"), *format = json_get(json_get(body, "text"), "format");
+    const struct json *type = json_get(format, "type");
+    int known = !effort || effort->kind == JSON_NULL;
+    for (size_t k = 0; k < sizeof efforts / sizeof *efforts; k++) known |= tok_json_is(effort, efforts[k]);
+    if (!known) return serve_bad(e, "reasoning", "'reasoning.effort' must be \"none\", \"minimal\", \"low\", \"medium\", \"high\" or \"xhigh\"");
+    if (effort && effort->kind == JSON_STRING)
+        tok_buf_puts(o, tok_json_is(effort, "none") ? ",\"chat_template_kwargs\":{\"enable_thinking\":false}" : ",\"chat_template_kwargs\":{\"enable_thinking\":true}");
+    if (!format || format->kind == JSON_NULL || tok_json_is(type, "text")) return 0;
+    if (tok_json_is(type, "json_object")) return tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_object\"}"), 0;
+    if (!tok_json_is(type, "json_schema") || !json_get(format, "schema"))
+        return serve_bad(e, "text", "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"schema\": {...}}");
+    tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":");
+    tok_json_dump(o, json_get(format, "schema"));
+    tok_buf_puts(o, "}}");
+    return 0;
+}
+
+/* Responses request BODY as the chat request it means, as JSON text (malloc'd); NULL with E set. Sampling fields with
+ * the same names pass as they are (coli's own too). */
+static char *serve_responses_request(const struct json *body, struct serve_error *e)
+{
+    static const char *const same[] = {"temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p", "seed", "repeat_penalty",
+                                       "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "cache_prompt",
+                                       "thinking_budget_tokens", "thinking_budget_message"};
+    static const char *const stored[] = {"previous_response_id", "conversation"};
+    struct serve_resp_chat c = {{NULL, 0, 0}, 0, {NULL, 0, 0}, 0, {NULL, 0, 0}, {NULL, 0, 0}, {NULL, 0, 0}, 0};
+    const struct json *max = json_get(body, "max_output_tokens"), *background = json_get(body, "background");
+    double max_output;
+    int bad = serve_number(body, "max_output_tokens", 1, 1e9, 1, &max_output, e);
+    for (size_t k = 0; k < sizeof stored / sizeof *stored && !bad; k++) {
+        const struct json *v = json_get(body, stored[k]);
+        if (v && v->kind != JSON_NULL)
+            bad = serve_bad(e, stored[k], "'%s': this server stores no responses; send the whole conversation in 'input'", stored[k]);
+    }
+    if (!bad && background && background->kind == JSON_BOOL && background->boolean)
+        bad = serve_bad(e, "background", "'background': this server answers in the request (or streams); it runs nothing in the background");
+    bad = bad || serve_resp_input(&c, json_get(body, "input"), json_get(body, "instructions"), e);
+    struct tok_buf o = {NULL, 0, 0};
+    tok_buf_puts(&o, "{\"messages\":[");
+    if (c.out.n) tok_buf_put(&o, c.out.p, c.out.n);
+    tok_buf_puts(&o, "]");
+    if (max) tok_buf_puts(&o, ",\"max_tokens\":"), tok_json_dump(&o, max);
+    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
+        const struct json *v = json_get(body, same[k]);
+        if (!v) continue;
+        tok_buf_puts(&o, ",");
+        json_put_string(&o, same[k], strlen(same[k]));
+        tok_buf_puts(&o, ":");
+        tok_json_dump(&o, v);
+    }
+    bad = bad || serve_resp_tools(&o, json_get(body, "tools"), e) || serve_resp_tool_choice(&o, json_get(body, "tool_choice"), e) ||
+          serve_resp_options(&o, body, e);
+    tok_buf_puts(&o, "}");
+    free(c.out.p), free(c.system.p), free(c.reasoning.p), free(c.content.p), free(c.calls.p);
+    if (bad) free(o.p);
+    return bad ? NULL : o.p;
+}
+
+/* A job for a Responses request's body: the chat it means, answered as a response (the body kept: its tools' namespaces). */
+static struct serve_job *serve_responses_job(struct serve *srv, const char *body_text, size_t n, struct serve_error *e)
+{
+    struct json *body = serve_parse_body(body_text, n, e);
+    char *chat = body ? serve_responses_request(body, e) : NULL;
+    struct serve_job *j = chat ? serve_job_new(srv, 1, chat, strlen(chat), e) : NULL;
+    if (j) j->asked = body;
+    else json_free(body);
+    if (!j && !strcmp(e->param, "messages")) snprintf(e->param, sizeof e->param, "input"); /* the chat's messages are the input */
+    free(chat);
+    return j;
+}
+
+/* The namespace whose tools include NAME in the request's TOOLS, or NULL (a plain function tool, or none). */
+static const struct json *serve_resp_namespace(const struct json *tools, const char *name)
+{
+    for (const struct json *t = tools && tools->kind == JSON_ARRAY ? tools->child : NULL; t; t = t->next) {
+        const struct json *group = tok_json_is(json_get(t, "type"), "namespace") ? json_get(t, "tools") : NULL;
+        for (const struct json *f = group && group->kind == JSON_ARRAY ? group->child : NULL; f; f = f->next)
+            if (tok_json_is(json_get(f, "name"), name)) return json_get(t, "name");
+    }
+    return NULL;
+}
+
+/* An output item: a reasoning or message item holding bytes [from, to) of the answer's field PART, or call CALL. */
+struct serve_resp_item { enum serve_part part; size_t from, to; int call; };
+
+/* A response's output items as they are made (as a stream sends them, or all at once): the answer's fields and calls
+ * they hold, the last one if still open (-1: none), the next event's sequence_number. */
+struct serve_resp_out {
+    struct serve_sent sent;
+    struct serve_resp_item *items;
+    int n, cap, open;
+    long long seq;
+};
+
+/* A response's status: failed (an error, or cancelled), incomplete (max_output_tokens or the context ended it), completed. */
+static const char *serve_resp_status(const struct serve_job *j)
+{
+    if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) return "failed";
+    return strcmp(serve_finish_reason(j), "length") ? "completed" : "incomplete";
+}
+
+/* Opens event NAME in F: its line and its data, {"type": NAME, "sequence_number": N, left open for its members. */
+static void serve_resp_event(FILE *f, struct serve_resp_out *o, const char *name)
+{
+    fprintf(f, "event: %s\ndata: {\"type\":\"%s\",\"sequence_number\":%lld", name, name, o->seq++);
+}
+
+/* ,"item_id":ID,"output_index":K (and "content_index":0 for a reasoning or message item's text) of item K. */
+static void serve_resp_ref(FILE *f, const struct serve_resp_out *o, unsigned long long id, int k)
+{
+    static const char *const prefix[3] = {"rs", "msg", "fc"};
+    fprintf(f, ",\"item_id\":\"%s_%llx_%d\",\"output_index\":%d%s", prefix[o->items[k].part], id, k, k,
+            o->items[k].part == SERVE_PART_CALL ? "" : ",\"content_index\":0");
+}
+
+/* Item IT's content part, reasoning_text or output_text: its text if FULL, else empty. */
+static void serve_resp_write_part(FILE *f, const struct serve_job *j, const struct serve_resp_item *it, int full)
+{
+    const struct tok_buf *b = &j->answer.field[it->part];
+    fputs(it->part == SERVE_PART_REASONING ? "{\"type\":\"reasoning_text\",\"text\":" : "{\"type\":\"output_text\",\"text\":", f);
+    json_write_string(f, full && b->p ? b->p + it->from : "", full ? it->to - it->from : 0);
+    fputs(it->part == SERVE_PART_REASONING ? "}" : ",\"annotations\":[],\"logprobs\":[]}", f);
+}
+
+/* Item K of O as its JSON object: DONE, whole (its text, status completed); else as output_item.added shows it (no
+ * content yet, no arguments, in_progress). A call names its namespace where the request grouped its tool in one. */
+static void serve_resp_write_item(FILE *f, const struct serve_job *j, unsigned long long id, const struct serve_resp_out *o, int k, int done)
+{
+    static const char *const prefix[3] = {"rs", "msg", "fc"};
+    const struct serve_resp_item *it = &o->items[k];
+    const char *status = done ? "completed" : "in_progress";
+    fprintf(f, "{\"id\":\"%s_%llx_%d\",", prefix[it->part], id, k);
+    if (it->part == SERVE_PART_REASONING) fputs("\"type\":\"reasoning\",\"summary\":[],\"content\":[", f);
+    else if (it->part == SERVE_PART_CONTENT) fprintf(f, "\"type\":\"message\",\"status\":\"%s\",\"role\":\"assistant\",\"content\":[", status);
+    else {
+        const struct serve_tool_call *call = &j->answer.calls[it->call];
+        const struct json *ns = serve_resp_namespace(json_get(j->asked, "tools"), call->name);
+        fprintf(f, "\"type\":\"function_call\",\"status\":\"%s\",\"call_id\":\"call_%llx_%d\",\"name\":", status, id, it->call);
+        json_write_string(f, call->name, strlen(call->name));
+        if (ns && ns->kind == JSON_STRING) fputs(",\"namespace\":", f), json_write_string(f, ns->str, ns->len);
+        fputs(",\"arguments\":", f);
+        json_write_string(f, call->arguments, done ? strlen(call->arguments) : 0);
+        fputs("}", f);
+        return;
+    }
+    if (done) serve_resp_write_part(f, j, it, 1);
+    fputs("]}", f);
+}
+
+/* Closes O's open item: the done events of its text (or arguments), then output_item.done. F NULL: the items only. */
+static void serve_resp_close(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_resp_out *o)
+{
+    const int k = o->open;
+    if (k < 0) return;
+    const struct serve_resp_item *it = &o->items[k];
+    o->open = -1;
+    if (!f) return;
+    if (it->part == SERVE_PART_CALL) {
+        const struct serve_tool_call *call = &j->answer.calls[it->call];
+        serve_resp_event(f, o, "response.function_call_arguments.done");
+        serve_resp_ref(f, o, id, k);
+        fputs(",\"name\":", f);
+        json_write_string(f, call->name, strlen(call->name));
+        fputs(",\"arguments\":", f);
+        json_write_string(f, call->arguments, strlen(call->arguments));
+    } else {
+        const struct tok_buf *b = &j->answer.field[it->part];
+        serve_resp_event(f, o, it->part == SERVE_PART_REASONING ? "response.reasoning_text.done" : "response.output_text.done");
+        serve_resp_ref(f, o, id, k);
+        fputs(",\"text\":", f);
+        json_write_string(f, b->p ? b->p + it->from : "", it->to - it->from);
+        fputs(it->part == SERVE_PART_REASONING ? "}\n\n" : ",\"logprobs\":[]}\n\n", f);
+        serve_resp_event(f, o, "response.content_part.done");
+        serve_resp_ref(f, o, id, k);
+        fputs(",\"part\":", f);
+        serve_resp_write_part(f, j, it, 1);
+    }
+    fputs("}\n\n", f);
+    serve_resp_event(f, o, "response.output_item.done");
+    fprintf(f, ",\"output_index\":%d,\"item\":", k);
+    serve_resp_write_item(f, j, id, o, k, 1);
+    fputs("}\n\n", f);
+}
+
+/* Closes O's open item and opens the next: a reasoning or message item (PART) holding its field from FROM on, or call
+ * CALL's: output_item.added, and a text's content_part.added. F NULL: the items only. */
+static void serve_resp_open(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_resp_out *o, enum serve_part part, size_t from,
+                            int call)
+{
+    serve_resp_close(f, j, id, o);
+    if (o->n == o->cap) o->items = plat_realloc(o->items, (size_t)(o->cap = o->cap ? 2 * o->cap : 4) * sizeof *o->items);
+    o->items[o->n] = (struct serve_resp_item){part, from, from, call};
+    o->open = o->n++;
+    if (!f) return;
+    serve_resp_event(f, o, "response.output_item.added");
+    fprintf(f, ",\"output_index\":%d,\"item\":", o->open);
+    serve_resp_write_item(f, j, id, o, o->open, 0);
+    fputs("}\n\n", f);
+    if (part == SERVE_PART_CALL) return;
+    serve_resp_event(f, o, "response.content_part.added");
+    serve_resp_ref(f, o, id, o->open);
+    fputs(",\"part\":", f);
+    serve_resp_write_part(f, j, &o->items[o->open], 0);
+    fputs("}\n\n", f);
+}
+
+/* Items and events for what J's answer gained since O: its reasoning and its text as deltas, each in an item of its
+ * kind, and each new call an item whose arguments come as one delta. F NULL: the items only. */
+static void serve_resp_events(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_resp_out *o)
+{
+    const struct serve_answer *a = &j->answer;
+    for (int k = SERVE_PART_REASONING; k <= SERVE_PART_CONTENT; k++) {
+        const size_t from = o->sent.field[k], to = a->field[k].n;
+        if (to <= from) continue;
+        if (o->open < 0 || (int)o->items[o->open].part != k) serve_resp_open(f, j, id, o, (enum serve_part)k, from, -1);
+        o->items[o->open].to = o->sent.field[k] = to;
+        if (!f) continue;
+        serve_resp_event(f, o, k == SERVE_PART_REASONING ? "response.reasoning_text.delta" : "response.output_text.delta");
+        serve_resp_ref(f, o, id, o->open);
+        fputs(",\"delta\":", f);
+        json_write_string(f, a->field[k].p + from, to - from);
+        fputs(k == SERVE_PART_REASONING ? "}\n\n" : ",\"logprobs\":[]}\n\n", f);
+    }
+    for (; o->sent.calls < a->n_calls; o->sent.calls++) {
+        const char *args = a->calls[o->sent.calls].arguments;
+        serve_resp_open(f, j, id, o, SERVE_PART_CALL, 0, o->sent.calls);
+        if (f) {
+            serve_resp_event(f, o, "response.function_call_arguments.delta");
+            serve_resp_ref(f, o, id, o->open);
+            fputs(",\"delta\":", f);
+            json_write_string(f, args, strlen(args));
+            fputs("}\n\n", f);
+        }
+        serve_resp_close(f, j, id, o);
+    }
+}
+
+/* The response object: STATUS (J's own once done), O's items, and once done the usage (input_tokens_details.cached_tokens:
+ * the prompt's tokens reused, not computed; reasoning_tokens: those in the think block, its end included). */
+static void serve_resp_object(FILE *f, struct serve *srv, const struct serve_job *j, unsigned long long id, time_t created,
+                              const struct serve_resp_out *o, const char *status)
+{
+    fprintf(f, "{\"id\":\"resp_%llx\",\"object\":\"response\",\"created_at\":%lld,\"status\":\"%s\",\"model\":", id, (long long)created, status);
+    json_write_string(f, srv->model_id, strlen(srv->model_id));
+    fputs(",\"output\":[", f);
+    for (int k = 0; k < o->n; k++) {
+        if (k) fputc(',', f);
+        serve_resp_write_item(f, j, id, o, k, 1);
+    }
+    fprintf(f, "],\"parallel_tool_calls\":%s,\"store\":false,\"error\":", j->one_call ? "false" : "true");
+    if (!strcmp(status, "failed")) {
+        struct serve_error e = serve_gen_error(j);
+        fprintf(f, "{\"code\":\"%s\",\"message\":", e.code ? e.code : e.type);
+        json_write_string(f, e.message, strlen(e.message));
+        fputs("}", f);
+    } else fputs("null", f);
+    fputs(strcmp(status, "incomplete") ? ",\"incomplete_details\":null,\"usage\":" : ",\"incomplete_details\":{\"reason\":\"max_output_tokens\"},\"usage\":", f);
+    if (!strcmp(status, "in_progress")) fputs("null}", f);
+    else
+        fprintf(f, "{\"input_tokens\":%d,\"input_tokens_details\":{\"cached_tokens\":%d},\"output_tokens\":%d,"
+                "\"output_tokens_details\":{\"reasoning_tokens\":%d},\"total_tokens\":%d}}",
+                j->gen.n_prompt, j->gen.n_cached, j->gen.n_tokens, j->gen.n_thought, j->gen.n_prompt + j->gen.n_tokens);
+}
+
+/* The items of a finished answer closed: an empty message where it has none. F NULL: the items only. */
+static void serve_resp_finish(FILE *f, const struct serve_job *j, unsigned long long id, struct serve_resp_out *o)
+{
+    if (!o->n) serve_resp_open(f, j, id, o, SERVE_PART_CONTENT, 0, -1);
+    serve_resp_close(f, j, id, o);
+}
+
+/* A finished, unstreamed Responses job's response object. */
+static char *serve_response_json(struct serve *srv, struct serve_job *j, size_t *n)
+{
+    char *out = NULL;
+    unsigned long long id = serve_next_id();
+    struct serve_resp_out o = {{{0, 0}, 0}, NULL, 0, 0, -1, 0};
+    serve_answer_feed(&j->answer, j->tools, j->text ? j->text : "", j->len, 1);
+    serve_resp_events(NULL, j, id, &o);
+    serve_resp_finish(NULL, j, id, &o);
+    FILE *f = open_memstream(&out, n);
+    serve_resp_object(f, srv, j, id, time(NULL), &o, serve_resp_status(j));
+    fclose(f);
+    free(o.items);
+    return out;
+}
+
+/* Event NAME carrying the response object in STATUS. */
+static void serve_resp_state(FILE *f, struct serve *srv, const struct serve_job *j, unsigned long long id, time_t created, struct serve_resp_out *o,
+                             const char *name, const char *status)
+{
+    serve_resp_event(f, o, name);
+    fputs(",\"response\":", f);
+    serve_resp_object(f, srv, j, id, created, o, status);
+    fputs("}\n\n", f);
+}
+
+/* Streams J's answer as the Responses API's events: response.created and response.in_progress at once (and again after
+ * ping_s without an item: a long prompt), the items as they come, then response.completed, .incomplete or .failed;
+ * each step's events one chunk. -1 when the client went away. */
+static int serve_responses_stream(struct serve_conn *c, struct serve_job *j)
+{
+    unsigned long long id = serve_next_id();
+    const time_t created = time(NULL);
+    struct serve_resp_out o = {{{0, 0}, 0}, NULL, 0, 0, -1, 0};
+    size_t released = 0, len;
+    char *events = NULL;
+    FILE *f = open_memstream(&events, &len);
+    serve_resp_state(f, c->srv, j, id, created, &o, "response.created", "in_progress");
+    serve_resp_state(f, c->srv, j, id, created, &o, "response.in_progress", "in_progress");
+    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
+    for (int done = 0;;) {
+        fclose(f);
+        if (!gone && len) gone = serve_write_chunk(c->fd, events, len);
+        free(events);
+        if (gone) j->cancel = 1;
+        if (done) break;
+        char *piece;
+        size_t n = serve_stream_take(c, j, &released, &piece, &done, c->srv->ping_s);
+        serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
+        free(piece);
+        f = open_memstream(&events, &len);
+        if (!n && !done && !o.n) serve_resp_state(f, c->srv, j, id, created, &o, "response.in_progress", "in_progress");
+        serve_resp_events(f, j, id, &o);
+        if (!done) continue;
+        const char *status = serve_resp_status(j);
+        if (strcmp(status, "failed")) serve_resp_finish(f, j, id, &o);
+        serve_resp_state(f, c->srv, j, id, created, &o, !strcmp(status, "completed") ? "response.completed" : !strcmp(status, "failed") ?
+                         "response.failed" : "response.incomplete", status);
+    }
+    free(o.items);
+    return gone || serve_write(c->fd, "0\r\n\r\n", 5) || serve_client_left(j) ? -1 : 0;
+}
+
 /* What an endpoint does: answers a GET, a POST from the tokenizer or template alone, or a generation's. */
-enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES };
+enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES, SERVE_RESPONSES };
 
 /* A generation endpoint: request to queued job, answered whole or streamed. -1: close the connection. */
 static int serve_generate(struct serve_conn *c, const struct serve_request *r, enum serve_endpoint endpoint)
@@ -20363,6 +20938,7 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
     struct serve_job *j = NULL;
     if (!serve_ready(c->srv)) serve_loading(&e); /* the job's prompt needs the tokenizer */
     else if (endpoint == SERVE_MESSAGES) j = serve_messages_job(c->srv, r->body, r->body_len, &e);
+    else if (endpoint == SERVE_RESPONSES) j = serve_responses_job(c->srv, r->body, r->body_len, &e);
     else j = serve_job_new(c->srv, endpoint == SERVE_CHAT, r->body, r->body_len, &e);
     if (!j || serve_submit(c->srv, j, &e)) {
         serve_fail(c, &e, r->keep_alive);
@@ -20370,7 +20946,8 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
         return r->keep_alive ? 0 : -1;
     }
     int status = 200, rc;
-    if (j->stream) rc = j->messages ? serve_messages_stream(c, j) : serve_stream(c, j);
+    if (j->stream) rc = endpoint == SERVE_MESSAGES ? serve_messages_stream(c, j) : endpoint == SERVE_RESPONSES ? serve_responses_stream(c, j)
+                                                                                                      : serve_stream(c, j);
     else {
         char *piece;
         serve_job_wait(c, j, SIZE_MAX, &piece, HUGE_VAL); /* releases nothing past SIZE_MAX: waits for the end */
@@ -20382,7 +20959,8 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
             rc = 0;
         } else {
             size_t n;
-            char *body = j->messages ? serve_message_json(c->srv, j, &n) : serve_answer_json(c->srv, j, &n);
+            char *body = endpoint == SERVE_MESSAGES ? serve_message_json(c->srv, j, &n) : endpoint == SERVE_RESPONSES ? serve_response_json(c->srv, j, &n)
+                                                                                                          : serve_answer_json(c->srv, j, &n);
             rc = serve_respond(c, 200, "application/json", body, n, NULL, r->keep_alive);
             free(body);
         }
@@ -20582,6 +21160,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         {"/health", "GET", SERVE_GET, NULL}, {"/v1/models", "GET", SERVE_GET, NULL}, {"/metrics", "GET", SERVE_GET, NULL},
         {"/v1/chat/completions", "POST", SERVE_CHAT, NULL}, {"/v1/completions", "POST", SERVE_COMPLETIONS, NULL},
         {"/v1/messages", "POST", SERVE_MESSAGES, NULL}, {"/v1/messages/count_tokens", "POST", SERVE_UTILITY, serve_count_tokens},
+        {"/v1/responses", "POST", SERVE_RESPONSES, NULL},
         {"/apply-template", "POST", SERVE_UTILITY, serve_template_answer}, {"/tokenize", "POST", SERVE_UTILITY, serve_tokenize},
         {"/detokenize", "POST", SERVE_UTILITY, serve_detokenize}};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};

@@ -4,40 +4,12 @@
 # events, count_tokens, stop_sequences, prefills, forced and chosen tool calls, thinking budgets and errors. Prints `ok - ...` / `FAIL - ...` lines and writes EXPECT.json (the
 # first case's answer) for tests/serve_anthropic.mjs.
 # usage: python3 tests/serve_anthropic.py BASE_URL MODEL_ID EXPECT.json
-import json, sys, urllib.request, urllib.error
+import json, sys
+from serve_api import bad, events_of, greedy, ok, post, send, start
+import serve_api
 
 base, model, expect_path = sys.argv[1:4]
-failed = 0
-
-
-def ok(name):
-    print('ok - messages: ' + name)
-
-
-def bad(name, why):
-    global failed
-    failed += 1
-    print('FAIL - messages: %s: %s' % (name, str(why).replace('\n', ' ')[:500]))
-
-
-def send(method, path, body=None, headers=None):
-    """(status, headers, text) of a request to the server."""
-    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data, {'Content-Type': 'application/json', **(headers or {})}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.headers, r.read().decode('utf-8', 'replace')
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode('utf-8', 'replace')
-
-
-def post(path, body):
-    status, _, text = send('POST', path, body)
-    return status, json.loads(text)
-
-
-def greedy(body, n=16):
-    return dict(body, model=model, max_tokens=n, temperature=0)
+start(base, model, 'messages')
 
 
 SCHEMA = {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}
@@ -92,19 +64,6 @@ def same_answer(name, msg, chat):
     if u['input_tokens'] + u['cache_read_input_tokens'] != cu['prompt_tokens'] or u['output_tokens'] != cu['completion_tokens']:
         return 'usage %r, the chat usage %r' % (u, cu)
     return None
-
-
-def events_of(text):
-    """The (name, data) pairs of an event stream; raises on a malformed one."""
-    out = []
-    assert text.endswith('\n\n'), 'the stream does not end in a blank line'
-    for ev in text[:-2].split('\n\n'):
-        lines = ev.split('\n')
-        assert len(lines) == 2 and lines[0].startswith('event: ') and lines[1].startswith('data: '), 'not an event: %r' % ev[:100]
-        data = json.loads(lines[1][6:])
-        assert data['type'] == lines[0][7:], 'event %r holds %r' % (lines[0], data['type'])
-        out.append((lines[0][7:], data))
-    return out
 
 
 def rebuild(events):
@@ -393,4 +352,4 @@ first = answers[0][0]
 with open(expect_path, 'w') as f:
     json.dump({'system': CASES[0][1]['system'], 'messages': CASES[0][1]['messages'], 'n': 16, 'text': blocks_of(first.get('content', []))[1],
                'stop_reason': first.get('stop_reason'), 'prompt_tokens': answers[0][1]['usage']['prompt_tokens']}, f)
-sys.exit(1 if failed else 0)
+sys.exit(1 if serve_api.failed else 0)

@@ -344,15 +344,26 @@ static void name(struct fcase *c, const char *fmt, ...)
     "[{\"type\":\"tool_result\",\"tool_use_id\":\"a\",\"content\":[{\"type\":\"text\",\"text\":\"r\"}]},{\"type\":\"text\",\"text\":"     \
     "\"go\"}]}],\"thinking\":{\"type\":\"adaptive\"}}"
 
+/* A Responses request shaped as Codex sends one: developer messages, a turn's reasoning, text and call, its output, tools
+ * of every kind (function, namespace, hosted): for the responses cases and mutation. */
+#define RESPONSES_BODY                                                                                                                 \
+    "{\"max_output_tokens\":2,\"input\":[{\"type\":\"message\",\"role\":\"developer\",\"content\":[{\"type\":\"input_text\",\"text\":\"d\"}]},"      \
+    "{\"role\":\"user\",\"content\":\"x\"},{\"type\":\"reasoning\",\"summary\":[],\"content\":[{\"type\":\"reasoning_text\",\"text\":\"t\"}]},"    \
+    "{\"type\":\"message\",\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":\"a\"}]},{\"type\":\"function_call\","         \
+    "\"call_id\":\"c\",\"name\":\"f\",\"arguments\":\"{}\"},{\"type\":\"function_call_output\",\"call_id\":\"c\",\"output\":\"r\"}],"           \
+    "\"tools\":[{\"type\":\"function\",\"name\":\"f\",\"parameters\":{\"type\":\"object\"}},{\"type\":\"namespace\",\"name\":\"n\",\"tools\":" \
+    "[{\"type\":\"function\",\"name\":\"g\"}]},{\"type\":\"web_search\"}],\"reasoning\":{\"effort\":\"low\"},\"store\":false}"
+
 /* Any valid request, for truncation and mutation. */
 static void valid_request(struct buf *b, uint64_t *r)
 {
     struct buf body = {0};
-    switch (rnd(r, 5)) {
+    switch (rnd(r, 6)) {
     case 0: get(b, "/health", NULL); break;
     case 1: get(b, "/v1/models", "Connection: close\r\n"); break;
     case 2: chat_body(&body, r, (int)rnd(r, 2)), post(b, "/v1/chat/completions", body.p, body.n, NULL); break;
     case 3: post(b, "/v1/messages", ANTHROPIC_BODY, strlen(ANTHROPIC_BODY), NULL); break;
+    case 4: post(b, "/v1/responses", RESPONSES_BODY, strlen(RESPONSES_BODY), NULL); break;
     default: completion_body(&body, r, 0), post(b, "/v1/completions", body.p, body.n, NULL); break;
     }
     free(body.p);
@@ -692,6 +703,41 @@ static void gen_messages(struct fcase *c, uint64_t *r)
     post(&c->req, path, ms[k].body, strlen(ms[k].body), NULL);
 }
 
+/* OpenAI's /v1/responses: bodies valid (every item and tool kind, streamed too), odd and wrong in each field. An error
+ * comes in OpenAI's shape; a 200 is a response (or its events). */
+static void gen_responses(struct fcase *c, uint64_t *r)
+{
+#define U "{\"role\":\"user\",\"content\":\"x\"}"
+    static const struct { const char *body, *expect; } rs[] = {
+        {"{\"max_output_tokens\":2,\"input\":\"x\"}", GEN}, {"{\"max_output_tokens\":2,\"instructions\":\"s\",\"stream\":true,\"input\":[" U "]}", GEN},
+        {RESPONSES_BODY, GEN " 400"}, /* 400: its tools block may not fit a small -c */
+        {"{\"max_output_tokens\":2,\"input\":[" U ",{\"role\":\"system\",\"content\":\"late\"}," U "]}", GEN},
+        {"{\"max_output_tokens\":2,\"input\":[{\"type\":\"reasoning\",\"summary\":[{\"type\":\"summary_text\",\"text\":\"s\"}]}," U "]}", GEN},
+        {"{\"max_output_tokens\":2,\"input\":[{\"type\":\"reasoning\",\"encrypted_content\":\"e\"}," U "]}", GEN},
+        {"{\"max_output_tokens\":1,\"input\":\"x\",\"text\":{\"format\":{\"type\":\"json_schema\",\"name\":\"n\",\"schema\":{\"type\":\"object\"}}}}", GEN},
+        {"{\"max_output_tokens\":1,\"input\":\"x\",\"text\":{\"format\":{\"type\":\"json_object\"}}}", GEN},
+        {"{\"max_output_tokens\":1,\"input\":\"x\",\"reasoning\":{\"effort\":\"none\"},\"tool_choice\":\"none\"}", GEN},
+        {"{\"input\":\"x\",\"previous_response_id\":\"resp_1\"}", "400"}, {"{\"input\":\"x\",\"background\":true}", "400"},
+        {"{\"input\":\"x\",\"max_output_tokens\":0}", "400"}, {"{\"input\":5}", "400"}, {"{\"input\":null}", "400"}, {"{}", "400"},
+        {"{\"input\":[null]}", "400"}, {"{\"input\":[{\"type\":\"item_reference\",\"id\":\"i\"}]}", "400"},
+        {"{\"input\":[{\"role\":\"user\",\"content\":[{\"type\":\"input_file\"}]}]}", "400"}, {"{\"input\":[{\"role\":\"user\",\"content\":{}}]}", "400"},
+        {"{\"input\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":5}]}]}", "400"},
+        {"{\"input\":[{\"type\":\"function_call\",\"name\":\"f\",\"arguments\":{}}]}", "400"},
+        {"{\"input\":[{\"type\":\"function_call_output\",\"output\":\"r\"}]}", "400"}, {"{\"input\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "400"},
+        {"{\"input\":\"x\",\"instructions\":[]}", "400"}, {"{\"input\":\"x\",\"tools\":{}}", "400"}, {"{\"input\":\"x\",\"tools\":[{\"type\":\"function\"}]}", "400"},
+        {"{\"input\":\"x\",\"tool_choice\":{\"type\":\"file_search\"}}", "400"}, {"{\"input\":\"x\",\"reasoning\":{\"effort\":7}}", "400"},
+        {"{\"input\":\"x\",\"text\":{\"format\":{\"type\":\"xml\"}}}", "400"}, {"{\"input\":[],\"max_output_tokens\":1}", GEN " 400"},
+        {"{\"input\":\"\\u0000\",\"max_output_tokens\":1}", GEN " 400"},
+    };
+#undef U
+    unsigned k = rnd(r, sizeof rs / sizeof *rs);
+    c->expect[0] = rs[k].expect;
+    c->body_has = "\"object\":\"response\"";
+    c->error_has = "{\"error\":{";
+    name(c, "%.60s", rs[k].body);
+    post(&c->req, "/v1/responses", rs[k].body, strlen(rs[k].body), NULL);
+}
+
 /* Valid JSON with a wrong type (or a bad value) in one field: 400 whose error.param names it. */
 static void gen_wrong_type(struct fcase *c, uint64_t *r)
 {
@@ -957,6 +1003,7 @@ static const struct category {
     {"version", gen_version, 5},             {"h2_preface", gen_h2, 2},               {"pipeline", gen_pipeline, 5},
     {"random", gen_random, 4},               {"mutate", gen_mutate, 6},               {"valid", gen_valid, 6},
     {"abort", gen_abort, 3},                 {"tokenizer", gen_tokenizer, 3},         {"messages", gen_messages, 4},
+    {"responses", gen_responses, 4},
 };
 #define N_CATS (int)(sizeof cats / sizeof *cats)
 

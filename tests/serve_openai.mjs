@@ -86,6 +86,28 @@ await check('response_format json_schema: the text an object the schema admits (
     return c.finish_reason === 'stop' && ['red', 'blue'].includes(v.c) && Object.keys(v).join() === 'c' ? null : `${c.finish_reason}: ${show(c.text)}`;
 });
 
+const respReq = { model, input: want.chat_prompt, max_output_tokens: want.n, temperature: 0 };
+await check('responses.create: output_text the greedy text of coli run --chat', async () => {
+    const r = await client.responses.create(respReq);
+    if (r.object !== 'response' || !['completed', 'incomplete'].includes(r.status)) return `object ${show(r.object)}, status ${show(r.status)}`;
+    if (r.output_text !== want.chat_text) return `output_text ${show(r.output_text)}, want ${show(want.chat_text)}`;
+    const u = r.usage;
+    if (!u || u.input_tokens + u.output_tokens !== u.total_tokens) return `usage ${show(u)}`;
+    return null;
+});
+
+await check('responses.stream: its deltas and finalResponse() (the SDK accumulates every event) the same text', async () => {
+    const stream = client.responses.stream(respReq);
+    let deltas = '';
+    let last = null; // the response of the stream's last event (an answer cut at max_output_tokens ends in response.incomplete)
+    stream.on('response.output_text.delta', (e) => { deltas += e.delta; });
+    stream.on('event', (e) => { last = e.response ?? last; });
+    const r = await stream.finalResponse();
+    const text = r.output.filter((it) => it.type === 'message').flatMap((it) => it.content).map((p) => p.text).join('');
+    if (text !== want.chat_text || deltas !== want.chat_text) return `text ${show(text)}, deltas ${show(deltas)}, want ${show(want.chat_text)}`;
+    return ['completed', 'incomplete'].includes(last?.status) && last.usage?.output_tokens > 0 ? null : `the last event's response ${show(last)}`;
+});
+
 await check('a bad parameter: APIError (BadRequestError) with status 400, param max_tokens', async () => {
     try {
         await client.chat.completions.create({ ...chatReq, max_tokens: 'x' });

@@ -797,11 +797,35 @@ static char *render_chat(enum tok_template kind, const char *text, struct serve_
     return out;
 }
 
+/* A request of another API (Anthropic's, Responses) beside the chat request it means, written by hand. */
+struct request_pair { const char *name, *request, *chat; };
+struct refusal { const char *body, *words; };
+typedef char *request_fn(const struct json *body, struct serve_error *e);
+
+/* Whether each of N PAIRS' requests, translated by FN, renders the prompt of its chat request, byte for byte, in both
+ * templates (each that does not, said). */
+static int same_prompts(const struct request_pair *pairs, size_t n, request_fn *fn)
+{
+    int same = 0, count = 0;
+    for (size_t i = 0; i < n; i++)
+        for (enum tok_template kind = TOK_TEMPLATE_QWEN35; kind <= TOK_TEMPLATE_QWEN36; kind++, count++) {
+            struct serve_error e = {0};
+            struct json *body = serve_parse_body(pairs[i].request, strlen(pairs[i].request), &e);
+            char *chat = body ? fn(body, &e) : NULL;
+            char *a = chat ? render_chat(kind, chat, &e) : NULL, *b = render_chat(kind, pairs[i].chat, &e);
+            same += a && b && !strcmp(a, b);
+            if (!(a && b && !strcmp(a, b))) printf("# %s (%s): %s\n#  vs %s\n", pairs[i].name, tok_template_names[kind], a ? a : e.message, b ? b : e.message);
+            json_free(body);
+            free(chat), free(a), free(b);
+        }
+    return same == count;
+}
+
 /* Anthropic requests against the chat requests they mean, written by hand: each renders the same prompt, byte for
  * byte, in both templates; the options map to their chat fields; what cannot be translated is refused by name. */
 static void test_messages_request(void)
 {
-    static const struct { const char *name, *anthropic, *chat; } pairs[] = {
+    static const struct request_pair pairs[] = {
         {"system string", "{\"system\":\"Be brief.\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}",
          "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]}"},
         {"text blocks", "{\"system\":[{\"type\":\"text\",\"text\":\"A\"},{\"type\":\"text\",\"text\":\"B\",\"cache_control\":{\"type\":\"ephemeral\"}}],"
@@ -841,31 +865,37 @@ static void test_messages_request(void)
          "{\"messages\":[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"user\",\"content\":\"reminder\"},"
          "{\"role\":\"assistant\",\"content\":\"a1\"},{\"role\":\"user\",\"content\":\"u2\"}]}"},
     };
-    int same = 0, n = 0;
-    for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++)
-        for (enum tok_template kind = TOK_TEMPLATE_QWEN35; kind <= TOK_TEMPLATE_QWEN36; kind++, n++) {
-            struct serve_error e = {0};
-            struct json *body = serve_parse_body(pairs[i].anthropic, strlen(pairs[i].anthropic), &e);
-            char *chat = body ? serve_messages_request(body, &e) : NULL;
-            char *a = chat ? render_chat(kind, chat, &e) : NULL, *b = render_chat(kind, pairs[i].chat, &e);
-            same += a && b && !strcmp(a, b);
-            if (!(a && b && !strcmp(a, b))) printf("# %s (%s): %s\n#  vs %s\n", pairs[i].name, tok_template_names[kind], a ? a : e.message, b ? b : e.message);
-            json_free(body);
-            free(chat), free(a), free(b);
-        }
-    check(same == n, "messages: Anthropic requests render the prompts of the chat requests they mean", "%d of %d", same, n);
+    check(same_prompts(pairs, sizeof pairs / sizeof *pairs, serve_messages_request),
+          "messages: Anthropic requests render the prompts of the chat requests they mean", "");
 }
 
-/* BODY (an Anthropic request) translated and parsed back, or NULL with E set. */
-static struct json *translate(const char *body_text, struct serve_error *e)
+/* BODY (a request of another API) translated by FN and parsed back, or NULL with E set. */
+static struct json *translate_by(request_fn *fn, const char *body_text, struct serve_error *e)
 {
     const char *why;
     struct json *body = serve_parse_body(body_text, strlen(body_text), e);
-    char *chat = body ? serve_messages_request(body, e) : NULL;
+    char *chat = body ? fn(body, e) : NULL;
     struct json *out = chat ? json_parse(chat, strlen(chat), &why) : NULL;
     json_free(body);
     free(chat);
     return out;
+}
+
+static struct json *translate(const char *body_text, struct serve_error *e) { return translate_by(serve_messages_request, body_text, e); }
+
+/* Whether each of N bodies, translated by FN, is a 400 whose message holds its words (each that is not, said). */
+static int all_refused(const struct refusal *refused, size_t n, request_fn *fn)
+{
+    size_t right = 0;
+    for (size_t i = 0; i < n; i++) {
+        struct serve_error e = {0};
+        struct json *a = translate_by(fn, refused[i].body, &e);
+        int ok = !a && e.status == 400 && strstr(e.message, refused[i].words);
+        if (!ok) printf("# %s: %s\n", refused[i].body, a ? "translated" : e.message);
+        right += ok;
+        json_free(a);
+    }
+    return right == n;
 }
 
 static double number_at(const struct json *v) { return v && v->kind == JSON_NUMBER ? v->number : -1; }
@@ -873,7 +903,7 @@ static double number_at(const struct json *v) { return v && v->kind == JSON_NUMB
 /* The options of Anthropic requests as their chat fields; what cannot be translated refused with words that name it. */
 static void test_messages_options(void)
 {
-    static const struct { const char *body, *words; } refused[] = {
+    static const struct refusal refused[] = {
         {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "'role' must be"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"system\",\"content\":[{\"type\":\"image\"}]}]}", "system messages"},
         {"{\"messages\":[],\"tools\":[{\"type\":\"web_search_20250305\",\"name\":\"web_search\"}]}", "server tools"},
@@ -910,17 +940,7 @@ static void test_messages_options(void)
     check(a && tok_json_is(json_get(a, "tool_choice"), "none") && json_get(json_get(json_get(a, "response_format"), "json_schema"), "schema"),
           "messages: tool_choice none, output_config.format", "%s", a ? "" : e.message);
     json_free(a);
-    int right = 0;
-    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
-        memset(&e, 0, sizeof e);
-        a = translate(refused[i].body, &e);
-        int ok = !a && e.status == 400 && strstr(e.message, refused[i].words);
-        if (!ok) printf("# %s: %s\n", refused[i].body, a ? "translated" : e.message);
-        right += ok;
-        json_free(a);
-    }
-    check(right == (int)(sizeof refused / sizeof *refused), "messages: what cannot be translated is a 400 naming it", "%d of %zu", right,
-          sizeof refused / sizeof *refused);
+    check(all_refused(refused, sizeof refused / sizeof *refused, serve_messages_request), "messages: what cannot be translated is a 400 naming it", "");
 }
 
 /* Element I of list V, or NULL. */
@@ -1038,6 +1058,173 @@ static void test_messages_answer(void)
     free(j.text);
 }
 
+/* Responses requests against the chat requests they mean, written by hand: each renders the same prompt, byte for byte,
+ * in both templates (the items grouped into turns as a chat client would send them); the options map to their chat
+ * fields; what cannot be translated is refused by name. */
+static void test_responses_request(void)
+{
+    static const struct request_pair pairs[] = {
+        {"instructions and the opening developer and system messages one system message, a later one a user turn",
+         "{\"instructions\":\"I\",\"input\":[{\"role\":\"developer\",\"content\":\"D1\"},{\"type\":\"message\",\"role\":\"system\",\"content\":"
+         "[{\"type\":\"input_text\",\"text\":\"D2\"}]},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"developer\",\"content\":\"late\"},"
+         "{\"role\":\"user\",\"content\":[{\"type\":\"input_text\",\"text\":\"u\"},{\"type\":\"input_text\",\"text\":\"2\"}]}]}",
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"I\\n\\nD1\\n\\nD2\"},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"user\",\"content\":\"late\"},"
+         "{\"role\":\"user\",\"content\":\"u2\"}]}"},
+        {"a turn's reasoning, text and calls one assistant message, their outputs tool messages; tools of a namespace flattened, "
+         "hosted ones left out",
+         "{\"tools\":[{\"type\":\"function\",\"name\":\"f\",\"description\":\"F\",\"parameters\":{\"type\":\"object\"},\"strict\":true},{\"type\":\"namespace\","
+         "\"name\":\"ns\",\"description\":\"N\",\"tools\":[{\"type\":\"function\",\"name\":\"g\",\"parameters\":{\"type\":\"object\",\"properties\":"
+         "{\"k\":{\"type\":\"string\"}}}}]},{\"type\":\"web_search\"},{\"type\":\"custom\",\"name\":\"apply_patch\"}],\"reasoning\":{\"effort\":\"high\"},"
+         "\"input\":[{\"role\":\"user\",\"content\":\"q\"},{\"type\":\"reasoning\",\"id\":\"rs_1\",\"summary\":[{\"type\":\"summary_text\",\"text\":\"S\"}],"
+         "\"content\":[{\"type\":\"reasoning_text\",\"text\":\"R\"}]},{\"type\":\"message\",\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\","
+         "\"text\":\"T\",\"annotations\":[]}]},{\"type\":\"function_call\",\"call_id\":\"a\",\"name\":\"f\",\"arguments\":\"{}\"},{\"type\":\"function_call\","
+         "\"call_id\":\"b\",\"name\":\"g\",\"arguments\":\"{\\\"k\\\":\\\"v\\\"}\"},{\"type\":\"function_call_output\",\"call_id\":\"a\",\"output\":\"r1\"},"
+         "{\"type\":\"function_call_output\",\"call_id\":\"b\",\"output\":[{\"type\":\"input_text\",\"text\":\"r2\"}]}]}",
+         "{\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"description\":\"F\",\"parameters\":{\"type\":\"object\"}}},{\"type\":\"function\","
+         "\"function\":{\"name\":\"g\",\"parameters\":{\"type\":\"object\",\"properties\":{\"k\":{\"type\":\"string\"}}}}}],\"chat_template_kwargs\":"
+         "{\"enable_thinking\":true},\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"T\",\"reasoning_content\":\"R\","
+         "\"tool_calls\":[{\"id\":\"a\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}},{\"id\":\"b\",\"type\":\"function\","
+         "\"function\":{\"name\":\"g\",\"arguments\":\"{\\\"k\\\":\\\"v\\\"}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"a\",\"content\":\"r1\"},"
+         "{\"role\":\"tool\",\"tool_call_id\":\"b\",\"content\":\"r2\"}]}"},
+        {"items out of a turn's order start another assistant message; a summary stands in for reasoning text; encrypted reasoning adds nothing",
+         "{\"reasoning\":{\"effort\":\"low\"},\"input\":[{\"role\":\"user\",\"content\":\"q\"},{\"type\":\"reasoning\",\"encrypted_content\":\"zz\"},"
+         "{\"role\":\"assistant\",\"content\":\"A1\"},{\"type\":\"reasoning\",\"summary\":[{\"type\":\"summary_text\",\"text\":\"S1\"},{\"type\":"
+         "\"summary_text\",\"text\":\"S2\"}]},{\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":\"A2\"},{\"type\":\"refusal\","
+         "\"refusal\":\" no\"}]},{\"role\":\"assistant\",\"content\":\"A3\"}]}",
+         "{\"chat_template_kwargs\":{\"enable_thinking\":true},\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"A1\"},"
+         "{\"role\":\"assistant\",\"content\":\"A2 no\",\"reasoning_content\":\"S1\\n\\nS2\"},{\"role\":\"assistant\",\"content\":\"A3\"}]}"},
+        {"a string input, reasoning.effort none",
+         "{\"input\":\"hi\",\"reasoning\":{\"effort\":\"none\",\"summary\":\"auto\"},\"store\":false,\"include\":[\"reasoning.encrypted_content\"]}",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}"},
+    };
+    static const struct refusal refused[] = {
+        {"{\"input\":\"x\",\"previous_response_id\":\"resp_1\"}", "stores no responses"}, {"{\"input\":\"x\",\"conversation\":{\"id\":\"c\"}}", "stores no"},
+        {"{\"input\":\"x\",\"background\":true}", "'background'"}, {"{\"instructions\":\"x\"}", "'input' must be"},
+        {"{\"input\":[{\"type\":\"item_reference\",\"id\":\"x\"}]}", "'item_reference' are not supported"},
+        {"{\"input\":[{\"role\":\"user\",\"content\":[{\"type\":\"input_file\",\"file_id\":\"f\"}]}]}", "'input_file'"},
+        {"{\"input\":[{\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\"}]}]}", "has no text"},
+        {"{\"input\":[{\"type\":\"function_call\",\"name\":\"f\",\"arguments\":\"{}\"}]}", "'call_id'"},
+        {"{\"input\":[{\"type\":\"function_call_output\",\"output\":\"r\"}]}", "'call_id'"},
+        {"{\"input\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "'role' must be"}, {"{\"input\":\"x\",\"instructions\":5}", "'instructions'"},
+        {"{\"input\":\"x\",\"tools\":[{\"type\":\"function\"}]}", "needs a 'name'"}, {"{\"input\":\"x\",\"tool_choice\":{\"type\":\"web_search\"}}", "hosted"},
+        {"{\"input\":\"x\",\"reasoning\":{\"effort\":\"max\"}}", "'reasoning.effort'"}, {"{\"input\":\"x\",\"text\":{\"format\":{\"type\":\"yaml\"}}}", "'text.format'"},
+        {"{\"input\":\"x\",\"max_output_tokens\":0}", "'max_output_tokens'"},
+    };
+    check(same_prompts(pairs, sizeof pairs / sizeof *pairs, serve_responses_request),
+          "responses: Responses requests render the prompts of the chat requests they mean", "");
+    struct serve_error e = {0};
+    struct json *a = translate_by(serve_responses_request, "{\"input\":\"x\",\"max_output_tokens\":7,\"temperature\":0.5,\"top_k\":3,\"parallel_tool_calls\":"
+                                  "false,\"tool_choice\":{\"type\":\"function\",\"name\":\"g\"},\"text\":{\"format\":{\"type\":\"json_schema\",\"name\":\"n\","
+                                  "\"schema\":{\"type\":\"object\"},\"strict\":true}},\"metadata\":{\"k\":\"v\"},\"prompt_cache_key\":\"p\"}", &e);
+    const struct json *parallel = json_get(a, "parallel_tool_calls");
+    check(a && number_at(json_get(a, "max_tokens")) == 7 && number_at(json_get(a, "temperature")) == 0.5 && number_at(json_get(a, "top_k")) == 3 &&
+              parallel && parallel->kind == JSON_BOOL && !parallel->boolean &&
+              tok_json_is(json_get(json_get(json_get(a, "tool_choice"), "function"), "name"), "g") &&
+              tok_json_is(json_get(json_get(json_get(json_get(a, "response_format"), "json_schema"), "schema"), "type"), "object") &&
+              !json_get(a, "metadata") && !json_get(a, "prompt_cache_key"),
+          "responses: max_output_tokens is max_tokens, sampling passes, tool_choice function, text.format's schema", "%s", a ? "" : e.message);
+    json_free(a);
+    check(all_refused(refused, sizeof refused / sizeof *refused, serve_responses_request), "responses: what cannot be translated is a 400 naming it", "");
+}
+
+/* Items I and K's texts, names, namespaces, arguments and types alike (their ids aside). */
+static int same_item(const struct json *a, const struct json *b)
+{
+    static const char *const keys[] = {"type", "name", "namespace", "arguments", "status", "role"};
+    for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
+        const struct json *x = json_get(a, keys[k]), *y = json_get(b, keys[k]);
+        if (!x != !y || (x && (x->kind != JSON_STRING || !tok_json_is(y, x->str)))) return 0;
+    }
+    const struct json *x = json_get(nth(json_get(a, "content"), 0), "text"), *y = json_get(nth(json_get(b, "content"), 0), "text");
+    return !x == !y && (!x || tok_json_is(y, x->str));
+}
+
+/* A reasoning, text and two-call answer (one call of a namespace's tool) as a response, whole and as a stream of events
+ * fed in pieces of 5 bytes: the items, usage (reasoning_tokens) and status; the stream's events, named as their data's
+ * types and numbered in order, whose deltas build each item's text, end in response.completed with the same items. */
+static void test_responses_answer(void)
+{
+    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}},"
+                                "{\"type\":\"function\",\"function\":{\"name\":\"set_alarm\",\"parameters\":{\"type\":\"object\"}}}]";
+    static const char asked[] = "{\"tools\":[{\"type\":\"function\",\"name\":\"get_weather\"},{\"type\":\"namespace\",\"name\":\"clock\",\"tools\":"
+                                "[{\"type\":\"function\",\"name\":\"set_alarm\"}]}]}";
+    static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
+                               "</function>\n</tool_call>\n<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n</function>\n</tool_call>";
+    struct serve srv;
+    struct serve_job j;
+    const char *why;
+    memset(&srv, 0, sizeof srv);
+    memset(&j, 0, sizeof j);
+    srv.model_id = "m";
+    j.body = json_parse(tools, strlen(tools), &why);
+    j.asked = json_parse(asked, strlen(asked), &why);
+    j.tools = j.body;
+    j.think = 1, j.done = 1;
+    j.answer.part = SERVE_PART_REASONING;
+    j.text = plat_strdup(text);
+    j.len = strlen(text);
+    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 30, j.gen.n_thought = 6;
+    size_t n;
+    char *out = serve_response_json(&srv, &j, &n);
+    struct json *whole = json_parse(out, n, &why);
+    const struct json *items = json_get(whole, "output"), *usage = json_get(whole, "usage");
+    check(whole && tok_json_is(json_get(whole, "object"), "response") && tok_json_is(json_get(whole, "status"), "completed") &&
+              tok_json_is(json_get(nth(items, 0), "type"), "reasoning") && tok_json_is(json_get(nth(json_get(nth(items, 0), "content"), 0), "text"), "Let me see.") &&
+              tok_json_is(json_get(nth(json_get(nth(items, 1), "content"), 0), "text"), "Checking.") &&
+              tok_json_is(json_get(nth(items, 2), "name"), "get_weather") && !json_get(nth(items, 2), "namespace") &&
+              tok_json_is(json_get(nth(items, 2), "arguments"), "{\"city\": \"Bern\"}") && tok_json_is(json_get(nth(items, 3), "namespace"), "clock") &&
+              tok_json_is(json_get(nth(items, 3), "arguments"), "{\"hour\": 7}") && !nth(items, 4) &&
+              number_at(json_get(usage, "input_tokens")) == 10 && number_at(json_get(json_get(usage, "input_tokens_details"), "cached_tokens")) == 4 &&
+              number_at(json_get(json_get(usage, "output_tokens_details"), "reasoning_tokens")) == 6 && number_at(json_get(usage, "total_tokens")) == 40,
+          "responses: an answer's reasoning, message and function_call items (a namespace named), status, usage", "%.700s", out);
+    serve_answer_free(&j.answer);
+    j.answer.part = SERVE_PART_REASONING;
+    struct serve_resp_out o = {{{0, 0}, 0}, NULL, 0, 0, -1, 0};
+    char *events = NULL;
+    size_t len;
+    FILE *f = open_memstream(&events, &len);
+    for (size_t at = 0; at < j.len; at += 5) {
+        size_t piece = j.len - at < 5 ? j.len - at : 5;
+        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
+        serve_resp_events(f, &j, 1, &o);
+    }
+    serve_resp_finish(f, &j, 1, &o);
+    serve_resp_state(f, &srv, &j, 1, 0, &o, "response.completed", "completed");
+    fclose(f);
+    struct tok_buf built[4] = {{0}};
+    int named = 1, numbered = 1, count = 0, same = 0;
+    for (char *ev = events, *end; ev && *ev; ev = end + 2, count++) {
+        end = strstr(ev, "\n\n");
+        char *nl = strchr(ev, '\n');
+        if (!end || !nl || strncmp(ev, "event: ", 7) || strncmp(nl + 1, "data: ", 6)) { named = 0; break; }
+        *end = 0, *nl = 0;
+        struct json *d = json_parse(nl + 7, strlen(nl + 7), &why);
+        const char *type = json_get(d, "type") ? json_get(d, "type")->str : "";
+        int k = (int)number_at(json_get(d, "output_index"));
+        named &= d && !strcmp(type, ev + 7);
+        numbered &= number_at(json_get(d, "sequence_number")) == count;
+        if (strstr(type, ".delta") && k >= 0 && k < 4) tok_buf_put(&built[k], json_get(d, "delta")->str, json_get(d, "delta")->len);
+        if (!strcmp(type, "response.completed")) {
+            const struct json *final = json_get(json_get(d, "response"), "output");
+            for (int i = 0; i < 4; i++) {
+                const struct json *it = nth(final, i), *t = json_get(nth(json_get(it, "content"), 0), "text");
+                const struct json *piece = t ? t : json_get(it, "arguments");
+                same += same_item(it, nth(items, i)) && piece && built[i].p && !strcmp(piece->str, built[i].p);
+            }
+            same -= nth(final, 4) != NULL;
+        }
+        json_free(d);
+    }
+    check(named && numbered && same == 4, "responses: the stream's events, numbered in order, build the same items and end in response.completed",
+          "named %d, numbered %d, %d of 4 items the same", named, numbered, same);
+    for (int k = 0; k < 4; k++) free(built[k].p);
+    free(o.items), free(events), free(out);
+    json_free(whole);
+    serve_answer_free(&j.answer);
+    json_free(j.body), json_free(j.asked);
+    free(j.text);
+}
+
 /* continue_final_message (and an Anthropic request whose last message is the assistant's: a prefill): the prompt is the
  * conversation before that message, its generation prompt with thinking off, and the message's content, open; in both
  * templates. Without an assistant's message last it is a 400. */
@@ -1137,6 +1324,8 @@ int main(int argc, char **argv)
     test_messages_request();
     test_messages_options();
     test_messages_answer();
+    test_responses_request();
+    test_responses_answer();
     test_continue_final_message();
     test_loading_answers();
     char probe[1024];

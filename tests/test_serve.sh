@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # test_serve: `coli serve` end to end, over loopback only: the OpenAI-compatible endpoints, greedy
 # output identical to `coli run`, streaming, stop strings, parallel slots, errors and malformed
-# HTTP, the API key, SIGTERM, the official `openai` npm client (tests/serve_openai.mjs), and the Anthropic Messages API
-# against the chat requests it means (tests/serve_anthropic.py) and through `@anthropic-ai/sdk` (tests/serve_anthropic.mjs).
+# HTTP, the API key, SIGTERM, the official `openai` npm client (tests/serve_openai.mjs), the Anthropic Messages API
+# against the chat requests it means (tests/serve_anthropic.py) and through `@anthropic-ai/sdk` (tests/serve_anthropic.mjs),
+# and OpenAI's Responses API against the chat requests it means (tests/serve_responses.py).
 # usage: tests/test_serve.sh ./coli GOLDEN_DIR [--fuzz-bin PATH]
 # Needs curl and python3 (JSON); node + npm for the two clients (skipped without them, or when
 # the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds them.
@@ -761,11 +762,12 @@ else
     client "openai client script" "$tmp/node.out" timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json"
 fi
 
-# --- the Anthropic Messages API: a server with room for a tools block in its context (-c 1024), a default thinking
-# budget that a thinking request without its own is held to, and a ping every 5 ms a stream is quiet (every stream
-# below, and the SDK's, reads them)
+# --- the Anthropic Messages API and OpenAI's Responses API: a server with room for a tools block in its context (-c
+# 1024), a default thinking budget that a thinking request without its own is held to, and a ping every 5 ms a stream is
+# quiet (every stream below, and the SDK's, reads them; a Responses stream's are response.in_progress events)
 if COLI_PING_SECONDS=0.005 start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think --reasoning-budget 40; then
     client "serve_anthropic.py" "$tmp/anth.out" timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
+    client "serve_responses.py" "$tmp/resp.out" timeout 120 python3 "$HERE/serve_responses.py" "http://127.0.0.1:$sport" "$MODEL_ID"
     if [ -n "$npm_skip" ]; then
         ok "anthropic client # SKIP $npm_skip"
     elif [ ! -d "$npm_prefix/node_modules/@anthropic-ai/sdk" ]; then
