@@ -19,7 +19,8 @@
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens; JSON values (json_); the chat templates
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
  *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch; the prompt cache
- *   §12 serve      serve_   the OpenAI-compatible HTTP server (and Anthropic's Messages API): HTTP/1.1, the job queue, streaming, tool calls
+ *   §12 serve      serve_   the OpenAI-compatible HTTP server (and Anthropic's Messages API, OpenAI's Responses API): HTTP/1.1, the job
+ *                           queue, streaming, tool calls
  *   §13 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize; synthetic models (--synthetic)
  *   §14 main       arg_     argument parsing and dispatch
  *
@@ -18251,7 +18252,8 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 /* Owns: `coli serve`, the OpenAI-compatible HTTP server: listening socket, a thread per connection, HTTP/1.1 read under
  *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
  *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize;
- *   and Anthropic's Messages API (/v1/messages), translated into the chat request it means.
+ *   and Anthropic's Messages API (/v1/messages) and OpenAI's Responses API (/v1/responses), each translated into the chat
+ *   request it means.
  * Promises: after start-up nothing here dies: a bad request gets an error in its API's shape. Connection threads never touch
  *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
@@ -19653,10 +19655,10 @@ static char *serve_answer_json(struct serve *srv, struct serve_job *j, size_t *n
     return out;
 }
 
-/* The error of a failed generation (say, model file unreadable: 500) or one cancelled by shutdown (503). */
 /* Whether J was cancelled for a client that left (serve_job_wait saw it shut its side), not by shutdown. */
 static int serve_client_left(const struct serve_job *j) { return j->gen.stop == ENGINE_STOP_CANCEL && !serve_stopping; }
 
+/* The error of a failed generation (say, model file unreadable: 500) or one cancelled by shutdown (503). */
 static struct serve_error serve_gen_error(const struct serve_job *j)
 {
     struct serve_error e = {500, "server_error", "generation_failed", "", ""};
@@ -19682,6 +19684,19 @@ static int serve_write_chunk(int fd, const char *p, size_t n)
     char head[24];
     int h = snprintf(head, sizeof head, "%zx\r\n", n);
     return serve_write(fd, head, (size_t)h) || serve_write(fd, p, n) || serve_write(fd, "\r\n", 2) ? -1 : 0;
+}
+
+/* P[0..n) as the last chunk of a chunked body, and the body's end, in one write: a client that closes once it has read
+ * the last event (Codex does) is not taken for one that left. */
+static int serve_write_last_chunk(int fd, const char *p, size_t n)
+{
+    char *out = plat_alloc(n + 32);
+    size_t h = n ? (size_t)sprintf(out, "%zx\r\n", n) : 0;
+    memcpy(out + h, p, n);
+    memcpy(out + h + n, n ? "\r\n0\r\n\r\n" : "0\r\n\r\n", n ? 7 : 5);
+    int r = serve_write(fd, out, h + n + (n ? 7 : 5));
+    free(out);
+    return r;
 }
 
 /* A server-sent event as one chunk of a chunked body. */
@@ -19994,9 +20009,6 @@ static int serve_msg_assistant(struct tok_buf *o, int *count, const struct json 
     return 0;
 }
 
-/* System text S (a string or text blocks: the request's `system`, or a system message's content) as a message: a system
- * message where it opens the chat, else a user turn in its place (the Qwen templates take a system message first only;
- * Claude Code sends system reminders between turns). None if empty. */
 /* Whether text block B is Claude Code's "x-anthropic-billing-header: cc_version=...; cch=NONCE;": its nonce changes every
  * request, so a prompt opening with it would share no prefix with the last one (nothing reused, all computed again);
  * it says nothing to the model. */
@@ -20007,6 +20019,9 @@ static int serve_msg_billing(const struct json *b)
     return t && t->kind == JSON_STRING && t->len >= sizeof tag - 1 && !memcmp(t->str, tag, sizeof tag - 1);
 }
 
+/* System text S (a string or text blocks: the request's `system`, or a system message's content) as a message: a system
+ * message where it opens the chat, else a user turn in its place (the Qwen templates take a system message first only;
+ * Claude Code sends system reminders between turns). None if empty. */
 static int serve_msg_system(struct tok_buf *o, int *count, const struct json *s, struct serve_error *e)
 {
     int blocks = s && s->kind == JSON_ARRAY, kept = 0;
@@ -20318,7 +20333,7 @@ static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
     int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
     for (int done = 0;;) {
         fclose(f);
-        if (!gone && len) gone = serve_write_chunk(c->fd, events, len);
+        if (!gone && (len || done)) gone = done ? serve_write_last_chunk(c->fd, events, len) : serve_write_chunk(c->fd, events, len);
         free(events);
         if (gone) j->cancel = 1;
         if (done) break;
@@ -20331,13 +20346,14 @@ static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
         serve_block_events(f, j, id, &b);
         if (done) serve_messages_end(f, j, &b);
     }
-    return gone || serve_write(c->fd, "0\r\n\r\n", 5) || serve_client_left(j) ? -1 : 0;
+    return gone || serve_client_left(j) ? -1 : 0;
 }
 
-/* POST /v1/messages/count_tokens: {"input_tokens": N}, the tokens of an Anthropic request's prompt. */
-static char *serve_count_tokens(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+/* The prompt tokens of the chat request CHAT (JSON text, malloc'd: freed here; NULL: its translation failed, E set) as
+ * "{OBJECT"input_tokens": N}" (malloc'd), or NULL with E set. */
+static char *serve_input_tokens(struct serve *srv, char *chat, const char *object, size_t *n, struct serve_error *e)
 {
-    char *chat = serve_messages_request(body, e), *text = NULL, *out = NULL;
+    char *text = NULL, *out = NULL;
     const char *why;
     struct json *req = chat ? json_parse(chat, strlen(chat), &why) : NULL;
     size_t len;
@@ -20345,7 +20361,7 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
     if (text) {
         int *ids = NULL, count = tok_encode(srv->tok, text, len, 1, &ids);
         FILE *f = open_memstream(&out, n);
-        fprintf(f, "{\"input_tokens\":%d}", count);
+        fprintf(f, "{%s\"input_tokens\":%d}", object, count);
         fclose(f);
         free(ids);
     }
@@ -20353,6 +20369,12 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
     json_free(req);
     free(chat);
     return out;
+}
+
+/* POST /v1/messages/count_tokens: {"input_tokens": N}, the tokens of an Anthropic request's prompt. */
+static char *serve_count_tokens(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    return serve_input_tokens(srv, serve_messages_request(body, e), "", n, e);
 }
 
 /* ---- the OpenAI Responses API ----
@@ -20652,6 +20674,12 @@ static char *serve_responses_request(const struct json *body, struct serve_error
     return bad ? NULL : o.p;
 }
 
+/* E, an error about the chat request's messages, as one about the Responses input they came from. */
+static void serve_resp_param(struct serve_error *e)
+{
+    if (!strcmp(e->param, "messages")) snprintf(e->param, sizeof e->param, "input");
+}
+
 /* A job for a Responses request's body: the chat it means, answered as a response (the body kept: its tools' namespaces). */
 static struct serve_job *serve_responses_job(struct serve *srv, const char *body_text, size_t n, struct serve_error *e)
 {
@@ -20660,7 +20688,7 @@ static struct serve_job *serve_responses_job(struct serve *srv, const char *body
     struct serve_job *j = chat ? serve_job_new(srv, 1, chat, strlen(chat), e) : NULL;
     if (j) j->asked = body;
     else json_free(body);
-    if (!j && !strcmp(e->param, "messages")) snprintf(e->param, sizeof e->param, "input"); /* the chat's messages are the input */
+    if (!j) serve_resp_param(e);
     free(chat);
     return j;
 }
@@ -20907,7 +20935,7 @@ static int serve_responses_stream(struct serve_conn *c, struct serve_job *j)
     int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
     for (int done = 0;;) {
         fclose(f);
-        if (!gone && len) gone = serve_write_chunk(c->fd, events, len);
+        if (!gone && (len || done)) gone = done ? serve_write_last_chunk(c->fd, events, len) : serve_write_chunk(c->fd, events, len);
         free(events);
         if (gone) j->cancel = 1;
         if (done) break;
@@ -20925,7 +20953,17 @@ static int serve_responses_stream(struct serve_conn *c, struct serve_job *j)
                          "response.failed" : "response.incomplete", status);
     }
     free(o.items);
-    return gone || serve_write(c->fd, "0\r\n\r\n", 5) || serve_client_left(j) ? -1 : 0;
+    return gone || serve_client_left(j) ? -1 : 0;
+}
+
+/* POST /v1/responses/input_tokens: {"object": "response.input_tokens", "input_tokens": N}, the tokens of a Responses
+ * request's prompt. */
+static char *serve_resp_input_tokens(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    char *chat = serve_responses_request(body, e);
+    char *out = serve_input_tokens(srv, chat, "\"object\":\"response.input_tokens\",", n, e);
+    if (!out) serve_resp_param(e);
+    return out;
 }
 
 /* What an endpoint does: answers a GET, a POST from the tokenizer or template alone, or a generation's. */
@@ -21160,7 +21198,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         {"/health", "GET", SERVE_GET, NULL}, {"/v1/models", "GET", SERVE_GET, NULL}, {"/metrics", "GET", SERVE_GET, NULL},
         {"/v1/chat/completions", "POST", SERVE_CHAT, NULL}, {"/v1/completions", "POST", SERVE_COMPLETIONS, NULL},
         {"/v1/messages", "POST", SERVE_MESSAGES, NULL}, {"/v1/messages/count_tokens", "POST", SERVE_UTILITY, serve_count_tokens},
-        {"/v1/responses", "POST", SERVE_RESPONSES, NULL},
+        {"/v1/responses", "POST", SERVE_RESPONSES, NULL}, {"/v1/responses/input_tokens", "POST", SERVE_UTILITY, serve_resp_input_tokens},
         {"/apply-template", "POST", SERVE_UTILITY, serve_template_answer}, {"/tokenize", "POST", SERVE_UTILITY, serve_tokenize},
         {"/detokenize", "POST", SERVE_UTILITY, serve_detokenize}};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};

@@ -703,8 +703,8 @@ static void gen_messages(struct fcase *c, uint64_t *r)
     post(&c->req, path, ms[k].body, strlen(ms[k].body), NULL);
 }
 
-/* OpenAI's /v1/responses: bodies valid (every item and tool kind, streamed too), odd and wrong in each field. An error
- * comes in OpenAI's shape; a 200 is a response (or its events). */
+/* OpenAI's /v1/responses and /v1/responses/input_tokens: bodies valid (every item and tool kind, streamed too), odd and
+ * wrong in each field. An error comes in OpenAI's shape; a 200 is a response (or its events), or a count. */
 static void gen_responses(struct fcase *c, uint64_t *r)
 {
 #define U "{\"role\":\"user\",\"content\":\"x\"}"
@@ -731,11 +731,12 @@ static void gen_responses(struct fcase *c, uint64_t *r)
     };
 #undef U
     unsigned k = rnd(r, sizeof rs / sizeof *rs);
-    c->expect[0] = rs[k].expect;
-    c->body_has = "\"object\":\"response\"";
+    int count = rnd(r, 4) == 0; /* input_tokens: no generation, so no 503, and any context holds the prompt */
+    c->expect[0] = !count || !strcmp(rs[k].expect, "400") ? rs[k].expect : "200 400";
+    c->body_has = count ? "\"object\":\"response.input_tokens\"" : "\"object\":\"response\"";
     c->error_has = "{\"error\":{";
-    name(c, "%.60s", rs[k].body);
-    post(&c->req, "/v1/responses", rs[k].body, strlen(rs[k].body), NULL);
+    name(c, "%s %.56s", count ? "count" : "create", rs[k].body);
+    post(&c->req, count ? "/v1/responses/input_tokens" : "/v1/responses", rs[k].body, strlen(rs[k].body), NULL);
 }
 
 /* Valid JSON with a wrong type (or a bad value) in one field: 400 whose error.param names it. */

@@ -1,8 +1,8 @@
 # serve_responses: OpenAI's Responses API (/v1/responses) of a running `coli serve` against its own chat completions
 # (tests/test_serve.sh). Each Responses request goes beside the chat request it means, written here by hand; both
 # greedy, so the two answers must agree: reasoning, text, function calls, status, token counts. Then a stream's events
-# (rebuilt as the SDK's accumulator does), a Codex-shaped history, forced calls of a namespace's tool, JSON output,
-# reasoning_tokens, and refusals. Prints `ok - ...` / `FAIL - ...` lines.
+# (rebuilt as the SDK's accumulator does), a Codex-shaped history, forced calls of a namespace's tool, input_tokens,
+# JSON output, reasoning_tokens, and refusals. Prints `ok - ...` / `FAIL - ...` lines.
 # usage: python3 tests/serve_responses.py BASE_URL MODEL_ID
 import json, sys
 from serve_api import bad, events_of, ok, post, send, start
@@ -172,6 +172,18 @@ for k in (1, 2):
            (CASES[k][0], len(events), sum(n == 'response.in_progress' for n, _ in events)))
     except (AssertionError, ValueError, KeyError, IndexError, TypeError) as e:
         bad('%s, streamed' % CASES[k][0], '%s: %s' % (type(e).__name__, e))
+
+# input_tokens: the prompt's tokens, as the response's usage counts them
+status, d = post('/v1/responses/input_tokens', dict(CASES[1][1], model=model))
+if status == 200 and d == {'object': 'response.input_tokens', 'input_tokens': answers[1]['usage']['input_tokens']}:
+    ok('input_tokens: {"object": "response.input_tokens", "input_tokens": N}, N the prompt tokens of the response')
+else:
+    bad('input_tokens', '%d %r, want %d' % (status, d, answers[1]['usage']['input_tokens']))
+status, d = post('/v1/responses/input_tokens', {'model': model, 'input': 5})
+if status == 400 and d['error']['param'] == 'input':
+    ok('input_tokens of a bad input: 400 naming input')
+else:
+    bad('input_tokens of a bad input', '%d %r' % (status, d))
 
 # the next turn of an agent's loop: the history it sends back (the items it got, then its next message) reuses the
 # last prompt up to its generation prompt, where the re-rendered answer (its thinking dropped) departs
