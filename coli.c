@@ -19691,10 +19691,11 @@ static int serve_write_chunk(int fd, const char *p, size_t n)
 static int serve_write_last_chunk(int fd, const char *p, size_t n)
 {
     char *out = plat_alloc(n + 32);
-    size_t h = n ? (size_t)sprintf(out, "%zx\r\n", n) : 0;
-    memcpy(out + h, p, n);
-    memcpy(out + h + n, n ? "\r\n0\r\n\r\n" : "0\r\n\r\n", n ? 7 : 5);
-    int r = serve_write(fd, out, h + n + (n ? 7 : 5));
+    size_t k = n ? (size_t)sprintf(out, "%zx\r\n", n) : 0;
+    memcpy(out + k, p, n), k += n;
+    if (n) memcpy(out + k, "\r\n", 2), k += 2;
+    memcpy(out + k, "0\r\n\r\n", 5), k += 5;
+    int r = serve_write(fd, out, k);
     free(out);
     return r;
 }
@@ -20238,8 +20239,8 @@ static char *serve_message_json(struct serve *srv, struct serve_job *j, size_t *
 }
 
 /* Where an Anthropic stream stands: the answer's fields and calls sent, the next block's index, the part of the block
- * open (-1: none). */
-struct serve_blocks { struct serve_sent sent; int next, open; };
+ * open (-1: none), the message's id. */
+struct serve_blocks { struct serve_sent sent; int next, open; unsigned long long id; };
 
 /* Opens event NAME in F: its line and its data, {"type": NAME, left open for the event's members. */
 static void serve_event_open(FILE *f, const char *name) { fprintf(f, "event: %s\ndata: {\"type\":\"%s\"", name, name); }
@@ -20317,19 +20318,18 @@ static void serve_messages_end(FILE *f, const struct serve_job *j, struct serve_
     fputs("}\n\n", f);
 }
 
-/* Streams J's answer as Anthropic's events (message_start at once, then blocks as they come, a ping after ping_s
- * without one), each step's events one chunk; -1 when the client went away. */
-static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
+/* Writes into F what an API's event stream says: its opening events (TAKEN -1), or those for what J's answer gained
+ * (TAKEN bytes of text came; none after ping_s: the prompt is long, a keep-alive is due), and its end once DONE. */
+typedef void serve_events_fn(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done);
+
+/* Streams J's answer as EVENTS_OF writes it, each step's events one chunk (the last with the body's end); -1 when the
+ * client went away. */
+static int serve_event_stream(struct serve_conn *c, struct serve_job *j, serve_events_fn *events_of, void *state)
 {
-    unsigned long long id = serve_next_id();
-    struct serve_blocks b = {{{0, 0}, 0}, 0, -1};
     size_t released = 0, len;
     char *events = NULL;
     FILE *f = open_memstream(&events, &len);
-    serve_event_open(f, "message_start");
-    fputs(",\"message\":", f);
-    serve_message_head(f, c->srv, id);
-    fprintf(f, "],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":%d,\"output_tokens\":0}}}\n\n", j->req.n_prompt);
+    events_of(f, c, j, state, -1, 0);
     int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
     for (int done = 0;;) {
         fclose(f);
@@ -20342,11 +20342,26 @@ static int serve_messages_stream(struct serve_conn *c, struct serve_job *j)
         serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
         free(piece);
         f = open_memstream(&events, &len);
-        if (!n && !done) serve_event_open(f, "ping"), fputs("}\n\n", f); /* nothing for ping_s: the prompt is long */
-        serve_block_events(f, j, id, &b);
-        if (done) serve_messages_end(f, j, &b);
+        events_of(f, c, j, state, (long)n, done);
     }
     return gone || serve_client_left(j) ? -1 : 0;
+}
+
+/* Anthropic's events (serve_events_fn; STATE a serve_blocks): message_start, then blocks as they come, a ping after
+ * ping_s without one, then the end. */
+static void serve_messages_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done)
+{
+    struct serve_blocks *b = state;
+    if (taken < 0) {
+        serve_event_open(f, "message_start");
+        fputs(",\"message\":", f);
+        serve_message_head(f, c->srv, b->id);
+        fprintf(f, "],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":%d,\"output_tokens\":0}}}\n\n", j->req.n_prompt);
+        return;
+    }
+    if (!taken && !done) serve_event_open(f, "ping"), fputs("}\n\n", f);
+    serve_block_events(f, j, b->id, b);
+    if (done) serve_messages_end(f, j, b);
 }
 
 /* The prompt tokens of the chat request CHAT (JSON text, malloc'd: freed here; NULL: its translation failed, E set) as
@@ -20919,41 +20934,24 @@ static void serve_resp_state(FILE *f, struct serve *srv, const struct serve_job 
     fputs("}\n\n", f);
 }
 
-/* Streams J's answer as the Responses API's events: response.created and response.in_progress at once (and again after
- * ping_s without an item: a long prompt), the items as they come, then response.completed, .incomplete or .failed;
- * each step's events one chunk. -1 when the client went away. */
-static int serve_responses_stream(struct serve_conn *c, struct serve_job *j)
+/* Where a Responses stream stands: its items, the response's id and creation time. */
+struct serve_resp_stream { struct serve_resp_out out; unsigned long long id; time_t created; };
+
+/* The Responses API's events (serve_events_fn; STATE a serve_resp_stream): response.created and response.in_progress,
+ * the latter again after ping_s while no item has come (a long prompt), the items as they come, then
+ * response.completed, .incomplete or .failed. */
+static void serve_responses_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done)
 {
-    unsigned long long id = serve_next_id();
-    const time_t created = time(NULL);
-    struct serve_resp_out o = {{{0, 0}, 0}, NULL, 0, 0, -1, 0};
-    size_t released = 0, len;
-    char *events = NULL;
-    FILE *f = open_memstream(&events, &len);
-    serve_resp_state(f, c->srv, j, id, created, &o, "response.created", "in_progress");
-    serve_resp_state(f, c->srv, j, id, created, &o, "response.in_progress", "in_progress");
-    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
-    for (int done = 0;;) {
-        fclose(f);
-        if (!gone && (len || done)) gone = done ? serve_write_last_chunk(c->fd, events, len) : serve_write_chunk(c->fd, events, len);
-        free(events);
-        if (gone) j->cancel = 1;
-        if (done) break;
-        char *piece;
-        size_t n = serve_stream_take(c, j, &released, &piece, &done, c->srv->ping_s);
-        serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
-        free(piece);
-        f = open_memstream(&events, &len);
-        if (!n && !done && !o.n) serve_resp_state(f, c->srv, j, id, created, &o, "response.in_progress", "in_progress");
-        serve_resp_events(f, j, id, &o);
-        if (!done) continue;
-        const char *status = serve_resp_status(j);
-        if (strcmp(status, "failed")) serve_resp_finish(f, j, id, &o);
-        serve_resp_state(f, c->srv, j, id, created, &o, !strcmp(status, "completed") ? "response.completed" : !strcmp(status, "failed") ?
-                         "response.failed" : "response.incomplete", status);
-    }
-    free(o.items);
-    return gone || serve_client_left(j) ? -1 : 0;
+    struct serve_resp_stream *s = state;
+    if (taken < 0) serve_resp_state(f, c->srv, j, s->id, s->created, &s->out, "response.created", "in_progress");
+    if (taken <= 0 && !done && !s->out.n) serve_resp_state(f, c->srv, j, s->id, s->created, &s->out, "response.in_progress", "in_progress");
+    if (taken < 0) return;
+    serve_resp_events(f, j, s->id, &s->out);
+    if (!done) return;
+    const char *status = serve_resp_status(j);
+    if (strcmp(status, "failed")) serve_resp_finish(f, j, s->id, &s->out);
+    serve_resp_state(f, c->srv, j, s->id, s->created, &s->out, !strcmp(status, "completed") ? "response.completed" : !strcmp(status, "failed") ?
+                     "response.failed" : "response.incomplete", status);
 }
 
 /* POST /v1/responses/input_tokens: {"object": "response.input_tokens", "input_tokens": N}, the tokens of a Responses
@@ -20969,6 +20967,43 @@ static char *serve_resp_input_tokens(struct serve *srv, const struct json *body,
 /* What an endpoint does: answers a GET, a POST from the tokenizer or template alone, or a generation's. */
 enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES, SERVE_RESPONSES };
 
+/* Streams J's answer in ENDPOINT's API; -1 when the client went away. */
+static int serve_stream_answer(struct serve_conn *c, struct serve_job *j, enum serve_endpoint endpoint)
+{
+    if (endpoint == SERVE_MESSAGES) {
+        struct serve_blocks b = {{{0, 0}, 0}, 0, -1, serve_next_id()};
+        return serve_event_stream(c, j, serve_messages_events, &b);
+    }
+    if (endpoint == SERVE_RESPONSES) {
+        struct serve_resp_stream rs = {{{{0, 0}, 0}, NULL, 0, 0, -1, 0}, serve_next_id(), time(NULL)};
+        int rc = serve_event_stream(c, j, serve_responses_events, &rs);
+        free(rs.out.items);
+        return rc;
+    }
+    return serve_stream(c, j);
+}
+
+/* Waits for J's end and answers it whole in ENDPOINT's API, or with the error of a failed generation (*STATUS its
+ * status); -1 when the client went away. */
+static int serve_whole_answer(struct serve_conn *c, struct serve_job *j, enum serve_endpoint endpoint, int keep_alive, int *status)
+{
+    char *piece;
+    serve_job_wait(c, j, SIZE_MAX, &piece, HUGE_VAL); /* releases nothing past SIZE_MAX: waits for the end */
+    if (serve_client_left(j)) return -1;
+    if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
+        struct serve_error e = serve_gen_error(j);
+        serve_fail(c, &e, keep_alive);
+        *status = e.status;
+        return 0;
+    }
+    size_t n;
+    char *body = endpoint == SERVE_MESSAGES ? serve_message_json(c->srv, j, &n) : endpoint == SERVE_RESPONSES ? serve_response_json(c->srv, j, &n)
+                                                                                                      : serve_answer_json(c->srv, j, &n);
+    int rc = serve_respond(c, 200, "application/json", body, n, NULL, keep_alive);
+    free(body);
+    return rc;
+}
+
 /* A generation endpoint: request to queued job, answered whole or streamed. -1: close the connection. */
 static int serve_generate(struct serve_conn *c, const struct serve_request *r, enum serve_endpoint endpoint)
 {
@@ -20983,26 +21018,7 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
         if (j) serve_job_free(j);
         return r->keep_alive ? 0 : -1;
     }
-    int status = 200, rc;
-    if (j->stream) rc = endpoint == SERVE_MESSAGES ? serve_messages_stream(c, j) : endpoint == SERVE_RESPONSES ? serve_responses_stream(c, j)
-                                                                                                      : serve_stream(c, j);
-    else {
-        char *piece;
-        serve_job_wait(c, j, SIZE_MAX, &piece, HUGE_VAL); /* releases nothing past SIZE_MAX: waits for the end */
-        if (serve_client_left(j)) rc = -1;
-        else if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
-            e = serve_gen_error(j);
-            serve_fail(c, &e, r->keep_alive);
-            status = e.status;
-            rc = 0;
-        } else {
-            size_t n;
-            char *body = endpoint == SERVE_MESSAGES ? serve_message_json(c->srv, j, &n) : endpoint == SERVE_RESPONSES ? serve_response_json(c->srv, j, &n)
-                                                                                                          : serve_answer_json(c->srv, j, &n);
-            rc = serve_respond(c, 200, "application/json", body, n, NULL, r->keep_alive);
-            free(body);
-        }
-    }
+    int status = 200, rc = j->stream ? serve_stream_answer(c, j, endpoint) : serve_whole_answer(c, j, endpoint, r->keep_alive, &status);
     if (status == 200) serve_count(c->srv, 200);
     plat_log("[serve] %s %s: prompt %d tokens, %d cached (%d computed at %.1f tok/s), %d generated (%.1f tok/s), %s%s", r->method, r->path,
              j->gen.n_prompt, j->gen.n_cached, j->gen.n_prompt - j->gen.n_cached, plat_ratio(j->gen.n_prompt - j->gen.n_cached, j->gen.prompt_s), j->gen.n_tokens,

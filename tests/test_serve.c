@@ -987,7 +987,7 @@ static void test_messages_answer(void)
     /* the same text streamed */
     serve_answer_free(&j.answer);
     j.answer.part = SERVE_PART_REASONING;
-    struct serve_blocks b = {{{0, 0}, 0}, 0, -1};
+    struct serve_blocks b = {{{0, 0}, 0}, 0, -1, 1};
     char *events = NULL;
     size_t len;
     FILE *f = open_memstream(&events, &len);
