@@ -19,8 +19,8 @@
  *   §9  tokenizer  tok_     byte-level BPE from GGUF metadata, special tokens; JSON values (json_); the chat templates
  *   §10 sample     sample_  greedy, temperature, top-k, top-p, min-p, repetition penalty, seed
  *   §11 engine     engine_  generation: slots (a sequence and its request each) stepped together as one batch; the prompt cache
- *   §12 serve      serve_   the OpenAI-compatible HTTP server (and Anthropic's Messages API, OpenAI's Responses API): HTTP/1.1, the job
- *                           queue, streaming, tool calls
+ *   §12 serve      serve_   the OpenAI-compatible HTTP server (and Anthropic's Messages API, OpenAI's Responses API, Ollama's API):
+ *                           HTTP/1.1, the job queue, streaming, tool calls
  *   §13 frontends  cmd_     run, chat, serve, plan, bench, info, tokenize; synthetic models (--synthetic)
  *   §14 main       arg_     argument parsing and dispatch
  *
@@ -18252,8 +18252,8 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 /* Owns: `coli serve`, the OpenAI-compatible HTTP server: listening socket, a thread per connection, HTTP/1.1 read under
  *   limits, JSON answers, the job queue to the engine, streaming (server-sent events), stop strings, answers split into
  *   reasoning_content, content and tool_calls, the API key, /health, /metrics, /apply-template, /tokenize, /detokenize;
- *   and Anthropic's Messages API (/v1/messages) and OpenAI's Responses API (/v1/responses), each translated into the chat
- *   request it means.
+ *   and Anthropic's Messages API (/v1/messages), OpenAI's Responses API (/v1/responses) and Ollama's (/api/...), each
+ *   translated into the chat (or completion) request it means.
  * Promises: after start-up nothing here dies: a bad request gets an error in its API's shape. Connection threads never touch
  *   model state: they parse, tokenize (read-only vocabulary), queue a job and send what the sink hands them; only the
  *   engine thread (serve_run, which loaded the model) runs the engine. A job is its connection's, shared under its own
@@ -18274,11 +18274,12 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
 #define SERVE_MAX_BIAS 1024          /* logit_bias entries per request */
 #define SERVE_DEFAULT_CTX 32768      /* context per slot unless -c says */
 #define SERVE_DEFAULT_CACHE (8LL << 30) /* the prompt cache: an eighth of free memory, at most this, unless --cache-ram says */
+#define SERVE_OLLAMA_VERSION "0.12.0" /* the Ollama API version whose endpoints coli follows (/api/version) */
 
 /* ---- HTTP/1.1 ---- */
 
 /* The API a request speaks: its answers' and errors' shape. */
-enum serve_api { SERVE_API_OPENAI, SERVE_API_ANTHROPIC };
+enum serve_api { SERVE_API_OPENAI, SERVE_API_ANTHROPIC, SERVE_API_OLLAMA };
 
 /* A client connection; BUF holds what was read and not yet used (a pipelined request). */
 struct serve_conn {
@@ -18590,6 +18591,13 @@ static char *serve_error_json(const struct serve_error *e, enum serve_api api, s
         fprintf(f, "{\"type\":\"error\",\"error\":{\"type\":\"%s\",\"message\":", serve_anthropic_error(e->status));
         json_write_string(f, e->message, strlen(e->message));
         fputs("}}", f);
+        fclose(f);
+        return out;
+    }
+    if (api == SERVE_API_OLLAMA) { /* Ollama's: {"error": MESSAGE} */
+        fputs("{\"error\":", f);
+        json_write_string(f, e->message, strlen(e->message));
+        fputs("}", f);
         fclose(f);
         return out;
     }
@@ -19678,6 +19686,10 @@ static struct serve_error serve_gen_error(const struct serve_job *j)
 static const char serve_sse_head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                                      "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
 
+/* A stream of JSON lines' head (Ollama's API). */
+static const char serve_ndjson_head[] = "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nCache-Control: no-cache\r\n"
+                                        "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
+
 /* P[0..n) as one chunk of a chunked body. */
 static int serve_write_chunk(int fd, const char *p, size_t n)
 {
@@ -20318,19 +20330,20 @@ static void serve_messages_end(FILE *f, const struct serve_job *j, struct serve_
     fputs("}\n\n", f);
 }
 
-/* Writes into F what an API's event stream says: its opening events (TAKEN -1), or those for what J's answer gained
- * (TAKEN bytes of text came; none after ping_s: the prompt is long, a keep-alive is due), and its end once DONE. */
-typedef void serve_events_fn(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done);
+/* Writes into F what an API's stream says: its opening (TAKEN -1), or what J's answer gained (TAKEN bytes of text came,
+ * PIECE; none after ping_s: the prompt is long, a keep-alive is due; a chat's fields and calls: J's answer), and its end
+ * once DONE. */
+typedef void serve_events_fn(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, const char *piece, long taken, int done);
 
-/* Streams J's answer as EVENTS_OF writes it, each step's events one chunk (the last with the body's end); -1 when the
- * client went away. */
-static int serve_event_stream(struct serve_conn *c, struct serve_job *j, serve_events_fn *events_of, void *state)
+/* Streams J's answer under HEAD (server-sent events, or JSON lines) as EVENTS_OF writes it, each step's one chunk (the
+ * last with the body's end); -1 when the client went away. */
+static int serve_event_stream(struct serve_conn *c, struct serve_job *j, const char *head, serve_events_fn *events_of, void *state)
 {
     size_t released = 0, len;
     char *events = NULL;
     FILE *f = open_memstream(&events, &len);
-    events_of(f, c, j, state, -1, 0);
-    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1);
+    events_of(f, c, j, state, NULL, -1, 0);
+    int gone = serve_write(c->fd, head, strlen(head));
     for (int done = 0;;) {
         fclose(f);
         if (!gone && (len || done)) gone = done ? serve_write_last_chunk(c->fd, events, len) : serve_write_chunk(c->fd, events, len);
@@ -20339,19 +20352,20 @@ static int serve_event_stream(struct serve_conn *c, struct serve_job *j, serve_e
         if (done) break;
         char *piece;
         size_t n = serve_stream_take(c, j, &released, &piece, &done, c->srv->ping_s);
-        serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
-        free(piece);
+        if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
         f = open_memstream(&events, &len);
-        events_of(f, c, j, state, (long)n, done);
+        events_of(f, c, j, state, piece, (long)n, done);
+        free(piece);
     }
     return gone || serve_client_left(j) ? -1 : 0;
 }
 
 /* Anthropic's events (serve_events_fn; STATE a serve_blocks): message_start, then blocks as they come, a ping after
  * ping_s without one, then the end. */
-static void serve_messages_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done)
+static void serve_messages_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, const char *piece, long taken, int done)
 {
     struct serve_blocks *b = state;
+    (void)piece;
     if (taken < 0) {
         serve_event_open(f, "message_start");
         fputs(",\"message\":", f);
@@ -20940,9 +20954,10 @@ struct serve_resp_stream { struct serve_resp_out out; unsigned long long id; tim
 /* The Responses API's events (serve_events_fn; STATE a serve_resp_stream): response.created and response.in_progress,
  * the latter again after ping_s while no item has come (a long prompt), the items as they come, then
  * response.completed, .incomplete or .failed. */
-static void serve_responses_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, long taken, int done)
+static void serve_responses_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, const char *piece, long taken, int done)
 {
     struct serve_resp_stream *s = state;
+    (void)piece;
     if (taken < 0) serve_resp_state(f, c->srv, j, s->id, s->created, &s->out, "response.created", "in_progress");
     if (taken <= 0 && !done && !s->out.n) serve_resp_state(f, c->srv, j, s->id, s->created, &s->out, "response.in_progress", "in_progress");
     if (taken < 0) return;
@@ -20964,21 +20979,358 @@ static char *serve_resp_input_tokens(struct serve *srv, const struct json *body,
     return out;
 }
 
+/* ---- Ollama's API ----
+ * /api/chat, /api/generate, /api/show, /api/tags and /api/version, for clients that speak Ollama's API (Open WebUI, the
+ * ollama libraries, editors that find models through /api/tags and /api/show). A chat becomes the chat request it
+ * means: its messages as they are but for an assistant's `thinking` (reasoning_content) and its tool_calls' object
+ * arguments; `options` (num_predict, temperature, top_k, top_p, min_p, seed, stop, the penalties) the request's own
+ * fields; `think` enable_thinking; `format` ("json" or a schema) response_format. A generation is the chat of its
+ * system and prompt, or with `raw` the completion of its prompt. An empty prompt (or no messages) only asks that the
+ * model be loaded: it is answered at once, done_reason "load". Answers stream unless "stream": false, as lines of JSON
+ * (application/x-ndjson), the last one done, with done_reason and the counts and durations (nanoseconds). */
+
+/* Options O (Ollama's sampling and length settings) as the chat or completion request's fields. */
+static int serve_ollama_options(struct tok_buf *o, const struct json *opts, struct serve_error *e)
+{
+    static const char *const same[] = {"temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty", "presence_penalty",
+                                       "frequency_penalty"};
+    const struct json *predict = json_get(opts, "num_predict");
+    if (!opts || opts->kind == JSON_NULL) return 0;
+    if (opts->kind != JSON_OBJECT) return serve_bad(e, "options", "'options' must be an object");
+    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
+        const struct json *v = json_get(opts, same[k]);
+        if (v) tok_buf_puts(o, ","), json_put_string(o, same[k], strlen(same[k])), tok_buf_puts(o, ":"), tok_json_dump(o, v);
+    }
+    if (!predict || predict->kind == JSON_NULL) return 0;
+    if (predict->kind != JSON_NUMBER || predict->number != floor(predict->number) || predict->number == 0 || predict->number > 1e9)
+        return serve_bad(e, "options", "'options.num_predict' must be a whole number: at least 1, or negative for no bound");
+    if (predict->number > 0) tok_buf_puts(o, ",\"max_tokens\":"), tok_json_dump(o, predict);
+    return 0;
+}
+
+/* think (true, false, or an effort: "low", "medium", "high") as enable_thinking; format ("json", or a JSON schema) as
+ * response_format; stream (Ollama's default: true). */
+static int serve_ollama_settings(struct tok_buf *o, const struct json *body, struct serve_error *e)
+{
+    const struct json *think = json_get(body, "think"), *format = json_get(body, "format"), *stream = json_get(body, "stream");
+    int on = think && (think->kind == JSON_BOOL ? think->boolean : 1);
+    if (think && think->kind != JSON_NULL && think->kind != JSON_BOOL && !tok_json_is(think, "low") && !tok_json_is(think, "medium") &&
+        !tok_json_is(think, "high"))
+        return serve_bad(e, "think", "'think' must be true, false, \"low\", \"medium\" or \"high\"");
+    if (think && think->kind != JSON_NULL)
+        tok_buf_puts(o, on ? ",\"chat_template_kwargs\":{\"enable_thinking\":true}" : ",\"chat_template_kwargs\":{\"enable_thinking\":false}");
+    if (tok_json_is(format, "json")) tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_object\"}");
+    else if (format && format->kind == JSON_OBJECT)
+        tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":"), tok_json_dump(o, format), tok_buf_puts(o, "}}");
+    else if (format && format->kind != JSON_NULL && !tok_json_is(format, ""))
+        return serve_bad(e, "format", "'format' must be \"json\" or a JSON schema");
+    if (stream && stream->kind != JSON_BOOL && stream->kind != JSON_NULL) return serve_bad(e, "stream", "'stream' must be true or false");
+    tok_buf_puts(o, stream && stream->kind == JSON_BOOL && !stream->boolean ? ",\"stream\":false" : ",\"stream\":true");
+    return serve_ollama_options(o, json_get(body, "options"), e);
+}
+
+/* Message M (number I) as a chat message: its role and content, its thinking as reasoning_content, its tool_calls with
+ * their arguments (an object). Images are refused: the model runs on text only. */
+static int serve_ollama_message(struct tok_buf *o, const struct json *m, int i, struct serve_error *e)
+{
+    const struct json *role = json_get(m, "role"), *content = json_get(m, "content"), *thinking = json_get(m, "thinking");
+    const struct json *images = json_get(m, "images"), *calls = json_get(m, "tool_calls");
+    if (!role || role->kind != JSON_STRING || (content && content->kind != JSON_STRING && content->kind != JSON_NULL))
+        return serve_bad(e, "messages", "message %d needs a 'role' and a 'content' string", i);
+    if (images && images->kind == JSON_ARRAY && images->child)
+        return serve_bad(e, "messages", "message %d: images are not supported: coli runs the model on text only", i);
+    tok_buf_puts(o, i ? ",{\"role\":" : "{\"role\":");
+    tok_json_dump(o, role);
+    tok_buf_puts(o, ",\"content\":");
+    if (content && content->kind == JSON_STRING) tok_json_dump(o, content);
+    else tok_buf_puts(o, "\"\"");
+    if (thinking && thinking->kind == JSON_STRING) tok_buf_puts(o, ",\"reasoning_content\":"), tok_json_dump(o, thinking);
+    if (!calls || calls->kind == JSON_NULL) return tok_buf_puts(o, "}"), 0;
+    if (calls->kind != JSON_ARRAY) return serve_bad(e, "messages", "message %d: 'tool_calls' must be a list", i);
+    tok_buf_puts(o, ",\"tool_calls\":[");
+    for (const struct json *call = calls->child; call; call = call->next) {
+        const struct json *fn = json_get(call, "function"), *name = json_get(fn, "name"), *args = json_get(fn, "arguments");
+        if (!name || name->kind != JSON_STRING || (args && args->kind != JSON_OBJECT && args->kind != JSON_STRING))
+            return serve_bad(e, "messages", "message %d: a tool call needs {\"function\": {\"name\", \"arguments\": {...}}}", i);
+        tok_buf_puts(o, call != calls->child ? ",{\"type\":\"function\",\"function\":{\"name\":" : "{\"type\":\"function\",\"function\":{\"name\":");
+        tok_json_dump(o, name);
+        tok_buf_puts(o, ",\"arguments\":");
+        if (args) tok_json_dump(o, args);
+        else tok_buf_puts(o, "{}");
+        tok_buf_puts(o, "}}");
+    }
+    tok_buf_puts(o, "]}");
+    return 0;
+}
+
+/* The prompt of /api/generate BODY as the chat it means (its system, then the prompt as the user's), or with raw the
+ * completion of it. Its own template, a suffix (fill in the middle) or an old context are refused. */
+static int serve_ollama_prompt(struct tok_buf *o, const struct json *body, int *raw, struct serve_error *e)
+{
+    static const char *const refused[] = {"template", "suffix", "context"};
+    const struct json *prompt = json_get(body, "prompt"), *system = json_get(body, "system"), *images = json_get(body, "images");
+    for (size_t k = 0; k < sizeof refused / sizeof *refused; k++) {
+        const struct json *v = json_get(body, refused[k]);
+        if (v && v->kind != JSON_NULL && !tok_json_is(v, "") && !(v->kind == JSON_ARRAY && !v->child))
+            return serve_bad(e, refused[k], "'%s' is not supported: coli renders the model's own template, the prompt after the rest", refused[k]);
+    }
+    if (images && images->kind == JSON_ARRAY && images->child) return serve_bad(e, "images", "images are not supported: coli runs the model on text only");
+    if (prompt->kind != JSON_STRING || (system && system->kind != JSON_STRING && system->kind != JSON_NULL))
+        return serve_bad(e, "prompt", "'prompt' and 'system' must be strings");
+    if (serve_bool(body, "raw", raw, e)) return -1;
+    if (*raw) return tok_buf_puts(o, "{\"prompt\":"), tok_json_dump(o, prompt), 0;
+    tok_buf_puts(o, "{\"messages\":[");
+    if (system && system->kind == JSON_STRING && system->len) tok_buf_puts(o, "{\"role\":\"system\",\"content\":"), tok_json_dump(o, system), tok_buf_puts(o, "},");
+    tok_buf_puts(o, "{\"role\":\"user\",\"content\":");
+    tok_json_dump(o, prompt);
+    tok_buf_puts(o, "}]");
+    return 0;
+}
+
+/* /api/chat's MSGS and TOOLS as the chat request's opening: {"messages": [...], "tools": [...] (left open). */
+static int serve_ollama_messages(struct tok_buf *o, const struct json *msgs, const struct json *tools, struct serve_error *e)
+{
+    int i = 0;
+    if (!msgs || msgs->kind != JSON_ARRAY) return serve_bad(e, "messages", "'messages' must be a list of {\"role\", \"content\"}");
+    tok_buf_puts(o, "{\"messages\":[");
+    for (const struct json *m = msgs->child; m; m = m->next, i++)
+        if (serve_ollama_message(o, m, i, e)) return -1;
+    tok_buf_puts(o, "]");
+    if (tools && tools->kind != JSON_NULL) tok_buf_puts(o, ",\"tools\":"), tok_json_dump(o, tools);
+    return 0;
+}
+
+/* /api/chat or (GENERATE) /api/generate BODY as the chat or (*RAW) completion request it means, as JSON text
+ * (malloc'd); NULL with E set, or with *LOAD set for a request that only asks that the model be loaded. */
+static char *serve_ollama_request(const struct json *body, int generate, int *raw, int *load, struct serve_error *e)
+{
+    const struct json *msgs = json_get(body, "messages"), *prompt = json_get(body, "prompt");
+    struct tok_buf o = {NULL, 0, 0};
+    *raw = 0;
+    *load = generate ? !prompt || tok_json_is(prompt, "") : msgs && msgs->kind == JSON_ARRAY && !msgs->child;
+    if (*load) return NULL;
+    int bad = generate ? serve_ollama_prompt(&o, body, raw, e) : serve_ollama_messages(&o, msgs, json_get(body, "tools"), e);
+    bad = bad || serve_ollama_settings(&o, body, e);
+    tok_buf_puts(&o, "}");
+    if (bad) free(o.p);
+    return bad ? NULL : o.p;
+}
+
+/* "created_at": now, as Ollama writes it (UTC, ISO 8601). */
+static void serve_ollama_time(FILE *f)
+{
+    struct timespec ts;
+    struct tm tm;
+    char when[32];
+    clock_gettime(CLOCK_REALTIME, &ts);
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", gmtime_r(&ts.tv_sec, &tm));
+    fprintf(f, ",\"created_at\":\"%s.%06ldZ\"", when, ts.tv_nsec / 1000);
+}
+
+/* A line's head: {"model": ..., "created_at": ..., and the message's opening for a chat ("message": {"role": ...). */
+static void serve_ollama_head(FILE *f, const struct serve *srv, int chat)
+{
+    fputs("{\"model\":", f);
+    json_write_string(f, srv->model_id, strlen(srv->model_id));
+    serve_ollama_time(f);
+    if (chat) fputs(",\"message\":{\"role\":\"assistant\"", f);
+}
+
+/* A call K of J's answer as Ollama writes one: {"function": {"name", "arguments": {...}}}. */
+static void serve_ollama_call(FILE *f, const struct serve_job *j, int k)
+{
+    fputs("{\"function\":{\"name\":", f);
+    json_write_string(f, j->answer.calls[k].name, strlen(j->answer.calls[k].name));
+    fprintf(f, ",\"arguments\":%s}}", j->answer.calls[k].arguments);
+}
+
+/* The done line's end (its closing brace too): done_reason, the counts (prompt_eval_count: the prompt tokens computed, not those reused) and
+ * durations in nanoseconds. */
+static void serve_ollama_done(FILE *f, const struct serve_job *j)
+{
+    fprintf(f, ",\"done\":true,\"done_reason\":\"%s\",\"total_duration\":%.0f,\"load_duration\":0,\"prompt_eval_count\":%d,\"prompt_eval_duration\":%.0f,"
+            "\"eval_count\":%d,\"eval_duration\":%.0f}",
+            strcmp(serve_finish_reason(j), "length") ? "stop" : "length", (j->gen.prompt_s + j->gen.decode_s) * 1e9, j->gen.n_prompt - j->gen.n_cached,
+            j->gen.prompt_s * 1e9, j->gen.n_tokens, j->gen.decode_s * 1e9);
+}
+
+/* A line of J's answer: THINKING[0..nt) and TEXT[0..n) (a chat's content, a generation's response), CALL's call
+ * (-1: none), and the done line's end if DONE. */
+static void serve_ollama_line(FILE *f, const struct serve *srv, const struct serve_job *j, int chat, const char *thinking, size_t nt, const char *text,
+                              size_t n, int call, int done)
+{
+    serve_ollama_head(f, srv, chat);
+    fputs(chat ? ",\"content\":" : ",\"response\":", f);
+    json_write_string(f, text ? text : "", n);
+    if (nt) fputs(",\"thinking\":", f), json_write_string(f, thinking, nt);
+    if (call >= 0) fputs(",\"tool_calls\":[", f), serve_ollama_call(f, j, call), fputs("]", f);
+    if (chat) fputs("}", f);
+    if (done) serve_ollama_done(f, j);
+    else fputs(",\"done\":false}", f);
+    fputc('\n', f);
+}
+
+/* Where an Ollama stream stands: the answer's fields and calls sent (a raw generation's text: the bytes sent), chat
+ * (/api/chat) or not. */
+struct serve_ollama_stream { struct serve_sent sent; int chat; };
+
+/* Ollama's lines (serve_events_fn; STATE a serve_ollama_stream): the thinking, text and each call as they come, then the
+ * done line, or {"error": ...} for a failed generation. Nothing while the prompt is computed. */
+static void serve_ollama_events(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, const char *piece, long taken, int done)
+{
+    struct serve_ollama_stream *s = state;
+    const struct serve_answer *a = &j->answer;
+    if (taken <= 0 && !done) return;
+    if (!j->chat && taken > 0) serve_ollama_line(f, c->srv, j, 0, NULL, 0, piece, (size_t)taken, -1, 0);
+    for (int k = SERVE_PART_REASONING; k <= SERVE_PART_CONTENT && j->chat; k++) {
+        const size_t from = s->sent.field[k], to = a->field[k].n;
+        if (to <= from) continue;
+        if (k == SERVE_PART_REASONING) serve_ollama_line(f, c->srv, j, s->chat, a->field[k].p + from, to - from, NULL, 0, -1, 0);
+        else serve_ollama_line(f, c->srv, j, s->chat, NULL, 0, a->field[k].p + from, to - from, -1, 0);
+        s->sent.field[k] = to;
+    }
+    for (; s->sent.calls < a->n_calls; s->sent.calls++) serve_ollama_line(f, c->srv, j, s->chat, NULL, 0, NULL, 0, s->sent.calls, 0);
+    if (!done) return;
+    if (j->gen.stop == ENGINE_STOP_ERROR || j->gen.stop == ENGINE_STOP_CANCEL) {
+        struct serve_error e = serve_gen_error(j);
+        fputs("{\"error\":", f);
+        json_write_string(f, e.message, strlen(e.message));
+        fputs("}\n", f);
+    } else serve_ollama_line(f, c->srv, j, s->chat, NULL, 0, NULL, 0, -1, 1);
+}
+
+/* A finished, unstreamed Ollama job's answer (CHAT: /api/chat's message, else /api/generate's response): one done line. */
+static char *serve_ollama_json(struct serve *srv, struct serve_job *j, int chat, size_t *n)
+{
+    char *out = NULL;
+    const struct serve_answer *a = &j->answer;
+    FILE *f = open_memstream(&out, n);
+    if (j->chat) serve_answer_feed(&j->answer, j->tools, j->text ? j->text : "", j->len, 1);
+    const char *text = j->chat ? a->field[SERVE_PART_CONTENT].p : j->text;
+    size_t len = j->chat ? a->field[SERVE_PART_CONTENT].n : j->len;
+    serve_ollama_head(f, srv, chat);
+    fputs(chat ? ",\"content\":" : ",\"response\":", f);
+    json_write_string(f, text ? text : "", len);
+    if (a->field[SERVE_PART_REASONING].n) fputs(",\"thinking\":", f), json_write_string(f, a->field[SERVE_PART_REASONING].p, a->field[SERVE_PART_REASONING].n);
+    for (int k = 0; k < a->n_calls; k++) fputs(k ? "," : ",\"tool_calls\":[", f), serve_ollama_call(f, j, k);
+    if (a->n_calls) fputs("]", f);
+    if (chat) fputs("}", f);
+    serve_ollama_done(f, j);
+    fclose(f);
+    return out;
+}
+
+/* A job for an Ollama request's body (GENERATE: /api/generate's); NULL with E set, or with *LOAD set for one that only
+ * asks that the model be loaded. */
+static struct serve_job *serve_ollama_job(struct serve *srv, const char *body_text, size_t n, int generate, int *load, struct serve_error *e)
+{
+    int raw = 0;
+    struct json *body = serve_parse_body(body_text, n, e);
+    char *request = body ? serve_ollama_request(body, generate, &raw, load, e) : NULL;
+    struct serve_job *j = request ? serve_job_new(srv, !raw, request, strlen(request), e) : NULL;
+    if (!j && generate && !strcmp(e->param, "messages")) snprintf(e->param, sizeof e->param, "prompt"); /* the chat's messages are the prompt */
+    json_free(body);
+    free(request);
+    return j;
+}
+
+/* The answer to a request that only asks that the model be loaded (it is): a done line, done_reason "load". */
+static char *serve_ollama_loaded(const struct serve *srv, int chat, size_t *n)
+{
+    char *out = NULL;
+    FILE *f = open_memstream(&out, n);
+    serve_ollama_head(f, srv, chat);
+    fputs(chat ? ",\"content\":\"\"}" : ",\"response\":\"\"", f);
+    fputs(",\"done\":true,\"done_reason\":\"load\"}", f);
+    fclose(f);
+    return out;
+}
+
+/* The parameters (weights) of the model in G. */
+static uint64_t serve_ollama_params(const struct gguf_file *g)
+{
+    uint64_t params = 0;
+    for (int64_t i = 0; i < g->n_tensors; i++) params += (uint64_t)g->tensors[i].n_elems;
+    return params;
+}
+
+/* The served model as Ollama details one ("details": format, family the architecture, parameter_size, quantization_level
+ * the weight format that holds most of its bytes), then its "size" in bytes and "modified_at" the server's start. */
+static void serve_ollama_details(FILE *f, const struct serve *srv)
+{
+    const struct gguf_file *g = &srv->engine->m->file;
+    const uint64_t params = serve_ollama_params(g);
+    uint64_t by_type[GGUF_TYPE_COUNT] = {0};
+    int most = 0;
+    for (int64_t i = 0; i < g->n_tensors; i++) by_type[g->tensors[i].type] += g->tensors[i].bytes;
+    for (int t = 0; t < GGUF_TYPE_COUNT; t++) most = by_type[t] > by_type[most] ? t : most;
+    const char *arch = model_arch_names[srv->engine->m->cfg.arch];
+    const time_t started = (time_t)srv->started;
+    char when[32];
+    struct tm tm;
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&started, &tm));
+    fprintf(f, "\"details\":{\"parent_model\":\"\",\"format\":\"gguf\",\"family\":\"%s\",\"families\":[\"%s\"],\"parameter_size\":\"%.1f%s\","
+            "\"quantization_level\":\"%s\"},\"size\":%llu,\"modified_at\":\"%s\"",
+            arch, arch, params >= 1000000000 ? params / 1e9 : params / 1e6, params >= 1000000000 ? "B" : "M", gguf_types[most].name,
+            (unsigned long long)g->tensor_bytes, when);
+}
+
+/* GET /api/tags (the served model, as Ollama lists its models) or /api/version (the Ollama API version whose endpoints
+ * these follow: clients gate features on it). */
+static char *serve_ollama_get(const struct serve *srv, const char *path, size_t *n)
+{
+    char *out = NULL;
+    FILE *f = open_memstream(&out, n);
+    if (!strcmp(path, "/api/version")) fputs("{\"version\":\"" SERVE_OLLAMA_VERSION "\"}", f);
+    else {
+        fputs("{\"models\":[{\"name\":", f);
+        json_write_string(f, srv->model_id, strlen(srv->model_id));
+        fputs(",\"model\":", f);
+        json_write_string(f, srv->model_id, strlen(srv->model_id));
+        fputs(",\"digest\":\"\",", f);
+        serve_ollama_details(f, srv);
+        fputs("}]}", f);
+    }
+    fclose(f);
+    return out;
+}
+
+/* POST /api/show: the served model (whatever model the body names): its details, model_info (architecture, parameter
+ * count, and context_length: the context each sequence has here) and capabilities. */
+static char *serve_ollama_show(struct serve *srv, const struct json *body, size_t *n, struct serve_error *e)
+{
+    const struct model *m = srv->engine->m;
+    const char *arch = model_arch_names[m->cfg.arch];
+    char *out = NULL;
+    (void)body, (void)e;
+    FILE *f = open_memstream(&out, n);
+    fputs("{\"modelfile\":\"\",\"parameters\":\"\",\"template\":\"\",", f);
+    serve_ollama_details(f, srv);
+    fprintf(f, ",\"model_info\":{\"general.architecture\":\"%s\",\"general.parameter_count\":%llu,\"%s.context_length\":%d},"
+            "\"capabilities\":[\"completion\",\"tools\",\"thinking\"]}", arch, (unsigned long long)serve_ollama_params(&m->file), arch, m->n_ctx);
+    fclose(f);
+    return out;
+}
+
 /* What an endpoint does: answers a GET, a POST from the tokenizer or template alone, or a generation's. */
-enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES, SERVE_RESPONSES };
+enum serve_endpoint { SERVE_GET, SERVE_UTILITY, SERVE_COMPLETIONS, SERVE_CHAT, SERVE_MESSAGES, SERVE_RESPONSES, SERVE_OLLAMA_CHAT, SERVE_OLLAMA_GENERATE };
 
 /* Streams J's answer in ENDPOINT's API; -1 when the client went away. */
 static int serve_stream_answer(struct serve_conn *c, struct serve_job *j, enum serve_endpoint endpoint)
 {
     if (endpoint == SERVE_MESSAGES) {
         struct serve_blocks b = {{{0, 0}, 0}, 0, -1, serve_next_id()};
-        return serve_event_stream(c, j, serve_messages_events, &b);
+        return serve_event_stream(c, j, serve_sse_head, serve_messages_events, &b);
     }
     if (endpoint == SERVE_RESPONSES) {
         struct serve_resp_stream rs = {{{{0, 0}, 0}, NULL, 0, 0, -1, 0}, serve_next_id(), time(NULL)};
-        int rc = serve_event_stream(c, j, serve_responses_events, &rs);
+        int rc = serve_event_stream(c, j, serve_sse_head, serve_responses_events, &rs);
         free(rs.out.items);
         return rc;
+    }
+    if (endpoint == SERVE_OLLAMA_CHAT || endpoint == SERVE_OLLAMA_GENERATE) {
+        struct serve_ollama_stream os = {{{0, 0}, 0}, endpoint == SERVE_OLLAMA_CHAT};
+        return serve_event_stream(c, j, serve_ndjson_head, serve_ollama_events, &os);
     }
     return serve_stream(c, j);
 }
@@ -20997,8 +21349,11 @@ static int serve_whole_answer(struct serve_conn *c, struct serve_job *j, enum se
         return 0;
     }
     size_t n;
-    char *body = endpoint == SERVE_MESSAGES ? serve_message_json(c->srv, j, &n) : endpoint == SERVE_RESPONSES ? serve_response_json(c->srv, j, &n)
-                                                                                                      : serve_answer_json(c->srv, j, &n);
+    char *body = endpoint == SERVE_MESSAGES          ? serve_message_json(c->srv, j, &n)
+                 : endpoint == SERVE_RESPONSES       ? serve_response_json(c->srv, j, &n)
+                 : endpoint == SERVE_OLLAMA_CHAT     ? serve_ollama_json(c->srv, j, 1, &n)
+                 : endpoint == SERVE_OLLAMA_GENERATE ? serve_ollama_json(c->srv, j, 0, &n)
+                                                     : serve_answer_json(c->srv, j, &n);
     int rc = serve_respond(c, 200, "application/json", body, n, NULL, keep_alive);
     free(body);
     return rc;
@@ -21009,10 +21364,21 @@ static int serve_generate(struct serve_conn *c, const struct serve_request *r, e
 {
     struct serve_error e = {400, "invalid_request_error", NULL, "", ""};
     struct serve_job *j = NULL;
+    int load = 0;
     if (!serve_ready(c->srv)) serve_loading(&e); /* the job's prompt needs the tokenizer */
     else if (endpoint == SERVE_MESSAGES) j = serve_messages_job(c->srv, r->body, r->body_len, &e);
     else if (endpoint == SERVE_RESPONSES) j = serve_responses_job(c->srv, r->body, r->body_len, &e);
+    else if (endpoint == SERVE_OLLAMA_CHAT || endpoint == SERVE_OLLAMA_GENERATE)
+        j = serve_ollama_job(c->srv, r->body, r->body_len, endpoint == SERVE_OLLAMA_GENERATE, &load, &e);
     else j = serve_job_new(c->srv, endpoint == SERVE_CHAT, r->body, r->body_len, &e);
+    if (load) { /* it is loaded */
+        size_t n;
+        char *body = serve_ollama_loaded(c->srv, endpoint == SERVE_OLLAMA_CHAT, &n);
+        int rc = serve_respond(c, 200, "application/json", body, n, NULL, r->keep_alive);
+        free(body);
+        serve_count(c->srv, 200);
+        return rc || !r->keep_alive ? -1 : 0;
+    }
     if (!j || serve_submit(c->srv, j, &e)) {
         serve_fail(c, &e, r->keep_alive);
         if (j) serve_job_free(j);
@@ -21096,7 +21462,13 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
         json_write_string(f, srv->model_id, id_len);
         fputs("}", f);
         fclose(f);
-    } else out = serve_metrics(srv, &n);
+    } else if (!strncmp(r->path, "/api/", 5) && !serve_ready(srv)) { /* the model's details need the model */
+        struct serve_error e;
+        serve_loading(&e);
+        status = 503;
+        out = serve_error_json(&e, SERVE_API_OLLAMA, &n);
+    } else if (!strncmp(r->path, "/api/", 5)) out = serve_ollama_get(srv, r->path, &n);
+    else out = serve_metrics(srv, &n);
     int metrics = !strcmp(r->path, "/metrics");
     int rc = serve_respond(c, status, metrics ? "text/plain; version=0.0.4" : "application/json", out, n,
                            status == 503 ? "Retry-After: 1\r\n" : NULL, r->keep_alive);
@@ -21216,10 +21588,12 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
         {"/v1/messages", "POST", SERVE_MESSAGES, NULL}, {"/v1/messages/count_tokens", "POST", SERVE_UTILITY, serve_count_tokens},
         {"/v1/responses", "POST", SERVE_RESPONSES, NULL}, {"/v1/responses/input_tokens", "POST", SERVE_UTILITY, serve_resp_input_tokens},
         {"/apply-template", "POST", SERVE_UTILITY, serve_template_answer}, {"/tokenize", "POST", SERVE_UTILITY, serve_tokenize},
-        {"/detokenize", "POST", SERVE_UTILITY, serve_detokenize}};
+        {"/detokenize", "POST", SERVE_UTILITY, serve_detokenize}, {"/api/chat", "POST", SERVE_OLLAMA_CHAT, NULL},
+        {"/api/generate", "POST", SERVE_OLLAMA_GENERATE, NULL}, {"/api/show", "POST", SERVE_UTILITY, serve_ollama_show},
+        {"/api/tags", "GET", SERVE_GET, NULL}, {"/api/version", "GET", SERVE_GET, NULL}};
     struct serve_error e = {404, "not_found_error", NULL, "", ""};
     int k = -1;
-    c->api = strncmp(r->path, "/v1/messages", 12) ? SERVE_API_OPENAI : SERVE_API_ANTHROPIC;
+    c->api = !strncmp(r->path, "/v1/messages", 12) ? SERVE_API_ANTHROPIC : !strncmp(r->path, "/api/", 5) ? SERVE_API_OLLAMA : SERVE_API_OPENAI;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(r->path, routes[i].path)) k = i;
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);

@@ -1,4 +1,4 @@
-// npm_client: what tests/serve_openai.mjs and tests/serve_anthropic.mjs share: their command line, the `ok - ` /
+// npm_client: what tests/serve_openai.mjs, tests/serve_anthropic.mjs and tests/serve_ollama.mjs share: their command line, the `ok - ` /
 // `FAIL - ` lines tests/test_serve.sh counts, a check that turns a throw into a failure, and the client class loaded
 // from an npm prefix (setup: all three).
 import { createRequire } from 'node:module';
@@ -52,12 +52,13 @@ async function loadPackage(prefix, name) {
 }
 
 // SCRIPT's command line, LABEL's reporter, and package NAME's client class (its export CLASS, or the default); a line
-// FAIL and exit 1 when it cannot be loaded: {baseURL, model, want, ok, bad, check, done, Client, version}.
+// FAIL and exit 1 when it cannot be loaded: {baseURL, model, want, ok, bad, check, done, Client, version}. (The ollama
+// package's default export is an instance, so the named class comes first.)
 export async function setup(script, label, name, exportName) {
     const args = clientArgs(script), report = reporter(label);
     try {
         const pkg = await loadPackage(args.prefix, name);
-        return { ...args, ...report, Client: pkg.module.default ?? pkg.module[exportName] ?? pkg.module, version: pkg.version };
+        return { ...args, ...report, Client: pkg.module[exportName] ?? pkg.module.default ?? pkg.module, version: pkg.version };
     } catch (e) {
         report.bad(`import ${name}`, e?.message ?? e);
         return report.done();

@@ -739,6 +739,40 @@ static void gen_responses(struct fcase *c, uint64_t *r)
     post(&c->req, count ? "/v1/responses/input_tokens" : "/v1/responses", rs[k].body, strlen(rs[k].body), NULL);
 }
 
+/* Ollama's /api/chat, /api/generate and /api/show: bodies valid (streamed or not, raw, loads), odd and wrong in each
+ * field. An error comes in Ollama's shape, {"error": MESSAGE}; a 200 is a done line (or lines), or the model shown. */
+static void gen_ollama(struct fcase *c, uint64_t *r)
+{
+#define U "{\"role\":\"user\",\"content\":\"x\"}"
+    static const struct { const char *path, *body, *expect; } os[] = {
+        {"/api/chat", "{\"messages\":[" U "],\"stream\":false,\"options\":{\"num_predict\":2}}", GEN},
+        {"/api/chat", "{\"messages\":[" U "],\"options\":{\"num_predict\":2,\"temperature\":0.5,\"stop\":[\"a\"]},\"think\":true}", GEN},
+        {"/api/chat", "{\"messages\":[{\"role\":\"assistant\",\"content\":\"\",\"thinking\":\"t\",\"tool_calls\":[{\"function\":{\"name\":\"f\","
+         "\"arguments\":{\"k\":1}}}]},{\"role\":\"tool\",\"content\":\"r\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+         "\"options\":{\"num_predict\":1}}", GEN " 400"},
+        {"/api/chat", "{\"messages\":[]}", "200"}, {"/api/generate", "{}", "200"}, {"/api/generate", "{\"prompt\":\"\",\"stream\":true}", "200"},
+        {"/api/generate", "{\"prompt\":\"x\",\"raw\":true,\"options\":{\"num_predict\":2}}", GEN},
+        {"/api/generate", "{\"prompt\":\"x\",\"system\":\"s\",\"format\":\"json\",\"options\":{\"num_predict\":2}}", GEN},
+        {"/api/generate", "{\"prompt\":\"x\",\"format\":{\"type\":\"object\"},\"stream\":false,\"options\":{\"num_predict\":1}}", GEN},
+        {"/api/show", "{\"model\":\"anything\"}", "200"}, {"/api/show", "{}", "200"},
+        {"/api/chat", "{\"messages\":5}", "400"}, {"/api/chat", "{\"messages\":[5]}", "400"}, {"/api/chat", "{\"messages\":[{\"content\":\"x\"}]}", "400"},
+        {"/api/chat", "{\"messages\":[" U "],\"options\":[]}", "400"}, {"/api/chat", "{\"messages\":[" U "],\"options\":{\"num_predict\":0.5}}", "400"},
+        {"/api/chat", "{\"messages\":[" U "],\"think\":7}", "400"}, {"/api/chat", "{\"messages\":[" U "],\"stream\":\"yes\"}", "400"},
+        {"/api/chat", "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"images\":[\"aGk=\"]}]}", "400"},
+        {"/api/chat", "{\"messages\":[{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"function\":{}}]}]}", "400"},
+        {"/api/generate", "{\"prompt\":5}", "400"}, {"/api/generate", "{\"prompt\":\"x\",\"suffix\":\"y\"}", "400"},
+        {"/api/generate", "{\"prompt\":\"x\",\"raw\":\"no\"}", "400"}, {"/api/generate", "{\"prompt\":\"x\",\"format\":7}", "400"},
+        {"/api/generate", "{\"prompt\":\"x\",\"context\":[1,2]}", "400"}, {"/api/generate", "[]", "400"},
+    };
+#undef U
+    unsigned k = rnd(r, sizeof os / sizeof *os);
+    c->expect[0] = os[k].expect;
+    c->body_has = strcmp(os[k].path, "/api/show") ? "\"done\":true" : "\"model_info\"";
+    c->error_has = "{\"error\":\"";
+    name(c, "%s %.56s", os[k].path, os[k].body);
+    post(&c->req, os[k].path, os[k].body, strlen(os[k].body), NULL);
+}
+
 /* Valid JSON with a wrong type (or a bad value) in one field: 400 whose error.param names it. */
 static void gen_wrong_type(struct fcase *c, uint64_t *r)
 {
@@ -1004,7 +1038,7 @@ static const struct category {
     {"version", gen_version, 5},             {"h2_preface", gen_h2, 2},               {"pipeline", gen_pipeline, 5},
     {"random", gen_random, 4},               {"mutate", gen_mutate, 6},               {"valid", gen_valid, 6},
     {"abort", gen_abort, 3},                 {"tokenizer", gen_tokenizer, 3},         {"messages", gen_messages, 4},
-    {"responses", gen_responses, 4},
+    {"responses", gen_responses, 4},        {"ollama", gen_ollama, 4},
 };
 #define N_CATS (int)(sizeof cats / sizeof *cats)
 

@@ -1225,6 +1225,140 @@ static void test_responses_answer(void)
     free(j.text);
 }
 
+/* serve_ollama_request of an /api/chat or /api/generate body, as a request_fn. */
+static char *ollama_request(const struct json *body, int generate, struct serve_error *e)
+{
+    int raw, load;
+    return serve_ollama_request(body, generate, &raw, &load, e);
+}
+static char *ollama_chat_request(const struct json *body, struct serve_error *e) { return ollama_request(body, 0, e); }
+static char *ollama_generate_request(const struct json *body, struct serve_error *e) { return ollama_request(body, 1, e); }
+
+/* Ollama requests against the chat requests they mean, written by hand: each renders the same prompt in both templates;
+ * the options map to their chat fields; loads, raw prompts and what cannot be translated are told apart. */
+static void test_ollama_request(void)
+{
+    static const struct request_pair chats[] = {
+        {"messages with thinking, a call's object arguments and its result; tools; think on",
+         "{\"think\":true,\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}}}],\"messages\":[{\"role\":\"system\","
+         "\"content\":\"S\"},{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"\",\"thinking\":\"T\",\"tool_calls\":[{\"function\":"
+         "{\"name\":\"f\",\"arguments\":{\"k\":\"v\",\"n\":2}}}]},{\"role\":\"tool\",\"content\":\"r\",\"tool_name\":\"f\"}],\"keep_alive\":\"5m\"}",
+         "{\"chat_template_kwargs\":{\"enable_thinking\":true},\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":"
+         "\"object\"}}}],\"messages\":[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"\","
+         "\"reasoning_content\":\"T\",\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"k\\\": \\\"v\\\", \\\"n\\\": 2}\"}}]},"
+         "{\"role\":\"tool\",\"content\":\"r\"}]}"},
+        {"think false", "{\"think\":false,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}",
+         "{\"chat_template_kwargs\":{\"enable_thinking\":false},\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}"},
+    };
+    static const struct request_pair generations[] = {
+        {"a system prompt and the prompt, think \"low\"", "{\"system\":\"S\",\"prompt\":\"p\",\"think\":\"low\",\"images\":[],\"template\":\"\"}",
+         "{\"chat_template_kwargs\":{\"enable_thinking\":true},\"messages\":[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"p\"}]}"},
+        {"the prompt alone", "{\"prompt\":\"p\"}", "{\"messages\":[{\"role\":\"user\",\"content\":\"p\"}]}"},
+    };
+    static const struct refusal refused[] = {
+        {"{\"messages\":{}}", "'messages' must be a list"}, {"{\"messages\":[{\"content\":\"x\"}]}", "needs a 'role'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"images\":[\"aGk=\"]}]}", "images are not supported"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"function\":{\"arguments\":{}}}]}]}", "a tool call needs"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"options\":{\"num_predict\":0}}", "'options.num_predict'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"options\":5}", "'options' must be"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"think\":\"max\"}", "'think'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"format\":\"xml\"}", "'format'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"stream\":1}", "'stream'"},
+    };
+    check(same_prompts(chats, sizeof chats / sizeof *chats, ollama_chat_request) &&
+              same_prompts(generations, sizeof generations / sizeof *generations, ollama_generate_request),
+          "ollama: chat and generate requests render the prompts of the chat requests they mean", "");
+    struct serve_error e = {0};
+    int loads = 0, raw = 0, load = 0;
+    static const char *const bodies[] = {"{\"messages\":[]}", "{\"prompt\":\"\"}", "{\"stream\":false}", "{\"prompt\":\"p\",\"raw\":true}"};
+    for (int k = 0; k < 4; k++) {
+        struct json *body = serve_parse_body(bodies[k], strlen(bodies[k]), &e);
+        char *out = serve_ollama_request(body, k > 0, &raw, &load, &e);
+        loads += k < 3 ? load && !out : !load && raw && out && !strncmp(out, "{\"prompt\":\"p\"", 13);
+        json_free(body), free(out);
+    }
+    check(loads == 4, "ollama: no messages, an empty prompt or none ask for a load; raw is the completion of the prompt", "%d of 4", loads);
+    struct json *b = translate_by(ollama_chat_request, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"options\":{\"num_predict\":7,"
+                                  "\"temperature\":0.5,\"top_k\":3,\"stop\":[\"x\"],\"num_ctx\":4096},\"format\":{\"type\":\"object\"},\"stream\":false}", &e);
+    struct json *c = translate_by(ollama_chat_request, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"options\":{\"num_predict\":-1},"
+                                  "\"format\":\"json\"}", &e);
+    const struct json *stream = json_get(b, "stream");
+    check(b && number_at(json_get(b, "max_tokens")) == 7 && number_at(json_get(b, "temperature")) == 0.5 && number_at(json_get(b, "top_k")) == 3 &&
+              tok_json_is(json_get(b, "stop")->child, "x") && !json_get(b, "num_ctx") && stream && !stream->boolean &&
+              tok_json_is(json_get(json_get(json_get(json_get(b, "response_format"), "json_schema"), "schema"), "type"), "object") && c &&
+              !json_get(c, "max_tokens") && tok_json_is(json_get(json_get(c, "response_format"), "type"), "json_object") && json_get(c, "stream")->boolean,
+          "ollama: options as the request's fields (num_predict max_tokens, -1 none), format, streamed unless false", "%s", e.message);
+    json_free(b), json_free(c);
+    check(all_refused(refused, sizeof refused / sizeof *refused, ollama_chat_request), "ollama: what cannot be translated is a 400 naming it", "");
+}
+
+/* A thinking, text and call answer as /api/chat's, whole and as lines fed in pieces of 5 bytes: the lines' pieces make
+ * the whole answer's message, the last line done with its reason and counts. */
+static void test_ollama_answer(void)
+{
+    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
+    static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
+                               "</function>\n</tool_call>";
+    struct serve srv;
+    struct serve_conn conn;
+    struct serve_job j;
+    const char *why;
+    memset(&srv, 0, sizeof srv), memset(&conn, 0, sizeof conn), memset(&j, 0, sizeof j);
+    srv.model_id = "m";
+    conn.srv = &srv;
+    j.body = json_parse(tools, strlen(tools), &why);
+    j.tools = j.body;
+    j.chat = j.think = 1;
+    j.answer.part = SERVE_PART_REASONING;
+    j.text = plat_strdup(text);
+    j.len = strlen(text);
+    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 30, j.gen.prompt_s = 0.5, j.gen.decode_s = 1.5;
+    size_t n;
+    char *out = serve_ollama_json(&srv, &j, 1, &n);
+    struct json *whole = json_parse(out, n, &why);
+    const struct json *m = json_get(whole, "message"), *call = json_get(nth(json_get(m, "tool_calls"), 0), "function");
+    check(whole && tok_json_is(json_get(m, "content"), "Checking.") && tok_json_is(json_get(m, "thinking"), "Let me see.") &&
+              tok_json_is(json_get(call, "name"), "get_weather") && tok_json_is(json_get(json_get(call, "arguments"), "city"), "Bern") &&
+              json_get(whole, "done")->boolean && tok_json_is(json_get(whole, "done_reason"), "stop") && number_at(json_get(whole, "prompt_eval_count")) == 6 &&
+              number_at(json_get(whole, "eval_count")) == 30 && number_at(json_get(whole, "total_duration")) == 2e9 && !memchr(out, '\n', n),
+          "ollama: an answer's content, thinking and tool_calls (arguments an object), done_reason, counts, durations in ns", "%.500s", out);
+    serve_answer_free(&j.answer);
+    j.answer.part = SERVE_PART_REASONING;
+    struct serve_ollama_stream st = {{{0, 0}, 0}, 1};
+    char *lines = NULL;
+    size_t len;
+    FILE *f = open_memstream(&lines, &len);
+    for (size_t at = 0; at < j.len; at += 5) {
+        size_t piece = j.len - at < 5 ? j.len - at : 5;
+        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
+        serve_ollama_events(f, &conn, &j, &st, text + at, (long)piece, at + piece == j.len);
+    }
+    fclose(f);
+    struct tok_buf built[2] = {{0}};
+    int count = 0, calls = 0, done_last = 0, parsed = 1;
+    for (char *line = lines, *end; line && *line; line = end + 1, count++) {
+        end = strchr(line, '\n');
+        if (!end) { parsed = 0; break; }
+        *end = 0;
+        struct json *d = json_parse(line, strlen(line), &why);
+        const struct json *msg = json_get(d, "message"), *t = json_get(msg, "thinking"), *c = json_get(msg, "content");
+        parsed &= d && c && c->kind == JSON_STRING;
+        if (t) tok_buf_put(&built[0], t->str, t->len);
+        if (c) tok_buf_put(&built[1], c->str, c->len);
+        calls += json_get(msg, "tool_calls") != NULL;
+        done_last = json_get(d, "done") && json_get(d, "done")->boolean && !end[1];
+        json_free(d);
+    }
+    check(parsed && built[0].p && !strcmp(built[0].p, "Let me see.") && built[1].p && !strcmp(built[1].p, "Checking.") && calls == 1 && done_last,
+          "ollama: the stream's lines build the same thinking, content and call, the last one done", "%d lines, parsed %d, %d calls, done last %d",
+          count, parsed, calls, done_last);
+    free(built[0].p), free(built[1].p), free(lines), free(out);
+    json_free(whole);
+    serve_answer_free(&j.answer);
+    json_free(j.body);
+    free(j.text);
+}
+
 /* continue_final_message (and an Anthropic request whose last message is the assistant's: a prefill): the prompt is the
  * conversation before that message, its generation prompt with thinking off, and the message's content, open; in both
  * templates. Without an assistant's message last it is a 400. */
@@ -1326,6 +1460,8 @@ int main(int argc, char **argv)
     test_messages_answer();
     test_responses_request();
     test_responses_answer();
+    test_ollama_request();
+    test_ollama_answer();
     test_continue_final_message();
     test_loading_answers();
     char probe[1024];

@@ -3,7 +3,8 @@
 # output identical to `coli run`, streaming, stop strings, parallel slots, errors and malformed
 # HTTP, the API key, SIGTERM, the official `openai` npm client (tests/serve_openai.mjs), the Anthropic Messages API
 # against the chat requests it means (tests/serve_anthropic.py) and through `@anthropic-ai/sdk` (tests/serve_anthropic.mjs),
-# and OpenAI's Responses API against the chat requests it means (tests/serve_responses.py).
+# OpenAI's Responses API against the chat requests it means (tests/serve_responses.py), and Ollama's API against the
+# requests it means (tests/serve_ollama.py) and through the `ollama` client (tests/serve_ollama.mjs).
 # usage: tests/test_serve.sh ./coli GOLDEN_DIR [--fuzz-bin PATH]
 # Needs curl and python3 (JSON); node + npm for the two clients (skipped without them, or when
 # the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds them.
@@ -56,7 +57,7 @@ elif ! command -v npm >/dev/null; then
 else
     npm_prefix=$tmp/npm
     mkdir -p "$npm_prefix"
-    timeout 120 npm install --prefix "$npm_prefix" --no-audit --no-fund --loglevel=error openai@4 @anthropic-ai/sdk@1 >"$tmp/npm.log" 2>&1 </dev/null &
+    timeout 120 npm install --prefix "$npm_prefix" --no-audit --no-fund --loglevel=error openai@4 @anthropic-ai/sdk@1 ollama@0.6 >"$tmp/npm.log" 2>&1 </dev/null &
     npm_pid=$!
 fi
 
@@ -750,7 +751,7 @@ if [ -n "$npm_pid" ]; then
     wait "$npm_pid" || rc=$?
     npm_pid=""
     if [ "$rc" != 0 ] || [ ! -d "$npm_prefix/node_modules/openai" ]; then
-        npm_skip="npm install openai@4 @anthropic-ai/sdk@1 failed (exit $rc): $(tail -n 2 "$tmp/npm.log" | tr '\n' ' ' | head -c 200)"
+        npm_skip="npm install openai@4 @anthropic-ai/sdk@1 ollama@0.6 failed (exit $rc): $(tail -n 2 "$tmp/npm.log" | tr '\n' ' ' | head -c 200)"
     fi
 fi
 if [ -n "$npm_skip" ]; then
@@ -760,14 +761,20 @@ elif ! command -v node >/dev/null; then
 else
     A="$A" R="$R" q json - "{'chat_prompt': E['A'], 'chat_text': content('$tmp/refA16.json'), 'raw_prompt': E['R'], 'raw_text': greedy('$tmp/refR16.json'), 'n': 16}" >"$tmp/expect.json"
     client "openai client script" "$tmp/node.out" timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "$base/v1" "$MODEL_ID" "$tmp/expect.json"
+    if [ -d "$npm_prefix/node_modules/ollama" ]; then
+        client "ollama client script" "$tmp/onode.out" timeout 60 node "$HERE/serve_ollama.mjs" "$npm_prefix" "$base" "$MODEL_ID" "$tmp/expect.json"
+    else
+        ok "ollama client # SKIP $npm_prefix holds no ollama"
+    fi
 fi
 
-# --- the Anthropic Messages API and OpenAI's Responses API: a server with room for a tools block in its context (-c
+# --- the Anthropic Messages API, OpenAI's Responses API and Ollama's: a server with room for a tools block in its context (-c
 # 1024), a default thinking budget that a thinking request without its own is held to, and a ping every 5 ms a stream is
 # quiet (every stream below, and the SDK's, reads them; a Responses stream's are response.in_progress events)
 if COLI_PING_SECONDS=0.005 start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think --reasoning-budget 40; then
     client "serve_anthropic.py" "$tmp/anth.out" timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     client "serve_responses.py" "$tmp/resp.out" timeout 120 python3 "$HERE/serve_responses.py" "http://127.0.0.1:$sport" "$MODEL_ID"
+    client "serve_ollama.py" "$tmp/ollama.out" timeout 120 python3 "$HERE/serve_ollama.py" "http://127.0.0.1:$sport" "$MODEL_ID" 1024
     if [ -n "$npm_skip" ]; then
         ok "anthropic client # SKIP $npm_skip"
     elif [ ! -d "$npm_prefix/node_modules/@anthropic-ai/sdk" ]; then
