@@ -20131,6 +20131,20 @@ static int serve_msg_options(struct tok_buf *o, const struct json *body, struct 
     return 0;
 }
 
+/* The members NAMES[0..n) that BODY has, into O as they are (",NAME:VALUE" each): the fields another API shares with
+ * the chat request. */
+static void serve_copy_fields(struct tok_buf *o, const struct json *body, const char *const *names, size_t n)
+{
+    for (size_t k = 0; k < n; k++) {
+        const struct json *v = json_get(body, names[k]);
+        if (!v) continue;
+        tok_buf_puts(o, ",");
+        json_put_string(o, names[k], strlen(names[k]));
+        tok_buf_puts(o, ":");
+        tok_json_dump(o, v);
+    }
+}
+
 /* Anthropic request BODY as the chat request it means, as JSON text (malloc'd); NULL with E set. Sampling fields with
  * the same names pass as they are (coli's own too: min_p, seed, the penalties, logit_bias, ignore_eos, cache_prompt). */
 static char *serve_messages_request(const struct json *body, struct serve_error *e)
@@ -20152,14 +20166,7 @@ static char *serve_messages_request(const struct json *body, struct serve_error 
         prefill = tok_role_is(m, "assistant"); /* the last message's: the answer goes on from it */
     }
     tok_buf_puts(&o, prefill ? "],\"continue_final_message\":true" : "]");
-    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
-        const struct json *v = json_get(body, same[k]);
-        if (!v) continue;
-        tok_buf_puts(&o, ",");
-        json_put_string(&o, same[k], strlen(same[k]));
-        tok_buf_puts(&o, ":");
-        tok_json_dump(&o, v);
-    }
+    serve_copy_fields(&o, body, same, sizeof same / sizeof *same);
     bad = bad || serve_msg_tools(&o, json_get(body, "tools"), e) || serve_msg_tool_choice(&o, json_get(body, "tool_choice"), e) ||
           serve_msg_options(&o, body, e);
     tok_buf_puts(&o, "}");
@@ -20687,14 +20694,7 @@ static char *serve_responses_request(const struct json *body, struct serve_error
     if (c.out.n) tok_buf_put(&o, c.out.p, c.out.n);
     tok_buf_puts(&o, "]");
     if (max) tok_buf_puts(&o, ",\"max_tokens\":"), tok_json_dump(&o, max);
-    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
-        const struct json *v = json_get(body, same[k]);
-        if (!v) continue;
-        tok_buf_puts(&o, ",");
-        json_put_string(&o, same[k], strlen(same[k]));
-        tok_buf_puts(&o, ":");
-        tok_json_dump(&o, v);
-    }
+    serve_copy_fields(&o, body, same, sizeof same / sizeof *same);
     bad = bad || serve_resp_tools(&o, json_get(body, "tools"), e) || serve_resp_tool_choice(&o, json_get(body, "tool_choice"), e) ||
           serve_resp_options(&o, body, e);
     tok_buf_puts(&o, "}");
@@ -20997,10 +20997,7 @@ static int serve_ollama_options(struct tok_buf *o, const struct json *opts, stru
     const struct json *predict = json_get(opts, "num_predict");
     if (!opts || opts->kind == JSON_NULL) return 0;
     if (opts->kind != JSON_OBJECT) return serve_bad(e, "options", "'options' must be an object");
-    for (size_t k = 0; k < sizeof same / sizeof *same; k++) {
-        const struct json *v = json_get(opts, same[k]);
-        if (v) tok_buf_puts(o, ","), json_put_string(o, same[k], strlen(same[k])), tok_buf_puts(o, ":"), tok_json_dump(o, v);
-    }
+    serve_copy_fields(o, opts, same, sizeof same / sizeof *same);
     if (!predict || predict->kind == JSON_NULL) return 0;
     if (predict->kind != JSON_NUMBER || predict->number != floor(predict->number) || predict->number == 0 || predict->number > 1e9)
         return serve_bad(e, "options", "'options.num_predict' must be a whole number: at least 1, or negative for no bound");

@@ -951,6 +951,66 @@ static const struct json *nth(const struct json *v, int i)
     return c;
 }
 
+/* A finished chat job J, and its server SRV (model "m"): its answer TEXT, opened in a think block, TOOLS (JSON text) in
+ * the request; the end of the turn after 7 tokens of a 10-token prompt, 4 of them reused. */
+static void answered_job(struct serve *srv, struct serve_job *j, const char *tools, const char *text)
+{
+    const char *why;
+    memset(srv, 0, sizeof *srv);
+    memset(j, 0, sizeof *j);
+    srv->model_id = "m";
+    j->body = json_parse(tools, strlen(tools), &why);
+    j->tools = j->body;
+    j->chat = j->think = j->done = 1;
+    j->answer.part = SERVE_PART_REASONING;
+    j->text = plat_strdup(text);
+    j->len = strlen(text);
+    j->gen.stop = ENGINE_STOP_EOG, j->gen.n_prompt = 10, j->gen.n_cached = 4, j->gen.n_tokens = 7;
+}
+
+static void answered_job_free(struct serve_job *j)
+{
+    serve_answer_free(&j->answer);
+    json_free(j->body), json_free(j->asked);
+    free(j->text);
+}
+
+/* J's answer (its TEXT) fed in pieces of 5 bytes, as a stream takes it, with the events EVENTS_OF writes for each (its
+ * opening first, its end with the last piece): malloc'd, *LEN bytes. */
+static char *stream_in_pieces(struct serve *srv, struct serve_job *j, const char *text, serve_events_fn *events_of, void *state, size_t *len)
+{
+    struct serve_conn conn;
+    char *out = NULL;
+    memset(&conn, 0, sizeof conn);
+    conn.srv = srv;
+    serve_answer_free(&j->answer);
+    j->answer.part = SERVE_PART_REASONING;
+    FILE *f = open_memstream(&out, len);
+    events_of(f, &conn, j, state, NULL, -1, 0);
+    for (size_t at = 0; at < j->len; at += 5) {
+        size_t piece = j->len - at < 5 ? j->len - at : 5;
+        serve_answer_feed(&j->answer, j->tools, text + at, piece, at + piece == j->len);
+        events_of(f, &conn, j, state, text + at, (long)piece, at + piece == j->len);
+    }
+    fclose(f);
+    return out;
+}
+
+/* The next server-sent event at *AT ("event: NAME\ndata: JSON\n\n"): its data parsed, *AT moved past it; NULL at the end,
+ * or (*BAD set) for one malformed or whose data's type is not its name. */
+static struct json *next_event(char **at, int *bad)
+{
+    char *ev = *at, *end = strstr(ev, "\n\n"), *nl = strchr(ev, '\n');
+    const char *why;
+    if (!*ev) return NULL;
+    if (!end || !nl || strncmp(ev, "event: ", 7) || strncmp(nl + 1, "data: ", 6)) return *bad = 1, NULL;
+    *end = 0, *nl = 0;
+    *at = end + 2;
+    struct json *d = json_parse(nl + 7, strlen(nl + 7), &why);
+    if (!d || !tok_json_is(json_get(d, "type"), ev + 7)) *bad = 1, json_free(d), d = NULL;
+    return d;
+}
+
 /* A thinking, text and tool_use answer in Anthropic's shape, whole and as a stream of events fed in pieces of 5 bytes:
  * the stream's events (each named as its data's type) rebuild the whole answer's blocks; usage splits the prompt into
  * computed and cached; stop_reason and stop_sequence follow the generation's end. */
@@ -962,16 +1022,7 @@ static void test_messages_answer(void)
     struct serve srv;
     struct serve_job j;
     const char *why;
-    memset(&srv, 0, sizeof srv);
-    memset(&j, 0, sizeof j);
-    srv.model_id = "m";
-    j.body = json_parse(tools, strlen(tools), &why);
-    j.tools = j.body;
-    j.think = 1;
-    j.answer.part = SERVE_PART_REASONING;
-    j.text = plat_strdup(text);
-    j.len = strlen(text);
-    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 7;
+    answered_job(&srv, &j, tools, text);
     size_t n;
     char *out = serve_message_json(&srv, &j, &n);
     struct json *m = json_parse(out, n, &why);
@@ -985,33 +1036,17 @@ static void test_messages_answer(void)
               number_at(json_get(usage, "output_tokens")) == 7,
           "messages: an answer's thinking, text and tool_use blocks, stop_reason tool_use, usage", "%.600s", out);
     /* the same text streamed */
-    serve_answer_free(&j.answer);
-    j.answer.part = SERVE_PART_REASONING;
     struct serve_blocks b = {{{0, 0}, 0}, 0, -1, 1};
-    char *events = NULL;
     size_t len;
-    FILE *f = open_memstream(&events, &len);
-    for (size_t at = 0; at < j.len; at += 5) {
-        size_t piece = j.len - at < 5 ? j.len - at : 5;
-        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
-        serve_block_events(f, &j, 1, &b);
-    }
-    serve_messages_end(f, &j, &b);
-    fclose(f);
+    char *events = stream_in_pieces(&srv, &j, text, serve_messages_events, &b, &len), *at = events;
     struct tok_buf block[4] = {{0}};
     char kind[4][16] = {""};
-    int named = 1, order = 1, opened = 0, stopped = 0, ends = len > 16 && !strcmp(events + len - 16, "message_stop\"}\n\n");
+    int bad = 0, order = 1, opened = 0, stopped = 0, ends = len > 16 && !strcmp(events + len - 16, "message_stop\"}\n\n");
     const char *stop_reason = "";
-    for (char *ev = events, *end; ev && *ev; ev = end + 2) {
-        end = strstr(ev, "\n\n");
-        char *nl = strchr(ev, '\n');
-        if (!end || !nl || strncmp(ev, "event: ", 7) || strncmp(nl + 1, "data: ", 6)) { named = 0; break; }
-        *end = 0, *nl = 0;
-        struct json *d = json_parse(nl + 7, strlen(nl + 7), &why);
-        const char *type = json_get(d, "type") ? json_get(d, "type")->str : "";
+    for (struct json *d; (d = next_event(&at, &bad)); json_free(d)) {
+        const char *type = json_get(d, "type")->str;
         int index = (int)number_at(json_get(d, "index"));
         const struct json *delta = json_get(d, "delta");
-        named &= d && !strcmp(type, ev + 7);
         if (!strcmp(type, "content_block_start")) {
             order &= index == opened && index == stopped && index < 4;
             if (index >= 0 && index < 4) snprintf(kind[index], sizeof kind[index], "%s", json_get(json_get(d, "content_block"), "type")->str);
@@ -1023,15 +1058,14 @@ static void test_messages_answer(void)
             if (piece) tok_buf_put(&block[index], piece->str, piece->len);
         } else if (!strcmp(type, "content_block_stop")) order &= index == stopped++ && index == opened - 1;
         else if (!strcmp(type, "message_delta")) stop_reason = tok_json_is(json_get(delta, "stop_reason"), "tool_use") ? "tool_use" : "other";
-        json_free(d);
     }
     struct json *streamed_input = block[2].p ? json_parse(block[2].p, block[2].n, &why) : NULL;
-    check(named && order && opened == 3 && stopped == 3 && !strcmp(kind[0], "thinking") && !strcmp(kind[1], "text") && !strcmp(kind[2], "tool_use") &&
+    check(!bad && order && opened == 3 && stopped == 3 && !strcmp(kind[0], "thinking") && !strcmp(kind[1], "text") && !strcmp(kind[2], "tool_use") &&
               block[0].p && !strcmp(block[0].p, "Let me see.") && block[1].p && !strcmp(block[1].p, "Checking.") &&
               tok_json_is(json_get(streamed_input, "city"), "Bern") && number_at(json_get(streamed_input, "days")) == 2 &&
               !strcmp(stop_reason, "tool_use") && ends,
-          "messages: the stream's events rebuild the same blocks, in order, and end with message_stop", "named %d, order %d, %d opened, %d stopped, ends %d",
-          named, order, opened, stopped, ends);
+          "messages: the stream's events rebuild the same blocks, in order, and end with message_stop", "bad %d, order %d, %d opened, %d stopped, ends %d",
+          bad, order, opened, stopped, ends);
     for (int k = 0; k < 4; k++) free(block[k].p);
     json_free(streamed_input);
     free(events);
@@ -1053,9 +1087,7 @@ static void test_messages_answer(void)
     check(stop_seq && tok_json_is(json_get(m, "stop_reason"), "max_tokens") && json_get(m, "stop_sequence")->kind == JSON_NULL,
           "messages: stop_reason stop_sequence names the string; max_tokens at the length", "%.300s", out);
     json_free(m), free(out);
-    serve_answer_free(&j.answer);
-    json_free(j.body);
-    free(j.text);
+    answered_job_free(&j);
 }
 
 /* Responses requests against the chat requests they mean, written by hand: each renders the same prompt, byte for byte,
@@ -1153,17 +1185,9 @@ static void test_responses_answer(void)
     struct serve srv;
     struct serve_job j;
     const char *why;
-    memset(&srv, 0, sizeof srv);
-    memset(&j, 0, sizeof j);
-    srv.model_id = "m";
-    j.body = json_parse(tools, strlen(tools), &why);
+    answered_job(&srv, &j, tools, text);
     j.asked = json_parse(asked, strlen(asked), &why);
-    j.tools = j.body;
-    j.think = 1, j.done = 1;
-    j.answer.part = SERVE_PART_REASONING;
-    j.text = plat_strdup(text);
-    j.len = strlen(text);
-    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 30, j.gen.n_thought = 6;
+    j.gen.n_tokens = 30, j.gen.n_thought = 6;
     size_t n;
     char *out = serve_response_json(&srv, &j, &n);
     struct json *whole = json_parse(out, n, &why);
@@ -1177,31 +1201,14 @@ static void test_responses_answer(void)
               number_at(json_get(usage, "input_tokens")) == 10 && number_at(json_get(json_get(usage, "input_tokens_details"), "cached_tokens")) == 4 &&
               number_at(json_get(json_get(usage, "output_tokens_details"), "reasoning_tokens")) == 6 && number_at(json_get(usage, "total_tokens")) == 40,
           "responses: an answer's reasoning, message and function_call items (a namespace named), status, usage", "%.700s", out);
-    serve_answer_free(&j.answer);
-    j.answer.part = SERVE_PART_REASONING;
-    struct serve_resp_out o = {{{0, 0}, 0}, NULL, 0, 0, -1, 0};
-    char *events = NULL;
+    struct serve_resp_stream rs = {{{{0, 0}, 0}, NULL, 0, 0, -1, 0}, 1, 0};
     size_t len;
-    FILE *f = open_memstream(&events, &len);
-    for (size_t at = 0; at < j.len; at += 5) {
-        size_t piece = j.len - at < 5 ? j.len - at : 5;
-        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
-        serve_resp_events(f, &j, 1, &o);
-    }
-    serve_resp_finish(f, &j, 1, &o);
-    serve_resp_state(f, &srv, &j, 1, 0, &o, "response.completed", "completed");
-    fclose(f);
+    char *events = stream_in_pieces(&srv, &j, text, serve_responses_events, &rs, &len), *at = events;
     struct tok_buf built[4] = {{0}};
-    int named = 1, numbered = 1, count = 0, same = 0;
-    for (char *ev = events, *end; ev && *ev; ev = end + 2, count++) {
-        end = strstr(ev, "\n\n");
-        char *nl = strchr(ev, '\n');
-        if (!end || !nl || strncmp(ev, "event: ", 7) || strncmp(nl + 1, "data: ", 6)) { named = 0; break; }
-        *end = 0, *nl = 0;
-        struct json *d = json_parse(nl + 7, strlen(nl + 7), &why);
-        const char *type = json_get(d, "type") ? json_get(d, "type")->str : "";
+    int bad = 0, numbered = 1, count = 0, same = 0;
+    for (struct json *d; (d = next_event(&at, &bad)); json_free(d), count++) {
+        const char *type = json_get(d, "type")->str;
         int k = (int)number_at(json_get(d, "output_index"));
-        named &= d && !strcmp(type, ev + 7);
         numbered &= number_at(json_get(d, "sequence_number")) == count;
         if (strstr(type, ".delta") && k >= 0 && k < 4) tok_buf_put(&built[k], json_get(d, "delta")->str, json_get(d, "delta")->len);
         if (!strcmp(type, "response.completed")) {
@@ -1213,16 +1220,13 @@ static void test_responses_answer(void)
             }
             same -= nth(final, 4) != NULL;
         }
-        json_free(d);
     }
-    check(named && numbered && same == 4, "responses: the stream's events, numbered in order, build the same items and end in response.completed",
-          "named %d, numbered %d, %d of 4 items the same", named, numbered, same);
+    check(!bad && numbered && same == 4, "responses: the stream's events, numbered in order, build the same items and end in response.completed",
+          "bad %d, numbered %d, %d of 4 items the same", bad, numbered, same);
     for (int k = 0; k < 4; k++) free(built[k].p);
-    free(o.items), free(events), free(out);
+    free(rs.out.items), free(events), free(out);
     json_free(whole);
-    serve_answer_free(&j.answer);
-    json_free(j.body), json_free(j.asked);
-    free(j.text);
+    answered_job_free(&j);
 }
 
 /* serve_ollama_request of an /api/chat or /api/generate body, as a request_fn. */
@@ -1300,19 +1304,10 @@ static void test_ollama_answer(void)
     static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
                                "</function>\n</tool_call>";
     struct serve srv;
-    struct serve_conn conn;
     struct serve_job j;
     const char *why;
-    memset(&srv, 0, sizeof srv), memset(&conn, 0, sizeof conn), memset(&j, 0, sizeof j);
-    srv.model_id = "m";
-    conn.srv = &srv;
-    j.body = json_parse(tools, strlen(tools), &why);
-    j.tools = j.body;
-    j.chat = j.think = 1;
-    j.answer.part = SERVE_PART_REASONING;
-    j.text = plat_strdup(text);
-    j.len = strlen(text);
-    j.gen.stop = ENGINE_STOP_EOG, j.gen.n_prompt = 10, j.gen.n_cached = 4, j.gen.n_tokens = 30, j.gen.prompt_s = 0.5, j.gen.decode_s = 1.5;
+    answered_job(&srv, &j, tools, text);
+    j.gen.n_tokens = 30, j.gen.prompt_s = 0.5, j.gen.decode_s = 1.5;
     size_t n;
     char *out = serve_ollama_json(&srv, &j, 1, &n);
     struct json *whole = json_parse(out, n, &why);
@@ -1322,18 +1317,9 @@ static void test_ollama_answer(void)
               json_get(whole, "done")->boolean && tok_json_is(json_get(whole, "done_reason"), "stop") && number_at(json_get(whole, "prompt_eval_count")) == 6 &&
               number_at(json_get(whole, "eval_count")) == 30 && number_at(json_get(whole, "total_duration")) == 2e9 && !memchr(out, '\n', n),
           "ollama: an answer's content, thinking and tool_calls (arguments an object), done_reason, counts, durations in ns", "%.500s", out);
-    serve_answer_free(&j.answer);
-    j.answer.part = SERVE_PART_REASONING;
     struct serve_ollama_stream st = {{{0, 0}, 0}, 1};
-    char *lines = NULL;
     size_t len;
-    FILE *f = open_memstream(&lines, &len);
-    for (size_t at = 0; at < j.len; at += 5) {
-        size_t piece = j.len - at < 5 ? j.len - at : 5;
-        serve_answer_feed(&j.answer, j.tools, text + at, piece, at + piece == j.len);
-        serve_ollama_events(f, &conn, &j, &st, text + at, (long)piece, at + piece == j.len);
-    }
-    fclose(f);
+    char *lines = stream_in_pieces(&srv, &j, text, serve_ollama_events, &st, &len);
     struct tok_buf built[2] = {{0}};
     int count = 0, calls = 0, done_last = 0, parsed = 1;
     for (char *line = lines, *end; line && *line; line = end + 1, count++) {
@@ -1354,9 +1340,7 @@ static void test_ollama_answer(void)
           count, parsed, calls, done_last);
     free(built[0].p), free(built[1].p), free(lines), free(out);
     json_free(whole);
-    serve_answer_free(&j.answer);
-    json_free(j.body);
-    free(j.text);
+    answered_job_free(&j);
 }
 
 /* continue_final_message (and an Anthropic request whose last message is the assistant's: a prefill): the prompt is the
