@@ -19090,6 +19090,27 @@ static int serve_tool_choice(const struct json *choice, const struct json *tools
     return serve_bad(e, "tool_choice", required ? "'tool_choice' \"required\" needs 'tools'" : "'tool_choice' names a function 'tools' does not hold");
 }
 
+/* Whether V is a reasoning effort as OpenAI names them; every one but "none" has the model think. */
+static int serve_effort_known(const struct json *v)
+{
+    static const char *const efforts[] = {"none", "minimal", "low", "medium", "high", "xhigh"};
+    for (size_t k = 0; k < sizeof efforts / sizeof *efforts; k++)
+        if (tok_json_is(v, efforts[k])) return 1;
+    return 0;
+}
+
+/* BODY's thinking flags into F: reasoning_effort (OpenAI's: "none" turns thinking off, any other on), then
+ * chat_template_kwargs' enable_thinking and preserve_thinking, which say it more exactly. */
+static int serve_thinking(const struct json *body, struct tok_chat_flags *f, struct serve_error *e)
+{
+    const struct json *effort = json_get(body, "reasoning_effort"), *kw = json_get(body, "chat_template_kwargs");
+    if (effort && effort->kind != JSON_NULL && !serve_effort_known(effort))
+        return serve_bad(e, "reasoning_effort", "'reasoning_effort' must be \"none\", \"minimal\", \"low\", \"medium\", \"high\" or \"xhigh\"");
+    if (effort && effort->kind != JSON_NULL) f->enable_thinking = !tok_json_is(effort, "none");
+    if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    return serve_bool(kw, "enable_thinking", &f->enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f->preserve_thinking, e) ? -1 : 0;
+}
+
 /* BODY's messages and tools rendered by the model's template: malloc'd, *LEN bytes. J (if any) learns whether the
  * answer opens in a think block. SHOW: for /apply-template, also rendering image and video parts (the engine reads
  * text only), taking add_generation_prompt. continue_final_message (vLLM's name; Anthropic's prefill): the last
@@ -19097,8 +19118,7 @@ static int serve_tool_choice(const struct json *choice, const struct json *tools
 static char *serve_chat_text(struct serve *srv, const struct json *body, struct serve_job *j, int show, size_t *len, struct serve_error *e)
 {
     static const char turn_end[] = "<|im_end|>\n";
-    const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *kw = json_get(body, "chat_template_kwargs");
-    const struct json *last = NULL;
+    const struct json *msgs = json_get(body, "messages"), *tools = json_get(body, "tools"), *last = NULL;
     struct tok_chat_flags f = {1, srv->think ? -1 : 0, -1};
     int i = 0, open = 0;
     if (!msgs) return serve_bad(e, "messages", "'messages' is required"), NULL;
@@ -19118,8 +19138,7 @@ static char *serve_chat_text(struct serve *srv, const struct json *body, struct 
     int parallel = 1;
     if (serve_tool_choice(choice, tools, &name, e) || serve_bool(body, "parallel_tool_calls", &parallel, e)) return NULL;
     if (tok_json_is(choice, "none")) tools = NULL; /* the model is not told of them, so it answers in text */
-    if (kw && kw->kind != JSON_OBJECT && kw->kind != JSON_NULL) return serve_bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
-    if (serve_bool(kw, "enable_thinking", &f.enable_thinking, e) || serve_bool(kw, "preserve_thinking", &f.preserve_thinking, e)) return NULL;
+    if (serve_thinking(body, &f, e)) return NULL;
     struct tok_chat_rendered out;
     char *text = tok_chat_template_render(srv->tok->chat_template, msgs, tools, &f, &out);
     if (!text) return serve_bad(e, "messages", "the chat template refuses these messages: %s", out.error), NULL;
@@ -19526,11 +19545,14 @@ static const char *serve_finish_reason(const struct serve_job *j)
     return j->gen.stop == ENGINE_STOP_LENGTH || j->gen.stop == ENGINE_STOP_CONTEXT ? "length" : "stop";
 }
 
-/* usage (cached_tokens: prompt tokens reused, not computed), and the server's own times. */
+/* usage (cached_tokens: prompt tokens reused, not computed; a chat's reasoning_tokens: those of its think block, its end
+ * included), and the server's own times. */
 static void serve_usage(FILE *f, const struct serve_job *j)
 {
-    fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}},",
+    fprintf(f, "\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}",
             j->gen.n_prompt, j->gen.n_tokens, j->gen.n_prompt + j->gen.n_tokens, j->gen.n_cached);
+    if (j->chat) fprintf(f, ",\"completion_tokens_details\":{\"reasoning_tokens\":%d}", j->gen.n_thought);
+    fputs("},", f);
     fprintf(f, "\"timings\":{\"prompt_ms\":%.3f,\"decode_ms\":%.3f}", j->gen.prompt_s * 1e3, j->gen.decode_s * 1e3);
 }
 
@@ -20648,17 +20670,14 @@ static int serve_resp_tool_choice(struct tok_buf *o, const struct json *choice, 
 }
 
 /* reasoning.effort ("none": no think block; any other, or none said: the server's choice) and text.format (json_object,
- * json_schema) as the chat's enable_thinking and response_format. */
+ * json_schema) as the chat's reasoning_effort and response_format. */
 static int serve_resp_options(struct tok_buf *o, const struct json *body, struct serve_error *e)
 {
-    static const char *const efforts[] = {"none", "minimal", "low", "medium", "high", "xhigh"};
     const struct json *effort = json_get(json_get(body, "reasoning"), "effort"), *format = json_get(json_get(body, "text"), "format");
     const struct json *type = json_get(format, "type");
-    int known = !effort || effort->kind == JSON_NULL;
-    for (size_t k = 0; k < sizeof efforts / sizeof *efforts; k++) known |= tok_json_is(effort, efforts[k]);
-    if (!known) return serve_bad(e, "reasoning", "'reasoning.effort' must be \"none\", \"minimal\", \"low\", \"medium\", \"high\" or \"xhigh\"");
-    if (effort && effort->kind == JSON_STRING)
-        tok_buf_puts(o, tok_json_is(effort, "none") ? ",\"chat_template_kwargs\":{\"enable_thinking\":false}" : ",\"chat_template_kwargs\":{\"enable_thinking\":true}");
+    if (effort && effort->kind != JSON_NULL && !serve_effort_known(effort))
+        return serve_bad(e, "reasoning", "'reasoning.effort' must be \"none\", \"minimal\", \"low\", \"medium\", \"high\" or \"xhigh\"");
+    if (effort && effort->kind != JSON_NULL) tok_buf_puts(o, ",\"reasoning_effort\":"), tok_json_dump(o, effort);
     if (!format || format->kind == JSON_NULL || tok_json_is(type, "text")) return 0;
     if (tok_json_is(type, "json_object")) return tok_buf_puts(o, ",\"response_format\":{\"type\":\"json_object\"}"), 0;
     if (!tok_json_is(type, "json_schema") || !json_get(format, "schema"))

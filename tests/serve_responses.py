@@ -2,7 +2,7 @@
 # (tests/test_serve.sh). Each Responses request goes beside the chat request it means, written here by hand; both
 # greedy, so the two answers must agree: reasoning, text, function calls, status, token counts. Then a stream's events
 # (rebuilt as the SDK's accumulator does), a Codex-shaped history, forced calls of a namespace's tool, input_tokens,
-# JSON output, reasoning_tokens, and refusals. Prints `ok - ...` / `FAIL - ...` lines.
+# JSON output, reasoning_tokens (and chat's reasoning_effort, the same mapping), and refusals. Prints `ok - ...` / `FAIL - ...` lines.
 # usage: python3 tests/serve_responses.py BASE_URL MODEL_ID
 import json, sys
 from serve_api import bad, events_of, ok, post, send, start
@@ -213,6 +213,26 @@ for label, body, test in [('cut while thinking', {'reasoning': {'effort': 'low'}
         ok('reasoning_tokens, %s: %d of %d' % (label, u['reasoning'], u['output_tokens']))
     else:
         bad('reasoning_tokens, %s' % label, '%d %r' % (status, d))
+
+# chat's reasoning_effort: the same mapping ("none" no think block, any other one), the same reasoning_tokens
+for effort, thinking in [('none', False), ('low', True)]:
+    s1, chat = post('/v1/chat/completions', greedy({'messages': [{'role': 'user', 'content': why}], 'reasoning_effort': effort}, 24))
+    s2, twin = post('/v1/chat/completions', greedy({'messages': [{'role': 'user', 'content': why}], 'chat_template_kwargs': {'enable_thinking': thinking}}, 24))
+    s3, resp = post('/v1/responses', greedy({'input': why, 'reasoning': {'effort': effort}}, 24))
+    try:
+        assert (s1, s2, s3) == (200, 200, 200), (s1, s2, s3)
+        assert chat['choices'][0]['message'] == twin['choices'][0]['message'], 'message %r, enable_thinking %r' % (chat['choices'][0], twin['choices'][0])
+        counted = chat['usage']['completion_tokens_details']['reasoning_tokens']
+        assert counted == resp['usage']['output_tokens_details']['reasoning_tokens'] and (counted > 0) == thinking, 'chat %r, response %r' % (
+            chat['usage'], resp['usage'])
+        ok('chat reasoning_effort %s: the answer of enable_thinking %s, %d reasoning_tokens as the response counts them' % (effort, thinking, counted))
+    except (AssertionError, KeyError, IndexError, TypeError) as e:
+        bad('chat reasoning_effort %s' % effort, '%s: %s' % (type(e).__name__, e))
+status, d = post('/v1/chat/completions', greedy({'messages': [{'role': 'user', 'content': why}], 'reasoning_effort': 'extreme'}))
+if status == 400 and d['error']['param'] == 'reasoning_effort':
+    ok('chat reasoning_effort "extreme": 400 naming it')
+else:
+    bad('chat reasoning_effort "extreme"', '%d %r' % (status, d))
 
 # text.format json_schema: the chat's response_format
 schema = {'type': 'object', 'properties': {'c': {'enum': ['red', 'blue']}}, 'required': ['c'], 'additionalProperties': False}
