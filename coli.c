@@ -20437,8 +20437,10 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
 
 /* ---- the OpenAI Responses API ----
  * POST /v1/responses, for clients that speak OpenAI's newer API (Codex CLI, the Agents SDK, the SDKs' responses.create).
- * As with Anthropic's, a request becomes the chat request it means: `instructions` and the developer and system messages
- * that open the input one system message (later ones user turns in their place); then the input's items in their order,
+ * As with Anthropic's, a request becomes the chat request it means: `instructions` and a developer or system message
+ * that opens the input one system message, any other one a user turn in its place (so the system turn, the longest
+ * prefix conversations share, stays the same when a client moves its other instructions: Codex does so when it compacts
+ * a conversation); then the input's items in their order,
  * each run of reasoning, assistant message and function_call items one assistant message (reasoning_content, content,
  * tool_calls), each function_call_output a tool message. Function tools, and those a namespace groups, are chat tools;
  * tools only OpenAI's servers run (web_search, file_search, ...) are left out, so the model is not told of them.
@@ -20452,8 +20454,9 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
 struct serve_resp_chat {
     struct tok_buf out;          /* the chat request's messages so far */
     int count;                   /* messages written */
-    struct tok_buf system;       /* instructions and the opening developer and system texts, a blank line between */
-    int opened;                  /* another item came: the system message is written, later system texts are user turns */
+    struct tok_buf system;       /* instructions and the opening developer or system text, a blank line between */
+    int opened;                  /* another item came, or the opening system text: later system texts are user turns */
+    int written;                 /* the system message is written */
     struct tok_buf reasoning, content, calls; /* the assistant message gathered (calls: tool_calls' items, comma-joined) */
     int stage;                   /* what it gathered last: 0 nothing, 1 reasoning, 2 content, 3 calls */
 };
@@ -20475,18 +20478,18 @@ static void serve_resp_flush(struct serve_resp_chat *c)
  * so far written unless the item (of STAGE 1-3; 0: not an assistant's) goes on gathering it. */
 static void serve_resp_next(struct serve_resp_chat *c, int stage)
 {
-    if (!c->opened && c->system.n) {
+    if (!c->written && c->system.n) {
         serve_msg_open(&c->out, &c->count, "system");
         json_put_string(&c->out, c->system.p, c->system.n);
         tok_buf_puts(&c->out, "}");
     }
-    c->opened = 1;
+    c->opened = c->written = 1;
     if (!stage || stage < c->stage || (stage == c->stage && stage != 3)) serve_resp_flush(c);
     if (stage) c->stage = stage;
 }
 
-/* Appends to B the text of content C of item I (a string, or parts whose text is in TEXT_KEY: input_text, output_text,
- * reasoning_text, summary_text, refusal), SEP between parts; -1 with E set for a part with no text. */
+/* Appends to B the text of content C of item I (a string, or parts: input_text, output_text, reasoning_text,
+ * summary_text by their "text", a refusal by its "refusal"), SEP between parts; -1 with E set for a part with no text. */
 static int serve_resp_text(struct tok_buf *b, const struct json *c, const char *sep, int i, struct serve_error *e)
 {
     if (c && c->kind == JSON_STRING) return tok_buf_put(b, c->str, c->len), 0;
@@ -20550,6 +20553,7 @@ static int serve_resp_message(struct serve_resp_chat *c, const struct json *m, i
         return bad;
     }
     if (c->system.n) tok_buf_puts(&c->system, "\n\n");
+    c->opened = 1;
     return serve_resp_text(&c->system, content, "", i, e);
 }
 
@@ -20696,7 +20700,7 @@ static char *serve_responses_request(const struct json *body, struct serve_error
                                        "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "cache_prompt",
                                        "thinking_budget_tokens", "thinking_budget_message"};
     static const char *const stored[] = {"previous_response_id", "conversation"};
-    struct serve_resp_chat c = {{NULL, 0, 0}, 0, {NULL, 0, 0}, 0, {NULL, 0, 0}, {NULL, 0, 0}, {NULL, 0, 0}, 0};
+    struct serve_resp_chat c = {{NULL, 0, 0}, 0, {NULL, 0, 0}, 0, 0, {NULL, 0, 0}, {NULL, 0, 0}, {NULL, 0, 0}, 0};
     const struct json *max = json_get(body, "max_output_tokens"), *background = json_get(body, "background");
     double max_output;
     int bad = serve_number(body, "max_output_tokens", 1, 1e9, 1, &max_output, e);

@@ -27,8 +27,8 @@ TOOLS = [{'type': 'function', 'name': 'get_weather', 'description': 'The weather
 CHAT_TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city', 'parameters': SCHEMA}},
               {'type': 'function', 'function': {'name': 'set_alarm', 'description': 'Set an alarm', 'parameters': ALARM_SCHEMA}}]
 THINK = {'chat_template_kwargs': {'enable_thinking': True}}
-# Codex's shape: developer messages first (one system message), the user's, then a turn's reasoning, text and call (one
-# assistant message), the call's output (a tool message), and the next user message
+# Codex's shape: developer messages first (the first the system message, the second a user turn), the user's, then a
+# turn's reasoning, text and call (one assistant message), the call's output (a tool message), and the next user message
 CODEX_INPUT = [
     {'type': 'message', 'role': 'developer', 'content': [{'type': 'input_text', 'text': 'You are a coding agent.'}]},
     {'type': 'message', 'role': 'developer', 'content': [{'type': 'input_text', 'text': 'Skills: none.'}]},
@@ -38,7 +38,8 @@ CODEX_INPUT = [
     {'type': 'function_call', 'name': 'get_weather', 'arguments': '{"city": "Bern"}', 'call_id': 'call_1'},
     {'type': 'function_call_output', 'call_id': 'call_1', 'output': '12 C, cloudy'},
     {'role': 'user', 'content': 'And in Paris?'}]
-CODEX_CHAT = [{'role': 'system', 'content': 'You are a coding agent.\n\nSkills: none.'}, {'role': 'user', 'content': [{'type': 'text', 'text': 'Weather in Bern?'}]},
+CODEX_CHAT = [{'role': 'system', 'content': 'You are a coding agent.'}, {'role': 'user', 'content': 'Skills: none.'},
+              {'role': 'user', 'content': [{'type': 'text', 'text': 'Weather in Bern?'}]},
               {'role': 'assistant', 'content': 'Checking.', 'reasoning_content': 'A tool knows.',
                'tool_calls': [{'id': 'call_1', 'type': 'function', 'function': {'name': 'get_weather', 'arguments': '{"city": "Bern"}'}}]},
               {'role': 'tool', 'tool_call_id': 'call_1', 'content': '12 C, cloudy'}, {'role': 'user', 'content': 'And in Paris?'}]

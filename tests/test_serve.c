@@ -1096,12 +1096,12 @@ static void test_messages_answer(void)
 static void test_responses_request(void)
 {
     static const struct request_pair pairs[] = {
-        {"instructions and the opening developer and system messages one system message, a later one a user turn",
+        {"instructions and the opening developer message one system message, any other a user turn in its place",
          "{\"instructions\":\"I\",\"input\":[{\"role\":\"developer\",\"content\":\"D1\"},{\"type\":\"message\",\"role\":\"system\",\"content\":"
          "[{\"type\":\"input_text\",\"text\":\"D2\"}]},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"developer\",\"content\":\"late\"},"
          "{\"role\":\"user\",\"content\":[{\"type\":\"input_text\",\"text\":\"u\"},{\"type\":\"input_text\",\"text\":\"2\"}]}]}",
-         "{\"messages\":[{\"role\":\"system\",\"content\":\"I\\n\\nD1\\n\\nD2\"},{\"role\":\"user\",\"content\":\"u1\"},{\"role\":\"user\",\"content\":\"late\"},"
-         "{\"role\":\"user\",\"content\":\"u2\"}]}"},
+         "{\"messages\":[{\"role\":\"system\",\"content\":\"I\\n\\nD1\"},{\"role\":\"user\",\"content\":\"D2\"},{\"role\":\"user\",\"content\":\"u1\"},"
+         "{\"role\":\"user\",\"content\":\"late\"},{\"role\":\"user\",\"content\":\"u2\"}]}"},
         {"a turn's reasoning, text and calls one assistant message, their outputs tool messages; tools of a namespace flattened, "
          "hosted ones left out",
          "{\"tools\":[{\"type\":\"function\",\"name\":\"f\",\"description\":\"F\",\"parameters\":{\"type\":\"object\"},\"strict\":true},{\"type\":\"namespace\","
