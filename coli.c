@@ -20440,12 +20440,11 @@ static char *serve_count_tokens(struct serve *srv, const struct json *body, size
  * As with Anthropic's, a request becomes the chat request it means: `instructions` and a developer or system message
  * that opens the input one system message, any other one a user turn in its place (so the system turn, the longest
  * prefix conversations share, stays the same when a client moves its other instructions: Codex does so when it compacts
- * a conversation); then the input's items in their order,
- * each run of reasoning, assistant message and function_call items one assistant message (reasoning_content, content,
- * tool_calls), each function_call_output a tool message. Function tools, and those a namespace groups, are chat tools;
- * tools only OpenAI's servers run (web_search, file_search, ...) are left out, so the model is not told of them.
- * max_output_tokens is max_tokens, reasoning.effort "none" enable_thinking false, text.format response_format. Nothing
- * is stored: previous_response_id and conversation are refused, and a client sends the whole conversation each time (the
+ * a conversation); then the input's items in their order, each run of reasoning, assistant message and function_call
+ * items one assistant message (reasoning_content, content, tool_calls), each function_call_output a tool message.
+ * Function tools, and those a namespace groups, are chat tools; tools only OpenAI's servers run (web_search,
+ * file_search, ...) are left out, so the model is not told of them. max_output_tokens is max_tokens, reasoning.effort
+ * reasoning_effort, text.format response_format. Nothing is stored: previous_response_id and conversation are refused, and a client sends the whole conversation each time (the
  * prompt cache reuses what was computed). The answer comes back as output items (reasoning, message, function_call)
  * with a status and usage, or streamed as the response.* events. */
 
@@ -20739,8 +20738,7 @@ static struct serve_job *serve_responses_job(struct serve *srv, const char *body
     char *chat = body ? serve_responses_request(body, e) : NULL;
     struct serve_job *j = chat ? serve_job_new(srv, 1, chat, strlen(chat), e) : NULL;
     if (j) j->asked = body;
-    else json_free(body);
-    if (!j) serve_resp_param(e);
+    else json_free(body), serve_resp_param(e);
     free(chat);
     return j;
 }
@@ -20781,11 +20779,13 @@ static void serve_resp_event(FILE *f, struct serve_resp_out *o, const char *name
     fprintf(f, "event: %s\ndata: {\"type\":\"%s\",\"sequence_number\":%lld", name, name, o->seq++);
 }
 
+/* An item's id's prefix, by its part: reasoning, message, function call. */
+static const char *const serve_resp_prefix[3] = {"rs", "msg", "fc"};
+
 /* ,"item_id":ID,"output_index":K (and "content_index":0 for a reasoning or message item's text) of item K. */
 static void serve_resp_ref(FILE *f, const struct serve_resp_out *o, unsigned long long id, int k)
 {
-    static const char *const prefix[3] = {"rs", "msg", "fc"};
-    fprintf(f, ",\"item_id\":\"%s_%llx_%d\",\"output_index\":%d%s", prefix[o->items[k].part], id, k, k,
+    fprintf(f, ",\"item_id\":\"%s_%llx_%d\",\"output_index\":%d%s", serve_resp_prefix[o->items[k].part], id, k, k,
             o->items[k].part == SERVE_PART_CALL ? "" : ",\"content_index\":0");
 }
 
@@ -20802,10 +20802,9 @@ static void serve_resp_write_part(FILE *f, const struct serve_job *j, const stru
  * content yet, no arguments, in_progress). A call names its namespace where the request grouped its tool in one. */
 static void serve_resp_write_item(FILE *f, const struct serve_job *j, unsigned long long id, const struct serve_resp_out *o, int k, int done)
 {
-    static const char *const prefix[3] = {"rs", "msg", "fc"};
     const struct serve_resp_item *it = &o->items[k];
     const char *status = done ? "completed" : "in_progress";
-    fprintf(f, "{\"id\":\"%s_%llx_%d\",", prefix[it->part], id, k);
+    fprintf(f, "{\"id\":\"%s_%llx_%d\",", serve_resp_prefix[it->part], id, k);
     if (it->part == SERVE_PART_REASONING) fputs("\"type\":\"reasoning\",\"summary\":[],\"content\":[", f);
     else if (it->part == SERVE_PART_CONTENT) fprintf(f, "\"type\":\"message\",\"status\":\"%s\",\"role\":\"assistant\",\"content\":[", status);
     else {
