@@ -1,6 +1,6 @@
-// npm_client: what tests/serve_openai.mjs, tests/serve_anthropic.mjs and tests/serve_ollama.mjs share: their command line, the `ok - ` /
-// `FAIL - ` lines tests/test_serve.sh counts, a check that turns a throw into a failure, and the client class loaded
-// from an npm prefix (setup: all three).
+// npm_client: what tests/serve_openai.mjs, tests/serve_anthropic.mjs and tests/serve_ollama.mjs share: their command
+// line, the `ok - ` / `FAIL - ` lines tests/test_serve.sh counts, a check that turns a throw into a failure, and the
+// client class loaded from an npm prefix (setup: all three).
 import { createRequire } from 'node:module';
 import { existsSync, readFileSync } from 'node:fs';
 import path from 'node:path';

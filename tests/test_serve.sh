@@ -6,7 +6,7 @@
 # OpenAI's Responses API against the chat requests it means (tests/serve_responses.py), and Ollama's API against the
 # requests it means (tests/serve_ollama.py) and through the `ollama` client (tests/serve_ollama.mjs).
 # usage: tests/test_serve.sh ./coli GOLDEN_DIR [--fuzz-bin PATH]
-# Needs curl and python3 (JSON); node + npm for the two clients (skipped without them, or when
+# Needs curl and python3 (JSON); node + npm for the three clients (skipped without them, or when
 # the install fails). COLI_TEST_OPENAI_PREFIX=DIR reuses an npm prefix that already holds them.
 set -u
 COLI=${1:-./coli}
@@ -768,9 +768,9 @@ else
     fi
 fi
 
-# --- the Anthropic Messages API, OpenAI's Responses API and Ollama's: a server with room for a tools block in its context (-c
-# 1024), a default thinking budget that a thinking request without its own is held to, and a ping every 5 ms a stream is
-# quiet (every stream below, and the SDK's, reads them; a Responses stream's are response.in_progress events)
+# --- the Anthropic Messages API, OpenAI's Responses API and Ollama's: a server with room for a tools block in its
+# context (-c 1024), a default thinking budget that a thinking request without its own is held to, and a ping every 5 ms
+# a stream is quiet (every stream below, and the SDK's, reads them; a Responses stream's are response.in_progress events)
 if COLI_PING_SECONDS=0.005 start_server anth --port 0 --parallel 1 -c 1024 -t 1 --no-think --reasoning-budget 40; then
     client "serve_anthropic.py" "$tmp/anth.out" timeout 120 python3 "$HERE/serve_anthropic.py" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     client "serve_responses.py" "$tmp/resp.out" timeout 120 python3 "$HERE/serve_responses.py" "http://127.0.0.1:$sport" "$MODEL_ID"
