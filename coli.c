@@ -17298,14 +17298,17 @@ struct engine_logprobs {
     int n_top;
 };
 
+#define ENGINE_MARKS 3 /* checkpoint positions a prompt may ask for */
+
 /* What a caller asks of a slot; the arrays must outlive the generation. */
 struct engine_request {
     const int *prompt;       /* [n_prompt]: fed after what the slot's sequence holds, or (WHOLE) all of it */
     int n_prompt;
     int whole;               /* the prompt is the sequence from position 0: what the slot holds of it is reused */
     int reuse;               /* WHOLE: may reuse (0: computed from nothing, to compare) */
-    int mark[2];             /* WHOLE: checkpoint positions, ascending (0: none): the server marks where the turn after
-                              * the system turn opens (a shared prefix) and the answer's (where the next turn departs) */
+    int mark[ENGINE_MARKS];  /* WHOLE: checkpoint positions, ascending (0: none): the server marks where the second and
+                              * third turns open (prefixes conversations share) and the answer's (where the next turn
+                              * departs) */
     int n_max;               /* tokens to generate at most */
     struct sample_params sample;
     int ignore_eog, want_top; /* want_top: record each position's five best logits */
@@ -17943,7 +17946,7 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
         struct engine_slot *sl = &e->slots[i];
         if (!sl->gen || sl->next >= 0) continue;
         int k = sl->req.n_prompt - sl->fed < room ? sl->req.n_prompt - sl->fed : room;
-        for (int m = 1; m >= 0; m--) /* end the chunk at the next mark */
+        for (int m = ENGINE_MARKS - 1; m >= 0; m--) /* end the chunk at the next mark */
             if (sl->req.whole && sl->req.mark[m] > sl->fed && sl->fed + k > sl->req.mark[m]) k = sl->req.mark[m] - sl->fed;
         runs[n] = engine_run(e, sl, sl->req.prompt + sl->fed, k);
         owner[n++] = i;
@@ -17957,7 +17960,8 @@ static int engine_plan_step(struct engine *e, struct model_run *runs, int *owner
 static void engine_prompt_fed(struct engine *e, struct engine_slot *sl, const struct model_run *run)
 {
     sl->fed += run->n;
-    if (sl->req.whole && (sl->fed == sl->req.mark[0] || sl->fed == sl->req.mark[1])) engine_checkpoint(e, sl);
+    for (int m = 0; m < ENGINE_MARKS; m++)
+        if (sl->req.whole && sl->fed == sl->req.mark[m]) engine_checkpoint(e, sl);
     if (engine_cancelled(sl)) {
         if (sl->req.rewind) {
             model_checkpoint(e->m, &sl->seq, sl->req.rewind, 0);
@@ -19314,16 +19318,18 @@ static int serve_settings(struct serve *srv, const struct json *body, struct ser
     return 0;
 }
 
-/* J's checkpoint marks (engine_request.mark): where the second turn opens (the system prompt and tools, shared with
- * other conversations, end there) and the answer's turn, at the last <|im_start|> (the next turn re-renders this answer
- * without thinking, departing there). */
+/* J's checkpoint marks (engine_request.mark): where the second and third turns open (the system prompt and tools,
+ * shared with other conversations, end at the first; standing instructions a client sends as a turn of their own, as
+ * Codex sends its skills, at the second) and the answer's turn, at the last <|im_start|> (the next turn re-renders this
+ * answer without thinking, departing there). */
 static void serve_marks(const struct tok *t, struct serve_job *j)
 {
-    int im_start = tok_find(t, "<|im_start|>"), n = j->req.n_prompt;
-    for (int i = 1; i < n && im_start >= 0 && !j->req.mark[0]; i++)
-        if (j->prompt[i] == im_start) j->req.mark[0] = i;
-    for (int i = n - 1; i > j->req.mark[0] && im_start >= 0 && !j->req.mark[1]; i--)
-        if (j->prompt[i] == im_start) j->req.mark[1] = i;
+    int im_start = tok_find(t, "<|im_start|>"), n = j->req.n_prompt, k = 0, last = 0;
+    for (int i = n - 1; i > 0 && im_start >= 0 && !last; i--)
+        if (j->prompt[i] == im_start) last = i;
+    for (int i = 1; i < last && k < ENGINE_MARKS - 1; i++)
+        if (j->prompt[i] == im_start) j->req.mark[k++] = i;
+    j->req.mark[k] = last;
 }
 
 /* A request body BODY_TEXT[0..n) parsed: a JSON object, or NULL with E set. */

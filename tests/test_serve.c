@@ -53,6 +53,42 @@ static void test_batch_identity(const char *dir, const char *name)
     model_free(&m);
 }
 
+/* serve_marks on prompts of the golden vocabulary: a Codex-shaped one (system, two user turns of standing context, the
+ * question, the generation prompt) is marked where the second and third turns open and at the answer's turn; a
+ * two-turn one at its user turn and its answer's; one with no turn after the system's, nowhere. */
+static void test_marks(const char *dir)
+{
+    static const char *const texts[3] = {
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nskills<|im_end|>\n<|im_start|>user\nenv<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", "just text"};
+    char path[1024];
+    struct gguf_file g;
+    struct tok t;
+    snprintf(path, sizeof path, "%s/q35moe-q8_0.gguf", dir);
+    gguf_open(&g, path);
+    tok_load(&t, &g);
+    const int im_start = tok_find(&t, "<|im_start|>");
+    int right = 0;
+    for (int k = 0; k < 3; k++) {
+        struct serve_job j;
+        int at[8], n_at = 0;
+        memset(&j, 0, sizeof j);
+        j.req.n_prompt = tok_encode(&t, texts[k], strlen(texts[k]), 1, &j.prompt);
+        for (int i = 1; i < j.req.n_prompt && n_at < 8; i++)
+            if (j.prompt[i] == im_start) at[n_at++] = i;
+        serve_marks(&t, &j);
+        const int *m = j.req.mark;
+        right += k == 0 ? n_at == 4 && m[0] == at[0] && m[1] == at[1] && m[2] == at[3]
+               : k == 1 ? n_at == 2 && m[0] == at[0] && m[1] == at[1] && !m[2]
+                        : !m[0] && !m[1] && !m[2];
+        free(j.prompt);
+    }
+    check(right == 3, "marks: the second and third turns' openings and the answer's; two turns: both; no turn: none", "%d of 3", right);
+    tok_free(&t);
+    gguf_close(&g);
+}
+
 /* Two greedy generations on two slots, stepped together, against each on its own. */
 static void test_engine_slots(const char *dir, const char *name)
 {
@@ -1456,6 +1492,7 @@ int main(int argc, char **argv)
     }
     test_batch_identity(dir, "q35moe-q8_0.gguf");
     test_batch_identity(dir, "q3next-q8_0.gguf");
+    test_marks(dir);
     test_engine_slots(dir, "q35moe-q8_0.gguf");
     test_engine_logprobs(dir, "q35moe-q8_0.gguf");
     test_engine_json(dir, "q35moe-q8_0.gguf");
