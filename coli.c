@@ -21092,12 +21092,15 @@ static int serve_ollama_message(struct tok_buf *o, const struct json *m, int i, 
  * completion of it. Its own template, a suffix (fill in the middle) or an old context are refused. */
 static int serve_ollama_prompt(struct tok_buf *o, const struct json *body, int *raw, struct serve_error *e)
 {
-    static const char *const refused[] = {"template", "suffix", "context"};
+    static const struct { const char *name, *why; } refused[] = {
+        {"template", "coli renders the model's own chat template (or send \"raw\": true with the prompt as the model reads it)"},
+        {"suffix", "there is no fill-in-the-middle: send the text before the cursor as the prompt"},
+        {"context", "an earlier answer's token context is not kept: send the whole conversation (/api/chat's messages)"}};
     const struct json *prompt = json_get(body, "prompt"), *system = json_get(body, "system"), *images = json_get(body, "images");
     for (size_t k = 0; k < sizeof refused / sizeof *refused; k++) {
-        const struct json *v = json_get(body, refused[k]);
+        const struct json *v = json_get(body, refused[k].name);
         if (v && v->kind != JSON_NULL && !tok_json_is(v, "") && !(v->kind == JSON_ARRAY && !v->child))
-            return serve_bad(e, refused[k], "'%s' is not supported: coli renders the model's own template, the prompt after the rest", refused[k]);
+            return serve_bad(e, refused[k].name, "'%s' is not supported: %s", refused[k].name, refused[k].why);
     }
     if (images && images->kind == JSON_ARRAY && images->child) return serve_bad(e, "images", "images are not supported: coli runs the model on text only");
     if (prompt->kind != JSON_STRING || (system && system->kind != JSON_STRING && system->kind != JSON_NULL))
@@ -21271,23 +21274,15 @@ static char *serve_ollama_loaded(const struct serve *srv, int chat, size_t *n)
     return out;
 }
 
-/* The parameters (weights) of the model in G. */
-static uint64_t serve_ollama_params(const struct gguf_file *g)
-{
-    uint64_t params = 0;
-    for (int64_t i = 0; i < g->n_tensors; i++) params += (uint64_t)g->tensors[i].n_elems;
-    return params;
-}
-
 /* The served model as Ollama details one ("details": format, family the architecture, parameter_size, quantization_level
- * the weight format that holds most of its bytes), then its "size" in bytes and "modified_at" the server's start. */
-static void serve_ollama_details(FILE *f, const struct serve *srv)
+ * the weight format that holds most of its bytes), then its "size" in bytes and "modified_at" the server's start.
+ * Returns its parameter count. */
+static uint64_t serve_ollama_details(FILE *f, const struct serve *srv)
 {
     const struct gguf_file *g = &srv->engine->m->file;
-    const uint64_t params = serve_ollama_params(g);
-    uint64_t by_type[GGUF_TYPE_COUNT] = {0};
+    uint64_t params = 0, by_type[GGUF_TYPE_COUNT] = {0};
     int most = 0;
-    for (int64_t i = 0; i < g->n_tensors; i++) by_type[g->tensors[i].type] += g->tensors[i].bytes;
+    for (int64_t i = 0; i < g->n_tensors; i++) params += (uint64_t)g->tensors[i].n_elems, by_type[g->tensors[i].type] += g->tensors[i].bytes;
     for (int t = 0; t < GGUF_TYPE_COUNT; t++) most = by_type[t] > by_type[most] ? t : most;
     const char *arch = model_arch_names[srv->engine->m->cfg.arch];
     const time_t started = (time_t)srv->started;
@@ -21298,6 +21293,7 @@ static void serve_ollama_details(FILE *f, const struct serve *srv)
             "\"quantization_level\":\"%s\"},\"size\":%llu,\"modified_at\":\"%s\"",
             arch, arch, params >= 1000000000 ? params / 1e9 : params / 1e6, params >= 1000000000 ? "B" : "M", gguf_types[most].name,
             (unsigned long long)g->tensor_bytes, when);
+    return params;
 }
 
 /* GET /api/tags (the served model, as Ollama lists its models) or /api/version (the Ollama API version whose endpoints
@@ -21330,9 +21326,9 @@ static char *serve_ollama_show(struct serve *srv, const struct json *body, size_
     (void)body, (void)e;
     FILE *f = open_memstream(&out, n);
     fputs("{\"modelfile\":\"\",\"parameters\":\"\",\"template\":\"\",", f);
-    serve_ollama_details(f, srv);
+    const uint64_t params = serve_ollama_details(f, srv);
     fprintf(f, ",\"model_info\":{\"general.architecture\":\"%s\",\"general.parameter_count\":%llu,\"%s.context_length\":%d},"
-            "\"capabilities\":[\"completion\",\"tools\",\"thinking\"]}", arch, (unsigned long long)serve_ollama_params(&m->file), arch, m->n_ctx);
+            "\"capabilities\":[\"completion\",\"tools\",\"thinking\"]}", arch, (unsigned long long)params, arch, m->n_ctx);
     fclose(f);
     return out;
 }
