@@ -17348,6 +17348,7 @@ struct engine_gen {
 };
 
 #define ENGINE_MAX_CHECKPOINTS 4 /* DeltaNet states kept per sequence */
+#define ENGINE_SHARED_CHECKPOINTS (ENGINE_MARKS - 1) /* the shallowest, never recycled (engine_checkpoint) */
 #define ENGINE_STEP_BESIDE_DECODE 64 /* tokens of a step with decoding slots (engine_plan_step) */
 
 /* A sequence's past, matched against the next prompt: its state's tokens, and DeltaNet state copies at some positions.
@@ -17729,15 +17730,17 @@ static int engine_cache_room(struct engine *e, int64_t bytes)
     return e->cache_bytes + bytes <= e->cache_budget;
 }
 
-/* Keeps slot SL's DeltaNet state at its position: a new checkpoint or, at ENGINE_MAX_CHECKPOINTS, the second
- * shallowest's buffer (the shallowest, kept, ends the prefix conversations share: system prompt and tools). */
+/* Keeps slot SL's DeltaNet state at its position: a new checkpoint or, at ENGINE_MAX_CHECKPOINTS, the buffer of the
+ * shallowest after ENGINE_SHARED_CHECKPOINTS. Those, kept, end the prefixes other conversations share (serve_marks: the
+ * system prompt and tools; an agent's standing instructions); the deeper ones end turns of this conversation only. */
 static void engine_checkpoint(struct engine *e, struct engine_slot *sl)
 {
     struct engine_past *p = &sl->past;
     if (p->n_cp && p->cp[p->n_cp - 1].pos == sl->seq.pos) return;
     if (p->n_cp == ENGINE_MAX_CHECKPOINTS) {
-        struct model_checkpoint recycled = p->cp[1];
-        memmove(p->cp + 1, p->cp + 2, (size_t)(p->n_cp - 2) * sizeof *p->cp);
+        const int k = ENGINE_SHARED_CHECKPOINTS;
+        struct model_checkpoint recycled = p->cp[k];
+        memmove(p->cp + k, p->cp + k + 1, (size_t)(p->n_cp - k - 1) * sizeof *p->cp);
         p->cp[p->n_cp - 1] = recycled;
     } else {
         if (!engine_cache_room(e, e->checkpoint_bytes)) return;

@@ -537,6 +537,53 @@ static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
     model_free(&m);
 }
 
+/* A conversation of more turns than a sequence keeps checkpoints: each turn's checkpoint recycles the oldest turn's,
+ * never the two shared-prefix marks', so a new conversation sharing the second (an agent's standing instructions)
+ * resumes there with the logits of its prompt from nothing. */
+static void test_checkpoint_recycling(const char *dir, const char *file)
+{
+    char path[1024], label[512];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    struct model m;
+    struct tok t;
+    struct engine e, fresh;
+    model_load(&m, path, 256, OPS_KV_F32);
+    tok_load(&t, &m.file);
+    engine_init(&e, &m, &t, 1, 64 << 20);
+    engine_init(&fresh, &m, &t, 1, 0);
+    int conv[120], other[40];
+    for (int i = 0; i < 30; i++) conv[i] = 300 + 11 * i;
+    int n = 30, answer_mark = 0;
+    for (int turn = 0; turn < ENGINE_MAX_CHECKPOINTS; turn++) {
+        answer_mark = n - 1;
+        struct engine_request r = whole_request(conv, n, 10, answer_mark, 2);
+        r.mark[1] = 20, r.mark[2] = answer_mark;
+        struct engine_gen g;
+        engine_admit(&e, &r, &g);
+        while (engine_step(&e)) {}
+        engine_gen_free(&g);
+        n = e.slots[0].past.n;
+        memcpy(conv, e.slots[0].past.tokens, (size_t)n * sizeof(int));
+        for (int i = 0; i < 4; i++) conv[n + i] = 700 + 13 * turn + i;
+        n += 4;
+    }
+    const struct engine_past *p = &e.slots[0].past;
+    snprintf(label, sizeof label, "%s: %d turns: the checkpoints of both shared marks (10, 20) and of the last answer (%d) kept", file,
+             ENGINE_MAX_CHECKPOINTS, answer_mark);
+    check(p->n_cp == ENGINE_MAX_CHECKPOINTS && p->cp[0].pos == 10 && p->cp[1].pos == 20 && p->cp[p->n_cp - 1].pos == answer_mark, label,
+          "%d checkpoints at %d, %d, ..., %d", p->n_cp, p->cp[0].pos, p->cp[1].pos, p->cp[p->n_cp - 1].pos);
+    memcpy(other, conv, 22 * sizeof(int));
+    for (int i = 22; i < 40; i++) other[i] = 1900 + i;
+    snprintf(label, sizeof label, "%s: a new conversation sharing 22 tokens: the logits of its prompt from nothing", file);
+    int cached = run_against_fresh(&e, &fresh, whole_request(other, 40, 10, 39, 3), label);
+    snprintf(label, sizeof label, "%s: ... resumed from the second mark's checkpoint", file);
+    check(cached == 20, label, "%d cached", cached);
+    engine_free(&e);
+    engine_free(&fresh);
+    tok_free(&t);
+    model_free(&m);
+}
+
 /* Loads PATH into a fresh engine over M and T (BUDGET bytes of prompt cache): the count engine_cache_load gives, the
  * engine left for the caller to free; WHY its reason. */
 static int cache_load_into(struct engine *e, struct model *m, struct tok *t, int64_t budget, const char *path, uint64_t identity, char *why)
@@ -1499,6 +1546,7 @@ int main(int argc, char **argv)
     test_engine_schema(dir, "q35moe-q8_0.gguf");
     test_engine_think_budget(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F32);
+    test_checkpoint_recycling(dir, "q35moe-q8_0.gguf");
     test_prefix_reuse(dir, "q3next-q8_0.gguf", OPS_KV_F32);
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_F16);  /* a parked fp16 cache */
     test_prefix_reuse(dir, "q35moe-q8_0.gguf", OPS_KV_Q8_0); /* Q8_0: keys parked in whole groups */
