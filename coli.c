@@ -18219,8 +18219,8 @@ static void engine_generate(struct engine *e, int i, const struct engine_request
 
 /* Starts REQ (WHOLE) on the idle slot reusing most of its prompt: its own past, or a parked conversation brought into
  * the least recently used slot (parking its own). A prompt nothing holds goes to an empty slot, else the least recently
- * used (parked). One sharing only a conversation's start (departing before its latest checkpoint: same system prompt)
- * parks a copy first. The slot, or -1 if none is idle. */
+ * used (parked). One sharing only a conversation's start (departing before its latest checkpoint: same system prompt),
+ * in a slot or parked, leaves a copy of it parked. The slot, or -1 if none is idle. */
 static int engine_admit(struct engine *e, const struct engine_request *req, struct engine_gen *g)
 {
     int best = -1, best_reuse = -1, victim = -1, cp, parked = -1;
@@ -18247,10 +18247,9 @@ static int engine_admit(struct engine *e, const struct engine_request *req, stru
     } else if (best_reuse == 0) {
         best = victim;
         engine_park(e, victim, 0);
-    } else {
-        const struct engine_past *p = &e->slots[best].past;
-        if (p->n_cp && best_reuse < p->cp[p->n_cp - 1].pos) engine_park(e, best, best_reuse);
     }
+    const struct engine_past *p = &e->slots[best].past;
+    if (best_reuse > 0 && p->n_cp && best_reuse < p->cp[p->n_cp - 1].pos) engine_park(e, best, best_reuse);
     engine_start(e, best, req, g);
     return best;
 }
