@@ -1231,7 +1231,22 @@ static void test_ops(void) {
 
 /* A random matrix of TYPE (every MAX_EVERY-th row W_MAX, the one after it W_FULL) and MAXC random
  * columns, prepared, but for columns 3 and 4: X_ONES and X_MINUS_ONES. */
-struct matmat_case { struct ops_matrix m; float *x, *y; uint8_t *act; size_t stride; };
+struct matmat_case {
+    struct ops_matrix m;
+    float *x, *y;
+    float *ref; /* the scalar dot of column j and row r at j * rows + r (matmat_case_refs) */
+    uint8_t *act;
+    size_t stride;
+    int maxc;
+};
+
+/* C's reference results, once for all its columns: one per column count tried made the sanitizer run slow. */
+static void matmat_case_refs(struct matmat_case *c) {
+    const struct ops_matrix *m = &c->m;
+    for (int j = 0; j < c->maxc; j++)
+        for (int r = 0; r < m->rows; r++)
+            c->ref[(size_t)j * m->rows + r] = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c->act + j * c->stride, m->cols);
+}
 
 static struct matmat_case matmat_case_new(enum gguf_type t, int rows, int64_t cols, int maxc, int max_every) {
     const struct gguf_type_info *inf = gguf_type_get(t);
@@ -1239,12 +1254,14 @@ static struct matmat_case matmat_case_new(enum gguf_type t, int rows, int64_t co
     uint8_t *w = plat_alloc(rb * rows);
     for (int r = 0; r < rows; r++)
         fill_weights(t, w + r * rb, cols, r % max_every == 0 ? W_MAX : r % max_every == 1 ? W_FULL : W_RANDOM);
-    struct matmat_case c = { { t, w, rows, cols, rb, 0 }, plat_alloc(sizeof(float) * cols * maxc), plat_alloc(sizeof(float) * rows * maxc), NULL, 0 };
+    struct matmat_case c = { { t, w, rows, cols, rb, 0 }, plat_alloc(sizeof(float) * cols * maxc), plat_alloc(sizeof(float) * rows * maxc),
+                             plat_alloc(sizeof(float) * rows * maxc), NULL, 0, maxc };
     fill_x(c.x, cols * maxc, X_RANDOM);
     for (int j = 3; j < 5 && j < maxc; j++) fill_x(c.x + (size_t)j * cols, cols, j == 3 ? X_ONES : X_MINUS_ONES);
     c.stride = ops_act_stride(&c.m);
     c.act = plat_alloc_aligned(c.stride * maxc);
     for (int j = 0; j < maxc; j++) quant_act_prepare(t, c.x + (size_t)j * cols, cols, c.act + j * c.stride);
+    matmat_case_refs(&c);
     return c;
 }
 
@@ -1254,18 +1271,14 @@ static int matmat_wrong_at(struct matmat_case *c, int level, int nc) {
     int bad = 0;
     quant_set_level(level);
     ops_matmat(m, c->x, c->y, nc);
-    for (int j = 0; j < nc; j++)
-        for (int r = 0; r < m->rows; r++) {
-            float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c->act + j * c->stride, m->cols);
-            bad += memcmp(&ref, &c->y[(size_t)j * m->rows + r], 4) != 0;
-        }
+    for (size_t at = 0; at < (size_t)nc * m->rows; at++) bad += memcmp(&c->ref[at], &c->y[at], 4) != 0;
     return bad;
 }
 
 static int matmat_wrong(struct matmat_case *c, int nc) { return matmat_wrong_at(c, max_level, nc); }
 
 static void matmat_case_free(struct matmat_case *c) {
-    free((void *)c->m.data); free(c->x); free(c->y); free(c->act);
+    free((void *)c->m.data); free(c->x); free(c->y); free(c->ref); free(c->act);
 }
 
 /* Multi-column kernels: ops_matmat at the best level against the scalar dot of every column, for
@@ -1448,6 +1461,8 @@ static void test_interleaved(void) {
                         quant_interleave(m->type, packed, m->data, m->row_bytes, rows);
                         im.data = packed;
                         im.interleaved = 1;
+                        matmat_case_refs(&c);
+                        const float *ref = c.ref;
                         for (int k = 0; k < 2 * (int)(sizeof columns / sizeof *columns) && !bad; k++) {
                             const int nc = columns[k / 2];
                             if (nc >= QUANT_KEPT_MIN_NC && units[ui] > QUANT_FIELDS_MAX_NU) continue; /* kept only up to that */
@@ -1456,10 +1471,10 @@ static void test_interleaved(void) {
                             ops_matmat(&im, c.x, c.y, nc);
                             for (int j = 0; j < nc && !bad; j++)
                                 for (int r = 0; r < rows && !bad; r++) {
-                                    float ref = dot_at(QUANT_LEVEL_SCALAR, m->type, m->data + r * m->row_bytes, c.act + j * c.stride, m->cols);
-                                    if (memcmp(&ref, &c.y[(size_t)j * rows + r], 4)) {
+                                    const size_t at = (size_t)j * rows + r;
+                                    if (memcmp(&ref[at], &c.y[at], 4)) {
                                         snprintf(why, sizeof why, "%d super-blocks, %d rows, mode %zu, %d columns, %d threads: row %d column %d %.9g vs %.9g",
-                                                 units[ui], rows, mi, nc, 1 + k % 2, r, j, c.y[(size_t)j * rows + r], ref);
+                                                 units[ui], rows, mi, nc, 1 + k % 2, r, j, c.y[at], ref[at]);
                                         bad = 1;
                                     }
                                 }
