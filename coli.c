@@ -18292,6 +18292,7 @@ struct serve_conn {
     struct serve *srv;
     int fd, served;            /* requests answered on it */
     enum serve_api api;        /* the request being answered's (OpenAI's until its path is known) */
+    char cors[384];            /* header lines every answer to that request carries: a browser page's grant ("": none) */
     char buf[SERVE_MAX_HEAD + 1];
     size_t len;
 };
@@ -18303,6 +18304,8 @@ struct serve_request {
     long long content_length;  /* -1: none */
     char auth[512];            /* the Authorization header's value */
     char x_api_key[512];       /* the X-Api-Key header's (Anthropic's clients send the key so) */
+    char origin[256];          /* the Origin header's: a browser page's scheme://host[:port] ("": none) */
+    char cors_headers[512];    /* a preflight's Access-Control-Request-Headers */
     char *body;                /* [body_len + 1], NUL-terminated */
     size_t body_len;
 };
@@ -18322,6 +18325,7 @@ static const char *serve_status_text(int status)
     case 200: return "OK";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
+    case 403: return "Forbidden";
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
     case 408: return "Request Timeout";
@@ -18429,6 +18433,13 @@ static int serve_header(struct serve_request *r, char *line, struct serve_error 
         r->expect_continue = 1;
     } else if (!strcasecmp(line, "authorization")) snprintf(r->auth, sizeof r->auth, "%s", v);
     else if (!strcasecmp(line, "x-api-key")) snprintf(r->x_api_key, sizeof r->x_api_key, "%s", v);
+    else if (!strcasecmp(line, "origin") || !strcasecmp(line, "access-control-request-headers")) {
+        const int origin = !strcasecmp(line, "origin");
+        char *to = origin ? r->origin : r->cors_headers;
+        const size_t cap = origin ? sizeof r->origin : sizeof r->cors_headers;
+        if (strlen(v) >= cap) return snprintf(e->message, sizeof e->message, "an %s header of more than %zu bytes", line, cap - 1), -1;
+        memcpy(to, v, strlen(v) + 1);
+    }
     return 0;
 }
 
@@ -18569,9 +18580,9 @@ static int serve_read_request(struct serve_conn *c, struct serve_request *r, str
 /* Sends a whole answer: status, headers (EXTRA: more lines, each CRLF-ended), body. */
 static int serve_respond(struct serve_conn *c, int status, const char *type, const char *body, size_t n, const char *extra, int keep_alive)
 {
-    char head[1024];
-    int h = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n%s\r\n", status,
-                     serve_status_text(status), type, n, keep_alive ? "keep-alive" : "close", extra ? extra : "");
+    char head[2048];
+    int h = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n%s%s\r\n", status,
+                     serve_status_text(status), type, n, keep_alive ? "keep-alive" : "close", extra ? extra : "", c->cors);
     return serve_write(c->fd, head, (size_t)h) || serve_write(c->fd, body, n) ? -1 : 0;
 }
 
@@ -18580,6 +18591,7 @@ static const char *serve_anthropic_error(int status)
 {
     switch (status) {
     case 401: return "authentication_error";
+    case 403: return "permission_error";
     case 404: return "not_found_error";
     case 413: return "request_too_large";
     case 503: return "overloaded_error";
@@ -18637,6 +18649,8 @@ struct serve {
     int listen_fd, wake_pipe[2];
     const char *model_id;
     const char *api_key;       /* NULL: none */
+    const char *allow_origins; /* --allow-origin: browser pages' origins allowed beside this machine's, comma-separated
+                                * ("*": any); NULL: none */
     struct engine *engine;     /* set when loaded */
     const struct tok *tok;
     int ready, n_slots, queue_max, default_max;
@@ -19712,13 +19726,17 @@ static struct serve_error serve_gen_error(const struct serve_job *j)
     return e;
 }
 
-/* A streamed answer's head: server-sent events in a chunked body. */
-static const char serve_sse_head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                                     "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
+#define SERVE_SSE "text/event-stream"        /* a streamed answer: server-sent events */
+#define SERVE_NDJSON "application/x-ndjson" /* a stream of JSON lines (Ollama's API) */
 
-/* A stream of JSON lines' head (Ollama's API). */
-static const char serve_ndjson_head[] = "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nCache-Control: no-cache\r\n"
-                                        "Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n";
+/* A streamed answer's head: content of TYPE in a chunked body. */
+static int serve_stream_head(struct serve_conn *c, const char *type)
+{
+    char head[768];
+    int h = snprintf(head, sizeof head, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
+                     "Connection: keep-alive\r\n%s\r\n", type, c->cors);
+    return serve_write(c->fd, head, (size_t)h);
+}
 
 /* P[0..n) as one chunk of a chunked body. */
 static int serve_write_chunk(int fd, const char *p, size_t n)
@@ -19884,7 +19902,7 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
 {
     unsigned long long id = serve_next_id();
     time_t created = time(NULL);
-    int gone = serve_write(c->fd, serve_sse_head, sizeof serve_sse_head - 1) ||
+    int gone = serve_stream_head(c, SERVE_SSE) ||
                (j->chat && serve_chunk(c, j, id, created, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}", NULL, NULL));
     size_t released = 0, lp_from = 0, lp_to;
     struct serve_sent sent = {{0, 0}, 0};
@@ -20372,15 +20390,15 @@ static void serve_messages_end(FILE *f, const struct serve_job *j, struct serve_
  * once DONE. */
 typedef void serve_events_fn(FILE *f, struct serve_conn *c, struct serve_job *j, void *state, const char *piece, long taken, int done);
 
-/* Streams J's answer under HEAD (server-sent events, or JSON lines) as EVENTS_OF writes it, each step's one chunk (the
+/* Streams J's answer as content of TYPE (SERVE_SSE, or SERVE_NDJSON) as EVENTS_OF writes it, each step's one chunk (the
  * last with the body's end); -1 when the client went away. */
-static int serve_event_stream(struct serve_conn *c, struct serve_job *j, const char *head, serve_events_fn *events_of, void *state)
+static int serve_event_stream(struct serve_conn *c, struct serve_job *j, const char *type, serve_events_fn *events_of, void *state)
 {
     size_t released = 0, len;
     char *events = NULL;
     FILE *f = open_memstream(&events, &len);
     events_of(f, c, j, state, NULL, -1, 0);
-    int gone = serve_write(c->fd, head, strlen(head));
+    int gone = serve_stream_head(c, type);
     for (int done = 0;;) {
         fclose(f);
         if (!gone && (len || done)) gone = done ? serve_write_last_chunk(c->fd, events, len) : serve_write_chunk(c->fd, events, len);
@@ -21343,17 +21361,17 @@ static int serve_stream_answer(struct serve_conn *c, struct serve_job *j, enum s
 {
     if (endpoint == SERVE_MESSAGES) {
         struct serve_blocks b = {{{0, 0}, 0}, 0, -1, serve_next_id()};
-        return serve_event_stream(c, j, serve_sse_head, serve_messages_events, &b);
+        return serve_event_stream(c, j, SERVE_SSE, serve_messages_events, &b);
     }
     if (endpoint == SERVE_RESPONSES) {
         struct serve_resp_stream rs = {{{{0, 0}, 0}, NULL, 0, 0, -1, 0}, serve_next_id(), time(NULL)};
-        int rc = serve_event_stream(c, j, serve_sse_head, serve_responses_events, &rs);
+        int rc = serve_event_stream(c, j, SERVE_SSE, serve_responses_events, &rs);
         free(rs.out.items);
         return rc;
     }
     if (endpoint == SERVE_OLLAMA_CHAT || endpoint == SERVE_OLLAMA_GENERATE) {
         struct serve_ollama_stream os = {{{0, 0}, 0}, endpoint == SERVE_OLLAMA_CHAT};
-        return serve_event_stream(c, j, serve_ndjson_head, serve_ollama_events, &os);
+        return serve_event_stream(c, j, SERVE_NDJSON, serve_ollama_events, &os);
     }
     return serve_stream(c, j);
 }
@@ -21602,6 +21620,80 @@ static int serve_authorized(const struct serve *srv, const struct serve_request 
     return !diff;
 }
 
+/* Whether ORIGIN is HOST (any letter case), then nothing or a port. */
+static int serve_origin_host(const char *origin, const char *host)
+{
+    const size_t n = strlen(host);
+    if (strncasecmp(origin, host, n)) return 0;
+    const char *port = origin + n;
+    if (!*port) return 1;
+    size_t digits = strspn(port + 1, "0123456789");
+    return *port == ':' && digits >= 1 && digits <= 5 && !port[1 + digits];
+}
+
+/* Whether a browser page of ORIGIN (an Origin header: scheme://host[:port]) may use this server: this machine's pages
+ * (http or https on a loopback name), desktop apps' own schemes (as Ollama allows them), and those ALLOWED lists
+ * (comma-separated, exact; "*": any). A server on loopback is otherwise within reach of any site its user visits. */
+static int serve_origin_allowed(const char *allowed, const char *origin)
+{
+    static const char *const loopback[] = {"localhost", "127.0.0.1", "[::1]", "0.0.0.0"};
+    static const char *const app_schemes[] = {"app://", "file://", "tauri://", "vscode-webview://", "vscode-file://"};
+    for (size_t i = 0; i < sizeof app_schemes / sizeof *app_schemes; i++)
+        if (!strncasecmp(origin, app_schemes[i], strlen(app_schemes[i]))) return 1;
+    const char *host = !strncasecmp(origin, "http://", 7) ? origin + 7 : !strncasecmp(origin, "https://", 8) ? origin + 8 : NULL;
+    for (size_t i = 0; host && i < sizeof loopback / sizeof *loopback; i++)
+        if (serve_origin_host(host, loopback[i])) return 1;
+    for (const char *p = allowed; p && *p;) {
+        p += strspn(p, " ");
+        size_t n = strcspn(p, ","), len = n;
+        while (len && p[len - 1] == ' ') len--;
+        if ((len == 1 && *p == '*') || (len && len == strlen(origin) && !strncasecmp(p, origin, len))) return 1;
+        p += n + (p[n] == ',');
+    }
+    return 0;
+}
+
+/* Grants R's browser page (if it has an Origin) every answer to R (c->cors); -1 with E set if its origin is not
+ * allowed. */
+static int serve_cors(struct serve_conn *c, const struct serve_request *r, struct serve_error *e)
+{
+    c->cors[0] = 0;
+    if (!r->origin[0]) return 0;
+    if (!serve_origin_allowed(c->srv->allow_origins, r->origin)) {
+        *e = (struct serve_error){403, "permission_error", "origin_not_allowed", "", ""};
+        snprintf(e->message, sizeof e->message, "pages from %.200s may not use this server: start coli serve with --allow-origin %.200s",
+                 r->origin, r->origin);
+        return -1;
+    }
+    snprintf(c->cors, sizeof c->cors, "Access-Control-Allow-Origin: %s\r\nVary: Origin\r\n", r->origin);
+    return 0;
+}
+
+/* Answers R with error E (and EXTRA header lines); -1: close the connection. */
+static int serve_refuse(struct serve_conn *c, const struct serve_request *r, const struct serve_error *e, const char *extra)
+{
+    size_t n;
+    char *body = serve_error_json(e, c->api, &n);
+    int rc = serve_respond(c, e->status, "application/json", body, n, extra, r->keep_alive);
+    free(body);
+    serve_count(c->srv, e->status);
+    return rc || !r->keep_alive ? -1 : 0;
+}
+
+/* Answers an OPTIONS request for a path that takes METHOD: a browser's preflight, granted (serve_cors) the method and
+ * the headers it asks for, or a plain Allow. */
+static int serve_preflight(struct serve_conn *c, const struct serve_request *r, const char *method)
+{
+    char extra[1024];
+    int n = snprintf(extra, sizeof extra, "Allow: %s, OPTIONS\r\n", method);
+    if (c->cors[0])
+        n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Methods: %s, OPTIONS\r\nAccess-Control-Max-Age: 600\r\n", method);
+    if (c->cors[0] && r->cors_headers[0])
+        snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Headers: %s\r\n", r->cors_headers);
+    serve_count(c->srv, 200);
+    return serve_respond(c, 200, "text/plain", "", 0, extra, r->keep_alive) || !r->keep_alive ? -1 : 0;
+}
+
 /* Answers one request; -1: close the connection. */
 static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
@@ -21619,7 +21711,9 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
     c->api = !strncmp(r->path, "/v1/messages", 12) ? SERVE_API_ANTHROPIC : !strncmp(r->path, "/api/", 5) ? SERVE_API_OLLAMA : SERVE_API_OPENAI;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(r->path, routes[i].path)) k = i;
+    if (serve_cors(c, r, &e)) return serve_refuse(c, r, &e, NULL);
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
+    else if (!strcmp(r->method, "OPTIONS")) return serve_preflight(c, r, routes[k].method);
     else if (strcmp(r->method, routes[k].method)) {
         e = (struct serve_error){405, "invalid_request_error", "method_not_allowed", "", ""};
         snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
@@ -21628,14 +21722,8 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
     } else if (routes[k].endpoint == SERVE_GET) return serve_get(c, r);
     else return routes[k].utility ? serve_utility(c, r, routes[k].utility) : serve_generate(c, r, routes[k].endpoint);
     char allow[64];
-    snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? routes[k].method : "GET");
-    size_t n;
-    char *body = serve_error_json(&e, c->api, &n);
-    int rc = serve_respond(c, e.status, "application/json", body, n, e.status == 405 ? allow : e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
-                           r->keep_alive);
-    free(body);
-    serve_count(c->srv, e.status);
-    return rc || !r->keep_alive ? -1 : 0;
+    snprintf(allow, sizeof allow, "Allow: %s, OPTIONS\r\n", k >= 0 ? routes[k].method : "GET");
+    return serve_refuse(c, r, &e, e.status == 405 ? allow : e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL);
 }
 
 /* Lists FD among the open connections (so stopping can shut them) or takes it off. */
@@ -21672,7 +21760,8 @@ static void *serve_conn_main(void *arg)
     int got;
     while ((got = serve_read_request(c, &r, &e)) == 1 && !serve_route(c, &r) && !serve_stopping) free(r.body);
     if (got < 0) {
-        c->api = SERVE_API_OPENAI; /* a request not read whole: its path may be another's */
+        c->api = SERVE_API_OPENAI; /* a request not read whole: its path may be another's, its origin too */
+        c->cors[0] = 0;
         serve_fail(c, &e, 0);
         serve_linger(c->fd);
     }
@@ -21823,6 +21912,7 @@ struct cmd_options {
     enum expert_io expert_io; /* COLI_EXPERT_IO=direct|buffered: how the expert store reads */
     /* serve */
     const char *host, *api_key; /* --host (default 127.0.0.1); --api-key or COLI_API_KEY */
+    const char *allow_origins;  /* --allow-origin LIST: browser pages' origins served beside this machine's */
     int port, parallel, queue;  /* --port 8080; --parallel N slots (0: from memory); --queue N */
     int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: from memory) */
     const char *prompt_cache;   /* --prompt-cache FILE: the prompt cache's conversations kept there across restarts */
@@ -22811,6 +22901,7 @@ static int cmd_serve(const struct cmd_options *o)
     char *id = cmd_model_id(o->model);
     srv.model_id = id;
     srv.api_key = o->api_key && *o->api_key ? o->api_key : NULL;
+    srv.allow_origins = o->allow_origins;
     srv.queue_max = o->queue;
     srv.default_max = o->n_predict;
     srv.sample = o->sample;
@@ -23062,6 +23153,7 @@ static const char *const arg_command_help[][2] = {
              "  Default sampling: --temp 0.6 --top-k 20 --top-p 0.95.\n"},
     {"serve", "coli serve -m MODEL.gguf [--host 127.0.0.1] [--port 8080] [--parallel N] [--queue N] [--api-key KEY]\n"
               "           [--cache-ram SIZE] [--prompt-cache FILE] [--no-think | --reasoning off] [--reasoning-budget N]\n"
+              "           [--allow-origin LIST]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
               "  GET /v1/models, /health (503 while loading) and /metrics (Prometheus); Anthropic's Messages API:\n"
@@ -23071,7 +23163,10 @@ static const char *const arg_command_help[][2] = {
               "  together as one batch (default: what a quarter of free memory holds at full context, 1-4, fewer\n"
               "  where more would leave routed experts out of memory), each with -c tokens (default 32768);\n"
               "  --queue N requests wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
-              "  'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') everywhere but /health. -n N: max_tokens when a request has none\n"
+              "  'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') everywhere but /health. Browser pages may call it\n"
+              "  from this machine (http or https on localhost, 127.0.0.1, [::1], any port) and from desktop apps\n"
+              "  (app://, file://, tauri://, vscode-webview://); --allow-origin LIST adds origins (comma-separated,\n"
+              "  e.g. https://chat.example.com; '*': any), pages of others get 403. -n N: max_tokens when a request has none\n"
               "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
               "  A request reuses what a slot, or a conversation parked in RAM, holds of its prompt: the KV cache\n"
               "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"
@@ -23223,6 +23318,7 @@ static void arg_parse(const char *cmd, int argc, char **argv, struct cmd_options
         else if (!strcmp(a, "--queue") && serve) o->queue = (int)arg_int(argc, argv, &i, 0, 1 << 20);
         else if (!strcmp(a, "--cache-ram") && serve) o->cache_ram = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--api-key") && serve) o->api_key = arg_value(argc, argv, &i);
+        else if (!strcmp(a, "--allow-origin") && serve) o->allow_origins = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--prompt-cache") && serve) o->prompt_cache = arg_value(argc, argv, &i);
         else if (!strcmp(a, "--ram")) o->ram_bytes = arg_size(argc, argv, &i);
         else if (!strcmp(a, "--copy-experts")) o->copy_experts = 1;

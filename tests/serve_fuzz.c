@@ -544,6 +544,12 @@ static void gen_header_bytes(struct fcase *c, uint64_t *r)
         H("Expect: 100-continue\r\n", "200 417", "Expect on a GET"), H("Expect: teapot\r\n", "417 200 400", "unknown Expect"),
         H("Connection: close, keep-alive, \xff\r\n", "200 400", "odd Connection"), H(HOST, "200 400", "duplicate Host"),
         H("X-Lf: a\nX-Other: b\n", "200 400 close", "bare LF line ends"),
+        H("Origin: http://localhost:1\r\n", "200", "a page of this machine"), H("Origin: https://evil.example\r\n", "403", "a page of another site"),
+        H("Origin: http://localhost:\xff\r\n", "403", "a junk origin port"), H("Origin: \r\n", "200", "an empty Origin"),
+        H("Origin: http://localhost.example.example.example.example.example.example.example.example.example.example.example.example"
+          ".example.example.example.example.example.example.example.example.example.example.example.example.example.example.example"
+          ".example.example.example.example.example.example\r\n", "400", "an Origin over 255 bytes"),
+        H("Access-Control-Request-Headers: \xff, \x80\r\n", "200", "junk preflight headers on a GET"),
 #undef H
     };
     unsigned k = rnd(r, sizeof hs / sizeof *hs);

@@ -1485,6 +1485,31 @@ static void test_continue_final_message(void)
 /* Requests routed while the model loads (ready 0: no tokenizer, no engine yet): each endpoint
  * that needs the model answers 503 with the code "loading", /health says "loading", and none
  * touches the tokenizer (a chat request read its template through NULL: a segfault). */
+/* Which browser pages may use the server: this machine's and desktop apps' by default, listed ones exactly, any with "*";
+ * look-alike hosts, bad ports and the opaque origin never. */
+static void test_origins(void)
+{
+    static const char *const granted[] = {"http://localhost", "http://localhost:5173", "https://127.0.0.1:8443", "http://[::1]:80",
+                                          "HTTP://LocalHost:3000", "http://0.0.0.0:8080", "app://.", "file://", "tauri://localhost",
+                                          "vscode-webview://1abc"};
+    static const char *const refused[] = {"http://localhost.evil.example", "http://localhost:", "http://localhost:123456",
+                                          "http://localhost:80x", "http://127.0.0.1.nip.io", "https://evil.example", "null",
+                                          "ftp://localhost", "http://localhostx", "https://[::1]x"};
+    int wrong = 0;
+    char why[200] = "";
+    for (size_t i = 0; i < sizeof granted / sizeof *granted; i++)
+        if (!serve_origin_allowed(NULL, granted[i]) && !wrong++) snprintf(why, sizeof why, "%s refused", granted[i]);
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++)
+        if (serve_origin_allowed(NULL, refused[i]) && !wrong++) snprintf(why, sizeof why, "%s granted", refused[i]);
+    check(!wrong, "origins: this machine's pages and desktop apps' granted by default, look-alikes refused", "%s", why);
+    const char *list = " https://a.example ,,https://Chat.Example.com";
+    check(serve_origin_allowed(list, "https://a.example") && serve_origin_allowed(list, "https://chat.example.com") &&
+              !serve_origin_allowed(list, "https://a.example.evil") && !serve_origin_allowed(list, "https://a.exampl") &&
+              !serve_origin_allowed(list, "http://a.example") && !serve_origin_allowed(list, ""),
+          "origins: --allow-origin's entries exactly, spaces and empty entries aside", "a listed origin refused or another granted");
+    check(serve_origin_allowed("https://a.example,*", "https://evil.example"), "origins: '*' grants any", "refused");
+}
+
 static void test_loading_answers(void)
 {
     static const struct { const char *method, *path, *want; } reqs[] = {
@@ -1548,6 +1573,7 @@ int main(int argc, char **argv)
     test_ollama_answer();
     test_continue_final_message();
     test_loading_answers();
+    test_origins();
     char probe[1024];
     snprintf(probe, sizeof probe, "%s/q35moe-q8_0.gguf", dir);
     if (access(probe, R_OK)) {

@@ -616,7 +616,7 @@ else bad "chat prompt longer than the context" "$code $(errbody e_longc) (want $
 http e_404 GET /v1/nope
 if is_error e_404 404 not_found_error; then ok "unknown path: 404 not_found_error"; else bad "unknown path" "$code $(errbody e_404)"; fi
 http e_405 GET /v1/chat/completions
-if [ "$code" = 405 ] && header e_405 allow | grep -q POST; then ok "GET /v1/chat/completions: 405 with Allow: POST"; else bad "wrong method" "$code Allow '$(header e_405 allow)' $(errbody e_405)"; fi
+if [ "$code" = 405 ] && [ "$(header e_405 allow)" = "POST, OPTIONS" ]; then ok "GET /v1/chat/completions: 405 with Allow: POST, OPTIONS"; else bad "wrong method" "$code Allow '$(header e_405 allow)' $(errbody e_405)"; fi
 head -c $((8 * 1024 * 1024 + 1024)) /dev/zero | tr '\0' ' ' >"$tmp/big.json"
 post e_413 /v1/chat/completions "@$tmp/big.json"
 if [ "$code" = 413 ]; then ok "a body over 8 MiB: 413"; else bad "body over 8 MiB" "$code $(errbody e_413) $(head -c 200 "$tmp/e_413.curl")"; fi
@@ -845,7 +845,7 @@ for v in 35 36; do
 done
 
 # --- --api-key: a second server
-if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-think; then
+if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-think --allow-origin 'https://a.example, https://Chat.Example.com'; then
     aport=$sport
     apid=$spid
     base=http://127.0.0.1:$aport
@@ -872,6 +872,32 @@ if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-thi
     if [ "$code" = 200 ] && [ "$(q json "$tmp/a_msg2.body" "d['content'][0]['text']")" = "$(cat "$tmp/refA16.jstr")" ]; then
         ok "--api-key: /v1/messages with X-Api-Key, the greedy text of coli run --chat"
     else bad "--api-key /v1/messages with the key" "$code $(errbody a_msg2)"; fi
+    # browser pages (CORS): a preflight needs no key; listed and this machine's origins granted, others 403
+    http o_pre OPTIONS /v1/chat/completions -H 'Origin: http://localhost:5173' -H 'Access-Control-Request-Method: POST' \
+        -H 'Access-Control-Request-Headers: authorization, content-type, x-stainless-os'
+    if [ "$code" = 200 ] && [ "$(header o_pre access-control-allow-origin)" = http://localhost:5173 ] &&
+        [ "$(header o_pre access-control-allow-headers)" = "authorization, content-type, x-stainless-os" ] &&
+        header o_pre access-control-allow-methods | grep -q POST; then
+        ok "--allow-origin: a preflight from a localhost page, no key: 200 granting its origin, POST and the headers it asked"
+    else bad "CORS preflight" "$code $(tr -d '\r' <"$tmp/o_pre.hdr" | tr '\n' ' ')"; fi
+    post o_chat /v1/chat/completions "$(chat_body "$A" 16)" -H 'Authorization: Bearer sekrit' -H 'Origin: https://chat.example.com'
+    if [ "$code" = 200 ] && [ "$(header o_chat access-control-allow-origin)" = https://chat.example.com ] &&
+        [ "$(q json "$tmp/o_chat.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then
+        ok "--allow-origin: a chat from a listed origin (another letter case): granted, the greedy text"
+    else bad "CORS chat from a listed origin" "$code $(header o_chat access-control-allow-origin) $(errbody o_chat)"; fi
+    post o_stream /api/chat "{\"model\":\"$MODEL_ID\",\"messages\":[{\"role\":\"user\",\"content\":\"$A\"}],\"options\":{\"num_predict\":2}}" \
+        -H 'Authorization: Bearer sekrit' -H 'Origin: https://a.example'
+    if [ "$code" = 200 ] && [ "$(header o_stream access-control-allow-origin)" = https://a.example ] && [ "$(header o_stream vary)" = Origin ]; then
+        ok "--allow-origin: a stream's head grants the page too"
+    else bad "CORS stream head" "$code $(tr -d '\r' <"$tmp/o_stream.hdr" | tr '\n' ' ')"; fi
+    post o_evil /v1/chat/completions "$(chat_body "$A" 4)" -H 'Authorization: Bearer sekrit' -H 'Origin: http://localhost.evil.example'
+    if is_error o_evil 403 permission_error && [ -z "$(header o_evil access-control-allow-origin)" ] && grep -q "localhost.evil.example" "$tmp/o_evil.body"; then
+        ok "--allow-origin: a page of another origin (its key right): 403 permission_error naming it"
+    else bad "CORS other origin" "$code $(errbody o_evil)"; fi
+    http o_evil2 OPTIONS /v1/messages -H 'Origin: https://a.example.evil'
+    if [ "$code" = 403 ] && qt "$tmp/o_evil2.body" "d['type'] == 'error' and d['error']['type'] == 'permission_error'"; then
+        ok "--allow-origin: another origin's preflight: 403 in the endpoint's shape"
+    else bad "CORS other origin preflight" "$code $(errbody o_evil2)"; fi
     # SIGTERM while a long answer streams
     curl -sS -N --max-time 30 -o "$tmp/a_long.body" -H 'Authorization: Bearer sekrit' -H 'Content-Type: application/json' \
         --data-binary "$(chat_body "$A" 100 '"stream":true')" "$base/v1/chat/completions" 2>/dev/null &
