@@ -18306,6 +18306,7 @@ struct serve_request {
     char x_api_key[512];       /* the X-Api-Key header's (Anthropic's clients send the key so) */
     char origin[256];          /* the Origin header's: a browser page's scheme://host[:port] ("": none) */
     char cors_headers[512];    /* a preflight's Access-Control-Request-Headers */
+    int private_network;       /* a preflight's Access-Control-Request-Private-Network: true (a public page asks) */
     char *body;                /* [body_len + 1], NUL-terminated */
     size_t body_len;
 };
@@ -18439,7 +18440,7 @@ static int serve_header(struct serve_request *r, char *line, struct serve_error 
         const size_t cap = origin ? sizeof r->origin : sizeof r->cors_headers;
         if (strlen(v) >= cap) return snprintf(e->message, sizeof e->message, "an %s header of more than %zu bytes", line, cap - 1), -1;
         memcpy(to, v, strlen(v) + 1);
-    }
+    } else if (!strcasecmp(line, "access-control-request-private-network")) r->private_network = !strcasecmp(v, "true");
     return 0;
 }
 
@@ -21688,6 +21689,8 @@ static int serve_preflight(struct serve_conn *c, const struct serve_request *r, 
     int n = snprintf(extra, sizeof extra, "Allow: %s, OPTIONS\r\n", method);
     if (c->cors[0])
         n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Methods: %s, OPTIONS\r\nAccess-Control-Max-Age: 600\r\n", method);
+    if (c->cors[0] && r->private_network) /* a listed public site's page calling a server on this machine (Chrome asks) */
+        n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Private-Network: true\r\n");
     if (c->cors[0] && r->cors_headers[0])
         snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Headers: %s\r\n", r->cors_headers);
     serve_count(c->srv, 200);

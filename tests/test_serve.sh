@@ -877,9 +877,13 @@ if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-thi
         -H 'Access-Control-Request-Headers: authorization, content-type, x-stainless-os'
     if [ "$code" = 200 ] && [ "$(header o_pre access-control-allow-origin)" = http://localhost:5173 ] &&
         [ "$(header o_pre access-control-allow-headers)" = "authorization, content-type, x-stainless-os" ] &&
-        header o_pre access-control-allow-methods | grep -q POST; then
+        header o_pre access-control-allow-methods | grep -q POST && [ -z "$(header o_pre access-control-allow-private-network)" ]; then
         ok "--allow-origin: a preflight from a localhost page, no key: 200 granting its origin, POST and the headers it asked"
     else bad "CORS preflight" "$code $(tr -d '\r' <"$tmp/o_pre.hdr" | tr '\n' ' ')"; fi
+    http o_pna OPTIONS /api/tags -H 'Origin: https://a.example' -H 'Access-Control-Request-Private-Network: true'
+    if [ "$code" = 200 ] && [ "$(header o_pna access-control-allow-private-network)" = true ] && header o_pna access-control-allow-methods | grep -q GET; then
+        ok "--allow-origin: a listed site's preflight asking for this machine's network: granted (Chrome's private network access)"
+    else bad "CORS private network preflight" "$code $(tr -d '\r' <"$tmp/o_pna.hdr" | tr '\n' ' ')"; fi
     post o_chat /v1/chat/completions "$(chat_body "$A" 16)" -H 'Authorization: Bearer sekrit' -H 'Origin: https://chat.example.com'
     if [ "$code" = 200 ] && [ "$(header o_chat access-control-allow-origin)" = https://chat.example.com ] &&
         [ "$(q json "$tmp/o_chat.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then
