@@ -18659,8 +18659,9 @@ struct serve {
     int think;                 /* the template's thinking block unless a request says */
     int think_budget;          /* a chat answer's tokens of thought unless a request says (-1: no bound) */
     const char *think_message; /* said in the thoughts when that budget is spent, unless a request says; NULL: none */
-    double ping_s;             /* an Anthropic stream sends a ping event after this long without one (a long prompt): idle
-                                * watchdogs such as Claude Code's, which abort and resend, see bytes */
+    double ping_s;             /* a stream says something after this long without a token (a long prompt): an SSE comment,
+                                * Anthropic's ping event, the Responses API's in_progress; idle watchdogs such as Claude
+                                * Code's, which abort and resend, and clients' read timeouts see bytes */
     pthread_mutex_t mu;        /* the queue, the connection list */
     pthread_cond_t cv;         /* the engine waits on it for jobs */
     struct serve_job *queue_head, *queue_tail;
@@ -19898,7 +19899,9 @@ static char *serve_new_logprobs(struct serve *srv, struct serve_job *j, size_t f
     return out;
 }
 
-/* Streams J's answer as it comes, each token's logprobs (if asked) with the next chunk; -1 when the client went away. */
+/* Streams J's answer as it comes, each token's logprobs (if asked) with the next chunk, and an SSE comment after ping_s
+ * without one (a long prompt: clients' read timeouts see bytes; clients skip comments, as OpenRouter's do); -1 when the
+ * client went away. */
 static int serve_stream(struct serve_conn *c, struct serve_job *j)
 {
     unsigned long long id = serve_next_id();
@@ -19911,7 +19914,11 @@ static int serve_stream(struct serve_conn *c, struct serve_job *j)
     const char *lp_left = NULL; /* logprobs no chunk took yet: the next one's */
     for (int done = 0; !done;) {
         char *piece;
-        size_t n = serve_stream_take(c, j, &released, &piece, &done, HUGE_VAL);
+        size_t n = serve_stream_take(c, j, &released, &piece, &done, c->srv->ping_s);
+        if (!n && !done) {
+            if (!gone && (gone = serve_write_chunk(c->fd, ": ping\n\n", 8))) j->cancel = 1;
+            continue;
+        }
         free(lp);
         lp_left = lp = serve_new_logprobs(c->srv, j, lp_from, &lp_to);
         if (j->chat) serve_answer_feed(&j->answer, j->tools, piece ? piece : "", n, done);
@@ -21919,7 +21926,7 @@ struct cmd_options {
     int port, parallel, queue;  /* --port 8080; --parallel N slots (0: from memory); --queue N */
     int64_t cache_ram;          /* --cache-ram SIZE: the prompt cache (-1: from memory) */
     const char *prompt_cache;   /* --prompt-cache FILE: the prompt cache's conversations kept there across restarts */
-    double ping_s;              /* COLI_PING_SECONDS: an Anthropic stream's quiet seconds before a ping event (default 15) */
+    double ping_s;              /* COLI_PING_SECONDS: a stream's quiet seconds before a keep-alive (default 15) */
 };
 
 struct cmd_session {
@@ -23139,7 +23146,7 @@ static const char arg_usage[] =
     "environment: COLI_CPU=scalar|avx2|avx512|avx512vbmi forces a kernel level; COLI_CUDA=0 never\n"
     "           loads the driver; COLI_LIBCUDA=PATH names it; COLI_GPUS, CUDA_EXPERT_GB (GiB),\n"
     "           COLI_PLACE, HEAT_FILE as the flags; COLI_EXPERT_IO=direct|buffered (how missing experts\n"
-    "           are read); COLI_PING_SECONDS (serve: an Anthropic stream's quiet seconds before a ping, 15)\n";
+    "           are read); COLI_PING_SECONDS (serve: a stream's quiet seconds before a keep-alive, 15)\n";
 
 static const char *const arg_command_help[][2] = {
     {"run", "coli run -m MODEL.gguf -p TEXT [-n N] [--chat] [--system TEXT] [--no-think] [--json]\n"

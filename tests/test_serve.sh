@@ -782,6 +782,21 @@ if COLI_PING_SECONDS=0.005 start_server anth --port 0 --parallel 1 -c 1024 -t 1 
     elif [ -s "$tmp/anth_expect.json" ]; then
         client "anthropic client script" "$tmp/anode.out" timeout 60 node "$HERE/serve_anthropic.mjs" "$npm_prefix" "http://127.0.0.1:$sport" "$MODEL_ID" "$tmp/anth_expect.json"
     fi
+    # OpenAI's streams: an SSE comment while the prompt is computed, skipped by parsers (ours, and the SDK's below)
+    main_base=$base
+    base=http://127.0.0.1:$sport
+    post pingS /v1/chat/completions "$(chat_body "$long" 8 '"stream":true')"
+    scode=$code
+    post pingW /v1/chat/completions "$(chat_body "$long" 8)"
+    q sse "$tmp/pingS.body" 'd' >"$tmp/pingS.sum" || echo '{}' >"$tmp/pingS.sum"
+    if [ "$scode" = 200 ] && grep -q '^: ping$' "$tmp/pingS.body" && qt "$tmp/pingS.sum" "not d['problems'] and d['done_last']" &&
+        [ "$(q json "$tmp/pingS.sum" "d['content']")" = "$(q json "$tmp/pingW.body" "d['choices'][0]['message']['content']")" ]; then
+        ok "a chat stream quiet for 5 ms gets ': ping' comments; events and text as without them"
+    else bad "chat stream keep-alive" "$scode $(grep -c '^: ping' "$tmp/pingS.body") pings $(head -c 300 "$tmp/pingS.sum")"; fi
+    base=$main_base
+    if [ -z "$npm_skip" ] && command -v node >/dev/null && [ -s "$tmp/expect.json" ]; then
+        client "openai client script (pings every 5 ms)" "$tmp/node2.out" timeout 60 node "$HERE/serve_openai.mjs" "$npm_prefix" "http://127.0.0.1:$sport/v1" "$MODEL_ID" "$tmp/expect.json"
+    fi
     stop_server "$spid"
 else
     bad "serve for the Anthropic API starts" "$(head -c 600 "$tmp/anth.err")"
