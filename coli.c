@@ -21483,7 +21483,48 @@ static char *serve_metrics(struct serve *srv, size_t *n)
     return out;
 }
 
-/* GET endpoints: /health, /v1/models, /metrics. */
+/* Whether ID (a path segment, percent-encoded as clients send it) names the served model. */
+static int serve_model_named(const struct serve *srv, const char *id)
+{
+    char name[512];
+    size_t n = 0;
+    for (const char *p = id; *p && n + 1 < sizeof name; n++) {
+        unsigned v;
+        if (*p == '%' && isxdigit((unsigned char)p[1]) && isxdigit((unsigned char)p[2]) && sscanf(p + 1, "%2x", &v) == 1) name[n] = (char)v, p += 3;
+        else name[n] = *p++;
+    }
+    name[n] = 0;
+    return !strcmp(name, srv->model_id);
+}
+
+/* GET /v1/models (ONE: /v1/models/ID, the served model's): OpenAI's list or model object, with Anthropic's members beside
+ * them. */
+static char *serve_models(const struct serve *srv, int one, size_t *n)
+{
+    const time_t started = (time_t)srv->started;
+    const size_t id_len = strlen(srv->model_id);
+    char when[32], *out = NULL;
+    struct tm tm;
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&started, &tm));
+    FILE *f = open_memstream(&out, n);
+    if (!one) fputs("{\"object\":\"list\",\"data\":[", f);
+    fputs("{\"id\":", f);
+    json_write_string(f, srv->model_id, id_len);
+    fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\",\"type\":\"model\",\"display_name\":", (long long)started);
+    json_write_string(f, srv->model_id, id_len);
+    fprintf(f, ",\"created_at\":\"%s\"}", when);
+    if (!one) {
+        fputs("],\"has_more\":false,\"first_id\":", f);
+        json_write_string(f, srv->model_id, id_len);
+        fputs(",\"last_id\":", f);
+        json_write_string(f, srv->model_id, id_len);
+        fputs("}", f);
+    }
+    fclose(f);
+    return out;
+}
+
+/* GET endpoints: /health, /v1/models (and /v1/models/ID), /metrics. */
 static int serve_get(struct serve_conn *c, const struct serve_request *r)
 {
     struct serve *srv = c->srv;
@@ -21494,23 +21535,13 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
         status = serve_ready(srv) ? 200 : 503;
         out = plat_strdup(status == 200 ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
         n = strlen(out);
-    } else if (!strcmp(r->path, "/v1/models")) { /* OpenAI's list and model object, with Anthropic's members beside them */
-        const time_t started = (time_t)srv->started;
-        const size_t id_len = strlen(srv->model_id);
-        char when[32];
-        struct tm tm;
-        strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&started, &tm));
-        FILE *f = open_memstream(&out, &n);
-        fputs("{\"object\":\"list\",\"data\":[{\"id\":", f);
-        json_write_string(f, srv->model_id, id_len);
-        fprintf(f, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"coli\",\"type\":\"model\",\"display_name\":", (long long)started);
-        json_write_string(f, srv->model_id, id_len);
-        fprintf(f, ",\"created_at\":\"%s\"}],\"has_more\":false,\"first_id\":", when);
-        json_write_string(f, srv->model_id, id_len);
-        fputs(",\"last_id\":", f);
-        json_write_string(f, srv->model_id, id_len);
-        fputs("}", f);
-        fclose(f);
+    } else if (!strncmp(r->path, "/v1/models/", 11) && !serve_model_named(srv, r->path + 11)) {
+        struct serve_error e = {404, "invalid_request_error", "model_not_found", "", ""};
+        snprintf(e.message, sizeof e.message, "no model \"%.200s\" here: this server serves %.200s", r->path + 11, srv->model_id);
+        status = 404;
+        out = serve_error_json(&e, SERVE_API_OPENAI, &n);
+    } else if (!strncmp(r->path, "/v1/models", 10)) {
+        out = serve_models(srv, r->path[10] == '/', &n);
     } else if (!strncmp(r->path, "/api/", 5) && !serve_ready(srv)) { /* the model's details need the model */
         struct serve_error e;
         serve_loading(&e);
@@ -21720,7 +21751,7 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
     int k = -1;
     c->api = !strncmp(r->path, "/v1/messages", 12) ? SERVE_API_ANTHROPIC : !strncmp(r->path, "/api/", 5) ? SERVE_API_OLLAMA : SERVE_API_OPENAI;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
-        if (!strcmp(r->path, routes[i].path)) k = i;
+        if (!strcmp(r->path, routes[i].path) || (!strncmp(r->path, "/v1/models/", 11) && !strcmp(routes[i].path, "/v1/models"))) k = i;
     if (serve_cors(c, r, &e)) return serve_refuse(c, r, &e, NULL);
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
     else if (!strcmp(r->method, "OPTIONS")) return serve_preflight(c, r, routes[k].method);

@@ -19,6 +19,11 @@ await check(`models.list has ${model} (@anthropic-ai/sdk ${version})`, async () 
     return m && m.type === 'model' && !Number.isNaN(Date.parse(m.created_at)) ? null : `models ${show(models)}`;
 });
 
+await check(`models.retrieve(${model})`, async () => {
+    const m = await client.models.retrieve(model);
+    return m.id === model && m.type === 'model' && m.display_name === model ? null : `model ${show(m)}`;
+});
+
 await check('messages.create: the greedy answer', async () => {
     const msg = await client.messages.create(req);
     if (msg.type !== 'message' || msg.role !== 'assistant') return `type ${show(msg.type)}, role ${show(msg.role)}`;

@@ -16,6 +16,11 @@ await check(`models.list has ${model} (openai ${version})`, async () => {
     return ids.includes(model) ? null : `ids ${show(ids)}`;
 });
 
+await check(`models.retrieve(${model})`, async () => {
+    const m = await client.models.retrieve(model);
+    return m.id === model && m.object === 'model' ? null : `model ${show(m)}`;
+});
+
 await check('chat.completions.create: the greedy text of coli run --chat', async () => {
     const r = await client.chat.completions.create(chatReq);
     const c = r.choices?.[0];

@@ -306,6 +306,14 @@ http models GET /v1/models
 if [ "$code" = 200 ] && qt "$tmp/models.body" "d['object'] == 'list' and any(m['id'] == '$MODEL_ID' and m['object'] == 'model' and m['owned_by'] == 'coli' and isinstance(m['created'], int) and m['type'] == 'model' and m['display_name'] == m['id'] and __import__('datetime').datetime.fromisoformat(m['created_at'].replace('Z', '+00:00')).timestamp() == m['created'] for m in d['data']) and d['has_more'] is False and d['first_id'] == d['last_id'] == '$MODEL_ID'"; then
     ok "GET /v1/models lists $MODEL_ID (OpenAI's members, and Anthropic's: type, display_name, created_at the same time)"
 else bad "GET /v1/models" "$code $(errbody models)"; fi
+http model1 GET "/v1/models/$(python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$MODEL_ID")"
+if [ "$code" = 200 ] && qt "$tmp/model1.body" "d == json.load(open('$tmp/models.body'))['data'][0]"; then
+    ok "GET /v1/models/$MODEL_ID (percent-encoded): the list's model object"
+else bad "GET /v1/models/ID" "$code $(errbody model1)"; fi
+http model2 GET /v1/models/gpt-4o
+if is_error model2 404 invalid_request_error && qt "$tmp/model2.body" "d['error']['code'] == 'model_not_found' and '$MODEL_ID' in d['error']['message']"; then
+    ok "GET /v1/models/gpt-4o: 404 model_not_found naming the model served"
+else bad "GET /v1/models/other" "$code $(errbody model2)"; fi
 http metrics GET /metrics
 if [ "$code" = 200 ] && header metrics content-type | grep -q '^text/plain' && grep -q '^coli_requests_total' "$tmp/metrics.body" &&
     grep -qE '^coli_slots_total 2(\.0*)?$' "$tmp/metrics.body"; then
