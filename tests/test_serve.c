@@ -458,22 +458,42 @@ static int run_against_fresh(struct engine *e, struct engine *fresh, struct engi
     return cached;
 }
 
+/* What the prompt-cache tests share: a golden model (KV cache in format KV), its tokenizer, an engine of one slot and
+ * 64 MiB of prompt cache, and one without, computing every prompt from nothing. */
+struct reuse_fixture {
+    struct model m;
+    struct tok t;
+    struct engine e, fresh;
+};
+
+static void reuse_fixture_open(struct reuse_fixture *f, const char *dir, const char *file, enum ops_kv kv)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    model_load(&f->m, path, 256, kv);
+    tok_load(&f->t, &f->m.file);
+    engine_init(&f->e, &f->m, &f->t, 1, 64 << 20);
+    engine_init(&f->fresh, &f->m, &f->t, 1, 0);
+}
+
+static void reuse_fixture_close(struct reuse_fixture *f)
+{
+    engine_free(&f->e);
+    engine_free(&f->fresh);
+    tok_free(&f->t);
+    model_free(&f->m);
+}
+
 /* The prompt cache: a prompt that departs from a slot's past after its checkpoint resumes from
  * the checkpoint; one that continues the past resumes from the state; a conversation parked
  * in RAM comes back; and each gives the logits of the same prompt computed from nothing
  * (with the KV cache in format KV). */
 static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
 {
-    char path[1024], label[512], name[128];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
+    char label[512], name[128];
     snprintf(name, sizeof name, "%s%s", file, kv == OPS_KV_F16 ? " --kv f16" : kv == OPS_KV_Q8_0 ? " --kv q8_0" : "");
-    struct model m;
-    struct tok t;
-    struct engine e, fresh;
-    model_load(&m, path, 256, kv);
-    tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 1, 64 << 20);
-    engine_init(&fresh, &m, &t, 1, 0);
+    struct reuse_fixture fx;
+    reuse_fixture_open(&fx, dir, file, kv);
     int p1[40], p2[50], other[30], p3[100];
     for (int i = 0; i < 40; i++) p1[i] = 100 + 7 * i;
     memcpy(p2, p1, 34 * sizeof(int));
@@ -481,60 +501,57 @@ static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
     for (int i = 0; i < 30; i++) other[i] = 1500 + i;
     struct engine_gen g;
     struct engine_request r1 = whole_request(p1, 40, 10, 30, 6);
-    engine_admit(&e, &r1, &g);
-    while (engine_step(&e)) {}
+    engine_admit(&fx.e, &r1, &g);
+    while (engine_step(&fx.e)) {}
     snprintf(label, sizeof label, "%s: a prompt keeps checkpoints at its marks; the state holds prompt and answer but the last token", name);
-    check(e.slots[0].past.n_cp == 2 && e.slots[0].past.cp[0].pos == 10 && e.slots[0].past.cp[1].pos == 30 && e.slots[0].past.n == 45 &&
+    check(fx.e.slots[0].past.n_cp == 2 && fx.e.slots[0].past.cp[0].pos == 10 && fx.e.slots[0].past.cp[1].pos == 30 && fx.e.slots[0].past.n == 45 &&
               g.n_cached == 0,
-          label, "%d checkpoints (first at %d), %d tokens held", e.slots[0].past.n_cp, e.slots[0].past.cp[0].pos, e.slots[0].past.n);
+          label, "%d checkpoints (first at %d), %d tokens held", fx.e.slots[0].past.n_cp, fx.e.slots[0].past.cp[0].pos, fx.e.slots[0].past.n);
     engine_gen_free(&g);
     snprintf(label, sizeof label, "%s: departing after the checkpoint resumes from it: the logits of the prompt from nothing", name);
-    int cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 0, 45, 5), label);
+    int cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(p2, 50, 0, 45, 5), label);
     snprintf(label, sizeof label, "%s: ... 30 of its tokens reused (the checkpoint, not the deeper common prefix of 34)", name);
     check(cached == 30, label, "%d", cached);
-    int held = e.slots[0].past.n;
-    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    int held = fx.e.slots[0].past.n;
+    memcpy(p3, fx.e.slots[0].past.tokens, (size_t)held * sizeof(int));
     for (int i = held; i < held + 3; i++) p3[i] = 40 + i;
     snprintf(label, sizeof label, "%s: a prompt that continues the state resumes from it: the same logits", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 3, 0, 0, 4), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(p3, held + 3, 0, 0, 4), label);
     snprintf(label, sizeof label, "%s: ... all %d tokens the state held reused", name, held);
     check(cached == held, label, "%d", cached);
-    held = e.slots[0].past.n;
-    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    held = fx.e.slots[0].past.n;
+    memcpy(p3, fx.e.slots[0].past.tokens, (size_t)held * sizeof(int));
     p3[held] = 77;
     snprintf(label, sizeof label, "%s: another conversation on the one slot", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(other, 30, 0, 0, 3), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(other, 30, 0, 0, 3), label);
     snprintf(label, sizeof label, "%s: ... parks the first one in RAM", name);
-    check(e.n_parked == 1 && cached == 0, label, "%d parked, %d cached", e.n_parked, cached);
+    check(fx.e.n_parked == 1 && cached == 0, label, "%d parked, %d cached", fx.e.n_parked, cached);
     snprintf(label, sizeof label, "%s: the parked conversation comes back for its next turn: the same logits", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 0, 3), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(p3, held + 1, 0, 0, 3), label);
     snprintf(label, sizeof label, "%s: ... all %d tokens it held reused, and the other one parked in its place", name, held);
-    check(cached == held && e.n_parked == 1, label, "%d cached, %d parked", cached, e.n_parked);
-    held = e.slots[0].past.n;
-    memcpy(p3, e.slots[0].past.tokens, (size_t)held * sizeof(int));
+    check(cached == held && fx.e.n_parked == 1, label, "%d cached, %d parked", cached, fx.e.n_parked);
+    held = fx.e.slots[0].past.n;
+    memcpy(p3, fx.e.slots[0].past.tokens, (size_t)held * sizeof(int));
     p3[held] = 78;
     int branch[50];
     memcpy(branch, p3, 12 * sizeof(int));
     for (int i = 12; i < 50; i++) branch[i] = 2000 + i;
     snprintf(label, sizeof label, "%s: a conversation that shares only the first checkpoint's prefix", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(branch, 50, 0, 0, 3), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(branch, 50, 0, 0, 3), label);
     snprintf(label, sizeof label, "%s: ... reuses it, and parks a copy of the one it branched from", name);
-    check(cached == 10 && e.n_parked == 2, label, "%d cached, %d parked", cached, e.n_parked);
+    check(cached == 10 && fx.e.n_parked == 2, label, "%d cached, %d parked", cached, fx.e.n_parked);
     snprintf(label, sizeof label, "%s: the copy comes back whole for its next turn: the same logits", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p3, held + 1, 0, 0, 3), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(p3, held + 1, 0, 0, 3), label);
     check(cached == held, label, "%d cached of %d", cached, held);
-    engine_free(&e);
-    engine_init(&e, &m, &t, 1, 0);
-    engine_admit(&e, &r1, &g);
-    while (engine_step(&e)) {}
+    engine_free(&fx.e);
+    engine_init(&fx.e, &fx.m, &fx.t, 1, 0);
+    engine_admit(&fx.e, &r1, &g);
+    while (engine_step(&fx.e)) {}
     engine_gen_free(&g);
     snprintf(label, sizeof label, "%s: with no cache budget there are no checkpoints: the departing prompt is computed from nothing", name);
-    cached = run_against_fresh(&e, &fresh, whole_request(p2, 50, 0, 45, 2), label);
-    check(cached == 0 && e.slots[0].past.n_cp == 0 && e.cache_bytes == 0, label, "%d cached", cached);
-    engine_free(&e);
-    engine_free(&fresh);
-    tok_free(&t);
-    model_free(&m);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(p2, 50, 0, 45, 2), label);
+    check(cached == 0 && fx.e.slots[0].past.n_cp == 0 && fx.e.cache_bytes == 0, label, "%d cached", cached);
+    reuse_fixture_close(&fx);
 }
 
 /* A conversation of more turns than a sequence keeps checkpoints: each turn's checkpoint recycles the oldest turn's,
@@ -542,15 +559,9 @@ static void test_prefix_reuse(const char *dir, const char *file, enum ops_kv kv)
  * resumes there with the logits of its prompt from nothing. */
 static void test_checkpoint_recycling(const char *dir, const char *file)
 {
-    char path[1024], label[512];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    struct model m;
-    struct tok t;
-    struct engine e, fresh;
-    model_load(&m, path, 256, OPS_KV_F32);
-    tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 1, 64 << 20);
-    engine_init(&fresh, &m, &t, 1, 0);
+    char label[512];
+    struct reuse_fixture fx;
+    reuse_fixture_open(&fx, dir, file, OPS_KV_F32);
     int conv[120], other[40];
     for (int i = 0; i < 30; i++) conv[i] = 300 + 11 * i;
     int n = 30, answer_mark = 0;
@@ -559,15 +570,15 @@ static void test_checkpoint_recycling(const char *dir, const char *file)
         struct engine_request r = whole_request(conv, n, 10, answer_mark, 2);
         r.mark[1] = 20, r.mark[2] = answer_mark;
         struct engine_gen g;
-        engine_admit(&e, &r, &g);
-        while (engine_step(&e)) {}
+        engine_admit(&fx.e, &r, &g);
+        while (engine_step(&fx.e)) {}
         engine_gen_free(&g);
-        n = e.slots[0].past.n;
-        memcpy(conv, e.slots[0].past.tokens, (size_t)n * sizeof(int));
+        n = fx.e.slots[0].past.n;
+        memcpy(conv, fx.e.slots[0].past.tokens, (size_t)n * sizeof(int));
         for (int i = 0; i < 4; i++) conv[n + i] = 700 + 13 * turn + i;
         n += 4;
     }
-    const struct engine_past *p = &e.slots[0].past;
+    const struct engine_past *p = &fx.e.slots[0].past;
     snprintf(label, sizeof label, "%s: %d turns: the checkpoints of both shared marks (10, 20) and of the last answer (%d) kept", file,
              ENGINE_MAX_CHECKPOINTS, answer_mark);
     check(p->n_cp == ENGINE_MAX_CHECKPOINTS && p->cp[0].pos == 10 && p->cp[1].pos == 20 && p->cp[p->n_cp - 1].pos == answer_mark, label,
@@ -575,7 +586,7 @@ static void test_checkpoint_recycling(const char *dir, const char *file)
     memcpy(other, conv, 22 * sizeof(int));
     for (int i = 22; i < 40; i++) other[i] = 1900 + i;
     snprintf(label, sizeof label, "%s: a new conversation sharing 22 tokens: the logits of its prompt from nothing", file);
-    int cached = run_against_fresh(&e, &fresh, whole_request(other, 40, 10, 39, 3), label);
+    int cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(other, 40, 10, 39, 3), label);
     snprintf(label, sizeof label, "%s: ... resumed from the second mark's checkpoint", file);
     check(cached == 20, label, "%d cached", cached);
     const int held = n - 4;
@@ -583,22 +594,19 @@ static void test_checkpoint_recycling(const char *dir, const char *file)
     for (int i = 0; i < 30; i++) unrelated[i] = 1200 + i;
     for (int i = 0; i < 40; i++) third[i] = i < 22 ? conv[i] : 1700 + i;
     snprintf(label, sizeof label, "%s: a conversation sharing nothing: the same logits", file);
-    cached = run_against_fresh(&e, &fresh, whole_request(unrelated, 30, 10, 29, 2), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(unrelated, 30, 10, 29, 2), label);
     snprintf(label, sizeof label, "%s: ... both others parked", file);
-    check(cached == 0 && e.n_parked == 2, label, "%d cached, %d parked", cached, e.n_parked);
+    check(cached == 0 && fx.e.n_parked == 2, label, "%d cached, %d parked", cached, fx.e.n_parked);
     snprintf(label, sizeof label, "%s: another sharing 22 tokens branches from a parked one: its logits from nothing", file);
-    cached = run_against_fresh(&e, &fresh, whole_request(third, 40, 10, 39, 3), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(third, 40, 10, 39, 3), label);
     snprintf(label, sizeof label, "%s: ... from the second mark's checkpoint", file);
     check(cached == 20, label, "%d cached", cached);
     conv[held] = 99;
     snprintf(label, sizeof label, "%s: ... the one it branched from stays parked whole: its next turn gives the same logits", file);
-    cached = run_against_fresh(&e, &fresh, whole_request(conv, held + 1, 10, held, 2), label);
+    cached = run_against_fresh(&fx.e, &fx.fresh, whole_request(conv, held + 1, 10, held, 2), label);
     snprintf(label, sizeof label, "%s: ... reusing all %d tokens it held", file, held);
     check(cached == held, label, "%d cached", cached);
-    engine_free(&e);
-    engine_free(&fresh);
-    tok_free(&t);
-    model_free(&m);
+    reuse_fixture_close(&fx);
 }
 
 /* Loads PATH into a fresh engine over M and T (BUDGET bytes of prompt cache): the count engine_cache_load gives, the
@@ -620,55 +628,51 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
     snprintf(path, sizeof path, "%s/%s", dir, file);
     snprintf(name, sizeof name, "%s%s", file, kv == OPS_KV_Q8_0 ? " --kv q8_0" : "");
     snprintf(cache, sizeof cache, "/tmp/test_serve_cache.%ld", (long)getpid());
-    struct model m;
-    struct tok t;
-    struct engine e, fresh, back;
-    model_load(&m, path, 256, kv);
-    tok_load(&t, &m.file);
-    engine_init(&e, &m, &t, 1, 64 << 20);
-    engine_init(&fresh, &m, &t, 1, 0);
-    const uint64_t identity = model_identity(&m);
+    struct reuse_fixture fx;
+    struct engine back;
+    reuse_fixture_open(&fx, dir, file, kv);
+    const uint64_t identity = model_identity(&fx.m);
     int first[40], other[30], next_first[64], next_other[48];
     for (int i = 0; i < 40; i++) first[i] = 100 + 7 * i;
     for (int i = 0; i < 30; i++) other[i] = 1500 + i;
     struct engine_gen g;
     struct engine_request r1 = whole_request(first, 40, 10, 30, 6), r2 = whole_request(other, 30, 8, 20, 5);
-    engine_admit(&e, &r1, &g);
-    while (engine_step(&e)) {}
+    engine_admit(&fx.e, &r1, &g);
+    while (engine_step(&fx.e)) {}
     engine_gen_free(&g);
-    engine_admit(&e, &r2, &g); /* parks the first */
-    while (engine_step(&e)) {}
+    engine_admit(&fx.e, &r2, &g); /* parks the first */
+    while (engine_step(&fx.e)) {}
     engine_gen_free(&g);
-    const int n_first = e.parked[0].past.n, n_other = e.slots[0].past.n;
-    memcpy(next_first, e.parked[0].past.tokens, (size_t)n_first * sizeof(int));
-    memcpy(next_other, e.slots[0].past.tokens, (size_t)n_other * sizeof(int));
+    const int n_first = fx.e.parked[0].past.n, n_other = fx.e.slots[0].past.n;
+    memcpy(next_first, fx.e.parked[0].past.tokens, (size_t)n_first * sizeof(int));
+    memcpy(next_other, fx.e.slots[0].past.tokens, (size_t)n_other * sizeof(int));
     next_first[n_first] = 61, next_other[n_other] = 62;
-    int saved = engine_cache_save(&e, cache, identity, why, sizeof why);
-    int loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+    int saved = engine_cache_save(&fx.e, cache, identity, why, sizeof why);
+    int loaded = cache_load_into(&back, &fx.m, &fx.t, 64 << 20, cache, identity, why);
     snprintf(label, sizeof label, "%s: a slot's conversation and a parked one written to a file and read into another engine", name);
     check(saved == 2 && loaded == 2 && back.n_parked == 2 && back.parked[0].past.n == n_other && back.parked[1].past.n == n_first &&
-              back.parked[1].past.n_cp == 2 && back.cache_bytes == e.cache_bytes + model_kv_bytes(&m, n_other) + e.checkpoint_bytes + n_other * (int64_t)sizeof(int),
+              back.parked[1].past.n_cp == 2 && back.cache_bytes == fx.e.cache_bytes + model_kv_bytes(&fx.m, n_other) + fx.e.checkpoint_bytes + n_other * (int64_t)sizeof(int),
           label, "saved %d, loaded %d (%s), %d parked, bytes %lld against %lld", saved, loaded, loaded < 0 ? why : "", back.n_parked,
-          (long long)back.cache_bytes, (long long)e.cache_bytes);
+          (long long)back.cache_bytes, (long long)fx.e.cache_bytes);
     snprintf(label, sizeof label, "%s: the parked one's next turn from the file: the logits from nothing", name);
-    int cached = run_against_fresh(&back, &fresh, whole_request(next_first, n_first + 1, 0, 0, 4), label);
+    int cached = run_against_fresh(&back, &fx.fresh, whole_request(next_first, n_first + 1, 0, 0, 4), label);
     snprintf(label, sizeof label, "%s: the slot's next turn from the file: the logits from nothing", name);
-    int cached_other = run_against_fresh(&back, &fresh, whole_request(next_other, n_other + 1, 0, 0, 4), label);
+    int cached_other = run_against_fresh(&back, &fx.fresh, whole_request(next_other, n_other + 1, 0, 0, 4), label);
     snprintf(label, sizeof label, "%s: ... each reusing all the tokens it held (%d and %d)", name, n_first, n_other);
     check(cached == n_first && cached_other == n_other, label, "%d and %d", cached, cached_other);
     engine_free(&back);
-    const int64_t one = e.parked[0].bytes + 2 * e.checkpoint_bytes; /* the first conversation's share, the larger */
-    loaded = cache_load_into(&back, &m, &t, one, cache, identity, why);
+    const int64_t one = fx.e.parked[0].bytes + 2 * fx.e.checkpoint_bytes; /* the first conversation's share, the larger */
+    loaded = cache_load_into(&back, &fx.m, &fx.t, one, cache, identity, why);
     snprintf(label, sizeof label, "%s: a budget that holds one: the most recently used, none evicted", name);
     check(loaded == 1 && back.n_parked == 1 && back.parked[0].past.n == n_other, label, "%d loaded (%s)", loaded, loaded < 0 ? why : "");
     engine_free(&back);
-    loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity + 1, why);
+    loaded = cache_load_into(&back, &fx.m, &fx.t, 64 << 20, cache, identity + 1, why);
     snprintf(label, sizeof label, "%s: another model's file is refused, said", name);
     check(loaded == -1 && back.n_parked == 0 && strstr(why, "another model"), label, "%d loaded: %s", loaded, why);
     engine_free(&back);
     struct model short_ctx; /* the same model with a context of 40: the conversation of 45 tokens left out, not the file */
     model_load(&short_ctx, path, 40, kv);
-    loaded = cache_load_into(&back, &short_ctx, &t, 64 << 20, cache, model_identity(&short_ctx), why);
+    loaded = cache_load_into(&back, &short_ctx, &fx.t, 64 << 20, cache, model_identity(&short_ctx), why);
     snprintf(label, sizeof label, "%s: a context shorter than a conversation: that one skipped, the other read", name);
     check(model_identity(&short_ctx) == identity && loaded == 1 && back.parked[0].past.n == n_other, label, "%d loaded (%s)", loaded,
           loaded < 0 ? why : "");
@@ -686,7 +690,7 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
         f = fopen(cache, "wb");
         fwrite(bytes, 1, (size_t)at, f);
         fclose(f);
-        loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+        loaded = cache_load_into(&back, &fx.m, &fx.t, 64 << 20, cache, identity, why);
         refused = loaded == -1 && back.n_parked == 0 && back.cache_bytes == 0, cuts++;
         engine_free(&back);
     }
@@ -698,7 +702,7 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
         f = fopen(cache, "wb");
         fwrite(copy, 1, (size_t)size, f);
         fclose(f);
-        loaded = cache_load_into(&back, &m, &t, 64 << 20, cache, identity, why);
+        loaded = cache_load_into(&back, &fx.m, &fx.t, 64 << 20, cache, identity, why);
         refused = loaded == -1 && back.n_parked == 0 && back.cache_bytes == 0;
         engine_free(&back);
         free(copy);
@@ -707,10 +711,7 @@ static void test_prompt_cache_file(const char *dir, const char *file, enum ops_k
     check(refused && cuts == 40, label, "%d cuts refused; the last: %d loaded, %s", cuts, loaded, why);
     unlink(cache);
     free(bytes);
-    engine_free(&e);
-    engine_free(&fresh);
-    tok_free(&t);
-    model_free(&m);
+    reuse_fixture_close(&fx);
 }
 
 /* The fields of a chat answer fed in PIECES (NULL-terminated) to a parser for a request with
