@@ -18293,6 +18293,7 @@ struct serve_conn {
     int fd, served;            /* requests answered on it */
     enum serve_api api;        /* the request being answered's (OpenAI's until its path is known) */
     char cors[384];            /* header lines every answer to that request carries: a browser page's grant ("": none) */
+    int head_only;             /* that request is a HEAD: answers carry no body */
     char buf[SERVE_MAX_HEAD + 1];
     size_t len;
 };
@@ -18584,7 +18585,7 @@ static int serve_respond(struct serve_conn *c, int status, const char *type, con
     char head[2048];
     int h = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n%s%s\r\n", status,
                      serve_status_text(status), type, n, keep_alive ? "keep-alive" : "close", extra ? extra : "", c->cors);
-    return serve_write(c->fd, head, (size_t)h) || serve_write(c->fd, body, n) ? -1 : 0;
+    return serve_write(c->fd, head, (size_t)h) || (!c->head_only && serve_write(c->fd, body, n)) ? -1 : 0;
 }
 
 /* Anthropic's error type for an answer of STATUS. */
@@ -21524,14 +21525,17 @@ static char *serve_models(const struct serve *srv, int one, size_t *n)
     return out;
 }
 
-/* GET endpoints: /health, /v1/models (and /v1/models/ID), /metrics. */
+/* GET (or HEAD) endpoints: /, /health, /v1/models (and /v1/models/ID), /metrics. */
 static int serve_get(struct serve_conn *c, const struct serve_request *r)
 {
     struct serve *srv = c->srv;
     char *out = NULL;
     size_t n = 0;
     int status = 200;
-    if (!strcmp(r->path, "/health")) {
+    if (!strcmp(r->path, "/")) { /* what a person opening the address in a browser, or a probe, reads */
+        out = plat_strdup("coli is running: OpenAI's API under /v1, Anthropic's at /v1/messages, Ollama's under /api\n");
+        n = strlen(out);
+    } else if (!strcmp(r->path, "/health")) {
         status = serve_ready(srv) ? 200 : 503;
         out = plat_strdup(status == 200 ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}");
         n = strlen(out);
@@ -21549,8 +21553,8 @@ static int serve_get(struct serve_conn *c, const struct serve_request *r)
         out = serve_error_json(&e, SERVE_API_OLLAMA, &n);
     } else if (!strncmp(r->path, "/api/", 5)) out = serve_ollama_get(srv, r->path, &n);
     else out = serve_metrics(srv, &n);
-    int metrics = !strcmp(r->path, "/metrics");
-    int rc = serve_respond(c, status, metrics ? "text/plain; version=0.0.4" : "application/json", out, n,
+    const char *type = !strcmp(r->path, "/metrics") ? "text/plain; version=0.0.4" : !strcmp(r->path, "/") ? "text/plain" : "application/json";
+    int rc = serve_respond(c, status, type, out, n,
                            status == 503 ? "Retry-After: 1\r\n" : NULL, r->keep_alive);
     free(out);
     serve_count(srv, status);
@@ -21719,14 +21723,17 @@ static int serve_refuse(struct serve_conn *c, const struct serve_request *r, con
     return rc || !r->keep_alive ? -1 : 0;
 }
 
+/* The methods a path that takes METHOD answers (a GET's also HEAD). */
+static const char *serve_methods(const char *method) { return strcmp(method, "GET") ? "POST, OPTIONS" : "GET, HEAD, OPTIONS"; }
+
 /* Answers an OPTIONS request for a path that takes METHOD: a browser's preflight, granted (serve_cors) the method and
  * the headers it asks for, or a plain Allow. */
 static int serve_preflight(struct serve_conn *c, const struct serve_request *r, const char *method)
 {
     char extra[1024];
-    int n = snprintf(extra, sizeof extra, "Allow: %s, OPTIONS\r\n", method);
+    int n = snprintf(extra, sizeof extra, "Allow: %s\r\n", serve_methods(method));
     if (c->cors[0])
-        n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Methods: %s, OPTIONS\r\nAccess-Control-Max-Age: 600\r\n", method);
+        n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Methods: %s\r\nAccess-Control-Max-Age: 600\r\n", serve_methods(method));
     if (c->cors[0] && r->private_network) /* a listed public site's page calling a server on this machine (Chrome asks) */
         n += snprintf(extra + n, sizeof extra - (size_t)n, "Access-Control-Allow-Private-Network: true\r\n");
     if (c->cors[0] && r->cors_headers[0])
@@ -21739,7 +21746,8 @@ static int serve_preflight(struct serve_conn *c, const struct serve_request *r, 
 static int serve_route(struct serve_conn *c, const struct serve_request *r)
 {
     static const struct { const char *path, *method; enum serve_endpoint endpoint; serve_answer_fn *utility; } routes[] = {
-        {"/health", "GET", SERVE_GET, NULL}, {"/v1/models", "GET", SERVE_GET, NULL}, {"/metrics", "GET", SERVE_GET, NULL},
+        {"/health", "GET", SERVE_GET, NULL}, {"/", "GET", SERVE_GET, NULL}, {"/v1/models", "GET", SERVE_GET, NULL},
+        {"/metrics", "GET", SERVE_GET, NULL},
         {"/v1/chat/completions", "POST", SERVE_CHAT, NULL}, {"/v1/completions", "POST", SERVE_COMPLETIONS, NULL},
         {"/v1/messages", "POST", SERVE_MESSAGES, NULL}, {"/v1/messages/count_tokens", "POST", SERVE_UTILITY, serve_count_tokens},
         {"/v1/responses", "POST", SERVE_RESPONSES, NULL}, {"/v1/responses/input_tokens", "POST", SERVE_UTILITY, serve_resp_input_tokens},
@@ -21752,18 +21760,19 @@ static int serve_route(struct serve_conn *c, const struct serve_request *r)
     c->api = !strncmp(r->path, "/v1/messages", 12) ? SERVE_API_ANTHROPIC : !strncmp(r->path, "/api/", 5) ? SERVE_API_OLLAMA : SERVE_API_OPENAI;
     for (int i = 0; i < (int)(sizeof routes / sizeof routes[0]); i++)
         if (!strcmp(r->path, routes[i].path) || (!strncmp(r->path, "/v1/models/", 11) && !strcmp(routes[i].path, "/v1/models"))) k = i;
+    c->head_only = !strcmp(r->method, "HEAD");
     if (serve_cors(c, r, &e)) return serve_refuse(c, r, &e, NULL);
     if (k < 0) snprintf(e.message, sizeof e.message, "no endpoint %.200s", r->path);
     else if (!strcmp(r->method, "OPTIONS")) return serve_preflight(c, r, routes[k].method);
-    else if (strcmp(r->method, routes[k].method)) {
+    else if (strcmp(c->head_only ? "GET" : r->method, routes[k].method)) {
         e = (struct serve_error){405, "invalid_request_error", "method_not_allowed", "", ""};
-        snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, routes[k].method);
-    } else if (k > 0 && !serve_authorized(c->srv, r)) {
+        snprintf(e.message, sizeof e.message, "%.200s takes %s", r->path, serve_methods(routes[k].method));
+    } else if (strcmp(r->path, "/health") && strcmp(r->path, "/") && !serve_authorized(c->srv, r)) { /* those two never need a key */
         e = (struct serve_error){401, "authentication_error", "invalid_api_key", "", "a missing or wrong API key (Authorization: Bearer KEY, or X-Api-Key: KEY)"};
     } else if (routes[k].endpoint == SERVE_GET) return serve_get(c, r);
     else return routes[k].utility ? serve_utility(c, r, routes[k].utility) : serve_generate(c, r, routes[k].endpoint);
     char allow[64];
-    snprintf(allow, sizeof allow, "Allow: %s, OPTIONS\r\n", k >= 0 ? routes[k].method : "GET");
+    snprintf(allow, sizeof allow, "Allow: %s\r\n", k >= 0 ? serve_methods(routes[k].method) : "");
     return serve_refuse(c, r, &e, e.status == 405 ? allow : e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL);
 }
 
@@ -21803,6 +21812,7 @@ static void *serve_conn_main(void *arg)
     if (got < 0) {
         c->api = SERVE_API_OPENAI; /* a request not read whole: its path may be another's, its origin too */
         c->cors[0] = 0;
+        c->head_only = 0;
         serve_fail(c, &e, 0);
         serve_linger(c->fd);
     }
@@ -23197,19 +23207,19 @@ static const char *const arg_command_help[][2] = {
               "           [--allow-origin LIST]\n"
               "  The OpenAI API over HTTP/1.1: POST /v1/chat/completions and /v1/completions (streaming or not),\n"
               "  POST /apply-template (the prompt a chat request renders to), /tokenize and /detokenize (llama.cpp's),\n"
-              "  GET /v1/models (and /v1/models/ID), /health (503 while loading) and /metrics (Prometheus);\n"
+              "  GET /, /v1/models (and /v1/models/ID), /health (503 while loading) and /metrics (Prometheus);\n"
               "  Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens; OpenAI's Responses API\n"
               "  (Codex CLI): POST /v1/responses and /v1/responses/input_tokens; Ollama's: POST /api/chat,\n"
               "  /api/generate and /api/show, GET /api/tags and /api/version. --port 0 picks a free port (said on\n"
               "  stderr). --parallel N conversations decode together as one batch (default: what a quarter of free\n"
               "  memory holds at full context, 1-4, fewer where more would leave routed experts out of memory), each\n"
-              "  with -c tokens (default 32768);\n"
-              "  --queue N requests wait beyond them (default 16; more get 503). --api-key KEY (or COLI_API_KEY) requires\n"
-              "  'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') everywhere but /health. Browser pages may call it\n"
-              "  from this machine (http or https on localhost, 127.0.0.1, [::1], any port) and from desktop apps\n"
-              "  (app://, file://, tauri://, vscode-webview://); --allow-origin LIST adds origins (comma-separated,\n"
-              "  e.g. https://chat.example.com; '*': any), pages of others get 403. -n N: max_tokens when a request has none\n"
-              "  (default: the rest of the context). Sampling flags set the defaults of a request's fields.\n"
+              "  with -c tokens (default 32768); --queue N requests wait beyond them (default 16; more get 503).\n"
+              "  --api-key KEY (or COLI_API_KEY) requires 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') everywhere\n"
+              "  but / and /health. Every GET takes HEAD. Browser pages may call it from this machine (http or https\n"
+              "  on localhost, 127.0.0.1, [::1], any port) and from desktop apps (app://, file://, tauri://,\n"
+              "  vscode-webview://); --allow-origin LIST adds origins (comma-separated, e.g. https://chat.example.com;\n"
+              "  '*': any), pages of others get 403. -n N: max_tokens when a request has none (default: the rest of\n"
+              "  the context). Sampling flags set the defaults of a request's fields.\n"
               "  A request reuses what a slot, or a conversation parked in RAM, holds of its prompt: the KV cache\n"
               "  and checkpoints of the DeltaNet state where prompts open the answer; --cache-ram SIZE bounds\n"
               "  the checkpoints and parked conversations (default: an eighth of free memory, 8 GiB at most,\n"

@@ -302,6 +302,27 @@ slow_pid=$!
 # --- the simple endpoints
 http health GET /health
 if [ "$code" = 200 ] && qt "$tmp/health.body" "d['status'] == 'ok'"; then ok "GET /health: 200 {\"status\":\"ok\"}"; else bad "GET /health" "$code $(errbody health)"; fi
+http root GET /
+if [ "$code" = 200 ] && [ "$(header root content-type)" = text/plain ] && grep -q '^coli is running' "$tmp/root.body"; then
+    ok "GET /: 200, a line saying coli is running and where the APIs are"
+else bad "GET /" "$code $(errbody root)"; fi
+head_reply=$(python3 -c '
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+got = b""
+while True:
+    b = s.recv(4096)
+    if not b: break
+    got += b
+head, _, rest = got.partition(b"\r\n\r\n")
+length = [l.split(b":")[1].strip().decode() for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")]
+print(head.split(b"\r\n")[0].decode(), length[0] if length else "none", len(rest))' "$port" 2>&1)
+if [ "$head_reply" = "HTTP/1.1 200 OK $(wc -c <"$tmp/health.body" | tr -d ' ') 0" ]; then
+    ok "HEAD /health: 200, GET's Content-Length, no body bytes"
+else bad "HEAD /health" "$head_reply"; fi
+code=$(curl -sS --max-time 10 -I -o "$tmp/e_head.hdr" -w '%{http_code}' "$base/v1/chat/completions" 2>/dev/null) || true
+if [ "$code" = 405 ] && [ "$(header e_head allow)" = "POST, OPTIONS" ]; then ok "HEAD /v1/chat/completions: 405, Allow: POST, OPTIONS"; else bad "HEAD on a POST endpoint" "$code $(header e_head allow)"; fi
 http models GET /v1/models
 if [ "$code" = 200 ] && qt "$tmp/models.body" "d['object'] == 'list' and any(m['id'] == '$MODEL_ID' and m['object'] == 'model' and m['owned_by'] == 'coli' and isinstance(m['created'], int) and m['type'] == 'model' and m['display_name'] == m['id'] and __import__('datetime').datetime.fromisoformat(m['created_at'].replace('Z', '+00:00')).timestamp() == m['created'] for m in d['data']) and d['has_more'] is False and d['first_id'] == d['last_id'] == '$MODEL_ID'"; then
     ok "GET /v1/models lists $MODEL_ID (OpenAI's members, and Anthropic's: type, display_name, created_at the same time)"
@@ -886,6 +907,8 @@ if start_server auth --port 0 --parallel 1 -c 128 -t 1 --api-key sekrit --no-thi
     if [ "$code" = 200 ] && [ "$(q json "$tmp/a_chat2.body" "d['choices'][0]['message']['content']")" = "$(cat "$tmp/refA16.jstr")" ]; then ok "--api-key: chat with the key, the greedy text"; else bad "--api-key chat with the key" "$code $(errbody a_chat2)"; fi
     http a_health GET /health
     if [ "$code" = 200 ]; then ok "--api-key: /health without a key, 200"; else bad "--api-key /health" "$code"; fi
+    http a_root GET /
+    if [ "$code" = 200 ]; then ok "--api-key: / without a key, 200"; else bad "--api-key /" "$code"; fi
     abody="{\"model\":\"$MODEL_ID\",\"messages\":[{\"role\":\"user\",\"content\":\"$A\"}],\"max_tokens\":16,\"temperature\":0}"
     post a_msg /v1/messages "$abody" -H 'X-Api-Key: wrong'
     if [ "$code" = 401 ] && qt "$tmp/a_msg.body" "d == {'type': 'error', 'error': {'type': 'authentication_error', 'message': d['error']['message']}}"; then
