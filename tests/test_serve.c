@@ -1052,6 +1052,9 @@ static const struct json *nth(const struct json *v, int i)
     return c;
 }
 
+/* The one tool the answer tests' requests offer. */
+static const char weather_tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
+
 /* A finished chat job J, and its server SRV (model "m"): its answer TEXT, opened in a think block, TOOLS (JSON text) in
  * the request; the end of the turn after 7 tokens of a 10-token prompt, 4 of them reused. */
 static void answered_job(struct serve *srv, struct serve_job *j, const char *tools, const char *text)
@@ -1117,13 +1120,12 @@ static struct json *next_event(char **at, int *bad)
  * computed and cached; stop_reason and stop_sequence follow the generation's end. */
 static void test_messages_answer(void)
 {
-    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
     static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
                                "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
     struct serve srv;
     struct serve_job j;
     const char *why;
-    answered_job(&srv, &j, tools, text);
+    answered_job(&srv, &j, weather_tools, text);
     size_t n;
     char *out = serve_message_json(&srv, &j, &n);
     struct json *m = json_parse(out, n, &why);
@@ -1401,13 +1403,12 @@ static void test_ollama_request(void)
  * the whole answer's message, the last line done with its reason and counts. */
 static void test_ollama_answer(void)
 {
-    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
     static const char text[] = "Let me see.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBern\n</parameter>\n"
                                "</function>\n</tool_call>";
     struct serve srv;
     struct serve_job j;
     const char *why;
-    answered_job(&srv, &j, tools, text);
+    answered_job(&srv, &j, weather_tools, text);
     j.gen.n_tokens = 30, j.gen.prompt_s = 0.5, j.gen.decode_s = 1.5;
     size_t n;
     char *out = serve_ollama_json(&srv, &j, 1, &n);
